@@ -624,27 +624,32 @@ mod tests {
 
     #[test]
     fn a_request_dropped_with_a_layer_it_could_not_wait_out_is_held_until_the_layer_ended() {
-        // Goal: a Request dropped while its layer's wait fails without ending the layer (a
-        // queue error) is not finished, nor forgotten: it stays held on the store's orphans
-        // (its place counted, the layer in flight), and once the layer ends the next prepare's
-        // pass (or the completion thread's) finishes it, giving back its place. Before, the
-        // drop left it in flight with nobody to finish it until the store closed.
+        // Goal: a Request dropped while its layer is still in flight at the store's timeout (a
+        // completion the controller posts 1 s late; a 50 ms timeout) is not finished, nor
+        // forgotten: it stays held on the store's orphans (its place counted, the layer in
+        // flight), and once the layer ends the next prepare's pass (or the completion
+        // thread's) finishes it, giving back its place. Before, the drop left it in flight
+        // with nobody to finish it until the store closed.
+        use std::time::Duration;
         let mut state = test_store::local_state(1);
         let handle = test_store::prepare_store(&mut state, 5);
+        let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(1)));
+        test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
         state.issue(handle, 0, 1, Direction::Store).expect("issue");
-        state.queue_errors_injected = 1;
-        let shared = StoreShared::for_tests(state, geometry(), 1);
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_millis(50));
+        let dropped = Instant::now();
         drop(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+        assert!(dropped.elapsed() < Duration::from_millis(900), "the drop waits for the store's timeout, not the device");
         let mut state = shared.lock().expect("the store's lock");
         assert_eq!(state.orphans, [handle], "kept as an orphan");
         assert_eq!(state.request(handle).expect("still held").in_flight, [0]);
         let until = test_store::deadline();
-        while state.drive_orphans(std::time::Duration::from_millis(1)) {
+        while state.drive_orphans(Duration::from_millis(1)) {
             assert!(Instant::now() < until, "the orphan never settled");
         }
         assert!(state.orphans.is_empty());
         assert!(!state.requests.contains_key(&handle), "finished once its layer ended");
-        assert!(!state.drive_orphans(std::time::Duration::ZERO), "nothing left");
+        assert!(!state.drive_orphans(Duration::ZERO), "nothing left");
     }
 
     #[test]
@@ -661,7 +666,7 @@ mod tests {
         state.queue_errors_injected = 1;
         state.drive_armed(std::time::Duration::from_micros(200)); // the completion thread's pass
         assert!(state.request(handle).unwrap().stalled.is_some());
-        let shared = StoreShared::for_tests(state, geometry(), 2);
+        let shared = StoreShared::for_tests(state, geometry(), 2, std::time::Duration::from_secs(5));
         let request = Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None);
         let started = Instant::now();
         request.wait_layer(1, issues[1], started + std::time::Duration::from_secs(5)).expect("layer 1 completes");

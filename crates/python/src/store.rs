@@ -103,9 +103,9 @@ impl StoreShared {
     }
 
     /// Tests: what a `Store` over `state` shares with its requests (no completion thread, no
-    /// keep-alive).
+    /// keep-alive), with the store's `timeout`.
     #[cfg(test)]
-    pub fn for_tests(state: StoreState, geometry: Geometry, layers_in_flight: u32) -> Arc<StoreShared> {
+    pub fn for_tests(state: StoreState, geometry: Geometry, layers_in_flight: u32, timeout: Duration) -> Arc<StoreShared> {
         Arc::new(StoreShared {
             state: Mutex::new(state),
             wake: Condvar::new(),
@@ -113,7 +113,7 @@ impl StoreShared {
             service: Mutex::new(None),
             kind: "in-process",
             geometry,
-            timeout: Duration::from_secs(5),
+            timeout,
             session: None,
             layers_in_flight,
             keepalive: None,
