@@ -17,7 +17,7 @@
 //! the fork (`pthread_atfork`, so a Store the child never drops pins nothing either), and again
 //! when it drops an inherited object (`close_inherited`). Memory and mappings stay leaked.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::os::fd::RawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -168,14 +168,27 @@ pub fn close_inherited() {
     }
 }
 
-/// The descriptors open in this process now (`/proc/self/fd`), to tell which ones an open or
-/// connect added.
-pub fn open_fds() -> HashSet<RawFd> {
-    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else { return HashSet::new() };
+/// The descriptors open in this process at one moment, each with the file it named then
+/// (device, inode: `fd_identity`), to tell which ones an open or connect added since.
+pub struct OpenFds(HashMap<RawFd, (u64, u64)>);
+
+impl OpenFds {
+    /// The descriptors open now that were not open at `before` as the same file: a number
+    /// closed and reused in between (another thread's close, or the open's own) names another
+    /// file now, and counts as opened. (A file closed and opened again under its old number
+    /// has the same identity: not told apart, and it is not a descriptor this call made new.)
+    fn opened_since(&self, before: &OpenFds) -> Vec<RawFd> {
+        self.0.iter().filter(|(fd, identity)| before.0.get(fd) != Some(identity)).map(|(&fd, _)| fd).collect()
+    }
+}
+
+/// The descriptors open in this process now (`/proc/self/fd`), with the files they name.
+pub fn open_fds() -> OpenFds {
+    let Ok(entries) = std::fs::read_dir("/proc/self/fd") else { return OpenFds(HashMap::new()) };
     let listed: Vec<RawFd> = entries.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok()).collect();
     // The listing's own descriptor is closed now: left in, the next file opened (a lock)
     // would take its number and never count as opened since.
-    listed.into_iter().filter(|&fd| fd_identity(fd).is_some()).collect()
+    OpenFds(listed.into_iter().filter_map(|fd| fd_identity(fd).map(|identity| (fd, identity))).collect())
 }
 
 fn link_of(fd: RawFd) -> Option<PathBuf> {
@@ -186,11 +199,11 @@ fn link_of(fd: RawFd) -> Option<PathBuf> {
 /// stream sockets whose peer is bound at a path of the same name (tuttid binds the path it was
 /// given, which may be spelled otherwise than the client's). Another thread's connection to the
 /// same daemon may be among them: a forked child has no use for that copy either.
-pub fn daemon_connections_since(before: &HashSet<RawFd>, socket: &Path) -> Vec<RawFd> {
+pub fn daemon_connections_since(before: &OpenFds, socket: &Path) -> Vec<RawFd> {
     let name = socket.file_name();
     let mut found: Vec<RawFd> = open_fds()
-        .difference(before)
-        .copied()
+        .opened_since(before)
+        .into_iter()
         .filter(|&fd| link_of(fd).is_some_and(|link| link.to_string_lossy().starts_with("socket:")))
         .filter(|&fd| {
             nix::sys::socket::getpeername::<nix::sys::socket::UnixAddr>(fd)
@@ -206,12 +219,12 @@ pub fn daemon_connections_since(before: &HashSet<RawFd>, socket: &Path) -> Vec<R
 /// The descriptors opened since `before` that hold devices of an in-process store: files under
 /// `lock_dir` (the locks), the devices' own files or block devices (`paths`: their claims and
 /// the software controller's backing), and VFIO's container, groups and devices.
-pub fn device_fds_since(before: &HashSet<RawFd>, lock_dir: &Path, paths: &[PathBuf]) -> Vec<RawFd> {
+pub fn device_fds_since(before: &OpenFds, lock_dir: &Path, paths: &[PathBuf]) -> Vec<RawFd> {
     let lock_dir = std::fs::canonicalize(lock_dir).unwrap_or_else(|_| lock_dir.to_path_buf());
     let paths: Vec<PathBuf> = paths.iter().map(|path| std::fs::canonicalize(path).unwrap_or_else(|_| path.clone())).collect();
     let mut found: Vec<RawFd> = open_fds()
-        .difference(before)
-        .copied()
+        .opened_since(before)
+        .into_iter()
         .filter(|&fd| {
             link_of(fd).is_some_and(|link| {
                 link.starts_with(&lock_dir)
@@ -257,6 +270,30 @@ mod tests {
         let status = fork_and_check(recorded.as_raw_fd(), unrecorded.as_raw_fd());
         assert_eq!(status, 0, "in the child: 1 = the recorded copy stayed open, 2 = one not recorded was closed");
         assert!(fd_identity(recorded.as_raw_fd()).is_some(), "the parent's descriptor is open");
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    #[test]
+    fn a_descriptor_number_reused_for_a_device_since_the_snapshot_is_found() {
+        // Goal: a number open at the snapshot (`open_fds`) that is closed and reused for a lock
+        // file before the scan (`device_fds_since`) is found as opened since: the scan compares
+        // the files named (device, inode), not the numbers alone. Before, the number was in the
+        // snapshot and the lock's descriptor was missed (a forked child kept its copy).
+        let directory = std::env::temp_dir().join(format!("tutti-fd-reuse-{}", std::process::id()));
+        let lock_dir = directory.join("locks");
+        std::fs::create_dir_all(&lock_dir).unwrap();
+        let earlier = std::os::fd::OwnedFd::from(std::fs::File::create(directory.join("earlier")).unwrap());
+        use std::os::fd::AsRawFd;
+        let number = earlier.as_raw_fd();
+        let before = open_fds();
+        let lock = std::fs::File::create(lock_dir.join("device.lock")).unwrap();
+        // The lock takes the earlier file's number (dup2 closes that file first), as an open
+        // that reuses a number freed in between would.
+        let mut reused = earlier;
+        nix::unistd::dup2(&lock, &mut reused).unwrap();
+        drop(lock);
+        assert_eq!(device_fds_since(&before, &lock_dir, &[]), [number], "the reused number, now the lock's");
+        drop(reused);
         std::fs::remove_dir_all(&directory).unwrap();
     }
 
