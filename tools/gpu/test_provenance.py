@@ -3,6 +3,7 @@ where .git did not travel, the tracked-files check, and the glibc comparison."""
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
@@ -85,7 +86,8 @@ class TreeChangingDuringPrepare(unittest.TestCase):
             handle.write("one\n")
         self.head = "a" * 40
         patches = [mock.patch.object(provenance, "ROOT", self.root.name), mock.patch.object(provenance, "_git", self.git),
-                   mock.patch.object(provenance, "abi_fields", lambda carry: {"glibc_max": "2.34"})]
+                   mock.patch.object(provenance, "abi_fields", lambda carry: {"glibc_max": "2.34"}),
+                   mock.patch("sys.stdout", io.StringIO()), mock.patch("sys.stderr", io.StringIO())]  # its report lines
         for patch in patches:
             patch.start()
             self.addCleanup(patch.stop)
