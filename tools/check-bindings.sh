@@ -17,6 +17,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HEADER="$ROOT/kernels/gio_abi.h"
 CHECKED_IN="$ROOT/crates/gio-uring/src/abi/bindings.rs"
 MODE="${1:-check}"
+# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden).
+# shellcheck source=tools/lib/dpkg.sh
+. "$ROOT/tools/lib/dpkg.sh"
 
 # Prints the first libclang shared library that bindgen's loader (clang-sys 1.x with the `runtime`
 # feature, build/common.rs and build/dynamic.rs) would find under $1 (a prefix, / on a real
@@ -79,9 +82,11 @@ if ! LIBCLANG=$(find_libclang /); then
   fi
   echo "check-bindings: installing libclang-dev (no libclang that bindgen can load was found)"
   # Each apt call is bounded; a dpkg run that was interrupted earlier is finished first (until it
-  # is, every apt-get install fails).
+  # is, every apt-get install fails), with service starts forbidden (dpkg_configure_pending: an
+  # etcd-server left half-installed would otherwise be configured with its service enabled and
+  # started). `|| true` also keeps set -e out of it.
   export DEBIAN_FRONTEND=noninteractive
-  timeout -k 30 600 dpkg --configure -a >/dev/null || true
+  dpkg_configure_pending || true
   # DPkg::Lock::Timeout: a concurrent apt-get is waited for (up to 10 minutes), not a failure.
   timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends libclang-dev >/dev/null \
     || { timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null \

@@ -59,6 +59,10 @@
 #        TUTTI_STAGES="rust lint" tools/test.sh   (the same selection from the environment)
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
+# The policy-rc.d hook and dpkg_configure_pending, shared with tools/vm/lib.sh and
+# tools/check-bindings.sh.
+# shellcheck source=tools/lib/dpkg.sh
+. tools/lib/dpkg.sh
 
 ALL_STAGES="rust lint bindings fuzz benches cluster python engines cuda vm"
 case "${1:-}" in
@@ -254,7 +258,7 @@ bounded() {
 
 # Installs Debian packages unless `check` already succeeds; then `check` must succeed. An
 # earlier dpkg run that was interrupted makes every apt-get install fail until it is finished,
-# so it is finished first.
+# so it is finished first (dpkg_configure_pending: with service starts forbidden).
 ensure_installed() {
     local check=$1
     shift
@@ -264,7 +268,7 @@ ensure_installed() {
             return 1
         fi
         echo "tools/test.sh: installing $* (because '$check' fails)"
-        timeout -k 30 600 dpkg --configure -a > /dev/null || true
+        dpkg_configure_pending
         # DPkg::Lock::Timeout: another apt-get running (a second clone's test.sh, unattended
         # upgrades) is waited for, up to 10 minutes, instead of failing at once.
         timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q > /dev/null &&
@@ -344,155 +348,26 @@ python_makes_venvs() {
 }
 ensure_venv() { ensure_python3 && ensure_installed "python_makes_venvs '${1:-python3}'" python3-venv; }
 
-# Debian's policy-rc.d hook: while ours is in place (exit 101), package scripts start no service
-# (invoke-rc.d and deb-systemd-invoke both ask it). One that was there before is kept aside
-# (policy-rc.d.tutti-saved, next to it) and put back after. Ours is recognised by its marker
-# line, which names its owner (this run's pid, that process's start time and the boot id: a
-# reused pid or a reboot is not mistaken for the owner) and whether it kept an original aside.
-# One whose owner is gone (a run killed with SIGKILL, a reboot) is removed, its original put
-# back, at the start of every run as root and before ours goes in; one whose owner still runs is
-# waited for, and never removed by anyone but its owner. Every change of these files is made
-# under a lock (flock), so two runs cannot interleave them.
-POLICY_RC_D=/usr/sbin/policy-rc.d
-POLICY_RC_D_SAVED=$POLICY_RC_D.tutti-saved
-POLICY_RC_D_LOCK=/run/lock/tutti-policy-rc.d.lock
-POLICY_RC_D_MARK="# tools/test.sh: no service is started while it installs packages"
-main_pid=$$
-boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
-# process_start PID: the process's start time (stat's field 22), or nothing if it is gone.
-process_start() {
-    local line fields
-    read -r line 2> /dev/null < "/proc/$1/stat" || return 0
-    read -r -a fields <<< "${line##*") "}"
-    echo "${fields[19]}"
-}
-policy_owner() { echo "$main_pid $(process_start "$main_pid") $(boot_id)"; }
-# policy_rc_d_state sets `policy_state` to none, foreign (not ours), mine (this run's), live
-# (another run's, whose owner still runs) or stale (its owner gone; the first format, without an
-# owner, too), and `policy_saved` to whether the marked one kept an original aside.
-policy_state= policy_saved=0
-policy_rc_d_state() {
-    local line pid start boot
-    policy_saved=0
-    [ -e "$POLICY_RC_D" ] || { policy_state=none && return 0; }
-    line=$(grep -m1 -F "$POLICY_RC_D_MARK" "$POLICY_RC_D" 2> /dev/null) || { policy_state=foreign && return 0; }
-    # "MARK (owner PID START BOOT_ID, saved 0|1)"
-    read -r pid start boot policy_saved <<< "$(echo "${line#"$POLICY_RC_D_MARK"}" | sed -n 's/^ (owner \([0-9]*\) \([0-9]*\) \([^ ,]*\), saved \([01]\))$/\1 \2 \3 \4/p')"
-    if [ -z "${pid:-}" ]; then
-        # The first format, without an owner: what it kept aside is wherever the copy is.
-        [ ! -e "$POLICY_RC_D_SAVED" ] || policy_saved=1
-        policy_state=stale
-    elif [ "$pid $start $boot" = "$(policy_owner)" ]; then
-        policy_state=mine
-    elif [ "$boot" = "$(boot_id)" ] && [ -n "$start" ] && [ "$(process_start "$pid")" = "$start" ]; then
-        policy_state=live
-    else
-        policy_state=stale
-    fi
-}
-# Puts back what the marked policy-rc.d kept aside (policy_saved, from policy_rc_d_state), or
-# removes it; a kept copy it did not make is stale, and removed.
-put_back_policy_rc_d() {
-    if [ "$policy_saved" = 1 ] && [ -e "$POLICY_RC_D_SAVED" ]; then
-        mv -f "$POLICY_RC_D_SAVED" "$POLICY_RC_D"
-    else
-        rm -f "$POLICY_RC_D" "$POLICY_RC_D_SAVED"
-    fi
-}
-# Runs "$@" holding the lock (waiting up to a minute for it; then without it, saying so).
-with_policy_lock() {
-    local rc
-    mkdir -p "${POLICY_RC_D_LOCK%/*}" 2> /dev/null
-    {
-        flock -w 60 9 || echo "tools/test.sh: $POLICY_RC_D_LOCK still held after 60 s: going on without it" >&2
-        "$@"
-        rc=$?
-    } 9> "$POLICY_RC_D_LOCK"
-    return "$rc"
-}
-# A marked policy-rc.d whose owner is gone is removed (its original put back); a kept copy that
-# no marked policy-rc.d accounts for (a run killed between copying and installing) is removed.
-clean_stale_policy_rc_d_locked() {
-    policy_rc_d_state
-    case $policy_state in
-        stale)
-            if [ "$policy_saved" = 1 ]; then
-                echo "tools/test.sh: $POLICY_RC_D was an earlier run's that did not finish: the one it kept aside put back" >&2
-            else
-                echo "tools/test.sh: $POLICY_RC_D was an earlier run's that did not finish: removed" >&2
-            fi
-            put_back_policy_rc_d
-            ;;
-        none | foreign) rm -f "$POLICY_RC_D_SAVED" ;;
-    esac
-}
-clean_stale_policy_rc_d() { [ "$(id -u)" -ne 0 ] || with_policy_lock clean_stale_policy_rc_d_locked; }
-# Status 2: another run's is in place (to be waited for).
-forbid_service_starts_locked() {
-    local saved=0
-    clean_stale_policy_rc_d_locked
-    policy_rc_d_state
-    case $policy_state in
-        live) return 2 ;;
-        mine) return 0 ;;
-        foreign) cp -p "$POLICY_RC_D" "$POLICY_RC_D_SAVED" && saved=1 || return 1 ;;
-    esac
-    printf '#!/bin/sh\n%s (owner %s, saved %s)\nexit 101\n' "$POLICY_RC_D_MARK" "$(policy_owner)" "$saved" > "$POLICY_RC_D.tutti-new" &&
-        chmod 755 "$POLICY_RC_D.tutti-new" && mv -f "$POLICY_RC_D.tutti-new" "$POLICY_RC_D"
-}
-forbid_service_starts() {
-    local rc waited=0
-    while :; do
-        with_policy_lock forbid_service_starts_locked
-        rc=$?
-        [ "$rc" = 2 ] || return "$rc"
-        if [ "$waited" -ge 1800 ]; then
-            echo "tools/test.sh: another run's $POLICY_RC_D is still in place after $waited s" >&2
-            return 1
-        fi
-        [ "$waited" -gt 0 ] || echo "tools/test.sh: another tools/test.sh run is installing packages with $POLICY_RC_D in place: waiting for it"
-        sleep 5
-        waited=$((waited + 5))
-    done
-}
-# Ours (this run's) is removed, whichever process of the run asks; another run's never.
-restore_own_policy_rc_d_locked() {
-    policy_rc_d_state
-    [ "$policy_state" != mine ] || put_back_policy_rc_d
-}
-restore_own_policy_rc_d() {
-    [ "$(id -u)" -eq 0 ] && [ -e "$POLICY_RC_D" ] || return 0
-    with_policy_lock restore_own_policy_rc_d_locked
-}
+# The policy-rc.d hook (forbid_service_starts, restore_own_policy_rc_d, clean_stale_policy_rc_d)
+# and dpkg_configure_pending are tools/lib/dpkg.sh's (sourced at the top).
 
 # The etcd binary the cluster tests run (by PATH), checked by running it, not by dpkg's state.
-# etcd-server's post-install enables its service on port 2379 and starts it (with systemd, or
-# its init.d script without): the tests never use it (they start their own members on free
-# ports), so it is installed with service starts forbidden, and disabled (and stopped, should it
-# run regardless) after.
-# An install of etcd-server that was interrupted (unpacked, not configured): its binary may run,
-# but the next `dpkg --configure -a` (any apt-get) would enable and start the service, so it is
-# finished here, with service starts forbidden.
+# etcd-server's post-install enables its service on port 2379 and starts it: the tests never
+# use it, so it is installed with service starts forbidden, and disabled (and stopped, should it
+# run regardless) after (disable_etcd_service, tools/lib/dpkg.sh). An install of etcd-server
+# that was interrupted (unpacked, not configured) is finished here the same way; any other
+# `dpkg --configure -a` (ensure_installed's, vm/lib.sh's, check-bindings.sh's) goes through
+# dpkg_configure_pending, which does the same.
 etcd_runs() { [[ "$(etcd --version 2> /dev/null)" == "etcd Version: 3."* ]]; }
-etcd_half_installed() {
-    local status
-    status=$(dpkg-query -W -f='${Status}' etcd-server 2> /dev/null) || return 1
-    case $status in "" | "install ok installed" | *" not-installed" | *" config-files") return 1 ;; esac
-}
 ensure_etcd() {
     local rc=0
     # Not `etcd --version | grep -q`: grep leaving early kills etcd with SIGPIPE, which pipefail reports.
     if { ! etcd_runs || etcd_half_installed; } && [ "$(id -u)" -eq 0 ]; then
         forbid_service_starts || return 1
-        if etcd_half_installed; then timeout -k 30 600 dpkg --configure -a > /dev/null || true; fi
+        if etcd_half_installed; then dpkg_configure_pending; fi
         ensure_installed etcd_runs etcd-server || rc=1
         restore_own_policy_rc_d
-        if [ -d /run/systemd/system ] && command -v systemctl > /dev/null 2>&1; then
-            systemctl disable --now etcd > /dev/null 2>&1 || true
-        elif [ -x /etc/init.d/etcd ]; then
-            update-rc.d etcd disable > /dev/null 2>&1 || true
-            /etc/init.d/etcd status > /dev/null 2>&1 && { /etc/init.d/etcd stop > /dev/null 2>&1 || true; }
-        fi
+        disable_etcd_service
         [ "$rc" = 0 ] || return 1
     fi
     ensure_installed etcd_runs etcd-server || return 1

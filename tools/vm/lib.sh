@@ -16,6 +16,9 @@
 # take to leave before the exit watchdog stops its QEMU.
 
 VM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden).
+# shellcheck source=tools/lib/dpkg.sh
+. "$VM_REPO/tools/lib/dpkg.sh"
 VM_DIR=${TUTTI_VM_DIR:-$VM_REPO/.tools/vm}
 VM_T0=$EPOCHREALTIME
 
@@ -29,7 +32,8 @@ vm_die() {
 # Packages come from Debian's archive through apt; installed only when missing. QEMU is checked
 # by running it (a binary whose libraries are gone is as missing as no binary). Each apt call is
 # bounded; an earlier dpkg run that was interrupted is finished first (until it is, every
-# apt-get install fails).
+# apt-get install fails), with service starts forbidden (dpkg_configure_pending: an etcd-server
+# left half-installed would otherwise be configured with its service enabled and started).
 vm_install_host_tools() {
     local missing=()
     timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || missing+=(qemu-system-x86)
@@ -45,7 +49,8 @@ vm_install_host_tools() {
         [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "missing host packages: ${missing[*]} (TUTTI_VM_SKIP_APT=1)"
         vm_log "installing ${missing[*]}"
         export DEBIAN_FRONTEND=noninteractive
-        timeout -k 30 600 dpkg --configure -a > "$VM_DIR/logs/apt.log" 2>&1 || true
+        : > "$VM_DIR/logs/apt.log"
+        dpkg_configure_pending "$VM_DIR/logs/apt.log"
         # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
         # minutes, instead of failing at once.
         if ! timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then

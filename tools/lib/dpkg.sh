@@ -1,0 +1,187 @@
+# tools/lib/dpkg.sh — what the scripts that install Debian packages share (tools/test.sh,
+# tools/vm/lib.sh, tools/check-bindings.sh). Sourced, not run; defines functions and variables
+# only.
+#
+#   dpkg_configure_pending     `dpkg --configure -a` (finishing an interrupted dpkg run, without
+#                              which every apt-get install fails) with service starts forbidden;
+#                              an etcd-server it configured is disabled and stopped after
+#   forbid_service_starts / restore_own_policy_rc_d / clean_stale_policy_rc_d
+#                              the policy-rc.d hook below
+#   etcd_half_installed / disable_etcd_service
+#
+# Every `dpkg --configure -a` of these scripts goes through dpkg_configure_pending: an install of
+# etcd-server that was interrupted (unpacked, not configured) is configured by the next one, and
+# its post-install enables the service on port 2379 and starts it. Run bare, by whichever script
+# installed something first, that left Debian's etcd enabled and running, and tools/test.sh's
+# cluster stage, finding etcd installed, never disabled it.
+
+# Debian's policy-rc.d hook: while ours is in place (exit 101), package scripts start no service
+# (invoke-rc.d and deb-systemd-invoke both ask it). One that was there before is kept aside
+# (policy-rc.d.tutti-saved, next to it) and put back after. Ours is recognised by its marker
+# line, which names its owner (the pid of the script that put it there, that process's start
+# time and the boot id: a reused pid or a reboot is not mistaken for the owner) and whether it
+# kept an original aside. One whose owner is gone (a run killed with SIGKILL, a reboot) is
+# removed, its original put back, at the start of every tools/test.sh run as root and before ours
+# goes in; one whose owner still runs is waited for, and never removed by anyone but its owner.
+# Every change of these files is made under a lock (flock), so two runs cannot interleave them.
+# The marker keeps its first wording (tools/test.sh's), so that files earlier runs left are
+# still recognised.
+POLICY_RC_D=/usr/sbin/policy-rc.d
+POLICY_RC_D_SAVED=$POLICY_RC_D.tutti-saved
+POLICY_RC_D_LOCK=/run/lock/tutti-policy-rc.d.lock
+POLICY_RC_D_MARK="# tools/test.sh: no service is started while it installs packages"
+# The owner: the script that sourced this file (tools/test.sh hands its own to its stages'
+# shells; a script a stage runs is an owner of its own).
+main_pid=$$
+boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
+# process_start PID: the process's start time (stat's field 22), or nothing if it is gone.
+process_start() {
+    local line fields
+    read -r line 2> /dev/null < "/proc/$1/stat" || return 0
+    read -r -a fields <<< "${line##*") "}"
+    echo "${fields[19]}"
+}
+policy_owner() { echo "$main_pid $(process_start "$main_pid") $(boot_id)"; }
+# policy_rc_d_state sets `policy_state` to none, foreign (not ours), mine (this run's), live
+# (another run's, whose owner still runs) or stale (its owner gone; the first format, without an
+# owner, too), and `policy_saved` to whether the marked one kept an original aside.
+policy_state= policy_saved=0
+policy_rc_d_state() {
+    local line pid start boot
+    policy_saved=0
+    [ -e "$POLICY_RC_D" ] || { policy_state=none && return 0; }
+    line=$(grep -m1 -F "$POLICY_RC_D_MARK" "$POLICY_RC_D" 2> /dev/null) || { policy_state=foreign && return 0; }
+    # "MARK (owner PID START BOOT_ID, saved 0|1)"
+    read -r pid start boot policy_saved <<< "$(echo "${line#"$POLICY_RC_D_MARK"}" | sed -n 's/^ (owner \([0-9]*\) \([0-9]*\) \([^ ,]*\), saved \([01]\))$/\1 \2 \3 \4/p')"
+    if [ -z "${pid:-}" ]; then
+        # The first format, without an owner: what it kept aside is wherever the copy is.
+        [ ! -e "$POLICY_RC_D_SAVED" ] || policy_saved=1
+        policy_state=stale
+    elif [ "$pid $start $boot" = "$(policy_owner)" ]; then
+        policy_state=mine
+    elif [ "$boot" = "$(boot_id)" ] && [ -n "$start" ] && [ "$(process_start "$pid")" = "$start" ]; then
+        policy_state=live
+    else
+        policy_state=stale
+    fi
+}
+# Puts back what the marked policy-rc.d kept aside (policy_saved, from policy_rc_d_state), or
+# removes it; a kept copy it did not make is stale, and removed.
+put_back_policy_rc_d() {
+    if [ "$policy_saved" = 1 ] && [ -e "$POLICY_RC_D_SAVED" ]; then
+        mv -f "$POLICY_RC_D_SAVED" "$POLICY_RC_D"
+    else
+        rm -f "$POLICY_RC_D" "$POLICY_RC_D_SAVED"
+    fi
+}
+# Runs "$@" holding the lock (waiting up to a minute for it; then without it, saying so).
+with_policy_lock() {
+    local rc
+    mkdir -p "${POLICY_RC_D_LOCK%/*}" 2> /dev/null
+    {
+        flock -w 60 9 || echo "$0: $POLICY_RC_D_LOCK still held after 60 s: going on without it" >&2
+        "$@"
+        rc=$?
+    } 9> "$POLICY_RC_D_LOCK"
+    return "$rc"
+}
+# A marked policy-rc.d whose owner is gone is removed (its original put back); a kept copy that
+# no marked policy-rc.d accounts for (a run killed between copying and installing) is removed.
+clean_stale_policy_rc_d_locked() {
+    policy_rc_d_state
+    case $policy_state in
+        stale)
+            if [ "$policy_saved" = 1 ]; then
+                echo "$0: $POLICY_RC_D was an earlier run's that did not finish: the one it kept aside put back" >&2
+            else
+                echo "$0: $POLICY_RC_D was an earlier run's that did not finish: removed" >&2
+            fi
+            put_back_policy_rc_d
+            ;;
+        none | foreign) rm -f "$POLICY_RC_D_SAVED" ;;
+    esac
+}
+clean_stale_policy_rc_d() { [ "$(id -u)" -ne 0 ] || with_policy_lock clean_stale_policy_rc_d_locked; }
+# Status 2: another run's is in place (to be waited for).
+forbid_service_starts_locked() {
+    local saved=0
+    clean_stale_policy_rc_d_locked
+    policy_rc_d_state
+    case $policy_state in
+        live) return 2 ;;
+        mine) return 0 ;;
+        foreign) cp -p "$POLICY_RC_D" "$POLICY_RC_D_SAVED" && saved=1 || return 1 ;;
+    esac
+    printf '#!/bin/sh\n%s (owner %s, saved %s)\nexit 101\n' "$POLICY_RC_D_MARK" "$(policy_owner)" "$saved" > "$POLICY_RC_D.tutti-new" &&
+        chmod 755 "$POLICY_RC_D.tutti-new" && mv -f "$POLICY_RC_D.tutti-new" "$POLICY_RC_D"
+}
+forbid_service_starts() {
+    local rc waited=0
+    while :; do
+        with_policy_lock forbid_service_starts_locked
+        rc=$?
+        [ "$rc" = 2 ] || return "$rc"
+        if [ "$waited" -ge 1800 ]; then
+            echo "$0: another run's $POLICY_RC_D is still in place after $waited s" >&2
+            return 1
+        fi
+        [ "$waited" -gt 0 ] || echo "$0: another run is installing packages with $POLICY_RC_D in place: waiting for it"
+        sleep 5
+        waited=$((waited + 5))
+    done
+}
+# Ours (this run's) is removed, whichever process of the run asks; another run's never.
+restore_own_policy_rc_d_locked() {
+    policy_rc_d_state
+    [ "$policy_state" != mine ] || put_back_policy_rc_d
+}
+restore_own_policy_rc_d() {
+    [ "$(id -u)" -eq 0 ] && [ -e "$POLICY_RC_D" ] || return 0
+    with_policy_lock restore_own_policy_rc_d_locked
+}
+
+# An install of etcd-server that was interrupted (unpacked, not configured, or in between): its
+# binary may run, but the next `dpkg --configure -a` would enable and start the service.
+etcd_half_installed() {
+    local status
+    status=$(dpkg-query -W -f='${Status}' etcd-server 2> /dev/null) || return 1
+    case $status in "" | "install ok installed" | *" not-installed" | *" config-files") return 1 ;; esac
+}
+# etcd-server's post-install enables its service on port 2379 and starts it (with systemd, or
+# its init.d script without): the project never uses it (its tests start their own members on
+# free ports), so wherever one of these scripts installed or configured it, it is disabled, and
+# stopped should it run regardless.
+disable_etcd_service() {
+    [ "$(id -u)" -eq 0 ] || return 0
+    if [ -d /run/systemd/system ] && command -v systemctl > /dev/null 2>&1; then
+        systemctl disable --now etcd > /dev/null 2>&1 || true
+    elif [ -x /etc/init.d/etcd ]; then
+        update-rc.d etcd disable > /dev/null 2>&1 || true
+        /etc/init.d/etcd status > /dev/null 2>&1 && { /etc/init.d/etcd stop > /dev/null 2>&1 || true; }
+    fi
+    return 0
+}
+
+# dpkg_configure_pending [LOG]: `dpkg --configure -a` (bounded; its output to LOG, default
+# /dev/null) with service starts forbidden, unless this process already forbade them (then they
+# stay forbidden after); an etcd-server it found half-installed is disabled (and stopped) after.
+# As root only (dpkg needs it); never fails: what it could not finish, the apt-get after reports.
+dpkg_configure_pending() {
+    local log=${1:-/dev/null} etcd_pending=0 ours=0
+    [ "$(id -u)" -eq 0 ] || return 0
+    ! etcd_half_installed || etcd_pending=1
+    with_policy_lock policy_rc_d_state
+    if [ "$policy_state" = mine ]; then
+        ours=1
+    elif ! forbid_service_starts; then
+        echo "$0: cannot put $POLICY_RC_D in place: not running 'dpkg --configure -a'" >&2
+        return 0
+    fi
+    timeout -k 30 600 dpkg --configure -a >> "$log" 2>&1 || true
+    [ "$ours" = 1 ] || restore_own_policy_rc_d
+    if [ "$etcd_pending" = 1 ]; then
+        echo "$0: etcd-server was half-installed (an interrupted install): configured with service starts forbidden, its service disabled" >&2
+        disable_etcd_service
+    fi
+    return 0
+}
