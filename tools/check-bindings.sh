@@ -87,11 +87,23 @@ if ! LIBCLANG=$(find_libclang /); then
   # started). `|| true` also keeps set -e out of it.
   export DEBIAN_FRONTEND=noninteractive
   dpkg_configure_pending || true
+  # libclang-dev installed and no library found: files are gone, which a plain install would not
+  # bring back. The library is libclang1-N's (libclang.so.1), its libclang.so link libclang-N-dev's
+  # (libclang-dev only depends on them): every such package dpkg lists is reinstalled.
+  packages=(libclang-dev)
+  reinstall=()
+  if [[ -n "$(dpkg_installed libclang-dev)" ]]; then
+    mapfile -t packages < <(dpkg-query -W -f='${db:Status-Abbrev} ${binary:Package}\n' 'libclang-dev' 'libclang-[0-9]*-dev' 'libclang1-[0-9]*' 2>/dev/null \
+      | awk '$1 == "ii" { print $2 }' || true)
+    [[ ${#packages[@]} -gt 0 ]] || packages=(libclang-dev)
+    echo "check-bindings: reinstalling ${packages[*]} (dpkg lists them installed)"
+    reinstall=(--reinstall)
+  fi
   # DPkg::Lock::Timeout: a concurrent apt-get is waited for (up to 10 minutes), not a failure.
-  timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends libclang-dev >/dev/null \
+  timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null \
     || { timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null \
-      && timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends libclang-dev >/dev/null; } \
-    || { echo "check-bindings: apt-get install libclang-dev failed" >&2; exit 1; }
+      && timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null; } \
+    || { echo "check-bindings: apt-get install ${reinstall[*]} ${packages[*]} failed" >&2; exit 1; }
   if ! LIBCLANG=$(find_libclang /); then
     echo "check-bindings: libclang-dev is installed but no libclang that bindgen can load was found; set LIBCLANG_PATH" >&2
     exit 1

@@ -256,7 +256,8 @@ bounded() {
     return "$rc"
 }
 
-# Installs Debian packages unless `check` already succeeds; then `check` must succeed. An
+# Installs Debian packages unless `check` already succeeds (reinstalls those dpkg lists as
+# installed: files of theirs are gone); then `check` must succeed. An
 # earlier dpkg run that was interrupted makes every apt-get install fail until it is finished,
 # so it is finished first (dpkg_configure_pending: with service starts forbidden).
 ensure_installed() {
@@ -269,10 +270,18 @@ ensure_installed() {
         fi
         echo "tools/test.sh: installing $* (because '$check' fails)"
         dpkg_configure_pending
+        # A package dpkg lists as installed while the check fails has lost files: a plain install
+        # would do nothing (and fail the check on every run), so it is reinstalled.
+        local reinstall=() installed
+        installed=$(dpkg_installed "$@")
+        if [ -n "$installed" ]; then
+            echo "tools/test.sh: reinstalling ${installed//$'\n'/ } (dpkg lists it installed, but '$check' fails)"
+            reinstall=(--reinstall)
+        fi
         # DPkg::Lock::Timeout: another apt-get running (a second clone's test.sh, unattended
         # upgrades) is waited for, up to 10 minutes, instead of failing at once.
         timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q > /dev/null &&
-            timeout -k 30 1800 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "$@" > /dev/null || return 1
+            timeout -k 30 1800 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "$@" > /dev/null || return 1
     fi
     eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
 }

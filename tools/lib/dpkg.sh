@@ -185,3 +185,15 @@ dpkg_configure_pending() {
     fi
     return 0
 }
+
+# dpkg_installed PKG...: prints (one a line) those of the packages dpkg lists as installed.
+# Such a package whose files are gone (deleted by hand, a broken image) is what a check that uses
+# the files finds missing while `apt-get install PKG` does nothing ("already the newest
+# version"): the callers reinstall it (`apt-get install --reinstall`) instead.
+dpkg_installed() {
+    local package
+    for package in "$@"; do
+        [ "$(dpkg-query -W -f='${Status}' "$package" 2> /dev/null)" != "install ok installed" ] || echo "$package"
+    done
+    return 0
+}

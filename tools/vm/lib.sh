@@ -29,15 +29,23 @@ vm_die() {
     exit 1
 }
 
-# Packages come from Debian's archive through apt; installed only when missing. QEMU is checked
-# by running it (a binary whose libraries are gone is as missing as no binary). Each apt call is
+# Packages come from Debian's archive through apt; installed only when missing. QEMU and busybox
+# are checked by running them (a binary whose libraries are gone is as missing as no binary);
+# one dpkg lists as installed regardless is reinstalled. Each apt call is
 # bounded; an earlier dpkg run that was interrupted is finished first (until it is, every
 # apt-get install fails), with service starts forbidden (dpkg_configure_pending: an etcd-server
 # left half-installed would otherwise be configured with its service enabled and started).
+vm_static_busybox() { dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true; }
+vm_busybox_runs() {
+    local busybox
+    busybox=$(vm_static_busybox)
+    [ -n "$busybox" ] && timeout 30 "$busybox" true > /dev/null 2>&1
+}
 vm_install_host_tools() {
-    local missing=()
+    local missing=() reinstall=() installed
     timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || missing+=(qemu-system-x86)
-    dpkg-query -W -f='${Status}' busybox-static 2> /dev/null | grep -q 'ok installed' || missing+=(busybox-static)
+    # Run, not looked up in dpkg's status: a package dpkg lists whose binary is gone is missing.
+    vm_busybox_runs || missing+=(busybox-static)
     command -v cpio > /dev/null || missing+=(cpio)
     command -v xz > /dev/null || missing+=(xz-utils)
     command -v zstd > /dev/null || missing+=(zstd)
@@ -51,18 +59,24 @@ vm_install_host_tools() {
         export DEBIAN_FRONTEND=noninteractive
         : > "$VM_DIR/logs/apt.log"
         dpkg_configure_pending "$VM_DIR/logs/apt.log"
+        # One that dpkg lists as installed has lost files: a plain install would do nothing.
+        installed=$(dpkg_installed "${missing[@]}")
+        if [ -n "$installed" ]; then
+            vm_log "reinstalling ${installed//$'\n'/ } (dpkg lists it installed, but its check fails)"
+            reinstall=(--reinstall)
+        fi
         # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
         # minutes, instead of failing at once.
-        if ! timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
+        if ! timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
             timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
-            timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+            timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
                 vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
         fi
         timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || vm_die "qemu-system-x86_64 does not run after installing qemu-system-x86"
     fi
     # The guest has no libc: it needs the statically linked busybox, not the dynamic package's.
-    VM_BUSYBOX=$(dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true)
-    [ -x "$VM_BUSYBOX" ] || vm_die "no static busybox found (package busybox-static)"
+    VM_BUSYBOX=$(vm_static_busybox)
+    vm_busybox_runs || vm_die "no static busybox that runs${VM_BUSYBOX:+ ($VM_BUSYBOX)} (package busybox-static)"
 }
 
 # What linux-image-amd64 depends on in the package lists (empty when it cannot be resolved).
