@@ -35,7 +35,7 @@ use crate::metrics::{ClientRelay, Metrics, MetricsEndpoint, Snapshot};
 use crate::pool_open::OpenedPool;
 use crate::protocol::{encode_frame, ClientStatus, DeviceStatus, ErrorCode, PoolShape, Reply, StatusReply};
 use crate::relay::{DoorbellRelay, PairCounters, RelayConfig};
-use crate::session::{LeakCounters, SessionLimits, StoreState};
+use crate::session::{LeakCounters, Retiring, Retried, SessionLimits, StoreState};
 use crate::DaemonError;
 
 mod cluster_requests;
@@ -181,6 +181,9 @@ struct SessionRecord {
     /// The session ended while its client may still ring its queues: its holdings are kept
     /// until the client's process exits (`Connection::await_peer_exit`).
     awaiting_exit: bool,
+    /// The session ended and the deletion of its queue pairs is not confirmed yet (retried every
+    /// tick: [`retry_retiring`]); listed until it is.
+    retiring: bool,
 }
 
 impl SessionRecord {
@@ -206,6 +209,10 @@ struct Shared {
     device_memory: DeviceMemoryService,
     leaks: LeakCounters,
     sessions: Mutex<BTreeMap<u64, SessionRecord>>,
+    /// Ended sessions whose queue pairs' deletion is to be retried, by session (at most one
+    /// entry per session that ever attached; each holds its pairs' queue ids, so attaches,
+    /// counted against those, bound how many there can be).
+    retiring: Mutex<Vec<(u64, Retiring)>>,
     connections: AtomicU32,
     next_session: AtomicU64,
     stop: StopHandle,
@@ -328,6 +335,7 @@ impl Server {
             device_memory,
             leaks: LeakCounters::default(),
             sessions: Mutex::new(BTreeMap::new()),
+            retiring: Mutex::new(Vec::new()),
             connections: AtomicU32::new(0),
             next_session: AtomicU64::new(1),
             stop: StopHandle::default(),
@@ -418,6 +426,8 @@ impl Server {
                     break;
                 }
             }
+            // Once a tick (or sooner, with connections arriving): ended sessions' deletions.
+            retry_retiring(&shared);
             // Accept what is pending, at most ACCEPTS_PER_PASS_MAX and none once stopping: each
             // accepted connection either gets a thread, up to clients_max plus one status-only
             // connection, or a Busy answer and is closed. The status-only one takes only Status
@@ -484,6 +494,20 @@ impl Server {
                 tracing::error!("a connection thread panicked");
             }
         }
+        // Every session has ended: deletions still unconfirmed get a few more ticks (a late
+        // completion settles them), then are kept for good; nothing they may write is freed.
+        for _ in 0..DRAIN_RETIRE_PASSES_MAX {
+            if lock(&shared.retiring).is_empty() {
+                break;
+            }
+            std::thread::sleep(shared.config.tick);
+            retry_retiring(&shared);
+        }
+        for (session, retiring) in std::mem::take(&mut *lock(&shared.retiring)) {
+            let kept = retiring.keep_for_good(&shared.leaks);
+            tracing::error!(session, kept, "the daemon stopped before a session's queue pairs were known deleted: kept for good");
+            lock(&shared.sessions).remove(&session);
+        }
         if let Err(error) = std::fs::remove_file(&shared.config.socket) {
             tracing::warn!("removing {}: {error}", shared.config.socket.display());
         }
@@ -506,6 +530,38 @@ impl Server {
         let opened = OpenedPool { pool: control.into_pool(), devices: shared.devices, report: shared.report, emulators, locks };
         Ok(ServeReport { opened, connections_served })
     }
+}
+
+/// Ticks the drain waits at most for unconfirmed deletions to be confirmed (1 s at the default
+/// 50 ms tick: many admin timeouts of the software controller, a few of a real one).
+const DRAIN_RETIRE_PASSES_MAX: u32 = 20;
+
+/// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each: a
+/// session whose deletion is confirmed gives everything back and leaves the status table; one
+/// whose deletion failed for good keeps everything (counted as leaks). Bounded: each retry is
+/// at most two admin commands per pair, each bounded by the admin timeout, and a busy admin
+/// queue refuses at once. The list is taken out while retrying, so a session ending meanwhile
+/// does not wait for it.
+fn retry_retiring(shared: &Shared) {
+    let retiring = std::mem::take(&mut *lock(&shared.retiring));
+    if retiring.is_empty() {
+        return;
+    }
+    let mut pending = Vec::new();
+    for (session, mut entry) in retiring {
+        match entry.retry(&shared.store, &shared.leaks) {
+            Retried::Pending => pending.push((session, entry)),
+            Retried::Done => {
+                tracing::info!(session, "an ended session's queue pairs are deleted: its windows and reservations are given back");
+                lock(&shared.sessions).remove(&session);
+            }
+            Retried::Kept(leaked) => {
+                tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
+                lock(&shared.sessions).remove(&session);
+            }
+        }
+    }
+    lock(&shared.retiring).extend(pending);
 }
 
 /// Answers one error frame (best effort, bounded by the frame timeout) and closes.

@@ -17,7 +17,10 @@
 //! then unmap its windows and give back their claims (a window's memfd is claimed like device
 //! memory, `crate::gpu_memory`: nobody else's window or device memory while it is registered).
 //! A queue pair whose deletion fails is kept for good, and with it the session's windows, their
-//! claims and its reservations (leaked, counted, logged).
+//! claims and its reservations (leaked, counted, logged). A deletion that could not be confirmed
+//! for now (the admin queue busy with a late command, or the Delete timed out) is not a failure:
+//! the pairs and everything they may write wait in a [`Retiring`], retried every tick by the
+//! server until the controller confirms (then all is given back) or a definite error keeps all.
 
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -26,7 +29,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use nvme_driver::hw::{DmaRegion, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
-use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId};
+use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId, NvmeError};
 use nvme_emu::{EmuDevice, QueueRestriction};
 use objstore::{MismatchedBlock, NoLender, ObjstoreError, Placement, PoolShape, RequestHandle, StoreControl, Transferred};
 
@@ -656,8 +659,6 @@ impl Holdings {
         }
     }
 
-    /// Ends the session's holdings in the safe order (module docs). Returns how many queue
-    /// pairs could not be deleted (then nothing else was given back either).
     /// Keeps everything for good: what a way out does when it cannot tell whether the client
     /// still rings its queues (a panic while the daemon waited for the client's exit). The relay
     /// stops forwarding for the session (its pairs are kept, so their queue ids go to nobody
@@ -701,29 +702,56 @@ impl Holdings {
         self.handles.clear();
     }
 
-    pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
+    /// Ends the session's holdings in the safe order (module docs): [`Released::Done`] when
+    /// every queue pair was deleted and everything given back; [`Released::Retiring`] when a
+    /// deletion could not be confirmed for now (the admin queue was busy with a late command, or
+    /// the Delete timed out): the pairs and everything they may write go with it, to be retried
+    /// ([`Retiring::retry`]); [`Released::Kept`] when a deletion failed for good (then nothing
+    /// was given back).
+    pub fn release(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> Released {
         // 1. The relay forwards nothing more for the session's pairs: a doorbell forwarded after
-        //    a deletion would land on whichever queue gets the id next.
+        //    a deletion would land on whichever queue gets the id next. (A retiring pair's id
+        //    stays reserved in the driver until its deletion is confirmed, so no other queue
+        //    gets it meanwhile.)
         self.stop_relaying(store);
         // 2. Queue pairs: the controller must confirm each deletion before anything they could
         //    write (the window, the slots of the session's reservations) is reused.
-        let mut undeleted = Vec::new();
-        for registration in &mut self.registrations {
-            for pair in registration.queues.drain(..) {
-                if let Err(error) = pair.delete() {
-                    tracing::error!(error = %error.source, "a client queue pair could not be deleted: its window and reservations are kept");
-                    undeleted.push(*error.pair);
-                }
-            }
+        let pairs: Vec<DetachedQueuePair> = self.registrations.iter_mut().flat_map(|registration| registration.queues.drain(..)).collect();
+        let (retry, kept) = delete_pairs(pairs);
+        let released = self.settle(retry, kept, store, leaks);
+        if let Released::Retiring(retiring) = &released {
+            tracing::warn!(
+                queue_pairs = retiring.pairs.len(),
+                "a session ended with queue pairs whose deletion the controller has not confirmed yet (admin queue busy or timed \
+                 out): retried every tick, its windows and reservations kept until then"
+            );
         }
-        if !undeleted.is_empty() {
-            let count = undeleted.len() as u64;
+        released
+    }
+
+    /// After a deletion pass: `kept` (a definite failure) keeps everything for good, `retry`
+    /// (not confirmed yet) makes the holdings retiring, and with neither steps 3 and 4 of the
+    /// safe order give everything back.
+    fn settle(
+        &mut self,
+        retry: Vec<DetachedQueuePair>,
+        kept: Vec<DetachedQueuePair>,
+        store: &Mutex<StoreState>,
+        leaks: &LeakCounters,
+    ) -> Released {
+        if !kept.is_empty() {
+            let count = (kept.len() + retry.len()) as u64;
             // Kept for good: the pairs (dropping one would try again and then leak its rings
             // anyway), the windows they may write, and the reservations whose slots they may
-            // write (never released, so never reused).
-            std::mem::forget(undeleted);
+            // write (never released, so never reused). A pair still to be retried goes with
+            // them: its window is kept anyway.
+            std::mem::forget(kept);
+            std::mem::forget(retry);
             self.keep_for_good(count, leaks, "a session ended with queue pairs that could not be deleted");
-            return count;
+            return Released::Kept(count);
+        }
+        if !retry.is_empty() {
+            return Released::Retiring(Retiring { pairs: retry, holdings: std::mem::take(self) });
         }
         // 3. Reservations: an uncommitted store's slots go back free, invisible.
         {
@@ -739,8 +767,116 @@ impl Holdings {
         //    and its claim given back.
         self.registrations.clear();
         self.device_memory.clear();
-        0
+        Released::Done
     }
+}
+
+/// What ending a session's holdings came to ([`Holdings::release`]).
+#[must_use]
+pub enum Released {
+    /// Every queue pair deleted, everything given back.
+    Done,
+    /// Deletions to retry (every tick: [`Retiring::retry`]); the rest of the holdings waits.
+    Retiring(Retiring),
+    /// This many queue pairs could not be deleted: they and everything else are kept for good.
+    Kept(u64),
+}
+
+impl Released {
+    pub fn is_done(&self) -> bool {
+        matches!(self, Released::Done)
+    }
+}
+
+/// An ended session's queue pairs whose deletion the controller has not confirmed yet, and
+/// everything they may still write (windows, device memory, reservations), given back once it
+/// has. Each retry is at most one Delete I/O SQ and one Delete I/O CQ per pair, each bounded
+/// by the admin timeout (a busy admin queue answers at once). Until then the pairs' queue ids
+/// stay reserved in the driver, so no other queue gets them.
+pub struct Retiring {
+    pairs: Vec<DetachedQueuePair>,
+    holdings: Holdings,
+}
+
+/// What a retry of a retiring session's deletions came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retried {
+    /// Still not confirmed: retry later.
+    Pending,
+    /// Deleted, everything given back.
+    Done,
+    /// A deletion failed for good: this many pairs and everything else are kept for good.
+    Kept(u64),
+}
+
+impl Retiring {
+    /// Queue pairs not yet known deleted.
+    pub fn queue_pairs(&self) -> usize {
+        self.pairs.len()
+    }
+
+    /// Tries the deletions again (see [`Holdings::release`] for what follows each outcome).
+    pub fn retry(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> Retried {
+        let (retry, kept) = delete_pairs(std::mem::take(&mut self.pairs));
+        match self.holdings.settle(retry, kept, store, leaks) {
+            Released::Done => Retried::Done,
+            Released::Kept(pairs) => Retried::Kept(pairs),
+            Released::Retiring(mut again) => {
+                // `again` is left empty: its drop keeps nothing.
+                self.pairs = std::mem::take(&mut again.pairs);
+                self.holdings = std::mem::take(&mut again.holdings);
+                Retried::Pending
+            }
+        }
+    }
+
+    /// Gives up (the daemon drains with deletions still unconfirmed): everything is kept for
+    /// good, as for a failed deletion. Returns the pairs kept.
+    pub fn keep_for_good(mut self, leaks: &LeakCounters) -> u64 {
+        let pairs = self.pairs.len() as u64;
+        std::mem::forget(std::mem::take(&mut self.pairs));
+        self.holdings.keep_for_good(pairs, leaks, "the daemon stopped before the deletion of a session's queue pairs was confirmed");
+        pairs
+    }
+}
+
+impl Drop for Retiring {
+    /// Never gives back what an unconfirmed pair may write: dropped unfinished (a bug; the
+    /// server ends every one with `retry` or `keep_for_good`), it keeps everything for good,
+    /// uncounted but logged.
+    fn drop(&mut self) {
+        if !self.pairs.is_empty() {
+            let pairs = self.pairs.len() as u64;
+            std::mem::forget(std::mem::take(&mut self.pairs));
+            self.holdings.keep_for_good(pairs, &LeakCounters::default(), "a retiring session was dropped unfinished");
+        }
+    }
+}
+
+/// Whether a failed deletion may go through on a retry: the Delete was never sent (the admin
+/// queue is busy with a command that timed out earlier: `QueueBusy`), or it timed out (its late
+/// completion settles it; a retry's Invalid Queue Identifier then counts as done). Anything
+/// else (an error status, `QueueMaybeLive`, a failed queue, a lost controller) is definite.
+fn deletion_may_retry(error: &NvmeError) -> bool {
+    matches!(error, NvmeError::QueueBusy { .. } | NvmeError::Timeout { .. })
+}
+
+/// Deletes `pairs`: returns those to retry and those whose deletion failed for good (the
+/// deleted ones are gone).
+fn delete_pairs(pairs: Vec<DetachedQueuePair>) -> (Vec<DetachedQueuePair>, Vec<DetachedQueuePair>) {
+    let (mut retry, mut kept) = (Vec::new(), Vec::new());
+    for pair in pairs {
+        if let Err(undeleted) = pair.delete() {
+            if deletion_may_retry(&undeleted.source) {
+                tracing::warn!(error = %undeleted.source, "a client queue pair's deletion is not confirmed yet: retried");
+                retry.push(*undeleted.pair);
+            } else {
+                tracing::error!(error = %undeleted.source, "a client queue pair could not be deleted: its window and reservations are kept");
+                kept.push(*undeleted.pair);
+            }
+        }
+    }
+    (retry, kept)
 }
 
 /// A just-reserved request's placements, for its reply. On an error the reservation is not yet

@@ -17,7 +17,7 @@ use crate::keys::KeySpace;
 use crate::metrics::RequestLabel;
 use crate::peer::PeerProcess;
 use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, Kind, Reply, Request};
-use crate::session::Holdings;
+use crate::session::{Holdings, Released};
 use crate::DaemonError;
 
 use super::{lock, status, SessionRecord, Shared};
@@ -118,13 +118,25 @@ fn closed_by_peer(error: &DaemonError) -> bool {
 
 /// Ends a session, on every path out (close, EOF after a kill, lease, protocol error, drain):
 /// its queue pairs deleted, then its reservations released, then its windows unmapped
-/// ([`Holdings::release`]); then its record goes.
+/// ([`Holdings::release`]); then its record goes. A session whose deletions are not confirmed
+/// yet stays listed until they are (`super::retry_retiring`): its client may not free what the
+/// pairs could still write (docs/tuttid.md, device memory) before its session is gone.
 fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
-    let leaked = holdings.release(&shared.store, &shared.leaks);
-    if leaked > 0 {
-        tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
+    match holdings.release(&shared.store, &shared.leaks) {
+        Released::Done => {
+            lock(&shared.sessions).remove(&session);
+        }
+        Released::Kept(leaked) => {
+            tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
+            lock(&shared.sessions).remove(&session);
+        }
+        Released::Retiring(retiring) => {
+            if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+                record.retiring = true;
+            }
+            lock(&shared.retiring).push((session, retiring));
+        }
     }
-    lock(&shared.sessions).remove(&session);
 }
 
 /// How a connection ended, as far as its client's queues are concerned.
@@ -462,6 +474,7 @@ impl Connection {
                     requests_in_flight: 0,
                     relay: Vec::new(),
                     awaiting_exit: false,
+                    retiring: false,
                 };
                 lock(&shared.sessions).insert(session, record);
                 self.session = Some(session);

@@ -21,10 +21,19 @@ fn store(shared_registers: bool) -> Mutex<StoreState> {
 /// A one-device pool on a software controller started with `config` (its backing and
 /// namespace set here), which the driver reaches through `backend(device)`.
 fn store_on(config: EmuConfig, backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn DeviceBackend>) -> Mutex<StoreState> {
+    store_with(config, ControllerConfig::default(), backend)
+}
+
+/// As [`store_on`], the driver's controller started with `controller` (its admin timeout).
+fn store_with(
+    config: EmuConfig,
+    controller: ControllerConfig,
+    backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn DeviceBackend>,
+) -> Mutex<StoreState> {
     let config = config.with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
     let device = EmuDevice::start(config).unwrap();
     let backend = backend(device.clone());
-    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
+    let controller = Arc::new(Controller::init(backend, controller).unwrap());
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
     let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
@@ -81,7 +90,7 @@ fn a_device_without_a_shared_register_page_attaches_through_the_relay() {
     client.write32(grant.submission_doorbell_offset as usize, grant.depth);
     wait_until(|| lock(&without).relay.counts().dropped == 1);
 
-    assert_eq!(holdings.release(&without, &LeakCounters::default()), 0);
+    assert!(holdings.release(&without, &LeakCounters::default()).is_done());
     assert_eq!(lock(&without).relay.counts().queues, 0, "session end leaves the pair relayed");
     client.write32(grant.submission_doorbell_offset as usize, grant.depth + 1);
     std::thread::sleep(Duration::from_millis(20));
@@ -98,7 +107,7 @@ fn a_device_without_a_shared_register_page_attaches_through_the_relay() {
     // A second attach on the same window is refused; release deletes the pair.
     let (again, _) = attach(&mut holdings, &with, registration);
     assert!(matches!(again, Reply::Error { code: ErrorCode::BadRequest, .. }), "{again:?}");
-    assert_eq!(holdings.release(&with, &LeakCounters::default()), 0);
+    assert!(holdings.release(&with, &LeakCounters::default()).is_done());
     assert_eq!((holdings.registrations(), holdings.queue_pairs()), (0, 0));
 }
 
@@ -127,7 +136,7 @@ fn an_attach_whose_register_page_cannot_be_duplicated_leaves_nothing_behind() {
         let (retry, fds) = attach(&mut holdings, &store, registration);
         assert!(matches!(&retry, Reply::Attached { queues } if queues.len() == 1), "the retry: {retry:?}");
         assert_eq!((fds.len(), holdings.queue_pairs()), (1, 1));
-        assert_eq!(holdings.release(&store, &LeakCounters::default()), 0);
+        assert!(holdings.release(&store, &LeakCounters::default()).is_done());
     }
 }
 
@@ -165,7 +174,7 @@ fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
     let emulated = store(false);
     assert!(matches!(register(&mut holdings, &emulated), Reply::Registered(_)));
     assert_eq!(holdings.registrations(), 1);
-    assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+    assert!(holdings.release(&emulated, &LeakCounters::default()).is_done());
 }
 
 #[test]
@@ -200,7 +209,7 @@ fn a_memfd_stand_in_counts_against_the_sessions_window_bytes() {
     let request = RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 };
     let reply = holdings.register(request, &mut fds, &emulated, &limits, 16 << 10, &next_id, &service, 1);
     assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
-    assert_eq!(holdings.release(&emulated, &LeakCounters::default()), 0);
+    assert!(holdings.release(&emulated, &LeakCounters::default()).is_done());
 }
 
 #[test]
@@ -232,8 +241,8 @@ fn a_session_attaches_one_queue_pair_per_device_and_leaves_the_others_theirs() {
     let controller = Arc::clone(&lock(&store).control.pool().target(0).controller);
     let spare = controller.create_detached_queue_pair(2, None).expect("the pool's spare queue pair");
     spare.delete().map_err(|undeleted| undeleted.source).unwrap();
-    assert_eq!(first.release(&store, &LeakCounters::default()), 0);
-    assert_eq!(second.release(&store, &LeakCounters::default()), 0);
+    assert!(first.release(&store, &LeakCounters::default()).is_done());
+    assert!(second.release(&store, &LeakCounters::default()).is_done());
 }
 
 #[test]
@@ -254,7 +263,7 @@ fn a_windows_claim_is_given_back_with_it_and_kept_with_a_leaked_one() {
     assert!(matches!(register(&mut first, 1), Reply::Registered(_)));
     let mut second = Holdings::default();
     not_yours(register(&mut second, 2));
-    assert_eq!(first.release(&store, &LeakCounters::default()), 0);
+    assert!(first.release(&store, &LeakCounters::default()).is_done());
     assert!(matches!(register(&mut second, 2), Reply::Registered(_)), "the released window's memfd is free again");
     assert_eq!(second.leak(&store, &LeakCounters::default()), 0);
     let mut third = Holdings::default();
@@ -355,7 +364,7 @@ fn mapping_a_window_does_not_hold_the_pool_lock() {
     });
     assert!(waited < delay / 2, "the pool lock was held through the mapping: waited {waited:?}");
     assert_eq!(holdings.registrations(), 1);
-    assert_eq!(holdings.release(&store, &LeakCounters::default()), 0);
+    assert!(holdings.release(&store, &LeakCounters::default()).is_done());
 }
 
 /// Polls `done` for up to 10 s.
@@ -365,4 +374,43 @@ fn wait_until(done: impl Fn() -> bool) {
         assert!(std::time::Instant::now() < deadline, "not within 10 s");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+#[test]
+fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is() {
+    // Goal: a session ends while its Delete I/O SQ completes late (after the admin timeout):
+    // the pair is not kept for good but retried until the controller confirms it gone; then
+    // its window and reservation are given back, the queue id is free again and nothing is
+    // counted as leaked.
+    let admin_timeout = Duration::from_millis(50);
+    let store = store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, |device| device);
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let leaks = LeakCounters::default();
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let queue_id = match attach(&mut holdings, &store, registration).0 {
+        Reply::Attached { queues } => queues[0].queue_id,
+        other => panic!("{other:?}"),
+    };
+    let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let Released::Retiring(mut retiring) = holdings.release(&store, &leaks) else { panic!("the late deletion is not retried") };
+    assert_eq!(retiring.queue_pairs(), 1);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match retiring.retry(&store, &leaks) {
+            Retried::Done => break,
+            Retried::Pending => assert!(std::time::Instant::now() < deadline, "the deletion was never confirmed"),
+            Retried::Kept(pairs) => panic!("{pairs} pair(s) kept for good"),
+        }
+        std::thread::sleep(admin_timeout);
+    }
+    assert_eq!(device.stats().faults_injected, 1, "the Delete I/O SQ was late");
+    assert_eq!(leaks.queue_pairs.load(Ordering::Relaxed), 0);
+    assert_eq!(leaks.windows.load(Ordering::Relaxed), 0);
+    let controller = Arc::clone(&lock(&store).control.pool().target(0).controller);
+    let again = controller.create_detached_queue_pair(2, None).expect("the queue id is free again");
+    assert_eq!(again.layout().id.0, queue_id);
+    again.delete().map_err(|undeleted| undeleted.source).unwrap();
 }
