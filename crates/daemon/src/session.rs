@@ -369,7 +369,8 @@ impl Holdings {
                 .allow_blocks(target.namespace.0, device_layout.addressing.data_lba, pool_blocks);
             // Preset before Create I/O SQ, so the queue is restricted from the moment it exists:
             // with the shared register page any client can ring its doorbell right away. The
-            // preset is dropped (removed if no Create I/O SQ took it) once the creation returned.
+            // preset is dropped (removed if no Create I/O SQ took it) once the creation returned,
+            // unless the creation may still execute (kept pending, below).
             let preset = match store.emulators[device].as_ref().map(|emulator| emulator.preset_restriction(rings.0.iova(), restriction)) {
                 None => None,
                 Some(Ok(preset)) => Some(preset),
@@ -382,6 +383,17 @@ impl Holdings {
             let pair = match controller.create_detached_queue_pair(request.depth, Some(rings)) {
                 Ok(pair) => pair,
                 Err(error) => {
+                    // A Create I/O SQ that was sent and whose outcome is unknown (it timed out)
+                    // may still execute: the preset must be there when it does, or the queue
+                    // would run unrestricted on the client's ring. The driver keeps such rings
+                    // (and their queue ids) for good, so the kept preset never meets another
+                    // queue, and kept presets are bounded by the leaked queue ids.
+                    if let Some(preset) = preset {
+                        if preset.queue_id().is_none() && creation_may_still_execute(&error) {
+                            tracing::warn!(device, %error, "a client queue's creation may still execute: its restriction is kept pending");
+                            preset.keep_pending();
+                        }
+                    }
                     failure =
                         Some(Reply::error(ErrorCode::LimitReached, format!("creating a queue pair on pool device {device}: {error}")));
                     break;
@@ -851,6 +863,25 @@ impl Drop for Retiring {
             self.holdings.keep_for_good(pairs, &LeakCounters::default(), "a retiring session was dropped unfinished");
         }
     }
+}
+
+/// Whether a failed Create I/O queue pair may still execute on the controller: its command was
+/// sent and no answer says what became of it (a timeout, a lost or failed controller, a
+/// completion that broke the protocol). A refusal before sending (a busy or failed admin
+/// queue, no queue id, bad rings) or an error status proves it will not.
+fn creation_may_still_execute(error: &NvmeError) -> bool {
+    matches!(
+        error,
+        NvmeError::Timeout { .. }
+            | NvmeError::DeviceGone
+            | NvmeError::ControllerFatal { .. }
+            | NvmeError::Hardware(_)
+            | NvmeError::UnexpectedCompletion { .. }
+            | NvmeError::WrongSubmissionQueue { .. }
+            | NvmeError::InvalidSubmissionQueueHead { .. }
+            | NvmeError::CompletionBeforeFetch { .. }
+            | NvmeError::CommandOutcomeUnknown { .. }
+    )
 }
 
 /// Whether a failed deletion may go through on a retry: the Delete was never sent (the admin

@@ -255,11 +255,12 @@ impl EmuDevice {
     /// The first Create I/O SQ for `ring` takes the preset whether or not it succeeds, so it
     /// never applies to a later queue; the returned handle removes it on drop if no Create I/O
     /// SQ took it (a creation that failed before sending one), and tells which queue it
-    /// restricted. [`EmuError::RestrictionPending`] when a preset for `ring` is held already.
+    /// restricted; [`RestrictionPreset::keep_pending`] leaves it for a creation whose outcome is
+    /// unknown. [`EmuError::RestrictionPending`] when a preset for `ring` is held already.
     pub fn preset_restriction(&self, ring: Iova, restriction: QueueRestriction) -> Result<RestrictionPreset, EmuError> {
         let (token, applied_to) =
             self.shared.core().pending_restrictions.add(ring.0, restriction).ok_or(EmuError::RestrictionPending { ring_iova: ring.0 })?;
-        Ok(RestrictionPreset { shared: Arc::clone(&self.shared), token, applied_to })
+        Ok(RestrictionPreset { shared: Arc::clone(&self.shared), token, applied_to, kept_pending: false })
     }
 
     /// The DMA pool whose table the controller translates through (same as [`DeviceBackend::dma`]).
@@ -296,11 +297,14 @@ impl EmuDevice {
 }
 
 /// A restriction preset for a queue not created yet ([`EmuDevice::preset_restriction`]). Drop
-/// it once the creation returned: a preset no Create I/O SQ took is removed then.
+/// it once the creation returned: a preset no Create I/O SQ took is removed then (unless
+/// [`RestrictionPreset::keep_pending`] kept it).
 pub struct RestrictionPreset {
     shared: Arc<Shared>,
     token: u64,
     applied_to: Arc<OnceLock<u16>>,
+    /// Set by `keep_pending`: the drop leaves the preset pending.
+    kept_pending: bool,
 }
 
 impl RestrictionPreset {
@@ -308,6 +312,20 @@ impl RestrictionPreset {
     /// none did (not sent yet, failed, or sent with another ring address).
     pub fn queue_id(&self) -> Option<u16> {
         self.applied_to.get().copied()
+    }
+
+    /// Gives up the handle but leaves the preset pending, for a Create I/O SQ that was sent
+    /// and may still execute (it timed out: its outcome is unknown). Dropping the handle would
+    /// remove the preset, and a creation executing late would then make an unrestricted queue
+    /// on the ring. The first Create I/O SQ for the ring takes it, as ever.
+    ///
+    /// Only for a ring the host never uses again: the kept preset would otherwise restrict
+    /// (or, its ring being held, refuse with [`EmuError::RestrictionPending`]) a later queue
+    /// there. The driver keeps such a ring for good after a timed-out creation (its IOVA is
+    /// never mapped again), so the kept presets are bounded by the rings, and queue ids, the
+    /// host leaked.
+    pub fn keep_pending(mut self) {
+        self.kept_pending = true;
     }
 }
 
@@ -319,7 +337,9 @@ impl std::fmt::Debug for RestrictionPreset {
 
 impl Drop for RestrictionPreset {
     fn drop(&mut self) {
-        self.shared.core().pending_restrictions.remove(self.token);
+        if !self.kept_pending {
+            self.shared.core().pending_restrictions.remove(self.token);
+        }
     }
 }
 

@@ -414,3 +414,104 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
     assert_eq!(again.layout().id.0, queue_id);
     again.delete().map_err(|undeleted| undeleted.source).unwrap();
 }
+
+/// The software controller's registers, with one admin submission doorbell write held back
+/// (`hold_admin_doorbell_write`): what a controller slow to fetch a command looks like to the
+/// host, whose command then times out before the controller executes it.
+struct HoldingRegisters {
+    inner: Arc<dyn RegisterIo>,
+    /// Admin SQ tail writes to let through before holding one (0: hold none).
+    countdown: std::sync::atomic::AtomicU32,
+    held: Mutex<Option<u32>>,
+}
+
+/// BAR0 offset of the admin submission queue's tail doorbell.
+const ADMIN_SQ_TAIL_DOORBELL: usize = 0x1000;
+
+impl RegisterIo for HoldingRegisters {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn read32(&self, offset: usize) -> u32 {
+        self.inner.read32(offset)
+    }
+    fn write32(&self, offset: usize, value: u32) {
+        if offset == ADMIN_SQ_TAIL_DOORBELL {
+            let countdown = self.countdown.load(Ordering::Acquire);
+            if countdown > 0 {
+                self.countdown.store(countdown - 1, Ordering::Release);
+                if countdown == 1 {
+                    *lock(&self.held) = Some(value);
+                    return;
+                }
+            }
+        }
+        self.inner.write32(offset, value)
+    }
+    fn read64(&self, offset: usize) -> u64 {
+        self.inner.read64(offset)
+    }
+    fn write64(&self, offset: usize, value: u64) {
+        self.inner.write64(offset, value)
+    }
+}
+
+struct HoldingBackend {
+    device: Arc<EmuDevice>,
+    registers: Arc<HoldingRegisters>,
+}
+
+impl DeviceBackend for HoldingBackend {
+    fn name(&self) -> String {
+        format!("doorbell-holding {}", self.device.name())
+    }
+    fn registers(&self) -> Arc<dyn RegisterIo> {
+        self.registers.clone()
+    }
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        self.device.dma()
+    }
+    fn function_reset(&self) -> Result<(), HwError> {
+        self.device.function_reset()
+    }
+}
+
+#[test]
+fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
+    // Goal: the controller executes a client's Create I/O SQ only after the daemon's wait for
+    // it timed out (its doorbell write held back here). The attach fails, but the queue's
+    // restriction preset stays pending, so the late creation takes it (the queue is restricted
+    // to the client's window and the pool's blocks), instead of finding no preset.
+    let admin_timeout = Duration::from_millis(50);
+    let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
+    let store = {
+        let registers = Arc::clone(&registers);
+        store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, move |device| {
+            let holding = Arc::new(HoldingRegisters {
+                inner: device.registers(),
+                countdown: std::sync::atomic::AtomicU32::new(0),
+                held: Mutex::new(None),
+            });
+            *lock(&registers) = Some(Arc::clone(&holding));
+            Arc::new(HoldingBackend { device, registers: holding })
+        })
+    };
+    let holding = lock(&registers).clone().unwrap();
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let ring = nvme_driver::Iova(holdings.registrations[0].window.iova().0 + (512 << 10));
+    // The attach's Create I/O CQ goes through; its Create I/O SQ is held.
+    holding.countdown.store(2, Ordering::Release);
+    let (reply, _) = attach(&mut holdings, &store, registration);
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+    let held = lock(&holding.held).take().expect("the Create I/O SQ's doorbell write was held");
+    assert!(
+        matches!(device.preset_restriction(ring, QueueRestriction::new()), Err(nvme_emu::EmuError::RestrictionPending { .. })),
+        "the preset of the creation that may still execute was removed"
+    );
+    // The controller fetches the command now: the late creation takes the preset.
+    holding.inner.write32(ADMIN_SQ_TAIL_DOORBELL, held);
+    wait_until(|| device.preset_restriction(ring, QueueRestriction::new()).is_ok());
+    assert!(holdings.release(&store, &LeakCounters::default()).is_done());
+}

@@ -317,3 +317,25 @@ fn a_restriction_preset_serves_only_the_creation_it_was_set_for() {
     drop(pending);
     assert_eq!(host.device.with_core(|core| core.pending_restrictions.len()), 0, "a dropped handle removes its preset");
 }
+
+#[test]
+fn a_preset_kept_pending_restricts_a_creation_that_executes_after_its_handle_is_gone() {
+    // Goal: a host whose Create I/O SQ timed out (sent, its outcome unknown) keeps the preset
+    // pending past its handle (`keep_pending`): when the creation executes late, the queue it
+    // creates on the ring is restricted, not left open.
+    let mut host = TestHost::start(small_config().with_io_queue_pairs_max(2));
+    let queue = super::harness::HostQueue::new(&*host.dma, 1, 16);
+    let ring = nvme_driver::Iova(queue.submission.iova().0);
+    let preset = host.device.preset_restriction(ring, crate::QueueRestriction::new()).unwrap();
+    assert_eq!(preset.queue_id(), None);
+    preset.keep_pending();
+    assert_eq!(host.device.with_core(|core| core.pending_restrictions.len()), 1, "the kept preset is still pending");
+    // The late creation.
+    let cq = host.admin(SubmissionEntry::create_io_completion_queue(1, 16, queue.completion.iova().0));
+    assert_eq!(status_of(&cq), Ok(()));
+    let sq = host.admin(SubmissionEntry::create_io_submission_queue(1, 16, ring.0, 1));
+    assert_eq!(status_of(&sq), Ok(()));
+    let restricted = host.device.with_core(|core| core.submission_queues[1].as_ref().map(|queue| queue.restriction.is_some()));
+    assert_eq!(restricted, Some(true), "the late creation took the kept preset");
+    assert_eq!(host.device.with_core(|core| core.pending_restrictions.len()), 0, "taken, it is pending no more");
+}
