@@ -30,6 +30,7 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -149,7 +150,31 @@ pub struct ManifestLock {
 /// Takes the [`ManifestLock`] of the manifest at `path`, without waiting: held by another
 /// process, refused as in use ([`DaemonError::DeviceInUse`], exit 2), naming the lock file and
 /// its holder (pid and command line, as for a pool device).
+///
+/// The lock goes by the manifest's path, so a manifest another path reaches is refused as
+/// [`DaemonError::Config`]: a symbolic link (a second daemon given the link would lock
+/// `LINK.lock`, read the first's manifest through it and forget its registrations; its first
+/// rewrite would also replace the link with a file) or a file with other hard links.
 pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(metadata) if metadata.file_type().is_symlink() => {
+            return Err(DaemonError::Config(format!(
+                "the segment manifest {} (--cluster-state) is a symbolic link: give the manifest's own path (its lock goes by the path, so \
+                 another daemon could reach one manifest under two names)",
+                path.display()
+            )))
+        }
+        Ok(metadata) if metadata.nlink() > 1 => {
+            return Err(DaemonError::Config(format!(
+                "the segment manifest {} (--cluster-state) has {} hard links: give a manifest of one name (its lock goes by the path, so \
+                 another daemon could reach one manifest under two names)",
+                path.display(),
+                metadata.nlink()
+            )))
+        }
+        // Missing: created by the first rewrite, under this lock. Unreadable: load says why.
+        _ => {}
+    }
     let mut lock_path = path.as_os_str().to_owned();
     lock_path.push(".lock");
     let lock_path = PathBuf::from(lock_path);
@@ -385,6 +410,26 @@ mod tests {
 
     fn space(byte: u8) -> ModelSpace {
         ModelSpace::new([byte; FINGERPRINT_BYTES], 1, 2).unwrap()
+    }
+
+    #[test]
+    fn a_manifest_reached_under_another_name_is_refused_before_it_is_locked() {
+        // Goal: the lock goes by the path, so a symbolic link to a live daemon's manifest, or a
+        // hard link to it, would be locked as another file: both are refused as configuration
+        // errors naming the manifest; the file's own path (or a missing one) is locked.
+        let directory = tempfile::tempdir().unwrap();
+        let manifest = directory.path().join("segments");
+        std::fs::write(&manifest, b"").unwrap();
+        let _held = lock(&manifest).expect("the manifest's own path is locked");
+        let symlink = directory.path().join("other-name");
+        std::os::unix::fs::symlink(&manifest, &symlink).unwrap();
+        let error = lock(&symlink).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("symbolic link")), "{error}");
+        let hard_link = directory.path().join("third-name");
+        std::fs::hard_link(&manifest, &hard_link).unwrap();
+        let error = lock(&hard_link).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("2 hard links")), "{error}");
+        lock(&directory.path().join("missing")).expect("a manifest not written yet is locked");
     }
 
     fn keys(first: u64) -> Vec<u64> {
