@@ -184,6 +184,10 @@ struct SessionRecord {
     /// The session ended and the deletion of its queue pairs is not confirmed yet (retried every
     /// tick: [`retry_retiring`]); listed until it is.
     retiring: bool,
+    /// The session ended with queue pairs that could not be deleted: everything it held is
+    /// kept for good, and so is this record (its client must never free what the pairs may
+    /// still write). Bounded: the table holds at most `STATUS_CLIENTS_MAX` records (`Hello`).
+    kept: bool,
 }
 
 impl SessionRecord {
@@ -506,7 +510,7 @@ impl Server {
         for (session, retiring) in std::mem::take(&mut *lock(&shared.retiring)) {
             let kept = retiring.keep_for_good(&shared.leaks);
             tracing::error!(session, kept, "the daemon stopped before a session's queue pairs were known deleted: kept for good");
-            lock(&shared.sessions).remove(&session);
+            mark_kept(&shared, session);
         }
         if let Err(error) = std::fs::remove_file(&shared.config.socket) {
             tracing::warn!("removing {}: {error}", shared.config.socket.display());
@@ -557,11 +561,20 @@ fn retry_retiring(shared: &Shared) {
             }
             Retried::Kept(leaked) => {
                 tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
-                lock(&shared.sessions).remove(&session);
+                mark_kept(shared, session);
             }
         }
     }
     lock(&shared.retiring).extend(pending);
+}
+
+/// Marks `session`'s record kept for good (listed for good, `ClientStatus::kept`).
+fn mark_kept(shared: &Shared, session: u64) {
+    if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+        record.kept = true;
+        record.retiring = false;
+        record.awaiting_exit = false;
+    }
 }
 
 /// Answers one error frame (best effort, bounded by the frame timeout) and closes.
@@ -628,6 +641,7 @@ fn status(shared: &Shared) -> StatusReply {
             doorbells_relayed: record.relay_counts().0,
             doorbells_dropped: record.relay_counts().1,
             awaiting_exit: record.awaiting_exit,
+            kept: record.kept,
         })
         .collect();
     let (devices, pool, relay) = {

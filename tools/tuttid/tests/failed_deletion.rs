@@ -4,7 +4,8 @@
 //! keep everything the live queue may still write: the session's window stays mapped in the
 //! devices' DMA space (its IOVAs never handed to another window) and its reservation stays
 //! held (its slots never reused); all of it is counted (status, `tuttid --status`, `/metrics`)
-//! and logged, and the daemon keeps serving other clients.
+//! and logged, the session stays listed, marked kept (its client must never free that memory),
+//! and the daemon keeps serving other clients.
 //!
 //! The daemon is tuttid's own library (`open_pool` + `Server`, what the binary runs) serving in
 //! this test process, so the test can reach the software controller inside it (to arm the
@@ -116,16 +117,24 @@ fn a_queue_pair_the_controller_will_not_delete_keeps_its_window_and_reservation_
     // The controller refuses the next Delete I/O SQ: the victim's, at its session's end.
     let refuse = FaultAction::Status(NvmeStatus::generic(codes::INTERNAL_ERROR));
     daemon.emulator.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, refuse)));
+    let victim_session = victim.hello_reply().session;
     drop(victim);
     let deadline = Instant::now() + WAIT;
-    let leaked = loop {
+    loop {
         let status = daemon.status();
-        if status.clients.is_empty() {
-            break status;
+        if status.leaked_queue_pairs > 0 {
+            break;
         }
         assert!(Instant::now() < deadline, "the victim's session did not end: {:?}", status.clients);
         std::thread::sleep(Duration::from_millis(20));
-    };
+    }
+    // The leak is counted before the session's end is settled: a few ticks more.
+    std::thread::sleep(Duration::from_millis(200));
+    let leaked = daemon.status();
+    // Still listed, marked kept: its client must never free what the undeleted pair may write
+    // (a CUDA client waits for its session to leave status before cuMemFree).
+    let listed = leaked.clients.iter().find(|client| client.session == victim_session);
+    assert!(listed.is_some_and(|client| client.kept && !client.awaiting_exit), "the kept session left status: {:?}", leaked.clients);
     assert_eq!(daemon.emulator.stats().faults_injected, 1, "the refusal came from the controller");
     let counts = (leaked.leaked_queue_pairs, leaked.leaked_windows, leaked.leaked_window_bytes, leaked.leaked_requests);
     assert_eq!(counts, (1, 1, window.1 as u64, 1), "{leaked:?}");
@@ -145,6 +154,7 @@ fn a_queue_pair_the_controller_will_not_delete_keeps_its_window_and_reservation_
     let printed = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success() && printed.contains("LEAKED: 1 client queue pair(s)"), "{printed}");
     assert!(printed.contains("1 window(s)") && printed.contains("1 request(s) still reserved"), "{printed}");
+    assert!(printed.contains("ended, KEPT FOR GOOD"), "{printed}");
 
     // Others are served: two more clients (the last two pairs), none placed over the window,
     // none given the reserved slots.

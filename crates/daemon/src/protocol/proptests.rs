@@ -246,7 +246,7 @@ fn device_status() -> impl Strategy<Value = DeviceStatus> {
 }
 
 fn client_status() -> impl Strategy<Value = ClientStatus> {
-    (short_name(), vec(any::<u32>(), 7), u64s(5), any::<bool>()).prop_map(|(name, w, d, awaiting_exit)| ClientStatus {
+    (short_name(), vec(any::<u32>(), 7), u64s(5), any::<(bool, bool)>()).prop_map(|(name, w, d, (awaiting_exit, kept))| ClientStatus {
         session: d[0],
         pid: w[0],
         uid: w[1],
@@ -261,6 +261,7 @@ fn client_status() -> impl Strategy<Value = ClientStatus> {
         doorbells_relayed: d[3],
         doorbells_dropped: d[4],
         awaiting_exit,
+        kept,
     })
 }
 

@@ -35,6 +35,7 @@ fn sample_status() -> StatusReply {
             doorbells_relayed: 11,
             doorbells_dropped: 1,
             awaiting_exit: true,
+            kept: true,
         }],
         leaked_queue_pairs: 6,
         leaked_windows: 2,

@@ -20,7 +20,7 @@ use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, K
 use crate::session::{Holdings, Released};
 use crate::DaemonError;
 
-use super::{lock, status, SessionRecord, Shared};
+use super::{lock, mark_kept, status, SessionRecord, Shared};
 
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
 /// breaks the protocol, or the server stops. Its session is released on every path out, a
@@ -98,8 +98,11 @@ impl Drop for Ended<'_> {
             // in deciding whether to wait. Whether the client still rings its queues is not
             // known, so nothing it may write is released (and a panic inside a release here
             // would abort the daemon).
-            self.connection.holdings.leak(&self.shared.store, &self.shared.leaks);
-            lock(&self.shared.sessions).remove(&session);
+            if self.connection.holdings.leak(&self.shared.store, &self.shared.leaks) > 0 {
+                mark_kept(self.shared, session);
+            } else {
+                lock(&self.shared.sessions).remove(&session);
+            }
         } else {
             release_session(self.shared, session, &mut self.connection.holdings);
         }
@@ -127,8 +130,10 @@ fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
             lock(&shared.sessions).remove(&session);
         }
         Released::Kept(leaked) => {
+            // Listed for good, marked kept: a client waiting for its session to leave status
+            // before freeing its memory must never see it go (the pairs may still write it).
             tracing::error!(session, leaked, "session ended with queue pairs that could not be deleted: their memory is kept");
-            lock(&shared.sessions).remove(&session);
+            mark_kept(shared, session);
         }
         Released::Retiring(retiring) => {
             if let Some(record) = lock(&shared.sessions).get_mut(&session) {
@@ -475,8 +480,21 @@ impl Connection {
                     relay: Vec::new(),
                     awaiting_exit: false,
                     retiring: false,
+                    kept: false,
                 };
-                lock(&shared.sessions).insert(session, record);
+                {
+                    // Sessions kept for good stay listed: the table is bounded at what one
+                    // status reply can list.
+                    let mut sessions = lock(&shared.sessions);
+                    if sessions.len() >= crate::protocol::STATUS_CLIENTS_MAX {
+                        let kept = sessions.values().filter(|record| record.kept).count();
+                        return Reply::error(
+                            ErrorCode::LimitReached,
+                            format!("{} sessions are listed ({kept} of them kept for good: queue pairs not known deleted)", sessions.len()),
+                        );
+                    }
+                    sessions.insert(session, record);
+                }
                 self.session = Some(session);
                 let lease_ms = u32::try_from(shared.config.lease.as_millis()).unwrap_or(u32::MAX);
                 Reply::Hello(HelloReply { session, lease_ms, shape: shared.shape })

@@ -358,7 +358,12 @@ fn client(cli: &Cli, role: Role) -> Result<String> {
     };
     // The daemon closes its import when the session ends; only then may the memory be freed.
     drop(store);
-    wait_session_gone(socket, session, timeout)?;
+    if let Err(error) = wait_session_gone(socket, session, timeout) {
+        // Kept for good (its queue pairs may still write the memory), or not known gone: the
+        // memory is never freed, whatever happens next.
+        std::mem::forget(memory);
+        return Err(error);
+    }
     drop(memory);
     Ok(answer)
 }
@@ -435,14 +440,20 @@ fn ms(duration: Duration) -> f64 {
     duration.as_secs_f64() * 1e3
 }
 
-/// Polls the daemon's status until `session` is gone (bounded).
+/// Polls the daemon's status until `session` is gone (bounded). A session the daemon kept for
+/// good (`kept`: its queue pairs are not known deleted) never goes: an error at once, and the
+/// caller must never free the session's memory.
 fn wait_session_gone(socket: &Path, session: u64, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     let mut client = Client::connect(socket, timeout).context("connecting for status")?;
     loop {
         let status = client.status().context("status")?;
-        if !status.clients.iter().any(|client| client.session == session) {
-            return Ok(());
+        match status.clients.iter().find(|client| client.session == session) {
+            None => return Ok(()),
+            Some(listed) if listed.kept => {
+                bail!("the daemon kept session {session} for good (its queue pairs are not known deleted): its memory is never freed")
+            }
+            Some(_) => {}
         }
         ensure!(Instant::now() < deadline, "the daemon did not end session {session} within {} s", timeout.as_secs());
         std::thread::sleep(Duration::from_millis(10));
