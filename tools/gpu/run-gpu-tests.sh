@@ -73,10 +73,10 @@ NVCC_PATH=$(command -v nvcc 2>/dev/null) || { [[ -f /usr/local/cuda/bin/nvcc ]] 
 {
   echo "== date"; date -u
   echo "== uname"; uname -a
-  echo "== nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi failed"
-  echo "== gpu"; nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
+  echo "== nvidia-smi"; timeout -k 5 30 nvidia-smi 2>&1 || echo "nvidia-smi failed"
+  echo "== gpu"; timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
   echo "== nvcc"; if [[ -n "$NVCC_PATH" ]]; then echo "$NVCC_PATH"; "$NVCC_PATH" --version 2>&1; else echo "not found (PATH, /usr/local/cuda/bin)"; fi
-  echo "== torch"; python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  echo "== torch"; timeout -k 5 60 python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
   echo "== cargo"; command -v cargo && cargo --version 2>&1 || echo "no cargo"
   echo "== glibc"; ldd --version 2>&1 | head -n 1
   echo "== LD_LIBRARY_PATH ${LD_LIBRARY_PATH-<unset>}"
@@ -93,8 +93,14 @@ KERNEL_DIR="$ROOT/target/kernels"
 if [[ -n "$NVCC_PATH" ]]; then
   # No --foreground here: `timeout` then signals its whole process group, nvcc included (with it,
   # only the bash of cuda-build.sh died, and an nvcc left running held the log pipe open past the
-  # limit). The build needs no terminal, and its limit is under any caller's.
-  GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout -k 5 "$((BUDGET_S / 2))" \
+  # limit). The build needs no terminal. In a group of its own it is out of reach of a caller's
+  # timeout, so its limit is what is left of this script's budget (less the GPU test's room),
+  # at most half of it.
+  build_limit_s=$((BUDGET_S / 2))
+  left_s=$((BUDGET_S - SECONDS - 20))
+  ((left_s < build_limit_s)) && build_limit_s=$left_s
+  ((build_limit_s < 5)) && build_limit_s=5
+  GIO_NVCC="$NVCC_PATH" GIO_SKIP_CARGO=1 timeout -k 5 "$build_limit_s" \
     bash tools/cuda-build.sh "$KERNEL_DIR" 2>&1 | live kernels.log
   if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
     record "PASS kernels built here with $NVCC_PATH"

@@ -172,6 +172,20 @@ class RunGpuTests(unittest.TestCase):
         self.assertIn("NOTE kernels: building here with", summary)
         self.assertLess(elapsed, 15, summary)
 
+    def test_the_kernel_build_ends_within_the_scripts_budget_after_slow_version_probes(self):
+        # Goal: the build runs in a process group of its own (out of reach of run-all's timeout
+        # on the step), so its limit is what the script's budget has left, not half the budget
+        # from wherever it starts: two nvidia-smi probes of 9 s each, budget 20 s, an nvcc that
+        # never ends. Before, the build had 10 s after 18 s of probes (28 s in all).
+        s = StubRoot()
+        self.addCleanup(s.cleanup)
+        s.stub("stub-bin/nvidia-smi", "sleep 9")
+        s.stub("stub-bin/nvcc", 'if [[ "${1:-}" == --version ]]; then echo "Cuda compilation tools, stub"; exit 0; fi\nsleep 30')
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: passed'")
+        _rc, elapsed, summary = s.run("tools/gpu/run-gpu-tests.sh", [], {"GIO_GPU_TESTS_BUDGET_S": "20"}, limit_s=60)
+        self.assertIn("NOTE kernels: building here with", summary)
+        self.assertLess(elapsed, 25.5, summary)
+
 
 if __name__ == "__main__":
     unittest.main()
