@@ -15,6 +15,18 @@
 //! for a temporary metadata pair should the pool's own be lost.
 
 use std::path::PathBuf;
+
+/// I/O queue pairs of each software controller that are the pool's, not a client's: its
+/// metadata pair and a spare (module docs); a client's attach never takes them
+/// (`crate::session::Holdings::attach`).
+pub const POOL_QUEUE_PAIRS_RESERVED: u16 = 2;
+
+/// The I/O queue pairs of each controller that no client's attach may take: the pool's
+/// ([`POOL_QUEUE_PAIRS_RESERVED`]) and, on a cluster node, the data plane's staging pair (which
+/// tuttid counts in `client_queue_pairs`, started one over `--clients-max`).
+pub fn queue_pairs_reserved(cluster_node: bool) -> u16 {
+    POOL_QUEUE_PAIRS_RESERVED + u16::from(cluster_node)
+}
 use std::sync::Arc;
 
 use nvme_driver::{Controller, ControllerConfig, NamespaceId};
@@ -94,8 +106,10 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         locks.extend(created);
     }
     let mut emu = pool_emu_options(options.emu_lba_bytes, create_bytes);
-    emu.config =
-        emu.config.with_shared_registers(!options.emu_doorbell_relay).with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(2));
+    emu.config = emu
+        .config
+        .with_shared_registers(!options.emu_doorbell_relay)
+        .with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(POOL_QUEUE_PAIRS_RESERVED));
     let opened = open_in_one_space(&options.specs, &emu)?;
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());

@@ -83,6 +83,10 @@ pub struct LeakCounters {
     pub window_bytes: AtomicU64,
     /// Requests whose reservations are kept for good (their slots never reused).
     pub requests: AtomicU64,
+    /// Not a leak: sessions whose queue pairs hold queue ids on the pool's devices (attached,
+    /// being deleted, or kept for good; one id per device each), what an attach is admitted
+    /// against ([`Holdings::attach`]).
+    pub queue_id_holders: AtomicU64,
 }
 
 /// One registered window: the daemon's mapping of the client's memfd (every region over it,
@@ -104,6 +108,9 @@ pub struct Holdings {
     registrations: Vec<Registration>,
     device_memory: Vec<device_memory::DeviceRegistration>,
     handles: Vec<RequestHandle>,
+    /// Counted in [`LeakCounters::queue_id_holders`]: set when an attach left queue pairs here,
+    /// uncounted once all of them are known deleted (never when they are kept for good).
+    holds_queue_ids: bool,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
     crcs: Vec<u32>,
@@ -281,8 +288,19 @@ impl Holdings {
     /// One attach per session: each software controller is started with one I/O queue pair per
     /// client (`--clients-max`) plus the pool's metadata pair and a spare for a temporary one
     /// (`crate::pool_open`), so a session that attached on a second window would take another
-    /// client's pair, and then the pool's spare. A second attach is `LimitReached`.
-    pub fn attach(&mut self, request: AttachQueues, store: &Mutex<StoreState>, limits: &SessionLimits) -> (Reply, Vec<OwnedFd>) {
+    /// client's pair, and then the pool's spare. A second attach is `LimitReached`, and so is an
+    /// attach that would leave a controller fewer than `reserved` free ids (the pool's own and,
+    /// on a cluster node, the data plane's: `crate::pool_open::queue_pairs_reserved`): every
+    /// session whose pairs hold ids counts (`leaks.queue_id_holders`: attached, being deleted,
+    /// kept for good), and so do pairs the driver leaked.
+    pub fn attach(
+        &mut self,
+        request: AttachQueues,
+        store: &Mutex<StoreState>,
+        limits: &SessionLimits,
+        leaks: &LeakCounters,
+        reserved: u16,
+    ) -> (Reply, Vec<OwnedFd>) {
         let store = lock(store);
         let index = match self.registration(request.registration) {
             Ok(index) => index,
@@ -303,6 +321,29 @@ impl Holdings {
                     attached.id
                 ),
             );
+        }
+        // Admission: each session holding ids holds one per device (at most), so a controller
+        // has `holders + its driver's leaks` taken by clients; this attach takes one more and
+        // must leave the pool its own (its metadata pair and the spare). Checked and counted
+        // under the pool lock, so two attaches cannot both take the last one.
+        let holders = leaks.queue_id_holders.load(Ordering::Acquire);
+        for device in 0..devices {
+            let controller = &pool.target(device).controller;
+            let granted = u64::from(controller.granted_queue_pairs());
+            let driver_leaked = controller.leaked_queue_pairs();
+            let taken = holders.saturating_add(driver_leaked);
+            if taken.saturating_add(1 + u64::from(reserved)) > granted {
+                return refuse(
+                    ErrorCode::LimitReached,
+                    format!(
+                        "pool device {device} grants {granted} I/O queue pairs, {reserved} of them the daemon's \
+                         (the pool's metadata pair and a spare, a cluster node's staging pair), and {holders} session(s) hold one (live, being deleted, or kept for good: \
+                         {} queue pair(s) kept for good since start) besides {driver_leaked} the driver leaked: none is left for \
+                         another client",
+                        leaks.queue_pairs.load(Ordering::Relaxed)
+                    ),
+                );
+            }
         }
         if request.rings.len() != devices {
             return refuse(ErrorCode::BadRequest, format!("{} ring pairs for a pool of {devices} devices", request.rings.len()));
@@ -482,9 +523,21 @@ impl Holdings {
                 }
             }
             registration.queues = kept;
+            if !registration.queues.is_empty() {
+                self.count_queue_id_holder(leaks);
+            }
             return (reply, Vec::new());
         }
+        self.count_queue_id_holder(leaks);
         (Reply::Attached { queues: grants }, fds)
+    }
+
+    /// Counts the session among those whose pairs hold queue ids (once).
+    fn count_queue_id_holder(&mut self, leaks: &LeakCounters) {
+        if !self.holds_queue_ids {
+            self.holds_queue_ids = true;
+            leaks.queue_id_holders.fetch_add(1, Ordering::AcqRel);
+        }
     }
 
     /// Checks a prepare request against the session and computes the keys of its prefix up to
@@ -779,6 +832,10 @@ impl Holdings {
         //    and its claim given back.
         self.registrations.clear();
         self.device_memory.clear();
+        // Its queue ids are free again (every pair known deleted).
+        if std::mem::take(&mut self.holds_queue_ids) {
+            let _ = leaks.queue_id_holders.fetch_update(Ordering::AcqRel, Ordering::Acquire, |holders| holders.checked_sub(1));
+        }
         Released::Done
     }
 }

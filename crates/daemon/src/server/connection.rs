@@ -392,7 +392,13 @@ impl Connection {
                 )
             }
             (Request::AttachQueues(attach), Some(_)) => {
-                let (reply, reply_fds) = self.holdings.attach(attach, &shared.store, limits);
+                let (reply, reply_fds) = self.holdings.attach(
+                    attach,
+                    &shared.store,
+                    limits,
+                    &shared.leaks,
+                    crate::pool_open::queue_pairs_reserved(shared.cluster.is_some()),
+                );
                 self.count_holdings(shared);
                 // The relayed pairs change only here: their counters go to the record once.
                 let relay = self.holdings.relay_counters();

@@ -49,6 +49,9 @@ fn service() -> DeviceMemoryService {
     DeviceMemoryService::new(crate::gpu_memory::DeviceMemoryImport::Memfd).unwrap()
 }
 
+/// The queue pairs of each controller no attach takes (a daemon outside a cluster).
+const POOL_RESERVED: u16 = crate::pool_open::POOL_QUEUE_PAIRS_RESERVED;
+
 /// Registration ids, unique across the tests (as the server's are across sessions).
 static NEXT_REGISTRATION: AtomicU64 = AtomicU64::new(1);
 
@@ -64,7 +67,13 @@ fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
 
 fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64) -> (Reply, Vec<OwnedFd>) {
     let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-    holdings.attach(AttachQueues { registration, depth: 64, rings }, store, &SessionLimits::default())
+    holdings.attach(
+        AttachQueues { registration, depth: 64, rings },
+        store,
+        &SessionLimits::default(),
+        &LeakCounters::default(),
+        POOL_RESERVED,
+    )
 }
 
 #[test]
@@ -514,4 +523,33 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     holding.inner.write32(ADMIN_SQ_TAIL_DOORBELL, held);
     wait_until(|| device.preset_restriction(ring, QueueRestriction::new()).is_ok());
     assert!(holdings.release(&store, &LeakCounters::default()).is_done());
+}
+
+#[test]
+fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
+    // Goal: a session kept for good holds its queue id for good, so with it on a controller
+    // sized for --clients-max 2 (2 + 2 I/O queue pairs) only one more session attaches; the
+    // next is refused (LimitReached, naming the kept pair) and the pool's spare survives.
+    let store = store_on(EmuConfig::default().with_io_queue_pairs_max(2 + 2), |device| device);
+    let leaks = LeakCounters::default();
+    let attach = |holdings: &mut Holdings| {
+        let registration = registered(holdings, &store);
+        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+    };
+    let mut leaked = Holdings::default();
+    assert!(matches!(attach(&mut leaked), Reply::Attached { .. }));
+    assert_eq!(leaked.leak(&store, &leaks), 1);
+    let mut second = Holdings::default();
+    assert!(matches!(attach(&mut second), Reply::Attached { .. }), "the second session's attach");
+    let mut third = Holdings::default();
+    match attach(&mut third) {
+        Reply::Error { code: ErrorCode::LimitReached, message } => assert!(message.contains("kept for good"), "{message}"),
+        other => panic!("the third session took the pool's spare: {other:?}"),
+    }
+    let controller = Arc::clone(&lock(&store).control.pool().target(0).controller);
+    let spare = controller.create_detached_queue_pair(2, None).expect("the pool's spare queue pair");
+    spare.delete().map_err(|undeleted| undeleted.source).unwrap();
+    assert!(second.release(&store, &leaks).is_done());
+    assert!(third.release(&store, &leaks).is_done());
 }
