@@ -245,6 +245,22 @@ reopened.close()
 """
 
 
+def test_the_cleared_pool_record_knows_a_device_however_it_is_spelled(tmp_path: Path):
+    """Goal: the record of pools cleared in this process names the storage, not the string: a
+    PCI function in any of the spellings tutti's parser takes (short fields, no domain, any
+    case), and a pool file by a hard link or through emu: or uring:, are one device."""
+    from tutti.sglang import _device_identity
+
+    spellings = ["vfio:1:0.0", "vfio:0:01:00.0", "vfio:01:0.0", "vfio:0000:01:00.0", "vfio:0000:01:00.0".upper().replace("VFIO", "vfio")]
+    assert {_device_identity(spelling) for spelling in spellings} == {"vfio:0000:01:00.0"}
+    assert _device_identity("vfio:0000:01:00.1") != _device_identity("vfio:0000:01:00.0")
+    pool = tmp_path / "pool.img"
+    pool.write_bytes(b"")
+    (tmp_path / "link.img").hardlink_to(pool)
+    assert _device_identity(f"emu:{pool}") == _device_identity(f"uring:{tmp_path / 'link.img'}")
+    assert _device_identity("emu:mem:64m") is None
+
+
 def test_a_pool_cleared_in_this_process_is_not_opened_again_in_it(tmp_path: Path):
     """Goal: a clear retires the pool of the backend it reached, and SGLang can build another
     backend in the same process: StorageAttachment.detach() then attach() (the admin API) makes

@@ -218,6 +218,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
         except BaseException:
             self._store.close()
             raise
+        # Again now that the pool is open: a pool file the format just created has an identity
+        # (its inode) only from here on.
+        identities = tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
         if config["format"]:
             _forget_cleared_pools(identities)  # formatted: nothing stored before the clear is left
         self._pool_identity = (identities, fingerprint)
@@ -501,10 +504,25 @@ def _device_identity(device: str) -> Optional[str]:
     if kind == "emu" and rest.startswith(("mem:", "null:")):
         return None
     if kind in ("emu", "uring"):
-        return "path:" + os.path.realpath(rest)
+        try:
+            # The file itself: a hard link or another path to it is the same storage.
+            status = os.stat(rest)
+            return f"file:{status.st_dev}:{status.st_ino}"
+        except OSError:
+            return "path:" + os.path.realpath(rest)
     if kind == "vfio":
-        address = rest.lower()
-        return "vfio:" + (address if address.count(":") == 2 else "0000:" + address)
+        # Parsed as tutti's PciAddress parses it (any case, short fields, domain optional), so
+        # that vfio:1:0.0 and vfio:0000:01:00.0 are one function.
+        head, _, function = rest.rpartition(".")
+        fields = head.split(":")
+        if len(fields) == 2:
+            fields.insert(0, "0")
+        try:
+            domain, bus, slot, number = (int(field, 16) for field in (*fields, function))
+        except ValueError:
+            return device
+        if len(fields) == 3 and all(field for field in (*fields, function)):
+            return f"vfio:{domain:04x}:{bus:02x}:{slot:02x}.{number:x}"
     return device
 
 
