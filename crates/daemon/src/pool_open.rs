@@ -80,6 +80,13 @@ pub struct OpenedPool {
     pub locks: DeviceLocks,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// The admin timeout of the controllers `open_pool` brings up on this thread (the server's
+    /// tests of a late admin completion); `None`: the default.
+    pub(crate) static TEST_ADMIN_TIMEOUT: std::cell::Cell<Option<std::time::Duration>> = const { std::cell::Cell::new(None) };
+}
+
 pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // Only a format creates or grows a file: opening a file that holds no pool (a mistyped path)
     // must leave it as it was.
@@ -114,8 +121,14 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());
     let mut emulators = Vec::with_capacity(opened.len());
+    #[allow(unused_mut)] // changed only by the test hook
+    let mut controller_config = ControllerConfig::default();
+    #[cfg(test)]
+    if let Some(admin_timeout) = TEST_ADMIN_TIMEOUT.with(std::cell::Cell::get) {
+        controller_config.admin_timeout = admin_timeout;
+    }
     for device in opened {
-        let controller = Controller::init(device.backend, ControllerConfig::default())
+        let controller = Controller::init(device.backend, controller_config.clone())
             .map_err(|source| DaemonError::Controller { spec: device.spec.to_string(), source })?;
         devices.push(DeviceStatus { spec: device.spec.to_string(), description: device.spec.describe(), refused_commands: 0 });
         targets.push(PoolTarget { controller: Arc::new(controller), namespace: NamespaceId(options.namespace) });

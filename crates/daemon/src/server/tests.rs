@@ -313,3 +313,47 @@ fn bind_refuses_a_socket_whose_daemon_does_not_accept_without_waiting_on_it() {
     }
     assert!(socket.exists(), "the live daemon's socket was removed");
 }
+
+#[test]
+fn a_session_whose_queue_pair_deletion_completes_late_is_released_once_it_does() {
+    // Goal: a client's session ends while the controller answers its Delete I/O SQ only after
+    // four admin timeouts (50 ms here). The session is not kept for good: it stays listed
+    // while the accept loop's tick retries the deletion, and leaves status, everything given
+    // back and nothing counted as leaked, once the late completion confirms it.
+    let admin_timeout = Duration::from_millis(50);
+    let directory = tempfile::tempdir().unwrap();
+    crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
+    let opened = pool(directory.path(), false);
+    crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
+    let emulator = opened.emulators[0].clone().unwrap();
+    let socket = directory.path().join("tuttid.sock");
+    let mut config = ServerConfig::new(socket.clone());
+    config.clients_max = 4;
+    let server = Server::bind(config, opened).expect("bind");
+    let stop = server.stop_handle();
+    let (sender, served) = mpsc::channel();
+    let thread = thread::spawn(move || {
+        let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+        let _ = sender.send(outcome);
+    });
+    let mut daemon = InProcess { socket, stop, served, thread: Some(thread), _directory: directory };
+
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("late-delete"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let ended = Instant::now();
+    drop(store);
+    let gone = daemon.status_once("the session was not released", |status| status.clients.iter().all(|client| client.session != session));
+    assert!(ended.elapsed() >= 2 * admin_timeout, "left status before the late completion: {:?}", ended.elapsed());
+    assert_eq!(emulator.stats().faults_injected, 1, "the Delete I/O SQ was answered late");
+    let leaks = (gone.leaked_queue_pairs, gone.leaked_windows, gone.leaked_requests);
+    assert_eq!(leaks, (0, 0, 0), "{gone:?}");
+    // Its queue id is free: four more sessions (clients_max) attach.
+    let others: Vec<RemoteKvStore> =
+        (0..4).map(|i| RemoteKvStore::connect(&daemon.socket, &hello(&format!("next-{i}")), &config).expect("attach")).collect();
+    drop(others);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
