@@ -126,9 +126,12 @@ print_summary() {
 # init), except this script's own group and session. SIGTERM first,
 # then, for what is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on
 # every fresh machine.
+# `killed` is set to what it found running besides SID itself ("PID COMMAND" each).
+killed=()
 kill_tree() {
     local root=$1 signal round line stat pid ppid pgid sid fields changed own_pgid own_sid
     local -A pids=() pgids=() sids=()
+    killed=()
     read -r line < /proc/$$/stat
     read -r -a fields <<< "${line##*") "}"
     own_pgid=${fields[2]} own_sid=${fields[3]}
@@ -154,6 +157,14 @@ kill_tree() {
                 fi
             done
         done
+        if [ "$signal" = TERM ]; then
+            for pid in "${!pids[@]}"; do
+                [ "$pid" != "$root" ] || continue
+                line=$(tr '\0' ' ' 2> /dev/null < "/proc/$pid/cmdline")
+                [ -n "$line" ] || read -r line 2> /dev/null < "/proc/$pid/comm" || continue
+                killed+=("$pid ${line% }")
+            done
+        fi
         for pid in "${!pids[@]}"; do kill -"$signal" "$pid" 2> /dev/null; done
         [ "$signal" = KILL ] && break
         # A few seconds for them to end (a zombie has ended: its parent has not reaped it yet).
@@ -215,6 +226,15 @@ run_stage() {
     stage_pid=$!
     wait "$stage_pid"
     rc=$?
+    # What the stage left running (a crashed test's etcd or tuttid, handed to init; its `timeout`s'
+    # groups) is still in its session: stopped now, not left to the next stage or the machine.
+    # (Something that left for a session of its own, `setsid`, and whose parent is gone, is out of
+    # reach: `bounded` stops those of the scripts it runs while it still can find them.)
+    kill_tree "$stage_pid"
+    if [ ${#killed[@]} -gt 0 ]; then
+        echo "tools/test.sh: stage $name left ${#killed[@]} process(es) running, stopped now:" >&2
+        printf '  %.200s\n' "${killed[@]}" >&2
+    fi
     stage_pid= current_stage=
     if [ "$rc" = 0 ]; then
         passed=$((passed + 1))
