@@ -184,6 +184,17 @@ fn emu_file_is_created_sized_and_kept() {
     assert_eq!(std::fs::metadata(&path).unwrap().len(), 1 << 20);
 }
 
+/// A uring test that finds no io_uring (or no O_DIRECT where its file lies) says so and skips;
+/// with `TUTTI_REQUIRE_URING=1` (tools/test.sh's rust stage) it fails instead, as
+/// `tutti_uring::available` does for the ring crate's tests, so that a machine without io_uring
+/// cannot make these tests pass as skipped.
+fn skip_uring(reason: &str) {
+    if std::env::var_os("TUTTI_REQUIRE_URING").is_some_and(|value| value == "1") {
+        panic!("TUTTI_REQUIRE_URING=1, but {reason}");
+    }
+    eprintln!("skipped: {reason}");
+}
+
 #[test]
 fn uring_runs_with_verify_or_skips_without_io_uring() {
     let directory = tempfile::tempdir().unwrap();
@@ -200,7 +211,7 @@ fn uring_runs_with_verify_or_skips_without_io_uring() {
     ]);
     let text = stderr(&output);
     if output.status.code() != Some(0) && (text.contains("io_uring_setup") || text.contains("O_DIRECT")) {
-        eprintln!("skipped: io_uring with O_DIRECT is not available here: {text}");
+        skip_uring(&format!("io_uring with O_DIRECT is not available here: {text}"));
         return;
     }
     assert_eq!(output.status.code(), Some(0), "{text}");
@@ -710,7 +721,7 @@ fn written_blocks_carry_pseudorandom_data_that_differs_between_blocks() {
         let device = format!("{kind}:{}", file.display());
         let output = bench(&["--device", &device, "--rw=write", "--bs=4k", "--size=8k"]);
         if kind == "uring" && output.status.code() != Some(0) && stderr(&output).contains("io_uring") {
-            eprintln!("skipped uring: {}", stderr(&output));
+            skip_uring(&format!("io_uring: {}", stderr(&output)));
             continue;
         }
         assert_eq!(output.status.code(), Some(0), "{device}: {}", stderr(&output));
