@@ -1,0 +1,263 @@
+"""The key spaces of tutti's SGLang backend (`tutti.sglang`): which pool a scheduler process
+opens, and under which model fingerprint it names its pages.
+
+SGLang names a page by a hash chained over the prefix: every scheduler process of a server
+(each TP rank, pipeline stage, DP-attention group, DP replica and CP rank) gives the same prefix
+the same key, though a TP rank, stage or CP rank holds another share of the page's bytes, and a
+restart with another model or page layout gives it the same key again. A page therefore belongs
+to a key space, (devices, fingerprint), and a key is looked up only in its own:
+- the devices: each scheduler process opens its own, from the "devices" template with its ranks
+  filled in (`rank_devices`); a template that would give two processes one device is refused
+  (`check_rank_devices`; `_replicas` and `_dp_rank` read the plain-DP replica SGLang states
+  only in its runtime context).
+- the fingerprint: the model (an explicit "model_fingerprint", or SGLang's model name and the
+  checkpoint behind it, `_checkpoint_parts`), then always how a page's bytes are laid out
+  (`_page_layout_parts`, with the KV format of an integer pool, `_kv_format_parts`), then the
+  process's share of each page when the model is split across pipeline stages or CP ranks
+  (`_shard_parts`): other layers or another slice under the same page hash, even on shared devices.
+- the cleared-pool record: a key space this process cleared (SGLang's storage clear) keeps its
+  pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
+  is formatted (`_refuse_cleared_pool`); devices are named by the storage behind them
+  (`_device_identity`), however a device string spells it.
+
+Apart from tutti/sglang.py (the backend class and its page I/O) to keep each file to one concept;
+tutti.sglang imports these names, and `rank_devices` / `check_rank_devices` stay public there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from tutti._engine import ConfigError
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+
+# The pools this process cleared (SGLang's storage clear): (device identity, fingerprint) pairs.
+# tutti cannot delete a pool's pages, so a backend built later in this process (SGLang's
+# StorageAttachment.detach then attach) must not open such a pool again under the same
+# fingerprint, unless it formats it.
+_CLEARED_POOLS: set[tuple[str, bytes]] = set()
+_CLEARED_POOLS_LOCK = threading.Lock()
+
+
+def _device_identity(device: str) -> Optional[str]:
+    """The storage behind a device string, however it is spelled: a file or block device
+    (emu:PATH and uring:PATH open the same storage) by its resolved path, a vfio: PCI function
+    by its address with the domain; None for memory and no-storage devices (emu:mem:SIZE,
+    emu:null:SIZE), which keep nothing past their close."""
+    kind, _, rest = device.partition(":")
+    if kind == "emu" and rest.startswith(("mem:", "null:")):
+        return None
+    if kind in ("emu", "uring"):
+        try:
+            # The file itself: a hard link or another path to it is the same storage.
+            status = os.stat(rest)
+            return f"file:{status.st_dev}:{status.st_ino}"
+        except OSError:
+            return "path:" + os.path.realpath(rest)
+    if kind == "vfio":
+        # Parsed as tutti's PciAddress parses it (any case, short fields, domain optional), so
+        # that vfio:1:0.0 and vfio:0000:01:00.0 are one function.
+        head, _, function = rest.rpartition(".")
+        fields = head.split(":")
+        if len(fields) == 2:
+            fields.insert(0, "0")
+        try:
+            domain, bus, slot, number = (int(field, 16) for field in (*fields, function))
+        except ValueError:
+            return device
+        if len(fields) == 3 and all(field for field in (*fields, function)):
+            return f"vfio:{domain:04x}:{bus:02x}:{slot:02x}.{number:x}"
+    return device
+
+
+def _remember_cleared_pool(identities: tuple[str, ...], fingerprint: bytes) -> None:
+    with _CLEARED_POOLS_LOCK:
+        _CLEARED_POOLS.update((identity, fingerprint) for identity in identities)
+
+
+def _forget_cleared_pools(identities: tuple[str, ...]) -> None:
+    """The devices were formatted: no page of a cleared pool is left on them."""
+    with _CLEARED_POOLS_LOCK:
+        _CLEARED_POOLS.difference_update({entry for entry in _CLEARED_POOLS if entry[0] in identities})
+
+
+def _refuse_cleared_pool(devices: list[str], identities: tuple[str, ...], fingerprint: bytes) -> None:
+    """Raises ConfigError when this process cleared a pool on one of these devices under this
+    fingerprint: opening it again would serve the pages stored before the clear."""
+    with _CLEARED_POOLS_LOCK:
+        cleared = [identity for identity in identities if (identity, fingerprint) in _CLEARED_POOLS]
+    if cleared:
+        raise ConfigError(
+            f"this process cleared the tutti pool on {', '.join(devices)} (SGLang's /hicache/storage-backend/clear, "
+            "or a PD role switch, which clears the storage tier), and tutti cannot delete a pool's pages: opening it "
+            "again under the same model fingerprint would serve the pages stored before the clear (e.g. the old "
+            "weights'). Attach with \"format\": true (everything on the pool is lost), other devices, or a new "
+            "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
+        )
+
+
+def _replicas() -> tuple[Optional[int], int]:
+    """(this process's data-parallel replica, the replica count) from SGLang's runtime context:
+    with plain DP (--dp-size N, no DP attention) SGLang 0.5.23 gives every replica's storage
+    config dp_rank 0, and states the replica only in get_parallel().dp_rank (numbered by its data
+    parallel controller; None without one) and dp_size. (0, 1) when SGLang's config is not
+    published here; (None, N) when it runs N replicas and did not state this one's."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    try:
+        count = int(parallel.dp_size)
+    except (ValueError, RuntimeError, AttributeError, TypeError):
+        return 0, 1
+    if count <= 1:
+        return 0, 1
+    try:
+        rank = parallel.dp_rank
+    except (ValueError, RuntimeError, AttributeError):
+        rank = None
+    return (None if rank is None else int(rank)), count
+
+
+def _dp_rank(storage: HiCacheStorageConfig) -> int:
+    """"{dp_rank}": the DP-attention group (the storage config's dp_rank), or with plain DP the
+    replica (DP attention does not run inside replicas: one of the two is always 0)."""
+    rank, count = _replicas()
+    if count <= 1:
+        return int(getattr(storage, "dp_rank", 0))
+    if rank is None:
+        raise ConfigError(
+            f"SGLang runs {count} data-parallel replicas (--dp-size {count}) but did not state this process's "
+            "replica rank (get_parallel().dp_rank), so \"{dp_rank}\" in field 'devices' of "
+            "--hicache-storage-backend-extra-config cannot tell the replicas' devices apart"
+        )
+    return rank
+
+
+# The device-string keys filled in per scheduler process: (key, what the message calls it, this
+# process's value, whether processes of this server differ in it). SGLang 0.5.23 sets tp_rank to
+# the attention-TP rank under --enable-dp-attention (group-local: dp_rank tells the groups apart);
+# with plain DP the replica fills "{dp_rank}" (_dp_rank).
+_RANK_KEYS: tuple[tuple[str, str, Callable[[HiCacheStorageConfig], int], Callable[[HiCacheStorageConfig], bool]], ...] = (
+    ("tp_rank", "tp_rank", lambda storage: storage.tp_rank, lambda storage: storage.tp_size > 1),
+    ("pp_rank", "pp_rank", lambda storage: storage.pp_rank, lambda storage: storage.pp_size > 1),
+    ("dp_rank", "dp_rank", _dp_rank, lambda storage: getattr(storage, "dp_rank", 0) > 0 or _replicas()[1] > 1),
+    ("cp_rank", "attn_cp_rank", lambda storage: storage.attn_cp_rank, lambda storage: storage.attn_cp_size > 1),
+)
+
+
+def rank_devices(devices: Any, storage: HiCacheStorageConfig) -> list[str]:
+    """The device strings of this scheduler process: "{tp_rank}", "{pp_rank}", "{dp_rank}" and
+    "{cp_rank}" replaced by its ranks (a key not in any string is not looked up)."""
+    listed = [devices] if isinstance(devices, str) else list(devices)
+    for key, _, value, _ in _RANK_KEYS:
+        if any("{" + key + "}" in device for device in listed):
+            rank = str(value(storage))
+            listed = [device.replace("{" + key + "}", rank) for device in listed]
+    return listed
+
+
+def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
+    """Raises ConfigError when another scheduler process of this server (another TP rank,
+    pipeline stage, DP-attention group, DP replica or CP rank) would get the same device strings:
+    its open of the same devices would fail, and SGLang would not start."""
+    listed = [devices] if isinstance(devices, str) else list(devices)
+    for key, name, value, differs in _RANK_KEYS:
+        if differs(storage) and not all("{" + key + "}" in device for device in listed):
+            raise ConfigError(
+                f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r} gives every scheduler process "
+                f"of this server the same device for each {name} (tp_size {storage.tp_size}, pp_size {storage.pp_size}, "
+                f"attn_cp_size {storage.attn_cp_size}, DP-attention group {getattr(storage, 'dp_rank', 0)}, "
+                f"dp_size {_replicas()[1]}); "
+                f"put \"{{{key}}}\" in every device string, e.g. \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
+            )
+    rank_devices(devices, storage)  # a replica whose rank SGLang did not state is refused here
+
+
+def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ...]:
+    """What sets this process's share of a page apart when the model is split across pipeline
+    stages (other layers: the stage and its first layer) or context-parallel ranks (another
+    slice of each page); empty when it is not (the fingerprint of an unsplit model is
+    unchanged)."""
+    if storage.pp_size <= 1 and storage.attn_cp_size <= 1:
+        return ()
+    return (
+        "sglang shard",
+        f"pp {storage.pp_rank}/{storage.pp_size}",
+        f"layers from {getattr(host_pool, 'start_layer', 0)}",
+        f"cp {storage.attn_cp_rank}/{storage.attn_cp_size}",
+    )
+
+
+def _checkpoint_parts() -> Optional[tuple[str, ...]]:
+    """What names the checkpoint whose KV the pool holds, for the default fingerprint: the
+    storage config's model_name is --served-model-name in SGLang 0.5.23 (an alias; the model
+    path only when none is given), so from SGLang's runtime context: the model path and
+    revision, the quantization, the JSON overrides of the model config, and the speculative
+    draft model's path, revision and quantization. None when SGLang's config is not published
+    in this process (or names no model path): the checkpoint cannot be named."""
+    from sglang.srt.runtime_context import get_model, get_spec
+
+    try:
+        model = get_model()
+        spec = get_spec()
+        parts = (
+            "model_path", model.model_path,
+            "revision", model.revision,
+            "quantization", model.quantization,
+            "json_model_override_args", model.json_model_override_args,
+            "draft model_path", spec.speculative_draft_model_path,
+            "draft revision", spec.speculative_draft_model_revision,
+            "draft quantization", spec.speculative_draft_model_quantization,
+        )  # fmt: skip
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    if not model.model_path:
+        return None
+    return tuple(str(part) for part in parts)
+
+
+def _page_layout_parts(host_pool: Any, kv_format: Optional[tuple[str, ...]]) -> tuple[Any, ...]:
+    """How the bytes of this host pool's pages are laid out, added to every fingerprint (an
+    explicit one too): the pool's class, layout (--hicache-mem-layout, as SGLang resolved it),
+    layers, heads, head dimension, dtype and page size, and for an integer pool its KV format
+    (`_kv_format_parts`) when it can be read."""
+    return (
+        "sglang page layout",
+        type(host_pool).__name__,
+        host_pool.layout,
+        host_pool.layer_num,
+        host_pool.head_num,
+        host_pool.head_dim,
+        str(host_pool.dtype),
+        host_pool.page_size,
+        *(kv_format or ()),
+    )
+
+
+def _kv_format_parts(host_pool: Any) -> Optional[tuple[str, ...]]:
+    """What tells this host pool's KV format apart beyond its dtype, for the fingerprint's page layout:
+    empty for a floating-point pool (its dtype is the KV format). SGLang 0.5.23 stores every fp8
+    --kv-cache-dtype as torch.uint8 (memory_pool.py: store_dtype; the host pool takes it), so for
+    an integer pool: SGLang's kv_cache_dtype and speculative_draft_kv_cache_dtype (the packed
+    draft layers' format) and the platform (on ROCm fp8 strings resolve to the platform's fp8
+    type; "auto" resolves from the model's quant config, which the checkpoint (_checkpoint_parts) covers). None when
+    SGLang's config is not published in this process (it cannot be read)."""
+    if host_pool.dtype.is_floating_point:
+        return ()
+    from sglang.srt.runtime_context import get_model, get_spec
+
+    try:
+        kv_cache_dtype = get_model().kv_cache_dtype
+        draft_kv_cache_dtype = get_spec().speculative_draft_kv_cache_dtype
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return ("kv_cache_dtype", str(kv_cache_dtype), "draft kv_cache_dtype", str(draft_kv_cache_dtype), platform)
+
+
+__all__ = ["check_rank_devices", "rank_devices"]
