@@ -5,20 +5,25 @@
 //! - [`stdout`]: writing to standard output without panicking when a reader such as `head`
 //!   closes the pipe: the write fails with a [`stdout::StdoutError`], the run unwinds through
 //!   its `Drop`s (temporary files are removed) and the tool exits quietly with 141;
+//! - [`logging`]: the one `tracing` subscriber of every tutti process (binaries and the Python
+//!   module): events to standard error, filtered by `TUTTI_LOG`, `warn` by default;
 //! - [`timeout`]: `--timeout-s`, bounded so that a deadline (`Instant + Duration`) cannot
 //!   overflow;
 //! - [`geometry`]: the model-geometry options (`--model`, `--model-config FILE`, `--layers`,
 //!   `--kv-heads`, `--head-dim`, `--dtype`, `--tokens-per-block`) and their one parser, used by
 //!   tutti-bench, `tutti pool format` and tutti-profile (feature `geometry`, on by default;
-//!   without it the crate needs nothing beyond std, for binaries below the object store).
+//!   without it the crate needs nothing beyond std, clap and tracing-subscriber, for binaries
+//!   below the object store and the Python module).
 #![forbid(unsafe_code)]
 
 pub mod exit;
 #[cfg(feature = "geometry")]
 pub mod geometry;
+pub mod logging;
 pub mod stdout;
 pub mod timeout;
 
 #[cfg(feature = "geometry")]
 pub use geometry::{Dtype, GeometryArgs, GeometryError, ModelChoice};
+pub use logging::init_stderr_logging;
 pub use stdout::{is_stdout_closed, StdoutError};

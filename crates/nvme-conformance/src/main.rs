@@ -59,6 +59,7 @@ fn parse_device(text: &str) -> Result<DeviceSpec, String> {
 }
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let arguments = match Arguments::try_parse() {
         Ok(arguments) => arguments,
         Err(error) => return ExitCode::from(exit::report_parse_error(&error)),

@@ -31,6 +31,11 @@ use pyo3::prelude::*;
 
 #[pymodule]
 fn _tutti(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    // The store's warnings and errors (a request orphaned without finish, a queue pair leaked)
+    // go to standard error, filtered by TUTTI_LOG (default warn). Written to fd 2 directly,
+    // never through Python's logging: events fire under the store's lock, which a thread
+    // holding the GIL may be waiting for. A host that installed its own subscriber keeps it.
+    tutti_cli::init_stderr_logging();
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     errors::register(module)?;
     module.add_class::<geometry::ModelGeometry>()?;

@@ -38,6 +38,7 @@ pub fn usage<T>(message: impl Into<String>) -> anyhow::Result<T> {
 }
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let parsed = Cli::command().try_get_matches().and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (matches, cli)));
     let (matches, cli) = match parsed {
         Ok(parsed) => parsed,

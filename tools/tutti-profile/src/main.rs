@@ -251,6 +251,7 @@ struct CheckArgs {
 }
 
 fn main() -> std::process::ExitCode {
+    tutti_cli::init_stderr_logging();
     use std::process::ExitCode;
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,

@@ -58,6 +58,7 @@ enum Command {
 pub use tutti_cli::exit::Unusable;
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => return ExitCode::from(exit::report_parse_error(&error)),

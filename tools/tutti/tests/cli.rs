@@ -6,7 +6,18 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 fn tutti(arguments: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tutti")).args(arguments).output().expect("the built binary runs")
+    tutti_logging(arguments, None)
+}
+
+/// Runs tutti with `TUTTI_LOG` set to `filter`, or removed (the default filter, whatever the
+/// caller's environment holds: these tests read standard error).
+fn tutti_logging(arguments: &[&str], filter: Option<&str>) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tutti"));
+    match filter {
+        Some(filter) => command.env("TUTTI_LOG", filter),
+        None => command.env_remove("TUTTI_LOG"),
+    };
+    command.args(arguments).output().expect("the built binary runs")
 }
 
 fn stderr(output: &Output) -> String {
@@ -81,6 +92,38 @@ fn format_inspect_check_then_damage_is_status_1() {
     std::fs::write(&path, &bytes).unwrap();
     assert_status(&tutti(&["pool", "check", "--device", &device]), 1, &["superblock", "CRC32"]);
     assert_status(&tutti(&["pool", "inspect", "--device", &device]), 1, &["superblock", "CRC32"]);
+}
+
+#[test]
+fn the_libraries_warnings_reach_standard_error_filtered_by_tutti_log() {
+    // Goal: the libraries' tracing events are printed on standard error; before the tools
+    // installed a subscriber they were all discarded. Here objstore's warning on opening a pool
+    // whose slot headers are all zeroes: shown by default (warn), shown at TUTTI_LOG=info, gone
+    // at TUTTI_LOG=off, and an invalid TUTTI_LOG says so in one line and keeps the default.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    assert_status(&format(&path, &["--model", "llama3-8b"]), 0, &[]);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[4096..8192].fill(0);
+    std::fs::write(&path, &bytes).unwrap();
+    let device = device(&path);
+    let inspect = ["pool", "inspect", "--device", &device];
+    let warning = "slot headers are all zeroes";
+
+    let output = tutti_logging(&inspect, None);
+    assert_status(&output, 1, &["WARN", warning, "damaged"]);
+    assert!(!stdout(&output).contains(warning), "an event on standard output: {}", stdout(&output));
+    assert_status(&tutti_logging(&inspect, Some("info")), 1, &["WARN", warning]);
+    let silenced = tutti_logging(&inspect, Some("off"));
+    assert_status(&silenced, 1, &["damaged"]);
+    assert!(!stderr(&silenced).contains(warning), "TUTTI_LOG=off: {}", stderr(&silenced));
+
+    let output = tutti_logging(&inspect, Some("objstore=loud"));
+    assert_status(&output, 1, &["WARN", warning]);
+    let text = stderr(&output);
+    let complaints: Vec<&str> = text.lines().filter(|line| line.contains("TUTTI_LOG")).collect();
+    assert_eq!(complaints.len(), 1, "{text}");
+    assert!(complaints[0].contains("objstore=loud") && complaints[0].contains("default"), "{}", complaints[0]);
 }
 
 #[test]

@@ -217,6 +217,7 @@ fn parse_device(text: &str) -> Result<DeviceSpec, String> {
 }
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(error) => return ExitCode::from(exit::report_parse_error(&error)),

@@ -50,6 +50,7 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let cli = Cli::parse();
     match run(&cli) {
         Ok(line) => {

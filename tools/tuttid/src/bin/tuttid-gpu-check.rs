@@ -94,6 +94,7 @@ struct Cli {
 }
 
 fn main() -> ExitCode {
+    tutti_cli::init_stderr_logging();
     let cli = Cli::parse();
     match cli.role {
         Some(role) => match client(&cli, role) {
