@@ -237,6 +237,47 @@ def test_a_layer_is_done_once_its_store_closed():
     assert layer.done
 
 
+def test_requests_dropped_with_a_stuck_layer_wait_the_store_timeout_once(formatted_daemon):
+    # Goal: four store requests, each with layer 0 in flight through a paused tuttid (store
+    # timeout 1 s), dropped one after another (as an exception unwinding, a dict cleared or
+    # the interpreter's exit drops them): the first drop waits the timeout and orphans its
+    # request, the later ones, finding the device still not answering, wait for nothing more
+    # (they are orphaned at once): under 1.5 s in all. Once tuttid runs again the orphans
+    # finish and their places come back: four prepares succeed. Before, each drop waited its
+    # own full timeout, one after another (4 s here; 32 x 30 s with the defaults).
+    store = attach(formatted_daemon, timeout_s=1.0, requests_max=4)
+    layout = store.allocate_kv(8, "block_major")
+    requests = []
+    for seed in (1, 2, 3, 4):
+        fill_block(layout, seed, 80 + seed)
+        requests.append(store.prepare_store(tokens(80 + seed, 1), [seed]))
+    formatted_daemon.pause()
+    try:
+        for request in requests:
+            request.store_layer(0)
+        del request
+        started = time.monotonic()
+        while requests:
+            requests.pop(0)
+        elapsed = time.monotonic() - started
+    finally:
+        formatted_daemon.resume()
+    assert elapsed < 1.5, f"dropping four requests took {elapsed:.2f} s"
+    deadline = time.monotonic() + WAIT_S
+    again = []
+    for seed in (1, 2, 3, 4):
+        while True:  # the orphans finish once the completion thread saw their layers end
+            try:
+                again.append(store.prepare_store(tokens(90 + seed, 1), [seed]))
+                break
+            except tutti.LimitReached:
+                assert time.monotonic() < deadline, "the dropped requests never gave back their places"
+                time.sleep(0.05)
+    for request in again:
+        request.finish()
+    store.close()
+
+
 def fork_sleeper(seconds: float) -> int:
     """A forked child that only sleeps (holding whatever it inherited) and exits without running
     the parent's cleanups."""

@@ -583,8 +583,11 @@ class Request:
     the GIL released), so that none moves bytes into or out of engine blocks after the drop. A
     layer still in flight after that (a device that does not answer) is logged at error level
     and the request held until the layer ends (the completion thread and the next prepare
-    finish it then; the store's close at the latest). Finish or commit explicitly (or use
-    `with`) rather than rely on this: the drop may block the thread that frees the object."""
+    finish it then; the store's close at the latest). While such a request is held, later
+    drops wait for nothing (what has ended is taken, the rest held the same way): requests
+    dropped together with a stuck device cost one timeout_s in all, not one each. Finish or
+    commit explicitly (or use `with`) rather than rely on this: the drop may block the thread
+    that frees the object."""
 
     @property
     def handle(self) -> int:

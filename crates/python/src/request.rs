@@ -6,7 +6,7 @@
 
 use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use nix::sys::eventfd::EventFd;
 use objstore::{Direction, StorePlan};
@@ -54,8 +54,11 @@ pub struct Request {
 /// engine reused them. A layer still in flight at the deadline (or whose wait fails without
 /// ending it) is logged at error level and the request kept on the store's orphans, held until
 /// it ended (the completion thread and the next prepare drive it, the store's close at the
-/// latest). Only in the process that prepared it (another one's store is not its to touch:
-/// `process`).
+/// latest). While the store holds orphans whose layers have not ended, the device did not
+/// answer a drop within the timeout: a drop then waits for nothing more (what has ended is
+/// taken, the rest orphaned the same way), so that 32 requests dropped together with a stuck
+/// device stall their thread one timeout, not 32. Only in the process that prepared it
+/// (another one's store is not its to touch: `process`).
 ///
 /// A destructor runs wherever Python frees the object (any thread, any bytecode): the GIL is
 /// released while the store's lock is taken and the layers are waited for (see
@@ -69,28 +72,39 @@ impl Drop for Request {
             return;
         }
         let handle = self.handle;
-        // The store's timeout went through `duration_of` at open; should the clock still not
-        // hold the deadline, settle for what has ended (the rest is orphaned, not given back).
-        let deadline = deadline_after(self.shared.timeout).unwrap_or_else(|_| Instant::now());
         let this = &*self;
         let end = || {
+            // Orphans the device has not ended yet (those that did are finished first) mean it
+            // did not answer within the timeout: this drop waits for nothing more, so that
+            // requests dropped together (an exception unwinding, a dict cleared, the
+            // interpreter's exit) cost one timeout in all, not one each. What it left in flight
+            // is orphaned too, held all the same.
+            let device_stuck = this.shared.locked(|state| state.drive_orphans(Duration::ZERO)).unwrap_or(false);
+            // The store's timeout went through `duration_of` at open; should the clock still
+            // not hold the deadline, settle for what has ended (the rest is orphaned).
+            let deadline =
+                if device_stuck { Instant::now() } else { deadline_after(this.shared.timeout).unwrap_or_else(|_| Instant::now()) };
             this.settle(deadline);
-            this.shared.locked(|state| state.finish_dropped(handle))
+            (device_stuck, this.shared.locked(|state| state.finish_dropped(handle)))
         };
         // No interpreter to detach from (Rust tests, an interpreter shutting down): the lock is
         // taken as is, which cannot deadlock: no thread that holds the store's lock waits for
         // the GIL (what it releases is dropped after the lock is let go).
-        let ended = match Python::try_attach(|py| py.detach(end)) {
+        let (device_stuck, ended) = match Python::try_attach(|py| py.detach(end)) {
             Some(ended) => ended,
             None => end(),
         };
         match ended {
             Ok(Ok(Dropped::Finished)) | Err(_) => {}
             Ok(Ok(Dropped::Orphaned)) => {
+                let waited = if device_stuck {
+                    "not waited for: requests dropped earlier still wait for the device"
+                } else {
+                    "still in flight after the store's timeout"
+                };
                 tracing::error!(
-                    "tutti: request {handle:#x} was dropped without finish and a layer of it is still in flight after the \
-                     store's timeout: it is kept (its place, pins, IOCBs; its commands may still move the engine blocks \
-                     it names) until the layer ends"
+                    "tutti: request {handle:#x} was dropped without finish and a layer of it is {waited}: it is kept (its \
+                     place, pins, IOCBs; its commands may still move the engine blocks it names) until the layer ends"
                 );
                 if let Err(failure) = self.shared.ensure_service() {
                     tracing::error!(message = %failure.message, "tutti: no completion thread to drive request {handle:#x}");
@@ -630,7 +644,6 @@ mod tests {
         // flight), and once the layer ends the next prepare's pass (or the completion
         // thread's) finishes it, giving back its place. Before, the drop left it in flight
         // with nobody to finish it until the store closed.
-        use std::time::Duration;
         let mut state = test_store::local_state(1);
         let handle = test_store::prepare_store(&mut state, 5);
         let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(1)));
