@@ -291,6 +291,49 @@ vm_boot() {
     VM_GUEST_RC=127
 }
 
+# vm_below PID: the pids of every process below PID (by parent links, from /proc: procps is not
+# on every machine), one a line.
+vm_below() {
+    local -A below=([$1]=1)
+    local changed=1 stat line fields pid
+    while [ "$changed" = 1 ]; do
+        changed=0
+        for stat in /proc/[0-9]*/stat; do
+            read -r line 2> /dev/null < "$stat" || continue
+            read -r -a fields <<< "${line##*") "}"
+            pid=${stat#/proc/} pid=${pid%/stat}
+            if [ -n "${below[${fields[1]}]:-}" ] && [ -z "${below[$pid]:-}" ]; then
+                below[$pid]=1 changed=1
+            fi
+        done
+    done
+    unset "below[$1]"
+    [ ${#below[@]} -eq 0 ] || printf '%s\n' "${!below[@]}"
+}
+
+# SIGINT or SIGTERM while a guest runs (vm_boot_once's trap): QEMU (by its pid file; it is in
+# timeout's process group, which Ctrl-C does not reach) and everything below the boot pipeline
+# are stopped (SIGTERM, SIGKILL 10 s later), then the script ends with 128+signal.
+vm_boot_interrupted() {
+    local signal=$1 code=$2 pidfile=$3 boot_pid=$4 qemu_pid pids round
+    trap '' INT TERM
+    vm_log "SIG$signal: stopping QEMU"
+    qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
+    # shellcheck disable=SC2207
+    pids=($qemu_pid $(vm_below "$boot_pid"))
+    [ ${#pids[@]} -eq 0 ] || kill -TERM "${pids[@]}" 2> /dev/null || true
+    for round in $(seq 1 20); do
+        [ -n "$(vm_below "$boot_pid")" ] || { [ -n "$qemu_pid" ] && kill -0 "$qemu_pid" 2> /dev/null; } || break
+        sleep 0.5
+    done
+    # shellcheck disable=SC2207
+    pids=($qemu_pid $(vm_below "$boot_pid"))
+    [ ${#pids[@]} -eq 0 ] || kill -KILL "${pids[@]}" 2> /dev/null || true
+    wait "$boot_pid" 2> /dev/null || true
+    rm -f "$pidfile" "$pidfile.rc"
+    exit "$code"
+}
+
 vm_boot_once() {
     local initrd=$1 log=$2 timeout_s=${TUTTI_VM_TIMEOUT_S:-300} boot_timeout_s=${TUTTI_VM_BOOT_TIMEOUT_S:-90}
     local started pidfile qemu_rc line stamp booted started_s status grace_s=${TUTTI_VM_EXIT_GRACE_S:-20}
@@ -333,49 +376,68 @@ vm_boot_once() {
     # result still counts); one that never finishes is stopped by timeout(1). The watchdog
     # takes QEMU's pid when it starts, not when it fires, and is cancelled when QEMU's output
     # ends, so it can only ever stop the QEMU of this run.
-    timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | {
-        booted=0
-        watchdog=""
-        partial=""
-        while :; do
-            line=""
-            IFS= read -r -t 2 line
-            status=$?
-            if [ "$status" -gt 128 ]; then
-                # Timed out mid-line (a slow console): keep the part; the rest comes later.
-                # (Logged as two lines, it would break a JSON document of tools/vm-bench.sh.)
-                partial+=$line
+    # The pipeline runs in the background, waited for with `wait`, which a trapped SIGINT or
+    # SIGTERM interrupts at once: `timeout` moves QEMU into a process group of its own, which
+    # Ctrl-C on the terminal does not reach, and a trap would wait for a foreground pipeline to
+    # end (up to timeout_s). The trap (vm_boot_interrupted) stops QEMU and everything below the
+    # pipeline, then ends the script. (Background commands ignore SIGINT here: only the
+    # script's trap answers it.)
+    {
+        timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | {
+            booted=0
+            watchdog=""
+            partial=""
+            while :; do
                 line=""
-            else
-                line=$partial$line
-                partial=""
-                [ "$status" -ne 0 ] && [ -z "$line" ] && break # end of output
-            fi
-            if [ -n "$line" ]; then
-                line=${line//$'\r'/}
-                stamp=$(vm_elapsed "$started")
-                printf '[guest %6ss] %s\n' "$stamp" "$line" | tee -a "$log" >&2
-                case $line in
-                    *"TUTTI_VM: init started"*) booted=1 ;;
-                    *"TUTTI_VM_RESULT rc="*)
-                        qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
-                        if [ -n "$qemu_pid" ] && [ -z "$watchdog" ]; then
-                            (sleep "$grace_s" && kill -0 "$qemu_pid" 2> /dev/null &&
-                                touch "$log.watchdog" && kill "$qemu_pid") > /dev/null 2>&1 &
-                            watchdog=$!
-                        fi
-                        ;;
-                esac
-            fi
-            if [ "$booted" = 0 ] && [ $((SECONDS - started_s)) -gt "$boot_timeout_s" ] && [ ! -f "$log.boothang" ]; then
-                touch "$log.boothang"
-                [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2> /dev/null
-            fi
-        done
-        # QEMU has exited (its output ended): a watchdog still sleeping has nothing to stop.
-        if [ -n "$watchdog" ]; then kill "$watchdog" 2> /dev/null || true; fi
-    }
-    qemu_rc=${PIPESTATUS[0]}
+                IFS= read -r -t 2 line
+                status=$?
+                if [ "$status" -gt 128 ]; then
+                    # Timed out mid-line (a slow console): keep the part; the rest comes later.
+                    # (Logged as two lines, it would break a JSON document of tools/vm-bench.sh.)
+                    partial+=$line
+                    line=""
+                else
+                    line=$partial$line
+                    partial=""
+                    [ "$status" -ne 0 ] && [ -z "$line" ] && break # end of output
+                fi
+                if [ -n "$line" ]; then
+                    line=${line//$'\r'/}
+                    stamp=$(vm_elapsed "$started")
+                    printf '[guest %6ss] %s\n' "$stamp" "$line" | tee -a "$log" >&2
+                    case $line in
+                        *"TUTTI_VM: init started"*) booted=1 ;;
+                        *"TUTTI_VM_RESULT rc="*)
+                            qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
+                            if [ -n "$qemu_pid" ] && [ -z "$watchdog" ]; then
+                                (sleep "$grace_s" && kill -0 "$qemu_pid" 2> /dev/null &&
+                                    touch "$log.watchdog" && kill "$qemu_pid") > /dev/null 2>&1 &
+                                watchdog=$!
+                            fi
+                            ;;
+                    esac
+                fi
+                if [ "$booted" = 0 ] && [ $((SECONDS - started_s)) -gt "$boot_timeout_s" ] && [ ! -f "$log.boothang" ]; then
+                    touch "$log.boothang"
+                    [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2> /dev/null
+                fi
+            done
+            # QEMU has exited (its output ended): a watchdog still sleeping has nothing to stop.
+            if [ -n "$watchdog" ]; then kill "$watchdog" 2> /dev/null || true; fi
+        }
+        echo "${PIPESTATUS[0]}" > "$pidfile.rc"
+    } &
+    local boot_pid=$! saved_traps
+    saved_traps=$(trap -p INT TERM)
+    # shellcheck disable=SC2064 # the pids and paths are this run's, fixed now
+    trap "vm_boot_interrupted INT 130 '$pidfile' $boot_pid" INT
+    # shellcheck disable=SC2064
+    trap "vm_boot_interrupted TERM 143 '$pidfile' $boot_pid" TERM
+    wait "$boot_pid"
+    trap - INT TERM
+    eval "$saved_traps"
+    qemu_rc=$(cat "$pidfile.rc" 2> /dev/null || echo 125)
+    rm -f "$pidfile.rc"
     set -e
     VM_WALL_S=$(vm_elapsed "$started")
     VM_BOOT_S=$(grep -a -m1 'TUTTI_VM: init started' "$log" | sed -E 's/^\[guest +([0-9.]+)s\].*/\1/' || true)
