@@ -237,6 +237,28 @@ def test_a_layer_is_done_once_its_store_closed():
     assert layer.done
 
 
+def test_a_layer_close_could_not_settle_is_not_done(formatted_daemon):
+    # Goal: a retrieve layer in flight through a paused tuttid, whose store is closed with a
+    # 0.3 s timeout (the close cannot wait it out: the memory is kept for good, counted in
+    # leaked_registrations), answers done = False: done means the layer ended, and nothing
+    # says it did. Before, done was True for every layer once its store was closed.
+    store = attach(formatted_daemon, timeout_s=0.3)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 85)
+    prompt = tokens(85, 1)
+    store_prompt(store, prompt, [1])
+    fill_block(layout, 2, 900)
+    request = store.prepare_retrieve(prompt, [2])
+    formatted_daemon.pause()
+    try:
+        layer = request.retrieve_layer(0)
+        store.close(timeout_s=0.3)
+        assert store.leaked_registrations() == 1, "the close could not settle the layer"
+        assert not layer.done, "the layer did not end (as far as anyone knows)"
+    finally:
+        formatted_daemon.resume()
+
+
 def test_requests_dropped_with_a_stuck_layer_wait_the_store_timeout_once(formatted_daemon):
     # Goal: four store requests, each with layer 0 in flight through a paused tuttid (store
     # timeout 1 s), dropped one after another (as an exception unwinding, a dict cleared or

@@ -714,7 +714,10 @@ class LayerIo:
         """Whether this layer ended, completed or failed, as observed (by any wait/poll/the
         completion thread); does not drive I/O (use poll). A failed layer is done: its wait
         raises the failure. True once the request has ended, its store's close included (the
-        close ends every request)."""
+        close ends every request), except for a layer the close could not wait out (within its
+        timeout_s) whose queue pairs it could not prove deleted either (tuttid's session not
+        seen ending cleanly): nothing says it ended, and it stays False for good (its memory
+        is kept for good, counted in Store.leaked_registrations)."""
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
         completed, whose completion it then takes as wait does, and True once the request has

@@ -141,6 +141,10 @@ pub struct StoreState {
     pub registered: Option<CheckedLayout>,
     /// Registered tensors kept for good because a queue pair could not be deleted.
     pub leaked_tensors: usize,
+    /// The issues (request handle, issue) the store's close left in flight without proof that
+    /// they ended since (queue pairs not known deleted): their `LayerIo.done` stays False. At
+    /// most `requests_max` x `layers_in_flight` of them, set once.
+    pub left_in_flight_at_close: Vec<(u64, u64)>,
     /// The model fingerprint and the TP rank and world of the key space (in-process stores; None:
     /// the in-process space 0).
     pub key_space: Option<([u8; 32], u32, u32)>,
@@ -241,6 +245,7 @@ impl StoreState {
             allocation: None,
             registered: None,
             leaked_tensors: 0,
+            left_in_flight_at_close: Vec::new(),
             key_space,
             last_daemon_request: Instant::now(),
             layers_in_flight_max: limits.layers_in_flight,

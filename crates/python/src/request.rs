@@ -314,13 +314,18 @@ impl Request {
 
     /// Whether `issue` ended, completed or failed (seen by anyone), without driving I/O. A
     /// request the store no longer holds (the store closed, which ended every request) has no
-    /// issue left in flight: its layers are done.
+    /// issue left in flight: its layers are done, except those the close could not wait out
+    /// and whose queue pairs it could not prove deleted (`left_in_flight_at_close`): nothing
+    /// says they ended.
     fn layer_done(&self, issue: u64) -> Result<bool, Failure> {
         if self.phase() != Phase::Prepared {
             return Ok(true);
         }
         let mut state = self.shared.lock()?;
-        if state.is_closed() || !state.requests.contains_key(&self.handle) {
+        if state.is_closed() {
+            return Ok(!state.left_in_flight_at_close.contains(&(self.handle, issue)));
+        }
+        if !state.requests.contains_key(&self.handle) {
             return Ok(true);
         }
         Ok(state.request(self.handle).is_ok_and(|request| request.is_ended(issue)))

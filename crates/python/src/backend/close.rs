@@ -33,6 +33,9 @@ impl StoreState {
         // copies, which only a command in flight makes. Every layer of every request is waited
         // for (in issue order), not only the oldest: each may still move bytes.
         let mut settled = true;
+        // The issues still in flight at the deadline: not done, unless the close proves below
+        // that no command of theirs is left (`left_in_flight_at_close`).
+        let mut left_in_flight = Vec::new();
         for handle in handles {
             loop {
                 match self.settle_step(handle, deadline) {
@@ -40,6 +43,9 @@ impl StoreState {
                     Settling::Settled => break,
                     Settling::Unsettled => {
                         settled = false;
+                        if let Some(request) = self.requests.get(&handle) {
+                            left_in_flight.extend(request.issues.in_flight().map(|issue| (handle, issue)));
+                        }
                         break;
                     }
                 }
@@ -89,6 +95,13 @@ impl StoreState {
             }
             _ => false,
         };
+        // A layer left in flight ended (its commands done or aborted, none left to move bytes)
+        // once its queue pairs are deleted: the software controller's or VFIO's, confirmed by
+        // the close; tuttid's, once the session ended cleanly. Otherwise nothing says it ended.
+        let queues_gone = if remote { ended_cleanly } else { deleted };
+        if !queues_gone {
+            self.left_in_flight_at_close = left_in_flight;
+        }
         let memory = std::mem::take(&mut self.caller_memory);
         let mut leaked = 0;
         match QueuesGone::after_close(deleted) {

@@ -82,6 +82,11 @@ impl Issues {
         }
     }
 
+    /// The issues in flight, oldest first.
+    pub fn in_flight(&self) -> impl Iterator<Item = u64> + '_ {
+        self.in_flight.iter().map(|&(_, issue)| issue)
+    }
+
     /// Whether `issue` is in flight.
     pub fn is_in_flight(&self, issue: u64) -> bool {
         self.in_flight.iter().any(|&(_, in_flight)| in_flight == issue)
