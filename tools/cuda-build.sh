@@ -12,7 +12,7 @@
 #
 # nvcc comes from NVIDIA's CUDA 13 Python wheels, installed once (idempotently) with pip into
 # .tools/cuda-wheels (gitignored); whether they are there is decided by running nvcc and reading
-# the installed wheels' versions, not by a stamp (an interrupted install is made again). Every wheel is pinned, including the two that nvcc pulls in
+# the installed wheels' versions and RECORDs, not by a stamp (an interrupted install is made again). Every wheel is pinned, including the two that nvcc pulls in
 # (crt, nvvm): an unpinned dependency resolves to the newest release and mixes toolkit versions.
 # The cu12 wheels ship no nvcc, so the cu13 ones are required. No GPU or driver is needed here.
 set -euo pipefail
@@ -43,17 +43,23 @@ PACKAGES=(
   "nvidia-nvvm==$CUDA_WHEEL_VERSION"
 )
 
-# The pinned wheels are installed (each exactly once, at its pin) and their nvcc runs.
+# The pinned wheels are installed (each exactly once, at its pin), every file their RECORDs list
+# is there (what nvcc runs besides itself, nvvm's cicc, and the headers, which `nvcc --version`
+# does not touch: a tree damaged after its install), and their nvcc runs.
 wheels_installed() {
   "$WHEELS_DIR/nvidia/cu13/bin/nvcc" --version >/dev/null 2>&1 || return 1
   python3 - "$WHEELS_DIR" "${PACKAGES[@]}" <<'PY'
-import importlib.metadata as metadata, sys
+import importlib.metadata as metadata, os, sys
 path = [sys.argv[1]]
 for pin in sys.argv[2:]:
     name, version = pin.split("==")
-    found = [dist.version for dist in metadata.distributions(name=name, path=path)]
-    if found != [version]:
-        sys.exit(f"cuda-build: {name} {found} in {path[0]}, {version} pinned")
+    found = list(metadata.distributions(name=name, path=path))
+    if [dist.version for dist in found] != [version]:
+        sys.exit(f"cuda-build: {name} {[dist.version for dist in found]} in {path[0]}, {version} pinned")
+    files = found[0].files
+    missing = "has no RECORD" if files is None else next((f"is missing {f}" for f in files if not os.path.exists(f.locate())), None)
+    if missing is not None:
+        sys.exit(f"cuda-build: {name} {version} in {path[0]} {missing}")
 PY
 }
 
@@ -63,9 +69,12 @@ if [[ -n "${GIO_NVCC:-}" ]]; then
   CUDA_HOME="$(cd "$(dirname "$NVCC")/.." && pwd)"
 elif ! wheels_installed; then
   echo "cuda-build: installing ${PACKAGES[*]} into $WHEELS_DIR"
-  rm -rf "$WHEELS_DIR"
+  # Into a directory of its own, moved into place whole once pip has finished: an interrupted
+  # install leaves only WHEELS_DIR.partial (removed by the next one), never a partial WHEELS_DIR.
+  rm -rf "$WHEELS_DIR" "$WHEELS_DIR.partial"
   python3 -m pip install --disable-pip-version-check --quiet --no-deps \
-    --target "$WHEELS_DIR" "${PACKAGES[@]}"
+    --target "$WHEELS_DIR.partial" "${PACKAGES[@]}"
+  mv "$WHEELS_DIR.partial" "$WHEELS_DIR"
   wheels_installed || { echo "cuda-build: the wheels installed into $WHEELS_DIR are not what is pinned (see above)" >&2; exit 1; }
 fi
 
