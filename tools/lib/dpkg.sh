@@ -8,6 +8,8 @@
 #   forbid_service_starts / restore_own_policy_rc_d / clean_stale_policy_rc_d
 #                              the policy-rc.d hook below
 #   etcd_half_installed / disable_etcd_service
+#   dpkg_installed PKG...      those of the packages dpkg lists as installed (to be reinstalled
+#                              when a check that uses their files fails)
 #
 # Every `dpkg --configure -a` of these scripts goes through dpkg_configure_pending: an install of
 # etcd-server that was interrupted (unpacked, not configured) is configured by the next one, and
