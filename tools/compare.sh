@@ -99,7 +99,14 @@ fi
 if ! command -v fio >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     say "installing fio with apt-get"
-    $SUDO timeout -k 30 600 dpkg --configure -a >/dev/null 2>&1 || true
+    if [ -z "$SUDO" ]; then
+        # As root, through the one helper that keeps a half-installed etcd-server from being
+        # configured with its service started (tools/lib/dpkg.sh).
+        . "$(dirname "$(readlink -f "$0")")/lib/dpkg.sh"
+        dpkg_configure_pending
+    else
+        $SUDO timeout -k 30 600 dpkg --configure -a >/dev/null 2>&1 || true
+    fi
     $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null 2>&1 ||
         { $SUDO timeout -k 30 600 apt-get update >/dev/null && $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null; } ||
         { say "apt-get install fio failed"; exit 1; }

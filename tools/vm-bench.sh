@@ -119,7 +119,7 @@ command -v fio > /dev/null || {
     [ "${TUTTI_VM_SKIP_APT:-0}" = 1 ] && vm_die "fio is missing (TUTTI_VM_SKIP_APT=1)"
     vm_log "installing fio"
     export DEBIAN_FRONTEND=noninteractive
-    timeout -k 30 600 dpkg --configure -a > "$VM_DIR/logs/apt-fio.log" 2>&1 || true
+    dpkg_configure_pending "$VM_DIR/logs/apt-fio.log" # tools/lib/dpkg.sh, through vm/lib.sh
     timeout -k 30 900 apt-get install -y -qq --no-install-recommends fio >> "$VM_DIR/logs/apt-fio.log" 2>&1 ||
         { timeout -k 30 600 apt-get update -qq >> "$VM_DIR/logs/apt-fio.log" 2>&1 &&
             timeout -k 30 900 apt-get install -y -qq --no-install-recommends fio >> "$VM_DIR/logs/apt-fio.log" 2>&1; } ||
