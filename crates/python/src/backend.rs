@@ -145,6 +145,9 @@ pub struct StoreState {
     /// they ended since (queue pairs not known deleted): their `LayerIo.done` stays False. At
     /// most `requests_max` x `layers_in_flight` of them, set once.
     pub left_in_flight_at_close: Vec<(u64, u64)>,
+    /// The descriptors the store recorded for forked children to close (`process`): forgotten
+    /// when it closes them.
+    pub closed_in_forked_children: Vec<std::os::fd::RawFd>,
     /// The model fingerprint and the TP rank and world of the key space (in-process stores; None:
     /// the in-process space 0).
     pub key_space: Option<([u8; 32], u32, u32)>,
@@ -246,6 +249,7 @@ impl StoreState {
             registered: None,
             leaked_tensors: 0,
             left_in_flight_at_close: Vec::new(),
+            closed_in_forked_children: Vec::new(),
             key_space,
             last_daemon_request: Instant::now(),
             layers_in_flight_max: limits.layers_in_flight,

@@ -432,24 +432,80 @@ pub fn at_fork_in_child(handler: extern "C" fn()) -> std::io::Result<()> {
     }
 }
 
-/// (device, inode) of the open file `fd` names, None when `fd` is not open. Async-signal-safe
-/// (one `fstat(2)`, no allocation).
-pub fn fd_identity(fd: std::os::fd::RawFd) -> Option<(u64, u64)> {
+/// Which open file a descriptor names, to tell a number reused for another file from the one
+/// recorded: (device, inode), and for an anon-inode file the kind the kernel gives it. Every
+/// eventfd, epoll, timerfd, signalfd and VFIO device fd (`anon_inode:[vfio-device]`) shares
+/// the one anon inode, so (device, inode) alone cannot tell them apart; their link text in
+/// `/proc/self/fd` names the kind. A path's link text is not compared: it changes while the
+/// file stays the same (renamed, or " (deleted)" once unlinked), and (device, inode) already
+/// names one file while it is open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdIdentity {
+    pub device: u64,
+    pub inode: u64,
+    /// A hash (FNV-1a, never 0) of an anon-inode file's link text (`anon_inode:[eventfd]`);
+    /// 0 for any other file, or when the link cannot be read (no /proc).
+    pub anon_kind: u64,
+}
+
+/// The identity of the open file `fd` names, None when `fd` is not open. Async-signal-safe
+/// (`fstat(2)`, `readlink(2)`, no allocation): it runs in a forked child's handler.
+pub fn fd_identity(fd: std::os::fd::RawFd) -> Option<FdIdentity> {
     if fd < 0 {
         return None;
     }
     // SAFETY: the borrow lives only for the fstat below; a number that is not open makes fstat
     // fail with EBADF (no file is touched).
     let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
-    nix::sys::stat::fstat(borrowed).ok().map(|stat| (stat.st_dev, stat.st_ino))
+    let stat = nix::sys::stat::fstat(borrowed).ok()?;
+    Some(FdIdentity { device: stat.st_dev, inode: stat.st_ino, anon_kind: anon_kind_of(fd) })
+}
+
+/// `FdIdentity::anon_kind` of `fd` (not negative): `/proc/self/fd/<fd>` read with
+/// `readlink(2)`, which never follows the link. Async-signal-safe: stack buffers only, no
+/// formatting machinery, no allocation, no panic (every index is within its buffer).
+fn anon_kind_of(fd: std::os::fd::RawFd) -> u64 {
+    const PREFIX: &[u8] = b"/proc/self/fd/";
+    const ANON: &[u8] = b"anon_inode:";
+    // The prefix, at most 10 digits (i32::MAX) and the NUL (the buffer starts zeroed).
+    let mut path = [0u8; 32];
+    let mut digits = [0u8; 10];
+    let mut count = 0;
+    let mut rest = fd.unsigned_abs();
+    for digit in digits.iter_mut() {
+        *digit = b'0' + (rest % 10) as u8;
+        rest /= 10;
+        count += 1;
+        if rest == 0 {
+            break;
+        }
+    }
+    let spelled = PREFIX.iter().chain(digits.iter().take(count).rev());
+    for (byte, spelled) in path.iter_mut().zip(spelled) {
+        *byte = *spelled;
+    }
+    // Anon-inode kinds are short ("anon_inode:[vfio-device]"); a longer text is cut here,
+    // the same way every time.
+    let mut link = [0u8; 64];
+    // SAFETY: `path` is NUL-terminated (14 + 10 bytes written into 32 zeroed ones); readlink
+    // writes at most `link.len()` bytes into `link` and returns how many, or -1.
+    let length = unsafe { nix::libc::readlink(path.as_ptr().cast(), link.as_mut_ptr().cast(), link.len()) };
+    let Ok(length) = usize::try_from(length) else { return 0 };
+    let Some(text) = link.get(..length) else { return 0 };
+    if !text.starts_with(ANON) {
+        return 0;
+    }
+    // FNV-1a, 64 bits.
+    let hash = text.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, &byte| (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3));
+    hash.max(1)
 }
 
 /// Closes the descriptor `fd` (`close(2)`, nothing else: never `shutdown(2)`, which would act
-/// on the open file shared with other processes) if it still names the file `identity` (device,
-/// inode); returns whether it did. Async-signal-safe. Only for the copies a forked child
+/// on the open file shared with other processes) if it still names the file `identity`
+/// (`fd_identity`); returns whether it did. Async-signal-safe. Only for the copies a forked child
 /// inherited of descriptors its parent's sessions own (`process::close_inherited`): whatever
 /// owns them in the child is leaked and never uses the number again.
-pub fn close_inherited_copy(fd: std::os::fd::RawFd, identity: (u64, u64)) -> bool {
+pub fn close_inherited_copy(fd: std::os::fd::RawFd, identity: FdIdentity) -> bool {
     use std::os::fd::FromRawFd;
     if fd_identity(fd) != Some(identity) {
         return false;

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Once;
 
 use crate::errors::{ErrorClass, Failure};
-use crate::ffi::{at_fork_in_child, close_inherited_copy, fd_identity};
+use crate::ffi::{at_fork_in_child, close_inherited_copy, fd_identity, FdIdentity};
 
 /// The process that opened a session (`std::process::id()` then).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +80,23 @@ struct ForkSlot {
     fd: AtomicI32,
     device: AtomicU64,
     inode: AtomicU64,
+    anon_kind: AtomicU64,
+}
+
+impl ForkSlot {
+    /// The identity recorded (read once the slot is seen ready).
+    fn identity(&self) -> FdIdentity {
+        FdIdentity {
+            device: self.device.load(Ordering::Relaxed),
+            inode: self.inode.load(Ordering::Relaxed),
+            anon_kind: self.anon_kind.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether the slot is a ready record of this process's `fd`.
+    fn records(&self, pid: u32, fd: RawFd) -> bool {
+        self.state.load(Ordering::Acquire) == SLOT_READY && self.pid.load(Ordering::Relaxed) == pid && self.fd.load(Ordering::Relaxed) == fd
+    }
 }
 
 #[allow(clippy::declare_interior_mutable_const)] // one fresh slot per array element
@@ -89,6 +106,7 @@ const EMPTY_SLOT: ForkSlot = ForkSlot {
     fd: AtomicI32::new(-1),
     device: AtomicU64::new(0),
     inode: AtomicU64::new(0),
+    anon_kind: AtomicU64::new(0),
 };
 static FORK_COPIES: [ForkSlot; FORK_SLOTS] = [EMPTY_SLOT; FORK_SLOTS];
 static AT_FORK: Once = Once::new();
@@ -98,7 +116,7 @@ extern "C" fn in_forked_child() {
 }
 
 /// Records `fds` (open in this process, owned by a session of it) to be closed in every child
-/// forked from now on. A descriptor is recorded with the file it names (device, inode): one
+/// forked from now on. A descriptor is recorded with the file it names (`fd_identity`): one
 /// closed and its number reused names another file, which a child leaves alone; such stale
 /// records of this process are dropped here.
 pub fn keep_from_forked_children(fds: &[RawFd]) {
@@ -111,21 +129,14 @@ pub fn keep_from_forked_children(fds: &[RawFd]) {
     for slot in &FORK_COPIES {
         if slot.state.load(Ordering::Acquire) == SLOT_READY && slot.pid.load(Ordering::Relaxed) == pid {
             let fd = slot.fd.load(Ordering::Relaxed);
-            let recorded = (slot.device.load(Ordering::Relaxed), slot.inode.load(Ordering::Relaxed));
-            if fd_identity(fd) != Some(recorded) {
+            if fd_identity(fd) != Some(slot.identity()) {
                 let _ = slot.state.compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed);
             }
         }
     }
     for &fd in fds {
-        let Some((device, inode)) = fd_identity(fd) else { continue };
-        let known = FORK_COPIES.iter().any(|slot| {
-            slot.state.load(Ordering::Acquire) == SLOT_READY
-                && slot.pid.load(Ordering::Relaxed) == pid
-                && slot.fd.load(Ordering::Relaxed) == fd
-                && slot.device.load(Ordering::Relaxed) == device
-                && slot.inode.load(Ordering::Relaxed) == inode
-        });
+        let Some(identity) = fd_identity(fd) else { continue };
+        let known = FORK_COPIES.iter().any(|slot| slot.records(pid, fd) && slot.identity() == identity);
         if known {
             continue;
         }
@@ -138,16 +149,31 @@ pub fn keep_from_forked_children(fds: &[RawFd]) {
         };
         slot.pid.store(pid, Ordering::Relaxed);
         slot.fd.store(fd, Ordering::Relaxed);
-        slot.device.store(device, Ordering::Relaxed);
-        slot.inode.store(inode, Ordering::Relaxed);
+        slot.device.store(identity.device, Ordering::Relaxed);
+        slot.inode.store(identity.inode, Ordering::Relaxed);
+        slot.anon_kind.store(identity.anon_kind, Ordering::Relaxed);
         slot.state.store(SLOT_READY, Ordering::Release);
+    }
+}
+
+/// Forgets the records of `fds` (`keep_from_forked_children`), which the caller still holds
+/// open: a store closing, before it closes them. A record left behind would outlive its file,
+/// and an anon-inode file (a VFIO device fd) opened later under the same number has the same
+/// identity: a child would close that one's copy for a store that is gone. A fork between this
+/// and the close keeps its copies (the caller's close is moments away).
+pub fn forget_from_forked_children(fds: &[RawFd]) {
+    let pid = std::process::id();
+    for slot in &FORK_COPIES {
+        if fds.iter().any(|&fd| slot.records(pid, fd)) {
+            let _ = slot.state.compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed);
+        }
     }
 }
 
 /// In a process forked from one that recorded descriptors: closes this process's copies of
 /// them (those still naming the file recorded) and forgets them; the records of this process
-/// itself stay. Async-signal-safe (atomics, getpid, fstat, close): it runs in `pthread_atfork`'s
-/// child handler. Idempotent.
+/// itself stay. Async-signal-safe (atomics, getpid, fstat, readlink, close): it runs in
+/// `pthread_atfork`'s child handler. Idempotent.
 pub fn close_inherited() {
     let pid = std::process::id();
     for slot in &FORK_COPIES {
@@ -159,18 +185,17 @@ pub fn close_inherited() {
         // recorded (the child keeps that one copy).
         if state == SLOT_READY {
             let fd = slot.fd.load(Ordering::Relaxed);
-            let recorded = (slot.device.load(Ordering::Relaxed), slot.inode.load(Ordering::Relaxed));
             // Only while it still names the file recorded: whatever owns it here is
             // inherited and leaked (every call refused, its drop forgets it).
-            close_inherited_copy(fd, recorded);
+            close_inherited_copy(fd, slot.identity());
         }
         slot.state.store(SLOT_FREE, Ordering::Release);
     }
 }
 
 /// The descriptors open in this process at one moment, each with the file it named then
-/// (device, inode: `fd_identity`), to tell which ones an open or connect added since.
-pub struct OpenFds(HashMap<RawFd, (u64, u64)>);
+/// (`fd_identity`), to tell which ones an open or connect added since.
+pub struct OpenFds(HashMap<RawFd, FdIdentity>);
 
 impl OpenFds {
     /// The descriptors open now that were not open at `before` as the same file: a number
@@ -295,6 +320,62 @@ mod tests {
         assert_eq!(device_fds_since(&before, &lock_dir, &[]), [number], "the reused number, now the lock's");
         drop(reused);
         std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    /// An eventfd (an anon-inode file, whose (device, inode) every eventfd, epoll, timerfd and
+    /// VFIO device fd shares), owned.
+    fn eventfd() -> std::os::fd::OwnedFd {
+        nix::sys::eventfd::EventFd::new().expect("eventfd").into()
+    }
+
+    /// Puts a fresh epoll fd (another anon-inode file) at `number`'s place (dup2 closes the
+    /// file there first), as an open that reuses a number freed in between would.
+    fn reuse_for_an_epoll(number: &mut std::os::fd::OwnedFd) {
+        let epoll = nix::sys::epoll::Epoll::new(nix::sys::epoll::EpollCreateFlags::empty()).expect("epoll");
+        nix::unistd::dup2(&epoll.0, number).expect("dup2");
+    }
+
+    #[test]
+    fn a_number_reused_by_another_anon_inode_file_since_the_snapshot_is_found() {
+        // Goal: an eventfd's number open at the snapshot, reused for an epoll fd before the
+        // scan, counts as opened since: both are anon-inode files with one (device, inode),
+        // told apart by their /proc/self/fd link text (the VFIO device fd,
+        // `anon_inode:[vfio-device]`, is one too). Before, the number was missed ([]).
+        use std::os::fd::AsRawFd;
+        let mut file = eventfd();
+        let number = file.as_raw_fd();
+        let before = open_fds();
+        reuse_for_an_epoll(&mut file);
+        assert!(open_fds().opened_since(&before).contains(&number), "the reused number, now an epoll fd's");
+    }
+
+    #[test]
+    fn a_forked_child_keeps_an_anon_inode_file_that_took_a_recorded_number() {
+        // Goal: a recorded eventfd whose number now names an epoll fd (the eventfd closed, the
+        // number reused) is not closed in a forked child: the record names another file. The
+        // records are compared with the link text as well as (device, inode), which all
+        // anon-inode files share. Before, the child closed the epoll fd.
+        use std::os::fd::AsRawFd;
+        let mut file = eventfd();
+        let number = file.as_raw_fd();
+        keep_from_forked_children(&[number]);
+        reuse_for_an_epoll(&mut file);
+        let status = fork_and_check(-1, number);
+        assert_eq!(status, 0, "in the child: 2 = the epoll fd at the recorded number was closed");
+    }
+
+    #[test]
+    fn a_forgotten_descriptor_is_left_open_in_forked_children() {
+        // Goal: a store's close forgets its records (`forget_from_forked_children`) while its
+        // descriptors are still open: a child forked after that leaves the number alone, even
+        // once it names another file of the same identity (a later store's VFIO device fd is
+        // `anon_inode:[vfio-device]` too, whoever owns it).
+        use std::os::fd::AsRawFd;
+        let file = eventfd();
+        let number = file.as_raw_fd();
+        keep_from_forked_children(&[number]);
+        forget_from_forked_children(&[number]);
+        assert_eq!(fork_and_check(-1, number), 0, "in the child: 2 = the forgotten descriptor was closed");
     }
 
     /// Forks; the child reports (exit status) whether `closed` is closed and `open` open.

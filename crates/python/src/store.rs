@@ -458,13 +458,14 @@ impl Store {
                 _ => None,
             })
             .collect();
-        let opened = py
+        let (opened, device_fds) = py
             .detach(|| {
                 let before = crate::process::open_fds();
                 let opened = open_pool(&options)?;
                 // A forked child closes its copies of the locks and device fds (`process`).
-                crate::process::keep_from_forked_children(&crate::process::device_fds_since(&before, &options.lock_dir, &device_paths));
-                Ok(opened)
+                let device_fds = crate::process::device_fds_since(&before, &options.lock_dir, &device_paths);
+                crate::process::keep_from_forked_children(&device_fds);
+                Ok((opened, device_fds))
             })
             .map_err(|error| open_failure(error).to_pyerr(py))?;
         if *opened.pool.geometry() != geometry {
@@ -473,8 +474,10 @@ impl Store {
         }
         let config = StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves };
         let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
+        let mut state = StoreState::new(backend, key_space, RequestLimits { layers_in_flight, iocbs, requests_max });
+        state.closed_in_forked_children = device_fds;
         Store::new(StoreShared {
-            state: Mutex::new(StoreState::new(backend, key_space, RequestLimits { layers_in_flight, iocbs, requests_max })),
+            state: Mutex::new(state),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -516,14 +519,15 @@ impl Store {
         check_queue_options(queue_depth, iocbs, requests_max)?;
         let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
-        let (client, reply) = py
+        let (client, reply, connections) = py
             .detach(|| {
                 let before = crate::process::open_fds();
                 let mut client = Client::connect(&socket, timeout)?;
                 // A forked child closes its copy of the socket (`process`).
-                crate::process::keep_from_forked_children(&crate::process::daemon_connections_since(&before, &socket));
+                let connections = crate::process::daemon_connections_since(&before, &socket);
+                crate::process::keep_from_forked_children(&connections);
                 let reply = client.hello(&hello)?;
-                Ok::<_, DaemonError>((client, reply))
+                Ok::<_, DaemonError>((client, reply, connections))
             })
             .map_err(|error| Failure::from(error).to_pyerr(py))?;
         // Checked before anything else uses it (the session ends with the client dropped here).
@@ -547,6 +551,7 @@ impl Store {
         let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight, iocbs, requests_max });
         state.daemon_socket = Some(socket);
         state.daemon_session = Some(session);
+        state.closed_in_forked_children = connections;
         Store::new(StoreShared {
             state: Mutex::new(state),
             wake: Condvar::new(),

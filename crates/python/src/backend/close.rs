@@ -67,6 +67,11 @@ impl StoreState {
             (Some(socket), true) => device_memory::leaked_queue_pairs(socket, release_wait),
             _ => device_memory::LeakCount::NoAnswer,
         };
+        // Forgotten while still open (no other file can have their numbers yet); those the
+        // drop below leaves open (kept for good with a queue pair) are recorded again after it.
+        let recorded: Vec<_> =
+            std::mem::take(&mut self.closed_in_forked_children).into_iter().map(|fd| (fd, crate::ffi::fd_identity(fd))).collect();
+        crate::process::forget_from_forked_children(&recorded.iter().map(|&(fd, _)| fd).collect::<Vec<_>>());
         let backend = std::mem::replace(&mut self.backend, Backend::Closed);
         let deleted = match backend {
             Backend::Local { store, emulators, locks } => {
@@ -86,6 +91,12 @@ impl StoreState {
                 true
             }
         };
+        let still_open: Vec<_> = recorded
+            .into_iter()
+            .filter(|&(fd, identity)| identity.is_some() && crate::ffi::fd_identity(fd) == identity)
+            .map(|(fd, _)| fd)
+            .collect();
+        crate::process::keep_from_forked_children(&still_open);
         // A layer left in flight through tuttid: nothing may be given back before the session
         // ended cleanly.
         let ended_cleanly = match (&self.daemon_socket, self.daemon_session, leaks_before) {
