@@ -205,11 +205,13 @@ unsafe extern "C" fn export_deleter(managed: *mut DlManagedTensor) {
 /// reference destructor does: a capsule is freed wherever its last reference goes, often while
 /// an exception propagates (a capsule on the value stack of a frame that raised), and the
 /// destructor must neither clear that exception nor leave one of its own (either ends in a
-/// SystemError, or a crash). An error `body` leaves is reported as unraisable.
+/// SystemError, or a crash). An error `body` leaves is reported as unraisable, with no object
+/// (none of `body`'s calls sets one today: `PyCapsule_IsValid` never does, and
+/// `PyCapsule_GetPointer` is called only on a capsule it found valid).
 ///
 /// # Safety
-/// The GIL is held (CPython calls capsule destructors with it) and `capsule` is alive.
-unsafe fn keeping_error_indicator(capsule: *mut ffi::PyObject, body: impl FnOnce()) {
+/// The GIL is held (CPython calls capsule destructors with it).
+unsafe fn keeping_error_indicator(body: impl FnOnce()) {
     let (mut kind, mut value, mut traceback) = (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: the GIL is held (this fn's contract); PyErr_Fetch takes the indicator's three
     // references (possibly null) into the locals, PyErr_Restore gives them back, unchanged.
@@ -217,7 +219,12 @@ unsafe fn keeping_error_indicator(capsule: *mut ffi::PyObject, body: impl FnOnce
         ffi::PyErr_Fetch(&mut kind, &mut value, &mut traceback);
         body();
         if !ffi::PyErr_Occurred().is_null() {
-            ffi::PyErr_WriteUnraisable(capsule);
+            // NULL, not the capsule: a capsule's destructor runs from its deallocation, with
+            // its reference count already 0, and PyErr_WriteUnraisable takes a reference to
+            // the object it is given (for sys.unraisablehook's `object`): the capsule would be
+            // resurrected and, once that reference went, deallocated a second time. NULL is
+            // allowed (the hook gets None).
+            ffi::PyErr_WriteUnraisable(std::ptr::null_mut());
         }
         ffi::PyErr_Restore(kind, value, traceback);
     }
@@ -229,7 +236,7 @@ unsafe extern "C" fn export_capsule_destructor(capsule: *mut ffi::PyObject) {
     // "dltensor" nobody consumed it, so the tensor is still ours to delete; a consumer renamed
     // it and calls the deleter itself (PyCapsule_IsValid sets no error either way).
     unsafe {
-        keeping_error_indicator(capsule, || {
+        keeping_error_indicator(|| {
             if ffi::PyCapsule_IsValid(capsule, DLTENSOR.as_ptr()) == 1 {
                 let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR.as_ptr()) as *mut DlManagedTensor;
                 export_deleter(managed);
@@ -257,7 +264,7 @@ unsafe extern "C" fn export_versioned_capsule_destructor(capsule: *mut ffi::PyOb
     // "dltensor_versioned", nobody consumed it, so the tensor is ours to delete; a consumer
     // renamed it and calls the deleter itself.
     unsafe {
-        keeping_error_indicator(capsule, || {
+        keeping_error_indicator(|| {
             if ffi::PyCapsule_IsValid(capsule, DLTENSOR_VERSIONED.as_ptr()) == 1 {
                 let managed = ffi::PyCapsule_GetPointer(capsule, DLTENSOR_VERSIONED.as_ptr()) as *mut DlManagedTensorVersioned;
                 export_versioned_deleter(managed);
