@@ -206,6 +206,19 @@ def _sessions(daemon) -> list[int]:
         return [client["session"] for client in probe.status()["clients"]]
 
 
+def test_status_lists_a_live_session_as_neither_kept_nor_awaiting_exit(formatted_daemon):
+    # Goal: LookupClient.status() gives every field of tuttid's client entries, "kept" (protocol
+    # version 7: a session whose queue pairs are not known deleted, its memory kept for good)
+    # included, as the stub lists them.
+    store, _ = attached(formatted_daemon)
+    try:
+        with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
+            (entry,) = [client for client in probe.status()["clients"] if client["session"] == store.session]
+        assert entry["kept"] is False and entry["awaiting_exit"] is False, entry
+    finally:
+        store.close()
+
+
 def test_close_with_a_layer_in_flight_waits_until_tuttid_ended_the_session(formatted_daemon):
     # Goal: an attached store closed while a layer cannot complete (the controller paused) gives
     # its KV memory back only once tuttid dropped the session (its queue pairs deleted, none

@@ -788,8 +788,10 @@ class LookupClient:
         "refused_commands"}], "pool": {"slots", "free_slots", "valid_slots", "writing_slots",
         "pinned_slots", "cached_blocks", "evictions"}, "clients": [{"session", "pid", "uid",
         "name", "tp_rank", "tp_world", "requests", "idle_ms", "registrations", "queue_pairs",
-        "requests_in_flight", "awaiting_exit"}]} ("awaiting_exit": the daemon ended the session
-        while its process still runs, and holds its queues until that process exits)."""
+        "requests_in_flight", "awaiting_exit", "kept"}]} ("awaiting_exit": the daemon ended the
+        session while its process still runs, and holds its queues until that process exits;
+        "kept": the session ended but its queue pairs are not known to be deleted, so the daemon
+        keeps its memory registered for good — never free memory a kept session registered)."""
     def close(self) -> None: ...
     def __enter__(self) -> LookupClient: ...
     def __exit__(self, *exc: object) -> None: ...

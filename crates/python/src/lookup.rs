@@ -172,6 +172,7 @@ impl LookupClient {
             entry.set_item("queue_pairs", client.queue_pairs)?;
             entry.set_item("requests_in_flight", client.requests_in_flight)?;
             entry.set_item("awaiting_exit", client.awaiting_exit)?;
+            entry.set_item("kept", client.kept)?;
             clients.append(entry)?;
         }
         out.set_item("clients", clients)?;
