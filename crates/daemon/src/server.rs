@@ -410,6 +410,26 @@ impl Server {
                 }
             }
         };
+        // Ended sessions' deletions, retried every tick on a thread of their own: a retry may
+        // wait out admin timeouts (up to two per pair, 10 s each, and first for the admin queue
+        // another session's attach or release holds), which must hold off neither accepts,
+        // status queries nor the stop.
+        let retiring_thread = {
+            let retiring_shared = Arc::clone(&shared);
+            let spawned = std::thread::Builder::new().name("tuttid-retiring".into()).spawn(move || {
+                while !retiring_shared.stop.is_stopped() {
+                    std::thread::sleep(retiring_shared.config.tick);
+                    retry_retiring(&retiring_shared);
+                }
+            });
+            match spawned {
+                Ok(thread) => thread,
+                Err(source) => {
+                    stop_started(&shared, [metrics_thread, registrar_thread, data_plane_thread]);
+                    return Err(DaemonError::Io { context: "starting the retiring thread".into(), source });
+                }
+            }
+        };
         // Connection threads, each marked whether it is the one status-only connection.
         let mut workers: Vec<(JoinHandle<()>, bool)> = Vec::new();
         let mut connections_served = 0u64;
@@ -430,8 +450,6 @@ impl Server {
                     break;
                 }
             }
-            // Once a tick (or sooner, with connections arriving): ended sessions' deletions.
-            retry_retiring(&shared);
             // Accept what is pending, at most ACCEPTS_PER_PASS_MAX and none once stopping: each
             // accepted connection either gets a thread, up to clients_max plus one status-only
             // connection, or a Busy answer and is closed. The status-only one takes only Status
@@ -498,6 +516,10 @@ impl Server {
                 tracing::error!("a connection thread panicked");
             }
         }
+        // The retiring thread sees the stop within a tick plus the retry in progress.
+        if retiring_thread.join().is_err() {
+            tracing::error!("the retiring thread panicked");
+        }
         // Every session has ended: deletions still unconfirmed get a few more ticks (a late
         // completion settles them), then are kept for good; nothing they may write is freed.
         for _ in 0..DRAIN_RETIRE_PASSES_MAX {
@@ -540,7 +562,8 @@ impl Server {
 /// 50 ms tick: many admin timeouts of the software controller, a few of a real one).
 const DRAIN_RETIRE_PASSES_MAX: u32 = 20;
 
-/// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each: a
+/// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each (on the
+/// retiring thread while serving, then on the drain's): a
 /// session whose deletion is confirmed gives everything back and leaves the status table; one
 /// whose deletion failed for good keeps everything (counted as leaks). Bounded: each retry is
 /// at most two admin commands per pair, each bounded by the admin timeout, and a busy admin

@@ -53,6 +53,27 @@ impl InProcess {
         InProcess { socket, stop, served, thread: Some(thread), _directory: directory }
     }
 
+    /// As [`InProcess::start`] (4 clients, shared register page), the controller's admin
+    /// timeout `admin_timeout` (a late admin completion's tests); with its software controller.
+    fn start_with_admin_timeout(admin_timeout: Duration) -> (InProcess, Arc<nvme_emu::EmuDevice>) {
+        let directory = tempfile::tempdir().unwrap();
+        crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
+        let opened = pool(directory.path(), false);
+        crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
+        let emulator = opened.emulators[0].clone().unwrap();
+        let socket = directory.path().join("tuttid.sock");
+        let mut config = ServerConfig::new(socket.clone());
+        config.clients_max = 4;
+        let server = Server::bind(config, opened).expect("bind");
+        let stop = server.stop_handle();
+        let (sender, served) = mpsc::channel();
+        let thread = thread::spawn(move || {
+            let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+            let _ = sender.send(outcome);
+        });
+        (InProcess { socket, stop, served, thread: Some(thread), _directory: directory }, emulator)
+    }
+
     fn client(&self) -> Client {
         Client::connect(&self.socket, Duration::from_secs(5)).expect("connect")
     }
@@ -318,26 +339,10 @@ fn bind_refuses_a_socket_whose_daemon_does_not_accept_without_waiting_on_it() {
 fn a_session_whose_queue_pair_deletion_completes_late_is_released_once_it_does() {
     // Goal: a client's session ends while the controller answers its Delete I/O SQ only after
     // four admin timeouts (50 ms here). The session is not kept for good: it stays listed
-    // while the accept loop's tick retries the deletion, and leaves status, everything given
+    // while the retiring thread's tick retries the deletion, and leaves status, everything given
     // back and nothing counted as leaked, once the late completion confirms it.
     let admin_timeout = Duration::from_millis(50);
-    let directory = tempfile::tempdir().unwrap();
-    crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
-    let opened = pool(directory.path(), false);
-    crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
-    let emulator = opened.emulators[0].clone().unwrap();
-    let socket = directory.path().join("tuttid.sock");
-    let mut config = ServerConfig::new(socket.clone());
-    config.clients_max = 4;
-    let server = Server::bind(config, opened).expect("bind");
-    let stop = server.stop_handle();
-    let (sender, served) = mpsc::channel();
-    let thread = thread::spawn(move || {
-        let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
-        let _ = sender.send(outcome);
-    });
-    let mut daemon = InProcess { socket, stop, served, thread: Some(thread), _directory: directory };
-
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
     let store = RemoteKvStore::connect(&daemon.socket, &hello("late-delete"), &config).expect("attach");
     let session = store.hello_reply().session;
@@ -355,5 +360,39 @@ fn a_session_whose_queue_pair_deletion_completes_late_is_released_once_it_does()
     let others: Vec<RemoteKvStore> =
         (0..4).map(|i| RemoteKvStore::connect(&daemon.socket, &hello(&format!("next-{i}")), &config).expect("attach")).collect();
     drop(others);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout() {
+    // Goal: retrying an ended session's deletions may wait out admin timeouts (a retry's Delete
+    // I/O CQ times out here, 200 ms); that wait must not hold off the accept loop: a fresh
+    // connection's status query is answered within a tick throughout. The first Delete I/O SQ
+    // completes 4 admin timeouts late (the session retiring), the retry's Delete I/O CQ 2 late.
+    let admin_timeout = Duration::from_millis(200);
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("slow-delete"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    let delete_sq = nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue;
+    let delete_cq = nvme_driver::spec::AdminOpcode::DeleteIoCompletionQueue;
+    let late_sq = nvme_emu::FaultRule::on_nth_admin(1, delete_sq, nvme_emu::FaultAction::Delay(4 * admin_timeout));
+    let late_cq = nvme_emu::FaultRule::on_nth_admin(1, delete_cq, nvme_emu::FaultAction::Delay(2 * admin_timeout));
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(late_sq).with_rule(late_cq));
+    drop(store);
+    // Asked without pause (each on a new connection) until the session has left status.
+    let deadline = Instant::now() + WAIT;
+    let mut slowest = Duration::ZERO;
+    loop {
+        let asked = Instant::now();
+        let status = Client::connect(&daemon.socket, Duration::from_secs(5)).and_then(|mut client| client.status()).expect("status");
+        slowest = slowest.max(asked.elapsed());
+        if status.clients.iter().all(|client| client.session != session) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the session was not released: {status:?}");
+    }
+    assert_eq!(emulator.stats().faults_injected, 2, "the Delete I/O SQ and the retry's Delete I/O CQ were late");
+    assert!(slowest < admin_timeout * 3 / 4, "a status query waited {slowest:?} (the admin timeout is {admin_timeout:?})");
     assert!(daemon.stop().is_some(), "serve did not return");
 }
