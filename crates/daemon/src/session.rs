@@ -17,7 +17,9 @@
 //! then unmap its windows and give back their claims (a window's memfd is claimed like device
 //! memory, `crate::gpu_memory`: nobody else's window or device memory while it is registered).
 //! A queue pair whose deletion fails is kept for good, and with it the session's windows, their
-//! claims and its reservations (leaked, counted, logged). A deletion that could not be confirmed
+//! claims and its reservations (leaked, counted, logged); so is everything of a session one of
+//! whose queue creations may still execute (its Create I/O SQ timed out: the late queue's
+//! restriction allows the window and device memory). A deletion that could not be confirmed
 //! for now (the admin queue busy with a late command, or the Delete timed out) is not a failure:
 //! the pairs and everything they may write wait in a [`Retiring`], retried every tick by the
 //! server until the controller confirms (then all is given back) or a definite error keeps all.
@@ -111,6 +113,12 @@ pub struct Holdings {
     /// Counted in [`LeakCounters::queue_id_holders`]: set when an attach left queue pairs here,
     /// uncounted once all of them are known deleted (never when they are kept for good).
     holds_queue_ids: bool,
+    /// Queue creations that may still execute: their Create I/O SQ was sent and not answered
+    /// (the driver kept the rings and the queue id for good), so the queue may appear later,
+    /// restricted to the session's window and device memory (the preset kept pending, which
+    /// its client can ring through the shared register page). Non-zero, release keeps the
+    /// windows, device memory, claims and reservations for good, as for an undeleted pair.
+    creations_unsettled: u64,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
     crcs: Vec<u32>,
@@ -380,6 +388,7 @@ impl Holdings {
         let mut created = Vec::with_capacity(devices);
         let mut relayed = Vec::new();
         let mut failure = None;
+        let mut creations_unsettled = 0;
         for (device, rings) in request.rings.iter().enumerate() {
             let ring = |offset: u64, entry_bytes: usize| {
                 let bytes = request.depth as usize * entry_bytes;
@@ -428,11 +437,19 @@ impl Holdings {
                     // may still execute: the preset must be there when it does, or the queue
                     // would run unrestricted on the client's ring. The driver keeps such rings
                     // (and their queue ids) for good, so the kept preset never meets another
-                    // queue, and kept presets are bounded by the leaked queue ids.
+                    // queue, and kept presets are bounded by the leaked queue ids. What the
+                    // restriction allows (the window, the device memory) is kept for good with
+                    // it: the late queue may move it, rung by this client.
                     if let Some(preset) = preset {
                         if preset.queue_id().is_none() && creation_may_still_execute(&error) {
-                            tracing::warn!(device, %error, "a client queue's creation may still execute: its restriction is kept pending");
+                            tracing::warn!(
+                                device,
+                                %error,
+                                "a client queue's creation may still execute: its restriction is kept pending, and the session's \
+                                 memory kept for good"
+                            );
                             preset.keep_pending();
+                            creations_unsettled += 1;
                         }
                     }
                     failure =
@@ -508,6 +525,7 @@ impl Holdings {
         }
         registration.queues = created;
         registration.relayed = relayed;
+        self.creations_unsettled += creations_unsettled;
         if let Some(reply) = failure {
             // The client has no layout yet, so nothing rings these: delete them now (a pair whose
             // deletion fails stays with the registration and is handled at session end), after
@@ -731,7 +749,8 @@ impl Holdings {
     /// write are never released, and counted as leaks. Returns the pairs kept.
     pub fn leak(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> u64 {
         self.stop_relaying(store);
-        let pairs: u64 = self.registrations.iter().map(|registration| registration.queues.len() as u64).sum();
+        let pairs: u64 =
+            self.registrations.iter().map(|registration| registration.queues.len() as u64).sum::<u64>() + self.creations_unsettled;
         self.keep_for_good(pairs, leaks, "a session ended without knowing whether its client still rings its queues");
         pairs
     }
@@ -794,9 +813,9 @@ impl Holdings {
         released
     }
 
-    /// After a deletion pass: `kept` (a definite failure) keeps everything for good, `retry`
-    /// (not confirmed yet) makes the holdings retiring, and with neither steps 3 and 4 of the
-    /// safe order give everything back.
+    /// After a deletion pass: `kept` (a definite failure) or a creation that may still execute
+    /// (`creations_unsettled`) keeps everything for good, `retry` (not confirmed yet) makes the
+    /// holdings retiring, and with neither steps 3 and 4 of the safe order give everything back.
     fn settle(
         &mut self,
         retry: Vec<DetachedQueuePair>,
@@ -804,15 +823,20 @@ impl Holdings {
         store: &Mutex<StoreState>,
         leaks: &LeakCounters,
     ) -> Released {
-        if !kept.is_empty() {
-            let count = (kept.len() + retry.len()) as u64;
+        if !kept.is_empty() || self.creations_unsettled > 0 {
+            let count = (kept.len() + retry.len()) as u64 + self.creations_unsettled;
+            let why = if kept.is_empty() {
+                "a session ended with a queue pair whose creation may still execute (its restriction allows the session's memory)"
+            } else {
+                "a session ended with queue pairs that could not be deleted"
+            };
             // Kept for good: the pairs (dropping one would try again and then leak its rings
             // anyway), the windows they may write, and the reservations whose slots they may
             // write (never released, so never reused). A pair still to be retried goes with
             // them: its window is kept anyway.
             std::mem::forget(kept);
             std::mem::forget(retry);
-            self.keep_for_good(count, leaks, "a session ended with queue pairs that could not be deleted");
+            self.keep_for_good(count, leaks, why);
             return Released::Kept(count);
         }
         if !retry.is_empty() {

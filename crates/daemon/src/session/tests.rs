@@ -485,12 +485,43 @@ impl DeviceBackend for HoldingBackend {
     }
 }
 
+/// Registers 1 MiB of device memory (a memfd stand-in) for `session` in `holdings`.
+fn registered_device_memory(holdings: &mut Holdings, store: &Mutex<StoreState>, service: &DeviceMemoryService, session: u64) -> Registered {
+    let memory = SharedMemory::create("device-kv", 1 << 20).unwrap();
+    let request = RegisterDeviceMemory {
+        kind: DeviceMemoryKind::Memfd,
+        handle: [0; 64],
+        device_uuid: [0; 16],
+        allocation_bytes: 1 << 20,
+        offset_bytes: 0,
+        length_bytes: 1 << 20,
+        kv_blocks: 4,
+    };
+    let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+    match holdings.register_device_memory(
+        request,
+        &mut fds,
+        store,
+        &SessionLimits::default(),
+        16 << 10,
+        &NEXT_REGISTRATION,
+        service,
+        session,
+    ) {
+        Reply::Registered(registered) => registered,
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     // Goal: the controller executes a client's Create I/O SQ only after the daemon's wait for
     // it timed out (its doorbell write held back here). The attach fails, but the queue's
     // restriction preset stays pending, so the late creation takes it (the queue is restricted
-    // to the client's window and the pool's blocks), instead of finding no preset.
+    // to the client's window, its device memory and the pool's blocks), instead of finding no
+    // preset. The late queue, which its client can ring, may move that memory: when the session
+    // ends, its window and device memory are kept for good (counted), never given to another
+    // registration, and the session is kept.
     let admin_timeout = Duration::from_millis(50);
     let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
     let store = {
@@ -507,8 +538,10 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     };
     let holding = lock(&registers).clone().unwrap();
     let device = lock(&store).emulators[0].clone().unwrap();
+    let service = service();
     let mut holdings = Holdings::default();
     let registration = registered(&mut holdings, &store);
+    let device_memory = registered_device_memory(&mut holdings, &store, &service, 1);
     let ring = nvme_driver::Iova(holdings.registrations[0].window.iova().0 + (512 << 10));
     // The attach's Create I/O CQ goes through; its Create I/O SQ is held.
     holding.countdown.store(2, Ordering::Release);
@@ -522,7 +555,20 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     // The controller fetches the command now: the late creation takes the preset.
     holding.inner.write32(ADMIN_SQ_TAIL_DOORBELL, held);
     wait_until(|| device.preset_restriction(ring, QueueRestriction::new()).is_ok());
-    assert!(holdings.release(&store, &LeakCounters::default()).is_done());
+    let leaks = LeakCounters::default();
+    match holdings.release(&store, &leaks) {
+        Released::Kept(pairs) => assert_eq!(pairs, 1),
+        Released::Done => panic!("the session's memory was given back while the late queue may still move it"),
+        Released::Retiring(_) => panic!("retiring: no pair was attached"),
+    }
+    assert_eq!((leaks.queue_pairs.load(Ordering::Relaxed), leaks.windows.load(Ordering::Relaxed)), (1, 1));
+    // Another session's device memory gets an IOVA range of its own.
+    let mut other = Holdings::default();
+    let fresh = registered_device_memory(&mut other, &store, &service, 2);
+    let kept = device_memory.iova_base..device_memory.iova_base + (1 << 20);
+    let taken = fresh.iova_base..fresh.iova_base + (1 << 20);
+    assert!(taken.end <= kept.start || kept.end <= taken.start, "{taken:x?} overlaps the kept {kept:x?}");
+    assert!(other.release(&store, &leaks).is_done());
 }
 
 #[test]
