@@ -801,7 +801,7 @@ impl Holdings {
         // 2. Queue pairs: the controller must confirm each deletion before anything they could
         //    write (the window, the slots of the session's reservations) is reused.
         let pairs: Vec<DetachedQueuePair> = self.registrations.iter_mut().flat_map(|registration| registration.queues.drain(..)).collect();
-        let (retry, kept) = delete_pairs(pairs);
+        let (retry, kept) = delete_pairs(pairs, false);
         let released = self.settle(retry, kept, store, leaks);
         if let Released::Retiring(retiring) = &released {
             tracing::warn!(
@@ -910,7 +910,7 @@ impl Retiring {
 
     /// Tries the deletions again (see [`Holdings::release`] for what follows each outcome).
     pub fn retry(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> Retried {
-        let (retry, kept) = delete_pairs(std::mem::take(&mut self.pairs));
+        let (retry, kept) = delete_pairs(std::mem::take(&mut self.pairs), true);
         match self.holdings.settle(retry, kept, store, leaks) {
             Released::Done => Retried::Done,
             Released::Kept(pairs) => Retried::Kept(pairs),
@@ -974,13 +974,20 @@ fn deletion_may_retry(error: &NvmeError) -> bool {
 }
 
 /// Deletes `pairs`: returns those to retry and those whose deletion failed for good (the
-/// deleted ones are gone).
-fn delete_pairs(pairs: Vec<DetachedQueuePair>) -> (Vec<DetachedQueuePair>, Vec<DetachedQueuePair>) {
+/// deleted ones are gone). A deletion not confirmed yet is logged at warn level when the
+/// session ends, and at debug level on each of its retries (`retrying`): a retry runs every
+/// tick for as long as the controller does not answer, the daemon's life at worst; how it ends
+/// is logged once (`crate::server`).
+fn delete_pairs(pairs: Vec<DetachedQueuePair>, retrying: bool) -> (Vec<DetachedQueuePair>, Vec<DetachedQueuePair>) {
     let (mut retry, mut kept) = (Vec::new(), Vec::new());
     for pair in pairs {
         if let Err(undeleted) = pair.delete() {
             if deletion_may_retry(&undeleted.source) {
-                tracing::warn!(error = %undeleted.source, "a client queue pair's deletion is not confirmed yet: retried");
+                if retrying {
+                    tracing::debug!(error = %undeleted.source, "a client queue pair's deletion is still not confirmed: retried");
+                } else {
+                    tracing::warn!(error = %undeleted.source, "a client queue pair's deletion is not confirmed yet: retried");
+                }
                 retry.push(*undeleted.pair);
             } else {
                 tracing::error!(error = %undeleted.source, "a client queue pair could not be deleted: its window and reservations are kept");

@@ -406,15 +406,21 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
     device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
     let Released::Retiring(mut retiring) = holdings.release(&store, &leaks) else { panic!("the late deletion is not retried") };
     assert_eq!(retiring.queue_pairs(), 1);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
+    // The retries, each tick for as long as the controller does not answer, log below warn
+    // level (the session's end said so once).
+    let warnings = Arc::new(AtomicU64::new(0));
+    let (mut tries, deadline) = (0, std::time::Instant::now() + Duration::from_secs(10));
+    tracing::subscriber::with_default(CountingWarnings(Arc::clone(&warnings)), || loop {
+        tries += 1;
         match retiring.retry(&store, &leaks) {
             Retried::Done => break,
             Retried::Pending => assert!(std::time::Instant::now() < deadline, "the deletion was never confirmed"),
             Retried::Kept(pairs) => panic!("{pairs} pair(s) kept for good"),
         }
         std::thread::sleep(admin_timeout);
-    }
+    });
+    assert!(tries > 1, "no retry found the deletion pending");
+    assert_eq!(warnings.load(Ordering::Relaxed), 0, "retries logged at warn level or above ({tries} tries)");
     assert_eq!(device.stats().faults_injected, 1, "the Delete I/O SQ was late");
     assert_eq!(leaks.queue_pairs.load(Ordering::Relaxed), 0);
     assert_eq!(leaks.windows.load(Ordering::Relaxed), 0);
@@ -422,6 +428,28 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
     let again = controller.create_detached_queue_pair(2, None).expect("the queue id is free again");
     assert_eq!(again.layout().id.0, queue_id);
     again.delete().map_err(|undeleted| undeleted.source).unwrap();
+}
+
+/// Counts the events of this crate at warn level or above (a test's scoped subscriber).
+struct CountingWarnings(Arc<AtomicU64>);
+
+impl tracing::Subscriber for CountingWarnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let metadata = event.metadata();
+        if *metadata.level() <= tracing::Level::WARN && metadata.target().starts_with("tutti_daemon") {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 /// The software controller's registers, with one admin submission doorbell write held back
