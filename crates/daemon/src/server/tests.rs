@@ -384,13 +384,19 @@ fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout(
     let deadline = Instant::now() + WAIT;
     let mut slowest = Duration::ZERO;
     loop {
+        assert!(Instant::now() < deadline, "the session was not released");
         let asked = Instant::now();
-        let status = Client::connect(&daemon.socket, Duration::from_secs(5)).and_then(|mut client| client.status()).expect("status");
+        let answered = Client::connect(&daemon.socket, Duration::from_secs(5)).and_then(|mut client| client.status());
         slowest = slowest.max(asked.elapsed());
-        if status.clients.iter().all(|client| client.session != session) {
-            break;
+        match answered {
+            Ok(status) if status.clients.iter().all(|client| client.session != session) => break,
+            Ok(_) => {}
+            // The earlier queries' connection threads not yet ended (a loaded machine) take the
+            // places: the accept loop's refusal is an answer too.
+            Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) => {}
+            Err(error) => panic!("status: {error}"),
         }
-        assert!(Instant::now() < deadline, "the session was not released: {status:?}");
+        thread::sleep(Duration::from_millis(5));
     }
     assert_eq!(emulator.stats().faults_injected, 2, "the Delete I/O SQ and the retry's Delete I/O CQ were late");
     assert!(slowest < admin_timeout * 3 / 4, "a status query waited {slowest:?} (the admin timeout is {admin_timeout:?})");
