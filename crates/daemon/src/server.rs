@@ -361,7 +361,7 @@ impl Server {
 
     /// Serves until stopped, then drains: stops accepting, lets every connection finish the
     /// request it is serving (each tells its client `ShuttingDown`), joins them, removes the
-    /// socket and hands the pool back.
+    /// socket (left in place when a session is kept for good) and hands the pool back.
     pub fn serve(self) -> Result<ServeReport, DaemonError> {
         let Server { listener, shared, metrics_endpoint } = self;
         let metrics_thread = match metrics_endpoint {
@@ -534,7 +534,19 @@ impl Server {
             tracing::error!(session, kept, "the daemon stopped before a session's queue pairs were known deleted: kept for good");
             mark_kept(&shared, session);
         }
-        if let Err(error) = std::fs::remove_file(&shared.config.socket) {
+        // A client reads its daemon's socket gone as its session gone (and may free its memory
+        // then: the Python module's device memory). A session kept for good must never read so:
+        // its pairs may still write that memory. The file is left then (the next daemon's bind
+        // removes it as stale; a connection to it is refused meanwhile, which tells nothing).
+        let kept = lock(&shared.sessions).values().filter(|record| record.kept).count();
+        if kept > 0 {
+            tracing::error!(
+                kept,
+                socket = %shared.config.socket.display(),
+                "sessions are kept for good (queue pairs not known deleted): the socket file is left in place, so that \
+                 their clients never read them as ended"
+            );
+        } else if let Err(error) = std::fs::remove_file(&shared.config.socket) {
             tracing::warn!("removing {}: {error}", shared.config.socket.display());
         }
         if let Some(error) = failure {

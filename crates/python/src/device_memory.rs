@@ -325,7 +325,8 @@ pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, de
 
 /// Asks tuttid's status until `done` accepts one or `deadline` passes (every 10 ms); false if
 /// nothing could be concluded by then. A daemon whose socket file is gone counts as done (it
-/// removes the file only after releasing every session); a refused connection while the file
+/// removes the file only after releasing every session, and never while one is kept for good);
+/// a refused connection while the file
 /// exists does not (see [`Reached::Unknown`]), nor does a connection that breaks: the daemon is
 /// asked again on a new one until the deadline.
 fn poll_status(socket: &Path, deadline: Instant, mut done: impl FnMut(&tutti_daemon::protocol::StatusReply) -> bool) -> bool {

@@ -402,3 +402,22 @@ fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout(
     assert!(slowest < admin_timeout * 3 / 4, "a status query waited {slowest:?} (the admin timeout is {admin_timeout:?})");
     assert!(daemon.stop().is_some(), "serve did not return");
 }
+
+#[test]
+fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
+    // Goal: a client reads its daemon's socket file gone as its session ended (the Python
+    // module then frees its device memory). A session kept for good (its Delete I/O SQ refused
+    // by the controller) must never read so: after the drain the socket file is still there.
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(Duration::from_secs(10));
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("kept"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
+    let refuse = nvme_emu::FaultAction::Status(status);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, refuse);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(store);
+    daemon.status_once("the session was not kept", |status| status.clients.iter().any(|client| client.session == session && client.kept));
+    assert!(daemon.stop().is_some(), "serve did not return");
+    assert!(daemon.socket.exists(), "the socket file was removed while a session is kept for good");
+}
