@@ -430,6 +430,10 @@ impl Holdings {
                     break;
                 }
             };
+            // Rings the driver leaks in a failed creation are those whose queues may exist on
+            // the controller (their cleanup failed). Read under the pool lock, which every
+            // creation takes; a deletion elsewhere that leaks meanwhile only keeps more.
+            let leaked_before = controller.leaked_queue_pairs();
             let pair = match controller.create_detached_queue_pair(request.depth, Some(rings)) {
                 Ok(pair) => pair,
                 Err(error) => {
@@ -437,11 +441,15 @@ impl Holdings {
                     // may still execute: the preset must be there when it does, or the queue
                     // would run unrestricted on the client's ring. The driver keeps such rings
                     // (and their queue ids) for good, so the kept preset never meets another
-                    // queue, and kept presets are bounded by the leaked queue ids. What the
-                    // restriction allows (the window, the device memory) is kept for good with
-                    // it: the late queue may move it, rung by this client.
+                    // queue, and kept presets are bounded by the leaked queue ids. Rings the
+                    // driver did not leak (a Create I/O CQ that timed out, its SQ never sent,
+                    // cleaned up once its late completion came) have no queue that may appear:
+                    // the preset goes. What the restriction allows (the window, the device
+                    // memory) is kept for good with it: the late queue may move it, rung by
+                    // this client.
+                    let rings_leaked = controller.leaked_queue_pairs() > leaked_before;
                     if let Some(preset) = preset {
-                        if preset.queue_id().is_none() && creation_may_still_execute(&error) {
+                        if preset.queue_id().is_none() && rings_leaked && creation_may_still_execute(&error) {
                             tracing::warn!(
                                 device,
                                 %error,
