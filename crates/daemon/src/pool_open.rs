@@ -77,6 +77,9 @@ pub struct OpenedPool {
     /// Per pool device, the software controller running it (`None` for VFIO): its register
     /// page and per-queue restrictions serve the clients' queue pairs.
     pub emulators: Vec<Option<Arc<EmuDevice>>>,
+    /// The longest the controllers wait for an admin command (`ControllerConfig::admin_timeout`):
+    /// what bounds the drain's wait for unconfirmed deletions (`crate::server`).
+    pub admin_timeout: std::time::Duration,
     pub locks: DeviceLocks,
 }
 
@@ -143,7 +146,7 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         context: "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)".into(),
         source,
     })?;
-    Ok(OpenedPool { pool, devices, report, emulators, locks })
+    Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
 }
 
 /// With `format` and without `overwrite`, refuses an `emu:` device of `specs` that holds something other

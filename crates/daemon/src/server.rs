@@ -209,6 +209,8 @@ struct Shared {
     pool_shape: objstore::PoolShape,
     /// Bytes of one engine block (all layers, K and V).
     block_bytes: u64,
+    /// The controllers' admin timeout (`OpenedPool::admin_timeout`), handed back with the pool.
+    admin_timeout: Duration,
     next_registration: AtomicU64,
     device_memory: DeviceMemoryService,
     leaks: LeakCounters,
@@ -305,7 +307,7 @@ impl Server {
             block_tokens: geometry.block_tokens,
             blocks_per_slot: opened.pool.blocks_per_slot(),
         };
-        let OpenedPool { pool, devices, report, emulators, locks } = opened;
+        let OpenedPool { pool, devices, report, emulators, admin_timeout, locks } = opened;
         // Every session may hold its cap of requests at once; a cluster node's data plane holds
         // its own on top (peers' reads, clients' fetches), so peers never take clients' slots.
         let requests_max = config
@@ -335,6 +337,7 @@ impl Server {
             shape,
             pool_shape,
             block_bytes,
+            admin_timeout,
             next_registration: AtomicU64::new(1),
             device_memory,
             leaks: LeakCounters::default(),
@@ -419,7 +422,7 @@ impl Server {
             let spawned = std::thread::Builder::new().name("tuttid-retiring".into()).spawn(move || {
                 while !retiring_shared.stop.is_stopped() {
                     std::thread::sleep(retiring_shared.config.tick);
-                    retry_retiring(&retiring_shared);
+                    retry_retiring(&retiring_shared, None);
                 }
             });
             match spawned {
@@ -520,14 +523,12 @@ impl Server {
         if retiring_thread.join().is_err() {
             tracing::error!("the retiring thread panicked");
         }
-        // Every session has ended: deletions still unconfirmed get a few more ticks (a late
-        // completion settles them), then are kept for good; nothing they may write is freed.
-        for _ in 0..DRAIN_RETIRE_PASSES_MAX {
-            if lock(&shared.retiring).is_empty() {
-                break;
-            }
+        // Every session has ended: deletions still unconfirmed are retried until the deadline
+        // (a late completion settles them), then kept for good; nothing they may write is freed.
+        let deadline = Instant::now() + drain_retire_window(shared.admin_timeout);
+        while !lock(&shared.retiring).is_empty() && Instant::now() < deadline {
             std::thread::sleep(shared.config.tick);
-            retry_retiring(&shared);
+            retry_retiring(&shared, Some(deadline));
         }
         for (session, retiring) in std::mem::take(&mut *lock(&shared.retiring)) {
             let kept = retiring.keep_for_good(&shared.leaks);
@@ -565,14 +566,26 @@ impl Server {
             context: "draining: the device locks are gone".into(),
             source: std::io::Error::from(std::io::ErrorKind::NotFound),
         })?;
-        let opened = OpenedPool { pool: control.into_pool(), devices: shared.devices, report: shared.report, emulators, locks };
+        let opened = OpenedPool {
+            pool: control.into_pool(),
+            devices: shared.devices,
+            report: shared.report,
+            emulators,
+            admin_timeout: shared.admin_timeout,
+            locks,
+        };
         Ok(ServeReport { opened, connections_served })
     }
 }
 
-/// Ticks the drain waits at most for unconfirmed deletions to be confirmed (1 s at the default
-/// 50 ms tick: many admin timeouts of the software controller, a few of a real one).
-const DRAIN_RETIRE_PASSES_MAX: u32 = 20;
+/// How long the drain retries unconfirmed deletions at most: two admin timeouts (a Delete that
+/// timed out completes within about one more, or is not coming; its retry may wait out another)
+/// and a second: 21 s with the default 10 s timeout. Checked between sessions' retries, so the
+/// drain may run past it by the retry in progress: about one admin timeout per pool device (once
+/// a Delete times out, its admin queue refuses the next at once while the late one is out).
+fn drain_retire_window(admin_timeout: Duration) -> Duration {
+    admin_timeout.saturating_mul(2).saturating_add(Duration::from_secs(1))
+}
 
 /// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each (on the
 /// retiring thread while serving, then on the drain's): a
@@ -580,14 +593,19 @@ const DRAIN_RETIRE_PASSES_MAX: u32 = 20;
 /// whose deletion failed for good keeps everything (counted as leaks). Bounded: each retry is
 /// at most two admin commands per pair, each bounded by the admin timeout, and a busy admin
 /// queue refuses at once. The list is taken out while retrying, so a session ending meanwhile
-/// does not wait for it.
-fn retry_retiring(shared: &Shared) {
+/// does not wait for it. Past `deadline` (the drain's), the sessions not retried yet are left
+/// pending untried.
+fn retry_retiring(shared: &Shared, deadline: Option<Instant>) {
     let retiring = std::mem::take(&mut *lock(&shared.retiring));
     if retiring.is_empty() {
         return;
     }
     let mut pending = Vec::new();
     for (session, mut entry) in retiring {
+        if deadline.is_some_and(|deadline| Instant::now() >= deadline) {
+            pending.push((session, entry));
+            continue;
+        }
         match entry.retry(&shared.store, &shared.leaks) {
             Retried::Pending => pending.push((session, entry)),
             Retried::Done => {
