@@ -788,10 +788,12 @@ class LookupClient:
         "refused_commands"}], "pool": {"slots", "free_slots", "valid_slots", "writing_slots",
         "pinned_slots", "cached_blocks", "evictions"}, "clients": [{"session", "pid", "uid",
         "name", "tp_rank", "tp_world", "requests", "idle_ms", "registrations", "queue_pairs",
-        "requests_in_flight", "awaiting_exit", "kept"}]} ("awaiting_exit": the daemon ended the
+        "requests_in_flight", "awaiting_exit", "kept", "retiring"}]} ("awaiting_exit": the daemon ended the
         session while its process still runs, and holds its queues until that process exits;
         "kept": the session ended but its queue pairs are not known to be deleted, so the daemon
-        keeps its memory registered for good — never free memory a kept session registered)."""
+        keeps its memory registered for good — never free memory a kept session registered;
+        "retiring": the session ended and the deletion of its queue pairs is not confirmed yet,
+        retried until it is — its memory stays registered meanwhile, so do not free it either)."""
     def close(self) -> None: ...
     def __enter__(self) -> LookupClient: ...
     def __exit__(self, *exc: object) -> None: ...

@@ -182,7 +182,8 @@ struct SessionRecord {
     /// until the client's process exits (`Connection::await_peer_exit`).
     awaiting_exit: bool,
     /// The session ended and the deletion of its queue pairs is not confirmed yet (retried every
-    /// tick: [`retry_retiring`]); listed until it is.
+    /// tick: [`retry_retiring`]); listed until it is (`ClientStatus::retiring`). Not awaiting
+    /// its client's exit any more: that wait ended before the release.
     retiring: bool,
     /// The session ended with queue pairs that could not be deleted: everything it held is
     /// kept for good, and so is this record (its client must never free what the pairs may
@@ -695,6 +696,7 @@ fn status(shared: &Shared) -> StatusReply {
             doorbells_dropped: record.relay_counts().1,
             awaiting_exit: record.awaiting_exit,
             kept: record.kept,
+            retiring: record.retiring,
         })
         .collect();
     let (devices, pool, relay) = {

@@ -173,6 +173,7 @@ impl LookupClient {
             entry.set_item("requests_in_flight", client.requests_in_flight)?;
             entry.set_item("awaiting_exit", client.awaiting_exit)?;
             entry.set_item("kept", client.kept)?;
+            entry.set_item("retiring", client.retiring)?;
             clients.append(entry)?;
         }
         out.set_item("clients", clients)?;

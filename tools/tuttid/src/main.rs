@@ -87,7 +87,7 @@ struct Cli {
     /// A frame must arrive whole within this of its first byte.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
-    /// Connections served at once, at most 7226 (the sessions one status reply can list); past
+    /// Connections served at once, at most 7173 (the sessions one status reply can list); past
     /// it, one more connection is let in for status queries only.
     /// Each software controller is started with this many I/O queue pairs plus two, or plus
     /// three on a cluster node (one per client, one for the pool's metadata, one spare, and on a
@@ -464,6 +464,8 @@ fn print_report(status: &StatusReply) -> Result<()> {
             client.doorbells_dropped,
             if client.kept {
                 "; ended, KEPT FOR GOOD: its queue pairs are not known deleted (never free its memory)"
+            } else if client.retiring {
+                "; ended, its queue pairs' deletion not confirmed yet (retried every tick; memory kept until then)"
             } else if client.awaiting_exit {
                 "; ended, held until its process exits"
             } else {

@@ -246,22 +246,25 @@ fn device_status() -> impl Strategy<Value = DeviceStatus> {
 }
 
 fn client_status() -> impl Strategy<Value = ClientStatus> {
-    (short_name(), vec(any::<u32>(), 7), u64s(5), any::<(bool, bool)>()).prop_map(|(name, w, d, (awaiting_exit, kept))| ClientStatus {
-        session: d[0],
-        pid: w[0],
-        uid: w[1],
-        name,
-        tp_rank: w[2],
-        tp_world: w[3],
-        requests: d[1],
-        idle_ms: d[2],
-        registrations: w[4],
-        queue_pairs: w[5],
-        requests_in_flight: w[6],
-        doorbells_relayed: d[3],
-        doorbells_dropped: d[4],
-        awaiting_exit,
-        kept,
+    (short_name(), vec(any::<u32>(), 7), u64s(5), any::<(bool, bool, bool)>()).prop_map(|(name, w, d, (awaiting_exit, kept, retiring))| {
+        ClientStatus {
+            session: d[0],
+            pid: w[0],
+            uid: w[1],
+            name,
+            tp_rank: w[2],
+            tp_world: w[3],
+            requests: d[1],
+            idle_ms: d[2],
+            registrations: w[4],
+            queue_pairs: w[5],
+            requests_in_flight: w[6],
+            doorbells_relayed: d[3],
+            doorbells_dropped: d[4],
+            awaiting_exit,
+            kept,
+            retiring,
+        }
     })
 }
 

@@ -9,7 +9,7 @@ use super::{
 
 /// The most bytes one client's entry in a status reply takes (see `put_status`): its name is
 /// cut to the longest `Hello` accepts.
-pub const CLIENT_STATUS_BYTES_MAX: usize = 8 + 4 + 4 + (2 + CLIENT_NAME_BYTES_MAX) + 4 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 8 + 1 + 1;
+pub const CLIENT_STATUS_BYTES_MAX: usize = 8 + 4 + 4 + (2 + CLIENT_NAME_BYTES_MAX) + 4 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 8 + 1 + 1 + 1;
 /// The most bytes one device's entry takes (both strings at [`STRING_BYTES_MAX`]).
 pub const DEVICE_STATUS_BYTES_MAX: usize = (2 + STRING_BYTES_MAX) * 2 + 8;
 /// Devices a status reply keeps room for when working out [`STATUS_CLIENTS_MAX`]: as many as
@@ -62,6 +62,10 @@ pub struct ClientStatus {
     /// memory and reservations are kept for good, and so is this entry (protocol version 7).
     /// Its client must never free or reuse memory it registered (the pairs may still write it).
     pub kept: bool,
+    /// The session ended and the deletion of its queue pairs is not confirmed yet: retried every
+    /// tick, its memory kept until the controller confirms (then the entry goes) or a deletion
+    /// fails for good (then `kept`). Its client must not free memory it registered meanwhile.
+    pub retiring: bool,
 }
 
 /// The doorbell relay's counters (`crate::relay`), sent field by field.
@@ -122,6 +126,7 @@ pub(super) fn put_status(out: &mut Vec<u8>, status: &StatusReply) {
         put_u64(out, client.doorbells_dropped);
         out.push(u8::from(client.awaiting_exit));
         out.push(u8::from(client.kept));
+        out.push(u8::from(client.retiring));
     }
     put_u64(out, status.leaked_queue_pairs);
     let relay = &status.relay;
@@ -176,6 +181,7 @@ impl BodyReader<'_> {
                 doorbells_dropped: self.u64("doorbells_dropped")?,
                 awaiting_exit: self.flag("awaiting_exit")?,
                 kept: self.flag("kept")?,
+                retiring: self.flag("retiring")?,
             });
         }
         let leaked_queue_pairs = self.u64("leaked_queue_pairs")?;

@@ -36,6 +36,7 @@ fn sample_status() -> StatusReply {
             doorbells_dropped: 1,
             awaiting_exit: true,
             kept: true,
+            retiring: true,
         }],
         leaked_queue_pairs: 6,
         leaked_windows: 2,

@@ -138,6 +138,8 @@ fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
         Released::Retiring(retiring) => {
             if let Some(record) = lock(&shared.sessions).get_mut(&session) {
                 record.retiring = true;
+                // The wait for its client's exit (if any) is over: the release came after it.
+                record.awaiting_exit = false;
             }
             lock(&shared.retiring).push((session, retiring));
         }
