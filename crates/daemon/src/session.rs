@@ -89,6 +89,10 @@ pub struct LeakCounters {
     /// being deleted, or kept for good; one id per device each), what an attach is admitted
     /// against ([`Holdings::attach`]).
     pub queue_id_holders: AtomicU64,
+    /// Not a leak: of those holders, the ended sessions whose pairs' deletion is not confirmed
+    /// yet ([`Retiring`]): ids that come free once the controller confirms. An attach they
+    /// alone keep from a controller's last id is answered `Busy` (retry), not `LimitReached`.
+    pub queue_id_holders_retiring: AtomicU64,
 }
 
 /// One registered window: the daemon's mapping of the client's memfd (every region over it,
@@ -341,6 +345,16 @@ impl Holdings {
             let driver_leaked = controller.leaked_queue_pairs();
             let taken = holders.saturating_add(driver_leaked);
             if taken.saturating_add(1 + u64::from(reserved)) > granted {
+                let retiring = leaks.queue_id_holders_retiring.load(Ordering::Acquire);
+                if retiring > 0 && taken.saturating_sub(retiring).saturating_add(1 + u64::from(reserved)) <= granted {
+                    return refuse(
+                        ErrorCode::Busy,
+                        format!(
+                            "pool device {device}: {retiring} ended session(s) hold I/O queue pairs whose deletion the controller \
+                             has not confirmed yet (retried every tick); their queue ids come free once it does: retry the attach"
+                        ),
+                    );
+                }
                 return refuse(
                     ErrorCode::LimitReached,
                     format!(
@@ -812,6 +826,7 @@ impl Holdings {
         let (retry, kept) = delete_pairs(pairs, false);
         let released = self.settle(retry, kept, store, leaks);
         if let Released::Retiring(retiring) = &released {
+            leaks.queue_id_holders_retiring.fetch_add(1, Ordering::AcqRel);
             tracing::warn!(
                 queue_pairs = retiring.pairs.len(),
                 "a session ended with queue pairs whose deletion the controller has not confirmed yet (admin queue busy or timed \
@@ -920,8 +935,14 @@ impl Retiring {
     pub fn retry(&mut self, store: &Mutex<StoreState>, leaks: &LeakCounters) -> Retried {
         let (retry, kept) = delete_pairs(std::mem::take(&mut self.pairs), true);
         match self.holdings.settle(retry, kept, store, leaks) {
-            Released::Done => Retried::Done,
-            Released::Kept(pairs) => Retried::Kept(pairs),
+            Released::Done => {
+                uncount_retiring(leaks);
+                Retried::Done
+            }
+            Released::Kept(pairs) => {
+                uncount_retiring(leaks);
+                Retried::Kept(pairs)
+            }
             Released::Retiring(mut again) => {
                 // `again` is left empty: its drop keeps nothing.
                 self.pairs = std::mem::take(&mut again.pairs);
@@ -937,8 +958,15 @@ impl Retiring {
         let pairs = self.pairs.len() as u64;
         std::mem::forget(std::mem::take(&mut self.pairs));
         self.holdings.keep_for_good(pairs, leaks, "the daemon stopped before the deletion of a session's queue pairs was confirmed");
+        uncount_retiring(leaks);
         pairs
     }
+}
+
+/// A retiring session settled (its pairs deleted or kept for good): no longer counted in
+/// [`LeakCounters::queue_id_holders_retiring`].
+fn uncount_retiring(leaks: &LeakCounters) {
+    let _ = leaks.queue_id_holders_retiring.fetch_update(Ordering::AcqRel, Ordering::Acquire, |retiring| retiring.checked_sub(1));
 }
 
 impl Drop for Retiring {

@@ -83,8 +83,10 @@ struct Ended<'a> {
 
 impl Drop for Ended<'_> {
     fn drop(&mut self) {
-        // Uncounted after the release (a new client is admitted once the old one's queue pairs
-        // are gone), but even if the release panics: a local's drop runs on unwinding too.
+        // Uncounted after the release, but even if the release panics: a local's drop runs on
+        // unwinding too. A release that left the pairs retiring (deletion not confirmed yet)
+        // uncounts the connection too: their queue ids stay held, and a new client's attach
+        // that finds them filling a controller is answered Busy (retry), not LimitReached.
         struct Uncount<'a>(&'a std::sync::atomic::AtomicU32);
         impl Drop for Uncount<'_> {
             fn drop(&mut self) {

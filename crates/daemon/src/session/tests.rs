@@ -627,3 +627,43 @@ fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
     assert!(second.release(&store, &leaks).is_done());
     assert!(third.release(&store, &leaks).is_done());
 }
+
+#[test]
+fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry() {
+    // Goal: a session whose deletion is not confirmed yet (its Delete I/O SQ completes late)
+    // holds its queue id until it is; on a controller sized for one client, another session's
+    // attach meanwhile is Busy (retry: the id comes free), not LimitReached (none left, which
+    // reads as for good); once the deletion is confirmed, that attach goes through.
+    let admin_timeout = Duration::from_millis(50);
+    let config = EmuConfig::default().with_io_queue_pairs_max(1 + 2);
+    let store = store_with(config, ControllerConfig { admin_timeout, ..ControllerConfig::default() }, |device| device);
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let leaks = LeakCounters::default();
+    let attach = |holdings: &mut Holdings| {
+        let registration = registered(holdings, &store);
+        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+    };
+    let mut first = Holdings::default();
+    assert!(matches!(attach(&mut first), Reply::Attached { .. }));
+    let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let Released::Retiring(mut retiring) = first.release(&store, &leaks) else { panic!("the late deletion is not retried") };
+    let mut next = Holdings::default();
+    match attach(&mut next) {
+        Reply::Error { code: ErrorCode::Busy, message } => assert!(message.contains("retry"), "{message}"),
+        other => panic!("an attach kept out by a retiring session: {other:?}"),
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while retiring.retry(&store, &leaks) == Retried::Pending {
+        assert!(std::time::Instant::now() < deadline, "the deletion was never confirmed");
+        std::thread::sleep(admin_timeout);
+    }
+    assert_eq!(leaks.queue_id_holders_retiring.load(Ordering::Relaxed), 0);
+    let registration = next.registrations[0].id;
+    let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+    let reply = next.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0;
+    assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
+    assert!(next.release(&store, &leaks).is_done());
+}
