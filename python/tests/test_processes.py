@@ -207,14 +207,14 @@ def _sessions(daemon) -> list[int]:
 
 
 def test_status_lists_a_live_session_as_neither_kept_nor_awaiting_exit(formatted_daemon):
-    # Goal: LookupClient.status() gives every field of tuttid's client entries, "kept" (protocol
-    # version 7: a session whose queue pairs are not known deleted, its memory kept for good)
-    # included, as the stub lists them.
+    # Goal: LookupClient.status() gives every field of tuttid's client entries, "kept" and
+    # "retiring" (protocol version 7: a session whose queue pairs are not known deleted, its
+    # memory kept for good; one whose deletion is being retried) included, as the stub lists them.
     store, _ = attached(formatted_daemon)
     try:
         with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
             (entry,) = [client for client in probe.status()["clients"] if client["session"] == store.session]
-        assert entry["kept"] is False and entry["awaiting_exit"] is False, entry
+        assert entry["kept"] is False and entry["awaiting_exit"] is False and entry["retiring"] is False, entry
     finally:
         store.close()
 
