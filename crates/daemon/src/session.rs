@@ -461,17 +461,21 @@ impl Holdings {
                     // the preset goes. What the restriction allows (the window, the device
                     // memory) is kept for good with it: the late queue may move it, rung by
                     // this client.
+                    // A Create I/O SQ that ran but whose completion never came (the preset was
+                    // taken: `queue_id` is Some) left a queue that certainly exists and is
+                    // never deleted (its id is leaked): its memory is kept for good all the
+                    // same, only its preset no longer needs keeping.
                     let rings_leaked = controller.leaked_queue_pairs() > leaked_before;
-                    if let Some(preset) = preset {
-                        if preset.queue_id().is_none() && rings_leaked && creation_may_still_execute(&error) {
-                            tracing::warn!(
-                                device,
-                                %error,
-                                "a client queue's creation may still execute: its restriction is kept pending, and the session's \
-                                 memory kept for good"
-                            );
+                    if rings_leaked && creation_may_still_execute(&error) {
+                        tracing::warn!(
+                            device,
+                            %error,
+                            "a client queue's creation may have executed or may still execute: its restriction stays with it, and \
+                             the session's memory is kept for good"
+                        );
+                        creations_unsettled += 1;
+                        if let Some(preset) = preset.filter(|preset| preset.queue_id().is_none()) {
                             preset.keep_pending();
-                            creations_unsettled += 1;
                         }
                     }
                     failure =

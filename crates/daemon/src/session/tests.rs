@@ -600,6 +600,42 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
 }
 
 #[test]
+fn a_queue_created_whose_completion_never_came_keeps_the_sessions_memory() {
+    // Goal: the controller executes a client's Create I/O SQ (taking its restriction preset) but
+    // its completion never comes (dropped): the driver times out and leaks the rings and the
+    // queue id, and the queue exists on the controller for good, ringable by the client. The
+    // session's window and device memory are kept for good when it ends, as for a creation that
+    // may still execute, never handed to another registration.
+    let admin_timeout = Duration::from_millis(50);
+    let store = store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, |device| device);
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let service = service();
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let device_memory = registered_device_memory(&mut holdings, &store, &service, 1);
+    let ring = nvme_driver::Iova(holdings.registrations[0].window.iova().0 + (512 << 10));
+    let dropped = nvme_emu::FaultAction::DropCompletion;
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::CreateIoSubmissionQueue, dropped);
+    device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let (reply, _) = attach(&mut holdings, &store, registration);
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+    // The creation ran: its preset was taken (a new one for the ring is accepted).
+    drop(device.preset_restriction(ring, QueueRestriction::new()).expect("the executed creation took its preset"));
+    let leaks = LeakCounters::default();
+    match holdings.release(&store, &leaks) {
+        Released::Kept(pairs) => assert_eq!(pairs, 1),
+        Released::Done => panic!("the session's memory was given back while the created queue may still move it"),
+        Released::Retiring(_) => panic!("retiring: no pair was attached"),
+    }
+    let mut other = Holdings::default();
+    let fresh = registered_device_memory(&mut other, &store, &service, 2);
+    let kept = device_memory.iova_base..device_memory.iova_base + (1 << 20);
+    let taken = fresh.iova_base..fresh.iova_base + (1 << 20);
+    assert!(taken.end <= kept.start || kept.end <= taken.start, "{taken:x?} overlaps the kept {kept:x?}");
+    assert!(other.release(&store, &leaks).is_done());
+}
+
+#[test]
 fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
     // Goal: a session kept for good holds its queue id for good, so with it on a controller
     // sized for --clients-max 2 (2 + 2 I/O queue pairs) only one more session attaches; the
