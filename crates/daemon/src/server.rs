@@ -607,7 +607,22 @@ fn retry_retiring(shared: &Shared, deadline: Option<Instant>) {
             pending.push((session, entry));
             continue;
         }
-        match entry.retry(&shared.store, &shared.leaks) {
+        // A panic in one retry ends neither the thread (every later session would never be
+        // retried) nor the other entries of this pass: its entry is kept for good.
+        let retried = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            #[cfg(test)]
+            if lock(&shared.sessions).get(&session).is_some_and(|record| record.name == tests::PANICS_RETRYING) {
+                panic!("test: a retry that panics");
+            }
+            entry.retry(&shared.store, &shared.leaks)
+        }));
+        let Ok(retried) = retried else {
+            let leaked = entry.keep_for_good(&shared.leaks);
+            tracing::error!(session, leaked, "retrying an ended session's queue-pair deletion panicked: its memory is kept for good");
+            mark_kept(shared, session);
+            continue;
+        };
+        match retried {
             Retried::Pending => pending.push((session, entry)),
             Retried::Done => {
                 tracing::info!(session, "an ended session's queue pairs are deleted: its windows and reservations are given back");

@@ -20,6 +20,8 @@ pub(super) const PANICS_ON_PING: &str = "panics-on-ping";
 /// A client whose Ping panics (ending its connection while it may still ring its queues) and
 /// whose wait for its exit then panics too.
 pub(super) const PANICS_AWAITING_EXIT: &str = "panics-awaiting-exit";
+/// A client name whose session's retried deletion panics (`retry_retiring`).
+pub(super) const PANICS_RETRYING: &str = "panics-retrying";
 
 /// The longest any wait here takes before the test fails.
 const WAIT: Duration = Duration::from_secs(10);
@@ -364,6 +366,44 @@ fn a_session_whose_queue_pair_deletion_completes_late_is_released_once_it_does()
     let others: Vec<RemoteKvStore> =
         (0..4).map(|i| RemoteKvStore::connect(&daemon.socket, &hello(&format!("next-{i}")), &config).expect("attach")).collect();
     drop(others);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_retry_that_panics_keeps_its_session_for_good_and_later_sessions_are_still_retried() {
+    // Goal: a panic while retrying one ended session's deletion (a hook here) keeps that
+    // session for good (listed kept, its pairs counted as leaked) and does not end the retiring
+    // thread: a session ending later with a late deletion is still retried and released.
+    let admin_timeout = Duration::from_millis(50);
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let late_delete = || {
+        let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
+        let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+        emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello(PANICS_RETRYING), &config).expect("attach");
+    let panicking = store.hello_reply().session;
+    late_delete();
+    drop(store);
+    let kept = daemon.status_once("the session whose retry panicked was not kept", |status| {
+        status.clients.iter().any(|client| client.session == panicking && client.kept && !client.retiring)
+    });
+    assert_eq!(kept.leaked_queue_pairs, 1, "{kept:?}");
+    // The kept session's late Delete I/O SQ may still be outstanding (the admin queue refuses
+    // the next creation as busy until its completion comes): attach again until it has.
+    let deadline = Instant::now() + WAIT;
+    let store = loop {
+        match RemoteKvStore::connect(&daemon.socket, &hello("late-after-a-panic"), &config) {
+            Ok(store) => break store,
+            Err(error) => assert!(Instant::now() < deadline, "attach: {error}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let later = store.hello_reply().session;
+    late_delete();
+    drop(store);
+    daemon.status_once("the later session was not released", |status| status.clients.iter().all(|client| client.session != later));
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
