@@ -249,7 +249,7 @@ def test_the_cleared_pool_record_knows_a_device_however_it_is_spelled(tmp_path: 
     """Goal: the record of pools cleared in this process names the storage, not the string: a
     PCI function in any of the spellings tutti's parser takes (short fields, no domain, any
     case), and a pool file by a hard link or through emu: or uring:, are one device."""
-    from tutti.sglang import _device_identity
+    from tutti._sglang_keys import _device_identity
 
     spellings = ["vfio:1:0.0", "vfio:0:01:00.0", "vfio:01:0.0", "vfio:0000:01:00.0", "vfio:0000:01:00.0".upper().replace("VFIO", "vfio")]
     assert {_device_identity(spelling) for spelling in spellings} == {"vfio:0000:01:00.0"}

@@ -606,26 +606,13 @@ def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites
     local config.json, yarn in it or through hf_overrides (whose dict vLLM makes the config's
     own rope_parameters object, rewritten with it); the worker's rewrite is made by hand, as the
     model constructors make it. And the yarn deployment's key space is not the plain model's."""
-    import json
-
-    from vllm.config import ModelConfig
 
     daemon = tuttid(harness.TUTTID_GEOMETRY)
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
 
     def config(name, hf_overrides, **checkpoint):
-        model_dir = tmp_path / name
-        model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-            "num_attention_heads": 4, "num_key_value_heads": harness.KV_HEADS, "num_hidden_layers": harness.LAYERS,
-            "head_dim": harness.HEAD_DIM, "vocab_size": 1000, "max_position_embeddings": 4096, "rope_theta": 10000.0,
-            "torch_dtype": "bfloat16", **checkpoint,
-        }))  # fmt: skip
         vllm_config = harness.vllm_config(daemon.socket, 1)
-        vllm_config.model_config = ModelConfig(
-            model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", hf_overrides=hf_overrides
-        )
+        vllm_config.model_config = llama_model_config(tmp_path / name, hf_overrides, **checkpoint)
         return vllm_config
 
     if rope_from == "hf_overrides":

@@ -44,6 +44,11 @@ _CLEARED_POOLS: set[tuple[str, bytes]] = set()
 _CLEARED_POOLS_LOCK = threading.Lock()
 
 
+def _device_identities(devices: list[str]) -> tuple[str, ...]:
+    """The identities of the devices that keep pages (see `_device_identity`), sorted, once each."""
+    return tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
+
+
 def _device_identity(device: str) -> Optional[str]:
     """The storage behind a device string, however it is spelled: a file or block device
     (emu:PATH and uring:PATH open the same storage) by its resolved path, a vfio: PCI function

@@ -51,7 +51,7 @@ from tutti._engine import (
 )
 from tutti._sglang_keys import (
     _checkpoint_parts,
-    _device_identity,
+    _device_identities,
     _forget_cleared_pools,
     _kv_format_parts,
     _page_layout_parts,
@@ -205,7 +205,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             # of each page under the same page hash: its own key space, even on shared devices.
             fingerprint = tutti.fingerprint(fingerprint, *shard)
         devices = rank_devices(config["devices"], storage)
-        identities = tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
+        identities = _device_identities(devices)
         if not config["format"]:
             _refuse_cleared_pool(devices, identities, fingerprint)
         self._store = tutti.Store.open(
@@ -232,7 +232,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             raise
         # Again now that the pool is open: a pool file the format just created has an identity
         # (its inode) only from here on.
-        identities = tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
+        identities = _device_identities(devices)
         if config["format"]:
             _forget_cleared_pools(identities)  # formatted: nothing stored before the clear is left
         self._pool_identity = (identities, fingerprint)
