@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use nix::sys::socket::sockopt::SocketError;
+use nix::sys::socket::sockopt::{PeerCredentials, SocketError};
 use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
 use crate::frame_io::{deadline_after, read_frame, write_frame_with_fds, ReadOutcome, WAIT_MAX};
@@ -169,6 +169,16 @@ impl Client {
     pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<(Reply, Vec<OwnedFd>), DaemonError> {
         let reply = self.exchange(request.kind(), |out| request.encode_body(out), fds)?;
         Ok((reply, std::mem::take(&mut self.fds)))
+    }
+
+    /// The daemon process at the other end of this connection (`SO_PEERCRED`, its pid as this
+    /// process's pid namespace sees it, and its start time), or `None` when it cannot be told
+    /// apart from a later process (another pid namespace, `/proc` unreadable). A client that
+    /// later asks the socket path about its session compares this to tell its own daemon from
+    /// another one started at the same path meanwhile.
+    pub fn daemon_process(&self) -> Option<crate::peer::PeerProcess> {
+        let credentials = getsockopt(&self.stream, PeerCredentials).ok()?;
+        crate::peer::PeerProcess::of(u32::try_from(credentials.pid()).ok()?)
     }
 
     /// Requests sent on this connection so far.

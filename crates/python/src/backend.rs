@@ -128,8 +128,8 @@ pub struct StoreState {
     /// Device memory registered with tuttid (CUDA tensors, a stand-in): the tensors and what
     /// holds the exported allocation, kept until no command can move their bytes.
     pub device_memory: Option<DeviceHold>,
-    /// tuttid's socket (attached stores): where `close` asks whether the session ended.
-    pub daemon_socket: Option<std::path::PathBuf>,
+    /// The tuttid attached to (attached stores): where `close` asks whether the session ended.
+    pub daemon: Option<crate::device_memory::AttachedDaemon>,
     /// The tuttid session (attached stores).
     pub daemon_session: Option<u64>,
     /// What keeps released memory alive (DLPack tensors, buffer exports, owners), to be dropped
@@ -242,7 +242,7 @@ impl StoreState {
             orphans: Vec::new(),
             caller_memory: Vec::new(),
             device_memory: None,
-            daemon_socket: None,
+            daemon: None,
             daemon_session: None,
             released: Vec::new(),
             allocation: None,

@@ -9,7 +9,7 @@
 //! opens once; the layout's tensors are offsets in it (`RemoteKvStore::with_client_and_device_memory`).
 //! Nothing here holds unsafe code: the CUDA calls are `tutti_cuda_ipc`'s.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -18,6 +18,7 @@ use nvme_driver::{DmaAllocator, DmaRegion, Iova};
 use pyo3::exceptions::PyBufferError;
 use pyo3::prelude::*;
 use tutti_daemon::client::DeviceKvMemory;
+use tutti_daemon::peer::PeerProcess;
 use tutti_daemon::Client;
 
 use crate::errors::{ErrorClass, Failure};
@@ -209,11 +210,22 @@ fn export_cuda(ordinal: i32, _start: u64, _len: u64) -> Result<DeviceRange, Fail
     ))
 }
 
+/// The tuttid a session attached to: its socket, and the process that answered there.
+#[derive(Debug, Clone)]
+pub struct AttachedDaemon {
+    pub socket: PathBuf,
+    /// The daemon process (`Client::daemon_process`), so that another tuttid started at the same
+    /// path later (while this one drains, or after it left its socket file behind) is not asked
+    /// about this one's sessions: it lists none of them. `None` when it could not be told apart
+    /// (another pid namespace): whatever daemon answers at the path is then taken for it.
+    pub process: Option<PeerProcess>,
+}
+
 /// What a registration of device memory holds until tuttid can no longer reach the memory.
 pub struct DeviceHold {
     pub keeps: Vec<crate::memory::Keep>,
     pub holder: Holder,
-    pub socket: PathBuf,
+    pub daemon: AttachedDaemon,
     pub session: u64,
 }
 
@@ -225,7 +237,7 @@ impl DeviceHold {
     /// cleanly). Returns the tensors kept and what keeps the released ones alive (for the
     /// caller to drop outside the store's lock).
     pub fn release(self, may_release: bool, deadline: Instant) -> (usize, Vec<Keep>) {
-        let gone = may_release && session_gone(&self.socket, self.session, deadline);
+        let gone = may_release && session_gone(&self.daemon, self.session, deadline);
         if gone {
             drop(self.holder);
             return (0, self.keeps);
@@ -238,9 +250,9 @@ impl DeviceHold {
     }
 }
 
-/// Whether tuttid at `socket` no longer lists `session`, asked until `deadline` (every 10 ms).
-fn session_gone(socket: &Path, session: u64, deadline: Instant) -> bool {
-    poll_status(socket, deadline, |status| !status.clients.iter().any(|client| client.session == session))
+/// Whether `daemon` no longer lists `session`, asked until `deadline` (every 10 ms).
+fn session_gone(daemon: &AttachedDaemon, session: u64, deadline: Instant) -> bool {
+    poll_status(daemon, deadline, |status| !status.clients.iter().any(|client| client.session == session))
 }
 
 /// tuttid's count of client queue pairs it could not delete, asked before a session with a
@@ -259,7 +271,9 @@ pub enum LeakCount {
 enum Reached {
     Daemon(Client),
     /// The socket file is gone. tuttid removes it only once its drain released every session
-    /// (`server.rs`), so no session of it is left to move bytes.
+    /// (`server.rs`), so no session of it is left to move bytes. Or another daemon answers at
+    /// the path and the one attached to has exited: its queue pairs, mappings and imports of
+    /// the memory ended with its process.
     Gone,
     /// Nothing can be concluded by the deadline: the connection is refused while the socket
     /// file exists (a draining daemon has closed its listener but is still releasing sessions,
@@ -268,13 +282,34 @@ enum Reached {
     Unknown(String),
 }
 
-/// Connects to tuttid at `socket`, asking again every 10 ms while the connection is refused and
-/// the socket file exists, until `deadline`.
-fn reach(socket: &Path, deadline: Instant) -> Reached {
+/// Connects to `daemon` at its socket, asking again every 10 ms while the connection is refused
+/// and the socket file exists, or while another daemon answers there and the one attached to
+/// still runs (it may be draining, its sessions' commands still in flight), until `deadline`.
+fn reach(daemon: &AttachedDaemon, deadline: Instant) -> Reached {
+    let socket = &daemon.socket;
     loop {
         let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let error = match Client::connect(socket, timeout) {
-            Ok(client) => return Reached::Daemon(client),
+            Ok(client) => match (&daemon.process, client.daemon_process()) {
+                (Some(ours), Some(theirs)) if theirs != *ours => {
+                    if ours.has_exited() {
+                        return Reached::Gone;
+                    }
+                    if Instant::now() >= deadline {
+                        return Reached::Unknown(format!(
+                            "tuttid pid {} answers at {} while the daemon this session attached to (pid {}) still runs: \
+                             its sessions may still move bytes",
+                            theirs.pid(),
+                            socket.display(),
+                            ours.pid()
+                        ));
+                    }
+                    drop(client);
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                _ => return Reached::Daemon(client),
+            },
             Err(error) => error,
         };
         match &error {
@@ -292,8 +327,8 @@ fn reach(socket: &Path, deadline: Instant) -> Reached {
     }
 }
 
-pub fn leaked_queue_pairs(socket: &Path, deadline: Instant) -> LeakCount {
-    let mut client = match reach(socket, deadline) {
+pub fn leaked_queue_pairs(daemon: &AttachedDaemon, deadline: Instant) -> LeakCount {
+    let mut client = match reach(daemon, deadline) {
         Reached::Daemon(client) => client,
         Reached::Gone => return LeakCount::NoDaemon,
         Reached::Unknown(reason) => {
@@ -314,9 +349,9 @@ pub fn leaked_queue_pairs(socket: &Path, deadline: Instant) -> LeakCount {
 /// and no queue pair was leaked since tuttid counted `leaked_before` (another session's leak in
 /// between also answers false: then the memory is kept, the safe side; so does a daemon gone
 /// before its count could be compared).
-pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, deadline: Instant) -> bool {
+pub fn session_ended_cleanly(daemon: &AttachedDaemon, session: u64, leaked_before: u64, deadline: Instant) -> bool {
     let mut clean = false;
-    let gone = poll_status(socket, deadline, |status| {
+    let gone = poll_status(daemon, deadline, |status| {
         clean = status.leaked_queue_pairs == leaked_before;
         !status.clients.iter().any(|client| client.session == session)
     });
@@ -329,9 +364,9 @@ pub fn session_ended_cleanly(socket: &Path, session: u64, leaked_before: u64, de
 /// a refused connection while the file
 /// exists does not (see [`Reached::Unknown`]), nor does a connection that breaks: the daemon is
 /// asked again on a new one until the deadline.
-fn poll_status(socket: &Path, deadline: Instant, mut done: impl FnMut(&tutti_daemon::protocol::StatusReply) -> bool) -> bool {
+fn poll_status(daemon: &AttachedDaemon, deadline: Instant, mut done: impl FnMut(&tutti_daemon::protocol::StatusReply) -> bool) -> bool {
     loop {
-        match reach(socket, deadline) {
+        match reach(daemon, deadline) {
             Reached::Gone => return true,
             Reached::Unknown(reason) => {
                 tracing::warn!(%reason, "tutti: asking tuttid whether the session ended");
@@ -412,10 +447,11 @@ mod tests {
         let socket = directory.join("tuttid.sock");
         let _ = std::fs::remove_file(&socket);
         drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+        let daemon = AttachedDaemon { socket: socket.clone(), process: None };
         assert!(socket.exists(), "a dropped listener leaves its file, as a draining tuttid's");
         let soon = || Instant::now() + Duration::from_millis(150);
-        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoAnswer);
-        assert!(!session_gone(&socket, 7, soon()));
+        assert_eq!(leaked_queue_pairs(&daemon, soon()), LeakCount::NoAnswer);
+        assert!(!session_gone(&daemon, 7, soon()));
         let started = Instant::now();
         let removed = {
             let socket = socket.clone();
@@ -424,15 +460,75 @@ mod tests {
                 std::fs::remove_file(socket).unwrap();
             })
         };
-        assert!(session_gone(&socket, 7, Instant::now() + Duration::from_secs(10)), "the file went while we waited");
+        assert!(session_gone(&daemon, 7, Instant::now() + Duration::from_secs(10)), "the file went while we waited");
         assert!(started.elapsed() >= Duration::from_millis(200) && started.elapsed() < Duration::from_secs(5));
         removed.join().unwrap();
-        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoDaemon);
-        assert!(session_gone(&socket, 7, soon()));
+        assert_eq!(leaked_queue_pairs(&daemon, soon()), LeakCount::NoDaemon);
+        assert!(session_gone(&daemon, 7, soon()));
         // Something at the path that is no socket: nothing can be concluded either.
         std::fs::write(&socket, b"not a socket").unwrap();
-        assert_eq!(leaked_queue_pairs(&socket, soon()), LeakCount::NoAnswer);
-        assert!(!session_gone(&socket, 7, soon()));
+        assert_eq!(leaked_queue_pairs(&daemon, soon()), LeakCount::NoAnswer);
+        assert!(!session_gone(&daemon, 7, soon()));
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    #[test]
+    fn another_daemon_at_the_socket_speaks_for_the_attached_one_only_once_it_has_exited() {
+        // Goal: a session's daemon is the process that answered at attach. Another tuttid serving
+        // the same path later (started while the attached one drains, or after its socket file
+        // was removed) lists none of the first one's sessions; while the attached daemon still
+        // runs, that must not read as "the session ended" (its in-flight reads may still write
+        // the memory), nor its leak count stand for the attached one's. Once the attached daemon
+        // has exited, its queue pairs and mappings went with it. A daemon that could not be
+        // identified is taken to be whichever answers, as before.
+        use objstore::{FormatParams, ModelGeometry};
+        use tutti_daemon::pool_open::{open_pool, PoolOptions};
+        use tutti_devices::{DeviceKind, DeviceSpec};
+        let directory = std::env::temp_dir().join(format!("tutti-python-other-daemon-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("tuttid.sock");
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let opened = open_pool(&PoolOptions {
+            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: None,
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.join("locks"),
+            client_queue_pairs: 2,
+            emu_doorbell_relay: false,
+        })
+        .unwrap();
+        let server = tutti_daemon::Server::bind(tutti_daemon::ServerConfig::new(socket.clone()), opened).unwrap();
+        let stop = server.stop_handle();
+        let serving = std::thread::spawn(move || server.serve().map(|_| ()).map_err(|error| error.to_string()));
+        let soon = || Instant::now() + Duration::from_millis(300);
+        // The daemon in this process is the one that answers.
+        let answering = Client::connect(&socket, Duration::from_secs(5)).unwrap().daemon_process().expect("this process");
+        assert_eq!(answering.pid(), std::process::id());
+        let ours = AttachedDaemon { socket: socket.clone(), process: Some(answering) };
+        assert!(session_gone(&ours, 7, soon()), "the attached daemon lists no session 7");
+        assert_eq!(leaked_queue_pairs(&ours, soon()), LeakCount::Counted(0));
+        // Attached to another process, which still runs.
+        let mut attached = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let other = AttachedDaemon { socket: socket.clone(), process: PeerProcess::of(attached.id()) };
+        assert!(other.process.is_some());
+        let started = Instant::now();
+        assert!(!session_gone(&other, 7, soon()), "another daemon's status spoke for the one attached to");
+        assert!(started.elapsed() >= Duration::from_millis(300), "asked until the deadline");
+        assert_eq!(leaked_queue_pairs(&other, soon()), LeakCount::NoAnswer);
+        assert!(!session_ended_cleanly(&other, 7, 0, soon()));
+        attached.kill().unwrap();
+        attached.wait().unwrap();
+        assert!(session_gone(&other, 7, soon()), "the attached daemon has exited");
+        assert_eq!(leaked_queue_pairs(&other, soon()), LeakCount::NoDaemon);
+        // Not identified: whichever daemon answers is asked.
+        let unknown = AttachedDaemon { socket: socket.clone(), process: None };
+        assert!(session_gone(&unknown, 7, soon()));
+        stop.stop();
+        serving.join().unwrap().unwrap();
         std::fs::remove_dir_all(&directory).unwrap();
     }
 

@@ -547,9 +547,10 @@ impl Store {
             store: StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves },
             timeout,
         };
+        let daemon_process = client.daemon_process();
         let backend = Backend::RemoteAttached { client, hello: reply, config };
         let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight, iocbs, requests_max });
-        state.daemon_socket = Some(socket);
+        state.daemon = Some(crate::device_memory::AttachedDaemon { socket, process: daemon_process });
         state.daemon_session = Some(session);
         state.closed_in_forked_children = connections;
         Store::new(StoreShared {

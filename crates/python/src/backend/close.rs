@@ -63,8 +63,8 @@ impl StoreState {
         let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
         // Before the connection closes: tuttid's count of leaked queue pairs, to tell a session
         // that ended cleanly from one whose pair could not be deleted.
-        let leaks_before = match (&self.daemon_socket, remote && !settled) {
-            (Some(socket), true) => device_memory::leaked_queue_pairs(socket, release_wait),
+        let leaks_before = match (&self.daemon, remote && !settled) {
+            (Some(daemon), true) => device_memory::leaked_queue_pairs(daemon, release_wait),
             _ => device_memory::LeakCount::NoAnswer,
         };
         // Forgotten while still open (no other file can have their numbers yet); those the
@@ -99,10 +99,10 @@ impl StoreState {
         crate::process::keep_from_forked_children(&still_open);
         // A layer left in flight through tuttid: nothing may be given back before the session
         // ended cleanly.
-        let ended_cleanly = match (&self.daemon_socket, self.daemon_session, leaks_before) {
+        let ended_cleanly = match (&self.daemon, self.daemon_session, leaks_before) {
             (_, _, device_memory::LeakCount::NoDaemon) => true,
-            (Some(socket), Some(session), device_memory::LeakCount::Counted(before)) => {
-                device_memory::session_ended_cleanly(socket, session, before, release_wait)
+            (Some(daemon), Some(session), device_memory::LeakCount::Counted(before)) => {
+                device_memory::session_ended_cleanly(daemon, session, before, release_wait)
             }
             _ => false,
         };

@@ -125,8 +125,8 @@ impl StoreState {
         let layout = store_layout(&checked, &device_memory::offsets(&checked, range.start));
         let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
         self.touch_daemon();
-        let socket = self.daemon_socket.clone().unwrap_or_default();
-        let hold = DeviceHold { keeps, holder: range.holder, socket, session };
+        let daemon = self.daemon.clone().unwrap_or(device_memory::AttachedDaemon { socket: Default::default(), process: None });
+        let hold = DeviceHold { keeps, holder: range.holder, daemon, session };
         match connected.and_then(|mut store| {
             // Before any request is prepared (see `build_local`); a refusal drops the store,
             // which ends the session like any failure here.
