@@ -382,6 +382,30 @@ def test_a_full_pool_is_pool_full_in_process_and_through_tuttid(small_daemon):
     remote.close()
 
 
+def test_an_attach_refused_busy_is_asked_again_until_its_timeout(small_daemon):
+    # Goal: Busy is transient (every connection taken; a restarted engine's old session still
+    # releasing its queue ids): Store.attach asks again on a new connection until timeout_s,
+    # so an engine starting while the place frees attaches; one still refused at timeout_s
+    # raises the daemon's Busy, not before.
+    import threading
+    import time
+
+    first = tutti.Store.attach(small_daemon.socket, model_fingerprint=FINGERPRINT)
+    started = time.monotonic()
+    with raises(tutti.DaemonError, match="Busy") as info:
+        tutti.Store.attach(small_daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=0.5)
+    assert info.value.code == "Busy"
+    assert time.monotonic() - started >= 0.3, "asked again until (about) its timeout"
+    closer = threading.Timer(0.5, first.close)
+    closer.start()
+    started = time.monotonic()
+    second = tutti.Store.attach(small_daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=WAIT_S)
+    assert 0.4 <= time.monotonic() - started < WAIT_S
+    closer.join()
+    assert second.kind == "tuttid"
+    second.close()
+
+
 def test_a_wait_past_its_deadline_is_a_timeout_and_the_layer_stays_in_flight():
     # Goal: wait(0) right after an issue cannot have seen the completion: TimeoutError (also
     # the builtin TimeoutError), the layer is still in flight, a later wait completes it.

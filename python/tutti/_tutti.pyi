@@ -442,8 +442,10 @@ class Store:
         the geometry is the daemon's pool's (`store.geometry`). No memory is registered yet:
         call `allocate_kv` next.
 
-        timeout_s: the longest wait for any daemon answer. keepalive: a background thread of
-        this store pings the daemon every third of its lease (HelloReply's lease) while the
+        timeout_s: the longest wait for any daemon answer; an attach the daemon answers Busy
+        (every connection taken, or a restarted engine's old session still releasing the queue
+        ids this one needs) is asked again on a new connection until timeout_s has passed.
+        keepalive: a background thread of this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the
         next call). queue_depth, iocbs, requests_max, layers_in_flight: as for `open`, with the
@@ -453,7 +455,7 @@ class Store:
         Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
         an all-zero fingerprint, rank >= world; a queue option or layers_in_flight out of
         bounds), DaemonError (e.g. code
-        "Busy": the daemon serves its maximum of clients; a model geometry from the daemon
+        "Busy": still busy at timeout_s; a model geometry from the daemon
         that is not valid, e.g. 0 KV heads, named with its values), TimeoutError."""
     @property
     def kind(self) -> Literal["in-process", "tuttid"]: ...

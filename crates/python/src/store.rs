@@ -198,6 +198,10 @@ fn run_service(weak: Weak<StoreShared>) {
 /// make it ping every millisecond and starve every other call of the lock.
 pub const KEEPALIVE_INTERVAL_MIN: Duration = Duration::from_millis(100);
 
+/// The first and longest pause before `attach` asks a busy tuttid again (doubling in between).
+const ATTACH_BUSY_PAUSE_MIN: Duration = Duration::from_millis(20);
+const ATTACH_BUSY_PAUSE_MAX: Duration = Duration::from_millis(500);
+
 /// How long an attached store may stay idle before the completion thread pings tuttid: a third
 /// of the session's `lease` (tuttid's, untrusted), so that two pings may be late before the
 /// lease runs out, but never under `KEEPALIVE_INTERVAL_MIN` (a lease under three times that
@@ -521,13 +525,33 @@ impl Store {
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
         let (client, reply, connections) = py
             .detach(|| {
-                let before = crate::process::open_fds();
-                let mut client = Client::connect(&socket, timeout)?;
-                // A forked child closes its copy of the socket (`process`).
-                let connections = crate::process::daemon_connections_since(&before, &socket);
-                crate::process::keep_from_forked_children(&connections);
-                let reply = client.hello(&hello)?;
-                Ok::<_, DaemonError>((client, reply, connections))
+                let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
+                let mut pause = ATTACH_BUSY_PAUSE_MIN;
+                loop {
+                    let before = crate::process::open_fds();
+                    // `timeout` is also every later call's wait on this connection.
+                    let mut client = Client::connect(&socket, timeout)?;
+                    // A forked child closes its copy of the socket (`process`).
+                    let connections = crate::process::daemon_connections_since(&before, &socket);
+                    crate::process::keep_from_forked_children(&connections);
+                    match client.hello(&hello) {
+                        Ok(reply) => return Ok::<_, DaemonError>((client, reply, connections)),
+                        // Busy is transient: every connection taken, or a restarted engine's
+                        // old session still retiring holds the queue ids this one needs
+                        // (docs/tuttid.md). Asked again, on a new connection (a refused Hello's
+                        // connection holds a place until it closes), until the timeout.
+                        Err(DaemonError::Remote { code: tutti_daemon::ErrorCode::Busy, message })
+                            if Instant::now() + pause < deadline =>
+                        {
+                            tracing::debug!(%message, "tutti: tuttid is busy; attaching again");
+                            crate::process::forget_from_forked_children(&connections);
+                            drop(client);
+                            std::thread::sleep(pause);
+                            pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
+                        }
+                        Err(error) => return Err(error),
+                    }
+                }
             })
             .map_err(|error| Failure::from(error).to_pyerr(py))?;
         // Checked before anything else uses it (the session ends with the client dropped here).
