@@ -37,8 +37,8 @@ pub struct EmuOptions {
 /// Opens `specs` in one DMA space, in order. Refuses `uring:` (no NVMe controller), a mix of
 /// `vfio:` and software controllers (two address spaces), memory devices the machine cannot
 /// hold ([`check_memory`]) and one file named by two `emu:` specs (two controllers would
-/// overwrite each other's data), before anything is opened. (VFIO refuses a function listed
-/// twice itself.)
+/// overwrite each other's data) or one PCI function named twice
+/// ([`DeviceError::DuplicateFunction`]), before anything is opened.
 pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<OpenedDevice>, DeviceError> {
     let mut addresses: Vec<PciAddress> = Vec::new();
     for spec in specs {

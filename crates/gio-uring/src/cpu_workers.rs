@@ -316,8 +316,15 @@ impl Executor for CpuWorkers {
         // A worker receives an IOCB only if it owns some of its IOCTXs, so the IOCB cannot complete
         // (and be reissued) before that worker took the message: the depth bounds each channel.
         // Twice the depth leaves slack.
-        let capacity = self.channel_capacity();
         let config = memory.layout.config;
+        // The channels are sized from the depth given to `new`: a shallower one than the queue's
+        // would refuse batches the queue accepts (every IOCB of them ended as TIMEOUT).
+        if self.depth != config.depth {
+            return Err(GioError::InvalidConfig {
+                reason: format!("cpu-workers were built for gio queue depth {}, attached to a queue of depth {}", self.depth, config.depth),
+            });
+        }
+        let capacity = self.channel_capacity();
         let ioctx_index = Arc::new(IoctxIndex::new(config.depth, config.ioctx_per_iocb_max, self.counts.len()));
         self.index = Some(Arc::clone(&ioctx_index));
         self.dealt_to = vec![0; config.ioctx_per_iocb_max as usize];
@@ -676,6 +683,25 @@ mod tests {
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
+    }
+
+    #[test]
+    fn workers_built_for_another_depth_than_the_queue_are_refused_at_attach() {
+        // Goal: the worker channels are sized from `new`'s depth; attached to a deeper queue they
+        // would refuse full batches the queue accepts (spurious SubmitFailed). A mismatch is an
+        // InvalidConfig naming both depths, before any worker starts.
+        use crate::types::{Iova, IovaRange};
+        use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
+        let executor = CpuWorkers::new(0, vec![Vec::new()], 1).expect("workers");
+        let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
+        let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
+        let error = crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor)
+            .err()
+            .expect("a depth-1 executor on a depth-4 queue is refused");
+        assert!(
+            matches!(&error, GioError::InvalidConfig { reason } if reason.contains("depth 1") && reason.contains("depth 4")),
+            "{error}"
+        );
     }
 
     fn fill<E: Executor>(queue: &mut crate::queue::GioQueue<E>, count: usize) -> Vec<IocbId> {

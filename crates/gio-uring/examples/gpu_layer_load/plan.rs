@@ -70,7 +70,11 @@ impl Options {
                 "--tokens" => {
                     options.tokens = value.split(',').map(|text| number(&flag, text.trim())).collect::<Result<_, _>>()?;
                 }
-                "--ioctx-kib" => options.ioctx_bytes = number::<u64>(&flag, &value)? << 10,
+                "--ioctx-kib" => {
+                    // Checked: a shift would drop a huge value's high bits and pass the range check.
+                    options.ioctx_bytes =
+                        number::<u64>(&flag, &value)?.checked_mul(1024).ok_or_else(|| format!("--ioctx-kib {value}: too large"))?
+                }
                 "--repetitions" => options.repetitions = number(&flag, &value)?,
                 "--budget-s" => options.budget = Duration::from_secs(number(&flag, &value)?),
                 "--io-sms" => options.io_sms = number(&flag, &value)?,
@@ -366,6 +370,8 @@ mod tests {
             "--io-sms 0",
             "--frob 1",
             "--json",
+            // 2^54 + 4 KiB: shifted into bytes it wrapped to 4 KiB, a valid size.
+            "--ioctx-kib 18014398509481988",
         ] {
             assert!(Options::parse(args(bad)).is_err(), "{bad} must be refused");
         }
