@@ -696,8 +696,7 @@ mod tests {
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         let error = crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor)
-            .err()
-            .expect("a depth-1 executor on a depth-4 queue is refused");
+            .expect_err("a depth-1 executor on a depth-4 queue is refused");
         assert!(
             matches!(&error, GioError::InvalidConfig { reason } if reason.contains("depth 1") && reason.contains("depth 4")),
             "{error}"
