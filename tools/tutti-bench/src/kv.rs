@@ -188,7 +188,7 @@ pub(crate) fn engine_processes(cli: &Cli) -> u32 {
 
 /// The engine KV memory of `processes` processes running `plan` (K and V tensors of every
 /// layer, `blocks` objects each), in words and bytes.
-fn engine_memory(plan: &KvPlan, processes: u32) -> (String, u64) {
+pub(crate) fn engine_memory(plan: &KvPlan, processes: u32) -> (String, u64) {
     let geometry = plan.geometry();
     let bytes = plan
         .blocks()

@@ -16,7 +16,7 @@ use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
 use crate::{usage, Unusable};
-use tutti_devices::{BlockDeviceClaims, DeviceLocks, HostBlockDevices};
+use tutti_devices::{memory_shortfall, BlockDeviceClaims, DeviceLocks, HostBlockDevices};
 
 /// Largest pool file the default run creates, and the share of the free space it may take.
 const DEFAULT_POOL_BYTES_MAX: u64 = 1 << 30;
@@ -640,30 +640,8 @@ fn default_kv(
     say: &dyn Fn(String) -> anyhow::Result<()>,
     created: &mut CreatedFiles,
 ) -> anyhow::Result<()> {
-    let model = tutti_cli::GeometryArgs::default()
-        .resolve(Some(tutti_cli::geometry::DEFAULT_MODEL))
-        .map_err(|error| anyhow::anyhow!("the default model: {error}"))?;
-    let mut plan = crate::kv::KvPlan {
-        model,
-        prompt_tokens: DEFAULT_PROMPT_TOKENS_MAX,
-        hit_rate: 1.0,
-        verify: true,
-        pool: crate::kv::PoolMode::Format,
-        seed: cli.seed,
-        emu_timing: cli.emu_timing,
-        layers_in_flight: cli.layers_in_flight,
-        blocks_per_slot: cli.blocks_per_slot,
-    };
-    while plan.pool_bytes_per_device(1) > pool.bytes && plan.prompt_tokens > plan.block_tokens() {
-        plan.prompt_tokens -= plan.block_tokens();
-    }
-    if plan.pool_bytes_per_device(1) > pool.bytes {
-        return usage(format!(
-            "the pool file of {} cannot hold one KV block of {}; free some space or pass --directory DIR",
-            format_size(pool.bytes),
-            plan.model.name
-        ));
-    }
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let plan = default_plan(cli, pool.bytes, &meminfo)?;
     say(format!(
         "Workload: KV store + retrieve through the object store's layer API: a {}-token prompt of {} ({} blocks of {} tokens, {} of KV) stored layer by layer, \
          then looked up and retrieved layer by layer into cleared engine memory and compared byte for byte (equivalent to: \
@@ -678,4 +656,69 @@ fn default_kv(
         plan.block_tokens()
     ))?;
     crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, cli.output_format, created)
+}
+
+/// The default run's plan: up to [`DEFAULT_PROMPT_TOKENS_MAX`] tokens, fewer until the pool
+/// file of `pool_bytes` holds them and their engine KV memory (allocated up front, populated)
+/// fits what `meminfo` (the text of /proc/meminfo; without `MemAvailable`, anything) says can be
+/// spared, as `--workload=kv` checks; refused (exit 2) when not even one block fits.
+fn default_plan(cli: &Cli, pool_bytes: u64, meminfo: &str) -> anyhow::Result<crate::kv::KvPlan> {
+    let model = tutti_cli::GeometryArgs::default()
+        .resolve(Some(tutti_cli::geometry::DEFAULT_MODEL))
+        .map_err(|error| anyhow::anyhow!("the default model: {error}"))?;
+    let mut plan = crate::kv::KvPlan {
+        model,
+        prompt_tokens: DEFAULT_PROMPT_TOKENS_MAX,
+        hit_rate: 1.0,
+        verify: true,
+        pool: crate::kv::PoolMode::Format,
+        seed: cli.seed,
+        emu_timing: cli.emu_timing,
+        layers_in_flight: cli.layers_in_flight,
+        blocks_per_slot: cli.blocks_per_slot,
+    };
+    // The pool file is an emu: file, not a memory device: only the engine memory counts.
+    let engine_fits = |plan: &crate::kv::KvPlan| memory_shortfall(crate::kv::engine_memory(plan, 1).1, &[], meminfo).is_none();
+    while (plan.pool_bytes_per_device(1) > pool_bytes || !engine_fits(&plan)) && plan.prompt_tokens > plan.block_tokens() {
+        plan.prompt_tokens -= plan.block_tokens();
+    }
+    if plan.pool_bytes_per_device(1) > pool_bytes {
+        return usage(format!(
+            "the pool file of {} cannot hold one KV block of {}; free some space or pass --directory DIR",
+            format_size(pool_bytes),
+            plan.model.name
+        ));
+    }
+    let (what, bytes) = crate::kv::engine_memory(&plan, 1);
+    crate::memory::check_host_memory_with(&what, bytes, &[], "more available memory (the default run needs one block)", meminfo)?;
+    Ok(plan)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[test]
+    fn the_default_plan_fits_the_engine_memory_the_host_can_spare() {
+        // Goal: the no-argument run allocates (and populates) the engine KV memory of its prompt
+        // before it starts; on a host with 300 MiB available (44 MiB to spare past the 256 MiB
+        // reserve) it shrinks the prompt until that memory fits, as --workload=kv refuses a plan
+        // that does not, instead of being OOM-killed with the pool file left behind; with too
+        // little for one block it is refused (exit 2). A 1 GiB pool alone allows 4096 tokens.
+        let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
+        let pool_bytes = 1 << 30;
+        let plenty = "MemTotal: 64000000 kB\nMemAvailable: 60000000 kB\n";
+        assert_eq!(default_plan(&cli, pool_bytes, plenty).unwrap().prompt_tokens, DEFAULT_PROMPT_TOKENS_MAX);
+        let small = "MemTotal: 1000000 kB\nMemAvailable: 307200 kB\n";
+        let plan = default_plan(&cli, pool_bytes, small).unwrap();
+        let (_, engine_bytes) = crate::kv::engine_memory(&plan, 1);
+        assert!(plan.blocks() >= 1 && engine_bytes <= 44 << 20, "{} tokens: {engine_bytes} bytes of engine memory", plan.prompt_tokens);
+        assert_eq!(plan.prompt_tokens, 352, "the largest prompt that fits");
+        let tiny = "MemTotal: 1000000 kB\nMemAvailable: 262144 kB\n";
+        let error = default_plan(&cli, pool_bytes, tiny).unwrap_err();
+        assert!(error.downcast_ref::<Unusable>().is_some(), "{error:#}");
+        assert!(error.to_string().contains("engine KV memory"), "{error:#}");
+    }
 }
