@@ -24,6 +24,7 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::sockopt::{PeerCredentials, SocketError};
 use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
+use crate::fd_passing::FDS_PER_FRAME_MAX;
 use crate::frame_io::{deadline_after, read_frame, write_frame_with_fds, ReadOutcome, WAIT_MAX};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
@@ -202,16 +203,28 @@ impl Client {
         }
     }
 
-    /// One request and its reply. Any failure other than the daemon's answer to this very
-    /// request leaves the connection out of step (a late reply may still be queued, a frame may
-    /// be half written or read), so it is marked broken and refuses every later call.
+    /// One request and its reply. A request refused before any byte of it is written (too
+    /// large for a frame, too many descriptors) fails alone: nothing was sent, so no reply can
+    /// come and the connection stays in step. Any later failure other than the daemon's answer
+    /// to this very request leaves the connection out of step (a late reply may still be
+    /// queued, a frame may be half written or read), so it is marked broken and refuses every
+    /// later call.
     fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>), fds: &[BorrowedFd<'_>]) -> Result<Reply, DaemonError> {
         if let Some(cause) = &self.broken {
             return Err(Client::out_of_step(cause));
         }
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
-        match self.exchange_in_step(kind, request_id, encode, fds) {
+        encode_frame(&mut self.frame, kind, request_id, encode)?;
+        // Checked here, not only by the send: a send that refuses them has written nothing
+        // either, but from there it would read as a failed write (out of step).
+        if fds.len() > FDS_PER_FRAME_MAX {
+            return Err(DaemonError::Io {
+                context: format!("sending a {kind:?} request with {} descriptors (at most {FDS_PER_FRAME_MAX} per frame)", fds.len()),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
+        match self.exchange_in_step(kind, request_id, fds) {
             Ok(Ok(reply)) => Ok(reply),
             // The daemon refused this request: the stream is in step.
             Ok(Err(refusal)) => Err(refusal),
@@ -222,16 +235,10 @@ impl Client {
         }
     }
 
-    /// The exchange proper: `Ok(Err(..))` is the daemon's `Error` answer to this request (the
-    /// connection stays usable); `Err(..)` is everything else that went wrong.
-    fn exchange_in_step(
-        &mut self,
-        kind: Kind,
-        request_id: u32,
-        encode: impl FnOnce(&mut Vec<u8>),
-        fds: &[BorrowedFd<'_>],
-    ) -> Result<Result<Reply, DaemonError>, DaemonError> {
-        encode_frame(&mut self.frame, kind, request_id, encode)?;
+    /// The exchange proper, of the request encoded in `self.frame`: `Ok(Err(..))` is the
+    /// daemon's `Error` answer to this request (the connection stays usable); `Err(..)` is
+    /// everything else that went wrong.
+    fn exchange_in_step(&mut self, kind: Kind, request_id: u32, fds: &[BorrowedFd<'_>]) -> Result<Result<Reply, DaemonError>, DaemonError> {
         self.requests_sent += 1;
         if let Err(error) = write_frame_with_fds(&self.stream, &self.frame, fds) {
             // A daemon that refuses a connection (Busy) answers and closes without reading what
@@ -517,5 +524,46 @@ pub(crate) mod tests {
         let sent_again = daemon.join().unwrap();
         std::fs::remove_dir_all(&directory).unwrap();
         assert_eq!(sent_again, None, "the broken connection sent another request");
+    }
+
+    /// Goal: a request refused before any byte of it is written (a Lookup too large for one
+    /// frame) fails with that refusal and leaves the connection in step: nothing was sent, so
+    /// no late reply can come, and the next call on it is served. Before, any failure marked
+    /// the connection broken, and a long prompt's lookup cut the engine's session.
+    #[test]
+    fn a_request_refused_before_it_is_sent_leaves_the_connection_usable() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(TICK)).unwrap();
+            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let ping = request_id(&stream, Duration::from_secs(5))?;
+            answer(&stream, ping, &Reply::Pong);
+            Some(ping)
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(5)).unwrap();
+        // 8 + 4 x 262,143 body bytes: 4 over the 1 MiB body cap.
+        let tokens = vec![0u32; 262_143];
+        match client.lookup(&tokens) {
+            Err(DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { .. })) => {}
+            other => panic!("a lookup over the frame cap: {other:?}"),
+        }
+        assert!(!client.is_broken(), "a request never sent left the connection out of step");
+        // And one with more descriptors than a frame carries.
+        let file = tempfile::tempfile().unwrap();
+        let fds = vec![file.as_fd(); FDS_PER_FRAME_MAX + 1];
+        match client.call_with_fds(&Request::Ping, &fds) {
+            Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::InvalidInput => {}
+            other => panic!("a request with {} descriptors: {other:?}", fds.len()),
+        }
+        assert!(!client.is_broken(), "a request never sent left the connection out of step");
+        assert_eq!(client.requests_sent(), 0);
+        let pong = client.ping();
+        drop(client);
+        let ping = daemon.join().unwrap();
+        pong.expect("the ping after the refused lookup");
+        assert!(ping.is_some());
     }
 }
