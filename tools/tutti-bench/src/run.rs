@@ -119,7 +119,8 @@ pub fn with_devices(
     }
     let mut created = CreatedFiles::default();
     let devices = if cli.devices.is_empty() {
-        let path = temporary_pool(cli.directory.as_deref(), bytes, lay_out)?.path;
+        // A kv or serve run refuses --offset (a raw option) before this: it is 0 there.
+        let path = temporary_pool(cli.directory.as_deref(), bytes, cli.offset, lay_out)?.path;
         created.push(path.clone());
         vec![DeviceSpec::EmuFile(path)]
     } else {
@@ -318,6 +319,17 @@ fn validate_raw(cli: &Cli) -> anyhow::Result<()> {
     }
     if cli.size.is_some_and(|size| size < cli.bs) {
         return usage(format!("--size={} is smaller than --bs={}", cli.size.unwrap_or(0), cli.bs));
+    }
+    // Without --device or --size the run gets the default temporary pool, never above
+    // DEFAULT_POOL_BYTES_MAX: an --offset at or past that is refused before the directory is
+    // even looked at (a smaller pool, for lack of free space, is checked in temporary_pool,
+    // still before the file is created).
+    if cli.devices.is_empty() && cli.size.is_none() && cli.offset >= DEFAULT_POOL_BYTES_MAX {
+        return usage(format!(
+            "--offset={} is at or past the end of the temporary pool file (at most {}: a tenth of the free space); accepted: a smaller --offset, or --size, or --device",
+            cli.offset,
+            format_size(DEFAULT_POOL_BYTES_MAX)
+        ));
     }
     if cli.verify {
         if cli.runtime.is_some() {
@@ -526,7 +538,8 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
         .map_err(|error| Unusable(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
-fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, lay_out: bool) -> anyhow::Result<TemporaryPool> {
+/// A raw run's `offset` at or past the pool's size is refused before the file is created.
+fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, offset: u64, lay_out: bool) -> anyhow::Result<TemporaryPool> {
     let directory = match directory {
         Some(directory) => {
             // The user's choice is kept, and said plainly: its figures are memory's.
@@ -569,6 +582,15 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, lay_out: 
         }
         None => fitting,
     };
+    // Refused before the file is created and laid out (up to 1 GiB written and fsynced).
+    if offset >= bytes {
+        return usage(format!(
+            "--offset={offset} is at or past the end of the temporary pool file ({}: a tenth of the {} free in {}); accepted: a smaller --offset, or --size, or --device",
+            format_size(bytes),
+            format_size(free),
+            directory.display()
+        ));
+    }
     let file = tempfile::Builder::new().prefix("tutti-bench-pool-").suffix(".img").tempfile_in(&directory).map_err(|error| {
         Unusable(format!("cannot create a pool file in {}: {error}; pass --directory DIR with a writable directory", directory.display()))
     })?;
@@ -610,7 +632,7 @@ pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
 pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     let started = Instant::now();
     let say = narrator(cli.output_format);
-    let pool = temporary_pool(cli.directory.as_deref(), None, false)?;
+    let pool = temporary_pool(cli.directory.as_deref(), None, 0, false)?;
     let mut created = CreatedFiles::default();
     created.push(pool.path.clone());
     if cli.keep {

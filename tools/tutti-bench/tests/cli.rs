@@ -702,6 +702,9 @@ fn raw_arguments_are_checked_before_a_temporary_pool_is_written() {
     assert_refused(&[&missing[..], &["--size", "1m", "--time_based"]].concat(), &["--time_based needs --runtime"]);
     assert_refused(&[&missing[..], &["--size", "4k", "--bs", "8k"]].concat(), &["smaller than --bs"]);
     assert_refused(&[&missing[..], &["--size", "1m", "--rw=randrw", "--verify"]].concat(), &["randrw"]);
+    // Without --size the pool is the default one, at most 1 GiB: an --offset past that is
+    // refused before the pool is laid out (before, 1 GiB was written and fsynced first).
+    assert_refused(&[&missing[..], &["--offset", "1t"]].concat(), &["--offset", "temporary pool"]);
 }
 
 /// Whether `data` repeats with period `period` bytes throughout.
