@@ -172,6 +172,16 @@ pub(crate) fn check_plan(plan: &KvPlan) -> anyhow::Result<()> {
     if plan.blocks() > u64::from(u32::MAX / 2) {
         return usage(format!("--prompt-tokens={} makes too many blocks", plan.prompt_tokens));
     }
+    // Only the cached prefix is stored and retrieved: with none, --verify would compare nothing
+    // and still report verify=true.
+    if plan.verify && plan.cached_blocks() == 0 {
+        return usage(format!(
+            "--verify compares the cached blocks after retrieve, but --hit-rate={} of {} blocks caches no block; accepted: a --hit-rate that caches at least one (at least {:.3} here), or no --verify",
+            plan.hit_rate,
+            plan.blocks(),
+            0.5 / plan.blocks() as f64
+        ));
+    }
     Ok(())
 }
 

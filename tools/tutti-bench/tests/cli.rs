@@ -444,6 +444,16 @@ fn kv_bad_input_is_refused_without_leaving_files() {
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--device", "vfio:0000:00:04.0"], &["one DMA space"]);
     assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=8"], &["less than one block"]);
     assert_refused(&["--workload=kv", "--hit-rate=1.5"], &["fraction"]);
+    // --verify compares what was stored and retrieved: with no cached block (a hit rate of 0,
+    // or one rounding to 0 of 10 blocks) it would compare nothing yet report verify=true.
+    assert_refused(
+        &["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=160", "--hit-rate=0", "--verify"],
+        &["--verify", "no block"],
+    );
+    assert_refused(
+        &["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=160", "--hit-rate=0.04", "--verify"],
+        &["--verify", "no block"],
+    );
     assert_refused(&["--workload=kv", "--layers-in-flight=0"], &["layers-in-flight"]);
     assert_refused(&["--workload=kv", "--layers-in-flight=5"], &["layers-in-flight"]);
 }
