@@ -19,6 +19,10 @@
 #
 # prints the directory only if the environment is complete, and exits 1 (building nothing)
 # otherwise.
+#
+# Each pin change leaves the old environment behind; under the lock, this engine's other
+# environments unused for TUTTI_ENV_PRUNE_DAYS days (default 14; 0 keeps them all) are removed
+# (tools/lib/prune.sh: every call that prints an environment marks it used).
 set -euo pipefail
 
 engine="${1:-}"
@@ -83,6 +87,8 @@ esac
 # never installs into the shared environment itself. The constraints below pin pytest too (their
 # hash is in the environment's key), so the two must agree: pip fails loudly if they do not.
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+# shellcheck source=tools/lib/prune.sh
+. "$repo/tools/lib/prune.sh"
 # The pin's line without a trailing comment, spaces or a CR (`pytest==9.2.0  # runner`).
 test_pin="$(sed -n 's/\r$//; s/[[:space:]]*#.*$//; s/[[:space:]]*$//; /^pytest==/{p;q}' "$repo/python/requirements-test.txt")"
 [[ "$test_pin" =~ ^pytest==[0-9A-Za-z.+!-]+$ ]] || {
@@ -149,10 +155,19 @@ repair_records() {
     rm -rf "$env_dir"
 }
 
+# Marks the environment used and, under the lock, removes this engine's long-unused others.
+ready() {
+    mark_used "$env_dir"
+    if ((!existing)); then
+        prune_unused "$cache_root" "$engine-[0-9][0-9A-Za-z.+]*-[0-9a-f]{12}" "${env_dir##*/}" "${TUTTI_ENV_PRUNE_DAYS:-14}"
+    fi
+    echo "$env_dir"
+    exit 0
+}
+
 if ((existing)); then
     if complete; then
-        echo "$env_dir"
-        exit 0
+        ready
     fi
     echo "engine-env: no complete $engine environment at $env_dir" >&2
     exit 1
@@ -167,8 +182,7 @@ flock -w "$lock_wait_s" 9 || {
 }
 
 if complete; then
-    echo "$env_dir"
-    exit 0
+    ready
 fi
 
 echo "engine-env: building $env_dir ($key_text)" >&2
@@ -178,8 +192,7 @@ echo "engine-env: building $env_dir ($key_text)" >&2
 # pip, which no rerun could repair.
 repair_records
 if complete; then
-    echo "$env_dir"
-    exit 0
+    ready
 fi
 # pip at the constraints' version: upgraded only when it is not (asking the index on every
 # rebuild would need the network for nothing).
@@ -215,4 +228,4 @@ if ! "$env_dir/bin/python" -c "$records_whole" >&2; then
     echo "engine-env: $env_dir was installed but files its distributions list are missing (see above)" >&2
     exit 1
 fi
-echo "$env_dir"
+ready
