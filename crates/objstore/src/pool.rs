@@ -715,8 +715,10 @@ impl Pool {
             }
             let cut_short = left < full_timeout;
             let namespace = d.target.namespace;
+            // One absolute end for all of this device's waits: its runs may take several drains.
+            let ends = Instant::now() + left;
             let mut synced =
-                d.run_metadata(index, lender, &mut None, left, !cut_short, |queue, mirror, _| mirror.sync(queue, namespace, left));
+                d.run_metadata(index, lender, &mut None, left, !cut_short, |queue, mirror, _| mirror.sync(queue, namespace, ends));
             if let Err(ObjstoreError::DeadlinePassed { .. }) = synced {
                 synced = Err(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
             }

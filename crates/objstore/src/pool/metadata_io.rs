@@ -1,7 +1,7 @@
 //! Metadata commands of a pool device (superblock, slot headers, payload checks): synchronous,
 //! bounded by a deadline, in pieces a small-MDTS controller and a shallow queue both take.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use gio_uring::LENT_COMMAND_TAG;
 use nvme_driver::{Controller, DataSegment, DmaRegion, HwError, IoQueuePair, Lba, NamespaceId, NvmeError};
@@ -98,6 +98,11 @@ pub(crate) fn transfer_region(
 /// Writes the runs `[first, end)` of LBAs of `region` (relative to `base_lba`, region offset =
 /// relative LBA × `lba_bytes`) with FUA, several commands in flight at once, and waits for all
 /// of them: on `Ok` every run is durable. Used for the dirty sectors of a header mirror.
+///
+/// Every wait (each drain of a full queue, and the last one) ends at `deadline`: more runs
+/// than the queue holds take several drains, and each getting a fresh timeout would wait a
+/// multiple of what the caller allowed. At `deadline` with commands in flight, the drain fails
+/// with [`NvmeError::Timeout`] (the caller retires the pair).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn write_runs_durably(
     queue: &mut IoQueuePair,
@@ -106,7 +111,7 @@ pub(crate) fn write_runs_durably(
     region: &DmaRegion,
     runs: impl Iterator<Item = (u64, u64)>,
     lba_bytes: u64,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<()> {
     let piece_max = piece_bytes_max(queue, lba_bytes) / lba_bytes;
     for (first, end) in runs {
@@ -121,7 +126,7 @@ pub(crate) fn write_runs_durably(
             // A full queue refuses before submitting anything: drain it, then submit again.
             match queue.submit_write(namespace, start, &segment, true, METADATA_TAG) {
                 Err(NvmeError::QueueFull { .. }) => {
-                    queue.complete_all(timeout)?;
+                    queue.complete_all(deadline.saturating_duration_since(Instant::now()))?;
                     queue.submit_write(namespace, start, &segment, true, METADATA_TAG)?;
                 }
                 other => {
@@ -131,7 +136,7 @@ pub(crate) fn write_runs_durably(
             at += blocks;
         }
     }
-    queue.complete_all(timeout)?;
+    queue.complete_all(deadline.saturating_duration_since(Instant::now()))?;
     Ok(())
 }
 

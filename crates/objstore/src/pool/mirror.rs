@@ -7,7 +7,7 @@
 //! writes only the sectors staged since the last one (two distant slots cost two LBAs, not the
 //! span between them), as separate FUA commands in any order.
 
-use std::time::Duration;
+use std::time::Instant;
 
 use nvme_driver::{DmaRegion, IoQueuePair, NamespaceId};
 
@@ -113,8 +113,9 @@ impl HeaderMirror {
     }
 
     /// Writes every dirty LBA with FUA (adjacent ones as one command) and waits: on `Ok` they
-    /// are durable and nothing is dirty. On an error they stay dirty, for the next sync.
-    pub(crate) fn sync(&mut self, queue: &mut IoQueuePair, namespace: NamespaceId, timeout: Duration) -> Result<()> {
+    /// are durable and nothing is dirty. On an error (one at `deadline`, however many drains the
+    /// writes took) they stay dirty, for the next sync.
+    pub(crate) fn sync(&mut self, queue: &mut IoQueuePair, namespace: NamespaceId, deadline: Instant) -> Result<()> {
         if self.dirty.is_empty() {
             return Ok(());
         }
@@ -128,7 +129,7 @@ impl HeaderMirror {
             (dirty[start], dirty[end - 1] + 1)
         });
         let lba_bytes = u64::from(self.superblock.lba_bytes);
-        write_runs_durably(queue, namespace, self.superblock.header_lba, &self.region, runs, lba_bytes, timeout)?;
+        write_runs_durably(queue, namespace, self.superblock.header_lba, &self.region, runs, lba_bytes, deadline)?;
         for &lba in &self.dirty {
             self.dirty_bits[(lba / 64) as usize] &= !(1u64 << (lba % 64));
         }

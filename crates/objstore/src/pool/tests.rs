@@ -102,7 +102,15 @@ fn a_metadata_transfer_never_reaches_past_its_region() {
     assert!(matches!(read, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{read:?}");
     let read = transfer_region(&mut queue, NamespaceId(1), 0, &region, 4096, 512, 512, Transfer::Read, timeout);
     assert!(matches!(read, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{read:?}");
-    let write = super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 12)].into_iter(), 512, timeout);
+    let write = super::metadata_io::write_runs_durably(
+        &mut queue,
+        NamespaceId(1),
+        0,
+        &region,
+        [(4, 12)].into_iter(),
+        512,
+        Instant::now() + timeout,
+    );
     assert!(matches!(write, Err(ObjstoreError::Dma(nvme_driver::HwError::OutOfRange { .. }))), "{write:?}");
     let mut bytes = vec![0u8; 4096];
     neighbour.read(0, &mut bytes).unwrap();
@@ -111,7 +119,8 @@ fn a_metadata_transfer_never_reaches_past_its_region() {
     assert_eq!((after.io(NvmOpcode::Read), after.io(NvmOpcode::Write)), (before.io(NvmOpcode::Read), before.io(NvmOpcode::Write)));
     // Inside the region, the same calls work.
     transfer_region(&mut queue, NamespaceId(1), 0, &region, 0, 4096, 512, Transfer::Read, timeout).unwrap();
-    super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 8)].into_iter(), 512, timeout).unwrap();
+    super::metadata_io::write_runs_durably(&mut queue, NamespaceId(1), 0, &region, [(4, 8)].into_iter(), 512, Instant::now() + timeout)
+        .unwrap();
 }
 
 #[test]
@@ -632,4 +641,41 @@ fn recovery_keeps_the_newest_copy_of_each_block_across_three_overlapping_slots()
         assert_eq!([at(a), at(b), at(c)], [Some((x, 0)), Some((n, 0)), Some((y, 0))], "X, N, Y in slots {slots:?}: {report:?}");
         assert_eq!((report.valid_slots, report.cached_blocks, report.duplicate_slots), (3, 3, 0), "slots {slots:?}");
     }
+}
+
+#[test]
+fn a_header_sync_longer_than_its_queue_ends_at_the_callers_deadline() {
+    // Goal: a sync whose dirty runs outnumber what its queue holds drains the queue several
+    // times; all of those drains together stay within the caller's deadline. Each drain used to
+    // get the whole time left at the start, so 12 runs on a queue taking 3 waited ~4 command
+    // latencies against a deadline of 1.5.
+    use nvme_emu::TimingModel;
+    let latency = Duration::from_millis(300);
+    let timing =
+        TimingModel { read_bytes_per_s: 1 << 30, write_bytes_per_s: 1 << 30, mixed_share_permille: 1000, command_latency: latency };
+    // A queue of 4 entries holds 3 commands.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 32 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_max_queue_entries(4)
+        .with_timing(Some(timing));
+    let (_device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, report) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    pool.set_metadata_timeout(Duration::from_secs(10));
+    // 8 entries per LBA: every 16th slot is its own run of one LBA.
+    assert!(report.slots >= 12 * 16, "{} slots", report.slots);
+    for run in 0..12u32 {
+        pool.stage_header(0, run * 16, SlotState::Empty, &[]).unwrap();
+    }
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 12);
+    let deadline = latency * 3 / 2;
+    let start = Instant::now();
+    let synced = pool.sync_headers_by(&mut NoLender, Some(start + deadline));
+    let elapsed = start.elapsed();
+    // The margin is one command latency: retiring the pair may wait for what is in flight.
+    assert!(elapsed < deadline + latency, "the sync took {elapsed:?} against a deadline of {deadline:?}: {synced:?}");
+    assert!(synced.is_err(), "12 runs at 3 per {latency:?} cannot be durable within {deadline:?}");
+    pool.sync_headers(&mut NoLender).expect("without a deadline the sync completes");
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0);
 }
