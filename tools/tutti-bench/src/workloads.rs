@@ -7,7 +7,7 @@
 //! each I/O's submission time is when it became visible to the device).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context};
@@ -243,14 +243,25 @@ impl OffsetGenerator {
 
 /// Runs one phase on all jobs and collects their statistics.
 pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, progress: &Arc<Progress>) -> anyhow::Result<PhaseResult> {
-    let barrier = Arc::new(Barrier::new(numjobs as usize));
-    let results: Vec<anyhow::Result<JobStats>> = std::thread::scope(|scope| {
+    run_phase_with(devices, numjobs, plan, progress, &|job| Ok(std::thread::Builder::new().name(format!("job{job}"))))
+}
+
+/// [`run_phase`] with the builder of each job's thread from `builder` (a test fails one).
+fn run_phase_with(
+    devices: &[Arc<dyn Device>],
+    numjobs: u32,
+    plan: &PhasePlan,
+    progress: &Arc<Progress>,
+    builder: &(dyn Fn(u32) -> std::io::Result<std::thread::Builder> + Sync),
+) -> anyhow::Result<PhaseResult> {
+    let gate = StartGate::new(numjobs);
+    let (results, unstarted): (Vec<anyhow::Result<JobStats>>, Option<anyhow::Error>) = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..numjobs)
             .map(|job| {
-                let barrier = Arc::clone(&barrier);
+                let gate = &gate;
                 let progress = Arc::clone(progress);
-                std::thread::Builder::new().name(format!("job{job}")).spawn_scoped(scope, move || {
-                    let result = run_job(devices, job, numjobs, plan, &barrier, &progress);
+                builder(job)?.spawn_scoped(scope, move || {
+                    let result = run_job(devices, job, numjobs, plan, gate, &progress);
                     if result.is_err() {
                         progress.stop.store(true, Ordering::Relaxed); // the others stop too
                     }
@@ -258,14 +269,26 @@ pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, pr
                 })
             })
             .collect();
-        handles
+        // Every thread is asked for before any is joined: one that could not start (a pids
+        // limit) would never reach the gate, so the started ones are released from it (they
+        // close their queues and return) instead of waiting for it forever.
+        let unstarted = handles.iter().find_map(|handle| handle.as_ref().err()).map(|error| anyhow!("cannot start a job thread: {error}"));
+        if unstarted.is_some() {
+            gate.call_off();
+        }
+        let results = handles
             .into_iter()
             .map(|handle| match handle {
                 Ok(handle) => handle.join().unwrap_or_else(|_| Err(anyhow!("a job thread panicked"))),
                 Err(error) => Err(anyhow!("cannot start a job thread: {error}")),
             })
-            .collect()
+            .collect();
+        (results, unstarted)
     });
+    // The cause, not the released jobs' "called off".
+    if let Some(error) = unstarted {
+        return Err(error);
+    }
     let mut jobs = Vec::with_capacity(results.len());
     for result in results {
         jobs.push(result?);
@@ -282,6 +305,64 @@ pub fn run_phase(devices: &[Arc<dyn Device>], numjobs: u32, plan: &PhasePlan, pr
         _ => (Duration::ZERO, Default::default()),
     };
     Ok(PhaseResult { label: plan.label.clone(), pattern: plan.pattern, verify: plan.verify, jobs, elapsed, process_cpu: cpu })
+}
+
+/// The longest a job waits at the start for the others to open their queues (an admin command
+/// or two per device each): well past any healthy start, and bounded.
+const START_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The jobs' start barrier (timing starts together), which the phase can call off: a
+/// `std::sync::Barrier` waits for every job unboundedly, including one whose thread never started.
+struct StartGate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+    jobs: u32,
+}
+
+struct GateState {
+    arrived: u32,
+    called_off: bool,
+}
+
+impl StartGate {
+    fn new(jobs: u32) -> Self {
+        Self { state: Mutex::new(GateState { arrived: 0, called_off: false }), changed: Condvar::new(), jobs }
+    }
+
+    /// Arrives and waits until every job has (Ok), or the start was called off or
+    /// [`START_TIMEOUT`] passed (which calls it off for the others too): Err says which.
+    fn wait(&self) -> Result<(), String> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.arrived += 1;
+        if state.arrived >= self.jobs {
+            self.changed.notify_all();
+        }
+        loop {
+            if state.called_off {
+                return Err("the phase's start was called off (another job failed to start)".to_string());
+            }
+            if state.arrived >= self.jobs {
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                state.called_off = true;
+                self.changed.notify_all();
+                return Err(format!(
+                    "{} of {} jobs opened their queues within {START_TIMEOUT:?}; the phase's start was called off",
+                    state.arrived, self.jobs
+                ));
+            }
+            state = self.changed.wait_timeout(state, deadline - now).unwrap_or_else(PoisonError::into_inner).0;
+        }
+    }
+
+    /// Releases every job waiting, or still to arrive, with an error.
+    fn call_off(&self) {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).called_off = true;
+        self.changed.notify_all();
+    }
 }
 
 /// Job `job`'s slice of a region split among `numjobs` jobs: (offset from the region's start,
@@ -319,17 +400,18 @@ fn run_job(
     job: u32,
     numjobs: u32,
     plan: &PhasePlan,
-    barrier: &Barrier,
+    gate: &StartGate,
     progress: &Progress,
 ) -> anyhow::Result<JobStats> {
     // Pin (when asked) and open queues first, then meet the other jobs, so that timing starts
-    // together; a failure is reported after the barrier, which every job must reach.
+    // together; a failure is reported after the start gate, which every job must reach.
     let pinned = plan.cpus_allowed.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|error| (cpus, error)));
     let seed = mix(plan.seed ^ u64::from(job));
     let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> =
         devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
     let opened = opened.and_then(|mut queues| fill_write_buffers(&mut queues, plan, seed).map(|()| queues));
-    barrier.wait();
+    // Released without the others: the queues close as this returns.
+    gate.wait().map_err(|why| anyhow!("job{job}: {why}"))?;
     pinned.map_err(|(cpus, error)| anyhow!("job{job}: --cpus_allowed={cpus}: {error}"))?;
     let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
     let (region_start, region_bytes) = if plan.split_region {
@@ -668,11 +750,33 @@ mod tests {
         }
     }
 
-    fn run_on_split_devices(devices: usize) -> (u64, u32) {
-        let paced = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    #[test]
+    fn a_job_thread_that_cannot_start_releases_the_others() {
+        // Goal: a job thread that cannot be started (a pids limit) must not leave the started
+        // ones waiting for it at the start barrier forever (and the join and the progress thread
+        // with them): they are released, their queues closed, and the phase fails naming why.
         let devices: Vec<Arc<dyn Device>> =
-            (0..devices).map(|_| Arc::new(SplitDevice { paced: Arc::clone(&paced) }) as Arc<dyn Device>).collect();
-        let plan = PhasePlan {
+            vec![Arc::new(SplitDevice { paced: Arc::new(std::sync::atomic::AtomicU32::new(0)) }) as Arc<dyn Device>];
+        let plan = split_plan();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let progress = Arc::new(Progress::default());
+            let result = run_phase_with(&devices, 3, &plan, &progress, &|job| {
+                if job == 1 {
+                    Err(std::io::Error::other("Resource temporarily unavailable (pids limit)"))
+                } else {
+                    Ok(std::thread::Builder::new())
+                }
+            });
+            let _ = sender.send(result.map(|_| ()).map_err(|error| format!("{error:#}")));
+        });
+        let result = receiver.recv_timeout(Duration::from_secs(10)).expect("run_phase did not return within 10 s");
+        let message = result.expect_err("a phase with a job that never started succeeded");
+        assert!(message.contains("cannot start a job thread") && message.contains("pids limit"), "{message}");
+    }
+
+    fn split_plan() -> PhasePlan {
+        PhasePlan {
             label: "split".into(),
             pattern: crate::args::Pattern::Read,
             bs: 4096,
@@ -688,7 +792,14 @@ mod tests {
             scramble_buffers: true,
             seed: 1,
             cpus_allowed: None,
-        };
+        }
+    }
+
+    fn run_on_split_devices(devices: usize) -> (u64, u32) {
+        let paced = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let devices: Vec<Arc<dyn Device>> =
+            (0..devices).map(|_| Arc::new(SplitDevice { paced: Arc::clone(&paced) }) as Arc<dyn Device>).collect();
+        let plan = split_plan();
         let progress = Arc::new(Progress::default());
         let result = run_phase(&devices, 1, &plan, &progress).expect("phase");
         let ios = result.jobs.iter().map(|job| job.read.ios).sum();
