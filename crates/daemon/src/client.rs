@@ -25,7 +25,7 @@ use nix::sys::socket::sockopt::{PeerCredentials, SocketError};
 use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
 use crate::fd_passing::FDS_PER_FRAME_MAX;
-use crate::frame_io::{deadline_after, read_frame, write_frame_with_fds, ReadOutcome, WAIT_MAX};
+use crate::frame_io::{deadline_after, read_frame_by, write_frame_with_fds_by, ReadOutcome, WAIT_MAX};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
 
@@ -56,15 +56,15 @@ pub struct Client {
 
 impl Client {
     /// Connects within `timeout` ([`DaemonError::Timeout`] if the daemon does not take the
-    /// connection by then); every later call waits at most `timeout` for its answer. A timeout
+    /// connection by then); every later call waits at most `timeout` in all, its request's
+    /// write and its reply's read together, give or take a read tick (50 ms). A timeout
     /// past [`WAIT_MAX`] (a day; `Duration::MAX` for "for ever") is a day: deadlines are
-    /// `Instant`s, and a socket timeout that long would read back as none (no bound at all).
+    /// `Instant`s, which a longer wait would overflow.
     pub fn connect(socket: &Path, timeout: Duration) -> Result<Client, DaemonError> {
         let timeout = timeout.min(WAIT_MAX);
         let stream = connect_within(socket, timeout)?;
         let io = |context: &'static str| move |source| DaemonError::Io { context: context.into(), source };
         stream.set_read_timeout(Some(TICK)).map_err(io("setting the read tick"))?;
-        stream.set_write_timeout(Some(timeout)).map_err(io("setting the write timeout"))?;
         Ok(Client {
             stream,
             frame: Vec::new(),
@@ -239,8 +239,11 @@ impl Client {
     /// daemon's `Error` answer to this request (the connection stays usable); `Err(..)` is
     /// everything else that went wrong.
     fn exchange_in_step(&mut self, kind: Kind, request_id: u32, fds: &[BorrowedFd<'_>]) -> Result<Result<Reply, DaemonError>, DaemonError> {
+        // One deadline for the whole call, the write included: the write may take what it
+        // needs of it, and the reply must begin and end within what is left.
+        let deadline = deadline_after(Instant::now(), self.timeout);
         self.requests_sent += 1;
-        if let Err(error) = write_frame_with_fds(&self.stream, &self.frame, fds) {
+        if let Err(error) = write_frame_with_fds_by(&self.stream, &self.frame, fds, deadline, self.timeout) {
             // A daemon that refuses a connection (Busy) answers and closes without reading what
             // the client sent: a request written after that close fails, while the refusal
             // still waits in this socket. Report the refusal, not the close.
@@ -249,16 +252,13 @@ impl Client {
                 other => other,
             });
         }
-        let started = Instant::now();
-        let never = || false;
-        let header =
-            match read_frame(&self.stream, &mut self.body, &mut self.fds, deadline_after(started, self.timeout), self.timeout, &never)? {
-                ReadOutcome::Frame(header) => header,
-                ReadOutcome::Closed => return Err(DaemonError::Closed),
-                ReadOutcome::Idle | ReadOutcome::Stopped => {
-                    return Err(DaemonError::Timeout { what: format!("{kind:?} request"), after_ms: self.timeout.as_millis() as u64 })
-                }
-            };
+        let header = match read_frame_by(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout)? {
+            ReadOutcome::Frame(header) => header,
+            ReadOutcome::Closed => return Err(DaemonError::Closed),
+            ReadOutcome::Idle | ReadOutcome::Stopped => {
+                return Err(DaemonError::Timeout { what: format!("{kind:?} request"), after_ms: self.timeout.as_millis() as u64 })
+            }
+        };
         let reply = Reply::decode(header.kind, &self.body)?;
         // The request id first: an `Error` is this request's answer only with its id, or with
         // id 0 (the daemon ended the connection: lease, shutdown, a broken frame). Any other id
@@ -274,9 +274,8 @@ impl Client {
     /// An error reply the daemon queued before closing the connection, if one is there (looked
     /// for at most one read tick).
     fn queued_refusal(&mut self) -> Option<DaemonError> {
-        let never = || false;
         let deadline = deadline_after(Instant::now(), TICK.min(self.timeout));
-        match read_frame(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout, &never) {
+        match read_frame_by(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout) {
             Ok(ReadOutcome::Frame(header)) => match Reply::decode(header.kind, &self.body) {
                 Ok(Reply::Error { code, message }) => Some(DaemonError::Remote { code, message }),
                 _ => None,
@@ -346,6 +345,7 @@ pub(crate) mod tests {
     use std::os::unix::net::UnixListener;
 
     use super::*;
+    use crate::frame_io::{read_frame, write_frame_with_fds};
     use crate::protocol::ErrorCode;
 
     /// Goal: a daemon that answers Busy and closes before the client's request is written: the
@@ -565,5 +565,41 @@ pub(crate) mod tests {
         let ping = daemon.join().unwrap();
         pong.expect("the ping after the refused lookup");
         assert!(ping.is_some());
+    }
+
+    /// Goal: a call waits at most its timeout (and a read tick) in all, whenever the reply
+    /// begins: a reply whose first bytes come just before the timeout and the rest well after
+    /// it is a Timeout at about the timeout, not a wait of a second timeout from its first byte.
+    #[test]
+    fn a_reply_begun_just_before_the_timeout_is_not_waited_for_past_it() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let timeout = Duration::from_millis(500);
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(TICK)).unwrap();
+            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let received = Instant::now();
+            let Some(ping) = request_id(&stream, Duration::from_secs(5)) else { return };
+            let mut frame = Vec::new();
+            encode_frame(&mut frame, Reply::Pong.kind(), ping, |out| Reply::Pong.encode_body(out)).unwrap();
+            std::thread::sleep((timeout - Duration::from_millis(10)).saturating_sub(received.elapsed()));
+            let mut writer = &stream;
+            // The client may have given up and closed by then: errors end the test daemon.
+            if std::io::Write::write_all(&mut writer, &frame[..4]).is_err() {
+                return;
+            }
+            std::thread::sleep(timeout * 3 / 2);
+            let _ = std::io::Write::write_all(&mut writer, &frame[4..]);
+        });
+        let mut client = Client::connect(&socket, timeout).unwrap();
+        let started = Instant::now();
+        let outcome = client.ping();
+        let took = started.elapsed();
+        drop(client);
+        daemon.join().unwrap();
+        assert!(matches!(outcome, Err(DaemonError::Timeout { .. })), "{outcome:?} after {took:?}");
+        assert!(took < timeout + Duration::from_millis(250), "the call waited {took:?} with a timeout of {timeout:?}");
     }
 }

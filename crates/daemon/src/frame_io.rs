@@ -4,7 +4,8 @@
 //! The socket must have a read timeout (the *tick*, e.g. 50 ms): each timed-out read is a chance
 //! to check the deadlines and the caller's stop flag; a frame's deadline is checked after every
 //! read too, so bytes trickled faster than the tick do not stretch it. Its write timeout is the
-//! budget of a whole frame's write.
+//! budget of a whole frame's write. The `_by` functions take one deadline instead, for a
+//! caller (the client) that bounds a request's write and its reply's read together.
 
 use std::io::{ErrorKind, Read};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -55,6 +56,41 @@ pub fn read_frame(
     frame_timeout: Duration,
     stop: &dyn Fn() -> bool,
 ) -> Result<ReadOutcome, DaemonError> {
+    read_frame_capped(stream, body, fds, idle_until, frame_timeout, None, stop)
+}
+
+/// Reads one frame as [`read_frame`] does, all of it by `deadline`: no frame begun by then is
+/// [`ReadOutcome::Idle`], and one begun must end by then too, however late its first byte came
+/// (what a client's call, bounded as a whole, waits for). `budget` is the wait the deadline
+/// stands for, for the timeout's message. Like every wait here, it may overrun `deadline` by
+/// up to one read tick (a read that finds nothing waits the tick before the deadline is
+/// checked).
+pub fn read_frame_by(
+    stream: &UnixStream,
+    body: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
+    deadline: Instant,
+    budget: Duration,
+) -> Result<ReadOutcome, DaemonError> {
+    let never = || false;
+    read_frame_capped(stream, body, fds, deadline, budget, Some(deadline), &never)
+}
+
+/// [`read_frame`], the frame's deadline (`frame_timeout` from its first byte) brought forward
+/// to `latest` where that is sooner.
+fn read_frame_capped(
+    stream: &UnixStream,
+    body: &mut Vec<u8>,
+    fds: &mut Vec<OwnedFd>,
+    idle_until: Instant,
+    frame_timeout: Duration,
+    latest: Option<Instant>,
+    stop: &dyn Fn() -> bool,
+) -> Result<ReadOutcome, DaemonError> {
+    let frame_deadline_from = |first_byte: Instant| {
+        let deadline = deadline_after(first_byte, frame_timeout);
+        latest.map_or(deadline, |latest| deadline.min(latest))
+    };
     let mut header = [0u8; HEADER_BYTES];
     let mut filled = 0;
     let mut frame_deadline = None;
@@ -65,7 +101,7 @@ pub fn read_frame(
             Ok(0) => return Err(DaemonError::Truncated { received: filled, expected: HEADER_BYTES }),
             Ok(count) => {
                 filled += count;
-                let deadline = *frame_deadline.get_or_insert_with(|| deadline_after(Instant::now(), frame_timeout));
+                let deadline = *frame_deadline.get_or_insert_with(|| frame_deadline_from(Instant::now()));
                 // Checked after every read, not only when one times out: a peer trickling a
                 // byte per tick never lets a read time out, and would hold the connection
                 // (and a drain that joins it) for as long as it likes.
@@ -89,7 +125,7 @@ pub fn read_frame(
         }
     }
     let header = FrameHeader::decode(&header)?;
-    let deadline = frame_deadline.unwrap_or_else(|| deadline_after(Instant::now(), frame_timeout));
+    let deadline = frame_deadline.unwrap_or_else(|| frame_deadline_from(Instant::now()));
     body.clear();
     body.resize(header.body_bytes as usize, 0);
     let mut filled = 0;
@@ -132,6 +168,29 @@ pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd
     let budget =
         stream.write_timeout().map_err(|source| DaemonError::Io { context: "reading the socket's write timeout".into(), source })?;
     let deadline = budget.map(|budget| deadline_after(Instant::now(), budget));
+    write_frame_until(stream, frame, fds, deadline, budget)
+}
+
+/// Writes a whole encoded frame with `fds` as [`write_frame_with_fds`] does, by `deadline`
+/// rather than within the socket's write timeout (a client's call, whose write and reply share
+/// one deadline). `budget` is the wait the deadline stands for, for the timeout's message.
+pub fn write_frame_with_fds_by(
+    stream: &UnixStream,
+    frame: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Instant,
+    budget: Duration,
+) -> Result<(), DaemonError> {
+    write_frame_until(stream, frame, fds, Some(deadline), Some(budget))
+}
+
+fn write_frame_until(
+    stream: &UnixStream,
+    frame: &[u8],
+    fds: &[BorrowedFd<'_>],
+    deadline: Option<Instant>,
+    budget: Option<Duration>,
+) -> Result<(), DaemonError> {
     let mut sent = 0;
     while sent < frame.len() {
         // The descriptors ride on the first byte only.
