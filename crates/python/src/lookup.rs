@@ -23,6 +23,9 @@ pub struct LookupClient {
     /// The process that connected: the only one whose calls go on the connection (a forked
     /// child shares its socket with the parent; `process`).
     owner: OwningProcess,
+    /// The connection's descriptors recorded for forked children to close: forgotten before
+    /// they close (`process::forget_from_forked_children`).
+    connections: Vec<std::os::fd::RawFd>,
 }
 
 impl Drop for LookupClient {
@@ -35,6 +38,9 @@ impl Drop for LookupClient {
             let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
             std::mem::forget(client);
             crate::process::close_inherited();
+        } else {
+            // The client (a field) closes the connection after this.
+            crate::process::forget_from_forked_children(&self.connections);
         }
     }
 }
@@ -70,22 +76,37 @@ impl LookupClient {
         // Bounded as every timeout of the package: a deadline past the clock's range would panic.
         let timeout = crate::store::duration_of(timeout_s, "timeout_s")?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
-        let (client, reply) = py
+        let (client, reply, connections) = py
             .detach(|| {
                 let before = crate::process::open_fds();
                 let mut client = Client::connect(&socket, timeout)?;
                 // A forked child closes its copy of the socket (`process`).
-                crate::process::keep_from_forked_children(&crate::process::daemon_connections_since(&before, &socket));
-                let reply = client.hello(&hello)?;
-                Ok::<_, DaemonError>((client, reply))
+                let connections = crate::process::daemon_connections_since(&before, &socket);
+                crate::process::keep_from_forked_children(&connections);
+                match client.hello(&hello) {
+                    Ok(reply) => Ok::<_, DaemonError>((client, reply, connections)),
+                    Err(error) => {
+                        crate::process::forget_from_forked_children(&connections);
+                        Err(error)
+                    }
+                }
             })
             .map_err(|error| Failure::from(error).to_pyerr(py))?;
+        let geometry = match crate::geometry::of_hello(&reply.shape) {
+            Ok(geometry) => geometry,
+            Err(failure) => {
+                // The client closes the connection as this returns.
+                crate::process::forget_from_forked_children(&connections);
+                return Err(failure.to_pyerr(py));
+            }
+        };
         Ok(LookupClient {
             client: Mutex::new(Some(client)),
             session: reply.session,
-            geometry: crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?,
+            geometry,
             lease_ms: reply.lease_ms,
             owner: OwningProcess::current(),
+            connections,
         })
     }
 
@@ -183,7 +204,13 @@ impl LookupClient {
     /// InvalidState in another process (the connection is the parent's to close).
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         self.owner.check("the lookup client").map_err(|failure| failure.to_pyerr(py))?;
-        py.detach(|| drop(self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take()));
+        py.detach(|| {
+            let client = self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+            if client.is_some() {
+                crate::process::forget_from_forked_children(&self.connections);
+            }
+            drop(client)
+        });
         Ok(())
     }
 

@@ -540,22 +540,30 @@ impl Store {
                         // old session still retiring holds the queue ids this one needs
                         // (docs/tuttid.md). Asked again, on a new connection (a refused Hello's
                         // connection holds a place until it closes), until the timeout.
-                        Err(DaemonError::Remote { code: tutti_daemon::ErrorCode::Busy, message })
-                            if Instant::now() + pause < deadline =>
-                        {
+                        Err(DaemonError::Remote { code: tutti_daemon::ErrorCode::Busy, message }) if Instant::now() + pause < deadline => {
                             tracing::debug!(%message, "tutti: tuttid is busy; attaching again");
                             crate::process::forget_from_forked_children(&connections);
                             drop(client);
                             std::thread::sleep(pause);
                             pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
                         }
-                        Err(error) => return Err(error),
+                        Err(error) => {
+                            crate::process::forget_from_forked_children(&connections);
+                            return Err(error);
+                        }
                     }
                 }
             })
             .map_err(|error| Failure::from(error).to_pyerr(py))?;
         // Checked before anything else uses it (the session ends with the client dropped here).
-        let geometry = crate::geometry::of_hello(&reply.shape).map_err(|failure| failure.to_pyerr(py))?;
+        let geometry = match crate::geometry::of_hello(&reply.shape) {
+            Ok(geometry) => geometry,
+            Err(failure) => {
+                // The client closes the connection as this returns.
+                crate::process::forget_from_forked_children(&connections);
+                return Err(failure.to_pyerr(py));
+            }
+        };
         let session = reply.session;
         let lease = Duration::from_millis(u64::from(reply.lease_ms));
         if keepalive && lease < KEEPALIVE_INTERVAL_MIN * 3 {
