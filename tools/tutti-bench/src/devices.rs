@@ -150,11 +150,13 @@ pub struct OpenOptions2 {
     pub shadow_doorbells: bool,
 }
 
-/// Files this run created, removed on drop unless the run succeeded and keeps them.
+/// Files this run created, removed on drop unless the run succeeded and keeps them; each one
+/// [`prepare_file`] created stays locked (tuttid's flock on the file itself) until then.
 #[derive(Debug, Default)]
 pub struct CreatedFiles {
     paths: Vec<PathBuf>,
     keep: bool,
+    locks: Vec<nix::fcntl::Flock<std::fs::File>>,
 }
 
 impl CreatedFiles {
@@ -291,6 +293,18 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
     }
     let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
     created.push(path.to_path_buf());
+    // The run's device locks (run.rs lock_devices) were taken before it existed: lock it as they
+    // do, before a byte is written, so that tuttid, `tutti pool format` or another run cannot
+    // take it and write it mid-run. Held by `created` to the end of the run.
+    let lock_file = file.try_clone().map_err(|source| io_error("cannot lock", source))?;
+    match nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => created.locks.push(lock),
+        // Only between its creation and here: another process took it at once.
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            return Err(DeviceError::Setup(format!("{}: another process locked the file as this run created it", path.display())))
+        }
+        Err((_, errno)) => return Err(io_error("cannot lock", std::io::Error::from(errno))),
+    }
     if options.lay_out {
         lay_out(&file, bytes).map_err(|source| io_error("cannot lay out", source))?;
     } else {

@@ -197,7 +197,8 @@ fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::Devi
 /// Takes tuttid's lock ([`DeviceLocks`]) on every device of `devices` that has one: an `emu:`
 /// or `uring:` file or block device (the file itself), a `vfio:` function
 /// (`LOCK_DIR/vfio-BDF.lock`). Another holder is unusable input, named. A file that does not
-/// exist yet is not locked: the run creates it (`create_new`, so it cannot be another's).
+/// exist yet is not locked here: the run creates it (`create_new`, so it cannot be another's)
+/// and `devices::prepare_file` locks it then, held by the run's `CreatedFiles` to the end.
 fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<DeviceLocks>> {
     // One device named twice would otherwise be refused below as held by "another process"
     // (this one): each spec takes its lock through its own open file.

@@ -847,3 +847,44 @@ fn a_kv_run_refuses_to_format_over_a_file_system_unless_told_to_overwrite() {
     let again = bench(&small_kv_run(&[&device]));
     assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
 }
+
+#[test]
+fn a_file_the_run_creates_is_locked_for_the_whole_run() {
+    // Goal: the run locks its devices as tuttid and `tutti pool format` do (flock on the file
+    // itself), but a file that did not exist yet was skipped and then created unlocked, so
+    // another tuttid, pool format or bench could take it and write it mid-run. The created
+    // file must be held from before it is sized to the end: a flock attempt while the run goes
+    // on is refused with EWOULDBLOCK.
+    use nix::fcntl::{Flock, FlockArg};
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("new.img");
+    let device = format!("emu:{}", file.display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+        .args(["--device", &device, "--rw=write", "--bs=4k", "--size=1m", "--runtime=3s", "--time_based"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Sized (the last step before the controller opens it): created and, with the fix, locked.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::fs::metadata(&file).map(|metadata| metadata.len()).unwrap_or(0) < 1 << 20 {
+        assert!(std::time::Instant::now() < deadline, "the run did not create {} within 10 s", file.display());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let attempt = Flock::lock(std::fs::File::open(&file).unwrap(), FlockArg::LockExclusiveNonblock).map(drop).map_err(|(_, errno)| errno);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut text = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut text).unwrap();
+    assert_eq!(attempt, Err(nix::errno::Errno::EWOULDBLOCK), "another process could lock the file the run created, mid-run");
+    assert!(status.success(), "{status:?}: {text}");
+}
