@@ -280,15 +280,29 @@ impl<E: Executor> KvStore<E> {
 
     /// Gives the pool back; the executor's queue pairs are retired first, as by
     /// [`KvStore::close`]. Requests never finished are released ([`StoreControl::into_pool`]),
-    /// unless a queue pair could not be retired: its commands may still write a live store's
-    /// slots, so every reservation is then kept (those slots are not reused before a reopen).
+    /// unless a queue pair could not be retired, or a store layer is still in flight and the
+    /// executor does not say whether its pairs are gone (the GPU executor keeps those it could
+    /// not drain): a late write may still land in a live store's slots, so every reservation
+    /// is then kept (those slots are not reused before a reopen).
     pub fn into_pool(self) -> Pool {
-        let KvStore { data, control, .. } = self;
-        if data.close() {
-            control.into_pool()
-        } else {
-            tracing::error!("objstore: the pool was given back with executor queue pairs not retired: live reservations kept");
-            control.into_pool_unreleased()
+        let KvStore { mut data, control, .. } = self;
+        let store_in_flight = data.store_layer_in_flight();
+        let answer = data.retire_reporting();
+        drop(data);
+        match answer {
+            Some(true) => control.into_pool(),
+            None if !store_in_flight => control.into_pool(),
+            Some(false) => {
+                tracing::error!("objstore: the pool was given back with executor queue pairs not retired: live reservations kept");
+                control.into_pool_unreleased()
+            }
+            None => {
+                tracing::error!(
+                    "objstore: the pool was given back with a store layer in flight, over an executor that does not say whether its \
+                     queue pairs are gone: live reservations kept"
+                );
+                control.into_pool_unreleased()
+            }
         }
     }
 

@@ -106,9 +106,10 @@ pub struct StoreData<E: Executor> {
     engine_blocks_seen: Vec<u64>,
     /// Per pool device: its namespace id and slot addressing (the per-block LBA arithmetic).
     addressing: Vec<(u32, SlotAddressing)>,
-    /// Set once the executor's queue pairs were retired (at close or drop): whether the memory
-    /// their commands name may be freed.
-    pub(super) retired: Option<bool>,
+    /// Set once the executor's queue pairs were retired (at close or drop): its answer, kept
+    /// for a second call (`Some(true)` all known deleted, `Some(false)` one not, `None` the
+    /// executor does not say).
+    pub(super) retired: Option<Option<bool>>,
 }
 
 /// The most layers one request may keep in flight: each one is a full set of the request's

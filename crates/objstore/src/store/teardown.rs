@@ -5,7 +5,7 @@
 use gio_uring::Executor;
 
 use super::data::StoreData;
-use super::KvStore;
+use super::{Direction, KvStore};
 
 impl<E: Executor> Drop for StoreData<E> {
     fn drop(&mut self) {
@@ -27,18 +27,31 @@ impl<E: Executor> StoreData<E> {
     }
 
     pub(super) fn retire_queue_pairs(&mut self) -> bool {
-        if let Some(safe) = self.retired {
-            return safe;
+        self.retire_reporting() != Some(false)
+    }
+
+    /// Retires the executor's queue pairs (once; a later call gives the same answer) and
+    /// returns what the executor said: `Some(true)` every pair known deleted, `Some(false)`
+    /// one not (the mapping table is then leaked), `None` it does not say.
+    pub(super) fn retire_reporting(&mut self) -> Option<bool> {
+        if let Some(answer) = self.retired {
+            return answer;
         }
-        let safe = self.queue.executor_mut().retire_queue_pairs() != Some(false);
-        if !safe {
+        let answer = self.queue.executor_mut().retire_queue_pairs();
+        if answer == Some(false) {
             if let Some(region) = self.table.region() {
                 crate::leak::leak_regions(&[region], "the mapping table: an executor queue pair could not be deleted");
             }
             tracing::error!("objstore: an executor queue pair could not be deleted: the engine's KV memory must not be freed");
         }
-        self.retired = Some(safe);
-        safe
+        self.retired = Some(answer);
+        answer
+    }
+
+    /// Whether a layer of some store is in flight (issued, not reaped by a `wait`): its writes
+    /// may still reach the store's slots until the executor's queue pairs are known deleted.
+    pub(super) fn store_layer_in_flight(&self) -> bool {
+        self.requests.iter().any(|request| request.direction == Some(Direction::Store) && !request.in_flight.is_empty())
     }
 }
 

@@ -1067,3 +1067,64 @@ fn a_retrieve_into_one_engine_block_twice_is_refused() {
     assert!(holds(&fixture, 4, keys[0]) && holds(&fixture, 5, keys[1]), "byte-exact");
     assert_eq!(store.lookup(&tokens), 2);
 }
+
+/// A CPU executor that deletes its queue pairs at retirement but does not say so (answers
+/// `None`), as the GPU executor, whose drop keeps the pairs it could not drain.
+struct DoesNotReport {
+    inner: CpuExecutor,
+}
+
+impl gio_uring::Executor for DoesNotReport {
+    fn name(&self) -> &'static str {
+        "does not report"
+    }
+
+    fn attach(&mut self, memory: &std::sync::Arc<gio_uring::layout::QueueMemory>) -> std::result::Result<(), GioError> {
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &gio_uring::layout::QueueMemory, id: gio_uring::IocbId) -> std::result::Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
+    fn submit(&mut self, memory: &gio_uring::layout::QueueMemory, batch: &gio_uring::IssueBatch) -> std::result::Result<(), GioError> {
+        self.inner.submit(memory, batch)
+    }
+
+    fn poll(&mut self, memory: &gio_uring::layout::QueueMemory) -> std::result::Result<(), GioError> {
+        self.inner.poll(memory)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        let _ = self.inner.retire_queue_pairs();
+        None
+    }
+}
+
+#[test]
+fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
+    // Goal: giving the pool back while a store layer is in flight, over an executor that does
+    // not say whether its queue pairs are gone, keeps every reservation: the late write may
+    // still land in the store's slot, which must not be reused (it used to go back to the free
+    // list, so a later commit could be overwritten by it). With nothing in flight the same
+    // executor's store is released as usual.
+    let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+    for layer_in_flight in [true, false] {
+        let fixture = fixture(1, Some(8));
+        let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+        let executor = DoesNotReport { inner: cpu_executor_for(&pool, 64, &config).expect("executor") };
+        let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+        store.set_key_seed(SEED);
+        let tokens = tokens(31, 1);
+        fill(&fixture, 0, keys_of(&tokens)[0]);
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0] }).expect("prepare_store");
+        store.store_layer(plan.handle, 0, BUDGET).expect("store_layer");
+        if !layer_in_flight {
+            assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(0));
+        }
+        let pool = store.into_pool();
+        let counts = pool.index().counts();
+        let expected = if layer_in_flight { (1, 7) } else { (0, 8) };
+        assert_eq!((counts.writing_slots, counts.free_slots), expected, "layer in flight: {layer_in_flight}: {counts:?}");
+    }
+}
