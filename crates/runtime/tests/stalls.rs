@@ -243,6 +243,52 @@ fn a_forced_write_that_times_out_is_write_queue_full() {
 }
 
 #[test]
+fn a_read_behind_a_write_whose_completion_is_lost_fails_the_prefill() {
+    // Goal: under the barrier a read waits for the write in flight; when that write's completion
+    // is lost, the read's wait times out and the prefill ends as documented: `ReadFailed`,
+    // retrieve and store dropped, its targets free at once (nothing of the read was handed
+    // over), and the next `begin_prefill` goes on without `abort_prefill`. Before, the wait came
+    // up as `Store { "wait for a write", WaitTimeout }`, the prefill stayed active holding its
+    // targets, and `begin_prefill` was refused `OutOfOrder` until the engine aborted it.
+    bounded(|| {
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        let mut stack = stack(config, None);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        // The next request's first write (issued once its reads are, under the barrier) loses
+        // its completion, and stays in flight past its prefill.
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+        );
+        let other = prompt(1, 0);
+        prefill(&mut stack, &other, &[10, 11, 12, 13]).unwrap();
+        assert_eq!(stack.runtime.queued_stores(), 1);
+        let second = prompt(0, 1);
+        let targets: Vec<u32> = (4..10).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &targets }).unwrap();
+        assert_eq!(start.cached_blocks, 4);
+        let failed = stack.runtime.before_layer(start.id, 0);
+        assert!(
+            matches!(&failed, Err(RuntimeError::ReadFailed { source: objstore::ObjstoreError::Gio(GioError::WaitTimeout { .. }), .. })),
+            "{failed:?}"
+        );
+        assert_eq!(stack.runtime.queued_stores(), 1, "the failed request's store is dropped; the first one's stays queued");
+        assert!((4..10).all(|block| stack.runtime.releasable(block)), "nothing of the failed read was handed over");
+        assert!((12..14).all(|block| !stack.runtime.releasable(block)), "the lost write may still read them");
+
+        // The engine recomputes the prefix: the next `begin_prefill` needs no `abort_prefill`.
+        let recompute = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &targets });
+        assert!(recompute.is_ok(), "{recompute:?}");
+        stack.runtime.abort_prefill(recompute.unwrap().id).unwrap();
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the lost write is the one layer in flight");
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&other), 4);
+    });
+}
+
+#[test]
 fn a_drain_whose_write_times_out_is_drain_incomplete() {
     // Goal: `drain` whose write times out (its completion lost) goes on to its documented end:
     // it waits for the retiring requests and answers `DrainIncomplete` with what is left. Before,

@@ -213,10 +213,11 @@ impl<E: Executor> Runtime<E> {
     /// retrieve and store are dropped (retiring if a layer of them is still in flight) and the
     /// error says so.
     pub(super) fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
-        self.reads.in_flight = None;
+        // A read blocked behind a write (never handed over) has no issue to close in the log.
+        let was_in_flight = self.reads.in_flight.take() == Some(layer);
         let request = self.prefill.as_ref().map_or(0, |p| p.id);
         let ended = self.prefill.as_ref().and_then(|p| p.retrieve).is_none_or(|handle| !self.device_holds(handle));
-        if ended {
+        if was_in_flight && ended {
             self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
         }
         // Both always run: a retrieve left in flight must not keep the store queued (it would
@@ -443,8 +444,9 @@ impl<E: Executor> Runtime<E> {
 
     /// Waits (one `io_timeout` each) for the write layers in flight. `Ok(Some(timeout))` when a
     /// wait timed out: that layer is still in flight and its store queued, and the caller says
-    /// what that means for it (a read waiting behind it fails, a drain is incomplete, a forced
-    /// store leaves the queue full). A write that failed drops its store (`write_failed`).
+    /// what that means for it (a read waiting behind it fails, `ReadFailed`; a drain is
+    /// incomplete; a forced store leaves the queue full). A write that failed drops its store
+    /// (`write_failed`).
     pub(super) fn wait_writes(&mut self) -> Result<Option<ObjstoreError>> {
         let mut index = 0;
         while index < self.writes.stores.len() {
@@ -482,9 +484,15 @@ impl<E: Executor> Runtime<E> {
             if self.reads.in_flight.is_some() {
                 self.wait_read()?;
             } else if !self.reads.waiting.is_empty() && self.writes.any_in_flight() {
-                // Under the barrier a read waits for the writes in flight.
+                // Under the barrier a read waits for the writes in flight. One that timed out
+                // (its completion lost, say) fails the read waiting behind it as a read of its
+                // own would: `ReadFailed`, the prefill ended. Nothing of that read was handed
+                // over, so its targets are free at once. Before, the timeout came up as
+                // `Store { "wait for a write" }` with the prefill still running, holding its
+                // targets, and `begin_prefill` refused until the engine called `abort_prefill`.
                 if let Some(source) = self.wait_writes()? {
-                    return Err(RuntimeError::Store { operation: "wait for a write", source });
+                    let blocked = self.reads.waiting.front().copied().or(layer).unwrap_or(0);
+                    return Err(self.read_failed(blocked, source));
                 }
             } else if self.reads.waiting.is_empty() {
                 break;
