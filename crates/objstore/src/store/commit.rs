@@ -12,8 +12,17 @@ use crate::error::{KvKind, ObjstoreError, Result};
 impl<E: Executor> KvStore<E> {
     /// Makes a store durable and visible: every layer must have completed. Flushes the devices
     /// written, records payload CRCs if the pool keeps them, writes the slot headers with FUA,
-    /// then enters the blocks into the index. Finishes the handle.
+    /// then enters the blocks into the index. Once begun it finishes the handle, whether it
+    /// succeeds or fails.
+    ///
+    /// Refused before it begins (`HandleState`: `handle` is a retrieve, or a layer is not
+    /// stored: never issued, in flight, or its latest write failed), it leaves the request as
+    /// it was, with its request slot, pins and claimed keys: the caller stores the missing
+    /// layers and commits again, or ends it with [`KvStore::finish`]. Released here, a request
+    /// whose layer is still in flight would free memory and slots the device may still write,
+    /// and one whose layer failed could not be stored again.
     pub fn commit_store(&mut self, handle: RequestHandle) -> Result<usize> {
+        // The refusals before the commit begins leave the request to the caller (see above).
         if self.control.direction(handle)? != Direction::Store {
             return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a store".into() });
         }

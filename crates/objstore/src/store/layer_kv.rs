@@ -45,7 +45,10 @@ pub trait LayerKvStore {
     fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>>;
     /// Non-blocking: whether nothing is in flight for the request any more.
     fn poll(&mut self, handle: RequestHandle) -> Result<bool>;
-    /// Makes a completed store durable and visible; finishes the handle. Returns blocks stored.
+    /// Makes a completed store durable and visible; once begun, finishes the handle (`Ok` or
+    /// `Err`). Returns blocks stored. Refused before it begins (`HandleState`: not a store, or
+    /// a layer not stored), the request is left as it was, holding its slots: store the
+    /// missing layers and commit again, or `finish` it.
     fn commit_store(&mut self, handle: RequestHandle) -> Result<usize>;
     /// Ends a request without committing (nothing of a store becomes visible).
     fn finish(&mut self, handle: RequestHandle) -> Result<()>;

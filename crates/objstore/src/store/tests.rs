@@ -1128,3 +1128,41 @@ fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
         assert_eq!((counts.writing_slots, counts.free_slots), expected, "layer in flight: {layer_in_flight}: {counts:?}");
     }
 }
+
+#[test]
+fn a_commit_refused_before_it_begins_leaves_the_request_to_its_caller() {
+    // Goal: the contract of a refused commit. Refused before it begins (a layer never stored,
+    // or a retrieve's handle), the request is left as it was, still holding its slot, pins and
+    // claimed keys: the caller stores the missing layer and commits again, or ends it with
+    // `finish`, after which every request slot can be prepared again. A caller that forgot
+    // the handle instead (as if the store had released it) would leak the request slot.
+    let fixture = fixture(1, Some(8));
+    let requests_max = 2;
+    let mut store = in_process(&fixture, StoreConfig { requests_max, ..StoreConfig::default() });
+    let cached = tokens(41, 1);
+    store_two_blocks(&fixture, &mut store, &tokens(51, 2));
+    let plan = store.prepare_store(&KvRequest { tokens: &cached, block_ids: &[0] }).expect("prepare_store");
+    for layer in 0..geometry().layers - 1 {
+        store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+        assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+    }
+    match store.commit_store(plan.handle) {
+        Err(ObjstoreError::HandleState { .. }) => {}
+        other => panic!("a commit with the last layer never stored: expected HandleState, got {other:?}"),
+    }
+    assert_eq!(store.counts().writing_slots, 1, "the refused store still holds its slot");
+    let retrieve = store.prepare_retrieve(&KvRequest { tokens: &tokens(51, 2), block_ids: &[4, 5] }).expect("prepare_retrieve");
+    assert!(matches!(store.commit_store(retrieve), Err(ObjstoreError::HandleState { .. })), "not a store");
+    // What the contract asks of the caller: finish both (or store the last layer and commit).
+    store.finish(plan.handle).expect("the refused store is finished by its caller");
+    store.finish(retrieve).expect("the retrieve is finished by its caller");
+    let counts = store.counts();
+    assert_eq!((counts.writing_slots, counts.pinned_slots), (0, 0), "{counts:?}");
+    assert_eq!(store.lookup(&cached), 0, "nothing of the refused store is visible");
+    let handles: Vec<RequestHandle> = (0..requests_max)
+        .map(|_| store.prepare_retrieve(&KvRequest { tokens: &tokens(51, 2), block_ids: &[4, 5] }).expect("every request slot is free"))
+        .collect();
+    for handle in handles {
+        store.finish(handle).expect("finish");
+    }
+}
