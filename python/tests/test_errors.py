@@ -310,6 +310,12 @@ def test_lookup_client_arguments_out_of_range_are_invalid_arguments(formatted_da
             client.lookup_all_ranks(prompt, first_block=2**32)
         assert client.lookup(prompt, first_block=1) == 1
         assert client.lookup_all_ranks(prompt) == 0
+        # A lookup longer than one frame carries (262,142 tokens) is refused before anything is
+        # sent: InvalidArgument (not a lost connection, which the connectors reconnect after),
+        # and the connection stays usable.
+        with raises(tutti.InvalidArgument, match="1048576"):
+            client.lookup_all_ranks([1] * 262_143)
+        assert client.lookup_all_ranks(prompt) == 0
 
 
 def test_order_and_state_errors():

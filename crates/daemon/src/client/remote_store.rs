@@ -199,6 +199,11 @@ fn remote(error: DaemonError) -> ObjstoreError {
         DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
         DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
+        // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
+        // frame cap): the caller's request, and the connection stays usable.
+        DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { .. }) => {
+            return ObjstoreError::BadRequest { reason: error.to_string() }
+        }
         _ => return ObjstoreError::Remote { reason: error.to_string() },
     };
     ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
@@ -853,5 +858,8 @@ mod tests {
         assert_eq!(classify(DaemonError::Closed), RemoteFailure::Disconnected);
         let full = DaemonError::Remote { code: ErrorCode::LimitReached, message: "pool full".into() };
         assert_eq!(classify(full), RemoteFailure::Refused { code: ErrorCode::LimitReached.to_u16() });
+        // A request over the frame cap was never sent: the caller's, not a lost connection.
+        let too_long = DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 });
+        assert!(matches!(remote(too_long), ObjstoreError::BadRequest { .. }));
     }
 }
