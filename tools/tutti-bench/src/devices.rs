@@ -7,6 +7,7 @@
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -340,10 +341,16 @@ struct NvmeDevice {
 
 impl NvmeDevice {
     fn init(device: OpenedDevice, options: OpenOptions2) -> Result<Self, DeviceError> {
+        Self::init_with_admin_timeout(device, options, ControllerConfig::default().admin_timeout)
+    }
+
+    /// [`NvmeDevice::init`] with the admin commands' timeout (a test's deletes give up sooner).
+    fn init_with_admin_timeout(device: OpenedDevice, options: OpenOptions2, admin_timeout: Duration) -> Result<Self, DeviceError> {
         let name = device.backend.name();
         let config = ControllerConfig {
             io_queue_pairs_requested: u16::try_from(options.queues.clamp(1, 1024)).unwrap_or(1024),
             shadow_doorbells: options.shadow_doorbells,
+            admin_timeout,
             ..ControllerConfig::default()
         };
         let controller = Controller::init(device.backend, config).map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
@@ -406,7 +413,8 @@ impl NvmeDevice {
         }
         Ok(NvmeQueue {
             name,
-            pair,
+            pair: Some(pair),
+            drain_timeout: IO_TIMEOUT,
             namespace: self.namespace.id,
             block_size_bytes: u64::from(self.namespace.block_size_bytes),
             buffers,
@@ -484,7 +492,10 @@ enum Waiter {
 
 struct NvmeQueue {
     name: String,
-    pair: IoQueuePair,
+    /// None only once `drop` has taken it to delete it.
+    pair: Option<IoQueuePair>,
+    /// How long `drop` lets commands still in flight finish before deleting the pair.
+    drain_timeout: Duration,
     namespace: NamespaceId,
     block_size_bytes: u64,
     buffers: DmaRegion,
@@ -505,8 +516,39 @@ impl Drop for NvmeQueue {
     fn drop(&mut self) {
         // A failed run can leave commands in flight: let them finish (bounded) before the queue
         // pair is deleted and the buffers they point at are freed.
-        self.drain(Instant::now() + IO_TIMEOUT);
+        self.drain(Instant::now() + self.drain_timeout);
+        let Some(pair) = self.pair.take() else { return };
+        let in_flight = pair.in_flight();
+        if let Err(undeleted) = pair.delete() {
+            // Commands still in flight on a pair the controller did not confirm deleting may
+            // still move data into or out of the buffers: keep them for good (a leaked clone
+            // keeps the whole allocation), loudly, instead of freeing them as this drop ends.
+            if in_flight > 0 {
+                let bytes = self.buffers.clone().leak();
+                LEAKED_DMA_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+                eprintln!(
+                    "tutti-bench: {}: {bytes} bytes of I/O buffers at {} kept for good (leaked): {in_flight} command(s) were in flight when {}",
+                    self.name,
+                    self.buffers.iova(),
+                    undeleted.source
+                );
+            }
+            drop(undeleted.pair); // tries once more, else leaks its rings
+        }
     }
+}
+
+/// The queue's pair, which only `drop` takes away.
+fn live_pair<'a>(pair: &'a mut Option<IoQueuePair>, name: &str) -> Result<&'a mut IoQueuePair, DeviceError> {
+    pair.as_mut().ok_or_else(|| DeviceError::Setup(format!("{name}: the queue pair was already deleted")))
+}
+
+static LEAKED_DMA_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes of I/O buffers kept for good so far because a queue pair with commands in flight on
+/// them could not be deleted (a late command may still write them).
+pub fn leaked_dma_bytes() -> u64 {
+    LEAKED_DMA_BYTES.load(Ordering::Relaxed)
 }
 
 impl IoQueue for NvmeQueue {
@@ -515,9 +557,10 @@ impl IoQueue for NvmeQueue {
         let segment =
             self.segments.get(index..=index).ok_or_else(|| DeviceError::Setup(format!("{}: slot {slot} out of range", self.name)))?;
         let lba = Lba(offset_bytes / self.block_size_bytes);
+        let pair = live_pair(&mut self.pair, &self.name)?;
         let result = match direction {
-            Direction::Read => self.pair.submit_read(self.namespace, lba, segment, u64::from(slot)),
-            Direction::Write => self.pair.submit_write(self.namespace, lba, segment, false, u64::from(slot)),
+            Direction::Read => pair.submit_read(self.namespace, lba, segment, u64::from(slot)),
+            Direction::Write => pair.submit_write(self.namespace, lba, segment, false, u64::from(slot)),
         };
         match result {
             Ok(commands) => {
@@ -525,8 +568,8 @@ impl IoQueue for NvmeQueue {
                 self.failure[index] = None;
                 self.directions[index] = direction;
                 self.offsets_bytes[index] = offset_bytes;
-                if self.pair.unpublished_submissions() >= self.ring_every_commands {
-                    self.pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: self.name.clone(), source })?;
+                if pair.unpublished_submissions() >= self.ring_every_commands {
+                    pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: self.name.clone(), source })?;
                     return Ok(Visibility::Published);
                 }
                 Ok(Visibility::Queued)
@@ -543,6 +586,7 @@ impl IoQueue for NvmeQueue {
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
         let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, .. } = self;
+        let pair = live_pair(pair, name)?;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
         let mut unexpected = None;
@@ -634,7 +678,9 @@ impl IoQueue for NvmeQueue {
     }
 
     fn drain(&mut self, deadline: Instant) {
-        let _ = self.pair.wait_idle(deadline, |_| {});
+        if let Some(pair) = self.pair.as_mut() {
+            let _ = pair.wait_idle(deadline, |_| {});
+        }
     }
 
     fn pace_idle_poll(&self, polls: u32) {
@@ -771,13 +817,14 @@ mod tests {
             for slot in 0..31u32 {
                 deep.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
                 let expected = (slot as usize + 1) % 16;
-                assert_eq!(deep.pair.unpublished_submissions(), expected, "after {} queued", slot + 1);
+                assert_eq!(deep.pair.as_ref().expect("pair").unpublished_submissions(), expected, "after {} queued", slot + 1);
             }
             let deadline = Instant::now() + Duration::from_secs(10);
             let mut completed = 0;
             while completed < 16 {
                 assert!(Instant::now() < deadline, "the 16 published reads did not complete ({completed} did)");
-                completed += deep.pair.reap(usize::MAX, |completion| assert!(completion.status.is_ok())).expect("reap");
+                completed +=
+                    deep.pair.as_mut().expect("pair").reap(usize::MAX, |completion| assert!(completion.status.is_ok())).expect("reap");
             }
             assert_eq!(completed, 16, "only the published reads ran");
             let mut reaped = 0;
@@ -790,12 +837,49 @@ mod tests {
             for slot in 0..8u32 {
                 shallow.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
             }
-            assert_eq!(shallow.pair.unpublished_submissions(), 8, "a shallow queue rings once per batch");
+            assert_eq!(shallow.pair.as_ref().expect("pair").unpublished_submissions(), 8, "a shallow queue rings once per batch");
             let mut reaped = 0;
             while reaped < 8 {
                 reaped += shallow.submit_and_reap(true, deadline, &mut |_, result| result.expect("read")).expect("wait");
             }
         });
+    }
+
+    #[test]
+    fn buffers_of_a_queue_pair_that_could_not_be_deleted_are_kept() {
+        // Goal: a device may still write the buffers its commands name until their queue pair
+        // is deleted; when that delete fails (the controller swallows a read's completion and
+        // the admin Delete I/O SQ's) the buffers must be kept for good, counted and logged,
+        // not freed for the next allocation to reuse under a late write.
+        let leaked = finishes_within(Duration::from_secs(60), || {
+            let options = OpenOptions2 {
+                writes: true,
+                create_bytes: None,
+                io_bytes_max: 4096,
+                queues: 1,
+                timing: None,
+                lay_out: false,
+                shadow_doorbells: false,
+            };
+            let emu = EmuOptions { config: emu_config(options), create_bytes: None };
+            let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
+            let device =
+                NvmeDevice::init_with_admin_timeout(opened.into_iter().next().expect("one device"), options, Duration::from_millis(300))
+                    .expect("init");
+            let plan = FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)).with_rule(FaultRule {
+                repeat: true,
+                ..FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, FaultAction::DropCompletion)
+            });
+            device.emulator.as_ref().expect("software controller").set_faults(plan);
+            let mut queue = device.open_nvme_queue(4, 4096, Waiter::SharesOurCores).expect("queue");
+            queue.drain_timeout = Duration::from_millis(100);
+            queue.queue(0, Direction::Read, 0).expect("queue read");
+            let _ = queue.submit_and_reap(false, Instant::now(), &mut |_, _| {});
+            let before = leaked_dma_bytes();
+            drop(queue);
+            leaked_dma_bytes() - before
+        });
+        assert!(leaked >= 4 * 4096, "{leaked} bytes kept: the buffers were freed though the pair was not deleted");
     }
 
     #[test]
