@@ -764,7 +764,10 @@ impl LayerKvStore for RemoteKvStore {
 
     /// Every layer must have completed (checked here); the payload CRCs are computed here from
     /// the KV memory, and the daemon flushes, writes the headers with FUA and makes the blocks
-    /// visible. The handle is finished either way. What the layers moved goes with the commit.
+    /// visible. A commit refused before it begins (a layer not stored, in flight, or whose latest
+    /// write failed: `HandleState`) leaves the request held, as the in-process store's does:
+    /// store the layer and commit again, or `finish`. Once begun, the handle is finished either
+    /// way. What the layers moved goes with the commit.
     fn commit_store(&mut self, handle: RequestHandle) -> Result<usize, ObjstoreError> {
         let local = self.slots.local(handle)?;
         let daemons = |error| to_daemon(error, local, handle);
