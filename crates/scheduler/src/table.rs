@@ -418,12 +418,20 @@ impl Profile {
     }
 
     /// Whether the slack-aware policy could ever write in a decode step: some range of contexts
-    /// must leave the smallest write budget free. [`Profile::decode_step`] gives a context
-    /// between two rows the fewer free SMs of the two, one past the last row the last row's, and
-    /// one below the first row nothing, so the last row, or two adjacent rows, must leave that
-    /// budget free; else only contexts exactly on a row could write (rows {1024: 60 free, 2048:
-    /// 0 free} wrote at 1024 tokens and nowhere else). Under slack-aware, deferred writes drain
-    /// in decode steps, and when the queue is full and prefills are refused, nowhere else.
+    /// requests reach must leave the smallest write budget free. [`Profile::decode_step`] gives a
+    /// context between two rows the fewer free SMs of the two, one past the last row the last
+    /// row's, and one below the first row nothing, so the last row, or two adjacent rows, must
+    /// leave that budget free; else only contexts exactly on a row could write (rows {1024: 60
+    /// free, 2048: 0 free} wrote at 1024 tokens and nowhere else). Under slack-aware, deferred
+    /// writes drain in decode steps, and when the queue is full and prefills are refused,
+    /// nowhere else.
+    ///
+    /// The range must have contexts off the rows and be within reach. Two adjacent rows count
+    /// only with a context strictly between them (rows {16: 4 free, 17: 4 free, 4096: 0 free}
+    /// wrote at 16 and 17 tokens only), and the last row only at or below
+    /// [`Profile::decode_context_reach`] and below `u32::MAX` (rows {4096: 0 free, u32::MAX: 60
+    /// free} wrote at a context of exactly u32::MAX only). Both were accepted, and deferred
+    /// writes never drained.
     ///
     /// One predicate for every consumer: the runtime refuses such a table under slack-aware
     /// (`Runtime::new`), `tutti-profile check` reports it invalid and `import` refuses to write
@@ -437,15 +445,23 @@ impl Profile {
     /// written in a decode step.
     pub fn check_decode_steps_can_write(&self) -> Result<()> {
         let write_budget_min = self.io_sm_budget_min(IoKind::Write);
+        let reach = self.decode_context_reach();
         let steps = &self.table.decode_steps;
         let enough_sms = |step: &DecodeStep| step.free_sms >= write_budget_min;
         let writable = |step: &DecodeStep| enough_sms(step) && step.duration_us > 0.0;
-        let some_range_writes =
-            steps.last().is_some_and(writable) || steps.windows(2).any(|pair| writable(&pair[0]) && enough_sms(&pair[1]));
+        // The contexts past the last row, or strictly between two rows, that requests reach.
+        let last_in_reach = |step: &DecodeStep| step.context_tokens < u32::MAX && step.context_tokens <= reach;
+        let pair_in_reach = |pair: &[DecodeStep]| {
+            let first_between = u64::from(pair[0].context_tokens) + 1;
+            first_between < u64::from(pair[1].context_tokens) && first_between <= u64::from(reach)
+        };
+        let some_range_writes = steps.last().is_some_and(|last| writable(last) && last_in_reach(last))
+            || steps.windows(2).any(|pair| writable(&pair[0]) && enough_sms(&pair[1]) && pair_in_reach(pair));
         if some_range_writes {
             return Ok(());
         }
-        let some_range_has_sms = steps.last().is_some_and(enough_sms) || steps.windows(2).any(|pair| pair.iter().all(enough_sms));
+        let some_range_has_sms = steps.last().is_some_and(|last| enough_sms(last) && last_in_reach(last))
+            || steps.windows(2).any(|pair| pair.iter().all(enough_sms) && pair_in_reach(pair));
         if some_range_has_sms {
             return Err(invalid(
                 "decode_steps.duration_us",
@@ -462,11 +478,21 @@ impl Profile {
             "table".into(),
             format!(
                 "the decode steps leave fewer SMs free than the smallest write budget ({write_budget_min} SMs) past the last row \
-                 and between every two rows (free SMs per row: {:?}): no deferred write could go in a decode step under the \
-                 slack-aware policy, but at a context exactly on a row",
+                 and between every two rows, among the contexts requests reach (up to {reach} tokens: twice the largest \
+                 prefill input; contexts per row: {:?}, free SMs per row: {:?}): no deferred write could go in a decode step \
+                 under the slack-aware policy, but at a context exactly on a row or out of reach",
+                steps.iter().map(|step| step.context_tokens).collect::<Vec<_>>(),
                 steps.iter().map(|step| step.free_sms).collect::<Vec<_>>()
             ),
         ))
+    }
+
+    /// The largest decode context the table vouches requests reach: a prompt of its largest
+    /// prefill input that decodes as many tokens again (saturating). The decode rows cannot say
+    /// it themselves: a row at u32::MAX is as valid as any, and the contexts past it are reached
+    /// by no request.
+    pub fn decode_context_reach(&self) -> u32 {
+        self.input_tokens_max().saturating_mul(2)
     }
 
     /// The decode step at a context length: the row rounded down (shorter step, less slack),

@@ -9,7 +9,7 @@ use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NoOverlap, Policy
 use scheduler::probe::{measure_io_costs, IoCostProbe, IoGrid, ProbeSample};
 use scheduler::sim::{simulate, simulate_carried, simulate_with_backlog, SimConfig, WriteCarry};
 use scheduler::ssd::SsdModel;
-use scheduler::table::{IoKind, Profile};
+use scheduler::table::{DecodeStep, IoKind, Profile};
 use scheduler::SchedulerError;
 
 // ---------------------------------------------------------------------------------------------
@@ -543,6 +543,38 @@ fn the_decode_write_predicate_refuses_decode_steps_of_no_time() {
     // Past the last row, the last row's step; between the rows, the first row's.
     with_durations([0.0, 2000.0]).check_decode_steps_can_write().expect("the last row lasts");
     with_durations([1000.0, 0.0]).check_decode_steps_can_write().expect("contexts between the rows take the first row's 1000 us");
+}
+
+/// Goal: the predicate asks for a range of contexts requests reach, not for a row. A writable
+/// pair of rows needs a context strictly between them, and a writable last row must be at or
+/// below the reach (twice the largest prefill input: 4096 tokens here) and below u32::MAX.
+/// Before, rows {1024: 0 free, u32::MAX: 4 free} (only a context of exactly u32::MAX could
+/// write) and {1024: 4, 1025: 4, 2048: 0} (only 1024 and 1025) passed.
+#[test]
+fn the_decode_write_predicate_asks_for_contexts_off_the_rows_within_reach() {
+    let with_steps = |steps: &[(u32, u32)]| {
+        let mut table = common::table();
+        table.decode_steps =
+            steps.iter().map(|&(context_tokens, free_sms)| DecodeStep { context_tokens, duration_us: 1000.0, free_sms }).collect();
+        Profile::from_table(table).expect("valid as a table")
+    };
+    assert_eq!(with_steps(&[(1024, 4)]).decode_context_reach(), 4096);
+    for (steps, accepted) in [
+        (&[(1024, 0), (u32::MAX, 4)][..], false),
+        (&[(1024, 0), (u32::MAX - 1, 4)][..], false),
+        (&[(1024, 4), (1025, 4), (2048, 0)][..], false),
+        (&[(1024, 4), (1026, 4), (2048, 0)][..], true),
+        (&[(1024, 0), (4096, 4)][..], true),
+        (&[(1024, 0), (4097, 4)][..], false),
+        (&[(1024, 0), (4095, 4), (4097, 4)][..], true),
+        (&[(1024, 0), (4096, 4), (4098, 4)][..], false),
+    ] {
+        match with_steps(steps).check_decode_steps_can_write() {
+            Ok(()) if accepted => {}
+            Err(error) if !accepted => assert!(error.to_string().contains("decode_steps.free_sms"), "{steps:?}: {error}"),
+            other => panic!("{steps:?}: {other:?}"),
+        }
+    }
 }
 
 /// Goal: layers of one run that overlap in time are refused, naming the bucket, the run and the

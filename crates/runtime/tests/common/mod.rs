@@ -73,7 +73,9 @@ pub fn table(model: &str, layers: u32) -> ProfileTable {
         io_costs,
         decode_steps: vec![
             DecodeStep { context_tokens: 16, duration_us: 2000.0, free_sms: 4 },
-            DecodeStep { context_tokens: 4096, duration_us: 2000.0, free_sms: 4 },
+            // Within the contexts the table vouches requests reach (twice its largest prompt):
+            // a table whose last row alone can write is refused past it.
+            DecodeStep { context_tokens: 512, duration_us: 2000.0, free_sms: 4 },
         ],
     }
 }
