@@ -270,6 +270,27 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         error => anyhow::Error::new(error).context(format!("opening {listed}")),
     })?;
     let mut rig = Rig::build(&devices, &geometry, plan)?;
+    let result = run_on_rig(&mut rig, specs, &devices, &listed, plan, output);
+    // The store's queue pairs are deleted before the engine memory they name is freed, and
+    // if one could not be, that memory is kept: asked here, not left to the drops.
+    if !rig.close() && result.is_ok() {
+        return Err(anyhow!(
+            "closing the store: an I/O queue pair could not be deleted; the engine's KV memory was kept (leaked) on purpose"
+        ));
+    }
+    result
+}
+
+/// The body of [`run_plan`] on its rig: the configuration, the phases, the report.
+fn run_on_rig(
+    rig: &mut Rig,
+    specs: &[DeviceSpec],
+    devices: &[KvController],
+    listed: &str,
+    plan: &KvPlan,
+    output: OutputFormat,
+) -> anyhow::Result<()> {
+    let geometry = plan.geometry();
     let mapping = rig.store.table();
     let mapping_bytes = mapping.memory_bytes();
     let config = json!({
@@ -320,7 +341,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             plan.seed,
             plan.layers_in_flight
         )?;
-        for (spec, device) in specs.iter().zip(&devices) {
+        for (spec, device) in specs.iter().zip(devices) {
             outln!("  device {spec}: {}", device.description)?;
         }
         outln!(
@@ -342,7 +363,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
             format_size(plan.blocks() * geometry.block_bytes())
         )?;
     }
-    let phases = run_phases(&mut rig, plan, &mut |_phase| Ok(()))?;
+    let phases = run_phases(rig, plan, &mut |_phase| Ok(()))?;
     match output {
         OutputFormat::Normal => {
             for phase in &phases {
@@ -380,8 +401,22 @@ fn pool_open_error(error: ObjstoreError, plan: &KvPlan) -> anyhow::Error {
     }
 }
 
-/// Everything a run needs, in drop order: the store (its queue pairs) before the engine memory
-/// and the controller.
+/// Engine KV memory kept for good so far (see [`keep_engine_for_good`]).
+static KEPT_ENGINE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Keeps `engine`'s memory allocated for good, loudly: a queue pair whose commands name it could
+/// not be deleted (`KvStore::close` said false), so a late command may still write it, and
+/// freeing it would hand its IOVAs to the next allocation.
+pub(crate) fn keep_engine_for_good(engine: Engine, who: &str) {
+    let bytes = engine.regions.iter().map(|region| region.len() as u64).sum::<u64>();
+    KEPT_ENGINE_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    eprintln!("{who}: an I/O queue pair could not be deleted: the engine's KV memory ({}) is kept allocated for good", format_size(bytes));
+    std::mem::forget(engine);
+}
+
+/// Everything a run needs: the store (its queue pairs), the engine memory they name, and
+/// figures of the pool. End it with [`Rig::close`]; a drop (a panic) deletes the pairs before
+/// freeing the memory but cannot ask whether that worked.
 struct Rig {
     store: KvStore<CpuExecutor>,
     engine: Engine,
@@ -435,8 +470,26 @@ impl Rig {
         let config = StoreConfig::default();
         let executor = cpu_executor_for(&pool, 1024, &config).context("creating the CPU executor")?;
         let mut store = KvStore::new(pool, registration, dma, executor, config).context("building the KV store")?;
-        store.set_layers_in_flight_max(plan.layers_in_flight).context("setting the layers in flight")?;
+        if let Err(error) = store.set_layers_in_flight_max(plan.layers_in_flight) {
+            if !store.close() {
+                keep_engine_for_good(engine, "tutti-bench");
+            }
+            return Err(anyhow::Error::new(error).context("setting the layers in flight"));
+        }
         Ok(Self { store, engine, slots: report.slots, valid_slots_at_open: report.valid_slots, payload_crc })
+    }
+
+    /// Closes the store (deleting its queue pairs) and frees the engine memory only if it says
+    /// no command can still move it; otherwise keeps it for good. Whether it was freed.
+    fn close(self) -> bool {
+        let Rig { store, engine, .. } = self;
+        let memory_free = store.close();
+        if memory_free {
+            drop(engine);
+        } else {
+            keep_engine_for_good(engine, "tutti-bench");
+        }
+        memory_free
     }
 }
 
@@ -472,6 +525,40 @@ mod tests {
 
     /// 20 GiB available: 17.5 GiB can be spared.
     const MEMINFO_20G: &str = "MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n";
+
+    #[test]
+    fn engine_memory_is_kept_when_the_store_cannot_delete_its_queue_pairs() {
+        // Goal: the store's commands name the engine's KV memory until its queue pairs are
+        // deleted; when the controller refuses every Delete I/O SQ, KvStore::close says so and
+        // the engine memory must be kept for good (counted, said on stderr), not freed by the
+        // drops that followed the store's.
+        let cli = Cli::try_parse_from(["tutti-bench", "--workload=kv", "--prompt-tokens=160"]).unwrap();
+        let plan = KvPlan::from_cli(&cli).unwrap();
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: None,
+            io_bytes_max: 2 * plan.geometry().object_bytes() * u64::from(plan.blocks_per_slot),
+            queues: 4,
+            lay_out: false,
+            timing: None,
+            shadow_doorbells: false,
+        };
+        let mut created = CreatedFiles::default();
+        let devices = devices::open_controllers(&[DeviceSpec::EmuMemory(128 << 20)], options, &mut created).expect("emu:mem");
+        let rig = Rig::build(&devices, &plan.geometry(), &plan).expect("rig");
+        let refuse =
+            nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
+        let rule = nvme_emu::FaultRule {
+            repeat: true,
+            ..nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, refuse)
+        };
+        devices[0].emulator.as_ref().expect("software controller").set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+        let engine_bytes = rig.engine.regions.iter().map(|region| region.len() as u64).sum::<u64>();
+        let before = KEPT_ENGINE_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(!rig.close(), "the store's queue pairs were not deleted, yet close said the memory may be freed");
+        let kept = KEPT_ENGINE_BYTES.load(std::sync::atomic::Ordering::Relaxed) - before;
+        assert!(kept >= engine_bytes, "{kept} of {engine_bytes} bytes of engine memory kept: the rest was freed");
+    }
 
     #[test]
     fn an_attach_run_counts_the_engine_memory_of_every_client_it_starts() {

@@ -17,7 +17,7 @@ use super::stream::Request;
 use super::ServePlan;
 use crate::args::DeviceSpec;
 use crate::devices::{self, CreatedFiles, DeviceError, OpenOptions2};
-use crate::kv::{Engine, POOL_OVERHEAD_BYTES, SLOT_OVERHEAD_BYTES};
+use crate::kv::{keep_engine_for_good, Engine, POOL_OVERHEAD_BYTES, SLOT_OVERHEAD_BYTES};
 use crate::Unusable;
 
 /// How often the sleeping compute thread lets the runtime reap and issue (wall time).
@@ -182,7 +182,22 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
     let mut served = Vec::with_capacity(requests.len());
     for request in requests {
         let closed = plan.stream.arrivals == super::Arrivals::Closed;
-        served.push(driver.request(request, closed, plan.stream.decode_steps, request_blocks as usize)?);
+        match driver.request(request, closed, plan.stream.decode_steps, request_blocks as usize) {
+            Ok(request) => served.push(request),
+            Err(error) => {
+                // As below: the store is closed before the engine memory its commands name is
+                // freed, and that memory is kept if a queue pair could not be deleted (dropping
+                // the runtime and then the engine would free it without asking).
+                let (store, _) = driver.runtime.into_store();
+                if !store.close() {
+                    keep_engine_for_good(engine, "serve");
+                    return Err(
+                        error.context("serving a request (store closed, engine KV memory leaked on purpose: a command may still move it)")
+                    );
+                }
+                return Err(error);
+            }
+        }
     }
     let Driver { runtime, backlog, started, dilation, .. } = driver;
     // A drain that fails hands the runtime back: the store is closed either way, and the
@@ -199,8 +214,7 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
     if memory_free {
         drop(engine);
     } else {
-        eprintln!("serve: an I/O queue pair could not be deleted: the engine's KV memory is kept allocated for good");
-        std::mem::forget(engine);
+        keep_engine_for_good(engine, "serve");
     }
     if let Some(error) = failure {
         let memory = if memory_free { "freed" } else { "leaked on purpose (a command may still move it)" };
