@@ -342,8 +342,15 @@ impl<E: Executor> Runtime<E> {
                     self.counters.blocks_committed += blocks as u64;
                 }
                 Err(error) => {
-                    // The store released its slots: the blocks never become visible.
+                    // The blocks never become visible. A commit that began ended the handle
+                    // either way; one refused before it began (objstore's `HandleState`: a layer
+                    // not stored) leaves the request held, its slots reserved, until `finish`.
+                    // Nothing of it is in flight (checked above), so finishing it is safe; for a
+                    // handle the commit already ended, finish answers UnknownHandle, ignored.
                     tracing::warn!(request = store.request, %error, "runtime: commit failed; the store is dropped");
+                    if let Err(refusal) = self.store.finish(store.handle) {
+                        tracing::debug!(request = store.request, %refusal, "runtime: finishing a store whose commit failed");
+                    }
                     self.counters.stores_failed += 1;
                 }
             }
