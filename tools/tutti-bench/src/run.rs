@@ -120,7 +120,8 @@ pub fn with_devices(
     let mut created = CreatedFiles::default();
     let devices = if cli.devices.is_empty() {
         // A kv or serve run refuses --offset (a raw option) before this: it is 0 there.
-        let path = temporary_pool(cli.directory.as_deref(), bytes, cli.offset, lay_out)?.path;
+        let wanted = bytes.map(|bytes| (bytes, WantedPool::of(cli)));
+        let path = temporary_pool(cli.directory.as_deref(), wanted, cli.offset, lay_out)?.path;
         created.push(path.clone());
         vec![DeviceSpec::EmuFile(path)]
     } else {
@@ -524,6 +525,29 @@ fn runtime_text(micros: u64) -> String {
     }
 }
 
+/// What asked for a temporary pool of a given size, in the user's words.
+struct WantedPool {
+    /// As given: a raw run's `--size` (from its `--offset`), a kv run's prompt.
+    named: String,
+    /// What bounds it.
+    accepted: &'static str,
+}
+
+impl WantedPool {
+    fn of(cli: &Cli) -> Self {
+        match cli.size {
+            // The file holds --offset + --size: name both, not a --size of their sum.
+            Some(size) if cli.offset > 0 => WantedPool {
+                named: format!("--size={} from --offset={}", format_size(size), format_size(cli.offset)),
+                accepted: "--offset + --size",
+            },
+            Some(size) => WantedPool { named: format!("--size={}", format_size(size)), accepted: "--size" },
+            // Only the kv workload sizes a pool without --size (it refuses the raw options).
+            None => WantedPool { named: format!("the KV pool of --prompt-tokens={}", cli.prompt_tokens), accepted: "a pool" },
+        }
+    }
+}
+
 /// A pool file in `directory` (default: the system temp directory, or `/var/tmp` when that is
 /// tmpfs or ramfs) sized for the free space.
 struct TemporaryPool {
@@ -540,7 +564,12 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
 }
 
 /// A raw run's `offset` at or past the pool's size is refused before the file is created.
-fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, offset: u64, lay_out: bool) -> anyhow::Result<TemporaryPool> {
+fn temporary_pool(
+    directory: Option<&Path>,
+    wanted_bytes: Option<(u64, WantedPool)>,
+    offset: u64,
+    lay_out: bool,
+) -> anyhow::Result<TemporaryPool> {
     let directory = match directory {
         Some(directory) => {
             // The user's choice is kept, and said plainly: its figures are memory's.
@@ -562,16 +591,18 @@ fn temporary_pool(directory: Option<&Path>, wanted_bytes: Option<u64>, offset: u
     let free = free_bytes(&directory)?;
     let fitting = (free / DEFAULT_POOL_FREE_DIVISOR).min(DEFAULT_POOL_BYTES_MAX) / (1 << 20) * (1 << 20);
     let bytes = match wanted_bytes {
-        Some(wanted) if wanted.div_ceil(4096).checked_mul(4096).is_none_or(|bytes| bytes > free) => {
+        Some((wanted, what)) if wanted.div_ceil(4096).checked_mul(4096).is_none_or(|bytes| bytes > free) => {
             return usage(format!(
-                "--size={} does not fit the {} free in {}; accepted: up to {}",
+                "{} needs a pool file of {}, more than the {} free in {}; accepted: {} up to {}, or --directory DIR with more space",
+                what.named,
                 format_size(wanted),
                 format_size(free),
                 directory.display(),
+                what.accepted,
                 format_size(free)
             ));
         }
-        Some(wanted) => wanted.div_ceil(1 << 20) * (1 << 20),
+        Some((wanted, _)) => wanted.div_ceil(1 << 20) * (1 << 20),
         None if fitting < DEFAULT_POOL_BYTES_MIN => {
             return usage(format!(
                 "only {} free in {}: the default pool needs {} (a tenth of the free space, at least {}); free some space or pass --directory DIR",

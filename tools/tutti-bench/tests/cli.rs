@@ -715,6 +715,18 @@ fn raw_arguments_are_checked_before_a_temporary_pool_is_written() {
     // Without --size the pool is the default one, at most 1 GiB: an --offset past that is
     // refused before the pool is laid out (before, 1 GiB was written and fsynced first).
     assert_refused(&[&missing[..], &["--offset", "1t"]].concat(), &["--offset", "temporary pool"]);
+    // A pool that does not fit the free space is named as the user gave it: --size from
+    // --offset (the file holds both), not a --size of their sum.
+    let directory = tempfile::tempdir().unwrap();
+    let here = ["--directory", directory.path().to_str().unwrap()];
+    let output = bench(&[&here[..], &["--offset", "50t", "--size", "50t"]].concat());
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("--size=50") && text.contains("--offset=50") && !text.contains("--size=100"),
+        "the sum was called --size: {text}"
+    );
+    assert_eq!(std::fs::read_dir(directory.path()).unwrap().count(), 0, "a file was written: {text}");
 }
 
 /// Whether `data` repeats with period `period` bytes throughout.
