@@ -683,8 +683,8 @@ impl<E: QueuePairReset> Runtime<E> {
         for store in self.writes.stores.iter_mut() {
             store.in_flight = None;
         }
-        let retired = self.retire_ended();
+        self.retire_ended();
         self.pump()?;
-        retired.map(|()| abandoned)
+        Ok(abandoned)
     }
 }
