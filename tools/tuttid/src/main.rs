@@ -9,7 +9,7 @@
 //!
 //! Exit status (`tutti_cli::exit`): 0 done; 1 failed (a device error, the daemon unreachable);
 //! 2 unusable input (a bad flag or device string, a device another daemon holds, a device with no
-//! pool); 141 standard output closed.
+//! pool or another pool's, a superblock this build cannot read); 141 standard output closed.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -334,6 +334,7 @@ fn classify(error: DaemonError) -> anyhow::Error {
     match error {
         // A vfio: SSD whose first bytes could not be read (to see what it holds) failed.
         error @ DaemonError::Devices(tutti_devices::DeviceError::NamespaceHead { .. }) => error.into(),
+        DaemonError::Pool { ref source, .. } if !pool_input_unusable(source) => error.into(),
         error @ (DaemonError::DeviceInUse { .. }
         | DaemonError::SocketInUse { .. }
         | DaemonError::Devices(_)
@@ -342,6 +343,27 @@ fn classify(error: DaemonError) -> anyhow::Error {
         | DaemonError::Config(_)) => Unusable(error.to_string()).into(),
         error => error.into(),
     }
+}
+
+/// Whether a pool error says what the devices hold, or what was asked of them, is wrong (exit 2:
+/// the same command fails the same way until someone changes it). Any other is the device
+/// failing (I/O, a timeout, DMA memory, a fence) or this host (memory): exit 1, which a
+/// supervisor may retry; it may also have come after `--format` began writing.
+fn pool_input_unusable(source: &objstore::ObjstoreError) -> bool {
+    use objstore::ObjstoreError as E;
+    matches!(
+        source,
+        E::InvalidGeometry { .. }
+            | E::InvalidFormat { .. }
+            | E::InvalidPoolShape { .. }
+            | E::NamespaceTooSmall { .. }
+            | E::CorruptSuperblock { .. }
+            | E::NewerFormatVersion { .. }
+            | E::OlderFormatVersion { .. }
+            | E::GeometryMismatch { .. }
+            | E::PoolMembership { .. }
+            | E::QueuePairs { .. }
+    )
 }
 
 fn print_status(socket: &std::path::Path) -> Result<()> {
@@ -506,6 +528,42 @@ mod tests {
     use tutti_daemon::protocol::PoolShape;
 
     use super::*;
+
+    #[test]
+    fn a_pool_that_fails_to_read_or_write_is_a_failure_and_one_that_holds_the_wrong_thing_is_unusable() {
+        // Goal: exit 2 says "unusable input; nothing was changed" (a supervisor does not restart
+        // on it), so a pool error is 2 only when what the devices hold (or what was asked) is
+        // wrong; a device that failed, timed out or ran out of DMA memory reading the superblock
+        // or headers, or writing a format, is exit 1, as the module doc says of device errors.
+        // Before, every `DaemonError::Pool` was exit 2.
+        let pool = |source| DaemonError::Pool { context: "opening the pool".into(), source };
+        let unusable = |error: DaemonError| exit::is_unusable(classify(error).as_ref());
+        let timeout = nvme_driver::NvmeError::Timeout {
+            queue: nvme_driver::QueueId(1),
+            command_id: nvme_driver::CommandId(3),
+            waited_ms: 10_000,
+            outstanding: 1,
+        };
+        for failed in [
+            objstore::ObjstoreError::Nvme(timeout),
+            objstore::ObjstoreError::Nvme(nvme_driver::NvmeError::DeviceGone),
+            objstore::ObjstoreError::DeadlinePassed { what: "reading headers", done: 3 },
+            objstore::ObjstoreError::MetadataFenced { device: 0, reason: "3 header syncs in a row failed".into() },
+        ] {
+            let message = failed.to_string();
+            assert!(!unusable(pool(failed)), "{message} was classified unusable input");
+        }
+        for wrong in [
+            objstore::ObjstoreError::CorruptSuperblock { device: 0, reason: "bad CRC".into() },
+            objstore::ObjstoreError::PoolMembership { device: 1, reason: "another pool's device".into() },
+            objstore::ObjstoreError::NewerFormatVersion { device: 0, found: 9, supported: 3, sealed: true },
+            objstore::ObjstoreError::NamespaceTooSmall { device: 0, needed_bytes: 2 << 20, available_bytes: 1 << 20 },
+            objstore::ObjstoreError::InvalidFormat { reason: "blocks_per_slot 0".into() },
+        ] {
+            let message = wrong.to_string();
+            assert!(unusable(pool(wrong)), "{message} was classified a failure");
+        }
+    }
 
     #[test]
     fn a_status_reply_with_impossible_counts_prints_without_overflow() {
