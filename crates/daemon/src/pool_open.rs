@@ -72,10 +72,13 @@ pub struct PoolOptions {
 /// software controllers' threads) before the locks.
 pub struct OpenedPool {
     pub pool: Pool,
+    /// Per pool device, in the pool's order (its superblocks' device indexes, not necessarily
+    /// the order the devices were given in), what status reports of it.
     pub devices: Vec<DeviceStatus>,
     pub report: RecoveryReport,
-    /// Per pool device, the software controller running it (`None` for VFIO): its register
-    /// page and per-queue restrictions serve the clients' queue pairs.
+    /// Per pool device, in the pool's order as `devices`, the software controller running it
+    /// (`None` for VFIO): its register page and per-queue restrictions serve the clients' queue
+    /// pairs on that device.
     pub emulators: Vec<Option<Arc<EmuDevice>>>,
     /// The longest the controllers wait for an admin command (`ControllerConfig::admin_timeout`):
     /// what bounds the drain's wait for unconfirmed deletions (`crate::server`).
@@ -142,11 +145,53 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         // emu: devices were read before anything was created or grown.
         format_targets(&options.specs, &targets, params, options.overwrite, |spec| matches!(spec, DeviceSpec::Vfio(_)))?;
     }
+    let controllers: Vec<Arc<Controller>> = targets.iter().map(|target| target.controller.clone()).collect();
     let (pool, report) = Pool::open(targets, None).map_err(|source| DaemonError::Pool {
         context: "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)".into(),
         source,
     })?;
+    // The pool orders its devices by the index each superblock records, whatever order the
+    // command line gave them in (device names such as /dev/nvmeXn1 change across boots); the
+    // per-device state the clients' attaches and the status index by pool device must follow.
+    let order = pool_order(&controllers, pool.device_count(), |device| &pool.target(device).controller)?;
+    drop(controllers);
+    let devices = reorder(devices, &order);
+    let emulators = reorder(emulators, &order);
     Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
+}
+
+/// For each of the pool's `pool_devices` in turn, the position among `given` (the controllers in
+/// command-line order) of the controller `pool_target` names for it; an error if the pool's
+/// targets are not exactly the given controllers, each once (then no per-device state could be
+/// matched up).
+fn pool_order<'a>(
+    given: &[Arc<Controller>],
+    pool_devices: usize,
+    pool_target: impl Fn(usize) -> &'a Arc<Controller>,
+) -> Result<Vec<usize>, DaemonError> {
+    let mismatch = |device: usize, reason: String| DaemonError::Pool {
+        context: format!("matching pool device {device} to a given device"),
+        source: objstore::ObjstoreError::PoolMembership { device, reason },
+    };
+    if pool_devices != given.len() {
+        return Err(mismatch(0, format!("the pool has {pool_devices} devices, {} were given", given.len())));
+    }
+    let mut order = Vec::with_capacity(given.len());
+    for device in 0..pool_devices {
+        let controller = pool_target(device);
+        let position = given.iter().position(|candidate| Arc::ptr_eq(candidate, controller));
+        match position {
+            Some(position) if !order.contains(&position) => order.push(position),
+            _ => return Err(mismatch(device, "its controller is none of the given devices', or one already matched".into())),
+        }
+    }
+    Ok(order)
+}
+
+/// `items` (in command-line order) put in pool order: entry `i` is `items[order[i]]`.
+fn reorder<T>(items: Vec<T>, order: &[usize]) -> Vec<T> {
+    let mut items: Vec<Option<T>> = items.into_iter().map(Some).collect();
+    order.iter().filter_map(|&position| items.get_mut(position).and_then(Option::take)).collect()
 }
 
 /// With `format` and without `overwrite`, refuses an `emu:` device of `specs` that holds something other
