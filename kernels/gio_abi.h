@@ -219,7 +219,8 @@ typedef struct gio_nvme_qp {
     /* line 3: controller progress, from the SQHD field of completions */
     uint32_t sq_head;      /* free-running */
     uint32_t unexpected_completions; /* CQEs whose command id matched nothing in flight */
-    uint32_t controller_faults;      /* CQEs naming another SQ; non-zero fails the launch's IOCBs */
+    uint32_t controller_faults;      /* CQEs naming another SQ; non-zero fails the launch's IOCBs
+                                      * and ends all use of the pair until the host resets it */
     uint8_t reserved3[52];
     /* line 4: completion polling, guarded by cq_lock */
     uint32_t cq_lock;

@@ -33,8 +33,9 @@
 // remaining chunks' free slots, finalising IOCBs, one claim attempt each) takes microseconds, so a
 // launch ends about the budget after its last block started (docs/gio-uring.md: "Time bounds").
 // A completion naming another SQ is a controller fault (gio_completion_verdict): it completes
-// nothing and fails the launch's unfinished IOCBs with GIO_IOCB_STATUS_CONTROLLER_FAULT. After
-// either, the queue pairs may hold commands the kernel no longer tracks: the host must reset them
+// nothing and fails the launch's unfinished IOCBs with GIO_IOCB_STATUS_CONTROLLER_FAULT. From then
+// on the pair is faulted (controller_faults != 0): no reaper, in any block, accepts or consumes
+// another of its completions, and no SQE is published to it. After either, the queue pairs may hold commands the kernel no longer tracks: the host must reset them
 // before reuse (docs/gio-uring.md).
 
 #include "gio_abi.h"
@@ -297,6 +298,13 @@ __device__ bool complete_ioctx(const gio_launch_params& params, gio_iocb* iocb, 
 
 // ---- NVMe queue pair: tail publication ----
 
+// Whether a completion on this queue pair was a controller fault (gio_completion_verdict): until
+// the host resets the pair, nothing its controller reports is trusted and nothing more is given to
+// it (no completion is accepted, no tail or head doorbell written, no SQE published).
+__device__ __forceinline__ bool queue_pair_faulted(gio_nvme_qp* qp) {
+    return load_volatile(&qp->controller_faults) != 0;
+}
+
 // Advances the SQ tail over the contiguous run of ready slots and rings the doorbell once.
 //
 // In-order publication: a slot's SQE becomes visible to the controller only when every earlier
@@ -315,6 +323,12 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
     // lock; anything left over is published by the next caller (every poll iteration calls this).
     for (uint32_t round = 0; round < kPublishRoundsMax; ++round) {
         if (!try_lock(&qp->sq_lock)) {
+            return;
+        }
+        // A faulted controller gets no more commands: its ready slots stay unpublished, and their
+        // IOCBs end as CONTROLLER_FAULT (end_launch), since no completion of the pair is accepted.
+        if (queue_pair_faulted(qp)) {
+            unlock(&qp->sq_lock);
             return;
         }
         const uint32_t head = load_volatile(&qp->sq_head);
@@ -362,8 +376,11 @@ __device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio
     // naming another SQ is a controller fault (as in nvme-driver's reap): it completes nothing,
     // its slot stays busy, and the launch's polling threads fail every unfinished IOCB of the
     // launch with GIO_IOCB_STATUS_CONTROLLER_FAULT, which makes the host reset the queue pairs.
-    const uint32_t verdict = gio_completion_verdict(sq_id, qp->qid, command_id, ticket,
-                                                    load_volatile(&slot->done_ticket));
+    const uint32_t verdict = gio_completion_verdict(load_volatile(&qp->controller_faults), sq_id, qp->qid,
+                                                    command_id, ticket, load_volatile(&slot->done_ticket));
+    if (verdict == GIO_COMPLETION_PAIR_FAULTED) {
+        return verdict;  // counted once already; try_reap_cq leaves the entry in the CQ
+    }
     if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
         atomicAdd(&qp->controller_faults, 1u);
         // Also when every IOCB is final already (the launch then ends with no CONTROLLER_FAULT
@@ -403,6 +420,13 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
     if (!try_lock(&qp->cq_lock)) {
         return;
     }
+    // Faults are counted under this lock (process_nvme_completion), so a reaper that takes it after
+    // a fault sees the count: it consumes nothing more and writes no head doorbell. The entries stay
+    // in the CQ for the host's reset; the launch's pollers end its IOCBs as CONTROLLER_FAULT.
+    if (queue_pair_faulted(qp)) {
+        unlock(&qp->cq_lock);
+        return;
+    }
     const nvme_cqe* entries = device_pointer<const nvme_cqe>(qp->cq_entries);
     const uint32_t cq_depth = qp->cq_depth;
     const uint32_t sq_mask = qp->sq_depth - 1;
@@ -433,6 +457,9 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         const uint16_t sq_head_slot = load_volatile(&entry->sq_head);
         const uint32_t verdict =
             process_nvme_completion(params, qp, sq_id, command_id, status, &claim_held);
+        if (verdict == GIO_COMPLETION_PAIR_FAULTED) {
+            break;  // not consumed: nothing the faulted controller posts is applied
+        }
         ++head;  // consumed either way, so the phase tag logic stays in step with the controller
         if (verdict == GIO_COMPLETION_WRONG_QUEUE) {
             break;  // its SQ head is not ours to apply; the fault ends the launch (see above)
@@ -463,11 +490,6 @@ __device__ void help_all_queue_pairs(const gio_launch_params& params) {
 
 // ---- submission ----
 
-// Whether a completion on this queue pair named another SQ: its controller is not trusted.
-__device__ __forceinline__ bool queue_pair_faulted(gio_nvme_qp* qp) {
-    return load_volatile(&qp->controller_faults) != 0;
-}
-
 // Writes the SQE for `ticket` and marks its slot ready. Returns 0, or the status the IOCTX fails
 // with: TIMEOUT if the slot did not become free within the bounded wait, CONTROLLER_FAULT if the
 // queue pair's controller faulted meanwhile (its completions, so the slot's, will never be trusted).
@@ -488,6 +510,11 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
         }
         help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
         backoff.pause();
+    }
+    // Also when the slot was free at once (the loop above never ran its check): no SQE is written
+    // for a faulted controller, whose completion of it would never be accepted.
+    if (queue_pair_faulted(qp)) {
+        return GIO_IOCB_STATUS_CONTROLLER_FAULT;
     }
 
     // submit_chunk applied the IOCTX command rule (gio_ioctx_command): the opcode is Read or

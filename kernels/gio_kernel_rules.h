@@ -14,15 +14,23 @@
 #define GIO_COMPLETION_ACCEPT 0u      /* completes the command in the slot its command id names */
 #define GIO_COMPLETION_UNEXPECTED 1u  /* stale or foreign command id: counted, completes nothing */
 #define GIO_COMPLETION_WRONG_QUEUE 2u /* names another SQ: a controller fault, completes nothing */
+#define GIO_COMPLETION_PAIR_FAULTED 3u /* the pair's controller faulted before: not even read */
 
 /*
- * The completion acceptance rule, the kernel's twin of nvme-driver's QueuePair::reap: an entry
- * whose SQ id is not the queue's is a controller fault, checked first because none of its other
- * fields (command id, SQ head) can then be trusted; otherwise the command id must carry the slot's
- * current ticket (slot index plus generation bits) and that ticket must not be completed yet.
+ * The completion acceptance rule, the kernel's twin of nvme-driver's QueuePair::reap. A pair whose
+ * controller already faulted (`pair_faulted`: its controller_faults counter, non-zero) trusts
+ * nothing its controller reports until the host resets it, so every entry is refused unread: with
+ * several reapers, one may consume the faulty entry while another, on a later entry, would
+ * otherwise still complete a command. An entry whose SQ id is not the queue's is a controller
+ * fault, checked next because none of its other fields (command id, SQ head) can then be trusted;
+ * otherwise the command id must carry the slot's current ticket (slot index plus generation bits)
+ * and that ticket must not be completed yet.
  */
-GIO_RULE uint32_t gio_completion_verdict(uint32_t reported_sq_id, uint32_t queue_id, uint32_t command_id,
-                                         uint32_t slot_ticket, uint32_t slot_done_ticket) {
+GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reported_sq_id, uint32_t queue_id,
+                                         uint32_t command_id, uint32_t slot_ticket, uint32_t slot_done_ticket) {
+    if (pair_faulted != 0u) {
+        return GIO_COMPLETION_PAIR_FAULTED;
+    }
     if (reported_sq_id != queue_id) {
         return GIO_COMPLETION_WRONG_QUEUE;
     }

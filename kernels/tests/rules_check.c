@@ -49,27 +49,27 @@ static void check_completion_verdicts(void) {
     const uint32_t ticket = 0x00012345u; /* command id 0x2345, generation bits from the ticket */
     const uint32_t not_done = ticket + 1u - 64u; /* the previous round's ticket was completed */
     uint32_t sq_id;
-    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
+    expect(gio_completion_verdict(0u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
            "a completion of the live ticket on the right SQ is accepted", ticket);
     /* Every other SQ id is a fault, even with a command id that matches a live ticket. */
     for (sq_id = 0; sq_id <= 0xFFFFu; sq_id++) {
         if (sq_id != queue) {
-            expect(gio_completion_verdict(sq_id, queue, 0x2345u, ticket, not_done) ==
+            expect(gio_completion_verdict(0u, sq_id, queue, 0x2345u, ticket, not_done) ==
                        GIO_COMPLETION_WRONG_QUEUE,
                    "a completion naming another SQ is a controller fault", sq_id);
         }
     }
-    expect(gio_completion_verdict(queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
+    expect(gio_completion_verdict(0u, queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
            "a command id of another ticket is unexpected", 0x2346u);
-    expect(gio_completion_verdict(queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
+    expect(gio_completion_verdict(0u, queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
                GIO_COMPLETION_UNEXPECTED,
            "a stale generation is unexpected", 0x2345u ^ 0x8000u);
-    expect(gio_completion_verdict(queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
+    expect(gio_completion_verdict(0u, queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
            "a second completion of a completed ticket is unexpected", ticket);
     /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. */
-    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
+    expect(gio_completion_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
            "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
-    expect(gio_completion_verdict(queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
+    expect(gio_completion_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
            "the last ticket before the wrap completes once", 0xFFFFFFFFu);
     /* A fresh slot s (as plan.rs writes it: ticket s - depth, done_ticket s + 1 - depth, "the
      * previous round is complete") accepts no command id before its first submission. With
@@ -79,16 +79,27 @@ static void check_completion_verdicts(void) {
         uint32_t slot, command_id;
         for (slot = 0; slot < depth; slot++) {
             for (command_id = 0; command_id <= 0xFFFFu; command_id++) {
-                expect(gio_completion_verdict(queue, queue, command_id, slot - depth, slot + 1u - depth) ==
+                expect(gio_completion_verdict(0u, queue, queue, command_id, slot - depth, slot + 1u - depth) ==
                            GIO_COMPLETION_UNEXPECTED,
                        "a fresh slot accepts no completion", command_id);
             }
         }
-        expect(gio_completion_verdict(queue, queue, 0u, 0u, 1u - depth) == GIO_COMPLETION_ACCEPT,
+        expect(gio_completion_verdict(0u, queue, queue, 0u, 0u, 1u - depth) == GIO_COMPLETION_ACCEPT,
                "(a slot left at ticket 0 would accept command id 0)", 0u);
     }
+    /* Once a completion on the pair was a fault, nothing its controller reports is trusted until
+     * the host resets the pair: not even an entry that would otherwise be accepted (another
+     * block's reaper must not finish an IOCB off a faulted controller). */
+    expect(gio_completion_verdict(1u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_PAIR_FAULTED,
+           "a faulted pair accepts no completion", ticket);
+    expect(gio_completion_verdict(1u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) ==
+               GIO_COMPLETION_PAIR_FAULTED,
+           "a faulted pair accepts no completion at the wrap", 0xFFFFFFFFu);
+    expect(gio_completion_verdict(0xFFFFFFFFu, queue, queue, 0x2345u, ticket, not_done) ==
+               GIO_COMPLETION_PAIR_FAULTED,
+           "any fault count is a fault", 0xFFFFFFFFu);
     /* A wrong SQ id wins over a stale id: nothing in the entry is trusted. */
-    expect(gio_completion_verdict(queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
+    expect(gio_completion_verdict(0u, queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
                GIO_COMPLETION_WRONG_QUEUE,
            "a wrong SQ id is reported as such even for a stale command id", queue + 1u);
 }
