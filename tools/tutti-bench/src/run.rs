@@ -593,7 +593,7 @@ fn temporary_pool(
     let bytes = match wanted_bytes {
         Some((wanted, what)) if wanted.div_ceil(4096).checked_mul(4096).is_none_or(|bytes| bytes > free) => {
             return usage(format!(
-                "{} needs a pool file of {}, more than the {} free in {}; accepted: {} up to {}, or --directory DIR with more space",
+                "{} needs a pool file of {}, which does not fit the {} free in {}; accepted: {} up to {}, or --directory DIR with more space",
                 what.named,
                 format_size(wanted),
                 format_size(free),
