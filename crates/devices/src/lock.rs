@@ -26,6 +26,9 @@ use nix::fcntl::{Flock, FlockArg};
 /// Where `vfio:` devices' lock files live unless told otherwise (tuttid's `--lock-dir`).
 pub const DEFAULT_LOCK_DIR: &str = "/run/tutti";
 
+/// The mode a pool file (`emu:PATH`, `uring:PATH`) is created with: owner read/write only.
+pub const POOL_FILE_MODE: u32 = 0o600;
+
 /// Held locks; dropping releases them.
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
@@ -55,10 +58,15 @@ impl DeviceLocks {
                 _ => continue,
             };
             let is_file = matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_));
-            let opened = open_without_waiting(
-                &path,
-                OpenOptions::new().read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false),
-            );
+            let mut options = OpenOptions::new();
+            options.read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false);
+            if is_file {
+                // A pool file will hold every cached KV block: only its owner may read it (the
+                // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
+                // umask. An existing file keeps the mode it has.
+                options.mode(POOL_FILE_MODE);
+            }
+            let opened = open_without_waiting(&path, &mut options);
             let file = match opened {
                 Ok(file) => file,
                 Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
@@ -482,5 +490,21 @@ mod tests {
         assert_eq!(paths, [lock_dir.join("vfio-0000:00:04.0.lock").as_path()]);
         let error = DeviceLocks::acquire(&specs[..1], &lock_dir, false).unwrap_err();
         assert!(matches!(error, DeviceError::DeviceInUse { .. }), "{error}");
+    }
+
+    #[test]
+    fn a_pool_file_created_to_lock_it_is_readable_by_its_owner_only() {
+        // Goal: a missing emu: file that acquire creates (tuttid --format, `tutti pool format`)
+        // is mode 0600 under the usual umask 022, not 0644: it will hold every cached KV block,
+        // and tuttid's trust boundary is its 0600 socket and the peer uid check, which a
+        // world-readable pool file would step around.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+        let locked = DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true);
+        nix::sys::stat::umask(previous);
+        drop(locked.unwrap());
+        let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "created with mode {mode:o}");
     }
 }
