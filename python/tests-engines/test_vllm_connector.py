@@ -1437,6 +1437,131 @@ def test_a_failed_load_cancels_the_saves_of_requests_sharing_its_blocks(tuttid, 
         worker.shutdown()
 
 
+class RecordingKvCacheManager:
+    """Stands for vLLM's KVCacheManager as the scheduler binds it to the connector
+    (bind_kv_cache_manager): records the blocks evicted from vLLM's prefix cache."""
+
+    block_pool = None
+
+    def __init__(self) -> None:
+        self.evicted: set[int] = set()
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.evicted |= set(block_ids)
+
+
+def test_a_failed_load_stops_the_saves_of_requests_computed_on_its_blocks_in_any_later_step(tuttid):
+    """Goal: with async scheduling and chunked prefill (vLLM's defaults), a request Q scheduled
+    in the step after R's load failed (before vLLM learned of it) gets a local prefix hit on R's
+    blocks, which vLLM caches at allocation, and computes its chunk against their stale bytes;
+    vLLM keeps that chunk as computed (Q's invalid blocks were marked by R), so Q's prompt
+    completes two or more steps after the failure. Its save must not commit that KV under the
+    real prefix keys (the workers remember failed blocks for two steps only): once vLLM reports
+    the failed blocks, the scheduler side saves no request holding them, and evicts them and
+    every block after them in such a request from vLLM's prefix cache (nothing later gets a
+    local hit on stale bytes, nor saves it), at each step and when the request finishes."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    manager = RecordingKvCacheManager()
+    scheduler.bind_kv_cache_manager(manager)
+    try:
+        block = harness.BLOCK_TOKENS
+        prefix = prompt(51, blocks=2, tail=0)
+        worker.fill([1, 2], 51)
+        worker.save("P", prefix, [1, 2])
+        tokens_r = prefix + prompt(52, blocks=1, tail=2)
+        tokens_q = prefix + prompt(53, blocks=2, tail=1)
+        # Step N: R loads the prefix into blocks 5 and 6 and computes its third block; the load fails.
+        request_r = harness.request("R", tokens_r)
+        assert scheduler.get_num_new_matched_tokens(request_r, 0) == (2 * block, False)
+        scheduler.update_state_after_alloc(request_r, harness.blocks([5, 6, 7]), 2 * block)
+        meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("R", tokens_r, [5, 6, 7], 2 * block, block)]))
+        assert [load.req_id for load in meta.loads] == ["R"]
+        worker.fill([5, 6, 7], 54)  # what vLLM had in them
+        real_store = worker.connector._store
+        worker.connector._store = harness.StoreWithFailingLoads(real_store)
+        assert worker.step(meta)["load_errors"] == {5, 6}
+        worker.connector._store = real_store
+        # Step N+1, scheduled before vLLM learned: Q hits R's blocks locally, computes blocks 8 and 9 against them.
+        request_q = harness.request("Q", tokens_q)
+        assert scheduler.get_num_new_matched_tokens(request_q, 2 * block) == (0, False)
+        scheduler.update_state_after_alloc(request_q, harness.blocks([5, 6, 8, 9, 10]), 0)
+        meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("Q", tokens_q, [5, 6, 8, 9, 10], 2 * block, 2 * block)]))
+        assert meta.saves == []
+        worker.fill([8, 9], 55)
+        worker.step(meta)
+        # Step N's output reaches the scheduler side.
+        from vllm.v1.outputs import KVConnectorOutput
+
+        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={5, 6}))
+        assert manager.evicted >= {5, 6, 7, 8, 9, 10}
+        # Step N+2: Q's prompt completes (block 10, computed on top of them, cached now too); R recomputes.
+        manager.evicted.clear()
+        meta = scheduler.build_connector_meta(
+            harness.scheduler_output(cached=[("Q", None, 4 * block, 1, False), ("R", None, 2 * block, block + 2, False)])
+        )
+        assert meta.saves == [], "a save over blocks computed against a failed load's stale bytes was emitted"
+        assert manager.evicted >= {5, 6, 8, 9, 10}
+        worker.step(meta, finished={"Q", "R"})
+        manager.evicted.clear()
+        assert scheduler.request_finished(request_q, [5, 6, 8, 9, 10]) == (False, None)
+        assert scheduler.request_finished(request_r, [5, 6, 7]) == (False, None)
+        assert manager.evicted >= {5, 6, 7, 8, 9, 10}
+        assert worker.connector._store.lookup(tokens_q[: 4 * block]) == 2, "Q's KV computed on stale bytes was committed"
+        # A request that is not affected still saves.
+        tokens_s = prompt(56, blocks=2, tail=1)
+        request_s = harness.request("S", tokens_s)
+        scheduler.get_num_new_matched_tokens(request_s, 0)
+        scheduler.update_state_after_alloc(request_s, harness.blocks([20, 21, 22]), 0)
+        meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("S", tokens_s, [20, 21, 22], 0, len(tokens_s))]))
+        assert [save.req_id for save in meta.saves] == ["S"]
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_the_failed_blocks_of_a_request_preempted_before_recomputing_them_are_evicted(tuttid):
+    """Goal: a request whose load failed and that is preempted (or aborted) before it rewrote the
+    failed blocks frees them with their prefix keys still in vLLM's prefix cache (vLLM's
+    "recompute" policy evicts nothing); a later request would get a local hit on the stale bytes
+    and save them. The scheduler side evicts them when vLLM reports them, and a resumed request
+    (allocated anew, its blocks computed afresh) saves again."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    manager = RecordingKvCacheManager()
+    scheduler.bind_kv_cache_manager(manager)
+    try:
+        block = harness.BLOCK_TOKENS
+        prefix = prompt(61, blocks=2, tail=0)
+        worker.fill([1, 2], 61)
+        worker.save("P", prefix, [1, 2])
+        tokens = prefix + prompt(62, blocks=1, tail=2)
+        request = harness.request("R", tokens)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * block, False)
+        scheduler.update_state_after_alloc(request, harness.blocks([5, 6, 7]), 2 * block)
+        scheduler.build_connector_meta(harness.scheduler_output(new=[("R", tokens, [5, 6, 7], 2 * block, block)]))
+        from vllm.v1.outputs import KVConnectorOutput
+
+        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={5, 6}))
+        assert manager.evicted >= {5, 6, 7}
+        # Preempted, then resumed into other blocks: computed afresh, saved.
+        meta = scheduler.build_connector_meta(harness.scheduler_output(preempted={"R"}))
+        assert meta.saves == []
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * block, False)
+        scheduler.update_state_after_alloc(request, harness.blocks([11, 12, 13]), 2 * block)
+        manager.evicted.clear()
+        meta = scheduler.build_connector_meta(
+            harness.scheduler_output(cached=[("R", [11, 12, 13], 2 * block, len(tokens) - 2 * block, True)])
+        )
+        assert [(save.req_id, save.block_ids) for save in meta.saves] == [("R", [11, 12, 13])]
+        assert manager.evicted == set()
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
 def test_a_load_failing_on_one_rank_cancels_other_requests_saves_over_its_blocks_on_every_rank(cluster):
     """Goal: B's save over blocks whose load (by another request) failed on rank 0 is cancelled
     on rank 1 too (the ranks agree per save), as the failed request's own save is."""

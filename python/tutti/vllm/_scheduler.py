@@ -53,6 +53,12 @@ class _SchedulerRequest:
     # include it: a LoRA adapter, multimodal inputs, a cache salt, prompt embeddings); tutti's
     # keys are the tokens only, so such a request is neither loaded nor saved. None: nothing.
     uncacheable: Optional[str] = None
+    # The index of the request's first block whose bytes a failed load left stale (vLLM reported
+    # it in invalid_block_ids): its blocks from there on hold, or were computed against, stale
+    # bytes, so the request is not saved from then on and those blocks are kept out of vLLM's
+    # prefix cache (`_evict_stale`). None: none. A preemption clears it (its blocks are freed and
+    # the resumed request computes or loads them afresh).
+    stale_from: Optional[int] = None
 
 
 class SchedulerSide:
@@ -228,6 +234,14 @@ class SchedulerSide:
                 # preemption: its new blocks and load stand (the workers settle the old
                 # transfers in handle_preemptions before this step's).
                 state.save_emitted = False
+                if state.stale_from is not None:
+                    # Its freed blocks, those cached since the last step included, leave vLLM's
+                    # prefix cache (one resumed in this step holds new blocks already: the old
+                    # ones were evicted up to the last step). Resumed, it computes or loads its
+                    # blocks afresh.
+                    if req_id not in allocated:
+                        self._evict_stale(state.block_ids[state.stale_from :])
+                    state.stale_from = None
                 if req_id not in allocated:
                     state.block_ids = []
                     state.load_pending = None
@@ -258,6 +272,12 @@ class SchedulerSide:
             if state.uncacheable is not None:
                 state.load_pending = None
                 continue
+            if state.stale_from is not None:
+                # vLLM caches a block once it is computed, possibly in this step's allocation:
+                # those after the stale ones were computed against them.
+                state.load_pending = None
+                self._evict_stale(state.block_ids[state.stale_from :])
+                continue
             if state.load_pending:
                 blocks = state.load_pending
                 meta.loads.append(
@@ -282,9 +302,52 @@ class SchedulerSide:
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Workers' transfer results: vLLM itself frees a request's blocks once every worker named
-        it in finished_sending; nothing to keep here beyond logging failed loads."""
-        if getattr(connector_output, "invalid_block_ids", None):
-            logger.info("tutti: %d blocks failed to load and are recomputed", len(connector_output.invalid_block_ids))
+        it in finished_sending. Blocks whose load failed (invalid_block_ids) hold stale bytes,
+        and vLLM's prefix cache has shared them since their allocation (a synchronous load's
+        blocks are cached when allocated). vLLM ("recompute") keeps them cached, and keeps as
+        computed what another request sharing them computed against them (with async
+        scheduling, a chunk of a request scheduled in the step after the failure); the workers
+        cancel saves over them only in the failure's step and the next. So every request
+        holding one is not saved from then on (whenever its prompt completes), and the failed
+        blocks and every later block of such a request are evicted from vLLM's prefix cache,
+        now and at each later step and its end (`_evict_stale`): no later request gets a local
+        hit on stale bytes (and saves them). The request that loaded recomputes its blocks;
+        they are simply not cached again."""
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        if not invalid:
+            return
+        stale = set(invalid)
+        affected = []
+        for req_id, state in self._requests.items():
+            first = next((index for index, block_id in enumerate(state.block_ids) if block_id in invalid), None)
+            if first is None:
+                continue
+            state.stale_from = first if state.stale_from is None else min(state.stale_from, first)
+            stale.update(state.block_ids[state.stale_from :])
+            affected.append(req_id)
+        self._evict_stale(stale)
+        logger.warning(
+            "tutti: %d blocks failed to load and are recomputed; requests %s, computed against them, are not saved "
+            "and %d blocks are evicted from vLLM's prefix cache",
+            len(invalid), sorted(affected), len(stale),
+        )  # fmt: skip
+
+    def _evict_stale(self, block_ids: Any) -> None:
+        """Evicts blocks from vLLM's prefix cache (held ones stay allocated to their requests;
+        vLLM caches nothing it already counted cached, so they are not cached again)."""
+        block_ids = set(block_ids)
+        if not block_ids:
+            return
+        manager = getattr(self, "_kv_cache_manager", None)
+        if manager is None:
+            # vLLM 0.32's scheduler binds its manager at construction (bind_kv_cache_manager).
+            logger.error(
+                "tutti: vLLM bound no KV cache manager to the connector: %d blocks with stale bytes stay in vLLM's "
+                "prefix cache",
+                len(block_ids),
+            )
+            return
+        manager.evict_blocks(block_ids)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """True (keep the blocks) when a save of this request was handed to the workers: they
@@ -296,6 +359,8 @@ class SchedulerSide:
         request forever. Its blocks were freed by the preemption already. (Not judged by
         num_computed_tokens == 0: vLLM's invalid-block handling resets that too.)"""
         state = self._requests.pop(request.request_id, None)
+        if state is not None and state.stale_from is not None:
+            self._evict_stale(list(block_ids)[state.stale_from :])
         keep = (
             state is not None
             and state.save_emitted

@@ -114,7 +114,8 @@ class WorkerSide:
         # Blocks whose load failed on this rank in this step and in the step before, and whether
         # those steps' metadata had loads: a save over such a block (another request sharing
         # them through vLLM's prefix cache; with async scheduling, scheduled a step before vLLM
-        # learned of the failure) is cancelled on every rank (`_agree_on_loads`).
+        # learned of the failure) is cancelled on every rank (`_agree_on_loads`). The scheduler
+        # side builds later steps' metadata knowing the failure and saves no such request.
         self._step_failed_blocks: set[int] = set()
         self._last_step_failed_blocks: set[int] = set()
         self._step_had_loads = False
@@ -666,7 +667,9 @@ class WorkerSide:
           this step or the step before: vLLM's prefix cache shares a loaded block from its
           allocation on (kv_cache_manager.allocate_slots caches it), so a request with a local
           hit on it computed against the stale bytes, and would save them under the real
-          prefix keys (vLLM recomputes that request itself, `_update_requests_with_invalid_blocks`).
+          prefix keys. Saves emitted in later steps are the scheduler side's: it learns of the
+          failure before it builds them and emits none for a request holding such a block
+          (`SchedulerSide.update_connector_output`).
         With tensor parallelism a save is cancelled on every rank if it must be on any: every
         rank's forward mixes every rank's heads (the all-reduce after each layer), so what was
         computed after a failed load is wrong on every rank, and a rank's committed blocks
