@@ -165,8 +165,18 @@ impl CreatedFiles {
         self.paths.push(path);
     }
 
+    /// Keeps the files if the run fails (`--keep`); an interrupt still removes them, as it
+    /// always removed the temporary pool.
     pub fn keep(&mut self) {
         self.keep = true;
+    }
+
+    /// Keeps the files of a run that succeeded: an interrupt from here on leaves them too.
+    pub fn keep_after_success(&mut self) {
+        self.keep = true;
+        for path in &self.paths {
+            crate::uring::keep_on_interrupt(path);
+        }
     }
 
     pub fn paths(&self) -> &[PathBuf] {
@@ -294,6 +304,8 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
     }
     let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
     created.push(path.to_path_buf());
+    // Removed on Ctrl-C too, as a failed run removes it; until the run has succeeded.
+    crate::uring::remove_on_interrupt(path);
     // The run's device locks (run.rs lock_devices) were taken before it existed: lock it as they
     // do, before a byte is written, so that tuttid, `tutti pool format` or another run cannot
     // take it and write it mid-run. Held by `created` to the end of the run.

@@ -165,12 +165,13 @@ pub fn with_devices(
         }
     }
     let result = body(&devices, &mut created);
-    if !cli.devices.is_empty() {
-        if result.is_ok() {
-            created.keep();
+    if result.is_ok() && (!cli.devices.is_empty() || cli.keep) {
+        created.keep_after_success();
+    }
+    if cli.devices.is_empty() {
+        if let Some(path) = created.paths().first() {
+            eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
         }
-    } else if let Some(path) = created.paths().first() {
-        eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
     }
     result
 }

@@ -321,33 +321,75 @@ pub fn statvfs_free_bytes(directory: &Path) -> std::io::Result<u64> {
     Ok(free)
 }
 
-/// The temporary pool file an interrupted run must not leave behind (set once per process).
-static INTERRUPT_REMOVES: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+/// Most files an interrupted run removes: the temporary pool, or the files a run creates (one
+/// per device of a stripe); past this, a file is left for the failed run's own cleanup only.
+const INTERRUPT_REMOVES_MAX: usize = 64;
+
+/// Files an interrupted run must not leave behind: a fixed static list, so that the signal
+/// handler reads it with atomic loads alone (no lock, no allocation). Each entry is a
+/// NUL-terminated path leaked for the rest of the process (never freed: the handler may be
+/// reading one on another thread), or null (empty, or kept after all).
+static INTERRUPT_REMOVES: [std::sync::atomic::AtomicPtr<libc::c_char>; INTERRUPT_REMOVES_MAX] =
+    [const { std::sync::atomic::AtomicPtr::new(std::ptr::null_mut()) }; INTERRUPT_REMOVES_MAX];
+
+static INTERRUPT_HANDLER: std::sync::Once = std::sync::Once::new();
 
 extern "C" fn remove_pool_and_exit(_signal: libc::c_int) {
-    if let Some(path) = INTERRUPT_REMOVES.get() {
-        // SAFETY: unlink(2) and _exit(2) are async-signal-safe; `path` is a NUL-terminated string
-        // that lives for the rest of the process (a static set before the handler was installed).
-        unsafe { libc::unlink(path.as_ptr()) };
+    for entry in &INTERRUPT_REMOVES {
+        let path = entry.load(std::sync::atomic::Ordering::Acquire);
+        if !path.is_null() {
+            // SAFETY: unlink(2) is async-signal-safe; a non-null entry is a NUL-terminated
+            // string leaked for the rest of the process (`remove_on_interrupt`).
+            unsafe { libc::unlink(path) };
+        }
     }
     // SAFETY: _exit is async-signal-safe and ends the process without running Rust code.
     unsafe { libc::_exit(130) }
 }
 
-/// On SIGINT/SIGTERM, removes `path` and exits with status 130, so that interrupting the default
-/// run does not leave up to 1 GiB in the temp directory. Best effort: returns false if not set up.
+/// On SIGINT/SIGTERM, removes `path` (with every other file registered so) and exits with
+/// status 130, so that interrupting a run does not leave behind the files it created (up to
+/// 1 GiB of temporary pool in the temp directory). Best effort: returns false if not set up.
 pub fn remove_on_interrupt(path: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;
     let Ok(path) = std::ffi::CString::new(path.as_os_str().as_bytes()) else { return false };
-    if INTERRUPT_REMOVES.set(path).is_err() {
+    let raw = path.into_raw();
+    let placed = INTERRUPT_REMOVES.iter().any(|entry| {
+        entry.compare_exchange(std::ptr::null_mut(), raw, std::sync::atomic::Ordering::AcqRel, std::sync::atomic::Ordering::Acquire).is_ok()
+    });
+    if !placed {
+        // SAFETY: `raw` came from `CString::into_raw` just above and was not stored anywhere.
+        drop(unsafe { std::ffi::CString::from_raw(raw) });
         return false;
     }
-    let handler = remove_pool_and_exit as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    // SAFETY: the handler only calls async-signal-safe functions (see above); `signal` replaces
-    // the default disposition of two signals that would otherwise kill the process anyway.
-    unsafe {
-        libc::signal(libc::SIGINT, handler);
-        libc::signal(libc::SIGTERM, handler);
-    }
+    INTERRUPT_HANDLER.call_once(|| {
+        let handler = remove_pool_and_exit as extern "C" fn(libc::c_int) as libc::sighandler_t;
+        // SAFETY: the handler only calls async-signal-safe functions (see above); `signal`
+        // replaces the default disposition of two signals that would otherwise kill the
+        // process anyway.
+        unsafe {
+            libc::signal(libc::SIGINT, handler);
+            libc::signal(libc::SIGTERM, handler);
+        }
+    });
     true
+}
+
+/// Takes `path` off the list an interrupt removes: a run that succeeded keeps its files.
+pub fn keep_on_interrupt(path: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let wanted = path.as_os_str().as_bytes();
+    for entry in &INTERRUPT_REMOVES {
+        let current = entry.load(std::sync::atomic::Ordering::Acquire);
+        // SAFETY: a non-null entry is a NUL-terminated string leaked for the rest of the process.
+        if !current.is_null() && unsafe { std::ffi::CStr::from_ptr(current) }.to_bytes() == wanted {
+            // The string itself stays leaked: the handler may be reading it right now.
+            let _ = entry.compare_exchange(
+                current,
+                std::ptr::null_mut(),
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+            );
+        }
+    }
 }

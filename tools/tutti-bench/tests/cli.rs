@@ -900,3 +900,41 @@ fn a_file_the_run_creates_is_locked_for_the_whole_run() {
     assert_eq!(attempt, Err(nix::errno::Errno::EWOULDBLOCK), "another process could lock the file the run created, mid-run");
     assert!(status.success(), "{status:?}: {text}");
 }
+
+#[test]
+fn an_interrupted_run_removes_the_file_it_created() {
+    // Goal: a failed run removes the files it created; so must one ended by Ctrl-C (SIGINT),
+    // as the default run's temporary pool already was: a user-named emu: file the run created
+    // with --size is removed and the run exits 130, instead of staying behind half written.
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("interrupted.img");
+    let device = format!("emu:{}", file.display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+        .args(["--device", &device, "--rw=write", "--bs=4k", "--size=1m", "--runtime=20s", "--time_based"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::fs::metadata(&file).map(|metadata| metadata.len()).unwrap_or(0) < 1 << 20 {
+        assert!(std::time::Instant::now() < deadline, "the run did not create {} within 10 s", file.display());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // Past creation: the run is under way (the handler is set up as the file is created).
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let sent = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(sent.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            break child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert!(!file.exists(), "{} was left behind by the interrupted run ({status:?})", file.display());
+    assert_eq!(status.code(), Some(130), "{status:?}");
+}
