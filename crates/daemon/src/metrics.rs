@@ -140,6 +140,12 @@ struct ClientDoorbellLabels {
     result: DoorbellResult,
 }
 
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DeviceLabels {
+    /// The device as given on the command line (`vfio:BDF`, `emu:PATH`, `emu:mem:SIZE`).
+    device: String,
+}
+
 /// One attached session's relay counters, as a scrape reads them.
 #[derive(Debug, Clone, Default)]
 pub struct ClientRelay {
@@ -175,6 +181,7 @@ pub struct Metrics {
     relay_doorbells: Family<DoorbellLabels, Counter>,
     relay_queues: Gauge,
     client_doorbells: Family<ClientDoorbellLabels, Counter>,
+    device_metadata_fenced: Family<DeviceLabels, Gauge>,
     /// The relay's counts at the last scrape (the relay counts; the counters follow).
     relay_seen: std::sync::Mutex<crate::relay::RelayCounts>,
 }
@@ -195,6 +202,9 @@ pub struct Snapshot {
     pub relay: crate::relay::RelayCounts,
     /// Per attached session with relayed pairs.
     pub client_relay: Vec<ClientRelay>,
+    /// Per pool device (its spec): whether the pool fenced its metadata
+    /// (`StatusReply::metadata_fenced`).
+    pub devices_fenced: Vec<(String, bool)>,
 }
 
 impl Default for Metrics {
@@ -268,6 +278,13 @@ impl Metrics {
         );
         registry.register("relay_queues", "Client queue pairs relayed now", relay_queues.clone());
         registry.register("client_relay_doorbells", "The relay's doorbells per attached session", client_doorbells.clone());
+        let device_metadata_fenced = Family::<DeviceLabels, Gauge>::default();
+        registry.register(
+            "device_metadata_fenced",
+            "1 for a pool device whose metadata the pool fenced (header writes or flushes kept failing, or a metadata command \
+             stuck): it takes no stores, its free slots count for nothing, until tuttid restarts and reopens the pool",
+            device_metadata_fenced.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -292,6 +309,7 @@ impl Metrics {
             relay_doorbells,
             relay_queues,
             client_doorbells,
+            device_metadata_fenced,
             relay_seen: std::sync::Mutex::new(crate::relay::RelayCounts::default()),
         }
     }
@@ -375,6 +393,9 @@ impl Metrics {
                 self.client_doorbells.get_or_create(&labels).inc_by(value);
             }
         }
+        for (device, fenced) in &snapshot.devices_fenced {
+            self.device_metadata_fenced.get_or_create(&DeviceLabels { device: device.clone() }).set(i64::from(*fenced));
+        }
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &self.registry)?;
         Ok(text)
@@ -413,6 +434,7 @@ mod tests {
         snapshot.pool.evictions = 5;
         snapshot.relay = crate::relay::RelayCounts { passes: 40, forwarded: 12, dropped: 1, queues: 2 };
         snapshot.client_relay = vec![ClientRelay { session: 4, name: "rank-0".into(), forwarded: 12, dropped: 1 }];
+        snapshot.devices_fenced = vec![("emu:a".into(), false), ("emu:b".into(), true)];
         let text = metrics.encode(&snapshot).unwrap();
         for line in [
             "tuttid_requests_total{request=\"Lookup\"} 1",
@@ -439,6 +461,8 @@ mod tests {
             "tuttid_relay_doorbells_total{result=\"Dropped\"} 1",
             "tuttid_relay_queues 2",
             "tuttid_client_relay_doorbells_total{session=\"4\",client=\"rank-0\",result=\"Forwarded\"} 12",
+            "tuttid_device_metadata_fenced{device=\"emu:a\"} 0",
+            "tuttid_device_metadata_fenced{device=\"emu:b\"} 1",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

@@ -658,10 +658,11 @@ fn refuse(stream: UnixStream, config: &ServerConfig, code: ErrorCode, message: &
 
 /// What a scrape reads from the daemon's state.
 fn metrics_snapshot(shared: &Shared) -> Snapshot {
-    let (pool, relay) = {
+    let (pool, relay, fenced) = {
         let store = lock(&shared.store);
-        (store.control.counts(), store.relay.counts())
+        (store.control.counts(), store.relay.counts(), metadata_fenced(&store))
     };
+    let devices_fenced = shared.devices.iter().zip(fenced).map(|(device, fenced)| (device.spec.clone(), fenced)).collect();
     let (clients, client_relay, sessions_awaiting_exit) = {
         let sessions = lock(&shared.sessions);
         let relayed = sessions.iter().filter(|(_, record)| !record.relay.is_empty());
@@ -686,7 +687,15 @@ fn metrics_snapshot(shared: &Shared) -> Snapshot {
         sessions_awaiting_exit,
         relay,
         client_relay,
+        devices_fenced,
     }
+}
+
+/// Per pool device, in order: whether the pool fenced its metadata (`Pool::metadata_fenced`;
+/// `StatusReply::metadata_fenced`).
+fn metadata_fenced(store: &StoreState) -> Vec<bool> {
+    let pool = store.control.pool();
+    (0..pool.device_count()).map(|device| pool.metadata_fenced(device)).collect()
 }
 
 fn status(shared: &Shared) -> StatusReply {
@@ -714,13 +723,13 @@ fn status(shared: &Shared) -> StatusReply {
             retiring: record.retiring,
         })
         .collect();
-    let (devices, pool, relay) = {
+    let (devices, metadata_fenced, pool, relay) = {
         let store = lock(&shared.store);
         let mut devices = shared.devices.clone();
         for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
             device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
         }
-        (devices, store.control.counts(), store.relay.counts())
+        (devices, metadata_fenced(&store), store.control.counts(), store.relay.counts())
     };
     let leaks = &shared.leaks;
     StatusReply {
@@ -728,6 +737,7 @@ fn status(shared: &Shared) -> StatusReply {
         uptime_ms: shared.started.elapsed().as_millis() as u64,
         shape: shared.shape,
         devices,
+        metadata_fenced,
         pool,
         connections: shared.connections.load(Ordering::Acquire),
         clients,

@@ -447,8 +447,8 @@ fn print_report(status: &StatusReply) -> Result<()> {
         shape.blocks_per_slot
     )?;
     outln!("devices:")?;
-    for device in &status.devices {
-        outln!("  {}: {} ({} commands refused by queue restrictions)", device.spec, device.description, device.refused_commands)?;
+    for (index, device) in status.devices.iter().enumerate() {
+        outln!("{}", device_line(device, status.metadata_fenced.get(index).copied().unwrap_or(false)))?;
     }
     let pool = &status.pool;
     // The counts come from the socket: a daemon (or a peer posing as one) may send any values,
@@ -516,6 +516,23 @@ fn print_report(status: &StatusReply) -> Result<()> {
     Ok(())
 }
 
+/// One device's line of `--status`. A fenced device says so loudly: its stores fail as a full
+/// pool while the pool line counts its slots free, and only a restart reopens it.
+fn device_line(device: &tutti_daemon::protocol::DeviceStatus, metadata_fenced: bool) -> String {
+    format!(
+        "  {}: {} ({} commands refused by queue restrictions){}",
+        device.spec,
+        device.description,
+        device.refused_commands,
+        if metadata_fenced {
+            "; METADATA FENCED: its header writes or flushes kept failing (or one stuck), so it takes no stores and its \
+             free slots are not used: restart tuttid (after a controller reset if it stopped answering)"
+        } else {
+            ""
+        }
+    )
+}
+
 /// Bytes of one block of `shape` (K and V), or `None` if that does not fit a u64.
 fn block_bytes(shape: &tutti_daemon::protocol::PoolShape) -> Option<u64> {
     [shape.layers, shape.kv_heads, shape.head_dim, shape.dtype_bytes, shape.block_tokens]
@@ -566,6 +583,21 @@ mod tests {
     }
 
     #[test]
+    fn a_fenced_device_is_printed_as_fenced_with_what_to_do() {
+        // Goal: `--status` says which device the pool fenced and that a restart is the way out
+        // (its stores fail as a full pool while its slots are counted free); a healthy device's
+        // line says nothing of it.
+        let device = tutti_daemon::protocol::DeviceStatus {
+            spec: "emu:mem:64MiB".into(),
+            description: "software NVMe controller".into(),
+            refused_commands: 0,
+        };
+        let fenced = device_line(&device, true);
+        assert!(fenced.contains("emu:mem:64MiB") && fenced.contains("METADATA FENCED") && fenced.contains("restart tuttid"), "{fenced}");
+        assert!(!device_line(&device, false).contains("FENCED"));
+    }
+
+    #[test]
     fn a_status_reply_with_impossible_counts_prints_without_overflow() {
         // Goal: `--status` prints what the socket sent even when it cannot be true (more free
         // slots than slots, a shape whose block size overflows a u64) instead of panicking on
@@ -580,6 +612,7 @@ mod tests {
             uptime_ms: 0,
             shape,
             devices: Vec::new(),
+            metadata_fenced: Vec::new(),
             pool: objstore::IndexCounts { slots: 1, free_slots: 5, cached_blocks: u64::MAX, ..Default::default() },
             connections: 1,
             clients: Vec::new(),

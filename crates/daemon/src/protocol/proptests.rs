@@ -269,12 +269,14 @@ fn client_status() -> impl Strategy<Value = ClientStatus> {
 }
 
 fn status_reply() -> impl Strategy<Value = StatusReply> {
-    (any::<u32>(), pool_shape_small(), vec(device_status(), 0..4), any::<u32>(), vec(client_status(), 0..6), u64s(16)).prop_map(
+    let devices = vec((device_status(), any::<bool>()), 0..4);
+    (any::<u32>(), pool_shape_small(), devices, any::<u32>(), vec(client_status(), 0..6), u64s(16)).prop_map(
         |(daemon_pid, shape, devices, connections, clients, d)| StatusReply {
             daemon_pid,
             uptime_ms: d[0],
             shape,
-            devices,
+            metadata_fenced: devices.iter().map(|(_, fenced)| *fenced).collect(),
+            devices: devices.into_iter().map(|(device, _)| device).collect(),
             pool: PoolStatus {
                 slots: d[1],
                 free_slots: d[2],

@@ -10,8 +10,9 @@ use super::{
 /// The most bytes one client's entry in a status reply takes (see `put_status`): its name is
 /// cut to the longest `Hello` accepts.
 pub const CLIENT_STATUS_BYTES_MAX: usize = 8 + 4 + 4 + (2 + CLIENT_NAME_BYTES_MAX) + 4 + 4 + 8 + 8 + 4 + 4 + 4 + 8 + 8 + 1 + 1 + 1;
-/// The most bytes one device's entry takes (both strings at [`STRING_BYTES_MAX`]).
-pub const DEVICE_STATUS_BYTES_MAX: usize = (2 + STRING_BYTES_MAX) * 2 + 8;
+/// The most bytes one device's entry takes (both strings at [`STRING_BYTES_MAX`], its refused
+/// commands, its `metadata_fenced` flag).
+pub const DEVICE_STATUS_BYTES_MAX: usize = (2 + STRING_BYTES_MAX) * 2 + 8 + 1;
 /// Devices a status reply keeps room for when working out [`STATUS_CLIENTS_MAX`]: as many as
 /// one attach reply can carry register pages for (a pool with more serves no client).
 pub const STATUS_DEVICES_RESERVED: usize = crate::fd_passing::FDS_PER_FRAME_MAX;
@@ -77,6 +78,14 @@ pub struct StatusReply {
     pub uptime_ms: u64,
     pub shape: PoolShape,
     pub devices: Vec<DeviceStatus>,
+    /// Per entry of `devices`, in order: whether the pool fenced the device's metadata (header
+    /// writes or cache flushes kept failing, or a metadata command stuck on a queue pair the
+    /// controller would not delete): no store goes to it and its free slots take none, until
+    /// tuttid restarts and reopens the pool (docs/objstore.md, "Metadata timeouts"). Sent in
+    /// each device's entry (protocol version 8); an entry missing here is sent as not fenced.
+    /// Kept beside `devices` rather than in [`DeviceStatus`], which the pool's opener builds
+    /// before any device could be fenced.
+    pub metadata_fenced: Vec<bool>,
     pub pool: PoolStatus,
     /// Open connections, attached or not (a status query is one).
     pub connections: u32,
@@ -98,10 +107,11 @@ pub(super) fn put_status(out: &mut Vec<u8>, status: &StatusReply) {
     put_u64(out, status.uptime_ms);
     put_shape(out, &status.shape);
     put_u16(out, status.devices.len() as u16);
-    for device in &status.devices {
+    for (index, device) in status.devices.iter().enumerate() {
         put_str(out, &device.spec);
         put_str(out, &device.description);
         put_u64(out, device.refused_commands);
+        out.push(u8::from(status.metadata_fenced.get(index).copied().unwrap_or(false)));
     }
     let pool = &status.pool;
     for value in [pool.slots, pool.free_slots, pool.valid_slots, pool.writing_slots, pool.pinned_slots, pool.cached_blocks, pool.evictions]
@@ -145,12 +155,14 @@ impl BodyReader<'_> {
         let shape = self.shape()?;
         let device_count = self.u16("device_count")?;
         let mut devices = Vec::new();
+        let mut metadata_fenced = Vec::new();
         for _ in 0..device_count {
             devices.push(DeviceStatus {
                 spec: self.string("device spec", STRING_BYTES_MAX)?,
                 description: self.string("device description", STRING_BYTES_MAX)?,
                 refused_commands: self.u64("refused_commands")?,
             });
+            metadata_fenced.push(self.flag("metadata_fenced")?);
         }
         let pool = PoolStatus {
             slots: self.u64("slots")?,
@@ -199,6 +211,7 @@ impl BodyReader<'_> {
             uptime_ms,
             shape,
             devices,
+            metadata_fenced,
             pool,
             connections,
             clients,

@@ -18,6 +18,7 @@ fn sample_status() -> StatusReply {
         uptime_ms: 1234,
         shape: PoolShape { layers: 32, kv_heads: 8, head_dim: 128, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 },
         devices: vec![DeviceStatus { spec: "emu:mem:64MiB".into(), description: "software NVMe controller".into(), refused_commands: 4 }],
+        metadata_fenced: vec![true],
         pool: PoolStatus { slots: 10, free_slots: 7, valid_slots: 3, writing_slots: 0, pinned_slots: 1, cached_blocks: 3, evictions: 2 },
         connections: 2,
         clients: vec![ClientStatus {
@@ -478,6 +479,7 @@ fn a_status_reply_at_the_clients_cap_fits_one_frame() {
     status.devices = (0..STATUS_DEVICES_RESERVED)
         .map(|_| DeviceStatus { spec: longest.clone(), description: longest.clone(), refused_commands: u64::MAX })
         .collect();
+    status.metadata_fenced = vec![true; STATUS_DEVICES_RESERVED];
     let client = ClientStatus { name: "é".repeat(CLIENT_NAME_BYTES_MAX), ..sample_status().clients[0].clone() };
     status.clients = vec![client; STATUS_CLIENTS_MAX];
     let frame = frame_of(Kind::StatusReply, |out| Reply::Status(status.clone()).encode_body(out));

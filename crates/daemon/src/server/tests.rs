@@ -465,3 +465,74 @@ fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     assert!(daemon.stop().is_some(), "serve did not return");
     assert!(daemon.socket.exists(), "the socket file was removed while a session is kept for good");
 }
+
+/// The text of one `GET /metrics` from `address` (bounded by `WAIT`).
+fn scrape(address: SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&address, WAIT).expect("connect to the metrics endpoint");
+    stream.set_read_timeout(Some(WAIT)).unwrap();
+    stream.write_all(b"GET /metrics HTTP/1.1\r\nHost: tuttid\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).expect("the scrape's answer");
+    text
+}
+
+#[test]
+fn a_device_fenced_after_failing_flushes_is_reported_by_status_and_metrics() {
+    // Goal: a pool device whose commits' flushes keep failing is fenced by the pool (no header
+    // writes, no new slots on it until the pool is reopened): its stores then fail as a full
+    // pool while its slots count as free. Operators must see why: status says which device is
+    // fenced and so does the `tuttid_device_metadata_fenced{device}` gauge (0 while healthy).
+    use nvme_driver::spec::{NvmOpcode, NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let directory = tempfile::tempdir().unwrap();
+    let opened = pool(directory.path(), false);
+    let emulator = opened.emulators[0].clone().unwrap();
+    let spec = opened.devices[0].spec.clone();
+    let socket = directory.path().join("tuttid.sock");
+    let mut config = ServerConfig::new(socket.clone());
+    config.clients_max = 4;
+    config.metrics = Some("127.0.0.1:0".parse().unwrap());
+    let server = Server::bind(config, opened).expect("bind");
+    let metrics = server.metrics_address().expect("metrics served");
+    let stop = server.stop_handle();
+    let (sender, served) = mpsc::channel();
+    let thread = thread::spawn(move || {
+        let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+        let _ = sender.send(outcome);
+    });
+    let mut daemon = InProcess { socket, stop, served, thread: Some(thread), _directory: directory };
+    let gauge = |value: u8| format!("tuttid_device_metadata_fenced{{device=\"{spec}\"}} {value}");
+    let healthy = scrape(metrics);
+    assert!(healthy.contains(&gauge(0)), "missing {:?} in\n{healthy}", gauge(0));
+    assert_eq!(daemon.client().status().unwrap().metadata_fenced, vec![false]);
+
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello("fenced"), &config).expect("attach");
+    let layers = store.hello_reply().shape.layers;
+    let block_tokens = store.hello_reply().shape.block_tokens;
+    let flush_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
+    emulator.set_faults(FaultPlan::none().with_rule(FaultRule::every_nth_io(1, flush_fault).with_opcode(NvmOpcode::Flush as u8)));
+    // Commits until one is refused before it begins (the fence: 3 failed flushes in a row in
+    // objstore), at most 10.
+    let mut commits_failed = 0;
+    for round in 0..10u32 {
+        let tokens: Vec<u32> = (0..4 * block_tokens).map(|token| token + 100_000 * (round + 1)).collect();
+        let Ok(plan) = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }) else { break };
+        let deadline = Instant::now() + WAIT;
+        for layer in 0..layers {
+            store.store_layer(plan.handle, layer, gio_uring::SmBudget(1)).expect("store_layer");
+            assert_eq!(store.wait(plan.handle, deadline).expect("wait"), Some(layer));
+        }
+        assert!(store.commit_store(plan.handle).is_err(), "round {round}: a commit whose flush failed succeeded");
+        commits_failed += 1;
+    }
+    assert!(commits_failed >= 1, "no commit reached its flush");
+    let fenced = scrape(metrics);
+    assert!(fenced.contains(&gauge(1)), "missing {:?} after {commits_failed} failed commits in\n{fenced}", gauge(1));
+    let status = daemon.client().status().unwrap();
+    assert_eq!(status.metadata_fenced, vec![true], "{status:?}");
+    assert!(status.pool.free_slots > 0, "the fenced device's slots still count as free: what status must explain");
+    drop(store);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
