@@ -51,7 +51,9 @@
 #define GIO_IOCB_STATUS_NVME_ERROR 3u    /* failed_ioctx completed with failed_nvme_status */
 #define GIO_IOCB_STATUS_INVALID_IOCTX 4u /* the executor refused failed_ioctx (bad device index or kind) */
 #define GIO_IOCB_STATUS_TIMEOUT 5u       /* a bounded wait in the executor expired */
-#define GIO_IOCB_STATUS_CONTROLLER_FAULT 6u /* a controller posted a completion naming another SQ:
+#define GIO_IOCB_STATUS_CONTROLLER_FAULT 6u /* a controller posted an impossible completion
+                                              * (another SQ, an SQ head outside what was published,
+                                              * an unfetched command; gio_completion_verdict):
                                               * nothing it reports is trusted until the host resets
                                               * the queue pairs (like TIMEOUT, a reset is required) */
 
@@ -171,9 +173,9 @@ typedef struct gio_ring_header {
     uint32_t reset_requests;   /* bumped by the GPU executor's kernel whenever it leaves an NVMe
                                 * queue pair in a state only a reset clears, whatever the IOCBs'
                                 * statuses say: a reserved SQ ticket abandoned before its entry was
-                                * written (no later tail passes it), a completion naming another
-                                * SQ. The host resets the queue pairs when it differs from the
-                                * value it last saw after a reset (free-running) */
+                                * written (no later tail passes it), a controller fault
+                                * (controller_faults). The host resets the queue pairs when it
+                                * differs from the value it last saw after a reset (free-running) */
     uint8_t reserved3[48];
 } gio_ring_header;
 
@@ -219,7 +221,9 @@ typedef struct gio_nvme_qp {
     /* line 3: controller progress, from the SQHD field of completions */
     uint32_t sq_head;      /* free-running */
     uint32_t unexpected_completions; /* CQEs whose command id matched nothing in flight */
-    uint32_t controller_faults;      /* CQEs naming another SQ; non-zero fails the launch's IOCBs
+    uint32_t controller_faults;      /* CQEs naming another SQ, with an impossible SQ head or
+                                      * completing an unfetched command (gio_completion_verdict);
+                                      * non-zero fails the launch's IOCBs
                                       * and ends all use of the pair until the host resets it */
     uint8_t reserved3[52];
     /* line 4: completion polling, guarded by cq_lock */

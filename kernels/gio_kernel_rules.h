@@ -11,10 +11,27 @@
 #include "gio_abi.h"
 
 /* What an NVMe completion entry read from a queue pair's CQ does (gio_completion_verdict). */
-#define GIO_COMPLETION_ACCEPT 0u      /* completes the command in the slot its command id names */
-#define GIO_COMPLETION_UNEXPECTED 1u  /* stale or foreign command id: counted, completes nothing */
-#define GIO_COMPLETION_WRONG_QUEUE 2u /* names another SQ: a controller fault, completes nothing */
+#define GIO_COMPLETION_ACCEPT 0u       /* completes the command in the slot its command id names */
+#define GIO_COMPLETION_UNEXPECTED 1u   /* stale or foreign command id: counted, completes nothing */
+#define GIO_COMPLETION_WRONG_QUEUE 2u  /* names another SQ: a controller fault, completes nothing */
 #define GIO_COMPLETION_PAIR_FAULTED 3u /* the pair's controller faulted before: not even read */
+#define GIO_COMPLETION_BAD_SQ_HEAD 4u  /* SQHD outside [sq_head, sq_tail]: a controller fault */
+#define GIO_COMPLETION_NOT_FETCHED 5u  /* completes a command not published, or whose entry SQHD
+                                        * says was not fetched yet: a controller fault */
+
+/* Whether a verdict is a controller fault: the entry is consumed, completes nothing, the pair is
+ * faulted (controller_faults) and must be reset by the host. */
+GIO_RULE int gio_completion_is_fault(uint32_t verdict) {
+    return verdict == GIO_COMPLETION_WRONG_QUEUE || verdict == GIO_COMPLETION_BAD_SQ_HEAD ||
+           verdict == GIO_COMPLETION_NOT_FETCHED;
+}
+
+/* The free-running SQ head an SQHD slot index names: the one position in [sq_head, sq_head +
+ * sq_depth) with that slot (sq_depth a power of two). Applied only once gio_completion_verdict
+ * found it in [sq_head, sq_tail]. */
+GIO_RULE uint32_t gio_sq_head_from_sqhd(uint32_t sq_head, uint32_t sqhd, uint32_t sq_depth) {
+    return sq_head + ((sqhd - sq_head) & (sq_depth - 1u));
+}
 
 /*
  * The completion acceptance rule, the kernel's twin of nvme-driver's QueuePair::reap. A pair whose
@@ -22,20 +39,41 @@
  * nothing its controller reports until the host resets it, so every entry is refused unread: with
  * several reapers, one may consume the faulty entry while another, on a later entry, would
  * otherwise still complete a command. An entry whose SQ id is not the queue's is a controller
- * fault, checked next because none of its other fields (command id, SQ head) can then be trusted;
- * otherwise the command id must carry the slot's current ticket (slot index plus generation bits)
- * and that ticket must not be completed yet.
+ * fault, checked next because none of its other fields (command id, SQ head) can then be trusted.
+ * Then the SQ head it reports (`sqhd`, a slot index) must lie between the head seen so far
+ * (`sq_head`, free-running) and the tail published to the controller (`sq_tail`, free-running):
+ * a head past the tail would let the tail publication move past entries the controller has not
+ * fetched (it re-fetches stale SQEs). Then the command id must carry the slot's current ticket
+ * (slot index plus generation bits) and that ticket must not be completed yet (else UNEXPECTED).
+ * Last, the ticket must have been published (below sq_tail) and fetched (the new head past its
+ * entry): a completion for a command the controller cannot have read would hand its buffer back
+ * while the entry, published later, still names it. Every counter is free-running and modular;
+ * the kernel keeps sq_tail - sq_head below sq_depth, so the windows below are unambiguous.
  */
 GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reported_sq_id, uint32_t queue_id,
-                                         uint32_t command_id, uint32_t slot_ticket, uint32_t slot_done_ticket) {
+                                         uint32_t command_id, uint32_t sqhd, uint32_t slot_ticket,
+                                         uint32_t slot_done_ticket, uint32_t sq_head, uint32_t sq_tail,
+                                         uint32_t sq_depth) {
+    uint32_t new_head;
     if (pair_faulted != 0u) {
         return GIO_COMPLETION_PAIR_FAULTED;
     }
     if (reported_sq_id != queue_id) {
         return GIO_COMPLETION_WRONG_QUEUE;
     }
+    /* sqhd is the device's: range-checked before any arithmetic on it. */
+    if (sqhd >= sq_depth) {
+        return GIO_COMPLETION_BAD_SQ_HEAD;
+    }
+    new_head = gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth);
+    if ((uint32_t)(new_head - sq_head) > (uint32_t)(sq_tail - sq_head)) {
+        return GIO_COMPLETION_BAD_SQ_HEAD;
+    }
     if ((slot_ticket & 0xFFFFu) != command_id || slot_done_ticket == slot_ticket + 1u) {
         return GIO_COMPLETION_UNEXPECTED;
+    }
+    if ((uint32_t)(sq_tail - slot_ticket - 1u) >= sq_depth || (uint32_t)(new_head - slot_ticket - 1u) >= sq_depth) {
+        return GIO_COMPLETION_NOT_FETCHED;
     }
     return GIO_COMPLETION_ACCEPT;
 }

@@ -42,6 +42,15 @@ static void check_descriptor_kinds(int print) {
     expect(!gio_descriptor_kind_is_valid(0xFFFFFFFFu), "kind 0xFFFFFFFF invalid", 0xFFFFFFFFu);
 }
 
+/* The verdict for a ticket published and fetched in the simplest way: the SQ tail is just past
+ * it, and the completion's SQ head (SQHD) reaches that tail, on a 64-entry SQ. */
+static uint32_t fetched_verdict(uint32_t faulted, uint32_t sq_id, uint32_t queue, uint32_t command_id,
+                                uint32_t ticket, uint32_t done) {
+    const uint32_t depth = 64u;
+    return gio_completion_verdict(faulted, sq_id, queue, command_id, (ticket + 1u) & (depth - 1u), ticket, done,
+                                  ticket, ticket + 1u, depth);
+}
+
 /* Completion acceptance, as nvme-driver's reap: the SQ id first (a fault), then command id and
  * generation against the slot's ticket, then "not completed yet". */
 static void check_completion_verdicts(void) {
@@ -49,27 +58,27 @@ static void check_completion_verdicts(void) {
     const uint32_t ticket = 0x00012345u; /* command id 0x2345, generation bits from the ticket */
     const uint32_t not_done = ticket + 1u - 64u; /* the previous round's ticket was completed */
     uint32_t sq_id;
-    expect(gio_completion_verdict(0u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
+    expect(fetched_verdict(0u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_ACCEPT,
            "a completion of the live ticket on the right SQ is accepted", ticket);
     /* Every other SQ id is a fault, even with a command id that matches a live ticket. */
     for (sq_id = 0; sq_id <= 0xFFFFu; sq_id++) {
         if (sq_id != queue) {
-            expect(gio_completion_verdict(0u, sq_id, queue, 0x2345u, ticket, not_done) ==
+            expect(fetched_verdict(0u, sq_id, queue, 0x2345u, ticket, not_done) ==
                        GIO_COMPLETION_WRONG_QUEUE,
                    "a completion naming another SQ is a controller fault", sq_id);
         }
     }
-    expect(gio_completion_verdict(0u, queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
+    expect(fetched_verdict(0u, queue, queue, 0x2346u, ticket, not_done) == GIO_COMPLETION_UNEXPECTED,
            "a command id of another ticket is unexpected", 0x2346u);
-    expect(gio_completion_verdict(0u, queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
+    expect(fetched_verdict(0u, queue, queue, 0x2345u ^ 0x8000u, ticket, not_done) ==
                GIO_COMPLETION_UNEXPECTED,
            "a stale generation is unexpected", 0x2345u ^ 0x8000u);
-    expect(gio_completion_verdict(0u, queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
+    expect(fetched_verdict(0u, queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
            "a second completion of a completed ticket is unexpected", ticket);
     /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. */
-    expect(gio_completion_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
+    expect(fetched_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
            "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
-    expect(gio_completion_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
+    expect(fetched_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
            "the last ticket before the wrap completes once", 0xFFFFFFFFu);
     /* A fresh slot s (as plan.rs writes it: ticket s - depth, done_ticket s + 1 - depth, "the
      * previous round is complete") accepts no command id before its first submission. With
@@ -79,29 +88,99 @@ static void check_completion_verdicts(void) {
         uint32_t slot, command_id;
         for (slot = 0; slot < depth; slot++) {
             for (command_id = 0; command_id <= 0xFFFFu; command_id++) {
-                expect(gio_completion_verdict(0u, queue, queue, command_id, slot - depth, slot + 1u - depth) ==
+                expect(gio_completion_verdict(0u, queue, queue, command_id, 0u, slot - depth, slot + 1u - depth, 0u,
+                                              0u, depth) ==
                            GIO_COMPLETION_UNEXPECTED,
                        "a fresh slot accepts no completion", command_id);
             }
         }
-        expect(gio_completion_verdict(0u, queue, queue, 0u, 0u, 1u - depth) == GIO_COMPLETION_ACCEPT,
+        expect(gio_completion_verdict(0u, queue, queue, 0u, 1u, 0u, 1u - depth, 0u, 1u, depth) ==
+                   GIO_COMPLETION_ACCEPT,
                "(a slot left at ticket 0 would accept command id 0)", 0u);
     }
     /* Once a completion on the pair was a fault, nothing its controller reports is trusted until
      * the host resets the pair: not even an entry that would otherwise be accepted (another
      * block's reaper must not finish an IOCB off a faulted controller). */
-    expect(gio_completion_verdict(1u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_PAIR_FAULTED,
+    expect(fetched_verdict(1u, queue, queue, 0x2345u, ticket, not_done) == GIO_COMPLETION_PAIR_FAULTED,
            "a faulted pair accepts no completion", ticket);
-    expect(gio_completion_verdict(1u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) ==
+    expect(fetched_verdict(1u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) ==
                GIO_COMPLETION_PAIR_FAULTED,
            "a faulted pair accepts no completion at the wrap", 0xFFFFFFFFu);
-    expect(gio_completion_verdict(0xFFFFFFFFu, queue, queue, 0x2345u, ticket, not_done) ==
+    expect(fetched_verdict(0xFFFFFFFFu, queue, queue, 0x2345u, ticket, not_done) ==
                GIO_COMPLETION_PAIR_FAULTED,
            "any fault count is a fault", 0xFFFFFFFFu);
     /* A wrong SQ id wins over a stale id: nothing in the entry is trusted. */
-    expect(gio_completion_verdict(0u, queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
+    expect(fetched_verdict(0u, queue + 1u, queue, 0x2346u, ticket, ticket + 1u) ==
                GIO_COMPLETION_WRONG_QUEUE,
            "a wrong SQ id is reported as such even for a stale command id", queue + 1u);
+}
+
+
+/* The SQ side of a completion, as nvme-driver's reap (accept_submission_head and its
+ * CompletionBeforeFetch check): SQHD must lie in [sq_head, sq_tail] (the tail published to the
+ * controller), and the completed ticket must have been published (below sq_tail) and fetched
+ * (SQHD past its entry). Any other completion is a controller fault, never an ACCEPT. */
+static void check_completion_sq_heads(void) {
+    const uint32_t queue = 3u, depth = 64u;
+    /* D = 64: tickets 0..62 published (sq_tail 63), ticket 63 written but held back (SQ full). */
+    expect(gio_completion_verdict(0u, queue, queue, 63u, 63u, 63u, 0u, 0u, 63u, depth) ==
+               GIO_COMPLETION_NOT_FETCHED,
+           "a completion for a ticket at sq_tail (never published) is a fault", 63u);
+    expect(gio_completion_verdict(0u, queue, queue, 62u, 63u, 62u, 62u + 1u - depth, 0u, 63u, depth) ==
+               GIO_COMPLETION_ACCEPT,
+           "the last published ticket, fetched, is accepted", 62u);
+    expect(gio_completion_verdict(0u, queue, queue, 0x1045u, 0x10u, 0x1045u, 0x1046u - depth, 0x1000u, 0x1040u,
+                                  depth) == GIO_COMPLETION_NOT_FETCHED,
+           "a completion for a ticket after sq_tail is a fault", 0x1045u);
+    /* sq_head 10, sq_tail 20, ticket 15 published. */
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 16u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_ACCEPT,
+           "SQHD just past the ticket's entry is accepted", 16u);
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 15u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_NOT_FETCHED,
+           "SQHD at the ticket's entry (not fetched yet) is a fault", 15u);
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 12u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_NOT_FETCHED,
+           "SQHD before the ticket's entry is a fault", 12u);
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 21u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD beyond sq_tail is a fault", 21u);
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 9u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD behind sq_head (it would read as a whole lap forward) is a fault", 9u);
+    expect(gio_completion_verdict(0u, queue, queue, 15u, 64u + 16u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD not below the depth is a fault (never masked into range)", 80u);
+    /* A stale command id still moves nothing wrong: its SQHD is checked first. */
+    expect(gio_completion_verdict(0u, queue, queue, 14u, 40u, 15u, 16u - depth, 10u, 20u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "an impossible SQHD is a fault even on a stale command id", 40u);
+    /* Sweep near the 2^32 wrap: every SQHD value and tickets around the published window, against
+     * the specification in 64-bit arithmetic without wrapping. */
+    {
+        const uint64_t base = 0xFFFFFFF0u; /* sq_head, unwrapped */
+        const uint64_t tail = base + 40u;  /* sq_tail, unwrapped: 2^32 + 24 */
+        uint64_t ticket;
+        uint32_t sqhd;
+        unsigned accepted = 0;
+        for (ticket = tail - depth - 4u; ticket <= tail + 4u; ticket++) {
+            for (sqhd = 0; sqhd <= 0xFFFFu; sqhd++) {
+                const uint32_t t = (uint32_t)ticket;
+                const uint32_t verdict = gio_completion_verdict(0u, queue, queue, t & 0xFFFFu, sqhd, t,
+                                                                t + 1u - depth, (uint32_t)base, (uint32_t)tail, depth);
+                /* The head SQHD names: the one position in [base, base + depth) with that slot. */
+                const uint64_t head = base + ((sqhd + depth - (base % depth)) % depth);
+                const int head_ok = sqhd < depth && head <= tail;
+                const int fetched = ticket < tail && ticket + depth >= tail && head > ticket;
+                const uint32_t expected = !head_ok  ? GIO_COMPLETION_BAD_SQ_HEAD
+                                          : !fetched ? GIO_COMPLETION_NOT_FETCHED
+                                                     : GIO_COMPLETION_ACCEPT;
+                expect(verdict == expected, "SQ head sweep near the wrap", sqhd);
+                accepted += verdict == GIO_COMPLETION_ACCEPT;
+            }
+        }
+        expect(accepted > 100u, "the sweep accepts some completions", accepted);
+    }
 }
 
 /* gio CQ claims (gio_cq_may_claim): a model of the kernel's protocol, with free-running counters
@@ -258,6 +337,7 @@ int main(int argc, char **argv) {
     }
     check_descriptor_kinds(print_kinds);
     check_completion_verdicts();
+    check_completion_sq_heads();
     check_cq_claims();
     check_ioctx_commands();
     if (failures != 0) {

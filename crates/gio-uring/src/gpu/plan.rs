@@ -146,7 +146,8 @@ pub fn state_image(layout: &StateLayout, qps: &[QueuePairAddresses], state_base:
 pub struct QueuePairCounters {
     /// Completions whose command id matched no command in flight (stale or foreign).
     pub unexpected_completions: u32,
-    /// Completions naming another SQ.
+    /// Completions the kernel judged controller faults (another SQ, an SQ head outside what was
+    /// published, a command not published or fetched: `gio_completion_verdict`).
     pub controller_faults: u32,
     /// SQ slots reserved so far (free-running tickets).
     pub sq_reserved: u32,
