@@ -7,12 +7,14 @@
 //! function handed back to the driver it had (bounded waits); the error says where it stands,
 //! and when that is not where it was, that `tutti unbind` restores it.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
 use tutti_cli::outln;
+use tutti_devices::{DeviceError, DeviceSpec, DEFAULT_LOCK_DIR};
 
 use crate::system::{BlockDeviceUse, System};
 
@@ -48,6 +50,10 @@ pub struct UnbindArgs {
     /// Unbind even if the function is not an NVMe controller (PCI class 0x010802).
     #[arg(long)]
     not_nvme: bool,
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a tuttid starting
+    /// on the function is refused while it is being unbound.
+    #[arg(long, default_value = DEFAULT_LOCK_DIR)]
+    lock_dir: PathBuf,
 }
 
 /// Whether VFIO can take a function, and what stands in the way.
@@ -348,16 +354,24 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 
 /// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
 /// Returns the driver that took it (None if none did). Refuses, before writing anything, a
-/// function that is not an NVMe controller (unless `not_nvme`) and one whose VFIO group or
-/// device some process holds open: the kernel's unbind would wait for that process to let go
-/// (for ever, if it has no request handler), with the override already cleared.
-pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool) -> Result<Option<String>> {
+/// function that is not an NVMe controller (unless `not_nvme`), one whose tuttid device lock
+/// (`lock_dir/vfio-BDF.lock`) another process holds, and one whose VFIO group or device some
+/// process holds open: the kernel's unbind would wait for that process to let go (for ever, if
+/// it has no request handler), with the override already cleared. The lock is held from before
+/// the check to the end, so that a tuttid starting meanwhile (a supervisor's restart) is refused
+/// instead of opening the group between the check and the unbind.
+pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool, lock_dir: &Path) -> Result<Option<String>> {
     if !system.sysfs.exists(address) {
         bail!("no PCI function {address} (see `tutti devices`)");
     }
     if !system.is_nvme(address) && !not_nvme {
         bail!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to unbind it anyway");
     }
+    let _lock = match tutti_devices::DeviceLocks::acquire(&[DeviceSpec::Vfio(address)], lock_dir, false) {
+        Ok(lock) => lock,
+        Err(error @ DeviceError::DeviceInUse { .. }) => bail!("{error}; stop it first and run `tutti unbind` again"),
+        Err(error) => return Err(anyhow::Error::from(error).context(format!("taking {address}'s device lock"))),
+    };
     let device_dir = system.sysfs.device_dir(address);
     let driver = system.sysfs.driver(address)?;
     if driver.as_deref().is_some_and(|driver| driver != VFIO_PCI_DRIVER) {
@@ -388,7 +402,7 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
 
 pub fn run_unbind(system: &System, args: &UnbindArgs) -> Result<()> {
     let address = parse_address(&args.address)?;
-    match unbind(system, address, !args.no_reprobe, args.not_nvme)? {
+    match unbind(system, address, !args.no_reprobe, args.not_nvme, &args.lock_dir)? {
         Some(driver) => outln!("{address}: vfio-pci -> {driver}")?,
         None if args.no_reprobe => outln!("{address}: detached from vfio-pci (no driver)")?,
         None => outln!("{address}: detached from vfio-pci; no driver claimed it (`modprobe nvme`?)")?,

@@ -34,6 +34,11 @@ impl FakeHost {
         Self { _temp: temp, sys, proc }
     }
 
+    /// Where the tests' `vfio:` lock files live (tuttid's and `tutti unbind`'s `--lock-dir`).
+    fn lock_dir(&self) -> PathBuf {
+        self.proc.with_file_name("locks")
+    }
+
     /// The fake host; its block device nodes are files under `dev/` that answer an exclusive
     /// open with EBUSY when they hold `EBUSY` ([`FakeHost::claim`]), with EACCES when they hold
     /// `EACCES` ([`FakeHost::deny`]), open as that block device
@@ -320,7 +325,7 @@ fn bind_and_unbind_round_trip() {
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
     assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(), BindOutcome::AlreadyBound);
 
-    let driver = unbind(&system, at("0000:00:04.0"), true, false).unwrap();
+    let driver = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap();
     assert_eq!(driver.as_deref(), Some("nvme"));
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
@@ -475,13 +480,13 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     let system = host.system();
     let _kernel = host.kernel();
 
-    let error = format!("{:#}", unbind(&system, at("0000:3b:00.0"), true, false).unwrap_err());
+    let error = format!("{:#}", unbind(&system, at("0000:3b:00.0"), true, false, &host.lock_dir()).unwrap_err());
     assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
     assert_eq!(host.driver_of("0000:3b:00.0").as_deref(), Some("vfio-pci"), "nothing changed");
     assert_eq!(std::fs::read_to_string(gpu.join("driver_override")).unwrap(), "vfio-pci\n");
-    assert!(unbind(&system, at("0000:3b:00.0"), false, true).is_ok(), "--not-nvme lets it through");
+    assert!(unbind(&system, at("0000:3b:00.0"), false, true, &host.lock_dir()).is_ok(), "--not-nvme lets it through");
 
-    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false).unwrap_err());
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
     assert!(error.contains("pid 1234 (tuttid)") && error.contains("/dev/vfio/3"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
     assert_eq!(std::fs::read_to_string(nvme.join("driver_override")).unwrap(), "vfio-pci\n");
@@ -491,10 +496,14 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     std::fs::create_dir_all(nvme.join("vfio-dev/vfio0")).unwrap();
     host.open_fd(77, "qemu-system-x86", 9, "/dev/vfio/devices/vfio1");
     host.open_fd(78, "qemu-system-x86", 9, "/dev/vfio/devices/vfio0");
-    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false).unwrap_err());
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
     assert!(error.contains("pid 78 (qemu-system-x86)") && !error.contains("pid 77"), "{error}");
     std::fs::remove_dir_all(host.proc.join("78")).unwrap();
-    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false).unwrap().as_deref(), Some("nvme"), "free once nothing holds it");
+    assert_eq!(
+        unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(),
+        Some("nvme"),
+        "free once nothing holds it"
+    );
 }
 
 #[test]
@@ -657,4 +666,33 @@ fn bind_refuses_a_disk_a_process_holds_open_unless_forced() {
     assert!(error.contains("/dev/nvme0n1p1 open by pid 4400 (postgres)") && !error.contains("pid 99"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+}
+
+#[test]
+fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
+    // Goal: `tutti unbind` takes tuttid's device lock (LOCK_DIR/vfio-BDF.lock) before it checks
+    // for VFIO users and holds it through the unbind: a tuttid (restarted by its supervisor) that
+    // holds the lock but has not opened the VFIO group yet, invisible to the openers check, makes
+    // the unbind fail (exit status 1, not unusable input) with nothing written, instead of the
+    // kernel's unbind then waiting on the group it opens; once the lock is free the unbind runs.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let system = host.system();
+    let _kernel = host.kernel();
+    let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
+    let tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
+
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(error.downcast_ref::<crate::Unusable>().is_none(), "a held device is a failed operation: {error:#}");
+    let error = format!("{error:#}");
+    assert!(error.contains("in use") && error.contains("vfio-0000:00:04.0.lock") && error.contains("stop it first"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not written");
+    assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/vfio-pci/unbind")).unwrap(), "", "unbind not written");
+
+    drop(tuttid);
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+    let after = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false);
+    assert!(after.is_ok(), "the unbind let go of the lock: {:?}", after.err());
 }
