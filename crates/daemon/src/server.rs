@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -202,6 +202,9 @@ impl SessionRecord {
 
 struct Shared {
     config: ServerConfig,
+    /// The socket file this daemon bound, held: the drain removes the path only while it still
+    /// names this file ([`remove_bound_socket`]).
+    socket_file: SocketFile,
     store: Mutex<StoreState>,
     devices: Vec<DeviceStatus>,
     report: objstore::RecoveryReport,
@@ -291,6 +294,7 @@ impl Server {
             Err(_) => {}
         }
         let listener = UnixListener::bind(socket).map_err(io(format!("binding {}", socket.display())))?;
+        let socket_file = SocketFile::hold(socket).map_err(io(format!("holding the bound {}", socket.display())))?;
         // Owner-only. Between bind and chmod the socket has the umask's mode; the peer
         // credential check below refuses other users in that window too.
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
@@ -331,6 +335,7 @@ impl Server {
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
         let shared = Arc::new(Shared {
             config,
+            socket_file,
             store: Mutex::new(StoreState { control, emulators, relay }),
             devices,
             report,
@@ -548,8 +553,8 @@ impl Server {
                 "sessions are kept for good (queue pairs not known deleted): the socket file is left in place, so that \
                  their clients never read them as ended"
             );
-        } else if let Err(error) = std::fs::remove_file(&shared.config.socket) {
-            tracing::warn!("removing {}: {error}", shared.config.socket.display());
+        } else {
+            remove_bound_socket(&shared.config.socket, &shared.socket_file);
         }
         if let Some(error) = failure {
             return Err(error);
@@ -576,6 +581,55 @@ impl Server {
             locks,
         };
         Ok(ServeReport { opened, connections_served })
+    }
+}
+
+/// The socket file a daemon bound: its device and inode, and an `O_PATH` descriptor of it held
+/// for as long as this lives, so that the inode number cannot be given to another file meanwhile
+/// (ext4 gives an unlinked socket's number to the next file made in that directory at once,
+/// so the number alone would take another daemon's socket for this one's).
+#[derive(Debug)]
+struct SocketFile {
+    _held: std::fs::File,
+    device: u64,
+    inode: u64,
+}
+
+impl SocketFile {
+    fn hold(path: &std::path::Path) -> std::io::Result<SocketFile> {
+        let held = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags((nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW).bits())
+            .open(path)?;
+        let metadata = held.metadata()?;
+        Ok(SocketFile { device: metadata.dev(), inode: metadata.ino(), _held: held })
+    }
+
+    /// Whether `path` names this file now.
+    fn is_at(&self, path: &std::path::Path) -> std::io::Result<bool> {
+        let metadata = std::fs::symlink_metadata(path)?;
+        Ok((metadata.dev(), metadata.ino()) == (self.device, self.inode))
+    }
+}
+
+/// Removes the socket at `path` if it is still the file this daemon bound (`bound`). Once the
+/// listener is closed (the drain), another daemon may find the file refusing, remove it as
+/// stale and bind its own there: that one is left alone. (A replacement between the check and
+/// the unlink is not ruled out; the window is a system call wide, against a drain that may last
+/// seconds.)
+fn remove_bound_socket(path: &std::path::Path, bound: &SocketFile) {
+    match bound.is_at(path) {
+        Ok(true) => {
+            if let Err(error) = std::fs::remove_file(path) {
+                tracing::warn!("removing {}: {error}", path.display());
+            }
+        }
+        Ok(false) => tracing::warn!(
+            "{} is not the socket this daemon bound any more (another daemon bound it meanwhile): left in place",
+            path.display()
+        ),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => tracing::warn!("{}: {error}; not removed", path.display()),
     }
 }
 

@@ -536,3 +536,46 @@ fn a_device_fenced_after_failing_flushes_is_reported_by_status_and_metrics() {
     drop(store);
     assert!(daemon.stop().is_some(), "serve did not return");
 }
+
+#[test]
+fn a_drain_leaves_the_socket_another_daemon_bound_meanwhile() {
+    // Goal: a draining daemon has closed its listener, so a second daemon started on the same
+    // socket path meanwhile finds it refusing, removes it as stale and binds its own. The first
+    // daemon's drain must then leave that file alone: it removes the socket only while the path
+    // still names the file it bound. The drain is held open by a retiring session (its Delete
+    // I/O SQ answered 4 admin timeouts late), long enough for the second bind.
+    let admin_timeout = Duration::from_millis(200);
+    let (daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
+    let second_directory = tempfile::tempdir().unwrap();
+    let second_pool = pool(second_directory.path(), false);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("late-delete"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(store);
+    daemon.status_once("the session was not listed retiring", |status| {
+        status.clients.iter().any(|client| client.session == session && client.retiring)
+    });
+    daemon.stop.stop();
+    // The first daemon's listener closes within a tick of the stop; its file stays meanwhile.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match UnixStream::connect(&daemon.socket) {
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => break,
+            outcome => assert!(Instant::now() < deadline, "the first daemon's listener did not close: {outcome:?}"),
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+    let second = Server::bind(ServerConfig::new(daemon.socket.clone()), second_pool).expect("bind over the draining daemon's socket");
+    assert!(
+        matches!(daemon.served.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "the first daemon's drain ended before the second bound: the test proves nothing"
+    );
+    let outcome = daemon.served.recv_timeout(WAIT).expect("the first daemon's serve did not return");
+    outcome.expect("the first daemon's serve failed");
+    assert!(daemon.socket.exists(), "the draining daemon removed the socket the second daemon bound");
+    UnixStream::connect(&daemon.socket).expect("the second daemon's listener answers");
+    drop(second);
+}
