@@ -182,7 +182,8 @@ typedef struct gio_ring_header {
 /*
  * Per-slot tracker of an NVMe submission queue driven by the I/O kernel, 32 bytes. ticket is the
  * free-running SQ reservation number; the NVMe command id is ticket & 0xFFFF, so slot = cid & mask
- * and the upper bits are a generation that tells a stale completion apart.
+ * and the upper bits are a generation that tells a stale completion apart (at least one: the host
+ * refuses queue pairs deeper than 32768, gpu::plan::GPU_QUEUE_DEPTH_MAX).
  * The CPU initialises ready_ticket and done_ticket of slot s to s + 1 - sq_depth and ticket to
  * s - sq_depth (mod 2^32): "the previous round of this slot is complete", so no completion is
  * accepted for the slot before its first submission.
@@ -207,8 +208,8 @@ typedef struct gio_nvme_qp {
     uint64_t sq_doorbell;  /* device address of the SQ y Tail Doorbell register (BAR0) */
     uint64_t cq_doorbell;  /* device address of the CQ y Head Doorbell register (BAR0) */
     uint64_t slots;        /* device address of gio_nvme_slot[sq_depth] */
-    uint32_t sq_depth;     /* a power of two, 2..=65536 */
-    uint32_t cq_depth;     /* a power of two, 2..=65536 */
+    uint32_t sq_depth;     /* a power of two, 2..=32768 (command ids keep a generation bit) */
+    uint32_t cq_depth;     /* a power of two, 2..=32768 */
     uint32_t qid;          /* NVMe SQ id: every completion on this pair must name it (CQE SQID) */
     uint32_t reserved0[3];
     /* line 1: reservation counter, one atomicAdd per warp */

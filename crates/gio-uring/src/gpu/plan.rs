@@ -17,6 +17,11 @@ use crate::types::{Iova, IovaRange, SmBudget};
 pub const PAGE_BYTES: u64 = 4096;
 /// Lanes per warp: the kernel's unit of work is a chunk of this many IOCTXs.
 pub const WARP_LANES: u32 = 32;
+/// The deepest NVMe queue pair the I/O kernel drives. Its command id is `ticket & 0xFFFF`: the
+/// slot index in the low bits, a generation in the rest. At 32768 one generation bit is left; at
+/// 65536 none (a late completion of a slot's previous command would be taken for the current
+/// one), so deeper queues are refused, as nvme-driver refuses them (its `QUEUE_DEPTH_MAX`).
+pub const GPU_QUEUE_DEPTH_MAX: u32 = nvme_driver::QUEUE_DEPTH_MAX;
 /// CUDA's limit on threads per block (every architecture since sm_20).
 pub const THREADS_PER_BLOCK_MAX: u32 = 1024;
 
@@ -34,7 +39,8 @@ pub struct QueuePairAddresses {
 /// Translates a queue pair's layout into GPU addresses: `rings` are the GPU addresses of its SQ
 /// and CQ, `bar_device_base` the GPU address of BAR0's first byte, `bar_len_bytes` the mapped
 /// length. The kernel indexes rings with masks and derives command ids from free-running tickets,
-/// so the depth must be a power of two in 2..=65536; a doorbell must lie inside the mapping.
+/// so the depth must be a power of two in 2..=[`GPU_QUEUE_DEPTH_MAX`] (32768, which leaves the
+/// command id a generation bit); a doorbell must lie inside the mapping.
 pub fn queue_pair_addresses(
     layout: &DetachedQueueLayout,
     rings: (u64, u64),
@@ -42,9 +48,12 @@ pub fn queue_pair_addresses(
     bar_len_bytes: usize,
 ) -> Result<QueuePairAddresses, GioError> {
     let depth = layout.depth;
-    if !(2..=abi::GIO_RING_DEPTH_MAX).contains(&depth) || !depth.is_power_of_two() {
+    if !(2..=GPU_QUEUE_DEPTH_MAX).contains(&depth) || !depth.is_power_of_two() {
         return Err(GioError::InvalidConfig {
-            reason: format!("queue {} has depth {depth}; the I/O kernel needs a power of two in 2..=65536", layout.id.0),
+            reason: format!(
+                "queue {} has depth {depth}; the I/O kernel needs a power of two in 2..={GPU_QUEUE_DEPTH_MAX} (command ids keep a generation bit)",
+                layout.id.0
+            ),
         });
     }
     let doorbell = |offset: usize, what: &str| -> Result<u64, GioError> {
@@ -480,6 +489,18 @@ mod tests {
             assert_eq!(ticket, slot.wrapping_sub(8), "ticket of slot {slot}");
             assert_eq!(get_u32(&image, at + offset_of!(gio_nvme_slot, done_ticket)), ticket.wrapping_add(1));
         }
+    }
+
+    #[test]
+    fn queues_too_deep_for_a_generation_bit_are_refused() {
+        // Goal: the command id is ticket & 0xFFFF, slot index in the low bits and a generation in
+        // the rest: at depth 65536 no generation bit is left (a late completion of a slot's
+        // previous command would match the current one), so the deepest queue the kernel takes
+        // is 32768, as nvme-driver's QUEUE_DEPTH_MAX.
+        assert_eq!(GPU_QUEUE_DEPTH_MAX, nvme_driver::QUEUE_DEPTH_MAX);
+        assert!(queue_pair_addresses(&layout(32768), (0, 0), 0, 0x2000).is_ok());
+        let refused = queue_pair_addresses(&layout(65536), (0, 0), 0, 0x2000).unwrap_err();
+        assert!(matches!(&refused, GioError::InvalidConfig { reason } if reason.contains("2..=32768")), "{refused:?}");
     }
 
     #[test]
