@@ -6,6 +6,7 @@
 //! - `uring:` is the kernel path (see [`crate::uring`]).
 
 use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -302,7 +303,14 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
             )));
         }
     }
-    let file = OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(|source| io_error("cannot create", source))?;
+    // Owner-only, as tuttid's and `tutti pool format`'s pool files: a kv pool holds KV bytes.
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|source| io_error("cannot create", source))?;
     created.push(path.to_path_buf());
     // Removed on Ctrl-C too, as a failed run removes it; until the run has succeeded.
     crate::uring::remove_on_interrupt(path);
@@ -762,6 +770,28 @@ mod tests {
     use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 
     use super::*;
+
+    #[test]
+    fn a_file_the_run_creates_is_readable_by_its_owner_only() {
+        // Goal: a created kv pool holds KV bytes: mode 0600 whatever the umask lets through
+        // (tuttid's and `tutti pool format`'s files are owner-only too).
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("created.img");
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: Some(8192),
+            io_bytes_max: 4096,
+            queues: 1,
+            timing: None,
+            lay_out: false,
+            shadow_doorbells: false,
+        };
+        let mut created = CreatedFiles::default();
+        prepare_file(&path, options, &mut created).expect("created");
+        let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&path).unwrap().permissions());
+        assert_eq!(mode & 0o077, 0, "created with mode {:o}", mode & 0o777);
+        created.keep_after_success();
+    }
 
     fn memory_device() -> NvmeDevice {
         let options = OpenOptions2 {
