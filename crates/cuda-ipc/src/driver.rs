@@ -21,7 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use nvme_driver::hw::{CopiedMemory, HwError};
 
-use crate::{format_uuid, CudaIpcError, IPC_HANDLE_BYTES, UUID_BYTES};
+use crate::{check_device_ordinal, format_uuid, CudaIpcError, IPC_HANDLE_BYTES, UUID_BYTES};
 
 /// The first driver with `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`, CUDA 11.3.
 const IPC_CAPABLE_ATTRIBUTE_MIN_DRIVER_VERSION: i32 = 11030;
@@ -204,6 +204,23 @@ impl Gpu {
         Ok((base, bytes as u64))
     }
 
+    /// Refuses memory at `pointer` that the driver places on another device than this GPU
+    /// (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`, the device it was allocated on, numbered as this
+    /// process numbers devices, as `ordinal` is).
+    fn check_holds(&self, pointer: u64) -> Result<(), CudaIpcError> {
+        let mut found: i32 = -1;
+        // SAFETY: the attribute's value is an int and `found` a live i32; the driver validates
+        // `pointer` (an address of no allocation is an error code, not an access).
+        check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut found as *mut i32).cast::<c_void>(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                pointer,
+            )
+        })?;
+        check_device_ordinal(pointer, self.ordinal, &self.uuid, found)
+    }
+
     /// Copies `source` to device memory at `device_pointer`.
     ///
     /// # Safety
@@ -380,6 +397,10 @@ pub fn export_range(gpu: &Gpu, device_pointer: u64, length_bytes: u64) -> Result
     if offset_bytes.checked_add(length_bytes).is_none_or(|end| end > allocation_bytes) {
         return Err(CudaIpcError::OutsideAllocation { offset_bytes, length_bytes, allocation_bytes });
     }
+    // With unified addressing the calls above (and cuIpcGetMemHandle) accept an allocation of
+    // any device: one on another GPU than `gpu` (a caller's wrong ordinal) would be exported
+    // under `gpu`'s UUID. Refused before anything is set on it.
+    gpu.check_holds(base)?;
     if gpu.driver_version >= IPC_CAPABLE_ATTRIBUTE_MIN_DRIVER_VERSION {
         let mut capable: u32 = 0;
         // SAFETY: the attribute's value is a 32-bit boolean and `capable` a live u32; the driver
@@ -493,12 +514,19 @@ impl ImportedMemory {
         gpu.make_current()?;
         let raw = sys::CUipcMemHandle { reserved: handle.map(|byte| byte as c_char) };
         let mut opened: sys::CUdeviceptr = 0;
-        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // No CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: the allocation must be on `gpu` itself (checked
+        // below), so peer access is never needed, and enabling it for a handle of another GPU
+        // would outlive the refused import (it is a property of the context).
+        let flags = 0u32;
         // SAFETY: `opened` is a valid out-pointer; the handle is plain bytes the driver validates
         // (a forged or stale handle is an error code).
         check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut opened, raw, flags) })?;
         // Owned from here: a failed check below closes it (Drop).
         let mut imported = ImportedMemory { gpu: Arc::clone(gpu), opened, allocation_bytes: 0, offset_bytes, len };
+        // An allocation of another GPU than the one the client named (its UUID) would be reached
+        // over a peer mapping, at another base than the same allocation opened on its own GPU,
+        // which the daemon's overlap check keys on.
+        gpu.check_holds(opened)?;
         let (base, allocation_bytes) = gpu.address_range(opened)?;
         imported.allocation_bytes = allocation_bytes;
         let in_allocation = offset_bytes.checked_add(length_bytes).is_some_and(|end| end <= allocation_bytes);

@@ -55,6 +55,23 @@ pub enum CudaIpcError {
     NotIpcCapable,
     #[error("the CUDA driver {found} is older than {needed} ({what})")]
     DriverTooOld { what: &'static str, found: i32, needed: i32 },
+    /// The allocation lives on another device than the GPU it was named with: exported, it
+    /// would carry a wrong UUID; imported, it would be opened as a peer mapping, with another
+    /// base than the same allocation opened on its own GPU.
+    #[error("the allocation at {pointer:#x} is on CUDA device {found_ordinal}, not on device {ordinal} ({uuid}) it was named with")]
+    WrongDevice { pointer: u64, ordinal: i32, uuid: String, found_ordinal: i32 },
+}
+
+/// Whether memory at `pointer`, which the driver places on device `found_ordinal`
+/// (`CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`), is on the GPU it is named with (`ordinal`, `uuid`):
+/// `export_range` checks the allocation it exports, `ImportedMemory::open` the one it opened.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn check_device_ordinal(pointer: u64, ordinal: i32, uuid: &[u8; UUID_BYTES], found_ordinal: i32) -> Result<(), CudaIpcError> {
+    if found_ordinal == ordinal {
+        Ok(())
+    } else {
+        Err(CudaIpcError::WrongDevice { pointer, ordinal, uuid: format_uuid(uuid), found_ordinal })
+    }
 }
 
 /// A UUID as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (how `nvidia-smi -L` prints it).
@@ -69,5 +86,27 @@ mod tests {
     fn uuids_print_as_nvidia_smi_does() {
         let uuid = [0x12, 0x34, 0x56, 0x78, 0x9a, 0xbc, 0xde, 0xf0, 0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef];
         assert_eq!(super::format_uuid(&uuid), "GPU-12345678-9abc-def0-0123-456789abcdef");
+    }
+
+    #[test]
+    fn memory_on_another_device_than_its_label_is_refused() {
+        // Goal: export and import refuse an allocation the driver places on another device than
+        // the GPU it is named with (a wrong ordinal from the engine would otherwise export a
+        // wrong UUID, and the daemon open it as a peer mapping): the decision on the driver's
+        // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL answer, which is all that runs without a GPU.
+        use super::{check_device_ordinal, CudaIpcError};
+        let uuid = [0x11; super::UUID_BYTES];
+        assert!(check_device_ordinal(0x7f00_0000_0000, 1, &uuid, 1).is_ok());
+        for found in [0, 2, -1, i32::MAX] {
+            match check_device_ordinal(0x7f00_0000_0000, 1, &uuid, found) {
+                Err(CudaIpcError::WrongDevice { pointer, ordinal, uuid: named, found_ordinal }) => {
+                    assert_eq!((pointer, ordinal, found_ordinal), (0x7f00_0000_0000, 1, found));
+                    assert_eq!(named, super::format_uuid(&uuid));
+                }
+                other => panic!("device {found} for a GPU labelled 1: {other:?}"),
+            }
+        }
+        let message = check_device_ordinal(0x1000, 0, &uuid, 3).unwrap_err().to_string();
+        assert!(message.contains("device 3") && message.contains("device 0") && message.contains("GPU-11111111"), "{message}");
     }
 }
