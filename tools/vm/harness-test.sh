@@ -13,6 +13,9 @@
 #    commands apart.
 # 4. a line the guest prints in two parts, further apart than the console read's 2 s timeout,
 #    is logged as one line.
+# 5. a guest command killed by a signal (status above 127: 143 for timeout's TERM, 137 for the
+#    OOM killer) is reported as such: /init can only pass 0..127 to isa-debug-exit, so QEMU exits
+#    255 and the host takes the status the guest printed.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -23,8 +26,9 @@ mkdir -p "$TUTTI_VM_DIR/logs"
 . "$HERE/lib.sh"
 
 # The stand-in QEMU: writes its pid file like QEMU's -pidfile, prints what the guest's /init
-# prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1). FAKE_RUN_S: guest run
-# time before the result; FAKE_HANG_S: time it then stays up.
+# prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1, rc capped at 127 as /init
+# caps it). FAKE_RUN_S: guest run time before the result; FAKE_HANG_S: time it then stays up;
+# FAKE_RC: the status the guest reports (default 0).
 cat > "$WORK/fake-qemu" << 'FAKE'
 #!/usr/bin/env bash
 pidfile=""
@@ -38,10 +42,12 @@ sleep "${FAKE_RUN_S:-0}"
 [ -n "${FAKE_LINES:-}" ] && printf '%s\n' "$FAKE_LINES"
 # FAKE_SPLIT="A|B": prints A, pauses past the harness's read timeout, then B and a newline.
 [ -n "${FAKE_SPLIT:-}" ] && { printf '%s' "${FAKE_SPLIT%%|*}"; sleep 3; printf '%s\n' "${FAKE_SPLIT#*|}"; }
-echo "TUTTI_VM_RESULT rc=0"
+rc=${FAKE_RC:-0}
+echo "TUTTI_VM_RESULT rc=$rc"
 # `exec`, so that stopping this pid ends the output as stopping QEMU does.
 [ "${FAKE_HANG_S:-0}" -gt 0 ] && exec sleep "$FAKE_HANG_S"
-exit 1
+[ "$rc" -gt 127 ] && rc=127
+exit $(((rc << 1) | 1))
 FAKE
 chmod +x "$WORK/fake-qemu"
 export TUTTI_VM_QEMU=$WORK/fake-qemu TUTTI_VM_EXIT_GRACE_S=2 TUTTI_VM_BOOT_RETRIES=0
@@ -90,6 +96,12 @@ check "step 4 never finished" 1 "$(grep -c 'step 4: NO RESULT .*sleep 1000' <<< 
 # 4. A line split by a pause.
 FAKE_SPLIT='JSON_BEGIN ours rand|read-4k-qd1' vm_boot /dev/null "$WORK/e.log" 2> "$WORK/e.err"
 check "a line printed in two parts is logged whole" 1 "$(grep -c '^\[guest  *[0-9.]*s\] JSON_BEGIN ours randread-4k-qd1$' "$WORK/e.log")"
+
+# 5. A command killed by a signal.
+FAKE_RC=143 vm_boot /dev/null "$WORK/f.log" 2> "$WORK/f.err"
+check "a guest status above 127 (QEMU exits 255) is taken as reported" 143 "$VM_GUEST_RC"
+FAKE_RC=3 vm_boot /dev/null "$WORK/g.log" 2> "$WORK/g.err"
+check "a guest status below 128 is taken as reported" 3 "$VM_GUEST_RC"
 
 if [ "$failures" -gt 0 ]; then
     for log in "$WORK"/*.err; do sed "s|^|$(basename "$log"): |" "$log" >&2; done

@@ -455,6 +455,11 @@ vm_boot_once() {
     elif [ $((qemu_rc % 2)) = 1 ] && [ $(((qemu_rc - 1) / 2)) = "$reported" ]; then
         # isa-debug-exit makes QEMU exit with (value << 1) | 1.
         VM_GUEST_RC=$reported
+    elif [ "$reported" -gt 127 ] && [ "$qemu_rc" = 255 ]; then
+        # A command killed by a signal (timeout's TERM: 143, the OOM killer: 137): /init passes
+        # at most 127 to isa-debug-exit (one byte, shifted), so QEMU exits 255; the printed
+        # status is the real one.
+        VM_GUEST_RC=$reported
     else
         vm_log "guest reported rc=$reported but QEMU exited with status $qemu_rc"
         VM_GUEST_RC=126
