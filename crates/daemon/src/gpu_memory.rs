@@ -320,7 +320,9 @@ fn cuda_refusal(context: &str, error: tutti_cuda_ipc::CudaIpcError) -> Refusal {
         CudaIpcError::NoDeviceWithUuid { .. }
         | CudaIpcError::OutsideAllocation { .. }
         | CudaIpcError::ZeroLength
-        | CudaIpcError::NotIpcCapable => (ErrorCode::BadRequest, format!("{context}: {error}")),
+        | CudaIpcError::NotIpcCapable
+        // The client named a GPU that does not hold its memory.
+        | CudaIpcError::WrongDevice { .. } => (ErrorCode::BadRequest, format!("{context}: {error}")),
     }
 }
 

@@ -184,6 +184,8 @@ fn export_cuda(ordinal: i32, start: u64, len: u64) -> Result<DeviceRange, Failur
     let cuda = |error: CudaIpcError| {
         let class = match error {
             CudaIpcError::NoDriver | CudaIpcError::NotIpcCapable | CudaIpcError::NoSuchDevice { .. } => ErrorClass::UnsupportedMemory,
+            // The tensor's device ordinal names another GPU than the one holding its memory.
+            CudaIpcError::WrongDevice { .. } => ErrorClass::InvalidArgument,
             _ => ErrorClass::Device,
         };
         Failure::new(class, format!("registering CUDA memory of cuda:{ordinal}: {error}"))

@@ -164,8 +164,9 @@ pub enum IocbStatus {
     NvmeError,
     InvalidIoctx,
     Timeout,
-    /// A controller posted a completion naming another SQ (GPU executor): nothing it reports is
-    /// trusted until the queue pairs are reset.
+    /// A controller posted an impossible completion (GPU executor): one naming another SQ, an SQ
+    /// head outside what was published, or one for a command not yet published or fetched.
+    /// Nothing it reports is trusted until the queue pairs are reset.
     ControllerFault,
 }
 
