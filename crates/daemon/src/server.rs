@@ -253,54 +253,56 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Server {
-    /// Binds the socket (owner-only) for `opened`. A socket file left by a dead daemon is
-    /// replaced; one a live daemon answers on is [`DaemonError::SocketInUse`]; any other file
-    /// there is left alone and refused.
+    /// Binds the socket (owner-only) for `opened`: [`Server::prepare`], then
+    /// [`Server::bind_prepared`]. A socket file left by a dead daemon is replaced; one a live
+    /// daemon answers on is [`DaemonError::SocketInUse`]; any other file there is left alone and
+    /// refused.
     pub fn bind(config: ServerConfig, opened: OpenedPool) -> Result<Server, DaemonError> {
+        let prepared = Server::prepare(&config)?;
+        Server::bind_prepared(config, prepared, opened)
+    }
+
+    /// What can refuse a start without the pool, done before it is opened (or formatted): the
+    /// configuration's checks, the socket path (a live daemon's socket, a file that is not a
+    /// socket, a missing directory, a path too long; a stale socket is removed), the metrics
+    /// endpoint's address (bound here and kept) and the device memory import. A refusal here
+    /// leaves the devices untouched.
+    pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
+        config.validate()?;
+        probe_socket(&config.socket)?;
+        let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
+        let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
+        Ok(Prepared { metrics_endpoint, device_memory })
+    }
+
+    /// Binds the socket for `opened` with what [`Server::prepare`] made of the same `config`.
+    /// The socket path is probed again (a daemon may have started on it since); a refusal after
+    /// the socket is bound (the cluster part, the store's control half) removes it again.
+    pub fn bind_prepared(config: ServerConfig, prepared: Prepared, opened: OpenedPool) -> Result<Server, DaemonError> {
         config.validate()?;
         let socket = &config.socket;
         let io = |context: String| move |source| DaemonError::Io { context, source };
-        match std::fs::symlink_metadata(socket) {
-            Ok(metadata) if metadata.file_type().is_socket() => {
-                // Bounded: a live daemon that does not accept (stopped with SIGSTOP, its backlog
-                // full) would hold a plain connect here for as long as it is stopped. One whose
-                // backlog stays full is live, not stale: its socket is left alone.
-                // Only a refusal says nobody listens: any other failure (EACCES from another
-                // user's daemon, EMFILE here) says nothing about the socket, which is left alone.
-                match crate::client::connect_within(socket, SOCKET_PROBE_TIMEOUT) {
-                    Ok(_) | Err(DaemonError::Timeout { .. }) => return Err(DaemonError::SocketInUse { socket: socket.clone() }),
-                    Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {
-                        std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
-                    }
-                    // Gone meanwhile: nothing to remove.
-                    Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
-                    Err(error) => {
-                        return Err(DaemonError::Io {
-                            context: format!(
-                                "{} exists and cannot be probed for a live daemon ({error}); remove it if no daemon serves it",
-                                socket.display()
-                            ),
-                            source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-                        })
-                    }
-                }
-            }
-            Ok(_) => {
-                return Err(DaemonError::Io {
-                    context: format!("{} exists and is not a socket", socket.display()),
-                    source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
-                })
-            }
-            Err(_) => {}
-        }
+        probe_socket(socket)?;
         let listener = UnixListener::bind(socket).map_err(io(format!("binding {}", socket.display())))?;
-        let socket_file = SocketFile::hold(socket).map_err(io(format!("holding the bound {}", socket.display())))?;
+        let mut socket_file = match SocketFile::hold(socket) {
+            Ok(held) => held,
+            Err(source) => {
+                // Bound a moment ago and not held: removed by its path.
+                drop(listener);
+                if let Err(error) = std::fs::remove_file(socket) {
+                    tracing::warn!("removing {}: {error}", socket.display());
+                }
+                return Err(DaemonError::Io { context: format!("holding the bound {}", socket.display()), source });
+            }
+        };
+        // Until the server is built, a refusal drops `socket_file`, which removes the socket.
+        socket_file.remove_on_drop = true;
         // Owner-only. Between bind and chmod the socket has the umask's mode; the peer
         // credential check below refuses other users in that window too.
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
             .map_err(io(format!("making {} owner-only", socket.display())))?;
         listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
-        let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
+        let Prepared { metrics_endpoint, device_memory } = prepared;
         let geometry = *opened.pool.geometry();
         let pool_shape = opened.pool.shape().map_err(|source| DaemonError::Pool { context: "the pool's shape".into(), source })?;
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
@@ -332,7 +334,8 @@ impl Server {
             None => None,
         };
         let relay = DoorbellRelay::start(RelayConfig::default())?;
-        let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
+        // Built: from here the drain removes the socket (`remove_bound_socket`).
+        socket_file.remove_on_drop = false;
         let shared = Arc::new(Shared {
             config,
             socket_file,
@@ -584,15 +587,77 @@ impl Server {
     }
 }
 
+/// What [`Server::prepare`] makes before the pool is opened, for [`Server::bind_prepared`].
+pub struct Prepared {
+    metrics_endpoint: Option<MetricsEndpoint>,
+    device_memory: DeviceMemoryService,
+}
+
+/// Checks that a daemon can bind `socket`: a socket file nobody listens on (its connections
+/// refused) is removed as stale; a live daemon's is [`DaemonError::SocketInUse`]; any other
+/// file, a path too long for a socket address and a missing directory are refused.
+fn probe_socket(socket: &std::path::Path) -> Result<(), DaemonError> {
+    let io = |context: String| move |source| DaemonError::Io { context, source };
+    match std::fs::symlink_metadata(socket) {
+        Ok(metadata) if metadata.file_type().is_socket() => {
+            // Bounded: a live daemon that does not accept (stopped with SIGSTOP, its backlog
+            // full) would hold a plain connect here for as long as it is stopped. One whose
+            // backlog stays full is live, not stale: its socket is left alone.
+            // Only a refusal says nobody listens: any other failure (EACCES from another
+            // user's daemon, EMFILE here) says nothing about the socket, which is left alone.
+            match crate::client::connect_within(socket, SOCKET_PROBE_TIMEOUT) {
+                Ok(_) | Err(DaemonError::Timeout { .. }) => return Err(DaemonError::SocketInUse { socket: socket.to_path_buf() }),
+                Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
+                }
+                // Gone meanwhile: nothing to remove.
+                Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    return Err(DaemonError::Io {
+                        context: format!(
+                            "{} exists and cannot be probed for a live daemon ({error}); remove it if no daemon serves it",
+                            socket.display()
+                        ),
+                        source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+                    })
+                }
+            }
+        }
+        Ok(_) => {
+            return Err(DaemonError::Io {
+                context: format!("{} exists and is not a socket", socket.display()),
+                source: std::io::Error::from(std::io::ErrorKind::AlreadyExists),
+            })
+        }
+        Err(_) => {}
+    }
+    std::os::unix::net::SocketAddr::from_pathname(socket).map_err(io(format!("{} as a socket address", socket.display())))?;
+    let directory = match socket.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => std::path::Path::new("."),
+    };
+    match std::fs::metadata(directory) {
+        Ok(metadata) if metadata.is_dir() => Ok(()),
+        Ok(_) => Err(DaemonError::Io {
+            context: format!("{}: {} is not a directory", socket.display(), directory.display()),
+            source: std::io::Error::from(std::io::ErrorKind::NotADirectory),
+        }),
+        Err(source) => Err(DaemonError::Io { context: format!("{}: its directory {}", socket.display(), directory.display()), source }),
+    }
+}
+
 /// The socket file a daemon bound: its device and inode, and an `O_PATH` descriptor of it held
 /// for as long as this lives, so that the inode number cannot be given to another file meanwhile
 /// (ext4 gives an unlinked socket's number to the next file made in that directory at once,
 /// so the number alone would take another daemon's socket for this one's).
 #[derive(Debug)]
 struct SocketFile {
+    path: PathBuf,
     _held: std::fs::File,
     device: u64,
     inode: u64,
+    /// Removes the socket when this is dropped: set while a refused bind may still drop it.
+    remove_on_drop: bool,
 }
 
 impl SocketFile {
@@ -602,13 +667,21 @@ impl SocketFile {
             .custom_flags((nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW).bits())
             .open(path)?;
         let metadata = held.metadata()?;
-        Ok(SocketFile { device: metadata.dev(), inode: metadata.ino(), _held: held })
+        Ok(SocketFile { path: path.to_path_buf(), device: metadata.dev(), inode: metadata.ino(), _held: held, remove_on_drop: false })
     }
 
     /// Whether `path` names this file now.
     fn is_at(&self, path: &std::path::Path) -> std::io::Result<bool> {
         let metadata = std::fs::symlink_metadata(path)?;
         Ok((metadata.dev(), metadata.ino()) == (self.device, self.inode))
+    }
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if self.remove_on_drop {
+            remove_bound_socket(&self.path, self);
+        }
     }
 }
 

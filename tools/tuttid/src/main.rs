@@ -293,11 +293,13 @@ fn serve(cli: &Cli) -> Result<()> {
         requests_max: cli.requests_per_session.max(1),
         ..SessionLimits::default()
     };
-    // Before the pool is opened (or formatted): a bad option costs nothing.
-    config.validate().map_err(classify)?;
+    // Before the pool is opened (or formatted): a bad option, a socket a live daemon serves, a
+    // metrics address taken (a second tuttid on the host takes the default port) or device
+    // memory this host cannot import costs nothing, and "nothing was changed" is true.
+    let prepared = Server::prepare(&config).map_err(classify)?;
     let opened = open_pool(&options).map_err(classify)?;
     let report = opened.report;
-    let server = Server::bind(config, opened).map_err(classify)?;
+    let server = Server::bind_prepared(config, prepared, opened).map_err(classify)?;
     if let Some(address) = server.metrics_address() {
         eprintln!("tuttid: metrics on http://{address}/metrics");
     }

@@ -579,3 +579,23 @@ fn a_drain_leaves_the_socket_another_daemon_bound_meanwhile() {
     UnixStream::connect(&daemon.socket).expect("the second daemon's listener answers");
     drop(second);
 }
+
+#[test]
+fn a_bind_refused_after_the_socket_was_bound_removes_it() {
+    // Goal: a start refused by what comes after the socket's bind (here the cluster part: its
+    // manifest's directory is missing, or this build has no cluster support) leaves no socket
+    // file behind: the next start would find a stale file, and clients a socket that refuses.
+    let directory = tempfile::tempdir().unwrap();
+    let socket = directory.path().join("tuttid.sock");
+    let mut config = ServerConfig::new(socket.clone());
+    let cluster = tutti_cluster::ClusterId::new("refused").unwrap();
+    let registry =
+        tutti_cluster::ClusterConfig::new(vec!["http://127.0.0.1:9".into()], cluster, tutti_cluster::SegmentBlocks::new(32).unwrap());
+    let node = tutti_cluster::NodeId::new("node").unwrap();
+    let manifest = directory.path().join("missing").join("manifest");
+    config.cluster = Some(ClusterSettings::new(registry, node, "127.0.0.1:0".parse().unwrap(), manifest));
+    let Err(error) = Server::bind(config, pool(directory.path(), false)) else {
+        panic!("bound with its cluster manifest's directory missing")
+    };
+    assert!(!socket.exists(), "the refused bind ({error}) left its socket file");
+}

@@ -1,0 +1,87 @@
+//! tuttid refusing to start for reasons that have nothing to do with the pool (the metrics
+//! address taken, the socket served by a live daemon): refused before the pool is opened or
+//! formatted, so the pool is as it was, and no socket file is left behind.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
+
+mod common;
+use common::{hello, store_prompt, Daemon, TUTTID, WAIT};
+
+/// Runs `command` to its end (killed and failed past [`WAIT`]): its exit code and stderr.
+fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
+    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// A pool file holding one committed prompt, its daemon stopped.
+fn pool_with_a_prompt(directory: &Path) -> std::path::PathBuf {
+    let image = directory.join("pool.img");
+    let device = format!("emu:{}", image.display());
+    let daemon = Daemon::start(directory, &device, &["--format", "--emu-create-bytes", "64m"]);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello(0, 1, "writer"), &config).expect("attach");
+    assert_eq!(store_prompt(&mut store, 7, 0, 4).expect("store a prompt"), 4);
+    drop(store);
+    let (status, stderr) = daemon.terminate();
+    assert!(status.success(), "{stderr}");
+    image
+}
+
+fn formatting(directory: &Path, image: &Path, socket: &Path) -> Command {
+    let mut command = Command::new(TUTTID);
+    command.args(["--device", &format!("emu:{}", image.display()), "--socket"]).arg(socket);
+    command.arg("--lock-dir").arg(directory.join("locks"));
+    command.args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+    command
+}
+
+#[test]
+fn a_taken_metrics_address_is_refused_before_the_pool_is_formatted() {
+    // Goal: `tuttid --format --metrics ADDRESS` with ADDRESS taken (a second tuttid on the host
+    // takes the default port) refuses to start before it formats: the pool's committed blocks
+    // are still there, byte for byte, and no socket file is left behind. Before, the pool was
+    // formatted first and the socket bound, and both stayed after the refusal.
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let before = std::fs::read(&image).unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    let socket = directory.path().join("second.sock");
+    let (code, stderr) = run_bounded(formatting(directory.path(), &image, &socket).args(["--metrics", &address]));
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(stderr.contains("metrics endpoint"), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == before, "the refused daemon formatted the pool: {stderr}");
+    assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+}
+
+#[test]
+fn a_socket_a_live_daemon_serves_is_refused_before_the_pool_is_formatted() {
+    // Goal: `tuttid --format` on a socket another daemon serves (here a plain listener that
+    // accepts) exits 2, "nothing was changed", and that is true: the pool is not formatted and
+    // the other daemon's socket stays.
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let before = std::fs::read(&image).unwrap();
+    let socket = directory.path().join("live.sock");
+    let live = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let (code, stderr) = run_bounded(formatting(directory.path(), &image, &socket).args(["--metrics", "off"]));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("served by a live daemon"), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == before, "the refused daemon formatted the pool: {stderr}");
+    assert!(socket.exists(), "the live daemon's socket was removed");
+    drop(live);
+}
