@@ -27,11 +27,14 @@
 #   COMPARE_FILE     test file on the local disk   (default /var/tmp/tutti-compare.img)
 #   COMPARE_SIZE     its size, fio syntax          (default 4g)
 #   COMPARE_RUNTIME  seconds per measurement       (default 10)
-#   COMPARE_RUNS     repetitions; medians reported (default 3)
+#   COMPARE_RUNS     repetitions; medians reported (default 2 x the tools: 6, 8 or 10, so that
+#                    each tool follows each of its neighbours, see the loop)
 #   COMPARE_IODEPTH  queue depth of every row      (default 32)
-#   COMPARE_KEEP     1 keeps the test file         (default: removed at the end)
+#   COMPARE_KEEP     1 keeps the test file, and reuses one of the right size an earlier
+#                    COMPARE_KEEP=1 run left (default: laid out anew, removed at the end)
 #   COMPARE_SETTLE   seconds of pause (after a sync) before each measurement (default 2)
-#   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m"
+#   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m" (kv-store alone still runs
+#                    tutti-bench's KV run, whose store phase is its figure)
 #   COMPARE_QD1      1 adds fio at queue depth 1 as a reference column: the software controller
 #                    (emu:) serialises backing-store writes, so its writes are compared with this
 #   COMPARE_FIO_HUGE 1 adds fio with its buffers in 2 MiB huge pages (--mem=shmhuge) as a
@@ -47,15 +50,26 @@
 #   COMPARE_KV_IODEPTH  fio's queue depth on the KV rows (default min(128, 2 * n/K), see above)
 #   COMPARE_KV_REPEAT   KV rows: passes per measurement, the median kept (default 3: one pass
 #                       of 512 MiB takes ~0.5 s, which this disk's swings dominate)
+#   COMPARE_DRY_RUN  1: print the run order ("run I/R: ROW TOOL after PREVIOUS") and each
+#                    measurement's command, then exit: nothing installed, built, written or
+#                    measured (tools/bench-scripts-test.sh checks the order with it)
 set -euo pipefail
 
+say() { printf '%s\n' "$*" >&2; }
+DRY_RUN=${COMPARE_DRY_RUN:-0}
+[[ $DRY_RUN =~ ^[01]$ ]] || { say "COMPARE_DRY_RUN=$DRY_RUN: 0 or 1"; exit 2; }
 FILE=${COMPARE_FILE:-/var/tmp/tutti-compare.img}
 SIZE=${COMPARE_SIZE:-4g}
 RUNTIME=${COMPARE_RUNTIME:-10}
-RUNS=${COMPARE_RUNS:-3}
 IODEPTH=${COMPARE_IODEPTH:-32}
 SETTLE=${COMPARE_SETTLE:-2}
 ROWS=${COMPARE_ROWS:-"randread-4k read-128k read-1m write-128k write-1m kv-retrieve kv-store"}
+for row in $ROWS; do
+    case $row in
+        randread-4k | read-128k | read-1m | write-128k | write-1m | kv-retrieve | kv-store) ;;
+        *) say "COMPARE_ROWS: unknown row '$row'"; exit 2 ;;
+    esac
+done
 KV_TOKENS=${COMPARE_KV_TOKENS:-4096}
 KV_K=${COMPARE_KV_BLOCKS_PER_SLOT:-16}
 KV_BS_KIB=$((64 * KV_K))
@@ -70,23 +84,35 @@ KV_BYTES=$((KV_TOKENS / 16 * 16 * 131072))
 TOOLS="fio uring emu"
 [ "${COMPARE_QD1:-0}" = 1 ] && TOOLS="$TOOLS fioqd1"
 [ "${COMPARE_FIO_HUGE:-0}" = 1 ] && TOOLS="$TOOLS fiohuge"
+read -r -a TOOL_LIST <<<"$TOOLS"
+# Two passes over the tools' orders, forwards then backwards (see the loop).
+RUNS=${COMPARE_RUNS:-$((2 * ${#TOOL_LIST[@]}))}
+[[ $RUNS =~ ^[1-9][0-9]*$ ]] || { say "COMPARE_RUNS=$RUNS: a positive whole number"; exit 2; }
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$ROOT/target-bench}
 BENCH=${COMPARE_BENCH:-$CARGO_TARGET_DIR/release/tutti-bench}
+# The test file is written over and removed: only ever a regular file (a device node or
+# anything else at that path is refused, never written or removed).
+if [ -e "$FILE" ] && { [ -L "$FILE" ] || [ ! -f "$FILE" ]; }; then
+    say "COMPARE_FILE=$FILE exists and is not a regular file: refusing to write over or remove it"
+    exit 2
+fi
+SIZE_BYTES=$(numfmt --from=iec "${SIZE^^}" 2>/dev/null) || { say "COMPARE_SIZE=$SIZE: a size such as 4g"; exit 2; }
 WORK=$(mktemp -d)
 HUGE_PAGES_BEFORE=""
+# Set once this run has laid out (or reused) the file: until then it is not this run's to remove.
+FILE_OURS=0
 cleanup() {
     rm -rf "$WORK"
-    [ "${COMPARE_KEEP:-0}" = 1 ] || rm -f "$FILE"
+    if [ "$FILE_OURS" = 1 ] && [ "${COMPARE_KEEP:-0}" != 1 ] && [ -f "$FILE" ] && [ ! -L "$FILE" ]; then rm -f "$FILE"; fi
     [ -z "$HUGE_PAGES_BEFORE" ] || echo "$HUGE_PAGES_BEFORE" > /proc/sys/vm/nr_hugepages
 }
 trap cleanup EXIT
 
-say() { printf '%s\n' "$*" >&2; }
 # fio's --mem for a fio column: huge pages for "fiohuge", its default otherwise.
 fio_memory() { if [ "$1" = fiohuge ]; then echo shmhuge; else echo malloc; fi; }
 
-if [ "${COMPARE_FIO_HUGE:-0}" = 1 ]; then
+if [ "${COMPARE_FIO_HUGE:-0}" = 1 ] && [ "$DRY_RUN" = 0 ]; then
     # 64 pages (128 MiB) cover the largest buffer set of any row: 32 x 1 MiB, or 128 x 1 MiB.
     [ "$(id -u)" = 0 ] || { say "COMPARE_FIO_HUGE=1 reserves huge pages: run as root"; exit 2; }
     HUGE_PAGES_BEFORE=$(cat /proc/sys/vm/nr_hugepages)
@@ -96,24 +122,20 @@ if [ "${COMPARE_FIO_HUGE:-0}" = 1 ]; then
 fi
 
 # fio, installed once (idempotent: nothing happens when it is already there).
-if ! command -v fio >/dev/null 2>&1; then
+if [ "$DRY_RUN" = 0 ] && ! command -v fio >/dev/null 2>&1; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
     say "installing fio with apt-get"
-    if [ -z "$SUDO" ]; then
-        # As root, through the one helper that keeps a half-installed etcd-server from being
-        # configured with its service started (tools/lib/dpkg.sh).
-        . "$(dirname "$(readlink -f "$0")")/lib/dpkg.sh"
-        dpkg_configure_pending
-    else
-        $SUDO timeout -k 30 600 dpkg --configure -a >/dev/null 2>&1 || true
-    fi
+    # As root (through sudo when not root), by the one helper that keeps a half-installed
+    # etcd-server from being configured with its service started (tools/lib/dpkg.sh).
+    # shellcheck disable=SC2016 # expanded by that shell
+    $SUDO bash -c '. "$1" && dpkg_configure_pending' compare.sh "$(dirname "$(readlink -f "$0")")/lib/dpkg.sh" || true
     $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null 2>&1 ||
         { $SUDO timeout -k 30 600 apt-get update >/dev/null && $SUDO timeout -k 30 900 apt-get install -y fio >/dev/null; } ||
         { say "apt-get install fio failed"; exit 1; }
 fi
-command -v python3 >/dev/null || { say "python3 is needed to read the JSON results"; exit 1; }
+[ "$DRY_RUN" = 1 ] || command -v python3 >/dev/null || { say "python3 is needed to read the JSON results"; exit 1; }
 
-if [ -z "${COMPARE_BENCH:-}" ]; then
+if [ -z "${COMPARE_BENCH:-}" ] && [ "$DRY_RUN" = 0 ]; then
     say "building tutti-bench (release)"
     (cd "$ROOT" && cargo build --release --bin tutti-bench --quiet)
 fi
@@ -121,13 +143,27 @@ fi
 # overwrite them; older builds (COMPARE_BENCH, "the commit before") have neither the check nor
 # the option.
 KV_OVERWRITE=
-"$BENCH" --help 2>/dev/null | grep -q -- --overwrite && KV_OVERWRITE=--overwrite
+if [ "$DRY_RUN" = 1 ]; then
+    KV_OVERWRITE=--overwrite
+else
+    "$BENCH" --help 2>/dev/null | grep -q -- --overwrite && KV_OVERWRITE=--overwrite
+fi
 
-# One file for everyone, written in full so that every read hits allocated blocks.
-say "laying out $FILE ($SIZE)"
-rm -f "$FILE"
-fio --name=layout --filename="$FILE" --size="$SIZE" --rw=write --bs=1m --iodepth=32 \
-    --ioengine=io_uring --direct=1 --output=/dev/null
+# One file for everyone, written in full so that every read hits allocated blocks. With
+# COMPARE_KEEP=1 a file an earlier run kept, of this size and allocated in full, is reused.
+if [ "${COMPARE_KEEP:-0}" = 1 ] && [ -f "$FILE" ] && [ "$(stat -c %s "$FILE")" = "$SIZE_BYTES" ] &&
+    [ $(($(stat -c '%b * %B' "$FILE"))) -ge "$SIZE_BYTES" ]; then
+    say "reusing $FILE ($SIZE, laid out by an earlier COMPARE_KEEP=1 run)"
+elif [ "$DRY_RUN" = 1 ]; then
+    say "would lay out $FILE ($SIZE)"
+else
+    say "laying out $FILE ($SIZE)"
+    rm -f "$FILE"
+    FILE_OURS=1
+    fio --name=layout --filename="$FILE" --size="$SIZE" --rw=write --bs=1m --iodepth=32 \
+        --ioengine=io_uring --direct=1 --output=/dev/null
+fi
+[ "$DRY_RUN" = 1 ] || FILE_OURS=1
 
 row_params() { # name -> "rw bs"
     case $1 in
@@ -138,8 +174,12 @@ row_params() { # name -> "rw bs"
         write-1m) echo "write 1m" ;;
         kv-retrieve) echo "randread ${KV_BS_KIB}k" ;;
         kv-store) echo "randwrite ${KV_BS_KIB}k" ;;
-        *) say "unknown row $1"; exit 2 ;;
     esac
+}
+
+# measure COMMAND...: runs it, or prints it with COMPARE_DRY_RUN=1.
+measure() {
+    if [ "$DRY_RUN" = 1 ]; then printf '    %s\n' "$*"; else "$@"; fi
 }
 
 # run TOOL ROW RUN -> writes the JSON result to $WORK/TOOL-ROW-RUN.json
@@ -152,10 +192,14 @@ run() {
         fio|fioqd1|fiohuge)
             local depth=$IODEPTH
             [ "$tool" = fioqd1 ] && depth=1
-            fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
+            # --randrepeat=0: other offsets every run, as tutti-bench (seeded from the clock)
+            # and vm-bench's fio rows; fio's default replays the same ones.
+            measure fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                 --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" --mem="$(fio_memory "$tool")" \
-                --output-format=json --output="$out" ;;
+                --randrepeat=0 --output-format=json --output="$out" ;;
         uring|emu)
+            [ "$DRY_RUN" = 0 ] || { measure "$BENCH" --device "$tool:$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
+                --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json; return; }
             "$BENCH" --device "$tool:$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
                 --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json >"$out" 2>"$WORK/stderr" \
                 || { say "tutti-bench $tool $row failed: $(cat "$WORK/stderr")"; echo '{}' >"$out"; } ;;
@@ -172,36 +216,64 @@ run_kv() {
             fio|fioqd1|fiohuge)
                 local depth=$KV_IODEPTH
                 [ "$tool" = fioqd1 ] && depth=1
-                fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --output-format=json --output="$out.$pass" ;;
+                measure fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
+                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --randrepeat=0 --output-format=json --output="$out.$pass" ;;
             emu)
+                [ "$DRY_RUN" = 0 ] || { measure "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify $KV_OVERWRITE \
+                    --output-format=json; continue; }
                 "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify $KV_OVERWRITE \
                     --output-format=json >"$out.$pass" 2>"$WORK/stderr" \
                     || { say "tutti-bench kv failed: $(cat "$WORK/stderr")"; echo '{}' >"$out.$pass"; } ;;
         esac
-        [ "$pass" = "$KV_REPEAT" ] || { sync; sleep "$SETTLE"; }
+        [ "$pass" = "$KV_REPEAT" ] || [ "$DRY_RUN" = 1 ] || { sync; sleep "$SETTLE"; }
     done
 }
 
+# One KV run of tutti-bench measures both KV rows (its store, then its retrieve): it runs on the
+# kv-retrieve row, or on kv-store's when kv-retrieve is not chosen.
+KV_EMU_ROW=kv-store
+[[ " $ROWS " == *" kv-retrieve "* ]] && KV_EMU_ROW=kv-retrieve
+
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
+previous=none
 for index in $(seq 1 "$RUNS"); do
+    # Tools interleaved within a run, so that drift on a shared machine hits all of them, and
+    # their order changed from run to run: a virtual disk may still be writing back what the
+    # previous tool wrote, which must not always penalise the same tool. Turning a cycle alone
+    # keeps each tool's neighbours (fio always ran right after emu): it turns one place per row
+    # and per run, and runs backwards in every second group of as many runs as there are tools,
+    # so over 2 x tools runs each tool follows each of its two neighbours on every row
+    # (tools/vm-bench.sh orders its drivers the same way).
+    rotate=$((index - 1))
+    cycle=("${TOOL_LIST[@]}")
+    if [ $(((rotate / ${#TOOL_LIST[@]}) % 2)) = 1 ]; then
+        cycle=()
+        for ((k = ${#TOOL_LIST[@]} - 1; k >= 0; k--)); do cycle+=("${TOOL_LIST[k]}"); done
+    fi
+    row_index=0
     for row in $ROWS; do
-        # Tools interleaved within a run, so that drift on a shared machine hits all of them,
-        # and the order rotated from run to run: a virtual disk may still be writing back what
-        # the previous tool wrote, which would always penalise the same tool.
-        read -r -a order <<<"$TOOLS"
-        for ((k = 0; k < ${#order[@]}; k++)); do
-            tool=${order[$(((k + index - 1) % ${#order[@]}))]}
-            # One KV run of tutti-bench measures both KV rows (its store, then its retrieve).
-            [ "$row" = kv-store ] && [ "$tool" = emu ] && continue
+        shift_by=$(((row_index + rotate) % ${#cycle[@]}))
+        order=("${cycle[@]:shift_by}" "${cycle[@]:0:shift_by}")
+        row_index=$((row_index + 1))
+        for tool in "${order[@]}"; do
             case $row in kv-*) [ "$tool" = uring ] && continue ;; esac # no KV workload on the kernel path
+            run_row=$row
+            if [ "$tool" = emu ]; then
+                case $row in kv-*) [ "$row" = "$KV_EMU_ROW" ] || continue; run_row=kv-retrieve ;; esac
+            fi
             say "run $index/$RUNS: $row $tool"
-            sync
-            sleep "$SETTLE"
-            run "$tool" "$row" "$index"
+            if [ "$DRY_RUN" = 1 ]; then
+                echo "run $index/$RUNS: $row $tool after $previous"
+            else
+                sync
+                sleep "$SETTLE"
+            fi
+            previous=$tool
+            run "$tool" "$run_row" "$index"
         done
     done
 done
+[ "$DRY_RUN" = 0 ] || exit 0
 
 load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 uname_line="$(nproc) cores, $(uname -r), $(df -T "$(dirname "$FILE")" | awk 'NR==2 {print $2" on "$1}'), fio $(fio --version)"
