@@ -10,7 +10,11 @@
 #    tutti-bench does;
 # 3. COMPARE_ROWS=kv-store alone still runs tutti-bench's KV run (its store phase is the figure);
 # 4. COMPARE_FILE naming a device node is refused (exit 2) and left alone, and COMPARE_KEEP=1
-#    reuses a laid-out file of the right size.
+#    reuses a laid-out file of the right size;
+# 5. tools/compare-lmcache.sh (a stand-in Python, nothing installed): a COMPARE_LMCACHE_SITE it did
+#    not install, where LMCache does not import, is refused (exit 2) and left as it was (it was
+#    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
+#    within COMPARE_LOCK_WAIT_S, then exit 2.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -68,6 +72,35 @@ check "compare.sh COMPARE_KEEP=1: a laid-out file of the size is reused" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=1m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^reusing ')"
 check "compare.sh COMPARE_KEEP=1: one of another size is laid out anew" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=2m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^would lay out ')"
+
+# 5. compare-lmcache.sh's LMCache site. The stand-in Python: `-c` (the
+# import check) fails; `-m pip install ... --target DIR` makes DIR as pip would.
+mkdir -p "$WORK/bin"
+cat > "$WORK/bin/python" << 'FAKE'
+#!/usr/bin/env bash
+case $1 in
+    -c) exit 1 ;;
+    -m) while [ $# -gt 0 ]; do [ "$1" = --target ] && mkdir -p "$2/lmcache"; shift; done; exit 0 ;;
+esac
+exit 0
+FAKE
+chmod +x "$WORK/bin/python"
+lmcache() { env COMPARE_PYTHON="$WORK/bin/python" COMPARE_DIRECTORY="$WORK" COMPARE_BENCH=/bin/true "$@" "$HERE/compare-lmcache.sh"; }
+mkdir -p "$WORK/user-site/numpy"
+lmcache COMPARE_LMCACHE_SITE="$WORK/user-site" > /dev/null 2> "$WORK/site.err"
+check "compare-lmcache.sh: a site it did not install, LMCache not importing: refused" 2 "$?"
+check "compare-lmcache.sh: that site left as it was" yes "$([ -d "$WORK/user-site/numpy" ] && echo yes || echo no)"
+check "compare-lmcache.sh: the refusal names the site" 1 "$(grep -c "not replacing it" "$WORK/site.err")"
+(flock 9 && exec sleep 30) 9> "$WORK/locked-site.lock" &
+holder=$!
+sleep 0.3
+started=$SECONDS
+lmcache COMPARE_LMCACHE_SITE="$WORK/locked-site" COMPARE_LOCK_WAIT_S=1 > /dev/null 2> "$WORK/lock.err"
+check "compare-lmcache.sh: a site lock held by another run: exit 2" 2 "$?"
+check "compare-lmcache.sh: after the bound (well under the holder's 30 s)" yes "$([ $((SECONDS - started)) -lt 10 ] && echo yes || echo no)"
+check "compare-lmcache.sh: the error says the lock is held" 1 "$(grep -c 'still held after 1s' "$WORK/lock.err")"
+kill "$holder" 2> /dev/null
+wait "$holder" 2> /dev/null
 
 if [ "$failures" -gt 0 ]; then
     echo "bench-scripts-test: $failures check(s) failed" >&2

@@ -33,7 +33,13 @@
 #   COMPARE_STRACE      1: one more round of each tool under `strace -f -C` (syscall summary
 #                       and the read/write calls of >= 1 MiB; not part of the figures)
 #   COMPARE_OUT         keep the per-round JSON reports in this directory
-#   COMPARE_LMCACHE_SITE  LMCache's site directory          (default: under the cache, above)
+#   COMPARE_LMCACHE_SITE  LMCache's site directory          (default: under the cache, above);
+#                       a directory there that this script did not install (no marker file
+#                       .tutti-compare-lmcache in it) is never replaced: refused when LMCache
+#                       does not import from it
+#   COMPARE_PYTHON      the Python to run LMCache with, instead of the vLLM engines environment
+#                       (tools/bench-scripts-test.sh uses it)
+#   COMPARE_LOCK_WAIT_S seconds to wait for another run installing into the site (default 1800)
 #
 # Exit status: 0 done; 2 LMCache missing and not installable, a tool failing, or a check failing
 # (the reason on stderr).
@@ -46,6 +52,9 @@ BENCH=${COMPARE_BENCH:-$ROOT/target/release/tutti-bench}
 LMCACHE_VERSION=0.5.6
 LMCACHE_ROOT=${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/lmcache-$LMCACHE_VERSION
 SITE=${COMPARE_LMCACHE_SITE:-$LMCACHE_ROOT/site}
+# Written into the site after an install: only a directory holding it is this script's to replace.
+SITE_MARKER=.tutti-compare-lmcache
+LOCK_WAIT_S=${COMPARE_LOCK_WAIT_S:-1800}
 # LMCache's wheel and what the vLLM environment lacks of its imports (found by importing
 # lmcache.v1.cache_engine until nothing was missing), at the versions that resolved 2026-11-24.
 PINS=("lmcache==$LMCACHE_VERSION" aiofile==3.12.3 caio==0.12.10 sortedcontainers==2.4.0)
@@ -57,6 +66,7 @@ say() { printf '%s\n' "$*" >&2; }
 die() { say "compare-lmcache: $*"; exit 2; }
 
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "COMPARE_ROUNDS must be a positive integer, not '$ROUNDS'"
+[[ $LOCK_WAIT_S =~ ^[0-9]+$ ]] || die "COMPARE_LOCK_WAIT_S must be a whole number of seconds, not '$LOCK_WAIT_S'"
 [[ -d $DIRECTORY && -w $DIRECTORY ]] || die "COMPARE_DIRECTORY $DIRECTORY is not a writable directory"
 [[ -w /proc/sys/vm/drop_caches ]] || say "compare-lmcache: /proc/sys/vm/drop_caches is not writable: the driver falls back to posix_fadvise(DONTNEED) per file"
 
@@ -67,8 +77,12 @@ trap cleanup EXIT
 export PROMETHEUS_MULTIPROC_DIR=$WORK/prometheus
 
 # --- LMCache's Python environment (idempotent) -------------------------------------------------
-env_dir=$("$ROOT/tools/python/engine-env.sh" vllm) || die "the vLLM engines environment (tools/python/engine-env.sh vllm) could not be installed"
-PYTHON=$env_dir/bin/python
+if [[ -n ${COMPARE_PYTHON:-} ]]; then
+    PYTHON=$COMPARE_PYTHON
+else
+    env_dir=$("$ROOT/tools/python/engine-env.sh" vllm) || die "the vLLM engines environment (tools/python/engine-env.sh vllm) could not be installed"
+    PYTHON=$env_dir/bin/python
+fi
 export LMCACHE_TRACK_USAGE=false DO_NOT_TRACK=1
 CHECK="import lmcache, numpy, torch
 from lmcache.v1.cache_engine import LMCacheEngineBuilder
@@ -79,14 +93,21 @@ lmcache_loads() { PYTHONPATH=$SITE "$PYTHON" -c "$CHECK" >"$WORK/check.log" 2>&1
 
 mkdir -p "$(dirname "$SITE")"
 exec 9>"$SITE.lock"
-flock 9
+# Another run may be installing (pip, minutes): waited for, within a bound.
+flock -w "$LOCK_WAIT_S" 9 || die "$SITE.lock is still held after ${LOCK_WAIT_S}s (another compare-lmcache run installing LMCache?); COMPARE_LOCK_WAIT_S sets the wait"
 if ! lmcache_loads; then
+    # The site is replaced only if this script installed it (its marker inside): anything else
+    # at that path, a user's site-packages say, is never deleted.
+    if [[ -e $SITE || -L $SITE ]] && { [[ -L $SITE ]] || [[ ! -f $SITE/$SITE_MARKER ]]; }; then
+        die "LMCache $LMCACHE_VERSION does not import from $SITE, which this script did not install (no $SITE_MARKER in it): not replacing it; remove it or point COMPARE_LMCACHE_SITE elsewhere ($(tail -n 1 "$WORK/check.log"))"
+    fi
     say "compare-lmcache: installing LMCache $LMCACHE_VERSION into $SITE"
     rm -rf "$SITE.partial"
     "$PYTHON" -m pip install --quiet --no-deps --target "$SITE.partial" "${PINS[@]}" >&2 \
         || { rm -rf "$SITE.partial"; die "LMCache $LMCACHE_VERSION is not installed and pip could not install ${PINS[*]} (see above)"; }
     rm -rf "$SITE"
     mv "$SITE.partial" "$SITE"
+    echo "installed by tools/compare-lmcache.sh: replaced when LMCache does not import from it" > "$SITE/$SITE_MARKER"
     lmcache_loads || die "LMCache was installed into $SITE but does not import: $(tail -n 3 "$WORK/check.log")"
 fi
 flock -u 9
