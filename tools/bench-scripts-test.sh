@@ -14,7 +14,8 @@
 # 5. tools/compare-lmcache.sh (a stand-in Python, nothing installed): a COMPARE_LMCACHE_SITE it did
 #    not install, where LMCache does not import, is refused (exit 2) and left as it was (it was
 #    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
-#    within COMPARE_LOCK_WAIT_S, then exit 2.
+#    within COMPARE_LOCK_WAIT_S, then exit 2; the tutti-bench it measures is the executable
+#    cargo's JSON names (CARGO_TARGET_DIR, build.target-dir), not a fixed target/release path.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -73,7 +74,7 @@ check "compare.sh COMPARE_KEEP=1: a laid-out file of the size is reused" 1 \
 check "compare.sh COMPARE_KEEP=1: one of another size is laid out anew" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=2m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^would lay out ')"
 
-# 5. compare-lmcache.sh's LMCache site. The stand-in Python: `-c` (the
+# 5. compare-lmcache.sh's LMCache site and tutti-bench binary. The stand-in Python: `-c` (the
 # import check) fails; `-m pip install ... --target DIR` makes DIR as pip would.
 mkdir -p "$WORK/bin"
 cat > "$WORK/bin/python" << 'FAKE'
@@ -101,6 +102,14 @@ check "compare-lmcache.sh: after the bound (well under the holder's 30 s)" yes "
 check "compare-lmcache.sh: the error says the lock is held" 1 "$(grep -c 'still held after 1s' "$WORK/lock.err")"
 kill "$holder" 2> /dev/null
 wait "$holder" 2> /dev/null
+# cargo_executable, the function that reads cargo's JSON, on a build whose target directory moved.
+eval "$(sed -n '/^cargo_executable() {$/,/^}$/p' "$HERE/compare-lmcache.sh")"
+cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti_bench"},"executable":null}
+{"reason":"compiler-artifact","target":{"kind":["bin"],"name":"tutti-bench"},"executable":"/elsewhere/release/tutti-bench"}
+{"reason":"build-finished","success":true}'
+check "compare-lmcache.sh: the binary is the one cargo reports" /elsewhere/release/tutti-bench \
+    "$(cargo_executable tutti-bench <<< "$cargo_json" 2> /dev/null)"
+check "compare-lmcache.sh: no executable reported: a failure" 1 "$(cargo_executable tutti-bench <<< '{"reason":"build-finished"}' > /dev/null 2>&1; echo $?)"
 
 if [ "$failures" -gt 0 ]; then
     echo "bench-scripts-test: $failures check(s) failed" >&2

@@ -28,8 +28,9 @@
 # Environment (all optional):
 #   COMPARE_ROUNDS      rounds; medians reported                      (default 6)
 #   COMPARE_DIRECTORY   filesystem both tools write to                (default /var/tmp)
-#   COMPARE_BENCH       tutti-bench binary                 (default target/release/tutti-bench,
-#                       built with cargo --release --locked when missing)
+#   COMPARE_BENCH       tutti-bench binary                 (default: built every run with cargo
+#                       --release --locked, the binary cargo reports, wherever CARGO_TARGET_DIR
+#                       or cargo's build.target-dir put it; its path is printed with the table)
 #   COMPARE_STRACE      1: one more round of each tool under `strace -f -C` (syscall summary
 #                       and the read/write calls of >= 1 MiB; not part of the figures)
 #   COMPARE_OUT         keep the per-round JSON reports in this directory
@@ -48,7 +49,7 @@ set -euo pipefail
 ROUNDS=${COMPARE_ROUNDS:-6}
 DIRECTORY=${COMPARE_DIRECTORY:-/var/tmp}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-BENCH=${COMPARE_BENCH:-$ROOT/target/release/tutti-bench}
+BENCH=${COMPARE_BENCH:-}
 LMCACHE_VERSION=0.5.6
 LMCACHE_ROOT=${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/lmcache-$LMCACHE_VERSION
 SITE=${COMPARE_LMCACHE_SITE:-$LMCACHE_ROOT/site}
@@ -113,11 +114,35 @@ fi
 flock -u 9
 
 # --- tutti-bench ---------------------------------------------------------------------------------
+# cargo_executable NAME: the executable of binary NAME from `cargo build --message-format=json`
+# on stdin (its compiler-artifact message); fails when there is none.
+cargo_executable() {
+    python3 -c '
+import json, sys
+paths = []
+for line in sys.stdin:
+    try:
+        message = json.loads(line)
+    except ValueError:
+        continue
+    target = message.get("target") or {}
+    if message.get("reason") == "compiler-artifact" and target.get("name") == sys.argv[1] \
+            and "bin" in target.get("kind", []) and message.get("executable"):
+        paths.append(message["executable"])
+if not paths:
+    sys.exit(1)
+print(paths[-1])
+' "$1"
+}
 # Built every run unless COMPARE_BENCH names a binary (cargo is incremental: seconds when nothing
-# changed), so a binary left by an older checkout is never what gets measured.
-if [[ -z ${COMPARE_BENCH:-} ]]; then
+# changed), so a binary left by an older checkout is never what gets measured. The path is the
+# one cargo reports for the build (CARGO_TARGET_DIR and build.target-dir move it; a fixed
+# target/release/ could name a stale binary).
+if [[ -z $BENCH ]]; then
     say "compare-lmcache: building tutti-bench (release)"
-    (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --quiet) || die "building tutti-bench failed"
+    (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --message-format=json --quiet >"$WORK/cargo.json") \
+        || die "building tutti-bench failed"
+    BENCH=$(cargo_executable tutti-bench <"$WORK/cargo.json") || die "cargo reported no tutti-bench executable for the build"
 fi
 [[ -x $BENCH ]] || die "no tutti-bench binary at $BENCH"
 
@@ -157,6 +182,7 @@ load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 
 machine="$(nproc) cores, $(uname -r), $(df -T "$DIRECTORY" | awk 'NR==2 {print $2" on "$1}') at $DIRECTORY"
 "$PYTHON" "$TABLE" "$WORK" "$ROUNDS" "$machine" "$load_start" "$load_end" || exit 2
+echo "tutti-bench binary: $BENCH"
 
 if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
     command -v strace >/dev/null || die "COMPARE_STRACE=1 needs strace (apt-get install strace)"
