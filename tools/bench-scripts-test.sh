@@ -15,7 +15,11 @@
 #    not install, where LMCache does not import, is refused (exit 2) and left as it was (it was
 #    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
 #    within COMPARE_LOCK_WAIT_S, then exit 2; the tutti-bench it measures is the executable
-#    cargo's JSON names (CARGO_TARGET_DIR, build.target-dir), not a fixed target/release path.
+#    cargo's JSON names (CARGO_TARGET_DIR, build.target-dir), not a fixed target/release path;
+# 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
+#    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
+#    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
+#    so that ours/kernel compares the same work.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -110,6 +114,18 @@ cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti
 check "compare-lmcache.sh: the binary is the one cargo reports" /elsewhere/release/tutti-bench \
     "$(cargo_executable tutti-bench <<< "$cargo_json" 2> /dev/null)"
 check "compare-lmcache.sh: no executable reported: a failure" 1 "$(cargo_executable tutti-bench <<< '{"reason":"build-finished"}' > /dev/null 2>&1; echo $?)"
+
+# 6. vm-bench's write rows.
+for settings in "" "TUTTI_BENCH_SHADOW=1 TUTTI_BENCH_PIN=0 TUTTI_BENCH_REPEAT=2"; do
+    # shellcheck disable=SC2086 # word splitting of the settings is meant
+    env $settings TUTTI_VM_DIR="$WORK/vm" TUTTI_BENCH_COMMANDS_ONLY="$WORK/commands" "$HERE/vm-bench.sh" 2> "$WORK/vm-bench.err"
+    check "vm-bench.sh ${settings:-defaults}: the guest commands are written without booting" 0 "$?"
+    writes=$(grep -E '^echo JSON_BEGIN [a-z]+ seqwrite-' "$WORK/commands")
+    check "vm-bench.sh ${settings:-defaults}: write rows of the kernel and of tutti-bench listed" yes \
+        "$(grep -q ' kernel seqwrite-' <<< "$writes" && grep -q 'tutti-bench --workload=raw' <<< "$writes" && echo yes || echo no)"
+    check "vm-bench.sh ${settings:-defaults}: every write row's run is unstamped" "" \
+        "$(grep -v -e ' --scramble_buffers=0 ' -e 'unstamped=--scramble_buffers=0;' <<< "$writes" | cut -d';' -f1 | tr '\n' ';')"
+done
 
 if [ "$failures" -gt 0 ]; then
     echo "bench-scripts-test: $failures check(s) failed" >&2

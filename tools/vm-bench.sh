@@ -49,6 +49,8 @@
 #                            seemed to depend on which process ran before it); over
 #                            boots with N = 0 .. 2 × drivers − 1 every driver takes every place
 #                            on every row and follows each of two neighbours
+#   TUTTI_BENCH_COMMANDS_ONLY=FILE  write the guest's command list to FILE and stop: nothing
+#                            installed, built or booted (tools/bench-scripts-test.sh checks it)
 #   TUTTI_BENCH_REPEAT=K     run the drivers' rows K times in one boot (default 1; the kernel's
 #                            rows once), pass P as if TUTTI_BENCH_ROTATE were N + P − 1; with
 #                            K > 1 the table shows medians over the passes and the ratio columns
@@ -113,6 +115,82 @@ SECONDS_PER_RUNTIME_S=40
 [ -n "$PIN" ] && SECONDS_PER_RUNTIME_S=$((SECONDS_PER_RUNTIME_S + 20))
 export TUTTI_VM_TIMEOUT_S=${TUTTI_VM_TIMEOUT_S:-$((RUNTIME_S * SECONDS_PER_RUNTIME_S * REPEAT + 180))}
 
+# One run per row and driver; each JSON document (fio's schema; tutti-bench writes the same) is
+# framed by markers so the host can cut it out of the console. tutti-bench's progress display
+# (stderr) is shown only when a run fails.
+ROWS=(randread-4k-qd1:randread:4k:1 randread-4k-qd32:randread:4k:32 seqread-128k:read:128k:32
+    seqread-1m:read:1m:8 seqwrite-128k:write:128k:32 seqwrite-1m:write:1m:8)
+if [ -n "${TUTTI_BENCH_ROWS:-}" ]; then
+    chosen=()
+    IFS=, read -r -a wanted <<< "$TUTTI_BENCH_ROWS"
+    for name in "${wanted[@]}"; do
+        match=
+        for spec in "${ROWS[@]}"; do [ "${spec%%:*}" = "$name" ] && match=$spec; done
+        [ -n "$match" ] || vm_die "TUTTI_BENCH_ROWS: no row named '$name' (rows: $(printf '%s ' "${ROWS[@]%%:*}"))"
+        chosen+=("$match")
+    done
+    ROWS=("${chosen[@]}")
+fi
+# TUTTI_BENCH_COMMANDS_ONLY=FILE: the guest's commands go to FILE and the script stops there.
+COMMANDS=${TUTTI_BENCH_COMMANDS_ONLY:-$VM_DIR/commands.bench}
+mkdir -p "$(dirname "$COMMANDS")"
+# The guest's clock source says what a clock read costs there (tsc: no system call).
+# shellcheck disable=SC2016 # expanded by the guest's shell
+printf '%s\n' 'echo "guest clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"' > "$COMMANDS"
+# Fill the span once so reads return written data rather than the image's holes.
+printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" >> "$COMMANDS"
+# --scramble_buffers=0: the kernel's writes, as ours below and SPDK's perf, do not stamp each
+# buffer (fio's default stamps every 512 B of each write, costly under TCG); until 2026-11-30
+# they did, so earlier ours/kernel write ratios compared different work.
+for spec in "${ROWS[@]}"; do
+    IFS=: read -r name rw block depth <<< "$spec"
+    printf '%s\n' "echo JSON_BEGIN kernel $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --scramble_buffers=0 --output-format=json | sed 's/^/JSON /'; echo JSON_END" >> "$COMMANDS"
+done
+# label:command of each driver after the kernel's rows (none with TUTTI_BENCH_OURS=0).
+DRIVERS=()
+if [ "$OURS" = 1 ]; then
+    # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
+    printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
+    # SPDK's DPDK environment wants hugetlbfs mounted and a writable /var/run.
+    [ -n "$SPDK_DIR" ] && printf '%s\n' 'mkdir -p /dev/hugepages /var/run /var/tmp && mount -t hugetlbfs nodev /dev/hugepages && mount -t tmpfs tmpfs /var/run' >> "$COMMANDS"
+    # With a "before" binary or SPDK, the drivers run back to back on each row, in the same
+    # boot; the order rotates from row to row, so that none always follows another.
+    DRIVERS+=("ours:tutti-bench")
+    [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
+    [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
+    [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
+    [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
+    for ((pass = 1; pass <= REPEAT; pass++)); do
+        rotate=$((ROTATE + pass - 1))
+        cycle=("${DRIVERS[@]}")
+        if [ $(((rotate / ${#DRIVERS[@]}) % 2)) = 1 ]; then
+            cycle=()
+            for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do cycle+=("${DRIVERS[index]}"); done
+        fi
+        row_index=0
+        for spec in "${ROWS[@]}"; do
+            IFS=: read -r name rw block depth <<< "$spec"
+            shift_by=$(((row_index + rotate) % ${#cycle[@]}))
+            order=("${cycle[@]:shift_by}" "${cycle[@]:0:shift_by}")
+            row_index=$((row_index + 1))
+            for driver in "${order[@]}"; do
+                label=${driver%%:*} binary=${driver#*:}
+                if [ "$label" = spdk ]; then
+                    bytes=$(numfmt --from=iec "${block^^}")
+                    # Its report goes to the console as PERF lines; the summary reads the Total line.
+                    printf '%s\n' "echo JSON_BEGIN spdk $name $pass; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
+                    continue
+                fi
+                # Writes as SPDK's perf writes (its buffers unchanged from I/O to I/O): a build
+                # that stamps each write (--scramble_buffers, fio's default) is told not to;
+                # older builds ("before") have neither the stamp nor the option.
+                printf '%s\n' "echo JSON_BEGIN $label $name $pass; unstamped=; $binary --help 2>/dev/null | grep -q -- --scramble_buffers && unstamped=--scramble_buffers=0; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json \$unstamped > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
+            done
+        done
+    done
+fi
+[ -z "${TUTTI_BENCH_COMMANDS_ONLY:-}" ] || exit 0
+
 mkdir -p "$VM_DIR"/{debs,logs,kernel}
 vm_install_host_tools
 command -v fio > /dev/null || {
@@ -171,76 +249,6 @@ if [ -n "$BEFORE" ]; then
     mkdir -p "$EXTRA/bin"
     install -m 755 "$BEFORE" "$EXTRA/bin/tutti-bench-before"
     strip --strip-debug "$EXTRA/bin/tutti-bench-before"
-fi
-
-# One run per row and driver; each JSON document (fio's schema; tutti-bench writes the same) is
-# framed by markers so the host can cut it out of the console. tutti-bench's progress display
-# (stderr) is shown only when a run fails.
-ROWS=(randread-4k-qd1:randread:4k:1 randread-4k-qd32:randread:4k:32 seqread-128k:read:128k:32
-    seqread-1m:read:1m:8 seqwrite-128k:write:128k:32 seqwrite-1m:write:1m:8)
-if [ -n "${TUTTI_BENCH_ROWS:-}" ]; then
-    chosen=()
-    IFS=, read -r -a wanted <<< "$TUTTI_BENCH_ROWS"
-    for name in "${wanted[@]}"; do
-        match=
-        for spec in "${ROWS[@]}"; do [ "${spec%%:*}" = "$name" ] && match=$spec; done
-        [ -n "$match" ] || vm_die "TUTTI_BENCH_ROWS: no row named '$name' (rows: $(printf '%s ' "${ROWS[@]%%:*}"))"
-        chosen+=("$match")
-    done
-    ROWS=("${chosen[@]}")
-fi
-COMMANDS=$VM_DIR/commands.bench
-# The guest's clock source says what a clock read costs there (tsc: no system call).
-# shellcheck disable=SC2016 # expanded by the guest's shell
-printf '%s\n' 'echo "guest clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"' > "$COMMANDS"
-# Fill the span once so reads return written data rather than the image's holes.
-printf '%s\n' "/usr/bin/fio --name=fill --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=write --bs=1M --iodepth=16 --size=${SIZE_MIB}M --output-format=terse > /dev/null" >> "$COMMANDS"
-for spec in "${ROWS[@]}"; do
-    IFS=: read -r name rw block depth <<< "$spec"
-    printf '%s\n' "echo JSON_BEGIN kernel $name; /usr/bin/fio --name=$name --filename=/dev/nvme0n1 --ioengine=io_uring --direct=1 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --ramp_time=1 --runtime=$RUNTIME_S --randrepeat=0 --norandommap --output-format=json | sed 's/^/JSON /'; echo JSON_END" >> "$COMMANDS"
-done
-# label:command of each driver after the kernel's rows (none with TUTTI_BENCH_OURS=0).
-DRIVERS=()
-if [ "$OURS" = 1 ]; then
-    # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
-    printf '%s\n' 'tutti bind $TUTTI_BDF0' >> "$COMMANDS"
-    # SPDK's DPDK environment wants hugetlbfs mounted and a writable /var/run.
-    [ -n "$SPDK_DIR" ] && printf '%s\n' 'mkdir -p /dev/hugepages /var/run /var/tmp && mount -t hugetlbfs nodev /dev/hugepages && mount -t tmpfs tmpfs /var/run' >> "$COMMANDS"
-    # With a "before" binary or SPDK, the drivers run back to back on each row, in the same
-    # boot; the order rotates from row to row, so that none always follows another.
-    DRIVERS+=("ours:tutti-bench")
-    [ -n "$BEFORE" ] && DRIVERS+=("before:tutti-bench-before")
-    [ -n "$SPDK_DIR" ] && DRIVERS+=("spdk:spdk_nvme_perf")
-    [ "$SHADOW" = 1 ] && DRIVERS+=("shadow:tutti-bench --shadow-doorbells")
-    [ -n "$PIN" ] && DRIVERS+=("pinned:tutti-bench --cpus_allowed=$PIN")
-    for ((pass = 1; pass <= REPEAT; pass++)); do
-        rotate=$((ROTATE + pass - 1))
-        cycle=("${DRIVERS[@]}")
-        if [ $(((rotate / ${#DRIVERS[@]}) % 2)) = 1 ]; then
-            cycle=()
-            for ((index = ${#DRIVERS[@]} - 1; index >= 0; index--)); do cycle+=("${DRIVERS[index]}"); done
-        fi
-        row_index=0
-        for spec in "${ROWS[@]}"; do
-            IFS=: read -r name rw block depth <<< "$spec"
-            shift_by=$(((row_index + rotate) % ${#cycle[@]}))
-            order=("${cycle[@]:shift_by}" "${cycle[@]:0:shift_by}")
-            row_index=$((row_index + 1))
-            for driver in "${order[@]}"; do
-                label=${driver%%:*} binary=${driver#*:}
-                if [ "$label" = spdk ]; then
-                    bytes=$(numfmt --from=iec "${block^^}")
-                    # Its report goes to the console as PERF lines; the summary reads the Total line.
-                    printf '%s\n' "echo JSON_BEGIN spdk $name $pass; LD_LIBRARY_PATH=$(printf %q "$SPDK_DIR/build/lib") /usr/bin/spdk_nvme_perf -r 'trtype:PCIe traddr:'\$TUTTI_BDF0 -q $depth -o $bytes -w $rw -t $RUNTIME_S -c 0x1 -s 128 --iova-mode pa > /tmp/perf.txt 2>&1; status=\$?; sed 's/^/PERF /' /tmp/perf.txt; echo JSON_END; exit \$status" >> "$COMMANDS"
-                    continue
-                fi
-                # Writes as SPDK's perf writes (its buffers unchanged from I/O to I/O): a build
-                # that stamps each write (--scramble_buffers, fio's default) is told not to;
-                # older builds ("before") have neither the stamp nor the option.
-                printf '%s\n' "echo JSON_BEGIN $label $name $pass; unstamped=; $binary --help 2>/dev/null | grep -q -- --scramble_buffers && unstamped=--scramble_buffers=0; $binary --workload=raw --device vfio:\$TUTTI_BDF0 --rw=$rw --bs=$block --iodepth=$depth --numjobs=1 --size=${SIZE_MIB}M --time_based --runtime=${RUNTIME_S}s --output-format=json \$unstamped > /tmp/result.json 2> /tmp/stderr.txt; status=\$?; [ \$status = 0 ] || cat /tmp/stderr.txt; sed 's/^/JSON /' /tmp/result.json; echo JSON_END; exit \$status" >> "$COMMANDS"
-            done
-        done
-    done
 fi
 
 CONF=$VM_DIR/conf.bench
