@@ -213,8 +213,11 @@ def test_status_lists_a_live_session_as_neither_kept_nor_awaiting_exit(formatted
     store, _ = attached(formatted_daemon)
     try:
         with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
-            (entry,) = [client for client in probe.status()["clients"] if client["session"] == store.session]
+            status = probe.status()
+            (entry,) = [client for client in status["clients"] if client["session"] == store.session]
         assert entry["kept"] is False and entry["awaiting_exit"] is False and entry["retiring"] is False, entry
+        # Protocol version 8: each device says whether its metadata writes are fenced.
+        assert [device["metadata_fenced"] for device in status["devices"]] == [False], status["devices"]
     finally:
         store.close()
 

@@ -787,7 +787,7 @@ class LookupClient:
     def status(self) -> dict[str, Any]:
         """The daemon's status (tutti-daemon's StatusReply) as plain data: {"daemon_pid",
         "uptime_ms", "connections", "leaked_queue_pairs", "devices": [{"spec", "description",
-        "refused_commands"}], "pool": {"slots", "free_slots", "valid_slots", "writing_slots",
+        "refused_commands", "metadata_fenced"}], "pool": {"slots", "free_slots", "valid_slots", "writing_slots",
         "pinned_slots", "cached_blocks", "evictions"}, "clients": [{"session", "pid", "uid",
         "name", "tp_rank", "tp_world", "requests", "idle_ms", "registrations", "queue_pairs",
         "requests_in_flight", "awaiting_exit", "kept", "retiring"}]} ("awaiting_exit": the daemon ended the
@@ -795,7 +795,9 @@ class LookupClient:
         "kept": the session ended but its queue pairs are not known to be deleted, so the daemon
         keeps its memory registered for good — never free memory a kept session registered;
         "retiring": the session ended and the deletion of its queue pairs is not confirmed yet,
-        retried until it is — its memory stays registered meanwhile, so do not free it either)."""
+        retried until it is — its memory stays registered meanwhile, so do not free it either;
+        a device's "metadata_fenced": its slot headers could not be written, so its slots take no
+        new KV until tuttid restarts — stores answered pool full meanwhile)."""
     def close(self) -> None: ...
     def __enter__(self) -> LookupClient: ...
     def __exit__(self, *exc: object) -> None: ...

@@ -156,11 +156,12 @@ impl LookupClient {
         out.set_item("connections", status.connections)?;
         out.set_item("leaked_queue_pairs", status.leaked_queue_pairs)?;
         let devices = PyList::empty(py);
-        for device in &status.devices {
+        for (index, device) in status.devices.iter().enumerate() {
             let entry = PyDict::new(py);
             entry.set_item("spec", &device.spec)?;
             entry.set_item("description", &device.description)?;
             entry.set_item("refused_commands", device.refused_commands)?;
+            entry.set_item("metadata_fenced", status.metadata_fenced.get(index).copied().unwrap_or(false))?;
             devices.append(entry)?;
         }
         out.set_item("devices", devices)?;
