@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/vm/harness-test.sh — checks the VM harness's boot logic (tools/vm/lib.sh: vm_boot) without
 # QEMU: a stand-in "QEMU" script plays the guest. Run by tools/vm-test.sh before it boots, and
-# alone: `tools/vm/harness-test.sh` (about 10 s, no root, no downloads).
+# alone: `tools/vm/harness-test.sh` (about 11 s, no root, no downloads).
 #
 # Cases:
 # 1. back to back: run A reports its result and exits at once; run B starts right away in the
@@ -16,6 +16,10 @@
 # 5. a guest command killed by a signal (status above 127: 143 for timeout's TERM, 137 for the
 #    OOM killer) is reported as such: /init can only pass 0..127 to isa-debug-exit, so QEMU exits
 #    255 and the host takes the status the guest printed.
+# 6. tools/vm/tuttid-stage.sh (the guest's tuttid step) with stand-in tuttid and tuttid-client:
+#    a daemon that ignores SIGTERM fails the step within its exit bound (TUTTID_STAGE_EXIT_S),
+#    naming it, instead of waiting for ever; one that drains and exits 0 passes. Needs python3
+#    (the stand-in binds a Unix socket); skipped without it.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -102,6 +106,48 @@ FAKE_RC=143 vm_boot /dev/null "$WORK/f.log" 2> "$WORK/f.err"
 check "a guest status above 127 (QEMU exits 255) is taken as reported" 143 "$VM_GUEST_RC"
 FAKE_RC=3 vm_boot /dev/null "$WORK/g.log" 2> "$WORK/g.err"
 check "a guest status below 128 is taken as reported" 3 "$VM_GUEST_RC"
+
+# 6. tuttid-stage.sh's wait for the daemon after SIGTERM.
+if command -v python3 > /dev/null; then
+    mkdir -p "$WORK/stage-bin"
+    cat > "$WORK/stage-bin/tuttid" << 'FAKE'
+#!/bin/sh
+# The stand-in daemon: listens on --socket; on SIGTERM removes it and exits 0, or with
+# FAKE_TUTTID_STUCK=1 ignores SIGTERM. `tuttid --status SOCKET` succeeds.
+[ "$1" = --status ] && exit 0
+socket=
+while [ $# -gt 0 ]; do [ "$1" = --socket ] && socket=$2; shift; done
+exec python3 -c '
+import os, signal, socket, sys, time
+def stop(*_):
+    os.unlink(sys.argv[1])
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if os.environ.get("FAKE_TUTTID_STUCK") == "1" else stop)
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+time.sleep(30)
+' "$socket"
+FAKE
+    printf '#!/bin/sh\nexit 0\n' > "$WORK/stage-bin/tuttid-client"
+    chmod +x "$WORK/stage-bin/tuttid" "$WORK/stage-bin/tuttid-client"
+    stage_shell=sh
+    command -v busybox > /dev/null && stage_shell="busybox sh" # the guest's shell
+    export TUTTID_STAGE_SOCKET=$WORK/tuttid.sock
+    started=$SECONDS
+    # shellcheck disable=SC2086 # "busybox sh" is two words
+    PATH=$WORK/stage-bin:$PATH FAKE_TUTTID_STUCK=1 TUTTID_STAGE_EXIT_S=1 timeout 20 $stage_shell "$HERE/tuttid-stage.sh" --device vfio:x > "$WORK/stage-stuck.err" 2>&1 && status=0 || status=$?
+    check "tuttid-stage: a daemon ignoring SIGTERM fails the step" 1 "$status"
+    check "tuttid-stage: within its exit bound (+ slack)" yes "$([ $((SECONDS - started)) -lt 10 ] && echo yes || echo no)"
+    check "tuttid-stage: the failure says so" 1 "$(grep -c 'tuttid did not exit within 1 s of SIGTERM' "$WORK/stage-stuck.err")"
+    rm -f "$TUTTID_STAGE_SOCKET"
+    # shellcheck disable=SC2086
+    PATH=$WORK/stage-bin:$PATH FAKE_TUTTID_STUCK=0 TUTTID_STAGE_EXIT_S=5 timeout 20 $stage_shell "$HERE/tuttid-stage.sh" --device vfio:x > "$WORK/stage-ok.err" 2>&1 && status=0 || status=$?
+    check "tuttid-stage: a daemon that drains and exits 0 passes" 0 "$status"
+    rm -f "$TUTTID_STAGE_SOCKET"
+else
+    vm_log "harness-test: no python3: the tuttid-stage checks are skipped"
+fi
 
 if [ "$failures" -gt 0 ]; then
     for log in "$WORK"/*.err; do sed "s|^|$(basename "$log"): |" "$log" >&2; done
