@@ -120,6 +120,50 @@ def test_request_life_save_then_load_on_two_ranks(cluster):
     wait_finished(workers, "B")
 
 
+class EagleSpeculativeConfig:
+    """Stands for vLLM's SpeculativeConfig with an EAGLE/MTP method (building a real one loads
+    the draft model's config)."""
+
+    method = "eagle"
+
+    def use_eagle(self) -> bool:
+        return True
+
+    def use_eagle_block_drop(self) -> bool:
+        return True
+
+
+def test_with_eagle_the_last_block_of_a_hit_is_not_loaded(tuttid):
+    """Goal: with EAGLE/MTP speculative decoding vLLM drops the last block of its own prefix hit
+    (FullAttentionManager.find_longest_cache_hit, drop_eagle_block): a drafter layer's KV at a
+    block's last slot depends on the next token, which the block's key does not include. A hit
+    in tutti is one block short likewise, whether or not vLLM holds the blocks before it."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    config = harness.vllm_config(daemon.socket, 1)
+    config.speculative_config = EagleSpeculativeConfig()
+    scheduler = harness.make_connector(config, KVConnectorRole.SCHEDULER)
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(71, blocks=3, tail=2)
+        worker.fill([1, 2, 3], 71)
+        worker.save("P", tokens[: 3 * block], [1, 2, 3])
+        request = harness.request("R", tokens)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * block, False)
+        assert scheduler.get_num_new_matched_tokens(request, block) == (block, False)
+        # vLLM holds two blocks (it dropped the third of its own hit): tutti's third is not loaded either.
+        assert scheduler.get_num_new_matched_tokens(request, 2 * block) == (0, False)
+        # Without EAGLE, every block of the hit is loaded.
+        plain = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+        try:
+            assert plain.get_num_new_matched_tokens(harness.request("R2", tokens), 0) == (3 * block, False)
+        finally:
+            plain.shutdown()
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
 def test_local_prefix_counts_and_last_token_is_never_loaded(cluster):
     """Goal: the matched tokens exclude what vLLM already computed locally, and a prompt that is
     exactly whole blocks keeps its last block for vLLM to compute (it needs one token's logits)."""

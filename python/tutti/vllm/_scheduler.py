@@ -81,6 +81,13 @@ class SchedulerSide:
         # schedule() resumed it (reset_prefix_cache(reset_running_requests=True) preempts every
         # running request; the next schedule() resumes them), so its new load stands.
         self._allocated: set[str] = set()
+        # With EAGLE/MTP speculative decoding vLLM drops the last block of its own prefix hit
+        # (FullAttentionManager.find_longest_cache_hit, drop_eagle_block): a drafter layer's KV
+        # at a block's last slot depends on the next token, which the block's key does not
+        # include. A hit in tutti is cut one block short likewise, as vLLM's own CPU offloading
+        # does (SpeculativeConfig.use_eagle_block_drop).
+        speculative = getattr(self._vllm_config, "speculative_config", None)
+        self._eagle_block_drop = speculative is not None and bool(speculative.use_eagle_block_drop())
         self.lookup_failures = 0
         self.lookup_reconnects = 0
         # After a failed connect or a timed-out lookup: no attempt before _lookup_retry_at
@@ -185,7 +192,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens beyond `num_computed_tokens` that every rank can load from tutti: whole blocks of
-        the prompt, never its last token (vLLM computes at least one token to sample from).
+        the prompt, never its last token (vLLM computes at least one token to sample from), and
+        with EAGLE/MTP never the hit's last block (vLLM recomputes it).
         Loads are synchronous (layer by layer during the step's forward): the bool is False.
         A daemon that does not answer is a miss (logged and counted), not a failed request."""
         state = self._scheduler_request(request)
@@ -203,7 +211,11 @@ class SchedulerSide:
             log = logger.debug if isinstance(error, _LookupBackingOff) else logger.warning
             log("tutti lookup for request %s failed, treated as a miss: %s", request.request_id, error)
             return 0, False
-        state.hit_tokens = min(hit_blocks, usable_blocks) * self._block_size
+        hit_blocks = min(hit_blocks, usable_blocks)
+        if self._eagle_block_drop:
+            # The whole hit's last block (vLLM's local blocks are already one short of its own).
+            hit_blocks -= 1
+        state.hit_tokens = max(0, hit_blocks) * self._block_size
         return max(0, state.hit_tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
