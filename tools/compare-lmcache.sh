@@ -181,8 +181,7 @@ done
 load_end=$(cut -d' ' -f1-3 /proc/loadavg)
 
 machine="$(nproc) cores, $(uname -r), $(df -T "$DIRECTORY" | awk 'NR==2 {print $2" on "$1}') at $DIRECTORY"
-"$PYTHON" "$TABLE" "$WORK" "$ROUNDS" "$machine" "$load_start" "$load_end" || exit 2
-echo "tutti-bench binary: $BENCH"
+"$PYTHON" "$TABLE" "$WORK" "$ROUNDS" "$machine" "$load_start" "$load_end" "tutti-bench $BENCH" || exit 2
 
 if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
     command -v strace >/dev/null || die "COMPARE_STRACE=1 needs strace (apt-get install strace)"

@@ -150,6 +150,8 @@ def main():
         strace_report(sys.argv[2], sys.argv[3])
         return
     work, rounds, machine, load_start, load_end = sys.argv[1], int(sys.argv[2]), *sys.argv[3:6]
+    # The binary measured (compare-lmcache.sh passes the one cargo built, or COMPARE_BENCH).
+    bench = sys.argv[6] if len(sys.argv) > 6 else "tutti-bench (path not given)"
     rows = []
     try:
         for index in range(1, rounds + 1):
@@ -166,7 +168,7 @@ def main():
     kv_bytes = rows[0][2]["kv_bytes"]
     print(f"machine: {machine}; load average {load_start} at start, {load_end} at end")
     print(f"versions: LMCache {first['lmcache_version']} (torch {first['torch_version']}, "
-          f"Python {first['python_version']}); tutti-bench of this checkout (release), "
+          f"Python {first['python_version']}); {bench}, "
           f"layers in flight {rows[0][1]['layers_in_flight']}, mapping table "
           f"{rows[0][1]['mapping_table']}")
     print(f"workload: llama3-8b, {first['tokens']} tokens, {kv_bytes:,} bytes of KV "
