@@ -264,12 +264,16 @@ impl Server {
 
     /// What can refuse a start without the pool, done before it is opened (or formatted): the
     /// configuration's checks, the socket path (a live daemon's socket, a file that is not a
-    /// socket, a missing directory, a path too long; a stale socket is removed), the metrics
+    /// socket, a missing directory, a path too long; a stale socket is left for
+    /// [`Server::bind_prepared`] to remove once the pool's device locks are held: a socket that
+    /// refuses may be a draining daemon's, whose clients read its file gone as their sessions
+    /// ended, and a start that then fails on that daemon's device locks must not have removed
+    /// it), the metrics
     /// endpoint's address (bound here and kept) and the device memory import. A refusal here
     /// leaves the devices untouched.
     pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
         config.validate()?;
-        probe_socket(&config.socket)?;
+        probe_socket(&config.socket, StaleSocket::Keep)?;
         let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
         Ok(Prepared { metrics_endpoint, device_memory })
@@ -282,7 +286,7 @@ impl Server {
         config.validate()?;
         let socket = &config.socket;
         let io = |context: String| move |source| DaemonError::Io { context, source };
-        probe_socket(socket)?;
+        probe_socket(socket, StaleSocket::Remove)?;
         let listener = UnixListener::bind(socket).map_err(io(format!("binding {}", socket.display())))?;
         let mut socket_file = match SocketFile::hold(socket) {
             Ok(held) => held,
@@ -593,10 +597,20 @@ pub struct Prepared {
     device_memory: DeviceMemoryService,
 }
 
+/// What [`probe_socket`] does with a socket file nobody listens on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StaleSocket {
+    /// Removed: the caller binds next.
+    Remove,
+    /// Left in place (the caller binds later, if at all).
+    Keep,
+}
+
 /// Checks that a daemon can bind `socket`: a socket file nobody listens on (its connections
-/// refused) is removed as stale; a live daemon's is [`DaemonError::SocketInUse`]; any other
-/// file, a path too long for a socket address and a missing directory are refused.
-fn probe_socket(socket: &std::path::Path) -> Result<(), DaemonError> {
+/// refused) is stale, removed if `stale` says so; a live daemon's is
+/// [`DaemonError::SocketInUse`]; any other file, a path too long for a socket address and a
+/// missing directory are refused.
+fn probe_socket(socket: &std::path::Path, stale: StaleSocket) -> Result<(), DaemonError> {
     let io = |context: String| move |source| DaemonError::Io { context, source };
     match std::fs::symlink_metadata(socket) {
         Ok(metadata) if metadata.file_type().is_socket() => {
@@ -608,7 +622,9 @@ fn probe_socket(socket: &std::path::Path) -> Result<(), DaemonError> {
             match crate::client::connect_within(socket, SOCKET_PROBE_TIMEOUT) {
                 Ok(_) | Err(DaemonError::Timeout { .. }) => return Err(DaemonError::SocketInUse { socket: socket.to_path_buf() }),
                 Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::ConnectionRefused => {
-                    std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
+                    if stale == StaleSocket::Remove {
+                        std::fs::remove_file(socket).map_err(io(format!("removing the stale socket {}", socket.display())))?;
+                    }
                 }
                 // Gone meanwhile: nothing to remove.
                 Err(DaemonError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {}

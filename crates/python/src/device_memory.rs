@@ -272,10 +272,10 @@ pub enum LeakCount {
 /// What connecting to tuttid's socket says about the daemon.
 enum Reached {
     Daemon(Client),
-    /// The socket file is gone. tuttid removes it only once its drain released every session
-    /// (`server.rs`), so no session of it is left to move bytes. Or another daemon answers at
-    /// the path and the one attached to has exited: its queue pairs, mappings and imports of
-    /// the memory ended with its process.
+    /// The daemon attached to has exited (its queue pairs, mappings and imports of the memory
+    /// ended with its process), whatever is at its socket path now. Or, for a daemon that could
+    /// not be identified, its socket file is gone: tuttid removes it only once its drain
+    /// released every session (`server.rs`).
     Gone,
     /// Nothing can be concluded by the deadline: the connection is refused while the socket
     /// file exists (a draining daemon has closed its listener but is still releasing sessions,
@@ -314,9 +314,28 @@ fn reach(daemon: &AttachedDaemon, deadline: Instant) -> Reached {
             },
             Err(error) => error,
         };
+        // The daemon attached to has exited: its queue pairs, mappings and imports of the memory
+        // ended with its process, whatever its socket file says (one killed leaves it behind).
+        let exited = daemon.process.as_ref().is_some_and(PeerProcess::has_exited);
         match &error {
-            tutti_daemon::DaemonError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => return Reached::Gone,
+            tutti_daemon::DaemonError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                // Removed while the attached daemon still runs: not necessarily by its drain
+                // (which removes it once every session is released) — another start or an
+                // operator may have removed a draining daemon's file. Asked again until it exits.
+                let Some(ours) = daemon.process.as_ref().filter(|_| !exited) else { return Reached::Gone };
+                if Instant::now() >= deadline {
+                    return Reached::Unknown(format!(
+                        "{} is gone while the daemon this session attached to (pid {}) still runs: its sessions may still move bytes",
+                        socket.display(),
+                        ours.pid()
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
             tutti_daemon::DaemonError::Io { source, .. } if source.kind() == std::io::ErrorKind::ConnectionRefused => {
+                if exited {
+                    return Reached::Gone;
+                }
                 if Instant::now() >= deadline {
                     return Reached::Unknown(format!(
                         "{error} while its socket file exists: a daemon draining its sessions, or one that died without removing it"
@@ -531,6 +550,22 @@ mod tests {
         assert!(session_gone(&unknown, 7, soon()));
         stop.stop();
         serving.join().unwrap().unwrap();
+        // The socket file gone (here the daemon in this process drained and removed it; the case
+        // that matters: another start removed a draining daemon's file) while the attached
+        // daemon still runs: nothing concluded until it exits. Unidentified: gone, as before.
+        assert!(!socket.exists());
+        let mut attached = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let running = AttachedDaemon { socket: socket.clone(), process: PeerProcess::of(attached.id()) };
+        assert!(!session_gone(&running, 7, soon()), "a removed socket file spoke for a daemon still running");
+        assert_eq!(leaked_queue_pairs(&running, soon()), LeakCount::NoAnswer);
+        assert_eq!(leaked_queue_pairs(&unknown, soon()), LeakCount::NoDaemon);
+        // A socket file left behind (refusing) by a daemon that has exited: gone.
+        drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+        assert!(!session_gone(&running, 7, soon()), "refused while the attached daemon runs");
+        attached.kill().unwrap();
+        attached.wait().unwrap();
+        assert!(session_gone(&running, 7, soon()), "the attached daemon exited, its socket file left behind");
+        assert!(!session_gone(&unknown, 7, soon()), "unidentified: a refusing file concludes nothing, as before");
         std::fs::remove_dir_all(&directory).unwrap();
     }
 

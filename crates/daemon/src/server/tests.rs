@@ -571,6 +571,12 @@ fn a_drain_leaves_the_socket_another_daemon_bound_meanwhile() {
         }
         thread::sleep(Duration::from_millis(5));
     }
+    // A start's checks before its pool is opened leave the refusing socket alone: that start
+    // may still fail on the devices (the same pool's locks), and the draining daemon's clients
+    // read its socket file gone as their sessions ended.
+    let prepared = Server::prepare(&ServerConfig::new(daemon.socket.clone())).expect("prepare beside a draining daemon");
+    assert!(daemon.socket.exists(), "Server::prepare removed the draining daemon's socket");
+    drop(prepared);
     let second = Server::bind(ServerConfig::new(daemon.socket.clone()), second_pool).expect("bind over the draining daemon's socket");
     assert!(
         matches!(daemon.served.try_recv(), Err(mpsc::TryRecvError::Empty)),
