@@ -347,6 +347,33 @@ def test_a_forked_childs_copy_of_the_socket_does_not_keep_the_parents_session(fo
         reap(child)
 
 
+def test_a_lookup_client_closed_then_dropped_leaves_a_later_stores_fork_record(formatted_daemon):
+    # Goal: a closed LookupClient forgot its connection's fork-close record when it closed; its
+    # drop must not forget again by descriptor number, which the next connection (this store's)
+    # may have taken: then a forked child would keep the store's socket and tuttid keep its
+    # session after the parent's close.
+    import gc
+
+    lookup = tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT)
+    lookup.close()
+    store = attach(formatted_daemon)
+    store.allocate_kv(8, "paged")
+    session = store.session
+    del lookup
+    gc.collect()
+    child = fork_sleeper(20.0)
+    try:
+        store.close(timeout_s=10.0)
+        with tutti.LookupClient.connect(formatted_daemon.socket, model_fingerprint=FINGERPRINT) as probe:
+            deadline = time.monotonic() + 5.0
+            while session in [client["session"] for client in probe.status()["clients"]]:
+                assert time.monotonic() < deadline, "tuttid kept the store's session: the child kept its socket"
+                time.sleep(0.02)
+        assert still_running(child), "the child was to outlive the parent's close"
+    finally:
+        reap(child)
+
+
 # Opens an in-process store on an emu: file, forks a child that sleeps, prints the child's pid and
 # dies by SIGKILL (no close, no unlock): only the fds the process had go.
 OPEN_FORK_AND_DIE = """

@@ -38,8 +38,10 @@ impl Drop for LookupClient {
             let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
             std::mem::forget(client);
             crate::process::close_inherited();
-        } else {
-            // The client (a field) closes the connection after this.
+        } else if self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).is_some() {
+            // Still open: the client (a field) closes the connection after this. Once `close`
+            // forgot and closed it, its numbers may name another connection's recorded socket,
+            // whose record must stay.
             crate::process::forget_from_forked_children(&self.connections);
         }
     }
