@@ -215,7 +215,12 @@ impl Client {
         }
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
-        encode_frame(&mut self.frame, kind, request_id, encode)?;
+        encode_frame(&mut self.frame, kind, request_id, encode).map_err(|error| match error {
+            crate::protocol::ProtocolError::FrameTooLarge { body_bytes } => {
+                DaemonError::RequestTooLarge { kind, body_bytes, cap_bytes: crate::protocol::BODY_BYTES_MAX }
+            }
+            other => DaemonError::Protocol(other),
+        })?;
         // Checked here, not only by the send: a send that refuses them has written nothing
         // either, but from there it would read as a failed write (out of step).
         if fds.len() > FDS_PER_FRAME_MAX {
@@ -547,7 +552,7 @@ pub(crate) mod tests {
         // 8 + 4 x 262,143 body bytes: 4 over the 1 MiB body cap.
         let tokens = vec![0u32; 262_143];
         match client.lookup(&tokens) {
-            Err(DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { .. })) => {}
+            Err(DaemonError::RequestTooLarge { kind: Kind::Lookup, .. }) => {}
             other => panic!("a lookup over the frame cap: {other:?}"),
         }
         assert!(!client.is_broken(), "a request never sent left the connection out of step");

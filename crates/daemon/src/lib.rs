@@ -62,6 +62,11 @@ pub enum DaemonError {
     Remote { code: ErrorCode, message: String },
     #[error("tuttid answered {got:?} to a {asked:?} request")]
     UnexpectedReply { asked: protocol::Kind, got: protocol::Kind },
+    /// A request refused before a byte of it was sent: its body passes the frame cap (a lookup
+    /// of more than 262,142 tokens). The connection stays usable. (A *reply* over the cap is
+    /// `Protocol(FrameTooLarge)`, and leaves the connection out of step.)
+    #[error("a {kind:?} request of {body_bytes} body bytes is over the {cap_bytes}-byte frame cap (not sent)")]
+    RequestTooLarge { kind: protocol::Kind, body_bytes: u32, cap_bytes: u32 },
     #[error("{spec} is in use by another daemon: {lock} is held by {holder}")]
     DeviceInUse { spec: String, lock: PathBuf, holder: String },
     #[error("{socket} is served by a live daemon already")]

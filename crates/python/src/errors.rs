@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
-use tutti_daemon::{DaemonError, ErrorCode, ProtocolError};
+use tutti_daemon::{DaemonError, ErrorCode};
 
 /// The exception classes, most specific first where one derives from another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -177,7 +177,7 @@ impl From<DaemonError> for Failure {
             // A request over the frame cap (a lookup of more than 262,142 tokens) is refused
             // before a byte is sent, and the connection stays usable: the caller's argument, not
             // a lost connection (which the connectors reconnect after).
-            DaemonError::Protocol(ProtocolError::FrameTooLarge { .. }) => Failure::new(ErrorClass::InvalidArgument, message),
+            DaemonError::RequestTooLarge { .. } => Failure::new(ErrorClass::InvalidArgument, message),
             _ => Failure::new(ErrorClass::Daemon, message),
         }
     }
@@ -314,8 +314,15 @@ mod tests {
         // (as Disconnected, and any DaemonError without a code) as a lost connection.
         let late = Failure::from(DaemonError::Timeout { what: "Lookup request".into(), after_ms: 5 });
         assert_eq!((late.class, late.code), (ErrorClass::Timeout, None));
-        let too_long = Failure::from(DaemonError::Protocol(ProtocolError::FrameTooLarge { body_bytes: 1 << 21 }));
+        let too_long = Failure::from(DaemonError::RequestTooLarge {
+            kind: tutti_daemon::protocol::Kind::Lookup,
+            body_bytes: 1 << 21,
+            cap_bytes: 1 << 20,
+        });
         assert_eq!((too_long.class, too_long.code), (ErrorClass::InvalidArgument, None));
+        // A reply over the cap is the daemon's, its connection out of step: not the caller's.
+        let reply_too_long = Failure::from(DaemonError::Protocol(tutti_daemon::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 }));
+        assert_ne!(reply_too_long.class, ErrorClass::InvalidArgument);
         let busy = Failure::from(DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() });
         assert_eq!((busy.class, busy.code.as_deref()), (ErrorClass::Daemon, Some("Busy")));
         assert!(busy.message.contains("64 clients"), "the Rust message is carried: {}", busy.message);

@@ -201,9 +201,7 @@ fn remote(error: DaemonError) -> ObjstoreError {
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
         // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
         // frame cap): the caller's request, and the connection stays usable.
-        DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { .. }) => {
-            return ObjstoreError::BadRequest { reason: error.to_string() }
-        }
+        DaemonError::RequestTooLarge { .. } => return ObjstoreError::BadRequest { reason: error.to_string() },
         _ => return ObjstoreError::Remote { reason: error.to_string() },
     };
     ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
@@ -862,7 +860,10 @@ mod tests {
         let full = DaemonError::Remote { code: ErrorCode::LimitReached, message: "pool full".into() };
         assert_eq!(classify(full), RemoteFailure::Refused { code: ErrorCode::LimitReached.to_u16() });
         // A request over the frame cap was never sent: the caller's, not a lost connection.
-        let too_long = DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 });
+        let too_long = DaemonError::RequestTooLarge { kind: Kind::PrepareStore, body_bytes: 1 << 21, cap_bytes: 1 << 20 };
         assert!(matches!(remote(too_long), ObjstoreError::BadRequest { .. }));
+        // A reply over the cap came from the daemon and left the connection out of step.
+        let reply_too_long = DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 });
+        assert!(!matches!(remote(reply_too_long), ObjstoreError::BadRequest { .. }));
     }
 }
