@@ -234,7 +234,8 @@ fn a_table_where_no_decode_step_can_write_is_refused_under_slack_aware() {
 /// row, or two adjacent rows, leave enough SMs is accepted. The range must have contexts off
 /// the rows and be within reach: rows {4096: 0 free, u32::MAX: 8 free} (only u32::MAX writes)
 /// and {16: 4, 17: 4, 4096: 0} (only 16 and 17 write) were accepted too. Within reach means at
-/// most twice the table's largest prompt (256 tokens): a last row at 4096 no longer counts.
+/// most twice the table's largest prompt (256 tokens): a last row at 4096 no longer counts, nor
+/// one at 512 (past it, no context is within reach).
 #[test]
 fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
     use scheduler::table::DecodeStep;
@@ -242,16 +243,17 @@ fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
     let step = |context_tokens, free_sms| DecodeStep { context_tokens, duration_us: 2000.0, free_sms };
     for (steps, accepted) in [
         (vec![step(16, 4), step(4096, 0)], false),
-        (vec![step(16, 4), step(256, 0), step(512, 4)], true),
+        (vec![step(16, 4), step(256, 0), step(511, 4)], true),
         (vec![step(16, 4), step(2048, 4), step(4096, 0)], true),
         (vec![step(16, 4), step(2048, 0), step(4096, 0)], false),
         // Only a context of exactly u32::MAX could write: contexts 4096..u32::MAX-1 get 0.
         (vec![step(4096, 0), step(u32::MAX, 8)], false),
         // Two adjacent rows with no context between them: only contexts 16 and 17 could write.
         (vec![step(16, 4), step(17, 4), step(4096, 0)], false),
-        // The last row within reach (twice the largest prefill input, 2 × 256 tokens) writes.
-        (vec![step(16, 0), step(512, 4)], true),
-        (vec![step(16, 0), step(513, 4)], false),
+        // The last row writes if contexts past it are within reach (twice the largest prefill
+        // input, 2 × 256 tokens): past a row at 512 itself, none is.
+        (vec![step(16, 0), step(511, 4)], true),
+        (vec![step(16, 0), step(512, 4)], false),
         (vec![step(16, 4), step(2048, 0), step(4096, 4)], false),
     ] {
         let mut starved = table(MODEL, layers);

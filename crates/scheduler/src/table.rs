@@ -428,8 +428,9 @@ impl Profile {
     ///
     /// The range must have contexts off the rows and be within reach. Two adjacent rows count
     /// only with a context strictly between them (rows {16: 4 free, 17: 4 free, 4096: 0 free}
-    /// wrote at 16 and 17 tokens only), and the last row only at or below
-    /// [`Profile::decode_context_reach`] and below `u32::MAX` (rows {4096: 0 free, u32::MAX: 60
+    /// wrote at 16 and 17 tokens only), and the last row only below
+    /// [`Profile::decode_context_reach`] (so that some context past it is reached) and below
+    /// `u32::MAX` (rows {4096: 0 free, u32::MAX: 60
     /// free} wrote at a context of exactly u32::MAX only). Both were accepted, and deferred
     /// writes never drained.
     ///
@@ -450,7 +451,7 @@ impl Profile {
         let enough_sms = |step: &DecodeStep| step.free_sms >= write_budget_min;
         let writable = |step: &DecodeStep| enough_sms(step) && step.duration_us > 0.0;
         // The contexts past the last row, or strictly between two rows, that requests reach.
-        let last_in_reach = |step: &DecodeStep| step.context_tokens < u32::MAX && step.context_tokens <= reach;
+        let last_in_reach = |step: &DecodeStep| step.context_tokens < u32::MAX && step.context_tokens < reach;
         let pair_in_reach = |pair: &[DecodeStep]| {
             let first_between = u64::from(pair[0].context_tokens) + 1;
             first_between < u64::from(pair[1].context_tokens) && first_between <= u64::from(reach)

@@ -564,7 +564,9 @@ fn the_decode_write_predicate_asks_for_contexts_off_the_rows_within_reach() {
         (&[(1024, 0), (u32::MAX - 1, 4)][..], false),
         (&[(1024, 4), (1025, 4), (2048, 0)][..], false),
         (&[(1024, 4), (1026, 4), (2048, 0)][..], true),
-        (&[(1024, 0), (4096, 4)][..], true),
+        // Past a last row at the reach itself no context is reached: only the row's own.
+        (&[(1024, 0), (4096, 4)][..], false),
+        (&[(1024, 0), (4095, 4)][..], true),
         (&[(1024, 0), (4097, 4)][..], false),
         (&[(1024, 0), (4095, 4), (4097, 4)][..], true),
         (&[(1024, 0), (4096, 4), (4098, 4)][..], false),

@@ -73,9 +73,9 @@ pub fn table(model: &str, layers: u32) -> ProfileTable {
         io_costs,
         decode_steps: vec![
             DecodeStep { context_tokens: 16, duration_us: 2000.0, free_sms: 4 },
-            // Within the contexts the table vouches requests reach (twice its largest prompt):
-            // a table whose last row alone can write is refused past it.
-            DecodeStep { context_tokens: 512, duration_us: 2000.0, free_sms: 4 },
+            // Below the contexts the table vouches requests reach (twice its largest prompt, 512):
+            // a table whose last row alone can write is refused unless contexts past it are.
+            DecodeStep { context_tokens: 511, duration_us: 2000.0, free_sms: 4 },
         ],
     }
 }
