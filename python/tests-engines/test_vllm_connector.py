@@ -1606,6 +1606,50 @@ def test_the_failed_blocks_of_a_request_preempted_before_recomputing_them_are_ev
         worker.shutdown()
 
 
+def test_the_stale_blocks_of_a_request_gone_before_the_failure_is_reported_are_evicted(tuttid):
+    """Goal: with async scheduling vLLM processes aborts before the step's output, so a request
+    whose load failed (or one that computed against the failed blocks) can be finished before
+    update_connector_output names the invalid blocks; its freed blocks, the ones computed after
+    the failed ones included, must still leave vLLM's prefix cache. And a stale request
+    preempted later evicts the blocks it was given since (cached as they were computed)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    manager = RecordingKvCacheManager()
+    scheduler.bind_kv_cache_manager(manager)
+    try:
+        from vllm.v1.outputs import KVConnectorOutput
+
+        block = harness.BLOCK_TOKENS
+        prefix = prompt(63, blocks=2, tail=0)
+        worker.fill([1, 2], 63)
+        worker.save("P", prefix, [1, 2])
+        tokens = prefix + prompt(64, blocks=2, tail=2)
+        # Aborted before the failure is reported.
+        request = harness.request("R", tokens)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * block, False)
+        scheduler.update_state_after_alloc(request, harness.blocks([5, 6, 7]), 2 * block)
+        scheduler.build_connector_meta(harness.scheduler_output(new=[("R", tokens, [5, 6, 7], 2 * block, block)]))
+        assert scheduler.request_finished(request, [5, 6, 7]) == (False, None)
+        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={5, 6}))
+        assert manager.evicted >= {5, 6, 7}, manager.evicted
+        # Preempted after being given another block (cached as computed, after the last eviction).
+        manager.evicted.clear()
+        other = harness.request("S", tokens)
+        assert scheduler.get_num_new_matched_tokens(other, 0) == (2 * block, False)
+        scheduler.update_state_after_alloc(other, harness.blocks([9, 10, 11]), 2 * block)
+        scheduler.build_connector_meta(harness.scheduler_output(new=[("S", tokens, [9, 10, 11], 2 * block, block)]))
+        scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids={9, 10}))
+        scheduler.build_connector_meta(harness.scheduler_output(cached=[("S", [12], 3 * block, block, False)]))
+        manager.evicted.clear()
+        meta = scheduler.build_connector_meta(harness.scheduler_output(preempted={"S"}))
+        assert meta.saves == []
+        assert manager.evicted >= {9, 10, 11, 12}, manager.evicted
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
 def test_a_load_failing_on_one_rank_cancels_other_requests_saves_over_its_blocks_on_every_rank(cluster):
     """Goal: B's save over blocks whose load (by another request) failed on rank 0 is cancelled
     on rank 1 too (the ranks agree per save), as the failed request's own save is."""

@@ -81,6 +81,14 @@ class SchedulerSide:
         # schedule() resumed it (reset_prefix_cache(reset_running_requests=True) preempts every
         # running request; the next schedule() resumes them), so its new load stands.
         self._allocated: set[str] = set()
+        # Blocks of requests that left `_requests` (finished, aborted) or gave their blocks up
+        # (preempted) in the last two metadata builds, with the build they left in. vLLM reports
+        # a failed load (invalid_block_ids) with the step's output, and with async scheduling an
+        # abort is processed before that output: a request that computed blocks against the
+        # stale ones in the failure's step may be gone by then, its blocks freed but still in
+        # vLLM's prefix cache. `update_connector_output` evicts those too.
+        self._metadata_builds = 0
+        self._released: list[tuple[int, list[int]]] = []
         # With EAGLE/MTP speculative decoding vLLM drops the last block of its own prefix hit
         # (FullAttentionManager.find_longest_cache_hit, drop_eagle_block): a drafter layer's KV
         # at a block's last slot depends on the next token, which the block's key does not
@@ -238,6 +246,8 @@ class SchedulerSide:
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta.preempted_req_ids = preempted
         allocated, self._allocated = self._allocated, set()
+        self._metadata_builds += 1
+        self._released = [entry for entry in self._released if entry[0] >= self._metadata_builds - 2]
         for req_id in preempted:
             state = self._requests.get(req_id)
             if state is not None:
@@ -255,6 +265,7 @@ class SchedulerSide:
                         self._evict_stale(state.block_ids[state.stale_from :])
                     state.stale_from = None
                 if req_id not in allocated:
+                    self._release(state.block_ids)
                     state.block_ids = []
                     state.load_pending = None
 
@@ -337,12 +348,23 @@ class SchedulerSide:
             state.stale_from = first if state.stale_from is None else min(state.stale_from, first)
             stale.update(state.block_ids[state.stale_from :])
             affected.append(req_id)
+        for _, block_ids in self._released:
+            # Freed since (their request gone or preempted) and possibly handed to another
+            # request meanwhile: evicting such a block costs that one a cache entry, no more.
+            first = next((index for index, block_id in enumerate(block_ids) if block_id in invalid), None)
+            if first is not None:
+                stale.update(block_ids[first:])
         self._evict_stale(stale)
         logger.warning(
             "tutti: %d blocks failed to load and are recomputed; requests %s, computed against them, are not saved "
             "and %d blocks are evicted from vLLM's prefix cache",
             len(invalid), sorted(affected), len(stale),
         )  # fmt: skip
+
+    def _release(self, block_ids: list[int]) -> None:
+        """Remembers the blocks a request gave up (see `_released`)."""
+        if block_ids:
+            self._released.append((self._metadata_builds, list(block_ids)))
 
     def _evict_stale(self, block_ids: Any) -> None:
         """Evicts blocks from vLLM's prefix cache (held ones stay allocated to their requests;
@@ -373,6 +395,7 @@ class SchedulerSide:
         state = self._requests.pop(request.request_id, None)
         if state is not None and state.stale_from is not None:
             self._evict_stale(list(block_ids)[state.stale_from :])
+        self._release(list(block_ids))
         keep = (
             state is not None
             and state.save_emitted
