@@ -13,7 +13,8 @@ fail() {
 old="$(date -d '10 days ago' +%Y%m%d%H%M)"
 mkdir -p "$root"/vllm-0.31.0-aaaaaaaaaaaa "$root"/vllm-0.32.0-bbbbbbbbbbbb "$root"/vllm-0.32.0-cccccccccccc \
     "$root"/vllm-0.30.0-dddddddddddd "$root"/sglang-0.5.23-eeeeeeeeeeee "$root"/vllm-notes "$root"/target
-# Old and unused: stamped 10 days ago, and one unstamped whose directory is that old.
+# Old and unused: stamped 10 days ago. Unstamped (built by an older checkout, maybe in use now)
+# though its directory is that old: stamped now, kept.
 mark_used "$root/vllm-0.31.0-aaaaaaaaaaaa"
 touch -t "$old" "$root/vllm-0.31.0-aaaaaaaaaaaa/tutti-env-last-used"
 touch -t "$old" "$root/vllm-0.30.0-dddddddddddd"
@@ -27,7 +28,7 @@ prune_unused "$root" 'vllm-[0-9][0-9A-Za-z.+]*-[0-9a-f]{12}' vllm-0.32.0-bbbbbbb
 [[ -d "$root/vllm-0.31.0-aaaaaaaaaaaa" ]] || fail "0 days removed something"
 prune_unused "$root" 'vllm-[0-9][0-9A-Za-z.+]*-[0-9a-f]{12}' vllm-0.32.0-bbbbbbbbbbbb 3 2>/dev/null
 [[ ! -e "$root/vllm-0.31.0-aaaaaaaaaaaa" ]] || fail "a stamped, long-unused environment was kept"
-[[ ! -e "$root/vllm-0.30.0-dddddddddddd" ]] || fail "an unstamped, old environment was kept"
+[[ -e "$root/vllm-0.30.0-dddddddddddd/tutti-env-last-used" ]] || fail "an unstamped environment was removed or not stamped"
 for kept in vllm-0.32.0-bbbbbbbbbbbb vllm-0.32.0-cccccccccccc sglang-0.5.23-eeeeeeeeeeee vllm-notes target/x; do
     [[ -d "$root/$kept" ]] || fail "$kept was removed"
 done

@@ -5,9 +5,11 @@
 #       touches DIR/tutti-env-last-used (what prune_unused reads).
 #   prune_unused ROOT NAME_REGEX KEEP DAYS
 #       removes every directory directly under ROOT whose name matches NAME_REGEX (anchored,
-#       bash =~), other than ROOT/KEEP, whose tutti-env-last-used (or, without one, the
-#       directory itself) was last modified more than DAYS days ago. DAYS 0 removes nothing.
-#       Symbolic links and non-directories are left alone; each removal is said on stderr.
+#       bash =~), other than ROOT/KEEP, whose tutti-env-last-used was last modified more than
+#       DAYS days ago. One without that stamp (built by a checkout older than the stamp, which
+#       may be using it now) is stamped instead, so it goes only once unused for DAYS from now.
+#       DAYS 0 removes nothing. Symbolic links and non-directories are left alone; each removal
+#       is said on stderr.
 #
 # Why: the environments are keyed by their pins, so each pin change builds a new one beside the
 # old (vLLM's is ~8 GB) and nothing else ever removes the old. One used within DAYS may belong
@@ -30,7 +32,10 @@ prune_unused() {
         name="${entry##*/}"
         [[ "$name" != "$keep" && "$name" =~ ^${pattern}$ ]] || continue
         stamp="$entry/tutti-env-last-used"
-        [[ -e "$stamp" ]] || stamp="$entry"
+        if [[ ! -e "$stamp" ]]; then
+            mark_used "$entry"
+            continue
+        fi
         # find prints the stamp when it is newer than DAYS days (-mtime -N: under N×24 h).
         if [[ -z "$(find "$stamp" -maxdepth 0 -mtime "-$days" 2>/dev/null)" ]]; then
             echo "prune: removing $entry (unused for over $days days)" >&2
