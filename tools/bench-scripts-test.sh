@@ -77,6 +77,8 @@ check "compare.sh COMPARE_KEEP=1: a laid-out file of the size is reused" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=1m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^reusing ')"
 check "compare.sh COMPARE_KEEP=1: one of another size is laid out anew" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=2m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^would lay out ')"
+check "compare.sh COMPARE_SIZE=1MiB (fio's spelling): the same size, reused" 1 \
+    "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=1MiB COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^reusing ')"
 
 # 5. compare-lmcache.sh's LMCache site and tutti-bench binary. The stand-in Python: `-c` (the
 # import check) fails; `-m pip install ... --target DIR` makes DIR as pip would.

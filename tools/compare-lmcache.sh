@@ -137,10 +137,10 @@ print(paths[-1])
 # Built every run unless COMPARE_BENCH names a binary (cargo is incremental: seconds when nothing
 # changed), so a binary left by an older checkout is never what gets measured. The path is the
 # one cargo reports for the build (CARGO_TARGET_DIR and build.target-dir move it; a fixed
-# target/release/ could name a stale binary).
+# target/release/ could name a stale binary). rustc's diagnostics go to stderr, rendered, not into the JSON.
 if [[ -z $BENCH ]]; then
     say "compare-lmcache: building tutti-bench (release)"
-    (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --message-format=json --quiet >"$WORK/cargo.json") \
+    (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --message-format=json-render-diagnostics --quiet >"$WORK/cargo.json") \
         || die "building tutti-bench failed"
     BENCH=$(cargo_executable tutti-bench <"$WORK/cargo.json") || die "cargo reported no tutti-bench executable for the build"
 fi

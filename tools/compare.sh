@@ -97,7 +97,11 @@ if [ -e "$FILE" ] && { [ -L "$FILE" ] || [ ! -f "$FILE" ]; }; then
     say "COMPARE_FILE=$FILE exists and is not a regular file: refusing to write over or remove it"
     exit 2
 fi
-SIZE_BYTES=$(numfmt --from=iec "${SIZE^^}" 2>/dev/null) || { say "COMPARE_SIZE=$SIZE: a size such as 4g"; exit 2; }
+# fio's spellings of a power-of-two size (4g, 4G, 4gib, 4GiB, 4gb): numfmt takes the bare suffix.
+SIZE_IEC=${SIZE^^}
+SIZE_IEC=${SIZE_IEC%B}
+SIZE_IEC=${SIZE_IEC%I}
+SIZE_BYTES=$(numfmt --from=iec "$SIZE_IEC" 2>/dev/null) || { say "COMPARE_SIZE=$SIZE: a size such as 4g"; exit 2; }
 WORK=$(mktemp -d)
 HUGE_PAGES_BEFORE=""
 # Set once this run has laid out (or reused) the file: until then it is not this run's to remove.
