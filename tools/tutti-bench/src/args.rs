@@ -207,7 +207,7 @@ pub struct Cli {
 fn exit_status_help() -> String {
     format!(
         "{}
-130: interrupted (SIGINT/SIGTERM); the temporary pool file was removed.",
+130: interrupted (SIGINT/SIGTERM); the files the run created were removed (--keep or not, unless the run had finished).",
         tutti_cli::exit::help_text(false)
     )
 }

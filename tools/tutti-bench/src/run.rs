@@ -678,6 +678,10 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
         format_size(pool.free_bytes)
     ))?;
     let result = default_kv(&pool, cli, &say, &mut created);
+    if cli.keep {
+        // Finished: an interrupt while the last lines are written no longer removes it.
+        created.keep_after_success();
+    }
     let fate = if cli.keep { "kept (--keep)" } else { "removed" };
     drop(created);
     match &result {
