@@ -1494,6 +1494,22 @@ class RecordingKvCacheManager:
         self.evicted |= set(block_ids)
 
 
+@contextlib.contextmanager
+def evicting_scheduler(tuttid):
+    """A tuttid, a LocalWorker on it and the scheduler side with a RecordingKvCacheManager bound:
+    (worker, scheduler, manager), both connectors shut down at the end."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    manager = RecordingKvCacheManager()
+    scheduler.bind_kv_cache_manager(manager)
+    try:
+        yield worker, scheduler, manager
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
 def test_a_failed_load_stops_the_saves_of_requests_computed_on_its_blocks_in_any_later_step(tuttid):
     """Goal: with async scheduling and chunked prefill (vLLM's defaults), a request Q scheduled
     in the step after R's load failed (before vLLM learned of it) gets a local prefix hit on R's
@@ -1504,12 +1520,7 @@ def test_a_failed_load_stops_the_saves_of_requests_computed_on_its_blocks_in_any
     the failed blocks, the scheduler side saves no request holding them, and evicts them and
     every block after them in such a request from vLLM's prefix cache (nothing later gets a
     local hit on stale bytes, nor saves it), at each step and when the request finishes."""
-    daemon = tuttid(harness.TUTTID_GEOMETRY)
-    worker = LocalWorker(daemon.socket)
-    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
-    manager = RecordingKvCacheManager()
-    scheduler.bind_kv_cache_manager(manager)
-    try:
+    with evicting_scheduler(tuttid) as (worker, scheduler, manager):
         block = harness.BLOCK_TOKENS
         prefix = prompt(51, blocks=2, tail=0)
         worker.fill([1, 2], 51)
@@ -1560,9 +1571,6 @@ def test_a_failed_load_stops_the_saves_of_requests_computed_on_its_blocks_in_any
         scheduler.update_state_after_alloc(request_s, harness.blocks([20, 21, 22]), 0)
         meta = scheduler.build_connector_meta(harness.scheduler_output(new=[("S", tokens_s, [20, 21, 22], 0, len(tokens_s))]))
         assert [save.req_id for save in meta.saves] == ["S"]
-    finally:
-        scheduler.shutdown()
-        worker.shutdown()
 
 
 def test_the_failed_blocks_of_a_request_preempted_before_recomputing_them_are_evicted(tuttid):
@@ -1571,12 +1579,7 @@ def test_the_failed_blocks_of_a_request_preempted_before_recomputing_them_are_ev
     "recompute" policy evicts nothing); a later request would get a local hit on the stale bytes
     and save them. The scheduler side evicts them when vLLM reports them, and a resumed request
     (allocated anew, its blocks computed afresh) saves again."""
-    daemon = tuttid(harness.TUTTID_GEOMETRY)
-    worker = LocalWorker(daemon.socket)
-    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
-    manager = RecordingKvCacheManager()
-    scheduler.bind_kv_cache_manager(manager)
-    try:
+    with evicting_scheduler(tuttid) as (worker, scheduler, manager):
         block = harness.BLOCK_TOKENS
         prefix = prompt(61, blocks=2, tail=0)
         worker.fill([1, 2], 61)
@@ -1601,9 +1604,6 @@ def test_the_failed_blocks_of_a_request_preempted_before_recomputing_them_are_ev
         )
         assert [(save.req_id, save.block_ids) for save in meta.saves] == [("R", [11, 12, 13])]
         assert manager.evicted == set()
-    finally:
-        scheduler.shutdown()
-        worker.shutdown()
 
 
 def test_the_stale_blocks_of_a_request_gone_before_the_failure_is_reported_are_evicted(tuttid):
@@ -1612,12 +1612,7 @@ def test_the_stale_blocks_of_a_request_gone_before_the_failure_is_reported_are_e
     update_connector_output names the invalid blocks; its freed blocks, the ones computed after
     the failed ones included, must still leave vLLM's prefix cache. And a stale request
     preempted later evicts the blocks it was given since (cached as they were computed)."""
-    daemon = tuttid(harness.TUTTID_GEOMETRY)
-    worker = LocalWorker(daemon.socket)
-    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
-    manager = RecordingKvCacheManager()
-    scheduler.bind_kv_cache_manager(manager)
-    try:
+    with evicting_scheduler(tuttid) as (worker, scheduler, manager):
         from vllm.v1.outputs import KVConnectorOutput
 
         block = harness.BLOCK_TOKENS
@@ -1645,9 +1640,6 @@ def test_the_stale_blocks_of_a_request_gone_before_the_failure_is_reported_are_e
         meta = scheduler.build_connector_meta(harness.scheduler_output(preempted={"S"}))
         assert meta.saves == []
         assert manager.evicted >= {9, 10, 11, 12}, manager.evicted
-    finally:
-        scheduler.shutdown()
-        worker.shutdown()
 
 
 def test_a_load_failing_on_one_rank_cancels_other_requests_saves_over_its_blocks_on_every_rank(cluster):

@@ -425,6 +425,14 @@ pub(crate) mod tests {
     }
 
     /// Answers the frame just read on `stream` with `reply` under `request_id`.
+    /// The test daemon's one connection, read with the client's tick and written within 2 s.
+    fn accept_one(listener: &UnixListener) -> UnixStream {
+        let (stream, _) = listener.accept().unwrap();
+        stream.set_read_timeout(Some(TICK)).unwrap();
+        stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+        stream
+    }
+
     fn answer(stream: &UnixStream, request_id: u32, reply: &Reply) {
         let mut frame = Vec::new();
         encode_frame(&mut frame, reply.kind(), request_id, |out| reply.encode_body(out)).unwrap();
@@ -450,9 +458,7 @@ pub(crate) mod tests {
         let socket = directory.path().join("socket");
         let listener = UnixListener::bind(&socket).unwrap();
         let daemon = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            stream.set_read_timeout(Some(TICK)).unwrap();
-            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let stream = accept_one(&listener);
             let ping = request_id(&stream, Duration::from_secs(5)).expect("the ping");
             answer(&stream, ping, &Reply::Pong);
             // Then the daemon goes: the next request's read meets the close.
@@ -490,9 +496,7 @@ pub(crate) mod tests {
         let listener = UnixListener::bind(&socket).unwrap();
         let timeout = Duration::from_millis(200);
         let daemon = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            stream.set_read_timeout(Some(TICK)).unwrap();
-            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let stream = accept_one(&listener);
             let first = request_id(&stream, Duration::from_secs(5)).expect("the first request");
             std::thread::sleep(timeout * 2);
             answer(&stream, first, &Reply::error(ErrorCode::LimitReached, "the first request's late refusal"));
@@ -541,9 +545,7 @@ pub(crate) mod tests {
         let socket = directory.path().join("socket");
         let listener = UnixListener::bind(&socket).unwrap();
         let daemon = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            stream.set_read_timeout(Some(TICK)).unwrap();
-            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let stream = accept_one(&listener);
             let ping = request_id(&stream, Duration::from_secs(5))?;
             answer(&stream, ping, &Reply::Pong);
             Some(ping)
@@ -582,9 +584,7 @@ pub(crate) mod tests {
         let listener = UnixListener::bind(&socket).unwrap();
         let timeout = Duration::from_millis(500);
         let daemon = std::thread::spawn(move || {
-            let (stream, _) = listener.accept().unwrap();
-            stream.set_read_timeout(Some(TICK)).unwrap();
-            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let stream = accept_one(&listener);
             let received = Instant::now();
             let Some(ping) = request_id(&stream, Duration::from_secs(5)) else { return };
             let mut frame = Vec::new();

@@ -72,36 +72,13 @@ impl LookupClient {
         client_name: String,
         timeout_s: f64,
     ) -> PyResult<LookupClient> {
-        let fingerprint = <[u8; 32]>::try_from(model_fingerprint.as_slice()).map_err(|_| {
-            Failure::new(ErrorClass::InvalidArgument, format!("model_fingerprint is {} bytes, expected 32", model_fingerprint.len()))
-        })?;
+        let fingerprint = crate::store::fingerprint_of(&model_fingerprint)?;
         // Bounded as every timeout of the package: a deadline past the clock's range would panic.
         let timeout = crate::store::duration_of(timeout_s, "timeout_s")?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
-        let (client, reply, connections) = py
-            .detach(|| {
-                let before = crate::process::open_fds();
-                let mut client = Client::connect(&socket, timeout)?;
-                // A forked child closes its copy of the socket (`process`).
-                let connections = crate::process::daemon_connections_since(&before, &socket);
-                crate::process::keep_from_forked_children(&connections);
-                match client.hello(&hello) {
-                    Ok(reply) => Ok::<_, DaemonError>((client, reply, connections)),
-                    Err(error) => {
-                        crate::process::forget_from_forked_children(&connections);
-                        Err(error)
-                    }
-                }
-            })
-            .map_err(|error| Failure::from(error).to_pyerr(py))?;
-        let geometry = match crate::geometry::of_hello(&reply.shape) {
-            Ok(geometry) => geometry,
-            Err(failure) => {
-                // The client closes the connection as this returns.
-                crate::process::forget_from_forked_children(&connections);
-                return Err(failure.to_pyerr(py));
-            }
-        };
+        let crate::store::Hellod { client, reply, geometry, connections } = py
+            .detach(|| crate::store::hello_daemon(&socket, timeout, &hello, crate::store::Busy::Refuse))
+            .map_err(|failure| failure.to_pyerr(py))?;
         Ok(LookupClient {
             client: Mutex::new(Some(client)),
             session: reply.session,

@@ -240,7 +240,62 @@ impl Drop for Store {
     }
 }
 
-fn fingerprint_of(bytes: &[u8]) -> Result<[u8; 32], Failure> {
+/// A connection to tuttid that said Hello: the session's client, the daemon's reply, the
+/// pool's geometry from it (checked), and the connection's descriptors recorded for forked
+/// children to close (`process`).
+pub(crate) struct Hellod {
+    pub client: Client,
+    pub reply: tutti_daemon::protocol::HelloReply,
+    pub geometry: Geometry,
+    pub connections: Vec<std::os::fd::RawFd>,
+}
+
+/// What [`hello_daemon`] does when tuttid answers Busy.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Busy {
+    /// Raised at once (a lookup client: the scheduler asks again at its own pace).
+    Refuse,
+    /// Asked again on a new connection until `timeout` (an engine's store attaching).
+    AskAgain,
+}
+
+/// Connects to tuttid at `socket` and says `hello`. `timeout` bounds the connect and is also
+/// every later call's wait on the connection. Busy is transient (every connection taken, or a
+/// restarted engine's old session still retiring holds the queue ids this one needs,
+/// docs/tuttid.md): with [`Busy::AskAgain`] it is asked again, on a new connection (a refused
+/// Hello's connection holds a place until it closes), until `timeout` has passed. A connection
+/// that fails after its descriptors were recorded is forgotten before it closes.
+pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &Hello, busy: Busy) -> Result<Hellod, Failure> {
+    let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
+    let mut pause = ATTACH_BUSY_PAUSE_MIN;
+    loop {
+        let before = crate::process::open_fds();
+        let mut client = Client::connect(socket, timeout)?;
+        // A forked child closes its copy of the socket (`process`).
+        let connections = crate::process::daemon_connections_since(&before, socket);
+        crate::process::keep_from_forked_children(&connections);
+        // The geometry is checked before anything else uses it (a refusal ends the session, the
+        // client dropped here).
+        let answered = client.hello(hello).map_err(Failure::from).and_then(|reply| Ok((crate::geometry::of_hello(&reply.shape)?, reply)));
+        match answered {
+            Ok((geometry, reply)) => return Ok(Hellod { client, reply, geometry, connections }),
+            Err(failure) => {
+                // The client closes the connection as this returns (or loops).
+                crate::process::forget_from_forked_children(&connections);
+                let busy_again = busy == Busy::AskAgain && failure.code.as_deref() == Some("Busy") && Instant::now() + pause < deadline;
+                if !busy_again {
+                    return Err(failure);
+                }
+                tracing::debug!(message = %failure.message, "tutti: tuttid is busy; attaching again");
+                drop(client);
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
+            }
+        }
+    }
+}
+
+pub(crate) fn fingerprint_of(bytes: &[u8]) -> Result<[u8; 32], Failure> {
     <[u8; 32]>::try_from(bytes).map_err(|_| {
         Failure::new(
             ErrorClass::InvalidArgument,
@@ -523,47 +578,8 @@ impl Store {
         check_queue_options(queue_depth, iocbs, requests_max)?;
         let layers_in_flight = layers_in_flight_of(layers_in_flight, iocbs)?;
         let hello = Hello { model_fingerprint: fingerprint, tp_rank, tp_world, client_name };
-        let (client, reply, connections) = py
-            .detach(|| {
-                let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
-                let mut pause = ATTACH_BUSY_PAUSE_MIN;
-                loop {
-                    let before = crate::process::open_fds();
-                    // `timeout` is also every later call's wait on this connection.
-                    let mut client = Client::connect(&socket, timeout)?;
-                    // A forked child closes its copy of the socket (`process`).
-                    let connections = crate::process::daemon_connections_since(&before, &socket);
-                    crate::process::keep_from_forked_children(&connections);
-                    match client.hello(&hello) {
-                        Ok(reply) => return Ok::<_, DaemonError>((client, reply, connections)),
-                        // Busy is transient: every connection taken, or a restarted engine's
-                        // old session still retiring holds the queue ids this one needs
-                        // (docs/tuttid.md). Asked again, on a new connection (a refused Hello's
-                        // connection holds a place until it closes), until the timeout.
-                        Err(DaemonError::Remote { code: tutti_daemon::ErrorCode::Busy, message }) if Instant::now() + pause < deadline => {
-                            tracing::debug!(%message, "tutti: tuttid is busy; attaching again");
-                            crate::process::forget_from_forked_children(&connections);
-                            drop(client);
-                            std::thread::sleep(pause);
-                            pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
-                        }
-                        Err(error) => {
-                            crate::process::forget_from_forked_children(&connections);
-                            return Err(error);
-                        }
-                    }
-                }
-            })
-            .map_err(|error| Failure::from(error).to_pyerr(py))?;
-        // Checked before anything else uses it (the session ends with the client dropped here).
-        let geometry = match crate::geometry::of_hello(&reply.shape) {
-            Ok(geometry) => geometry,
-            Err(failure) => {
-                // The client closes the connection as this returns.
-                crate::process::forget_from_forked_children(&connections);
-                return Err(failure.to_pyerr(py));
-            }
-        };
+        let Hellod { client, reply, geometry, connections } =
+            py.detach(|| hello_daemon(&socket, timeout, &hello, Busy::AskAgain)).map_err(|failure| failure.to_pyerr(py))?;
         let session = reply.session;
         let lease = Duration::from_millis(u64::from(reply.lease_ms));
         if keepalive && lease < KEEPALIVE_INTERVAL_MIN * 3 {

@@ -777,15 +777,7 @@ mod tests {
         // (tuttid's and `tutti pool format`'s files are owner-only too).
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("created.img");
-        let options = OpenOptions2 {
-            writes: true,
-            create_bytes: Some(8192),
-            io_bytes_max: 4096,
-            queues: 1,
-            timing: None,
-            lay_out: false,
-            shadow_doorbells: false,
-        };
+        let options = OpenOptions2 { create_bytes: Some(8192), ..test_options() };
         let mut created = CreatedFiles::default();
         prepare_file(&path, options, &mut created).expect("created");
         let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&path).unwrap().permissions());
@@ -793,8 +785,9 @@ mod tests {
         created.keep_after_success();
     }
 
-    fn memory_device() -> NvmeDevice {
-        let options = OpenOptions2 {
+    /// Writable, 4 KiB transfers, one queue, nothing created or laid out.
+    fn test_options() -> OpenOptions2 {
+        OpenOptions2 {
             writes: true,
             create_bytes: None,
             io_bytes_max: 4096,
@@ -802,10 +795,19 @@ mod tests {
             timing: None,
             lay_out: false,
             shadow_doorbells: false,
-        };
+        }
+    }
+
+    /// A 16 MiB in-memory software controller opened as the raw workload opens one.
+    fn memory_controller(options: OpenOptions2) -> OpenedDevice {
         let emu = EmuOptions { config: emu_config(options), create_bytes: None };
         let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
-        NvmeDevice::init(opened.into_iter().next().expect("one device"), options).expect("init")
+        opened.into_iter().next().expect("one device")
+    }
+
+    fn memory_device() -> NvmeDevice {
+        let options = test_options();
+        NvmeDevice::init(memory_controller(options), options).expect("init")
     }
 
     /// Runs `job` on a thread of its own and fails if it has not finished within `limit` (a wait
@@ -896,20 +898,9 @@ mod tests {
         // the admin Delete I/O SQ's) the buffers must be kept for good, counted and logged,
         // not freed for the next allocation to reuse under a late write.
         let leaked = finishes_within(Duration::from_secs(60), || {
-            let options = OpenOptions2 {
-                writes: true,
-                create_bytes: None,
-                io_bytes_max: 4096,
-                queues: 1,
-                timing: None,
-                lay_out: false,
-                shadow_doorbells: false,
-            };
-            let emu = EmuOptions { config: emu_config(options), create_bytes: None };
-            let opened = open_in_one_space(&[DeviceSpec::EmuMemory(16 << 20)], &emu).expect("open emu:mem");
+            let options = test_options();
             let device =
-                NvmeDevice::init_with_admin_timeout(opened.into_iter().next().expect("one device"), options, Duration::from_millis(300))
-                    .expect("init");
+                NvmeDevice::init_with_admin_timeout(memory_controller(options), options, Duration::from_millis(300)).expect("init");
             let plan = FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)).with_rule(FaultRule {
                 repeat: true,
                 ..FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, FaultAction::DropCompletion)
