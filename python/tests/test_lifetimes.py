@@ -241,7 +241,16 @@ def test_a_layer_close_could_not_settle_is_not_done(formatted_daemon):
     # Goal: a retrieve layer in flight through a paused tuttid, whose store is closed with a
     # 0.3 s timeout (the close cannot wait it out: the memory is kept for good, counted in
     # leaked_registrations), answers done = False: done means the layer ended, and nothing
-    # says it did. Before, done was True for every layer once its store was closed.
+    # says it did. Before, done was True for every layer once its store was closed. It stays
+    # so for good: the request still names the layer in flight (layer_in_flight 0), a finish
+    # (refused: StaleRequest, the store is closed) does not make it done, and the engines'
+    # give-up path (tutti._engine.abandon_request) says the request did not end. Before, the
+    # getters answered None / [] once the store closed, and after the refused finish done was
+    # True and abandon_request True (nothing in flight).
+    import logging
+
+    from tutti._engine import abandon_request
+
     store = attach(formatted_daemon, timeout_s=0.3)
     layout = store.allocate_kv(8, "block_major")
     fill_block(layout, 1, 85)
@@ -255,6 +264,16 @@ def test_a_layer_close_could_not_settle_is_not_done(formatted_daemon):
         store.close(timeout_s=0.3)
         assert store.leaked_registrations() == 1, "the close could not settle the layer"
         assert not layer.done, "the layer did not end (as far as anyone knows)"
+        assert request.layer_in_flight == 0, "the layer the close left in flight"
+        assert request.layers_in_flight == [0]
+        try:
+            request.finish()
+            raise AssertionError("finish on a closed store did not raise")
+        except tutti.StaleRequest:
+            pass
+        assert not layer.done, "a refused finish does not end the layer"
+        assert request.layer_in_flight == 0
+        assert not abandon_request(request, 0.1, logging.getLogger("tutti.test"), "x"), "a layer may still move bytes"
     finally:
         formatted_daemon.resume()
 

@@ -617,10 +617,13 @@ class Request:
     @property
     def layer_in_flight(self) -> Optional[int]:
         """The oldest layer in flight (the one the next wait is for), or None: whether a layer
-        may still move bytes."""
+        may still move bytes. Once the store is closed: the oldest layer its close could not
+        wait out nor prove ended (see LayerIo.done), for good, whatever the request's state
+        (a finish after the close, refused with StaleRequest, does not end it)."""
     @property
     def layers_in_flight(self) -> list[int]:
-        """Every layer in flight, oldest first (issued and not yet ended)."""
+        """Every layer in flight, oldest first (issued and not yet ended); once the store is
+        closed, every layer its close left in flight (as layer_in_flight)."""
     @property
     def layers_completed(self) -> list[int]:
         """Layers whose I/O completed, in order of completion."""
@@ -719,7 +722,8 @@ class LayerIo:
         close ends every request), except for a layer the close could not wait out (within its
         timeout_s) whose queue pairs it could not prove deleted either (tuttid's session not
         seen ending cleanly): nothing says it ended, and it stays False for good (its memory
-        is kept for good, counted in Store.leaked_registrations)."""
+        is kept for good, counted in Store.leaked_registrations), a later finish of its request
+        (refused: StaleRequest) included; its request's layer_in_flight names it."""
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
         completed, whose completion it then takes as wait does, and True once the request has

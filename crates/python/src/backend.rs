@@ -113,6 +113,15 @@ pub enum Dropped {
     Orphaned,
 }
 
+/// An issue the store's close left in flight with nothing to say it ended
+/// (`StoreState::left_in_flight_at_close`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeftInFlight {
+    pub request: u64,
+    pub layer: u32,
+    pub issue: u64,
+}
+
 /// Everything under a `Store`'s lock.
 pub struct StoreState {
     pub backend: Backend,
@@ -141,10 +150,12 @@ pub struct StoreState {
     pub registered: Option<CheckedLayout>,
     /// Registered tensors kept for good because a queue pair could not be deleted.
     pub leaked_tensors: usize,
-    /// The issues (request handle, issue) the store's close left in flight without proof that
-    /// they ended since (queue pairs not known deleted): their `LayerIo.done` stays False. At
-    /// most `requests_max` x `layers_in_flight` of them, set once.
-    pub left_in_flight_at_close: Vec<(u64, u64)>,
+    /// The issues the store's close left in flight without proof that they ended since (queue
+    /// pairs not known deleted), oldest first per request: their `LayerIo.done` stays False and
+    /// their request still names their layers in flight, for good (a later finish, refused by
+    /// the closed store, changes neither). At most `requests_max` x `layers_in_flight` of them,
+    /// set once.
+    pub left_in_flight_at_close: Vec<LeftInFlight>,
     /// The descriptors the store recorded for forked children to close (`process`): forgotten
     /// when it closes them.
     pub closed_in_forked_children: Vec<std::os::fd::RawFd>,
@@ -261,6 +272,17 @@ impl StoreState {
 
     pub fn is_closed(&self) -> bool {
         matches!(self.backend, Backend::Closed)
+    }
+
+    /// The layers of request `handle` the store's close left in flight, oldest first (none
+    /// while the store is open).
+    pub fn left_in_flight(&self, handle: u64) -> impl Iterator<Item = u32> + '_ {
+        self.left_in_flight_at_close.iter().filter(move |left| left.request == handle).map(|left| left.layer)
+    }
+
+    /// Whether the store's close left `issue` of request `handle` in flight.
+    pub fn was_left_in_flight(&self, handle: u64, issue: u64) -> bool {
+        self.left_in_flight_at_close.iter().any(|left| left.request == handle && left.issue == issue)
     }
 
     /// The registered store, as the layer-wise trait.

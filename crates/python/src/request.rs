@@ -316,16 +316,17 @@ impl Request {
     /// request the store no longer holds (the store closed, which ended every request) has no
     /// issue left in flight: its layers are done, except those the close could not wait out
     /// and whose queue pairs it could not prove deleted (`left_in_flight_at_close`): nothing
-    /// says they ended.
+    /// says they ended, whatever the request's phase (a finish after the close, refused,
+    /// moves it to finished: the layer is no more done for that).
     fn layer_done(&self, issue: u64) -> Result<bool, Failure> {
-        if self.phase() != Phase::Prepared {
-            return Ok(true);
-        }
+        // The owner before the phase's lock (see `Drop`).
+        self.shared.owner.check("the store")?;
+        let prepared = self.phase() == Phase::Prepared;
         let mut state = self.shared.lock()?;
         if state.is_closed() {
-            return Ok(!state.left_in_flight_at_close.contains(&(self.handle, issue)));
+            return Ok(!state.was_left_in_flight(self.handle, issue));
         }
-        if !state.requests.contains_key(&self.handle) {
+        if !prepared || !state.requests.contains_key(&self.handle) {
             return Ok(true);
         }
         Ok(state.request(self.handle).is_ok_and(|request| request.is_ended(issue)))
@@ -426,18 +427,30 @@ impl Request {
         id_list(py, &self.new_block_ids)
     }
 
+    /// Once the store is closed, the layers its close left in flight with nothing to say they
+    /// ended (`left_in_flight_at_close`): they may still move bytes, whatever became of the
+    /// request since (a finish refused by the closed store moves it to finished).
     #[getter]
     fn layer_in_flight(&self, py: Python<'_>) -> PyResult<Option<u32>> {
         let handle = self.handle;
-        self.shared.read(py, |state| state.request(handle).ok().and_then(|request| request.in_flight.front().copied()))
+        self.shared.read(py, |state| {
+            if state.is_closed() {
+                return state.left_in_flight(handle).next();
+            }
+            state.request(handle).ok().and_then(|request| request.in_flight.front().copied())
+        })
     }
 
+    /// As `layer_in_flight`, every layer.
     #[getter]
     fn layers_in_flight<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let handle = self.handle;
-        let layers: Vec<u32> = self
-            .shared
-            .read(py, |state| state.request(handle).map(|request| request.in_flight.iter().copied().collect()).unwrap_or_default())?;
+        let layers: Vec<u32> = self.shared.read(py, |state| {
+            if state.is_closed() {
+                return state.left_in_flight(handle).collect();
+            }
+            state.request(handle).map(|request| request.in_flight.iter().copied().collect()).unwrap_or_default()
+        })?;
         id_list(py, &layers)
     }
 

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use objstore::RequestHandle;
 
-use super::{Backend, Settling, StoreState};
+use super::{Backend, LeftInFlight, Settling, StoreState};
 use crate::device_memory;
 use crate::ffi::QueuesGone;
 
@@ -44,7 +44,11 @@ impl StoreState {
                     Settling::Unsettled => {
                         settled = false;
                         if let Some(request) = self.requests.get(&handle) {
-                            left_in_flight.extend(request.issues.in_flight().map(|issue| (handle, issue)));
+                            left_in_flight.extend(request.issues.in_flight().map(|(layer, issue)| LeftInFlight {
+                                request: handle,
+                                layer,
+                                issue,
+                            }));
                         }
                         break;
                     }

@@ -82,9 +82,9 @@ impl Issues {
         }
     }
 
-    /// The issues in flight, oldest first.
-    pub fn in_flight(&self) -> impl Iterator<Item = u64> + '_ {
-        self.in_flight.iter().map(|&(_, issue)| issue)
+    /// The issues in flight, oldest first, each with its layer.
+    pub fn in_flight(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.in_flight.iter().copied()
     }
 
     /// Whether `issue` is in flight.
