@@ -304,7 +304,10 @@ impl Holdings {
     /// attach that would leave a controller fewer than `reserved` free ids (the pool's own and,
     /// on a cluster node, the data plane's: `crate::pool_open::queue_pairs_reserved`): every
     /// session whose pairs hold ids counts (`leaks.queue_id_holders`: attached, being deleted,
-    /// kept for good), and so do pairs the driver leaked.
+    /// kept for good), and so do pairs the driver leaked. A creation that fails for now (the
+    /// admin queue busy with a late command, most often an ended session's Delete) is `Busy`,
+    /// leaving nothing behind, so the client asks again on the same registration
+    /// (`creation_refused`).
     pub fn attach(
         &mut self,
         request: AttachQueues,
@@ -478,8 +481,7 @@ impl Holdings {
                             preset.keep_pending();
                         }
                     }
-                    failure =
-                        Some(Reply::error(ErrorCode::LimitReached, format!("creating a queue pair on pool device {device}: {error}")));
+                    failure = Some(creation_refused(device, &error, leaks.queue_id_holders_retiring.load(Ordering::Acquire)));
                     break;
                 }
             };
@@ -1003,6 +1005,38 @@ fn creation_may_still_execute(error: &NvmeError) -> bool {
             | NvmeError::CompletionBeforeFetch { .. }
             | NvmeError::CommandOutcomeUnknown { .. }
     )
+}
+
+/// The answer to an attach whose queue creation on pool device `device` failed with `error`
+/// (`retiring`: ended sessions whose pairs' deletion is not confirmed yet, `Retiring`). What
+/// comes free by itself is `Busy`, which clients ask again: the admin queue busy with a command
+/// that timed out (most often an ended session's late Delete; nothing was sent, and its late
+/// completion frees the queue), or no queue id left while retiring sessions hold some. No id
+/// left otherwise is the cap (`LimitReached`), rings the client placed over each other its
+/// `BadRequest`; anything else (a timeout, the hardware, a failed admin queue) is the store
+/// failing, not a cap: `StoreFailed`, which the Python package raises as `DaemonError` rather
+/// than `LimitReached` ("a bounded resource is exhausted").
+fn creation_refused(device: usize, error: &NvmeError, retiring: u64) -> Reply {
+    let context = format!("creating a queue pair on pool device {device}: {error}");
+    match error {
+        NvmeError::QueueBusy { .. } => Reply::error(
+            ErrorCode::Busy,
+            format!(
+                "{context} (the controller's admin queue waits for the late completion of a command that timed out, \
+                 such as an ended session's queue deletion): retry the attach shortly"
+            ),
+        ),
+        NvmeError::NoQueueAvailable { .. } if retiring > 0 => Reply::error(
+            ErrorCode::Busy,
+            format!(
+                "{context} ({retiring} ended session(s) hold queue ids whose deletion the controller has not confirmed yet; \
+                 they come free once it does): retry the attach shortly"
+            ),
+        ),
+        NvmeError::NoQueueAvailable { .. } => Reply::error(ErrorCode::LimitReached, context),
+        NvmeError::RingsOverlap { .. } | NvmeError::InvalidQueueDepth { .. } => Reply::error(ErrorCode::BadRequest, context),
+        _ => Reply::error(ErrorCode::StoreFailed, context),
+    }
 }
 
 /// Whether a failed deletion may go through on a retry: the Delete was never sent (the admin

@@ -574,7 +574,8 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     // The attach's Create I/O CQ goes through; its Create I/O SQ is held.
     holding.countdown.store(2, Ordering::Release);
     let (reply, _) = attach(&mut holdings, &store, registration);
-    assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+    // A timed-out creation is the store failing, not a cap reached.
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::StoreFailed, .. }), "{reply:?}");
     let held = lock(&holding.held).take().expect("the Create I/O SQ's doorbell write was held");
     assert!(
         matches!(device.preset_restriction(ring, QueueRestriction::new()), Err(nvme_emu::EmuError::RestrictionPending { .. })),
@@ -618,7 +619,8 @@ fn a_queue_created_whose_completion_never_came_keeps_the_sessions_memory() {
     let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::CreateIoSubmissionQueue, dropped);
     device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
     let (reply, _) = attach(&mut holdings, &store, registration);
-    assert!(matches!(reply, Reply::Error { code: ErrorCode::LimitReached, .. }), "{reply:?}");
+    // A timed-out creation is the store failing, not a cap reached.
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::StoreFailed, .. }), "{reply:?}");
     // The creation ran: its preset was taken (a new one for the ring is accepted).
     drop(device.preset_restriction(ring, QueueRestriction::new()).expect("the executed creation took its preset"));
     let leaks = LeakCounters::default();
@@ -701,5 +703,47 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
     let reply = next.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0;
     assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
+    assert!(next.release(&store, &leaks).is_done());
+}
+
+#[test]
+fn an_attach_while_a_retiring_sessions_delete_is_outstanding_is_told_to_retry() {
+    // Goal: a session ends while its Delete I/O SQ completes late, so the controller's admin
+    // queue refuses every command (QueueBusy) until the late completion arrives. Another
+    // session's attach meanwhile passes admission (the controller has ids to spare) but cannot
+    // create its queues: it is answered Busy (retry: the admin queue comes free by itself),
+    // not LimitReached (a cap, which reads as for good and which nothing retries), and leaves
+    // nothing behind, so the same registration attaches once the deletion is confirmed.
+    let admin_timeout = Duration::from_millis(50);
+    let store = store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, |device| device);
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let leaks = LeakCounters::default();
+    let attach = |holdings: &mut Holdings, registration: u64| {
+        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+    };
+    let mut first = Holdings::default();
+    let registration = registered(&mut first, &store);
+    assert!(matches!(attach(&mut first, registration), Reply::Attached { .. }));
+    // Late by 2 s: the attach below runs well inside it, however slow the machine.
+    let late = nvme_emu::FaultAction::Delay(40 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    device.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let Released::Retiring(mut retiring) = first.release(&store, &leaks) else { panic!("the late deletion is not retried") };
+    let mut next = Holdings::default();
+    let registration = registered(&mut next, &store);
+    match attach(&mut next, registration) {
+        Reply::Error { code: ErrorCode::Busy, message } => assert!(message.contains("retry"), "{message}"),
+        other => panic!("an attach meeting the admin queue busy with a late deletion: {other:?}"),
+    }
+    assert_eq!(next.queue_pairs(), 0, "the refused attach left queue pairs");
+    assert!(!next.holds_queue_ids, "the refused attach counts as a queue id holder");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while retiring.retry(&store, &leaks) == Retried::Pending {
+        assert!(std::time::Instant::now() < deadline, "the deletion was never confirmed");
+        std::thread::sleep(admin_timeout);
+    }
+    let reply = attach(&mut next, registration);
+    assert!(matches!(reply, Reply::Attached { .. }), "the retry: {reply:?}");
     assert!(next.release(&store, &leaks).is_done());
 }
