@@ -75,6 +75,11 @@ impl StoreState {
     /// `register`: takes `keeps` (leaving it empty) only on the routes that keep or release
     /// them themselves; a refusal before that leaves them to the caller.
     fn register_with(&mut self, checked: CheckedLayout, keeps: &mut Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
+        // Closed first: `registered` outlives the close, and the same memory again must not be
+        // taken as registered (nor the layout attached again) by a store that is gone.
+        if self.is_closed() {
+            return Err(closed());
+        }
         if let Some(registered) = &self.registered {
             return if *registered == checked {
                 Ok(()) // the same memory again (an engine handing back an allocation)
@@ -205,6 +210,10 @@ impl StoreState {
     /// `allocate_kv`: allocates `num_blocks` blocks in layout `kind` and registers them; returns
     /// the regions (what the KvBuffers hand out).
     pub fn allocate(&mut self, kind: LayoutKind, num_blocks: u32, timeout: Duration) -> Result<Vec<DmaRegion>, Failure> {
+        // Closed first (`registered` outlives the close): StaleRequest, as every call after it.
+        if self.is_closed() {
+            return Err(closed());
+        }
         if self.registered.is_some() {
             return Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store)"));
         }

@@ -171,3 +171,19 @@ fn a_commit_that_failed_after_the_store_let_go_forgets_the_request() {
     assert_eq!(state.store_in_flight(handle), None, "the store no longer knows it");
     assert_eq!(state.lookup(&tokens(4, 2), 0).unwrap(), 0, "nothing visible");
 }
+
+#[test]
+fn a_closed_store_refuses_register_kv_and_allocate_kv_as_stale() {
+    // Goal: once the store is closed, register_kv (even of the very layout it had registered)
+    // and allocate_kv raise StaleRequest ("the store is closed"), as every other call does.
+    // Before, the registered layout was compared first: register_kv of the same memory
+    // succeeded silently (re-attaching the layout to a closed store) and allocate_kv raised
+    // InvalidState ("registered already").
+    let mut state = local_state(1);
+    let registered = state.registered.clone().expect("allocate_kv registered its layout");
+    state.close(deadline());
+    let again = state.register(registered, Vec::new(), Duration::from_secs(5)).expect_err("register_kv on a closed store");
+    assert_eq!(again.class, ErrorClass::StaleRequest, "{again:?}");
+    let allocated = state.allocate(LayoutKind::BlockMajor, 8, Duration::from_secs(5)).expect_err("allocate_kv on a closed store");
+    assert_eq!(allocated.class, ErrorClass::StaleRequest, "{allocated:?}");
+}
