@@ -266,10 +266,13 @@ fn check_tensor(tensor: &TensorDescription, kind: LayoutKind, geometry: &ModelGe
         }
         let block_stride = if blocks == 1 { unit } else { block_stride };
         let half_stride = if outer == 2 { strides[0] as u64 } else { 0 };
-        if outer == 2 && half_stride != blocks * block_stride {
+        // Checked: both come from the tensor's strides (untrusted); a product past u64 is no
+        // packed tensor (unchecked, it panicked in debug builds and wrapped in release).
+        let packed = blocks.checked_mul(block_stride);
+        if outer == 2 && packed != Some(half_stride) {
+            let expected = packed.map_or_else(|| format!("{blocks} x {block_stride}, past 2^64"), |bytes| bytes.to_string());
             return Err(format!(
-                "{name}: V starts {half_stride} bytes after K, expected num_blocks x block stride = {} (a [2, num_blocks, ...] tensor whose halves are packed)",
-                blocks * block_stride
+                "{name}: V starts {half_stride} bytes after K, expected num_blocks x block stride = {expected} (a [2, num_blocks, ...] tensor whose halves are packed)"
             ));
         }
         (blocks, block_stride, half_stride)
@@ -482,6 +485,23 @@ mod tests {
         assert_eq!(checked.span(), Some((0x7000_0000, 0x2000 + 6 * 256)));
         let overlapping = [cuda(0, 0x7000_0000), cuda(1, 0x7000_0100)];
         assert!(check_layout(LayoutKind::Paged, &overlapping, &g).unwrap_err().contains("overlap in memory"));
+    }
+
+    #[test]
+    fn a_fused_tensor_whose_halves_are_an_overflowing_stride_apart_is_refused() {
+        // Goal: a crafted [2, 3, 128] uint8 fused tensor (DLPack or as_strided) whose block
+        // stride is 6148914691236517206 and whose V half starts 2 bytes after K is refused with
+        // the packed-halves sentence: 3 blocks x that stride is past u64, not 2. Before, the
+        // product was unchecked: a panic in a debug build (a PanicException in Python), and in
+        // release it wrapped to 2 and the bogus tensor was accepted.
+        let g = ModelGeometry { layers: 1, ..geometry() };
+        let crafted = TensorDescription {
+            itemsize: 1,
+            raw_bytes: true,
+            ..tensor("l0", 0x10000, &[2, 3, 128], Some(vec![2, 6148914691236517206, 1]))
+        };
+        let error = check_layout(LayoutKind::Fused, &[crafted], &g).unwrap_err();
+        assert!(error.contains("l0: V starts 2 bytes after K"), "{error}");
     }
 
     #[test]
