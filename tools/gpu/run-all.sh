@@ -95,6 +95,39 @@ build_programs() {
     "$nvcc" "${NVCC_FLAGS[@]}" "${extra[@]}" -arch="$arch" -o "$out/h2d-bandwidth" tools/gpu/h2d-bandwidth.cu
 }
 
+# cargo_executables CARGO_ARGS... -- NAME...: runs `cargo CARGO_ARGS
+# --message-format=json-render-diagnostics` and prints, one a line in the order named, the
+# executable cargo's compiler-artifact message gives for each target NAME. cargo builds under
+# CARGO_TARGET_DIR or a configured build.target-dir where one is set (docs/gio-uring.md's GPU test
+# exports CARGO_TARGET_DIR=target-gio), so target/release may hold an older build, of other
+# features: it is never read. rustc's errors go to stderr, rendered. Fails (saying why) if the
+# build fails or names no executable for one of them.
+cargo_executables() {
+  local args=()
+  while [[ $# -gt 0 && "$1" != -- ]]; do args+=("$1"); shift; done
+  shift
+  cargo "${args[@]}" --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+wanted, found, success = sys.argv[2:], {}, None
+for line in sys.stdin:
+    try:
+        message = json.loads(line)
+    except ValueError:
+        continue
+    target = message.get("target") or {}
+    if message.get("reason") == "build-finished":
+        success = message.get("success")
+    elif message.get("reason") == "compiler-artifact" and target.get("name") in wanted and message.get("executable") \
+            and {"bin", "example", "test"} & set(target.get("kind", [])):
+        found[target["name"]] = message["executable"]
+if success is not True:
+    sys.exit(f"run-all: cargo {sys.argv[1]} did not finish successfully (its errors above)")
+missing = [name for name in wanted if name not in found]
+if missing:
+    sys.exit(f"run-all: cargo {sys.argv[1]} named no executable for " + ", ".join(missing))
+print("\n".join(found[name] for name in wanted))' "${args[*]}" "$@"
+}
+
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   rm -f "$CARRY/COMMIT" "$CARRY/TRACKED" "$CARRY/ABI"     # never a stale record of an earlier carry
@@ -103,23 +136,33 @@ if [[ "${1:-}" == "--prepare" ]]; then
   python3 tools/gpu/provenance.py begin "$CARRY" ||
     echo "run-all: WARNING: the tree was not recorded before the build; COMMIT will not say whether it changed during it" >&2
   bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
-  cargo build --release --locked -p tutti-profile
-  cp target/release/tutti-profile "$CARRY/tutti-profile"
+  built=$(cargo_executables build --release --locked -p tutti-profile --bin tutti-profile -- tutti-profile)
+  cp "$built" "$CARRY/tutti-profile"
   strip "$CARRY/tutti-profile"
   wheels="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"  # installed by tools/cuda-build.sh above
   build_programs "$wheels/bin/nvcc" sm_90 "$CARRY" "$wheels/include"
   # Item 5 through the gio kernel: the timed staged layer-load example.
   if [[ -f crates/gio-uring/examples/gpu_layer_load.rs ]]; then
-    cargo build --release --locked -p gio-uring --features cuda --example gpu_layer_load
-    cp target/release/examples/gpu_layer_load "$CARRY/gpu-layer-load"
+    built=$(cargo_executables build --release --locked -p gio-uring --features cuda --example gpu_layer_load -- gpu_layer_load)
+    cp "$built" "$CARRY/gpu-layer-load"
     strip "$CARRY/gpu-layer-load"
   fi
-  # Issue 14: GPU memory through tuttid (the ipc step).
-  cargo build --release --locked -p tuttid --features cuda --bin tuttid --bin tuttid-gpu-check
-  for binary in tuttid tuttid-gpu-check; do
-    cp "target/release/$binary" "$CARRY/$binary"
-    strip "$CARRY/$binary"
-  done
+  # Issue 14: GPU memory through tuttid (the ipc step; python and prefill run this tuttid too).
+  # An earlier carry's pair goes first: a failed build or check below leaves none to be run.
+  rm -f "$CARRY/tuttid" "$CARRY/tuttid-gpu-check"
+  built=$(cargo_executables build --release --locked -p tuttid --features cuda --bin tuttid --bin tuttid-gpu-check \
+    -- tuttid tuttid-gpu-check)
+  mapfile -t binaries <<<"$built"
+  # A tuttid without the `cuda` feature refuses --device-memory cuda at start, with this text
+  # (crates/daemon/src/gpu_memory.rs): carried, it would fail the ipc, python and prefill steps
+  # only on the GPU machine, its device time spent.
+  if grep -qaF 'this tuttid was built without the `cuda` feature' "${binaries[0]}"; then
+    echo "run-all: ${binaries[0]} was built without the \`cuda\` feature; not carried" >&2
+    exit 1
+  fi
+  cp "${binaries[0]}" "$CARRY/tuttid"
+  cp "${binaries[1]}" "$CARRY/tuttid-gpu-check"
+  strip "$CARRY/tuttid" "$CARRY/tuttid-gpu-check"
   # Issue 12: the tutti wheel (abi3, the `cuda` feature: libcuda is loaded at run time) for the
   # python step, which installs it beside the GPU machine's PyTorch.
   tools/python/wheel.sh >/dev/null

@@ -44,8 +44,10 @@ if [[ "${1:-}" == "--prepare" ]]; then
   mkdir -p "$CARRY"
   GIO_SKIP_CARGO=1 bash tools/cuda-build.sh "$CARRY/kernels"
   # Release: a debug test binary with its dependencies is tens of MiB; the carry limit is 64 MiB.
+  # The path is the one cargo names (CARGO_TARGET_DIR or build.target-dir move it); rustc's
+  # errors go to stderr, rendered, not into the JSON read here.
   binary=$(cargo test -p gio-uring --features cuda --release --locked --test gpu --no-run \
-             --message-format=json 2>/dev/null \
+             --message-format=json-render-diagnostics \
            | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)

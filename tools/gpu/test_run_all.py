@@ -1,7 +1,8 @@
 """Tests of tools/gpu/run-all.sh's and run-gpu-tests.sh's time bookkeeping, without a GPU: each
 test copies the scripts into a temporary root with a stub carry (shell scripts standing in for the
 GPU test, the layer load, the bandwidth program, tuttid, a python) and no nvcc or nvidia-smi on
-PATH, runs one call, and reads summary.txt. Standard library only; run with
+PATH, runs one call, and reads summary.txt. The Prepare tests run `run-all.sh --prepare` there
+with stub builders (cargo, nvcc, strip, wheel.sh) and read the carry. Standard library only; run with
 `python3 -m unittest discover -s tools/gpu -p 'test_*.py'` (tools/gpu/check.sh does). Each takes a
 few seconds once the scripts are right (the stubs that hang are what a wrong script waits for).
 """
@@ -46,6 +47,7 @@ class StubRoot:
         self.bin = os.path.join(self.root, "stub-bin")
         os.makedirs(self.bin)
         self.out = os.path.join(self.root, "out")
+        self.last_output = ""
 
     def stub(self, path: str, body: str) -> str:
         full = os.path.join(self.root, path)
@@ -61,8 +63,9 @@ class StubRoot:
         started = time.monotonic()
         process = subprocess.Popen(["bash", os.path.join(self.root, script), *args], env=environment, cwd=self.root,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        output = b""
         try:
-            process.communicate(timeout=limit_s)
+            output, _ = process.communicate(timeout=limit_s)
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -72,6 +75,7 @@ class StubRoot:
                 pass
             process.wait()
         elapsed = time.monotonic() - started
+        self.last_output = output.decode("utf-8", "replace")  # stdout and stderr, for a failure's message
         try:
             with open(os.path.join(self.out, "summary.txt")) as handle:
                 summary = handle.read()
@@ -157,6 +161,93 @@ exec python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.
         _rc, _elapsed, summary = self.stubs.run("tools/gpu/run-all.sh", ["prefill"], self.step_env(145), limit_s=60)
         self.assertNotIn("leaves no 30 s budget after 90 s of margin", summary)
         self.assertIn("NOT RUN prefill: deadline", summary)
+
+
+# A cargo for --prepare: each executable it is asked for (--bin, --example, --test) is written
+# under $CARGO_TARGET_DIR/release (as cargo puts them), holding "fresh NAME", and named in a
+# compiler-artifact message as --message-format=json-render-diagnostics does (after a library's
+# and a build script's messages, which are not the executables asked for). STUB_CARGO_NO_CUDA=1:
+# tuttid holds the string a build without the `cuda` feature holds (crates/daemon/src/gpu_memory.rs).
+STUB_CARGO = r'''#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+release = os.path.join(os.environ.get("CARGO_TARGET_DIR", "target"), "release")
+def artifact(name, kinds, executable):
+    print(json.dumps({"reason": "compiler-artifact", "target": {"name": name, "kind": kinds}, "executable": executable}))
+artifact("tutti_daemon", ["lib"], None)
+artifact("build-script-build", ["custom-build"], os.path.join(release, "build", "x", "build-script-build"))
+for flag, kind, folder in (("--bin", "bin", ""), ("--example", "example", "examples"), ("--test", "test", "deps")):
+    for index, arg in enumerate(args):
+        if arg != flag:
+            continue
+        name = args[index + 1]
+        path = os.path.abspath(os.path.join(release, folder, name + ("-0123abcd" if kind == "test" else "")))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as handle:
+            handle.write("fresh " + name + "\n")
+            if name == "tuttid" and os.environ.get("STUB_CARGO_NO_CUDA"):
+                handle.write("--device-memory cuda: this tuttid was built without the `cuda` feature\n")
+        artifact(name, [kind], path)
+print(json.dumps({"reason": "build-finished", "success": True}))
+'''
+
+
+@unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
+class Prepare(unittest.TestCase):
+    """run-all.sh --prepare with every builder a stub: what it copies into the carry."""
+
+    def setUp(self):
+        self.stubs = StubRoot()
+        self.addCleanup(self.stubs.cleanup)
+        s = self.stubs
+        s.stub("tools/cuda-build.sh", 'if [[ "${1:-}" == --image-stem ]]; then echo gio_kernels; else mkdir -p "$1"; fi')
+        os.makedirs(os.path.join(s.root, ".tools/cuda-wheels-13.2.86/nvidia/cu13/bin"))
+        s.stub(".tools/cuda-wheels-13.2.86/nvidia/cu13/bin/nvcc",
+               'while [[ $# -gt 0 && "$1" != -o ]]; do shift; done; echo program >"$2"')
+        os.makedirs(os.path.join(s.root, "tools/python"))
+        s.stub("tools/python/wheel.sh", "mkdir -p target/wheels; touch target/wheels/tutti-0.1.0-cp39-abi3-linux.whl")
+        os.makedirs(os.path.join(s.root, "crates/gio-uring/examples"))
+        open(os.path.join(s.root, "crates/gio-uring/examples/gpu_layer_load.rs"), "w").close()
+        with open(os.path.join(s.root, "tools/gpu/test_stub.py"), "w") as handle:
+            handle.write("import unittest\n\nclass Stub(unittest.TestCase):\n    def test_nothing(self):\n        pass\n")
+        s.stub("stub-bin/strip", "exit 0")
+        cargo = os.path.join(s.bin, "cargo")
+        with open(cargo, "w") as handle:
+            handle.write(STUB_CARGO)
+        os.chmod(cargo, 0o755)
+        # What an earlier build without CARGO_TARGET_DIR left in target/release: stale, and this
+        # tuttid without the `cuda` feature.
+        for name in ("tutti-profile", "tuttid", "tuttid-gpu-check", "examples/gpu_layer_load"):
+            path = os.path.join(s.root, "target/release", name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as handle:
+                handle.write("stale " + name + ": this tuttid was built without the `cuda` feature\n")
+        self.target_dir = os.path.join(s.root, "elsewhere")
+
+    def carried(self, name: str) -> str:
+        with open(os.path.join(self.stubs.carry, name)) as handle:
+            return handle.read()
+
+    def test_the_carry_holds_what_cargo_built_under_its_target_dir(self):
+        # Goal: with CARGO_TARGET_DIR set (docs/gio-uring.md's GPU test exports one), --prepare
+        # carries the executables cargo built and named, not whatever target/release holds.
+        rc, _elapsed, _summary = self.stubs.run("tools/gpu/run-all.sh", ["--prepare"], {"CARGO_TARGET_DIR": self.target_dir},
+                                                limit_s=120)
+        output = self.stubs.last_output
+        self.assertEqual(rc, 0, output)
+        for carried, built in (("tutti-profile", "tutti-profile"), ("gpu-layer-load", "gpu_layer_load"), ("tuttid", "tuttid"),
+                               ("tuttid-gpu-check", "tuttid-gpu-check"), ("gpu-test", "gpu")):
+            self.assertEqual(self.carried(carried), f"fresh {built}\n", output)
+
+    def test_a_tuttid_built_without_cuda_fails_the_prepare(self):
+        # Goal: a tuttid without the `cuda` feature is never carried: the ipc, python and prefill
+        # steps would fail on the GPU machine, after its device time was spent.
+        rc, _elapsed, _summary = self.stubs.run("tools/gpu/run-all.sh", ["--prepare"],
+                                                {"CARGO_TARGET_DIR": self.target_dir, "STUB_CARGO_NO_CUDA": "1"}, limit_s=120)
+        output = self.stubs.last_output
+        self.assertNotEqual(rc, 0, output)
+        self.assertIn("without the `cuda` feature", output)
+        self.assertFalse(os.path.exists(os.path.join(self.stubs.carry, "tuttid")), output)
 
 
 @unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
