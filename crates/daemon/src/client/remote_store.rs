@@ -31,7 +31,7 @@
 //! `IoQueuePair::attach` (doorbells from the register page's own CAP.DSTRD, rings at the IOVAs
 //! this process allocated), every register page by `SharedMemory::from_fd`.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -64,6 +64,11 @@ const PAGE_BYTES: u64 = 4096;
 const SCRATCH_PAGE_BYTES: u64 = 4096;
 /// Room left in the window for allocator rounding and small regions.
 const WINDOW_SLACK_BYTES: u64 = 1 << 20;
+/// The first pause before an `AttachQueues` answered Busy is asked again, doubled after each
+/// answer up to the longest (as the Python package's Hello): a retiring session's deletion is
+/// confirmed within a tick once the controller answers, or after its admin timeout (10 s).
+const ATTACH_BUSY_PAUSE_MIN: Duration = Duration::from_millis(20);
+const ATTACH_BUSY_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 /// How a remote store is set up.
 #[derive(Debug, Clone)]
@@ -209,6 +214,41 @@ fn remote(error: DaemonError) -> ObjstoreError {
 
 fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
     remote(DaemonError::UnexpectedReply { asked, got: got.kind() })
+}
+
+/// Sends `attach` (an `AttachQueues`) and returns the grants and register page descriptors.
+/// Busy is transient: the daemon says it while an ended session's queue deletion is not
+/// confirmed yet (its queue ids, or the controller's admin queue, come free once it is;
+/// docs/tuttid.md), so it is asked again on the same connection, after a pause, until
+/// `timeout` has passed; then the last Busy is the error, saying so. A refused attach leaves
+/// nothing at the daemon (no pair, no id held: `Holdings::attach`), and the rings in the window
+/// were never given to a queue, so the same request is valid again.
+fn attach_queues(client: &mut Client, attach: &Request, timeout: Duration) -> Result<(Vec<QueueGrant>, Vec<OwnedFd>), ObjstoreError> {
+    let started = Instant::now();
+    let deadline = crate::frame_io::deadline_after(started, timeout);
+    let mut pause = ATTACH_BUSY_PAUSE_MIN;
+    let mut asked = 0u32;
+    loop {
+        asked += 1;
+        match client.call_with_fds(attach, &[]) {
+            Ok((Reply::Attached { queues }, fds)) => return Ok((queues, fds)),
+            Ok((other, _)) => return Err(unexpected(Kind::AttachQueues, &other)),
+            Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
+                if Instant::now() + pause >= deadline {
+                    let message = format!(
+                        "AttachQueues answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
+                        started.elapsed().as_secs_f64(),
+                        timeout.as_secs_f64()
+                    );
+                    return Err(remote(DaemonError::Remote { code: ErrorCode::Busy, message }));
+                }
+                tracing::debug!(%message, asked, "tuttid answered AttachQueues Busy; asking again");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
+            }
+            Err(error) => return Err(remote(error)),
+        }
+    }
 }
 
 impl RemoteKvStore {
@@ -357,10 +397,7 @@ impl RemoteKvStore {
         }
         let attach =
             Request::AttachQueues(AttachQueues { registration: registered.registration, depth: config.queue_depth, rings: offsets });
-        let (grants, register_fds) = match client.call_with_fds(&attach, &[]).map_err(remote)? {
-            (Reply::Attached { queues }, fds) => (queues, fds),
-            (other, _) => return Err(unexpected(Kind::AttachQueues, &other)),
-        };
+        let (grants, register_fds) = attach_queues(&mut client, &attach, config.timeout)?;
         if grants.len() != shape.devices.len() {
             return Err(ObjstoreError::Remote {
                 reason: format!("{} queue grants for {} pool devices", grants.len(), shape.devices.len()),

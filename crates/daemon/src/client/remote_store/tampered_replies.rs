@@ -2,11 +2,15 @@
 //! software controller, in a thread) behind a proxy that forwards every frame, descriptors
 //! included, and rewrites the next `RetrievePrepared` or `StorePrepared` as a test asks. The
 //! client must refuse such a reply (its placements would move other requests' KV blocks, or
-//! leave some of the request's blocks unfilled while reporting success). Every wait is bounded.
+//! leave some of the request's blocks unfilled while reporting success). The proxy can also
+//! answer `AttachQueues` itself with `Busy` (what the daemon says while an ended session's queue
+//! deletion is not confirmed yet), which the client must ask again within its timeout. Every
+//! wait is bounded.
 
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -18,6 +22,7 @@ use tutti_devices::{DeviceKind, DeviceSpec};
 use super::{RemoteConfig, RemoteKvStore};
 use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
 use crate::pool_open::{open_pool, PoolOptions};
+use crate::protocol::ErrorCode;
 use crate::protocol::{encode_frame, Hello, Kind, Reply};
 use crate::{Server, ServerConfig, StopHandle};
 
@@ -33,10 +38,20 @@ const BLOCK_TOKENS: u32 = 16;
 /// Rewrites one prepare reply.
 type Tamper = Box<dyn FnOnce(&mut Reply) + Send>;
 
-/// A daemon in a thread behind a proxy; `tamper` rewrites the next prepare reply.
+/// The proxy's own answers to `AttachQueues`: `Busy` while `remaining` is above 0 (each
+/// answer takes one), the request then not forwarded; `answered` counts them.
+#[derive(Default)]
+struct BusyAttaches {
+    remaining: AtomicU32,
+    answered: AtomicU32,
+}
+
+/// A daemon in a thread behind a proxy; `tamper` rewrites the next prepare reply, `busy`
+/// answers attaches.
 struct TamperingDaemon {
     proxy_socket: PathBuf,
     tamper: Arc<Mutex<Option<Tamper>>>,
+    busy: Arc<BusyAttaches>,
     stop: StopHandle,
     served: Option<JoinHandle<()>>,
     _directory: tempfile::TempDir,
@@ -68,6 +83,8 @@ impl TamperingDaemon {
         let listener = UnixListener::bind(&proxy_socket).unwrap();
         let tamper: Arc<Mutex<Option<Tamper>>> = Arc::new(Mutex::new(None));
         let replies_tamper = Arc::clone(&tamper);
+        let busy = Arc::new(BusyAttaches::default());
+        let requests_busy = Arc::clone(&busy);
         // One connection: the test's store.
         thread::spawn(move || {
             let Some(client) = accept_within(&listener, WAIT) else { return };
@@ -77,11 +94,11 @@ impl TamperingDaemon {
                 stream.set_write_timeout(Some(WAIT)).unwrap();
             }
             let (requests_from, requests_to) = (client.try_clone().unwrap(), daemon.try_clone().unwrap());
-            let requests = thread::spawn(move || forward(&requests_from, &requests_to, None));
-            forward(&daemon, &client, Some(&replies_tamper));
+            let requests = thread::spawn(move || forward(&requests_from, &requests_to, Tampering::Attaches(&requests_busy)));
+            forward(&daemon, &client, Tampering::Prepared(&replies_tamper));
             let _ = requests.join();
         });
-        TamperingDaemon { proxy_socket, tamper, stop, served: Some(served), _directory: directory }
+        TamperingDaemon { proxy_socket, tamper, busy, stop, served: Some(served), _directory: directory }
     }
 
     /// Rewrites the next `RetrievePrepared` or `StorePrepared` with `tamper`.
@@ -89,10 +106,19 @@ impl TamperingDaemon {
         *self.tamper.lock().unwrap() = Some(Box::new(tamper));
     }
 
+    /// Answers the next `attaches` AttachQueues with Busy itself.
+    fn busy_next(&self, attaches: u32) {
+        self.busy.remaining.store(attaches, Ordering::Release);
+    }
+
     fn store(&self) -> RemoteKvStore {
+        self.connect(RemoteConfig::default().timeout).expect("attach through the proxy")
+    }
+
+    fn connect(&self, timeout: Duration) -> Result<RemoteKvStore, ObjstoreError> {
         let hello = Hello { model_fingerprint: [0x5b; 32], tp_rank: 0, tp_world: 1, client_name: "tampered".into() };
-        let config = RemoteConfig { kv_blocks: KV_BLOCKS, ..RemoteConfig::default() };
-        RemoteKvStore::connect(&self.proxy_socket, &hello, &config).expect("attach through the proxy")
+        let config = RemoteConfig { kv_blocks: KV_BLOCKS, timeout, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.proxy_socket, &hello, &config)
     }
 }
 
@@ -125,9 +151,18 @@ fn accept_within(listener: &UnixListener, wait: Duration) -> Option<UnixStream> 
     None
 }
 
+/// What a forwarding direction may change.
+#[derive(Clone, Copy)]
+enum Tampering<'a> {
+    /// Replies: the next prepare reply passes through the tamper set, if any.
+    Prepared(&'a Mutex<Option<Tamper>>),
+    /// Requests: an `AttachQueues` may be answered Busy (back on `from`) instead of forwarded.
+    Attaches(&'a BusyAttaches),
+}
+
 /// Copies frames (with their descriptors) from `from` to `to` until either side closes or
-/// fails; with `tamper`, the prepare replies pass through it.
-fn forward(from: &UnixStream, to: &UnixStream, tamper: Option<&Mutex<Option<Tamper>>>) {
+/// fails, changing what `tampering` says.
+fn forward(from: &UnixStream, to: &UnixStream, tampering: Tampering<'_>) {
     let (mut body, mut fds, mut frame) = (Vec::new(), Vec::new(), Vec::new());
     let never = || false;
     loop {
@@ -136,8 +171,27 @@ fn forward(from: &UnixStream, to: &UnixStream, tamper: Option<&Mutex<Option<Tamp
             Ok(ReadOutcome::Idle) => continue,
             _ => break,
         };
+        if let Tampering::Attaches(busy) = tampering {
+            let refuse = header.kind == Kind::AttachQueues
+                && busy.remaining.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(1)).is_ok();
+            if refuse {
+                // The client waits for this reply before its next request: the reply direction
+                // writes nothing to it meanwhile.
+                let reply = Reply::error(ErrorCode::Busy, "the proxy's Busy: an ended session's queue deletion is pending; retry");
+                encode_frame(&mut frame, reply.kind(), header.request_id, |out| reply.encode_body(out)).unwrap();
+                busy.answered.fetch_add(1, Ordering::AcqRel);
+                if write_frame_with_fds(from, &frame, &[]).is_err() {
+                    break;
+                }
+                continue;
+            }
+        }
         let prepared = matches!(header.kind, Kind::RetrievePrepared | Kind::StorePrepared);
-        if let Some(rewrite) = tamper.filter(|_| prepared).and_then(|tamper| tamper.lock().unwrap().take()) {
+        let tamper = match tampering {
+            Tampering::Prepared(tamper) if prepared => tamper.lock().unwrap().take(),
+            _ => None,
+        };
+        if let Some(rewrite) = tamper {
             let mut reply = Reply::decode(header.kind, &body).unwrap();
             rewrite(&mut reply);
             body.clear();
@@ -274,4 +328,43 @@ fn a_handle_already_held_is_refused_without_releasing_the_live_request() {
     assert!(matches!(outcome, Err(ObjstoreError::HandleState { .. })), "a handle already held: {outcome:?}");
     read_all_layers(&mut store, live);
     store.finish(live).expect("the live request is still the daemon's: its release is accepted");
+}
+
+#[test]
+fn an_attach_answered_busy_is_asked_again() {
+    // Goal: an AttachQueues answered Busy (the daemon's word for an ended session's queue
+    // deletion not confirmed yet, which frees the ids and the admin queue by itself) is asked
+    // again on the same connection and registration, and the store then works; nothing is
+    // left of the refused attempt (the refusal came before the daemon saw the request).
+    let daemon = TamperingDaemon::start();
+    daemon.busy_next(2);
+    let mut store = daemon.store();
+    assert_eq!(daemon.busy.answered.load(Ordering::Acquire), 2, "the Busy answers");
+    store_four_blocks(&mut store);
+    retrieve_four_blocks(&mut store);
+}
+
+#[test]
+fn an_attach_busy_past_the_timeout_fails_saying_busy() {
+    // Goal: an attach answered Busy every time is asked again only until the store's timeout
+    // has passed (bounded: never a wait for ever), then fails as the daemon's Busy refusal
+    // (a caller classifying by code sees Busy), saying it asked more than once.
+    let daemon = TamperingDaemon::start();
+    daemon.busy_next(u32::MAX);
+    let timeout = Duration::from_secs(1);
+    let started = Instant::now();
+    let outcome = daemon.connect(timeout);
+    let waited = started.elapsed();
+    match outcome {
+        Err(ObjstoreError::RemoteFailed { failure: objstore::RemoteFailure::Refused { code }, reason }) => {
+            assert_eq!(ErrorCode::from_u16(code), ErrorCode::Busy, "{reason}");
+            assert!(reason.contains("AttachQueues") && reason.contains("retry"), "{reason}");
+        }
+        Err(other) => panic!("an attach busy past its timeout: {other:?}"),
+        Ok(_) => panic!("an attach busy past its timeout succeeded"),
+    }
+    let answered = daemon.busy.answered.load(Ordering::Acquire);
+    assert!(answered > 1, "asked {answered} time(s)");
+    assert!(waited >= timeout / 2, "gave up after {waited:?}, before the timeout of {timeout:?}");
+    assert!(waited < timeout + Duration::from_secs(3), "asked again for {waited:?}, past the timeout of {timeout:?}");
 }
