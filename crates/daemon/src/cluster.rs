@@ -398,7 +398,9 @@ impl ClusterAgent {
         // First: another daemon using this manifest refuses this start before it reads a byte.
         let manifest_lock = manifest::lock(&settings.manifest)?;
         let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
-        let loaded = manifest::load(&settings.manifest, segment_blocks).map_err(io)?;
+        // What is not a manifest is refused here (exit 2) and left as it is: the rewrite below
+        // would replace it.
+        let loaded = manifest::load(&settings.manifest, segment_blocks)?;
         if let Some(reason) = &loaded.discarded {
             tracing::warn!(path = %settings.manifest.display(), reason, "segment manifest discarded");
         }

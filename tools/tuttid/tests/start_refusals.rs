@@ -85,3 +85,32 @@ fn a_socket_a_live_daemon_serves_is_refused_before_the_pool_is_formatted() {
     assert!(socket.exists(), "the live daemon's socket was removed");
     drop(live);
 }
+
+/// `tuttid` on the pool `image` as a cluster node with its manifest at `state`. Its etcd
+/// (port 9, discard) is never reached: every refusal tested here comes before the registry is
+/// asked anything.
+fn cluster_node(directory: &Path, image: &Path, socket: &Path, state: &Path, data_address: &str) -> Command {
+    let mut command = Command::new(TUTTID);
+    command.args(["--device", &format!("emu:{}", image.display()), "--socket"]).arg(socket);
+    command.arg("--lock-dir").arg(directory.join("locks")).args(["--metrics", "off"]);
+    command.args(["--cluster-etcd", "http://127.0.0.1:9", "--cluster-id", "refusals", "--node-id", "node-a"]);
+    command.args(["--data-address", data_address, "--segment-blocks", "16", "--cluster-state"]).arg(state);
+    command
+}
+
+#[test]
+fn a_cluster_state_naming_the_pool_itself_is_refused_and_left_as_it_is() {
+    // Goal: `--cluster-state` naming a file that is not a segment manifest (here, by a slip, the
+    // pool's own image) exits 2 and leaves that file byte for byte. Before, the start read it as
+    // a foreign manifest, discarded it and renamed a 12-byte manifest over it: the pool's data
+    // gone without a question.
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let before = std::fs::read(&image).unwrap();
+    let socket = directory.path().join("node.sock");
+    let (code, stderr) = run_bounded(&mut cluster_node(directory.path(), &image, &socket, &image, "127.0.0.1:0"));
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("TSMF"), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == before, "the refused daemon changed the pool image: {stderr}");
+    assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+}

@@ -7,8 +7,14 @@
 //! journal, keeps the segments whose blocks are all still in the recovered index, registers
 //! them again, and rewrites the file with only those.
 //!
-//! Untrusted input (a file anyone could have changed, or a crash could have cut): a header of
-//! another format or segment size discards the file; records are read up to the first that is
+//! Untrusted input (a file anyone could have changed, or a crash could have cut). What is not a
+//! manifest at all is refused, and left as it is: a path that is not a regular file (a FIFO would
+//! hang the start, a block device be read whole), a file that does not begin with `TSMF` (a slip
+//! such as `--cluster-state` naming the pool's own image: the rewrite at start would replace it
+//! with a 12-byte manifest), one over [`FILE_BYTES_MAX`], and a `PATH.new` that is not a manifest
+//! a crash left (the rewrite would remove it). A `TSMF` header of another version or segment size
+//! discards the file (this daemon's own, from another build or `--cluster-segment-blocks`);
+//! records are read up to the first that is
 //! truncated or fails its CRC (a torn tail after a crash: later records are not trusted either);
 //! every segment is checked against the index before it is registered. Losing the tail loses
 //! only registrations (a miss for other nodes), never serves a wrong byte. No fsync per record:
@@ -30,11 +36,11 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
+use nix::fcntl::{Flock, FlockArg, OFlag};
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
 
 use super::held::HeldSegment;
@@ -48,8 +54,8 @@ const HEADER_BYTES: usize = 12;
 const TAG_HELD: u8 = 1;
 const TAG_DROPPED: u8 = 2;
 const TAG_LEASE: u8 = 3;
-/// A manifest larger than this is not read (a live one is ~8 bytes per pool block, compacted at
-/// every start and when it doubles): a file that big was not written by tuttid.
+/// A manifest larger than this is refused, not read (a live one is ~8 bytes per pool block,
+/// compacted at every start and when it doubles): a file that big was not written by tuttid.
 const FILE_BYTES_MAX: u64 = 8 << 30;
 /// Bytes of a space in a record.
 const SPACE_BYTES: usize = FINGERPRINT_BYTES + 8;
@@ -69,7 +75,7 @@ pub struct Loaded {
     pub segments: Vec<ManifestSegment>,
     /// Bytes after the last sound record (a torn tail, or damage), not trusted.
     pub dropped_bytes: u64,
-    /// Why the whole file was discarded (another format or segment size), if it was.
+    /// Why the whole file was discarded (a manifest of another version or segment size), if it was.
     pub discarded: Option<String>,
     /// The etcd lease the last lease record names (the previous process's, when it joined);
     /// 0 when none (etcd never grants lease 0).
@@ -164,6 +170,7 @@ pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
                 path.display()
             )))
         }
+        Ok(metadata) if !metadata.file_type().is_file() => return Err(not_a_manifest(path, &format!("is {}", kind_of(&metadata)))),
         Ok(metadata) if metadata.nlink() > 1 => {
             return Err(DaemonError::Config(format!(
                 "the segment manifest {} (--cluster-state) has {} hard links: give a manifest of one name (its lock goes by the path, so \
@@ -197,36 +204,150 @@ pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
     }
 }
 
-/// Reads the journal at `path` (a missing file is an empty one).
-pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> std::io::Result<Loaded> {
-    let mut file = match File::open(path) {
-        Ok(file) => file,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
-        Err(error) => return Err(io_context(path, "opening")(error)),
-    };
-    let length = file.metadata().map_err(io_context(path, "reading"))?.len();
-    if length > FILE_BYTES_MAX {
-        return Ok(Loaded { discarded: Some(format!("{length} bytes is over the {FILE_BYTES_MAX}-byte bound")), ..Loaded::default() });
+/// What a path that is not a regular file is, for a refusal.
+fn kind_of(metadata: &std::fs::Metadata) -> &'static str {
+    let kind = metadata.file_type();
+    if kind.is_dir() {
+        "a directory"
+    } else if kind.is_symlink() {
+        "a symbolic link"
+    } else if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_file() {
+        "a regular file"
+    } else {
+        "not a regular file"
     }
-    let mut bytes = Vec::with_capacity(length as usize);
-    file.read_to_end(&mut bytes).map_err(io_context(path, "reading"))?;
-    Ok(parse(&bytes, segment_blocks))
 }
 
-fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Loaded {
+/// The refusal of a `--cluster-state` path that holds something other than a manifest.
+fn not_a_manifest(path: &Path, what: &str) -> DaemonError {
+    DaemonError::Config(format!(
+        "the segment manifest {} (--cluster-state) {what}: give the path of a segment manifest, or of a file not there yet (left as it is)",
+        path.display()
+    ))
+}
+
+/// Opens `path` to read without following a symbolic link, without waiting (a FIFO opens at
+/// once) and without taking a terminal, and checks that what it opened is a regular file (the
+/// path may have been swapped since it was looked at). `Ok(Err(kind))` names what it is instead.
+fn open_regular(path: &Path) -> std::io::Result<Result<(File, std::fs::Metadata), &'static str>> {
+    let flags = OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY;
+    let file = OpenOptions::new().read(true).custom_flags(flags.bits()).open(path)?;
+    let metadata = file.metadata()?;
+    Ok(if metadata.file_type().is_file() { Ok((file, metadata)) } else { Err(kind_of(&metadata)) })
+}
+
+/// `PATH.new`, where [`Manifest::rewrite`] writes the file it renames over `PATH`.
+fn temporary_of(path: &Path) -> PathBuf {
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".new");
+    PathBuf::from(temporary)
+}
+
+/// Whether `temporary` is there to be removed before a rewrite: `Ok(false)` when missing,
+/// `Ok(true)` when it is what a crash mid-rewrite leaves (a regular file, empty or beginning
+/// with `TSMF`; no other process writes it while the manifest's lock is held), and an error
+/// (kind `AlreadyExists`) for anything else, which is never removed: it is not ours.
+fn stale_temporary(temporary: &Path) -> std::io::Result<bool> {
+    let refuse = |what: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!("{} {what}, not a segment manifest a crash left: remove it or give another --cluster-state", temporary.display()),
+        )
+    };
+    match std::fs::symlink_metadata(temporary) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(error) => return Err(io_context(temporary, "looking at")(error)),
+        Ok(metadata) if !metadata.file_type().is_file() => return Err(refuse(&format!("is {}", kind_of(&metadata)))),
+        Ok(_) => {}
+    }
+    let (file, metadata) = match open_regular(temporary).map_err(io_context(temporary, "opening"))? {
+        Ok(opened) => opened,
+        Err(kind) => return Err(refuse(&format!("is {kind}"))),
+    };
+    let mut head = Vec::with_capacity(MAGIC.len());
+    file.take(MAGIC.len() as u64).read_to_end(&mut head).map_err(io_context(temporary, "reading"))?;
+    if metadata.len() == 0 || head == MAGIC {
+        Ok(true)
+    } else {
+        Err(refuse("holds something else"))
+    }
+}
+
+/// Reads the journal at `path` (a missing file is an empty one). Refused as
+/// [`DaemonError::Config`] (exit 2), everything left as it is: what is not a manifest (module
+/// docs) — a path that is not a regular file, a file that does not begin with `TSMF`, one over
+/// [`FILE_BYTES_MAX`] bytes, a `PATH.new` the rewrite could not remove. A manifest of another
+/// version or segment size is read as empty, saying why (`Loaded::discarded`).
+pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> Result<Loaded, DaemonError> {
+    let io = |doing: &str| {
+        let context = format!("{doing} the segment manifest {}", path.display());
+        move |source| DaemonError::Io { context, source }
+    };
+    // Checked here, before the pool is touched, though only the rewrite removes it.
+    stale_temporary(&temporary_of(path)).map_err(|error| {
+        if error.kind() == std::io::ErrorKind::AlreadyExists {
+            DaemonError::Config(format!("the segment manifest's temporary file {error}"))
+        } else {
+            DaemonError::Io { context: "the segment manifest's temporary file".into(), source: error }
+        }
+    })?;
+    // Looked at before it is opened: opening a device may do something (a tape rewinds).
+    match std::fs::symlink_metadata(path) {
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
+        Err(error) => return Err(io("looking at")(error)),
+        Ok(metadata) if !metadata.file_type().is_file() => return Err(not_a_manifest(path, &format!("is {}", kind_of(&metadata)))),
+        Ok(_) => {}
+    }
+    let (file, metadata) = match open_regular(path) {
+        Ok(Ok(opened)) => opened,
+        Ok(Err(kind)) => return Err(not_a_manifest(path, &format!("is {kind}"))),
+        // Gone since it was looked at: as missing.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
+        Err(error) => return Err(io("opening")(error)),
+    };
+    let too_large = |length: u64| not_a_manifest(path, &format!("is {length} bytes, over the {FILE_BYTES_MAX}-byte bound of a manifest"));
+    if metadata.len() > FILE_BYTES_MAX {
+        return Err(too_large(metadata.len()));
+    }
+    let mut bytes = Vec::with_capacity(metadata.len() as usize);
+    // Bounded however long the file has grown since its length was read.
+    file.take(FILE_BYTES_MAX + 1).read_to_end(&mut bytes).map_err(io("reading"))?;
+    if bytes.len() as u64 > FILE_BYTES_MAX {
+        return Err(too_large(bytes.len() as u64));
+    }
+    parse(&bytes, segment_blocks).map_err(|Foreign| not_a_manifest(path, "does not begin with a segment manifest's magic (TSMF)"))
+}
+
+/// [`parse`]'s refusal: the bytes do not begin with the manifest's magic.
+#[derive(Debug, PartialEq, Eq)]
+struct Foreign;
+
+/// The journal in `bytes`; [`Foreign`] when they are not empty and do not begin with `TSMF`.
+fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Result<Loaded, Foreign> {
     let mut loaded = Loaded::default();
     if bytes.is_empty() {
-        return loaded;
+        return Ok(loaded);
+    }
+    if !bytes.starts_with(MAGIC) {
+        return Err(Foreign);
     }
     let known = |version: u16| bytes.len() >= HEADER_BYTES && bytes[..HEADER_BYTES] == header(version, segment_blocks);
     if !known(VERSION) && !known(VERSION_WITHOUT_LEASE) {
         let version = if bytes.len() >= 8 { u16::from_le_bytes([bytes[4], bytes[5]]) } else { 0 };
-        loaded.discarded = Some(if bytes[..4.min(bytes.len())] == *MAGIC && (version == VERSION || version == VERSION_WITHOUT_LEASE) {
+        loaded.discarded = Some(if version == VERSION || version == VERSION_WITHOUT_LEASE {
             format!("written for segments of {} blocks, not {}", u16::from_le_bytes([bytes[6], bytes[7]]), segment_blocks.get())
         } else {
             "not a segment manifest of this version".into()
         });
-        return loaded;
+        return Ok(loaded);
     }
     let per_segment = usize::from(segment_blocks.get());
     let held_bytes = SPACE_BYTES + 4 + 8 * per_segment;
@@ -275,7 +396,7 @@ fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Loaded {
     }
     loaded.dropped_bytes = (bytes.len() - at) as u64;
     loaded.segments = slots.into_iter().flatten().collect();
-    loaded
+    Ok(loaded)
 }
 
 /// One record at the start of `bytes`: (tag, body, bytes it takes), or None when truncated or
@@ -300,13 +421,16 @@ impl Manifest {
         lease_id: i64,
         segments: impl Iterator<Item = &'a HeldSegment>,
     ) -> std::io::Result<Manifest> {
-        let mut temporary = path.as_os_str().to_owned();
-        temporary.push(".new");
-        let temporary = PathBuf::from(temporary);
+        let temporary = temporary_of(path);
         let mut record = Vec::new();
         let mut records = 0;
         {
-            let file = File::create(&temporary).map_err(io_context(&temporary, "creating"))?;
+            // A crash mid-rewrite leaves it; anything else there is refused, never removed.
+            if stale_temporary(&temporary)? {
+                std::fs::remove_file(&temporary).map_err(io_context(&temporary, "removing the stale"))?;
+            }
+            // A new file: never one someone put there since (nor a link followed).
+            let file = OpenOptions::new().write(true).create_new(true).open(&temporary).map_err(io_context(&temporary, "creating"))?;
             let mut writer = BufWriter::new(file);
             writer.write_all(&header(VERSION, segment_blocks)).map_err(io_context(&temporary, "writing"))?;
             if lease_id != 0 {
@@ -501,7 +625,7 @@ mod tests {
         let mut record = Vec::new();
         held_record(&mut record, &space(1), 0, &keys(1));
         version_1.extend_from_slice(&record);
-        let loaded = parse(&version_1, blocks());
+        let loaded = parse(&version_1, blocks()).unwrap();
         assert_eq!((loaded.lease_id, loaded.segments.len(), loaded.discarded), (0, 1, None));
     }
 
@@ -509,7 +633,7 @@ mod tests {
     fn a_torn_or_damaged_journal_is_trusted_only_up_to_its_last_sound_record() {
         // Goal: every truncation and every flipped byte of a two-record journal yields a prefix
         // of its records (never a record that was not written, never a panic); a header of
-        // another segment size or format discards the file.
+        // another segment size discards the file; bytes without the magic are refused.
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("manifest");
         let mut manifest = Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap();
@@ -517,23 +641,64 @@ mod tests {
         manifest.held(&space(1), 1, &keys(17)).unwrap();
         manifest.flush().unwrap();
         let bytes = std::fs::read(&path).unwrap();
-        let whole = parse(&bytes, blocks()).segments;
+        let whole = parse(&bytes, blocks()).unwrap().segments;
         assert_eq!(whole.len(), 2);
         for length in HEADER_BYTES..bytes.len() {
-            let loaded = parse(&bytes[..length], blocks());
+            let loaded = parse(&bytes[..length], blocks()).unwrap();
             assert!(whole.starts_with(&loaded.segments), "truncated to {length}");
             assert_eq!(loaded.dropped_bytes as usize + HEADER_BYTES + loaded.segments.len() * (bytes.len() - HEADER_BYTES) / 2, length);
         }
         for position in 0..bytes.len() {
             let mut damaged = bytes.clone();
             damaged[position] ^= 0x40;
-            let loaded = parse(&damaged, blocks());
+            let Ok(loaded) = parse(&damaged, blocks()) else {
+                assert!(position < MAGIC.len(), "byte {position} flipped: refused as not a manifest");
+                continue;
+            };
             assert!(whole.starts_with(&loaded.segments), "byte {position} flipped: {:?}", loaded.segments);
             assert!(loaded.segments.len() < 2, "byte {position} flipped went unnoticed");
         }
-        let other = parse(&bytes, SegmentBlocks::new(32).unwrap());
+        let other = parse(&bytes, SegmentBlocks::new(32).unwrap()).unwrap();
         assert!(other.segments.is_empty() && other.discarded.as_deref().unwrap().contains("16 blocks, not 32"), "{other:?}");
-        let foreign = parse(b"something else entirely", blocks());
-        assert!(foreign.segments.is_empty() && foreign.discarded.is_some());
+        assert_eq!(parse(b"something else entirely", blocks()).unwrap_err(), Foreign);
+    }
+
+    #[test]
+    fn what_is_not_a_manifest_is_refused_and_left_as_it_is() {
+        // Goal: a `--cluster-state` naming something other than a manifest (a slip: the pool's
+        // own image) is refused as a configuration error and the file is left byte for byte;
+        // before, it was discarded and the start's rewrite renamed a 12-byte manifest over it.
+        // A FIFO is refused without hanging (the open would wait for a writer), and a stale
+        // `PATH.new` is removed by a rewrite only when it is a manifest a crash left.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        std::fs::write(&path, b"something else entirely").unwrap();
+        let error = load(&path, blocks()).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("TSMF")), "{error}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"something else entirely");
+
+        let fifo = directory.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let error = lock(&fifo).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("is a FIFO")), "{error}");
+        let error = load(&fifo, blocks()).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("is a FIFO")), "{error}");
+        let error = load(directory.path(), blocks()).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("is a directory")), "{error}");
+
+        // A manifest whose PATH.new is someone else's: refused at load and by a rewrite, kept.
+        let manifest = directory.path().join("segments");
+        let temporary = temporary_of(&manifest);
+        std::fs::write(&temporary, b"not ours").unwrap();
+        let error = load(&manifest, blocks()).unwrap_err();
+        assert!(matches!(&error, DaemonError::Config(message) if message.contains("segments.new")), "{error}");
+        assert!(Manifest::rewrite(&manifest, blocks(), 0, std::iter::empty()).is_err());
+        assert_eq!(std::fs::read(&temporary).unwrap(), b"not ours");
+        // One a crash left (a manifest, or empty): replaced by the rewrite.
+        std::fs::write(&temporary, header(VERSION, blocks())).unwrap();
+        assert!(load(&manifest, blocks()).unwrap().segments.is_empty());
+        Manifest::rewrite(&manifest, blocks(), 0, std::iter::empty()).unwrap();
+        assert!(!temporary.exists());
+        assert_eq!(std::fs::read(&manifest).unwrap(), header(VERSION, blocks()));
     }
 }
