@@ -29,10 +29,11 @@
 # exercises staged mode only today; a p2p-style mode (the emulator DMAs straight into host memory
 # mapped into the GPU) is not written yet, and a mode the test does not know fails loudly.
 #
-# Results in $OUT (default target/gpu-results): versions.txt (with tools/gpu/cuda-attrs.py's
-# attributes), kernels.log, gpu-MODE.log per mode, summary.txt. With GIO_GPU_TESTS_LIVE_LOG=FILE
-# (run-all.sh's run.log) each of those is also appended to FILE as it is written, so a kill keeps
-# it. nvcc: on PATH, else /usr/local/cuda/bin/nvcc. Scripts run through bash (exec bits may not
+# Results in $OUT (default target/gpu-results): versions.txt (with torch's version and
+# tools/gpu/cuda-attrs.py's attributes), kernels.log, gpu-MODE.log per mode, summary.txt. With
+# GIO_GPU_TESTS_LIVE_LOG=FILE (run-all.sh's run.log) each of those is also appended to FILE as it
+# is written, so a kill keeps it, and versions.txt leaves out torch and the attributes, which
+# run-all.sh's header recorded. nvcc: on PATH, else /usr/local/cuda/bin/nvcc. Scripts run through bash (exec bits may not
 # survive the copy; the carried binary is chmod +x'ed). Exit status: non-zero if any step failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -78,11 +79,19 @@ NVCC_PATH=$(command -v nvcc 2>/dev/null) || { [[ -f /usr/local/cuda/bin/nvcc ]] 
   echo "== nvidia-smi"; timeout -k 5 30 nvidia-smi 2>&1 || echo "nvidia-smi failed"
   echo "== gpu"; timeout -k 5 30 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1
   echo "== nvcc"; if [[ -n "$NVCC_PATH" ]]; then echo "$NVCC_PATH"; "$NVCC_PATH" --version 2>&1; else echo "not found (PATH, /usr/local/cuda/bin)"; fi
-  echo "== torch"; timeout -k 5 60 python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  # Under run-all.sh (the only caller that sets GIO_GPU_TESTS_LIVE_LOG) its header has recorded
+  # torch's version and the CUDA attributes in summary.txt (and run.log) already: torch's import
+  # costs 10-20 s of the tests step on the GPU machine, so neither probe is repeated there.
+  if [[ -n "${GIO_GPU_TESTS_LIVE_LOG:-}" ]]; then
+    echo "== torch, cuda attributes: in run-all.sh's summary.txt header and run.log"
+  else
+    echo "== torch"; timeout -k 5 60 python3 -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  fi
   echo "== cargo"; command -v cargo && cargo --version 2>&1 || echo "no cargo"
   echo "== glibc"; ldd --version 2>&1 | head -n 1
   echo "== LD_LIBRARY_PATH ${LD_LIBRARY_PATH-<unset>}"
-  echo "== cuda attributes (tools/gpu/cuda-attrs.py)"; timeout -k 5 30 python3 tools/gpu/cuda-attrs.py 2>&1
+  [[ -n "${GIO_GPU_TESTS_LIVE_LOG:-}" ]] ||
+    { echo "== cuda attributes (tools/gpu/cuda-attrs.py)"; timeout -k 5 30 python3 tools/gpu/cuda-attrs.py 2>&1; }
 } 2>&1 | live versions.txt
 
 BUDGET_S=${GIO_GPU_TESTS_BUDGET_S:-600}

@@ -277,6 +277,35 @@ class RunGpuTests(unittest.TestCase):
         self.assertIn("NOTE kernels: building here with", summary)
         self.assertLess(elapsed, 25.5, summary)
 
+    def python_calls(self, live: bool) -> str:
+        """What run-gpu-tests.sh asked python3 for (a python3 on PATH that logs its arguments,
+        then runs the real one), with a carried GPU test that passes and no nvcc; live: with
+        GIO_GPU_TESTS_LIVE_LOG set, as run-all.sh sets it."""
+        s = StubRoot()
+        self.addCleanup(s.cleanup)
+        calls = os.path.join(s.root, "python-calls")
+        s.stub("stub-bin/python3", f'echo "$*" >>{calls}\nexec {shutil.which("python3")} "$@"')
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: passed'")
+        env = {"GIO_GPU_TESTS_LIVE_LOG": os.path.join(s.root, "run.log")} if live else {}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-gpu-tests.sh", [], env, limit_s=60)
+        self.assertIn("PASS gpu test", summary)
+        try:
+            with open(calls) as handle:
+                return handle.read()
+        except FileNotFoundError:
+            return ""
+
+    def test_run_all_as_the_caller_skips_the_probes_its_header_made(self):
+        # Goal: under run-all.sh (GIO_GPU_TESTS_LIVE_LOG set) torch is not imported again (10-20 s
+        # of the tests step on the GPU machine) nor cuda-attrs.py run again: run-all's header
+        # recorded both. Alone, the script still records them in versions.txt.
+        under_run_all = self.python_calls(live=True)
+        self.assertNotIn("import torch", under_run_all)
+        self.assertNotIn("cuda-attrs.py", under_run_all)
+        alone = self.python_calls(live=False)
+        self.assertIn("import torch", alone)
+        self.assertIn("cuda-attrs.py", alone)
+
 
 if __name__ == "__main__":
     unittest.main()
