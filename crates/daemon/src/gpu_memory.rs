@@ -77,9 +77,18 @@ pub enum AllocationKey {
 impl AllocationKey {
     /// The key of the file behind `fd` (`fstat`).
     pub fn of_file(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<AllocationKey> {
+        #[cfg(test)]
+        FILES_KEYED.with(|keyed| keyed.set(keyed.get() + 1));
         let metadata = File::from(fd.try_clone_to_owned()?).metadata()?;
         Ok(AllocationKey::File { device: metadata.dev(), inode: metadata.ino() })
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Files [`AllocationKey::of_file`] reached on this thread (a test's count of what got as
+    /// far as its dup, fstat and close).
+    static FILES_KEYED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
 /// One imported registration, before it is mapped.
@@ -226,8 +235,12 @@ impl DeviceMemoryService {
         let allocation_bytes =
             usize::try_from(request.allocation_bytes).map_err(|_| bad(format!("an allocation of {} bytes", request.allocation_bytes)))?;
         let fd = fds.remove(0);
-        let key = AllocationKey::of_file(fd.as_fd()).map_err(|error| bad(format!("the memfd's metadata: {error}")))?;
+        // Checked as a sealed memfd first (F_GET_SEALS answers without I/O): only then keyed,
+        // whose dup, fstat and close could block this connection's thread on another file (a
+        // hung FUSE or NFS mount) before it was refused.
         let memory = SharedMemory::from_fd(fd, allocation_bytes).map_err(|error| bad(format!("the device memory descriptor: {error}")))?;
+        let key = AllocationKey::of_file(memory.fd().as_fd())
+            .map_err(|error| (ErrorCode::StoreFailed, format!("fstat of the memfd in the daemon: {error}")))?;
         // The memfd's real size bounds the range: `from_fd` checked it holds the claimed size.
         let (start, end) = range_in(request, request.allocation_bytes)?;
         let window = self
@@ -442,5 +455,50 @@ mod tests {
         let unknown_gpu = CudaIpcError::NoDeviceWithUuid { uuid: "GPU-0".into() };
         assert_eq!(cuda_refusal(REGISTRATION_GPU, unknown_gpu).0, ErrorCode::BadRequest);
         assert_eq!(cuda_refusal(REGISTRATION_GPU, CudaIpcError::NoDriver).0, ErrorCode::Unsupported);
+    }
+}
+
+#[cfg(test)]
+mod memfd_tests {
+    use super::*;
+
+    fn memfd_request(allocation_bytes: u64) -> RegisterDeviceMemory {
+        RegisterDeviceMemory {
+            kind: DeviceMemoryKind::Memfd,
+            handle: [0; 64],
+            device_uuid: [0; 16],
+            allocation_bytes,
+            offset_bytes: 0,
+            length_bytes: allocation_bytes,
+            kv_blocks: 4,
+        }
+    }
+
+    #[test]
+    fn a_descriptor_that_is_not_a_memfd_is_refused_before_anything_else_touches_it() {
+        // Goal: a client's descriptor for the memfd stand-in is checked as a sealed memfd
+        // (F_GET_SEALS, answered without I/O) before anything else the daemon does with it:
+        // keying it (a dup, an fstat and a close, which on a hung FUSE or NFS file would block
+        // the connection's thread) comes only after. A pipe is refused as BadRequest without
+        // being keyed; a sealed memfd is keyed once.
+        let service = DeviceMemoryService::new(DeviceMemoryImport::Memfd).unwrap();
+        let keyed = || FILES_KEYED.with(std::cell::Cell::get);
+        let (reader, _writer) = std::io::pipe().unwrap();
+        let mut fds = vec![OwnedFd::from(reader)];
+        let before = keyed();
+        match service.import(&memfd_request(1 << 20), &mut fds) {
+            Err((code, message)) => {
+                assert_eq!(code, ErrorCode::BadRequest, "{message}");
+                assert!(message.contains("device memory descriptor"), "{message}");
+            }
+            Ok(_) => panic!("a pipe was imported as a memfd"),
+        }
+        assert_eq!(keyed(), before, "the pipe was keyed (dup, fstat, close) before it was refused");
+        let memory = SharedMemory::create("keyed-memfd", 1 << 20).unwrap();
+        let mut fds = vec![memory.fd().try_clone_to_owned().unwrap()];
+        let before = keyed();
+        let Ok(imported) = service.import(&memfd_request(1 << 20), &mut fds) else { panic!("the sealed memfd was refused") };
+        assert_eq!(keyed(), before + 1, "the memfd is keyed once");
+        assert_eq!(imported.key, AllocationKey::of_file(memory.fd().as_fd()).unwrap());
     }
 }
