@@ -307,5 +307,58 @@ class RunGpuTests(unittest.TestCase):
         self.assertIn("cuda-attrs.py", alone)
 
 
+class WheelVenv(unittest.TestCase):
+    """tools/python/wheel.sh (run-all.sh --prepare builds the carried wheel with it) in a temporary
+    root and HOME, with stub interpreters: which venv it makes or reuses."""
+
+    def setUp(self):
+        self.directory = tempfile.TemporaryDirectory()
+        self.addCleanup(self.directory.cleanup)
+        self.root = self.directory.name
+        for path in ("tools/python/wheel.sh", "python/requirements-test.txt"):
+            os.makedirs(os.path.dirname(os.path.join(self.root, path)), exist_ok=True)
+            shutil.copy(os.path.join(ROOT, path), os.path.join(self.root, path))
+        self.made = os.path.join(self.root, "venvs-made")
+
+    def interpreter(self, tag: str) -> str:
+        """A python whose `-c` prints `tag` (what sys.implementation.cache_tag prints) and whose
+        `-m venv DIR` makes a venv of stubs (a python that succeeds at everything, a maturin that
+        writes a wheel into its -o) and notes it in venvs-made."""
+        stubs = {"venv-python": "exit 0",
+                 "venv-maturin": 'while [[ $# -gt 0 && "$1" != -o ]]; do shift; done\n'
+                                 '[[ $# -eq 0 ]] || { mkdir -p "$2"; touch "$2/tutti-0.1.0-cp39-abi3-linux.whl"; }',
+                 f"python-{tag}": f"""case "$1" in
+  -c) echo {tag} ;;
+  -m) [[ "$2" == venv ]] || exit 1
+      mkdir -p "$3/bin"
+      cp {self.root}/venv-python "$3/bin/python"
+      cp {self.root}/venv-maturin "$3/bin/maturin"
+      echo "$3" >>{self.made} ;;
+esac"""}
+        for name, body in stubs.items():
+            with open(os.path.join(self.root, name), "w") as handle:
+                handle.write("#!/usr/bin/env bash\n" + body + "\n")
+            os.chmod(os.path.join(self.root, name), 0o755)
+        return os.path.join(self.root, f"python-{tag}")
+
+    def wheel(self, python: str) -> str:
+        """The venv wheel.sh printed on its last line."""
+        done = subprocess.run(["bash", os.path.join(self.root, "tools/python/wheel.sh")], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "HOME": self.root, "TUTTI_PYTHON": python})
+        self.assertEqual(done.returncode, 0, done.stderr)
+        return done.stdout.strip().splitlines()[-1]
+
+    def test_another_interpreter_gets_a_venv_of_its_own(self):
+        # Goal: the venv is keyed by the interpreter's version as well as the pins: TUTTI_PYTHON
+        # naming another python makes a venv of that python (one reused before, made by another),
+        # and the same python reuses its own.
+        first = self.wheel(self.interpreter("cpython-310"))
+        self.assertEqual(self.wheel(self.interpreter("cpython-310")), first)
+        other = self.wheel(self.interpreter("cpython-312"))
+        self.assertNotEqual(other, first)
+        with open(self.made) as handle:
+            self.assertEqual(handle.read().split(), [first, other])
+
+
 if __name__ == "__main__":
     unittest.main()

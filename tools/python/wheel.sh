@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the tutti wheel (abi3, `maturin build --release`) into target/wheels, creates or reuses
-# the python stage's venv (the pinned test tools: ~/.cache/tutti/py-core-KEY, KEY = the hash of
-# python/requirements-test.txt, so a change of pins makes a new venv and a rerun reuses the old
-# one), and installs the wheel into this clone's target/python-site, never into the venv: the
+# the python stage's venv (the pinned test tools: ~/.cache/tutti/py-core-TAG-KEY, TAG = the
+# interpreter's sys.implementation.cache_tag, e.g. cpython-311, KEY = the hash of
+# python/requirements-test.txt, so a change of pins or of TUTTI_PYTHON's version makes a new venv
+# and a rerun reuses the old one), and installs the wheel into this clone's target/python-site, never into the venv: the
 # venv is shared by every clone on the machine, and one clone's wheel there would be what another
 # clone's tests import. Run the tests with PYTHONPATH=target/python-site and the venv's python.
 # Idempotent; the venv is checked by what it imports (and by its pip), not by a stamp, and is made
@@ -14,10 +15,17 @@ set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 
 requirements=python/requirements-test.txt
-key=$(sha256sum "$requirements" | cut -c1-12)
-venv="${HOME}/.cache/tutti/py-core-${key}"
-site="$PWD/target/python-site"
 python=${TUTTI_PYTHON:-python3}
+# The interpreter is part of the key: keyed by the pins alone, a venv made from another python
+# (another TUTTI_PYTHON, an upgraded python3) passed venv_ok and was used instead of one of this
+# interpreter.
+tag=$("$python" -c 'import sys; print(sys.implementation.cache_tag)') ||
+    { echo "wheel.sh: $python (TUTTI_PYTHON, default python3) did not run" >&2; exit 1; }
+[[ "$tag" =~ ^[A-Za-z0-9_.-]+$ ]] ||
+    { echo "wheel.sh: $python gave '$tag' as its sys.implementation.cache_tag; expected e.g. cpython-311" >&2; exit 1; }
+key=$(sha256sum "$requirements" | cut -c1-12)
+venv="${HOME}/.cache/tutti/py-core-${tag}-${key}"
+site="$PWD/target/python-site"
 
 # The pins, as NAME==VERSION lines.
 pins=$(grep -E '^[A-Za-z0-9_.-]+==' "$requirements")
