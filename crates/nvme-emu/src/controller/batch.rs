@@ -349,11 +349,11 @@ impl ControllerCore {
     }
 
     /// Waits for everything in flight before a command that must not run beside it (see
-    /// [`ControllerCore::run_batch`]), finishing each, unless the host clears CC.EN meanwhile:
+    /// [`ControllerCore::run_batch`]) or a shutdown's write-back, finishing each, unless the host clears CC.EN meanwhile:
     /// then it returns with transfers still in flight, looked at every [`RESET_LOOK_INTERVAL`],
     /// and the reset (next poll) cancels them and deletes the command's queue (the command gets
     /// no completion), instead of starting only at their deadlines, well past CAP.TO.
-    fn settle_unless_reset(&mut self) {
+    pub(super) fn settle_unless_reset(&mut self) {
         // Bounded: each pass finishes at least one transfer, fails the ring (which empties the
         // table) or waits a slice of the way to the oldest transfer's deadline.
         while !self.registers.reset_requested() && self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {}

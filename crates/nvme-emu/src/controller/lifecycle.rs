@@ -196,7 +196,17 @@ impl ControllerCore {
             ShutdownNotification::Normal | ShutdownNotification::Abrupt if shutdown_status == 0 => {
                 // The waits below can take up to the transfers' deadlines; the host polls SHST.
                 self.registers.set_status(csts | CSTS_SHUTDOWN_OCCURRING);
-                self.settle_in_flight(Settle::Finish);
+                // The host's wait for SHST is bounded too (nvme-driver: RTD3E, at least CAP.TO):
+                // when it gives up it clears CC.EN (SHN left set) and expects RDY = 0 within
+                // CAP.TO, so this wait gives way to that reset as a Flush's does. Transfers
+                // are then still in flight: writing the cache back now could put older cached
+                // blocks over a Write in flight. The reset (next poll) cancels them and clears
+                // SHST, and SHN, still set, runs this shutdown again on the disabled controller,
+                // which writes the cache back with nothing in flight.
+                self.settle_unless_reset();
+                if !self.in_flight.is_empty() {
+                    return true;
+                }
                 // The host may cut power once SHST says complete: with sync_file_on_flush the
                 // written-back blocks reach the file's media first, as a Flush's would.
                 let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });

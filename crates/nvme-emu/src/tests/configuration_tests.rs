@@ -11,10 +11,11 @@ use std::time::{Duration, Instant};
 use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::registers::{self, Capabilities, ControllerConfiguration, ShutdownStatus};
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
-use nvme_driver::NamespaceId;
+use nvme_driver::{Lba, NamespaceId};
 
+use super::harness::{block_count, with_sgl};
 use super::harness::{status_of, write_block, HostQueue, TestHost, DEADLINE};
-use super::held_transfer_tests::{hold_two_reads, HoldReads};
+use super::held_transfer_tests::{hold_two_reads, hold_two_reads_after, HoldReads};
 use super::stall_tests::{block, Stalled};
 use crate::{Backing, EmuConfig};
 
@@ -188,6 +189,14 @@ fn hold_past_cap_to(name: &str) -> Option<(Stalled, [DmaRegion; 2])> {
 /// Clears CC.EN and asserts CSTS.RDY reads 0 within CAP.TO (the bound a host waits, NVMe
 /// §3.1.1), without CFS; then that the controller serves I/O again after a new bring-up.
 fn assert_reset_within_cap_to(stalled: &mut Stalled) {
+    assert_ready_drops_within_cap_to(stalled);
+    stalled.enable_again();
+    stalled.assert_serves_again();
+}
+
+/// The first half of [`assert_reset_within_cap_to`]: CC.EN cleared (the rest of CC kept),
+/// CSTS.RDY reads 0 within CAP.TO without CFS, and no command in flight completed.
+fn assert_ready_drops_within_cap_to(stalled: &mut Stalled) {
     let cap_to = Duration::from_millis(Capabilities(stalled.host.registers.read64(registers::CAP)).ready_timeout_ms());
     assert!(cap_to < REAL_TRANSFER_TIMEOUT, "the test needs CAP.TO below the transfers' deadline");
     write_configuration(stalled, |configuration| configuration & !1);
@@ -198,8 +207,6 @@ fn assert_reset_within_cap_to(stalled: &mut Stalled) {
     }
     assert!(!stalled.host.csts().fatal(), "the reset cancelled every transfer: a clean stop");
     assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a reset completed a command that was in flight");
-    stalled.enable_again();
-    stalled.assert_serves_again();
 }
 
 #[test]
@@ -227,4 +234,33 @@ fn a_reset_ends_within_cap_to_while_a_flush_waits_for_stuck_transfers() {
     std::thread::sleep(QUIET);
     assert_reset_within_cap_to(&mut stalled);
     assert_eq!(stalled.host.device.stats().io(NvmOpcode::Flush), 1, "the Flush was fetched before the reset");
+}
+
+#[test]
+fn a_reset_ends_within_cap_to_while_a_shutdown_waits_for_stuck_transfers() {
+    // Goal: the driver's own teardown order, CC.SHN = 01b and then, once its shutdown wait ran
+    // out, CC.EN = 0 with SHN still set, with two Reads stuck in the kernel under the real 30 s
+    // deadline: the shutdown's wait for them gives way to the reset, so RDY reads 0 within
+    // CAP.TO of CC.EN = 0 (a driver that waits no longer would leak its memory otherwise), and
+    // the shutdown, run again on the disabled controller, still writes a cached block back.
+    // Until 2026-12-01 the shutdown waited for the Reads' deadline (30 s) before the reset
+    // began, so RDY still read 1 at CAP.TO.
+    const CACHED_LBA: u64 = 2;
+    let write_cached = |stalled: &mut Stalled| {
+        let source = stalled.host.buffer(4096);
+        source.write(0, &block(0x2C)).unwrap();
+        let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA), block_count(1), false), &source, 4096);
+        assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, write)), Ok(()), "the cached write");
+    };
+    let hold = HoldReads { direct: false, cancellation: true, timeout: REAL_TRANSFER_TIMEOUT };
+    let Some((mut stalled, _targets)) = hold_two_reads_after("cc-shutdown-cap-to", hold, write_cached) else { return };
+    assert_eq!(stalled.media_blocks(3)[CACHED_LBA as usize * 4096..], [0u8; 4096], "the write was cached, not written through");
+    write_configuration(&stalled, |configuration| configuration & !(0x3 << 14) | 1 << 14);
+    wait_for(&stalled, "SHST = processing", |csts| csts.shutdown == ShutdownStatus::Occurring);
+    assert_ready_drops_within_cap_to(&mut stalled);
+    wait_for(&stalled, "SHST = complete after the reset (SHN still set)", |csts| csts.shutdown == ShutdownStatus::Complete || csts.fatal);
+    assert!(!stalled.host.csts().fatal(), "the shutdown after the reset failed: {:?}", stalled.host.csts());
+    assert_eq!(stalled.media_blocks(3)[CACHED_LBA as usize * 4096..], block(0x2C)[..], "the shutdown wrote the cached block back");
+    stalled.enable_again();
+    stalled.assert_serves_again();
 }

@@ -40,7 +40,14 @@ pub(super) struct HoldReads {
 /// doorbell so that both go through the ring, wait in the kernel for data the socket does not
 /// have until the test writes it to `receiver`; `None` where io_uring is unavailable.
 pub(super) fn hold_two_reads(name: &str, hold: HoldReads) -> Option<(Stalled, [DmaRegion; 2])> {
+    hold_two_reads_after(name, hold, |_| {})
+}
+
+/// [`hold_two_reads`], with `before` run on the controller first (a command run once the
+/// Reads are held would wait for them).
+pub(super) fn hold_two_reads_after(name: &str, hold: HoldReads, before: impl FnOnce(&mut Stalled)) -> Option<(Stalled, [DmaRegion; 2])> {
     let mut stalled = Stalled::start_with(name, hold.cancellation, hold.timeout)?;
+    before(&mut stalled);
     if hold.direct {
         stalled.host.device.with_core(|core| core.allow_direct_on_override());
     }
