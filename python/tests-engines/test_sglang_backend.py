@@ -768,7 +768,9 @@ def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_o
     assert fingerprints[2] == tutti.fingerprint(
         tutti.fingerprint(
             "sglang hicache", "tutti-test-model", "model_path", CHECKPOINT, "revision", "None", "quantization", "None",
-            "json_model_override_args", "{}", "draft model_path", "None", "draft revision", "None", "draft quantization", "None",
+            "json_model_override_args", "{}", "load_format", "auto", "modelopt_quant", "None",
+            "modelopt_checkpoint_restore_path", "None", "quantize_and_serve", "False", "rl_quant_profile", "None",
+            "draft model_path", "None", "draft revision", "None", "draft quantization", "None", "draft load_format", "None",
         ),
         "sglang page layout", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE,
     ), "an unsplit model's fingerprint changed"  # fmt: skip
@@ -916,6 +918,61 @@ def test_the_checkpoint_not_the_served_alias_names_the_key_space(tmp_path: Path)
             created.register_mem_pool_host(pool)
         explicit = backend("page_first", pool, extra_config(tmp_path / "pool.img", False, model_fingerprint="ab" * 32))
         explicit.close()
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        dict(load_format="dummy"),
+        dict(modelopt_quant="fp8"),
+        dict(modelopt_checkpoint_restore_path="/ckpt/modelopt"),
+        dict(rl_quant_profile="/ckpt/flash_rl_profile.pt"),
+        dict(quantize_and_serve=True),
+        dict(speculative_draft_model_path="/ckpt/draft", speculative_draft_load_format="dummy"),
+    ],
+    ids=["load_format", "modelopt_quant", "modelopt_checkpoint_restore_path", "rl_quant_profile", "quantize_and_serve", "draft load_format"],
+)
+def test_server_args_that_change_the_weights_name_the_key_space(tmp_path: Path, changed: dict):
+    """Goal: server args beside the checkpoint's path change the weights whose KV a page holds:
+    --load-format dummy (random weights, for benchmarks), ModelOpt quantization (--modelopt-quant,
+    a restored ModelOpt checkpoint, --quantize-and-serve), FlashRL's --rl-quant-profile, a draft
+    model loaded with dummy weights. A server started with one of them must not be served the
+    pages of one started without (nor the other way round): each is in the default fingerprint.
+    Pages stored with random weights were found by the real server (3 of 3)."""
+    pool = host_pool("page_first")
+    keys = page_keys(22, 2)
+    base = dict(model_path="/ckpt/v1", **({"speculative_draft_model_path": "/ckpt/draft"} if "speculative_draft_model_path" in changed else {}))
+    with get_context().override_server_args(**{**base, **changed}):
+        first = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        first.close()
+    with get_context().override_server_args(**base):
+        other = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        assert other.batch_exists(keys) == 0, f"pages stored with {changed} are served without it"
+        other.close()
+
+
+def test_an_fp8_kv_scale_file_names_the_key_space(tmp_path: Path):
+    """Goal: SGLang stores every fp8 --kv-cache-dtype as torch.uint8 scaled by the KV scales of
+    --quantization-param-path (1.0 without one): a page stored with scale 1.0 means other values
+    under a scale file, so the scale file is named with the KV format, for the default
+    fingerprint and an explicit one alike (pages stored with scale 1.0 were found once a scale
+    file was added)."""
+    pool = host_pool("page_first", dtype=torch.uint8)
+    keys = page_keys(23, 2)
+    for explicit in (None, "ef" * 32):
+        pool_file = tmp_path / f"pool-{explicit is None}.img"
+        with get_context().override_server_args(model_path="/ckpt/v1", kv_cache_dtype="fp8_e4m3"):
+            first = backend("page_first", pool, extra_config(pool_file, True, model_fingerprint=explicit))
+            assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            first.close()
+            again = backend("page_first", pool, extra_config(pool_file, False, model_fingerprint=explicit))
+            assert again.batch_exists(keys) == 2, "the same fp8 KV format lost its pages"
+            again.close()
+        with get_context().override_server_args(model_path="/ckpt/v1", kv_cache_dtype="fp8_e4m3", quantization_param_path="/ckpt/kv_scales.json"):
+            scaled = backend("page_first", pool, extra_config(pool_file, False, model_fingerprint=explicit))
+            assert scaled.batch_exists(keys) == 0, f"pages stored with KV scales 1.0 are served with a scale file (model_fingerprint {explicit})"
+            scaled.close()
 
 
 def test_hybrid_models_with_extra_host_pools_are_refused_at_attach(tmp_path: Path, caplog):

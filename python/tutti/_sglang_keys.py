@@ -198,13 +198,22 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
     )
 
 
+# Server args beside the checkpoint's path that change the weights a page's KV was computed
+# with (SGLang 0.5.23's model namespace): random weights (--load-format dummy, for benchmarks; the
+# other formats read the same checkpoint), ModelOpt quantization at load (--modelopt-quant, or a
+# ModelOpt checkpoint restored in its stead, --quantize-and-serve) and FlashRL's quantization
+# profile (--rl-quant-profile). Read with a default: a release without one of them names it None.
+_WEIGHT_ARGS = ("load_format", "modelopt_quant", "modelopt_checkpoint_restore_path", "quantize_and_serve", "rl_quant_profile")
+
+
 def _checkpoint_parts() -> Optional[tuple[str, ...]]:
-    """What names the checkpoint whose KV the pool holds, for the default fingerprint: the
+    """What names the weights whose KV the pool holds, for the default fingerprint: the
     storage config's model_name is --served-model-name in SGLang 0.5.23 (an alias; the model
     path only when none is given), so from SGLang's runtime context: the model path and
-    revision, the quantization, the JSON overrides of the model config, and the speculative
-    draft model's path, revision and quantization. None when SGLang's config is not published
-    in this process (or names no model path): the checkpoint cannot be named."""
+    revision, the quantization, the JSON overrides of the model config, how the weights are
+    loaded and quantized at load (`_WEIGHT_ARGS`), and the speculative draft model's path,
+    revision, quantization and load format. None when SGLang's config is not published in this
+    process (or names no model path): the checkpoint cannot be named."""
     from sglang.srt.runtime_context import get_model, get_spec
 
     try:
@@ -215,9 +224,11 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
             "revision", model.revision,
             "quantization", model.quantization,
             "json_model_override_args", model.json_model_override_args,
+            *(part for name in _WEIGHT_ARGS for part in (name, getattr(model, name, None))),
             "draft model_path", spec.speculative_draft_model_path,
             "draft revision", spec.speculative_draft_model_revision,
             "draft quantization", spec.speculative_draft_model_quantization,
+            "draft load_format", getattr(spec, "speculative_draft_load_format", None),
         )  # fmt: skip
     except (ValueError, RuntimeError, AttributeError):
         return None
@@ -249,20 +260,27 @@ def _kv_format_parts(host_pool: Any) -> Optional[tuple[str, ...]]:
     empty for a floating-point pool (its dtype is the KV format). SGLang 0.5.23 stores every fp8
     --kv-cache-dtype as torch.uint8 (memory_pool.py: store_dtype; the host pool takes it), so for
     an integer pool: SGLang's kv_cache_dtype and speculative_draft_kv_cache_dtype (the packed
-    draft layers' format) and the platform (on ROCm fp8 strings resolve to the platform's fp8
-    type; "auto" resolves from the model's quant config, which the checkpoint (_checkpoint_parts) covers). None when
-    SGLang's config is not published in this process (it cannot be read)."""
+    draft layers' format), the platform (on ROCm fp8 strings resolve to the platform's fp8
+    type; "auto" resolves from the model's quant config, which the checkpoint (_checkpoint_parts) covers)
+    and the KV scale file (--quantization-param-path: without one the scales are 1.0, so the same
+    bytes mean other values). None when SGLang's config is not published in this process (it
+    cannot be read)."""
     if host_pool.dtype.is_floating_point:
         return ()
     from sglang.srt.runtime_context import get_model, get_spec
 
     try:
-        kv_cache_dtype = get_model().kv_cache_dtype
+        model = get_model()
+        kv_cache_dtype = model.kv_cache_dtype
         draft_kv_cache_dtype = get_spec().speculative_draft_kv_cache_dtype
     except (ValueError, RuntimeError, AttributeError):
         return None
+    scales = getattr(model, "quantization_param_path", None)
     platform = "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    return ("kv_cache_dtype", str(kv_cache_dtype), "draft kv_cache_dtype", str(draft_kv_cache_dtype), platform)
+    return (
+        "kv_cache_dtype", str(kv_cache_dtype), "draft kv_cache_dtype", str(draft_kv_cache_dtype), platform,
+        "quantization_param_path", str(scales),
+    )  # fmt: skip
 
 
 __all__ = ["check_rank_devices", "rank_devices"]

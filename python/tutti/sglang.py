@@ -96,7 +96,8 @@ EXTRA_CONFIG_FIELDS = {
     "model_fingerprint": Field(
         str,
         "64 hex digits naming the model (the host pool's page layout, dtype and page size are always added); "
-        "default: from SGLang's model name and its checkpoint (model path, revision, quantization, draft model)",
+        "default: from SGLang's model name and its checkpoint (model path, revision, quantization, load format, "
+        "draft model)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
