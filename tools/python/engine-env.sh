@@ -38,8 +38,9 @@ esac
 python="${TUTTI_ENGINE_PYTHON:-python3}"
 cache_root="${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}/engines"
 
-# Pins. The engine's own version is the one the connectors are tested with (python/tutti/vllm.py
-# and python/tutti/sglang.py name the same versions in their version check).
+# Pins. The engine's own version is the one the connectors are tested with
+# (python/tutti/vllm/__init__.py and python/tutti/sglang.py name the same versions in their
+# version check).
 case "$engine" in
 vllm)
     version="0.32.0"
