@@ -127,9 +127,17 @@ impl ControllerCore {
         !self.host_memory_in_kernel.is_empty()
     }
 
+    /// Whether the ring still holds a write the kernel may complete (see
+    /// `UringReader::holds_writes`), for tests that wait for the kernel to give it back.
+    #[cfg(test)]
+    pub(crate) fn ring_holds_writes_for_tests(&mut self) -> bool {
+        self.reader.as_mut().is_some_and(UringReader::holds_writes)
+    }
+
     /// Lifts the store's fence once the kernel has given back every write that an abandoned
     /// ring left with it (they can no longer land over newer data). Checked when the
-    /// controller is enabled and before it runs fetched commands, only while fenced.
+    /// controller is enabled, before it runs fetched commands and before a shutdown's
+    /// write-back, only while fenced.
     pub(super) fn refresh_store_fence(&mut self) {
         if !self.store.is_fenced() || self.reader.as_mut().is_some_and(UringReader::holds_writes) {
             return;

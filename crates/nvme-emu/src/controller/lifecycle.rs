@@ -207,6 +207,10 @@ impl ControllerCore {
                 if !self.in_flight.is_empty() {
                     return true;
                 }
+                // A fence whose writes the kernel gave back since it was last looked at (only an
+                // enable and a batch look) must not fail the shutdown: look now, after the wait,
+                // which may have given them back too.
+                self.refresh_store_fence();
                 // The host may cut power once SHST says complete: with sync_file_on_flush the
                 // written-back blocks reach the file's media first, as a Flush's would.
                 let written = self.write_back(None).and_then(|()| if self.config.sync_file_on_flush { self.sync_store() } else { Ok(()) });
