@@ -29,6 +29,9 @@ pub(crate) use tutti_uring::AlignedBuffer;
 pub(crate) const DIRECT_ALIGNMENT_BYTES: usize = 4096;
 /// Chunk of zeroes written per syscall by `write_zeroes` on files.
 const ZERO_CHUNK_BYTES: usize = 1 << 20;
+/// How often `write_zeroes` tries a hole punch again that a signal interrupted (EINTR)
+/// before it reports the failure.
+const PUNCH_INTERRUPTED_RETRIES: u32 = 8;
 /// Unit in which `write_zeroes` on memory skips what already reads as zero (a page).
 const ZERO_CHECK_BYTES: usize = 4096;
 
@@ -57,6 +60,10 @@ pub(crate) struct FileStore {
     /// (tests use it to reach the zero-writing fallback on any filesystem).
     #[cfg(test)]
     refuse_punch_for_tests: bool,
+    /// Answers the next hole punches get instead of the kernel's, first one first (tests of
+    /// how each fallocate error is handled).
+    #[cfg(test)]
+    punch_answers_for_tests: std::collections::VecDeque<rustix::io::Errno>,
     /// Bytes of zeroes the fallback wrote (tests check that no block is written twice).
     #[cfg(test)]
     zeroes_written_bytes: u64,
@@ -213,21 +220,9 @@ impl Store {
                 if len == 0 {
                     return Ok(());
                 }
-                let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
-                #[cfg(test)]
-                let punched = if file.refuse_punch_for_tests {
-                    Err(rustix::io::Errno::OPNOTSUPP)
-                } else {
-                    rustix::fs::fallocate(&file.buffered, punch, offset, len)
-                };
-                #[cfg(not(test))]
-                let punched = rustix::fs::fallocate(&file.buffered, punch, offset, len);
-                match punched {
-                    // Reads of a punched range return zeroes (fallocate(2)); on a block device
-                    // the kernel zeroes it (or refuses, below).
-                    Ok(()) => return Ok(()),
-                    Err(error) => tracing::debug!(%error, offset, len, "hole punching refused; writing zeroes"),
-                }
+                // Reads of a punched range return zeroes (fallocate(2)).
+                let Some(refusal) = file.punch_hole(offset, len)? else { return Ok(()) };
+                tracing::debug!(error = %refusal, offset, len, "hole punching refused; writing zeroes");
                 let zeroes = vec![0u8; ZERO_CHUNK_BYTES];
                 let mut done = 0u64;
                 // Bounded: each pass advances by at least one byte of `len`.
@@ -269,6 +264,15 @@ impl Store {
         }
     }
 
+    /// Makes a file store's next hole punches fail with `answers` (in order), without asking
+    /// the kernel; later ones go to the kernel again.
+    #[cfg(test)]
+    pub(crate) fn answer_punches_for_tests(&mut self, answers: &[rustix::io::Errno]) {
+        if let Store::File(file) = self {
+            file.punch_answers_for_tests.extend(answers.iter().copied());
+        }
+    }
+
     /// Bytes of zeroes a file store wrote because hole punching was refused (0 for memory).
     #[cfg(test)]
     pub(crate) fn zeroes_written_bytes(&self) -> u64 {
@@ -290,6 +294,17 @@ impl Store {
     fn null_access() -> io::Error {
         io::Error::new(io::ErrorKind::Unsupported, "a no-storage controller has no backing store to access")
     }
+}
+
+/// Whether fallocate's `errno` for a hole punch says it does not punch holes here (zeroes are
+/// written instead), rather than that the punch failed: EOPNOTSUPP (a filesystem without it;
+/// a block device whose kernel has no write-zeroes offload for it; a mode it does not know),
+/// EINVAL (a block device's range not aligned to its logical blocks, or a filesystem that
+/// takes the mode for invalid), ENODEV (neither a file nor a block device) and ENOSYS (no
+/// fallocate at all, e.g. under a sandbox's seccomp filter). fallocate never answers ENOTTY.
+fn punch_refused(errno: rustix::io::Errno) -> bool {
+    use rustix::io::Errno;
+    matches!(errno, Errno::OPNOTSUPP | Errno::INVAL | Errno::NODEV | Errno::NOSYS)
 }
 
 /// Zeroed memory for a memory-backed store, refused with [`EmuError::Memory`] when the kernel
@@ -336,8 +351,43 @@ impl FileStore {
             #[cfg(test)]
             refuse_punch_for_tests: false,
             #[cfg(test)]
+            punch_answers_for_tests: std::collections::VecDeque::new(),
+            #[cfg(test)]
             zeroes_written_bytes: 0,
         })
+    }
+
+    /// Punches a hole over `len` bytes at `offset` (reads of it then return zeroes, fallocate(2);
+    /// on a block device the kernel zeroes it). `Ok(None)` when punched; `Ok(Some(errno))`
+    /// when the kernel says it does not punch here ([`punch_refused`]), so zeroes must be
+    /// written; `Err` when the punch failed (EIO, ENOSPC, EPERM, EBUSY, ...): writing 64 MiB of
+    /// zeroes through a store that just failed would hide the error or fail the same way.
+    /// EINTR is tried again, at most [`PUNCH_INTERRUPTED_RETRIES`] times.
+    fn punch_hole(&mut self, offset: u64, len: u64) -> io::Result<Option<rustix::io::Errno>> {
+        let punch = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        let mut interrupted = 0u32;
+        // Bounded: each pass returns, or counts one more EINTR up to the retries.
+        loop {
+            #[cfg(test)]
+            let punched = if let Some(answer) = self.punch_answers_for_tests.pop_front() {
+                Err(answer)
+            } else if self.refuse_punch_for_tests {
+                Err(rustix::io::Errno::OPNOTSUPP)
+            } else {
+                rustix::fs::fallocate(&self.buffered, punch, offset, len)
+            };
+            #[cfg(not(test))]
+            let punched = rustix::fs::fallocate(&self.buffered, punch, offset, len);
+            match punched {
+                Ok(()) => return Ok(None),
+                Err(rustix::io::Errno::INTR) if interrupted < PUNCH_INTERRUPTED_RETRIES => interrupted += 1,
+                Err(errno) if punch_refused(errno) => return Ok(Some(errno)),
+                Err(errno) => {
+                    tracing::error!(error = %errno, offset, len, interrupted, "hole punching failed");
+                    return Err(errno.into());
+                }
+            }
+        }
     }
 
     fn check_fence(&self) -> io::Result<()> {
@@ -550,6 +600,85 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         assert!(read.iter().all(|&b| b == 0));
         assert!(allocated < 64 << 20, "deallocating a sparse 1 GiB file allocated {allocated} bytes");
+    }
+
+    /// A 1 MiB file store with 8 KiB of 9s at 4096, and the answers its next hole punches get
+    /// instead of the kernel's.
+    fn store_punching_with(name: &str, answers: &[rustix::io::Errno]) -> (Store, std::path::PathBuf) {
+        let path = tempfile_path(name);
+        let mut store = Store::open(&Backing::File { path: path.clone(), create_bytes: Some(1 << 20) }, false).unwrap();
+        store.write(4096, &[9u8; 8192]).unwrap();
+        store.answer_punches_for_tests(answers);
+        (store, path)
+    }
+
+    #[test]
+    fn an_interrupted_hole_punch_is_retried_not_replaced_by_written_zeroes() {
+        // Goal: a hole punch interrupted by a signal (EINTR) is tried again, a bounded number of
+        // times, rather than taken for a refusal: zeroing a range then writes no zeroes (they
+        // would commit disk space a deallocate must not take) and the range reads as zero.
+        // Until 2026-12-01 any fallocate error fell back to writing zeroes.
+        let (mut probe, probe_path) = store_punching_with("punch-probe", &[]);
+        probe.write_zeroes(4096, 8192).unwrap();
+        let _ = std::fs::remove_file(&probe_path);
+        if probe.zeroes_written_bytes() != 0 {
+            eprintln!("this filesystem refuses hole punching: test skipped");
+            return;
+        }
+        let (mut store, path) = store_punching_with("punch-interrupted", &[rustix::io::Errno::INTR; 2]);
+        store.write_zeroes(4096, 8192).unwrap();
+        let mut read = [0xFFu8; 8192];
+        store.read(4096, &mut read).unwrap();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(store.zeroes_written_bytes(), 0, "an interrupted punch fell back to writing zeroes");
+        assert!(read.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn a_hole_punch_that_fails_is_an_error_not_written_zeroes() {
+        // Goal: a hole punch that failed (EIO, ENOSPC, EPERM, or EINTR past the retries) is an
+        // error the controller reports (Write Fault), not a refusal to answer by writing 64 MiB
+        // of zeroes through a store that just failed: nothing is written, the data stays.
+        // Until 2026-12-01 any fallocate error fell back to writing zeroes and succeeded.
+        use rustix::io::Errno;
+        for (name, answers) in [
+            ("punch-eio", vec![Errno::IO]),
+            ("punch-enospc", vec![Errno::NOSPC]),
+            ("punch-eperm", vec![Errno::PERM]),
+            ("punch-eintr", vec![Errno::INTR; 64]),
+        ] {
+            let (mut store, path) = store_punching_with(name, &answers);
+            let result = store.write_zeroes(4096, 8192);
+            let mut read = [0u8; 8192];
+            store.read(4096, &mut read).unwrap();
+            let _ = std::fs::remove_file(&path);
+            assert!(result.is_err(), "{name}: a failed punch reported success");
+            assert_eq!(store.zeroes_written_bytes(), 0, "{name}: a failed punch fell back to writing zeroes");
+            assert!(read.iter().all(|&b| b == 9), "{name}: the data changed");
+        }
+    }
+
+    #[test]
+    fn a_refused_hole_punch_writes_zeroes_instead() {
+        // Goal: the answers with which fallocate says it does not punch holes here (EOPNOTSUPP:
+        // a filesystem without it, a block device without write-zeroes offload; EINVAL: a range
+        // not aligned to a block device's logical blocks; ENODEV: not a file or block device;
+        // ENOSYS: no fallocate) are a refusal: zeroes are written and the range reads as zero.
+        use rustix::io::Errno;
+        for (name, errno) in [
+            ("punch-eopnotsupp", Errno::OPNOTSUPP),
+            ("punch-einval", Errno::INVAL),
+            ("punch-enodev", Errno::NODEV),
+            ("punch-enosys", Errno::NOSYS),
+        ] {
+            let (mut store, path) = store_punching_with(name, &[errno]);
+            store.write_zeroes(4096, 8192).unwrap();
+            let mut read = [0xFFu8; 8192];
+            store.read(4096, &mut read).unwrap();
+            let _ = std::fs::remove_file(&path);
+            assert_eq!(store.zeroes_written_bytes(), 8192, "{name}: the refused punch wrote no zeroes");
+            assert!(read.iter().all(|&b| b == 0), "{name}");
+        }
     }
 
     #[test]
