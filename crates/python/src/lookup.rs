@@ -23,8 +23,9 @@ pub struct LookupClient {
     /// The process that connected: the only one whose calls go on the connection (a forked
     /// child shares its socket with the parent; `process`).
     owner: OwningProcess,
-    /// The connection's descriptors recorded for forked children to close: forgotten before
-    /// they close (`process::forget_from_forked_children`).
+    /// The connection's descriptors recorded for forked children to close (another thread's
+    /// connection opened meanwhile may be among them): those the client closes are forgotten
+    /// as it closes them (`process::close_and_forget`).
     connections: Vec<std::os::fd::RawFd>,
 }
 
@@ -38,11 +39,15 @@ impl Drop for LookupClient {
             let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
             std::mem::forget(client);
             crate::process::close_inherited();
-        } else if self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).is_some() {
-            // Still open: the client (a field) closes the connection after this. Once `close`
-            // forgot and closed it, its numbers may name another connection's recorded socket,
-            // whose record must stay.
-            crate::process::forget_from_forked_children(&self.connections);
+        } else {
+            // Still open: closed here, and the records of what it closed forgotten. Not the
+            // others: `connections` may hold another thread's connection (found with this one
+            // at connect), and once `close` closed this one its numbers may name another
+            // connection's recorded socket; either record must stay (`close_and_forget`).
+            let client = self.client.get_mut().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+            if client.is_some() {
+                crate::process::close_and_forget(client, &self.connections);
+            }
         }
     }
 }
@@ -186,10 +191,10 @@ impl LookupClient {
         self.owner.check("the lookup client").map_err(|failure| failure.to_pyerr(py))?;
         py.detach(|| {
             let client = self.client.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+            // Only the records of what it closes (see `Drop`).
             if client.is_some() {
-                crate::process::forget_from_forked_children(&self.connections);
+                crate::process::close_and_forget(client, &self.connections);
             }
-            drop(client)
         });
         Ok(())
     }

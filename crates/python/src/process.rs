@@ -170,6 +170,31 @@ pub fn forget_from_forked_children(fds: &[RawFd]) {
     }
 }
 
+/// Drops `owner`, which closes some of `sockets` (the connections to tuttid recorded for it),
+/// then forgets the records of those it closed: each still names the socket it named before
+/// and no longer names it. The others keep their records: found among the connections opened
+/// since a snapshot (`daemon_connections_since`), they may be another thread's (recorded by it
+/// too: one record), which a child forked later must still close. Forgetting after the close
+/// is safe for sockets only, each a file of its own (a socket's inode is never another open
+/// file's): a child forked in between finds the number closed or naming another file, and
+/// leaves it alone (`close_inherited` checks the identity); a record of another file taken
+/// under the number meanwhile is not this one.
+pub fn close_and_forget<T>(owner: T, sockets: &[RawFd]) {
+    let recorded: Vec<(RawFd, FdIdentity)> = sockets.iter().filter_map(|&fd| Some((fd, fd_identity(fd)?))).collect();
+    drop(owner);
+    let pid = std::process::id();
+    for (fd, identity) in recorded {
+        if fd_identity(fd) == Some(identity) {
+            continue; // still open: not the owner's
+        }
+        for slot in &FORK_COPIES {
+            if slot.records(pid, fd) && slot.identity() == identity {
+                let _ = slot.state.compare_exchange(SLOT_READY, SLOT_FREE, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 /// In a process forked from one that recorded descriptors: closes this process's copies of
 /// them (those still naming the file recorded) and forgets them; the records of this process
 /// itself stay. Async-signal-safe (atomics, getpid, fstat, readlink, close): it runs in

@@ -264,35 +264,51 @@ pub(crate) enum Busy {
 /// restarted engine's old session still retiring holds the queue ids this one needs,
 /// docs/tuttid.md): with [`Busy::AskAgain`] it is asked again, on a new connection (a refused
 /// Hello's connection holds a place until it closes), until `timeout` has passed. A connection
-/// that fails after its descriptors were recorded is forgotten before it closes.
+/// that fails after its descriptors were recorded is forgotten as it closes: its own record
+/// only (another thread's connection found with it keeps its own).
 pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &Hello, busy: Busy) -> Result<Hellod, Failure> {
     let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
     let mut pause = ATTACH_BUSY_PAUSE_MIN;
     loop {
         let before = crate::process::open_fds();
-        let mut client = Client::connect(socket, timeout)?;
-        // A forked child closes its copy of the socket (`process`).
-        let connections = crate::process::daemon_connections_since(&before, socket);
-        crate::process::keep_from_forked_children(&connections);
+        let (mut client, connections) = connect_recorded(socket, timeout, &before)?;
         // The geometry is checked before anything else uses it (a refusal ends the session, the
         // client dropped here).
         let answered = client.hello(hello).map_err(Failure::from).and_then(|reply| Ok((crate::geometry::of_hello(&reply.shape)?, reply)));
         match answered {
             Ok((geometry, reply)) => return Ok(Hellod { client, reply, geometry, connections }),
             Err(failure) => {
-                // The client closes the connection as this returns (or loops).
-                crate::process::forget_from_forked_children(&connections);
+                close_failed_connection(client, &connections);
                 let busy_again = busy == Busy::AskAgain && failure.code.as_deref() == Some("Busy") && Instant::now() + pause < deadline;
                 if !busy_again {
                     return Err(failure);
                 }
                 tracing::debug!(message = %failure.message, "tutti: tuttid is busy; attaching again");
-                drop(client);
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
             }
         }
     }
+}
+
+/// Connects to tuttid at `socket` and records, for forked children to close (`process`), the
+/// connections to it opened since `before`: this one, and any another thread opened meanwhile
+/// (recorded by that thread too: one record).
+fn connect_recorded(
+    socket: &std::path::Path,
+    timeout: Duration,
+    before: &crate::process::OpenFds,
+) -> Result<(Client, Vec<std::os::fd::RawFd>), Failure> {
+    let client = Client::connect(socket, timeout)?;
+    let connections = crate::process::daemon_connections_since(before, socket);
+    crate::process::keep_from_forked_children(&connections);
+    Ok((client, connections))
+}
+
+/// Closes the connection of a Hello that failed and forgets its record, only its own: the
+/// others among `connections` are another thread's (`process::close_and_forget`).
+fn close_failed_connection(client: Client, connections: &[std::os::fd::RawFd]) {
+    crate::process::close_and_forget(client, connections);
 }
 
 pub(crate) fn fingerprint_of(bytes: &[u8]) -> Result<[u8; 32], Failure> {
@@ -794,6 +810,34 @@ pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_hello_leaves_another_threads_connection_recorded() {
+        // Goal: among the connections to tuttid found since attach's snapshot may be another
+        // thread's (its own attach, recorded by it); a Hello that fails forgets only its own
+        // connection's record, so a child forked later still closes its copy of the other
+        // (else tuttid never sees that connection end while the child lives). Before, the
+        // failure forgot every connection found, the other thread's too: the child kept it.
+        use std::os::fd::AsRawFd;
+        let directory = std::env::temp_dir().join(format!("tutti-failed-hello-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("failed-hello-tuttid.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).expect("bind");
+        let before = crate::process::open_fds();
+        let other = std::os::unix::net::UnixStream::connect(&socket).expect("another thread's connection");
+        crate::process::keep_from_forked_children(&[other.as_raw_fd()]);
+        let (client, connections) = connect_recorded(&socket, Duration::from_secs(5), &before).expect("connect");
+        assert_eq!(connections.len(), 2, "this connection and the other thread's: {connections:?}");
+        assert!(connections.contains(&other.as_raw_fd()));
+        close_failed_connection(client, &connections);
+        let other_fd = other.as_raw_fd();
+        let status = crate::ffi::fork_for_tests(|| i32::from(crate::ffi::fd_identity(other_fd).is_some()));
+        assert_eq!(status, 0, "in the child: 1 = the other thread's connection stayed open (its record was forgotten)");
+        assert!(crate::ffi::fd_identity(other_fd).is_some(), "the parent's connection is open");
+        crate::process::forget_from_forked_children(&[other_fd]);
+        drop(other);
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
 
     #[test]
     fn the_keepalive_interval_is_a_third_of_the_lease_and_never_under_its_minimum() {
