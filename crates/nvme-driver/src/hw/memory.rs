@@ -491,6 +491,15 @@ pub(super) fn round_up(value: usize, to: usize) -> usize {
 }
 
 /// IOVA bookkeeping shared by a pool and its regions (regions release their range on drop).
+///
+/// # Locks and strong references
+///
+/// No strong reference to a region (`Arc<RegionInner>`, `Arc<CopiedInner>`) may be dropped
+/// while `table`, `copied` or `state` is locked: if it was the last one, the region's `Drop`
+/// releases its range, which takes `state` and then `table` (or `copied`) for writing on the
+/// same thread. std's locks are not reentrant: that thread would deadlock on itself, and every
+/// later translation, allocation and drop on the pool would hang behind it. So a lookup
+/// upgrades its `Weak` inside a block that ends the guard before any check that can return.
 pub(super) struct PoolShared {
     mapper: Arc<dyn IommuMapper>,
     state: Mutex<IovaState>,
@@ -571,10 +580,13 @@ impl PoolShared {
     }
 
     pub(super) fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {
-        let unmapped = HwError::Unmapped { iova, len };
-        let table = self.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (_, weak) = table.range(..=iova.0).next_back().ok_or(unmapped)?;
-        let inner = weak.upgrade().ok_or(HwError::Unmapped { iova, len })?;
+        // The read guard ends inside this block, before `inner` can drop (see `PoolShared`,
+        // "Locks and strong references").
+        let inner = {
+            let table = self.table.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let (_, weak) = table.range(..=iova.0).next_back().ok_or(HwError::Unmapped { iova, len })?;
+            weak.upgrade().ok_or(HwError::Unmapped { iova, len })?
+        };
         let offset =
             iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or(HwError::Unmapped { iova, len })?;
         let end = offset.checked_add(len).ok_or(HwError::Unmapped { iova, len })?;
@@ -610,9 +622,12 @@ impl PoolShared {
     /// The copied mapping that contains `iova..iova+len`, as a window of exactly that range.
     pub(super) fn translate_copied(&self, iova: Iova, len: usize) -> Result<CopiedRegion, HwError> {
         let unmapped = || HwError::Unmapped { iova, len };
-        let table = self.copied.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (_, weak) = table.range(..=iova.0).next_back().ok_or_else(unmapped)?;
-        let inner = weak.upgrade().ok_or_else(unmapped)?;
+        // As in `translate`: no strong reference may drop while the table is locked.
+        let inner = {
+            let table = self.copied.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let (_, weak) = table.range(..=iova.0).next_back().ok_or_else(unmapped)?;
+            weak.upgrade().ok_or_else(unmapped)?
+        };
         let offset = iova.checked_offset_from(inner.iova).and_then(|offset| usize::try_from(offset).ok()).ok_or_else(unmapped)?;
         if offset.checked_add(len).is_none_or(|end| end > inner.len) {
             return Err(unmapped());

@@ -150,3 +150,51 @@ fn dropped_region_is_unmapped_and_reused() {
     let second = pool.allocate(4096).unwrap();
     assert_eq!(second.iova(), iova, "freed IOVA ranges are reused");
 }
+
+#[test]
+fn a_translation_that_overruns_a_region_being_dropped_does_not_deadlock() {
+    // Goal: a failed translate may hold the last strong reference to a region whose holder just
+    // dropped it; releasing that region takes the table's write lock, so the translation must
+    // have let go of the table's read lock first. Before, it was still held: the releasing
+    // thread deadlocked on itself and every later allocation on the pool hung behind it.
+    use std::sync::atomic::AtomicBool;
+    use std::sync::mpsc;
+    use std::time::{Duration, Instant};
+    let pool = DmaPool::identity();
+    let latest = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (done, finished) = mpsc::channel::<&'static str>();
+    let run_for = Duration::from_secs(2);
+    let allocator = {
+        let (pool, latest, stop, done) = (pool.clone(), Arc::clone(&latest), Arc::clone(&stop), done.clone());
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            while started.elapsed() < run_for {
+                let region = pool.allocate(PAGE_SIZE_BYTES).unwrap();
+                latest.store(region.iova().0, Ordering::Relaxed);
+                drop(region);
+            }
+            stop.store(true, Ordering::Relaxed);
+            let _ = done.send("allocator");
+        })
+    };
+    let translator = {
+        let (pool, latest, stop) = (pool.clone(), Arc::clone(&latest), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let iova = latest.load(Ordering::Relaxed);
+                if iova != 0 {
+                    // Twice the region's length: always refused, after the upgrade.
+                    assert!(pool.translate(Iova(iova), 2 * PAGE_SIZE_BYTES).is_err());
+                }
+            }
+            let _ = done.send("translator");
+        })
+    };
+    for _ in 0..2 {
+        let name = finished.recv_timeout(Duration::from_secs(10)).expect("a thread hung: the pool deadlocked");
+        eprintln!("{name} finished");
+    }
+    allocator.join().unwrap();
+    translator.join().unwrap();
+}
