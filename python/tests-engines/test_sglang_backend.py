@@ -298,6 +298,43 @@ def test_a_pool_cleared_in_this_process_is_not_opened_again_in_it(tmp_path: Path
     again.close()
 
 
+@pytest.mark.parametrize("first_call", ["batch_exists", "exists", "batch_get_v1", "batch_set_v1"])
+def test_an_in_place_weight_update_retires_the_pool(tmp_path: Path, caplog, first_call: str):
+    """Goal: SGLang updates weights in place (update_weights_from_disk / _tensor / _distributed /
+    _ipc) and flushes its cache (Scheduler.flush_cache -> cache_controller.reset), which keeps
+    the storage backend attached: pages stored before were computed with the old weights and
+    must not be served after. The scheduler states an update that names a weight version
+    (Scheduler.record_weight_version_change: get_context().override("scheduler.weight_version",
+    ...)); whichever call of the backend comes first afterwards sees it and retires the pool as
+    a clear does (lookups miss, nothing moves, a warning), and the pool is recorded as cleared, so
+    a backend built again in this process (detach then attach) is refused it. (Scheduler's module
+    imports packages this environment lacks, so its override line is restated here.)"""
+    pool = host_pool("page_first")
+    keys = page_keys(24, 2)
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        try:
+            assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            assert storage.batch_exists(keys) == 2
+            # Scheduler.record_weight_version_change (scheduler.py, SGLang 0.5.23).
+            get_context().override("scheduler.weight_version", weight_version="rl-step-1")
+            calls = {
+                "batch_exists": lambda: storage.batch_exists(keys) == 0,
+                "exists": lambda: not storage.exists(keys[0]),
+                "batch_get_v1": lambda: storage.batch_get_v1(keys, indices([3, 4])) == [False, False],
+                "batch_set_v1": lambda: storage.batch_set_v1(page_keys(25, 1), indices([5])) == [False],
+            }
+            with caplog.at_level("WARNING"):
+                assert calls[first_call](), f"{first_call} served the pool after a weight update"
+            assert "weight version" in caplog.text
+            assert all(call() for call in calls.values()), "the pool was used after a weight update"
+        finally:
+            storage.close()
+        created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", False)), pool)
+        with pytest.raises(tutti.InvalidArgument, match="cleared"):
+            created.register_mem_pool_host(pool)
+
+
 class SlowWait:
     """A tutti.Request whose every wait first sleeps: a wave's requests stay live long enough for
     SGLang's other thread to move pages meanwhile."""

@@ -15,7 +15,8 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
   (`_page_layout_parts`, with the KV format of an integer pool, `_kv_format_parts`), then the
   process's share of each page when the model is split across pipeline stages or CP ranks
   (`_shard_parts`): other layers or another slice under the same page hash, even on shared devices.
-- the cleared-pool record: a key space this process cleared (SGLang's storage clear) keeps its
+- the cleared-pool record: a key space this process cleared (SGLang's storage clear, or an
+  in-place weight update the backend saw by its weight version, `_weight_version`) keeps its
   pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
   is formatted (`_refuse_cleared_pool`); devices are named by the storage behind them
   (`_device_identity`), however a device string spells it.
@@ -99,7 +100,8 @@ def _refuse_cleared_pool(devices: list[str], identities: tuple[str, ...], finger
     if cleared:
         raise ConfigError(
             f"this process cleared the tutti pool on {', '.join(devices)} (SGLang's /hicache/storage-backend/clear, "
-            "or a PD role switch, which clears the storage tier), and tutti cannot delete a pool's pages: opening it "
+            "a PD role switch, which clears the storage tier, or an in-place weight update that named a new weight "
+            "version), and tutti cannot delete a pool's pages: opening it "
             "again under the same model fingerprint would serve the pages stored before the clear (e.g. the old "
             "weights'). Attach with \"format\": true (everything on the pool is lost), other devices, or a new "
             "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
@@ -235,6 +237,20 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     if not model.model_path:
         return None
     return tuple(str(part) for part in parts)
+
+
+def _weight_version() -> Optional[str]:
+    """The version of the weights SGLang serves now, get_serving().weight_version: --weight-version
+    at start ("default"), then the version an in-place weight update names
+    (Scheduler.record_weight_version_change overrides it in the scheduler process, whose storage
+    threads read it here; an update that names no version, or the one in use, leaves it as it
+    is). None when SGLang's config is not published in this process."""
+    from sglang.srt.runtime_context import get_serving
+
+    try:
+        return str(get_serving().weight_version)
+    except (ValueError, RuntimeError, AttributeError):
+        return None
 
 
 def _page_layout_parts(host_pool: Any, kv_format: Optional[tuple[str, ...]]) -> tuple[Any, ...]:

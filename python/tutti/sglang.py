@@ -58,6 +58,7 @@ from tutti._sglang_keys import (
     _refuse_cleared_pool,
     _remember_cleared_pool,
     _shard_parts,
+    _weight_version,
     check_rank_devices,
     rank_devices,
 )
@@ -151,6 +152,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._pool_identity: Optional[tuple[tuple[str, ...], bytes]] = None
         self._layers = 0
         self._page_size = 0
+        # The weight version SGLang served when the host pool was registered (None: not
+        # readable): the pool's pages are that version's KV (_retire_if_weights_changed).
+        self._weight_version: Optional[str] = None
         # Why the pool was closed for good (a page's layer did not complete): nothing moves any
         # more, lookups miss.
         self._dead: Optional[str] = None
@@ -207,6 +211,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
             fingerprint = tutti.fingerprint(fingerprint, *shard)
         devices = rank_devices(config["devices"], storage)
         identities = _device_identities(devices)
+        # Read before the pool opens: an update from here on is seen by the first call after.
+        self._weight_version = _weight_version()
         if not config["format"]:
             _refuse_cleared_pool(devices, identities, fingerprint)
         self._store = tutti.Store.open(
@@ -271,6 +277,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many pages from the first are in the pool (the hit prefix, in pages)."""
         store = self._registered_store()
+        self._retire_if_weights_changed()
         if self._dead is not None:
             return 0
         for index, key in enumerate(keys):
@@ -290,6 +297,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         store = self._registered_store()
+        self._retire_if_weights_changed()
         return self._dead is None and store.lookup(_key_tokens(key)) >= 1
 
     # -- SGLang's copying interface: not offered ------------------------------------------------
@@ -317,19 +325,43 @@ class TuttiHiCacheStorage(HiCacheStorage):
         cleared in this process: a backend built later in it (SGLang's StorageAttachment.detach
         then attach) is refused that pool under the same fingerprint unless it formats it
         (_refuse_cleared_pool)."""
-        if self._pool_identity is not None:
-            # Also when the pool was closed already (a stuck layer): its pages are still there.
-            _remember_cleared_pool(*self._pool_identity)
-        if self._store is None or self._dead is not None:
-            return
-        self._close_pool(
+        self._retire(
             "SGLang cleared the storage tier (/hicache/storage-backend/clear): tutti cannot delete a pool's "
             "pages, so it stops using the pool until this server restarts; a restart opens the same pool and "
             "serves the pages stored before the clear (they are named by token-prefix hashes, not by the "
             "weights): after a weight update restart with \"format\": true, other devices or a new "
-            "\"model_fingerprint\" in --hicache-storage-backend-extra-config",
-            pages_written=False,
-            level=logging.WARNING,
+            "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
+        )
+
+    def _retire(self, reason: str) -> None:
+        """Retires the pool for this process (a clear, or weights updated in place): recorded as
+        cleared (_refuse_cleared_pool), then closed through the locked close, logged at warning
+        level with `reason`. A pool closed already (a stuck layer, an earlier retire) is only
+        recorded: its pages are still there."""
+        if self._pool_identity is not None:
+            _remember_cleared_pool(*self._pool_identity)
+        if self._store is None or self._dead is not None:
+            return
+        self._close_pool(reason, pages_written=False, level=logging.WARNING)
+
+    def _retire_if_weights_changed(self) -> None:
+        """Retires the pool once SGLang serves another weight version than at registration: an
+        in-place weight update (update_weights_from_disk, _tensor, _distributed, _ipc) flushes
+        SGLang's cache (Scheduler.flush_cache -> cache_controller.reset) but keeps this backend
+        attached, and the pool's pages are the old weights' KV. Only an update that names a new
+        weight version is seen (SGLang states no other); docs/sglang.md says to clear the
+        storage tier after any other."""
+        if self._weight_version is None or self._dead is not None:
+            return
+        current = _weight_version()
+        if current is None or current == self._weight_version:
+            return
+        self._retire(
+            f"SGLang updated its weights in place (weight version {self._weight_version!r} became {current!r}): the "
+            "pool's pages are the old weights' KV, and tutti cannot delete them, so it stops using the pool until this "
+            "server restarts; a restart opens the same pool and serves those pages to a server started on the same "
+            "checkpoint arguments: restart on the updated weights with \"format\": true, other devices or a new "
+            "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
         )
 
     def close(self) -> None:
@@ -358,7 +390,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._places.enter()
         try:
             start = 0
-            while start < len(keys) and self._dead is None:
+            while start < len(keys):
+                # Every wave: a weight update may land while a long batch moves.
+                self._retire_if_weights_changed()
+                if self._dead is not None:
+                    break
                 # The other thread's wave, served before this one (arrival order), ends within
                 # its layers' waits: `layers + layers_ahead - 1` rounds of at most timeout_s each.
                 # One that stalls closes the pool, which wakes this wait at once.
