@@ -16,7 +16,7 @@
 #               that the tests start on loopback
 #               ports: one member, and three where members are killed; every process stopped
 #   python      the tutti wheel built (maturin, abi3) into a venv under ~/.cache/tutti (keyed by the
-#               pinned python/requirements-test.txt), installed into a fresh venv and imported, and
+#               interpreter's tag and the pinned python/requirements-test.txt), installed into a fresh venv and imported, and
 #               the core tests (python/tests, pytest) against it, with daemons of their own
 #               (tools/python/core-test.sh)
 #   engines     the vLLM connector and offloading tier and the SGLang HiCache backend against the

@@ -40,20 +40,25 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 CARRY="$ROOT/target/gpu-carry"
 
+# Builds the gpu test binary (extra cargo flags: $@) and prints its path as cargo names it
+# (CARGO_TARGET_DIR or build.target-dir move it); rustc's errors go to stderr, rendered, not
+# into the JSON read here. Prints nothing when no binary was built.
+build_gpu_test() {
+  cargo test -p gio-uring --features cuda --locked --test gpu --no-run "$@" \
+    --message-format=json-render-diagnostics \
+    | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])'
+}
+
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
   mkdir -p "$CARRY"
   GIO_SKIP_CARGO=1 bash tools/cuda-build.sh "$CARRY/kernels"
   # Release: a debug test binary with its dependencies is tens of MiB; the carry limit is 64 MiB.
-  # The path is the one cargo names (CARGO_TARGET_DIR or build.target-dir move it); rustc's
-  # errors go to stderr, rendered, not into the JSON read here.
-  binary=$(cargo test -p gio-uring --features cuda --release --locked --test gpu --no-run \
-             --message-format=json-render-diagnostics \
-           | python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
+  binary=$(build_gpu_test --release)
   [[ -n "$binary" ]] || { echo "run-gpu-tests: no gpu test binary was built" >&2; exit 1; }
   cp "$binary" "$CARRY/gpu-test"
   strip "$CARRY/gpu-test" || true
@@ -134,10 +139,8 @@ if [[ -f "$CARRY/gpu-test" ]]; then
   chmod +x "$CARRY/gpu-test" 2>/dev/null
   BINARY="$CARRY/gpu-test"
 elif command -v cargo >/dev/null 2>&1; then
-  cargo test -p gio-uring --features cuda --locked --test gpu --no-run 2>&1 | live build.log
-  if [[ ${PIPESTATUS[0]} -eq 0 ]]; then
-    BINARY=$(ls -t target/debug/deps/gpu-* 2>/dev/null | grep -v '\.d$' | head -n 1)
-  else
+  BINARY=$(build_gpu_test 2> >(live build.log >&2))
+  if [[ -z "$BINARY" ]]; then
     record "NOTE no carried gpu test binary, and building it here with cargo failed (see build.log)"
   fi
 fi
