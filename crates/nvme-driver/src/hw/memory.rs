@@ -511,58 +511,109 @@ pub(super) struct PoolShared {
     copied: RwLock<BTreeMap<u64, Weak<CopiedInner>>>,
 }
 
+/// The IOVA allocator: `base..next` has been handed out at some time, `next..limit` never.
+///
+/// Invariants (kept by [`IovaState::give_back`]): free ranges never overlap or touch (a freed
+/// range merges with both neighbours), and none ends at `next` (it is folded back into the
+/// untouched space instead). Without them a pool whose windows come and go in different sizes
+/// (tuttid maps every client's window into the device pool) fragments until a new window finds
+/// no room though most of the space is free.
 struct IovaState {
     next: u64,
     limit: u64,
-    /// Freed ranges (start, len), reused first-fit.
-    free: Vec<(u64, u64)>,
+    /// Freed ranges below `next`: start -> length.
+    free: BTreeMap<u64, u64>,
+}
+
+impl IovaState {
+    /// Returns `start..start+len` (below `next`, reserved) to the free ranges, merged with its
+    /// neighbours and with the untouched space when it reaches `next`.
+    fn give_back(&mut self, start: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let (mut merged_start, mut merged_end) = (start, start.saturating_add(len));
+        if let Some((&before_start, &before_len)) = self.free.range(..start).next_back() {
+            debug_assert!(before_start + before_len <= start, "freed range {start:#x}+{len:#x} overlaps a free range");
+            if before_start + before_len == start {
+                self.free.remove(&before_start);
+                merged_start = before_start;
+            }
+        }
+        if let Some(after_len) = self.free.remove(&merged_end) {
+            merged_end += after_len;
+        }
+        if merged_end == self.next {
+            self.next = merged_start;
+        } else {
+            self.free.insert(merged_start, merged_end - merged_start);
+        }
+    }
 }
 
 impl PoolShared {
+    /// Reserves `len` bytes at a multiple of `align` (a power of two): the smallest freed range
+    /// that holds them (best fit, so large ranges stay whole for large requests), else fresh
+    /// space at `next`. What an alignment skips stays free.
+    ///
+    /// The scan is linear in the number of free ranges, which merging keeps below the number of
+    /// live regions; reservations happen when memory is mapped, not per command.
     pub(super) fn reserve(&self, len: u64, align: u64) -> Result<u64, HwError> {
+        let exhausted = HwError::IovaExhausted { len: len as usize };
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Some(index) = state.free.iter().position(|&(start, free_len)| free_len >= len && start % align == 0) {
-            let (start, free_len) = state.free[index];
-            if free_len == len {
-                state.free.swap_remove(index);
-            } else {
-                state.free[index] = (start + len, free_len - len);
+        let fits = |(&start, &free_len): (&u64, &u64)| {
+            let aligned = start.checked_next_multiple_of(align)?;
+            let end = aligned.checked_add(len)?;
+            (end <= start + free_len).then_some((free_len, start, aligned))
+        };
+        if let Some((free_len, start, aligned)) = state.free.iter().filter_map(fits).min() {
+            state.free.remove(&start);
+            if aligned > start {
+                state.free.insert(start, aligned - start);
             }
-            return Ok(start);
+            let (end, free_end) = (aligned + len, start + free_len);
+            if free_end > end {
+                state.free.insert(end, free_end - end);
+            }
+            return Ok(aligned);
         }
-        let start = state.next.div_ceil(align) * align;
-        let end = start.checked_add(len).filter(|&end| end <= state.limit);
+        let (next, limit) = (state.next, state.limit);
+        let start = next.checked_next_multiple_of(align).ok_or(exhausted)?;
+        let end = start.checked_add(len).filter(|&end| end <= limit);
         let Some(end) = end else {
             return Err(HwError::IovaExhausted { len: len as usize });
         };
         state.next = end;
+        // The skipped gap ends at `start`, below the new `next`: it stays a free range.
+        state.give_back(next, start - next);
         Ok(start)
     }
 
     /// Reserves exactly `start..start+len` (a fixed mapping, e.g. memory inside a client's DMA
     /// window whose IOVA follows from its place in the window). Refused with
-    /// [`HwError::Overlap`] when any part of it is already reserved; a range that straddles
-    /// the end of a freed range and untouched space is refused too (conservative, never aliased).
+    /// [`HwError::Overlap`] when any part of it is already reserved: it must lie wholly inside
+    /// one free range or wholly in the untouched space. (Free ranges are merged and never end
+    /// at the untouched space, so a range that straddles the two overlaps a reservation.)
     pub(super) fn reserve_exact(&self, start: u64, len: u64) -> Result<(), HwError> {
         let overlap = HwError::Overlap { iova: Iova(start), len: len as usize };
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let end = start.checked_add(len).filter(|&end| end <= state.limit).ok_or(HwError::IovaExhausted { len: len as usize })?;
         if start >= state.next {
-            let gap = (state.next, start - state.next);
-            if gap.1 > 0 {
-                state.free.push(gap);
-            }
+            let gap_start = state.next;
             state.next = end;
+            state.give_back(gap_start, start - gap_start);
             return Ok(());
         }
-        let index = state.free.iter().position(|&(free_start, free_len)| free_start <= start && end <= free_start + free_len);
-        let Some(index) = index else { return Err(overlap) };
-        let (free_start, free_len) = state.free.swap_remove(index);
+        let containing = state.free.range(..=start).next_back().map(|(&free_start, &free_len)| (free_start, free_len));
+        let Some((free_start, free_len)) = containing.filter(|&(free_start, free_len)| end <= free_start + free_len) else {
+            return Err(overlap);
+        };
+        state.free.remove(&free_start);
         if start > free_start {
-            state.free.push((free_start, start - free_start));
+            state.free.insert(free_start, start - free_start);
         }
         if free_start + free_len > end {
-            state.free.push((end, free_start + free_len - end));
+            state.free.insert(end, free_start + free_len - end);
         }
         Ok(())
     }
@@ -576,7 +627,7 @@ impl PoolShared {
 
     /// Gives back a reserved range that never became a region.
     pub(super) fn unreserve(&self, iova: u64, len: u64) {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).free.push((iova, len));
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).give_back(iova, len);
     }
 
     pub(super) fn translate(&self, iova: Iova, len: usize) -> Result<DmaRegion, HwError> {
@@ -600,7 +651,7 @@ impl PoolShared {
     pub(super) fn new(mapper: Arc<dyn IommuMapper>, iova_base: Iova, iova_limit: Iova) -> Self {
         PoolShared {
             mapper,
-            state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: Vec::new() }),
+            state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: BTreeMap::new() }),
             table: RwLock::new(BTreeMap::new()),
             copied: RwLock::new(BTreeMap::new()),
         }
@@ -658,7 +709,7 @@ impl PoolShared {
             }
             Ok(()) => {
                 let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                state.free.push((iova.0, len as u64));
+                state.give_back(iova.0, len as u64);
                 true
             }
         };

@@ -17,7 +17,8 @@ use crate::types::Iova;
 /// Carves page-aligned regions out of a shared mapping whose device address is `iova_base`.
 ///
 /// Bounded: the window's size is all it can hand out; past that, [`DmaAllocator::allocate`]
-/// fails with [`HwError::IovaExhausted`]. Freed regions are reused first-fit (not coalesced).
+/// fails with [`HwError::IovaExhausted`]. Freed regions merge with their free neighbours and are
+/// reused best-fit (the pool's allocator, `PoolShared::reserve`).
 #[derive(Clone)]
 pub struct DmaWindow {
     shared: Arc<PoolShared>,
