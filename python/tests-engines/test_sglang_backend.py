@@ -56,13 +56,13 @@ def unpublished() -> Iterator[None]:
         PUBLISHED.install()
 
 
-def host_pool(layout: str, start_layer: int = 0, dtype: torch.dtype = torch.bfloat16) -> MHATokenToKVPoolHost:
+def host_pool(layout: str, start_layer: int = 0, dtype: torch.dtype = torch.bfloat16, layers: int = LAYERS) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool on the CPU, over device buffers that live on the CPU too;
     `start_layer`: the model's first layer this pipeline stage holds; `dtype`: the device pool's
-    store dtype (torch.uint8 for every fp8 --kv-cache-dtype)."""
+    store dtype (torch.uint8 for every fp8 --kv-cache-dtype); `layers`: the stage's layers."""
     tokens = DEVICE_PAGES * PAGE
-    keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
-    values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS))
+    keys = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(layers))
+    values = tuple(torch.zeros(tokens, HEADS, HEAD_DIM, dtype=dtype) for _ in range(layers))
     info = MHABufferInfo(
         buffers=KVBuffers(
             k=keys,
@@ -80,7 +80,7 @@ def host_pool(layout: str, start_layer: int = 0, dtype: torch.dtype = torch.bflo
     )
     return MHATokenToKVPoolHost(
         info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=tokens, start_layer=start_layer, end_layer=start_layer + LAYERS - 1,
+        device_capacity_tokens=tokens, start_layer=start_layer, end_layer=start_layer + layers - 1,
     )  # fmt: skip
 
 
@@ -749,6 +749,42 @@ def test_a_wait_for_request_places_is_bounded_by_one_wave_of_the_other_thread(tm
         storage._places.give(2)
         storage._places.leave()
         assert storage.batch_get_v1(keys, indices([3, 4])) == [True, True]
+    finally:
+        storage.close()
+
+
+def test_a_wait_for_request_places_with_a_huge_timeout_is_capped_not_an_error(tmp_path: Path):
+    """Goal: the wait for request places is timeout_s x (layers + layers_in_flight), which for a
+    large timeout_s (tutti.Store takes up to 1e9 s) and a model of more than a few layers exceeds
+    what Python's Condition.wait takes (threading.TIMEOUT_MAX, about 9.2e9 s), and the wait
+    raised OverflowError out of batch_get_v1 whenever SGLang's other thread held every place.
+    It is capped: the wave waits and moves its pages once a place comes free."""
+    layers = 12
+    assert 1e9 * (layers + 2) > threading.TIMEOUT_MAX
+    pool = host_pool("layer_first", layers=layers)
+    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, timeout_s=1e9, requests_max=2))
+    try:
+        keys = page_keys(26, 2)
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        # SGLang's other thread holds every request place, and gives them back a little later.
+        storage._places.enter()
+        assert storage._places.take(2, 1.0, lambda: False) == 2
+        results: dict = {}
+
+        def prefetch():
+            try:
+                results["read"] = storage.batch_get_v1(keys, indices([3, 4]))
+            except BaseException as error:  # noqa: BLE001 - the test reports it
+                results["read"] = error
+
+        reader = threading.Thread(target=prefetch)
+        reader.start()
+        time.sleep(0.3)
+        storage._places.give(2)
+        storage._places.leave()
+        reader.join(30)
+        assert not reader.is_alive(), "the prefetch did not take the places given back"
+        assert results["read"] == [True, True], results["read"]
     finally:
         storage.close()
 

@@ -109,6 +109,12 @@ EXTRA_CONFIG_FIELDS = {
 
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 
+# The longest wait for request places (about 146 years): timeout_s x (layers + layers_in_flight)
+# can exceed what Condition.wait takes (threading.TIMEOUT_MAX; tutti.Store allows timeout_s up to
+# 1e9 s), which raises OverflowError. Half of it, since Condition.wait_for adds the timeout to the
+# clock and subtracts the clock again in floats, which may round it past the maximum.
+_PLACE_WAIT_MAX_S = threading.TIMEOUT_MAX / 2
+
 
 def check_sglang_version() -> bool:
     """Warns (naming the tested version) when the installed SGLang is another release."""
@@ -398,7 +404,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 # The other thread's wave, served before this one (arrival order), ends within
                 # its layers' waits: `layers + layers_ahead - 1` rounds of at most timeout_s each.
                 # One that stalls closes the pool, which wakes this wait at once.
-                wait_s = self._timeout_s * (self._layers + self._layers_ahead)
+                wait_s = min(self._timeout_s * (self._layers + self._layers_ahead), _PLACE_WAIT_MAX_S)
                 taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
                 if taken == 0:
                     if self._dead is None:
