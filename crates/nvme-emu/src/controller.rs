@@ -9,8 +9,8 @@
 //! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
 //! [`ControllerCore::execute`] directly.
 
-use std::cell::Cell;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -134,6 +134,63 @@ impl ErrorLog {
     }
 }
 
+/// What host-side calls reach without the controller's lock. The controller thread holds that
+/// lock for every command it runs, and a zeroing where the store must write zeroes holds it for
+/// the whole command (minutes for a whole namespace on a disk without write-zeroes offload), so
+/// what must not wait that long goes through here: the device's drop and a power loss or
+/// function reset ask the zeroing to give way (it looks between slices, as it does at CC.EN =
+/// 0), and the refusal count tuttid reports is read without the lock.
+#[derive(Debug, Default)]
+pub(crate) struct Unlocked {
+    /// Set once by the device's drop: the controller thread ends.
+    stopping: AtomicBool,
+    /// Host-side calls waiting for the lock that end every command in flight anyway (power
+    /// loss, function reset: their stop deletes the queues).
+    preempting: AtomicU32,
+    /// Commands refused by a queue restriction ([`EmuStats::restriction_refusals`]).
+    restriction_refusals: AtomicU64,
+}
+
+impl Unlocked {
+    /// The device is being dropped: the controller thread ends at its next look.
+    pub(crate) fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Runs `lock` (taking the controller's lock) as a call that a zeroing gives way to: it
+    /// counts as waiting until `lock` returned, so the command holding the lock ends at its next
+    /// slice (without a completion: the caller's stop deletes its queue).
+    pub(crate) fn lock_preempting<T>(&self, lock: impl FnOnce() -> T) -> T {
+        self.preempting.fetch_add(1, Ordering::AcqRel);
+        let locked = lock();
+        self.preempting.fetch_sub(1, Ordering::AcqRel);
+        locked
+    }
+
+    /// Whether a call waits for the lock to preempt what runs under it.
+    pub(crate) fn preempting(&self) -> bool {
+        self.preempting.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether a long command should stop at its next slice: the device is dropped, or a power
+    /// loss or function reset waits for the lock.
+    pub(crate) fn give_way(&self) -> bool {
+        self.stopping() || self.preempting()
+    }
+
+    pub(crate) fn count_refusal(&self) {
+        self.restriction_refusals.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn restriction_refusals(&self) -> u64 {
+        self.restriction_refusals.load(Ordering::Relaxed)
+    }
+}
+
 pub(crate) struct ControllerCore {
     pub(crate) config: EmuConfig,
     pub(crate) registers: Arc<RegisterFile>,
@@ -186,8 +243,9 @@ pub(crate) struct ControllerCore {
     /// The host's shadow doorbell pages, once it sent Doorbell Buffer Config (cleared with the
     /// queues by a reset or power loss).
     pub(crate) shadow_doorbells: Option<ShadowDoorbells>,
-    /// Commands refused by a restriction (a Cell: the refusing paths only borrow the core).
-    pub(crate) restriction_refusals: Cell<u64>,
+    /// What host-side calls reach without this core's lock (the device holds a clone): the
+    /// stop and preemption requests a zeroing looks at, the refusal count.
+    pub(crate) unlocked: Arc<Unlocked>,
     /// Command ids of the Asynchronous Event Requests held (at most AERL + 1; see `admin.rs`);
     /// every stop aborts them without a completion.
     pub(crate) async_event_requests: Vec<CommandId>,
@@ -208,6 +266,10 @@ pub(crate) struct ControllerCore {
     /// with an I/O error while set (in tests).
     #[cfg(test)]
     pub(crate) fail_write_throughs_for_tests: bool,
+    /// Zeroing slices of this many bytes, each followed by this pause, instead of
+    /// `ZEROING_SLICE_BYTES` (a store that zeroes slowly, in tests).
+    #[cfg(test)]
+    pub(crate) zeroing_slice_for_tests: Option<(u64, Duration)>,
 }
 
 impl ControllerCore {
@@ -254,7 +316,7 @@ impl ControllerCore {
             pending_restrictions: PendingRestrictions::default(),
             configuration_seen: 0,
             shadow_doorbells: None,
-            restriction_refusals: Cell::new(0),
+            unlocked: Arc::new(Unlocked::default()),
             async_event_requests: Vec::with_capacity(usize::from(crate::admin::ASYNC_EVENT_REQUEST_LIMIT) + 1),
             #[cfg(test)]
             batch_descriptor_override: None,
@@ -266,6 +328,8 @@ impl ControllerCore {
             fail_syncs_for_tests: false,
             #[cfg(test)]
             fail_write_throughs_for_tests: false,
+            #[cfg(test)]
+            zeroing_slice_for_tests: None,
             config,
         })
     }
@@ -289,7 +353,7 @@ impl ControllerCore {
     pub(crate) fn stats(&self) -> EmuStats {
         EmuStats {
             timing: self.timing.as_ref().map(TimingState::stats),
-            restriction_refusals: self.restriction_refusals.get(),
+            restriction_refusals: self.unlocked.restriction_refusals(),
             ..self.counters.snapshot()
         }
     }

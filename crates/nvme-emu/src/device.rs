@@ -11,7 +11,7 @@ use nvme_driver::spec::registers::Capabilities;
 use nvme_driver::Iova;
 
 use crate::config::EmuConfig;
-use crate::controller::ControllerCore;
+use crate::controller::{ControllerCore, Unlocked};
 use crate::faults::FaultPlan;
 use crate::registers::RegisterFile;
 use crate::restriction::QueueRestriction;
@@ -27,7 +27,8 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 struct Shared {
     core: Mutex<ControllerCore>,
-    stop: AtomicBool,
+    /// The core's [`Unlocked`]: the stop flag, preemption and counters reached without `core`.
+    unlocked: Arc<Unlocked>,
     wake: Arc<Wake>,
 }
 
@@ -130,6 +131,13 @@ impl Shared {
         // state is still structurally valid, so keep serving rather than cascade the panic.
         self.core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// [`Shared::core`] for a call that ends every command anyway (a power loss, a function
+    /// reset): a zeroing holding the lock gives way at its next slice instead of running on
+    /// (see [`Unlocked::lock_preempting`]).
+    fn core_preempting(&self) -> MutexGuard<'_, ControllerCore> {
+        self.unlocked.lock_preempting(|| self.core())
+    }
 }
 
 /// A running software NVMe controller. See the crate documentation for an example.
@@ -166,9 +174,10 @@ impl EmuDevice {
         let dma = Arc::new(dma.clone());
         let core = ControllerCore::new(config, Arc::clone(&registers), (*dma).clone())?;
         let name = format!("emu:{}", core.describe_store());
+        let unlocked = Arc::clone(&core.unlocked);
         let shared = Arc::new(Shared {
             core: Mutex::new(core),
-            stop: AtomicBool::new(false),
+            unlocked,
             wake: Arc::new(Wake { sleeping: AtomicBool::new(false), thread: OnceLock::new(), barrier }),
         });
         // A CC write only wakes the controller thread, which applies it: a reset or a shutdown
@@ -196,9 +205,10 @@ impl EmuDevice {
     /// Synchronous, unlike a CC write: it returns once the cut is done (transfers in flight
     /// cancelled or, where the kernel cannot cancel them, waited for up to their deadlines), and
     /// it waits for the controller's lock, which the controller thread holds while it waits for
-    /// transfers itself (a Flush, a reset, a shutdown).
+    /// transfers itself (a Flush, a reset, a shutdown). A zeroing (deallocate, Write Zeroes)
+    /// running meanwhile stops at its next slice and gets no completion.
     pub fn power_loss(&self) {
-        self.shared.core().power_loss();
+        self.shared.core_preempting().power_loss();
     }
 
     /// Installs a fault plan (replacing the previous one; rule counters start from zero).
@@ -213,9 +223,16 @@ impl EmuDevice {
         self.shared.core().store_is_buffered_file()
     }
 
-    /// A snapshot of the counters.
+    /// A snapshot of the counters. It waits for the controller's lock, which a command holds
+    /// while it runs: up to a whole zeroing (see `docs/nvme-emu.md`).
     pub fn stats(&self) -> EmuStats {
         self.shared.core().stats()
+    }
+
+    /// [`EmuStats::restriction_refusals`], read without the controller's lock, so a caller that
+    /// holds a lock of its own (tuttid's status reply) never waits for a running command.
+    pub fn restriction_refusals(&self) -> u64 {
+        self.shared.unlocked.restriction_refusals()
     }
 
     /// The emulated BAR0 memory (to map for a GPU that rings doorbells itself).
@@ -275,14 +292,17 @@ impl EmuDevice {
     }
 
     fn stop_thread(&self) {
-        self.shared.stop.store(true, Ordering::Release);
+        // Also makes a zeroing under way stop at its next slice, so the thread ends within a
+        // slice rather than write zeroes on, detached, into a file a new device may have open.
+        self.shared.unlocked.stop();
         if let Some(thread) = self.shared.wake.thread.get() {
             thread.unpark();
         }
         let handle = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         let Some(handle) = handle else { return };
         let deadline = Instant::now() + STOP_TIMEOUT;
-        // Bounded wait: the thread checks `stop` at least every idle_sleep_max.
+        // Bounded wait: the thread checks `stopping` at least every idle_sleep_max, and a
+        // zeroing between slices.
         while !handle.is_finished() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -366,7 +386,7 @@ impl DeviceBackend for EmuDevice {
     /// returns when the reset is done), not a register write; see `ControllerCore::function_reset`.
     fn function_reset(&self) -> Result<(), HwError> {
         self.shared
-            .core()
+            .core_preempting()
             .function_reset()
             .map_err(|error| HwError::Backend { backend: "nvme-emu", message: format!("function reset: {error}") })
     }
@@ -377,12 +397,17 @@ fn run(shared: &Shared) {
     const ANNOUNCE_AT: u32 = SPIN_SCANS + YIELD_SCANS;
     let mut idle_scans: u32 = 0;
     let mut sleep = FIRST_SLEEP;
-    while !shared.stop.load(Ordering::Acquire) {
+    while !shared.unlocked.stopping() {
         let now = Instant::now();
         let (worked, sleep_cap) = {
             let mut core = shared.core();
             (core.poll(now), core.sleep_bound(now))
         };
+        if shared.unlocked.preempting() {
+            // A power loss or function reset waits for the lock just released: let it take it
+            // rather than retake it at once.
+            std::thread::yield_now();
+        }
         if worked {
             if idle_scans >= ANNOUNCE_AT {
                 shared.wake.end_sleep();

@@ -54,7 +54,7 @@ impl ControllerCore {
     }
 
     fn count_refusal(&self) {
-        self.restriction_refusals.set(self.restriction_refusals.get() + 1);
+        self.unlocked.count_refusal();
     }
 
     /// Access Denied when the submitting queue may not address these blocks of `nsid`.
@@ -285,21 +285,30 @@ impl ControllerCore {
         Ok(0)
     }
 
-    /// Zeroes blocks `start..end` in slices of [`ZEROING_SLICE_BYTES`], looking at CC.EN = 0
-    /// before each: a reset the host asked for stops it ([`abandoned_for_reset`]; the caller
-    /// posts no completion), since where the store must write zeroes a range can take minutes.
+    /// Zeroes blocks `start..end` in slices of [`ZEROING_SLICE_BYTES`], looking before each at
+    /// CC.EN = 0 and at [`crate::controller::Unlocked::give_way`]: a reset the host asked for,
+    /// a power loss or function reset waiting for the controller's lock, or the device's drop
+    /// stops it ([`abandoned_for_reset`]; the caller posts no completion, as the stop deletes
+    /// its queue), since where the store must write zeroes a range can take minutes, and a
+    /// dropped device must not leave a thread writing zeroes into a file reopened since.
     fn zero_blocks_unless_reset(&mut self, index: usize, namespace: &Namespace, start: u64, end: u64) -> Result<(), NvmeStatus> {
-        let slice_blocks = (ZEROING_SLICE_BYTES / u64::from(namespace.block_size_bytes)).max(1);
+        #[cfg(test)]
+        let (slice_bytes, pause) = self.zeroing_slice_for_tests.unwrap_or((ZEROING_SLICE_BYTES, std::time::Duration::ZERO));
+        #[cfg(not(test))]
+        let slice_bytes = ZEROING_SLICE_BYTES;
+        let slice_blocks = (slice_bytes / u64::from(namespace.block_size_bytes)).max(1);
         let mut lba = start;
         // Bounded: each pass zeroes at least one block of the range, or returns.
         while lba < end {
-            if self.registers.reset_requested() {
-                tracing::info!(lba, end, "zeroing cut short by a controller reset");
+            if self.registers.reset_requested() || self.unlocked.give_way() {
+                tracing::info!(lba, end, "zeroing cut short by a reset, a power loss or the device's drop");
                 return Err(abandoned_for_reset());
             }
             let blocks = (end - lba).min(slice_blocks);
             self.zero_blocks(index, namespace, lba, blocks)?;
             lba += blocks;
+            #[cfg(test)]
+            std::thread::sleep(pause);
         }
         Ok(())
     }

@@ -154,6 +154,7 @@ fn a_queue_restriction_covers_device_memory_too() {
     let write = sgl_at(SubmissionEntry::write(NS, Lba(0), block_count(1), false), other.iova().0, 4096);
     assert_eq!(status_of(&host.execute_on(&mut queue, write)), transfer_error(), "device memory outside the restriction");
     assert_eq!(host.device.stats().restriction_refusals, refused_before + 1);
+    assert_eq!(host.device.restriction_refusals(), refused_before + 1, "the count read without the controller's lock");
 }
 
 #[test]

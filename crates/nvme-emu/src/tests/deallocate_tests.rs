@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+use nvme_driver::hw::DeviceBackend;
 use nvme_driver::spec::command::DatasetRange;
 use nvme_driver::spec::registers;
 use nvme_driver::spec::SubmissionEntry;
@@ -147,4 +148,113 @@ fn a_write_zeroes_of_4_gib_gives_way_to_a_reset_promptly() {
         assert!(cleared.elapsed() < bound, "CSTS.RDY still 1 {:?} after CC.EN = 0", cleared.elapsed());
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// Blocks of the slowly zeroed store: 8 MiB of 4 KiB blocks.
+const SLOW_STORE_BLOCKS: u64 = 2048;
+/// Its zeroing: 4 blocks, then 20 ms, so the whole namespace takes about 10 s.
+const SLOW_SLICE: (u64, Duration) = (4 * 4096, Duration::from_millis(20));
+/// How long a host-side call (drop, power loss, function reset) may wait for a zeroing to
+/// give way: a slice and the lock handover, with room for a loaded machine.
+const GIVE_WAY: Duration = Duration::from_secs(1);
+
+/// A file-backed controller (write cache off) whose store refuses hole punching and zeroes
+/// slowly (see [`SLOW_SLICE`]), with an I/O queue pair.
+fn slow_zeroing(path: &std::path::Path, create: bool) -> (TestHost, super::harness::HostQueue) {
+    let create_bytes = create.then_some(SLOW_STORE_BLOCKS * 4096);
+    let config = EmuConfig::default()
+        .with_backing(Backing::File { path: path.to_path_buf(), create_bytes })
+        .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+        .with_volatile_write_cache(false);
+    let mut host = TestHost::start(config);
+    host.device.with_core(|core| {
+        core.store.refuse_punch_for_tests();
+        core.zeroing_slice_for_tests = Some(SLOW_SLICE);
+    });
+    let queue = host.create_io_pair(1, 8);
+    (host, queue)
+}
+
+/// Rings a deallocate of the whole slow namespace and gives the controller time to start it.
+fn start_slow_deallocate(host: &TestHost, queue: &mut super::harness::HostQueue) -> nvme_driver::hw::DmaRegion {
+    let (entry, list) = deallocate_repeated(host, whole_namespace(SLOW_STORE_BLOCKS));
+    TestHost::push(queue, entry);
+    host.ring_submission(queue);
+    std::thread::sleep(Duration::from_millis(200));
+    list
+}
+
+#[test]
+fn dropping_the_device_mid_deallocate_stops_its_zeroing() {
+    // Goal: a device dropped while a deallocate writes zeroes (a store that cannot punch holes)
+    // stops the zeroing at the next slice and joins its thread, instead of waiting 5 s and
+    // then leaving a detached thread writing zeroes into the file: a device opened on the file
+    // again keeps what it writes there. Until 2026-12-01 the zeroing looked only at CC.EN.
+    let path = std::env::temp_dir().join(format!("nvme-emu-drop-mid-zeroing-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing(&path, true);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let dropping = Instant::now();
+    drop(host);
+    let took = dropping.elapsed();
+    assert!(took < GIVE_WAY, "dropping the device waited {took:?} for the zeroing");
+    // 200 blocks per second: the old zeroing, were it still running, reaches block 150 within
+    // a second of the drop.
+    let (host, mut queue) = slow_zeroing(&path, false);
+    write_block(&host, &mut queue, 150, 0x5A);
+    std::thread::sleep(GIVE_WAY);
+    let block = read_block(&host, &mut queue, 150);
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+    assert!(block.iter().all(|&byte| byte == 0x5A), "the dropped device's zeroing overwrote a later write");
+}
+
+#[test]
+fn a_power_loss_and_a_function_reset_preempt_a_long_deallocate() {
+    // Goal: power_loss() and function_reset() called while a deallocate writes zeroes return
+    // within a slice, not after the whole zeroing (they wait for the controller's lock, which
+    // the zeroing holds): the zeroing gives way, its command gets no completion (the stop
+    // deletes its queue), and the controller serves I/O after a new bring-up. Until 2026-12-01
+    // both waited for the whole namespace to be zeroed.
+    let path = std::env::temp_dir().join(format!("nvme-emu-preempt-zeroing-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (mut host, mut queue) = slow_zeroing(&path, true);
+    let _ = std::fs::remove_file(&path);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let cut = Instant::now();
+    host.device.power_loss();
+    let took = cut.elapsed();
+    assert!(took < GIVE_WAY, "power_loss() waited {took:?} for the zeroing");
+    assert!(TestHost::try_reap(&mut queue).is_none(), "the deallocate the power loss cut short completed");
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let reset = Instant::now();
+    host.device.function_reset().expect("function reset");
+    let took = reset.elapsed();
+    assert!(took < GIVE_WAY, "function_reset() waited {took:?} for the zeroing");
+    assert!(TestHost::try_reap(&mut queue).is_none(), "the deallocate the function reset cut short completed");
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 7, 0xCD);
+    assert!(read_block(&host, &mut queue, 7).iter().all(|&byte| byte == 0xCD));
+}
+
+#[test]
+fn the_refusal_count_is_read_without_waiting_for_a_long_deallocate() {
+    // Goal: tuttid reads the restriction refusal count under its own store lock; during a
+    // deallocate that writes zeroes for seconds (the controller's lock held throughout),
+    // `restriction_refusals()` still answers at once. Before 2026-12-01 the count was only in
+    // `stats()`, which waits for that lock: about 10 s here.
+    let path = std::env::temp_dir().join(format!("nvme-emu-refusals-mid-zeroing-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing(&path, true);
+    let _ = std::fs::remove_file(&path);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let asked = Instant::now();
+    assert_eq!(host.device.restriction_refusals(), 0);
+    let took = asked.elapsed();
+    assert!(took < Duration::from_millis(100), "restriction_refusals() waited {took:?}");
+    // Ends the zeroing now rather than at its end (see the test above).
+    host.device.power_loss();
 }
