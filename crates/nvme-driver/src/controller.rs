@@ -18,7 +18,7 @@ use crate::error::NvmeError;
 use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::{IoQueuePair, PairOwner};
-use crate::namespace::{classify, refuse_malformed, Namespace, RefusedNamespace};
+use crate::namespace::{classify, refuse_identify_failed, refuse_malformed, Namespace, RefusedNamespace};
 use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::shadow::DoorbellBuffer;
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
@@ -413,15 +413,18 @@ impl Controller {
         let mut namespaces = Vec::with_capacity(namespace_ids.len());
         let mut refused = Vec::new();
         for nsid in namespace_ids.into_iter().take(NAMESPACES_MAX) {
-            let bytes = self.identify_raw(IdentifyCns::Namespace, nsid)?;
-            // An inactive namespace returns zeroes; skip rather than fail the whole controller.
-            if bytes.iter().all(|&byte| byte == 0) {
-                continue;
-            }
-            // Data the driver cannot compute with refuses this namespace, not the controller.
-            let classified = match IdentifyNamespace::parse(&bytes) {
-                Ok(namespace) => classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes),
-                Err(error) => Err(refuse_malformed(NamespaceId(nsid), error)),
+            let classified = match self.identify_raw(IdentifyCns::Namespace, nsid) {
+                // An inactive namespace returns zeroes; skip rather than fail the whole controller.
+                Ok(bytes) if bytes.iter().all(|&byte| byte == 0) => continue,
+                // Data the driver cannot compute with refuses this namespace, not the controller.
+                Ok(bytes) => match IdentifyNamespace::parse(&bytes) {
+                    Ok(namespace) => classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes),
+                    Err(error) => Err(refuse_malformed(NamespaceId(nsid), error)),
+                },
+                // So does an error status: the controller answered, about this namespace. A
+                // timeout or a transport error says the controller itself is unwell: bring-up fails.
+                Err(NvmeError::Command { status, .. }) => Err(refuse_identify_failed(NamespaceId(nsid), status)),
+                Err(error) => return Err(error),
             };
             match classified {
                 Ok(namespace) => namespaces.push(namespace),

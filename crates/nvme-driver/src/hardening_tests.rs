@@ -138,6 +138,31 @@ fn a_namespace_with_malformed_identify_data_is_refused_not_the_controller() {
 }
 
 #[test]
+fn a_namespace_whose_identify_fails_is_refused_not_the_controller() {
+    // Goal: one namespace whose Identify Namespace completes with an error status refuses that
+    // namespace (with the status), not the whole bring-up: the other namespace is used, and
+    // asking for the failed one names the status.
+    use crate::spec::status::codes;
+    use crate::spec::NvmeStatus;
+    let mut list = vec![0u8; 4096];
+    list[0..4].copy_from_slice(&1u32.to_le_bytes());
+    list[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let failure = NvmeStatus::generic(codes::INTERNAL_ERROR);
+    let script = FakeScript {
+        namespace_list: list,
+        identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false), identify_namespace_bytes(4096, 1024, 0, false)],
+        identify_namespace_failures: vec![(2, failure)],
+        ..FakeScript::default()
+    };
+    let (_device, controller) = bring_up(script);
+    assert_eq!(controller.namespaces().iter().map(|namespace| namespace.id.0).collect::<Vec<_>>(), [1]);
+    let refused: Vec<_> = controller.refused_namespaces().iter().map(|refused| (refused.id.0, refused.refusal)).collect();
+    assert_eq!(refused, [(2, NamespaceRefusal::IdentifyFailed(failure))]);
+    let error = controller.namespace(crate::NamespaceId(2)).expect_err("refused");
+    assert!(error.to_string().contains("Identify Namespace failed"), "{error}");
+}
+
+#[test]
 fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error() {
     // Goal: after one command was published (tail 1), a completion may report head 0 or 1;
     // head 5 (inside the ring but past our tail) or 100 (outside it) is a typed error (inside

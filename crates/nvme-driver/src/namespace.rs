@@ -11,7 +11,7 @@ use std::fmt;
 
 use crate::error::NvmeError;
 use crate::spec::identify::IdentifyError;
-use crate::spec::IdentifyNamespace;
+use crate::spec::{IdentifyNamespace, NvmeStatus};
 use crate::types::NamespaceId;
 
 /// One active namespace: what I/O needs to know about it.
@@ -44,6 +44,9 @@ pub enum NamespaceRefusal {
     /// Identify Namespace data the driver cannot compute with (a format index past the defined
     /// formats, a block size outside 2^9..=2^16, NSZE = 0 or NCAP > NSZE).
     Malformed(IdentifyError),
+    /// Identify Namespace completed with this error status: the driver knows nothing about
+    /// the namespace's format, so it does no I/O on it (the rest of the controller is used).
+    IdentifyFailed(NvmeStatus),
 }
 
 /// A namespace the controller reports but the driver refuses (see the module documentation).
@@ -61,6 +64,9 @@ impl fmt::Display for RefusedNamespace {
         if let NamespaceRefusal::Malformed(error) = self.refusal {
             return write!(f, "{} reports Identify Namespace data the driver cannot use ({error}); the driver does no I/O on it", self.id);
         }
+        if let NamespaceRefusal::IdentifyFailed(status) = self.refusal {
+            return write!(f, "{}: Identify Namespace failed ({status}); the driver does no I/O on it", self.id);
+        }
         write!(f, "{} uses LBA format {} ({}-byte blocks) ", self.id, self.format_index, self.block_size_bytes)?;
         match self.refusal {
             NamespaceRefusal::Metadata { metadata_bytes, extended_lba: true } => {
@@ -76,7 +82,7 @@ impl fmt::Display for RefusedNamespace {
                 write!(f, "whose blocks exceed the controller's {max_transfer_bytes}-byte transfer limit (MDTS)")?
             }
             NamespaceRefusal::SizeOverflow { size_blocks } => write!(f, "with {size_blocks} blocks, more bytes than 64 bits count")?,
-            NamespaceRefusal::Malformed(_) => {} // returned above
+            NamespaceRefusal::Malformed(_) | NamespaceRefusal::IdentifyFailed(_) => {} // returned above
         }
         write!(f, ": the driver supports data-only formats; reformat the namespace without metadata or protection to use it")
     }
@@ -100,6 +106,12 @@ pub(crate) fn refuse_malformed(id: NamespaceId, error: IdentifyError) -> Refused
         _ => 0,
     };
     RefusedNamespace { id, format_index, block_size_bytes: 0, refusal: NamespaceRefusal::Malformed(error) }
+}
+
+/// The refusal of namespace `id` whose Identify Namespace completed with error `status` (its
+/// format is unknown: index and block size read 0).
+pub(crate) fn refuse_identify_failed(id: NamespaceId, status: NvmeStatus) -> RefusedNamespace {
+    RefusedNamespace { id, format_index: 0, block_size_bytes: 0, refusal: NamespaceRefusal::IdentifyFailed(status) }
 }
 
 /// Decides whether the driver can do I/O on namespace `id` as Identify describes it.

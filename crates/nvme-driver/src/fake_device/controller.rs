@@ -311,6 +311,9 @@ impl FakeState {
                     0x01 => self.script.identify_controller.clone(),
                     0x02 => self.script.namespace_list.clone(),
                     0x00 => {
+                        if let Some(&(_, status)) = self.script.identify_namespace_failures.iter().find(|(nsid, _)| *nsid == entry.nsid) {
+                            return self.completion_for(0, entry, 0, Some(status));
+                        }
                         let index = usize::try_from(entry.nsid).ok().and_then(|nsid| nsid.checked_sub(1));
                         index.and_then(|index| self.script.identify_namespaces.get(index)).cloned().unwrap_or_default()
                     }

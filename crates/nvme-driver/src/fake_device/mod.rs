@@ -54,6 +54,8 @@ pub struct FakeScript {
     pub namespace_list: Vec<u8>,
     /// Identify Namespace data for NSID 1, 2, ... (missing ones read as zeroes: inactive).
     pub identify_namespaces: Vec<Vec<u8>>,
+    /// NSIDs whose Identify Namespace (CNS 00h) completes with this status instead of data.
+    pub identify_namespace_failures: Vec<(u32, NvmeStatus)>,
     /// Completion dword 0 of Set Features / Number of Queues.
     pub number_of_queues_dw0: u32,
     /// Admin opcodes completed with this status field instead of being executed.
@@ -119,6 +121,7 @@ impl Default for FakeScript {
             identify_controller: controller,
             namespace_list,
             identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false)],
+            identify_namespace_failures: Vec::new(),
             number_of_queues_dw0: 0x0003_0003,
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
