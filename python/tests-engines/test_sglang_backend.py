@@ -606,6 +606,10 @@ def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
     ("changes", "message"),
     [
         ({"devices": None}, "missing required field 'devices'"),
+        ({"devices": [1]}, "field 'devices' = \\[1\\]: must be a device string"),
+        ({"devices": []}, "field 'devices' = \\[\\]: must be a device string"),
+        ({"devices": ""}, "field 'devices' = '': must be a device string"),
+        ({"devices": ["emu:a.img", ""]}, "field 'devices' = .*: must be a device string"),
         ({"interface_v1": 0}, "interface_v1"),
         ({"interface_v1": None}, "missing required field 'interface_v1'"),
         ({"device": "emu:x"}, "unknown field"),

@@ -52,6 +52,7 @@ from tutti._engine import (
 from tutti._sglang_keys import (
     _checkpoint_parts,
     _device_identities,
+    _device_strings_problem,
     _forget_cleared_pools,
     _kv_format_parts,
     _page_layout_parts,
@@ -84,6 +85,7 @@ EXTRA_CONFIG_FIELDS = {
         "({tp_rank}, {pp_rank}, {dp_rank}, {cp_rank}: the scheduler process's ranks; {dp_rank} is the DP-attention "
         "group, or the replica with plain --dp-size)",
         required=True,
+        check=_device_strings_problem,
     ),
     "format": Field(bool, "format a fresh pool for this host pool's page first (everything on it is lost)", default=False),
     "overwrite": Field(
