@@ -734,9 +734,10 @@ def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_fli
 
 def test_a_wait_for_request_places_is_bounded_by_one_wave_of_the_other_thread(tmp_path: Path, caplog):
     """Goal: SGLang's prefetch thread is serial, so a batch waiting for request places the other
-    thread holds gives up after one wave of that thread can take (timeout_s per round of
-    layers + layers_in_flight - 1 rounds), not minutes later: timeout_s x (layers +
-    layers_in_flight), here 0.2 s x (4 + 2) = 1.2 s (it was 0.2 s x (2 x 6 + 2) = 2.8 s)."""
+    thread holds gives up after one wave of that thread takes when its rounds of waits end in
+    time (timeout_s per round of layers + layers_in_flight - 1 rounds), not minutes later:
+    timeout_s x (layers + layers_in_flight), here 0.2 s x (4 + 2) = 1.2 s (it was 0.2 s x
+    (2 x 6 + 2) = 2.8 s)."""
     storage = backend("layer_first", host_pool("layer_first"), extra_config(tmp_path / "pool.img", True, timeout_s=0.2, requests_max=2))
     try:
         keys = page_keys(13, 2)

@@ -403,9 +403,12 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 self._retire_if_weights_changed()
                 if self._dead is not None:
                     break
-                # The other thread's wave, served before this one (arrival order), ends within
-                # its layers' waits: `layers + layers_ahead - 1` rounds of at most timeout_s each.
-                # One that stalls closes the pool, which wakes this wait at once.
+                # Long enough for the other thread's wave (served first, arrival order) when each
+                # of its `layers + layers_ahead - 1` rounds of waits ends within timeout_s, as it
+                # does when the devices answer in time. Not a bound on that wave (a round waits its
+                # requests in turn, each up to timeout_s, and waits out a failed one again): a
+                # slower one makes the rest of this batch misses, never wrong data. A wave that
+                # stalls closes the pool, which wakes this wait at once.
                 wait_s = min(self._timeout_s * (self._layers + self._layers_ahead), _PLACE_WAIT_MAX_S)
                 taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
                 if taken == 0:
