@@ -149,7 +149,8 @@ pub enum ErrorCode {
     FrameTimeout,
     /// No frame within the lease: the session is ended and everything it held released.
     LeaseExpired,
-    /// The daemon serves its maximum number of connections.
+    /// Retry shortly: the daemon serves its maximum number of connections (to Hello), or an
+    /// attach waits for an ended session's queue deletion to be confirmed (to AttachQueues).
     Busy,
     ShuttingDown,
     /// A well-formed request with values the daemon cannot accept.
