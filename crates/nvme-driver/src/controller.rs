@@ -688,13 +688,18 @@ impl Controller {
         Ok(self.admin_command(SubmissionEntry::get_features(FeatureId::VolatileWriteCache))?.dw0 & 1 == 1)
     }
 
-    /// Reads a log page (at most 4096 bytes) into a new buffer. Refused with
+    /// Reads the first `bytes` of a log page (at most 4096) into a new buffer. Refused with
     /// [`NvmeError::QueueBusy`] while an admin command that timed out is still outstanding.
     pub fn log_page(&self, log: LogPageId, bytes: usize) -> Result<Vec<u8>, NvmeError> {
-        let bytes = bytes.clamp(4, IDENTIFY_BYTES);
-        let mut data = vec![0u8; bytes];
-        let entry = SubmissionEntry::get_log_page(log, 0xFFFF_FFFF, (bytes / 4) as u32, self.scratch.iova().0);
+        let bytes = bytes.min(IDENTIFY_BYTES);
+        // The device transfers whole dwords (NUMD): ask for those that cover `bytes`, so that
+        // every byte returned is one it sent (the buffer is zeroed first: a short count would
+        // return zeroes as data), then keep only what was asked for.
+        let dwords = bytes.div_ceil(4).max(1);
+        let mut data = vec![0u8; dwords * 4];
+        let entry = SubmissionEntry::get_log_page(log, 0xFFFF_FFFF, dwords as u32, self.scratch.iova().0);
         self.admin.execute_with_buffer(entry, &self.scratch, &mut data)?;
+        data.truncate(bytes);
         Ok(data)
     }
 

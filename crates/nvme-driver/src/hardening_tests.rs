@@ -319,6 +319,22 @@ fn a_failed_creation_is_undone_or_its_rings_are_kept() {
 }
 
 #[test]
+fn a_log_page_of_any_length_is_the_bytes_the_device_sent() {
+    // Goal: a log page read whose length is not a multiple of 4 asks the device for the dwords
+    // that cover it and returns exactly the bytes asked for, all of them the device's: before,
+    // it asked for whole dwords rounded down and returned zeroes the device never sent.
+    use crate::spec::LogPageId;
+    let smart: Vec<u8> = (1..=512u32).map(|byte| byte as u8).collect();
+    let script = FakeScript { log_pages: vec![(LogPageId::SmartHealth as u8, smart.clone())], ..FakeScript::default() };
+    let (_device, controller) = bring_up(script);
+    for bytes in [6, 1, 3, 4, 510, 512] {
+        let log = controller.log_page(LogPageId::SmartHealth, bytes).expect("log page");
+        assert_eq!(log, smart[..bytes], "{bytes} bytes");
+    }
+    assert_eq!(controller.log_page(LogPageId::SmartHealth, 8192).expect("log page").len(), 4096, "at most one page");
+}
+
+#[test]
 fn a_timed_out_admin_command_keeps_its_buffer_until_it_completes() {
     // Goal: after Get Log Page times out, the controller may still write the page it named. The
     // next log page must not refill that page (it would race with the late transfer: torn bytes

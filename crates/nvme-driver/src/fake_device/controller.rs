@@ -321,6 +321,21 @@ impl FakeState {
                 };
                 (0, Self::to_host(pool, entry.dptr[0], &data))
             }
+            Some(AdminOpcode::GetLogPage) => {
+                let log = (entry.cdw10 & 0xFF) as u8;
+                // NUMD (0-based): NUMDL in CDW10 31:16, NUMDU in CDW11 15:0.
+                let dwords = ((entry.cdw10 >> 16) | (entry.cdw11 & 0xFFFF) << 16) as usize + 1;
+                match self.script.log_pages.iter().find(|(id, _)| *id == log) {
+                    Some(_) if dwords * 4 > IDENTIFY_BYTES => (0, Some(NvmeStatus::generic(codes::INVALID_FIELD))),
+                    Some((_, page)) => {
+                        let mut data = page.clone();
+                        data.resize(dwords * 4, 0);
+                        let written = pool.translate(Iova(entry.dptr[0]), data.len()).and_then(|region| region.write(0, &data));
+                        (0, written.err().map(|_| NvmeStatus::generic(codes::DATA_TRANSFER_ERROR)))
+                    }
+                    None => (0, None),
+                }
+            }
             Some(AdminOpcode::SetFeatures) if entry.cdw10 & 0xFF == 0x07 => (self.script.number_of_queues_dw0, None),
             Some(AdminOpcode::CreateIoCompletionQueue) if (1..=QUEUE_ID_MAX).contains(&queue_id) => {
                 self.completion.insert(queue_id, CompletionRing::new(entry.dptr[0], entries));

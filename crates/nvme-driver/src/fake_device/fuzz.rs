@@ -56,6 +56,7 @@ impl FakeScript {
             namespace_list: sections.next().unwrap_or_default(),
             identify_namespaces: Vec::new(),
             identify_namespace_failures: Vec::new(),
+            log_pages: Vec::new(),
             number_of_queues_dw0: u32_at(16),
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),

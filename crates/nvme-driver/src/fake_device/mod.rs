@@ -56,6 +56,10 @@ pub struct FakeScript {
     pub identify_namespaces: Vec<Vec<u8>>,
     /// NSIDs whose Identify Namespace (CNS 00h) completes with this status instead of data.
     pub identify_namespace_failures: Vec<(u32, NvmeStatus)>,
+    /// Log pages by log identifier: Get Log Page writes exactly the dwords it asks for (NUMD + 1,
+    /// zero past the script's bytes), as a controller does. A log not listed completes with
+    /// success and writes nothing.
+    pub log_pages: Vec<(u8, Vec<u8>)>,
     /// Completion dword 0 of Set Features / Number of Queues.
     pub number_of_queues_dw0: u32,
     /// Admin opcodes completed with this status field instead of being executed.
@@ -122,6 +126,7 @@ impl Default for FakeScript {
             namespace_list,
             identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false)],
             identify_namespace_failures: Vec::new(),
+            log_pages: Vec::new(),
             number_of_queues_dw0: 0x0003_0003,
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
