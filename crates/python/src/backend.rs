@@ -604,42 +604,66 @@ impl StoreState {
     }
 
     /// The completion thread's pass over the requests that have an eventfd and a layer in
-    /// flight: each is driven for at most `slice`. A failed layer's outcome is recorded by
-    /// `drive` (the later layers are driven on); a wait that failed without ending its layer is
-    /// kept to report (`RequestState::stalled`) and tried again once `STALL_RETRY_BACKOFF`
-    /// passed (the request is left alone until then, not until someone else waits).
+    /// flight (`armed`): each is driven for at most `slice` (`drive_armed_one`). The thread
+    /// itself takes the store's lock for each request apart (`store::run_service`).
     pub fn drive_armed(&mut self, slice: Duration) -> ArmedPass {
-        let now = Instant::now();
-        let mut pass = ArmedPass::default();
+        let (armed, mut backing_off) = self.armed(Instant::now());
+        for &handle in &armed {
+            backing_off |= self.drive_armed_one(handle, slice);
+        }
+        ArmedPass { driven: !armed.is_empty(), backing_off }
+    }
+
+    /// The requests the completion thread drives now: those with an eventfd and a layer in
+    /// flight, except those waiting out their backoff after a failed wait; and whether any
+    /// does (`ArmedPass::backing_off`).
+    pub fn armed(&self, now: Instant) -> (Vec<u64>, bool) {
+        let mut backing_off = false;
         let mut armed = Vec::new();
         for (&handle, state) in &self.requests {
             if state.eventfd.is_none() || state.in_flight.is_empty() {
                 continue;
             }
             match state.stalled.as_ref().and_then(|stall| stall.backoff_until) {
-                Some(until) if now < until => pass.backing_off = true,
+                Some(until) if now < until => backing_off = true,
                 _ => armed.push(handle),
             }
         }
-        for &handle in &armed {
-            let driven = self.drive(handle, Instant::now() + slice);
-            let Some(state) = self.requests.get_mut(&handle) else { continue };
-            match driven {
-                Err(failure) if failure.class != ErrorClass::Timeout => {
-                    state.stall(failure, Instant::now() + STALL_RETRY_BACKOFF);
-                    pass.backing_off = true;
-                }
-                // The wait no longer fails: a stall still in flight stays to report, but the
-                // request is driven at full pace again.
-                _ => {
-                    if let Some(stall) = &mut state.stalled {
-                        stall.backoff_until = None;
-                    }
+        (armed, backing_off)
+    }
+
+    /// Drives armed request `handle` for at most `slice`; returns whether it now waits out a
+    /// backoff. A failed layer's outcome is recorded by `drive` (the later layers are driven
+    /// on); a wait that failed without ending its layer is kept to report
+    /// (`RequestState::stalled`) and tried again once `STALL_RETRY_BACKOFF` passed (the request
+    /// is left alone until then, not until someone else waits). A request no longer armed
+    /// (ended, its layers taken, or backing off since `armed` listed it) is left alone.
+    pub fn drive_armed_one(&mut self, handle: u64, slice: Duration) -> bool {
+        let now = Instant::now();
+        match self.requests.get(&handle) {
+            Some(state) if state.eventfd.is_some() && !state.in_flight.is_empty() => {
+                if state.stalled.as_ref().and_then(|stall| stall.backoff_until).is_some_and(|until| now < until) {
+                    return true;
                 }
             }
+            _ => return false,
         }
-        pass.driven = !armed.is_empty();
-        pass
+        let driven = self.drive(handle, now + slice);
+        let Some(state) = self.requests.get_mut(&handle) else { return false };
+        match driven {
+            Err(failure) if failure.class != ErrorClass::Timeout => {
+                state.stall(failure, Instant::now() + STALL_RETRY_BACKOFF);
+                true
+            }
+            // The wait no longer fails: a stall still in flight stays to report, but the
+            // request is driven at full pace again.
+            _ => {
+                if let Some(stall) = &mut state.stalled {
+                    stall.backoff_until = None;
+                }
+                false
+            }
+        }
     }
 
     pub fn commit(&mut self, handle: u64) -> Result<usize, Failure> {
@@ -712,33 +736,44 @@ impl StoreState {
 
     /// Drives every orphan (`orphans`) for at most `slice` each (zero: only what has ended
     /// already), and finishes each whose layers all ended; returns whether orphans are left.
-    /// A finish that fails leaves the request, nothing of it in flight, for the store's close.
     pub fn drive_orphans(&mut self, slice: Duration) -> bool {
         if self.orphans.is_empty() {
             return false;
         }
-        for handle in std::mem::take(&mut self.orphans) {
-            let deadline = Instant::now() + slice;
-            // Bounded: each Continue ended a layer or spent a slice before the deadline.
-            let settling = loop {
-                match self.settle_step(handle, deadline) {
-                    Settling::Continue => continue,
-                    other => break other,
-                }
-            };
-            match settling {
-                Settling::Settled if self.requests.contains_key(&handle) => match self.finish(handle) {
-                    Ok(()) => tracing::info!("tutti: request {handle:#x}, dropped with a layer in flight, is finished"),
-                    Err(failure) => tracing::warn!(
-                        message = %failure.message,
-                        "tutti: finishing request {handle:#x}, dropped with a layer in flight (left for the store's close)"
-                    ),
-                },
-                Settling::Settled => {}
-                _ => self.orphans.push(handle),
-            }
+        for handle in self.orphans.clone() {
+            self.drive_orphan(handle, slice);
         }
         !self.orphans.is_empty()
+    }
+
+    /// Drives orphan `handle` for at most `slice` and finishes it once its layers all ended
+    /// (it leaves `orphans` then); nothing if it is no orphan (any more). A finish that fails
+    /// leaves the request, nothing of it in flight, for the store's close.
+    pub fn drive_orphan(&mut self, handle: u64, slice: Duration) {
+        if !self.orphans.contains(&handle) {
+            return;
+        }
+        let deadline = Instant::now() + slice;
+        // Bounded: each Continue ended a layer or spent a slice before the deadline.
+        let settling = loop {
+            match self.settle_step(handle, deadline) {
+                Settling::Continue => continue,
+                other => break other,
+            }
+        };
+        if settling != Settling::Settled {
+            return; // still in flight: kept
+        }
+        self.orphans.retain(|&orphan| orphan != handle);
+        if self.requests.contains_key(&handle) {
+            match self.finish(handle) {
+                Ok(()) => tracing::info!("tutti: request {handle:#x}, dropped with a layer in flight, is finished"),
+                Err(failure) => tracing::warn!(
+                    message = %failure.message,
+                    "tutti: finishing request {handle:#x}, dropped with a layer in flight (left for the store's close)"
+                ),
+            }
+        }
     }
 
     pub fn finish(&mut self, handle: u64) -> Result<(), Failure> {

@@ -3,7 +3,7 @@
 //! waits hold it in slices (`backend::WAIT_SLICE`) so other threads get their turn.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,10 +32,19 @@ const DEVICE_KINDS: [DeviceKind; 4] = [DeviceKind::EmuFile, DeviceKind::EmuMemor
 const SERVICE_SLICE: Duration = Duration::from_micros(200);
 /// The longest the completion thread sleeps when nothing is armed (it also wakes on a signal).
 const SERVICE_IDLE_MAX: Duration = Duration::from_millis(500);
+/// The longest the completion thread waits, after one of its steps, for the callers waiting
+/// for the store's lock to take it (`StoreShared::give_way`): a caller still waiting then
+/// waits one more step (a slice at most), and a thread that holds the lock longer costs the
+/// completion thread no more than this each step.
+const GIVE_WAY_MAX: Duration = Duration::from_millis(1);
 
 /// What a `Store` and its requests share.
 pub struct StoreShared {
     state: Mutex<StoreState>,
+    /// Callers waiting for the store's lock (`lock`). A Mutex goes to whichever thread asks
+    /// first once let go, and the completion thread, stepping from one request to the next,
+    /// would always ask first: it gives way to them between its steps (`give_way`).
+    waiting: AtomicUsize,
     /// Wakes the completion thread (a request armed, the store closing).
     wake: Condvar,
     stop: AtomicBool,
@@ -60,7 +69,40 @@ impl StoreShared {
     /// (checked before the lock is taken: a thread of the parent may have held it at the fork).
     pub fn lock(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
         self.owner.check("the store")?;
-        Ok(self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        let state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        Ok(state)
+    }
+
+    /// The completion thread, between its steps (it holds no lock): lets the callers waiting
+    /// for the store's lock take it first, waiting for that at most `GIVE_WAY_MAX`.
+    fn give_way(&self) {
+        let until = Instant::now() + GIVE_WAY_MAX;
+        std::thread::yield_now();
+        while self.waiting.load(Ordering::Acquire) > 0 && Instant::now() < until {
+            std::thread::yield_now();
+        }
+    }
+
+    /// One step of the completion thread: `step` under the store's lock (unless the store is
+    /// stopping or closed: false, the thread ends), then way given to the callers waiting.
+    fn service_step(&self, step: impl FnOnce(&mut StoreState)) -> bool {
+        if self.stop.load(Ordering::Acquire) {
+            return false;
+        }
+        let stepped = self.locked(|state| {
+            if state.is_closed() {
+                return false;
+            }
+            step(state);
+            true
+        });
+        if stepped != Ok(true) {
+            return false;
+        }
+        self.give_way();
+        true
     }
 
     /// Runs `call` under the store's lock with the GIL released.
@@ -108,6 +150,7 @@ impl StoreShared {
     pub fn for_tests(state: StoreState, geometry: Geometry, layers_in_flight: u32, timeout: Duration) -> Arc<StoreShared> {
         Arc::new(StoreShared {
             state: Mutex::new(state),
+            waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -129,7 +172,7 @@ impl StoreShared {
             let weak = Arc::downgrade(self);
             let handle = std::thread::Builder::new()
                 .name("tutti-completion".into())
-                .spawn(move || run_service(weak))
+                .spawn(move || run_service(weak, SERVICE_SLICE))
                 .map_err(|error| Failure::new(ErrorClass::Device, format!("starting the store's completion thread: {error}")))?;
             *service = Some(handle);
         }
@@ -155,31 +198,58 @@ impl StoreShared {
 
 /// The completion thread: drives the requests that have an eventfd and a layer in flight, and
 /// pings tuttid when the session has been idle a third of its lease. It holds the store only
-/// while it works on it (a weak reference otherwise), so a dropped store ends it.
-fn run_service(weak: Weak<StoreShared>) {
+/// while it works on it (a weak reference otherwise), so a dropped store ends it. It takes the
+/// store's lock for one request at a time (one `slice` at most each), for each orphan apart,
+/// and for the ping, giving way between them to the callers waiting for it (`give_way`).
+fn run_service(weak: Weak<StoreShared>, slice: Duration) {
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
-        let Ok(mut state) = shared.lock() else { return };
+        let Ok(Some((armed, orphans))) =
+            shared.locked(|state| (!state.is_closed()).then(|| (state.armed(Instant::now()).0, state.orphans.clone())))
+        else {
+            return;
+        };
+        for &handle in &armed {
+            if !shared.service_step(|state| {
+                state.drive_armed_one(handle, slice);
+            }) {
+                return;
+            }
+        }
+        // Requests dropped with a layer in flight: finished once it ended (`Request::drop`).
+        for &handle in &orphans {
+            if !shared.service_step(|state| state.drive_orphan(handle, slice)) {
+                return;
+            }
+        }
+        if let Some(interval) = shared.keepalive {
+            // The exchange holds the store's lock: the connection is the store's, and its
+            // other calls (prepare, commit, finish, lookup) go on it too.
+            let pinged = shared.locked(|state| {
+                if state.is_closed() || state.last_daemon_request.elapsed() < interval {
+                    return Ok(());
+                }
+                state.ping()
+            });
+            if let Ok(Err(failure)) = pinged {
+                tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
+            }
+        }
+        if !armed.is_empty() {
+            continue; // a request was driven: pass again at once (way was given after each)
+        }
+        // Idle: whether to sleep is decided under the hold of the lock the wait lets go of, so
+        // that an issue since the pass (it wakes this thread once it let go of the lock) is
+        // not slept through.
+        let Ok(state) = shared.lock() else { return };
         if state.is_closed() {
             return;
         }
-        let pass = state.drive_armed(SERVICE_SLICE);
-        // Requests dropped with a layer in flight: finished once it ended (`Request::drop`).
-        let orphans = state.drive_orphans(SERVICE_SLICE);
-        if let Some(interval) = shared.keepalive {
-            if state.last_daemon_request.elapsed() >= interval {
-                if let Err(failure) = state.ping() {
-                    tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
-                }
-            }
-        }
-        if pass.driven {
-            drop(state);
-            drop(shared);
-            std::thread::yield_now();
+        let (armed, backing_off) = state.armed(Instant::now());
+        if !armed.is_empty() {
             continue;
         }
         let idle = match shared.keepalive {
@@ -187,7 +257,8 @@ fn run_service(weak: Weak<StoreShared>) {
             None => SERVICE_IDLE_MAX,
         };
         // A request waiting out its backoff after a failed wait is retried at the end of it.
-        let sleep = if pass.backing_off || orphans { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
+        let sleep =
+            if backing_off || !state.orphans.is_empty() { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
         let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
         drop(state);
     }
@@ -553,6 +624,7 @@ impl Store {
         state.closed_in_forked_children = device_fds;
         Store::new(StoreShared {
             state: Mutex::new(state),
+            waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -619,6 +691,7 @@ impl Store {
         state.closed_in_forked_children = connections;
         Store::new(StoreShared {
             state: Mutex::new(state),
+            waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
@@ -810,6 +883,41 @@ pub fn id_list<'py>(py: Python<'py>, ids: &[u32]) -> PyResult<Bound<'py, PyList>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_completion_thread_lets_go_of_the_lock_between_requests() {
+        // Goal: the completion thread drives each armed request under the store's lock for one
+        // slice at most and lets go of it between requests (giving way to a caller waiting for
+        // it), so a caller waits about one slice, not one per request. Four armed store
+        // requests, each with a layer the controller completes only after 1.5 s, driven in
+        // slices of 40 ms: a caller taking the lock over 0.8 s never waits 100 ms. Before, one
+        // pass held the lock across every request (4 x 40 ms each time).
+        let mut state = crate::backend::test_store::local_state(1);
+        let handles: Vec<u64> = (1..=4).map(|seed| crate::backend::test_store::prepare_store(&mut state, seed)).collect();
+        let late = nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(1500)));
+        crate::backend::test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
+        for &handle in &handles {
+            state.request(handle).unwrap().eventfd().expect("eventfd: armed for the thread");
+            state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        }
+        let shared = StoreShared::for_tests(state, crate::backend::test_store::geometry(), 1, Duration::from_secs(5));
+        let weak = Arc::downgrade(&shared);
+        let service = std::thread::spawn(move || run_service(weak, Duration::from_millis(40)));
+        *shared.service.lock().unwrap() = Some(service);
+        std::thread::sleep(Duration::from_millis(20)); // the thread is in its first pass
+        let mut longest = Duration::ZERO;
+        let sampled = Instant::now();
+        while sampled.elapsed() < Duration::from_millis(800) {
+            let asked = Instant::now();
+            let state = shared.lock().expect("the store's lock");
+            longest = longest.max(asked.elapsed());
+            assert!(state.requests.values().all(|request| !request.in_flight.is_empty()), "a layer completed early");
+            drop(state);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        shared.stop_service();
+        assert!(longest < Duration::from_millis(100), "a caller waited {longest:?} for the store's lock");
+    }
 
     #[test]
     fn a_failed_hello_leaves_another_threads_connection_recorded() {
