@@ -15,8 +15,12 @@
 //! 5. a [`DmaPool`] whose IOVAs come from the IOMMU's reported ranges and whose mappings are
 //!    programmed with `VFIO_IOMMU_MAP_DMA`.
 //!
-//! Dropping the device (and the last DMA region) closes the fds, which makes the kernel remove
-//! every mapping and reset the function, so a second run in the same system starts clean.
+//! Each fd closes with its last holder, and the kernel cleans up behind it, so a second run in
+//! the same system starts clean: the device fd (held by the device and by every
+//! `Arc<dyn RegisterIo>` from [`DeviceBackend::registers`]) resets the function as it closes;
+//! the container and group fds (held by the device and by its [`DmaPool`]: every clone and every
+//! `Arc<dyn DmaAllocator>` from [`DeviceBackend::dma`]) remove every IOMMU mapping as they
+//! close. A DMA region holds only a weak reference to its pool, so it keeps neither open.
 //!
 //! Crates: the kernel's VFIO structs and constants are `vfio-bindings`' generated ones; ioctls,
 //! `pread`/`pwrite` and `getrlimit` go through nix's typed wrappers (`sys.rs`; the ioctls are
