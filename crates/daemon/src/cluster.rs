@@ -352,6 +352,22 @@ pub(crate) struct ClusterAgent {
     _manifest_lock: manifest::ManifestLock,
 }
 
+/// What a cluster node's start can refuse without the pool, made by [`ClusterAgent::prepare`]
+/// before the pool is opened (or formatted) and used by [`ClusterAgent::start`]: the manifest's
+/// lock, the manifest read, the data plane's listener bound, the registry's lookup client.
+#[cfg(feature = "cluster")]
+pub(crate) struct ClusterPrepared {
+    manifest_lock: manifest::ManifestLock,
+    loaded: manifest::Loaded,
+    listener: std::net::TcpListener,
+    lookups: lookup::RemoteLookups,
+}
+
+/// Without the `cluster` feature [`ClusterAgent::prepare`] refuses, so no value of this type
+/// exists.
+#[cfg(not(feature = "cluster"))]
+pub(crate) enum ClusterPrepared {}
+
 /// What a `LookupCluster` found past the local prefix.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RemotePart {
@@ -368,25 +384,58 @@ impl RemotePart {
 }
 
 impl ClusterAgent {
-    /// Without the `cluster` feature: refuses, naming it.
+    /// Without the `cluster` feature: refuses, naming it (before the pool is opened).
+    #[cfg(not(feature = "cluster"))]
+    pub(crate) fn prepare(_settings: &ClusterSettings) -> Result<ClusterPrepared, DaemonError> {
+        Err(DaemonError::Cluster("this tuttid was built without the `cluster` feature (etcd's client)".into()))
+    }
+
+    /// Before the pool is opened (or formatted), so that none of these refusals costs a
+    /// `--format`: takes the manifest's lock (another daemon on it refuses this start before it
+    /// reads a byte), reads the manifest (what is not one is refused, left as it is), binds the
+    /// data plane's address and makes the registry's lookup client (which connects lazily: no
+    /// etcd call here).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn prepare(settings: &ClusterSettings) -> Result<ClusterPrepared, DaemonError> {
+        let manifest_lock = manifest::lock(&settings.manifest)?;
+        // What is not a manifest is refused here (exit 2) and left as it is: the rewrite at
+        // start would replace it.
+        let loaded = manifest::load(&settings.manifest, settings.registry.segment_blocks)?;
+        if let Some(reason) = &loaded.discarded {
+            tracing::warn!(path = %settings.manifest.display(), reason, "segment manifest discarded");
+        }
+        if loaded.dropped_bytes > 0 {
+            tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
+        }
+        let io = |source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source };
+        let listener = std::net::TcpListener::bind(settings.data_address).map_err(io)?;
+        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
+            .map_err(DaemonError::Registry)?;
+        Ok(ClusterPrepared { manifest_lock, loaded, listener, lookups })
+    }
+
+    /// Without the `cluster` feature [`ClusterAgent::prepare`] refused already.
     #[cfg(not(feature = "cluster"))]
     pub(crate) fn start(
         _settings: ClusterSettings,
+        prepared: ClusterPrepared,
         _control: &mut StoreControl,
         _block_bytes: u64,
         _requests_max: usize,
         _metrics: ClusterMetrics,
     ) -> Result<ClusterAgent, DaemonError> {
-        Err(DaemonError::Cluster("this tuttid was built without the `cluster` feature (etcd's client)".into()))
+        match prepared {}
     }
 
-    /// At bind, before any client: reads the manifest, keeps the segments whose blocks the
-    /// recovered index holds whole, starts recording the index's departures, binds the data
-    /// plane, rewrites the manifest with those segments (last: a failed start leaves it as it
-    /// was) and prepares the registrar (it joins when the server starts serving).
+    /// At bind, before any client, with what [`ClusterAgent::prepare`] made of the same
+    /// settings: keeps the manifest's segments whose blocks the recovered index holds whole,
+    /// starts recording the index's departures, makes the data plane's staging area, rewrites
+    /// the manifest with those segments (last: a failed start leaves it as it was) and prepares
+    /// the registrar (it joins when the server starts serving).
     #[cfg(feature = "cluster")]
     pub(crate) fn start(
         settings: ClusterSettings,
+        prepared: ClusterPrepared,
         control: &mut StoreControl,
         block_bytes: u64,
         requests_max: usize,
@@ -395,18 +444,8 @@ impl ClusterAgent {
         use held::HeldSegments;
 
         let segment_blocks = settings.registry.segment_blocks;
-        // First: another daemon using this manifest refuses this start before it reads a byte.
-        let manifest_lock = manifest::lock(&settings.manifest)?;
+        let ClusterPrepared { manifest_lock, loaded, listener, lookups } = prepared;
         let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
-        // What is not a manifest is refused here (exit 2) and left as it is: the rewrite below
-        // would replace it.
-        let loaded = manifest::load(&settings.manifest, segment_blocks)?;
-        if let Some(reason) = &loaded.discarded {
-            tracing::warn!(path = %settings.manifest.display(), reason, "segment manifest discarded");
-        }
-        if loaded.dropped_bytes > 0 {
-            tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
-        }
         // Departures are recorded from here on, before the check below: an eviction after the
         // check is always seen.
         let counts = control.counts();
@@ -429,11 +468,9 @@ impl ClusterAgent {
             }
         }
         tracing::info!(held = held.len(), gone = stale.len(), "segments from the manifest checked against the pool");
-        let data_plane = data_plane::DataPlane::bind(settings.data_address, control, segment_blocks, requests_max)
+        let data_plane = data_plane::DataPlane::bind(listener, control, segment_blocks, requests_max)
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
         let data_address = data_plane.address();
-        let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
-            .map_err(DaemonError::Registry)?;
         // Last, once nothing after it can fail: the file without the stale segments. A start
         // that failed before this leaves the manifest as it was, so the next start still finds
         // (and deletes the registrations of) the segments this pool lost.

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
-use crate::cluster::{ClusterAgent, ClusterSettings};
+use crate::cluster::{ClusterAgent, ClusterPrepared, ClusterSettings};
 use crate::frame_io::write_frame;
 use crate::gpu_memory::{DeviceMemoryImport, DeviceMemoryService};
 use crate::keys::KeySpace;
@@ -269,19 +269,22 @@ impl Server {
     /// refuses may be a draining daemon's, whose clients read its file gone as their sessions
     /// ended, and a start that then fails on that daemon's device locks must not have removed
     /// it), the metrics
-    /// endpoint's address (bound here and kept) and the device memory import. A refusal here
-    /// leaves the devices untouched.
+    /// endpoint's address (bound here and kept), the device memory import and a cluster node's
+    /// part that needs no pool ([`ClusterAgent::prepare`]: its manifest locked and read, its
+    /// data address bound and kept). A refusal here leaves the devices untouched.
     pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
         config.validate()?;
         probe_socket(&config.socket, StaleSocket::Keep)?;
         let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
-        Ok(Prepared { metrics_endpoint, device_memory })
+        let cluster = config.cluster.as_ref().map(ClusterAgent::prepare).transpose()?;
+        Ok(Prepared { metrics_endpoint, device_memory, cluster })
     }
 
     /// Binds the socket for `opened` with what [`Server::prepare`] made of the same `config`.
     /// The socket path is probed again (a daemon may have started on it since); a refusal after
-    /// the socket is bound (the cluster part, the store's control half) removes it again.
+    /// the socket is bound (the store's control half, the cluster part's staging area or
+    /// manifest rewrite) removes it again.
     pub fn bind_prepared(config: ServerConfig, prepared: Prepared, opened: OpenedPool) -> Result<Server, DaemonError> {
         config.validate()?;
         let socket = &config.socket;
@@ -306,7 +309,7 @@ impl Server {
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
             .map_err(io(format!("making {} owner-only", socket.display())))?;
         listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
-        let Prepared { metrics_endpoint, device_memory } = prepared;
+        let Prepared { metrics_endpoint, device_memory, cluster: cluster_prepared } = prepared;
         let geometry = *opened.pool.geometry();
         let pool_shape = opened.pool.shape().map_err(|source| DaemonError::Pool { context: "the pool's shape".into(), source })?;
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
@@ -329,13 +332,18 @@ impl Server {
         let mut control = objstore::StoreControl::new(pool, requests_max)
             .map_err(|source| DaemonError::Pool { context: "the store's control half".into(), source })?;
         let mut metrics = Metrics::new();
-        let cluster = match config.cluster.clone() {
-            Some(settings) => {
+        let cluster = match (config.cluster.clone(), cluster_prepared) {
+            (Some(settings), Some(cluster_prepared)) => {
                 let cluster_metrics = crate::cluster::ClusterMetrics::default();
                 metrics.register_cluster(&cluster_metrics);
-                Some(ClusterAgent::start(settings, &mut control, block_bytes, requests_max, cluster_metrics)?)
+                Some(ClusterAgent::start(settings, cluster_prepared, &mut control, block_bytes, requests_max, cluster_metrics)?)
             }
-            None => None,
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(DaemonError::Config(
+                    "cluster settings that Server::prepare was not given: prepare with the same configuration".into(),
+                ))
+            }
         };
         let relay = DoorbellRelay::start(RelayConfig::default())?;
         // Built: from here the drain removes the socket (`remove_bound_socket`).
@@ -595,6 +603,7 @@ impl Server {
 pub struct Prepared {
     metrics_endpoint: Option<MetricsEndpoint>,
     device_memory: DeviceMemoryService,
+    cluster: Option<ClusterPrepared>,
 }
 
 /// What [`probe_socket`] does with a socket file nobody listens on.

@@ -294,8 +294,10 @@ fn serve(cli: &Cli) -> Result<()> {
         ..SessionLimits::default()
     };
     // Before the pool is opened (or formatted): a bad option, a socket a live daemon serves, a
-    // metrics address taken (a second tuttid on the host takes the default port) or device
-    // memory this host cannot import costs nothing, and "nothing was changed" is true.
+    // metrics address taken (a second tuttid on the host takes the default port), device
+    // memory this host cannot import or a cluster node's manifest or data address refused
+    // (locked by another daemon, not a manifest, its directory missing, the address in use)
+    // costs nothing, and "nothing was changed" is true.
     let prepared = Server::prepare(&config).map_err(classify)?;
     let opened = open_pool(&options).map_err(classify)?;
     let report = opened.report;

@@ -1,6 +1,7 @@
 //! tuttid refusing to start for reasons that have nothing to do with the pool (the metrics
-//! address taken, the socket served by a live daemon): refused before the pool is opened or
-//! formatted, so the pool is as it was, and no socket file is left behind.
+//! address taken, the socket served by a live daemon, a cluster node's data address taken or
+//! manifest refused): refused before the pool is opened or formatted, so the pool is as it was,
+//! and no socket file is left behind.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -113,4 +114,44 @@ fn a_cluster_state_naming_the_pool_itself_is_refused_and_left_as_it_is() {
     assert!(stderr.contains("TSMF"), "{stderr}");
     assert!(std::fs::read(&image).unwrap() == before, "the refused daemon changed the pool image: {stderr}");
     assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+}
+
+/// Runs a formatting cluster node on a pool holding a prompt, refused by what the caller set
+/// up, and checks that the pool was not formatted (and no socket left): the stderr.
+fn refused_before_the_format(directory: &Path, image: &Path, state: &Path, data_address: &str) -> String {
+    let before = std::fs::read(image).unwrap();
+    let socket = directory.join("node.sock");
+    let mut command = cluster_node(directory, image, &socket, state, data_address);
+    command.args(["--format", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+    let (code, stderr) = run_bounded(&mut command);
+    assert!(code.is_some_and(|code| code != 0), "exit {code:?}: {stderr}");
+    assert!(std::fs::read(image).unwrap() == before, "the refused daemon formatted the pool: {stderr}");
+    assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+    stderr
+}
+
+#[test]
+fn a_taken_data_address_is_refused_before_the_pool_is_formatted() {
+    // Goal: `tuttid --format` as a cluster node whose `--data-address` another process holds
+    // refuses to start before it formats: the pool's committed prompt is still there. Before,
+    // the data plane was bound after the pool was opened, so the format came first.
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = taken.local_addr().unwrap().to_string();
+    let stderr = refused_before_the_format(directory.path(), &image, &directory.path().join("segments"), &address);
+    assert!(stderr.contains("data plane"), "{stderr}");
+    drop(taken);
+}
+
+#[test]
+fn a_cluster_state_in_a_missing_directory_is_refused_before_the_pool_is_formatted() {
+    // Goal: `tuttid --format` as a cluster node whose `--cluster-state` lies in a missing
+    // directory (its lock file cannot be made) refuses to start before it formats. Before, the
+    // manifest was locked after the pool was opened, so the format came first.
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let state = directory.path().join("missing").join("segments");
+    let stderr = refused_before_the_format(directory.path(), &image, &state, "127.0.0.1:0");
+    assert!(stderr.contains("segment manifest"), "{stderr}");
 }

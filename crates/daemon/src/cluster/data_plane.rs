@@ -198,15 +198,16 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// Binds `address` (port 0: a free one, see [`DataPlane::address`]) and builds the staging
-    /// area over the pool.
+    /// Serves on `listener` (bound to the configured address, port 0: a free one, see
+    /// [`DataPlane::address`]) and builds the staging area over the pool.
     pub fn bind(
-        address: SocketAddr,
+        listener: TcpListener,
         control: &StoreControl,
         segment_blocks: SegmentBlocks,
         requests_max: usize,
     ) -> std::io::Result<DataPlane> {
-        let listener = TcpListener::bind(address)?;
+        // Bound before the pool was opened (`ClusterAgent::prepare`), so that an address in use
+        // refuses the start before a `--format`.
         listener.set_nonblocking(true)?;
         let address = listener.local_addr()?;
         let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
