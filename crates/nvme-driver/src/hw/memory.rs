@@ -35,7 +35,7 @@
 
 use std::collections::BTreeMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use super::copied::{CopiedInner, CopiedMemory, CopiedRegion, DataRegion};
@@ -214,6 +214,9 @@ pub(super) struct RegionInner {
     iova: Iova,
     _backing: Backing,
     pool: Weak<PoolShared>,
+    /// Set by the first [`DmaRegion::leak`] of any window onto this allocation, which reports
+    /// its bytes; later leaks report 0 (the allocation is counted once).
+    leaked: AtomicBool,
 }
 
 // SAFETY: the pointer refers to memory owned by (or, for external regions, guaranteed alive for)
@@ -430,11 +433,18 @@ impl DmaRegion {
     /// controller that could not be disabled): freeing it would let the device write into
     /// whatever reuses the memory or the IOVA. For an external mapping ([`DmaAllocator::map_external`])
     /// only the mapping is kept; the caller still owns the memory behind it and must keep it
-    /// too. Returns the bytes leaked, for the caller's accounting.
+    /// too.
+    ///
+    /// Returns the bytes this call newly leaked, for the caller's accounting: what is kept is the
+    /// whole allocation this window belongs to, not just the window (a 4 KiB ring carved from a
+    /// 2 MiB huge page pins the 2 MiB), so the first leak of any window onto an allocation
+    /// reports the allocation's length and later ones report 0. Summing the results of several
+    /// leaks counts each allocation once.
     pub fn leak(self) -> usize {
-        let len = self.len;
+        let first = !self.inner.leaked.swap(true, Ordering::Relaxed);
+        let bytes = if first { self.inner.len } else { 0 };
         std::mem::forget(self);
-        len
+        bytes
     }
 
     pub fn load_u16(&self, offset: usize, order: Ordering) -> Result<u16, HwError> {
@@ -620,7 +630,7 @@ impl PoolShared {
 
     /// Makes a region of `ptr..ptr+len` at an `iova` already reserved, and enters it in the table.
     pub(super) fn insert(self: &Arc<Self>, ptr: NonNull<u8>, len: usize, iova: Iova, backing: Backing) -> DmaRegion {
-        let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(self) });
+        let inner = Arc::new(RegionInner { ptr, len, iova, _backing: backing, pool: Arc::downgrade(self), leaked: AtomicBool::new(false) });
         self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
         DmaRegion { inner, offset: 0, len, iova }
     }

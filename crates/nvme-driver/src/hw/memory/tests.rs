@@ -302,3 +302,19 @@ proptest::proptest! {
         proptest::prop_assert!(state.free.is_empty(), "{:?}", state.free);
     }
 }
+
+#[test]
+fn a_leak_counts_the_whole_allocation_once() {
+    // Goal: leaking a window keeps its whole allocation (a 4 KiB ring carved from a 2 MiB huge
+    // page keeps the 2 MiB), so the bytes reported are the allocation's, counted once however
+    // many of its windows are leaked: summing the results is what was kept. Before, each call
+    // reported its window's length (4 KiB for a pinned 2 MiB page).
+    let pool = DmaPool::identity();
+    let region = pool.allocate(3 * PAGE_SIZE_BYTES).unwrap();
+    let first_page = region.subregion(0, PAGE_SIZE_BYTES).unwrap();
+    let last_page = region.subregion(2 * PAGE_SIZE_BYTES, PAGE_SIZE_BYTES).unwrap();
+    let iova = region.iova();
+    let leaked = [first_page.leak(), last_page.leak(), region.leak()];
+    assert_eq!(leaked, [3 * PAGE_SIZE_BYTES, 0, 0]);
+    assert!(pool.translate(iova, 3 * PAGE_SIZE_BYTES).is_ok(), "the leaked allocation stays mapped");
+}
