@@ -85,13 +85,18 @@ impl HostMemory {
         if len == 0 {
             return Err(HwError::ZeroLength);
         }
-        if prefer_huge {
-            let huge_len = round_up(len, HUGE_PAGE_SIZE_BYTES);
+        if let (true, Some(huge_len)) = (prefer_huge, round_up(len, HUGE_PAGE_SIZE_BYTES)) {
             if let Ok(memory) = Self::mmap(huge_len, PageKind::Huge2MiB) {
                 return Ok(memory);
             }
         }
-        Self::mmap(round_up(len, PAGE_SIZE_BYTES), PageKind::Small4KiB)
+        let kind = PageKind::Small4KiB;
+        let small_len = round_up(len, PAGE_SIZE_BYTES).ok_or(HwError::Mmap {
+            len,
+            kind,
+            source: std::io::Error::other("the length rounded up to a page overflows"),
+        })?;
+        Self::mmap(small_len, kind)
     }
 
     fn mmap(len: usize, kind: PageKind) -> Result<Self, HwError> {
@@ -136,7 +141,14 @@ impl HostMemory {
             source: std::io::Error::other("length overflows with the 2 MiB alignment slack"),
         })?;
         let reserved = Self::map_anonymous(reserved_len, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, kind)?;
-        let head_len = round_up(reserved.as_ptr() as usize, HUGE_PAGE_SIZE_BYTES) - reserved.as_ptr() as usize;
+        // A mapping's address plus 2 MiB never overflows (user addresses end far below), and
+        // if it did the mapping would be refused rather than misplaced.
+        let Some(aligned) = round_up(reserved.as_ptr() as usize, HUGE_PAGE_SIZE_BYTES) else {
+            // SAFETY: unmapping the mapping just made, which nothing else refers to.
+            unsafe { libc::munmap(reserved.as_ptr().cast(), reserved_len) };
+            return Err(HwError::Mmap { len, kind, source: std::io::Error::other("a 2 MiB-aligned start overflows") });
+        };
+        let head_len = aligned - reserved.as_ptr() as usize;
         let tail_len = reserved_len - head_len - len;
         // SAFETY: `head_len < HUGE_PAGE_SIZE_BYTES = reserved_len - len`, so the start stays
         // inside the mapping just made.
@@ -496,8 +508,10 @@ impl DmaRegion {
     }
 }
 
-pub(super) fn round_up(value: usize, to: usize) -> usize {
-    value.div_ceil(to) * to
+/// `value` rounded up to a multiple of `to` (non-zero); `None` when that does not fit in a usize
+/// (a caller-supplied length near `usize::MAX`: wrapping would make it 0).
+pub(super) fn round_up(value: usize, to: usize) -> Option<usize> {
+    value.checked_next_multiple_of(to)
 }
 
 /// IOVA bookkeeping shared by a pool and its regions (regions release their range on drop).
@@ -674,7 +688,8 @@ impl PoolShared {
             return Err(HwError::ZeroLength);
         }
         let align = if len >= HUGE_PAGE_SIZE_BYTES { HUGE_PAGE_SIZE_BYTES } else { PAGE_SIZE_BYTES };
-        let iova = Iova(self.reserve(round_up(len, PAGE_SIZE_BYTES) as u64, align as u64)?);
+        let rounded = round_up(len, PAGE_SIZE_BYTES).ok_or(HwError::IovaExhausted { len })?;
+        let iova = Iova(self.reserve(rounded as u64, align as u64)?);
         let inner = Arc::new(CopiedInner { memory, iova, len, pool: Arc::downgrade(self) });
         self.copied.write().unwrap_or_else(|poisoned| poisoned.into_inner()).insert(iova.0, Arc::downgrade(&inner));
         Ok(CopiedRegion { inner, offset: 0, len, iova })
@@ -705,7 +720,8 @@ impl PoolShared {
             table.remove(&iova.0);
         }
         drop(table);
-        self.unreserve(iova.0, round_up(len, PAGE_SIZE_BYTES) as u64);
+        // `insert_copied` reserved exactly this rounding of `len`, so it fits.
+        self.unreserve(iova.0, round_up(len, PAGE_SIZE_BYTES).unwrap_or(len) as u64);
     }
 
     /// Unmaps a region whose last holder dropped; false when the unmap failed, in which case the
@@ -778,7 +794,8 @@ impl DmaAllocator for DmaPool {
         let ptr = memory.ptr;
         let mapped_len = memory.len;
         let region = self.register(ptr, mapped_len, Backing::Owned(memory))?;
-        region.subregion(0, round_up(len, PAGE_SIZE_BYTES))
+        // `memory` holds at least `len` rounded up to a page, so the rounding fits.
+        region.subregion(0, round_up(len, PAGE_SIZE_BYTES).unwrap_or(mapped_len))
     }
 
     unsafe fn map_external(&self, host: *mut u8, len: usize) -> Result<DmaRegion, HwError> {

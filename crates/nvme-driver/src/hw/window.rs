@@ -69,7 +69,7 @@ impl DmaAllocator for DmaWindow {
         if len == 0 {
             return Err(HwError::ZeroLength);
         }
-        let rounded = round_up(len, PAGE_SIZE_BYTES);
+        let rounded = round_up(len, PAGE_SIZE_BYTES).ok_or(HwError::IovaExhausted { len })?;
         let iova = self.shared.reserve(rounded as u64, PAGE_SIZE_BYTES as u64)?;
         let region = self.region_at(iova, rounded)?;
         // A reused range holds whatever its last user left: the contract is zeroed memory.

@@ -318,3 +318,40 @@ fn a_leak_counts_the_whole_allocation_once() {
     assert_eq!(leaked, [3 * PAGE_SIZE_BYTES, 0, 0]);
     assert!(pool.translate(iova, 3 * PAGE_SIZE_BYTES).is_ok(), "the leaked allocation stays mapped");
 }
+
+#[test]
+fn lengths_that_overflow_when_rounded_to_a_page_are_errors() {
+    // Goal: a length whose page-rounded size does not fit in usize is refused with an error
+    // by every allocator, never wrapped (release builds: a zero-length "success") and never a
+    // panic (debug builds: an overflow in the rounding).
+    struct Endless;
+    impl CopiedMemory for Endless {
+        fn len(&self) -> usize {
+            usize::MAX
+        }
+        fn read(&self, _offset: usize, _destination: &mut [u8]) -> Result<(), HwError> {
+            Ok(())
+        }
+        fn write(&self, _offset: usize, _source: &[u8]) -> Result<(), HwError> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "memory as long as usize::MAX".into()
+        }
+    }
+    let pool = DmaPool::identity();
+    for len in [usize::MAX, usize::MAX - PAGE_SIZE_BYTES + 2] {
+        let allocated = pool.allocate(len);
+        assert!(allocated.is_err(), "{len:#x}: {allocated:?}");
+        let memory = HostMemory::allocate(len, true);
+        assert!(memory.is_err(), "{len:#x}: {memory:?}");
+    }
+    let copied = pool.map_copied(Arc::new(Endless));
+    assert!(matches!(copied, Err(HwError::IovaExhausted { .. })), "{copied:?}");
+    let memory = SharedMemory::create("overflow-test", 4 * PAGE_SIZE_BYTES).unwrap();
+    let window = super::super::DmaWindow::new(memory, Iova(1 << 40), AddressSpaceId(1)).unwrap();
+    for len in [usize::MAX, usize::MAX - PAGE_SIZE_BYTES + 2] {
+        let allocated = window.allocate(len);
+        assert!(matches!(allocated, Err(HwError::IovaExhausted { .. })), "{len:#x}: {allocated:?}");
+    }
+}
