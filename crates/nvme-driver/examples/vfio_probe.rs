@@ -12,11 +12,11 @@
 
 use std::error::Error;
 use std::process::ExitCode;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::vfio::{PciAddress, PciSysfs, VfioOptions, VFIO_PCI_DRIVER};
-use nvme_driver::hw::{DeviceBackend, DmaRegion, RegisterIo, VfioDevice};
+use nvme_driver::hw::{self, DeviceBackend, DmaRegion, RegisterIo, VfioDevice};
 use nvme_driver::spec::command::IdentifyCns;
 use nvme_driver::spec::registers::{self as reg, Capabilities, ControllerConfiguration, ControllerStatus, ShutdownStatus, Version};
 use nvme_driver::spec::{CompletionEntry, IdentifyController, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES};
@@ -216,7 +216,9 @@ impl AdminQueue {
         self.submission_queue.write(self.tail as usize * 64, &command.to_bytes())?;
         self.tail = (self.tail + 1) % ADMIN_QUEUE_ENTRIES;
         // The entry must be in memory before the doorbell write makes the controller fetch it.
-        fence(Ordering::SeqCst);
+        // A SeqCst fence orders memory for other threads only: on Arm it does not wait for the
+        // stores to reach a device (see the driver's fence for why).
+        hw::fence_before_submission_doorbell();
         registers.write32(reg::doorbell_offset(0, false, self.stride), self.tail);
 
         let slot = self.head as usize * COMPLETION_ENTRY_BYTES;
@@ -240,6 +242,9 @@ impl AdminQueue {
         if self.head == 0 {
             self.phase = !self.phase;
         }
+        // The entry is read (above) before the head doorbell hands its slot back to the
+        // controller, which may then overwrite it.
+        hw::fence_before_completion_doorbell();
         registers.write32(reg::doorbell_offset(0, true, self.stride), self.head);
         if completion.command_id() != id {
             return Err(format!("completion for {} while waiting for {id}", completion.command_id()).into());
