@@ -72,8 +72,9 @@ pub enum HwError {
 
 /// Volatile access to a controller's register space (BAR0), NVMe base spec §3.1.
 ///
-/// Accesses use the width given; implementations never split a 64-bit access into two 32-bit
-/// ones unless the transport forces it (and then low dword first, as §3.1.1 allows). An offset
+/// 32-bit accesses use that width. A 64-bit access (CAP, ASQ, ACQ) may be made as two 32-bit
+/// ones, low dword first, as §3.1.1 allows: the VFIO BAR always splits them, as Linux does,
+/// because some controllers and root complexes mishandle 64-bit MMIO. An offset
 /// past the end of the BAR reads as all ones (like a device that fell off the bus) and writes are
 /// dropped: the driver treats all-ones reads as "device gone", so this can never be mistaken for
 /// valid data.

@@ -75,19 +75,34 @@ impl RegisterIo for MappedBar {
         }
     }
 
+    /// Two 32-bit loads, low dword first, as Linux reads CAP (`lo_hi_readq`): every controller
+    /// takes 32-bit accesses, while a 64-bit MMIO access is mishandled by some controllers and
+    /// root complexes. CAP, the only 64-bit register the driver reads, does not change between
+    /// the two halves.
     fn read64(&self, offset: usize) -> u64 {
         match self.register(offset, 8) {
-            // SAFETY: in bounds and 8-byte aligned (checked); on x86_64 this is one 64-bit load,
-            // which NVMe controllers accept for CAP/ASQ/ACQ (§3.1.1).
-            Some(pointer) => unsafe { pointer.cast::<u64>().read_volatile() },
+            // SAFETY: `offset..offset+8` is in bounds and 8-byte aligned (checked), so both
+            // halves are 4-byte aligned volatile loads inside the mapping.
+            Some(pointer) => unsafe {
+                let low = pointer.cast::<u32>().read_volatile();
+                let high = pointer.add(4).cast::<u32>().read_volatile();
+                u64::from(low) | u64::from(high) << 32
+            },
             None => u64::MAX,
         }
     }
 
+    /// Two 32-bit stores, low dword first, as Linux writes ASQ and ACQ (`lo_hi_writeq`), for the
+    /// reason given at `read64`. Both are written while the controller is disabled (CC.EN = 0),
+    /// so it never acts on a half-written address.
     fn write64(&self, offset: usize, value: u64) {
         if let Some(pointer) = self.register(offset, 8) {
-            // SAFETY: in bounds and aligned (checked); a single 64-bit volatile store.
-            unsafe { pointer.cast::<u64>().write_volatile(value) }
+            // SAFETY: `offset..offset+8` is in bounds and 8-byte aligned (checked), so both
+            // halves are 4-byte aligned volatile stores inside the mapping.
+            unsafe {
+                pointer.cast::<u32>().write_volatile(value as u32);
+                pointer.add(4).cast::<u32>().write_volatile((value >> 32) as u32);
+            }
         }
     }
 }
