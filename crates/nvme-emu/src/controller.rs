@@ -3,7 +3,8 @@
 //!
 //! Enable, reset, shutdown and power loss are in `controller/lifecycle.rs`; the cache's
 //! write-back in `controller/write_back.rs`; backing-store I/O in flight (io_uring, its
-//! cancellation and the store fence) in `controller/batch.rs`.
+//! cancellation and the store fence) in `controller/batch.rs`; a long zeroing, run a slice per
+//! poll, in `controller/zeroing.rs`.
 //!
 //! `ControllerCore` is plain single-threaded state; the device thread owns it behind a mutex and
 //! calls [`ControllerCore::poll`] in a loop, and the fuzz entry point drives
@@ -37,6 +38,7 @@ mod cancellation;
 mod in_flight;
 mod lifecycle;
 mod write_back;
+mod zeroing;
 
 use in_flight::InFlight;
 
@@ -147,6 +149,9 @@ pub(crate) struct Unlocked {
     /// Host-side calls waiting for the lock that end every command in flight anyway (power
     /// loss, function reset: their stop deletes the queues).
     preempting: AtomicU32,
+    /// Host-side calls waiting for the lock, of any kind: the controller thread lets them in
+    /// between its polls (the mutex is not fair: it would retake the lock at once).
+    callers: AtomicU32,
     /// Commands refused by a queue restriction ([`EmuStats::restriction_refusals`]).
     restriction_refusals: AtomicU64,
 }
@@ -161,14 +166,27 @@ impl Unlocked {
         self.stopping.load(Ordering::Acquire)
     }
 
-    /// Runs `lock` (taking the controller's lock) as a call that a zeroing gives way to: it
-    /// counts as waiting until `lock` returned, so the command holding the lock ends at its next
-    /// slice (without a completion: the caller's stop deletes its queue).
-    pub(crate) fn lock_preempting<T>(&self, lock: impl FnOnce() -> T) -> T {
-        self.preempting.fetch_add(1, Ordering::AcqRel);
+    /// Runs `lock` (taking the controller's lock) for a host-side call, which counts as
+    /// waiting until `lock` returned: the controller thread lets it in after its current poll
+    /// (a slice of a long zeroing at most). With `preempt` (a power loss, a function reset) a
+    /// zeroing gives way instead of running its next slice (it ends without a completion: the
+    /// caller's stop deletes its queue).
+    pub(crate) fn lock_as_caller<T>(&self, preempt: bool, lock: impl FnOnce() -> T) -> T {
+        self.callers.fetch_add(1, Ordering::AcqRel);
+        if preempt {
+            self.preempting.fetch_add(1, Ordering::AcqRel);
+        }
         let locked = lock();
-        self.preempting.fetch_sub(1, Ordering::AcqRel);
+        if preempt {
+            self.preempting.fetch_sub(1, Ordering::AcqRel);
+        }
+        self.callers.fetch_sub(1, Ordering::AcqRel);
         locked
+    }
+
+    /// Whether a host-side call waits for the controller's lock.
+    pub(crate) fn callers_waiting(&self) -> bool {
+        self.callers.load(Ordering::Acquire) != 0
     }
 
     /// Whether a call waits for the lock to preempt what runs under it.
@@ -270,6 +288,10 @@ pub(crate) struct ControllerCore {
     /// `ZEROING_SLICE_BYTES` (a store that zeroes slowly, in tests).
     #[cfg(test)]
     pub(crate) zeroing_slice_for_tests: Option<(u64, Duration)>,
+    /// A long zeroing a command just started (`io.rs`), for the batch to take.
+    pub(crate) zeroing_started: Option<crate::io::Zeroing>,
+    /// The long zeroing running, a slice per poll (see `controller/zeroing.rs`).
+    zeroing: Option<zeroing::ZeroingCommand>,
 }
 
 impl ControllerCore {
@@ -330,6 +352,8 @@ impl ControllerCore {
             fail_write_throughs_for_tests: false,
             #[cfg(test)]
             zeroing_slice_for_tests: None,
+            zeroing_started: None,
+            zeroing: None,
             config,
         })
     }
@@ -394,6 +418,10 @@ impl ControllerCore {
         }
         self.advance_timing(now);
         worked |= self.post_due(now);
+        if self.advance_zeroing(now) {
+            // Every other command waits for it (see `controller/zeroing.rs`).
+            return true;
+        }
         worked |= self.scan_queues(now);
         worked
     }

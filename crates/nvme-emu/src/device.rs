@@ -22,6 +22,9 @@ use crate::EmuError;
 const SPIN_SCANS: u32 = 256;
 const YIELD_SCANS: u32 = 256;
 const FIRST_SLEEP: Duration = Duration::from_micros(5);
+/// Longest the controller thread waits, after a poll, for a host-side call waiting for its lock
+/// to take it.
+const CALLER_HANDOFF: Duration = Duration::from_millis(1);
 /// How long `Drop` waits for the controller thread before leaving it detached.
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -126,17 +129,23 @@ impl Wake {
 }
 
 impl Shared {
-    fn core(&self) -> MutexGuard<'_, ControllerCore> {
+    /// The controller's lock, for the controller thread.
+    fn lock_core(&self) -> MutexGuard<'_, ControllerCore> {
         // The controller never panics while holding the lock by design; if it ever did, the
         // state is still structurally valid, so keep serving rather than cascade the panic.
         self.core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The controller's lock, for a host-side call: the controller thread lets it in after
+    /// its current poll (see [`Unlocked::lock_as_caller`]).
+    fn core(&self) -> MutexGuard<'_, ControllerCore> {
+        self.unlocked.lock_as_caller(false, || self.lock_core())
+    }
+
     /// [`Shared::core`] for a call that ends every command anyway (a power loss, a function
-    /// reset): a zeroing holding the lock gives way at its next slice instead of running on
-    /// (see [`Unlocked::lock_preempting`]).
+    /// reset): a zeroing holding the lock gives way at its next slice instead of running on.
     fn core_preempting(&self) -> MutexGuard<'_, ControllerCore> {
-        self.unlocked.lock_preempting(|| self.core())
+        self.unlocked.lock_as_caller(true, || self.lock_core())
     }
 }
 
@@ -223,8 +232,8 @@ impl EmuDevice {
         self.shared.core().store_is_buffered_file()
     }
 
-    /// A snapshot of the counters. It waits for the controller's lock, which a command holds
-    /// while it runs: up to a whole zeroing (see `docs/nvme-emu.md`).
+    /// A snapshot of the counters. It waits for the controller's lock, for at most the poll in
+    /// progress (a slice of a long zeroing, a Flush's wait for transfers in flight).
     pub fn stats(&self) -> EmuStats {
         self.shared.core().stats()
     }
@@ -400,13 +409,17 @@ fn run(shared: &Shared) {
     while !shared.unlocked.stopping() {
         let now = Instant::now();
         let (worked, sleep_cap) = {
-            let mut core = shared.core();
+            let mut core = shared.lock_core();
             (core.poll(now), core.sleep_bound(now))
         };
-        if shared.unlocked.preempting() {
-            // A power loss or function reset waits for the lock just released: let it take it
-            // rather than retake it at once.
-            std::thread::yield_now();
+        if shared.unlocked.callers_waiting() {
+            // A host-side call (stats(), a restriction, a power loss) waits for the lock just
+            // released; the mutex is not fair, and this thread would retake it at once (a long
+            // zeroing's next slice, say): let the call take it first, for a bounded time.
+            let until = Instant::now() + CALLER_HANDOFF;
+            while shared.unlocked.callers_waiting() && Instant::now() < until {
+                std::thread::yield_now();
+            }
         }
         if worked {
             if idle_scans >= ANNOUNCE_AT {

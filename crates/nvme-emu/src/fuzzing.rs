@@ -55,6 +55,8 @@ pub fn process_raw(admin: bool, entry: &[u8; 64], memory: &[u8]) -> Result<RawOu
     core.react_to_configuration();
     let entry = SubmissionEntry::from_bytes(entry);
     let result = core.execute(if admin { 0 } else { 1 }, &entry);
+    // A long zeroing runs here, not a slice per poll: no poll follows.
+    let result = core.finish_started_zeroing(result);
     // A write-back after the command exercises the cache paths too.
     let _ = core.write_back(None);
     drop(region);

@@ -13,9 +13,9 @@ use crate::restriction::{access_denied, HostAccess};
 const ALL_NAMESPACES: u32 = 0xFFFF_FFFF;
 /// Most Dataset Management ranges (NR is 8 bits, 0's based).
 const DSM_RANGES_MAX: usize = 256;
-/// Most bytes a deallocate or Write Zeroes zeroes between looks at CC.EN = 0: about half a
-/// second where zeroes are written to a disk at 128 MB/s, well inside CAP.TO (10 s); one
-/// syscall where the store punches a hole (16 Ki of them for a whole terabyte).
+/// Most bytes a deallocate or Write Zeroes zeroes in one poll, holding the controller's lock:
+/// about half a second where zeroes are written to a disk at 128 MB/s, well inside CAP.TO
+/// (10 s); one syscall where the store punches a hole (16 Ki of them for a whole terabyte).
 const ZEROING_SLICE_BYTES: u64 = 64 << 20;
 
 fn check_range(namespace: &Namespace, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
@@ -227,14 +227,13 @@ impl ControllerCore {
         let start_lba = entry.starting_lba().0;
         check_range(&namespace, start_lba, blocks)?;
         self.check_allowed_blocks(entry.nsid, start_lba, blocks)?;
-        if !self.config.no_storage {
-            // Up to 65536 blocks of up to 64 KiB: 4 GiB, sliced as a deallocate is.
-            self.zero_blocks_unless_reset(index, &namespace, start_lba, start_lba + blocks)?;
-            // The zeroes bypass the cache (as a FUA write does), but the completion promises
-            // media only with FUA (CDW12 bit 30) or the cache off, as a Write's does.
-            self.sync_if_promised(entry.force_unit_access())?;
+        if self.config.no_storage || blocks == 0 {
+            return Ok(0);
         }
-        Ok(0)
+        // Up to 65536 blocks of up to 64 KiB: 4 GiB, sliced as a deallocate is. The zeroes
+        // bypass the cache (as a FUA write does), but the completion promises media only with
+        // FUA (CDW12 bit 30) or the cache off, as a Write's does.
+        self.zero_runs(index, &namespace, &[(start_lba, start_lba + blocks)], Some(entry.force_unit_access()))
     }
 
     /// Dataset Management (NVM §3.2.3): with the Deallocate attribute, every range reads as
@@ -242,12 +241,13 @@ impl ControllerCore {
     ///
     /// The ranges are host input: up to 256 of them, each up to 2^32 blocks, may repeat and
     /// overlap. They are sorted and merged first, so one command zeroes each block at most once
-    /// (at most the namespace), and the zeroing runs in slices with a look at CC.EN = 0 before
-    /// each: on a store that must write zeroes (a block device without write-zeroes offload) a
-    /// whole namespace takes minutes, and the reset must not wait for it (CAP.TO). A command
-    /// the reset cuts short gets no completion (its queue is deleted); the blocks it had
-    /// zeroed read as zero, the rest keep their data, which is all a host may assume of a
-    /// command that never completed.
+    /// (at most the namespace), and a zeroing longer than a slice runs a slice per poll
+    /// (`controller/zeroing.rs`): on a store that must write zeroes (a block device without
+    /// write-zeroes offload) a whole namespace takes minutes, and neither a reset (CAP.TO) nor
+    /// the device's other callers may wait for it. A command a reset, power loss or function
+    /// reset cuts short gets no completion (its queue is deleted); the blocks it had zeroed
+    /// read as zero, the rest keep their data, which is all a host may assume of a command
+    /// that never completed.
     fn dataset_management(&mut self, entry: &SubmissionEntry) -> CommandResult {
         let (index, namespace) = self.namespace(entry.nsid)?;
         let range_count = (entry.cdw10 & 0xFF) as usize + 1;
@@ -279,39 +279,79 @@ impl ControllerCore {
             return Ok(0);
         }
         let merged = merge_runs(&mut runs[..run_count]);
-        for &(start, end) in &runs[..merged] {
-            self.zero_blocks_unless_reset(index, &namespace, start, end)?;
+        self.zero_runs(index, &namespace, &runs[..merged], None)
+    }
+
+    /// Zeroes a command's block `runs` ((start, end), end exclusive, sorted and disjoint), then
+    /// syncs the store as a Write Zeroes' `force_unit_access` promises (`None`: a deallocate,
+    /// which promises nothing more). Work of at most one slice ([`ZEROING_SLICE_BYTES`]) is
+    /// done now; a longer one is left in `zeroing_started` as a [`Zeroing`], which the batch
+    /// takes and runs a slice per poll (see `controller/zeroing.rs`): where the store must write
+    /// zeroes a range takes minutes, and the controller's lock must not be held that long.
+    fn zero_runs(&mut self, index: usize, namespace: &Namespace, runs: &[(u64, u64)], force_unit_access: Option<bool>) -> CommandResult {
+        // The runs are disjoint and inside the namespace: their sum is at most its block count.
+        let total_blocks: u64 = runs.iter().map(|&(start, end)| end - start).sum();
+        if total_blocks > self.zeroing_slice_blocks(namespace) {
+            // The next run last, so that finished runs pop off the end.
+            let runs = runs.iter().rev().copied().collect();
+            self.zeroing_started = Some(Zeroing { namespace_index: index, namespace: *namespace, runs, force_unit_access });
+            return Ok(0);
+        }
+        for &(start, end) in runs {
+            self.zero_blocks(index, namespace, start, end - start)?;
+        }
+        if let Some(force_unit_access) = force_unit_access {
+            self.sync_if_promised(force_unit_access)?;
         }
         Ok(0)
     }
 
-    /// Zeroes blocks `start..end` in slices of [`ZEROING_SLICE_BYTES`], looking before each at
-    /// CC.EN = 0 and at [`crate::controller::Unlocked::give_way`]: a reset the host asked for,
-    /// a power loss or function reset waiting for the controller's lock, or the device's drop
-    /// stops it ([`abandoned_for_reset`]; the caller posts no completion, as the stop deletes
-    /// its queue), since where the store must write zeroes a range can take minutes, and a
-    /// dropped device must not leave a thread writing zeroes into a file reopened since.
-    fn zero_blocks_unless_reset(&mut self, index: usize, namespace: &Namespace, start: u64, end: u64) -> Result<(), NvmeStatus> {
+    /// Blocks of `namespace` one zeroing slice covers (at least one).
+    fn zeroing_slice_blocks(&self, namespace: &Namespace) -> u64 {
         #[cfg(test)]
-        let (slice_bytes, pause) = self.zeroing_slice_for_tests.unwrap_or((ZEROING_SLICE_BYTES, std::time::Duration::ZERO));
+        let slice_bytes = self.zeroing_slice_for_tests.map_or(ZEROING_SLICE_BYTES, |(bytes, _)| bytes);
         #[cfg(not(test))]
         let slice_bytes = ZEROING_SLICE_BYTES;
-        let slice_blocks = (slice_bytes / u64::from(namespace.block_size_bytes)).max(1);
-        let mut lba = start;
-        // Bounded: each pass zeroes at least one block of the range, or returns.
-        while lba < end {
-            if self.registers.reset_requested() || self.unlocked.give_way() {
-                tracing::info!(lba, end, "zeroing cut short by a reset, a power loss or the device's drop");
-                return Err(abandoned_for_reset());
-            }
-            let blocks = (end - lba).min(slice_blocks);
-            self.zero_blocks(index, namespace, lba, blocks)?;
-            lba += blocks;
-            #[cfg(test)]
-            std::thread::sleep(pause);
-        }
-        Ok(())
+        (slice_bytes / u64::from(namespace.block_size_bytes)).max(1)
     }
+
+    /// Zeroes the next slice of `job`. True once every block of it is zeroed (and the store
+    /// synced as its Write Zeroes promised); an error ends it (the blocks zeroed so far read as
+    /// zero, the rest keep their data).
+    pub(crate) fn zero_slice(&mut self, job: &mut Zeroing) -> Result<bool, NvmeStatus> {
+        let slice_blocks = self.zeroing_slice_blocks(&job.namespace);
+        if let Some(run) = job.runs.last_mut() {
+            let blocks = (run.1 - run.0).min(slice_blocks);
+            let start = run.0;
+            run.0 += blocks;
+            if run.0 == run.1 {
+                job.runs.pop();
+            }
+            self.zero_blocks(job.namespace_index, &job.namespace, start, blocks)?;
+            #[cfg(test)]
+            if let Some((_, pause)) = self.zeroing_slice_for_tests {
+                std::thread::sleep(pause);
+            }
+        }
+        if !job.runs.is_empty() {
+            return Ok(false);
+        }
+        if let Some(force_unit_access) = job.force_unit_access {
+            self.sync_if_promised(force_unit_access)?;
+        }
+        Ok(true)
+    }
+}
+
+/// The zeroing of a deallocate or Write Zeroes longer than one slice, run a slice per poll
+/// (see `controller/zeroing.rs`).
+pub(crate) struct Zeroing {
+    namespace_index: usize,
+    namespace: Namespace,
+    /// Block runs (start, end) still to zero, the next one last; its start moves per slice.
+    runs: Vec<(u64, u64)>,
+    /// A Write Zeroes' FUA bit, honoured once every block is zeroed; `None` for a deallocate.
+    force_unit_access: Option<bool>,
 }
 
 /// Sorts `runs` ((start, end) block runs, end exclusive) and merges overlapping and adjacent
@@ -333,9 +373,10 @@ fn merge_runs(runs: &mut [(u64, u64)]) -> usize {
     merged
 }
 
-/// The status a command cut short by a controller reset returns to the batch, which posts no
-/// completion for it (the reset deletes its queue): Command Abort Requested, which nothing else
-/// in the controller returns.
+/// The status of a long zeroing cut short by a reset where the command runs by itself (the
+/// fuzz entry point, `ControllerCore::finish_started_zeroing`; the controller thread posts no
+/// completion for such a command, as the reset deletes its queue): Command Abort Requested,
+/// which nothing else in the controller returns.
 pub(crate) fn abandoned_for_reset() -> NvmeStatus {
     generic(codes::ABORTED_BY_REQUEST)
 }

@@ -103,10 +103,9 @@ impl ControllerCore {
                 // An Asynchronous Event Request: held, it completes only with an event.
                 continue;
             }
-            if result == Err(crate::io::abandoned_for_reset()) && (self.registers.reset_requested() || self.unlocked.give_way()) {
-                // A long zeroing (deallocate, Write Zeroes) stopped for the reset the host asked
-                // for, a power loss or function reset, or the device's drop, each of which
-                // deletes its queue: like the commands after it, it gets no completion.
+            if self.hold_started_zeroing(&result, queue_id, completion_queue_id, *sq_head, entry, fault, &fetched[position + 1..]) {
+                // A long zeroing (deallocate, Write Zeroes) runs a slice per poll from now on;
+                // it completes, and the rest of this batch runs, when it ends.
                 break;
             }
             self.complete(queue_id, completion_queue_id, *sq_head, entry, result, fault, now);

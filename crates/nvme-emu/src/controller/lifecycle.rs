@@ -114,6 +114,7 @@ impl ControllerCore {
     /// their defaults. The caller settled what
     /// was in flight first and reports the stop afterwards ([`ControllerCore::report_stopped`]).
     fn stop(&mut self) {
+        self.drop_zeroing();
         self.drop_queues();
         // Aborted with the admin queue, which is gone: no completion (§5.2).
         self.async_event_requests.clear();
@@ -203,8 +204,11 @@ impl ControllerCore {
                 // blocks over a Write in flight. The reset (next poll) cancels them and clears
                 // SHST, and SHN, still set, runs this shutdown again on the disabled controller,
                 // which writes the cache back with nothing in flight.
+                // A long zeroing running (a slice per poll) ends first, as a command would have
+                // when zeroing held the controller thread; it gives way to a reset the same way.
+                self.finish_zeroing_unless_stopped();
                 self.settle_unless_reset();
-                if !self.in_flight.is_empty() {
+                if self.zeroing.is_some() || !self.in_flight.is_empty() {
                     return true;
                 }
                 // A fence whose writes the kernel gave back since it was last looked at (only an

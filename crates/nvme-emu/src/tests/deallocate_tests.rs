@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::spec::command::DatasetRange;
-use nvme_driver::spec::registers;
+use nvme_driver::spec::registers::{self, ShutdownStatus};
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
@@ -257,4 +257,58 @@ fn the_refusal_count_is_read_without_waiting_for_a_long_deallocate() {
     assert!(took < Duration::from_millis(100), "restriction_refusals() waited {took:?}");
     // Ends the zeroing now rather than at its end (see the test above).
     host.device.power_loss();
+}
+
+#[test]
+fn the_controller_answers_other_calls_between_the_slices_of_a_long_deallocate() {
+    // Goal: a deallocate that writes zeroes for seconds runs a slice per poll, releasing the
+    // controller's lock between slices: `stats()` and `preset_restriction()` (tuttid calls both
+    // under its store lock) answer within a slice, and the deallocate still completes with
+    // every block of the namespace reading as zero. Until 2026-12-01 the zeroing held the lock
+    // for its whole run, and both waited for it (about 10 s here).
+    let path = std::env::temp_dir().join(format!("nvme-emu-calls-mid-zeroing-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing(&path, true);
+    let _ = std::fs::remove_file(&path);
+    write_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1, 0x77);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let answer_within = Duration::from_millis(300);
+    let asked = Instant::now();
+    let _ = host.device.stats();
+    let took = asked.elapsed();
+    assert!(took < answer_within, "stats() waited {took:?} for the zeroing");
+    let ring = host.buffer(4096);
+    let asked = Instant::now();
+    let preset = host.device.preset_restriction(ring.iova(), crate::QueueRestriction::new()).expect("preset");
+    drop(preset);
+    let took = asked.elapsed();
+    assert!(took < answer_within, "preset_restriction() and its drop waited {took:?} for the zeroing");
+    // The rest at full speed.
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
+    assert_eq!(status_of(&host.reap(&mut queue)), Ok(()), "the deallocate");
+    assert!(read_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1).iter().all(|&byte| byte == 0));
+    assert!(read_block(&host, &mut queue, 0).iter().all(|&byte| byte == 0));
+}
+
+#[test]
+fn a_shutdown_finishes_a_long_deallocate_before_it_reports_complete() {
+    // Goal: a long zeroing runs a slice per poll; a shutdown notification that arrives
+    // meanwhile finishes it (the command completes, every block reads as zero) before SHST
+    // reads complete, as when the zeroing ran in one go and the shutdown came after it.
+    let path = std::env::temp_dir().join(format!("nvme-emu-shutdown-mid-zeroing-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing(&path, true);
+    let _ = std::fs::remove_file(&path);
+    write_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1, 0x77);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    // About a second for the rest: the shutdown comes while it runs.
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((SLOW_SLICE.0, Duration::from_millis(2))));
+    let configuration = host.registers.read32(registers::CC);
+    host.registers.write32(registers::CC, configuration & !(0x3 << 14) | 1 << 14);
+    host.wait_shutdown(ShutdownStatus::Complete);
+    let completion = TestHost::try_reap(&mut queue).expect("the deallocate completed before SHST read complete");
+    assert_eq!(status_of(&completion), Ok(()), "the deallocate");
+    let mut media = vec![0u8; 4096];
+    host.device.with_core(|core| core.store.read((SLOW_STORE_BLOCKS - 1) * 4096, &mut media)).unwrap();
+    assert!(media.iter().all(|&byte| byte == 0), "the last block on media");
 }
