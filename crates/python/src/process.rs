@@ -43,6 +43,12 @@ impl OwningProcess {
         std::process::id() == self.pid
     }
 
+    /// Tests: a process other than the calling one (as a forked child sees its parent).
+    #[cfg(test)]
+    pub fn other_for_tests() -> OwningProcess {
+        OwningProcess { pid: std::process::id().wrapping_add(1) }
+    }
+
     /// InvalidState unless the calling process is the owner; `what` names the object
     /// ("the store", "the lookup client").
     pub fn check(&self, what: &str) -> Result<(), Failure> {

@@ -118,6 +118,16 @@ impl Drop for Request {
     }
 }
 
+/// `Request.state`'s name of `phase`.
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Prepared => "prepared",
+        Phase::Committed => "committed",
+        Phase::Finished => "finished",
+        Phase::Failed => "failed",
+    }
+}
+
 /// The deadline `timeout_s` seconds from now: 0..=`TIMEOUT_MAX_S`, else InvalidArgument.
 fn deadline_of(seconds: f64) -> Result<Instant, Failure> {
     deadline_after(duration_of(seconds, "timeout_s")?)
@@ -164,6 +174,14 @@ impl Request {
         *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// The phase, in the process that owns the store; InvalidState in another (a forked
+    /// child), checked before the phase's lock is taken: a thread of the parent may have held
+    /// it at the fork, and then it is held for good in the child (see `Drop`).
+    fn owned_phase(&self) -> Result<Phase, Failure> {
+        self.shared.owner.check("the store")?;
+        Ok(self.phase())
+    }
+
     fn set_phase(&self, phase: Phase) {
         *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = phase;
     }
@@ -205,9 +223,7 @@ impl Request {
     }
 
     fn check_live(&self) -> Result<(), Failure> {
-        // The owner before the phase's lock (see `Drop`).
-        self.shared.owner.check("the store")?;
-        if self.phase() == Phase::Prepared {
+        if self.owned_phase()? == Phase::Prepared {
             Ok(())
         } else {
             Err(self.stale())
@@ -319,9 +335,7 @@ impl Request {
     /// says they ended, whatever the request's phase (a finish after the close, refused,
     /// moves it to finished: the layer is no more done for that).
     fn layer_done(&self, issue: u64) -> Result<bool, Failure> {
-        // The owner before the phase's lock (see `Drop`).
-        self.shared.owner.check("the store")?;
-        let prepared = self.phase() == Phase::Prepared;
+        let prepared = self.owned_phase()? == Phase::Prepared;
         let mut state = self.shared.lock()?;
         if state.is_closed() {
             return Ok(!state.was_left_in_flight(self.handle, issue));
@@ -330,6 +344,31 @@ impl Request {
             return Ok(true);
         }
         Ok(state.request(self.handle).is_ok_and(|request| request.is_ended(issue)))
+    }
+
+    /// `LayerIo.poll`: whether `issue` of `layer` ended, driving the layers before it as far
+    /// as they are done (a wait that does not wait).
+    fn poll_issue(&self, layer: u32, issue: u64) -> Result<bool, Failure> {
+        if self.owned_phase()? != Phase::Prepared {
+            return self.ended_issue(issue).map(|()| true); // ended with its request
+        }
+        // A wait that does not wait: the layers before this one are driven as far as they
+        // are done; this layer's outcome is taken once it ended (its failure raised: only
+        // its own).
+        match self.wait_layer(layer, issue, Instant::now()) {
+            Ok(()) => Ok(true),
+            Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
+            Err(failure) => Err(failure),
+        }
+    }
+
+    /// `LayerIo.wait`: until `issue` of `layer` ended (or `deadline`); its outcome once its
+    /// request ended.
+    fn wait_issue(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
+        if self.owned_phase()? != Phase::Prepared {
+            return self.ended_issue(issue); // ended with its request
+        }
+        self.wait_layer(layer, issue, deadline)
     }
 
     /// Waits until `issue` of `layer` ended (or `deadline`), driving the layers in flight
@@ -456,7 +495,7 @@ impl Request {
 
     #[getter]
     fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let completed = if self.phase() == Phase::Prepared {
+        let completed = if self.owned_phase().map_err(|failure| failure.to_pyerr(py))? == Phase::Prepared {
             let handle = self.handle;
             self.shared.read(py, |state| state.request(handle).map(|request| request.completed.clone()).unwrap_or_default())?
         } else {
@@ -466,13 +505,8 @@ impl Request {
     }
 
     #[getter]
-    fn state(&self) -> &'static str {
-        match self.phase() {
-            Phase::Prepared => "prepared",
-            Phase::Committed => "committed",
-            Phase::Finished => "finished",
-            Phase::Failed => "failed",
-        }
+    fn state(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.owned_phase().map(phase_name).map_err(|failure| failure.to_pyerr(py))
     }
 
     #[pyo3(signature = (layer, *, budget = 1))]
@@ -533,7 +567,7 @@ impl Request {
     }
 
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
-        if self.phase() != Phase::Prepared {
+        if self.owned_phase().map_err(|failure| failure.to_pyerr(py))? != Phase::Prepared {
             return Ok(()); // idempotent after commit or finish
         }
         match py.detach(|| self.end(|state, handle| state.finish(handle))) {
@@ -557,7 +591,10 @@ impl Request {
 
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<()> {
-        if self.phase() != Phase::Prepared {
+        // Inherited across fork: left as a drop leaves it (the parent's), and nothing is
+        // raised, so that the exception leaving the block, if any, is the one seen (as
+        // `Store.__exit__`). The owner before the phase's lock (see `owned_phase`).
+        if !self.shared.owner.is_current() || self.phase() != Phase::Prepared {
             return Ok(());
         }
         let timeout = self.shared.timeout;
@@ -571,7 +608,8 @@ impl Request {
     }
 
     fn __repr__(&self) -> String {
-        format!("Request({:#x}, {}, {} blocks, {})", self.handle, self.direction(), self.block_ids.len(), self.state())
+        let state = self.owned_phase().map_or("inherited across fork", phase_name);
+        format!("Request({:#x}, {}, {} blocks, {state})", self.handle, self.direction(), self.block_ids.len())
     }
 }
 
@@ -607,20 +645,7 @@ impl LayerIo {
     fn poll(&self, py: Python<'_>) -> PyResult<bool> {
         let request = self.request.get();
         let (layer, issue) = (self.layer, self.issue);
-        py.detach(|| {
-            if request.phase() != Phase::Prepared {
-                return request.ended_issue(issue).map(|()| true); // ended with its request
-            }
-            // A wait that does not wait: the layers before this one are driven as far as they
-            // are done; this layer's outcome is taken once it ended (its failure raised: only
-            // its own).
-            match request.wait_layer(layer, issue, Instant::now()) {
-                Ok(()) => Ok(true),
-                Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
-                Err(failure) => Err(failure),
-            }
-        })
-        .map_err(|failure: Failure| failure.to_pyerr(py))
+        py.detach(|| request.poll_issue(layer, issue)).map_err(|failure| failure.to_pyerr(py))
     }
 
     #[pyo3(signature = (timeout_s = 30.0))]
@@ -628,13 +653,7 @@ impl LayerIo {
         let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
         let (layer, issue) = (self.layer, self.issue);
-        py.detach(|| {
-            if request.phase() != Phase::Prepared {
-                return request.ended_issue(issue); // ended with its request
-            }
-            request.wait_layer(layer, issue, deadline)
-        })
-        .map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| request.wait_issue(layer, issue, deadline)).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
@@ -653,6 +672,41 @@ impl LayerIo {
 mod tests {
     use super::*;
     use crate::backend::test_store::{self, geometry};
+
+    #[test]
+    fn in_another_process_a_request_refuses_before_taking_its_phase_lock() {
+        // Goal: in a forked child, a lock a thread of the parent held at the fork stays held
+        // for good: a request's calls there (LayerIo.done, poll and wait; finish, state and
+        // layers_completed read the phase through `owned_phase`) check the owner first and
+        // raise InvalidState, never waiting for the phase's lock. Here the owner is another
+        // process and this thread holds the lock while each call runs on another thread: each
+        // answers InvalidState within 2 s. Before, LayerIo.poll and wait (and finish, state,
+        // layers_completed) took the lock first and waited for ever.
+        let mut state = test_store::local_state(1);
+        let handle = test_store::prepare_store(&mut state, 6);
+        let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        let parent = crate::process::OwningProcess::other_for_tests();
+        let shared = StoreShared::for_tests_owned_by(state, geometry(), 1, Duration::from_secs(5), parent);
+        let request = Arc::new(Request::new(shared, handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+        type Call = fn(&Request, u64) -> Result<(), Failure>;
+        let calls: [(&str, Call); 4] = [
+            ("LayerIo.done", |request, issue| request.layer_done(issue).map(drop)),
+            ("LayerIo.poll", |request, issue| request.poll_issue(0, issue).map(drop)),
+            ("LayerIo.wait", |request, issue| request.wait_issue(0, issue, Instant::now() + Duration::from_secs(1))),
+            ("the phase (finish, state, layers_completed)", |request, _| request.owned_phase().map(drop)),
+        ];
+        let held = request.phase.lock().unwrap();
+        for (name, call) in calls {
+            let (answer, answered) = std::sync::mpsc::channel();
+            let request = Arc::clone(&request);
+            std::thread::spawn(move || answer.send(call(&request, issue)));
+            let result = answered.recv_timeout(Duration::from_secs(2)).unwrap_or_else(|_| panic!("{name} waited for the phase's lock"));
+            let refused = result.expect_err(name);
+            assert_eq!(refused.class, ErrorClass::InvalidState, "{name}: {refused:?}");
+            assert!(refused.message.contains("inherited across fork"), "{name}: {}", refused.message);
+        }
+        drop(held);
+    }
 
     #[test]
     fn a_request_dropped_with_a_layer_it_could_not_wait_out_is_held_until_the_layer_ended() {

@@ -148,6 +148,18 @@ impl StoreShared {
     /// keep-alive), with the store's `timeout`.
     #[cfg(test)]
     pub fn for_tests(state: StoreState, geometry: Geometry, layers_in_flight: u32, timeout: Duration) -> Arc<StoreShared> {
+        StoreShared::for_tests_owned_by(state, geometry, layers_in_flight, timeout, OwningProcess::current())
+    }
+
+    /// Tests: as `for_tests`, opened by `owner` (another process: a forked child's view).
+    #[cfg(test)]
+    pub fn for_tests_owned_by(
+        state: StoreState,
+        geometry: Geometry,
+        layers_in_flight: u32,
+        timeout: Duration,
+        owner: OwningProcess,
+    ) -> Arc<StoreShared> {
         Arc::new(StoreShared {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
@@ -161,7 +173,7 @@ impl StoreShared {
             layers_in_flight,
             keepalive: None,
             kv_layout: Mutex::new(None),
-            owner: OwningProcess::current(),
+            owner,
         })
     }
 
