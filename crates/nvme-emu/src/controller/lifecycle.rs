@@ -274,6 +274,9 @@ impl ControllerCore {
     /// controller then reads RDY = 1 with CFS until it gives them back).
     pub(crate) fn function_reset(&mut self) -> Result<(), EmuError> {
         self.settle_in_flight(Settle::Discard);
+        // As a shutdown's write-back: a fence whose writes the kernel gave back (only an enable
+        // and a batch look otherwise) must not fail the reset on a store usable again.
+        self.refresh_store_fence();
         let written = self.write_back(None);
         self.stop();
         self.registers.power_on_reset();

@@ -234,6 +234,40 @@ fn a_shutdown_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_back()
 }
 
 #[test]
+fn a_function_reset_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_back() {
+    // Goal: as a shutdown does, a function-level reset of the reset (disabled) controller, once
+    // the kernel gave back the writes that fenced the store, writes the cache back and succeeds:
+    // it looks at the fence itself. Until 2026-12-01 it wrote back into a store still marked
+    // fenced and failed, the cached block kept, on a store that was usable again.
+    const CACHED_LBA: usize = 4;
+    let Some(mut stalled) = Stalled::start("flr-fence-lifted", false) else { return };
+    let source = stalled.host.buffer(4096);
+    source.write(0, &block(0x4D)).unwrap();
+    let cached = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA as u64), block_count(1), false), &source, 4096);
+    assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, cached)), Ok(()), "the cached write");
+    assert_eq!(stalled.write_two_blocks(), [media(codes::WRITE_FAULT), media(codes::WRITE_FAULT)]);
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.csts().fatal() {
+        assert!(Instant::now() < deadline, "CSTS.CFS was never set");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stalled.host.registers.write32(registers::CC, 0);
+    stalled.host.wait_ready(false);
+    // Room in the socket: the kept writes complete, and the kernel gives them back.
+    stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
+    stalled.receiver.read_exact(&mut received).unwrap();
+    let deadline = Instant::now() + DEADLINE;
+    while stalled.host.device.with_core(|core| core.ring_holds_writes_for_tests()) {
+        assert!(Instant::now() < deadline, "the kernel never gave the kept writes back");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(stalled.media_blocks(CACHED_LBA + 1)[CACHED_LBA * 4096..], [0u8; 4096], "the block is still only cached");
+    stalled.host.device.function_reset().expect("a function reset on a store the kernel no longer writes");
+    assert_eq!(stalled.media_blocks(CACHED_LBA + 1)[CACHED_LBA * 4096..], block(0x4D)[..], "the reset wrote the cached block back");
+}
+
+#[test]
 fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller() {
     // Goal: a write straight from host memory that the kernel will not give back (cancellation
     // disabled, as for a write blocked in a hung filesystem) gets no completion, since one would
