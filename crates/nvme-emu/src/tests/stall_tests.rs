@@ -192,17 +192,16 @@ fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given
     assert_eq!(stalled.read(5), (Ok(()), block(5)));
 }
 
-#[test]
-fn a_shutdown_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_back() {
-    // Goal: once the kernel gave back the writes that fenced the store, a shutdown notification
-    // on the reset (disabled) controller, with no enable or command in between, writes the
-    // cache back and reports SHST complete: the shutdown looks at the fence itself. Until
-    // 2026-12-01 only an enable or a batch lifted it, so the shutdown failed (CFS set, SHST
-    // 01b, the cached block kept) on a store that was usable again.
-    const CACHED_LBA: usize = 4;
-    let Some(mut stalled) = Stalled::start("shutdown-fence-lifted", false) else { return };
+/// LBA of the block [`cached_then_fenced_then_given_back`] leaves in the cache only.
+const CACHED_LBA: usize = 4;
+
+/// A controller with `seed`'s block at [`CACHED_LBA`] in its write cache only, whose store was
+/// fenced by two writes the kernel kept, then reset (CC.EN = 0, RDY = 0), then given back
+/// those writes by the kernel: the store is usable again, though marked fenced until looked at.
+fn cached_then_fenced_then_given_back(name: &str, seed: u8) -> Option<Stalled> {
+    let mut stalled = Stalled::start(name, false)?;
     let source = stalled.host.buffer(4096);
-    source.write(0, &block(0x4C)).unwrap();
+    source.write(0, &block(seed)).unwrap();
     let cached = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA as u64), block_count(1), false), &source, 4096);
     assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, cached)), Ok(()), "the cached write");
     assert_eq!(stalled.write_two_blocks(), [media(codes::WRITE_FAULT), media(codes::WRITE_FAULT)]);
@@ -223,6 +222,17 @@ fn a_shutdown_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_back()
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(stalled.media_blocks(CACHED_LBA + 1)[CACHED_LBA * 4096..], [0u8; 4096], "the block is still only cached");
+    Some(stalled)
+}
+
+#[test]
+fn a_shutdown_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_back() {
+    // Goal: once the kernel gave back the writes that fenced the store, a shutdown notification
+    // on the reset (disabled) controller, with no enable or command in between, writes the
+    // cache back and reports SHST complete: the shutdown looks at the fence itself. Until
+    // 2026-12-01 only an enable or a batch lifted it, so the shutdown failed (CFS set, SHST
+    // 01b, the cached block kept) on a store that was usable again.
+    let Some(stalled) = cached_then_fenced_then_given_back("shutdown-fence-lifted", 0x4C) else { return };
     stalled.host.registers.write32(registers::CC, 1 << 14);
     let deadline = Instant::now() + DEADLINE;
     while stalled.host.csts().shutdown() != ShutdownStatus::Complete && !stalled.host.csts().fatal() {
@@ -239,30 +249,7 @@ fn a_function_reset_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_
     // the kernel gave back the writes that fenced the store, writes the cache back and succeeds:
     // it looks at the fence itself. Until 2026-12-01 it wrote back into a store still marked
     // fenced and failed, the cached block kept, on a store that was usable again.
-    const CACHED_LBA: usize = 4;
-    let Some(mut stalled) = Stalled::start("flr-fence-lifted", false) else { return };
-    let source = stalled.host.buffer(4096);
-    source.write(0, &block(0x4D)).unwrap();
-    let cached = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA as u64), block_count(1), false), &source, 4096);
-    assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, cached)), Ok(()), "the cached write");
-    assert_eq!(stalled.write_two_blocks(), [media(codes::WRITE_FAULT), media(codes::WRITE_FAULT)]);
-    let deadline = Instant::now() + DEADLINE;
-    while !stalled.host.csts().fatal() {
-        assert!(Instant::now() < deadline, "CSTS.CFS was never set");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    stalled.host.registers.write32(registers::CC, 0);
-    stalled.host.wait_ready(false);
-    // Room in the socket: the kept writes complete, and the kernel gives them back.
-    stalled.receiver.set_read_timeout(Some(DEADLINE)).unwrap();
-    let mut received = vec![0u8; stalled.filler_bytes + 2 * 4096];
-    stalled.receiver.read_exact(&mut received).unwrap();
-    let deadline = Instant::now() + DEADLINE;
-    while stalled.host.device.with_core(|core| core.ring_holds_writes_for_tests()) {
-        assert!(Instant::now() < deadline, "the kernel never gave the kept writes back");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    assert_eq!(stalled.media_blocks(CACHED_LBA + 1)[CACHED_LBA * 4096..], [0u8; 4096], "the block is still only cached");
+    let Some(stalled) = cached_then_fenced_then_given_back("flr-fence-lifted", 0x4D) else { return };
     stalled.host.device.function_reset().expect("a function reset on a store the kernel no longer writes");
     assert_eq!(stalled.media_blocks(CACHED_LBA + 1)[CACHED_LBA * 4096..], block(0x4D)[..], "the reset wrote the cached block back");
 }
