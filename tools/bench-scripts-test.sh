@@ -108,14 +108,17 @@ check "compare-lmcache.sh: after the bound (well under the holder's 30 s)" yes "
 check "compare-lmcache.sh: the error says the lock is held" 1 "$(grep -c 'still held after 1s' "$WORK/lock.err")"
 kill "$holder" 2> /dev/null
 wait "$holder" 2> /dev/null
-# cargo_executable, the function that reads cargo's JSON, on a build whose target directory moved.
-eval "$(sed -n '/^cargo_executable() {$/,/^}$/p' "$HERE/compare-lmcache.sh")"
+# tools/lib/cargo-executables.py, which compare-lmcache.sh (and the GPU runbook) read cargo's JSON
+# with, on a build whose target directory moved.
 cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti_bench"},"executable":null}
 {"reason":"compiler-artifact","target":{"kind":["bin"],"name":"tutti-bench"},"executable":"/elsewhere/release/tutti-bench"}
 {"reason":"build-finished","success":true}'
-check "compare-lmcache.sh: the binary is the one cargo reports" /elsewhere/release/tutti-bench \
-    "$(cargo_executable tutti-bench <<< "$cargo_json" 2> /dev/null)"
-check "compare-lmcache.sh: no executable reported: a failure" 1 "$(cargo_executable tutti-bench <<< '{"reason":"build-finished"}' > /dev/null 2>&1; echo $?)"
+check "cargo-executables.py: the binary is the one cargo reports" /elsewhere/release/tutti-bench \
+    "$(python3 "$HERE/lib/cargo-executables.py" test tutti-bench <<< "$cargo_json" 2> /dev/null)"
+check "cargo-executables.py: no executable reported: a failure" 1 \
+    "$(python3 "$HERE/lib/cargo-executables.py" test tutti-bench <<< '{"reason":"build-finished","success":true}' > /dev/null 2>&1; echo $?)"
+check "cargo-executables.py: a build that failed: a failure" 1 \
+    "$(python3 "$HERE/lib/cargo-executables.py" test tutti-bench <<< "${cargo_json%\"success\":true\}}\"success\":false}" > /dev/null 2>&1; echo $?)"
 
 # 6. vm-bench's write rows.
 for settings in "" "TUTTI_BENCH_SHADOW=1 TUTTI_BENCH_PIN=0 TUTTI_BENCH_REPEAT=2"; do

@@ -114,26 +114,6 @@ fi
 flock -u 9
 
 # --- tutti-bench ---------------------------------------------------------------------------------
-# cargo_executable NAME: the executable of binary NAME from `cargo build --message-format=json`
-# on stdin (its compiler-artifact message); fails when there is none.
-cargo_executable() {
-    python3 -c '
-import json, sys
-paths = []
-for line in sys.stdin:
-    try:
-        message = json.loads(line)
-    except ValueError:
-        continue
-    target = message.get("target") or {}
-    if message.get("reason") == "compiler-artifact" and target.get("name") == sys.argv[1] \
-            and "bin" in target.get("kind", []) and message.get("executable"):
-        paths.append(message["executable"])
-if not paths:
-    sys.exit(1)
-print(paths[-1])
-' "$1"
-}
 # Built every run unless COMPARE_BENCH names a binary (cargo is incremental: seconds when nothing
 # changed), so a binary left by an older checkout is never what gets measured. The path is the
 # one cargo reports for the build (CARGO_TARGET_DIR and build.target-dir move it; a fixed
@@ -142,7 +122,8 @@ if [[ -z $BENCH ]]; then
     say "compare-lmcache: building tutti-bench (release)"
     (cd "$ROOT" && cargo build --release --locked --bin tutti-bench --message-format=json-render-diagnostics --quiet >"$WORK/cargo.json") \
         || die "building tutti-bench failed"
-    BENCH=$(cargo_executable tutti-bench <"$WORK/cargo.json") || die "cargo reported no tutti-bench executable for the build"
+    BENCH=$(python3 "$ROOT/tools/lib/cargo-executables.py" compare-lmcache tutti-bench <"$WORK/cargo.json") \
+        || die "cargo reported no tutti-bench executable for the build"
 fi
 [[ -x $BENCH ]] || die "no tutti-bench binary at $BENCH"
 

@@ -97,35 +97,16 @@ build_programs() {
 
 # cargo_executables CARGO_ARGS... -- NAME...: runs `cargo CARGO_ARGS
 # --message-format=json-render-diagnostics` and prints, one a line in the order named, the
-# executable cargo's compiler-artifact message gives for each target NAME. cargo builds under
-# CARGO_TARGET_DIR or a configured build.target-dir where one is set (docs/gio-uring.md's GPU test
-# exports CARGO_TARGET_DIR=target-gio), so target/release may hold an older build, of other
-# features: it is never read. rustc's errors go to stderr, rendered. Fails (saying why) if the
-# build fails or names no executable for one of them.
+# executable cargo names for each target NAME (tools/lib/cargo-executables.py: never a fixed
+# target/release, which under CARGO_TARGET_DIR -- docs/gio-uring.md's GPU test exports
+# target-gio -- may hold an older build, of other features). Fails, saying why, if the build
+# fails or names no executable for one of them.
 cargo_executables() {
   local args=()
   while [[ $# -gt 0 && "$1" != -- ]]; do args+=("$1"); shift; done
   shift
-  cargo "${args[@]}" --message-format=json-render-diagnostics | python3 -c '
-import json, sys
-wanted, found, success = sys.argv[2:], {}, None
-for line in sys.stdin:
-    try:
-        message = json.loads(line)
-    except ValueError:
-        continue
-    target = message.get("target") or {}
-    if message.get("reason") == "build-finished":
-        success = message.get("success")
-    elif message.get("reason") == "compiler-artifact" and target.get("name") in wanted and message.get("executable") \
-            and {"bin", "example", "test"} & set(target.get("kind", [])):
-        found[target["name"]] = message["executable"]
-if success is not True:
-    sys.exit(f"run-all: cargo {sys.argv[1]} did not finish successfully (its errors above)")
-missing = [name for name in wanted if name not in found]
-if missing:
-    sys.exit(f"run-all: cargo {sys.argv[1]} named no executable for " + ", ".join(missing))
-print("\n".join(found[name] for name in wanted))' "${args[*]}" "$@"
+  cargo "${args[@]}" --message-format=json-render-diagnostics |
+    python3 "$ROOT/tools/lib/cargo-executables.py" "run-all: cargo ${args[*]}" "$@"
 }
 
 if [[ "${1:-}" == "--prepare" ]]; then

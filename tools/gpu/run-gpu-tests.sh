@@ -41,16 +41,12 @@ cd "$ROOT"
 CARRY="$ROOT/target/gpu-carry"
 
 # Builds the gpu test binary (extra cargo flags: $@) and prints its path as cargo names it
-# (CARGO_TARGET_DIR or build.target-dir move it); rustc's errors go to stderr, rendered, not
-# into the JSON read here. Prints nothing when no binary was built.
+# (tools/lib/cargo-executables.py: CARGO_TARGET_DIR or build.target-dir move it); rustc's errors
+# go to stderr, rendered. Fails, printing nothing, when no binary was built.
 build_gpu_test() {
   cargo test -p gio-uring --features cuda --locked --test gpu --no-run "$@" \
-    --message-format=json-render-diagnostics \
-    | python3 -c 'import json,sys
-for line in sys.stdin:
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])'
+    --message-format=json-render-diagnostics |
+    python3 "$ROOT/tools/lib/cargo-executables.py" "run-gpu-tests: the gpu test" gpu
 }
 
 if [[ "${1:-}" == "--prepare" ]]; then

@@ -20,7 +20,7 @@ import unittest
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 COPIED = ("tools/gpu/run-all.sh", "tools/gpu/run-gpu-tests.sh", "tools/gpu/provenance.py", "tools/gpu/cuda-attrs.py",
-          "tools/cuda-build.sh", "kernels/gio_abi.h")
+          "tools/cuda-build.sh", "tools/lib/cargo-executables.py", "kernels/gio_abi.h")
 
 
 def path_without(*commands: str) -> str:
