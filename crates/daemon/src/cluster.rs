@@ -297,6 +297,9 @@ struct AgentState {
     confirmed_at_ms: AtomicU64,
     /// The registrar's last etcd attempt failed (cleared by its next success).
     failing: AtomicBool,
+    /// Set by the server's drain once every connection thread has ended: no commit is handed
+    /// over after it, so the registrar's last pass takes them all ([`ClusterAgent::connections_ended`]).
+    connections_ended: AtomicBool,
 }
 
 impl AgentState {
@@ -308,6 +311,7 @@ impl AgentState {
             origin: std::time::Instant::now(),
             confirmed_at_ms: AtomicU64::new(0),
             failing: AtomicBool::new(false),
+            connections_ended: AtomicBool::new(false),
         }
     }
 
@@ -607,9 +611,20 @@ impl ClusterAgent {
             Err(TrySendError::Full(_)) => {
                 self.metrics.commits_dropped.inc();
             }
-            // The registrar ended (the daemon is draining): nothing more is registered.
-            Err(TrySendError::Disconnected(_)) => {}
+            // The registrar ended: it waits for the connection threads' last commits
+            // (`connections_ended`), so only one made past its bound on that wait comes here.
+            Err(TrySendError::Disconnected(_)) => {
+                self.metrics.commits_dropped.inc();
+                tracing::warn!("a commit came after the cluster registrar ended: its segments are not journalled nor registered");
+            }
         }
+    }
+
+    /// The server's drain, once every connection thread has ended (joined): no commit comes
+    /// after this, and the registrar, which journals what is still queued, may leave. Release:
+    /// every commit handed over before it is in the queue when the registrar reads it.
+    pub(crate) fn connections_ended(&self) {
+        self.state.connections_ended.store(true, Ordering::Release);
     }
 
     /// The registrar, for the server to run on its own thread (once).

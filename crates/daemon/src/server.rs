@@ -141,6 +141,10 @@ impl ServerConfig {
 /// outlives a failed `serve` (the registrar leaves the cluster on its way out).
 fn stop_started<const N: usize>(shared: &Shared, threads: [Option<JoinHandle<()>>; N]) {
     shared.stop.stop();
+    // No connection thread was started: the registrar need not wait for one.
+    if let Some(cluster) = &shared.cluster {
+        cluster.connections_ended();
+    }
     for thread in threads.into_iter().flatten() {
         if thread.join().is_err() {
             tracing::error!("a daemon thread panicked while stopping after a failed start");
@@ -523,12 +527,6 @@ impl Server {
         if metrics_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the metrics thread panicked");
         }
-        // The registrar sees the stop within a tick plus the registry call in progress (up to
-        // 4 request timeouts: a rejoin), then leaves the cluster (a request timeout + 1 s;
-        // docs/cluster.md gives each call's bound).
-        if registrar_thread.is_some_and(|thread| thread.join().is_err()) {
-            tracing::error!("the cluster registrar panicked");
-        }
         // Peer threads check the stop between reads (a send in progress is bounded by the
         // peer stall timeout).
         if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
@@ -539,6 +537,16 @@ impl Server {
             if worker.join().is_err() {
                 tracing::error!("a connection thread panicked");
             }
+        }
+        // After the connection threads: their last commits reach the registrar's queue, which
+        // it journals once told no more come. It saw the stop within a tick plus the registry
+        // call in progress (up to 4 request timeouts: a rejoin), then leaves the cluster (a
+        // request timeout + 1 s; docs/cluster.md gives each call's bound).
+        if let Some(cluster) = &shared.cluster {
+            cluster.connections_ended();
+        }
+        if registrar_thread.is_some_and(|thread| thread.join().is_err()) {
+            tracing::error!("the cluster registrar panicked");
         }
         // The retiring thread sees the stop within a tick plus the retry in progress.
         if retiring_thread.join().is_err() {

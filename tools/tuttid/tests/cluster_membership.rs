@@ -154,6 +154,34 @@ fn the_registry_being_away_never_fails_or_slows_a_commit() {
 }
 
 #[test]
+fn a_commit_queued_when_sigterm_comes_is_journalled_and_registered_at_the_next_start() {
+    // Goal: a store committed while the registrar waits on a registry call (etcd killed: here
+    // 2 s, its request timeout) and followed at once by SIGTERM is journalled in the manifest
+    // before the node leaves, so the next start registers it. Before, the registrar saw the
+    // stop with the commit still queued and left without it: its segments were never
+    // registered for the life of the pool.
+    let Some(mut etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "e");
+    (node.lease, node.timeout) = ("3s", "2s");
+    node.start(&etcd, true);
+    wait_for("node e joins", SOON, || members(&reader) == ["e"]);
+    etcd.kill(0).unwrap();
+    // Prompt 8's segments send the registrar into a registry call that waits out its timeout.
+    store(&node, 8);
+    std::thread::sleep(Duration::from_millis(300));
+    store(&node, 9);
+    let (status, stderr) = node.daemon.take().unwrap().terminate();
+    assert!(status.success(), "{stderr}");
+    etcd.restart(0).unwrap();
+    node.start(&etcd, false);
+    wait_for("prompt 9 registered from the manifest", LEASE + 2 * SOON, || {
+        common::cluster::holders_once_available(&reader, 9).is_some_and(|holders| holders == [["e"], ["e"]])
+    });
+}
+
+#[test]
 fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
     // Goal: when etcd drops the node's lease behind its back (revoked here, as an expiry during
     // a partition would), the node notices, rejoins under a new lease and registers again

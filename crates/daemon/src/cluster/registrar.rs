@@ -19,12 +19,16 @@
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
 //! (T, the registry's request timeout: a transaction T, a join 3 T, a rejoin 4 T; the cluster
 //! crate lists them) and the stop is checked between calls, so the thread sees the daemon's
-//! stop within a tick plus one call (at most 4 T, a rejoin), then leaves the cluster (revoking
+//! stop within a tick plus one call (at most 4 T, a rejoin). Then, without etcd, it journals
+//! every commit still queued and those the connection threads hand over while they finish
+//! their last request, until the server says they have all ended (at most
+//! [`LAST_COMMITS_WAIT_MAX`]): a commit left out of the manifest is never registered for the
+//! life of the pool (its blocks are not committed again). Then it leaves the cluster (revoking
 //! the lease, its segments vanishing at once: T, and 1 s for the client's runtime; 2 T when a
 //! rejoin's revoke of the old lease failed, which is revoked too).
 
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::RecvTimeoutError;
+use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -45,10 +49,27 @@ pub const TRANSACTIONS_PER_PASS: usize = 32;
 /// new lease: the old one's registrations vanish with it when it is revoked or expires).
 const UNREGISTER_QUEUE_MAX: usize = 1 << 16;
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+/// The longest the stopped registrar waits for the connection threads to end (the server
+/// ends each within a tick, one request and a frame timeout, and says so once they all have):
+/// past it, a commit still to come is counted as dropped.
+pub const LAST_COMMITS_WAIT_MAX: Duration = Duration::from_secs(30);
+/// Passes of [`COMMITS_PER_PASS`] one drain takes at most before it looks at the clock again.
+const DRAIN_PASSES_MAX: usize = 64;
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How [`Registrar::drain`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Drained {
+    /// The queue is empty.
+    Empty,
+    /// Every sender is gone (the queue is empty, and stays so).
+    Disconnected,
+    /// Its bound on passes came first: more may be queued.
+    More,
 }
 
 /// What the daemon's start recovered for the registrar (`ClusterAgent::start`).
@@ -132,7 +153,8 @@ impl Registrar {
         }
     }
 
-    /// Runs until `stop`, then leaves the cluster.
+    /// Runs until `stop`, journals the last commits ([`Registrar::finish`]), then leaves the
+    /// cluster.
     pub(crate) fn run(mut self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration) {
         let mut commits = Vec::with_capacity(COMMITS_PER_PASS);
         loop {
@@ -164,7 +186,69 @@ impl Registrar {
             }
             self.publish();
         }
+        self.finish(store, tick, commits, LAST_COMMITS_WAIT_MAX);
         self.leave();
+    }
+
+    /// After the stop, without etcd (the node leaves next, its registrations going with its
+    /// lease): journals `commits` and every commit queued, then those handed over until the
+    /// server says the connection threads have ended, or `wait_max` passed. The next start
+    /// registers them from the manifest.
+    fn finish(&mut self, store: &Mutex<StoreState>, tick: Duration, mut commits: Vec<Committed>, wait_max: Duration) {
+        let deadline = Instant::now() + wait_max;
+        loop {
+            // Read before the queue is emptied: every commit handed over before the flag was
+            // set is in the queue by then (Acquire, against the server's Release).
+            let ended = self.state.connections_ended.load(Ordering::Acquire);
+            match self.drain(store, &mut commits) {
+                Drained::Disconnected => break,
+                Drained::Empty if ended => break,
+                Drained::Empty | Drained::More => {}
+            }
+            if Instant::now() >= deadline {
+                tracing::warn!(
+                    waited = ?wait_max,
+                    "the connection threads did not end in time: a commit after this is not journalled (counted as dropped)"
+                );
+                break;
+            }
+            if !ended {
+                match self.inbox.recv_timeout(tick) {
+                    Ok(commit) => commits.push(commit),
+                    Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// Journals `commits` and what is queued, [`COMMITS_PER_PASS`] at a time, for at most
+    /// [`DRAIN_PASSES_MAX`] passes.
+    fn drain(&mut self, store: &Mutex<StoreState>, commits: &mut Vec<Committed>) -> Drained {
+        for _ in 0..DRAIN_PASSES_MAX {
+            let mut drained = Drained::More;
+            while commits.len() < COMMITS_PER_PASS {
+                match self.inbox.try_recv() {
+                    Ok(commit) => commits.push(commit),
+                    Err(TryRecvError::Empty) => {
+                        drained = Drained::Empty;
+                        break;
+                    }
+                    Err(TryRecvError::Disconnected) => {
+                        drained = Drained::Disconnected;
+                        break;
+                    }
+                }
+            }
+            if !commits.is_empty() {
+                self.update_local(store, commits);
+                commits.clear();
+            }
+            if drained != Drained::More {
+                return drained;
+            }
+        }
+        Drained::More
     }
 
     /// Step 1 (module docs).
