@@ -514,13 +514,17 @@ pub(super) fn round_up(value: usize, to: usize) -> Option<usize> {
     value.checked_next_multiple_of(to)
 }
 
+/// A test's hook into [`PoolShared::release`] (see `after_give_back`).
+#[cfg(test)]
+type ReleaseHook = Arc<dyn Fn(Iova) + Send + Sync>;
+
 /// IOVA bookkeeping shared by a pool and its regions (regions release their range on drop).
 ///
 /// # Locks and strong references
 ///
 /// No strong reference to a region (`Arc<RegionInner>`, `Arc<CopiedInner>`) may be dropped
 /// while `table`, `copied` or `state` is locked: if it was the last one, the region's `Drop`
-/// releases its range, which takes `state` and then `table` (or `copied`) for writing on the
+/// releases its range, which takes `table` (or `copied`) for writing and then `state` on the
 /// same thread. std's locks are not reentrant: that thread would deadlock on itself, and every
 /// later translation, allocation and drop on the pool would hang behind it. So a lookup
 /// upgrades its `Weak` inside a block that ends the guard before any check that can return.
@@ -533,6 +537,10 @@ pub(super) struct PoolShared {
     /// Memory reached only by copies, by start IOVA (IOVAs from the same allocator as the
     /// table's, so the two never overlap); see `copied.rs`.
     copied: RwLock<BTreeMap<u64, Weak<CopiedInner>>>,
+    /// Called by [`PoolShared::release`] once the range is back in the allocator, before the
+    /// release returns: lets a test act in that window (another thread reusing the range).
+    #[cfg(test)]
+    after_give_back: Mutex<Option<ReleaseHook>>,
 }
 
 /// The IOVA allocator: `base..next` has been handed out at some time, `next..limit` never.
@@ -678,6 +686,8 @@ impl PoolShared {
             state: Mutex::new(IovaState { next: iova_base.0, limit: iova_limit.0, free: BTreeMap::new() }),
             table: RwLock::new(BTreeMap::new()),
             copied: RwLock::new(BTreeMap::new()),
+            #[cfg(test)]
+            after_give_back: Mutex::new(None),
         }
     }
 
@@ -724,26 +734,42 @@ impl PoolShared {
         self.unreserve(iova.0, round_up(len, PAGE_SIZE_BYTES).unwrap_or(len) as u64);
     }
 
+    /// Runs the test hook set in `after_give_back`, if any (outside its own lock).
+    #[cfg(test)]
+    fn run_after_give_back(&self, iova: Iova) {
+        let hook = self.after_give_back.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+        if let Some(hook) = hook {
+            hook(iova);
+        }
+    }
+
     /// Unmaps a region whose last holder dropped; false when the unmap failed, in which case the
     /// IOVA range stays reserved and the caller must keep the host memory mapped too.
+    ///
+    /// The dead entry leaves the table before the range goes back to the allocator (as in
+    /// `release_copied`): once it is back, a new region may start below the dead entry's key
+    /// and cover it (freed ranges merge, best fit), and a translation in it would find the dead
+    /// entry (the largest start at or below it) and answer Unmapped for mapped memory. No strong
+    /// reference drops under the table lock here: the entry is a `Weak` whose region is gone.
     fn release(&self, iova: Iova, len: usize) -> bool {
-        let unmapped = match self.mapper.unmap(iova, len) {
+        let mut table = self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if table.get(&iova.0).is_some_and(|weak| weak.strong_count() == 0) {
+            table.remove(&iova.0);
+        }
+        drop(table);
+        match self.mapper.unmap(iova, len) {
             Err(error) => {
                 // The range stays reserved: reusing an IOVA whose unmap failed could alias memory.
                 tracing::error!(%iova, len, %error, "IOMMU unmap failed; IOVA range leaked");
                 false
             }
             Ok(()) => {
-                let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                state.give_back(iova.0, len as u64);
+                self.unreserve(iova.0, len as u64);
+                #[cfg(test)]
+                self.run_after_give_back(iova);
                 true
             }
-        };
-        let mut table = self.table.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if table.get(&iova.0).is_some_and(|weak| weak.strong_count() == 0) {
-            table.remove(&iova.0);
         }
-        unmapped
     }
 }
 

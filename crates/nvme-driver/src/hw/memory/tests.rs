@@ -200,6 +200,53 @@ fn a_translation_that_overruns_a_region_being_dropped_does_not_deadlock() {
 }
 
 #[test]
+fn memory_reusing_a_range_being_released_translates_at_once() {
+    // Goal: while a region's release is still under way, the range it gave back may already
+    // hold a new region that starts below it (freed ranges merge, best fit); a translation of
+    // that new region at the old region's start must find the new region, not the old one's
+    // table entry. Before, the range went back to the allocator before the dead entry left the
+    // table: the translation found the dead entry (the largest start at or below it), could not
+    // upgrade it, and answered Unmapped for validly mapped memory.
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let page = PAGE_SIZE_BYTES as u64;
+    let pool = DmaPool::identity();
+    let a = pool.allocate(PAGE_SIZE_BYTES).unwrap();
+    let b = pool.allocate(PAGE_SIZE_BYTES).unwrap();
+    let c = pool.allocate(2 * PAGE_SIZE_BYTES).unwrap();
+    let d = pool.allocate(PAGE_SIZE_BYTES).unwrap();
+    let base = a.iova().0;
+    let layout: Vec<u64> = [&a, &b, &c, &d].iter().map(|region| region.iova().0 - base).collect();
+    assert_eq!(layout, [0, page, 2 * page, 4 * page]);
+    let (b_iova, c_iova) = (b.iova(), c.iova());
+    drop(b);
+    // The release of `c` stops once its range is back in the allocator, until told to go on.
+    let (reached_sender, reached) = mpsc::channel::<()>();
+    let (go, go_receiver) = mpsc::channel::<()>();
+    let (reached_sender, go_receiver) = (Mutex::new(reached_sender), Mutex::new(go_receiver));
+    *pool.shared.after_give_back.lock().unwrap() = Some(Arc::new(move |iova: Iova| {
+        if iova == c_iova {
+            let _ = reached_sender.lock().unwrap().send(());
+            // Bounded: a test that fails before telling it to go on still ends.
+            let _ = go_receiver.lock().unwrap().recv_timeout(Duration::from_secs(10));
+        }
+    }));
+    let dropper = std::thread::spawn(move || drop(c));
+    reached.recv_timeout(Duration::from_secs(10)).expect("the release of c never gave its range back");
+    // [b, d) is one free range of three pages now: the new region takes it all.
+    let reused = pool.allocate(3 * PAGE_SIZE_BYTES);
+    let translated = reused.as_ref().ok().map(|_| pool.translate(c_iova, PAGE_SIZE_BYTES));
+    go.send(()).unwrap();
+    dropper.join().unwrap();
+    let reused = reused.expect("allocate 3 pages");
+    assert_eq!(reused.iova(), b_iova, "best fit over the merged range [b, d)");
+    let translated = translated.unwrap().expect("the new region, at c's old start, while c's release is under way");
+    assert_eq!(translated.host_address(), reused.host_address() + PAGE_SIZE_BYTES);
+    assert_eq!((translated.iova(), translated.len()), (c_iova, PAGE_SIZE_BYTES));
+    drop((a, d));
+}
+
+#[test]
 fn freed_iova_ranges_merge_so_windows_of_changing_sizes_keep_fitting() {
     // Goal: freed IOVA ranges merge with their neighbours and with the untouched space above
     // them, so a pool whose windows come and go in different sizes never runs out while most
