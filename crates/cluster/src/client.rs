@@ -58,7 +58,9 @@ impl Lookup {
     }
 
     /// For each node met, how many leading segments it holds without a gap, longest first (ties
-    /// by node id): where to fetch the most of the prefix from one holder.
+    /// by node id): where to fetch the most of the prefix from one holder. A reader should not
+    /// take ties in this order, which would send every reader to the lowest node id: tuttid
+    /// orders them by a hash of the asking node and the segment (`lookup.rs`, `remote_part`).
     pub fn holder_prefixes(&self) -> Vec<(NodeId, usize)> {
         let mut prefixes: Vec<(NodeId, usize)> = Vec::new();
         if let Some(first) = self.holders.first() {

@@ -91,6 +91,11 @@ pub const COMMITS_QUEUED_MAX: usize = 1024;
 /// A fetched segment is registered as a second replica once its holder has served it more than
 /// this many times (default of `--cluster-replicate-after`).
 pub const REPLICATE_AFTER_DEFAULT: u32 = 2;
+/// Holders one `FetchRemote` tries at most, each passed over only when it could not serve
+/// before a block was stored (unreachable, not holding, busy): past a few, the registry is
+/// listing dead nodes and the client is better off recomputing than waiting on more connects.
+#[cfg(feature = "cluster")]
+const FETCH_HOLDERS_MAX: usize = 4;
 /// The longest a `LookupCluster` waits for the registry by default.
 pub const LOOKUP_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most departed block keys kept between two registrar passes (50 ms apart): far more than any
@@ -525,8 +530,12 @@ impl ClusterAgent {
     }
 
     /// `FetchRemote`: what other nodes hold of a prompt past the `local_blocks` here is read
-    /// from the holder with the longest run and stored in this pool. Returns the blocks stored;
-    /// a failure is a sentence for the client (segments stored before it stay). Bounded by
+    /// from a holder with the longest run (among several, the one this node's hash of the
+    /// segment picks: `lookup::spread_of`) and stored in this pool. A holder that cannot serve
+    /// before a block is stored — unreachable (a dead node listed until its lease expires), no
+    /// longer holding it, busy until the segment's deadline — is passed over for the next one
+    /// listed (at most [`FETCH_HOLDERS_MAX`] tried). Returns the blocks stored; a failure is a
+    /// sentence for the client (segments stored before it stay). Bounded by
     /// [`data_plane::FETCH_DEADLINE`] in all; ends early when `stopped` (the daemon's drain).
     #[cfg(feature = "cluster")]
     pub(crate) fn fetch(
@@ -543,10 +552,11 @@ impl ClusterAgent {
             self.metrics.remote_read_failures.inc();
             return Err("the cluster registry did not answer: nothing fetched".into());
         }
-        let Some(holder) = part.holders.first() else { return Ok(0) };
+        if part.holders.is_empty() {
+            return Ok(0);
+        }
         self.metrics.remote_reads.inc();
         let per_segment = usize::from(self.settings.registry.segment_blocks.get());
-        let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
         let replicate_after = self.settings.replicate_after;
         let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32| {
             if replicate_after > 0 && served > replicate_after {
@@ -555,22 +565,35 @@ impl ClusterAgent {
                 self.hand_over(Committed { space: *space, keys: segment_keys.to_vec(), first_segment: segment as u32 });
             }
         };
-        let result = self.lookups.address_of(&holder.node).and_then(|address| {
-            self.data_plane
-                .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
-                .map_err(|(stored, error)| (stored, error.to_string()))
-        });
-        match result {
-            Ok(stored) => {
-                self.metrics.fetched_blocks.inc_by(stored as u64);
-                Ok(stored)
-            }
-            Err((stored, error)) => {
-                self.metrics.fetched_blocks.inc_by(stored as u64);
-                self.metrics.remote_read_failures.inc();
-                Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it)"))
-            }
+        // Holders passed over, each with why.
+        let mut passed_over: Vec<String> = Vec::new();
+        for holder in part.holders.iter().take(FETCH_HOLDERS_MAX) {
+            let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
+            // (blocks stored, the error, whether another holder may serve what this one did not)
+            let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true)).and_then(|address| {
+                self.data_plane
+                    .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
+                    .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve()))
+            });
+            let (stored, error) = match result {
+                Ok(stored) => {
+                    self.metrics.fetched_blocks.inc_by(stored as u64);
+                    return Ok(stored);
+                }
+                Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
+                    tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
+                    passed_over.push(error);
+                    continue;
+                }
+                Err((stored, error, _)) => (stored, error),
+            };
+            self.metrics.fetched_blocks.inc_by(stored as u64);
+            self.metrics.remote_read_failures.inc();
+            let before = if passed_over.is_empty() { String::new() } else { format!("; before it: {}", passed_over.join("; ")) };
+            return Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it){before}"));
         }
+        self.metrics.remote_read_failures.inc();
+        Err(format!("no holder listed could serve the fetch, nothing stored: {}", passed_over.join("; ")))
     }
 
     #[cfg(not(feature = "cluster"))]

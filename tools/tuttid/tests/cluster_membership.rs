@@ -2,8 +2,10 @@
 //! registration: a node joins at start, registers the segments its commits complete (after the
 //! commit: never a store only written, nor one released), unregisters what eviction breaks,
 //! leaves on SIGTERM, vanishes within its lease after SIGKILL, and registers again what survived
-//! after a restart and after a lost lease; etcd's absence never fails or slows a commit; bad
-//! cluster options are refused before the daemon opens anything.
+//! after a restart and after a lost lease; etcd's absence never fails or slows a commit; a
+//! commit queued when SIGTERM comes is journalled and registered at the next start; a SIGKILLed
+//! holder, listed until its lease expires, is passed over for another; bad cluster options are
+//! refused before the daemon opens anything.
 //! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
 //! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
 //! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
@@ -179,6 +181,33 @@ fn a_commit_queued_when_sigterm_comes_is_journalled_and_registered_at_the_next_s
     wait_for("prompt 9 registered from the manifest", LEASE + 2 * SOON, || {
         common::cluster::holders_once_available(&reader, 9).is_some_and(|holders| holders == [["e"], ["e"]])
     });
+}
+
+#[test]
+fn a_sigkilled_holder_still_listed_is_passed_over_for_another_holder() {
+    // Goal: a SIGKILLed node stays listed as a holder until its lease expires. A fetch whose
+    // first holder is that node (a, the longest run: both segments of prompt 11) is refused at
+    // connect before a block is stored and goes on to the next holder listed (b, the first
+    // segment): c stores b's 16 blocks. Before, the fetch read from the first holder only and
+    // failed while a replica was listed.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b, mut c) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"), Node::new(root.path(), "c"));
+    a.lease = "30s";
+    for node in [&mut a, &mut b, &mut c] {
+        node.start(&etcd, true);
+    }
+    wait_for("the three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    store(&a, 11);
+    let mut store_b = b.connect();
+    assert_eq!(common::store_prompt(&mut store_b, 11, 0, 20).unwrap(), 20);
+    wait_for("a's two segments and b's first registered", SOON, || holders(&reader, 11) == [vec!["a", "b"], vec!["a"]]);
+    a.kill();
+    let tokens = common::prompt(11, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_c = common::cluster::client_of(&c, "fetch-c");
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (16, 16), "the fetch passed a over for b");
+    assert_eq!(holders(&reader, 11), [vec!["a", "b"], vec!["a"]], "a was listed all along (its lease lives)");
 }
 
 #[test]

@@ -178,6 +178,25 @@ pub enum FetchError {
     Stopped,
 }
 
+impl FetchError {
+    /// Whether another holder of the segment may serve what this one did not: this one could
+    /// not be reached (a dead node stays listed until its lease expires), no longer holds it,
+    /// or stayed busy. Not a holder that misbehaved (its bytes or frames), nor this node's own
+    /// trouble (its staging area, its store, its fetch slots, its drain), which the next holder
+    /// would meet too.
+    pub fn another_holder_may_serve(&self) -> bool {
+        match self {
+            FetchError::Peer { source, .. } => {
+                matches!(**source, PeerError::Io { context: "connecting", .. } | PeerError::Refused { code: FailureCode::NotHeld, .. })
+            }
+            FetchError::HolderBusy { .. } => true,
+            FetchError::Store { .. } | FetchError::NoStaging | FetchError::Busy { .. } | FetchError::StagingBusy | FetchError::Stopped => {
+                false
+            }
+        }
+    }
+}
+
 /// The data plane: the bound listener (taken by the server's thread) and the staging area.
 pub struct DataPlane {
     listener: Mutex<Option<TcpListener>>,

@@ -7,7 +7,10 @@
 //! registry client spends a transaction, each with the whole lookup timeout, per
 //! `txn_ops_max`; what lies past them is found by a later lookup, once these are local. This
 //! node's own entries are left out: what it registered it holds locally, and an entry of its
-//! own past the local prefix is stale.
+//! own past the local prefix is stale. Holders are listed longest run first; among runs of one
+//! length the order is this node's own, by a hash of (this node, the first segment asked, the
+//! holder) ([`spread_of`]): every asker reading from the lowest node id would make that holder
+//! of a replicated segment serve them all.
 //!
 //! The registry is asked on the connection's thread, bounded by the lookup timeout (shorter
 //! than the registrar's: a client waits for it). A failed or late answer is `Unavailable`, and
@@ -90,7 +93,8 @@ impl RemoteLookups {
             Ok(lookup) => {
                 metrics.lookup_refused_entries.inc_by(lookup.skipped_entries);
                 metrics.lookup_ranges_cut_short.inc_by(lookup.ranges_cut_short);
-                let part = remote_part(&lookup, &self.node, first, local_blocks, per_segment);
+                let spread = spread_of(&self.node, segments[first].key.get());
+                let part = remote_part(&lookup, &self.node, first, local_blocks, per_segment, spread);
                 metrics.remote_blocks_found.inc_by(u64::from(part.remote_blocks));
                 part
             }
@@ -113,17 +117,43 @@ pub fn segments_to_ask(first: usize, segments: usize, txn_ops_max: usize) -> std
     first..segments.min(first.saturating_add(txn_ops_max.max(1)))
 }
 
+/// The seed that orders holders of runs of one length for this node's lookup from the segment
+/// `segment_key`: FNV-1a of both, so that one asker reads one segment from one holder (its
+/// staging and cache stay warm) while askers, and segments, spread over the replicas.
+pub fn spread_of(own: &NodeId, segment_key: u64) -> u64 {
+    fnv1a(fnv1a(FNV_OFFSET, own.as_str().as_bytes()), &segment_key.to_le_bytes())
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+fn fnv1a(mut hash: u64, bytes: &[u8]) -> u64 {
+    for &byte in bytes {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// A holder's rank among holders of runs of one length (highest first): the seed and its name
+/// hashed, then mixed (splitmix64's finalizer: FNV's last bytes alone barely move the high bits).
+fn holder_weight(spread: u64, node: &NodeId) -> u64 {
+    let mut weight = fnv1a(spread, node.as_str().as_bytes());
+    weight = (weight ^ (weight >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    weight = (weight ^ (weight >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    weight ^ (weight >> 31)
+}
+
 /// The remote part of a registry answer whose `holders[i]` hold segment `first + i`: the
 /// longest run of segments some other node holds, and each other node's own run, as blocks
-/// past `local_blocks`.
-pub fn remote_part(lookup: &Lookup, own: &NodeId, first: usize, local_blocks: usize, per_segment: usize) -> RemotePart {
+/// past `local_blocks`, longest first, runs of one length in the order `spread` gives
+/// ([`spread_of`]).
+pub fn remote_part(lookup: &Lookup, own: &NodeId, first: usize, local_blocks: usize, per_segment: usize, spread: u64) -> RemotePart {
     let others = |holders: &Vec<NodeId>| holders.iter().any(|node| node != own);
     let run = lookup.holders.iter().take_while(|holders| others(holders)).count();
     let past_local = |segments: usize| u32::try_from(((first + segments) * per_segment).saturating_sub(local_blocks)).unwrap_or(u32::MAX);
-    let mut holders: Vec<RemoteHolder> = lookup
-        .holder_prefixes()
+    let mut prefixes: Vec<(NodeId, usize)> = lookup.holder_prefixes().into_iter().filter(|(node, _)| node != own).collect();
+    prefixes.sort_by_cached_key(|(node, segments)| (std::cmp::Reverse(*segments), std::cmp::Reverse(holder_weight(spread, node))));
+    let mut holders: Vec<RemoteHolder> = prefixes
         .into_iter()
-        .filter(|(node, _)| node != own)
         .map(|(node, segments)| RemoteHolder { node: node.to_string(), blocks: past_local(segments) })
         .filter(|holder| holder.blocks > 0)
         .collect();
@@ -164,7 +194,7 @@ mod tests {
         // local prefix (b's run), b 28, c 12, a not listed. A run over two holders counts whole;
         // each holder lists its own run from the first segment asked.
         let answer = lookup(&[&["a", "b", "c"], &["b"], &["a"]]);
-        let part = remote_part(&answer, &node("a"), 1, 20, 16);
+        let part = remote_part(&answer, &node("a"), 1, 20, 16, 7);
         assert_eq!(part.registry, RegistryAnswer::Answered);
         assert_eq!(part.remote_blocks, 28, "segments 1 and 2 end at block 48, 28 past the 20 local");
         assert_eq!(
@@ -173,11 +203,43 @@ mod tests {
             "a's own (stale) entry is not a remote holder"
         );
         // Held only by this node: nothing remote.
-        let own = remote_part(&lookup(&[&["a"], &["a"]]), &node("a"), 0, 0, 16);
+        let own = remote_part(&lookup(&[&["a"], &["a"]]), &node("a"), 0, 0, 16, 7);
         assert_eq!((own.remote_blocks, own.holders.len()), (0, 0));
         // A run over two holders: b then c.
-        let chained = remote_part(&lookup(&[&["b"], &["c"]]), &node("a"), 0, 0, 16);
+        let chained = remote_part(&lookup(&[&["b"], &["c"]]), &node("a"), 0, 0, 16, 7);
         assert_eq!(chained.remote_blocks, 32);
         assert_eq!(chained.holders, [RemoteHolder { node: "b".into(), blocks: 16 }]);
+    }
+
+    #[test]
+    fn holders_of_one_run_are_spread_over_askers_and_segments_and_the_longest_run_comes_first() {
+        // Goal: with b, c and d holding the same two segments, which one an asker reads from
+        // first depends on the asker and the segment: over 40 askers and 10 segments each
+        // holder comes first for at least a fifth of them (ties went to the lowest node id, so
+        // every asker read from b alone). One asker asking for one segment always gets the same
+        // order. A longer run comes first whatever the hash, and the rest follow as fallbacks.
+        let answer = lookup(&[&["b", "c", "d"], &["b", "c", "d"]]);
+        let mut firsts: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        for asker in 0..40 {
+            let asker = node(&format!("asker-{asker}"));
+            for key in 1..=10u64 {
+                let spread = spread_of(&asker, key.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let part = remote_part(&answer, &asker, 0, 0, 16, spread);
+                assert_eq!(part.holders.len(), 3, "every holder listed, as fallbacks");
+                assert!(part.holders.iter().all(|holder| holder.blocks == 32));
+                assert_eq!(part, remote_part(&answer, &asker, 0, 0, 16, spread), "the same order for the same asker and segment");
+                *firsts.entry(part.holders[0].node.clone()).or_default() += 1;
+            }
+        }
+        for holder in ["b", "c", "d"] {
+            let first = firsts.get(holder).copied().unwrap_or(0);
+            assert!(first >= 400 / 5, "{holder} first for {first} of 400: {firsts:?}");
+        }
+        let longer = lookup(&[&["b", "c", "d"], &["d"]]);
+        for key in 1..=50u64 {
+            let part = remote_part(&longer, &node("a"), 0, 0, 16, spread_of(&node("a"), key));
+            assert_eq!(part.holders[0], RemoteHolder { node: "d".into(), blocks: 32 }, "the longest run first");
+            assert_eq!(part.holders.len(), 3);
+        }
     }
 }
