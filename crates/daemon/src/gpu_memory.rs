@@ -14,8 +14,9 @@
 //! not as the client claims; no two registrations overlap, in this session ([`ErrorCode::BadRequest`])
 //! or another ([`ErrorCode::NotYours`]: memory someone else registered), windows included: a
 //! window's memfd is claimed as bytes `0..window_bytes` of that memfd ([`DeviceMemoryService::claim_window`],
-//! keyed as a memfd stand-in is), so one memfd is never one session's window (its rings, its
-//! mapping table) and another's device memory, or two sessions' windows. What it cannot check: a
+//! keyed as a memfd stand-in is), so no byte of a memfd is ever both one session's window (its
+//! rings, its mapping table) and another's device memory, or in two sessions' windows (other
+//! bytes of one memfd may be registered separately: nothing is shared). What it cannot check: a
 //! CUDA IPC handle is a bearer capability, and the driver does not say which process exported
 //! it, so a client holding another process's handle bytes can register that memory if nobody
 //! registered it first. The socket's owner-only mode and peer-credential check are the boundary
