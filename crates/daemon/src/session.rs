@@ -561,18 +561,38 @@ impl Holdings {
             for ticket in registration.relayed.drain(..) {
                 store.relay.remove(&ticket);
             }
-            let mut kept = Vec::new();
-            for pair in std::mem::take(&mut registration.queues) {
+            // `queues` holds device 0's pair first, one per device up to the failure.
+            let (mut kept, mut undeleted_pairs) = (Vec::new(), Vec::new());
+            for (device, pair) in std::mem::take(&mut registration.queues).into_iter().enumerate() {
                 if let Err(undeleted) = pair.delete() {
-                    tracing::error!(error = %undeleted.source, "deleting a half-attached client queue pair");
+                    tracing::error!(device, error = %undeleted.source, "deleting a half-attached client queue pair");
+                    undeleted_pairs.push(format!(
+                        "the queue pair on pool device {device} (queue {}) could not be deleted: {}",
+                        undeleted.pair.layout().id.0,
+                        undeleted.source
+                    ));
                     kept.push(*undeleted.pair);
                 }
             }
             registration.queues = kept;
-            if !registration.queues.is_empty() {
-                self.count_queue_id_holder(leaks);
+            if registration.queues.is_empty() {
+                return (reply, Vec::new());
             }
-            return (reply, Vec::new());
+            let registration_id = registration.id;
+            self.count_queue_id_holder(leaks);
+            // The registration keeps a pair, so the same attach asked again is refused ("has its
+            // queue pairs already"): whatever the first failure was (Busy, which RemoteKvStore
+            // answers by asking again, among others), the attach failed for this session.
+            let first = match &reply {
+                Reply::Error { message, .. } => message.as_str(),
+                _ => "the attach failed",
+            };
+            let message = format!(
+                "undoing a failed attach, {}: it stays with registration {registration_id} until the session ends, and the \
+                 attach cannot be asked again in this session (what failed first: {first})",
+                undeleted_pairs.join("; ")
+            );
+            return (Reply::error(ErrorCode::StoreFailed, message), Vec::new());
         }
         self.count_queue_id_holder(leaks);
         (Reply::Attached { queues: grants }, fds)

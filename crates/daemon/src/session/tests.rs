@@ -30,18 +30,58 @@ fn store_with(
     controller: ControllerConfig,
     backend: impl FnOnce(Arc<EmuDevice>) -> Arc<dyn DeviceBackend>,
 ) -> Mutex<StoreState> {
-    let config = config.with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
-    let device = EmuDevice::start(config).unwrap();
+    let device = start_device(config);
     let backend = backend(device.clone());
-    let controller = Arc::new(Controller::init(backend, controller).unwrap());
-    let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+    store_from(vec![(device, backend)], controller)
+}
+
+/// A pool of `devices` software controllers (default configuration, each reached directly) in
+/// one DMA space (a window is mapped once for all), the driver's controllers started with
+/// `controller`.
+fn store_of(devices: usize, controller: ControllerConfig) -> Mutex<StoreState> {
+    let first = start_device(EmuConfig::default());
+    let mut started = vec![Arc::clone(&first)];
+    for _ in 1..devices {
+        started.push(start_device_in(EmuConfig::default(), &first.dma_pool()));
+    }
+    let devices = started
+        .into_iter()
+        .map(|device| {
+            let backend: Arc<dyn DeviceBackend> = device.clone();
+            (device, backend)
+        })
+        .collect();
+    store_from(devices, controller)
+}
+
+/// A software controller started with `config`, its backing and namespace set here.
+fn start_device(config: EmuConfig) -> Arc<EmuDevice> {
+    start_device_in(config, &nvme_driver::hw::DmaPool::identity())
+}
+
+/// [`start_device`] in the DMA space of `dma`.
+fn start_device_in(config: EmuConfig, dma: &nvme_driver::hw::DmaPool) -> Arc<EmuDevice> {
+    let config = config.with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    EmuDevice::start_in(config, dma).unwrap()
+}
+
+/// The daemon's store state over a pool formatted on `devices` (each reached through its
+/// backend), the driver's controllers started with `controller`.
+fn store_from(devices: Vec<(Arc<EmuDevice>, Arc<dyn DeviceBackend>)>, controller: ControllerConfig) -> Mutex<StoreState> {
+    let targets: Vec<_> = devices
+        .iter()
+        .map(|(_, backend)| PoolTarget {
+            controller: Arc::new(Controller::init(Arc::clone(backend), controller.clone()).unwrap()),
+            namespace: NamespaceId(1),
+        })
+        .collect();
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
     let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 8).unwrap();
     let relay = DoorbellRelay::start(crate::relay::RelayConfig::default()).unwrap();
-    Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
+    Mutex::new(StoreState { control, emulators: devices.into_iter().map(|(device, _)| Some(device)).collect(), relay })
 }
 
 /// A device-memory service of its own (its claim table: a test's windows never meet another's).
@@ -746,4 +786,53 @@ fn an_attach_while_a_retiring_sessions_delete_is_outstanding_is_told_to_retry() 
     let reply = attach(&mut next, registration);
     assert!(matches!(reply, Reply::Attached { .. }), "the retry: {reply:?}");
     assert!(next.release(&store, &leaks).is_done());
+}
+
+#[test]
+fn an_attach_whose_half_made_pairs_cannot_be_deleted_is_not_told_to_retry() {
+    // Goal: on a pool of two devices, an attach creates device 0's pair, then device 1's
+    // creation meets the admin queue busy with a retiring session's late deletion (Busy, as
+    // above); undoing the attach, device 0's pair cannot be deleted and stays with the
+    // registration (the session holds its queue id). Asking again could only be refused
+    // ("has its queue pairs already"), so the reply is StoreFailed naming the pair kept, never
+    // Busy (which RemoteKvStore answers by asking again).
+    let admin_timeout = Duration::from_millis(50);
+    let store = store_of(2, ControllerConfig { admin_timeout, ..ControllerConfig::default() });
+    let devices: Vec<_> = lock(&store).emulators.iter().map(|device| device.clone().unwrap()).collect();
+    let leaks = LeakCounters::default();
+    let attach = |holdings: &mut Holdings, registration: u64| {
+        let rings = vec![
+            RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 },
+            RingOffsets { submission_offset: 576 << 10, completion_offset: 832 << 10 },
+        ];
+        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+    };
+    let mut first = Holdings::default();
+    let registration = registered(&mut first, &store);
+    let reply = attach(&mut first, registration);
+    assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
+    // Device 1's Delete I/O SQ is late by 2 s: its admin queue stays busy through the attach below.
+    let late = nvme_emu::FaultAction::Delay(40 * admin_timeout);
+    let delete_sq = nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue;
+    devices[1].set_faults(nvme_emu::FaultPlan::none().with_rule(nvme_emu::FaultRule::on_nth_admin(1, delete_sq, late)));
+    let Released::Retiring(mut retiring) = first.release(&store, &leaks) else { panic!("the late deletion is not retried") };
+    // Device 0 refuses the next Delete I/O SQ: the half-made attach's pair there stays.
+    let refused = nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
+    devices[0].set_faults(nvme_emu::FaultPlan::none().with_rule(nvme_emu::FaultRule::on_nth_admin(1, delete_sq, refused)));
+    let mut next = Holdings::default();
+    let registration = registered(&mut next, &store);
+    match attach(&mut next, registration) {
+        Reply::Error { code: ErrorCode::StoreFailed, message } => {
+            assert!(message.contains("pool device 0") && message.contains("could not be deleted"), "{message}")
+        }
+        other => panic!("an attach whose half-made pair stayed: {other:?}"),
+    }
+    assert_eq!(next.queue_pairs(), 1, "device 0's undeleted pair stays with the registration");
+    assert!(next.holds_queue_ids, "the session holds the undeleted pair's queue id");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while retiring.retry(&store, &leaks) == Retried::Pending {
+        assert!(std::time::Instant::now() < deadline, "the deletion was never confirmed");
+        std::thread::sleep(admin_timeout);
+    }
+    assert!(next.release(&store, &leaks).is_done(), "the kept pair was not deleted at session end");
 }
