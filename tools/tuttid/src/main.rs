@@ -384,9 +384,9 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
     }
     outln!(
         "cluster {}: node {} (data address {}), {}, lease {:#x}; {} join(s), {} lease(s) lost",
-        cluster.cluster,
-        cluster.node,
-        cluster.data_address,
+        printable(&cluster.cluster),
+        printable(&cluster.node),
+        printable(&cluster.data_address),
         if cluster.joined { "joined" } else { "NOT JOINED" },
         cluster.lease_id,
         cluster.joins,
@@ -433,7 +433,7 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.serve_refusals
     )?;
     if !cluster.last_error.is_empty() {
-        outln!("  last registry error: {}", cluster.last_error)?;
+        outln!("  last registry error: {}", printable(&cluster.last_error))?;
     }
     Ok(())
 }
@@ -472,32 +472,7 @@ fn print_report(status: &StatusReply) -> Result<()> {
     )?;
     outln!("connections: {}; clients: {}", status.connections, status.clients.len())?;
     for client in &status.clients {
-        outln!(
-            "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight; \
-             {} doorbell(s) relayed, {} dropped{}",
-            client.session,
-            client.pid,
-            client.uid,
-            client.name,
-            client.tp_rank,
-            client.tp_world,
-            client.requests,
-            client.idle_ms,
-            client.registrations,
-            client.queue_pairs,
-            client.requests_in_flight,
-            client.doorbells_relayed,
-            client.doorbells_dropped,
-            if client.kept {
-                "; ended, KEPT FOR GOOD: its queue pairs are not known deleted (never free its memory)"
-            } else if client.retiring {
-                "; ended, its queue pairs' deletion not confirmed yet (retried every tick; memory kept until then)"
-            } else if client.awaiting_exit {
-                "; ended, held until its process exits"
-            } else {
-                ""
-            }
-        )?;
+        outln!("{}", client_line(client))?;
     }
     let relay = &status.relay;
     outln!(
@@ -520,13 +495,57 @@ fn print_report(status: &StatusReply) -> Result<()> {
     Ok(())
 }
 
+/// Text from the socket as it may be printed: control characters (a newline, an escape
+/// sequence) escaped. A client names itself (`Hello`), a device describes itself, a daemon (or a
+/// peer posing as one) sends what it likes: none may forge or erase `--status` lines the
+/// operator relies on ("KEPT FOR GOOD", "LEAKED").
+fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.chars().any(char::is_control) {
+        text.chars()
+            .map(|character| if character.is_control() { character.escape_default().to_string() } else { character.to_string() })
+            .collect()
+    } else {
+        std::borrow::Cow::Borrowed(text)
+    }
+}
+
+/// One client session's line of `--status`.
+fn client_line(client: &tutti_daemon::protocol::ClientStatus) -> String {
+    format!(
+        "  session {} pid {} uid {} '{}': TP rank {}/{}, {} requests, idle {} ms; {} window(s), {} queue pair(s), {} request(s) in flight; \
+         {} doorbell(s) relayed, {} dropped{}",
+        client.session,
+        client.pid,
+        client.uid,
+        printable(&client.name),
+        client.tp_rank,
+        client.tp_world,
+        client.requests,
+        client.idle_ms,
+        client.registrations,
+        client.queue_pairs,
+        client.requests_in_flight,
+        client.doorbells_relayed,
+        client.doorbells_dropped,
+        if client.kept {
+            "; ended, KEPT FOR GOOD: its queue pairs are not known deleted (never free its memory)"
+        } else if client.retiring {
+            "; ended, its queue pairs' deletion not confirmed yet (retried every tick; memory kept until then)"
+        } else if client.awaiting_exit {
+            "; ended, held until its process exits"
+        } else {
+            ""
+        }
+    )
+}
+
 /// One device's line of `--status`. A fenced device says so loudly: its stores fail as a full
 /// pool while the pool line counts its slots free, and only a restart reopens it.
 fn device_line(device: &tutti_daemon::protocol::DeviceStatus, metadata_fenced: bool) -> String {
     format!(
         "  {}: {} ({} commands refused by queue restrictions){}",
-        device.spec,
-        device.description,
+        printable(&device.spec),
+        printable(&device.description),
         device.refused_commands,
         if metadata_fenced {
             "; METADATA FENCED: its header writes or flushes kept failing (or one stuck), so it takes no stores and its \
@@ -549,6 +568,36 @@ mod tests {
     use tutti_daemon::protocol::PoolShape;
 
     use super::*;
+
+    #[test]
+    fn a_client_name_cannot_forge_or_erase_status_lines() {
+        // Goal: a client names itself in Hello (any UTF-8 up to 64 bytes): a newline or an
+        // escape sequence in it must not add a forged line to `--status` nor erase the warnings
+        // after it ("KEPT FOR GOOD"); control characters are printed escaped, the rest as sent.
+        let client = tutti_daemon::protocol::ClientStatus {
+            session: 3,
+            pid: 10,
+            uid: 0,
+            name: "x\nsession 9 pid 1: all fine\u{1b}[2K é".into(),
+            tp_rank: 0,
+            tp_world: 1,
+            requests: 0,
+            idle_ms: 0,
+            registrations: 1,
+            queue_pairs: 1,
+            requests_in_flight: 0,
+            doorbells_relayed: 0,
+            doorbells_dropped: 0,
+            awaiting_exit: false,
+            kept: true,
+            retiring: false,
+        };
+        let line = client_line(&client);
+        assert!(!line.contains('\n') && !line.contains('\u{1b}'), "{line:?}");
+        assert!(line.contains("'x\\nsession 9 pid 1: all fine\\u{1b}[2K é'"), "{line:?}");
+        assert!(line.ends_with("KEPT FOR GOOD: its queue pairs are not known deleted (never free its memory)"), "{line:?}");
+        assert_eq!(printable("plain ü"), "plain ü");
+    }
 
     #[test]
     fn a_pool_that_fails_to_read_or_write_is_a_failure_and_one_that_holds_the_wrong_thing_is_unusable() {
