@@ -485,6 +485,10 @@ impl ClusterAgent {
         // (and deletes the registrations of) the segments this pool lost.
         // The previous process's lease is kept until this one joins: a start that fails before
         // then leaves the next one able to delete those registrations still.
+        // Nothing here writes the manifest between prepare and this rewrite: a path changed
+        // meanwhile is another file's (the pool's image, created or formatted by open_pool at
+        // the same path), which the rename would replace.
+        manifest::still_as_loaded(&settings.manifest, &loaded)?;
         let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, loaded.lease_id, held.iter()).map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::new());

@@ -78,6 +78,10 @@ pub struct ServerConfig {
     pub device_memory: DeviceMemoryImport,
     /// Run as a node of a cluster (`crate::cluster`); `None` by default.
     pub cluster: Option<ClusterSettings>,
+    /// The pool's devices as given to `open_pool` (`PoolOptions::specs`), so that
+    /// [`ServerConfig::validate`] can refuse a cluster manifest at one's path; empty by default
+    /// (not checked).
+    pub pool_devices: Vec<tutti_devices::DeviceSpec>,
 }
 
 impl ServerConfig {
@@ -117,6 +121,34 @@ impl ServerConfig {
                 Self::CLIENTS_MAX
             )));
         }
+        if let Some(cluster) = &self.cluster {
+            self.check_manifest_apart(&cluster.manifest)?;
+        }
+        Ok(())
+    }
+
+    /// Refuses a cluster manifest (or its `.new` or `.lock`) at a pool device's file: the
+    /// manifest's rewrite renames a file over it, and the lock file is written, so the pool
+    /// would run on an unlinked inode (its data gone at the next start) or be overwritten.
+    /// A device image missing or empty at start reads as no manifest, and is refused only here.
+    fn check_manifest_apart(&self, manifest: &std::path::Path) -> Result<(), DaemonError> {
+        let with = |suffix: &str| {
+            let mut path = manifest.as_os_str().to_owned();
+            path.push(suffix);
+            PathBuf::from(path)
+        };
+        let manifest_files = [manifest.to_path_buf(), with(".new"), with(".lock")];
+        for device in &self.pool_devices {
+            let (tutti_devices::DeviceSpec::EmuFile(file) | tutti_devices::DeviceSpec::Uring(file)) = device else { continue };
+            if let Some(clash) = manifest_files.iter().find(|path| same_file(path, file)) {
+                return Err(DaemonError::Config(format!(
+                    "--cluster-state {} would put the segment manifest's file {} at the pool device {device}'s: give the manifest a \
+                     path of its own",
+                    manifest.display(),
+                    clash.display()
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -133,8 +165,28 @@ impl ServerConfig {
             session_limits: SessionLimits::default(),
             device_memory: DeviceMemoryImport::Off,
             cluster: None,
+            pool_devices: Vec::new(),
         }
     }
+}
+
+/// Whether `a` and `b` name one file: by device and inode when both exist (following links, as
+/// opening a device does), else by canonical directory and file name (either may not be made
+/// yet: `--emu-create-bytes` creates the image, the first rewrite the manifest). A path whose
+/// directory cannot be resolved names no file here (its open or lock fails on its own).
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    if let (Ok(a), Ok(b)) = (std::fs::metadata(a), std::fs::metadata(b)) {
+        return (a.dev(), a.ino()) == (b.dev(), b.ino());
+    }
+    let resolved = |path: &std::path::Path| {
+        let name = path.file_name()?;
+        let directory = match path.parent() {
+            Some(parent) if !parent.as_os_str().is_empty() => parent,
+            _ => std::path::Path::new("."),
+        };
+        Some(std::fs::canonicalize(directory).ok()?.join(name))
+    };
+    matches!((resolved(a), resolved(b)), (Some(a), Some(b)) if a == b)
 }
 
 /// A later thread failed to start: stops and joins the ones already started, so that none

@@ -155,3 +155,29 @@ fn a_cluster_state_in_a_missing_directory_is_refused_before_the_pool_is_formatte
     let stderr = refused_before_the_format(directory.path(), &image, &state, "127.0.0.1:0");
     assert!(stderr.contains("segment manifest"), "{stderr}");
 }
+
+#[test]
+fn a_cluster_state_naming_a_pool_image_not_made_yet_is_refused() {
+    // Goal: a first start `--format --emu-create-bytes` whose `--cluster-state` names the pool
+    // image itself, missing or empty (both read as no manifest), exits non-zero, and leaves no
+    // manifest where the image goes. Before, the manifest loaded as empty, the pool was created
+    // and formatted at that path and the manifest's rewrite renamed PATH.new over it: the daemon
+    // ran on an unlinked inode (everything lost at its restart) and the path held a manifest.
+    for empty_file in [false, true] {
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        if empty_file {
+            std::fs::write(&image, b"").unwrap();
+        }
+        let socket = directory.path().join("node.sock");
+        let mut command = cluster_node(directory.path(), &image, &socket, &image, "127.0.0.1:0");
+        command.args(["--format", "--emu-create-bytes", "64m", "--layers", "2", "--kv-heads", "2", "--head-dim", "64"]);
+        let (code, stderr) = run_bounded(&mut command);
+        assert!(code.is_some_and(|code| code != 0), "empty file {empty_file}: exit {code:?}: {stderr}");
+        assert!(stderr.contains("--cluster-state"), "empty file {empty_file}: {stderr}");
+        if let Ok(bytes) = std::fs::read(&image) {
+            assert!(!bytes.starts_with(b"TSMF"), "empty file {empty_file}: a segment manifest replaced the pool image: {stderr}");
+        }
+        assert!(!socket.exists(), "empty file {empty_file}: the refused daemon left its socket file: {stderr}");
+    }
+}

@@ -80,6 +80,56 @@ pub struct Loaded {
     /// The etcd lease the last lease record names (the previous process's, when it joined);
     /// 0 when none (etcd never grants lease 0).
     pub lease_id: i64,
+    /// The file read, as [`load`] found it; `None` when the path was missing.
+    /// [`still_as_loaded`] compares it before the start's rewrite.
+    pub identity: Option<FileIdentity>,
+}
+
+/// Which file a path held and how far it had been written: device, inode, length and
+/// modification time. Under the manifest's lock nothing of this daemon's writes the manifest
+/// between [`load`] and the start's rewrite, so a change in between says the path is another
+/// file's (the pool's own image, made or formatted there meanwhile): the rewrite would replace it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileIdentity {
+    device: u64,
+    inode: u64,
+    bytes: u64,
+    modified: (i64, i64),
+}
+
+impl FileIdentity {
+    fn of(metadata: &std::fs::Metadata) -> FileIdentity {
+        FileIdentity {
+            device: metadata.dev(),
+            inode: metadata.ino(),
+            bytes: metadata.len(),
+            modified: (metadata.mtime(), metadata.mtime_nsec()),
+        }
+    }
+}
+
+/// Refuses ([`DaemonError::Config`], nothing changed) when the manifest's path no longer holds
+/// what [`load`] read there: made since (missing then), another file, or written since. Called
+/// just before the start's [`Manifest::rewrite`], which would otherwise rename a manifest over
+/// whatever is there: a `--cluster-state` naming the pool's image, missing or empty at load,
+/// then created or formatted by the pool's open, left the daemon on an unlinked inode.
+pub fn still_as_loaded(path: &Path, loaded: &Loaded) -> Result<(), DaemonError> {
+    let now = match std::fs::symlink_metadata(path) {
+        Ok(metadata) => Some(FileIdentity::of(&metadata)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => None,
+        Err(source) => {
+            return Err(DaemonError::Io { context: format!("looking at the segment manifest {} again", path.display()), source })
+        }
+    };
+    if now == loaded.identity {
+        return Ok(());
+    }
+    let was = if loaded.identity.is_some() { "replaced or written" } else { "created" };
+    Err(DaemonError::Config(format!(
+        "the segment manifest {} (--cluster-state) was {was} since this start read it, by something other than this daemon (the pool's \
+         own image, created or formatted at that path?): left as it is; give the manifest a path of its own",
+        path.display()
+    )))
 }
 
 /// The open journal.
@@ -323,7 +373,10 @@ pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> Result<Loaded, Daemon
     if bytes.len() as u64 > FILE_BYTES_MAX {
         return Err(too_large(bytes.len() as u64));
     }
-    parse(&bytes, segment_blocks).map_err(|Foreign| not_a_manifest(path, "does not begin with a segment manifest's magic (TSMF)"))
+    let mut loaded =
+        parse(&bytes, segment_blocks).map_err(|Foreign| not_a_manifest(path, "does not begin with a segment manifest's magic (TSMF)"))?;
+    loaded.identity = Some(FileIdentity::of(&metadata));
+    Ok(loaded)
 }
 
 /// [`parse`]'s refusal: the bytes do not begin with the manifest's magic.
@@ -700,5 +753,35 @@ mod tests {
         Manifest::rewrite(&manifest, blocks(), 0, std::iter::empty()).unwrap();
         assert!(!temporary.exists());
         assert_eq!(std::fs::read(&manifest).unwrap(), header(VERSION, blocks()));
+    }
+
+    #[test]
+    fn a_path_changed_since_its_load_is_refused_before_the_rewrite() {
+        // Goal: what the start read at the manifest's path must still be there, untouched,
+        // when it comes to rewrite it: a file created where none was, one written since
+        // (the pool's image, created or formatted at a --cluster-state naming it) or another
+        // file renamed there is refused (Config) and left; an unchanged path, missing or
+        // a manifest, passes.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("manifest");
+        let loaded = load(&path, blocks()).unwrap();
+        still_as_loaded(&path, &loaded).expect("missing then and now");
+        std::fs::write(&path, b"").unwrap();
+        assert!(matches!(still_as_loaded(&path, &loaded), Err(DaemonError::Config(_))), "created since");
+        let loaded = load(&path, blocks()).unwrap();
+        still_as_loaded(&path, &loaded).expect("empty then and now");
+        std::fs::write(&path, b"TUTTIKV\0 a pool").unwrap();
+        match still_as_loaded(&path, &loaded) {
+            Err(DaemonError::Config(message)) => assert!(message.contains("--cluster-state"), "{message}"),
+            other => panic!("written since: {other:?}"),
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), b"TUTTIKV\0 a pool", "left as it is");
+        drop(Manifest::rewrite(&path, blocks(), 0, std::iter::empty()).unwrap());
+        let loaded = load(&path, blocks()).unwrap();
+        still_as_loaded(&path, &loaded).expect("a manifest unchanged");
+        let other = directory.path().join("other");
+        std::fs::copy(&path, &other).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        assert!(matches!(still_as_loaded(&path, &loaded), Err(DaemonError::Config(_))), "another file renamed there");
     }
 }

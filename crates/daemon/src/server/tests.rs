@@ -296,6 +296,51 @@ fn clients_max_is_capped_at_what_a_status_reply_can_list() {
     assert_eq!(ServerConfig::CLIENTS_MAX, 7173, "tuttid --help and docs/tuttid.md give the number");
 }
 
+/// Cluster settings whose manifest is at `manifest` (etcd on port 9, never reached).
+fn cluster_at(manifest: PathBuf) -> ClusterSettings {
+    let cluster = tutti_cluster::ClusterId::new("refused").unwrap();
+    let registry =
+        tutti_cluster::ClusterConfig::new(vec!["http://127.0.0.1:9".into()], cluster, tutti_cluster::SegmentBlocks::new(32).unwrap());
+    let node = tutti_cluster::NodeId::new("node").unwrap();
+    ClusterSettings::new(registry, node, "127.0.0.1:0".parse().unwrap(), manifest)
+}
+
+#[test]
+fn a_cluster_manifest_at_a_pool_devices_file_is_refused() {
+    // Goal: `--cluster-state` naming a pool device's file (the manifest, its PATH.new or its
+    // PATH.lock), by any spelling, is refused by the configuration's check, before anything is
+    // opened, whether or not the file is there yet: the manifest's rewrite renames a file over
+    // its path, so the pool would run on an unlinked inode. A path of its own is accepted.
+    let directory = tempfile::tempdir().unwrap();
+    let image = directory.path().join("pool.img");
+    let refused = |manifest: PathBuf, device: DeviceSpec, what: &str| {
+        let mut config = ServerConfig::new("/nonexistent/tuttid.sock".into());
+        config.cluster = Some(cluster_at(manifest));
+        config.pool_devices = vec![DeviceSpec::EmuMemory(1 << 20), device];
+        match config.validate() {
+            Err(DaemonError::Config(message)) => assert!(message.contains("--cluster-state"), "{what}: {message}"),
+            other => panic!("{what}: {other:?}"),
+        }
+    };
+    // Not made yet: by directory and name.
+    refused(image.clone(), DeviceSpec::EmuFile(image.clone()), "the image itself, missing");
+    refused(directory.path().join(".").join("pool.img"), DeviceSpec::Uring(image.clone()), "another spelling, missing");
+    refused(directory.path().join("pool"), DeviceSpec::EmuFile(directory.path().join("pool.new")), "PATH.new");
+    refused(directory.path().join("pool"), DeviceSpec::EmuFile(directory.path().join("pool.lock")), "PATH.lock");
+    // There: by device and inode.
+    std::fs::write(&image, b"").unwrap();
+    let link = directory.path().join("link.img");
+    std::os::unix::fs::symlink(&image, &link).unwrap();
+    refused(image.clone(), DeviceSpec::EmuFile(link.clone()), "the image through a symbolic link");
+    let hard = directory.path().join("hard.img");
+    std::fs::hard_link(&image, &hard).unwrap();
+    refused(hard, DeviceSpec::EmuFile(image.clone()), "a hard link of the image");
+    let mut config = ServerConfig::new("/nonexistent/tuttid.sock".into());
+    config.cluster = Some(cluster_at(directory.path().join("segments")));
+    config.pool_devices = vec![DeviceSpec::EmuFile(image), DeviceSpec::Uring(link)];
+    config.validate().expect("a manifest of its own");
+}
+
 #[test]
 fn bind_replaces_a_socket_nobody_listens_on() {
     // Goal: a socket file left by a dead daemon (connections refused) is removed and bound again;
