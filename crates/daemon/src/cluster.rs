@@ -45,7 +45,7 @@ mod held;
 #[cfg(feature = "cluster")]
 mod lookup;
 #[cfg(feature = "cluster")]
-mod manifest;
+pub(crate) mod manifest;
 /// The data plane's wire format. Built with or without the `cluster` feature (it needs no
 /// etcd) and public, so its decoders of untrusted peer bytes are property-tested in every
 /// `cargo test` and fuzzed (`fuzz/fuzz_targets/data_plane_frames.rs`).

@@ -268,11 +268,14 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
 #[test]
 fn a_start_that_fails_leaves_the_manifest_as_it_was() {
     // Goal: node a (fixed data address, a lease that outlives the test) holds prompt 60; it is
-    // SIGKILLed and its pool wiped, and its next start fails after the manifest was checked
-    // against the pool (the data address is taken). The manifest must be left as it was, so
-    // that the start after it still finds the segments the pool lost and deletes their
-    // registrations at once — not a lease later. (The manifest was rewritten without them
-    // before the data plane was bound, so the failed start lost them for good.)
+    // SIGKILLed and its pool wiped, and its next start (with `--format`) fails: the data address
+    // is taken, which is refused before the pool is made. The manifest must be left as it was,
+    // so that the start after it still finds the segments the pool lost and deletes their
+    // registrations at once — not a lease later. (The manifest was once rewritten without them
+    // before the data plane was bound, so the failed start lost them for good; and the data
+    // plane was once bound after the pool was formatted.) A start that fails after the pool is
+    // open and the manifest checked against it (the data plane's staging area) is the daemon's
+    // server::tests::a_bind_refused_after_the_socket_was_bound_removes_it_and_leaves_the_manifest.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
@@ -293,9 +296,9 @@ fn a_start_that_fails_leaves_the_manifest_as_it_was() {
     let after = std::fs::read(&manifest).unwrap();
     assert!(after == before, "the failed start rewrote the manifest: {} bytes, were {}", after.len(), before.len());
     assert_eq!(holders(&reader, 60), [["a"], ["a"]]);
+    assert!(!a.directory.join("pool").exists(), "the refused start made a pool: {stderr}");
 
     drop(taken);
-    std::fs::remove_file(a.directory.join("pool")).unwrap();
     a.start(&etcd, true);
     let gone =
         wait_for("the stale registrations are deleted at the next start", Duration::from_secs(5), || holders(&reader, 60).is_empty());

@@ -120,6 +120,11 @@ impl Drop for InProcess {
 
 /// A fresh pool on an in-memory software controller (`relay`: its register page withheld).
 fn pool(directory: &std::path::Path, relay: bool) -> crate::pool_open::OpenedPool {
+    pool_with_clients(directory, relay, 4)
+}
+
+/// [`pool`], its controller made for `client_queue_pairs` clients.
+fn pool_with_clients(directory: &std::path::Path, relay: bool, client_queue_pairs: u16) -> crate::pool_open::OpenedPool {
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
     let options = PoolOptions {
         specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
@@ -129,7 +134,7 @@ fn pool(directory: &std::path::Path, relay: bool) -> crate::pool_open::OpenedPoo
         format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
         overwrite: false,
         lock_dir: directory.join("locks"),
-        client_queue_pairs: 4,
+        client_queue_pairs,
         emu_doorbell_relay: relay,
     };
     open_pool(&options).expect("open the pool")
@@ -634,22 +639,44 @@ fn a_drain_leaves_the_socket_another_daemon_bound_meanwhile() {
     drop(second);
 }
 
+#[cfg(feature = "cluster")]
 #[test]
-fn a_bind_refused_after_the_socket_was_bound_removes_it() {
-    // Goal: a start refused by what comes after the socket's bind (here the cluster part: its
-    // manifest's directory is missing, or this build has no cluster support) leaves no socket
-    // file behind: the next start would find a stale file, and clients a socket that refuses.
+fn a_bind_refused_after_the_socket_was_bound_removes_it_and_leaves_the_manifest() {
+    // Goal: a cluster node's start refused after the socket's bind and after its manifest was
+    // checked against the pool, before the manifest's rewrite (here the data plane's staging
+    // area: no I/O queue pair left on the pool's controller, as on an SSD whose pairs other users
+    // hold), leaves no socket file behind (the next start would find a stale file, clients a
+    // socket that refuses) and the manifest byte for byte: the segments this fresh pool lacks
+    // stay listed for the next start, which deletes their registrations at once.
+    use tutti_cluster::{ModelSpace, SegmentBlocks, FINGERPRINT_BYTES};
     let directory = tempfile::tempdir().unwrap();
     let socket = directory.path().join("tuttid.sock");
+    let manifest = directory.path().join("segments");
+    let space = ModelSpace::new([7; FINGERPRINT_BYTES], 0, 1).unwrap();
+    let keys: Vec<u64> = (1..=32).collect();
+    let mut written =
+        crate::cluster::manifest::Manifest::rewrite(&manifest, SegmentBlocks::new(32).unwrap(), 42, std::iter::empty()).unwrap();
+    written.held(&space, 0, &keys).unwrap();
+    written.flush().unwrap();
+    drop(written);
+    let before = std::fs::read(&manifest).unwrap();
     let mut config = ServerConfig::new(socket.clone());
-    let cluster = tutti_cluster::ClusterId::new("refused").unwrap();
-    let registry =
-        tutti_cluster::ClusterConfig::new(vec!["http://127.0.0.1:9".into()], cluster, tutti_cluster::SegmentBlocks::new(32).unwrap());
-    let node = tutti_cluster::NodeId::new("node").unwrap();
-    let manifest = directory.path().join("missing").join("manifest");
-    config.cluster = Some(ClusterSettings::new(registry, node, "127.0.0.1:0".parse().unwrap(), manifest));
-    let Err(error) = Server::bind(config, pool(directory.path(), false)) else {
-        panic!("bound with its cluster manifest's directory missing")
-    };
+    config.cluster = Some(cluster_at(manifest.clone()));
+    let opened = pool_with_clients(directory.path(), false, 0);
+    // The controller's I/O queue pairs left after the pool's own, held elsewhere.
+    let controller = Arc::clone(&opened.pool.target(0).controller);
+    let mut taken = Vec::new();
+    loop {
+        match controller.create_io_queue_pair(16) {
+            Ok(pair) => taken.push(pair),
+            Err(nvme_driver::NvmeError::NoQueueAvailable { .. }) => break,
+            Err(error) => panic!("taking the controller's queue pairs: {error}"),
+        }
+        assert!(taken.len() < 64, "the controller grants queue pairs without end");
+    }
+    let Err(error) = Server::bind(config, opened) else { panic!("bound with no queue pair for the data plane's staging area") };
+    assert!(error.to_string().contains("data plane"), "refused before the manifest's check: {error}");
     assert!(!socket.exists(), "the refused bind ({error}) left its socket file");
+    assert!(std::fs::read(&manifest).unwrap() == before, "the refused bind ({error}) rewrote the manifest");
+    drop(taken);
 }
