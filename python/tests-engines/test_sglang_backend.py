@@ -335,6 +335,26 @@ def test_an_in_place_weight_update_retires_the_pool(tmp_path: Path, caplog, firs
             created.register_mem_pool_host(pool)
 
 
+def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):
+    """Goal: a server restarted on the same checkpoint arguments with another --weight-version
+    serves other weights (as a live version change says): it is not served the pages of the
+    first version; restarted with the first version again, it is."""
+    pool = host_pool("page_first")
+    keys = page_keys(27, 2)
+    with get_context().override_server_args(model_path=CHECKPOINT, weight_version="v1"):
+        first = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        first.close()
+    with get_context().override_server_args(model_path=CHECKPOINT, weight_version="v2"):
+        other = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        assert other.batch_exists(keys) == 0, "a restart with --weight-version v2 is served v1's pages"
+        other.close()
+    with get_context().override_server_args(model_path=CHECKPOINT, weight_version="v1"):
+        same = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        assert same.batch_exists(keys) == 2
+        same.close()
+
+
 class SlowWait:
     """A tutti.Request whose every wait first sleeps: a wave's requests stay live long enough for
     SGLang's other thread to move pages meanwhile."""
@@ -848,7 +868,7 @@ def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_o
             "sglang hicache", "tutti-test-model", "model_path", CHECKPOINT, "revision", "None", "quantization", "None",
             "json_model_override_args", "{}", "load_format", "auto", "modelopt_quant", "None",
             "modelopt_checkpoint_restore_path", "None", "quantize_and_serve", "False", "rl_quant_profile", "None",
-            "draft model_path", "None", "draft revision", "None", "draft quantization", "None", "draft load_format", "None",
+            "weight_version", "default", "draft model_path", "None", "draft revision", "None", "draft quantization", "None", "draft load_format", "None",
         ),
         "sglang page layout", "MHATokenToKVPoolHost", "page_first", LAYERS, HEADS, HEAD_DIM, str(torch.bfloat16), PAGE,
     ), "an unsplit model's fingerprint changed"  # fmt: skip

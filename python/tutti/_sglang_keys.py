@@ -219,6 +219,8 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
 # other formats read the same checkpoint), ModelOpt quantization at load (--modelopt-quant, or a
 # ModelOpt checkpoint restored in its stead, --quantize-and-serve) and FlashRL's quantization
 # profile (--rl-quant-profile). Read with a default: a release without one of them names it None.
+# The weight version (--weight-version) is named too (_checkpoint_parts): SGLang treats a new one
+# as new weights when it changes live, so a restart under another one gets another key space.
 _WEIGHT_ARGS = ("load_format", "modelopt_quant", "modelopt_checkpoint_restore_path", "quantize_and_serve", "rl_quant_profile")
 
 
@@ -227,20 +229,25 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     storage config's model_name is --served-model-name in SGLang 0.5.23 (an alias; the model
     path only when none is given), so from SGLang's runtime context: the model path and
     revision, the quantization, the JSON overrides of the model config, how the weights are
-    loaded and quantized at load (`_WEIGHT_ARGS`), and the speculative draft model's path,
+    loaded and quantized at load (`_WEIGHT_ARGS`), the weight version the server started with
+    (--weight-version), and the speculative draft model's path,
     revision, quantization and load format. None when SGLang's config is not published in this
     process (or names no model path): the checkpoint cannot be named."""
-    from sglang.srt.runtime_context import get_model, get_spec
+    from sglang.srt.runtime_context import get_context, get_model, get_spec
 
     try:
         model = get_model()
         spec = get_spec()
+        # The version the server started with (its resolved server args): get_serving() gives
+        # the one a live update named since.
+        startup_version = get_context().server_args.resolved_dict().get("weight_version")
         parts = (
             "model_path", model.model_path,
             "revision", model.revision,
             "quantization", model.quantization,
             "json_model_override_args", model.json_model_override_args,
             *(part for name in _WEIGHT_ARGS for part in (name, getattr(model, name, None))),
+            "weight_version", startup_version,
             "draft model_path", spec.speculative_draft_model_path,
             "draft revision", spec.speculative_draft_model_revision,
             "draft quantization", spec.speculative_draft_model_quantization,
