@@ -939,7 +939,9 @@ fn status(shared: &Shared) -> StatusReply {
         let store = lock(&shared.store);
         let mut devices = shared.devices.clone();
         for (device, emulator) in devices.iter_mut().zip(&store.emulators) {
-            device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.stats().restriction_refusals);
+            // Lock-free: `stats()` would wait, under the store lock, for the controller's poll in
+            // progress (a Flush's transfer wait on a stalled store: up to 30 s).
+            device.refused_commands = emulator.as_ref().map_or(0, |emulator| emulator.restriction_refusals());
         }
         (devices, metadata_fenced(&store), store.control.counts(), store.relay.counts())
     };
