@@ -298,41 +298,89 @@ def test_a_pool_cleared_in_this_process_is_not_opened_again_in_it(tmp_path: Path
     again.close()
 
 
-@pytest.mark.parametrize("first_call", ["batch_exists", "exists", "batch_get_v1", "batch_set_v1"])
-def test_an_in_place_weight_update_retires_the_pool(tmp_path: Path, caplog, first_call: str):
-    """Goal: SGLang updates weights in place (update_weights_from_disk / _tensor / _distributed /
-    _ipc) and flushes its cache (Scheduler.flush_cache -> cache_controller.reset), which keeps
-    the storage backend attached: pages stored before were computed with the old weights and
-    must not be served after. The scheduler states an update that names a weight version
-    (Scheduler.record_weight_version_change: get_context().override("scheduler.weight_version",
-    ...)); whichever call of the backend comes first afterwards sees it and retires the pool as
-    a clear does (lookups miss, nothing moves, a warning), and the pool is recorded as cleared, so
-    a backend built again in this process (detach then attach) is refused it. (Scheduler's module
-    imports packages this environment lacks, so its override line is restated here.)"""
+def weight_version_change(version: str) -> None:
+    """SGLang's Scheduler.record_weight_version_change (scheduler.py, SGLang 0.5.23), restated:
+    Scheduler's module imports packages this environment lacks. An in-place weight update
+    (update_weights_from_disk / _tensor / _distributed / _ipc) and /update_weight_version call it
+    with the version they name."""
+    get_context().override("scheduler.weight_version", weight_version=version)
+
+
+def sglang_flush(pool: MHATokenToKVPoolHost) -> None:
+    """SGLang's cache flush as it reaches the host pool (Scheduler.flush_cache ->
+    UnifiedRadixCache._reset_full: cache_controller.reset(), which joins the storage threads and
+    empties their queues, then mem_pool_host.clear())."""
+    pool.clear()
+
+
+def test_a_weight_version_that_comes_back_is_still_a_change(tmp_path: Path):
+    """Goal: weight versions A -> B -> A between two storage calls are two in-place weight updates
+    (a label may be reused for other weights): the pages stored under the first A were computed
+    with the first A's weights and are not served after (batch_exists, exists, batch_get_v1)."""
     pool = host_pool("page_first")
     keys = page_keys(24, 2)
-    with get_context().override_server_args(model_path=CHECKPOINT):
+    with get_context().override_server_args(model_path=CHECKPOINT, weight_version="A"):
         storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
         try:
             assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
             assert storage.batch_exists(keys) == 2
-            # Scheduler.record_weight_version_change (scheduler.py, SGLang 0.5.23).
-            get_context().override("scheduler.weight_version", weight_version="rl-step-1")
-            calls = {
-                "batch_exists": lambda: storage.batch_exists(keys) == 0,
-                "exists": lambda: not storage.exists(keys[0]),
-                "batch_get_v1": lambda: storage.batch_get_v1(keys, indices([3, 4])) == [False, False],
-                "batch_set_v1": lambda: storage.batch_set_v1(page_keys(25, 1), indices([5])) == [False],
-            }
-            with caplog.at_level("WARNING"):
-                assert calls[first_call](), f"{first_call} served the pool after a weight update"
-            assert "weight version" in caplog.text
-            assert all(call() for call in calls.values()), "the pool was used after a weight update"
+            weight_version_change("B")
+            weight_version_change("A")
+            assert storage.batch_exists(keys) == 0, "the first A's pages are served after A -> B -> A"
+            assert not storage.exists(keys[0])
+            assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
         finally:
             storage.close()
-        created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", False)), pool)
-        with pytest.raises(tutti.InvalidArgument, match="cleared"):
-            created.register_mem_pool_host(pool)
+
+
+def test_after_a_weight_version_change_pages_are_stored_again_once_sglang_flushes(tmp_path: Path, caplog):
+    """Goal: an in-place weight update (or /update_weight_version alone) does not retire the
+    tier: the backend moves to a new key space, where the old weights' pages miss (they age out
+    by LRU) and the new weights' pages are stored and found. A backup after the change but
+    before SGLang's cache flush may carry the old weights' KV (a backup operation queued before
+    the change, on a storage thread the flush has not joined yet; or no flush at all): it is
+    refused, with a warning, until SGLang's flush clears the host pool; from then on pages are
+    stored and read back byte-exact. Nothing is recorded as cleared: a backend built again in
+    this process (detach then attach) opens the pool, and backs up once SGLang flushes."""
+    pool = host_pool("page_first")
+    keys = page_keys(25, 2)
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        try:
+            assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            sglang_flush(pool)  # a flush before the change (e.g. /flush_cache, then an update without flush_cache)
+            weight_version_change("rl-step-1")
+            assert storage.batch_exists(keys) == 0, "the old weights' pages are served after a weight update"
+            with caplog.at_level("WARNING"):
+                assert storage.batch_set_v1(keys, indices([1, 2])) == [False, False], "a backup before the flush was stored"
+            assert "flush" in caplog.text
+            assert storage.batch_exists(keys) == 0
+            sglang_flush(pool)
+            generator = torch.Generator().manual_seed(25)
+            for page in (3, 4):
+                view = page_view(pool, page)
+                view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+            assert storage.batch_set_v1(keys, indices([3, 4])) == [True, True], "no page is stored after a weight update"
+            assert storage.batch_exists(keys) == 2
+            assert storage.exists(keys[1])
+            assert storage.batch_get_v1(keys, indices([5, 6])) == [True, True]
+            assert torch.equal(page_view(pool, 5), page_view(pool, 3)) and torch.equal(page_view(pool, 6), page_view(pool, 4))
+            # The next update: its pages are refused again until the next flush.
+            weight_version_change("rl-step-2")
+            assert storage.batch_exists(keys) == 0
+            assert storage.batch_set_v1(keys, indices([3, 4])) == [False, False]
+        finally:
+            storage.close()
+        # Built after a change, its host pool may hold older KV: its backups wait for a flush too.
+        again = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        try:
+            later = page_keys(26, 1)
+            assert again.batch_set_v1(later, indices([7])) == [False]
+            sglang_flush(pool)
+            assert again.batch_set_v1(later, indices([7])) == [True]
+            assert again.batch_exists(later) == 1
+        finally:
+            again.close()
 
 
 def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):

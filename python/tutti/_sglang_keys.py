@@ -15,8 +15,11 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
   (`_page_layout_parts`, with the KV format of an integer pool, `_kv_format_parts`), then the
   process's share of each page when the model is split across pipeline stages or CP ranks
   (`_shard_parts`): other layers or another slice under the same page hash, even on shared devices.
-- the cleared-pool record: a key space this process cleared (SGLang's storage clear, or an
-  in-place weight update the backend saw by its weight version, `_weight_version`) keeps its
+- the weight epoch: an in-place weight update SGLang records (a weight version change) starts
+  a key space of its own within the pool (`_WeightEpochs`: the page keys are salted), where the
+  older weights' pages miss; backups into it wait for SGLang's cache flush
+  (`_watch_host_pool_clears`).
+- the cleared-pool record: a key space this process cleared (SGLang's storage clear) keeps its
   pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
   is formatted (`_refuse_cleared_pool`); devices are named by the storage behind them
   (`_device_identity`), however a device string spells it.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -100,8 +104,7 @@ def _refuse_cleared_pool(devices: list[str], identities: tuple[str, ...], finger
     if cleared:
         raise ConfigError(
             f"this process cleared the tutti pool on {', '.join(devices)} (SGLang's /hicache/storage-backend/clear, "
-            "a PD role switch, which clears the storage tier, or an in-place weight update that named a new weight "
-            "version), and tutti cannot delete a pool's pages: opening it "
+            "or a PD role switch, which clears the storage tier), and tutti cannot delete a pool's pages: opening it "
             "again under the same model fingerprint would serve the pages stored before the clear (e.g. the old "
             "weights'). Attach with \"format\": true (everything on the pool is lost), other devices, or a new "
             "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
@@ -230,7 +233,8 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     path only when none is given), so from SGLang's runtime context: the model path and
     revision, the quantization, the JSON overrides of the model config, how the weights are
     loaded and quantized at load (`_WEIGHT_ARGS`), the weight version the server started with
-    (--weight-version), and the speculative draft model's path,
+    (--weight-version; the weights after an in-place update get key spaces of their own,
+    _WeightEpochs), and the speculative draft model's path,
     revision, quantization and load format. None when SGLang's config is not published in this
     process (or names no model path): the checkpoint cannot be named."""
     from sglang.srt.runtime_context import get_context, get_model, get_spec
@@ -260,18 +264,124 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     return tuple(str(part) for part in parts)
 
 
-def _weight_version() -> Optional[str]:
-    """The version of the weights SGLang serves now, get_serving().weight_version: --weight-version
-    at start ("default"), then the version an in-place weight update names
-    (Scheduler.record_weight_version_change overrides it in the scheduler process, whose storage
-    threads read it here; an update that names no version, or the one in use, leaves it as it
-    is). None when SGLang's config is not published in this process."""
-    from sglang.srt.runtime_context import get_serving
+def _weight_version_overrides() -> Optional[tuple[str, ...]]:
+    """The weight versions SGLang recorded in this process, in order: every in-place weight
+    update that names a new version, and every /update_weight_version
+    (Scheduler.record_weight_version_change) overrides get_serving().weight_version through
+    get_context().override, which appends an entry to the context's overrides_log(); nothing
+    else does. None when the log cannot be read."""
+    from sglang.srt.runtime_context import get_context
 
     try:
-        return str(get_serving().weight_version)
-    except (ValueError, RuntimeError, AttributeError):
+        log = get_context().overrides_log()
+        return tuple(str(fields["weight_version"]) for _source, fields in log if "weight_version" in fields)
+    except (ValueError, RuntimeError, AttributeError, TypeError, KeyError):
         return None
+
+
+class _WeightEpochs:
+    """A backend's weight epochs: epoch n is the weights served after the n-th weight version
+    change SGLang recorded in this process (0: the weights it started with). Changes are counted,
+    not versions compared: A -> B -> A is two changes, and the second A may be other weights.
+    Each epoch is a key space of its own (`salt`): epoch 0 names pages as the model fingerprint
+    alone does (pages a restart on the same checkpoint and --weight-version may share), a later
+    one adds this backend's random nonce and the epoch (pages only this backend can find: the
+    weights of an in-place update are named by nothing that outlives the process), so a change
+    makes the older epochs' pages miss (they age out by LRU) without retiring the pool.
+
+    A page backed up in epoch n must be KV of epoch n's weights, and SGLang does not say when a
+    host page was computed: a backup operation queued before the change may run after it (the
+    storage threads run their queues until SGLang's cache flush joins them, and an update may
+    not flush at all). SGLang's flush (Scheduler.flush_cache -> UnifiedRadixCache._reset_full:
+    cache_controller.reset() joins the storage threads and empties every queue, then
+    mem_pool_host.clear()) comes after the change is recorded, on the same scheduler thread, and
+    leaves no page and no queued operation of older weights. So `flushed` (called from the host
+    pool's clear, `_watch_host_pool_clears`) notes the epoch that clear happened in, and
+    `storable` allows backups only in an epoch a clear happened in; reads use the current epoch
+    at once. A backend registered after a change (a re-attach) starts in that epoch unflushed:
+    its host pool may hold older KV.
+
+    The log restarts only when SGLang publishes its config again (at process start in 0.5.23):
+    a log that does not extend the one seen counts as one more change (a new key space, whose
+    backups wait for a flush). Reading the log copies it (one entry per update). Thread-safe:
+    SGLang's prefetch and backup threads and its scheduler thread (the clear) use it at once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nonce = os.urandom(16)
+        self._seen = _weight_version_overrides() or ()
+        self._epoch = len(self._seen)
+        # The epoch SGLang's last host pool clear happened in (-1: none since a change).
+        self._flushed = 0 if self._epoch == 0 else -1
+
+    def current(self) -> int:
+        """The epoch now (the log read again); the last one known when it cannot be read."""
+        with self._lock:
+            # Read under the lock: the log only grows between publishes, so each read extends
+            # the one before (no thread's older read can undo a newer one).
+            versions = _weight_version_overrides()
+            if versions is not None and versions != self._seen:
+                if versions[: len(self._seen)] == self._seen:
+                    self._epoch += len(versions) - len(self._seen)
+                else:
+                    self._epoch += 1
+                self._seen = versions
+            return self._epoch
+
+    def salt(self, epoch: int) -> bytes:
+        """What goes before a page's key in `epoch`'s key space (nothing in epoch 0)."""
+        if epoch == 0:
+            return b""
+        return b"tutti sglang weight epoch\0" + self._nonce + epoch.to_bytes(8, "little") + b"\0"
+
+    def flushed(self) -> None:
+        """SGLang cleared the host pool (its cache flush): backups of the epoch now are its KV."""
+        epoch = self.current()
+        with self._lock:
+            self._flushed = max(self._flushed, epoch)
+
+    def storable(self, epoch: int) -> bool:
+        """Whether a backup in `epoch` holds that epoch's KV (SGLang flushed since it began)."""
+        with self._lock:
+            return self._flushed >= epoch
+
+
+# The host pools whose clear is watched: pool -> the weight epochs told of each clear.
+_CLEAR_WATCHERS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[_WeightEpochs]]" = weakref.WeakKeyDictionary()
+_CLEAR_WATCHERS_LOCK = threading.Lock()
+
+
+def _watch_host_pool_clears(host_pool: Any, epochs: _WeightEpochs) -> bool:
+    """Has `epochs.flushed()` called after every clear() of SGLang's host pool (its cache flush,
+    see _WeightEpochs): the pool's clear is wrapped once (an attribute of this instance, which
+    UnifiedRadixCache and HostPoolGroup call), and every backend registered on the pool is told.
+    False when the pool's clear cannot be wrapped (backups then stay refused after a change)."""
+    with _CLEAR_WATCHERS_LOCK:
+        try:
+            watchers = _CLEAR_WATCHERS.get(host_pool)
+        except TypeError:  # not weakly referable
+            return False
+        if watchers is None:
+            original = host_pool.clear
+            pool_ref = weakref.ref(host_pool)
+
+            def clear(*args: Any, **kwargs: Any) -> Any:
+                result = original(*args, **kwargs)
+                pool = pool_ref()
+                with _CLEAR_WATCHERS_LOCK:
+                    told = list(_CLEAR_WATCHERS.get(pool, ())) if pool is not None else []
+                for watcher in told:
+                    watcher.flushed()
+                return result
+
+            try:
+                host_pool.clear = clear
+            except (AttributeError, TypeError):
+                return False
+            watchers = weakref.WeakSet()
+            _CLEAR_WATCHERS[host_pool] = watchers
+        watchers.add(epochs)
+        return True
 
 
 def _page_layout_parts(host_pool: Any, kv_format: Optional[tuple[str, ...]]) -> tuple[Any, ...]:

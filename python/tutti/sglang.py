@@ -59,7 +59,8 @@ from tutti._sglang_keys import (
     _refuse_cleared_pool,
     _remember_cleared_pool,
     _shard_parts,
-    _weight_version,
+    _watch_host_pool_clears,
+    _WeightEpochs,
     check_rank_devices,
     rank_devices,
 )
@@ -160,9 +161,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._pool_identity: Optional[tuple[tuple[str, ...], bytes]] = None
         self._layers = 0
         self._page_size = 0
-        # The weight version SGLang served when the host pool was registered (None: not
-        # readable): the pool's pages are that version's KV (_retire_if_weights_changed).
-        self._weight_version: Optional[str] = None
+        # SGLang's weight epochs (in-place weight updates) once the host pool is registered:
+        # each names its pages in a key space of its own (_WeightEpochs).
+        self._epochs: Optional[_WeightEpochs] = None
+        # The last epoch whose backups were refused for want of SGLang's flush (logged once).
+        self._unflushed_epoch_logged = -1
         # Why the pool was closed for good (a page's layer did not complete): nothing moves any
         # more, lookups miss.
         self._dead: Optional[str] = None
@@ -220,7 +223,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         devices = rank_devices(config["devices"], storage)
         identities = _device_identities(devices)
         # Read before the pool opens: an update from here on is seen by the first call after.
-        self._weight_version = _weight_version()
+        epochs = self._epochs = _WeightEpochs()
         if not config["format"]:
             _refuse_cleared_pool(devices, identities, fingerprint)
         self._store = tutti.Store.open(
@@ -253,6 +256,12 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._pool_identity = (identities, fingerprint)
         self._layers = layers
         self._page_size = mem_pool_host.page_size
+        if not _watch_host_pool_clears(mem_pool_host, epochs):
+            logger.warning(
+                "tutti: SGLang's host pool (%s) does not let its clear be watched: after a weight version change "
+                "nothing is backed up until this server restarts (a backup may hold the old weights' KV)",
+                type(mem_pool_host).__name__,
+            )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """SGLang's HybridCacheController (0.5.23) registers every entry of its host pool group
@@ -285,11 +294,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
         """How many pages from the first are in the pool (the hit prefix, in pages)."""
         store = self._registered_store()
-        self._retire_if_weights_changed()
         if self._dead is not None:
             return 0
+        salt = self._salt_now()
         for index, key in enumerate(keys):
-            if store.lookup(_key_tokens(key)) < 1:
+            if store.lookup(_key_tokens(key, salt)) < 1:
                 return index
         return len(keys)
 
@@ -305,8 +314,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
 
     def exists(self, key: str) -> bool:
         store = self._registered_store()
-        self._retire_if_weights_changed()
-        return self._dead is None and store.lookup(_key_tokens(key)) >= 1
+        return self._dead is None and store.lookup(_key_tokens(key, self._salt_now())) >= 1
 
     # -- SGLang's copying interface: not offered ------------------------------------------------
 
@@ -342,7 +350,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         )
 
     def _retire(self, reason: str) -> None:
-        """Retires the pool for this process (a clear, or weights updated in place): recorded as
+        """Retires the pool for this process (SGLang's storage clear): recorded as
         cleared (_refuse_cleared_pool), then closed through the locked close, logged at warning
         level with `reason`. A pool closed already (a stuck layer, an earlier retire) is only
         recorded: its pages are still there."""
@@ -352,25 +360,31 @@ class TuttiHiCacheStorage(HiCacheStorage):
             return
         self._close_pool(reason, pages_written=False, level=logging.WARNING)
 
-    def _retire_if_weights_changed(self) -> None:
-        """Retires the pool once SGLang serves another weight version than at registration: an
-        in-place weight update (update_weights_from_disk, _tensor, _distributed, _ipc) flushes
-        SGLang's cache (Scheduler.flush_cache -> cache_controller.reset) but keeps this backend
-        attached, and the pool's pages are the old weights' KV. Only an update that names a new
-        weight version is seen (SGLang states no other); docs/sglang.md says to clear the
-        storage tier after any other."""
-        if self._weight_version is None or self._dead is not None:
-            return
-        current = _weight_version()
-        if current is None or current == self._weight_version:
-            return
-        self._retire(
-            f"SGLang updated its weights in place (weight version {self._weight_version!r} became {current!r}): the "
-            "pool's pages are the old weights' KV, and tutti cannot delete them, so it stops using the pool until this "
-            "server restarts; a restart opens the same pool and serves those pages to a server started on the same "
-            "checkpoint arguments: restart on the updated weights with \"format\": true, other devices or a new "
-            "\"model_fingerprint\" in --hicache-storage-backend-extra-config"
-        )
+    def _salt_now(self) -> bytes:
+        """The key salt of SGLang's weight epoch now (reads use it at once: an older epoch's
+        pages are other weights' KV)."""
+        epochs = self._epochs
+        assert epochs is not None  # set before the store (_registered_store)
+        return epochs.salt(epochs.current())
+
+    def _backup_salt(self) -> Optional[bytes]:
+        """The key salt of SGLang's weight epoch now for a backup, or None when SGLang has not
+        flushed its cache since the epoch began: the host pages may be older weights' KV
+        (_WeightEpochs), so nothing is stored (logged once per epoch)."""
+        epochs = self._epochs
+        assert epochs is not None
+        epoch = epochs.current()
+        if epochs.storable(epoch):
+            return epochs.salt(epoch)
+        if self._unflushed_epoch_logged != epoch:
+            self._unflushed_epoch_logged = epoch
+            logger.warning(
+                "tutti: SGLang's weight version changed (change %d in this process) and SGLang has not flushed its "
+                "cache since: backups are refused until it does (a host page may hold the old weights' KV); an "
+                "update with flush_cache (the default) or /flush_cache resumes them",
+                epoch,
+            )
+        return None
 
     def close(self) -> None:
         """Closes the pool (SGLang's shutdown) through the same path as a stuck layer's close, so
@@ -399,8 +413,6 @@ class TuttiHiCacheStorage(HiCacheStorage):
         try:
             start = 0
             while start < len(keys):
-                # Every wave: a weight update may land while a long batch moves.
-                self._retire_if_weights_changed()
                 if self._dead is not None:
                     break
                 # Long enough for the other thread's wave (served first, arrival order) when each
@@ -419,7 +431,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
                         )  # fmt: skip
                     break
                 try:
-                    going = self._move_wave(pool, keys, pages, results, start, start + taken, store)
+                    # Every wave, once its places are taken: a weight update may land while a
+                    # long batch moves (or waits). A wave already running goes on in its epoch (a
+                    # backup of older KV stays in the older key space).
+                    salt = self._backup_salt() if store else self._salt_now()
+                    going = salt is not None and self._move_wave(pool, keys, pages, results, start, start + taken, store, salt)
                 finally:
                     self._places.give(taken)
                 start += taken
@@ -435,15 +451,18 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     _host_pages_unsafe(self._unsafe)
         return results
 
-    def _move_wave(self, pool: Any, keys: List[str], pages: list[Optional[int]], results: List[bool], start: int, end: int, store: bool) -> bool:
+    def _move_wave(
+        self, pool: Any, keys: List[str], pages: list[Optional[int]], results: List[bool], start: int, end: int, store: bool, salt: bytes
+    ) -> bool:
         """Moves pages start..end (at most the request places taken for them) as one wave, noting
-        each page moved in `results`. Returns False when the pool was closed (a stuck layer or a
-        request that could not be ended): nothing more moves."""
+        each page moved in `results`; keys are named in the weight epoch of `salt`. Returns False
+        when the pool was closed (a stuck layer or a request that could not be ended): nothing
+        more moves."""
         wave: list[tuple[int, Any]] = []
         for index in range(start, end):
             if pages[index] is None:
                 continue
-            tokens = _key_tokens(keys[index])
+            tokens = _key_tokens(keys[index], salt)
             try:
                 if store:
                     request = pool.prepare_store(tokens, [pages[index]])
@@ -714,8 +733,10 @@ def _pages(host_indices: torch.Tensor, count: int, page_size: int) -> list[Optio
     return pages
 
 
-def _key_tokens(key: str) -> list[int]:
-    return hash_tokens(key.encode("utf-8"), BYTE_GEOMETRY_BLOCK_TOKENS)
+def _key_tokens(key: str, salt: bytes) -> list[int]:
+    """The tokens naming SGLang's page `key` in the weight epoch of `salt` (_WeightEpochs.salt:
+    empty in epoch 0, so the names pages had before epochs existed stay)."""
+    return hash_tokens(salt + key.encode("utf-8"), BYTE_GEOMETRY_BLOCK_TOKENS)
 
 
 def _abandon(request: Any, timeout_s: float) -> bool:
