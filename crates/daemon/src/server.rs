@@ -142,8 +142,8 @@ impl ServerConfig {
             let (tutti_devices::DeviceSpec::EmuFile(file) | tutti_devices::DeviceSpec::Uring(file)) = device else { continue };
             if let Some(clash) = manifest_files.iter().find(|path| same_file(path, file)) {
                 return Err(DaemonError::Config(format!(
-                    "--cluster-state {} would put the segment manifest's file {} at the pool device {device}'s: give the manifest a \
-                     path of its own",
+                    "--cluster-state {}: {} (the segment manifest, its temporary or its lock file) is the file of the pool device \
+                     {device}, which the manifest's rewrite would replace: give the manifest a path of its own",
                     manifest.display(),
                     clash.display()
                 )));

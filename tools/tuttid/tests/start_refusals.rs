@@ -102,16 +102,17 @@ fn cluster_node(directory: &Path, image: &Path, socket: &Path, state: &Path, dat
 #[test]
 fn a_cluster_state_naming_the_pool_itself_is_refused_and_left_as_it_is() {
     // Goal: `--cluster-state` naming a file that is not a segment manifest (here, by a slip, the
-    // pool's own image) exits 2 and leaves that file byte for byte. Before, the start read it as
-    // a foreign manifest, discarded it and renamed a 12-byte manifest over it: the pool's data
-    // gone without a question.
+    // pool's own image) exits 2 and leaves that file byte for byte (refused by the configuration's
+    // check of the manifest's path against the devices', or, without it, by the manifest's check
+    // of its magic, TSMF). Before, the start read it as a foreign manifest, discarded it and
+    // renamed a 12-byte manifest over it: the pool's data gone without a question.
     let directory = tempfile::tempdir().unwrap();
     let image = pool_with_a_prompt(directory.path());
     let before = std::fs::read(&image).unwrap();
     let socket = directory.path().join("node.sock");
     let (code, stderr) = run_bounded(&mut cluster_node(directory.path(), &image, &socket, &image, "127.0.0.1:0"));
     assert_eq!(code, Some(2), "{stderr}");
-    assert!(stderr.contains("TSMF"), "{stderr}");
+    assert!(stderr.contains("--cluster-state"), "{stderr}");
     assert!(std::fs::read(&image).unwrap() == before, "the refused daemon changed the pool image: {stderr}");
     assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
 }
