@@ -45,6 +45,8 @@ pub fn is_unusable(error: &(dyn std::error::Error + 'static)) -> bool {
 /// already ends with after a `": "`: many errors name their source at the end of their own
 /// message (`"NVMe: {0}"` with `#[from]`), and anyhow's `{:#}` would print it twice. Only a
 /// whole last part counts, so a short cause that happens to appear in the line is still printed.
+/// One line indeed: control characters in any part (a daemon's or a device's words among them)
+/// are escaped ([`crate::printable`]).
 pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
     let mut line = error.to_string();
     let mut cause = error.source();
@@ -57,7 +59,7 @@ pub fn error_line(error: &(dyn std::error::Error + 'static)) -> String {
         }
         cause = current.source();
     }
-    line
+    crate::printable(&line).into_owned()
 }
 
 /// The exit status of a run that returned `result` (then flushed standard output): success; a
@@ -125,5 +127,13 @@ mod tests {
         assert_eq!(error_line(wrapped.as_ref()), "formatting a pool: NVMe: nsid:2 does not exist");
         // A cause the line holds only earlier on is its own news.
         assert_eq!(error_line(&Context(Unusable("pool".into()))), "opening the pool: pool");
+    }
+
+    #[test]
+    fn an_error_line_from_another_process_stays_one_line() {
+        // Goal: a message a daemon (or something posing as one) sent, with a newline and an
+        // escape sequence, is printed escaped: the tool's error stays one line on the terminal.
+        let wrapped = anyhow::Error::new(Unusable("refused\n\u{1b}[2Ktuttid: all fine".into())).context("status");
+        assert_eq!(error_line(wrapped.as_ref()), "status: refused\\n\\u{1b}[2Ktuttid: all fine");
     }
 }

@@ -13,7 +13,8 @@
 //!   `--kv-heads`, `--head-dim`, `--dtype`, `--tokens-per-block`) and their one parser, used by
 //!   tutti-bench, `tutti pool format` and tutti-profile (feature `geometry`, on by default;
 //!   without it the crate needs nothing beyond std, clap and tracing-subscriber, for binaries
-//!   below the object store and the Python module).
+//!   below the object store and the Python module);
+//! - [`text`]: text from outside printed with its control characters escaped ([`printable`]).
 #![forbid(unsafe_code)]
 
 pub mod exit;
@@ -21,9 +22,11 @@ pub mod exit;
 pub mod geometry;
 pub mod logging;
 pub mod stdout;
+pub mod text;
 pub mod timeout;
 
 #[cfg(feature = "geometry")]
 pub use geometry::{Dtype, GeometryArgs, GeometryError, ModelChoice};
 pub use logging::init_stderr_logging;
 pub use stdout::{is_stdout_closed, StdoutError};
+pub use text::printable;

@@ -20,7 +20,7 @@ use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 use objstore::FormatParams;
 use tutti_cli::exit::{self, Unusable};
-use tutti_cli::{outln, GeometryArgs};
+use tutti_cli::{outln, printable, GeometryArgs};
 use tutti_cluster::{ClusterConfig, ClusterId, NodeId, SegmentBlocks};
 use tutti_daemon::cluster::ClusterSettings;
 use tutti_daemon::gpu_memory::DeviceMemoryImport;
@@ -287,6 +287,8 @@ fn serve(cli: &Cli) -> Result<()> {
         DeviceMemoryArg::Cuda => DeviceMemoryImport::Cuda,
     };
     config.cluster = cluster;
+    // So that validation refuses a cluster manifest (or its .new / .lock) at a pool file.
+    config.pool_devices = options.specs.clone();
     config.session_limits = SessionLimits {
         registrations_max: cli.windows_per_session,
         window_bytes_max: cli.window_bytes_per_session,
@@ -493,20 +495,6 @@ fn print_report(status: &StatusReply) -> Result<()> {
         )?;
     }
     Ok(())
-}
-
-/// Text from the socket as it may be printed: control characters (a newline, an escape
-/// sequence) escaped. A client names itself (`Hello`), a device describes itself, a daemon (or a
-/// peer posing as one) sends what it likes: none may forge or erase `--status` lines the
-/// operator relies on ("KEPT FOR GOOD", "LEAKED").
-fn printable(text: &str) -> std::borrow::Cow<'_, str> {
-    if text.chars().any(char::is_control) {
-        text.chars()
-            .map(|character| if character.is_control() { character.escape_default().to_string() } else { character.to_string() })
-            .collect()
-    } else {
-        std::borrow::Cow::Borrowed(text)
-    }
 }
 
 /// One client session's line of `--status`.
