@@ -368,7 +368,8 @@ pub(crate) struct ClusterAgent {
 pub(crate) struct ClusterPrepared {
     manifest_lock: manifest::ManifestLock,
     loaded: manifest::Loaded,
-    listener: std::net::TcpListener,
+    /// Bound, not listened on until the data plane is made (`data_plane::BoundAddress`).
+    listener: data_plane::BoundAddress,
     lookups: lookup::RemoteLookups,
 }
 
@@ -417,7 +418,8 @@ impl ClusterAgent {
             tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
         }
         let io = |source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source };
-        let listener = std::net::TcpListener::bind(settings.data_address).map_err(io)?;
+        // Bound, not listened on: until the data plane is made, peers are refused at connect.
+        let listener = data_plane::BoundAddress::bind(settings.data_address).map_err(io)?;
         let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
             .map_err(DaemonError::Registry)?;
         Ok(ClusterPrepared { manifest_lock, loaded, listener, lookups })
@@ -739,3 +741,32 @@ impl PreparedStores {
 /// Receives what a committed store hands the registrar (for `registrar.rs`).
 #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
 type Inbox = Receiver<Committed>;
+
+#[cfg(all(test, feature = "cluster"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prepared_data_address_refuses_connections_until_the_data_plane_serves() {
+        // Goal: between ClusterAgent::prepare and the data plane (the pool's open, which may
+        // take long after a restart), the data address is this node's but refuses connections:
+        // peers still listing this node get ECONNREFUSED at once and pass it over, instead of
+        // a connect that succeeds into a backlog nobody accepts from (each fetch then waited out
+        // its stall bound, twice, holding an asker's slot). Once it listens, connects succeed.
+        let directory = tempfile::tempdir().unwrap();
+        let cluster = tutti_cluster::ClusterId::new("prepared").unwrap();
+        let registry = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], cluster, tutti_cluster::SegmentBlocks::new(16).unwrap());
+        let node = NodeId::new("node").unwrap();
+        let settings = ClusterSettings::new(registry, node, "127.0.0.1:0".parse().unwrap(), directory.path().join("segments"));
+        let prepared = ClusterAgent::prepare(&settings).unwrap();
+        let address = prepared.listener.local_addr().unwrap();
+        assert_ne!(address.port(), 0, "a port was picked at prepare");
+        match std::net::TcpStream::connect_timeout(&address, std::time::Duration::from_secs(2)) {
+            Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => {}
+            other => panic!("a connect to the prepared data address before the data plane serves: {other:?}"),
+        }
+        let listening = prepared.listener.listen().unwrap();
+        assert_eq!(listening.local_addr().unwrap(), address);
+        std::net::TcpStream::connect_timeout(&address, std::time::Duration::from_secs(2)).expect("a connect once it listens");
+    }
+}

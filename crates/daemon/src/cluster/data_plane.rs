@@ -197,6 +197,45 @@ impl FetchError {
     }
 }
 
+/// The data plane's address, bound at `ClusterAgent::prepare` (before the pool is opened, so
+/// that an address a running daemon serves refuses the start before a `--format`) but not
+/// listened on until [`DataPlane::bind`]: meanwhile (the pool's open, long after a restart)
+/// peers still listing this node are refused at connect and pass it over at once, where a
+/// listening socket would take their connections into a backlog nobody accepts from and each
+/// fetch would wait out its stall bound. `SO_REUSEADDR`, as `TcpListener::bind` sets it, so that
+/// a restart on a fixed address is not refused for the previous process's connections in
+/// TIME_WAIT; the price: until it listens, another socket with it set can bind the address too
+/// (two daemons started at once on one address), and the later to listen is refused then.
+#[derive(Debug)]
+pub(crate) struct BoundAddress {
+    socket: std::os::fd::OwnedFd,
+}
+
+impl BoundAddress {
+    pub(crate) fn bind(address: SocketAddr) -> std::io::Result<BoundAddress> {
+        use nix::sys::socket::{bind, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrStorage};
+        use std::os::fd::AsRawFd;
+        let family = if address.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
+        let socket = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
+        setsockopt(&socket, sockopt::ReuseAddr, &true)?;
+        bind(socket.as_raw_fd(), &SockaddrStorage::from(address))?;
+        Ok(BoundAddress { socket })
+    }
+
+    /// The address bound (the port picked, for port 0); the data plane reads its listener's.
+    #[cfg(test)]
+    pub(crate) fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        // A duplicate descriptor of the socket, read and closed: std reads the address.
+        TcpListener::from(self.socket.try_clone()?).local_addr()
+    }
+
+    /// Starts listening: connections are taken from here on.
+    pub(crate) fn listen(self) -> std::io::Result<TcpListener> {
+        nix::sys::socket::listen(&self.socket, nix::sys::socket::Backlog::MAXCONN)?;
+        Ok(TcpListener::from(self.socket))
+    }
+}
+
 /// The data plane: the bound listener (taken by the server's thread) and the staging area.
 pub struct DataPlane {
     listener: Mutex<Option<TcpListener>>,
@@ -217,18 +256,14 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// Serves on `listener` (bound to the configured address, port 0: a free one, see
-    /// [`DataPlane::address`]) and builds the staging area over the pool.
-    pub fn bind(
-        listener: TcpListener,
+    /// Builds the staging area over the pool, then listens on `bound` (the configured address,
+    /// port 0: a free one, see [`DataPlane::address`]); served from `serve`.
+    pub(crate) fn bind(
+        bound: BoundAddress,
         control: &StoreControl,
         segment_blocks: SegmentBlocks,
         requests_max: usize,
     ) -> std::io::Result<DataPlane> {
-        // Bound before the pool was opened (`ClusterAgent::prepare`), so that an address in use
-        // refuses the start before a `--format`.
-        listener.set_nonblocking(true)?;
-        let address = listener.local_addr()?;
         let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
             .map_err(|error| std::io::Error::other(format!("the data plane's staging area: {error}")))?;
         let block_bytes = staging.block_bytes();
@@ -239,6 +274,10 @@ impl DataPlane {
                 peer::BLOCK_BYTES_MAX
             )));
         }
+        // Last: until here peers are refused at connect (`BoundAddress`).
+        let listener = bound.listen()?;
+        listener.set_nonblocking(true)?;
+        let address = listener.local_addr()?;
         Ok(DataPlane {
             listener: Mutex::new(Some(listener)),
             address,

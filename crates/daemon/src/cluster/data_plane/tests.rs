@@ -53,7 +53,9 @@ fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> N
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();
-    let mut plane = DataPlane::bind(TcpListener::bind("127.0.0.1:0").unwrap(), &control, SegmentBlocks::new(SEGMENT).unwrap(), 16).unwrap();
+    let mut plane =
+        DataPlane::bind(BoundAddress::bind("127.0.0.1:0".parse().unwrap()).unwrap(), &control, SegmentBlocks::new(SEGMENT).unwrap(), 16)
+            .unwrap();
     plane.bounds = bounds;
     let relay = DoorbellRelay::start(RelayConfig::default()).unwrap();
     let store = Mutex::new(StoreState { control, emulators: vec![Some(device)], relay });
