@@ -233,7 +233,8 @@ impl EmuDevice {
     }
 
     /// A snapshot of the counters. It waits for the controller's lock, for at most the poll in
-    /// progress (a slice of a long zeroing, a Flush's wait for transfers in flight).
+    /// progress (a slice of a long zeroing, a Flush's wait for transfers in flight, a shutdown's
+    /// finishing the rest of a zeroing).
     pub fn stats(&self) -> EmuStats {
         self.shared.core().stats()
     }

@@ -2,7 +2,9 @@
 //! poll, so the controller's lock is released between slices: on a store that must write
 //! zeroes (a block device without write-zeroes offload) a whole namespace takes minutes, and
 //! `stats()`, `preset_restriction()` (tuttid calls both under its store lock), a power loss,
-//! a function reset and the device's drop must not wait that long.
+//! a function reset and the device's drop must not wait that long. (A shutdown notification
+//! finishes a zeroing in one poll, under the lock: host-side calls then wait for the rest of it;
+//! a power loss, a function reset and the drop still stop it at its next slice.)
 //!
 //! While one runs, the poll scans no queue: every other command waits for it, as it waited
 //! when the zeroing ran in one go (so ordering is what it was: nothing overlaps it, a Flush
