@@ -3,7 +3,8 @@
 //! commit: never a store only written, nor one released), unregisters what eviction breaks,
 //! leaves on SIGTERM, vanishes within its lease after SIGKILL, and registers again what survived
 //! after a restart and after a lost lease; etcd's absence never fails or slows a commit; a
-//! commit queued when SIGTERM comes is journalled and registered at the next start; a SIGKILLed
+//! commit queued when SIGTERM comes is journalled and registered at the next start; a stopping
+//! node leaves at once, a connection still finishing its frame; a SIGKILLed
 //! holder, listed until its lease expires, is passed over for another; bad cluster options are
 //! refused before the daemon opens anything.
 //! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
@@ -181,6 +182,37 @@ fn a_commit_queued_when_sigterm_comes_is_journalled_and_registered_at_the_next_s
     wait_for("prompt 9 registered from the manifest", LEASE + 2 * SOON, || {
         common::cluster::holders_once_available(&reader, 9).is_some_and(|holders| holders == [["e"], ["e"]])
     });
+}
+
+#[test]
+fn a_node_stopping_leaves_the_cluster_at_once_while_a_connection_still_finishes() {
+    // Goal: on SIGTERM the node leaves the cluster (its lease revoked: record and segments
+    // gone) at once, not after its connection threads end. Its data plane stops serving within
+    // a tick, so a peer still listing it would fetch from an address that refuses. A client
+    // one byte into a frame holds its connection thread for the frame timeout (10 s here);
+    // before, the registrar waited for that thread (journalling its last commits) with the
+    // lease kept alive, and the node stayed listed for the whole wait.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut node = Node::new(root.path(), "f");
+    node.extra = vec!["--frame-timeout", "10s"];
+    node.start(&etcd, true);
+    store(&node, 12);
+    wait_for("prompt 12 registered", SOON, || holders(&reader, 12) == [["f"], ["f"]]);
+    let mut daemon = node.daemon.take().unwrap();
+    let mut stalled = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
+    std::io::Write::write_all(&mut stalled, &[0]).unwrap();
+    // Accepted, and the byte read (the frame's deadline running), within a few ticks.
+    std::thread::sleep(Duration::from_millis(300));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.pid() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let left = wait_for("the stopping node leaves the cluster", Duration::from_secs(3), || {
+        members(&reader).is_empty() && holders(&reader, 12).is_empty()
+    });
+    eprintln!("the node left {left:?} after SIGTERM, a connection still in a frame");
+    let exit = common::wait_bounded(daemon.child.as_mut().unwrap());
+    assert!(exit.success(), "{exit}: {}", daemon.stderr());
+    drop(stalled);
 }
 
 #[test]

@@ -19,13 +19,15 @@
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
 //! (T, the registry's request timeout: a transaction T, a join 3 T, a rejoin 4 T; the cluster
 //! crate lists them) and the stop is checked between calls, so the thread sees the daemon's
-//! stop within a tick plus one call (at most 4 T, a rejoin). Then, without etcd, it journals
-//! every commit still queued and those the connection threads hand over while they finish
-//! their last request, until the server says they have all ended (at most
-//! [`LAST_COMMITS_WAIT_MAX`]): a commit left out of the manifest is never registered for the
-//! life of the pool (its blocks are not committed again). Then it leaves the cluster (revoking
-//! the lease, its segments vanishing at once: T, and 1 s for the client's runtime; 2 T when a
-//! rejoin's revoke of the old lease failed, which is revoked too).
+//! stop within a tick plus one call (at most 4 T, a rejoin). Then it leaves the cluster at once
+//! (revoking the lease, its segments vanishing: T, and 1 s for the client's runtime; 2 T when a
+//! rejoin's revoke of the old lease failed, which is revoked too): the data plane stops serving
+//! within a tick of the stop, and a node still listed would send peers' fetches to an address
+//! that refuses them. Then, without etcd, it journals every commit still queued and those the
+//! connection threads hand over while they finish their last request, until the server says
+//! they have all ended (at most [`LAST_COMMITS_WAIT_MAX`]): a commit left out of the manifest
+//! is never registered for the life of the pool (its blocks are not committed again); the next
+//! start registers what it journalled.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
@@ -153,8 +155,8 @@ impl Registrar {
         }
     }
 
-    /// Runs until `stop`, journals the last commits ([`Registrar::finish`]), then leaves the
-    /// cluster.
+    /// Runs until `stop`, leaves the cluster, then journals the last commits
+    /// ([`Registrar::finish`]).
     pub(crate) fn run(mut self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration) {
         let mut commits = Vec::with_capacity(COMMITS_PER_PASS);
         loop {
@@ -186,14 +188,18 @@ impl Registrar {
             }
             self.publish();
         }
-        self.finish(store, tick, commits, LAST_COMMITS_WAIT_MAX);
+        // Leave first: the data plane stops serving within a tick of the stop, so a node still
+        // listed would send peers' fetches to an address that refuses them, for as long as
+        // the journalling below waits on a connection thread (a frame timeout, up to
+        // LAST_COMMITS_WAIT_MAX). Journalling is local and needs no lease.
         self.leave();
+        self.finish(store, tick, commits, LAST_COMMITS_WAIT_MAX);
+        self.flush_manifest();
     }
 
-    /// After the stop, without etcd (the node leaves next, its registrations going with its
-    /// lease): journals `commits` and every commit queued, then those handed over until the
-    /// server says the connection threads have ended, or `wait_max` passed. The next start
-    /// registers them from the manifest.
+    /// After the stop and the leave, without etcd: journals `commits` and every commit queued,
+    /// then those handed over until the server says the connection threads have ended, or
+    /// `wait_max` passed. The next start registers them from the manifest.
     fn finish(&mut self, store: &Mutex<StoreState>, tick: Duration, mut commits: Vec<Committed>, wait_max: Duration) {
         let deadline = Instant::now() + wait_max;
         loop {
@@ -528,17 +534,21 @@ impl Registrar {
     /// rather than a TTL later (bounded by the request timeout, and 1 s for the client's
     /// runtime to shut down).
     fn leave(&mut self) {
-        if let Some(manifest) = self.manifest.as_mut() {
-            if let Err(error) = manifest.flush() {
-                manifest_failed(&mut self.manifest, &self.metrics, error);
-            }
-        }
         if let Some(node) = self.node.take() {
             node.leave();
             tracing::info!("left the cluster");
         }
         self.metrics.joined.set(0);
         self.metrics.segments_registered.set(0);
+    }
+
+    /// The manifest's last write, once nothing more is journalled.
+    fn flush_manifest(&mut self) {
+        if let Some(manifest) = self.manifest.as_mut() {
+            if let Err(error) = manifest.flush() {
+                manifest_failed(&mut self.manifest, &self.metrics, error);
+            }
+        }
     }
 }
 
