@@ -199,7 +199,8 @@ impl Registrar {
 
     /// After the stop and the leave, without etcd: journals `commits` and every commit queued,
     /// then those handed over until the server says the connection threads have ended, or
-    /// `wait_max` passed. The next start registers them from the manifest.
+    /// `wait_max` passed; then closes the queue ([`Registrar::close_inbox`]). The next start
+    /// registers them from the manifest.
     fn finish(&mut self, store: &Mutex<StoreState>, tick: Duration, mut commits: Vec<Committed>, wait_max: Duration) {
         let deadline = Instant::now() + wait_max;
         loop {
@@ -225,7 +226,40 @@ impl Registrar {
                 }
             }
         }
+        self.close_inbox(store, &mut commits);
         self.publish();
+    }
+
+    /// Closes the queue, so that a commit handed over from now on is refused as disconnected
+    /// (`ClusterAgent::hand_over` counts it in `commits_dropped` and logs it): one accepted into
+    /// a queue nobody reads would be dropped with the registrar, neither journalled nor counted.
+    /// A receiver whose sender is gone replaces the queue's; what the old one holds is journalled
+    /// until a read finds it empty (at most [`DRAIN_PASSES_MAX`] passes: past it, what is left
+    /// is logged) before it is dropped. Only a commit handed over between that last read and the
+    /// drop, a few instructions, can still be lost uncounted.
+    fn close_inbox(&mut self, store: &Mutex<StoreState>, commits: &mut Vec<Committed>) {
+        let (_, closed) = std::sync::mpsc::sync_channel(0);
+        let inbox = std::mem::replace(&mut self.inbox, closed);
+        let mut passes = 0;
+        loop {
+            while commits.len() < COMMITS_PER_PASS {
+                match inbox.try_recv() {
+                    Ok(commit) => commits.push(commit),
+                    Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
+                }
+            }
+            if commits.is_empty() {
+                return;
+            }
+            self.update_local(store, commits);
+            commits.clear();
+            passes += 1;
+            // Until a read finds it empty: more may have come during the journalling.
+            if passes >= DRAIN_PASSES_MAX {
+                tracing::warn!("commits still came after the wait for the connection threads: those queued now are not journalled");
+                return;
+            }
+        }
     }
 
     /// Journals `commits` and what is queued, [`COMMITS_PER_PASS`] at a time, for at most
@@ -563,6 +597,57 @@ mod tests {
     use tutti_cluster::{ClusterId, NodeId, SegmentBlocks, SegmentKey};
 
     use super::*;
+
+    /// A one-device pool on a software controller, as the daemon's store.
+    fn store() -> Mutex<StoreState> {
+        use nvme_driver::{Controller, ControllerConfig, NamespaceId};
+        use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+        use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget, StoreControl};
+
+        let config =
+            EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+        let device = EmuDevice::start(config).unwrap();
+        let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
+        let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+        let geometry = ModelGeometry { layers: 1, kv_heads: 8, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(16), pool_uuid: None, payload_crc: false };
+        format_pool(&targets, &params).unwrap();
+        let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+        let control = StoreControl::new(pool, 16).unwrap();
+        let relay = crate::relay::DoorbellRelay::start(crate::relay::RelayConfig::default()).unwrap();
+        Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
+    }
+
+    #[test]
+    fn a_commit_after_the_stopped_registrar_gave_up_waiting_meets_a_closed_queue() {
+        // Goal: once the stopped registrar has finished journalling (here past its bound on
+        // the wait for the connection threads, which never said they ended), a commit handed
+        // over after it is refused as disconnected, so `ClusterAgent::hand_over` counts it in
+        // `commits_dropped` and logs it. Before, the queue stayed open while the registrar
+        // left the cluster (up to T + 1 s): such a commit was accepted, then dropped with the
+        // registrar, neither journalled nor counted.
+        let directory = tempfile::tempdir().unwrap();
+        let blocks = SegmentBlocks::new(16).unwrap();
+        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("closed").unwrap(), blocks);
+        let record =
+            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0, HeldSegments::default().iter()).unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let recovered = Recovered { held: HeldSegments::default(), manifest, stale: Vec::new(), previous_lease: 0 };
+        let mut registrar =
+            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        let store = store();
+        let started = Instant::now();
+        registrar.finish(&store, Duration::from_millis(10), Vec::new(), Duration::from_millis(50));
+        assert!(started.elapsed() < Duration::from_secs(5), "the wait is bounded: {:?}", started.elapsed());
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let late = Committed { space, keys: (1..=16).collect(), first_segment: 0 };
+        match sender.try_send(late) {
+            Err(std::sync::mpsc::TrySendError::Disconnected(_)) => {}
+            Ok(()) => panic!("a commit after the registrar finished was accepted into a queue nobody reads"),
+            Err(other) => panic!("{other:?}"),
+        }
+    }
 
     #[test]
     fn a_segment_evicted_before_the_first_join_is_forgotten_with_the_stale_ones() {
