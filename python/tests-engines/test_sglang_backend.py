@@ -306,6 +306,13 @@ def weight_version_change(version: str) -> None:
     get_context().override("scheduler.weight_version", weight_version=version)
 
 
+def disk_weight_update(model_path: str, load_format: str = "auto") -> None:
+    """SGLang's ModelRunner.update_model_fields (model_runner.py, SGLang 0.5.23), restated: every
+    successful update_weights_from_disk of the target model records the path and load format it
+    loaded, the same path too and whether it names a weight_version or not."""
+    get_context().override("model_runner.update_model_fields", model_path=model_path, load_format=load_format)
+
+
 def sglang_flush(pool: MHATokenToKVPoolHost) -> None:
     """SGLang's cache flush as it reaches the host pool (Scheduler.flush_cache ->
     UnifiedRadixCache._reset_full: cache_controller.reset(), which joins the storage threads and
@@ -381,6 +388,40 @@ def test_after_a_weight_version_change_pages_are_stored_again_once_sglang_flushe
             assert again.batch_exists(later) == 1
         finally:
             again.close()
+
+
+def test_a_weight_update_from_disk_without_a_version_is_a_change(tmp_path: Path):
+    """Goal: update_weights_from_disk naming no weight_version (to another checkpoint, or the
+    same path, whose files may have been rewritten) serves other weights: the pages stored
+    before it miss, and the pages stored after it (once SGLang flushes) are in a key space of
+    their own, not the startup one a restart on the startup checkpoint opens."""
+    pool = host_pool("page_first")
+    keys = page_keys(28, 2)
+    later = page_keys(29, 2)
+    again = page_keys(30, 1)
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        try:
+            assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            disk_weight_update("/models/other-checkpoint")
+            assert storage.batch_exists(keys) == 0, "the startup weights' pages are served after an update from disk"
+            sglang_flush(pool)
+            assert storage.batch_set_v1(later, indices([3, 4])) == [True, True]
+            assert storage.batch_exists(later) == 2
+            disk_weight_update(CHECKPOINT)  # back to the startup path: other files, maybe
+            assert storage.batch_exists(later) == 0, "the pages of the first disk update are served after the second"
+            sglang_flush(pool)
+            assert storage.batch_set_v1(again, indices([5])) == [True]
+        finally:
+            storage.close()
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        restarted = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        try:
+            assert restarted.batch_exists(later) == 0, "a restart on the startup checkpoint is served pages of weights loaded from disk"
+            assert restarted.batch_exists(again) == 0, "a restart is served pages of weights reloaded from the startup path"
+            assert restarted.batch_exists(keys) == 2
+        finally:
+            restarted.close()
 
 
 def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):

@@ -15,9 +15,9 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
   (`_page_layout_parts`, with the KV format of an integer pool, `_kv_format_parts`), then the
   process's share of each page when the model is split across pipeline stages or CP ranks
   (`_shard_parts`): other layers or another slice under the same page hash, even on shared devices.
-- the weight epoch: an in-place weight update SGLang records (a weight version change) starts
-  a key space of its own within the pool (`_WeightEpochs`: the page keys are salted), where the
-  older weights' pages miss; backups into it wait for SGLang's cache flush
+- the weight epoch: an in-place weight update SGLang records (a new weight version, an update
+  from disk) starts a key space of its own within the pool (`_WeightEpochs`: the page keys are
+  salted), where the older weights' pages miss; backups into it wait for SGLang's cache flush
   (`_watch_host_pool_clears`).
 - the cleared-pool record: a key space this process cleared (SGLang's storage clear) keeps its
   pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
@@ -264,24 +264,38 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     return tuple(str(part) for part in parts)
 
 
-def _weight_version_overrides() -> Optional[tuple[str, ...]]:
-    """The weight versions SGLang recorded in this process, in order: every in-place weight
-    update that names a new version, and every /update_weight_version
-    (Scheduler.record_weight_version_change) overrides get_serving().weight_version through
-    get_context().override, which appends an entry to the context's overrides_log(); nothing
-    else does. None when the log cannot be read."""
+# What SGLang 0.5.23 records in the scheduler process's overrides log when the served weights
+# change (get_context().override, one entry each): Scheduler.record_weight_version_change (every
+# in-place update that names a new weight_version, and /update_weight_version) overrides
+# weight_version; ModelRunner.update_model_fields (every successful update_weights_from_disk of
+# the target model, named version or not, the same path too) overrides model_path and
+# load_format under its own source. Updates from tensors, a process group or IPC that name no new
+# version record nothing.
+_WEIGHT_CHANGE_SOURCE = "model_runner.update_model_fields"
+_WEIGHT_CHANGE_FIELDS = ("weight_version", "model_path", "load_format")
+
+
+def _is_weight_change(source: Any, fields: Any) -> bool:
+    """Whether an overrides-log entry records a change of the served weights."""
+    return source == _WEIGHT_CHANGE_SOURCE or any(name in fields for name in _WEIGHT_CHANGE_FIELDS)
+
+
+def _weight_changes() -> Optional[tuple[str, ...]]:
+    """The weight changes SGLang recorded in this process, in order (`_is_weight_change`), each
+    as the fields it recorded. None when the log cannot be read."""
     from sglang.srt.runtime_context import get_context
 
     try:
         log = get_context().overrides_log()
-        return tuple(str(fields["weight_version"]) for _source, fields in log if "weight_version" in fields)
+        return tuple(f"{source}: {sorted(fields.items())}" for source, fields in log if _is_weight_change(source, fields))
     except (ValueError, RuntimeError, AttributeError, TypeError, KeyError):
         return None
 
 
 class _WeightEpochs:
-    """A backend's weight epochs: epoch n is the weights served after the n-th weight version
-    change SGLang recorded in this process (0: the weights it started with). Changes are counted,
+    """A backend's weight epochs: epoch n is the weights served after the n-th weight change
+    SGLang recorded in this process (0: the weights it started with; an update from disk that
+    names a version records two changes, which costs nothing). Changes are counted,
     not versions compared: A -> B -> A is two changes, and the second A may be other weights.
     Each epoch is a key space of its own (`salt`): epoch 0 names pages as the model fingerprint
     alone does (pages a restart on the same checkpoint and --weight-version may share), a later
@@ -309,7 +323,7 @@ class _WeightEpochs:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nonce = os.urandom(16)
-        self._seen = _weight_version_overrides() or ()
+        self._seen = _weight_changes() or ()
         self._epoch = len(self._seen)
         # The epoch SGLang's last host pool clear happened in (-1: none since a change).
         self._flushed = 0 if self._epoch == 0 else -1
@@ -319,7 +333,7 @@ class _WeightEpochs:
         with self._lock:
             # Read under the lock: the log only grows between publishes, so each read extends
             # the one before (no thread's older read can undo a newer one).
-            versions = _weight_version_overrides()
+            versions = _weight_changes()
             if versions is not None and versions != self._seen:
                 if versions[: len(self._seen)] == self._seen:
                     self._epoch += len(versions) - len(self._seen)

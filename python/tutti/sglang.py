@@ -258,7 +258,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._page_size = mem_pool_host.page_size
         if not _watch_host_pool_clears(mem_pool_host, epochs):
             logger.warning(
-                "tutti: SGLang's host pool (%s) does not let its clear be watched: after a weight version change "
+                "tutti: SGLang's host pool (%s) does not let its clear be watched: after a weight change "
                 "nothing is backed up until this server restarts (a backup may hold the old weights' KV)",
                 type(mem_pool_host).__name__,
             )
@@ -379,8 +379,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         if self._unflushed_epoch_logged != epoch:
             self._unflushed_epoch_logged = epoch
             logger.warning(
-                "tutti: SGLang's weight version changed (change %d in this process) and SGLang has not flushed its "
-                "cache since: backups are refused until it does (a host page may hold the old weights' KV); an "
+                "tutti: SGLang changed its weights (a new weight version or an update from disk; change %d in this "
+                "process) and has not flushed its cache since: backups are refused until it does (a host page may hold the old weights' KV); an "
                 "update with flush_cache (the default) or /flush_cache resumes them",
                 epoch,
             )
