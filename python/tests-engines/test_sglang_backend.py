@@ -424,6 +424,52 @@ def test_a_weight_update_from_disk_without_a_version_is_a_change(tmp_path: Path)
             restarted.close()
 
 
+class CountedLog(list):
+    """SGLang's overrides log, counting the entries read from it (a whole iteration counts them
+    all; a slice, its length)."""
+
+    def __init__(self, entries: list) -> None:
+        super().__init__(entries)
+        self.read = 0
+
+    def __iter__(self):
+        self.read += len(self)
+        return super().__iter__()
+
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        self.read += len(got) if isinstance(index, slice) else 1
+        return got
+
+
+def test_storage_calls_read_only_the_overrides_added_since_the_last(tmp_path: Path):
+    """Goal: SGLang's overrides log grows for the life of the process (adaptive speculative
+    decoding adds an entry at every step switch; attach, detach and /update_server_args too), and
+    the backend reads it at every storage call: each call reads only the entries added since the
+    one before, not the whole log (a copy of 50k entries took 71 ms per call), and still sees a
+    weight change added after them."""
+    pool = host_pool("page_first")
+    keys = page_keys(31, 2)
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        context = get_context()
+        log = context._overrides_log = CountedLog(context._overrides_log)  # restored with the override
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        try:
+            assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            # What get_context().override appends (adaptive speculative decoding's step switches),
+            # appended directly: 200k validated overrides would take the test's time.
+            for step in range(200_000):
+                log.append(("adaptive_spec.restore", {"speculative_num_steps": 3 + step % 2}))
+            log.read = 0
+            for _ in range(100):
+                assert storage.batch_exists(keys) == 2
+            assert log.read < 250_000, f"100 storage calls read {log.read} entries of a log of {len(log)}"
+            weight_version_change("after-the-switches")
+            assert storage.batch_exists(keys) == 0, "a weight change after the switches is not seen"
+        finally:
+            storage.close()
+
+
 def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):
     """Goal: a server restarted on the same checkpoint arguments with another --weight-version
     serves other weights (as a live version change says): it is not served the pages of the

@@ -275,21 +275,40 @@ _WEIGHT_CHANGE_SOURCE = "model_runner.update_model_fields"
 _WEIGHT_CHANGE_FIELDS = ("weight_version", "model_path", "load_format")
 
 
-def _is_weight_change(source: Any, fields: Any) -> bool:
-    """Whether an overrides-log entry records a change of the served weights."""
-    return source == _WEIGHT_CHANGE_SOURCE or any(name in fields for name in _WEIGHT_CHANGE_FIELDS)
+def _weight_change(entry: Any) -> Optional[str]:
+    """The weight change an overrides-log entry records, as its source and fields (None when it
+    records none). An entry that cannot be read is taken for a change: a change missed would
+    serve the old weights' pages, one too many only starts a key space."""
+    try:
+        source, fields = entry
+        if source == _WEIGHT_CHANGE_SOURCE or any(name in fields for name in _WEIGHT_CHANGE_FIELDS):
+            return f"{source}: {sorted(fields.items())}"
+        return None
+    except (ValueError, TypeError, AttributeError):
+        return f"an entry not (source, fields): {entry!r}"
 
 
-def _weight_changes() -> Optional[tuple[str, ...]]:
-    """The weight changes SGLang recorded in this process, in order (`_is_weight_change`), each
-    as the fields it recorded. None when the log cannot be read."""
+def _overrides_log() -> Optional[tuple[list, bool]]:
+    """SGLang's overrides log in this process: (the runtime context's own list, True), which the
+    caller reads only the new entries of (get_context().overrides_log() copies every entry, and
+    the log grows for the life of the process: adaptive speculative decoding adds one at every
+    step switch); (that copy, False) when the list itself cannot be read (a release that keeps it
+    elsewhere); None when neither can."""
     from sglang.srt.runtime_context import get_context
 
     try:
-        log = get_context().overrides_log()
-        return tuple(f"{source}: {sorted(fields.items())}" for source, fields in log if _is_weight_change(source, fields))
-    except (ValueError, RuntimeError, AttributeError, TypeError, KeyError):
+        context = get_context()
+        log = getattr(context, "_overrides_log", None)
+        if isinstance(log, list):
+            return log, True
+        return context.overrides_log(), False
+    except (ValueError, RuntimeError, AttributeError, TypeError):
         return None
+
+
+def _weight_changes(entries: list) -> tuple[str, ...]:
+    """The weight changes among overrides-log `entries`, in order (`_weight_change`)."""
+    return tuple(change for change in map(_weight_change, entries) if change is not None)
 
 
 class _WeightEpochs:
@@ -316,30 +335,61 @@ class _WeightEpochs:
     its host pool may hold older KV.
 
     The log restarts only when SGLang publishes its config again (at process start in 0.5.23):
-    a log that does not extend the one seen counts as one more change (a new key space, whose
-    backups wait for a flush). Reading the log copies it (one entry per update). Thread-safe:
+    the context then holds another list. The log grows for the life of the process (adaptive
+    speculative decoding adds an entry at every step switch; attach, detach and
+    /update_server_args too), so each read scans only the entries added to the same list since
+    the last (`_overrides_log`); another list, or a shorter one, counts as one more change (a new
+    key space, whose backups wait for a flush). Where only a copy of the log can be read, the
+    changes in it are compared with those seen (a whole copy at every read). Thread-safe:
     SGLang's prefetch and backup threads and its scheduler thread (the clear) use it at once."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._nonce = os.urandom(16)
-        self._seen = _weight_changes() or ()
-        self._epoch = len(self._seen)
+        # The context's own log and how many of its entries were scanned (None: not read yet,
+        # or only a copy could be read); the changes seen in a copy.
+        self._log: Optional[list] = None
+        self._scanned = 0
+        self._seen: tuple[str, ...] = ()
+        self._epoch = 0
+        self._read_log(first=True)
         # The epoch SGLang's last host pool clear happened in (-1: none since a change).
         self._flushed = 0 if self._epoch == 0 else -1
+
+    def _read_log(self, first: bool = False) -> None:
+        """Counts the changes SGLang recorded since the last read (under the lock, or at init)."""
+        read = _overrides_log()
+        if read is None:
+            return
+        log, own = read
+        if own:
+            if log is self._log and len(log) >= self._scanned:
+                # A slice is taken under the GIL: entries appended meanwhile wait for the next read.
+                entries = log[self._scanned :]
+                self._epoch += len(_weight_changes(entries))
+                self._scanned += len(entries)
+                return
+            # Another list (SGLang published its config again) or a shorter one: whatever it
+            # holds, the weights may be others (at init: every change in it).
+            entries = log[:]
+            self._epoch += len(_weight_changes(entries)) if first else 1
+            self._log, self._scanned = log, len(entries)
+            return
+        changes = _weight_changes(log)
+        if first:
+            self._epoch = len(changes)
+        elif self._log is not None or changes[: len(self._seen)] != self._seen:
+            self._epoch += 1  # another log, or a copy of the list read before
+        else:
+            self._epoch += len(changes) - len(self._seen)
+        self._log, self._seen = None, changes
 
     def current(self) -> int:
         """The epoch now (the log read again); the last one known when it cannot be read."""
         with self._lock:
             # Read under the lock: the log only grows between publishes, so each read extends
             # the one before (no thread's older read can undo a newer one).
-            versions = _weight_changes()
-            if versions is not None and versions != self._seen:
-                if versions[: len(self._seen)] == self._seen:
-                    self._epoch += len(versions) - len(self._seen)
-                else:
-                    self._epoch += 1
-                self._seen = versions
+            self._read_log()
             return self._epoch
 
     def salt(self, epoch: int) -> bytes:
