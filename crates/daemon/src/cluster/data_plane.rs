@@ -256,14 +256,21 @@ pub struct DataPlane {
 }
 
 impl DataPlane {
-    /// Builds the staging area over the pool, then listens on `bound` (the configured address,
-    /// port 0: a free one, see [`DataPlane::address`]); served from `serve`.
+    /// Listens on `bound` (the configured address, port 0: a free one, see
+    /// [`DataPlane::address`]), then builds the staging area over the pool; served from `serve`.
+    /// Listening first, as soon as the pool is open: peers that connect while the staging area is
+    /// made wait in the backlog for a moment rather than being refused, so a peer that saw the
+    /// daemon's socket answer is not refused here (a refused start closes it again).
     pub(crate) fn bind(
         bound: BoundAddress,
         control: &StoreControl,
         segment_blocks: SegmentBlocks,
         requests_max: usize,
     ) -> std::io::Result<DataPlane> {
+        // From here peers' connections are taken (until here refused: `BoundAddress`).
+        let listener = bound.listen()?;
+        listener.set_nonblocking(true)?;
+        let address = listener.local_addr()?;
         let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
             .map_err(|error| std::io::Error::other(format!("the data plane's staging area: {error}")))?;
         let block_bytes = staging.block_bytes();
@@ -274,10 +281,6 @@ impl DataPlane {
                 peer::BLOCK_BYTES_MAX
             )));
         }
-        // Last: until here peers are refused at connect (`BoundAddress`).
-        let listener = bound.listen()?;
-        listener.set_nonblocking(true)?;
-        let address = listener.local_addr()?;
         Ok(DataPlane {
             listener: Mutex::new(Some(listener)),
             address,

@@ -73,6 +73,10 @@ impl Node {
         let args = self.arguments(etcd, format);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         self.daemon = Some(Daemon::start(&self.directory, &self.device(), &args));
+        // The socket accepts connections as soon as it is bound, before the server is built
+        // (the data plane listening among it): one answered request means it was built, so a
+        // test that reads from this node at once is not refused at its data address.
+        let _ = self.status();
     }
 
     /// Starts the daemon as [`Node::start`] does, for a start that must fail: its exit status
