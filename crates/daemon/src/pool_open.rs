@@ -107,6 +107,13 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         .filter(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
         .cloned()
         .collect();
+    if let (Some(params), Some(bytes), false) = (&options.format, create_bytes, missing.is_empty()) {
+        // A format its parameters refuse for the files it would create is refused before one is
+        // made (what a created file's namespace holds: its bytes in whole LBAs).
+        let lba_bytes = u64::from(options.emu_lba_bytes.max(1));
+        objstore::check_format(params, options.emu_lba_bytes, bytes / lba_bytes, options.specs.len())
+            .map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
+    }
     if create_bytes.is_some() && !missing.is_empty() {
         // Only the missing files are locked now, creating them; the locks and claims on the
         // existing ones stay held throughout (letting go to take the whole set again would let
@@ -273,6 +280,36 @@ mod tests {
         assert_eq!(refused_meanwhile.get(), Some(true), "the existing file's lock was let go while the missing file was created");
         let held: Vec<&std::path::Path> = opened.locks.paths().collect();
         assert!(held.contains(&existing.as_path()) && held.contains(&missing.as_path()), "{held:?}");
+    }
+
+    #[test]
+    fn a_format_its_parameters_refuse_creates_no_file() {
+        // Goal: a --format with --emu-create-bytes whose parameters cannot format the file it
+        // would create (objects not a whole number of LBAs; a file too small for one slot) is
+        // refused before the file is made, as the format itself would refuse it: a refused
+        // start leaves nothing behind. Before, the file was created and then the format refused.
+        let directory = tempfile::tempdir().unwrap();
+        let missing = directory.path().join("new.img");
+        let small = ModelGeometry { layers: 2, kv_heads: 1, head_dim: 64, dtype_bytes: 2, block_tokens: 8 };
+        let fitting = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        for (geometry, create_bytes, expected) in
+            [(small, 64 << 20, "not a whole number of 4096-byte LBAs"), (fitting, 64 << 10, "too small")]
+        {
+            let options = PoolOptions {
+                specs: vec![DeviceSpec::EmuFile(missing.clone())],
+                namespace: 1,
+                emu_lba_bytes: 4096,
+                emu_create_bytes: Some(create_bytes),
+                format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+                overwrite: false,
+                lock_dir: directory.path().join("locks"),
+                client_queue_pairs: 1,
+                emu_doorbell_relay: false,
+            };
+            let error = open_pool(&options).err().expect("the format is refused");
+            assert!(error.to_string().contains(expected), "{error}");
+            assert!(!missing.exists(), "the refused format created {}: {error}", missing.display());
+        }
     }
 
     #[test]

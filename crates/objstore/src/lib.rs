@@ -31,7 +31,7 @@ pub use geometry::ModelGeometry;
 pub use index::{BlockLocation, IndexCounts};
 pub use leak::{leaked_dma_bytes, leaked_dma_regions};
 pub use mapping::{mapping_memory, CommandLimits, MappingForm, MappingMemoryReport, MappingTable};
-pub use pool::{format_pool, FormatParams, NoLender, Pool, PoolTarget, QueueLender, RecoveryReport};
+pub use pool::{check_format, format_pool, FormatParams, NoLender, Pool, PoolTarget, QueueLender, RecoveryReport};
 pub use registration::{KvLayout, KvRegistration};
 pub use store::{
     cpu_executor_for, DeviceLayout, Direction, FixedBudget, KvRequest, KvStore, LayerIssuePolicy, LayerKvStore, Placement, PoolShape,

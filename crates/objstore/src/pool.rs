@@ -214,6 +214,30 @@ pub(crate) fn read_superblock_within(target: &PoolTarget, device: usize, timeout
     Superblock::decode(&raw, device, namespace.block_size_bytes, namespace.size_blocks)
 }
 
+/// Whether `params` can format a namespace of `size_blocks` LBAs of `lba_bytes` as one of
+/// `device_count` devices: the checks [`format_pool`] makes of each device before it writes
+/// anything, for a caller about to create such a device (tuttid's `--emu-create-bytes` file), so
+/// that a format refused by its parameters leaves nothing behind. The same error `format_pool`
+/// would return (device 0 named).
+pub fn check_format(params: &FormatParams, lba_bytes: u32, size_blocks: u64, device_count: usize) -> Result<()> {
+    if device_count == 0 || device_count > usize::from(u16::MAX) {
+        return Err(ObjstoreError::InvalidFormat { reason: format!("{device_count} devices, expected 1..={}", u16::MAX) });
+    }
+    let flags = if params.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
+    Superblock::plan(
+        params.geometry,
+        params.blocks_per_slot,
+        lba_bytes,
+        size_blocks,
+        params.slot_count_max,
+        [0; 16],
+        0,
+        device_count as u32,
+        flags,
+    )
+    .map(|_| ())
+}
+
 /// Formats `targets` as one pool (target i becomes device i): first zeroes every target's
 /// superblock region with FUA (whatever pool was there no longer opens), then per device writes
 /// an Empty entry for every slot, makes the header region durable, and writes the new
