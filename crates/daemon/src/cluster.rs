@@ -368,7 +368,7 @@ pub(crate) struct ClusterAgent {
 pub(crate) struct ClusterPrepared {
     manifest_lock: manifest::ManifestLock,
     loaded: manifest::Loaded,
-    /// Bound, not listened on until the data plane is made (`data_plane::BoundAddress`).
+    /// Bound, not listened on until the pool is open (`DataPlane::bind`'s start; `data_plane::BoundAddress`).
     listener: data_plane::BoundAddress,
     lookups: lookup::RemoteLookups,
 }
@@ -418,7 +418,7 @@ impl ClusterAgent {
             tracing::warn!(bytes = loaded.dropped_bytes, "the segment manifest's tail did not check (a crash mid-write?); ignored");
         }
         let io = |source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source };
-        // Bound, not listened on: until the data plane is made, peers are refused at connect.
+        // Bound, not listened on: until the pool is open (`DataPlane::bind`), peers are refused at connect.
         let listener = data_plane::BoundAddress::bind(settings.data_address).map_err(io)?;
         let lookups = lookup::RemoteLookups::new(settings.registry.clone(), settings.node.clone(), settings.lookup_timeout)
             .map_err(DaemonError::Registry)?;
