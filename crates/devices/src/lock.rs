@@ -135,18 +135,31 @@ pub(crate) fn refuse_special_path(spec: &DeviceSpec, path: &Path) -> Result<(), 
 }
 
 fn refuse_special_type(spec: &DeviceSpec, path: &Path, file_type: std::fs::FileType) -> Result<(), DeviceError> {
-    let kind = if file_type.is_file() || file_type.is_block_device() || file_type.is_char_device() {
+    if file_type.is_file() || file_type.is_block_device() || file_type.is_char_device() {
         return Ok(());
-    } else if file_type.is_fifo() {
-        "a FIFO (named pipe)"
-    } else if file_type.is_socket() {
-        "a socket"
+    }
+    Err(DeviceError::NotAFileOrDevice { spec: spec.to_string(), path: path.to_path_buf(), kind: file_kind(file_type).into() })
+}
+
+/// What a file of `file_type` is, for a refusal that names it ("a FIFO (named pipe)").
+pub fn file_kind(file_type: std::fs::FileType) -> &'static str {
+    if file_type.is_file() {
+        "a regular file"
     } else if file_type.is_dir() {
         "a directory"
+    } else if file_type.is_symlink() {
+        "a symbolic link"
+    } else if file_type.is_fifo() {
+        "a FIFO (named pipe)"
+    } else if file_type.is_block_device() {
+        "a block device"
+    } else if file_type.is_char_device() {
+        "a character device"
+    } else if file_type.is_socket() {
+        "a socket"
     } else {
         "a special file"
-    };
-    Err(DeviceError::NotAFileOrDevice { spec: spec.to_string(), path: path.to_path_buf(), kind: kind.into() })
+    }
 }
 
 /// Reads of `/proc/locks` before the holder is given up as not found.

@@ -36,12 +36,13 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Read, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
+use tutti_devices::lock::file_kind;
 
 use super::held::HeldSegment;
 use crate::DaemonError;
@@ -220,7 +221,9 @@ pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
                 path.display()
             )))
         }
-        Ok(metadata) if !metadata.file_type().is_file() => return Err(not_a_manifest(path, &format!("is {}", kind_of(&metadata)))),
+        Ok(metadata) if !metadata.file_type().is_file() => {
+            return Err(not_a_manifest(path, &format!("is {}", file_kind(metadata.file_type()))))
+        }
         Ok(metadata) if metadata.nlink() > 1 => {
             return Err(DaemonError::Config(format!(
                 "the segment manifest {} (--cluster-state) has {} hard links: give a manifest of one name (its lock goes by the path, so \
@@ -254,28 +257,6 @@ pub fn lock(path: &Path) -> Result<ManifestLock, DaemonError> {
     }
 }
 
-/// What a path that is not a regular file is, for a refusal.
-fn kind_of(metadata: &std::fs::Metadata) -> &'static str {
-    let kind = metadata.file_type();
-    if kind.is_dir() {
-        "a directory"
-    } else if kind.is_symlink() {
-        "a symbolic link"
-    } else if kind.is_fifo() {
-        "a FIFO"
-    } else if kind.is_block_device() {
-        "a block device"
-    } else if kind.is_char_device() {
-        "a character device"
-    } else if kind.is_socket() {
-        "a socket"
-    } else if kind.is_file() {
-        "a regular file"
-    } else {
-        "not a regular file"
-    }
-}
-
 /// The refusal of a `--cluster-state` path that holds something other than a manifest.
 fn not_a_manifest(path: &Path, what: &str) -> DaemonError {
     DaemonError::Config(format!(
@@ -291,7 +272,7 @@ fn open_regular(path: &Path) -> std::io::Result<Result<(File, std::fs::Metadata)
     let flags = OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY;
     let file = OpenOptions::new().read(true).custom_flags(flags.bits()).open(path)?;
     let metadata = file.metadata()?;
-    Ok(if metadata.file_type().is_file() { Ok((file, metadata)) } else { Err(kind_of(&metadata)) })
+    Ok(if metadata.file_type().is_file() { Ok((file, metadata)) } else { Err(file_kind(metadata.file_type())) })
 }
 
 /// `PATH.new`, where [`Manifest::rewrite`] writes the file it renames over `PATH`.
@@ -315,7 +296,7 @@ fn stale_temporary(temporary: &Path) -> std::io::Result<bool> {
     match std::fs::symlink_metadata(temporary) {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(false),
         Err(error) => return Err(io_context(temporary, "looking at")(error)),
-        Ok(metadata) if !metadata.file_type().is_file() => return Err(refuse(&format!("is {}", kind_of(&metadata)))),
+        Ok(metadata) if !metadata.file_type().is_file() => return Err(refuse(&format!("is {}", file_kind(metadata.file_type())))),
         Ok(_) => {}
     }
     let (file, metadata) = match open_regular(temporary).map_err(io_context(temporary, "opening"))? {
@@ -353,7 +334,9 @@ pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> Result<Loaded, Daemon
     match std::fs::symlink_metadata(path) {
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
         Err(error) => return Err(io("looking at")(error)),
-        Ok(metadata) if !metadata.file_type().is_file() => return Err(not_a_manifest(path, &format!("is {}", kind_of(&metadata)))),
+        Ok(metadata) if !metadata.file_type().is_file() => {
+            return Err(not_a_manifest(path, &format!("is {}", file_kind(metadata.file_type()))))
+        }
         Ok(_) => {}
     }
     let (file, metadata) = match open_regular(path) {
