@@ -618,6 +618,24 @@ mod tests {
         Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
     }
 
+    /// A registrar of node "a" in cluster `cluster` (16-block segments, etcd unreachable), over
+    /// a manifest in `directory` holding `held` under `previous_lease`, as recovered at a start.
+    fn registrar_of(
+        directory: &std::path::Path,
+        cluster: &str,
+        held: HeldSegments,
+        previous_lease: i64,
+        inbox: std::sync::mpsc::Receiver<Committed>,
+    ) -> Registrar {
+        let blocks = SegmentBlocks::new(16).unwrap();
+        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new(cluster).unwrap(), blocks);
+        let record =
+            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let manifest = Manifest::rewrite(&directory.join("segments"), blocks, previous_lease, held.iter()).unwrap();
+        let recovered = Recovered { held, manifest, stale: Vec::new(), previous_lease };
+        Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered)
+    }
+
     #[test]
     fn a_commit_after_the_stopped_registrar_gave_up_waiting_meets_a_closed_queue() {
         // Goal: once the stopped registrar has finished journalling (here past its bound on
@@ -627,15 +645,8 @@ mod tests {
         // left the cluster (up to T + 1 s): such a commit was accepted, then dropped with the
         // registrar, neither journalled nor counted.
         let directory = tempfile::tempdir().unwrap();
-        let blocks = SegmentBlocks::new(16).unwrap();
-        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("closed").unwrap(), blocks);
-        let record =
-            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
-        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0, HeldSegments::default().iter()).unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
-        let recovered = Recovered { held: HeldSegments::default(), manifest, stale: Vec::new(), previous_lease: 0 };
-        let mut registrar =
-            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        let mut registrar = registrar_of(directory.path(), "closed", HeldSegments::default(), 0, inbox);
         let store = store();
         let started = Instant::now();
         registrar.finish(&store, Duration::from_millis(10), Vec::new(), Duration::from_millis(50));
@@ -657,19 +668,12 @@ mod tests {
         // not dropped because nothing is registered under this process's lease yet, which left
         // it claimed until the old lease expired.
         let directory = tempfile::tempdir().unwrap();
-        let blocks = SegmentBlocks::new(16).unwrap();
-        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("evict").unwrap(), blocks);
-        let record =
-            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let keys: Vec<u64> = (1..=16).collect();
         let mut held = HeldSegments::default();
         assert!(held.insert(space, 0, &keys));
-        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0x77, held.iter()).unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
-        let recovered = Recovered { held, manifest, stale: Vec::new(), previous_lease: 0x77 };
-        let mut registrar =
-            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        let mut registrar = registrar_of(directory.path(), "evict", held, 0x77, inbox);
         registrar.held.block_departed(5, &mut |_| false, &mut registrar.removed);
         assert_eq!(registrar.removed.len(), 1, "the segment's block left the pool");
         registrar.queue_removed();
@@ -686,15 +690,8 @@ mod tests {
         // old lease expires) are deleted under the new lease this pass instead of lingering
         // for a TTL, listing segments the pool no longer holds.
         let directory = tempfile::tempdir().unwrap();
-        let blocks = SegmentBlocks::new(16).unwrap();
-        let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new("rejoin").unwrap(), blocks);
-        let record =
-            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
-        let manifest = Manifest::rewrite(&directory.path().join("segments"), blocks, 0, HeldSegments::default().iter()).unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
-        let recovered = Recovered { held: HeldSegments::default(), manifest, stale: Vec::new(), previous_lease: 0 };
-        let mut registrar =
-            Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered);
+        let mut registrar = registrar_of(directory.path(), "rejoin", HeldSegments::default(), 0, inbox);
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let queued = vec![(space, Segment { index: 0, key: SegmentKey::new(16).unwrap() })];
         registrar.to_unregister = queued.clone();
