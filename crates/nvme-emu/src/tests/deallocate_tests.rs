@@ -175,6 +175,16 @@ fn slow_zeroing(path: &std::path::Path, create: bool) -> (TestHost, super::harne
     (host, queue)
 }
 
+/// [`slow_zeroing`] on a file of its own, made for it and unlinked at once (the device keeps it
+/// open): nothing is left behind whatever the test does.
+fn slow_zeroing_unlinked(name: &str) -> (TestHost, super::harness::HostQueue) {
+    let path = std::env::temp_dir().join(format!("nvme-emu-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let opened = slow_zeroing(&path, true);
+    let _ = std::fs::remove_file(&path);
+    opened
+}
+
 /// Rings a deallocate of the whole slow namespace and gives the controller time to start it.
 fn start_slow_deallocate(host: &TestHost, queue: &mut super::harness::HostQueue) -> nvme_driver::hw::DmaRegion {
     let (entry, list) = deallocate_repeated(host, whole_namespace(SLOW_STORE_BLOCKS));
@@ -216,10 +226,7 @@ fn a_power_loss_and_a_function_reset_preempt_a_long_deallocate() {
     // the zeroing holds): the zeroing gives way, its command gets no completion (the stop
     // deletes its queue), and the controller serves I/O after a new bring-up. Until 2026-12-01
     // both waited for the whole namespace to be zeroed.
-    let path = std::env::temp_dir().join(format!("nvme-emu-preempt-zeroing-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let (mut host, mut queue) = slow_zeroing(&path, true);
-    let _ = std::fs::remove_file(&path);
+    let (mut host, mut queue) = slow_zeroing_unlinked("preempt-zeroing");
     let _list = start_slow_deallocate(&host, &mut queue);
     let cut = Instant::now();
     host.device.power_loss();
@@ -246,10 +253,7 @@ fn the_refusal_count_is_read_without_waiting_for_a_long_deallocate() {
     // deallocate that writes zeroes for seconds (the controller's lock held throughout),
     // `restriction_refusals()` still answers at once. Before 2026-12-01 the count was only in
     // `stats()`, which waits for that lock: about 10 s here.
-    let path = std::env::temp_dir().join(format!("nvme-emu-refusals-mid-zeroing-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let (host, mut queue) = slow_zeroing(&path, true);
-    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing_unlinked("refusals-mid-zeroing");
     let _list = start_slow_deallocate(&host, &mut queue);
     let asked = Instant::now();
     assert_eq!(host.device.restriction_refusals(), 0);
@@ -266,10 +270,7 @@ fn the_controller_answers_other_calls_between_the_slices_of_a_long_deallocate() 
     // under its store lock) answer within a slice, and the deallocate still completes with
     // every block of the namespace reading as zero. Until 2026-12-01 the zeroing held the lock
     // for its whole run, and both waited for it (about 10 s here).
-    let path = std::env::temp_dir().join(format!("nvme-emu-calls-mid-zeroing-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let (host, mut queue) = slow_zeroing(&path, true);
-    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing_unlinked("calls-mid-zeroing");
     write_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1, 0x77);
     let _list = start_slow_deallocate(&host, &mut queue);
     let answer_within = Duration::from_millis(300);
@@ -295,10 +296,7 @@ fn a_shutdown_finishes_a_long_deallocate_before_it_reports_complete() {
     // Goal: a long zeroing runs a slice per poll; a shutdown notification that arrives
     // meanwhile finishes it (the command completes, every block reads as zero) before SHST
     // reads complete, as when the zeroing ran in one go and the shutdown came after it.
-    let path = std::env::temp_dir().join(format!("nvme-emu-shutdown-mid-zeroing-{}", std::process::id()));
-    let _ = std::fs::remove_file(&path);
-    let (host, mut queue) = slow_zeroing(&path, true);
-    let _ = std::fs::remove_file(&path);
+    let (host, mut queue) = slow_zeroing_unlinked("shutdown-mid-zeroing");
     write_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1, 0x77);
     let _list = start_slow_deallocate(&host, &mut queue);
     // About a second for the rest: the shutdown comes while it runs.
