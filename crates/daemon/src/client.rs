@@ -38,6 +38,41 @@ pub use remote_store::{wire_first_block, RemoteConfig, RemoteKvStore, WindowKvLa
 /// Granularity of the client's waits (the socket's read timeout).
 const TICK: Duration = Duration::from_millis(50);
 
+/// The pauses before a request tuttid answered Busy is asked again (a Hello past the connection
+/// cap, an AttachQueues while an ended session's deletion is unconfirmed): 20 ms, doubled after
+/// each answer up to 500 ms (a retiring session's deletion is confirmed within a tick once the
+/// controller answers, or after its admin timeout), within the caller's deadline.
+#[derive(Debug, Clone)]
+pub struct BusyPauses {
+    next: Duration,
+}
+
+impl BusyPauses {
+    const FIRST: Duration = Duration::from_millis(20);
+    const LONGEST: Duration = Duration::from_millis(500);
+
+    pub fn new() -> BusyPauses {
+        BusyPauses { next: Self::FIRST }
+    }
+
+    /// Sleeps the next pause and returns true, or returns false at once when asking again after
+    /// it would reach `deadline` (the caller gives up with the Busy it got).
+    pub fn pause_before(&mut self, deadline: Instant) -> bool {
+        if Instant::now() + self.next >= deadline {
+            return false;
+        }
+        std::thread::sleep(self.next);
+        self.next = (self.next * 2).min(Self::LONGEST);
+        true
+    }
+}
+
+impl Default for BusyPauses {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 pub struct Client {
     stream: UnixStream,
     frame: Vec<u8>,

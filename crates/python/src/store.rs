@@ -281,10 +281,6 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
 /// make it ping every millisecond and starve every other call of the lock.
 pub const KEEPALIVE_INTERVAL_MIN: Duration = Duration::from_millis(100);
 
-/// The first and longest pause before `attach` asks a busy tuttid again (doubling in between).
-const ATTACH_BUSY_PAUSE_MIN: Duration = Duration::from_millis(20);
-const ATTACH_BUSY_PAUSE_MAX: Duration = Duration::from_millis(500);
-
 /// How long an attached store may stay idle before the completion thread pings tuttid: a third
 /// of the session's `lease` (tuttid's, untrusted), so that two pings may be late before the
 /// lease runs out, but never under `KEEPALIVE_INTERVAL_MIN` (a lease under three times that
@@ -352,7 +348,7 @@ pub(crate) enum Busy {
 /// only (another thread's connection found with it keeps its own).
 pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &Hello, busy: Busy) -> Result<Hellod, Failure> {
     let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
-    let mut pause = ATTACH_BUSY_PAUSE_MIN;
+    let mut pauses = tutti_daemon::client::BusyPauses::new();
     loop {
         let before = crate::process::open_fds();
         let (mut client, connections) = connect_recorded(socket, timeout, &before)?;
@@ -363,13 +359,11 @@ pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &
             Ok((geometry, reply)) => return Ok(Hellod { client, reply, geometry, connections }),
             Err(failure) => {
                 close_failed_connection(client, &connections);
-                let busy_again = busy == Busy::AskAgain && failure.code.as_deref() == Some("Busy") && Instant::now() + pause < deadline;
-                if !busy_again {
+                let busy_again = busy == Busy::AskAgain && failure.code.as_deref() == Some("Busy");
+                if !busy_again || !pauses.pause_before(deadline) {
                     return Err(failure);
                 }
-                tracing::debug!(message = %failure.message, "tutti: tuttid is busy; attaching again");
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
+                tracing::debug!(message = %failure.message, "tutti: tuttid was busy; attaching again");
             }
         }
     }

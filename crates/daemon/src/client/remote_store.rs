@@ -64,11 +64,6 @@ const PAGE_BYTES: u64 = 4096;
 const SCRATCH_PAGE_BYTES: u64 = 4096;
 /// Room left in the window for allocator rounding and small regions.
 const WINDOW_SLACK_BYTES: u64 = 1 << 20;
-/// The first pause before an `AttachQueues` answered Busy is asked again, doubled after each
-/// answer up to the longest (as the Python package's Hello): a retiring session's deletion is
-/// confirmed within a tick once the controller answers, or after its admin timeout (10 s).
-const ATTACH_BUSY_PAUSE_MIN: Duration = Duration::from_millis(20);
-const ATTACH_BUSY_PAUSE_MAX: Duration = Duration::from_millis(500);
 
 /// How a remote store is set up.
 #[derive(Debug, Clone)]
@@ -226,7 +221,7 @@ fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
 fn attach_queues(client: &mut Client, attach: &Request, timeout: Duration) -> Result<(Vec<QueueGrant>, Vec<OwnedFd>), ObjstoreError> {
     let started = Instant::now();
     let deadline = crate::frame_io::deadline_after(started, timeout);
-    let mut pause = ATTACH_BUSY_PAUSE_MIN;
+    let mut pauses = super::BusyPauses::new();
     let mut asked = 0u32;
     loop {
         asked += 1;
@@ -234,7 +229,8 @@ fn attach_queues(client: &mut Client, attach: &Request, timeout: Duration) -> Re
             Ok((Reply::Attached { queues }, fds)) => return Ok((queues, fds)),
             Ok((other, _)) => return Err(unexpected(Kind::AttachQueues, &other)),
             Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
-                if Instant::now() + pause >= deadline {
+                tracing::debug!(%message, asked, "tuttid answered AttachQueues Busy; asking again");
+                if !pauses.pause_before(deadline) {
                     let message = format!(
                         "AttachQueues answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
                         started.elapsed().as_secs_f64(),
@@ -242,9 +238,6 @@ fn attach_queues(client: &mut Client, attach: &Request, timeout: Duration) -> Re
                     );
                     return Err(remote(DaemonError::Remote { code: ErrorCode::Busy, message }));
                 }
-                tracing::debug!(%message, asked, "tuttid answered AttachQueues Busy; asking again");
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(ATTACH_BUSY_PAUSE_MAX);
             }
             Err(error) => return Err(remote(error)),
         }
