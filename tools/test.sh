@@ -93,6 +93,11 @@ for stage in $STAGES; do
     esac
 done
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# Incremental compilation keeps per-crate query caches that a run from a fresh clone never
+# reuses, and they grow with every rebuild (26 GiB in one developer's target/debug beside 12 GiB of
+# build output); a CI run with about 10 GiB free ran out of disk in its last two stages. A
+# developer iterating on one crate can set CARGO_INCREMENTAL=1.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 export DEBIAN_FRONTEND=noninteractive
 
 passed=0
