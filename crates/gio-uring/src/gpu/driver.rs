@@ -3,8 +3,9 @@
 //! allowed to contain `unsafe` code; every call here is FFI into libcuda.
 //!
 //! cudarc's dynamically loaded functions panic if libcuda or a symbol is missing. So: nothing here
-//! is called before [`driver_present`] returned true, and the green-context entry points (CUDA
-//! 12.4+) are only called after [`driver_version`] says the driver has them.
+//! is called before [`driver_present`] returned true, and the green-context entry points
+//! ([`GREEN_CONTEXT_ENTRY_POINTS`], the newest from CUDA 12.5) are only called after
+//! [`driver_version`] says the driver has them all.
 
 use std::ffi::CStr;
 
@@ -12,8 +13,34 @@ use cudarc::driver::sys;
 
 use crate::error::GioError;
 
-/// The first CUDA driver version with green contexts (12.4), as cuDriverGetVersion encodes it.
-pub const GREEN_CONTEXT_MIN_DRIVER_VERSION: i32 = 12040;
+/// Every driver entry point the green-context path calls ([`create_green_context`],
+/// [`context_of_green`], [`destroy_green_context`]), with the first CUDA driver version that
+/// exports it (as cuDriverGetVersion encodes it; cudarc gates each on the same version). cudarc's
+/// loader panics on a missing symbol, so [`GREEN_CONTEXT_MIN_DRIVER_VERSION`] is at least the
+/// newest of these.
+pub const GREEN_CONTEXT_ENTRY_POINTS: [(&str, i32); 7] = [
+    ("cuDeviceGetDevResource", 12040),
+    ("cuDevSmResourceSplitByCount", 12040),
+    ("cuDevResourceGenerateDesc", 12040),
+    ("cuGreenCtxCreate", 12040),
+    ("cuCtxFromGreenCtx", 12040),
+    ("cuGreenCtxDestroy", 12040),
+    ("cuGreenCtxStreamCreate", 12050),
+];
+
+/// The first CUDA driver version the runtime takes a green context on: 12.4 introduced green
+/// contexts, but `cuGreenCtxStreamCreate` only came with 12.5; a 12.4 driver gets the logged
+/// fallback stream.
+pub const GREEN_CONTEXT_MIN_DRIVER_VERSION: i32 = 12050;
+
+// The build fails if an entry point is added to the table with a newer version than the minimum.
+const _: () = {
+    let mut index = 0;
+    while index < GREEN_CONTEXT_ENTRY_POINTS.len() {
+        assert!(GREEN_CONTEXT_ENTRY_POINTS[index].1 <= GREEN_CONTEXT_MIN_DRIVER_VERSION);
+        index += 1;
+    }
+};
 
 fn check(call: &'static str, result: sys::CUresult) -> Result<(), GioError> {
     if result == sys::CUresult::CUDA_SUCCESS {

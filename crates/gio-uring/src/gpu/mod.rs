@@ -239,7 +239,7 @@ pub struct GpuRuntime {
 
 impl GpuRuntime {
     /// Probes the driver, retains the device's primary context, loads the kernel, and creates the
-    /// I/O domain: a green context of `io_sm_budget` SMs where the driver has them (CUDA >= 12.4),
+    /// I/O domain: a green context of `io_sm_budget` SMs where the driver has them (CUDA >= 12.5),
     /// otherwise an ordinary stream, with a warning in the log and in the report.
     pub fn open(config: &GpuConfig) -> Result<Self, GioError> {
         let driver_info = probe_driver()?;
@@ -321,7 +321,7 @@ impl GpuRuntime {
                 Err(error) => format!("green context creation failed: {error}"),
             }
         } else {
-            format!("driver version {} predates green contexts (12.4)", driver_info.version)
+            format!("driver version {} predates cuGreenCtxStreamCreate (CUDA 12.5)", driver_info.version)
         };
         tracing::warn!("gio-uring: no I/O green context ({reason}); the I/O kernel shares all SMs with compute");
         let stream = driver::create_stream()?;
@@ -410,6 +410,21 @@ mod tests {
         assert!("P2P".parse::<DmaMode>().is_err());
         assert!("".parse::<DmaMode>().is_err());
         assert_eq!(DmaMode::Staged.to_string(), "staged");
+    }
+
+    #[test]
+    fn green_contexts_need_every_entry_point_they_call() {
+        // Goal: cudarc's loader panics on a missing symbol, so the runtime may take the green
+        // context path only on a driver that exports every entry point of that path.
+        // cuGreenCtxStreamCreate first appeared in CUDA 12.5: a 12.4 driver takes the fallback.
+        let newest = driver::GREEN_CONTEXT_ENTRY_POINTS.iter().map(|&(_, version)| version).max().unwrap();
+        assert!(driver::GREEN_CONTEXT_ENTRY_POINTS.contains(&("cuGreenCtxStreamCreate", 12050)));
+        assert!(driver::GREEN_CONTEXT_MIN_DRIVER_VERSION >= newest);
+        let on = |version| DriverInfo { version, device_count: 1 }.has_green_contexts();
+        assert!(!on(12040));
+        assert!(!on(12049));
+        assert!(on(12050));
+        assert!(on(13020));
     }
 
     #[test]
