@@ -328,7 +328,10 @@ impl FileStore {
         let mut buffered = options.open(path).map_err(open_error(path))?;
         let mut size_bytes = buffered.seek(SeekFrom::End(0)).map_err(open_error(path))?;
         if let Some(wanted) = create_bytes {
-            if size_bytes < wanted {
+            // Only a regular file is grown: a block device has its own size, and set_len on a
+            // character device fails (EINVAL), or would try to truncate what it is.
+            let regular = buffered.metadata().map_err(open_error(path))?.is_file();
+            if regular && size_bytes < wanted {
                 buffered.set_len(wanted).map_err(open_error(path))?;
                 size_bytes = wanted;
             }
@@ -436,6 +439,15 @@ mod tests {
         assert!(check[..4096].iter().all(|&b| b == 0));
         assert!(store.read((1 << 20) - 1, &mut small).is_err(), "reads past the end fail");
         let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_size_to_create_never_grows_a_device() {
+        // Goal: `create_bytes` creates or grows a regular file only: a character device (and a
+        // block device, which has its own size) is opened as it is, not truncated with
+        // set_len, which failed with EINVAL on /dev/null after other files had been grown.
+        let store = Store::open(&Backing::File { path: "/dev/null".into(), create_bytes: Some(1 << 20) }, false).unwrap();
+        assert_eq!(store.size_bytes(), 0);
     }
 
     #[test]
