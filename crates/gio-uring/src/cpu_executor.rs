@@ -30,7 +30,7 @@ use crate::executor::{complete_ioctx, post_cqe_or_keep, repost_kept_cqes, Execut
 use crate::ioctx_index::IoctxIndex;
 use crate::layout::{FilledLines, IocbHeader, QueueMemory};
 use crate::ring::Ring;
-use crate::types::IocbId;
+use crate::types::{IocbId, LayerIndex};
 
 /// An IOCB accepted from the SQ whose IOCTXs are not all submitted yet: positions
 /// `next..end` are left (IOCTX indices, or with a worker index, positions in its group).
@@ -87,21 +87,26 @@ fn note_device_error(stale: &mut [bool], first_error: &mut Option<GioError>, dev
     first_error.get_or_insert(device_error(device, error));
 }
 
-/// Line 0 of issued IOCB `id` as `fill_iocb` validated it, with the issue's layer
-/// ([`FilledLines::issued`]); when the shared line was overwritten, nothing of the IOCB runs: it
-/// ends now with its CQE, the error goes to `refused` (the first one is what the issue returns)
-/// and `None` comes back. `who` names the executor in the log.
+/// Line 0 of issued IOCB `id` as `fill_iocb` validated it, with the issue's layer and sequence
+/// number ([`FilledLines::issued`]), the issue noted as consumed; when the shared line was
+/// overwritten, nothing of the IOCB runs: it ends now with its CQE (carrying the issue's own
+/// sequence number, never the shared one, so the queue takes it), the error goes to `refused`
+/// (the first one is what the issue returns) and `None` comes back. `who` names the executor
+/// in the log.
 pub(crate) fn issued_header_or_end(
     memory: &QueueMemory,
-    filled: &FilledLines,
+    filled: &mut FilledLines,
     id: IocbId,
+    layer: LayerIndex,
     who: &str,
     refused: &mut Option<GioError>,
 ) -> Option<IocbHeader> {
-    match filled.issued(memory, id) {
+    let header = filled.issued(memory, id, layer);
+    let issue_seq = filled.consume(id);
+    match header {
         Ok(header) => Some(header),
         Err(error) => {
-            if let Err(posting) = finish_as_timeout(memory, id) {
+            if let Err(posting) = finish_issue_as_timeout(memory, id, issue_seq) {
                 tracing::error!(%id, %posting, "gio-uring {who}: ending an IOCB with a corrupt line 0");
             }
             refused.get_or_insert(error);
@@ -328,7 +333,7 @@ impl CpuExecutor {
     /// next reset, which reclaims only once it succeeds (or the controller was reset).
     pub fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
         self.replace_queue_pairs(fresh)?;
-        finish_issued_as_timeout(memory)
+        Ok(finish_issued_as_timeout(memory, &mut self.filled))
     }
 
     /// The first half of [`CpuExecutor::reset`]: deletes the old queue pairs, installs `fresh`
@@ -375,26 +380,36 @@ impl CpuExecutor {
 
 /// The second half of a reset, once no old command can complete: every IOCB still ISSUED ends
 /// as TIMEOUT with one CQE (the compare-and-swap of a normal completion). Returns how many.
+/// Each CQE carries the issue's sequence number as `filled` knows it
+/// ([`FilledLines::timeout_seq`]), not line 0's, which another agent may have rewritten.
 ///
 /// First the SQ head moves past any entries still on it: a CPU executor takes a batch off the
 /// SQ inside `submit`, so an entry left there belongs to a submit that failed before it took
-/// it, and names an IOCB that is ISSUED (ended here) or already ended.
+/// it, and names an IOCB that is ISSUED (ended here) or already ended. An SQ whose header is
+/// corrupt is logged and left as it is: the IOCBs are ended all the same (no command of theirs
+/// can complete any more), and the queue's next issue reports the SQ.
 ///
-/// A CQE that cannot be posted yet (the CQ producer lock held past its bound) does not fail the
-/// reset: its IOCB has ended, the CQE is kept and the next poll posts it (reporting the error
-/// again while it still cannot). Callers read an error of a reset as "a queue pair cannot be
-/// deleted: reset the controller", which a busy CQ is not; it is logged here instead.
-pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, GioError> {
-    let dropped = Ring::<IocbId>::new(&memory.region, memory.layout.sq, "sq").consumer()?.count();
-    if dropped > 0 {
-        tracing::warn!(dropped, "gio-uring CPU executor reset: SQ entries no submit took were dropped");
+/// Never fails. A CQE that cannot be posted yet (the CQ producer lock held past its bound)
+/// does not fail the reset: its IOCB has ended, the CQE is kept and the next poll posts it
+/// (reporting the error again while it still cannot). Callers read an error of a reset as "a
+/// queue pair cannot be deleted: reset the controller", which a busy CQ or a corrupt SQ is
+/// not; they are logged here instead.
+pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory, filled: &mut FilledLines) -> usize {
+    match Ring::<IocbId>::new(&memory.region, memory.layout.sq, "sq").consumer() {
+        Ok(consumer) => {
+            let dropped = consumer.count();
+            if dropped > 0 {
+                tracing::warn!(dropped, "gio-uring CPU executor reset: SQ entries no submit took were dropped");
+            }
+        }
+        Err(error) => tracing::error!(%error, "gio-uring CPU executor reset: the SQ is corrupt and was left as it is"),
     }
     let mut reclaimed = 0;
     let mut kept = 0;
     let mut first_error = None;
     for id in (0..memory.layout.config.depth).map(IocbId) {
         // The IOCB is ended either way, and the IOCBs after it still are.
-        match finish_as_timeout(memory, id) {
+        match finish_as_timeout_with(memory, id, |shared| filled.timeout_seq(id, shared)) {
             Ok(ended) => reclaimed += usize::from(ended),
             Err(error) => {
                 reclaimed += 1;
@@ -406,39 +421,50 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory) -> Result<usize, Gi
     if let Some(error) = first_error {
         tracing::warn!(kept, %error, "gio-uring CPU executor reset: TIMEOUT CQEs kept for the next poll to post");
     }
-    Ok(reclaimed)
+    reclaimed
 }
 
 /// Teardown, once every queue pair is deleted: ends each IOCB still ISSUED as TIMEOUT with its
 /// one CQE ([`finish_issued_as_timeout`]), so nothing issued is left in flight for ever.
-pub(crate) fn end_issued_after_retirement(memory: &QueueMemory, who: &str) {
-    match finish_issued_as_timeout(memory) {
-        Ok(0) => {}
-        Ok(ended) => tracing::warn!(ended, "gio-uring {who} teardown: IOCBs still issued ended as timed out"),
-        Err(error) => tracing::error!(%error, "gio-uring {who} teardown: ending the IOCBs still issued"),
+pub(crate) fn end_issued_after_retirement(memory: &QueueMemory, filled: &mut FilledLines, who: &str) {
+    match finish_issued_as_timeout(memory, filled) {
+        0 => {}
+        ended => tracing::warn!(ended, "gio-uring {who} teardown: IOCBs still issued ended as timed out"),
     }
 }
 
 /// Takes `count` entries off the SQ and ends each IOCB they name as TIMEOUT with its one CQE:
 /// a batch no queue pair can run (the executor's were retired).
-pub(crate) fn end_batch_as_timeout(consumer: &mut crate::ring::Consumer<'_, IocbId>, memory: &QueueMemory, count: u32) {
+pub(crate) fn end_batch_as_timeout(
+    consumer: &mut crate::ring::Consumer<'_, IocbId>,
+    memory: &QueueMemory,
+    filled: &mut FilledLines,
+    count: u32,
+) {
     for _ in 0..count {
         let Some(id) = consumer.next() else { break };
         if id.0 >= memory.layout.config.depth {
             continue; // names no IOCB: there is nothing to end
         }
-        if let Err(error) = finish_as_timeout(memory, id) {
+        if let Err(error) = finish_issue_as_timeout(memory, id, filled.consume(id)) {
             tracing::error!(%id, %error, "gio-uring CPU executor: ending an IOCB of a batch no queue pair can run");
         }
     }
 }
 
+/// [`finish_as_timeout_with`] for an issue just consumed: its CQE carries `issue_seq` (from
+/// [`FilledLines::consume`]), or line 0's for an IOCB never filled on this queue (`None`).
+pub(crate) fn finish_issue_as_timeout(memory: &QueueMemory, id: IocbId, issue_seq: Option<u32>) -> Result<bool, GioError> {
+    finish_as_timeout_with(memory, id, |shared| issue_seq.unwrap_or(shared))
+}
+
 /// Ends IOCB `id` as TIMEOUT with one CQE if it is still ISSUED (the compare-and-swap of a
-/// normal completion, so never a second CQE); `false` if it had ended already. Only for an
-/// IOCB none of whose commands can still complete: none was sent, or its queue pairs were
-/// deleted. A CQE that cannot be posted is kept for the next poll (`post_cqe_or_keep`): the
-/// error is returned, but the IOCB has ended.
-pub(crate) fn finish_as_timeout(memory: &QueueMemory, id: IocbId) -> Result<bool, GioError> {
+/// normal completion, so never a second CQE); `false` if it had ended already. The CQE carries
+/// the sequence number `issue_seq` gives for the one line 0 holds. Only for an IOCB none of
+/// whose commands can still complete: none was sent, or its queue pairs were deleted. A CQE
+/// that cannot be posted is kept for the next poll (`post_cqe_or_keep`): the error is
+/// returned, but the IOCB has ended.
+pub(crate) fn finish_as_timeout_with(memory: &QueueMemory, id: IocbId, issue_seq: impl FnOnce(u32) -> u32) -> Result<bool, GioError> {
     let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
     let finished = memory.region.compare_exchange_u32(
         status,
@@ -457,7 +483,7 @@ pub(crate) fn finish_as_timeout(memory: &QueueMemory, id: IocbId) -> Result<bool
         memory,
         crate::ring::Cqe {
             iocb_id: id,
-            issue_seq: header.issue_seq,
+            issue_seq: issue_seq(header.issue_seq),
             failed_ioctx: progress.failed_ioctx,
             status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
             failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
@@ -507,7 +533,7 @@ impl Executor for CpuExecutor {
         }
         if self.retired {
             // No queue pair is left to run it: the batch leaves the SQ and each IOCB ends now.
-            end_batch_as_timeout(&mut consumer, memory, batch.count);
+            end_batch_as_timeout(&mut consumer, memory, &mut self.filled, batch.count);
             return Err(GioError::QueuePairsRetired { executor: "cpu" });
         }
         let mut refused = None;
@@ -521,7 +547,7 @@ impl Executor for CpuExecutor {
                 continue;
             }
             // Capacity is the depth and an IOCB is pending at most once: never reallocates.
-            if let Some(header) = issued_header_or_end(memory, &self.filled, id, "CPU executor", &mut refused) {
+            if let Some(header) = issued_header_or_end(memory, &mut self.filled, id, batch.layer, "CPU executor", &mut refused) {
                 self.accept(header);
             }
         }
@@ -570,7 +596,7 @@ impl Executor for CpuExecutor {
         if let (true, Some(memory)) = (all_deleted, &self.memory) {
             // No command of this executor can complete any more: what is still issued (sent
             // or pending) would never end otherwise.
-            end_issued_after_retirement(memory, "CPU executor");
+            end_issued_after_retirement(memory, &mut self.filled, "CPU executor");
         }
         Some(all_deleted)
     }
@@ -738,6 +764,78 @@ mod tests {
         assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }));
     }
 
+    /// Issues the rig's IOCB for layer 1 with `field` of line 0 rewritten to `value` between the
+    /// issue and the executor's read, and checks the issue is refused naming `field`, that the
+    /// IOCB ends once as TIMEOUT (its one CQE carries the issue's own sequence number, so the
+    /// queue takes it) and that no command reached the device. Then reissues it untouched.
+    fn rewritten_field_is_refused<E: Executor>(mut rig: EmuRig<E>, field: &'static str, refused_by_submit: bool) {
+        let issued = rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1));
+        match &issued {
+            Err(GioError::SubmitFailed { source, .. }) => {
+                assert!(matches!(**source, GioError::CorruptIocb { field: f, .. } if f == field), "{source}")
+            }
+            other if refused_by_submit => panic!("expected a refused issue, got {other:?}"),
+            _ => {}
+        }
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended once");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{field}: {:?}", ended.result);
+        assert_eq!(io_commands(&rig.device), 0, "{field}: no command reached the device");
+        // The next issue (line 0 untouched now) runs, with the next sequence number.
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1)).expect("reissue");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("completes");
+        assert_eq!(done.result, Ok(()), "{field}: the reissue runs");
+        assert_eq!(io_commands(&rig.device), 1);
+    }
+
+    #[test]
+    fn a_layer_rewritten_in_line_0_at_the_issue_sends_no_command() {
+        // Goal: the layer comes from the issue, not from line 0 as found in shared memory: an
+        // issue for layer 1 whose line 0 another agent rewrote to layer 0 used to move layer 0's
+        // blocks and memory and complete as layer 1 (wrong data served). It is refused as a
+        // corrupt "layer" and nothing reaches the device, with either CPU executor.
+        use crate::executor::test_double::Corrupting;
+        let layer = core::mem::offset_of!(abi::gio_iocb, layer);
+        rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(0), layer, 0)), "layer", true);
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(workers(pair), IocbId(0), layer, 0)), "layer", true);
+    }
+
+    #[test]
+    fn an_issue_sequence_number_rewritten_in_line_0_still_ends_the_iocb_once() {
+        // Goal: the executor posts the issue's own sequence number (one more than its last
+        // issue), never the one found in shared memory: a rewritten one used to be posted, the
+        // queue dropped the CQE as stale and the IOCB stayed in flight for ever (no reset ended
+        // it: it had left ISSUED). It is refused as a corrupt "issue_seq", ends once as TIMEOUT
+        // with the right number, and the next issue runs.
+        use crate::executor::test_double::Corrupting;
+        let seq = core::mem::offset_of!(abi::gio_iocb, issue_seq);
+        rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(0), seq, 77)), "issue_seq", true);
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(workers(pair), IocbId(0), seq, 77)), "issue_seq", true);
+    }
+
+    #[test]
+    fn a_reset_with_a_corrupt_sq_still_ends_the_iocbs_in_flight() {
+        // Goal: once the old queue pairs are deleted, ending the IOCBs still ISSUED is safe
+        // whatever the SQ holds: a corrupt SQ header (its tail far past the head) used to fail
+        // the reset before any IOCB was ended (read by callers as "reset the controller"), and
+        // the IOCB stayed in flight. The SQ is logged; the reset succeeds and ends the IOCB.
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let lost = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_millis(200));
+        assert!(matches!(lost, Err(GioError::WaitTimeout { .. })), "{lost:?}");
+        let sq = rig.queue.memory().layout.sq;
+        let tail = sq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, tail);
+        rig.queue.memory().region.store_u32(tail, 1 << 30, std::sync::atomic::Ordering::Release);
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(executor.reset(memory, vec![fresh]).expect("the reset succeeded"), 1, "the IOCB in flight was ended");
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("ended");
+        assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }));
+    }
+
     #[test]
     fn a_stride_rewritten_in_line_0_after_the_fill_sends_no_command() {
         // Goal: the executor builds commands from what fill_iocb validated, not from line 0 as
@@ -870,6 +968,10 @@ mod tests {
         assert_eq!(executor.inner.reset(memory, Vec::new()).expect("reset"), 1, "the IOCB never taken ends at the reset");
         let ended = queue.wait_cqe(first, soon()).expect("ended");
         assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }));
+        // The executor counts that issue as consumed: the next one is taken and ends once.
+        queue.issue_io(&[first], LayerIndex(0), SmBudget(1)).expect("reissued");
+        let ran = queue.wait_cqe(first, soon()).expect("the reissue ends");
+        assert_eq!(ran.result, Err(crate::IocbFailure::InvalidIoctx { ioctx_index: 0 }));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use nvme_driver::IoQueuePair;
 
-use crate::cpu_executor::{finish_as_timeout, issued_header_or_end, CpuExecutor};
+use crate::cpu_executor::{finish_issue_as_timeout, issued_header_or_end, CpuExecutor};
 use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
@@ -378,7 +378,7 @@ impl Executor for CpuWorkers {
         if self.retired {
             // No worker holds a queue pair to run it: the batch leaves the SQ and each IOCB
             // ends now (a worker would skip every IOCTX as another worker's).
-            crate::cpu_executor::end_batch_as_timeout(&mut consumer, memory, batch.count);
+            crate::cpu_executor::end_batch_as_timeout(&mut consumer, memory, &mut self.filled, batch.count);
             return Err(GioError::QueuePairsRetired { executor: "cpu-workers" });
         }
         // Deal the whole batch and check that every worker it needs can take its messages
@@ -398,7 +398,7 @@ impl Executor for CpuWorkers {
             }
             if failure.is_some() {
                 // No worker got this IOCB, so nothing runs it: it ends now, with its one CQE.
-                match finish_as_timeout(memory, id) {
+                match finish_issue_as_timeout(memory, id, self.filled.consume(id)) {
                     Ok(_) => ended += 1,
                     Err(error) => tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB no worker took"),
                 }
@@ -407,13 +407,15 @@ impl Executor for CpuWorkers {
             if self.built_for_budget[id.0 as usize] != budget {
                 // `plan` refused its line 0 (the error is in `refused`) and dealt it to no
                 // worker: it ends now, whatever the line reads like by now.
-                if let Err(error) = finish_as_timeout(memory, id) {
+                if let Err(error) = finish_issue_as_timeout(memory, id, self.filled.consume(id)) {
                     tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB with a corrupt line 0");
                 }
                 continue;
             }
             // Overwritten since `plan` read it: no worker gets it, and it ends now.
-            let Some(header) = issued_header_or_end(memory, &self.filled, id, "CPU workers", &mut refused) else { continue };
+            let Some(header) = issued_header_or_end(memory, &mut self.filled, id, batch.layer, "CPU workers", &mut refused) else {
+                continue;
+            };
             for (index, worker) in self.workers.iter().enumerate() {
                 if ioctx_index.range(id, index).1 == 0 {
                     continue; // dealt none of this IOCB's IOCTXs
@@ -503,7 +505,7 @@ impl Executor for CpuWorkers {
         if let (true, Some(memory)) = (all_deleted, &self.memory) {
             // Every worker deleted its pairs and dropped what it held pending: no command can
             // complete any more, so what is still issued would never end otherwise.
-            crate::cpu_executor::end_issued_after_retirement(memory, "CPU workers");
+            crate::cpu_executor::end_issued_after_retirement(memory, &mut self.filled, "CPU workers");
         }
         Some(all_deleted)
     }
@@ -531,7 +533,7 @@ impl CpuWorkers {
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
-            let header = match self.filled.issued(memory, id) {
+            let header = match self.filled.issued(memory, id, batch.layer) {
                 Ok(header) => header,
                 Err(error) => {
                     self.built_for_budget[id.0 as usize] = 0; // its group is rebuilt at its next issue
@@ -645,7 +647,7 @@ impl crate::executor::QueuePairReset for CpuWorkers {
         if let Some(reason) = self.failure.take() {
             tracing::warn!(reason, "gio-uring CPU workers: the reset replaced the queue pairs a worker error concerned");
         }
-        crate::cpu_executor::finish_issued_as_timeout(memory)
+        Ok(crate::cpu_executor::finish_issued_as_timeout(memory, &mut self.filled))
     }
 }
 

@@ -16,7 +16,7 @@ use std::sync::atomic::Ordering;
 use crate::abi::{self, gio_cqe, gio_iocb, gio_ioctx, gio_ring_header, CACHE_LINE_BYTES};
 use crate::error::GioError;
 use crate::shared_memory::{SharedRegion, REGION_ALIGN_BYTES};
-use crate::types::IocbId;
+use crate::types::{IocbId, LayerIndex};
 
 /// Sizes fixed at `init_queue`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -423,28 +423,56 @@ impl FilledLines {
     }
 
     /// Line 0 of issued IOCB `id` for building its commands: the copy recorded at the fill,
-    /// with the layer and issue sequence number the issue wrote. The shared line is checked
-    /// ([`QueueMemory::read_issued_header`]) and must equal the copy in every field the fill
-    /// wrote, else [`GioError::CorruptIocb`] names the first field that differs.
-    pub(crate) fn issued(&self, memory: &QueueMemory, id: IocbId) -> Result<IocbHeader, GioError> {
+    /// with the issue's `layer` (from the batch) and its sequence number (one more than the
+    /// last issue of `id` this executor took, see [`FilledLines::consume`]: the queue adds one
+    /// per issue). The shared line is checked ([`QueueMemory::read_issued_header`]) and must
+    /// equal the copy in every field the fill wrote, and the issue in the layer and the
+    /// sequence number, else [`GioError::CorruptIocb`] names the first field that differs.
+    /// Takes nothing: the caller calls `consume` once per issue it takes off the SQ.
+    pub(crate) fn issued(&self, memory: &QueueMemory, id: IocbId, layer: LayerIndex) -> Result<IocbHeader, GioError> {
         let shared = memory.read_issued_header(id)?;
         let Some(filled) = self.lines.get(id.0 as usize).copied().flatten() else {
             return Err(GioError::CorruptIocb { id, field: "id", value: u64::from(id.0), expected: "an IOCB filled on this queue" });
         };
+        let issue_seq = filled.issue_seq.wrapping_add(1);
         let fields = [
-            ("ioctx_count", u64::from(shared.ioctx_count), u64::from(filled.ioctx_count)),
-            ("layer_count", u64::from(shared.layer_count), u64::from(filled.layer_count)),
-            ("opcode", u64::from(shared.opcode), u64::from(filled.opcode)),
-            ("user_data", shared.user_data, filled.user_data),
-            ("lba_stride_blocks", shared.lba_stride_blocks, filled.lba_stride_blocks),
-            ("mem_stride_bytes", shared.mem_stride_bytes, filled.mem_stride_bytes),
-            ("desc_stride_bytes", shared.desc_stride_bytes, filled.desc_stride_bytes),
+            ("ioctx_count", u64::from(shared.ioctx_count), u64::from(filled.ioctx_count), "what fill_iocb validated"),
+            ("layer_count", u64::from(shared.layer_count), u64::from(filled.layer_count), "what fill_iocb validated"),
+            ("opcode", u64::from(shared.opcode), u64::from(filled.opcode), "what fill_iocb validated"),
+            ("user_data", shared.user_data, filled.user_data, "what fill_iocb validated"),
+            ("lba_stride_blocks", shared.lba_stride_blocks, filled.lba_stride_blocks, "what fill_iocb validated"),
+            ("mem_stride_bytes", shared.mem_stride_bytes, filled.mem_stride_bytes, "what fill_iocb validated"),
+            ("desc_stride_bytes", shared.desc_stride_bytes, filled.desc_stride_bytes, "what fill_iocb validated"),
+            ("layer", u64::from(shared.layer), u64::from(layer.0), "the layer issue_io was given"),
+            ("issue_seq", u64::from(shared.issue_seq), u64::from(issue_seq), "one more than the IOCB's previous issue"),
         ];
-        if let Some(&(field, value, _)) = fields.iter().find(|(_, value, expected)| value != expected) {
-            return Err(GioError::CorruptIocb { id, field, value, expected: "what fill_iocb validated" });
+        if let Some(&(field, value, _, expected)) = fields.iter().find(|(_, value, wanted, _)| value != wanted) {
+            return Err(GioError::CorruptIocb { id, field, value, expected });
         }
-        // `shared.layer` is below `shared.layer_count`, which equals the validated one.
-        Ok(IocbHeader { layer: shared.layer, issue_seq: shared.issue_seq, ..filled })
+        // `layer` equals `shared.layer`, below `shared.layer_count`, which equals the validated one.
+        Ok(IocbHeader { layer: layer.0, issue_seq, ..filled })
+    }
+
+    /// Notes that the issue of `id` now being taken off the SQ was consumed (run or refused)
+    /// and returns its sequence number: one more than the previous one. `None` for an IOCB
+    /// never filled on this queue (nothing is known of its issues).
+    pub(crate) fn consume(&mut self, id: IocbId) -> Option<u32> {
+        let line = self.lines.get_mut(id.0 as usize)?.as_mut()?;
+        line.issue_seq = line.issue_seq.wrapping_add(1);
+        Some(line.issue_seq)
+    }
+
+    /// The sequence number to end IOCB `id`, still ISSUED, with when no command of it can
+    /// complete (a reset, a retirement), given the one `shared` line 0 holds: the last issue
+    /// consumed, or the one after it when `shared` says so (an issue whose SQ entry no submit
+    /// took: it is noted as consumed). Any other `shared` was rewritten: the last issue
+    /// consumed is the one in flight. `shared` for an IOCB never filled on this queue.
+    pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32) -> u32 {
+        let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return shared };
+        if shared == line.issue_seq.wrapping_add(1) {
+            line.issue_seq = shared;
+        }
+        line.issue_seq
     }
 }
 
