@@ -492,6 +492,26 @@ impl<E: Executor> KvStore<E> {
         self.control.sync_headers(self.data.lender(), deadline)
     }
 
+    /// Evicts the slots of every block retrieve `handle` reserved, as a verification mismatch
+    /// does (out of the index at once, their headers made Empty within `deadline`, what does not
+    /// fit staged for the next sync). For a retrieve whose read the device failed (an NVMe error
+    /// status on an unreadable LBA, say): left cached, every later request with that prefix would
+    /// hit the same blocks and fail the same way. Call before `finish`. Returns the blocks evicted.
+    pub fn evict_retrieve(&mut self, handle: RequestHandle, deadline: Instant) -> Result<usize> {
+        let blocks: Vec<crate::error::MismatchedBlock> = (self.control.placements(handle)?.iter().enumerate())
+            .map(|(position, placement)| crate::error::MismatchedBlock {
+                position,
+                engine_block: placement.engine_block,
+                device: placement.location.device,
+                slot: placement.location.slot,
+                expected_crc: 0,
+                computed_crc: 0,
+            })
+            .collect();
+        self.control.evict_mismatched_by(handle, &blocks, self.data.lender(), Some(deadline))?;
+        Ok(blocks.len())
+    }
+
     /// The control half evicts the slots of blocks a verification just found damaged, its
     /// header writes bounded by the caller's `deadline`.
     fn evict_new_mismatches<T>(&mut self, handle: RequestHandle, failed_before: bool, result: &Result<T>, deadline: Instant) {

@@ -72,7 +72,7 @@ pub enum WriteQueueFullAction {
     /// any step goes once the steps' time adds up to it, and under slack-aware `Runtime::new`
     /// refuses a table whose decode steps leave fewer SMs free than its smallest write budget
     /// past the last row and between every two adjacent rows (only a context exactly on a row
-    /// could write).
+    /// could write). A context before the first row is priced as the first row.
     Refuse,
 }
 

@@ -582,7 +582,8 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// Before a decode step over `context_tokens` tokens: queued writes go into the step's slack
-    /// as the policy decides. Not while a prefill runs.
+    /// as the policy decides. Not while a prefill runs. A context before the table's first decode
+    /// row is priced as that row.
     pub fn decode_step(&mut self, context_tokens: u32) -> Result<()> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -591,14 +592,21 @@ impl<E: Executor> Runtime<E> {
             });
         }
         self.progress()?;
-        let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        // A context before the table's first decode row is priced as that row: the shortest
+        // step the table knows (at short contexts a decode step is bound by the weights, about
+        // as long). Before, such a step wrote nothing: with rows from 4096 (the analytic
+        // table's default input step) short requests never drained the queue, and under
+        // `Refuse` every later store was refused until `drain`.
+        let first_row = self.profile.table().decode_steps.first().map_or(0, |step| step.context_tokens);
+        let priced_as = context_tokens.max(first_row);
+        let view = queue_view(&self.profile, &self.reads, &self.writes, priced_as);
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
                 for issue in &issues {
                     self.apply(issue);
                 }
             }
-            // A context the table has no step for: no slack is known, nothing is written.
+            // A table with no decode row at all: no slack is known, nothing is written.
             Err(SchedulerError::OutOfRange { .. }) => self.counters.table_fallbacks += 1,
             Err(source) => return Err(RuntimeError::Scheduler { policy: self.config.policy.name(), source }),
         }

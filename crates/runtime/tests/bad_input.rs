@@ -266,3 +266,66 @@ fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
         }
     }
 }
+
+/// Goal: a cached prefix the device cannot read (an unrecovered read error on its LBAs, every
+/// time) is evicted by the read that fails, not hit and failed again by every later request with
+/// that prefix (each of which dropped its store, so the prefix was never stored again). Once the
+/// device reads again, the prefix stored anew is hit.
+#[test]
+fn a_prefix_the_device_cannot_read_is_evicted_not_hit_again() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    let tokens = prompt(0, 0);
+    prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&tokens), 4);
+    let unreadable = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::UNRECOVERED_READ_ERROR);
+    stack.device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::Status(unreadable)).with_opcode(NvmOpcode::Read as u8)),
+    );
+    let first = prefill(&mut stack, &tokens, &[4, 5, 6, 7]);
+    assert!(matches!(first, Err(RuntimeError::ReadFailed { .. })), "{first:?}");
+    // The next request with the prefix misses it and computes it (nothing is read: it succeeds
+    // on the same device), storing it again.
+    let second = prefill(&mut stack, &tokens, &[8, 9, 10, 11]);
+    assert_eq!(second.unwrap(), 0, "the unreadable prefix was evicted");
+    stack.device.set_faults(FaultPlan::none());
+    stack.runtime.drain().unwrap();
+    for block in 0..12 {
+        stack.engine.scribble(block, layers);
+    }
+    assert_eq!(prefill(&mut stack, &tokens, &[12, 13, 14, 15]).unwrap(), 4, "the prefix stored again is hit");
+    assert!(stack.engine.holds(&tokens, 0..4, &[12, 13, 14, 15], layers));
+    stack.runtime.drain().unwrap();
+}
+
+/// Goal: a decode step over a context before the table's first decode row (rows from 4096 with
+/// the analytic table's default input step; here from 128, past the 64-token prompt) drains the
+/// write queue, priced as that row.
+/// Before, such a step wrote nothing: short requests never drained, and under `Refuse` every
+/// later store was refused (`WriteQueueFull`) until `drain`.
+#[test]
+fn decode_steps_before_the_first_row_drain_the_queue() {
+    let mut late = table(MODEL, common::geometry().layers);
+    for (step, context) in late.decode_steps.iter_mut().zip([128, 1024]) {
+        step.context_tokens = context;
+    }
+    let mut config = config(PolicyChoice::SlackAware);
+    config.write_queue_limit_blocks = 4;
+    config.on_write_queue_full = WriteQueueFullAction::Refuse;
+    let mut stack = common::stack_with_profile(config, None, Profile::from_table(late).unwrap());
+    let first = prompt(0, 0);
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+    assert_eq!(stack.runtime.queued_blocks(), 4, "slack-aware keeps the last layer queued");
+    for context in (64..128).cycle().take(1000) {
+        if stack.runtime.queued_stores() == 0 {
+            break;
+        }
+        common::decode(&mut stack, context).unwrap();
+    }
+    assert_eq!(stack.runtime.queued_stores(), 0, "{:?}", stack.runtime.counters());
+    assert_eq!(stack.runtime.lookup(&first), 4);
+    let second = prompt(1, 0);
+    prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
+    stack.runtime.drain().unwrap();
+}

@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use gio_uring::{Executor, SmBudget};
+use gio_uring::{Executor, IocbFailure, SmBudget};
 use objstore::{ObjstoreError, RequestHandle};
 use scheduler::policy::Issue;
 use scheduler::table::IoKind;
@@ -211,7 +211,8 @@ impl<E: Executor> Runtime<E> {
 
     /// A read failed (or its wait timed out, or the executor failed): the prefill ends, its
     /// retrieve and store are dropped (retiring if a layer of them is still in flight) and the
-    /// error says so.
+    /// error says so. A read the device failed with an NVMe error status also evicts the
+    /// retrieve's cached blocks (later lookups miss them and the prefix is stored again).
     pub(super) fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
         // A read blocked behind a write (never handed over) has no issue to close in the log.
         let was_in_flight = self.reads.in_flight.take() == Some(layer);
@@ -219,6 +220,18 @@ impl<E: Executor> Runtime<E> {
         let ended = self.prefill.as_ref().and_then(|p| p.retrieve).is_none_or(|handle| !self.device_holds(handle));
         if was_in_flight && ended {
             self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
+        }
+        // The device failed a read (an NVMe error status: an unreadable LBA, say), not a wait
+        // that timed out: the cached blocks are evicted before the retrieve ends, as blocks a
+        // verification found damaged are. Left cached, every later request with this prefix
+        // would hit them and fail the same way, and its store would be dropped each time.
+        if let (ObjstoreError::LayerIo { failure: IocbFailure::Nvme { .. }, .. }, Some(handle)) =
+            (&source, self.prefill.as_ref().and_then(|p| p.retrieve))
+        {
+            match self.store.evict_retrieve(handle, self.io_deadline()) {
+                Ok(blocks) => tracing::warn!(request, layer, blocks, "runtime: a cached prefix the device failed to read is evicted"),
+                Err(error) => tracing::warn!(request, layer, %error, "runtime: evicting a cached prefix the device failed to read"),
+            }
         }
         // Both always run: a retrieve left in flight must not keep the store queued (it would
         // never commit, and the queue limit would force it forever).
