@@ -23,6 +23,8 @@ commit_info(). Standard library only.
   python3 tools/gpu/provenance.py prepare [CARRY]   # here, by run-all.sh --prepare once the carry is built
   python3 tools/gpu/provenance.py line [CARRY]      # one line: the commit and where it came from
   python3 tools/gpu/provenance.py abi [CARRY]       # one line: glibc needed by the carry vs here
+  python3 tools/gpu/provenance.py verify [CARRY]    # exit 0 if the carry was prepared from this very
+                                                    # tree (run-all.sh's pre-flight), else 1 and why
 """
 
 from __future__ import annotations
@@ -128,6 +130,35 @@ def commit_line(carry: str = CARRY) -> str:
                  False: "; the tracked files here DIFFER from the prepared ones (the carry may be stale)",
                  None: "; no TRACKED list to compare"}[match]
     return text
+
+
+def verify(carry: str = CARRY) -> tuple[bool, str]:
+    """Whether the carry was built from this very tree: COMMIT exists, the tree did not change
+    while --prepare built, and the tracked files here (TRACKED) hash to COMMIT's tree_sha256.
+    Works without git (the GPU machine). Returns (ok, a sentence saying why)."""
+    fields = read_fields(os.path.join(carry, "COMMIT"))
+    if not fields.get("commit"):
+        return False, "no target/gpu-carry/COMMIT (run-all.sh --prepare writes it last; a failed --prepare leaves none)"
+    problems = []
+    during = fields.get("changed_during_prepare", "unknown (not recorded)")
+    if during != "no":
+        problems.append(f"the tree changed while --prepare built (changed_during_prepare: {during}"
+                        + (f"; {fields['changed']}" if fields.get("changed") else "") + "): the carry may mix two trees")
+    try:
+        with open(os.path.join(carry, "TRACKED")) as handle:
+            paths = [line.rstrip("\n") for line in handle if line.strip()]
+    except OSError:
+        problems.append("no target/gpu-carry/TRACKED to compare this tree with")
+    else:
+        here, missing = tree_sha256(paths)
+        if here != fields.get("tree_sha256"):
+            problems.append(f"the tracked files here differ from the prepared ones (tree sha256 {here[:12]} here, "
+                            f"{fields.get('tree_sha256', '?')[:12]} prepared"
+                            + (f"; {missing} tracked files missing here" if missing else "") + ")")
+    commit = fields["commit"][:12]
+    if problems:
+        return False, f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')}: " + "; ".join(problems)
+    return True, f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')} from this very tree"
 
 
 def glibc_needed(path: str) -> str | None:
@@ -260,7 +291,7 @@ def abi_line(carry: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("begin", "prepare", "line", "abi"):
+    if not argv or argv[0] not in ("begin", "prepare", "line", "abi", "verify"):
         print(__doc__, file=sys.stderr)
         return 2
     carry = argv[1] if len(argv) > 1 else CARRY
@@ -268,6 +299,10 @@ def main(argv: list[str]) -> int:
         return begin(carry)
     if argv[0] == "prepare":
         return prepare(carry)
+    if argv[0] == "verify":
+        ok, why = verify(carry)
+        print(("carry OK: " if ok else "STALE carry: ") + why)
+        return 0 if ok else 1
     print(commit_line(carry) if argv[0] == "line" else abi_line(carry))
     return 0
 

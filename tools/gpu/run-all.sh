@@ -76,7 +76,8 @@
 #                          complete grid is ~20 MiB, over the 16 MiB the tool brings back)
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
 #   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
-# Exit status: non-zero if any step failed. Every step runs under `timeout`.
+# Exit status: non-zero if any step failed; 3 if the pre-flight refused a stale carry (below;
+# `run-all.sh --verify` runs the pre-flight alone, here or there). Every step runs under `timeout`.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -108,6 +109,12 @@ cargo_executables() {
   cargo "${args[@]}" --message-format=json-render-diagnostics |
     python3 "$ROOT/tools/lib/cargo-executables.py" "run-all: cargo ${args[*]}" "$@"
 }
+
+# --verify: only the pre-flight below (whether target/gpu-carry was prepared from this very tree).
+if [[ "${1:-}" == "--verify" ]]; then
+  python3 tools/gpu/provenance.py verify "$CARRY"
+  exit $?
+fi
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
@@ -172,7 +179,6 @@ SUMMARY="$OUT/summary.txt"
 LOG="$OUT/run.log"
 : >"$SUMMARY"
 : >"$LOG"
-WORK="$(mktemp -d)"
 failed=0
 # The line goes to summary.txt first, then to stdout; the echo runs in a subshell and its errors
 # are ignored: were the tool's pipe closed, `tee` (which wrote stdout first) died of SIGPIPE
@@ -183,6 +189,34 @@ record() {
 }
 section() { echo "===== $1 ($(date -u +%H:%M:%S), +${SECONDS} s)" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
+
+# Pre-flight, before any step: the carried gpu-test, tuttid, wheel and tutti-profile must come
+# from this very tree (tools/gpu/provenance.py verify: COMMIT's tree_sha256 is this tree's and the
+# tree did not change while --prepare built), else the steps would run old binaries beside this
+# tree's kernels and scripts (the ABI version would not tell). Steps given builds of their own
+# (RUN_ALL_TUTTID and RUN_ALL_WHEEL for python and prefill, RUN_ALL_TUTTI_PROFILE for slack:
+# tools/gpu/check.sh's rehearsals) need no carry. RUN_ALL_ALLOW_STALE=1 runs a stale carry on
+# purpose: every step's PASS/FAIL line then says STALE.
+STALE_MARK=""
+carry_steps=()
+for step in "${STEPS[@]}"; do
+  case "$step" in
+    python | prefill) [[ -n "${RUN_ALL_TUTTID:-}" && -n "${RUN_ALL_WHEEL:-}" ]] && continue ;;
+    slack) [[ -n "${RUN_ALL_TUTTI_PROFILE:-}" ]] && continue ;;
+  esac
+  carry_steps+=("$step")
+done
+if [[ ${#carry_steps[@]} -gt 0 ]]; then
+  if ! carry_check=$(python3 tools/gpu/provenance.py verify "$CARRY" 2>&1); then
+    if [[ "${RUN_ALL_ALLOW_STALE:-}" != 1 ]]; then
+      record "REFUSED: $carry_check. Nothing was run (steps ${carry_steps[*]} use the carry). Run tools/gpu/run-all.sh --prepare on the development machine, on a quiet tree, and carry it again; RUN_ALL_ALLOW_STALE=1 runs it anyway, every step marked STALE"
+      exit 3
+    fi
+    STALE_MARK=" STALE (RUN_ALL_ALLOW_STALE=1: $carry_check)"
+    record "NOTE every step below is STALE: $carry_check"
+  fi
+fi
+WORK="$(mktemp -d)"
 
 DEADLINE=${RUN_ALL_DEADLINE_S:-460}
 [[ "$DEADLINE" =~ ^[1-9][0-9]*$ ]] || { echo "run-all: RUN_ALL_DEADLINE_S must be a positive number of seconds" >&2; exit 2; }
@@ -637,9 +671,9 @@ for step in "${STEPS[@]}"; do
   CURRENT_STEP=""
   sed -i "/^RUNNING $step /d" "$SUMMARY"
   if [[ $rc -eq 0 ]]; then
-    record "PASS $step ($((SECONDS - started)) s)"
+    record "PASS $step ($((SECONDS - started)) s)$STALE_MARK"
   else
-    record "FAIL $step ($((SECONDS - started)) s; see run.log)"
+    record "FAIL $step ($((SECONDS - started)) s; see run.log)$STALE_MARK"
     failed=1
   fi
   trim_log "$offset" "$STEP_LOG_MAX"

@@ -9,6 +9,7 @@ few seconds once the scripts are right (the stubs that hang are what a wrong scr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -48,6 +49,21 @@ class StubRoot:
         os.makedirs(self.bin)
         self.out = os.path.join(self.root, "out")
         self.last_output = ""
+        self.write_provenance()
+
+    def write_provenance(self, **fields: str):
+        """target/gpu-carry/COMMIT and TRACKED as --prepare writes them for this root's copied
+        files (a carry of this very tree), with `fields` overriding COMMIT's."""
+        spec = importlib.util.spec_from_file_location("stub_provenance", os.path.join(self.root, "tools/gpu/provenance.py"))
+        provenance = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(provenance)  # its ROOT is this root
+        tree, _missing = provenance.tree_sha256(list(COPIED))
+        commit = {"commit": "0" * 40, "dirty": "no", "tree_sha256": tree, "changed_during_prepare": "no", **fields}
+        os.makedirs(self.carry, exist_ok=True)
+        with open(os.path.join(self.carry, "TRACKED"), "w") as handle:
+            handle.write("".join(path + "\n" for path in COPIED))
+        with open(os.path.join(self.carry, "COMMIT"), "w") as handle:
+            handle.write("".join(f"{key}: {value}\n" for key, value in commit.items()))
 
     def stub(self, path: str, body: str) -> str:
         full = os.path.join(self.root, path)
@@ -126,6 +142,61 @@ class RunAll(unittest.TestCase):
         self.assertIn("tests: PASS gpu test", summary)
         self.assertTrue(os.path.exists(marker), summary)
         self.assertNotIn("NOT RUN bandwidth", summary)
+
+    def test_a_stale_carry_is_refused_before_any_step(self):
+        # Goal: a carry prepared from another tree (the carried gpu-test, tuttid and wheel would
+        # run beside kernels and scripts of this one) is refused before any step runs, saying why.
+        s = self.stubs
+        s.write_provenance(tree_sha256="f" * 64)
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "ipc"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertNotEqual(rc, 0, s.last_output)
+        self.assertIn("STALE", summary, s.last_output)
+        self.assertIn("STALE", s.last_output)
+        self.assertNotIn("RUNNING", summary)
+        self.assertNotIn("PASS", summary)
+        with open(os.path.join(s.out, "run.log")) as handle:
+            self.assertNotIn("dry tests", handle.read())
+
+    def test_a_carry_whose_tree_changed_during_prepare_is_refused(self):
+        s = self.stubs
+        s.write_provenance(changed_during_prepare="yes", changed="HEAD, tree")
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertNotEqual(rc, 0, s.last_output)
+        self.assertIn("changed while --prepare built", summary)
+        self.assertNotIn("PASS", summary)
+
+    def test_a_carry_of_this_tree_runs_and_verify_says_so(self):
+        s = self.stubs
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertEqual(rc, 0, s.last_output)
+        self.assertIn("PASS tests", summary)
+        self.assertNotIn("STALE", summary)
+        rc, _elapsed, _summary = s.run("tools/gpu/run-all.sh", ["--verify"], {}, limit_s=60)
+        self.assertEqual(rc, 0, s.last_output)
+        s.write_provenance(tree_sha256="f" * 64)
+        rc, _elapsed, _summary = s.run("tools/gpu/run-all.sh", ["--verify"], {}, limit_s=60)
+        self.assertNotEqual(rc, 0, s.last_output)
+        self.assertIn("STALE", s.last_output)
+
+    def test_a_deliberate_stale_run_marks_every_step(self):
+        s = self.stubs
+        s.write_provenance(tree_sha256="f" * 64)
+        env = {"RUN_ALL_DRY": "1", "RUN_ALL_ALLOW_STALE": "1"}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "ipc"], env, limit_s=60)
+        results = [line for line in summary.splitlines() if line.startswith(("PASS ", "FAIL "))]
+        self.assertEqual(len(results), 2, summary)
+        for line in results:
+            self.assertIn("STALE", line)
+
+    def test_steps_given_their_own_builds_need_no_carry(self):
+        # Goal: tools/gpu/check.sh's rehearsals (python, slack, prefill with their own tuttid,
+        # wheel and tutti-profile) run beside whatever carry there is.
+        s = self.stubs
+        s.write_provenance(tree_sha256="f" * 64)
+        env = {"RUN_ALL_DRY": "1", "RUN_ALL_TUTTID": "x", "RUN_ALL_WHEEL": "x", "RUN_ALL_TUTTI_PROFILE": "x"}
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["python", "slack"], env, limit_s=60)
+        self.assertEqual(rc, 0, s.last_output)
+        self.assertNotIn("STALE", summary)
 
     def python_stub(self, import_s: int) -> str:
         """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
