@@ -639,6 +639,40 @@ def test_the_default_fingerprint_names_rope_and_hf_overrides(tmp_path):
     assert fingerprint(json.loads, rope_scaling=None, rope_theta=1e6) != fingerprint(json.dumps, rope_scaling=None, rope_theta=1e6)
 
 
+def test_the_default_fingerprint_names_a_local_models_weights(tmp_path):
+    """Goal: a fine-tune saved over a local model directory (config.json unchanged) computes other
+    KV for the same tokens, so the default fingerprint names the directory's weight files (their
+    names, sizes and modification times, and the index JSON): rewriting a weights file gives
+    another key space, an unchanged directory the same one."""
+    import json
+    import os
+    from types import SimpleNamespace
+
+    from tutti._engine import fingerprint_from_config
+    from tutti.vllm.connector import _model_identity
+
+    model_dir = tmp_path / "ft"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(b"old weights")
+    os.utime(weights, ns=(1_000_000_000, 1_000_000_000))
+
+    def fingerprint():
+        model = SimpleNamespace(model=str(model_dir), revision=None, dtype="bfloat16", quantization=None, hf_overrides={})
+        config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
+        return fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC"))
+
+    old = fingerprint()
+    assert fingerprint() == old
+    weights.write_bytes(b"new weights")  # the same size, another time
+    os.utime(weights, ns=(2_000_000_000, 2_000_000_000))
+    assert fingerprint() != old, "a fine-tune saved over the directory shares the old weights' key space"
+    rewritten = fingerprint()
+    (model_dir / "model.safetensors.index.json").write_text("{}")
+    assert fingerprint() != rewritten, "the index JSON is not named"
+
+
 @pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])
 def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites_rope(tuttid, tmp_path, rope_from):
     """Goal: the scheduler's connector and the workers' name the same key space although model

@@ -196,6 +196,37 @@ _CONFIG_READ_RETRIES_S = (0.1, 0.3)
 _REWRITTEN_ROPE_FIELDS = ("partial_rotary_factor", "rope_type")
 
 
+# The files of a local model directory that hold its weights (or say which files do).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+
+
+def _local_weights_identity(model_path: Any) -> Optional[str]:
+    """For a model served from a local directory: its weight files (top level: *.safetensors,
+    *.bin, *.pt, *.pth, *.gguf and the *.index.json naming them), each by name, size and
+    modification time (ns), as canonical JSON; None for a model that is not a local directory (a
+    Hugging Face model id: its pinned revision names its weights). Cheap (one stat per file, no
+    read): a fine-tune saved over the same directory, config.json unchanged, gets another key
+    space. Every process and every node must see the same files with the same times (copies made
+    with cp -p or rsync -t), or set model_fingerprint."""
+    import os
+
+    if not isinstance(model_path, str) or not os.path.isdir(model_path):
+        return None
+    files = []
+    try:
+        with os.scandir(model_path) as entries:
+            for entry in entries:
+                if entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file():
+                    stat = entry.stat()
+                    files.append([entry.name, stat.st_size, stat.st_mtime_ns])
+    except OSError as error:
+        logging.getLogger("tutti.vllm").warning(
+            "tutti: cannot list the weight files of %s (%s): the default model fingerprint does not name them", model_path, error
+        )
+        return None
+    return json.dumps(sorted(files), separators=(",", ":"))
+
+
 def _hf_config_identity(model: Any) -> str:
     """The RoPE parameters of the model's checkpoint config and vLLM's hf_overrides, as
     canonical JSON: the same in every process, role and run (keys sorted, no object ids; a
@@ -421,7 +452,8 @@ def _model_identity(
     vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str, with_model: bool = True
 ) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
-    the model, its checkpoint's RoPE parameters and hf_overrides, the cache dtype, the KV layout (LBHNC and
+    the model, its checkpoint's RoPE parameters and hf_overrides, a local model directory's weight
+    files (`_local_weights_identity`), the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
     KV cache group. `with_model` False: the layout parts only (block size, cache dtype, layout,
     groups), hashed with an explicit fingerprint."""
@@ -431,6 +463,9 @@ def _model_identity(
     if model is not None and with_model:
         parts += [model.model, str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
         parts += ["hf config", _hf_config_identity(model)]
+        weights = _local_weights_identity(model.model)
+        if weights is not None:
+            parts += ["local weights", weights]
     parts += ["kv layout", kv_layout]
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
         spec = group.kv_cache_spec
