@@ -7,10 +7,12 @@ promotes them into its rows, and the bytes match."""
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,7 +22,7 @@ import vllm_harness as harness
 from stalled import StalledLayer
 from tutti.vllm import TuttiTier
 from tutti.vllm.connector import KvMemoryUnsafe
-from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.kv_offload.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -38,7 +40,33 @@ CHUNKS = 32
 DEADLINE_S = 60.0
 
 
-def offloading_spec(pool_file: Path, format_pool: bool, dtype: str = "bfloat16", **tier_changes) -> TieringOffloadingSpec:
+def engine_config(pool_file: Path, revision=None, quantization=None) -> SimpleNamespace:
+    """A stand-in for the engine's VllmConfig (what the tier's default key reads of it), over a
+    local model directory beside the pool."""
+    model_dir = pool_file.parent / "model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    model = SimpleNamespace(model=str(model_dir), revision=revision, dtype="bfloat16", quantization=quantization, hf_overrides={})
+    return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
+
+
+class EngineSpec(TieringOffloadingSpec):
+    """vLLM's TieringOffloadingSpec whose get_manager runs where vLLM's OffloadingConnectorScheduler
+    calls it: with the engine's `vllm_config` and `kv_cache_config` in the calling frame."""
+
+    engine: object = None
+
+    def get_manager(self):
+        vllm_config = self.engine  # noqa: F841 - read by the tier from this frame, as from vLLM's
+        kv_cache_config = None  # noqa: F841
+        return super().get_manager()
+
+
+def offloading_spec(
+    pool_file: Path, format_pool: bool, dtype: str = "bfloat16", tp_size: int = WORLD, pp_size: int = 1, engine=..., **tier_changes
+) -> TieringOffloadingSpec:
+    """`engine`: the engine's config the tier finds (default: engine_config(pool_file)); None:
+    none (a spec built outside an engine)."""
     tier = {
         "type": "TuttiTier",
         "module_path": "tutti.vllm",
@@ -61,12 +89,16 @@ def offloading_spec(pool_file: Path, format_pool: bool, dtype: str = "bfloat16",
         model=OffloadingModelConfig(name="tutti-test-model", dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
-            rank=0, world_size=WORLD, tp_size=WORLD, pp_size=1, pcp_size=1, dcp_size=1,
+            rank=0, world_size=WORLD, tp_size=tp_size, pp_size=pp_size, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
             is_parallelism_agnostic=False,
         ),  # fmt: skip
     )
-    return TieringOffloadingSpec(config)
+    if engine is None:
+        return TieringOffloadingSpec(config)
+    spec = EngineSpec(config)
+    spec.engine = engine_config(pool_file) if engine is ... else engine
+    return spec
 
 
 def keys(count: int, seed: int) -> list[bytes]:
@@ -168,6 +200,58 @@ def test_an_explicit_fingerprint_is_another_key_space_under_another_dtype(tmp_pa
     assert stored_then_found("bfloat16", True, store=True)
     assert not stored_then_found("float16", False, store=False), "float16 found bfloat16's chunks"
     assert stored_then_found("bfloat16", False, store=False), "bfloat16 lost its own chunks"
+
+
+def stored_chunks_found(pool: Path, store: bool, **spec_changes) -> bool:
+    """Stores two chunks into the pool through a tier of `spec_changes` (store) or looks them up."""
+    manager = offloading_spec(pool, store, **spec_changes).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        chunk_keys = keys(2, 11)
+        if store:
+            assert tier._store_chunks(chunk_keys, [0, 1]) == chunk_keys
+        context = ReqContext(req_id="found")
+        return all(tier.lookup(key, context) is LookupResult.HIT for key in chunk_keys)
+    finally:
+        manager.shutdown()
+
+
+def test_the_default_key_names_the_parallel_split_quantization_and_revision(tmp_path: Path):
+    """Goal: chunks stored under TP=2 x PP=1 are not found under TP=1 x PP=2 (the same world size,
+    each rank's bytes of other layers or heads), nor by the same model under another quantization
+    or another revision (other weights, other KV): the default key is built from the engine's
+    VllmConfig as the connector's is, plus the offloading config's parallel split and groups."""
+    pool = tmp_path / "pool.img"
+    assert stored_chunks_found(pool, True, tp_size=2, pp_size=1)
+    assert stored_chunks_found(pool, False, tp_size=2, pp_size=1), "the same engine lost its own chunks"
+    assert not stored_chunks_found(pool, False, tp_size=1, pp_size=2), "TP=1 x PP=2 found TP=2 x PP=1's chunks"
+    assert not stored_chunks_found(pool, False, engine=engine_config(pool, quantization="fp8")), "fp8 found bf16's chunks"
+    assert not stored_chunks_found(pool, False, engine=engine_config(pool, revision="r2")), "revision r2 found r1's chunks"
+    given = "cd" * 32
+    assert stored_chunks_found(pool, False, engine=None, model_fingerprint=given) is False
+    assert not stored_chunks_found(pool, False, engine=None, tp_size=1, pp_size=2, model_fingerprint=given)
+
+
+def test_without_the_engines_config_the_default_key_is_refused(tmp_path: Path):
+    """Goal: a tier built where the engine's VllmConfig cannot be found cannot name the model's
+    revision, quantization or RoPE: it refuses the default key and asks for model_fingerprint
+    (with one, it opens)."""
+    with pytest.raises(tutti.InvalidArgument, match="model_fingerprint"):
+        offloading_spec(tmp_path / "pool.img", True, engine=None).get_manager()
+    offloading_spec(tmp_path / "pool.img", True, engine=None, model_fingerprint="ef" * 32).get_manager().shutdown()
+
+
+def test_the_tier_says_its_locality(tmp_path: Path):
+    """Goal: the configured locality is vLLM's Locality on the tier (as vLLM's own fs tier sets
+    it), LOCAL by default; another word is refused naming the field."""
+    for changes, expected in (({}, Locality.LOCAL), ({"locality": "REMOTE"}, Locality.REMOTE)):
+        manager = offloading_spec(tmp_path / "pool.img", not changes, **changes).get_manager()
+        try:
+            assert manager.secondary_tiers[0].locality is expected
+        finally:
+            manager.shutdown()
+    with pytest.raises(tutti.InvalidArgument, match="locality"):
+        offloading_spec(tmp_path / "pool.img", False, locality="NEARBY").get_manager()
 
 
 def test_every_abstract_method_of_the_base_class_is_implemented():

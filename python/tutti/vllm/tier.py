@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Optional
 import tutti
 from tutti._engine import (
     BYTE_GEOMETRY_BLOCK_TOKENS,
+    ConfigError,
     Field,
     abandon_request,
     byte_geometry,
@@ -43,9 +44,9 @@ from tutti._engine import (
     positive,
     queue_depth_field,
 )
-from tutti.vllm.connector import KvMemoryUnsafe
+from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _resolved_kv_layout
 from tutti.vllm.metadata import bounded_timeout
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
+from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 if TYPE_CHECKING:
@@ -68,13 +69,17 @@ TIER_CONFIG_FIELDS = {
     ),
     "create_bytes": Field(int, "with format: create or grow an emu:PATH file to this size (unused without format)", check=positive),
     "slots_max": Field(int, "at most this many pool slots per device when formatting", check=positive),
-    "model_fingerprint": Field(str, "64 hex digits naming the model and its weights (dtype, chunk shape and KV layout are hashed with it); default: derived from vLLM's offloading config"),
+    "model_fingerprint": Field(
+        str,
+        "64 hex digits naming the model and its weights (dtype, chunk shape, parallel split and KV layout are hashed with it); "
+        "default: derived from the engine's VllmConfig as the connector's (refused where the tier cannot find it)",
+    ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=bounded_timeout),
     "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
-    "locality": Field(str, "vLLM's tier locality (LOCAL or REMOTE)", default="LOCAL"),
+    "locality": Field(str, "vLLM's tier locality (LOCAL or REMOTE), the tier's `locality`", default="LOCAL"),
 }
 
 
@@ -105,23 +110,14 @@ class TuttiTier(SecondaryTierManager):
         self._requests_max = int(config["requests_max"])
         geometry = byte_geometry(self.block_size_bytes)
         spec_config = offloading_spec.config
-        # How this deployment lays its KV out. An explicit fingerprint stands for the model, not
-        # for these: they are hashed with it, so that one fingerprint under another dtype or KV
-        # layout (the same chunk size, other bytes) is another key space.
-        layout = [
-            spec_config.model.dtype,
-            spec_config.worker_kv_bytes_per_block,
-            spec_config.parallel.world_size,
-            spec_config.cache.tokens_per_hash,
-            spec_config.cache.blocks_per_chunk,
-            self.block_size_bytes,
-            str(spec_config.kv_cache_layout),
-        ]
-        explicit = config["model_fingerprint"]
-        if explicit is None:
-            fingerprint = fingerprint_from_config(None, "vllm offloading tier", spec_config.model.name, *layout)
-        else:
-            fingerprint = fingerprint_from_config(None, fingerprint_from_config(explicit), "vllm offloading tier", *layout)
+        try:
+            self.locality = Locality(config["locality"])
+        except ValueError:
+            raise ConfigError(
+                f"secondary tier {tier_type!r}: field 'locality' = {config['locality']!r}: must be one of "
+                f"{', '.join(locality.value for locality in Locality)}"
+            ) from None
+        fingerprint = _tier_fingerprint(spec_config, self.block_size_bytes, config["model_fingerprint"], tier_type)
         self._store = tutti.Store.open(
             format_devices(config["devices"], 0),
             geometry,
@@ -435,6 +431,76 @@ class TuttiTier(SecondaryTierManager):
                 f"({kept} memory registrations kept): vLLM's chunk rows may still be written, so the job is not "
                 "reported and the tier stops"
             )
+
+
+# How far up the call stack the tier looks for the engine's VllmConfig (`_engine_config`).
+_ENGINE_CONFIG_FRAMES_MAX = 32
+
+
+def _engine_config() -> tuple[Any, Any]:
+    """The engine's VllmConfig and KVCacheConfig (or None) where the tier is built, or (None,
+    None). vLLM 0.32 hands a secondary tier only the OffloadingConfig (model name and cache
+    dtype, no revision, quantization or RoPE), and builds it from OffloadingConnectorScheduler's
+    __init__ (spec.get_manager()), whose frame holds the engine's `vllm_config` and
+    `kv_cache_config`: found there (or as vLLM's current config, where one is set), by those
+    names, within _ENGINE_CONFIG_FRAMES_MAX frames."""
+    import sys
+
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except ImportError:
+        current = None
+    if getattr(current, "model_config", None) is not None:
+        return current, None
+    frame = sys._getframe(1)
+    for _ in range(_ENGINE_CONFIG_FRAMES_MAX):
+        if frame is None:
+            break
+        found = frame.f_locals.get("vllm_config")
+        if getattr(found, "model_config", None) is not None and getattr(found, "cache_config", None) is not None:
+            return found, frame.f_locals.get("kv_cache_config")
+        frame = frame.f_back
+    return None, None
+
+
+def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optional[str], tier_type: str) -> bytes:
+    """The pool's model fingerprint. How this deployment lays its chunk rows out (cache dtype,
+    sizes, the TP/PP/PCP/DCP split: TP=2 x PP=1 and TP=1 x PP=2 have the same world size and
+    other bytes in each rank's part of a row, the groups' layers, the KV layout, canonical and
+    replicated layouts) is hashed with an explicit fingerprint too, which stands for the model
+    only. The default names the model as the connector's does (`_model_identity`: pinned
+    revision, quantization, RoPE parameters and hf_overrides, a local directory's weight files),
+    read from the engine's VllmConfig (`_engine_config`); where that cannot be found the default
+    is refused (ConfigError): the offloading config's model name alone would share one key
+    space between revisions and quantizations of a model."""
+    parallel = spec_config.parallel
+    layout: list[Any] = [
+        spec_config.model.dtype,
+        spec_config.worker_kv_bytes_per_block,
+        parallel.world_size,
+        spec_config.cache.tokens_per_hash,
+        spec_config.cache.blocks_per_chunk,
+        block_size_bytes,
+        str(spec_config.kv_cache_layout),
+        "parallel", parallel.tp_size, parallel.pp_size, parallel.pcp_size, parallel.dcp_size,
+        "canonical", int(bool(getattr(spec_config, "canonical_layout", False))),
+        "replicated", int(bool(getattr(spec_config, "replicated_layout", False))),
+    ]  # fmt: skip
+    for group in spec_config.groups:
+        layout += ["group", group.tokens_per_block, ",".join(group.layer_names)]
+    if explicit is not None:
+        return fingerprint_from_config(None, fingerprint_from_config(explicit), "vllm offloading tier", *layout)
+    vllm_config, kv_cache_config = _engine_config()
+    if vllm_config is None:
+        raise ConfigError(
+            f"secondary tier {tier_type!r}: the engine's VllmConfig was not found where the tier is built, so the "
+            "default key cannot name the model's revision, quantization and RoPE parameters: set model_fingerprint "
+            "(64 hex digits naming the model and its weights)"
+        )
+    identity = _model_identity(vllm_config, kv_cache_config, _resolved_kv_layout(vllm_config, kv_cache_config))
+    return fingerprint_from_config(None, "vllm offloading tier", *identity, *layout)
 
 
 class _RowsUnsafe(Exception):
