@@ -155,6 +155,18 @@ impl Drop for PoolDevice {
     }
 }
 
+impl Drop for Pool {
+    /// Writes the header sectors still staged (the Empty entries of an eviction whose `wait`
+    /// left no time for them, or whose write failed) before the devices are let go: a clean
+    /// shutdown with no commit or sync since must not bring condemned blocks back at the next
+    /// open. Best effort, bounded by the metadata timeout per device, with no executor to
+    /// borrow from ([`NoLender`]: a device whose metadata borrowed one gets a temporary queue
+    /// pair, the executor's being retired by then); a failure is logged.
+    fn drop(&mut self) {
+        self.sync_staged_at_end(&mut NoLender);
+    }
+}
+
 /// Header syncs (or, counted apart, cache flushes) of one device that may fail in a row (the
 /// device answering them with an error status, or not within the metadata timeout) before it
 /// is fenced: a transient error costs the stores of that sync; a device that keeps failing
@@ -192,6 +204,16 @@ pub fn format_uuid(uuid: &[u8; 16]) -> String {
 
 fn namespace_of(target: &PoolTarget) -> Result<nvme_driver::Namespace> {
     Ok(target.controller.namespace(target.namespace)?)
+}
+
+/// Whether `error` is a read the device answered with a media error status (the sectors are
+/// unreadable) with nothing left in flight on `queue`: the queue pair is still good, and the
+/// caller may name what could not be read and go on. Anything else (a timeout, a broken
+/// queue) is not.
+fn is_media_error(queue: &IoQueuePair, error: &ObjstoreError) -> bool {
+    queue.in_flight() == 0
+        && matches!(error, ObjstoreError::Nvme(nvme)
+            if nvme.status().is_some_and(|status| status.code_type == nvme_driver::spec::StatusCodeType::MediaAndDataIntegrity))
 }
 
 /// Reads and decodes the superblock of one target (for `open` and `tutti pool inspect`).
@@ -241,8 +263,11 @@ pub fn check_format(params: &FormatParams, lba_bytes: u32, size_blocks: u64, dev
 /// Formats `targets` as one pool (target i becomes device i): first zeroes every target's
 /// superblock region with FUA (whatever pool was there no longer opens), then per device writes
 /// an Empty entry for every slot, makes the header region durable, and writes the new
-/// superblock with FUA — a format interrupted anywhere leaves no pool (open fails with
-/// `CorruptSuperblock` or `PoolMembership`), never a pool over headers it did not write.
+/// superblock with FUA — a format interrupted anywhere leaves no new pool (open fails with
+/// `CorruptSuperblock` or `PoolMembership`), never a pool over headers it did not write. One
+/// stopped while it zeroes the superblocks may leave an old pool on devices not yet reached
+/// (a device holding a one-device pool of its own): it still opens, over its own headers,
+/// which this format had not touched yet.
 pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<Superblock>> {
     if targets.is_empty() || targets.len() > usize::from(u16::MAX) {
         return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
@@ -308,23 +333,18 @@ fn read_header_region(queue: &mut IoQueuePair, target: &PoolTarget, superblock: 
             .ok_or_else(|| ObjstoreError::AddressOverflow { what: format!("header LBA {} + {}", superblock.header_lba, offset / lba) })?;
         transfer_region(queue, target.namespace, first, mirror, offset, len, lba, Transfer::Read, METADATA_TIMEOUT)
     };
-    let media_error = |queue: &IoQueuePair, error: &ObjstoreError| {
-        queue.in_flight() == 0
-            && matches!(error, ObjstoreError::Nvme(nvme)
-                if nvme.status().is_some_and(|status| status.code_type == nvme_driver::spec::StatusCodeType::MediaAndDataIntegrity))
-    };
     let mut unreadable = Vec::new();
     let mut done = 0;
     while done < region {
         let piece = (region - done).min(METADATA_CHUNK_BYTES);
         match read(queue, done, piece) {
             Ok(()) => {}
-            Err(error) if media_error(queue, &error) => {
+            Err(error) if is_media_error(queue, &error) => {
                 tracing::warn!(device = superblock.device_index, %error, "reading slot headers failed: reading them again one LBA at a time");
                 for at in (done..done + piece).step_by(lba as usize) {
                     match read(queue, at, lba) {
                         Ok(()) => {}
-                        Err(error) if media_error(queue, &error) => {
+                        Err(error) if is_media_error(queue, &error) => {
                             tracing::error!(device = superblock.device_index, header_lba = at / lba, %error, "a slot header LBA is unreadable");
                             // Whatever the failed reads left there goes: recovery fills the
                             // sector's entries in, and its tail past the last slot stays zero.
@@ -688,6 +708,27 @@ impl Pool {
         self.sync_headers_by(lender, None)
     }
 
+    /// Whether some header sector is staged and not yet written on a device not fenced.
+    pub(crate) fn headers_staged(&self) -> bool {
+        self.devices.iter().any(|d| d.fence.is_none() && d.mirror.has_dirty())
+    }
+
+    /// At the end of a store or of the pool: writes the header sectors still staged, each
+    /// device within the metadata timeout, logging (not returning) a failure. Their entries
+    /// stay staged on failure, for a later sync if the pool lives on.
+    pub(crate) fn sync_staged_at_end(&mut self, lender: &mut dyn QueueLender) {
+        if !self.headers_staged() {
+            return;
+        }
+        if let Err(error) = self.sync_devices(lender, None, None) {
+            tracing::error!(
+                %error,
+                "objstore: header entries staged and not yet written (the Empty headers of evicted slots) could not be written \
+                 as the pool ends: blocks condemned since the last sync may be served again after a reopen"
+            );
+        }
+    }
+
     /// [`Self::sync_devices`] for a caller that must return by `deadline` (a `wait`): each
     /// device's writes wait within what is left of `deadline` (and the metadata timeout). A
     /// device reached with no time left is not written: its staged sectors stay staged for the
@@ -783,8 +824,9 @@ impl Pool {
 
     /// The offline check of `tutti pool check`: every header was verified by `open` (counted in
     /// the report); with `payload`, every block of every valid slot whose header records payload
-    /// CRCs is read back and compared. Returns (slots verified, slots with a mismatching block,
-    /// as (device, slot)).
+    /// CRCs is read back and compared. Returns (slots verified, slots with a mismatching block
+    /// or data the device answered with a media error, as (device, slot)); a read that times
+    /// out ends the check with its error.
     pub fn check_payloads(&mut self, deadline: Instant) -> Result<(u64, Vec<(usize, u32)>)> {
         let mut verified = 0;
         let mut bad = Vec::new();
@@ -812,22 +854,37 @@ impl Pool {
                 hashers.resize(header.blocks.len(), crc32fast::Hasher::new());
                 let pair = 2 * superblock.geometry.object_bytes();
                 bytes.resize(pair as usize, 0);
-                for layer in 0..superblock.geometry.layers {
+                // A read answered with a media error (nothing left in flight) makes the slot
+                // bad, named, and the check goes on; a timeout or a broken queue ends it.
+                let mut readable = true;
+                'layers: for layer in 0..superblock.geometry.layers {
                     for (j, hasher) in hashers.iter_mut().enumerate() {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
                         let (namespace, timeout) = (d.target.namespace, self.timeout);
-                        d.run_metadata(device, &mut no_lender, &mut temporary, timeout, true, |queue, _, scratch| {
+                        readable = d.run_metadata(device, &mut no_lender, &mut temporary, timeout, true, |queue, _, scratch| {
                             let lba_bytes = u64::from(superblock.lba_bytes);
-                            transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout)?;
+                            match transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout) {
+                                Ok(()) => {}
+                                Err(error) if is_media_error(queue, &error) => {
+                                    tracing::error!(device, slot, block = j, layer, %error, "payload check: a slot's data is unreadable");
+                                    return Ok(false);
+                                }
+                                Err(error) => return Err(error),
+                            }
                             scratch.read(0, &mut bytes)?;
-                            Ok(())
+                            Ok(true)
                         })?;
+                        if !readable {
+                            break 'layers;
+                        }
                         hasher.update(&bytes);
                     }
                 }
                 verified += 1;
-                if hashers.iter_mut().zip(&header.blocks).any(|(hasher, block)| std::mem::take(hasher).finalize() != block.payload_crc) {
+                if !readable
+                    || hashers.iter_mut().zip(&header.blocks).any(|(hasher, block)| std::mem::take(hasher).finalize() != block.payload_crc)
+                {
                     bad.push((device, slot));
                 }
             }

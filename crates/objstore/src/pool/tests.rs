@@ -679,3 +679,32 @@ fn a_header_sync_longer_than_its_queue_ends_at_the_callers_deadline() {
     pool.sync_headers(&mut NoLender).expect("without a deadline the sync completes");
     assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0);
 }
+
+#[test]
+fn an_unreadable_data_sector_fails_its_slot_not_the_payload_check() {
+    // Goal: `check_payloads` (`tutti pool check --payload`) reports a slot whose data answers
+    // a read with a media error as a bad slot, named, and goes on to check the others. It used
+    // to return the bare NVMe error at once: the slot unnamed, every later slot unchecked.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+    let (device, targets) = start(config);
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(4), pool_uuid: None, payload_crc: true };
+    format_pool(&targets, &params).expect("format");
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    // The data regions read zeroes: record the CRC of a zeroed block for slot 0, a wrong one
+    // (as if a byte had flipped on disk) for slot 1.
+    let zeroed = crc32fast::hash(&vec![0u8; (u64::from(geometry().layers) * 2 * geometry().object_bytes()) as usize]);
+    for (slot, crc) in [(0u32, zeroed), (1, zeroed ^ 1)] {
+        let records = [crate::format::BlockRecord { key: 100 + u64::from(slot), token_count: 16, payload_crc: crc }];
+        pool.stage_header(0, slot, SlotState::Valid, &records).unwrap();
+    }
+    pool.sync_headers(&mut NoLender).unwrap();
+    assert_eq!(pool.check_payloads(Instant::now() + Duration::from_secs(30)).expect("a clean check"), (2, vec![(0, 1)]));
+    let media = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x81));
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, media).with_opcode(NvmOpcode::Read as u8)));
+    let checked = pool.check_payloads(Instant::now() + Duration::from_secs(30));
+    device.set_faults(FaultPlan::none());
+    assert_eq!(checked.expect("the check goes on past the unreadable slot"), (2, vec![(0, 0), (0, 1)]));
+}

@@ -58,8 +58,10 @@ impl<E: Executor> StoreData<E> {
 impl<E: Executor> KvStore<E> {
     /// Ends the store: deletes the executor's queue pairs (before the pool, whose targets may
     /// hold the last references to the controllers) and says whether the engine may free its
-    /// registered KV memory (see [`StoreData::close`]). Dropping the store does the same,
-    /// without the answer.
+    /// registered KV memory (see [`StoreData::close`]). Header entries still staged (the
+    /// Empty headers of an eviction no sync wrote since) are then written as the pool is
+    /// dropped, best effort, within the metadata timeout per device (see `Pool`'s `Drop`).
+    /// Dropping the store does the same, without the answer.
     pub fn close(self) -> bool {
         let KvStore { data, control, .. } = self;
         let safe = data.close();

@@ -1166,3 +1166,53 @@ fn a_commit_refused_before_it_begins_leaves_the_request_to_its_caller() {
         store.finish(handle).expect("finish");
     }
 }
+
+/// A verified retrieve over two damaged blocks whose wait leaves the slots' Empty headers
+/// staged (the header write does not fit its 500 ms deadline), finished; nothing synced.
+fn evict_with_headers_left_staged(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, tokens: &[u32]) {
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let keys = store_two_blocks(fixture, store, tokens);
+    corrupt_layer_0_on_disk(fixture, store, &keys);
+    let handle = store.prepare_retrieve(&KvRequest { tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    let layers = geometry().layers;
+    for layer in 0..layers - 1 {
+        store.retrieve_layer(handle, layer, BUDGET).unwrap();
+        store.wait(handle, deadline()).expect("an earlier layer");
+    }
+    store.retrieve_layer(handle, layers - 1, BUDGET).unwrap();
+    // Own metadata queue: the header write fails; borrowed one: it is not submitted at all.
+    let write_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
+    fixture.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, write_fault).with_opcode(0x01)));
+    let result = store.wait(handle, Instant::now() + Duration::from_millis(500));
+    assert!(matches!(result, Err(ObjstoreError::PayloadMismatch { .. })), "{result:?}");
+    fixture.device.set_faults(FaultPlan::none());
+    assert_eq!(store.lookup(tokens), 0, "out of the index at once");
+    store.finish(handle).expect("finish");
+}
+
+#[test]
+fn staged_eviction_headers_are_written_when_the_store_ends() {
+    // Goal: the Empty headers of an eviction whose wait left them staged reach the disk when
+    // the store ends (close, drop, into_pool then drop) with no commit or sync_headers in
+    // between, also where the pool's metadata borrows the executor's queue pair: they used to
+    // be dropped with the mirror, and a reopen served the condemned blocks again.
+    type End = fn(KvStore<CpuExecutor>);
+    let ends: [(&str, End); 3] =
+        [("close", |store| assert!(store.close())), ("drop", drop), ("into_pool", |store| drop(store.into_pool()))];
+    for queue_pairs in [None, Some(1)] {
+        for (round, (name, end)) in ends.iter().enumerate() {
+            let config = queue_pairs.map_or(EmuConfig::default(), |max| EmuConfig::default().with_io_queue_pairs_max(max));
+            let fixture = fixture_on(config, 2, None);
+            let mut store = in_process(&fixture, StoreConfig { verify_retrieves: true, requests_max: 2, ..StoreConfig::default() });
+            assert_eq!(store.pool().metadata_queue_shared(0), queue_pairs.is_some());
+            evict_with_headers_left_staged(&fixture, &mut store, &tokens(17 + round as u32, 2));
+            end(store);
+            let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+            assert_eq!(
+                report.cached_blocks, 0,
+                "{name}, queue pairs {queue_pairs:?}: the evicted blocks are served after a reopen: {report:?}"
+            );
+        }
+    }
+}
