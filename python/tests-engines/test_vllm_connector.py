@@ -1776,7 +1776,9 @@ def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tutti
     """Goal: tutti's keys are the prompt's tokens only, so a request with a cache salt, a LoRA
     adapter, multimodal inputs or prompt embeddings (vLLM's own prefix keys include them) is
     never served another request's KV (0 matched tokens) and saves nothing under the bare tokens."""
+    import torch
     from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -1792,6 +1794,11 @@ def test_requests_whose_kv_is_not_their_tokens_alone_neither_load_nor_save(tutti
         others = {
             "salted": Request("salted", tokens, SamplingParams(max_tokens=4), None, cache_salt="salt"),
             "lora": Request("lora", tokens, SamplingParams(max_tokens=4), None, lora_request=LoRARequest("adapter", 1, "/adapter")),
+            "multimodal": Request(
+                "multimodal", tokens, SamplingParams(max_tokens=4), None,
+                mm_features=[MultiModalFeatureSpec(data=None, modality="image", identifier="image-0", mm_position=PlaceholderRange(offset=0, length=4))],
+            ),  # fmt: skip
+            "embeds": Request("embeds", tokens, SamplingParams(max_tokens=4), None, prompt_embeds=torch.zeros(len(tokens), 8)),
         }
         for req_id, request in others.items():
             assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False), req_id
