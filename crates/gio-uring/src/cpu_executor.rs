@@ -716,6 +716,25 @@ mod tests {
         EmuRig { queue, id, _buffer: buffer, controller, device }
     }
 
+    /// Another IOCB on the rig's queue, filled as the rig's own (a one-block Read of two layers
+    /// from the DMA buffer), not issued.
+    fn refill_like_the_rig<E: Executor>(rig: &mut EmuRig<E>) -> IocbId {
+        use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
+        let id = rig.queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
+        let ioctx = IoctxSpec {
+            device: crate::types::DeviceIndex(0),
+            nsid: rig.controller.namespaces()[0].id.0,
+            start_lba: crate::types::Lba(0),
+            block_count: 1,
+            data: rig._buffer.iova(),
+            descriptor: Descriptor::Prp { prp2: None },
+            force_unit_access: false,
+        };
+        let spec = IocbSpec { layer_count: 2, lba_stride_blocks: 1, mem_stride_bytes: 512, ..IocbSpec::single(Opcode::Read, 0) };
+        rig.queue.fill_iocb(id, &spec, &[ioctx]).expect("fill");
+        id
+    }
+
     fn io_commands(device: &nvme_emu::EmuDevice) -> u64 {
         device.stats().io_commands.values().sum()
     }
@@ -723,7 +742,7 @@ mod tests {
     #[test]
     fn a_cqe_whose_post_failed_is_posted_by_the_next_poll() {
         // Goal: a completion whose CQE cannot be posted (the CQ producer lock held past the
-        // attempt bound: a preempted holder) is reported, and not lost: the CQE is kept and
+        // time bound: a preempted holder) is reported, and not lost: the CQE is kept and
         // the next poll posts it, so wait_cqe returns the IOCB's completion once the lock is
         // free. (The IOCB had already left ISSUED: no reset could end it, put_iocb refuses it.)
         let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
@@ -742,10 +761,44 @@ mod tests {
     }
 
     #[test]
+    fn a_held_cq_lock_costs_a_wait_its_deadline_not_a_spin_bound_per_cqe() {
+        // Goal: the CQ producer lock is waited for up to a time bound, once per poll: after a
+        // post fails, the poll keeps the other CQEs without waiting again. It used to spin a
+        // count of attempts for each CQE, so a wait with a 100 ms deadline on a CQ whose lock a
+        // dead holder kept took seconds with a few IOCBs completing.
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        let mut ids = vec![rig.id];
+        for _ in 0..3 {
+            ids.push(refill_like_the_rig(&mut rig));
+        }
+        let lock = rig.queue.memory().layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
+        rig.queue.memory().region.store_u32(lock, 1, std::sync::atomic::Ordering::Release);
+        rig.queue.issue_io(&ids, crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        // Let every command complete on the device first, so one poll reaps all four.
+        let settle = Instant::now() + std::time::Duration::from_secs(5);
+        let (executor, memory) = rig.queue.executor_and_memory();
+        executor.pump(memory).expect("commands sent");
+        while io_commands(&rig.device) < 4 && Instant::now() < settle {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        let started = Instant::now();
+        let waited = rig.queue.wait_cqe(ids[3], started + std::time::Duration::from_millis(100));
+        let took = started.elapsed();
+        assert!(waited.is_err(), "{waited:?}");
+        assert!(took < std::time::Duration::from_secs(1), "a 100 ms wait took {took:?}");
+        rig.queue.memory().region.store_u32(lock, 0, std::sync::atomic::Ordering::Release);
+        for id in ids {
+            let done = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("posted once the lock is free");
+            assert_eq!(done.result, Ok(()));
+        }
+    }
+
+    #[test]
     fn a_reset_whose_timeout_cqe_could_not_be_posted_yet_succeeds() {
         // Goal: a reset that deleted the old queue pair and ended the IOCB in flight succeeded,
         // even when that IOCB's TIMEOUT CQE could not be posted at once (the CQ producer lock
-        // held past its attempt bound): the CQE is kept and the next poll posts it. An error
+        // held past its time bound): the CQE is kept and the next poll posts it. An error
         // here reads to callers as "a queue pair cannot be deleted: reset the controller".
         use nvme_emu::{FaultAction, FaultPlan, FaultRule};
         let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));

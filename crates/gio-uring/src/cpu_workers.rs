@@ -169,6 +169,30 @@ impl Failure {
     }
 }
 
+/// The last error a worker logged: a poll that keeps failing the same way (a CQ whose lock is
+/// never released, a failed pair's error) is logged once, not on every loop (thousands a
+/// second); another error, or the same one after a poll that succeeded, is logged again.
+#[derive(Default)]
+struct LoggedError {
+    last: Option<String>,
+}
+
+impl LoggedError {
+    /// Whether `error` differs from the last one logged (and is now the last one).
+    fn first_time(&mut self, error: &GioError) -> bool {
+        let text = error.to_string();
+        if self.last.as_deref() == Some(text.as_str()) {
+            return false;
+        }
+        self.last = Some(text);
+        true
+    }
+
+    fn clear(&mut self) {
+        self.last = None;
+    }
+}
+
 impl std::fmt::Debug for CpuWorkers {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuWorkers").field("workers", &self.workers.len()).field("depth", &self.depth).finish()
@@ -271,6 +295,7 @@ impl CpuWorkers {
     }
 
     fn run(memory: Arc<QueueMemory>, mut core: CpuExecutor, receiver: Receiver<Message>, queued: Arc<AtomicUsize>, failure: Arc<Failure>) {
+        let mut logged = LoggedError::default();
         loop {
             // Take every IOCB handed over since the last round.
             loop {
@@ -284,9 +309,14 @@ impl CpuWorkers {
                     Err(TryRecvError::Empty) => break,
                 }
             }
-            if let Err(error) = core.poll(&memory) {
-                tracing::error!("gio-uring CPU worker: {error}");
-                failure.record(&error);
+            match core.poll(&memory) {
+                Err(error) => {
+                    if logged.first_time(&error) {
+                        tracing::error!("gio-uring CPU worker: {error}");
+                    }
+                    failure.record(&error);
+                }
+                Ok(()) => logged.clear(),
             }
             if core.can_progress() {
                 std::thread::yield_now();
@@ -685,6 +715,22 @@ mod tests {
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
+    }
+
+    #[test]
+    fn a_worker_logs_a_recurring_error_once() {
+        // Goal: a worker whose every poll fails the same way logged it on every loop (thousands
+        // a second); it logs each distinct error once, and again after a poll that succeeded.
+        let busy = GioError::Executor { executor: "cq", reason: "CQ producer lock not released".into() };
+        let other = GioError::Executor { executor: "cpu", reason: "device 0: stale".into() };
+        let mut logged = LoggedError::default();
+        assert!(logged.first_time(&busy));
+        assert!(!logged.first_time(&busy));
+        assert!(!logged.first_time(&busy));
+        assert!(logged.first_time(&other));
+        assert!(logged.first_time(&busy));
+        logged.clear();
+        assert!(logged.first_time(&busy));
     }
 
     #[test]

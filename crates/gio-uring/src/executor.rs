@@ -177,26 +177,36 @@ pub fn complete_ioctx(
     Some(Cqe { iocb_id: id, issue_seq, failed_ioctx, status: final_status as u16, failed_nvme_status })
 }
 
-/// Attempts to take the CQ's producer lock before giving up: holders keep it for a few stores, so
-/// running out means a holder died (or a GPU kernel was killed) while holding it.
-const CQ_LOCK_ATTEMPTS_MAX: u32 = 1 << 22;
+/// How long a post waits for the CQ's producer lock before giving up: holders keep it for a few
+/// stores, so running out means a holder died (or a GPU kernel was killed) while holding it, or
+/// was descheduled for that long. A time bound, not a count of attempts, so that what a wait
+/// costs does not depend on the machine's speed or load.
+pub(crate) const CQ_LOCK_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Posts a CQE. Any number of producers (executor threads, GPU threads) may post concurrently: they
 /// serialise on the ring's `producer_lock`, whose Acquire/Release pair also orders one holder's
 /// tail store before the next holder's tail load. The CQ has one entry per IOCB and an IOCB is
 /// reissued only after its CQE was reaped, so a full CQ is a protocol violation, not back-pressure.
+/// Waits for the lock at most [`CQ_LOCK_WAIT`].
 pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
     let lock = memory.layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
     let mut attempts = 0u32;
+    let mut deadline = None;
     while memory.region.compare_exchange_u32(lock, 0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {
-        attempts += 1;
-        if attempts >= CQ_LOCK_ATTEMPTS_MAX {
-            return Err(GioError::Executor {
-                executor: "cq",
-                reason: format!("CQ producer lock not released within {CQ_LOCK_ATTEMPTS_MAX} attempts; CQE for {} not posted", cqe.iocb_id),
-            });
-        }
+        attempts = attempts.wrapping_add(1);
         if attempts.is_multiple_of(64) {
+            // The clock is read only once the lock was found held a while.
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + CQ_LOCK_WAIT);
+            if Instant::now() >= deadline {
+                return Err(GioError::Executor {
+                    executor: "cq",
+                    reason: format!(
+                        "CQ producer lock not released within {} ms; CQE for {} not posted",
+                        CQ_LOCK_WAIT.as_millis(),
+                        cqe.iocb_id
+                    ),
+                });
+            }
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();
@@ -211,7 +221,7 @@ pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
 }
 
 /// CQEs a CPU executor built but could not post (the CQ producer lock was not released within
-/// its attempt bound, or the CQ was full): the IOCB already left ISSUED (its compare-and-swap
+/// its time bound, or the CQ was full): the IOCB already left ISSUED (its compare-and-swap
 /// succeeded), so no reset ends it again and it is in flight until this CQE is posted. They are
 /// kept here and posted by the executor's next `poll` ([`repost_kept_cqes`]). At most one per
 /// IOCB (one CQE per issue), so the list is bounded by the queue depth and allocated once, with
@@ -250,7 +260,19 @@ impl KeptCqes {
 /// `memory.kept_cqes` and posted by the next poll's [`repost_kept_cqes`]. The error is still
 /// returned to the caller, and each later poll returns it again for as long as the CQE still
 /// cannot be posted (a CQ nobody can post to is not a one-off), so a waiter sees it until then.
+///
+/// While CQEs are kept already, this one is kept behind them at once, without waiting for the
+/// lock: a poll (or a reset) whose first post ran out of [`CQ_LOCK_WAIT`] does not wait again
+/// for each CQE after it, and the CQEs go out in the order they were built.
 pub(crate) fn post_cqe_or_keep(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
+    let earlier = memory.kept_cqes.count.load(Ordering::Acquire);
+    if earlier > 0 {
+        memory.kept_cqes.keep(cqe);
+        return Err(GioError::Executor {
+            executor: "cq",
+            reason: format!("CQE for {} kept behind {earlier} earlier CQEs not posted yet (the next poll posts them)", cqe.iocb_id),
+        });
+    }
     post_cqe(memory, cqe).inspect_err(|_| memory.kept_cqes.keep(cqe))
 }
 
