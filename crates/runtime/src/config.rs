@@ -103,7 +103,10 @@ pub struct RuntimeConfig {
     pub write_queue_limit_blocks: usize,
     /// Stores that may wait in the write queue. Each holds one of the object store's request
     /// slots and its IOCBs, so it must be below `StoreConfig::requests_max` (one is needed for the
-    /// running request's retrieve; `Runtime::new` refuses it otherwise).
+    /// running request's retrieve; `Runtime::new` refuses it otherwise). A retiring request
+    /// (`Runtime::retiring_requests`) holds a slot too: `begin_prefill` makes room for a new
+    /// store only while the queued and retiring requests leave two slots free (the new store and
+    /// the retrieve), forcing the oldest stores out as `on_write_queue_full` says.
     pub write_queue_limit_stores: usize,
     pub on_write_queue_full: WriteQueueFullAction,
     /// Bound on every wait for one layer's I/O, in `1 ns..=IO_TIMEOUT_MAX` (`Runtime::new`

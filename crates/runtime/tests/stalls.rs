@@ -442,3 +442,47 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
         assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }
+
+#[test]
+fn a_retiring_request_counts_against_the_queues_request_slots() {
+    // Goal: at the deepest queue allowed (`write_queue_limit_stores` = `requests_max` − 1), a
+    // request retiring (a read that timed out) holds an object-store request slot as a queued
+    // store does, and `make_room` counts it: the oldest store is forced out and the next
+    // cache-hit prefill runs. Before, `make_room` counted only the queued stores: the new
+    // store took the last slot and `prepare_retrieve` failed `TooManyRequests` (the new
+    // request's store dropped), for every cache-hit prefill while the request retired.
+    bounded(|| {
+        let store_config = objstore::StoreConfig { requests_max: 3, ..objstore::StoreConfig::default() };
+        let (device, store, engine) =
+            common::parts_configured(None, store_config, |pool, config| objstore::cpu_executor_for(pool, 256, config).expect("executor"));
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        config.write_queue_limit_stores = 2;
+        let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+        let mut stack = Stack { device, runtime, engine };
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+        assert_eq!(stack.runtime.retiring_requests(), 1);
+        // Another session's prompt (no block shared): its store queued.
+        let other: Vec<u32> = prompt(1, 0).iter().map(|token| token + 7_000_000).collect();
+        assert_eq!(prefill(&mut stack, &other, &[10, 11, 12, 13]).unwrap(), 0);
+        assert_eq!(stack.runtime.queued_stores(), 1);
+        // A cache hit with new blocks: its store and retrieve need two slots, one is left.
+        let hit = prompt(0, 2);
+        let blocks: Vec<u32> = (20..28).collect();
+        assert_eq!(prefill(&mut stack, &hit, &blocks).unwrap(), 4);
+        assert_eq!(stack.runtime.counters().stores_forced, 1, "{:?}", stack.runtime.counters());
+        // The lost read (and any write of the queue handed over meanwhile).
+        assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&other), 4);
+        assert_eq!(stack.runtime.lookup(&hit), 8);
+    });
+}

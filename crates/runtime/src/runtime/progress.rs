@@ -528,12 +528,25 @@ impl<E: Executor> Runtime<E> {
         })
     }
 
-    /// Makes room for `incoming` blocks in the write queue, as configured. Under `ForceOldest`
+    /// Makes room for `incoming` blocks in the write queue, as configured (and for the new store
+    /// and a retrieve among the object store's request slots, which retiring requests hold
+    /// too). Under `ForceOldest`
     /// the oldest stores whose prefill ended are written and committed (each forced once at
     /// most); if that does not make room, or for `Refuse`, `WriteQueueFull`.
     pub(super) fn make_room(&mut self, incoming: usize) -> Result<()> {
         let (limit_blocks, limit_stores) = (self.config.write_queue_limit_blocks, self.config.write_queue_limit_stores);
-        let over = |writes: &WriteQueue| writes.queued_blocks + incoming > limit_blocks || writes.stores.len() + 1 > limit_stores;
+        // A retiring request (a layer in flight the device has not ended) holds an object-store
+        // request slot as a queued store does: the queued and retiring ones, the new store and
+        // the new request's retrieve must fit `requests_max`. Uncounted, at the deepest queue
+        // allowed (`requests_max` − 1) the new store took the last slot and the retrieve was
+        // refused (`TooManyRequests`). Forcing cannot end a retiring request; past what forcing
+        // frees, the new store is refused.
+        let requests_max = self.store.config().requests_max;
+        let over = |writes: &WriteQueue| {
+            writes.queued_blocks + incoming > limit_blocks
+                || writes.stores.len() + 1 > limit_stores
+                || writes.stores.len() + writes.retiring.len() + 2 > requests_max
+        };
         let full = |writes: &WriteQueue, action: &'static str| RuntimeError::WriteQueueFull {
             queued_blocks: writes.queued_blocks,
             queued_stores: writes.stores.len(),

@@ -172,6 +172,15 @@ pub fn parts_with<E: gio_uring::Executor>(
     timing: Option<TimingModel>,
     executor: impl FnOnce(&Pool, &StoreConfig) -> E,
 ) -> (Arc<EmuDevice>, KvStore<E>, Engine) {
+    parts_configured(timing, StoreConfig::default(), executor)
+}
+
+/// The same, with the store configured by `store_config`.
+pub fn parts_configured<E: gio_uring::Executor>(
+    timing: Option<TimingModel>,
+    store_config: StoreConfig,
+    executor: impl FnOnce(&Pool, &StoreConfig) -> E,
+) -> (Arc<EmuDevice>, KvStore<E>, Engine) {
     let geometry = geometry();
     let device =
         EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 }).with_timing(timing)).expect("emulator");
@@ -189,7 +198,6 @@ pub fn parts_with<E: gio_uring::Executor>(
         block_stride_bytes: geometry.object_bytes(),
     };
     let registration = KvRegistration::new(geometry, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
-    let store_config = StoreConfig::default();
     let executor = executor(&pool, &store_config);
     let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, store_config).expect("store");
     (device, store, Engine { tensors })
