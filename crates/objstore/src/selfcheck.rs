@@ -57,11 +57,16 @@ impl Default for RoundTripConfig {
     }
 }
 
+/// The most engine blocks per slot a pool takes (`Superblock::plan` refuses more).
+const BLOCKS_PER_SLOT_MAX: u32 = 1024;
+
 impl RoundTripConfig {
     /// Checks that the round trip's sizes fit their types before anything is formatted:
     /// the engine holds twice a request's blocks (u32 block ids), a request's tokens are
-    /// counted in u32, and the engine memory's bytes in usize. [`ObjstoreError::BadRequest`]
-    /// names what overflows (a command line may ask for any u32).
+    /// counted in u32, and the engine memory's bytes in usize; and that k is one a pool takes
+    /// (1..=1024; whether its header entry fits the devices' LBA is known only once they are
+    /// open). [`ObjstoreError::BadRequest`] names what is wrong (a command line may ask for any
+    /// u32).
     pub fn check(&self) -> Result<(), ObjstoreError> {
         let bad = |reason: String| ObjstoreError::BadRequest { reason };
         let blocks = self.blocks_per_request;
@@ -69,6 +74,13 @@ impl RoundTripConfig {
             return Err(bad(format!(
                 "{} requests of {blocks} blocks, k = {}: each must be at least 1",
                 self.requests, self.blocks_per_slot
+            )));
+        }
+        if self.blocks_per_slot > BLOCKS_PER_SLOT_MAX {
+            return Err(bad(format!(
+                "k = {}: a pool takes 1..={BLOCKS_PER_SLOT_MAX} engine blocks per slot (and as many as one slot header entry \
+                 in an LBA holds)",
+                self.blocks_per_slot
             )));
         }
         self.geometry.validate()?;

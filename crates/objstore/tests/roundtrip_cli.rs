@@ -44,3 +44,15 @@ fn a_request_size_that_overflows_is_bad_usage_before_any_device_is_opened() {
         assert!(!text.contains("panicked"), "{text}");
     }
 }
+
+#[test]
+fn a_k_no_pool_takes_is_bad_usage_before_any_device_is_opened() {
+    // Goal: `--k` above what a pool takes (1..=1024 engine blocks per slot) is refused as bad
+    // usage (2) before any device is opened. It used to pass the checks, open the devices and
+    // re-initialise their controllers, and only then fail in format (1); here, with no such
+    // device, it failed opening it (1). The usage says that every device given is formatted.
+    let output = binary().args(["--device", "vfio:0000:ff:1f.7", "--k", "5000"]).output().unwrap();
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("usage:") && text.contains("k = 5000") && text.contains("its data is lost"), "{text}");
+}

@@ -22,7 +22,8 @@ use objstore::PoolTarget;
 
 const USAGE: &str =
     "usage: objstore-roundtrip --device vfio:DOMAIN:BUS:DEVICE.FUNCTION [--device vfio:BDF ...] [--requests N] [--blocks N] \
-                     [--k N] [--layout separate|block-major]";
+                     [--k N] [--layout separate|block-major]\n\
+     formats a pool over the first namespace of every device given: its data is lost. --k: 1..=1024 engine blocks per slot";
 const EXIT_STATUS: &str = "exit status: 0 the round trip passed; 1 it failed; 2 bad usage; 141 standard output was closed by its reader";
 
 /// The exit statuses of every tutti tool (tutti-cli's `exit`; this binary lives in objstore,
