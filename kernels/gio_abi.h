@@ -208,7 +208,7 @@ typedef struct gio_nvme_qp {
     uint64_t sq_doorbell;  /* device address of the SQ y Tail Doorbell register (BAR0) */
     uint64_t cq_doorbell;  /* device address of the CQ y Head Doorbell register (BAR0) */
     uint64_t slots;        /* device address of gio_nvme_slot[sq_depth] */
-    uint32_t sq_depth;     /* a power of two, 2..=32768 (command ids keep a generation bit) */
+    uint32_t sq_depth;     /* a power of two, 2..=16384 (command ids keep generation bits) */
     uint32_t cq_depth;     /* a power of two, 2..=32768 */
     uint32_t qid;          /* NVMe SQ id: every completion on this pair must name it (CQE SQID) */
     uint32_t reserved0[3];

@@ -540,7 +540,7 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
 
     alignas(16) nvme_sqe sqe = {};
     sqe.opcode = opcode;
-    sqe.command_id = static_cast<uint16_t>(ticket & 0xFFFFu);
+    sqe.command_id = static_cast<uint16_t>(gio_command_id(ticket));  // never FFFFh
     sqe.nsid = ioctx.nsid;
     if (ioctx.descriptor_kind == GIO_DESCRIPTOR_SGL) {
         sqe.flags = static_cast<uint8_t>(NVME_PSDT_SGL_MPTR_CONTIGUOUS << NVME_PSDT_SHIFT);

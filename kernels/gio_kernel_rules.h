@@ -33,6 +33,23 @@ GIO_RULE uint32_t gio_sq_head_from_sqhd(uint32_t sq_head, uint32_t sqhd, uint32_
     return sq_head + ((sqhd - sq_head) & (sq_depth - 1u));
 }
 
+/* The deepest NVMe queue pair the kernel drives (gpu::plan::GPU_QUEUE_DEPTH_MAX on the Rust side,
+ * which refuses deeper pairs): at 16384 each slot has four generations of command id, so the one
+ * gio_command_id moves off FFFFh still differs from its slot's previous and next rounds. */
+#define GIO_SQ_DEPTH_MAX 16384u
+
+/*
+ * The NVMe command id of ticket `ticket`: its low 16 bits (the SQ slot index in the low bits,
+ * since depths divide 2^16, and a generation in the rest), except that FFFFh is never used (NVMe:
+ * the Error Information log's "no particular command"; nvme-driver skips it too): the ticket that
+ * would carry it, the top slot's last generation, carries 7FFFh, the id of the round two
+ * generations away at depth 16384 (further at smaller depths), never of the adjacent ones.
+ */
+GIO_RULE uint32_t gio_command_id(uint32_t ticket) {
+    const uint32_t id = ticket & 0xFFFFu;
+    return id == 0xFFFFu ? 0x7FFFu : id;
+}
+
 /*
  * The completion acceptance rule, the kernel's twin of nvme-driver's QueuePair::reap. A pair whose
  * controller already faulted (`pair_faulted`: its controller_faults counter, non-zero) trusts
@@ -43,8 +60,8 @@ GIO_RULE uint32_t gio_sq_head_from_sqhd(uint32_t sq_head, uint32_t sqhd, uint32_
  * Then the SQ head it reports (`sqhd`, a slot index) must lie between the head seen so far
  * (`sq_head`, free-running) and the tail published to the controller (`sq_tail`, free-running):
  * a head past the tail would let the tail publication move past entries the controller has not
- * fetched (it re-fetches stale SQEs). Then the command id must carry the slot's current ticket
- * (slot index plus generation bits) and that ticket must not be completed yet (else UNEXPECTED).
+ * fetched (it re-fetches stale SQEs). Then the command id must be the slot's current ticket's
+ * (gio_command_id: slot index plus generation bits) and that ticket must not be completed yet (else UNEXPECTED).
  * Last, the ticket must have been published (below sq_tail) and fetched (the new head past its
  * entry): a completion for a command the controller cannot have read would hand its buffer back
  * while the entry, published later, still names it. Every counter is free-running and modular;
@@ -69,7 +86,7 @@ GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reporte
     if ((uint32_t)(new_head - sq_head) > (uint32_t)(sq_tail - sq_head)) {
         return GIO_COMPLETION_BAD_SQ_HEAD;
     }
-    if ((slot_ticket & 0xFFFFu) != command_id || slot_done_ticket == slot_ticket + 1u) {
+    if (gio_command_id(slot_ticket) != command_id || slot_done_ticket == slot_ticket + 1u) {
         return GIO_COMPLETION_UNEXPECTED;
     }
     if ((uint32_t)(sq_tail - slot_ticket - 1u) >= sq_depth || (uint32_t)(new_head - slot_ticket - 1u) >= sq_depth) {

@@ -75,11 +75,14 @@ static void check_completion_verdicts(void) {
            "a stale generation is unexpected", 0x2345u ^ 0x8000u);
     expect(fetched_verdict(0u, queue, queue, 0x2345u, ticket, ticket + 1u) == GIO_COMPLETION_UNEXPECTED,
            "a second completion of a completed ticket is unexpected", ticket);
-    /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. */
-    expect(fetched_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
+    /* The ticket wraps at 2^32: the rule is modular, like the kernel's counters. Its command id
+     * is 7FFFh (gio_command_id: never FFFFh). */
+    expect(fetched_verdict(0u, queue, queue, 0x7FFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_ACCEPT,
            "the last ticket before the wrap is accepted", 0xFFFFFFFFu);
-    expect(fetched_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
+    expect(fetched_verdict(0u, queue, queue, 0x7FFFu, 0xFFFFFFFFu, 0u) == GIO_COMPLETION_UNEXPECTED,
            "the last ticket before the wrap completes once", 0xFFFFFFFFu);
+    expect(fetched_verdict(0u, queue, queue, 0xFFFFu, 0xFFFFFFFFu, 0u - 64u) == GIO_COMPLETION_UNEXPECTED,
+           "command id FFFFh completes nothing", 0xFFFFFFFFu);
     /* A fresh slot s (as plan.rs writes it: ticket s - depth, done_ticket s + 1 - depth, "the
      * previous round is complete") accepts no command id before its first submission. With
      * ticket 0, a stray completion of command id 0 would have completed slot 0. */
@@ -166,7 +169,7 @@ static void check_completion_sq_heads(void) {
         for (ticket = tail - depth - 4u; ticket <= tail + 4u; ticket++) {
             for (sqhd = 0; sqhd <= 0xFFFFu; sqhd++) {
                 const uint32_t t = (uint32_t)ticket;
-                const uint32_t verdict = gio_completion_verdict(0u, queue, queue, t & 0xFFFFu, sqhd, t,
+                const uint32_t verdict = gio_completion_verdict(0u, queue, queue, gio_command_id(t), sqhd, t,
                                                                 t + 1u - depth, (uint32_t)base, (uint32_t)tail, depth);
                 /* The head SQHD names: the one position in [base, base + depth) with that slot. */
                 const uint64_t head = base + ((sqhd + depth - (base % depth)) % depth);
@@ -328,6 +331,31 @@ static void print_ioctx_commands(void) {
     }
 }
 
+/* The command id of a ticket (gio_command_id): never FFFFh (NVMe: the Error Information log's "no
+ * particular command"; nvme-driver never issues it), its slot index in the low bits at every depth
+ * the kernel takes, and different from the ids of the same slot's previous and next rounds (the
+ * generation check), across the 16-bit and 32-bit wraps. */
+static void check_command_ids(void) {
+    uint32_t depth;
+    uint64_t t;
+    for (depth = 2u; depth <= GIO_SQ_DEPTH_MAX; depth <<= 1) {
+        for (t = 0; t < 0x30000u; t++) {
+            const uint32_t tickets[2] = {(uint32_t)t, (uint32_t)(0xFFFE0000u + t)};
+            unsigned k;
+            for (k = 0; k < 2u; k++) {
+                const uint32_t ticket = tickets[k];
+                const uint32_t id = gio_command_id(ticket);
+                expect(id != 0xFFFFu, "no command id FFFFh", ticket);
+                expect(id <= 0xFFFFu, "a command id fits 16 bits", ticket);
+                expect((id & (depth - 1u)) == (ticket & (depth - 1u)), "the command id names the ticket's slot", ticket);
+                expect(id != gio_command_id(ticket - depth) && id != gio_command_id(ticket + depth),
+                       "the command id differs from its slot's previous and next rounds", ticket);
+            }
+        }
+    }
+    expect(gio_command_id(0x12345u) == 0x2345u, "otherwise the ticket's low 16 bits", 0x12345u);
+}
+
 int main(int argc, char **argv) {
     const int print_kinds = argc > 1 && strcmp(argv[1], "descriptor-kinds") == 0;
     const int print_commands = argc > 1 && strcmp(argv[1], "ioctx-commands") == 0;
@@ -337,6 +365,7 @@ int main(int argc, char **argv) {
     }
     check_descriptor_kinds(print_kinds);
     check_completion_verdicts();
+    check_command_ids();
     check_completion_sq_heads();
     check_cq_claims();
     check_ioctx_commands();

@@ -61,7 +61,7 @@ pub struct GpuQueueSpec {
     pub controller: Arc<Controller>,
     /// The controller's BAR0 as the host maps it (emulated: [`BarMapping::host_memory`]).
     pub bar: BarMapping,
-    /// Entries per ring: a power of two, 2..=min(32768, CAP.MQES + 1) (`plan::GPU_QUEUE_DEPTH_MAX`).
+    /// Entries per ring: a power of two, 2..=min(16384, CAP.MQES + 1) (`plan::GPU_QUEUE_DEPTH_MAX`).
     pub depth: u32,
 }
 

@@ -17,11 +17,14 @@ use crate::types::{Iova, IovaRange, SmBudget};
 pub const PAGE_BYTES: u64 = 4096;
 /// Lanes per warp: the kernel's unit of work is a chunk of this many IOCTXs.
 pub const WARP_LANES: u32 = 32;
-/// The deepest NVMe queue pair the I/O kernel drives. Its command id is `ticket & 0xFFFF`: the
-/// slot index in the low bits, a generation in the rest. At 32768 one generation bit is left; at
-/// 65536 none (a late completion of a slot's previous command would be taken for the current
-/// one), so deeper queues are refused, as nvme-driver refuses them (its `QUEUE_DEPTH_MAX`).
-pub const GPU_QUEUE_DEPTH_MAX: u32 = nvme_driver::QUEUE_DEPTH_MAX;
+/// The deepest NVMe queue pair the I/O kernel drives (`GIO_SQ_DEPTH_MAX` in
+/// kernels/gio_kernel_rules.h). Its command id is `gio_command_id(ticket)`: `ticket & 0xFFFF`, the
+/// slot index in the low bits and a generation in the rest, except that FFFFh is never used (the
+/// top slot's last generation carries 7FFFh instead). At 16384 each slot has four generations, so
+/// that moved id still differs from its slot's previous and next rounds; at 32768 it would equal
+/// the previous round's (a late completion of it would be taken for the current one), so deeper
+/// queues are refused, lower than nvme-driver's `QUEUE_DEPTH_MAX`.
+pub const GPU_QUEUE_DEPTH_MAX: u32 = 16384;
 /// CUDA's limit on threads per block (every architecture since sm_20).
 pub const THREADS_PER_BLOCK_MAX: u32 = 1024;
 
@@ -39,8 +42,8 @@ pub struct QueuePairAddresses {
 /// Translates a queue pair's layout into GPU addresses: `rings` are the GPU addresses of its SQ
 /// and CQ, `bar_device_base` the GPU address of BAR0's first byte, `bar_len_bytes` the mapped
 /// length. The kernel indexes rings with masks and derives command ids from free-running tickets,
-/// so the depth must be a power of two in 2..=[`GPU_QUEUE_DEPTH_MAX`] (32768, which leaves the
-/// command id a generation bit); a doorbell must lie inside the mapping.
+/// so the depth must be a power of two in 2..=[`GPU_QUEUE_DEPTH_MAX`] (16384, which leaves the
+/// command id generation bits); a doorbell must lie inside the mapping.
 pub fn queue_pair_addresses(
     layout: &DetachedQueueLayout,
     rings: (u64, u64),
@@ -494,13 +497,15 @@ mod tests {
     #[test]
     fn queues_too_deep_for_a_generation_bit_are_refused() {
         // Goal: the command id is ticket & 0xFFFF, slot index in the low bits and a generation in
-        // the rest: at depth 65536 no generation bit is left (a late completion of a slot's
-        // previous command would match the current one), so the deepest queue the kernel takes
-        // is 32768, as nvme-driver's QUEUE_DEPTH_MAX.
-        assert_eq!(GPU_QUEUE_DEPTH_MAX, nvme_driver::QUEUE_DEPTH_MAX);
-        assert!(queue_pair_addresses(&layout(32768), (0, 0), 0, 0x2000).is_ok());
-        let refused = queue_pair_addresses(&layout(65536), (0, 0), 0, 0x2000).unwrap_err();
-        assert!(matches!(&refused, GioError::InvalidConfig { reason } if reason.contains("2..=32768")), "{refused:?}");
+        // the rest, never FFFFh (the top slot's last generation takes 7FFFh): at depth 32768 that
+        // is its previous round's id (a late completion of it would match the current one), so
+        // the deepest queue the kernel takes is 16384 (GIO_SQ_DEPTH_MAX, rules_check.c).
+        const { assert!(GPU_QUEUE_DEPTH_MAX <= nvme_driver::QUEUE_DEPTH_MAX) };
+        let rules = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/gio_kernel_rules.h")).unwrap();
+        assert!(rules.contains(&format!("#define GIO_SQ_DEPTH_MAX {GPU_QUEUE_DEPTH_MAX}u")));
+        assert!(queue_pair_addresses(&layout(16384), (0, 0), 0, 0x2000).is_ok());
+        let refused = queue_pair_addresses(&layout(32768), (0, 0), 0, 0x2000).unwrap_err();
+        assert!(matches!(&refused, GioError::InvalidConfig { reason } if reason.contains("2..=16384")), "{refused:?}");
     }
 
     #[test]
