@@ -57,8 +57,9 @@ enum Message {
     Stop,
 }
 
-/// How long `reset` waits for each worker to delete and replace its queue pairs (each deletion
-/// is bounded by its controller's admin timeout, 10 s by default).
+/// How long `reset` waits for all workers to delete and replace their queue pairs (they do so
+/// concurrently, each deletion bounded by its controller's admin timeout, 10 s by default): one
+/// bound for all of them, not one per worker.
 const RESET_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// How long `retire_queue_pairs` waits for all workers (they delete their pairs concurrently;
@@ -602,6 +603,34 @@ impl CpuWorkers {
         Ok(())
     }
 
+    /// Waits for every worker told to reset to answer, all within one `timeout` from now (the
+    /// workers replace their pairs concurrently, so the wait is bounded by `timeout` whatever
+    /// their number), and returns the first failure: a worker's error, one that did not
+    /// answer in time, or one that stopped.
+    fn await_resets(replies: Vec<(usize, Receiver<Result<(), GioError>>)>, timeout: Duration) -> Option<GioError> {
+        let deadline = Instant::now() + timeout;
+        let mut failure = None;
+        for (index, reply) in replies {
+            let outcome = match reply.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(outcome) => outcome,
+                Err(RecvTimeoutError::Timeout) => Err(GioError::Executor {
+                    executor: "cpu-workers",
+                    reason: format!(
+                        "worker {index} did not replace its queue pairs within {} s (a later reset hears of any deletion it could not do)",
+                        timeout.as_secs_f64()
+                    ),
+                }),
+                Err(RecvTimeoutError::Disconnected) => {
+                    Err(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} stopped during the reset") })
+                }
+            };
+            if let Err(error) = outcome {
+                failure.get_or_insert(error);
+            }
+        }
+        failure
+    }
+
     /// Messages a worker's channel holds: twice the depth (see `attach`).
     fn channel_capacity(&self) -> usize {
         self.depth as usize * 2
@@ -651,23 +680,8 @@ impl crate::executor::QueuePairReset for CpuWorkers {
                 }
             }
         }
-        for (index, reply) in replies {
-            let outcome = match reply.recv_timeout(RESET_TIMEOUT) {
-                Ok(outcome) => outcome,
-                Err(RecvTimeoutError::Timeout) => Err(GioError::Executor {
-                    executor: "cpu-workers",
-                    reason: format!(
-                        "worker {index} did not replace its queue pairs within {} s (a later reset hears of any deletion it could not do)",
-                        RESET_TIMEOUT.as_secs()
-                    ),
-                }),
-                Err(RecvTimeoutError::Disconnected) => {
-                    Err(GioError::Executor { executor: "cpu-workers", reason: format!("worker {index} stopped during the reset") })
-                }
-            };
-            if let Err(error) = outcome {
-                failure.get_or_insert(error);
-            }
+        if let Some(error) = Self::await_resets(replies, RESET_TIMEOUT) {
+            failure.get_or_insert(error);
         }
         if let Some(error) = failure {
             return Err(error);
@@ -715,6 +729,26 @@ mod tests {
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
+    }
+
+    #[test]
+    fn a_reset_waits_for_all_workers_within_one_bound() {
+        // Goal: the reset's wait for the workers' answers is one bound for all of them (they
+        // replace their pairs concurrently), as the documentation says; it used to be the bound
+        // for each worker in turn, so N silent workers held the caller N × 120 s.
+        let mut senders = Vec::new();
+        let mut replies = Vec::new();
+        for index in 0..4 {
+            let (done, reply) = mpsc::sync_channel(1);
+            senders.push(done); // kept alive and silent: the worker does not answer
+            replies.push((index, reply));
+        }
+        let started = Instant::now();
+        let failure = CpuWorkers::await_resets(replies, Duration::from_millis(200));
+        let took = started.elapsed();
+        assert!(matches!(&failure, Some(GioError::Executor { reason, .. }) if reason.contains("worker 0 did not replace")), "{failure:?}");
+        assert!(took < Duration::from_millis(600), "4 silent workers held the reset {took:?}, bound 200 ms");
+        drop(senders);
     }
 
     #[test]
