@@ -54,7 +54,7 @@ pub fn queue_pair_addresses(
     if !(2..=GPU_QUEUE_DEPTH_MAX).contains(&depth) || !depth.is_power_of_two() {
         return Err(GioError::InvalidConfig {
             reason: format!(
-                "queue {} has depth {depth}; the I/O kernel needs a power of two in 2..={GPU_QUEUE_DEPTH_MAX} (command ids keep a generation bit)",
+                "queue {} has depth {depth}; the I/O kernel needs a power of two in 2..={GPU_QUEUE_DEPTH_MAX} (command ids keep generation bits and never FFFFh)",
                 layout.id.0
             ),
         });
