@@ -146,8 +146,53 @@ fn iocbs_for(tokens: u64, kv_bytes_per_token_per_layer: u64, iocb_bytes: u64) ->
 
 impl<E: Executor> Runtime<E> {
     /// Binds a store to a profile table. The table must describe the store's geometry (layer
-    /// count, KV bytes per token) and the model and GPU named in `config`.
+    /// count, KV bytes per token) and the model and GPU named in `config`. Refused (the checks
+    /// of [`Runtime::check`]), the store is dropped with the error: call `check` first to keep
+    /// it (to close it, or to try another table or config).
     pub fn new(store: KvStore<E>, profile: Profile, config: RuntimeConfig) -> Result<Self> {
+        Self::check(&store, &profile, &config)?;
+        let geometry = *store.pool().geometry();
+        // K and V of one token in one layer: two objects of a block, over its tokens.
+        let kv_bytes_per_token_per_layer = 2 * geometry.object_bytes() / u64::from(geometry.block_tokens);
+        // One size for every cost row, reads and writes, at least one LBA (validated with the
+        // table): the policy counts both directions in it and costs them with their own rows.
+        let iocb_bytes = profile.iocb_bytes().max(1);
+        let budget = |kind| SmBudget(profile.io_sm_budget_max(kind).max(1));
+        let (read_budget, write_budget) = (budget(IoKind::Read), budget(IoKind::Write));
+        let layers = geometry.layers;
+        let engine_blocks = store.table().registration().num_blocks();
+        Ok(Self {
+            store,
+            profile,
+            policy: config.policy.kind().build(),
+            block_tokens: geometry.block_tokens,
+            layers,
+            kv_bytes_per_token_per_layer,
+            iocb_bytes,
+            read_budget,
+            write_budget,
+            prefill: None,
+            reads: Reads {
+                unissued_iocbs: vec![0; layers as usize],
+                iocbs_per_layer: 0,
+                waiting: VecDeque::with_capacity(layers as usize),
+                in_flight: None,
+                done: vec![true; layers as usize],
+                budgets: vec![read_budget.0; layers as usize],
+            },
+            writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
+            next_request: 1,
+            counters: RuntimeCounters::default(),
+            log: EventLog::new(config.event_log_capacity),
+            config,
+        })
+    }
+
+    /// What [`Runtime::new`] checks before it takes the store: the config's bounds, the write
+    /// queue below the store's request slots, the table against the store's geometry and the
+    /// config's model and GPU, and (slack-aware) that decode steps can write. An engine that
+    /// wants the store back on a refusal calls this first.
+    pub fn check(store: &KvStore<E>, profile: &Profile, config: &RuntimeConfig) -> Result<()> {
         if config.write_queue_limit_blocks == 0 || config.write_queue_limit_stores == 0 || config.io_timeout.is_zero() {
             return Err(RuntimeError::InvalidConfig {
                 reason: format!(
@@ -187,38 +232,7 @@ impl<E: Executor> Runtime<E> {
         if config.policy == PolicyChoice::SlackAware {
             profile.check_decode_steps_can_write().map_err(|error| RuntimeError::InvalidConfig { reason: error.to_string() })?;
         }
-        // One size for every cost row, reads and writes, at least one LBA (validated with the
-        // table): the policy counts both directions in it and costs them with their own rows.
-        let iocb_bytes = profile.iocb_bytes().max(1);
-        let budget = |kind| SmBudget(profile.io_sm_budget_max(kind).max(1));
-        let (read_budget, write_budget) = (budget(IoKind::Read), budget(IoKind::Write));
-        let layers = geometry.layers;
-        let engine_blocks = store.table().registration().num_blocks();
-        Ok(Self {
-            store,
-            profile,
-            policy: config.policy.kind().build(),
-            block_tokens: geometry.block_tokens,
-            layers,
-            kv_bytes_per_token_per_layer,
-            iocb_bytes,
-            read_budget,
-            write_budget,
-            prefill: None,
-            reads: Reads {
-                unissued_iocbs: vec![0; layers as usize],
-                iocbs_per_layer: 0,
-                waiting: VecDeque::with_capacity(layers as usize),
-                in_flight: None,
-                done: vec![true; layers as usize],
-                budgets: vec![read_budget.0; layers as usize],
-            },
-            writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
-            next_request: 1,
-            counters: RuntimeCounters::default(),
-            log: EventLog::new(config.event_log_capacity),
-            config,
-        })
+        Ok(())
     }
 
     pub fn store(&self) -> &KvStore<E> {

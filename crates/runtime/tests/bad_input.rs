@@ -8,7 +8,7 @@ use nvme_driver::spec::{NvmOpcode, NvmeStatus, StatusCodeType};
 use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use objstore::KvRequest;
 use scheduler::table::{GpuIdentity, Profile};
-use tutti_runtime::{PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeError, WriteQueueFullAction};
 
 /// Goal: a table for another model (name, layer count) or another GPU is refused at start.
 #[test]
@@ -328,4 +328,23 @@ fn decode_steps_before_the_first_row_drain_the_queue() {
     let second = prompt(1, 0);
     prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
     stack.runtime.drain().unwrap();
+}
+
+/// Goal: an engine can have a refused config or table said without losing its store
+/// (`Runtime::new` drops it with the error): `Runtime::check` runs the same checks on a borrowed
+/// store, which then starts a runtime with a good config.
+#[test]
+fn a_refused_config_can_be_checked_without_losing_the_store() {
+    let (_device, store, _engine) = parts(None);
+    let profile = common::profile();
+    let mut too_deep = config(PolicyChoice::SlackAware);
+    too_deep.write_queue_limit_stores = store.config().requests_max;
+    match Runtime::check(&store, &profile, &too_deep) {
+        Err(RuntimeError::InvalidConfig { reason }) => assert!(reason.contains("requests_max"), "{reason}"),
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+    let other_gpu = RuntimeConfig { gpu: GpuIdentity { name: "h200".into(), ..gpu() }, ..config(PolicyChoice::SlackAware) };
+    assert!(matches!(Runtime::check(&store, &profile, &other_gpu), Err(RuntimeError::ProfileMismatch { .. })));
+    Runtime::check(&store, &profile, &config(PolicyChoice::SlackAware)).unwrap();
+    Runtime::new(store, profile, config(PolicyChoice::SlackAware)).expect("the same store, a good config");
 }
