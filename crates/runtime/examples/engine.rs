@@ -185,6 +185,85 @@ fn finish(runtime: Runtime<gio_uring::CpuExecutor>, engine: EnginePool) -> Resul
     }
 }
 
+/// What the requests served added up to.
+#[derive(Default)]
+struct Served {
+    hit_blocks: u64,
+    blocks: u64,
+    requests: u32,
+    ttft: Duration,
+    bubble: Duration,
+    compute: Duration,
+}
+
+/// Serves `requests` chat turns through the runtime. An error leaves the runtime to the caller,
+/// which closes its store before the engine memory is freed.
+fn serve(runtime: &mut Runtime<gio_uring::CpuExecutor>, engine: &EnginePool, profile: &Profile, requests: u32) -> Result<Served, Failure> {
+    let geometry = *runtime.store().pool().geometry();
+    let mut totals = Served::default();
+    for request in 0..requests {
+        let (session, turn) = (request % SESSIONS, request / SESSIONS);
+        let tokens = prompt(session, turn);
+        let blocks = tokens.len() as u32 / BLOCK_TOKENS;
+        if blocks > ENGINE_BLOCKS / 2 {
+            println!("stopping: the next prompt ({blocks} blocks) needs more than half the engine pool of {ENGINE_BLOCKS} blocks");
+            break;
+        }
+        let engine_blocks = take_blocks(runtime, profile, blocks, tokens.len() as u32)?;
+        let started = Instant::now();
+        let start = runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &engine_blocks })?;
+        let hit = start.cached_blocks as u32;
+        let layer_profiles = &profile.bucket(tokens.len() as u32, hit * BLOCK_TOKENS)?.layers;
+        let (mut bubble, mut compute) = (Duration::ZERO, Duration::ZERO);
+        for layer in 0..geometry.layers {
+            // The layer's work before attention (norm, QKV projection) needs no cached KV: only
+            // attention waits for it.
+            let profile = &layer_profiles[layer as usize];
+            let before_attention_us = profile.kv_needed_offset_us.clamp(0.0, profile.compute_duration_us);
+            runtime.begin_layer(start.id, layer)?;
+            compute_for(runtime, dilated_us(before_attention_us))?;
+            bubble += runtime.wait_layer_kv(start.id, layer)?;
+            compute_for(runtime, dilated_us(profile.compute_duration_us - before_attention_us))?;
+            engine.compute_layer(&tokens, hit..blocks, &engine_blocks, layer)?;
+            compute += dilated_us(profile.compute_duration_us);
+            runtime.after_layer(start.id, layer)?;
+        }
+        runtime.end_prefill(start.id)?;
+        let ttft = started.elapsed();
+        for block in 0..hit {
+            engine.check_block(geometry.layers, &tokens, block, engine_blocks[block as usize])?;
+        }
+        println!(
+            "{request:>4} {blocks:>7} {hit:>5} {:>9.2} {:>10.2} {:>11.2} {:>7}",
+            ttft.as_secs_f64() * 1e3,
+            bubble.as_secs_f64() * 1e3,
+            compute.as_secs_f64() * 1e3,
+            runtime.queued_blocks()
+        );
+        for step in 0..DECODE_STEPS_PER_REQUEST {
+            decode_step(runtime, profile, tokens.len() as u32 + step)?;
+        }
+        totals.hit_blocks += u64::from(hit);
+        totals.blocks += u64::from(blocks);
+        totals.ttft += ttft;
+        totals.bubble += bubble;
+        totals.compute += compute;
+        totals.requests += 1;
+    }
+    Ok(totals)
+}
+
+/// After a failure: closes the store, and keeps the engine's KV memory allocated for good unless
+/// `close` says no command can still move it. Returns the failure, saying which.
+fn close_after_failure(store: KvStore<gio_uring::CpuExecutor>, engine: EnginePool, error: Failure) -> Failure {
+    if store.close() {
+        return error;
+    }
+    eprintln!("engine example: an I/O queue pair could not be deleted: the engine's KV memory is kept allocated for good");
+    std::mem::forget(engine);
+    format!("{error} (store closed, engine KV memory leaked on purpose: a command may still move it)").into()
+}
+
 fn main() -> Result<(), Failure> {
     let mut args = std::env::args().skip(1);
     let requests: u32 = args.next().map_or(Ok(16), |arg| arg.parse())?;
@@ -228,6 +307,12 @@ fn main() -> Result<(), Failure> {
     let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, store_config)?;
     let mut runtime_config = RuntimeConfig::new(profile.model().name.clone(), profile.gpu().clone());
     runtime_config.policy = policy;
+    // Checked first: `Runtime::new` drops the store when it refuses, and a store is closed (its
+    // answer heard) before the engine memory it names is freed.
+    if let Err(refused) = Runtime::check(&store, &profile, &runtime_config) {
+        return Err(close_after_failure(store, engine, refused.into()));
+    }
+    // The same checks passed: it does not refuse.
     let mut runtime = Runtime::new(store, profile.clone(), runtime_config)?;
 
     println!(
@@ -238,66 +323,25 @@ fn main() -> Result<(), Failure> {
     println!("device: software controller in memory, EMULATED {timing}");
     println!("compute: analytic H100 per-layer times x {DILATION} (the same slow motion as the device)\n");
     println!("{:>4} {:>7} {:>5} {:>9} {:>10} {:>11} {:>7}", "req", "blocks", "hit", "ttft_ms", "bubble_ms", "compute_ms", "queued");
-    let (mut hit_blocks_total, mut blocks_total, mut served) = (0u64, 0u64, 0u32);
-    let (mut ttft_total, mut bubble_total, mut compute_total) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    for request in 0..requests {
-        let (session, turn) = (request % SESSIONS, request / SESSIONS);
-        let tokens = prompt(session, turn);
-        let blocks = tokens.len() as u32 / BLOCK_TOKENS;
-        if blocks > ENGINE_BLOCKS / 2 {
-            println!("stopping: the next prompt ({blocks} blocks) needs more than half the engine pool of {ENGINE_BLOCKS} blocks");
-            break;
+    // Every failure while serving goes through `close_after_failure`: a `?` here would drop the
+    // runtime (its store unclosed) and then the engine's KV memory, which a command the device
+    // has not ended may still move.
+    let served = match serve(&mut runtime, &engine, &profile, requests) {
+        Ok(served) => served,
+        Err(error) => {
+            let (store, _) = runtime.into_store();
+            return Err(close_after_failure(store, engine, error));
         }
-        let engine_blocks = take_blocks(&mut runtime, &profile, blocks, tokens.len() as u32)?;
-        let started = Instant::now();
-        let start = runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &engine_blocks })?;
-        let hit = start.cached_blocks as u32;
-        let layer_profiles = &profile.bucket(tokens.len() as u32, hit * BLOCK_TOKENS)?.layers;
-        let (mut bubble, mut compute) = (Duration::ZERO, Duration::ZERO);
-        for layer in 0..geometry.layers {
-            // The layer's work before attention (norm, QKV projection) needs no cached KV: only
-            // attention waits for it.
-            let profile = &layer_profiles[layer as usize];
-            let before_attention_us = profile.kv_needed_offset_us.clamp(0.0, profile.compute_duration_us);
-            runtime.begin_layer(start.id, layer)?;
-            compute_for(&mut runtime, dilated_us(before_attention_us))?;
-            bubble += runtime.wait_layer_kv(start.id, layer)?;
-            compute_for(&mut runtime, dilated_us(profile.compute_duration_us - before_attention_us))?;
-            engine.compute_layer(&tokens, hit..blocks, &engine_blocks, layer)?;
-            compute += dilated_us(profile.compute_duration_us);
-            runtime.after_layer(start.id, layer)?;
-        }
-        runtime.end_prefill(start.id)?;
-        let ttft = started.elapsed();
-        for block in 0..hit {
-            engine.check_block(geometry.layers, &tokens, block, engine_blocks[block as usize])?;
-        }
-        println!(
-            "{request:>4} {blocks:>7} {hit:>5} {:>9.2} {:>10.2} {:>11.2} {:>7}",
-            ttft.as_secs_f64() * 1e3,
-            bubble.as_secs_f64() * 1e3,
-            compute.as_secs_f64() * 1e3,
-            runtime.queued_blocks()
-        );
-        for step in 0..DECODE_STEPS_PER_REQUEST {
-            decode_step(&mut runtime, &profile, tokens.len() as u32 + step)?;
-        }
-        hit_blocks_total += u64::from(hit);
-        blocks_total += u64::from(blocks);
-        ttft_total += ttft;
-        bubble_total += bubble;
-        compute_total += compute;
-        served += 1;
-    }
+    };
     let counters = finish(runtime, engine)?;
     let mixed = device.stats().timing.map_or(Duration::ZERO, |timing| timing.mixed_busy);
     println!(
         "\nhit rate {:.1}% of blocks; mean TTFT {:.2} ms; bubble {:.2} ms total ({:.1}% of TTFT); compute {:.2} ms total; every retrieved block verified",
-        100.0 * hit_blocks_total as f64 / blocks_total.max(1) as f64,
-        ttft_total.as_secs_f64() * 1e3 / f64::from(served.max(1)),
-        bubble_total.as_secs_f64() * 1e3,
-        100.0 * bubble_total.as_secs_f64() / ttft_total.as_secs_f64().max(f64::MIN_POSITIVE),
-        compute_total.as_secs_f64() * 1e3,
+        100.0 * served.hit_blocks as f64 / served.blocks.max(1) as f64,
+        served.ttft.as_secs_f64() * 1e3 / f64::from(served.requests.max(1)),
+        served.bubble.as_secs_f64() * 1e3,
+        100.0 * served.bubble.as_secs_f64() / served.ttft.as_secs_f64().max(f64::MIN_POSITIVE),
+        served.compute.as_secs_f64() * 1e3,
     );
     println!(
         "runtime: {} stores committed, {} write layers deferred past their request, {} issues beside the other direction; the device saw reads and writes together for {:.2} ms",
