@@ -33,7 +33,7 @@ use nvme_driver::{Controller, ControllerConfig, NamespaceId};
 use nvme_emu::EmuDevice;
 use objstore::{format_pool, FormatParams, Pool, PoolTarget, RecoveryReport};
 use tutti_devices::open::pool_emu_options;
-use tutti_devices::{open_in_one_space, DeviceSpec};
+use tutti_devices::{open_in_one_space, DeviceSpec, FileUndo};
 
 use crate::lock::DeviceLocks;
 use crate::protocol::DeviceStatus;
@@ -97,6 +97,13 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // Only a format creates or grows a file: opening a file that holds no pool (a mistyped path)
     // must leave it as it was.
     let create_bytes = options.emu_create_bytes.filter(|_| options.format.is_some());
+    // What opening the devices refuses on its own (kinds, one DMA space, one file named twice)
+    // is refused before anything is locked, created or grown.
+    tutti_devices::check_one_space(&options.specs, create_bytes)?;
+    // The files a format creates and grows, put back as they were if it is refused before
+    // anything is written. Declared before the locks, so dropped after them: it undoes a file
+    // only under a lock of its own.
+    let mut undo: Option<FileUndo> = None;
     // Existing files are locked and read first, the ones a format is to create only once
     // nothing refused (as `tutti pool format` orders it): a refusal leaves no file behind.
     let mut locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, false)?;
@@ -107,19 +114,33 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         .filter(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
         .cloned()
         .collect();
-    if let (Some(params), Some(bytes), false) = (&options.format, create_bytes, missing.is_empty()) {
-        // A format its parameters refuse for the files it would create is refused before one is
-        // made (what a created file's namespace holds: its bytes in whole LBAs).
+    if let (Some(params), Some(bytes)) = (&options.format, create_bytes) {
+        // A format its parameters refuse for the files it would create or grow is refused
+        // before one is made or grown: each `emu:` regular file as the software controller will
+        // find it (the larger of its size and the size asked for, in whole LBAs). A block device
+        // keeps its own size, which the format plans on once it is open.
         let lba_bytes = u64::from(options.emu_lba_bytes.max(1));
-        objstore::check_format(params, options.emu_lba_bytes, bytes / lba_bytes, options.specs.len())
-            .map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
+        for spec in &options.specs {
+            let DeviceSpec::EmuFile(path) = spec else { continue };
+            let size_bytes = match std::fs::metadata(path) {
+                Ok(metadata) if metadata.is_file() => metadata.len().max(bytes),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => bytes,
+                _ => continue,
+            };
+            objstore::check_format(params, options.emu_lba_bytes, size_bytes / lba_bytes, options.specs.len())
+                .map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
+        }
     }
-    if create_bytes.is_some() && !missing.is_empty() {
-        // Only the missing files are locked now, creating them; the locks and claims on the
-        // existing ones stay held throughout (letting go to take the whole set again would let
-        // another starter in between, and two racing starters would both be refused as in use).
+    if create_bytes.is_some() {
         #[cfg(test)]
         tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
+        // Made here with O_EXCL (so the undo knows which it made); existing files' sizes recorded.
+        undo = Some(FileUndo::create_missing(&options.specs));
+    }
+    if create_bytes.is_some() && !missing.is_empty() {
+        // Only the missing files are locked now; the locks and claims on the existing ones stay
+        // held throughout (letting go to take the whole set again would let another starter in
+        // between, and two racing starters would both be refused as in use).
         let created = DeviceLocks::acquire(&missing, &options.lock_dir, true)?;
         // A file another process made since the first look is read as the others were.
         refuse_foreign_files(options, &missing, &created)?;
@@ -150,7 +171,15 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     if let Some(params) = &options.format {
         // What a vfio: SSD holds can only be read through its controller, now that it is up;
         // emu: devices were read before anything was created or grown.
-        format_targets(&options.specs, &targets, params, options.overwrite, |spec| matches!(spec, DeviceSpec::Vfio(_)))?;
+        let formatted = format_targets(&options.specs, &targets, params, options.overwrite, |spec| matches!(spec, DeviceSpec::Vfio(_)));
+        // The format plans every device before it writes any: a refusal of its plan wrote
+        // nothing, and the files are put back; anything else keeps them.
+        if !matches!(&formatted, Err(DaemonError::Pool { source, .. }) if plan_refusal(source)) {
+            if let Some(undo) = undo.take() {
+                undo.keep();
+            }
+        }
+        formatted?;
     }
     let controllers: Vec<Arc<Controller>> = targets.iter().map(|target| target.controller.clone()).collect();
     let (pool, report) = Pool::open(targets, None).map_err(|source| DaemonError::Pool {
@@ -165,6 +194,12 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     let devices = reorder(devices, &order);
     let emulators = reorder(emulators, &order);
     Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
+}
+
+/// Whether `format_pool` refused its plan (before writing anything).
+fn plan_refusal(error: &objstore::ObjstoreError) -> bool {
+    use objstore::ObjstoreError;
+    matches!(error, ObjstoreError::NamespaceTooSmall { .. } | ObjstoreError::InvalidGeometry { .. } | ObjstoreError::InvalidFormat { .. })
 }
 
 /// For each of the pool's `pool_devices` in turn, the position among `given` (the controllers in

@@ -16,7 +16,9 @@
 //!   one file or PCI function named twice is refused as such first, not as in use;
 //! - [`open`]: opening a list of specs in one DMA space (every `vfio:` function in one VFIO
 //!   container, every software controller in one DMA pool), as an object-store pool needs; one
-//!   file named by two `emu:` specs, however spelled, is refused.
+//!   file named by two `emu:` specs, however spelled, is refused;
+//! - [`undo`]: the `emu:` files a format creates or grows, put back as they were when it is
+//!   refused.
 //!
 //! Every error is a [`DeviceError`] that names what was given, what is wrong and what is
 //! accepted; the tools print it as one line and exit with status 2 (unusable input).
@@ -31,16 +33,18 @@ pub mod open;
 pub mod size;
 pub mod spec;
 pub mod timing;
+pub mod undo;
 
 pub use claim::{BlockDeviceClaims, BlockDeviceOpener, HostBlockDevices};
 pub use contents::{read_namespace_head, refuse_foreign_contents, refuse_foreign_namespaces};
 pub use duration::parse_duration;
 pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
-pub use open::{open_in_one_space, open_pool_devices, refuse_shared_files, OpenedDevice, PoolDevice};
+pub use open::{check_one_space, open_in_one_space, open_pool_devices, refuse_shared_files, OpenedDevice, PoolDevice};
 pub use size::{format_size, format_size_exact, parse_size};
 pub use spec::{DeviceKind, DeviceSpec};
 pub use timing::parse_timing;
+pub use undo::FileUndo;
 
 /// What a device string or a device set cannot be used for, in words.
 #[derive(Debug, thiserror::Error)]

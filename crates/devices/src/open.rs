@@ -40,29 +40,7 @@ pub struct EmuOptions {
 /// overwrite each other's data) or one PCI function named twice
 /// ([`DeviceError::DuplicateFunction`]), before anything is opened.
 pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<OpenedDevice>, DeviceError> {
-    let mut addresses: Vec<PciAddress> = Vec::new();
-    for spec in specs {
-        match spec {
-            DeviceSpec::Vfio(address) => addresses.push(*address),
-            DeviceSpec::Uring(_) => {
-                let accepted = DeviceKind::list(&[DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio]);
-                return Err(DeviceError::NotAccepted { spec: spec.to_string(), accepted });
-            }
-            DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) | DeviceSpec::EmuNull(_) => {}
-        }
-    }
-    if !addresses.is_empty() && addresses.len() != specs.len() {
-        return Err(DeviceError::MixedSpaces);
-    }
-    check_memory(specs)?;
-    if emu.create_bytes.is_none() {
-        for spec in specs {
-            if let DeviceSpec::EmuFile(path) = spec {
-                check_file(spec, path)?;
-            }
-        }
-    }
-    refuse_shared_files(specs)?;
+    let addresses = check_one_space(specs, emu.create_bytes)?;
     let mut functions = if addresses.is_empty() {
         Vec::new().into_iter()
     } else {
@@ -95,6 +73,38 @@ pub fn open_in_one_space(specs: &[DeviceSpec], emu: &EmuOptions) -> Result<Vec<O
         opened.push(OpenedDevice { spec: spec.clone(), backend, emulator });
     }
     Ok(opened)
+}
+
+/// What [`open_in_one_space`] checks before it opens anything, on its own: the kinds, one DMA
+/// space, the memory `emu:mem:` devices need, missing or empty files when `create_bytes` is
+/// `None`, and one file or PCI function named twice. A command that creates or grows files
+/// (a format) calls it first, so that none of these refusals can come after a file was made.
+/// The `vfio:` functions' addresses, in order.
+pub fn check_one_space(specs: &[DeviceSpec], create_bytes: Option<u64>) -> Result<Vec<PciAddress>, DeviceError> {
+    let mut addresses: Vec<PciAddress> = Vec::new();
+    for spec in specs {
+        match spec {
+            DeviceSpec::Vfio(address) => addresses.push(*address),
+            DeviceSpec::Uring(_) => {
+                let accepted = DeviceKind::list(&[DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio]);
+                return Err(DeviceError::NotAccepted { spec: spec.to_string(), accepted });
+            }
+            DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) | DeviceSpec::EmuNull(_) => {}
+        }
+    }
+    if !addresses.is_empty() && addresses.len() != specs.len() {
+        return Err(DeviceError::MixedSpaces);
+    }
+    check_memory(specs)?;
+    if create_bytes.is_none() {
+        for spec in specs {
+            if let DeviceSpec::EmuFile(path) = spec {
+                check_file(spec, path)?;
+            }
+        }
+    }
+    refuse_shared_files(specs)?;
+    Ok(addresses)
 }
 
 /// The software controller as a KV pool's device runs it (`tutti pool`, `tuttid`): one namespace

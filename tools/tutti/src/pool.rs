@@ -34,7 +34,7 @@ use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, P
 use tutti_cli::{outln, GeometryArgs};
 use tutti_devices::{
     format_size, open_pool_devices, parse_size, BlockDeviceClaims, BlockDeviceOpener, DeviceError, DeviceKind, DeviceLocks, DeviceSpec,
-    HostBlockDevices, DEFAULT_LOCK_DIR,
+    FileUndo, HostBlockDevices, DEFAULT_LOCK_DIR,
 };
 
 use crate::Unusable;
@@ -185,7 +185,8 @@ fn check_namespace(args: &DeviceArgs) -> Result<()> {
 /// larger of its size and `create_bytes`), before anything is created or grown: a refusal
 /// (status 2, "nothing is written") must not leave a new or grown file behind. Paths whose size
 /// cannot be told here (a block device, a file that cannot be looked at) are left to
-/// `format_pool`, which plans the same way on the opened namespace; nothing creates or grows those.
+/// `format_pool`, which plans the same way on the opened namespace; nothing grows those (the
+/// software controller grows regular files only).
 fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -> std::result::Result<(), ObjstoreError> {
     let device_count = u32::try_from(args.devices.len()).unwrap_or(u32::MAX);
     let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
@@ -274,6 +275,13 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;
+            // What opening the devices refuses on its own (kinds, one DMA space, one file named
+            // twice) is refused before anything is locked, created or grown.
+            tutti_devices::check_one_space(&args.devices.devices, args.emu_create_bytes).map_err(|error| Unusable(error.to_string()))?;
+            // The files this format creates and grows, put back as they were if it is refused
+            // before anything is written. Declared before the locks, so dropped after them: it
+            // undoes a file only under a lock of its own.
+            let mut undo: Option<FileUndo> = None;
             // Existing files are locked before anything is read or planned; the ones format is
             // to create, once nothing can refuse any more (a refusal leaves no file behind).
             // The lock comes before the claim, as in tuttid and tutti-bench: a tuttid holding a
@@ -293,7 +301,17 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 .cloned()
                 .collect();
             let _created_locks = match args.emu_create_bytes {
-                Some(_) => Some(lock_devices(&args.devices, &to_create, true)?),
+                Some(_) => {
+                    // Made here with O_EXCL (so the undo knows which it made), then locked.
+                    undo = Some(FileUndo::create_missing(&args.devices.devices));
+                    let created = lock_devices(&args.devices, &to_create, true)?;
+                    // A file another process made since the first look is read as the others were.
+                    if !args.overwrite {
+                        tutti_devices::refuse_foreign_contents(&to_create, &BlockDeviceClaims::default())
+                            .map_err(|error| Unusable(error.to_string()))?;
+                    }
+                    Some(created)
+                }
                 None => None,
             };
             let targets = open_targets(&args.devices, args.emu_create_bytes)?;
@@ -301,7 +319,15 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // emu: devices were read before anything was created or grown.
             let vfio = args.devices.devices.iter().zip(&targets).filter(|(spec, _)| matches!(spec, DeviceSpec::Vfio(_)));
             refuse_foreign_namespaces(vfio, args.overwrite)?;
-            let superblocks = format_pool(&targets, &params).map_err(|error| classify(error, &what))?;
+            // format_pool plans every device before it writes any: a refusal of its plan (status
+            // 2) wrote nothing, and the files are put back; anything else keeps them.
+            let formatted = format_pool(&targets, &params).map_err(|error| classify(error, &what));
+            if !matches!(&formatted, Err(error) if error.is::<Unusable>()) {
+                if let Some(undo) = undo.take() {
+                    undo.keep();
+                }
+            }
+            let superblocks = formatted?;
             for superblock in superblocks {
                 outln!("{}", describe(&superblock))?;
             }

@@ -229,6 +229,47 @@ fn a_refused_format_leaves_the_emu_file_as_it_was() {
     assert_eq!(std::fs::metadata(&big).unwrap().len(), 64 << 20);
 }
 
+/// The names and sizes of the files in `directory`, sorted.
+fn listing(directory: &Path) -> Vec<(String, u64)> {
+    let mut files: Vec<(String, u64)> = std::fs::read_dir(directory)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            (entry.file_name().to_string_lossy().into_owned(), entry.metadata().unwrap().len())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_format_refused_after_files_were_made_leaves_none_behind() {
+    // Goal: exit status 2 leaves the directory as it was, also for refusals that used to come
+    // after the creating lock made the missing files empty or the software controller grew
+    // them: a set mixing emu: and vfio: devices (0-byte file left), a character device among
+    // the files (the other file left at its full size), a size no file can have (0-byte file).
+    let directory = tempfile::tempdir().unwrap();
+    let new = device(&directory.path().join("new.img"));
+    let other = device(&directory.path().join("other.img"));
+    let existing = directory.path().join("existing.img");
+    std::fs::File::create(&existing).unwrap().set_len(512 << 10).unwrap();
+    let existing = device(&existing);
+    let before = listing(directory.path());
+    let model = ["--model", "llama3-8b"];
+    let runs: [(Vec<&str>, &[&str]); 3] = [
+        (vec!["--device", &new, "--device", "vfio:0000:00:04.0", "--emu-create-bytes", "64m"], &["share one DMA space"]),
+        (vec!["--device", &new, "--device", &existing, "--device", "emu:/dev/null", "--emu-create-bytes", "64m"], &["emu:/dev/null"]),
+        (vec!["--device", &new, "--device", &other, "--emu-create-bytes", "9000000t", "--slots", "4"], &["backing store"]),
+    ];
+    for (devices, needles) in runs {
+        let mut arguments = vec!["pool", "format"];
+        arguments.extend_from_slice(&devices);
+        arguments.extend_from_slice(&model);
+        assert_status(&tutti(&arguments), 2, needles);
+        assert_eq!(listing(directory.path()), before, "{arguments:?} left the directory changed");
+    }
+}
+
 #[test]
 fn pool_format_takes_any_geometry() {
     // Goal (issue 17 item 9): a geometry that is no preset, by flags or by a config.json.

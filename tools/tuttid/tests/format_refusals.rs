@@ -1,0 +1,71 @@
+//! `tuttid --format` refused (exit status 2, "nothing was changed"): the `emu:` files are left as
+//! they were, neither created nor grown, also for refusals that come after the files were made
+//! (a set mixing emu: and vfio: devices, a character device among the files, a size no file can
+//! have) and for an existing file smaller than the size asked for.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{TUTTID, WAIT};
+
+/// Runs tuttid with `arguments` to its end (killed and failed past [`WAIT`]): its exit code and
+/// stderr.
+fn tuttid(directory: &Path, arguments: &[&str]) -> (Option<i32>, String) {
+    let mut command = Command::new(TUTTID);
+    command.args(arguments).arg("--socket").arg(directory.join("sockets").join("tuttid.sock"));
+    command.arg("--lock-dir").arg(directory.join("locks")).args(["--metrics", "off"]);
+    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
+/// The names and sizes of the files in `directory`, sorted.
+fn listing(directory: &Path) -> Vec<(String, u64)> {
+    let mut files: Vec<(String, u64)> = std::fs::read_dir(directory)
+        .unwrap()
+        .map(|entry| {
+            let entry = entry.unwrap();
+            (entry.file_name().to_string_lossy().into_owned(), entry.metadata().unwrap().len())
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn a_refused_format_leaves_the_files_as_they_were() {
+    let scratch = tempfile::tempdir().unwrap();
+    let directory = scratch.path().join("pool");
+    std::fs::create_dir(&directory).unwrap();
+    std::fs::create_dir(scratch.path().join("sockets")).unwrap();
+    let device = |name: &str| format!("emu:{}", directory.join(name).display());
+    let (new, other, small) = (device("new.img"), device("other.img"), device("small.img"));
+    std::fs::File::create(directory.join("small.img")).unwrap().set_len(512 << 10).unwrap();
+    let before = listing(&directory);
+    let runs: [(Vec<&str>, &str); 4] = [
+        // An existing file smaller than asked, the format refusing the size: not grown.
+        (vec!["--device", &small, "--emu-create-bytes", "1m"], "too small"),
+        (vec!["--device", &new, "--device", "vfio:0000:00:04.0", "--emu-create-bytes", "64m"], "share one DMA space"),
+        (vec!["--device", &new, "--device", &small, "--device", "emu:/dev/null", "--emu-create-bytes", "64m"], "emu:/dev/null"),
+        (vec!["--device", &new, "--device", &other, "--emu-create-bytes", "9000000t", "--slots", "4"], "backing store"),
+    ];
+    for (devices, needle) in runs {
+        let mut arguments = devices.clone();
+        arguments.extend_from_slice(&["--format", "--model", "llama3-8b"]);
+        let (code, stderr) = tuttid(scratch.path(), &arguments);
+        assert_eq!(code, Some(2), "{arguments:?}: {stderr}");
+        assert!(stderr.contains(needle), "{arguments:?}: {stderr}");
+        assert_eq!(listing(&directory), before, "{arguments:?} left the files changed: {stderr}");
+    }
+}
