@@ -433,6 +433,13 @@ impl Pool {
     /// geometry (and `expected`, if given), reads every slot header and rebuilds the index.
     /// Targets may be given in any order; the pool orders them by their recorded device index.
     pub fn open(targets: Vec<PoolTarget>, expected: Option<&ModelGeometry>) -> Result<(Pool, RecoveryReport)> {
+        // A device index is a u16 (format refuses more devices): refused before anything is read.
+        if targets.len() > usize::from(u16::MAX) {
+            return Err(ObjstoreError::PoolMembership {
+                device: usize::from(u16::MAX),
+                reason: format!("{} devices given: a pool holds at most {}", targets.len(), u16::MAX),
+            });
+        }
         let mut found = Vec::with_capacity(targets.len());
         for (position, target) in targets.into_iter().enumerate() {
             let superblock = read_superblock(&target, position)?;
@@ -458,6 +465,13 @@ impl Pool {
             }
             if superblock.geometry != first.geometry {
                 return Err(ObjstoreError::GeometryMismatch { on_disk: superblock.geometry, registered: first.geometry });
+            }
+            if superblock.device_count > u32::from(u16::MAX) {
+                return membership(format!(
+                    "the superblock records {} devices: a pool holds at most {}",
+                    superblock.device_count,
+                    u16::MAX
+                ));
             }
             if superblock.device_count as usize != found.len() {
                 return membership(format!("the pool has {} devices, {} were given", superblock.device_count, found.len()));
@@ -552,6 +566,11 @@ impl Pool {
         let mut entry = Vec::new();
         let mut duplicate_slots = 0;
         for device in 0..self.devices.len() {
+            // `open` refuses more devices than a u16 numbers.
+            let index_of = u16::try_from(device).map_err(|_| ObjstoreError::PoolMembership {
+                device,
+                reason: format!("device index {device}: a pool holds at most {} devices", u16::MAX),
+            })?;
             let superblock = self.devices[device].superblock;
             let tag = pool_tag(&superblock.pool_uuid);
             let unreadable = unreadable_lbas.get(device).map_or(&[][..], Vec::as_slice);
@@ -573,7 +592,7 @@ impl Pool {
                 match verdict {
                     Ok(header) => {
                         self.generation = self.generation.max(header.generation);
-                        duplicate_slots += self.index.recover(device as u16, slot, &header.blocks, header.generation);
+                        duplicate_slots += self.index.recover(index_of, slot, &header.blocks, header.generation);
                     }
                     Err(HeaderVerdict::Empty) => report.empty_slots += 1,
                     Err(HeaderVerdict::Zeroed) => {

@@ -708,3 +708,64 @@ fn an_unreadable_data_sector_fails_its_slot_not_the_payload_check() {
     device.set_faults(FaultPlan::none());
     assert_eq!(checked.expect("the check goes on past the unreadable slot"), (2, vec![(0, 0), (0, 1)]));
 }
+
+#[test]
+fn more_devices_than_a_pool_holds_are_refused_before_any_is_read() {
+    // Goal: `Pool::open` refuses more than 65535 targets (a pool's device index is a u16, as
+    // format and check_format already enforce) before it reads anything, instead of reading
+    // every superblock and, had they matched, numbering devices past 65535 with a wrapping
+    // cast. The first superblock read fails here: `open` used to return that error.
+    use nvme_driver::spec::{NvmeStatus, StatusCodeType};
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let (device, targets) = start(EmuConfig::default());
+    format(&targets, geometry());
+    let media = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x81));
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, media).with_opcode(NvmOpcode::Read as u8)));
+    let reads = device.stats().io(NvmOpcode::Read);
+    let many = vec![targets[0].clone(); usize::from(u16::MAX) + 1];
+    let opened = Pool::open(many, Some(&geometry()));
+    device.set_faults(FaultPlan::none());
+    match opened {
+        Err(ObjstoreError::PoolMembership { reason, .. }) => assert!(reason.contains("65536 devices"), "{reason}"),
+        Err(other) => panic!("expected PoolMembership, got {other}"),
+        Ok(_) => panic!("65536 devices opened"),
+    }
+    assert_eq!(device.stats().io(NvmOpcode::Read), reads, "nothing was read");
+}
+
+#[test]
+fn a_superblock_recording_more_devices_than_a_pool_holds_is_refused() {
+    // Goal: a sealed superblock whose device count is past 65535 (the format refuses such a
+    // pool; `Superblock::decode` takes any u32) is refused by `open` as such, not only as a
+    // count that differs from the devices given.
+    let (_device, targets) = start(EmuConfig::default());
+    format(&targets, geometry());
+    let mut superblock = read_superblock(&targets[0], 0).unwrap();
+    superblock.device_count = u32::from(u16::MAX) + 1;
+    let lba = u64::from(superblock.lba_bytes);
+    let bytes = SUPERBLOCK_REGION_BYTES.max(lba);
+    let buffer = targets[0].controller.dma().allocate(bytes as usize).unwrap();
+    buffer.fill(0, buffer.len(), 0).unwrap();
+    buffer.write(0, &superblock.encode()).unwrap();
+    let queue = create_metadata_queue(&targets[0].controller).unwrap();
+    with_metadata_queue(queue, &[&buffer], |queue| {
+        transfer_region(
+            queue,
+            targets[0].namespace,
+            0,
+            &buffer,
+            0,
+            bytes,
+            lba,
+            Transfer::Write { force_unit_access: true },
+            METADATA_TIMEOUT,
+        )
+    })
+    .unwrap();
+    assert_eq!(read_superblock(&targets[0], 0).unwrap().device_count, 65536, "it decodes");
+    match Pool::open(targets, Some(&geometry())) {
+        Err(ObjstoreError::PoolMembership { reason, .. }) => assert!(reason.contains("records 65536 devices"), "{reason}"),
+        Err(other) => panic!("expected PoolMembership, got {other}"),
+        Ok(_) => panic!("a superblock of 65536 devices opened"),
+    }
+}
