@@ -33,6 +33,10 @@ pub enum UringError {
         "a transfer of {len_bytes} bytes is larger than one kernel read or write moves ({max_bytes} bytes, MAX_RW_COUNT), or does not match the memory it names"
     )]
     TransferTooLarge { len_bytes: usize, max_bytes: usize },
+    /// An offset the kernel does not take as a file position: above `i64::MAX` (its `loff_t`;
+    /// `u64::MAX` would read as -1, "the current position"), or with an end past it.
+    #[error("a transfer of {len_bytes} bytes at offset {offset_bytes} does not fit in a file position (at most i64::MAX)")]
+    BadOffset { offset_bytes: u64, len_bytes: usize },
     #[error("a vectored transfer names {count} regions (1..={max} allowed)")]
     Regions { count: usize, max: usize },
     /// The transfer was not run (or the ring was already abandoned): it will not run later.

@@ -252,6 +252,17 @@ impl std::fmt::Debug for Ring {
     }
 }
 
+/// Refuses an offset the kernel would not take as the file position the caller means: the
+/// kernel's offset is a signed `loff_t`, where -1 (`u64::MAX`) means "the file's current
+/// position", so the transfer must lie wholly within `0..=i64::MAX`.
+fn check_offset(transfer: &Transfer) -> Result<(), UringError> {
+    let end = u64::try_from(transfer.len_bytes).ok().and_then(|len| transfer.offset_bytes.checked_add(len));
+    match end {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(UringError::BadOffset { offset_bytes: transfer.offset_bytes, len_bytes: transfer.len_bytes }),
+    }
+}
+
 impl Ring {
     /// A plain ring (no setup flags) for up to `entries` transfers in flight (rounded up to a
     /// power of two, at least 2; more than 32768, io_uring's limit, is refused). Refused where
@@ -341,7 +352,8 @@ impl Ring {
 
     /// Queues `transfer` on `buffer`, which the ring keeps until the transfer's completion is
     /// reaped; `tag` comes back with it. The entry reaches the kernel at the next
-    /// [`Ring::submit`] or [`Ring::wait`]. A refusal hands the buffer back.
+    /// [`Ring::submit`] or [`Ring::wait`]. A refusal hands the buffer back; a transfer that does
+    /// not lie within `0..=i64::MAX` of the file is one ([`UringError::BadOffset`]).
     pub fn push(&mut self, transfer: Transfer, mut buffer: AlignedBuffer, tag: u64) -> Result<(), Refused> {
         let refuse = |buffer, error| Err(Refused { buffer, error });
         if let Some(error) = self.abandoned_error() {
@@ -351,6 +363,9 @@ impl Ring {
         let Some(len) = u32::try_from(transfer.len_bytes).ok().filter(|_| transfer.len_bytes <= max_bytes) else {
             return refuse(buffer, UringError::TransferTooLarge { len_bytes: transfer.len_bytes, max_bytes });
         };
+        if let Err(error) = check_offset(&transfer) {
+            return refuse(buffer, error);
+        }
         if buffer.capacity_bytes() < transfer.len_bytes {
             let capacity_bytes = buffer.capacity_bytes();
             return refuse(buffer, UringError::BufferTooSmall { len_bytes: transfer.len_bytes, capacity_bytes });
@@ -388,7 +403,7 @@ impl Ring {
     /// completion is reaped (see the module documentation); `tag` comes back with them. The
     /// caller must not touch the regions' memory meanwhile (the DMA protocol), and, for
     /// `O_DIRECT` descriptors, align them as the file needs (a refusal is the completion's
-    /// `EINVAL`). A refusal hands the regions back.
+    /// `EINVAL`). A refusal hands the regions back (an offset as for [`Ring::push`] is one).
     pub fn push_regions(&mut self, transfer: Transfer, regions: Vec<DmaRegion>, tag: u64) -> Result<(), RefusedRegions> {
         let refuse = |regions, error| Err(RefusedRegions { regions, error });
         if let Some(error) = self.abandoned_error() {
@@ -402,6 +417,9 @@ impl Ring {
         if regions.is_empty() || regions.len() > REGIONS_MAX {
             let count = regions.len();
             return refuse(regions, UringError::Regions { count, max: REGIONS_MAX });
+        }
+        if let Err(error) = check_offset(&transfer) {
+            return refuse(regions, error);
         }
         let Some(&slot) = self.free.last() else {
             let capacity = self.capacity();

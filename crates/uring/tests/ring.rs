@@ -268,3 +268,26 @@ fn set_nonblocking(file: &std::fs::File) {
         libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
     }
 }
+
+#[test]
+fn an_offset_past_what_the_kernel_takes_is_refused_at_push() {
+    // Goal: an offset is a file position (the kernel's loff_t, signed): u64::MAX reads as -1,
+    // "the file's current position", and an offset above i64::MAX, or whose end overflows it,
+    // is no position at all. Such a transfer is refused at push, handing the buffer back,
+    // instead of moving bytes at the wrong place. The largest valid one is still taken.
+    if skip() {
+        return;
+    }
+    let file = tempfile::tempfile().unwrap();
+    let mut ring = Ring::new(4).unwrap();
+    let read = |offset_bytes| Transfer { fd: file.as_raw_fd(), direction: Direction::Read, offset_bytes, len_bytes: 4096 };
+    for offset in [u64::MAX, i64::MAX as u64 + 1, i64::MAX as u64 - 4095] {
+        let refused = ring.push(read(offset), AlignedBuffer::with_capacity(4096).unwrap(), 1).expect_err("refused");
+        assert!(matches!(refused.error, UringError::BadOffset { .. }), "{offset:#x}: {}", refused.error);
+        assert_eq!(refused.buffer.capacity_bytes(), 4096, "the buffer comes back");
+    }
+    assert_eq!(ring.in_flight(), 0);
+    ring.push(read(i64::MAX as u64 - 4096), AlignedBuffer::with_capacity(4096).unwrap(), 2).expect("the last whole position is taken");
+    ring.wait(Instant::now() + Duration::from_secs(10)).unwrap();
+    ring.reap(|_| {}).unwrap();
+}
