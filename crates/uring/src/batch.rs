@@ -165,9 +165,20 @@ mod tests {
         received
     }
 
+    /// A ring of `entries`, or `None` (said) when io_uring with bounded waits is unavailable
+    /// here. Asks `available()` first, so that with `TUTTI_REQUIRE_URING=1` a machine without
+    /// io_uring fails these tests instead of passing them as skipped.
+    fn ring_or_skip(entries: u32) -> Option<Ring> {
+        if !crate::available() {
+            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
+            return None;
+        }
+        Some(Ring::new(entries).expect("available() found io_uring usable"))
+    }
+
     /// None when io_uring with bounded waits is unavailable here.
     fn stuck_write() -> Option<StuckWrite> {
-        let mut ring = Ring::new(4).ok()?;
+        let mut ring = ring_or_skip(4)?;
         ring.disable_cancellation();
         let file = tempfile::tempfile().unwrap();
         let (mut sender, receiver) = UnixStream::pair().unwrap();
@@ -186,10 +197,7 @@ mod tests {
         // retry), and the write really is still pending: it lands once the socket drains, and a
         // later cancel_in_flight reaps it. A ring dropped while it holds a transfer leaks the
         // buffer instead of freeing memory the kernel may still read.
-        let Some(StuckWrite { mut ring, file, mut sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else {
-            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
-            return;
-        };
+        let Some(StuckWrite { mut ring, file, mut sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else { return };
         let error = ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).unwrap_err();
         assert!(matches!(error, UringError::Timeout { in_flight: 1, .. }), "{error}");
         assert!(jobs[0].result.is_ok(), "{:?}", jobs[0].result);
@@ -239,10 +247,7 @@ mod tests {
         // Goal: after a batch left a write with the kernel (tag 1), a later batch is refused
         // whole: its job 1 is not matched to that write (marked StillInFlight, its buffer taken),
         // every job fails as not run and keeps the caller's buffer.
-        let Some(StuckWrite { mut ring, file, sender: _sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else {
-            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
-            return;
-        };
+        let Some(StuckWrite { mut ring, file, sender: _sender, mut receiver, queued_bytes, mut jobs }) = stuck_write() else { return };
         assert!(ring.run_batch(&mut jobs, Instant::now() + Duration::from_millis(200), Duration::from_millis(100)).is_err());
         assert_eq!(ring.in_flight(), 1);
         let mut later = fresh_jobs(&file, 7);
@@ -257,10 +262,7 @@ mod tests {
     #[test]
     fn a_batch_on_an_abandoned_ring_with_nothing_in_flight_fails() {
         // Goal: run_batch on an abandoned ring says so (Err) rather than Ok with every job failed.
-        let Ok(mut ring) = Ring::new(4) else {
-            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
-            return;
-        };
+        let Some(mut ring) = ring_or_skip(4) else { return };
         let file = tempfile::tempfile().unwrap();
         ring.abandon(&UringError::NotRun);
         let mut jobs = fresh_jobs(&file, 5);
@@ -274,10 +276,7 @@ mod tests {
         // Goal: a transfer pushed outside the batch (tag 0) is never taken for the batch's job 0:
         // the batch is refused whole (RingBusy), the ring stays usable, and the pushed transfer
         // completes and is reaped with its own buffer.
-        let Ok(mut ring) = Ring::new(4) else {
-            eprintln!("io_uring with bounded waits is unavailable here: test skipped");
-            return;
-        };
+        let Some(mut ring) = ring_or_skip(4) else { return };
         let file = tempfile::tempfile().unwrap();
         let pushed = Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
         ring.push(pushed, data(3), 0).unwrap();
