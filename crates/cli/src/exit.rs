@@ -74,7 +74,7 @@ where
         Err(error) if crate::is_stdout_closed(error.as_ref()) => STDOUT_CLOSED,
         Err(error) => {
             let _ = crate::stdout::flush();
-            eprintln!("{tool}: {}", error_line(error.as_ref()));
+            crate::errln!("{tool}: {}", error_line(error.as_ref()));
             if is_unusable(error.as_ref()) {
                 UNUSABLE_INPUT
             } else {

@@ -90,7 +90,8 @@ pub struct ComputeShape {
     pub intermediate_size: Option<u32>,
 }
 
-/// A resolved model: its name (a preset's, the config's, or `custom` once a flag changed it),
+/// A resolved model: its name (a preset's, the config's with control characters escaped, or
+/// `custom` once a flag changed it),
 /// its validated KV geometry, and what a config file said about compute.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ModelChoice {
@@ -307,8 +308,10 @@ fn parse_config(text: &str, fallback_name: &str) -> Result<ConfigFile, String> {
     let name = ["name", "_name_or_path", "model_type"]
         .iter()
         .find_map(|key| object.get(*key).or_else(|| top.get(*key)).and_then(Value::as_str).filter(|name| !name.is_empty()))
-        .unwrap_or(fallback_name)
-        .to_string();
+        .unwrap_or(fallback_name);
+    // The name is printed in headers, refusals and SVG titles: a newline or an escape sequence in
+    // a config (or its file name) is kept escaped, so it cannot forge or erase lines.
+    let name = crate::printable(name).into_owned();
     Ok(ConfigFile {
         name,
         fields: Fields { layers: field(layers), kv_heads: field(kv_heads), head_dim: field(head_dim), dtype_bytes: field(dtype_bytes) },
@@ -461,6 +464,16 @@ mod tests {
             parse_config(r#"{"model_type": "vlm", "text_config": {"num_hidden_layers": 2, "num_key_value_heads": 1, "head_dim": 8}}"#, "x")
                 .unwrap();
         assert_eq!(nested.fields.layers.unwrap().value, 2);
+    }
+
+    #[test]
+    fn a_config_name_with_control_characters_is_kept_escaped() {
+        // Goal: a config's name is printed by every tool (headers, refusals): a newline and an
+        // escape sequence in it cannot forge lines.
+        let text = r#"{"name":"x\n\u001b[2Kfake line: verify OK","num_hidden_layers":2,"num_key_value_heads":8,"head_dim":128}"#;
+        let file = parse_config(text, "fallback").unwrap();
+        assert_eq!(file.name, "x\\n\\u{1b}[2Kfake line: verify OK");
+        assert_eq!(parse_config(r#"{"num_hidden_layers":2,"num_key_value_heads":8,"head_dim":128}"#, "a\tb").unwrap().name, "a\\tb");
     }
 
     #[test]

@@ -5,6 +5,8 @@
 //! - [`stdout`]: writing to standard output without panicking when a reader such as `head`
 //!   closes the pipe: the write fails with a [`stdout::StdoutError`], the run unwinds through
 //!   its `Drop`s (temporary files are removed) and the tool exits quietly with 141;
+//! - [`stderr`]: status lines on standard error ([`errln!`]) that a closed standard error cannot
+//!   turn into a panic (exit 101, results lost): best effort, never the run's output;
 //! - [`logging`]: the one `tracing` subscriber of every tutti process (binaries and the Python
 //!   module): events to standard error, filtered by `TUTTI_LOG`, `warn` by default;
 //! - [`timeout`]: `--timeout-s`, bounded so that a deadline (`Instant + Duration`) cannot
@@ -21,6 +23,7 @@ pub mod exit;
 #[cfg(feature = "geometry")]
 pub mod geometry;
 pub mod logging;
+pub mod stderr;
 pub mod stdout;
 pub mod text;
 pub mod timeout;

@@ -59,7 +59,7 @@ pub fn init_stderr_logging() {
     INIT.call_once(|| {
         let (filter, complaint) = filter_from(std::env::var_os(LOG_ENV).as_deref());
         if let Some(complaint) = complaint {
-            eprintln!("{complaint}");
+            crate::errln!("{complaint}");
         }
         let colours = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
         // An error here means a subscriber is installed already: it stays.
