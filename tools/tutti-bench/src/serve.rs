@@ -13,7 +13,9 @@ mod model;
 mod report;
 mod stream;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
 
 use clap::parser::ValueSource;
 use clap::{ArgMatches, Args};
@@ -21,7 +23,7 @@ use tutti_cli::outln;
 use tutti_runtime::PolicyChoice;
 
 use crate::args::{Cli, OutputFormat};
-use crate::{usage, Unusable};
+use crate::usage;
 
 /// Serve-only options (clap ids): any of them selects the serve workload.
 pub const OPTIONS: [&str; 12] = [
@@ -94,7 +96,8 @@ pub struct ServeArgs {
     #[arg(long = "sweep-hit-rates", value_delimiter = ',', value_parser = parse_hit_rate)]
     pub sweep_hit_rates: Vec<f64>,
 
-    /// serve: where the sweep's SVG goes.
+    /// serve: where the sweep's SVG goes (only with --sweep-hit-rates; its directory is checked
+    /// before anything runs).
     #[arg(long = "sweep-svg", default_value = "serve-sweep.svg")]
     pub sweep_svg: PathBuf,
 
@@ -162,6 +165,14 @@ impl ServePlan {
         if given("hit_rate") && !args.sweep_hit_rates.is_empty() {
             return usage("--hit-rate and --sweep-hit-rates exclude each other: give one");
         }
+        if given("sweep_svg") && args.sweep_hit_rates.is_empty() {
+            return usage(
+                "--sweep-svg names where a sweep's SVG goes: give --sweep-hit-rates too (e.g. 0.25,0.5,0.75,0.9), or drop --sweep-svg",
+            );
+        }
+        if !args.sweep_hit_rates.is_empty() {
+            check_writable(&args.sweep_svg)?;
+        }
         let hit_rates = if args.sweep_hit_rates.is_empty() { vec![hit_rate] } else { args.sweep_hit_rates.clone() };
         if hit_rates.iter().any(|rate| !(0.0..1.0).contains(rate)) {
             return usage(format!("--hit-rate={hit_rate}: serve needs new tokens to compute; accepted: 0 <= hit rate < 1"));
@@ -191,6 +202,27 @@ impl ServePlan {
             repeat: args.repeat,
         })
     }
+}
+
+/// Refuses a sweep SVG path that cannot be written (its directory missing, not a directory or
+/// not writable; the path a directory) before anything runs: a sweep takes minutes, and its
+/// results must not be lost at the end for want of a file.
+fn check_writable(path: &Path) -> anyhow::Result<()> {
+    let directory = match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent,
+        _ => Path::new("."),
+    };
+    let refused = |why: String| usage(format!("--sweep-svg {}: {why}; accepted: a file in a writable directory", path.display()));
+    if path.is_dir() {
+        return refused("is a directory".to_string());
+    }
+    if !directory.is_dir() {
+        return refused(format!("{} is not a directory", directory.display()));
+    }
+    if let Err(errno) = nix::unistd::access(directory, nix::unistd::AccessFlags::W_OK) {
+        return refused(format!("cannot create a file in {}: {errno}", directory.display()));
+    }
+    Ok(())
 }
 
 /// The most real time a Poisson stream's arrivals may be expected to span: the run waits for
@@ -270,15 +302,17 @@ pub fn run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
         }
         points.push(point);
     }
-    if let Some(path) = &plan.sweep_svg {
-        let svg = report::sweep_svg(&plan, &points);
-        std::fs::write(path, svg).map_err(|error| Unusable(format!("cannot write the sweep SVG {}: {error}", path.display())))?;
-        say(format!("serve: sweep SVG written to {}", path.display()))?;
-    }
+    // The results first: an SVG that cannot be written after all (checked before the run) must
+    // not take them with it.
     if json {
         outln!("{}", serde_json::to_string_pretty(&report::json(&plan, &points))?)?;
     } else if points.len() > 1 {
         outln!("{}", report::sweep_table(&points))?;
+    }
+    if let Some(path) = &plan.sweep_svg {
+        let svg = report::sweep_svg(&plan, &points);
+        std::fs::write(path, svg).with_context(|| format!("cannot write the sweep SVG {}", path.display()))?;
+        say(format!("serve: sweep SVG written to {}", path.display()))?;
     }
     Ok(())
 }

@@ -227,3 +227,26 @@ fn an_arrival_rate_too_small_for_real_time_is_refused_with_status_2() {
         assert!(output.stdout.is_empty(), "{arguments:?}: printed on stdout");
     }
 }
+
+#[test]
+fn an_unwritable_sweep_svg_is_refused_before_any_run() {
+    // Goal: a sweep whose SVG cannot be written used to run every point, then exit 2 with the
+    // results (JSON included) lost; the path is checked first. --sweep-svg without a sweep
+    // would write nothing: refused rather than ignored.
+    let small = ["--workload=serve", "--prompt-tokens=64", "--sessions=1", "--turns=1", "--decode-steps=0", "--sweep-hit-rates=0.5"];
+    for format in ["--output-format=normal", "--output-format=json"] {
+        let output = bench(&[&small[..], &["--sweep-svg", "/nonexistent/dir/x.svg", format]].concat());
+        let out = String::from_utf8_lossy(&output.stdout);
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{format}: {err}");
+        assert!(!out.contains("serve:") && !err.contains("serve:"), "{format}: ran before refusing: {out}{err}");
+        assert!(err.contains("/nonexistent/dir/x.svg"), "{err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    }
+    let output =
+        bench(&["--workload=serve", "--prompt-tokens=64", "--sessions=1", "--turns=1", "--decode-steps=0", "--sweep-svg", "x.svg"]);
+    let err = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(err.contains("--sweep-svg") && err.contains("--sweep-hit-rates"), "{err}");
+    assert!(output.stdout.is_empty(), "{}", String::from_utf8_lossy(&output.stdout));
+}
