@@ -546,7 +546,7 @@ impl Drop for NvmeQueue {
             if in_flight > 0 {
                 let bytes = self.buffers.clone().leak();
                 LEAKED_DMA_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
-                eprintln!(
+                tutti_cli::errln!(
                     "tutti-bench: {}: {bytes} bytes of I/O buffers at {} kept for good (leaked): {in_flight} command(s) were in flight when {}",
                     self.name,
                     self.buffers.iova(),

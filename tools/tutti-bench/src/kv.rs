@@ -410,7 +410,10 @@ static KEPT_ENGINE_BYTES: std::sync::atomic::AtomicU64 = std::sync::atomic::Atom
 pub(crate) fn keep_engine_for_good(engine: Engine, who: &str) {
     let bytes = engine.regions.iter().map(|region| region.len() as u64).sum::<u64>();
     KEPT_ENGINE_BYTES.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
-    eprintln!("{who}: an I/O queue pair could not be deleted: the engine's KV memory ({}) is kept allocated for good", format_size(bytes));
+    tutti_cli::errln!(
+        "{who}: an I/O queue pair could not be deleted: the engine's KV memory ({}) is kept allocated for good",
+        format_size(bytes)
+    );
     std::mem::forget(engine);
 }
 

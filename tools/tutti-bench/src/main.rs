@@ -39,6 +39,8 @@ pub fn usage<T>(message: impl Into<String>) -> anyhow::Result<T> {
 
 fn main() -> ExitCode {
     tutti_cli::init_stderr_logging();
+    // Status 130 on SIGINT/SIGTERM for every run, not only one that created a file.
+    uring::handle_interrupts();
     let parsed = Cli::command().try_get_matches().and_then(|matches| Cli::from_arg_matches(&matches).map(|cli| (matches, cli)));
     let (matches, cli) = match parsed {
         Ok(parsed) => parsed,
@@ -51,10 +53,12 @@ fn main() -> ExitCode {
         Err(error) => {
             let _ = tutti_cli::stdout::flush();
             if let Some(usage) = error.downcast_ref::<Unusable>() {
-                eprintln!("tutti-bench: {usage}");
+                // One line indeed: the message may quote a file's, a model config's or a
+                // daemon's words.
+                tutti_cli::errln!("tutti-bench: {}", tutti_cli::printable(&usage.to_string()));
                 ExitCode::from(exit::UNUSABLE_INPUT)
             } else {
-                eprintln!("tutti-bench: error: {}", exit::error_line(error.as_ref()));
+                tutti_cli::errln!("tutti-bench: error: {}", exit::error_line(error.as_ref()));
                 ExitCode::from(exit::FAILURE)
             }
         }
@@ -74,6 +78,23 @@ fn clap_error(error: clap::Error) -> ExitCode {
             let rendered = error.render().to_string();
             let first = rendered.lines().find(|line| !line.trim().is_empty()).unwrap_or("invalid arguments");
             let first = first.trim_start_matches("error: ").trim();
+            // A missing required argument is named on the indented lines below: keep them.
+            let first = if error.kind() == ErrorKind::MissingRequiredArgument {
+                let named: Vec<&str> = rendered
+                    .lines()
+                    .skip_while(|line| !line.contains(first))
+                    .skip(1)
+                    .take_while(|line| line.starts_with(' ') && !line.trim().is_empty())
+                    .map(str::trim)
+                    .collect();
+                if named.is_empty() {
+                    first.to_string()
+                } else {
+                    format!("{first} {}", named.join(", "))
+                }
+            } else {
+                first.to_string()
+            };
             // Enumerated flags list what they accept on a later line: keep it on this one.
             let possible = rendered.lines().map(str::trim).find(|line| line.starts_with("[possible values:"));
             let hint = match (error.kind(), possible) {
@@ -81,7 +102,7 @@ fn clap_error(error: clap::Error) -> ExitCode {
                 (ErrorKind::UnknownArgument, None) => "; run tutti-bench --help for the accepted options".to_string(),
                 _ => String::new(),
             };
-            eprintln!("tutti-bench: {first}{hint}");
+            tutti_cli::errln!("tutti-bench: {}{hint}", tutti_cli::printable(&first));
             ExitCode::from(exit::UNUSABLE_INPUT)
         }
     }

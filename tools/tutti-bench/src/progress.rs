@@ -28,10 +28,20 @@ pub fn with_progress<T>(
     std::thread::scope(|scope| {
         let done = &done;
         scope.spawn(move || show(label, total_bytes, runtime, progress, done));
-        let result = work();
-        done.store(true, Ordering::Release);
-        result
+        // Set as `work` returns or unwinds: a panic in it must not leave the scope waiting on
+        // a progress thread that never ends.
+        let _finished = Finished(done);
+        work()
     })
+}
+
+/// Tells the progress thread to end when dropped.
+struct Finished<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for Finished<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
 }
 
 fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progress: &Progress, done: &std::sync::atomic::AtomicBool) {
@@ -53,6 +63,9 @@ fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progre
     });
     let mut last_line = started;
     let mut last_bytes = 0u64;
+    // Standard error closed (`2>&1 | head -1`): progress is best effort, the run goes on
+    // quietly.
+    let mut silenced = false;
     while !done.load(Ordering::Acquire) {
         std::thread::sleep(BAR_PERIOD);
         let bytes = progress.bytes_done.load(Ordering::Relaxed);
@@ -60,10 +73,10 @@ fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progre
             Some(bar) if total_bytes.is_some() => bar.set_position(bytes),
             Some(bar) => bar.set_position(started.elapsed().as_millis() as u64),
             None => {
-                if last_line.elapsed() >= PLAIN_PERIOD {
+                if !silenced && last_line.elapsed() >= PLAIN_PERIOD {
                     let rate = (bytes - last_bytes) as f64 / last_line.elapsed().as_secs_f64();
                     let of = total_bytes.map(|total| format!(" of {}", format_size(total))).unwrap_or_default();
-                    eprintln!(
+                    silenced = !tutti_cli::errln!(
                         "{label}: {}{of} done, {} /s, {:.0}s elapsed",
                         format_size(bytes),
                         format_size(rate as u64),
@@ -77,5 +90,26 @@ fn show(label: &str, total_bytes: Option<u64>, runtime: Option<Duration>, progre
     }
     if let Some(bar) = bar {
         bar.finish_and_clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_phase_ends_its_progress_thread() {
+        // Goal: a panic inside a phase used to leave the progress thread looping (its `done` never
+        // set), so the scope never returned; the panic now comes out at once.
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let progress = Arc::new(Progress::default());
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_progress("test", Some(1), None, &progress, || panic!("a phase failed"))
+            }));
+            let _ = sender.send(outcome.is_err());
+        });
+        let panicked = receiver.recv_timeout(Duration::from_secs(1)).expect("with_progress returned within 1 s");
+        assert!(panicked);
     }
 }

@@ -170,7 +170,7 @@ pub fn with_devices(
     }
     if cli.devices.is_empty() {
         if let Some(path) = created.paths().first() {
-            eprintln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
+            tutti_cli::errln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
         }
     }
     result
@@ -215,7 +215,18 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
     for spec in devices {
         match DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false) {
             Ok(held) => locks.push(held),
-            Err(error @ tutti_devices::DeviceError::DeviceInUse { .. }) => return usage(error.to_string()),
+            // A directory, FIFO or socket named as a device, or a file that cannot be opened
+            // (no permission, ...): unusable input, as README's exit statuses say.
+            Err(error @ (tutti_devices::DeviceError::DeviceInUse { .. } | tutti_devices::DeviceError::NotAFileOrDevice { .. })) => {
+                return usage(error.to_string())
+            }
+            // (tutti-devices says which step failed only in its context words.)
+            Err(error)
+                if matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_))
+                    && matches!(&error, tutti_devices::DeviceError::Io { context, .. } if context.starts_with("opening ")) =>
+            {
+                return usage(error.to_string())
+            }
             // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
             // other than root may not create: say which option picks another.
             Err(error @ tutti_devices::DeviceError::Io { .. }) if matches!(spec, DeviceSpec::Vfio(_)) => {
@@ -575,7 +586,7 @@ fn temporary_pool(
         Some(directory) => {
             // The user's choice is kept, and said plainly: its figures are memory's.
             if let Ok(Some(kind)) = crate::filesystems::memory_filesystem(directory) {
-                eprintln!(
+                tutti_cli::errln!(
                     "tutti-bench: warning: --directory {} is {kind}: the pool file is in memory, not on a disk, and the figures are memory's",
                     directory.display()
                 );
@@ -652,7 +663,7 @@ const DEFAULT_PROMPT_TOKENS_MAX: u64 = 4096;
 pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
     move |text: String| {
         if format == OutputFormat::Json {
-            eprintln!("{text}");
+            tutti_cli::errln!("{text}");
         } else {
             outln!("{text}")?;
         }
@@ -686,7 +697,9 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
     drop(created);
     match &result {
         Ok(()) => say(format!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()))?,
-        Err(_) => eprintln!("tutti-bench: pool file {} {fate}.", pool.path.display()),
+        Err(_) => {
+            tutti_cli::errln!("tutti-bench: pool file {} {fate}.", pool.path.display());
+        }
     }
     result
 }

@@ -362,17 +362,34 @@ pub fn remove_on_interrupt(path: &Path) -> bool {
         drop(unsafe { std::ffi::CString::from_raw(raw) });
         return false;
     }
+    handle_interrupts();
+    true
+}
+
+/// From now on SIGINT and SIGTERM end the run with status 130, removing the files registered
+/// with [`remove_on_interrupt`] (none yet is fine): `main` calls it first thing, so that every
+/// run, one on `emu:mem:` too, exits 130 as documented instead of dying by the signal. A signal
+/// the process inherited as ignored (a `nohup` or background job's SIGINT) stays ignored, as in
+/// any Unix tool. Once per process; later calls do nothing.
+pub fn handle_interrupts() {
     INTERRUPT_HANDLER.call_once(|| {
         let handler = remove_pool_and_exit as extern "C" fn(libc::c_int) as libc::sighandler_t;
-        // SAFETY: the handler only calls async-signal-safe functions (see above); `signal`
-        // replaces the default disposition of two signals that would otherwise kill the
-        // process anyway.
-        unsafe {
-            libc::signal(libc::SIGINT, handler);
-            libc::signal(libc::SIGTERM, handler);
+        for signal in [libc::SIGINT, libc::SIGTERM] {
+            // SAFETY: a zeroed sigaction is a valid out-parameter; sigaction with a null `act`
+            // only reads the current disposition.
+            let ignored = unsafe {
+                let mut old: libc::sigaction = std::mem::zeroed();
+                libc::sigaction(signal, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+            };
+            if ignored {
+                continue;
+            }
+            // SAFETY: the handler only calls async-signal-safe functions (see above); `signal`
+            // replaces the default disposition of a signal that would otherwise kill the
+            // process anyway.
+            unsafe { libc::signal(signal, handler) };
         }
     });
-    true
 }
 
 /// Takes `path` off the list an interrupt removes: a run that succeeded keeps its files.

@@ -938,3 +938,147 @@ fn an_interrupted_run_removes_the_file_it_created() {
     assert!(!file.exists(), "{} was left behind by the interrupted run ({status:?})", file.display());
     assert_eq!(status.code(), Some(130), "{status:?}");
 }
+
+/// Runs `arguments` with standard error a pipe whose read end is closed before the program starts
+/// (every status line fails with EPIPE) and standard output a file, returning the exit status
+/// and what standard output holds.
+fn run_with_stderr_closed(arguments: &[&str]) -> (Option<i32>, String) {
+    let directory = tempfile::tempdir().unwrap();
+    let out = directory.path().join("stdout.txt");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let status = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+        .args(arguments)
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(writer)
+        .status()
+        .expect("the built binary runs");
+    (status.code(), std::fs::read_to_string(&out).unwrap())
+}
+
+#[test]
+fn a_closed_standard_error_does_not_lose_the_results() {
+    // Goal: `2>&1 | head -1` used to panic the run (exit 101) at its first progress or status
+    // line on standard error, results lost; status lines are best effort, the results are not.
+    // 6 s: past the first plain progress line (every 5 s).
+    let (status, out) = run_with_stderr_closed(&["--device", "emu:mem:16m", "--runtime", "6", "--time_based"]);
+    assert_eq!(status, Some(0), "stdout: {out}");
+    assert!(out.lines().any(|line| line.trim_start().starts_with("read: IOPS=")), "no read: IOPS line: {out}");
+    // A refusal on a closed standard error still exits 2, quietly.
+    let (status, out) = run_with_stderr_closed(&["--device", "emu:mem:16m", "--bs", "0"]);
+    assert_eq!(status, Some(2), "stdout: {out}");
+    let (status, _) = run_with_stderr_closed(&["--frobnicate"]);
+    assert_eq!(status, Some(2));
+}
+
+#[test]
+fn a_model_name_from_a_config_file_cannot_forge_lines() {
+    // Goal: a --model-config whose name holds a newline and an escape sequence is printed
+    // escaped, in the one-line refusal and in the kv header line alike.
+    let directory = tempfile::tempdir().unwrap();
+    let config = directory.path().join("evil.json");
+    std::fs::write(
+        &config,
+        r#"{"name":"x\n\u001b[2Kfake line: verify OK","num_hidden_layers":2,"num_key_value_heads":8,"head_dim":128,"num_attention_heads":32,"hidden_size":4096}"#,
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    // Too small a device for the model's pool: refused, naming the model.
+    let output = bench(&["--workload=kv", "--model-config", &config, "--device", "emu:mem:1m"]);
+    let text = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert_eq!(text.trim_end().lines().count(), 1, "not one line: {text}");
+    assert!(text.contains("x\\n\\u{1b}[2Kfake line"), "{text}");
+    assert!(!text.contains('\u{1b}'), "{text}");
+    // A run that goes ahead prints the name escaped in its header.
+    let output = bench(&["--workload=kv", "--model-config", &config, "--device", "emu:mem:64m", "--prompt-tokens", "32"]);
+    let out = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    assert!(!out.contains('\u{1b}') && !out.lines().any(|line| line.starts_with("fake line")), "{out}");
+    assert!(out.contains("model=x\\n\\u{1b}[2Kfake line"), "{out}");
+}
+
+/// Waits up to `seconds` for `child`, killing it past that.
+fn wait_bounded(child: &mut std::process::Child, seconds: u64) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(seconds);
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            return child.wait().unwrap();
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn an_interrupted_run_on_memory_exits_130() {
+    // Goal: the documented 130 on SIGINT/SIGTERM held only for a run that created a file (the
+    // handler was installed then); a run on emu:mem was killed by the signal instead.
+    for signal in ["-TERM", "-INT"] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tutti-bench"))
+            .args(["--device", "emu:mem:16m", "--runtime=20s", "--time_based"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // The first line on stdout: the run is under way, past start-up.
+        let mut first = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut first).unwrap();
+        let sent = Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+        assert!(sent.success());
+        let status = wait_bounded(&mut child, 20);
+        assert_eq!(status.code(), Some(130), "{signal}: {status:?}");
+    }
+}
+
+#[test]
+fn an_inherited_ignored_sigint_stays_ignored() {
+    // Goal: a run started with SIGINT ignored (`nohup`-like, a shell's background job) keeps
+    // ignoring it, as any Unix tool does, instead of exiting 130 at a Ctrl-C meant for others.
+    // On a file the run creates: the handler that removes it on an interrupt is in place too.
+    let directory = tempfile::tempdir().unwrap();
+    let file = directory.path().join("pool.img");
+    let script = format!(
+        "trap '' INT; exec '{}' --device 'emu:{}' --size=1m --runtime=2s --time_based",
+        env!("CARGO_BIN_EXE_tutti-bench"),
+        file.display()
+    );
+    let mut child = Command::new("bash").args(["-c", &script]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.as_mut().unwrap()), &mut first).unwrap();
+    assert!(first.starts_with("tutti-bench:"), "{first}");
+    let sent = Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    assert!(sent.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(child.stdout.as_mut().unwrap(), &mut rest).unwrap();
+    let status = wait_bounded(&mut child, 20);
+    assert_eq!(status.code(), Some(0), "{status:?}: {rest}");
+    assert!(rest.contains("read: IOPS="), "{rest}");
+}
+
+#[test]
+fn paths_that_are_no_file_or_device_are_refused_with_status_2() {
+    // Goal: a directory or a FIFO named as a device is unusable input (status 2, one line), as
+    // README and docs/tutti-bench.md say of files that cannot be opened, not a failed run.
+    let directory = tempfile::tempdir().unwrap();
+    let fifo = directory.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    for device in [
+        format!("emu:{}", directory.path().display()),
+        format!("uring:{}", directory.path().display()),
+        format!("emu:{}", fifo.display()),
+        format!("uring:{}", fifo.display()),
+    ] {
+        assert_refused(&["--device", &device], &[&device, "not a regular file or a device"]);
+    }
+}
+
+#[test]
+fn a_missing_required_argument_is_named() {
+    // Goal: clap's "the following required arguments were not provided:" names them on the
+    // lines below; the one line keeps them.
+    assert_refused(&["--clients", "2"], &["--attach"]);
+}
