@@ -81,6 +81,11 @@ pub enum ObjstoreError {
     NamespaceTooSmall { device: usize, needed_bytes: u64, available_bytes: u64 },
     #[error("device {device}: superblock: {reason}")]
     CorruptSuperblock { device: usize, reason: String },
+    /// A sound superblock recording another LBA size than the namespace it was read from has:
+    /// the namespace was made with another LBA size than the format's (a software controller
+    /// started with another LBA size), not damage.
+    #[error("device {device}: the superblock records {recorded}-byte LBAs, the namespace has {namespace}-byte LBAs")]
+    LbaSizeMismatch { device: usize, recorded: u32, namespace: u32 },
     /// `sealed`: whether the superblock's CRC checks under this build's layout. When it does, a
     /// newer tutti formatted the pool; when it does not, the version field itself may be the
     /// damage (a newer format may also place its CRC elsewhere, so neither is ruled out).

@@ -291,7 +291,7 @@ impl Superblock {
         // A CRC-valid superblock can still describe a layout that does not fit this namespace
         // (copied from another device, or written by a buggy tool): re-derive and compare.
         if superblock.lba_bytes != lba_bytes {
-            return Err(corrupt(format!("records {}-byte LBAs, the namespace has {lba_bytes}", superblock.lba_bytes)));
+            return Err(ObjstoreError::LbaSizeMismatch { device, recorded: superblock.lba_bytes, namespace: lba_bytes });
         }
         let expected = Self::plan(
             geometry,
@@ -722,9 +722,10 @@ mod tests {
             );
             assert!(error.to_string().contains("tutti pool format"), "{error}");
         }
-        assert!(
-            matches!(Superblock::decode(&good, 0, 4096, 16 << 8), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("LBAs"))
-        );
+        assert!(matches!(
+            Superblock::decode(&good, 0, 4096, 16 << 8),
+            Err(ObjstoreError::LbaSizeMismatch { device: 0, recorded: 512, namespace: 4096 })
+        ));
         assert!(
             matches!(Superblock::decode(&good, 0, 512, 1 << 11), Err(ObjstoreError::CorruptSuperblock { reason, .. }) if reason.contains("does not fit"))
         );

@@ -52,7 +52,8 @@ pub struct DeviceArgs {
     /// broadcast id).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=0xFFFF_FFFE))]
     namespace: u32,
-    /// LBA size of an `emu:` device's namespace.
+    /// LBA size of an `emu:` device's namespace. `inspect` and `check` must be given the one
+    /// `format` was (a pool read with another is refused, status 2, naming it).
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that the two exclude
@@ -215,9 +216,15 @@ fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -
 }
 
 /// Exit status 2 for what the devices given cannot be (a set that is not one pool, a format this
-/// build does not read, a namespace too small to format), 1 for damage.
+/// build does not read, a namespace too small to format, an LBA size other than the format's), 1
+/// for damage.
 fn classify(error: ObjstoreError, what: &str) -> anyhow::Error {
     match error {
+        // The software controller was started with another LBA size than the format's.
+        error @ ObjstoreError::LbaSizeMismatch { recorded, .. } => Unusable(format!(
+            "{what}: {error}: an emu: device must be read with the LBA size it was formatted with: give --emu-lba-bytes {recorded}"
+        ))
+        .into(),
         error @ (ObjstoreError::PoolMembership { .. }
         | ObjstoreError::GeometryMismatch { .. }
         | ObjstoreError::NewerFormatVersion { .. }

@@ -271,6 +271,20 @@ fn a_format_refused_after_files_were_made_leaves_none_behind() {
 }
 
 #[test]
+fn a_pool_read_with_another_lba_size_is_unusable_input_not_damage() {
+    // Goal: a pool formatted with --emu-lba-bytes 512 and checked without it (the default 4096)
+    // was reported as a damaged superblock (status 1); it is the wrong option (status 2), and
+    // the message says which LBA size to give.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("small-lba.img");
+    assert_status(&format(&path, &["--model", "llama3-8b", "--emu-lba-bytes", "512"]), 0, &[]);
+    for command in ["check", "inspect"] {
+        assert_status(&tutti(&["pool", command, "--device", &device(&path)]), 2, &["512-byte LBAs", "--emu-lba-bytes 512"]);
+    }
+    assert_status(&tutti(&["pool", "check", "--device", &device(&path), "--emu-lba-bytes", "512"]), 0, &[]);
+}
+
+#[test]
 fn pool_format_takes_any_geometry() {
     // Goal (issue 17 item 9): a geometry that is no preset, by flags or by a config.json.
     let directory = tempfile::tempdir().unwrap();
