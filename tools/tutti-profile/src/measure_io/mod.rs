@@ -84,8 +84,8 @@ pub struct IoArgs {
     base: Option<PathBuf>,
     #[command(flatten)]
     target: TargetArgs,
-    /// SMs reserved for I/O in the analytic compute side (without --base).
-    #[arg(long, default_value_t = 4)]
+    /// SMs reserved for I/O in the analytic compute side (without --base); at least 1.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     io_sms: u32,
     /// Output table (JSON). Without it the rows are printed and nothing is written.
     #[arg(long, short)]
@@ -128,7 +128,17 @@ impl Base {
                 build_table(&model, &gpu, &grid, rows, source)?
             }
         };
-        Ok(Profile::from_table(table)?)
+        let profile = Profile::from_table(table)?;
+        // The slack-aware runtime refuses a table whose decode steps could never write, and
+        // `check` calls it invalid (the same predicate): such a table is not written (status 2:
+        // the base's decode steps or --io-sms do not fit the --sm-budgets measured).
+        profile.check_decode_steps_can_write().map_err(|error| {
+            unusable(format!(
+                "the measured table would be unusable by the slack-aware runtime (nothing written; measure --sm-budgets no \
+                 larger than the SMs its decode steps leave free, or raise --io-sms): {error}"
+            ))
+        })?;
+        Ok(profile)
     }
 }
 
