@@ -400,8 +400,10 @@ impl QueueMemory {
 /// wrote the line), in a table sized at construction or attach. At an issue the executor takes
 /// the command-shaping fields (opcode, IOCTX count, layer count, strides) from this copy, never
 /// from shared memory another agent can write, and refuses the IOCB when the shared line no
-/// longer matches it. The CPU executors use it; the CUDA kernel reads line 0 from device-visible
-/// memory itself.
+/// longer matches it. The layer comes from the issue itself and the issue sequence number from
+/// this table's count (its copy's `issue_seq` is that of the last issue taken, see
+/// [`FilledLines::consume`]). The CPU executors use it; the CUDA kernel reads line 0 from
+/// device-visible memory itself.
 #[derive(Debug, Default)]
 pub(crate) struct FilledLines {
     lines: Vec<Option<IocbHeader>>,
