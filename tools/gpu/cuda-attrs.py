@@ -10,6 +10,14 @@ not with respect to the CPU, so a wrong result there may be this, not the code. 
 how host memory is reached (pageable access, host page tables, registered pointers).
 
 Never fails: whatever cannot be read is printed as `unknown (why)`, and the exit status is 0.
+
+`cuda-attrs.py --load-probe STEM DIR...` instead loads, for each DIR, the kernel image the gio
+runtime would pick there (STEM.sm_XY.cubin for this GPU, else STEM.compute_80.ptx, as
+KernelImage::locate does) with cuModuleLoadData in the device's primary context, and prints
+`load DIR=ok (FILE)`, `load DIR=FAILED <CUresult> (FILE)` (the driver refuses the image: a cubin
+of a newer CUDA major than the driver's, say), `load DIR=missing (...)` or `load DIR=unknown (why)`
+(the probe itself could not run), after a `driverApiVersion=` line. run-gpu-tests.sh uses the
+first DIR that loads.
 """
 import ctypes
 import ctypes.util
@@ -102,7 +110,62 @@ def main():
     sys.stdout.flush()
 
 
+def load_probe(stem, dirs):
+    cuda, how = load(["libcuda.so.1", "libcuda.so"])
+    unknown = None
+    if cuda is None:
+        unknown = f"libcuda not loadable: {how}"
+    else:
+        value = ctypes.c_int(0)
+        rc = cuda.cuDriverGetVersion(ctypes.byref(value))
+        print(f"driverApiVersion={version(value.value)}" if rc == 0 else f"driverApiVersion=unknown (cuDriverGetVersion {rc})")
+        device = ctypes.c_int(0)
+        context = ctypes.c_void_p(None)
+        major, minor = ctypes.c_int(0), ctypes.c_int(0)
+        steps = (("cuInit", lambda: cuda.cuInit(0)),
+                 ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), int(os.environ.get("CUDA_ATTRS_DEVICE", "0")))),
+                 ("cuDeviceGetAttribute", lambda: cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, device)),
+                 ("cuDeviceGetAttribute", lambda: cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)),
+                 ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
+                 ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context)))
+        for call, step in steps:
+            rc = step()
+            if rc != 0:
+                unknown = f"{call} {rc}"
+                break
+    if unknown is not None:
+        for directory in dirs:
+            print(f"load {directory}=unknown ({unknown})")
+        return
+    cubin, ptx = f"{stem}.sm_{major.value}{minor.value}.cubin", f"{stem}.compute_80.ptx"
+    for directory in dirs:
+        name = cubin if os.path.isfile(os.path.join(directory, cubin)) else ptx
+        try:
+            with open(os.path.join(directory, name), "rb") as handle:
+                image = handle.read()
+        except OSError:
+            print(f"load {directory}=missing (neither {cubin} nor {ptx})")
+            continue
+        if name.endswith(".ptx"):
+            image += b"\0"  # cuModuleLoadData reads PTX as a C string
+        module = ctypes.c_void_p(None)
+        rc = cuda.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
+        if rc == 0:
+            cuda.cuModuleUnload(module)
+            print(f"load {directory}=ok ({name})")
+        else:
+            print(f"load {directory}=FAILED {rc} ({name})")
+    cuda.cuDevicePrimaryCtxRelease_v2(device)
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--load-probe":
+        try:
+            load_probe(sys.argv[2], sys.argv[3:])
+        except Exception as error:  # never fail the caller over a probe
+            print(f"cuda-attrs: load probe failed: {error!r}")
+        sys.stdout.flush()
+        sys.exit(0)
     try:
         main()
     except Exception as error:  # never fail the caller over a probe

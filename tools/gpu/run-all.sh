@@ -302,6 +302,9 @@ cuda_attr() { local value; value=$(sed -n "s/^$1=//p" "$WORK/cuda-attrs.txt" | h
   # expandable_segments:False whatever it was.
   echo "== PYTORCH_CUDA_ALLOC_CONF ${PYTORCH_CUDA_ALLOC_CONF-<unset>} (python and prefill steps: expandable_segments:False)"
   echo "== cuda $(grep -v '^LD_LIBRARY_PATH=' "$WORK/cuda-attrs.txt" | paste -sd ' ' -)"
+  # The carried kernels and .cu programs come from nvcc 13.2 (--prepare's pinned wheels): a 12.x
+  # driver refuses them; the tests step checks which kernels load (run-gpu-tests.sh).
+  echo "== carried CUDA: nvcc 13.2 (needs a 13.x driver); this driver: CUDA $(cuda_attr driverApiVersion)"
 } >>"$SUMMARY"
 cat "$SUMMARY"
 
@@ -412,9 +415,11 @@ step_bandwidth() {
     return "$failed"
   fi
   # The kernels run-gpu-tests.sh built here, if that build completed (tools/cuda-build.sh writes
-  # kernels-ok.txt last), else the carried ones.
+  # kernels-ok.txt last), else the carried ones; either way the ones it found the driver loads.
   local kernels="$ROOT/target/kernels"
   [[ -f "$kernels/kernels-ok.txt" && -f "$kernels/$(bash tools/cuda-build.sh --image-stem).sm_90.cubin" ]] || kernels="$CARRY/kernels"
+  # The ones the tests step chose because the driver loads them (run-gpu-tests.sh's load probe).
+  [[ -s "$WORK/tests/kernel-dir.txt" ]] && kernels=$(head -n 1 "$WORK/tests/kernel-dir.txt")
   section "gpu-layer-load (kernels from $kernels)"
   # The example stops by itself 30 s before the step's timeout (exit 3: the sizes done are kept).
   local layer_budget

@@ -16,8 +16,11 @@
 # says so). The kernels are compiled there with its own nvcc
 # (tools/cuda-build.sh with GIO_NVCC), else the carried target/gpu-carry/kernels are used; if
 # that build fails (its nvcc warns where --prepare's did not, say), the carried kernels are used
-# and summary.txt says so in a NOTE line. The carried binary links glibc dynamically: it needs a
-# glibc no older than the build machine's.
+# and summary.txt says so in a NOTE line. Then the driver must load the chosen kernels
+# (tools/gpu/cuda-attrs.py --load-probe, cuModuleLoadData): kernels built here that it refuses
+# give way to carried ones it loads (a NOTE line); if none loads (the carried ones need a CUDA
+# 13.x driver) the kernels FAIL and the GPU test is not run. The carried binary links glibc
+# dynamically: it needs a glibc no older than the build machine's.
 #
 # Time: GIO_GPU_TESTS_BUDGET_S (default 600) bounds the whole script; each GPU test run gets what
 # is left of it (at most GIO_GPU_TEST_LIMIT_S, default 90 s; it needs under 30) under
@@ -30,7 +33,8 @@
 # mapped into the GPU) is not written yet, and a mode the test does not know fails loudly.
 #
 # Results in $OUT (default target/gpu-results): versions.txt (with torch's version and
-# tools/gpu/cuda-attrs.py's attributes), kernels.log, gpu-MODE.log per mode, summary.txt. With
+# tools/gpu/cuda-attrs.py's attributes), kernels.log, kernel-load.txt (the load probe),
+# kernel-dir.txt (the kernels used), gpu-MODE.log per mode, summary.txt. With
 # GIO_GPU_TESTS_LIVE_LOG=FILE (run-all.sh's run.log) each of those is also appended to FILE as it
 # is written, so a kill keeps it, and versions.txt leaves out torch and the attributes, which
 # run-all.sh's header recorded. nvcc: on PATH, else /usr/local/cuda/bin/nvcc. Scripts run through bash (exec bits may not
@@ -129,6 +133,36 @@ else
   record "FAIL no nvcc and no carried kernels"; failed=1
 fi
 
+# Whether the driver loads the chosen kernels (tools/gpu/cuda-attrs.py --load-probe: the image the
+# runtime picks, through cuModuleLoadData): an nvcc newer than the driver builds images it
+# refuses, and the carried ones (nvcc 13.2, --prepare's wheels) need a CUDA 13.x driver. The
+# first directory, of those built here and carried, whose image loads is used; where the probe
+# cannot run (no libcuda, cuInit failing) the choice above stands.
+KERNELS_LOAD=yes
+if [[ $failed -eq 0 ]]; then
+  candidates=("$KERNEL_DIR")
+  [[ "$KERNEL_DIR" != "$CARRY/kernels" && -d "$CARRY/kernels" ]] && candidates+=("$CARRY/kernels")
+  probe=$(timeout -k 5 30 python3 tools/gpu/cuda-attrs.py --load-probe "$(bash tools/cuda-build.sh --image-stem)" "${candidates[@]}" 2>&1)
+  echo "$probe" | live kernel-load.txt >/dev/null
+  driver=$(sed -n 's/^driverApiVersion=//p' <<<"$probe" | head -n 1)
+  loads=""
+  for candidate in "${candidates[@]}"; do
+    grep -qxF "load $candidate=ok" <<<"$(sed 's/ (.*//' <<<"$probe")" && { loads=$candidate; break; }
+  done
+  if [[ -n "$loads" && "$loads" != "$KERNEL_DIR" ]]; then
+    record "NOTE kernels: $KERNEL_DIR does not load on this driver (CUDA ${driver:-unknown}: $(grep -F "load $KERNEL_DIR=" <<<"$probe" | head -n 1)); the GPU test uses $loads"
+    KERNEL_DIR=$loads
+  elif [[ -z "$loads" ]] && grep -q '^load .*=FAILED' <<<"$probe"; then
+    record "FAIL kernels: no kernel image loads on this driver (CUDA ${driver:-unknown}; the carried ones, nvcc 13.2, need a 13.x driver): $(grep '^load ' <<<"$probe" | paste -sd ';' -)"
+    failed=1
+    KERNELS_LOAD=no
+  elif [[ -z "$loads" ]]; then
+    echo "run-gpu-tests: kernel load probe inconclusive: $(paste -sd ';' - <<<"$probe")" >>"$LIVE"
+  fi
+  # For run-all.sh's bandwidth step, which runs the same kernels.
+  [[ "$KERNELS_LOAD" == yes ]] && echo "$KERNEL_DIR" >"$OUT/kernel-dir.txt"
+fi
+
 # The test binary: the carried one (--prepare's release build), else built here if cargo exists.
 BINARY=""
 if [[ -f "$CARRY/gpu-test" ]]; then
@@ -146,6 +180,10 @@ if [[ -z "$BINARY" ]]; then
 fi
 
 for mode in ${GIO_GPU_TEST_MODES:-staged}; do
+  if [[ "$KERNELS_LOAD" == no ]]; then
+    record "FAIL gpu test, DMA mode $mode: not run, no kernel image loads on this driver (above)"; failed=1
+    continue
+  fi
   started=$SECONDS
   limit=$((BUDGET_S - SECONDS - 10))
   ((limit > TEST_LIMIT_S)) && limit=$TEST_LIMIT_S

@@ -370,12 +370,102 @@ class RunGpuTests(unittest.TestCase):
         # Goal: under run-all.sh (GIO_GPU_TESTS_LIVE_LOG set) torch is not imported again (10-20 s
         # of the tests step on the GPU machine) nor cuda-attrs.py run again: run-all's header
         # recorded both. Alone, the script still records them in versions.txt.
+        # (The kernel load probe, `cuda-attrs.py --load-probe`, is another question, asked either way.)
+        def attribute_probes(calls: str) -> list[str]:
+            return [line for line in calls.splitlines() if "cuda-attrs.py" in line and "--load-probe" not in line]
+
         under_run_all = self.python_calls(live=True)
         self.assertNotIn("import torch", under_run_all)
-        self.assertNotIn("cuda-attrs.py", under_run_all)
+        self.assertEqual(attribute_probes(under_run_all), [])
         alone = self.python_calls(live=False)
         self.assertIn("import torch", alone)
-        self.assertIn("cuda-attrs.py", alone)
+        self.assertNotEqual(attribute_probes(alone), [])
+
+
+# A libcuda for cuda-attrs.py's load probe: one sm_90 device on a CUDA 12.4 driver, whose
+# cuModuleLoadData loads an image starting with "LOADS" and refuses any other with
+# CUDA_ERROR_UNSUPPORTED_PTX_VERSION (222), as a 12.x driver refuses CUDA 13 cubins.
+STUB_LIBCUDA = r"""
+#include <string.h>
+int cuInit(unsigned flags) { (void)flags; return 0; }
+int cuDriverGetVersion(int *version) { *version = 12040; return 0; }
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal == 0 ? 0 : 101; }
+int cuDeviceGetName(char *name, int len, int device) { (void)device; strncpy(name, "Stub GPU", (size_t)len); return 0; }
+int cuDeviceGetAttribute(int *value, int attribute, int device) {
+    (void)device; *value = attribute == 75 ? 9 : attribute == 76 ? 0 : 1; return 0; }
+int cuDevicePrimaryCtxRetain(void **context, int device) { (void)device; *context = (void *)1; return 0; }
+int cuDevicePrimaryCtxRelease_v2(int device) { (void)device; return 0; }
+int cuCtxSetCurrent(void *context) { (void)context; return 0; }
+int cuModuleLoadData(void **module, const void *image) {
+    if (memcmp(image, "LOADS", 5) != 0) return 222;
+    *module = (void *)1; return 0; }
+int cuModuleUnload(void *module) { (void)module; return 0; }
+"""
+
+
+@unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
+class KernelLoadProbe(unittest.TestCase):
+    """run-gpu-tests.sh's choice of kernels, with a stub libcuda (built here with cc) that loads
+    only some images: the kernels used are ones the driver loads."""
+
+    def setUp(self):
+        if not shutil.which("cc"):
+            self.skipTest("no C compiler for the stub libcuda")
+        self.stubs = StubRoot()
+        self.addCleanup(self.stubs.cleanup)
+        s = self.stubs
+        self.lib = os.path.join(s.root, "stub-lib")
+        os.makedirs(self.lib)
+        source = os.path.join(self.lib, "libcuda.c")
+        with open(source, "w") as handle:
+            handle.write(STUB_LIBCUDA)
+        subprocess.run(["cc", "-shared", "-fPIC", "-o", os.path.join(self.lib, "libcuda.so.1"), source], check=True)
+        self.stem = subprocess.run(["bash", os.path.join(s.root, "tools/cuda-build.sh"), "--image-stem"], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+        # The GPU test stub says which kernel directory it was given.
+        s.stub("target/gpu-carry/gpu-test", 'echo "kernel dir $GIO_KERNEL_DIR"; echo "gpu test: passed"')
+        # An nvcc whose build (cuda-build.sh, stubbed) succeeds, writing an image per STUB_BUILT.
+        s.stub("stub-bin/nvcc", 'echo "Cuda compilation tools, stub"')
+        s.stub("tools/cuda-build.sh", f"""
+if [[ "${{1:-}}" == --image-stem ]]; then echo {self.stem}; exit 0; fi
+mkdir -p "$1"; printf '%s' "$STUB_BUILT" >"$1/{self.stem}.sm_90.cubin"; touch "$1/kernels-ok.txt" """)
+
+    def carried(self, content: str):
+        with open(os.path.join(self.stubs.carry, "kernels", f"{self.stem}.sm_90.cubin"), "w") as handle:
+            handle.write(content)
+
+    def run_tests(self, built: str) -> tuple[str, str]:
+        s = self.stubs
+        env = {"LD_LIBRARY_PATH": self.lib, "STUB_BUILT": built, "GIO_GPU_TESTS_BUDGET_S": "60"}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-gpu-tests.sh", [], env, limit_s=60)
+        try:
+            with open(os.path.join(s.out, "gpu-staged.log")) as handle:
+                return summary, handle.read()
+        except FileNotFoundError:  # the GPU test did not run
+            return summary, ""
+
+    def test_built_kernels_the_driver_refuses_give_way_to_carried_ones_it_loads(self):
+        # Goal: kernels built on the GPU machine (its nvcc newer than its driver, say) are used
+        # only if the driver loads them; else the carried ones, if those load.
+        self.carried("LOADS carried")
+        summary, log = self.run_tests(built="REFUSED built")
+        self.assertIn(f"kernel dir {self.stubs.carry}/kernels", log, summary)
+        self.assertIn("does not load", summary)
+
+    def test_built_kernels_the_driver_loads_are_used(self):
+        self.carried("REFUSED carried")
+        summary, log = self.run_tests(built="LOADS built")
+        self.assertIn(f"kernel dir {self.stubs.root}/target/kernels", log, summary)
+        self.assertIn("PASS kernels built here", summary)
+
+    def test_no_kernels_the_driver_loads_fail_before_the_gpu_test(self):
+        # Goal: carried CUDA 13 cubins on a 12.x driver (and no build here that loads) say so,
+        # naming the driver, instead of the GPU test failing at cuModuleLoadData.
+        self.carried("REFUSED carried")
+        summary, log = self.run_tests(built="REFUSED built")
+        self.assertIn("FAIL kernels", summary)
+        self.assertIn("12.4", summary)
+        self.assertEqual(log, "", "the GPU test ran without a kernel the driver loads")
 
 
 class WheelVenv(unittest.TestCase):
