@@ -618,6 +618,9 @@ impl Index {
         }
     }
 
+    /// The generation of the slot's last Valid header, as on disk: read at recovery, or the
+    /// one its commit staged it with (0 if none since open). Meaningful while the slot is
+    /// Valid.
     pub fn generation_of(&self, device: u16, slot: u32) -> u64 {
         self.devices[usize::from(device)].meta[slot as usize].generation
     }

@@ -50,6 +50,9 @@ pub struct StoreControl {
     /// Scratch: one slot's header records, and the devices a commit wrote.
     records: Vec<BlockRecord>,
     used_devices: Vec<bool>,
+    /// Scratch: the generation each slot of a commit's headers was staged with, last slot
+    /// first (the order `stage_valid_headers` stages them in).
+    generations: Vec<u64>,
 }
 
 impl StoreControl {
@@ -67,6 +70,7 @@ impl StoreControl {
             device_cursor: 0,
             records: Vec::with_capacity(k),
             used_devices: vec![false; devices],
+            generations: Vec::new(),
         })
     }
 
@@ -435,12 +439,12 @@ impl StoreControl {
         let reservation = &mut self.reservations[index];
         // Committed last to first, then the shared cached blocks touched last to first: the
         // prefix's first block ends the most recently used (see `reserve_retrieve`).
+        // Each slot enters the index with the generation its header was written with.
         let mut end: usize = reservation.slots.iter().map(|&(_, _, used)| usize::from(used)).sum();
-        for &(device, slot, used) in reservation.slots.iter().rev() {
+        for (&(device, slot, used), &generation) in reservation.slots.iter().rev().zip(&self.generations) {
             // A slot's blocks are contiguous (`place_new_blocks` fills one slot at a time).
             let range = end - usize::from(used)..end;
             end = range.start;
-            let generation = self.pool.generation;
             self.pool.index.commit(device, slot, &reservation.keys[range], generation);
         }
         for &(device, slot) in reservation.shared_pins.iter().rev() {
@@ -455,8 +459,10 @@ impl StoreControl {
     /// pool's next generation, so the slot of the prefix's first block gets the highest. A
     /// reopen orders the LRU list by generation (`Index::finish_recovery`), and so finds the
     /// order `commit_store` gives it in memory: the prefix's first block the most recent.
+    /// Each slot's generation goes to `self.generations`, in the order staged.
     fn stage_valid_headers(&mut self, reservation: &Reservation, crcs: Option<&[u32]>) -> Result<()> {
         let block_tokens = self.pool.geometry().block_tokens;
+        self.generations.clear();
         let mut end: usize = reservation.slots.iter().map(|&(_, _, used)| usize::from(used)).sum();
         for &(device, slot, used) in reservation.slots.iter().rev() {
             // A slot's blocks are contiguous (`place_new_blocks` fills one slot at a time).
@@ -467,7 +473,8 @@ impl StoreControl {
                 let payload_crc = crcs.map_or(0, |crcs| crcs[i]);
                 self.records.push(BlockRecord { key: reservation.keys[i], token_count: block_tokens, payload_crc });
             }
-            self.pool.stage_header(device, slot, SlotState::Valid, &self.records)?;
+            let generation = self.pool.stage_header(device, slot, SlotState::Valid, &self.records)?;
+            self.generations.push(generation);
         }
         Ok(())
     }

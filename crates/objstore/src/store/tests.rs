@@ -1216,3 +1216,27 @@ fn staged_eviction_headers_are_written_when_the_store_ends() {
         }
     }
 }
+
+#[test]
+fn each_committed_slot_keeps_the_generation_its_header_was_written_with() {
+    // Goal: `Index::generation_of` says what the slot's header on disk says. A commit stages
+    // one header per slot, each taking the pool's next generation, but entered every slot of
+    // the commit into the index with the last one: two slots of one commit agreed in memory
+    // and differed on disk (and after a reopen).
+    let fixture = fixture(1, None);
+    let mut store = in_process(&fixture, StoreConfig::default());
+    let keys = store_two_blocks(&fixture, &mut store, &tokens(30, 2));
+    let generations = |index: &crate::index::Index| -> Vec<u64> {
+        keys.iter()
+            .map(|&key| {
+                let at = index.get(key).expect("cached");
+                index.generation_of(at.device, at.slot)
+            })
+            .collect()
+    };
+    let in_memory = generations(store.pool().index());
+    assert_ne!(in_memory[0], in_memory[1], "two slots, two headers: {in_memory:?}");
+    drop(store);
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!(generations(pool.index()), in_memory, "in memory as on disk");
+}
