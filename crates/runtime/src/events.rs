@@ -82,7 +82,8 @@ pub struct RuntimeCounters {
     pub blocks_committed: u64,
     /// Stores dropped after a write or commit failure: their blocks never became visible.
     pub stores_failed: u64,
-    /// Stores written synchronously because the write queue was full.
+    /// Stores written synchronously because the write queue was full, and committed (one whose
+    /// forced write or commit failed is counted in `stores_failed` only).
     pub stores_forced: u64,
     /// Requests whose store was refused because the write queue was full.
     pub stores_refused: u64,

@@ -123,6 +123,8 @@ pub struct Runtime<E: Executor> {
     reads: Reads,
     writes: WriteQueue,
     next_request: u64,
+    /// The request whose store `make_room` is forcing: counted in `stores_forced` when it commits.
+    forcing: Option<u64>,
     counters: RuntimeCounters,
     log: EventLog,
 }
@@ -182,6 +184,7 @@ impl<E: Executor> Runtime<E> {
             },
             writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
             next_request: 1,
+            forcing: None,
             counters: RuntimeCounters::default(),
             log: EventLog::new(config.event_log_capacity),
             config,

@@ -348,3 +348,27 @@ fn a_refused_config_can_be_checked_without_losing_the_store() {
     Runtime::check(&store, &profile, &config(PolicyChoice::SlackAware)).unwrap();
     Runtime::new(store, profile, config(PolicyChoice::SlackAware)).expect("the same store, a good config");
 }
+
+/// Goal: `stores_forced` counts forced stores that committed; one whose forced write failed is
+/// counted in `stores_failed` only (it made room all the same: it left the queue). Before, it
+/// was counted as forced too.
+#[test]
+fn a_forced_store_whose_write_fails_is_not_counted_forced() {
+    let mut config = config(PolicyChoice::SlackAware);
+    config.write_queue_limit_blocks = 4;
+    let mut stack = stack(config, None);
+    let first = prompt(0, 0);
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+    assert_eq!(stack.runtime.queued_blocks(), 4);
+    let write_fault = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::WRITE_FAULT);
+    stack.device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(write_fault)).with_opcode(NvmOpcode::Write as u8)),
+    );
+    let second = prompt(1, 0);
+    prefill(&mut stack, &second, &[4, 5, 6, 7]).unwrap();
+    let counters = stack.runtime.counters();
+    assert_eq!((counters.stores_forced, counters.stores_failed), (0, 1), "{counters:?}");
+    assert_eq!(stack.runtime.lookup(&first), 0, "the failed store is not visible");
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&second), 4);
+}

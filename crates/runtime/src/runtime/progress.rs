@@ -351,6 +351,9 @@ impl<E: Executor> Runtime<E> {
             let Some(store) = self.writes.remove(index) else { break };
             match self.store.commit_store(store.handle) {
                 Ok(blocks) => {
+                    if self.forcing == Some(store.request) {
+                        self.counters.stores_forced += 1;
+                    }
                     self.counters.stores_committed += 1;
                     self.counters.blocks_committed += blocks as u64;
                 }
@@ -570,7 +573,13 @@ impl<E: Executor> Runtime<E> {
             // runs every queued store is one; anything else would never commit, so it is skipped
             // rather than forced forever.
             let Some(index) = self.writes.stores.iter().position(|store| store.prefill_ended) else { break };
-            if let Err(error) = self.force_store(index) {
+            // Counted in `stores_forced` by `commit_written` if it commits (a store whose forced
+            // write failed leaves the queue as well, counted in `stores_failed` only).
+            let request = self.writes.stores[index].request;
+            self.forcing = Some(request);
+            let forced = self.force_store(index);
+            self.forcing = None;
+            if let Err(error) = forced {
                 return Err(match error {
                     // The forced store stays queued (a write timed out): no room is made.
                     RuntimeError::WriteQueueFull { action, .. } => {
@@ -580,7 +589,6 @@ impl<E: Executor> Runtime<E> {
                     other => other,
                 });
             }
-            self.counters.stores_forced += 1;
             if !over(&self.writes) {
                 return Ok(());
             }
