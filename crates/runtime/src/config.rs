@@ -111,8 +111,10 @@ pub struct RuntimeConfig {
     pub on_write_queue_full: WriteQueueFullAction,
     /// Bound on every wait for one layer's I/O, in `1 ns..=IO_TIMEOUT_MAX` (`Runtime::new`
     /// refuses anything else: a deadline is `Instant::now() + io_timeout`). A layer still in
-    /// flight after it is not forgotten: its request retires (`Runtime::retiring_requests`), its
-    /// engine blocks held.
+    /// flight after it is not forgotten: a read's request retires (`Runtime::retiring_requests`),
+    /// its engine blocks held; a write's store stays queued (`Runtime::queued_stores`, its engine
+    /// blocks held), its layer collected at a later call or ended by `Runtime::abandon_in_flight`
+    /// (it retires only if its request is dropped meanwhile).
     pub io_timeout: Duration,
     /// Issue/complete events kept for inspection (`Runtime::events`); 0 keeps none. Past the
     /// capacity, events are counted as dropped, never allocated.

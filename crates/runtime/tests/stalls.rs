@@ -302,6 +302,9 @@ fn a_drain_whose_write_times_out_is_drain_incomplete() {
         );
         let drained = stack.runtime.drain();
         assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 1, retiring: 0 })), "{drained:?}");
+        // As `RuntimeConfig::io_timeout` says: a write that timed out leaves its store queued,
+        // not retiring (a read's request retires).
+        assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (0, 1));
         assert!((0..4).all(|block| !stack.runtime.releasable(block)), "the lost write may still read them");
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1);
         stack.runtime.drain().unwrap();
