@@ -7,14 +7,15 @@
 //! - `emu:PATH`: the pool's backing file itself; `uring:PATH` (tutti-bench's kernel path) the
 //!   same file, so that neither tool runs on a file the other uses;
 //! - `vfio:BDF`: `LOCK_DIR/vfio-BDF.lock` (the kernel also refuses a second open of the VFIO
-//!   group, but without naming who holds it);
+//!   group, but without naming who holds it), mode 0600 in a directory created 0700: a lock
+//!   file others could open would let any local user hold the SSD's lock;
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::open::refuse_shared_files;
@@ -28,6 +29,12 @@ pub const DEFAULT_LOCK_DIR: &str = "/run/tutti";
 
 /// The mode a pool file (`emu:PATH`, `uring:PATH`) is created with: owner read/write only.
 pub const POOL_FILE_MODE: u32 = 0o600;
+
+/// The mode the lock directory is created with: owner only.
+pub const LOCK_DIR_MODE: u32 = 0o700;
+
+/// The mode of a `vfio:` lock file: owner read/write only (anyone who can open it can hold it).
+pub const LOCK_FILE_MODE: u32 = 0o600;
 
 /// Held locks; dropping releases them.
 #[derive(Debug, Default)]
@@ -49,7 +56,9 @@ impl DeviceLocks {
             let path = match spec {
                 DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => path.clone(),
                 DeviceSpec::Vfio(address) => {
-                    std::fs::create_dir_all(lock_dir).map_err(|source| DeviceError::Io {
+                    // The owner's only (an existing directory keeps its mode): nobody else has
+                    // anything to do in it.
+                    std::fs::DirBuilder::new().recursive(true).mode(LOCK_DIR_MODE).create(lock_dir).map_err(|source| DeviceError::Io {
                         context: format!("creating the lock directory {}", lock_dir.display()),
                         source,
                     })?;
@@ -60,12 +69,12 @@ impl DeviceLocks {
             let is_file = matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_));
             let mut options = OpenOptions::new();
             options.read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false);
-            if is_file {
-                // A pool file will hold every cached KV block: only its owner may read it (the
-                // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
-                // umask. An existing file keeps the mode it has.
-                options.mode(POOL_FILE_MODE);
-            }
+            // A pool file will hold every cached KV block: only its owner may read it (the
+            // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
+            // umask; an existing one keeps the mode it has. A vfio: lock file too: flock needs
+            // only a descriptor, so anyone who could open it could hold the SSD's lock and keep
+            // tuttid from it.
+            options.mode(if is_file { POOL_FILE_MODE } else { LOCK_FILE_MODE });
             let opened = open_without_waiting(&path, &mut options);
             let file = match opened {
                 Ok(file) => file,
@@ -78,6 +87,9 @@ impl DeviceLocks {
                 }
             };
             refuse_special_file(spec, &path, &file)?;
+            if !is_file {
+                restrict_lock_file(&path, &file)?;
+            }
             locks.lock(spec, path, file)?;
         }
         Ok(locks)
@@ -102,6 +114,24 @@ impl DeviceLocks {
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }
+}
+
+/// A `vfio:` lock file that others can open (an older build's 0644, or one another user made
+/// in a directory open to all) is made [`LOCK_FILE_MODE`]; one this user cannot change (not
+/// its owner) is refused: whoever owns it could hold the lock.
+fn restrict_lock_file(path: &Path, file: &File) -> Result<(), DeviceError> {
+    let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
+    if metadata.mode() & 0o077 == 0 {
+        return Ok(());
+    }
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(LOCK_FILE_MODE)).map_err(|source| DeviceError::Io {
+        context: format!(
+            "{} can be opened by other users (mode {:o}), who could hold the lock; making it {LOCK_FILE_MODE:o} failed (remove it, or own it)",
+            path.display(),
+            metadata.mode() & 0o777
+        ),
+        source,
+    })
 }
 
 /// Opens `path` as `options` say, with `O_NONBLOCK`: opening a FIFO for reading waits for a
@@ -503,6 +533,29 @@ mod tests {
         assert_eq!(paths, [lock_dir.join("vfio-0000:00:04.0.lock").as_path()]);
         let error = DeviceLocks::acquire(&specs[..1], &lock_dir, false).unwrap_err();
         assert!(matches!(error, DeviceError::DeviceInUse { .. }), "{error}");
+    }
+
+    #[test]
+    fn the_lock_directory_and_vfio_lock_files_are_their_owners_only() {
+        // Goal: flock needs only an open descriptor, so a lock file anyone can open (0644) let
+        // any local user hold a vfio: SSD's lock and keep tuttid from it; the lock directory
+        // (0755) let anyone look. Under the usual umask 022 the directory is made 0700 and the
+        // lock file 0600, and a lock file left readable by others (an older build's) is made
+        // 0600 when taken.
+        let directory = tempfile::tempdir().unwrap();
+        let lock_dir = directory.path().join("run").join("tutti");
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
+        let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
+        let locked = DeviceLocks::acquire(&specs, &lock_dir, false);
+        nix::sys::stat::umask(previous);
+        drop(locked.unwrap());
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
+        assert_eq!(mode(&lock_dir), 0o700);
+        let lock_file = lock_dir.join("vfio-0000:00:04.0.lock");
+        assert_eq!(mode(&lock_file), 0o600);
+        std::fs::set_permissions(&lock_file, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        drop(DeviceLocks::acquire(&specs, &lock_dir, false).unwrap());
+        assert_eq!(mode(&lock_file), 0o600);
     }
 
     #[test]
