@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import tutti
-from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
+from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, TuttiWorkerMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -98,6 +98,9 @@ class SchedulerSide:
         self._eagle_block_drop = speculative is not None and bool(speculative.use_eagle_block_drop())
         self.lookup_failures = 0
         self.lookup_reconnects = 0
+        # Ranks whose tuttid session is ended, and why, as their worker metadata last said: their
+        # loads fail, so nothing is matched while there is one.
+        self._ranks_ended: dict[int, str] = {}
         # After a failed connect or a timed-out lookup: no attempt before _lookup_retry_at
         # (monotonic seconds).
         self._lookup_retry_at = 0.0
@@ -203,9 +206,11 @@ class SchedulerSide:
         the prompt, never its last token (vLLM computes at least one token to sample from), and
         with EAGLE/MTP never the hit's last block (vLLM recomputes it).
         Loads are synchronous (layer by layer during the step's forward): the bool is False.
-        A daemon that does not answer is a miss (logged and counted), not a failed request."""
+        A daemon that does not answer is a miss (logged and counted), not a failed request; so is
+        every request while a rank's tuttid session is ended (its worker metadata said so:
+        `update_connector_output`), since that rank's loads fail."""
         state = self._scheduler_request(request)
-        if state.uncacheable is not None:
+        if state.uncacheable is not None or self._ranks_ended:
             return 0, False
         usable_blocks = max(0, len(state.prompt) - 1) // self._block_size
         # vLLM's local prefix hit is whole blocks; tutti needs only the blocks after it.
@@ -335,7 +340,14 @@ class SchedulerSide:
         blocks and every later block of such a request are evicted from vLLM's prefix cache,
         now and at each later step and its end (`_evict_stale`): no later request gets a local
         hit on stale bytes (and saves them). The request that loaded recomputes its blocks;
-        they are simply not cached again."""
+        they are simply not cached again.
+
+        The workers' metadata (TuttiWorkerMetadata) says which ranks' sessions are ended: while
+        one is, every load fails on it, so nothing is matched (each hit would compute on
+        unfilled blocks, then recompute, and evict vLLM's own cache entries for them)."""
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(worker_meta, TuttiWorkerMetadata):
+            self._note_sessions(worker_meta.sessions_ended)
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
         if not invalid:
             return
@@ -360,6 +372,16 @@ class SchedulerSide:
             "and %d blocks are evicted from vLLM's prefix cache",
             len(invalid), sorted(affected), len(stale),
         )  # fmt: skip
+
+    def _note_sessions(self, sessions_ended: dict[int, Optional[str]]) -> None:
+        """Records the ranks' session states a worker metadata reported (logged when one changes)."""
+        for rank, reason in sessions_ended.items():
+            if reason is None:
+                if self._ranks_ended.pop(rank, None) is not None:
+                    logger.warning("tutti: rank %d opened a new tuttid session; lookups resume", rank)
+            elif rank not in self._ranks_ended:
+                self._ranks_ended[rank] = reason
+                logger.error("tutti: rank %d's tuttid session is ended (%s); nothing is loaded from tutti until it opens a new one", rank, reason)
 
     def _release(self, block_ids: list[int]) -> None:
         """Remembers the blocks a request gave up (see `_released`)."""

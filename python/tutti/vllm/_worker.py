@@ -18,7 +18,7 @@ import torch
 
 import tutti
 from tutti._engine import ConfigError, wait_out_layer
-from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, check_block_size, connection_lost
+from tutti.vllm.metadata import SaveSpec, TuttiConnectorMetadata, TuttiWorkerMetadata, check_block_size, connection_lost
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -140,6 +140,9 @@ class WorkerSide:
         # Why the worker's tuttid session is over (None: it is not); then every load is reported
         # failed and every save is a miss, without a word to tuttid.
         self._dead: Optional[str] = None
+        # Whether the scheduler side was last told that the session is ended
+        # (`build_connector_worker_meta`).
+        self._reported_dead = False
         # A daemon exchange (of any thread) left the connection unusable: the session is ended
         # at the worker's next step (the main thread owns the requests).
         self._broken: Optional[str] = None
@@ -489,6 +492,16 @@ class WorkerSide:
             # without a save of this worker's has nothing to report.
             self._finished_req_ids = {req_id for req_id in self._finished_req_ids if req_id in self._save_done}
         return (done or None), None
+
+    def build_connector_worker_meta(self) -> Optional[TuttiWorkerMetadata]:
+        """This rank's tuttid session for the scheduler side, at each step while it is ended (its
+        loads fail: the scheduler then matches nothing) and once when a new one opened; None
+        otherwise."""
+        dead = self._dead is not None
+        if not dead and not self._reported_dead:
+            return None
+        self._reported_dead = dead
+        return TuttiWorkerMetadata({self._tp_rank: self._dead})
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads that failed since the last call (vLLM recomputes them). This step's

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import tutti
 from tutti._engine import ConfigError
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -52,6 +52,23 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
     preempted_req_ids: set[str] = field(default_factory=set)
     model_fingerprint: Optional[bytes] = None
     model_identity: Optional[str] = None
+
+
+@dataclass
+class TuttiWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker → scheduler, in a step's output (vLLM's build_connector_worker_meta): the
+    reporting ranks' tuttid sessions, rank → why it is ended (None: open). A worker reports while
+    its session is ended, and once when a new one opened; vLLM's output aggregator merges the
+    ranks' metadata (`aggregate`). While any rank's session is ended its loads fail, so the
+    scheduler side matches nothing (`SchedulerSide.get_num_new_matched_tokens`)."""
+
+    sessions_ended: dict[int, Optional[str]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> "TuttiWorkerMetadata":
+        merged = dict(self.sessions_ended)
+        if isinstance(other, TuttiWorkerMetadata):
+            merged.update(other.sessions_ended)
+        return TuttiWorkerMetadata(merged)
 
 
 def connection_lost(error: Exception) -> bool:

@@ -1,0 +1,80 @@
+"""tutti.vllm.TuttiConnector: what the scheduler side learns of the workers' tuttid sessions, and
+how a worker whose session ended (or whose daemon stopped answering) keeps serving without
+tutti. The worker-side connectors run in this process (test_vllm_connector.LocalWorker)."""
+
+from __future__ import annotations
+
+import time
+
+import vllm_harness as harness
+from test_vllm_connector import LocalWorker, StandInWorker, prompt
+from tutti.vllm import TuttiConnectorMetadata
+from tutti.vllm.connector import LoadSpec
+from tutti.vllm.metadata import TuttiWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.v1.outputs import KVConnectorOutput
+
+
+def test_worker_metadata_aggregates_every_ranks_session_state():
+    """Goal: vLLM's output aggregator folds each rank's metadata into one (aggregate): a rank
+    whose session ended is named whatever the other ranks say, in either order."""
+    alive, dead = TuttiWorkerMetadata({0: None}), TuttiWorkerMetadata({1: "ended"})
+    assert alive.aggregate(dead).sessions_ended == {0: None, 1: "ended"}
+    assert dead.aggregate(alive).sessions_ended == {0: None, 1: "ended"}
+
+
+def test_the_scheduler_stops_matching_while_a_workers_session_is_ended(tuttid):
+    """Goal: a worker with CPU KV (tuttid's window) whose session ended fails every load until it
+    is restarted; each hit would compute the prompt on unfilled blocks, recompute it, and evict
+    vLLM's own prefix cache entries for those blocks. The worker says its session is ended in
+    its step's worker metadata (build_connector_worker_meta); once the scheduler side has it
+    (update_connector_output) it answers 0 matched tokens, here for a request identical to the
+    one whose load failed."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(61, blocks=2, tail=3)
+        worker.fill([1, 2], 61)
+        worker.save("S", tokens[: 2 * block], [1, 2])
+        assert worker.connector.build_connector_worker_meta() is None, "an open session reports nothing"
+        request_a = harness.request("A", tokens)
+        assert scheduler.get_num_new_matched_tokens(request_a, 0) == (2 * block, False)
+        worker.connector._end_session("ended by the test")
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("A", tokens[: 2 * block], [5, 6])]))
+        assert result["load_errors"] == {5, 6}
+        scheduler.update_connector_output(
+            KVConnectorOutput(invalid_block_ids=result["load_errors"], kv_connector_worker_meta=worker.connector.build_connector_worker_meta())
+        )
+        assert scheduler.get_num_new_matched_tokens(harness.request("B", tokens), 0) == (0, False)
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_the_scheduler_matches_again_once_the_worker_opened_a_new_session(tuttid):
+    """Goal: a worker with device-memory KV opens a new session after its session ended; it says
+    so in its next worker metadata, and the scheduler side finds the pool's blocks again."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    worker = StandInWorker(daemon.socket)
+    scheduler = harness.make_connector(harness.vllm_config(daemon.socket, 1), KVConnectorRole.SCHEDULER)
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(62, blocks=2, tail=3)
+        worker.fill([1, 2], 62)
+        worker.save("S", tokens[: 2 * block], [1, 2])
+        worker.connector._end_session("ended by the test")
+        scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.connector.build_connector_worker_meta()))
+        assert scheduler.get_num_new_matched_tokens(harness.request("A", tokens), 0) == (0, False)
+        deadline = time.monotonic() + 10.0
+        while worker.connector._dead is not None:
+            assert time.monotonic() < deadline, "the worker opened no new session"
+            worker.step(TuttiConnectorMetadata())
+            time.sleep(0.05)
+        scheduler.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=worker.connector.build_connector_worker_meta()))
+        assert scheduler.get_num_new_matched_tokens(harness.request("B", tokens), 0) == (2 * block, False)
+        assert worker.connector.build_connector_worker_meta() is None, "the new session was reported once"
+    finally:
+        scheduler.shutdown()
+        worker.shutdown()
