@@ -54,8 +54,9 @@ pub(crate) struct WriteQueue {
     /// Each holds an object-store request slot, so there are at most `StoreConfig::requests_max`.
     pub retiring: Vec<Retiring>,
     /// Per engine block, the queued stores that still need its data plus the retiring requests
-    /// naming it.
-    holds: Vec<u16>,
+    /// naming it (each time a list names it: at most the entries of every list, so a `usize`
+    /// never saturates; a `u16` did at 65,535 duplicates and released the block early).
+    holds: Vec<usize>,
     /// Sum of `engine_blocks.len()` over `stores`.
     pub queued_blocks: usize,
     /// Block lists of finished stores, reused (no allocation per request once warm).
@@ -373,5 +374,32 @@ mod tests {
         let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
         let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
         assert_eq!(release_layers(&mut carried_us, f64::INFINITY, 4, std::iter::once((store, 2, 5)), |_| 10.0), 0);
+    }
+
+    #[test]
+    fn a_block_named_more_than_65535_times_stays_held_until_its_last_store_leaves() {
+        // Goal: a block's hold count does not saturate: a store naming one engine block 65,536
+        // times (an engine's block list with duplicates) and another store naming it once; when
+        // the first leaves, the block is still held by the second. With a u16 count, the first
+        // saturated it at 65,535 and its removal took it to 0: releasable while queued.
+        let store = |request: u64, engine_blocks: Vec<u32>| PendingStore {
+            request,
+            handle: RequestHandle::from_bits(request),
+            engine_blocks,
+            iocbs_per_layer: 1,
+            sm_budget: 1,
+            ready_layers: 0,
+            decided_layers: 0,
+            written_layers: 0,
+            in_flight: None,
+            prefill_ended: false,
+        };
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(store(1, vec![0; 65_536]));
+        queue.push(store(2, vec![0]));
+        queue.remove(0).expect("the first store");
+        assert!(!queue.releasable(0), "the second store still needs block 0");
+        queue.remove(0).expect("the second store");
+        assert!(queue.releasable(0));
     }
 }
