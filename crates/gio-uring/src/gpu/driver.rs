@@ -252,6 +252,41 @@ pub fn set_current(context: sys::CUcontext) -> Result<(), GioError> {
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
 }
 
+/// `context` pushed onto the calling thread's context stack (so current there) until the guard
+/// drops, which pops it and so restores what was current before. A green context may be current
+/// on one thread at a time (cuGreenCtxCreate: "no internal synchronization"), and a caller's own
+/// context (its compute work) must not be replaced behind its back: the executor's entry points
+/// hold one of these instead of leaving the I/O context current. Bound to the thread that pushed.
+#[must_use = "the context is popped (no longer current) as soon as the guard drops"]
+#[derive(Debug)]
+pub struct CurrentContext {
+    context: sys::CUcontext,
+    _thread_bound: std::marker::PhantomData<*const ()>,
+}
+
+/// `cuCtxPushCurrent(context)`, popped when the returned guard drops. `context` must be alive
+/// until then (the runtime's I/O context, which it owns).
+pub fn push_current(context: sys::CUcontext) -> Result<CurrentContext, GioError> {
+    // SAFETY: `context` is the runtime's I/O context, alive while the runtime exists (see
+    // `set_current`); the guard that pops it borrows nothing but is dropped within the entry
+    // point that pushed it, while the runtime is alive.
+    check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(context) })?;
+    Ok(CurrentContext { context, _thread_bound: std::marker::PhantomData })
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        let mut popped: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `popped` is a valid out-pointer; this thread pushed `context` (the guard is not
+        // Send) and every push made after it was popped by its own guard (guards are scoped).
+        match check("cuCtxPopCurrent", unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }) {
+            Ok(()) if popped == self.context => {}
+            Ok(()) => tracing::warn!("gio-uring: popped another context than the I/O context the executor pushed"),
+            Err(error) => tracing::warn!("gio-uring: {error}"),
+        }
+    }
+}
+
 /// What keeps host memory mapped while it is registered with the GPU.
 #[derive(Debug)]
 pub enum MemoryOwner {
@@ -440,6 +475,12 @@ impl DeviceMemory {
         // SAFETY: `address` is a valid out-pointer; the size is checked by the driver.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut address, len_bytes.max(1)) })?;
         Ok(Self { address, len_bytes, kept: false })
+    }
+
+    /// An allocation of nothing, never freed: what [`std::mem::replace`] leaves where a real one
+    /// was taken out to be freed early (the executor's teardown, while its context is current).
+    pub(crate) fn released() -> Self {
+        Self { address: 0, len_bytes: 0, kept: true }
     }
 
     /// Never frees the allocation (a kernel that could not be waited for may still use it): it

@@ -254,7 +254,7 @@ impl GpuExecutor {
     /// data IOVA must already address GPU memory the platform exposes to the SSD (see
     /// [`DmaMode::P2p`]). Nothing falls back from one mode to the other.
     pub fn new(runtime: GpuRuntime, queues: Vec<GpuQueueSpec>, config: GpuExecutorConfig) -> Result<Self, GioError> {
-        runtime.make_current()?;
+        let _current = runtime.enter()?;
         if queues.is_empty() || queues.len() > usize::from(u16::MAX) {
             return Err(GioError::InvalidConfig { reason: format!("{} queue pairs; 1..=65535 are possible", queues.len()) });
         }
@@ -376,7 +376,7 @@ impl GpuExecutor {
         if device >= self.queues.len() {
             return Err(GioError::InvalidConfig { reason: format!("gio device {device}: {} queue pairs", self.queues.len()) });
         }
-        self.runtime.make_current()?;
+        let _current = self.runtime.enter()?;
         self.drain_stream()?;
         let mut bytes = [0u8; core::mem::size_of::<abi::gio_nvme_qp>()];
         // Synchronous, on the legacy default stream: the kernels that wrote the state have
@@ -408,14 +408,14 @@ impl GpuExecutor {
     /// of another context needs [`GpuExecutor::register_caller_event`] with an event of its own
     /// context instead (cuEventRecord wants event and stream in one context).
     pub fn create_dependency_event(&mut self) -> Result<EventToken, GioError> {
-        self.runtime.make_current()?;
+        let _current = self.runtime.enter()?;
         self.dependency_events.push(DependencyEvent::Own(Event::create()?));
         Ok(EventToken(self.dependency_events.len() as u64 - 1))
     }
 
     /// Records `token`'s event (one this executor created) on the I/O stream.
     pub fn record_dependency_on_io_stream(&self, token: EventToken) -> Result<(), GioError> {
-        self.runtime.make_current()?;
+        let _current = self.runtime.enter()?;
         match self.dependency_event(token)? {
             DependencyEvent::Own(event) => event.record(self.runtime.stream()),
             DependencyEvent::Caller(_) => {
@@ -617,7 +617,7 @@ impl Executor for GpuExecutor {
         if self.attached.is_some() {
             return Err(GioError::InvalidConfig { reason: "the CUDA executor serves one queue".into() });
         }
-        self.runtime.make_current()?;
+        let _current = self.runtime.enter()?;
         let region = &memory.region;
         let queue_gpu =
             register(&mut self.registrations, MemoryOwner::Queue(Arc::clone(memory)), region.host_address(), region.len_bytes() as u64)?;
@@ -677,7 +677,15 @@ impl Executor for GpuExecutor {
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
-        if let Err(error) = self.runtime.make_current().and_then(|()| self.retire(memory)) {
+        // The I/O context stays current for the whole call (popped when `_current` drops).
+        let (_current, retired) = match self.runtime.enter() {
+            Ok(current) => {
+                let retired = self.retire(memory);
+                (Some(current), retired)
+            }
+            Err(error) => (None, Err(error)),
+        };
+        if let Err(error) = retired {
             // The batch is on the SQ already: recorded as a launch that never ran, its IOCBs
             // still complete exactly once, in SQ order (as timed out), once the launches ahead
             // of it retire (e.g. after a reset that failed here succeeds).
@@ -722,7 +730,7 @@ impl Executor for GpuExecutor {
     }
 
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        self.runtime.make_current()?;
+        let _current = self.runtime.enter()?;
         self.retire(memory)
     }
 }
@@ -768,10 +776,20 @@ impl Drop for GpuExecutor {
     fn drop(&mut self) {
         // Host memory may only be unregistered (and then freed), GPU memory freed and queue pairs
         // deleted once no kernel or copy uses them.
-        let drained = self.runtime.make_current().and_then(|()| self.drain_stream());
-        if let Err(error) = drained {
-            self.keep_for_good(&error);
+        let current = match self.runtime.enter() {
+            Ok(current) => current,
+            Err(error) => return self.keep_for_good(&error),
+        };
+        if let Err(error) = self.drain_stream() {
+            return self.keep_for_good(&error);
         }
+        // What needs the I/O context to be released goes now, in field order, while it is
+        // current on this thread (it is popped below; the fields would drop after that).
+        drop(std::mem::take(&mut self.registrations));
+        drop(self.attached.take());
+        drop(std::mem::take(&mut self.dependency_events));
+        drop(std::mem::replace(&mut self.state, DeviceMemory::released()));
+        drop(current);
     }
 }
 

@@ -337,10 +337,21 @@ impl GpuRuntime {
         !self.handles.function.is_null()
     }
 
-    /// Makes the runtime's context current on the calling thread (every entry point of the
-    /// executor does this first, so it may be driven from any thread).
+    /// Makes the runtime's context current on the calling thread and leaves it so, for set-up
+    /// on the thread that opened the runtime (allocating [`DeviceMemory`](crate::gpu::DeviceMemory)
+    /// and copying into it; `open` did the same). The executor's entry points do not use this:
+    /// they push the context for the call and pop it before returning ([`GpuRuntime::enter`]).
     pub fn make_current(&self) -> Result<(), GioError> {
         driver::set_current(self.handles.context)
+    }
+
+    /// The runtime's context, current on the calling thread until the guard drops (pushed, then
+    /// popped: what was current before is current again). Every entry point of the executor
+    /// holds one, so it may be driven from any thread without leaving the I/O context (a green
+    /// context may be current on one thread at a time) current there, nor replacing the
+    /// caller's own context.
+    pub(crate) fn enter(&self) -> Result<driver::CurrentContext, GioError> {
+        driver::push_current(self.handles.context)
     }
 
     /// SMs the I/O kernel may occupy: the green context's, or every SM with the fallback stream.
@@ -385,14 +396,17 @@ impl Drop for GpuRuntime {
             return;
         }
         // Errors on teardown cannot be acted on; they are logged, not hidden.
-        // The module belongs to the I/O context: unload it while that context exists.
-        let results = [
-            driver::set_current(self.handles.context),
-            driver::destroy_stream(self.handles.stream),
-            driver::unload_module(self.handles.module),
-            self.handles.green.map_or(Ok(()), driver::destroy_green_context),
-            driver::release_primary_context(self.handles.device),
-        ];
+        // The module belongs to the I/O context: unload it while that context exists and is
+        // current here (pushed, and popped before the context is destroyed, so that no thread is
+        // left with a destroyed context current).
+        let current = driver::push_current(self.handles.context);
+        let mut results = vec![driver::destroy_stream(self.handles.stream), driver::unload_module(self.handles.module)];
+        match current {
+            Ok(current) => drop(current),
+            Err(error) => results.push(Err(error)),
+        }
+        results.push(self.handles.green.map_or(Ok(()), driver::destroy_green_context));
+        results.push(driver::release_primary_context(self.handles.device));
         for error in results.into_iter().filter_map(Result::err) {
             tracing::warn!("gio-uring GPU teardown: {error}");
         }
