@@ -221,7 +221,8 @@ impl Gpu {
         check_device_ordinal(pointer, self.ordinal, &self.uuid, found)
     }
 
-    /// Copies `source` to device memory at `device_pointer`.
+    /// Copies `source` to device memory at `device_pointer` and waits for it to land, without a
+    /// deadline (the crate's known limit: a hung GPU blocks the calling thread here).
     ///
     /// # Safety
     /// `device_pointer..device_pointer + source.len()` must lie in one live allocation this

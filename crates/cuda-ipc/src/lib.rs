@@ -18,6 +18,13 @@
 //!
 //! Every CUDA call is in `driver.rs`, the crate's only module with unsafe code; each checks its
 //! result and names the call that failed.
+//!
+//! Known limit: the imported memory's copies are synchronous (`cuMemcpyHtoD` then
+//! `cuCtxSynchronize`, `cuMemcpyDtoH`) on the thread that serves the command (tuttid's software
+//! controller), with no deadline of their own: a GPU that stops completing copies (a hung or lost
+//! device) stalls that controller's commands until the driver gives up, rather than failing each
+//! after a bound. Copies on a non-blocking stream polled (`cuEventQuery`) against a deadline would
+//! fail the command instead; not done yet (no GPU to test it on where this was written).
 
 #![deny(unsafe_code)]
 
