@@ -92,7 +92,9 @@ pub struct RuntimeCounters {
     pub stores_truncated: u64,
     /// Requests stored without a store because the pool had no evictable slot.
     pub stores_skipped_pool_full: u64,
-    /// Prefills or decode steps the table had no entry for (conservative fallback used).
+    /// Prefills the table had no bucket for (every read at layer 0, writes left to decode
+    /// steps), and decode steps it had no row for (a context before the first row is priced as
+    /// that row, not counted).
     pub table_fallbacks: u64,
     /// Time `before_layer` waited for a layer's KV (the bubble the runtime saw).
     pub kv_wait: Duration,
