@@ -69,6 +69,12 @@ impl ClusterConfig {
     /// request timeout is not bound by a lease.
     pub fn validate_connection(&self) -> Result<()> {
         let bad = |text: String| Err(ClusterError::InvalidSetting(text));
+        if self.endpoints.is_empty() {
+            return bad("no etcd endpoint given".into());
+        }
+        for endpoint in &self.endpoints {
+            check_endpoint(endpoint).map_err(ClusterError::InvalidSetting)?;
+        }
         if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.request_timeout) {
             return bad(format!("request timeout {:?} is outside 10 ms..=60 s", self.request_timeout));
         }
@@ -112,6 +118,37 @@ impl ClusterConfig {
     }
 }
 
+/// An etcd client URL this client can use: `http://HOST:PORT`, the port in 1..=65535 (etcd's
+/// gRPC without TLS; the port is not left to a default, which would be 80, where etcd does not
+/// listen). Otherwise a sentence naming it.
+fn check_endpoint(endpoint: &str) -> std::result::Result<(), String> {
+    let refuse = |why: &str| Err(format!("etcd endpoint '{endpoint}': {why}; accepted: http://HOST:PORT (e.g. http://127.0.0.1:2379)"));
+    let Some(authority) = endpoint.strip_prefix("http://") else {
+        return match endpoint.split_once("://") {
+            Some(("https", _)) => refuse("https needs TLS, which this client does not speak"),
+            Some((scheme, _)) => refuse(&format!("scheme '{scheme}' is not http")),
+            None => refuse("not an http:// URL"),
+        };
+    };
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.contains(['/', '@', '?', '#']) || authority.chars().any(char::is_whitespace) {
+        return refuse("a URL of etcd has a host and a port only (no path, user or query)");
+    }
+    let Some((host, port)) = authority.rsplit_once(':') else { return refuse("no port") };
+    let bracketed = host.starts_with('[') || host.ends_with(']');
+    if host.is_empty()
+        || host == "[]"
+        || (bracketed && !(host.starts_with('[') && host.ends_with(']')))
+        || (!bracketed && host.contains(':'))
+    {
+        return refuse("no host (an IPv6 address goes in brackets: http://[::1]:2379)");
+    }
+    match port.parse::<u16>() {
+        Ok(1..) => Ok(()),
+        _ => refuse(&format!("port '{port}' is not in 1..=65535")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +168,33 @@ mod tests {
         }
         config.txn_ops_max = 7;
         assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn endpoints_must_be_http_urls_with_a_port() {
+        // Goal: what no etcd can be reached at is an invalid setting, named, not a failed
+        // connection; a port past 65535 is not read as no port (80).
+        for good in ["http://127.0.0.1:2379", "http://etcd-0.local:2379/", "http://[::1]:2379"] {
+            assert_eq!(check_endpoint(good), Ok(()), "{good}");
+        }
+        for bad in [
+            "",
+            "http://",
+            "https://127.0.0.1:2379",
+            "http://127.0.0.1:99999",
+            "http://127.0.0.1:0",
+            "http://127.0.0.1",
+            "127.0.0.1:2379",
+            "http://:2379",
+            "http://::1:2379",
+            "http://h:1/v3",
+        ] {
+            let error = check_endpoint(bad).unwrap_err();
+            assert!(error.starts_with(&format!("etcd endpoint '{bad}': ")), "{error}");
+        }
+        let mut config = ClusterConfig::new(vec![], ClusterId::new("fleet").unwrap(), SegmentBlocks::new(32).unwrap());
+        assert!(matches!(config.validate_connection(), Err(ClusterError::InvalidSetting(_))));
+        config.endpoints = vec!["http://127.0.0.1:2379".into(), "http://127.0.0.1:99999".into()];
+        assert!(matches!(config.validate_connection(), Err(ClusterError::InvalidSetting(text)) if text.contains("99999")));
     }
 }

@@ -2,7 +2,7 @@
 //! members and their leases, segments per node, replica counts (in all, and per holder set:
 //! which nodes hold how many segments), refused entries.
 //!
-//! Exit status: 2 for unusable options (a bad cluster id, segment size or timeout), 1 when etcd
+//! Exit status: 2 for unusable options (a bad cluster id, segment size, timeout or etcd URL), 1 when etcd
 //! does not answer within the timeout, 0 otherwise.
 
 use std::time::Duration;
@@ -23,7 +23,8 @@ pub enum ClusterCommand {
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// An etcd client URL (http://host:2379); repeat for every member.
+    /// An etcd client URL, http://HOST:PORT (e.g. http://127.0.0.1:2379; plain http, no TLS);
+    /// repeat for every member.
     #[arg(long = "etcd", required = true)]
     endpoints: Vec<String>,
     /// The cluster id the nodes joined with.

@@ -98,3 +98,15 @@ fn status_takes_its_documented_timeout_range() {
     let output = tutti(&["cluster", "status", "--etcd", &etcd.endpoints()[0], "--timeout-ms", "20000"]);
     assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
 }
+
+#[test]
+fn an_etcd_url_that_cannot_be_one_is_unusable_input() {
+    // Goal: --etcd values no etcd can be reached at were exit 1 (as if etcd were down), and a
+    // port past 65535 silently connected to port 80: each is unusable input (2), naming it.
+    for bad in ["", "http://", "https://127.0.0.1:2379", "http://127.0.0.1:99999", "http://127.0.0.1", "ftp://127.0.0.1:2379"] {
+        let output = tutti(&["cluster", "status", "--etcd", bad, "--timeout-ms", "500"]);
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{bad:?}: {text}");
+        assert!(text.contains("etcd endpoint") && text.contains(&format!("'{bad}'")), "{bad:?}: {text}");
+    }
+}
