@@ -21,7 +21,9 @@
 //!   refused.
 //!
 //! Every error is a [`DeviceError`] that names what was given, what is wrong and what is
-//! accepted; the tools print it as one line and exit with status 2 (unusable input).
+//! accepted; the tools print it as one line and exit with status 2 (unusable input), except
+//! for a device that fails: a controller that does not come up ([`DeviceError::BringUp`]) or a
+//! namespace that cannot be read ([`DeviceError::NamespaceHead`]) is status 1.
 #![forbid(unsafe_code)]
 
 pub mod claim;
