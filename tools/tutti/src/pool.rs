@@ -309,6 +309,8 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 .collect();
             let _created_locks = match args.emu_create_bytes {
                 Some(_) => {
+                    #[cfg(test)]
+                    tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
                     // Made here with O_EXCL (so the undo knows which it made), then locked.
                     undo = Some(FileUndo::create_missing(&args.devices.devices));
                     let created = lock_devices(&args.devices, &to_create, true)?;
@@ -428,6 +430,30 @@ mod tests {
 
     fn command(arguments: &[&str]) -> PoolCommand {
         Cli::try_parse_from(std::iter::once("pool").chain(arguments.iter().copied())).unwrap().command
+    }
+
+    thread_local! {
+        /// Run by format just before it creates the missing files: a test makes one meanwhile.
+        pub(super) static BEFORE_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
+    }
+
+    #[test]
+    fn a_file_made_by_another_process_meanwhile_is_read_before_it_is_formatted() {
+        // Goal: a missing emu: file that another process creates, holding something, between
+        // format's first look and its creating lock is refused as the files that were there are
+        // (status 2, naming what it holds) and left as it is, unless --overwrite.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("late.img");
+        let mut bytes = vec![0u8; 8 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        let device = format!("emu:{}", path.display());
+        let arguments = ["format", "--device", &device, "--model", "llama3-8b", "--emu-create-bytes", "64m"];
+        let (late, written) = (path.clone(), bytes.clone());
+        BEFORE_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
+        let error = run_with(&command(&arguments), &HostBlockDevices).unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
+        assert!(std::fs::read(&path).unwrap() == bytes, "the file made meanwhile was changed");
     }
 
     /// Calls `path` a block device and answers EBUSY for it, as the kernel does for a mounted one.
