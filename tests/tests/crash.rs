@@ -4,7 +4,11 @@
 //! reopened. Invariants after every crash:
 //! - a reopened pool never returns a block whose bytes differ from what was stored for its key;
 //! - every block visible before the crash (committed, not evicted) is still there;
-//! - interrupted blocks are absent (they fail the first invariant otherwise).
+//! - interrupted blocks are absent (they fail the first invariant otherwise);
+//! - every Valid slot's payload matches the CRCs its header records (`check_payloads`).
+//!
+//! It runs on four pool layouts: k = 1 and k = 4 blocks per slot, each on one namespace and
+//! striped over two controllers in one DMA space (a cut then takes both; a fault hits one).
 //!
 //! A second test cuts the power between the two header sectors one commit writes.
 
@@ -16,7 +20,8 @@ use nvme_emu::{EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 use objstore::{cpu_executor_for, KvRequest, KvStore, Pool, StoreConfig};
 use tutti_tests::*;
 
-const ITERATIONS: u64 = 150;
+/// Per layout (four of them): the test runs in every CI.
+const ITERATIONS: u64 = 30;
 const ENGINE_BLOCKS: u32 = 16;
 /// Short deadlines while the power may go: a wait on a dead controller ends quickly.
 const CRASH_TIMEOUT: Duration = Duration::from_millis(40);
@@ -36,8 +41,17 @@ fn bring_up_fast(device: &Arc<EmuDevice>) -> Arc<Controller> {
     panic!("the software controller did not come up with a 400 ms admin timeout");
 }
 
-fn open(controller: &Arc<Controller>, engine: &Engine, metadata_timeout: Duration) -> objstore::Result<KvStore<gio_uring::CpuExecutor>> {
-    let (mut pool, _) = Pool::open(targets(controller, &[1]), Some(&geometry()))?;
+/// The pool over namespace 1 of every controller, in order.
+fn pool_targets(controllers: &[Arc<Controller>]) -> Vec<objstore::PoolTarget> {
+    controllers.iter().flat_map(|controller| targets(controller, &[1])).collect()
+}
+
+fn open(controllers: &[Arc<Controller>], engine: &Engine, metadata_timeout: Duration) -> objstore::Result<KvStore<gio_uring::CpuExecutor>> {
+    let (pool, _) = Pool::open(pool_targets(controllers), Some(&geometry()))?;
+    store_over(pool, engine, metadata_timeout)
+}
+
+fn store_over(mut pool: Pool, engine: &Engine, metadata_timeout: Duration) -> objstore::Result<KvStore<gio_uring::CpuExecutor>> {
     pool.set_metadata_timeout(metadata_timeout);
     let config = StoreConfig { iocbs: 16, ioctx_per_iocb_max: 64, requests_max: 4, ..StoreConfig::default() };
     let executor = cpu_executor_for(&pool, 256, &config)?;
@@ -78,38 +92,54 @@ fn try_store(
 
 #[test]
 fn power_loss_during_stores_never_returns_wrong_bytes() {
-    let started = Instant::now();
-    let device = start_device(vec![NamespaceConfig::new(512, None)], 2 << 20, true);
-    {
-        let controller = bring_up(&device, Duration::from_secs(5));
-        // Small, so evictions happen all the time; 24 slots of 64-byte headers span three
-        // 512-byte LBAs, so a commit or an eviction often writes several header sectors, and a
-        // cut can fall between them.
-        format(&targets(&controller, &[1]), 1, Some(24));
+    for (layout, (k, controllers)) in [(1, 1), (4, 1), (1, 2), (4, 2)].into_iter().enumerate() {
+        power_loss_during_stores(layout as u64, k, controllers);
     }
+}
+
+/// The crash loop on a pool of `k` blocks per slot over namespace 1 of `controllers` software
+/// controllers (started in one DMA space).
+fn power_loss_during_stores(layout: u64, k: u32, controllers: usize) {
+    let started = Instant::now();
+    let config = || device_config(vec![NamespaceConfig::new(512, None)], 4 << 20, true);
+    let first = start_device(vec![NamespaceConfig::new(512, None)], 4 << 20, true);
+    let mut devices = vec![first.clone()];
+    for _ in 1..controllers {
+        devices.push(EmuDevice::start_in(config(), &first.dma_pool()).expect("software controller"));
+    }
+    let bring_up_all = |fast: bool| -> Vec<Arc<Controller>> {
+        devices.iter().map(|device| if fast { bring_up_fast(device) } else { bring_up(device, Duration::from_secs(5)) }).collect()
+    };
+    // Small, so evictions happen all the time. k = 1: 24 slots of 64-byte headers span three
+    // 512-byte LBAs, so a commit or an eviction often writes several header sectors, and a
+    // cut can fall between them; k = 4: 8 slots of 4 blocks.
+    let slots = if k == 1 { 24 } else { 8 };
+    format(&pool_targets(&bring_up_all(false)), k, Some(slots));
+    let label = format!("k = {k}, {controllers} controller(s)");
     let mut known: Vec<Vec<u32>> = Vec::new();
     let mut phases = [Duration::ZERO; 3];
-    let (mut crashes_by_fault, mut crashes_between_calls, mut verified_blocks, mut skipped) = (0, 0, 0, 0);
+    let (mut crashes_by_fault, mut crashes_between_calls, mut verified_blocks, mut verified_slots, mut skipped) = (0, 0, 0, 0, 0);
     for iteration in 0..ITERATIONS {
-        let mut rng = Rng(0xC0FFEE ^ iteration.wrapping_mul(0x9E37));
+        let mut rng = Rng(0xC0FFEE ^ iteration.wrapping_mul(0x9E37) ^ (layout << 56));
         let phase = Instant::now();
         // --- workload, until the power goes ---
-        let controller = bring_up_fast(&device);
-        let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
+        let controllers = bring_up_all(true);
+        let engine = separate_kv(controllers[0].dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
         // With a 25 ms admin timeout a busy machine can fail the open: that iteration then
         // just cuts the power on an idle pool (the checks below still run).
-        let Ok(mut store) = open(&controller, &engine, CRASH_TIMEOUT) else {
+        let Ok(mut store) = open(&controllers, &engine, CRASH_TIMEOUT) else {
             skipped += 1;
-            device.power_loss();
+            devices.iter().for_each(|device| device.power_loss());
             drop(engine);
-            drop(controller);
+            drop(controllers);
             continue;
         };
         let by_fault = rng.below(2) == 0;
         let mut steps = if by_fault { u64::MAX } else { rng.below(30) };
         if by_fault {
             let nth = 1 + rng.below(60);
-            device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(nth, FaultAction::ControllerFatal)));
+            let victim = rng.below(devices.len() as u64) as usize;
+            devices[victim].set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(nth, FaultAction::ControllerFatal)));
         }
         for _ in 0..6 {
             let share = !known.is_empty() && rng.below(3) == 0;
@@ -131,31 +161,35 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
         phases[0] += phase.elapsed();
         let phase = Instant::now();
         if by_fault {
-            // The controller is dead: dropping the store waits out one admin timeout.
-            device.power_loss();
+            // A controller is dead: dropping the store waits out one admin timeout.
+            devices.iter().for_each(|device| device.power_loss());
             drop(store);
             crashes_by_fault += 1;
         } else {
-            // Queue pairs go while the controller still answers (I/O may still be in flight),
+            // Queue pairs go while the controllers still answer (I/O may still be in flight),
             // then the power.
             drop(store);
-            device.power_loss();
+            devices.iter().for_each(|device| device.power_loss());
             crashes_between_calls += 1;
         }
-        device.set_faults(FaultPlan::none());
+        devices.iter().for_each(|device| device.set_faults(FaultPlan::none()));
         phases[1] += phase.elapsed();
         let phase = Instant::now();
         drop(engine);
-        drop(controller);
+        drop(controllers);
         // --- recovery and checks ---
-        let controller = bring_up(&device, Duration::from_secs(5));
-        let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
-        let mut store = open(&controller, &engine, Duration::from_secs(5)).expect("open after the crash");
+        let controllers = bring_up_all(false);
+        let engine = separate_kv(controllers[0].dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
+        let (mut pool, _) = Pool::open(pool_targets(&controllers), Some(&geometry())).expect("open after the crash");
+        let (slots_checked, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(30)).expect("payload check");
+        assert!(bad.is_empty(), "{label}, iteration {iteration}: slots whose payload differs from their recorded CRCs: {bad:?}");
+        verified_slots += slots_checked;
+        let mut store = store_over(pool, &engine, Duration::from_secs(5)).expect("a store over the reopened pool");
         for (r, tokens) in known.iter().enumerate() {
             let cached = store.lookup(tokens);
             assert!(
                 cached >= visible_before[r],
-                "iteration {iteration}: request {r} had {} blocks visible before the crash, {cached} after",
+                "{label}, iteration {iteration}: request {r} had {} blocks visible before the crash, {cached} after",
                 visible_before[r]
             );
             if cached == 0 {
@@ -167,17 +201,21 @@ fn power_loss_during_stores_never_returns_wrong_bytes() {
             for (i, &block) in blocks.iter().enumerate() {
                 assert!(
                     engine.holds(block, keys[i], geometry().layers),
-                    "iteration {iteration}: request {r} block {i} came back with other bytes"
+                    "{label}, iteration {iteration}: request {r} block {i} came back with other bytes"
                 );
                 verified_blocks += 1;
             }
         }
         phases[2] += phase.elapsed();
     }
-    eprintln!("workload {:?}, power cut and drop {:?}, recovery and checks {:?}", phases[0], phases[1], phases[2]);
-    eprintln!("{ITERATIONS} iterations ({crashes_by_fault} at a random I/O command, {crashes_between_calls} between calls, {skipped} before any I/O), {verified_blocks} blocks verified, {:.1} s", started.elapsed().as_secs_f64());
-    assert!(crashes_by_fault > 0 && crashes_between_calls > 0 && verified_blocks > 0);
-    assert!(skipped < ITERATIONS / 4, "{skipped} iterations could not even open the pool");
+    eprintln!("{label}: workload {:?}, power cut and drop {:?}, recovery and checks {:?}", phases[0], phases[1], phases[2]);
+    eprintln!(
+        "{label}: {ITERATIONS} iterations ({crashes_by_fault} at a random I/O command, {crashes_between_calls} between calls, {skipped} \
+         before any I/O), {verified_blocks} blocks verified, {verified_slots} slots' payload CRCs checked, {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(crashes_by_fault > 0 && crashes_between_calls > 0 && verified_blocks > 0 && verified_slots > 0, "{label}");
+    assert!(skipped < ITERATIONS / 4, "{label}: {skipped} iterations could not even open the pool");
 }
 
 #[test]
@@ -196,7 +234,7 @@ fn power_loss_between_the_header_sectors_of_one_commit() {
     // Three seconds, not CRASH_TIMEOUT: the 24 stores below must not time out on a loaded
     // machine (a 40 ms header write did once, and with 1 s a store failed at load average 8);
     // only the dying commit waits it out.
-    let mut store = open(&controller, &engine, Duration::from_secs(3)).expect("open");
+    let mut store = open(std::slice::from_ref(&controller), &engine, Duration::from_secs(3)).expect("open");
     let mut rng = Rng(0x5EC7_0125);
     let requests: Vec<Vec<u32>> = (0..24).map(|_| rng.tokens(16)).collect();
     for (r, tokens) in requests.iter().enumerate() {
@@ -231,7 +269,7 @@ fn power_loss_between_the_header_sectors_of_one_commit() {
     drop(controller);
     let controller = bring_up(&device, Duration::from_secs(5));
     let engine = separate_kv(controller.dma(), ENGINE_BLOCKS, DataPointerMode::Sgl);
-    let mut store = open(&controller, &engine, Duration::from_secs(5)).expect("open after the cut");
+    let mut store = open(std::slice::from_ref(&controller), &engine, Duration::from_secs(5)).expect("open after the cut");
     assert_eq!(store.lookup(&new), 1, "block 0's header reached the disk, block 1's did not");
     retrieve(&mut store, &engine, &new, &[2]);
     assert!(engine.holds(2, keys[0], geometry().layers), "block 0 came back with other bytes");
