@@ -536,7 +536,7 @@ impl StoreControl {
     /// [`Self::evict_mismatched`], its header sync bounded by `deadline` (a `wait`'s): the
     /// entries whose write does not fit (see [`Self::sync_headers`]) stay staged, written by
     /// the next sync (the next commit, or [`Self::sync_headers`]), which comes before any data
-    /// is issued into these slots.
+    /// is issued into these slots, or at the latest when the pool is dropped (best effort).
     pub fn evict_mismatched_by(
         &mut self,
         handle: RequestHandle,
