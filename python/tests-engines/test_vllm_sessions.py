@@ -9,7 +9,7 @@ import time
 import vllm_harness as harness
 from test_vllm_connector import LocalWorker, StandInWorker, prompt
 from tutti.vllm import TuttiConnectorMetadata
-from tutti.vllm.connector import LoadSpec
+from tutti.vllm.connector import LoadSpec, SaveSpec
 from tutti.vllm.metadata import TuttiWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput
@@ -77,4 +77,37 @@ def test_the_scheduler_matches_again_once_the_worker_opened_a_new_session(tuttid
         assert worker.connector.build_connector_worker_meta() is None, "the new session was reported once"
     finally:
         scheduler.shutdown()
+        worker.shutdown()
+
+
+def test_a_stalled_daemon_without_a_load_in_flight_does_not_stop_a_device_memory_worker(tuttid):
+    """Goal: with device-memory KV (vLLM's GPU caches; here the CPU stand-in) a tuttid that stops
+    answering ends the worker's session (a prepare times out), and the close cannot confirm that
+    tuttid let go of the memory. No load was in flight, so nothing can write vLLM's blocks: the
+    worker does not raise KvMemoryUnsafe (which stops the engine) but keeps that memory's
+    registration for good, never registers it again, and serves without tutti (loads fail, the
+    scheduler is told). A load in flight still stops it
+    (test_vllm_connector.test_a_load_whose_layer_never_completes_stops_the_worker)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    worker = StandInWorker(daemon.socket, timeout_s=0.5)
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(63, blocks=2, tail=0)
+        worker.fill([1, 2], 63)
+        worker.save("S", tokens, [1, 2])
+        daemon.pause()
+        try:
+            worker.step(TuttiConnectorMetadata(saves=[SaveSpec("X", prompt(64, blocks=2, tail=0), [3, 4])]))
+            connector = worker.connector
+            assert connector._dead is not None
+            assert connector._store.leaked_registrations() > 0, "the test needs a close tuttid did not confirm"
+            result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens[: 2 * block], [20, 21])]))
+            assert result["load_errors"] == {20, 21}
+            assert connector.build_connector_worker_meta().sessions_ended == {0: connector._dead}
+        finally:
+            daemon.resume()
+        time.sleep(1.5)  # past the first re-attach back-off: it is never tried
+        worker.step(TuttiConnectorMetadata())
+        assert worker.connector._dead is not None and worker.connector.reattaches == 0
+    finally:
         worker.shutdown()

@@ -269,7 +269,7 @@ class WorkerSide:
             self._load_completed.pop(req_id, None)  # resumed: allocated, loaded and saved anew
             load = self._loads.pop(req_id, None)
             if load is not None and not self._settle(load.request, deadline):
-                self._end_session(f"a layer of preempted request {req_id}'s load did not complete")
+                self._end_session(f"a layer of preempted request {req_id}'s load did not complete", load_in_flight=True)
             save = self._saves.pop(req_id, None)
             if save is not None:
                 self._settle_save(save.request, deadline=deadline)  # its device only reads vLLM's blocks; never committed
@@ -645,7 +645,7 @@ class WorkerSide:
         )  # fmt: skip
         self._loads.pop(req_id, None)
         if not self._settle(state.request):
-            self._end_session(f"a layer of request {req_id}'s load did not complete")
+            self._end_session(f"a layer of request {req_id}'s load did not complete", load_in_flight=True)
         self._load_blocks_failed(state.block_ids)
         self._cancel_save_of_failed_load(req_id)
 
@@ -856,14 +856,21 @@ class WorkerSide:
         if reason is not None and self._dead is None:
             self._end_session(reason)
 
-    def _end_session(self, reason: str) -> None:
+    def _end_session(self, reason: str, load_in_flight: bool = False) -> None:
         """Ends the worker's tuttid session: tuttid deletes its queue pairs, after which nothing
         more is written to vLLM's blocks. This step's loads are reported failed and its saves
         are misses; so are later steps' until a new session is open. Only device-memory KV (not
         the session's window) can be registered with a new one: `_reattach_if_due` at the next
-        steps; window KV loads and saves nothing more (restart the worker). Raises
-        KvMemoryUnsafe when tuttid did not confirm that the session ended cleanly while a layer
-        was in flight, or (device memory) that it ended at all."""
+        steps; window KV loads and saves nothing more (restart the worker).
+
+        When tuttid did not confirm that the session ended (the store keeps the KV memory's
+        registrations): raises KvMemoryUnsafe if a load's layer was in flight (`load_in_flight`:
+        one the caller gave up on; or one of the step's loads with a layer issued and not
+        waited for), since the device may still write vLLM's blocks. Otherwise nothing can
+        write them (a save only reads vLLM's blocks): the registrations are kept for good, the
+        memory is never registered again, and the worker serves without tutti (loads fail,
+        saves miss, the scheduler side is told: `build_connector_worker_meta`), rather than stop
+        the engine because tuttid stopped answering."""
         if self._dead is not None:
             return
         self._dead = reason
@@ -873,6 +880,7 @@ class WorkerSide:
             logger.error("tutti: the worker's tuttid session is ended (%s); a new one is opened at the next step", reason)
             self._reattach_at = time.monotonic()
         loads, saves = list(self._loads.values()), list(self._saves.items())
+        load_in_flight = load_in_flight or any(state.issued > state.completed for state in loads)
         self._loads.clear()
         self._saves.clear()
         # Waits for the layers still in flight (bounded), closes the connection; with a layer
@@ -883,9 +891,17 @@ class WorkerSide:
             self._abandoned.clear()  # settled by the close
         kept = self._store.leaked_registrations()
         if kept:
-            # Never re-registered, even if a caller above catches the exception: the tensors
-            # may still be written.
+            # Never re-registered (even if a caller above catches the exception): tuttid may
+            # still hold the memory, and with a load in flight write it.
             self._reattach_at = math.inf
+        if kept and not load_in_flight:
+            logger.error(
+                "tutti: tuttid did not confirm that the session ended (%d KV memory registrations kept for good); no "
+                "load was in flight, so nothing writes vLLM's KV blocks: this worker serves without tutti until it "
+                "is restarted",
+                kept,
+            )
+        elif kept:
             raise KvMemoryUnsafe(
                 f"tutti: {reason}, and tuttid did not confirm that the session's queue pairs were deleted "
                 f"({kept} KV memory registrations kept): vLLM's KV blocks may still be written, so the "
