@@ -120,6 +120,7 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::BadPlacement { .. } => ErrorClass::InvalidArgument,
             ObjstoreError::NamespaceTooSmall { .. }
             | ObjstoreError::CorruptSuperblock { .. }
+            | ObjstoreError::LbaSizeMismatch { .. }
             | ObjstoreError::NewerFormatVersion { .. }
             | ObjstoreError::OlderFormatVersion { .. }
             | ObjstoreError::GeometryMismatch { .. }
@@ -296,6 +297,8 @@ mod tests {
         assert_eq!(Failure::from(&state).class, ErrorClass::InvalidState);
         let no_iocbs = ObjstoreError::Gio(GioError::NoFreeIocb { requested: 4, available: 2 });
         assert_eq!(Failure::from(&no_iocbs).class, ErrorClass::LimitReached);
+        let lba = ObjstoreError::LbaSizeMismatch { device: 0, recorded: 512, namespace: 4096 };
+        assert_eq!(Failure::from(&lba).class, ErrorClass::Pool);
         let timeout = ObjstoreError::Gio(GioError::WaitTimeout { id: gio_uring::IocbId(1), waited_ms: 5 });
         assert_eq!(Failure::from(&timeout).class, ErrorClass::Timeout);
         let refused = |code: ErrorCode, reason: &str| ObjstoreError::RemoteFailed {

@@ -364,6 +364,7 @@ fn pool_input_unusable(source: &objstore::ObjstoreError) -> bool {
             | E::InvalidPoolShape { .. }
             | E::NamespaceTooSmall { .. }
             | E::CorruptSuperblock { .. }
+            | E::LbaSizeMismatch { .. }
             | E::NewerFormatVersion { .. }
             | E::OlderFormatVersion { .. }
             | E::GeometryMismatch { .. }

@@ -2,6 +2,7 @@
 //! they were, neither created nor grown, also for refusals that come after the files were made
 //! (a set mixing emu: and vfio: devices, a character device among the files, a size no file can
 //! have) and for an existing file smaller than the size asked for.
+//! And a pool recording another LBA size than the namespace's: refused as unusable input (2).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -68,4 +69,28 @@ fn a_refused_format_leaves_the_files_as_they_were() {
         assert!(stderr.contains(needle), "{arguments:?}: {stderr}");
         assert_eq!(listing(&directory), before, "{arguments:?} left the files changed: {stderr}");
     }
+}
+
+#[test]
+fn a_pool_recording_another_lba_size_is_unusable_input_not_a_failure() {
+    // Goal: a pool whose superblock records another LBA size than the namespace's (one formatted
+    // by `tutti pool format --emu-lba-bytes 512`; tuttid's software controller runs 4096-byte
+    // LBAs) is refused with exit status 2 (the same command fails the same way until someone
+    // changes it), not 1 (a device failure a supervisor may retry). Before, tuttid exited 1.
+    let scratch = tempfile::tempdir().unwrap();
+    let image = scratch.path().join("pool.img");
+    let device = format!("emu:{}", image.display());
+    let daemon = common::Daemon::start(scratch.path(), &device, &["--format", "--emu-create-bytes", "64m"]);
+    let (status, stderr) = daemon.terminate();
+    assert!(status.success(), "{stderr}");
+    // The superblock (LBA 0) records 512-byte LBAs, its CRC (bytes 252..256 over 0..252) resealed.
+    let mut bytes = std::fs::read(&image).unwrap();
+    bytes[64..68].copy_from_slice(&512u32.to_le_bytes());
+    let crc = crc32fast::hash(&bytes[..252]);
+    bytes[252..256].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(&image, &bytes).unwrap();
+    std::fs::create_dir_all(scratch.path().join("sockets")).unwrap();
+    let (code, stderr) = tuttid(scratch.path(), &["--device", &device]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("512"), "{stderr}");
 }
