@@ -1,8 +1,8 @@
 //! The on-disk format of one pool member (one NVMe namespace), byte by byte in docs/objstore.md:
 //!
 //! ```text
-//! LBA 0                  superblock (256 encoded bytes, zero padded to 4 KiB)
-//! byte 4096              slot-header region: slot_count entries of header_entry_bytes
+//! LBA 0                  superblock (256 encoded bytes, zero padded to max(4 KiB, one LBA))
+//! byte max(4096, LBA)    slot-header region: slot_count entries of header_entry_bytes
 //! data_lba (1 MiB-aligned) data region: slot_count slots of slot_bytes
 //! ```
 //! A slot holds k = blocks_per_slot engine blocks, layer-major inside:
@@ -27,6 +27,8 @@ pub const SUPERBLOCK_REGION_BYTES: u64 = 4096;
 /// Data region alignment: SSDs stripe internally at this granularity or finer.
 pub const DATA_ALIGN_BYTES: u64 = 1 << 20;
 pub const FLAG_PAYLOAD_CRC: u32 = 1;
+/// The most engine blocks one slot holds (k); a slot header lists each.
+pub const BLOCKS_PER_SLOT_MAX: u32 = 1024;
 /// Every superblock flag this build understands; any other bit set is a corrupt superblock.
 const FLAGS_KNOWN: u32 = FLAG_PAYLOAD_CRC;
 const SLOT_HEADER_FIXED_BYTES: usize = 32;
@@ -137,9 +139,9 @@ impl Superblock {
             return Err(invalid(format!("an object of {} bytes is not a whole number of {lba_bytes}-byte LBAs", geometry.object_bytes())));
         }
         let entry = header_entry_bytes(blocks_per_slot);
-        if blocks_per_slot == 0 || blocks_per_slot > 1024 || entry > u64::from(lba_bytes) {
+        if blocks_per_slot == 0 || blocks_per_slot > BLOCKS_PER_SLOT_MAX || entry > u64::from(lba_bytes) {
             return Err(invalid(format!(
-                "blocks per slot {blocks_per_slot}: expected 1..=1024 with a header entry ({entry} B) within one LBA ({lba_bytes} B)"
+                "blocks per slot {blocks_per_slot}: expected 1..={BLOCKS_PER_SLOT_MAX} with a header entry ({entry} B) within one LBA ({lba_bytes} B)"
             )));
         }
         if device_count == 0 || device_index >= device_count {
@@ -578,7 +580,7 @@ pub fn looks_like_unfinished_format(head: &[u8]) -> bool {
             return false;
         }
         let mut entry_bytes = header_entry_bytes(0) as usize;
-        while entry_bytes <= header_entry_bytes(1024) as usize {
+        while entry_bytes <= header_entry_bytes(BLOCKS_PER_SLOT_MAX) as usize {
             if let Some(entry) = head.get(header_start..header_start + entry_bytes) {
                 let crc_at = entry_bytes - 4;
                 let state = u16::from_le_bytes([entry[20], entry[21]]);

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use gio_uring::SmBudget;
 use nvme_driver::{Controller, DataPointerMode, DmaAllocator, DmaRegion};
 
+use crate::format::BLOCKS_PER_SLOT_MAX;
 use crate::{
     cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool,
     PoolTarget, RecoveryReport, StoreConfig,
@@ -56,9 +57,6 @@ impl Default for RoundTripConfig {
         }
     }
 }
-
-/// The most engine blocks per slot a pool takes (`Superblock::plan` refuses more).
-const BLOCKS_PER_SLOT_MAX: u32 = 1024;
 
 impl RoundTripConfig {
     /// Checks that the round trip's sizes fit their types before anything is formatted:

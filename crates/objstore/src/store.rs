@@ -475,7 +475,8 @@ impl<E: Executor> KvStore<E> {
     /// Non-blocking: `Ok(true)` once nothing is in flight for the request (the layers that
     /// were are then complete, or the first failure is returned). A mismatch it finds evicts
     /// the bad blocks' slots from the index; their Empty headers stay staged (it does not wait
-    /// for a header write) for the next sync: the next commit, or [`KvStore::sync_headers`].
+    /// for a header write) for the next sync: the next commit, [`KvStore::sync_headers`], or at
+    /// the latest the pool's end (best effort).
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.poll(handle);
@@ -498,18 +499,7 @@ impl<E: Executor> KvStore<E> {
     /// status on an unreadable LBA, say): left cached, every later request with that prefix would
     /// hit the same blocks and fail the same way. Call before `finish`. Returns the blocks evicted.
     pub fn evict_retrieve(&mut self, handle: RequestHandle, deadline: Instant) -> Result<usize> {
-        let blocks: Vec<crate::error::MismatchedBlock> = (self.control.placements(handle)?.iter().enumerate())
-            .map(|(position, placement)| crate::error::MismatchedBlock {
-                position,
-                engine_block: placement.engine_block,
-                device: placement.location.device,
-                slot: placement.location.slot,
-                expected_crc: 0,
-                computed_crc: 0,
-            })
-            .collect();
-        self.control.evict_mismatched_by(handle, &blocks, self.data.lender(), Some(deadline))?;
-        Ok(blocks.len())
+        self.control.evict_retrieve_by(handle, self.data.lender(), Some(deadline))
     }
 
     /// The control half evicts the slots of blocks a verification just found damaged, its

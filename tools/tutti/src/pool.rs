@@ -398,9 +398,9 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             let mut damaged = report.corrupt_headers + report.duplicate_slots;
             if args.payload {
                 let (verified, bad) = pool.check_payloads(Instant::now() + Duration::from_secs(24 * 3600))?;
-                outln!("{verified} payloads verified, {} mismatches", bad.len())?;
+                outln!("{verified} payloads verified, {} damaged (a CRC mismatch or a media error; the log says which)", bad.len())?;
                 for (device, slot) in &bad {
-                    outln!("  payload CRC mismatch: device {device} slot {slot}")?;
+                    outln!("  damaged payload: device {device} slot {slot}")?;
                 }
                 damaged += bad.len() as u64;
             }

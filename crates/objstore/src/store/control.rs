@@ -559,18 +559,46 @@ impl StoreControl {
         }
         for block in blocks {
             tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
-            self.pool.index.condemn(block.device, block.slot);
+        }
+        let slots: Vec<(u16, u32)> = blocks.iter().map(|block| (block.device, block.slot)).collect();
+        self.evict_slots_by(&slots, lender, deadline);
+        Ok(())
+    }
+
+    /// Evicts the slots of every block retrieve `handle` reserved, as
+    /// [`Self::evict_mismatched_by`] does: for a retrieve whose read the device failed (an NVMe
+    /// error status), whose blocks would fail every later request that hits them. Returns the
+    /// blocks evicted.
+    pub fn evict_retrieve_by(&mut self, handle: RequestHandle, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<usize> {
+        let index = self.index_of(handle)?;
+        let reservation = &self.reservations[index];
+        if reservation.direction != Some(Direction::Retrieve) {
+            return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a retrieve".into() });
+        }
+        let slots: Vec<(u16, u32)> = reservation.placements.iter().map(|p| (p.location.device, p.location.slot)).collect();
+        for &(device, slot) in &slots {
+            tracing::warn!(device, slot, "a read of this retrieve failed on the device: the slot is evicted");
+        }
+        self.evict_slots_by(&slots, lender, deadline);
+        Ok(slots.len())
+    }
+
+    /// Takes `slots` out of the index and stages their headers Empty, then writes what fits
+    /// before `deadline` (the rest stays staged for the next sync, which comes before any data is
+    /// issued into these slots, or at the latest when the pool is dropped).
+    fn evict_slots_by(&mut self, slots: &[(u16, u32)], lender: &mut dyn QueueLender, deadline: Option<Instant>) {
+        for &(device, slot) in slots {
+            self.pool.index.condemn(device, slot);
             // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
             // on a fenced device, whose slots are not reused before a reopen anyway.
-            if let Err(error) = self.pool.stage_header(block.device, block.slot, SlotState::Empty, &[]) {
+            if let Err(error) = self.pool.stage_header(device, slot, SlotState::Empty, &[]) {
                 tracing::warn!(%error, "staging the evicted slot's header Empty failed");
             }
         }
         if let Err(error) = self.pool.sync_headers_by(lender, deadline) {
-            // The mismatch is the news: the Empty entries stay dirty and go out with the next
+            // The eviction is the news: the Empty entries stay dirty and go out with the next
             // sync, which comes before any data is issued into these slots.
             tracing::warn!(%error, "writing the evicted slots' headers Empty failed; they stay staged for the next sync");
         }
-        Ok(())
     }
 }
