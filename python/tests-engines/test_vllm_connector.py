@@ -1278,7 +1278,8 @@ class StandInWorker(LocalWorker):
 def test_a_worker_with_device_memory_kv_opens_a_new_session_after_its_session_ended(tuttid):
     """Goal: a worker whose KV caches are device memory (vLLM's GPU caches; here the CPU
     stand-in) is not done for when its tuttid session ends (an exchange that timed out): the
-    caches are not the session's window, so a later step opens a new session, registers them
+    caches are not the session's window, so a later step opens a new session (on a thread of its
+    own: test_vllm_sessions.test_a_new_session_is_opened_off_the_step_path), registers them
     again, and loads from the pool byte-exact. (Window KV, the CPU path, cannot: see
     test_a_daemon_exchange_that_times_out_ends_the_worker_session.)"""
     daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
@@ -1299,6 +1300,12 @@ def test_a_worker_with_device_memory_kv_opens_a_new_session_after_its_session_en
             daemon.resume()
         wait_no_worker_session(daemon.socket)
         assert worker.connector._dead is not None
+        # The new session is opened on a thread of its own and taken up at a later step.
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while worker.connector._dead is not None:
+            assert time.monotonic() < deadline, "the worker opened no new session"
+            worker.step(TuttiConnectorMetadata())
+            time.sleep(0.05)
         for part in worker.blocks_bytes([20, 21]):
             part.zero_()
         result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])]))

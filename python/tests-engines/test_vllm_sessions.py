@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 import vllm_harness as harness
 from test_vllm_connector import LocalWorker, StandInWorker, prompt
 from tutti.vllm import TuttiConnectorMetadata
@@ -109,5 +111,43 @@ def test_a_stalled_daemon_without_a_load_in_flight_does_not_stop_a_device_memory
         time.sleep(1.5)  # past the first re-attach back-off: it is never tried
         worker.step(TuttiConnectorMetadata())
         assert worker.connector._dead is not None and worker.connector.reattaches == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_new_session_is_opened_off_the_step_path(tuttid):
+    """Goal: a worker with device-memory KV whose session ended opens a new one without making
+    vLLM's steps wait: against a tuttid that does not answer, each try would wait timeout_s for
+    tuttid's Hello (here 2 s) inside the step. The try runs on a thread of its own; steps go on
+    at once (loads failing) and the new session is taken up at the first step after it opened."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    worker = StandInWorker(daemon.socket, timeout_s=2.0)
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(65, blocks=2, tail=0)
+        worker.fill([1, 2], 65)
+        worker.save("S", tokens, [1, 2])
+        worker.connector._end_session("ended by the test")
+        daemon.pause()
+        try:
+            for _ in range(3):
+                started = time.monotonic()
+                result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens[: 2 * block], [20, 21])]))
+                took_s = time.monotonic() - started
+                assert took_s < 0.5, f"a step waited {took_s:.1f} s for a new tuttid session"
+                assert result["load_errors"] == {20, 21}
+                time.sleep(0.4)
+        finally:
+            daemon.resume()
+        deadline = time.monotonic() + 20.0
+        while worker.connector._dead is not None:
+            assert time.monotonic() < deadline, "the worker opened no new session"
+            worker.step(TuttiConnectorMetadata())
+            time.sleep(0.05)
+        for part in worker.blocks_bytes([20, 21]):
+            part.zero_()
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L2", tokens[: 2 * block], [20, 21])]))
+        assert result["load_errors"] == set()
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
     finally:
         worker.shutdown()

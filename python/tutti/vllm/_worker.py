@@ -100,6 +100,13 @@ class WorkerSide:
         self._reattach_at = 0.0
         self._reattach_backoff_s = 0.0
         self.reattaches = 0
+        # A try at a new session runs on a thread of its own (an attach waits up to timeout_s for
+        # tuttid, which a step must not): its result, (store, None) or (None, error), is taken
+        # up at the next step (`_reattach_if_due`). After shutdown the thread closes what it
+        # opened itself.
+        self._reattach_thread: Optional[threading.Thread] = None
+        self._reattached: Optional[tuple[Any, Optional[BaseException]]] = None
+        self._stopping = False
         # Whether the scheduler's model fingerprint was compared with this worker's (once, at the
         # first metadata carrying it), and why they differ (raised at every later bind).
         self._fingerprint_checked = False
@@ -530,6 +537,11 @@ class WorkerSide:
         self._store.close()
         with self._lock:
             self._abandoned.clear()
+            # A re-attach still trying closes its store itself; one that finished left it here.
+            self._stopping = True
+            pending, self._reattached = self._reattached, None
+        if pending is not None and pending[0] is not None:
+            pending[0].close()
 
     def _gpu_writes_done(self) -> None:
         """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
@@ -916,30 +928,61 @@ class WorkerSide:
     def _reattach_if_due(self) -> None:
         """Opens a new tuttid session for a worker whose session ended, when its KV memory can be
         registered again (device memory; tuttid's window went with the session), once the
-        back-off after a failed try has passed. A failure leaves the worker as it was (loads
-        reported failed, saves missed) until the next try."""
-        if self._dead is None or self._kv_tensors is None or time.monotonic() < self._reattach_at:
+        back-off after a failed try has passed. The try (attach, register_kv: each waits up to
+        timeout_s for tuttid) runs on a thread of its own, so a step never waits for it; its
+        result is taken up at the first step after it is over. A failure leaves the worker as it
+        was (loads reported failed, saves missed) until the next try."""
+        if self._dead is None or self._kv_tensors is None:
             return
+        thread = self._reattach_thread
+        if thread is not None:
+            if thread.is_alive():
+                return
+            self._reattach_thread = None
+            with self._lock:
+                result, self._reattached = self._reattached, None
+            store, error = result if result is not None else (None, RuntimeError("the try ended without a result"))
+            if store is None:
+                self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
+                self._reattach_at = time.monotonic() + self._reattach_backoff_s
+                logger.warning("tutti: a new tuttid session failed (%s); the next try in %.1f s", error, self._reattach_backoff_s)
+                return
+            logger.warning("tutti: the worker opened a new tuttid session (the last one ended: %s)", self._dead)
+            self._store = store
+            with self._lock:
+                self._broken = None
+                self._session += 1
+            self._dead = None
+            self._reattach_backoff_s = 0.0
+            self.reattaches += 1
+            return
+        if time.monotonic() < self._reattach_at:
+            return
+        self._reattach_thread = threading.Thread(
+            target=self._reattach, args=(list(self._kv_tensors),), name="tutti-vllm-reattach", daemon=True
+        )
+        self._reattach_thread.start()
+
+    def _reattach(self, tensors: list[torch.Tensor]) -> None:
+        """The re-attach thread: attaches and registers `tensors`; leaves its result for the next
+        step (`_reattach_if_due`), or closes the store if the worker shut down meanwhile."""
+        store: Any = None
+        error: Optional[BaseException] = None
         try:
             store = self._attach()
             try:
-                store.register_kv(tutti.KvLayout.paged(self._kv_tensors))
+                store.register_kv(tutti.KvLayout.paged(tensors))
             except BaseException:
                 store.close()
                 raise
-        except tutti.Error as error:
-            self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
-            self._reattach_at = time.monotonic() + self._reattach_backoff_s
-            logger.warning("tutti: a new tuttid session failed (%s); the next try in %.1f s", error, self._reattach_backoff_s)
-            return
-        logger.warning("tutti: the worker opened a new tuttid session (the last one ended: %s)", self._dead)
-        self._store = store
+        except BaseException as failure:  # noqa: BLE001 - reported to the step, whatever it is
+            store, error = None, failure
         with self._lock:
-            self._broken = None
-            self._session += 1
-        self._dead = None
-        self._reattach_backoff_s = 0.0
-        self.reattaches += 1
+            if not self._stopping:
+                self._reattached = (store, error)
+                return
+        if store is not None:
+            store.close()
 
     def _wait_for_commit(self, req_id: str, token: int, deadline: float) -> bool:
         """Waits until the committer settled the request's save `token`, or until `deadline`
