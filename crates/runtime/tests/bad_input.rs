@@ -299,6 +299,36 @@ fn a_prefix_the_device_cannot_read_is_evicted_not_hit_again() {
     stack.runtime.drain().unwrap();
 }
 
+/// Goal: a read the device fails with a status that says nothing of the media (Generic
+/// "Namespace Not Ready": the device was not ready, the LBAs may read fine later) ends the
+/// prefill but does not evict the cached prefix; only a Media and Data Integrity status (as
+/// objstore's `check_payloads` judges) does. Before, any NVMe status evicted it.
+#[test]
+fn a_read_failed_with_a_status_other_than_a_media_error_keeps_the_prefix() {
+    let layers = common::geometry().layers;
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    let tokens = prompt(0, 0);
+    prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&tokens), 4);
+    // Namespace Not Ready (Generic Command Status 82h).
+    let not_ready = NvmeStatus::new(StatusCodeType::Generic, 0x82);
+    stack.device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(not_ready)).with_opcode(NvmOpcode::Read as u8)),
+    );
+    let first = prefill(&mut stack, &tokens, &[4, 5, 6, 7]);
+    assert!(matches!(first, Err(RuntimeError::ReadFailed { .. })), "{first:?}");
+    stack.device.set_faults(FaultPlan::none());
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&tokens), 4, "a read that was not a media error keeps the prefix cached");
+    for block in 0..8 {
+        stack.engine.scribble(block, layers);
+    }
+    assert_eq!(prefill(&mut stack, &tokens, &[8, 9, 10, 11]).unwrap(), 4, "the prefix is hit again");
+    assert!(stack.engine.holds(&tokens, 0..4, &[8, 9, 10, 11], layers));
+    stack.runtime.drain().unwrap();
+}
+
 /// Goal: a decode step over a context before the table's first decode row (rows from 4096 with
 /// the analytic table's default input step; here from 128, past the 64-token prompt) drains the
 /// write queue, priced as that row.

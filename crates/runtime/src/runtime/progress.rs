@@ -211,8 +211,9 @@ impl<E: Executor> Runtime<E> {
 
     /// A read failed (or its wait timed out, or the executor failed): the prefill ends, its
     /// retrieve and store are dropped (retiring if a layer of them is still in flight) and the
-    /// error says so. A read the device failed with an NVMe error status also evicts the
-    /// retrieve's cached blocks (later lookups miss them and the prefix is stored again).
+    /// error says so. A read the device failed with a media error status (`is_media_error`)
+    /// also evicts the retrieve's cached blocks (later lookups miss them and the prefix is
+    /// stored again).
     pub(super) fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
         // A read blocked behind a write (never handed over) has no issue to close in the log.
         let was_in_flight = self.reads.in_flight.take() == Some(layer);
@@ -221,13 +222,14 @@ impl<E: Executor> Runtime<E> {
         if was_in_flight && ended {
             self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
         }
-        // The device failed a read (an NVMe error status: an unreadable LBA, say), not a wait
-        // that timed out: the cached blocks are evicted before the retrieve ends, as blocks a
+        // The device failed a read with a media error (an unreadable LBA, say), not a wait that
+        // timed out: the cached blocks are evicted before the retrieve ends, as blocks a
         // verification found damaged are. Left cached, every later request with this prefix
-        // would hit them and fail the same way, and its store would be dropped each time.
-        if let (ObjstoreError::LayerIo { failure: IocbFailure::Nvme { .. }, .. }, Some(handle)) =
-            (&source, self.prefill.as_ref().and_then(|p| p.retrieve))
-        {
+        // would hit them and fail the same way, and its store would be dropped each time. Any
+        // other status (Namespace Not Ready, Internal Error, a host DMA fault, an abort) says
+        // nothing of the media: the prefix stays cached.
+        let media = matches!(&source, ObjstoreError::LayerIo { failure: IocbFailure::Nvme { status, .. }, .. } if is_media_error(*status));
+        if let (true, Some(handle)) = (media, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             match self.store.evict_retrieve(handle, self.io_deadline()) {
                 Ok(blocks) => tracing::warn!(request, layer, blocks, "runtime: a cached prefix the device failed to read is evicted"),
                 Err(error) => tracing::warn!(request, layer, %error, "runtime: evicting a cached prefix the device failed to read"),
@@ -636,4 +638,16 @@ impl<E: Executor> Runtime<E> {
             action,
         }
     }
+}
+
+/// Status Code Type of the Media and Data Integrity Errors (NVMe base specification, 2h).
+const STATUS_CODE_TYPE_MEDIA: u8 = 2;
+
+/// Whether a read failed with `status` found its LBAs unreadable: a Media and Data Integrity
+/// status (an unrecovered read error, a CRC or end-to-end check failure), the one kind the
+/// object store's payload check (`objstore::pool`'s private `is_media_error`, behind
+/// `Pool::check_payloads`) treats as damaged data. Any other status (Namespace Not Ready,
+/// Internal Error, a Data Transfer Error from a host DMA fault, an abort) may read fine later.
+fn is_media_error(status: gio_uring::abi::NvmeStatus) -> bool {
+    status.status_code_type() == STATUS_CODE_TYPE_MEDIA
 }
