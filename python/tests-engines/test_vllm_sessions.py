@@ -151,3 +151,36 @@ def test_a_new_session_is_opened_off_the_step_path(tuttid):
         assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
     finally:
         worker.shutdown()
+
+
+def test_verify_retrieves_reaches_the_workers_store(tuttid, monkeypatch):
+    """Goal: kv_connector_extra_config's verify_retrieves (off by default) attaches the worker's
+    store with it: a load then checks every block against the CRC recorded at its save, and a
+    sound block loads byte-exact."""
+    import tutti
+    from tutti.vllm import _worker
+
+    attached = []
+    real_attach = tutti.Store.attach
+
+    class Recording:
+        @staticmethod
+        def attach(*args, **kwargs):
+            attached.append(kwargs.get("verify_retrieves"))
+            return real_attach(*args, **kwargs)
+
+    monkeypatch.setattr(_worker.tutti, "Store", Recording)
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--payload-crc"])
+    LocalWorker(daemon.socket).shutdown()
+    worker = LocalWorker(daemon.socket, verify_retrieves=True)
+    assert attached == [False, True]
+    try:
+        block = harness.BLOCK_TOKENS
+        tokens = prompt(66, blocks=2, tail=0)
+        worker.fill([1, 2], 66)
+        worker.save("S", tokens, [1, 2])
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens[: 2 * block], [20, 21])]))
+        assert result["load_errors"] == set()
+        assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
+    finally:
+        worker.shutdown()

@@ -254,6 +254,39 @@ def test_the_tier_says_its_locality(tmp_path: Path):
         offloading_spec(tmp_path / "pool.img", False, locality="NEARBY").get_manager()
 
 
+def test_a_chunk_whose_bytes_changed_in_the_pool_is_not_promoted(tmp_path: Path):
+    """Goal: the tier checks every chunk it reads against the CRC recorded when it was stored
+    (verify_retrieves, on by default: the chunk rows are vLLM's CPU tier, whose promoted bytes
+    vLLM serves as KV): a chunk whose bytes changed on the device since is not reported loaded
+    (vLLM keeps it a miss), the job's other chunks are, and the pool stays open."""
+    pool = tmp_path / "pool.img"
+    chunk_keys = keys(2, 21)
+    manager = offloading_spec(pool, True).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        view = rows(tier)
+        generator = np.random.default_rng(21)
+        for chunk in (0, 1):
+            view[chunk] = generator.integers(0, 256, view.shape[1], dtype=np.uint8)
+        stored = [view[chunk].copy() for chunk in (0, 1)]
+        assert tier._store_chunks(chunk_keys, [0, 1]) == chunk_keys
+    finally:
+        manager.shutdown()
+    image = bytearray(pool.read_bytes())
+    at = image.find(stored[0][:64].tobytes())
+    assert at >= 0, "the first chunk's bytes are not in the pool file"
+    image[at + 7] ^= 0xFF
+    pool.write_bytes(bytes(image))
+    manager = offloading_spec(pool, False).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        assert tier._load_chunks(chunk_keys, [2, 3]) == chunk_keys[1:]
+        assert np.array_equal(rows(tier)[3], stored[1])
+        assert tier._dead is None
+    finally:
+        manager.shutdown()
+
+
 def test_every_abstract_method_of_the_base_class_is_implemented():
     """Goal: a vLLM upgrade that adds an abstract method to SecondaryTierManager fails here."""
     assert not TuttiTier.__abstractmethods__

@@ -183,6 +183,7 @@ class WorkerSide:
             layers_in_flight=self._layers_ahead,
             iocbs=self._iocbs,
             queue_depth=self._config["queue_depth"],
+            verify_retrieves=self._config["verify_retrieves"],
         )
         check_block_size(store, self._block_size, format_hint=False)
         return store

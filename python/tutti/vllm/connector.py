@@ -68,6 +68,12 @@ EXTRA_CONFIG_FIELDS = {
         float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=bounded_timeout
     ),
     "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
+    "verify_retrieves": Field(
+        bool,
+        "check every block a worker loads against the CRC recorded when it was stored (a block that differs is "
+        "recomputed); CPU KV only: tuttid refuses it for device memory",
+        default=False,
+    ),
     "layers_in_flight": layers_in_flight_field("load or save"),
     "queue_depth": queue_depth_field(),
 }

@@ -79,6 +79,12 @@ TIER_CONFIG_FIELDS = {
     "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
+    "verify_retrieves": Field(
+        bool,
+        "check every chunk read against the CRC recorded when it was stored; a chunk that differs is not loaded "
+        "(vLLM keeps it a miss) and leaves the pool",
+        default=True,
+    ),
     "locality": Field(str, "vLLM's tier locality (LOCAL or REMOTE), the tier's `locality`", default="LOCAL"),
 }
 
@@ -130,6 +136,7 @@ class TuttiTier(SecondaryTierManager):
             requests_max=self._requests_max,
             queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
+            verify_retrieves=config["verify_retrieves"],
         )
         try:
             self._store.register_kv(tutti.KvLayout.paged([primary_kv_view]))
