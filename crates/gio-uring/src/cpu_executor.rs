@@ -88,11 +88,14 @@ fn note_device_error(stale: &mut [bool], first_error: &mut Option<GioError>, dev
 }
 
 /// Line 0 of issued IOCB `id` as `fill_iocb` validated it, with the issue's layer and sequence
-/// number ([`FilledLines::issued`]), the issue noted as consumed; when the shared line was
-/// overwritten, nothing of the IOCB runs: it ends now with its CQE (carrying the issue's own
-/// sequence number, never the shared one, so the queue takes it), the error goes to `refused`
-/// (the first one is what the issue returns) and `None` comes back. `who` names the executor
-/// in the log.
+/// number ([`FilledLines::issued`]), the issue taken and noted as consumed
+/// ([`FilledLines::take`]). An SQ entry naming an IOCB that is not ISSUED, or whose issue is
+/// in flight here already, is no issue of it (another agent rewrote the entry): it is skipped,
+/// nothing of that IOCB is touched, the error goes to `refused` and `None` comes back. When the
+/// shared line was overwritten, nothing of the IOCB runs: it ends now with its CQE (carrying
+/// the issue's own sequence number, never the shared one, so the queue takes it), the error
+/// goes to `refused` (the first one is what the issue returns) and `None` comes back. `who`
+/// names the executor in the log.
 pub(crate) fn issued_header_or_end(
     memory: &QueueMemory,
     filled: &mut FilledLines,
@@ -102,7 +105,13 @@ pub(crate) fn issued_header_or_end(
     refused: &mut Option<GioError>,
 ) -> Option<IocbHeader> {
     let header = filled.issued(memory, id, layer);
-    let issue_seq = filled.consume(id);
+    let issue_seq = match filled.take(memory, id) {
+        Ok(issue_seq) => issue_seq,
+        Err(error) => {
+            refused.get_or_insert(error);
+            return None;
+        }
+    };
     match header {
         Ok(header) => Some(header),
         Err(error) => {
@@ -408,8 +417,13 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory, filled: &mut Filled
     let mut kept = 0;
     let mut first_error = None;
     for id in (0..memory.layout.config.depth).map(IocbId) {
+        // Read before the end clears it; cleared below either way: no command of it can
+        // complete any more, and nothing of it is pending (the reset forgot that).
+        let taken = memory.issue_taken(id);
+        let ended = finish_as_timeout_with(memory, id, |shared| filled.timeout_seq(id, shared, taken));
+        memory.end_issue_taken(id);
         // The IOCB is ended either way, and the IOCBs after it still are.
-        match finish_as_timeout_with(memory, id, |shared| filled.timeout_seq(id, shared)) {
+        match ended {
             Ok(ended) => reclaimed += usize::from(ended),
             Err(error) => {
                 reclaimed += 1;
@@ -434,7 +448,8 @@ pub(crate) fn end_issued_after_retirement(memory: &QueueMemory, filled: &mut Fil
 }
 
 /// Takes `count` entries off the SQ and ends each IOCB they name as TIMEOUT with its one CQE:
-/// a batch no queue pair can run (the executor's were retired).
+/// a batch no queue pair can run (the executor's were retired). An entry naming an IOCB not
+/// ISSUED, or in flight already, is skipped ([`FilledLines::take`]).
 pub(crate) fn end_batch_as_timeout(
     consumer: &mut crate::ring::Consumer<'_, IocbId>,
     memory: &QueueMemory,
@@ -443,19 +458,27 @@ pub(crate) fn end_batch_as_timeout(
 ) {
     for _ in 0..count {
         let Some(id) = consumer.next() else { break };
-        if id.0 >= memory.layout.config.depth {
-            continue; // names no IOCB: there is nothing to end
-        }
-        if let Err(error) = finish_issue_as_timeout(memory, id, filled.consume(id)) {
+        let issue_seq = match filled.take(memory, id) {
+            Ok(issue_seq) => issue_seq,
+            Err(error) => {
+                tracing::warn!(%id, %error, "gio-uring CPU executor: an SQ entry of a batch no queue pair can run");
+                continue; // no issue of it: there is nothing to end
+            }
+        };
+        if let Err(error) = finish_issue_as_timeout(memory, id, issue_seq) {
             tracing::error!(%id, %error, "gio-uring CPU executor: ending an IOCB of a batch no queue pair can run");
         }
     }
 }
 
-/// [`finish_as_timeout_with`] for an issue just consumed: its CQE carries `issue_seq` (from
-/// [`FilledLines::consume`]), or line 0's for an IOCB never filled on this queue (`None`).
+/// [`finish_as_timeout_with`] for an issue just taken, none of whose commands was sent: its
+/// CQE carries `issue_seq` (from [`FilledLines::take`]), or line 0's for an IOCB never filled
+/// on this queue (`None`). The issue is no longer taken afterwards, even if another agent moved
+/// its status off ISSUED first (nothing of it runs).
 pub(crate) fn finish_issue_as_timeout(memory: &QueueMemory, id: IocbId, issue_seq: Option<u32>) -> Result<bool, GioError> {
-    finish_as_timeout_with(memory, id, |shared| issue_seq.unwrap_or(shared))
+    let ended = finish_as_timeout_with(memory, id, |shared| issue_seq.unwrap_or(shared));
+    memory.end_issue_taken(id);
+    ended
 }
 
 /// Ends IOCB `id` as TIMEOUT with one CQE if it is still ISSUED (the compare-and-swap of a
@@ -463,7 +486,8 @@ pub(crate) fn finish_issue_as_timeout(memory: &QueueMemory, id: IocbId, issue_se
 /// the sequence number `issue_seq` gives for the one line 0 holds. Only for an IOCB none of
 /// whose commands can still complete: none was sent, or its queue pairs were deleted. A CQE
 /// that cannot be posted is kept for the next poll (`post_cqe_or_keep`): the error is
-/// returned, but the IOCB has ended.
+/// returned, but the IOCB has ended. Once ended, its issue is no longer taken
+/// ([`QueueMemory::end_issue_taken`], before the CQE is posted).
 pub(crate) fn finish_as_timeout_with(memory: &QueueMemory, id: IocbId, issue_seq: impl FnOnce(u32) -> u32) -> Result<bool, GioError> {
     let status = memory.iocb_field_offset(id, crate::layout::IocbField::Status);
     let finished = memory.region.compare_exchange_u32(
@@ -479,11 +503,13 @@ pub(crate) fn finish_as_timeout_with(memory: &QueueMemory, id: IocbId, issue_seq
     let header = memory.read_iocb_header(id);
     let progress = memory.read_iocb_progress(id);
     let failed = progress.failed_ioctx != abi::GIO_NO_FAILED_IOCTX;
+    let issue_seq = issue_seq(header.issue_seq);
+    memory.end_issue_taken(id);
     post_cqe_or_keep(
         memory,
         crate::ring::Cqe {
             iocb_id: id,
-            issue_seq: issue_seq(header.issue_seq),
+            issue_seq,
             failed_ioctx: progress.failed_ioctx,
             status: abi::GIO_IOCB_STATUS_TIMEOUT as u16,
             failed_nvme_status: if failed { progress.failed_nvme_status } else { 0 },
@@ -959,14 +985,16 @@ mod tests {
         assert_eq!((ended.result, io_commands(&rig.device)), (timeout, 0), "CPU executor, IOCB pending");
     }
 
-    /// Overwrites the first SQ entry of the next batch before `submit` reads it: an SQ entry
-    /// naming no IOCB, as another agent scribbling on the shared ring would leave it.
-    struct ForgedSqEntry {
-        inner: CpuExecutor,
+    /// Overwrites entry `position` of the next batch on the SQ with `value` before `submit`
+    /// reads it: an SQ entry naming no IOCB, or another IOCB than the one issued, as another
+    /// agent scribbling on the shared ring would leave it.
+    struct ForgedSqEntry<E> {
+        inner: E,
+        position: u32,
         value: Option<u32>,
     }
 
-    impl Executor for ForgedSqEntry {
+    impl<E: Executor> Executor for ForgedSqEntry<E> {
         fn name(&self) -> &'static str {
             self.inner.name()
         }
@@ -979,7 +1007,7 @@ mod tests {
         fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
             if let Some(value) = self.value.take() {
                 let sq = memory.layout.sq;
-                let offset = sq.entries_offset_bytes + (batch.sq_first & sq.mask()) as usize * 4;
+                let offset = sq.entries_offset_bytes + (batch.sq_first.wrapping_add(self.position) & sq.mask()) as usize * 4;
                 memory.region.store_u32(offset, value, std::sync::atomic::Ordering::Relaxed);
             }
             self.inner.submit(memory, batch)
@@ -987,6 +1015,101 @@ mod tests {
         fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
             self.inner.poll(memory)
         }
+    }
+
+    /// IOCB A (the rig's) and B (filled like it) with B's SQ entry rewritten to name A: A
+    /// completed before (`same_batch` false), or A issued in the same batch, just ahead of B
+    /// (true: A is in flight when the rewritten entry is read). The entry naming A is refused
+    /// without touching A's issue count: A runs (or stays done) and ends once, B was never
+    /// taken and a reset ends it, and the next issues of A and B run.
+    fn an_sq_entry_rewritten_to_another_iocb_leaves_it_alone<E: crate::executor::QueuePairReset>(
+        mut rig: EmuRig<ForgedSqEntry<E>>,
+        same_batch: bool,
+        who: &str,
+    ) {
+        use crate::types::{LayerIndex, SmBudget};
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        let a = rig.id;
+        let b = refill_like_the_rig(&mut rig);
+        if !same_batch {
+            rig.queue.issue_io(&[a], LayerIndex(0), SmBudget(1)).expect("issue A");
+            assert_eq!(rig.queue.wait_cqe(a, soon()).expect("A completes").result, Ok(()), "{who}");
+        }
+        let forged = rig.queue.executor_mut();
+        forged.position = u32::from(same_batch);
+        forged.value = Some(a.0);
+        let batch: &[IocbId] = if same_batch { &[a, b] } else { &[b] };
+        let issued = rig.queue.issue_io(batch, LayerIndex(0), SmBudget(1));
+        assert!(matches!(issued, Err(GioError::SubmitFailed { .. })), "{who}: {issued:?}");
+        if same_batch {
+            assert_eq!(rig.queue.wait_cqe(a, soon()).expect("A ends once").result, Ok(()), "{who}: A ran");
+        }
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let reclaimed = executor.inner.reset(memory, vec![fresh]).expect("reset");
+        assert_eq!(reclaimed, 1, "{who}: B, never taken, is ended by the reset");
+        let ended = rig.queue.wait_cqe(b, soon()).expect("B ended");
+        assert_eq!(ended.result, Err(crate::IocbFailure::Timeout { ioctx_index: None }), "{who}");
+        rig.queue.issue_io(&[a, b], LayerIndex(0), SmBudget(1)).expect("reissue A and B");
+        for id in [a, b] {
+            let done = rig.queue.wait_cqe(id, soon());
+            assert!(matches!(done, Ok(crate::queue::Completion { result: Ok(()), .. })), "{who}: {id} reissued: {done:?}");
+        }
+    }
+
+    #[test]
+    fn an_sq_entry_rewritten_to_another_iocb_does_not_move_its_issue_count() {
+        // Goal: an SQ entry naming an IOCB that is not ISSUED (it completed) or that this
+        // executor already took (in flight in the same batch) is refused without noting an
+        // issue of it: the count moved anyway, so A's next real issue was refused as a corrupt
+        // issue_seq and ended with a TIMEOUT CQE the queue dropped as stale (A stuck for ever),
+        // or, in flight, A was ended as TIMEOUT under its pending commands. Both executors.
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        for same_batch in [false, true] {
+            let single = emu_rig(|pair| ForgedSqEntry { inner: CpuExecutor::new(vec![pair], 4), position: 0, value: None });
+            an_sq_entry_rewritten_to_another_iocb_leaves_it_alone(single, same_batch, &format!("CPU executor, same batch {same_batch}"));
+            let pooled = emu_rig(|pair| ForgedSqEntry { inner: workers(pair), position: 0, value: None });
+            an_sq_entry_rewritten_to_another_iocb_leaves_it_alone(pooled, same_batch, &format!("CPU workers, same batch {same_batch}"));
+        }
+    }
+
+    /// Issues the rig's IOCB with its completion lost, rewrites the issue sequence number in
+    /// its line 0 to one more, resets, and checks the IOCB ends once, as TIMEOUT, with the
+    /// CQE of the issue in flight (not the rewritten number, which the queue drops as stale);
+    /// then its next issue runs.
+    fn a_reset_ends_the_issue_taken_whatever_line_0_says<E: crate::executor::QueuePairReset>(mut rig: EmuRig<E>, who: &str) {
+        use crate::types::{LayerIndex, SmBudget};
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion)));
+        rig.queue.issue_io(&[rig.id], LayerIndex(0), SmBudget(1)).expect("issue");
+        let lost = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_millis(200));
+        assert!(matches!(lost, Err(GioError::WaitTimeout { .. })), "{who}: {lost:?}");
+        let memory = rig.queue.memory();
+        let seq = memory.layout.iocb_offset(rig.id) + core::mem::offset_of!(abi::gio_iocb, issue_seq);
+        let rewritten = memory.read_iocb_header(rig.id).issue_seq.wrapping_add(1);
+        memory.region.store_u32(seq, rewritten, std::sync::atomic::Ordering::Relaxed);
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(executor.reset(memory, vec![fresh]).expect("reset"), 1, "{who}");
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2));
+        assert!(
+            matches!(ended, Ok(crate::queue::Completion { result: Err(crate::IocbFailure::Timeout { ioctx_index: None }), .. })),
+            "{who}: {ended:?}"
+        );
+        rig.queue.issue_io(&[rig.id], LayerIndex(0), SmBudget(1)).expect("reissue");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5));
+        assert!(matches!(done, Ok(crate::queue::Completion { result: Ok(()), .. })), "{who}: reissued: {done:?}");
+    }
+
+    #[test]
+    fn a_reset_ends_an_iocb_in_flight_with_its_own_issue_seq_after_line_0_was_rewritten() {
+        // Goal: for an IOCB this executor took (in flight), a reset posts the sequence number
+        // of the issue taken: it used to adopt a line 0 rewritten to one more (as though that
+        // issue's SQ entry had not been taken), and the queue dropped the TIMEOUT CQE as stale,
+        // leaving the IOCB in flight for ever. Both executors.
+        a_reset_ends_the_issue_taken_whatever_line_0_says(emu_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        a_reset_ends_the_issue_taken_whatever_line_0_says(emu_rig(workers), "CPU workers");
     }
 
     #[test]
@@ -997,7 +1120,7 @@ mod tests {
         // was never taken: a reset ends it.
         use crate::executor::test_double::queue_with_one_read;
         use crate::types::{LayerIndex, SmBudget};
-        let executor = ForgedSqEntry { inner: CpuExecutor::for_devices(vec![None], 4, None), value: Some(999) };
+        let executor = ForgedSqEntry { inner: CpuExecutor::for_devices(vec![None], 4, None), position: 0, value: Some(999) };
         let (mut queue, first) = queue_with_one_read(executor);
         let second = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
         let ioctx = crate::validate::IoctxSpec {

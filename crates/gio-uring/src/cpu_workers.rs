@@ -427,9 +427,19 @@ impl Executor for CpuWorkers {
             if id.0 >= memory.layout.config.depth {
                 continue; // `plan` refused the batch for it: there is no IOCB to end
             }
+            // Each path below takes the issue first (`FilledLines::take`): an entry naming an
+            // IOCB not ISSUED, or in flight already (`plan` dealt it to no worker), is no issue
+            // of it and is skipped, nothing of that IOCB touched.
             if failure.is_some() {
                 // No worker got this IOCB, so nothing runs it: it ends now, with its one CQE.
-                match finish_issue_as_timeout(memory, id, self.filled.consume(id)) {
+                let issue_seq = match self.filled.take(memory, id) {
+                    Ok(issue_seq) => issue_seq,
+                    Err(error) => {
+                        refused.get_or_insert(error); // not taken: no issue of it
+                        continue;
+                    }
+                };
+                match finish_issue_as_timeout(memory, id, issue_seq) {
                     Ok(_) => ended += 1,
                     Err(error) => tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB no worker took"),
                 }
@@ -438,7 +448,14 @@ impl Executor for CpuWorkers {
             if self.built_for_budget[id.0 as usize] != budget {
                 // `plan` refused its line 0 (the error is in `refused`) and dealt it to no
                 // worker: it ends now, whatever the line reads like by now.
-                if let Err(error) = finish_issue_as_timeout(memory, id, self.filled.consume(id)) {
+                let issue_seq = match self.filled.take(memory, id) {
+                    Ok(issue_seq) => issue_seq,
+                    Err(error) => {
+                        refused.get_or_insert(error); // not taken: no issue of it
+                        continue;
+                    }
+                };
+                if let Err(error) = finish_issue_as_timeout(memory, id, issue_seq) {
                     tracing::error!(%id, %error, "gio-uring CPU workers: ending an IOCB with a corrupt line 0");
                 }
                 continue;
@@ -563,6 +580,12 @@ impl CpuWorkers {
             };
             if id.0 >= memory.layout.config.depth {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
+            }
+            if let Err(error) = self.filled.takeable(memory, id) {
+                // Not ISSUED, or in flight already: no issue of it (`submit` skips the entry).
+                // Its group is left alone: a worker may be reading it.
+                refused.get_or_insert(error);
+                continue;
             }
             let header = match self.filled.issued(memory, id, batch.layer) {
                 Ok(header) => header,

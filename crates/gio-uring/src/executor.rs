@@ -127,7 +127,8 @@ pub trait QueuePairReset: Executor {
 /// 2. the completed-IOCTX counter is incremented with AcqRel, so the thread that takes it to the
 ///    IOCTX count has seen every earlier failure record;
 /// 3. that thread moves `status` off ISSUED with a compare-and-swap: exactly one CQE per issue,
-///    even if a timeout path raced it.
+///    even if a timeout path raced it. It then notes that a CPU executor's issue of the IOCB
+///    has ended ([`QueueMemory::end_issue_taken`]) before the CQE goes out.
 pub fn complete_ioctx(
     memory: &QueueMemory,
     id: IocbId,
@@ -174,6 +175,7 @@ pub fn complete_ioctx(
             Ordering::Relaxed,
         )
         .ok()?;
+    memory.end_issue_taken(id);
     Some(Cqe { iocb_id: id, issue_seq, failed_ioctx, status: final_status as u16, failed_nvme_status })
 }
 

@@ -11,7 +11,7 @@
 //! IOCBs never allocates. Back of the envelope: depth 64 x 2048 IOCTXs x 48 B = 6 MiB per queue.
 
 use core::mem::{offset_of, size_of};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::abi::{self, gio_cqe, gio_iocb, gio_ioctx, gio_ring_header, CACHE_LINE_BYTES};
 use crate::error::GioError;
@@ -155,6 +155,13 @@ pub struct QueueMemory {
     pub layout: QueueLayout,
     /// CQEs a CPU executor could not post yet (`executor::post_cqe_or_keep`), up to the depth.
     pub(crate) kept_cqes: crate::executor::KeptCqes,
+    /// Per IOCB: a CPU executor took its issue off the SQ ([`FilledLines::take`]) and it has
+    /// not ended yet. Host memory no other agent can write, unlike the IOCB's `status`: set only
+    /// by the thread that consumes the SQ, cleared by whichever thread ends the issue (the
+    /// compare-and-swap off ISSUED in [`crate::executor::complete_ioctx`] or
+    /// `cpu_executor::finish_as_timeout_with`, before its CQE is posted) and by a reset once no
+    /// old command can complete. The GPU executor never sets it.
+    issues_taken: Box<[AtomicBool]>,
 }
 
 macro_rules! field {
@@ -242,7 +249,8 @@ impl QueueMemory {
         // registrations must never share one.
         let len_bytes = layout.total_bytes.div_ceil(REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES;
         let region = SharedRegion::allocate_host(len_bytes)?;
-        let memory = Self { region, layout, kept_cqes: crate::executor::KeptCqes::new(config.depth) };
+        let issues_taken = (0..config.depth).map(|_| AtomicBool::new(false)).collect();
+        let memory = Self { region, layout, kept_cqes: crate::executor::KeptCqes::new(config.depth), issues_taken };
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;
             memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
@@ -255,6 +263,21 @@ impl QueueMemory {
             memory.region.store_u32(offset + field!(gio_iocb, failed_ioctx), abi::GIO_NO_FAILED_IOCTX, Ordering::Relaxed);
         }
         Ok(memory)
+    }
+
+    /// Whether a CPU executor took the issue of `id` off the SQ and has not ended it yet (see
+    /// [`QueueMemory::issues_taken`]); `false` for an id outside the pool.
+    pub(crate) fn issue_taken(&self, id: IocbId) -> bool {
+        self.issues_taken.get(id.0 as usize).is_some_and(|taken| taken.load(Ordering::Acquire))
+    }
+
+    /// Notes that the issue of `id` a CPU executor took has ended (or can no longer run: its
+    /// queue pairs were deleted). Release, and before the issue's CQE is posted: the consumer
+    /// of the IOCB's next issue sees it cleared.
+    pub(crate) fn end_issue_taken(&self, id: IocbId) {
+        if let Some(taken) = self.issues_taken.get(id.0 as usize) {
+            taken.store(false, Ordering::Release);
+        }
     }
 
     /// Writes the CPU line of an IOCB. Relaxed: published by the SQ tail's Release store.
@@ -402,7 +425,9 @@ impl QueueMemory {
 /// from shared memory another agent can write, and refuses the IOCB when the shared line no
 /// longer matches it. The layer comes from the issue itself and the issue sequence number from
 /// this table's count (its copy's `issue_seq` is that of the last issue taken, see
-/// [`FilledLines::consume`]). The CPU executors use it; the CUDA kernel reads line 0 from
+/// [`FilledLines::take`]). An SQ entry is taken only for an IOCB that is ISSUED and not
+/// already taken (in flight here): an entry another agent rewrote to name some other IOCB
+/// never moves that IOCB's count. The CPU executors use it; the CUDA kernel reads line 0 from
 /// device-visible memory itself.
 #[derive(Debug, Default)]
 pub(crate) struct FilledLines {
@@ -426,11 +451,11 @@ impl FilledLines {
 
     /// Line 0 of issued IOCB `id` for building its commands: the copy recorded at the fill,
     /// with the issue's `layer` (from the batch) and its sequence number (one more than the
-    /// last issue of `id` this executor took, see [`FilledLines::consume`]: the queue adds one
+    /// last issue of `id` this executor took, see [`FilledLines::take`]: the queue adds one
     /// per issue). The shared line is checked ([`QueueMemory::read_issued_header`]) and must
     /// equal the copy in every field the fill wrote, and the issue in the layer and the
     /// sequence number, else [`GioError::CorruptIocb`] names the first field that differs.
-    /// Takes nothing: the caller calls `consume` once per issue it takes off the SQ.
+    /// Takes nothing: the caller calls `take` once per SQ entry naming `id`.
     pub(crate) fn issued(&self, memory: &QueueMemory, id: IocbId, layer: LayerIndex) -> Result<IocbHeader, GioError> {
         let shared = memory.read_issued_header(id)?;
         let Some(filled) = self.lines.get(id.0 as usize).copied().flatten() else {
@@ -455,23 +480,48 @@ impl FilledLines {
         Ok(IocbHeader { layer: layer.0, issue_seq, ..filled })
     }
 
-    /// Notes that the issue of `id` now being taken off the SQ was consumed (run or refused)
-    /// and returns its sequence number: one more than the previous one. `None` for an IOCB
-    /// never filled on this queue (nothing is known of its issues).
-    pub(crate) fn consume(&mut self, id: IocbId) -> Option<u32> {
-        let line = self.lines.get_mut(id.0 as usize)?.as_mut()?;
+    /// Takes the issue of `id` an SQ entry names: only if the IOCB is ISSUED and this queue's
+    /// executor has not taken it already (an issue in flight, see
+    /// [`QueueMemory::issue_taken`]). Then it is noted as taken (until it ends) and consumed,
+    /// and its sequence number comes back: one more than the previous one; `None` for an IOCB
+    /// never filled on this queue (nothing is known of its issues). Otherwise the entry is not
+    /// an issue of `id` (another agent rewrote it, or named an IOCB twice): nothing of `id` is
+    /// touched, not its count, not its status, and [`GioError::WrongState`] says why; the
+    /// IOCB whose entry it was stays ISSUED until a reset ends it.
+    pub(crate) fn take(&mut self, memory: &QueueMemory, id: IocbId) -> Result<Option<u32>, GioError> {
+        self.takeable(memory, id)?;
+        memory.issues_taken[id.0 as usize].store(true, Ordering::Release);
+        let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return Ok(None) };
         line.issue_seq = line.issue_seq.wrapping_add(1);
-        Some(line.issue_seq)
+        Ok(Some(line.issue_seq))
+    }
+
+    /// Whether [`FilledLines::take`] would take an SQ entry naming `id`, taking nothing.
+    pub(crate) fn takeable(&self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        let depth = memory.layout.config.depth;
+        if id.0 >= depth || id.0 as usize >= memory.issues_taken.len() {
+            return Err(GioError::UnknownIocb { id, depth });
+        }
+        let refused = |state| Err(GioError::WrongState { id, state, operation: "an SQ entry naming it (skipped)" });
+        if memory.issue_taken(id) {
+            return refused("in flight on this executor already");
+        }
+        if memory.read_iocb_progress(id).status != abi::GIO_IOCB_STATUS_ISSUED {
+            return refused("not issued");
+        }
+        Ok(())
     }
 
     /// The sequence number to end IOCB `id`, still ISSUED, with when no command of it can
-    /// complete (a reset, a retirement), given the one `shared` line 0 holds: the last issue
-    /// consumed, or the one after it when `shared` says so (an issue whose SQ entry no submit
-    /// took: it is noted as consumed). Any other `shared` was rewritten: the last issue
-    /// consumed is the one in flight. `shared` for an IOCB never filled on this queue.
-    pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32) -> u32 {
+    /// complete (a reset, a retirement), given the one `shared` line 0 holds and whether its
+    /// issue was `taken` off the SQ ([`QueueMemory::issue_taken`], read before the end). Taken:
+    /// the last issue consumed is the one in flight, whatever line 0 says. Not taken: the one
+    /// after it when `shared` says so (an issue whose SQ entry no submit took: it is noted as
+    /// consumed), else the last issue consumed (`shared` was rewritten). `shared` for an IOCB
+    /// never filled on this queue.
+    pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32, taken: bool) -> u32 {
         let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return shared };
-        if shared == line.issue_seq.wrapping_add(1) {
+        if !taken && shared == line.issue_seq.wrapping_add(1) {
             line.issue_seq = shared;
         }
         line.issue_seq
