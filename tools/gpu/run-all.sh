@@ -62,7 +62,8 @@
 # target/gpu-carry (built here; they link glibc dynamically, so the GPU machine's glibc must be no
 # older than this machine's), as do tuttid and tuttid-gpu-check (the `cuda` feature; libcuda is
 # loaded at run time). .git does not travel: --prepare writes target/gpu-carry/COMMIT (commit,
-# dirty or not, hashes of the status, the diff and the tracked files), TRACKED and ABI (the highest
+# dirty or not, hashes of the status, the diff and the carry's input files), INPUTS (each input
+# file's sha256: provenance.py's INPUTS list, what the builds and the steps read) and ABI (the highest
 # GLIBC_ version each carried binary and the wheel's module need, the wheel's platform tag) with
 # tools/gpu/provenance.py; summary.txt's header gives the commit, the carry's glibc need against
 # this machine's glibc, and where libcuda is, so an ABI mismatch shows in $OUT.
@@ -77,7 +78,8 @@
 #   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
 #   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
 # Exit status: non-zero if any step failed; 3 if the pre-flight refused a stale carry (below;
-# `run-all.sh --verify` runs the pre-flight alone, here or there). Every step runs under `timeout`.
+# `run-all.sh --verify` runs the pre-flight alone, here or there: run it here right before each
+# device call, it costs no device time). Every step runs under `timeout`.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -110,7 +112,7 @@ cargo_executables() {
     python3 "$ROOT/tools/lib/cargo-executables.py" "run-all: cargo ${args[*]}" "$@"
 }
 
-# --verify: only the pre-flight below (whether target/gpu-carry was prepared from this very tree).
+# --verify: only the pre-flight below (whether target/gpu-carry was prepared from this tree's inputs).
 if [[ "${1:-}" == "--verify" ]]; then
   python3 tools/gpu/provenance.py verify "$CARRY"
   exit $?
@@ -118,9 +120,10 @@ fi
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
-  rm -f "$CARRY/COMMIT" "$CARRY/TRACKED" "$CARRY/ABI"     # never a stale record of an earlier carry
-  # The tree as the build starts from it: provenance.py prepare compares it with the tree at the
-  # end, so a commit or edit landing during the build is recorded (COMMIT's changed_during_prepare).
+  rm -f "$CARRY/COMMIT" "$CARRY/INPUTS" "$CARRY/TRACKED" "$CARRY/ABI" # never a stale record of an earlier carry
+  # The carry's inputs as the build starts from them: provenance.py prepare compares them with the
+  # inputs at the end, so an edit or a commit of an input (provenance.py INPUTS) landing during the
+  # build is recorded (COMMIT's changed_during_prepare); changes elsewhere are not.
   python3 tools/gpu/provenance.py begin "$CARRY" ||
     echo "run-all: WARNING: the tree was not recorded before the build; COMMIT will not say whether it changed during it" >&2
   bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
@@ -158,7 +161,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   cp target/wheels/tutti-*-abi3-*.whl "$CARRY/"
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
   # Provenance and ABI for the GPU machine, where .git is not (tools/gpu/provenance.py), last:
-  # the carry is complete. It warns, and COMMIT says so, if the tree changed since `begin`.
+  # the carry is complete. It warns, and COMMIT says so, if the inputs changed since `begin`.
   python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
     echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
   du -sh "$CARRY"
@@ -191,9 +194,10 @@ section() { echo "===== $1 ($(date -u +%H:%M:%S), +${SECONDS} s)" >>"$LOG"; }
 budget() { local name="RUN_ALL_${1}_BUDGET_S"; echo "${!name:-$2}"; }
 
 # Pre-flight, before any step: the carried gpu-test, tuttid, wheel and tutti-profile must come
-# from this very tree (tools/gpu/provenance.py verify: COMMIT's tree_sha256 is this tree's and the
-# tree did not change while --prepare built), else the steps would run old binaries beside this
-# tree's kernels and scripts (the ABI version would not tell). Steps given builds of their own
+# from this tree's inputs (tools/gpu/provenance.py verify: every file of its INPUTS list hashes as
+# recorded in target/gpu-carry/INPUTS and the inputs did not change while --prepare built; edits
+# and commits outside the inputs, docs say, do not count), else the steps would run old binaries
+# beside this tree's kernels and scripts (the ABI version would not tell). Steps given builds of their own
 # (RUN_ALL_TUTTID and RUN_ALL_WHEEL for python and prefill, RUN_ALL_TUTTI_PROFILE for slack:
 # tools/gpu/check.sh's rehearsals) need no carry. RUN_ALL_ALLOW_STALE=1 runs a stale carry on
 # purpose: every step's PASS/FAIL line then says STALE.
@@ -209,7 +213,7 @@ done
 if [[ ${#carry_steps[@]} -gt 0 ]]; then
   if ! carry_check=$(python3 tools/gpu/provenance.py verify "$CARRY" 2>&1); then
     if [[ "${RUN_ALL_ALLOW_STALE:-}" != 1 ]]; then
-      record "REFUSED: $carry_check. Nothing was run (steps ${carry_steps[*]} use the carry). Run tools/gpu/run-all.sh --prepare on the development machine, on a quiet tree, and carry it again; RUN_ALL_ALLOW_STALE=1 runs it anyway, every step marked STALE"
+      record "REFUSED: $carry_check. Nothing was run (steps ${carry_steps[*]} use the carry). Run tools/gpu/run-all.sh --prepare on the development machine while nothing under its inputs (tools/gpu/provenance.py INPUTS) is being edited, check it with tools/gpu/run-all.sh --verify there right before the device call, and carry it again; RUN_ALL_ALLOW_STALE=1 runs it anyway, every step marked STALE"
       exit 3
     fi
     STALE_MARK=" STALE (RUN_ALL_ALLOW_STALE=1: $carry_check)"

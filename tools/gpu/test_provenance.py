@@ -30,12 +30,13 @@ class CommitFromCarry(unittest.TestCase):
         self.root.cleanup()
 
     def write_carry(self):
-        tree, missing = provenance.tree_sha256(["a.txt"])
-        self.assertEqual(missing, 0)
+        digests = {"a.txt": provenance.file_sha256("a.txt")}
+        self.assertIsNotNone(digests["a.txt"])
         with open(os.path.join(self.carry, "COMMIT"), "w") as handle:
-            handle.write(f"commit: abc123\ndirty: yes\nstatus_sha256: {'0' * 64}\ntree_sha256: {tree}\nprepared_utc: then\n")
-        with open(os.path.join(self.carry, "TRACKED"), "w") as handle:
-            handle.write("a.txt\n")
+            handle.write(f"commit: abc123\ndirty: yes\nstatus_sha256: {'0' * 64}\n"
+                         f"inputs_sha256: {provenance.digests_sha256(digests)}\nprepared_utc: then\n")
+        with open(os.path.join(self.carry, "INPUTS"), "w") as handle:
+            handle.write(f"{digests['a.txt']}  a.txt\n")
 
     def test_no_git_no_commit_file_is_unknown(self):
         self.assertEqual(provenance.commit_info(self.carry)["commit"], "unknown")
@@ -44,15 +45,16 @@ class CommitFromCarry(unittest.TestCase):
     def test_commit_file_and_unchanged_tree(self):
         self.write_carry()
         info = provenance.commit_info(self.carry)
-        self.assertEqual((info["commit"], info["dirty"], info["tree_matches_prepare"]), ("abc123", True, True))
-        self.assertIn("the tracked files here are the prepared ones", provenance.commit_line(self.carry))
+        self.assertEqual((info["commit"], info["dirty"], info["inputs_match_prepare"]), ("abc123", True, True))
+        self.assertIn("the carry's input files here are the prepared ones", provenance.commit_line(self.carry))
 
     def test_changed_tree_is_reported(self):
         self.write_carry()
         with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
             handle.write("two\n")
-        self.assertFalse(provenance.commit_info(self.carry)["tree_matches_prepare"])
+        self.assertFalse(provenance.commit_info(self.carry)["inputs_match_prepare"])
         self.assertIn("DIFFER", provenance.commit_line(self.carry))
+        self.assertIn("changed: a.txt", provenance.commit_line(self.carry))
 
 
 class GlibcComparison(unittest.TestCase):
@@ -82,7 +84,8 @@ class TreeChangingDuringPrepare(unittest.TestCase):
         self.root = tempfile.TemporaryDirectory()
         self.addCleanup(self.root.cleanup)
         self.carry = os.path.join(self.root.name, "target", "gpu-carry")
-        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+        os.makedirs(os.path.join(self.root.name, "crates"))
+        with open(os.path.join(self.root.name, "crates", "a.rs"), "w") as handle:
             handle.write("one\n")
         self.head = "a" * 40
         patches = [mock.patch.object(provenance, "ROOT", self.root.name), mock.patch.object(provenance, "_git", self.git),
@@ -93,9 +96,10 @@ class TreeChangingDuringPrepare(unittest.TestCase):
             self.addCleanup(patch.stop)
 
     def git(self, *args):
-        answers = {("rev-parse", "HEAD"): self.head + "\n", ("status", "--porcelain"): "", ("diff", "HEAD", "--binary"): "",
-                   ("ls-files",): "a.txt\n"}
-        return answers[args]
+        if args[0] == "ls-files":  # the input files (provenance.input_paths_from_git)
+            return "crates/a.rs\0"
+        answers = {("rev-parse", "HEAD"): self.head + "\n", ("status", "--porcelain"): "", ("diff", "HEAD", "--binary"): ""}
+        return answers[args[:3] if args[0] == "diff" else args[:2]]
 
     def commit_fields(self):
         return provenance.read_fields(os.path.join(self.carry, "COMMIT"))
@@ -106,20 +110,33 @@ class TreeChangingDuringPrepare(unittest.TestCase):
 
     def test_a_commit_landing_during_the_build_is_recorded_with_both_heads(self):
         self.assertEqual(provenance.main(["begin", self.carry]), 0)
-        self.head = "b" * 40  # a commit lands while cargo builds
+        self.head = "b" * 40  # a commit of an input lands while cargo builds
+        with open(os.path.join(self.root.name, "crates", "a.rs"), "w") as handle:
+            handle.write("committed\n")
         provenance.main(["prepare", self.carry])
         fields = self.commit_fields()
         self.assertEqual((fields.get("commit"), fields.get("begin_commit")), ("b" * 40, "a" * 40))
         self.assertEqual(fields.get("changed_during_prepare"), "yes")
         self.assertIn("CHANGED while --prepare built", self.line_on_the_gpu_machine())
 
+    def test_a_commit_outside_the_inputs_during_the_build_is_one_tree(self):
+        # A docs commit moves HEAD but leaves the carry's inputs, and so the carry, what they were.
+        self.assertEqual(provenance.main(["begin", self.carry]), 0)
+        self.head = "b" * 40
+        self.assertEqual(provenance.main(["prepare", self.carry]), 0)
+        fields = self.commit_fields()
+        self.assertEqual((fields.get("changed_during_prepare"), fields.get("begin_commit")), ("no", "a" * 40))
+        line = self.line_on_the_gpu_machine()
+        self.assertNotIn("CHANGED", line)
+        self.assertIn("the inputs did not change", line)
+
     def test_an_edit_during_the_build_is_recorded(self):
         provenance.main(["begin", self.carry])
-        with open(os.path.join(self.root.name, "a.txt"), "w") as handle:
+        with open(os.path.join(self.root.name, "crates", "a.rs"), "w") as handle:
             handle.write("two\n")
         provenance.main(["prepare", self.carry])
         self.assertEqual(self.commit_fields().get("changed_during_prepare"), "yes")
-        self.assertIn("tree", self.commit_fields().get("changed", ""))
+        self.assertIn("inputs", self.commit_fields().get("changed", ""))
 
     def test_an_unchanged_tree_is_one_tree(self):
         provenance.main(["begin", self.carry])

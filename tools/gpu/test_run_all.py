@@ -52,16 +52,17 @@ class StubRoot:
         self.write_provenance()
 
     def write_provenance(self, **fields: str):
-        """target/gpu-carry/COMMIT and TRACKED as --prepare writes them for this root's copied
-        files (a carry of this very tree), with `fields` overriding COMMIT's."""
+        """target/gpu-carry/COMMIT and INPUTS as --prepare writes them for this root's copied
+        files (a carry of this very tree: they are all inputs), with `fields` overriding COMMIT's."""
         spec = importlib.util.spec_from_file_location("stub_provenance", os.path.join(self.root, "tools/gpu/provenance.py"))
         provenance = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(provenance)  # its ROOT is this root
-        tree, _missing = provenance.tree_sha256(list(COPIED))
-        commit = {"commit": "0" * 40, "dirty": "no", "tree_sha256": tree, "changed_during_prepare": "no", **fields}
+        digests = {path: provenance.file_sha256(path) for path in COPIED}
+        commit = {"commit": "0" * 40, "dirty": "no", "inputs_sha256": provenance.digests_sha256(digests),
+                  "changed_during_prepare": "no", **fields}
         os.makedirs(self.carry, exist_ok=True)
-        with open(os.path.join(self.carry, "TRACKED"), "w") as handle:
-            handle.write("".join(path + "\n" for path in COPIED))
+        with open(os.path.join(self.carry, "INPUTS"), "w") as handle:
+            handle.write("".join(f"{digests[path]}  {path}\n" for path in COPIED))
         with open(os.path.join(self.carry, "COMMIT"), "w") as handle:
             handle.write("".join(f"{key}: {value}\n" for key, value in commit.items()))
 
@@ -147,7 +148,7 @@ class RunAll(unittest.TestCase):
         # Goal: a carry prepared from another tree (the carried gpu-test, tuttid and wheel would
         # run beside kernels and scripts of this one) is refused before any step runs, saying why.
         s = self.stubs
-        s.write_provenance(tree_sha256="f" * 64)
+        s.write_provenance(inputs_sha256="f" * 64)
         rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "ipc"], {"RUN_ALL_DRY": "1"}, limit_s=60)
         self.assertNotEqual(rc, 0, s.last_output)
         self.assertIn("STALE", summary, s.last_output)
@@ -159,7 +160,7 @@ class RunAll(unittest.TestCase):
 
     def test_a_carry_whose_tree_changed_during_prepare_is_refused(self):
         s = self.stubs
-        s.write_provenance(changed_during_prepare="yes", changed="HEAD, tree")
+        s.write_provenance(changed_during_prepare="yes", changed="inputs")
         rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
         self.assertNotEqual(rc, 0, s.last_output)
         self.assertIn("changed while --prepare built", summary)
@@ -173,14 +174,14 @@ class RunAll(unittest.TestCase):
         self.assertNotIn("STALE", summary)
         rc, _elapsed, _summary = s.run("tools/gpu/run-all.sh", ["--verify"], {}, limit_s=60)
         self.assertEqual(rc, 0, s.last_output)
-        s.write_provenance(tree_sha256="f" * 64)
+        s.write_provenance(inputs_sha256="f" * 64)
         rc, _elapsed, _summary = s.run("tools/gpu/run-all.sh", ["--verify"], {}, limit_s=60)
         self.assertNotEqual(rc, 0, s.last_output)
         self.assertIn("STALE", s.last_output)
 
     def test_a_deliberate_stale_run_marks_every_step(self):
         s = self.stubs
-        s.write_provenance(tree_sha256="f" * 64)
+        s.write_provenance(inputs_sha256="f" * 64)
         env = {"RUN_ALL_DRY": "1", "RUN_ALL_ALLOW_STALE": "1"}
         _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "ipc"], env, limit_s=60)
         results = [line for line in summary.splitlines() if line.startswith(("PASS ", "FAIL "))]
@@ -192,7 +193,7 @@ class RunAll(unittest.TestCase):
         # Goal: tools/gpu/check.sh's rehearsals (python, slack, prefill with their own tuttid,
         # wheel and tutti-profile) run beside whatever carry there is.
         s = self.stubs
-        s.write_provenance(tree_sha256="f" * 64)
+        s.write_provenance(inputs_sha256="f" * 64)
         env = {"RUN_ALL_DRY": "1", "RUN_ALL_TUTTID": "x", "RUN_ALL_WHEEL": "x", "RUN_ALL_TUTTI_PROFILE": "x"}
         rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["python", "slack"], env, limit_s=60)
         self.assertEqual(rc, 0, s.last_output)
@@ -319,6 +320,104 @@ class Prepare(unittest.TestCase):
         self.assertNotEqual(rc, 0, output)
         self.assertIn("without the `cuda` feature", output)
         self.assertFalse(os.path.exists(os.path.join(self.stubs.carry, "tuttid")), output)
+
+
+def git(root: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", root, "-c", "user.name=stub", "-c", "user.email=stub@example.invalid", *args],
+                          capture_output=True, text=True, check=True, timeout=60).stdout
+
+
+@unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
+class CarryInputs(unittest.TestCase):
+    """The stale-carry refusal looks at the carry's inputs alone (provenance.py's INPUTS): the
+    stub root is a git checkout with a crate, docs and the scripts; `provenance.py begin` and
+    `prepare` record it as --prepare does (the builds in between left out), and run-all.sh --verify
+    and a dry run read the carry as the GPU machine does."""
+
+    def setUp(self):
+        self.stubs = StubRoot()
+        self.addCleanup(self.stubs.cleanup)
+        s = self.stubs
+        for path, text in (("crates/a/src/lib.rs", "pub fn a() {}\n"), ("crates/a/Cargo.toml", "[package]\nname = \"a\"\n"),
+                           ("Cargo.toml", "[workspace]\nmembers = [\"crates/a\"]\n"), ("docs/a.md", "# a\n"),
+                           ("README.md", "# stub\n"), (".gitignore", "target/\nout/\nstub-bin/\n__pycache__/\n")):
+            self.write(path, text)
+        git(s.root, "init", "-q")
+        git(s.root, "add", "-A")
+        git(s.root, "commit", "-q", "-m", "stub")
+
+    def write(self, path: str, text: str):
+        full = os.path.join(self.stubs.root, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "w") as handle:
+            handle.write(text)
+
+    def provenance(self, command: str):
+        done = subprocess.run(["python3", os.path.join(self.stubs.root, "tools/gpu/provenance.py"), command, self.stubs.carry],
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+
+    def commit_field(self, key: str) -> str:
+        with open(os.path.join(self.stubs.carry, "COMMIT")) as handle:
+            fields = dict(line.rstrip("\n").split(": ", 1) for line in handle if ": " in line)
+        return fields.get(key, "")
+
+    def verify(self) -> int:
+        rc, _elapsed, _summary = self.stubs.run("tools/gpu/run-all.sh", ["--verify"], {}, limit_s=60)
+        return rc
+
+    def test_a_change_outside_the_inputs_after_prepare_is_accepted(self):
+        # Goal: a docs edit (or a commit of one) between --prepare and the device call leaves the
+        # carried builds what they were: the run goes ahead.
+        s = self.stubs
+        self.provenance("begin")
+        self.provenance("prepare")
+        self.write("docs/a.md", "# a, edited\n")
+        git(s.root, "commit", "-q", "-am", "docs")
+        self.write("docs/new.md", "untracked\n")
+        self.assertEqual(self.verify(), 0, s.last_output)
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertEqual(rc, 0, s.last_output)
+        self.assertIn("PASS tests", summary)
+        self.assertNotIn("STALE", summary)
+
+    def test_a_change_under_crates_after_prepare_is_refused(self):
+        s = self.stubs
+        self.provenance("begin")
+        self.provenance("prepare")
+        self.write("crates/a/src/lib.rs", "pub fn a() { /* edited */ }\n")
+        self.assertNotEqual(self.verify(), 0, s.last_output)
+        self.assertIn("STALE", s.last_output)
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertEqual(rc, 3, s.last_output)
+        self.assertIn("REFUSED", summary)
+        self.assertIn("crates/a/src/lib.rs", summary)
+
+    def test_a_new_untracked_input_after_prepare_is_refused(self):
+        # A new file under crates/ (cargo finds tests/, examples/, src/bin/ by themselves).
+        s = self.stubs
+        self.provenance("begin")
+        self.provenance("prepare")
+        self.write("crates/a/examples/new.rs", "fn main() {}\n")
+        self.assertNotEqual(self.verify(), 0, s.last_output)
+
+    def test_changes_outside_the_inputs_during_prepare_are_not_a_change(self):
+        # Goal: an untracked file, a docs edit and a docs commit landing while --prepare builds do
+        # not mark the carry as made of two trees; the same untracked file under crates/ does.
+        s = self.stubs
+        self.provenance("begin")
+        self.write("notes.txt", "untracked, outside the inputs\n")
+        self.write("docs/a.md", "# a, edited\n")
+        git(s.root, "commit", "-q", "-am", "docs")
+        self.write("docs/b.md", "# b\n")
+        self.provenance("prepare")
+        self.assertEqual(self.commit_field("changed_during_prepare"), "no")
+        self.assertEqual(self.verify(), 0, s.last_output)
+        self.provenance("begin")
+        self.write("crates/a/src/new.rs", "// untracked, an input\n")
+        self.provenance("prepare")
+        self.assertEqual(self.commit_field("changed_during_prepare"), "yes")
+        self.assertNotEqual(self.verify(), 0, s.last_output)
 
 
 @unittest.skipUnless(no_local_toolkit(), "a CUDA toolkit at /usr/local/cuda: the scripts would build with it")
