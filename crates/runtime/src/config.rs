@@ -105,8 +105,11 @@ pub struct RuntimeConfig {
     /// slots and its IOCBs, so it must be below `StoreConfig::requests_max` (one is needed for the
     /// running request's retrieve; `Runtime::new` refuses it otherwise). A retiring request
     /// (`Runtime::retiring_requests`) holds a slot too: `begin_prefill` makes room for a new
-    /// store only while the queued and retiring requests leave two slots free (the new store and
-    /// the retrieve), forcing the oldest stores out as `on_write_queue_full` says.
+    /// store until the queued and retiring requests leave slots free for it and, on a cache hit,
+    /// the retrieve, forcing the oldest stores out as `on_write_queue_full` says. When the
+    /// retiring requests alone leave none for the store beside the retrieve (forcing cannot end
+    /// them), the store is skipped (`RuntimeCounters::stores_skipped_no_request_slot`) and the
+    /// retrieve runs.
     pub write_queue_limit_stores: usize,
     pub on_write_queue_full: WriteQueueFullAction,
     /// Bound on every wait for one layer's I/O, in `1 ns..=IO_TIMEOUT_MAX` (`Runtime::new`

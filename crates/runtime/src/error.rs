@@ -32,16 +32,23 @@ pub enum RuntimeError {
     OutOfOrder { call: &'static str, reason: String },
     #[error("{call}: request {request} is finished or was never begun (the active one is {active:?})")]
     StaleRequest { call: &'static str, request: u64, active: Option<u64> },
+    /// `cause` names the bound passed: "the block limit", "the store limit", or "the object
+    /// store's request slots" (queued stores, retiring requests, the new store and a retrieve
+    /// must fit `requests_max`).
     #[error(
-        "write queue full: {queued_blocks} blocks in {queued_stores} stores queued, {incoming_blocks} more would pass the limit of \
-         {limit_blocks} blocks / {limit_stores} stores ({action})"
+        "write queue full ({cause}): {queued_blocks} blocks in {queued_stores} stores queued and {retiring_requests} retiring \
+         requests, {incoming_blocks} more blocks; limits {limit_blocks} blocks / {limit_stores} stores / {requests_max} request \
+         slots ({action})"
     )]
     WriteQueueFull {
         queued_blocks: usize,
         queued_stores: usize,
+        retiring_requests: usize,
         incoming_blocks: usize,
         limit_blocks: usize,
         limit_stores: usize,
+        requests_max: usize,
+        cause: &'static str,
         action: &'static str,
     },
     #[error(

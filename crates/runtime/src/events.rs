@@ -92,6 +92,11 @@ pub struct RuntimeCounters {
     pub stores_truncated: u64,
     /// Requests stored without a store because the pool had no evictable slot.
     pub stores_skipped_pool_full: u64,
+    /// Requests run without a store because the object store's requests retiring
+    /// (`Runtime::retiring_requests`) left no request slot for it beside the retrieve (forcing
+    /// queued stores cannot end a retiring request): the retrieve runs, the new blocks are not
+    /// stored.
+    pub stores_skipped_no_request_slot: u64,
     /// Prefills the table had no bucket for (every read at layer 0, writes left to decode
     /// steps), and decode steps it had no row for (a context before the first row is priced as
     /// that row, not counted).

@@ -334,10 +334,12 @@ impl<E: Executor> Runtime<E> {
             // is read as usual.
             incoming = limit_blocks;
         }
-        if incoming > 0 {
-            self.make_room(incoming)?;
+        if incoming > 0 && !self.make_room(incoming, hit > 0)? {
+            // The retiring requests leave no request slot for the store beside the retrieve
+            // (`stores_skipped_no_request_slot`): the retrieve runs, nothing is stored.
+            incoming = 0;
         }
-        if truncated {
+        if truncated && incoming > 0 {
             self.counters.stores_truncated += 1;
         }
         let id = self.next_request;

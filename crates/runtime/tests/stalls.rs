@@ -489,3 +489,113 @@ fn a_retiring_request_counts_against_the_queues_request_slots() {
         assert_eq!(stack.runtime.lookup(&hit), 8);
     });
 }
+
+/// A stack with `requests_max` 3 (`write_queue_limit_stores` 2, the deepest allowed) and two
+/// requests retiring (reads whose completions the device lost), the queue empty.
+fn two_retiring(action: WriteQueueFullAction) -> Stack {
+    let store_config = objstore::StoreConfig { requests_max: 3, ..objstore::StoreConfig::default() };
+    let (device, store, engine) =
+        common::parts_configured(None, store_config, |pool, config| objstore::cpu_executor_for(pool, 256, config).expect("executor"));
+    let mut config = config(PolicyChoice::SlackAware);
+    config.io_timeout = IO_TIMEOUT;
+    config.write_queue_limit_stores = 2;
+    config.on_write_queue_full = action;
+    let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+    let mut stack = Stack { device, runtime, engine };
+    prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    for (turn, blocks) in [(1, [4, 5, 6, 7, 8, 9]), (2, [10, 11, 12, 13, 14, 15])] {
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let failed = prefill(&mut stack, &prompt(0, turn), &blocks);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+    }
+    stack.device.set_faults(FaultPlan::none());
+    assert_eq!(stack.runtime.retiring_requests(), 2);
+    assert_eq!(stack.runtime.queued_stores(), 0);
+    stack
+}
+
+/// Another session's prompt: no block shared with `prompt(0, _)`.
+fn other_session(turn: u32) -> Vec<u32> {
+    prompt(1, turn).iter().map(|token| token + 7_000_000).collect()
+}
+
+#[test]
+fn a_miss_needs_one_request_slot_not_two() {
+    // Goal: with two of three request slots held by retiring requests, a cache miss (a store,
+    // no retrieve) fits the last slot and is stored. Before, `make_room` counted a retrieve for
+    // every request: the miss was refused (`WriteQueueFull`, nothing queued to force).
+    bounded(|| {
+        for action in [WriteQueueFullAction::ForceOldest, WriteQueueFullAction::Refuse] {
+            let mut stack = two_retiring(action);
+            let miss = other_session(0);
+            assert_eq!(prefill(&mut stack, &miss, &[20, 21, 22, 23]).unwrap(), 0, "{action:?}");
+            assert_eq!(stack.runtime.queued_stores(), 1, "{action:?}");
+            let counters = stack.runtime.counters();
+            assert_eq!((counters.stores_refused, counters.stores_forced), (0, 0), "{action:?}: {counters:?}");
+            assert!(stack.runtime.abandon_in_flight().unwrap() >= 2);
+            stack.runtime.drain().unwrap();
+            assert_eq!(stack.runtime.lookup(&miss), 4, "{action:?}");
+        }
+    });
+}
+
+#[test]
+fn a_store_the_retiring_requests_leave_no_slot_for_is_skipped_not_forced() {
+    // Goal: with two of three request slots retiring, a cache hit with new blocks cannot have
+    // both a store and a retrieve whatever is forced: its store is skipped (counted in
+    // `stores_skipped_no_request_slot`), nothing is forced, and the retrieve runs. Before, under
+    // `ForceOldest` every queued store was forced and `begin_prefill` still failed
+    // `WriteQueueFull`, the retrieve with it.
+    bounded(|| {
+        for action in [WriteQueueFullAction::ForceOldest, WriteQueueFullAction::Refuse] {
+            let mut stack = two_retiring(action);
+            let hit = prompt(0, 3);
+            let blocks: Vec<u32> = (20..28).collect();
+            assert_eq!(prefill(&mut stack, &hit, &blocks).unwrap(), 4, "{action:?}");
+            assert!(stack.engine.holds(&hit, 0..4, &blocks, common::geometry().layers), "{action:?}");
+            let counters = stack.runtime.counters();
+            assert_eq!(
+                (counters.stores_forced, counters.stores_refused, counters.stores_skipped_no_request_slot),
+                (0, 0, 1),
+                "{action:?}: {counters:?}"
+            );
+            assert_eq!(stack.runtime.queued_stores(), 0, "{action:?}");
+            assert!(stack.runtime.abandon_in_flight().unwrap() >= 2);
+            stack.runtime.drain().unwrap();
+            assert_eq!(stack.runtime.lookup(&hit), 4, "{action:?}: the new blocks were not stored");
+        }
+    });
+}
+
+#[test]
+fn a_queue_full_for_request_slots_says_so() {
+    // Goal: with two of three request slots retiring and the third a queued store, a cache hit
+    // under `Refuse` needs that slot for its retrieve: `WriteQueueFull` names the request slots
+    // and the retiring requests (before, it reported one queued store under a limit of two, no
+    // cause). Under `ForceOldest` the queued store is forced out for the retrieve (forcing helps
+    // there), the new store skipped, and the prefill runs.
+    bounded(|| {
+        let mut stack = two_retiring(WriteQueueFullAction::Refuse);
+        assert_eq!(prefill(&mut stack, &other_session(0), &[20, 21, 22, 23]).unwrap(), 0);
+        let blocks: Vec<u32> = (30..38).collect();
+        match stack.runtime.begin_prefill(&KvRequest { tokens: &prompt(0, 3), block_ids: &blocks }) {
+            Err(error @ RuntimeError::WriteQueueFull { .. }) => {
+                let message = error.to_string();
+                assert!(message.contains("request slots") && message.contains("2 retiring"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut stack = two_retiring(WriteQueueFullAction::ForceOldest);
+        let other = other_session(0);
+        assert_eq!(prefill(&mut stack, &other, &[20, 21, 22, 23]).unwrap(), 0);
+        assert_eq!(prefill(&mut stack, &prompt(0, 3), &blocks).unwrap(), 4);
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_forced, counters.stores_refused, counters.stores_skipped_no_request_slot), (1, 0, 1), "{counters:?}");
+        assert!(stack.runtime.abandon_in_flight().unwrap() >= 2);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&other), 4);
+    });
+}

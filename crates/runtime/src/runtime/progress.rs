@@ -533,40 +533,63 @@ impl<E: Executor> Runtime<E> {
         })
     }
 
-    /// Makes room for `incoming` blocks in the write queue, as configured (and for the new store
-    /// and a retrieve among the object store's request slots, which retiring requests hold
-    /// too). Under `ForceOldest`
+    /// Makes room for a new store of `incoming` blocks in the write queue, as configured, and
+    /// among the object store's request slots for it and, if `retrieve`, the request's retrieve.
+    /// Queued stores and retiring requests hold slots too; forcing can end the former, never the
+    /// latter. Returns whether the store goes ahead: when the retiring requests alone leave no
+    /// slot for it beside the retrieve, it is skipped at once (nothing forced; counted in
+    /// `stores_skipped_no_request_slot`) and the retrieve runs. Otherwise, under `ForceOldest`
     /// the oldest stores whose prefill ended are written and committed (each forced once at
-    /// most); if that does not make room, or for `Refuse`, `WriteQueueFull`.
-    pub(super) fn make_room(&mut self, incoming: usize) -> Result<()> {
+    /// most); if that does not make room, or for `Refuse`, `WriteQueueFull`, naming the bound.
+    pub(super) fn make_room(&mut self, incoming: usize, retrieve: bool) -> Result<bool> {
         let (limit_blocks, limit_stores) = (self.config.write_queue_limit_blocks, self.config.write_queue_limit_stores);
         // A retiring request (a layer in flight the device has not ended) holds an object-store
         // request slot as a queued store does: the queued and retiring ones, the new store and
-        // the new request's retrieve must fit `requests_max`. Uncounted, at the deepest queue
-        // allowed (`requests_max` − 1) the new store took the last slot and the retrieve was
-        // refused (`TooManyRequests`). Forcing cannot end a retiring request; past what forcing
-        // frees, the new store is refused.
+        // the new request's retrieve (one only on a hit) must fit `requests_max`. Uncounted, at
+        // the deepest queue allowed (`requests_max` − 1) the new store took the last slot and the
+        // retrieve was refused (`TooManyRequests`).
         let requests_max = self.store.config().requests_max;
-        let over = |writes: &WriteQueue| {
-            writes.queued_blocks + incoming > limit_blocks
-                || writes.stores.len() + 1 > limit_stores
-                || writes.stores.len() + writes.retiring.len() + 2 > requests_max
+        let retrieve_slots = usize::from(retrieve);
+        let mut store = incoming > 0;
+        if store && self.writes.retiring.len().saturating_add(1 + retrieve_slots) > requests_max {
+            // No forcing can make room: skip the store rather than fail the request's retrieve
+            // (or, on a miss with every slot retiring, the prefill).
+            tracing::warn!(
+                retiring = self.writes.retiring.len(),
+                requests_max,
+                "runtime: retiring requests leave no request slot for the new store; its new KV is not stored"
+            );
+            self.counters.stores_skipped_no_request_slot += 1;
+            store = false;
+        }
+        let incoming = if store { incoming } else { 0 };
+        let cause = |writes: &WriteQueue| {
+            if store && writes.queued_blocks + incoming > limit_blocks {
+                Some("the block limit")
+            } else if store && writes.stores.len() + 1 > limit_stores {
+                Some("the store limit")
+            } else if writes.stores.len() + writes.retiring.len() + usize::from(store) + retrieve_slots > requests_max {
+                Some("the object store's request slots")
+            } else {
+                None
+            }
         };
-        let full = |writes: &WriteQueue, action: &'static str| RuntimeError::WriteQueueFull {
+        let full = |writes: &WriteQueue, cause: &'static str, action: &'static str| RuntimeError::WriteQueueFull {
             queued_blocks: writes.queued_blocks,
             queued_stores: writes.stores.len(),
+            retiring_requests: writes.retiring.len(),
             incoming_blocks: incoming,
             limit_blocks,
             limit_stores,
+            requests_max,
+            cause,
             action,
         };
-        if !over(&self.writes) {
-            return Ok(());
-        }
+        let Some(first) = cause(&self.writes) else { return Ok(store) };
         let action = self.config.on_write_queue_full;
         if action == crate::config::WriteQueueFullAction::Refuse || incoming > limit_blocks {
             self.counters.stores_refused += 1;
-            return Err(full(&self.writes, if incoming > limit_blocks { "larger than the whole queue" } else { action.name() }));
+            return Err(full(&self.writes, first, if incoming > limit_blocks { "larger than the whole queue" } else { action.name() }));
         }
         // Bounded: each round forces one store off the queue (or fails); there are no more
         // rounds than stores.
@@ -586,17 +609,17 @@ impl<E: Executor> Runtime<E> {
                     // The forced store stays queued (a write timed out): no room is made.
                     RuntimeError::WriteQueueFull { action, .. } => {
                         self.counters.stores_refused += 1;
-                        full(&self.writes, action)
+                        full(&self.writes, cause(&self.writes).unwrap_or(first), action)
                     }
                     other => other,
                 });
             }
-            if !over(&self.writes) {
-                return Ok(());
+            if cause(&self.writes).is_none() {
+                return Ok(store);
             }
         }
         self.counters.stores_refused += 1;
-        Err(full(&self.writes, "no queued store could be forced out"))
+        Err(full(&self.writes, cause(&self.writes).unwrap_or(first), "no queued store could be forced out"))
     }
 
     /// Writes and commits the queued store at `index` now (no prefill runs: no read is
@@ -632,9 +655,12 @@ impl<E: Executor> Runtime<E> {
         RuntimeError::WriteQueueFull {
             queued_blocks: self.writes.queued_blocks,
             queued_stores: self.writes.stores.len(),
+            retiring_requests: self.writes.retiring.len(),
             incoming_blocks: 0,
             limit_blocks: self.config.write_queue_limit_blocks,
             limit_stores: self.config.write_queue_limit_stores,
+            requests_max: self.store.config().requests_max,
+            cause: "a forced store did not leave the queue",
             action,
         }
     }
