@@ -768,3 +768,44 @@ fn io_refuses_to_write_a_table_check_would_refuse() {
     assert_eq!(code, Some(2), "{text}");
     assert!(text.contains("--io-sms"), "{text}");
 }
+
+/// Goal: the refusal above comes before the device is opened: the base's decode steps and the
+/// smallest --sm-budgets are known before anything is measured, so a device file is neither
+/// created nor written (nor its LBAs overwritten for the whole measurement, only to be refused
+/// after). Before, `io` measured first (laying out and writing the span) and refused after.
+#[test]
+fn io_refuses_a_starved_base_before_touching_the_device() {
+    let _one = exclusive();
+    let dir = scratch("io-starved-early");
+    let analytic = dir.join("analytic.json");
+    let (code, text) = status(&["analytic", "--input-count", "1", "--io-sms", "1", "--out", analytic.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text}");
+    let mut table = scheduler::table::Profile::from_json(&std::fs::read_to_string(&analytic).unwrap()).unwrap().table().clone();
+    for step in &mut table.decode_steps {
+        step.free_sms = 1;
+    }
+    let base = dir.join("base.json");
+    std::fs::write(&base, scheduler::table::Profile::from_table(table).unwrap().to_json().unwrap()).unwrap();
+    let lock_dir = dir.join("locks");
+    std::fs::create_dir_all(&lock_dir).unwrap();
+    let grid = ["--iocb-counts", "1,2", "--sm-budgets", "2,4", "--ioctxs-per-iocb", "4", "--ioctx-bytes", "4K", "--repetitions", "1"];
+    // A device file holding data, --overwrite given: left as it was.
+    let held = dir.join("held.img");
+    std::fs::write(&held, vec![7u8; 4 << 20]).unwrap();
+    // A device file that does not exist: not created.
+    let absent = dir.join("absent.img");
+    for (file, extra) in [(&held, &["--overwrite"][..]), (&absent, &[][..])] {
+        let device = format!("--device=emu:{}", file.display());
+        let lock = format!("--lock-dir={}", lock_dir.display());
+        let out = dir.join("io.json");
+        let measure =
+            [&["io", &device, &lock, "--base", base.to_str().unwrap(), "--out", out.to_str().unwrap()][..], extra, &grid[..]].concat();
+        let (code, text) = status(&measure);
+        assert_eq!(code, Some(2), "{text}");
+        assert!(text.contains("smallest write budget"), "{text}");
+        assert!(!text.contains("io: measuring"), "refused only after measuring: {text}");
+        assert!(!out.exists(), "nothing written");
+    }
+    assert!(std::fs::read(&held).unwrap().iter().all(|&b| b == 7), "a refused run wrote to the device file");
+    assert!(!absent.exists(), "a refused run created the device file");
+}

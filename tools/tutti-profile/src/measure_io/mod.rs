@@ -96,6 +96,7 @@ pub struct IoArgs {
 }
 
 /// The compute side the measured rows are joined to.
+#[derive(Clone)]
 enum Base {
     Table(Box<ProfileTable>, PathBuf),
     Analytic(scheduler::analytic::ModelConfig, scheduler::analytic::GpuSpec),
@@ -107,6 +108,35 @@ impl Base {
             Self::Table(table, _) => table.gpu.sm_count,
             Self::Analytic(_, gpu) => gpu.sm_count,
         }
+    }
+
+    /// Runs `join`'s checks before anything is measured: the rows' durations do not matter to
+    /// them (the decode-step check needs only the smallest write budget, the smallest of
+    /// `--sm-budgets`), so `join` is tried on placeholder rows of the grid. A base `join` would
+    /// refuse after the measurement is refused before the device is opened; before, the run
+    /// laid out and wrote the device's span and measured every point, then refused.
+    fn check_before_measuring(&self, grid: &IoGrid, io_sms: u32) -> Result<()> {
+        let mut counts = grid.iocb_counts.clone();
+        counts.sort_unstable();
+        counts.dedup();
+        let mut budgets = grid.sm_budgets.clone();
+        budgets.sort_unstable();
+        budgets.dedup();
+        let mut rows = Vec::with_capacity(2 * counts.len() * budgets.len());
+        for kind in [IoKind::Read, IoKind::Write] {
+            for &sm_budget in &budgets {
+                // Placeholders that pass the table's row checks: 1 µs and one 4 KiB IOCB per
+                // IOCB counted (durations rise with the count, every row moves the same IOCBs).
+                rows.extend(counts.iter().map(|&iocb_count| IoCostEntry {
+                    kind,
+                    iocb_count,
+                    sm_budget,
+                    duration_us: f64::from(iocb_count),
+                    bytes: u64::from(iocb_count) * 4096,
+                }));
+            }
+        }
+        self.clone().join(rows, "placeholder rows (checked before measuring)", io_sms).map(drop)
     }
 
     fn join(self, rows: Vec<IoCostEntry>, source: &str, io_sms: u32) -> Result<Profile> {
@@ -186,6 +216,11 @@ pub fn run(args: &IoArgs) -> Result<()> {
     };
     if sm_budget_max > base.sm_count() {
         return Err(unusable(format!("--sm-budgets: {sm_budget_max} exceeds the table GPU's {} SMs", base.sm_count())));
+    }
+    // A table `join` would refuse is refused now, before the device is opened (only with --out:
+    // without it nothing is joined or written, the rows are only printed).
+    if args.out.is_some() {
+        base.check_before_measuring(&grid, args.io_sms).context("the table to be measured failed validation; nothing was measured")?;
     }
 
     let spec = match &args.device {
