@@ -181,9 +181,12 @@ typedef struct gio_ring_header {
 
 /*
  * Per-slot tracker of an NVMe submission queue driven by the I/O kernel, 32 bytes. ticket is the
- * free-running SQ reservation number; the NVMe command id is ticket & 0xFFFF, so slot = cid & mask
- * and the upper bits are a generation that tells a stale completion apart (at least one: the host
- * refuses queue pairs deeper than 32768, gpu::plan::GPU_QUEUE_DEPTH_MAX).
+ * free-running SQ reservation number; the NVMe command id is gio_command_id(ticket)
+ * (gio_kernel_rules.h): ticket & 0xFFFF, so slot = cid & mask and the upper bits are a generation
+ * that tells a stale completion apart, except that it is never FFFFh (the top slot's last
+ * generation carries 7FFFh). The host refuses queue pairs deeper than 16384 (GIO_SQ_DEPTH_MAX,
+ * gpu::plan::GPU_QUEUE_DEPTH_MAX), which leaves each slot four generations, so that moved id still
+ * differs from its slot's previous and next rounds.
  * The CPU initialises ready_ticket and done_ticket of slot s to s + 1 - sq_depth and ticket to
  * s - sq_depth (mod 2^32): "the previous round of this slot is complete", so no completion is
  * accepted for the slot before its first submission.

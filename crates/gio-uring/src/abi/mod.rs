@@ -281,6 +281,20 @@ mod tests {
     }
 
     #[test]
+    fn the_slot_tracker_comment_names_the_command_id_rule_and_depth_limit_in_force() {
+        // Goal: gio_abi.h's description of gio_nvme_slot follows the rules the kernel applies
+        // (kernels/gio_kernel_rules.h): the command id is gio_command_id(ticket), never FFFFh,
+        // and the deepest pair is GIO_SQ_DEPTH_MAX = 16384; it said ticket & 0xFFFF and 32768.
+        let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/gio_abi.h")).unwrap();
+        let start = header.find(" * Per-slot tracker of an NVMe submission queue").expect("the slot tracker's comment");
+        let end = start + header[start..].find("typedef struct gio_nvme_slot").expect("gio_nvme_slot");
+        let comment = &header[start..end];
+        assert!(comment.contains("gio_command_id(ticket)") && comment.contains("never FFFFh"), "{comment}");
+        assert!(comment.contains("16384") && comment.contains("GIO_SQ_DEPTH_MAX"), "{comment}");
+        assert!(!comment.contains("32768"), "{comment}");
+    }
+
+    #[test]
     fn nvme_status_fields_match_the_cqe_layout() {
         // LBA Out of Range: SCT 0 (generic), SC 0x80.
         let status = NvmeStatus::new(0, 0x80);
