@@ -159,9 +159,10 @@ impl Drop for Pool {
     /// Writes the header sectors still staged (the Empty entries of an eviction whose `wait`
     /// left no time for them, or whose write failed) before the devices are let go: a clean
     /// shutdown with no commit or sync since must not bring condemned blocks back at the next
-    /// open. Best effort, bounded by the metadata timeout per device, with no executor to
-    /// borrow from ([`NoLender`]: a device whose metadata borrowed one gets a temporary queue
-    /// pair, the executor's being retired by then); a failure is logged.
+    /// open. Best effort, bounded by one metadata timeout for all devices together, with no
+    /// executor to borrow from ([`NoLender`]: a device whose metadata borrowed one gets a
+    /// temporary queue pair, the executor's being retired by then); a device whose controller
+    /// reads fatal, not ready or gone is not written; a failure is logged.
     fn drop(&mut self) {
         self.sync_staged_at_end(&mut NoLender);
     }
@@ -732,14 +733,43 @@ impl Pool {
         self.devices.iter().any(|d| d.fence.is_none() && d.mirror.has_dirty())
     }
 
-    /// At the end of a store or of the pool: writes the header sectors still staged, each
-    /// device within the metadata timeout, logging (not returning) a failure. Their entries
-    /// stay staged on failure, for a later sync if the pool lives on.
+    /// As the pool ends (its `Drop`): writes the header sectors still staged, best effort, all
+    /// devices together within one metadata timeout (a device reached with none of it left is
+    /// not written), logging (not returning) a failure. A device whose controller reads fatal
+    /// (CSTS.CFS), not ready (a reset) or gone is not written at all: it would answer nothing,
+    /// and waiting for it (then deleting the queue pair, or making a temporary one, by admin
+    /// commands that time out too) would only hold up the drop, during an unwinding as well.
+    /// What is not written stays staged in a mirror about to be freed: a reopen finds those
+    /// headers as last written, so blocks condemned since (a verified retrieve catches them)
+    /// come back. The shared deadline cuts each device's wait below the metadata timeout, so a
+    /// queue pair `lender` lends is not used (see [`Self::sync_headers_by`]): `Drop` lends none.
     pub(crate) fn sync_staged_at_end(&mut self, lender: &mut dyn QueueLender) {
         if !self.headers_staged() {
             return;
         }
-        if let Err(error) = self.sync_devices(lender, None, None) {
+        let mut skip = vec![false; self.devices.len()];
+        for (index, d) in self.devices.iter().enumerate() {
+            if d.fence.is_some() || !d.mirror.has_dirty() {
+                continue;
+            }
+            let unusable = match d.target.controller.status() {
+                Err(error) => Some(error.to_string()),
+                Ok(status) if status.fatal() => Some("controller fatal status (CSTS.CFS=1)".to_owned()),
+                Ok(status) if !status.ready() => Some("controller not ready (CSTS.RDY=0)".to_owned()),
+                Ok(_) => None,
+            };
+            if let Some(why) = unusable {
+                tracing::error!(
+                    device = index,
+                    why,
+                    "objstore: header entries staged on this device are not written as the pool ends: its controller cannot \
+                     answer; blocks condemned since the last sync may be served again after a reopen"
+                );
+                skip[index] = true;
+            }
+        }
+        let deadline = Instant::now() + self.timeout;
+        if let Err(error) = self.sync_devices(lender, Some(deadline), None, Some(&skip)) {
             tracing::error!(
                 %error,
                 "objstore: header entries staged and not yet written (the Empty headers of evicted slots) could not be written \
@@ -761,7 +791,7 @@ impl Pool {
     /// whole metadata timeout fits before `deadline`, else they stay staged (`DeadlinePassed`).
     /// `None`: no deadline but the metadata timeout's.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
-        self.sync_devices(lender, deadline, None)
+        self.sync_devices(lender, deadline, None, None)
     }
 
     /// [`Self::sync_devices`] for a store or a commit whose slots are on `devices` alone (a
@@ -770,7 +800,7 @@ impl Pool {
     /// that device's fence). Its own headers durable, a store must not fail because another
     /// device's writes hang, at every sync until that device is fenced.
     pub(crate) fn sync_headers_of(&mut self, lender: &mut dyn QueueLender, devices: &[bool]) -> Result<()> {
-        self.sync_devices(lender, None, Some(devices))
+        self.sync_devices(lender, None, Some(devices), None)
     }
 
     /// Writes every staged header sector with FUA and waits: on `Ok` they are durable. Returns
@@ -780,13 +810,19 @@ impl Pool {
     /// header writes fail must not keep the others' headers from the disk. A device whose syncs
     /// fail [`HEADER_SYNC_FAILURES_FENCE`] times in a row is fenced (its staged sectors dropped,
     /// none of its slots reused until reopen), so that the other devices' stores go on instead
-    /// of failing with it at every sync.
-    fn sync_devices(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>, judged: Option<&[bool]>) -> Result<()> {
+    /// of failing with it at every sync. A device marked in `skip` is left alone (staged).
+    fn sync_devices(
+        &mut self,
+        lender: &mut dyn QueueLender,
+        deadline: Option<Instant>,
+        judged: Option<&[bool]>,
+        skip: Option<&[bool]>,
+    ) -> Result<()> {
         let mut first_error = None;
         let mut synced_devices = 0;
         let full_timeout = self.timeout;
         for (index, d) in self.devices.iter_mut().enumerate() {
-            if !d.mirror.has_dirty() {
+            if !d.mirror.has_dirty() || skip.is_some_and(|skip| skip.get(index).copied().unwrap_or(false)) {
                 continue;
             }
             let left = match deadline {

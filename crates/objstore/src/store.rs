@@ -476,7 +476,8 @@ impl<E: Executor> KvStore<E> {
     /// were are then complete, or the first failure is returned). A mismatch it finds evicts
     /// the bad blocks' slots from the index; their Empty headers stay staged (it does not wait
     /// for a header write) for the next sync: the next commit, [`KvStore::sync_headers`], or at
-    /// the latest the pool's end (best effort).
+    /// the latest the pool's end (best effort: never on a fenced device, so its condemned
+    /// blocks come back at reopen, where a verified retrieve catches them again).
     pub fn poll(&mut self, handle: RequestHandle) -> Result<bool> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.poll(handle);

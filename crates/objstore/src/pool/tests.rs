@@ -769,3 +769,63 @@ fn a_superblock_recording_more_devices_than_a_pool_holds_is_refused() {
         Ok(_) => panic!("a superblock of 65536 devices opened"),
     }
 }
+
+/// A pool of two namespaces on one software controller whose admin commands time out after
+/// `admin_timeout`, its metadata timeout `metadata_timeout`.
+fn two_namespace_pool(admin_timeout: Duration, metadata_timeout: Duration) -> (Arc<EmuDevice>, Pool) {
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 32 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, Some(8 << 20)), NamespaceConfig::new(512, Some(8 << 20))]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let config = ControllerConfig { admin_timeout, ..ControllerConfig::default() };
+    let controller = Arc::new(Controller::init(backend, config).expect("bring-up"));
+    let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets, Some(&geometry())).unwrap();
+    pool.set_metadata_timeout(metadata_timeout);
+    (device, pool)
+}
+
+#[test]
+fn the_pools_drop_skips_the_header_writes_of_a_fatal_controller() {
+    // Goal: Empty headers are staged on both devices; the controller goes fatal (CSTS.CFS) at
+    // a flush of device 0, which is fenced for it. Dropping the pool does not write device 1's
+    // staged header to the dead controller: it returns within one admin timeout (and a
+    // margin). It used to wait out the metadata timeout on the write first.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let admin_timeout = Duration::from_millis(200);
+    let (device, mut pool) = two_namespace_pool(admin_timeout, Duration::from_millis(1500));
+    for d in 0..2 {
+        pool.stage_header(d, 3, SlotState::Empty, &[]).unwrap();
+    }
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::ControllerFatal)));
+    assert!(pool.flush(&[true, false], &mut NoLender).is_err());
+    assert!(pool.headers_staged(), "device 1's header is still staged");
+    let started = Instant::now();
+    drop(pool);
+    let took = started.elapsed();
+    device.set_faults(FaultPlan::none());
+    assert!(took < admin_timeout + Duration::from_millis(500), "dropping the pool took {took:?}");
+}
+
+#[test]
+fn the_pools_drop_waits_one_metadata_timeout_in_all_not_one_per_device() {
+    // Goal: the header writes of both devices are never answered (the controller is alive:
+    // admin commands work). Dropping the pool gives all of its writes one metadata timeout
+    // together, not one per device: it used to take one per device with staged headers.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let timeout = Duration::from_millis(1000);
+    let (device, mut pool) = two_namespace_pool(Duration::from_secs(10), timeout);
+    for d in 0..2 {
+        pool.stage_header(d, 3, SlotState::Empty, &[]).unwrap();
+    }
+    device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+    );
+    let started = Instant::now();
+    drop(pool);
+    let took = started.elapsed();
+    device.set_faults(FaultPlan::none());
+    assert!(took < timeout + timeout / 2, "dropping the pool took {took:?}");
+}

@@ -419,6 +419,8 @@ impl StoreControl {
             self.used_devices[usize::from(device)] = true;
         }
         let reservation = std::mem::take(&mut self.reservations[index]);
+        // Counts the Valid headers staged (`stage_valid_headers` pushes one generation each).
+        self.generations.clear();
         let result = self
             .pool
             .flush(&self.used_devices, lender)
@@ -428,8 +430,13 @@ impl StoreControl {
         if let Err(error) = result {
             // Headers staged Valid must not reach the disk for slots that go back to the free
             // list (their data may not be durable): stage them Empty again; the next
-            // `sync_headers` (always before new data is issued) writes them.
-            for s in 0..self.reservations[index].slots.len() {
+            // `sync_headers` (always before new data is issued) writes them. Only those: the
+            // others read Empty on disk already (`reserve_store`), and staging them would
+            // leave writes for a controller that may have just died (the pool's drop).
+            // `stage_valid_headers` stages last slot first, one generation each.
+            let slots = self.reservations[index].slots.len();
+            let staged = self.generations.len().min(slots);
+            for s in slots - staged..slots {
                 let (device, slot, _) = self.reservations[index].slots[s];
                 let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[]);
             }
@@ -536,7 +543,10 @@ impl StoreControl {
     /// [`Self::evict_mismatched`], its header sync bounded by `deadline` (a `wait`'s): the
     /// entries whose write does not fit (see [`Self::sync_headers`]) stay staged, written by
     /// the next sync (the next commit, or [`Self::sync_headers`]), which comes before any data
-    /// is issued into these slots, or at the latest when the pool is dropped (best effort).
+    /// is issued into these slots, or at the latest when the pool is dropped. Best effort: a
+    /// fenced device's Empty entries are never written (and one the drop cannot write, on a
+    /// dead controller or past its one metadata timeout, is not), so that device's condemned
+    /// blocks come back at reopen, where a verified retrieve catches them again.
     pub fn evict_mismatched_by(
         &mut self,
         handle: RequestHandle,
@@ -560,7 +570,10 @@ impl StoreControl {
         for block in blocks {
             tracing::warn!(%block, "payload CRC mismatch on retrieve: the slot is evicted");
         }
-        let slots: Vec<(u16, u32)> = blocks.iter().map(|block| (block.device, block.slot)).collect();
+        // Several bad blocks of one slot (k > 1) evict it once.
+        let mut slots: Vec<(u16, u32)> = blocks.iter().map(|block| (block.device, block.slot)).collect();
+        slots.sort_unstable();
+        slots.dedup();
         self.evict_slots_by(&slots, lender, deadline);
         Ok(())
     }
@@ -575,22 +588,27 @@ impl StoreControl {
         if reservation.direction != Some(Direction::Retrieve) {
             return Err(ObjstoreError::HandleState { handle: handle.0, reason: "not a retrieve".into() });
         }
-        let slots: Vec<(u16, u32)> = reservation.placements.iter().map(|p| (p.location.device, p.location.slot)).collect();
+        let blocks = reservation.placements.len();
+        // With k > 1 a slot holds several of the retrieve's blocks: each slot once (its blocks
+        // are contiguous in the placements, but a slot may be listed apart all the same).
+        let mut slots: Vec<(u16, u32)> = reservation.placements.iter().map(|p| (p.location.device, p.location.slot)).collect();
+        slots.sort_unstable();
+        slots.dedup();
         for &(device, slot) in &slots {
             tracing::warn!(device, slot, "a read of this retrieve failed on the device: the slot is evicted");
         }
         self.evict_slots_by(&slots, lender, deadline);
-        Ok(slots.len())
+        Ok(blocks)
     }
 
     /// Takes `slots` out of the index and stages their headers Empty, then writes what fits
     /// before `deadline` (the rest stays staged for the next sync, which comes before any data is
-    /// issued into these slots, or at the latest when the pool is dropped).
+    /// issued into these slots, or at the latest when the pool is dropped, best effort: see
+    /// [`Self::evict_mismatched_by`]). `slots` lists each slot once.
     fn evict_slots_by(&mut self, slots: &[(u16, u32)], lender: &mut dyn QueueLender, deadline: Option<Instant>) {
         for &(device, slot) in slots {
             self.pool.index.condemn(device, slot);
-            // Idempotent for a slot with several bad blocks: the entry is already Empty. Refused
-            // on a fenced device, whose slots are not reused before a reopen anyway.
+            // Refused on a fenced device, whose slots are not reused before a reopen anyway.
             if let Err(error) = self.pool.stage_header(device, slot, SlotState::Empty, &[]) {
                 tracing::warn!(%error, "staging the evicted slot's header Empty failed");
             }

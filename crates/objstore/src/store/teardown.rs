@@ -60,7 +60,8 @@ impl<E: Executor> KvStore<E> {
     /// hold the last references to the controllers) and says whether the engine may free its
     /// registered KV memory (see [`StoreData::close`]). Header entries still staged (the
     /// Empty headers of an eviction no sync wrote since) are then written as the pool is
-    /// dropped, best effort, within the metadata timeout per device (see `Pool`'s `Drop`).
+    /// dropped, best effort, within one metadata timeout for all devices, none on a
+    /// controller that reads fatal, not ready or gone (see `Pool`'s `Drop`).
     /// Dropping the store does the same, without the answer.
     pub fn close(self) -> bool {
         let KvStore { data, control, .. } = self;

@@ -1240,3 +1240,110 @@ fn each_committed_slot_keeps_the_generation_its_header_was_written_with() {
     let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!(generations(pool.index()), in_memory, "in memory as on disk");
 }
+
+use nvme_driver::spec::{NvmOpcode, NvmeStatus};
+
+/// A control half over a pool of two namespaces (one-block slots, 8 each) on one software
+/// controller whose admin commands time out after `admin_timeout`, the metadata timeout
+/// `metadata_timeout`; and the controller, for faults.
+fn two_device_control_on_one_controller(admin_timeout: Duration, metadata_timeout: Duration) -> (Arc<EmuDevice>, StoreControl) {
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 32 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, Some(8 << 20)), NamespaceConfig::new(512, Some(8 << 20))]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let config = ControllerConfig { admin_timeout, ..ControllerConfig::default() };
+    let controller = Arc::new(Controller::init(backend, config).expect("bring-up"));
+    let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
+    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(8), pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).expect("format");
+    let (mut pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
+    pool.set_metadata_timeout(metadata_timeout);
+    (device, StoreControl::new(pool, 4).expect("control"))
+}
+
+#[test]
+fn a_commit_that_fails_before_staging_its_headers_leaves_nothing_staged() {
+    // Goal: a commit whose flush fails stages no header: its slots read Empty on disk already
+    // (`reserve_store` made them so), so nothing is left for a later sync or the pool's drop
+    // to write. Its error path used to stage every slot Empty again, so the drop of a pool
+    // whose controller then stopped answering waited out a header write per device.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let (device, mut control) = two_device_control_on_one_controller(Duration::from_secs(10), Duration::from_secs(10));
+    let keys = keys_of(&tokens(500, 2));
+    let plan = control.reserve_store(&keys, &[0, 1], &mut NoLender).expect("reserve");
+    let devices: Vec<u16> = control.placements(plan.handle).unwrap().iter().map(|p| p.location.device).collect();
+    assert_eq!(devices, [0, 1], "one slot on each device");
+    assert!(!control.pool().headers_staged());
+    let failed = NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
+    device
+        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(failed)).with_opcode(NvmOpcode::Flush as u8)));
+    assert!(control.commit_store(plan.handle, None, &mut NoLender).is_err(), "the flush fails");
+    device.set_faults(FaultPlan::none());
+    assert!(!control.pool().headers_staged(), "no Valid header was staged, so none is staged Empty again");
+    assert_eq!(control.lookup(&keys), 0);
+}
+
+#[test]
+fn a_commit_whose_header_write_fails_stages_its_valid_headers_empty_again() {
+    // Goal: the error path still undoes what was staged: a commit whose header sync fails
+    // (after its Valid headers were staged) leaves them staged Empty, and a reopen after the
+    // next sync finds both slots Empty.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let (device, mut control) = two_device_control_on_one_controller(Duration::from_secs(10), Duration::from_secs(10));
+    let keys = keys_of(&tokens(510, 2));
+    let plan = control.reserve_store(&keys, &[0, 1], &mut NoLender).expect("reserve");
+    let failed = NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
+    device.set_faults(
+        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::Status(failed)).with_opcode(NvmOpcode::Write as u8)),
+    );
+    assert!(control.commit_store(plan.handle, None, &mut NoLender).is_err(), "the header writes fail");
+    device.set_faults(FaultPlan::none());
+    assert!(control.pool().headers_staged(), "the Valid headers staged are staged Empty again");
+    control.sync_headers(&mut NoLender, deadline()).expect("sync");
+    let targets: Vec<PoolTarget> = (0..2).map(|d| control.pool().target(d).clone()).collect();
+    drop(control);
+    let (_, report) = Pool::open(targets, Some(&geometry())).expect("reopen");
+    assert_eq!(report.valid_slots, 0);
+}
+
+#[test]
+fn dropping_a_store_after_its_controller_died_at_a_commit_does_not_wait_out_header_writes() {
+    // Goal: the controller of both pool devices goes fatal (CSTS.CFS) at a commit's flush; the
+    // commit fails; dropping the store then returns within one admin timeout (and a margin).
+    // It used to write the Empty headers the failed commit staged for every slot, waiting out
+    // the metadata timeout on each device that was not fenced.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let admin_timeout = Duration::from_millis(200);
+    let metadata_timeout = Duration::from_millis(1500);
+    let (device, mut control) = two_device_control_on_one_controller(admin_timeout, metadata_timeout);
+    let keys = keys_of(&tokens(520, 2));
+    let plan = control.reserve_store(&keys, &[0, 1], &mut NoLender).expect("reserve");
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::ControllerFatal)));
+    assert!(control.commit_store(plan.handle, None, &mut NoLender).is_err(), "the controller died at the flush");
+    let started = Instant::now();
+    drop(control);
+    let took = started.elapsed();
+    device.set_faults(FaultPlan::none());
+    assert!(took < admin_timeout + Duration::from_millis(500), "dropping the store took {took:?}");
+}
+
+#[test]
+fn evicting_a_retrieve_stages_each_slot_once() {
+    // Goal: a retrieve of two blocks sharing one slot (k = 2) whose read failed evicts that
+    // slot once: one Empty header staged (one generation), the two blocks gone. It used to
+    // stage (and log) the slot once per block.
+    let fixture = fixture(2, None);
+    let (mut control, _data) = halves(&fixture, StoreConfig::default());
+    let keys = keys_of(&tokens(530, 2));
+    let plan = control.reserve_store(&keys, &[0, 1], &mut NoLender).expect("reserve");
+    control.commit_store(plan.handle, Some(&[0, 0]), &mut NoLender).expect("commit");
+    let handle = control.reserve_retrieve(&keys, &[2, 3], 0).expect("retrieve");
+    let slots: Vec<(u16, u32)> = control.placements(handle).unwrap().iter().map(|p| (p.location.device, p.location.slot)).collect();
+    assert_eq!(slots.len(), 2);
+    assert_eq!(slots[0], slots[1], "both blocks in one slot");
+    let before = control.pool().generation;
+    assert_eq!(control.evict_retrieve_by(handle, &mut NoLender, None).expect("evict"), 2, "two blocks evicted");
+    assert_eq!(control.pool().generation - before, 1, "one Empty header staged for the one slot");
+    assert_eq!(control.lookup(&keys), 0);
+}
