@@ -252,6 +252,22 @@ pub fn set_current(context: sys::CUcontext) -> Result<(), GioError> {
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(context) })
 }
 
+/// The context current on the calling thread (null when none is).
+pub fn current_context() -> Result<sys::CUcontext, GioError> {
+    let mut context: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: `context` is a valid out-pointer; the call only reads the thread's context stack.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut context) })?;
+    Ok(context)
+}
+
+/// Makes no context current on the calling thread: `cuCtxSetCurrent(NULL)`, which pops the top
+/// of the thread's context stack (a no-op on an empty one).
+pub fn clear_current() -> Result<(), GioError> {
+    // SAFETY: NULL is the documented argument for "pop the top of this thread's stack"; no
+    // context is dereferenced.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) })
+}
+
 /// `context` pushed onto the calling thread's context stack (so current there) until the guard
 /// drops, which pops it and so restores what was current before. A green context may be current
 /// on one thread at a time (cuGreenCtxCreate: "no internal synchronization"), and a caller's own

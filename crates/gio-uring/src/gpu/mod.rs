@@ -341,6 +341,8 @@ impl GpuRuntime {
     /// on the thread that opened the runtime (allocating [`DeviceMemory`](crate::gpu::DeviceMemory)
     /// and copying into it; `open` did the same). The executor's entry points do not use this:
     /// they push the context for the call and pop it before returning ([`GpuRuntime::enter`]).
+    /// Dropping the runtime on this thread takes the I/O context off it; dropping it on
+    /// another leaves this thread with the destroyed context current until it sets another.
     pub fn make_current(&self) -> Result<(), GioError> {
         driver::set_current(self.handles.context)
     }
@@ -397,12 +399,22 @@ impl Drop for GpuRuntime {
         }
         // Errors on teardown cannot be acted on; they are logged, not hidden.
         // The module belongs to the I/O context: unload it while that context exists and is
-        // current here (pushed, and popped before the context is destroyed, so that no thread is
-        // left with a destroyed context current).
+        // current here (pushed, and popped before the context is destroyed, so that the push
+        // leaves nothing behind).
         let current = driver::push_current(self.handles.context);
         let mut results = vec![driver::destroy_stream(self.handles.stream), driver::unload_module(self.handles.module)];
         match current {
             Ok(current) => drop(current),
+            Err(error) => results.push(Err(error)),
+        }
+        // `open` and `make_current` leave the I/O context current on the thread that called
+        // them (`cuCtxSetCurrent`): when that is this thread, it is made current nowhere here
+        // before it is destroyed or released. Another thread that called them keeps it current
+        // (a dangling handle once destroyed) until it sets another: no thread can change what
+        // is current on another.
+        match driver::current_context() {
+            Ok(current) if current == self.handles.context => results.push(driver::clear_current()),
+            Ok(_) => {}
             Err(error) => results.push(Err(error)),
         }
         results.push(self.handles.green.map_or(Ok(()), driver::destroy_green_context));
