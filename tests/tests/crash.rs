@@ -20,7 +20,10 @@ use nvme_emu::{EmuDevice, FaultAction, FaultPlan, FaultRule, NamespaceConfig};
 use objstore::{cpu_executor_for, KvRequest, KvStore, Pool, StoreConfig};
 use tutti_tests::*;
 
-/// Per layout (four of them): the test runs in every CI.
+/// Iterations of the original layout (k = 1, one namespace), which this test ran alone before
+/// the other three came: its fault points stay as many (and its seeds the same).
+const ITERATIONS_FIRST_LAYOUT: u64 = 150;
+/// Iterations of each of the other three layouts (the test runs in every CI).
 const ITERATIONS: u64 = 30;
 const ENGINE_BLOCKS: u32 = 16;
 /// Short deadlines while the power may go: a wait on a dead controller ends quickly.
@@ -93,13 +96,14 @@ fn try_store(
 #[test]
 fn power_loss_during_stores_never_returns_wrong_bytes() {
     for (layout, (k, controllers)) in [(1, 1), (4, 1), (1, 2), (4, 2)].into_iter().enumerate() {
-        power_loss_during_stores(layout as u64, k, controllers);
+        let iterations = if layout == 0 { ITERATIONS_FIRST_LAYOUT } else { ITERATIONS };
+        power_loss_during_stores(layout as u64, k, controllers, iterations);
     }
 }
 
 /// The crash loop on a pool of `k` blocks per slot over namespace 1 of `controllers` software
-/// controllers (started in one DMA space).
-fn power_loss_during_stores(layout: u64, k: u32, controllers: usize) {
+/// controllers (started in one DMA space), `iterations` crashes.
+fn power_loss_during_stores(layout: u64, k: u32, controllers: usize, iterations: u64) {
     let started = Instant::now();
     let config = || device_config(vec![NamespaceConfig::new(512, None)], 4 << 20, true);
     let first = start_device(vec![NamespaceConfig::new(512, None)], 4 << 20, true);
@@ -119,7 +123,7 @@ fn power_loss_during_stores(layout: u64, k: u32, controllers: usize) {
     let mut known: Vec<Vec<u32>> = Vec::new();
     let mut phases = [Duration::ZERO; 3];
     let (mut crashes_by_fault, mut crashes_between_calls, mut verified_blocks, mut verified_slots, mut skipped) = (0, 0, 0, 0, 0);
-    for iteration in 0..ITERATIONS {
+    for iteration in 0..iterations {
         let mut rng = Rng(0xC0FFEE ^ iteration.wrapping_mul(0x9E37) ^ (layout << 56));
         let phase = Instant::now();
         // --- workload, until the power goes ---
@@ -161,7 +165,9 @@ fn power_loss_during_stores(layout: u64, k: u32, controllers: usize) {
         phases[0] += phase.elapsed();
         let phase = Instant::now();
         if by_fault {
-            // A controller is dead: dropping the store waits out one admin timeout.
+            // The controllers are dead: dropping the store waits out one admin timeout per
+            // controller (deleting queue pairs); the pool writes no staged header to a
+            // controller that reads not ready or fatal.
             devices.iter().for_each(|device| device.power_loss());
             drop(store);
             crashes_by_fault += 1;
@@ -210,12 +216,12 @@ fn power_loss_during_stores(layout: u64, k: u32, controllers: usize) {
     }
     eprintln!("{label}: workload {:?}, power cut and drop {:?}, recovery and checks {:?}", phases[0], phases[1], phases[2]);
     eprintln!(
-        "{label}: {ITERATIONS} iterations ({crashes_by_fault} at a random I/O command, {crashes_between_calls} between calls, {skipped} \
+        "{label}: {iterations} iterations ({crashes_by_fault} at a random I/O command, {crashes_between_calls} between calls, {skipped} \
          before any I/O), {verified_blocks} blocks verified, {verified_slots} slots' payload CRCs checked, {:.1} s",
         started.elapsed().as_secs_f64()
     );
     assert!(crashes_by_fault > 0 && crashes_between_calls > 0 && verified_blocks > 0 && verified_slots > 0, "{label}");
-    assert!(skipped < ITERATIONS / 4, "{label}: {skipped} iterations could not even open the pool");
+    assert!(skipped < iterations / 4, "{label}: {skipped} iterations could not even open the pool");
 }
 
 #[test]
