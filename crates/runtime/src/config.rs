@@ -71,8 +71,8 @@ pub enum WriteQueueFullAction {
     /// runtime (nothing stored) or wait for decode steps to drain the queue: a layer longer than
     /// any step goes once the steps' time adds up to it, and under slack-aware `Runtime::new`
     /// refuses a table whose decode steps leave fewer SMs free than its smallest write budget
-    /// past the last row and between every two adjacent rows (only a context exactly on a row
-    /// could write). A context before the first row is priced as the first row.
+    /// before the first row (a context there is priced as the first row), past the last row and
+    /// between every two adjacent rows (only a context exactly on a row could write).
     Refuse,
 }
 

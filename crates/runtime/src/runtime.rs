@@ -616,8 +616,8 @@ impl<E: Executor> Runtime<E> {
         // as long). Before, such a step wrote nothing: with rows from 4096 (the analytic
         // table's default input step) short requests never drained the queue, and under
         // `Refuse` every later store was refused until `drain`.
-        let first_row = self.profile.table().decode_steps.first().map_or(0, |step| step.context_tokens);
-        let priced_as = context_tokens.max(first_row);
+        // `Profile::decode_pricing_context`: the rule the simulator prices steps by too.
+        let priced_as = self.profile.decode_pricing_context(context_tokens);
         let view = queue_view(&self.profile, &self.reads, &self.writes, priced_as);
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {

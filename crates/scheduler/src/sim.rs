@@ -648,9 +648,11 @@ impl<'a> Sim<'a> {
         }
         let context_tokens = self.config.input_tokens.saturating_add(step);
         let duration_us = self.truth.decode_step(context_tokens)?.duration_us;
-        let view = self.queue_view(context_tokens);
-        // As the runtime does (`Runtime::decode_step`, `table_fallbacks`): a context the
-        // scheduler's table has no step for knows no slack, so nothing is written that step.
+        // As the runtime does (`Runtime::decode_step`): a context before the scheduler's table's
+        // first decode row is priced as that row (`Profile::decode_pricing_context`, one rule
+        // for both). A table with no decode row at all knows no slack: nothing is written that
+        // step (the runtime counts it in `table_fallbacks`).
+        let view = self.queue_view(self.scheduler_table.decode_pricing_context(context_tokens));
         let issues = match self.policy.plan_decode_step(&view) {
             Err(SchedulerError::OutOfRange { .. }) => Vec::new(),
             other => other?,

@@ -420,9 +420,12 @@ impl Profile {
     /// Whether the slack-aware policy could ever write in a decode step: some range of contexts
     /// requests reach must leave the smallest write budget free. [`Profile::decode_step`] gives a
     /// context between two rows the fewer free SMs of the two, one past the last row the last
-    /// row's, and one below the first row nothing, so the last row, or two adjacent rows, must
-    /// leave that budget free; else only contexts exactly on a row could write (rows {1024: 60
-    /// free, 2048: 0 free} wrote at 1024 tokens and nowhere else). Under slack-aware, deferred
+    /// row's, and a context below the first row is priced as the first row
+    /// ([`Profile::decode_pricing_context`]), so the first row (with contexts below it from the
+    /// smallest profiled input), the last row, or two adjacent rows, must leave that budget free;
+    /// else only contexts exactly on a row could write (rows {1024: 60 free, 2048: 0 free} with
+    /// inputs from 1024 wrote at 1024 tokens and nowhere else). Before, the contexts below the
+    /// first row were not counted, though the runtime prices them as that row. Under slack-aware, deferred
     /// writes drain in decode steps, and when the queue is full and prefills are refused,
     /// nowhere else.
     ///
@@ -441,12 +444,13 @@ impl Profile {
     ///
     /// A step must also last: a context takes the duration of the row at or below it, and in a
     /// step of 0 µs (valid as a table, as every duration may be 0) the policy finds no room for
-    /// a write, not even as time carried forward. So the last row, or the lower of two adjacent
-    /// rows, must last more than 0 µs; rows that all lasted 0 µs passed, and nothing was ever
+    /// a write, not even as time carried forward. So the first row, the last row, or the lower
+    /// of two adjacent rows, must last more than 0 µs; rows that all lasted 0 µs passed, and nothing was ever
     /// written in a decode step.
     pub fn check_decode_steps_can_write(&self) -> Result<()> {
         let write_budget_min = self.io_sm_budget_min(IoKind::Write);
         let reach = self.decode_context_reach();
+        let reach_min = self.table.input_step_tokens;
         let steps = &self.table.decode_steps;
         let enough_sms = |step: &DecodeStep| step.free_sms >= write_budget_min;
         let writable = |step: &DecodeStep| enough_sms(step) && step.duration_us > 0.0;
@@ -456,12 +460,17 @@ impl Profile {
             let first_between = u64::from(pair[0].context_tokens) + 1;
             first_between < u64::from(pair[1].context_tokens) && first_between <= u64::from(reach)
         };
-        let some_range_writes = steps.last().is_some_and(|last| writable(last) && last_in_reach(last))
+        // The contexts before the first row (priced as that row: `decode_pricing_context`) that
+        // requests reach: from the smallest profiled input up.
+        let before_first_in_reach = |first: &DecodeStep| reach_min < first.context_tokens;
+        let some_range_writes = steps.first().is_some_and(|first| writable(first) && before_first_in_reach(first))
+            || steps.last().is_some_and(|last| writable(last) && last_in_reach(last))
             || steps.windows(2).any(|pair| writable(&pair[0]) && enough_sms(&pair[1]) && pair_in_reach(pair));
         if some_range_writes {
             return Ok(());
         }
-        let some_range_has_sms = steps.last().is_some_and(|last| enough_sms(last) && last_in_reach(last))
+        let some_range_has_sms = steps.first().is_some_and(|first| enough_sms(first) && before_first_in_reach(first))
+            || steps.last().is_some_and(|last| enough_sms(last) && last_in_reach(last))
             || steps.windows(2).any(|pair| pair.iter().all(enough_sms) && pair_in_reach(pair));
         if some_range_has_sms {
             return Err(invalid(
@@ -478,9 +487,10 @@ impl Profile {
             "decode_steps.free_sms",
             "table".into(),
             format!(
-                "the decode steps leave fewer SMs free than the smallest write budget ({write_budget_min} SMs) past the last row \
-                 and between every two rows, among the contexts requests reach (up to {reach} tokens: twice the largest \
-                 prefill input; contexts per row: {:?}, free SMs per row: {:?}): no deferred write could go in a decode step \
+                "the decode steps leave fewer SMs free than the smallest write budget ({write_budget_min} SMs) before the first \
+                 row (priced as that row), past the last row and between every two rows, among the contexts requests reach \
+                 (from {reach_min} tokens, the smallest prefill input, up to {reach} tokens: twice the largest prefill input; \
+                 contexts per row: {:?}, free SMs per row: {:?}): no deferred write could go in a decode step \
                  under the slack-aware policy, but at a context exactly on a row or out of reach",
                 steps.iter().map(|step| step.context_tokens).collect::<Vec<_>>(),
                 steps.iter().map(|step| step.free_sms).collect::<Vec<_>>()
@@ -494,6 +504,19 @@ impl Profile {
     /// by no request.
     pub fn decode_context_reach(&self) -> u32 {
         self.input_tokens_max().saturating_mul(2)
+    }
+
+    /// The context a decode step is priced at, by the runtime (`Runtime::decode_step`) and the
+    /// simulator alike: `context_tokens`, or for a context before the first decode row, that
+    /// row's. At short contexts a decode step is bound by reading the weights, about as long as
+    /// the first row's; rounding down there would find no row, and a step without a row knows no
+    /// slack, so nothing would be written in it (short requests never drained the write queue).
+    /// It is optimistic against [`Profile::decode_step`]'s round-down rule (a step before the
+    /// first row may be a little shorter than the row's), as the round-up the rows allow
+    /// nowhere else.
+    pub fn decode_pricing_context(&self, context_tokens: u32) -> u32 {
+        let first_row = self.table.decode_steps.first().map_or(0, |step| step.context_tokens);
+        context_tokens.max(first_row)
     }
 
     /// The decode step at a context length: the row rounded down (shorter step, less slack),

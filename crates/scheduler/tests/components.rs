@@ -388,27 +388,54 @@ fn an_iocb_size_other_than_the_tables_is_refused() {
     assert!(simulate(&table, &table, &toy_ssd(), &matching, policy.as_mut()).is_ok());
 }
 
-/// Goal: a decode context the scheduler's table has no row for (before its first) writes
-/// nothing that step and the run goes on, as the runtime does (`table_fallbacks`); the
-/// simulator stopped with `OutOfRange`. The simulated GPU's own table (`truth`) still needs a
-/// row: it is what the step takes.
+/// Goal: a decode context before the scheduler's table's first row is priced as that row, as
+/// the runtime prices it (`Runtime::decode_step`; both call `Profile::decode_pricing_context`):
+/// the simulated steps write. Before, the simulator wrote nothing in such a step (the comment
+/// said "as the runtime does", which stopped being true in 012f997) while the runtime wrote. The
+/// simulated GPU's own table (`truth`) still gives what the step takes.
 #[test]
-fn a_decode_context_the_policys_table_lacks_writes_nothing_that_step() {
+fn a_decode_context_before_the_policys_first_row_is_priced_as_that_row() {
     let truth = Profile::from_table(common::table()).unwrap();
     let mut late = common::table();
     for step in &mut late.decode_steps {
         step.context_tokens += 4096;
     }
     let late = Profile::from_table(late).unwrap();
+    let first_row = late.table().decode_steps[0].context_tokens;
+    assert_eq!(late.decode_pricing_context(2048), first_row);
+    assert_eq!(late.decode_pricing_context(first_row + 1), first_row + 1);
     let config =
         SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 3, queued_kernels_hide_latency: true };
     let mut policy = PolicyKind::SlackAware.build();
-    let fallback = simulate(&truth, &late, &toy_ssd(), &config, policy.as_mut()).unwrap();
-    assert_eq!(fallback.write_backlog_bytes_at_end, fallback.write_backlog_bytes_at_ttft, "{fallback:?}");
-    // With the rows, the same steps write.
+    let late_run = simulate(&truth, &late, &toy_ssd(), &config, policy.as_mut()).unwrap();
+    assert!(late_run.write_backlog_bytes_at_end < late_run.write_backlog_bytes_at_ttft, "{late_run:?}");
+    // The late table's first row is the toy table's first row moved: the steps are priced alike.
     let mut policy = PolicyKind::SlackAware.build();
     let planned = simulate(&truth, &truth, &toy_ssd(), &config, policy.as_mut()).unwrap();
     assert!(planned.write_backlog_bytes_at_end < planned.write_backlog_bytes_at_ttft, "{planned:?}");
+}
+
+/// Goal: the write predicate counts the contexts before the first decode row (priced as that
+/// row) that requests reach (from the smallest profiled input, 1024 tokens here): a table whose
+/// only writable row is the first, above the smallest input, can write; at or below it, it
+/// cannot. Before, the predicate ignored that range.
+#[test]
+fn the_decode_write_predicate_counts_contexts_before_the_first_row() {
+    let with_steps = |steps: &[(u32, u32)]| {
+        let mut table = common::table();
+        table.decode_steps =
+            steps.iter().map(|&(context_tokens, free_sms)| DecodeStep { context_tokens, duration_us: 1000.0, free_sms }).collect();
+        Profile::from_table(table).expect("valid as a table")
+    };
+    for (steps, accepted) in
+        [(&[(2048, 4), (2049, 0)][..], true), (&[(1025, 4), (1026, 0)][..], true), (&[(1024, 4), (1025, 0)][..], false)]
+    {
+        match with_steps(steps).check_decode_steps_can_write() {
+            Ok(()) if accepted => {}
+            Err(error) if !accepted => assert!(error.to_string().contains("decode_steps.free_sms"), "{steps:?}: {error}"),
+            other => panic!("{steps:?}: {other:?}"),
+        }
+    }
 }
 
 /// Goal: a table whose KV size per token makes the request's bytes pass 2^64 is refused
