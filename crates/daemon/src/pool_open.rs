@@ -100,10 +100,6 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // What opening the devices refuses on its own (kinds, one DMA space, one file named twice)
     // is refused before anything is locked, created or grown.
     tutti_devices::check_one_space(&options.specs, create_bytes)?;
-    // The files a format creates and grows, put back as they were if it is refused before
-    // anything is written. Declared before the locks, so dropped after them: it undoes a file
-    // only under a lock of its own.
-    let mut undo: Option<FileUndo> = None;
     // Existing files are locked and read first, the ones a format is to create only once
     // nothing refused (as `tutti pool format` orders it): a refusal leaves no file behind.
     let mut locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, false)?;
@@ -131,20 +127,38 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
                 .map_err(|source| DaemonError::Pool { context: "formatting the pool".into(), source })?;
         }
     }
+    // The files a format creates and grows, put back as they were if it is refused before
+    // anything is written. Declared after the locks, so dropped before them: it undoes the
+    // files while they are still held.
+    let mut undo: Option<FileUndo> = None;
     if create_bytes.is_some() {
+        // Made here with O_EXCL (so the undo knows which it made) and locked at once; the
+        // existing (held) files' sizes recorded.
+        let mut made = FileUndo::create_missing(&options.specs, locks.paths());
         #[cfg(test)]
         tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
-        // Made here with O_EXCL (so the undo knows which it made); existing files' sizes recorded.
-        undo = Some(FileUndo::create_missing(&options.specs));
-    }
-    if create_bytes.is_some() && !missing.is_empty() {
-        // Only the missing files are locked now; the locks and claims on the existing ones stay
-        // held throughout (letting go to take the whole set again would let another starter in
-        // between, and two racing starters would both be refused as in use).
-        let created = DeviceLocks::acquire(&missing, &options.lock_dir, true)?;
-        // A file another process made since the first look is read as the others were.
-        refuse_foreign_files(options, &missing, &created)?;
-        locks.extend(created);
+        if !missing.is_empty() {
+            // Only the missing files are locked now (those made here: the lock taken when they
+            // were made); the locks and claims on the existing ones stay held throughout
+            // (letting go to take the whole set again would let another starter in between,
+            // and two racing starters would both be refused as in use).
+            let created = DeviceLocks::acquire(&missing, &options.lock_dir, true)?;
+            // A file another process made or wrote since the first look is read as the others
+            // were; one refused is left as that process wrote it.
+            for spec in &missing {
+                if let Err(error) = refuse_foreign_files(options, std::slice::from_ref(spec), &created) {
+                    if let DeviceSpec::EmuFile(path) = spec {
+                        made.forget(path);
+                    }
+                    // Undone while the files are still locked.
+                    drop(made);
+                    drop(created);
+                    return Err(error);
+                }
+            }
+            locks.extend(created);
+        }
+        undo = Some(made);
     }
     let mut emu = pool_emu_options(options.emu_lba_bytes, create_bytes);
     emu.config = emu
@@ -193,6 +207,10 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     drop(controllers);
     let devices = reorder(devices, &order);
     let emulators = reorder(emulators, &order);
+    // Open: the files stay as the pool found them (a grown file without --format included).
+    if let Some(undo) = undo.take() {
+        undo.keep();
+    }
     Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
 }
 
@@ -315,6 +333,34 @@ mod tests {
         assert_eq!(refused_meanwhile.get(), Some(true), "the existing file's lock was let go while the missing file was created");
         let held: Vec<&std::path::Path> = opened.locks.paths().collect();
         assert!(held.contains(&existing.as_path()) && held.contains(&missing.as_path()), "{held:?}");
+    }
+
+    #[test]
+    fn a_file_another_process_writes_once_it_was_created_is_refused_and_left_as_it_is() {
+        // Goal: a missing emu: file that a format creates and another process then writes (a
+        // file system, before the format reads it) is refused as foreign and left exactly as
+        // the other process wrote it; the undo used to remove it (it was "made here").
+        let directory = tempfile::tempdir().unwrap();
+        let missing = directory.path().join("new.img");
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::EmuFile(missing.clone())],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: Some(64 << 20),
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 1,
+            emu_doorbell_relay: false,
+        };
+        let mut bytes = vec![0u8; 8 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        let (path, written) = (missing.clone(), bytes.clone());
+        BEFORE_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&path, &written).unwrap())));
+        let error = open_pool(&options).err().expect("the file system is refused");
+        assert!(matches!(error, DaemonError::Devices(DeviceError::ForeignContents { .. })), "{error}");
+        assert!(std::fs::read(&missing).map(|read| read == bytes).unwrap_or(false), "the other process's file was removed or changed");
     }
 
     #[test]

@@ -97,6 +97,8 @@ pub enum DeviceError {
     BringUp { spec: String, source: nvme_driver::NvmeError },
     #[error("{spec} is in use by another process: {lock} is held by {holder}")]
     DeviceInUse { spec: String, lock: std::path::PathBuf, holder: String },
+    #[error("{path}: {reason}")]
+    SharedLockFile { path: std::path::PathBuf, reason: String },
     #[error(
         "{spec}: the block device is in use (mounted, swap, under device-mapper/RAID, or held open exclusively by another \
          program): refusing to touch it; unmount or release it first"

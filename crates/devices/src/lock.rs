@@ -62,6 +62,7 @@ impl DeviceLocks {
                         context: format!("creating the lock directory {}", lock_dir.display()),
                         source,
                     })?;
+                    refuse_shared_lock_dir(lock_dir)?;
                     lock_dir.join(format!("vfio-{address}.lock"))
                 }
                 _ => continue,
@@ -75,13 +76,27 @@ impl DeviceLocks {
             // only a descriptor, so anyone who could open it could hold the SSD's lock and keep
             // tuttid from it.
             options.mode(if is_file { POOL_FILE_MODE } else { LOCK_FILE_MODE });
-            let opened = open_without_waiting(&path, &mut options);
+            let opened = if is_file {
+                open_without_waiting(&path, &mut options)
+            } else {
+                // A lock file planted as a symbolic link (to /etc/passwd, say) is not followed:
+                // its mode is changed below.
+                options.custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOFOLLOW).open(&path)
+            };
             let file = match opened {
                 Ok(file) => file,
                 Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(source) => {
                     // A socket fails open(2) (ENXIO), and a directory opened for writing does
                     // (EISDIR), before any descriptor could be examined: the path says what it is.
+                    if !is_file && std::fs::symlink_metadata(&path).is_ok_and(|metadata| metadata.file_type().is_symlink()) {
+                        return Err(DeviceError::SharedLockFile {
+                            path,
+                            reason: "the lock file is a symbolic link, which is not followed (whoever made it could hold the lock or \
+                                     point it anywhere); have its owner remove it while no tutti process runs, or give another --lock-dir"
+                                .into(),
+                        });
+                    }
                     refuse_special_path(spec, &path)?;
                     return Err(DeviceError::Io { context: format!("opening {} to lock it", path.display()), source });
                 }
@@ -90,6 +105,12 @@ impl DeviceLocks {
             if !is_file {
                 restrict_lock_file(&path, &file)?;
             }
+            // A file this process's format made (crate::undo) is locked already, on the
+            // descriptor that made it: that lock is taken over, not refused as another's.
+            let file = match file.metadata() {
+                Ok(metadata) if is_file => crate::undo::made_here(metadata.dev(), metadata.ino()).unwrap_or(file),
+                _ => file,
+            };
             locks.lock(spec, path, file)?;
         }
         Ok(locks)
@@ -116,17 +137,50 @@ impl DeviceLocks {
     }
 }
 
-/// A `vfio:` lock file that others can open (an older build's 0644, or one another user made
-/// in a directory open to all) is made [`LOCK_FILE_MODE`]; one this user cannot change (not
-/// its owner) is refused: whoever owns it could hold the lock.
+/// Refuses a lock directory that is not this user's own or that others may write to: whoever
+/// can write to it can replace a lock file (and so hold the SSD's lock, or plant a link).
+fn refuse_shared_lock_dir(lock_dir: &Path) -> Result<(), DeviceError> {
+    let metadata = std::fs::metadata(lock_dir)
+        .map_err(|source| DeviceError::Io { context: format!("examining the lock directory {}", lock_dir.display()), source })?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if metadata.uid() != euid || metadata.mode() & 0o022 != 0 {
+        return Err(DeviceError::SharedLockFile {
+            path: lock_dir.to_path_buf(),
+            reason: format!(
+                "the lock directory is owned by uid {} with mode {:o}; it must be owned by uid {euid} (the user that runs tutti) \
+                 and writable by no one else: give another --lock-dir, or have its owner run tutti",
+                metadata.uid(),
+                metadata.mode() & 0o7777
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// A `vfio:` lock file must be a regular file with one link, owned by this user and readable by
+/// no one else ([`LOCK_FILE_MODE`]); one others can open (an older build's 0644) is made so.
+/// Anything else is refused before its mode is touched (root would otherwise change the mode of
+/// whatever a planted hard link names): whoever owns it could hold the lock.
 fn restrict_lock_file(path: &Path, file: &File) -> Result<(), DeviceError> {
     let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
+    let euid = nix::unistd::geteuid().as_raw();
+    let advice = "have its owner run tutti, or (while no tutti process runs) chown it to the user that runs tutti and chmod it 600";
+    let refuse = |reason: String| Err(DeviceError::SharedLockFile { path: path.to_path_buf(), reason: format!("{reason}; {advice}") });
+    if !metadata.is_file() {
+        return refuse(format!("the lock file is {}, not a regular file", file_kind(metadata.file_type())));
+    }
+    if metadata.nlink() != 1 {
+        return refuse(format!("the lock file has {} links (a lock file has one)", metadata.nlink()));
+    }
+    if metadata.uid() != euid {
+        return refuse(format!("the lock file is owned by uid {}, not {euid}, so others could hold the lock", metadata.uid()));
+    }
     if metadata.mode() & 0o077 == 0 {
         return Ok(());
     }
     file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(LOCK_FILE_MODE)).map_err(|source| DeviceError::Io {
         context: format!(
-            "{} can be opened by other users (mode {:o}), who could hold the lock; making it {LOCK_FILE_MODE:o} failed (remove it, or own it)",
+            "{} can be opened by other users (mode {:o}), who could hold the lock; making it {LOCK_FILE_MODE:o} failed ({advice})",
             path.display(),
             metadata.mode() & 0o777
         ),
@@ -545,10 +599,8 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let lock_dir = directory.path().join("run").join("tutti");
         let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
-        let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-        let locked = DeviceLocks::acquire(&specs, &lock_dir, false);
-        nix::sys::stat::umask(previous);
-        drop(locked.unwrap());
+        // Whatever the umask (not changed here: tests run in parallel threads of one process).
+        drop(DeviceLocks::acquire(&specs, &lock_dir, false).unwrap());
         let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
         assert_eq!(mode(&lock_dir), 0o700);
         let lock_file = lock_dir.join("vfio-0000:00:04.0.lock");
@@ -566,11 +618,42 @@ mod tests {
         // world-readable pool file would step around.
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("pool.img");
-        let previous = nix::sys::stat::umask(nix::sys::stat::Mode::from_bits_truncate(0o022));
-        let locked = DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true);
-        nix::sys::stat::umask(previous);
-        drop(locked.unwrap());
+        // Whatever the umask (not changed here: tests run in parallel threads of one process).
+        drop(DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true).unwrap());
         let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
         assert_eq!(mode & 0o077, 0, "created with mode {mode:o}");
+    }
+
+    #[test]
+    fn a_lock_file_that_is_a_link_or_not_ours_or_in_a_shared_directory_is_refused_untouched() {
+        // Goal: a vfio: lock file planted as a symbolic link (to /etc/passwd, say) in a lock
+        // directory others can write to used to be followed and its target chmod 0600 (as root:
+        // any file). It is refused, the target's mode unchanged; so is a hard link, and a lock
+        // directory others may write to.
+        let directory = tempfile::tempdir().unwrap();
+        let lock_dir = directory.path().join("run");
+        std::fs::DirBuilder::new().mode(0o700).create(&lock_dir).unwrap();
+        let target = directory.path().join("passwd");
+        std::fs::write(&target, b"root:x:0:0").unwrap();
+        std::fs::set_permissions(&target, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
+        let lock_file = lock_dir.join("vfio-0000:00:04.0.lock");
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o777;
+        std::os::unix::fs::symlink(&target, &lock_file).unwrap();
+        let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "a symbolic link was taken as the lock file: {error}");
+        assert_eq!(mode(&target), 0o644, "the link's target was chmodded");
+        std::fs::remove_file(&lock_file).unwrap();
+        std::fs::hard_link(&target, &lock_file).unwrap();
+        let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
+        assert!(!error.to_string().contains("remove it"), "{error}");
+        assert_eq!(mode(&target), 0o644, "the hard link's target was chmodded");
+        std::fs::remove_file(&lock_file).unwrap();
+        std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+        let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
+        std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+        drop(DeviceLocks::acquire(&specs, &lock_dir, false).expect("a lock directory and file of our own"));
     }
 }

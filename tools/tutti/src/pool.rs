@@ -285,10 +285,6 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // What opening the devices refuses on its own (kinds, one DMA space, one file named
             // twice) is refused before anything is locked, created or grown.
             tutti_devices::check_one_space(&args.devices.devices, args.emu_create_bytes).map_err(|error| Unusable(error.to_string()))?;
-            // The files this format creates and grows, put back as they were if it is refused
-            // before anything is written. Declared before the locks, so dropped after them: it
-            // undoes a file only under a lock of its own.
-            let mut undo: Option<FileUndo> = None;
             // Existing files are locked before anything is read or planned; the ones format is
             // to create, once nothing can refuse any more (a refusal leaves no file behind).
             // The lock comes before the claim, as in tuttid and tutti-bench: a tuttid holding a
@@ -307,22 +303,38 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 .filter(|spec| matches!(spec, DeviceSpec::EmuFile(path) if !locks.paths().any(|held| held == path)))
                 .cloned()
                 .collect();
-            let _created_locks = match args.emu_create_bytes {
-                Some(_) => {
-                    #[cfg(test)]
-                    tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
-                    // Made here with O_EXCL (so the undo knows which it made), then locked.
-                    undo = Some(FileUndo::create_missing(&args.devices.devices));
-                    let created = lock_devices(&args.devices, &to_create, true)?;
-                    // A file another process made since the first look is read as the others were.
-                    if !args.overwrite {
-                        tutti_devices::refuse_foreign_contents(&to_create, &BlockDeviceClaims::default())
-                            .map_err(|error| Unusable(error.to_string()))?;
+            // The files this format creates and grows, put back as they were if it is refused
+            // before anything is written. Declared after the locks, so dropped before them: it
+            // undoes the files while they are still held.
+            let mut _created_locks: Option<DeviceLocks> = None;
+            let mut undo: Option<FileUndo> = None;
+            if args.emu_create_bytes.is_some() {
+                // Made here with O_EXCL (so the undo knows which it made) and locked at once;
+                // the lock taken on them next is that same lock.
+                let mut made = FileUndo::create_missing(&args.devices.devices, locks.paths());
+                #[cfg(test)]
+                tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
+                let created = lock_devices(&args.devices, &to_create, true)?;
+                // A file another process made or wrote since the first look is read as the
+                // others were; one refused is left as that process wrote it.
+                if !args.overwrite {
+                    for spec in &to_create {
+                        if let Err(error) =
+                            tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &BlockDeviceClaims::default())
+                        {
+                            if let DeviceSpec::EmuFile(path) = spec {
+                                made.forget(path);
+                            }
+                            // Undone while the files are still locked.
+                            drop(made);
+                            drop(created);
+                            return Err(Unusable(error.to_string()).into());
+                        }
                     }
-                    Some(created)
                 }
-                None => None,
-            };
+                _created_locks = Some(created);
+                undo = Some(made);
+            }
             let targets = open_targets(&args.devices, args.emu_create_bytes)?;
             // What a vfio: SSD holds can only be read through its controller, now that it is up;
             // emu: devices were read before anything was created or grown.
