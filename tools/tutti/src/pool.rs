@@ -217,14 +217,23 @@ fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -
 
 /// Exit status 2 for what the devices given cannot be (a set that is not one pool, a format this
 /// build does not read, a namespace too small to format, an LBA size other than the format's), 1
-/// for damage.
-fn classify(error: ObjstoreError, what: &str) -> anyhow::Error {
+/// for damage. `devices`: the devices given, in order (the error's device index names one).
+fn classify(error: ObjstoreError, what: &str, devices: &[DeviceSpec]) -> anyhow::Error {
     match error {
-        // The software controller was started with another LBA size than the format's.
-        error @ ObjstoreError::LbaSizeMismatch { recorded, .. } => Unusable(format!(
-            "{what}: {error}: an emu: device must be read with the LBA size it was formatted with: give --emu-lba-bytes {recorded}"
-        ))
-        .into(),
+        error @ ObjstoreError::LbaSizeMismatch { device, recorded, .. } => match devices.get(device) {
+            // The software controller was started with another LBA size than the format's.
+            Some(spec @ (DeviceSpec::EmuFile(_) | DeviceSpec::EmuMemory(_) | DeviceSpec::EmuNull(_))) => Unusable(format!(
+                "{what}: {spec}: {error}: an emu: device must be read with the LBA size it was formatted with: give --emu-lba-bytes {recorded}"
+            ))
+            .into(),
+            // An SSD's LBA size is its namespace's format, which no flag of tutti's changes.
+            Some(spec) => Unusable(format!(
+                "{what}: {spec}: {error}: the namespace now has another LBA size than the pool was formatted with \
+                 (it was reformatted): format the pool again, or the namespace back to {recorded}-byte LBAs"
+            ))
+            .into(),
+            None => Unusable(format!("{what}: {error}")).into(),
+        },
         error @ (ObjstoreError::PoolMembership { .. }
         | ObjstoreError::GeometryMismatch { .. }
         | ObjstoreError::NewerFormatVersion { .. }
@@ -294,7 +303,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             let claims = claim_block_devices(&args.devices, opener)?;
             refuse_foreign_contents(&args.devices, &claims, args.overwrite)?;
             if let Some(create_bytes) = args.emu_create_bytes {
-                plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what))?;
+                plan_emu_files(&args.devices, create_bytes, &params).map_err(|error| classify(error, &what, &args.devices.devices))?;
             }
             let to_create: Vec<DeviceSpec> = args
                 .devices
@@ -342,7 +351,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             refuse_foreign_namespaces(vfio, args.overwrite)?;
             // format_pool plans every device before it writes any: a refusal of its plan (status
             // 2) wrote nothing, and the files are put back; anything else keeps them.
-            let formatted = format_pool(&targets, &params).map_err(|error| classify(error, &what));
+            let formatted = format_pool(&targets, &params).map_err(|error| classify(error, &what, &args.devices.devices));
             if !matches!(&formatted, Err(error) if error.is::<Unusable>()) {
                 if let Some(undo) = undo.take() {
                     undo.keep();
@@ -365,7 +374,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                     Err(error) => outln!("{spec}: {error}")?,
                 }
             }
-            let (pool, report) = Pool::open(targets, None).map_err(|error| classify(error, "opening the pool"))?;
+            let (pool, report) = Pool::open(targets, None).map_err(|error| classify(error, "opening the pool", &args.devices))?;
             let counts = pool.index().counts();
             outln!(
                 "{} slots: {} valid, {} empty, {} corrupt headers, {} duplicates; {} cached blocks",
@@ -387,8 +396,8 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // Lock, then claim (see format).
             let _locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             let _claims = claim_block_devices(&args.devices, opener)?;
-            let (mut pool, report) =
-                Pool::open(open_targets(&args.devices, None)?, None).map_err(|error| classify(error, "opening the pool"))?;
+            let (mut pool, report) = Pool::open(open_targets(&args.devices, None)?, None)
+                .map_err(|error| classify(error, "opening the pool", &args.devices.devices))?;
             outln!(
                 "{} slots checked: {} valid, {} empty, {} corrupt headers ({} all zeroes), {} duplicates",
                 report.slots,
@@ -466,6 +475,24 @@ mod tests {
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
         assert!(std::fs::read(&path).unwrap() == bytes, "the file made meanwhile was changed");
+    }
+
+    #[test]
+    fn another_lba_size_names_emu_lba_bytes_only_for_an_emu_device() {
+        // Goal: a pool recording another LBA size than its device's is unusable input; the
+        // advice names --emu-lba-bytes only for an emu: device (the error's device index), not
+        // for a vfio: SSD, whose LBA size is its namespace's format.
+        let specs = [
+            DeviceSpec::parse("emu:/tmp/pool.img", &DeviceKind::ALL).unwrap(),
+            DeviceSpec::parse("vfio:0000:00:04.0", &DeviceKind::ALL).unwrap(),
+        ];
+        let message = |device| {
+            let error = classify(ObjstoreError::LbaSizeMismatch { device, recorded: 512, namespace: 4096 }, "opening the pool", &specs);
+            error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}")).0.clone()
+        };
+        assert!(message(0).contains("--emu-lba-bytes 512"), "{}", message(0));
+        assert!(!message(1).contains("--emu-lba-bytes"), "{}", message(1));
+        assert!(message(1).contains("vfio:0000:00:04.0"), "{}", message(1));
     }
 
     /// Calls `path` a block device and answers EBUSY for it, as the kernel does for a mounted one.
