@@ -22,7 +22,9 @@ pub const RESPONSE_BYTES_MAX: usize = 4 << 20;
 /// How a node or client talks to the registry.
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
-    /// etcd client URLs (`http://host:port`), every member of the etcd cluster.
+    /// etcd client URLs (`http://host:port`), every member of the etcd cluster. [`ClusterConfig::new`]
+    /// writes `host:port` (no scheme, as etcd-client takes it) and a scheme in upper case as
+    /// `http://host:port`; set directly, an endpoint is used as written.
     pub endpoints: Vec<String>,
     pub cluster: ClusterId,
     /// Blocks per segment; the same on every node of the cluster.
@@ -44,9 +46,10 @@ pub struct ClusterConfig {
 
 impl ClusterConfig {
     /// The defaults: 3 s per request (etcd's default election timeout is 1 s), a 10 s lease, 128 operations per transaction, 16 holders.
+    /// Endpoints are written as `http://host:port` ([`normalize_endpoint`]).
     pub fn new(endpoints: Vec<String>, cluster: ClusterId, segment_blocks: SegmentBlocks) -> ClusterConfig {
         ClusterConfig {
-            endpoints,
+            endpoints: endpoints.into_iter().map(normalize_endpoint).collect(),
             cluster,
             segment_blocks,
             request_timeout: Duration::from_secs(3),
@@ -118,17 +121,29 @@ impl ClusterConfig {
     }
 }
 
-/// An etcd client URL this client can use: `http://HOST:PORT`, the port in 1..=65535 (etcd's
-/// gRPC without TLS; the port is not left to a default, which would be 80, where etcd does not
-/// listen). Otherwise a sentence naming it.
+/// `endpoint` with its scheme as etcd-client matches it (`http://`, in lower case): `HTTP://`
+/// in any case is written so, and `HOST:PORT` without a scheme is given `http://` (as
+/// etcd-client itself does without TLS); anything else is left for [`check_endpoint`] to name.
+pub fn normalize_endpoint(endpoint: String) -> String {
+    match endpoint.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("http") => format!("http://{rest}"),
+        Some(_) => endpoint,
+        None if endpoint.is_empty() => endpoint,
+        None => format!("http://{endpoint}"),
+    }
+}
+
+/// An etcd client URL this client can use: `http://HOST:PORT` (the scheme in any case, or left
+/// out: etcd-client takes `HOST:PORT` as `http://`), the port in 1..=65535 (etcd's gRPC without
+/// TLS; the port is not left to a default, which would be 80, where etcd does not listen).
+/// Otherwise a sentence naming it.
 fn check_endpoint(endpoint: &str) -> std::result::Result<(), String> {
-    let refuse = |why: &str| Err(format!("etcd endpoint '{endpoint}': {why}; accepted: http://HOST:PORT (e.g. http://127.0.0.1:2379)"));
-    let Some(authority) = endpoint.strip_prefix("http://") else {
-        return match endpoint.split_once("://") {
-            Some(("https", _)) => refuse("https needs TLS, which this client does not speak"),
-            Some((scheme, _)) => refuse(&format!("scheme '{scheme}' is not http")),
-            None => refuse("not an http:// URL"),
-        };
+    let refuse = |why: &str| Err(format!("etcd endpoint '{endpoint}': {why}; accepted: [http://]HOST:PORT (e.g. http://127.0.0.1:2379)"));
+    let authority = match endpoint.split_once("://") {
+        Some((scheme, authority)) if scheme.eq_ignore_ascii_case("http") => authority,
+        Some((scheme, _)) if scheme.eq_ignore_ascii_case("https") => return refuse("https needs TLS, which this client does not speak"),
+        Some((scheme, _)) => return refuse(&format!("scheme '{scheme}' is not http")),
+        None => endpoint,
     };
     let authority = authority.strip_suffix('/').unwrap_or(authority);
     if authority.contains(['/', '@', '?', '#']) || authority.chars().any(char::is_whitespace) {
@@ -184,16 +199,27 @@ mod tests {
             "http://127.0.0.1:99999",
             "http://127.0.0.1:0",
             "http://127.0.0.1",
-            "127.0.0.1:2379",
             "http://:2379",
             "http://::1:2379",
             "http://h:1/v3",
+            "HTTPS://127.0.0.1:2379",
+            "ftp://127.0.0.1:2379",
+            "127.0.0.1",
+            ":2379",
         ] {
             let error = check_endpoint(bad).unwrap_err();
             assert!(error.starts_with(&format!("etcd endpoint '{bad}': ")), "{error}");
         }
         let mut config = ClusterConfig::new(vec![], ClusterId::new("fleet").unwrap(), SegmentBlocks::new(32).unwrap());
         assert!(matches!(config.validate_connection(), Err(ClusterError::InvalidSetting(_))));
+        // etcd-client takes HOST:PORT without a scheme as http:// (its build_endpoint), so that
+        // is accepted too, as is the scheme in any case; new() writes both as http://.
+        for good in ["127.0.0.1:2379", "etcd-0.local:2379", "[::1]:2379", "HTTP://127.0.0.1:2379", "Http://[::1]:2379/"] {
+            assert_eq!(check_endpoint(good), Ok(()), "{good}");
+        }
+        let given = vec!["127.0.0.1:2379".to_string(), "HTTP://etcd-0:2379".to_string(), "http://etcd-1:2379".to_string()];
+        let normalized = ClusterConfig::new(given, ClusterId::new("fleet").unwrap(), SegmentBlocks::new(32).unwrap());
+        assert_eq!(normalized.endpoints, ["http://127.0.0.1:2379", "http://etcd-0:2379", "http://etcd-1:2379"]);
         config.endpoints = vec!["http://127.0.0.1:2379".into(), "http://127.0.0.1:99999".into()];
         assert!(matches!(config.validate_connection(), Err(ClusterError::InvalidSetting(text)) if text.contains("99999")));
     }
