@@ -99,6 +99,10 @@ pub enum DeviceError {
     DeviceInUse { spec: String, lock: std::path::PathBuf, holder: String },
     #[error("{path}: {reason}")]
     SharedLockFile { path: std::path::PathBuf, reason: String },
+    /// A device's file (or a `vfio:` lock file) that could not be opened to lock it;
+    /// [`DeviceError::is_unusable_input`] tells what was given from what failed.
+    #[error("opening {path} to lock it: {source}")]
+    OpenFailed { path: std::path::PathBuf, source: std::io::Error },
     #[error(
         "{spec}: the block device is in use (mounted, swap, under device-mapper/RAID, or held open exclusively by another \
          program): refusing to touch it; unmount or release it first"
@@ -115,4 +119,56 @@ pub enum DeviceError {
     Io { context: String, source: std::io::Error },
     #[error("{listed}: {source} (needs the device bound to vfio-pci, e.g. `tutti bind BDF`, and access to /dev/vfio)")]
     Vfio { listed: String, source: nvme_driver::HwError },
+}
+
+impl DeviceError {
+    /// Whether this says something about what was given (exit status 2) rather than that a
+    /// device or this host failed (1). Only [`DeviceError::OpenFailed`] is decided here, by its
+    /// errno: a path that does not exist, is not allowed, is read-only, loops or is malformed is
+    /// unusable input; anything else (EIO, EMFILE, ENOSPC, ...) a failure.
+    pub fn is_unusable_input(&self) -> bool {
+        match self {
+            DeviceError::OpenFailed { source, .. } => matches!(
+                source.raw_os_error().map(nix::errno::Errno::from_raw),
+                Some(
+                    nix::errno::Errno::ENOENT
+                        | nix::errno::Errno::EACCES
+                        | nix::errno::Errno::EPERM
+                        | nix::errno::Errno::EROFS
+                        | nix::errno::Errno::ELOOP
+                        | nix::errno::Errno::ENAMETOOLONG
+                        | nix::errno::Errno::ENOTDIR
+                        | nix::errno::Errno::EISDIR
+                )
+            ),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_open_is_input_or_failure_by_its_errno() {
+        // Goal: tutti-bench told a lock file's failed open from other I/O errors by the words of
+        // its context ("opening "), and made EIO, EMFILE or ENOSPC unusable input (2); the
+        // typed error is classified by its errno.
+        let open = |errno: nix::errno::Errno| DeviceError::OpenFailed {
+            path: "/x".into(),
+            source: std::io::Error::from_raw_os_error(errno as i32),
+        };
+        use nix::errno::Errno;
+        for errno in
+            [Errno::ENOENT, Errno::EACCES, Errno::EPERM, Errno::EROFS, Errno::ELOOP, Errno::ENAMETOOLONG, Errno::ENOTDIR, Errno::EISDIR]
+        {
+            assert!(open(errno).is_unusable_input(), "{errno}");
+        }
+        for errno in [Errno::EIO, Errno::EMFILE, Errno::ENOSPC, Errno::ENOMEM] {
+            assert!(!open(errno).is_unusable_input(), "{errno}");
+        }
+        let error = DeviceError::Io { context: "opening /x".into(), source: std::io::Error::from_raw_os_error(Errno::ENOENT as i32) };
+        assert!(!error.is_unusable_input());
+    }
 }

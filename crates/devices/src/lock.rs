@@ -98,7 +98,7 @@ impl DeviceLocks {
                         });
                     }
                     refuse_special_path(spec, &path)?;
-                    return Err(DeviceError::Io { context: format!("opening {} to lock it", path.display()), source });
+                    return Err(DeviceError::OpenFailed { path, source });
                 }
             };
             refuse_special_file(spec, &path, &file)?;

@@ -213,29 +213,37 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
     }
     let mut locks = Vec::with_capacity(devices.len());
     for spec in devices {
-        match DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false) {
-            Ok(held) => locks.push(held),
-            // A directory, FIFO or socket named as a device, or a file that cannot be opened
-            // (no permission, ...): unusable input, as README's exit statuses say.
-            Err(error @ (tutti_devices::DeviceError::DeviceInUse { .. } | tutti_devices::DeviceError::NotAFileOrDevice { .. })) => {
-                return usage(error.to_string())
-            }
-            // (tutti-devices says which step failed only in its context words.)
-            Err(error)
-                if matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_))
-                    && matches!(&error, tutti_devices::DeviceError::Io { context, .. } if context.starts_with("opening ")) =>
-            {
-                return usage(error.to_string())
-            }
-            // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
-            // other than root may not create: say which option picks another.
-            Err(error @ tutti_devices::DeviceError::Io { .. }) if matches!(spec, DeviceSpec::Vfio(_)) => {
-                return usage(format!("{error} (--lock-dir picks another directory for vfio: lock files; give tuttid's, so that a run is refused on a device it uses)"))
-            }
-            Err(error) => return Err(error.into()),
-        }
+        let held = DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false).map_err(|error| lock_refusal(spec, error))?;
+        locks.push(held);
     }
     Ok(locks)
+}
+
+/// Why `spec`'s lock could not be taken, as the exit status says it: unusable input (2) for
+/// what was given, a failure (1) otherwise.
+fn lock_refusal(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> anyhow::Error {
+    let usage = |message: String| anyhow::Error::new(Unusable(message));
+    match error {
+        // A device another process holds, a directory, FIFO or socket named as a device, or a
+        // vfio: lock file or directory others could use: unusable input, as README's exit
+        // statuses say.
+        error @ (tutti_devices::DeviceError::DeviceInUse { .. }
+        | tutti_devices::DeviceError::NotAFileOrDevice { .. }
+        | tutti_devices::DeviceError::SharedLockFile { .. }) => usage(error.to_string()),
+        // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
+        // other than root may not create or open: say which option picks another.
+        error @ (tutti_devices::DeviceError::OpenFailed { .. } | tutti_devices::DeviceError::Io { .. })
+            if matches!(spec, DeviceSpec::Vfio(_)) && (error.is_unusable_input() || matches!(error, tutti_devices::DeviceError::Io { .. })) =>
+        {
+            usage(format!(
+                "{error} (--lock-dir picks another directory for vfio: lock files; give tuttid's, so that a run is refused on a device it uses)"
+            ))
+        }
+        // A file that cannot be opened: by its errno (no such path, no permission, read-only,
+        // a loop: what was given; EIO, EMFILE, ENOSPC: a failure).
+        error if error.is_unusable_input() => usage(error.to_string()),
+        error => error.into(),
+    }
 }
 
 fn check_executor(executor: Executor) -> anyhow::Result<()> {
@@ -771,6 +779,25 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+
+    #[test]
+    fn a_device_file_that_cannot_be_opened_is_unusable_input_by_its_errno() {
+        // Goal: a device path that cannot be opened to lock it (here ENOTDIR and ELOOP) is
+        // unusable input (exit 2), told by the error's type and errno, not by the words of its
+        // context; an errno that says the host failed (EIO) is not.
+        let directory = tempfile::tempdir().unwrap();
+        let file = directory.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let looping = directory.path().join("loop");
+        std::os::unix::fs::symlink(&looping, &looping).unwrap();
+        for path in [file.join("under-a-file"), looping] {
+            let error = lock_devices(&[DeviceSpec::EmuFile(path.clone())], directory.path()).unwrap_err();
+            assert!(error.downcast_ref::<Unusable>().is_some(), "{}: not status 2: {error:#}", path.display());
+        }
+        let failed = tutti_devices::DeviceError::OpenFailed { path: file.clone(), source: std::io::Error::from_raw_os_error(libc::EIO) };
+        let error = lock_refusal(&DeviceSpec::EmuFile(file), failed);
+        assert!(error.downcast_ref::<Unusable>().is_none(), "EIO made status 2: {error:#}");
+    }
 
     #[test]
     fn the_default_plan_fits_the_engine_memory_the_host_can_spare() {
