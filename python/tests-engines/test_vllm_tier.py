@@ -241,6 +241,28 @@ def test_without_the_engines_config_the_default_key_is_refused(tmp_path: Path):
     offloading_spec(tmp_path / "pool.img", True, engine=None, model_fingerprint="ef" * 32).get_manager().shutdown()
 
 
+def test_a_pool_without_payload_crcs_is_refused_naming_verify_retrieves(tmp_path: Path):
+    """Goal: the tier checks retrieved chunks by default (verify_retrieves), which a pool
+    formatted without payload CRCs (`tutti pool format` or tuttid --format without
+    --payload-crc, Store.open(payload_crcs=False)) cannot do: the refusal at engine start is a
+    ConfigError naming both ways out, "verify_retrieves": false or a pool formatted with
+    --payload-crc; with verify_retrieves false the same pool opens."""
+    from tutti._engine import ConfigError, byte_geometry
+
+    pool = tmp_path / "pool.img"
+    manager = offloading_spec(pool, True).get_manager()
+    block_bytes = manager.secondary_tiers[0].block_size_bytes
+    manager.shutdown()
+    store = tutti.Store.open(
+        f"emu:{pool}", byte_geometry(block_bytes), format=True, payload_crcs=False, lock_dir=str(tmp_path / "locks")
+    )
+    store.close()
+    with pytest.raises(ConfigError, match="payload CRC") as refused:
+        offloading_spec(pool, False).get_manager()
+    assert '"verify_retrieves": false' in str(refused.value) and "--payload-crc" in str(refused.value)
+    offloading_spec(pool, False, verify_retrieves=False).get_manager().shutdown()
+
+
 def test_the_tier_says_its_locality(tmp_path: Path):
     """Goal: the configured locality is vLLM's Locality on the tier (as vLLM's own fs tier sets
     it), LOCAL by default; another word is refused naming the field."""

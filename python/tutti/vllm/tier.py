@@ -140,8 +140,18 @@ class TuttiTier(SecondaryTierManager):
         )
         try:
             self._store.register_kv(tutti.KvLayout.paged([primary_kv_view]))
-        except BaseException:
+        except BaseException as error:
             self._store.close()
+            if config["verify_retrieves"] and isinstance(error, tutti.InvalidArgument) and _refuses_crc_less_pool(error):
+                # The pool's own refusal names only reformatting: say the other way out too.
+                raise ConfigError(
+                    f"secondary tier {tier_type!r}: the pool on {config['devices']!r} was formatted without payload "
+                    "CRCs (`tutti pool format` and tuttid --format without --payload-crc), which the tier's "
+                    "verify_retrieves (on by default) needs to check each chunk it loads: set "
+                    '"verify_retrieves": false in the tier\'s config to serve this pool unchecked, or format it '
+                    "again with --payload-crc (or the tier's \"format\": true, which records them; everything on it "
+                    f"is lost) [{error}]"
+                ) from error
             raise
         self._jobs: queue.Queue = queue.Queue(maxsize=config["queue_max"])
         self._results: list[JobResult] = []
@@ -508,6 +518,13 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
         )
     identity = _model_identity(vllm_config, kv_cache_config, _resolved_kv_layout(vllm_config, kv_cache_config))
     return fingerprint_from_config(None, "vllm offloading tier", *identity, *layout)
+
+
+def _refuses_crc_less_pool(error: BaseException) -> bool:
+    """Whether the store refused verify_retrieves (at register_kv) because the pool records no payload CRCs
+    (objstore's refusal names both; the binding raises it as InvalidArgument)."""
+    message = str(error)
+    return "verify_retrieves" in message and "payload CRC" in message
 
 
 class _RowsUnsafe(Exception):
