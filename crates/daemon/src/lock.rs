@@ -25,6 +25,21 @@ pub struct DeviceLocks {
     more: Vec<(tutti_devices::DeviceLocks, BlockDeviceClaims)>,
 }
 
+/// A device error as the daemon's: I/O that failed (an open that failed with EIO, EMFILE, ...
+/// included) as [`DaemonError::Io`] (tuttid: exit status 1), what was given as
+/// [`DaemonError::Devices`] (2).
+fn daemon_error(error: DeviceError) -> DaemonError {
+    let open_failed = matches!(error, DeviceError::OpenFailed { .. }) && !error.is_unusable_input();
+    match error {
+        DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
+        DeviceError::Io { context, source } => DaemonError::Io { context, source },
+        DeviceError::OpenFailed { path, source } if open_failed => {
+            DaemonError::Io { context: format!("opening {} to lock it", path.display()), source }
+        }
+        error => DaemonError::Devices(error),
+    }
+}
+
 impl DeviceLocks {
     /// [`tutti_devices::DeviceLocks::acquire`] and the claims of the block devices among
     /// `specs`, their errors as the daemon's.
@@ -38,11 +53,6 @@ impl DeviceLocks {
         create_files: bool,
         opener: &dyn BlockDeviceOpener,
     ) -> Result<DeviceLocks, DaemonError> {
-        let daemon_error = |error| match error {
-            DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
-            DeviceError::Io { context, source } => DaemonError::Io { context, source },
-            error => DaemonError::Devices(error),
-        };
         let locks = tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map_err(daemon_error)?;
         let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
         Ok(DeviceLocks { locks, claims, more: Vec::new() })
@@ -71,6 +81,20 @@ impl DeviceLocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lock_file_that_failed_to_open_is_a_failure_unless_the_path_is_the_problem() {
+        // Goal: tuttid's exit status for a lock file it could not open follows the errno (ec9a832
+        // typed it as OpenFailed, which the daemon passed on as unusable input, 2, for EIO too).
+        let open = |errno: nix::errno::Errno| DeviceError::OpenFailed {
+            path: "/x".into(),
+            source: std::io::Error::from_raw_os_error(errno as i32),
+        };
+        assert!(matches!(daemon_error(open(nix::errno::Errno::EIO)), DaemonError::Io { .. }));
+        assert!(matches!(daemon_error(open(nix::errno::Errno::EMFILE)), DaemonError::Io { .. }));
+        assert!(matches!(daemon_error(open(nix::errno::Errno::ENOENT)), DaemonError::Devices(DeviceError::OpenFailed { .. })));
+        assert!(matches!(daemon_error(open(nix::errno::Errno::EACCES)), DaemonError::Devices(DeviceError::OpenFailed { .. })));
+    }
 
     #[test]
     fn a_second_daemon_is_refused_as_the_daemons_device_in_use() {
