@@ -327,6 +327,10 @@ impl PolicyResult {
             "stores_committed": counters.stores_committed,
             "stores_forced": counters.stores_forced,
             "stores_failed": counters.stores_failed,
+            "stores_refused": counters.stores_refused,
+            "stores_truncated": counters.stores_truncated,
+            "stores_skipped_pool_full": counters.stores_skipped_pool_full,
+            "stores_skipped_no_request_slot": counters.stores_skipped_no_request_slot,
             "table_fallbacks": counters.table_fallbacks,
             "write_backlog": {
                 "block_bytes": self.live.block_bytes,
@@ -575,11 +579,14 @@ pub fn text(plan: &ServePlan, point: &SweepPoint) -> String {
             ms(result.predicted.rw_overlap_us)
         ));
         lines.push(format!(
-            "  writes:      deferred layers={}, issued layers={}, stores committed={}, forced={}; backlog max {} blocks ({})",
+            "  writes:      deferred layers={}, issued layers={}, stores committed={}, forced={}, failed={}, refused={}, skipped={}; backlog max {} blocks ({})",
             counters.write_layers_deferred,
             counters.write_layers_issued,
             counters.stores_committed,
             counters.stores_forced,
+            counters.stores_failed,
+            counters.stores_refused,
+            counters.stores_skipped_pool_full + counters.stores_skipped_no_request_slot,
             result.backlog_blocks_max(),
             format_size(result.backlog_blocks_max() as u64 * result.live.block_bytes)
         ));
