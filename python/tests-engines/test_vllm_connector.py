@@ -673,6 +673,71 @@ def test_the_default_fingerprint_names_a_local_models_weights(tmp_path):
     assert fingerprint() != rewritten, "the index JSON is not named"
 
 
+def weights_fingerprint(model_dir, model_weights=""):
+    """The default fingerprint of a stand-in model config over `model_dir` (vLLM's model_weights:
+    where runai_streamer streams the weights from, "" otherwise)."""
+    from types import SimpleNamespace
+
+    from tutti._engine import fingerprint_from_config
+    from tutti.vllm.connector import _model_identity
+
+    model = SimpleNamespace(
+        model=str(model_dir), model_weights=model_weights, revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
+    )
+    config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
+    return fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC"))
+
+
+def test_a_hugging_face_snapshots_weights_are_named_by_their_blobs_not_their_download_time(tmp_path):
+    """Goal: a Hugging Face snapshot directory's weight files are links to blobs named by their
+    content hash, each downloaded (and so timed) when that node fetched it: the default
+    fingerprint names a linked file by its blob's name and size and an index JSON by its
+    contents, so two nodes' downloads of one revision share a key space (a blob's time changes
+    nothing), and another blob (other weights) or another index gives another one."""
+    import json
+    import os
+
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    snapshot = tmp_path / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    for name, blob, content in (("model.safetensors", "a" * 64, b"weights"), ("model.safetensors.index.json", "b" * 40, b"{}")):
+        (blobs / blob).write_bytes(content)
+        os.utime(blobs / blob, ns=(1_000_000_000, 1_000_000_000))
+        (snapshot / name).symlink_to(os.path.join("..", "..", "blobs", blob))
+    first = weights_fingerprint(snapshot)
+    for blob in ("a" * 64, "b" * 40):  # another node's download: other times
+        os.utime(blobs / blob, ns=(5_000_000_000, 5_000_000_000))
+    assert weights_fingerprint(snapshot) == first, "a blob's download time changed the key space"
+    (blobs / ("c" * 64)).write_bytes(b"WEIGHTS")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(os.path.join("..", "..", "blobs", "c" * 64))
+    assert weights_fingerprint(snapshot) != first, "another blob shares the old weights' key space"
+
+
+def test_weights_streamed_from_object_storage_are_named_by_their_url(tmp_path):
+    """Goal: with --load-format runai_streamer and an s3:// model, vLLM serves model_config.model
+    from a local directory it fills with the model's *.json (the index JSON included) at every
+    start and streams the weights from model_config.model_weights: the default fingerprint names
+    that URL, not the directory's files (new times each start), so a restart finds its blocks;
+    another URL is another key space."""
+    import json
+    import os
+
+    pulled = tmp_path / "model_streamer" / "0123abcd"
+    pulled.mkdir(parents=True)
+    (pulled / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    index = pulled / "model.safetensors.index.json"
+    index.write_text('{"weight_map": {}}')
+    os.utime(index, ns=(1_000_000_000, 1_000_000_000))
+    first = weights_fingerprint(pulled, "s3://bucket/llama/")
+    index.write_text('{"weight_map": {}}')  # pulled again at the next start
+    os.utime(index, ns=(9_000_000_000, 9_000_000_000))
+    assert weights_fingerprint(pulled, "s3://bucket/llama/") == first, "a restart's pull changed the key space"
+    assert weights_fingerprint(pulled, "s3://bucket/llama-ft/") != first, "another URL shares the key space"
+
+
 @pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])
 def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites_rope(tuttid, tmp_path, rope_from):
     """Goal: the scheduler's connector and the workers' name the same key space although model

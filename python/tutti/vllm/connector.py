@@ -206,14 +206,26 @@ _REWRITTEN_ROPE_FIELDS = ("partial_rotary_factor", "rope_type")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
+# An index JSON (which weights file holds each tensor) is named by its contents up to this size,
+# by its size and time beyond (never seen: a few hundred KiB for thousands of tensors).
+_INDEX_HASHED_BYTES_MAX = 16 << 20
+
+
 def _local_weights_identity(model_path: Any) -> Optional[str]:
     """For a model served from a local directory: its weight files (top level: *.safetensors,
-    *.bin, *.pt, *.pth, *.gguf and the *.index.json naming them), each by name, size and
-    modification time (ns), as canonical JSON; None for a model that is not a local directory (a
-    Hugging Face model id: its pinned revision names its weights). Cheap (one stat per file, no
-    read): a fine-tune saved over the same directory, config.json unchanged, gets another key
-    space. Every process and every node must see the same files with the same times (copies made
-    with cp -p or rsync -t), or set model_fingerprint."""
+    *.bin, *.pt, *.pth, *.gguf and the *.index.json naming them), as canonical JSON; None for a
+    model that is not a local directory (a Hugging Face model id: its pinned revision names its
+    weights). Each file is named by
+    - an *.index.json: its contents' SHA-256 (what it says, not when it was written);
+    - a symbolic link (a Hugging Face snapshot: links to blobs named by their content hash): its
+      target's file name and size, not the blob's time, which is when this node downloaded it;
+    - any other file: name, size and modification time (ns): one stat, no read of the weights.
+    A fine-tune saved over the same directory, config.json unchanged, gets another key space. So
+    does a plain directory materialised again without its times (a copy without cp -p or
+    rsync -t, an unpacked archive, another node's download into a plain directory): every
+    process and every node must see the same files with the same times, or set
+    model_fingerprint."""
+    import hashlib
     import os
 
     if not isinstance(model_path, str) or not os.path.isdir(model_path):
@@ -222,15 +234,23 @@ def _local_weights_identity(model_path: Any) -> Optional[str]:
     try:
         with os.scandir(model_path) as entries:
             for entry in entries:
-                if entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file():
-                    stat = entry.stat()
+                if not (entry.name.endswith(_WEIGHT_SUFFIXES) and entry.is_file()):
+                    continue
+                stat = entry.stat()
+                if entry.name.endswith(".index.json") and stat.st_size <= _INDEX_HASHED_BYTES_MAX:
+                    with open(entry.path, "rb") as index:
+                        digest = hashlib.sha256(index.read(_INDEX_HASHED_BYTES_MAX + 1)).hexdigest()
+                    files.append([entry.name, "sha256", digest])
+                elif entry.is_symlink():
+                    files.append([entry.name, "link", os.path.basename(os.readlink(entry.path)), stat.st_size])
+                else:
                     files.append([entry.name, stat.st_size, stat.st_mtime_ns])
     except OSError as error:
         logging.getLogger("tutti.vllm").warning(
             "tutti: cannot list the weight files of %s (%s): the default model fingerprint does not name them", model_path, error
         )
         return None
-    return json.dumps(sorted(files), separators=(",", ":"))
+    return json.dumps(sorted(files, key=lambda file: file[0]), separators=(",", ":"))
 
 
 def _hf_config_identity(model: Any) -> str:
@@ -459,7 +479,8 @@ def _model_identity(
 ) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
     the model, its checkpoint's RoPE parameters and hf_overrides, a local model directory's weight
-    files (`_local_weights_identity`), the cache dtype, the KV layout (LBHNC and
+    files (`_local_weights_identity`; for weights streamed from object storage, vLLM's
+    model_weights URL in place of the directory and its files), the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
     KV cache group. `with_model` False: the layout parts only (block size, cache dtype, layout,
     groups), hashed with an explicit fingerprint."""
@@ -467,9 +488,18 @@ def _model_identity(
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
     if model is not None and with_model:
-        parts += [model.model, str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
+        streamed = getattr(model, "model_weights", None)
+        streamed = streamed if isinstance(streamed, str) and streamed else None
+        if streamed is not None:
+            # --load-format runai_streamer from object storage: model.model is a local directory
+            # vLLM fills with the model's *.json at every start (new times each start, under this
+            # node's cache directory); the weights stream from this URL, which names them.
+            parts += ["streamed weights", streamed]
+        else:
+            parts += [model.model]
+        parts += [str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
         parts += ["hf config", _hf_config_identity(model)]
-        weights = _local_weights_identity(model.model)
+        weights = None if streamed is not None else _local_weights_identity(model.model)
         if weights is not None:
             parts += ["local weights", weights]
     parts += ["kv layout", kv_layout]
