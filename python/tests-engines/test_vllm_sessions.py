@@ -184,3 +184,117 @@ def test_verify_retrieves_reaches_the_workers_store(tuttid, monkeypatch):
         assert all(torch.equal(loaded, saved) for loaded, saved in zip(worker.blocks_bytes([20, 21]), worker.blocks_bytes([1, 2])))
     finally:
         worker.shutdown()
+
+
+class FakeSession:
+    """Stands for a store a re-attach opened: says whether it was closed."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def register_kv(self, layout) -> None:
+        pass
+
+    def close(self, timeout_s=None) -> None:
+        self.closed = True
+
+
+class CloseRaises:
+    """The worker's store whose close raises once it closed the real one."""
+
+    def __init__(self, store) -> None:
+        self._real = store
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def close(self, timeout_s=None) -> None:
+        self._real.close()
+        raise RuntimeError("close failed (the test)")
+
+
+def ended_worker_reattaching(daemon, attach):
+    """A device-memory worker whose session ended and whose re-attach thread runs `attach`."""
+    worker = StandInWorker(daemon.socket, timeout_s=2.0)
+    worker.connector._end_session("ended by the test")
+    worker.connector._attach = attach
+    worker.step(TuttiConnectorMetadata())
+    assert worker.connector._reattach_thread is not None, "the step started no re-attach"
+    return worker
+
+
+def test_a_reattach_finishing_after_a_failed_close_closes_its_store(tuttid):
+    """Goal: a worker shutting down whose store's close raises still stops a re-attach in flight
+    from parking its new session: the session the re-attach opens afterwards is closed, not left
+    open for good (tuttid's session and device memory registration held)."""
+    import threading
+
+    import pytest
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    release, session = threading.Event(), FakeSession()
+
+    def attach():
+        release.wait(10.0)
+        return session
+
+    worker = ended_worker_reattaching(daemon, attach)
+    connector = worker.connector
+    connector._store = CloseRaises(connector._store)
+    thread = connector._reattach_thread
+    with pytest.raises(RuntimeError, match="close failed"):
+        connector.shutdown()
+    release.set()
+    thread.join(5.0)
+    assert not thread.is_alive()
+    assert session.closed, "the re-attach's session was parked, never closed"
+
+
+def test_shutdown_waits_a_little_for_a_reattach_in_flight(tuttid):
+    """Goal: shutdown joins the re-attach thread (bounded): a try that ends within the wait is
+    over, its session closed, when shutdown returns; one that does not is left to close its
+    session itself, and shutdown still returns within its bound."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    session = FakeSession()
+
+    def attach():
+        time.sleep(0.3)
+        return session
+
+    worker = ended_worker_reattaching(daemon, attach)
+    thread = worker.connector._reattach_thread
+    worker.shutdown()
+    assert not thread.is_alive(), "shutdown returned with the re-attach thread running"
+    assert session.closed
+
+
+def test_a_programming_error_in_a_reattach_is_raised_not_retried(tuttid):
+    """Goal: the re-attach thread treats tutti.Error as a failed try (retried after a back-off),
+    as the step did before the try moved to its thread; anything else (a bug) is raised by the
+    next step rather than logged as a failed try and retried for good."""
+    import pytest
+
+    import tutti
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+
+    def attach_refused():
+        raise tutti.DaemonError("refused (the test)")
+
+    worker = ended_worker_reattaching(daemon, attach_refused)
+    try:
+        worker.connector._reattach_thread.join(5.0)
+        worker.step(TuttiConnectorMetadata())
+        assert worker.connector._reattach_at > time.monotonic(), "a failed try is retried after a back-off"
+
+        def attach_buggy():
+            raise TypeError("a bug (the test)")
+
+        worker.connector._attach = attach_buggy
+        worker.connector._reattach_at = 0.0
+        worker.step(TuttiConnectorMetadata())
+        worker.connector._reattach_thread.join(5.0)
+        with pytest.raises(TypeError, match="a bug"):
+            worker.step(TuttiConnectorMetadata())
+    finally:
+        worker.shutdown()

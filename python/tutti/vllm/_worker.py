@@ -38,6 +38,8 @@ _COMMIT_PUT_CHECK_S = 1.0
 # from the first to the last value.
 _REATTACH_BACKOFF_FIRST_S = 1.0
 _REATTACH_BACKOFF_MAX_S = 30.0
+# How long shutdown waits for a re-attach in flight (it closes its store itself after).
+_REATTACH_JOIN_S = 2.0
 
 
 class KvMemoryUnsafe(RuntimeError):
@@ -531,18 +533,30 @@ class WorkerSide:
         except queue.Full:
             logger.error("tutti: the committer did not take the stop in %.1f s", self._timeout_s)
         self._committer.join(timeout=self._timeout_s)
-        deadline = time.monotonic() + self._timeout_s
-        for state in list(self._loads.values()) + list(self._saves.values()) + self._parked:
-            self._settle(state.request, deadline)
-        self._parked.clear()
-        self._store.close()
         with self._lock:
-            self._abandoned.clear()
-            # A re-attach still trying closes its store itself; one that finished left it here.
+            # From here a re-attach still trying closes its store itself (whatever fails below);
+            # one that finished left it here.
             self._stopping = True
             pending, self._reattached = self._reattached, None
-        if pending is not None and pending[0] is not None:
-            pending[0].close()
+        try:
+            deadline = time.monotonic() + self._timeout_s
+            for state in list(self._loads.values()) + list(self._saves.values()) + self._parked:
+                self._settle(state.request, deadline)
+            self._parked.clear()
+            self._store.close()
+            with self._lock:
+                self._abandoned.clear()
+        finally:
+            if pending is not None and pending[0] is not None:
+                pending[0].close()
+            thread = self._reattach_thread
+            if thread is not None:
+                thread.join(timeout=min(self._timeout_s, _REATTACH_JOIN_S))
+                if thread.is_alive():
+                    logger.warning(
+                        "tutti: a new tuttid session is still being opened after %.1f s; it closes its store itself",
+                        min(self._timeout_s, _REATTACH_JOIN_S),
+                    )
 
     def _gpu_writes_done(self) -> None:
         """With GPU KV: waits until the work queued on the current CUDA stream (the layers'
@@ -943,6 +957,10 @@ class WorkerSide:
             with self._lock:
                 result, self._reattached = self._reattached, None
             store, error = result if result is not None else (None, RuntimeError("the try ended without a result"))
+            if result is not None and store is None and not isinstance(error, tutti.Error):
+                # Not a refusal of tutti's (a bug; the step raised it before the try had a
+                # thread of its own): raised rather than retried for good.
+                raise error
             if store is None:
                 self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
                 self._reattach_at = time.monotonic() + self._reattach_backoff_s
@@ -976,7 +994,9 @@ class WorkerSide:
             except BaseException:
                 store.close()
                 raise
-        except BaseException as failure:  # noqa: BLE001 - reported to the step, whatever it is
+        except tutti.Error as failure:  # a failed try: the step backs off and tries again
+            store, error = None, failure
+        except BaseException as failure:  # noqa: BLE001 - anything else: the next step raises it
             store, error = None, failure
         with self._lock:
             if not self._stopping:
