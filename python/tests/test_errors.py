@@ -461,6 +461,27 @@ def test_format_refuses_a_file_holding_something_else(tmp_path):
     tutti.Store.open(f"emu:{image}", GEOMETRY, format=True).close()
 
 
+def test_a_refused_format_leaves_the_directory_as_it_was(tmp_path):
+    # Goal: Store.open(format=True, create_bytes=...) on emu: files makes a missing file only
+    # for a format that succeeds: a format refused before it writes (a size too small for the
+    # model, alone or beside an existing file) removes the files it made and shrinks back the
+    # ones it grew, as `tutti pool format` and tuttid --format do (tutti_devices::FileUndo,
+    # through tutti_daemon::pool_open, which the binding opens its pools with).
+    pools = tmp_path / "pools"
+    pools.mkdir()
+    existing = pools / "existing.img"
+    existing.write_bytes(bytes(4096))
+    missing = pools / "missing.img"
+    before = sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir())
+    with raises(tutti.PoolError):
+        tutti.Store.open(f"emu:{missing}", GEOMETRY, format=True, create_bytes=64 << 10)
+    assert sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir()) == before
+    with raises(tutti.PoolError):
+        tutti.Store.open([f"emu:{missing}", f"emu:{existing}"], GEOMETRY, format=True, create_bytes=64 << 10)
+    assert sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir()) == before
+    assert existing.read_bytes() == bytes(4096)
+
+
 def test_corrupted_block_is_an_integrity_error(tmp_path):
     # Goal: with verify_retrieves, a block whose bytes changed on the device behind the store's
     # back (the emu file edited) raises IntegrityError at the last layer's wait, naming the
