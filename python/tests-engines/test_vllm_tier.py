@@ -232,6 +232,79 @@ def test_the_default_key_names_the_parallel_split_quantization_and_revision(tmp_
     assert not stored_chunks_found(pool, False, engine=None, tp_size=1, pp_size=2, model_fingerprint=given)
 
 
+def test_the_default_key_is_the_same_whether_or_not_vllm_has_a_current_config(tmp_path: Path, monkeypatch):
+    """Goal: the tier's default key names the engine's KV cache groups, read from the frame of
+    vLLM's OffloadingConnectorScheduler.__init__ (its `vllm_config` and `kv_cache_config`); with
+    vLLM's current config also set (set_current_vllm_config) the key is the same, not one
+    without the groups: the frame is read first, the current config only where no frame has it."""
+    import vllm.config
+    from tutti.vllm.tier import _tier_fingerprint
+
+    engine = engine_config(tmp_path / "pool.img")
+    spec_config = offloading_spec(tmp_path / "pool.img", True).config
+
+    def key_where_vllm_builds_the_tier():
+        vllm_config = engine  # noqa: F841 - read by the tier from this frame
+        kv_cache_config = harness.kv_cache_config()  # noqa: F841
+        return _tier_fingerprint(spec_config, 4096, None, "t")
+
+    without_current = key_where_vllm_builds_the_tier()
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: engine)
+    assert key_where_vllm_builds_the_tier() == without_current, "the current config dropped the KV cache groups"
+    # No frame has it: the current config is used (no KV cache groups to name).
+    assert _tier_fingerprint(spec_config, 4096, None, "t") != without_current
+
+
+def test_vllms_own_offloading_connector_gives_the_tier_one_key_with_or_without_a_current_config(tmp_path: Path, monkeypatch):
+    """Goal: built by vLLM's real OffloadingConnector (SCHEDULER role, TieringOffloadingSpec
+    from kv_connector_extra_config, a real VllmConfig over a local model), the tier's default key
+    is the same whether or not vLLM's current config is set (set_current_vllm_config) while the
+    connector is built."""
+    import uuid
+
+    import tutti.vllm.tier as tier_module
+    from test_vllm_connector import llama_model_config
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+    keys_made: list[bytes] = []
+    real_fingerprint = tier_module._tier_fingerprint
+
+    def recorded(*args, **kwargs):
+        keys_made.append(real_fingerprint(*args, **kwargs))
+        return keys_made[-1]
+
+    monkeypatch.setattr(tier_module, "_tier_fingerprint", recorded)
+    model = llama_model_config(tmp_path / "model")
+    pool = tmp_path / "pool.img"
+
+    def vllm_config(format_pool: bool) -> VllmConfig:
+        tier = {
+            "type": "TuttiTier", "module_path": "tutti.vllm", "devices": f"emu:{pool}", "format": format_pool,
+            "create_bytes": 256 << 20, "lock_dir": str(tmp_path / "locks"),
+        }  # fmt: skip
+        transfer = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            engine_id=f"tutti-test-{uuid.uuid4().hex[:8]}",
+            kv_connector_extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 << 20, "secondary_tiers": [tier]},
+        )
+        return VllmConfig(
+            model_config=model,
+            kv_transfer_config=transfer,
+            cache_config=CacheConfig(block_size=harness.BLOCK_TOKENS),
+            parallel_config=ParallelConfig(),
+            device_config=DeviceConfig(device="cpu"),
+        )
+
+    OffloadingConnector(vllm_config(True), KVConnectorRole.SCHEDULER, harness.kv_cache_config()).shutdown()
+    config = vllm_config(False)
+    with set_current_vllm_config(config):
+        OffloadingConnector(config, KVConnectorRole.SCHEDULER, harness.kv_cache_config()).shutdown()
+    assert len(keys_made) == 2 and keys_made[0] == keys_made[1], "a current config changed the tier's key"
+
+
 def test_without_the_engines_config_the_default_key_is_refused(tmp_path: Path):
     """Goal: a tier built where the engine's VllmConfig cannot be found cannot name the model's
     revision, quantization or RoPE: it refuses the default key and asks for model_fingerprint

@@ -459,18 +459,11 @@ def _engine_config() -> tuple[Any, Any]:
     None). vLLM 0.32 hands a secondary tier only the OffloadingConfig (model name and cache
     dtype, no revision, quantization or RoPE), and builds it from OffloadingConnectorScheduler's
     __init__ (spec.get_manager()), whose frame holds the engine's `vllm_config` and
-    `kv_cache_config`: found there (or as vLLM's current config, where one is set), by those
-    names, within _ENGINE_CONFIG_FRAMES_MAX frames."""
+    `kv_cache_config`: found there, by those names, within _ENGINE_CONFIG_FRAMES_MAX frames,
+    first (so the key names the KV cache groups wherever vLLM has a current config set too); only
+    where no frame has them, vLLM's current config (and no KVCacheConfig)."""
     import sys
 
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-
-        current = get_current_vllm_config_or_none()
-    except ImportError:
-        current = None
-    if getattr(current, "model_config", None) is not None:
-        return current, None
     frame = sys._getframe(1)
     for _ in range(_ENGINE_CONFIG_FRAMES_MAX):
         if frame is None:
@@ -479,6 +472,14 @@ def _engine_config() -> tuple[Any, Any]:
         if getattr(found, "model_config", None) is not None and getattr(found, "cache_config", None) is not None:
             return found, frame.f_locals.get("kv_cache_config")
         frame = frame.f_back
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+    except ImportError:
+        current = None
+    if getattr(current, "model_config", None) is not None:
+        return current, None
     return None, None
 
 
