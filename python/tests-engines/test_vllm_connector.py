@@ -830,6 +830,38 @@ def test_a_rope_override_of_any_type_names_one_key_space_although_deepseek_rewri
     assert plain._fingerprint != scheduler._fingerprint, "the linear override shares the plain model's keys"
 
 
+def test_the_fingerprints_inputs_go_to_the_workers_once_not_every_step(tuttid, tmp_path):
+    """Goal: the scheduler's fingerprint inputs (which name every weight file of a local model
+    directory: hundreds of KB for thousands of files) are sent with the first step's metadata,
+    which every worker compares when it binds it; later steps carry the 32-byte fingerprint
+    only, since vLLM pickles each step's metadata to every worker. Before: every step carried
+    them all."""
+    import pickle
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    vllm_config = harness.vllm_config(daemon.socket, 1)
+    vllm_config.model_config = llama_model_config(tmp_path / "m")
+    for shard in range(2000):
+        (tmp_path / "m" / f"model-{shard:05d}-of-02000.safetensors").write_bytes(b"")
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        first = scheduler.build_connector_meta(harness.scheduler_output())
+        assert "model-01999-of-02000.safetensors" in first.model_identity
+        worker.bind_connector_metadata(first)
+        worker.clear_connector_metadata()
+        for _ in range(3):
+            later = scheduler.build_connector_meta(harness.scheduler_output())
+            assert later.model_fingerprint == scheduler._fingerprint
+            size = len(pickle.dumps(later))
+            assert size < 2048, f"a later step's metadata is {size} bytes"
+            worker.bind_connector_metadata(later)
+            worker.clear_connector_metadata()
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+
+
 def test_a_worker_whose_fingerprint_is_not_the_schedulers_stops_at_the_first_step(tuttid, tmp_path):
     """Goal: scheduler and workers compute their default fingerprints each on its own (each
     reads the checkpoint's config.json), and when one read failed (the file gone, unreadable, a

@@ -246,8 +246,14 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         """This step's loads (allocated since the last step), saves (requests whose prompt is
         complete by the end of this step: its whole blocks) and preemptions."""
-        # The workers check that they share the scheduler's key space (`_check_scheduler_fingerprint`).
-        meta = TuttiConnectorMetadata(model_fingerprint=self._fingerprint, model_identity=self._fingerprint_inputs)
+        # The workers check that they share the scheduler's key space (`_check_scheduler_fingerprint`)
+        # when they bind the first step's metadata: the inputs, which name every weight file of a
+        # local model directory (hundreds of KB for thousands of files), go with that one only
+        # (vLLM pickles every step's metadata to every worker); the 32-byte fingerprint with each.
+        meta = TuttiConnectorMetadata(
+            model_fingerprint=self._fingerprint,
+            model_identity=self._fingerprint_inputs if self._metadata_builds == 0 else None,
+        )
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta.preempted_req_ids = preempted
         allocated, self._allocated = self._allocated, set()

@@ -345,7 +345,7 @@ class WorkerSide:
         )
         self._fingerprint_mismatch = (
             f"tutti: the scheduler's model fingerprint is {bytes(theirs).hex()}, computed from "
-            f"{meta.model_identity or 'inputs it did not send'}; {here}. The scheduler's lookups would never find "
+            f"{meta.model_identity or 'inputs it sends with its first step only'}; {here}. The scheduler's lookups would never find "
             "the workers' saves: one process read other inputs than another (the checkpoint's config.json missing or "
             "unreadable in one of them, see the warnings logged; a Hugging Face revision that moved between their "
             'reads). Set an explicit "model_fingerprint" (64 hex digits naming the model, its weights and RoPE '

@@ -42,7 +42,8 @@ class TuttiConnectorMetadata(KVConnectorMetadata):
     """One step's instructions for the workers (pickled to them by vLLM).
 
     `model_fingerprint` is the scheduler's (its lookups' key space) and `model_identity` what it
-    was computed from: each worker compares it with its own when it binds the metadata and stops
+    was computed from (in the first step's metadata only; None after): each worker compares the
+    fingerprint with its own when it binds the first metadata and stops
     on a difference (ConfigError), since every lookup would then miss the workers' saves. Each
     process computes its default fingerprint itself, from a config.json it reads on its own. None
     (metadata not built by the scheduler's connector): not compared."""
