@@ -198,14 +198,23 @@ impl FetchError {
 }
 
 /// The data plane's address, bound at `ClusterAgent::prepare` (before the pool is opened, so
-/// that an address a running daemon serves refuses the start before a `--format`) but not
-/// listened on until [`DataPlane::bind`]: meanwhile (the pool's open, long after a restart)
+/// that an address a running or starting daemon holds refuses the start before a `--format`) but
+/// not listened on until [`DataPlane::bind`]: meanwhile (the pool's open, long after a restart)
 /// peers still listing this node are refused at connect and pass it over at once, where a
 /// listening socket would take their connections into a backlog nobody accepts from and each
-/// fetch would wait out its stall bound. `SO_REUSEADDR`, as `TcpListener::bind` sets it, so that
-/// a restart on a fixed address is not refused for the previous process's connections in
-/// TIME_WAIT; the price: until it listens, another socket with it set can bind the address too
-/// (two daemons started at once on one address), and the later to listen is refused then.
+/// fetch would wait out its stall bound.
+///
+/// `SO_REUSEADDR` (Linux's rules): a restart on a fixed address must bind past the previous
+/// process's connections in TIME_WAIT, which needs it; but while two sockets that both have it
+/// are bound and neither listens, each binds (two daemons started at once would both pass
+/// prepare, and the later to listen be refused only after its pool's open or `--format`). So
+/// the address is bound without it, and with it only when that is refused (EADDRINUSE: TIME_WAIT,
+/// or a socket that holds it), then it is cleared at once: while prepared this socket conflicts
+/// with every other bind of the address, with or without the option; it is set again just
+/// before [`BoundAddress::listen`] (the connections it accepts inherit it, so that their
+/// TIME_WAIT lets the next start bind, and a listening socket refuses any bind of its address).
+/// Left open: a socket of another program that binds the address with the option and never
+/// listens still lets this one bind (and listen first).
 #[derive(Debug)]
 pub(crate) struct BoundAddress {
     socket: std::os::fd::OwnedFd,
@@ -217,8 +226,18 @@ impl BoundAddress {
         use std::os::fd::AsRawFd;
         let family = if address.is_ipv4() { AddressFamily::Inet } else { AddressFamily::Inet6 };
         let socket = socket(family, SockType::Stream, SockFlag::SOCK_CLOEXEC, None)?;
-        setsockopt(&socket, sockopt::ReuseAddr, &true)?;
-        bind(socket.as_raw_fd(), &SockaddrStorage::from(address))?;
+        let storage = SockaddrStorage::from(address);
+        match bind(socket.as_raw_fd(), &storage) {
+            Ok(()) => {}
+            // Held: by TIME_WAIT (a restart: bound past it), or by a socket bound or listening
+            // (refused again, the option notwithstanding; type docs).
+            Err(nix::errno::Errno::EADDRINUSE) => {
+                setsockopt(&socket, sockopt::ReuseAddr, &true)?;
+                bind(socket.as_raw_fd(), &storage)?;
+                setsockopt(&socket, sockopt::ReuseAddr, &false)?;
+            }
+            Err(error) => return Err(error.into()),
+        }
         Ok(BoundAddress { socket })
     }
 
@@ -230,7 +249,10 @@ impl BoundAddress {
     }
 
     /// Starts listening: connections are taken from here on.
+    /// `SO_REUSEADDR` set first (type docs: its accepted connections' TIME_WAIT must not
+    /// refuse the next start's bind).
     pub(crate) fn listen(self) -> std::io::Result<TcpListener> {
+        nix::sys::socket::setsockopt(&self.socket, nix::sys::socket::sockopt::ReuseAddr, &true)?;
         nix::sys::socket::listen(&self.socket, nix::sys::socket::Backlog::MAXCONN)?;
         Ok(TcpListener::from(self.socket))
     }

@@ -559,3 +559,59 @@ fn a_holder_whose_disk_is_slow_ends_a_read_at_the_segments_deadline_and_keeps_it
     let (_, bytes) = segment_answer(&mut stream, block_bytes);
     assert_eq!(bytes, segment_bytes(&holder.node, 1, 0), "the staging area was retired or the bytes are wrong");
 }
+
+#[test]
+fn a_second_address_prepared_on_a_port_another_holds_unlistened_is_refused_at_once() {
+    // Goal: two daemons started together on one data address: the second's prepare is refused
+    // (EADDRINUSE) while the first's is only bound, not listened on (its pool still opening),
+    // before the second touches its pool; not both bound and the second refused only at
+    // listen, after a `--format`. Connections to the prepared address are still refused.
+    let first = BoundAddress::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let address = first.local_addr().unwrap();
+    match BoundAddress::bind(address) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{error}"),
+        Ok(_) => panic!("a second prepare on {address} was bound while the first's was"),
+    }
+    match TcpStream::connect_timeout(&address, Duration::from_secs(2)) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionRefused, "{error}"),
+        Ok(_) => panic!("a connect to the prepared, unlistened address succeeded"),
+    }
+    let listening = first.listen().unwrap();
+    match BoundAddress::bind(address) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{error}"),
+        Ok(_) => panic!("a prepare on {address} was bound while it was listened on"),
+    }
+    drop(listening);
+}
+
+#[test]
+fn a_restart_binds_past_its_predecessors_time_wait_and_still_refuses_a_second_prepare() {
+    // Goal: the holder's side closed its connections first (TIME_WAIT on the data address):
+    // the next start binds the address anyway (SO_REUSEADDR), listens on it, and while it is
+    // only prepared another prepare on it is refused.
+    let first = BoundAddress::bind("127.0.0.1:0".parse().unwrap()).unwrap().listen().unwrap();
+    let address = first.local_addr().unwrap();
+    let client = TcpStream::connect_timeout(&address, Duration::from_secs(2)).unwrap();
+    let (accepted, _) = first.accept().unwrap();
+    // The holder's side closes first: its end of the connection lies in TIME_WAIT.
+    drop(accepted);
+    client.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let _ = (&client).read(&mut [0u8; 1]);
+    drop(client);
+    drop(first);
+    {
+        // TIME_WAIT holds the address: a bind without SO_REUSEADDR is refused.
+        use nix::sys::socket::{bind, socket, AddressFamily, SockFlag, SockType, SockaddrStorage};
+        use std::os::fd::AsRawFd;
+        let plain = socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+        assert_eq!(bind(plain.as_raw_fd(), &SockaddrStorage::from(address)), Err(nix::errno::Errno::EADDRINUSE));
+    }
+    let restarted = BoundAddress::bind(address).expect("a restart binds past TIME_WAIT");
+    match BoundAddress::bind(address) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::AddrInUse, "{error}"),
+        Ok(_) => panic!("a second prepare on {address} was bound while a restart's was"),
+    }
+    let listening = restarted.listen().expect("the restart listens past TIME_WAIT");
+    assert_eq!(listening.local_addr().unwrap(), address);
+    TcpStream::connect_timeout(&address, Duration::from_secs(2)).expect("a connect once it listens");
+}
