@@ -137,6 +137,9 @@ impl Connection {
             .with_require_leader(true);
         let mut clients = Vec::with_capacity(endpoints.len());
         for endpoint in endpoints {
+            // As etcd-client matches the scheme (`http://` in lower case; `HTTP://x` would become
+            // `http://HTTP://x`): a config whose endpoints were set without `ClusterConfig::new`.
+            let endpoint = &crate::config::normalize_endpoint(endpoint.clone());
             let connect = Client::connect([endpoint], Some(options.clone()));
             let client = runtime
                 .block_on(async { tokio::time::timeout(request_timeout, connect).await })

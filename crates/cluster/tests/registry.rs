@@ -580,3 +580,20 @@ fn a_lookups_request_count_is_its_own_while_other_threads_look_up_too() {
     assert_eq!(counts.len(), 200);
     assert!(counts.iter().all(|&requests| requests == 1), "request counts of single-request lookups: {counts:?}");
 }
+
+#[test]
+fn endpoints_set_without_new_connect_as_their_normal_form() {
+    // Goal: an endpoint set on `ClusterConfig::endpoints` directly (not through `new`, which
+    // normalizes) in a form validation accepts, `HTTP://HOST:PORT` or `HOST:PORT`, still
+    // reaches etcd: etcd-client matches `http://` in lower case only and would have dialled
+    // `http://HTTP://HOST:PORT`.
+    let Some(etcd) = start_etcd(1) else { return };
+    let endpoint = etcd.endpoints()[0].clone();
+    let address = endpoint.strip_prefix("http://").expect("a local etcd's endpoint is http://").to_string();
+    for written in [format!("HTTP://{address}"), address.clone()] {
+        let mut config = config(&etcd, "spelled");
+        config.endpoints = vec![written.clone()];
+        let client = ClusterClient::connect(config).unwrap_or_else(|error| panic!("{written}: {error}"));
+        client.members().unwrap_or_else(|error| panic!("{written}: {error}"));
+    }
+}
