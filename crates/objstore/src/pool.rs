@@ -159,8 +159,9 @@ impl Drop for Pool {
     /// Writes the header sectors still staged (the Empty entries of an eviction whose `wait`
     /// left no time for them, or whose write failed) before the devices are let go: a clean
     /// shutdown with no commit or sync since must not bring condemned blocks back at the next
-    /// open. Best effort, bounded by one metadata timeout for all devices together, with no
-    /// executor to borrow from ([`NoLender`]: a device whose metadata borrowed one gets a
+    /// open. Best effort, the header writes bounded by one metadata timeout for all devices
+    /// together (a temporary queue pair's create and delete by the admin timeout each, on top),
+    /// with no executor to borrow from ([`NoLender`]: a device whose metadata borrowed one gets a
     /// temporary queue pair, the executor's being retired by then); a device whose controller
     /// reads fatal, not ready or gone is not written; a failure is logged.
     fn drop(&mut self) {
@@ -734,8 +735,9 @@ impl Pool {
     }
 
     /// As the pool ends (its `Drop`): writes the header sectors still staged, best effort, all
-    /// devices together within one metadata timeout (a device reached with none of it left is
-    /// not written), logging (not returning) a failure. A device whose controller reads fatal
+    /// devices' writes together within one metadata timeout (a device reached with none of it
+    /// left is not written; a temporary queue pair's create and delete are bounded by the admin
+    /// timeout each, on top), logging (not returning) a failure. A device whose controller reads fatal
     /// (CSTS.CFS), not ready (a reset) or gone is not written at all: it would answer nothing,
     /// and waiting for it (then deleting the queue pair, or making a temporary one, by admin
     /// commands that time out too) would only hold up the drop, during an unwinding as well.
