@@ -25,7 +25,7 @@ const LOG_SMART_HEALTH: u32 = 0x02;
 const SMART_LOG_BYTES: usize = 512;
 /// Asynchronous Event Request (§5.2): mandatory, but not named by nvme-driver's `AdminOpcode`
 /// (the driver never sends it).
-const ASYNC_EVENT_REQUEST: u8 = 0x0C;
+pub(crate) const ASYNC_EVENT_REQUEST: u8 = 0x0C;
 /// AERL (Identify Controller byte 259, 0's based): AERL + 1 AERs are held at once.
 pub(crate) const ASYNC_EVENT_REQUEST_LIMIT: u8 = 3;
 /// Command specific status of an AER past that limit (§5.2.1).

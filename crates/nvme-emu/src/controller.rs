@@ -137,9 +137,9 @@ impl ErrorLog {
 }
 
 /// What host-side calls reach without the controller's lock. The controller thread holds that
-/// lock for every command it runs, and a zeroing where the store must write zeroes holds it for
-/// the whole command (minutes for a whole namespace on a disk without write-zeroes offload), so
-/// what must not wait that long goes through here: the device's drop and a power loss or
+/// lock for every command it runs, and for a slice of a long zeroing at a time (a whole one
+/// takes minutes for a namespace on a disk without write-zeroes offload), so what must not
+/// wait even for a slice goes through here: the device's drop and a power loss or
 /// function reset ask the zeroing to give way (it looks between slices, as it does at CC.EN =
 /// 0), and the refusal count tuttid reports is read without the lock.
 #[derive(Debug, Default)]
@@ -292,6 +292,9 @@ pub(crate) struct ControllerCore {
     pub(crate) zeroing_started: Option<crate::io::Zeroing>,
     /// The long zeroing running, a slice per poll (see `controller/zeroing.rs`).
     zeroing: Option<zeroing::ZeroingCommand>,
+    /// A shutdown notification waits (SHST 01b) for the long zeroing to end, a slice per poll,
+    /// before it writes the cache back (see `handle_shutdown`).
+    shutdown_awaits_zeroing: bool,
 }
 
 impl ControllerCore {
@@ -354,6 +357,7 @@ impl ControllerCore {
             zeroing_slice_for_tests: None,
             zeroing_started: None,
             zeroing: None,
+            shutdown_awaits_zeroing: false,
             config,
         })
     }
@@ -418,10 +422,9 @@ impl ControllerCore {
         }
         self.advance_timing(now);
         worked |= self.post_due(now);
-        if self.advance_zeroing(now) {
-            // Every other command waits for it (see `controller/zeroing.rs`).
-            return true;
-        }
+        // A long zeroing's next slice; the scan then runs the commands it does not hold back
+        // (those outside the blocks it has still to zero: see `controller/zeroing.rs`).
+        worked |= self.advance_zeroing(now);
         worked |= self.scan_queues(now);
         worked
     }
@@ -534,6 +537,13 @@ impl ControllerCore {
             let limit = (free as usize).min(COMMANDS_PER_QUEUE_PER_SCAN);
             fetched.clear();
             while fetched.len() < limit && !queue.is_empty() {
+                // A command a long zeroing holds back stays in the SQ, with those after it
+                // (see `controller/zeroing.rs`); the next scan after the zeroing fetches it.
+                if let Some(held) = self.zeroing.as_ref() {
+                    if queue.peek().is_none_or(|entry| held.holds_back(queue_id, &entry)) {
+                        break;
+                    }
+                }
                 let Some(entry) = queue.fetch() else { break };
                 fetched.push((entry, queue.head));
             }

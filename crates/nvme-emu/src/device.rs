@@ -234,7 +234,7 @@ impl EmuDevice {
 
     /// A snapshot of the counters. It waits for the controller's lock, for at most the poll in
     /// progress (a slice of a long zeroing, a Flush's wait for transfers in flight, a shutdown's
-    /// finishing the rest of a zeroing).
+    /// wait for them).
     pub fn stats(&self) -> EmuStats {
         self.shared.core().stats()
     }

@@ -354,6 +354,14 @@ pub(crate) struct Zeroing {
     force_unit_access: Option<bool>,
 }
 
+impl Zeroing {
+    /// Whether blocks `start..end` of its namespace meet a block it has still to zero (at most
+    /// 256 runs: a Dataset Management command's ranges, merged).
+    pub(crate) fn overlaps(&self, start: u64, end: u64) -> bool {
+        self.runs.iter().any(|&(run_start, run_end)| start < run_end && run_start < end)
+    }
+}
+
 /// Sorts `runs` ((start, end) block runs, end exclusive) and merges overlapping and adjacent
 /// ones in place; returns how many merged runs lead the slice. Their total length is at most
 /// the span the runs cover, however often the host repeated a range.

@@ -44,6 +44,13 @@ impl SubmissionQueue {
         self.head == self.tail
     }
 
+    /// The entry at the head, left there (`fetch` takes it).
+    pub(crate) fn peek(&self) -> Option<SubmissionEntry> {
+        let mut bytes = [0u8; SUBMISSION_ENTRY_BYTES];
+        self.memory.read(self.head as usize * SUBMISSION_ENTRY_BYTES, &mut bytes).ok()?;
+        Some(SubmissionEntry::from_bytes(&bytes))
+    }
+
     /// Fetches the entry at the head and advances it. The entry was published by the host before
     /// its doorbell write, which the caller observed with Acquire ordering.
     pub(crate) fn fetch(&mut self) -> Option<SubmissionEntry> {

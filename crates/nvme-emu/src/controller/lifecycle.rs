@@ -18,8 +18,12 @@ impl ControllerCore {
     /// shutdown then waits for transfers in flight. CSTS says meanwhile how far it got: RDY
     /// stays 1 until a reset is done, SHST reads 01b while a shutdown is processing.
     pub(crate) fn react_to_configuration(&mut self) -> bool {
-        // Every transition below follows a CC write, except finishing a stop.
-        if self.registers.configuration_writes() == self.configuration_seen && self.state != State::Stopping {
+        // Every transition below follows a CC write, except finishing a stop and a shutdown
+        // that waited for a long zeroing.
+        if self.registers.configuration_writes() == self.configuration_seen
+            && self.state != State::Stopping
+            && !(self.shutdown_awaits_zeroing && self.zeroing.is_none())
+        {
             return false;
         }
         // Taken with CC in one step: a host that cleared EN and set it again before this thread
@@ -94,6 +98,9 @@ impl ControllerCore {
 
     pub(super) fn set_fatal(&mut self) {
         self.state = State::Fatal;
+        // A fatal controller runs nothing more: a long zeroing under way ends without a
+        // completion, as at the reset that must follow (a shutdown must not wait for it).
+        self.drop_zeroing();
         let csts = self.registers.load32(registers::CSTS);
         self.registers.set_status(csts | CSTS_FATAL);
     }
@@ -115,6 +122,8 @@ impl ControllerCore {
     /// was in flight first and reports the stop afterwards ([`ControllerCore::report_stopped`]).
     fn stop(&mut self) {
         self.drop_zeroing();
+        // A shutdown still set runs again, from the start, on the stopped controller.
+        self.shutdown_awaits_zeroing = false;
         self.drop_queues();
         // Aborted with the admin queue, which is gone: no completion (§5.2).
         self.async_event_requests.clear();
@@ -189,14 +198,27 @@ impl ControllerCore {
         let shutdown_status = csts & CSTS_SHUTDOWN_MASK;
         match cc.shutdown() {
             ShutdownNotification::None if shutdown_status != 0 => {
+                self.shutdown_awaits_zeroing = false;
                 self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK);
                 true
             }
             // Processed once per notification: a failed one (SHST 01b) is not retried at every
-            // poll, only when the host clears SHN and sets it again.
-            ShutdownNotification::Normal | ShutdownNotification::Abrupt if shutdown_status == 0 => {
+            // poll, only when the host clears SHN and sets it again. One that waited for a long
+            // zeroing goes on once it ended.
+            ShutdownNotification::Normal | ShutdownNotification::Abrupt if shutdown_status == 0 || self.shutdown_awaits_zeroing => {
                 // The waits below can take up to the transfers' deadlines; the host polls SHST.
-                self.registers.set_status(csts | CSTS_SHUTDOWN_OCCURRING);
+                self.registers.set_status(csts & !CSTS_SHUTDOWN_MASK | CSTS_SHUTDOWN_OCCURRING);
+                // A long zeroing running (a slice per poll) ends first, as a command would have
+                // when zeroing held the controller thread: the polls run its slices, releasing
+                // the controller's lock between them, and this shutdown goes on at the first
+                // poll after it ended (`react_to_configuration`). Its blocks are zeroed on the
+                // store before SHST can read complete, so none reads stale after a restart. A
+                // reset meanwhile (the host's wait for SHST gave up) drops it, as any stop does.
+                if self.zeroing.is_some() && self.state == State::Ready {
+                    self.shutdown_awaits_zeroing = true;
+                    return true;
+                }
+                self.shutdown_awaits_zeroing = false;
                 // The host's wait for SHST is bounded too (nvme-driver: RTD3E, at least CAP.TO):
                 // when it gives up it clears CC.EN (SHN left set) and expects RDY = 0 within
                 // CAP.TO, so this wait gives way to that reset as a Flush's does. Transfers
@@ -204,9 +226,6 @@ impl ControllerCore {
                 // blocks over a Write in flight. The reset (next poll) cancels them and clears
                 // SHST, and SHN, still set, runs this shutdown again on the disabled controller,
                 // which writes the cache back with nothing in flight.
-                // A long zeroing running (a slice per poll) ends first, as a command would have
-                // when zeroing held the controller thread; it gives way to a reset the same way.
-                self.finish_zeroing_unless_stopped();
                 self.settle_unless_reset();
                 if self.zeroing.is_some() || !self.in_flight.is_empty() {
                     return true;

@@ -2,20 +2,26 @@
 //! poll, so the controller's lock is released between slices: on a store that must write
 //! zeroes (a block device without write-zeroes offload) a whole namespace takes minutes, and
 //! `stats()`, `preset_restriction()` (tuttid calls both under its store lock), a power loss,
-//! a function reset and the device's drop must not wait that long. (A shutdown notification
-//! finishes a zeroing in one poll, under the lock: host-side calls then wait for the rest of it;
-//! a power loss, a function reset and the drop still stop it at its next slice.)
+//! a function reset and the device's drop must not wait that long. A shutdown notification
+//! waits for it the same way, a poll at a time (SHST reads 01b meanwhile), and writes the
+//! cache back once it ended (`lifecycle.rs`).
 //!
-//! While one runs, the poll scans no queue: every other command waits for it, as it waited
-//! when the zeroing ran in one go (so ordering is what it was: nothing overlaps it, a Flush
-//! after it finds it done). The commands fetched after it in its batch run once it
-//! completed. A reset, a power loss and a function reset drop it without a completion (their
-//! stop deletes its queue); the blocks it zeroed read as zero, the rest keep their data, which
-//! is all a host may assume of a command that never completed. A shutdown finishes it first.
+//! Between slices the poll scans the queues, but a command the zeroing holds back
+//! ([`ZeroingCommand::holds_back`]) stays in its SQ, with those behind it, until the zeroing
+//! completed: a Read or Write of a block still to zero (a Read would see old data, a Write
+//! would be zeroed afterwards), anything that may start a zeroing of its own or touch queues,
+//! and anything on the zeroing's own SQ while the commands fetched after it in its batch wait
+//! (they run, in order, once it completed). Reads and Writes of other blocks, Flushes (they
+//! promise only what completed before them) and admin commands that read only run meanwhile.
+//! The state this takes is the zeroing's remaining runs (at most 256); held commands stay in
+//! host memory. A reset, a power loss, a function reset and the controller going fatal drop
+//! it without a completion (their stop deletes its queue); the blocks it zeroed read as zero,
+//! the rest keep their data, which is all a host may assume of a command that never
+//! completed.
 
 use std::time::Instant;
 
-use nvme_driver::spec::SubmissionEntry;
+use nvme_driver::spec::{AdminOpcode, NvmOpcode, SubmissionEntry};
 
 use super::{CommandResult, ControllerCore};
 use crate::faults::FaultAction;
@@ -31,6 +37,44 @@ pub(super) struct ZeroingCommand {
     fault: Option<FaultAction>,
     /// The commands fetched after it in its batch: they run, in order, once it completed.
     rest: Vec<(SubmissionEntry, u32)>,
+}
+
+impl ZeroingCommand {
+    /// Whether the command `entry` at the head of SQ `queue_id` waits for this zeroing (it and
+    /// the commands after it stay in the SQ). Held back: a Read or Write of a block it has
+    /// still to zero (a Read would see old data, a Write would be zeroed later), a Write Zeroes
+    /// or Dataset Management (either may start a zeroing of its own), a fused or unknown
+    /// command, any admin command but Identify, Get Log Page, Get Features, Abort and
+    /// Asynchronous Event Request (which touch no block and no queue), and anything on its
+    /// own SQ while commands fetched after it in its batch wait (they run first).
+    pub(super) fn holds_back(&self, queue_id: u16, entry: &SubmissionEntry) -> bool {
+        if queue_id == self.queue_id && !self.rest.is_empty() {
+            return true;
+        }
+        if queue_id == 0 {
+            let reads_only = matches!(
+                AdminOpcode::from_u8(entry.opcode()),
+                Some(AdminOpcode::Identify | AdminOpcode::GetLogPage | AdminOpcode::GetFeatures | AdminOpcode::Abort)
+            ) || entry.opcode() == crate::admin::ASYNC_EVENT_REQUEST;
+            return !reads_only;
+        }
+        if entry.fuse() != 0 {
+            return true;
+        }
+        match NvmOpcode::from_u8(entry.opcode()) {
+            // A Flush promises only what completed before it: not this zeroing.
+            Some(NvmOpcode::Flush) => false,
+            Some(NvmOpcode::Read | NvmOpcode::Write) => {
+                if entry.nsid != self.entry.nsid {
+                    // Another namespace (NSIDs name namespaces one to one), or none.
+                    return false;
+                }
+                let start = entry.starting_lba().0;
+                start.checked_add(u64::from(entry.block_count())).is_none_or(|end| self.job.overlaps(start, end))
+            }
+            _ => true,
+        }
+    }
 }
 
 impl ControllerCore {
@@ -58,8 +102,8 @@ impl ControllerCore {
     }
 
     /// One poll's slice of the long zeroing held, if any: its command completes when it ends,
-    /// then the rest of its batch runs. True while one was held (the poll then scans no queue).
-    /// It waits, holding its slices, while a reset, a power loss or function reset, or the
+    /// then the rest of its batch runs. True while one was held (the poll's scan then fetches
+    /// only what it does not hold back). It waits, holding its slices, while a reset, a power loss or function reset, or the
     /// device's drop is pending: each ends it at once.
     pub(super) fn advance_zeroing(&mut self, now: Instant) -> bool {
         let Some(mut command) = self.zeroing.take() else { return false };
@@ -79,17 +123,6 @@ impl ControllerCore {
             }
         }
         true
-    }
-
-    /// Runs the long zeroing held (and any the rest of its batch starts) to its end, unless a
-    /// reset, a power loss or function reset, or the device's drop is pending. For a shutdown,
-    /// which writes the cache back only once no command is running.
-    pub(super) fn finish_zeroing_unless_stopped(&mut self) {
-        // Bounded: each pass zeroes at least one block of a finite job, or completes one and
-        // runs the finite rest of its batch; a pending stop ends the loop.
-        while self.zeroing.is_some() && !self.registers.reset_requested() && !self.unlocked.give_way() {
-            self.advance_zeroing(Instant::now());
-        }
     }
 
     /// Drops the long zeroing held, without a completion (a stop deletes its queue).

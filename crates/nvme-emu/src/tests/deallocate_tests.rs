@@ -5,12 +5,12 @@
 use std::time::{Duration, Instant};
 
 use nvme_driver::hw::DeviceBackend;
-use nvme_driver::spec::command::DatasetRange;
+use nvme_driver::spec::command::{DatasetRange, IdentifyCns};
 use nvme_driver::spec::registers::{self, ShutdownStatus};
 use nvme_driver::spec::SubmissionEntry;
 use nvme_driver::{Lba, NamespaceId};
 
-use super::harness::{block_count, read_block, status_of, write_block, TestHost};
+use super::harness::{block_count, read_block, status_of, with_sgl, write_block, TestHost};
 use crate::{Backing, EmuConfig, NamespaceConfig};
 
 /// Most ranges one Dataset Management command carries (NR = FFh).
@@ -309,4 +309,145 @@ fn a_shutdown_finishes_a_long_deallocate_before_it_reports_complete() {
     let mut media = vec![0u8; 4096];
     host.device.with_core(|core| core.store.read((SLOW_STORE_BLOCKS - 1) * 4096, &mut media)).unwrap();
     assert!(media.iter().all(|&byte| byte == 0), "the last block on media");
+}
+
+/// A deallocate of blocks `0..blocks` of the slow namespace, rung on `queue`, with time for
+/// the controller to start it.
+fn start_slow_deallocate_of(host: &TestHost, queue: &mut super::harness::HostQueue, blocks: u64) -> nvme_driver::hw::DmaRegion {
+    let (entry, list) =
+        deallocate_repeated(host, DatasetRange { context_attributes: 0, blocks: u32::try_from(blocks).unwrap(), start: Lba(0) });
+    TestHost::push(queue, entry);
+    host.ring_submission(queue);
+    std::thread::sleep(Duration::from_millis(200));
+    list
+}
+
+/// One block of `byte` at `lba`, as a Write pushed (not rung) on `queue`; the buffer keeps it.
+fn push_write(host: &TestHost, queue: &mut super::harness::HostQueue, lba: u64, byte: u8) -> nvme_driver::hw::DmaRegion {
+    let source = host.buffer(4096);
+    source.fill(0, 4096, byte).unwrap();
+    TestHost::push(queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(lba), block_count(1), false), &source, 4096));
+    source
+}
+
+/// One block at `lba`, as a Read pushed (not rung) on `queue`, into the returned buffer.
+fn push_read(host: &TestHost, queue: &mut super::harness::HostQueue, lba: u64) -> nvme_driver::hw::DmaRegion {
+    let target = host.buffer(4096);
+    TestHost::push(queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1)), &target, 4096));
+    target
+}
+
+fn filled_with(region: &nvme_driver::hw::DmaRegion, byte: u8) -> bool {
+    let mut out = vec![0u8; 4096];
+    region.read(0, &mut out).unwrap();
+    out.iter().all(|&value| value == byte)
+}
+
+#[test]
+fn commands_outside_a_long_zeroing_run_while_it_runs_and_those_inside_wait_for_it() {
+    // Goal: while a deallocate of blocks 0..1024 writes zeroes (about 5 s here), a Write, a
+    // Read and a Flush of blocks it does not touch, on another queue or on its own, and an
+    // Identify, complete within a second; a Read of a block it still has to zero waits and
+    // reads zeroes, and a Write there waits, so the zeroing never overwrites it. Until
+    // 2026-12-01 every command waited for the whole zeroing.
+    let (mut host, mut queue) = slow_zeroing_unlinked("disjoint-mid-zeroing");
+    let mut other = host.create_io_pair(2, 8);
+    write_block(&host, &mut queue, 1000, 0x22);
+    write_block(&host, &mut queue, 1001, 0x23);
+    write_block(&host, &mut queue, 1500, 0x15);
+    let started = Instant::now();
+    let _list = start_slow_deallocate_of(&host, &mut queue, 1024);
+    let within = Duration::from_secs(1);
+    let _source = push_write(&host, &mut other, 2000, 0x33);
+    host.ring_submission(&other);
+    let completion = host.reap_within(&mut other, within).expect("a write outside the zeroing completed while it ran");
+    assert_eq!(status_of(&completion), Ok(()));
+    let target = push_read(&host, &mut other, 2000);
+    host.ring_submission(&other);
+    let completion = host.reap_within(&mut other, within).expect("a read outside the zeroing completed while it ran");
+    assert_eq!(status_of(&completion), Ok(()));
+    assert!(filled_with(&target, 0x33));
+    // On the deallocate's own queue, in a later batch.
+    let target = push_read(&host, &mut queue, 1500);
+    host.ring_submission(&queue);
+    let completion = host.reap_within(&mut queue, within).expect("a read on the zeroing's queue completed while it ran");
+    assert_eq!(status_of(&completion), Ok(()));
+    assert!(filled_with(&target, 0x15));
+    TestHost::push(&mut other, SubmissionEntry::flush(NamespaceId(1)));
+    host.ring_submission(&other);
+    let completion = host.reap_within(&mut other, within).expect("a flush completed while the zeroing ran");
+    assert_eq!(status_of(&completion), Ok(()));
+    let identify = host.buffer(4096);
+    let mut admin = host.admin.clone();
+    TestHost::push(&mut admin, SubmissionEntry::identify(IdentifyCns::Controller, 0, identify.iova().0));
+    host.ring_submission(&admin);
+    let completion = host.reap_within(&mut admin, within).expect("an Identify completed while the zeroing ran");
+    host.admin = admin;
+    assert_eq!(status_of(&completion), Ok(()));
+    assert!(started.elapsed() < Duration::from_secs(3), "the checks above took {:?}", started.elapsed());
+    // Inside what it still has to zero (it goes from block 0 up, 200 blocks a second).
+    let inside = push_read(&host, &mut other, 1000);
+    let _source = push_write(&host, &mut other, 1001, 0x44);
+    host.ring_submission(&other);
+    assert!(TestHost::try_reap_within(&mut other, Duration::from_millis(200)).is_none(), "a command inside the zeroing ran before it");
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
+    assert_eq!(status_of(&host.reap(&mut queue)), Ok(()), "the deallocate");
+    assert_eq!(status_of(&host.reap(&mut other)), Ok(()), "the read inside");
+    assert!(filled_with(&inside, 0), "a read inside the zeroing's range saw stale data");
+    assert_eq!(status_of(&host.reap(&mut other)), Ok(()), "the write inside");
+    assert!(read_block(&host, &mut other, 1001).iter().all(|&byte| byte == 0x44), "the zeroing overwrote a later write");
+    assert!(read_block(&host, &mut other, 1000).iter().all(|&byte| byte == 0));
+    assert!(read_block(&host, &mut other, 2000).iter().all(|&byte| byte == 0x33));
+}
+
+#[test]
+fn a_shutdown_during_a_long_deallocate_does_not_hold_the_controllers_lock_for_it() {
+    // Goal: a shutdown notification that arrives while a deallocate writes zeroes (about 10 s
+    // here) lets the zeroing go on a slice per poll, releasing the controller's lock between
+    // slices, and reports SHST complete only once it finished (the command completed, every
+    // block reads as zero on media). `stats()` answers meanwhile within a slice. Until
+    // 2026-12-01 the shutdown ran the rest of the zeroing in one poll, under the lock, and
+    // `stats()` waited for all of it.
+    let (host, mut queue) = slow_zeroing_unlinked("shutdown-lock-mid-zeroing");
+    write_block(&host, &mut queue, SLOW_STORE_BLOCKS - 1, 0x77);
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let configuration = host.registers.read32(registers::CC);
+    host.registers.write32(registers::CC, configuration & !(0x3 << 14) | 1 << 14);
+    // Let the controller thread take the notification.
+    std::thread::sleep(Duration::from_millis(100));
+    let asked = Instant::now();
+    let _ = host.device.stats();
+    let took = asked.elapsed();
+    assert!(took < Duration::from_millis(300), "stats() waited {took:?} for the shutdown's zeroing");
+    assert_eq!(host.csts().shutdown(), ShutdownStatus::Occurring, "SHST while the zeroing runs");
+    assert!(TestHost::try_reap(&mut queue).is_none(), "the deallocate completed already");
+    // The rest at full speed: the shutdown completes after it.
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
+    host.wait_shutdown(ShutdownStatus::Complete);
+    let completion = TestHost::try_reap(&mut queue).expect("the deallocate completed before SHST read complete");
+    assert_eq!(status_of(&completion), Ok(()), "the deallocate");
+    let mut media = vec![0u8; 4096];
+    host.device.with_core(|core| core.store.read((SLOW_STORE_BLOCKS - 1) * 4096, &mut media)).unwrap();
+    assert!(media.iter().all(|&byte| byte == 0), "the last block on media");
+}
+
+#[test]
+fn a_reset_while_a_shutdown_waits_for_a_long_deallocate_drops_it_and_the_shutdown_runs_again() {
+    // Goal: a host whose shutdown wait runs out clears CC.EN with SHN still set (nvme-driver's
+    // teardown): RDY reads 0 within a slice or so, the deallocate gets no completion, and the
+    // shutdown runs again on the disabled controller and reads complete.
+    let (host, mut queue) = slow_zeroing_unlinked("reset-shutdown-mid-zeroing");
+    let _list = start_slow_deallocate(&host, &mut queue);
+    let configuration = host.registers.read32(registers::CC);
+    let shutting_down = configuration & !(0x3 << 14) | 1 << 14;
+    host.registers.write32(registers::CC, shutting_down);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(host.csts().shutdown(), ShutdownStatus::Occurring, "SHST while the zeroing runs");
+    let cleared = Instant::now();
+    host.registers.write32(registers::CC, shutting_down & !1);
+    host.wait_ready(false);
+    let took = cleared.elapsed();
+    assert!(took < GIVE_WAY, "RDY read 1 for {took:?} after CC.EN = 0");
+    host.wait_shutdown(ShutdownStatus::Complete);
+    assert!(TestHost::try_reap(&mut queue).is_none(), "the deallocate the reset cut short completed");
 }
