@@ -139,10 +139,12 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
         if !missing.is_empty() {
             // Only the missing files are locked now (those made here: the lock taken when they
-            // were made); the locks and claims on the existing ones stay held throughout
-            // (letting go to take the whole set again would let another starter in between,
-            // and two racing starters would both be refused as in use).
-            let created = DeviceLocks::acquire(&missing, &options.lock_dir, true)?;
+            // were made, lent by the undo to this call alone, and kept by the undo whatever
+            // happens here: no other opener, on another thread either, can take it); the locks
+            // and claims on the existing ones stay held throughout (letting go to take the
+            // whole set again would let another starter in between, and two racing starters
+            // would both be refused as in use).
+            let created = made.lending_locks(|| DeviceLocks::acquire(&missing, &options.lock_dir, true))?;
             // A file another process made or wrote since the first look is read as the others
             // were; one refused is left as that process wrote it.
             for spec in &missing {

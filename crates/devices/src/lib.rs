@@ -125,7 +125,10 @@ impl DeviceError {
     /// Whether this says something about what was given (exit status 2) rather than that a
     /// device or this host failed (1). Only [`DeviceError::OpenFailed`] is decided here, by its
     /// errno: a path that does not exist, is not allowed, is read-only, loops or is malformed is
-    /// unusable input; anything else (EIO, EMFILE, ENOSPC, ...) a failure.
+    /// unusable input; so is a device node with no device behind it (ENXIO, ENODEV: a `/dev`
+    /// entry whose driver or hardware is not there; the path given names nothing usable, as a
+    /// missing one does, and running again on the same host changes nothing); anything else
+    /// (EIO, EMFILE, ENOSPC, ...) a failure.
     pub fn is_unusable_input(&self) -> bool {
         match self {
             DeviceError::OpenFailed { source, .. } => matches!(
@@ -139,6 +142,8 @@ impl DeviceError {
                         | nix::errno::Errno::ENAMETOOLONG
                         | nix::errno::Errno::ENOTDIR
                         | nix::errno::Errno::EISDIR
+                        | nix::errno::Errno::ENXIO
+                        | nix::errno::Errno::ENODEV
                 )
             ),
             _ => false,
@@ -163,6 +168,11 @@ mod tests {
         for errno in
             [Errno::ENOENT, Errno::EACCES, Errno::EPERM, Errno::EROFS, Errno::ELOOP, Errno::ENAMETOOLONG, Errno::ENOTDIR, Errno::EISDIR]
         {
+            assert!(open(errno).is_unusable_input(), "{errno}");
+        }
+        // A device node with no device behind it (ENXIO, ENODEV): the path given names nothing
+        // usable, as a missing one does; retrying on a healthy host changes nothing.
+        for errno in [Errno::ENXIO, Errno::ENODEV] {
             assert!(open(errno).is_unusable_input(), "{errno}");
         }
         for errno in [Errno::EIO, Errno::EMFILE, Errno::ENOSPC, Errno::ENOMEM] {

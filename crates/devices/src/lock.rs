@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use crate::open::refuse_shared_files;
 use crate::spec::DeviceSpec;
-use crate::DeviceError;
+use crate::{DeviceError, FileUndo};
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 
@@ -39,7 +39,20 @@ pub const LOCK_FILE_MODE: u32 = 0o600;
 /// Held locks; dropping releases them.
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
-    held: Vec<(PathBuf, Flock<File>)>,
+    held: Vec<(PathBuf, Held)>,
+}
+
+/// One lock of a [`DeviceLocks`], held for its drop (never read).
+#[derive(Debug)]
+#[allow(dead_code)]
+enum Held {
+    /// Taken here, on an open file description of its own; unlocked on drop.
+    Own(Flock<File>),
+    /// Handed over by the [`FileUndo`] that made the file and locked it
+    /// ([`DeviceLocks::acquire_created`]): a duplicate of its descriptor, so one lock that both
+    /// hold. Dropped, it only closes the duplicate (no `LOCK_UN`, which would unlock the
+    /// undo's side too); the kernel releases the lock when the last of the two is closed.
+    Shared(File),
 }
 
 impl DeviceLocks {
@@ -49,7 +62,32 @@ impl DeviceLocks {
     /// PCI function named twice is refused first ([`refuse_shared_files`]): each spec's lock is
     /// an open file description of its own, so the second would be refused as in use, naming
     /// this very process as the other holder.
+    ///
+    /// A file a [`FileUndo`] of this process made (and so holds locked) is refused as in use,
+    /// like any other holder's: only [`DeviceLocks::acquire_created`], given that undo, shares
+    /// its lock, or this with `create_files` called inside [`FileUndo::lending_locks`] on the
+    /// undo's thread (for a caller that reaches this through a wrapper of its own).
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
+        Self::acquire_sharing(specs, lock_dir, create_files, None)
+    }
+
+    /// [`DeviceLocks::acquire`] with `create_files` for the `emu:` files a format is to create,
+    /// once `undo` ([`FileUndo::create_missing`]) made the missing ones and locked them: the
+    /// lock on each file `undo` made (the same file still, by device and inode) is shared with
+    /// it (a duplicate of its descriptor), not taken again, so there is no moment without it;
+    /// a file another process made meanwhile is locked as `acquire` locks it (refused if that
+    /// process holds it). Neither side's drop unlocks the other's: `undo` keeps its lock until
+    /// it is dropped or kept, whether this succeeds, fails part-way, or is dropped first.
+    pub fn acquire_created(specs: &[DeviceSpec], lock_dir: &Path, undo: &FileUndo) -> Result<DeviceLocks, DeviceError> {
+        Self::acquire_sharing(specs, lock_dir, true, Some(undo))
+    }
+
+    fn acquire_sharing(
+        specs: &[DeviceSpec],
+        lock_dir: &Path,
+        create_files: bool,
+        undo: Option<&FileUndo>,
+    ) -> Result<DeviceLocks, DeviceError> {
         refuse_shared_files(specs)?;
         let mut locks = DeviceLocks::default();
         for spec in specs {
@@ -105,12 +143,24 @@ impl DeviceLocks {
             if !is_file {
                 restrict_lock_file(&path, &file)?;
             }
-            // A file this process's format made (crate::undo) is locked already, on the
-            // descriptor that made it: that lock is taken over, not refused as another's.
-            let file = match file.metadata() {
-                Ok(metadata) if is_file => crate::undo::made_here(metadata.dev(), metadata.ino()).unwrap_or(file),
-                _ => file,
-            };
+            // A file the given undo made is locked already, on the descriptor that made it:
+            // that lock is shared (a duplicate of the descriptor), not refused as another's.
+            if is_file && create_files {
+                let metadata =
+                    file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
+                let shared = match undo {
+                    Some(undo) => undo.made_file(metadata.dev(), metadata.ino()).map(File::try_clone),
+                    None => crate::undo::lent_file(metadata.dev(), metadata.ino()),
+                };
+                if let Some(shared) = shared {
+                    let shared = shared.map_err(|source| DeviceError::Io {
+                        context: format!("duplicating the descriptor that created {}", path.display()),
+                        source,
+                    })?;
+                    locks.held.push((path, Held::Shared(shared)));
+                    continue;
+                }
+            }
             locks.lock(spec, path, file)?;
         }
         Ok(locks)
@@ -119,7 +169,7 @@ impl DeviceLocks {
     fn lock(&mut self, spec: &DeviceSpec, path: PathBuf, file: File) -> Result<(), DeviceError> {
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(lock) => {
-                self.held.push((path, lock));
+                self.held.push((path, Held::Own(lock)));
                 Ok(())
             }
             Err((file, Errno::EWOULDBLOCK)) => {
@@ -137,11 +187,22 @@ impl DeviceLocks {
     }
 }
 
-/// Refuses a lock directory that is not this user's own or that others may write to: whoever
-/// can write to it can replace a lock file (and so hold the SSD's lock, or plant a link).
+/// Refuses a lock directory that is a symbolic link, is not this user's own, or that others may
+/// write to: whoever can write to it can replace a lock file (and so hold the SSD's lock, or
+/// plant a link).
 fn refuse_shared_lock_dir(lock_dir: &Path) -> Result<(), DeviceError> {
-    let metadata = std::fs::metadata(lock_dir)
+    // The directory itself, not what a symbolic link names: a link (which whoever can write
+    // where it lives can point anywhere) is refused; a parent directory that is a link is fine.
+    let metadata = std::fs::symlink_metadata(lock_dir)
         .map_err(|source| DeviceError::Io { context: format!("examining the lock directory {}", lock_dir.display()), source })?;
+    if metadata.file_type().is_symlink() {
+        return Err(DeviceError::SharedLockFile {
+            path: lock_dir.to_path_buf(),
+            reason: "the lock directory is a symbolic link, which is not followed (whoever can change it could point it at a \
+                     directory of their own); give the directory it names, or another --lock-dir"
+                .into(),
+        });
+    }
     let euid = nix::unistd::geteuid().as_raw();
     if metadata.uid() != euid || metadata.mode() & 0o022 != 0 {
         return Err(DeviceError::SharedLockFile {
@@ -655,5 +716,23 @@ mod tests {
         assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
         std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
         drop(DeviceLocks::acquire(&specs, &lock_dir, false).expect("a lock directory and file of our own"));
+    }
+
+    #[test]
+    fn a_lock_directory_that_is_a_symbolic_link_is_refused() {
+        // Goal: the lock directory's owner and mode were read through a symbolic link, so a
+        // link (planted by whoever can write where it lives) to a directory of ours passed; a
+        // link is refused, while a parent directory that is a link is fine.
+        let directory = tempfile::tempdir().unwrap();
+        let real = directory.path().join("real");
+        std::fs::DirBuilder::new().mode(0o700).create(&real).unwrap();
+        let link = directory.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
+        let error = DeviceLocks::acquire(&specs, &link, false).unwrap_err();
+        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
+        assert!(error.to_string().contains("symbolic link"), "{error}");
+        assert!(!real.join("vfio-0000:00:04.0.lock").exists(), "a lock file was made through the link");
+        drop(DeviceLocks::acquire(&specs, &link.join("tutti"), false).expect("a parent that is a link is fine"));
     }
 }

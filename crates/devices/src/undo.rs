@@ -7,9 +7,11 @@
 //! files the caller holds locked; and, when dropped without [`FileUndo::keep`], removes the
 //! files it made and shrinks the grown ones back.
 //!
-//! - The lock on a file made here is the one [`crate::DeviceLocks::acquire`] then takes: it
-//!   locks the descriptor this made (the same open file description), not a new one, so the
-//!   caller's lock and this one are one lock and there is no moment without it.
+//! - The lock on a file made here is shared with the caller by
+//!   [`crate::DeviceLocks::acquire_created`], given this undo: a duplicate of the descriptor
+//!   this made (the same open file description), so the caller's lock and this one are one
+//!   lock and there is no moment without it; neither side's drop unlocks the other's. Any
+//!   other opener, in this process too ([`crate::DeviceLocks::acquire`]), is refused as in use.
 //! - A file made here is undone under that lock (emptied through its own descriptor, then
 //!   unlinked if the path still names it); one another process holds is left alone.
 //! - A file whose contents are refused as another's ([`FileUndo::forget`]: a process wrote it
@@ -18,36 +20,34 @@
 //! - A grown file is one the caller held locked before this was made; it must be dropped before
 //!   those locks are released (declared after them), since it shrinks it without a lock of its own.
 
+use std::cell::RefCell;
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use nix::fcntl::FlockArg;
 
 use crate::lock::POOL_FILE_MODE;
 use crate::spec::DeviceSpec;
 
-/// The files this process's [`FileUndo`]s made and hold locked, by (device, inode): the
-/// descriptor [`crate::DeviceLocks::acquire`] locks for them instead of opening another.
-static MADE_HERE: Mutex<Vec<(u64, u64, File)>> = Mutex::new(Vec::new());
-
-/// A descriptor of the file (`dev`, `ino`) that a [`FileUndo`] of this process made and holds
-/// locked (sharing its open file description, so its lock), if any.
-pub(crate) fn made_here(dev: u64, ino: u64) -> Option<File> {
-    let made = MADE_HERE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    made.iter().find(|(found_dev, found_ino, _)| (*found_dev, *found_ino) == (dev, ino)).and_then(|(_, _, file)| file.try_clone().ok())
+thread_local! {
+    /// The files made by the [`FileUndo`] whose [`FileUndo::lending_locks`] runs on this thread
+    /// now, by (device, inode): a duplicate of each one's locked descriptor. Empty otherwise.
+    static LENT: RefCell<Vec<(u64, u64, File)>> = const { RefCell::new(Vec::new()) };
 }
 
-fn forget_made_here(dev: u64, ino: u64) {
-    let mut made = MADE_HERE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    made.retain(|(found_dev, found_ino, _)| (*found_dev, *found_ino) != (dev, ino));
+/// A new duplicate of the descriptor that made the file (`dev`, `ino`), if the
+/// [`FileUndo::lending_locks`] running on this thread lends it.
+pub(crate) fn lent_file(dev: u64, ino: u64) -> Option<std::io::Result<File>> {
+    LENT.with_borrow(|lent| {
+        lent.iter().find(|(found_dev, found_ino, _)| (*found_dev, *found_ino) == (dev, ino)).map(|(_, _, file)| file.try_clone())
+    })
 }
 
 /// `flock(LOCK_EX | LOCK_NB)` on `file`'s open file description, left held when `file` is
 /// closed (nix's `Flock` unlocks on drop, which would release the lock a
-/// [`crate::DeviceLocks`] holds on a descriptor sharing it).
+/// [`crate::DeviceLocks`] shares with it, [`crate::DeviceLocks::acquire_created`]).
 fn lock_exclusive(file: &File) -> bool {
     #[allow(deprecated)]
     nix::fcntl::flock(file.as_raw_fd(), FlockArg::LockExclusiveNonblock).is_ok()
@@ -97,15 +97,15 @@ impl FileUndo {
             if !lock_exclusive(&file) {
                 continue;
             }
-            let Ok(registered) = file.try_clone() else { continue };
-            MADE_HERE.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((metadata.dev(), metadata.ino(), registered));
             undo.recorded.push(Recorded { path: path.clone(), dev: metadata.dev(), ino: metadata.ino(), made: Some(file), len: 0 });
         }
         undo
     }
 
     fn record_held(&mut self, path: &Path) {
-        // A FIFO must not make this wait; only regular files are created or grown.
+        // A FIFO must not make this wait; only regular files are created or grown. A symbolic
+        // link is followed, as the caller's lock and the software controller follow it: the
+        // file it names is the one grown, and shrunk back (`undo` follows it too).
         if let Ok(metadata) = std::fs::metadata(path) {
             if metadata.is_file() {
                 self.recorded.push(Recorded {
@@ -124,20 +124,42 @@ impl FileUndo {
         self.recorded.iter().filter(|file| file.made.is_some()).map(|file| file.path.as_path())
     }
 
+    /// The descriptor that made (and locked) the file (`dev`, `ino`), if this made it: the one
+    /// [`crate::DeviceLocks::acquire_created`] shares the lock of.
+    pub(crate) fn made_file(&self, dev: u64, ino: u64) -> Option<&File> {
+        self.recorded.iter().find(|file| (file.dev, file.ino) == (dev, ino)).and_then(|file| file.made.as_ref())
+    }
+
+    /// Runs `lock` with the locks of the files this made lent to [`crate::DeviceLocks::acquire`]
+    /// (with `create_files`) on this thread, and on this thread only, while it runs: what
+    /// [`crate::DeviceLocks::acquire_created`] does, for a caller that locks through a wrapper
+    /// of its own (tuttid's, which also claims block devices). Another thread's acquire, or one
+    /// after `lock` returned, is refused as in use as before. A descriptor that cannot be
+    /// duplicated here is not lent (its file is then refused as in use, naming this process).
+    pub fn lending_locks<T>(&self, lock: impl FnOnce() -> T) -> T {
+        let lent: Vec<(u64, u64, File)> =
+            self.recorded.iter().filter_map(|file| Some((file.dev, file.ino, file.made.as_ref()?.try_clone().ok()?))).collect();
+        /// Puts back what was lent before (nested calls), even if `lock` panics.
+        struct Restore(Vec<(u64, u64, File)>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let before = std::mem::take(&mut self.0);
+                LENT.with_borrow_mut(|lent| *lent = before);
+            }
+        }
+        let _restore = Restore(LENT.with_borrow_mut(|current| std::mem::replace(current, lent)));
+        lock()
+    }
+
     /// Leaves `path` as it is, whatever happens to the others: its contents were refused as
     /// another's (written since it was made here), so they are not this format's to undo.
     pub fn forget(&mut self, path: &Path) {
-        self.recorded.retain(|file| {
-            if file.path != path {
-                return true;
-            }
-            forget_made_here(file.dev, file.ino);
-            false
-        });
+        self.recorded.retain(|file| file.path != path);
     }
 
     /// Keeps the files as they are now (the format goes on to write them). The locks on the
-    /// files made here stay held by the [`crate::DeviceLocks`] that took them.
+    /// files made here stay held by the [`crate::DeviceLocks`] they were shared with
+    /// ([`crate::DeviceLocks::acquire_created`]); a file never shared is unlocked.
     pub fn keep(mut self) {
         self.kept = true;
     }
@@ -145,11 +167,8 @@ impl FileUndo {
 
 impl Drop for FileUndo {
     fn drop(&mut self) {
-        for file in &self.recorded {
-            forget_made_here(file.dev, file.ino);
-            if !self.kept {
-                undo(file);
-            }
+        if !self.kept {
+            self.recorded.iter().for_each(undo);
         }
     }
 }
@@ -175,9 +194,8 @@ fn undo(file: &Recorded) {
         }
         None => {
             // Held locked by the caller (this is dropped first): shrunk through a descriptor
-            // checked to be the file recorded.
-            let Ok(opened) = OpenOptions::new().write(true).custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOFOLLOW).open(&file.path)
-            else {
+            // checked to be the file recorded (a symbolic link followed, as when recorded).
+            let Ok(opened) = OpenOptions::new().write(true).custom_flags(nix::libc::O_NONBLOCK).open(&file.path) else {
                 return;
             };
             let Ok(metadata) = opened.metadata() else { return };
@@ -197,7 +215,7 @@ mod tests {
     fn a_refusal_removes_the_files_made_and_shrinks_the_grown_ones() {
         // Goal: the files a format made are removed, the ones it grew shrunk back, unless kept;
         // a file made here is locked from the moment it exists, and the caller's lock on it is
-        // the same lock (taken over, not refused as another's).
+        // the same lock (shared by acquire_created, not refused as another's).
         let directory = tempfile::tempdir().unwrap();
         let (new, small, locks) = (directory.path().join("new.img"), directory.path().join("small.img"), directory.path().join("locks"));
         std::fs::write(&small, [7u8; 4096]).unwrap();
@@ -208,7 +226,7 @@ mod tests {
         assert_eq!(std::fs::metadata(&new).unwrap().mode() & 0o777, POOL_FILE_MODE);
         let other = nix::fcntl::Flock::lock(File::open(&new).unwrap(), FlockArg::LockExclusiveNonblock);
         assert!(other.is_err(), "a file made here was not locked at once");
-        let created = DeviceLocks::acquire(&specs[..1], &locks, true).expect("the undo's lock is taken over");
+        let created = DeviceLocks::acquire_created(&specs[..1], &locks, &undo).expect("the undo's lock is shared");
         File::options().write(true).open(&new).unwrap().set_len(1 << 20).unwrap();
         File::options().write(true).open(&small).unwrap().set_len(1 << 20).unwrap();
         drop(undo);
@@ -218,7 +236,7 @@ mod tests {
         // Kept: as they are now, and the caller's lock still held.
         let held = DeviceLocks::acquire(&specs, &locks, false).unwrap();
         let undo = FileUndo::create_missing(&specs, held.paths());
-        let created = DeviceLocks::acquire(&specs[..1], &locks, true).unwrap();
+        let created = DeviceLocks::acquire_created(&specs[..1], &locks, &undo).unwrap();
         File::options().write(true).open(&small).unwrap().set_len(1 << 20).unwrap();
         undo.keep();
         assert!(new.exists());
@@ -238,5 +256,103 @@ mod tests {
         assert_eq!(undo.created().count(), 0);
         drop(undo);
         assert_eq!(std::fs::read(&new).unwrap(), b"theirs");
+    }
+
+    #[test]
+    fn another_opener_in_this_process_is_refused_and_cannot_unlock_a_file_made_here() {
+        // Goal: a file made here is locked for this format alone. Any other DeviceLocks::acquire
+        // of this process (another Store.open on another thread) took over its lock through a
+        // process-wide table, was not refused, and on drop unlocked it under the format.
+        let directory = tempfile::tempdir().unwrap();
+        let (path, locks) = (directory.path().join("new.img"), directory.path().join("locks"));
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let undo = FileUndo::create_missing(&specs, std::iter::empty());
+        assert_eq!(undo.created().count(), 1);
+        let other = DeviceLocks::acquire(&specs, &locks, false);
+        assert!(matches!(other, Err(crate::DeviceError::DeviceInUse { .. })), "another opener was not refused: {other:?}");
+        drop(other);
+        let fresh = nix::fcntl::Flock::lock(File::open(&path).unwrap(), FlockArg::LockExclusiveNonblock);
+        assert!(fresh.is_err(), "the file made here was unlocked by another opener");
+        drop(undo);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_handover_refused_part_way_leaves_the_files_made_here_locked() {
+        // Goal: taking the locks on the files a format made fails when another process took one
+        // of them (B, made by it after the first look); the file made here (A) must stay locked
+        // by the undo throughout: the partial set used to unlock A's description on its drop.
+        let directory = tempfile::tempdir().unwrap();
+        let (a, b, locks) = (directory.path().join("a.img"), directory.path().join("b.img"), directory.path().join("locks"));
+        let specs = [DeviceSpec::EmuFile(a.clone()), DeviceSpec::EmuFile(b.clone())];
+        std::fs::write(&b, b"").unwrap();
+        let theirs = nix::fcntl::Flock::lock(File::open(&b).unwrap(), FlockArg::LockExclusiveNonblock).unwrap();
+        let undo = FileUndo::create_missing(&specs, std::iter::empty());
+        assert_eq!(undo.created().collect::<Vec<_>>(), [a.as_path()]);
+        let refused = DeviceLocks::acquire_created(&specs, &locks, &undo);
+        assert!(matches!(refused, Err(crate::DeviceError::DeviceInUse { .. })), "{refused:?}");
+        drop(refused);
+        let fresh = nix::fcntl::Flock::lock(File::open(&a).unwrap(), FlockArg::LockExclusiveNonblock);
+        assert!(fresh.is_err(), "the file made here was unlocked by the refused handover");
+        drop(undo);
+        assert!(!a.exists());
+        drop(theirs);
+        // Handed over: the caller's set holds it too, and dropping the undo first (as callers
+        // do) or the set first leaves the other's lock in place.
+        let undo = FileUndo::create_missing(&specs[..1], std::iter::empty());
+        let taken = DeviceLocks::acquire_created(&specs[..1], &locks, &undo).expect("the undo's lock is handed over");
+        assert_eq!(taken.paths().collect::<Vec<_>>(), [a.as_path()]);
+        drop(taken);
+        let fresh = nix::fcntl::Flock::lock(File::open(&a).unwrap(), FlockArg::LockExclusiveNonblock);
+        assert!(fresh.is_err(), "dropping the caller's set unlocked the undo's file");
+        let taken = DeviceLocks::acquire_created(&specs[..1], &locks, &undo).unwrap();
+        undo.keep();
+        let fresh = nix::fcntl::Flock::lock(File::open(&a).unwrap(), FlockArg::LockExclusiveNonblock);
+        assert!(fresh.is_err(), "kept, but no longer locked");
+        drop(taken);
+        nix::fcntl::Flock::lock(File::open(&a).unwrap(), FlockArg::LockExclusiveNonblock).expect("free once both let go");
+    }
+
+    #[test]
+    fn a_grown_file_named_through_a_symbolic_link_is_shrunk_back() {
+        // Goal: an emu: file given as a symbolic link to the pool file is grown by the format
+        // like any other, so a refused format shrinks it back; the undo opened it with
+        // O_NOFOLLOW and left it grown.
+        let directory = tempfile::tempdir().unwrap();
+        let (target, link, locks) = (directory.path().join("small.img"), directory.path().join("link.img"), directory.path().join("locks"));
+        std::fs::write(&target, [7u8; 4096]).unwrap();
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let specs = [DeviceSpec::EmuFile(link.clone())];
+        let held = DeviceLocks::acquire(&specs, &locks, false).unwrap();
+        let undo = FileUndo::create_missing(&specs, held.paths());
+        File::options().write(true).open(&link).unwrap().set_len(1 << 20).unwrap();
+        drop(undo);
+        drop(held);
+        assert_eq!(std::fs::metadata(&target).unwrap().len(), 4096, "left grown");
+        assert!(std::fs::read(&target).unwrap() == [7u8; 4096]);
+    }
+
+    #[test]
+    fn locks_lent_on_this_thread_are_shared_only_while_lending() {
+        // Goal: a caller that locks through a wrapper (tuttid's) gets the undo's locks shared
+        // inside lending_locks, on its own thread; another thread meanwhile, or any acquire
+        // after it, is refused as in use, and dropping the shared set unlocks nothing.
+        let directory = tempfile::tempdir().unwrap();
+        let (path, locks) = (directory.path().join("new.img"), directory.path().join("locks"));
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let undo = FileUndo::create_missing(&specs, std::iter::empty());
+        let (other_specs, other_locks) = (specs.clone(), locks.clone());
+        let taken = undo.lending_locks(|| {
+            let other = std::thread::spawn(move || DeviceLocks::acquire(&other_specs, &other_locks, true).map(|_| ())).join().unwrap();
+            assert!(matches!(other, Err(crate::DeviceError::DeviceInUse { .. })), "another thread shared it: {other:?}");
+            DeviceLocks::acquire(&specs, &locks, true)
+        });
+        let taken = taken.expect("lent on this thread");
+        assert!(matches!(DeviceLocks::acquire(&specs, &locks, true), Err(crate::DeviceError::DeviceInUse { .. })));
+        drop(taken);
+        let fresh = nix::fcntl::Flock::lock(File::open(&path).unwrap(), FlockArg::LockExclusiveNonblock);
+        assert!(fresh.is_err(), "dropping the shared set unlocked the undo's file");
+        drop(undo);
+        assert!(!path.exists());
     }
 }
