@@ -67,7 +67,25 @@ pub struct DeviceArgs {
 /// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
 /// it is left for opening to report.
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
-    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(|error| Unusable(error.to_string()).into())
+    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(lock_refusal)
+}
+
+/// [`lock_devices`] with `create_files` for the missing `emu:` files of a format, once `undo`
+/// made them and locked them: their locks are shared with it
+/// ([`DeviceLocks::acquire_created`]), so there is no moment without them.
+fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo) -> Result<DeviceLocks> {
+    DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(lock_refusal)
+}
+
+/// A refused lock as an exit status: a file that could not be opened by its errno (a missing
+/// path, no permission, a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC:
+/// a failure, 1, as tuttid and tutti-bench say); anything else (another holder, a FIFO, a
+/// lock directory others could use) unusable input.
+fn lock_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
+    match error {
+        tutti_devices::DeviceError::OpenFailed { .. } if !error.is_unusable_input() => anyhow::Error::new(error),
+        error => Unusable(error.to_string()).into(),
+    }
 }
 
 /// Claims every `emu:` block device of `args` exclusively ([`BlockDeviceClaims`]), held until
@@ -319,11 +337,13 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             let mut undo: Option<FileUndo> = None;
             if args.emu_create_bytes.is_some() {
                 // Made here with O_EXCL (so the undo knows which it made) and locked at once;
-                // the lock taken on them next is that same lock.
-                let mut made = FileUndo::create_missing(&args.devices.devices, locks.paths());
+                // the lock taken on them next is that same lock, shared with the undo.
                 #[cfg(test)]
                 tests::BEFORE_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
-                let created = lock_devices(&args.devices, &to_create, true)?;
+                let mut made = FileUndo::create_missing(&args.devices.devices, locks.paths());
+                #[cfg(test)]
+                tests::AFTER_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
+                let created = lock_created_devices(&args.devices, &to_create, &made)?;
                 // A file another process made or wrote since the first look is read as the
                 // others were; one refused is left as that process wrote it.
                 if !args.overwrite {
@@ -454,8 +474,12 @@ mod tests {
     }
 
     thread_local! {
-        /// Run by format just before it creates the missing files: a test makes one meanwhile.
+        /// Run by format after its first look, just before it creates the missing files
+        /// (`FileUndo::create_missing`, O_EXCL): a test makes one meanwhile, as another process.
         pub(super) static BEFORE_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
+        /// Run by format once it created the missing files, before it locks them and reads
+        /// them: a test writes one it made, as another process that ignores the lock would.
+        pub(super) static AFTER_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
     }
 
     #[test]
@@ -475,6 +499,42 @@ mod tests {
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
         assert!(std::fs::read(&path).unwrap() == bytes, "the file made meanwhile was changed");
+    }
+
+    #[test]
+    fn a_file_made_here_then_written_by_another_process_is_refused_and_left_as_it_is() {
+        // Goal: a missing emu: file that format creates and another process then writes (without
+        // the lock, as mkfs would) before format reads it is refused as foreign (status 2) and
+        // left exactly as that process wrote it, not removed as "made here".
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("late.img");
+        let mut bytes = vec![0u8; 8 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        let device = format!("emu:{}", path.display());
+        let arguments = ["format", "--device", &device, "--model", "llama3-8b", "--emu-create-bytes", "64m"];
+        let (late, written) = (path.clone(), bytes.clone());
+        AFTER_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
+        let error = run_with(&command(&arguments), &HostBlockDevices).unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
+        assert!(std::fs::read(&path).map(|read| read == bytes).unwrap_or(false), "the file written meanwhile was removed or changed");
+    }
+
+    #[test]
+    fn a_lock_file_that_fails_to_open_is_input_or_failure_by_its_errno() {
+        // Goal: every refused lock was status 2; an open that failed with EIO, EMFILE or
+        // ENOSPC is a failure (1), as tuttid and tutti-bench make it; a missing path, no
+        // permission or a device node with no device (ENXIO) stays unusable input (2).
+        let open =
+            |errno: i32| tutti_devices::DeviceError::OpenFailed { path: "/x".into(), source: std::io::Error::from_raw_os_error(errno) };
+        for errno in [libc::EIO, libc::EMFILE, libc::ENOSPC] {
+            assert!(!lock_refusal(open(errno)).is::<Unusable>(), "errno {errno} made unusable input");
+        }
+        for errno in [libc::ENOENT, libc::EACCES, libc::ENXIO] {
+            assert!(lock_refusal(open(errno)).is::<Unusable>(), "errno {errno} made a failure");
+        }
+        let in_use = tutti_devices::DeviceError::DeviceInUse { spec: "emu:/x".into(), lock: "/x".into(), holder: "pid 1".into() };
+        assert!(lock_refusal(in_use).is::<Unusable>());
     }
 
     #[test]
