@@ -83,7 +83,8 @@ pub(crate) fn check_transferred(
 /// Checks the blocks a client says its retrieve `handle` found corrupt (module docs), then
 /// evicts their slots: out of the index at once, headers made Empty on disk (best effort: an
 /// entry whose write fails stays staged for the next sync; on a fenced device it is never
-/// written, so the block comes back at reopen and a verified retrieve catches it again).
+/// written, so the block comes back at reopen, where a retrieve catches it again only if the
+/// pool records payload CRCs and the store verifies retrieves, `verify_retrieves`, off by default).
 pub(crate) fn evict_corrupt(control: &mut StoreControl, handle: RequestHandle, blocks: &[MismatchedBlock]) -> Result<(), Refusal> {
     let request = handle.to_bits();
     if control.direction(handle).ok() != Some(Direction::Retrieve) {
