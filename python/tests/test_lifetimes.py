@@ -461,3 +461,65 @@ def test_with_store_in_a_forked_child_lets_the_blocks_exception_through():
         assert wait_child(pid) == CHILD_REFUSED, "the child saw another exception than its block's"
     finally:
         store.close()
+
+
+def test_a_keepalive_ping_to_a_stalled_daemon_does_not_hold_the_store(tmp_path):
+    # Goal: the completion thread's keep-alive ping waits for tuttid without the store's lock,
+    # so while a stalled daemon (SIGSTOP) leaves it unanswered, the store's calls that do not
+    # talk to tuttid (the per-layer path: a layer's poll, the getters) answer at once instead
+    # of waiting out the ping's timeout behind it. A lease of 300 ms: a ping every 100 ms.
+    from conftest import start_daemon
+
+    daemon = start_daemon(tmp_path, "--lease", "300ms")
+    try:
+        store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=3.0)
+        store.allocate_kv(4, "paged")
+        request = store.prepare_store(tokens(1, 2), [0, 1])
+        daemon.pause()  # its controller too: the layer stays in flight
+        layer = request.store_layer(0)
+        time.sleep(0.5)  # past a keep-alive interval: the ping is sent, and not answered
+        longest = 0.0
+        sampled = time.monotonic()
+        while time.monotonic() - sampled < 1.0:
+            asked = time.monotonic()
+            assert not layer.poll()
+            assert store.registered and not store.closed
+            longest = max(longest, time.monotonic() - asked)
+            time.sleep(0.01)
+        assert longest < 0.3, f"a call that does not talk to tuttid waited {longest:.2f} s behind the ping"
+    finally:
+        daemon.resume()
+    store.close()
+    daemon.stop()
+
+
+
+def test_calls_that_talk_to_tuttid_wait_for_the_connection_the_keepalive_ping_has(tmp_path):
+    # Goal: while the keep-alive ping has the store's connection (its wait for tuttid holds no
+    # lock), a call that talks to tuttid waits for its return and never reaches what stands in
+    # for it: a lookup made while tuttid, stopped, leaves the ping unanswered succeeds once
+    # tuttid answers the ping. A lease of 3 s: a ping after 1 s idle.
+    import threading
+
+    from conftest import start_daemon
+
+    daemon = start_daemon(tmp_path, "--lease", "3s")
+    try:
+        store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=5.0)
+        assert store.lookup(tokens(1, 2)) == 0
+        idle_from = time.monotonic()
+        sent = store.requests_sent
+        time.sleep(0.2)
+        daemon.pause()
+        time.sleep(1.3 - (time.monotonic() - idle_from))  # the ping went at 1 s, unanswered
+        resumer = threading.Timer(0.4, daemon.resume)
+        resumer.start()
+        asked = time.monotonic()
+        assert store.lookup(tokens(1, 2)) == 0
+        waited = time.monotonic() - asked
+        resumer.join()
+        assert 0.2 < waited < 3.0, f"the lookup waited {waited:.2f} s for the ping's answer"
+        assert store.requests_sent == sent + 2, "the ping, then the lookup"
+        store.close()
+    finally:
+        daemon.stop()

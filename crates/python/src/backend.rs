@@ -141,6 +141,11 @@ pub struct StoreState {
     pub daemon: Option<crate::device_memory::AttachedDaemon>,
     /// The tuttid session (attached stores).
     pub daemon_session: Option<u64>,
+    /// While the keep-alive ping has the store's connection to tuttid (`lend_connection`): the
+    /// requests sent on it when it was lent (the `requests_sent` getter's answer meanwhile).
+    /// The backend holds a placeholder then, which nothing may use: the calls that talk to
+    /// tuttid wait for the connection's return (`StoreShared::locked`).
+    pub connection_lent: Option<u64>,
     /// What keeps released memory alive (DLPack tensors, buffer exports, owners), to be dropped
     /// by `StoreShared::with_state` after the store's lock is released: a DLPack producer's
     /// deleter (numpy's) takes the GIL, which a thread waiting for this lock may hold.
@@ -233,6 +238,14 @@ impl RequestLimits {
     }
 }
 
+/// What `StoreState::lend_connection` did with the placeholder it was given.
+pub enum Loan {
+    /// The store's connection to tuttid, the placeholder in its place.
+    Lent(Client),
+    /// The placeholder, given back: no connection to lend.
+    Declined(Client),
+}
+
 fn not_registered() -> Failure {
     Failure::new(ErrorClass::NotRegistered, "no KV memory is registered: call register_kv(...) or allocate_kv(...) first")
 }
@@ -255,6 +268,7 @@ impl StoreState {
             device_memory: None,
             daemon: None,
             daemon_session: None,
+            connection_lent: None,
             released: Vec::new(),
             allocation: None,
             registered: None,
@@ -355,6 +369,48 @@ impl StoreState {
             Backend::LocalOpen { .. } => Err(not_registered()),
             Backend::Closed => Err(closed()),
         }
+    }
+
+    /// The store's connection to tuttid (attached stores; None in process or closed).
+    fn connection(&mut self) -> Option<&mut Client> {
+        match &mut self.backend {
+            Backend::Remote { store } => Some(store.client()),
+            Backend::RemoteAttached { client, .. } => Some(client),
+            _ => None,
+        }
+    }
+
+    /// Requests sent on the store's connection to tuttid so far (0 in process), the one the
+    /// keep-alive ping has included (as many as when it was lent).
+    pub fn requests_sent(&mut self) -> u64 {
+        if let Some(sent) = self.connection_lent {
+            return sent;
+        }
+        self.connection().map_or(0, |client| client.requests_sent())
+    }
+
+    /// Lends the store's connection to tuttid to the keep-alive ping, which waits for its answer
+    /// without the store's lock: `placeholder` (connected to no daemon) takes its place until
+    /// `return_connection`. Declined (the placeholder back) when the store has no connection
+    /// (closed, in process) or has lent it already.
+    pub fn lend_connection(&mut self, placeholder: Client) -> Loan {
+        if self.connection_lent.is_some() {
+            return Loan::Declined(placeholder);
+        }
+        let Some(slot) = self.connection() else { return Loan::Declined(placeholder) };
+        let connection = std::mem::replace(slot, placeholder);
+        self.connection_lent = Some(connection.requests_sent());
+        Loan::Lent(connection)
+    }
+
+    /// Puts back the connection lent (its ping answered or failed: a request went to tuttid)
+    /// and returns the placeholder. Should the backend have lost its connection meanwhile
+    /// (nothing that talks to tuttid runs while it is lent, a close included), the connection
+    /// is dropped (the session ends) and None returned.
+    pub fn return_connection(&mut self, connection: Client) -> Option<Client> {
+        self.connection_lent = None;
+        self.touch_daemon();
+        self.connection().map(|slot| std::mem::replace(slot, connection))
     }
 
     pub fn ping(&mut self) -> Result<(), Failure> {

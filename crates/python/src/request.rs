@@ -235,7 +235,7 @@ impl Request {
         let this = slf.get();
         this.check_live().map_err(|failure| failure.to_pyerr(py))?;
         let handle = this.handle;
-        let (issue, armed) = this.shared.with_state(py, move |state| {
+        let (issue, armed) = this.shared.with_state_data_path(py, move |state| {
             let issue = state.issue(handle, layer, budget, direction)?;
             Ok((issue, state.request(handle)?.eventfd.is_some()))
         })?;
@@ -532,7 +532,7 @@ impl Request {
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
         self.check_live().map_err(|failure| failure.to_pyerr(py))?;
         let handle = self.handle;
-        let (eventfd, in_flight) = self.shared.with_state(py, move |state| {
+        let (eventfd, in_flight) = self.shared.with_state_data_path(py, move |state| {
             let request = state.request(handle)?;
             Ok((request.eventfd()?, !request.in_flight.is_empty()))
         })?;

@@ -18,7 +18,7 @@ use tutti_daemon::protocol::Hello;
 use tutti_daemon::{Client, DaemonError};
 use tutti_devices::{DeviceKind, DeviceSpec};
 
-use crate::backend::{key_seed, Backend, RequestLimits, StoreState, STALL_RETRY_BACKOFF};
+use crate::backend::{key_seed, Backend, Loan, RequestLimits, StoreState, STALL_RETRY_BACKOFF};
 use crate::errors::{ErrorClass, Failure};
 use crate::geometry::ModelGeometry;
 use crate::memory::{describe, tensor_names, KvBuffer, KvLayout};
@@ -47,6 +47,9 @@ pub struct StoreShared {
     waiting: AtomicUsize,
     /// Wakes the completion thread (a request armed, the store closing).
     wake: Condvar,
+    /// Wakes the callers waiting for the connection to tuttid the keep-alive ping has
+    /// (`StoreState::connection_lent`) once it is back.
+    connection_back: Condvar,
     stop: AtomicBool,
     service: Mutex<Option<JoinHandle<()>>>,
     pub kind: &'static str,
@@ -105,30 +108,117 @@ impl StoreShared {
         true
     }
 
-    /// Runs `call` under the store's lock with the GIL released.
+    /// The store's lock with the connection to tuttid in place: while the keep-alive ping has
+    /// it (`StoreState::connection_lent`), waits for its return, which the ping's own timeout
+    /// (the store's) bounds; Timeout should it not come back within that and a second.
+    fn lock_with_connection(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
+        let mut state = self.lock()?;
+        if state.connection_lent.is_none() {
+            return Ok(state);
+        }
+        let bound = self.timeout.min(CONNECTION_WAIT_CAP).saturating_add(CONNECTION_RETURN_MARGIN);
+        let until = Instant::now() + bound;
+        while state.connection_lent.is_some() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Failure::new(
+                    ErrorClass::Timeout,
+                    format!(
+                        "the keep-alive ping still has the store's connection to tuttid after {} ms (tuttid does not answer)",
+                        bound.as_millis()
+                    ),
+                ));
+            }
+            state = self.connection_back.wait_timeout(state, left).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
+        }
+        Ok(state)
+    }
+
+    /// Runs `call` under the store's lock with the GIL released (`locked`: a call that may talk
+    /// to tuttid).
     pub fn with_state<T: Send>(&self, py: Python<'_>, call: impl FnOnce(&mut StoreState) -> Result<T, Failure> + Send) -> PyResult<T> {
         py.detach(|| self.locked(call).and_then(|result| result)).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    /// As `with_state`, for a call that never talks to tuttid (the per-layer path:
+    /// `locked_data_path`).
+    pub fn with_state_data_path<T: Send>(
+        &self,
+        py: Python<'_>,
+        call: impl FnOnce(&mut StoreState) -> Result<T, Failure> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| self.locked_data_path(call).and_then(|result| result)).map_err(|failure| failure.to_pyerr(py))
     }
 
     /// Runs `call` under the store's lock (the caller does not hold the GIL, or released it),
     /// then drops what the call released (`StoreState::released`) after the lock is let go: a
     /// DLPack producer's deleter (numpy's) takes the GIL, and a thread holding the GIL may be
-    /// waiting for this lock.
+    /// waiting for this lock. `call` may talk to tuttid: it runs with the store's connection
+    /// in place (`lock_with_connection`).
     /// InvalidState in another process (see `lock`).
     pub fn locked<T>(&self, call: impl FnOnce(&mut StoreState) -> T) -> Result<T, Failure> {
-        let (result, released) = {
-            let mut state = self.lock()?;
-            let result = call(&mut state);
-            (result, std::mem::take(&mut state.released))
-        };
-        drop(released);
-        Ok(result)
+        let guard = self.lock_with_connection()?;
+        Ok(self.locked_in(guard, call))
     }
 
-    /// Reads the state with the GIL released (getters): never wait for the store's lock while
-    /// holding the GIL (see `locked`).
+    /// As `locked`, for a call that never talks to tuttid (the per-layer path, the getters):
+    /// it does not wait for the connection the keep-alive ping has.
+    pub fn locked_data_path<T>(&self, call: impl FnOnce(&mut StoreState) -> T) -> Result<T, Failure> {
+        let guard = self.lock()?;
+        Ok(self.locked_in(guard, call))
+    }
+
+    fn locked_in<T>(&self, mut state: MutexGuard<'_, StoreState>, call: impl FnOnce(&mut StoreState) -> T) -> T {
+        let result = call(&mut state);
+        let released = std::mem::take(&mut state.released);
+        drop(state);
+        drop(released);
+        result
+    }
+
+    /// Reads the state with the GIL released (getters, which never talk to tuttid): never wait
+    /// for the store's lock while holding the GIL (see `locked`).
     pub fn read<T: Send>(&self, py: Python<'_>, read: impl FnOnce(&mut StoreState) -> T + Send) -> PyResult<T> {
-        py.detach(|| self.locked(read)).map_err(|failure| failure.to_pyerr(py))
+        py.detach(|| self.locked_data_path(read)).map_err(|failure| failure.to_pyerr(py))
+    }
+
+    /// The keep-alive ping (the completion thread), when the store has been idle `interval`:
+    /// the store's connection is lent to it (`StoreState::lend_connection`, `placeholder` in
+    /// its place) so that its wait for tuttid's answer holds no lock; the calls that talk to
+    /// tuttid wait for its return, the per-layer path and the getters do not. Without a
+    /// placeholder (none could be made), it pings under the store's lock.
+    fn keepalive_ping(&self, interval: Duration, placeholder: &mut Option<Client>) {
+        let due = |state: &StoreState| !state.is_closed() && state.is_remote() && state.last_daemon_request.elapsed() >= interval;
+        if self.locked_data_path(|state| due(state)) != Ok(true) {
+            return;
+        }
+        if placeholder.is_none() {
+            *placeholder = placeholder_client()
+                .map_err(|failure| tracing::debug!(message = %failure.message, "tutti: keep-alive pings hold the store's lock"))
+                .ok();
+        }
+        let pinged = match placeholder.take() {
+            None => self.locked(|state| if due(state) { state.ping() } else { Ok(()) }).and_then(|result| result),
+            Some(spare) => match self.locked(|state| if due(state) { state.lend_connection(spare) } else { Loan::Declined(spare) }) {
+                Err(failure) => Err(failure),
+                Ok(Loan::Declined(spare)) => {
+                    *placeholder = Some(spare);
+                    Ok(())
+                }
+                Ok(Loan::Lent(mut connection)) => {
+                    let pinged = connection.ping().map_err(Failure::from);
+                    // The raw lock: `locked` would wait for this very return.
+                    let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+                    *placeholder = state.return_connection(connection);
+                    drop(state);
+                    self.connection_back.notify_all();
+                    pinged
+                }
+            },
+        };
+        if let Err(failure) = pinged {
+            tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
+        }
     }
 
     /// Closes the store (if it is not closed) with the completion thread stopped; called without
@@ -164,6 +254,7 @@ impl StoreShared {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
+            connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             kind: "in-process",
@@ -211,9 +302,12 @@ impl StoreShared {
 /// The completion thread: drives the requests that have an eventfd and a layer in flight, and
 /// pings tuttid when the session has been idle a third of its lease. It holds the store only
 /// while it works on it (a weak reference otherwise), so a dropped store ends it. It takes the
-/// store's lock for one request at a time (one `slice` at most each), for each orphan apart,
-/// and for the ping, giving way between them to the callers waiting for it (`give_way`).
+/// store's lock for one request at a time (one `slice` at most each) and for each orphan apart,
+/// giving way between them to the callers waiting for it (`give_way`); the ping waits for
+/// tuttid with the store's connection lent to it, not under the lock (`keepalive_ping`).
 fn run_service(weak: Weak<StoreShared>, slice: Duration) {
+    // What stands in for the store's connection while the keep-alive ping has it.
+    let mut placeholder: Option<Client> = None;
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
@@ -238,17 +332,7 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
             }
         }
         if let Some(interval) = shared.keepalive {
-            // The exchange holds the store's lock: the connection is the store's, and its
-            // other calls (prepare, commit, finish, lookup) go on it too.
-            let pinged = shared.locked(|state| {
-                if state.is_closed() || state.last_daemon_request.elapsed() < interval {
-                    return Ok(());
-                }
-                state.ping()
-            });
-            if let Ok(Err(failure)) = pinged {
-                tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
-            }
+            shared.keepalive_ping(interval, &mut placeholder);
         }
         if !armed.is_empty() {
             continue; // a request was driven: pass again at once (way was given after each)
@@ -276,9 +360,9 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
     }
 }
 
-/// The shortest interval between keep-alive pings: the completion thread holds the store's lock
-/// for each ping (one exchange with tuttid), so a lease of 0 or a few ms from tuttid must not
-/// make it ping every millisecond and starve every other call of the lock.
+/// The shortest interval between keep-alive pings: each ping has the store's connection (one
+/// exchange with tuttid), so a lease of 0 or a few ms from tuttid must not make it ping every
+/// millisecond and starve every call that talks to tuttid of the connection.
 pub const KEEPALIVE_INTERVAL_MIN: Duration = Duration::from_millis(100);
 
 /// How long an attached store may stay idle before the completion thread pings tuttid: a third
@@ -287,6 +371,44 @@ pub const KEEPALIVE_INTERVAL_MIN: Duration = Duration::from_millis(100);
 /// cannot be kept safely at any sane rate: `attach` warns).
 pub fn keepalive_interval(lease: Duration) -> Duration {
     (lease / 3).max(KEEPALIVE_INTERVAL_MIN)
+}
+
+/// The longest the store's timeout counts for in a wait for the connection the keep-alive ping
+/// has (the client caps its own waits at a day too).
+const CONNECTION_WAIT_CAP: Duration = Duration::from_secs(86_400);
+/// Past the store's timeout, how long a call waits for the connection the keep-alive ping has
+/// (the ping's exchange may overrun its timeout by a read tick).
+const CONNECTION_RETURN_MARGIN: Duration = Duration::from_secs(1);
+
+/// A connected `Client` to no daemon, which stands in for the store's connection to tuttid
+/// while the keep-alive ping has it (nothing uses it: `StoreState::connection_lent`). Made
+/// once per completion thread: a listener bound in a private directory of its own (0700) is
+/// connected to, then removed with the directory; the connection is left to nobody.
+fn placeholder_client() -> Result<Client, Failure> {
+    use std::os::unix::fs::DirBuilderExt;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let failed = |what: String| Failure::new(ErrorClass::Device, format!("making the keep-alive ping's placeholder connection: {what}"));
+    for _ in 0..8 {
+        let number = NEXT.fetch_add(1, Ordering::Relaxed);
+        let directory = std::env::temp_dir().join(format!("tutti-keepalive-{}-{number}", std::process::id()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&directory) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(error) => return Err(failed(format!("{}: {error}", directory.display()))),
+        }
+        let socket = directory.join("s");
+        let made = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|error| failed(format!("{}: {error}", socket.display())))
+            .and_then(|listener| {
+                let client = Client::connect(&socket, Duration::from_secs(1)).map_err(|error| failed(error.to_string()));
+                drop(listener);
+                client
+            });
+        let _ = std::fs::remove_file(&socket);
+        let _ = std::fs::remove_dir(&directory);
+        return made;
+    }
+    Err(failed("no free directory name".into()))
 }
 
 /// The layer-wise KV store (module stub: `Store`).
@@ -633,6 +755,7 @@ impl Store {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
+            connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             kind: "in-process",
@@ -700,6 +823,7 @@ impl Store {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
             wake: Condvar::new(),
+            connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             kind: "tuttid",
@@ -757,11 +881,7 @@ impl Store {
 
     #[getter]
     fn requests_sent(&self, py: Python<'_>) -> PyResult<u64> {
-        self.shared.read(py, |state| match &mut state.backend {
-            Backend::Remote { store } => store.requests_sent(),
-            Backend::RemoteAttached { client, .. } => client.requests_sent(),
-            _ => 0,
-        })
+        self.shared.read(py, |state| state.requests_sent())
     }
 
     #[pyo3(signature = (num_blocks, kind = "paged"))]
