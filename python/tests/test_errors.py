@@ -458,8 +458,6 @@ class SlowBusyDaemon:
         self.listener.close()
 
 
-@pytest.mark.xfail(strict=True, reason="needs the retry's Hello bounded by the attach's deadline: Client::set_timeout or a "
-                   "per-call deadline in crates/daemon/src/client.rs; each Hello now waits the whole timeout_s")
 def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
     # Goal: one deadline for the whole attach: a daemon slow to answer Busy (0.7 s) is asked
     # again only within timeout_s (1 s), and the attach ends about then, not after a second

@@ -112,6 +112,13 @@ impl Client {
         })
     }
 
+    /// Sets how long every later call waits (as [`Client::connect`]'s `timeout`): a caller that
+    /// connected with what was left of a deadline (a Hello asked again after Busy) gives the
+    /// session its own timeout back.
+    pub fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout.min(WAIT_MAX);
+    }
+
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
     /// belong to. Once per connection.
     pub fn hello(&mut self, hello: &Hello) -> Result<HelloReply, DaemonError> {

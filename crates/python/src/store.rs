@@ -471,21 +471,39 @@ pub(crate) enum Busy {
 pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &Hello, busy: Busy) -> Result<Hellod, Failure> {
     let deadline = tutti_daemon::frame_io::deadline_after(Instant::now(), timeout);
     let mut pauses = tutti_daemon::client::BusyPauses::new();
+    // The last Busy answer: a try after it that runs out of the deadline says that (tuttid was
+    // busy throughout), not that a Hello timed out.
+    let mut busy_before: Option<Failure> = None;
     loop {
         let before = crate::process::open_fds();
-        let (mut client, connections) = connect_recorded(socket, timeout, &before)?;
+        // Each try (connect and Hello) within what is left of the one deadline: a daemon slow to
+        // answer Busy is asked again only within `timeout`, not for a whole `timeout` more.
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (mut client, connections) = match connect_recorded(socket, left, &before) {
+            Ok(connected) => connected,
+            Err(failure) if failure.class == ErrorClass::Timeout => return Err(busy_before.unwrap_or(failure)),
+            Err(failure) => return Err(failure),
+        };
         // The geometry is checked before anything else uses it (a refusal ends the session, the
         // client dropped here).
         let answered = client.hello(hello).map_err(Failure::from).and_then(|reply| Ok((crate::geometry::of_hello(&reply.shape)?, reply)));
         match answered {
-            Ok((geometry, reply)) => return Ok(Hellod { client, reply, geometry, connections }),
+            Ok((geometry, reply)) => {
+                // The session's calls each wait the store's whole timeout.
+                client.set_timeout(timeout);
+                return Ok(Hellod { client, reply, geometry, connections });
+            }
             Err(failure) => {
                 close_failed_connection(client, &connections);
+                if failure.class == ErrorClass::Timeout {
+                    return Err(busy_before.unwrap_or(failure));
+                }
                 let busy_again = busy == Busy::AskAgain && failure.code.as_deref() == Some("Busy");
                 if !busy_again || !pauses.pause_before(deadline) {
                     return Err(failure);
                 }
                 tracing::debug!(message = %failure.message, "tutti: tuttid was busy; attaching again");
+                busy_before = Some(failure);
             }
         }
     }
