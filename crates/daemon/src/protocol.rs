@@ -32,7 +32,7 @@ pub use status::{
 };
 pub use store::{
     AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
-    DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX,
+    DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX, RELEASE_CORRUPT_BLOCKS_MAX,
 };
 
 /// Frame magic, the bytes `TUTD`.

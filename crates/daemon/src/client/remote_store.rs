@@ -647,28 +647,55 @@ impl RemoteKvStore {
         }
     }
 
-    /// `Release` with this process's report. A report the daemon refuses (`BadReport`) would
-    /// leave the request reserved there while it is gone here, so the request is then released
-    /// without a report (nothing counted, nothing evicted) and the refusal is returned.
+    /// `Release` with this process's report ([`release_reporting`]).
     fn release_at_daemon(
         &mut self,
         handle: RequestHandle,
         transferred: Transferred,
         corrupt_blocks: Vec<objstore::MismatchedBlock>,
     ) -> Result<(), ObjstoreError> {
-        let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
-        match self.client.call(&release) {
-            Ok(Reply::Released) => Ok(()),
-            Ok(other) => Err(unexpected(Kind::Release, &other)),
-            Err(refused @ DaemonError::Remote { code: ErrorCode::BadReport, .. }) => {
-                let bare = Request::Release { handle: handle.to_bits(), transferred: Transferred::default(), corrupt_blocks: Vec::new() };
-                if let Err(error) = self.client.call(&bare) {
-                    tracing::warn!(%error, "releasing a request at tuttid without the report it refused");
-                }
-                Err(remote(refused))
+        let client = &mut self.client;
+        release_reporting(&mut |request| client.call(request), handle, transferred, corrupt_blocks)
+    }
+}
+
+/// `Release` with a report, sent through `call`; the request is released at the daemon in
+/// every case the connection allows. A report of more corrupt blocks than one frame carries
+/// ([`RELEASE_CORRUPT_BLOCKS_MAX`](crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX), fewer than a
+/// retrieve may name) reports the first that fit and logs the rest: those stay indexed until a
+/// later verified retrieve finds them again. A report the daemon refuses (`BadReport`, or any
+/// other refusal of this request) would leave the request reserved there while it is gone here,
+/// so the request is then released without a report (nothing counted, nothing evicted) and the
+/// refusal is returned. A lost connection ends the session, and with it the request.
+fn release_reporting(
+    call: &mut dyn FnMut(&Request) -> Result<Reply, DaemonError>,
+    handle: RequestHandle,
+    transferred: Transferred,
+    mut corrupt_blocks: Vec<objstore::MismatchedBlock>,
+) -> Result<(), ObjstoreError> {
+    let cap = crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX;
+    if corrupt_blocks.len() > cap {
+        tracing::warn!(
+            request = handle.to_bits(),
+            corrupt = corrupt_blocks.len(),
+            reported = cap,
+            first_unreported = %corrupt_blocks[cap],
+            "more corrupt blocks than one Release carries: the rest stay indexed until a verified retrieve finds them again"
+        );
+        corrupt_blocks.truncate(cap);
+    }
+    let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
+    match call(&release) {
+        Ok(Reply::Released) => Ok(()),
+        Ok(other) => Err(unexpected(Kind::Release, &other)),
+        Err(refused @ (DaemonError::Remote { .. } | DaemonError::RequestTooLarge { .. } | DaemonError::Protocol(_))) => {
+            let bare = Request::Release { handle: handle.to_bits(), transferred: Transferred::default(), corrupt_blocks: Vec::new() };
+            if let Err(error) = call(&bare) {
+                tracing::warn!(%error, "releasing a request at tuttid without the report it refused");
             }
-            Err(error) => Err(remote(error)),
+            Err(remote(refused))
         }
+        Err(error) => Err(remote(error)),
     }
 }
 
@@ -854,6 +881,82 @@ impl LayerKvStore for RemoteKvStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A daemon's side of `Release` for [`release_reporting`]: each request is encoded into a
+    /// frame as `Client::call` does (a body over the cap is refused before it is sent), then
+    /// answered by `answer`; `released` records the requests the daemon released.
+    fn fake_release<'a>(
+        released: &'a mut Vec<Request>,
+        answer: impl Fn(&Request) -> Result<Reply, DaemonError> + 'a,
+    ) -> impl FnMut(&Request) -> Result<Reply, DaemonError> + 'a {
+        move |request| {
+            let mut frame = Vec::new();
+            crate::protocol::encode_frame(&mut frame, request.kind(), 1, |out| request.encode_body(out)).map_err(|error| match error {
+                crate::ProtocolError::FrameTooLarge { body_bytes } => {
+                    DaemonError::RequestTooLarge { kind: request.kind(), body_bytes, cap_bytes: crate::protocol::BODY_BYTES_MAX }
+                }
+                other => DaemonError::Protocol(other),
+            })?;
+            let reply = answer(request)?;
+            released.push(request.clone());
+            Ok(reply)
+        }
+    }
+
+    fn corrupt(count: usize) -> Vec<objstore::MismatchedBlock> {
+        (0..count)
+            .map(|position| objstore::MismatchedBlock {
+                position,
+                engine_block: position as u32,
+                device: 0,
+                slot: position as u32,
+                expected_crc: 1,
+                computed_crc: 2,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_release_reporting_every_block_of_the_largest_retrieve_releases_the_request() {
+        // Goal: a verified retrieve of PREPARE_BLOCKS_MAX blocks that all failed their CRC is
+        // still released at the daemon (its report of 22 bytes per block passes the 1 MiB
+        // frame): as many blocks as fit are reported, the rest logged; never left reserved.
+        let handle = RequestHandle::from_bits(7);
+        let mut released = Vec::new();
+        let mut call = fake_release(&mut released, |_| Ok(Reply::Released));
+        let moved = Transferred { bytes: 4096, commands: 1 };
+        release_reporting(&mut call, handle, moved, corrupt(crate::protocol::PREPARE_BLOCKS_MAX)).unwrap();
+        drop(call);
+        assert_eq!(released.len(), 1, "{:?}", released.iter().map(Request::kind).collect::<Vec<_>>());
+        let Request::Release { handle: sent, transferred, corrupt_blocks } = &released[0] else { panic!("{:?}", released[0].kind()) };
+        assert_eq!((*sent, *transferred), (7, moved));
+        assert_eq!(corrupt_blocks.len(), crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX);
+        assert_eq!(corrupt_blocks[..], corrupt(crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX)[..]);
+    }
+
+    #[test]
+    fn a_release_whose_report_fails_is_released_without_it() {
+        // Goal: whatever refuses the report — the daemon's BadReport, or any other refusal of
+        // the request — the request is then released bare, and the failure returned.
+        for code in [ErrorCode::BadReport, ErrorCode::MalformedBody] {
+            let handle = RequestHandle::from_bits(9);
+            let mut released = Vec::new();
+            let mut call = fake_release(&mut released, |request| match request {
+                Request::Release { corrupt_blocks, .. } if !corrupt_blocks.is_empty() => {
+                    Err(DaemonError::Remote { code, message: "refused".into() })
+                }
+                _ => Ok(Reply::Released),
+            });
+            let error = release_reporting(&mut call, handle, Transferred { bytes: 4096, commands: 1 }, corrupt(3)).unwrap_err();
+            drop(call);
+            assert!(error.to_string().contains("refused"), "{error}");
+            assert_eq!(
+                released,
+                vec![Request::Release { handle: 9, transferred: Transferred::default(), corrupt_blocks: Vec::new() }],
+                "{code:?}"
+            );
+        }
+    }
 
     #[test]
     fn device_layout_offsets_move_to_the_registered_base() {

@@ -18,6 +18,11 @@ pub const NAMESPACES_MAX: usize = 16;
 /// Checked before anything is reserved. Only pools of 1–3 tokens per block reach it: a request
 /// names at least `block_tokens` tokens per block, 4 bytes each, within the same body cap.
 pub const PREPARE_BLOCKS_MAX: usize = (super::BODY_BYTES_MAX as usize - 64) / (PLACEMENT_BYTES + 4);
+/// Most corrupt blocks one `Release` can report and still fit one frame (its handle,
+/// transferred bytes and commands, and the count come first): 47,661, fewer than a retrieve
+/// may name ([`PREPARE_BLOCKS_MAX`]). A client with more reports these and logs the rest
+/// (`RemoteKvStore::finish`): they stay indexed until a later verified retrieve finds them.
+pub const RELEASE_CORRUPT_BLOCKS_MAX: usize = (super::BODY_BYTES_MAX as usize - 8 - 16 - 4) / MISMATCHED_BLOCK_BYTES;
 
 /// `RegisterMemory`: the client's sealed memfd (one descriptor with the frame) of
 /// `window_bytes`, of which the engine's KV blocks use `kv_blocks` (block ids below it).

@@ -308,6 +308,34 @@ fn the_largest_prepare_replies_fit_one_frame() {
 }
 
 #[test]
+fn a_release_of_the_most_corrupt_blocks_fits_one_frame_and_one_more_does_not() {
+    // Goal: RELEASE_CORRUPT_BLOCKS_MAX is exactly what one Release carries (the client reports
+    // that many and logs the rest, RemoteKvStore::finish), and it is below what a retrieve may
+    // name, which is why the client must cut its report.
+    let release = |count: usize| Request::Release {
+        handle: u64::MAX,
+        transferred: objstore::Transferred { bytes: u64::MAX, commands: u64::MAX },
+        corrupt_blocks: (0..count)
+            .map(|i| objstore::MismatchedBlock {
+                position: i,
+                engine_block: u32::MAX,
+                device: u16::MAX,
+                slot: u32::MAX,
+                expected_crc: 1,
+                computed_crc: 2,
+            })
+            .collect(),
+    };
+    let mut out = Vec::new();
+    let most = release(RELEASE_CORRUPT_BLOCKS_MAX);
+    encode_frame(&mut out, most.kind(), 1, |out| most.encode_body(out)).unwrap();
+    assert_eq!(Request::decode(most.kind(), &out[HEADER_BYTES..]).unwrap(), most);
+    let over = release(RELEASE_CORRUPT_BLOCKS_MAX + 1);
+    assert!(matches!(encode_frame(&mut out, over.kind(), 1, |out| over.encode_body(out)), Err(ProtocolError::FrameTooLarge { .. })));
+    const { assert!(RELEASE_CORRUPT_BLOCKS_MAX < PREPARE_BLOCKS_MAX) };
+}
+
+#[test]
 fn store_path_messages_round_trip_and_every_truncation_is_malformed() {
     // Goal: each store-path request and reply decodes to itself; every cut of its body and a
     // trailing byte are MalformedBody, never a panic.
