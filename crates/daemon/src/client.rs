@@ -120,7 +120,9 @@ impl Client {
     }
 
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
-    /// belong to. Once per connection.
+    /// belong to. Once per connection. A client name over 64 bytes
+    /// ([`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)) is refused here, not
+    /// sent ([`DaemonError::RequestTooLarge`]).
     pub fn hello(&mut self, hello: &Hello) -> Result<HelloReply, DaemonError> {
         match self.call(&Request::Hello(hello.clone()))? {
             Reply::Hello(reply) => Ok(reply),
@@ -204,12 +206,14 @@ impl Client {
 
     /// Sends `request` and waits for its reply; an `Error` reply is [`DaemonError::Remote`].
     pub fn call(&mut self, request: &Request) -> Result<Reply, DaemonError> {
+        Client::check_hello(request)?;
         self.exchange(request.kind(), |out| request.encode_body(out), &[])
     }
 
     /// Sends `request` with `fds` (SCM_RIGHTS) and waits for its reply; returns the reply and
     /// the descriptors that came with it.
     pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<(Reply, Vec<OwnedFd>), DaemonError> {
+        Client::check_hello(request)?;
         let reply = self.exchange(request.kind(), |out| request.encode_body(out), fds)?;
         Ok((reply, std::mem::take(&mut self.fds)))
     }
@@ -238,6 +242,25 @@ impl Client {
     /// The error every call on a connection left out of step returns: an `Io` error
     /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
     /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect.
+    /// A `Hello` whose client name passes [`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)
+    /// (64 bytes), which the daemon would refuse as `MalformedBody`: refused before a byte is
+    /// sent, as the caller's argument ([`DaemonError::RequestTooLarge`], the Python package's
+    /// `InvalidArgument`), its sizes the Hello body's and the largest the daemon accepts.
+    fn check_hello(request: &Request) -> Result<(), DaemonError> {
+        use crate::protocol::{CLIENT_NAME_BYTES_MAX, FINGERPRINT_BYTES};
+        let Request::Hello(hello) = request else { return Ok(()) };
+        if hello.client_name.len() <= CLIENT_NAME_BYTES_MAX {
+            return Ok(());
+        }
+        // Fingerprint, tp_rank, tp_world, the name's u16 length, the name.
+        let body = |name_bytes: usize| u32::try_from(FINGERPRINT_BYTES + 4 + 4 + 2 + name_bytes).unwrap_or(u32::MAX);
+        Err(DaemonError::RequestTooLarge {
+            kind: Kind::Hello,
+            body_bytes: body(hello.client_name.len()),
+            cap_bytes: body(CLIENT_NAME_BYTES_MAX),
+        })
+    }
+
     fn out_of_step(cause: &str) -> DaemonError {
         DaemonError::Io {
             context: format!("this connection to tuttid can no longer be used: {cause}; reconnect"),
@@ -614,6 +637,44 @@ pub(crate) mod tests {
         let ping = daemon.join().unwrap();
         pong.expect("the ping after the refused lookup");
         assert!(ping.is_some());
+    }
+
+    /// Goal: a client name the daemon would refuse (over CLIENT_NAME_BYTES_MAX, 64 bytes) is
+    /// refused here, before a byte is sent, as the caller's argument (RequestTooLarge: the
+    /// Python package's InvalidArgument), not sent and answered MalformedBody; a name of exactly
+    /// 64 bytes is sent.
+    #[test]
+    fn a_client_name_over_the_daemons_cap_is_refused_before_it_is_sent() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            let (mut body, mut fds) = (Vec::new(), Vec::new());
+            let wait = Duration::from_secs(5);
+            let header = match read_frame(&stream, &mut body, &mut fds, Instant::now() + wait, wait, &|| false) {
+                Ok(ReadOutcome::Frame(header)) => header,
+                _ => return None,
+            };
+            let request = Request::decode(header.kind, &body).ok()?;
+            answer(&stream, header.request_id, &Reply::Pong);
+            Some(request)
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(5)).unwrap();
+        let hello = |client_name: String| Hello { model_fingerprint: [7; 32], tp_rank: 0, tp_world: 1, client_name };
+        match client.hello(&hello("é".repeat(crate::protocol::CLIENT_NAME_BYTES_MAX / 2) + "x")) {
+            Err(DaemonError::RequestTooLarge { kind: Kind::Hello, body_bytes, cap_bytes }) => {
+                assert_eq!(body_bytes - cap_bytes, 1, "the name's one byte over the cap")
+            }
+            other => panic!("a 65-byte client name: {other:?}"),
+        }
+        assert!(!client.is_broken());
+        assert_eq!(client.requests_sent(), 0);
+        let longest = hello("n".repeat(crate::protocol::CLIENT_NAME_BYTES_MAX));
+        // The stand-in daemon answers Pong: the hello was sent (and the reply is unexpected).
+        assert!(matches!(client.hello(&longest), Err(DaemonError::UnexpectedReply { .. })));
+        drop(client);
+        assert_eq!(daemon.join().unwrap(), Some(Request::Hello(longest)));
     }
 
     /// Goal: a call waits at most its timeout (and a read tick) in all, whenever the reply
