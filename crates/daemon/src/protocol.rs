@@ -42,8 +42,11 @@ pub const MAGIC: [u8; 4] = *b"TUTD";
 pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
-/// Largest body: 1 MiB, a lookup of 262,142 tokens (vLLM's longest contexts are 128k–1M tokens:
-/// a longer prompt is looked up in pieces, continuing the chain is the next slice's work).
+/// Largest body: 1 MiB, a lookup of 262,142 tokens (vLLM's longest contexts are 128k–1M tokens).
+/// A longer prompt is not looked up or cached through tuttid: every key chain starts from the
+/// session's seed at the prompt's first token and no request carries a previous key, so its
+/// tail cannot be asked for on its own (tokens `N..` would match other prompts that begin with
+/// them). `RemoteKvStore::lookup_from` answers it a miss, warning once.
 pub const BODY_BYTES_MAX: u32 = 1 << 20;
 /// Longest string field (device descriptions, error messages).
 pub const STRING_BYTES_MAX: usize = 4096;

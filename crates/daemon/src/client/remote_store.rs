@@ -161,6 +161,10 @@ pub struct RemoteKvStore {
     queue_ids: Vec<u16>,
     /// Which daemon request each of the data half's request slots holds.
     slots: RequestSlots,
+    /// Lookups answered a miss with a warning logged (tests count them).
+    lookup_warnings: u64,
+    /// A prompt too long for one `Lookup` was warned about (once per store).
+    long_prompt_warned: bool,
 }
 
 /// `layout` with its offsets (from the device memory's start) moved to `base`, the IOVA the
@@ -449,6 +453,8 @@ impl RemoteKvStore {
             reported: [Transferred::default(); 2],
             queue_ids,
             slots,
+            lookup_warnings: 0,
+            long_prompt_warned: false,
         })
     }
 
@@ -749,8 +755,28 @@ impl LayerKvStore for RemoteKvStore {
         match wire_first_block(first_block).map_err(|_| None).and_then(|first| self.client.lookup_from(tokens, first).map_err(Some)) {
             Ok(blocks) => blocks as usize,
             Err(error) => {
-                if let Some(error) = error {
-                    tracing::warn!(%error, "lookup at tuttid failed: answering no cached blocks");
+                match error {
+                    // A prompt longer than one Lookup frame carries (262,142 tokens) is never
+                    // looked up (nor stored) through tuttid: every key chain starts at the
+                    // prompt's first token, and no request continues one. Said once per store.
+                    Some(error @ DaemonError::RequestTooLarge { .. }) => {
+                        if self.long_prompt_warned {
+                            tracing::debug!(%error, "prompt too long to look up at tuttid: answering no cached blocks");
+                        } else {
+                            self.long_prompt_warned = true;
+                            self.lookup_warnings += 1;
+                            tracing::warn!(
+                                %error,
+                                "a prompt over 262,142 tokens is not looked up or cached through tuttid: answering no cached \
+                                 blocks (said once)"
+                            );
+                        }
+                    }
+                    Some(error) => {
+                        self.lookup_warnings += 1;
+                        tracing::warn!(%error, "lookup at tuttid failed: answering no cached blocks");
+                    }
+                    None => {}
                 }
                 first_block
             }

@@ -331,6 +331,23 @@ fn a_handle_already_held_is_refused_without_releasing_the_live_request() {
 }
 
 #[test]
+fn a_prompt_too_long_to_look_up_is_a_miss_warned_once() {
+    // Goal: a prompt of more tokens than one Lookup frame carries (262,142) is answered a miss
+    // (the engine computes it), the connection stays usable, and the warning is logged once
+    // per store, not at every lookup of every long prompt.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    let long = vec![1u32; 262_143];
+    for _ in 0..3 {
+        assert_eq!(store.lookup_from(&long, 0), 0);
+    }
+    assert_eq!(store.lookup_warnings, 1);
+    assert_eq!(store.lookup_from(&tokens(), 0), 0, "the connection is still usable");
+    store_four_blocks(&mut store);
+    retrieve_four_blocks(&mut store);
+}
+
+#[test]
 fn an_attach_answered_busy_is_asked_again() {
     // Goal: an AttachQueues answered Busy (the daemon's word for an ended session's queue
     // deletion not confirmed yet, which frees the ids and the admin queue by itself) is asked
