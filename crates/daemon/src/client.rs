@@ -112,6 +112,27 @@ impl Client {
         })
     }
 
+    /// A client connected to no daemon and out of step from the start: every call fails at
+    /// once with [`Client::out_of_step`]'s error (`Io`, `NotConnected`: a lost connection to
+    /// its callers), `why` its cause, and sends nothing. It stands in for a connection lent
+    /// elsewhere for a while (the Python package's keep-alive ping has the store's). Its stream
+    /// is one end of a socket pair whose other end is closed at once: no file system, no
+    /// environment.
+    pub fn detached(why: &str) -> Result<Client, DaemonError> {
+        let (stream, peer) = UnixStream::pair().map_err(|source| DaemonError::Io { context: "making a socket pair".into(), source })?;
+        drop(peer);
+        Ok(Client {
+            stream,
+            frame: Vec::new(),
+            body: Vec::new(),
+            fds: Vec::new(),
+            next_request_id: 1,
+            timeout: Duration::ZERO,
+            requests_sent: 0,
+            broken: Some(why.into()),
+        })
+    }
+
     /// Sets how long every later call waits (as [`Client::connect`]'s `timeout`): a caller that
     /// connected with what was left of a deadline (a Hello asked again after Busy) gives the
     /// session its own timeout back.
@@ -417,6 +438,27 @@ pub(crate) mod tests {
     use super::*;
     use crate::frame_io::{read_frame, write_frame_with_fds};
     use crate::protocol::ErrorCode;
+
+    /// Goal: a detached client (a stand-in for a connection lent elsewhere) fails every call
+    /// at once as out of step (NotConnected, naming its cause), sends nothing, and needs no
+    /// file system.
+    #[test]
+    fn a_detached_client_fails_every_call_at_once_as_out_of_step() {
+        let mut client = Client::detached("lent to the keep-alive ping").unwrap();
+        assert!(client.is_broken());
+        let started = Instant::now();
+        for outcome in [client.ping(), client.status().map(|_| ()), client.lookup(&[1, 2, 3]).map(|_| ())] {
+            match outcome {
+                Err(DaemonError::Io { context, source }) => {
+                    assert_eq!(source.kind(), std::io::ErrorKind::NotConnected);
+                    assert!(context.contains("lent to the keep-alive ping"), "{context}");
+                }
+                other => panic!("a detached client's call should fail as out of step, got {other:?}"),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(client.requests_sent(), 0);
+    }
 
     /// Goal: a daemon that answers Busy and closes before the client's request is written: the
     /// client reports Busy, not "the connection was closed" (seen as a flaky Python test).
