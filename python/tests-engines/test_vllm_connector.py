@@ -716,6 +716,54 @@ def test_a_hugging_face_snapshots_weights_are_named_by_their_blobs_not_their_dow
     assert weights_fingerprint(snapshot) != first, "another blob shares the old weights' key space"
 
 
+def test_a_plain_link_to_a_checkpoints_weights_is_named_by_its_target(tmp_path):
+    """Goal: only a Hugging Face blob (a file named by 40 or 64 hex digits of its content's hash,
+    in a directory named blobs) is named by its name and size alone. A serving directory whose
+    weights link into checkpoint folders (w.safetensors -> ckpt/step-1000/w.safetensors) and are
+    re-pointed to another step (the same sizes: fine-tunes of one architecture) is another key
+    space: the link is resolved and its target named by its path's name, size and time, as a
+    plain file is. With the target's name and size only, the new weights kept the old key space
+    (stale KV). A blob reached through a chain of links is still a blob."""
+    import json
+    import os
+
+    serving = tmp_path / "serving"
+    serving.mkdir()
+    (serving / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    for step, content, time_ns in (("step-1000", b"weights-1", 1_000_000_000), ("step-2000", b"weights-2", 2_000_000_000)):
+        folder = tmp_path / "ckpt" / step
+        folder.mkdir(parents=True)
+        (folder / "w.safetensors").write_bytes(content)
+        os.utime(folder / "w.safetensors", ns=(time_ns, time_ns))
+    (serving / "w.safetensors").symlink_to(tmp_path / "ckpt" / "step-1000" / "w.safetensors")
+    first = weights_fingerprint(serving)
+    (serving / "w.safetensors").unlink()
+    (serving / "w.safetensors").symlink_to(tmp_path / "ckpt" / "step-2000" / "w.safetensors")
+    assert weights_fingerprint(serving) != first, "weights re-pointed to another checkpoint kept the key space"
+
+    # A blob through a chain of links (snapshot -> a link farm -> blobs/<sha256>): named by the
+    # blob, whatever its time.
+    blobs = tmp_path / "hub" / "blobs"
+    blobs.mkdir(parents=True)
+    (blobs / ("d" * 64)).write_bytes(b"weights-3")
+    farm = tmp_path / "farm"
+    farm.mkdir()
+    (farm / "w.safetensors").symlink_to(blobs / ("d" * 64))
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "w.safetensors").symlink_to(farm / "w.safetensors")
+    blob = weights_fingerprint(snapshot)
+    os.utime(blobs / ("d" * 64), ns=(7_000_000_000, 7_000_000_000))
+    assert weights_fingerprint(snapshot) == blob, "a blob's download time changed the key space"
+    # A file in a directory named blobs whose name is no content hash is a plain file.
+    (blobs / "w.safetensors").write_bytes(b"weights-4")
+    (snapshot / "w.safetensors").unlink()
+    (snapshot / "w.safetensors").symlink_to(blobs / "w.safetensors")
+    plain = weights_fingerprint(snapshot)
+    os.utime(blobs / "w.safetensors", ns=(8_000_000_000, 8_000_000_000))
+    assert weights_fingerprint(snapshot) != plain, "a file that is no content-addressed blob was named without its time"
+
+
 def test_weights_streamed_from_object_storage_are_named_by_their_url(tmp_path):
     """Goal: with --load-format runai_streamer and an s3:// model, vLLM serves model_config.model
     from a local directory it fills with the model's *.json (the index JSON included) at every

@@ -211,14 +211,31 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json
 _INDEX_HASHED_BYTES_MAX = 16 << 20
 
 
+def _is_hf_blob(path: str) -> bool:
+    """Whether `path` (resolved) is a Hugging Face cache blob: named by its content's hash (40 hex
+    digits: git's SHA-1; 64: SHA-256 of an LFS file) in a directory named blobs."""
+    import os
+    import string
+
+    name = os.path.basename(path)
+    return (
+        os.path.basename(os.path.dirname(path)) == "blobs"
+        and len(name) in (40, 64)
+        and all(char in string.hexdigits for char in name)
+    )
+
+
 def _local_weights_identity(model_path: Any) -> Optional[str]:
     """For a model served from a local directory: its weight files (top level: *.safetensors,
     *.bin, *.pt, *.pth, *.gguf and the *.index.json naming them), as canonical JSON; None for a
     model that is not a local directory (a Hugging Face model id: its pinned revision names its
     weights). Each file is named by
     - an *.index.json: its contents' SHA-256 (what it says, not when it was written);
-    - a symbolic link (a Hugging Face snapshot: links to blobs named by their content hash): its
-      target's file name and size, not the blob's time, which is when this node downloaded it;
+    - a symbolic link whose fully resolved target is a Hugging Face blob (a file named by 40 or
+      64 hex digits, its content's hash, in a directory named blobs: `_is_hf_blob`): the blob's
+      name and size, not its time, which is when this node downloaded it;
+    - any other symbolic link (weights linked into a checkpoint folder, re-pointed to another
+      step of the same sizes): its resolved target's file name, size and modification time;
     - any other file: name, size and modification time (ns): one stat, no read of the weights.
     A fine-tune saved over the same directory, config.json unchanged, gets another key space. So
     does a plain directory materialised again without its times (a copy without cp -p or
@@ -242,7 +259,12 @@ def _local_weights_identity(model_path: Any) -> Optional[str]:
                         digest = hashlib.sha256(index.read(_INDEX_HASHED_BYTES_MAX + 1)).hexdigest()
                     files.append([entry.name, "sha256", digest])
                 elif entry.is_symlink():
-                    files.append([entry.name, "link", os.path.basename(os.readlink(entry.path)), stat.st_size])
+                    target = os.path.realpath(entry.path)
+                    if _is_hf_blob(target):
+                        files.append([entry.name, "link", os.path.basename(target), stat.st_size])
+                    else:
+                        # `stat` followed the links: the resolved target's size and time.
+                        files.append([entry.name, "link", os.path.basename(target), stat.st_size, stat.st_mtime_ns])
                 else:
                     files.append([entry.name, stat.st_size, stat.st_mtime_ns])
     except OSError as error:
