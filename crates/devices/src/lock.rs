@@ -90,62 +90,48 @@ impl DeviceLocks {
     ) -> Result<DeviceLocks, DeviceError> {
         refuse_shared_files(specs)?;
         let mut locks = DeviceLocks::default();
+        // The lock directory, opened and checked once, when the first vfio: device needs it;
+        // its lock files are opened relative to this descriptor, so the path is not resolved
+        // again (a link swapped in meanwhile is not followed).
+        let mut opened_lock_dir: Option<LockDir> = None;
         for spec in specs {
             let path = match spec {
                 DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => path.clone(),
                 DeviceSpec::Vfio(address) => {
-                    // The owner's only (an existing directory keeps its mode): nobody else has
-                    // anything to do in it.
-                    std::fs::DirBuilder::new().recursive(true).mode(LOCK_DIR_MODE).create(lock_dir).map_err(|source| DeviceError::Io {
-                        context: format!("creating the lock directory {}", lock_dir.display()),
-                        source,
-                    })?;
-                    refuse_shared_lock_dir(lock_dir)?;
-                    lock_dir.join(format!("vfio-{address}.lock"))
+                    let dir = match &opened_lock_dir {
+                        Some(dir) => dir,
+                        None => opened_lock_dir.insert(LockDir::open(lock_dir)?),
+                    };
+                    let name = format!("vfio-{address}.lock");
+                    let path = dir.path.join(&name);
+                    let file = dir.open_lock_file(spec, &name, &path)?;
+                    refuse_special_file(spec, &path, &file)?;
+                    restrict_lock_file(&path, &file)?;
+                    locks.lock(spec, path, file)?;
+                    continue;
                 }
                 _ => continue,
             };
-            let is_file = matches!(spec, DeviceSpec::EmuFile(_) | DeviceSpec::Uring(_));
             let mut options = OpenOptions::new();
-            options.read(true).write(!is_file || create_files).create(!is_file || create_files).truncate(false);
+            options.read(true).write(create_files).create(create_files).truncate(false);
             // A pool file will hold every cached KV block: only its owner may read it (the
             // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
-            // umask; an existing one keeps the mode it has. A vfio: lock file too: flock needs
-            // only a descriptor, so anyone who could open it could hold the SSD's lock and keep
-            // tuttid from it.
-            options.mode(if is_file { POOL_FILE_MODE } else { LOCK_FILE_MODE });
-            let opened = if is_file {
-                open_without_waiting(&path, &mut options)
-            } else {
-                // A lock file planted as a symbolic link (to /etc/passwd, say) is not followed:
-                // its mode is changed below.
-                options.custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOFOLLOW).open(&path)
-            };
-            let file = match opened {
+            // umask; an existing one keeps the mode it has.
+            options.mode(POOL_FILE_MODE);
+            let file = match open_without_waiting(&path, &mut options) {
                 Ok(file) => file,
-                Err(error) if is_file && error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(source) => {
                     // A socket fails open(2) (ENXIO), and a directory opened for writing does
                     // (EISDIR), before any descriptor could be examined: the path says what it is.
-                    if !is_file && std::fs::symlink_metadata(&path).is_ok_and(|metadata| metadata.file_type().is_symlink()) {
-                        return Err(DeviceError::SharedLockFile {
-                            path,
-                            reason: "the lock file is a symbolic link, which is not followed (whoever made it could hold the lock or \
-                                     point it anywhere); have its owner remove it while no tutti process runs, or give another --lock-dir"
-                                .into(),
-                        });
-                    }
                     refuse_special_path(spec, &path)?;
                     return Err(DeviceError::OpenFailed { path, source });
                 }
             };
             refuse_special_file(spec, &path, &file)?;
-            if !is_file {
-                restrict_lock_file(&path, &file)?;
-            }
             // A file the given undo made is locked already, on the descriptor that made it:
             // that lock is shared (a duplicate of the descriptor), not refused as another's.
-            if is_file && create_files {
+            if create_files {
                 let metadata =
                     file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
                 let shared = match undo {
@@ -187,22 +173,100 @@ impl DeviceLocks {
     }
 }
 
-/// Refuses a lock directory that is a symbolic link, is not this user's own, or that others may
-/// write to: whoever can write to it can replace a lock file (and so hold the SSD's lock, or
-/// plant a link).
-fn refuse_shared_lock_dir(lock_dir: &Path) -> Result<(), DeviceError> {
-    // The directory itself, not what a symbolic link names: a link (which whoever can write
-    // where it lives can point anywhere) is refused; a parent directory that is a link is fine.
-    let metadata = std::fs::symlink_metadata(lock_dir)
-        .map_err(|source| DeviceError::Io { context: format!("examining the lock directory {}", lock_dir.display()), source })?;
-    if metadata.file_type().is_symlink() {
-        return Err(DeviceError::SharedLockFile {
-            path: lock_dir.to_path_buf(),
-            reason: "the lock directory is a symbolic link, which is not followed (whoever can change it could point it at a \
-                     directory of their own); give the directory it names, or another --lock-dir"
-                .into(),
-        });
+/// The lock directory of `vfio:` lock files, open: its lock files are opened relative to this
+/// descriptor (`openat`), so the directory checked is the one they are made in.
+struct LockDir {
+    /// The directory as given, without a trailing slash or `.` (for messages and lock paths).
+    path: PathBuf,
+    dir: File,
+}
+
+impl LockDir {
+    /// Creates `lock_dir` if missing (0700), opens it without following a symbolic link, and
+    /// refuses it ([`refuse_shared_lock_dir`]) unless it is this user's own and writable by no
+    /// one else.
+    fn open(lock_dir: &Path) -> Result<LockDir, DeviceError> {
+        // A trailing slash, or a last component `.`, makes the kernel follow a symbolic link
+        // named before it even for lstat and O_NOFOLLOW: dropped, the last component is the
+        // directory itself.
+        let path: PathBuf = lock_dir.components().collect();
+        // The owner's only (an existing directory keeps its mode): nobody else has anything
+        // to do in it.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(LOCK_DIR_MODE)
+            .create(&path)
+            .map_err(|source| DeviceError::Io { context: format!("creating the lock directory {}", path.display()), source })?;
+        // The directory itself, not what a symbolic link names: a link (which whoever can write
+        // where it lives can point anywhere) is refused; a parent directory that is a link is fine.
+        let opened =
+            OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC).open(&path);
+        let dir = match opened {
+            Ok(dir) => dir,
+            Err(source) => {
+                // O_NOFOLLOW | O_DIRECTORY on a link: ELOOP or ENOTDIR, whichever the kernel checks first.
+                if std::fs::symlink_metadata(&path).is_ok_and(|metadata| metadata.file_type().is_symlink()) {
+                    return Err(DeviceError::SharedLockFile {
+                        path,
+                        reason: "the lock directory is a symbolic link, which is not followed (whoever can change it could point it \
+                                 at a directory of their own); give the directory it names, or another --lock-dir"
+                            .into(),
+                    });
+                }
+                return Err(DeviceError::Io { context: format!("opening the lock directory {}", path.display()), source });
+            }
+        };
+        refuse_shared_lock_dir(&path, &dir)?;
+        Ok(LockDir { path, dir })
     }
+
+    /// Opens (creating it 0600 if missing) the lock file `name` of this directory for `spec`;
+    /// `path` is its path, for messages. A lock file planted as a symbolic link (to
+    /// /etc/passwd, say) is not followed, and refused: its mode is changed after this.
+    fn open_lock_file(&self, spec: &DeviceSpec, name: &str, path: &Path) -> Result<File, DeviceError> {
+        use nix::fcntl::OFlag;
+        // flock needs only a descriptor, so anyone who could open the lock file could hold the
+        // SSD's lock and keep tuttid from it: owner only, whatever the umask.
+        let flags = OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_NONBLOCK | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+        let mode = nix::sys::stat::Mode::from_bits_truncate(LOCK_FILE_MODE);
+        match nix::fcntl::openat(&self.dir, name, flags, mode) {
+            Ok(fd) => Ok(File::from(fd)),
+            Err(errno) => {
+                // A socket fails open(2) (ENXIO), and a directory opened for writing does
+                // (EISDIR), before any descriptor could be examined: an O_PATH descriptor of
+                // the name (which opens anything, following nothing) says what it is.
+                let what = nix::fcntl::openat(
+                    &self.dir,
+                    name,
+                    OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+                    nix::sys::stat::Mode::empty(),
+                )
+                .ok()
+                .and_then(|fd| File::from(fd).metadata().ok());
+                if let Some(metadata) = what {
+                    if metadata.file_type().is_symlink() {
+                        return Err(DeviceError::SharedLockFile {
+                            path: path.to_path_buf(),
+                            reason: "the lock file is a symbolic link, which is not followed (whoever made it could hold the lock or \
+                                     point it anywhere); have its owner remove it while no tutti process runs, or give another --lock-dir"
+                                .into(),
+                        });
+                    }
+                    refuse_special_type(spec, path, metadata.file_type())?;
+                }
+                Err(DeviceError::OpenFailed { path: path.to_path_buf(), source: std::io::Error::from_raw_os_error(errno as i32) })
+            }
+        }
+    }
+}
+
+/// Refuses the lock directory `dir` (opened from `lock_dir`) unless it is this user's own and
+/// writable by no one else: whoever can write to it can replace a lock file (and so hold the
+/// SSD's lock, or plant a link).
+fn refuse_shared_lock_dir(lock_dir: &Path, dir: &File) -> Result<(), DeviceError> {
+    let metadata = dir
+        .metadata()
+        .map_err(|source| DeviceError::Io { context: format!("examining the lock directory {}", lock_dir.display()), source })?;
     let euid = nix::unistd::geteuid().as_raw();
     if metadata.uid() != euid || metadata.mode() & 0o022 != 0 {
         return Err(DeviceError::SharedLockFile {
@@ -711,6 +775,13 @@ mod tests {
         assert!(!error.to_string().contains("remove it"), "{error}");
         assert_eq!(mode(&target), 0o644, "the hard link's target was chmodded");
         std::fs::remove_file(&lock_file).unwrap();
+        // A socket cannot be opened (ENXIO): refused naming what it is, as before the lock
+        // files were opened relative to the directory's descriptor.
+        let listener = std::os::unix::net::UnixListener::bind(&lock_file).unwrap();
+        let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+        assert!(matches!(error, DeviceError::NotAFileOrDevice { .. }), "{error}");
+        drop(listener);
+        std::fs::remove_file(&lock_file).unwrap();
         std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
         let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
         assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
@@ -729,10 +800,14 @@ mod tests {
         let link = directory.path().join("link");
         std::os::unix::fs::symlink(&real, &link).unwrap();
         let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
-        let error = DeviceLocks::acquire(&specs, &link, false).unwrap_err();
-        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
-        assert!(error.to_string().contains("symbolic link"), "{error}");
-        assert!(!real.join("vfio-0000:00:04.0.lock").exists(), "a lock file was made through the link");
+        // A trailing slash (or "/.") makes lstat and open follow the link: it is refused too.
+        let spellings = [link.clone(), PathBuf::from(format!("{}/", link.display())), link.join(".")];
+        for lock_dir in &spellings {
+            let error = DeviceLocks::acquire(&specs, lock_dir, false).unwrap_err();
+            assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{}: {error}", lock_dir.display());
+            assert!(error.to_string().contains("symbolic link"), "{error}");
+            assert!(!real.join("vfio-0000:00:04.0.lock").exists(), "a lock file was made through the link {}", lock_dir.display());
+        }
         drop(DeviceLocks::acquire(&specs, &link.join("tutti"), false).expect("a parent that is a link is fine"));
     }
 }
