@@ -464,9 +464,11 @@ impl RemoteKvStore {
         &self.queue_ids
     }
 
-    /// What this store reported moving in `direction` and the daemon accepted (at commit and
-    /// release): the same figures the daemon adds to `tuttid_bytes_total` and
-    /// `tuttid_commands_total`.
+    /// What this store reported moving in `direction` and the daemon counted (at commit and
+    /// release, including the releases that follow a failed commit or CRC computation, and a
+    /// commit that failed while writing): the same figures this session adds to
+    /// `tuttid_bytes_total` and `tuttid_commands_total`, except after a lost connection or a
+    /// timed-out commit or release, which the daemon may have counted unseen.
     pub fn reported(&self, direction: Direction) -> Transferred {
         self.reported[direction_index(direction)]
     }
@@ -615,19 +617,19 @@ impl RemoteKvStore {
             Ok(local) => local,
             Err(error @ ObjstoreError::HandleState { .. }) => return Err(error),
             Err(error) => {
-                self.release_remote(handle, Transferred::default());
+                self.release_remote(handle, direction, Transferred::default());
                 return Err(error);
             }
         };
         if let Err(reason) = consistent {
             self.slots.free(handle);
-            self.release_remote(handle, Transferred::default());
+            self.release_remote(handle, direction, Transferred::default());
             return Err(ObjstoreError::Remote { reason: format!("tuttid's reply does not answer the request: {reason}") });
         }
         if let Err(error) = self.data.prepare(local, direction, placements, expected_crcs) {
             // Nothing stays prepared in the data half after a failed prepare.
             self.slots.free(handle);
-            self.release_remote(handle, Transferred::default());
+            self.release_remote(handle, direction, Transferred::default());
             return Err(to_daemon(error, local, handle));
         }
         Ok(())
@@ -645,23 +647,29 @@ impl RemoteKvStore {
         Prepare { registration, tokens: request.tokens.to_vec(), block_ids: request.block_ids.to_vec(), first_block }
     }
 
-    /// Tells the daemon to drop a request whose data path ended (or never began), with what
-    /// that moved (best effort: the caller is already failing).
-    fn release_remote(&mut self, handle: RequestHandle, transferred: Transferred) {
-        if let Err(error) = self.release_at_daemon(handle, transferred, Vec::new()) {
+    /// Tells the daemon to drop a request in `direction` whose data path ended (or never
+    /// began), with what that moved (best effort: the caller is already failing).
+    fn release_remote(&mut self, handle: RequestHandle, direction: Direction, transferred: Transferred) {
+        if let Err(error) = self.release_at_daemon(handle, direction, transferred, Vec::new()) {
             tracing::warn!(%error, "releasing a request at tuttid");
         }
     }
 
-    /// `Release` with this process's report ([`release_reporting`]).
+    /// `Release` with this process's report ([`release_reporting`]); what the daemon counted of
+    /// it is counted in [`Self::reported`] too, whatever the answer.
     fn release_at_daemon(
         &mut self,
         handle: RequestHandle,
+        direction: Direction,
         transferred: Transferred,
         corrupt_blocks: Vec<objstore::MismatchedBlock>,
     ) -> Result<(), ObjstoreError> {
         let client = &mut self.client;
-        release_reporting(&mut |request| client.call(request), handle, transferred, corrupt_blocks)
+        let (counted, result) = release_reporting(&mut |request| client.call(request), handle, transferred, corrupt_blocks);
+        if counted {
+            self.count_reported(direction, transferred);
+        }
+        result
     }
 }
 
@@ -673,12 +681,19 @@ impl RemoteKvStore {
 /// other refusal of this request) would leave the request reserved there while it is gone here,
 /// so the request is then released without a report (nothing counted, nothing evicted) and the
 /// refusal is returned. A lost connection ends the session, and with it the request.
+///
+/// Also returns whether the daemon counted `transferred` (in `tuttid_bytes_total`): it counts a
+/// release's report exactly when the release ended the request, even if it then answers an
+/// error (the store's release failed), and a refusal that kept the request counts nothing. So
+/// after a refusal, the bare release tells which: accepted, the first counted nothing; refused
+/// `NotYours`, the request had ended — by this release, or by the `Commit` before it that
+/// failed while writing (the daemon counted that commit's report, the same figures).
 fn release_reporting(
     call: &mut dyn FnMut(&Request) -> Result<Reply, DaemonError>,
     handle: RequestHandle,
     transferred: Transferred,
     mut corrupt_blocks: Vec<objstore::MismatchedBlock>,
-) -> Result<(), ObjstoreError> {
+) -> (bool, Result<(), ObjstoreError>) {
     let cap = crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX;
     if corrupt_blocks.len() > cap {
         tracing::warn!(
@@ -692,16 +707,21 @@ fn release_reporting(
     }
     let release = Request::Release { handle: handle.to_bits(), transferred, corrupt_blocks };
     match call(&release) {
-        Ok(Reply::Released) => Ok(()),
-        Ok(other) => Err(unexpected(Kind::Release, &other)),
+        Ok(Reply::Released) => (true, Ok(())),
+        Ok(other) => (false, Err(unexpected(Kind::Release, &other))),
         Err(refused @ (DaemonError::Remote { .. } | DaemonError::RequestTooLarge { .. } | DaemonError::Protocol(_))) => {
             let bare = Request::Release { handle: handle.to_bits(), transferred: Transferred::default(), corrupt_blocks: Vec::new() };
-            if let Err(error) = call(&bare) {
-                tracing::warn!(%error, "releasing a request at tuttid without the report it refused");
-            }
-            Err(remote(refused))
+            let counted = match call(&bare) {
+                Ok(_) => false,
+                Err(DaemonError::Remote { code: ErrorCode::NotYours, .. }) => true,
+                Err(error) => {
+                    tracing::warn!(%error, "releasing a request at tuttid without the report it refused");
+                    false
+                }
+            };
+            (counted, Err(remote(refused)))
         }
-        Err(error) => Err(remote(error)),
+        Err(error) => (false, Err(remote(error))),
     }
 }
 
@@ -861,7 +881,7 @@ impl LayerKvStore for RemoteKvStore {
                 if let Err(finish) = self.finish_data(handle, local) {
                     tracing::warn!(error = %finish, "finishing a store whose payload CRCs failed");
                 }
-                self.release_remote(handle, transferred);
+                self.release_remote(handle, Direction::Store, transferred);
                 return Err(daemons(error));
             }
             Some(self.crcs.clone())
@@ -880,8 +900,10 @@ impl LayerKvStore for RemoteKvStore {
             }
             Ok(other) => Err(unexpected(Kind::Commit, &other)),
             Err(error) => {
-                // A refusal before anything was written leaves the reservation: release it.
-                self.release_remote(handle, transferred);
+                // A refusal before anything was written leaves the reservation: release it (a
+                // commit that failed while writing ended it, and the daemon counted its report:
+                // the release, refused NotYours, says so and it is counted here too).
+                self.release_remote(handle, Direction::Store, transferred);
                 Err(remote(error))
             }
         }
@@ -898,9 +920,7 @@ impl LayerKvStore for RemoteKvStore {
         let corrupt_blocks = self.data.mismatched_blocks(local).to_vec();
         // The slot is free from here whatever the daemon answers: the data path has ended.
         self.finish_data(handle, local)?;
-        self.release_at_daemon(handle, transferred, corrupt_blocks)?;
-        self.count_reported(direction, transferred);
-        Ok(())
+        self.release_at_daemon(handle, direction, transferred, corrupt_blocks)
     }
 }
 
@@ -951,13 +971,34 @@ mod tests {
         let mut released = Vec::new();
         let mut call = fake_release(&mut released, |_| Ok(Reply::Released));
         let moved = Transferred { bytes: 4096, commands: 1 };
-        release_reporting(&mut call, handle, moved, corrupt(crate::protocol::PREPARE_BLOCKS_MAX)).unwrap();
+        let (counted, result) = release_reporting(&mut call, handle, moved, corrupt(crate::protocol::PREPARE_BLOCKS_MAX));
+        result.unwrap();
+        assert!(counted);
         drop(call);
         assert_eq!(released.len(), 1, "{:?}", released.iter().map(Request::kind).collect::<Vec<_>>());
         let Request::Release { handle: sent, transferred, corrupt_blocks } = &released[0] else { panic!("{:?}", released[0].kind()) };
         assert_eq!((*sent, *transferred), (7, moved));
         assert_eq!(corrupt_blocks.len(), crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX);
         assert_eq!(corrupt_blocks[..], corrupt(crate::protocol::RELEASE_CORRUPT_BLOCKS_MAX)[..]);
+    }
+
+    #[test]
+    fn a_release_that_ended_the_request_with_an_error_was_counted() {
+        // Goal: reported() matches what the daemon counts: a release the daemon answers with an
+        // error after it ended the request (its store's release failed), or one following a
+        // Commit that failed while writing (the request already gone), was counted there, so
+        // it is counted here; the bare release, refused NotYours, is what tells.
+        let mut released = Vec::new();
+        let mut call = fake_release(&mut released, |request| match request {
+            Request::Release { transferred, .. } if *transferred != Transferred::default() => {
+                Err(DaemonError::Remote { code: ErrorCode::StoreFailed, message: "releasing the request".into() })
+            }
+            _ => Err(DaemonError::Remote { code: ErrorCode::NotYours, message: "not a request of this session".into() }),
+        });
+        let (counted, result) =
+            release_reporting(&mut call, RequestHandle::from_bits(3), Transferred { bytes: 4096, commands: 1 }, Vec::new());
+        assert!(result.is_err());
+        assert!(counted);
     }
 
     #[test]
@@ -973,9 +1014,11 @@ mod tests {
                 }
                 _ => Ok(Reply::Released),
             });
-            let error = release_reporting(&mut call, handle, Transferred { bytes: 4096, commands: 1 }, corrupt(3)).unwrap_err();
+            let (counted, result) = release_reporting(&mut call, handle, Transferred { bytes: 4096, commands: 1 }, corrupt(3));
             drop(call);
+            let error = result.unwrap_err();
             assert!(error.to_string().contains("refused"), "{error}");
+            assert!(!counted, "a refused report that kept the request is not counted by the daemon");
             assert_eq!(
                 released,
                 vec![Request::Release { handle: 9, transferred: Transferred::default(), corrupt_blocks: Vec::new() }],
