@@ -129,26 +129,41 @@ impl DeviceError {
     /// entry whose driver or hardware is not there; the path given names nothing usable, as a
     /// missing one does, and running again on the same host changes nothing); anything else
     /// (EIO, EMFILE, ENOSPC, ...) a failure.
+    ///
+    /// A [`DeviceError::Io`] is a failure here (tuttid makes every one exit status 1); a tool
+    /// that would rather decide it by its errno too (`tutti pool`'s locks: no permission to
+    /// create the lock directory is what was given) uses [`is_unusable_errno`] on its source.
     pub fn is_unusable_input(&self) -> bool {
         match self {
-            DeviceError::OpenFailed { source, .. } => matches!(
-                source.raw_os_error().map(nix::errno::Errno::from_raw),
-                Some(
-                    nix::errno::Errno::ENOENT
-                        | nix::errno::Errno::EACCES
-                        | nix::errno::Errno::EPERM
-                        | nix::errno::Errno::EROFS
-                        | nix::errno::Errno::ELOOP
-                        | nix::errno::Errno::ENAMETOOLONG
-                        | nix::errno::Errno::ENOTDIR
-                        | nix::errno::Errno::EISDIR
-                        | nix::errno::Errno::ENXIO
-                        | nix::errno::Errno::ENODEV
-                )
-            ),
+            DeviceError::OpenFailed { source, .. } => is_unusable_errno(source),
             _ => false,
         }
     }
+}
+
+/// Whether an I/O error on a path that was given says something about the path (exit status 2)
+/// rather than that the device or this host failed (1), by its errno: a path that does not
+/// exist, is not allowed, is read-only, loops or is malformed, or a device node with no device
+/// behind it (ENXIO, ENODEV), is unusable input; anything else (EIO, EMFILE, ENOSPC, ENOLCK,
+/// ...), or an error with no errno, a failure. [`DeviceError::is_unusable_input`] decides a
+/// failed open with this.
+pub fn is_unusable_errno(source: &std::io::Error) -> bool {
+    use nix::errno::Errno;
+    matches!(
+        source.raw_os_error().map(Errno::from_raw),
+        Some(
+            Errno::ENOENT
+                | Errno::EACCES
+                | Errno::EPERM
+                | Errno::EROFS
+                | Errno::ELOOP
+                | Errno::ENAMETOOLONG
+                | Errno::ENOTDIR
+                | Errno::EISDIR
+                | Errno::ENXIO
+                | Errno::ENODEV
+        )
+    )
 }
 
 #[cfg(test)]

@@ -77,13 +77,19 @@ fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo
     DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(lock_refusal)
 }
 
-/// A refused lock as an exit status: a file that could not be opened by its errno (a missing
-/// path, no permission, a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC:
-/// a failure, 1, as tuttid and tutti-bench say); anything else (another holder, a FIFO, a
-/// lock directory others could use) unusable input.
+/// A refused lock as an exit status: a file that could not be opened, and any other I/O error
+/// (creating or opening the lock directory, examining a file, duplicating a descriptor,
+/// `flock`), by its errno ([`tutti_devices::is_unusable_errno`]: a missing path, no permission,
+/// a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC: a failure, 1, as
+/// tuttid and tutti-bench say of a failed open); anything else (another holder, a FIFO, a lock
+/// directory others could use) unusable input.
 fn lock_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
     match error {
-        tutti_devices::DeviceError::OpenFailed { .. } if !error.is_unusable_input() => anyhow::Error::new(error),
+        tutti_devices::DeviceError::OpenFailed { ref source, .. } | tutti_devices::DeviceError::Io { ref source, .. }
+            if !tutti_devices::is_unusable_errno(source) =>
+        {
+            anyhow::Error::new(error)
+        }
         error => Unusable(error.to_string()).into(),
     }
 }
@@ -535,6 +541,24 @@ mod tests {
         }
         let in_use = tutti_devices::DeviceError::DeviceInUse { spec: "emu:/x".into(), lock: "/x".into(), holder: "pid 1".into() };
         assert!(lock_refusal(in_use).is::<Unusable>());
+    }
+
+    #[test]
+    fn a_lock_that_fails_with_an_io_error_is_input_or_failure_by_its_errno() {
+        // Goal: every DeviceError::Io of a lock (creating or opening the lock directory,
+        // examining a file, duplicating a descriptor, flock) was unusable input (2), EIO,
+        // ENOSPC and EMFILE included, where tuttid says 1; it is decided by its errno, as a
+        // failed open is.
+        let io = |errno: i32| tutti_devices::DeviceError::Io {
+            context: "creating the lock directory /run/tutti".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        for errno in [libc::EIO, libc::EMFILE, libc::ENOSPC, libc::ENOLCK] {
+            assert!(!lock_refusal(io(errno)).is::<Unusable>(), "errno {errno} made unusable input");
+        }
+        for errno in [libc::EACCES, libc::EPERM, libc::EROFS, libc::ENOTDIR] {
+            assert!(lock_refusal(io(errno)).is::<Unusable>(), "errno {errno} made a failure");
+        }
     }
 
     #[test]
