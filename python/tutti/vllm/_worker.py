@@ -946,7 +946,8 @@ class WorkerSide:
         back-off after a failed try has passed. The try (attach, register_kv: each waits up to
         timeout_s for tuttid) runs on a thread of its own, so a step never waits for it; its
         result is taken up at the first step after it is over. A failure leaves the worker as it
-        was (loads reported failed, saves missed) until the next try."""
+        was (loads reported failed, saves missed) until the next try; a failure that is not a
+        tutti.Error (a bug) for good (logged, not raised: see below)."""
         if self._dead is None or self._kv_tensors is None:
             return
         thread = self._reattach_thread
@@ -958,9 +959,21 @@ class WorkerSide:
                 result, self._reattached = self._reattached, None
             store, error = result if result is not None else (None, RuntimeError("the try ended without a result"))
             if result is not None and store is None and not isinstance(error, tutti.Error):
-                # Not a refusal of tutti's (a bug; the step raised it before the try had a
-                # thread of its own): raised rather than retried for good.
-                raise error
+                # Not a refusal of tutti's (a bug): not retried for good, nor raised. Each rank's
+                # re-attach is its own, so with tensor parallelism this rank alone would raise:
+                # vLLM 0.32's MultiprocExecutor only logs a rank's exception that is not the
+                # output rank's, and the others would wait in the forward's all-reduce until
+                # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and stop the engine with a timeout. Agreeing
+                # on it would take a collective in every step. The rank serves without tutti
+                # until restarted (the scheduler side is told: build_connector_worker_meta).
+                self._reattach_at = math.inf
+                logger.error(
+                    "tutti: opening a new tuttid session failed with an unexpected error (a bug); this worker "
+                    "serves without tutti until it is restarted (its session ended: %s)",
+                    self._dead,
+                    exc_info=(type(error), error, error.__traceback__),
+                )
+                return
             if store is None:
                 self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
                 self._reattach_at = time.monotonic() + self._reattach_backoff_s
@@ -996,7 +1009,7 @@ class WorkerSide:
                 raise
         except tutti.Error as failure:  # a failed try: the step backs off and tries again
             store, error = None, failure
-        except BaseException as failure:  # noqa: BLE001 - anything else: the next step raises it
+        except BaseException as failure:  # noqa: BLE001 - anything else: the next step logs it, tries no more
             store, error = None, failure
         with self._lock:
             if not self._stopping:
