@@ -33,16 +33,46 @@ use crate::spec::DeviceSpec;
 
 thread_local! {
     /// The files made by the [`FileUndo`] whose [`FileUndo::lending_locks`] runs on this thread
-    /// now, by (device, inode): a duplicate of each one's locked descriptor. Empty otherwise.
-    static LENT: RefCell<Vec<(u64, u64, File)>> = const { RefCell::new(Vec::new()) };
+    /// now, by (device, inode): a duplicate of each one's locked descriptor, or why it could not
+    /// be duplicated. Empty otherwise.
+    static LENT: RefCell<Vec<(u64, u64, Lent)>> = const { RefCell::new(Vec::new()) };
 }
 
+/// What [`FileUndo::lending_locks`] lends of one file: a duplicate of the descriptor that made
+/// it, or the error duplicating it failed with (EMFILE, ENFILE), for the acquire to report.
+type Lent = std::io::Result<File>;
+
 /// A new duplicate of the descriptor that made the file (`dev`, `ino`), if the
-/// [`FileUndo::lending_locks`] running on this thread lends it.
+/// [`FileUndo::lending_locks`] running on this thread lends it; the error its duplication
+/// failed with if it could not be lent (the file is this process's own: taking a lock of its
+/// own would only be refused as in use, naming this very process).
 pub(crate) fn lent_file(dev: u64, ino: u64) -> Option<std::io::Result<File>> {
     LENT.with_borrow(|lent| {
-        lent.iter().find(|(found_dev, found_ino, _)| (*found_dev, *found_ino) == (dev, ino)).map(|(_, _, file)| file.try_clone())
+        lent.iter().find(|(found_dev, found_ino, _)| (*found_dev, *found_ino) == (dev, ino)).map(|(_, _, file)| match file {
+            Ok(file) => duplicate(file),
+            // io::Error is not Clone: the errno again (a duplication failure has one).
+            Err(error) => Err(match error.raw_os_error() {
+                Some(errno) => std::io::Error::from_raw_os_error(errno),
+                None => std::io::Error::new(error.kind(), error.to_string()),
+            }),
+        })
     })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the errno [`duplicate`] fails with on this thread (EMFILE, say), instead of
+    /// duplicating.
+    static DUPLICATION_FAILS_WITH: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
+}
+
+/// `file.try_clone()` (`dup`), which tests can make fail ([`DUPLICATION_FAILS_WITH`]).
+fn duplicate(file: &File) -> std::io::Result<File> {
+    #[cfg(test)]
+    if let Some(errno) = DUPLICATION_FAILS_WITH.get() {
+        return Err(std::io::Error::from_raw_os_error(errno));
+    }
+    file.try_clone()
 }
 
 /// `flock(LOCK_EX | LOCK_NB)` on `file`'s open file description, left held when `file` is
@@ -135,12 +165,14 @@ impl FileUndo {
     /// [`crate::DeviceLocks::acquire_created`] does, for a caller that locks through a wrapper
     /// of its own (tuttid's, which also claims block devices). Another thread's acquire, or one
     /// after `lock` returned, is refused as in use as before. A descriptor that cannot be
-    /// duplicated here is not lent (its file is then refused as in use, naming this process).
+    /// duplicated here (EMFILE, ENFILE) makes the acquire of its file fail with that I/O error
+    /// ([`crate::DeviceError::Io`], "duplicating the descriptor that created …"), as
+    /// [`crate::DeviceLocks::acquire_created`] does, not refuse it as in use by this process.
     pub fn lending_locks<T>(&self, lock: impl FnOnce() -> T) -> T {
-        let lent: Vec<(u64, u64, File)> =
-            self.recorded.iter().filter_map(|file| Some((file.dev, file.ino, file.made.as_ref()?.try_clone().ok()?))).collect();
+        let lent: Vec<(u64, u64, Lent)> =
+            self.recorded.iter().filter_map(|file| Some((file.dev, file.ino, duplicate(file.made.as_ref()?)))).collect();
         /// Puts back what was lent before (nested calls), even if `lock` panics.
-        struct Restore(Vec<(u64, u64, File)>);
+        struct Restore(Vec<(u64, u64, Lent)>);
         impl Drop for Restore {
             fn drop(&mut self) {
                 let before = std::mem::take(&mut self.0);
@@ -352,6 +384,30 @@ mod tests {
         drop(taken);
         let fresh = nix::fcntl::Flock::lock(File::open(&path).unwrap(), FlockArg::LockExclusiveNonblock);
         assert!(fresh.is_err(), "dropping the shared set unlocked the undo's file");
+        drop(undo);
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_lock_that_cannot_be_lent_fails_as_io_not_as_in_use() {
+        // Goal: a descriptor lending_locks could not duplicate (EMFILE, ENFILE) was silently not
+        // lent, so the acquire inside took a lock of its own, found the undo's, and refused the
+        // file as in use, held by this very process (status 2); it fails as the I/O error it
+        // is (status 1), naming the duplication, as acquire_created does.
+        let directory = tempfile::tempdir().unwrap();
+        let (path, locks) = (directory.path().join("new.img"), directory.path().join("locks"));
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let undo = FileUndo::create_missing(&specs, std::iter::empty());
+        DUPLICATION_FAILS_WITH.set(Some(nix::libc::EMFILE));
+        let taken = undo.lending_locks(|| DeviceLocks::acquire(&specs, &locks, true).map(|_| ()));
+        DUPLICATION_FAILS_WITH.set(None);
+        match taken {
+            Err(crate::DeviceError::Io { context, source }) => {
+                assert!(context.contains("duplicating"), "{context}");
+                assert_eq!(source.raw_os_error(), Some(nix::libc::EMFILE));
+            }
+            other => panic!("not an I/O error: {other:?}"),
+        }
         drop(undo);
         assert!(!path.exists());
     }
