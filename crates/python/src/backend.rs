@@ -309,7 +309,7 @@ impl StoreState {
         }
     }
 
-    fn touch_daemon(&mut self) {
+    pub(crate) fn touch_daemon(&mut self) {
         self.last_daemon_request = Instant::now();
     }
 
@@ -372,7 +372,7 @@ impl StoreState {
     }
 
     /// The store's connection to tuttid (attached stores; None in process or closed).
-    fn connection(&mut self) -> Option<&mut Client> {
+    pub(crate) fn connection(&mut self) -> Option<&mut Client> {
         match &mut self.backend {
             Backend::Remote { store } => Some(store.client()),
             Backend::RemoteAttached { client, .. } => Some(client),
@@ -411,6 +411,14 @@ impl StoreState {
         self.connection_lent = None;
         self.touch_daemon();
         self.connection().map(|slot| std::mem::replace(slot, connection))
+    }
+
+    /// Ends the loan of the store's connection to tuttid without it (the keep-alive ping panicked
+    /// with it, and it was dropped): the placeholder stays in its place, so every later call
+    /// that talks to tuttid fails at once as Disconnected instead of waiting for a return that
+    /// never comes.
+    pub fn lose_lent_connection(&mut self) {
+        self.connection_lent = None;
     }
 
     pub fn ping(&mut self) -> Result<(), Failure> {

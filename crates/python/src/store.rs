@@ -188,6 +188,16 @@ impl StoreShared {
     /// tuttid wait for its return, the per-layer path and the getters do not. Without a
     /// placeholder (none could be made), it pings under the store's lock.
     fn keepalive_ping(&self, interval: Duration, placeholder: &mut Option<Client>) {
+        self.keepalive_ping_with(interval, placeholder, |connection| connection.ping().map_err(Failure::from));
+    }
+
+    /// `keepalive_ping` with `exchange` as the ping (tests: one that panics).
+    fn keepalive_ping_with(
+        &self,
+        interval: Duration,
+        placeholder: &mut Option<Client>,
+        exchange: impl FnOnce(&mut Client) -> Result<(), Failure>,
+    ) {
         let due = |state: &StoreState| !state.is_closed() && state.is_remote() && state.last_daemon_request.elapsed() >= interval;
         if self.locked_data_path(|state| due(state)) != Ok(true) {
             return;
@@ -198,27 +208,51 @@ impl StoreShared {
                 .ok();
         }
         let pinged = match placeholder.take() {
-            None => self.locked(|state| if due(state) { state.ping() } else { Ok(()) }).and_then(|result| result),
+            None => self
+                .locked(|state| {
+                    if !due(state) {
+                        return Ok(());
+                    }
+                    let pinged = state.connection().map_or(Ok(()), exchange);
+                    state.touch_daemon();
+                    pinged
+                })
+                .and_then(|result| result),
             Some(spare) => match self.locked(|state| if due(state) { state.lend_connection(spare) } else { Loan::Declined(spare) }) {
                 Err(failure) => Err(failure),
                 Ok(Loan::Declined(spare)) => {
                     *placeholder = Some(spare);
                     Ok(())
                 }
-                Ok(Loan::Lent(mut connection)) => {
-                    let pinged = connection.ping().map_err(Failure::from);
-                    // The raw lock: `locked` would wait for this very return.
-                    let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-                    *placeholder = state.return_connection(connection);
-                    drop(state);
-                    self.connection_back.notify_all();
-                    pinged
+                Ok(Loan::Lent(connection)) => {
+                    let mut lent = LentConnection { shared: self, connection: Some(connection), placeholder };
+                    let connection = lent.connection.as_mut().expect("the connection is lent until the guard's drop");
+                    exchange(connection)
                 }
             },
         };
         if let Err(failure) = pinged {
             tracing::warn!(message = %failure.message, "tutti: keep-alive ping to tuttid failed");
         }
+    }
+
+    /// Ends the keep-alive ping's loan of the store's connection to tuttid: puts `connection` back
+    /// (the placeholder returned to `placeholder`), or, with none (the ping panicked: it may have
+    /// been half way through an exchange), drops the loan with the connection lost, the
+    /// placeholder left in its place (out of step: every later call that talks to tuttid fails
+    /// at once as Disconnected). Then wakes the calls waiting for it.
+    fn end_loan(&self, connection: Option<Client>, placeholder: &mut Option<Client>) {
+        // The raw lock: `locked` would wait for this very return.
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match connection {
+            Some(connection) => *placeholder = state.return_connection(connection),
+            None => {
+                tracing::error!("tutti: the keep-alive ping panicked with the store's connection to tuttid: the connection is dropped");
+                state.lose_lent_connection();
+            }
+        }
+        drop(state);
+        self.connection_back.notify_all();
     }
 
     /// Closes the store (if it is not closed) with the completion thread stopped; called without
@@ -380,35 +414,37 @@ const CONNECTION_WAIT_CAP: Duration = Duration::from_secs(86_400);
 /// (the ping's exchange may overrun its timeout by a read tick).
 const CONNECTION_RETURN_MARGIN: Duration = Duration::from_secs(1);
 
-/// A connected `Client` to no daemon, which stands in for the store's connection to tuttid
-/// while the keep-alive ping has it (nothing uses it: `StoreState::connection_lent`). Made
-/// once per completion thread: a listener bound in a private directory of its own (0700) is
-/// connected to, then removed with the directory; the connection is left to nobody.
+/// A `Client` connected to no daemon and out of step (`Client::detached`: every call fails at
+/// once as Disconnected), which stands in for the store's connection to tuttid while the
+/// keep-alive ping has it (nothing uses it then: `StoreState::connection_lent`), and stays in
+/// its place should the ping panic with it (`LentConnection`). A socket pair: no file system,
+/// no environment (this runs on the completion thread, beside Python's `os.environ` writes).
 fn placeholder_client() -> Result<Client, Failure> {
-    use std::os::unix::fs::DirBuilderExt;
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let failed = |what: String| Failure::new(ErrorClass::Device, format!("making the keep-alive ping's placeholder connection: {what}"));
-    for _ in 0..8 {
-        let number = NEXT.fetch_add(1, Ordering::Relaxed);
-        let directory = std::env::temp_dir().join(format!("tutti-keepalive-{}-{number}", std::process::id()));
-        match std::fs::DirBuilder::new().mode(0o700).create(&directory) {
-            Ok(()) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(error) => return Err(failed(format!("{}: {error}", directory.display()))),
-        }
-        let socket = directory.join("s");
-        let made = std::os::unix::net::UnixListener::bind(&socket)
-            .map_err(|error| failed(format!("{}: {error}", socket.display())))
-            .and_then(|listener| {
-                let client = Client::connect(&socket, Duration::from_secs(1)).map_err(|error| failed(error.to_string()));
-                drop(listener);
-                client
-            });
-        let _ = std::fs::remove_file(&socket);
-        let _ = std::fs::remove_dir(&directory);
-        return made;
+    Client::detached("the keep-alive ping did not give the store's connection back (it panicked with it)")
+        .map_err(|error| Failure::new(ErrorClass::Device, format!("making the keep-alive ping's placeholder connection: {error}")))
+}
+
+/// The store's connection to tuttid while the keep-alive ping has it: its drop ends the loan
+/// (`StoreShared::end_loan`), on unwind too, so that a panic in the ping never leaves the
+/// connection lent for good (every call that talks to tuttid would time out waiting for it).
+/// A panic drops the connection first: it may be half way through an exchange.
+struct LentConnection<'a> {
+    shared: &'a StoreShared,
+    connection: Option<Client>,
+    placeholder: &'a mut Option<Client>,
+}
+
+impl Drop for LentConnection<'_> {
+    fn drop(&mut self) {
+        let connection = self.connection.take();
+        let connection = if std::thread::panicking() {
+            drop(connection);
+            None
+        } else {
+            connection
+        };
+        self.shared.end_loan(connection, self.placeholder);
     }
-    Err(failed("no free directory name".into()))
 }
 
 /// The layer-wise KV store (module stub: `Store`).
@@ -1090,6 +1126,80 @@ mod tests {
         crate::process::forget_from_forked_children(&[other_fd]);
         drop(other);
         std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    /// A store attached to tuttid (no memory registered) whose connection is `client`.
+    fn attached_for_tests(client: Client, timeout: Duration) -> Arc<StoreShared> {
+        let shape = tutti_daemon::protocol::PoolShape {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 64,
+            dtype_bytes: 2,
+            block_tokens: 16,
+            blocks_per_slot: 1,
+        };
+        let hello = tutti_daemon::protocol::HelloReply { session: 7, lease_ms: 10_000, shape };
+        let backend = Backend::RemoteAttached { client, hello, config: RemoteConfig { timeout, ..RemoteConfig::default() } };
+        let state = StoreState::new(backend, None, RequestLimits { layers_in_flight: 1, iocbs: 64, requests_max: 4 });
+        StoreShared::for_tests(state, crate::backend::test_store::geometry(), 1, timeout)
+    }
+
+    #[test]
+    fn a_keepalive_ping_that_panics_with_the_connection_does_not_leave_it_lent() {
+        // Goal: the keep-alive ping has the store's connection without the lock; should it
+        // panic meanwhile, the loan still ends (a guard's drop, on unwind too): the connection
+        // is dropped (it may be half way through an exchange), the placeholder stays, and a
+        // later call that talks to tuttid fails at once as Disconnected. Before, the unwind
+        // dropped the connection and left it lent for good: every such call waited
+        // timeout_s + 1 s and raised TimeoutError, close() too.
+        let timeout = Duration::from_secs(2);
+        let shared = attached_for_tests(Client::detached("the store's own connection").unwrap(), timeout);
+        let pinger = Arc::clone(&shared);
+        let panicked = std::thread::spawn(move || {
+            let mut placeholder = None;
+            pinger.keepalive_ping_with(Duration::ZERO, &mut placeholder, |_| panic!("a panic inside the keep-alive ping's loan"));
+        })
+        .join();
+        assert!(panicked.is_err(), "the ping's exchange panicked");
+        let asked = Instant::now();
+        let later = shared.locked(|state| state.ping()).and_then(|pinged| pinged);
+        assert!(asked.elapsed() < Duration::from_millis(500), "a later call waited {:?} for the connection", asked.elapsed());
+        let failure = later.expect_err("the connection is gone");
+        assert_eq!(failure.class, ErrorClass::Disconnected, "{}", failure.message);
+        assert!(shared.lock().unwrap().connection_lent.is_none());
+    }
+
+    #[test]
+    fn a_keepalive_ping_gives_the_store_its_own_connection_back() {
+        // Goal: after the ping's exchange (answered or failed) the store has its own connection
+        // again, not the placeholder, and the ping had the store's connection, not another.
+        let shared = attached_for_tests(Client::detached("the store's own connection").unwrap(), Duration::from_secs(2));
+        let mut placeholder = None;
+        let mut seen = None;
+        shared.keepalive_ping_with(Duration::ZERO, &mut placeholder, |connection| {
+            seen = Some(connection.ping().map_err(Failure::from).expect_err("detached").message);
+            Ok(())
+        });
+        assert!(seen.expect("the ping ran").contains("the store's own connection"));
+        assert!(placeholder.is_some(), "the placeholder came back");
+        let failure = shared.locked(|state| state.ping()).and_then(|pinged| pinged).expect_err("detached");
+        assert!(failure.message.contains("the store's own connection"), "{}", failure.message);
+    }
+
+    #[test]
+    fn the_keepalive_placeholder_is_out_of_step_and_made_without_the_file_system() {
+        // Goal: what stands in for the store's connection while the keep-alive ping has it is
+        // made without the file system or the environment (a socket pair: `Client::detached`),
+        // so a TMPDIR that is long or read-only cannot make it fail, and the completion thread
+        // never reads the environment while Python may write it; and it is out of step, so a
+        // call that reaches it (the ping panicked with the connection) fails at once as
+        // Disconnected. Before, it was a connection to a listener bound in a temporary
+        // directory (std::env::temp_dir), in step.
+        let mut placeholder = placeholder_client().expect("a placeholder");
+        assert!(placeholder.is_broken(), "the placeholder is out of step from the start");
+        let failure = Failure::from(placeholder.ping().expect_err("connected to no daemon"));
+        assert_eq!(failure.class, ErrorClass::Disconnected, "{}", failure.message);
+        assert_eq!(placeholder.requests_sent(), 0);
     }
 
     #[test]
