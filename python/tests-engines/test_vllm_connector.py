@@ -786,6 +786,40 @@ def test_weights_streamed_from_object_storage_are_named_by_their_url(tmp_path):
     assert weights_fingerprint(pulled, "s3://bucket/llama-ft/") != first, "another URL shares the key space"
 
 
+def test_weights_streamed_from_a_url_without_a_model_fingerprint_are_warned_of(tmp_path, caplog):
+    """Goal: the default fingerprint of weights streamed from object storage names their URL (and
+    vLLM's revision), not the objects, which cannot be listed here: weights replaced at that URL
+    would keep the key space and load the old weights' KV. Without an explicit model_fingerprint
+    the connector says so at start (a warning naming the URL and the fix); with one (only the
+    layout parts are read: with_model False) it does not. A revision set is hashed."""
+    import logging
+    from types import SimpleNamespace
+
+    from tutti.vllm.connector import _model_identity
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "rope_theta": 1e6}')
+    caplog.set_level(logging.WARNING, logger="tutti.vllm")
+    first = weights_fingerprint(tmp_path, "s3://bucket/llama/")
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any("s3://bucket/llama/" in message and "model_fingerprint" in message for message in warnings), warnings
+    caplog.clear()
+    model = SimpleNamespace(
+        model=str(tmp_path), model_weights="s3://bucket/llama/", revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
+    )
+    config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
+    _model_identity(config, harness.kv_cache_config(), "LBHNC", with_model=False)
+    assert not [record for record in caplog.records if "s3://" in record.getMessage()], "warned with an explicit fingerprint"
+    # Weights not streamed: no such warning.
+    weights_fingerprint(tmp_path)
+    assert not [record for record in caplog.records if "weights stream from" in record.getMessage()]
+    model.revision = "step-2000"
+    from tutti._engine import fingerprint_from_config
+
+    assert fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC")) != first, (
+        "another revision of the streamed weights shares the key space"
+    )
+
+
 @pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])
 def test_scheduler_and_workers_agree_on_the_fingerprint_when_model_code_rewrites_rope(tuttid, tmp_path, rope_from):
     """Goal: the scheduler's connector and the workers' name the same key space although model

@@ -502,7 +502,8 @@ def _model_identity(
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
     the model, its checkpoint's RoPE parameters and hf_overrides, a local model directory's weight
     files (`_local_weights_identity`; for weights streamed from object storage, vLLM's
-    model_weights URL in place of the directory and its files), the cache dtype, the KV layout (LBHNC and
+    model_weights URL in place of the directory and its files, with a warning: the objects
+    behind it are not named, so replacing them needs a new model_fingerprint), the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
     KV cache group. `with_model` False: the layout parts only (block size, cache dtype, layout,
     groups), hashed with an explicit fingerprint."""
@@ -515,8 +516,16 @@ def _model_identity(
         if streamed is not None:
             # --load-format runai_streamer from object storage: model.model is a local directory
             # vLLM fills with the model's *.json at every start (new times each start, under this
-            # node's cache directory); the weights stream from this URL, which names them.
+            # node's cache directory); the weights stream from this URL, which names them. The
+            # objects are not listed: weights replaced at the URL would keep the key space.
             parts += ["streamed weights", streamed]
+            logging.getLogger("tutti.vllm").warning(
+                "tutti: the model's weights stream from %s: the default model fingerprint names that URL (and vLLM's "
+                "revision), not the objects there, so weights replaced at that URL would load the old weights' KV "
+                'blocks. Set "model_fingerprint" in kv_connector_extra_config, and change it whenever the weights at '
+                "that URL change",
+                streamed,
+            )
         else:
             parts += [model.model]
         parts += [str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]
