@@ -288,6 +288,10 @@ pub(crate) struct ControllerCore {
     /// `ZEROING_SLICE_BYTES` (a store that zeroes slowly, in tests).
     #[cfg(test)]
     pub(crate) zeroing_slice_for_tests: Option<(u64, Duration)>,
+    /// Called with (SQ id, head) right after the scan looked at the entry at an SQ's head for a
+    /// held zeroing (a host that rewrites the entry then, in tests).
+    #[cfg(test)]
+    pub(crate) after_peek_for_tests: Option<Box<dyn FnMut(u16, u32) + Send>>,
     /// A long zeroing a command just started (`io.rs`), for the batch to take.
     pub(crate) zeroing_started: Option<crate::io::Zeroing>,
     /// The long zeroing running, a slice per poll (see `controller/zeroing.rs`).
@@ -355,6 +359,8 @@ impl ControllerCore {
             fail_write_throughs_for_tests: false,
             #[cfg(test)]
             zeroing_slice_for_tests: None,
+            #[cfg(test)]
+            after_peek_for_tests: None,
             zeroing_started: None,
             zeroing: None,
             shutdown_awaits_zeroing: false,
@@ -537,14 +543,21 @@ impl ControllerCore {
             let limit = (free as usize).min(COMMANDS_PER_QUEUE_PER_SCAN);
             fetched.clear();
             while fetched.len() < limit && !queue.is_empty() {
+                // Read once: what runs is what was looked at, whatever the host writes there
+                // meanwhile.
+                let Some(entry) = queue.peek() else { break };
                 // A command a long zeroing holds back stays in the SQ, with those after it
                 // (see `controller/zeroing.rs`); the next scan after the zeroing fetches it.
                 if let Some(held) = self.zeroing.as_ref() {
-                    if queue.peek().is_none_or(|entry| held.holds_back(queue_id, &entry)) {
+                    if held.holds_back(queue_id, &entry) {
                         break;
                     }
+                    #[cfg(test)]
+                    if let Some(hook) = self.after_peek_for_tests.as_mut() {
+                        hook(queue_id, queue.head);
+                    }
                 }
-                let Some(entry) = queue.fetch() else { break };
+                queue.advance();
                 fetched.push((entry, queue.head));
             }
             if !fetched.is_empty() {

@@ -44,20 +44,19 @@ impl SubmissionQueue {
         self.head == self.tail
     }
 
-    /// The entry at the head, left there (`fetch` takes it).
+    /// The entry at the head, read from host memory once: the caller runs this copy and then
+    /// takes the slot with [`SubmissionQueue::advance`], never reading the entry again (a host
+    /// may rewrite it meanwhile). The host published it before its doorbell write, which the
+    /// caller observed with Acquire ordering.
     pub(crate) fn peek(&self) -> Option<SubmissionEntry> {
         let mut bytes = [0u8; SUBMISSION_ENTRY_BYTES];
         self.memory.read(self.head as usize * SUBMISSION_ENTRY_BYTES, &mut bytes).ok()?;
         Some(SubmissionEntry::from_bytes(&bytes))
     }
 
-    /// Fetches the entry at the head and advances it. The entry was published by the host before
-    /// its doorbell write, which the caller observed with Acquire ordering.
-    pub(crate) fn fetch(&mut self) -> Option<SubmissionEntry> {
-        let mut bytes = [0u8; SUBMISSION_ENTRY_BYTES];
-        self.memory.read(self.head as usize * SUBMISSION_ENTRY_BYTES, &mut bytes).ok()?;
+    /// Takes the entry at the head (the caller read it with `peek`): advances the head.
+    pub(crate) fn advance(&mut self) {
         self.head = (self.head + 1) % self.entries;
-        Some(SubmissionEntry::from_bytes(&bytes))
     }
 }
 

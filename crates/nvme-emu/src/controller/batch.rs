@@ -91,7 +91,7 @@ impl ControllerCore {
             if self.state != State::Ready || self.registers.reset_requested() {
                 break;
             }
-            let result = match fault {
+            let mut result = match fault {
                 Some(FaultAction::Status(status)) => Err(status),
                 Some(FaultAction::ControllerFatal) => {
                     self.set_fatal();
@@ -103,7 +103,7 @@ impl ControllerCore {
                 // An Asynchronous Event Request: held, it completes only with an event.
                 continue;
             }
-            if self.hold_started_zeroing(&result, queue_id, completion_queue_id, *sq_head, entry, fault, &fetched[position + 1..]) {
+            if self.hold_started_zeroing(&mut result, queue_id, completion_queue_id, *sq_head, entry, fault, &fetched[position + 1..]) {
                 // A long zeroing (deallocate, Write Zeroes) runs a slice per poll from now on;
                 // it completes, and the rest of this batch runs, when it ends.
                 break;

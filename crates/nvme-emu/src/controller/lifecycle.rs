@@ -251,6 +251,9 @@ impl ControllerCore {
                         if self.state == State::Ready {
                             // A disabled controller stays disabled (its CFS clears at the next
                             // enable); a running one stops processing, as any fatal one does.
+                            // No long zeroing is held here (this shutdown waited for it above):
+                            // a fatal controller would never run it, nor drop it but at a reset.
+                            debug_assert!(self.zeroing.is_none(), "a fatal shutdown left a long zeroing held");
                             self.state = State::Fatal;
                         }
                         self.registers.set_status(csts | CSTS_SHUTDOWN_OCCURRING | CSTS_FATAL);

@@ -14,16 +14,19 @@
 //! (they run, in order, once it completed). Reads and Writes of other blocks, Flushes (they
 //! promise only what completed before them) and admin commands that read only run meanwhile.
 //! The state this takes is the zeroing's remaining runs (at most 256); held commands stay in
-//! host memory. A reset, a power loss, a function reset and the controller going fatal drop
-//! it without a completion (their stop deletes its queue); the blocks it zeroed read as zero,
-//! the rest keep their data, which is all a host may assume of a command that never
-//! completed.
+//! host memory (the scan reads an entry once, and runs that copy). The completions the zeroing
+//! owes (its own and the rest of its batch's) keep reserved CQ slots until it ends, so what
+//! runs meanwhile on other SQs of its CQ cannot fill the CQ before them. A reset, a power
+//! loss, a function reset and the controller going fatal drop it without a completion (their
+//! stop deletes its queue); the blocks it zeroed read as zero, the rest keep their data, which
+//! is all a host may assume of a command that never completed.
 
 use std::time::Instant;
 
+use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{AdminOpcode, NvmOpcode, SubmissionEntry};
 
-use super::{CommandResult, ControllerCore};
+use super::{generic, CommandResult, ControllerCore};
 use crate::faults::FaultAction;
 use crate::io::{abandoned_for_reset, Zeroing};
 
@@ -80,11 +83,12 @@ impl ZeroingCommand {
 impl ControllerCore {
     /// Right after a command ran: takes the long zeroing it started, if it did, with the rest
     /// of its batch (`rest`). True when it did: the command completes when the zeroing ends,
-    /// and the batch stops here.
+    /// and the batch stops here. A zeroing started while one is held (never, as the scan
+    /// holds back what may start one) is refused: `result` becomes Command Sequence Error.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn hold_started_zeroing(
         &mut self,
-        result: &CommandResult,
+        result: &mut CommandResult,
         queue_id: u16,
         completion_queue_id: u16,
         sq_head: u32,
@@ -97,8 +101,32 @@ impl ControllerCore {
             // Only a successful start leaves a job; a failure after it completes as it is.
             return false;
         }
-        self.zeroing = Some(ZeroingCommand { job, queue_id, completion_queue_id, sq_head, entry: *entry, fault, rest: rest.to_vec() });
+        if self.zeroing.is_some() {
+            // The scan holds back every command that may start a zeroing while one runs, and
+            // runs the copy of the entry it looked at: a second one is a bug here. Refused
+            // rather than replace the first (whose command would never complete): nothing of
+            // it was zeroed yet (`zero_runs` left the whole of it to the job).
+            debug_assert!(false, "a second long zeroing started while one was held");
+            *result = Err(generic(codes::COMMAND_SEQUENCE_ERROR));
+            return false;
+        }
+        let command = ZeroingCommand { job, queue_id, completion_queue_id, sq_head, entry: *entry, fault, rest: rest.to_vec() };
+        // The completions it owes (its own, and those of the rest of its batch) keep their CQ
+        // slots, as a delayed completion's does: the scan fetches other commands meanwhile,
+        // and without them those could fill the CQ before the zeroing's completion goes in.
+        self.reserve_owed_slots(&command, true);
+        self.zeroing = Some(command);
         true
+    }
+
+    /// Reserves (or gives back) the CQ slots of the completions `command` owes: its own and
+    /// one per command of the rest of its batch.
+    fn reserve_owed_slots(&mut self, command: &ZeroingCommand, reserve: bool) {
+        // The rest of a batch is at most COMMANDS_PER_QUEUE_PER_SCAN commands.
+        let owed = u32::try_from(command.rest.len()).unwrap_or(u32::MAX).saturating_add(1);
+        if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(command.completion_queue_id)) {
+            queue.reserved = if reserve { queue.reserved.saturating_add(owed) } else { queue.reserved.saturating_sub(owed) };
+        }
     }
 
     /// One poll's slice of the long zeroing held, if any: its command completes when it ends,
@@ -115,6 +143,8 @@ impl ControllerCore {
             Ok(false) => self.zeroing = Some(command),
             ended => {
                 let result = ended.map(|_| 0);
+                // Its slots go back just before its completions take them.
+                self.reserve_owed_slots(&command, false);
                 let ZeroingCommand { queue_id, completion_queue_id, sq_head, entry, fault, rest, .. } = command;
                 self.complete(queue_id, completion_queue_id, sq_head, &entry, result, fault, now);
                 if !rest.is_empty() {
@@ -125,9 +155,12 @@ impl ControllerCore {
         true
     }
 
-    /// Drops the long zeroing held, without a completion (a stop deletes its queue).
+    /// Drops the long zeroing held, without a completion (a stop deletes its queue; a fatal
+    /// controller posts nothing more): the CQ slots it reserved go back.
     pub(super) fn drop_zeroing(&mut self) {
-        self.zeroing = None;
+        if let Some(command) = self.zeroing.take() {
+            self.reserve_owed_slots(&command, false);
+        }
         self.zeroing_started = None;
     }
 

@@ -8,7 +8,7 @@ use nvme_driver::hw::DeviceBackend;
 use nvme_driver::spec::command::{DatasetRange, IdentifyCns};
 use nvme_driver::spec::registers::{self, ShutdownStatus};
 use nvme_driver::spec::SubmissionEntry;
-use nvme_driver::{Lba, NamespaceId};
+use nvme_driver::{CommandId, Lba, NamespaceId};
 
 use super::harness::{block_count, read_block, status_of, with_sgl, write_block, TestHost};
 use crate::{Backing, EmuConfig, NamespaceConfig};
@@ -352,6 +352,7 @@ fn commands_outside_a_long_zeroing_run_while_it_runs_and_those_inside_wait_for_i
     // 2026-12-01 every command waited for the whole zeroing.
     let (mut host, mut queue) = slow_zeroing_unlinked("disjoint-mid-zeroing");
     let mut other = host.create_io_pair(2, 8);
+    let mut third = host.create_io_pair(3, 8);
     write_block(&host, &mut queue, 1000, 0x22);
     write_block(&host, &mut queue, 1001, 0x23);
     write_block(&host, &mut queue, 1500, 0x15);
@@ -385,16 +386,19 @@ fn commands_outside_a_long_zeroing_run_while_it_runs_and_those_inside_wait_for_i
     host.admin = admin;
     assert_eq!(status_of(&completion), Ok(()));
     assert!(started.elapsed() < Duration::from_secs(3), "the checks above took {:?}", started.elapsed());
-    // Inside what it still has to zero (it goes from block 0 up, 200 blocks a second).
+    // Inside what it still has to zero (it goes from block 0 up, 200 blocks a second): a Read,
+    // and a Write alone on a queue of its own (behind the Read it would wait anyway).
     let inside = push_read(&host, &mut other, 1000);
-    let _source = push_write(&host, &mut other, 1001, 0x44);
     host.ring_submission(&other);
-    assert!(TestHost::try_reap_within(&mut other, Duration::from_millis(200)).is_none(), "a command inside the zeroing ran before it");
+    let _source = push_write(&host, &mut third, 1001, 0x44);
+    host.ring_submission(&third);
+    assert!(TestHost::try_reap_within(&mut other, Duration::from_millis(200)).is_none(), "a read inside the zeroing ran before it");
+    assert!(TestHost::try_reap(&mut third).is_none(), "a write inside the zeroing ran before it");
     host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
     assert_eq!(status_of(&host.reap(&mut queue)), Ok(()), "the deallocate");
     assert_eq!(status_of(&host.reap(&mut other)), Ok(()), "the read inside");
     assert!(filled_with(&inside, 0), "a read inside the zeroing's range saw stale data");
-    assert_eq!(status_of(&host.reap(&mut other)), Ok(()), "the write inside");
+    assert_eq!(status_of(&host.reap(&mut third)), Ok(()), "the write inside");
     assert!(read_block(&host, &mut other, 1001).iter().all(|&byte| byte == 0x44), "the zeroing overwrote a later write");
     assert!(read_block(&host, &mut other, 1000).iter().all(|&byte| byte == 0));
     assert!(read_block(&host, &mut other, 2000).iter().all(|&byte| byte == 0x33));
@@ -450,4 +454,79 @@ fn a_reset_while_a_shutdown_waits_for_a_long_deallocate_drops_it_and_the_shutdow
     assert!(took < GIVE_WAY, "RDY read 1 for {took:?} after CC.EN = 0");
     host.wait_shutdown(ShutdownStatus::Complete);
     assert!(TestHost::try_reap(&mut queue).is_none(), "the deallocate the reset cut short completed");
+}
+
+#[test]
+fn a_held_zeroings_completion_keeps_its_slot_in_a_shared_completion_queue() {
+    // Goal: a deallocate held for its zeroing owes a completion on its CQ, so commands of
+    // another SQ sharing that 4-entry CQ are fetched only while a slot stays for it: the host,
+    // which does not ring the CQ head, finds at most 3 entries (a 4th would make the CQ read
+    // empty to the controller, whose next completions overwrite unread ones); once it rings
+    // the head, the rest complete, each once. Until 2026-12-01 the 3 Reads filled the CQ and
+    // the deallocate's completion went into its last slot.
+    let (mut host, mut queue) = slow_zeroing_unlinked("shared-cq-mid-zeroing");
+    write_block(&host, &mut queue, 1500, 0x15);
+    let mut shared = super::harness::HostQueue::new(&*host.dma, 2, 4);
+    let mut reads = super::harness::HostQueue::new(&*host.dma, 3, 4);
+    let created = host.admin(SubmissionEntry::create_io_completion_queue(2, 4, shared.completion.iova().0));
+    assert_eq!(status_of(&created), Ok(()), "create CQ 2");
+    for sq in [&shared, &reads] {
+        let created = host.admin(SubmissionEntry::create_io_submission_queue(sq.id, 4, sq.submission.iova().0, 2));
+        assert_eq!(status_of(&created), Ok(()), "create SQ {}", sq.id);
+    }
+    let deallocate = CommandId(shared.next_command_id);
+    let _list = start_slow_deallocate_of(&host, &mut shared, 1024);
+    let targets: Vec<_> = (0..3).map(|_| push_read(&host, &mut reads, 1500)).collect();
+    host.ring_submission(&reads);
+    std::thread::sleep(Duration::from_millis(300));
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
+    let mut seen = Vec::new();
+    while let Some(completion) = TestHost::try_reap_within(&mut shared, Duration::from_millis(500)) {
+        seen.push(completion);
+        assert!(seen.len() < 4, "4 completions in a 4-entry CQ whose head the host never rang: {seen:?}");
+    }
+    assert!(seen.iter().any(|completion| completion.sq_id == 2), "the deallocate completed in its reserved slot: {seen:?}");
+    host.ring_completion(&shared);
+    while seen.len() < 4 {
+        seen.push(host.reap(&mut shared));
+    }
+    assert!(TestHost::try_reap_within(&mut shared, Duration::from_millis(200)).is_none(), "a completion too many: {seen:?}");
+    let mut ids: Vec<_> = seen.iter().map(|completion| (completion.sq_id, completion.command_id().0)).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, vec![(2, deallocate.0), (3, 1), (3, 2), (3, 3)], "each command completed once");
+    assert!(seen.iter().all(|completion| status_of(completion) == Ok(())), "{seen:?}");
+    assert!(targets.iter().all(|target| filled_with(target, 0x15)));
+}
+
+#[test]
+fn an_sq_entry_rewritten_after_the_scan_looked_at_it_runs_as_it_was_looked_at() {
+    // Goal: the controller reads an SQ entry once: a host that rewrites a Read the scan let
+    // past a held zeroing into a deallocate cannot have that deallocate run (it would start a
+    // second zeroing, and the first one's command would never complete). The Read runs, and
+    // the held deallocate completes. Until 2026-12-01 the scan read the entry again to fetch it.
+    let (mut host, mut queue) = slow_zeroing_unlinked("rewritten-mid-zeroing");
+    let mut other = host.create_io_pair(2, 8);
+    write_block(&host, &mut queue, 1500, 0x15);
+    let _list = start_slow_deallocate_of(&host, &mut queue, 1024);
+    let target = push_read(&host, &mut other, 1500);
+    let (mut swapped, swapped_list) = deallocate_repeated(&host, DatasetRange { context_attributes: 0, blocks: 1024, start: Lba(1024) });
+    swapped.set_command_id(CommandId(1));
+    let submission = other.submission.clone();
+    let mut armed = true;
+    host.device.with_core(move |core| {
+        core.after_peek_for_tests = Some(Box::new(move |queue_id, head| {
+            let _keep = &swapped_list;
+            if queue_id == 2 && std::mem::take(&mut armed) {
+                submission.write(head as usize * 64, &swapped.to_bytes()).unwrap();
+            }
+        }));
+    });
+    host.ring_submission(&other);
+    let completion = host.reap_within(&mut other, Duration::from_secs(1)).expect("the read completed while the zeroing ran");
+    assert_eq!(status_of(&completion), Ok(()));
+    assert!(filled_with(&target, 0x15), "the command run was not the one the scan looked at");
+    host.device.with_core(|core| core.zeroing_slice_for_tests = Some((1 << 20, Duration::ZERO)));
+    let completion = host.reap(&mut queue);
+    assert_eq!(status_of(&completion), Ok(()), "the held deallocate");
+    assert!(read_block(&host, &mut other, 1500).iter().all(|&byte| byte == 0x15), "block 1500 was zeroed");
 }
