@@ -26,13 +26,14 @@ pub struct DeviceLocks {
 }
 
 /// A device error as the daemon's: I/O that failed (an open that failed with EIO, EMFILE, ...
-/// included) as [`DaemonError::Io`] (tuttid: exit status 1), what was given as
-/// [`DaemonError::Devices`] (2).
+/// included) as [`DaemonError::Io`] (tuttid: exit status 1), what was given (a lock directory
+/// this user may not make, say) as [`DaemonError::Devices`] (2), by the errno
+/// (`tutti_devices::is_unusable_errno`), as `tutti pool` and tutti-bench decide.
 fn daemon_error(error: DeviceError) -> DaemonError {
     let open_failed = matches!(error, DeviceError::OpenFailed { .. }) && !error.is_unusable_input();
     match error {
         DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
-        DeviceError::Io { context, source } => DaemonError::Io { context, source },
+        DeviceError::Io { context, source } if !tutti_devices::is_unusable_errno(&source) => DaemonError::Io { context, source },
         DeviceError::OpenFailed { path, source } if open_failed => {
             DaemonError::Io { context: format!("opening {} to lock it", path.display()), source }
         }
@@ -94,6 +95,12 @@ mod tests {
         assert!(matches!(daemon_error(open(nix::errno::Errno::EMFILE)), DaemonError::Io { .. }));
         assert!(matches!(daemon_error(open(nix::errno::Errno::ENOENT)), DaemonError::Devices(DeviceError::OpenFailed { .. })));
         assert!(matches!(daemon_error(open(nix::errno::Errno::EACCES)), DaemonError::Devices(DeviceError::OpenFailed { .. })));
+        let io = |errno: nix::errno::Errno| DeviceError::Io {
+            context: "making /run/tutti".into(),
+            source: std::io::Error::from_raw_os_error(errno as i32),
+        };
+        assert!(matches!(daemon_error(io(nix::errno::Errno::EIO)), DaemonError::Io { .. }));
+        assert!(matches!(daemon_error(io(nix::errno::Errno::EACCES)), DaemonError::Devices(DeviceError::Io { .. })));
     }
 
     #[test]

@@ -233,7 +233,7 @@ fn lock_refusal(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> anyhow:
         // A vfio: lock file lives in the lock directory, /run/tutti by default, which a user
         // other than root may not create or open: say which option picks another.
         error @ (tutti_devices::DeviceError::OpenFailed { .. } | tutti_devices::DeviceError::Io { .. })
-            if matches!(spec, DeviceSpec::Vfio(_)) && (error.is_unusable_input() || matches!(error, tutti_devices::DeviceError::Io { .. })) =>
+            if matches!(spec, DeviceSpec::Vfio(_)) && lock_input_error(&error) =>
         {
             usage(format!(
                 "{error} (--lock-dir picks another directory for vfio: lock files; give tuttid's, so that a run is refused on a device it uses)"
@@ -243,6 +243,16 @@ fn lock_refusal(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> anyhow:
         // a loop: what was given; EIO, EMFILE, ENOSPC: a failure).
         error if error.is_unusable_input() => usage(error.to_string()),
         error => error.into(),
+    }
+}
+
+/// Whether a lock file's open, or the lock directory's making, failed for what was given (no
+/// such path, no permission, read-only, a loop: `tutti_devices::is_unusable_errno`) rather than
+/// because the host failed (EIO, EMFILE, ENOSPC: exit 1).
+fn lock_input_error(error: &tutti_devices::DeviceError) -> bool {
+    match error {
+        tutti_devices::DeviceError::Io { source, .. } => tutti_devices::is_unusable_errno(source),
+        error => error.is_unusable_input(),
     }
 }
 
@@ -797,6 +807,16 @@ mod tests {
         let failed = tutti_devices::DeviceError::OpenFailed { path: file.clone(), source: std::io::Error::from_raw_os_error(libc::EIO) };
         let error = lock_refusal(&DeviceSpec::EmuFile(file), failed);
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO made status 2: {error:#}");
+        // A vfio: lock directory this user may not make is what was given; one the host failed
+        // to make is not.
+        let vfio = DeviceSpec::Vfio("0000:00:04.0".parse().unwrap());
+        let io = |errno: i32| tutti_devices::DeviceError::Io {
+            context: "making the lock directory".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        assert!(lock_refusal(&vfio, io(libc::EACCES)).downcast_ref::<Unusable>().is_some());
+        let error = lock_refusal(&vfio, io(libc::EIO));
+        assert!(error.downcast_ref::<Unusable>().is_none(), "EIO on a vfio: lock made status 2: {error:#}");
     }
 
     #[test]
