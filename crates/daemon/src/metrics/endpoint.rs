@@ -2,6 +2,8 @@
 //! at most [`CONNECTIONS_MAX`] connections open at once (the oldest is closed to admit a new
 //! one, so idle connections cannot keep a scraper out), each given [`REQUEST_DEADLINE`] to send
 //! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] in all to take its answer.
+//! Answers are written without blocking, a little each pass as the scraper takes them, so the
+//! thread never waits on a scraper that does not read (one slot each, until its deadline).
 //! `GET /metrics` answers the registry's text; another path is 404, another method 405, a head
 //! that is too long or not HTTP 400. Every answer closes its connection (no keep-alive: a
 //! scraper asks every few seconds). The endpoint is on loopback by default and reachable by
@@ -41,11 +43,29 @@ pub struct MetricsEndpoint {
     address: SocketAddr,
 }
 
-/// A connection whose request head is still arriving.
+/// A connection whose request head is still arriving, or (`answer`) whose answer is being
+/// written; `deadline` is the head's, then the answer's.
 struct Pending {
     stream: TcpStream,
     head: Vec<u8>,
     deadline: Instant,
+    answer: Option<Answer>,
+}
+
+/// An answer and how much of it the scraper has taken.
+struct Answer {
+    bytes: Vec<u8>,
+    written: usize,
+}
+
+/// What writing an answer found.
+enum Written {
+    /// All of it: the connection is closed.
+    Done,
+    /// Some is left; the scraper has not taken it yet.
+    Waiting,
+    /// The socket failed: the connection is dropped.
+    Failed,
 }
 
 /// What reading a connection found.
@@ -83,7 +103,10 @@ impl MetricsEndpoint {
             {
                 let mut fds = Vec::with_capacity(1 + open.len());
                 fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
-                fds.extend(open.iter().map(|pending| PollFd::new(pending.stream.as_fd(), PollFlags::POLLIN)));
+                fds.extend(open.iter().map(|pending| {
+                    let wanted = if pending.answer.is_some() { PollFlags::POLLOUT } else { PollFlags::POLLIN };
+                    PollFd::new(pending.stream.as_fd(), wanted)
+                }));
                 match poll(&mut fds, PollTimeout::from(tick_ms)) {
                     Ok(_) | Err(nix::errno::Errno::EINTR) => {}
                     Err(errno) => {
@@ -100,6 +123,14 @@ impl MetricsEndpoint {
             let now = Instant::now();
             let mut index = 0;
             while index < open.len() {
+                if open[index].answer.is_some() {
+                    if keep_writing(&mut open[index], now) {
+                        index += 1;
+                    } else {
+                        open.remove(index);
+                    }
+                    continue;
+                }
                 let head = read_head(&mut open[index]);
                 match head {
                     Head::Partial if now < open[index].deadline => index += 1,
@@ -108,8 +139,11 @@ impl MetricsEndpoint {
                     // Stopping: the rest are closed unanswered.
                     Head::Complete | Head::TooLong if stopped() => drop(open.remove(index)),
                     Head::Complete | Head::TooLong => {
-                        if let Some(pending) = open.remove(index) {
-                            answer(pending, matches!(head, Head::TooLong), metrics, snapshot);
+                        let pending = &mut open[index];
+                        if answer(pending, matches!(head, Head::TooLong), metrics, snapshot) {
+                            index += 1;
+                        } else {
+                            open.remove(index);
                         }
                     }
                 }
@@ -118,9 +152,10 @@ impl MetricsEndpoint {
     }
 
     /// Accepts the connections waiting, at most [`ACCEPTS_PER_PASS_MAX`] and none once
-    /// `stopped` says so. One whose request is already there is answered at once; the others
-    /// wait in a slot, and when all are taken the oldest that has sent nothing (or else the
-    /// oldest) is closed. False when accepting failed (the caller waits a tick).
+    /// `stopped` says so. One whose request is already there is answered at once (as much as
+    /// its socket takes); the others, and an answer not all taken, wait in a slot, and when all
+    /// are taken the oldest that has sent nothing (or else the oldest) is closed. False when
+    /// accepting failed (the caller waits a tick).
     fn accept_pending(
         &self,
         open: &mut VecDeque<Pending>,
@@ -138,18 +173,19 @@ impl MetricsEndpoint {
                         tracing::info!("metrics endpoint: a connection: {error}");
                         continue;
                     }
-                    let mut pending = Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE };
-                    match read_head(&mut pending) {
-                        Head::Complete => answer(pending, false, metrics, snapshot),
-                        Head::TooLong => answer(pending, true, metrics, snapshot),
-                        Head::Gone => {}
-                        Head::Partial => {
-                            if open.len() >= CONNECTIONS_MAX {
-                                let silent = open.iter().position(|pending| pending.head.is_empty()).unwrap_or(0);
-                                open.remove(silent);
-                            }
-                            open.push_back(pending);
+                    let mut pending = Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE, answer: None };
+                    let waiting = match read_head(&mut pending) {
+                        Head::Complete => answer(&mut pending, false, metrics, snapshot),
+                        Head::TooLong => answer(&mut pending, true, metrics, snapshot),
+                        Head::Gone => false,
+                        Head::Partial => true,
+                    };
+                    if waiting {
+                        if open.len() >= CONNECTIONS_MAX {
+                            let silent = open.iter().position(|pending| pending.head.is_empty()).unwrap_or(0);
+                            open.remove(silent);
                         }
+                        open.push_back(pending);
                     }
                 }
                 Err(error) if error.kind() == ErrorKind::WouldBlock => return true,
@@ -214,59 +250,80 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
     }
 }
 
-/// Answers one request and closes the connection (bounded by [`WRITE_TIMEOUT`] in all).
-fn answer(pending: Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) {
+/// Starts answering `pending`'s request: writes what its socket takes now (without blocking)
+/// and gives the scraper [`WRITE_TIMEOUT`] in all to take the rest ([`keep_writing`]). True
+/// while some is left to write.
+fn answer(pending: &mut Pending, too_long: bool, metrics: &Metrics, snapshot: &dyn Fn() -> Snapshot) -> bool {
     let (status, content_type, body) = response_for(&pending.head, too_long, metrics, snapshot);
     let with_body = !pending.head.starts_with(b"HEAD ");
-    let mut stream = pending.stream;
     let header = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n{}\r\n",
         body.len(),
         if status.starts_with("405") { "Allow: GET, HEAD\r\n" } else { "" }
     );
-    let body = if with_body { body.as_bytes() } else { &[] };
-    let deadline = Instant::now() + WRITE_TIMEOUT;
-    let written = stream
-        .set_nonblocking(false)
-        .and_then(|()| write_all_by(&mut stream, header.as_bytes(), deadline))
-        .and_then(|()| write_all_by(&mut stream, body, deadline));
-    if let Err(error) = written {
-        tracing::info!("metrics endpoint: answering a scrape: {error}");
-        return;
+    let mut bytes = header.into_bytes();
+    if with_body {
+        bytes.extend_from_slice(body.as_bytes());
     }
-    // Bytes the client sent past the head (a body, the rest of an over-long head) would turn
-    // the close into a reset, which can lose the answer on the client's side: take what has
-    // arrived (without waiting, at most 64 KiB) after saying the answer is complete.
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    if stream.set_nonblocking(true).is_ok() {
-        let mut scratch = [0u8; 4096];
-        for _ in 0..16 {
-            match stream.read(&mut scratch) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
+    let now = Instant::now();
+    pending.answer = Some(Answer { bytes, written: 0 });
+    pending.deadline = now + WRITE_TIMEOUT;
+    keep_writing(pending, now)
+}
+
+/// Writes what `pending`'s socket takes of its answer now; closes the connection once all of
+/// it is written. True while some is left and its deadline has not passed (one deadline for
+/// all of it, so a reader that takes a byte at a time cannot stretch it).
+fn keep_writing(pending: &mut Pending, now: Instant) -> bool {
+    let Some(answer) = pending.answer.as_mut() else { return false };
+    match write_some(&mut pending.stream, answer) {
+        Written::Done => {
+            finish(&mut pending.stream);
+            false
         }
+        Written::Failed => false,
+        Written::Waiting if now >= pending.deadline => {
+            tracing::info!(
+                "metrics endpoint: a scraper took {} of {} bytes of its answer in {WRITE_TIMEOUT:?}: closed",
+                answer.written,
+                answer.bytes.len()
+            );
+            false
+        }
+        Written::Waiting => true,
     }
 }
 
-/// `write_all` with one deadline for the whole of `bytes`: a socket write timeout alone bounds
-/// each send, and a reader that takes a little before each one expires could keep the
-/// endpoint's one thread writing (and the daemon from stopping) for as long as it likes.
-fn write_all_by(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::Error::new(ErrorKind::TimedOut, "the scraper took longer than the write deadline"));
-        }
-        stream.set_write_timeout(Some(left))?;
-        match stream.write(bytes) {
-            Ok(0) => return Err(std::io::Error::from(ErrorKind::WriteZero)),
-            Ok(written) => bytes = &bytes[written..],
+/// Writes (non-blocking) as much of `answer` as the socket takes.
+fn write_some(stream: &mut TcpStream, answer: &mut Answer) -> Written {
+    while answer.written < answer.bytes.len() {
+        match stream.write(&answer.bytes[answer.written..]) {
+            Ok(0) => return Written::Failed,
+            Ok(written) => answer.written += written,
+            Err(error) if error.kind() == ErrorKind::WouldBlock => return Written::Waiting,
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
-            Err(error) => return Err(error),
+            Err(error) => {
+                tracing::info!("metrics endpoint: answering a scrape: {error}");
+                return Written::Failed;
+            }
         }
     }
-    Ok(())
+    Written::Done
+}
+
+/// Closes a connection whose answer is all written. Bytes the client sent past the head (a
+/// body, the rest of an over-long head) would turn the close into a reset, which can lose the
+/// answer on the client's side: take what has arrived (without waiting, at most 64 KiB) after
+/// saying the answer is complete.
+fn finish(stream: &mut TcpStream) {
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    let mut scratch = [0u8; 4096];
+    for _ in 0..16 {
+        match stream.read(&mut scratch) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
 }
 
 #[cfg(test)]
@@ -367,6 +424,45 @@ mod tests {
         }
         assert!(returned, "the endpoint still served {:?} after the stop", stopping.elapsed());
         server.join().unwrap();
+    }
+
+    #[test]
+    fn scrapers_that_never_read_do_not_hold_up_a_real_scrape() {
+        // Goal: the endpoint's one thread never waits on a scraper that does not read its
+        // answer: 20 connections that ask for a large text (more than the sockets' buffers
+        // hold) and never read cost no write timeout each; a real scrape after them is
+        // answered, whole, within a few seconds (it used to wait WRITE_TIMEOUT per non-reader).
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let address = endpoint.address();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let metrics = Metrics::new();
+            let large = || Snapshot {
+                devices_fenced: (0..2_500).map(|device| (format!("emu:mem:{device:0>2000}"), device % 2 == 0)).collect(),
+                ..Snapshot::default()
+            };
+            endpoint.serve(&metrics, Duration::from_millis(20), &|| stopped.load(Ordering::Acquire), &large);
+        });
+        let silent: Vec<TcpStream> = (0..20)
+            .map(|_| {
+                let mut stream = TcpStream::connect(address).unwrap();
+                stream.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+                stream
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let started = Instant::now();
+        let answer = ask(address, b"GET /metrics HTTP/1.1\r\n\r\n");
+        let took = started.elapsed();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{}", &answer[..answer.len().min(200)]);
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(head.contains(&format!("Content-Length: {}", body.len())), "the whole answer: {head}");
+        assert!(body.len() > 4 << 20, "a text larger than the sockets' buffers: {} bytes", body.len());
+        assert!(took < Duration::from_secs(5), "the scrape waited {took:?} behind scrapers that never read");
+        drop(silent);
+        stop.store(true, Ordering::Release);
+        thread.join().unwrap();
     }
 
     #[test]
