@@ -526,21 +526,30 @@ def test_format_refuses_a_file_holding_something_else(tmp_path):
 
 def test_a_refused_format_leaves_the_directory_as_it_was(tmp_path):
     # Goal: Store.open(format=True, create_bytes=...) on emu: files makes a missing file only
-    # for a format that succeeds: a format refused before it writes (a size too small for the
-    # model, alone or beside an existing file) removes the files it made and shrinks back the
-    # ones it grew, as `tutti pool format` and tuttid --format do (tutti_devices::FileUndo,
-    # through tutti_daemon::pool_open, which the binding opens its pools with).
+    # for a format that succeeds, as `tutti pool format` and tuttid --format do. Two refusals:
+    # one its parameters make before any file is made or grown (a size too small for the
+    # model, alone or beside an existing file: objstore::check_format, through
+    # tutti_daemon::pool_open), and one after the files were made and grown (a third device in
+    # a directory that does not exist cannot be opened once the other two were): the format
+    # removes the file it made and shrinks back the one it grew (tutti_devices::FileUndo).
+    # Only the second reaches the undo: the first refuses before FileUndo::create_missing.
     pools = tmp_path / "pools"
     pools.mkdir()
     existing = pools / "existing.img"
     existing.write_bytes(bytes(4096))
     missing = pools / "missing.img"
+    unopenable = pools / "no-such-dir" / "x.img"
     before = sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir())
     with raises(tutti.PoolError):
         tutti.Store.open(f"emu:{missing}", GEOMETRY, format=True, create_bytes=64 << 10)
     assert sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir()) == before
     with raises(tutti.PoolError):
         tutti.Store.open([f"emu:{missing}", f"emu:{existing}"], GEOMETRY, format=True, create_bytes=64 << 10)
+    assert sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir()) == before
+    with raises(tutti.DeviceError, match="no-such-dir"):
+        tutti.Store.open(
+            [f"emu:{existing}", f"emu:{missing}", f"emu:{unopenable}"], GEOMETRY, format=True, create_bytes=64 << 20
+        )
     assert sorted((entry.name, entry.stat().st_size) for entry in pools.iterdir()) == before
     assert existing.read_bytes() == bytes(4096)
 
