@@ -494,6 +494,93 @@ def test_a_keepalive_ping_to_a_stalled_daemon_does_not_hold_the_store(tmp_path):
 
 
 
+class _ThreadsStopped:
+    """Stops the threads of process `pid` named `name` (ptrace: PTRACE_SEIZE, then
+    PTRACE_INTERRUPT; each waited for until it stopped) while the block runs, the others running
+    on; detached (resumed) at its end. tuttid's connection threads (`tuttid-client`) stopped
+    this way leave the session's requests unanswered while its software controller moves bytes."""
+
+    PTRACE_DETACH = 17
+    PTRACE_SEIZE = 0x4206
+    PTRACE_INTERRUPT = 0x4207
+    WALL = 0x40000000
+
+    def __init__(self, pid: int, name: str):
+        import ctypes
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+        self.libc.ptrace.restype = ctypes.c_long
+        tasks = f"/proc/{pid}/task"
+        self.tids = [int(tid) for tid in os.listdir(tasks) if Path(f"{tasks}/{tid}/comm").read_text().strip() == name]
+        self.stopped: list[int] = []
+
+    def _ptrace(self, request: int, tid: int) -> None:
+        import ctypes
+
+        if self.libc.ptrace(request, tid, None, None) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"ptrace({request:#x}, {tid}): {os.strerror(errno)}")
+
+    def __enter__(self):
+        assert self.tids, "no thread to stop"
+        import errno
+
+        import pytest
+
+        for tid in self.tids:
+            try:
+                self._ptrace(self.PTRACE_SEIZE, tid)
+            except OSError as error:
+                if error.errno in (errno.EPERM, errno.ENOSYS) and not self.stopped:
+                    pytest.skip(f"ptrace is not allowed here: {error}")
+                raise
+            self.stopped.append(tid)
+            self._ptrace(self.PTRACE_INTERRUPT, tid)
+            os.waitpid(tid, self.WALL)
+        return self
+
+    def __exit__(self, *exc):
+        for tid in self.stopped:
+            self._ptrace(self.PTRACE_DETACH, tid)
+
+
+def test_a_keepalive_ping_to_a_stalled_daemon_does_not_hold_back_armed_layers(tmp_path):
+    # Goal: the keep-alive ping runs on a thread of its own, so while tuttid leaves it
+    # unanswered (its connection thread stopped; its software controller runs on) the
+    # completion thread goes on driving the requests armed on fileno(): a layer issued then is
+    # reported on its eventfd within a fraction of timeout_s. Before, the ping ran on the
+    # completion thread, which drove no request until tuttid answered or timeout_s passed. A
+    # lease of 300 ms: a ping after 100 ms idle.
+    import select
+
+    from conftest import start_daemon
+
+    daemon = start_daemon(tmp_path, "--lease", "300ms")
+    try:
+        store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, timeout_s=3.0)
+        store.allocate_kv(4, "paged")
+        request = store.prepare_store(tokens(1, 2), [0, 1])
+        eventfd = request.fileno()
+        with _ThreadsStopped(daemon.process.pid, "tuttid-client"):
+            time.sleep(0.5)  # past a keep-alive interval: the ping is sent, and not answered
+            issued = time.monotonic()
+            layer = request.store_layer(0)
+            readable, _, _ = select.select([eventfd], [], [], 2.5)
+            reported = time.monotonic() - issued
+        assert readable, "the layer was not reported on the eventfd within 2.5 s"
+        assert reported < 1.0, f"the layer was reported {reported:.2f} s after its issue (behind the ping)"
+        assert layer.done
+        request.wait(WAIT_S)
+        for each in range(1, GEOMETRY.layers):
+            request.store_layer(each)
+            request.wait(WAIT_S)
+        request.commit()
+        store.close()
+    finally:
+        daemon.stop()
+
+
 def test_calls_that_talk_to_tuttid_wait_for_the_connection_the_keepalive_ping_has(tmp_path):
     # Goal: while the keep-alive ping has the store's connection (its wait for tuttid holds no
     # lock), a call that talks to tuttid waits for its return and never reaches what stands in

@@ -30,7 +30,8 @@ use crate::tensor::{check_layout, LayoutKind, UNSUPPORTED_DEVICE};
 const DEVICE_KINDS: [DeviceKind; 4] = [DeviceKind::EmuFile, DeviceKind::EmuMemory, DeviceKind::EmuNull, DeviceKind::Vfio];
 /// One completion-thread pass drives each armed request for at most this long.
 const SERVICE_SLICE: Duration = Duration::from_micros(200);
-/// The longest the completion thread sleeps when nothing is armed (it also wakes on a signal).
+/// The longest the completion thread sleeps when nothing is armed (it also wakes on a signal),
+/// and the keep-alive thread between its looks at the store (it also wakes on a stop).
 const SERVICE_IDLE_MAX: Duration = Duration::from_millis(500);
 /// The longest the completion thread waits, after one of its steps, for the callers waiting
 /// for the store's lock to take it (`StoreShared::give_way`): a caller still waiting then
@@ -51,7 +52,10 @@ pub struct StoreShared {
     /// (`StoreState::connection_lent`) once it is back.
     connection_back: Condvar,
     stop: AtomicBool,
+    /// The completion thread (`run_service`), once started.
     service: Mutex<Option<JoinHandle<()>>>,
+    /// The keep-alive thread (`run_keepalive`: attached stores with keep-alive).
+    keepalive_service: Mutex<Option<JoinHandle<()>>>,
     pub kind: &'static str,
     pub geometry: Geometry,
     pub timeout: Duration,
@@ -90,11 +94,14 @@ impl StoreShared {
 
     /// One step of the completion thread: `step` under the store's lock (unless the store is
     /// stopping or closed: false, the thread ends), then way given to the callers waiting.
+    /// The lock only (`locked_data_path`): the keep-alive thread may have the store's
+    /// connection to tuttid meanwhile, and a step that needs it checks for it (an orphan's
+    /// finish: `run_service`).
     fn service_step(&self, step: impl FnOnce(&mut StoreState)) -> bool {
         if self.stop.load(Ordering::Acquire) {
             return false;
         }
-        let stepped = self.locked(|state| {
+        let stepped = self.locked_data_path(|state| {
             if state.is_closed() {
                 return false;
             }
@@ -182,7 +189,7 @@ impl StoreShared {
         py.detach(|| self.locked_data_path(read)).map_err(|failure| failure.to_pyerr(py))
     }
 
-    /// The keep-alive ping (the completion thread), when the store has been idle `interval`:
+    /// The keep-alive ping (the keep-alive thread), when the store has been idle `interval`:
     /// the store's connection is lent to it (`StoreState::lend_connection`, `placeholder` in
     /// its place) so that its wait for tuttid's answer holds no lock; the calls that talk to
     /// tuttid wait for its return, the per-layer path and the getters do not. Without a
@@ -291,6 +298,7 @@ impl StoreShared {
             connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
+            keepalive_service: Mutex::new(None),
             kind: "in-process",
             geometry,
             timeout,
@@ -320,12 +328,29 @@ impl StoreShared {
         self.wake.notify_all();
     }
 
-    /// Stops the completion thread and waits for it (bounded by one slice or idle sleep).
+    /// Starts the keep-alive thread, which pings tuttid when the store has been idle `interval`
+    /// (`run_keepalive`; once, when an attached store with keep-alive is made).
+    fn start_keepalive(self: &Arc<Self>, interval: Duration) -> Result<(), Failure> {
+        let weak = Arc::downgrade(self);
+        let handle = std::thread::Builder::new()
+            .name("tutti-keepalive".into())
+            .spawn(move || run_keepalive(weak, interval))
+            .map_err(|error| Failure::new(ErrorClass::Device, format!("starting the store's keep-alive thread: {error}")))?;
+        *self.keepalive_service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(handle);
+        Ok(())
+    }
+
+    /// Stops the completion thread and the keep-alive thread and waits for them (bounded by one
+    /// slice or idle sleep, and a ping under way by the store's timeout).
     fn stop_service(&self) {
         self.stop.store(true, Ordering::Release);
         self.wake.notify_all();
-        let handle = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
-        if let Some(handle) = handle {
+        let completion = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        let keepalive = self.keepalive_service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        if let Some(handle) = &keepalive {
+            handle.thread().unpark();
+        }
+        for handle in [completion, keepalive].into_iter().flatten() {
             if handle.thread().id() != std::thread::current().id() {
                 let _ = handle.join();
             }
@@ -333,22 +358,21 @@ impl StoreShared {
     }
 }
 
-/// The completion thread: drives the requests that have an eventfd and a layer in flight, and
-/// pings tuttid when the session has been idle a third of its lease. It holds the store only
-/// while it works on it (a weak reference otherwise), so a dropped store ends it. It takes the
-/// store's lock for one request at a time (one `slice` at most each) and for each orphan apart,
-/// giving way between them to the callers waiting for it (`give_way`); the ping waits for
-/// tuttid with the store's connection lent to it, not under the lock (`keepalive_ping`).
+/// The completion thread: drives the requests that have an eventfd and a layer in flight. It
+/// holds the store only while it works on it (a weak reference otherwise), so a dropped store
+/// ends it. It takes the store's lock for one request at a time (one `slice` at most each) and
+/// for each orphan apart, giving way between them to the callers waiting for it (`give_way`).
+/// It never waits for tuttid: the keep-alive ping has a thread of its own (`run_keepalive`),
+/// and an orphan, whose finish talks to tuttid, is left for a later pass while that thread has
+/// the store's connection.
 fn run_service(weak: Weak<StoreShared>, slice: Duration) {
-    // What stands in for the store's connection while the keep-alive ping has it.
-    let mut placeholder: Option<Client> = None;
     loop {
         let Some(shared) = weak.upgrade() else { return };
         if shared.stop.load(Ordering::Acquire) {
             return;
         }
         let Ok(Some((armed, orphans))) =
-            shared.locked(|state| (!state.is_closed()).then(|| (state.armed(Instant::now()).0, state.orphans.clone())))
+            shared.locked_data_path(|state| (!state.is_closed()).then(|| (state.armed(Instant::now()).0, state.orphans.clone())))
         else {
             return;
         };
@@ -361,12 +385,13 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
         }
         // Requests dropped with a layer in flight: finished once it ended (`Request::drop`).
         for &handle in &orphans {
-            if !shared.service_step(|state| state.drive_orphan(handle, slice)) {
+            if !shared.service_step(|state| {
+                if state.connection_lent.is_none() {
+                    state.drive_orphan(handle, slice);
+                }
+            }) {
                 return;
             }
-        }
-        if let Some(interval) = shared.keepalive {
-            shared.keepalive_ping(interval, &mut placeholder);
         }
         if !armed.is_empty() {
             continue; // a request was driven: pass again at once (way was given after each)
@@ -382,15 +407,35 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
         if !armed.is_empty() {
             continue;
         }
-        let idle = match shared.keepalive {
-            Some(interval) => interval.saturating_sub(state.last_daemon_request.elapsed()).min(SERVICE_IDLE_MAX),
-            None => SERVICE_IDLE_MAX,
-        };
         // A request waiting out its backoff after a failed wait is retried at the end of it.
-        let sleep =
-            if backing_off || !state.orphans.is_empty() { idle.min(STALL_RETRY_BACKOFF) } else { idle }.max(Duration::from_millis(1));
+        let sleep = if backing_off || !state.orphans.is_empty() { STALL_RETRY_BACKOFF } else { SERVICE_IDLE_MAX };
         let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
         drop(state);
+    }
+}
+
+/// The keep-alive thread of an attached store: pings tuttid when no request went to it for
+/// `interval` (`StoreShared::keepalive_ping`: with the store's connection lent to it, so its
+/// wait for tuttid holds no lock), else sleeps until then (woken by `stop_service`). Its own
+/// thread, so that a ping tuttid leaves unanswered (up to the store's timeout) never holds back
+/// the completion thread's driving of armed requests. Like it, it holds the store only while it
+/// works on it, and ends when the store is stopped, closed or dropped.
+fn run_keepalive(weak: Weak<StoreShared>, interval: Duration) {
+    // What stands in for the store's connection while the ping has it.
+    let mut placeholder: Option<Client> = None;
+    loop {
+        let idle = {
+            let Some(shared) = weak.upgrade() else { return };
+            if shared.stop.load(Ordering::Acquire) {
+                return;
+            }
+            shared.keepalive_ping(interval, &mut placeholder);
+            let until_due =
+                shared.locked_data_path(|state| (!state.is_closed()).then(|| interval.saturating_sub(state.last_daemon_request.elapsed())));
+            let Ok(Some(until_due)) = until_due else { return };
+            until_due
+        };
+        std::thread::park_timeout(idle.clamp(Duration::from_millis(1), SERVICE_IDLE_MAX));
     }
 }
 
@@ -689,8 +734,8 @@ fn open_failure(error: DaemonError) -> Failure {
 impl Store {
     fn new(shared: StoreShared) -> PyResult<Store> {
         let shared = Arc::new(shared);
-        if shared.keepalive.is_some() {
-            shared.ensure_service()?;
+        if let Some(interval) = shared.keepalive {
+            shared.start_keepalive(interval)?;
         }
         Ok(Store { shared })
     }
@@ -812,6 +857,7 @@ impl Store {
             connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
+            keepalive_service: Mutex::new(None),
             kind: "in-process",
             geometry,
             timeout,
@@ -880,6 +926,7 @@ impl Store {
             connection_back: Condvar::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
+            keepalive_service: Mutex::new(None),
             kind: "tuttid",
             geometry,
             timeout,
