@@ -459,12 +459,12 @@ class SlowBusyDaemon:
 
 
 def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
-    # Goal: one deadline for the whole attach: a daemon slow to answer Busy (0.7 s) is asked
+    # Goal: one deadline for the whole attach: a daemon slow to answer Busy (0.9 s) is asked
     # again only within timeout_s (1 s), and the attach ends about then, not after a second
-    # whole Hello exchange (about 1.4 s before).
+    # whole Hello exchange (about 1.8 s before; the bound, 1.5 s, leaves room for a loaded machine).
     import time
 
-    daemon = SlowBusyDaemon(tmp_path / "busy.sock", 0.7)
+    daemon = SlowBusyDaemon(tmp_path / "busy.sock", 0.9)
     try:
         started = time.monotonic()
         with pytest.raises(tutti.DaemonError):
@@ -472,7 +472,7 @@ def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
         elapsed = time.monotonic() - started
     finally:
         daemon.stop()
-    assert elapsed < 1.25, f"attach(timeout_s=1.0) took {elapsed:.2f} s"
+    assert elapsed < 1.5, f"attach(timeout_s=1.0) took {elapsed:.2f} s"
 
 
 def test_a_wait_past_its_deadline_is_a_timeout_and_the_layer_stays_in_flight():

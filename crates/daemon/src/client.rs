@@ -260,9 +260,6 @@ impl Client {
         self.broken.is_some()
     }
 
-    /// The error every call on a connection left out of step returns: an `Io` error
-    /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
-    /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect.
     /// A `Hello` whose client name passes [`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)
     /// (64 bytes), which the daemon would refuse as `MalformedBody`: refused before a byte is
     /// sent, as the caller's argument ([`DaemonError::RequestTooLarge`], the Python package's
@@ -282,6 +279,9 @@ impl Client {
         })
     }
 
+    /// The error every call on a connection left out of step returns: an `Io` error
+    /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
+    /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect.
     fn out_of_step(cause: &str) -> DaemonError {
         DaemonError::Io {
             context: format!("this connection to tuttid can no longer be used: {cause}; reconnect"),
