@@ -764,6 +764,59 @@ def test_a_plain_link_to_a_checkpoints_weights_is_named_by_its_target(tmp_path):
     assert weights_fingerprint(snapshot) != plain, "a file that is no content-addressed blob was named without its time"
 
 
+def test_a_snapshot_whose_blobs_directory_is_a_link_is_named_by_its_blobs(tmp_path, monkeypatch):
+    """Goal: a Hugging Face cache whose blobs directory is itself a symbolic link to another disk
+    (models--x/blobs -> /mnt/ssd/hfblobs) still names a snapshot's weights by their blobs: the
+    link's own target (../../blobs/<hash>, as Hugging Face writes it) decides, not the fully
+    resolved path, whose directory has another name; resolved, the blob's time (this node's
+    download) entered the key. Such links are not resolved at all (realpath: an lstat per path
+    component, each a round trip on NFS); a plain link re-pointed to other weights still changes
+    the key."""
+    import json
+    import os
+
+    elsewhere = tmp_path / "ssd" / "hfblobs"
+    elsewhere.mkdir(parents=True)
+    repo = tmp_path / "models--org--m"
+    repo.mkdir()
+    (repo / "blobs").symlink_to(elsewhere)
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama", "rope_theta": 1e6}))
+    (elsewhere / ("a" * 64)).write_bytes(b"weights")
+    os.utime(elsewhere / ("a" * 64), ns=(1_000_000_000, 1_000_000_000))
+    (snapshot / "model.safetensors").symlink_to(os.path.join("..", "..", "blobs", "a" * 64))
+    resolved: list[str] = []
+    real_realpath = os.path.realpath
+
+    def realpath(path, *args, **kwargs):
+        resolved.append(os.fspath(path))
+        return real_realpath(path, *args, **kwargs)
+
+    monkeypatch.setattr(os.path, "realpath", realpath)
+    first = weights_fingerprint(snapshot)
+    os.utime(elsewhere / ("a" * 64), ns=(5_000_000_000, 5_000_000_000))  # another node's download
+    assert weights_fingerprint(snapshot) == first, "a blob's download time changed the key space"
+    assert not [path for path in resolved if path.endswith("model.safetensors")], f"a blob link was resolved: {resolved}"
+    # An absolute link into a directory named blobs is a blob too.
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(repo / "blobs" / ("a" * 64))
+    absolute = weights_fingerprint(snapshot)
+    os.utime(elsewhere / ("a" * 64), ns=(6_000_000_000, 6_000_000_000))
+    assert weights_fingerprint(snapshot) == absolute, "a blob's download time changed the key space"
+    # A plain link re-pointed to other weights of the same size: another key space.
+    for step in ("step-1", "step-2"):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "w.safetensors").write_bytes(b"weights")
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "step-1" / "w.safetensors")
+    plain = weights_fingerprint(snapshot)
+    (snapshot / "model.safetensors").unlink()
+    (snapshot / "model.safetensors").symlink_to(tmp_path / "step-2" / "w.safetensors")
+    os.utime(tmp_path / "step-2" / "w.safetensors", ns=(9_000_000_000, 9_000_000_000))
+    assert weights_fingerprint(snapshot) != plain, "weights re-pointed to another checkpoint kept the key space"
+
+
 def test_weights_streamed_from_object_storage_are_named_by_their_url(tmp_path):
     """Goal: with --load-format runai_streamer and an s3:// model, vLLM serves model_config.model
     from a local directory it fills with the model's *.json (the index JSON included) at every

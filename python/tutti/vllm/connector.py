@@ -212,8 +212,9 @@ _INDEX_HASHED_BYTES_MAX = 16 << 20
 
 
 def _is_hf_blob(path: str) -> bool:
-    """Whether `path` (resolved) is a Hugging Face cache blob: named by its content's hash (40 hex
-    digits: git's SHA-1; 64: SHA-256 of an LFS file) in a directory named blobs."""
+    """Whether `path` (a link's own target, or a resolved path) is a Hugging Face cache blob:
+    named by its content's hash (40 hex digits: git's SHA-1; 64: SHA-256 of an LFS file) in a
+    directory named blobs."""
     import os
     import string
 
@@ -231,9 +232,14 @@ def _local_weights_identity(model_path: Any) -> Optional[str]:
     model that is not a local directory (a Hugging Face model id: its pinned revision names its
     weights). Each file is named by
     - an *.index.json: its contents' SHA-256 (what it says, not when it was written);
-    - a symbolic link whose fully resolved target is a Hugging Face blob (a file named by 40 or
-      64 hex digits, its content's hash, in a directory named blobs: `_is_hf_blob`): the blob's
-      name and size, not its time, which is when this node downloaded it;
+    - a symbolic link to a Hugging Face blob (a file named by 40 or 64 hex digits, its content's
+      hash, in a directory named blobs: `_is_hf_blob`): the blob's name and size, not its time,
+      which is when this node downloaded it. The link's own target decides first (os.readlink:
+      ../../blobs/<hash> as Hugging Face writes it, or an absolute path into a directory named
+      blobs), so a cache whose blobs directory is itself a link to a directory of another name
+      still names blobs, and such a link is never resolved (realpath: an lstat per path
+      component, each a round trip on NFS); any other link is resolved fully and its target
+      checked again (a chain of links ending at a blob);
     - any other symbolic link (weights linked into a checkpoint folder, re-pointed to another
       step of the same sizes): its resolved target's file name, size and modification time;
     - any other file: name, size and modification time (ns): one stat, no read of the weights.
@@ -259,7 +265,9 @@ def _local_weights_identity(model_path: Any) -> Optional[str]:
                         digest = hashlib.sha256(index.read(_INDEX_HASHED_BYTES_MAX + 1)).hexdigest()
                     files.append([entry.name, "sha256", digest])
                 elif entry.is_symlink():
-                    target = os.path.realpath(entry.path)
+                    target = os.readlink(entry.path)
+                    if not _is_hf_blob(target):
+                        target = os.path.realpath(entry.path)
                     if _is_hf_blob(target):
                         files.append([entry.name, "link", os.path.basename(target), stat.st_size])
                     else:
