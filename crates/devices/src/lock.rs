@@ -182,6 +182,15 @@ struct LockDir {
 }
 
 impl LockDir {
+    /// How the lock directory is opened: `O_PATH`, which needs no read permission on it (a
+    /// directory of ours with mode 0300 serves: `openat` of a lock file needs search and write
+    /// permission only) and still gives a descriptor that `fstat` and `openat` take; the
+    /// directory itself, never what a symbolic link names.
+    const FLAGS: nix::fcntl::OFlag = nix::fcntl::OFlag::O_PATH
+        .union(nix::fcntl::OFlag::O_DIRECTORY)
+        .union(nix::fcntl::OFlag::O_NOFOLLOW)
+        .union(nix::fcntl::OFlag::O_CLOEXEC);
+
     /// Creates `lock_dir` if missing (0700), opens it without following a symbolic link, and
     /// refuses it ([`refuse_shared_lock_dir`]) unless it is this user's own and writable by no
     /// one else.
@@ -196,14 +205,14 @@ impl LockDir {
             .recursive(true)
             .mode(LOCK_DIR_MODE)
             .create(&path)
-            .map_err(|source| DeviceError::Io { context: format!("creating the lock directory {}", path.display()), source })?;
+            .map_err(|source| refuse_non_directory(&path, source))?;
         // The directory itself, not what a symbolic link names: a link (which whoever can write
         // where it lives can point anywhere) is refused; a parent directory that is a link is fine.
-        let opened =
-            OpenOptions::new().read(true).custom_flags(nix::libc::O_DIRECTORY | nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC).open(&path);
+        let opened = nix::fcntl::open(&path, Self::FLAGS, nix::sys::stat::Mode::empty());
         let dir = match opened {
-            Ok(dir) => dir,
-            Err(source) => {
+            Ok(dir) => File::from(dir),
+            Err(errno) => {
+                let source = std::io::Error::from_raw_os_error(errno as i32);
                 // O_NOFOLLOW | O_DIRECTORY on a link: ELOOP or ENOTDIR, whichever the kernel checks first.
                 if std::fs::symlink_metadata(&path).is_ok_and(|metadata| metadata.file_type().is_symlink()) {
                     return Err(DeviceError::SharedLockFile {
@@ -258,6 +267,43 @@ impl LockDir {
             }
         }
     }
+}
+
+/// The lock directory `lock_dir`'s making that failed with `source`, as an error: if it failed
+/// because `lock_dir`, or a directory above it, exists and is not a directory (a regular file, a
+/// dangling symbolic link or a link to a file: `mkdir` says EEXIST), a refusal of what was
+/// given ([`DeviceError::SharedLockFile`], unusable input for every tool) naming it; otherwise
+/// an I/O error, decided by its errno (EACCES: input; EIO, ENOSPC: a failure). EEXIST itself is
+/// not made unusable input everywhere ([`crate::is_unusable_errno`]): elsewhere it means a file
+/// made meanwhile by another (`O_CREAT | O_EXCL`), which is no fault of what was given.
+fn refuse_non_directory(lock_dir: &Path, source: std::io::Error) -> DeviceError {
+    if source.raw_os_error() == Some(Errno::EEXIST as i32) {
+        // The deepest path that exists, as mkdir sees it: if it (followed) is no directory,
+        // that is why the lock directory could not be made.
+        let existing = lock_dir.ancestors().find_map(|at| std::fs::symlink_metadata(at).ok().map(|metadata| (at, metadata)));
+        if let Some((at, metadata)) = existing {
+            if !std::fs::metadata(at).is_ok_and(|followed| followed.is_dir()) {
+                let kind = if !metadata.file_type().is_symlink() {
+                    file_kind(metadata.file_type()).to_string()
+                } else {
+                    match std::fs::metadata(at) {
+                        Ok(followed) => format!("a symbolic link to {}", file_kind(followed.file_type())),
+                        Err(_) => "a symbolic link that names nothing".to_string(),
+                    }
+                };
+                let what = if at == lock_dir {
+                    "the lock directory".to_string()
+                } else {
+                    format!("a directory above the lock directory {}", lock_dir.display())
+                };
+                return DeviceError::SharedLockFile {
+                    path: at.to_path_buf(),
+                    reason: format!("{what} is {kind}, not a directory; give a directory, or another --lock-dir"),
+                };
+            }
+        }
+    }
+    DeviceError::Io { context: format!("creating the lock directory {}", lock_dir.display()), source }
 }
 
 /// Refuses the lock directory `dir` (opened from `lock_dir`) unless it is this user's own and
@@ -787,6 +833,56 @@ mod tests {
         assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
         std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
         drop(DeviceLocks::acquire(&specs, &lock_dir, false).expect("a lock directory and file of our own"));
+    }
+
+    /// Whether `error` makes `tutti pool`, tutti-bench and tuttid exit 2 (unusable input): a
+    /// refusal of what was given, or an I/O error whose errno says so.
+    fn is_input(error: &DeviceError) -> bool {
+        match error {
+            DeviceError::SharedLockFile { .. } | DeviceError::NotAFileOrDevice { .. } => true,
+            DeviceError::Io { source, .. } => crate::is_unusable_errno(source),
+            error => error.is_unusable_input(),
+        }
+    }
+
+    #[test]
+    fn a_lock_directory_that_is_not_a_directory_is_unusable_input() {
+        // Goal: a --lock-dir naming a regular file, a dangling symbolic link or a link to a file
+        // failed in DirBuilder::create with EEXIST (a DeviceError::Io, an errno not among the
+        // unusable ones), so tutti pool, tutti-bench and tuttid exited 1, a failure worth
+        // retrying, for what was given. It is refused as not a directory; so is a dangling link
+        // above it (mkdir: EEXIST too), while a regular file above it says ENOTDIR, input already.
+        let directory = tempfile::tempdir().unwrap();
+        let file = directory.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let dangling = directory.path().join("dangling");
+        std::os::unix::fs::symlink(directory.path().join("missing"), &dangling).unwrap();
+        let to_file = directory.path().join("to-file");
+        std::os::unix::fs::symlink(&file, &to_file).unwrap();
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
+        for lock_dir in [file.clone(), dangling.clone(), to_file.clone(), file.join("tutti"), dangling.join("tutti")] {
+            let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+            assert!(is_input(&error), "{}: {error:?}", lock_dir.display());
+            assert!(error.to_string().to_lowercase().contains("not a directory"), "{}: {error}", lock_dir.display());
+        }
+        assert!(std::fs::symlink_metadata(directory.path().join("missing")).is_err(), "the dangling link's target was made");
+    }
+
+    #[test]
+    fn a_lock_directory_of_ours_without_read_permission_is_used() {
+        // Goal: the lock directory was opened for reading (O_RDONLY|O_DIRECTORY), which needs
+        // read permission: a directory of our own with mode 0300 (search and write, which is
+        // all openat needs) was refused with EACCES. It is opened O_PATH, which needs none.
+        // As root the mode is not enforced, so this passes either way there; the flags are
+        // pinned by the assertions on LockDir::FLAGS.
+        assert!(LockDir::FLAGS.contains(nix::fcntl::OFlag::O_PATH));
+        assert!(!LockDir::FLAGS.intersects(nix::fcntl::OFlag::O_RDWR | nix::fcntl::OFlag::O_WRONLY));
+        let directory = tempfile::tempdir().unwrap();
+        let lock_dir = directory.path().join("run");
+        std::fs::DirBuilder::new().mode(0o300).create(&lock_dir).unwrap();
+        let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
+        drop(DeviceLocks::acquire(&specs, &lock_dir, false).expect("a 0300 lock directory of our own"));
+        std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
     }
 
     #[test]
