@@ -130,9 +130,10 @@ impl DeviceError {
     /// missing one does, and running again on the same host changes nothing); anything else
     /// (EIO, EMFILE, ENOSPC, ...) a failure.
     ///
-    /// A [`DeviceError::Io`] is a failure here (tuttid makes every one exit status 1); a tool
-    /// that would rather decide it by its errno too (`tutti pool`'s locks: no permission to
-    /// create the lock directory is what was given) uses [`is_unusable_errno`] on its source.
+    /// A [`DeviceError::Io`] is a failure here; the tools decide one by its errno with
+    /// [`is_unusable_errno`] on its source (`tutti pool`'s and tutti-bench's locks, tuttid's
+    /// locks and block-device claims: no permission to create the lock directory, or a disk
+    /// that vanished before its exclusive open, is what was given, exit status 2).
     pub fn is_unusable_input(&self) -> bool {
         match self {
             DeviceError::OpenFailed { source, .. } => is_unusable_errno(source),
