@@ -675,7 +675,8 @@ def test_the_default_fingerprint_names_a_local_models_weights(tmp_path):
 
 def weights_fingerprint(model_dir, model_weights=""):
     """The default fingerprint of a stand-in model config over `model_dir` (vLLM's model_weights:
-    where runai_streamer streams the weights from, "" otherwise)."""
+    where runai_streamer streams the weights from, "" otherwise), as the scheduler's connector
+    computes it (a missing fingerprint over streamed weights warned of)."""
     from types import SimpleNamespace
 
     from tutti._engine import fingerprint_from_config
@@ -685,7 +686,8 @@ def weights_fingerprint(model_dir, model_weights=""):
         model=str(model_dir), model_weights=model_weights, revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
     )
     config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
-    return fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC"))
+    identity = _model_identity(config, harness.kv_cache_config(), "LBHNC", fingerprint_setting="kv_connector_extra_config")
+    return fingerprint_from_config(None, *identity)
 
 
 def test_a_hugging_face_snapshots_weights_are_named_by_their_blobs_not_their_download_time(tmp_path):
@@ -860,7 +862,7 @@ def test_weights_streamed_from_a_url_without_a_model_fingerprint_are_warned_of(t
         model=str(tmp_path), model_weights="s3://bucket/llama/", revision=None, dtype="bfloat16", quantization=None, hf_overrides={}
     )
     config = SimpleNamespace(model_config=model, cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"))
-    _model_identity(config, harness.kv_cache_config(), "LBHNC", with_model=False)
+    _model_identity(config, harness.kv_cache_config(), "LBHNC", with_model=False, fingerprint_setting="kv_connector_extra_config")
     assert not [record for record in caplog.records if "s3://" in record.getMessage()], "warned with an explicit fingerprint"
     # Weights not streamed: no such warning.
     weights_fingerprint(tmp_path)
@@ -871,6 +873,31 @@ def test_weights_streamed_from_a_url_without_a_model_fingerprint_are_warned_of(t
     assert fingerprint_from_config(None, *_model_identity(config, harness.kv_cache_config(), "LBHNC")) != first, (
         "another revision of the streamed weights shares the key space"
     )
+
+
+def test_the_connectors_streamed_weights_warning_names_its_config_once(tuttid, tmp_path, caplog):
+    """Goal: a connector over weights streamed from object storage (vLLM's model_weights set),
+    without model_fingerprint, warns that the URL's objects are not named and says where the
+    fingerprint goes (kv_connector_extra_config), once for the deployment: the scheduler's
+    connector logs it, the workers' (one per TP rank) do not. Before, every rank and the
+    scheduler each logged it."""
+    import logging
+
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    vllm_config = harness.vllm_config(daemon.socket, 1)
+    vllm_config.model_config = llama_model_config(tmp_path / "m")
+    vllm_config.model_config.model_weights = "s3://bucket/llama/"
+    caplog.set_level(logging.WARNING, logger="tutti.vllm")
+    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+    worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
+    try:
+        assert worker._fingerprint == scheduler._fingerprint
+    finally:
+        worker.shutdown()
+        scheduler.shutdown()
+    warnings = [record.getMessage() for record in caplog.records if "s3://bucket/llama/" in record.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "kv_connector_extra_config" in warnings[0], warnings
 
 
 @pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])

@@ -255,6 +255,34 @@ def test_the_default_key_is_the_same_whether_or_not_vllm_has_a_current_config(tm
     assert _tier_fingerprint(spec_config, 4096, None, "t") != without_current
 
 
+def test_the_tiers_streamed_weights_warning_names_the_tiers_config(tmp_path: Path, caplog):
+    """Goal: the tier's default key over weights streamed from object storage (vLLM's
+    model_weights set) warns that the URL's objects are not named, and says to set
+    model_fingerprint in the tier's own config (TIER_CONFIG_FIELDS), where the tier reads it, not
+    in kv_connector_extra_config, where the connector reads it."""
+    import logging
+
+    from tutti.vllm.tier import _tier_fingerprint
+
+    engine = engine_config(tmp_path / "pool.img")
+    engine.model_config.model_weights = "s3://bucket/llama/"
+    spec_config = offloading_spec(tmp_path / "pool.img", True).config
+    caplog.set_level(logging.WARNING, logger="tutti.vllm")
+
+    def key_where_vllm_builds_the_tier():
+        vllm_config = engine  # noqa: F841 - read by the tier from this frame
+        kv_cache_config = None  # noqa: F841
+        return _tier_fingerprint(spec_config, 4096, None, "nvme")
+
+    key_where_vllm_builds_the_tier()
+    warnings = [record.getMessage() for record in caplog.records if "s3://bucket/llama/" in record.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "secondary tier 'nvme'" in warnings[0] and "kv_connector_extra_config" not in warnings[0], warnings
+    caplog.clear()
+    _tier_fingerprint(spec_config, 4096, "cd" * 32, "nvme")
+    assert not [record for record in caplog.records if "s3://" in record.getMessage()], "warned with an explicit fingerprint"
+
+
 def test_vllms_own_offloading_connector_gives_the_tier_one_key_with_or_without_a_current_config(tmp_path: Path, monkeypatch):
     """Goal: built by vLLM's real OffloadingConnector (SCHEDULER role, TieringOffloadingSpec
     from kv_connector_extra_config, a real VllmConfig over a local model), the tier's default key

@@ -107,7 +107,15 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         # deployment lays its KV out: the layout parts are hashed with it, so that a restart on
         # another attention backend (LBHNC and LBNHC blocks are the same size) cannot read the
         # other order's blocks.
-        identity = _model_identity(vllm_config, kv_cache_config, self._kv_layout, with_model=explicit is None)
+        # A missing fingerprint over streamed weights is warned of once for the deployment: by the
+        # scheduler's connector, not by each worker's (one per TP rank).
+        identity = _model_identity(
+            vllm_config,
+            kv_cache_config,
+            self._kv_layout,
+            with_model=explicit is None,
+            fingerprint_setting="kv_connector_extra_config" if role == KVConnectorRole.SCHEDULER else None,
+        )
         if explicit is None:
             self._fingerprint = fingerprint_from_config(None, *identity)
         else:
@@ -505,7 +513,11 @@ def _resolved_kv_layout(vllm_config: "VllmConfig", kv_cache_config: Optional["KV
 
 
 def _model_identity(
-    vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"], kv_layout: str, with_model: bool = True
+    vllm_config: "VllmConfig",
+    kv_cache_config: Optional["KVCacheConfig"],
+    kv_layout: str,
+    with_model: bool = True,
+    fingerprint_setting: Optional[str] = None,
 ) -> list[Any]:
     """What changes a model's KV bytes or their order in a block, for the default fingerprint:
     the model, its checkpoint's RoPE parameters and hf_overrides, a local model directory's weight
@@ -514,7 +526,10 @@ def _model_identity(
     behind it are not named, so replacing them needs a new model_fingerprint), the cache dtype, the KV layout (LBHNC and
     LBNHC blocks are the same size with heads and slots transposed) and the page shape of each
     KV cache group. `with_model` False: the layout parts only (block size, cache dtype, layout,
-    groups), hashed with an explicit fingerprint."""
+    groups), hashed with an explicit fingerprint. `fingerprint_setting`: where the caller reads
+    model_fingerprint from (the connector's kv_connector_extra_config, a tier's own config),
+    named by the streamed-weights warning; None: no warning (a worker's connector, whose
+    scheduler logs it once for the deployment)."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parts: list[Any] = ["vllm", cache.block_size, str(cache.cache_dtype)]
@@ -527,13 +542,15 @@ def _model_identity(
             # node's cache directory); the weights stream from this URL, which names them. The
             # objects are not listed: weights replaced at the URL would keep the key space.
             parts += ["streamed weights", streamed]
-            logging.getLogger("tutti.vllm").warning(
-                "tutti: the model's weights stream from %s: the default model fingerprint names that URL (and vLLM's "
-                "revision), not the objects there, so weights replaced at that URL would load the old weights' KV "
-                'blocks. Set "model_fingerprint" in kv_connector_extra_config, and change it whenever the weights at '
-                "that URL change",
-                streamed,
-            )
+            if fingerprint_setting is not None:
+                logging.getLogger("tutti.vllm").warning(
+                    "tutti: the model's weights stream from %s: the default model fingerprint names that URL (and "
+                    "vLLM's revision), not the objects there, so weights replaced at that URL would load the old "
+                    'weights\' KV blocks. Set "model_fingerprint" in %s, and change it whenever the weights at that '
+                    "URL change",
+                    streamed,
+                    fingerprint_setting,
+                )
         else:
             parts += [model.model]
         parts += [str(_pinned_revision(model.revision)), str(model.dtype), str(model.quantization)]

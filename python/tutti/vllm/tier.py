@@ -517,7 +517,14 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
             "default key cannot name the model's revision, quantization and RoPE parameters: set model_fingerprint "
             "(64 hex digits naming the model and its weights)"
         )
-    identity = _model_identity(vllm_config, kv_cache_config, _resolved_kv_layout(vllm_config, kv_cache_config))
+    # Built once for the deployment (in the scheduler's process): a missing fingerprint over
+    # streamed weights is warned of here, naming where the tier reads model_fingerprint.
+    identity = _model_identity(
+        vllm_config,
+        kv_cache_config,
+        _resolved_kv_layout(vllm_config, kv_cache_config),
+        fingerprint_setting=f"the config of secondary tier {tier_type!r} (its entry in secondary_tiers)",
+    )
     return fingerprint_from_config(None, "vllm offloading tier", *identity, *layout)
 
 
