@@ -488,11 +488,12 @@ mod tests {
         pub(super) static AFTER_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
     }
 
-    #[test]
-    fn a_file_made_by_another_process_meanwhile_is_read_before_it_is_formatted() {
-        // Goal: a missing emu: file that another process creates, holding something, between
-        // format's first look and its creating lock is refused as the files that were there are
-        // (status 2, naming what it holds) and left as it is, unless --overwrite.
+    type Hook = std::thread::LocalKey<std::cell::RefCell<Option<Box<dyn FnOnce()>>>>;
+
+    /// Formats a missing `late.img` with `hook` set to write an ext4-looking file there, as
+    /// another process would: the format must be refused as foreign (status 2, naming what it
+    /// holds), the file left exactly as that process wrote it. Panics with `what` otherwise.
+    fn refused_when_written_meanwhile(hook: &'static Hook, what: &str) {
         let directory = tempfile::tempdir().unwrap();
         let path = directory.path().join("late.img");
         let mut bytes = vec![0u8; 8 << 20];
@@ -500,11 +501,19 @@ mod tests {
         let device = format!("emu:{}", path.display());
         let arguments = ["format", "--device", &device, "--model", "llama3-8b", "--emu-create-bytes", "64m"];
         let (late, written) = (path.clone(), bytes.clone());
-        BEFORE_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
+        hook.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
         let error = run_with(&command(&arguments), &HostBlockDevices).unwrap_err();
-        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
-        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
-        assert!(std::fs::read(&path).unwrap() == bytes, "the file made meanwhile was changed");
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("{what}: not status 2: {error:#}"));
+        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{what}: {}", unusable.0);
+        assert!(std::fs::read(&path).map(|read| read == bytes).unwrap_or(false), "{what}: the file was removed or changed");
+    }
+
+    #[test]
+    fn a_file_made_by_another_process_meanwhile_is_read_before_it_is_formatted() {
+        // Goal: a missing emu: file that another process creates, holding something, between
+        // format's first look and its creating lock is refused as the files that were there are
+        // (status 2, naming what it holds) and left as it is, unless --overwrite.
+        refused_when_written_meanwhile(&BEFORE_CREATING_FILES, "made before format's O_EXCL");
     }
 
     #[test]
@@ -512,18 +521,7 @@ mod tests {
         // Goal: a missing emu: file that format creates and another process then writes (without
         // the lock, as mkfs would) before format reads it is refused as foreign (status 2) and
         // left exactly as that process wrote it, not removed as "made here".
-        let directory = tempfile::tempdir().unwrap();
-        let path = directory.path().join("late.img");
-        let mut bytes = vec![0u8; 8 << 20];
-        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
-        let device = format!("emu:{}", path.display());
-        let arguments = ["format", "--device", &device, "--model", "llama3-8b", "--emu-create-bytes", "64m"];
-        let (late, written) = (path.clone(), bytes.clone());
-        AFTER_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
-        let error = run_with(&command(&arguments), &HostBlockDevices).unwrap_err();
-        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
-        assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
-        assert!(std::fs::read(&path).map(|read| read == bytes).unwrap_or(false), "the file written meanwhile was removed or changed");
+        refused_when_written_meanwhile(&AFTER_CREATING_FILES, "written after format made it");
     }
 
     #[test]

@@ -5,30 +5,18 @@
 //! And a pool recording another LBA size than the namespace's: refused as unusable input (2).
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 mod common;
-use common::{TUTTID, WAIT};
+use common::TUTTID;
 
-/// Runs tuttid with `arguments` to its end (killed and failed past [`WAIT`]): its exit code and
+/// Runs tuttid with `arguments` to its end (killed and failed past `common::WAIT`): its exit code and
 /// stderr.
 fn tuttid(directory: &Path, arguments: &[&str]) -> (Option<i32>, String) {
     let mut command = Command::new(TUTTID);
     command.args(arguments).arg("--socket").arg(directory.join("sockets").join("tuttid.sock"));
     command.arg("--lock-dir").arg(directory.join("locks")).args(["--metrics", "off"]);
-    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let deadline = Instant::now() + WAIT;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = child.wait_with_output().unwrap();
-    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+    common::run_bounded(&mut command)
 }
 
 /// The names and sizes of the files in `directory`, sorted.

@@ -4,29 +4,12 @@
 //! and no socket file is left behind.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 
 mod common;
-use common::{hello, store_prompt, Daemon, TUTTID, WAIT};
-
-/// Runs `command` to its end (killed and failed past [`WAIT`]): its exit code and stderr.
-fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
-    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
-    let deadline = Instant::now() + WAIT;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = child.wait_with_output().unwrap();
-    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
-}
+use common::{hello, run_bounded, store_prompt, Daemon, TUTTID};
 
 /// A pool file holding one committed prompt, its daemon stopped.
 fn pool_with_a_prompt(directory: &Path) -> std::path::PathBuf {

@@ -115,6 +115,23 @@ pub fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
+/// Runs `command` to its end (killed and failed past [`WAIT`]), its standard error piped: its
+/// exit code and standard error.
+pub fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
+    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+    let deadline = Instant::now() + WAIT;
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let output = child.wait_with_output().unwrap();
+    (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
+}
+
 /// Runs this test binary again as a client process: only `entry` (a test that is a no-op
 /// unless `env` is set) runs, with `role` in `env`; its standard output is piped.
 pub fn spawn_child(entry: &str, env: &str, role: &str) -> Child {
