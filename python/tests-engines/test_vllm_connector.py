@@ -888,16 +888,23 @@ def test_the_connectors_streamed_weights_warning_names_its_config_once(tuttid, t
     vllm_config.model_config = llama_model_config(tmp_path / "m")
     vllm_config.model_config.model_weights = "s3://bucket/llama/"
     caplog.set_level(logging.WARNING, logger="tutti.vllm")
-    scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+
+    def warnings():
+        return [record.getMessage() for record in caplog.records if "s3://bucket/llama/" in record.getMessage()]
+
+    # The worker first: it must say nothing; then the scheduler, once.
     worker = harness.make_connector(vllm_config, KVConnectorRole.WORKER)
     try:
-        assert worker._fingerprint == scheduler._fingerprint
+        assert warnings() == [], "a worker's connector warned"
+        scheduler = harness.make_connector(vllm_config, KVConnectorRole.SCHEDULER)
+        try:
+            assert worker._fingerprint == scheduler._fingerprint
+        finally:
+            scheduler.shutdown()
     finally:
         worker.shutdown()
-        scheduler.shutdown()
-    warnings = [record.getMessage() for record in caplog.records if "s3://bucket/llama/" in record.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert "kv_connector_extra_config" in warnings[0], warnings
+    assert len(warnings()) == 1, warnings()
+    assert "kv_connector_extra_config" in warnings()[0], warnings()
 
 
 @pytest.mark.parametrize("rope_from", ["hf_overrides", "config.json"])
