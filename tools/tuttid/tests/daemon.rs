@@ -8,7 +8,7 @@ use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use objstore::{Direction, LayerKvStore, Transferred};
@@ -17,7 +17,7 @@ use tutti_daemon::protocol::{encode_frame, Commit, FrameHeader, Kind, Prepare, R
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
-use common::{hello, prompt, retrieve_prompt, store_prompt, Daemon, TUTTID, WAIT};
+use common::{hello, output_bounded, prompt, retrieve_prompt, store_prompt, Daemon, TUTTID, WAIT};
 
 const CHILD_ENV: &str = "TUTTID_TEST_CHILD";
 /// Blocks of each prompt an `io` client stores and retrieves.
@@ -28,22 +28,6 @@ const IO_ROUNDS: u32 = 10;
 fn remote_store(socket: &Path, name: &str) -> RemoteKvStore {
     let config = RemoteConfig { kv_blocks: 2 * IO_BLOCKS as u32, ..RemoteConfig::default() };
     RemoteKvStore::connect(socket, &hello(0, 1, name), &config).expect("attach a remote store")
-}
-
-/// Runs `command` to its end, killing it (and failing) if it runs past [`WAIT`]: a daemon
-/// that should have been refused would otherwise serve forever.
-fn output_bounded(command: &mut Command) -> std::process::Output {
-    let mut child = command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    let deadline = Instant::now() + WAIT;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let output = child.wait_with_output().unwrap();
-            panic!("still running after {WAIT:?} (killed): {}", String::from_utf8_lossy(&output.stderr));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    child.wait_with_output().unwrap()
 }
 
 /// Sends raw bytes and reads the daemon's answer: the error frame's code, then whether the

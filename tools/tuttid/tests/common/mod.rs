@@ -115,10 +115,9 @@ pub fn wait_bounded(child: &mut Child) -> std::process::ExitStatus {
     }
 }
 
-/// Runs `command` to its end (killed and failed past [`WAIT`]), its standard error piped: its
-/// exit code and standard error.
-pub fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
-    let mut child = command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
+/// Waits for `child` to end, killing it (and failing) past [`WAIT`]: a daemon that should have
+/// been refused would otherwise serve forever. Its output, what of it was piped.
+fn finish_bounded(mut child: Child) -> std::process::Output {
     let deadline = Instant::now() + WAIT;
     while child.try_wait().unwrap().is_none() {
         if Instant::now() >= deadline {
@@ -128,7 +127,18 @@ pub fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let output = child.wait_with_output().unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// Runs `command` to its end ([`finish_bounded`]), its standard output and error piped.
+pub fn output_bounded(command: &mut Command) -> std::process::Output {
+    finish_bounded(command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap())
+}
+
+/// Runs `command` to its end ([`finish_bounded`]), its standard error piped: its exit code and
+/// standard error.
+pub fn run_bounded(command: &mut Command) -> (Option<i32>, String) {
+    let output = finish_bounded(command.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap());
     (output.status.code(), String::from_utf8_lossy(&output.stderr).into_owned())
 }
 
