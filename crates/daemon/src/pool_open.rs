@@ -294,6 +294,22 @@ mod tests {
 
     use super::*;
 
+    /// Options that format `specs` (emu: files, made `create_bytes` long where missing) for
+    /// `geometry`, k = 1, locked in `directory`/locks.
+    fn formatting(directory: &std::path::Path, specs: Vec<DeviceSpec>, geometry: ModelGeometry, create_bytes: u64) -> PoolOptions {
+        PoolOptions {
+            specs,
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: Some(create_bytes),
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+            overwrite: false,
+            lock_dir: directory.join("locks"),
+            client_queue_pairs: 1,
+            emu_doorbell_relay: false,
+        }
+    }
+
     thread_local! {
         /// Run by open_pool (on the test's thread) just before it locks the files a format is
         /// to create: a test looks at what is held at that moment.
@@ -312,17 +328,12 @@ mod tests {
         std::fs::write(&existing, b"").unwrap();
         let missing = directory.path().join("new.img");
         let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let options = PoolOptions {
-            specs: vec![DeviceSpec::EmuFile(existing.clone()), DeviceSpec::EmuFile(missing.clone())],
-            namespace: 1,
-            emu_lba_bytes: 4096,
-            emu_create_bytes: Some(64 << 20),
-            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
-            overwrite: false,
-            lock_dir: directory.path().join("locks"),
-            client_queue_pairs: 1,
-            emu_doorbell_relay: false,
-        };
+        let options = formatting(
+            directory.path(),
+            vec![DeviceSpec::EmuFile(existing.clone()), DeviceSpec::EmuFile(missing.clone())],
+            geometry,
+            64 << 20,
+        );
         let refused_meanwhile: Rc<Cell<Option<bool>>> = Rc::default();
         let (seen, spec, lock_dir) = (refused_meanwhile.clone(), options.specs[0].clone(), options.lock_dir.clone());
         BEFORE_CREATING_FILES.with(|hook| {
@@ -345,17 +356,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let missing = directory.path().join("new.img");
         let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let options = PoolOptions {
-            specs: vec![DeviceSpec::EmuFile(missing.clone())],
-            namespace: 1,
-            emu_lba_bytes: 4096,
-            emu_create_bytes: Some(64 << 20),
-            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
-            overwrite: false,
-            lock_dir: directory.path().join("locks"),
-            client_queue_pairs: 1,
-            emu_doorbell_relay: false,
-        };
+        let options = formatting(directory.path(), vec![DeviceSpec::EmuFile(missing.clone())], geometry, 64 << 20);
         let mut bytes = vec![0u8; 8 << 20];
         bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
         let (path, written) = (missing.clone(), bytes.clone());
@@ -378,17 +379,7 @@ mod tests {
         for (geometry, create_bytes, expected) in
             [(small, 64 << 20, "not a whole number of 4096-byte LBAs"), (fitting, 64 << 10, "too small")]
         {
-            let options = PoolOptions {
-                specs: vec![DeviceSpec::EmuFile(missing.clone())],
-                namespace: 1,
-                emu_lba_bytes: 4096,
-                emu_create_bytes: Some(create_bytes),
-                format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
-                overwrite: false,
-                lock_dir: directory.path().join("locks"),
-                client_queue_pairs: 1,
-                emu_doorbell_relay: false,
-            };
+            let options = formatting(directory.path(), vec![DeviceSpec::EmuFile(missing.clone())], geometry, create_bytes);
             let error = open_pool(&options).err().expect("the format is refused");
             assert!(error.to_string().contains(expected), "{error}");
             assert!(!missing.exists(), "the refused format created {}: {error}", missing.display());
