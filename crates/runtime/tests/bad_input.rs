@@ -267,6 +267,20 @@ fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
     }
 }
 
+/// A stack holding prompt (0, 0)'s 4 blocks, its device failing reads as `rule` says, and the
+/// prefill that hit them failed (`ReadFailed`, blocks 4..8 given): the stack and the prompt.
+fn a_cached_prefix_whose_read_failed(rule: FaultRule) -> (common::Stack, Vec<u32>) {
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    let tokens = prompt(0, 0);
+    prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    assert_eq!(stack.runtime.lookup(&tokens), 4);
+    stack.device.set_faults(FaultPlan::none().with_rule(rule.with_opcode(NvmOpcode::Read as u8)));
+    let first = prefill(&mut stack, &tokens, &[4, 5, 6, 7]);
+    assert!(matches!(first, Err(RuntimeError::ReadFailed { .. })), "{first:?}");
+    (stack, tokens)
+}
+
 /// Goal: a cached prefix the device cannot read (an unrecovered read error on its LBAs, every
 /// time) is evicted by the read that fails, not hit and failed again by every later request with
 /// that prefix (each of which dropped its store, so the prefix was never stored again). Once the
@@ -274,17 +288,8 @@ fn a_table_where_only_one_decode_row_can_write_is_refused_under_slack_aware() {
 #[test]
 fn a_prefix_the_device_cannot_read_is_evicted_not_hit_again() {
     let layers = common::geometry().layers;
-    let mut stack = stack(config(PolicyChoice::SlackAware), None);
-    let tokens = prompt(0, 0);
-    prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
-    stack.runtime.drain().unwrap();
-    assert_eq!(stack.runtime.lookup(&tokens), 4);
     let unreadable = NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, codes::UNRECOVERED_READ_ERROR);
-    stack.device.set_faults(
-        FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::Status(unreadable)).with_opcode(NvmOpcode::Read as u8)),
-    );
-    let first = prefill(&mut stack, &tokens, &[4, 5, 6, 7]);
-    assert!(matches!(first, Err(RuntimeError::ReadFailed { .. })), "{first:?}");
+    let (mut stack, tokens) = a_cached_prefix_whose_read_failed(FaultRule::every_nth_io(1, FaultAction::Status(unreadable)));
     // The next request with the prefix misses it and computes it (nothing is read: it succeeds
     // on the same device), storing it again.
     let second = prefill(&mut stack, &tokens, &[8, 9, 10, 11]);
@@ -306,18 +311,9 @@ fn a_prefix_the_device_cannot_read_is_evicted_not_hit_again() {
 #[test]
 fn a_read_failed_with_a_status_other_than_a_media_error_keeps_the_prefix() {
     let layers = common::geometry().layers;
-    let mut stack = stack(config(PolicyChoice::SlackAware), None);
-    let tokens = prompt(0, 0);
-    prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
-    stack.runtime.drain().unwrap();
-    assert_eq!(stack.runtime.lookup(&tokens), 4);
     // Namespace Not Ready (Generic Command Status 82h).
     let not_ready = NvmeStatus::new(StatusCodeType::Generic, 0x82);
-    stack.device.set_faults(
-        FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Status(not_ready)).with_opcode(NvmOpcode::Read as u8)),
-    );
-    let first = prefill(&mut stack, &tokens, &[4, 5, 6, 7]);
-    assert!(matches!(first, Err(RuntimeError::ReadFailed { .. })), "{first:?}");
+    let (mut stack, tokens) = a_cached_prefix_whose_read_failed(FaultRule::on_nth_io(1, FaultAction::Status(not_ready)));
     stack.device.set_faults(FaultPlan::none());
     stack.runtime.drain().unwrap();
     assert_eq!(stack.runtime.lookup(&tokens), 4, "a read that was not a media error keeps the prefix cached");
