@@ -736,15 +736,9 @@ fn any_model_geometry_reaches_the_tables() {
     assert!(stderr(&output).contains("IOCB = 4 IOCTXs x 16384 bytes"), "{}", stderr(&output));
 }
 
-/// Goal: `io` never writes a table `check` (and the slack-aware runtime) would refuse: write rows
-/// measured on more SMs than the base table's decode steps leave free are refused with status 2
-/// and nothing written. Before, the table was written (status 0) and `check` called it invalid.
-/// `--io-sms 0` is refused naming the flag, as for `analytic` and `import`.
-#[test]
-fn io_refuses_to_write_a_table_check_would_refuse() {
-    let _one = exclusive();
-    let dir = scratch("io-starved");
-    // A base whose decode steps leave 1 SM free (its own write rows run on 1: valid).
+/// A base table in `dir` (base.json) whose decode steps leave 1 SM free (its own write rows run
+/// on 1: valid): its path.
+fn starved_base(dir: &std::path::Path) -> std::path::PathBuf {
     let analytic = dir.join("analytic.json");
     let (code, text) = status(&["analytic", "--input-count", "1", "--io-sms", "1", "--out", analytic.to_str().unwrap()]);
     assert_eq!(code, Some(0), "{text}");
@@ -754,6 +748,18 @@ fn io_refuses_to_write_a_table_check_would_refuse() {
     }
     let base = dir.join("base.json");
     std::fs::write(&base, scheduler::table::Profile::from_table(table).unwrap().to_json().unwrap()).unwrap();
+    base
+}
+
+/// Goal: `io` never writes a table `check` (and the slack-aware runtime) would refuse: write rows
+/// measured on more SMs than the base table's decode steps leave free are refused with status 2
+/// and nothing written. Before, the table was written (status 0) and `check` called it invalid.
+/// `--io-sms 0` is refused naming the flag, as for `analytic` and `import`.
+#[test]
+fn io_refuses_to_write_a_table_check_would_refuse() {
+    let _one = exclusive();
+    let dir = scratch("io-starved");
+    let base = starved_base(&dir);
     assert_eq!(status(&["check", base.to_str().unwrap()]).0, Some(0));
     let out = dir.join("io.json");
     let grid = ["--iocb-counts", "1,2", "--sm-budgets", "2", "--ioctxs-per-iocb", "4", "--ioctx-bytes", "4K", "--repetitions", "1"];
@@ -777,15 +783,7 @@ fn io_refuses_to_write_a_table_check_would_refuse() {
 fn io_refuses_a_starved_base_before_touching_the_device() {
     let _one = exclusive();
     let dir = scratch("io-starved-early");
-    let analytic = dir.join("analytic.json");
-    let (code, text) = status(&["analytic", "--input-count", "1", "--io-sms", "1", "--out", analytic.to_str().unwrap()]);
-    assert_eq!(code, Some(0), "{text}");
-    let mut table = scheduler::table::Profile::from_json(&std::fs::read_to_string(&analytic).unwrap()).unwrap().table().clone();
-    for step in &mut table.decode_steps {
-        step.free_sms = 1;
-    }
-    let base = dir.join("base.json");
-    std::fs::write(&base, scheduler::table::Profile::from_table(table).unwrap().to_json().unwrap()).unwrap();
+    let base = starved_base(&dir);
     let lock_dir = dir.join("locks");
     std::fs::create_dir_all(&lock_dir).unwrap();
     let grid = ["--iocb-counts", "1,2", "--sm-budgets", "2,4", "--ioctxs-per-iocb", "4", "--ioctx-bytes", "4K", "--repetitions", "1"];
