@@ -29,7 +29,7 @@ pub struct DeviceLocks {
 /// included) as [`DaemonError::Io`] (tuttid: exit status 1), what was given (a lock directory
 /// this user may not make, say) as [`DaemonError::Devices`] (2), by the errno
 /// (`tutti_devices::is_unusable_errno`), as `tutti pool` and tutti-bench decide.
-fn daemon_error(error: DeviceError) -> DaemonError {
+pub(crate) fn daemon_error(error: DeviceError) -> DaemonError {
     let open_failed = matches!(error, DeviceError::OpenFailed { .. }) && !error.is_unusable_input();
     match error {
         DeviceError::DeviceInUse { spec, lock, holder } => DaemonError::DeviceInUse { spec, lock, holder },
@@ -48,7 +48,7 @@ impl DeviceLocks {
         Self::acquire_with(specs, lock_dir, create_files, &HostBlockDevices)
     }
 
-    fn acquire_with(
+    pub(crate) fn acquire_with(
         specs: &[DeviceSpec],
         lock_dir: &Path,
         create_files: bool,

@@ -258,10 +258,11 @@ fn reorder<T>(items: Vec<T>, order: &[usize]) -> Vec<T> {
 
 /// With `format` and without `overwrite`, refuses an `emu:` device of `specs` that holds something other
 /// than a tutti pool (tutti-devices' `refuse_foreign_contents`), reading block devices through
-/// the claims in `locks`: before a file is created or grown or a controller writes anything.
+/// the claims in `locks`: before a file is created or grown or a controller writes anything. A
+/// read that fails (EIO) is I/O that failed, not what was given (`lock::daemon_error`).
 fn refuse_foreign_files(options: &PoolOptions, specs: &[DeviceSpec], locks: &DeviceLocks) -> Result<(), DaemonError> {
     if options.format.is_some() && !options.overwrite {
-        tutti_devices::refuse_foreign_contents(specs, locks.claims()).map_err(DaemonError::Devices)?;
+        tutti_devices::refuse_foreign_contents(specs, locks.claims()).map_err(crate::lock::daemon_error)?;
     }
     Ok(())
 }
@@ -411,5 +412,38 @@ mod tests {
         format_targets(&specs, &targets, &params, true, |_| true).expect("overwrite formats it");
         drop(targets);
         assert!(std::fs::read(&path).unwrap().starts_with(&objstore::format::MAGIC), "formatted");
+    }
+
+    /// Calls `path` a block device whose claimed descriptor fails every read with EIO
+    /// (`/proc/self/mem` at offset 0, unmapped), as a failing disk's would.
+    struct UnreadableDisk {
+        path: std::path::PathBuf,
+    }
+
+    impl tutti_devices::BlockDeviceOpener for UnreadableDisk {
+        fn is_block_device(&self, path: &std::path::Path) -> bool {
+            path == self.path
+        }
+
+        fn open_exclusive(&self, _path: &std::path::Path) -> std::io::Result<std::fs::File> {
+            std::fs::File::open("/proc/self/mem")
+        }
+    }
+
+    #[test]
+    fn a_block_device_whose_head_cannot_be_read_is_a_failure_not_unusable_input() {
+        // Goal: --format reads what a block device holds before writing; a read that fails with
+        // EIO is I/O that failed (DaemonError::Io, tuttid's status 1), as the claim's own open
+        // failing with EIO is, not what was given (Devices, 2) as it was.
+        let directory = tempfile::tempdir().unwrap();
+        let disk = directory.path().join("disk");
+        std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let options = formatting(directory.path(), vec![DeviceSpec::EmuFile(disk.clone())], geometry, 64 << 20);
+        let opener = UnreadableDisk { path: disk };
+        let locks = DeviceLocks::acquire_with(&options.specs, &options.lock_dir, false, &opener).expect("locked and claimed");
+        let error = refuse_foreign_files(&options, &options.specs, &locks).unwrap_err();
+        assert!(matches!(&error, DaemonError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EIO)), "{error:?}");
+        assert!(error.to_string().contains("reading its first bytes"), "{error}");
     }
 }

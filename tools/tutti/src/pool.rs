@@ -67,23 +67,24 @@ pub struct DeviceArgs {
 /// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
 /// it is left for opening to report.
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
-    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(lock_refusal)
+    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)
 }
 
 /// [`lock_devices`] with `create_files` for the missing `emu:` files of a format, once `undo`
 /// made them and locked them: their locks are shared with it
 /// ([`DeviceLocks::acquire_created`]), so there is no moment without them.
 fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo) -> Result<DeviceLocks> {
-    DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(lock_refusal)
+    DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(device_refusal)
 }
 
-/// A refused lock as an exit status: a file that could not be opened, and any other I/O error
-/// (creating or opening the lock directory, examining a file, duplicating a descriptor,
-/// `flock`), by its errno ([`tutti_devices::is_unusable_errno`]: a missing path, no permission,
-/// a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC: a failure, 1, as
-/// tuttid and tutti-bench say of a failed open); anything else (another holder, a FIFO, a lock
-/// directory others could use) unusable input.
-fn lock_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
+/// A refused lock, block-device claim or look at what a device holds as an exit status: a file
+/// that could not be opened, and any other I/O error (creating or opening the lock directory,
+/// examining a file, duplicating a descriptor, `flock`, opening a block device exclusively,
+/// reading its first bytes), by its errno ([`tutti_devices::is_unusable_errno`]: a missing path,
+/// no permission, a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC: a
+/// failure, 1, as tuttid and tutti-bench say of a failed open); anything else (another holder,
+/// a disk in use, a FIFO, foreign contents, a lock directory others could use) unusable input.
+fn device_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
     match error {
         tutti_devices::DeviceError::OpenFailed { ref source, .. } | tutti_devices::DeviceError::Io { ref source, .. }
             if !tutti_devices::is_unusable_errno(source) =>
@@ -95,19 +96,21 @@ fn lock_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
 }
 
 /// Claims every `emu:` block device of `args` exclusively ([`BlockDeviceClaims`]), held until
-/// the value is dropped; one in use (mounted, swap, claimed) is unusable input.
+/// the value is dropped; one in use (mounted, swap, claimed) is unusable input, one that fails
+/// to open (EIO) a failure ([`device_refusal`]).
 fn claim_block_devices(args: &DeviceArgs, opener: &dyn BlockDeviceOpener) -> Result<BlockDeviceClaims> {
-    BlockDeviceClaims::acquire(&args.devices, opener).map_err(|error| Unusable(error.to_string()).into())
+    BlockDeviceClaims::acquire(&args.devices, opener).map_err(device_refusal)
 }
 
 /// Refuses (unusable input) every `emu:` device of `args` that holds something other than a
 /// tutti pool, unless `overwrite` (tutti-devices' `contents`: a block device must start with a
-/// tutti superblock, a non-empty file may also be blank in its first MiB).
+/// tutti superblock, a non-empty file may also be blank in its first MiB); a read that fails
+/// (EIO) is a failure ([`device_refusal`]).
 fn refuse_foreign_contents(args: &DeviceArgs, claims: &BlockDeviceClaims, overwrite: bool) -> Result<()> {
     if overwrite {
         return Ok(());
     }
-    tutti_devices::refuse_foreign_contents(&args.devices, claims).map_err(|error| Unusable(error.to_string()).into())
+    tutti_devices::refuse_foreign_contents(&args.devices, claims).map_err(device_refusal)
 }
 
 /// Refuses (unusable input) every target whose namespace holds something other than a tutti
@@ -363,7 +366,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                             // Undone while the files are still locked.
                             drop(made);
                             drop(created);
-                            return Err(Unusable(error.to_string()).into());
+                            return Err(device_refusal(error));
                         }
                     }
                 }
@@ -532,13 +535,13 @@ mod tests {
         let open =
             |errno: i32| tutti_devices::DeviceError::OpenFailed { path: "/x".into(), source: std::io::Error::from_raw_os_error(errno) };
         for errno in [libc::EIO, libc::EMFILE, libc::ENOSPC] {
-            assert!(!lock_refusal(open(errno)).is::<Unusable>(), "errno {errno} made unusable input");
+            assert!(!device_refusal(open(errno)).is::<Unusable>(), "errno {errno} made unusable input");
         }
         for errno in [libc::ENOENT, libc::EACCES, libc::ENXIO] {
-            assert!(lock_refusal(open(errno)).is::<Unusable>(), "errno {errno} made a failure");
+            assert!(device_refusal(open(errno)).is::<Unusable>(), "errno {errno} made a failure");
         }
         let in_use = tutti_devices::DeviceError::DeviceInUse { spec: "emu:/x".into(), lock: "/x".into(), holder: "pid 1".into() };
-        assert!(lock_refusal(in_use).is::<Unusable>());
+        assert!(device_refusal(in_use).is::<Unusable>());
     }
 
     #[test]
@@ -552,10 +555,10 @@ mod tests {
             source: std::io::Error::from_raw_os_error(errno),
         };
         for errno in [libc::EIO, libc::EMFILE, libc::ENOSPC, libc::ENOLCK] {
-            assert!(!lock_refusal(io(errno)).is::<Unusable>(), "errno {errno} made unusable input");
+            assert!(!device_refusal(io(errno)).is::<Unusable>(), "errno {errno} made unusable input");
         }
         for errno in [libc::EACCES, libc::EPERM, libc::EROFS, libc::ENOTDIR] {
-            assert!(lock_refusal(io(errno)).is::<Unusable>(), "errno {errno} made a failure");
+            assert!(device_refusal(io(errno)).is::<Unusable>(), "errno {errno} made a failure");
         }
     }
 
@@ -638,5 +641,55 @@ mod tests {
             assert_eq!(opener.opens.get(), count + 1, "{arguments:?}: claimed once");
         }
         assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the device");
+    }
+
+    /// Calls `path` a block device; its exclusive open fails with `open_errno`, or, with none,
+    /// gives a descriptor whose reads fail with EIO (`/proc/self/mem` at offset 0, unmapped),
+    /// as a failing disk's would.
+    struct FailingDisk {
+        path: PathBuf,
+        open_errno: Option<i32>,
+    }
+
+    impl BlockDeviceOpener for FailingDisk {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.path
+        }
+
+        fn open_exclusive(&self, _path: &Path) -> std::io::Result<File> {
+            match self.open_errno {
+                Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+                None => File::open("/proc/self/mem"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_block_device_that_fails_is_a_failure_not_unusable_input() {
+        // Goal: a block device whose exclusive open fails with EIO, or whose first bytes cannot
+        // be read (EIO) when format looks at what it holds, is a device failure (status 1), as
+        // tuttid says of the same claim; both were unusable input (2) whatever the errno. A
+        // device node with no device behind it (ENXIO) stays unusable input.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("disk");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let device = format!("emu:{}", path.display());
+        let format = ["format", "--device", &device, "--model", "llama3-8b"];
+        for (open_errno, unusable, expected) in [
+            (Some(libc::EIO), false, "opening the block device exclusively"),
+            (None, false, "reading its first bytes"),
+            (Some(libc::ENXIO), true, "opening the block device exclusively"),
+        ] {
+            let opener = FailingDisk { path: path.clone(), open_errno };
+            for arguments in [&format[..], &["check", "--device", &device]] {
+                let error = run_with(&command(arguments), &opener).unwrap_err();
+                if open_errno.is_none() && arguments[0] == "check" {
+                    // check does not read the head through the claim: the pool open fails instead.
+                    continue;
+                }
+                assert_eq!(error.is::<Unusable>(), unusable, "{arguments:?} {open_errno:?}: {error:#}");
+                assert!(format!("{error:#}").contains(expected), "{arguments:?} {open_errno:?}: {error:#}");
+            }
+        }
     }
 }
