@@ -262,21 +262,16 @@ impl Client {
 
     /// A `Hello` whose client name passes [`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)
     /// (64 bytes), which the daemon would refuse as `MalformedBody`: refused before a byte is
-    /// sent, as the caller's argument ([`DaemonError::RequestTooLarge`], the Python package's
-    /// `InvalidArgument`), its sizes the Hello body's and the largest the daemon accepts.
+    /// sent, as the caller's argument ([`DaemonError::ClientNameTooLong`], the Python package's
+    /// `InvalidArgument`).
     fn check_hello(request: &Request) -> Result<(), DaemonError> {
-        use crate::protocol::{CLIENT_NAME_BYTES_MAX, FINGERPRINT_BYTES};
-        let Request::Hello(hello) = request else { return Ok(()) };
-        if hello.client_name.len() <= CLIENT_NAME_BYTES_MAX {
-            return Ok(());
+        use crate::protocol::CLIENT_NAME_BYTES_MAX;
+        match request {
+            Request::Hello(hello) if hello.client_name.len() > CLIENT_NAME_BYTES_MAX => {
+                Err(DaemonError::ClientNameTooLong { name_bytes: hello.client_name.len(), max_bytes: CLIENT_NAME_BYTES_MAX })
+            }
+            _ => Ok(()),
         }
-        // Fingerprint, tp_rank, tp_world, the name's u16 length, the name.
-        let body = |name_bytes: usize| u32::try_from(FINGERPRINT_BYTES + 4 + 4 + 2 + name_bytes).unwrap_or(u32::MAX);
-        Err(DaemonError::RequestTooLarge {
-            kind: Kind::Hello,
-            body_bytes: body(hello.client_name.len()),
-            cap_bytes: body(CLIENT_NAME_BYTES_MAX),
-        })
     }
 
     /// The error every call on a connection left out of step returns: an `Io` error
@@ -705,8 +700,8 @@ pub(crate) mod tests {
         let mut client = Client::connect(&socket, Duration::from_secs(5)).unwrap();
         let hello = |client_name: String| Hello { model_fingerprint: [7; 32], tp_rank: 0, tp_world: 1, client_name };
         match client.hello(&hello("é".repeat(crate::protocol::CLIENT_NAME_BYTES_MAX / 2) + "x")) {
-            Err(DaemonError::RequestTooLarge { kind: Kind::Hello, body_bytes, cap_bytes }) => {
-                assert_eq!(body_bytes - cap_bytes, 1, "the name's one byte over the cap")
+            Err(error @ DaemonError::ClientNameTooLong { name_bytes: 65, max_bytes: 64 }) => {
+                assert!(error.to_string().contains("client name of 65 bytes"), "{error}")
             }
             other => panic!("a 65-byte client name: {other:?}"),
         }

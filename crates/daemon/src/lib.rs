@@ -67,6 +67,11 @@ pub enum DaemonError {
     /// `Protocol(FrameTooLarge)`, and leaves the connection out of step.)
     #[error("a {kind:?} request of {body_bytes} body bytes is over the {cap_bytes}-byte frame cap (not sent)")]
     RequestTooLarge { kind: protocol::Kind, body_bytes: u32, cap_bytes: u32 },
+    /// A `Hello` whose client name is longer than the daemon accepts
+    /// ([`protocol::CLIENT_NAME_BYTES_MAX`]), refused before a byte of it was sent, as
+    /// [`DaemonError::RequestTooLarge`]: the caller's argument; the connection stays usable.
+    #[error("a client name of {name_bytes} bytes is longer than the {max_bytes} bytes tuttid accepts (not sent)")]
+    ClientNameTooLong { name_bytes: usize, max_bytes: usize },
     #[error("{spec} is in use by another daemon: {lock} is held by {holder}")]
     DeviceInUse { spec: String, lock: PathBuf, holder: String },
     #[error("{socket} is served by a live daemon already")]

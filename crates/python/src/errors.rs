@@ -178,7 +178,9 @@ impl From<DaemonError> for Failure {
             // A request over the frame cap (a lookup of more than 262,142 tokens) is refused
             // before a byte is sent, and the connection stays usable: the caller's argument, not
             // a lost connection (which the connectors reconnect after).
-            DaemonError::RequestTooLarge { .. } => Failure::new(ErrorClass::InvalidArgument, message),
+            DaemonError::RequestTooLarge { .. } | DaemonError::ClientNameTooLong { .. } => {
+                Failure::new(ErrorClass::InvalidArgument, message)
+            }
             _ => Failure::new(ErrorClass::Daemon, message),
         }
     }
@@ -323,6 +325,8 @@ mod tests {
             cap_bytes: 1 << 20,
         });
         assert_eq!((too_long.class, too_long.code), (ErrorClass::InvalidArgument, None));
+        let long_name = Failure::from(DaemonError::ClientNameTooLong { name_bytes: 65, max_bytes: 64 });
+        assert_eq!((long_name.class, long_name.code), (ErrorClass::InvalidArgument, None));
         // A reply over the cap is the daemon's, its connection out of step: not the caller's.
         let reply_too_long = Failure::from(DaemonError::Protocol(tutti_daemon::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 }));
         assert_ne!(reply_too_long.class, ErrorClass::InvalidArgument);

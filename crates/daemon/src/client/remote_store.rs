@@ -204,8 +204,9 @@ fn remote(error: DaemonError) -> ObjstoreError {
         DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
         // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
-        // frame cap): the caller's request, and the connection stays usable.
-        DaemonError::RequestTooLarge { .. } => return ObjstoreError::BadRequest { reason: error.to_string() },
+        // frame cap; a client name over 64 bytes): the caller's request, and the connection
+        // stays usable.
+        DaemonError::RequestTooLarge { .. } | DaemonError::ClientNameTooLong { .. } => return ObjstoreError::BadRequest { reason: error.to_string() },
         _ => return ObjstoreError::Remote { reason: error.to_string() },
     };
     ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
@@ -1064,6 +1065,8 @@ mod tests {
         // A request over the frame cap was never sent: the caller's, not a lost connection.
         let too_long = DaemonError::RequestTooLarge { kind: Kind::PrepareStore, body_bytes: 1 << 21, cap_bytes: 1 << 20 };
         assert!(matches!(remote(too_long), ObjstoreError::BadRequest { .. }));
+        let long_name = DaemonError::ClientNameTooLong { name_bytes: 65, max_bytes: 64 };
+        assert!(matches!(remote(long_name), ObjstoreError::BadRequest { .. }));
         // A reply over the cap came from the daemon and left the connection out of step.
         let reply_too_long = DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 });
         assert!(!matches!(remote(reply_too_long), ObjstoreError::BadRequest { .. }));
