@@ -206,7 +206,9 @@ fn remote(error: DaemonError) -> ObjstoreError {
         // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
         // frame cap; a client name over 64 bytes): the caller's request, and the connection
         // stays usable.
-        DaemonError::RequestTooLarge { .. } | DaemonError::ClientNameTooLong { .. } => return ObjstoreError::BadRequest { reason: error.to_string() },
+        DaemonError::RequestTooLarge { .. } | DaemonError::ClientNameTooLong { .. } => {
+            return ObjstoreError::BadRequest { reason: error.to_string() }
+        }
         _ => return ObjstoreError::Remote { reason: error.to_string() },
     };
     ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
