@@ -186,12 +186,23 @@ impl Request {
         *self.phase.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = phase;
     }
 
-    /// Runs `end` (commit or finish) under the store's lock, keeping the layers completed and
-    /// how each issue ended; the second value says whether the request is still live after it
-    /// (a failure that left the store holding it: see `StoreState::commit`).
+    /// Runs `end` (commit or finish) under the store's lock; once the store let go of the
+    /// request, keeps the layers completed and how each issue ended and moves to the phase
+    /// `ended_as` names for the result. The second value says whether the request is still live
+    /// after it (a failure that left the store holding it: see `StoreState::commit`). None: another
+    /// call ended it first (two threads committing at once both saw it prepared): the phase is
+    /// read and set under the store's lock, so the later one changes nothing (it would record the
+    /// store's nothing over what the first kept, and a failed commit's phase over a committed one).
     /// In another process (`process`) it is refused and the request stays live.
-    fn end<T>(&self, end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>) -> (Result<T, Failure>, bool) {
+    fn end<T>(
+        &self,
+        end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>,
+        ended_as: impl FnOnce(&Result<T, Failure>) -> Phase,
+    ) -> Option<(Result<T, Failure>, bool)> {
         let ended = self.shared.locked(|state| {
+            if self.phase() != Phase::Prepared {
+                return None;
+            }
             let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
             let result = end(state, self.handle);
             let live = state.request(self.handle).is_ok();
@@ -199,10 +210,34 @@ impl Request {
                 let (completed, issues) = kept;
                 *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
                 *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
+                self.set_phase(ended_as(&result));
             }
-            (result, live)
+            Some((result, live))
         });
-        ended.unwrap_or_else(|failure| (Err(failure), true))
+        ended.unwrap_or_else(|failure| Some((Err(failure), true)))
+    }
+
+    /// `Request.commit` once its phase was seen prepared. A failure that left the store holding
+    /// the request (a refusal before anything happened, InvalidState; or one part way) leaves it
+    /// live: finish it, or leave the `with`, to release what it holds. Another call that ended it
+    /// meanwhile makes this one stale, as it would have been had it come after.
+    fn commit_live(&self) -> Result<usize, Failure> {
+        let ended_as = |committed: &Result<usize, Failure>| if committed.is_ok() { Phase::Committed } else { Phase::Failed };
+        match self.end(|state, handle| state.commit(handle), ended_as) {
+            Some((committed, _)) => committed,
+            None => Err(self.stale()),
+        }
+    }
+
+    /// `Request.finish` once its phase was seen prepared. A failure that left the store holding
+    /// the request (a layer in flight, InvalidState) leaves it live; one after which the store
+    /// let go of it (a daemon that is gone) leaves nothing of it live here: finished. Another
+    /// call that ended it meanwhile makes this one a no-op (finish is idempotent).
+    fn finish_live(&self) -> Result<(), Failure> {
+        match self.end(|state, handle| state.finish(handle), |_| Phase::Finished) {
+            Some((finished, _)) => finished,
+            None => Ok(()),
+        }
     }
 
     /// How `issue` ended, for its LayerIo once the request ended: Ok only if it completed, its
@@ -548,41 +583,14 @@ impl Request {
 
     fn commit(&self, py: Python<'_>) -> PyResult<usize> {
         self.check_live().map_err(|failure| failure.to_pyerr(py))?;
-        let (committed, live) = py.detach(|| self.end(|state, handle| state.commit(handle)));
-        match committed {
-            Ok(stored) => {
-                self.set_phase(Phase::Committed);
-                Ok(stored)
-            }
-            Err(failure) => {
-                // A failure that left the store holding the request (a refusal before anything
-                // happened, InvalidState; or one part way) leaves it live: finish it, or leave
-                // the `with`, to release what it holds.
-                if !live {
-                    self.set_phase(Phase::Failed);
-                }
-                Err(failure.to_pyerr(py))
-            }
-        }
+        py.detach(|| self.commit_live()).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn finish(&self, py: Python<'_>) -> PyResult<()> {
         if self.owned_phase().map_err(|failure| failure.to_pyerr(py))? != Phase::Prepared {
             return Ok(()); // idempotent after commit or finish
         }
-        match py.detach(|| self.end(|state, handle| state.finish(handle))) {
-            (Ok(()), _) => {
-                self.set_phase(Phase::Finished);
-                Ok(())
-            }
-            // The store still holds it (a layer in flight, InvalidState): still live.
-            (Err(failure), true) => Err(failure.to_pyerr(py)),
-            (Err(failure), false) => {
-                // The store let go of it (a daemon that is gone): nothing of it is live here.
-                self.set_phase(Phase::Finished);
-                Err(failure.to_pyerr(py))
-            }
-        }
+        py.detach(|| self.finish_live()).map_err(|failure| failure.to_pyerr(py))
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -758,5 +766,38 @@ mod tests {
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
         assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), Some(0), "layer 0's completion, in order");
         assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), None, "layer 1's was taken by its LayerIo");
+    }
+
+    #[test]
+    fn a_request_ended_twice_at_once_keeps_what_the_first_end_recorded() {
+        // Goal: two threads commit (or finish) one Request at once: both saw it prepared, the
+        // first ends it, the second reaches the store after. The second changes nothing: the
+        // request stays committed (finished) with the layers it completed, and the second
+        // commit raises StaleRequest ("committed"), a second finish returns (idempotent).
+        // Before, the second overwrote the records with the store's nothing and moved the
+        // phase to failed (finished): a committed request read "failed", layers_completed [].
+        let mut state = test_store::local_state(1);
+        let committed = test_store::prepare_store(&mut state, 7);
+        let finished = test_store::prepare_store(&mut state, 8);
+        for handle in [committed, finished] {
+            for layer in 0..geometry().layers {
+                state.issue(handle, layer, 1, Direction::Store).expect("issue");
+                assert!(test_store::drive_until_ended(&mut state, handle, layer), "layer {layer} completed");
+            }
+        }
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_secs(5));
+        let layers: Vec<u32> = (0..geometry().layers).collect();
+        let request = Request::new(Arc::clone(&shared), committed, Direction::Store, vec![0, 1], vec![0, 1], None);
+        assert_eq!(request.commit_live().expect("the first commit"), 2);
+        let second = request.commit_live().expect_err("the second commit, past its phase check");
+        assert_eq!(second.class, ErrorClass::StaleRequest, "{second:?}");
+        assert!(second.message.contains("committed"), "{}", second.message);
+        assert_eq!(request.phase(), Phase::Committed);
+        assert_eq!(*request.completed_at_end.lock().unwrap(), layers);
+        let request = Request::new(Arc::clone(&shared), finished, Direction::Store, vec![0, 1], vec![0, 1], None);
+        request.finish_live().expect("the first finish");
+        request.finish_live().expect("the second finish, past its phase check: idempotent");
+        assert_eq!(request.phase(), Phase::Finished);
+        assert_eq!(*request.completed_at_end.lock().unwrap(), layers);
     }
 }

@@ -79,7 +79,7 @@ pub fn prepare_store(state: &mut StoreState, seed: u32) -> u64 {
 }
 
 /// Drives `handle` until `layer` ended (completed or failed); returns whether it completed.
-fn drive_until_ended(state: &mut StoreState, handle: u64, layer: u32) -> bool {
+pub fn drive_until_ended(state: &mut StoreState, handle: u64, layer: u32) -> bool {
     let until = deadline();
     loop {
         match state.drive(handle, until) {
