@@ -875,3 +875,17 @@ fn detached_rings_outside_the_controllers_dma_space_or_shared_by_both_queues_are
     pair.delete().map_err(|undeleted| undeleted.source).expect("delete");
     assert_eq!(controller.leaked_queue_pairs(), 0);
 }
+
+#[test]
+fn reserved_sgl_support_bits_read_as_no_sgl_support() {
+    // Goal: Identify Controller SGLS bits 1:0 = 11b is reserved, not a kind of SGL support: under
+    // Auto the controller gets PRPs, and Sgl is refused. It used to count as supported (any
+    // non-zero value), so SGL commands went to a controller that never said it takes them.
+    let mut script = FakeScript::default();
+    script.identify_controller[536..540].copy_from_slice(&3u32.to_le_bytes());
+    let (_device, controller) = bring_up(script.clone());
+    assert_eq!(controller.data_pointer_mode(), crate::DataPointerMode::Prp);
+    let sgl = ControllerConfig { data_pointer: crate::DataPointerPreference::Sgl, ..config() };
+    let result = Controller::init(FakeDevice::new(script), sgl);
+    assert!(matches!(result, Err(NvmeError::Unsupported { .. })), "{result:?}");
+}

@@ -41,9 +41,11 @@ fn ascii(bytes: &[u8]) -> String {
 pub struct SglSupport(pub u32);
 
 impl SglSupport {
-    /// SGLS bits 1:0 != 0: SGLs supported for the NVM command set.
+    /// SGLS bits 1:0 = 01b (any alignment) or 10b (dword aligned): SGLs supported for the NVM
+    /// command set. 11b is reserved: it says nothing the driver can rely on, so it reads as
+    /// unsupported (PRPs under Auto), as 00b does.
     pub fn supported(self) -> bool {
-        self.0 & 0x3 != 0
+        matches!(self.0 & 0x3, 0x1 | 0x2)
     }
     /// SGLS bits 1:0 == 10b: SGL data blocks must be dword aligned.
     pub fn dword_alignment_required(self) -> bool {
@@ -352,6 +354,17 @@ mod tests {
         assert_eq!(namespace.protection_type(), 1);
         assert_eq!(namespace.format().map(|format| format.metadata_bytes), Some(8));
         assert_eq!(IdentifyNamespace::parse(&namespace.to_bytes()).unwrap(), namespace);
+    }
+
+    #[test]
+    fn sgl_support_is_01b_or_10b_only() {
+        // Goal: the reserved value 11b is not SGL support; 10b is, with dword alignment.
+        let support = |bits| (SglSupport(bits).supported(), SglSupport(bits).dword_alignment_required());
+        assert_eq!(support(0), (false, false));
+        assert_eq!(support(1), (true, false));
+        assert_eq!(support(2), (true, true));
+        assert_eq!(support(3), (false, false));
+        assert_eq!(support(0xFFFF_FFFD), (true, false));
     }
 
     #[test]
