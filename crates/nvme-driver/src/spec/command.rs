@@ -242,7 +242,9 @@ impl SubmissionEntry {
         entry
     }
 
-    /// Create I/O Submission Queue (§5.5): contiguous, medium priority, bound to `completion_queue_id`.
+    /// Create I/O Submission Queue (§5.5): contiguous, bound to `completion_queue_id`. QPRIO
+    /// (CDW11 bits 2:1) is 00b, Urgent: it matters only under weighted round robin, and the
+    /// driver enables with round robin (CC.AMS = 000b), where every queue is served alike.
     pub fn create_io_submission_queue(queue_id: u16, entries: u32, prp1: u64, completion_queue_id: u16) -> Self {
         let mut entry = Self::with_opcode(AdminOpcode::CreateIoSubmissionQueue as u8, 0);
         entry.dptr[0] = prp1;
