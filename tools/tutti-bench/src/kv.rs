@@ -269,7 +269,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         DeviceError::Spec(error) => Unusable(error.to_string()).into(),
         error => anyhow::Error::new(error).context(format!("opening {listed}")),
     })?;
-    let mut rig = Rig::build(&devices, &geometry, plan)?;
+    let mut rig = Rig::build(specs, &devices, &geometry, plan)?;
     let result = run_on_rig(&mut rig, specs, &devices, &listed, plan, output);
     // The store's queue pairs are deleted before the engine memory they name is freed, and
     // if one could not be, that memory is kept: asked here, not left to the drops.
@@ -386,9 +386,28 @@ fn mapping_form_name(form: MappingForm) -> &'static str {
     }
 }
 
-/// Words (and an exit status) for a pool the devices hold that this run cannot use.
-fn pool_open_error(error: ObjstoreError, plan: &KvPlan) -> anyhow::Error {
+/// Words (and an exit status) for a pool the devices (`specs`, in the order given to the pool)
+/// hold that this run cannot use.
+fn pool_open_error(error: ObjstoreError, specs: &[DeviceSpec], plan: &KvPlan) -> anyhow::Error {
     match error {
+        // A sound superblock of another LBA size: what the device holds is wrong for this run,
+        // not damaged (exit 2, as `tutti pool` and tuttid say).
+        error @ ObjstoreError::LbaSizeMismatch { device, recorded, namespace } => match specs.get(device) {
+            // The software controller runs every namespace with 4096-byte LBAs here.
+            Some(spec) if spec.is_emulated() => Unusable(format!(
+                "{spec}: {error}: tutti-bench runs emu: devices with {namespace}-byte LBAs (it has no --emu-lba-bytes), so it \
+                 cannot read a pool formatted with {recorded}-byte LBAs (tutti pool and tuttid read it with --emu-lba-bytes \
+                 {recorded}); accepted: a pool formatted with {namespace}-byte LBAs"
+            ))
+            .into(),
+            // An SSD's LBA size is its namespace's format, which no flag of tutti-bench changes.
+            Some(spec) => Unusable(format!(
+                "{spec}: {error}: the namespace now has another LBA size than the pool was formatted with (it was \
+                 reformatted): format the pool again, or the namespace back to {recorded}-byte LBAs"
+            ))
+            .into(),
+            None => Unusable(format!("the devices do not hold one usable pool: {error}")).into(),
+        },
         ObjstoreError::GeometryMismatch { on_disk, registered } => Unusable(format!(
             "the pool on the devices was formatted for {on_disk}; this run asks for {registered} ({}): give the model options of the run that stored it",
             plan.model.name
@@ -429,7 +448,8 @@ struct Rig {
 }
 
 impl Rig {
-    fn build(devices: &[KvController], geometry: &ModelGeometry, plan: &KvPlan) -> anyhow::Result<Self> {
+    /// `specs` are `devices`' specs, in the same order (for the words of a refused open).
+    fn build(specs: &[DeviceSpec], devices: &[KvController], geometry: &ModelGeometry, plan: &KvPlan) -> anyhow::Result<Self> {
         let blocks = u32::try_from(plan.blocks()).map_err(|_| anyhow!("too many blocks"))?;
         let targets: Vec<PoolTarget> =
             devices.iter().map(|device| PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }).collect();
@@ -449,7 +469,7 @@ impl Rig {
                 error => anyhow::Error::new(error).context("formatting the pool"),
             })?;
         }
-        let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, plan))?;
+        let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, specs, plan))?;
         let payload_crc = pool.superblock(0).flags & objstore::format::FLAG_PAYLOAD_CRC != 0;
         let blocks_per_slot = u64::from(pool.blocks_per_slot());
         let slots_needed = plan.slots_needed(blocks_per_slot);
@@ -547,8 +567,9 @@ mod tests {
             shadow_doorbells: false,
         };
         let mut created = CreatedFiles::default();
-        let devices = devices::open_controllers(&[DeviceSpec::EmuMemory(128 << 20)], options, &mut created).expect("emu:mem");
-        let rig = Rig::build(&devices, &plan.geometry(), &plan).expect("rig");
+        let specs = [DeviceSpec::EmuMemory(128 << 20)];
+        let devices = devices::open_controllers(&specs, options, &mut created).expect("emu:mem");
+        let rig = Rig::build(&specs, &devices, &plan.geometry(), &plan).expect("rig");
         let refuse =
             nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
         let rule = nvme_emu::FaultRule {

@@ -605,6 +605,44 @@ fn keep_pool_refuses_what_holds_no_pool() {
 }
 
 #[test]
+fn a_pool_formatted_with_other_lbas_is_unusable_input_naming_the_lba_size() {
+    // Goal: tutti-bench runs an emu: device with 4096-byte LBAs and has no --emu-lba-bytes; a
+    // sound pool formatted with 512-byte LBAs (`tutti pool format --emu-lba-bytes 512`) is not
+    // damage but a pool this tool cannot read: status 2 naming both LBA sizes, as `tutti pool`
+    // and tuttid say, not "damaged or never formatted" with status 1.
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("pool.img");
+    let device = format!("emu:{}", pool.display());
+    {
+        let spec = tutti_devices::DeviceSpec::parse(&device, &tutti_devices::DeviceKind::ALL).unwrap();
+        let opened = tutti_devices::open_pool_devices(&[spec], 512, Some(64 << 20)).expect("a 512-byte-LBA emu: file");
+        let targets: Vec<objstore::PoolTarget> = opened
+            .iter()
+            .map(|device| objstore::PoolTarget {
+                controller: std::sync::Arc::clone(&device.controller),
+                namespace: nvme_driver::NamespaceId(1),
+            })
+            .collect();
+        let params = objstore::FormatParams {
+            geometry: objstore::ModelGeometry::llama3_8b(16),
+            blocks_per_slot: 1,
+            slot_count_max: None,
+            pool_uuid: None,
+            payload_crc: true,
+        };
+        objstore::format_pool(&targets, &params).expect("format a pool of 512-byte LBAs");
+    }
+    let output = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only"]);
+    let text = stderr(&output);
+    assert!(!text.contains("damaged") && !text.contains("never formatted"), "{text}");
+    assert_refused(
+        &["--device", &device, "--prompt-tokens=160", "--retrieve-only"],
+        &[&device, "512-byte LBAs", "4096-byte LBAs", "--emu-lba-bytes"],
+    );
+    assert_refused(&["--device", &device, "--prompt-tokens=160", "--keep-pool"], &["512-byte LBAs"]);
+}
+
+#[test]
 fn any_model_geometry_is_accepted_by_flags_or_config_file_and_reports_its_mapping_table() {
     // Goal (issue 17 item 9): a geometry that is no preset runs end to end; bad values are
     // refused in words; the mapping table's memory is reported in JSON and text.
