@@ -96,10 +96,22 @@ impl ServerConfig {
     /// the daemon is at its busiest (the query itself is let in then on the one status-only
     /// connection kept beyond `clients_max`).
     pub const CLIENTS_MAX: usize = crate::protocol::STATUS_CLIENTS_MAX;
+    /// The most requests one session may hold prepared (`SessionLimits::requests_max`): far
+    /// past what any connector asks for (32 by default; vLLM's refuses more than 1024 requests
+    /// of one layer in flight) and small enough that [`ServerConfig::REQUESTS_MAX`] is what
+    /// bounds the daemon's memory.
+    pub const REQUESTS_PER_SESSION_MAX: usize = 4096;
+    /// The most requests all sessions may hold at once (`clients_max` × `requests_max`): the
+    /// store's control half allocates a reservation for each at start (about 120 bytes, more
+    /// once used), so 2^20 is about 128 MiB; a count past it (a typo's 20,000,000 per session
+    /// at 64 clients is 1.3 billion, 150 GB) is refused here, before the pool is opened or
+    /// formatted, not an allocation that aborts the daemon once it was.
+    pub const REQUESTS_MAX: usize = 1 << 20;
 
     /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
     /// used to panic every connection thread computing its deadline; a zero frame timeout
-    /// failed every connection's `set_write_timeout`).
+    /// failed every connection's `set_write_timeout`; 20,000,000 requests per session aborted
+    /// the daemon allocating their reservations, after `--format` had formatted the pool).
     pub fn validate(&self) -> Result<(), DaemonError> {
         let check = |name: &str, value: Duration, range: &std::ops::RangeInclusive<Duration>| {
             if range.contains(&value) {
@@ -119,6 +131,19 @@ impl ServerConfig {
                 "clients_max {} is over {}, the sessions one status reply can list",
                 self.clients_max,
                 Self::CLIENTS_MAX
+            )));
+        }
+        let requests = self.session_limits.requests_max;
+        if !(1..=Self::REQUESTS_PER_SESSION_MAX).contains(&requests) {
+            return Err(DaemonError::Config(format!("requests per session {requests} is outside 1..={}", Self::REQUESTS_PER_SESSION_MAX)));
+        }
+        // At most 7173 × 4096: no overflow.
+        if self.clients_max * requests > Self::REQUESTS_MAX {
+            return Err(DaemonError::Config(format!(
+                "{} clients × {requests} requests per session is {} requests held at once, over {}: lower either",
+                self.clients_max,
+                self.clients_max * requests,
+                Self::REQUESTS_MAX
             )));
         }
         if let Some(cluster) = &self.cluster {

@@ -101,7 +101,9 @@ struct Cli {
     /// Bytes one session's windows may hold together (e.g. 64g).
     #[arg(long, default_value = "64g", value_parser = parse_size)]
     window_bytes_per_session: u64,
-    /// Requests one session may hold prepared at once.
+    /// Requests one session may hold prepared at once, at most 4096; --clients-max × this at
+    /// most 1048576 (2^20): every session's requests are reserved at start (about 120 bytes
+    /// each). A count past either is refused before the pool is opened.
     #[arg(long, default_value_t = 32)]
     requests_per_session: usize,
     /// Where vfio: devices' lock files live.

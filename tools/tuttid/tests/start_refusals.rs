@@ -165,3 +165,29 @@ fn a_cluster_state_naming_a_pool_image_not_made_yet_is_refused() {
         assert!(!socket.exists(), "empty file {empty_file}: the refused daemon left its socket file: {stderr}");
     }
 }
+
+#[test]
+fn too_many_requests_per_session_are_refused_before_the_pool_is_formatted() {
+    // Goal: `tuttid --format --requests-per-session 20000000` exits 2 before it formats (or
+    // creates) the pool: the pool's committed prompt is still there byte for byte, a fresh
+    // image is not made, no socket file is left. Before, the option went unchecked: the pool
+    // was formatted, then allocating every session's reservations aborted the daemon (SIGABRT).
+    let directory = tempfile::tempdir().unwrap();
+    let image = pool_with_a_prompt(directory.path());
+    let before = std::fs::read(&image).unwrap();
+    let socket = directory.path().join("second.sock");
+    let mut command = formatting(directory.path(), &image, &socket);
+    command.args(["--metrics", "off", "--requests-per-session", "20000000"]);
+    let (code, stderr) = run_bounded(&mut command);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("requests per session 20000000 is outside 1..=4096"), "{stderr}");
+    assert!(std::fs::read(&image).unwrap() == before, "the refused daemon formatted the pool: {stderr}");
+    assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+    let fresh = directory.path().join("fresh.img");
+    let mut command = formatting(directory.path(), &fresh, &socket);
+    command.args(["--metrics", "off", "--emu-create-bytes", "64m", "--requests-per-session", "20000000"]);
+    let (code, stderr) = run_bounded(&mut command);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(!fresh.exists(), "the refused daemon created its pool image: {stderr}");
+    assert!(!socket.exists(), "the refused daemon left its socket file: {stderr}");
+}

@@ -301,6 +301,39 @@ fn clients_max_is_capped_at_what_a_status_reply_can_list() {
     assert_eq!(ServerConfig::CLIENTS_MAX, 7173, "tuttid --help and docs/tuttid.md give the number");
 }
 
+#[test]
+fn requests_per_session_is_capped_before_the_pool_is_opened() {
+    // Goal: `bind_prepared` allocates every session's requests at once (clients_max ×
+    // requests_max reservations); a count past what the daemon can hold is refused by
+    // `validate` (before the pool is opened or formatted), not an allocation that aborts the
+    // process after a format. 20,000,000 per session used to be accepted.
+    let mut config = ServerConfig::new("/nonexistent/tuttid.sock".into());
+    config.session_limits.requests_max = 20_000_000;
+    match config.validate() {
+        Err(DaemonError::Config(message)) => {
+            assert!(message.contains(&ServerConfig::REQUESTS_PER_SESSION_MAX.to_string()), "{message}")
+        }
+        other => panic!("20,000,000 requests per session: {other:?}"),
+    }
+    config.session_limits.requests_max = ServerConfig::REQUESTS_PER_SESSION_MAX + 1;
+    assert!(matches!(config.validate(), Err(DaemonError::Config(_))), "one past the cap accepted");
+    config.session_limits.requests_max = 0;
+    assert!(matches!(config.validate(), Err(DaemonError::Config(_))), "0 requests per session accepted");
+    config.session_limits.requests_max = ServerConfig::REQUESTS_PER_SESSION_MAX;
+    config.validate().expect("the cap itself, at 64 clients");
+    // The product is capped too: the cap per session at the most clients is refused, the
+    // default per session at the most clients is not.
+    config.clients_max = ServerConfig::CLIENTS_MAX;
+    match config.validate() {
+        Err(DaemonError::Config(message)) => assert!(message.contains(&ServerConfig::REQUESTS_MAX.to_string()), "{message}"),
+        other => panic!("{} clients × {} requests: {other:?}", ServerConfig::CLIENTS_MAX, ServerConfig::REQUESTS_PER_SESSION_MAX),
+    }
+    config.session_limits.requests_max = SessionLimits::default().requests_max;
+    config.validate().expect("the default per session at the most clients");
+    assert_eq!(ServerConfig::REQUESTS_PER_SESSION_MAX, 4096, "tuttid --help and docs/tuttid.md give the number");
+    assert_eq!(ServerConfig::REQUESTS_MAX, 1 << 20, "tuttid --help and docs/tuttid.md give the number");
+}
+
 /// Cluster settings whose manifest is at `manifest` (etcd on port 9, never reached).
 fn cluster_at(manifest: PathBuf) -> ClusterSettings {
     let cluster = tutti_cluster::ClusterId::new("refused").unwrap();
