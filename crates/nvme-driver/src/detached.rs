@@ -219,10 +219,11 @@ impl IoQueuePair {
     /// a pair this process's own controller made. Attach once per created queue: the pair starts
     /// from an empty SQ and CQ (head = tail = 0, phase 1), as the controller does.
     ///
-    /// Checked here: the depth, the ring sizes and alignment, that the rings are at the IOVAs
-    /// the controller was given, that the doorbell offsets are the ones the register page's
-    /// own CAP.DSTRD gives for the queue id (so a corrupt layout cannot make this pair ring
-    /// another queue's doorbell or write outside the page), and that the namespaces and the
+    /// Checked here: the queue id (an I/O queue's, not the admin queue's 0), the depth, the ring
+    /// sizes and alignment, that the rings are at the IOVAs the controller was given, that the
+    /// doorbell offsets are the ones the register page's own CAP.DSTRD gives for the queue id
+    /// (so a corrupt layout cannot make this pair ring the admin queue's or another queue's
+    /// doorbell or write outside the page), and that the namespaces and the
     /// transfer limit are ones a controller's bring-up could have produced (see
     /// [`check_grant`]): the config comes off the daemon's wire.
     ///
@@ -247,6 +248,11 @@ impl IoQueuePair {
     ) -> Result<IoQueuePair, NvmeError> {
         let AttachedQueueConfig { layout, namespaces, data_pointer_mode, max_transfer_bytes, sgl_dword_lengths } = config;
         check_grant(&namespaces, max_transfer_bytes)?;
+        // Queue id 0 is the admin queue, never a detached pair's: its doorbells would agree with
+        // the id below, and this pair would then ring the admin SQ tail and CQ head.
+        if layout.id.0 == 0 {
+            return Err(NvmeError::Unsupported { reason: format!("{} is the admin queue, not an I/O queue to attach", layout.id) });
+        }
         let depth = layout.depth;
         if !(2..=QUEUE_DEPTH_MAX).contains(&depth) {
             return Err(NvmeError::InvalidQueueDepth { requested: depth, max: QUEUE_DEPTH_MAX });

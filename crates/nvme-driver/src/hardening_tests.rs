@@ -889,3 +889,32 @@ fn reserved_sgl_support_bits_read_as_no_sgl_support() {
     let result = Controller::init(FakeDevice::new(script), sgl);
     assert!(matches!(result, Err(NvmeError::Unsupported { .. })), "{result:?}");
 }
+
+#[test]
+fn an_attach_layout_naming_the_admin_queue_is_refused() {
+    // Goal: queue id 0 is the admin queue, which create_detached_queue_pair never hands out: a
+    // layout off the wire naming it, with the admin doorbells CAP.DSTRD gives for id 0, is
+    // refused, so an attached pair can never ring the admin SQ tail or CQ head. It used to be
+    // accepted, since only the offsets' agreement with the id was checked.
+    use crate::{DataPointerMode, Namespace, NamespaceId};
+    let (device, controller) = bring_up(FakeScript::default());
+    let detached = controller.create_detached_queue_pair(8, None).expect("detached pair");
+    let mut layout = detached.layout();
+    layout.id = QueueId(0);
+    (layout.submission_doorbell_offset, layout.completion_doorbell_offset) = (registers::DOORBELL_BASE, registers::DOORBELL_BASE + 4);
+    let pool = device.pool();
+    let rings = (
+        pool.translate(layout.submission_iova, 8 * crate::spec::SUBMISSION_ENTRY_BYTES).expect("SQ"),
+        pool.translate(layout.completion_iova, 8 * crate::spec::COMPLETION_ENTRY_BYTES).expect("CQ"),
+    );
+    let namespaces = vec![Namespace { id: NamespaceId(1), block_size_bytes: 4096, size_blocks: 1024 }];
+    let config = crate::AttachedQueueConfig {
+        layout,
+        namespaces,
+        data_pointer_mode: DataPointerMode::Prp,
+        max_transfer_bytes: 1 << 17,
+        sgl_dword_lengths: false,
+    };
+    let attached = IoQueuePair::attach(config, rings, controller.dma().as_ref(), device.registers());
+    assert!(matches!(attached, Err(NvmeError::Unsupported { .. })), "{attached:?}");
+}
