@@ -151,8 +151,11 @@ TensorLike = Any
 """What a KV layout accepts as one tensor, tried in this order:
 - a `KvBuffer` (memory tutti allocated) or a `RawMemory` (address + size + device + owner);
 - an object with `__dlpack__` / `__dlpack_device__` (a torch tensor, a numpy array, ...): the
-  DLPack capsule is consumed and kept (so the producer's memory stays alive) until the store is
-  closed;
+  DLPack capsule is consumed and kept, with the object, until the store is closed. That keeps
+  the tensor object alive, not its memory: a producer may still free or move the memory under a
+  live tensor (torch: `resize_`, `set_`, `untyped_storage().resize_(0)`), and the store would
+  go on naming it (the device writes there). Never resize or `set_` a registered tensor or its
+  storage before the store's close();
 - an object with the buffer protocol (bytearray, mmap, array.array, numpy): it must be writable
   and C-contiguous; the export is held (so it cannot be resized or freed) until the store is
   closed.
@@ -268,7 +271,8 @@ class KvLayout:
     """How the engine's KV cache lies in memory, and the tensors that hold it: what
     `Store.register_kv` takes and `Store.allocate_kv` returns. Built with one of the static
     methods; the store checks it against its geometry when it is registered (not here), and
-    the tensors' memory is held while the store lives.
+    the tensors are held while the store lives (see TensorLike: a DLPack tensor's object, not
+    its storage).
 
     num_blocks N is taken from the tensors (their leading block dimension, or for a 1-D tensor
     its bytes over the bytes per block); every tensor of a layout must give the same N and the
