@@ -224,7 +224,9 @@ class DeviceMemoryStandIn:
         copy: Optional[bool] = None,
     ) -> object: ...
     def __dlpack_device__(self) -> tuple: ...
-    def numpy(self) -> Any: ...
+    def numpy(self) -> Any:
+        """`numpy.from_dlpack(self)`: a 1-D uint8 view (imports numpy); writable with numpy >=
+        2.2.5 only, as KvBuffer.numpy()."""
 
 class KvBuffer:
     """A piece of KV memory that tutti allocated (`Store.allocate_kv`): page aligned, zeroed at
@@ -263,7 +265,9 @@ class KvBuffer:
     def __dlpack_device__(self) -> tuple[int, int]:
         """(1, 0): the CPU."""
     def numpy(self) -> Any:
-        """`numpy.from_dlpack(self)`: a writable 1-D uint8 view (imports numpy)."""
+        """`numpy.from_dlpack(self)`: a 1-D uint8 view (imports numpy). Writable with numpy >=
+        2.2.5; earlier numpy imports every DLPack capsule read-only (numpy/numpy#28599): write
+        through `torch.from_dlpack(self)` there."""
 
 KvLayoutKind = Literal["separate", "fused", "paged", "block_major"]
 
