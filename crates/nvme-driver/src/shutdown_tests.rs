@@ -66,3 +66,26 @@ fn the_shutdown_wait_is_bounded() {
     let status = registers::ControllerStatus(controller.registers().read32(registers::CSTS));
     assert_eq!(status.shutdown(), ShutdownStatus::Occurring);
 }
+
+#[test]
+fn a_reserved_shutdown_status_is_not_taken_for_complete() {
+    // Goal: CSTS.SHST = 11b is reserved, not "complete": a controller reporting it while its
+    // shutdown runs (600 ms here, within RTD3E 3 s) is waited for until SHST reads 10b, and
+    // teardown does not clear CC.EN before. It used to read as complete, so shutdown() returned
+    // at once and Drop disabled the controller mid write-back.
+    let script = FakeScript { shutdown_status_in_progress: 0b11, ..slow_shutdown(3_000_000, Duration::from_millis(600)) };
+    let (device, controller) = bring_up(script.clone());
+    let started = Instant::now();
+    let result = controller.shutdown();
+    assert!(result.is_ok(), "{result:?}");
+    assert!(started.elapsed() >= Duration::from_millis(600), "returned after {:?}", started.elapsed());
+    assert_eq!(controller.status().expect("status").shutdown(), ShutdownStatus::Complete);
+    drop(controller);
+    assert_eq!(device.counters().disables_during_shutdown, 0);
+
+    let (device, controller) = bring_up(script);
+    drop(controller);
+    let counters = device.counters();
+    assert_eq!(counters.disables_during_shutdown, 0, "{counters:?}");
+    assert_eq!(counters.disables, 1, "{counters:?}");
+}

@@ -20,7 +20,6 @@ pub(super) const BAR_BYTES: usize = 0x2000;
 const QUEUE_ID_MAX: u16 = 63;
 /// CSTS bits (§3.1.3.6).
 const CSTS_READY: u32 = 1;
-const CSTS_SHUTDOWN_OCCURRING: u32 = 0x1 << 2;
 const CSTS_SHUTDOWN_COMPLETE: u32 = 0x2 << 2;
 const CSTS_SHUTDOWN_MASK: u32 = 0x3 << 2;
 
@@ -164,7 +163,7 @@ impl FakeState {
                 reads => self.enabling_reads_left = Some(reads),
             }
         } else if !configuration.enabled() && was_enabled {
-            if self.csts & CSTS_SHUTDOWN_MASK == CSTS_SHUTDOWN_OCCURRING {
+            if self.shutdown_started.is_some() {
                 self.counters.disables_during_shutdown += 1;
             }
             self.disable();
@@ -172,9 +171,9 @@ impl FakeState {
         if value >> 14 & 0x3 == 0 {
             self.shutdown_started = None;
             self.csts &= !CSTS_SHUTDOWN_MASK;
-        } else if self.csts & CSTS_SHUTDOWN_MASK == 0 {
+        } else if self.csts & CSTS_SHUTDOWN_MASK == 0 && self.shutdown_started.is_none() {
             // A new shutdown request (one in progress or complete is left as it is).
-            self.csts |= CSTS_SHUTDOWN_OCCURRING;
+            self.csts |= u32::from(self.script.shutdown_status_in_progress & 0x3) << 2;
             self.shutdown_started = Some(Instant::now());
             self.advance_shutdown();
         }

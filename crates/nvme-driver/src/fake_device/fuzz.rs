@@ -69,6 +69,7 @@ impl FakeScript {
             starts_mastering: false,
             // Shutdowns complete at once: a fuzz run must not wait out RTD3E (up to 60 s).
             shutdown_takes: Duration::ZERO,
+            shutdown_status_in_progress: 0b01,
         };
         let raw = sections.next().unwrap_or_default();
         script.io_completions = raw.chunks_exact(COMPLETION_ENTRY_BYTES).map(|chunk| chunk.try_into().unwrap_or([0; 16])).collect();

@@ -92,6 +92,9 @@ pub struct FakeScript {
     /// How long a normal shutdown (CC.SHN = 01b) reads as in progress (CSTS.SHST = 01b) before
     /// it reads complete, as an SSD writing back its cache would; zero: complete at once.
     pub shutdown_takes: Duration,
+    /// CSTS.SHST while that shutdown is in progress: 01b (occurring, the default), or any other
+    /// value a broken controller might report meanwhile, such as the reserved 11b.
+    pub shutdown_status_in_progress: u8,
 }
 
 /// Identify Namespace data with one LBA format (format 0) in use: `block_size_bytes` (a power
@@ -138,6 +141,7 @@ impl Default for FakeScript {
             starts_enabled: false,
             starts_mastering: false,
             shutdown_takes: Duration::ZERO,
+            shutdown_status_in_progress: 0b01,
         }
     }
 }
@@ -173,8 +177,8 @@ pub struct FakeCounters {
     pub doorbells_without_bus_master: u64,
     /// I/O commands fetched and left unanswered (`FakeScript::io_unanswered`).
     pub io_unanswered: u64,
-    /// CC writes that cleared EN while a shutdown was in progress (CSTS.SHST = 01b): a real SSD
-    /// may then lose what it was writing back.
+    /// CC writes that cleared EN while a shutdown was in progress (within `shutdown_takes`,
+    /// whatever CSTS.SHST read meanwhile): a real SSD may then lose what it was writing back.
     pub disables_during_shutdown: u64,
 }
 

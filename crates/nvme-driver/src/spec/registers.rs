@@ -183,9 +183,15 @@ pub struct ControllerStatus(pub u32);
 /// csts.shst values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ShutdownStatus {
+    /// 00b: no shutdown requested.
     Normal,
+    /// 01b: shutdown processing occurring.
     Occurring,
+    /// 10b: shutdown processing complete.
     Complete,
+    /// 11b: reserved. Not complete: a host waiting for a shutdown keeps waiting (to its bound)
+    /// rather than disabling a controller that may still be writing back its cache.
+    Reserved,
 }
 
 impl ControllerStatus {
@@ -202,7 +208,8 @@ impl ControllerStatus {
         match self.0 >> 2 & 0x3 {
             0 => ShutdownStatus::Normal,
             1 => ShutdownStatus::Occurring,
-            _ => ShutdownStatus::Complete,
+            2 => ShutdownStatus::Complete,
+            _ => ShutdownStatus::Reserved,
         }
     }
     /// All ones: the read did not reach a device (surprise removal, dead link).
@@ -270,5 +277,15 @@ mod tests {
         assert_eq!(cc.io_submission_entry_size_log2(), 6);
         assert_eq!(cc.io_completion_entry_size_log2(), 4);
         assert_eq!(decode_admin_queue_attributes(admin_queue_attributes(64, 32)), (64, 32));
+    }
+
+    #[test]
+    fn every_shutdown_status_decodes_and_only_10b_is_complete() {
+        // Goal: the reserved SHST 11b is its own value, not Complete.
+        let shst = |bits: u32| ControllerStatus(bits << 2 | 1).shutdown();
+        assert_eq!(shst(0), ShutdownStatus::Normal);
+        assert_eq!(shst(1), ShutdownStatus::Occurring);
+        assert_eq!(shst(2), ShutdownStatus::Complete);
+        assert_eq!(shst(3), ShutdownStatus::Reserved);
     }
 }
