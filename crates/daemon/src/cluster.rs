@@ -92,7 +92,7 @@ pub const COMMITS_QUEUED_MAX: usize = 1024;
 /// this many times (default of `--cluster-replicate-after`).
 pub const REPLICATE_AFTER_DEFAULT: u32 = 2;
 /// Holders one `FetchRemote` tries at most, each passed over only when it could not serve
-/// before a block was stored (unreachable, not holding, busy): past a few, the registry is
+/// before a block was stored (unreachable, not holding, busy, failing to read it): past a few, the registry is
 /// listing dead nodes and the client is better off recomputing than waiting on more connects.
 #[cfg(feature = "cluster")]
 const FETCH_HOLDERS_MAX: usize = 4;
@@ -539,7 +539,8 @@ impl ClusterAgent {
     /// from a holder with the longest run (among several, the one this node's hash of the
     /// segment picks: `lookup::spread_of`) and stored in this pool. A holder that cannot serve
     /// before a block is stored — unreachable (a dead node listed until its lease expires), no
-    /// longer holding it, busy until the segment's deadline — is passed over for the next one
+    /// longer holding it, busy until the segment's deadline, failing to read it (its disks, its
+    /// staging area retired, a block its pool found damaged) — is passed over for the next one
     /// listed (at most [`FETCH_HOLDERS_MAX`] tried). Returns the blocks stored; a failure is a
     /// sentence for the client (segments stored before it stay). Bounded by
     /// [`data_plane::FETCH_DEADLINE`] in all; ends early when `stopped` (the daemon's drain).

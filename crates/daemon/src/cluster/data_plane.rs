@@ -38,7 +38,7 @@
 //! ends at the daemon's drain). Lock order: staging, then the pool (never the reverse).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -99,6 +99,9 @@ struct StagingGate {
     area: Mutex<Option<Staging>>,
     busy: Mutex<bool>,
     freed: Condvar,
+    /// Set when a turn ends with the area gone (retired: it never comes back), so an asker
+    /// learns it before it asks a holder, without waiting for a turn.
+    retired: AtomicBool,
 }
 
 /// Why no turn of the staging area was had.
@@ -109,7 +112,12 @@ enum NoTurn {
 
 impl StagingGate {
     fn new(staging: Staging) -> StagingGate {
-        StagingGate { area: Mutex::new(Some(staging)), busy: Mutex::new(false), freed: Condvar::new() }
+        StagingGate { area: Mutex::new(Some(staging)), busy: Mutex::new(false), freed: Condvar::new(), retired: AtomicBool::new(false) }
+    }
+
+    /// Whether the staging area was retired (by a turn that has ended).
+    fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Waits for the staging area's turn until `deadline`, asking `stopped` every 50 ms.
@@ -150,6 +158,9 @@ impl StagingTurn<'_> {
 
 impl Drop for StagingTurn<'_> {
     fn drop(&mut self) {
+        if self.area.as_ref().is_some_and(|area| area.is_none()) {
+            self.gate.retired.store(true, Ordering::Release);
+        }
         drop(self.area.take());
         *lock(&self.gate.busy) = false;
         // Every waiter is woken (at most 8 peer reads and 4 stores): the first to lock the gate
@@ -181,14 +192,18 @@ pub enum FetchError {
 impl FetchError {
     /// Whether another holder of the segment may serve what this one did not: this one could
     /// not be reached (a dead node stays listed until its lease expires), no longer holds it,
-    /// or stayed busy. Not a holder that misbehaved (its bytes or frames), nor this node's own
-    /// trouble (its staging area, its store, its fetch slots, its drain), which the next holder
-    /// would meet too.
+    /// stayed busy, or could not read it (`ReadFailed`: its own disks or staging area — retired
+    /// until it restarts — or a block its pool found damaged; another replica's are its own).
+    /// Not a holder that misbehaved (its bytes or frames), nor this node's own trouble (its
+    /// staging area, its store, its fetch slots, its drain), which the next holder would meet
+    /// too.
     pub fn another_holder_may_serve(&self) -> bool {
         match self {
-            FetchError::Peer { source, .. } => {
-                matches!(**source, PeerError::Io { context: "connecting", .. } | PeerError::Refused { code: FailureCode::NotHeld, .. })
-            }
+            FetchError::Peer { source, .. } => matches!(
+                **source,
+                PeerError::Io { context: "connecting", .. }
+                    | PeerError::Refused { code: FailureCode::NotHeld | FailureCode::ReadFailed, .. }
+            ),
             FetchError::HolderBusy { .. } => true,
             FetchError::Store { .. } | FetchError::NoStaging | FetchError::Busy { .. } | FetchError::StagingBusy | FetchError::Stopped => {
                 false
@@ -666,6 +681,11 @@ impl DataPlane {
         stopped: &dyn Fn() -> bool,
         stored_segment: &mut dyn FnMut(usize, &[u64], u32),
     ) -> Result<usize, (usize, FetchError)> {
+        // Nothing fetched could be stored: failed before a holder is asked (and its disks,
+        // staging area and link spent on a segment, counted toward a replica).
+        if self.staging.retired() {
+            return Err((0, FetchError::NoStaging));
+        }
         let Some(_slot) = FetchSlot::take(&self.fetches) else {
             return Err((0, FetchError::Busy { max: FETCHES_MAX }));
         };

@@ -615,3 +615,49 @@ fn a_restart_binds_past_its_predecessors_time_wait_and_still_refuses_a_second_pr
     assert_eq!(listening.local_addr().unwrap(), address);
     TcpStream::connect_timeout(&address, Duration::from_secs(2)).expect("a connect once it listens");
 }
+
+/// Retires `node`'s staging area, as a layer left in flight would (`DataPlane::with_staging`).
+fn retire_staging(node: &Node) {
+    let mut turn = node.plane.staging.take(far(), &|| false).ok().unwrap();
+    assert!(turn.area().take().is_some_and(Staging::retire), "the idle staging area's queue pairs were not deleted");
+}
+
+#[test]
+fn a_holder_whose_staging_area_is_retired_is_passed_over() {
+    // Goal: a holder whose staging area was retired (a device timeout) refuses every read of
+    // its segments (ReadFailed) until it restarts. That is its own trouble: another replica's
+    // disks and staging area are independent, so the refusal lets the asker try the next
+    // holder listed. Before, only NotHeld, busy and unreachable holders were passed over, and
+    // askers whose hash ranked the retired node first failed every fetch of those segments.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    retire_staging(&holder.node);
+    match fetch(&asker, &holder, far()) {
+        Err((0, error)) => {
+            assert!(
+                matches!(&error, FetchError::Peer { source, .. } if matches!(**source, PeerError::Refused { code: FailureCode::ReadFailed, .. })),
+                "{error}"
+            );
+            assert!(error.another_holder_may_serve(), "a holder with a retired staging area is not passed over: {error}");
+        }
+        other => panic!("a fetch from a holder with a retired staging area: {other:?}"),
+    }
+    assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0);
+    assert_eq!(holder.node.metrics.served_segments.get(), 0);
+}
+
+#[test]
+fn an_asker_whose_staging_area_is_retired_fails_before_asking_a_holder() {
+    // Goal: an asker whose own staging area was retired cannot store a byte: its fetch fails
+    // NoStaging at once, before it connects. Before, it read the whole segment over the
+    // network (the holder's disks, staging area and link busy for it, the read counted served
+    // toward a replica) and only then failed.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    retire_staging(&asker);
+    match fetch(&asker, &holder, far()) {
+        Err((0, FetchError::NoStaging)) => {}
+        other => panic!("a fetch by an asker with a retired staging area: {other:?}"),
+    }
+    wait_for("the holder's connection (if any) ends", Duration::from_secs(5), || holder.node.plane.peers.load(Ordering::Acquire) == 0);
+    assert_eq!(holder.node.metrics.served_segments.get(), 0, "the holder sent a segment the asker could not store");
+    assert!(!FetchError::NoStaging.another_holder_may_serve(), "the asker's own trouble meets every holder");
+}
