@@ -338,10 +338,13 @@ impl DataPlane {
     }
 
     /// Serves peers until `stop` (holder side; module docs). Returns once every peer thread
-    /// ended (each checks the stop between reads).
+    /// ended (each checks the stop between reads); the listener is closed as the stop is seen,
+    /// before those joins.
     pub fn serve(&self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration, metrics: &ClusterMetrics) {
         let Some(listener) = lock(&self.listener).take() else { return };
         std::thread::scope(|scope| {
+            // Moved in, to be closed before the scope joins the peer threads.
+            let listener = listener;
             while !stop.is_stopped() {
                 match listener.accept() {
                     Ok((stream, peer)) => {
@@ -371,6 +374,11 @@ impl DataPlane {
                     }
                 }
             }
+            // Closed now, not after the joins (a peer thread may finish a segment's send, up to
+            // SEGMENT_DEADLINE): meanwhile a connect is refused (ECONNREFUSED: the asker passes
+            // this node over at once) rather than accepted by the kernel into a backlog nobody
+            // takes from, where the asker would wait out its stall bound for a header.
+            drop(listener);
         });
     }
 

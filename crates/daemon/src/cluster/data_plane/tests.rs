@@ -661,3 +661,37 @@ fn an_asker_whose_staging_area_is_retired_fails_before_asking_a_holder() {
     assert_eq!(holder.node.metrics.served_segments.get(), 0, "the holder sent a segment the asker could not store");
     assert!(!FetchError::NoStaging.another_holder_may_serve(), "the asker's own trouble meets every holder");
 }
+
+#[test]
+fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
+    // Goal: once the daemon stops, its data address refuses connections (ECONNREFUSED: askers
+    // pass the node over at once) within a few ticks, even while a peer thread is still in a
+    // slow read (a disk answering 400 ms late, 8 layers). Before, the listener stayed open until
+    // every peer thread was joined (up to a segment's send): the kernel accepted connections into
+    // a backlog nobody accepted from, and each asker waited out its stall bound for a header.
+    let node = node(8, 16, 32 << 20, PeerBounds::default());
+    put(&node, 1, 0);
+    let geometry = node.plane.geometry;
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    let holder = serve(node);
+    let address = holder.node.plane.address();
+    device.set_faults(nvme_emu::FaultPlan {
+        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(400)))],
+    });
+    let mut frame = Vec::new();
+    ReadSegment { space: space(), index: 0, geometry, keys: keys(1, 1) }.encode(&mut frame);
+    let mut stream = connect(&holder);
+    stream.write_all(&frame).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    // The peer thread is in its slow read now.
+    holder.node.stop.stop();
+    let stopped = Instant::now();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(holder.node.plane.peers.load(Ordering::Acquire), 1, "the test needs the slow read still going");
+    match TcpStream::connect_timeout(&address, Duration::from_secs(2)) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionRefused, "{error}"),
+        Ok(_) => panic!("a connect {:?} after the stop was accepted while a peer thread finished", stopped.elapsed()),
+    }
+    device.set_faults(nvme_emu::FaultPlan::default());
+}
