@@ -7,7 +7,9 @@
 //!
 //! The memory is never freed while a command may still write it: a layer left in flight by a
 //! failure (a wait that timed out, a failed queue pair) retires the whole staging area ([`Staging::retire`]): the executor's queue pairs are deleted,
-//! and if a deletion fails the memory is leaked (counted, logged) rather than freed. A retired
+//! and if a deletion fails the memory is leaked rather than freed: logged at error level with its
+//! size, not counted in the daemon's leak counters (`Status`'s `leaked_*`, kept by the server,
+//! which the data plane does not reach). A retired
 //! staging area serves nothing more (`None` in the caller) until the daemon restarts.
 
 use std::sync::Arc;
