@@ -10,8 +10,13 @@
 //!
 //! Locking: the pool (the store's control half) behind one mutex, the session table behind
 //! another; neither is held across socket I/O. The pool lock is held for an index probe (keys
-//! are hashed before it is taken), a reservation, or a commit (flush + header writes with FUA:
-//! one commit at a time, and lookups wait for it; docs/tuttid.md gives the figures).
+//! are hashed before it is taken, except a `LookupAllRanks`'s, which hashes each rank's chain
+//! under it so that the ranks' probes see one index), a reservation, or a commit (flush +
+//! header writes with FUA: one commit at a time, and lookups wait for it; docs/tuttid.md gives
+//! the figures); never across an admin command: an attach takes it only to copy out the pool's
+//! controllers and to add or remove relayed pairs, and holds a lock of its own (`attaching`)
+//! across its queue creations, each of which may wait out the admin timeout; ended sessions'
+//! deletions take neither.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -287,6 +292,9 @@ struct Shared {
     /// names this file ([`remove_bound_socket`]).
     socket_file: SocketFile,
     store: Mutex<StoreState>,
+    /// Held by an attach from its admission to its count (`Holdings::attach`), across its
+    /// admin commands, so that the pool lock need not be.
+    attaching: Mutex<()>,
     devices: Vec<DeviceStatus>,
     report: objstore::RecoveryReport,
     locks: Mutex<Option<DeviceLocks>>,
@@ -433,6 +441,7 @@ impl Server {
             config,
             socket_file,
             store: Mutex::new(StoreState { control, emulators, relay }),
+            attaching: Mutex::new(()),
             devices,
             report,
             locks: Mutex::new(Some(locks)),

@@ -33,7 +33,7 @@ use nvme_driver::hw::{DmaRegion, SharedMemory};
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{DataPointerMode, DetachedQueuePair, NamespaceId, NvmeError};
 use nvme_emu::{EmuDevice, QueueRestriction};
-use objstore::{MismatchedBlock, NoLender, ObjstoreError, Placement, PoolShape, RequestHandle, StoreControl, Transferred};
+use objstore::{MismatchedBlock, NoLender, ObjstoreError, Placement, PoolShape, PoolTarget, RequestHandle, StoreControl, Transferred};
 
 use crate::gpu_memory::{Claim, DeviceMemoryService};
 use crate::keys::KeySpace;
@@ -308,21 +308,36 @@ impl Holdings {
     /// admin queue busy with a late command, most often an ended session's Delete) is `Busy`,
     /// leaving nothing behind, so the client asks again on the same registration
     /// (`creation_refused`).
+    ///
+    /// Attaches are one at a time (`attaching`, the server's one lock for them), from their
+    /// admission to their count; the pool lock (`store`) is taken only to copy out what the
+    /// attach needs of the pool and to add or remove relayed pairs, never across an admin
+    /// command: each Create I/O CQ and SQ (and an undo's Deletes) may wait out the admin
+    /// timeout, 10 s by default, during which every other session's lookups, prepares, commits
+    /// and releases, status and `/metrics` would wait too (clients give up at 5 s).
     pub fn attach(
         &mut self,
         request: AttachQueues,
         store: &Mutex<StoreState>,
+        attaching: &Mutex<()>,
         limits: &SessionLimits,
         leaks: &LeakCounters,
         reserved: u16,
     ) -> (Reply, Vec<OwnedFd>) {
-        let store = lock(store);
+        let _attaching = lock(attaching);
         let index = match self.registration(request.registration) {
             Ok(index) => index,
             Err(refusal) => return (refused(refusal), Vec::new()),
         };
-        let pool = store.control.pool();
-        let devices = pool.device_count();
+        // The pool's devices (their controllers, shared and fixed for the pool's life), its
+        // software controllers and its shape: all the attach reads of the pool.
+        let (targets, emulators, shape) = {
+            let store = lock(store);
+            let pool = store.control.pool();
+            let targets: Vec<PoolTarget> = (0..pool.device_count()).map(|device| pool.target(device).clone()).collect();
+            (targets, store.emulators.clone(), pool.shape())
+        };
+        let devices = targets.len();
         let refuse = |code, message: String| (Reply::error(code, message), Vec::new());
         if !self.registrations[index].queues.is_empty() {
             return refuse(ErrorCode::BadRequest, format!("registration {} has its queue pairs already", request.registration));
@@ -340,10 +355,11 @@ impl Holdings {
         // Admission: each session holding ids holds one per device (at most), so a controller
         // has `holders + its driver's leaks` taken by clients; this attach takes one more and
         // must leave the pool its own (its metadata pair and the spare). Checked and counted
-        // under the pool lock, so two attaches cannot both take the last one.
+        // under the attach lock, so two attaches cannot both take the last one (only an attach
+        // adds a holder; a session's release, not under it, only removes one meanwhile).
         let holders = leaks.queue_id_holders.load(Ordering::Acquire);
-        for device in 0..devices {
-            let controller = &pool.target(device).controller;
+        for (device, target) in targets.iter().enumerate() {
+            let controller = &target.controller;
             let granted = u64::from(controller.granted_queue_pairs());
             let driver_leaked = controller.leaked_queue_pairs();
             let taken = holders.saturating_add(driver_leaked);
@@ -379,16 +395,16 @@ impl Holdings {
                 format!("{devices} devices: one reply carries {} register pages", crate::fd_passing::FDS_PER_FRAME_MAX),
             );
         }
-        let shape = match pool.shape() {
+        let shape = match shape {
             Ok(shape) => shape,
             Err(error) => return (store_error("the pool's shape", error), Vec::new()),
         };
         // Per device, the software controller's shared register page; `None`: relayed.
         let mut registers = Vec::with_capacity(devices);
-        for device in 0..devices {
+        for (device, target) in targets.iter().enumerate() {
             let memory =
-                store.emulators.get(device).and_then(|emulator| emulator.as_ref()).and_then(|emulator| emulator.shared_register_memory());
-            let controller = &pool.target(device).controller;
+                emulators.get(device).and_then(|emulator| emulator.as_ref()).and_then(|emulator| emulator.shared_register_memory());
+            let controller = &target.controller;
             if request.depth < 2 || request.depth > limits.queue_depth_max.min(controller.max_queue_depth()) {
                 return refuse(
                     ErrorCode::BadRequest,
@@ -424,7 +440,7 @@ impl Holdings {
                     break;
                 }
             };
-            let target = pool.target(device);
+            let target = &targets[device];
             let controller = &target.controller;
             let device_layout = &shape.devices[device];
             let pool_blocks = device_layout.addressing.slot_blocks.saturating_mul(device_layout.slot_count);
@@ -438,7 +454,7 @@ impl Holdings {
             // with the shared register page any client can ring its doorbell right away. The
             // preset is dropped (removed if no Create I/O SQ took it) once the creation returned,
             // unless the creation may still execute (kept pending, below).
-            let preset = match store.emulators[device].as_ref().map(|emulator| emulator.preset_restriction(rings.0.iova(), restriction)) {
+            let preset = match emulators[device].as_ref().map(|emulator| emulator.preset_restriction(rings.0.iova(), restriction)) {
                 None => None,
                 Some(Ok(preset)) => Some(preset),
                 Some(Err(error)) => {
@@ -448,8 +464,10 @@ impl Holdings {
                 }
             };
             // Rings the driver leaks in a failed creation are those whose queues may exist on
-            // the controller (their cleanup failed). Read under the pool lock, which every
-            // creation takes; a deletion elsewhere that leaks meanwhile only keeps more.
+            // the controller (their cleanup failed). Read under the attach lock, which every
+            // client pair's creation takes; a leak elsewhere meanwhile (an ended session's
+            // deletion, the pool's own pairs under the pool lock) only makes this creation's
+            // rings read as leaked: its preset and the session's memory kept, never less.
             let leaked_before = controller.leaked_queue_pairs();
             let pair = match controller.create_detached_queue_pair(request.depth, Some(rings)) {
                 Ok(pair) => pair,
@@ -500,7 +518,7 @@ impl Holdings {
                 // Relayed from here on: the client gets its page with the reply, after this.
                 match DoorbellRelay::make_page(controller.registers().as_ref(), &layout) {
                     Ok(page) => {
-                        relayed.push(store.relay.add(Arc::clone(&page), Arc::clone(controller.registers()), &layout));
+                        relayed.push(lock(store).relay.add(Arc::clone(&page), Arc::clone(controller.registers()), &layout));
                         registers[device] = Some(page);
                     }
                     Err(error) => {
@@ -558,8 +576,11 @@ impl Holdings {
             // The client has no layout yet, so nothing rings these: delete them now (a pair whose
             // deletion fails stays with the registration and is handled at session end), after
             // the relay stopped forwarding for them.
-            for ticket in registration.relayed.drain(..) {
-                store.relay.remove(&ticket);
+            if !registration.relayed.is_empty() {
+                let store = lock(store);
+                for ticket in registration.relayed.drain(..) {
+                    store.relay.remove(&ticket);
+                }
             }
             // `queues` holds device 0's pair first, one per device up to the failure.
             let (mut kept, mut undeleted_pairs) = (Vec::new(), Vec::new());

@@ -399,6 +399,7 @@ impl Connection {
                 let (reply, reply_fds) = self.holdings.attach(
                     attach,
                     &shared.store,
+                    &shared.attaching,
                     limits,
                     &shared.leaks,
                     crate::pool_open::queue_pairs_reserved(shared.cluster.is_some()),

@@ -110,6 +110,7 @@ fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64)
     holdings.attach(
         AttachQueues { registration, depth: 64, rings },
         store,
+        &Mutex::new(()),
         &SessionLimits::default(),
         &LeakCounters::default(),
         POOL_RESERVED,
@@ -641,6 +642,59 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
 }
 
 #[test]
+fn the_pool_lock_is_not_held_while_an_attach_waits_on_the_admin_queue() {
+    // Goal: an attach's Create I/O CQ and SQ may each wait out an admin timeout (10 s by
+    // default) on a controller slow to answer; the pool lock must not be held meanwhile, or
+    // every other session's lookups, prepares, commits and releases, status and /metrics wait
+    // with it (clients give up at 5 s). Here the Create I/O SQ's doorbell write is held back,
+    // so the attach waits out the admin timeout (1 s): the pool lock is taken at once
+    // meanwhile. Before, the attach held it from its first check to its reply.
+    let admin_timeout = Duration::from_secs(1);
+    let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
+    let store = {
+        let registers = Arc::clone(&registers);
+        store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, move |device| {
+            let holding = Arc::new(HoldingRegisters {
+                inner: device.registers(),
+                countdown: std::sync::atomic::AtomicU32::new(0),
+                held: Mutex::new(None),
+            });
+            *lock(&registers) = Some(Arc::clone(&holding));
+            Arc::new(HoldingBackend { device, registers: holding })
+        })
+    };
+    let holding = lock(&registers).clone().unwrap();
+    let device = lock(&store).emulators[0].clone().unwrap();
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let ring = nvme_driver::Iova(holdings.registrations[0].window.iova().0 + (512 << 10));
+    // The attach's Create I/O CQ goes through; its Create I/O SQ is held.
+    holding.countdown.store(2, Ordering::Release);
+    let waited = std::thread::scope(|scope| {
+        let attaching = scope.spawn(|| attach(&mut holdings, &store, registration).0);
+        wait_until(|| lock(&holding.held).is_some());
+        let asked = std::time::Instant::now();
+        let cached = lock(&store).control.pool().index().counts().cached_blocks;
+        let waited = asked.elapsed();
+        assert_eq!(cached, 0);
+        let reply = attaching.join().unwrap();
+        assert!(matches!(reply, Reply::Error { code: ErrorCode::StoreFailed, .. }), "{reply:?}");
+        waited
+    });
+    assert!(waited < admin_timeout / 4, "the pool lock was held through the attach's admin wait: waited {waited:?}");
+    // The controller fetches the command now; the session's memory is kept for good, as for
+    // any creation that may still execute.
+    let held = lock(&holding.held).take().expect("the Create I/O SQ's doorbell write was held");
+    holding.inner.write32(ADMIN_SQ_TAIL_DOORBELL, held);
+    wait_until(|| device.preset_restriction(ring, QueueRestriction::new()).is_ok());
+    match holdings.release(&store, &LeakCounters::default()) {
+        Released::Kept(pairs) => assert_eq!(pairs, 1),
+        Released::Done => panic!("the session's memory was given back while the late queue may still move it"),
+        Released::Retiring(_) => panic!("retiring: no pair was attached"),
+    }
+}
+
+#[test]
 fn a_queue_created_whose_completion_never_came_keeps_the_sessions_memory() {
     // Goal: the controller executes a client's Create I/O SQ (taking its restriction preset) but
     // its completion never comes (dropped): the driver times out and leaks the rings and the
@@ -687,7 +741,16 @@ fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
     let attach = |holdings: &mut Holdings| {
         let registration = registered(holdings, &store);
         let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+        holdings
+            .attach(
+                AttachQueues { registration, depth: 64, rings },
+                &store,
+                &Mutex::new(()),
+                &SessionLimits::default(),
+                &leaks,
+                POOL_RESERVED,
+            )
+            .0
     };
     let mut leaked = Holdings::default();
     assert!(matches!(attach(&mut leaked), Reply::Attached { .. }));
@@ -720,7 +783,16 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     let attach = |holdings: &mut Holdings| {
         let registration = registered(holdings, &store);
         let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+        holdings
+            .attach(
+                AttachQueues { registration, depth: 64, rings },
+                &store,
+                &Mutex::new(()),
+                &SessionLimits::default(),
+                &leaks,
+                POOL_RESERVED,
+            )
+            .0
     };
     let mut first = Holdings::default();
     assert!(matches!(attach(&mut first), Reply::Attached { .. }));
@@ -741,7 +813,9 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     assert_eq!(leaks.queue_id_holders_retiring.load(Ordering::Relaxed), 0);
     let registration = next.registrations[0].id;
     let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-    let reply = next.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0;
+    let reply = next
+        .attach(AttachQueues { registration, depth: 64, rings }, &store, &Mutex::new(()), &SessionLimits::default(), &leaks, POOL_RESERVED)
+        .0;
     assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
     assert!(next.release(&store, &leaks).is_done());
 }
@@ -760,7 +834,16 @@ fn an_attach_while_a_retiring_sessions_delete_is_outstanding_is_told_to_retry() 
     let leaks = LeakCounters::default();
     let attach = |holdings: &mut Holdings, registration: u64| {
         let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+        holdings
+            .attach(
+                AttachQueues { registration, depth: 64, rings },
+                &store,
+                &Mutex::new(()),
+                &SessionLimits::default(),
+                &leaks,
+                POOL_RESERVED,
+            )
+            .0
     };
     let mut first = Holdings::default();
     let registration = registered(&mut first, &store);
@@ -805,7 +888,16 @@ fn an_attach_whose_half_made_pairs_cannot_be_deleted_is_not_told_to_retry() {
             RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 },
             RingOffsets { submission_offset: 576 << 10, completion_offset: 832 << 10 },
         ];
-        holdings.attach(AttachQueues { registration, depth: 64, rings }, &store, &SessionLimits::default(), &leaks, POOL_RESERVED).0
+        holdings
+            .attach(
+                AttachQueues { registration, depth: 64, rings },
+                &store,
+                &Mutex::new(()),
+                &SessionLimits::default(),
+                &leaks,
+                POOL_RESERVED,
+            )
+            .0
     };
     let mut first = Holdings::default();
     let registration = registered(&mut first, &store);
