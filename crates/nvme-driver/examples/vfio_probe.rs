@@ -104,8 +104,10 @@ fn probe(address: PciAddress, reset_first: bool) -> Result<String> {
         status.0
     );
 
-    // Disable, program the admin queue, enable (§3.5.1).
-    let ready_timeout = Duration::from_millis(cap.ready_timeout_ms());
+    // Disable, program the admin queue, enable (§3.5.1). The ready bound is CAP.TO, or CRTO.CRWMT
+    // when CAP.CRMS.CRWMS says CRTO is there and it is larger, as the driver takes it.
+    let crto = cap.ready_with_media_supported().then(|| reg::ReadyTimeouts(registers.read32(reg::CRTO)));
+    let ready_timeout = Duration::from_millis(reg::ready_timeout_ms(cap, crto));
     let configuration = ControllerConfiguration(registers.read32(reg::CC));
     registers.write32(reg::CC, configuration.0 & !1);
     wait_ready(&*registers, false, ready_timeout)?;

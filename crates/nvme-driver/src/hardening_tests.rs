@@ -918,3 +918,32 @@ fn an_attach_layout_naming_the_admin_queue_is_refused() {
     let attached = IoQueuePair::attach(config, rings, controller.dma().as_ref(), device.registers());
     assert!(matches!(attached, Err(NvmeError::Unsupported { .. })), "{attached:?}");
 }
+
+#[test]
+fn the_ready_wait_honours_crto_when_cap_says_ready_with_media_is_supported() {
+    // Goal: an NVMe 2.0 controller with CAP.CRMS.CRWMS (CAP bit 59) set may leave CAP.TO short
+    // (here 1: 500 ms) and give the real bound for CSTS.RDY in CRTO.CRWMT (6: 3 s). Its enable,
+    // done after 1.5 s, is waited for, and the longer bound floors the shutdown wait too. It
+    // used to end at CAP.TO with ReadyTimeout { timeout_ms: 500 }.
+    const CRWMS: u64 = 1 << 59;
+    let slow_enable = |to: u8, crwms: bool, crwmt: u32, takes_ms: u64| FakeScript {
+        capabilities: Capabilities::build(256, to, 0, 0, 0).0 | if crwms { CRWMS } else { 0 },
+        ready_timeouts: crwmt | 0xFFFF << 16, // CRIMT (unused: CC.CRIME stays 0)
+        enable_takes: Duration::from_millis(takes_ms),
+        ..FakeScript::default()
+    };
+    let device = FakeDevice::new(slow_enable(1, true, 6, 1500));
+    let started = std::time::Instant::now();
+    let controller = Controller::init(device, config()).expect("bring-up within CRTO.CRWMT");
+    assert!(started.elapsed() >= Duration::from_millis(1500), "{:?}", started.elapsed());
+    assert_eq!(controller.ready_timeout(), Duration::from_secs(3));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(3));
+    drop(controller);
+    // Without CRWMS, CRTO is ignored (before NVMe 2.0 its offset is reserved): CAP.TO rules.
+    let result = Controller::init(FakeDevice::new(slow_enable(1, false, 6, 1500)), config());
+    assert!(matches!(result, Err(NvmeError::ReadyTimeout { timeout_ms: 500, .. })), "{result:?}");
+    // A CRWMT (500 ms) below CAP.TO (1 s; devices are known to get CRTO wrong) does not shorten
+    // the wait: an enable done after 700 ms is waited for.
+    let controller = Controller::init(FakeDevice::new(slow_enable(2, true, 1, 700)), config()).expect("bring-up within CAP.TO");
+    assert_eq!(controller.ready_timeout(), Duration::from_secs(1));
+}

@@ -69,6 +69,9 @@ pub(super) struct FakeState {
     pub(super) withheld: Vec<SubmissionEntry>,
     /// CSTS reads left before an enable in progress sets RDY (`None`: no enable in progress).
     pub(super) enabling_reads_left: Option<u32>,
+    /// When the enable in progress started (`None`: none, or one the fake started in, which
+    /// waits for reads only).
+    pub(super) enabling_since: Option<Instant>,
     /// Still enabled as the script started it (`starts_enabled`, `starts_enabling`): no disable
     /// has reached CSTS.RDY = 0 yet.
     pub(super) left_enabled: bool,
@@ -105,6 +108,7 @@ impl FakeRegisters {
             held: BTreeMap::new(),
             withheld: Vec::new(),
             enabling_reads_left,
+            enabling_since: None,
             left_enabled,
             bus_master,
             shutdown_started: None,
@@ -120,6 +124,7 @@ impl FakeRegisters {
 impl FakeState {
     pub(super) fn disable(&mut self) {
         self.counters.disables += 1;
+        self.enabling_since = None;
         if self.enabling_reads_left.take().is_some() {
             self.counters.disables_before_ready += 1;
         }
@@ -158,9 +163,12 @@ impl FakeState {
             let (sq_entries, cq_entries) = registers::decode_admin_queue_attributes(self.aqa);
             self.submission.insert(0, SubmissionRing { iova: self.asq, entries: sq_entries, head: 0, completion_queue: 0 });
             self.completion.insert(0, CompletionRing::new(self.acq, cq_entries));
-            match self.script.enable_ready_after_status_reads {
-                0 => self.csts |= CSTS_READY,
-                reads => self.enabling_reads_left = Some(reads),
+            match (self.script.enable_ready_after_status_reads, self.script.enable_takes.is_zero()) {
+                (0, true) => self.csts |= CSTS_READY,
+                (reads, _) => {
+                    self.enabling_reads_left = Some(reads);
+                    self.enabling_since = Some(Instant::now());
+                }
             }
         } else if !configuration.enabled() && was_enabled {
             if self.shutdown_started.is_some() {
@@ -393,12 +401,16 @@ impl RegisterIo for FakeRegisters {
             // for its whole CAP.TO by forcing it.
             registers::CSTS => {
                 state.advance_shutdown();
-                // An enable in progress reaches RDY after its scripted number of reads.
+                // An enable in progress reaches RDY after its scripted number of reads and time.
+                let enable_takes = state.script.enable_takes;
+                let waited = state.enabling_since.is_none_or(|since| since.elapsed() >= enable_takes);
                 match state.enabling_reads_left {
-                    Some(0) => {
+                    Some(0) if waited => {
                         state.enabling_reads_left = None;
+                        state.enabling_since = None;
                         state.csts |= CSTS_READY;
                     }
+                    Some(0) => {}
                     Some(left) => state.enabling_reads_left = Some(left - 1),
                     None => {}
                 }
@@ -409,6 +421,7 @@ impl RegisterIo for FakeRegisters {
             0x2C => (state.asq >> 32) as u32,
             registers::ACQ => state.acq as u32,
             0x34 => (state.acq >> 32) as u32,
+            registers::CRTO => state.script.ready_timeouts,
             _ => 0,
         }
     }

@@ -64,6 +64,8 @@ impl FakeScript {
             io_phase_from_script: flags & 1 == 1,
             io_unanswered: false,
             enable_ready_after_status_reads: 0,
+            enable_takes: Duration::ZERO,
+            ready_timeouts: 0,
             starts_enabling: false,
             starts_enabled: false,
             starts_mastering: false,

@@ -6,7 +6,7 @@
 //! has no thread and no storage: a register write does its work before returning — CC.EN sets
 //! or clears CSTS.RDY, CC.SHN completes the shutdown (at once, or after a scripted time), and an SQ tail doorbell fetches the new
 //! entries and posts their completions at once. What it answers comes from a [`FakeScript`]:
-//! CAP, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
+//! CAP, CRTO, VS, extra CSTS bits, the Identify Controller / Namespace / Active Namespace List data,
 //! Set Features Number of Queues dw0, admin opcodes to fail or leave unanswered (a test can
 //! answer them later, [`FakeDevice::answer_withheld`]), raw I/O completion entries or none at
 //! all, and whether it starts as an earlier process left it (enabled, or mid-enable). So a test
@@ -78,6 +78,13 @@ pub struct FakeScript {
     /// CSTS reads after CC.EN goes to 1 before CSTS.RDY does (0: at once). A disable while
     /// RDY is still 0 is counted (`FakeCounters::disables_before_ready`).
     pub enable_ready_after_status_reads: u32,
+    /// How long after CC.EN goes to 1 CSTS.RDY does at the earliest (zero: no wait), as a
+    /// controller readying its media would; with `enable_ready_after_status_reads`, RDY waits
+    /// for both.
+    pub enable_takes: Duration,
+    /// CRTO (offset 68h, NVMe 2.0): CRWMT in bits 15:0, CRIMT in bits 31:16, 500 ms units. The
+    /// driver reads it when CAP.CRMS.CRWMS (CAP bit 59) is set in `capabilities`.
+    pub ready_timeouts: u32,
     /// The fake starts as a crashed process left it mid-enable: CC.EN = 1, CSTS.RDY = 0 until
     /// `enable_ready_after_status_reads` CSTS reads.
     pub starts_enabling: bool,
@@ -137,6 +144,8 @@ impl Default for FakeScript {
             io_phase_from_script: false,
             io_unanswered: false,
             enable_ready_after_status_reads: 0,
+            enable_takes: Duration::ZERO,
+            ready_timeouts: 0,
             starts_enabling: false,
             starts_enabled: false,
             starts_mastering: false,

@@ -1,4 +1,4 @@
-//! Controller registers (§3.1.3): offsets and typed views of CAP, VS, CC, CSTS, AQA.
+//! Controller registers (§3.1.3): offsets and typed views of CAP, VS, CC, CSTS, AQA, CRTO.
 
 /// Controller Capabilities, 64-bit.
 pub const CAP: usize = 0x00;
@@ -19,6 +19,8 @@ pub const AQA: usize = 0x24;
 pub const ASQ: usize = 0x28;
 /// Admin Completion Queue base address, 64-bit.
 pub const ACQ: usize = 0x30;
+/// Controller Ready Timeouts, 32-bit (NVMe 2.0; see [`ReadyTimeouts`]).
+pub const CRTO: usize = 0x68;
 /// First doorbell register (§3.1.3.24).
 pub const DOORBELL_BASE: usize = 0x1000;
 
@@ -62,8 +64,16 @@ impl Capabilities {
         (self.0 >> 24 & 0xFF) as u8
     }
     /// cap.to in milliseconds (at least 500 ms, so a controller reporting 0 still gets a bound).
+    /// CAP.TO alone: a controller with [`Capabilities::ready_with_media_supported`] may give a
+    /// longer bound in CRTO, which [`ready_timeout_ms`] takes into account.
     pub fn ready_timeout_ms(self) -> u64 {
         u64::from(self.timeout_500ms_units().max(1)) * 500
+    }
+    /// cap.crms.crwms (bit 59, NVMe 2.0): Controller Ready With Media Support. When set, CRTO
+    /// is implemented and CRTO.CRWMT bounds the enable (CC.CRIME = 0), while CAP.TO may be a
+    /// saturated or smaller figure.
+    pub fn ready_with_media_supported(self) -> bool {
+        self.0 >> 59 & 1 == 1
     }
     /// cap.dstrd: doorbell stride as a power of two over 4 bytes.
     pub fn doorbell_stride_log2(self) -> u8 {
@@ -98,6 +108,37 @@ impl Capabilities {
             | u64::from(mpsmax & 0xF) << 52;
         Self(value)
     }
+}
+
+/// CRTO (NVMe 2.0, Controller Ready Timeouts): how long CSTS.RDY may take to become 1 after
+/// CC.EN does, by CC.CRIME. Implemented when [`Capabilities::ready_with_media_supported`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadyTimeouts(pub u32);
+
+impl ReadyTimeouts {
+    /// crto.crwmt (bits 15:0): Controller Ready With Media Timeout, in 500 ms units: the bound
+    /// with CC.CRIME = 0 (the driver's setting: RDY only once the media is ready too).
+    pub fn with_media_500ms_units(self) -> u16 {
+        (self.0 & 0xFFFF) as u16
+    }
+    /// crto.crimt (bits 31:16): Controller Ready Independent of Media Timeout, in 500 ms units:
+    /// the bound with CC.CRIME = 1 (unused: the driver keeps CRIME = 0).
+    pub fn independent_of_media_500ms_units(self) -> u16 {
+        (self.0 >> 16) as u16
+    }
+}
+
+/// How long the driver waits for CSTS.RDY to change, in milliseconds: CAP.TO, or, when
+/// CAP.CRMS.CRWMS is set and `ready_timeouts` is CRTO as read then, the larger of CAP.TO and
+/// CRTO.CRWMT (at most 65535 × 500 ms, about 9.1 hours, the field's range). The larger, as Linux
+/// takes it (`nvme_enable_ctrl`): CRTO should be at least CAP.TO, but some devices report less,
+/// or 0. At least 500 ms, as [`Capabilities::ready_timeout_ms`].
+pub fn ready_timeout_ms(capabilities: Capabilities, ready_timeouts: Option<ReadyTimeouts>) -> u64 {
+    let with_media_ms = match ready_timeouts {
+        Some(crto) if capabilities.ready_with_media_supported() => u64::from(crto.with_media_500ms_units()) * 500,
+        _ => 0,
+    };
+    capabilities.ready_timeout_ms().max(with_media_ms)
 }
 
 /// VS (§3.1.3.2).
@@ -277,6 +318,26 @@ mod tests {
         assert_eq!(cc.io_submission_entry_size_log2(), 6);
         assert_eq!(cc.io_completion_entry_size_log2(), 4);
         assert_eq!(decode_admin_queue_attributes(admin_queue_attributes(64, 32)), (64, 32));
+    }
+
+    #[test]
+    fn the_ready_bound_is_cap_to_or_crto_crwmt_when_larger() {
+        // Goal: CRTO counts only with CAP.CRMS.CRWMS set; then its CRWMT (bits 15:0, not CRIMT
+        // in 31:16) raises the bound above CAP.TO, and never lowers it.
+        let crwms = |cap: Capabilities| Capabilities(cap.0 | 1 << 59);
+        let cap_to_1 = Capabilities::build(256, 1, 0, 0, 0);
+        let crto = |crimt: u32, crwmt: u32| Some(ReadyTimeouts(crimt << 16 | crwmt));
+        assert!(!cap_to_1.ready_with_media_supported() && crwms(cap_to_1).ready_with_media_supported());
+        assert_eq!(ready_timeout_ms(cap_to_1, crto(0, 6)), 500);
+        assert_eq!(ready_timeout_ms(crwms(cap_to_1), crto(0, 6)), 3_000);
+        assert_eq!(ready_timeout_ms(crwms(cap_to_1), crto(20, 2)), 1_000);
+        assert_eq!(ready_timeout_ms(crwms(cap_to_1), None), 500);
+        let cap_to_20 = crwms(Capabilities::build(256, 20, 0, 0, 0));
+        assert_eq!(ready_timeout_ms(cap_to_20, crto(0, 0)), 10_000);
+        assert_eq!(ready_timeout_ms(cap_to_20, crto(0, 4)), 10_000);
+        assert_eq!(ready_timeout_ms(cap_to_20, crto(0, 0xFFFF)), 65_535 * 500);
+        assert_eq!(ReadyTimeouts(0x0002_0007).independent_of_media_500ms_units(), 2);
+        assert_eq!(ReadyTimeouts(0x0002_0007).with_media_500ms_units(), 7);
     }
 
     #[test]
