@@ -17,7 +17,9 @@
 //! - `data_plane.rs` (+ `peer.rs`, the wire format, `staging.rs`, the daemon's own data half):
 //!   remote reads, a holder serving its segments over TCP and an asker storing them locally;
 //! - `heavy_hitters.rs`: a holder's bounded count of reads served per segment; an asker
-//!   registers its copy of a segment served more than `replicate_after` times (a second replica).
+//!   registers its copy of a segment served more than `replicate_after` times (a second replica);
+//! - `fetched.rs`: the copies an asker did not register, which a later commit of a longer prompt
+//!   must not register either.
 //!
 //! These three need the crate's `cluster` feature (etcd's client); without it
 //! [`ClusterAgent::start`] refuses cluster settings with the reason.
@@ -38,6 +40,8 @@ pub(crate) fn data_plane_requests_max(clients_max: usize) -> usize {
         0
     }
 }
+#[cfg(feature = "cluster")]
+mod fetched;
 #[cfg(feature = "cluster")]
 mod heavy_hitters;
 #[cfg(feature = "cluster")]
@@ -353,6 +357,11 @@ pub(crate) struct ClusterAgent {
     lookups: lookup::RemoteLookups,
     #[cfg(feature = "cluster")]
     data_plane: data_plane::DataPlane,
+    /// Fetched segments not registered (replicas in waiting), shared with the registrar, which
+    /// leaves them out of later commits (`fetched.rs`). Locked after the pool's lock, never
+    /// before it.
+    #[cfg(feature = "cluster")]
+    fetched: Arc<Mutex<fetched::FetchedCopies>>,
     /// The data plane's bound address.
     data_address: SocketAddr,
     /// Held while the agent lives, and so past the registrar's last write of the manifest (the
@@ -501,7 +510,16 @@ impl ClusterAgent {
             fingerprints: Vec::new(),
         };
         let recovered = registrar::Recovered { held, manifest, stale, previous_lease: loaded.lease_id };
-        let registrar = Registrar::new(settings.registry.clone(), record, receiver, metrics.clone(), Arc::clone(&state), recovered);
+        let fetched = Arc::new(Mutex::new(fetched::FetchedCopies::new(fetched::FETCHED_MAX)));
+        let registrar = Registrar::new(
+            settings.registry.clone(),
+            record,
+            receiver,
+            metrics.clone(),
+            Arc::clone(&state),
+            recovered,
+            Arc::clone(&fetched),
+        );
         Ok(ClusterAgent {
             settings,
             inbox,
@@ -510,6 +528,7 @@ impl ClusterAgent {
             state,
             lookups,
             data_plane,
+            fetched,
             data_address,
             _manifest_lock: manifest_lock,
         })
@@ -566,10 +585,18 @@ impl ClusterAgent {
         let per_segment = usize::from(self.settings.registry.segment_blocks.get());
         let replicate_after = self.settings.replicate_after;
         let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32| {
+            let Some(key) = segment_keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) else { return };
+            let mut fetched = self.fetched.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             if replicate_after > 0 && served > replicate_after {
                 // A heavy hitter: the copy just committed here becomes a registered replica.
+                fetched.replicated(space, key);
+                drop(fetched);
                 self.metrics.replicated_segments.inc();
                 self.hand_over(Committed { space: *space, keys: segment_keys.to_vec(), first_segment: segment as u32 });
+            } else {
+                // A replica in waiting: not registered by a later commit of a longer prompt
+                // either (remembered before the client's answer, so before any such commit).
+                fetched.fetched(space, key);
             }
         };
         // Holders passed over, each with why.

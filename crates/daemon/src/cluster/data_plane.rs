@@ -28,7 +28,8 @@
 //! (reserve, write through the staging half, flush, headers with FUA): the client then retrieves
 //! it through the normal path. Segments stored before a failure stay (each is whole and
 //! checked); the failure is the client's typed error for the rest. The copy is a replica in
-//! waiting: not registered, unless its holder has served it more than the node's
+//! waiting: not registered (nor by a later commit of a longer prompt: `fetched.rs`), unless its
+//! holder has served it more than the node's
 //! `--cluster-replicate-after` times (the count in each `SegmentHeader`, `heavy_hitters.rs`):
 //! then it is handed to the registrar as a second replica (registered under this node's lease,
 //! unregistered when evicted, kept in the manifest).

@@ -37,6 +37,7 @@ use std::time::{Duration, Instant};
 use tutti_cluster::layout::FINGERPRINTS_MAX;
 use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Rejoined, Segment};
 
+use super::fetched::FetchedCopies;
 use super::held::{HeldSegment, HeldSegments};
 use super::manifest::Manifest;
 use super::{AgentState, ClusterMetrics, Committed, Inbox};
@@ -104,6 +105,9 @@ pub(crate) struct Registrar {
     /// Before the first join: segments the previous process may have registered that this pool
     /// no longer holds (from the manifest, and those evicted since), to delete first.
     stale: Vec<(ModelSpace, Segment)>,
+    /// Fetched segments not registered (`fetched.rs`): a commit's segments among them are not
+    /// held nor registered. Locked under the pool's lock.
+    fetched: Arc<Mutex<FetchedCopies>>,
     /// The previous process's lease, from the manifest (0: none).
     previous_lease: i64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
@@ -130,6 +134,7 @@ impl Registrar {
         metrics: ClusterMetrics,
         state: Arc<AgentState>,
         recovered: Recovered,
+        fetched: Arc<Mutex<FetchedCopies>>,
     ) -> Registrar {
         let Recovered { held, manifest, stale, previous_lease } = recovered;
         Registrar {
@@ -143,6 +148,7 @@ impl Registrar {
             node: None,
             to_unregister: Vec::new(),
             stale,
+            fetched,
             previous_lease,
             rejoin_needed: false,
             rejoining: false,
@@ -300,13 +306,17 @@ impl Registrar {
             let complete = store.control.take_departures(&mut self.departed);
             let index = store.control.pool().index();
             let mut whole = |keys: &[u64]| keys.iter().all(|&key| index.get(key).is_some());
+            let mut fetched = lock(&self.fetched);
+            let mut present = |key: u64| index.get(key).is_some();
             if complete {
                 for &key in &self.departed {
                     self.held.block_departed(key, &mut whole, &mut self.removed);
+                    fetched.departed(key, &mut present);
                 }
             } else {
                 tracing::warn!("more blocks left the pool than were recorded: checking every held segment");
                 self.held.recheck_all(&mut whole, &mut self.removed);
+                fetched.recheck_all(&mut present);
             }
             for (position, commit) in commits.iter().enumerate() {
                 if segments_of(&commit.keys, self.config.segment_blocks, &mut self.segments).is_err() {
@@ -318,6 +328,11 @@ impl Registrar {
                     let start = segment.index as usize * per_segment;
                     let keys = &commit.keys[start..start + per_segment];
                     let Some(index) = commit.first_segment.checked_add(segment.index) else { continue };
+                    // A fetched copy left unregistered stays so when a commit of a longer prompt
+                    // (from block 0) includes it; a heavy hitter's was taken out of `fetched`.
+                    if fetched.contains(&commit.space, segment.key) {
+                        continue;
+                    }
                     if !self.held.contains(&commit.space, segment.key) && whole(keys) && self.held.insert(commit.space, index, keys) {
                         added.push((commit.space, index, position, start));
                     }
@@ -610,7 +625,7 @@ mod tests {
         let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
         let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
         let geometry = ModelGeometry { layers: 1, kv_heads: 8, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(16), pool_uuid: None, payload_crc: false };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false };
         format_pool(&targets, &params).unwrap();
         let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
         let control = StoreControl::new(pool, 16).unwrap();
@@ -633,7 +648,41 @@ mod tests {
             MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
         let manifest = Manifest::rewrite(&directory.join("segments"), blocks, previous_lease, held.iter()).unwrap();
         let recovered = Recovered { held, manifest, stale: Vec::new(), previous_lease };
-        Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered)
+        let fetched = Arc::new(Mutex::new(FetchedCopies::new(16)));
+        Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered, fetched)
+    }
+
+    /// Commits `keys` (blocks 0.. of a prompt) to `store`'s index, as a client's store would.
+    fn commit(store: &Mutex<StoreState>, keys: &[u64]) {
+        let mut store = lock(store);
+        let engine_blocks: Vec<u32> = (0..keys.len() as u32).collect();
+        let plan = store.control.reserve_store(keys, &engine_blocks, &mut objstore::NoLender).unwrap();
+        store.control.commit_store(plan.handle, None, &mut objstore::NoLender).unwrap();
+    }
+
+    #[test]
+    fn a_commit_of_a_longer_prompt_leaves_the_fetched_segments_in_it_unregistered() {
+        // Goal: this node fetched segments 0 and 1 of a prompt (not heavy hitters: replicas in
+        // waiting) and its client then stored the prompt plus a segment it computed. A store
+        // hands the registrar its whole prefix from block 0; the segments this node fetched
+        // are neither held nor registered from it (nor journalled), only the one it computed.
+        // Before, every whole segment of the commit was registered, so under
+        // `--cluster-replicate-after 0` ("never") fetched copies became replicas anyway.
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "fetched", HeldSegments::default(), 0, inbox);
+        let store = store();
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=48).collect();
+        commit(&store, &keys);
+        {
+            let mut fetched = lock(&registrar.fetched);
+            fetched.fetched(&space, SegmentKey::new(16).unwrap());
+            fetched.fetched(&space, SegmentKey::new(32).unwrap());
+        }
+        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
+        let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
+        assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
     }
 
     #[test]

@@ -1,0 +1,140 @@
+//! Replicas in waiting (docs/cluster.md, "Remote reads"): the segments this node fetched and
+//! did not register (not heavy hitters), remembered so that a later local commit of a longer
+//! prompt — a store always hands the registrar its whole prefix, from block 0 — does not
+//! register them after all. Under `--cluster-replicate-after 0` ("never") a node that fetched a
+//! prompt and extended it registered every fetched segment as its own replica; with the default
+//! N, a segment fetched once became a registered replica as soon as the prompt grew.
+//!
+//! The fetch path adds a segment right after storing it (before `FetchRemote` answers, so before
+//! any commit of the client's that could include it); the registrar asks at each commit, and
+//! drops a segment whose last block left the pool (the copy is gone: a segment stored again
+//! later is this node's own work, registered as any commit). Only the last block is looked at
+//! (the segment key; the blocks of a fetched segment are stored and retrieved together, so they
+//! leave together under LRU): a copy that lost another block alone and had it computed again
+//! stays unregistered until its last block leaves or it is forgotten past the bound.
+//!
+//! In memory only: after a restart a commit that includes a surviving fetched copy registers
+//! it (the manifest does not journal unregistered segments).
+//!
+//! **Bounded:** at most [`FETCHED_MAX`] segments (model space 40 bytes, segment key 8, a
+//! generation 8, in a map and a line: under 2 MiB); past it the oldest is forgotten, and a
+//! later commit including it registers it (as before this list existed).
+
+use std::collections::{HashMap, VecDeque};
+
+use tutti_cluster::{ModelSpace, SegmentKey};
+
+/// Segments remembered at most.
+pub const FETCHED_MAX: usize = 16_384;
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct FetchedCopies {
+    /// By segment key (its last block's key): the space and the generation it was added in.
+    by_key: HashMap<u64, (ModelSpace, u64)>,
+    /// Oldest first: a segment key and the generation of its addition (an entry whose map
+    /// entry has another generation, or none, is stale and skipped).
+    order: VecDeque<(u64, u64)>,
+    generation: u64,
+    max: usize,
+}
+
+impl FetchedCopies {
+    pub fn new(max: usize) -> FetchedCopies {
+        let max = max.max(1);
+        FetchedCopies { by_key: HashMap::new(), order: VecDeque::new(), generation: 0, max }
+    }
+
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Segment `key` of `space` was fetched and stored here, not registered.
+    pub fn fetched(&mut self, space: &ModelSpace, key: SegmentKey) {
+        self.generation += 1;
+        let key = key.get();
+        self.by_key.insert(key, (*space, self.generation));
+        self.order.push_back((key, self.generation));
+        while self.by_key.len() > self.max {
+            let Some((oldest, generation)) = self.order.pop_front() else { break };
+            if self.by_key.get(&oldest).is_some_and(|&(_, added)| added == generation) {
+                self.by_key.remove(&oldest);
+            }
+        }
+        // Stale entries (removed or added again) are skipped when met; rebuilt now and then so
+        // the line stays within twice the map.
+        if self.order.len() > 2 * self.max {
+            let by_key = &self.by_key;
+            self.order.retain(|(key, generation)| by_key.get(key).is_some_and(|&(_, added)| added == *generation));
+        }
+    }
+
+    /// Whether segment `key` of `space` is a fetched copy not to be registered.
+    pub fn contains(&self, space: &ModelSpace, key: SegmentKey) -> bool {
+        self.by_key.get(&key.get()).is_some_and(|(held, _)| held == space)
+    }
+
+    /// Segment `key` of `space` is registered after all (a heavy hitter): forgotten here.
+    pub fn replicated(&mut self, space: &ModelSpace, key: SegmentKey) {
+        if self.contains(space, key) {
+            self.by_key.remove(&key.get());
+        }
+    }
+
+    /// Block `block` left the pool: forgets the copy it was the last block of, unless `held`
+    /// says it is back (stored again since).
+    pub fn departed(&mut self, block: u64, held: &mut dyn FnMut(u64) -> bool) {
+        if self.by_key.contains_key(&block) && !held(block) {
+            self.by_key.remove(&block);
+        }
+    }
+
+    /// After departures were not all recorded: forgets every copy whose last block `held` says
+    /// is gone.
+    pub fn recheck_all(&mut self, held: &mut dyn FnMut(u64) -> bool) {
+        self.by_key.retain(|&key, _| held(key));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(value: u64) -> SegmentKey {
+        SegmentKey::new(value).unwrap()
+    }
+
+    #[test]
+    fn copies_are_remembered_per_space_bounded_and_forgotten_when_gone() {
+        // Goal: a fetched segment is remembered for its space only; past the bound the oldest
+        // goes first (one added again counts from its new addition); a departure of its last
+        // block forgets it unless the block is back; a heavy hitter's registration forgets it.
+        let (one, two) = (ModelSpace::new([1; 32], 0, 1).unwrap(), ModelSpace::new([2; 32], 0, 1).unwrap());
+        let mut copies = FetchedCopies::new(3);
+        copies.fetched(&one, key(10));
+        assert!(copies.contains(&one, key(10)));
+        assert!(!copies.contains(&two, key(10)));
+        copies.fetched(&one, key(20));
+        copies.fetched(&one, key(10));
+        copies.fetched(&one, key(30));
+        copies.fetched(&one, key(40));
+        assert_eq!(copies.len(), 3);
+        assert!(!copies.contains(&one, key(20)), "the oldest was kept");
+        assert!(copies.contains(&one, key(10)), "one added again was forgotten by its first addition");
+        copies.departed(30, &mut |_| true);
+        assert!(copies.contains(&one, key(30)), "a block back in the pool forgot its copy");
+        copies.departed(30, &mut |_| false);
+        assert!(!copies.contains(&one, key(30)));
+        copies.replicated(&two, key(40));
+        assert!(copies.contains(&one, key(40)), "another space's registration forgot it");
+        copies.replicated(&one, key(40));
+        assert!(!copies.contains(&one, key(40)));
+        copies.recheck_all(&mut |block| block != 10);
+        assert_eq!(copies.len(), 0);
+        for value in 1..=100 {
+            copies.fetched(&one, key(value));
+        }
+        assert!(copies.order.len() <= 2 * 3 + 1, "the line grew to {}", copies.order.len());
+    }
+}
