@@ -680,9 +680,23 @@ mod tests {
             fetched.fetched(&space, SegmentKey::new(16).unwrap());
             fetched.fetched(&space, SegmentKey::new(32).unwrap());
         }
-        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
+        registrar.update_local(&store, &[Committed { space, keys: keys.clone(), first_segment: 0 }]);
         let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
         assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
+
+        // The copies leave the pool (another prompt fills it) and the prompt is computed here
+        // and stored again: this node's own work, registered as any commit.
+        lock(&store).control.track_departures(1024);
+        let other: Vec<u64> = (1001..=1064).collect();
+        commit(&store, &other);
+        assert!(lock(&store).control.pool().index().get(16).is_none(), "the test needs the fetched copies evicted");
+        registrar.update_local(&store, &[]);
+        assert_eq!(lock(&registrar.fetched).len(), 0, "evicted copies are still remembered as fetched");
+        commit(&store, &keys);
+        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
+        let mut held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
+        held.sort_unstable();
+        assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
     }
 
     #[test]
