@@ -251,3 +251,39 @@ fn an_idle_node_whose_member_key_was_deleted_is_listed_again_and_read_from() {
     assert_eq!((status.lease_losses, status.joins), (1, 2), "{status:?}");
     fetch_onto_b_byte_exact(&b, 13, "rejoined-b");
 }
+
+#[test]
+fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() {
+    // Goal (`--cluster-replicate-after 0`, "never"): b fetches a's prompt 72 (segments 0 and
+    // 1), then its client stores the prompt extended by a segment it computed (48 blocks, from
+    // block 0, as every store is). b registers the new segment 2 only: the fetched copies stay
+    // replicas in waiting, and c's lookup lists a alone for them. Before, the commit registered
+    // every whole segment it held, the fetched ones included.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "b", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.extra = vec!["--cluster-replicate-after", "0"];
+        node.start(&etcd, true);
+    }
+    wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
+    store(a, 72);
+    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    let tokens = common::prompt(72, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = client_of(b, "b");
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_b = b.connect();
+    // The 32 fetched blocks are shared, 16 written.
+    assert_eq!(store_prompt(&mut store_b, 72, 0, 48).unwrap(), 16);
+    wait_for("b's computed segment registered", SOON, || b.status().segments_registered >= 1);
+    // Ten registrar passes more, in case the fetched segments came after.
+    std::thread::sleep(Duration::from_millis(500));
+    let status = b.status();
+    assert_eq!((status.segments_held, status.segments_registered, status.replicated_segments), (1, 1, 0), "{status:?}");
+    assert_eq!(holders(&reader, 72), [["a"], ["a"]], "b registered the segments it fetched");
+    let mut on_c = client_of(c, "c");
+    let seen = on_c.lookup_cluster(&tokens).unwrap();
+    assert_eq!((seen.remote_blocks, seen.holders), (32, vec![RemoteHolder { node: "a".into(), blocks: 32 }]));
+}
