@@ -7,11 +7,13 @@ Every wait is bounded: a forked child that does not exit is killed and fails the
 
 from __future__ import annotations
 
+import _thread
 import gc
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -316,6 +318,43 @@ def test_requests_dropped_with_a_stuck_layer_wait_the_store_timeout_once(formatt
                 time.sleep(0.05)
     for request in again:
         request.finish()
+    store.close()
+
+
+def test_a_wait_for_a_stuck_layer_is_interrupted_by_ctrl_c(formatted_daemon):
+    # Goal: Request.wait and LayerIo.wait for a store layer in flight through a paused tuttid
+    # (it never ends while paused) raise KeyboardInterrupt within 2 s of a Ctrl-C (here
+    # _thread.interrupt_main 0.3 s in), not at their 10 s timeout: the wait looks for signals
+    # between short sub-waits. The interrupted wait leaves the layer in flight, as a timeout
+    # does: once tuttid runs again, a wait returns it. Before, Ctrl-C was seen only when the
+    # wait returned (its timeout may be up to 1e9 s).
+    store = attach(formatted_daemon)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 86)
+    request = store.prepare_store(tokens(86, 1), [1])
+    formatted_daemon.pause()
+    try:
+        layer = request.store_layer(0)
+        for name, wait in (("Request.wait", request.wait), ("LayerIo.wait", layer.wait)):
+            interrupt = threading.Timer(0.3, _thread.interrupt_main)
+            started = time.monotonic()
+            try:
+                interrupt.start()
+                try:
+                    wait(timeout_s=10.0)
+                finally:
+                    # Here at the latest a Ctrl-C the wait did not see is raised (still caught).
+                    interrupt.join()
+                raise AssertionError(f"{name} returned for a layer through a paused tuttid")
+            except KeyboardInterrupt:
+                elapsed = time.monotonic() - started
+            assert elapsed < 2.0, f"{name} saw Ctrl-C after {elapsed:.2f} s"
+            assert request.layer_in_flight == 0, f"{name}: the interrupted wait leaves the layer in flight"
+    finally:
+        formatted_daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    layer.wait(timeout_s=WAIT_S)
+    request.finish()
     store.close()
 
 

@@ -571,7 +571,9 @@ class Store:
         flight at the deadline (or after a wait that failed without ending it): the KV memory is
         given back only once tuttid no longer lists the session and counted no new leaked queue
         pair (asked for at least 5 s); otherwise it is kept for good (leaked_registrations).
-        Idempotent. Every later call on the store or its requests raises StaleRequest."""
+        Idempotent. Every later call on the store or its requests raises StaleRequest. Not
+        interruptible (nor is leaving the `with`): Ctrl-C is raised once it returned, so that
+        nothing is given back while a layer may still move bytes."""
     def leaked_registrations(self) -> int:
         """Tensors (or allocate_kv buffers) whose memory this store keeps for good because a
         queue pair that could reach them could not be deleted, or (attached) a layer was in
@@ -597,7 +599,11 @@ class Request:
     drops wait for nothing (what has ended is taken, the rest held the same way): requests
     dropped together with a stuck device cost one timeout_s in all, not one each. Finish or
     commit explicitly (or use `with`) rather than rely on this: the drop may block the thread
-    that frees the object."""
+    that frees the object.
+
+    Leaving the `with`, the drop and Store.close are not interruptible, on purpose: Ctrl-C is
+    raised only once they returned (within the store's timeout_s), so that none gives back
+    memory or a request while a layer of it may still move bytes."""
 
     @property
     def handle(self) -> int:
@@ -669,7 +675,9 @@ class Request:
         that layer's LayerIo.wait raised it first). Raises TimeoutError after timeout_s (the
         layer stays in flight: wait again), IntegrityError (verify_retrieves: the last layer's
         wait compares CRCs), DeviceError (a command failed: that layer is ended, the later ones
-        stay in flight), StaleRequest."""
+        stay in flight), StaleRequest. Interruptible: it looks for signals every 100 ms or so
+        (GIL taken for that), so Ctrl-C raises KeyboardInterrupt (a handler's exception, in the
+        main thread) within about that; the layer stays in flight, as after TimeoutError."""
     def poll(self) -> bool:
         """Non-blocking: drives the I/O once, ending every layer in flight that is done (oldest
         first; later waits return them, a failed layer's failure too: poll does not raise it);
@@ -750,7 +758,8 @@ class LayerIo:
         failed wait the completion thread kept is no gate: it is tried again by this wait,
         within its timeout; TimeoutError; StaleRequest; InvalidState for a layer never issued on
         this request. After the request ended (finish, commit, leaving the `with`): returns at
-        once if this layer completed, raises its failure if it failed, else StaleRequest."""
+        once if this layer completed, raises its failure if it failed, else StaleRequest.
+        Interruptible as Request.wait (Ctrl-C: KeyboardInterrupt, the layer left in flight)."""
     def fileno(self) -> int:
         """The request's eventfd (Request.fileno)."""
 

@@ -133,6 +133,26 @@ fn deadline_of(seconds: f64) -> Result<Instant, Failure> {
     deadline_after(duration_of(seconds, "timeout_s")?)
 }
 
+/// How long a wait from Python runs with the GIL released before it looks for a signal.
+const SIGNAL_CHECK: Duration = Duration::from_millis(100);
+
+/// A wait from Python (`Request.wait`, `LayerIo.wait`) until `deadline`, Ctrl-C included: `wait`
+/// runs with the GIL released in sub-waits of at most `SIGNAL_CHECK`, and between them
+/// `check_signals` runs the handlers of signals that arrived (a KeyboardInterrupt is raised
+/// here). A timeout may be up to `TIMEOUT_MAX_S`, and a signal handler runs only in the main
+/// thread with the GIL: one wait of it all would hold Ctrl-C off until the layer ended. A wait a
+/// handler interrupts leaves the layer in flight, as a TimeoutError does (wait again, or
+/// finish). The store's lock is held one `WAIT_SLICE` at a time within each sub-wait, as before.
+fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Instant) -> Result<T, Failure> + Sync) -> PyResult<T> {
+    loop {
+        let until = deadline.min(Instant::now() + SIGNAL_CHECK);
+        match py.detach(|| wait(until)) {
+            Err(failure) if failure.class == ErrorClass::Timeout && until < deadline => py.check_signals()?,
+            waited => return waited.map_err(|failure| failure.to_pyerr(py)),
+        }
+    }
+}
+
 /// What a wait for `layer` raises when `earlier`, in flight before it, could not be waited for
 /// (its wait failed without ending it): `layer` cannot complete first, and the failure is
 /// `earlier`'s.
@@ -557,7 +577,7 @@ impl Request {
     #[pyo3(signature = (timeout_s = 30.0))]
     fn wait(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<u32>> {
         let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
-        py.detach(|| self.wait_until(deadline)).map_err(|failure| failure.to_pyerr(py))
+        interruptible(py, deadline, |until| self.wait_until(until))
     }
 
     fn poll(&self, py: Python<'_>) -> PyResult<bool> {
@@ -661,7 +681,7 @@ impl LayerIo {
         let deadline = deadline_of(timeout_s).map_err(|failure| failure.to_pyerr(py))?;
         let request = self.request.get();
         let (layer, issue) = (self.layer, self.issue);
-        py.detach(|| request.wait_issue(layer, issue, deadline)).map_err(|failure| failure.to_pyerr(py))
+        interruptible(py, deadline, |until| request.wait_issue(layer, issue, until))
     }
 
     fn fileno(&self, py: Python<'_>) -> PyResult<i32> {
