@@ -480,6 +480,40 @@ def test_a_forked_childs_copy_of_the_device_lock_does_not_keep_the_pool(tmp_path
             pass
 
 
+def test_a_store_refused_for_its_geometry_leaves_its_files_to_forked_children(tmp_path):
+    # Goal: Store.open of a pool formatted for another geometry raises PoolError and records
+    # nothing for forked children to close: a file opened later under a number the refused
+    # open used (the pool's image again: the same file, the identity a record is checked
+    # against) stays open in a child forked after. Before, the mismatch was found after the
+    # device fds were recorded, and the records outlived the closed files: the child closed
+    # its copies of the later files.
+    image = tmp_path / "pool.img"
+    locks = str(tmp_path / "locks")
+    tutti.Store.open(f"emu:{image}", GEOMETRY, format=True, lock_dir=locks, create_bytes=64 << 20).close()
+    other = tutti.ModelGeometry(layers=2, kv_heads=2, head_dim=64, dtype_bytes=2, block_tokens=16)
+    try:
+        tutti.Store.open(f"emu:{image}", other, lock_dir=locks)
+        raise AssertionError("a pool of another geometry was opened")
+    except tutti.PoolError as error:
+        assert "geometry" in str(error).lower(), error
+    # The image again under the lowest free numbers, the refused open's among them.
+    later = [os.open(image, os.O_RDONLY) for _ in range(8)]
+    try:
+        pid = os.fork()
+        if pid == 0:
+            code = 0  # every later file open
+            try:
+                for fd in later:
+                    os.fstat(fd)
+            except OSError:
+                code = 3
+            os._exit(code)
+        assert wait_child(pid) == 0, "the forked child found a later file of the image closed"
+    finally:
+        for fd in later:
+            os.close(fd)
+
+
 def test_with_store_in_a_forked_child_lets_the_blocks_exception_through():
     # Goal: a `with store:` block left by an exception in a forked child raises that exception,
     # not __exit__'s InvalidState (the store is the parent's: left as a drop leaves it). Before,

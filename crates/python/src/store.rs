@@ -835,17 +835,23 @@ impl Store {
         let (opened, device_fds) = py
             .detach(|| {
                 let before = crate::process::open_fds();
-                let opened = open_pool(&options)?;
+                let opened = open_pool(&options).map_err(open_failure)?;
+                // A pool of another geometry is refused here, with the GIL released: dropping
+                // it tears down its controllers and emulators (bounded, but it may take
+                // seconds). And before its fds are recorded for forked children to close: a
+                // record would outlive the file it names, and a file opened later under the
+                // number (the same image again: the same identity) would be closed in children.
+                if *opened.pool.geometry() != geometry {
+                    let mismatch = ObjstoreError::GeometryMismatch { on_disk: *opened.pool.geometry(), registered: geometry };
+                    drop(opened);
+                    return Err(Failure::from(mismatch));
+                }
                 // A forked child closes its copies of the locks and device fds (`process`).
                 let device_fds = crate::process::device_fds_since(&before, &options.lock_dir, &device_paths);
                 crate::process::keep_from_forked_children(&device_fds);
                 Ok((opened, device_fds))
             })
-            .map_err(|error| open_failure(error).to_pyerr(py))?;
-        if *opened.pool.geometry() != geometry {
-            let mismatch = ObjstoreError::GeometryMismatch { on_disk: *opened.pool.geometry(), registered: geometry };
-            return Err(Failure::from(mismatch).to_pyerr(py));
-        }
+            .map_err(|failure| failure.to_pyerr(py))?;
         let config = StoreConfig { iocbs, ioctx_per_iocb_max: 2048, requests_max, verify_retrieves };
         let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
         let mut state = StoreState::new(backend, key_space, RequestLimits { layers_in_flight, iocbs, requests_max });
