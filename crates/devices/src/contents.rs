@@ -68,6 +68,12 @@ pub fn foreign_contents(head: &[u8], blank_is_enough: bool) -> Option<String> {
     }
 }
 
+/// Whether `file` is a character device (false if it cannot be examined).
+fn is_char_device(file: &File) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    file.metadata().map(|metadata| metadata.file_type().is_char_device()).unwrap_or(false)
+}
+
 /// Reads up to [`PROBE_BYTES`] from the start of `file` (less if it is shorter).
 fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
     let mut head = vec![0u8; PROBE_BYTES];
@@ -108,8 +114,17 @@ pub fn refuse_foreign_contents(specs: &[DeviceSpec], claims: &BlockDeviceClaims)
                 (&opened, true)
             }
         };
-        let head = read_head(file)
-            .map_err(|source| DeviceError::Io { context: format!("{spec}: reading its first bytes to see what it holds"), source })?;
+        let head = match read_head(file) {
+            Ok(head) => head,
+            // A character device that cannot be read at an offset (an NVMe controller's
+            // /dev/nvme0: EINVAL; a tty: ESPIPE, EAGAIN) holds no pool and takes none: its open
+            // for I/O says so (unusable input), with or without overwrite, rather than this
+            // look (whose read errors are device failures) deciding otherwise.
+            Err(_) if claims.file(spec).is_none() && is_char_device(file) => continue,
+            Err(source) => {
+                return Err(DeviceError::Io { context: format!("{spec}: reading its first bytes to see what it holds"), source })
+            }
+        };
         if head.is_empty() {
             continue;
         }

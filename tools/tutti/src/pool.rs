@@ -692,4 +692,23 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_character_device_that_cannot_be_read_is_unusable_input_with_or_without_overwrite() {
+        // Goal: `emu:` naming a character device whose reads fail (EAGAIN for /dev/ptmx, EINVAL
+        // for an NVMe controller's /dev/nvme0) is no pool device: status 2 with or without
+        // --overwrite, as its open for I/O says; the look at what it holds made it a failure (1)
+        // without --overwrite once that look's read errors went by errno.
+        let directory = tempfile::tempdir().unwrap();
+        let lock_dir = directory.path().join("locks");
+        let lock_dir = lock_dir.to_str().unwrap();
+        for overwrite in [false, true] {
+            let mut arguments = vec!["format", "--device", "emu:/dev/ptmx", "--model", "llama3-8b", "--lock-dir", lock_dir];
+            if overwrite {
+                arguments.push("--overwrite");
+            }
+            let error = run_with(&command(&arguments), &HostBlockDevices).unwrap_err();
+            assert!(error.is::<Unusable>(), "overwrite {overwrite}: not status 2: {error:#}");
+        }
+    }
 }
