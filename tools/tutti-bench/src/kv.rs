@@ -396,8 +396,9 @@ fn pool_open_error(error: ObjstoreError, specs: &[DeviceSpec], plan: &KvPlan) ->
             // The software controller runs every namespace with 4096-byte LBAs here.
             Some(spec) if spec.is_emulated() => Unusable(format!(
                 "{spec}: {error}: tutti-bench runs emu: devices with {namespace}-byte LBAs (it has no --emu-lba-bytes), so it \
-                 cannot read a pool formatted with {recorded}-byte LBAs (tutti pool and tuttid read it with --emu-lba-bytes \
-                 {recorded}); accepted: a pool formatted with {namespace}-byte LBAs"
+                 cannot read a pool formatted with {recorded}-byte LBAs (only `tutti pool inspect|check --emu-lba-bytes \
+                 {recorded}` read it; tuttid and the Python package run emu: devices with {namespace}-byte LBAs too): \
+                 accepted: a pool formatted with {namespace}-byte LBAs"
             ))
             .into(),
             // An SSD's LBA size is its namespace's format, which no flag of tutti-bench changes.

@@ -142,6 +142,11 @@ pub fn with_devices(
         match BlockDeviceClaims::acquire(&devices, &HostBlockDevices) {
             Ok(claims) => claims,
             Err(error @ tutti_devices::DeviceError::BlockDeviceInUse { .. }) => return usage(error.to_string()),
+            // A disk gone or not allowed between the lock's open and this one is what was given
+            // (2), as tutti pool and tuttid decide a claim; EIO and the like are failures (1).
+            Err(tutti_devices::DeviceError::Io { ref source, ref context }) if tutti_devices::is_unusable_errno(source) => {
+                return usage(format!("{context}: {source}"))
+            }
             Err(error) => return Err(error.into()),
         }
     };

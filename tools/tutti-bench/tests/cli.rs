@@ -635,6 +635,8 @@ fn a_pool_formatted_with_other_lbas_is_unusable_input_naming_the_lba_size() {
     let output = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only"]);
     let text = stderr(&output);
     assert!(!text.contains("damaged") && !text.contains("never formatted"), "{text}");
+    // tuttid has no --emu-lba-bytes: the advice must not send the reader there.
+    assert!(!text.contains("tuttid read"), "{text}");
     assert_refused(
         &["--device", &device, "--prompt-tokens=160", "--retrieve-only"],
         &[&device, "512-byte LBAs", "4096-byte LBAs", "--emu-lba-bytes"],
