@@ -143,7 +143,7 @@ impl Client {
     /// Attaches: declares the model and the tensor-parallel rank/world size this session's keys
     /// belong to. Once per connection. A client name over 64 bytes
     /// ([`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)) is refused here, not
-    /// sent ([`DaemonError::RequestTooLarge`]).
+    /// sent ([`DaemonError::ClientNameTooLong`]).
     pub fn hello(&mut self, hello: &Hello) -> Result<HelloReply, DaemonError> {
         match self.call(&Request::Hello(hello.clone()))? {
             Reply::Hello(reply) => Ok(reply),
@@ -677,7 +677,7 @@ pub(crate) mod tests {
     }
 
     /// Goal: a client name the daemon would refuse (over CLIENT_NAME_BYTES_MAX, 64 bytes) is
-    /// refused here, before a byte is sent, as the caller's argument (RequestTooLarge: the
+    /// refused here, before a byte is sent, as the caller's argument (ClientNameTooLong: the
     /// Python package's InvalidArgument), not sent and answered MalformedBody; a name of exactly
     /// 64 bytes is sent.
     #[test]
