@@ -104,13 +104,14 @@ fn probe(address: PciAddress, reset_first: bool) -> Result<String> {
         status.0
     );
 
-    // Disable, program the admin queue, enable (§3.5.1). The ready bound is CAP.TO, or CRTO.CRWMT
-    // when CAP.CRMS.CRWMS says CRTO is there and it is larger, as the driver takes it.
+    // Disable, program the admin queue, enable (§3.5.1), with the driver's bounds: CAP.TO for
+    // the disable; for the enable CAP.TO, or CRTO.CRWMT when CAP.CRMS.CRWMS says CRTO is there
+    // and it is larger (CRWMT is defined for the enable only).
     let crto = cap.ready_with_media_supported().then(|| reg::ReadyTimeouts(registers.read32(reg::CRTO)));
-    let ready_timeout = Duration::from_millis(reg::ready_timeout_ms(cap, crto));
+    let enable_timeout = Duration::from_millis(reg::ready_timeout_ms(cap, crto));
     let configuration = ControllerConfiguration(registers.read32(reg::CC));
     registers.write32(reg::CC, configuration.0 & !1);
-    wait_ready(&*registers, false, ready_timeout)?;
+    wait_ready(&*registers, false, Duration::from_millis(cap.ready_timeout_ms()))?;
     // VFIO opens the function (and leaves it after a reset) with bus mastering off, until the
     // controller was seen stopped; without it the first DMA fails with CSTS.CFS = 1.
     device.enable_bus_master()?;
@@ -127,7 +128,7 @@ fn probe(address: PciAddress, reset_first: bool) -> Result<String> {
     registers.write64(reg::ASQ, submission_queue.iova().0);
     registers.write64(reg::ACQ, completion_queue.iova().0);
     registers.write32(reg::CC, ControllerConfiguration::for_enable().0);
-    wait_ready(&*registers, true, ready_timeout)?;
+    wait_ready(&*registers, true, enable_timeout)?;
 
     let mut admin =
         AdminQueue { submission_queue, completion_queue, tail: 0, head: 0, phase: true, next_id: 1, stride: cap.doorbell_stride_log2() };

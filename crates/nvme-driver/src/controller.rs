@@ -1,11 +1,12 @@
-//! Controller bring-up (§3.5.1) as a state machine with deadlines from CAP.TO (or CRTO.CRWMT,
-//! when larger: [`Controller::ready_timeout`]), Identify, queue creation and deletion,
-//! features, log pages, reset and teardown.
+//! Controller bring-up (§3.5.1) as a state machine with deadlines (CSTS.RDY = 0 after a
+//! disable within CAP.TO; CSTS.RDY = 1 after an enable within the enable bound,
+//! [`Controller::ready_timeout`]: CAP.TO, or CRTO.CRWMT when larger), Identify, queue creation
+//! and deletion, features, log pages, reset and teardown.
 //!
 //! Teardown. A controller is disabled before its memory goes: `Drop` makes every queue pair
 //! stale (the doorbell gate), requests a normal shutdown and waits for it to complete (within
-//! the shutdown bound, [`Controller::shutdown_timeout`]: RTD3E, the ready bound), then clears
-//! CC.EN and waits for CSTS.RDY = 0 within the ready bound ([`Controller::ready_timeout`]).
+//! the shutdown bound, [`Controller::shutdown_timeout`]: RTD3E, CAP.TO), then clears CC.EN and
+//! waits for CSTS.RDY = 0 within CAP.TO.
 //! CC.EN is never cleared while the shutdown reads in progress within the shutdown bound: that
 //! would cut an SSD's cache write-back short. Only a controller seen to stop gets its admin
 //! rings and scratch page freed (and lets stale queue pairs free theirs); otherwise they are
@@ -37,18 +38,18 @@ const NAMESPACES_MAX: usize = 1024;
 /// data, and a value near its 71-minute maximum would hold a teardown that long. Linux caps its
 /// shutdown wait at 60 s too.
 const SHUTDOWN_LATENCY_MAX_MS: u64 = 60_000;
-/// Shortest shutdown wait, for controllers that report no RTD3E and a small ready bound.
+/// Shortest shutdown wait, for controllers that report no RTD3E and a small CAP.TO.
 const SHUTDOWN_TIMEOUT_MIN_MS: u64 = 1_000;
 
 /// How long a normal shutdown may take before the driver gives up on it: the controller's RTD3
 /// Entry Latency (rounded up to a millisecond, at most [`SHUTDOWN_LATENCY_MAX_MS`]), and never
-/// less than the ready bound `ready_timeout_ms` (how long enabling or disabling may take:
-/// CAP.TO, or CRTO.CRWMT when larger, see [`registers::ready_timeout_ms`]) or
-/// [`SHUTDOWN_TIMEOUT_MIN_MS`]. The ready bound alone is too short for drives whose cache
-/// write-back takes longer than their enable: RTD3E is what they report for it.
-fn shutdown_timeout_ms(ready_timeout_ms: u64, rtd3_entry_latency_us: u32) -> u64 {
+/// less than CAP.TO (its 8-bit field bounds it at 127.5 s) or [`SHUTDOWN_TIMEOUT_MIN_MS`].
+/// CAP.TO alone is too short for drives whose cache write-back takes longer than their enable:
+/// RTD3E is what they report for it. CRTO.CRWMT is no floor: it bounds an enable only, and as a
+/// 16-bit figure (up to about 9.1 h) it would undo the 60 s cap on RTD3E.
+fn shutdown_timeout_ms(capabilities: Capabilities, rtd3_entry_latency_us: u32) -> u64 {
     let reported_ms = u64::from(rtd3_entry_latency_us).div_ceil(1000).min(SHUTDOWN_LATENCY_MAX_MS);
-    reported_ms.max(ready_timeout_ms).max(SHUTDOWN_TIMEOUT_MIN_MS)
+    reported_ms.max(capabilities.ready_timeout_ms()).max(SHUTDOWN_TIMEOUT_MIN_MS)
 }
 
 /// Which data pointer the driver uses for I/O.
@@ -94,8 +95,9 @@ impl Default for ControllerConfig {
     }
 }
 
-/// The bring-up stages (§3.5.1), in order; each waiting stage has the ready bound as its
-/// deadline ([`Controller::ready_timeout`]: CAP.TO, or CRTO.CRWMT when larger).
+/// The bring-up stages (§3.5.1), in order; each waiting stage has a deadline: CAP.TO for
+/// `WaitNotReady`, the enable bound ([`Controller::ready_timeout`]: CAP.TO, or CRTO.CRWMT when
+/// larger) for `WaitReady` and for `Disable`'s wait for an enable under way to finish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BringUpStage {
     Disable,
@@ -117,9 +119,11 @@ pub struct Controller {
     dma: Arc<dyn DmaAllocator>,
     config: ControllerConfig,
     capabilities: Capabilities,
-    /// How long CSTS.RDY may take to change ([`registers::ready_timeout_ms`]: CAP.TO, or
-    /// CRTO.CRWMT when CAP.CRMS.CRWMS is set and it is larger), read once at init.
-    ready_timeout_ms: u64,
+    /// The enable bound: how long CSTS.RDY may take to become 1 after CC.EN does
+    /// ([`registers::ready_timeout_ms`]: CAP.TO, or CRTO.CRWMT when CAP.CRMS.CRWMS is set and
+    /// it is larger), read once at init. A disable's wait is bounded by CAP.TO alone
+    /// ([`Capabilities::ready_timeout_ms`]).
+    enable_timeout_ms: u64,
     version: Version,
     admin: Arc<AdminShared>,
     identify: IdentifyController,
@@ -128,8 +132,8 @@ pub struct Controller {
     granted_queue_pairs: u16,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
-    /// The shutdown bound ([`shutdown_timeout_ms`]), from the last Identify (the ready bound
-    /// alone before one).
+    /// The shutdown bound ([`shutdown_timeout_ms`]), from the last Identify (CAP.TO alone
+    /// before one).
     shutdown_timeout_ms: u64,
     /// A 4 KiB buffer for Identify and log pages.
     scratch: DmaRegion,
@@ -183,13 +187,13 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, timeout_ms: u64) -> Resul
     }
 }
 
-/// Before CC.EN is cleared: a controller seen with CC.EN = 1 and CSTS.RDY = 0 may be in the
-/// middle of enabling (a crashed process's bring-up, or our own that timed out waiting for RDY).
-/// The spec leaves clearing EN then undefined, and a RDY = 0 read right after the clear could be
-/// the enable not yet done rather than the reset done: waits (`timeout_ms`, the ready bound) for
-/// RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status skips the wait (it
-/// will not become ready; clearing EN is its reset). A timeout is returned: the caller then
-/// cannot know the controller stopped, and keeps what it may write.
+/// Before CC.EN is cleared: a controller seen with CC.EN = 1 and CSTS.RDY = 0 may be in the middle
+/// of enabling (a crashed process's bring-up, or our own that timed out waiting for RDY). The spec
+/// leaves clearing EN then undefined, and a RDY = 0 read right after the clear could be the enable
+/// not yet done rather than the reset done: waits (`timeout_ms`, the enable bound, since this is an
+/// enable's RDY 0 → 1) for RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status
+/// skips the wait (it will not become ready; clearing EN is its reset). A timeout is returned: the
+/// caller then cannot know the controller stopped, and keeps what it may write.
 fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeError> {
     if !ControllerConfiguration(registers.read32(registers::CC)).enabled() {
         return Ok(());
@@ -204,9 +208,10 @@ fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), Nvme
     }
 }
 
-/// The `Disable` stage: clears CC.EN if it is set, once [`settle_enable`] let it.
-fn clear_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeError> {
-    settle_enable(registers, timeout_ms)?;
+/// The `Disable` stage: clears CC.EN if it is set, once [`settle_enable`] let it (within
+/// `enable_timeout_ms`).
+fn clear_enable(registers: &dyn RegisterIo, enable_timeout_ms: u64) -> Result<(), NvmeError> {
+    settle_enable(registers, enable_timeout_ms)?;
     let configuration = ControllerConfiguration(registers.read32(registers::CC));
     if configuration.enabled() {
         registers.write32(registers::CC, configuration.0 & !1);
@@ -220,12 +225,11 @@ impl Controller {
     /// Queues. I/O queue pairs are created afterwards with [`Controller::create_io_queue_pair`].
     ///
     /// Nothing is mapped for the device until it was seen to stop (CSTS.RDY = 0 after CC.EN = 0,
-    /// within the ready bound, [`Controller::ready_timeout`]): a function an earlier process
-    /// left enabled may still DMA through that process's queues into whatever this one maps.
-    /// If it never stops, nothing was mapped and the error is [`NvmeError::ReadyTimeout`]. Bus
-    /// mastering ([`DeviceBackend::enable_bus_master`]) is turned on only after that stop too:
-    /// other functions of the same DMA space, brought up one by one, may have memory mapped
-    /// already.
+    /// within CAP.TO): a function an earlier process left enabled may still DMA through that
+    /// process's queues into whatever this one maps. If it never stops, nothing was mapped and the
+    /// error is [`NvmeError::ReadyTimeout`]. Bus mastering ([`DeviceBackend::enable_bus_master`])
+    /// is turned on only after that stop too: other functions of the same DMA space, brought up one
+    /// by one, may have memory mapped already.
     pub fn init(backend: Arc<dyn DeviceBackend>, config: ControllerConfig) -> Result<Self, NvmeError> {
         let registers = backend.registers();
         let dma = backend.dma();
@@ -253,16 +257,20 @@ impl Controller {
             return Err(NvmeError::Unsupported { reason: "CAP.MQES = 0: queues of one entry cannot hold a command".into() });
         }
         // CRTO exists only where CAP.CRMS.CRWMS says so (offset 68h is reserved before NVMe 2.0).
-        // The driver enables with CC.CRIME = 0, so CRWMT is the bound that applies.
+        // The driver enables with CC.CRIME = 0, so CRWMT is the bound that applies, to the
+        // enable only: the spec defines it for CSTS.RDY 0 → 1, a disable stays within CAP.TO
+        // (as Linux's nvme_disable_ctrl has it), and a drive that never stops is not waited
+        // for up to CRWMT's 9 hours.
         let ready_timeouts = capabilities.ready_with_media_supported().then(|| ReadyTimeouts(registers.read32(registers::CRTO)));
-        let ready_timeout_ms = registers::ready_timeout_ms(capabilities, ready_timeouts);
+        let enable_timeout_ms = registers::ready_timeout_ms(capabilities, ready_timeouts);
+        let disable_timeout_ms = capabilities.ready_timeout_ms();
         if let Some(crto) = ready_timeouts.filter(|crto| u64::from(crto.with_media_500ms_units()) * 500 < capabilities.ready_timeout_ms()) {
             tracing::warn!(device = %backend.name(), crto = crto.0, cap = capabilities.0, "CRTO.CRWMT is below CAP.TO: waiting CAP.TO");
         }
         // Stop the function before any memory is mapped for it (see above). The bring-up below
         // starts with the same two stages; on a stopped controller they write nothing.
-        clear_enable(registers.as_ref(), ready_timeout_ms)?;
-        wait_ready(registers.as_ref(), false, ready_timeout_ms)?;
+        clear_enable(registers.as_ref(), enable_timeout_ms)?;
+        wait_ready(registers.as_ref(), false, disable_timeout_ms)?;
         // AQA holds 12-bit sizes: admin queues have at most 4096 entries.
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
         let admin_queue =
@@ -275,7 +283,7 @@ impl Controller {
             dma,
             config,
             capabilities,
-            ready_timeout_ms,
+            enable_timeout_ms,
             version,
             admin,
             identify: IdentifyController::default(),
@@ -284,7 +292,7 @@ impl Controller {
             granted_queue_pairs: 0,
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
-            shutdown_timeout_ms: shutdown_timeout_ms(ready_timeout_ms, 0),
+            shutdown_timeout_ms: shutdown_timeout_ms(capabilities, 0),
             scratch,
             doorbell_buffer: None,
             shadow_doorbells: ShadowState::Off,
@@ -297,17 +305,18 @@ impl Controller {
     /// held by a reset: released once CSTS.RDY = 0 was seen (marking the old generations'
     /// queues gone) or bring-up failed before that (leaving them possibly live).
     fn bring_up(&mut self, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
-        let timeout_ms = self.ready_timeout_ms;
+        let enable_timeout_ms = self.enable_timeout_ms;
+        let disable_timeout_ms = self.capabilities.ready_timeout_ms();
         let mut stage = BringUpStage::Disable;
         loop {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
             stage = match stage {
                 BringUpStage::Disable => {
-                    clear_enable(self.registers.as_ref(), timeout_ms)?;
+                    clear_enable(self.registers.as_ref(), enable_timeout_ms)?;
                     BringUpStage::WaitNotReady
                 }
                 BringUpStage::WaitNotReady => {
-                    wait_ready(self.registers.as_ref(), false, timeout_ms)?;
+                    wait_ready(self.registers.as_ref(), false, disable_timeout_ms)?;
                     // CSTS.RDY = 0 after CC.EN = 0: the controller reset completed and deleted
                     // every I/O queue (§3.7.2), so older queue pairs' rings are free to go.
                     if let Some(ending) = ending.take() {
@@ -337,7 +346,7 @@ impl Controller {
                     BringUpStage::WaitReady
                 }
                 BringUpStage::WaitReady => {
-                    wait_ready(self.registers.as_ref(), true, timeout_ms)?;
+                    wait_ready(self.registers.as_ref(), true, enable_timeout_ms)?;
                     BringUpStage::Identify
                 }
                 BringUpStage::Identify => {
@@ -449,7 +458,7 @@ impl Controller {
                 }
             }
         }
-        self.shutdown_timeout_ms = shutdown_timeout_ms(self.ready_timeout_ms, IdentifyController::rtd3_entry_latency_us(&bytes));
+        self.shutdown_timeout_ms = shutdown_timeout_ms(self.capabilities, IdentifyController::rtd3_entry_latency_us(&bytes));
         self.identify = identify;
         self.namespaces = namespaces;
         self.refused_namespaces = refused;
@@ -635,14 +644,15 @@ impl Controller {
         self.bring_up(Some(ending))
     }
 
-    /// Stops the controller for teardown: a normal shutdown (so a real SSD commits its cache
-    /// and records a clean shutdown) unless it is disabled or fatal, waited for within the
-    /// shutdown bound ([`Controller::shutdown_timeout`]), then CC.EN = 0 and a wait for
-    /// CSTS.RDY = 0 within the ready bound ([`Controller::ready_timeout`]). CC.EN is cleared while the shutdown still reads in progress
-    /// only once that bound has passed. `Ok` means the controller was seen to stop, so it no
-    /// longer touches any queue memory.
+    /// Stops the controller for teardown: a normal shutdown (so a real SSD commits its cache and
+    /// records a clean shutdown) unless it is disabled or fatal, waited for within the shutdown
+    /// bound ([`Controller::shutdown_timeout`]), then CC.EN = 0 and a wait for CSTS.RDY = 0 within
+    /// CAP.TO. CC.EN is cleared while the shutdown still reads in progress only once the shutdown
+    /// bound has passed. A controller found in the middle of an enable is first given the enable bound to
+    /// finish it ([`settle_enable`]). `Ok` means the controller was seen to stop, so it no longer
+    /// touches any queue memory.
     fn stop(&self) -> Result<(), NvmeError> {
-        settle_enable(self.registers.as_ref(), self.ready_timeout_ms)?;
+        settle_enable(self.registers.as_ref(), self.enable_timeout_ms)?;
         let status = read_status(self.registers.as_ref())?;
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         if configuration.enabled() && status.ready() && !status.fatal() {
@@ -653,7 +663,7 @@ impl Controller {
         }
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         self.registers.write32(registers::CC, configuration.0 & !1);
-        wait_ready(self.registers.as_ref(), false, self.ready_timeout_ms)
+        wait_ready(self.registers.as_ref(), false, self.capabilities.ready_timeout_ms())
     }
 
     /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within the
@@ -683,17 +693,20 @@ impl Controller {
 
     /// How long [`Controller::shutdown`] (and teardown's shutdown) waits for CSTS.SHST to read
     /// complete: the controller's RTD3 Entry Latency (Identify RTD3E) capped at 60 s, and at
-    /// least the ready bound ([`Controller::ready_timeout`]) and 1 s.
+    /// least CAP.TO and 1 s.
     pub fn shutdown_timeout(&self) -> Duration {
         Duration::from_millis(self.shutdown_timeout_ms)
     }
 
-    /// How long bring-up, a reset and teardown wait for CSTS.RDY to change: CAP.TO (at least
-    /// 500 ms), or, on a controller with CAP.CRMS.CRWMS set, CRTO.CRWMT when that is larger
-    /// (NVMe 2.0: CAP.TO may then be a saturated or lower figure). The driver enables with
-    /// CC.CRIME = 0, so CRTO.CRIMT does not apply.
+    /// The enable bound: how long bring-up and a reset wait for CSTS.RDY to become 1 after
+    /// setting CC.EN (and how long they, and teardown, give a controller found in the middle
+    /// of an enable to finish it): CAP.TO (at least 500 ms), or, on a controller with
+    /// CAP.CRMS.CRWMS set, CRTO.CRWMT when that is larger (NVMe 2.0: CAP.TO may then be a
+    /// saturated or lower figure). The driver enables with CC.CRIME = 0, so CRTO.CRIMT does not
+    /// apply. Every wait for CSTS.RDY to become 0 after clearing CC.EN is bounded by CAP.TO
+    /// ([`Capabilities::ready_timeout_ms`]) instead: CRWMT is defined for the enable only.
     pub fn ready_timeout(&self) -> Duration {
-        Duration::from_millis(self.ready_timeout_ms)
+        Duration::from_millis(self.enable_timeout_ms)
     }
 
     /// Current controller status; `DeviceGone` if the registers read as all ones.

@@ -923,8 +923,9 @@ fn an_attach_layout_naming_the_admin_queue_is_refused() {
 fn the_ready_wait_honours_crto_when_cap_says_ready_with_media_is_supported() {
     // Goal: an NVMe 2.0 controller with CAP.CRMS.CRWMS (CAP bit 59) set may leave CAP.TO short
     // (here 1: 500 ms) and give the real bound for CSTS.RDY in CRTO.CRWMT (6: 3 s). Its enable,
-    // done after 1.5 s, is waited for, and the longer bound floors the shutdown wait too. It
-    // used to end at CAP.TO with ReadyTimeout { timeout_ms: 500 }.
+    // done after 1.5 s, is waited for. It used to end at CAP.TO with
+    // ReadyTimeout { timeout_ms: 500 }. CRWMT bounds the enable only: the shutdown bound's floor
+    // stays CAP.TO (and 1 s).
     const CRWMS: u64 = 1 << 59;
     let slow_enable = |to: u8, crwms: bool, crwmt: u32, takes_ms: u64| FakeScript {
         capabilities: Capabilities::build(256, to, 0, 0, 0).0 | if crwms { CRWMS } else { 0 },
@@ -937,7 +938,7 @@ fn the_ready_wait_honours_crto_when_cap_says_ready_with_media_is_supported() {
     let controller = Controller::init(device, config()).expect("bring-up within CRTO.CRWMT");
     assert!(started.elapsed() >= Duration::from_millis(1500), "{:?}", started.elapsed());
     assert_eq!(controller.ready_timeout(), Duration::from_secs(3));
-    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(3));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(1));
     drop(controller);
     // Without CRWMS, CRTO is ignored (before NVMe 2.0 its offset is reserved): CAP.TO rules.
     let result = Controller::init(FakeDevice::new(slow_enable(1, false, 6, 1500)), config());
@@ -946,4 +947,29 @@ fn the_ready_wait_honours_crto_when_cap_says_ready_with_media_is_supported() {
     // the wait: an enable done after 700 ms is waited for.
     let controller = Controller::init(FakeDevice::new(slow_enable(2, true, 1, 700)), config()).expect("bring-up within CAP.TO");
     assert_eq!(controller.ready_timeout(), Duration::from_secs(1));
+}
+
+#[test]
+fn crto_crwmt_bounds_only_the_enable_and_cap_to_every_disable() {
+    // Goal: CRTO.CRWMT is defined for CSTS.RDY 0 → 1 after CC.EN = 1 (CC.CRIME = 0) only, and
+    // it is a 16-bit device figure (up to about 9.1 h). A disable (init's stop of a function
+    // left running, a reset's, teardown's) is bounded by CAP.TO, as Linux's nvme_disable_ctrl
+    // does, and so is the shutdown bound's floor: a drive that never stops fails within CAP.TO.
+    // It used to be held for CRWMT (here 3 s instead of 500 ms).
+    const CRWMS: u64 = 1 << 59;
+    let script = || FakeScript { capabilities: Capabilities::build(256, 1, 0, 0, 0).0 | CRWMS, ready_timeouts: 6, ..FakeScript::default() };
+    let device = FakeDevice::new(FakeScript { starts_enabled: true, disable_completes: false, ..script() });
+    let started = std::time::Instant::now();
+    let result = Controller::init(device, config());
+    assert!(matches!(result, Err(NvmeError::ReadyTimeout { timeout_ms: 500, .. })), "{result:?}");
+    assert!(started.elapsed() < Duration::from_millis(1500), "{:?}", started.elapsed());
+    // A reset whose disable never completes gives up (and lets the doorbell gate go) at CAP.TO.
+    let (device, mut controller) = bring_up(script());
+    assert_eq!(controller.ready_timeout(), Duration::from_secs(3));
+    assert_eq!(controller.shutdown_timeout(), Duration::from_secs(1), "RTD3E 0: the 1 s floor, not CRWMT");
+    device.update_script(|script| script.disable_completes = false);
+    let started = std::time::Instant::now();
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::ReadyTimeout { timeout_ms: 500, .. })), "{reset:?}");
+    assert!(started.elapsed() < Duration::from_millis(1500), "{:?}", started.elapsed());
 }

@@ -64,8 +64,10 @@ impl Capabilities {
         (self.0 >> 24 & 0xFF) as u8
     }
     /// cap.to in milliseconds (at least 500 ms, so a controller reporting 0 still gets a bound).
-    /// CAP.TO alone: a controller with [`Capabilities::ready_with_media_supported`] may give a
-    /// longer bound in CRTO, which [`ready_timeout_ms`] takes into account.
+    /// The driver's bound for every wait for CSTS.RDY = 0 after CC.EN = 0, and the floor of its
+    /// shutdown bound. For CSTS.RDY = 1 after CC.EN = 1, a controller with
+    /// [`Capabilities::ready_with_media_supported`] may give a longer bound in CRTO, which
+    /// [`ready_timeout_ms`] takes into account.
     pub fn ready_timeout_ms(self) -> u64 {
         u64::from(self.timeout_500ms_units().max(1)) * 500
     }
@@ -128,11 +130,14 @@ impl ReadyTimeouts {
     }
 }
 
-/// How long the driver waits for CSTS.RDY to change, in milliseconds: CAP.TO, or, when
+/// The enable bound: how long the driver waits for CSTS.RDY to become 1 after setting CC.EN
+/// (CC.CRIME = 0), in milliseconds: CAP.TO, or, when
 /// CAP.CRMS.CRWMS is set and `ready_timeouts` is CRTO as read then, the larger of CAP.TO and
 /// CRTO.CRWMT (at most 65535 × 500 ms, about 9.1 hours, the field's range). The larger, as Linux
 /// takes it (`nvme_enable_ctrl`): CRTO should be at least CAP.TO, but some devices report less,
-/// or 0. At least 500 ms, as [`Capabilities::ready_timeout_ms`].
+/// or 0. At least 500 ms, as [`Capabilities::ready_timeout_ms`]. Only for RDY 0 → 1, the one
+/// transition CRWMT is defined for: a disable's wait is CAP.TO alone, as Linux's
+/// `nvme_disable_ctrl` has it, so a drive that never stops is not waited for up to 9 hours.
 pub fn ready_timeout_ms(capabilities: Capabilities, ready_timeouts: Option<ReadyTimeouts>) -> u64 {
     let with_media_ms = match ready_timeouts {
         Some(crto) if capabilities.ready_with_media_supported() => u64::from(crto.with_media_500ms_units()) * 500,
