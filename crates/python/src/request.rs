@@ -136,6 +136,28 @@ fn deadline_of(seconds: f64) -> Result<Instant, Failure> {
 /// How long a wait from Python runs with the GIL released before it looks for a signal.
 const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 
+/// How a wait until a deadline came out, when it raised nothing.
+#[derive(Debug, PartialEq, Eq)]
+enum Waited<T> {
+    /// It ended: what it returns (an outcome it took is consumed).
+    Done(T),
+    /// The deadline came first and nothing was taken: the TimeoutError to raise should that
+    /// deadline be the caller's last. Told apart from a failure by its kind, not its class: a
+    /// layer's own failure (consumed once taken) may have class Timeout too.
+    TimedOut(Failure),
+}
+
+impl<T> Waited<T> {
+    /// The value, or the TimeoutError: a wait with no later deadline (the tests).
+    #[cfg(test)]
+    fn into_result(self) -> Result<T, Failure> {
+        match self {
+            Waited::Done(value) => Ok(value),
+            Waited::TimedOut(failure) => Err(failure),
+        }
+    }
+}
+
 /// A wait from Python (`Request.wait`, `LayerIo.wait`) until `deadline`, Ctrl-C included: `wait`
 /// runs with the GIL released in sub-waits of at most `SIGNAL_CHECK`, and between them
 /// `check_signals` runs the handlers of signals that arrived (a KeyboardInterrupt is raised
@@ -143,12 +165,15 @@ const SIGNAL_CHECK: Duration = Duration::from_millis(100);
 /// thread with the GIL: one wait of it all would hold Ctrl-C off until the layer ended. A wait a
 /// handler interrupts leaves the layer in flight, as a TimeoutError does (wait again, or
 /// finish). The store's lock is held one `WAIT_SLICE` at a time within each sub-wait, as before.
-fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Instant) -> Result<T, Failure> + Sync) -> PyResult<T> {
+/// Only a sub-wait that took nothing (`Waited::TimedOut`) is waited again; whatever it raised
+/// is raised, whatever its class.
+fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Instant) -> Result<Waited<T>, Failure> + Sync) -> PyResult<T> {
     loop {
         let until = deadline.min(Instant::now() + SIGNAL_CHECK);
         match py.detach(|| wait(until)) {
-            Err(failure) if failure.class == ErrorClass::Timeout && until < deadline => py.check_signals()?,
-            waited => return waited.map_err(|failure| failure.to_pyerr(py)),
+            Ok(Waited::Done(value)) => return Ok(value),
+            Ok(Waited::TimedOut(_)) if until < deadline => py.check_signals()?,
+            Ok(Waited::TimedOut(failure)) | Err(failure) => return Err(failure.to_pyerr(py)),
         }
     }
 }
@@ -304,20 +329,21 @@ impl Request {
     /// `deadline`) when it is still in flight; raises its failure if it failed; `Ok(None)` if
     /// no layer was issued and not yet returned. An outcome seen elsewhere (a poll, the
     /// completion thread, a later layer's LayerIo.wait) is returned once, in issue order.
-    fn wait_until(&self, deadline: Instant) -> Result<Option<u32>, Failure> {
+    /// `Waited::TimedOut` at `deadline` with nothing taken.
+    fn wait_until(&self, deadline: Instant) -> Result<Waited<Option<u32>>, Failure> {
         self.check_live()?;
         loop {
             let mut state = self.shared.lock()?;
             let request = state.request(self.handle)?;
             // Layers ended before a failure the completion thread saw come first: issue order.
             if let Some(outcome) = request.unreported.pop_front() {
-                return outcome.into_result().map(Some);
+                return outcome.into_result().map(|layer| Waited::Done(Some(layer)));
             }
             if let Some(failure) = request.take_stall() {
                 return Err(failure);
             }
             if request.in_flight.is_empty() {
-                return Ok(None);
+                return Ok(Waited::Done(None));
             }
             let slice = deadline.min(Instant::now() + WAIT_SLICE);
             match state.drive(self.handle, slice) {
@@ -325,13 +351,13 @@ impl Request {
                     // The layer that ended is the oldest not returned (None: the store had
                     // nothing in flight, and the next round answers so).
                     if let Some(outcome) = state.request(self.handle)?.unreported.pop_front() {
-                        return outcome.into_result().map(Some);
+                        return outcome.into_result().map(|layer| Waited::Done(Some(layer)));
                     }
                 }
                 Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
                 Err(failure) if failure.class == ErrorClass::Timeout => {
                     let request = state.request(self.handle)?;
-                    return Err(Failure::new(
+                    return Ok(Waited::TimedOut(Failure::new(
                         ErrorClass::Timeout,
                         format!(
                             "request {:#x}: layer {} did not complete by the deadline; it is still in flight (wait again; {} \
@@ -341,7 +367,7 @@ impl Request {
                             request.in_flight_text(),
                             failure.message
                         ),
-                    ));
+                    )));
                 }
                 Err(failure) => return Err(failure),
             }
@@ -410,18 +436,17 @@ impl Request {
         // A wait that does not wait: the layers before this one are driven as far as they
         // are done; this layer's outcome is taken once it ended (its failure raised: only
         // its own).
-        match self.wait_layer(layer, issue, Instant::now()) {
-            Ok(()) => Ok(true),
-            Err(failure) if failure.class == ErrorClass::Timeout => Ok(false),
-            Err(failure) => Err(failure),
+        match self.wait_layer(layer, issue, Instant::now())? {
+            Waited::Done(()) => Ok(true),
+            Waited::TimedOut(_) => Ok(false),
         }
     }
 
     /// `LayerIo.wait`: until `issue` of `layer` ended (or `deadline`); its outcome once its
     /// request ended.
-    fn wait_issue(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
+    fn wait_issue(&self, layer: u32, issue: u64, deadline: Instant) -> Result<Waited<()>, Failure> {
         if self.owned_phase()? != Phase::Prepared {
-            return self.ended_issue(issue); // ended with its request
+            return self.ended_issue(issue).map(Waited::Done); // ended with its request
         }
         self.wait_layer(layer, issue, deadline)
     }
@@ -434,22 +459,24 @@ impl Request {
     /// for (its wait, tried again here, fails again without ending it), a failure naming that
     /// layer. An earlier layer's kept failed wait is no gate: it is retried by driving, within
     /// this deadline. An issue whose outcome a wait returned already answers with its own
-    /// result, never a later issue's of the layer.
-    fn wait_layer(&self, layer: u32, issue: u64, deadline: Instant) -> Result<(), Failure> {
+    /// result, never a later issue's of the layer. `Waited::TimedOut` at `deadline` with
+    /// nothing taken.
+    fn wait_layer(&self, layer: u32, issue: u64, deadline: Instant) -> Result<Waited<()>, Failure> {
         loop {
             self.check_live()?;
             let mut state = self.shared.lock()?;
             let request = state.request(self.handle)?;
             if !request.issues.is_in_flight(issue) {
                 if let Some(outcome) = request.take_outcome(issue) {
-                    return outcome.into_result().map(drop);
+                    return outcome.into_result().map(|_| Waited::Done(()));
                 }
-                return request.issues.result(issue).unwrap_or_else(|| {
+                let ended = request.issues.result(issue).unwrap_or_else(|| {
                     Err(Failure::new(
                         ErrorClass::InvalidState,
                         format!("layer {layer} (issue {issue}) is not in flight and did not end (was it issued on this request?)"),
                     ))
                 });
+                return ended.map(Waited::Done);
             }
             if let Some(failure) = request.take_stall_of(issue) {
                 return Err(failure);
@@ -461,13 +488,13 @@ impl Request {
                 Ok(_) => {}
                 Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => {}
                 Err(failure) if failure.class == ErrorClass::Timeout => {
-                    return Err(Failure::new(
+                    return Ok(Waited::TimedOut(Failure::new(
                         ErrorClass::Timeout,
                         format!(
                             "request {:#x}: layer {layer} did not complete by the deadline; it is still in flight (wait again): {}",
                             self.handle, failure.message
                         ),
-                    ))
+                    )))
                 }
                 Err(failure) if oldest == layer => return Err(failure),
                 Err(failure) => return Err(behind(layer, oldest, &failure)),
@@ -720,7 +747,7 @@ mod tests {
         let calls: [(&str, Call); 4] = [
             ("LayerIo.done", |request, issue| request.layer_done(issue).map(drop)),
             ("LayerIo.poll", |request, issue| request.poll_issue(0, issue).map(drop)),
-            ("LayerIo.wait", |request, issue| request.wait_issue(0, issue, Instant::now() + Duration::from_secs(1))),
+            ("LayerIo.wait", |request, issue| request.wait_issue(0, issue, Instant::now() + Duration::from_secs(1)).map(drop)),
             ("the phase (finish, state, layers_completed)", |request, _| request.owned_phase().map(drop)),
         ];
         let held = request.phase.lock().unwrap();
@@ -782,10 +809,21 @@ mod tests {
         let shared = StoreShared::for_tests(state, geometry(), 2, std::time::Duration::from_secs(5));
         let request = Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None);
         let started = Instant::now();
-        request.wait_layer(1, issues[1], started + std::time::Duration::from_secs(5)).expect("layer 1 completes");
+        request
+            .wait_layer(1, issues[1], started + std::time::Duration::from_secs(5))
+            .and_then(Waited::into_result)
+            .expect("layer 1 completes");
         assert!(started.elapsed() < std::time::Duration::from_secs(5));
-        assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), Some(0), "layer 0's completion, in order");
-        assert_eq!(request.wait_until(test_store::deadline()).expect("Request.wait"), None, "layer 1's was taken by its LayerIo");
+        assert_eq!(
+            request.wait_until(test_store::deadline()).and_then(Waited::into_result).expect("Request.wait"),
+            Some(0),
+            "layer 0's completion, in order"
+        );
+        assert_eq!(
+            request.wait_until(test_store::deadline()).and_then(Waited::into_result).expect("Request.wait"),
+            None,
+            "layer 1's was taken by its LayerIo"
+        );
     }
 
     #[test]
@@ -819,5 +857,41 @@ mod tests {
         request.finish_live().expect("the second finish, past its phase check: idempotent");
         assert_eq!(request.phase(), Phase::Finished);
         assert_eq!(*request.completed_at_end.lock().unwrap(), layers);
+    }
+
+    #[test]
+    fn a_consumed_failure_of_class_timeout_is_raised_not_taken_for_a_sub_wait_running_out() {
+        // Goal: a layer that ended with a failure of class Timeout (a deadline the store or
+        // tuttid reported for the layer itself): Request.wait and the layer's LayerIo.wait,
+        // both through `interruptible`'s sub-waits, raise it at once, 10 s before their
+        // deadline. Before, the sub-wait that took the outcome returned it as a TimeoutError
+        // and `interruptible`, deciding by the class, took it for its own 100 ms running out:
+        // it waited again, and Request.wait returned None (the failure dropped), LayerIo.wait
+        // returned as if the layer completed.
+        pyo3::Python::initialize();
+        let mut state = test_store::local_state(1);
+        let handle = test_store::prepare_store(&mut state, 9);
+        let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        while state.drive(handle, test_store::deadline()).expect("drive") != Some(0) {}
+        let timed_out = Failure::new(ErrorClass::Timeout, "layer 0 failed: x");
+        let unreported = &mut state.request(handle).unwrap().unreported;
+        unreported.back_mut().expect("layer 0's outcome").failure = Some(timed_out.clone());
+        let kept = unreported.clone();
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_secs(5));
+        let request = Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let raised = |waited: PyResult<String>| -> String {
+            let error = waited.expect_err("the layer's failure raised");
+            pyo3::Python::attach(|py| error.value(py).to_string())
+        };
+        let started = Instant::now();
+        let waited =
+            pyo3::Python::attach(|py| interruptible(py, deadline, |until| request.wait_until(until)).map(|layer| format!("{layer:?}")));
+        assert_eq!(raised(waited), "layer 0 failed: x", "Request.wait");
+        shared.lock().unwrap().request(handle).unwrap().unreported = kept;
+        let waited =
+            pyo3::Python::attach(|py| interruptible(py, deadline, |until| request.wait_layer(0, issue, until)).map(|()| String::new()));
+        assert_eq!(raised(waited), "layer 0 failed: x", "LayerIo.wait");
+        assert!(started.elapsed() < Duration::from_secs(5), "raised at once, not at the deadline");
     }
 }
