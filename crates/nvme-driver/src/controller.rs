@@ -52,6 +52,29 @@ fn shutdown_timeout_ms(capabilities: Capabilities, rtd3_entry_latency_us: u32) -
     reported_ms.max(capabilities.ready_timeout_ms()).max(SHUTDOWN_TIMEOUT_MIN_MS)
 }
 
+/// A bound on a wait for CSTS and the register field it came from, which a
+/// [`NvmeError::ReadyTimeout`] names: a drive's CRTO.CRWMT can set a far longer bound than its
+/// CAP.TO, and the reader of the error needs to know which figure the drive gave.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ReadyBound {
+    ms: u64,
+    source: &'static str,
+}
+
+impl ReadyBound {
+    /// The bound on every wait for CSTS.RDY = 0 after CC.EN = 0: CAP.TO.
+    fn disable(capabilities: Capabilities) -> Self {
+        Self { ms: capabilities.ready_timeout_ms(), source: "CAP.TO" }
+    }
+
+    /// The bound on a wait for CSTS.RDY = 1 after CC.EN = 1 ([`registers::ready_timeout_ms`]),
+    /// named after the field that set it.
+    fn enable(capabilities: Capabilities, ready_timeouts: Option<ReadyTimeouts>) -> Self {
+        let ms = registers::ready_timeout_ms(capabilities, ready_timeouts);
+        Self { ms, source: if ms > capabilities.ready_timeout_ms() { "CRTO.CRWMT" } else { "CAP.TO" } }
+    }
+}
+
 /// Which data pointer the driver uses for I/O.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DataPointerPreference {
@@ -123,7 +146,7 @@ pub struct Controller {
     /// ([`registers::ready_timeout_ms`]: CAP.TO, or CRTO.CRWMT when CAP.CRMS.CRWMS is set and
     /// it is larger), read once at init. A disable's wait is bounded by CAP.TO alone
     /// ([`Capabilities::ready_timeout_ms`]).
-    enable_timeout_ms: u64,
+    enable_bound: ReadyBound,
     version: Version,
     admin: Arc<AdminShared>,
     identify: IdentifyController,
@@ -169,9 +192,9 @@ fn read_status(registers: &dyn RegisterIo) -> Result<ControllerStatus, NvmeError
     Ok(status)
 }
 
-/// Waits for CSTS.RDY to equal `ready`, polling every millisecond until `timeout_ms`.
-fn wait_ready(registers: &dyn RegisterIo, ready: bool, timeout_ms: u64) -> Result<(), NvmeError> {
-    let deadline = Instant::now() + Duration::from_millis(timeout_ms);
+/// Waits for CSTS.RDY to equal `ready`, polling every 200 µs until `bound` has passed.
+fn wait_ready(registers: &dyn RegisterIo, ready: bool, bound: ReadyBound) -> Result<(), NvmeError> {
+    let deadline = Instant::now() + Duration::from_millis(bound.ms);
     loop {
         let status = read_status(registers)?;
         if ready && status.fatal() {
@@ -181,7 +204,12 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, timeout_ms: u64) -> Resul
             return Ok(());
         }
         if Instant::now() >= deadline {
-            return Err(NvmeError::ReadyTimeout { wanted: if ready { "CSTS.RDY=1" } else { "CSTS.RDY=0" }, timeout_ms, csts: status.0 });
+            return Err(NvmeError::ReadyTimeout {
+                wanted: if ready { "CSTS.RDY=1" } else { "CSTS.RDY=0" },
+                timeout_ms: bound.ms,
+                bound: bound.source,
+                csts: status.0,
+            });
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -190,11 +218,11 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, timeout_ms: u64) -> Resul
 /// Before CC.EN is cleared: a controller seen with CC.EN = 1 and CSTS.RDY = 0 may be in the middle
 /// of enabling (a crashed process's bring-up, or our own that timed out waiting for RDY). The spec
 /// leaves clearing EN then undefined, and a RDY = 0 read right after the clear could be the enable
-/// not yet done rather than the reset done: waits (`timeout_ms`, the enable bound, since this is an
+/// not yet done rather than the reset done: waits (`bound`, the enable bound, since this is an
 /// enable's RDY 0 → 1) for RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status
 /// skips the wait (it will not become ready; clearing EN is its reset). A timeout is returned: the
 /// caller then cannot know the controller stopped, and keeps what it may write.
-fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), NvmeError> {
+fn settle_enable(registers: &dyn RegisterIo, bound: ReadyBound) -> Result<(), NvmeError> {
     if !ControllerConfiguration(registers.read32(registers::CC)).enabled() {
         return Ok(());
     }
@@ -202,16 +230,16 @@ fn settle_enable(registers: &dyn RegisterIo, timeout_ms: u64) -> Result<(), Nvme
     if status.ready() || status.fatal() {
         return Ok(());
     }
-    match wait_ready(registers, true, timeout_ms) {
+    match wait_ready(registers, true, bound) {
         Err(NvmeError::ControllerFatal { .. }) => Ok(()),
         other => other,
     }
 }
 
 /// The `Disable` stage: clears CC.EN if it is set, once [`settle_enable`] let it (within
-/// `enable_timeout_ms`).
-fn clear_enable(registers: &dyn RegisterIo, enable_timeout_ms: u64) -> Result<(), NvmeError> {
-    settle_enable(registers, enable_timeout_ms)?;
+/// `enable_bound`).
+fn clear_enable(registers: &dyn RegisterIo, enable_bound: ReadyBound) -> Result<(), NvmeError> {
+    settle_enable(registers, enable_bound)?;
     let configuration = ControllerConfiguration(registers.read32(registers::CC));
     if configuration.enabled() {
         registers.write32(registers::CC, configuration.0 & !1);
@@ -262,15 +290,14 @@ impl Controller {
         // (as Linux's nvme_disable_ctrl has it), and a drive that never stops is not waited
         // for up to CRWMT's 9 hours.
         let ready_timeouts = capabilities.ready_with_media_supported().then(|| ReadyTimeouts(registers.read32(registers::CRTO)));
-        let enable_timeout_ms = registers::ready_timeout_ms(capabilities, ready_timeouts);
-        let disable_timeout_ms = capabilities.ready_timeout_ms();
+        let enable_bound = ReadyBound::enable(capabilities, ready_timeouts);
         if let Some(crto) = ready_timeouts.filter(|crto| u64::from(crto.with_media_500ms_units()) * 500 < capabilities.ready_timeout_ms()) {
             tracing::warn!(device = %backend.name(), crto = crto.0, cap = capabilities.0, "CRTO.CRWMT is below CAP.TO: waiting CAP.TO");
         }
         // Stop the function before any memory is mapped for it (see above). The bring-up below
         // starts with the same two stages; on a stopped controller they write nothing.
-        clear_enable(registers.as_ref(), enable_timeout_ms)?;
-        wait_ready(registers.as_ref(), false, disable_timeout_ms)?;
+        clear_enable(registers.as_ref(), enable_bound)?;
+        wait_ready(registers.as_ref(), false, ReadyBound::disable(capabilities))?;
         // AQA holds 12-bit sizes: admin queues have at most 4096 entries.
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
         let admin_queue =
@@ -283,7 +310,7 @@ impl Controller {
             dma,
             config,
             capabilities,
-            enable_timeout_ms,
+            enable_bound,
             version,
             admin,
             identify: IdentifyController::default(),
@@ -305,18 +332,18 @@ impl Controller {
     /// held by a reset: released once CSTS.RDY = 0 was seen (marking the old generations'
     /// queues gone) or bring-up failed before that (leaving them possibly live).
     fn bring_up(&mut self, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
-        let enable_timeout_ms = self.enable_timeout_ms;
-        let disable_timeout_ms = self.capabilities.ready_timeout_ms();
+        let enable_bound = self.enable_bound;
+        let disable_bound = ReadyBound::disable(self.capabilities);
         let mut stage = BringUpStage::Disable;
         loop {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
             stage = match stage {
                 BringUpStage::Disable => {
-                    clear_enable(self.registers.as_ref(), enable_timeout_ms)?;
+                    clear_enable(self.registers.as_ref(), enable_bound)?;
                     BringUpStage::WaitNotReady
                 }
                 BringUpStage::WaitNotReady => {
-                    wait_ready(self.registers.as_ref(), false, disable_timeout_ms)?;
+                    wait_ready(self.registers.as_ref(), false, disable_bound)?;
                     // CSTS.RDY = 0 after CC.EN = 0: the controller reset completed and deleted
                     // every I/O queue (§3.7.2), so older queue pairs' rings are free to go.
                     if let Some(ending) = ending.take() {
@@ -346,7 +373,7 @@ impl Controller {
                     BringUpStage::WaitReady
                 }
                 BringUpStage::WaitReady => {
-                    wait_ready(self.registers.as_ref(), true, enable_timeout_ms)?;
+                    wait_ready(self.registers.as_ref(), true, enable_bound)?;
                     BringUpStage::Identify
                 }
                 BringUpStage::Identify => {
@@ -652,7 +679,7 @@ impl Controller {
     /// finish it ([`settle_enable`]). `Ok` means the controller was seen to stop, so it no longer
     /// touches any queue memory.
     fn stop(&self) -> Result<(), NvmeError> {
-        settle_enable(self.registers.as_ref(), self.enable_timeout_ms)?;
+        settle_enable(self.registers.as_ref(), self.enable_bound)?;
         let status = read_status(self.registers.as_ref())?;
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         if configuration.enabled() && status.ready() && !status.fatal() {
@@ -663,7 +690,7 @@ impl Controller {
         }
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         self.registers.write32(registers::CC, configuration.0 & !1);
-        wait_ready(self.registers.as_ref(), false, self.capabilities.ready_timeout_ms())
+        wait_ready(self.registers.as_ref(), false, ReadyBound::disable(self.capabilities))
     }
 
     /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within the
@@ -685,7 +712,12 @@ impl Controller {
                 return Err(NvmeError::ControllerFatal { context: "during shutdown: its data may not be durable" });
             }
             if Instant::now() >= deadline {
-                return Err(NvmeError::ReadyTimeout { wanted: "CSTS.SHST=complete", timeout_ms, csts: status.0 });
+                return Err(NvmeError::ReadyTimeout {
+                    wanted: "CSTS.SHST=complete",
+                    timeout_ms,
+                    bound: "the shutdown bound: RTD3E up to 60 s, at least CAP.TO and 1 s",
+                    csts: status.0,
+                });
             }
             std::thread::sleep(Duration::from_micros(500));
         }
@@ -706,7 +738,7 @@ impl Controller {
     /// apply. Every wait for CSTS.RDY to become 0 after clearing CC.EN is bounded by CAP.TO
     /// ([`Capabilities::ready_timeout_ms`]) instead: CRWMT is defined for the enable only.
     pub fn ready_timeout(&self) -> Duration {
-        Duration::from_millis(self.enable_timeout_ms)
+        Duration::from_millis(self.enable_bound.ms)
     }
 
     /// Current controller status; `DeviceGone` if the registers read as all ones.

@@ -18,8 +18,11 @@ pub enum NvmeError {
     #[error("controller fatal status (CSTS.CFS=1) {context}; reset the controller")]
     ControllerFatal { context: &'static str },
 
-    #[error("controller did not reach {wanted} within {timeout_ms} ms (CAP.TO); CSTS={csts:#x}")]
-    ReadyTimeout { wanted: &'static str, timeout_ms: u64, csts: u32 },
+    /// A wait for CSTS ran out of its bound; `bound` names the field that set it: CAP.TO (a
+    /// disable, or an enable), CRTO.CRWMT (an enable, when larger than CAP.TO), or the shutdown
+    /// bound (RTD3E, at least CAP.TO and 1 s) for CSTS.SHST.
+    #[error("controller did not reach {wanted} within {timeout_ms} ms ({bound}); CSTS={csts:#x}")]
+    ReadyTimeout { wanted: &'static str, timeout_ms: u64, bound: &'static str, csts: u32 },
 
     #[error("controller is unsupported: {reason}")]
     Unsupported { reason: String },

@@ -32,10 +32,13 @@
 //! generation must keep its rings allocated forever rather than free memory the controller may
 //! still write. A reset keeps the exclusive side until it knows which ([`ResetGuard`]), so a
 //! pair dropped on another thread in the meantime waits for the answer instead of leaking its
-//! rings on a reset that is about to succeed. That wait is bounded by CAP.TO, and a reset's own
-//! wait for doorbell writes in progress by `RINGER_WAIT_MAX`: a thread stopped inside a write
-//! makes the reset fail (its generation's pairs then keep their rings) rather than hold the
-//! gate forever.
+//! rings on a reset that is about to succeed. That wait is bounded by the reset's wait for
+//! CSTS.RDY = 0, which is CAP.TO (CRTO.CRWMT never bounds a disable), preceded, only on a
+//! controller found in the middle of an enable (an earlier enable that timed out), by up to the
+//! enable bound (CAP.TO, or CRTO.CRWMT when larger) for that enable to finish; a reset's own
+//! wait for doorbell writes in progress is bounded by `RINGER_WAIT_MAX`: a thread stopped
+//! inside a write makes the reset fail (its generation's pairs then keep their rings) rather
+//! than hold the gate forever.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};

@@ -973,3 +973,28 @@ fn crto_crwmt_bounds_only_the_enable_and_cap_to_every_disable() {
     assert!(matches!(reset, Err(NvmeError::ReadyTimeout { timeout_ms: 500, .. })), "{reset:?}");
     assert!(started.elapsed() < Duration::from_millis(1500), "{:?}", started.elapsed());
 }
+
+#[test]
+fn a_ready_timeout_names_the_bound_it_ran_out() {
+    // Goal: ReadyTimeout says which bound ended the wait: CRTO.CRWMT for an enable it bounds,
+    // CAP.TO for a disable, the shutdown bound for a shutdown. It used to say "(CAP.TO)" for
+    // all three, even for a wait CRWMT or RTD3E had set.
+    const CRWMS: u64 = 1 << 59;
+    let crwmt_1s = FakeScript {
+        capabilities: Capabilities::build(256, 1, 0, 0, 0).0 | CRWMS,
+        ready_timeouts: 2,
+        enable_takes: Duration::from_millis(1200),
+        ..FakeScript::default()
+    };
+    let enable = Controller::init(FakeDevice::new(crwmt_1s), config()).map(drop).expect_err("the enable takes past CRWMT");
+    assert!(matches!(enable, NvmeError::ReadyTimeout { wanted: "CSTS.RDY=1", timeout_ms: 1000, .. }), "{enable:?}");
+    assert!(enable.to_string().contains("CRTO.CRWMT") && !enable.to_string().contains("CAP.TO"), "{enable}");
+    let stuck = FakeScript { starts_enabled: true, disable_completes: false, ..FakeScript::default() };
+    let disable = Controller::init(FakeDevice::new(stuck), config()).map(drop).expect_err("the disable never completes");
+    assert!(matches!(disable, NvmeError::ReadyTimeout { wanted: "CSTS.RDY=0", timeout_ms: 500, .. }), "{disable:?}");
+    assert!(disable.to_string().contains("CAP.TO"), "{disable}");
+    let (_device, controller) = bring_up(FakeScript { shutdown_takes: Duration::from_secs(3600), ..FakeScript::default() });
+    let shutdown = controller.shutdown().expect_err("the shutdown never completes");
+    assert!(matches!(shutdown, NvmeError::ReadyTimeout { wanted: "CSTS.SHST=complete", timeout_ms: 1000, .. }), "{shutdown:?}");
+    assert!(shutdown.to_string().contains("shutdown bound") && !shutdown.to_string().contains("(CAP.TO)"), "{shutdown}");
+}
