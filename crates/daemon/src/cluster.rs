@@ -586,14 +586,19 @@ impl ClusterAgent {
         let replicate_after = self.settings.replicate_after;
         let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32| {
             let Some(key) = segment_keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) else { return };
+            // Under the pool lock (then `fetched`'s, the registrar's order): the entry's stamp
+            // is ordered against the registrar's departure batches, and a copy already evicted
+            // again is not remembered (its departure may be in a batch already taken).
+            let pool = lock_store(store);
             let mut fetched = self.fetched.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
             if replicate_after > 0 && served > replicate_after {
                 // A heavy hitter: the copy just committed here becomes a registered replica.
                 fetched.replicated(space, key);
                 drop(fetched);
+                drop(pool);
                 self.metrics.replicated_segments.inc();
                 self.hand_over(Committed { space: *space, keys: segment_keys.to_vec(), first_segment: segment as u32 });
-            } else {
+            } else if pool.control.pool().index().get(key.get()).is_some() {
                 // A replica in waiting: not registered by a later commit of a longer prompt
                 // either (remembered before the client's answer, so before any such commit).
                 fetched.fetched(space, key);
@@ -764,6 +769,11 @@ impl PreparedStores {
     pub(crate) fn retain(&mut self, live: impl Fn(u64) -> bool) {
         self.stores.retain(|(handle, _)| live(*handle));
     }
+}
+
+#[cfg(feature = "cluster")]
+fn lock_store(store: &Mutex<crate::session::StoreState>) -> std::sync::MutexGuard<'_, crate::session::StoreState> {
+    store.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Receives what a committed store hands the registrar (for `registrar.rs`).

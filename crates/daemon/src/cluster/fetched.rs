@@ -6,12 +6,27 @@
 //! N, a segment fetched once became a registered replica as soon as the prompt grew.
 //!
 //! The fetch path adds a segment right after storing it (before `FetchRemote` answers, so before
-//! any commit of the client's that could include it); the registrar asks at each commit, and
-//! drops a segment whose last block left the pool (the copy is gone: a segment stored again
-//! later is this node's own work, registered as any commit). Only the last block is looked at
-//! (the segment key; the blocks of a fetched segment are stored and retrieved together, so they
-//! leave together under LRU): a copy that lost another block alone and had it computed again
-//! stays unregistered until its last block leaves or it is forgotten past the bound.
+//! any commit of the client's that could include it), under the pool lock and only while its
+//! last block is in the pool; the registrar asks at each commit, and drops a segment whose last
+//! block left the pool (the copy is gone: a segment stored again later is this node's own work,
+//! registered as any commit). Only the last block is looked at (the segment key; the blocks of
+//! a fetched segment are stored and retrieved together, so they leave together under LRU): a
+//! copy that lost another block alone and had it computed again stays unregistered until its
+//! last block leaves or it is forgotten past the bound.
+//!
+//! **Which departure is the copy's.** The registrar takes the pool's departed keys in batches
+//! (one per pass, [`FetchedCopies::batch_taken`], under the pool lock); each entry is stamped
+//! with the number of batches taken when it was added. A departure in a batch taken two or more
+//! after the stamp happened after the addition, so it is the copy's own: the entry is forgotten
+//! even when the block is back (evicted, then computed and committed here again before the
+//! registrar's pass — this node's work, to be registered). Only a departure in the batch after
+//! the stamp (the window the entry was added in) may predate the copy — an older copy of the
+//! block leaving before the fetch stored it anew — and there the block's presence decides (kept
+//! while present). So a copy evicted and computed again within the very window it was fetched
+//! in (one registrar pass, 50 ms) stays unregistered. When departures were not all recorded
+//! ([`FetchedCopies::recheck_all`]) an entry older than the window is forgotten (it may have
+//! left and come back) and one of the window is kept while its block is present: a commit may
+//! then register a fetched copy, as past the bound.
 //!
 //! In memory only: after a restart a commit that includes a surviving fetched copy registers
 //! it (the manifest does not journal unregistered segments).
@@ -30,19 +45,22 @@ pub const FETCHED_MAX: usize = 16_384;
 /// See the module docs.
 #[derive(Debug)]
 pub struct FetchedCopies {
-    /// By segment key (its last block's key): the space and the generation it was added in.
-    by_key: HashMap<u64, (ModelSpace, u64)>,
+    /// By segment key (its last block's key): the space, the generation it was added in and
+    /// the departure batches taken by then (module docs).
+    by_key: HashMap<u64, (ModelSpace, u64, u64)>,
     /// Oldest first: a segment key and the generation of its addition (an entry whose map
     /// entry has another generation, or none, is stale and skipped).
     order: VecDeque<(u64, u64)>,
     generation: u64,
+    /// Departure batches the registrar has taken (module docs).
+    batches: u64,
     max: usize,
 }
 
 impl FetchedCopies {
     pub fn new(max: usize) -> FetchedCopies {
         let max = max.max(1);
-        FetchedCopies { by_key: HashMap::new(), order: VecDeque::new(), generation: 0, max }
+        FetchedCopies { by_key: HashMap::new(), order: VecDeque::new(), generation: 0, batches: 0, max }
     }
 
     #[cfg(test)]
@@ -50,15 +68,16 @@ impl FetchedCopies {
         self.by_key.len()
     }
 
-    /// Segment `key` of `space` was fetched and stored here, not registered.
+    /// Segment `key` of `space` was fetched and stored here, not registered. Called under the
+    /// pool lock with the segment's last block in the pool (module docs).
     pub fn fetched(&mut self, space: &ModelSpace, key: SegmentKey) {
         self.generation += 1;
         let key = key.get();
-        self.by_key.insert(key, (*space, self.generation));
+        self.by_key.insert(key, (*space, self.generation, self.batches));
         self.order.push_back((key, self.generation));
         while self.by_key.len() > self.max {
             let Some((oldest, generation)) = self.order.pop_front() else { break };
-            if self.by_key.get(&oldest).is_some_and(|&(_, added)| added == generation) {
+            if self.by_key.get(&oldest).is_some_and(|&(_, added, _)| added == generation) {
                 self.by_key.remove(&oldest);
             }
         }
@@ -66,13 +85,13 @@ impl FetchedCopies {
         // the line stays within twice the map.
         if self.order.len() > 2 * self.max {
             let by_key = &self.by_key;
-            self.order.retain(|(key, generation)| by_key.get(key).is_some_and(|&(_, added)| added == *generation));
+            self.order.retain(|(key, generation)| by_key.get(key).is_some_and(|&(_, added, _)| added == *generation));
         }
     }
 
     /// Whether segment `key` of `space` is a fetched copy not to be registered.
     pub fn contains(&self, space: &ModelSpace, key: SegmentKey) -> bool {
-        self.by_key.get(&key.get()).is_some_and(|(held, _)| held == space)
+        self.by_key.get(&key.get()).is_some_and(|(held, _, _)| held == space)
     }
 
     /// Segment `key` of `space` is registered after all (a heavy hitter): forgotten here.
@@ -82,18 +101,28 @@ impl FetchedCopies {
         }
     }
 
-    /// Block `block` left the pool: forgets the copy it was the last block of, unless `held`
-    /// says it is back (stored again since).
+    /// The registrar took a batch of departures from the pool (under the pool lock); those it
+    /// hands to [`FetchedCopies::departed`] next are this batch's.
+    pub fn batch_taken(&mut self) {
+        self.batches += 1;
+    }
+
+    /// Block `block` left the pool (in the batch taken last): forgets the copy it was the last
+    /// block of — unless the copy was added in that batch's window and `held` says the block
+    /// is in the pool (the departure may be an older copy's, before the fetch stored it).
     pub fn departed(&mut self, block: u64, held: &mut dyn FnMut(u64) -> bool) {
-        if self.by_key.contains_key(&block) && !held(block) {
+        let Some(&(_, _, added)) = self.by_key.get(&block) else { return };
+        if self.batches.saturating_sub(added) >= 2 || !held(block) {
             self.by_key.remove(&block);
         }
     }
 
-    /// After departures were not all recorded: forgets every copy whose last block `held` says
-    /// is gone.
+    /// After departures were not all recorded (the batch taken last is incomplete): forgets
+    /// every copy added before that batch's window (it may have left and come back) and every
+    /// one whose last block `held` says is gone.
     pub fn recheck_all(&mut self, held: &mut dyn FnMut(u64) -> bool) {
-        self.by_key.retain(|&key, _| held(key));
+        let batches = self.batches;
+        self.by_key.retain(|&key, &mut (_, _, added)| batches.saturating_sub(added) < 2 && held(key));
     }
 }
 
@@ -132,6 +161,23 @@ mod tests {
         assert!(!copies.contains(&one, key(40)));
         copies.recheck_all(&mut |block| block != 10);
         assert_eq!(copies.len(), 0);
+        // Departure batches: a departure in the window an entry was added in (the batch taken
+        // next) forgets it only when its block is gone; a later batch's forgets it regardless
+        // (it left after it was added: a block back is another copy).
+        copies.fetched(&one, key(50));
+        copies.batch_taken();
+        copies.departed(50, &mut |_| true);
+        assert!(copies.contains(&one, key(50)), "a departure that may predate the copy forgot it");
+        copies.batch_taken();
+        copies.departed(50, &mut |_| true);
+        assert!(!copies.contains(&one, key(50)), "a departure after the copy was added kept it");
+        copies.fetched(&one, key(60));
+        copies.batch_taken();
+        copies.recheck_all(&mut |_| true);
+        assert!(copies.contains(&one, key(60)));
+        copies.batch_taken();
+        copies.recheck_all(&mut |_| true);
+        assert!(!copies.contains(&one, key(60)), "an incomplete batch kept a copy that may have left and come back");
         for value in 1..=100 {
             copies.fetched(&one, key(value));
         }

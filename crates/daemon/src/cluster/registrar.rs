@@ -307,6 +307,9 @@ impl Registrar {
             let index = store.control.pool().index();
             let mut whole = |keys: &[u64]| keys.iter().all(|&key| index.get(key).is_some());
             let mut fetched = lock(&self.fetched);
+            // Under the pool lock, as the fetch path's additions: a departure in a later batch
+            // than an entry's window is the copy's own (`fetched.rs`).
+            fetched.batch_taken();
             let mut present = |key: u64| index.get(key).is_some();
             if complete {
                 for &key in &self.departed {
@@ -697,6 +700,42 @@ mod tests {
         let mut held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
         held.sort_unstable();
         assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
+    }
+
+    #[test]
+    fn a_fetched_copy_evicted_and_computed_again_between_two_passes_is_registered() {
+        // Goal: as above, but the fetched copies leave the pool and the prompt is computed and
+        // committed here again before the registrar's next pass: the departure of the copies'
+        // last blocks is in that pass's batch, and the copies were remembered a batch before
+        // it, so they left after they were remembered; the blocks present again are this
+        // node's own work, registered with the commit. Before, an entry whose block was present
+        // again was kept, and the computed segments were never registered.
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "fetched-again", HeldSegments::default(), 0, inbox);
+        let store = store();
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=48).collect();
+        commit(&store, &keys);
+        {
+            let mut fetched = lock(&registrar.fetched);
+            fetched.fetched(&space, SegmentKey::new(16).unwrap());
+            fetched.fetched(&space, SegmentKey::new(32).unwrap());
+        }
+        registrar.update_local(&store, &[Committed { space, keys: keys.clone(), first_segment: 0 }]);
+        let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
+        assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
+
+        lock(&store).control.track_departures(1024);
+        let other: Vec<u64> = (1001..=1064).collect();
+        commit(&store, &other);
+        assert!(lock(&store).control.pool().index().get(16).is_none(), "the test needs the fetched copies evicted");
+        commit(&store, &keys);
+        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
+        let mut held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
+        held.sort_unstable();
+        assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
+        assert_eq!(lock(&registrar.fetched).len(), 0);
     }
 
     #[test]
