@@ -13,7 +13,7 @@ use objstore::{Direction, StorePlan};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use crate::backend::{Dropped, Issues, Settling, WAIT_SLICE};
+use crate::backend::{Dropped, Issues, RequestState, Settling, StoreState, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
 use crate::store::{deadline_after, duration_of, id_list, StoreShared};
 
@@ -241,25 +241,33 @@ impl Request {
     /// In another process (`process`) it is refused and the request stays live.
     fn end<T>(
         &self,
-        end: impl FnOnce(&mut crate::backend::StoreState, u64) -> Result<T, Failure>,
+        end: impl FnOnce(&mut StoreState, u64) -> Result<T, Failure>,
         ended_as: impl FnOnce(&Result<T, Failure>) -> Phase,
     ) -> Option<(Result<T, Failure>, bool)> {
-        let ended = self.shared.locked(|state| {
-            if self.phase() != Phase::Prepared {
-                return None;
-            }
-            let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
-            let result = end(state, self.handle);
-            let live = state.request(self.handle).is_ok();
-            if !live {
-                let (completed, issues) = kept;
-                *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
-                *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
-                self.set_phase(ended_as(&result));
-            }
-            Some((result, live))
-        });
+        let ended = self.shared.locked(|state| self.end_in(state, end, ended_as));
         ended.unwrap_or_else(|failure| Some((Err(failure), true)))
+    }
+
+    /// `end` with the store's lock held (`state`).
+    fn end_in<T>(
+        &self,
+        state: &mut StoreState,
+        end: impl FnOnce(&mut StoreState, u64) -> Result<T, Failure>,
+        ended_as: impl FnOnce(&Result<T, Failure>) -> Phase,
+    ) -> Option<(Result<T, Failure>, bool)> {
+        if self.phase() != Phase::Prepared {
+            return None;
+        }
+        let kept = state.request(self.handle).map(|request| (request.completed.clone(), request.issues.clone())).unwrap_or_default();
+        let result = end(state, self.handle);
+        let live = state.request(self.handle).is_ok();
+        if !live {
+            let (completed, issues) = kept;
+            *self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = completed;
+            *self.issues_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = issues;
+            self.set_phase(ended_as(&result));
+        }
+        Some((result, live))
     }
 
     /// `Request.commit` once its phase was seen prepared. A failure that left the store holding
@@ -282,6 +290,32 @@ impl Request {
         match self.end(|state, handle| state.finish(handle), |_| Phase::Finished) {
             Some((finished, _)) => finished,
             None => Ok(()),
+        }
+    }
+
+    /// `Request.layers_completed`: the store's record while the request is prepared, what its
+    /// end kept after. The phase is read under the store's lock, where an end moves it (`end`):
+    /// read before, a commit in between would leave neither record to read.
+    fn completed_layers(&self) -> Result<Vec<u32>, Failure> {
+        self.owned_phase()?; // the owner before the phase's lock (see `owned_phase`)
+        let handle = self.handle;
+        self.shared.locked_data_path(|state| {
+            if self.phase() == Phase::Prepared {
+                state.request(handle).map(|request| request.completed.clone()).unwrap_or_default()
+            } else {
+                self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+            }
+        })
+    }
+
+    /// The store's record of this request, with its lock held (`state`); None once the request
+    /// ended: a commit or finish on another thread since the caller saw it prepared (the phase
+    /// moves under this lock, `end`), so that the caller answers as it would have after it.
+    fn record<'s>(&self, state: &'s mut StoreState) -> Result<Option<&'s mut RequestState>, Failure> {
+        match state.request(self.handle) {
+            Ok(request) => Ok(Some(request)),
+            Err(_) if self.phase() != Phase::Prepared => Ok(None),
+            Err(failure) => Err(failure),
         }
     }
 
@@ -334,7 +368,9 @@ impl Request {
         self.check_live()?;
         loop {
             let mut state = self.shared.lock()?;
-            let request = state.request(self.handle)?;
+            let Some(request) = self.record(&mut state)? else {
+                return Err(self.stale());
+            };
             // Layers ended before a failure the completion thread saw come first: issue order.
             if let Some(outcome) = request.unreported.pop_front() {
                 return outcome.into_result().map(|layer| Waited::Done(Some(layer)));
@@ -393,7 +429,9 @@ impl Request {
     fn poll_once(&self) -> Result<bool, Failure> {
         self.check_live()?;
         let mut state = self.shared.lock()?;
-        let request = state.request(self.handle)?;
+        let Some(request) = self.record(&mut state)? else {
+            return Err(self.stale());
+        };
         if let Some(failure) = request.take_stall() {
             return Err(failure);
         }
@@ -465,7 +503,9 @@ impl Request {
         loop {
             self.check_live()?;
             let mut state = self.shared.lock()?;
-            let request = state.request(self.handle)?;
+            let Some(request) = self.record(&mut state)? else {
+                return self.ended_issue(issue).map(Waited::Done); // ended with its request
+            };
             if !request.issues.is_in_flight(issue) {
                 if let Some(outcome) = request.take_outcome(issue) {
                     return outcome.into_result().map(|_| Waited::Done(()));
@@ -577,12 +617,7 @@ impl Request {
 
     #[getter]
     fn layers_completed<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let completed = if self.owned_phase().map_err(|failure| failure.to_pyerr(py))? == Phase::Prepared {
-            let handle = self.handle;
-            self.shared.read(py, |state| state.request(handle).map(|request| request.completed.clone()).unwrap_or_default())?
-        } else {
-            self.completed_at_end.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
-        };
+        let completed = py.detach(|| self.completed_layers()).map_err(|failure| failure.to_pyerr(py))?;
         id_list(py, &completed)
     }
 
@@ -893,5 +928,64 @@ mod tests {
             pyo3::Python::attach(|py| interruptible(py, deadline, |until| request.wait_layer(0, issue, until)).map(|()| String::new()));
         assert_eq!(raised(waited), "layer 0 failed: x", "LayerIo.wait");
         assert!(started.elapsed() < Duration::from_secs(5), "raised at once, not at the deadline");
+    }
+
+    #[test]
+    fn a_request_ended_while_a_call_waits_for_the_stores_lock_answers_from_what_its_end_kept() {
+        // Goal: a call that saw the request prepared and then waits for the store's lock while
+        // another thread commits it answers as a call after the commit: layers_completed the
+        // layers the commit kept, LayerIo.wait (and poll) its issue's outcome, Request.wait
+        // StaleRequest naming the commit. Here the test holds the store's lock, the call runs
+        // on another thread until it waits for that lock, and the commit runs under the held
+        // lock. Before, layers_completed read the phase before the lock and the store's record
+        // (gone) under it: []; LayerIo.wait raised StaleRequest for a layer that completed.
+        let mut state = test_store::local_state(1);
+        let handles = [10, 11, 12].map(|seed| test_store::prepare_store(&mut state, seed));
+        let mut last_issue = 0;
+        for handle in handles {
+            for layer in 0..geometry().layers {
+                last_issue = state.issue(handle, layer, 1, Direction::Store).expect("issue");
+                assert!(test_store::drive_until_ended(&mut state, handle, layer), "layer {layer} completed");
+            }
+        }
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_secs(5));
+        let layers: Vec<u32> = (0..geometry().layers).collect();
+        let last = geometry().layers - 1;
+        type Call = Box<dyn FnOnce(&Request) -> String + Send>;
+        let calls: [(&str, Call, &str); 3] = [
+            ("layers_completed", Box::new(|request| format!("{:?}", request.completed_layers())), &format!("Ok({layers:?})")),
+            (
+                "LayerIo.wait",
+                Box::new(move |request| format!("{:?}", request.wait_issue(last, last_issue, test_store::deadline()))),
+                "Ok(Done(()))",
+            ),
+            (
+                "Request.wait",
+                Box::new(|request| format!("{:?}", request.wait_until(test_store::deadline()).map_err(|failure| failure.message))),
+                "",
+            ),
+        ];
+        for ((name, call, expected), handle) in calls.into_iter().zip(handles) {
+            let request = Arc::new(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+            let mut held = shared.lock().expect("the store's lock");
+            let (answer, answered) = std::sync::mpsc::channel();
+            let caller = Arc::clone(&request);
+            let expected = expected.to_string();
+            std::thread::spawn(move || answer.send(call(&caller)));
+            let until = test_store::deadline();
+            while shared.waiting_for_lock() == 0 {
+                assert!(Instant::now() < until, "{name} never waited for the store's lock");
+                std::thread::yield_now();
+            }
+            let committed = request.end_in(&mut held, |state, handle| state.commit(handle), |_| Phase::Committed);
+            assert!(matches!(committed, Some((Ok(_), false))), "{committed:?}");
+            drop(held);
+            let answer = answered.recv_timeout(Duration::from_secs(10)).expect("an answer");
+            if name == "Request.wait" {
+                assert_eq!(answer, format!("Err(\"request {handle:#x} is committed\")"), "{name}");
+            } else {
+                assert_eq!(answer, expected, "{name}");
+            }
+        }
     }
 }

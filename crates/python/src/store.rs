@@ -275,6 +275,13 @@ impl StoreShared {
         })
     }
 
+    /// Tests: how many callers wait for the store's lock (`lock`), so that a test holding it
+    /// knows another thread reached it.
+    #[cfg(test)]
+    pub fn waiting_for_lock(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+
     /// Tests: what a `Store` over `state` shares with its requests (no completion thread, no
     /// keep-alive), with the store's `timeout`.
     #[cfg(test)]
