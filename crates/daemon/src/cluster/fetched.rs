@@ -31,9 +31,12 @@
 //! In memory only: after a restart a commit that includes a surviving fetched copy registers
 //! it (the manifest does not journal unregistered segments).
 //!
-//! **Bounded:** at most [`FETCHED_MAX`] segments (model space 40 bytes, segment key 8, a
-//! generation 8, in a map and a line: under 2 MiB); past it the oldest is forgotten, and a
-//! later commit including it registers it (as before this list existed).
+//! **Bounded:** at most [`FETCHED_MAX`] segments; past it the oldest is forgotten, and a later
+//! commit including it registers it (as before this list existed). Under 3.25 MiB at the peak:
+//! the map (segment key 8 bytes, model space 40, generation 8, batch stamp 8, and hashbrown's
+//! control byte) grows to 32,768 buckets for its 16,385 entries, 2.1 MiB; the line (a key and
+//! a generation, 16 bytes) holds up to twice the map plus one before it is rebuilt, so 65,536
+//! slots, 1 MiB.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -41,6 +44,9 @@ use tutti_cluster::{ModelSpace, SegmentKey};
 
 /// Segments remembered at most.
 pub const FETCHED_MAX: usize = 16_384;
+/// The most memory the list takes (module docs; checked by a test).
+#[cfg(test)]
+const FETCHED_BYTES_MAX: usize = 13 << 18;
 
 /// See the module docs.
 #[derive(Debug)]
@@ -182,5 +188,24 @@ mod tests {
             copies.fetched(&one, key(value));
         }
         assert!(copies.order.len() <= 2 * 3 + 1, "the line grew to {}", copies.order.len());
+    }
+
+    #[test]
+    fn the_list_at_its_bound_takes_what_the_module_docs_say() {
+        // Goal: the memory figure in the module docs holds at the peak: the map at FETCHED_MAX
+        // (+1 before the oldest goes) entries and the line at up to twice that, each keys added
+        // again and again. Estimated from the capacities: hashbrown's buckets (a power of two,
+        // 7/8 of them usable) of an entry and a control byte each; the line's slots.
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let mut copies = FetchedCopies::new(FETCHED_MAX);
+        for value in 1..=4 * FETCHED_MAX as u64 {
+            copies.fetched(&space, key(value));
+            copies.fetched(&space, key(value));
+        }
+        let buckets = (copies.by_key.capacity() * 8 / 7 + 1).next_power_of_two();
+        let entry = std::mem::size_of::<(u64, (ModelSpace, u64, u64))>();
+        let bytes = buckets * (entry + 1) + copies.order.capacity() * std::mem::size_of::<(u64, u64)>();
+        eprintln!("{buckets} buckets of {entry} bytes, {} line slots: {bytes} bytes", copies.order.capacity());
+        assert!(bytes <= FETCHED_BYTES_MAX, "{bytes} bytes, more than the {FETCHED_BYTES_MAX} the docs say");
     }
 }
