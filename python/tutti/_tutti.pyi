@@ -460,9 +460,12 @@ class Store:
         same bounds (the data path is this process's, so the daemon is not involved; checked
         before connecting).
 
+        client_name: the name tuttid records for this session; at most 64 bytes of
+        UTF-8, a longer one is InvalidArgument, raised before anything is sent to the daemon.
+
         Raises Disconnected (no daemon there), InvalidArgument (the daemon refused the identity:
         an all-zero fingerprint, rank >= world; a queue option or layers_in_flight out of
-        bounds), DaemonError (e.g. code
+        bounds; a client_name over 64 UTF-8 bytes), DaemonError (e.g. code
         "Busy": still busy at timeout_s; a model geometry from the daemon
         that is not valid, e.g. 0 KV heads, named with its values), TimeoutError."""
     @property
@@ -602,8 +605,13 @@ class Request:
     that frees the object.
 
     Leaving the `with`, the drop and Store.close are not interruptible, on purpose: Ctrl-C is
-    raised only once they returned (within the store's timeout_s), so that none gives back
-    memory or a request while a layer of it may still move bytes."""
+    raised only once they returned, so that none gives back memory or a request while a layer
+    of it may still move bytes. Leaving the `with` and the drop wait for the layers in flight
+    up to the store's timeout_s, then finish the request (attached: one exchange with tuttid,
+    bounded by that timeout too). Store.close can take longer than its timeout_s: after the
+    layers (up to timeout_s), an attached store with a layer still in flight then waits at
+    least 5 s more for tuttid to confirm the session ended, and an in-process store's devices
+    are brought down (see Store.close)."""
 
     @property
     def handle(self) -> int:
@@ -786,7 +794,8 @@ class LookupClient:
         timeout_s: float = 5.0,
     ) -> LookupClient:
         """Connects and attaches (Hello). Raises as Store.attach (a timeout_s past 1e9 s, or
-        negative, is InvalidArgument)."""
+        negative, is InvalidArgument; so is a client_name over 64 UTF-8 bytes, before anything
+        is sent)."""
     @property
     def session(self) -> int: ...
     @property

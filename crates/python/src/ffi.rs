@@ -4,7 +4,9 @@
 //! DLPack (dlpack.h, the unversioned `DLManagedTensor` every producer offers through
 //! `__dlpack__()` without `max_version`): a capsule named "dltensor" holds a pointer to a
 //! `DLManagedTensor`; the consumer renames it "used_dltensor" and owns the tensor from then on,
-//! calling its `deleter` when done (the producer's memory lives until then). The deleter may be
+//! calling its `deleter` when done. Until then the producer keeps its export, not necessarily the
+//! memory: a torch tensor's `resize_`, `set_` or `untyped_storage().resize_(0)` free or move the
+//! storage under a live export (the Python docs tell the caller never to). The deleter may be
 //! called from any thread, with or without the GIL (the spec requires producers to take the GIL
 //! themselves where they need it: numpy does).
 
@@ -105,8 +107,9 @@ pub struct DlpackTensor {
     pub strides: Option<Vec<i64>>,
 }
 
-/// A consumed DLPack tensor: the producer's memory lives until this is dropped, which calls
-/// the producer's deleter (once).
+/// A consumed DLPack tensor: the producer's export is held until this is dropped, which calls
+/// the producer's deleter (once). That holds the producer's tensor object, not its memory (see
+/// the module's doc: torch can free or move it under a live export).
 pub struct ImportedDlpack {
     managed: NonNull<DlManagedTensor>,
 }
