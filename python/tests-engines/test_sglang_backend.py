@@ -1260,3 +1260,70 @@ def test_plain_data_parallel_replicas_get_their_own_devices(tmp_path: Path, stor
         templated = extra_config(tmp_path / "unused.img", True, devices=f"emu:{tmp_path}/pool-dp{{dp_rank}}.img")
         with pytest.raises(tutti.InvalidArgument, match="replica"):
             StorageBackendFactory.create_backend("dynamic", storage_config("page_first", templated), None)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_page_whose_bytes_changed_in_the_pool_is_not_read(tmp_path: Path, layout: str):
+    """Goal: the backend checks every page it reads against the CRC recorded when it was stored
+    (verify_retrieves, on by default: SGLang serves a page batch_get_v1 reports read as KV): a
+    page whose bytes changed on the device since is reported not read and leaves the pool (the
+    next batch_exists misses it), the batch's other pages are read byte-exact, and the pool
+    stays open."""
+    pool_file = tmp_path / "pool.img"
+    pool = host_pool(layout)
+    keys = page_keys(40, 2)
+    storage = backend(layout, pool, extra_config(pool_file, True))
+    try:
+        generator = torch.Generator().manual_seed(40)
+        for page in (1, 2):
+            view = page_view(pool, page)
+            view.copy_(torch.randn(view.shape, generator=generator).to(view.dtype))
+        stored = [page_view(pool, page).clone() for page in (1, 2)]
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    finally:
+        storage.close()
+    image = bytearray(pool_file.read_bytes())
+    at = image.find(bytes(stored[0].contiguous().view(torch.uint8).flatten()[:64].tolist()))
+    assert at >= 0, "the first page's bytes are not in the pool file"
+    image[at + 7] ^= 0xFF
+    pool_file.write_bytes(bytes(image))
+    reopened = backend(layout, pool, extra_config(pool_file, False))
+    try:
+        for page in (3, 4):
+            page_view(pool, page).zero_()
+        assert reopened.batch_get_v1(keys, indices([3, 4])) == [False, True], "a page whose bytes changed was served"
+        assert torch.equal(page_view(pool, 4), stored[1])
+        assert reopened.batch_exists(keys) == 0, "the page whose bytes changed is still in the pool"
+        assert reopened.batch_exists(keys[1:]) == 1
+        assert reopened._dead is None
+    finally:
+        reopened.close()
+
+
+def test_a_pool_without_payload_crcs_is_refused_naming_verify_retrieves(tmp_path: Path):
+    """Goal: the backend checks the pages it reads by default (verify_retrieves), which a pool
+    formatted without payload CRCs (`tutti pool format` or tuttid --format without
+    --payload-crc, Store.open(payload_crcs=False)) cannot do: the refusal when SGLang registers
+    its host pool is a ConfigError naming both ways out, "verify_retrieves": false or a pool
+    formatted with --payload-crc; with verify_retrieves false the same pool opens."""
+    from tutti._engine import ConfigError, byte_geometry
+    from tutti.sglang import host_pool_layout
+
+    pool_file = tmp_path / "pool.img"
+    pool = host_pool("page_first")
+    _, _, layers, layer_block_bytes = host_pool_layout(pool)
+    tutti.Store.open(
+        f"emu:{pool_file}", byte_geometry(layer_block_bytes, layers), format=True, create_bytes=64 << 20,
+        payload_crcs=False, lock_dir=str(tmp_path / "locks"),
+    ).close()  # fmt: skip
+    created = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(pool_file, False)), pool)
+    with pytest.raises(ConfigError, match="payload CRC") as refused:
+        created.register_mem_pool_host(pool)
+    assert '"verify_retrieves": false' in str(refused.value) and "--payload-crc" in str(refused.value)
+    unchecked = backend("page_first", pool, extra_config(pool_file, False, verify_retrieves=False))
+    try:
+        keys = page_keys(41, 1)
+        assert unchecked.batch_set_v1(keys, indices([1])) == [True]
+        assert unchecked.batch_get_v1(keys, indices([2])) == [True]
+    finally:
+        unchecked.close()

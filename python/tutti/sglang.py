@@ -105,6 +105,12 @@ EXTRA_CONFIG_FIELDS = {
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
+    "verify_retrieves": Field(
+        bool,
+        "check every page read against the CRC recorded when it was stored; a page that differs is not read "
+        "(batch_get_v1 reports it False) and leaves the pool",
+        default=True,
+    ),
     "requests_max": Field(int, "pages moved at once", default=32, check=positive),
     "layers_in_flight": layers_in_flight_field("page"),
     "queue_depth": queue_depth_field(),
@@ -242,11 +248,21 @@ class TuttiHiCacheStorage(HiCacheStorage):
             queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
             layers_in_flight=self._layers_ahead,
+            verify_retrieves=config["verify_retrieves"],
         )
         try:
             self._store.register_kv(tutti.KvLayout.separate(keys, values))
-        except BaseException:
+        except BaseException as error:
             self._store.close()
+            if config["verify_retrieves"] and isinstance(error, tutti.InvalidArgument) and _refuses_crc_less_pool(error):
+                # The pool's own refusal names only reformatting: say the other way out too.
+                raise ConfigError(
+                    f"--hicache-storage-backend-extra-config: the pool on {', '.join(devices)} was formatted without "
+                    "payload CRCs (`tutti pool format` and tuttid --format without --payload-crc), which "
+                    "\"verify_retrieves\" (on by default) needs to check each page it reads: set \"verify_retrieves\": "
+                    "false to serve this pool unchecked, or format it again with --payload-crc (or \"format\": true, "
+                    f"which records them; everything on it is lost) [{error}]"
+                ) from error
             raise
         # Again now that the pool is open: a pool file the format just created has an identity
         # (its inode) only from here on.
@@ -731,6 +747,13 @@ def _pages(host_indices: torch.Tensor, count: int, page_size: int) -> list[Optio
         else:
             pages.append(start // page_size)
     return pages
+
+
+def _refuses_crc_less_pool(error: BaseException) -> bool:
+    """Whether the store refused verify_retrieves (at register_kv) because the pool records no
+    payload CRCs (objstore's refusal names both; the binding raises it as InvalidArgument)."""
+    message = str(error)
+    return "verify_retrieves" in message and "payload CRC" in message
 
 
 def _key_tokens(key: str, salt: bytes) -> list[int]:
