@@ -1327,3 +1327,49 @@ def test_a_pool_without_payload_crcs_is_refused_naming_verify_retrieves(tmp_path
         assert unchecked.batch_get_v1(keys, indices([2])) == [True]
     finally:
         unchecked.close()
+
+
+@pytest.mark.parametrize(
+    "unnamed",
+    [
+        dict(load_format="remote_instance", remote_instance_weight_loader_seed_instance_ip="10.0.0.1"),
+        dict(load_format="dummy", checkpoint_engine_wait_weights_before_ready=True),
+    ],
+    ids=["remote_instance", "dummy + checkpoint engine"],
+)
+def test_weights_the_server_args_do_not_name_are_not_shared_across_restarts(tmp_path: Path, unnamed: dict, caplog):
+    """Goal: a server whose weights arrive by a way its server args do not name (copied from a
+    live seed instance, --load-format remote_instance; random weights replaced by a checkpoint
+    engine's update, which names no weight_version, --load-format dummy
+    --checkpoint-engine-wait-weights-before-ready) has the same default fingerprint at every
+    start whatever weights it serves: a restart must not be served the previous run's pages.
+    Its pages are found within the process (a warning says why not across restarts); with an
+    explicit model_fingerprint (trusted to name the weights) a restart finds them."""
+    pool = host_pool("page_first")
+    keys = page_keys(42, 2)
+    with get_context().override_server_args(model_path=CHECKPOINT, **unnamed):
+        with caplog.at_level("WARNING"):
+            first = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+        assert "model_fingerprint" in caplog.text and "restart" in caplog.text
+        try:
+            assert first.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            assert first.batch_exists(keys) == 2
+            assert first.batch_get_v1(keys, indices([3, 4])) == [True, True]
+        finally:
+            first.close()
+        restarted = backend("page_first", pool, extra_config(tmp_path / "pool.img", False))
+        try:
+            assert restarted.batch_exists(keys) == 0, f"a restart with {unnamed} is served the previous run's pages"
+        finally:
+            restarted.close()
+        named = extra_config(tmp_path / "pool.img", False, model_fingerprint="cd" * 32)
+        explicit = backend("page_first", pool, named)
+        try:
+            assert explicit.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        finally:
+            explicit.close()
+        again = backend("page_first", pool, named)
+        try:
+            assert again.batch_exists(keys) == 2, "pages under an explicit model_fingerprint are lost at a restart"
+        finally:
+            again.close()

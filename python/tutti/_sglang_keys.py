@@ -18,7 +18,8 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
 - the weight epoch: an in-place weight update SGLang records (a new weight version, an update
   from disk) starts a key space of its own within the pool (`_WeightEpochs`: the page keys are
   salted), where the older weights' pages miss; backups into it wait for SGLang's cache flush
-  (`_watch_host_pool_clears`).
+  (`_watch_host_pool_clears`). Weights the server args do not name (dummy or remote_instance
+  loads, a checkpoint engine's: `_unnamed_startup_weights`) get a salted startup epoch too.
 - the cleared-pool record: a key space this process cleared (SGLang's storage clear) keeps its
   pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
   is formatted (`_refuse_cleared_pool`); devices are named by the storage behind them
@@ -218,7 +219,8 @@ def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ..
 
 
 # Server args beside the checkpoint's path that change the weights a page's KV was computed
-# with (SGLang 0.5.23's model namespace): random weights (--load-format dummy, for benchmarks; the
+# with (SGLang 0.5.23's model namespace): random weights (--load-format dummy, for benchmarks,
+# whose startup key space is private to the backend besides: _unnamed_startup_weights; the
 # other formats read the same checkpoint), ModelOpt quantization at load (--modelopt-quant, or a
 # ModelOpt checkpoint restored in its stead, --quantize-and-serve) and FlashRL's quantization
 # profile (--rl-quant-profile). Read with a default: a release without one of them names it None.
@@ -262,6 +264,42 @@ def _checkpoint_parts() -> Optional[tuple[str, ...]]:
     if not model.model_path:
         return None
     return tuple(str(part) for part in parts)
+
+
+# Load formats whose weights nothing in the server args names (SGLang 0.5.23): "dummy" starts on
+# random weights, which RL frameworks and checkpoint engines replace through
+# update_weights_from_tensor / _distributed / _ipc, naming no weight_version (SGLang records
+# nothing for those: _WEIGHT_CHANGE_SOURCE); "remote_instance" copies the weights of a live seed
+# instance (--remote-instance-weight-loader-seed-instance-ip), whatever that instance serves now
+# (it may have been updated in place).
+_UNNAMED_LOAD_FORMATS = ("dummy", "remote_instance")
+
+
+def _unnamed_startup_weights() -> Optional[str]:
+    """Why nothing in SGLang's server args names the weights this server will serve from its
+    start, for the default fingerprint (None when they are named, or SGLang's config cannot be
+    read here: `_checkpoint_parts` refuses that case): the target's or the draft's load format is
+    one of `_UNNAMED_LOAD_FORMATS`, or --checkpoint-engine-wait-weights-before-ready (the server
+    waits for its real weights, which arrive by an update naming no version). Pages of such
+    weights must not be found by a restart, whose weights may be others under the same
+    fingerprint."""
+    from sglang.srt.runtime_context import get_model, get_spec
+
+    try:
+        model = get_model()
+        load_format = getattr(model, "load_format", None)
+        waits = bool(getattr(model, "checkpoint_engine_wait_weights_before_ready", False))
+        draft_load_format = getattr(get_spec(), "speculative_draft_load_format", None)
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    reasons = []
+    if waits:
+        reasons.append("--checkpoint-engine-wait-weights-before-ready (the weights arrive after the start, by an update naming no version)")
+    if load_format in _UNNAMED_LOAD_FORMATS:
+        reasons.append(f"--load-format {load_format}")
+    if draft_load_format in _UNNAMED_LOAD_FORMATS:
+        reasons.append(f"--speculative-draft-load-format {draft_load_format}")
+    return ", ".join(reasons) or None
 
 
 # What SGLang 0.5.23 records in the scheduler process's overrides log when the served weights
@@ -320,7 +358,9 @@ class _WeightEpochs:
     alone does (pages a restart on the same checkpoint and --weight-version may share), a later
     one adds this backend's random nonce and the epoch (pages only this backend can find: the
     weights of an in-place update are named by nothing that outlives the process), so a change
-    makes the older epochs' pages miss (they age out by LRU) without retiring the pool.
+    makes the older epochs' pages miss (they age out by LRU) without retiring the pool. With
+    `private_startup` (the startup weights are named by nothing either: `_unnamed_startup_weights`)
+    epoch 0 is salted the same way, so no restart finds its pages.
 
     A page backed up in epoch n must be KV of epoch n's weights, and SGLang does not say when a
     host page was computed: a backup operation queued before the change may run after it (the
@@ -343,9 +383,10 @@ class _WeightEpochs:
     changes in it are compared with those seen (a whole copy at every read). Thread-safe:
     SGLang's prefetch and backup threads and its scheduler thread (the clear) use it at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, private_startup: bool = False) -> None:
         self._lock = threading.Lock()
         self._nonce = os.urandom(16)
+        self._private_startup = private_startup
         # The context's own log and how many of its entries were scanned (None: not read yet,
         # or only a copy could be read); the changes seen in a copy.
         self._log: Optional[list] = None
@@ -393,8 +434,9 @@ class _WeightEpochs:
             return self._epoch
 
     def salt(self, epoch: int) -> bytes:
-        """What goes before a page's key in `epoch`'s key space (nothing in epoch 0)."""
-        if epoch == 0:
+        """What goes before a page's key in `epoch`'s key space (nothing in epoch 0, unless the
+        startup weights are private to this backend)."""
+        if epoch == 0 and not self._private_startup:
             return b""
         return b"tutti sglang weight epoch\0" + self._nonce + epoch.to_bytes(8, "little") + b"\0"
 

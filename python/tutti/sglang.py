@@ -59,6 +59,7 @@ from tutti._sglang_keys import (
     _refuse_cleared_pool,
     _remember_cleared_pool,
     _shard_parts,
+    _unnamed_startup_weights,
     _watch_host_pool_clears,
     _WeightEpochs,
     check_rank_devices,
@@ -101,7 +102,8 @@ EXTRA_CONFIG_FIELDS = {
         str,
         "64 hex digits naming the model (the host pool's page layout, dtype and page size are always added); "
         "default: from SGLang's model name and its checkpoint (model path, revision, quantization, load format, "
-        "draft model)",
+        "draft model), private to the process when those name no weights (a dummy or remote_instance load, "
+        "a checkpoint engine's weights)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
@@ -228,8 +230,19 @@ class TuttiHiCacheStorage(HiCacheStorage):
             fingerprint = tutti.fingerprint(fingerprint, *shard)
         devices = rank_devices(config["devices"], storage)
         identities = _device_identities(devices)
+        # Weights no server arg names (an explicit fingerprint is trusted to name them): pages
+        # of this process's startup epoch are found by nothing after it.
+        unnamed = _unnamed_startup_weights() if config["model_fingerprint"] is None else None
+        if unnamed is not None:
+            logger.warning(
+                "tutti: nothing in SGLang's server args names the weights this server serves (%s), so the "
+                "pages it backs up are found by this backend only (not after a restart or a re-attach: the "
+                "weights may be others by then); set \"model_fingerprint\" in --hicache-storage-backend-extra-config to 64 hex "
+                "digits naming the weights to share pages across restarts",
+                unnamed,
+            )
         # Read before the pool opens: an update from here on is seen by the first call after.
-        epochs = self._epochs = _WeightEpochs()
+        epochs = self._epochs = _WeightEpochs(private_startup=unnamed is not None)
         if not config["format"]:
             _refuse_cleared_pool(devices, identities, fingerprint)
         self._store = tutti.Store.open(
