@@ -1373,3 +1373,79 @@ def test_weights_the_server_args_do_not_name_are_not_shared_across_restarts(tmp_
             assert again.batch_exists(keys) == 2, "pages under an explicit model_fingerprint are lost at a restart"
         finally:
             again.close()
+
+
+class LateLayer:
+    """A tutti.Request whose layers are seen to complete only at `until` (time.monotonic()), as
+    on a device that stalls: a wait sleeps until then, or for its timeout and then raises
+    TimeoutError (the layer still in flight); a poll before then drives nothing."""
+
+    def __init__(self, request, until: float) -> None:
+        self._request = request
+        self._until = until
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=30.0):
+        left_s = self._until - time.monotonic()
+        if left_s > timeout_s:
+            time.sleep(timeout_s)
+            raise tutti.TimeoutError("injected: the layer is late")
+        time.sleep(max(0.0, left_s))
+        return self._request.wait(timeout_s)
+
+    def poll(self):
+        return False if time.monotonic() < self._until else self._request.poll()
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["backup", "prefetch"])
+def test_a_call_ends_within_sglang_s_join_of_its_storage_threads(tmp_path: Path, store: bool):
+    """Goal: SGLang's cache flush (/flush_cache, a weight update's) stops its storage threads by
+    joining each for 10 s and raises RuntimeError (the scheduler stops) when one is still in a
+    storage call, so a call on a device that stalls 15 s (timeout_s 30 s, the default) ends
+    within 10 s: by call_timeout_s (8 s) the pages are reported not moved and the pool is
+    closed (nothing late writes host pages SGLang reuses)."""
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
+    keys = page_keys(43, 2)
+    try:
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        wrapped = StoreWithStalledLayers(storage._store)
+        until = time.monotonic() + 15.0
+        late = "prepare_store" if store else "prepare_retrieve"
+        real = getattr(wrapped._store, late)
+        setattr(wrapped, late, lambda tokens, block_ids: LateLayer(real(tokens, block_ids), until))
+        storage._store = wrapped
+        results: dict = {}
+
+        def call():
+            began = time.monotonic()
+            moved = storage.batch_set_v1(page_keys(44, 2), indices([3, 4])) if store else storage.batch_get_v1(keys, indices([3, 4]))
+            results["call"] = (moved, time.monotonic() - began)
+
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join(10.0)
+        alive = thread.is_alive()
+        thread.join(30.0)  # let a late call end before the pool is closed under it
+        assert not alive, f"the call was still running after SGLang's 10 s join ({results})"
+        moved, took_s = results["call"]
+        assert moved == [False, False] and took_s < 10.0, results
+        assert wrapped.closed_by_backend, "the call returned with the stalled pages' requests live"
+    finally:
+        storage.close()
+
+
+def test_a_call_timeout_past_sglang_s_join_is_warned(tmp_path: Path, caplog):
+    """Goal: call_timeout_s at or past SGLang's 10 s join of its storage threads is allowed but
+    warned about, naming what it risks."""
+    with caplog.at_level("WARNING"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, call_timeout_s=12.0)), None
+        )
+    assert "call_timeout_s" in caplog.text and "Failed to stop HiCache storage threads" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)
+    assert "call_timeout_s" not in caplog.text

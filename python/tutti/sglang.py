@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -48,6 +49,7 @@ from tutti._engine import (
     parse_config,
     positive,
     queue_depth_field,
+    wait_out_layer,
 )
 from tutti._sglang_keys import (
     _checkpoint_parts,
@@ -102,11 +104,19 @@ EXTRA_CONFIG_FIELDS = {
         str,
         "64 hex digits naming the model (the host pool's page layout, dtype and page size are always added); "
         "default: from SGLang's model name and its checkpoint (model path, revision, quantization, load format, "
-        "draft model), private to the process when those name no weights (a dummy or remote_instance load, "
+        "draft model), private to the backend when those name no weights (a dummy or remote_instance load, "
         "a checkpoint engine's weights)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
+    "call_timeout_s": Field(
+        float,
+        "the longest one batch_get_v1 / batch_set_v1 call runs, seconds: pages not begun by then are misses, and a "
+        "page still moving then closes the pool (lookups miss until a restart). SGLang's cache flush waits 10 s for "
+        "each storage thread and then fails, so keep it under 10",
+        default=8.0,
+        check=positive,
+    ),
     "verify_retrieves": Field(
         bool,
         "check every page read against the CRC recorded when it was stored; a page that differs is not read "
@@ -119,6 +129,16 @@ EXTRA_CONFIG_FIELDS = {
 }
 
 _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
+
+# How long SGLang 0.5.23 waits for each storage thread when it stops them (its cache flush, a weight
+# update's flush, a detach: HiCacheController._stop_storage_threads joins each with timeout=10 and
+# raises RuntimeError, which stops the scheduler, when one is still running).
+_SGLANG_STORAGE_JOIN_S = 10.0
+
+# The least a close at a call's deadline waits for the layers in flight (the other thread's
+# included) before deleting the queue pairs: the default call_timeout_s (8 s) plus this stays
+# within SGLang's join.
+_CLOSE_AT_DEADLINE_MIN_S = 1.0
 
 # The longest wait for request places (about 146 years): timeout_s x (layers + layers_in_flight)
 # can exceed what Condition.wait takes (threading.TIMEOUT_MAX; tutti.Store allows timeout_s up to
@@ -159,6 +179,14 @@ class TuttiHiCacheStorage(HiCacheStorage):
         check_rank_devices(self._config["devices"], storage_config)
         self._storage_config = storage_config
         self._timeout_s = float(self._config["timeout_s"])
+        self._call_timeout_s = float(self._config["call_timeout_s"])
+        if self._call_timeout_s >= _SGLANG_STORAGE_JOIN_S:
+            logger.warning(
+                "tutti: \"call_timeout_s\": %g lets a batch_get_v1 / batch_set_v1 call run past the %g s SGLang's cache "
+                "flush waits for a storage thread: a device that stalls during a flush (/flush_cache, a weight "
+                "update's) then stops the scheduler (RuntimeError: Failed to stop HiCache storage threads cleanly)",
+                self._call_timeout_s, _SGLANG_STORAGE_JOIN_S,
+            )  # fmt: skip
         self._requests_max = int(self._config["requests_max"])
         # Layers of one page in flight at once (layer_first pools: a page moves layer by layer;
         # page layouts have one layer, and the store is opened for min(N, layers)).
@@ -436,6 +464,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
         pool = self._registered_store()
         pages = _pages(host_indices, len(keys), self._page_size)
         results = [False] * len(keys)
+        # SGLang stops its storage threads (a flush) by joining each for 10 s: the whole call
+        # ends by this deadline, every wait within it.
+        deadline = time.monotonic() + self._call_timeout_s
         # Each wave takes its request places from the budget shared with SGLang's other thread
         # (prefetch and backup run at once on this one store).
         self._places.enter()
@@ -449,8 +480,16 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 # does when the devices answer in time. Not a bound on that wave (a round waits its
                 # requests in turn, each up to timeout_s, and waits out a failed one again): a
                 # slower one makes the rest of this batch misses, never wrong data. A wave that
-                # stalls closes the pool, which wakes this wait at once.
-                wait_s = min(self._timeout_s * (self._layers + self._layers_ahead), _PLACE_WAIT_MAX_S)
+                # stalls closes the pool, which wakes this wait at once. Never past the call's
+                # deadline: the pages left then are misses.
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    logger.warning(
+                        "tutti: %d pages not %s: the call ran %.1f s (\"call_timeout_s\")",
+                        len(keys) - start, "stored" if store else "read", self._call_timeout_s,
+                    )  # fmt: skip
+                    break
+                wait_s = min(self._timeout_s * (self._layers + self._layers_ahead), left_s, _PLACE_WAIT_MAX_S)
                 taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
                 if taken == 0:
                     if self._dead is None:
@@ -464,7 +503,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     # long batch moves (or waits). A wave already running goes on in its epoch (a
                     # backup of older KV stays in the older key space).
                     salt = self._backup_salt() if store else self._salt_now()
-                    going = salt is not None and self._move_wave(pool, keys, pages, results, start, start + taken, store, salt)
+                    going = salt is not None and self._move_wave(pool, keys, pages, results, start, start + taken, store, salt, deadline)
                 finally:
                     self._places.give(taken)
                 start += taken
@@ -481,12 +520,21 @@ class TuttiHiCacheStorage(HiCacheStorage):
         return results
 
     def _move_wave(
-        self, pool: Any, keys: List[str], pages: list[Optional[int]], results: List[bool], start: int, end: int, store: bool, salt: bytes
+        self,
+        pool: Any,
+        keys: List[str],
+        pages: list[Optional[int]],
+        results: List[bool],
+        start: int,
+        end: int,
+        store: bool,
+        salt: bytes,
+        deadline: float,
     ) -> bool:
         """Moves pages start..end (at most the request places taken for them) as one wave, noting
-        each page moved in `results`; keys are named in the weight epoch of `salt`. Returns False
-        when the pool was closed (a stuck layer or a request that could not be ended): nothing
-        more moves."""
+        each page moved in `results`; keys are named in the weight epoch of `salt`; every wait
+        ends by `deadline` (time.monotonic()). Returns False when the pool was closed (a stuck
+        layer or a request that could not be ended): nothing more moves."""
         wave: list[tuple[int, Any]] = []
         for index in range(start, end):
             if pages[index] is None:
@@ -505,9 +553,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
                 continue
             wave.append((index, request))
-        if self._run_layers(wave, store):
+        if self._run_layers(wave, store, deadline):
             # Nothing of this wave is reported moved: its live requests end with the pool.
-            self._close_pool("a layer of a page did not complete", pages_written=not store)
+            self._close_pool("a layer of a page did not complete", pages_written=not store, deadline=deadline)
             return False
         stuck = False
         for index, request in wave:
@@ -527,16 +575,17 @@ class TuttiHiCacheStorage(HiCacheStorage):
             except tutti.Error as error:
                 logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
         if stuck:
-            self._close_pool("a page's request could not be ended", pages_written=not store)
+            self._close_pool("a page's request could not be ended", pages_written=not store, deadline=deadline)
             return False
         return True
 
-    def _run_layers(self, wave: list[tuple[int, Any]], store: bool) -> bool:
+    def _run_layers(self, wave: list[tuple[int, Any]], store: bool, deadline: float) -> bool:
         """Every layer of every request of the wave, `layers_in_flight` layers in flight per
         request: layer l is issued on every request, then each one's oldest layer (l - N + 1)
-        is waited for. A request that fails is finished and replaced by None in `wave`. Returns
-        True (at once) when a failed request's layer does not complete: it is kept, and the
-        devices may still move its page's bytes."""
+        is waited for, each wait up to timeout_s and no later than `deadline`. A request that
+        fails (a layer not complete by then included) is finished and replaced by None in
+        `wave`. Returns True (at once) when a failed request's layer does not complete: it is
+        kept, and the devices may still move its page's bytes."""
         ahead = self._layers_ahead
         issue = "store_layer" if store else "retrieve_layer"
         # Round r issues layer r (while there is one) and waits for layer r - ahead + 1 (once
@@ -544,18 +593,28 @@ class TuttiHiCacheStorage(HiCacheStorage):
         for round_index in range(self._layers + ahead - 1):
             if round_index < self._layers:
                 layer = round_index
-                if self._each_request(wave, lambda request: getattr(request, issue)(layer), f"layer {layer} of a page failed to issue"):
+                if self._each_request(
+                    wave, lambda request: getattr(request, issue)(layer), f"layer {layer} of a page failed to issue", deadline
+                ):
                     return True
             oldest = round_index - ahead + 1
-            if oldest >= 0 and self._each_request(wave, lambda request: request.wait(self._timeout_s), f"layer {oldest} of a page failed"):
+            if oldest >= 0 and self._each_request(
+                wave, lambda request: request.wait(self._wait_s(deadline)), f"layer {oldest} of a page failed", deadline
+            ):
                 return True
         return False
 
-    def _each_request(self, wave: list[tuple[int, Any]], action: Callable[[Any], Any], failed: str) -> bool:
+    def _wait_s(self, deadline: float) -> float:
+        """A layer's wait: timeout_s, ending no later than `deadline` (0 once it has passed: a
+        layer complete by then is still returned)."""
+        return max(0.0, min(self._timeout_s, deadline - time.monotonic()))
+
+    def _each_request(self, wave: list[tuple[int, Any]], action: Callable[[Any], Any], failed: str, deadline: float) -> bool:
         """`action` on every live request of the wave; one that raises is finished (after its
-        layers in flight: an issue that failed after its commands were published leaves its
-        layer in flight) and replaced by None. Returns True (at once) when such a request's
-        layer does not complete: it is kept, and the devices may still move its page's bytes."""
+        layers in flight, waited for until `deadline`: an issue that failed after its commands
+        were published leaves its layer in flight) and replaced by None. Returns True (at once)
+        when such a request's layer does not complete: it is kept, and the devices may still
+        move its page's bytes."""
         for position, (index, request) in enumerate(wave):
             if request is None:
                 continue
@@ -563,25 +622,31 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 action(request)
             except tutti.Error as error:
                 logger.warning("tutti: %s: %s", failed, error)
-                if not _abandon(request, self._timeout_s):
+                if not _abandon(request, self._timeout_s, deadline):
                     return True
                 wave[position] = (index, None)
         return False
 
-    def _close_pool(self, reason: str, pages_written: bool, level: int = logging.ERROR) -> None:
+    def _close_pool(self, reason: str, pages_written: bool, level: int = logging.ERROR, deadline: Optional[float] = None) -> None:
         """Closes the pool for good (its queue pairs deleted: no controller touches a host page
         after that) before a batch with a stuck layer returns, since SGLang reuses the host pages
         of pages reported not moved. When the close could not confirm its queue pairs deleted
         (memory registrations kept), a read of this thread or SGLang's other one may still have
         host pages written, and SGLang reuses them whatever the call does (it catches every
         exception): the process ends (_host_pages_unsafe) under the lock, so no read returns.
-        `pages_written` (this batch was a read) only names what the log says."""
+        `pages_written` (this batch was a read) only names what the log says. `deadline`: the
+        calling batch's (time.monotonic()); the close then waits for the layers in flight until
+        it (at least _CLOSE_AT_DEADLINE_MIN_S) rather than timeout_s, so the call still ends
+        within SGLang's join of its storage threads."""
         with self._close_lock:
             if self._dead is None:
                 self._dead = reason
                 self._places.wake()
                 logger.log(level, "tutti: %s; the pool is closed, the backend moves nothing more (lookups miss)", reason)
-                self._store.close(timeout_s=self._timeout_s)
+                close_s = self._timeout_s
+                if deadline is not None:
+                    close_s = min(close_s, max(deadline - time.monotonic(), _CLOSE_AT_DEADLINE_MIN_S))
+                self._store.close(timeout_s=close_s)
                 kept = self._store.leaked_registrations()
                 if kept:
                     # Whatever this thread moved: a read of another thread may have been in flight.
@@ -775,9 +840,14 @@ def _key_tokens(key: str, salt: bytes) -> list[int]:
     return hash_tokens(salt + key.encode("utf-8"), BYTE_GEOMETRY_BLOCK_TOKENS)
 
 
-def _abandon(request: Any, timeout_s: float) -> bool:
-    """`abandon_request` with this module's log."""
-    return abandon_request(request, timeout_s, logger, "tutti: a failed page request")
+def _abandon(request: Any, timeout_s: float, deadline: float) -> bool:
+    """`abandon_request` with this module's log, its waits for the layers in flight ending by
+    `deadline` (time.monotonic(): the batch call's)."""
+    what = "tutti: a failed page request"
+    if not wait_out_layer(request, timeout_s, logger, what, deadline=deadline):
+        return False
+    # No layer in flight any more: abandon_request only finishes it.
+    return abandon_request(request, timeout_s, logger, what)
 
 
 def _copying_interface(name: str) -> tutti.InvalidState:
