@@ -584,7 +584,7 @@ impl ClusterAgent {
         self.metrics.remote_reads.inc();
         let per_segment = usize::from(self.settings.registry.segment_blocks.get());
         let replicate_after = self.settings.replicate_after;
-        let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32| {
+        let mut stored_segment = |segment: usize, segment_keys: &[u64], served: u32, last_written: bool| {
             let Some(key) = segment_keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) else { return };
             // Under the pool lock (then `fetched`'s, the registrar's order): the entry's stamp
             // is ordered against the registrar's departure batches, and a copy already evicted
@@ -598,9 +598,12 @@ impl ClusterAgent {
                 drop(pool);
                 self.metrics.replicated_segments.inc();
                 self.hand_over(Committed { space: *space, keys: segment_keys.to_vec(), first_segment: segment as u32 });
-            } else if pool.control.pool().index().get(key.get()).is_some() {
+            } else if last_written && pool.control.pool().index().get(key.get()).is_some() {
                 // A replica in waiting: not registered by a later commit of a longer prompt
                 // either (remembered before the client's answer, so before any such commit).
+                // Only when this fetch wrote the segment's last block: one shared was committed
+                // by another store (a local client's, its hand-over perhaps still queued, or a
+                // concurrent fetch's, which remembers it), and a local commit is registered.
                 fetched.fetched(space, key);
             }
         };

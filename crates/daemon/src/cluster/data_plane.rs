@@ -676,7 +676,9 @@ impl DataPlane {
     /// pool); a failure says which segment and why (those stored before it stay). The whole
     /// fetch is bounded by `deadline` and ends early when `stopped` (the daemon's drain). Each
     /// segment stored is passed to `stored_segment` (its index, its keys, how many times its
-    /// holder has served it) right after its commit.
+    /// holder has served it, and whether this store wrote its last block: false when the block
+    /// was in the pool already, committed by another store — a local client's, or a concurrent
+    /// fetch's — and shared) right after its commit.
     #[allow(clippy::too_many_arguments)]
     pub fn fetch(
         &self,
@@ -688,7 +690,7 @@ impl DataPlane {
         address: SocketAddr,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
-        stored_segment: &mut dyn FnMut(usize, &[u64], u32),
+        stored_segment: &mut StoredSegment<'_>,
     ) -> Result<usize, (usize, FetchError)> {
         // Nothing fetched could be stored: failed before a holder is asked (and its disks,
         // staging area and link spent on a segment, counted toward a replica).
@@ -757,7 +759,7 @@ impl DataPlane {
                     Err(Unreceived { error, .. }) => return Err((stored, peer_error(segment, error))),
                 }
             };
-            stored += self.store_segment(store, segment_keys, &bytes, deadline, stopped).map_err(|error| {
+            let (written, last_written) = self.store_segment(store, segment_keys, &bytes, deadline, stopped).map_err(|error| {
                 (
                     stored,
                     match error {
@@ -766,7 +768,8 @@ impl DataPlane {
                     },
                 )
             })?;
-            stored_segment(segment, segment_keys, served);
+            stored += written;
+            stored_segment(segment, segment_keys, served, last_written);
         }
         Ok(stored)
     }
@@ -838,7 +841,8 @@ impl DataPlane {
     }
 
     /// Asker: stores a fetched segment (`bytes`: its blocks in order) in the local pool; its
-    /// blocks already here are shared, not written. Returns the blocks written. The wait for
+    /// blocks already here are shared, not written. Returns the blocks written, and whether the
+    /// segment's last block was among them. The wait for
     /// the staging area counts against the fetch's `deadline` and ends when `stopped`; so does
     /// the write, which issues no layer past it (`Staging::transfer`); a layer issued is
     /// finished (bounded by the staging area's per-layer timeout): abandoning it would leave it
@@ -850,7 +854,7 @@ impl DataPlane {
         bytes: &[u8],
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
-    ) -> Result<usize, FetchError> {
+    ) -> Result<(usize, bool), FetchError> {
         if stopped() {
             return Err(FetchError::Stopped);
         }
@@ -870,8 +874,11 @@ impl DataPlane {
         };
         if placements.is_empty() {
             release(store, handle);
-            return Ok(0);
+            return Ok((0, false));
         }
+        // Whether this store writes the segment's last block (its key, the segment's): one
+        // shared was committed by another store, whose registration is that store's own.
+        let last_written = placements.iter().any(|placement| placement.engine_block as usize + 1 == keys.len());
         let mut crcs = Vec::new();
         let written = self.with_staging(handle, deadline, stopped, |staging| {
             let keep = |error| StagingError { error, retire: false };
@@ -889,7 +896,7 @@ impl DataPlane {
             Ok(())
         });
         match written {
-            Ok(()) => Ok(placements.len()),
+            Ok(()) => Ok((placements.len(), last_written)),
             Err(Staged { error, keep_reservation: true }) => Err(error),
             Err(Staged { error, keep_reservation: false }) => {
                 // A refused commit keeps the reservation, a failed one ended it (release is a
@@ -900,6 +907,10 @@ impl DataPlane {
         }
     }
 }
+
+/// Told of each segment an asker stored: its index, its keys, how many times its holder has
+/// served it, whether this store wrote its last block ([`DataPlane::fetch`]).
+pub type StoredSegment<'a> = dyn FnMut(usize, &[u64], u32, bool) + 'a;
 
 /// The `NotHeld` text a peer gets: the store's own (which blocks are cached) is logged here.
 const NOT_HELD: &str = "the segment is not held whole here";

@@ -99,7 +99,7 @@ fn put(node: &Node, seed: u64, segment: usize) {
     let per = usize::from(SEGMENT);
     let bytes = segment_bytes(node, seed, segment);
     let stored = node.plane.store_segment(&node.store, &keys[segment * per..(segment + 1) * per], &bytes, far(), &|| false).unwrap();
-    assert_eq!(stored, per);
+    assert_eq!(stored, (per, true));
 }
 
 fn far() -> Instant {
@@ -314,7 +314,7 @@ fn asker_and_holder(bounds: PeerBounds) -> (Node, Serving) {
 fn fetch(asker: &Node, holder: &Serving, deadline: Instant) -> Result<usize, (usize, FetchError)> {
     let keys = keys(1, 2);
     let address = holder.node.plane.address();
-    asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, deadline, &|| false, &mut |_, _, _| {})
+    asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, deadline, &|| false, &mut |_, _, _, _| {})
 }
 
 #[test]
@@ -389,7 +389,7 @@ fn a_holder_that_accepts_and_never_answers_fails_a_fetch_within_the_stall_bound(
         address,
         started + Duration::from_secs(10),
         &|| false,
-        &mut |_, _, _| {},
+        &mut |_, _, _, _| {},
     );
     let took = started.elapsed();
     done.send(()).unwrap();
@@ -482,7 +482,7 @@ fn a_holder_closing_an_idle_connection_between_segments_is_asked_again() {
     let keys = keys(1, 2);
     let address = holder.node.plane.address();
     let mut stored = Vec::new();
-    let fetched = asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, far(), &|| false, &mut |segment, _, _| {
+    let fetched = asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, far(), &|| false, &mut |segment, _, _, _| {
         stored.push(segment);
         if segment == 0 {
             wait_for("the holder closes the idle connection", Duration::from_secs(5), || {
@@ -492,6 +492,27 @@ fn a_holder_closing_an_idle_connection_between_segments_is_asked_again() {
     });
     assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(32));
     assert_eq!(stored, [0, 1]);
+}
+
+#[test]
+fn a_fetched_segment_whose_blocks_were_here_already_is_not_called_written() {
+    // Goal: the asker committed segment 0 of the prompt itself (a local client's store,
+    // its hand-over to the registrar perhaps still queued) and then fetches both segments:
+    // segment 0's store shares every block and writes none, so the fetch says its last
+    // block was not written by it (the fetch path then does not take the segment for a
+    // fetched copy, which the registrar would leave unregistered); segment 1's store wrote
+    // it. Before, every stored segment was passed on alike.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    put(&asker, 1, 0);
+    let keys = keys(1, 2);
+    let address = holder.node.plane.address();
+    let mut seen = Vec::new();
+    let fetched =
+        asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, far(), &|| false, &mut |segment, _, _, written| {
+            seen.push((segment, written))
+        });
+    assert_eq!(fetched.map_err(|(_, error)| error.to_string()), Ok(16), "segment 0's blocks were written again");
+    assert_eq!(seen, [(0, false), (1, true)]);
 }
 
 #[test]
