@@ -358,6 +358,41 @@ def test_a_wait_for_a_stuck_layer_is_interrupted_by_ctrl_c(formatted_daemon):
     store.close()
 
 
+def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_interrupt(formatted_daemon):
+    # Goal: Ctrl-C during Request.wait inside `with request:`, its layer through a paused tuttid
+    # (it never ends while paused): the KeyboardInterrupt leaves the `with` as itself, so an
+    # engine's `except KeyboardInterrupt` sees it. The exit still waits for the layer (up to the
+    # store's 1 s timeout); its finish, refused for the layer in flight, is logged, not raised,
+    # and the request stays held, prepared with its layer in flight, for a later wait and
+    # finish (a drop or the store's close would end it too). Before, the exit raised
+    # InvalidState ("still in flight") and the KeyboardInterrupt was only its __context__.
+    store = attach(formatted_daemon, timeout_s=1.0)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 87)
+    request = store.prepare_store(tokens(87, 1), [1])
+    formatted_daemon.pause()
+    try:
+        interrupt = threading.Timer(0.3, _thread.interrupt_main)
+        try:
+            with request:
+                request.store_layer(0)
+                interrupt.start()
+                try:
+                    request.wait(timeout_s=10.0)
+                finally:
+                    interrupt.join()  # a Ctrl-C the wait did not see is raised here at the latest
+                raise AssertionError("Request.wait returned for a layer through a paused tuttid")
+        except KeyboardInterrupt:
+            pass
+        assert request.state == "prepared"
+        assert request.layer_in_flight == 0, "the exit could not wait the layer out: still in flight"
+    finally:
+        formatted_daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    request.finish()
+    store.close()
+
+
 def fork_sleeper(seconds: float) -> int:
     """A forked child that only sleeps (holding whatever it inherited) and exits without running
     the parent's cleanups."""

@@ -590,7 +590,11 @@ class Request:
     default: issue, wait, issue); they complete in issue order, and `wait` returns them in that
     order, one per call (a layer's LayerIo.wait returns that one instead). A context
     manager: leaving the `with` finishes it unless it was committed or finished, first waiting
-    out every layer in flight (all within the store's timeout_s).
+    out every layer in flight (all within the store's timeout_s). A layer still in flight then
+    makes the finish refuse: InvalidState, raised when the block ended normally; when an
+    exception leaves the block (a Ctrl-C or TimeoutError in a wait for a stuck layer), that
+    exception goes on, the refusal is logged at error level, and the request stays held,
+    prepared, until a finish, its drop or the store's close ends it.
 
     A Request garbage-collected while prepared (neither committed nor finished) is finished
     then, giving back its place among requests_max, its pins and its IOCBs: its layers in
@@ -726,7 +730,10 @@ class Request:
         becomes visible). Raises InvalidState while any layer is in flight (wait for each first,
         or leave the `with`, which does). Idempotent after commit/finish."""
     def __enter__(self) -> Request: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, *exc: object) -> None:
+        """Waits out the layers in flight (up to the store's timeout_s), then finishes the
+        request unless it was committed or finished; never suppresses the exception leaving the
+        block, and raises no refusal over it (see the class doc)."""
 
 class LayerIo:
     """The completion handle of one issue of a layer (from retrieve_layer / store_layer). It

@@ -178,6 +178,11 @@ fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Insta
     }
 }
 
+/// Whether `__exit__`'s arguments (type, value, traceback) say an exception leaves the block.
+fn leaving_on_exception(exc: &Bound<'_, PyTuple>) -> bool {
+    exc.get_item(0).is_ok_and(|exc_type| !exc_type.is_none())
+}
+
 /// What a wait for `layer` raises when `earlier`, in flight before it, could not be waited for
 /// (its wait failed without ending it): `layer` cannot complete first, and the failure is
 /// `earlier`'s.
@@ -679,8 +684,8 @@ impl Request {
         slf
     }
 
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<()> {
+    #[pyo3(signature = (*exc))]
+    fn __exit__(&self, py: Python<'_>, exc: &Bound<'_, PyTuple>) -> PyResult<()> {
         // Inherited across fork: left as a drop leaves it (the parent's), and nothing is
         // raised, so that the exception leaving the block, if any, is the one seen (as
         // `Store.__exit__`). The owner before the phase's lock (see `owned_phase`).
@@ -694,7 +699,25 @@ impl Request {
         // hold the deadline, settle for nothing more than what has ended (finish then refuses).
         let deadline = deadline_after(timeout).unwrap_or_else(|_| Instant::now());
         py.detach(|| self.settle(deadline));
-        self.finish(py)
+        let ended = py.detach(|| self.end(|state, handle| state.finish(handle), |_| Phase::Finished));
+        match ended {
+            None | Some((Ok(()), _)) => Ok(()),
+            // An exception leaving the block (a Ctrl-C or TimeoutError in a wait for a stuck
+            // layer, most often the cause of the refusal) stays the one raised: raising the
+            // refusal instead would leave it only as the refusal's __context__, and an engine's
+            // `except KeyboardInterrupt` would miss it. The request stays held, as after any
+            // refusal; a later finish, its drop or the store's close end it.
+            Some((Err(refused), true)) if refused.class == ErrorClass::InvalidState && leaving_on_exception(exc) => {
+                tracing::error!(
+                    message = %refused.message,
+                    "tutti: request {:#x} left its with block on an exception with a layer still in flight after the store's \
+                     timeout: not finished (it stays held until a finish, its drop or the store's close ends it)",
+                    self.handle
+                );
+                Ok(())
+            }
+            Some((Err(failure), _)) => Err(failure.to_pyerr(py)),
+        }
     }
 
     fn __repr__(&self) -> String {
