@@ -95,9 +95,11 @@ pub const COMMITS_QUEUED_MAX: usize = 1024;
 /// A fetched segment is registered as a second replica once its holder has served it more than
 /// this many times (default of `--cluster-replicate-after`).
 pub const REPLICATE_AFTER_DEFAULT: u32 = 2;
-/// Holders one `FetchRemote` tries at most, each passed over only when it could not serve
-/// before a block was stored (unreachable, not holding, busy, failing to read it): past a few, the registry is
-/// listing dead nodes and the client is better off recomputing than waiting on more connects.
+/// Holders one `FetchRemote` asks at most, over all the runs it reads (a run over several
+/// holders is read one holder's run at a time), each passed over only when it could not serve
+/// before a block was stored (unreachable, not holding, busy, failing to read it): past a few,
+/// the registry is listing dead nodes and the client is better off recomputing than waiting on
+/// more connects.
 #[cfg(feature = "cluster")]
 const FETCH_HOLDERS_MAX: usize = 4;
 /// The longest a `LookupCluster` waits for the registry by default.
@@ -560,9 +562,15 @@ impl ClusterAgent {
     /// before a block is stored — unreachable (a dead node listed until its lease expires), no
     /// longer holding it, busy until the segment's deadline, failing to read it (its disks, its
     /// staging area retired, a block its pool found damaged) — is passed over for the next one
-    /// listed (at most [`FETCH_HOLDERS_MAX`] tried). Returns the blocks stored; a failure is a
-    /// sentence for the client (segments stored before it stay). Bounded by
-    /// [`data_plane::FETCH_DEADLINE`] in all; ends early when `stopped` (the daemon's drain).
+    /// listed. When the registry's run goes on past the run read (the rest held by nodes that do
+    /// not hold its start, so not listed: each holder is listed with its run from the first
+    /// segment asked), the rest is looked up from the prefix now local and read the same way,
+    /// and so on (at most [`FETCH_HOLDERS_MAX`] holders asked in all). Returns the blocks
+    /// stored; a failure is a sentence for the client (segments stored before it stay), except
+    /// that once a run was read, a later lookup that finds nothing or whose holders all pass
+    /// over ends the fetch with what it read. Bounded by [`data_plane::FETCH_DEADLINE`] in all
+    /// (a later lookup by the lookup timeout too); ends early when `stopped` (the daemon's
+    /// drain).
     #[cfg(feature = "cluster")]
     pub(crate) fn fetch(
         &self,
@@ -573,7 +581,7 @@ impl ClusterAgent {
         stopped: &dyn Fn() -> bool,
     ) -> Result<usize, String> {
         let deadline = std::time::Instant::now() + data_plane::FETCH_DEADLINE;
-        let part = self.beyond(space, keys, local_blocks);
+        let mut part = self.beyond(space, keys, local_blocks);
         if part.registry != crate::protocol::RegistryAnswer::Answered {
             self.metrics.remote_read_failures.inc();
             return Err("the cluster registry did not answer: nothing fetched".into());
@@ -607,35 +615,73 @@ impl ClusterAgent {
                 fetched.fetched(space, key);
             }
         };
-        // Holders passed over, each with why.
+        // Holders passed over, each with why; holders asked in all runs together.
         let mut passed_over: Vec<String> = Vec::new();
-        for holder in part.holders.iter().take(FETCH_HOLDERS_MAX) {
-            let segments = local_blocks / per_segment..(local_blocks + holder.blocks as usize) / per_segment;
-            // (blocks stored, the error, whether another holder may serve what this one did not)
-            let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true)).and_then(|address| {
-                self.data_plane
-                    .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
-                    .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve()))
-            });
-            let (stored, error) = match result {
-                Ok(stored) => {
-                    self.metrics.fetched_blocks.inc_by(stored as u64);
-                    return Ok(stored);
+        let mut asked = 0;
+        // The local prefix the run being read starts from, blocks stored so far, whether a run
+        // was read whole.
+        let (mut local, mut stored_in_all, mut read_a_run) = (local_blocks, 0usize, false);
+        let first_segment = local_blocks / per_segment;
+        loop {
+            // (blocks stored, the run read: blocks past `local`, ending on a segment's end)
+            let mut read = None;
+            for holder in &part.holders {
+                if asked >= FETCH_HOLDERS_MAX {
+                    break;
                 }
-                Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
-                    tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
-                    passed_over.push(error);
-                    continue;
+                asked += 1;
+                let segments = local / per_segment..(local + holder.blocks as usize) / per_segment;
+                // (blocks stored, the error, whether another holder may serve what this one did not)
+                let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true)).and_then(|address| {
+                    self.data_plane
+                        .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
+                        .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve()))
+                });
+                match result {
+                    Ok(stored) => {
+                        self.metrics.fetched_blocks.inc_by(stored as u64);
+                        read = Some((stored, holder.blocks as usize));
+                        break;
+                    }
+                    Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
+                        tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
+                        passed_over.push(error);
+                    }
+                    Err((stored, error, _)) => {
+                        self.metrics.fetched_blocks.inc_by(stored as u64);
+                        self.metrics.remote_read_failures.inc();
+                        let before =
+                            if passed_over.is_empty() { String::new() } else { format!("; before it: {}", passed_over.join("; ")) };
+                        let (stored, segments) = (stored_in_all + stored, first_segment..segments.end);
+                        return Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it){before}"));
+                    }
                 }
-                Err((stored, error, _)) => (stored, error),
+            }
+            let Some((stored, run)) = read else {
+                if !read_a_run {
+                    self.metrics.remote_read_failures.inc();
+                    return Err(format!("no holder listed could serve the fetch, nothing stored: {}", passed_over.join("; ")));
+                }
+                // The runs read stay; the client computes the rest (or fetches again).
+                tracing::info!(stored = stored_in_all, passed_over = ?passed_over, "no holder of the rest of the prompt's run could serve it: the fetch ends with what it read");
+                return Ok(stored_in_all);
             };
-            self.metrics.fetched_blocks.inc_by(stored as u64);
-            self.metrics.remote_read_failures.inc();
-            let before = if passed_over.is_empty() { String::new() } else { format!("; before it: {}", passed_over.join("; ")) };
-            return Err(format!("{error} ({stored} block(s) of segments {segments:?} stored before it){before}"));
+            stored_in_all += stored;
+            read_a_run = true;
+            // The registry's run goes on past this holder's (it lists each holder's run from the
+            // first segment asked, so one that holds only the rest is not listed): the rest is
+            // asked for from the prefix now local, as a lookup from there would — one registry
+            // round trip, its holders each tried in turn, within the same deadline and bound on
+            // holders.
+            if part.remote_blocks as usize <= run || asked >= FETCH_HOLDERS_MAX || stopped() || std::time::Instant::now() >= deadline {
+                return Ok(stored_in_all);
+            }
+            local += run;
+            part = self.beyond(space, keys, local);
+            if part.registry != crate::protocol::RegistryAnswer::Answered || part.holders.is_empty() {
+                return Ok(stored_in_all);
+            }
         }
-        self.metrics.remote_read_failures.inc();
-        Err(format!("no holder listed could serve the fetch, nothing stored: {}", passed_over.join("; ")))
     }
 
     #[cfg(not(feature = "cluster"))]

@@ -258,7 +258,8 @@ fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() 
     // 1), then its client stores the prompt extended by a segment it computed (48 blocks, from
     // block 0, as every store is). b registers the new segment 2 only: the fetched copies stay
     // replicas in waiting, and c's lookup lists a alone for them. Before, the commit registered
-    // every whole segment it held, the fetched ones included.
+    // every whole segment it held, the fetched ones included. c's fetch of the extended prompt
+    // then reads segments 0 and 1 from a and 2 from b, in one FetchRemote.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
@@ -286,4 +287,16 @@ fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() 
     let mut on_c = client_of(c, "c");
     let seen = on_c.lookup_cluster(&tokens).unwrap();
     assert_eq!((seen.remote_blocks, seen.holders), (32, vec![RemoteHolder { node: "a".into(), blocks: 32 }]));
+
+    // The extended prompt's run goes over two holders (a for segments 0 and 1, b for 2): c's
+    // one fetch reads a's run, then, from the prefix it reached, b's. Before, it stopped at
+    // a's 32 blocks and c recomputed segment 2.
+    let extended = common::prompt(72, 48, BLOCK_TOKENS);
+    let seen = on_c.lookup_cluster(&extended).unwrap();
+    assert_eq!((seen.remote_blocks, seen.holders), (48, vec![RemoteHolder { node: "a".into(), blocks: 32 }]));
+    assert_eq!(on_c.fetch_remote(&extended).unwrap(), (48, 48));
+    // (Byte-exactness is the tests' above: `retrieve_prompt` has engine blocks for 40 at most.)
+    assert_eq!(on_c.lookup(&extended).unwrap(), 48, "c does not hold the extended prompt whole");
+    let (status_a, status_b) = (a.status(), b.status());
+    assert_eq!((status_a.served_segments, status_b.served_segments), (4, 1), "{status_a:?} {status_b:?}");
 }
