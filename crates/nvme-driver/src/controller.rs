@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::datapath::{DataPointerMode, PAGE_BYTES, TRANSFER_BYTES_MAX};
 use crate::detached::{DetachedQueueLayout, DetachedQueuePair};
-use crate::error::NvmeError;
+use crate::error::{NvmeError, ReadyBoundSource};
 use crate::gate::ResetGuard;
 use crate::hw::{DeviceBackend, DmaAllocator, DmaRegion, RegisterIo};
 use crate::io::{IoQueuePair, PairOwner};
@@ -58,20 +58,20 @@ fn shutdown_timeout_ms(capabilities: Capabilities, rtd3_entry_latency_us: u32) -
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ReadyBound {
     ms: u64,
-    source: &'static str,
+    source: ReadyBoundSource,
 }
 
 impl ReadyBound {
     /// The bound on every wait for CSTS.RDY = 0 after CC.EN = 0: CAP.TO.
     fn disable(capabilities: Capabilities) -> Self {
-        Self { ms: capabilities.ready_timeout_ms(), source: "CAP.TO" }
+        Self { ms: capabilities.ready_timeout_ms(), source: ReadyBoundSource::CapTo }
     }
 
     /// The bound on a wait for CSTS.RDY = 1 after CC.EN = 1 ([`registers::ready_timeout_ms`]),
     /// named after the field that set it.
     fn enable(capabilities: Capabilities, ready_timeouts: Option<ReadyTimeouts>) -> Self {
         let ms = registers::ready_timeout_ms(capabilities, ready_timeouts);
-        Self { ms, source: if ms > capabilities.ready_timeout_ms() { "CRTO.CRWMT" } else { "CAP.TO" } }
+        Self { ms, source: if ms > capabilities.ready_timeout_ms() { ReadyBoundSource::CrtoCrwmt } else { ReadyBoundSource::CapTo } }
     }
 }
 
@@ -715,7 +715,7 @@ impl Controller {
                 return Err(NvmeError::ReadyTimeout {
                     wanted: "CSTS.SHST=complete",
                     timeout_ms,
-                    bound: "the shutdown bound: RTD3E up to 60 s, at least CAP.TO and 1 s",
+                    bound: ReadyBoundSource::Shutdown,
                     csts: status.0,
                 });
             }

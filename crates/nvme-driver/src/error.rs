@@ -22,7 +22,7 @@ pub enum NvmeError {
     /// disable, or an enable), CRTO.CRWMT (an enable, when larger than CAP.TO), or the shutdown
     /// bound (RTD3E, at least CAP.TO and 1 s) for CSTS.SHST.
     #[error("controller did not reach {wanted} within {timeout_ms} ms ({bound}); CSTS={csts:#x}")]
-    ReadyTimeout { wanted: &'static str, timeout_ms: u64, bound: &'static str, csts: u32 },
+    ReadyTimeout { wanted: &'static str, timeout_ms: u64, bound: ReadyBoundSource, csts: u32 },
 
     #[error("controller is unsupported: {reason}")]
     Unsupported { reason: String },
@@ -158,5 +158,27 @@ impl NvmeError {
             NvmeError::Command { status, .. } => Some(*status),
             _ => None,
         }
+    }
+}
+
+/// What set the bound a [`NvmeError::ReadyTimeout`] ran out (a byte, not a string: the error
+/// travels inside every crate's error type, which must stay small).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadyBoundSource {
+    /// CAP.TO: every wait for CSTS.RDY = 0, and a wait for RDY = 1 where CRTO does not raise it.
+    CapTo,
+    /// CRTO.CRWMT, larger than CAP.TO on a controller with CAP.CRMS.CRWMS set (RDY = 1 only).
+    CrtoCrwmt,
+    /// The shutdown bound (RTD3E up to 60 s, at least CAP.TO and 1 s), for CSTS.SHST.
+    Shutdown,
+}
+
+impl std::fmt::Display for ReadyBoundSource {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            ReadyBoundSource::CapTo => "CAP.TO",
+            ReadyBoundSource::CrtoCrwmt => "CRTO.CRWMT",
+            ReadyBoundSource::Shutdown => "the shutdown bound: RTD3E up to 60 s, at least CAP.TO and 1 s",
+        })
     }
 }

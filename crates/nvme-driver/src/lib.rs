@@ -36,7 +36,7 @@ pub mod types;
 pub use controller::{BringUpStage, Controller, ControllerConfig, DataPointerPreference};
 pub use datapath::{DataPointerMode, DataSegment};
 pub use detached::{AttachedQueueConfig, DetachedQueueLayout, DetachedQueuePair, UndeletedDetachedQueuePair};
-pub use error::NvmeError;
+pub use error::{NvmeError, ReadyBoundSource};
 pub use hw::{AddressSpaceId, DeviceBackend, DmaAllocator, DmaPool, DmaRegion, HwError, RegisterIo};
 pub use io::{IoQueuePair, UndeletedQueuePair, DEALLOCATE_RANGES_MAX};
 pub use namespace::{Namespace, NamespaceRefusal, RefusedNamespace};
