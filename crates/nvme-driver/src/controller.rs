@@ -1,7 +1,9 @@
 //! Controller bring-up (§3.5.1) as a state machine with deadlines (CSTS.RDY = 0 after a
 //! disable within CAP.TO; CSTS.RDY = 1 after an enable within the enable bound,
 //! [`Controller::ready_timeout`]: CAP.TO, or CRTO.CRWMT when larger), Identify, queue creation
-//! and deletion, features, log pages, reset and teardown.
+//! and deletion, features, log pages, reset and teardown. An enable this controller started
+//! and waited the whole enable bound for is given CAP.TO more to finish before a disable, not
+//! the enable bound again (see `settle_enable`).
 //!
 //! Teardown. A controller is disabled before its memory goes: `Drop` makes every queue pair
 //! stale (the doorbell gate), requests a normal shutdown and waits for it to complete (within
@@ -120,7 +122,8 @@ impl Default for ControllerConfig {
 
 /// The bring-up stages (§3.5.1), in order; each waiting stage has a deadline: CAP.TO for
 /// `WaitNotReady`, the enable bound ([`Controller::ready_timeout`]: CAP.TO, or CRTO.CRWMT when
-/// larger) for `WaitReady` and for `Disable`'s wait for an enable under way to finish.
+/// larger) for `WaitReady` and for `Disable`'s wait for an enable under way to finish (CAP.TO
+/// for the latter when it is this controller's own enable that already ran out `WaitReady`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BringUpStage {
     Disable,
@@ -147,6 +150,17 @@ pub struct Controller {
     /// it is larger), read once at init. A disable's wait is bounded by CAP.TO alone
     /// ([`Capabilities::ready_timeout_ms`]).
     enable_bound: ReadyBound,
+    /// The last enable this controller started (bring-up's `Enable` stage) ran out the enable
+    /// bound in `WaitReady`. That enable has had its whole bound, so a later wait for it to
+    /// finish before a disable (teardown's `stop`, the next reset's `Disable` stage) is
+    /// bounded by CAP.TO ([`Controller::settle_bound`]): otherwise an enable that never
+    /// completes held init's error (its teardown) or the next reset (with the doorbell gate's
+    /// exclusive side) for a second enable bound, up to 9.1 h more with CRTO.CRWMT. A settle
+    /// that times out is no less safe: CC.EN is left set and the memory kept (teardown leaks it,
+    /// a reset fails leaving the old pairs to keep theirs), as after the longer wait. Only a
+    /// drive that finishes its enable between CAP.TO and a whole bound late now ends leaked
+    /// instead of stopped and freed.
+    enable_ran_out: bool,
     version: Version,
     admin: Arc<AdminShared>,
     identify: IdentifyController,
@@ -222,13 +236,23 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, bound: ReadyBound) -> Res
 /// enable's RDY 0 → 1) for RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status
 /// skips the wait (it will not become ready; clearing EN is its reset). A timeout is returned: the
 /// caller then cannot know the controller stopped, and keeps what it may write.
-fn settle_enable(registers: &dyn RegisterIo, bound: ReadyBound) -> Result<(), NvmeError> {
+///
+/// A wait longer than CAP.TO (CRTO.CRWMT, up to about 9.1 h) is logged at warn level first:
+/// bring-up or teardown would otherwise sit silent that long.
+fn settle_enable(registers: &dyn RegisterIo, bound: ReadyBound, device: &str) -> Result<(), NvmeError> {
     if !ControllerConfiguration(registers.read32(registers::CC)).enabled() {
         return Ok(());
     }
     let status = read_status(registers)?;
     if status.ready() || status.fatal() {
         return Ok(());
+    }
+    if bound.source == ReadyBoundSource::CrtoCrwmt {
+        tracing::warn!(
+            device,
+            timeout_ms = bound.ms,
+            "controller found mid-enable (CC.EN = 1, CSTS.RDY = 0): waiting up to CRTO.CRWMT for the enable to finish before disabling it"
+        );
     }
     match wait_ready(registers, true, bound) {
         Err(NvmeError::ControllerFatal { .. }) => Ok(()),
@@ -237,9 +261,9 @@ fn settle_enable(registers: &dyn RegisterIo, bound: ReadyBound) -> Result<(), Nv
 }
 
 /// The `Disable` stage: clears CC.EN if it is set, once [`settle_enable`] let it (within
-/// `enable_bound`).
-fn clear_enable(registers: &dyn RegisterIo, enable_bound: ReadyBound) -> Result<(), NvmeError> {
-    settle_enable(registers, enable_bound)?;
+/// `settle_bound`).
+fn clear_enable(registers: &dyn RegisterIo, settle_bound: ReadyBound, device: &str) -> Result<(), NvmeError> {
+    settle_enable(registers, settle_bound, device)?;
     let configuration = ControllerConfiguration(registers.read32(registers::CC));
     if configuration.enabled() {
         registers.write32(registers::CC, configuration.0 & !1);
@@ -296,7 +320,7 @@ impl Controller {
         }
         // Stop the function before any memory is mapped for it (see above). The bring-up below
         // starts with the same two stages; on a stopped controller they write nothing.
-        clear_enable(registers.as_ref(), enable_bound)?;
+        clear_enable(registers.as_ref(), enable_bound, &backend.name())?;
         wait_ready(registers.as_ref(), false, ReadyBound::disable(capabilities))?;
         // AQA holds 12-bit sizes: admin queues have at most 4096 entries.
         let admin_depth = config.admin_queue_depth.clamp(2, max_entries.min(4096));
@@ -311,6 +335,7 @@ impl Controller {
             config,
             capabilities,
             enable_bound,
+            enable_ran_out: false,
             version,
             admin,
             identify: IdentifyController::default(),
@@ -339,7 +364,7 @@ impl Controller {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
             stage = match stage {
                 BringUpStage::Disable => {
-                    clear_enable(self.registers.as_ref(), enable_bound)?;
+                    clear_enable(self.registers.as_ref(), self.settle_bound(), &self.backend.name())?;
                     BringUpStage::WaitNotReady
                 }
                 BringUpStage::WaitNotReady => {
@@ -369,11 +394,16 @@ impl Controller {
                     BringUpStage::Enable
                 }
                 BringUpStage::Enable => {
+                    // A new enable of ours: it gets the whole enable bound.
+                    self.enable_ran_out = false;
                     self.registers.write32(registers::CC, ControllerConfiguration::for_enable().0);
                     BringUpStage::WaitReady
                 }
                 BringUpStage::WaitReady => {
-                    wait_ready(self.registers.as_ref(), true, enable_bound)?;
+                    if let Err(error) = wait_ready(self.registers.as_ref(), true, enable_bound) {
+                        self.enable_ran_out = matches!(error, NvmeError::ReadyTimeout { .. });
+                        return Err(error);
+                    }
                     BringUpStage::Identify
                 }
                 BringUpStage::Identify => {
@@ -675,11 +705,11 @@ impl Controller {
     /// records a clean shutdown) unless it is disabled or fatal, waited for within the shutdown
     /// bound ([`Controller::shutdown_timeout`]), then CC.EN = 0 and a wait for CSTS.RDY = 0 within
     /// CAP.TO. CC.EN is cleared while the shutdown still reads in progress only once the shutdown
-    /// bound has passed. A controller found in the middle of an enable is first given the enable bound to
-    /// finish it ([`settle_enable`]). `Ok` means the controller was seen to stop, so it no longer
-    /// touches any queue memory.
+    /// bound has passed. A controller found in the middle of an enable is first given time to
+    /// finish it ([`settle_enable`] within [`Controller::settle_bound`]). `Ok` means the
+    /// controller was seen to stop, so it no longer touches any queue memory.
     fn stop(&self) -> Result<(), NvmeError> {
-        settle_enable(self.registers.as_ref(), self.enable_bound)?;
+        settle_enable(self.registers.as_ref(), self.settle_bound(), &self.backend.name())?;
         let status = read_status(self.registers.as_ref())?;
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         if configuration.enabled() && status.ready() && !status.fatal() {
@@ -691,6 +721,17 @@ impl Controller {
         let configuration = ControllerConfiguration(self.registers.read32(registers::CC));
         self.registers.write32(registers::CC, configuration.0 & !1);
         wait_ready(self.registers.as_ref(), false, ReadyBound::disable(self.capabilities))
+    }
+
+    /// How long a disable first waits for an enable under way to finish ([`settle_enable`]): the
+    /// enable bound, or CAP.TO once this controller's own last enable ran that bound out
+    /// (`enable_ran_out`: it has had its bound; CAP.TO is the slack a disable gets anyway).
+    fn settle_bound(&self) -> ReadyBound {
+        if self.enable_ran_out {
+            ReadyBound::disable(self.capabilities)
+        } else {
+            self.enable_bound
+        }
     }
 
     /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within the
@@ -732,7 +773,8 @@ impl Controller {
 
     /// The enable bound: how long bring-up and a reset wait for CSTS.RDY to become 1 after
     /// setting CC.EN (and how long they, and teardown, give a controller found in the middle
-    /// of an enable to finish it): CAP.TO (at least 500 ms), or, on a controller with
+    /// of an enable to finish it, unless that is an enable of this controller's that already
+    /// ran this bound out: then CAP.TO): CAP.TO (at least 500 ms), or, on a controller with
     /// CAP.CRMS.CRWMS set, CRTO.CRWMT when that is larger (NVMe 2.0: CAP.TO may then be a
     /// saturated or lower figure). The driver enables with CC.CRIME = 0, so CRTO.CRIMT does not
     /// apply. Every wait for CSTS.RDY to become 0 after clearing CC.EN is bounded by CAP.TO

@@ -165,7 +165,8 @@ impl NvmeError {
 /// travels inside every crate's error type, which must stay small).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReadyBoundSource {
-    /// CAP.TO: every wait for CSTS.RDY = 0, and a wait for RDY = 1 where CRTO does not raise it.
+    /// CAP.TO: every wait for CSTS.RDY = 0, a wait for RDY = 1 where CRTO does not raise it, and
+    /// the wait before a disable for an enable of the driver's that already ran out CRTO.CRWMT.
     CapTo,
     /// CRTO.CRWMT, larger than CAP.TO on a controller with CAP.CRMS.CRWMS set (RDY = 1 only).
     CrtoCrwmt,

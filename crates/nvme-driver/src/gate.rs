@@ -34,8 +34,9 @@
 //! pair dropped on another thread in the meantime waits for the answer instead of leaking its
 //! rings on a reset that is about to succeed. That wait is bounded by the reset's wait for
 //! CSTS.RDY = 0, which is CAP.TO (CRTO.CRWMT never bounds a disable), preceded, only on a
-//! controller found in the middle of an enable (an earlier enable that timed out), by up to the
-//! enable bound (CAP.TO, or CRTO.CRWMT when larger) for that enable to finish; a reset's own
+//! controller found in the middle of an enable, by a wait for that enable to finish: CAP.TO when
+//! it is an earlier reset's enable that already ran out the enable bound, the enable bound
+//! (CAP.TO, or CRTO.CRWMT when larger) otherwise; a reset's own
 //! wait for doorbell writes in progress is bounded by `RINGER_WAIT_MAX`: a thread stopped
 //! inside a write makes the reset fail (its generation's pairs then keep their rings) rather
 //! than hold the gate forever.

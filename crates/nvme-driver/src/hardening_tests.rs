@@ -998,3 +998,119 @@ fn a_ready_timeout_names_the_bound_it_ran_out() {
     assert!(matches!(shutdown, NvmeError::ReadyTimeout { wanted: "CSTS.SHST=complete", timeout_ms: 1000, .. }), "{shutdown:?}");
     assert!(shutdown.to_string().contains("shutdown bound") && !shutdown.to_string().contains("(CAP.TO)"), "{shutdown}");
 }
+
+#[test]
+fn an_enable_that_ran_out_its_bound_is_given_cap_to_more_not_the_bound_again() {
+    // Goal: once bring-up's own WaitReady ran out the enable bound, the teardown that follows
+    // (init's error drops the Controller, whose stop finds CC.EN = 1, CSTS.RDY = 0) gives that
+    // same enable CAP.TO more, not a second enable bound: with CRWMT = 3 s and CAP.TO = 500 ms,
+    // init returned its ReadyTimeout after about 6 s (CRWMT = FFFFh: 18 h instead of 9.1 h).
+    // EN is still never cleared under the unfinished enable: the settle times out, and the
+    // controller's memory is kept (leaked) as for any controller not seen to stop.
+    const CRWMS: u64 = 1 << 59;
+    let script = FakeScript {
+        capabilities: Capabilities::build(256, 1, 0, 0, 0).0 | CRWMS,
+        ready_timeouts: 6,
+        enable_takes: Duration::from_secs(3600),
+        ..FakeScript::default()
+    };
+    let device = FakeDevice::new(script);
+    let started = std::time::Instant::now();
+    let result = Controller::init(device.clone(), config());
+    let elapsed = started.elapsed();
+    assert!(
+        matches!(
+            result,
+            Err(NvmeError::ReadyTimeout { wanted: "CSTS.RDY=1", timeout_ms: 3000, bound: crate::ReadyBoundSource::CrtoCrwmt, .. })
+        ),
+        "{result:?}"
+    );
+    // The enable bound, then CAP.TO for teardown's settle: 3.5 s (it was 6 s).
+    assert!(elapsed >= Duration::from_secs(3) && elapsed < Duration::from_millis(4500), "{elapsed:?}");
+    assert_eq!(device.counters().disables_before_ready, 0, "EN was cleared under an unfinished enable");
+}
+
+#[test]
+fn after_a_reset_ran_out_the_enable_bound_the_next_reset_and_teardown_wait_cap_to() {
+    // Goal: the same after a reset whose enable never completes: the next reset's Disable stage
+    // (which holds the doorbell gate's exclusive side) and teardown give that enable CAP.TO
+    // (500 ms), not the enable bound again (CRWMT, 1.5 s here). It used to wait 1.5 s for each.
+    const CRWMS: u64 = 1 << 59;
+    let script = FakeScript { capabilities: Capabilities::build(256, 1, 0, 0, 0).0 | CRWMS, ready_timeouts: 3, ..FakeScript::default() };
+    let (device, mut controller) = bring_up(script);
+    device.update_script(|script| script.enable_takes = Duration::from_secs(3600));
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::ReadyTimeout { wanted: "CSTS.RDY=1", timeout_ms: 1500, .. })), "{reset:?}");
+    let started = std::time::Instant::now();
+    let reset = controller.reset(false);
+    assert!(
+        matches!(reset, Err(NvmeError::ReadyTimeout { wanted: "CSTS.RDY=1", timeout_ms: 500, bound: crate::ReadyBoundSource::CapTo, .. })),
+        "{reset:?}"
+    );
+    assert!(started.elapsed() < Duration::from_millis(1000), "{:?}", started.elapsed());
+    let started = std::time::Instant::now();
+    drop(controller);
+    assert!(started.elapsed() < Duration::from_millis(1000), "{:?}", started.elapsed());
+    assert_eq!(device.counters().disables_before_ready, 0, "EN was cleared under an unfinished enable");
+}
+
+/// Warn-level messages logged on this thread while `body` runs (a minimal subscriber: the
+/// crate has no log-capturing dev-dependency).
+fn warnings_during<T>(body: impl FnOnce() -> T) -> (T, Vec<String>) {
+    use std::sync::Mutex;
+    use tracing::field::{Field, Visit};
+    struct Collect(Arc<Mutex<Vec<String>>>);
+    struct Message(String);
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+    impl tracing::Subscriber for Collect {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            if *event.metadata().level() == tracing::Level::WARN {
+                let mut message = Message(String::new());
+                event.record(&mut message);
+                self.0.lock().expect("warnings").push(message.0);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+    let warnings = Arc::new(Mutex::new(Vec::new()));
+    let result = tracing::subscriber::with_default(Collect(Arc::clone(&warnings)), body);
+    let warnings = warnings.lock().expect("warnings").clone();
+    (result, warnings)
+}
+
+#[test]
+fn a_settle_that_may_wait_past_cap_to_is_logged_first() {
+    // Goal: a controller found mid-enable is given up to CRTO.CRWMT (up to about 9.1 h) to
+    // finish before it is disabled; that wait is announced at warn level before it starts, so
+    // a bring-up does not sit silent for hours. One bounded by CAP.TO is not.
+    const CRWMS: u64 = 1 << 59;
+    let mid_enable = |crwms: u64| FakeScript {
+        capabilities: Capabilities::build(256, 1, 0, 0, 0).0 | crwms,
+        ready_timeouts: 6,
+        starts_enabling: true,
+        enable_ready_after_status_reads: 20,
+        ..FakeScript::default()
+    };
+    let settle_warnings = |script| {
+        let (controller, warnings) = warnings_during(|| Controller::init(FakeDevice::new(script), config()));
+        controller.expect("bring-up");
+        warnings.into_iter().filter(|warning| warning.contains("mid-enable")).count()
+    };
+    assert_eq!(settle_warnings(mid_enable(CRWMS)), 1, "the CRTO.CRWMT settle was not announced");
+    assert_eq!(settle_warnings(mid_enable(0)), 0, "a CAP.TO settle was announced");
+}
