@@ -365,7 +365,7 @@ def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_inter
     # store's 1 s timeout); its finish, refused for the layer in flight, is logged, not raised,
     # and the request stays held, prepared with its layer in flight, for a later wait and
     # finish (a drop or the store's close would end it too). Before, the exit raised
-    # InvalidState ("still in flight") and the KeyboardInterrupt was only its __context__.
+    # InvalidState ("still in flight") in the KeyboardInterrupt's place.
     store = attach(formatted_daemon, timeout_s=1.0)
     layout = store.allocate_kv(8, "block_major")
     fill_block(layout, 1, 87)
@@ -386,6 +386,62 @@ def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_inter
             pass
         assert request.state == "prepared"
         assert request.layer_in_flight == 0, "the exit could not wait the layer out: still in flight"
+    finally:
+        formatted_daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    request.finish()
+    store.close()
+
+
+def test_a_timeout_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_state(formatted_daemon):
+    # Goal: an ordinary exception leaving `with request:` (here the TimeoutError of a wait for
+    # a layer through a paused tuttid) does not hide that the exit could not finish the
+    # request: the exit raises InvalidState ("still in flight"), the TimeoutError its
+    # __context__, so that an engine's `except TimeoutError: recompute` does not write into
+    # blocks the layer still in flight may write later. Before, the TimeoutError left the
+    # `with` as if the request had finished.
+    store = attach(formatted_daemon, timeout_s=1.0)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 88)
+    request = store.prepare_store(tokens(88, 1), [1])
+    formatted_daemon.pause()
+    try:
+        try:
+            with request:
+                request.store_layer(0)
+                request.wait(timeout_s=0.2)
+            raise AssertionError("the with ended for a layer through a paused tuttid")
+        except tutti.InvalidState as refused:
+            assert "still in flight" in str(refused), refused
+            assert isinstance(refused.__context__, tutti.TimeoutError), repr(refused.__context__)
+        assert request.state == "prepared"
+        assert request.layer_in_flight == 0
+    finally:
+        formatted_daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    request.finish()
+    store.close()
+
+
+def test_a_with_ending_normally_on_a_stuck_layer_raises_invalid_state(formatted_daemon):
+    # Goal: a `with request:` block that ends without an exception, its layer through a paused
+    # tuttid, raises InvalidState ("still in flight") from the exit (after waiting up to the
+    # store's 1 s timeout), and the request stays held for a later wait and finish.
+    store = attach(formatted_daemon, timeout_s=1.0)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 89)
+    request = store.prepare_store(tokens(89, 1), [1])
+    formatted_daemon.pause()
+    try:
+        try:
+            with request:
+                request.store_layer(0)
+            raise AssertionError("the with ended for a layer through a paused tuttid")
+        except tutti.InvalidState as refused:
+            assert "still in flight" in str(refused), refused
+            assert refused.__context__ is None, repr(refused.__context__)
+        assert request.state == "prepared"
+        assert request.layer_in_flight == 0
     finally:
         formatted_daemon.resume()
     assert request.wait(timeout_s=WAIT_S) == 0

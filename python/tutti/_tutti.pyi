@@ -591,10 +591,13 @@ class Request:
     order, one per call (a layer's LayerIo.wait returns that one instead). A context
     manager: leaving the `with` finishes it unless it was committed or finished, first waiting
     out every layer in flight (all within the store's timeout_s). A layer still in flight then
-    makes the finish refuse: InvalidState, raised when the block ended normally; when an
-    exception leaves the block (a Ctrl-C or TimeoutError in a wait for a stuck layer), that
-    exception goes on, the refusal is logged at error level, and the request stays held,
-    prepared, until a finish, its drop or the store's close ends it.
+    makes the finish refuse: InvalidState ("still in flight"), raised when the block ended
+    normally or on an Exception (a TimeoutError of a wait for a stuck layer, the engine's own),
+    that exception its __context__, so that an `except TimeoutError:` around the `with` cannot
+    reuse blocks the layer may still write; when a BaseException that is no Exception leaves
+    the block (KeyboardInterrupt, SystemExit, GeneratorExit), that goes on instead and the
+    refusal is logged at error level. Either way the request stays held, prepared, until a
+    finish, its drop or the store's close ends it.
 
     A Request garbage-collected while prepared (neither committed nor finished) is finished
     then, giving back its place among requests_max, its pins and its IOCBs: its layers in
@@ -733,7 +736,8 @@ class Request:
     def __exit__(self, *exc: object) -> None:
         """Waits out the layers in flight (up to the store's timeout_s), then finishes the
         request unless it was committed or finished; never suppresses the exception leaving the
-        block, and raises no refusal over it (see the class doc)."""
+        block, and raises a refusal over it (its __context__) only when it is an Exception (see
+        the class doc)."""
 
 class LayerIo:
     """The completion handle of one issue of a layer (from retrieve_layer / store_layer). It

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use nix::sys::eventfd::EventFd;
 use objstore::{Direction, StorePlan};
+use pyo3::exceptions::{PyBaseException, PyException};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple, PyType};
 
 use crate::backend::{Dropped, Issues, RequestState, Settling, StoreState, WAIT_SLICE};
 use crate::errors::{ErrorClass, Failure};
@@ -178,9 +179,27 @@ fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Insta
     }
 }
 
-/// Whether `__exit__`'s arguments (type, value, traceback) say an exception leaves the block.
-fn leaving_on_exception(exc: &Bound<'_, PyTuple>) -> bool {
-    exc.get_item(0).is_ok_and(|exc_type| !exc_type.is_none())
+/// Whether `__exit__`'s arguments (type, value, traceback) say an interruption leaves the
+/// block: a BaseException that is not an Exception (KeyboardInterrupt, SystemExit,
+/// GeneratorExit). An ordinary exception (a TimeoutError, the engine's own) is not one: an engine
+/// may catch it and go on using the request's blocks (`except TimeoutError: recompute`), so a
+/// layer still in flight must not pass silently behind it.
+fn leaving_on_an_interruption(exc: &Bound<'_, PyTuple>) -> bool {
+    exc.get_item(0).ok().and_then(|exc_type| exc_type.cast_into::<PyType>().ok()).is_some_and(|exc_type| {
+        exc_type.is_subclass_of::<PyBaseException>().unwrap_or(false) && !exc_type.is_subclass_of::<PyException>().unwrap_or(true)
+    })
+}
+
+/// `raised`, from `__exit__`, with the exception leaving the block (if any) as its
+/// __context__, as Python chains an exception raised while another is handled: tutti's own are
+/// raised already made, which Python does not chain, and the block's exception would be lost.
+fn leaving_as_context(py: Python<'_>, raised: PyErr, exc: &Bound<'_, PyTuple>) -> PyErr {
+    if let Ok(leaving) = exc.get_item(1) {
+        if leaving.is_instance_of::<PyBaseException>() && raised.context(py).is_none() {
+            raised.set_context(py, Some(PyErr::from_value(leaving)));
+        }
+    }
+    raised
 }
 
 /// What a wait for `layer` raises when `earlier`, in flight before it, could not be waited for
@@ -702,21 +721,23 @@ impl Request {
         let ended = py.detach(|| self.end(|state, handle| state.finish(handle), |_| Phase::Finished));
         match ended {
             None | Some((Ok(()), _)) => Ok(()),
-            // An exception leaving the block (a Ctrl-C or TimeoutError in a wait for a stuck
-            // layer, most often the cause of the refusal) stays the one raised: raising the
-            // refusal instead would leave it only as the refusal's __context__, and an engine's
+            // An interruption leaving the block (a Ctrl-C in a wait for a stuck layer, most
+            // often the cause of the refusal) stays the one raised: raising the refusal instead
+            // would leave it only as the refusal's __context__, and an engine's
             // `except KeyboardInterrupt` would miss it. The request stays held, as after any
-            // refusal; a later finish, its drop or the store's close end it.
-            Some((Err(refused), true)) if refused.class == ErrorClass::InvalidState && leaving_on_exception(exc) => {
+            // refusal; a later finish, its drop or the store's close end it. An ordinary
+            // exception (a TimeoutError) gets the refusal, as a block that ended normally: an
+            // engine catching it would otherwise reuse blocks the layer may still write.
+            Some((Err(refused), true)) if refused.class == ErrorClass::InvalidState && leaving_on_an_interruption(exc) => {
                 tracing::error!(
                     message = %refused.message,
-                    "tutti: request {:#x} left its with block on an exception with a layer still in flight after the store's \
-                     timeout: not finished (it stays held until a finish, its drop or the store's close ends it)",
+                    "tutti: request {:#x} left its with block on an interruption with a layer still in flight after the \
+                     store's timeout: not finished (it stays held until a finish, its drop or the store's close ends it)",
                     self.handle
                 );
                 Ok(())
             }
-            Some((Err(failure), _)) => Err(failure.to_pyerr(py)),
+            Some((Err(failure), _)) => Err(leaving_as_context(py, failure.to_pyerr(py), exc)),
         }
     }
 
