@@ -1404,8 +1404,8 @@ def test_a_call_ends_within_sglang_s_join_of_its_storage_threads(tmp_path: Path,
     """Goal: SGLang's cache flush (/flush_cache, a weight update's) stops its storage threads by
     joining each for 10 s and raises RuntimeError (the scheduler stops) when one is still in a
     storage call, so a call on a device that stalls 15 s (timeout_s 30 s, the default) ends
-    within 10 s: by call_timeout_s (8 s) the pages are reported not moved and the pool is
-    closed (nothing late writes host pages SGLang reuses)."""
+    within 10 s: by call_timeout_s (8 s) and its 1 s grace for the layers in flight the pages
+    are reported not moved and the pool is closed (nothing late writes host pages SGLang reuses)."""
     pool = host_pool("page_first")
     storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))
     keys = page_keys(43, 2)
@@ -1437,14 +1437,97 @@ def test_a_call_ends_within_sglang_s_join_of_its_storage_threads(tmp_path: Path,
         storage.close()
 
 
+class SlowLayer(LateLayer):
+    """A tutti.Request whose every layer is seen to complete `delay_s` after its issue, as on a
+    device that is slow but working."""
+
+    def __init__(self, request, delay_s: float) -> None:
+        super().__init__(request, time.monotonic())
+        self._delay_s = delay_s
+
+    def retrieve_layer(self, layer):
+        self._until = time.monotonic() + self._delay_s
+        return self._request.retrieve_layer(layer)
+
+    def store_layer(self, layer):
+        self._until = time.monotonic() + self._delay_s
+        return self._request.store_layer(layer)
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["backup", "prefetch"])
+def test_a_slow_call_stops_at_its_deadline_and_keeps_the_pool(tmp_path: Path, store: bool):
+    """Goal: a call that runs past call_timeout_s on a device that is slow but working starts no
+    new page after it, waits out the pages already moving (a short grace) and reports them moved,
+    and leaves the rest as misses with the pool open: a later call moves them. Only a layer still
+    in flight after the grace closes the pool (test_a_call_ends_within_sglang_s_join_of_its_storage_threads)."""
+    pool = host_pool("page_first")
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=1, call_timeout_s=1.0))
+    keys = page_keys(45, 4)
+    try:
+        if not store:
+            assert storage.batch_set_v1(keys, indices([1, 2, 3, 4])) == [True] * 4
+        wrapped = StoreWithStalledLayers(storage._store)
+        late = "prepare_store" if store else "prepare_retrieve"
+        real = getattr(wrapped._store, late)
+        setattr(wrapped, late, lambda tokens, block_ids: SlowLayer(real(tokens, block_ids), 0.4))
+        storage._store = wrapped
+        host = [1, 2, 3, 4] if store else [8, 9, 10, 11]
+        moved = storage.batch_set_v1(keys, indices(host)) if store else storage.batch_get_v1(keys, indices(host))
+        assert storage._dead is None and not wrapped.closed_by_backend, f"a slow call closed the pool ({moved})"
+        done = moved.count(True)
+        assert 2 <= done < 4 and moved == [True] * done + [False] * (4 - done), moved
+        storage._store = wrapped._store
+        missed = keys[done:]
+        again = indices(host[done:])
+        assert (storage.batch_set_v1(missed, again) if store else storage.batch_get_v1(missed, again)) == [True] * len(missed)
+        if store:
+            assert storage.batch_exists(keys) == 4
+    finally:
+        storage.close()
+
+
+def test_a_layer_first_page_cut_at_the_deadline_is_a_miss_and_keeps_the_pool(tmp_path: Path, caplog):
+    """Goal: a layer-first page whose next layer falls due after call_timeout_s is not issued
+    further: the layers in flight are waited out (the grace), the page is a miss (not all its
+    layers moved) and its request is finished, the pool open: a later call reads it."""
+    pool = host_pool("layer_first")
+    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=1, call_timeout_s=0.5))
+    keys = page_keys(46, 1)
+    source = page_view(pool, 1)
+    source.copy_(torch.randn(source.shape, generator=torch.Generator().manual_seed(46)).to(source.dtype))
+    try:
+        assert storage.batch_set_v1(keys, indices([1])) == [True]
+        wrapped = StoreWithStalledLayers(storage._store)
+        real = wrapped._store.prepare_retrieve
+        wrapped.prepare_retrieve = lambda tokens, block_ids: SlowLayer(real(tokens, block_ids), 0.3)
+        storage._store = wrapped
+        with caplog.at_level("WARNING"):
+            assert storage.batch_get_v1(keys, indices([2])) == [False]
+        assert storage._dead is None and not wrapped.closed_by_backend, "a slow call closed the pool"
+        assert "before all their layers were issued" in caplog.text
+        storage._store = wrapped._store
+        assert storage.batch_get_v1(keys, indices([2])) == [True]
+        assert torch.equal(page_view(pool, 2), page_view(pool, 1))
+    finally:
+        storage.close()
+
+
 def test_a_call_timeout_past_sglang_s_join_is_warned(tmp_path: Path, caplog):
-    """Goal: call_timeout_s at or past SGLang's 10 s join of its storage threads is allowed but
-    warned about, naming what it risks."""
+    """Goal: a call_timeout_s whose waits (the grace for the pages in flight and a close's
+    included) reach SGLang's 10 s join of its storage threads is allowed but warned about, naming
+    what it risks."""
     with caplog.at_level("WARNING"):
         StorageBackendFactory.create_backend(
             "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, call_timeout_s=12.0)), None
         )
     assert "call_timeout_s" in caplog.text and "Failed to stop HiCache storage threads" in caplog.text
+    caplog.clear()
+    # 9 s: its waits (1 s past it for the pages in flight, then at least 0.5 s for a close) reach 10 s.
+    with caplog.at_level("WARNING"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, call_timeout_s=9.0)), None
+        )
+    assert "call_timeout_s" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING"):
         StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)

@@ -111,9 +111,9 @@ EXTRA_CONFIG_FIELDS = {
     "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
     "call_timeout_s": Field(
         float,
-        "the longest one batch_get_v1 / batch_set_v1 call runs, seconds: pages not begun by then are misses, and a "
-        "page still moving then closes the pool (lookups miss until a restart). SGLang's cache flush waits 10 s for "
-        "each storage thread and then fails, so keep it under 10",
+        "how long one batch_get_v1 / batch_set_v1 call starts pages, seconds: pages not begun by then are misses; "
+        "pages moving then get 1 s more, and one still moving after that closes the pool (lookups miss until a "
+        "restart). SGLang's cache flush waits 10 s for each storage thread and then fails, so keep it under 8.5",
         default=8.0,
         check=positive,
     ),
@@ -135,10 +135,16 @@ _PAGE_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 # raises RuntimeError, which stops the scheduler, when one is still running).
 _SGLANG_STORAGE_JOIN_S = 10.0
 
-# The least a close at a call's deadline waits for the layers in flight (the other thread's
-# included) before deleting the queue pairs: the default call_timeout_s (8 s) plus this stays
-# within SGLang's join.
-_CLOSE_AT_DEADLINE_MIN_S = 1.0
+# How long past call_timeout_s (the call's soft deadline, after which it starts nothing) the
+# layers already in flight may take to complete (its hard deadline): a device that is slow but
+# working finishes the pages it was moving, and only one still moving then closes the pool.
+_CALL_GRACE_S = 1.0
+
+# The least a close at a call's hard deadline waits for the layers in flight (the other thread's
+# included) before deleting the queue pairs. The default call_timeout_s (8 s) plus the grace and
+# this stays under SGLang's join; what the close does after that wait (deleting the queue pairs,
+# the pool's release) is bounded by the store, not by the call (docs/sglang.md, "A call's deadline").
+_CLOSE_AT_DEADLINE_MIN_S = 0.5
 
 # The longest wait for request places (about 146 years): timeout_s x (layers + layers_in_flight)
 # can exceed what Condition.wait takes (threading.TIMEOUT_MAX; tutti.Store allows timeout_s up to
@@ -180,12 +186,13 @@ class TuttiHiCacheStorage(HiCacheStorage):
         self._storage_config = storage_config
         self._timeout_s = float(self._config["timeout_s"])
         self._call_timeout_s = float(self._config["call_timeout_s"])
-        if self._call_timeout_s >= _SGLANG_STORAGE_JOIN_S:
+        if self._call_timeout_s + _CALL_GRACE_S + _CLOSE_AT_DEADLINE_MIN_S >= _SGLANG_STORAGE_JOIN_S:
             logger.warning(
-                "tutti: \"call_timeout_s\": %g lets a batch_get_v1 / batch_set_v1 call run past the %g s SGLang's cache "
+                "tutti: \"call_timeout_s\": %g (plus %g s for the pages in flight and %g s for a close's wait) lets a "
+                "batch_get_v1 / batch_set_v1 call run past the %g s SGLang's cache "
                 "flush waits for a storage thread: a device that stalls during a flush (/flush_cache, a weight "
                 "update's) then stops the scheduler (RuntimeError: Failed to stop HiCache storage threads cleanly)",
-                self._call_timeout_s, _SGLANG_STORAGE_JOIN_S,
+                self._call_timeout_s, _CALL_GRACE_S, _CLOSE_AT_DEADLINE_MIN_S, _SGLANG_STORAGE_JOIN_S,
             )  # fmt: skip
         self._requests_max = int(self._config["requests_max"])
         # Layers of one page in flight at once (layer_first pools: a page moves layer by layer;
@@ -464,9 +471,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
         pool = self._registered_store()
         pages = _pages(host_indices, len(keys), self._page_size)
         results = [False] * len(keys)
-        # SGLang stops its storage threads (a flush) by joining each for 10 s: the whole call
-        # ends by this deadline, every wait within it.
-        deadline = time.monotonic() + self._call_timeout_s
+        # SGLang stops its storage threads (a flush) by joining each for 10 s. After `soft` the
+        # call starts nothing (no wave, no layer); the layers in flight then may complete until
+        # `hard`, and every wait ends by it: a layer still in flight then closes the pool.
+        soft = time.monotonic() + self._call_timeout_s
+        hard = soft + _CALL_GRACE_S
         # Each wave takes its request places from the budget shared with SGLang's other thread
         # (prefetch and backup run at once on this one store).
         self._places.enter()
@@ -481,21 +490,21 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 # requests in turn, each up to timeout_s, and waits out a failed one again): a
                 # slower one makes the rest of this batch misses, never wrong data. A wave that
                 # stalls closes the pool, which wakes this wait at once. Never past the call's
-                # deadline: the pages left then are misses.
-                left_s = deadline - time.monotonic()
+                # soft deadline: the pages left then are misses.
+                left_s = soft - time.monotonic()
                 if left_s <= 0:
                     logger.warning(
                         "tutti: %d pages not %s: the call ran %.1f s (\"call_timeout_s\")",
                         len(keys) - start, "stored" if store else "read", self._call_timeout_s,
                     )  # fmt: skip
                     break
-                wait_s = min(self._timeout_s * (self._layers + self._layers_ahead), left_s, _PLACE_WAIT_MAX_S)
-                taken = self._places.take(len(keys) - start, wait_s, lambda: self._dead is not None)
+                wave_s = min(self._timeout_s * (self._layers + self._layers_ahead), _PLACE_WAIT_MAX_S)
+                taken = self._places.take(len(keys) - start, min(wave_s, left_s), lambda: self._dead is not None)
                 if taken == 0:
                     if self._dead is None:
                         logger.warning(
                             "tutti: %d pages not %s: no request place came free in %.1f s (SGLang's other thread held them)",
-                            len(keys) - start, "stored" if store else "read", wait_s,
+                            len(keys) - start, "stored" if store else "read", min(wave_s, left_s),
                         )  # fmt: skip
                     break
                 try:
@@ -503,7 +512,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     # long batch moves (or waits). A wave already running goes on in its epoch (a
                     # backup of older KV stays in the older key space).
                     salt = self._backup_salt() if store else self._salt_now()
-                    going = salt is not None and self._move_wave(pool, keys, pages, results, start, start + taken, store, salt, deadline)
+                    going = salt is not None and self._move_wave(pool, keys, pages, results, start, start + taken, store, salt, soft, hard)
                 finally:
                     self._places.give(taken)
                 start += taken
@@ -529,12 +538,14 @@ class TuttiHiCacheStorage(HiCacheStorage):
         end: int,
         store: bool,
         salt: bytes,
-        deadline: float,
+        soft: float,
+        hard: float,
     ) -> bool:
         """Moves pages start..end (at most the request places taken for them) as one wave, noting
-        each page moved in `results`; keys are named in the weight epoch of `salt`; every wait
-        ends by `deadline` (time.monotonic()). Returns False when the pool was closed (a stuck
-        layer or a request that could not be ended): nothing more moves."""
+        each page moved in `results`; keys are named in the weight epoch of `salt`; no layer is
+        issued after `soft` and every wait ends by `hard` (time.monotonic()). Returns False when
+        the pool was closed (a stuck layer or a request that could not be ended): nothing more
+        moves."""
         wave: list[tuple[int, Any]] = []
         for index in range(start, end):
             if pages[index] is None:
@@ -553,9 +564,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
                 continue
             wave.append((index, request))
-        if self._run_layers(wave, store, deadline):
+        if self._run_layers(wave, store, soft, hard):
             # Nothing of this wave is reported moved: its live requests end with the pool.
-            self._close_pool("a layer of a page did not complete", pages_written=not store, deadline=deadline)
+            self._close_pool("a layer of a page did not complete", pages_written=not store, deadline=hard)
             return False
         stuck = False
         for index, request in wave:
@@ -575,17 +586,19 @@ class TuttiHiCacheStorage(HiCacheStorage):
             except tutti.Error as error:
                 logger.warning("tutti: page %s not %s: %s", keys[index], "stored" if store else "read", error)
         if stuck:
-            self._close_pool("a page's request could not be ended", pages_written=not store, deadline=deadline)
+            self._close_pool("a page's request could not be ended", pages_written=not store, deadline=hard)
             return False
         return True
 
-    def _run_layers(self, wave: list[tuple[int, Any]], store: bool, deadline: float) -> bool:
+    def _run_layers(self, wave: list[tuple[int, Any]], store: bool, soft: float, hard: float) -> bool:
         """Every layer of every request of the wave, `layers_in_flight` layers in flight per
         request: layer l is issued on every request, then each one's oldest layer (l - N + 1)
-        is waited for, each wait up to timeout_s and no later than `deadline`. A request that
-        fails (a layer not complete by then included) is finished and replaced by None in
-        `wave`. Returns True (at once) when a failed request's layer does not complete: it is
-        kept, and the devices may still move its page's bytes."""
+        is waited for, each wait up to timeout_s and no later than `hard`. A request that fails
+        (a layer not complete by then included) is finished and replaced by None in `wave`. A
+        layer due to be issued after `soft` is not: every live request (none has all its layers
+        issued) is then finished once its layers in flight completed, and replaced by None (its
+        page a miss). Returns True (at once) when a failed or cut request's layer does not
+        complete by `hard`: it is kept, and the devices may still move its page's bytes."""
         ahead = self._layers_ahead
         issue = "store_layer" if store else "retrieve_layer"
         # Round r issues layer r (while there is one) and waits for layer r - ahead + 1 (once
@@ -593,15 +606,35 @@ class TuttiHiCacheStorage(HiCacheStorage):
         for round_index in range(self._layers + ahead - 1):
             if round_index < self._layers:
                 layer = round_index
+                if time.monotonic() >= soft:
+                    return self._cut_wave(wave, store, hard)
                 if self._each_request(
-                    wave, lambda request: getattr(request, issue)(layer), f"layer {layer} of a page failed to issue", deadline
+                    wave, lambda request: getattr(request, issue)(layer), f"layer {layer} of a page failed to issue", hard
                 ):
                     return True
             oldest = round_index - ahead + 1
             if oldest >= 0 and self._each_request(
-                wave, lambda request: request.wait(self._wait_s(deadline)), f"layer {oldest} of a page failed", deadline
+                wave, lambda request: request.wait(self._wait_s(hard)), f"layer {oldest} of a page failed", hard
             ):
                 return True
+        return False
+
+    def _cut_wave(self, wave: list[tuple[int, Any]], store: bool, hard: float) -> bool:
+        """Ends the wave's live requests at the call's soft deadline, before all their layers
+        were issued: each is finished once its layers in flight completed (waited for until
+        `hard`) and replaced by None, its page a miss. True (at once) when one's layer does not
+        complete by then: it is kept, and the devices may still move its page's bytes."""
+        live = [position for position, (_, request) in enumerate(wave) if request is not None]
+        if live:
+            logger.warning(
+                "tutti: %d pages not %s: the call ran %.1f s (\"call_timeout_s\") before all their layers were issued",
+                len(live), "stored" if store else "read", self._call_timeout_s,
+            )  # fmt: skip
+        for position in live:
+            index, request = wave[position]
+            if not _abandon(request, self._timeout_s, hard):
+                return True
+            wave[position] = (index, None)
         return False
 
     def _wait_s(self, deadline: float) -> float:
@@ -635,9 +668,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
         host pages written, and SGLang reuses them whatever the call does (it catches every
         exception): the process ends (_host_pages_unsafe) under the lock, so no read returns.
         `pages_written` (this batch was a read) only names what the log says. `deadline`: the
-        calling batch's (time.monotonic()); the close then waits for the layers in flight until
-        it (at least _CLOSE_AT_DEADLINE_MIN_S) rather than timeout_s, so the call still ends
-        within SGLang's join of its storage threads."""
+        calling batch's hard deadline (time.monotonic()); the close then waits for the layers in
+        flight until it (at least _CLOSE_AT_DEADLINE_MIN_S) rather than timeout_s, so the wait
+        still ends within SGLang's join of its storage threads."""
         with self._close_lock:
             if self._dead is None:
                 self._dead = reason
