@@ -435,7 +435,16 @@ def test_a_with_ending_normally_on_a_stuck_layer_raises_invalid_state(formatted_
     try:
         try:
             with request:
-                request.store_layer(0)
+                layer = request.store_layer(0)
+                # A LayerIo's deadline, told from the layer's own failure of class Timeout
+                # ("layer N failed: ...") by the message's start and by done, as documented.
+                try:
+                    layer.wait(timeout_s=0.05)
+                    raise AssertionError("LayerIo.wait returned for a layer through a paused tuttid")
+                except tutti.TimeoutError as timed_out:
+                    deadline = f"request {request.handle:#x}: layer 0 did not complete by the deadline; it is still in flight"
+                    assert str(timed_out).startswith(deadline), timed_out
+                assert not layer.done
             raise AssertionError("the with ended for a layer through a paused tuttid")
         except tutti.InvalidState as refused:
             assert "still in flight" in str(refused), refused

@@ -688,7 +688,12 @@ class Request:
         them, with those in flight, are not returned yet). A layer that failed is returned as
         its failure, raised in its turn, once, its message starting "layer N failed: " (unless
         that layer's LayerIo.wait raised it first). Raises TimeoutError after timeout_s (the
-        layer stays in flight: wait again), IntegrityError (verify_retrieves: the last layer's
+        layer stays in flight: wait again), its message starting "request 0x...: layer N did
+        not complete by the deadline; it is still in flight"; a layer's own failure can be a
+        TimeoutError too (tuttid's timeout for that layer, or a deadline the store passed,
+        once the store no longer lists the layer): "layer N failed: ...", that layer ended,
+        as any failed layer (only the message tells them apart; a LayerIo's done does too),
+        IntegrityError (verify_retrieves: the last layer's
         wait compares CRCs), DeviceError (a command failed: that layer is ended, the later ones
         stay in flight), StaleRequest. Interruptible: it looks for signals every 100 ms or so
         (GIL taken for that), so Ctrl-C raises KeyboardInterrupt (a handler's exception, in the
@@ -714,9 +719,12 @@ class Request:
         returns how many such events happened since the last read and resets it, so several
         layer ends merge into one wake-up. A wake-up may also find nothing left: a wait or a
         LayerIo may have taken the outcome before the read. So after each read, call `wait(0)`
-        until it returns None or raises TimeoutError (the oldest layer still in flight): each
-        call takes one ended layer, or raises its failure ("layer N failed: ...": handle it and
-        call again; any other failure ended no layer), and frees its place among the
+        until it returns None or raises the TimeoutError of its deadline ("request 0x...: layer
+        N did not complete by the deadline; it is still in flight": the oldest layer still in
+        flight): each call takes one ended layer, or raises its failure ("layer N failed: ...",
+        whatever its class, a TimeoutError included: handle it and call again, as stopping
+        there would leave the layers that ended after it untaken with the eventfd read already;
+        any other failure ended no layer), and frees its place among the
         layers_in_flight not yet returned; do so before the next issue (`layers_completed` and
         `poll()` only look)."""
     def commit(self) -> int:
@@ -762,7 +770,9 @@ class LayerIo:
     def poll(self) -> bool:
         """Non-blocking: drives the request's I/O up to this layer; True when this layer
         completed, whose completion it then takes as wait does, and True once the request has
-        ended with this layer completed. Raises as wait (except TimeoutError): after the
+        ended with this layer completed. Raises as wait, except wait's TimeoutError of its
+        deadline (False instead): this layer's own failure is raised whatever its class, a
+        TimeoutError "layer N failed: ..." included (the layer ended; done is True); after the
         request ended, this layer's failure if it failed, else StaleRequest if it never
         ended."""
     def wait(self, timeout_s: float = 30.0) -> None:
@@ -775,7 +785,10 @@ class LayerIo:
         waited for (its wait, tried again here, fails again without ending it), a failure
         naming that layer ("layer K is still in flight behind layer J, ..."); an earlier
         failed wait the completion thread kept is no gate: it is tried again by this wait,
-        within its timeout; TimeoutError; StaleRequest; InvalidState for a layer never issued on
+        within its timeout; TimeoutError at its deadline ("request 0x...: layer N did not
+        complete by the deadline; it is still in flight", done False), not to be taken for this
+        layer's own failure of that class ("layer N failed: ...", done True); StaleRequest;
+        InvalidState for a layer never issued on
         this request. After the request ended (finish, commit, leaving the `with`): returns at
         once if this layer completed, raises its failure if it failed, else StaleRequest.
         Interruptible as Request.wait (Ctrl-C: KeyboardInterrupt, the layer left in flight)."""
