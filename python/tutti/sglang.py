@@ -142,8 +142,11 @@ _CALL_GRACE_S = 1.0
 
 # The least a close at a call's hard deadline waits for the layers in flight (the other thread's
 # included) before deleting the queue pairs. The default call_timeout_s (8 s) plus the grace and
-# this stays under SGLang's join; what the close does after that wait (deleting the queue pairs,
-# the pool's release) is bounded by the store, not by the call (docs/sglang.md, "A call's deadline").
+# this wait stays under SGLang's join; the rest of the close is not bounded by the call: taking
+# the store's lock, deleting the queue pairs (admin commands up to 10 s each per device; attached,
+# tuttid's end of the session, at least 5 s) and the pool's staged header writes (up to 10 s),
+# while SGLang's other thread waits on the store's lock and _close_lock (docs/sglang.md, "A
+# call's deadline").
 _CLOSE_AT_DEADLINE_MIN_S = 0.5
 
 # The longest wait for request places (about 146 years): timeout_s x (layers + layers_in_flight)
