@@ -1334,8 +1334,12 @@ def test_a_pool_without_payload_crcs_is_refused_naming_verify_retrieves(tmp_path
     [
         dict(load_format="remote_instance", remote_instance_weight_loader_seed_instance_ip="10.0.0.1"),
         dict(load_format="dummy", checkpoint_engine_wait_weights_before_ready=True),
+        # Each check alone: a checkpoint engine over weights loaded from the checkpoint (load
+        # format auto), and a draft model on random weights under a named target.
+        dict(checkpoint_engine_wait_weights_before_ready=True),
+        dict(speculative_draft_load_format="dummy"),
     ],
-    ids=["remote_instance", "dummy + checkpoint engine"],
+    ids=["remote_instance", "dummy + checkpoint engine", "checkpoint engine alone", "dummy draft alone"],
 )
 def test_weights_the_server_args_do_not_name_are_not_shared_across_restarts(tmp_path: Path, unnamed: dict, caplog):
     """Goal: a server whose weights arrive by a way its server args do not name (copied from a
