@@ -913,6 +913,27 @@ def test_a_wait_for_request_places_is_bounded_by_one_wave_of_the_other_thread(tm
         storage.close()
 
 
+def test_a_wait_for_request_places_cut_by_the_call_s_deadline_says_so(tmp_path: Path, caplog):
+    """Goal: a batch whose wait for request places ends at the call's deadline (call_timeout_s),
+    not after one wave of the other thread, says that the deadline ended it."""
+    storage = backend("layer_first", host_pool("layer_first"), extra_config(tmp_path / "pool.img", True, requests_max=2, call_timeout_s=0.5))
+    try:
+        keys = page_keys(14, 2)
+        assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+        # SGLang's other thread holds every request place.
+        storage._places.enter()
+        assert storage._places.take(2, 1.0, lambda: False) == 2
+        began = time.monotonic()
+        with caplog.at_level("WARNING"):
+            assert storage.batch_get_v1(keys, indices([3, 4])) == [False, False]
+        assert time.monotonic() - began < 2.0
+        assert "before the call's deadline" in caplog.text and "call_timeout_s" in caplog.text, caplog.text
+        storage._places.give(2)
+        storage._places.leave()
+    finally:
+        storage.close()
+
+
 def test_a_wait_for_request_places_with_a_huge_timeout_is_capped_not_an_error(tmp_path: Path):
     """Goal: the wait for request places is timeout_s x (layers + layers_in_flight), which for a
     large timeout_s (tutti.Store takes up to 1e9 s) and a model of more than a few layers exceeds

@@ -504,10 +504,17 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 wave_s = min(self._timeout_s * (self._layers + self._layers_ahead), _PLACE_WAIT_MAX_S)
                 taken = self._places.take(len(keys) - start, min(wave_s, left_s), lambda: self._dead is not None)
                 if taken == 0:
-                    if self._dead is None:
+                    # The call's deadline, not one wave of the other thread, may have ended it.
+                    if self._dead is None and left_s < wave_s:
+                        logger.warning(
+                            "tutti: %d pages not %s: no request place came free before the call's deadline "
+                            "(\"call_timeout_s\" %.1f s; SGLang's other thread held them)",
+                            len(keys) - start, "stored" if store else "read", self._call_timeout_s,
+                        )  # fmt: skip
+                    elif self._dead is None:
                         logger.warning(
                             "tutti: %d pages not %s: no request place came free in %.1f s (SGLang's other thread held them)",
-                            len(keys) - start, "stored" if store else "read", min(wave_s, left_s),
+                            len(keys) - start, "stored" if store else "read", wave_s,
                         )  # fmt: skip
                     break
                 try:
