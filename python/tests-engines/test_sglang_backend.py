@@ -1429,7 +1429,7 @@ def test_a_call_ends_within_sglang_s_join_of_its_storage_threads(tmp_path: Path,
     """Goal: SGLang's cache flush (/flush_cache, a weight update's) stops its storage threads by
     joining each for 10 s and raises RuntimeError (the scheduler stops) when one is still in a
     storage call, so a call on a device that stalls 15 s (timeout_s 30 s, the default) ends
-    within 10 s: by call_timeout_s (8 s) and its 1 s grace for the layers in flight the pages
+    within 10 s: by call_timeout_s (7 s) and its 1 s grace for the layers in flight the pages
     are reported not moved and the pool is closed (nothing late writes host pages SGLang reuses)."""
     pool = host_pool("page_first")
     storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True))

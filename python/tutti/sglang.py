@@ -114,7 +114,7 @@ EXTRA_CONFIG_FIELDS = {
         "how long one batch_get_v1 / batch_set_v1 call starts pages, seconds: pages not begun by then are misses; "
         "pages moving then get 1 s more, and one still moving after that closes the pool (lookups miss until a "
         "restart). SGLang's cache flush waits 10 s for each storage thread and then fails, so keep it under 8.5",
-        default=8.0,
+        default=7.0,
         check=positive,
     ),
     "verify_retrieves": Field(
@@ -141,8 +141,8 @@ _SGLANG_STORAGE_JOIN_S = 10.0
 _CALL_GRACE_S = 1.0
 
 # The least a close at a call's hard deadline waits for the layers in flight (the other thread's
-# included) before deleting the queue pairs. The default call_timeout_s (8 s) plus the grace and
-# this wait stays under SGLang's join; the rest of the close is not bounded by the call: taking
+# included) before deleting the queue pairs. The default call_timeout_s (7 s) plus the grace and
+# this wait (8.5 s) stays under SGLang's join with 1.5 s to spare for a loaded machine; the rest of the close is not bounded by the call: taking
 # the store's lock, deleting the queue pairs (admin commands up to 10 s each per device; attached,
 # tuttid's end of the session, at least 5 s) and the pool's staged header writes (up to 10 s),
 # while SGLang's other thread waits on the store's lock and _close_lock (docs/sglang.md, "A
