@@ -8,6 +8,7 @@ Every wait is bounded: a forked child that does not exit is killed and fails the
 from __future__ import annotations
 
 import _thread
+import asyncio
 import gc
 import os
 import signal
@@ -416,6 +417,35 @@ def test_a_timeout_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_sta
             assert isinstance(refused.__context__, tutti.TimeoutError), repr(refused.__context__)
         assert request.state == "prepared"
         assert request.layer_in_flight == 0
+    finally:
+        formatted_daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    request.finish()
+    store.close()
+
+
+def test_a_cancellation_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_state(formatted_daemon):
+    # Goal: a cancellation leaving `with request:` (asyncio's CancelledError: a BaseException
+    # that asyncio.timeout / wait_for turn into a TimeoutError the engine may catch and
+    # recompute after) is not taken for Ctrl-C: the exit raises InvalidState ("still in
+    # flight"), the CancelledError its __context__. Before, it was swallowed with the refusal as
+    # KeyboardInterrupt is, and the engine recomputed into blocks the layer may still write.
+    store = attach(formatted_daemon, timeout_s=1.0)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 87)
+    request = store.prepare_store(tokens(87, 1), [1])
+    formatted_daemon.pause()
+    try:
+        try:
+            with request:
+                request.store_layer(0)
+                raise asyncio.CancelledError()
+        except tutti.InvalidState as refused:
+            assert "still in flight" in str(refused), refused
+            assert isinstance(refused.__context__, asyncio.CancelledError), repr(refused.__context__)
+        except asyncio.CancelledError:
+            raise AssertionError("the cancellation left the with as Ctrl-C does, hiding the layer in flight")
+        assert request.state == "prepared"
     finally:
         formatted_daemon.resume()
     assert request.wait(timeout_s=WAIT_S) == 0

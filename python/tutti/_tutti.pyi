@@ -592,11 +592,13 @@ class Request:
     manager: leaving the `with` finishes it unless it was committed or finished, first waiting
     out every layer in flight (all within the store's timeout_s). A layer still in flight then
     makes the finish refuse: InvalidState ("still in flight"), raised when the block ended
-    normally or on an Exception (a TimeoutError of a wait for a stuck layer, the engine's own),
-    that exception its __context__, so that an `except TimeoutError:` around the `with` cannot
-    reuse blocks the layer may still write; when a BaseException that is no Exception leaves
-    the block (KeyboardInterrupt, SystemExit, GeneratorExit), that goes on instead and the
-    refusal is logged at error level. Either way the request stays held, prepared, until a
+    normally or on any exception but an interruption (a TimeoutError of a wait for a stuck
+    layer, the engine's own, a cancellation such as asyncio's CancelledError, which
+    asyncio.timeout turns into a TimeoutError), that exception its __context__, so that an
+    `except TimeoutError:` around the `with` cannot reuse blocks the layer may still write;
+    when KeyboardInterrupt, SystemExit or GeneratorExit leaves the block, that goes on instead
+    and the refusal is logged at error level (under asyncio.run, Ctrl-C reaches a task as a
+    CancelledError: the exit then raises InvalidState). Either way the request stays held, prepared, until a
     finish, its drop or the store's close ends it.
 
     A Request garbage-collected while prepared (neither committed nor finished) is finished

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::eventfd::EventFd;
 use objstore::{Direction, StorePlan};
-use pyo3::exceptions::{PyBaseException, PyException};
+use pyo3::exceptions::{PyBaseException, PyGeneratorExit, PyKeyboardInterrupt, PySystemExit};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple, PyType};
 
@@ -180,13 +180,17 @@ fn interruptible<T: Send>(py: Python<'_>, deadline: Instant, wait: impl Fn(Insta
 }
 
 /// Whether `__exit__`'s arguments (type, value, traceback) say an interruption leaves the
-/// block: a BaseException that is not an Exception (KeyboardInterrupt, SystemExit,
-/// GeneratorExit). An ordinary exception (a TimeoutError, the engine's own) is not one: an engine
-/// may catch it and go on using the request's blocks (`except TimeoutError: recompute`), so a
-/// layer still in flight must not pass silently behind it.
+/// block: a KeyboardInterrupt, SystemExit or GeneratorExit (or a subclass). Anything else is not
+/// one: an ordinary exception (a TimeoutError, the engine's own), and a cancellation too
+/// (asyncio's CancelledError, trio's, gevent's Timeout: BaseExceptions that `asyncio.timeout`,
+/// `wait_for` or `move_on_after` turn into a TimeoutError or nothing), since the engine may then
+/// go on using the request's blocks (`except TimeoutError: recompute`) and a layer still in
+/// flight must not pass silently behind it.
 fn leaving_on_an_interruption(exc: &Bound<'_, PyTuple>) -> bool {
     exc.get_item(0).ok().and_then(|exc_type| exc_type.cast_into::<PyType>().ok()).is_some_and(|exc_type| {
-        exc_type.is_subclass_of::<PyBaseException>().unwrap_or(false) && !exc_type.is_subclass_of::<PyException>().unwrap_or(true)
+        exc_type.is_subclass_of::<PyKeyboardInterrupt>().unwrap_or(false)
+            || exc_type.is_subclass_of::<PySystemExit>().unwrap_or(false)
+            || exc_type.is_subclass_of::<PyGeneratorExit>().unwrap_or(false)
     })
 }
 
