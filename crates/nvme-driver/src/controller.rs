@@ -232,8 +232,9 @@ fn wait_ready(registers: &dyn RegisterIo, ready: bool, bound: ReadyBound) -> Res
 /// Before CC.EN is cleared: a controller seen with CC.EN = 1 and CSTS.RDY = 0 may be in the middle
 /// of enabling (a crashed process's bring-up, or our own that timed out waiting for RDY). The spec
 /// leaves clearing EN then undefined, and a RDY = 0 read right after the clear could be the enable
-/// not yet done rather than the reset done: waits (`bound`, the enable bound, since this is an
-/// enable's RDY 0 → 1) for RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status
+/// not yet done rather than the reset done: waits (`bound`: the enable bound, since this is an
+/// enable's RDY 0 → 1, or CAP.TO where the caller's `settle_bound` says our own enable already ran
+/// the enable bound out) for RDY = 1 first, as SPDK's DISABLE_WAIT_FOR_READY_1 does. A fatal status
 /// skips the wait (it will not become ready; clearing EN is its reset). A timeout is returned: the
 /// caller then cannot know the controller stopped, and keeps what it may write.
 ///
