@@ -567,8 +567,8 @@ impl ClusterAgent {
     /// segment asked), the rest is looked up from the prefix now local and read the same way,
     /// and so on (at most [`FETCH_HOLDERS_MAX`] holders asked in all). Returns the blocks
     /// stored; a failure is a sentence for the client (segments stored before it stay), except
-    /// that once a run was read, a later lookup that finds nothing or whose holders all pass
-    /// over ends the fetch with what it read. Bounded by [`data_plane::FETCH_DEADLINE`] in all
+    /// that once a run was read, a later run that finds nothing, whose holders all pass over or
+    /// whose read fails ends the fetch with what it read (and what that read stored). Bounded by [`data_plane::FETCH_DEADLINE`] in all
     /// (a later lookup by the lookup timeout too); ends early when `stopped` (the daemon's
     /// drain).
     #[cfg(feature = "cluster")]
@@ -646,6 +646,16 @@ impl ClusterAgent {
                     Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
                         tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
                         passed_over.push(error);
+                    }
+                    Err((stored, error, _)) if read_a_run => {
+                        // A later run's failure (this node's fetch limit or staging area, its
+                        // pool, the holder stalling, the deadline): the runs read stay and the
+                        // fetch ends with them and what this one stored, as when the rest is
+                        // not found (docs/cluster.md, "Remote reads").
+                        self.metrics.fetched_blocks.inc_by(stored as u64);
+                        let stored = stored_in_all + stored;
+                        tracing::info!(node = %holder.node, %error, stored, passed_over = ?passed_over, "reading the rest of the prompt's run failed: the fetch ends with what it read");
+                        return Ok(stored);
                     }
                     Err((stored, error, _)) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);

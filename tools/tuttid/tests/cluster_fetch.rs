@@ -299,4 +299,40 @@ fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() 
     assert_eq!(on_c.lookup(&extended).unwrap(), 48, "c does not hold the extended prompt whole");
     let (status_a, status_b) = (a.status(), b.status());
     assert_eq!((status_a.served_segments, status_b.served_segments), (4, 1), "{status_a:?} {status_b:?}");
+
+    // A later run's holder failing once a run was read ends the fetch with what it read: c's
+    // copy evicted (two prompts of its own), b stopped (SIGSTOP: its kernel takes the
+    // connection, nobody answers), c's fetch reads a's 32 blocks, waits out the stall bound on
+    // b's segment header and answers them. Before, the client got RemoteReadFailed with the
+    // 32 blocks stored.
+    store(c, 73);
+    store(c, 74);
+    assert_eq!(on_c.lookup(&extended).unwrap(), 0, "c's copy of prompt 72 is evicted");
+    let stopped = Stopped::new(b);
+    let fetched = on_c.fetch_remote(&extended);
+    drop(stopped);
+    assert_eq!(fetched.unwrap(), (32, 32));
+    assert_eq!(on_c.lookup(&extended).unwrap(), 32);
+}
+
+/// A node's daemon stopped (SIGSTOP) until this is dropped (SIGCONT), a failed test included.
+struct Stopped(u32);
+
+impl Stopped {
+    fn new(node: &Node) -> Stopped {
+        let pid = node.daemon().child.as_ref().expect("the node's process").id();
+        Stopped::signal("-STOP", pid);
+        Stopped(pid)
+    }
+
+    fn signal(signal: &str, pid: u32) {
+        let status = std::process::Command::new("kill").args([signal, &pid.to_string()]).status().expect("run kill");
+        assert!(status.success(), "kill {signal} {pid}: {status}");
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        Stopped::signal("-CONT", self.0);
+    }
 }
