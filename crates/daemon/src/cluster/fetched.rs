@@ -32,11 +32,16 @@
 //! it (the manifest does not journal unregistered segments).
 //!
 //! **Bounded:** at most [`FETCHED_MAX`] segments; past it the oldest is forgotten, and a later
-//! commit including it registers it (as before this list existed). Under 3.25 MiB at the peak:
-//! the map (segment key 8 bytes, model space 40, generation 8, batch stamp 8, and hashbrown's
-//! control byte) grows to 32,768 buckets for its 16,385 entries, 2.1 MiB; the line (a key and
-//! a generation, 16 bytes) holds up to twice the map plus one before it is rebuilt, so 65,536
-//! slots, 1 MiB.
+//! commit including it registers it (as before this list existed). Under 3.25 MiB held, 4.25
+//! MiB at the peak: the map (segment key 8 bytes, model space 40, generation 8, batch stamp 8,
+//! and hashbrown's control byte) grows to 32,768 buckets for its 16,385 entries, 2.1 MiB; the
+//! line (a key and a generation, 16 bytes) holds up to twice the map plus one before it is
+//! rebuilt, so 65,536 slots, 1 MiB. Removals leave tombstones in the map, which hashbrown
+//! counts as used: left alone, a full table of them would grow the map to 65,536 buckets (4.1
+//! MiB, with the old table's 2.1 MiB during the move) after about 9.5 × [`FETCHED_MAX`]
+//! segments and keep it there; instead a full map is rebuilt without them, never larger than
+//! room for the bound and a quarter (still 32,768 buckets), its entries (1 MiB) held in a
+//! vector meanwhile — the 1 MiB of the peak.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -79,6 +84,9 @@ impl FetchedCopies {
     pub fn fetched(&mut self, space: &ModelSpace, key: SegmentKey) {
         self.generation += 1;
         let key = key.get();
+        if self.by_key.len() >= self.by_key.capacity() {
+            self.rebuild_map();
+        }
         self.by_key.insert(key, (*space, self.generation, self.batches));
         self.order.push_back((key, self.generation));
         while self.by_key.len() > self.max {
@@ -93,6 +101,19 @@ impl FetchedCopies {
             let by_key = &self.by_key;
             self.order.retain(|(key, generation)| by_key.get(key).is_some_and(|&(_, added, _)| added == *generation));
         }
+    }
+
+    /// The map is full (its capacity counts removals' tombstones out): rebuilt without them,
+    /// growing as a map does (to twice its entries) but never past room for the bound and a
+    /// quarter more, where hashbrown would grow it to twice its buckets however many of them
+    /// are tombstones (module docs). The room past the bound keeps rebuilds a quarter of the
+    /// bound's insertions apart at least. The entries wait in a vector meanwhile, so the old
+    /// and new tables are never held together.
+    fn rebuild_map(&mut self) {
+        let entries: Vec<_> = std::mem::take(&mut self.by_key).into_iter().collect();
+        let room = (2 * (entries.len() + 1)).min(self.max + 1 + self.max / 4);
+        self.by_key = HashMap::with_capacity(room);
+        self.by_key.extend(entries);
     }
 
     /// Whether segment `key` of `space` is a fetched copy not to be registered.
@@ -192,20 +213,28 @@ mod tests {
 
     #[test]
     fn the_list_at_its_bound_takes_what_the_module_docs_say() {
-        // Goal: the memory figure in the module docs holds at the peak: the map at FETCHED_MAX
-        // (+1 before the oldest goes) entries and the line at up to twice that, each keys added
-        // again and again. Estimated from the capacities: hashbrown's buckets (a power of two,
-        // 7/8 of them usable) of an entry and a control byte each; the line's slots.
+        // Goal: the memory figure in the module docs holds at the peak, however many keys pass
+        // through: the map at FETCHED_MAX (+1 before the oldest goes) entries, its removals'
+        // tombstones included (16 x FETCHED_MAX distinct keys: before, the map grew to 65,536
+        // buckets past about 9.5 x), and the line at up to twice that (keys added again and
+        // again). Estimated from the largest capacities seen: hashbrown's buckets (a power of
+        // two, 7/8 of them usable) of an entry and a control byte each; the line's slots.
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let mut copies = FetchedCopies::new(FETCHED_MAX);
-        for value in 1..=4 * FETCHED_MAX as u64 {
+        let (mut map_capacity, mut line_capacity) = (0, 0);
+        for value in 1..=16 * FETCHED_MAX as u64 {
             copies.fetched(&space, key(value));
-            copies.fetched(&space, key(value));
+            if value <= 4 * FETCHED_MAX as u64 {
+                copies.fetched(&space, key(value));
+            }
+            map_capacity = map_capacity.max(copies.by_key.capacity());
+            line_capacity = line_capacity.max(copies.order.capacity());
         }
-        let buckets = (copies.by_key.capacity() * 8 / 7 + 1).next_power_of_two();
+        let buckets = (map_capacity * 8).div_ceil(7).next_power_of_two();
         let entry = std::mem::size_of::<(u64, (ModelSpace, u64, u64))>();
-        let bytes = buckets * (entry + 1) + copies.order.capacity() * std::mem::size_of::<(u64, u64)>();
-        eprintln!("{buckets} buckets of {entry} bytes, {} line slots: {bytes} bytes", copies.order.capacity());
+        let bytes = buckets * (entry + 1) + line_capacity * std::mem::size_of::<(u64, u64)>();
+        eprintln!("{buckets} buckets of {entry} bytes, {line_capacity} line slots: {bytes} bytes");
         assert!(bytes <= FETCHED_BYTES_MAX, "{bytes} bytes, more than the {FETCHED_BYTES_MAX} the docs say");
+        assert_eq!(copies.len(), FETCHED_MAX);
     }
 }
