@@ -565,7 +565,8 @@ impl ClusterAgent {
     /// listed. When the registry's run goes on past the run read (the rest held by nodes that do
     /// not hold its start, so not listed: each holder is listed with its run from the first
     /// segment asked), the rest is looked up from the prefix now local and read the same way,
-    /// and so on (at most [`FETCH_HOLDERS_MAX`] holders asked in all). Returns the blocks
+    /// and so on (at most [`FETCH_HOLDERS_MAX`] holders asked in all; one passed over is not
+    /// asked again in a later run). Returns the blocks
     /// stored; a failure is a sentence for the client (segments stored before it stay), except
     /// that once a run was read, a later run that finds nothing, whose holders all pass over or
     /// whose read fails ends the fetch with what it read (and what that read stored). Bounded by [`data_plane::FETCH_DEADLINE`] in all
@@ -615,8 +616,11 @@ impl ClusterAgent {
                 fetched.fetched(space, key);
             }
         };
-        // Holders passed over, each with why; holders asked in all runs together.
+        // Holders passed over, each with why; the nodes passed over (not asked again in a later
+        // run: a dead one would cost another connect timeout and one of the holders asked);
+        // holders asked in all runs together.
         let mut passed_over: Vec<String> = Vec::new();
+        let mut failed_nodes: Vec<String> = Vec::new();
         let mut asked = 0;
         // The local prefix the run being read starts from, blocks stored so far, whether a run
         // was read whole.
@@ -626,6 +630,9 @@ impl ClusterAgent {
             // (blocks stored, the run read: blocks past `local`, ending on a segment's end)
             let mut read = None;
             for holder in &part.holders {
+                if failed_nodes.contains(&holder.node) {
+                    continue;
+                }
                 if asked >= FETCH_HOLDERS_MAX {
                     break;
                 }
@@ -646,6 +653,7 @@ impl ClusterAgent {
                     Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
                         tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
                         passed_over.push(error);
+                        failed_nodes.push(holder.node.clone());
                     }
                     Err((stored, error, _)) if read_a_run => {
                         // A later run's failure (this node's fetch limit or staging area, its
