@@ -1463,8 +1463,9 @@ def test_a_call_ends_within_sglang_s_join_of_its_storage_threads(tmp_path: Path,
 
 
 class SlowLayer(LateLayer):
-    """A tutti.Request whose every layer is seen to complete `delay_s` after its issue, as on a
-    device that is slow but working."""
+    """A tutti.Request whose layers are seen to complete `delay_s` after the latest issue, as on a
+    device that is slow but working: one `until` for all, so a layer issued later holds back the
+    ones issued before it too (PerLayerLate keeps one per layer)."""
 
     def __init__(self, request, delay_s: float) -> None:
         super().__init__(request, time.monotonic())
@@ -1530,6 +1531,108 @@ def test_a_layer_first_page_cut_at_the_deadline_is_a_miss_and_keeps_the_pool(tmp
             assert storage.batch_get_v1(keys, indices([2])) == [False]
         assert storage._dead is None and not wrapped.closed_by_backend, "a slow call closed the pool"
         assert "before all their layers were issued" in caplog.text
+        storage._store = wrapped._store
+        assert storage.batch_get_v1(keys, indices([2])) == [True]
+        assert torch.equal(page_view(pool, 2), page_view(pool, 1))
+    finally:
+        storage.close()
+
+
+class PerLayerLate:
+    """A tutti.Request whose layer n is seen to complete `delays_s[n]` (the last entry for later
+    layers) after its issue, each layer by its own time: layer_in_flight / layers_in_flight name
+    the issued layers not yet waited for whose time has not come, a wait takes the oldest one
+    (sleeping until its time, or for its timeout and then raising the deadline's TimeoutError),
+    and finish raises InvalidState while a layer is in flight, as the store does. `finished_at`
+    (time.monotonic()) and `last_until` (the latest layer's time) let a test check that the
+    request was finished only once no layer could still move its page's bytes."""
+
+    def __init__(self, request, delays_s: list[float]) -> None:
+        self._request = request
+        self._delays_s = delays_s
+        self._pending: list[tuple[int, float]] = []  # (layer, until), oldest first
+        self.last_until = 0.0
+        self.finished_at: float | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def _issued(self, layer: int) -> None:
+        until = time.monotonic() + self._delays_s[min(layer, len(self._delays_s) - 1)]
+        self._pending.append((layer, until))
+        self.last_until = max(self.last_until, until)
+
+    def retrieve_layer(self, layer):
+        self._issued(layer)
+        return self._request.retrieve_layer(layer)
+
+    def store_layer(self, layer):
+        self._issued(layer)
+        return self._request.store_layer(layer)
+
+    @property
+    def layers_in_flight(self):
+        now = time.monotonic()
+        return [layer for layer, until in self._pending if until > now] or list(self._request.layers_in_flight)
+
+    @property
+    def layer_in_flight(self):
+        flying = self.layers_in_flight
+        return flying[0] if flying else None
+
+    def wait(self, timeout_s=30.0):
+        if not self._pending:
+            return self._request.wait(timeout_s)
+        layer, until = self._pending[0]
+        left_s = until - time.monotonic()
+        if left_s > timeout_s:
+            time.sleep(timeout_s)
+            raise tutti.TimeoutError(f"injected: layer {layer} did not complete by the deadline; it is still in flight")
+        time.sleep(max(0.0, left_s))
+        self._pending.pop(0)
+        return self._request.wait(timeout_s)
+
+    def poll(self):
+        if self._pending and time.monotonic() < self._pending[0][1]:
+            return False
+        if self._pending:
+            self._pending.pop(0)
+        return self._request.poll()
+
+    def finish(self):
+        flying = self.layers_in_flight
+        if flying:
+            raise tutti.InvalidState(f"injected: layers {flying} are still in flight")
+        self.finished_at = time.monotonic()
+        return self._request.finish()
+
+
+def test_a_layer_first_page_cut_at_the_deadline_is_finished_only_after_its_layers_in_flight(tmp_path: Path):
+    """Goal: the request of a layer-first page cut at call_timeout_s is finished only once its
+    layers in flight completed (a device may still write the page's host bytes until then), and
+    that wait keeps the pool open. Layer 0 (0.8 s) completes after the soft deadline (0.5 s),
+    while layer 1 (issued with it, 1.2 s) is still in flight; the hard deadline is 1.5 s."""
+    pool = host_pool("layer_first")
+    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=1, call_timeout_s=0.5))
+    keys = page_keys(47, 1)
+    source = page_view(pool, 1)
+    source.copy_(torch.randn(source.shape, generator=torch.Generator().manual_seed(47)).to(source.dtype))
+    try:
+        assert storage.batch_set_v1(keys, indices([1])) == [True]
+        wrapped = StoreWithStalledLayers(storage._store)
+        real = wrapped._store.prepare_retrieve
+        requests: list[PerLayerLate] = []
+
+        def prepare(tokens, block_ids):
+            requests.append(PerLayerLate(real(tokens, block_ids), [0.8, 1.2]))
+            return requests[-1]
+
+        wrapped.prepare_retrieve = prepare
+        storage._store = wrapped
+        assert storage.batch_get_v1(keys, indices([2])) == [False]
+        assert storage._dead is None and not wrapped.closed_by_backend, "the cut page's request was finished with a layer in flight"
+        [request] = requests
+        assert request.finished_at is not None and request.finished_at >= request.last_until, (request.finished_at, request.last_until)
         storage._store = wrapped._store
         assert storage.batch_get_v1(keys, indices([2])) == [True]
         assert torch.equal(page_view(pool, 2), page_view(pool, 1))
