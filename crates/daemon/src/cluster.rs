@@ -564,14 +564,14 @@ impl ClusterAgent {
     /// staging area retired, a block its pool found damaged) — is passed over for the next one
     /// listed. When the registry's run goes on past the run read (the rest held by nodes that do
     /// not hold its start, so not listed: each holder is listed with its run from the first
-    /// segment asked), the rest is looked up from the prefix now local and read the same way,
-    /// and so on (at most [`FETCH_HOLDERS_MAX`] holders asked in all; one passed over is not
-    /// asked again in a later run). Returns the blocks
-    /// stored; a failure is a sentence for the client (segments stored before it stay), except
-    /// that once a run was read, a later run that finds nothing, whose holders all pass over or
-    /// whose read fails ends the fetch with what it read (and what that read stored). Bounded by [`data_plane::FETCH_DEADLINE`] in all
-    /// (a later lookup by the lookup timeout too); ends early when `stopped` (the daemon's
-    /// drain).
+    /// segment asked), the rest is looked up from the prefix now local (read from the pool
+    /// again: a run stored and gone already ends the fetch there) and read the same way, and so
+    /// on (at most [`FETCH_HOLDERS_MAX`] holders asked in all; one passed over is not asked
+    /// again in a later run). Returns the blocks stored; a failure is a sentence for the client
+    /// (segments stored before it stay), except that once a run was read, a later run that
+    /// finds nothing, whose holders all pass over or whose read fails ends the fetch with what
+    /// it read (and what that read stored). Bounded by [`data_plane::FETCH_DEADLINE`] in all (a
+    /// later lookup by the lookup timeout too); ends early when `stopped` (the daemon's drain).
     #[cfg(feature = "cluster")]
     pub(crate) fn fetch(
         &self,
@@ -694,7 +694,21 @@ impl ClusterAgent {
             if part.remote_blocks as usize <= run || asked >= FETCH_HOLDERS_MAX || stopped() || std::time::Instant::now() >= deadline {
                 return Ok(stored_in_all);
             }
-            local += run;
+            // From the prefix really local now, not the one counted: a segment stored may be
+            // gone already (its last block shared with a store released since, or evicted at
+            // once), and a run stored past that hole is no prefix a lookup finds. Short of the
+            // count, the fetch ends with what it read; past it (a local store meanwhile), the
+            // next run starts there.
+            let now_local = lock_store(store).control.lookup(keys);
+            if now_local < local + run {
+                tracing::info!(
+                    counted = local + run,
+                    now_local,
+                    "a segment this fetch stored left the pool before the rest was read: the fetch ends with what it read"
+                );
+                return Ok(stored_in_all);
+            }
+            local = now_local;
             part = self.beyond(space, keys, local);
             if part.registry != crate::protocol::RegistryAnswer::Answered || part.holders.is_empty() {
                 return Ok(stored_in_all);
