@@ -23,10 +23,12 @@
 //! the stamp (the window the entry was added in) may predate the copy — an older copy of the
 //! block leaving before the fetch stored it anew — and there the block's presence decides (kept
 //! while present). So a copy evicted and computed again within the very window it was fetched
-//! in (one registrar pass, 50 ms) stays unregistered. When departures were not all recorded
-//! ([`FetchedCopies::recheck_all`]) an entry older than the window is forgotten (it may have
-//! left and come back) and one of the window is kept while its block is present: a commit may
-//! then register a fetched copy, as past the bound.
+//! in stays unregistered: from one pass's take to the next, up to a tick (50 ms) and the
+//! registrar's etcd calls between (each bounded by the request timeout: seconds when etcd is
+//! slow). When departures were not all recorded ([`FetchedCopies::recheck_all`]) an entry
+//! older than the window is forgotten (it may have left and come back) and one of the window is
+//! kept while its block is present: a commit may then register a fetched copy, as past the
+//! bound.
 //!
 //! In memory only: after a restart a commit that includes a surviving fetched copy registers
 //! it (the manifest does not journal unregistered segments).
