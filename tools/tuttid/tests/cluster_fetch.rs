@@ -122,6 +122,12 @@ fn a_node_reads_another_nodes_segments_byte_exact_and_serves_them_locally_after(
     let answer = on_b.lookup_cluster(&tokens).unwrap();
     assert_eq!((answer.cached_blocks, answer.remote_blocks), (32, 0));
     assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 0), "nothing more to fetch");
+    // A holder counts a segment served after its last write (and the pool lock's release),
+    // so the asker may have it before the count: waited for, not read once.
+    wait_for("a counts two segments served", SOON, || {
+        let status_a = a.status();
+        (status_a.served_segments, status_a.serve_refusals) == (2, 0)
+    });
     let (status_a, status_b) = (a.status(), b.status());
     assert_eq!((status_a.served_segments, status_a.serve_refusals), (2, 0), "{status_a:?}");
     assert_eq!((status_b.remote_reads, status_b.remote_read_failures, status_b.fetched_blocks), (1, 0, 32), "{status_b:?}");
@@ -160,7 +166,8 @@ fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
     assert_eq!(on_b.lookup(&tokens).unwrap(), 16, "the sound segment stays, nothing of the damaged one");
     let mut store_b = b.connect();
     assert_eq!(common::retrieve_prompt(&mut store_b, 12, 0, 16).unwrap(), 0);
-    assert_eq!(a.status().serve_refusals, 1);
+    // Counted after the refusal is sent: waited for.
+    wait_for("a counts its refusal", SOON, || a.status().serve_refusals == 1);
     // The holder evicted the damaged block, so its segment leaves the registry (no one is sent
     // to it again) and a's own prefix stops before it.
     wait_for("a's damaged segment unregistered", SOON, || holders(&reader, 12).len() == 1);
@@ -208,7 +215,8 @@ fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_f
     wait_for("b's copy registered as a second replica", SOON, || holders(&reader, 30) == [["a", "b"], ["a", "b"]]);
     let status = b.status();
     assert_eq!((status.replicated_segments, status.fetched_blocks), (2, 96), "{status:?}");
-    assert_eq!(a.status().served_segments, 6);
+    // Counted after the last write: waited for.
+    wait_for("a counts six segments served", SOON, || a.status().served_segments == 6);
 
     a.kill();
     wait_for("a's entries vanish with its lease", LEASE + Duration::from_secs(4), || holders(&reader, 30) == [["b"], ["b"]]);
@@ -297,8 +305,8 @@ fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() 
     assert_eq!(on_c.fetch_remote(&extended).unwrap(), (48, 48));
     // (Byte-exactness is the tests' above: `retrieve_prompt` has engine blocks for 40 at most.)
     assert_eq!(on_c.lookup(&extended).unwrap(), 48, "c does not hold the extended prompt whole");
-    let (status_a, status_b) = (a.status(), b.status());
-    assert_eq!((status_a.served_segments, status_b.served_segments), (4, 1), "{status_a:?} {status_b:?}");
+    // Counted after the last write: waited for.
+    wait_for("a counts four segments served and b one", SOON, || (a.status().served_segments, b.status().served_segments) == (4, 1));
 
     // A later run's holder failing once a run was read ends the fetch with what it read: c's
     // copy evicted (two prompts of its own), b stopped (SIGSTOP: its kernel takes the
