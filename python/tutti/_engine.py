@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -284,7 +285,10 @@ def wait_out_layer(
         try:
             request.wait(wait_s)
         except tutti.TimeoutError as error:
-            if request.layer_in_flight == oldest:
+            # A layer's own failure can be of class Timeout too ("layer N failed: ...": tuttid's
+            # timeout for it, or a deadline the store passed), that layer ended, raised while a
+            # later layer is still in flight: a failure, as below, not the wait running out.
+            if not _is_layer_failure(error) and request.layer_in_flight == oldest:
                 log.error("%s: layer %d did not complete; the request is kept: %s", what, oldest, error)
                 return False
         except tutti.Error:
@@ -293,6 +297,13 @@ def wait_out_layer(
         return True
     log.error("%s: layers %s are still in flight; the request is kept", what, list(request.layers_in_flight))
     return False
+
+
+def _is_layer_failure(error: tutti.Error) -> bool:
+    """Whether a wait's error is a layer's own failure ("layer N failed: ...", that layer ended;
+    Request.wait's message), not its deadline ("request 0x...: layer N did not complete by the
+    deadline"). Only the message tells a TimeoutError of either kind apart."""
+    return re.match(r"layer \d+ failed: ", str(error)) is not None
 
 
 def abandon_request(request: Any, timeout_s: float, log: logging.Logger, what: str) -> bool:
