@@ -280,7 +280,7 @@ impl ClusterMetrics {
         registry.register("cluster_remote_reads", "FetchRemote requests that went to a holder", self.remote_reads.clone());
         registry.register(
             "cluster_remote_read_failures",
-            "Remote reads that failed (typed errors to the client)",
+            "Remote reads that failed in whole (a typed error to the client) or in part (a fault past a run read)",
             self.remote_read_failures.clone(),
         );
         registry.register("cluster_fetched_blocks", "Blocks fetched from other nodes and stored here", self.fetched_blocks.clone());
@@ -570,7 +570,8 @@ impl ClusterAgent {
     /// again in a later run). Returns the blocks stored; a failure is a sentence for the client
     /// (segments stored before it stay), except that once a run was read, a later run that
     /// finds nothing, whose holders all pass over or whose read fails ends the fetch with what
-    /// it read (and what that read stored). Bounded by [`data_plane::FETCH_DEADLINE`] in all (a
+    /// it read (and what that read stored; a fault in it, `FetchError::is_fault`, is counted
+    /// in `remote_read_failures` all the same). Bounded by [`data_plane::FETCH_DEADLINE`] in all (a
     /// later lookup by the lookup timeout too); ends early when `stopped` (the daemon's drain).
     #[cfg(feature = "cluster")]
     pub(crate) fn fetch(
@@ -638,34 +639,44 @@ impl ClusterAgent {
                 }
                 asked += 1;
                 let segments = local / per_segment..(local + holder.blocks as usize) / per_segment;
-                // (blocks stored, the error, whether another holder may serve what this one did not)
-                let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true)).and_then(|address| {
-                    self.data_plane
-                        .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
-                        .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve()))
-                });
+                // (blocks stored, the error, whether another holder may serve what this one did
+                // not, whether it is a fault: `FetchError::is_fault`)
+                let result =
+                    self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true, false)).and_then(|address| {
+                        self.data_plane
+                            .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
+                            .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve(), error.is_fault()))
+                    });
                 match result {
                     Ok(stored) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
                         read = Some((stored, holder.blocks as usize));
                         break;
                     }
-                    Err((0, error, true)) if !stopped() && std::time::Instant::now() < deadline => {
+                    Err((0, error, true, _)) if !stopped() && std::time::Instant::now() < deadline => {
                         tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
                         passed_over.push(error);
                         failed_nodes.push(holder.node.clone());
                     }
-                    Err((stored, error, _)) if read_a_run => {
-                        // A later run's failure (this node's fetch limit or staging area, its
-                        // pool, the holder stalling, the deadline): the runs read stay and the
-                        // fetch ends with them and what this one stored, as when the rest is
-                        // not found (docs/cluster.md, "Remote reads").
+                    Err((stored, error, _, fault)) if read_a_run => {
+                        // A later run's failure: the runs read stay (what is held is answered
+                        // correctly) and the fetch ends with them and what this one stored, as
+                        // when the rest is not found (docs/cluster.md, "Remote reads"). A fault
+                        // (a bad CRC or frame, a holder closing mid-answer, this node's store
+                        // failing: `FetchError::is_fault`) is still counted and warned of; a
+                        // wait or limit (the holder stalling or busy, this node's fetch limit,
+                        // the deadline, the drain) is not.
                         self.metrics.fetched_blocks.inc_by(stored as u64);
                         let stored = stored_in_all + stored;
-                        tracing::info!(node = %holder.node, %error, stored, passed_over = ?passed_over, "reading the rest of the prompt's run failed: the fetch ends with what it read");
+                        if fault && !stopped() {
+                            self.metrics.remote_read_failures.inc();
+                            tracing::warn!(node = %holder.node, %error, stored, passed_over = ?passed_over, "reading the rest of the prompt's run failed: the fetch ends with what it read");
+                        } else {
+                            tracing::info!(node = %holder.node, %error, stored, passed_over = ?passed_over, "reading the rest of the prompt's run failed: the fetch ends with what it read");
+                        }
                         return Ok(stored);
                     }
-                    Err((stored, error, _)) => {
+                    Err((stored, error, _, _)) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
                         self.metrics.remote_read_failures.inc();
                         let before =

@@ -11,13 +11,13 @@
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, SegmentBlocks};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{
-    members, model, reader, segments, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, REQUEST_TIMEOUT, SEGMENT_BLOCKS,
-    SOON,
+    holders, members, model, reader, segments, space, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, REQUEST_TIMEOUT,
+    SEGMENT_BLOCKS, SOON,
 };
 use common::hello;
 
@@ -250,4 +250,46 @@ fn fetches_past_the_nodes_limit_are_refused_at_once() {
     // to fetch, the slow node's lease being gone or its segment stored already).
     let again = fifth.fetch_remote(&tokens);
     assert!(!matches!(&again, Err(DaemonError::Remote { message, .. }) if message.contains("in progress")), "{again:?}");
+}
+
+#[test]
+fn a_later_runs_holder_that_sends_a_bad_crc_is_counted_though_the_fetch_answers_what_it_read() {
+    // Goal: node a holds prompt 72's segments 0 and 1; a fake holder, registered for segment 2
+    // of the prompt extended to 48 blocks only, sends it with a wrong CRC. c's fetch of the
+    // extended prompt reads a's 32 blocks, then the fake's run fails its CRC check: the fetch
+    // answers the 32 stored (what is held is answered correctly), but the fault is counted in
+    // `remote_read_failures`. Before, a later run's failure of any kind was only logged.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.start(&etcd, true);
+    }
+    wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
+    let [a, c] = &nodes[..] else { unreachable!("two nodes") };
+    store(a, 72);
+    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    let extended = common::prompt(72, 48, BLOCK_TOKENS);
+    let mut keys = Vec::new();
+    space().keys(&extended, BLOCK_TOKENS, &mut keys);
+    let mut all = Vec::new();
+    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut all).unwrap();
+    assert_eq!(all.len(), 3);
+    let (address, thread) = fake_holder(Misbehaviour::WrongChecksum);
+    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
+    config.lease_ttl = LEASE;
+    config.request_timeout = REQUEST_TIMEOUT;
+    let record =
+        MemberRecord { node: NodeId::new("evil").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let evil = ClusterNode::join(config, record).unwrap();
+    evil.register(&model(), &all[2..]).unwrap();
+    let mut on_c = c.daemon().client();
+    on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
+    assert_eq!(on_c.fetch_remote(&extended).unwrap(), (32, 32));
+    assert_eq!(on_c.lookup(&extended).unwrap(), 32);
+    let status = c.status();
+    assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 1, 32), "{status:?}");
+    drop(evil);
+    thread.join().unwrap();
 }

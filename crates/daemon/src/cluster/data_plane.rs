@@ -213,6 +213,29 @@ impl FetchError {
     }
 }
 
+impl FetchError {
+    /// Whether the failure is a fault, counted in `remote_read_failures` even where the fetch
+    /// ends `Ok` with the runs it read before it (docs/cluster.md, "Remote reads"): a holder's
+    /// bytes or frames wrong (a CRC that does not match, a frame that does not decode), its
+    /// connection closed or failing once the answer began, its refusal for a reason other than
+    /// not holding the segment or being busy (`ReadFailed`: its disks, its staging area), this
+    /// node's store or staging area failing. Not a wait that ran out or a limit, which is load
+    /// or a holder gone, not a fault: the holder unreachable, stalling (a stopped node), busy,
+    /// no longer holding the segment, this node's fetch limit or staging area busy, the drain.
+    pub fn is_fault(&self) -> bool {
+        match self {
+            FetchError::Peer { source, .. } => !matches!(
+                **source,
+                PeerError::Io { context: "connecting", .. }
+                    | PeerError::Stalled { .. }
+                    | PeerError::Refused { code: FailureCode::NotHeld | FailureCode::Unavailable, .. }
+            ),
+            FetchError::Store { .. } | FetchError::NoStaging => true,
+            FetchError::Busy { .. } | FetchError::HolderBusy { .. } | FetchError::StagingBusy | FetchError::Stopped => false,
+        }
+    }
+}
+
 /// The data plane's address, bound at `ClusterAgent::prepare` (before the pool is opened, so
 /// that an address a running or starting daemon holds refuses the start before a `--format`) but
 /// not listened on until [`DataPlane::bind`]: meanwhile (the pool's open, long after a restart)

@@ -727,3 +727,38 @@ fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
     assert!(refused_with_peers >= 1, "refused only once the slow read ended ({:?} after the stop)", stopped.elapsed());
     device.set_faults(nvme_emu::FaultPlan::default());
 }
+
+#[test]
+fn faults_are_told_from_waits_and_limits() {
+    // Goal: a later run's failure is counted (`remote_read_failures`) when it is a fault — a
+    // holder's bad CRC or frame, its close or error mid-answer, its ReadFailed, this node's
+    // store or staging area — and not when it is a wait or a limit (the holder unreachable,
+    // stalling, busy, no longer holding the segment; this node's fetch limit, the drain).
+    let address: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    let peer = |source: PeerError| FetchError::Peer { node: "n".into(), address, segment: 2, source: Box::new(source) };
+    let io = |context| PeerError::Io { context, source: std::io::Error::from(std::io::ErrorKind::ConnectionReset) };
+    let refused = |code| PeerError::Refused { code, message: String::new() };
+    for fault in [
+        peer(PeerError::Checksum { index: 7, sent: 1, computed: 2 }),
+        peer(PeerError::Garbage("frame magic".into())),
+        peer(PeerError::Closed { context: "reading a block" }),
+        peer(io("reading a block")),
+        peer(refused(FailureCode::ReadFailed)),
+        peer(refused(FailureCode::BadRequest)),
+        FetchError::NoStaging,
+    ] {
+        assert!(fault.is_fault(), "{fault}");
+    }
+    for load in [
+        peer(io("connecting")),
+        peer(PeerError::Stalled { context: "waiting for the segment header", waited: Duration::from_secs(2) }),
+        peer(refused(FailureCode::NotHeld)),
+        peer(refused(FailureCode::Unavailable)),
+        FetchError::Busy { max: 4 },
+        FetchError::HolderBusy { node: "n".into(), address, segment: 2, waited: Duration::from_secs(60), message: String::new() },
+        FetchError::StagingBusy,
+        FetchError::Stopped,
+    ] {
+        assert!(!load.is_fault(), "{load}");
+    }
+}
