@@ -339,18 +339,21 @@ struct Stopped(u32);
 impl Stopped {
     fn new(node: &Node) -> Stopped {
         let pid = node.daemon().child.as_ref().expect("the node's process").id();
-        Stopped::signal("-STOP", pid);
+        Stopped::signal(nix::sys::signal::Signal::SIGSTOP, pid).expect("SIGSTOP the node");
         Stopped(pid)
     }
 
-    fn signal(signal: &str, pid: u32) {
-        let status = std::process::Command::new("kill").args([signal, &pid.to_string()]).status().expect("run kill");
-        assert!(status.success(), "kill {signal} {pid}: {status}");
+    fn signal(signal: nix::sys::signal::Signal, pid: u32) -> nix::Result<()> {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
     }
 }
 
 impl Drop for Stopped {
     fn drop(&mut self) {
-        Stopped::signal("-CONT", self.0);
+        // No panic here: a drop while unwinding (a failed assertion) that panics aborts the
+        // test binary. The node's own drop kills it should this fail.
+        if let Err(error) = Stopped::signal(nix::sys::signal::Signal::SIGCONT, self.0) {
+            eprintln!("SIGCONT {}: {error}", self.0);
+        }
     }
 }
