@@ -566,8 +566,9 @@ impl ClusterAgent {
     /// not hold its start, so not listed: each holder is listed with its run from the first
     /// segment asked), the rest is looked up from the prefix now local (read from the pool
     /// again: a run stored and gone already ends the fetch there) and read the same way, and so
-    /// on (at most [`FETCH_HOLDERS_MAX`] holders asked in all; one passed over is not asked
-    /// again in a later run). Returns the blocks stored; a failure is a sentence for the client
+    /// on (at most [`FETCH_HOLDERS_MAX`] holders asked in all; one passed over as unreachable
+    /// or busy is not asked again in a later run, one that answered `NotHeld` or `ReadFailed`
+    /// for an earlier run's segments is). Returns the blocks stored; a failure is a sentence for the client
     /// (segments stored before it stay), except that once a run was read, a later run that
     /// finds nothing, whose holders all pass over or whose read fails ends the fetch with what
     /// it read (and what that read stored; a fault in it, `FetchError::is_fault`, is counted
@@ -617,11 +618,12 @@ impl ClusterAgent {
                 fetched.fetched(space, key);
             }
         };
-        // Holders passed over, each with why; the nodes passed over (not asked again in a later
-        // run: a dead one would cost another connect timeout and one of the holders asked);
-        // holders asked in all runs together.
+        // Holders passed over, each with why; the nodes passed over as unreachable or busy (not
+        // asked again in a later run: a dead one would cost another connect timeout and one of
+        // the holders asked; one that answered NotHeld or ReadFailed is, as its answer was about
+        // an earlier run's segments); holders asked in all runs together.
         let mut passed_over: Vec<String> = Vec::new();
-        let mut failed_nodes: Vec<String> = Vec::new();
+        let mut unreachable_nodes: Vec<String> = Vec::new();
         let mut asked = 0;
         // The local prefix the run being read starts from, blocks stored so far, whether a run
         // was read whole.
@@ -631,7 +633,7 @@ impl ClusterAgent {
             // (blocks stored, the run read: blocks past `local`, ending on a segment's end)
             let mut read = None;
             for holder in &part.holders {
-                if failed_nodes.contains(&holder.node) {
+                if unreachable_nodes.contains(&holder.node) {
                     continue;
                 }
                 if asked >= FETCH_HOLDERS_MAX {
@@ -640,25 +642,34 @@ impl ClusterAgent {
                 asked += 1;
                 let segments = local / per_segment..(local + holder.blocks as usize) / per_segment;
                 // (blocks stored, the error, whether another holder may serve what this one did
-                // not, whether it is a fault: `FetchError::is_fault`)
-                let result =
-                    self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true, false)).and_then(|address| {
+                // not, whether it is a fault: `FetchError::is_fault`, whether the holder could
+                // not be reached: `FetchError::holder_unreachable`; a node without a member
+                // record has no address to reach)
+                let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true, false, true)).and_then(
+                    |address| {
                         self.data_plane
                             .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
-                            .map_err(|(stored, error)| (stored, error.to_string(), error.another_holder_may_serve(), error.is_fault()))
-                    });
+                            .map_err(|(stored, error)| {
+                                let (may_serve, fault, unreachable) =
+                                    (error.another_holder_may_serve(), error.is_fault(), error.holder_unreachable());
+                                (stored, error.to_string(), may_serve, fault, unreachable)
+                            })
+                    },
+                );
                 match result {
                     Ok(stored) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
                         read = Some((stored, holder.blocks as usize));
                         break;
                     }
-                    Err((0, error, true, _)) if !stopped() && std::time::Instant::now() < deadline => {
+                    Err((0, error, true, _, unreachable)) if !stopped() && std::time::Instant::now() < deadline => {
                         tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
                         passed_over.push(error);
-                        failed_nodes.push(holder.node.clone());
+                        if unreachable {
+                            unreachable_nodes.push(holder.node.clone());
+                        }
                     }
-                    Err((stored, error, _, fault)) if read_a_run => {
+                    Err((stored, error, _, fault, _)) if read_a_run => {
                         // A later run's failure: the runs read stay (what is held is answered
                         // correctly) and the fetch ends with them and what this one stored, as
                         // when the rest is not found (docs/cluster.md, "Remote reads"). A fault
@@ -676,7 +687,7 @@ impl ClusterAgent {
                         }
                         return Ok(stored);
                     }
-                    Err((stored, error, _, _)) => {
+                    Err((stored, error, _, _, _)) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
                         self.metrics.remote_read_failures.inc();
                         let before =

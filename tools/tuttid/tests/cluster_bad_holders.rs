@@ -3,7 +3,9 @@
 //! holding a prompt's segments) answers garbage, stalls mid-block, sends a block with a wrong
 //! CRC or closes mid-stream — each a typed `RemoteReadFailed` naming it, nothing stored, the
 //! node serving on — or serves slowly: a fetch longer than the client's lease keeps the
-//! client's session, and fetches past the node's limit of 4 at once are refused at once.
+//! client's session, and fetches past the node's limit of 4 at once are refused at once. A fake
+//! listed past a real node's run: its bad CRC in the fetch's later run is counted though the
+//! fetch answers the run read, and its NotHeld in one run does not keep it from the next.
 //! Every wait is bounded. Skipped (with a note) where no etcd is installed, unless
 //! TUTTI_REQUIRE_ETCD=1 (the cluster stage of tools/test.sh). The nodes and the registry reader
 //! are `common::cluster`'s (16-block segments, 48-slot pools, a 2 s lease unless a test sets one).
@@ -11,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, Segment, SegmentBlocks};
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
@@ -35,6 +37,10 @@ enum Misbehaviour {
     /// Sends a sound segment slowly (each block inside the stall bound, the whole longer than
     /// the asking client's lease), then closes.
     Slow,
+    /// Refuses the read `NotHeld` (a segment evicted since it was registered).
+    NotHeld,
+    /// Sends a sound segment at once.
+    Sound,
 }
 
 /// Bytes of one block of the test geometry (2 layers × K and V × 2 heads × 64 × 16 × 2 bytes).
@@ -60,81 +66,120 @@ fn block_frame(index: u16, bytes: &[u8], crc: u32) -> Vec<u8> {
 /// Joins `etcd` as node `name` at `address` (a fake holder's) and registers prompt `seed`'s
 /// segments there: the registry then sends fetches of that prompt to the fake.
 fn register_fake_holder(etcd: &LocalEtcd, name: &str, address: std::net::SocketAddr, seed: u32) -> ClusterNode {
+    register_fake_holder_of(etcd, name, address, &segments(seed))
+}
+
+/// [`register_fake_holder`] of the segments given.
+fn register_fake_holder_of(etcd: &LocalEtcd, name: &str, address: std::net::SocketAddr, segments: &[Segment]) -> ClusterNode {
     let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
     config.lease_ttl = LEASE;
     config.request_timeout = REQUEST_TIMEOUT;
     let record =
         MemberRecord { node: NodeId::new(name).unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
     let node = ClusterNode::join(config, record).unwrap();
-    node.register(&model(), &segments(seed)).unwrap();
+    node.register(&model(), segments).unwrap();
     node
 }
 
-/// A holder that reads one request and misbehaves as told (each connection), until dropped.
+/// The segments of prompt 72 extended to 48 blocks (three; a node's `store` of prompt 72 holds
+/// the first two).
+fn extended_segments() -> Vec<Segment> {
+    let extended = common::prompt(72, 48, BLOCK_TOKENS);
+    let mut keys = Vec::new();
+    space().keys(&extended, BLOCK_TOKENS, &mut keys);
+    let mut all = Vec::new();
+    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut all).unwrap();
+    assert_eq!(all.len(), 3);
+    all
+}
+
+/// A holder that takes one connection, reads one request and misbehaves as told.
 fn fake_holder(misbehaviour: Misbehaviour) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
+    fake_holder_answering(vec![misbehaviour])
+}
+
+/// A holder that takes a connection per answer, in turn, reads one request on each and
+/// answers it as told.
+fn fake_holder_answering(answers: Vec<Misbehaviour>) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let address = listener.local_addr().unwrap();
     let thread = std::thread::spawn(move || {
-        // One connection is all a fetch makes; bounded, should none come.
+        // One connection is all a fetch makes of one holder; bounded, should none come.
         listener.set_nonblocking(true).unwrap();
         let deadline = Instant::now() + Duration::from_secs(20);
-        let mut stream = loop {
-            match listener.accept() {
-                Ok((stream, _)) => break stream,
-                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
-                Err(_) => return,
-            }
-        };
-        stream.set_nonblocking(false).unwrap();
-        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut header = [0u8; 12];
-        if stream.read_exact(&mut header).is_err() {
-            return;
-        }
-        let mut body = vec![0u8; u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize];
-        let _ = stream.read_exact(&mut body);
-        let mut segment_header = 16u16.to_le_bytes().to_vec();
-        segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
-        // Served once: never a heavy hitter.
-        segment_header.extend_from_slice(&1u32.to_le_bytes());
-        // The nodes' geometry: layers, KV heads, head dim, bytes per element, tokens per block.
-        for field in [2u32, 2, 64, 2, BLOCK_TOKENS] {
-            segment_header.extend_from_slice(&field.to_le_bytes());
-        }
-        let bytes = vec![0x5au8; BLOCK_BYTES];
-        let _ = match misbehaviour {
-            Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
-            Misbehaviour::Stall => {
-                let _ = stream.write_all(&frame(0x8001, &segment_header));
-                let half = block_frame(0, &bytes, crc32fast::hash(&bytes));
-                let _ = stream.write_all(&half[..half.len() / 2]);
-                std::thread::sleep(Duration::from_secs(8));
-                Ok(())
-            }
-            Misbehaviour::WrongChecksum => {
-                // A whole segment, sound but for block 7's CRC: taken without the check, it
-                // would be stored.
-                let _ = stream.write_all(&frame(0x8001, &segment_header));
-                for index in 0..16u16 {
-                    let crc = crc32fast::hash(&bytes) ^ u32::from(index == 7);
-                    let _ = stream.write_all(&block_frame(index, &bytes, crc));
+        for misbehaviour in answers {
+            let mut stream = loop {
+                match listener.accept() {
+                    Ok((stream, _)) => break stream,
+                    Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                    Err(_) => return,
                 }
-                Ok(())
+            };
+            stream.set_nonblocking(false).unwrap();
+            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut header = [0u8; 12];
+            if stream.read_exact(&mut header).is_err() {
+                return;
             }
-            Misbehaviour::Dies => {
-                let _ = stream.write_all(&frame(0x8001, &segment_header));
-                stream.write_all(&block_frame(0, &bytes, crc32fast::hash(&bytes)))
+            let mut body = vec![0u8; u32::from_le_bytes(header[8..12].try_into().unwrap()) as usize];
+            let _ = stream.read_exact(&mut body);
+            let mut segment_header = 16u16.to_le_bytes().to_vec();
+            segment_header.extend_from_slice(&(BLOCK_BYTES as u64).to_le_bytes());
+            // Served once: never a heavy hitter.
+            segment_header.extend_from_slice(&1u32.to_le_bytes());
+            // The nodes' geometry: layers, KV heads, head dim, bytes per element, tokens per block.
+            for field in [2u32, 2, 64, 2, BLOCK_TOKENS] {
+                segment_header.extend_from_slice(&field.to_le_bytes());
             }
-            Misbehaviour::Slow => {
-                let _ = stream.write_all(&frame(0x8001, &segment_header));
-                for index in 0..16u16 {
-                    std::thread::sleep(Duration::from_millis(250));
-                    let _ = stream.write_all(&block_frame(index, &bytes, crc32fast::hash(&bytes)));
+            let bytes = vec![0x5au8; BLOCK_BYTES];
+            let _ = match misbehaviour {
+                Misbehaviour::Garbage => stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"),
+                Misbehaviour::Stall => {
+                    let _ = stream.write_all(&frame(0x8001, &segment_header));
+                    let half = block_frame(0, &bytes, crc32fast::hash(&bytes));
+                    let _ = stream.write_all(&half[..half.len() / 2]);
+                    std::thread::sleep(Duration::from_secs(8));
+                    Ok(())
                 }
-                Ok(())
-            }
-        };
+                Misbehaviour::WrongChecksum => {
+                    // A whole segment, sound but for block 7's CRC: taken without the check, it
+                    // would be stored.
+                    let _ = stream.write_all(&frame(0x8001, &segment_header));
+                    for index in 0..16u16 {
+                        let crc = crc32fast::hash(&bytes) ^ u32::from(index == 7);
+                        let _ = stream.write_all(&block_frame(index, &bytes, crc));
+                    }
+                    Ok(())
+                }
+                Misbehaviour::Dies => {
+                    let _ = stream.write_all(&frame(0x8001, &segment_header));
+                    stream.write_all(&block_frame(0, &bytes, crc32fast::hash(&bytes)))
+                }
+                Misbehaviour::Slow => {
+                    let _ = stream.write_all(&frame(0x8001, &segment_header));
+                    for index in 0..16u16 {
+                        std::thread::sleep(Duration::from_millis(250));
+                        let _ = stream.write_all(&block_frame(index, &bytes, crc32fast::hash(&bytes)));
+                    }
+                    Ok(())
+                }
+                Misbehaviour::NotHeld => {
+                    let message = b"not held";
+                    let mut body = 2u16.to_le_bytes().to_vec();
+                    body.extend_from_slice(&(message.len() as u16).to_le_bytes());
+                    body.extend_from_slice(message);
+                    stream.write_all(&frame(0x80FF, &body))
+                }
+                Misbehaviour::Sound => {
+                    let _ = stream.write_all(&frame(0x8001, &segment_header));
+                    for index in 0..16u16 {
+                        let _ = stream.write_all(&block_frame(index, &bytes, crc32fast::hash(&bytes)));
+                    }
+                    Ok(())
+                }
+            };
+        }
     });
     (address, thread)
 }
@@ -271,25 +316,46 @@ fn a_later_runs_holder_that_sends_a_bad_crc_is_counted_though_the_fetch_answers_
     store(a, 72);
     wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
     let extended = common::prompt(72, 48, BLOCK_TOKENS);
-    let mut keys = Vec::new();
-    space().keys(&extended, BLOCK_TOKENS, &mut keys);
-    let mut all = Vec::new();
-    segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut all).unwrap();
-    assert_eq!(all.len(), 3);
     let (address, thread) = fake_holder(Misbehaviour::WrongChecksum);
-    let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
-    config.lease_ttl = LEASE;
-    config.request_timeout = REQUEST_TIMEOUT;
-    let record =
-        MemberRecord { node: NodeId::new("evil").unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
-    let evil = ClusterNode::join(config, record).unwrap();
-    evil.register(&model(), &all[2..]).unwrap();
+    let evil = register_fake_holder_of(&etcd, "evil", address, &extended_segments()[2..]);
     let mut on_c = c.daemon().client();
     on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
     assert_eq!(on_c.fetch_remote(&extended).unwrap(), (32, 32));
     assert_eq!(on_c.lookup(&extended).unwrap(), 32);
     let status = c.status();
     assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 1, 32), "{status:?}");
+    drop(evil);
+    thread.join().unwrap();
+}
+
+#[test]
+fn a_holder_that_answered_not_held_in_one_run_is_asked_in_the_next() {
+    // Goal: a fake holder is registered for all three segments of prompt 72 extended to 48
+    // blocks, but holds (answers) only the last: it refuses segments 0-1 NotHeld, and node a
+    // serves them. The fetch's next run, from block 32, lists the fake alone, and its NotHeld
+    // was about the earlier run's segments: it is asked and serves segment 2 (48 blocks
+    // fetched). Before, a holder passed over in one run was skipped in every later one and the
+    // fetch ended with a's 32.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let mut nodes: Vec<Node> = ["a", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.start(&etcd, true);
+    }
+    wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
+    let [a, c] = &nodes[..] else { unreachable!("two nodes") };
+    store(a, 72);
+    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    let extended = common::prompt(72, 48, BLOCK_TOKENS);
+    let (address, thread) = fake_holder_answering(vec![Misbehaviour::NotHeld, Misbehaviour::Sound]);
+    let evil = register_fake_holder_of(&etcd, "evil", address, &extended_segments());
+    let mut on_c = c.daemon().client();
+    on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
+    assert_eq!(on_c.fetch_remote(&extended).unwrap(), (48, 48));
+    assert_eq!(on_c.lookup(&extended).unwrap(), 48);
+    let status = c.status();
+    assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 0, 48), "{status:?}");
     drop(evil);
     thread.join().unwrap();
 }

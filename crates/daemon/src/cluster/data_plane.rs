@@ -234,6 +234,19 @@ impl FetchError {
             FetchError::Busy { .. } | FetchError::HolderBusy { .. } | FetchError::StagingBusy | FetchError::Stopped => false,
         }
     }
+
+    /// Whether the holder could not be reached or stayed busy: not asked again in a later run
+    /// of the same fetch (a dead node listed until its lease expires would cost another connect
+    /// timeout, and one of the holders asked in all). Not a holder that answered `NotHeld` or
+    /// `ReadFailed`: that answer was about the run's segments (evicted, a damaged block), and
+    /// it may be the only sound holder of a later run's.
+    pub fn holder_unreachable(&self) -> bool {
+        match self {
+            FetchError::Peer { source, .. } => matches!(**source, PeerError::Io { context: "connecting", .. }),
+            FetchError::HolderBusy { .. } => true,
+            _ => false,
+        }
+    }
 }
 
 /// The data plane's address, bound at `ClusterAgent::prepare` (before the pool is opened, so

@@ -761,4 +761,14 @@ fn faults_are_told_from_waits_and_limits() {
     ] {
         assert!(!load.is_fault(), "{load}");
     }
+    // Not asked again in a later run: only a holder unreachable or busy, not one whose answer
+    // was about the earlier run's segments.
+    assert!(peer(io("connecting")).holder_unreachable());
+    assert!(FetchError::HolderBusy { node: "n".into(), address, segment: 2, waited: Duration::from_secs(60), message: String::new() }
+        .holder_unreachable());
+    for answered in
+        [refused(FailureCode::NotHeld), refused(FailureCode::ReadFailed), PeerError::Checksum { index: 0, sent: 1, computed: 2 }]
+    {
+        assert!(!peer(answered).holder_unreachable());
+    }
 }
