@@ -720,7 +720,9 @@ impl ClusterAgent {
             // gone already (its last block shared with a store released since, or evicted at
             // once), and a run stored past that hole is no prefix a lookup finds. Short of the
             // count, the fetch ends with what it read; past it (a local store meanwhile), the
-            // next run starts there.
+            // next run starts there. Only what is gone now: a segment evicted during the next
+            // lookup or transfer still leaves a hole, the rest stored past it (no wrong data,
+            // a lookup finds no prefix past a hole; writes wasted).
             let now_local = lock_store(store).control.lookup(keys);
             if now_local < local + run {
                 tracing::info!(
