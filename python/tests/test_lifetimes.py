@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -359,6 +360,26 @@ def test_a_wait_for_a_stuck_layer_is_interrupted_by_ctrl_c(formatted_daemon):
     store.close()
 
 
+@contextlib.contextmanager
+def a_request_on_a_stuck_layer(daemon, fill: int):
+    """A request prepared to store one block (filled with `fill`) through a store with a 1 s
+    timeout, tuttid paused while the body runs, so a layer it stores does not end there. tuttid
+    runs again however the body ends; once it ended without raising, the request must wait out
+    with 0 failures and finish, and the store close."""
+    store = attach(daemon, timeout_s=1.0)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, fill)
+    request = store.prepare_store(tokens(fill, 1), [1])
+    daemon.pause()
+    try:
+        yield request
+    finally:
+        daemon.resume()
+    assert request.wait(timeout_s=WAIT_S) == 0
+    request.finish()
+    store.close()
+
+
 def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_interrupt(formatted_daemon):
     # Goal: Ctrl-C during Request.wait inside `with request:`, its layer through a paused tuttid
     # (it never ends while paused): the KeyboardInterrupt leaves the `with` as itself, so an
@@ -367,12 +388,7 @@ def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_inter
     # and the request stays held, prepared with its layer in flight, for a later wait and
     # finish (a drop or the store's close would end it too). Before, the exit raised
     # InvalidState ("still in flight") in the KeyboardInterrupt's place.
-    store = attach(formatted_daemon, timeout_s=1.0)
-    layout = store.allocate_kv(8, "block_major")
-    fill_block(layout, 1, 87)
-    request = store.prepare_store(tokens(87, 1), [1])
-    formatted_daemon.pause()
-    try:
+    with a_request_on_a_stuck_layer(formatted_daemon, 87) as request:
         interrupt = threading.Timer(0.3, _thread.interrupt_main)
         try:
             with request:
@@ -387,11 +403,6 @@ def test_ctrl_c_inside_a_with_on_a_stuck_layer_leaves_the_with_as_keyboard_inter
             pass
         assert request.state == "prepared"
         assert request.layer_in_flight == 0, "the exit could not wait the layer out: still in flight"
-    finally:
-        formatted_daemon.resume()
-    assert request.wait(timeout_s=WAIT_S) == 0
-    request.finish()
-    store.close()
 
 
 def test_a_timeout_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_state(formatted_daemon):
@@ -401,12 +412,7 @@ def test_a_timeout_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_sta
     # __context__, so that an engine's `except TimeoutError: recompute` does not write into
     # blocks the layer still in flight may write later. Before, the TimeoutError left the
     # `with` as if the request had finished.
-    store = attach(formatted_daemon, timeout_s=1.0)
-    layout = store.allocate_kv(8, "block_major")
-    fill_block(layout, 1, 88)
-    request = store.prepare_store(tokens(88, 1), [1])
-    formatted_daemon.pause()
-    try:
+    with a_request_on_a_stuck_layer(formatted_daemon, 88) as request:
         try:
             with request:
                 request.store_layer(0)
@@ -417,11 +423,6 @@ def test_a_timeout_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_sta
             assert isinstance(refused.__context__, tutti.TimeoutError), repr(refused.__context__)
         assert request.state == "prepared"
         assert request.layer_in_flight == 0
-    finally:
-        formatted_daemon.resume()
-    assert request.wait(timeout_s=WAIT_S) == 0
-    request.finish()
-    store.close()
 
 
 def test_a_cancellation_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invalid_state(formatted_daemon):
@@ -430,12 +431,7 @@ def test_a_cancellation_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invali
     # recompute after) is not taken for Ctrl-C: the exit raises InvalidState ("still in
     # flight"), the CancelledError its __context__. Before, it was swallowed with the refusal as
     # KeyboardInterrupt is, and the engine recomputed into blocks the layer may still write.
-    store = attach(formatted_daemon, timeout_s=1.0)
-    layout = store.allocate_kv(8, "block_major")
-    fill_block(layout, 1, 87)
-    request = store.prepare_store(tokens(87, 1), [1])
-    formatted_daemon.pause()
-    try:
+    with a_request_on_a_stuck_layer(formatted_daemon, 87) as request:
         try:
             with request:
                 request.store_layer(0)
@@ -446,23 +442,13 @@ def test_a_cancellation_inside_a_with_on_a_stuck_layer_leaves_the_with_as_invali
         except asyncio.CancelledError:
             raise AssertionError("the cancellation left the with as Ctrl-C does, hiding the layer in flight")
         assert request.state == "prepared"
-    finally:
-        formatted_daemon.resume()
-    assert request.wait(timeout_s=WAIT_S) == 0
-    request.finish()
-    store.close()
 
 
 def test_a_with_ending_normally_on_a_stuck_layer_raises_invalid_state(formatted_daemon):
     # Goal: a `with request:` block that ends without an exception, its layer through a paused
     # tuttid, raises InvalidState ("still in flight") from the exit (after waiting up to the
     # store's 1 s timeout), and the request stays held for a later wait and finish.
-    store = attach(formatted_daemon, timeout_s=1.0)
-    layout = store.allocate_kv(8, "block_major")
-    fill_block(layout, 1, 89)
-    request = store.prepare_store(tokens(89, 1), [1])
-    formatted_daemon.pause()
-    try:
+    with a_request_on_a_stuck_layer(formatted_daemon, 89) as request:
         try:
             with request:
                 layer = request.store_layer(0)
@@ -481,11 +467,6 @@ def test_a_with_ending_normally_on_a_stuck_layer_raises_invalid_state(formatted_
             assert refused.__context__ is None, repr(refused.__context__)
         assert request.state == "prepared"
         assert request.layer_in_flight == 0
-    finally:
-        formatted_daemon.resume()
-    assert request.wait(timeout_s=WAIT_S) == 0
-    request.finish()
-    store.close()
 
 
 def fork_sleeper(seconds: float) -> int:
