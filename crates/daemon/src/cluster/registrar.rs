@@ -663,6 +663,57 @@ mod tests {
         store.control.commit_store(plan.handle, None, &mut objstore::NoLender).unwrap();
     }
 
+    /// Node "a"'s registrar after the pass that committed the 48-block prompt `keys` (1..=48),
+    /// of which this node fetched segments 0 and 1 (not heavy hitters: replicas in waiting):
+    /// only segment 2, computed here, is held. Fields drop in the order the tests' locals did.
+    struct FetchedPrompt {
+        store: Mutex<StoreState>,
+        keys: Vec<u64>,
+        space: ModelSpace,
+        registrar: Registrar,
+        _sender: std::sync::mpsc::SyncSender<Committed>,
+        _directory: tempfile::TempDir,
+    }
+
+    impl FetchedPrompt {
+        fn new(cluster: &str) -> Self {
+            let directory = tempfile::tempdir().unwrap();
+            let (sender, inbox) = std::sync::mpsc::sync_channel(1);
+            let mut registrar = registrar_of(directory.path(), cluster, HeldSegments::default(), 0, inbox);
+            let store = store();
+            let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+            let keys: Vec<u64> = (1..=48).collect();
+            commit(&store, &keys);
+            {
+                let mut fetched = lock(&registrar.fetched);
+                fetched.fetched(&space, SegmentKey::new(16).unwrap());
+                fetched.fetched(&space, SegmentKey::new(32).unwrap());
+            }
+            registrar.update_local(&store, &[Committed { space, keys: keys.clone(), first_segment: 0 }]);
+            let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
+            assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
+            Self { store, keys, space, registrar, _sender: sender, _directory: directory }
+        }
+
+        /// Another prompt fills the pool, departures tracked: the fetched copies leave it.
+        fn evict_the_fetched_copies(&self) {
+            lock(&self.store).control.track_departures(1024);
+            let other: Vec<u64> = (1001..=1064).collect();
+            commit(&self.store, &other);
+            assert!(lock(&self.store).control.pool().index().get(16).is_none(), "the test needs the fetched copies evicted");
+        }
+
+        /// The prompt, computed here, is committed again: this node's own work, so the pass
+        /// must hold (to register) all three segments.
+        fn commit_again_and_see_all_held(&mut self) {
+            commit(&self.store, &self.keys);
+            self.registrar.update_local(&self.store, &[Committed { space: self.space, keys: self.keys.clone(), first_segment: 0 }]);
+            let mut held: Vec<u32> = self.registrar.held.iter().map(|held| held.segment.index).collect();
+            held.sort_unstable();
+            assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
+        }
+    }
+
     #[test]
     fn a_commit_of_a_longer_prompt_leaves_the_fetched_segments_in_it_unregistered() {
         // Goal: this node fetched segments 0 and 1 of a prompt (not heavy hitters: replicas in
@@ -671,35 +722,14 @@ mod tests {
         // are neither held nor registered from it (nor journalled), only the one it computed.
         // Before, every whole segment of the commit was registered, so under
         // `--cluster-replicate-after 0` ("never") fetched copies became replicas anyway.
-        let directory = tempfile::tempdir().unwrap();
-        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
-        let mut registrar = registrar_of(directory.path(), "fetched", HeldSegments::default(), 0, inbox);
-        let store = store();
-        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
-        let keys: Vec<u64> = (1..=48).collect();
-        commit(&store, &keys);
-        {
-            let mut fetched = lock(&registrar.fetched);
-            fetched.fetched(&space, SegmentKey::new(16).unwrap());
-            fetched.fetched(&space, SegmentKey::new(32).unwrap());
-        }
-        registrar.update_local(&store, &[Committed { space, keys: keys.clone(), first_segment: 0 }]);
-        let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
-        assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
+        let mut prompt = FetchedPrompt::new("fetched");
 
-        // The copies leave the pool (another prompt fills it) and the prompt is computed here
-        // and stored again: this node's own work, registered as any commit.
-        lock(&store).control.track_departures(1024);
-        let other: Vec<u64> = (1001..=1064).collect();
-        commit(&store, &other);
-        assert!(lock(&store).control.pool().index().get(16).is_none(), "the test needs the fetched copies evicted");
-        registrar.update_local(&store, &[]);
-        assert_eq!(lock(&registrar.fetched).len(), 0, "evicted copies are still remembered as fetched");
-        commit(&store, &keys);
-        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
-        let mut held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
-        held.sort_unstable();
-        assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
+        // The copies leave the pool (another prompt fills it) and the prompt is computed and
+        // stored again: this node's own work, registered as any commit.
+        prompt.evict_the_fetched_copies();
+        prompt.registrar.update_local(&prompt.store, &[]);
+        assert_eq!(lock(&prompt.registrar.fetched).len(), 0, "evicted copies are still remembered as fetched");
+        prompt.commit_again_and_see_all_held();
     }
 
     #[test]
@@ -710,32 +740,10 @@ mod tests {
         // it, so they left after they were remembered; the blocks present again are this
         // node's own work, registered with the commit. Before, an entry whose block was present
         // again was kept, and the computed segments were never registered.
-        let directory = tempfile::tempdir().unwrap();
-        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
-        let mut registrar = registrar_of(directory.path(), "fetched-again", HeldSegments::default(), 0, inbox);
-        let store = store();
-        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
-        let keys: Vec<u64> = (1..=48).collect();
-        commit(&store, &keys);
-        {
-            let mut fetched = lock(&registrar.fetched);
-            fetched.fetched(&space, SegmentKey::new(16).unwrap());
-            fetched.fetched(&space, SegmentKey::new(32).unwrap());
-        }
-        registrar.update_local(&store, &[Committed { space, keys: keys.clone(), first_segment: 0 }]);
-        let held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
-        assert_eq!(held, [2], "the fetched segments 0 and 1 were held (to be registered) from a later commit");
-
-        lock(&store).control.track_departures(1024);
-        let other: Vec<u64> = (1001..=1064).collect();
-        commit(&store, &other);
-        assert!(lock(&store).control.pool().index().get(16).is_none(), "the test needs the fetched copies evicted");
-        commit(&store, &keys);
-        registrar.update_local(&store, &[Committed { space, keys, first_segment: 0 }]);
-        let mut held: Vec<u32> = registrar.held.iter().map(|held| held.segment.index).collect();
-        held.sort_unstable();
-        assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
-        assert_eq!(lock(&registrar.fetched).len(), 0);
+        let mut prompt = FetchedPrompt::new("fetched-again");
+        prompt.evict_the_fetched_copies();
+        prompt.commit_again_and_see_all_held();
+        assert_eq!(lock(&prompt.registrar.fetched).len(), 0);
     }
 
     #[test]
