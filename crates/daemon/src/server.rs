@@ -13,10 +13,11 @@
 //! are hashed before it is taken, except a `LookupAllRanks`'s, which hashes each rank's chain
 //! under it so that the ranks' probes see one index), a reservation, or a commit (flush +
 //! header writes with FUA: one commit at a time, and lookups wait for it; docs/tuttid.md gives
-//! the figures); never across an admin command: an attach takes it only to copy out the pool's
-//! controllers and to add or remove relayed pairs, and holds a lock of its own (`attaching`)
-//! across its queue creations, each of which may wait out the admin timeout; ended sessions'
-//! deletions take neither.
+//! the figures; after a failed metadata command a commit may replace the pool's metadata queue
+//! pair, admin commands under the lock), but not across an attach's admin commands: an attach
+//! takes it only to copy out the pool's controllers and to add or remove relayed pairs, and
+//! holds a lock of its own (`attaching`) across its queue creations, each of which may wait out
+//! the admin timeout; ended sessions' deletions take neither.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
