@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, Segment, SegmentBlocks};
+use tutti_daemon::protocol::ClusterStatusReply;
 use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
@@ -297,6 +298,34 @@ fn fetches_past_the_nodes_limit_are_refused_at_once() {
     assert!(!matches!(&again, Err(DaemonError::Remote { message, .. }) if message.contains("in progress")), "{again:?}");
 }
 
+/// What node c sees fetching prompt 72 extended to 48 blocks, node a holding (registered)
+/// prompt 72's two segments and a fake holder answering `answers` in turn registered for
+/// `fake_segments` of the extended prompt: the fetch's answer, c's lookup of the extended
+/// prompt after it and c's cluster status.
+fn c_fetches_72_extended(etcd: &LocalEtcd, answers: Vec<Misbehaviour>, fake_segments: &[Segment]) -> ((u32, u32), u32, ClusterStatusReply) {
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(etcd);
+    let mut nodes: Vec<Node> = ["a", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
+    for node in &mut nodes {
+        node.start(etcd, true);
+    }
+    wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
+    let [a, c] = &nodes[..] else { unreachable!("two nodes") };
+    store(a, 72);
+    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    let extended = common::prompt(72, 48, BLOCK_TOKENS);
+    let (address, thread) = fake_holder_answering(answers);
+    let evil = register_fake_holder_of(etcd, "evil", address, fake_segments);
+    let mut on_c = c.daemon().client();
+    on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
+    let fetched = on_c.fetch_remote(&extended).unwrap();
+    let looked_up = on_c.lookup(&extended).unwrap();
+    let status = c.status();
+    drop(evil);
+    thread.join().unwrap();
+    (fetched, looked_up, status)
+}
+
 #[test]
 fn a_later_runs_holder_that_sends_a_bad_crc_is_counted_though_the_fetch_answers_what_it_read() {
     // Goal: node a holds prompt 72's segments 0 and 1; a fake holder, registered for segment 2
@@ -305,27 +334,10 @@ fn a_later_runs_holder_that_sends_a_bad_crc_is_counted_though_the_fetch_answers_
     // answers the 32 stored (what is held is answered correctly), but the fault is counted in
     // `remote_read_failures`. Before, a later run's failure of any kind was only logged.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-    let root = tempfile::tempdir().unwrap();
-    let reader = reader(&etcd);
-    let mut nodes: Vec<Node> = ["a", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
-    for node in &mut nodes {
-        node.start(&etcd, true);
-    }
-    wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
-    let [a, c] = &nodes[..] else { unreachable!("two nodes") };
-    store(a, 72);
-    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
-    let extended = common::prompt(72, 48, BLOCK_TOKENS);
-    let (address, thread) = fake_holder(Misbehaviour::WrongChecksum);
-    let evil = register_fake_holder_of(&etcd, "evil", address, &extended_segments()[2..]);
-    let mut on_c = c.daemon().client();
-    on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
-    assert_eq!(on_c.fetch_remote(&extended).unwrap(), (32, 32));
-    assert_eq!(on_c.lookup(&extended).unwrap(), 32);
-    let status = c.status();
+    let (fetched, looked_up, status) = c_fetches_72_extended(&etcd, vec![Misbehaviour::WrongChecksum], &extended_segments()[2..]);
+    assert_eq!(fetched, (32, 32));
+    assert_eq!(looked_up, 32);
     assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 1, 32), "{status:?}");
-    drop(evil);
-    thread.join().unwrap();
 }
 
 #[test]
@@ -337,25 +349,8 @@ fn a_holder_that_answered_not_held_in_one_run_is_asked_in_the_next() {
     // fetched). Before, a holder passed over in one run was skipped in every later one and the
     // fetch ended with a's 32.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-    let root = tempfile::tempdir().unwrap();
-    let reader = reader(&etcd);
-    let mut nodes: Vec<Node> = ["a", "c"].into_iter().map(|name| Node::new(root.path(), name)).collect();
-    for node in &mut nodes {
-        node.start(&etcd, true);
-    }
-    wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
-    let [a, c] = &nodes[..] else { unreachable!("two nodes") };
-    store(a, 72);
-    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
-    let extended = common::prompt(72, 48, BLOCK_TOKENS);
-    let (address, thread) = fake_holder_answering(vec![Misbehaviour::NotHeld, Misbehaviour::Sound]);
-    let evil = register_fake_holder_of(&etcd, "evil", address, &extended_segments());
-    let mut on_c = c.daemon().client();
-    on_c.hello(&hello(0, 1, "fetch-c")).unwrap();
-    assert_eq!(on_c.fetch_remote(&extended).unwrap(), (48, 48));
-    assert_eq!(on_c.lookup(&extended).unwrap(), 48);
-    let status = c.status();
+    let (fetched, looked_up, status) = c_fetches_72_extended(&etcd, vec![Misbehaviour::NotHeld, Misbehaviour::Sound], &extended_segments());
+    assert_eq!(fetched, (48, 48));
+    assert_eq!(looked_up, 48);
     assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 0, 48), "{status:?}");
-    drop(evil);
-    thread.join().unwrap();
 }
