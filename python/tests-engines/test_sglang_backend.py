@@ -1486,11 +1486,13 @@ def test_a_slow_call_stops_at_its_deadline_and_keeps_the_pool(tmp_path: Path, st
     new page after it, waits out the pages already moving (a short grace) and reports them moved,
     and leaves the rest as misses with the pool open: a later call moves them. Only a layer still
     in flight after the grace closes the pool (test_a_call_ends_within_sglang_s_join_of_its_storage_threads).
-    The first wave (2 pages, each one layer: a page layout) is issued at once and completes 0.8 s
-    later, well after the soft deadline (0.3 s) and well before the hard one (1.3 s), however
-    slow the machine is before the issue; the third page is not begun."""
+    The first wave (2 pages, each one layer: a page layout) is issued at once and completes 1.3 s
+    later: after the soft deadline (1.0 s) however soon it is issued, and before the hard one
+    (2.0 s) if issued within 0.7 s of the call's start (room for a loaded machine); the third page
+    is not begun. Only the slow call runs under the 1 s call_timeout_s: the setup's and the
+    later call's real commits keep the default."""
     pool = host_pool("page_first")
-    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=2, call_timeout_s=0.3))
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=2))
     keys = page_keys(45, 3)
     try:
         if not store:
@@ -1498,10 +1500,12 @@ def test_a_slow_call_stops_at_its_deadline_and_keeps_the_pool(tmp_path: Path, st
         wrapped = StoreWithStalledLayers(storage._store)
         late = "prepare_store" if store else "prepare_retrieve"
         real = getattr(wrapped._store, late)
-        setattr(wrapped, late, lambda tokens, block_ids: SlowLayer(real(tokens, block_ids), 0.8))
+        setattr(wrapped, late, lambda tokens, block_ids: SlowLayer(real(tokens, block_ids), 1.3))
         storage._store = wrapped
         host = [1, 2, 3] if store else [8, 9, 10]
+        default_call_timeout_s, storage._call_timeout_s = storage._call_timeout_s, 1.0
         moved = storage.batch_set_v1(keys, indices(host)) if store else storage.batch_get_v1(keys, indices(host))
+        storage._call_timeout_s = default_call_timeout_s
         assert storage._dead is None and not wrapped.closed_by_backend, f"a slow call closed the pool ({moved})"
         assert moved == [True, True, False], moved
         storage._store = wrapped._store
@@ -1552,6 +1556,7 @@ class PerLayerLate:
         self._delays_s = delays_s
         self._pending: list[tuple[int, float]] = []  # (layer, until), oldest first
         self.last_until = 0.0
+        self.issued = 0
         self.finished_at: float | None = None
 
     def __getattr__(self, name: str):
@@ -1561,6 +1566,7 @@ class PerLayerLate:
         until = time.monotonic() + self._delays_s[min(layer, len(self._delays_s) - 1)]
         self._pending.append((layer, until))
         self.last_until = max(self.last_until, until)
+        self.issued += 1
 
     def retrieve_layer(self, layer):
         self._issued(layer)
@@ -1610,10 +1616,12 @@ class PerLayerLate:
 def test_a_layer_first_page_cut_at_the_deadline_is_finished_only_after_its_layers_in_flight(tmp_path: Path):
     """Goal: the request of a layer-first page cut at call_timeout_s is finished only once its
     layers in flight completed (a device may still write the page's host bytes until then), and
-    that wait keeps the pool open. Layer 0 (0.8 s) completes after the soft deadline (0.5 s),
-    while layer 1 (issued with it, 1.2 s) is still in flight; the hard deadline is 1.5 s."""
+    that wait keeps the pool open. Layer 0 (1.05 s) completes after the soft deadline (1.0 s)
+    however soon it is issued, while layer 1 (issued with it, 1.3 s) is still in flight; the hard
+    deadline is 2.0 s, so the layers may be issued up to 0.7 s after the call's start (room for a
+    loaded machine). Only the cut call runs under the 1 s call_timeout_s."""
     pool = host_pool("layer_first")
-    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=1, call_timeout_s=0.5))
+    storage = backend("layer_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=1))
     keys = page_keys(47, 1)
     source = page_view(pool, 1)
     source.copy_(torch.randn(source.shape, generator=torch.Generator().manual_seed(47)).to(source.dtype))
@@ -1624,14 +1632,19 @@ def test_a_layer_first_page_cut_at_the_deadline_is_finished_only_after_its_layer
         requests: list[PerLayerLate] = []
 
         def prepare(tokens, block_ids):
-            requests.append(PerLayerLate(real(tokens, block_ids), [0.8, 1.2]))
+            requests.append(PerLayerLate(real(tokens, block_ids), [1.05, 1.3]))
             return requests[-1]
 
         wrapped.prepare_retrieve = prepare
         storage._store = wrapped
-        assert storage.batch_get_v1(keys, indices([2])) == [False]
+        default_call_timeout_s, storage._call_timeout_s = storage._call_timeout_s, 1.0
+        moved = storage.batch_get_v1(keys, indices([2]))
+        storage._call_timeout_s = default_call_timeout_s
+        assert moved == [False], moved
         assert storage._dead is None and not wrapped.closed_by_backend, "the cut page's request was finished with a layer in flight"
         [request] = requests
+        # Both layers were issued before the cut (else nothing here was tested).
+        assert request.issued == 2, request.issued
         assert request.finished_at is not None and request.finished_at >= request.last_until, (request.finished_at, request.last_until)
         storage._store = wrapped._store
         assert storage.batch_get_v1(keys, indices([2])) == [True]
