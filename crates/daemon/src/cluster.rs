@@ -632,6 +632,9 @@ impl ClusterAgent {
         loop {
             // (blocks stored, the run read: blocks past `local`, ending on a segment's end)
             let mut read = None;
+            // Whether a holder passed over in this run failed with a fault (a ReadFailed: its
+            // disks, a damaged block): counted if the fetch ends short for want of another.
+            let mut passed_over_fault = false;
             for holder in &part.holders {
                 if unreachable_nodes.contains(&holder.node) {
                     continue;
@@ -662,9 +665,10 @@ impl ClusterAgent {
                         read = Some((stored, holder.blocks as usize));
                         break;
                     }
-                    Err((0, error, true, _, unreachable)) if !stopped() && std::time::Instant::now() < deadline => {
+                    Err((0, error, true, fault, unreachable)) if !stopped() && std::time::Instant::now() < deadline => {
                         tracing::info!(node = %holder.node, %error, "a holder could not serve a fetch: asking the next one listed");
                         passed_over.push(error);
+                        passed_over_fault |= fault;
                         if unreachable {
                             unreachable_nodes.push(holder.node.clone());
                         }
@@ -702,8 +706,15 @@ impl ClusterAgent {
                     self.metrics.remote_read_failures.inc();
                     return Err(format!("no holder listed could serve the fetch, nothing stored: {}", passed_over.join("; ")));
                 }
-                // The runs read stay; the client computes the rest (or fetches again).
-                tracing::info!(stored = stored_in_all, passed_over = ?passed_over, "no holder of the rest of the prompt's run could serve it: the fetch ends with what it read");
+                // The runs read stay; the client computes the rest (or fetches again). A fault
+                // among the holders passed over (the only holder of the rest refusing with
+                // ReadFailed) is counted and warned of, as a later run's fault is.
+                if passed_over_fault && !stopped() {
+                    self.metrics.remote_read_failures.inc();
+                    tracing::warn!(stored = stored_in_all, passed_over = ?passed_over, "no holder of the rest of the prompt's run could serve it, one for a fault: the fetch ends with what it read");
+                } else {
+                    tracing::info!(stored = stored_in_all, passed_over = ?passed_over, "no holder of the rest of the prompt's run could serve it: the fetch ends with what it read");
+                }
                 return Ok(stored_in_all);
             };
             stored_in_all += stored;

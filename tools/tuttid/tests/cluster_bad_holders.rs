@@ -40,6 +40,8 @@ enum Misbehaviour {
     Slow,
     /// Refuses the read `NotHeld` (a segment evicted since it was registered).
     NotHeld,
+    /// Refuses the read `ReadFailed` (its disks failed, or a block was found damaged).
+    ReadFailed,
     /// Sends a sound segment at once.
     Sound,
 }
@@ -165,9 +167,10 @@ fn fake_holder_answering(answers: Vec<Misbehaviour>) -> (std::net::SocketAddr, s
                     }
                     Ok(())
                 }
-                Misbehaviour::NotHeld => {
-                    let message = b"not held";
-                    let mut body = 2u16.to_le_bytes().to_vec();
+                Misbehaviour::NotHeld | Misbehaviour::ReadFailed => {
+                    let (code, message): (u16, &[u8]) =
+                        if matches!(misbehaviour, Misbehaviour::NotHeld) { (2, b"not held") } else { (3, b"read failed") };
+                    let mut body = code.to_le_bytes().to_vec();
                     body.extend_from_slice(&(message.len() as u16).to_le_bytes());
                     body.extend_from_slice(message);
                     stream.write_all(&frame(0x80FF, &body))
@@ -335,6 +338,19 @@ fn a_later_runs_holder_that_sends_a_bad_crc_is_counted_though_the_fetch_answers_
     // `remote_read_failures`. Before, a later run's failure of any kind was only logged.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let (fetched, looked_up, status) = c_fetches_72_extended(&etcd, vec![Misbehaviour::WrongChecksum], &extended_segments()[2..]);
+    assert_eq!(fetched, (32, 32));
+    assert_eq!(looked_up, 32);
+    assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 1, 32), "{status:?}");
+}
+
+#[test]
+fn a_later_runs_only_holder_refusing_read_failed_is_counted_though_the_fetch_answers_what_it_read() {
+    // Goal: as a bad CRC, the only holder of the extended prompt's segment 2 refusing ReadFailed
+    // (its disks, a damaged block) is a fault: the fetch answers a's 32 blocks and counts it in
+    // `remote_read_failures`. Before, the refusal was passed over (another holder may serve) and,
+    // none left, the fetch ended with what it read and counted nothing.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let (fetched, looked_up, status) = c_fetches_72_extended(&etcd, vec![Misbehaviour::ReadFailed], &extended_segments()[2..]);
     assert_eq!(fetched, (32, 32));
     assert_eq!(looked_up, 32);
     assert_eq!((status.remote_reads, status.remote_read_failures, status.fetched_blocks), (1, 1, 32), "{status:?}");

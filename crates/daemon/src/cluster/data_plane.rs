@@ -221,7 +221,8 @@ impl FetchError {
     /// not holding the segment or being busy (`ReadFailed`: its disks, its staging area), this
     /// node's store or staging area failing. Not a wait that ran out or a limit, which is load
     /// or a holder gone, not a fault: the holder unreachable, stalling (a stopped node), busy,
-    /// no longer holding the segment, this node's fetch limit or staging area busy, the drain.
+    /// no longer holding the segment, this node's fetch limit, staging area busy, pool full
+    /// (every slot pinned) or request places taken, the drain.
     pub fn is_fault(&self) -> bool {
         match self {
             FetchError::Peer { source, .. } => !matches!(
@@ -230,7 +231,9 @@ impl FetchError {
                     | PeerError::Stalled { .. }
                     | PeerError::Refused { code: FailureCode::NotHeld | FailureCode::Unavailable, .. }
             ),
-            FetchError::Store { .. } | FetchError::NoStaging => true,
+            // This node's limits (every slot pinned, every request place taken) are load.
+            FetchError::Store { source, .. } => !matches!(**source, ObjstoreError::PoolFull { .. } | ObjstoreError::TooManyRequests { .. }),
+            FetchError::NoStaging => true,
             FetchError::Busy { .. } | FetchError::HolderBusy { .. } | FetchError::StagingBusy | FetchError::Stopped => false,
         }
     }

@@ -758,6 +758,8 @@ fn faults_are_told_from_waits_and_limits() {
         FetchError::HolderBusy { node: "n".into(), address, segment: 2, waited: Duration::from_secs(60), message: String::new() },
         FetchError::StagingBusy,
         FetchError::Stopped,
+        FetchError::Store { segment: 2, source: Box::new(ObjstoreError::PoolFull { needed: 16, evictable: 0 }) },
+        FetchError::Store { segment: 2, source: Box::new(ObjstoreError::TooManyRequests { max: 32 }) },
     ] {
         assert!(!load.is_fault(), "{load}");
     }
