@@ -625,3 +625,55 @@ def test_a_prepare_past_the_iocbs_says_what_each_request_holds_and_what_to_raise
         retrieve_prompt(store, prompt, TARGET_BLOCKS)
     finally:
         store.close()
+
+
+class LaterLayerInFlight:
+    """A request whose layer 1 ended with its own failure of class Timeout (tuttid's timeout for
+    that layer: "layer 1 failed: ...", raised by the first wait) while layer 2, issued after it,
+    is still in flight until `until`: later waits take layer 2 at its time."""
+
+    def __init__(self, until: float) -> None:
+        self.until = until
+        self.waits = 0
+        self._failure_raised = False
+
+    @property
+    def layers_in_flight(self):
+        return [2] if time.monotonic() < self.until else []
+
+    @property
+    def layer_in_flight(self):
+        return 2 if time.monotonic() < self.until else None
+
+    def wait(self, timeout_s=30.0):
+        self.waits += 1
+        if not self._failure_raised:
+            self._failure_raised = True
+            raise tutti.TimeoutError("layer 1 failed: injected: tuttid's timeout for the layer")
+        left_s = self.until - time.monotonic()
+        if left_s > timeout_s:
+            time.sleep(timeout_s)
+            raise tutti.TimeoutError("injected: request 0x1: layer 2 did not complete by the deadline; it is still in flight")
+        time.sleep(max(0.0, left_s))
+        return 2
+
+    def poll(self):
+        return time.monotonic() >= self.until
+
+
+@pytest.mark.parametrize("deadline", [False, True], ids=["timeout_s", "deadline"])
+def test_a_layer_s_own_timeout_failure_does_not_make_the_next_layer_stuck(deadline: bool):
+    """Goal: waiting out a request's layers (before a failed request is finished: tutti._engine, shared by the vLLM
+    connector and tier and the SGLang backend)
+    takes a layer's own failure of class Timeout ("layer N failed: ...", that layer ended) as a
+    failure, not as the layer in flight missing its wait: the later layer in flight is waited
+    for, and the request can be finished (SGLang's pool kept), rather than kept as stuck."""
+    import logging
+
+    from tutti._engine import wait_out_layer
+
+    request = LaterLayerInFlight(time.monotonic() + 0.3)
+    began = time.monotonic()
+    ended = wait_out_layer(request, 5.0, logging.getLogger("test"), "a test request", deadline=began + 5.0 if deadline else None)
+    assert ended, "a layer's own Timeout-class failure kept the request as stuck (its next layer was still in flight)"
+    assert time.monotonic() >= request.until and request.layer_in_flight is None and request.waits == 2
