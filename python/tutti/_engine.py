@@ -255,6 +255,14 @@ def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
 _WAIT_OUT_PASSES = 16
 
 
+def refuses_crc_less_pool(error: BaseException) -> bool:
+    """Whether the store refused verify_retrieves (at register_kv) because the pool records no
+    payload CRCs (objstore's refusal names both; the binding raises it as InvalidArgument): the
+    connectors then name both ways out, unchecked reads or a pool formatted with CRCs."""
+    message = str(error)
+    return isinstance(error, tutti.InvalidArgument) and "verify_retrieves" in message and "payload CRC" in message
+
+
 def wait_out_layer(
     request: Any, timeout_s: float, log: logging.Logger, what: str, deadline: Optional[float] = None
 ) -> bool:

@@ -49,6 +49,7 @@ from tutti._engine import (
     parse_config,
     positive,
     queue_depth_field,
+    refuses_crc_less_pool,
     wait_out_layer,
 )
 from tutti._sglang_keys import (
@@ -305,7 +306,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             self._store.register_kv(tutti.KvLayout.separate(keys, values))
         except BaseException as error:
             self._store.close()
-            if config["verify_retrieves"] and isinstance(error, tutti.InvalidArgument) and _refuses_crc_less_pool(error):
+            if config["verify_retrieves"] and refuses_crc_less_pool(error):
                 # The pool's own refusal names only reformatting: say the other way out too.
                 raise ConfigError(
                     f"--hicache-storage-backend-extra-config: the pool on {', '.join(devices)} was formatted without "
@@ -868,13 +869,6 @@ def _pages(host_indices: torch.Tensor, count: int, page_size: int) -> list[Optio
         else:
             pages.append(start // page_size)
     return pages
-
-
-def _refuses_crc_less_pool(error: BaseException) -> bool:
-    """Whether the store refused verify_retrieves (at register_kv) because the pool records no
-    payload CRCs (objstore's refusal names both; the binding raises it as InvalidArgument)."""
-    message = str(error)
-    return "verify_retrieves" in message and "payload CRC" in message
 
 
 def _key_tokens(key: str, salt: bytes) -> list[int]:

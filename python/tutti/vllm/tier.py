@@ -43,6 +43,7 @@ from tutti._engine import (
     parse_config,
     positive,
     queue_depth_field,
+    refuses_crc_less_pool,
 )
 from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _resolved_kv_layout
 from tutti.vllm.metadata import bounded_timeout
@@ -142,7 +143,7 @@ class TuttiTier(SecondaryTierManager):
             self._store.register_kv(tutti.KvLayout.paged([primary_kv_view]))
         except BaseException as error:
             self._store.close()
-            if config["verify_retrieves"] and isinstance(error, tutti.InvalidArgument) and _refuses_crc_less_pool(error):
+            if config["verify_retrieves"] and refuses_crc_less_pool(error):
                 # The pool's own refusal names only reformatting: say the other way out too.
                 raise ConfigError(
                     f"secondary tier {tier_type!r}: the pool on {config['devices']!r} was formatted without payload "
@@ -526,13 +527,6 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
         fingerprint_setting=f"the config of secondary tier {tier_type!r} (its entry in secondary_tiers)",
     )
     return fingerprint_from_config(None, "vllm offloading tier", *identity, *layout)
-
-
-def _refuses_crc_less_pool(error: BaseException) -> bool:
-    """Whether the store refused verify_retrieves (at register_kv) because the pool records no payload CRCs
-    (objstore's refusal names both; the binding raises it as InvalidArgument)."""
-    message = str(error)
-    return "verify_retrieves" in message and "payload CRC" in message
 
 
 class _RowsUnsafe(Exception):

@@ -211,9 +211,7 @@ impl FetchError {
             }
         }
     }
-}
 
-impl FetchError {
     /// Whether the failure is a fault, counted in `remote_read_failures` even where the fetch
     /// ends `Ok` with the runs it read before it (docs/cluster.md, "Remote reads"): a holder's
     /// bytes or frames wrong (a CRC that does not match, a frame that does not decode), its
