@@ -503,6 +503,26 @@ struct HoldingRegisters {
     held: Mutex<Option<u32>>,
 }
 
+/// A store whose controller's registers are [`HoldingRegisters`] (nothing held until a test sets
+/// its countdown), with `admin_timeout` for the daemon's admin commands.
+fn store_holding_admin_doorbells(admin_timeout: Duration) -> (Mutex<StoreState>, Arc<HoldingRegisters>) {
+    let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
+    let store = {
+        let registers = Arc::clone(&registers);
+        store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, move |device| {
+            let holding = Arc::new(HoldingRegisters {
+                inner: device.registers(),
+                countdown: std::sync::atomic::AtomicU32::new(0),
+                held: Mutex::new(None),
+            });
+            *lock(&registers) = Some(Arc::clone(&holding));
+            Arc::new(HoldingBackend { device, registers: holding })
+        })
+    };
+    let holding = lock(&registers).clone().unwrap();
+    (store, holding)
+}
+
 /// BAR0 offset of the admin submission queue's tail doorbell.
 const ADMIN_SQ_TAIL_DOORBELL: usize = 0x1000;
 
@@ -592,20 +612,7 @@ fn a_queue_created_after_its_creation_timed_out_is_still_restricted() {
     // ends, its window and device memory are kept for good (counted), never given to another
     // registration, and the session is kept.
     let admin_timeout = Duration::from_millis(50);
-    let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
-    let store = {
-        let registers = Arc::clone(&registers);
-        store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, move |device| {
-            let holding = Arc::new(HoldingRegisters {
-                inner: device.registers(),
-                countdown: std::sync::atomic::AtomicU32::new(0),
-                held: Mutex::new(None),
-            });
-            *lock(&registers) = Some(Arc::clone(&holding));
-            Arc::new(HoldingBackend { device, registers: holding })
-        })
-    };
-    let holding = lock(&registers).clone().unwrap();
+    let (store, holding) = store_holding_admin_doorbells(admin_timeout);
     let device = lock(&store).emulators[0].clone().unwrap();
     let service = service();
     let mut holdings = Holdings::default();
@@ -650,20 +657,7 @@ fn the_pool_lock_is_not_held_while_an_attach_waits_on_the_admin_queue() {
     // so the attach waits out the admin timeout (1 s): the pool lock is taken at once
     // meanwhile. Before, the attach held it from its first check to its reply.
     let admin_timeout = Duration::from_secs(1);
-    let registers = Arc::new(Mutex::new(None::<Arc<HoldingRegisters>>));
-    let store = {
-        let registers = Arc::clone(&registers);
-        store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, move |device| {
-            let holding = Arc::new(HoldingRegisters {
-                inner: device.registers(),
-                countdown: std::sync::atomic::AtomicU32::new(0),
-                held: Mutex::new(None),
-            });
-            *lock(&registers) = Some(Arc::clone(&holding));
-            Arc::new(HoldingBackend { device, registers: holding })
-        })
-    };
-    let holding = lock(&registers).clone().unwrap();
+    let (store, holding) = store_holding_admin_doorbells(admin_timeout);
     let device = lock(&store).emulators[0].clone().unwrap();
     let mut holdings = Holdings::default();
     let registration = registered(&mut holdings, &store);
