@@ -180,21 +180,33 @@ const SYMLINKS_MAX: usize = 40;
 /// target of a dangling symbolic link, not the link, since opening with `O_CREAT` follows it.
 /// Without this, `link.img -> target.img` and `target.img` would look like two files.
 fn to_create(path: &Path) -> Option<FileIdentity> {
+    let path = creation_path(path)?;
+    let name = path.file_name()?;
+    Some(FileIdentity::ToCreate(std::fs::canonicalize(parent_directory(&path)).ok()?.join(name)))
+}
+
+/// The path of the file that opening `path` with `O_CREAT` would make: `path` itself if
+/// nothing is there, the last target of a chain of dangling symbolic links (not canonical) if
+/// it is one; `None` if `path` resolves to something that exists, cannot be looked at, or
+/// loops ([`SYMLINKS_MAX`]). [`crate::FileUndo`] creates that file itself (`O_EXCL`), so that
+/// it knows it made it: the link's own name exists already.
+pub(crate) fn creation_path(path: &Path) -> Option<PathBuf> {
     let mut path = path.to_path_buf();
     for _ in 0..=SYMLINKS_MAX {
-        let directory = path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new(".")).to_path_buf();
         match std::fs::symlink_metadata(&path) {
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
-                let name = path.file_name()?;
-                return Some(FileIdentity::ToCreate(std::fs::canonicalize(&directory).ok()?.join(name)));
-            }
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Some(path),
             // A relative target is relative to the link's directory; an absolute one replaces it.
-            Ok(metadata) if metadata.file_type().is_symlink() => path = directory.join(std::fs::read_link(&path).ok()?),
+            Ok(metadata) if metadata.file_type().is_symlink() => path = parent_directory(&path).join(std::fs::read_link(&path).ok()?),
             // Created meanwhile, or cannot be looked at: opening it says what it is.
             _ => return None,
         }
     }
     None
+}
+
+/// The directory `path` is in, as given (`.` for a bare name).
+fn parent_directory(path: &Path) -> &Path {
+    path.parent().filter(|parent| !parent.as_os_str().is_empty()).unwrap_or(Path::new("."))
 }
 
 /// Refuses two specs naming one file ([`DeviceError::DuplicateFile`], naming both): `emu:`

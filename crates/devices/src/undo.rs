@@ -86,7 +86,10 @@ fn lock_exclusive(file: &File) -> bool {
 /// One file as [`FileUndo`] found it.
 #[derive(Debug)]
 struct Recorded {
+    /// The file itself: for one made through a dangling symbolic link, the link's target.
     path: PathBuf,
+    /// The `emu:` path that named it ([`FileUndo::forget`] is given that).
+    named: PathBuf,
     dev: u64,
     ino: u64,
     /// `Some`: made here, locked on this descriptor (removed on undo); `None`: grown.
@@ -106,9 +109,12 @@ pub struct FileUndo {
 impl FileUndo {
     /// Records the size of every `emu:` regular file of `specs` that `held` (the paths the
     /// caller holds locked) names, and creates (empty, mode 0600) and locks every one that does
-    /// not exist. A file that cannot be created here (its directory is missing) is left for the
-    /// opening to report; one that exists but is not held (another process made it since the
-    /// caller looked) is not recorded: it is not this format's to undo.
+    /// not exist. A path that is a dangling symbolic link makes the file it names (the last
+    /// target of the chain, as opening it with `O_CREAT` would: the lock and the software
+    /// controller follow it), recorded by that target's path. A file that cannot be created
+    /// here (its directory is missing) is left for the opening to report; one that exists but
+    /// is not held (another process made it since the caller looked) is not recorded: it is not
+    /// this format's to undo.
     pub fn create_missing<'a>(specs: &[DeviceSpec], held: impl Iterator<Item = &'a Path>) -> FileUndo {
         let held: Vec<&Path> = held.collect();
         let mut undo = FileUndo::default();
@@ -118,16 +124,27 @@ impl FileUndo {
                 undo.record_held(path);
                 continue;
             }
+            // A dangling link's own name exists (O_EXCL fails on it), while the lock's open
+            // (O_CREAT) would follow it and make its target, which nothing would undo: the
+            // target is made here instead, without following a link planted there meanwhile.
+            let Some(target) = crate::open::creation_path(path) else { continue };
             let mut options = OpenOptions::new();
             options.read(true).write(true).create_new(true).mode(POOL_FILE_MODE).custom_flags(nix::libc::O_NOFOLLOW);
-            let Ok(file) = options.open(path) else { continue };
+            let Ok(file) = options.open(&target) else { continue };
             // Locked at once, on the descriptor that made it; a file another process locked
             // first (it found it there) is its own.
             let Ok(metadata) = file.metadata() else { continue };
             if !lock_exclusive(&file) {
                 continue;
             }
-            undo.recorded.push(Recorded { path: path.clone(), dev: metadata.dev(), ino: metadata.ino(), made: Some(file), len: 0 });
+            undo.recorded.push(Recorded {
+                path: target,
+                named: path.clone(),
+                dev: metadata.dev(),
+                ino: metadata.ino(),
+                made: Some(file),
+                len: 0,
+            });
         }
         undo
     }
@@ -140,6 +157,7 @@ impl FileUndo {
             if metadata.is_file() {
                 self.recorded.push(Recorded {
                     path: path.to_path_buf(),
+                    named: path.to_path_buf(),
                     dev: metadata.dev(),
                     ino: metadata.ino(),
                     made: None,
@@ -149,7 +167,7 @@ impl FileUndo {
         }
     }
 
-    /// The paths this created.
+    /// The paths of the files this created (a dangling symbolic link's target, not the link).
     pub fn created(&self) -> impl Iterator<Item = &Path> {
         self.recorded.iter().filter(|file| file.made.is_some()).map(|file| file.path.as_path())
     }
@@ -185,8 +203,9 @@ impl FileUndo {
 
     /// Leaves `path` as it is, whatever happens to the others: its contents were refused as
     /// another's (written since it was made here), so they are not this format's to undo.
+    /// `path` is the `emu:` path given (a symbolic link's target made here is forgotten with it).
     pub fn forget(&mut self, path: &Path) {
-        self.recorded.retain(|file| file.path != path);
+        self.recorded.retain(|file| file.named != path && file.path != path);
     }
 
     /// Keeps the files as they are now (the format goes on to write them). The locks on the
@@ -362,6 +381,34 @@ mod tests {
         drop(held);
         assert_eq!(std::fs::metadata(&target).unwrap().len(), 4096, "left grown");
         assert!(std::fs::read(&target).unwrap() == [7u8; 4096]);
+    }
+
+    #[test]
+    fn a_file_made_through_a_dangling_symbolic_link_is_removed_by_a_refusal() {
+        // Goal: an emu: path that is a dangling symbolic link (link.img -> target.img, missing)
+        // made create_missing's O_EXCL | O_NOFOLLOW fail (EEXIST), so nothing was recorded; the
+        // lock step then opened it with O_CREAT, following the link, and made target.img, which
+        // a refused format ("nothing was changed") left behind. The undo makes the target
+        // itself, names it, shares its lock with the caller's and removes it; the link stays.
+        let directory = tempfile::tempdir().unwrap();
+        let (target, link, locks) =
+            (directory.path().join("target.img"), directory.path().join("link.img"), directory.path().join("locks"));
+        std::os::unix::fs::symlink("target.img", &link).unwrap();
+        let specs = [DeviceSpec::EmuFile(link.clone())];
+        let undo = FileUndo::create_missing(&specs, std::iter::empty());
+        assert_eq!(undo.created().collect::<Vec<_>>(), [target.as_path()], "the target made is not named");
+        let created = DeviceLocks::acquire_created(&specs, &locks, &undo).expect("the undo's lock is shared");
+        File::options().write(true).open(&link).unwrap().set_len(1 << 20).unwrap();
+        drop(undo);
+        drop(created);
+        assert!(std::fs::symlink_metadata(&target).is_err(), "the file made through the link was left");
+        assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link itself was removed");
+        // Forgotten by the name given (its contents refused as another's): left as it is.
+        let mut undo = FileUndo::create_missing(&specs, std::iter::empty());
+        std::fs::write(&target, b"theirs").unwrap();
+        undo.forget(&link);
+        drop(undo);
+        assert_eq!(std::fs::read(&target).unwrap(), b"theirs");
     }
 
     #[test]
