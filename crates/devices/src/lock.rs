@@ -161,16 +161,30 @@ impl DeviceLocks {
             Err((file, Errno::EWOULDBLOCK)) => {
                 Err(DeviceError::DeviceInUse { spec: spec.to_string(), lock: path.clone(), holder: holder_of(&file, Path::new("/proc")) })
             }
-            Err((_, errno)) => Err(DeviceError::Io {
-                context: format!("locking {}", path.display()),
-                source: std::io::Error::from_raw_os_error(errno as i32),
-            }),
+            Err((_, errno)) => Err(lock_failure(&path, errno)),
         }
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }
+}
+
+/// The error of a `flock` on `path` that failed with `errno` (other than `EWOULDBLOCK`, in use).
+/// `EBADF` is what NFS answers (and any filesystem that emulates `flock` with POSIX locks):
+/// there an exclusive lock needs a descriptor open for writing, and an existing pool file is
+/// opened read-only to lock it; the bare errno would leave the user guessing.
+fn lock_failure(path: &Path, errno: Errno) -> DeviceError {
+    let context = match errno {
+        Errno::EBADF => format!(
+            "locking {} (it is likely on NFS, or another filesystem that emulates flock with POSIX locks, where an exclusive \
+             lock needs a descriptor opened for writing, and an existing pool file is opened read-only to lock it; a pool \
+             file on a local filesystem avoids this)",
+            path.display()
+        ),
+        _ => format!("locking {}", path.display()),
+    };
+    DeviceError::Io { context, source: std::io::Error::from_raw_os_error(errno as i32) }
 }
 
 /// The lock directory of `vfio:` lock files, open: its lock files are opened relative to this
@@ -883,6 +897,24 @@ mod tests {
         let specs = [DeviceSpec::parse("vfio:0000:00:04.0", &crate::DeviceKind::ALL).unwrap()];
         drop(DeviceLocks::acquire(&specs, &lock_dir, false).expect("a 0300 lock directory of our own"));
         std::fs::set_permissions(&lock_dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    }
+
+    #[test]
+    fn a_lock_refused_for_a_read_only_descriptor_says_why() {
+        // Goal: an existing emu:/uring: file is opened read-only to lock it; on NFS (flock
+        // emulated with POSIX locks) an exclusive lock needs a descriptor open for writing, and
+        // flock fails with EBADF, which said only "locking X: Bad file descriptor". The error
+        // says the file is likely on such a filesystem. (flock's EBADF cannot be had on a local
+        // filesystem, so the text is tested through the mapping of the errno.)
+        let path = Path::new("/nfs/pool.img");
+        let error = lock_failure(path, Errno::EBADF);
+        let text = error.to_string();
+        assert!(text.starts_with("locking /nfs/pool.img"), "{text}");
+        assert!(text.contains("NFS") && text.contains("POSIX locks") && text.contains("opened for writing"), "{text}");
+        assert!(matches!(&error, DeviceError::Io { source, .. } if source.raw_os_error() == Some(Errno::EBADF as i32)), "{error:?}");
+        // Any other errno is told as it is.
+        let text = lock_failure(path, Errno::ENOLCK).to_string();
+        assert!(text.starts_with("locking /nfs/pool.img: ") && !text.contains("NFS"), "{text}");
     }
 
     #[test]
