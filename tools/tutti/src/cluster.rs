@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::Args;
 use tutti_cli::outln;
-use tutti_cluster::{ClusterClient, ClusterConfig, ClusterError, ClusterId, ClusterStatus, SegmentBlocks, FORMAT_VERSION};
+use tutti_cluster::{ClusterClient, ClusterConfig, ClusterError, ClusterId, ClusterStatus, MemberStatus, SegmentBlocks, FORMAT_VERSION};
 use tutti_devices::format_size;
 
 use crate::Unusable;
@@ -62,6 +62,22 @@ fn status(args: &StatusArgs) -> Result<()> {
     print_status(&args.cluster, &status)
 }
 
+/// One member's line of the status table.
+fn member_line(member: &MemberStatus) -> String {
+    let ttl = member.ttl_left_s.map_or_else(|| "expired".to_owned(), |ttl| format!("{ttl} s"));
+    format!(
+        "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
+        member.record.node.as_str(),
+        // As its node wrote it to etcd, uninterpreted (a node id is checked, an address is not).
+        tutti_cli::printable(&member.record.address),
+        format_size(member.record.capacity_bytes),
+        format!("{:#x}", member.lease_id),
+        ttl,
+        member.segments,
+        member.record.fingerprints.len()
+    )
+}
+
 fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
     outln!("cluster {cluster} (registry format v{FORMAT_VERSION}): {} members", status.members.len())?;
     if !status.members.is_empty() {
@@ -77,17 +93,7 @@ fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
         )?;
     }
     for member in &status.members {
-        let ttl = member.ttl_left_s.map_or_else(|| "expired".to_owned(), |ttl| format!("{ttl} s"));
-        outln!(
-            "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
-            member.record.node.as_str(),
-            member.record.address,
-            format_size(member.record.capacity_bytes),
-            format!("{:#x}", member.lease_id),
-            ttl,
-            member.segments,
-            member.record.fingerprints.len()
-        )?;
+        outln!("{}", member_line(member))?;
     }
     outln!("segments: {} distinct, {} holder entries", status.distinct_segments, status.holder_entries)?;
     let replicas: Vec<String> = status.replicas.iter().map(|(count, segments)| format!("{count}x: {segments}")).collect();
@@ -114,4 +120,31 @@ fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
         outln!("(the scan stopped at its bound; counts are partial)")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tutti_cluster::{MemberRecord, NodeId};
+
+    #[test]
+    fn a_members_address_is_printed_on_its_line_with_control_characters_escaped() {
+        // Goal: a member's address comes from etcd as its node wrote it, uninterpreted; one
+        // with a newline or an escape sequence printed as it is forged or erased lines of the
+        // table. It stays on its line, its control characters escaped.
+        let member = MemberStatus {
+            record: MemberRecord {
+                node: NodeId::new("a").unwrap(),
+                address: "10.0.0.1:7070\nb 10.0.0.2:7070\u{1b}[2K".to_owned(),
+                capacity_bytes: 1 << 40,
+                fingerprints: Vec::new(),
+            },
+            lease_id: 7,
+            ttl_left_s: Some(5),
+            segments: 3,
+        };
+        let line = member_line(&member);
+        assert!(!line.chars().any(char::is_control), "{line:?}");
+        assert!(line.contains(r"10.0.0.1:7070\nb 10.0.0.2:7070\u{1b}[2K"), "{line}");
+    }
 }

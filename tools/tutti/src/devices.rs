@@ -225,7 +225,8 @@ pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
             report.address.to_string(),
             report.vendor_id,
             report.device_id,
-            report.model,
+            // As the device reported it (Identify Controller, through sysfs).
+            tutti_cli::printable(&report.model),
             report.driver.as_deref().unwrap_or("-"),
             report.iommu_group.map_or_else(|| "-".to_string(), |group| group.to_string()),
             block,

@@ -324,7 +324,9 @@ pub struct Opener {
 
 impl std::fmt::Display for Opener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "pid {} ({}) holds {}", self.pid, self.comm, self.path.display())
+        // A process names itself (comm), and a path may hold any byte but `/` and NUL.
+        let path = self.path.to_string_lossy();
+        write!(f, "pid {} ({}) holds {}", self.pid, tutti_cli::printable(&self.comm), tutti_cli::printable(&path))
     }
 }
 
@@ -354,13 +356,14 @@ pub enum BlockDeviceUse {
 impl std::fmt::Display for BlockDeviceUse {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::Mounted(path) => write!(f, "mounted on {path}"),
+            // Unescaped from /proc/mounts (where a newline is \012): escaped again to print.
+            Self::Mounted(path) => write!(f, "mounted on {}", tutti_cli::printable(path)),
             Self::HeldBy(holder) => write!(f, "held by {holder}"),
             Self::Swap => f.write_str("used as swap"),
             Self::ExclusiveClaim => f.write_str(
                 "claimed exclusively by another opener (an O_EXCL open fails with EBUSY: e.g. a ZFS pool or a btrfs filesystem)",
             ),
-            Self::OpenBy { pid, comm } => write!(f, "open by pid {pid} ({comm})"),
+            Self::OpenBy { pid, comm } => write!(f, "open by pid {pid} ({})", tutti_cli::printable(comm)),
             Self::OtherNode { node, sysfs } => {
                 write!(f, "is not the disk of that name: the node is device {node}, sysfs gives {sysfs}, so its use cannot be checked")
             }
@@ -484,6 +487,22 @@ mod tests {
         assert_eq!(unescape_mount_path(r"/mnt/my\040disk"), "/mnt/my disk");
         assert_eq!(unescape_mount_path(r"/a\\b\9"), r"/a\\b\9");
         assert_eq!(unescape_mount_path(r"/x\134y"), r"/x\y");
+    }
+
+    #[test]
+    fn text_from_mounts_and_processes_is_printed_with_control_characters_escaped() {
+        // Goal: a mount point (unescaped from /proc/mounts, where a newline is \012) and a
+        // process's name (/proc/PID/comm, which the process sets) are printed in `tutti devices`
+        // and bind/unbind refusals; a newline or an escape sequence there forged or erased lines.
+        let texts = [
+            BlockDeviceUse::Mounted(unescape_mount_path(r"/mnt/a\012b\033[2K")).to_string(),
+            BlockDeviceUse::OpenBy { pid: 7, comm: "qemu\n\u{1b}[2K".into() }.to_string(),
+            Opener { pid: 7, comm: "qemu\n".into(), fd: PathBuf::from("/proc/7/fd/3"), path: PathBuf::from("/dev/vfio/\n3") }.to_string(),
+        ];
+        for text in texts {
+            assert!(!text.chars().any(char::is_control), "{text:?}");
+            assert!(text.contains(r"\n"), "{text}");
+        }
     }
 
     #[test]

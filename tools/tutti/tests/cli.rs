@@ -543,3 +543,28 @@ fn a_mounted_block_device_is_refused_as_in_use() {
     assert_status(&tutti(&["pool", "format", "--device", &device, "--model", "llama3-8b", "--overwrite"]), 0, &[]);
     assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
 }
+
+#[test]
+fn a_device_model_is_listed_on_its_line_with_control_characters_escaped() {
+    // Goal: `tutti devices` printed the model string the kernel read from the controller
+    // (sysfs nvme/nvmeN/model) as it was: a newline or an escape sequence from a device forged
+    // or erased lines of the listing. It stays on its function's line, escaped.
+    let directory = tempfile::tempdir().unwrap();
+    let (sys, proc, dev) = (directory.path().join("sys"), directory.path().join("proc"), directory.path().join("dev"));
+    let function = sys.join("bus/pci/devices/0000:00:04.0");
+    std::fs::create_dir_all(function.join("nvme/nvme0")).unwrap();
+    std::fs::create_dir_all(&proc).unwrap();
+    std::fs::create_dir_all(&dev).unwrap();
+    std::fs::write(function.join("class"), "0x010802\n").unwrap();
+    std::fs::write(function.join("vendor"), "0x1b36\n").unwrap();
+    std::fs::write(function.join("device"), "0x0010\n").unwrap();
+    std::fs::write(function.join("nvme/nvme0/model"), "X\n\x1b[2Kfake\n").unwrap();
+    let roots = [sys, proc, dev].map(|root| root.display().to_string());
+    let output = tutti(&["--sysfs-root", &roots[0], "--proc-root", &roots[1], "--dev-root", &roots[2], "devices"]);
+    assert_status(&output, 0, &[]);
+    let listing = stdout(&output);
+    assert!(!listing.contains('\x1b'), "{listing:?}");
+    let lines: Vec<&str> = listing.lines().collect();
+    assert_eq!(lines.len(), 2, "a header and one line per function: {listing:?}");
+    assert!(lines[1].starts_with("0000:00:04.0") && lines[1].contains(r"X\n\u{1b}[2Kfake"), "{listing:?}");
+}
