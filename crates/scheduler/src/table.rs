@@ -39,6 +39,10 @@
 //! be more memory-bound and leave more SMs free than the real one. So the slack-aware policy plans
 //! with [`Profile::slack_windows_between`] (between.rs): the windows of the grid cell's corners
 //! intersected, at each offset the fewest SMs any corner has free (docs/scheduler.md).
+//! A prefix rounded up past the last grid prefix of its row takes that prefix; where the prefix
+//! step does not divide the row's input (4096 and 3072: prefixes 0 and 3072), that bucket can
+//! have more new tokens than the request (4096 with 4000 cached: 1024, not 96), and such a
+//! lookup is [`SchedulerError::OutOfRange`] rather than a more expensive bucket.
 //! An input longer than the table is looked up at the longest input (again the cheaper side);
 //! an input shorter than the first step, or a prefix longer than the input, is
 //! [`SchedulerError::OutOfRange`]. I/O costs round the IOCB count up; a profiled SM budget is
@@ -320,9 +324,22 @@ impl Profile {
         }
         // Longer than profiled: the longest input is the cheaper side, hence conservative.
         let input_rounded = input_tokens.min(max) / t.input_step_tokens * t.input_step_tokens;
-        // A prefix rounded past the (rounded-down) input means "everything cached": the cheapest
-        // bucket of that input, still the conservative side.
+        // A prefix rounded past the (rounded-down) input's last grid prefix takes that prefix:
+        // with a prefix step dividing the input, "everything cached", the cheapest bucket of the
+        // row. With one that does not (input step 4096, prefix step 3072: the row lists 0 and
+        // 3072), the capped bucket can have more new tokens than the request (4096 with 4000
+        // cached: 1024 instead of 96), a layer longer than the real one whose windows promise
+        // time that does not exist. The request is then out of the table's range (the runtime's
+        // conservative fallback: every read at once, no write granted in the prefill).
         let prefix_rounded_up = prefix_up_to_grid(prefix_tokens, input_rounded, t.prefix_step_tokens);
+        if input_rounded - prefix_rounded_up > input_tokens - prefix_tokens {
+            return Err(SchedulerError::OutOfRange {
+                what: "prefix_tokens",
+                value: u64::from(prefix_tokens),
+                min: 0,
+                max: u64::from(prefix_rounded_up + (input_tokens - input_rounded)),
+            });
+        }
         // Validation guarantees the bucket exists; a broken invariant is an error, not a panic.
         self.bucket_at_grid_point(input_rounded, prefix_rounded_up)
     }

@@ -407,3 +407,44 @@ fn io_cost_rows_hold_one_iocb_size_of_whole_lbas() {
         assert!(text.contains("io_costs.bytes") && text.contains(reason), "{reason}: {text}");
     }
 }
+
+/// Goal: a lookup never picks a bucket with more new tokens (more compute, a longer layer) than
+/// the request has. With a prefix step that does not divide the input step (4096 and 3072, as
+/// `tutti-profile analytic --prefix-step 3072` and `import` accept), the input-4096 row lists
+/// prefixes 0 and 3072 only: input 4096 with 4000 cached rounded the prefix up to 6144 and capped
+/// it at 3072, a bucket of 1024 new tokens for a request of 96, and the policy granted write time
+/// inside a layer ~5× longer than the real one. Such a request is `OutOfRange` (the runtime's
+/// conservative fallback); where the capped bucket is no more expensive, it is still used.
+#[test]
+fn a_prefix_past_the_rows_last_grid_prefix_never_rounds_to_more_new_tokens() {
+    use scheduler::table::Bucket;
+    let mut t = common::table();
+    t.input_step_tokens = 4096;
+    t.input_step_count = 2;
+    t.prefix_step_tokens = 3072;
+    t.buckets = [(4096, 0), (4096, 3072), (8192, 0), (8192, 3072), (8192, 6144)]
+        .map(|(input_tokens, prefix_tokens)| Bucket { input_tokens, prefix_tokens, layers: vec![common::layer(); common::LAYERS as usize] })
+        .to_vec();
+    let profile = load(t).unwrap();
+    let out_of_range =
+        |input: u32, prefix: u32| matches!(profile.bucket(input, prefix), Err(SchedulerError::OutOfRange { what: "prefix_tokens", .. }));
+    // 96 new tokens; the only bucket of input ≤ 4096 above prefix 3072 has 1024.
+    assert!(out_of_range(4096, 4000), "{:?}", profile.bucket(4096, 4000).map(|b| (b.input_tokens, b.prefix_tokens)));
+    assert!(out_of_range(4096, 4096), "fully cached: 0 new tokens");
+    assert!(out_of_range(5000, 4500), "500 new tokens; (4096, 3072) has 1024");
+    // Capped, but no more new tokens than the request: (4096, 3072) has 1024, the request 4000.
+    let b = profile.bucket(8000, 4000).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (4096, 3072));
+    // Not capped: rounded up within the row, as before.
+    let b = profile.bucket(8192, 4000).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (8192, 6144));
+    let b = profile.bucket(4096, 3000).unwrap();
+    assert_eq!((b.input_tokens, b.prefix_tokens), (4096, 3072));
+    // The windows the policy plans with fail the same way.
+    let mut out = Vec::new();
+    assert!(matches!(
+        profile.slack_windows_between(4096, 4000, 0, &mut out),
+        Err(SchedulerError::OutOfRange { what: "prefix_tokens", .. })
+    ));
+    profile.slack_windows_between(8000, 4000, 0, &mut out).unwrap();
+}
