@@ -30,20 +30,32 @@ site="$PWD/target/python-site"
 # The pins, as NAME==VERSION lines.
 pins=$(grep -E '^[A-Za-z0-9_.-]+==' "$requirements")
 
+# Every check ends in `|| return 1`: venv_ok is called under `if !` and `||`, where set -e is off
+# and only a function's last status would count (a venv without bin/maturin passed).
 venv_ok() {
     [ -x "$venv/bin/python" ] || return 1
+    # The pins at their versions, what the tests import, and every file each installed
+    # distribution's RECORD lists (as engine-env.sh checks its environments: a pip interrupted
+    # while unpacking leaves modules that import beside files that are missing).
     "$venv/bin/python" - "$pins" <<'PY' || return 1
-import importlib.metadata as metadata, sys
+import importlib.metadata as metadata, os, sys
 for line in sys.argv[1].split():
     name, version = line.split("==")
     if metadata.version(name) != version:
         sys.exit(f"{name} {metadata.version(name)} installed, {version} pinned")
+for dist in metadata.distributions():
+    files = dist.files
+    if files is None:
+        sys.exit(f"{dist.metadata['Name']} {dist.version} has no RECORD")
+    for file in files:
+        if not os.path.exists(file.locate()):
+            sys.exit(f"{dist.metadata['Name']} {dist.version} is missing {file}")
 import numpy, pytest  # what the tests import
 PY
-    "$venv/bin/maturin" --version >/dev/null
+    "$venv/bin/maturin" --version >/dev/null || return 1
     # `python -m venv` writes bin/python before ensurepip installs pip: a venv whose creation was
     # interrupted has a python and no pip.
-    "$venv/bin/python" -m pip --version >/dev/null
+    "$venv/bin/python" -m pip --version >/dev/null || return 1
 }
 
 mkdir -p "$(dirname "$venv")"
