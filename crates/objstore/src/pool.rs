@@ -663,11 +663,11 @@ impl Pool {
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
     /// `blocks` carry their payload CRCs when the pool records them; an Empty entry lists none.
     pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
-        // Recovery refuses headers above GENERATION_MAX, so this is reached only after 2^63
-        // commits; refused rather than wrapped all the same (a wrapped count would make every
-        // later header lose to the older ones).
+        // Recovery refuses headers above GENERATION_MAX, half this limit, so this is reached
+        // only after 2^62 commits; refused rather than wrapped all the same (a wrapped count
+        // would make every later header lose to the older ones).
         let generation =
-            self.generation.checked_add(1).filter(|&generation| generation <= crate::format::GENERATION_MAX).ok_or_else(|| {
+            self.generation.checked_add(1).filter(|&generation| generation <= crate::format::GENERATION_STAGED_MAX).ok_or_else(|| {
                 ObjstoreError::PoolMembership {
                     device: usize::from(device),
                     reason: "the pool's header generation count is exhausted".into(),

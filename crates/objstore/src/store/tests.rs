@@ -1241,6 +1241,29 @@ fn each_committed_slot_keeps_the_generation_its_header_was_written_with() {
     assert_eq!(generations(pool.index()), in_memory, "in memory as on disk");
 }
 
+#[test]
+fn a_header_leaving_the_generation_count_no_room_is_damage_and_the_pool_commits_on() {
+    // Goal: one CRC-valid Valid header whose generation is the largest the pool stages (a
+    // buggy or hostile tool's) is corrupt at open, named in the report and not served. It used
+    // to be accepted as the newest commit: the pool's count started there, and every later
+    // commit, eviction and condemnation was refused ("generation count is exhausted") until
+    // a reformat.
+    let fixture = fixture(1, None);
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    pool.generation = crate::format::GENERATION_STAGED_MAX - 1;
+    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_STAGED_MAX);
+    pool.sync_headers(&mut NoLender).expect("sync");
+    drop(pool);
+    let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!((report.corrupt_headers, report.valid_slots), (1, 0), "{report:?}");
+    assert!(pool.index().get(0xBAD).is_none(), "the damaged header's block is not served");
+    drop(pool);
+    let mut store = in_process(&fixture, StoreConfig::default());
+    let keys = store_two_blocks(&fixture, &mut store, &tokens(31, 2));
+    assert!(keys.iter().all(|&key| store.pool().index().get(key).is_some()), "committed and served");
+}
+
 use nvme_driver::spec::{NvmOpcode, NvmeStatus};
 
 /// A control half over a pool of two namespaces (one-block slots, 8 each) on one software
