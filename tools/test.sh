@@ -56,7 +56,8 @@
 # so those scripts run through `bounded` below: in a session of their own, all of which is killed
 # when the script ends or its limit expires.
 #
-# usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all, in order)
+# usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all; any
+#                                     selection runs in the order above, each stage once)
 #        TUTTI_STAGES="rust lint" tools/test.sh   (the same selection from the environment)
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.."
@@ -92,6 +93,10 @@ for stage in $STAGES; do
             ;;
     esac
 done
+# The names one space apart (TUTTI_STAGES may hold tabs or newlines), for the `case " $STAGES "`
+# matches below and in the stages.
+read -r -d '' -a selected <<< "$STAGES"
+STAGES=${selected[*]}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # Incremental compilation keeps per-crate query caches that a run from a fresh clone never
 # reuses, and they grow with every rebuild (26 GiB in one developer's target/debug beside 12 GiB of
@@ -549,8 +554,11 @@ trap 'on_signal HUP 129' HUP
 # stage installs anything.
 clean_stale_policy_rc_d
 
-for stage in $STAGES; do
-    run_stage "$stage" "stage_$stage"
+# In ALL_STAGES' order whatever the order given (and each once): a stage may depend on an
+# earlier one (cuda's prefill rehearsal needs the engines stage's vLLM environment, which it
+# requires when engines is selected), so `tools/test.sh cuda engines` runs engines first.
+for stage in $ALL_STAGES; do
+    case " $STAGES " in *" $stage "*) run_stage "$stage" "stage_$stage" ;; esac
 done
 
 print_summary
