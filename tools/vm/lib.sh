@@ -3,9 +3,10 @@
 #
 # Provides:
 #   vm_log / vm_die                 timestamped messages on stderr
-#   vm_install_host_tools           qemu-system-x86, busybox-static, cpio, xz, zstd from Debian
+#   vm_install_host_tools           qemu-system-x86, busybox-static, cpio, xz, zstd, python3 from Debian
 #   vm_prepare_kernel               a Debian linux-image .deb, unpacked with dpkg -x (never installed),
-#                                   modules.dep regenerated, vmlinux extracted for PVH boot
+#                                   modules.dep regenerated, vmlinux extracted for PVH boot (and
+#                                   checked whole before it is cached)
 #   vm_build_guest_binaries ...     static (crt-static) builds of project binaries into target-vm
 #   vm_build_initramfs OUT CMDS CONF BIN...   busybox + modules + binaries + tools/vm/init
 #   vm_boot INITRD                  QEMU/TCG with intel-iommu and the NVMe controllers; watchdog;
@@ -50,6 +51,8 @@ vm_install_host_tools() {
     command -v xz > /dev/null || missing+=(xz-utils)
     command -v zstd > /dev/null || missing+=(zstd)
     command -v strip > /dev/null || missing+=(binutils)
+    # vm_extract_vmlinux checks the vmlinux it extracts with python3.
+    timeout 60 python3 -c '' > /dev/null 2>&1 || missing+=(python3)
     # vm_cargo_static builds `tutti` with its cluster support, whose etcd-client build script runs
     # protoc on files that import protobuf's well-known types.
     "$VM_REPO/tools/check-protoc.sh" 2> /dev/null || missing+=(protobuf-compiler libprotobuf-dev)
@@ -143,18 +146,79 @@ vm_prepare_kernel() {
 
 # bzImage = real-mode setup + decompressor + compressed ELF vmlinux. QEMU can enter the ELF
 # directly through its PVH note, which skips several seconds of decompression under TCG.
+# The result is cached for good (vm_prepare_kernel takes any non-empty vmlinux), so it is
+# accepted only whole: the decompressor's status counts (a stream cut short, a bad checksum, a
+# write to a full disk fail it), and the ELF must hold every byte its program headers place
+# (vm_elf_whole). The compressed stream is followed by other bytes of the image (the 4-byte size
+# the kernel's build appends, then the rest), which both decompressors take for a second stream
+# and fail on: xz is told to stop after one stream (--single-stream), zstd is given exactly its
+# frame (vm_zstd_frame_bytes).
 vm_extract_vmlinux() {
-    local image=$1 out=$2 offset
+    local image=$1 out=$2 offset length
+    rm -f "$out"
     offset=$(LC_ALL=C grep -obUaP '\xFD7zXZ\x00' "$image" | head -n1 | cut -d: -f1 || true)
     if [ -n "$offset" ]; then
-        tail -c +$((offset + 1)) "$image" | xz -dcq > "$out" 2> /dev/null || true
+        xz -dcq --single-stream < <(tail -c +$((offset + 1)) "$image") > "$out" ||
+            { rm -f "$out"; vm_die "xz could not decompress the vmlinux in $image (at byte $offset)"; }
     else
         offset=$(LC_ALL=C grep -obUaP '\x28\xB5\x2F\xFD' "$image" | head -n1 | cut -d: -f1 || true)
-        [ -n "$offset" ] && { tail -c +$((offset + 1)) "$image" | zstd -qdc > "$out" 2> /dev/null || true; }
+        [ -n "$offset" ] || vm_die "no xz or zstd stream in $image"
+        length=$(vm_zstd_frame_bytes "$image" "$offset") ||
+            vm_die "the zstd frame at byte $offset of $image is cut short or malformed"
+        zstd -qdc < <(tail -c +$((offset + 1)) "$image" | head -c "$length") > "$out" ||
+            { rm -f "$out"; vm_die "zstd could not decompress the vmlinux in $image (at byte $offset)"; }
     fi
-    # Both decompressors complain about the bytes trailing the stream; the ELF itself is whole.
-    [ "$(head -c4 "$out" 2> /dev/null | od -An -tx1 | tr -d ' \n')" = 7f454c46 ] ||
-        vm_die "could not extract an ELF vmlinux from $image"
+    vm_elf_whole "$out" || { rm -f "$out"; vm_die "what $image decompressed to is not a whole ELF vmlinux"; }
+}
+
+# vm_zstd_frame_bytes FILE OFFSET: the length of the zstd frame at OFFSET of FILE, found by
+# walking its block headers (RFC 8878, 3.1.1); fails if FILE ends inside it.
+vm_zstd_frame_bytes() {
+    python3 - "$1" "$2" << 'PY'
+import sys
+with open(sys.argv[1], "rb") as image:
+    image.seek(int(sys.argv[2]))
+    data = image.read()
+if data[:4] != b"\x28\xb5\x2f\xfd" or len(data) < 5:
+    sys.exit("vm_zstd_frame_bytes: no zstd frame header")
+descriptor = data[4]
+single_segment, checksum = descriptor >> 5 & 1, descriptor >> 2 & 1
+pos = 5 + (0 if single_segment else 1) + (0, 1, 2, 4)[descriptor & 3] + (single_segment, 2, 4, 8)[descriptor >> 6]
+while True:
+    if pos + 3 > len(data):
+        sys.exit("vm_zstd_frame_bytes: the frame is cut short")
+    header = int.from_bytes(data[pos:pos + 3], "little")
+    pos += 3
+    kind = header >> 1 & 3
+    if kind == 3:
+        sys.exit("vm_zstd_frame_bytes: a reserved block type")
+    pos += 1 if kind == 1 else header >> 3  # an RLE block is one byte long
+    if header & 1:
+        break
+pos += 4 * checksum
+if pos > len(data):
+    sys.exit("vm_zstd_frame_bytes: the frame is cut short")
+print(pos)
+PY
+}
+
+# vm_elf_whole FILE: FILE is a 64-bit little-endian ELF whose program header table and every
+# segment's bytes (p_offset + p_filesz) lie within it.
+vm_elf_whole() {
+    python3 - "$1" << 'PY'
+import struct, sys
+with open(sys.argv[1], "rb") as elf:
+    data = elf.read()
+if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1 or len(data) < 64:
+    sys.exit(f"vm_elf_whole: {sys.argv[1]} is not a 64-bit little-endian ELF")
+phoff, = struct.unpack_from("<Q", data, 0x20)
+phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+if phnum == 0 or phentsize < 56 or phoff + phnum * phentsize > len(data):
+    sys.exit(f"vm_elf_whole: {sys.argv[1]}: no program headers, or they lie past its end ({len(data)} bytes)")
+end = max(sum(struct.unpack_from("<QxxxxxxxxxxxxxxxxQ", data, phoff + i * phentsize + 8)) for i in range(phnum))
+if end > len(data):
+    sys.exit(f"vm_elf_whole: {sys.argv[1]} is {len(data)} bytes; its segments reach byte {end}")
+PY
 }
 
 # Static builds for the guest (its initramfs has no libc). Arguments are cargo selectors, e.g.
