@@ -261,7 +261,20 @@ trim_log() {
   rm -f "$WORK/log.trim"
 }
 CURRENT_STEP=""
+# The python step's tuttid while it runs (started in the background): a TERM or INT trap exits
+# through finish, past the step's own stop of it, so finish stops it too (TERM, up to 10 s to
+# shut down, then KILL), or it would outlive the run.
+PYTHON_TUTTID_PID=""
+stop_python_tuttid() {
+  local wait_s=$1
+  [[ -n "$PYTHON_TUTTID_PID" ]] || return 0
+  kill -TERM "$PYTHON_TUTTID_PID" 2>/dev/null
+  timeout "$wait_s" tail --pid="$PYTHON_TUTTID_PID" -f /dev/null 2>/dev/null || kill -KILL "$PYTHON_TUTTID_PID" 2>/dev/null
+  wait "$PYTHON_TUTTID_PID" 2>/dev/null
+  PYTHON_TUTTID_PID=""
+}
 finish() {
+  stop_python_tuttid 10
   trim_log 0 "$LOG_MAX"
   rm -rf "$WORK"
 }
@@ -489,10 +502,10 @@ step_python() {
   "$tuttid" --device emu:mem:1g --socket "$dir/tuttid.sock" --lock-dir "$dir/locks" --metrics off --format \
     --layers 8 --kv-heads 8 --head-dim 128 --device-memory "$memory" >>"$LOG" 2>&1 &
   pid=$!
+  PYTHON_TUTTID_PID=$pid
   for _ in $(seq 300); do [[ -S "$dir/tuttid.sock" ]] && break; kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
   if [[ ! -S "$dir/tuttid.sock" ]]; then
-    kill "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    stop_python_tuttid "$(cap 30)"
     record "FAIL python: tuttid did not listen (see run.log)"
     return 1
   fi
@@ -501,8 +514,7 @@ step_python() {
   local limit
   limit=$(($(cap $(($(budget PYTHON 240) + 40))) - 40))
   if ((limit < 20)); then
-    kill "$pid" 2>/dev/null
-    wait "$pid" 2>/dev/null
+    stop_python_tuttid "$(cap 30)"
     record "NOT RUN python: deadline (python-cuda-check.py would get ${limit} s)"
     return 1
   fi
@@ -511,9 +523,7 @@ step_python() {
     timeout -k 10 "$limit" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
     --socket "$dir/tuttid.sock" --device "$device") 2>&1 | tee "$WORK/python.log" >>"$LOG"
   rc=${PIPESTATUS[0]}
-  kill -TERM "$pid" 2>/dev/null
-  timeout "$(cap 30)" tail --pid="$pid" -f /dev/null 2>/dev/null || kill -KILL "$pid" 2>/dev/null
-  wait "$pid" 2>/dev/null
+  stop_python_tuttid "$(cap 30)"
   local line
   line=$(grep -E '^(PASS|FAIL) ' "$WORK/python.log" | tail -n 1)
   echo "python: ${line:-no PASS/FAIL line (exit $rc; see run.log)}" >>"$SUMMARY"

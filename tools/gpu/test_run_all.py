@@ -104,6 +104,15 @@ class StubRoot:
         self.directory.cleanup()
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def no_local_toolkit() -> bool:
     # run-gpu-tests.sh and run-all.sh fall back on /usr/local/cuda/bin/nvcc: these tests need none.
     return not os.path.exists("/usr/local/cuda/bin/nvcc")
@@ -220,6 +229,60 @@ exec python3 -c 'import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.
 """)
         return {"RUN_ALL_DEADLINE_S": str(deadline_s), "RUN_ALL_PYTHON": self.python_stub(12), "RUN_ALL_TUTTID": tuttid,
                 "RUN_ALL_WHEEL": wheel, "RUN_ALL_PREFILL_DEVICE_ARGS": "--device cpu"}
+
+    def test_a_stop_during_the_python_step_stops_its_tuttid(self):
+        # Goal: a SIGTERM to run-all.sh (the device tool's limit) while the python step's tuttid
+        # runs leaves no tuttid behind: the TERM trap exits through finish, past the step's own
+        # stop. Sent to run-all.sh alone (a signal to its group would reach the stand-in
+        # directly), once while the step waits for the socket and once during the check (bash
+        # runs the trap when the check's pipeline ends: the check stand-in takes 4 s).
+        s = self.stubs
+        wheel = os.path.join(s.root, "tutti-0-cp39-abi3-linux.whl")
+        open(wheel, "w").close()
+        python = s.stub("stub-python-check", """
+case "$1" in
+  -c) exit 0 ;;
+  -m) while [[ $# -gt 0 && "$1" != --target ]]; do shift; done; mkdir -p "$2/tutti"; touch "$2/tutti/__init__.py" ;;
+  *) sleep 4 ;;
+esac
+exit 0""")
+        for phase, listens in (("waiting for its socket", False), ("during the check", True)):
+            with self.subTest(phase=phase):
+                pid_file = os.path.join(s.root, f"tuttid-{listens}.pid")
+                serve = ("import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); s.listen(); "
+                         "time.sleep(1000)") if listens else "import time; time.sleep(1000)"
+                tuttid = s.stub(f"stub-tuttid-{listens}", f"""
+echo $$ > {pid_file}
+while [[ $# -gt 0 && "$1" != --socket ]]; do shift; done
+exec python3 -c '{serve}' "$2"
+""")
+                env = {**os.environ, "PATH": s.bin + ":" + path_without("nvcc", "nvidia-smi"), "OUT": s.out,
+                       "RUN_ALL_DEADLINE_S": "600", "RUN_ALL_PYTHON": python, "RUN_ALL_TUTTID": tuttid,
+                       "RUN_ALL_WHEEL": wheel, "RUN_ALL_PYTHON_DEVICE": "stand-in"}
+                process = subprocess.Popen(["bash", os.path.join(s.root, "tools/gpu/run-all.sh"), "python"], env=env,
+                                           cwd=s.root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True)
+                try:
+                    deadline = time.monotonic() + 30
+                    while not os.path.exists(pid_file) and time.monotonic() < deadline and process.poll() is None:
+                        time.sleep(0.1)
+                    self.assertTrue(os.path.exists(pid_file), "the python step never started tuttid")
+                    time.sleep(1.5)  # the stand-in listening and the check started (or the wait going on)
+                    with open(pid_file) as handle:
+                        tuttid_pid = int(handle.read())
+                    self.assertTrue(alive(tuttid_pid))
+                    process.send_signal(signal.SIGTERM)
+                    self.assertEqual(process.wait(timeout=40), 143)
+                    deadline = time.monotonic() + 5
+                    while alive(tuttid_pid) and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                    self.assertFalse(alive(tuttid_pid), f"tuttid ({tuttid_pid}) still runs after run-all.sh ended")
+                finally:
+                    try:
+                        os.killpg(process.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    process.wait()
 
     def test_a_started_python_step_has_room_for_its_check_after_its_imports(self):
         # Goal: a step the loop starts is not left, after its imports (12 s here; torch's import
