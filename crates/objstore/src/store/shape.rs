@@ -328,6 +328,31 @@ mod tests {
     }
 
     #[test]
+    fn a_shape_whose_devices_differ_in_lba_size_is_refused() {
+        // Goal: the data half cuts every command with device 0's LBA size (`StoreData::new`),
+        // so a shape (untrusted, from tuttid's socket) whose device 1 has 4 KiB LBAs beside
+        // device 0's 512-byte ones would give device 1 short, overlapping commands. Device 1
+        // here is exactly what format plans on a 4 KiB namespace; the shape is refused because
+        // every device must have the one layer stride (`pair_blocks * k`), and equal pair
+        // counts of one pair size mean equal LBA sizes: a per-device stride would need an
+        // explicit LBA-size check in its place.
+        let mut shape = good_shape();
+        let size_blocks = 8192;
+        let superblock = Superblock::plan(shape.geometry, 2, 4096, size_blocks, None, [7; 16], 1, 2, 0).expect("plan");
+        shape.devices.push(DeviceLayout {
+            nsid: 1,
+            addressing: superblock.addressing(),
+            slot_count: superblock.slot_count,
+            lba_bytes: 4096,
+            capacity_blocks: size_blocks,
+            max_transfer_bytes: 128 << 10,
+            sgl_supported: true,
+        });
+        let reason = refused(&shape, "devices of 512-byte and 4 KiB LBAs");
+        assert!(reason.contains("device 1"), "{reason}");
+    }
+
+    #[test]
     fn a_shape_with_an_lba_size_no_namespace_has_is_refused() {
         // Goal: LBA sizes of 1, 2 or 256 bytes, with everything else in the shape consistent
         // with them, used to pass the check (only a power of two matching the shift was
