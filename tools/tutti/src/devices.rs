@@ -17,6 +17,7 @@ use tutti_cli::outln;
 use tutti_devices::{DeviceError, DeviceSpec, DEFAULT_LOCK_DIR};
 
 use crate::system::{BlockDeviceUse, System};
+use crate::Unusable;
 
 /// How long the kernel gets to bind or release a function after a probe request (short in unit
 /// tests, where one test waits it out on purpose).
@@ -254,13 +255,15 @@ pub enum BindOutcome {
 
 /// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
 /// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev), each unless its
-/// override is given: passing the class check never passes the in-use check.
+/// override is given: passing the class check never passes the in-use check. These refusals,
+/// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
+/// changed), as `tutti pool` and tutti-bench refuse a device in use.
 pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Result<BindOutcome> {
     if !system.sysfs.exists(address) {
-        bail!("no PCI function {address} (see `tutti devices`)");
+        return Err(Unusable(format!("no PCI function {address} (see `tutti devices`)")).into());
     }
     if !system.is_nvme(address) && !overrides.not_nvme {
-        bail!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway");
+        return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway")).into());
     }
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
@@ -277,7 +280,11 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Resul
     let (uses, claims) = system.uses_of(&system.block_devices(address))?;
     if !uses.is_empty() && !overrides.in_use {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("/dev/{device} {how}")).collect();
-        bail!("{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway", list.join(", "));
+        return Err(Unusable(format!(
+            "{address} is in use: {}; unmount first, or pass --force to take it away from the kernel anyway",
+            list.join(", ")
+        ))
+        .into());
     }
     let device_dir = system.sysfs.device_dir(address);
     // Nothing has changed until the override is written; from then on a failure rolls back.
@@ -360,30 +367,42 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 /// process holds open: the kernel's unbind would wait for that process to let go (for ever, if
 /// it has no request handler), with the override already cleared. The lock is held from before
 /// the check to the end, so that a tuttid starting meanwhile (a supervisor's restart) is refused
-/// instead of opening the group between the check and the unbind.
+/// instead of opening the group between the check and the unbind. These refusals, a function
+/// that is not there and one not bound to vfio-pci are unusable input ([`Unusable`], exit
+/// status 2, nothing changed), as `tutti pool` refuses a device whose lock another holds.
 pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool, lock_dir: &Path) -> Result<Option<String>> {
     if !system.sysfs.exists(address) {
-        bail!("no PCI function {address} (see `tutti devices`)");
+        return Err(Unusable(format!("no PCI function {address} (see `tutti devices`)")).into());
     }
     if !system.is_nvme(address) && !not_nvme {
-        bail!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to unbind it anyway");
+        return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to unbind it anyway")).into());
     }
     let _lock = match tutti_devices::DeviceLocks::acquire(&[DeviceSpec::Vfio(address)], lock_dir, false) {
         Ok(lock) => lock,
-        Err(error @ DeviceError::DeviceInUse { .. }) => bail!("{error}; stop it first and run `tutti unbind` again"),
-        Err(error) => return Err(anyhow::Error::from(error).context(format!("taking {address}'s device lock"))),
+        Err(error @ DeviceError::DeviceInUse { .. }) => {
+            return Err(Unusable(format!("{error}; stop it first and run `tutti unbind` again")).into())
+        }
+        // As `tutti pool` tells them: a lock directory that cannot be used is unusable input,
+        // an I/O failure (EIO, EMFILE) a failure.
+        Err(error) => return Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
     };
     let device_dir = system.sysfs.device_dir(address);
     let driver = system.sysfs.driver(address)?;
     if driver.as_deref().is_some_and(|driver| driver != VFIO_PCI_DRIVER) {
-        bail!("{address} is bound to {}, not vfio-pci: nothing to undo", driver.as_deref().unwrap_or_default());
+        return Err(
+            Unusable(format!("{address} is bound to {}, not vfio-pci: nothing to undo", driver.as_deref().unwrap_or_default())).into()
+        );
     }
     if driver.is_some() {
         let nodes = system.vfio_nodes(address, system.sysfs.iommu_group(address)?);
         let holders = system.openers(|_, target| nodes.iter().any(|node| node == target));
         if !holders.is_empty() {
             let list: Vec<String> = holders.iter().map(ToString::to_string).collect();
-            bail!("{address} is in use through VFIO: {}; stop it first (tuttid, a VM) and run `tutti unbind` again", list.join(", "));
+            return Err(Unusable(format!(
+                "{address} is in use through VFIO: {}; stop it first (tuttid, a VM) and run `tutti unbind` again",
+                list.join(", ")
+            ))
+            .into());
         }
     }
     // An empty line clears the override, so that the default driver matches again.

@@ -278,6 +278,12 @@ fn at(text: &str) -> PciAddress {
     text.parse().unwrap()
 }
 
+/// Whether `error` makes tutti exit 2 (unusable input, nothing changed), as `tutti pool` and
+/// tutti-bench do for the same refusals (a device in use, one that is not there).
+fn unusable(error: &anyhow::Error) -> bool {
+    tutti_cli::exit::is_unusable(error.as_ref())
+}
+
 #[test]
 fn inspect_reports_model_block_devices_and_readiness() {
     // Goal: the listing shows what an operator needs to decide whether to bind.
@@ -340,7 +346,9 @@ fn bind_refuses_mounted_devices_unless_forced() {
     host.mount("nvme0n2p1", r"/mnt/my\040data");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err();
+    assert!(unusable(&error), "a disk in use is refused as unusable input (status 2): {error:#}");
+    let error = error.to_string();
     assert!(error.contains("/dev/nvme0n2p1 mounted on /mnt/my data") && error.contains("--force"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
@@ -388,9 +396,13 @@ fn bind_refuses_what_vfio_cannot_take() {
     let host = FakeHost::new();
     let sata = host.add("0000:00:1f.2", 0x010601, Some("ahci"), 6, 0, 0);
     let system = host.system();
-    assert!(bind(&system, at("0000:00:1f.2"), Overrides::default()).unwrap_err().to_string().contains("not an NVMe controller"));
+    let error = bind(&system, at("0000:00:1f.2"), Overrides::default()).unwrap_err();
+    assert!(error.to_string().contains("not an NVMe controller") && unusable(&error), "{error:#}");
     assert_eq!(std::fs::read_to_string(sata.join("driver_override")).unwrap(), "(null)\n");
-    assert!(bind(&system, at("0000:00:09.0"), Overrides::default()).unwrap_err().to_string().contains("no PCI function"));
+    let error = bind(&system, at("0000:00:09.0"), Overrides::default()).unwrap_err();
+    assert!(error.to_string().contains("no PCI function") && unusable(&error), "{error:#}");
+    let error = unbind(&system, at("0000:00:09.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(error.to_string().contains("no PCI function") && unusable(&error), "{error:#}");
 
     let nvme = host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
     std::fs::remove_file(nvme.join("iommu_group")).unwrap();
@@ -480,13 +492,17 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     let system = host.system();
     let _kernel = host.kernel();
 
-    let error = format!("{:#}", unbind(&system, at("0000:3b:00.0"), true, false, &host.lock_dir()).unwrap_err());
+    let error = unbind(&system, at("0000:3b:00.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = format!("{error:#}");
     assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
     assert_eq!(host.driver_of("0000:3b:00.0").as_deref(), Some("vfio-pci"), "nothing changed");
     assert_eq!(std::fs::read_to_string(gpu.join("driver_override")).unwrap(), "vfio-pci\n");
     assert!(unbind(&system, at("0000:3b:00.0"), false, true, &host.lock_dir()).is_ok(), "--not-nvme lets it through");
 
-    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = format!("{error:#}");
     assert!(error.contains("pid 1234 (tuttid)") && error.contains("/dev/vfio/3"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
     assert_eq!(std::fs::read_to_string(nvme.join("driver_override")).unwrap(), "vfio-pci\n");
@@ -673,8 +689,9 @@ fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
     // Goal: `tutti unbind` takes tuttid's device lock (LOCK_DIR/vfio-BDF.lock) before it checks
     // for VFIO users and holds it through the unbind: a tuttid (restarted by its supervisor) that
     // holds the lock but has not opened the VFIO group yet, invisible to the openers check, makes
-    // the unbind fail (exit status 1, not unusable input) with nothing written, instead of the
-    // kernel's unbind then waiting on the group it opens; once the lock is free the unbind runs.
+    // the unbind refused (exit status 2, as `tutti pool` and tutti-bench refuse a device whose
+    // lock another holds) with nothing written, instead of the kernel's unbind then waiting on
+    // the group it opens; once the lock is free the unbind runs.
     let host = FakeHost::new();
     let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
     std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
@@ -684,7 +701,7 @@ fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
     let tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
 
     let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
-    assert!(error.downcast_ref::<crate::Unusable>().is_none(), "a held device is a failed operation: {error:#}");
+    assert!(unusable(&error), "a held device is refused as unusable input, as tutti pool refuses it: {error:#}");
     let error = format!("{error:#}");
     assert!(error.contains("in use") && error.contains("vfio-0000:00:04.0.lock") && error.contains("stop it first"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");

@@ -84,7 +84,7 @@ fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo
 /// no permission, a device node with no device: unusable input, 2; EIO, EMFILE, ENOSPC: a
 /// failure, 1, as tuttid and tutti-bench say of a failed open); anything else (another holder,
 /// a disk in use, a FIFO, foreign contents, a lock directory others could use) unusable input.
-fn device_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
+pub(crate) fn device_refusal(error: tutti_devices::DeviceError) -> anyhow::Error {
     match error {
         tutti_devices::DeviceError::OpenFailed { ref source, .. } | tutti_devices::DeviceError::Io { ref source, .. }
             if !tutti_devices::is_unusable_errno(source) =>

@@ -544,13 +544,11 @@ fn a_mounted_block_device_is_refused_as_in_use() {
     assert_status(&tutti(&["pool", "check", "--device", &device]), 0, &[]);
 }
 
-#[test]
-fn a_device_model_is_listed_on_its_line_with_control_characters_escaped() {
-    // Goal: `tutti devices` printed the model string the kernel read from the controller
-    // (sysfs nvme/nvmeN/model) as it was: a newline or an escape sequence from a device forged
-    // or erased lines of the listing. It stays on its function's line, escaped.
-    let directory = tempfile::tempdir().unwrap();
-    let (sys, proc, dev) = (directory.path().join("sys"), directory.path().join("proc"), directory.path().join("dev"));
+/// A fake host under `directory` (sysfs, procfs, /dev) with one NVMe function, 0000:00:04.0
+/// (no IOMMU group, no driver), whose controller nvme0 reports `model`: the arguments that
+/// point tutti at it.
+fn fake_host(directory: &Path, model: &str) -> [String; 6] {
+    let (sys, proc, dev) = (directory.join("sys"), directory.join("proc"), directory.join("dev"));
     let function = sys.join("bus/pci/devices/0000:00:04.0");
     std::fs::create_dir_all(function.join("nvme/nvme0")).unwrap();
     std::fs::create_dir_all(&proc).unwrap();
@@ -558,13 +556,44 @@ fn a_device_model_is_listed_on_its_line_with_control_characters_escaped() {
     std::fs::write(function.join("class"), "0x010802\n").unwrap();
     std::fs::write(function.join("vendor"), "0x1b36\n").unwrap();
     std::fs::write(function.join("device"), "0x0010\n").unwrap();
-    std::fs::write(function.join("nvme/nvme0/model"), "X\n\x1b[2Kfake\n").unwrap();
-    let roots = [sys, proc, dev].map(|root| root.display().to_string());
-    let output = tutti(&["--sysfs-root", &roots[0], "--proc-root", &roots[1], "--dev-root", &roots[2], "devices"]);
+    std::fs::write(function.join("nvme/nvme0/model"), model).unwrap();
+    let [sys, proc, dev] = [sys, proc, dev].map(|root| root.display().to_string());
+    ["--sysfs-root".into(), sys, "--proc-root".into(), proc, "--dev-root".into(), dev]
+}
+
+#[test]
+fn a_device_model_is_listed_on_its_line_with_control_characters_escaped() {
+    // Goal: `tutti devices` printed the model string the kernel read from the controller
+    // (sysfs nvme/nvmeN/model) as it was: a newline or an escape sequence from a device forged
+    // or erased lines of the listing. It stays on its function's line, escaped.
+    let directory = tempfile::tempdir().unwrap();
+    let roots = fake_host(directory.path(), "X\n\x1b[2Kfake\n");
+    let roots: Vec<&str> = roots.iter().map(String::as_str).collect();
+    let output = tutti(&[&roots[..], &["devices"]].concat());
     assert_status(&output, 0, &[]);
     let listing = stdout(&output);
     assert!(!listing.contains('\x1b'), "{listing:?}");
     let lines: Vec<&str> = listing.lines().collect();
     assert_eq!(lines.len(), 2, "a header and one line per function: {listing:?}");
     assert!(lines[1].starts_with("0000:00:04.0") && lines[1].contains(r"X\n\u{1b}[2Kfake"), "{listing:?}");
+}
+
+#[test]
+fn bind_and_unbind_refusals_are_unusable_input() {
+    // Goal: `tutti unbind` of a function whose device lock another process holds (tuttid), and
+    // `tutti bind`/`unbind` of a function that is not there, exited 1 (a failed run), while
+    // `tutti pool` and tutti-bench refuse a held device as unusable input (2, nothing changed).
+    let directory = tempfile::tempdir().unwrap();
+    let roots = fake_host(directory.path(), "QEMU NVMe Ctrl\n");
+    let lock_dir = directory.path().join("locks");
+    let lock_dir = lock_dir.to_str().unwrap();
+    let spec = tutti_devices::DeviceSpec::parse("vfio:0000:00:04.0", &tutti_devices::DeviceKind::ALL).unwrap();
+    let tuttid = tutti_devices::DeviceLocks::acquire(&[spec], Path::new(lock_dir), false).unwrap();
+    let roots: Vec<&str> = roots.iter().map(String::as_str).collect();
+    let output = tutti(&[&roots[..], &["unbind", "0000:00:04.0", "--lock-dir", lock_dir]].concat());
+    assert_status(&output, 2, &["in use", "vfio-0000:00:04.0.lock", "stop it first"]);
+    drop(tuttid);
+    for command in [&["bind", "0000:00:09.0"][..], &["unbind", "0000:00:09.0", "--lock-dir", lock_dir]] {
+        assert_status(&tutti(&[&roots[..], command].concat()), 2, &["no PCI function 0000:00:09.0"]);
+    }
 }
