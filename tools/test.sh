@@ -4,7 +4,8 @@
 # It installs what the suites need (Debian packages, Python wheels; idempotent, as root) and runs:
 #   rust        tutti-bench checked to build without protoc (the README's first command), then
 #               cargo test --workspace (unit tests, the software-controller conformance suite,
-#               rings, executors, object store, scheduler simulator assertions)
+#               rings, executors, object store, scheduler simulator assertions), and the doc tests
+#               (cargo test --doc: --all-targets leaves them out)
 #   lint        rust-version checked (tools/check-msrv.sh), the engine cache's pruning
 #               (tools/lib/prune-test.sh), cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
@@ -460,8 +461,16 @@ stage_rust() {
     else
         echo "tools/test.sh: no loop device can be attached, formatted and mounted here: the loop-device test may skip (TUTTI_REQUIRE_LOOP=0)"
     fi
-    ensure_protoc && TUTTI_REQUIRE_URING=1 TUTTI_REQUIRE_LOOP=$require_loop \
-        timeout -k 30 2700 cargo test --workspace --all-targets --locked --no-fail-fast 2>&1
+    # --all-targets runs no doc tests (cargo leaves them out of it): they run after, by
+    # themselves: the compile_fail ones pin what code outside a crate must not be able to do
+    # (gio-uring's QueueMemory.region), the others are the crates' documented examples
+    # (nvme-emu's). Their count is checked, as a run of none would pass.
+    ensure_protoc || return 1
+    local rc=0
+    TUTTI_REQUIRE_URING=1 TUTTI_REQUIRE_LOOP=$require_loop \
+        timeout -k 30 2700 cargo test --workspace --all-targets --locked --no-fail-fast 2>&1 || rc=$?
+    cargo_tests_ran 1800 --workspace --doc --locked --no-fail-fast || rc=1
+    return "$rc"
 }
 
 stage_lint() {
