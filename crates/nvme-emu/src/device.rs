@@ -320,6 +320,9 @@ impl EmuDevice {
             if handle.join().is_err() {
                 tracing::error!("nvme-emu controller thread panicked");
             }
+            // A wait for transfers gave way to the stop (`stop_asked`): what it left in flight
+            // is cancelled here, after the thread ended, so the thread's end is not held up.
+            self.shared.core().cancel_in_flight_for_drop();
         } else {
             tracing::error!("nvme-emu controller thread did not stop within {STOP_TIMEOUT:?}; detaching it");
         }

@@ -11,7 +11,8 @@
 //! injected fault) first waits for everything in flight, so a Flush or a queue deletion never
 //! finds I/O in flight. A controller reset or power loss cancels what is in flight, waits only
 //! for what the kernel keeps, and completes none of it; a wait before a command gives way to a
-//! reset the host asked for meanwhile (the reset deletes the command's queue).
+//! reset the host asked for meanwhile (the reset deletes the command's queue), and to a power
+//! loss, a function reset or the device's drop (see [`ControllerCore::stop_asked`]).
 //!
 //! Bounded: at most the ring's depth in flight, of which at most `EmuConfig::in_flight_bytes_max`
 //! bytes bounced through the controller's own buffers (a direct transfer holds none); every
@@ -42,8 +43,9 @@ const IN_FLIGHT_WAIT: Duration = Duration::from_micros(20);
 const IO_BUFFERS_KEPT: usize = 64;
 const IO_BUFFER_KEPT_MAX_BYTES: usize = (1 << 20) + 4096;
 /// How long a wait for transfers before a command runs (a Flush, an admin command, one that
-/// overlaps a transfer) goes between looks at whether the host cleared CC.EN: the reset that
-/// follows cancels those transfers, so it need not wait for their deadlines (CAP.TO is 10 s).
+/// overlaps a transfer) goes between looks at whether a stop was asked for (see
+/// [`ControllerCore::stop_asked`]): the stop cancels those transfers or ends the device, so it
+/// need not wait for their deadlines (30 s; CAP.TO is 10 s).
 const RESET_LOOK_INTERVAL: Duration = Duration::from_millis(10);
 /// Empty region lists kept for reuse (one per transfer the ring can hold), so resolving a data
 /// pointer does not allocate per command.
@@ -65,9 +67,10 @@ impl ControllerCore {
             self.submission_queues.get(usize::from(queue_id)).and_then(Option::as_ref).and_then(|queue| queue.restriction.clone())
         };
         for (position, (entry, sq_head)) in fetched.iter().enumerate() {
-            if self.state != State::Ready || self.registers.reset_requested() {
-                // A fatal fault stopped the controller, or the host cleared CC.EN and the reset
-                // (next poll) deletes this queue: the rest get no completion.
+            if self.state != State::Ready || self.stop_asked() {
+                // A fatal fault stopped the controller, or a stop is asked for (see
+                // `stop_asked`) whose deletion of this queue, or the device's end, leaves the
+                // rest without a completion.
                 break;
             }
             self.counters.count_command(queue_id, entry);
@@ -86,9 +89,9 @@ impl ControllerCore {
                 self.start_io(queue_id, completion_queue_id, entry, *sq_head, !read);
                 continue;
             }
-            self.settle_unless_reset();
-            // The settle can wait long: the host may have cleared CC.EN meanwhile.
-            if self.state != State::Ready || self.registers.reset_requested() {
+            self.settle_unless_stopped();
+            // The settle can wait long: a stop may have been asked for meanwhile.
+            if self.state != State::Ready || self.stop_asked() {
                 break;
             }
             let mut result = match fault {
@@ -153,13 +156,14 @@ impl ControllerCore {
                     || (direct.is_none() && self.in_flight.bounced_bytes + len as u64 > self.config.in_flight_bytes_max)))
         {
             waited = true;
-            if self.registers.reset_requested() || !self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {
+            if self.stop_asked() || !self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {
                 break;
             }
         }
-        if self.state != State::Ready || self.registers.reset_requested() {
-            // Waiting made the controller fatal, or the host cleared CC.EN meanwhile (the reset
-            // deletes this command's queue): like the rest, this gets no completion.
+        if self.state != State::Ready || self.stop_asked() {
+            // Waiting made the controller fatal, or a stop was asked for meanwhile (a reset, a
+            // power loss or a function reset deletes this command's queue; a dropped device
+            // posts nothing): like the rest, this gets no completion.
             return;
         }
         if waited {
@@ -349,14 +353,26 @@ impl ControllerCore {
     }
 
     /// Waits for everything in flight before a command that must not run beside it (see
-    /// [`ControllerCore::run_batch`]) or a shutdown's write-back, finishing each, unless the host clears CC.EN meanwhile:
-    /// then it returns with transfers still in flight, looked at every [`RESET_LOOK_INTERVAL`],
-    /// and the reset (next poll) cancels them and deletes the command's queue (the command gets
-    /// no completion), instead of starting only at their deadlines, well past CAP.TO.
-    pub(super) fn settle_unless_reset(&mut self) {
+    /// [`ControllerCore::run_batch`]) or a shutdown's write-back, finishing each, unless a stop
+    /// is asked for meanwhile ([`ControllerCore::stop_asked`], looked at every
+    /// [`RESET_LOOK_INTERVAL`]): then it returns with transfers still in flight, and the stop
+    /// cancels them and deletes the command's queue, or ends the device (the command gets no
+    /// completion), instead of starting only at their deadlines, well past CAP.TO.
+    pub(super) fn settle_unless_stopped(&mut self) {
         // Bounded: each pass finishes at least one transfer, fails the ring (which empties the
         // table) or waits a slice of the way to the oldest transfer's deadline.
-        while !self.registers.reset_requested() && self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {}
+        while !self.stop_asked() && self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {}
+    }
+
+    /// Whether a wait for transfers in flight, and the command behind it, should give way: the
+    /// host cleared CC.EN (the reset at the next poll deletes the queues), a power loss or a
+    /// function reset waits for the controller's lock (its stop deletes them), or the device is
+    /// being dropped (its thread must end within the drop's bound, not run the command later,
+    /// detached, against a file a new device may have opened). Until 2026-12-01 only the first
+    /// counted: `power_loss()` and `function_reset()` waited up to the transfers' 30 s deadline,
+    /// and a drop detached the thread, which then ran a waiting Flush's write-back into the file.
+    pub(super) fn stop_asked(&self) -> bool {
+        self.registers.reset_requested() || self.unlocked.give_way()
     }
 
     /// Finishes (or, settling for a reset, drops) every command whose transfer is ready.

@@ -225,9 +225,12 @@ impl ControllerCore {
                 // are then still in flight: writing the cache back now could put older cached
                 // blocks over a Write in flight. The reset (next poll) cancels them and clears
                 // SHST, and SHN, still set, runs this shutdown again on the disabled controller,
-                // which writes the cache back with nothing in flight.
-                self.settle_unless_reset();
-                if self.zeroing.is_some() || !self.in_flight.is_empty() {
+                // which writes the cache back with nothing in flight. A power loss, a function
+                // reset or the device's drop asked for meanwhile (`stop_asked`) ends it too,
+                // SHST still 01b: the first two reset every register (and a function reset
+                // writes the cache back itself), and a dropped device writes nothing more.
+                self.settle_unless_stopped();
+                if self.zeroing.is_some() || !self.in_flight.is_empty() || self.stop_asked() {
                     return true;
                 }
                 // A fence whose writes the kernel gave back since it was last looked at (only an
@@ -286,6 +289,15 @@ impl ControllerCore {
         self.counters.totals.power_losses += 1;
         self.unsafe_shutdowns += 1;
         self.power_cycles += 1;
+    }
+
+    /// The device is being dropped and its controller thread ends here: the commands in flight
+    /// never complete (nothing serves their queues again), so the transfers the kernel still
+    /// holds are cancelled now, as a reset does (bounded by the 5 s cancel timeout; a ring left
+    /// with transfers the kernel kept is abandoned and leaks their buffers), instead of the
+    /// ring's drop waiting up to its own 5 s for transfers that may never end (a hung file).
+    pub(crate) fn cancel_in_flight_for_drop(&mut self) {
+        self.settle_in_flight(Settle::Discard);
     }
 
     /// Function-level reset: like a controller reset, plus registers to reset values. The cache

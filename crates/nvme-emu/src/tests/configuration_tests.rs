@@ -6,9 +6,10 @@
 //! review measured ~35 s with a file backing), so no host deadline could work.
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::DmaRegion;
+use nvme_driver::hw::{DeviceBackend, DmaRegion};
 use nvme_driver::spec::registers::{self, Capabilities, ControllerConfiguration, ShutdownStatus};
 use nvme_driver::spec::{NvmOpcode, SubmissionEntry};
 use nvme_driver::{Lba, NamespaceId};
@@ -17,7 +18,7 @@ use super::harness::{block_count, with_sgl};
 use super::harness::{status_of, write_block, HostQueue, TestHost, DEADLINE};
 use super::held_transfer_tests::{hold_two_reads, hold_two_reads_after, HoldReads};
 use super::stall_tests::{block, Stalled};
-use crate::{Backing, EmuConfig};
+use crate::{Backing, EmuConfig, EmuDevice};
 
 /// Deadline of the held transfers, and how long a reset waits for the kernel to give back what
 /// it cancels: the transition they block ends by then at the latest (the real ones are 30 s and
@@ -245,13 +246,6 @@ fn a_reset_ends_within_cap_to_while_a_shutdown_waits_for_stuck_transfers() {
     // the shutdown, run again on the disabled controller, still writes a cached block back.
     // Until 2026-12-01 the shutdown waited for the Reads' deadline (30 s) before the reset
     // began, so RDY still read 1 at CAP.TO.
-    const CACHED_LBA: u64 = 2;
-    let write_cached = |stalled: &mut Stalled| {
-        let source = stalled.host.buffer(4096);
-        source.write(0, &block(0x2C)).unwrap();
-        let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA), block_count(1), false), &source, 4096);
-        assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, write)), Ok(()), "the cached write");
-    };
     let hold = HoldReads { direct: false, cancellation: true, timeout: REAL_TRANSFER_TIMEOUT };
     let Some((mut stalled, _targets)) = hold_two_reads_after("cc-shutdown-cap-to", hold, write_cached) else { return };
     assert_eq!(stalled.media_blocks(3)[CACHED_LBA as usize * 4096..], [0u8; 4096], "the write was cached, not written through");
@@ -263,4 +257,103 @@ fn a_reset_ends_within_cap_to_while_a_shutdown_waits_for_stuck_transfers() {
     assert_eq!(stalled.media_blocks(3)[CACHED_LBA as usize * 4096..], block(0x2C)[..], "the shutdown wrote the cached block back");
     stalled.enable_again();
     stalled.assert_serves_again();
+}
+
+/// How long `power_loss()`, `function_reset()` or the device's drop may take while a Flush
+/// waits for Reads stuck under the real 30 s deadline: the wait gives way at its next look
+/// (every 10 ms) and the kernel cancels them at once. Below the drop's 5 s `STOP_TIMEOUT`,
+/// after which it would give up on the controller thread and detach it.
+const STOP_PROMPT: Duration = Duration::from_secs(3);
+/// The block cached (not yet on the file) before the Reads are held.
+const CACHED_LBA: u64 = 2;
+
+/// A Write of block `CACHED_LBA` held in the volatile cache, two Reads stuck in the kernel
+/// under the real deadline (the kernel can cancel them), and a Flush fetched and waiting for
+/// them: it would write the cached block back once they end. `None` where io_uring is
+/// unavailable.
+fn flush_waiting_for_stuck_reads(name: &str) -> Option<Stalled> {
+    let hold = HoldReads { direct: false, cancellation: true, timeout: REAL_TRANSFER_TIMEOUT };
+    let (mut stalled, _targets) = hold_two_reads_after(name, hold, write_cached)?;
+    assert!(cached_block_on_file(&stalled) == [0u8; 4096], "the write was cached, not written through");
+    TestHost::push(&mut stalled.queue, SubmissionEntry::flush(NamespaceId(1)));
+    stalled.host.ring_submission(&stalled.queue);
+    // The controller thread fetches it within a scan, then waits holding its lock (`stats()`
+    // would wait too): give it that long; the tests check afterwards that it was fetched.
+    std::thread::sleep(QUIET);
+    Some(stalled)
+}
+
+/// Writes block `CACHED_LBA` (`block(0x2C)`) into the volatile write cache.
+fn write_cached(stalled: &mut Stalled) {
+    let source = stalled.host.buffer(4096);
+    source.write(0, &block(0x2C)).unwrap();
+    let write = with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(CACHED_LBA), block_count(1), false), &source, 4096);
+    assert_eq!(status_of(&stalled.host.execute_on(&mut stalled.queue, write)), Ok(()), "the cached write");
+}
+
+/// Block `CACHED_LBA` as the backing file holds it.
+fn cached_block_on_file(stalled: &Stalled) -> Vec<u8> {
+    stalled.media_blocks(CACHED_LBA as usize + 1)[CACHED_LBA as usize * 4096..].to_vec()
+}
+
+#[test]
+fn a_power_loss_ends_promptly_while_a_flush_waits_for_stuck_transfers() {
+    // Goal: `power_loss()` called while a Flush waits for two Reads stuck under the real 30 s
+    // deadline returns within STOP_PROMPT: the Flush's wait gives way to it (as to a reset),
+    // the cut cancels the Reads, and CSTS reads as a freshly powered controller (RDY = 0,
+    // CFS = 0, CC = 0: the kernel gave every transfer back). The Flush gets no completion and
+    // wrote nothing back (the cut lost the cached block). Until 2026-12-01 the call waited for
+    // the controller's lock, which the Flush's wait held until the Reads' deadline (~30 s).
+    let Some(mut stalled) = flush_waiting_for_stuck_reads("power-loss-flush") else { return };
+    let cut = Instant::now();
+    stalled.host.device.power_loss();
+    let took = cut.elapsed();
+    assert!(took < STOP_PROMPT, "power_loss() waited {took:?} for the Flush's wait");
+    let csts = ControllerStatusView::read(&stalled);
+    assert!(!csts.ready && !csts.fatal, "not a clean, freshly powered controller: {csts:?}");
+    assert_eq!(stalled.host.registers.read32(registers::CC), 0, "the registers are at their reset values");
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a command the power loss cut short completed");
+    assert_eq!(stalled.host.device.stats().io(NvmOpcode::Flush), 1, "the Flush was fetched before the cut");
+    assert!(cached_block_on_file(&stalled) == [0u8; 4096], "the Flush wrote the cache back despite the cut");
+    stalled.enable_again();
+    stalled.assert_serves_again();
+}
+
+#[test]
+fn a_function_reset_ends_promptly_while_a_flush_waits_for_stuck_transfers() {
+    // Goal: as for a power loss; a function reset writes the cache back itself (it is not a
+    // power loss), once the Reads were cancelled, and the Flush gets no completion.
+    let Some(mut stalled) = flush_waiting_for_stuck_reads("flr-flush") else { return };
+    let reset = Instant::now();
+    stalled.host.device.function_reset().expect("function reset");
+    let took = reset.elapsed();
+    assert!(took < STOP_PROMPT, "function_reset() waited {took:?} for the Flush's wait");
+    let csts = ControllerStatusView::read(&stalled);
+    assert!(!csts.ready && !csts.fatal, "not a clean stop: {csts:?}");
+    assert!(TestHost::try_reap(&mut stalled.queue).is_none(), "a command the function reset cut short completed");
+    assert!(cached_block_on_file(&stalled) == block(0x2C), "the function reset wrote the cache back");
+    stalled.enable_again();
+    stalled.assert_serves_again();
+}
+
+#[test]
+fn dropping_the_device_while_a_flush_waits_for_stuck_transfers_stops_its_thread() {
+    // Goal: dropping the device while a Flush waits for two stuck Reads joins the controller
+    // thread within STOP_PROMPT (the wait gives way to the drop), and the Flush never runs
+    // after it: once the Reads could end, the file still lacks the cached block. Until
+    // 2026-12-01 the drop gave up after 5 s and detached the thread, which, when the Reads
+    // ended, ran the Flush and wrote old cached blocks into the file, over whatever a device
+    // reopened on it wrote meanwhile.
+    let Some(mut stalled) = flush_waiting_for_stuck_reads("drop-flush") else { return };
+    let stand_in = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 1 << 20 })).expect("a stand-in device");
+    let device = std::mem::replace(&mut stalled.host.device, stand_in);
+    assert_eq!(Arc::strong_count(&device), 1, "the test holds the only handle");
+    let dropping = Instant::now();
+    drop(device);
+    let took = dropping.elapsed();
+    // What the Reads wait for: a thread still running them would finish the Flush now.
+    release(&mut stalled);
+    std::thread::sleep(QUIET);
+    assert!(cached_block_on_file(&stalled) == [0u8; 4096], "the dropped device's Flush wrote the cache back");
+    assert!(took < STOP_PROMPT, "the drop took {took:?}: it gave up on the controller thread");
 }
