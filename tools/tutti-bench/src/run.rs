@@ -130,8 +130,14 @@ pub fn with_devices(
     if cli.keep {
         created.keep();
     }
-    // One user per pool, readers included, as tuttid and `tutti pool` take it: held to the end,
-    // so that neither formats or writes under the other, nor reads a pool mid-write.
+    // The lock tuttid and `tutti pool` take (flock on the file or device node named; for vfio:
+    // a lock file per PCI function), held to the end, readers included: runs naming one pool
+    // the same way exclude each other, so that neither formats or writes under the other, nor
+    // reads a pool mid-write. A block device's lock is its node's (a symbolic link such as
+    // /dev/disk/by-id/… is followed to it): the disk named through another node (another /dev,
+    // a node made with mknod) is another lock. Writers still meet in the exclusive claim below,
+    // which is the disk's own; a raw read run takes none, so such a reader is kept from nothing
+    // (it reads what is there, as fio would).
     let _locks = lock_devices(&devices, &cli.lock_dir)?;
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
