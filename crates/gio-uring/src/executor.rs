@@ -335,6 +335,9 @@ pub(crate) mod test_double {
         /// Fail the next `submit` after taking its batch (as an executor that fails part way,
         /// e.g. after a kernel launch): the IOCBs complete on later polls.
         pub fail_next_submit: bool,
+        /// Fail the next `poll` after doing its work (as a poll that completes an IOCB and also
+        /// reports an error about something else, e.g. another device).
+        pub fail_next_poll: bool,
         /// (iocb, ioctx index) → NVMe status to complete with.
         pub faults: Vec<(IocbId, u32, NvmeStatus)>,
         pub pending: VecDeque<IocbId>,
@@ -416,11 +419,14 @@ pub(crate) mod test_double {
         }
 
         fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-            if self.stalled {
-                return Ok(());
+            let fail = std::mem::take(&mut self.fail_next_poll);
+            if !self.stalled {
+                if let Some(id) = self.pending.pop_front() {
+                    self.execute(memory, id)?;
+                }
             }
-            if let Some(id) = self.pending.pop_front() {
-                self.execute(memory, id)?;
+            if fail {
+                return Err(GioError::Executor { executor: self.name(), reason: "failed after its work".into() });
             }
             Ok(())
         }

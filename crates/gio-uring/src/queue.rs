@@ -72,6 +72,9 @@ pub struct GioQueue<E: Executor> {
     /// Completed IOCBs not yet returned by `reap_cqe` / `wait_cqe`, in completion order.
     reaped: VecDeque<IocbId>,
     issue_epoch: u64,
+    /// An error of an executor `poll` in a `wait_cqe` that returned something else (see
+    /// `keep_poll_error`): the next call that polls returns it instead of polling.
+    poll_error: Option<GioError>,
 }
 
 impl<E: Executor> GioQueue<E> {
@@ -105,7 +108,17 @@ impl<E: Executor> GioQueue<E> {
             .collect();
         // Hand out low ids first: pop from the end of a reversed list.
         let free = (0..config.depth).rev().map(IocbId).collect();
-        Ok(Self { memory, executor, devices, registered, iocbs, free, reaped: VecDeque::with_capacity(depth), issue_epoch: 0 })
+        Ok(Self {
+            memory,
+            executor,
+            devices,
+            registered,
+            iocbs,
+            free,
+            reaped: VecDeque::with_capacity(depth),
+            issue_epoch: 0,
+            poll_error: None,
+        })
     }
 
     pub fn config(&self) -> QueueConfig {
@@ -344,7 +357,7 @@ impl<E: Executor> GioQueue<E> {
     /// the executor's `poll` may wait, bounded (the CUDA executor drains its stream, up to its
     /// `drain_timeout`, before it retires a launch that timed out).
     pub fn peek_cqe(&mut self) -> Result<Option<Completion>, GioError> {
-        self.executor.poll(&self.memory)?;
+        self.poll_executor()?;
         self.drain_cq()?;
         Ok(self.reaped.front().and_then(|&id| self.completion_of(id)))
     }
@@ -352,29 +365,66 @@ impl<E: Executor> GioQueue<E> {
     /// Takes the oldest completion not yet reaped. Never waits for a completion (see
     /// [`GioQueue::peek_cqe`] for the executor's bounded waits).
     pub fn reap_cqe(&mut self) -> Result<Option<Completion>, GioError> {
-        self.executor.poll(&self.memory)?;
+        self.poll_executor()?;
         self.drain_cq()?;
         Ok(self.reaped.pop_front().and_then(|id| self.completion_of(id)))
     }
 
+    /// An error an earlier poll kept back (see `poll_error`), else the executor's `poll`.
+    fn poll_executor(&mut self) -> Result<(), GioError> {
+        match self.poll_error.take() {
+            Some(error) => Err(error),
+            None => self.executor.poll(&self.memory),
+        }
+    }
+
+    /// Keeps the error of a poll whose call returns something else (the completion asked for,
+    /// or an error of the CQ) for the next call that polls: it may be about another IOCB or
+    /// another device, and the executor reports it only once.
+    fn keep_poll_error(&mut self, polled: Result<(), GioError>) {
+        if let Err(error) = polled {
+            self.poll_error = Some(error);
+        }
+    }
+
+    /// Takes IOCB `id`'s completion, if its current issue has completed.
+    fn take_completion(&mut self, id: IocbId) -> Option<Completion> {
+        let completion = self.completion_of(id)?;
+        self.forget_reaped(id);
+        Some(completion)
+    }
+
     /// `wait_cqe(id)`: waits until IOCB `id`'s current issue completes, or `deadline` passes.
-    /// Completions of other IOCBs seen meanwhile stay available to `reap_cqe`.
+    /// Completions of other IOCBs seen meanwhile stay available to `reap_cqe`. A deadline already
+    /// passed makes one non-blocking round: poll the executor once, then look at the CQ.
     pub fn wait_cqe(&mut self, id: IocbId, deadline: Instant) -> Result<Completion, GioError> {
         let started = Instant::now();
         let state = self.host(id)?.state;
         if !matches!(state, State::InFlight | State::Completed(_)) {
             return Err(GioError::WrongState { id, state: state.name(), operation: "wait_cqe" });
         }
+        self.drain_cq()?;
+        if let Some(completion) = self.take_completion(id) {
+            return Ok(completion);
+        }
         // Spin briefly (a CPU executor completes in microseconds), then yield the core.
         const SPINS_BEFORE_YIELD: u32 = 256;
         let mut spins = 0u32;
         loop {
-            self.drain_cq()?;
-            if let Some(completion) = self.completion_of(id) {
-                self.forget_reaped(id);
+            // The CQ is read after every poll, before the deadline is checked: with the CPU
+            // executors the poll is what posts CQEs, so one it posted just as the deadline passed
+            // is returned, not reported as a timeout (after which the caller would reset every
+            // queue pair for an IOCB that had succeeded).
+            let polled = self.poll_executor();
+            if let Err(error) = self.drain_cq() {
+                self.keep_poll_error(polled);
+                return Err(error);
+            }
+            if let Some(completion) = self.take_completion(id) {
+                self.keep_poll_error(polled);
                 return Ok(completion);
             }
-            self.executor.poll(&self.memory)?;
+            polled?;
             if Instant::now() >= deadline {
                 return Err(GioError::WaitTimeout { id, waited_ms: started.elapsed().as_millis() });
             }

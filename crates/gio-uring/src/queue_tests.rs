@@ -156,6 +156,45 @@ fn wait_is_bounded_by_its_deadline() {
 }
 
 #[test]
+fn a_completion_posted_by_the_last_poll_before_the_deadline_is_returned() {
+    // Goal: wait_cqe looks at the CQ after its executor's poll, before it gives up: a wait with a
+    // deadline already passed (objstore's non-blocking poll) returns a completion that this poll
+    // posted, instead of WaitTimeout for an IOCB that has completed.
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    queue.fill_iocb(id, &layered(7), &[ioctx(0, 0, 1, 0)]).unwrap();
+    queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    let completion = queue.wait_cqe(id, Instant::now());
+    assert!(matches!(completion, Ok(c) if c.id == id && c.user_data == 7 && c.result == Ok(())), "{completion:?}");
+    assert_eq!(queue.reap_cqe().unwrap(), None, "returned once");
+    queue.put_iocb(id).unwrap();
+}
+
+#[test]
+fn a_poll_error_waits_behind_the_completion_the_same_poll_posted() {
+    // Goal: a poll that posts the awaited CQE and also fails (an error about something else)
+    // does not hide the completion: wait_cqe returns it, and the error comes from the next call
+    // that polls, once. A poll error with nothing completed is returned as before.
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    for (n, &id) in ids.iter().enumerate() {
+        queue.fill_iocb(id, &layered(n as u64), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).unwrap();
+    queue.executor_mut().fail_next_poll = true;
+    assert_eq!(queue.wait_cqe(ids[0], soon()).unwrap().id, ids[0]);
+    let reported = queue.peek_cqe();
+    assert!(matches!(reported, Err(GioError::Executor { .. })), "the error is kept for the next call: {reported:?}");
+    assert_eq!(queue.wait_cqe(ids[1], soon()).unwrap().id, ids[1], "and reported once");
+    queue.executor_mut().stalled = true;
+    queue.executor_mut().fail_next_poll = true;
+    let id = ids[0];
+    queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();
+    let failed = queue.wait_cqe(id, soon());
+    assert!(matches!(failed, Err(GioError::Executor { .. })), "nothing completed: the error at once: {failed:?}");
+}
+
+#[test]
 fn peek_and_reap_never_block_and_keep_completion_order() {
     let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
     let ids = queue.get_iocb(3, Dependency::None).unwrap();
