@@ -288,8 +288,40 @@ bounded() {
     return "$rc"
 }
 
+# dpkg_damaged_depends PKG...: prints (one a line) the installed packages among the Depends
+# and Pre-Depends of PKG, and among theirs (two levels: a metapackage, then the versioned package
+# it names, which holds the files: gcc -> cpp -> cpp-12 has cc1, g++ -> g++-12 ->
+# libstdc++-12-dev), of which `dpkg --verify` finds files missing (conffiles aside: a reinstall
+# does not put those back). Reinstalling PKG alone puts back none of their files.
+dpkg_damaged_depends() {
+    local level package dep verified
+    local -A seen=()
+    local current=("$@") next=()
+    for package in "$@"; do seen[$package]=1; done
+    for level in 1 2; do
+        next=()
+        for package in "${current[@]}"; do
+            # One alternative a line, its version and architecture qualifiers dropped.
+            for dep in $(dpkg-query -W -f='${Depends},${Pre-Depends}\n' "$package" 2> /dev/null |
+                tr ',|' '\n\n' | sed -E 's/\(.*\)//; s/:[a-z0-9]+//; s/[[:space:]]//g'); do
+                [ -z "${seen[$dep]:-}" ] || continue
+                seen[$dep]=1
+                dpkg-query -W -f='${Status}\n' "$dep" 2> /dev/null | grep -qx 'install ok installed' || continue
+                next+=("$dep")
+                # Captured, not piped into grep -q: under pipefail, grep leaving early would make
+                # dpkg's SIGPIPE the pipeline's status.
+                verified=$(timeout -k 10 300 dpkg --verify "$dep" 2> /dev/null)
+                ! grep -qE '^missing +/' <<< "$verified" || echo "$dep"
+            done
+        done
+        current=("${next[@]}")
+    done
+    return 0
+}
+
 # Installs Debian packages unless `check` already succeeds (reinstalls those dpkg lists as
-# installed: files of theirs are gone); then `check` must succeed. An
+# installed: files of theirs are gone, or of their dependencies: dpkg_damaged_depends); then
+# `check` must succeed. An
 # earlier dpkg run that was interrupted makes every apt-get install fail until it is finished,
 # so it is finished first (dpkg_configure_pending: with service starts forbidden).
 ensure_installed() {
@@ -304,16 +336,21 @@ ensure_installed() {
         dpkg_configure_pending
         # A package dpkg lists as installed while the check fails has lost files: a plain install
         # would do nothing (and fail the check on every run), so it is reinstalled.
-        local reinstall=() installed
+        # The files the check needs are often not the named package's but a dependency's (cc1 is
+        # cpp-12's, ensurepip python3.11-venv's, protoc's library libprotoc32's): those of its
+        # installed dependencies that miss files are reinstalled with it.
+        local reinstall=() installed damaged=()
         installed=$(dpkg_installed "$@")
         if [ -n "$installed" ]; then
-            echo "tools/test.sh: reinstalling ${installed//$'\n'/ } (dpkg lists it installed, but '$check' fails)"
+            # shellcheck disable=SC2086 # one package a word
+            mapfile -t damaged < <(dpkg_damaged_depends $installed)
+            echo "tools/test.sh: reinstalling ${installed//$'\n'/ }${damaged[*]:+ and their dependencies ${damaged[*]} (files missing)} (dpkg lists it installed, but '$check' fails)"
             reinstall=(--reinstall)
         fi
         # DPkg::Lock::Timeout: another apt-get running (a second clone's test.sh, unattended
         # upgrades) is waited for, up to 10 minutes, instead of failing at once.
         timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q > /dev/null &&
-            timeout -k 30 1800 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "$@" > /dev/null || return 1
+            timeout -k 30 1800 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "$@" "${damaged[@]}" > /dev/null || return 1
     fi
     eval "$check" > /dev/null 2>&1 || { echo "tools/test.sh: '$check' still fails after installing $*" >&2; return 1; }
 }
@@ -376,7 +413,18 @@ cargo_tests_ran() {
 # the one the scripts run: PATH's python3 (a pyenv shim where there is one), or TUTTI_PYTHON /
 # TUTTI_ENGINE_PYTHON.
 ensure_python3() { ensure_installed 'python3 --version' python3; }
-ensure_gxx() { ensure_installed 'g++ --version' g++; }
+# g++ compiles and links a C++ program that uses the standard library (libstdc++'s headers and
+# library are g++-12's dependencies), as cc_links does for C: a g++ that runs may still lack them.
+gxx_links() {
+    local dir rc
+    dir=$(mktemp -d) || return 1
+    printf '#include <string>\n#include <iostream>\nint main() { std::string s("ok"); std::cout << s.size() - 2; return 0; }\n' > "$dir/check.cc"
+    timeout -k 10 120 g++ -o "$dir/check" "$dir/check.cc" && "$dir/check" > /dev/null
+    rc=$?
+    rm -rf "$dir"
+    return "$rc"
+}
+ensure_gxx() { ensure_installed gxx_links g++; }
 ensure_pip() { ensure_python3 && ensure_installed 'python3 -m pip --version' python3-pip; }
 # Makes a venv and asks its pip for its version: what wheel.sh and engine-env.sh do first.
 python_makes_venvs() {

@@ -43,14 +43,14 @@ vm_busybox_runs() {
     [ -n "$busybox" ] && timeout 30 "$busybox" true > /dev/null 2>&1
 }
 vm_install_host_tools() {
-    local missing=() reinstall=() installed
+    local missing=() reinstall=() installed damaged=()
     timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || missing+=(qemu-system-x86)
     # Run, not looked up in dpkg's status: a package dpkg lists whose binary is gone is missing.
     vm_busybox_runs || missing+=(busybox-static)
-    command -v cpio > /dev/null || missing+=(cpio)
-    command -v xz > /dev/null || missing+=(xz-utils)
-    command -v zstd > /dev/null || missing+=(zstd)
-    command -v strip > /dev/null || missing+=(binutils)
+    timeout 30 cpio --version > /dev/null 2>&1 || missing+=(cpio)
+    timeout 30 xz --version > /dev/null 2>&1 || missing+=(xz-utils)
+    timeout 30 zstd --version > /dev/null 2>&1 || missing+=(zstd)
+    timeout 30 strip --version > /dev/null 2>&1 || missing+=(binutils)
     # vm_extract_vmlinux checks the vmlinux it extracts with python3.
     timeout 60 python3 -c '' > /dev/null 2>&1 || missing+=(python3)
     # vm_cargo_static builds `tutti` with its cluster support, whose etcd-client build script runs
@@ -62,11 +62,16 @@ vm_install_host_tools() {
         export DEBIAN_FRONTEND=noninteractive
         : > "$VM_DIR/logs/apt.log"
         dpkg_configure_pending "$VM_DIR/logs/apt.log"
-        # One that dpkg lists as installed has lost files: a plain install would do nothing.
+        # One that dpkg lists as installed has lost files: a plain install would do nothing. The
+        # files may be a dependency's (strip is binutils-x86-64-linux-gnu's, protoc's library
+        # libprotoc32's): those of its installed dependencies that miss files are reinstalled too.
         installed=$(dpkg_installed "${missing[@]}")
         if [ -n "$installed" ]; then
-            vm_log "reinstalling ${installed//$'\n'/ } (dpkg lists it installed, but its check fails)"
+            # shellcheck disable=SC2086 # one package a word
+            mapfile -t damaged < <(dpkg_damaged_depends $installed)
+            vm_log "reinstalling ${installed//$'\n'/ }${damaged[*]:+ and their dependencies ${damaged[*]} (files missing)} (dpkg lists it installed, but its check fails)"
             reinstall=(--reinstall)
+            missing+=("${damaged[@]}")
         fi
         # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
         # minutes, instead of failing at once.
@@ -80,6 +85,38 @@ vm_install_host_tools() {
     # The guest has no libc: it needs the statically linked busybox, not the dynamic package's.
     VM_BUSYBOX=$(vm_static_busybox)
     vm_busybox_runs || vm_die "no static busybox that runs${VM_BUSYBOX:+ ($VM_BUSYBOX)} (package busybox-static)"
+}
+
+# dpkg_damaged_depends PKG...: prints (one a line) the installed packages among the Depends
+# and Pre-Depends of PKG, and among theirs (two levels: a metapackage, then the versioned package
+# it names, which holds the files: gcc -> cpp -> cpp-12 has cc1, g++ -> g++-12 ->
+# libstdc++-12-dev), of which `dpkg --verify` finds files missing (conffiles aside: a reinstall
+# does not put those back). Reinstalling PKG alone puts back none of their files. (The same as
+# tools/test.sh's, which does not source this file.)
+dpkg_damaged_depends() {
+    local level package dep verified
+    local -A seen=()
+    local current=("$@") next=()
+    for package in "$@"; do seen[$package]=1; done
+    for level in 1 2; do
+        next=()
+        for package in "${current[@]}"; do
+            # One alternative a line, its version and architecture qualifiers dropped.
+            for dep in $(dpkg-query -W -f='${Depends},${Pre-Depends}\n' "$package" 2> /dev/null |
+                tr ',|' '\n\n' | sed -E 's/\(.*\)//; s/:[a-z0-9]+//; s/[[:space:]]//g'); do
+                [ -z "${seen[$dep]:-}" ] || continue
+                seen[$dep]=1
+                dpkg-query -W -f='${Status}\n' "$dep" 2> /dev/null | grep -qx 'install ok installed' || continue
+                next+=("$dep")
+                # Captured, not piped into grep -q: under pipefail, grep leaving early would make
+                # dpkg's SIGPIPE the pipeline's status.
+                verified=$(timeout -k 10 300 dpkg --verify "$dep" 2> /dev/null)
+                ! grep -qE '^missing +/' <<< "$verified" || echo "$dep"
+            done
+        done
+        current=("${next[@]}")
+    done
+    return 0
 }
 
 # What linux-image-amd64 depends on in the package lists (empty when it cannot be resolved).
