@@ -283,6 +283,12 @@ fn walk_sgl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>>(
     Ok(())
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Sets of visited segments `SglWalk::follow` made on this thread (a test of when it makes one).
+    static LOOP_SETS_MADE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 struct SglWalk<'a, F> {
     sink: &'a mut F,
     total_bytes: u64,
@@ -305,10 +311,14 @@ impl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>> SglWalk<'_, F> {
     }
 
     fn follow(&mut self, dma: &HostAccess<'_>, mut segment: SglDescriptor) -> Result<(), NvmeStatus> {
-        let mut visited = HashSet::new();
+        // The segments visited, to find a loop: made only at the second hop, since a Last
+        // Segment (the driver's SGL for every command of more than one piece) ends the walk at
+        // the first, and the set's first insert is a heap allocation, one per I/O otherwise.
+        let first_address = segment.address;
+        let mut visited: Option<HashSet<u64>> = None;
         let mut descriptors_seen = 0u64;
         // Each hop reads at least one descriptor, so the descriptor bound bounds the hops.
-        for _ in 0..MAX_SGL_DESCRIPTORS {
+        for hop in 0..MAX_SGL_DESCRIPTORS {
             if segment.subtype() != 0 {
                 return Err(generic(codes::SGL_DESCRIPTOR_TYPE_INVALID));
             }
@@ -321,8 +331,15 @@ impl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>> SglWalk<'_, F> {
             if descriptors_seen > MAX_SGL_DESCRIPTORS {
                 return Err(generic(codes::INVALID_SGL_DESCRIPTOR_COUNT));
             }
-            if !visited.insert(segment.address) {
-                return Err(generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR));
+            if hop > 0 {
+                let visited = visited.get_or_insert_with(|| {
+                    #[cfg(test)]
+                    LOOP_SETS_MADE.with(|made| made.set(made.get() + 1));
+                    HashSet::from([first_address])
+                });
+                if !visited.insert(segment.address) {
+                    return Err(generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR));
+                }
             }
             let last = segment.kind() == SglDescriptorType::LastSegment;
             let next = self.read_segment(dma, segment.address, count, last)?;
@@ -377,6 +394,8 @@ impl<F: FnMut(u64, u64) -> Result<(), NvmeStatus>> SglWalk<'_, F> {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::Cell;
+
     use super::*;
     use nvme_driver::hw::{DmaAllocator, DmaPool};
 
@@ -479,5 +498,42 @@ mod tests {
         write_descriptors(768, &[SglDescriptor::last_segment(seg, 1)]);
         let nested = SglDescriptor::last_segment(seg + 768, 1).to_dptr();
         assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), nested, 10), Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR)));
+        // A loop back to the first segment: Segment A -> Segment B -> A.
+        write_descriptors(1024, &[SglDescriptor::data_block(base, 1), SglDescriptor::segment(seg + 1280, 2)]);
+        write_descriptors(1280, &[SglDescriptor::data_block(base, 1), SglDescriptor::segment(seg + 1024, 2)]);
+        let back = SglDescriptor::segment(seg + 1024, 2).to_dptr();
+        assert_eq!(
+            sgl_ranges(&HostAccess::new(&dma, None), back, 1 << 20),
+            Err(NvmeStatus::generic(codes::INVALID_SGL_SEGMENT_DESCRIPTOR))
+        );
+    }
+
+    #[test]
+    fn a_last_segment_resolves_without_the_set_of_visited_segments() {
+        // Goal: the SGL the driver sends for every command of more than one piece, a Last
+        // Segment of data blocks, resolves without making the set that finds loops (a heap
+        // allocation per I/O, against the no-per-I/O-allocation rule); a chain of two segments
+        // or more makes it. Until 2026-12-01 the set's first insert, at the first segment,
+        // allocated for a Last Segment too. (A counting allocator would be the direct test, but
+        // the crate forbids unsafe code: `LOOP_SETS_MADE` counts the set's creations.)
+        let dma = DmaPool::identity();
+        let data = dma.allocate(2 * 4096).unwrap();
+        let segs = dma.allocate(4096).unwrap();
+        let base = data.iova().0;
+        for (index, descriptor) in [SglDescriptor::data_block(base, 4096), SglDescriptor::data_block(base + 4096, 4096)].iter().enumerate()
+        {
+            segs.write(index * 16, &descriptor.to_bytes()).unwrap();
+        }
+        let dptr = SglDescriptor::last_segment(segs.iova().0, 2).to_dptr();
+        let made_before = LOOP_SETS_MADE.with(Cell::get);
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), dptr, 2 * 4096).unwrap(), vec![(base, 4096), (base + 4096, 4096)]);
+        assert_eq!(LOOP_SETS_MADE.with(Cell::get), made_before, "resolving a Last Segment made the set of visited segments");
+        // A chain of two segments makes it (the counter counts).
+        segs.write(0, &SglDescriptor::data_block(base, 4096).to_bytes()).unwrap();
+        segs.write(16, &SglDescriptor::last_segment(segs.iova().0 + 256, 1).to_bytes()).unwrap();
+        segs.write(256, &SglDescriptor::data_block(base + 4096, 4096).to_bytes()).unwrap();
+        let chained = SglDescriptor::segment(segs.iova().0, 2).to_dptr();
+        assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), chained, 2 * 4096).unwrap(), vec![(base, 4096), (base + 4096, 4096)]);
+        assert_eq!(LOOP_SETS_MADE.with(Cell::get), made_before + 1);
     }
 }
