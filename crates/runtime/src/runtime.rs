@@ -334,7 +334,10 @@ impl<E: Executor> Runtime<E> {
             // is read as usual.
             incoming = limit_blocks;
         }
-        if incoming > 0 && !self.make_room(incoming, hit > 0)? {
+        // A fully cached prompt has no store but its retrieve still needs a request slot: room
+        // is made for it too (before, only for new blocks, and with the queue and the retiring
+        // requests holding every slot `prepare_retrieve` failed `TooManyRequests`).
+        if (incoming > 0 || hit > 0) && !self.make_room(incoming, hit > 0)? {
             // The retiring requests leave no request slot for the store beside the retrieve
             // (`stores_skipped_no_request_slot`): the retrieve runs, nothing is stored.
             incoming = 0;

@@ -490,6 +490,42 @@ fn a_retiring_request_counts_against_the_queues_request_slots() {
     });
 }
 
+#[test]
+fn a_fully_cached_prefill_makes_room_for_its_retrieve() {
+    // Goal: a fully cached prompt (no new block, so no store) still needs a request slot for its
+    // retrieve, and `begin_prefill` makes room for it as for a store: with `requests_max` 3, two
+    // requests retiring and a store queued, the store is forced out under `ForceOldest` and the
+    // prefill runs; under `Refuse` it is refused naming the request slots. Before, `make_room`
+    // ran only for new blocks: `prepare_retrieve` failed `TooManyRequests` under either, for
+    // every fully cached prefill while the requests retired.
+    bounded(|| {
+        let first = prompt(0, 0);
+        let blocks = [30, 31, 32, 33];
+        let mut stack = two_retiring(WriteQueueFullAction::ForceOldest);
+        let other = other_session(0);
+        assert_eq!(prefill(&mut stack, &other, &[20, 21, 22, 23]).unwrap(), 0);
+        assert_eq!(stack.runtime.queued_stores(), 1);
+        assert_eq!(prefill(&mut stack, &first, &blocks).unwrap(), 4, "every block cached");
+        assert!(stack.engine.holds(&first, 0..4, &blocks, common::geometry().layers));
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_forced, counters.stores_refused), (1, 0), "{counters:?}");
+        assert!(stack.runtime.abandon_in_flight().unwrap() >= 2);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&other), 4);
+
+        let mut stack = two_retiring(WriteQueueFullAction::Refuse);
+        assert_eq!(prefill(&mut stack, &other, &[20, 21, 22, 23]).unwrap(), 0);
+        match stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &blocks }) {
+            Err(error @ RuntimeError::WriteQueueFull { .. }) => {
+                let message = error.to_string();
+                assert!(message.contains("request slots") && message.contains("2 retiring"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(stack.runtime.queued_stores(), 1, "refused: nothing forced");
+    });
+}
+
 /// A stack with `requests_max` 3 (`write_queue_limit_stores` 2, the deepest allowed) and two
 /// requests retiring (reads whose completions the device lost), the queue empty.
 fn two_retiring(action: WriteQueueFullAction) -> Stack {
