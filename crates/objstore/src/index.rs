@@ -3,35 +3,81 @@
 //! being stored (so that two requests sharing a prefix store it once).
 //!
 //! Everything is sized at open: the per-slot arrays never grow, the LRU list is intrusive
-//! (prev/next indices in the slot array), and keys are already uniformly mixed, so the hash maps
-//! use them as their own hash.
+//! (prev/next indices in the slot array), and keys are already uniformly mixed, so the hash map
+//! needs only a cheap mix with a per-process secret ([`KeyHasher`]: one multiply), there so
+//! that keys a client ground to collide do not.
 
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, Hasher};
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::BlockRecord;
 
-/// A hasher for keys that are already hashes.
-#[derive(Default)]
-pub struct KeyHasher(u64);
+/// The map's hasher: a key is already a hash, but not a secret one. Keys are chained hashes
+/// of tokens by a public scheme, and a tuttid client chooses the tokens (and knows its key
+/// seed), so it can grind keys that agree in their low bits (the bucket index) or top 7 (the
+/// tag compared before the key); hashed as themselves they would all probe one chain, every
+/// insert and lookup walking it under the pool's single lock, stalling every client. So the
+/// key is mixed with a secret chosen once per process ([`KeyBuild`]): xored, then one
+/// 64x64->128 multiply by an odd secret, folded (every bit of the key reaches the low bits and
+/// the top ones). A plain multiply would not do: its low bits depend only on the key's low bits.
+pub struct KeyHasher {
+    state: u64,
+    multiplier: u64,
+    xor: u64,
+}
 
 impl Hasher for KeyHasher {
     fn finish(&self) -> u64 {
-        self.0
+        let product = u128::from(self.state ^ self.xor) * u128::from(self.multiplier);
+        (product as u64) ^ ((product >> 64) as u64)
     }
     fn write(&mut self, bytes: &[u8]) {
         for &byte in bytes {
-            self.0 = (self.0 << 8) ^ u64::from(byte);
+            self.state = (self.state << 8) ^ u64::from(byte);
         }
     }
     fn write_u64(&mut self, value: u64) {
-        self.0 = value;
+        self.state = value;
     }
 }
 
-type KeyBuild = BuildHasherDefault<KeyHasher>;
+/// Builds [`KeyHasher`]s with the process's secret: every map of the process hashes alike, and
+/// the secret is never on disk or on the socket (the maps are rebuilt at every open).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyBuild {
+    multiplier: u64,
+    xor: u64,
+}
+
+impl KeyBuild {
+    /// With a given secret (tests); the multiplier is made odd.
+    #[cfg(test)]
+    fn with_secret(multiplier: u64, xor: u64) -> Self {
+        Self { multiplier: multiplier | 1, xor }
+    }
+}
+
+impl Default for KeyBuild {
+    fn default() -> Self {
+        // std's RandomState draws its keys from the OS's randomness (once per thread, then
+        // counted on): hashing two constants with one gives two secret words, no new crate.
+        static SECRET: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+        let &(multiplier, xor) = SECRET.get_or_init(|| {
+            let random = std::collections::hash_map::RandomState::new();
+            (random.hash_one(1u64) | 1, random.hash_one(2u64))
+        });
+        Self { multiplier, xor }
+    }
+}
+
+impl BuildHasher for KeyBuild {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher { state: 0, multiplier: self.multiplier, xor: self.xor }
+    }
+}
 
 /// A key's entry: where its block lives once committed, or a claim by a store in flight (one
 /// map serves both, so `prepare_store` probes once per block).

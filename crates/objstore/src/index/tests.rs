@@ -421,3 +421,44 @@ fn kept_counts_match_a_walk_after_every_operation() {
     let counts = index.counts();
     assert!(counts.evictions > 0 && counts.cached_blocks > 0 && counts.pinned_slots > 0, "the run reached eviction and pins: {counts:?}");
 }
+
+/// Distinct values of the low `bits` bits of the map's hashes of `keys`.
+fn distinct_low_bits(build: &KeyBuild, keys: &[u64], bits: u32) -> usize {
+    use std::hash::BuildHasher;
+    let mut low: Vec<u64> = keys.iter().map(|&key| build.hash_one(key) & ((1 << bits) - 1)).collect();
+    low.sort_unstable();
+    low.dedup();
+    low.len()
+}
+
+#[test]
+fn keys_ground_to_share_their_low_bits_spread_over_the_buckets() {
+    // Goal: a tuttid client chooses the tokens its keys come from, and the key scheme is
+    // public, so it can grind keys whose low 20 bits agree. The map used the key as its own
+    // hash, so such keys all fell in one bucket group: each insert and lookup walked one long
+    // probe chain under the pool's single lock. Hashed with the process's secret, their hashes'
+    // low bits (the bucket index) spread: of 256 such keys, at least 250 distinct values of
+    // the low 16 bits (a uniform hash leaves ~0.5 pairs colliding).
+    // Fixed secrets first (deterministic), then the process's own (random: the bounds are
+    // over 6 standard deviations from what a uniform hash gives).
+    let keys: Vec<u64> = (1..=256u64).map(|i| i.wrapping_mul(0x9E37_79B9) << 20 | 0xABCDE).collect();
+    let secrets = [(0x9E37_79B9_7F4A_7C15, 0), (0xA076_1D64_78BD_642F, 0xABCDE), (0xD6E8_FEB8_6659_FD93, 0x0123_4567_89AB_CDEF)];
+    let builds = secrets.iter().map(|&(multiplier, xor)| KeyBuild::with_secret(multiplier, xor)).chain([KeyBuild::default()]);
+    for (n, build) in builds.enumerate() {
+        let low = distinct_low_bits(&build, &keys, 16);
+        assert!(low >= 250, "secret {n}: {low} distinct bucket indices of 256 keys");
+        // The top 7 bits (hashbrown's tag, compared before the key) spread too: ~111 of 128.
+        let tags = {
+            use std::hash::BuildHasher;
+            let mut tags: Vec<u64> = keys.iter().map(|&key| build.hash_one(key) >> 57).collect();
+            tags.sort_unstable();
+            tags.dedup();
+            tags.len()
+        };
+        assert!(tags >= 90, "secret {n}: {tags} distinct tags of 128");
+    }
+    // One secret per process: every map hashes a key alike.
+    let (a, b) = (KeyBuild::default(), KeyBuild::default());
+    assert_eq!((a.multiplier, a.xor), (b.multiplier, b.xor));
+    assert_eq!(a.multiplier & 1, 1, "an odd multiplier");
+}
