@@ -680,6 +680,23 @@ mod tests {
     }
 
     #[test]
+    fn a_superblock_is_taken_on_a_larger_namespace_and_refused_on_one_its_slots_do_not_fit() {
+        // Goal: decode re-plans the layout with the recorded slot count, so what it asks of the
+        // namespace is that those slots fit: a superblock read on twice the namespace it was
+        // formatted on (a copy onto a larger device, or a namespace grown since) is accepted,
+        // the rest unused; on half of it, where its slots reach past the end, it is
+        // CorruptSuperblock (docs/objstore.md, "Superblock", says so).
+        let sb = plan();
+        let size_blocks = 16 << 11;
+        assert_eq!(Superblock::decode(&sb.encode(), 0, 512, size_blocks * 2).unwrap(), sb);
+        let error = Superblock::decode(&sb.encode(), 0, 512, size_blocks / 2).unwrap_err();
+        assert!(matches!(error, ObjstoreError::CorruptSuperblock { .. }), "{error}");
+        // A pool formatted with fewer slots than its namespace holds also fits a smaller one.
+        let few = Superblock::plan(small(), 1, 512, size_blocks, Some(16), [7; 16], 0, 2, 0).unwrap();
+        assert_eq!(Superblock::decode(&few.encode(), 0, 512, size_blocks / 2).unwrap(), few);
+    }
+
+    #[test]
     fn damaged_superblocks_are_typed_errors() {
         // Goal: truncation, wrong magic, CRC failure, newer version, foreign LBA size, and a
         // layout that does not fit the namespace: each refused with what was expected.
