@@ -288,37 +288,6 @@ bounded() {
     return "$rc"
 }
 
-# dpkg_damaged_depends PKG...: prints (one a line) the installed packages among the Depends
-# and Pre-Depends of PKG, and among theirs (two levels: a metapackage, then the versioned package
-# it names, which holds the files: gcc -> cpp -> cpp-12 has cc1, g++ -> g++-12 ->
-# libstdc++-12-dev), of which `dpkg --verify` finds files missing (conffiles aside: a reinstall
-# does not put those back). Reinstalling PKG alone puts back none of their files.
-dpkg_damaged_depends() {
-    local level package dep verified
-    local -A seen=()
-    local current=("$@") next=()
-    for package in "$@"; do seen[$package]=1; done
-    for level in 1 2; do
-        next=()
-        for package in "${current[@]}"; do
-            # One alternative a line, its version and architecture qualifiers dropped.
-            for dep in $(dpkg-query -W -f='${Depends},${Pre-Depends}\n' "$package" 2> /dev/null |
-                tr ',|' '\n\n' | sed -E 's/\(.*\)//; s/:[a-z0-9]+//; s/[[:space:]]//g'); do
-                [ -z "${seen[$dep]:-}" ] || continue
-                seen[$dep]=1
-                dpkg-query -W -f='${Status}\n' "$dep" 2> /dev/null | grep -qx 'install ok installed' || continue
-                next+=("$dep")
-                # Captured, not piped into grep -q: under pipefail, grep leaving early would make
-                # dpkg's SIGPIPE the pipeline's status.
-                verified=$(timeout -k 10 300 dpkg --verify "$dep" 2> /dev/null)
-                ! grep -qE '^missing +/' <<< "$verified" || echo "$dep"
-            done
-        done
-        current=("${next[@]}")
-    done
-    return 0
-}
-
 # Installs Debian packages unless `check` already succeeds (reinstalls those dpkg lists as
 # installed: files of theirs are gone, or of their dependencies: dpkg_damaged_depends); then
 # `check` must succeed. An
