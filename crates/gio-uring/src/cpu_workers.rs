@@ -55,6 +55,9 @@ enum Message {
         done: SyncSender<bool>,
     },
     Stop,
+    /// Tests only: the worker panics, as one hitting a bug would.
+    #[cfg(test)]
+    Panic,
 }
 
 /// How long `reset` waits for all workers to delete and replace their queue pairs (they do so
@@ -72,6 +75,8 @@ struct Worker {
     /// `submit` can tell before it consumes anything whether a batch's messages fit.
     queued: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
+    /// `poll` has reported that this worker stopped (it does so once).
+    stop_reported: bool,
 }
 
 impl Worker {
@@ -291,6 +296,8 @@ impl CpuWorkers {
                 let _ = done.send(core.retire_queue_pairs() == Some(true));
             }
             Message::Stop => return false,
+            #[cfg(test)]
+            Message::Panic => panic!("a test told this worker to panic"),
         }
         true
     }
@@ -374,7 +381,7 @@ impl Executor for CpuWorkers {
                 .name(format!("gio-cpu-{index}"))
                 .spawn(move || Self::run(memory, core, receiver, counter, failure))
                 .map_err(|error| GioError::Executor { executor: "cpu-workers", reason: format!("spawn: {error}") })?;
-            self.workers.push(Worker { sender, queued, thread: Some(thread) });
+            self.workers.push(Worker { sender, queued, thread: Some(thread), stop_reported: false });
         }
         Ok(())
     }
@@ -490,10 +497,19 @@ impl Executor for CpuWorkers {
         // CQEs a worker (or a reset) built but could not post: posted here, on the caller's
         // thread, as the CPU executor does in its poll.
         let reposted = crate::executor::repost_kept_cqes(memory);
-        match self.failure.take() {
-            Some(reason) => Err(GioError::Executor { executor: "cpu-workers", reason }),
-            None => reposted,
+        if let Some(reason) = self.failure.take() {
+            return Err(GioError::Executor { executor: "cpu-workers", reason });
         }
+        // A worker ends only when `drop` tells it to, so one that has ended now panicked: the
+        // IOCTXs dealt to it never complete and no reset can replace its pairs. Said once per
+        // worker, at the first poll after (one atomic load per worker while all run), instead of
+        // only as every wait's timeout and every later reset's failure. Any worker counts, dealt
+        // IOCTXs or not: either way the executor cannot be reset any more.
+        if let Some((worker, state)) = self.workers.iter_mut().enumerate().find(|(_, worker)| !worker.stop_reported && worker.stopped()) {
+            state.stop_reported = true;
+            return Err(GioError::WorkerStopped { worker });
+        }
+        reposted
     }
 
     /// Deletes every worker's queue pairs (each worker its own, on its thread; those a failed
@@ -772,6 +788,25 @@ mod tests {
         assert!(matches!(&failure, Some(GioError::Executor { reason, .. }) if reason.contains("worker 0 did not replace")), "{failure:?}");
         assert!(took < Duration::from_millis(600), "4 silent workers held the reset {took:?}, bound 200 ms");
         drop(senders);
+    }
+
+    #[test]
+    fn a_worker_that_stopped_is_reported_by_the_next_poll_once() {
+        // Goal: a worker thread that ended (a panic) used to go unreported: the IOCBs dealt to it
+        // waited out their deadlines, and every reset then failed with no earlier sign. The next
+        // poll reports it, as `WorkerStopped` naming the worker, once; the healthy workers go on.
+        let mut queue = queue_without_devices(2);
+        queue.peek_cqe().expect("healthy workers: nothing to report");
+        queue.executor_mut().workers[1].try_send(Message::Panic).expect("worker 1 takes the message");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !queue.executor_mut().workers[1].stopped() {
+            assert!(Instant::now() < deadline, "worker 1 did not stop");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let reported = queue.peek_cqe();
+        assert!(matches!(reported, Err(GioError::WorkerStopped { worker: 1 })), "{reported:?}");
+        assert!(queue.peek_cqe().is_ok(), "reported once");
+        assert!(!queue.executor_mut().workers[0].stopped(), "worker 0 runs on");
     }
 
     #[test]

@@ -108,6 +108,13 @@ pub enum GioError {
     WaitTimeout { id: IocbId, waited_ms: u128 },
     #[error("executor {executor}: {reason}")]
     Executor { executor: &'static str, reason: String },
+    /// A worker thread of [`crate::cpu_workers::CpuWorkers`] has ended (it panicked: see the
+    /// log) while the executor was in use. Reported once per worker, by `poll`. The IOCTXs dealt
+    /// to it never complete and a reset cannot replace its queue pairs, so the IOCBs in flight
+    /// end only when their waits time out, and the executor runs no more issues that need that
+    /// worker: drop the queue and build another.
+    #[error("executor cpu-workers: worker {worker} has stopped: its IOCTXs never complete and no reset can replace its queue pairs")]
+    WorkerStopped { worker: usize },
     /// `issue_io` published the issue and the executor then failed: the IOCBs are in flight, not
     /// back to where they were. Each still completes exactly once (at once, once launches ahead
     /// of it retire, or after a reset of the CPU executor's queue pairs), so wait for (or reap)
