@@ -253,12 +253,16 @@ impl ControllerCore {
 
     fn delete_submission_queue(&mut self, entry: &SubmissionEntry) -> CommandResult {
         let queue_id = (entry.cdw10 & 0xFFFF) as u16;
-        let slot = self.submission_queues.get_mut(usize::from(queue_id)).filter(|_| queue_id != 0);
-        match slot {
-            Some(slot @ Some(_)) => *slot = None,
-            _ => return Err(command_specific(codes::INVALID_QUEUE_IDENTIFIER)),
+        let exists = queue_id != 0 && self.submission_queues.get(usize::from(queue_id)).is_some_and(Option::is_some);
+        if !exists {
+            return Err(command_specific(codes::INVALID_QUEUE_IDENTIFIER));
         }
-        self.drop_pending_for(queue_id);
+        // Its commands whose completions are held back complete first, ahead of this one's
+        // (nothing of it is in flight: an admin command waits for every transfer).
+        self.complete_held_for(queue_id);
+        if let Some(slot) = self.submission_queues.get_mut(usize::from(queue_id)) {
+            *slot = None;
+        }
         Ok(0)
     }
 

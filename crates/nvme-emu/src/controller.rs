@@ -765,25 +765,35 @@ impl ControllerCore {
         index.filter(|&index| index < self.namespaces.len()).ok_or(generic(codes::INVALID_NAMESPACE))
     }
 
-    /// Forgets delayed completions of a deleted submission queue (they would name a dead queue).
-    pub(crate) fn drop_pending_for(&mut self, submission_queue_id: u16) {
-        let completion_queues = &mut self.completion_queues;
+    /// Posts now the completions held back for commands of submission queue
+    /// `submission_queue_id`, which is being deleted: by a fault plan's delay or by the timing
+    /// model. Each of those commands ran (its data moved, its write reached the cache or the
+    /// store) and only its completion waited, so it completes with its own status, not
+    /// Command Aborted due to SQ Deletion, which would tell the host that a write that landed
+    /// did not happen. NVMe wants the commands of a deleted SQ completed or aborted before the
+    /// Delete completes (its completion is posted after these), and their CQ still exists (it
+    /// cannot be deleted while the SQ is bound to it). Each frees the CQ slot it reserved.
+    /// Called before the SQ goes, so each reports the SQ's final head.
+    pub(crate) fn complete_held_for(&mut self, submission_queue_id: u16) {
+        // A queue deletion is rare: a list of its held completions is no per-I/O allocation.
+        let mut held: Vec<(u16, CompletionEntry)> = Vec::new();
         if let Some(timing) = self.timing.as_mut() {
-            timing.drop_for(submission_queue_id, |completion_queue_id| {
-                if let Some(Some(queue)) = completion_queues.get_mut(usize::from(completion_queue_id)) {
-                    queue.reserved = queue.reserved.saturating_sub(1);
-                }
-            });
+            timing.take_for(submission_queue_id, |completion_queue_id, entry| held.push((completion_queue_id, entry)));
         }
         self.pending.retain(|pending| {
             let keep = pending.entry.sq_id != submission_queue_id;
             if !keep {
-                if let Some(Some(queue)) = completion_queues.get_mut(usize::from(pending.completion_queue_id)) {
-                    queue.reserved = queue.reserved.saturating_sub(1);
-                }
+                held.push((pending.completion_queue_id, pending.entry));
             }
             keep
         });
+        for (completion_queue_id, mut entry) in held {
+            if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(completion_queue_id)) {
+                queue.reserved = queue.reserved.saturating_sub(1);
+            }
+            entry.sq_head = self.current_sq_head(entry.sq_id, u32::from(entry.sq_head));
+            self.post(completion_queue_id, entry);
+        }
     }
 
     /// Whether the host has created any I/O queue.

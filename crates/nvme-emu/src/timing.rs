@@ -236,13 +236,15 @@ impl TimingState {
         }
     }
 
-    /// Drops the held completions of a deleted submission queue (their transfers stop flowing).
-    pub(crate) fn drop_for(&mut self, submission_queue_id: u16, mut release: impl FnMut(u16)) {
+    /// Takes out the held completions of a submission queue being deleted (their transfers stop
+    /// flowing), handing each one's completion queue id and entry to `taken`: the caller posts
+    /// them at once and frees their reserved slots.
+    pub(crate) fn take_for(&mut self, submission_queue_id: u16, mut taken: impl FnMut(u16, CompletionEntry)) {
         for pipe in [&mut self.reads, &mut self.writes] {
             pipe.retain(|command| {
                 let keep = command.entry.sq_id != submission_queue_id;
                 if !keep {
-                    release(command.completion_queue_id);
+                    taken(command.completion_queue_id, command.entry);
                 }
                 keep
             });
@@ -352,10 +354,10 @@ mod tests {
         state.admit(start, false, MIB, (1, CompletionEntry { sq_id: 1, ..CompletionEntry::default() }), &mut finished);
         state.admit(start, true, MIB, (2, CompletionEntry { sq_id: 2, ..CompletionEntry::default() }), &mut finished);
         let mut released = Vec::new();
-        state.drop_for(2, |queue| released.push(queue));
-        assert_eq!(released, [2]);
-        state.clear(|queue| released.push(queue));
-        assert_eq!(released, [2, 1]);
+        state.take_for(2, |queue, entry| released.push((queue, entry.sq_id)));
+        assert_eq!(released, [(2, 2)]);
+        state.clear(|queue| released.push((queue, 0)));
+        assert_eq!(released, [(2, 2), (1, 0)]);
         assert_eq!(state.next_due(), None);
     }
 

@@ -115,11 +115,14 @@ fn fault_rules_filter_by_queue_and_opcode() {
 
 #[test]
 fn deleting_a_queue_with_a_delayed_completion_pending_is_clean() {
-    // Goal: deleting an SQ forgets its delayed completion and frees the CQ slot it held. The CQ
-    // (4 entries: 3 usable) stays and a new SQ 1 is created on it: three Flushes in one doorbell
-    // all complete at once (the held slot would leave room for two until the delay ran out), and
-    // the stale completion (the old command id) never arrives. Until 2026-11-29 this test
-    // deleted the CQ too and passed just as well without `drop_pending_for`.
+    // Goal: deleting an SQ posts its delayed completion at once (the command ran; NVMe wants
+    // the commands of a deleted SQ completed or aborted, and the CQ still exists), ahead of the
+    // Delete's own completion, and frees the CQ slot it held. The CQ (4 entries: 3 usable)
+    // stays and a new SQ 1 is created on it: three Flushes in one doorbell all complete at once
+    // (the held slot would leave room for two until the delay ran out), and the delayed
+    // completion never arrives a second time. Until 2026-11-29 this test deleted the CQ too
+    // and passed just as well without `drop_pending_for`; until 2026-12-01 the deletion dropped
+    // the delayed completion.
     const DELAY: Duration = Duration::from_millis(300);
     let mut host = TestHost::start(memory_config());
     let mut queue = host.create_io_pair(1, 4);
@@ -133,6 +136,9 @@ fn deleting_a_queue_with_a_delayed_completion_pending_is_clean() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
+    let held = TestHost::try_reap(&mut queue).expect("the delayed Flush completed with its deleted SQ");
+    assert_eq!((held.command_id(), status_of(&held)), (delayed, Ok(())));
+    host.ring_completion(&queue);
     queue.submission = host.buffer(4 * 64);
     queue.tail = 0;
     let created = host.admin(SubmissionEntry::create_io_submission_queue(1, 4, queue.submission.iova().0, 1));

@@ -135,17 +135,24 @@ fn each_command_waits_at_least_the_command_latency() {
 }
 
 #[test]
-fn deleting_a_queue_drops_what_the_model_held_and_frees_its_completion_slots() {
-    // Goal: three reads held for seconds on a 4-entry queue (3 usable slots) are dropped with
-    // their SQ; the SQ recreated on the same CQ runs new commands at once, and they do not wait
-    // behind the dropped transfers in the model's pipe.
+fn deleting_a_queue_completes_what_the_model_held_and_frees_its_completion_slots() {
+    // Goal: three reads held for seconds on a 4-entry queue (3 usable slots), their data already
+    // moved, complete (success, on the CQ, which still exists) when their SQ is deleted, before
+    // the Delete's own completion, rather than vanish (NVMe: commands of a deleted SQ are
+    // completed or aborted); their slots are free once the host reaped them, so the SQ recreated
+    // on the same CQ runs new commands at once, and they do not wait behind the deleted SQ's
+    // transfers in the model's pipe. Until 2026-12-01 the held completions were dropped.
     let mut host = start(Some(model(1, 1024, 1000, Duration::ZERO)));
     let mut queue = host.create_io_pair(1, 4);
     let buffers: Vec<_> = (0..3).map(|_| host.buffer(CHUNK_BYTES)).collect();
-    for (index, buffer) in buffers.iter().enumerate() {
-        let entry = SubmissionEntry::read(NamespaceId(1), Lba(index as u64 * 32), block_count(32));
-        TestHost::push(&mut queue, with_sgl(entry, buffer, CHUNK_BYTES as u32));
-    }
+    let reads: Vec<_> = buffers
+        .iter()
+        .enumerate()
+        .map(|(index, buffer)| {
+            let entry = SubmissionEntry::read(NamespaceId(1), Lba(index as u64 * 32), block_count(32));
+            TestHost::push(&mut queue, with_sgl(entry, buffer, CHUNK_BYTES as u32))
+        })
+        .collect();
     host.ring_submission(&queue);
     // Let the controller fetch them (its scan is sub-millisecond), then delete the SQ.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -154,13 +161,26 @@ fn deleting_a_queue_drops_what_the_model_held_and_frees_its_completion_slots() {
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(TestHost::try_reap(&mut queue).is_none(), "held for ~375 ms by the model");
+    let deleting = Instant::now();
     assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
+    // Posted before the Delete's completion: there without waiting.
+    let mut completed: Vec<_> = (0..3)
+        .map(|_| {
+            let completion = TestHost::try_reap(&mut queue).expect("a held read completed with its deleted SQ");
+            assert_eq!(status_of(&completion), Ok(()), "a read whose data moved completes with its own status");
+            completion.command_id()
+        })
+        .collect();
+    assert!(deleting.elapsed() < Duration::from_millis(300), "the held reads waited for the model: {:?}", deleting.elapsed());
+    completed.sort_by_key(|id| id.0);
+    assert_eq!(completed, reads);
+    host.ring_completion(&queue);
     let submission = host.buffer(4 * 64);
     let create = SubmissionEntry::create_io_submission_queue(1, 4, submission.iova().0, 1);
     assert_eq!(status_of(&host.admin(create)), Ok(()));
     queue.submission = submission;
     queue.tail = 0;
-    // Writes flow at 1 GiB/s; had the dropped reads kept their slots, nothing would be fetched.
+    // Writes flow at 1 GiB/s; had the deleted SQ's reads kept their slots, nothing would be fetched.
     let started = Instant::now();
     for (index, buffer) in buffers.iter().enumerate() {
         let entry = SubmissionEntry::write(NamespaceId(1), Lba(index as u64 * 32), block_count(32), false);
