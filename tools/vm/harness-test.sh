@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/vm/harness-test.sh — checks the VM harness's boot logic (tools/vm/lib.sh: vm_boot) without
 # QEMU: a stand-in "QEMU" script plays the guest. Run by tools/vm-test.sh before it boots, and
-# alone: `tools/vm/harness-test.sh` (about 11 s, no root, no downloads).
+# alone: `tools/vm/harness-test.sh` (about 15 s, no root, no downloads).
 #
 # Cases:
 # 1. back to back: run A reports its result and exits at once; run B starts right away in the
@@ -20,6 +20,11 @@
 #    a daemon that ignores SIGTERM fails the step within its exit bound (TUTTID_STAGE_EXIT_S),
 #    naming it, instead of waiting for ever; one that drains and exits 0 passes. Needs python3
 #    (the stand-in binds a Unix socket); skipped without it.
+# 7. vm_extract_vmlinux takes a vmlinux only whole: synthetic bzImages (zeros, an ELF compressed
+#    with xz or zstd, the 4-byte size a kernel build appends, trailing bytes) are extracted byte
+#    for byte; a stream cut short, and a whole stream of an ELF cut in half (a vmlinux written to
+#    a full disk), are refused. Needs xz, zstd and python3 (vm_install_host_tools installs them);
+#    skipped without.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -147,6 +152,49 @@ FAKE
     rm -f "$TUTTID_STAGE_SOCKET"
 else
     vm_log "harness-test: no python3: the tuttid-stage checks are skipped"
+fi
+
+# 7. vm_extract_vmlinux: whole streams of whole ELFs only.
+if command -v xz > /dev/null && command -v zstd > /dev/null && command -v python3 > /dev/null; then
+    elf=$WORK/elf
+    cp "$BASH" "$elf" # an ELF executable at hand (python3 on PATH may be a wrapper script)
+    head -c $(($(stat -c %s "$elf") / 2)) "$elf" > "$WORK/elf-cut"
+    # bzimage NAME COMPRESSOR ELF [CUT_BYTES]: what a bzImage looks like around its payload.
+    bzimage() {
+        local name=$1 compress=$2 payload=$3 cut=${4:-0} length size
+        $compress < "$payload" > "$WORK/payload"
+        length=$(stat -c %s "$WORK/payload")
+        size=$(stat -c %s "$payload")
+        {
+            head -c 4096 /dev/zero
+            head -c $((length - cut)) "$WORK/payload"
+            if [ "$cut" = 0 ]; then
+                python3 -c 'import struct, sys; sys.stdout.buffer.write(struct.pack("<I", int(sys.argv[1]) & 0xffffffff))' "$size"
+                head -c 3000 /dev/zero | tr '\0' 'A'
+            fi
+        } > "$WORK/$name"
+    }
+    # extracted NAME: "whole" (the ELF byte for byte), "refused", or "differs".
+    extracted() {
+        rm -f "$WORK/vmlinux-out"
+        # In a subshell: a refusal is vm_die, which exits.
+        if (vm_extract_vmlinux "$WORK/$1" "$WORK/vmlinux-out") 2>> "$WORK/extract.err"; then
+            cmp -s "$WORK/vmlinux-out" "$elf" && echo whole || echo differs
+        else
+            echo refused
+        fi
+    }
+    for compressor in 'xz -c --check=crc32' 'zstd -19 -qc'; do
+        tool=${compressor%% *}
+        bzimage "$tool-whole" "$compressor" "$elf"
+        bzimage "$tool-cut" "$compressor" "$elf" 5000
+        bzimage "$tool-of-cut-elf" "$compressor" "$WORK/elf-cut"
+        check "vmlinux: a whole $tool stream of a whole ELF is extracted" whole "$(extracted "$tool-whole")"
+        check "vmlinux: a $tool stream cut short is refused" refused "$(extracted "$tool-cut")"
+        check "vmlinux: a whole $tool stream of a truncated ELF is refused" refused "$(extracted "$tool-of-cut-elf")"
+    done
+else
+    vm_log "harness-test: no xz, zstd or python3: the vmlinux extraction checks are skipped"
 fi
 
 if [ "$failures" -gt 0 ]; then
