@@ -2145,7 +2145,7 @@ def test_vllms_default_load_failure_policy_is_refused_naming_the_field():
         harness.make_connector(config, KVConnectorRole.SCHEDULER)
 
 
-@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "full_with_window"])
+@pytest.mark.parametrize("kind", ["sliding_window", "chunked_local", "full_with_window", "full_non_causal"])
 def test_kv_cache_groups_whose_blocks_vllm_frees_early_are_refused(kind):
     """Goal: for a group of sliding-window (or chunked local) attention vLLM frees the blocks
     outside the window while the request runs (SlidingWindowManager.remove_skipped_blocks, during
@@ -2154,7 +2154,11 @@ def test_kv_cache_groups_whose_blocks_vllm_frees_early_are_refused(kind):
     keys. Such a KVCacheConfig is refused when vLLM builds the connector (both roles, before
     tuttid is asked), naming the spec and --disable-sliding-window. A full-attention group whose
     layers compute a sliding window (vLLM's FullAttentionSpec with sliding_window set, as with
-    the hybrid KV cache manager disabled) keeps every block and is accepted."""
+    the hybrid KV cache manager disabled) keeps every block and is accepted. A full-attention
+    group whose layers attend non-causally (FullAttentionSpec.non_causal: Prefix-LM, bidirectional
+    over the prompt) is refused too: a block's KV then depends on the prompt's later tokens, so a
+    prompt sharing only a prefix would load another prompt's KV (vLLM disables its own prefix
+    caching for such a model, but still asks the connector)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     shape = dict(block_size=harness.BLOCK_TOKENS, num_kv_heads=harness.KV_HEADS, head_size=harness.HEAD_DIM, dtype=harness.DTYPE)
@@ -2162,11 +2166,15 @@ def test_kv_cache_groups_whose_blocks_vllm_frees_early_are_refused(kind):
         "sliding_window": lambda: SlidingWindowSpec(sliding_window=32, **shape),
         "chunked_local": lambda: ChunkedLocalAttentionSpec(attention_chunk_size=64, **shape),
         "full_with_window": lambda: FullAttentionSpec(sliding_window=32, **shape),
+        "full_non_causal": lambda: FullAttentionSpec(non_causal=True, **shape),
     }[kind]()
     config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         if kind == "full_with_window":
             with pytest.raises(tutti.Disconnected):  # past the configuration: tuttid is asked
+                harness.make_connector(config, role, harness.kv_cache_config(spec=spec))
+        elif kind == "full_non_causal":
+            with pytest.raises(ConfigError, match="non-causal.*Prefix-LM"):
                 harness.make_connector(config, role, harness.kv_cache_config(spec=spec))
         else:
             with pytest.raises(ConfigError, match=f"{type(spec).__name__}.*--disable-sliding-window"):

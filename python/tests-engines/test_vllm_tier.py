@@ -255,6 +255,34 @@ def test_the_default_key_is_the_same_whether_or_not_vllm_has_a_current_config(tm
     assert _tier_fingerprint(spec_config, 4096, None, "t") != without_current
 
 
+@pytest.mark.parametrize("explicit", [None, "cd" * 32])
+def test_a_model_with_non_causal_attention_is_refused(tmp_path: Path, explicit):
+    """Goal: with non-causal (Prefix-LM, bidirectional) attention a chunk's KV depends on the
+    prompt's later tokens, so a prompt sharing only its prefix would promote another prompt's KV
+    (vLLM disables its own prefix caching for such a model; its offloading connector does not
+    look). The tier refuses an engine whose KV cache groups say so (FullAttentionSpec.non_causal,
+    read where vLLM builds the tier), with or without an explicit fingerprint; a causal one
+    gets its key."""
+    from tutti.vllm.tier import _tier_fingerprint
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    engine = engine_config(tmp_path / "pool.img")
+    spec_config = offloading_spec(tmp_path / "pool.img", True).config
+
+    def key_where_vllm_builds_the_tier(non_causal: bool):
+        spec = FullAttentionSpec(
+            block_size=harness.BLOCK_TOKENS, num_kv_heads=harness.KV_HEADS, head_size=harness.HEAD_DIM, dtype=harness.DTYPE,
+            non_causal=non_causal,
+        )  # fmt: skip
+        vllm_config = engine  # noqa: F841 - read by the tier from this frame
+        kv_cache_config = harness.kv_cache_config(spec=spec)  # noqa: F841
+        return _tier_fingerprint(spec_config, 4096, explicit, "nvme")
+
+    assert len(key_where_vllm_builds_the_tier(False)) == 32
+    with pytest.raises(tutti.InvalidArgument, match="secondary tier 'nvme'.*non-causal.*Prefix-LM"):
+        key_where_vllm_builds_the_tier(True)
+
+
 def test_the_tiers_streamed_weights_warning_names_the_tiers_config(tmp_path: Path, caplog):
     """Goal: the tier's default key over weights streamed from object storage (vLLM's
     model_weights set) warns that the URL's objects are not named, and says to set

@@ -454,7 +454,8 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
     during chunked prefill and before request_finished), so the blocks a save names may hold
     another request's bytes by the time it is written; other kinds (Mamba state, cross
     attention) are not a prompt's paged KV at all. A FullAttentionSpec whose layers compute a
-    sliding window (the hybrid KV cache manager disabled) keeps every block: accepted."""
+    sliding window (the hybrid KV cache manager disabled) keeps every block: accepted; one whose
+    layers attend non-causally is not (`_refuse_non_causal_attention`)."""
     from tutti._engine import ConfigError
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
@@ -466,6 +467,32 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
                 f"{type(spec).__name__} ({len(group.layer_names)} layers), whose blocks vLLM frees or reuses while a "
                 "request runs (a save would store other requests' bytes under its prompt's keys): serve it with "
                 "--disable-sliding-window (all layers full attention) or without the connector"
+            )
+    _refuse_non_causal_attention(kv_cache_config, "TuttiConnector", "the connector")
+
+
+def _refuse_non_causal_attention(kv_cache_config: Optional["KVCacheConfig"], who: str, without: str) -> None:
+    """Raises ConfigError for a KV cache group whose layers attend non-causally (vLLM's
+    FullAttentionSpec.non_causal: Prefix-LM, bidirectional attention over the prompt). A block's
+    KV then depends on the prompt's later tokens, so a prompt sharing only a prefix would load KV
+    computed attending to another prompt's suffix (wrong output), and its own save would store
+    such KV for the next. vLLM disables its own prefix caching for such a model
+    (EngineCore._initialize_kv_caches) but still asks a connector for external tokens. A group of
+    per-layer specs (UniformTypeKVCacheSpecs) is looked at layer by layer. `who` names the
+    refusing component, `without` what to serve the model without."""
+    from tutti._engine import ConfigError
+
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = group.kv_cache_spec
+        layer_specs = getattr(spec, "kv_cache_specs", None)
+        specs = list(layer_specs.values()) if isinstance(layer_specs, dict) else [spec]
+        if any(getattr(layer_spec, "non_causal", False) for layer_spec in specs):
+            raise ConfigError(
+                f"{who} cannot cache the KV of non-causal attention: a KV cache group of this model "
+                f"({len(group.layer_names)} layers) attends non-causally (vLLM's FullAttentionSpec.non_causal: "
+                "Prefix-LM, bidirectional attention over the prompt), so a block's KV depends on the prompt's later "
+                "tokens and a prompt sharing only its prefix would load another prompt's KV (vLLM disables its own "
+                f"prefix caching for such a model): serve it without {without}"
             )
 
 

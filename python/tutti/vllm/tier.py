@@ -45,7 +45,7 @@ from tutti._engine import (
     queue_depth_field,
     refuses_crc_less_pool,
 )
-from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _resolved_kv_layout
+from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _refuse_non_causal_attention, _resolved_kv_layout
 from tutti.vllm.metadata import bounded_timeout
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -493,7 +493,11 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
     revision, quantization, RoPE parameters and hf_overrides, a local directory's weight files),
     read from the engine's VllmConfig (`_engine_config`); where that cannot be found the default
     is refused (ConfigError): the offloading config's model name alone would share one key
-    space between revisions and quantizations of a model."""
+    space between revisions and quantizations of a model. A model with non-causal attention is
+    refused whatever the fingerprint (`_refuse_non_causal_attention`), where the engine's
+    KVCacheConfig is found."""
+    vllm_config, kv_cache_config = _engine_config()
+    _refuse_non_causal_attention(kv_cache_config, f"secondary tier {tier_type!r}", "the offloading connector")
     parallel = spec_config.parallel
     layout: list[Any] = [
         spec_config.model.dtype,
@@ -511,7 +515,6 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
         layout += ["group", group.tokens_per_block, ",".join(group.layer_names)]
     if explicit is not None:
         return fingerprint_from_config(None, fingerprint_from_config(explicit), "vllm offloading tier", *layout)
-    vllm_config, kv_cache_config = _engine_config()
     if vllm_config is None:
         raise ConfigError(
             f"secondary tier {tier_type!r}: the engine's VllmConfig was not found where the tier is built, so the "
