@@ -1,5 +1,7 @@
-//! Write-back of the volatile write cache to the backing store (Flush, FUA over cached blocks,
-//! VWC = 0, shutdown, function reset, a full cache).
+//! Write-back of the volatile write cache to the backing store (Flush, VWC = 0, shutdown,
+//! function reset, a full cache). A FUA Write writes nothing back: it writes its own data to
+//! the store and drops the cached copies of its blocks (`store_blocks` in `io.rs`, `landed` in
+//! `batch.rs`).
 
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::NvmeStatus;
