@@ -74,6 +74,11 @@ pub struct CpuExecutor {
     /// not stopped by a full queue), and nothing was accepted since: polling again cannot
     /// submit any of them until a reset.
     pending_held_only: bool,
+    /// Tests only: this many next doorbell rings fail without writing anything, as one whose
+    /// shadow doorbell slot is out of reach would (the driver's only error other than
+    /// `QueueStale`, which no software controller can cause).
+    #[cfg(test)]
+    failing_doorbells: u32,
 }
 
 fn device_error(device: usize, error: nvme_driver::NvmeError) -> GioError {
@@ -169,6 +174,8 @@ impl CpuExecutor {
             filled: FilledLines::new(depth),
             issued: vec![None; depth as usize],
             pending_held_only: false,
+            #[cfg(test)]
+            failing_doorbells: 0,
         }
     }
 
@@ -316,7 +323,23 @@ impl CpuExecutor {
                 // batch's tail went out (the driver answers Ok once the tail is written, even
                 // if a reset begins right after). Either way the IOCBs submitted stay in flight
                 // here: only `reset`, once the old pair's deletion succeeded, ends them.
-                if let Err(error) = queue.ring_doorbell() {
+                #[cfg(test)]
+                let rung = match self.failing_doorbells.checked_sub(1) {
+                    Some(left) => {
+                        self.failing_doorbells = left;
+                        Err(nvme_driver::NvmeError::from(nvme_driver::hw::HwError::OutOfRange { offset: 0, access_len: 4, region_len: 0 }))
+                    }
+                    None => queue.ring_doorbell(),
+                };
+                #[cfg(not(test))]
+                let rung = queue.ring_doorbell();
+                if let Err(error) = rung {
+                    // Any error but QueueStale (a pair held until a reset) says nothing about
+                    // whether the tail went out, and the driver keeps it pending: ring again at
+                    // the next pump (a repeat is harmless), or nothing would announce these
+                    // commands and a worker would spin on them until the caller's wait timed
+                    // out. A lasting fault is then reported by every poll, not once.
+                    *due = !matches!(error, nvme_driver::NvmeError::QueueStale { .. });
                     note_device_error(&mut self.stale, &mut first_error, device, error);
                 }
             }
@@ -763,6 +786,24 @@ mod tests {
 
     fn io_commands(device: &nvme_emu::EmuDevice) -> u64 {
         device.stats().io_commands.values().sum()
+    }
+
+    #[test]
+    fn a_doorbell_that_failed_other_than_stale_is_rung_by_the_next_poll() {
+        // Goal: a doorbell write that fails with an error other than QueueStale (the tail may
+        // not have gone out; the driver keeps it pending) is reported and rung again by the
+        // next poll. The executor used to forget that the doorbell was due: the command sat
+        // unannounced in the SQ, and the IOCB waited for the caller's timeout and a reset.
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.executor_mut().failing_doorbells = 1;
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        match rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)) {
+            Err(GioError::Executor { reason, .. }) => assert!(reason.contains("outside a region"), "{reason}"),
+            other => panic!("expected the failed doorbell to be reported, got {other:?}"),
+        }
+        let completion = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("rung by the next poll");
+        assert_eq!(completion.result, Ok(()));
+        assert_eq!(io_commands(&rig.device), 1, "one command, one completion");
     }
 
     #[test]
