@@ -2181,6 +2181,27 @@ def test_kv_cache_groups_whose_blocks_vllm_frees_early_are_refused(kind):
                 harness.make_connector(config, role, harness.kv_cache_config(spec=spec))
 
 
+@pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
+def test_full_cuda_graphs_left_by_vllm_are_refused_at_the_worker(mode):
+    """Goal: the connector asks vLLM for PIECEWISE CUDA graphs (requires_piecewise_for_cudagraph),
+    but vLLM's config can undo that after applying it: with pass_config.fuse_attn_quant and no
+    inductor graph partition, set_splitting_ops_for_attn_fusion switches to FULL with no
+    splitting ops. A replayed full graph never calls wait_for_layer_load or save_kv_layer, so
+    attention would read blocks tuttid is still writing. A worker whose (final) config still has
+    full CUDA graphs is refused when vLLM builds its connector, naming the setting; PIECEWISE
+    and NONE (the harness's) pass. Checked before tuttid is asked."""
+    from vllm.config import CUDAGraphMode
+
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    for passing in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        config.compilation_config.cudagraph_mode = passing
+        with pytest.raises(tutti.Disconnected):  # past the configuration: tuttid is asked
+            harness.make_connector(config, KVConnectorRole.WORKER)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[mode]
+    with pytest.raises(ConfigError, match=f"cudagraph_mode {mode}.*fuse_attn_quant"):
+        harness.make_connector(config, KVConnectorRole.WORKER)
+
+
 @pytest.mark.parametrize("field, value", [("enable_dbo", True), ("ubatch_size", 2)])
 def test_micro_batching_is_refused(field, value):
     """Goal: with micro-batching (dual batch overlap, ubatch_size > 1: ParallelConfig.use_ubatching)

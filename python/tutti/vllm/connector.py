@@ -137,6 +137,7 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
+            _refuse_full_cuda_graphs(vllm_config)
             self._init_worker(vllm_config)
 
     @property
@@ -178,7 +179,8 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """True: wait_for_layer_load and save_kv_layer run between layers, which a full CUDA graph
-        would skip on replay."""
+        would skip on replay. vLLM can undo the PIECEWISE it sets for this (fuse_attn_quant), so
+        each worker checks its final config too (`_refuse_full_cuda_graphs`)."""
         return True
 
 
@@ -494,6 +496,35 @@ def _refuse_non_causal_attention(kv_cache_config: Optional["KVCacheConfig"], who
                 "tokens and a prompt sharing only its prefix would load another prompt's KV (vLLM disables its own "
                 f"prefix caching for such a model): serve it without {without}"
             )
+
+
+def _refuse_full_cuda_graphs(vllm_config: "VllmConfig") -> None:
+    """Raises ConfigError when a worker's config still has full CUDA graphs
+    (compilation_config.cudagraph_mode FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE). vLLM 0.32
+    sets PIECEWISE for a connector that asks for it (requires_piecewise_for_cudagraph, in
+    VllmConfig.__post_init__), but then set_splitting_ops_for_v1 runs: with
+    compilation_config.pass_config.fuse_attn_quant and no inductor graph partition it empties
+    splitting_ops and switches to FULL (set_splitting_ops_for_attn_fusion). A replayed full graph
+    never calls wait_for_layer_load or save_kv_layer: attention would read blocks tuttid is still
+    writing, and saves would store blocks not yet computed. A worker's config is final when vLLM
+    builds its connector (later changes, in the model runner, only step down to fewer full
+    graphs), and PIECEWISE or NONE there is the ordinary case."""
+    from tutti._engine import ConfigError
+
+    compilation = getattr(vllm_config, "compilation_config", None)
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is None or not mode.has_full_cudagraphs():
+        return
+    pass_config = getattr(compilation, "pass_config", None)
+    fusion = " (vLLM switches to FULL for it)" if getattr(pass_config, "fuse_attn_quant", False) else ""
+    raise ConfigError(
+        f"TuttiConnector needs PIECEWISE CUDA graphs (or none), but this worker runs with cudagraph_mode "
+        f"{mode.name}: a replayed full graph skips the connector's per-layer calls, so attention would read KV "
+        f"blocks still being loaded. vLLM sets PIECEWISE for the connector, which "
+        f"compilation_config.pass_config.fuse_attn_quant = True undoes without inductor graph partition{fusion}: "
+        "turn off fuse_attn_quant (-cc.pass_config.fuse_attn_quant=false), enable "
+        "compilation_config.use_inductor_graph_partition, or set cudagraph_mode PIECEWISE or NONE"
+    )
 
 
 def _refuse_unsupported_parallelism(parallel: Any) -> None:
