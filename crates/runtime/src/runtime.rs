@@ -625,7 +625,19 @@ impl<E: Executor> Runtime<E> {
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
                 for issue in &issues {
-                    self.apply(issue);
+                    // Window time while a write layer is outstanding: banked for the next
+                    // layer, released by the first grant after this one ends
+                    // (`WriteQueue::bank_time`), not behind it.
+                    let bank = issue.kind == IoKind::Write && issue.after_reads && issue.iocb_count == 0;
+                    if bank && self.writes.outstanding_layers() > 0 {
+                        let budget = issue.sm_budget.clamp(1, self.write_budget.0);
+                        let profile = &self.profile;
+                        self.writes.bank_time(issue.slack_us, |iocbs| {
+                            profile.io_duration_us(IoKind::Write, iocbs, budget).unwrap_or(f64::from(iocbs))
+                        });
+                    } else {
+                        self.apply(issue);
+                    }
                 }
             }
             // A table with no decode row at all: no slack is known, nothing is written.

@@ -242,6 +242,21 @@ impl WriteQueue {
         self.release(slack_us, sm_budget, cost_us)
     }
 
+    /// Time granted while a write layer is outstanding (a decode step the layer in flight takes
+    /// whole: `scheduler::policy::Issue::slack_us`) joins the carry, up to the oldest waiting
+    /// layer's cost, and releases nothing: the next grant after the layer ends releases the
+    /// next one at once. Banking nothing while a layer ran, the carry started only after it,
+    /// and a layer longer than a step wrote about half the time. Releasing on it would let a
+    /// layer wait behind the one in flight and, if a prefill began meanwhile, go during that
+    /// prefill's compute, in no window of it.
+    pub fn bank_time(&mut self, slack_us: f64, cost_us: impl Fn(u32) -> f64) {
+        let slack_us = if slack_us.is_finite() { slack_us.max(0.0) } else { 0.0 };
+        let head = self.stores.iter().find(|store| store.decided_layers < store.ready_layers);
+        let head_layer_cost_us = head.map_or(0.0, |store| cost_us(store.iocbs_per_layer));
+        let head_layer_cost_us = if head_layer_cost_us.is_finite() { head_layer_cost_us.max(0.0) } else { 0.0 };
+        self.granted_us = (self.granted_us + slack_us).min(head_layer_cost_us);
+    }
+
     fn release(&mut self, grant_us: f64, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
         let stores = self.stores.iter_mut().map(|store| {
             (
@@ -374,6 +389,37 @@ mod tests {
         let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
         let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
         assert_eq!(release_layers(&mut carried_us, f64::INFINITY, 4, std::iter::once((store, 2, 5)), |_| 10.0), 0);
+    }
+
+    #[test]
+    fn time_banked_while_a_layer_runs_releases_nothing_until_the_next_grant() {
+        // Goal: decode steps a 10 ms write layer in flight takes whole (4.4 ms each) are banked,
+        // up to the next layer's cost, releasing nothing behind the layer in flight; the first
+        // grant after it (a step of the idle SSD) releases the next layer at once. Before, no
+        // step was granted while the layer ran, and the next layer needed three idle steps.
+        let cost_us = |iocbs: u32| 10_000.0 * f64::from(iocbs);
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(PendingStore {
+            request: 1,
+            handle: RequestHandle::from_bits(1),
+            engine_blocks: vec![0],
+            iocbs_per_layer: 1,
+            sm_budget: 4,
+            ready_layers: 3,
+            decided_layers: 1,
+            written_layers: 0,
+            in_flight: Some(0),
+            prefill_ended: true,
+        });
+        for _ in 0..3 {
+            queue.bank_time(4400.0, cost_us);
+        }
+        assert_eq!(queue.stores[0].decided_layers, 1, "nothing released behind the layer in flight");
+        assert_eq!(queue.granted_us, 10_000.0, "banked up to the next layer's cost");
+        queue.bank_time(f64::NAN, cost_us);
+        assert_eq!(queue.granted_us, 10_000.0);
+        assert_eq!(queue.decide_time(4400.0, 4, cost_us), 1, "the first grant after it releases the next layer");
+        assert_eq!(queue.granted_us, 4400.0);
     }
 
     #[test]

@@ -27,7 +27,10 @@ pub struct Issue {
     /// end) in which not one IOCB finishes: a window shorter than the smallest write kernel. A
     /// runtime that moves bigger units than an IOCB (whole layers) adds such time up until a
     /// unit is paid for, so a write longer than every window still goes (overrunning the window
-    /// it goes in); one that moves IOCBs has nothing to move. 0 for every other issue.
+    /// it goes in); one that moves IOCBs has nothing to move. In a decode step that one write
+    /// layer outstanding takes whole, the step's whole time (offset 0) stands for time to bank
+    /// while that layer runs: a runtime adds it to its carry without releasing a layer behind the
+    /// one outstanding (`SlackAware::plan_decode_step`). 0 for every other issue.
     pub slack_us: f64,
 }
 
@@ -339,6 +342,32 @@ impl IoPolicy for SlackAware {
         // one after the other, the writes as the kernels they reach the SSD as.
         let busy_until_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?
             + kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
+        // A write layer outstanding past the step's end (a layer longer than a step, priced
+        // whole from the step's start: the runtime does not say how far into it the SSD is)
+        // leaves no room, but the step's time is still granted, to bank: a runtime moving
+        // whole layers adds it to its carry while the layer runs, so that the next layer can
+        // go at the first step after it. Without it the carry banked only while the SSD was
+        // idle: with 20 ms layers and 4.4 ms steps, ~5 steps banking then ~5 writing, half
+        // the rate the steps allow. Only behind a single layer (none waits behind it yet), so
+        // the banked time never stacks up released layers; the simulator, moving IOCBs, has
+        // nothing to move for it.
+        let one_layer_in_flight = view.outstanding_write_iocbs > 0 && view.outstanding_write_kernels <= 1;
+        if one_layer_in_flight && busy_until_us >= window.end_us() {
+            let budget = window.free_sms.min(write_budget);
+            let priced = budget > 0 && table.io_duration_us(IoKind::Write, 1, budget).is_ok();
+            if !priced || window.duration_us <= 0.0 {
+                return Ok(Vec::new());
+            }
+            return Ok(vec![Issue {
+                kind: IoKind::Write,
+                layer: None,
+                iocb_count: 0,
+                sm_budget: budget,
+                offset_us: 0.0,
+                after_reads: true,
+                slack_us: window.duration_us,
+            }]);
+        }
         let mut writes = [(None, view.queued_write_iocbs)];
         Ok(fill_windows(table, IoKind::Write, &[window], busy_until_us, &mut writes)?.issues)
     }

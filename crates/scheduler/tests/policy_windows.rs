@@ -211,9 +211,10 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
     // A read in flight (100 µs) leaves 50 µs of the step.
     queue.outstanding_read_iocbs = 1;
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 100.0, 50.0)]);
-    // A write in flight past the step's end: no room, no grant.
+    // A write in flight past the step's end: no room, but the step's time is granted to bank
+    // (`slack_aware_banks_decode_steps_a_write_layer_in_flight_takes_whole`).
     queue.outstanding_write_iocbs = 1;
-    assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 0.0, 150.0)]);
     // One SM free, below every write row's budget (2): no write can be priced there.
     for step in &mut t.decode_steps {
         step.free_sms = 1;
@@ -442,4 +443,46 @@ fn slack_aware_prices_outstanding_writes_per_kernel() {
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(3, 4, 800.0, true)]);
     queue.outstanding_write_kernels = 1;
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 750.0, true)]);
+}
+
+/// Goal: a decode step that a write layer in flight takes whole (writes of 10 ms on 4 SMs, steps
+/// of 4.4 ms) is still granted as time, so that a runtime moving whole layers banks it while the
+/// layer runs and the next layer can go at the first step after it (`Issue::slack_us`). Before,
+/// no grant was made while a layer was outstanding: the carry banked only while the SSD was
+/// idle, ~5 steps banking then ~5 writing, about half the write rate the steps allow. Not with
+/// two layers outstanding (one already waits behind the one in flight), nor with nothing queued.
+#[test]
+fn slack_aware_banks_decode_steps_a_write_layer_in_flight_takes_whole() {
+    let mut t = common::table();
+    t.io_costs.retain(|row| row.kind == IoKind::Read);
+    t.io_costs.push(scheduler::table::IoCostEntry {
+        kind: IoKind::Write,
+        iocb_count: 1,
+        sm_budget: 4,
+        duration_us: 10_000.0,
+        bytes: 1 << 20,
+    });
+    for step in &mut t.decode_steps {
+        (step.duration_us, step.free_sms) = (4400.0, 8);
+    }
+    let table = Profile::from_table(t).unwrap();
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1500,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 1,
+        outstanding_write_kernels: 1,
+        queued_write_iocbs: 3,
+    };
+    let banked = Issue { slack_us: 4400.0, ..write(0, 4, 0.0, true) };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![banked]);
+    // Idle: the step's time, as before.
+    queue.outstanding_write_iocbs = 0;
+    queue.outstanding_write_kernels = 0;
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![banked]);
+    // A layer waits behind the one in flight: nothing more is banked.
+    (queue.outstanding_write_iocbs, queue.outstanding_write_kernels) = (2, 2);
+    assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
+    (queue.outstanding_write_iocbs, queue.outstanding_write_kernels, queue.queued_write_iocbs) = (1, 1, 0);
+    assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
 }
