@@ -557,6 +557,44 @@ def test_a_load_whose_layer_never_completes_keeps_its_rows_until_the_pool_is_clo
         manager.shutdown()
 
 
+def test_a_load_failing_with_an_unexpected_exception_keeps_its_rows_until_the_pool_is_closed(tmp_path: Path, monkeypatch):
+    """Goal: an Exception that is not a tutti.Error in the middle of a promotion's wave (here the
+    chunk key's conversion fails on its second chunk; a MemoryError, an argument's TypeError)
+    leaves the first chunk's layer issued and never settled: the job is not reported while a
+    controller may still write that chunk's row (vLLM frees a failed promotion's rows for reuse);
+    the tier closes its pool first, then reports the job failed."""
+    import tutti.vllm.tier as tier_module
+
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        stored = keys(2, 9)
+        assert tier._store_chunks(stored, [0, 1]) == stored
+        wrapped = StoreWithStalledLoads(tier)
+        tier._store = wrapped
+        real_hash_tokens = tier_module.hash_tokens
+        calls = []
+
+        def failing_on_the_second_key(key, tokens):
+            calls.append(key)
+            if len(calls) == 2:
+                raise RuntimeError("injected: the second chunk's key cannot be converted")
+            return real_hash_tokens(key, tokens)
+
+        monkeypatch.setattr(tier_module, "hash_tokens", failing_on_the_second_key)
+        job = TransferJob(job_id=9, keys=stored, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ReqContext(req_id="r"))
+        tier.submit_load(job)
+        drain_within(tier, 20.0)
+        results = list(tier.get_finished_jobs())
+        assert [(result.job_id, result.success) for result in results] == [(9, False)]
+        assert len(calls) == 2
+        assert wrapped.closed_by_tier, "the job was reported with the pool open: its first row may still be written"
+        assert wrapped.reported_at_close == [], "the job was reported before the pool was closed"
+        assert tier._dead is not None
+    finally:
+        manager.shutdown()
+
+
 def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: Path):
     """Goal: when closing the pool does not confirm that its queue pairs were deleted, the
     stalled promotion is never reported (vLLM keeps its rows) and the tier's next call from vLLM

@@ -286,11 +286,14 @@ class TuttiTier(SecondaryTierManager):
             logger.warning("tutti tier: job queue full, job %d dropped", job.job_id)
 
     def _run(self) -> None:
-        """The tier's thread: runs each job and reports it, whatever fails. What is not an
-        Exception (pyo3's PanicException: a panic in the binding; KeyboardInterrupt, SystemExit)
-        closes the pool first (the job's requests are in an unknown state: a load's rows may
-        still be written); KeyboardInterrupt and SystemExit then stop the thread, and the jobs
-        after are reported failed (`_fail_orphaned_jobs`)."""
+        """The tier's thread: runs each job and reports it, whatever fails. Anything raised out
+        of a job but _RowsUnsafe (tutti.Error is handled chunk by chunk, so this is an Exception
+        of another kind in the middle of a wave, e.g. a MemoryError or an argument's TypeError;
+        pyo3's PanicException: a panic in the binding; KeyboardInterrupt, SystemExit) closes the
+        pool first: the wave's requests are in an unknown state, issued and never waited for, so
+        a load's rows may still be written and a store's request holds its place and pins;
+        KeyboardInterrupt and SystemExit then stop the thread, and the jobs after are reported
+        failed (`_fail_orphaned_jobs`)."""
         while True:
             item = self._jobs.get()
             if item is None:
@@ -309,10 +312,7 @@ class TuttiTier(SecondaryTierManager):
                     self._unsafe = str(error)
                     self._idle.notify_all()
                 continue
-            except Exception as error:  # the thread must report every job, whatever failed
-                logger.error("tutti tier: job %d failed: %s", job_id, error)
-                succeeded = []
-            except BaseException as error:  # noqa: BLE001 - a panic of the binding, an interrupt
+            except BaseException as error:  # noqa: BLE001 - the thread must report every job, whatever failed
                 logger.error("tutti tier: job %d failed: %r", job_id, error)
                 succeeded = []
                 if isinstance(error, (KeyboardInterrupt, SystemExit)):
