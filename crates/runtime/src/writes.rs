@@ -45,6 +45,8 @@ pub(crate) struct Retiring {
     pub handle: RequestHandle,
     /// Engine blocks the device may still read (a store) or write (a retrieve): held.
     pub engine_blocks: Vec<u32>,
+    /// A retrieve (its layer in flight is a read), not a store.
+    pub read: bool,
 }
 
 #[derive(Debug)]
@@ -122,7 +124,7 @@ impl WriteQueue {
     pub fn retire(&mut self, index: usize) -> Option<u64> {
         let store = self.stores.remove(index)?;
         self.queued_blocks -= store.engine_blocks.len();
-        self.retiring.push(Retiring { request: store.request, handle: store.handle, engine_blocks: store.engine_blocks });
+        self.retiring.push(Retiring { request: store.request, handle: store.handle, engine_blocks: store.engine_blocks, read: false });
         Some(store.request)
     }
 
@@ -144,7 +146,7 @@ impl WriteQueue {
     /// targets, held by [`WriteQueue::hold_targets`] since its prefill began) stay held until it
     /// is finished.
     pub fn retire_retrieve(&mut self, request: u64, handle: RequestHandle, engine_blocks: Vec<u32>) {
-        self.retiring.push(Retiring { request, handle, engine_blocks });
+        self.retiring.push(Retiring { request, handle, engine_blocks, read: true });
     }
 
     /// Removes the retiring request at `index` and releases its engine blocks (its handle was
@@ -156,6 +158,14 @@ impl WriteQueue {
         let entry = self.retiring.swap_remove(index);
         self.unhold(&entry.engine_blocks);
         Some(entry)
+    }
+
+    /// Whether a retiring request of this direction (a read: a retrieve) is left: the device
+    /// still held its layer when the retiring requests were last polled. Retiring I/O is outside
+    /// the barrier (a lost completion would otherwise stall the other direction until
+    /// `Runtime::abandon_in_flight`), but a layer issued beside it is a mixed issue.
+    pub fn retiring_in(&self, read: bool) -> bool {
+        self.retiring.iter().any(|entry| entry.read == read)
     }
 
     /// Whether anything of request `request` is retiring.

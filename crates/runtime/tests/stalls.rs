@@ -490,6 +490,65 @@ fn a_retiring_request_counts_against_the_queues_request_slots() {
     });
 }
 
+/// Layers issued while the other direction was in flight, from the runtime's event log (a
+/// retiring read's issue has no completion until it ends).
+fn mixed_in_log(events: &[tutti_runtime::IoEvent]) -> u64 {
+    use tutti_runtime::{IoDirection, IoEventKind};
+    let (mut reads, mut writes, mut mixed) = (0i64, 0i64, 0);
+    for event in events {
+        match (event.direction, event.kind) {
+            (IoDirection::Read, IoEventKind::Issued) => {
+                mixed += u64::from(writes > 0);
+                reads += 1;
+            }
+            (IoDirection::Write, IoEventKind::Issued) => {
+                mixed += u64::from(reads > 0);
+                writes += 1;
+            }
+            (IoDirection::Read, IoEventKind::Completed) => reads -= 1,
+            (IoDirection::Write, IoEventKind::Completed) => writes -= 1,
+        }
+    }
+    mixed
+}
+
+#[test]
+fn writes_beside_a_retiring_read_count_as_mixed() {
+    // Goal: a retrieve whose read timed out retires with its layer still on the device; write
+    // layers handed over meanwhile go beside that read, and `mixed_issues` counts them, as the
+    // event log shows them. (They are not held back: retiring I/O is outside the barrier, so a
+    // lost completion does not stall the write queue until `abandon_in_flight`.) Before, the
+    // read was dropped from `reads.in_flight` when it retired and the writes went uncounted.
+    bounded(|| {
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        config.event_log_capacity = 4096;
+        let mut stack = stack(config, None);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.counters().mixed_issues, 0);
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+        stack.device.set_faults(FaultPlan::none());
+        assert_eq!(stack.runtime.retiring_requests(), 1);
+        // A miss of another session: its store is written while the read retires.
+        let other = other_session(0);
+        assert_eq!(prefill(&mut stack, &other, &[10, 11, 12, 13]).unwrap(), 0);
+        let drained = stack.runtime.drain();
+        assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 0, retiring: 1 })), "{drained:?}");
+        let counters = stack.runtime.counters();
+        let logged = mixed_in_log(stack.runtime.events());
+        assert!(logged > 0, "the event log shows writes beside the retiring read");
+        assert_eq!(counters.mixed_issues, logged, "{counters:?}");
+        assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
+        assert_eq!(stack.runtime.lookup(&other), 4);
+    });
+}
+
 #[test]
 fn a_fully_cached_prefill_makes_room_for_its_retrieve() {
     // Goal: a fully cached prompt (no new block, so no store) still needs a request slot for its

@@ -411,7 +411,8 @@ impl<E: Executor> Runtime<E> {
                 self.reads.waiting.pop_front();
                 self.reads.in_flight = Some(layer);
                 self.counters.read_layers_issued += 1;
-                if self.writes.any_in_flight() {
+                // Beside a write in flight, or a retiring store's the device still holds.
+                if self.writes.any_in_flight() || self.writes.retiring_in(false) {
                     self.counters.mixed_issues += 1;
                 }
                 let request = self.prefill.as_ref().map_or(0, |p| p.id);
@@ -447,7 +448,9 @@ impl<E: Executor> Runtime<E> {
             if deferred {
                 self.counters.write_layers_deferred += 1;
             }
-            if self.reads.in_flight.is_some() {
+            // Beside a read in flight, or a retiring retrieve's the device still holds (its wait
+            // timed out: `end_reads` took it off `reads.in_flight`).
+            if self.reads.in_flight.is_some() || self.writes.retiring_in(true) {
                 self.counters.mixed_issues += 1;
             }
             self.record(request, IoDirection::Write, layer, IoEventKind::Issued, Some(budget));
