@@ -207,6 +207,57 @@ fn a_write_longer_than_every_window_still_goes() {
     assert_eq!(stack.runtime.lookup(&first), 4, "the first store is committed");
 }
 
+/// Goal: decode steps a write layer in flight takes whole are banked for the next layer, which
+/// goes at the first step after the one in flight ends. Writes of 5 ms per IOCB (a 4-IOCB layer:
+/// 20 ms), steps of 4.4 ms, no prefill window (the carry starts at 0); the emulated SSD takes
+/// ~0.3 s over a layer, so the steps called meanwhile all see it in flight. Five steps release the
+/// first layer (22 ms, 2 ms carried); five more while it runs bank 20 ms and release nothing
+/// behind it; the first step after it ends releases the second. Before, no step was granted
+/// while the layer ran: the next layer needed four more steps of an idle SSD after it ended
+/// (2 + 4.4 × 4 ms), and the SSD wrote about half the time.
+#[test]
+fn decode_steps_bank_while_a_write_layer_runs() {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    for row in table.io_costs.iter_mut().filter(|row| row.kind == IoKind::Write) {
+        row.duration_us = 5000.0 * f64::from(row.iocb_count);
+    }
+    for bucket in &mut table.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+    }
+    for step in &mut table.decode_steps {
+        (step.duration_us, step.free_sms) = (4400.0, 4);
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let timing = nvme_emu::TimingModel { write_bytes_per_s: 100_000, ..common::slow_ssd() };
+    let mut stack = common::stack_with_profile(config(PolicyChoice::SlackAware), Some(timing), profile);
+    let first = prompt(0, 0);
+    let context = first.len() as u32;
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).expect("prefill");
+    assert_eq!(stack.runtime.counters().write_layers_issued, 0, "no window in prefill: nothing written");
+    for _ in 0..5 {
+        stack.runtime.decode_step(context).expect("decode step");
+    }
+    assert_eq!(stack.runtime.counters().write_layers_issued, 1, "five steps pay for the first layer");
+    for _ in 0..5 {
+        stack.runtime.decode_step(context).expect("decode step");
+    }
+    let written = |stack: &Stack| {
+        stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
+    };
+    assert_eq!(written(&stack), 0, "the emulated layer takes ~0.3 s");
+    assert_eq!(stack.runtime.counters().write_layers_issued, 1, "nothing released behind the layer in flight");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while written(&stack) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
+        stack.runtime.poll_io().expect("poll");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    stack.runtime.decode_step(context).expect("decode step");
+    assert_eq!(stack.runtime.counters().write_layers_issued, 2, "the first step after it releases the next layer");
+}
+
 /// The most layers of `direction` in flight at once, from the runtime's event log.
 fn in_flight_max(events: &[IoEvent], direction: IoDirection) -> usize {
     let (mut in_flight, mut most) = (0usize, 0usize);
