@@ -13,6 +13,9 @@
 //! and anything on the zeroing's own SQ while the commands fetched after it in its batch wait
 //! (they run, in order, once it completed). Reads and Writes of other blocks, Flushes (they
 //! promise only what completed before them) and admin commands that read only run meanwhile.
+//! Once it completed, the rest of its batch waits for one scan, in which every admin command
+//! but a Delete I/O SQ of the rest's queue runs: the admin queue waits for one zeroing of a
+//! batch at a time, not for all of them.
 //! The state this takes is the zeroing's remaining runs (at most 256); held commands stay in
 //! host memory (the scan reads an entry once, and runs that copy). The completions the zeroing
 //! owes (its own and the rest of its batch's) keep reserved CQ slots until it ends, so what
@@ -40,6 +43,9 @@ pub(super) struct ZeroingCommand {
     fault: Option<FaultAction>,
     /// The commands fetched after it in its batch: they run, in order, once it completed.
     rest: Vec<(SubmissionEntry, u32)>,
+    /// Its own command completed; only `rest` waits, for one scan of the queues (see
+    /// [`ControllerCore::advance_zeroing`]).
+    completed: bool,
 }
 
 impl ZeroingCommand {
@@ -49,10 +55,23 @@ impl ZeroingCommand {
     /// or Dataset Management (either may start a zeroing of its own), a fused or unknown
     /// command, any admin command but Identify, Get Log Page, Get Features, Abort and
     /// Asynchronous Event Request (which touch no block and no queue), and anything on its
-    /// own SQ while commands fetched after it in its batch wait (they run first).
+    /// own SQ while commands fetched after it in its batch wait (they run first). Once its
+    /// command completed (only the rest waits, for one scan): its own SQ, what may start a
+    /// zeroing, and a Delete I/O SQ of its queue.
     pub(super) fn holds_back(&self, queue_id: u16, entry: &SubmissionEntry) -> bool {
         if queue_id == self.queue_id && !self.rest.is_empty() {
             return true;
+        }
+        if self.completed {
+            // Zeroed: only the rest of its batch waits, for one scan. What may start a zeroing
+            // (the rest may start one, and one is held at a time) waits with it, and so does a
+            // Delete I/O SQ of the rest's own queue; any other admin command runs now.
+            return if queue_id == 0 {
+                entry.opcode() == AdminOpcode::DeleteIoSubmissionQueue as u8 && (entry.cdw10 & 0xFFFF) as u16 == self.queue_id
+            } else {
+                entry.fuse() != 0
+                    || !matches!(NvmOpcode::from_u8(entry.opcode()), Some(NvmOpcode::Read | NvmOpcode::Write | NvmOpcode::Flush))
+            };
         }
         if queue_id == 0 {
             let reads_only = matches!(
@@ -110,7 +129,8 @@ impl ControllerCore {
             *result = Err(generic(codes::COMMAND_SEQUENCE_ERROR));
             return false;
         }
-        let command = ZeroingCommand { job, queue_id, completion_queue_id, sq_head, entry: *entry, fault, rest: rest.to_vec() };
+        let command =
+            ZeroingCommand { job, queue_id, completion_queue_id, sq_head, entry: *entry, fault, rest: rest.to_vec(), completed: false };
         // The completions it owes (its own, and those of the rest of its batch) keep their CQ
         // slots, as a delayed completion's does: the scan fetches other commands meanwhile,
         // and without them those could fill the CQ before the zeroing's completion goes in.
@@ -119,36 +139,50 @@ impl ControllerCore {
         true
     }
 
-    /// Reserves (or gives back) the CQ slots of the completions `command` owes: its own and
-    /// one per command of the rest of its batch.
+    /// Reserves (or gives back) the CQ slots of the completions `command` owes: its own (until
+    /// it completed) and one per command of the rest of its batch.
     fn reserve_owed_slots(&mut self, command: &ZeroingCommand, reserve: bool) {
         // The rest of a batch is at most COMMANDS_PER_QUEUE_PER_SCAN commands.
-        let owed = u32::try_from(command.rest.len()).unwrap_or(u32::MAX).saturating_add(1);
+        let owed = u32::try_from(command.rest.len()).unwrap_or(u32::MAX).saturating_add(u32::from(!command.completed));
         if let Some(Some(queue)) = self.completion_queues.get_mut(usize::from(command.completion_queue_id)) {
             queue.reserved = if reserve { queue.reserved.saturating_add(owed) } else { queue.reserved.saturating_sub(owed) };
         }
     }
 
     /// One poll's slice of the long zeroing held, if any: its command completes when it ends,
-    /// then the rest of its batch runs. True while one was held (the poll's scan then fetches
-    /// only what it does not hold back). It waits, holding its slices, while a reset, a power loss or function reset, or the
-    /// device's drop is pending: each ends it at once.
+    /// then, at the next poll, the rest of its batch runs. True while one was held (the poll's
+    /// scan then fetches only what it does not hold back). It waits, holding its slices, while
+    /// a reset, a power loss or function reset, or the device's drop is pending: each ends it
+    /// at once.
+    ///
+    /// The rest waits for the scan of the poll the zeroing ended in, so that the admin queue,
+    /// held back while the zeroing ran, is served before the rest may start a zeroing of its own
+    /// (a batch of several long DSMs, a restricted client's whole-share deallocates, say): the
+    /// admin queue waits for one zeroing at a time, not for the whole batch. Until 2026-12-01
+    /// the rest ran at once, and a batch of n held tuttid's admin queue for all n.
     pub(super) fn advance_zeroing(&mut self, now: Instant) -> bool {
         let Some(mut command) = self.zeroing.take() else { return false };
         if self.registers.reset_requested() || self.unlocked.give_way() {
             self.zeroing = Some(command);
             return true;
         }
+        if command.completed {
+            self.reserve_owed_slots(&command, false);
+            self.run_batch(command.queue_id, command.completion_queue_id, &command.rest, now);
+            return true;
+        }
         match self.zero_slice(&mut command.job) {
             Ok(false) => self.zeroing = Some(command),
             ended => {
                 let result = ended.map(|_| 0);
-                // Its slots go back just before its completions take them.
+                // Its slots go back just before its completion takes one; those of the rest
+                // are taken again until it runs.
                 self.reserve_owed_slots(&command, false);
-                let ZeroingCommand { queue_id, completion_queue_id, sq_head, entry, fault, rest, .. } = command;
-                self.complete(queue_id, completion_queue_id, sq_head, &entry, result, fault, now);
-                if !rest.is_empty() {
-                    self.run_batch(queue_id, completion_queue_id, &rest, now);
+                self.complete(command.queue_id, command.completion_queue_id, command.sq_head, &command.entry, result, command.fault, now);
+                if !command.rest.is_empty() {
+                    command.completed = true;
+                    self.reserve_owed_slots(&command, true);
+                    self.zeroing = Some(command);
                 }
             }
         }

@@ -530,3 +530,52 @@ fn an_sq_entry_rewritten_after_the_scan_looked_at_it_runs_as_it_was_looked_at() 
     assert_eq!(status_of(&completion), Ok(()), "the held deallocate");
     assert!(read_block(&host, &mut other, 1500).iter().all(|&byte| byte == 0x15), "block 1500 was zeroed");
 }
+
+#[test]
+fn the_admin_queue_runs_between_the_zeroings_of_one_batch() {
+    // Goal: two long deallocates fetched in one batch (a restricted client's whole-share DSMs,
+    // say) hold the admin queue back for one zeroing at a time, not for all of them: an admin
+    // command a zeroing holds back (Create I/O CQ) rung during the first completes once the
+    // first ended, while the second still runs, and the second then completes too. Until
+    // 2026-12-01 the rest of the batch ran in the poll the first zeroing ended, so the second
+    // started before the admin queue was looked at again: a batch of n held tuttid's admin
+    // queue for all n (minutes each on a store that writes zeroes).
+    let (mut host, mut queue) = slow_zeroing_unlinked("admin-between-zeroings");
+    // 200 blocks each: about 1 s apiece (see SLOW_SLICE).
+    let range = |start: u64| DatasetRange { context_attributes: 0, blocks: 200, start: Lba(start) };
+    let (first, _first_list) = deallocate_repeated(&host, range(0));
+    let (second, _second_list) = deallocate_repeated(&host, range(200));
+    let first_id = TestHost::push(&mut queue, first);
+    let second_id = TestHost::push(&mut queue, second);
+    host.ring_submission(&queue);
+    std::thread::sleep(Duration::from_millis(100));
+    let ring = host.buffer(4096);
+    let rung = Instant::now();
+    assert_eq!(status_of(&host.admin(SubmissionEntry::create_io_completion_queue(2, 4, ring.iova().0))), Ok(()));
+    let waited = rung.elapsed();
+    let done = TestHost::try_reap(&mut queue).expect("the first deallocate completed before the admin command ran");
+    assert_eq!((done.command_id(), status_of(&done)), (first_id, Ok(())));
+    assert!(TestHost::try_reap(&mut queue).is_none(), "the admin command waited for the second zeroing too ({waited:?})");
+    let done = host.reap_within(&mut queue, Duration::from_secs(5)).expect("the second deallocate completes");
+    assert_eq!((done.command_id(), status_of(&done)), (second_id, Ok(())));
+}
+
+#[test]
+fn deleting_the_queue_of_a_batch_waiting_behind_a_zeroing_waits_for_the_rest_to_complete() {
+    // Goal: the one admin command that still waits, between the zeroings of one batch, for the
+    // rest of the batch: a Delete I/O SQ of its own queue. Rung during the first of two long
+    // deallocates in one batch, it completes only after both did (both completions are in the
+    // CQ when it returns), so the rest never runs on a deleted queue.
+    let (mut host, mut queue) = slow_zeroing_unlinked("delete-behind-zeroing");
+    let range = |start: u64| DatasetRange { context_attributes: 0, blocks: 100, start: Lba(start) };
+    let (first, _first_list) = deallocate_repeated(&host, range(0));
+    let (second, _second_list) = deallocate_repeated(&host, range(100));
+    let ids = [TestHost::push(&mut queue, first), TestHost::push(&mut queue, second)];
+    host.ring_submission(&queue);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(status_of(&host.admin(SubmissionEntry::delete_io_submission_queue(1))), Ok(()));
+    for id in ids {
+        let done = TestHost::try_reap(&mut queue).expect("a deallocate of the batch completed before its queue was deleted");
+        assert_eq!((done.command_id(), status_of(&done)), (id, Ok(())));
+    }
+}
