@@ -2181,6 +2181,31 @@ def test_kv_cache_groups_whose_blocks_vllm_frees_early_are_refused(kind):
                 harness.make_connector(config, role, harness.kv_cache_config(spec=spec))
 
 
+def test_layers_of_different_kv_shapes_are_refused_naming_that_not_sliding_window():
+    """Goal: a full-attention model whose layers have different KV shapes (head counts or sizes
+    per layer) reaches the workers as one group of vLLM's UniformTypeKVCacheSpecs (the scheduler
+    sees one layer's FullAttentionSpec: generate_scheduler_kv_cache_config); the worker's
+    refusal says that the layers' KV shapes differ, not that the model uses a sliding window
+    (--disable-sliding-window would change nothing). Checked before tuttid is asked."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    names = harness.layer_names()
+    spec = UniformTypeKVCacheSpecs(
+        block_size=harness.BLOCK_TOKENS,
+        kv_cache_specs={
+            name: FullAttentionSpec(
+                block_size=harness.BLOCK_TOKENS, num_kv_heads=harness.KV_HEADS * (1 + index % 2), head_size=harness.HEAD_DIM,
+                dtype=harness.DTYPE,
+            )  # fmt: skip
+            for index, name in enumerate(names)
+        },
+    )
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    with pytest.raises(ConfigError, match="different KV shapes") as refused:
+        harness.make_connector(config, KVConnectorRole.WORKER, harness.kv_cache_config(spec=spec))
+    assert "--disable-sliding-window" not in str(refused.value)
+
+
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
 def test_full_cuda_graphs_left_by_vllm_are_refused_at_the_worker(mode):
     """Goal: the connector asks vLLM for PIECEWISE CUDA graphs (requires_piecewise_for_cudagraph),

@@ -457,12 +457,23 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
     another request's bytes by the time it is written; other kinds (Mamba state, cross
     attention) are not a prompt's paged KV at all. A FullAttentionSpec whose layers compute a
     sliding window (the hybrid KV cache manager disabled) keeps every block: accepted; one whose
-    layers attend non-causally is not (`_refuse_non_causal_attention`)."""
+    layers attend non-causally is not (`_refuse_non_causal_attention`). Nor is a group of vLLM's
+    UniformTypeKVCacheSpecs: layers of one kind whose KV shapes differ (head counts or sizes per
+    layer), which only the workers see (the scheduler gets one layer's spec:
+    generate_scheduler_kv_cache_config); its refusal says so, not sliding window."""
     from tutti._engine import ConfigError
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
         spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            kinds = sorted({type(layer_spec).__name__ for layer_spec in spec.kv_cache_specs.values()})
+            raise ConfigError(
+                f"TuttiConnector needs every layer of a KV cache group to have one KV shape; this model's "
+                f"{len(group.layer_names)} layers of {', '.join(kinds)} have different KV shapes (head counts or sizes "
+                "per layer: vLLM's UniformTypeKVCacheSpecs), which a tutti pool (one KV shape for all layers) cannot hold: serve it "
+                "without the connector"
+            )
         if not isinstance(spec, FullAttentionSpec):
             raise ConfigError(
                 f"TuttiConnector stores full-attention KV only; this model has a KV cache group of "
