@@ -7,7 +7,8 @@
 #               rings, executors, object store, scheduler simulator assertions), and the doc tests
 #               (cargo test --doc: --all-targets leaves them out)
 #   lint        rust-version checked (tools/check-msrv.sh), the engine cache's pruning
-#               (tools/lib/prune-test.sh), cargo clippy -D warnings, cargo fmt --check
+#               (tools/lib/prune-test.sh), the package-repair helper (tools/lib/dpkg-test.sh),
+#               cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
@@ -505,7 +506,7 @@ stage_lint() {
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
     # tools/lib/prune-test.sh: the cache pruning engine-env.sh does (no build, a second).
-    ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/bench-scripts-test.sh &&
+    ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 60 tools/bench-scripts-test.sh &&
         timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
         timeout -k 30 300 cargo fmt --all -- --check
 }

@@ -206,11 +206,17 @@ dpkg_installed() {
 # and Pre-Depends of PKG, and among theirs (two levels: a metapackage, then the versioned package
 # it names, which holds the files: gcc -> cpp -> cpp-12 has cc1, g++ -> g++-12 ->
 # libstdc++-12-dev), of which `dpkg --verify` finds files missing (conffiles aside: a reinstall
-# does not put those back). Reinstalling PKG alone puts back none of their files.
+# does not put those back). Reinstalling PKG alone puts back none of their files. Each installed
+# instance is verified by its own name (libc6:amd64 and libc6:i386 on a multiarch host: the bare
+# name is ambiguous to dpkg --verify, which then fails), and a missing file that dpkg's
+# path-exclude settings leave out (slim images drop /usr/share/doc and the like; a reinstall
+# leaves them out again) does not count. Safe under set -e (the VM scripts run with it): a
+# failing dpkg --verify (a timeout) counts as nothing found, not as the end of the list.
 dpkg_damaged_depends() {
-    local level package dep verified
+    local level package dep instance status verified path
     local -A seen=()
-    local current=("$@") next=()
+    local current=("$@") next=() excludes=() includes=()
+    dpkg_path_filters
     for package in "$@"; do seen[$package]=1; done
     for level in 1 2; do
         next=()
@@ -220,15 +226,69 @@ dpkg_damaged_depends() {
                 tr ',|' '\n\n' | sed -E 's/\(.*\)//; s/:[a-z0-9]+//; s/[[:space:]]//g'); do
                 [ -z "${seen[$dep]:-}" ] || continue
                 seen[$dep]=1
-                dpkg-query -W -f='${Status}\n' "$dep" 2> /dev/null | grep -qx 'install ok installed' || continue
-                next+=("$dep")
-                # Captured, not piped into grep -q: under pipefail, grep leaving early would make
-                # dpkg's SIGPIPE the pipeline's status.
-                verified=$(timeout -k 10 300 dpkg --verify "$dep" 2> /dev/null)
-                ! grep -qE '^missing +/' <<< "$verified" || echo "$dep"
+                # Each installed instance (one a line: its name, architecture-qualified where
+                # several may be installed, and its status).
+                while read -r instance status; do
+                    [ "$status" = "install ok installed" ] || continue
+                    next+=("$instance")
+                    # Captured, not piped into grep -q: under pipefail, grep leaving early would
+                    # make dpkg's SIGPIPE the pipeline's status.
+                    verified=$(timeout -k 10 300 dpkg --verify "$instance" 2> /dev/null) || true
+                    while read -r path; do
+                        if ! dpkg_path_excluded "$path"; then
+                            echo "$instance"
+                            break
+                        fi
+                    done < <(sed -nE 's/^missing +(\/.*)$/\1/p' <<< "$verified")
+                done < <(dpkg-query -W -f='${binary:Package} ${Status}\n' "$dep" 2> /dev/null || true)
             done
         done
         current=("${next[@]}")
+    done
+    return 0
+}
+
+# dpkg_path_filters: fills the caller's excludes and includes arrays with dpkg's path-exclude
+# and path-include patterns (/etc/dpkg/dpkg.cfg and dpkg.cfg.d/*, as dpkg reads them; under
+# DPKG_CONFIG_ROOT when set, for tests).
+dpkg_path_filters() {
+    local file line root=${DPKG_CONFIG_ROOT:-}
+    excludes=() includes=()
+    for file in "$root"/etc/dpkg/dpkg.cfg "$root"/etc/dpkg/dpkg.cfg.d/*; do
+        [ -f "$file" ] && [ -r "$file" ] || continue
+        while IFS= read -r line || [ -n "$line" ]; do
+            line=${line#"${line%%[![:space:]]*}"}
+            case $line in
+                path-exclude=* | path-exclude\ *) excludes+=("$(dpkg_option_value "$line")") ;;
+                path-include=* | path-include\ *) includes+=("$(dpkg_option_value "$line")") ;;
+            esac
+        done < "$file"
+    done
+    return 0
+}
+
+# dpkg_option_value LINE: the value of a dpkg.cfg option line (`name=value` or `name value`).
+dpkg_option_value() {
+    local value=${1#path-exclude}
+    value=${value#path-include}
+    value=${value#[= ]}
+    value=${value#"${value%%[![:space:]]*}"}
+    printf '%s\n' "${value%"${value##*[![:space:]]}"}"
+}
+
+# dpkg_path_excluded PATH: PATH is one dpkg leaves out on this machine (matched by a
+# path-exclude pattern and by no path-include: dpkg matches with fnmatch without FNM_PATHNAME,
+# so `*` crosses slashes, as in [[ == ]]). Reads the caller's excludes and includes.
+dpkg_path_excluded() {
+    local pattern excluded=no
+    for pattern in "${excludes[@]}"; do
+        # shellcheck disable=SC2053 # a glob pattern on purpose
+        [[ $1 == $pattern ]] && excluded=yes && break
+    done
+    [ "$excluded" = yes ] || return 1
+    for pattern in "${includes[@]}"; do
+        # shellcheck disable=SC2053
+        [[ $1 == $pattern ]] && return 1
     done
     return 0
 }

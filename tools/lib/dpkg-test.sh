@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Tests tools/lib/dpkg.sh's dpkg_damaged_depends against stand-in dpkg and dpkg-query (no
+# package is touched): under set -e, as the VM scripts run it; with a package installed for two
+# architectures (dpkg --verify refuses the bare name); with a verify that fails (a timeout); and
+# with dpkg's path-exclude/path-include settings of a slim image (files left out on purpose are
+# not damage; a re-included one is).
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")/../.."
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+fail() {
+    echo "dpkg-test: $*" >&2
+    exit 1
+}
+mkdir -p "$work/bin" "$work/root/etc/dpkg/dpkg.cfg.d"
+# gcc depends on cpp (-> cpp-12, which lost cc1), libc6 (installed for amd64 and i386: only a
+# changelog is missing from the amd64 one), libgcc-s1 (its verify times out) and docsonly (its
+# copyright is missing).
+cat > "$work/bin/dpkg-query" << 'STAND_IN'
+#!/usr/bin/env bash
+case "$2" in
+    *Depends*)
+        case $3 in
+            gcc) echo "cpp (= 4:12.2.0-3), libc6 (>= 2.34), libgcc-s1:any, docsonly," ;;
+            cpp) echo "cpp-12 (>= 12.2.0)," ;;
+            *) echo "," ;;
+        esac ;;
+    *binary:Package*)
+        case $3 in
+            libc6) printf 'libc6:amd64 install ok installed\nlibc6:i386 install ok installed\n' ;;
+            libgcc-s1) echo "libgcc-s1:amd64 install ok installed" ;;
+            *) echo "$3 install ok installed" ;;
+        esac ;;
+esac
+STAND_IN
+cat > "$work/bin/dpkg" << 'STAND_IN'
+#!/usr/bin/env bash
+[ "$1" = --verify ] || exit 1
+case "$2" in
+    libc6) echo "dpkg: error: ambiguous package name 'libc6' with more than one installed instance" >&2; exit 2 ;;
+    libc6:amd64) echo "missing     /usr/share/doc/libc6/changelog.Debian.gz" ;;
+    libc6:i386) echo "??5??????   /usr/lib/i386-linux-gnu/libc.so.6" ;;
+    libgcc-s1:amd64) exit 124 ;;
+    cpp-12) printf 'missing     /usr/share/doc/cpp-12/changelog.gz\nmissing     /usr/lib/gcc/x86_64-linux-gnu/12/cc1\n' ;;
+    docsonly) echo "missing     /usr/share/doc/docsonly/copyright" ;;
+esac
+exit 0
+STAND_IN
+chmod +x "$work/bin/dpkg" "$work/bin/dpkg-query"
+damaged() {
+    # shellcheck disable=SC2030,SC2031 # PATH for this subshell only
+    (
+        set -euo pipefail
+        export PATH="$work/bin:$PATH"
+        # shellcheck source=tools/lib/dpkg.sh
+        . tools/lib/dpkg.sh
+        mapfile -t found < <(dpkg_damaged_depends gcc)
+        echo "${found[*]}"
+    )
+}
+got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+[[ "$got" == "libc6:amd64 docsonly cpp-12" ]] || fail "no path-exclude: expected 'libc6:amd64 docsonly cpp-12', got '$got'"
+printf '# a slim image\npath-exclude /usr/share/doc/*\n  path-include=/usr/share/doc/*/copyright\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
+got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+[[ "$got" == "docsonly cpp-12" ]] || fail "docs excluded, copyright included: expected 'docsonly cpp-12', got '$got'"
+echo "dpkg-test: passed"
