@@ -74,11 +74,18 @@ pub struct CpuExecutor {
     /// not stopped by a full queue), and nothing was accepted since: polling again cannot
     /// submit any of them until a reset.
     pending_held_only: bool,
-    /// Tests only: this many next doorbell rings fail without writing anything, as one whose
-    /// shadow doorbell slot is out of reach would (the driver's only error other than
+    /// Per device: a doorbell write of its pair failed with an error other than `QueueStale`,
+    /// and that was reported. The doorbell is rung again by every pump, but the fault is not
+    /// reported again until a ring succeeds or a reset installs a fresh pair: the driver's only
+    /// such error (a shadow doorbell slot out of reach) lasts as long as the pair, and reporting
+    /// it from every poll failed every wait on every device at once, so none timed out and the
+    /// reset that replaces the pair never ran.
+    doorbell_fault_reported: Vec<bool>,
+    /// Tests only, per device: this many next doorbell rings fail without writing anything, as
+    /// one whose shadow doorbell slot is out of reach would (the driver's only error other than
     /// `QueueStale`, which no software controller can cause).
     #[cfg(test)]
-    failing_doorbells: u32,
+    failing_doorbells: Vec<u32>,
 }
 
 fn device_error(device: usize, error: nvme_driver::NvmeError) -> GioError {
@@ -160,8 +167,9 @@ impl CpuExecutor {
     /// to the workers that own them. With `index`, it visits only the IOCTXs the index gives
     /// this worker.
     pub(crate) fn for_devices(queues: Vec<Option<IoQueuePair>>, depth: u32, index: Option<(Arc<IoctxIndex>, usize)>) -> Self {
-        let doorbell_due = vec![false; queues.len()];
-        let stale = vec![false; queues.len()];
+        let device_count = queues.len();
+        let doorbell_due = vec![false; device_count];
+        let stale = vec![false; device_count];
         Self {
             queues,
             pending: VecDeque::with_capacity(depth as usize),
@@ -174,8 +182,9 @@ impl CpuExecutor {
             filled: FilledLines::new(depth),
             issued: vec![None; depth as usize],
             pending_held_only: false,
+            doorbell_fault_reported: vec![false; device_count],
             #[cfg(test)]
-            failing_doorbells: 0,
+            failing_doorbells: vec![0; device_count],
         }
     }
 
@@ -317,30 +326,43 @@ impl CpuExecutor {
             // Bounded by the depth, and only once per IOCB: no allocation.
             self.pending.remove(position);
         }
-        for (device, (queue, due)) in self.queues.iter_mut().zip(&mut self.doorbell_due).enumerate() {
+        let rings = self.queues.iter_mut().zip(&mut self.doorbell_due).zip(&mut self.doorbell_fault_reported).enumerate();
+        for (device, ((queue, due), fault_reported)) in rings {
             if let (true, Some(queue)) = (std::mem::take(due), queue) {
                 // Fails with QueueStale only for a pair whose controller was reset before this
                 // batch's tail went out (the driver answers Ok once the tail is written, even
                 // if a reset begins right after). Either way the IOCBs submitted stay in flight
                 // here: only `reset`, once the old pair's deletion succeeded, ends them.
                 #[cfg(test)]
-                let rung = match self.failing_doorbells.checked_sub(1) {
+                let rung = match self.failing_doorbells[device].checked_sub(1) {
                     Some(left) => {
-                        self.failing_doorbells = left;
+                        self.failing_doorbells[device] = left;
                         Err(nvme_driver::NvmeError::from(nvme_driver::hw::HwError::OutOfRange { offset: 0, access_len: 4, region_len: 0 }))
                     }
                     None => queue.ring_doorbell(),
                 };
                 #[cfg(not(test))]
                 let rung = queue.ring_doorbell();
-                if let Err(error) = rung {
-                    // Any error but QueueStale (a pair held until a reset) says nothing about
-                    // whether the tail went out, and the driver keeps it pending: ring again at
-                    // the next pump (a repeat is harmless), or nothing would announce these
-                    // commands and a worker would spin on them until the caller's wait timed
-                    // out. A lasting fault is then reported by every poll, not once.
-                    *due = !matches!(error, nvme_driver::NvmeError::QueueStale { .. });
-                    note_device_error(&mut self.stale, &mut first_error, device, error);
+                match rung {
+                    Ok(()) => *fault_reported = false,
+                    Err(error @ nvme_driver::NvmeError::QueueStale { .. }) => {
+                        note_device_error(&mut self.stale, &mut first_error, device, error)
+                    }
+                    Err(error) => {
+                        // Any error but QueueStale (a pair held until a reset) says nothing
+                        // about whether the tail went out, and the driver keeps it pending: ring
+                        // again at the next pump (a repeat is harmless), or nothing would
+                        // announce these commands until the caller's reset. A passing fault
+                        // then costs no reset. Reported once per pair: a lasting one (the
+                        // driver's only such error is fixed when the pair is created) would
+                        // otherwise fail every poll, so every wait, on every device, would
+                        // return it at once and none would time out, and the caller's reset,
+                        // which replaces the pair, would never run.
+                        *due = true;
+                        if !std::mem::replace(fault_reported, true) {
+                            note_device_error(&mut self.stale, &mut first_error, device, error);
+                        }
+                    }
                 }
             }
         }
@@ -405,6 +427,7 @@ impl CpuExecutor {
         self.undeleted = undeleted;
         self.pending.clear();
         self.doorbell_due.iter_mut().for_each(|due| *due = false);
+        self.doorbell_fault_reported.iter_mut().for_each(|reported| *reported = false);
         self.stale.iter_mut().for_each(|stale| *stale = false);
         failure.map_or(Ok(()), Err)
     }
@@ -729,6 +752,13 @@ mod tests {
     }
 
     fn emu_rig<E: Executor>(executor: impl FnOnce(IoQueuePair) -> E) -> EmuRig<E> {
+        emu_rig_on_devices(1, |mut pairs| executor(pairs.remove(0)))
+    }
+
+    /// [`emu_rig`] whose device table names the controller's namespace `devices` times, each
+    /// entry served by a queue pair of its own (`executor` gets them in device order); the
+    /// rig's IOCB reads from device 0.
+    fn emu_rig_on_devices<E: Executor>(devices: usize, executor: impl FnOnce(Vec<IoQueuePair>) -> E) -> EmuRig<E> {
         use crate::types::{DeviceIndex, IovaRange, Lba};
         use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
         let config = nvme_emu::EmuConfig::default()
@@ -738,7 +768,7 @@ mod tests {
         let backend: Arc<dyn nvme_driver::hw::DeviceBackend> = device.clone();
         let controller = nvme_driver::Controller::init(backend, nvme_driver::ControllerConfig::default()).expect("bring-up");
         let namespace = controller.namespaces()[0];
-        let pair = controller.create_io_queue_pair(16).expect("I/O queue pair");
+        let pairs = (0..devices).map(|_| controller.create_io_queue_pair(16).expect("I/O queue pair")).collect();
         let buffer = controller.dma().allocate(64 << 10).expect("DMA buffer");
         let info = DeviceInfo {
             nsid: namespace.id.0,
@@ -749,7 +779,7 @@ mod tests {
         let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).expect("registered");
         let config = crate::layout::QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
         let mut queue =
-            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info]), registered, executor(pair)).expect("queue");
+            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info; devices]), registered, executor(pairs)).expect("queue");
         let id = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
         let ioctx = IoctxSpec {
             device: DeviceIndex(0),
@@ -768,10 +798,15 @@ mod tests {
     /// Another IOCB on the rig's queue, filled as the rig's own (a one-block Read of two layers
     /// from the DMA buffer), not issued.
     fn refill_like_the_rig<E: Executor>(rig: &mut EmuRig<E>) -> IocbId {
+        fill_read_on(rig, 0)
+    }
+
+    /// [`refill_like_the_rig`] reading from device `device` of an [`emu_rig_on_devices`].
+    fn fill_read_on<E: Executor>(rig: &mut EmuRig<E>, device: u16) -> IocbId {
         use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
         let id = rig.queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
         let ioctx = IoctxSpec {
-            device: crate::types::DeviceIndex(0),
+            device: crate::types::DeviceIndex(device),
             nsid: rig.controller.namespaces()[0].id.0,
             start_lba: crate::types::Lba(0),
             block_count: 1,
@@ -795,7 +830,7 @@ mod tests {
         // next poll. The executor used to forget that the doorbell was due: the command sat
         // unannounced in the SQ, and the IOCB waited for the caller's timeout and a reset.
         let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
-        rig.queue.executor_mut().failing_doorbells = 1;
+        rig.queue.executor_mut().failing_doorbells[0] = 1;
         rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
         match rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)) {
             Err(GioError::Executor { reason, .. }) => assert!(reason.contains("outside a region"), "{reason}"),
@@ -804,6 +839,50 @@ mod tests {
         let completion = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("rung by the next poll");
         assert_eq!(completion.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 1, "one command, one completion");
+    }
+
+    #[test]
+    fn a_lasting_doorbell_fault_is_reported_once_and_ends_in_a_timeout_and_a_reset() {
+        // Goal: a doorbell fault that lasts (the driver's only non-stale one, a shadow slot out
+        // of reach, is fixed when the pair is created) is rung again by every poll but reported
+        // once per pair. Reported by every poll, it failed every wait at once, on the healthy
+        // device too, and the faulty pair's wait never timed out, so the reset that replaces
+        // the pair (and cures the fault) never ran.
+        let seconds = |s| Instant::now() + std::time::Duration::from_secs(s);
+        let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
+        let mut rig = emu_rig_on_devices(2, |pairs| CpuExecutor::new(pairs, 4));
+        let healthy = fill_read_on(&mut rig, 1);
+        rig.queue.executor_mut().failing_doorbells[0] = u32::MAX;
+        rig.queue.issue_io(&[rig.id], layer, budget).expect("issue on the faulty pair");
+        rig.queue.issue_io(&[healthy], layer, budget).expect("issue on the healthy pair");
+        let reported = |waited: Result<crate::queue::Completion, GioError>| match waited {
+            Err(GioError::Executor { reason, .. }) => {
+                assert!(reason.contains("device 0") && reason.contains("outside a region"), "{reason}")
+            }
+            other => panic!("expected device 0's doorbell fault, got {other:?}"),
+        };
+        // The first poll reports the fault (the healthy IOCB's command was only just sent).
+        reported(rig.queue.wait_cqe(healthy, seconds(5)));
+        let completion = rig.queue.wait_cqe(healthy, seconds(5)).expect("the healthy pair's IOCB completes");
+        assert_eq!(completion.result, Ok(()));
+        match rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_millis(100)) {
+            Err(GioError::WaitTimeout { .. }) => {}
+            other => panic!("expected the faulty pair's wait to time out, got {other:?}"),
+        }
+        // The caller's reset replaces both pairs: the IOCB ends as TIMEOUT, and the same fault
+        // on the fresh pair is reported again, once.
+        let fresh = (0..2).map(|_| rig.controller.create_io_queue_pair(16).expect("fresh pair")).collect();
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(executor.reset(memory, fresh).expect("reset"), 1, "the IOCB on the faulty pair ended");
+        let ended = rig.queue.wait_cqe(rig.id, seconds(5)).expect("its TIMEOUT CQE");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
+        rig.queue.issue_io(&[rig.id], layer, budget).expect("reissue");
+        reported(rig.queue.wait_cqe(rig.id, seconds(5)));
+        // Cured: the next ring succeeds and announces the command.
+        rig.queue.executor_mut().failing_doorbells[0] = 0;
+        let completion = rig.queue.wait_cqe(rig.id, seconds(5)).expect("rung by the next poll");
+        assert_eq!(completion.result, Ok(()));
+        assert_eq!(io_commands(&rig.device), 2, "the healthy read and the reissue, each once");
     }
 
     #[test]
