@@ -338,6 +338,8 @@ pub(crate) mod test_double {
         /// Fail the next `poll` after doing its work (as a poll that completes an IOCB and also
         /// reports an error about something else, e.g. another device).
         pub fail_next_poll: bool,
+        /// How many times `QueuePairReset::reset` was called.
+        pub resets: u32,
         /// (iocb, ioctx index) → NVMe status to complete with.
         pub faults: Vec<(IocbId, u32, NvmeStatus)>,
         pub pending: VecDeque<IocbId>,
@@ -429,6 +431,18 @@ pub(crate) mod test_double {
                 return Err(GioError::Executor { executor: self.name(), reason: "failed after its work".into() });
             }
             Ok(())
+        }
+    }
+
+    /// No queue pairs to replace: a reset only lets queue-level reset logic be tested. Nothing
+    /// is ended (the test double's IOCBs complete on their own).
+    impl QueuePairReset for MemoryExecutor {
+        fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+            Vec::new()
+        }
+        fn reset(&mut self, _memory: &QueueMemory, _fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+            self.resets += 1;
+            Ok(0)
         }
     }
 

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use crate::abi::{self, IocbStatus, NvmeStatus};
 use crate::error::{GioError, IocbFailure};
-use crate::executor::{Executor, IssueBatch};
+use crate::executor::{Executor, IssueBatch, QueuePairReset};
 use crate::layout::{IocbHeader, IocbProgress, QueueConfig, QueueMemory};
 use crate::ring::{Cqe, Ring};
 use crate::types::{Dependency, IocbId, LayerIndex, SmBudget};
@@ -133,13 +133,15 @@ impl<E: Executor> GioQueue<E> {
         &mut self.executor
     }
 
-    /// The shared memory, e.g. to map it into a GPU.
     /// The executor together with the queue's memory, for executor operations that act on the
-    /// shared records (e.g. [`crate::CpuExecutor::reset`] after a lost completion).
+    /// shared records (e.g. [`Executor::lend_queue_pair`]). A reset after a lost completion goes
+    /// through [`GioQueue::reset_queue_pairs`], which also forgets a poll error kept for the
+    /// replaced pairs.
     pub fn executor_and_memory(&mut self) -> (&mut E, &QueueMemory) {
         (&mut self.executor, &self.memory)
     }
 
+    /// The shared memory, e.g. to map it into a GPU.
     pub fn memory(&self) -> &QueueMemory {
         &self.memory
     }
@@ -435,6 +437,22 @@ impl<E: Executor> GioQueue<E> {
                 std::thread::yield_now();
             }
         }
+    }
+}
+
+impl<E: QueuePairReset> GioQueue<E> {
+    /// Recovers from a wait that timed out ([`QueuePairReset::reset`]): the executor replaces its
+    /// queue pairs with `fresh` and ends every IOCB still in flight as TIMEOUT; returns how many.
+    ///
+    /// A poll error kept for the next call (`poll_error`) is forgotten first, and logged: it was
+    /// about queue pairs this reset replaces (as `CpuWorkers`' reset forgets a worker's error not
+    /// yet reported), and kept, it failed the first wait after the reissue, without a poll, for
+    /// a healthy layer.
+    pub fn reset_queue_pairs(&mut self, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+        if let Some(error) = self.poll_error.take() {
+            tracing::warn!(%error, "gio-uring: a poll error not yet reported is forgotten: it concerned the queue pairs the reset replaces");
+        }
+        self.executor.reset(&self.memory, fresh)
     }
 }
 

@@ -195,6 +195,25 @@ fn a_poll_error_waits_behind_the_completion_the_same_poll_posted() {
 }
 
 #[test]
+fn a_reset_forgets_a_kept_poll_error_so_the_first_wait_after_it_polls() {
+    // Goal: a poll error kept behind a completion (it may be about another queue pair) is
+    // forgotten by the queue-pair reset, as CpuWorkers' reset forgets a worker error not yet
+    // reported: it concerned the pairs the reset replaced. Kept, it was returned without a poll
+    // by the first wait after the reissue, failing a healthy layer.
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
+    queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+    queue.executor_mut().fail_next_poll = true;
+    assert_eq!(queue.wait_cqe(id, soon()).unwrap().id, id, "the completion, the error kept");
+    assert_eq!(queue.reset_queue_pairs(Vec::new()).unwrap(), 0);
+    assert_eq!(queue.executor().resets, 1, "the executor was reset");
+    queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();
+    let completion = queue.wait_cqe(id, soon());
+    assert!(matches!(completion, Ok(c) if c.id == id && c.layer == LayerIndex(1) && c.result == Ok(())), "{completion:?}");
+}
+
+#[test]
 fn peek_and_reap_never_block_and_keep_completion_order() {
     let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
     let ids = queue.get_iocb(3, Dependency::None).unwrap();

@@ -57,8 +57,9 @@ impl<E: QueuePairReset> StoreData<E> {
     /// the controllers), and reaps the completions the reset posted. Returns how many layers
     /// were abandoned; see [`KvStore::abandon_in_flight`].
     pub fn abandon_in_flight(&mut self, fresh: Vec<IoQueuePair>) -> Result<usize> {
-        let (executor, memory) = self.queue.executor_and_memory();
-        let ended = executor.reset(memory, fresh)?;
+        // Through the queue, which also forgets a poll error it kept for a later call: it was
+        // about the pairs being replaced, and would fail the first wait after the reissue.
+        let ended = self.queue.reset_queue_pairs(fresh)?;
         let mut abandoned = 0;
         for index in 0..self.requests.len() {
             // Consume each in-flight lane's IOCB completions (a timeout posted by the reset, or
