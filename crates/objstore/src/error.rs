@@ -103,6 +103,17 @@ pub enum ObjstoreError {
         "pool device {device}: metadata fenced until the pool is reopened (after a controller reset if it stopped answering): {reason}"
     )]
     MetadataFenced { device: usize, reason: String },
+    /// The pool's header generation count is at its bound ([`GENERATION_MAX`]): no header can
+    /// be staged (a wrapped count would make every later header lose to the older ones). No
+    /// pool commits that often (2^63 commits, 292 years at one a nanosecond), so the newest
+    /// header, at `device` and `slot`, was written by another tool, buggy or hostile; the pool
+    /// serves what it holds, and only a reformat lets it commit again.
+    ///
+    /// [`GENERATION_MAX`]: crate::format::GENERATION_MAX
+    #[error(
+        "pool device {device} slot {slot}: the pool's newest slot header claims generation {generation}, and the pool cannot count its headers past that, so it can write none (no commit, eviction or condemnation); no pool commits that often, so another tool wrote that header. The pool still serves what it holds; reformat it to commit again (`tutti pool format`, `tuttid --format`; its cached blocks are lost)"
+    )]
+    GenerationExhausted { device: usize, slot: u32, generation: u64 },
     #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O or on fenced devices)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]

@@ -439,18 +439,16 @@ pub struct SlotHeader {
 /// Header flag: the block records carry payload CRCs.
 pub const HEADER_FLAG_PAYLOAD_CRC: u32 = 1;
 
-/// The largest generation a header read back may carry. A pool that committed a header every
-/// nanosecond would take 146 years to reach it; a header above it was not written by this
-/// format (a buggy or hostile tool's), and is refused as damage. It is half of
-/// [`GENERATION_STAGED_MAX`] so that a pool whose newest header carries it still has 2^62
-/// commits to count on: taking a header at the staging limit as the newest would make every
-/// later commit, eviction and condemnation fail until a reformat (and wrapping the count would
-/// invert which copy of a key is newer).
-pub const GENERATION_MAX: u64 = 1 << 62;
-
-/// The largest generation a pool stages: past it the count is refused rather than wrapped. A
-/// header staged above [`GENERATION_MAX`] (after 2^62 commits) is refused at the next open.
-pub const GENERATION_STAGED_MAX: u64 = GENERATION_MAX * 2;
+/// The largest generation a header may carry: the pool counts its headers up to it, and a
+/// header read back above it is refused as damage (a buggy or hostile tool's). One bound for
+/// both, so that the pool never stages a header its next open refuses (with a lower bound on
+/// reading, a pool that opened on a header near it wrote every later commit above it, and lost
+/// them all at each restart). A pool that committed a header every nanosecond would take 292
+/// years to reach it; a header at it (or just below) leaves the count no room, and every later
+/// commit, eviction and condemnation is refused, naming that header
+/// ([`ObjstoreError::GenerationExhausted`](crate::ObjstoreError::GenerationExhausted)) rather
+/// than wrapped (a wrapped count would invert which copy of a key is newer).
+pub const GENERATION_MAX: u64 = 1 << 63;
 
 /// Why a header entry was not accepted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -594,7 +592,7 @@ pub fn looks_like_unfinished_format(head: &[u8]) -> bool {
                 if crc32fast::hash(&entry[..crc_at]) == u32_at(entry, crc_at)
                     && u32_at(entry, 16) == 0
                     && state <= 1
-                    && u64_at(entry, 0) <= GENERATION_STAGED_MAX
+                    && u64_at(entry, 0) <= GENERATION_MAX
                 {
                     return true;
                 }
@@ -813,10 +811,9 @@ mod tests {
     #[test]
     fn headers_past_the_largest_generation_are_refused() {
         // Goal: a CRC-valid header claiming a generation above GENERATION_MAX is damage, not
-        // the newest commit: taken as the pool's generation, it would leave the count less
-        // than 2^62 commits, none at all at GENERATION_STAGED_MAX (every later commit refused
-        // until a reformat), and past that the next commit would overflow (or wrap, making
-        // every later header lose to older ones).
+        // the newest commit: taken as the pool's generation, the next commit would overflow
+        // (or wrap, making every later header lose to older ones). GENERATION_MAX itself, the
+        // largest the pool stages, is accepted.
         let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, 0).unwrap();
         let header = |generation| SlotHeader {
             generation,
@@ -829,7 +826,7 @@ mod tests {
         let mut entry = vec![0u8; sb.header_entry_bytes as usize];
         header(GENERATION_MAX).encode_into(&mut entry);
         assert_eq!(SlotHeader::decode(&entry, 3, &sb), Ok(header(GENERATION_MAX)));
-        for generation in [GENERATION_MAX + 1, GENERATION_STAGED_MAX, u64::MAX] {
+        for generation in [GENERATION_MAX + 1, u64::MAX] {
             header(generation).encode_into(&mut entry);
             assert_eq!(SlotHeader::decode(&entry, 3, &sb), Err(HeaderVerdict::Corrupt), "generation {generation}");
         }

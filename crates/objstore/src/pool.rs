@@ -25,7 +25,7 @@ use mirror::HeaderMirror;
 
 use crate::error::{ObjstoreError, Result};
 use crate::format::{
-    encode_empty_entry, encode_entry, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC,
+    encode_empty_entry, encode_entry, pool_tag, HeaderVerdict, SlotHeader, SlotState, Superblock, FLAG_PAYLOAD_CRC, GENERATION_MAX,
     HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
@@ -180,6 +180,9 @@ pub struct Pool {
     pub(crate) devices: Vec<PoolDevice>,
     pub(crate) index: Index,
     pub(crate) generation: u64,
+    /// Where the header carrying `generation` is (device, slot): the newest one read at open,
+    /// or the last staged. Named when the count is exhausted. None while no header set it.
+    newest_header: Option<(u16, u32)>,
     /// Deadline of each metadata command batch after open.
     timeout: Duration,
 }
@@ -502,6 +505,7 @@ impl Pool {
             devices: Vec::with_capacity(found.len()),
             index: Index::try_new(&slot_counts, first.blocks_per_slot)?,
             generation: 0,
+            newest_header: None,
             timeout: METADATA_TIMEOUT,
         };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
@@ -593,7 +597,10 @@ impl Pool {
                 self.devices[device].mirror.set_empty(slot, verdict == Err(HeaderVerdict::Empty));
                 match verdict {
                     Ok(header) => {
-                        self.generation = self.generation.max(header.generation);
+                        if header.generation >= self.generation {
+                            self.generation = header.generation;
+                            self.newest_header = Some((index_of, slot));
+                        }
                         duplicate_slots += self.index.recover(index_of, slot, &header.blocks, header.generation);
                     }
                     Err(HeaderVerdict::Empty) => report.empty_slots += 1,
@@ -618,6 +625,18 @@ impl Pool {
             tracing::warn!(
                 zeroed = report.zeroed_headers,
                 "slot headers are all zeroes: the header region was zeroed or deallocated; blocks recorded there are lost"
+            );
+        }
+        // No pool commits 2^62 times (146 years at one a nanosecond): a newest header above that
+        // was written by another tool. Said at open, since the pool will refuse every header
+        // once the count reaches GENERATION_MAX (`stage_header`).
+        if let (true, Some((device, slot))) = (self.generation > GENERATION_MAX / 2, self.newest_header) {
+            tracing::warn!(
+                device,
+                slot,
+                generation = self.generation,
+                headers_left = GENERATION_MAX - self.generation,
+                "the pool's newest slot header claims a generation no pool reaches (another tool wrote it): the pool can write headers_left more headers, then refuses every commit, eviction and condemnation until it is reformatted"
             );
         }
         // A slot whose every key a newer slot holds is freed in memory; its header is rewritten
@@ -663,16 +682,15 @@ impl Pool {
     /// Records a slot header in the mirror; it reaches the device at the next `sync_headers`.
     /// `blocks` carry their payload CRCs when the pool records them; an Empty entry lists none.
     pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
-        // Recovery refuses headers above GENERATION_MAX, half this limit, so this is reached
-        // only after 2^62 commits; refused rather than wrapped all the same (a wrapped count
-        // would make every later header lose to the older ones).
-        let generation =
-            self.generation.checked_add(1).filter(|&generation| generation <= crate::format::GENERATION_STAGED_MAX).ok_or_else(|| {
-                ObjstoreError::PoolMembership {
-                    device: usize::from(device),
-                    reason: "the pool's header generation count is exhausted".into(),
-                }
-            })?;
+        // Recovery refuses headers above GENERATION_MAX and the count stops there, so every
+        // header staged is accepted at the next open. Reached only after 2^63 commits, or when
+        // the newest header read at open (another tool's) claims it: refused rather than
+        // wrapped (a wrapped count would make every later header lose to the older ones).
+        let generation = self.generation.checked_add(1).filter(|&generation| generation <= GENERATION_MAX).ok_or_else(|| {
+            // None only when the count was set without a header (tests set it directly).
+            let (newest_device, newest_slot) = self.newest_header.unwrap_or((device, slot));
+            ObjstoreError::GenerationExhausted { device: usize::from(newest_device), slot: newest_slot, generation: self.generation }
+        })?;
         self.generation = generation;
         let d = &mut self.devices[usize::from(device)];
         // A fenced device's mirror may still be read by a late header write, and is never
@@ -689,6 +707,7 @@ impl Pool {
             }
         }
         d.mirror.stage(slot, &d.entry, state == SlotState::Empty)?;
+        self.newest_header = Some((device, slot));
         Ok(generation)
     }
 

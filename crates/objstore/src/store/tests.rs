@@ -1242,26 +1242,75 @@ fn each_committed_slot_keeps_the_generation_its_header_was_written_with() {
 }
 
 #[test]
-fn a_header_leaving_the_generation_count_no_room_is_damage_and_the_pool_commits_on() {
-    // Goal: one CRC-valid Valid header whose generation is the largest the pool stages (a
-    // buggy or hostile tool's) is corrupt at open, named in the report and not served. It used
-    // to be accepted as the newest commit: the pool's count started there, and every later
-    // commit, eviction and condemnation was refused ("generation count is exhausted") until
-    // a reformat.
+fn every_header_a_pool_stages_is_accepted_at_its_next_open() {
+    // Goal: whatever generation the pool counts to, its next open accepts the headers it
+    // staged. A pool that opened on one header near the acceptance bound (2^62 here: the bound
+    // decode had while the pool counted on to 2^63) used to write every later commit above it:
+    // all refused as Corrupt at the next open, so each restart lost every commit since the
+    // last one. Here one Valid header is staged near the bound, the pool reopened, two blocks
+    // committed and the pool reopened again: all three served, nothing corrupt.
+    for start in [1 << 62, crate::format::GENERATION_MAX - 16] {
+        let fixture = fixture(1, None);
+        let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+        pool.generation = start - 1;
+        let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+        assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), start);
+        pool.sync_headers(&mut NoLender).expect("sync");
+        drop(pool);
+        let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+        assert_eq!((report.corrupt_headers, report.valid_slots), (0, 1), "start {start}: {report:?}");
+        drop(pool);
+        let mut store = in_process(&fixture, StoreConfig::default());
+        let keys = store_two_blocks(&fixture, &mut store, &tokens(31, 2));
+        drop(store);
+        let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen after the commits");
+        assert_eq!((report.corrupt_headers, report.valid_slots), (0, 3), "start {start}: {report:?}");
+        for key in keys.iter().chain(&[0xBAD]) {
+            assert!(pool.index().get(*key).is_some(), "start {start}: key {key:#x} served");
+        }
+    }
+}
+
+#[test]
+fn a_header_at_the_largest_generation_refuses_every_later_stage_naming_it() {
+    // Goal: one CRC-valid Valid header at the largest generation the pool counts to (a buggy or
+    // hostile tool's; no pool commits that often) is served, and every later commit, eviction
+    // and condemnation is refused loudly, naming that header, the bound and the way out (a
+    // reformat), rather than "device 0: the pool's header generation count is exhausted".
     let fixture = fixture(1, None);
     let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
-    pool.generation = crate::format::GENERATION_STAGED_MAX - 1;
+    pool.generation = crate::format::GENERATION_MAX - 1;
     let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
-    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_STAGED_MAX);
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX);
     pool.sync_headers(&mut NoLender).expect("sync");
     drop(pool);
-    let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
-    assert_eq!((report.corrupt_headers, report.valid_slots), (1, 0), "{report:?}");
-    assert!(pool.index().get(0xBAD).is_none(), "the damaged header's block is not served");
+    let (mut pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!((report.corrupt_headers, report.valid_slots), (0, 1), "{report:?}");
+    assert!(pool.index().get(0xBAD).is_some(), "the header is the pool's newest");
+    let refused = |error: ObjstoreError| {
+        let message = error.to_string();
+        for part in ["device 0 slot 3", &crate::format::GENERATION_MAX.to_string(), "reformat"] {
+            assert!(message.contains(part), "{part:?} in {message}");
+        }
+        assert!(
+            matches!(error, ObjstoreError::GenerationExhausted { device: 0, slot: 3, generation: crate::format::GENERATION_MAX }),
+            "{error:?}"
+        );
+    };
+    refused(pool.stage_header(0, 5, crate::format::SlotState::Empty, &[]).expect_err("an eviction is refused"));
     drop(pool);
     let mut store = in_process(&fixture, StoreConfig::default());
-    let keys = store_two_blocks(&fixture, &mut store, &tokens(31, 2));
-    assert!(keys.iter().all(|&key| store.pool().index().get(key).is_some()), "committed and served");
+    let tokens = tokens(31, 2);
+    for (block, &key) in keys_of(&tokens).iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    refused(store.commit_store(plan.handle).expect_err("a commit is refused"));
+    assert_eq!(store.lookup(&tokens), 0, "nothing committed");
 }
 
 use nvme_driver::spec::{NvmOpcode, NvmeStatus};
