@@ -73,7 +73,8 @@ pub struct GioQueue<E: Executor> {
     reaped: VecDeque<IocbId>,
     issue_epoch: u64,
     /// An error of an executor `poll` in a `wait_cqe` that returned something else (see
-    /// `keep_poll_error`): the next call that polls returns it instead of polling.
+    /// `keep_poll_error`): the next call that polls returns it, after polling all the same. At
+    /// most one is kept; a reset of the queue pairs forgets it (`reset_queue_pairs`).
     poll_error: Option<GioError>,
 }
 
@@ -372,20 +373,33 @@ impl<E: Executor> GioQueue<E> {
         Ok(self.reaped.pop_front().and_then(|id| self.completion_of(id)))
     }
 
-    /// An error an earlier poll kept back (see `poll_error`), else the executor's `poll`.
+    /// Polls the executor, and returns an error an earlier poll kept back (see `poll_error`),
+    /// else this poll's. With one kept, the executor is polled all the same (the runtime's pump
+    /// peeks only to start I/O it just issued on a CPU executor, which nothing else would start
+    /// before its wait), and an error of this poll is kept in its place for the call after.
     fn poll_executor(&mut self) -> Result<(), GioError> {
-        match self.poll_error.take() {
-            Some(error) => Err(error),
-            None => self.executor.poll(&self.memory),
+        let kept = self.poll_error.take();
+        let polled = self.executor.poll(&self.memory);
+        match kept {
+            Some(kept) => {
+                self.keep_poll_error(polled);
+                Err(kept)
+            }
+            None => polled,
         }
     }
 
     /// Keeps the error of a poll whose call returns something else (the completion asked for,
     /// or an error of the CQ) for the next call that polls: it may be about another IOCB or
-    /// another device, and the executor reports it only once.
+    /// another device, and the executor reports it only once. One is kept, so the count stays
+    /// bounded: when one is kept already (a later poll's, kept by `poll_executor`), `polled`'s
+    /// is logged and dropped, and the later one, nearer the executor's state now, is reported.
     fn keep_poll_error(&mut self, polled: Result<(), GioError>) {
         if let Err(error) = polled {
-            self.poll_error = Some(error);
+            match &self.poll_error {
+                None => self.poll_error = Some(error),
+                Some(kept) => tracing::warn!(%error, %kept, "gio-uring: a poll error is dropped: a later one is kept for the next call"),
+            }
         }
     }
 

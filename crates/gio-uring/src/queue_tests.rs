@@ -214,6 +214,31 @@ fn a_reset_forgets_a_kept_poll_error_so_the_first_wait_after_it_polls() {
 }
 
 #[test]
+fn a_peek_with_an_error_kept_still_polls_and_keeps_the_new_error() {
+    // Goal: a call that returns a kept poll error still polls the executor. The runtime's pump
+    // and python's start_issued peek only to start I/O they just issued on a CPU executor;
+    // with an error kept, the peek returned it without a poll, and the layer reached the
+    // device only at its wait. The poll's own error is kept in turn, for the call after.
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let ids = queue.get_iocb(2, Dependency::None).unwrap();
+    for (n, &id) in ids.iter().enumerate() {
+        queue.fill_iocb(id, &layered(n as u64), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    queue.issue_io(&[ids[0]], LayerIndex(0), SmBudget(1)).unwrap();
+    queue.executor_mut().fail_next_poll = true;
+    assert_eq!(queue.wait_cqe(ids[0], soon()).unwrap().id, ids[0], "the completion, the error kept");
+    queue.issue_io(&[ids[1]], LayerIndex(0), SmBudget(1)).unwrap();
+    queue.executor_mut().fail_next_poll = true;
+    let reported = queue.peek_cqe();
+    assert!(matches!(reported, Err(GioError::Executor { .. })), "the kept error: {reported:?}");
+    assert!(queue.executor().pending.is_empty(), "the peek polled: the IOCB just issued was started");
+    let reported = queue.peek_cqe();
+    assert!(matches!(reported, Err(GioError::Executor { .. })), "that poll's own error, kept: {reported:?}");
+    assert_eq!(queue.peek_cqe().unwrap().map(|c| c.id), Some(ids[1]));
+    assert_eq!(queue.reap_cqe().unwrap().map(|c| c.id), Some(ids[1]));
+}
+
+#[test]
 fn peek_and_reap_never_block_and_keep_completion_order() {
     let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
     let ids = queue.get_iocb(3, Dependency::None).unwrap();
