@@ -126,7 +126,8 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::GeometryMismatch { .. }
             | ObjstoreError::PoolMembership { .. }
             | ObjstoreError::QueuePairs { .. }
-            | ObjstoreError::MetadataFenced { .. } => ErrorClass::Pool,
+            | ObjstoreError::MetadataFenced { .. }
+            | ObjstoreError::GenerationExhausted { .. } => ErrorClass::Pool,
             ObjstoreError::PoolFull { .. } => ErrorClass::PoolFull,
             // A prepare that found no free IOCBs: each prepared request holds one set per layer
             // it may keep in flight, so requests_max x layers_in_flight can outgrow `iocbs`
