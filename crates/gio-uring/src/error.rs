@@ -110,9 +110,13 @@ pub enum GioError {
     Executor { executor: &'static str, reason: String },
     /// A worker thread of [`crate::cpu_workers::CpuWorkers`] has ended (it panicked: see the
     /// log) while the executor was in use. Reported once per worker, by `poll`. The IOCTXs dealt
-    /// to it never complete and a reset cannot replace its queue pairs, so the IOCBs in flight
-    /// end only when their waits time out, and the executor runs no more issues that need that
-    /// worker: drop the queue and build another.
+    /// to it never complete, so their IOCBs stay in flight for good: each wait for one times
+    /// out, and nothing ends them, since `QueuePairReset::reset` fails naming the worker (so the
+    /// object store's `abandon_in_flight` fails too, and `finish` refuses their requests), and
+    /// teardown (`retire_queue_pairs`) answers `Some(false)`, so the memory they name is kept
+    /// for good, even after the executor is dropped. An issue that needs the worker ends at once
+    /// as TIMEOUT; the others run. Nothing rebuilds the executor: only dropping it (with its
+    /// queue) and building another gives a usable one.
     #[error("executor cpu-workers: worker {worker} has stopped: its IOCTXs never complete and no reset can replace its queue pairs")]
     WorkerStopped { worker: usize },
     /// `issue_io` published the issue and the executor then failed: the IOCBs are in flight, not
