@@ -2227,6 +2227,47 @@ def test_full_cuda_graphs_left_by_vllm_are_refused_at_the_worker(mode):
         harness.make_connector(config, KVConnectorRole.WORKER)
 
 
+def test_each_way_out_the_full_cuda_graph_refusal_names_leaves_no_full_graphs():
+    """Goal: every way out the full-CUDA-graph refusal names works. vLLM reaches full graphs
+    for the connector only through pass_config.fuse_attn_quant without inductor graph partition
+    under VLLM_COMPILE: set_splitting_ops_for_attn_fusion then turns any mode with piecewise
+    graphs (PIECEWISE included) into FULL, so "set cudagraph_mode PIECEWISE" would be refused
+    again. Each remedy the message names is applied to such a config (as the connector's
+    requires_piecewise_for_cudagraph leaves it: PIECEWISE), and vLLM's own
+    set_splitting_ops_for_v1 must leave no full graphs."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, PassConfig
+
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    config.compilation_config.pass_config.fuse_attn_quant = True
+    with pytest.raises(ConfigError) as refused:
+        harness.make_connector(config, KVConnectorRole.WORKER)
+    message = str(refused.value)
+
+    def fused(**changes):
+        fields = {"mode": CompilationMode.VLLM_COMPILE, "cudagraph_mode": CUDAGraphMode.PIECEWISE}
+        fields.update(changes)
+        return CompilationConfig(pass_config=PassConfig(fuse_attn_quant=True), **fields)
+
+    unchanged = fused()
+    unchanged.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert unchanged.cudagraph_mode.has_full_cudagraphs()  # the case the refusal is for
+
+    remedies = {}
+    if "fuse_attn_quant=false" in message:
+        remedies["fuse_attn_quant=false"] = fused()
+        remedies["fuse_attn_quant=false"].pass_config.fuse_attn_quant = False
+    if "use_inductor_graph_partition" in message:
+        remedies["use_inductor_graph_partition"] = fused(use_inductor_graph_partition=True)
+    named_modes = re.search(r"set cudagraph_mode ([A-Z_]+(?: or [A-Z_]+)*)", message)
+    for mode in named_modes.group(1).split(" or ") if named_modes else []:
+        remedies[f"cudagraph_mode {mode}"] = fused(cudagraph_mode=CUDAGraphMode[mode])
+    assert set(remedies) >= {"fuse_attn_quant=false", "use_inductor_graph_partition", "cudagraph_mode NONE"}, message
+    for remedy, compilation in remedies.items():
+        compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+        assert not compilation.cudagraph_mode.has_full_cudagraphs(), f"{remedy}: {compilation.cudagraph_mode.name}"
+
+
 @pytest.mark.parametrize("field, value", [("enable_dbo", True), ("ubatch_size", 2)])
 def test_micro_batching_is_refused(field, value):
     """Goal: with micro-batching (dual batch overlap, ubatch_size > 1: ParallelConfig.use_ubatching)

@@ -519,7 +519,10 @@ def _refuse_full_cuda_graphs(vllm_config: "VllmConfig") -> None:
     never calls wait_for_layer_load or save_kv_layer: attention would read blocks tuttid is still
     writing, and saves would store blocks not yet computed. A worker's config is final when vLLM
     builds its connector (later changes, in the model runner, only step down to fewer full
-    graphs), and PIECEWISE or NONE there is the ordinary case."""
+    graphs), and PIECEWISE or NONE there is the ordinary case. The refusal names only ways out
+    that leave no full graphs under fuse_attn_quant: turning it off, inductor graph partition,
+    or cudagraph_mode NONE; not PIECEWISE, which set_splitting_ops_for_attn_fusion turns into
+    FULL as it does the connector's."""
     from tutti._engine import ConfigError
 
     compilation = getattr(vllm_config, "compilation_config", None)
@@ -534,7 +537,8 @@ def _refuse_full_cuda_graphs(vllm_config: "VllmConfig") -> None:
         f"blocks still being loaded. vLLM sets PIECEWISE for the connector, which "
         f"compilation_config.pass_config.fuse_attn_quant = True undoes without inductor graph partition{fusion}: "
         "turn off fuse_attn_quant (-cc.pass_config.fuse_attn_quant=false), enable "
-        "compilation_config.use_inductor_graph_partition, or set cudagraph_mode PIECEWISE or NONE"
+        "compilation_config.use_inductor_graph_partition, or set cudagraph_mode NONE (cudagraph_mode PIECEWISE "
+        "does not help: with fuse_attn_quant vLLM switches it to FULL as well)"
     )
 
 
