@@ -137,11 +137,12 @@ impl ErrorLog {
 }
 
 /// What host-side calls reach without the controller's lock. The controller thread holds that
-/// lock for every command it runs, and for a slice of a long zeroing at a time (a whole one
-/// takes minutes for a namespace on a disk without write-zeroes offload), so what must not
-/// wait even for a slice goes through here: the device's drop and a power loss or
-/// function reset ask the zeroing to give way (it looks between slices, as it does at CC.EN =
-/// 0), and the refusal count tuttid reports is read without the lock.
+/// lock for every command it runs, for a slice of a long zeroing at a time (a whole one takes
+/// minutes for a namespace on a disk without write-zeroes offload), and while a command or a
+/// shutdown waits for transfers in flight (up to their 30 s deadline), so what must not wait
+/// that long goes through here: the device's drop and a power loss or function reset ask what
+/// holds the lock to give way ([`Unlocked::give_way`]), and the refusal count tuttid reports
+/// is read without the lock.
 #[derive(Debug, Default)]
 pub(crate) struct Unlocked {
     /// Set once by the device's drop: the controller thread ends.
@@ -168,9 +169,9 @@ impl Unlocked {
 
     /// Runs `lock` (taking the controller's lock) for a host-side call, which counts as
     /// waiting until `lock` returned: the controller thread lets it in after its current poll
-    /// (a slice of a long zeroing at most). With `preempt` (a power loss, a function reset) a
-    /// zeroing gives way instead of running its next slice (it ends without a completion: the
-    /// caller's stop deletes its queue).
+    /// (a slice of a long zeroing, or a wait for transfers in flight, at most). With `preempt`
+    /// (a power loss, a function reset) what holds the lock gives way ([`Unlocked::give_way`])
+    /// instead (its command ends without a completion: the caller's stop deletes its queue).
     pub(crate) fn lock_as_caller<T>(&self, preempt: bool, lock: impl FnOnce() -> T) -> T {
         self.callers.fetch_add(1, Ordering::AcqRel);
         if preempt {
@@ -194,8 +195,11 @@ impl Unlocked {
         self.preempting.load(Ordering::Acquire) != 0
     }
 
-    /// Whether a long command should stop at its next slice: the device is dropped, or a power
-    /// loss or function reset waits for the lock.
+    /// Whether what holds the controller's lock long should give way: the device is dropped,
+    /// or a power loss or function reset waits for the lock. A zeroing looks between slices
+    /// and stops there; a wait for transfers in flight before a command or a shutdown's
+    /// write-back looks every 10 ms and returns with them still in flight, its command never
+    /// run (see `ControllerCore::stop_asked`, which adds the host's CC.EN = 0).
     pub(crate) fn give_way(&self) -> bool {
         self.stopping() || self.preempting()
     }

@@ -143,7 +143,8 @@ impl Shared {
     }
 
     /// [`Shared::core`] for a call that ends every command anyway (a power loss, a function
-    /// reset): a zeroing holding the lock gives way at its next slice instead of running on.
+    /// reset): a zeroing holding the lock gives way at its next slice instead of running on, and
+    /// a wait for transfers in flight at its next look (see `ControllerCore::stop_asked`).
     fn core_preempting(&self) -> MutexGuard<'_, ControllerCore> {
         self.unlocked.lock_as_caller(true, || self.lock_core())
     }
@@ -213,9 +214,13 @@ impl EmuDevice {
     ///
     /// Synchronous, unlike a CC write: it returns once the cut is done (transfers in flight
     /// cancelled or, where the kernel cannot cancel them, waited for up to their deadlines), and
-    /// it waits for the controller's lock, which the controller thread holds while it waits for
-    /// transfers itself (a Flush, a reset, a shutdown). A zeroing (deallocate, Write Zeroes)
-    /// running meanwhile stops at its next slice and gets no completion.
+    /// it waits for the controller's lock, which the controller thread holds while it runs a
+    /// command and while a reset waits for transfers (up to the 5 s cancellation). What would
+    /// hold the lock longer gives way to the cut: a wait for transfers before a command (a
+    /// Flush, an admin command, an overlapping one) or before a shutdown's write-back within
+    /// 10 ms, the command getting no completion and the shutdown ending at SHST 01b (which the
+    /// cut's register reset clears); a zeroing (deallocate, Write Zeroes) at its next slice,
+    /// without a completion. A function reset waits, and is given way to, the same way.
     pub fn power_loss(&self) {
         self.shared.core_preempting().power_loss();
     }
