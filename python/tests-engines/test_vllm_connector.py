@@ -2201,9 +2201,37 @@ def test_layers_of_different_kv_shapes_are_refused_naming_that_not_sliding_windo
         },
     )
     config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
-    with pytest.raises(ConfigError, match="different KV shapes") as refused:
+    with pytest.raises(ConfigError, match="different KV shapes.*they differ in num_kv_heads:") as refused:
         harness.make_connector(config, KVConnectorRole.WORKER, harness.kv_cache_config(spec=spec))
     assert "--disable-sliding-window" not in str(refused.value)
+    assert str(refused.value).endswith("serve it without the connector")  # one dtype would not help
+
+
+def test_layers_of_different_kv_dtypes_are_refused_naming_the_dtype():
+    """Goal: a UniformTypeKVCacheSpecs group also arises when layers differ only in KV-cache
+    dtype: --kv-cache-dtype with --kv-cache-dtype-skip-layers (which vLLM adds by itself for
+    turboquant_* and ultraquant_4bit KV dtypes). The refusal names the dtype as what differs
+    (not head counts or sizes) and one KV-cache dtype for every layer (no
+    --kv-cache-dtype-skip-layers) as a way out."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
+
+    names = harness.layer_names()
+    spec = UniformTypeKVCacheSpecs(
+        block_size=harness.BLOCK_TOKENS,
+        kv_cache_specs={
+            name: FullAttentionSpec(
+                block_size=harness.BLOCK_TOKENS, num_kv_heads=harness.KV_HEADS, head_size=harness.HEAD_DIM,
+                dtype=harness.DTYPE if index == 0 else torch.uint8,
+            )  # fmt: skip
+            for index, name in enumerate(names)
+        },
+    )
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    with pytest.raises(ConfigError, match="different KV shapes or dtypes") as refused:
+        harness.make_connector(config, KVConnectorRole.WORKER, harness.kv_cache_config(spec=spec))
+    message = str(refused.value)
+    assert "they differ in dtype:" in message, message
+    assert "--kv-cache-dtype-skip-layers" in message.split("hold:")[1], message  # a way out
 
 
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])

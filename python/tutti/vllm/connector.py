@@ -458,21 +458,34 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
     attention) are not a prompt's paged KV at all. A FullAttentionSpec whose layers compute a
     sliding window (the hybrid KV cache manager disabled) keeps every block: accepted; one whose
     layers attend non-causally is not (`_refuse_non_causal_attention`). Nor is a group of vLLM's
-    UniformTypeKVCacheSpecs: layers of one kind whose KV shapes differ (head counts or sizes per
-    layer), which only the workers see (the scheduler gets one layer's spec:
-    generate_scheduler_kv_cache_config); its refusal says so, not sliding window."""
+    UniformTypeKVCacheSpecs: layers of one kind whose KV shapes or dtypes differ (head counts or
+    sizes per layer, or a KV-cache dtype with --kv-cache-dtype-skip-layers, which vLLM adds by
+    itself for turboquant_* and ultraquant_4bit), which only the workers see (the scheduler gets
+    one layer's spec: generate_scheduler_kv_cache_config); its refusal names the spec fields
+    that differ, not sliding window."""
     from tutti._engine import ConfigError
     from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
     for group in getattr(kv_cache_config, "kv_cache_groups", None) or []:
         spec = group.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
-            kinds = sorted({type(layer_spec).__name__ for layer_spec in spec.kv_cache_specs.values()})
+            layer_specs = list(spec.kv_cache_specs.values())
+            kinds = sorted({type(layer_spec).__name__ for layer_spec in layer_specs})
+            differing = _fields_that_differ(layer_specs)
+            # Only a dtype difference has a way out besides dropping the connector: the shapes are
+            # the model's.
+            way_out = (
+                "serve it with one KV-cache dtype for every layer (no --kv-cache-dtype-skip-layers; vLLM adds skip "
+                "layers by itself for a turboquant_* or ultraquant_4bit --kv-cache-dtype) or without the connector"
+                if differing and set(differing) <= {"dtype", "kv_quant_mode", "cache_dtype_str"}
+                else "serve it without the connector"
+            )
             raise ConfigError(
-                f"TuttiConnector needs every layer of a KV cache group to have one KV shape; this model's "
-                f"{len(group.layer_names)} layers of {', '.join(kinds)} have different KV shapes (head counts or sizes "
-                "per layer: vLLM's UniformTypeKVCacheSpecs), which a tutti pool (one KV shape for all layers) cannot hold: serve it "
-                "without the connector"
+                f"TuttiConnector needs every layer of a KV cache group to have one KV shape and dtype; this model's "
+                f"{len(group.layer_names)} layers of {', '.join(kinds)} have different KV shapes or dtypes per layer "
+                f"(they differ in {', '.join(differing) or 'their spec type'}: vLLM's UniformTypeKVCacheSpecs), which "
+                " a tutti pool (one KV shape and dtype for all layers) cannot "
+                f"hold: {way_out}"
             )
         if not isinstance(spec, FullAttentionSpec):
             raise ConfigError(
@@ -482,6 +495,24 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
                 "--disable-sliding-window (all layers full attention) or without the connector"
             )
     _refuse_non_causal_attention(kv_cache_config, "TuttiConnector", "the connector")
+
+
+def _fields_that_differ(layer_specs: list[Any]) -> list[str]:
+    """The dataclass fields (vLLM's KV cache specs are dataclasses) whose values are not the same
+    in every one of `layer_specs`, in field order, so that a refusal names what differs (dtype,
+    num_kv_heads, ...) rather than guessing."""
+    import dataclasses
+
+    names: list[str] = []
+    for layer_spec in layer_specs:
+        for spec_field in dataclasses.fields(layer_spec) if dataclasses.is_dataclass(layer_spec) else ():
+            if spec_field.name not in names:
+                names.append(spec_field.name)
+    return [
+        name
+        for name in names
+        if len({repr(getattr(layer_spec, name, None)) for layer_spec in layer_specs}) > 1
+    ]
 
 
 def _refuse_non_causal_attention(kv_cache_config: Optional["KVCacheConfig"], who: str, without: str) -> None:
