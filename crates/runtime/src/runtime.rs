@@ -410,6 +410,10 @@ impl<E: Executor> Runtime<E> {
         self.reads.budgets.fill(self.read_budget.0);
         self.reads.waiting.clear();
         self.reads.in_flight = None;
+        // Decode-step time banked while a write layer ran stays with the decode steps: carried
+        // into this prefill, its first grant (a 0-IOCB window of 1 ms, say) could release a
+        // whole layer to run through its compute, in no window of it (`WriteQueue::drop_banked`).
+        self.writes.drop_banked();
         self.prefill = Some(Prefill {
             id,
             input_tokens,

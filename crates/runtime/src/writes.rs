@@ -66,6 +66,10 @@ pub(crate) struct WriteQueue {
     /// Write time the policy granted that no whole layer has used yet, at most one head layer's
     /// worth (see [`WriteQueue::decide`]).
     granted_us: f64,
+    /// Decode-step time banked while a write layer ran ([`WriteQueue::bank_time`]), not yet
+    /// spent: with `granted_us`, at most one head layer's worth. Spent by the next grant as the
+    /// carry is; dropped when a prefill begins ([`WriteQueue::drop_banked`]).
+    banked_us: f64,
 }
 
 impl WriteQueue {
@@ -77,6 +81,7 @@ impl WriteQueue {
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
             granted_us: 0.0,
+            banked_us: 0.0,
         }
     }
 
@@ -239,6 +244,7 @@ impl WriteQueue {
     pub fn flush(&mut self, sm_budget: u32) -> u32 {
         let released = self.decide_all(sm_budget);
         self.granted_us = 0.0;
+        self.banked_us = 0.0;
         released
     }
 
@@ -253,18 +259,30 @@ impl WriteQueue {
     }
 
     /// Time granted while a write layer is outstanding (a decode step the layer in flight takes
-    /// whole: `scheduler::policy::Issue::slack_us`) joins the carry, up to the oldest waiting
-    /// layer's cost, and releases nothing: the next grant after the layer ends releases the
+    /// whole: `scheduler::policy::Issue::slack_us`) is banked beside the carry, the two together
+    /// up to the oldest waiting layer's cost, and releases nothing: the next grant after the layer ends releases the
     /// next one at once. Banking nothing while a layer ran, the carry started only after it,
     /// and a layer longer than a step wrote about half the time. Releasing on it would let a
     /// layer wait behind the one in flight and, if a prefill began meanwhile, go during that
     /// prefill's compute, in no window of it.
+    ///
+    /// The banked time is kept apart from the carry and dropped when a prefill begins
+    /// ([`WriteQueue::drop_banked`]): carried into it, it let the prefill's first grant, however
+    /// small, release a whole layer that then ran through the prefill's compute (20 ms layers,
+    /// 4.4 ms steps: 19.6 ms banked, and a 1 ms window released the next layer).
     pub fn bank_time(&mut self, slack_us: f64, cost_us: impl Fn(u32) -> f64) {
         let slack_us = if slack_us.is_finite() { slack_us.max(0.0) } else { 0.0 };
         let head = self.stores.iter().find(|store| store.decided_layers < store.ready_layers);
         let head_layer_cost_us = head.map_or(0.0, |store| cost_us(store.iocbs_per_layer));
         let head_layer_cost_us = if head_layer_cost_us.is_finite() { head_layer_cost_us.max(0.0) } else { 0.0 };
-        self.granted_us = (self.granted_us + slack_us).min(head_layer_cost_us);
+        self.banked_us = (self.banked_us + slack_us).min((head_layer_cost_us - self.granted_us).max(0.0));
+    }
+
+    /// A prefill begins: decode-step time banked while a write layer ran is dropped (see
+    /// [`WriteQueue::bank_time`]). Only decode steps bank, so only decode-step grants spend it.
+    /// The carry itself (time granted with the SSD free to write) is kept, as before banking.
+    pub fn drop_banked(&mut self) {
+        self.banked_us = 0.0;
     }
 
     fn release(&mut self, grant_us: f64, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
@@ -275,7 +293,21 @@ impl WriteQueue {
                 store.iocbs_per_layer,
             )
         });
-        release_layers(&mut self.granted_us, grant_us, sm_budget, stores, cost_us)
+        // The banked time is spent with the carry. A layer released spends it first (the head
+        // layer costs at least the carry and the banked time together) and what is left is
+        // carry; with none released, the carry grows by the grant (up to the head layer's cost)
+        // and the banked time keeps what room is left beside it.
+        let grant_us = if grant_us.is_finite() { grant_us.max(0.0) } else { 0.0 };
+        let carried_us = self.granted_us;
+        let mut available_us = carried_us + self.banked_us;
+        let released = release_layers(&mut available_us, grant_us, sm_budget, stores, cost_us);
+        if released > 0 {
+            (self.granted_us, self.banked_us) = (available_us, 0.0);
+        } else {
+            self.granted_us = (carried_us + grant_us).min(available_us);
+            self.banked_us = available_us - self.granted_us;
+        }
+        released
     }
 
     /// Releases every ready layer on `sm_budget` SMs (a flush, forced drains, `finish`).
@@ -425,11 +457,45 @@ mod tests {
             queue.bank_time(4400.0, cost_us);
         }
         assert_eq!(queue.stores[0].decided_layers, 1, "nothing released behind the layer in flight");
-        assert_eq!(queue.granted_us, 10_000.0, "banked up to the next layer's cost");
+        assert_eq!((queue.granted_us, queue.banked_us), (0.0, 10_000.0), "banked up to the next layer's cost");
         queue.bank_time(f64::NAN, cost_us);
-        assert_eq!(queue.granted_us, 10_000.0);
+        assert_eq!(queue.banked_us, 10_000.0);
         assert_eq!(queue.decide_time(4400.0, 4, cost_us), 1, "the first grant after it releases the next layer");
-        assert_eq!(queue.granted_us, 4400.0);
+        assert_eq!((queue.granted_us, queue.banked_us), (4400.0, 0.0));
+    }
+
+    #[test]
+    fn time_banked_is_dropped_when_a_prefill_begins_and_the_carry_is_kept() {
+        // Goal: time banked in decode steps while a layer ran (`bank_time`) does not cross into
+        // a prefill: `drop_banked` drops it and keeps the carry (time granted with the SSD free).
+        // With nothing released, a grant joins the carry first; the banked time keeps what room
+        // is left beside it, the two together never above the head layer's cost.
+        let cost_us = |iocbs: u32| 10_000.0 * f64::from(iocbs);
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(PendingStore {
+            request: 1,
+            handle: RequestHandle::from_bits(1),
+            engine_blocks: vec![0],
+            iocbs_per_layer: 1,
+            sm_budget: 4,
+            ready_layers: 3,
+            decided_layers: 1,
+            written_layers: 0,
+            in_flight: Some(0),
+            prefill_ended: true,
+        });
+        assert_eq!(queue.decide_time(2000.0, 4, cost_us), 0);
+        queue.bank_time(4400.0, cost_us);
+        assert_eq!((queue.granted_us, queue.banked_us), (2000.0, 4400.0));
+        assert_eq!(queue.decide_time(1000.0, 4, cost_us), 0);
+        assert_eq!((queue.granted_us, queue.banked_us), (3000.0, 4400.0), "the grant joins the carry");
+        queue.bank_time(4400.0, cost_us);
+        queue.bank_time(4400.0, cost_us);
+        assert_eq!((queue.granted_us, queue.banked_us), (3000.0, 7000.0), "together at most the head layer's cost");
+        queue.drop_banked();
+        assert_eq!((queue.granted_us, queue.banked_us), (3000.0, 0.0));
+        assert_eq!(queue.decide_time(1000.0, 4, cost_us), 0, "a prefill's 1 ms window releases nothing");
+        assert_eq!(queue.granted_us, 4000.0);
     }
 
     #[test]

@@ -217,21 +217,7 @@ fn a_write_longer_than_every_window_still_goes() {
 /// (2 + 4.4 × 4 ms), and the SSD wrote about half the time.
 #[test]
 fn decode_steps_bank_while_a_write_layer_runs() {
-    let mut table = common::table(common::MODEL, common::geometry().layers);
-    for row in table.io_costs.iter_mut().filter(|row| row.kind == IoKind::Write) {
-        row.duration_us = 5000.0 * f64::from(row.iocb_count);
-    }
-    for bucket in &mut table.buckets {
-        for layer in &mut bucket.layers {
-            layer.slack_windows.clear();
-        }
-    }
-    for step in &mut table.decode_steps {
-        (step.duration_us, step.free_sms) = (4400.0, 4);
-    }
-    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
-    let timing = nvme_emu::TimingModel { write_bytes_per_s: 100_000, ..common::slow_ssd() };
-    let mut stack = common::stack_with_profile(config(PolicyChoice::SlackAware), Some(timing), profile);
+    let mut stack = banking_stack(|_| {});
     let first = prompt(0, 0);
     let context = first.len() as u32;
     prefill(&mut stack, &first, &[0, 1, 2, 3]).expect("prefill");
@@ -256,6 +242,75 @@ fn decode_steps_bank_while_a_write_layer_runs() {
     }
     stack.runtime.decode_step(context).expect("decode step");
     assert_eq!(stack.runtime.counters().write_layers_issued, 2, "the first step after it releases the next layer");
+}
+
+/// The stack of `decode_steps_bank_while_a_write_layer_runs`: writes of 5 ms per IOCB, 4.4 ms
+/// decode steps with 4 SMs free, no prefill window (`windows` may give some buckets theirs back),
+/// an emulated SSD taking ~0.3 s over a 4-block layer.
+fn banking_stack(windows: impl Fn(&mut scheduler::table::Bucket)) -> Stack {
+    let mut table = common::table(common::MODEL, common::geometry().layers);
+    for row in table.io_costs.iter_mut().filter(|row| row.kind == IoKind::Write) {
+        row.duration_us = 5000.0 * f64::from(row.iocb_count);
+    }
+    for bucket in &mut table.buckets {
+        for layer in &mut bucket.layers {
+            layer.slack_windows.clear();
+        }
+        windows(bucket);
+    }
+    for step in &mut table.decode_steps {
+        (step.duration_us, step.free_sms) = (4400.0, 4);
+    }
+    let profile = scheduler::table::Profile::from_table(table).expect("valid table");
+    let timing = nvme_emu::TimingModel { write_bytes_per_s: 100_000, ..common::slow_ssd() };
+    common::stack_with_profile(config(PolicyChoice::SlackAware), Some(timing), profile)
+}
+
+/// Goal: decode-step time banked while a write layer runs does not cross into the next prefill.
+/// As in `decode_steps_bank_while_a_write_layer_runs`, five steps release the first 20 ms layer
+/// (2 ms carried); four more bank 17.6 ms while it runs; decode ends with the layer, and the next
+/// request (a miss of 96 tokens, whose bucket alone has a window: 1 ms per layer) begins. Its
+/// first layer's window is a grant of 0 IOCBs (1 ms). Before, it found 19.6 ms carried and
+/// released a whole 20 ms layer, which ran through the prefill's compute in no window of it; now
+/// the banked time is dropped at `begin_prefill` and the 3 ms carried release nothing.
+#[test]
+fn time_banked_in_decode_steps_does_not_cross_into_the_next_prefill() {
+    let mut stack = banking_stack(|bucket| {
+        if (bucket.input_tokens, bucket.prefix_tokens) == (96, 0) {
+            for layer in &mut bucket.layers {
+                layer.slack_windows = vec![scheduler::table::SlackWindow { offset_us: 0.0, duration_us: 1000.0, free_sms: 4 }];
+            }
+        }
+    });
+    let first = prompt(0, 0);
+    let context = first.len() as u32;
+    prefill(&mut stack, &first, &[0, 1, 2, 3]).expect("prefill");
+    for _ in 0..5 {
+        stack.runtime.decode_step(context).expect("decode step");
+    }
+    assert_eq!(stack.runtime.counters().write_layers_issued, 1, "five steps pay for the first layer");
+    for _ in 0..4 {
+        stack.runtime.decode_step(context).expect("decode step");
+    }
+    let written = |stack: &Stack| {
+        stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
+    };
+    assert_eq!(written(&stack), 0, "the emulated layer takes ~0.3 s");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while written(&stack) == 0 {
+        assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
+        stack.runtime.poll_io().expect("poll");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let second: Vec<u32> = prompt(1, 1).iter().map(|token| token + 7_000_000).collect();
+    assert_eq!(second.len(), 96);
+    let engine_blocks: Vec<u32> = (4..10).collect();
+    let start = stack.runtime.begin_prefill(&objstore::KvRequest { tokens: &second, block_ids: &engine_blocks }).expect("begin");
+    assert_eq!(start.cached_blocks, 0);
+    stack.runtime.before_layer(start.id, 0).expect("layer 0");
+    stack.engine.compute_layer(&second, 0..6, &engine_blocks, 0);
+    stack.runtime.after_layer(start.id, 0).expect("layer 0");
+    assert_eq!(stack.runtime.counters().write_layers_issued, 1, "a 1 ms window released a 20 ms layer: {:?}", stack.runtime);
 }
 
 /// The most layers of `direction` in flight at once, from the runtime's event log.
