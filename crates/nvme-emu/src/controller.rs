@@ -155,6 +155,11 @@ pub(crate) struct Unlocked {
     callers: AtomicU32,
     /// Commands refused by a queue restriction ([`EmuStats::restriction_refusals`]).
     restriction_refusals: AtomicU64,
+    /// Tests: a wait for transfers in flight before a command or a shutdown's write-back
+    /// (`settle_unless_stopped`) is under way. Read without the lock, which that wait holds,
+    /// so a test can tell that a command is waiting before it stops the device.
+    #[cfg(test)]
+    settling_for_tests: AtomicBool,
 }
 
 impl Unlocked {
@@ -202,6 +207,16 @@ impl Unlocked {
     /// run (see `ControllerCore::stop_asked`, which adds the host's CC.EN = 0).
     pub(crate) fn give_way(&self) -> bool {
         self.stopping() || self.preempting()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_settling_for_tests(&self, settling: bool) {
+        self.settling_for_tests.store(settling, Ordering::Release);
+    }
+
+    #[cfg(test)]
+    pub(crate) fn settling_for_tests(&self) -> bool {
+        self.settling_for_tests.load(Ordering::Acquire)
     }
 
     pub(crate) fn count_refusal(&self) {

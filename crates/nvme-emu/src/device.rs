@@ -306,6 +306,13 @@ impl EmuDevice {
         change(&mut self.shared.core())
     }
 
+    /// Whether the controller thread waits for transfers in flight before a command or a
+    /// shutdown's write-back (tests; read without the lock that wait holds).
+    #[cfg(test)]
+    pub(crate) fn settling_for_tests(&self) -> bool {
+        self.shared.unlocked.settling_for_tests()
+    }
+
     fn stop_thread(&self) {
         // Also makes a zeroing under way stop at its next slice, so the thread ends within a
         // slice rather than write zeroes on, detached, into a file a new device may have open.

@@ -361,7 +361,11 @@ impl ControllerCore {
     pub(super) fn settle_unless_stopped(&mut self) {
         // Bounded: each pass finishes at least one transfer, fails the ring (which empties the
         // table) or waits a slice of the way to the oldest transfer's deadline.
+        #[cfg(test)]
+        self.unlocked.set_settling_for_tests(!self.in_flight.is_empty());
         while !self.stop_asked() && self.wait_in_flight_for(Settle::Finish, Some(RESET_LOOK_INTERVAL)) {}
+        #[cfg(test)]
+        self.unlocked.set_settling_for_tests(false);
     }
 
     /// Whether a wait for transfers in flight, and the command behind it, should give way: the

@@ -228,11 +228,7 @@ fn a_reset_ends_within_cap_to_while_a_flush_waits_for_stuck_transfers() {
     // the reset deletes, gets no completion. Until 2026-11-29 the reset began only when the
     // Flush's wait ended, at the Reads' deadline.
     let Some((mut stalled, _targets)) = hold_past_cap_to("cc-reset-cap-to-flush") else { return };
-    TestHost::push(&mut stalled.queue, SubmissionEntry::flush(NamespaceId(1)));
-    stalled.host.ring_submission(&stalled.queue);
-    // The controller thread fetches it within a scan, then waits holding its lock (so `stats()`
-    // would wait too): give it that long, and check afterwards that it did.
-    std::thread::sleep(QUIET);
+    flush_and_wait_until_it_waits(&mut stalled);
     assert_reset_within_cap_to(&mut stalled);
     assert_eq!(stalled.host.device.stats().io(NvmOpcode::Flush), 1, "the Flush was fetched before the reset");
 }
@@ -275,12 +271,23 @@ fn flush_waiting_for_stuck_reads(name: &str) -> Option<Stalled> {
     let hold = HoldReads { direct: false, cancellation: true, timeout: REAL_TRANSFER_TIMEOUT };
     let (mut stalled, _targets) = hold_two_reads_after(name, hold, write_cached)?;
     assert!(cached_block_on_file(&stalled) == [0u8; 4096], "the write was cached, not written through");
+    flush_and_wait_until_it_waits(&mut stalled);
+    Some(stalled)
+}
+
+/// Rings a Flush and waits (bounded) until the controller thread waits for the transfers in
+/// flight before running it. It holds the controller's lock meanwhile (`stats()` would wait
+/// too), so the probe is read without it. A fixed sleep instead let a test stop the device
+/// before the Flush was fetched on a loaded machine, and pass without a Flush waiting.
+fn flush_and_wait_until_it_waits(stalled: &mut Stalled) {
+    assert!(!stalled.host.device.settling_for_tests(), "a wait for transfers before the Flush was rung");
     TestHost::push(&mut stalled.queue, SubmissionEntry::flush(NamespaceId(1)));
     stalled.host.ring_submission(&stalled.queue);
-    // The controller thread fetches it within a scan, then waits holding its lock (`stats()`
-    // would wait too): give it that long; the tests check afterwards that it was fetched.
-    std::thread::sleep(QUIET);
-    Some(stalled)
+    let deadline = Instant::now() + DEADLINE;
+    while !stalled.host.device.settling_for_tests() {
+        assert!(Instant::now() < deadline, "the Flush never waited for the transfers in flight");
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// Writes block `CACHED_LBA` (`block(0x2C)`) into the volatile write cache.
@@ -345,6 +352,8 @@ fn dropping_the_device_while_a_flush_waits_for_stuck_transfers_stops_its_thread(
     // ended, ran the Flush and wrote old cached blocks into the file, over whatever a device
     // reopened on it wrote meanwhile.
     let Some(mut stalled) = flush_waiting_for_stuck_reads("drop-flush") else { return };
+    // Until 2026-12-01 this test only slept before the drop: a Flush not fetched yet, which the
+    // stopping thread never fetches, passed it under the old code too.
     let stand_in = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 1 << 20 })).expect("a stand-in device");
     let device = std::mem::replace(&mut stalled.host.device, stand_in);
     assert_eq!(Arc::strong_count(&device), 1, "the test holds the only handle");
