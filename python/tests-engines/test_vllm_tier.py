@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -490,10 +491,12 @@ class StoreWithStalledLoads:
     """The tier's tutti.Store whose loads stall; records the tier's results when the tier closes
     it, and can pretend its close kept the memory registered (queue pairs not deleted)."""
 
-    def __init__(self, tier, close_keeps_memory: bool = False) -> None:
+    def __init__(self, tier, close_keeps_memory: bool = False, raising_in: Optional[str] = None) -> None:
         self._tier = tier
         self._store = tier._store
         self.close_keeps_memory = close_keeps_memory
+        # "close" or "leaked_registrations": that call raises Panic (a failure inside the close).
+        self.raising_in = raising_in
         self.closed_by_tier = False
         self.reported_at_close = None
 
@@ -513,19 +516,23 @@ class StoreWithStalledLoads:
         with self._tier._results_lock:
             self.reported_at_close = [result.job_id for result in self._tier._results]
         self.closed_by_tier = True
+        if self.raising_in == "close":
+            raise Panic("injected: a panic in the store's close")
         self._store.close(timeout_s=timeout_s)
 
     def leaked_registrations(self) -> int:
+        if self.raising_in == "leaked_registrations":
+            raise Panic("injected: a poisoned lock in leaked_registrations")
         return 1 if self.close_keeps_memory else self._store.leaked_registrations()
 
 
-def submit_stalled_load(tmp_path: Path, close_keeps_memory: bool):
+def submit_stalled_load(tmp_path: Path, close_keeps_memory: bool, raising_in: Optional[str] = None):
     """A tier with two chunks stored, then a promotion of both whose layers never complete."""
     manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
     tier = manager.secondary_tiers[0]
     stored = keys(2, 6)
     assert tier._store_chunks(stored, [0, 1]) == stored
-    wrapped = StoreWithStalledLoads(tier, close_keeps_memory)
+    wrapped = StoreWithStalledLoads(tier, close_keeps_memory, raising_in)
     tier._store = wrapped
     job = TransferJob(job_id=7, keys=stored, chunk_ids=np.array([2, 3]), is_promotion=True, req_context=ReqContext(req_id="r"))
     tier.submit_load(job)
@@ -617,6 +624,30 @@ def test_a_load_whose_rows_cannot_be_confirmed_safe_is_never_reported(tmp_path: 
             with pytest.raises(KvMemoryUnsafe):
                 submit(job)
     finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("raising_in", ["close", "leaked_registrations"])
+def test_a_load_whose_pool_close_fails_is_never_reported(tmp_path: Path, raising_in: str):
+    """Goal: when closing the pool after a stalled promotion fails inside the close (pyo3's
+    PanicException out of close, a poisoned lock in leaked_registrations), the close confirmed
+    nothing: the promotion is never reported (vLLM keeps its rows, which a controller may still
+    write) and the tier's next call from vLLM raises KvMemoryUnsafe. The pool was already marked
+    closed when the close failed, which must not count as closed."""
+    manager, tier, wrapped = submit_stalled_load(tmp_path, close_keeps_memory=False, raising_in=raising_in)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        with pytest.raises(KvMemoryUnsafe, match="chunk rows may still be written"):
+            while True:
+                reported = [(result.job_id, result.success) for result in tier.get_finished_jobs()]
+                assert not reported, f"a job whose rows may still be written was reported: {reported}"
+                assert time.monotonic() < deadline, "the tier never gave up on the stalled job"
+                time.sleep(0.01)
+        assert wrapped.closed_by_tier and tier.has_pending_work()
+        with pytest.raises(KvMemoryUnsafe):
+            tier.get_finished_jobs()
+    finally:
+        wrapped.raising_in = None
         manager.shutdown()
 
 

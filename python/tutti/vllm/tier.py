@@ -162,6 +162,10 @@ class TuttiTier(SecondaryTierManager):
         self.dropped_store_jobs = 0
         # Why the pool was closed for good (a load's layer did not complete): jobs fail at once.
         self._dead: Optional[str] = None
+        # Set at the end of a close that confirmed its queue pairs deleted (no registrations
+        # kept). _dead is set before the close starts, so a close that raised leaves _dead set
+        # and this False: that is no confirmation (`_close_pool_after`).
+        self._close_confirmed = False
         # Set (by the tier's thread) when that close did not confirm that the controllers stopped
         # writing chunk rows: vLLM's next call raises KvMemoryUnsafe.
         self._unsafe: Optional[str] = None
@@ -336,10 +340,15 @@ class TuttiTier(SecondaryTierManager):
 
     def _close_pool_after(self, job_id: int, reason: str, rows_written: bool) -> bool:
         """Closes the pool after a job failed in an unknown state; False (the job is not to be
-        reported: its rows may still be written) when that cannot be confirmed."""
+        reported: its rows may still be written) when that cannot be confirmed. The pool already
+        marked closed but not confirmed closed means this job's own close raised midway (only a
+        running load or store job closes it, and none starts once it is marked), so its queue
+        pairs may not be deleted: no confirmation."""
         try:
             if self._dead is None:
                 self._close_pool(reason, rows_written=rows_written)
+            elif not self._close_confirmed:
+                raise _CloseFailed(f"the pool's close ({self._dead}) did not complete")
             return True
         except _RowsUnsafe as error:
             unsafe = str(error)
@@ -441,6 +450,7 @@ class TuttiTier(SecondaryTierManager):
         logger.error("tutti tier: %s; the pool is closed, the tier moves nothing more", reason)
         self._store.close(timeout_s=self._timeout_s)
         kept = self._store.leaked_registrations()
+        self._close_confirmed = not kept
         if kept and not rows_written:
             logger.error("tutti tier: closing the pool kept %d memory registrations (queue pairs not deleted)", kept)
         elif kept:
@@ -534,6 +544,10 @@ def _tier_fingerprint(spec_config: Any, block_size_bytes: int, explicit: Optiona
 
 class _RowsUnsafe(Exception):
     """The tier's thread: a job's chunk rows may still be written; the job is never reported."""
+
+
+class _CloseFailed(Exception):
+    """The tier's thread: a close of the pool raised before it confirmed anything."""
 
 
 def _abandon(request: Any, timeout_s: float) -> bool:
