@@ -17,7 +17,9 @@ pub enum IoDirection {
 pub enum IoEventKind {
     /// A layer's IOCBs were handed to the executor.
     Issued,
-    /// The runtime saw all of them complete (successfully or not).
+    /// The runtime saw all of them complete (successfully or not), saw the device end the layer
+    /// of a retiring request (`Runtime::retiring_requests`), or ended it with
+    /// `Runtime::abandon_in_flight` (a healthy layer ended so is issued, and logged, again).
     Completed,
 }
 
@@ -76,7 +78,11 @@ pub struct RuntimeCounters {
     /// Write layers issued after their own request's prefill ended (in later requests' slack,
     /// decode steps, or forced).
     pub write_layers_deferred: u64,
-    /// Layers issued while the other direction was in flight (0 under a barrier policy).
+    /// Layers issued while the other direction was in flight: beside the running prefill's read
+    /// or the write queue's write layer (never under a barrier policy), or beside a layer of a
+    /// retiring request of the other direction that the device still held, under any policy
+    /// (retiring I/O is outside the barrier: `Runtime::retiring_requests`). The event log shows
+    /// the same.
     pub mixed_issues: u64,
     pub stores_committed: u64,
     pub blocks_committed: u64,

@@ -27,7 +27,7 @@ use scheduler::SchedulerError;
 
 use crate::config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
 use crate::error::{store_error, FinishError, Result, RuntimeError};
-use crate::events::{EventLog, IoEvent, RuntimeCounters};
+use crate::events::{EventLog, IoDirection, IoEvent, IoEventKind, RuntimeCounters};
 use crate::writes::{PendingStore, WriteQueue};
 
 mod progress;
@@ -723,11 +723,18 @@ impl<E: QueuePairReset> Runtime<E> {
     /// this (it resets its queue pairs itself; the runtime retires its layers as they fail).
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
         let abandoned = self.store.abandon_in_flight().map_err(store_error("abandon the layers in flight"))?;
+        // Each ended layer is closed in the event log: it is issued (and logged) again.
         if let Some(layer) = self.reads.in_flight.take() {
             self.reads.waiting.push_front(layer);
+            let request = self.prefill.as_ref().map_or(0, |p| p.id);
+            self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
         }
-        for store in self.writes.stores.iter_mut() {
-            store.in_flight = None;
+        for index in 0..self.writes.stores.len() {
+            let store = &mut self.writes.stores[index];
+            if let Some(layer) = store.in_flight.take() {
+                let request = store.request;
+                self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
+            }
         }
         self.retire_ended();
         self.pump()?;

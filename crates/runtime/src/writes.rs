@@ -47,6 +47,10 @@ pub(crate) struct Retiring {
     pub engine_blocks: Vec<u32>,
     /// A retrieve (its layer in flight is a read), not a store.
     pub read: bool,
+    /// The layer in flight when it retired, if known: its issue has no completion in the event
+    /// log yet, and `Runtime`'s `retire_ended` records one when the device ends it (left open,
+    /// the log counted every later layer of the other direction as mixed).
+    pub layer: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -129,7 +133,13 @@ impl WriteQueue {
     pub fn retire(&mut self, index: usize) -> Option<u64> {
         let store = self.stores.remove(index)?;
         self.queued_blocks -= store.engine_blocks.len();
-        self.retiring.push(Retiring { request: store.request, handle: store.handle, engine_blocks: store.engine_blocks, read: false });
+        self.retiring.push(Retiring {
+            request: store.request,
+            handle: store.handle,
+            engine_blocks: store.engine_blocks,
+            read: false,
+            layer: store.in_flight,
+        });
         Some(store.request)
     }
 
@@ -149,9 +159,9 @@ impl WriteQueue {
 
     /// A retrieve ended with a layer still in flight: it is retiring, and `engine_blocks` (its
     /// targets, held by [`WriteQueue::hold_targets`] since its prefill began) stay held until it
-    /// is finished.
-    pub fn retire_retrieve(&mut self, request: u64, handle: RequestHandle, engine_blocks: Vec<u32>) {
-        self.retiring.push(Retiring { request, handle, engine_blocks, read: true });
+    /// is finished. `layer`: its read in flight, if known.
+    pub fn retire_retrieve(&mut self, request: u64, handle: RequestHandle, engine_blocks: Vec<u32>, layer: Option<u32>) {
+        self.retiring.push(Retiring { request, handle, engine_blocks, read: true, layer });
     }
 
     /// Removes the retiring request at `index` and releases its engine blocks (its handle was

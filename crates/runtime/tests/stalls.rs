@@ -487,6 +487,12 @@ fn a_retiring_request_counts_against_the_queues_request_slots() {
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&other), 4);
         assert_eq!(stack.runtime.lookup(&hit), 8);
+        // Every issue is closed in the event log, the abandoned layers' too (issued again).
+        let events = stack.runtime.events();
+        let issued = events.iter().filter(|event| event.kind == tutti_runtime::IoEventKind::Issued).count();
+        assert_eq!(issued, events.len() - issued, "issues and completions in the event log");
+        let counters = stack.runtime.counters();
+        assert_eq!(counters.mixed_issues, mixed_in_log(events), "{counters:?}");
     });
 }
 
@@ -545,7 +551,15 @@ fn writes_beside_a_retiring_read_count_as_mixed() {
         assert!(logged > 0, "the event log shows writes beside the retiring read");
         assert_eq!(counters.mixed_issues, logged, "{counters:?}");
         assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
+        assert_eq!(stack.runtime.retiring_requests(), 0);
         assert_eq!(stack.runtime.lookup(&other), 4);
+        // The read ended: the log closes it as the counter stops counting beside it, so a later
+        // miss's writes are mixed in neither. Before, the log never saw it complete.
+        let later: Vec<u32> = prompt(2, 0).iter().map(|token| token + 8_000_000).collect();
+        assert_eq!(prefill(&mut stack, &later, &[14, 15, 16, 17]).unwrap(), 0);
+        stack.runtime.drain().unwrap();
+        let counters = stack.runtime.counters();
+        assert_eq!(counters.mixed_issues, mixed_in_log(stack.runtime.events()), "{counters:?}");
     });
 }
 

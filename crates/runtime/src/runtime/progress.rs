@@ -171,6 +171,12 @@ impl<E: Executor> Runtime<E> {
             let finished = self.store.finish(handle);
             if let Some(entry) = self.writes.remove_retiring(index) {
                 tracing::info!(request = entry.request, "runtime: a retiring request's layer ended; its engine blocks are released");
+                // Its issue is closed in the event log as the counters stop counting beside it
+                // (`WriteQueue::retiring_in`).
+                if let Some(layer) = entry.layer {
+                    let direction = if entry.read { IoDirection::Read } else { IoDirection::Write };
+                    self.record(entry.request, direction, layer, IoEventKind::Completed, None);
+                }
                 if let Err(error) = finished {
                     tracing::error!(request = entry.request, %error, "runtime: finishing a retiring request with nothing in flight was refused");
                 }
@@ -268,7 +274,8 @@ impl<E: Executor> Runtime<E> {
                     blocks = prefill.read_targets.len(),
                     "runtime: a retrieve ended with a layer in flight; it retires when the device ends it, its target blocks held"
                 );
-                self.writes.retire_retrieve(prefill.id, handle, prefill.read_targets);
+                let layer = self.store.layers_in_flight(handle).ok().and_then(|mut layers| layers.next());
+                self.writes.retire_retrieve(prefill.id, handle, prefill.read_targets, layer);
                 Err(RuntimeError::StillInFlight { request: prefill.id, operation: "finish the retrieve", source: refusal })
             }
             Err(source) => {
@@ -283,8 +290,10 @@ impl<E: Executor> Runtime<E> {
     /// the error says so (`StillInFlight`, naming `cause`, the failed wait, when there was one).
     pub(super) fn end_store(&mut self, index: usize, operation: &'static str, cause: Option<ObjstoreError>) -> Result<()> {
         let Some(store) = self.writes.stores.get(index) else { return Ok(()) };
-        let (request, handle) = (store.request, store.handle);
+        let (request, handle, in_flight) = (store.request, store.handle, store.in_flight);
         match self.store.finish(handle) {
+            // Its layer in flight is closed in the event log when the device ends it
+            // (`retire_ended`).
             Err(refusal) if self.device_holds(handle) => {
                 self.writes.retire(index);
                 tracing::warn!(
@@ -294,6 +303,11 @@ impl<E: Executor> Runtime<E> {
                 Err(RuntimeError::StillInFlight { request, operation, source: cause.unwrap_or(refusal) })
             }
             finished => {
+                // The layer it had in flight ended (completed or failed, the wait of
+                // `drop_store` or `write_failed`'s poll or wait collected it).
+                if let Some(layer) = in_flight {
+                    self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
+                }
                 if let Some(store) = self.writes.remove(index) {
                     self.writes.recycle(store.engine_blocks);
                 }
@@ -307,11 +321,9 @@ impl<E: Executor> Runtime<E> {
     /// continue.
     pub(super) fn write_failed(&mut self, index: usize, source: &ObjstoreError) -> Result<()> {
         let Some(store) = self.writes.stores.get(index) else { return Ok(()) };
-        let (request, layer, handle) = (store.request, store.written_layers, store.handle);
+        let (request, layer) = (store.request, store.written_layers);
         tracing::warn!(request, layer, error = %source, "runtime: a deferred write failed; the store is dropped");
-        if !self.device_holds(handle) {
-            self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
-        }
+        // `end_store` closes its layer in the event log (now, or when a retiring one ends).
         self.counters.stores_failed += 1;
         match self.end_store(index, "finish a failed store", None) {
             // Retiring (logged): dropped as far as the queue goes, its blocks held meanwhile.
