@@ -91,7 +91,11 @@ pub struct RuntimeCounters {
     /// Stores written synchronously because the write queue was full, and committed (one whose
     /// forced write or commit failed is counted in `stores_failed` only).
     pub stores_forced: u64,
-    /// Requests whose store was refused because the write queue was full.
+    /// Requests `begin_prefill` refused with `WriteQueueFull` (under `Refuse`, or `ForceOldest`
+    /// when forcing could not make room): their new blocks did not fit the write queue's limits,
+    /// or the queued and retiring requests left no object-store request slot for their store and
+    /// retrieve. A fully cached prompt, which has no store, counts here too when no slot was left
+    /// for its retrieve: the count is of requests refused, not only of stores.
     pub stores_refused: u64,
     /// Requests with more new blocks than `write_queue_limit_blocks` under `ForceOldest`: only
     /// the first that many were stored (the rest will be computed again when next needed).

@@ -596,6 +596,8 @@ fn a_fully_cached_prefill_makes_room_for_its_retrieve() {
             other => panic!("{other:?}"),
         }
         assert_eq!(stack.runtime.queued_stores(), 1, "refused: nothing forced");
+        // Counted as a refused request (`stores_refused` says so), though it had no store.
+        assert_eq!(stack.runtime.counters().stores_refused, 1);
     });
 }
 
