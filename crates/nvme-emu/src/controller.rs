@@ -228,6 +228,10 @@ impl Unlocked {
     }
 }
 
+/// A test's action on the registers at a chosen point of the controller's work.
+#[cfg(test)]
+pub(crate) type RegisterHookForTests = Box<dyn FnOnce(&RegisterFile) + Send>;
+
 pub(crate) struct ControllerCore {
     pub(crate) config: EmuConfig,
     pub(crate) registers: Arc<RegisterFile>,
@@ -311,6 +315,10 @@ pub(crate) struct ControllerCore {
     /// held zeroing (a host that rewrites the entry then, in tests).
     #[cfg(test)]
     pub(crate) after_peek_for_tests: Option<Box<dyn FnMut(u16, u32) + Send>>,
+    /// Called once, with the registers, as the next shutdown notification begins its wait for
+    /// transfers in flight (a host that writes CC again meanwhile, in tests).
+    #[cfg(test)]
+    pub(crate) before_shutdown_wait_for_tests: Option<RegisterHookForTests>,
     /// A long zeroing a command just started (`io.rs`), for the batch to take.
     pub(crate) zeroing_started: Option<crate::io::Zeroing>,
     /// The long zeroing running, a slice per poll (see `controller/zeroing.rs`).
@@ -380,6 +388,8 @@ impl ControllerCore {
             zeroing_slice_for_tests: None,
             #[cfg(test)]
             after_peek_for_tests: None,
+            #[cfg(test)]
+            before_shutdown_wait_for_tests: None,
             zeroing_started: None,
             zeroing: None,
             shutdown_awaits_zeroing: false,

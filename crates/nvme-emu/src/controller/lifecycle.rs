@@ -229,8 +229,19 @@ impl ControllerCore {
                 // reset or the device's drop asked for meanwhile (`stop_asked`) ends it too,
                 // SHST still 01b: the first two reset every register (and a function reset
                 // writes the cache back itself), and a dropped device writes nothing more.
+                // A CC.EN = 0 write ends it only where a reset will follow (Ready, Fatal): on a
+                // disabled controller none does, and a notification runs again only from SHST
+                // 0, so giving way to it left SHST at 01b until the host cleared SHN. The wait
+                // (`settle_unless_stopped`) still looks at any CC.EN = 0 (it is the Flush's
+                // too), which matters only with transfers in flight, and a disabled controller
+                // has none (its reset or stop settled them).
+                #[cfg(test)]
+                if let Some(hook) = self.before_shutdown_wait_for_tests.take() {
+                    hook(&self.registers);
+                }
                 self.settle_unless_stopped();
-                if self.zeroing.is_some() || !self.in_flight.is_empty() || self.stop_asked() {
+                let reset_follows = matches!(self.state, State::Ready | State::Fatal) && self.registers.reset_requested();
+                if self.zeroing.is_some() || !self.in_flight.is_empty() || reset_follows || self.unlocked.give_way() {
                     return true;
                 }
                 // A fence whose writes the kernel gave back since it was last looked at (only an

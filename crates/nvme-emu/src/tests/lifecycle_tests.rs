@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use nvme_driver::hw::{DeviceBackend, DmaRegion};
+use nvme_driver::hw::{DeviceBackend, DmaRegion, RegisterIo};
 use nvme_driver::spec::command::LogPageId;
 use nvme_driver::spec::registers::{self, ControllerConfiguration, ShutdownStatus};
 use nvme_driver::spec::status::codes;
@@ -37,6 +37,33 @@ fn shutdown_and_function_reset_write_the_cache_back() {
     host.enable();
     let mut queue = host.create_io_pair(1, 8);
     assert!(read_block(&host, &mut queue, 2).iter().all(|&b| b == 0x22), "function reset flushed the cache");
+}
+
+#[test]
+fn a_disable_written_during_a_shutdown_on_a_disabled_controller_does_not_stop_it() {
+    // Goal: a shutdown notification on a disabled controller (SHN set after a reset, or left
+    // set through one as nvme-driver's teardown does), with the host writing CC.EN = 0 again
+    // while it runs, still writes the cache back and reads SHST complete: no reset acts on a
+    // disabled controller, so the shutdown must not give way to that write. Until 2026-12-01
+    // (879764a) it did, returning at SHST 01b, and a notification is run again only from SHST
+    // 0, so SHST stayed 01b until the host cleared SHN.
+    let mut host = TestHost::start(memory_config());
+    let mut queue = host.create_io_pair(1, 8);
+    write_block(&host, &mut queue, 1, 0x33);
+    host.registers.write32(registers::CC, 0);
+    host.wait_ready(false);
+    let shutdown = 1 << 14;
+    host.device.with_core(|core| {
+        core.before_shutdown_wait_for_tests = Some(Box::new(move |registers| registers.write32(registers::CC, shutdown)));
+    });
+    host.registers.write32(registers::CC, shutdown);
+    host.wait_shutdown(ShutdownStatus::Complete);
+    assert!(!host.csts().fatal(), "the shutdown failed: {:?}", host.csts());
+    assert!(host.device.with_core(|core| core.before_shutdown_wait_for_tests.is_none()), "the disable was written during the shutdown");
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 8);
+    assert!(read_block(&host, &mut queue, 1).iter().all(|&b| b == 0x33), "the shutdown wrote the cache back");
 }
 
 #[test]
