@@ -3,7 +3,7 @@
 # package is touched): under set -e, as the VM scripts run it; with a package installed for two
 # architectures (dpkg --verify refuses the bare name); with a verify that fails (a timeout); and
 # with dpkg's path-exclude/path-include settings of a slim image (files left out on purpose are
-# not damage; a re-included one is).
+# not damage; a re-included one is), read and applied in dpkg's order.
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 work="$(mktemp -d)"
@@ -63,4 +63,15 @@ got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
 printf '# a slim image\npath-exclude /usr/share/doc/*\n  path-include=/usr/share/doc/*/copyright\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
 got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
 [[ "$got" == "docsonly cpp-12" ]] || fail "docs excluded, copyright included: expected 'docsonly cpp-12', got '$got'"
+# As dpkg decides: the last filter to match wins, the files of dpkg.cfg.d in name order, names
+# other than letters, digits, _ and - skipped (a leftover .dpkg-old), `NAME = "VALUE"` accepted.
+rm "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
+printf 'path-include=/usr/share/doc/*/copyright\n' > "$work/root/etc/dpkg/dpkg.cfg.d/00-keep"
+printf 'path-exclude = "/usr/share/doc/*"\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
+printf 'path-include=/usr/share/doc/*\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes.dpkg-old"
+got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+[[ "$got" == "cpp-12" ]] || fail "an include before a broader exclude: expected 'cpp-12', got '$got'"
+printf 'path-include /usr/share/doc/docsonly/*\n' > "$work/root/etc/dpkg/dpkg.cfg"
+got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+[[ "$got" == "docsonly cpp-12" ]] || fail "dpkg.cfg read last: expected 'docsonly cpp-12', got '$got'"
 echo "dpkg-test: passed"

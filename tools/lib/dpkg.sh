@@ -215,7 +215,7 @@ dpkg_installed() {
 dpkg_damaged_depends() {
     local level package dep instance status verified path
     local -A seen=()
-    local current=("$@") next=() excludes=() includes=()
+    local current=("$@") next=() filters=()
     dpkg_path_filters
     for package in "$@"; do seen[$package]=1; done
     for level in 1 2; do
@@ -248,47 +248,47 @@ dpkg_damaged_depends() {
     return 0
 }
 
-# dpkg_path_filters: fills the caller's excludes and includes arrays with dpkg's path-exclude
-# and path-include patterns (/etc/dpkg/dpkg.cfg and dpkg.cfg.d/*, as dpkg reads them; under
-# DPKG_CONFIG_ROOT when set, for tests).
+# dpkg_path_filters: fills the caller's filters array with dpkg's path-exclude and path-include
+# options, in the order dpkg reads them ("x PATTERN" or "i PATTERN"): the files of
+# /etc/dpkg/dpkg.cfg.d in name order (only names of letters, digits, _ and -: dpkg skips
+# foo.dpkg-old and editors' backups), then /etc/dpkg/dpkg.cfg; under DPKG_CONFIG_ROOT when set,
+# for tests.
 dpkg_path_filters() {
-    local file line root=${DPKG_CONFIG_ROOT:-}
-    excludes=() includes=()
-    for file in "$root"/etc/dpkg/dpkg.cfg "$root"/etc/dpkg/dpkg.cfg.d/*; do
+    local file line name value root=${DPKG_CONFIG_ROOT:-} LC_COLLATE=C
+    filters=()
+    for file in "$root"/etc/dpkg/dpkg.cfg.d/* "$root"/etc/dpkg/dpkg.cfg; do
         [ -f "$file" ] && [ -r "$file" ] || continue
+        if [ "$file" != "$root/etc/dpkg/dpkg.cfg" ]; then
+            [[ $(basename "$file") =~ ^[A-Za-z0-9_-]+$ ]] || continue
+        fi
         while IFS= read -r line || [ -n "$line" ]; do
             line=${line#"${line%%[![:space:]]*}"}
-            case $line in
-                path-exclude=* | path-exclude\ *) excludes+=("$(dpkg_option_value "$line")") ;;
-                path-include=* | path-include\ *) includes+=("$(dpkg_option_value "$line")") ;;
+            # dpkg's option syntax: NAME, then spaces or =, then the value (its surrounding
+            # spaces and double quotes dropped).
+            name=${line%%[[:space:]=]*}
+            value=${line#"$name"}
+            value=${value#"${value%%[![:space:]=]*}"}
+            value=${value%"${value##*[![:space:]]}"}
+            [[ $value == \"*\" && ${#value} -ge 2 ]] && value=${value:1:${#value}-2}
+            case $name in
+                path-exclude) filters+=("x $value") ;;
+                path-include) filters+=("i $value") ;;
             esac
         done < "$file"
     done
     return 0
 }
 
-# dpkg_option_value LINE: the value of a dpkg.cfg option line (`name=value` or `name value`).
-dpkg_option_value() {
-    local value=${1#path-exclude}
-    value=${value#path-include}
-    value=${value#[= ]}
-    value=${value#"${value%%[![:space:]]*}"}
-    printf '%s\n' "${value%"${value##*[![:space:]]}"}"
-}
-
-# dpkg_path_excluded PATH: PATH is one dpkg leaves out on this machine (matched by a
-# path-exclude pattern and by no path-include: dpkg matches with fnmatch without FNM_PATHNAME,
-# so `*` crosses slashes, as in [[ == ]]). Reads the caller's excludes and includes.
+# dpkg_path_excluded PATH: PATH is one dpkg leaves out on this machine: the last of the caller's
+# filters to match it is a path-exclude, as dpkg decides (matched with fnmatch without
+# FNM_PATHNAME, so `*` crosses slashes, as in [[ == ]]).
 dpkg_path_excluded() {
-    local pattern excluded=no
-    for pattern in "${excludes[@]}"; do
+    local filter excluded=1
+    for filter in "${filters[@]}"; do
         # shellcheck disable=SC2053 # a glob pattern on purpose
-        [[ $1 == $pattern ]] && excluded=yes && break
+        if [[ $1 == ${filter:2} ]]; then
+            [ "${filter:0:1}" = x ] && excluded=0 || excluded=1
+        fi
     done
-    [ "$excluded" = yes ] || return 1
-    for pattern in "${includes[@]}"; do
-        # shellcheck disable=SC2053
-        [[ $1 == $pattern ]] && return 1
-    done
-    return 0
+    return "$excluded"
 }
