@@ -460,8 +460,8 @@ impl<E: QueuePairReset> GioQueue<E> {
     ///
     /// A poll error kept for the next call (`poll_error`) is forgotten first, and logged: it was
     /// about queue pairs this reset replaces (as `CpuWorkers`' reset forgets a worker's error not
-    /// yet reported), and kept, it failed the first wait after the reissue, without a poll, for
-    /// a healthy layer.
+    /// yet reported), and kept, the first call after the reissue that polls (a peek, or a wait
+    /// whose poll did not complete its IOCB) returned it, failing a healthy layer.
     pub fn reset_queue_pairs(&mut self, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
         if let Some(error) = self.poll_error.take() {
             tracing::warn!(%error, "gio-uring: a poll error not yet reported is forgotten: it concerned the queue pairs the reset replaces");

@@ -198,8 +198,9 @@ fn a_poll_error_waits_behind_the_completion_the_same_poll_posted() {
 fn a_reset_forgets_a_kept_poll_error_so_the_first_wait_after_it_polls() {
     // Goal: a poll error kept behind a completion (it may be about another queue pair) is
     // forgotten by the queue-pair reset, as CpuWorkers' reset forgets a worker error not yet
-    // reported: it concerned the pairs the reset replaced. Kept, it was returned without a poll
-    // by the first wait after the reissue, failing a healthy layer.
+    // reported: it concerned the pairs the reset replaced. Kept, the first call after the
+    // reissue that polls (a peek, or a wait whose poll did not end its IOCB) returned it,
+    // failing a healthy layer.
     let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
     let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
     queue.fill_iocb(id, &layered(0), &[ioctx(0, 0, 1, 0)]).unwrap();
@@ -211,6 +212,12 @@ fn a_reset_forgets_a_kept_poll_error_so_the_first_wait_after_it_polls() {
     queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();
     let completion = queue.wait_cqe(id, soon());
     assert!(matches!(completion, Ok(c) if c.id == id && c.layer == LayerIndex(1) && c.result == Ok(())), "{completion:?}");
+    // The wait polls even with an error kept (peek/reap/wait always poll), so the layer above
+    // completes either way; what tells the forget apart is that nothing is left to report: kept,
+    // the stale error came back out of that wait's poll, was kept again behind its completion,
+    // and would fail this peek.
+    let after = queue.peek_cqe();
+    assert!(matches!(after, Ok(None)), "the reset forgot the kept error: {after:?}");
 }
 
 #[test]
