@@ -710,3 +710,135 @@ fn a_queue_full_for_request_slots_says_so() {
         assert_eq!(stack.runtime.lookup(&other), 4);
     });
 }
+
+/// A CPU executor whose `poll`, once armed, fails once after polling: an executor-level error
+/// reported once (as gio-uring reports a stopped worker or a lasting doorbell fault).
+struct PollFailsOnce {
+    inner: gio_uring::CpuExecutor,
+    armed: Arc<AtomicBool>,
+}
+
+impl Executor for PollFailsOnce {
+    fn name(&self) -> &'static str {
+        "poll fails once"
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        self.inner.submit(memory, batch)
+    }
+
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        self.inner.poll(memory)?;
+        if self.armed.swap(false, Ordering::SeqCst) {
+            return Err(GioError::WorkerStopped { worker: 3 });
+        }
+        Ok(())
+    }
+
+    fn lend_queue_pair(
+        &mut self,
+        memory: &QueueMemory,
+        device: usize,
+        deadline: Instant,
+    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
+        self.inner.lend_queue_pair(memory, device, deadline)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.inner.retire_queue_pairs()
+    }
+}
+
+impl gio_uring::QueuePairReset for PollFailsOnce {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        self.inner.served_queue_depths()
+    }
+
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+        self.inner.reset(memory, fresh)
+    }
+}
+
+/// Records the level and message of every event logged on this thread while it is the default.
+#[derive(Clone, Default)]
+struct LogCapture {
+    events: Arc<std::sync::Mutex<Vec<(tracing::Level, String)>>>,
+}
+
+impl tracing::Subscriber for LogCapture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Text(String);
+        impl tracing::field::Visit for Text {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        let mut text = Text(String::new());
+        event.record(&mut text);
+        self.events.lock().expect("log capture").push((*event.metadata().level(), text.0));
+    }
+
+    fn enter(&self, _: &tracing::span::Id) {}
+
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
+    // Goal: an executor-level error that a retiring request's poll meets (`ObjstoreError::Gio`,
+    // not the layer's own failure: gio-uring reports a stopped worker or a lasting doorbell
+    // fault once, to whichever wait polls first) is logged at warn, not lost at debug. A read
+    // whose completion the device lost retires; the executor's next poll fails once, met by
+    // `retire_ended` polling that request.
+    bounded(|| {
+        let armed = Arc::new(AtomicBool::new(false));
+        let switch = Arc::clone(&armed);
+        let (device, store, engine) = common::parts_with(None, move |pool, store_config| PollFailsOnce {
+            inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
+            armed: switch,
+        });
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+        let mut stack = Stack { device, runtime, engine };
+        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+        assert_eq!(stack.runtime.retiring_requests(), 1);
+        let capture = LogCapture::default();
+        armed.store(true, Ordering::SeqCst);
+        tracing::subscriber::with_default(capture.clone(), || stack.runtime.poll_io().expect("poll"));
+        assert!(!armed.load(Ordering::SeqCst), "the retiring request's poll met the error");
+        let events = capture.events.lock().expect("log capture").clone();
+        assert!(
+            events.iter().any(|(level, text)| *level == tracing::Level::WARN && text.contains("worker 3")),
+            "the executor error is a warning: {events:?}"
+        );
+        assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+    });
+}

@@ -160,9 +160,14 @@ impl<E: Executor> Runtime<E> {
         while index < self.writes.retiring.len() {
             let handle = self.writes.retiring[index].handle;
             // A failed layer has ended as surely as a completed one (the request is dropped either
-            // way), so the poll's outcome only matters through `device_holds`.
+            // way), so the poll's outcome only matters through `device_holds`, unless it is the
+            // executor's own (`executor_error`).
             if let Err(error) = self.store.poll(handle) {
-                tracing::debug!(%error, "runtime: polling a retiring request");
+                if executor_error(&error) {
+                    tracing::warn!(%error, "runtime: the executor failed while a retiring request was polled");
+                } else {
+                    tracing::debug!(%error, "runtime: polling a retiring request");
+                }
             }
             if self.device_holds(handle) {
                 index += 1;
@@ -191,8 +196,12 @@ impl<E: Executor> Runtime<E> {
         let deadline = self.io_deadline();
         for index in 0..self.writes.retiring.len() {
             let handle = self.writes.retiring[index].handle;
-            if let Err(error) = self.store.wait(handle, deadline) {
-                tracing::debug!(%error, "runtime: waiting for a retiring request");
+            match self.store.wait(handle, deadline) {
+                Err(error) if executor_error(&error) => {
+                    tracing::warn!(%error, "runtime: the executor failed while a retiring request was waited for")
+                }
+                Err(error) => tracing::debug!(%error, "runtime: waiting for a retiring request"),
+                Ok(_) => {}
             }
         }
         self.retire_ended();
@@ -679,6 +688,18 @@ impl<E: Executor> Runtime<E> {
             action,
         }
     }
+}
+
+/// Whether an error a retiring request's poll or wait returned is the executor's (or its queue's)
+/// rather than its own layer's: any `ObjstoreError::Gio` but a wait that timed out (what a retiring
+/// layer's wait is expected to do). The layer's own failure comes back as `LayerIo` (or a
+/// verification's `PayloadMismatch`) and ends only that request: debug. An executor error
+/// (gio-uring's `WorkerStopped`, a lasting doorbell fault, a corrupt ring) is reported once, to
+/// whichever wait polls first, and concerns every request: at debug it was lost at the default
+/// level when a retiring request happened to meet it. (A `Gio` error naming the layer's own IOCB,
+/// `WrongState` or `UnknownIocb`, would be a bug: a warning too.)
+fn executor_error(error: &ObjstoreError) -> bool {
+    matches!(error, ObjstoreError::Gio(error) if !matches!(error, gio_uring::GioError::WaitTimeout { .. }))
 }
 
 /// Status Code Type of the Media and Data Integrity Errors (NVMe base specification, 2h).
