@@ -104,16 +104,17 @@ pub enum ObjstoreError {
     )]
     MetadataFenced { device: usize, reason: String },
     /// The pool's header generation count is at its bound ([`GENERATION_MAX`]): no header can
-    /// be staged (a wrapped count would make every later header lose to the older ones). No
-    /// pool commits that often (2^63 commits, 292 years at one a nanosecond), so the newest
-    /// header, at `device` and `slot`, was written by another tool, buggy or hostile; the pool
-    /// serves what it holds, and only a reformat lets it commit again.
+    /// be staged (a wrapped count would make every later header lose to the older ones). The
+    /// count starts at the newest header read at open. No pool counts past half the bound by
+    /// itself (2^62 commits, 146 years at one a nanosecond), so when that header claims more it
+    /// was written by another tool, buggy or hostile: `read_at_open`, and `device`, `slot` and
+    /// `generation` are that header and what it claims. Otherwise (the count run up by the
+    /// pool's own headers) they are the pool's last header and the count. The pool serves what
+    /// it holds, and only a reformat lets it commit again.
     ///
     /// [`GENERATION_MAX`]: crate::format::GENERATION_MAX
-    #[error(
-        "pool device {device} slot {slot}: the pool's newest slot header claims generation {generation}, and the pool cannot count its headers past that, so it can write none (no commit, eviction or condemnation); no pool commits that often, so another tool wrote that header. The pool still serves what it holds; reformat it to commit again (`tutti pool format`, `tuttid --format`; its cached blocks are lost)"
-    )]
-    GenerationExhausted { device: usize, slot: u32, generation: u64 },
+    #[error("pool device {device} slot {slot}: {}", generation_exhausted_message(.generation, .read_at_open))]
+    GenerationExhausted { device: usize, slot: u32, generation: u64, read_at_open: bool },
     #[error("pool full: {needed} slots needed, {evictable} free or evictable (the rest are pinned by in-flight I/O or on fenced devices)")]
     PoolFull { needed: usize, evictable: usize },
     #[error("unknown or finished request handle {handle}")]
@@ -166,5 +167,19 @@ fn newer_version_hint(sealed: &bool) -> &'static str {
         " (its CRC checks: a newer tutti formatted this pool; open it with that version)"
     } else {
         " and its CRC does not check under this build's layout: a newer format, or a damaged version field"
+    }
+}
+
+/// [`ObjstoreError::GenerationExhausted`]'s message after the header's place: another tool is
+/// blamed only for a header read at open (the pool's own headers are named as its own).
+fn generation_exhausted_message(generation: &u64, read_at_open: &bool) -> String {
+    const WAY_OUT: &str = "no commit, eviction or condemnation. The pool still serves what it holds; reformat it to commit again (`tutti pool format`, `tuttid --format`; its cached blocks are lost)";
+    let bound = crate::format::GENERATION_MAX;
+    if *read_at_open {
+        format!(
+            "the newest slot header read at open claims generation {generation}; no pool commits that often, so another tool wrote that header. The pool counts its headers on from it and has reached the bound ({bound}), so it can write none: {WAY_OUT}"
+        )
+    } else {
+        format!("the pool's newest slot header, which it wrote itself, is at generation {generation}, the bound of its header count, so it can write none: {WAY_OUT}")
     }
 }

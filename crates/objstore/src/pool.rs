@@ -180,9 +180,12 @@ pub struct Pool {
     pub(crate) devices: Vec<PoolDevice>,
     pub(crate) index: Index,
     pub(crate) generation: u64,
-    /// Where the header carrying `generation` is (device, slot): the newest one read at open,
-    /// or the last staged. Named when the count is exhausted. None while no header set it.
-    newest_header: Option<(u16, u32)>,
+    /// The newest Valid header read at open (device, slot, generation): where `generation`
+    /// started. Named when the count is exhausted if it claims more than a pool reaches.
+    newest_read_at_open: Option<(u16, u32, u64)>,
+    /// The last header this pool staged (device, slot), which carries `generation` once one
+    /// was: named when the count is exhausted by the pool's own headers.
+    last_staged: Option<(u16, u32)>,
     /// Deadline of each metadata command batch after open.
     timeout: Duration,
 }
@@ -505,7 +508,8 @@ impl Pool {
             devices: Vec::with_capacity(found.len()),
             index: Index::try_new(&slot_counts, first.blocks_per_slot)?,
             generation: 0,
-            newest_header: None,
+            newest_read_at_open: None,
+            last_staged: None,
             timeout: METADATA_TIMEOUT,
         };
         let mut report = RecoveryReport { devices: found.len(), ..RecoveryReport::default() };
@@ -599,7 +603,7 @@ impl Pool {
                     Ok(header) => {
                         if header.generation >= self.generation {
                             self.generation = header.generation;
-                            self.newest_header = Some((index_of, slot));
+                            self.newest_read_at_open = Some((index_of, slot, header.generation));
                         }
                         duplicate_slots += self.index.recover(index_of, slot, &header.blocks, header.generation);
                     }
@@ -630,12 +634,12 @@ impl Pool {
         // No pool commits 2^62 times (146 years at one a nanosecond): a newest header above that
         // was written by another tool. Said at open, since the pool will refuse every header
         // once the count reaches GENERATION_MAX (`stage_header`).
-        if let (true, Some((device, slot))) = (self.generation > GENERATION_MAX / 2, self.newest_header) {
+        if let Some((device, slot, generation)) = self.newest_read_at_open.filter(|&(.., generation)| generation > GENERATION_MAX / 2) {
             tracing::warn!(
                 device,
                 slot,
-                generation = self.generation,
-                headers_left = GENERATION_MAX - self.generation,
+                generation,
+                headers_left = GENERATION_MAX - generation,
                 "the pool's newest slot header claims a generation no pool reaches (another tool wrote it): the pool can write headers_left more headers, then refuses every commit, eviction and condemnation until it is reformatted"
             );
         }
@@ -687,11 +691,16 @@ impl Pool {
         // the newest header read at open (another tool's) claims it: refused rather than
         // wrapped (a wrapped count would make every later header lose to the older ones).
         let generation = self.generation.checked_add(1).filter(|&generation| generation <= GENERATION_MAX).ok_or_else(|| {
-            // None only when the count was set without a header (tests set it directly).
-            let (newest_device, newest_slot) = self.newest_header.unwrap_or((device, slot));
-            ObjstoreError::GenerationExhausted { device: usize::from(newest_device), slot: newest_slot, generation: self.generation }
+            // No pool counts past GENERATION_MAX / 2 by itself (the warning at open): the header
+            // read at open is to blame when it claims more, else the pool's own last header.
+            let (device, slot, generation, read_at_open) = match (self.newest_read_at_open, self.last_staged) {
+                (Some((device, slot, generation)), _) if generation > GENERATION_MAX / 2 => (device, slot, generation, true),
+                (_, Some((device, slot))) => (device, slot, self.generation, false),
+                // Only when the count was set without a header (tests set it directly).
+                (_, None) => (device, slot, self.generation, false),
+            };
+            ObjstoreError::GenerationExhausted { device: usize::from(device), slot, generation, read_at_open }
         })?;
-        self.generation = generation;
         let d = &mut self.devices[usize::from(device)];
         // A fenced device's mirror may still be read by a late header write, and is never
         // written out again: nothing is staged there.
@@ -707,7 +716,10 @@ impl Pool {
             }
         }
         d.mirror.stage(slot, &d.entry, state == SlotState::Empty)?;
-        self.newest_header = Some((device, slot));
+        // Counted only once in the mirror: a header refused above (a fenced device) uses no
+        // generation, and the one named as the newest is one that carries the count.
+        self.generation = generation;
+        self.last_staged = Some((device, slot));
         Ok(generation)
     }
 

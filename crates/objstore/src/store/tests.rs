@@ -1293,7 +1293,10 @@ fn a_header_at_the_largest_generation_refuses_every_later_stage_naming_it() {
             assert!(message.contains(part), "{part:?} in {message}");
         }
         assert!(
-            matches!(error, ObjstoreError::GenerationExhausted { device: 0, slot: 3, generation: crate::format::GENERATION_MAX }),
+            matches!(
+                error,
+                ObjstoreError::GenerationExhausted { device: 0, slot: 3, generation: crate::format::GENERATION_MAX, read_at_open: true }
+            ),
             "{error:?}"
         );
     };
@@ -1311,6 +1314,80 @@ fn a_header_at_the_largest_generation_refuses_every_later_stage_naming_it() {
     }
     refused(store.commit_store(plan.handle).expect_err("a commit is refused"));
     assert_eq!(store.lookup(&tokens), 0, "nothing committed");
+}
+
+#[test]
+fn a_stage_refused_before_it_reaches_the_mirror_leaves_its_generation_free() {
+    // Goal: a header the pool could not stage (its device fenced) uses no generation and is
+    // not named as the pool's newest. It used to: the count moved on before the fence check,
+    // so with one generation left a refused eviction on a fenced device spent it, and the next
+    // commit was refused with GenerationExhausted naming the header before it.
+    let mut pool = two_device_control([6, 4]).into_pool();
+    pool.generation = crate::format::GENERATION_MAX - 2;
+    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX - 1);
+    pool.fence_for_test(1);
+    match pool.stage_header(1, 2, crate::format::SlotState::Empty, &[]) {
+        Err(ObjstoreError::MetadataFenced { device: 1, .. }) => {}
+        other => panic!("expected MetadataFenced on device 1, got {other:?}"),
+    }
+    assert_eq!(
+        pool.stage_header(0, 4, crate::format::SlotState::Valid, &[record]).expect("the last generation"),
+        crate::format::GENERATION_MAX
+    );
+}
+
+#[test]
+fn a_count_exhausted_by_the_pools_own_headers_does_not_blame_another_tool() {
+    // Goal: GenerationExhausted blames another tool only for a header read at open. With the
+    // count run up by the pool's own headers (here set near the bound directly; no header read
+    // at open claims much), it names the pool's last header, an eviction's Empty entry, as its
+    // own. It used to say "another tool wrote that header" of it.
+    let fixture = fixture(1, None);
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    pool.generation = crate::format::GENERATION_MAX - 1;
+    assert_eq!(pool.stage_header(0, 5, crate::format::SlotState::Empty, &[]).expect("stage"), crate::format::GENERATION_MAX);
+    let error = pool.stage_header(0, 6, crate::format::SlotState::Empty, &[]).expect_err("the count is at its bound");
+    let message = error.to_string();
+    for part in ["device 0 slot 5", "wrote itself", "reformat"] {
+        assert!(message.contains(part), "{part:?} in {message}");
+    }
+    assert!(!message.contains("another tool"), "{message}");
+    assert!(
+        matches!(
+            error,
+            ObjstoreError::GenerationExhausted { device: 0, slot: 5, generation: crate::format::GENERATION_MAX, read_at_open: false }
+        ),
+        "{error:?}"
+    );
+}
+
+#[test]
+fn a_count_exhausted_after_a_header_read_at_open_names_that_header() {
+    // Goal: a header read at open one short of the bound (another tool's) leaves the pool one
+    // header; once it wrote that one, the refusal names the header read at open and what it
+    // claimed, not the pool's own last header as another tool's.
+    let fixture = fixture(1, None);
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    pool.generation = crate::format::GENERATION_MAX - 2;
+    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX - 1);
+    pool.sync_headers(&mut NoLender).expect("sync");
+    drop(pool);
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!(pool.stage_header(0, 5, crate::format::SlotState::Empty, &[]).expect("the last generation"), crate::format::GENERATION_MAX);
+    let error = pool.stage_header(0, 6, crate::format::SlotState::Empty, &[]).expect_err("the count is at its bound");
+    let message = error.to_string();
+    for part in ["device 0 slot 3", &(crate::format::GENERATION_MAX - 1).to_string(), "read at open", "another tool", "reformat"] {
+        assert!(message.contains(part), "{part:?} in {message}");
+    }
+    assert!(
+        matches!(
+            error,
+            ObjstoreError::GenerationExhausted { device: 0, slot: 3, generation, read_at_open: true } if generation == crate::format::GENERATION_MAX - 1
+        ),
+        "{error:?}"
+    );
 }
 
 use nvme_driver::spec::{NvmOpcode, NvmeStatus};
