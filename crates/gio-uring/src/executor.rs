@@ -338,6 +338,9 @@ pub(crate) mod test_double {
         /// Fail the next `poll` after doing its work (as a poll that completes an IOCB and also
         /// reports an error about something else, e.g. another device).
         pub fail_next_poll: bool,
+        /// How many polls `fail_next_poll` failed; each error names its number, so a test can
+        /// tell which one a call reported.
+        pub poll_failures: u32,
         /// How many times `QueuePairReset::reset` was called.
         pub resets: u32,
         /// (iocb, ioctx index) → NVMe status to complete with.
@@ -428,7 +431,9 @@ pub(crate) mod test_double {
                 }
             }
             if fail {
-                return Err(GioError::Executor { executor: self.name(), reason: "failed after its work".into() });
+                self.poll_failures += 1;
+                let reason = format!("poll {} failed after its work", self.poll_failures);
+                return Err(GioError::Executor { executor: self.name(), reason });
             }
             Ok(())
         }

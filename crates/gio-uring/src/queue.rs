@@ -59,6 +59,15 @@ struct HostIocb {
     issue_mark: u64,
 }
 
+/// How many poll errors a queue keeps for later calls (`GioQueue::keep_poll_error`). Two: an
+/// error kept behind a completion, and the one of the next wait's poll that posts its completion
+/// too (the case where one was lost when only one was kept). A call that returns an error takes
+/// one and adds at most one, so the list grows only by waits that return a completion while their
+/// poll fails, with no peek, reap or failed wait between them (the runtime's pump peeks after each
+/// issue); each one kept fails a later call, so more would mostly fail healthy calls with stale
+/// errors.
+const POLL_ERRORS_KEPT: usize = 2;
+
 /// A gio_uring queue: its shared rings and records, the host-side state of each IOCB, and the
 /// executor that runs them.
 #[derive(Debug)]
@@ -72,10 +81,10 @@ pub struct GioQueue<E: Executor> {
     /// Completed IOCBs not yet returned by `reap_cqe` / `wait_cqe`, in completion order.
     reaped: VecDeque<IocbId>,
     issue_epoch: u64,
-    /// An error of an executor `poll` in a `wait_cqe` that returned something else (see
-    /// `keep_poll_error`): the next call that polls returns it, after polling all the same. At
-    /// most one is kept; a reset of the queue pairs forgets it (`reset_queue_pairs`).
-    poll_error: Option<GioError>,
+    /// Errors of executor `poll`s whose calls returned something else (see `keep_poll_error`),
+    /// oldest first: each later call that polls returns the oldest, after polling all the same.
+    /// At most `POLL_ERRORS_KEPT`; a reset of the queue pairs forgets them (`reset_queue_pairs`).
+    poll_errors: VecDeque<GioError>,
 }
 
 impl<E: Executor> GioQueue<E> {
@@ -118,7 +127,7 @@ impl<E: Executor> GioQueue<E> {
             free,
             reaped: VecDeque::with_capacity(depth),
             issue_epoch: 0,
-            poll_error: None,
+            poll_errors: VecDeque::with_capacity(POLL_ERRORS_KEPT),
         })
     }
 
@@ -373,14 +382,20 @@ impl<E: Executor> GioQueue<E> {
         Ok(self.reaped.pop_front().and_then(|id| self.completion_of(id)))
     }
 
-    /// Polls the executor, and returns an error an earlier poll kept back (see `poll_error`),
-    /// else this poll's. With one kept, the executor is polled all the same (the runtime's pump
-    /// peeks only to start I/O it just issued on a CPU executor, which nothing else would start
-    /// before its wait), and an error of this poll is kept in its place for the call after.
+    /// Polls the executor, and returns the oldest error an earlier poll kept back (see
+    /// `poll_errors`), else this poll's. With one kept, the executor is polled all the same (the
+    /// runtime's pump peeks only to start I/O it just issued on a CPU executor, which nothing
+    /// else would start before its wait), and an error of this poll is kept behind the others
+    /// for a later call: one taken, at most one added.
     fn poll_executor(&mut self) -> Result<(), GioError> {
-        let kept = self.poll_error.take();
         let polled = self.executor.poll(&self.memory);
-        match kept {
+        self.report_kept_before(polled)
+    }
+
+    /// What a call that reports an error returns, `polled` being its own poll's outcome: the
+    /// oldest error kept, `polled`'s kept behind the others; else `polled`.
+    fn report_kept_before(&mut self, polled: Result<(), GioError>) -> Result<(), GioError> {
+        match self.poll_errors.pop_front() {
             Some(kept) => {
                 self.keep_poll_error(polled);
                 Err(kept)
@@ -390,15 +405,19 @@ impl<E: Executor> GioQueue<E> {
     }
 
     /// Keeps the error of a poll whose call returns something else (the completion asked for,
-    /// or an error of the CQ) for the next call that polls: it may be about another IOCB or
-    /// another device, and the executor reports it only once. One is kept, so the count stays
-    /// bounded: when one is kept already (a later poll's, kept by `poll_executor`), `polled`'s
-    /// is logged and dropped, and the later one, nearer the executor's state now, is reported.
+    /// an error of the CQ, an error kept earlier) for a later call that polls: it may be about
+    /// another IOCB or another device, and the executor reports it only once (a stopped worker,
+    /// a doorbell fault, a refused CQE), so one dropped is lost for good. They are kept in order,
+    /// at most `POLL_ERRORS_KEPT`: a call that returns an error takes one and adds at most one,
+    /// so only waits that return a completion while their poll fails make the list grow; past
+    /// the bound `polled`'s error is logged and dropped, and the older ones (the first fault is
+    /// the likelier cause of the later ones) are reported.
     fn keep_poll_error(&mut self, polled: Result<(), GioError>) {
         if let Err(error) = polled {
-            match &self.poll_error {
-                None => self.poll_error = Some(error),
-                Some(kept) => tracing::warn!(%error, %kept, "gio-uring: a poll error is dropped: a later one is kept for the next call"),
+            if self.poll_errors.len() < POLL_ERRORS_KEPT {
+                self.poll_errors.push_back(error);
+            } else {
+                tracing::warn!(%error, kept = self.poll_errors.len(), "gio-uring: a poll error is dropped: older ones are kept for the next calls");
             }
         }
     }
@@ -431,7 +450,9 @@ impl<E: Executor> GioQueue<E> {
             // executors the poll is what posts CQEs, so one it posted just as the deadline passed
             // is returned, not reported as a timeout (after which the caller would reset every
             // queue pair for an IOCB that had succeeded).
-            let polled = self.poll_executor();
+            // An error kept earlier is taken only when the wait returns it (nothing completed):
+            // taken before a completion, it had to be put back beside this poll's own.
+            let polled = self.executor.poll(&self.memory);
             if let Err(error) = self.drain_cq() {
                 self.keep_poll_error(polled);
                 return Err(error);
@@ -440,7 +461,7 @@ impl<E: Executor> GioQueue<E> {
                 self.keep_poll_error(polled);
                 return Ok(completion);
             }
-            polled?;
+            self.report_kept_before(polled)?;
             if Instant::now() >= deadline {
                 return Err(GioError::WaitTimeout { id, waited_ms: started.elapsed().as_millis() });
             }
@@ -458,12 +479,12 @@ impl<E: QueuePairReset> GioQueue<E> {
     /// Recovers from a wait that timed out ([`QueuePairReset::reset`]): the executor replaces its
     /// queue pairs with `fresh` and ends every IOCB still in flight as TIMEOUT; returns how many.
     ///
-    /// A poll error kept for the next call (`poll_error`) is forgotten first, and logged: it was
+    /// Poll errors kept for later calls (`poll_errors`) are forgotten first, and logged: they were
     /// about queue pairs this reset replaces (as `CpuWorkers`' reset forgets a worker's error not
-    /// yet reported), and kept, the first call after the reissue that polls (a peek, or a wait
-    /// whose poll did not complete its IOCB) returned it, failing a healthy layer.
+    /// yet reported), and kept, the first calls after the reissue that poll (a peek, or a wait
+    /// whose poll did not complete its IOCB) returned them, failing a healthy layer.
     pub fn reset_queue_pairs(&mut self, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
-        if let Some(error) = self.poll_error.take() {
+        for error in self.poll_errors.drain(..) {
             tracing::warn!(%error, "gio-uring: a poll error not yet reported is forgotten: it concerned the queue pairs the reset replaces");
         }
         self.executor.reset(&self.memory, fresh)

@@ -245,6 +245,45 @@ fn a_peek_with_an_error_kept_still_polls_and_keeps_the_new_error() {
     assert_eq!(queue.reap_cqe().unwrap().map(|c| c.id), Some(ids[1]));
 }
 
+/// Whether `reported` is the test double's error of its `n`th failed poll.
+fn is_poll_failure(reported: &Result<Option<crate::queue::Completion>, GioError>, n: u32) -> bool {
+    matches!(reported, Err(GioError::Executor { reason, .. }) if *reason == format!("poll {n} failed after its work"))
+}
+
+#[test]
+fn an_error_kept_is_not_lost_when_a_wait_whose_completion_came_keeps_a_new_one() {
+    // Goal: with an error K kept, a wait whose poll posts its completion and fails anew (N)
+    // returns the completion and keeps both, K first: the executor reports each only once
+    // (WorkerStopped, a doorbell fault, a refused CQE), so K dropped was lost for good. The
+    // errors kept stay bounded (two): a third wait like that logs and drops its own error.
+    let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
+    let ids = queue.get_iocb(4, Dependency::None).unwrap();
+    for (n, &id) in ids.iter().enumerate() {
+        queue.fill_iocb(id, &layered(n as u64), &[ioctx(0, 0, 1, 0)]).unwrap();
+    }
+    for &id in &ids[..2] {
+        queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).unwrap();
+        queue.executor_mut().fail_next_poll = true;
+        assert_eq!(queue.wait_cqe(id, soon()).unwrap().id, id, "the completion, the error kept");
+    }
+    let reported = queue.peek_cqe();
+    assert!(is_poll_failure(&reported, 1), "the older error first: {reported:?}");
+    let reported = queue.peek_cqe();
+    assert!(is_poll_failure(&reported, 2), "then the newer: {reported:?}");
+    assert!(matches!(queue.peek_cqe(), Ok(None)), "each reported once");
+
+    for &id in &ids[..3] {
+        queue.issue_io(&[id], LayerIndex(1), SmBudget(1)).unwrap();
+        queue.executor_mut().fail_next_poll = true;
+        assert_eq!(queue.wait_cqe(id, soon()).unwrap().id, id);
+    }
+    for n in [3, 4] {
+        let reported = queue.peek_cqe();
+        assert!(is_poll_failure(&reported, n), "poll failure {n}: {reported:?}");
+    }
+    assert!(matches!(queue.peek_cqe(), Ok(None)), "at most two kept: the third was dropped, logged");
+}
+
 #[test]
 fn peek_and_reap_never_block_and_keep_completion_order() {
     let mut queue = queue(MemoryExecutor { deferred: true, ..Default::default() });
