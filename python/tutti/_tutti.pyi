@@ -87,7 +87,11 @@ class IntegrityError(Error):
 class PoolError(Error):
     """The pool on the devices cannot be used as asked: none there (open with `format=True`),
     a damaged superblock, another format version, formatted for another model geometry, a
-    namespace too small, too few queue pairs on a controller."""
+    namespace too small, too few queue pairs on a controller. Also raised in-process by a
+    `prepare_store` that must evict a slot (or clear one a failed commit left), or a `commit`,
+    once the pool's header generation count is exhausted (a header another tool wrote claims a
+    generation no pool reaches; only a reformat lets the pool commit again); through tuttid
+    that refusal is a `DaemonError` with `code` "StoreFailed"."""
 
 class DeviceError(Error):
     """A device failed: it could not be opened or brought up (missing `emu:` file, a VFIO
