@@ -326,25 +326,15 @@ impl CpuExecutor {
             // Bounded by the depth, and only once per IOCB: no allocation.
             self.pending.remove(position);
         }
-        let rings = self.queues.iter_mut().zip(&mut self.doorbell_due).zip(&mut self.doorbell_fault_reported).enumerate();
-        for (device, ((queue, due), fault_reported)) in rings {
-            if let (true, Some(queue)) = (std::mem::take(due), queue) {
+        for device in 0..self.queues.len() {
+            if std::mem::take(&mut self.doorbell_due[device]) {
                 // Fails with QueueStale only for a pair whose controller was reset before this
                 // batch's tail went out (the driver answers Ok once the tail is written, even
                 // if a reset begins right after). Either way the IOCBs submitted stay in flight
                 // here: only `reset`, once the old pair's deletion succeeded, ends them.
-                #[cfg(test)]
-                let rung = match self.failing_doorbells[device].checked_sub(1) {
-                    Some(left) => {
-                        self.failing_doorbells[device] = left;
-                        Err(nvme_driver::NvmeError::from(nvme_driver::hw::HwError::OutOfRange { offset: 0, access_len: 4, region_len: 0 }))
-                    }
-                    None => queue.ring_doorbell(),
-                };
-                #[cfg(not(test))]
-                let rung = queue.ring_doorbell();
+                let Some(rung) = self.ring_doorbell(device) else { continue };
                 match rung {
-                    Ok(()) => *fault_reported = false,
+                    Ok(()) => self.doorbell_fault_reported[device] = false,
                     Err(error @ nvme_driver::NvmeError::QueueStale { .. }) => {
                         note_device_error(&mut self.stale, &mut first_error, device, error)
                     }
@@ -358,8 +348,8 @@ impl CpuExecutor {
                         // otherwise fail every poll, so every wait, on every device, would
                         // return it at once and none would time out, and the caller's reset,
                         // which replaces the pair, would never run.
-                        *due = true;
-                        if !std::mem::replace(fault_reported, true) {
+                        self.doorbell_due[device] = true;
+                        if !std::mem::replace(&mut self.doorbell_fault_reported[device], true) {
                             note_device_error(&mut self.stale, &mut first_error, device, error);
                         }
                     }
@@ -371,6 +361,19 @@ impl CpuExecutor {
 }
 
 impl CpuExecutor {
+    /// Rings the doorbell of the pair serving `device`; `None` when none does here. Tests make
+    /// it fail on demand (`failing_doorbells`).
+    fn ring_doorbell(&mut self, device: usize) -> Option<Result<(), nvme_driver::NvmeError>> {
+        let queue = self.queues.get_mut(device)?.as_mut()?;
+        #[cfg(test)]
+        if let Some(left) = self.failing_doorbells[device].checked_sub(1) {
+            self.failing_doorbells[device] = left;
+            let error = nvme_driver::hw::HwError::OutOfRange { offset: 0, access_len: 4, region_len: 0 };
+            return Some(Err(nvme_driver::NvmeError::from(error)));
+        }
+        Some(queue.ring_doorbell())
+    }
+
     /// Recovers from lost completions (after `wait_cqe` timed out): replaces every queue pair
     /// with one from `fresh` (same order as the devices this executor serves) and returns how
     /// many IOCBs it reclaimed.
@@ -674,8 +677,32 @@ impl Executor for CpuExecutor {
     }
 
     fn lend_queue_pair(&mut self, memory: &QueueMemory, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>, GioError> {
+        if !matches!(self.queues.get(device), Some(Some(_))) {
+            return Ok(None);
+        }
+        // `pump` rings before it returns, but a ring that failed (other than stale) leaves its
+        // commands unannounced until the next pump's: they would never complete here, and the
+        // wait below would last until `deadline` and fail with a timeout naming no doorbell.
+        // Ring first; a failure is the lend's error. Whether a poll reports the fault to the
+        // queue's caller (`doorbell_fault_reported`) is left as it was: the borrower is another.
+        if self.doorbell_due[device] {
+            match self.ring_doorbell(device) {
+                Some(Err(error)) => {
+                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
+                    if self.stale[device] {
+                        self.doorbell_due[device] = false; // held until a reset, as `pump` does
+                    }
+                    let reason = format!("device {device}: ringing the doorbell to lend the queue pair: {error}");
+                    return Err(GioError::Executor { executor: "cpu", reason });
+                }
+                Some(Ok(())) | None => {
+                    self.doorbell_due[device] = false;
+                    self.doorbell_fault_reported[device] = false;
+                }
+            }
+        }
         let Some(Some(queue)) = self.queues.get_mut(device) else { return Ok(None) };
-        // Everything submitted was announced (`pump` rings before it returns): wait for it.
+        // Everything submitted is announced now: wait for it.
         let mut posting = Ok(());
         let issued = &self.issued;
         queue.wait_idle(deadline, |completion| finish_command(memory, issued, completion, &mut posting)).map_err(|error| {
@@ -883,6 +910,43 @@ mod tests {
         let completion = rig.queue.wait_cqe(rig.id, seconds(5)).expect("rung by the next poll");
         assert_eq!(completion.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 2, "the healthy read and the reissue, each once");
+    }
+
+    #[test]
+    fn lending_a_pair_whose_doorbell_ring_failed_rings_it_first() {
+        // Goal: lend_queue_pair empties the pair with wait_idle, which only reaps: a command
+        // left unannounced by a failed doorbell ring (pump rings it again at its next pass)
+        // never completed, so the lend waited out the whole deadline and failed with a timeout
+        // that named no doorbell (counted by the object store towards fencing the device). It
+        // rings first: a passing fault costs nothing, a lasting one is the lend's error at once.
+        let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
+        let deadline = || Instant::now() + std::time::Duration::from_secs(2);
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.executor_mut().failing_doorbells[0] = 1;
+        rig.queue.issue_io(&[rig.id], layer, budget).expect("issue");
+        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let lent = executor.lend_queue_pair(memory, 0, deadline()).map(|pair| pair.map(|pair| pair.in_flight()));
+        assert!(matches!(lent, Ok(Some(0))), "rung, then emptied: {lent:?}");
+        let completion = rig.queue.wait_cqe(rig.id, deadline()).expect("the IOCB's CQE, posted by the lend");
+        assert_eq!(completion.result, Ok(()));
+
+        rig.queue.executor_mut().failing_doorbells[0] = u32::MAX;
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), budget).expect("issue");
+        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        let started = Instant::now();
+        let (executor, memory) = rig.queue.executor_and_memory();
+        match executor.lend_queue_pair(memory, 0, deadline()).map(|pair| pair.is_some()) {
+            Err(GioError::Executor { reason, .. }) => {
+                assert!(reason.contains("device 0") && reason.contains("doorbell") && reason.contains("outside a region"), "{reason}")
+            }
+            other => panic!("expected the lasting doorbell fault, got {other:?}"),
+        }
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "at once, not at the deadline");
+        rig.queue.executor_mut().failing_doorbells[0] = 0;
+        let completion = rig.queue.wait_cqe(rig.id, deadline()).expect("rung by the next poll once cured");
+        assert_eq!(completion.result, Ok(()));
+        assert_eq!(io_commands(&rig.device), 2, "each layer's command once");
     }
 
     #[test]

@@ -72,10 +72,11 @@ pub trait Executor: Send {
     /// Lends the NVMe queue pair serving device `device` for the caller's own synchronous
     /// commands: an object store's metadata on a controller that granted one I/O queue pair.
     /// First reaps, until `deadline`, every command of this executor in flight on it (posting
-    /// CQEs as usual), so the caller finds it idle; IOCTXs not yet submitted wait for the next
-    /// `poll`. The caller must leave it idle again, and tag its commands with
-    /// [`LENT_COMMAND_TAG`] (a late completion of theirs is then an executor error, never
-    /// taken for an IOCTX's). `Ok(None)`: this executor cannot lend (its queue pairs live on
+    /// CQEs as usual; those a failed doorbell ring left unannounced are announced first, or the
+    /// ring's error is returned), so the caller finds it idle; IOCTXs not yet submitted wait for
+    /// the next `poll`. The caller must leave it idle again, and tag its commands with
+    /// [`LENT_COMMAND_TAG`] (a late completion of theirs is then an executor error, never taken
+    /// for an IOCTX's). `Ok(None)`: this executor cannot lend (its queue pairs live on
     /// other threads, or on a GPU).
     fn lend_queue_pair(
         &mut self,
