@@ -58,10 +58,10 @@ damaged() {
         echo "${found[*]}"
     )
 }
-got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
 [[ "$got" == "libc6:amd64 docsonly cpp-12" ]] || fail "no path-exclude: expected 'libc6:amd64 docsonly cpp-12', got '$got'"
 printf '# a slim image\npath-exclude /usr/share/doc/*\n  path-include=/usr/share/doc/*/copyright\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
-got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
 [[ "$got" == "docsonly cpp-12" ]] || fail "docs excluded, copyright included: expected 'docsonly cpp-12', got '$got'"
 # As dpkg decides: the last filter to match wins, the files of dpkg.cfg.d in name order, names
 # other than letters, digits, _ and - skipped (a leftover .dpkg-old), `NAME = "VALUE"` accepted.
@@ -69,9 +69,20 @@ rm "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
 printf 'path-include=/usr/share/doc/*/copyright\n' > "$work/root/etc/dpkg/dpkg.cfg.d/00-keep"
 printf 'path-exclude = "/usr/share/doc/*"\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
 printf 'path-include=/usr/share/doc/*\n' > "$work/root/etc/dpkg/dpkg.cfg.d/excludes.dpkg-old"
-got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
 [[ "$got" == "cpp-12" ]] || fail "an include before a broader exclude: expected 'cpp-12', got '$got'"
 printf 'path-include /usr/share/doc/docsonly/*\n' > "$work/root/etc/dpkg/dpkg.cfg"
-got="$(DPKG_CONFIG_ROOT="$work/root" damaged)"
-[[ "$got" == "docsonly cpp-12" ]] || fail "dpkg.cfg read last: expected 'docsonly cpp-12', got '$got'"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
+[[ "$got" == "docsonly cpp-12" ]] || fail "dpkg.cfg read after dpkg.cfg.d: expected 'docsonly cpp-12', got '$got'"
+# Single quotes are dropped as double ones; only one separator, then at most one =, is taken
+# (`path-exclude  =/x` excludes the pattern `=/x`, which matches nothing); ~/.dpkg.cfg is read
+# last.
+rm "$work/root/etc/dpkg/dpkg.cfg" "$work/root/etc/dpkg/dpkg.cfg.d/"*
+printf "path-exclude='/usr/share/doc/*'\\npath-exclude  =/usr/lib/*\\n" > "$work/root/etc/dpkg/dpkg.cfg.d/excludes"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
+[[ "$got" == "cpp-12" ]] || fail "single quotes, two separators: expected 'cpp-12', got '$got'"
+mkdir -p "$work/home"
+printf 'path-include=/usr/share/doc/docsonly/*\n' > "$work/home/.dpkg.cfg"
+got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
+[[ "$got" == "docsonly cpp-12" ]] || fail "~/.dpkg.cfg read last: expected 'docsonly cpp-12', got '$got'"
 echo "dpkg-test: passed"

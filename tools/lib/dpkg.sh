@@ -250,26 +250,33 @@ dpkg_damaged_depends() {
 
 # dpkg_path_filters: fills the caller's filters array with dpkg's path-exclude and path-include
 # options, in the order dpkg reads them ("x PATTERN" or "i PATTERN"): the files of
-# /etc/dpkg/dpkg.cfg.d in name order (only names of letters, digits, _ and -: dpkg skips
-# foo.dpkg-old and editors' backups), then /etc/dpkg/dpkg.cfg; under DPKG_CONFIG_ROOT when set,
+# /etc/dpkg/dpkg.cfg.d in name order (the glob's, in the environment's collation, as dpkg's
+# alphasort; only names of letters, digits, _ and -: dpkg skips foo.dpkg-old and editors'
+# backups), then /etc/dpkg/dpkg.cfg, then ~/.dpkg.cfg; /etc under DPKG_CONFIG_ROOT when set,
 # for tests.
 dpkg_path_filters() {
-    local file line name value root=${DPKG_CONFIG_ROOT:-} LC_COLLATE=C
+    local file line name value root=${DPKG_CONFIG_ROOT:-}
     filters=()
-    for file in "$root"/etc/dpkg/dpkg.cfg.d/* "$root"/etc/dpkg/dpkg.cfg; do
+    for file in "$root"/etc/dpkg/dpkg.cfg.d/* "$root"/etc/dpkg/dpkg.cfg "${HOME:-/nonexistent}/.dpkg.cfg"; do
         [ -f "$file" ] && [ -r "$file" ] || continue
-        if [ "$file" != "$root/etc/dpkg/dpkg.cfg" ]; then
-            [[ $(basename "$file") =~ ^[A-Za-z0-9_-]+$ ]] || continue
-        fi
+        case $file in
+            "$root"/etc/dpkg/dpkg.cfg.d/*) [[ $(basename "$file") =~ ^[A-Za-z0-9_-]+$ ]] || continue ;;
+        esac
         while IFS= read -r line || [ -n "$line" ]; do
             line=${line#"${line%%[![:space:]]*}"}
-            # dpkg's option syntax: NAME, then spaces or =, then the value (its surrounding
-            # spaces and double quotes dropped).
-            name=${line%%[[:space:]=]*}
-            value=${line#"$name"}
-            value=${value#"${value%%[![:space:]=]*}"}
+            # As dpkg parses an option line: the name (letters, digits, -), one character
+            # after it, at most one =, spaces, then the value (its trailing spaces dropped, and
+            # its quotes when it starts and ends with the same " or '; unbalanced: an error to
+            # dpkg, skipped here).
+            name=${line%%[!A-Za-z0-9-]*}
+            value=${line:${#name}+1}
+            value=${value#=}
+            value=${value#"${value%%[![:space:]]*}"}
             value=${value%"${value##*[![:space:]]}"}
-            [[ $value == \"*\" && ${#value} -ge 2 ]] && value=${value:1:${#value}-2}
+            case $value in
+                \"*) [[ ${#value} -ge 2 && $value == *\" ]] && value=${value:1:${#value}-2} || continue ;;
+                \'*) [[ ${#value} -ge 2 && $value == *\' ]] && value=${value:1:${#value}-2} || continue ;;
+            esac
             case $name in
                 path-exclude) filters+=("x $value") ;;
                 path-include) filters+=("i $value") ;;
