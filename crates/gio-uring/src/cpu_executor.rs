@@ -917,8 +917,10 @@ mod tests {
         // Goal: lend_queue_pair empties the pair with wait_idle, which only reaps: a command
         // left unannounced by a failed doorbell ring (pump rings it again at its next pass)
         // never completed, so the lend waited out the whole deadline and failed with a timeout
-        // that named no doorbell (counted by the object store towards fencing the device). It
-        // rings first: a passing fault costs nothing, a lasting one is the lend's error at once.
+        // that named no doorbell. It rings first: a passing fault costs nothing, a lasting one
+        // is the lend's error at once. (Neither error fences the device: the object store counts
+        // only NVMe command failures and timeouts towards that, and a lend's error is a
+        // GioError::Executor; the caller's reset, which replaces the pair, cures the fault.)
         let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
         let deadline = || Instant::now() + std::time::Duration::from_secs(2);
         let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
