@@ -214,8 +214,8 @@ fn a_reset_forgets_a_kept_poll_error_so_the_first_wait_after_it_polls() {
     assert!(matches!(completion, Ok(c) if c.id == id && c.layer == LayerIndex(1) && c.result == Ok(())), "{completion:?}");
     // The wait polls even with an error kept (peek/reap/wait always poll), so the layer above
     // completes either way; what tells the forget apart is that nothing is left to report: kept,
-    // the stale error came back out of that wait's poll, was kept again behind its completion,
-    // and would fail this peek.
+    // the stale error would still be kept after that wait (a wait that returns a completion
+    // takes no kept error) and would fail this peek.
     let after = queue.peek_cqe();
     assert!(matches!(after, Ok(None)), "the reset forgot the kept error: {after:?}");
 }
