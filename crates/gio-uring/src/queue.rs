@@ -61,11 +61,12 @@ struct HostIocb {
 
 /// How many poll errors a queue keeps for later calls (`GioQueue::keep_poll_error`). Two: an
 /// error kept behind a completion, and the one of the next wait's poll that posts its completion
-/// too (the case where one was lost when only one was kept). A call that returns an error takes
-/// one and adds at most one, so the list grows only by waits that return a completion while their
-/// poll fails, with no peek, reap or failed wait between them (the runtime's pump peeks after each
-/// issue); each one kept fails a later call, so more would mostly fail healthy calls with stale
-/// errors.
+/// too (the case where one was lost when only one was kept). A call that returns a kept error
+/// takes it and adds at most one, so the list grows only by waits whose poll fails and that return
+/// something other than a kept error: a completion, or the CQ's error when their drain of the CQ
+/// fails (they take none and keep the poll's), with no peek, reap or wait returning a kept error
+/// between them (the runtime's pump peeks after each issue); each one kept fails a later call, so
+/// more would mostly fail healthy calls with stale errors.
 const POLL_ERRORS_KEPT: usize = 2;
 
 /// A gio_uring queue: its shared rings and records, the host-side state of each IOCB, and the
@@ -408,10 +409,11 @@ impl<E: Executor> GioQueue<E> {
     /// an error of the CQ, an error kept earlier) for a later call that polls: it may be about
     /// another IOCB or another device, and the executor reports it only once (a stopped worker,
     /// a doorbell fault, a refused CQE), so one dropped is lost for good. They are kept in order,
-    /// at most `POLL_ERRORS_KEPT`: a call that returns an error takes one and adds at most one,
-    /// so only waits that return a completion while their poll fails make the list grow; past
-    /// the bound `polled`'s error is logged and dropped, and the older ones (the first fault is
-    /// the likelier cause of the later ones) are reported.
+    /// at most `POLL_ERRORS_KEPT`: a call that returns a kept error takes it and adds at most
+    /// one, so only waits whose poll fails make the list grow: one that returns a completion, or
+    /// one whose drain of the CQ then fails (it returns the CQ's error and takes none); past the
+    /// bound `polled`'s error is logged and dropped, and the older ones (the first fault is the
+    /// likelier cause of the later ones) are reported.
     fn keep_poll_error(&mut self, polled: Result<(), GioError>) {
         if let Err(error) = polled {
             if self.poll_errors.len() < POLL_ERRORS_KEPT {
@@ -450,8 +452,10 @@ impl<E: Executor> GioQueue<E> {
             // executors the poll is what posts CQEs, so one it posted just as the deadline passed
             // is returned, not reported as a timeout (after which the caller would reset every
             // queue pair for an IOCB that had succeeded).
-            // An error kept earlier is taken only when the wait returns it (nothing completed):
-            // taken before a completion, it had to be put back beside this poll's own.
+            // An error kept earlier is taken only when the wait returns it (nothing completed and
+            // the CQ drained): taken before a completion, it had to be put back beside this
+            // poll's own. Returning a completion or the CQ's error takes none and keeps this
+            // poll's error, if any: either adds one to the errors kept.
             let polled = self.executor.poll(&self.memory);
             if let Err(error) = self.drain_cq() {
                 self.keep_poll_error(polled);
