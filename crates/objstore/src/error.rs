@@ -105,12 +105,14 @@ pub enum ObjstoreError {
     MetadataFenced { device: usize, reason: String },
     /// The pool's header generation count is at its bound ([`GENERATION_MAX`]): no header can
     /// be staged (a wrapped count would make every later header lose to the older ones). The
-    /// count starts at the newest header read at open. No pool counts past half the bound by
-    /// itself (2^62 commits, 146 years at one a nanosecond), so when that header claims more it
-    /// was written by another tool, buggy or hostile: `read_at_open`, and `device`, `slot` and
-    /// `generation` are that header and what it claims. Otherwise (the count run up by the
-    /// pool's own headers) they are the pool's last header and the count. The pool serves what
-    /// it holds, and only a reformat lets it commit again.
+    /// count starts at the newest header read at open. No pool counts past half the bound from
+    /// a formatted pool (2^62 commits, 146 years at one a nanosecond), so when that header
+    /// claims more, another tool (buggy or hostile) wrote it, or wrote one that an earlier open
+    /// of this pool read and counted on from (after a restart the header read at open is
+    /// usually the pool's own): `read_at_open`, and `device`, `slot` and `generation` are that
+    /// header and what it claims. Otherwise (the count run up by the pool's own headers this
+    /// open) they are the pool's last header and the count. The pool serves what it holds, and
+    /// only a reformat lets it commit again.
     ///
     /// [`GENERATION_MAX`]: crate::format::GENERATION_MAX
     #[error("pool device {device} slot {slot}: {}", generation_exhausted_message(.generation, .read_at_open))]
@@ -171,13 +173,15 @@ fn newer_version_hint(sealed: &bool) -> &'static str {
 }
 
 /// [`ObjstoreError::GenerationExhausted`]'s message after the header's place: another tool is
-/// blamed only for a header read at open (the pool's own headers are named as its own).
+/// named only for a header read at open, and then as one of two causes: that header may be the
+/// pool's own, counted on from another tool's header read at an earlier open.
 fn generation_exhausted_message(generation: &u64, read_at_open: &bool) -> String {
     const WAY_OUT: &str = "no commit, eviction or condemnation. The pool still serves what it holds; reformat it to commit again (`tutti pool format`, `tuttid --format`; its cached blocks are lost)";
     let bound = crate::format::GENERATION_MAX;
     if *read_at_open {
         format!(
-            "the newest slot header read at open claims generation {generation}; no pool commits that often, so another tool wrote that header. The pool counts its headers on from it and has reached the bound ({bound}), so it can write none: {WAY_OUT}"
+            "the newest slot header read at open, which the pool's header count started from, claims generation {generation}, more than a pool counts to from its format ({half}): another tool wrote it, or the pool counted on from a header another tool wrote (read at an earlier open). The count has reached the bound ({bound}), so the pool can write no header: {WAY_OUT}",
+            half = bound / 2
         )
     } else {
         format!("the pool's newest slot header, which it wrote itself, is at generation {generation}, the bound of its header count, so it can write none: {WAY_OUT}")

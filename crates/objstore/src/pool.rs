@@ -181,7 +181,8 @@ pub struct Pool {
     pub(crate) index: Index,
     pub(crate) generation: u64,
     /// The newest Valid header read at open (device, slot, generation): where `generation`
-    /// started. Named when the count is exhausted if it claims more than a pool reaches.
+    /// started. Named when the count is exhausted if it claims more than a pool counts to from
+    /// its format (another tool's header, or the pool's own counted on from one).
     newest_read_at_open: Option<(u16, u32, u64)>,
     /// The last header this pool staged (device, slot), which carries `generation` once one
     /// was: named when the count is exhausted by the pool's own headers.
@@ -632,15 +633,17 @@ impl Pool {
             );
         }
         // No pool commits 2^62 times (146 years at one a nanosecond): a newest header above that
-        // was written by another tool. Said at open, since the pool will refuse every header
-        // once the count reaches GENERATION_MAX (`stage_header`).
+        // was written by another tool, or by this pool counting on from another tool's header
+        // read at an earlier open (after a restart, usually the pool's own). Said at open, since
+        // the pool will refuse every header once the count reaches GENERATION_MAX
+        // (`stage_header`).
         if let Some((device, slot, generation)) = self.newest_read_at_open.filter(|&(.., generation)| generation > GENERATION_MAX / 2) {
             tracing::warn!(
                 device,
                 slot,
                 generation,
                 headers_left = GENERATION_MAX - generation,
-                "the pool's newest slot header claims a generation no pool reaches (another tool wrote it): the pool can write headers_left more headers, then refuses every commit, eviction and condemnation until it is reformatted"
+                "the pool's newest slot header claims a generation no pool counts to from its format: another tool wrote it, or the pool counted on from a header another tool wrote (read at an earlier open). The pool can write headers_left more headers, then refuses every commit, eviction and condemnation until it is reformatted"
             );
         }
         // A slot whose every key a newer slot holds is freed in memory; its header is rewritten
@@ -688,11 +691,13 @@ impl Pool {
     pub(crate) fn stage_header(&mut self, device: u16, slot: u32, state: SlotState, blocks: &[crate::format::BlockRecord]) -> Result<u64> {
         // Recovery refuses headers above GENERATION_MAX and the count stops there, so every
         // header staged is accepted at the next open. Reached only after 2^63 commits, or when
-        // the newest header read at open (another tool's) claims it: refused rather than
-        // wrapped (a wrapped count would make every later header lose to the older ones).
+        // the newest header read at open (another tool's, or counted on from one) claims it:
+        // refused rather than wrapped (a wrapped count would make every later header lose to
+        // the older ones).
         let generation = self.generation.checked_add(1).filter(|&generation| generation <= GENERATION_MAX).ok_or_else(|| {
-            // No pool counts past GENERATION_MAX / 2 by itself (the warning at open): the header
-            // read at open is to blame when it claims more, else the pool's own last header.
+            // No pool counts past GENERATION_MAX / 2 from its format (the warning at open): the
+            // header read at open is named when it claims more (another tool's, or the pool's own
+            // counted on from one), else the pool's own last header.
             let (device, slot, generation, read_at_open) = match (self.newest_read_at_open, self.last_staged) {
                 (Some((device, slot, generation)), _) if generation > GENERATION_MAX / 2 => (device, slot, generation, true),
                 (_, Some((device, slot))) => (device, slot, self.generation, false),
