@@ -2234,6 +2234,41 @@ def test_layers_of_different_kv_dtypes_are_refused_naming_the_dtype():
     assert "--kv-cache-dtype-skip-layers" in message.split("hold:")[1], message  # a way out
 
 
+def test_layers_of_a_packed_kv_dtype_beside_skip_layers_are_refused_naming_one_dtype():
+    """Goal: the one-dtype way out also shows for the case that makes vLLM add skip layers by
+    itself: a turboquant_* --kv-cache-dtype. Its layers' specs are not the skip layers' but for
+    the dtype alone: the worker's model runner passes each through its backend's customize_spec
+    (customize_attention_spec), which gives TurboQuant's packed layers state_content_bytes, and
+    block_stride_alignment (its kernel block sizes are fixed), while the skip layers (FlashAttention,
+    the model's dtype) get neither. Fields that follow from the dtype count as the dtype's
+    difference; the refusal still names them."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.turboquant_attn import TurboQuantAttentionBackend
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, UniformTypeKVCacheSpecs
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    def layer_spec(skipped: bool) -> FullAttentionSpec:
+        dtype, quant_mode = (harness.DTYPE, KVQuantMode.NONE) if skipped else (torch.uint8, KVQuantMode.TURBOQUANT_K8V4)
+        spec = FullAttentionSpec(
+            block_size=harness.BLOCK_TOKENS, num_kv_heads=harness.KV_HEADS, head_size=harness.HEAD_DIM, dtype=dtype,
+            kv_quant_mode=quant_mode,
+        )  # fmt: skip
+        return customize_attention_spec(FlashAttentionBackend if skipped else TurboQuantAttentionBackend, spec)
+
+    names = harness.layer_names()
+    specs = {name: layer_spec(skipped=index in (0, len(names) - 1)) for index, name in enumerate(names)}
+    packed = specs[names[1]]
+    assert packed.state_content_bytes is not None and packed.block_stride_alignment is not None, packed  # the case
+    spec = UniformTypeKVCacheSpecs(block_size=harness.BLOCK_TOKENS, kv_cache_specs=specs)
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    with pytest.raises(ConfigError, match="different KV shapes or dtypes") as refused:
+        harness.make_connector(config, KVConnectorRole.WORKER, harness.kv_cache_config(spec=spec))
+    message = str(refused.value)
+    assert "they differ in block_stride_alignment, dtype, kv_quant_mode, state_content_bytes:" in message, message
+    assert "--kv-cache-dtype-skip-layers" in message.split("hold:")[1], message  # a way out
+    assert "  " not in message, message
+
+
 @pytest.mark.parametrize("mode", ["FULL", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"])
 def test_full_cuda_graphs_left_by_vllm_are_refused_at_the_worker(mode):
     """Goal: the connector asks vLLM for PIECEWISE CUDA graphs (requires_piecewise_for_cudagraph),

@@ -462,7 +462,8 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
     sizes per layer, or a KV-cache dtype with --kv-cache-dtype-skip-layers, which vLLM adds by
     itself for turboquant_* and ultraquant_4bit), which only the workers see (the scheduler gets
     one layer's spec: generate_scheduler_kv_cache_config); its refusal names the spec fields
-    that differ, not sliding window."""
+    that differ, not sliding window, and one KV-cache dtype as the way out where only the dtype
+    and the fields vLLM derives from it (packing, alignment, padding) differ."""
     from tutti._engine import ConfigError
     from vllm.v1.kv_cache_interface import FullAttentionSpec, UniformTypeKVCacheSpecs
 
@@ -473,19 +474,26 @@ def _refuse_kv_cache_groups_freed_early(kv_cache_config: Optional["KVCacheConfig
             kinds = sorted({type(layer_spec).__name__ for layer_spec in layer_specs})
             differing = _fields_that_differ(layer_specs)
             # Only a dtype difference has a way out besides dropping the connector: the shapes are
-            # the model's.
+            # the model's. Where the dtype differs, the fields vLLM derives from it differ too:
+            # the worker passes each layer's spec through its backend's customize_spec
+            # (customize_attention_spec), which gives packed KV (turboquant_*, ultraquant_4bit,
+            # nvfp4) state_content_bytes or num_head_slots, and block_stride_alignment where the
+            # backend's kernel block sizes are fixed, while the skip layers (the model's dtype,
+            # another backend) get none of them; page_size_padded follows the page size.
+            dtype_fields = {"dtype", "kv_quant_mode", "cache_dtype_str"}
+            derived_fields = {"state_content_bytes", "num_head_slots", "block_stride_alignment", "page_size_padded"}
+            only_dtype = bool(dtype_fields & set(differing)) and set(differing) <= dtype_fields | derived_fields
             way_out = (
                 "serve it with one KV-cache dtype for every layer (no --kv-cache-dtype-skip-layers; vLLM adds skip "
                 "layers by itself for a turboquant_* or ultraquant_4bit --kv-cache-dtype) or without the connector"
-                if differing and set(differing) <= {"dtype", "kv_quant_mode", "cache_dtype_str"}
+                if only_dtype
                 else "serve it without the connector"
             )
             raise ConfigError(
                 f"TuttiConnector needs every layer of a KV cache group to have one KV shape and dtype; this model's "
                 f"{len(group.layer_names)} layers of {', '.join(kinds)} have different KV shapes or dtypes per layer "
                 f"(they differ in {', '.join(differing) or 'their spec type'}: vLLM's UniformTypeKVCacheSpecs), which "
-                " a tutti pool (one KV shape and dtype for all layers) cannot "
-                f"hold: {way_out}"
+                f"a tutti pool (one KV shape and dtype for all layers) cannot hold: {way_out}"
             )
         if not isinstance(spec, FullAttentionSpec):
             raise ConfigError(
