@@ -683,15 +683,16 @@ impl Executor for CpuExecutor {
         // `pump` rings before it returns, but a ring that failed (other than stale) leaves its
         // commands unannounced until the next pump's: they would never complete here, and the
         // wait below would last until `deadline` and fail with a timeout naming no doorbell.
-        // Ring first; a failure is the lend's error. Whether a poll reports the fault to the
-        // queue's caller (`doorbell_fault_reported`) is left as it was: the borrower is another.
+        // Ring first; a failure is the lend's error. The executor's state is left as it was, so
+        // that the queue's caller, whose IOCBs are on this pair, hears of it too: the borrower
+        // is another. A fault other than stale is reported by the next pump's ring unless it was
+        // already (`doorbell_fault_reported`). A stale pair is not marked here: polls skip a
+        // marked pair as reported already, so its IOCBs would only time out, no cause stated;
+        // unmarked, the next poll's reap hears QueueStale (the driver refuses every operation
+        // of the pair from its controller's reset on), reports it and marks the pair.
         if self.doorbell_due[device] {
             match self.ring_doorbell(device) {
                 Some(Err(error)) => {
-                    self.stale[device] |= matches!(error, nvme_driver::NvmeError::QueueStale { .. });
-                    if self.stale[device] {
-                        self.doorbell_due[device] = false; // held until a reset, as `pump` does
-                    }
                     let reason = format!("device {device}: ringing the doorbell to lend the queue pair: {error}");
                     return Err(GioError::Executor { executor: "cpu", reason });
                 }
@@ -949,6 +950,40 @@ mod tests {
         let completion = rig.queue.wait_cqe(rig.id, deadline()).expect("rung by the next poll once cured");
         assert_eq!(completion.result, Ok(()));
         assert_eq!(io_commands(&rig.device), 2, "each layer's command once");
+    }
+
+    #[test]
+    fn a_stale_answer_to_the_lends_ring_is_reported_by_the_next_poll_too() {
+        // Goal: a lend that rings a doorbell left due and hears QueueStale (the controller was
+        // reset) returns that to the borrower; the queue's caller, whose IOCBs are on that pair,
+        // must hear it too. The lend marked the pair stale, and polls skip a stale pair as
+        // "reported already": its IOCBs only timed out, with no cause stated.
+        let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
+        let soon = || Instant::now() + std::time::Duration::from_millis(100);
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.executor_mut().failing_doorbells[0] = 1;
+        rig.queue.issue_io(&[rig.id], layer, budget).expect("issue");
+        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        rig.controller.reset(false).expect("controller reset");
+        let stale = |error: &GioError| matches!(error, GioError::Executor { reason, .. } if reason.contains("device 0") && reason.contains("reset"));
+        let (executor, memory) = rig.queue.executor_and_memory();
+        match executor.lend_queue_pair(memory, 0, soon()).map(|pair| pair.is_some()) {
+            Err(error) => assert!(stale(&error), "{error}"),
+            other => panic!("expected the lend's ring to answer QueueStale, got {other:?}"),
+        }
+        match rig.queue.wait_cqe(rig.id, soon()) {
+            Err(error) => assert!(stale(&error), "the queue's caller hears why: {error}"),
+            other => panic!("expected the stale pair's error, got {other:?}"),
+        }
+        match rig.queue.wait_cqe(rig.id, soon()) {
+            Err(GioError::WaitTimeout { .. }) => {}
+            other => panic!("reported once, then the wait times out: got {other:?}"),
+        }
+        let fresh = vec![rig.controller.create_io_queue_pair(16).expect("fresh pair")];
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(executor.reset(memory, fresh).expect("reset"), 1, "the IOCB on the stale pair ended");
+        let ended = rig.queue.wait_cqe(rig.id, soon()).expect("its TIMEOUT CQE");
+        assert!(matches!(ended.result, Err(crate::IocbFailure::Timeout { .. })), "{:?}", ended.result);
     }
 
     #[test]
