@@ -282,9 +282,7 @@ impl WriteQueue {
     /// 4.4 ms steps: 19.6 ms banked, and a 1 ms window released the next layer).
     pub fn bank_time(&mut self, slack_us: f64, cost_us: impl Fn(u32) -> f64) {
         let slack_us = if slack_us.is_finite() { slack_us.max(0.0) } else { 0.0 };
-        let head = self.stores.iter().find(|store| store.decided_layers < store.ready_layers);
-        let head_layer_cost_us = head.map_or(0.0, |store| cost_us(store.iocbs_per_layer));
-        let head_layer_cost_us = if head_layer_cost_us.is_finite() { head_layer_cost_us.max(0.0) } else { 0.0 };
+        let head_layer_cost_us = self.head_layer_cost_us(&cost_us);
         self.banked_us = (self.banked_us + slack_us).min((head_layer_cost_us - self.granted_us).max(0.0));
     }
 
@@ -295,7 +293,26 @@ impl WriteQueue {
         self.banked_us = 0.0;
     }
 
+    /// What the oldest layer waiting to be released costs (0 with none waiting, or priced
+    /// other than finite): the bound on the carry and the banked time together.
+    fn head_layer_cost_us(&self, cost_us: impl Fn(u32) -> f64) -> f64 {
+        let head = self.stores.iter().find(|store| store.decided_layers < store.ready_layers);
+        let head_layer_cost_us = head.map_or(0.0, |store| cost_us(store.iocbs_per_layer));
+        if head_layer_cost_us.is_finite() {
+            head_layer_cost_us.max(0.0)
+        } else {
+            0.0
+        }
+    }
+
     fn release(&mut self, grant_us: f64, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
+        // The carry and the banked time were capped against the head layer when they were kept,
+        // but that head may have left since without a release (its store forced, dropped or
+        // failed): 20 ms banked against a 20 ms head let the next grant release four 5 ms layers
+        // of the store behind it at once. Capped again against the head waiting now.
+        let head_layer_cost_us = self.head_layer_cost_us(&cost_us);
+        self.granted_us = self.granted_us.min(head_layer_cost_us);
+        self.banked_us = self.banked_us.min((head_layer_cost_us - self.granted_us).max(0.0));
         let stores = self.stores.iter_mut().map(|store| {
             (
                 Released { decided_layers: &mut store.decided_layers, sm_budget: &mut store.sm_budget },
@@ -506,6 +523,39 @@ mod tests {
         assert_eq!((queue.granted_us, queue.banked_us), (3000.0, 0.0));
         assert_eq!(queue.decide_time(1000.0, 4, cost_us), 0, "a prefill's 1 ms window releases nothing");
         assert_eq!(queue.granted_us, 4000.0);
+    }
+
+    #[test]
+    fn time_banked_against_a_head_that_left_without_a_release_is_capped_by_the_next_head() {
+        // Goal: banked time (and carry) capped against the head layer when kept is capped again
+        // against the head waiting when it is spent: the head store may leave without a release
+        // (forced, dropped, failed). 20 ms banked against a 20 ms head layer, that store
+        // removed, a store of 5 ms layers queued: a 4.4 ms grant releases at most one layer.
+        // Before, the 20 ms banked released four at once.
+        let cost_us = |iocbs: u32| 5_000.0 * f64::from(iocbs);
+        let store = |request: u64, iocbs_per_layer: u32, decided_layers: u32, in_flight: Option<u32>| PendingStore {
+            request,
+            handle: RequestHandle::from_bits(request),
+            engine_blocks: vec![0],
+            iocbs_per_layer,
+            sm_budget: 4,
+            ready_layers: 8,
+            decided_layers,
+            written_layers: 0,
+            in_flight,
+            prefill_ended: true,
+        };
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(store(1, 4, 1, Some(0)));
+        for _ in 0..5 {
+            queue.bank_time(4400.0, cost_us);
+        }
+        assert_eq!(queue.banked_us, 20_000.0, "banked up to the 20 ms head layer");
+        queue.remove(0).expect("the head store");
+        queue.push(store(2, 1, 0, None));
+        let released = queue.decide_time(4400.0, 4, cost_us);
+        assert!(released <= 1, "a 4.4 ms grant released {released} layers of 5 ms");
+        assert!(queue.granted_us + queue.banked_us <= 5_000.0, "{} + {}", queue.granted_us, queue.banked_us);
     }
 
     #[test]
