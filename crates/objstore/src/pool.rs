@@ -728,6 +728,21 @@ impl Pool {
         Ok(generation)
     }
 
+    /// Stages slot `slot`'s header back to a clean Empty entry without taking a generation:
+    /// a failed commit's rollback, for a slot it staged Valid, when `stage_header` refuses the
+    /// Empty stage (the count exhausted). The slot read Empty on disk before the commit
+    /// (`reserve_store`), recovery reads no generation from an Empty entry, and the sector is
+    /// staged anyway, so writing it is safe whether or not the Valid entry reached the disk;
+    /// left Valid in the mirror, the next sync or the pool's drop would write it and a commit
+    /// reported failed would be served after a restart. Generation 0, as format writes. A
+    /// fenced device is refused as in `stage_header` (its mirror is never written out again).
+    pub(crate) fn stage_empty_without_generation(&mut self, device: u16, slot: u32) -> Result<()> {
+        let d = &mut self.devices[usize::from(device)];
+        d.check_fence(usize::from(device))?;
+        encode_empty_entry(&mut d.entry[..], 0, pool_tag(&d.superblock.pool_uuid), slot);
+        d.mirror.stage(slot, &d.entry, true)
+    }
+
     /// The payload CRC recorded for a committed block: 4 bytes at `offset` (see
     /// `format::payload_crc_offset`) in slot `slot`'s entry in the mirror.
     pub(crate) fn recorded_payload_crc(&self, device: u16, slot: u32, offset: usize) -> Result<u32> {

@@ -433,12 +433,22 @@ impl StoreControl {
             // `sync_headers` (always before new data is issued) writes them. Only those: the
             // others read Empty on disk already (`reserve_store`), and staging them would
             // leave writes for a controller that may have just died (the pool's drop).
-            // `stage_valid_headers` stages last slot first, one generation each.
+            // `stage_valid_headers` stages last slot first, one generation each. An Empty
+            // stage refused (the count exhausted, maybe by this very commit's headers) must not
+            // leave the Valid entry staged: it puts the Empty entry back without a generation.
+            // A fenced device refuses both, and never writes its mirror again.
             let slots = self.reservations[index].slots.len();
             let staged = self.generations.len().min(slots);
             for s in slots - staged..slots {
                 let (device, slot, _) = self.reservations[index].slots[s];
-                let _ = self.pool.stage_header(device, slot, SlotState::Empty, &[]);
+                if self.pool.stage_header(device, slot, SlotState::Empty, &[]).is_err() {
+                    match self.pool.stage_empty_without_generation(device, slot) {
+                        Ok(()) | Err(ObjstoreError::MetadataFenced { .. }) => {}
+                        Err(undo) => {
+                            tracing::warn!(device, slot, error = %undo, "a failed commit's Valid header could not be staged Empty again")
+                        }
+                    }
+                }
             }
             self.release_index(index);
             return Err(error);

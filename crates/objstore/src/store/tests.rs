@@ -1399,6 +1399,52 @@ fn a_count_exhausted_after_a_header_read_at_open_names_that_header() {
     );
 }
 
+#[test]
+fn a_commit_whose_count_runs_out_midway_leaves_none_of_it_after_a_reopen() {
+    // Goal: a commit refused because the header count ran out partway through staging its
+    // headers is not visible after a restart. With one generation left and two slots, the
+    // last slot was staged Valid at the bound, the next stage was refused, and the rollback's
+    // Empty stage was refused too: the Valid entry stayed staged and the store's drop wrote
+    // it, so the reopened pool served the tail of a commit reported failed.
+    let fixture = fixture(1, None);
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    pool.generation = crate::format::GENERATION_MAX - 2;
+    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX - 1);
+    pool.sync_headers(&mut NoLender).expect("sync");
+    drop(pool);
+    let mut store = in_process(&fixture, StoreConfig::default());
+    let tokens = tokens(41, 2);
+    let keys = keys_of(&tokens);
+    for (block, &key) in keys.iter().enumerate() {
+        fill(&fixture, block as u32, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+    let slots: std::collections::BTreeSet<u32> = plan_slots(&store, plan.handle);
+    assert_eq!(slots.len(), 2, "one slot per block: {slots:?}");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    match store.commit_store(plan.handle) {
+        Err(ObjstoreError::GenerationExhausted { .. }) => {}
+        other => panic!("the second header finds the count at its bound: expected GenerationExhausted, got {other:?}"),
+    }
+    assert_eq!(store.lookup(&tokens), 0, "nothing committed");
+    drop(store);
+    let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!((report.corrupt_headers, report.valid_slots), (0, 1), "only the header read at open: {report:?}");
+    for &key in &keys {
+        assert!(pool.index().get(key).is_none(), "key {key:#x} of the failed commit is not served");
+    }
+    assert!(pool.index().get(0xBAD).is_some());
+}
+
+/// The slots a store request's placements are in.
+fn plan_slots(store: &KvStore<CpuExecutor>, handle: RequestHandle) -> std::collections::BTreeSet<u32> {
+    store.control.placements(handle).unwrap().iter().map(|p| p.location.slot).collect()
+}
+
 use nvme_driver::spec::{NvmOpcode, NvmeStatus};
 
 /// A control half over a pool of two namespaces (one-block slots, 8 each) on one software
