@@ -89,8 +89,9 @@ class PoolError(Error):
     a damaged superblock, another format version, formatted for another model geometry, a
     namespace too small, too few queue pairs on a controller. Also raised in-process by a
     `prepare_store` that must evict a slot (or clear one a failed commit left), or a `commit`,
-    once the pool's header generation count is exhausted (a header another tool wrote claims a
-    generation no pool reaches; only a reformat lets the pool commit again); through tuttid
+    once the pool's header generation count is exhausted (another tool wrote a header claiming a
+    generation no pool reaches, and the pool counted on from it; only a reformat lets the pool
+    commit again); through tuttid
     that refusal is a `DaemonError` with `code` "StoreFailed"."""
 
 class DeviceError(Error):
