@@ -2331,6 +2331,32 @@ def test_each_way_out_the_full_cuda_graph_refusal_names_leaves_no_full_graphs():
         assert not compilation.cudagraph_mode.has_full_cudagraphs(), f"{remedy}: {compilation.cudagraph_mode.name}"
 
 
+def test_the_full_cuda_graph_refusal_without_fuse_attn_quant_names_piecewise():
+    """Goal: with pass_config.fuse_attn_quant off, nothing in vLLM undoes the PIECEWISE the
+    connector asks for, so full graphs came from elsewhere (a platform hook, a test), and
+    cudagraph_mode PIECEWISE is a way out: the refusal names it, and does not say that PIECEWISE
+    does not help (true only under fuse_attn_quant). Each mode it names, applied with fusion
+    off, leaves no full graphs after vLLM's own set_splitting_ops_for_v1."""
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, PassConfig
+
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL
+    config.compilation_config.pass_config.fuse_attn_quant = False
+    with pytest.raises(ConfigError, match="cudagraph_mode FULL") as refused:
+        harness.make_connector(config, KVConnectorRole.WORKER)
+    message = str(refused.value)
+    assert "does not help" not in message, message
+    named_modes = re.search(r"set cudagraph_mode ([A-Z_]+(?: or [A-Z_]+)*)", message)
+    assert named_modes and "PIECEWISE" in named_modes.group(1).split(" or "), message
+    for mode in named_modes.group(1).split(" or "):
+        compilation = CompilationConfig(
+            mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode[mode],
+            pass_config=PassConfig(fuse_attn_quant=False),
+        )  # fmt: skip
+        compilation.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+        assert not compilation.cudagraph_mode.has_full_cudagraphs(), f"{mode}: {compilation.cudagraph_mode.name}"
+
+
 @pytest.mark.parametrize("field, value", [("enable_dbo", True), ("ubatch_size", 2)])
 def test_micro_batching_is_refused(field, value):
     """Goal: with micro-batching (dual batch overlap, ubatch_size > 1: ParallelConfig.use_ubatching)

@@ -558,10 +558,11 @@ def _refuse_full_cuda_graphs(vllm_config: "VllmConfig") -> None:
     never calls wait_for_layer_load or save_kv_layer: attention would read blocks tuttid is still
     writing, and saves would store blocks not yet computed. A worker's config is final when vLLM
     builds its connector (later changes, in the model runner, only step down to fewer full
-    graphs), and PIECEWISE or NONE there is the ordinary case. The refusal names only ways out
-    that leave no full graphs under fuse_attn_quant: turning it off, inductor graph partition,
-    or cudagraph_mode NONE; not PIECEWISE, which set_splitting_ops_for_attn_fusion turns into
-    FULL as it does the connector's."""
+    graphs), and PIECEWISE or NONE there is the ordinary case. Under fuse_attn_quant the refusal
+    names only ways out that leave no full graphs: turning it off, inductor graph partition, or
+    cudagraph_mode NONE; not PIECEWISE, which set_splitting_ops_for_attn_fusion turns into FULL
+    as it does the connector's. Without it nothing in vLLM undoes the connector's PIECEWISE (full
+    graphs came from elsewhere: a platform hook, a test), and PIECEWISE or NONE is the way out."""
     from tutti._engine import ConfigError
 
     compilation = getattr(vllm_config, "compilation_config", None)
@@ -569,15 +570,24 @@ def _refuse_full_cuda_graphs(vllm_config: "VllmConfig") -> None:
     if mode is None or not mode.has_full_cudagraphs():
         return
     pass_config = getattr(compilation, "pass_config", None)
-    fusion = " (vLLM switches to FULL for it)" if getattr(pass_config, "fuse_attn_quant", False) else ""
+    if getattr(pass_config, "fuse_attn_quant", False):
+        cause = (
+            "which compilation_config.pass_config.fuse_attn_quant = True undoes without inductor graph partition "
+            "(vLLM switches to FULL for it): turn off fuse_attn_quant (-cc.pass_config.fuse_attn_quant=false), "
+            "enable compilation_config.use_inductor_graph_partition, or set cudagraph_mode NONE (cudagraph_mode "
+            "PIECEWISE does not help: with fuse_attn_quant vLLM switches it to FULL as well)"
+        )
+    else:
+        # Reachable only where something besides set_splitting_ops_for_attn_fusion set full graphs
+        # after the connector's PIECEWISE (a platform or model hook, a test): PIECEWISE then holds.
+        cause = (
+            "and compilation_config.pass_config.fuse_attn_quant, the setting that makes vLLM's config undo that, "
+            "is off here: something else set the full graphs; set cudagraph_mode PIECEWISE or NONE"
+        )
     raise ConfigError(
         f"TuttiConnector needs PIECEWISE CUDA graphs (or none), but this worker runs with cudagraph_mode "
         f"{mode.name}: a replayed full graph skips the connector's per-layer calls, so attention would read KV "
-        f"blocks still being loaded. vLLM sets PIECEWISE for the connector, which "
-        f"compilation_config.pass_config.fuse_attn_quant = True undoes without inductor graph partition{fusion}: "
-        "turn off fuse_attn_quant (-cc.pass_config.fuse_attn_quant=false), enable "
-        "compilation_config.use_inductor_graph_partition, or set cudagraph_mode NONE (cudagraph_mode PIECEWISE "
-        "does not help: with fuse_attn_quant vLLM switches it to FULL as well)"
+        f"blocks still being loaded. vLLM sets PIECEWISE for the connector, {cause}"
     )
 
 
