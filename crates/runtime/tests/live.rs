@@ -5,6 +5,8 @@
 mod common;
 
 use common::{config, prefill, prompt, stack, Stack, BLOCK_TOKENS, ENGINE_BLOCKS};
+use nvme_driver::spec::NvmOpcode;
+use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use scheduler::table::{IoCostEntry, IoKind};
 use tutti_runtime::{IoDirection, IoEvent, IoEventKind, PolicyChoice, WriteQueueFullAction};
 
@@ -210,7 +212,9 @@ fn a_write_longer_than_every_window_still_goes() {
 /// Goal: decode steps a write layer in flight takes whole are banked for the next layer, which
 /// goes at the first step after the one in flight ends. Writes of 5 ms per IOCB (a 4-IOCB layer:
 /// 20 ms), steps of 4.4 ms, no prefill window (the carry starts at 0); the emulated SSD takes
-/// ~0.3 s over a layer, so the steps called meanwhile all see it in flight. Five steps release the
+/// ~3 s over a layer (`banking_stack`), so the steps called meanwhile all see it in flight,
+/// on a loaded machine too (at ~0.3 s, nine steps did not always finish within it; the test
+/// polls until the layer completes, so only the wait itself is added). Five steps release the
 /// first layer (22 ms, 2 ms carried); five more while it runs bank 20 ms and release nothing
 /// behind it; the first step after it ends releases the second. Before, no step was granted
 /// while the layer ran: the next layer needed four more steps of an idle SSD after it ended
@@ -232,9 +236,9 @@ fn decode_steps_bank_while_a_write_layer_runs() {
     let written = |stack: &Stack| {
         stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
     };
-    assert_eq!(written(&stack), 0, "the emulated layer takes ~0.3 s");
+    assert_eq!(written(&stack), 0, "the emulated layer takes ~3 s");
     assert_eq!(stack.runtime.counters().write_layers_issued, 1, "nothing released behind the layer in flight");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while written(&stack) == 0 {
         assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
         stack.runtime.poll_io().expect("poll");
@@ -246,7 +250,9 @@ fn decode_steps_bank_while_a_write_layer_runs() {
 
 /// The stack of `decode_steps_bank_while_a_write_layer_runs`: writes of 5 ms per IOCB, 4.4 ms
 /// decode steps with 4 SMs free, no prefill window (`windows` may give some buckets theirs back),
-/// an emulated SSD taking ~0.3 s over a 4-block layer.
+/// an emulated SSD taking ~3 s over a 4-block layer: 0.3 s writing it at 100 kB/s, and each
+/// write's completion posted 2.5 s after it ran (a fault rule set once the pool is formatted: a
+/// timing model that slow would take minutes over the format's metadata).
 fn banking_stack(windows: impl Fn(&mut scheduler::table::Bucket)) -> Stack {
     let mut table = common::table(common::MODEL, common::geometry().layers);
     for row in table.io_costs.iter_mut().filter(|row| row.kind == IoKind::Write) {
@@ -263,7 +269,11 @@ fn banking_stack(windows: impl Fn(&mut scheduler::table::Bucket)) -> Stack {
     }
     let profile = scheduler::table::Profile::from_table(table).expect("valid table");
     let timing = nvme_emu::TimingModel { write_bytes_per_s: 100_000, ..common::slow_ssd() };
-    common::stack_with_profile(config(PolicyChoice::SlackAware), Some(timing), profile)
+    let stack = common::stack_with_profile(config(PolicyChoice::SlackAware), Some(timing), profile);
+    stack.device.set_faults(FaultPlan::none().with_rule(
+        FaultRule::every_nth_io(1, FaultAction::Delay(std::time::Duration::from_millis(2500))).with_opcode(NvmOpcode::Write as u8),
+    ));
+    stack
 }
 
 /// Goal: decode-step time banked while a write layer runs does not cross into the next prefill.
@@ -295,8 +305,8 @@ fn time_banked_in_decode_steps_does_not_cross_into_the_next_prefill() {
     let written = |stack: &Stack| {
         stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
     };
-    assert_eq!(written(&stack), 0, "the emulated layer takes ~0.3 s");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    assert_eq!(written(&stack), 0, "the emulated layer takes ~3 s");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while written(&stack) == 0 {
         assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
         stack.runtime.poll_io().expect("poll");
