@@ -719,25 +719,54 @@ impl<E: QueuePairReset> Runtime<E> {
     /// retiring requests (their engine blocks become releasable) and hands the healthy layers it
     /// ended to the executor again (the running prefill's read, the oldest store's write).
     /// Returns the layers abandoned. If a queue pair cannot be deleted the error says so and
-    /// nothing is released: the controller must be reset first. A GPU executor needs none of
-    /// this (it resets its queue pairs itself; the runtime retires its layers as they fail).
+    /// nothing is released: the controller must be reset first. An error after the reset (while
+    /// reaping the completions it posted) may have ended some layers and not others: those the
+    /// object store no longer holds in flight are handed back to be issued again, as above, and
+    /// the rest stay in flight (collected by a later call, they end as timed out: a read ends
+    /// its prefill, a write drops its store). A GPU executor needs none of this (it resets its
+    /// queue pairs itself; the runtime retires its layers as they fail).
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
-        let abandoned = self.store.abandon_in_flight().map_err(store_error("abandon the layers in flight"))?;
-        // Each ended layer is closed in the event log: it is issued (and logged) again.
-        if let Some(layer) = self.reads.in_flight.take() {
-            self.reads.waiting.push_front(layer);
-            let request = self.prefill.as_ref().map_or(0, |p| p.id);
-            self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
-        }
-        for index in 0..self.writes.stores.len() {
-            let store = &mut self.writes.stores[index];
-            if let Some(layer) = store.in_flight.take() {
-                let request = store.request;
-                self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
+        let abandoned = match self.store.abandon_in_flight() {
+            Ok(abandoned) => abandoned,
+            Err(source) => {
+                // It may have failed after the reset, while reaping: the layers it reaped before
+                // the error have ended unfilled (as TIMEOUT) and are no longer in flight in the
+                // object store, the others still are. Left in flight here, a reaped read was
+                // taken as completed by the next poll (the store had nothing of it in flight)
+                // and its layer's wait returned on blocks the device never filled.
+                self.requeue_abandoned(|runtime, handle, layer| !runtime.device_holds_layer(handle, layer));
+                return Err(store_error("abandon the layers in flight")(source));
             }
-        }
+        };
+        self.requeue_abandoned(|_, _, _| true);
         self.retire_ended();
         self.pump()?;
         Ok(abandoned)
+    }
+
+    /// Hands the layers in flight that `ended(handle, layer)` says the object store abandoned
+    /// back to be issued again: the running prefill's read waits first in line, a store's
+    /// write is issued again when its turn comes. Each is closed in the event log (it is
+    /// issued, and logged, again).
+    fn requeue_abandoned(&mut self, ended: impl Fn(&Self, RequestHandle, u32) -> bool) {
+        let retrieve = self.prefill.as_ref().and_then(|p| p.retrieve);
+        if let Some(layer) = self.reads.in_flight {
+            // A read in flight always has its retrieve; without one, nothing of it can be.
+            if retrieve.is_none_or(|handle| ended(self, handle, layer)) {
+                self.reads.in_flight = None;
+                self.reads.waiting.push_front(layer);
+                let request = self.prefill.as_ref().map_or(0, |p| p.id);
+                self.record(request, IoDirection::Read, layer, IoEventKind::Completed, None);
+            }
+        }
+        for index in 0..self.writes.stores.len() {
+            let store = &self.writes.stores[index];
+            let Some(layer) = store.in_flight else { continue };
+            if ended(self, store.handle, layer) {
+                let request = store.request;
+                self.writes.stores[index].in_flight = None;
+                self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@ use gio_uring::{Executor, GioError, IocbId, IssueBatch};
 use nvme_driver::spec::NvmOpcode;
 use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use objstore::KvRequest;
-use tutti_runtime::{PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
+use tutti_runtime::{IoDirection, IoEventKind, PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
 
 const IO_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -840,5 +840,184 @@ fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
         );
         assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
         assert_eq!(stack.runtime.retiring_requests(), 0);
+    });
+}
+
+/// What [`HoldsTimeoutCqes`] holds back: the IOCBs marked (`mark`: those ISSUED then), the
+/// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
+#[derive(Default)]
+struct Held {
+    memory: Option<Arc<QueueMemory>>,
+    marked: Vec<IocbId>,
+    cqes: Vec<gio_uring::ring::Cqe>,
+    fail_next_poll: bool,
+}
+
+impl Held {
+    /// Marks the IOCBs ISSUED now: the next reset ends them without posting their CQEs.
+    fn mark(&mut self) {
+        let memory = self.memory.as_ref().expect("attached");
+        let issued = gio_uring::abi::GIO_IOCB_STATUS_ISSUED;
+        self.marked = (0..memory.layout.config.depth).map(IocbId).filter(|&id| memory.read_iocb_progress(id).status == issued).collect();
+    }
+}
+
+/// A CPU executor whose reset ends the IOCBs marked (`Held::mark`) as TIMEOUT without posting
+/// their CQEs, as when the CQ producer lock is held past its bound (gio-uring keeps such a CQE
+/// for the next poll: `a_cqe_whose_post_failed_is_posted_by_the_next_poll`), and whose next
+/// poll then fails (the post failing again); the poll after posts them. The other IOCBs in
+/// flight end as usual, their CQEs posted by the reset.
+struct HoldsTimeoutCqes {
+    inner: gio_uring::CpuExecutor,
+    held: Arc<std::sync::Mutex<Held>>,
+}
+
+impl Executor for HoldsTimeoutCqes {
+    fn name(&self) -> &'static str {
+        "holds timeout CQEs"
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        self.held.lock().expect("held").memory = Some(Arc::clone(memory));
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        self.inner.submit(memory, batch)
+    }
+
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        let mut held = self.held.lock().expect("held");
+        if std::mem::take(&mut held.fail_next_poll) {
+            self.inner.poll(memory)?;
+            return Err(GioError::Executor { executor: "cq", reason: "CQ producer lock not released (test)".into() });
+        }
+        for cqe in std::mem::take(&mut held.cqes) {
+            gio_uring::executor::post_cqe(memory, cqe)?;
+        }
+        drop(held);
+        self.inner.poll(memory)
+    }
+
+    fn lend_queue_pair(
+        &mut self,
+        memory: &QueueMemory,
+        device: usize,
+        deadline: Instant,
+    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
+        self.inner.lend_queue_pair(memory, device, deadline)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.inner.retire_queue_pairs()
+    }
+}
+
+impl gio_uring::QueuePairReset for HoldsTimeoutCqes {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        self.inner.served_queue_depths()
+    }
+
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+        let mut held = self.held.lock().expect("held");
+        let (issued, timeout) = (gio_uring::abi::GIO_IOCB_STATUS_ISSUED, gio_uring::abi::GIO_IOCB_STATUS_TIMEOUT);
+        // Ended here as the reset would (status ISSUED → TIMEOUT), the CQE kept: the reset
+        // below finds them ended and posts nothing for them.
+        for id in std::mem::take(&mut held.marked) {
+            let mut progress = memory.read_iocb_progress(id);
+            if progress.status != issued {
+                continue;
+            }
+            progress.status = timeout;
+            memory.write_iocb_progress(id, &progress, Ordering::Release);
+            held.cqes.push(gio_uring::ring::Cqe {
+                iocb_id: id,
+                issue_seq: memory.read_iocb_header(id).issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: timeout as u16,
+                failed_nvme_status: 0,
+            });
+        }
+        held.fail_next_poll = !held.cqes.is_empty();
+        let kept = held.cqes.len();
+        drop(held);
+        Ok(self.inner.reset(memory, fresh)? + kept)
+    }
+}
+
+#[test]
+fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
+    // Goal: when `abandon_in_flight` fails after the reset, partway through reaping (a later
+    // request's TIMEOUT CQE not posted, the poll failing), the running prefill's read it did
+    // reap (its layer ended as TIMEOUT, not done) is issued again: `before_layer` does not
+    // return until it was, and completed (layer 1's read here, handed over by `after_layer(0)`).
+    // Before, the runtime returned at once with the read still in flight; the next poll found
+    // nothing of it in the object store and marked it done, and `before_layer` returned on
+    // blocks the device may never have filled. (Checked by the event log's issues: here the
+    // emulated device may well have moved the bytes before the reset.) A read whose completion
+    // the device lost leaves a retrieve retiring in request slot 1; a fully cached request's
+    // retrieve then takes slot 0, so the reset's reaping reaches it first.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let held = Arc::new(std::sync::Mutex::new(Held::default()));
+        let shared = Arc::clone(&held);
+        let (device, store, engine) = common::parts_with(None, move |pool, store_config| HoldsTimeoutCqes {
+            inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
+            held: shared,
+        });
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+        let mut stack = Stack { device, runtime, engine };
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+        assert_eq!(stack.runtime.retiring_requests(), 1);
+        held.lock().expect("held").mark();
+
+        let logged = stack.runtime.events().len();
+        let targets: Vec<u32> = (10..14).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (4, 0), "fully cached: no store");
+        let request = start.id.get();
+        let read_issues = |stack: &Stack<HoldsTimeoutCqes>, layer: u32| {
+            stack.runtime.events()[logged..]
+                .iter()
+                .filter(|e| e.request == request && e.direction == IoDirection::Read && e.layer == layer && e.kind == IoEventKind::Issued)
+                .count()
+        };
+        // Layer 0's read completes in `before_layer`; `after_layer` hands layer 1's over.
+        stack.runtime.before_layer(start.id, 0).expect("layer 0");
+        stack.runtime.after_layer(start.id, 0).expect("layer 0");
+        assert_eq!(read_issues(&stack, 1), 1, "layer 1's read is in flight: {:?}", &stack.runtime.events()[logged..]);
+        let abandoned = stack.runtime.abandon_in_flight();
+        assert!(abandoned.is_err(), "the retiring retrieve's reap fails: {abandoned:?}");
+
+        stack.runtime.before_layer(start.id, 1).expect("layer 1");
+        assert_eq!(
+            read_issues(&stack, 1),
+            2,
+            "layer 1's read, ended by the reset, was issued again: {:?}",
+            &stack.runtime.events()[logged..]
+        );
+        stack.runtime.after_layer(start.id, 1).expect("layer 1");
+        for layer in 2..layers {
+            stack.runtime.before_layer(start.id, layer).expect("layer");
+            stack.runtime.after_layer(start.id, layer).expect("layer");
+        }
+        stack.runtime.end_prefill(start.id).expect("end");
+        assert!(stack.engine.holds(&first, 0..4, &targets, layers), "every layer was read");
+        assert!(held.lock().expect("held").cqes.is_empty(), "a poll after the failed one posted the held CQE");
+        assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
+        assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
     });
 }

@@ -24,9 +24,14 @@ impl<E: QueuePairReset> KvStore<E> {
     ///
     /// For after a [`KvStore::wait`] timed out. It ends healthy layers of other requests too
     /// (reissue them). If a controller fails to delete a queue pair the error says so, and the
-    /// layers stay in flight: that controller must be reset before the memory is reused. The
-    /// GPU executor needs none of this: it resets its queue pairs itself when a kernel times
-    /// out, and its layers then complete with a timeout failure.
+    /// layers stay in flight: that controller must be reset before the memory is reused. An
+    /// error after the reset, while reaping the completions it posted (a TIMEOUT CQE not posted
+    /// yet and the poll failing), may have abandoned some layers and not others: the requests
+    /// reaped before it have no layer in flight any more (ended unfilled: their layers are not
+    /// done and must be issued again), the others still do, and the error does not say which:
+    /// ask [`KvStore::layers_in_flight`]. The GPU executor needs none of this: it resets its
+    /// queue pairs itself when a kernel times out, and its layers then complete with a timeout
+    /// failure.
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
         let served = self.data.queue().executor().served_queue_depths();
         let mut fresh = Vec::with_capacity(served.len());
@@ -55,7 +60,9 @@ impl<E: QueuePairReset> StoreData<E> {
     /// Ends every layer in flight by replacing the executor's queue pairs with `fresh` ones
     /// (one per queue pair it serves, in `served_queue_depths` order, made by whoever holds
     /// the controllers), and reaps the completions the reset posted. Returns how many layers
-    /// were abandoned; see [`KvStore::abandon_in_flight`].
+    /// were abandoned; see [`KvStore::abandon_in_flight`], also for an error while reaping:
+    /// requests are reaped one at a time, so those before the error have nothing in flight
+    /// any more, and the one it came in and those after it still have their layers in flight.
     pub fn abandon_in_flight(&mut self, fresh: Vec<IoQueuePair>) -> Result<usize> {
         // Through the queue, which also forgets a poll error it kept for a later call: it was
         // about the pairs being replaced, and would fail the first wait after the reissue.

@@ -144,8 +144,9 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// Whether the object store has layer `layer` of `handle` in flight: after an issue that
-    /// failed, whether its commands were published all the same (`GioError::SubmitFailed`).
-    fn device_holds_layer(&self, handle: RequestHandle, layer: u32) -> bool {
+    /// failed, whether its commands were published all the same (`GioError::SubmitFailed`);
+    /// after `abandon_in_flight` failed, whether it was reaped before the error.
+    pub(super) fn device_holds_layer(&self, handle: RequestHandle, layer: u32) -> bool {
         self.store.layers_in_flight(handle).is_ok_and(|mut layers| layers.any(|in_flight| in_flight == layer))
     }
 
