@@ -1018,6 +1018,5 @@ fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
         assert!(stack.engine.holds(&first, 0..4, &targets, layers), "every layer was read");
         assert!(held.lock().expect("held").cqes.is_empty(), "a poll after the failed one posted the held CQE");
         assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
-        assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
     });
 }

@@ -61,10 +61,13 @@ impl<E: QueuePairReset> StoreData<E> {
     /// (one per queue pair it serves, in `served_queue_depths` order, made by whoever holds
     /// the controllers), and reaps the completions the reset posted. Returns how many layers
     /// were abandoned; see [`KvStore::abandon_in_flight`], also for an error while reaping:
-    /// requests are reaped one at a time, so those before the error have nothing in flight
-    /// any more, and the one it came in and those after it still have their layers in flight.
+    /// requests are reaped one at a time and lanes within a request one at a time, so those
+    /// before the error have nothing in flight any more, the one it came in has lost the lanes
+    /// reaped before it, and those after it still have their layers in flight (ask
+    /// [`KvStore::layers_in_flight`] per layer; waiting again on a lane reaped in part returns
+    /// its reaped IOCBs' completions at once).
     pub fn abandon_in_flight(&mut self, fresh: Vec<IoQueuePair>) -> Result<usize> {
-        // Through the queue, which also forgets a poll error it kept for a later call: it was
+        // Through the queue, which also forgets the poll errors it kept for a later call: they were
         // about the pairs being replaced, and would fail the first wait after the reissue.
         let ended = self.queue.reset_queue_pairs(fresh)?;
         let mut abandoned = 0;
