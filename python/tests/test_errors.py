@@ -475,22 +475,34 @@ def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
     assert elapsed < 1.5, f"attach(timeout_s=1.0) took {elapsed:.2f} s"
 
 
-def test_a_wait_past_its_deadline_is_a_timeout_and_the_layer_stays_in_flight():
-    # Goal: wait(0) right after an issue cannot have seen the completion: TimeoutError (also
-    # the builtin TimeoutError), the layer is still in flight, a later wait completes it. The
+def test_a_wait_past_its_deadline_is_a_timeout_and_the_layer_stays_in_flight(tmp_path):
+    # Goal: a wait whose deadline passes with the layer not complete is TimeoutError (also the
+    # builtin TimeoutError), the layer is still in flight, a later wait completes it. The
     # message's start is what tells it from a layer's own failure of class Timeout ("layer N
-    # failed: ...", the layer ended), as _tutti.pyi and docs/python.md say: pinned here.
+    # failed: ...", the layer ended), as _tutti.pyi and docs/python.md say: pinned here. The
+    # layer cannot complete: tuttid, whose software controller moves the bytes, is stopped
+    # (SIGSTOP). (A wait(0) right after an issue on a running controller may return the
+    # completion: a wait polls once before it looks at its deadline.)
     still_in_flight = r"^request 0x[0-9a-f]+: layer 0 did not complete by the deadline; it is still in flight"
-    with open_store() as store:
+    daemon = start_daemon(tmp_path)
+    try:
+        store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False)
         store.allocate_kv(8, "paged")
         request = store.prepare_store(tokens(1, 4), [0, 1, 2, 3])
-        request.store_layer(0)
-        with raises(tutti.TimeoutError, match=still_in_flight):
-            request.wait(0)
-        assert request.layer_in_flight == 0
+        daemon.pause()
+        try:
+            request.store_layer(0)
+            with raises(tutti.TimeoutError, match=still_in_flight):
+                request.wait(0.2)
+            assert request.layer_in_flight == 0
+        finally:
+            daemon.resume()
         assert request.wait(WAIT_S) == 0
         assert issubclass(tutti.TimeoutError, TimeoutError)
         request.finish()
+        store.close()
+    finally:
+        daemon.stop()
 
 
 def test_devices_and_pools_that_cannot_be_used(tmp_path):
