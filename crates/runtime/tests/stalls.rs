@@ -312,20 +312,71 @@ fn a_drain_whose_write_times_out_is_drain_incomplete() {
     });
 }
 
-/// A CPU executor whose `submit`, once armed, takes the batch and then fails: as a GPU executor
-/// whose launch call errs after the kernel was queued, or a CPU executor that meets a retired
-/// queue pair part way through. The IOCBs still run and complete (`GioError::SubmitFailed`).
-struct FailsOnceAfterPublishing {
-    inner: gio_uring::CpuExecutor,
-    armed: Arc<AtomicBool>,
+/// What a test arms in a [`Rigged`] executor (shared with it).
+#[derive(Clone, Default)]
+struct Rigging {
+    /// Armed: the next `submit` takes the batch and then fails: as a GPU executor whose launch
+    /// call errs after the kernel was queued, or a CPU executor that meets a retired queue
+    /// pair part way through. The IOCBs still run and complete (`GioError::SubmitFailed`).
+    submit_fails: Arc<AtomicBool>,
+    /// Armed: the next `poll` polls and then fails: an executor-level error reported once (as
+    /// gio-uring reports a stopped worker or a lasting doorbell fault).
+    poll_fails: Arc<AtomicBool>,
+    /// The IOCBs whose TIMEOUT CQEs the next reset holds back ([`Held`]).
+    held: Arc<std::sync::Mutex<Held>>,
 }
 
-impl Executor for FailsOnceAfterPublishing {
+/// A CPU executor with the failures its [`Rigging`] arms; unarmed, it is the CPU executor.
+struct Rigged {
+    inner: gio_uring::CpuExecutor,
+    rigging: Rigging,
+}
+
+/// The stalled stack's configuration (`IO_TIMEOUT`) over a [`Rigged`] executor, and its rigging.
+fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
+    let rigging = Rigging::default();
+    let shared = rigging.clone();
+    let (device, store, engine) = common::parts_with(None, move |pool, store_config| Rigged {
+        inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
+        rigging: shared,
+    });
+    let mut config = config(policy);
+    config.io_timeout = IO_TIMEOUT;
+    let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
+    (Stack { device, runtime, engine }, rigging)
+}
+
+/// What a [`Rigged`] executor holds back: the IOCBs marked (`mark`: those ISSUED then), the
+/// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
+#[derive(Default)]
+struct Held {
+    memory: Option<Arc<QueueMemory>>,
+    marked: Vec<IocbId>,
+    cqes: Vec<gio_uring::ring::Cqe>,
+    fail_next_poll: bool,
+}
+
+impl Held {
+    /// Marks the IOCBs ISSUED now: the next reset ends them without posting their CQEs.
+    fn mark(&mut self) {
+        let memory = self.memory.as_ref().expect("attached");
+        let issued = gio_uring::abi::GIO_IOCB_STATUS_ISSUED;
+        self.marked = (0..memory.layout.config.depth).map(IocbId).filter(|&id| memory.read_iocb_progress(id).status == issued).collect();
+    }
+}
+
+// The rigged executor's reset ends the IOCBs marked (`Held::mark`) as TIMEOUT without posting
+// their CQEs, as when the CQ producer lock is held past its bound (gio-uring keeps such a CQE
+// for the next poll: `a_cqe_whose_post_failed_is_posted_by_the_next_poll`), and its next poll
+// then fails (the post failing again); the poll after posts them. The other IOCBs in flight
+// end as usual, their CQEs posted by the reset.
+impl Executor for Rigged {
     fn name(&self) -> &'static str {
-        "fails once after publishing"
+        "rigged"
     }
 
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        self.rigging.held.lock().expect("held").memory = Some(Arc::clone(memory));
         self.inner.attach(memory)
     }
 
@@ -335,14 +386,27 @@ impl Executor for FailsOnceAfterPublishing {
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
         self.inner.submit(memory, batch)?;
-        if self.armed.swap(false, Ordering::SeqCst) {
+        if self.rigging.submit_fails.swap(false, Ordering::SeqCst) {
             return Err(GioError::Executor { executor: "fails once after publishing", reason: "after the batch was taken".into() });
         }
         Ok(())
     }
 
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        self.inner.poll(memory)
+        let mut held = self.rigging.held.lock().expect("held");
+        if std::mem::take(&mut held.fail_next_poll) {
+            self.inner.poll(memory)?;
+            return Err(GioError::Executor { executor: "cq", reason: "CQ producer lock not released (test)".into() });
+        }
+        for cqe in std::mem::take(&mut held.cqes) {
+            gio_uring::executor::post_cqe(memory, cqe)?;
+        }
+        drop(held);
+        self.inner.poll(memory)?;
+        if self.rigging.poll_fails.swap(false, Ordering::SeqCst) {
+            return Err(GioError::WorkerStopped { worker: 3 });
+        }
+        Ok(())
     }
 
     fn lend_queue_pair(
@@ -359,18 +423,36 @@ impl Executor for FailsOnceAfterPublishing {
     }
 }
 
-/// The stalled stack's configuration over `FailsOnceAfterPublishing`, and its arming switch.
-fn failing_stack(policy: PolicyChoice) -> (Stack<FailsOnceAfterPublishing>, Arc<AtomicBool>) {
-    let armed = Arc::new(AtomicBool::new(false));
-    let switch = Arc::clone(&armed);
-    let (device, store, engine) = common::parts_with(None, move |pool, store_config| FailsOnceAfterPublishing {
-        inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
-        armed: switch,
-    });
-    let mut config = config(policy);
-    config.io_timeout = IO_TIMEOUT;
-    let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
-    (Stack { device, runtime, engine }, armed)
+impl gio_uring::QueuePairReset for Rigged {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        self.inner.served_queue_depths()
+    }
+
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+        let mut held = self.rigging.held.lock().expect("held");
+        let (issued, timeout) = (gio_uring::abi::GIO_IOCB_STATUS_ISSUED, gio_uring::abi::GIO_IOCB_STATUS_TIMEOUT);
+        // Ended here as the reset would (status ISSUED → TIMEOUT), the CQE kept: the reset
+        // below finds them ended and posts nothing for them.
+        for id in std::mem::take(&mut held.marked) {
+            let mut progress = memory.read_iocb_progress(id);
+            if progress.status != issued {
+                continue;
+            }
+            progress.status = timeout;
+            memory.write_iocb_progress(id, &progress, Ordering::Release);
+            held.cqes.push(gio_uring::ring::Cqe {
+                iocb_id: id,
+                issue_seq: memory.read_iocb_header(id).issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: timeout as u16,
+                failed_nvme_status: 0,
+            });
+        }
+        held.fail_next_poll = !held.cqes.is_empty();
+        let kept = held.cqes.len();
+        drop(held);
+        Ok(self.inner.reset(memory, fresh)? + kept)
+    }
 }
 
 #[test]
@@ -382,7 +464,8 @@ fn a_write_whose_submission_failed_after_publishing_is_collected() {
     // "layer N is already in flight" forever: no call succeeded, the store's blocks were never
     // released, and a read could go to the device under the write (the barrier broken).
     bounded(|| {
-        let (mut stack, armed) = failing_stack(PolicyChoice::SlackAware);
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let armed = &rigging.submit_fails;
         let tokens = prompt(0, 0);
         let blocks = [0, 1, 2, 3];
         prefill(&mut stack, &tokens, &blocks).unwrap();
@@ -423,7 +506,8 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
     // Before, the retry handed the same layer over again: "already in flight" at every call.
     bounded(|| {
         let layers = common::geometry().layers;
-        let (mut stack, armed) = failing_stack(PolicyChoice::SlackAware);
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let armed = &rigging.submit_fails;
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         stack.runtime.drain().unwrap();
         let tokens = prompt(0, 1);
@@ -711,62 +795,6 @@ fn a_queue_full_for_request_slots_says_so() {
     });
 }
 
-/// A CPU executor whose `poll`, once armed, fails once after polling: an executor-level error
-/// reported once (as gio-uring reports a stopped worker or a lasting doorbell fault).
-struct PollFailsOnce {
-    inner: gio_uring::CpuExecutor,
-    armed: Arc<AtomicBool>,
-}
-
-impl Executor for PollFailsOnce {
-    fn name(&self) -> &'static str {
-        "poll fails once"
-    }
-
-    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
-        self.inner.attach(memory)
-    }
-
-    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
-        self.inner.prepared(memory, id)
-    }
-
-    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
-        self.inner.submit(memory, batch)
-    }
-
-    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        self.inner.poll(memory)?;
-        if self.armed.swap(false, Ordering::SeqCst) {
-            return Err(GioError::WorkerStopped { worker: 3 });
-        }
-        Ok(())
-    }
-
-    fn lend_queue_pair(
-        &mut self,
-        memory: &QueueMemory,
-        device: usize,
-        deadline: Instant,
-    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
-        self.inner.lend_queue_pair(memory, device, deadline)
-    }
-
-    fn retire_queue_pairs(&mut self) -> Option<bool> {
-        self.inner.retire_queue_pairs()
-    }
-}
-
-impl gio_uring::QueuePairReset for PollFailsOnce {
-    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
-        self.inner.served_queue_depths()
-    }
-
-    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
-        self.inner.reset(memory, fresh)
-    }
-}
-
 /// Records the level and message of every event logged on this thread while it is the default.
 #[derive(Clone, Default)]
 struct LogCapture {
@@ -811,16 +839,8 @@ fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
     // whose completion the device lost retires; the executor's next poll fails once, met by
     // `retire_ended` polling that request.
     bounded(|| {
-        let armed = Arc::new(AtomicBool::new(false));
-        let switch = Arc::clone(&armed);
-        let (device, store, engine) = common::parts_with(None, move |pool, store_config| PollFailsOnce {
-            inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
-            armed: switch,
-        });
-        let mut config = config(PolicyChoice::SlackAware);
-        config.io_timeout = IO_TIMEOUT;
-        let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
-        let mut stack = Stack { device, runtime, engine };
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let armed = &rigging.poll_fails;
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         stack.runtime.drain().unwrap();
         stack.device.set_faults(
@@ -843,112 +863,6 @@ fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
     });
 }
 
-/// What [`HoldsTimeoutCqes`] holds back: the IOCBs marked (`mark`: those ISSUED then), the
-/// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
-#[derive(Default)]
-struct Held {
-    memory: Option<Arc<QueueMemory>>,
-    marked: Vec<IocbId>,
-    cqes: Vec<gio_uring::ring::Cqe>,
-    fail_next_poll: bool,
-}
-
-impl Held {
-    /// Marks the IOCBs ISSUED now: the next reset ends them without posting their CQEs.
-    fn mark(&mut self) {
-        let memory = self.memory.as_ref().expect("attached");
-        let issued = gio_uring::abi::GIO_IOCB_STATUS_ISSUED;
-        self.marked = (0..memory.layout.config.depth).map(IocbId).filter(|&id| memory.read_iocb_progress(id).status == issued).collect();
-    }
-}
-
-/// A CPU executor whose reset ends the IOCBs marked (`Held::mark`) as TIMEOUT without posting
-/// their CQEs, as when the CQ producer lock is held past its bound (gio-uring keeps such a CQE
-/// for the next poll: `a_cqe_whose_post_failed_is_posted_by_the_next_poll`), and whose next
-/// poll then fails (the post failing again); the poll after posts them. The other IOCBs in
-/// flight end as usual, their CQEs posted by the reset.
-struct HoldsTimeoutCqes {
-    inner: gio_uring::CpuExecutor,
-    held: Arc<std::sync::Mutex<Held>>,
-}
-
-impl Executor for HoldsTimeoutCqes {
-    fn name(&self) -> &'static str {
-        "holds timeout CQEs"
-    }
-
-    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
-        self.held.lock().expect("held").memory = Some(Arc::clone(memory));
-        self.inner.attach(memory)
-    }
-
-    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
-        self.inner.prepared(memory, id)
-    }
-
-    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
-        self.inner.submit(memory, batch)
-    }
-
-    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
-        let mut held = self.held.lock().expect("held");
-        if std::mem::take(&mut held.fail_next_poll) {
-            self.inner.poll(memory)?;
-            return Err(GioError::Executor { executor: "cq", reason: "CQ producer lock not released (test)".into() });
-        }
-        for cqe in std::mem::take(&mut held.cqes) {
-            gio_uring::executor::post_cqe(memory, cqe)?;
-        }
-        drop(held);
-        self.inner.poll(memory)
-    }
-
-    fn lend_queue_pair(
-        &mut self,
-        memory: &QueueMemory,
-        device: usize,
-        deadline: Instant,
-    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
-        self.inner.lend_queue_pair(memory, device, deadline)
-    }
-
-    fn retire_queue_pairs(&mut self) -> Option<bool> {
-        self.inner.retire_queue_pairs()
-    }
-}
-
-impl gio_uring::QueuePairReset for HoldsTimeoutCqes {
-    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
-        self.inner.served_queue_depths()
-    }
-
-    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
-        let mut held = self.held.lock().expect("held");
-        let (issued, timeout) = (gio_uring::abi::GIO_IOCB_STATUS_ISSUED, gio_uring::abi::GIO_IOCB_STATUS_TIMEOUT);
-        // Ended here as the reset would (status ISSUED → TIMEOUT), the CQE kept: the reset
-        // below finds them ended and posts nothing for them.
-        for id in std::mem::take(&mut held.marked) {
-            let mut progress = memory.read_iocb_progress(id);
-            if progress.status != issued {
-                continue;
-            }
-            progress.status = timeout;
-            memory.write_iocb_progress(id, &progress, Ordering::Release);
-            held.cqes.push(gio_uring::ring::Cqe {
-                iocb_id: id,
-                issue_seq: memory.read_iocb_header(id).issue_seq,
-                failed_ioctx: progress.failed_ioctx,
-                status: timeout as u16,
-                failed_nvme_status: 0,
-            });
-        }
-        held.fail_next_poll = !held.cqes.is_empty();
-        let kept = held.cqes.len();
-        drop(held);
-        Ok(self.inner.reset(memory, fresh)? + kept)
-    }
-}
-
 #[test]
 fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
     // Goal: when `abandon_in_flight` fails after the reset, partway through reaping (a later
@@ -963,16 +877,8 @@ fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
     // retrieve then takes slot 0, so the reset's reaping reaches it first.
     bounded(|| {
         let layers = common::geometry().layers;
-        let held = Arc::new(std::sync::Mutex::new(Held::default()));
-        let shared = Arc::clone(&held);
-        let (device, store, engine) = common::parts_with(None, move |pool, store_config| HoldsTimeoutCqes {
-            inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
-            held: shared,
-        });
-        let mut config = config(PolicyChoice::SlackAware);
-        config.io_timeout = IO_TIMEOUT;
-        let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
-        let mut stack = Stack { device, runtime, engine };
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let held = &rigging.held;
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         stack.runtime.drain().unwrap();
@@ -989,7 +895,7 @@ fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets }).unwrap();
         assert_eq!((start.cached_blocks, start.queued_blocks), (4, 0), "fully cached: no store");
         let request = start.id.get();
-        let read_issues = |stack: &Stack<HoldsTimeoutCqes>, layer: u32| {
+        let read_issues = |stack: &Stack<Rigged>, layer: u32| {
             stack.runtime.events()[logged..]
                 .iter()
                 .filter(|e| e.request == request && e.direction == IoDirection::Read && e.layer == layer && e.kind == IoEventKind::Issued)
