@@ -460,6 +460,22 @@ mod tests {
         assert_eq!(release_layers(&mut carried_us, f64::INFINITY, 4, std::iter::once((store, 2, 5)), |_| 10.0), 0);
     }
 
+    /// A store whose prefill ended (one engine block, an SM budget of 4, nothing written yet).
+    fn ended_store(request: u64, iocbs_per_layer: u32, ready_layers: u32, decided_layers: u32, in_flight: Option<u32>) -> PendingStore {
+        PendingStore {
+            request,
+            handle: RequestHandle::from_bits(request),
+            engine_blocks: vec![0],
+            iocbs_per_layer,
+            sm_budget: 4,
+            ready_layers,
+            decided_layers,
+            written_layers: 0,
+            in_flight,
+            prefill_ended: true,
+        }
+    }
+
     #[test]
     fn time_banked_while_a_layer_runs_releases_nothing_until_the_next_grant() {
         // Goal: decode steps a 10 ms write layer in flight takes whole (4.4 ms each) are banked,
@@ -468,18 +484,7 @@ mod tests {
         // step was granted while the layer ran, and the next layer needed three idle steps.
         let cost_us = |iocbs: u32| 10_000.0 * f64::from(iocbs);
         let mut queue = WriteQueue::new(4, 2);
-        queue.push(PendingStore {
-            request: 1,
-            handle: RequestHandle::from_bits(1),
-            engine_blocks: vec![0],
-            iocbs_per_layer: 1,
-            sm_budget: 4,
-            ready_layers: 3,
-            decided_layers: 1,
-            written_layers: 0,
-            in_flight: Some(0),
-            prefill_ended: true,
-        });
+        queue.push(ended_store(1, 1, 3, 1, Some(0)));
         for _ in 0..3 {
             queue.bank_time(4400.0, cost_us);
         }
@@ -499,18 +504,7 @@ mod tests {
         // is left beside it, the two together never above the head layer's cost.
         let cost_us = |iocbs: u32| 10_000.0 * f64::from(iocbs);
         let mut queue = WriteQueue::new(4, 2);
-        queue.push(PendingStore {
-            request: 1,
-            handle: RequestHandle::from_bits(1),
-            engine_blocks: vec![0],
-            iocbs_per_layer: 1,
-            sm_budget: 4,
-            ready_layers: 3,
-            decided_layers: 1,
-            written_layers: 0,
-            in_flight: Some(0),
-            prefill_ended: true,
-        });
+        queue.push(ended_store(1, 1, 3, 1, Some(0)));
         assert_eq!(queue.decide_time(2000.0, 4, cost_us), 0);
         queue.bank_time(4400.0, cost_us);
         assert_eq!((queue.granted_us, queue.banked_us), (2000.0, 4400.0));
@@ -533,26 +527,14 @@ mod tests {
         // removed, a store of 5 ms layers queued: a 4.4 ms grant releases at most one layer.
         // Before, the 20 ms banked released four at once.
         let cost_us = |iocbs: u32| 5_000.0 * f64::from(iocbs);
-        let store = |request: u64, iocbs_per_layer: u32, decided_layers: u32, in_flight: Option<u32>| PendingStore {
-            request,
-            handle: RequestHandle::from_bits(request),
-            engine_blocks: vec![0],
-            iocbs_per_layer,
-            sm_budget: 4,
-            ready_layers: 8,
-            decided_layers,
-            written_layers: 0,
-            in_flight,
-            prefill_ended: true,
-        };
         let mut queue = WriteQueue::new(4, 2);
-        queue.push(store(1, 4, 1, Some(0)));
+        queue.push(ended_store(1, 4, 8, 1, Some(0)));
         for _ in 0..5 {
             queue.bank_time(4400.0, cost_us);
         }
         assert_eq!(queue.banked_us, 20_000.0, "banked up to the 20 ms head layer");
         queue.remove(0).expect("the head store");
-        queue.push(store(2, 1, 0, None));
+        queue.push(ended_store(2, 1, 8, 0, None));
         let released = queue.decide_time(4400.0, 4, cost_us);
         assert!(released <= 1, "a 4.4 ms grant released {released} layers of 5 ms");
         assert!(queue.granted_us + queue.banked_us <= 5_000.0, "{} + {}", queue.granted_us, queue.banked_us);
