@@ -722,6 +722,14 @@ fn a_store_layer_whose_reissue_failed_is_not_stored_and_refuses_the_commit() {
 /// Fills engine blocks 0 and 1 with the two blocks of `tokens` and stores them, every layer,
 /// committed; returns their keys.
 fn store_two_blocks(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, tokens: &[u32]) -> Vec<u64> {
+    let (keys, handle) = stage_two_blocks(fixture, store, tokens);
+    assert_eq!(store.commit_store(handle).expect("commit"), 2);
+    keys
+}
+
+/// Two blocks of `tokens` stored from engine blocks 0 and 1, every layer, not committed: their
+/// keys and the request.
+fn stage_two_blocks(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, tokens: &[u32]) -> (Vec<u64>, RequestHandle) {
     let keys = keys_of(tokens);
     for (block, &key) in keys.iter().enumerate() {
         fill(fixture, block as u32, key);
@@ -731,8 +739,7 @@ fn store_two_blocks(fixture: &Fixture, store: &mut KvStore<CpuExecutor>, tokens:
         store.store_layer(plan.handle, layer, BUDGET).unwrap();
         store.wait(plan.handle, deadline()).unwrap();
     }
-    assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
-    keys
+    (keys, plan.handle)
 }
 
 #[test]
@@ -1241,6 +1248,16 @@ fn each_committed_slot_keeps_the_generation_its_header_was_written_with() {
     assert_eq!(generations(pool.index()), in_memory, "in memory as on disk");
 }
 
+/// Stages one Valid header (key 0xBAD) for slot 3 of device 0 at `generation`, as another
+/// tool may have written it, and writes it out.
+fn valid_header_at(fixture: &Fixture, generation: u64) {
+    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    pool.generation = generation - 1;
+    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
+    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), generation);
+    pool.sync_headers(&mut NoLender).expect("sync");
+}
+
 #[test]
 fn every_header_a_pool_stages_is_accepted_at_its_next_open() {
     // Goal: whatever generation the pool counts to, its next open accepts the headers it
@@ -1251,12 +1268,7 @@ fn every_header_a_pool_stages_is_accepted_at_its_next_open() {
     // committed and the pool reopened again: all three served, nothing corrupt.
     for start in [1 << 62, crate::format::GENERATION_MAX - 16] {
         let fixture = fixture(1, None);
-        let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
-        pool.generation = start - 1;
-        let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
-        assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), start);
-        pool.sync_headers(&mut NoLender).expect("sync");
-        drop(pool);
+        valid_header_at(&fixture, start);
         let (pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
         assert_eq!((report.corrupt_headers, report.valid_slots), (0, 1), "start {start}: {report:?}");
         drop(pool);
@@ -1278,12 +1290,7 @@ fn a_header_at_the_largest_generation_refuses_every_later_stage_naming_it() {
     // and condemnation is refused loudly, naming that header, the bound and the way out (a
     // reformat), rather than "device 0: the pool's header generation count is exhausted".
     let fixture = fixture(1, None);
-    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
-    pool.generation = crate::format::GENERATION_MAX - 1;
-    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
-    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX);
-    pool.sync_headers(&mut NoLender).expect("sync");
-    drop(pool);
+    valid_header_at(&fixture, crate::format::GENERATION_MAX);
     let (mut pool, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!((report.corrupt_headers, report.valid_slots), (0, 1), "{report:?}");
     assert!(pool.index().get(0xBAD).is_some(), "the header is the pool's newest");
@@ -1304,15 +1311,8 @@ fn a_header_at_the_largest_generation_refuses_every_later_stage_naming_it() {
     drop(pool);
     let mut store = in_process(&fixture, StoreConfig::default());
     let tokens = tokens(31, 2);
-    for (block, &key) in keys_of(&tokens).iter().enumerate() {
-        fill(&fixture, block as u32, key);
-    }
-    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
-    for layer in 0..geometry().layers {
-        store.store_layer(plan.handle, layer, BUDGET).unwrap();
-        store.wait(plan.handle, deadline()).unwrap();
-    }
-    refused(store.commit_store(plan.handle).expect_err("a commit is refused"));
+    let (_, handle) = stage_two_blocks(&fixture, &mut store, &tokens);
+    refused(store.commit_store(handle).expect_err("a commit is refused"));
     assert_eq!(store.lookup(&tokens), 0, "nothing committed");
 }
 
@@ -1370,12 +1370,7 @@ fn a_count_exhausted_after_a_header_read_at_open_names_that_header() {
     // set near the bound, as it would from another tool's header read at an earlier open), so
     // the refusal must not say flatly that another tool wrote it: it used to.
     let fixture = fixture(1, None);
-    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
-    pool.generation = crate::format::GENERATION_MAX - 2;
-    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
-    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX - 1);
-    pool.sync_headers(&mut NoLender).expect("sync");
-    drop(pool);
+    valid_header_at(&fixture, crate::format::GENERATION_MAX - 1);
     let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
     assert_eq!(pool.stage_header(0, 5, crate::format::SlotState::Empty, &[]).expect("the last generation"), crate::format::GENERATION_MAX);
     let error = pool.stage_header(0, 6, crate::format::SlotState::Empty, &[]).expect_err("the count is at its bound");
@@ -1407,26 +1402,13 @@ fn a_commit_whose_count_runs_out_midway_leaves_none_of_it_after_a_reopen() {
     // Empty stage was refused too: the Valid entry stayed staged and the store's drop wrote
     // it, so the reopened pool served the tail of a commit reported failed.
     let fixture = fixture(1, None);
-    let (mut pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
-    pool.generation = crate::format::GENERATION_MAX - 2;
-    let record = crate::format::BlockRecord { key: 0xBAD, token_count: 16, payload_crc: 1 };
-    assert_eq!(pool.stage_header(0, 3, crate::format::SlotState::Valid, &[record]).expect("stage"), crate::format::GENERATION_MAX - 1);
-    pool.sync_headers(&mut NoLender).expect("sync");
-    drop(pool);
+    valid_header_at(&fixture, crate::format::GENERATION_MAX - 1);
     let mut store = in_process(&fixture, StoreConfig::default());
     let tokens = tokens(41, 2);
-    let keys = keys_of(&tokens);
-    for (block, &key) in keys.iter().enumerate() {
-        fill(&fixture, block as u32, key);
-    }
-    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
-    let slots: std::collections::BTreeSet<u32> = plan_slots(&store, plan.handle);
+    let (keys, handle) = stage_two_blocks(&fixture, &mut store, &tokens);
+    let slots: std::collections::BTreeSet<u32> = plan_slots(&store, handle);
     assert_eq!(slots.len(), 2, "one slot per block: {slots:?}");
-    for layer in 0..geometry().layers {
-        store.store_layer(plan.handle, layer, BUDGET).unwrap();
-        store.wait(plan.handle, deadline()).unwrap();
-    }
-    match store.commit_store(plan.handle) {
+    match store.commit_store(handle) {
         Err(ObjstoreError::GenerationExhausted { .. }) => {}
         other => panic!("the second header finds the count at its bound: expected GenerationExhausted, got {other:?}"),
     }
