@@ -31,6 +31,15 @@ def path_without(*commands: str) -> str:
     return ":".join(kept)
 
 
+def kill_group(process: subprocess.Popen) -> None:
+    """Kills `process`'s session (started with start_new_session) and reaps it."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
 class StubRoot:
     """A temporary repository root: the scripts, and target/gpu-carry made of stubs."""
 
@@ -86,11 +95,7 @@ class StubRoot:
         except subprocess.TimeoutExpired:
             pass
         finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.wait()
+            kill_group(process)
         elapsed = time.monotonic() - started
         self.last_output = output.decode("utf-8", "replace")  # stdout and stderr, for a failure's message
         try:
@@ -278,11 +283,7 @@ exec python3 -c '{serve}' "$2"
                         time.sleep(0.1)
                     self.assertFalse(alive(tuttid_pid), f"tuttid ({tuttid_pid}) still runs after run-all.sh ended")
                 finally:
-                    try:
-                        os.killpg(process.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    process.wait()
+                    kill_group(process)
 
     def test_a_started_python_step_has_room_for_its_check_after_its_imports(self):
         # Goal: a step the loop starts is not left, after its imports (12 s here; torch's import
