@@ -783,6 +783,16 @@ mod tests {
         emu_rig_on_devices(1, |mut pairs| executor(pairs.remove(0)))
     }
 
+    /// A one-pair CPU executor rig whose IOCB was issued (layer 0) and whose doorbell ring for
+    /// it failed once, as a peek reported: the command sits unannounced, the ring due again.
+    fn rig_whose_first_ring_failed() -> EmuRig<CpuExecutor> {
+        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.queue.executor_mut().failing_doorbells[0] = 1;
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        rig
+    }
+
     /// [`emu_rig`] whose device table names the controller's namespace `devices` times, each
     /// entry served by a queue pair of its own (`executor` gets them in device order); the
     /// rig's IOCB reads from device 0.
@@ -922,12 +932,9 @@ mod tests {
         // is the lend's error at once. (Neither error fences the device: the object store counts
         // only NVMe command failures and timeouts towards that, and a lend's error is a
         // GioError::Executor; the caller's reset, which replaces the pair, cures the fault.)
-        let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
+        let budget = crate::types::SmBudget(1);
         let deadline = || Instant::now() + std::time::Duration::from_secs(2);
-        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
-        rig.queue.executor_mut().failing_doorbells[0] = 1;
-        rig.queue.issue_io(&[rig.id], layer, budget).expect("issue");
-        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        let mut rig = rig_whose_first_ring_failed();
         let (executor, memory) = rig.queue.executor_and_memory();
         let lent = executor.lend_queue_pair(memory, 0, deadline()).map(|pair| pair.map(|pair| pair.in_flight()));
         assert!(matches!(lent, Ok(Some(0))), "rung, then emptied: {lent:?}");
@@ -958,12 +965,8 @@ mod tests {
         // reset) returns that to the borrower; the queue's caller, whose IOCBs are on that pair,
         // must hear it too. The lend marked the pair stale, and polls skip a stale pair as
         // "reported already": its IOCBs only timed out, with no cause stated.
-        let (layer, budget) = (crate::types::LayerIndex(0), crate::types::SmBudget(1));
         let soon = || Instant::now() + std::time::Duration::from_millis(100);
-        let mut rig = emu_rig(|pair| CpuExecutor::new(vec![pair], 4));
-        rig.queue.executor_mut().failing_doorbells[0] = 1;
-        rig.queue.issue_io(&[rig.id], layer, budget).expect("issue");
-        assert!(rig.queue.peek_cqe().is_err(), "the poll's failed ring is reported");
+        let mut rig = rig_whose_first_ring_failed();
         rig.controller.reset(false).expect("controller reset");
         let stale = |error: &GioError| matches!(error, GioError::Executor { reason, .. } if reason.contains("device 0") && reason.contains("reset"));
         let (executor, memory) = rig.queue.executor_and_memory();
