@@ -233,19 +233,26 @@ fn decode_steps_bank_while_a_write_layer_runs() {
     for _ in 0..5 {
         stack.runtime.decode_step(context).expect("decode step");
     }
-    let written = |stack: &Stack| {
-        stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
-    };
-    assert_eq!(written(&stack), 0, "the emulated layer takes ~3 s");
+    assert_eq!(write_layers_completed(&stack), 0, "the emulated layer takes ~3 s");
     assert_eq!(stack.runtime.counters().write_layers_issued, 1, "nothing released behind the layer in flight");
+    poll_until_the_first_write_layer_completes(&mut stack);
+    stack.runtime.decode_step(context).expect("decode step");
+    assert_eq!(stack.runtime.counters().write_layers_issued, 2, "the first step after it releases the next layer");
+}
+
+/// Write layers completed, from the runtime's event log.
+fn write_layers_completed(stack: &Stack) -> usize {
+    stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
+}
+
+/// Polls the banking stack's I/O until its first write layer completed (~3 s; 30 s at most).
+fn poll_until_the_first_write_layer_completes(stack: &mut Stack) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while written(&stack) == 0 {
+    while write_layers_completed(stack) == 0 {
         assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
         stack.runtime.poll_io().expect("poll");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    stack.runtime.decode_step(context).expect("decode step");
-    assert_eq!(stack.runtime.counters().write_layers_issued, 2, "the first step after it releases the next layer");
 }
 
 /// The stack of `decode_steps_bank_while_a_write_layer_runs`: writes of 5 ms per IOCB, 4.4 ms
@@ -302,16 +309,8 @@ fn time_banked_in_decode_steps_does_not_cross_into_the_next_prefill() {
     for _ in 0..4 {
         stack.runtime.decode_step(context).expect("decode step");
     }
-    let written = |stack: &Stack| {
-        stack.runtime.events().iter().filter(|e| e.direction == IoDirection::Write && e.kind == IoEventKind::Completed).count()
-    };
-    assert_eq!(written(&stack), 0, "the emulated layer takes ~3 s");
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while written(&stack) == 0 {
-        assert!(std::time::Instant::now() < deadline, "the first write layer never completed");
-        stack.runtime.poll_io().expect("poll");
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    assert_eq!(write_layers_completed(&stack), 0, "the emulated layer takes ~3 s");
+    poll_until_the_first_write_layer_completes(&mut stack);
     let second: Vec<u32> = prompt(1, 1).iter().map(|token| token + 7_000_000).collect();
     assert_eq!(second.len(), 96);
     let engine_blocks: Vec<u32> = (4..10).collect();
