@@ -346,6 +346,20 @@ fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
     (Stack { device, runtime, engine }, rigging)
 }
 
+/// Stores the first prompt (`prompt(0, 0)`, engine blocks 0..4) and drains it, then prefills
+/// `prompt(0, 1)` (engine blocks 4..10) with its first read's completion lost on the device: the
+/// prefill fails with ReadFailed and its retrieve retires (the fault plan stays set).
+fn retire_a_read<E: Executor>(stack: &mut Stack<E>) {
+    prefill(stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    stack
+        .device
+        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)));
+    let failed = prefill(stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+    assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+    assert_eq!(stack.runtime.retiring_requests(), 1);
+}
+
 /// What a [`Rigged`] executor holds back: the IOCBs marked (`mark`: those ISSUED then), the
 /// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
 #[derive(Default)]
@@ -547,15 +561,7 @@ fn a_retiring_request_counts_against_the_queues_request_slots() {
         config.write_queue_limit_stores = 2;
         let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
         let mut stack = Stack { device, runtime, engine };
-        let first = prompt(0, 0);
-        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
-        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
-        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
-        assert_eq!(stack.runtime.retiring_requests(), 1);
+        retire_a_read(&mut stack);
         // Another session's prompt (no block shared): its store queued.
         let other: Vec<u32> = prompt(1, 0).iter().map(|token| token + 7_000_000).collect();
         assert_eq!(prefill(&mut stack, &other, &[10, 11, 12, 13]).unwrap(), 0);
@@ -841,14 +847,7 @@ fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
     bounded(|| {
         let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
         let armed = &rigging.poll_fails;
-        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
-        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
-        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
-        assert_eq!(stack.runtime.retiring_requests(), 1);
+        retire_a_read(&mut stack);
         let capture = LogCapture::default();
         armed.store(true, Ordering::SeqCst);
         tracing::subscriber::with_default(capture.clone(), || stack.runtime.poll_io().expect("poll"));
@@ -880,14 +879,7 @@ fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
         let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
         let held = &rigging.held;
         let first = prompt(0, 0);
-        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
-        let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
-        assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
-        assert_eq!(stack.runtime.retiring_requests(), 1);
+        retire_a_read(&mut stack);
         held.lock().expect("held").mark();
 
         let logged = stack.runtime.events().len();
