@@ -918,3 +918,59 @@ fn a_retrieve_reaped_before_abandon_in_flight_failed_is_read_again() {
         assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
     });
 }
+
+#[test]
+fn a_store_write_reaped_before_abandon_in_flight_failed_is_written_again() {
+    // Goal: when `abandon_in_flight` fails after the reset, partway through reaping, a store's
+    // write it did reap (its layer ended as TIMEOUT, unwritten) is issued again, and the store
+    // commits once it completed. Without the requeue (the runtime keeping the layer in flight,
+    // the object store not), the store was never committed: the same prompt found nothing
+    // cached. Until now only the read side of this path was tested. A read whose completion the device
+    // lost leaves a retrieve retiring in request slot 1; an uncached prompt's store then takes
+    // slot 0, so the reset's reaping reaches its write first.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let held = &rigging.held;
+        retire_a_read(&mut stack);
+        held.lock().expect("held").mark();
+
+        let logged = stack.runtime.events().len();
+        // Shares no block with the prompts before it: a store and no retrieve.
+        let fresh: Vec<u32> = (0..4 * common::BLOCK_TOKENS).map(|index| 7_000_000 + index).collect();
+        let targets: Vec<u32> = (20..24).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &fresh, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (0, 4), "uncached: a store of every block");
+        let request = start.id.get();
+        let writes = |stack: &Stack<Rigged>, layer: u32, kind: IoEventKind| {
+            stack.runtime.events()[logged..]
+                .iter()
+                .filter(|e| e.request == request && e.direction == IoDirection::Write && e.layer == layer && e.kind == kind)
+                .count()
+        };
+        for layer in 0..layers {
+            stack.runtime.before_layer(start.id, layer).expect("layer");
+            stack.engine.compute_layer(&fresh, 0..4, &targets, layer);
+            stack.runtime.after_layer(start.id, layer).expect("layer");
+        }
+        stack.runtime.end_prefill(start.id).expect("end");
+        // The store's writes go out after the prefill; one of them is in flight now.
+        let in_flight: Vec<u32> = (0..layers)
+            .filter(|&layer| writes(&stack, layer, IoEventKind::Issued) > writes(&stack, layer, IoEventKind::Completed))
+            .collect();
+        assert_eq!(in_flight.len(), 1, "one write of the store is in flight: {:?}", &stack.runtime.events()[logged..]);
+        let abandoned = stack.runtime.abandon_in_flight();
+        assert!(abandoned.is_err(), "the retiring retrieve's reap fails: {abandoned:?}");
+
+        stack.runtime.drain().expect("the store's writes, the abandoned one issued again, complete");
+        let issued_twice = writes(&stack, in_flight[0], IoEventKind::Issued);
+        // What was committed is what the engine computed: read back into other blocks.
+        let again: Vec<u32> = (30..34).collect();
+        let cached = prefill(&mut stack, &fresh, &again).expect("the stored prompt, retrieved");
+        assert_eq!(cached, 4, "every block of the store was committed");
+        assert!(stack.engine.holds(&fresh, 0..4, &again, layers), "every layer was written and read back");
+        assert_eq!(issued_twice, 2, "layer {}'s write, ended by the reset, was issued again", in_flight[0]);
+        assert!(held.lock().expect("held").cqes.is_empty(), "a poll after the failed one posted the held CQE");
+        assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
+    });
+}
