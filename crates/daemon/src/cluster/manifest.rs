@@ -346,20 +346,50 @@ pub fn load(path: &Path, segment_blocks: SegmentBlocks) -> Result<Loaded, Daemon
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(Loaded::default()),
         Err(error) => return Err(io("opening")(error)),
     };
-    let too_large = |length: u64| not_a_manifest(path, &format!("is {length} bytes, over the {FILE_BYTES_MAX}-byte bound of a manifest"));
-    if metadata.len() > FILE_BYTES_MAX {
-        return Err(too_large(metadata.len()));
-    }
-    let mut bytes = Vec::with_capacity(metadata.len() as usize);
-    // Bounded however long the file has grown since its length was read.
-    file.take(FILE_BYTES_MAX + 1).read_to_end(&mut bytes).map_err(io("reading"))?;
-    if bytes.len() as u64 > FILE_BYTES_MAX {
-        return Err(too_large(bytes.len() as u64));
-    }
-    let mut loaded =
-        parse(&bytes, segment_blocks).map_err(|Foreign| not_a_manifest(path, "does not begin with a segment manifest's magic (TSMF)"))?;
+    let foreign = || not_a_manifest(path, "does not begin with a segment manifest's magic (TSMF)");
+    let bytes = match read_bounded(file, metadata.len()).map_err(io("reading"))? {
+        Ok(bytes) => bytes,
+        Err(Refused::Foreign) => return Err(foreign()),
+        Err(Refused::TooLarge(length)) => {
+            return Err(not_a_manifest(path, &format!("is {length} bytes, over the {FILE_BYTES_MAX}-byte bound of a manifest")))
+        }
+    };
+    let mut loaded = parse(&bytes, segment_blocks).map_err(|Foreign| foreign())?;
     loaded.identity = Some(FileIdentity::of(&metadata));
     Ok(loaded)
+}
+
+/// What [`read_bounded`] refused to read.
+#[derive(Debug, PartialEq, Eq)]
+enum Refused {
+    /// Not empty and not beginning with `TSMF`.
+    Foreign,
+    /// Over [`FILE_BYTES_MAX`] bytes: the length it was found to have.
+    TooLarge(u64),
+}
+
+/// The bytes of a journal whose metadata gave `length`, read from `reader`. The magic is read
+/// and checked first: the slip the module docs name (the pool's image, GiBs) is refused after
+/// 4 bytes, not read into memory whole first (under a memory limit that start was killed
+/// rather than refused).
+fn read_bounded(reader: impl Read, length: u64) -> std::io::Result<Result<Vec<u8>, Refused>> {
+    if length > FILE_BYTES_MAX {
+        return Ok(Err(Refused::TooLarge(length)));
+    }
+    // Bounded however long the file has grown since its length was read.
+    let mut reader = reader.take(FILE_BYTES_MAX + 1);
+    let mut bytes = Vec::with_capacity(MAGIC.len());
+    (&mut reader).take(MAGIC.len() as u64).read_to_end(&mut bytes)?;
+    // Fewer than 4 bytes is the end of the file: empty is an empty journal, anything else not one.
+    if !bytes.is_empty() && bytes[..] != MAGIC[..] {
+        return Ok(Err(Refused::Foreign));
+    }
+    bytes.reserve(length.saturating_sub(bytes.len() as u64) as usize);
+    reader.read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > FILE_BYTES_MAX {
+        return Ok(Err(Refused::TooLarge(bytes.len() as u64)));
+    }
+    Ok(Ok(bytes))
 }
 
 /// [`parse`]'s refusal: the bytes do not begin with the manifest's magic.
@@ -736,6 +766,42 @@ mod tests {
         Manifest::rewrite(&manifest, blocks(), 0, std::iter::empty()).unwrap();
         assert!(!temporary.exists());
         assert_eq!(std::fs::read(&manifest).unwrap(), header(VERSION, blocks()));
+    }
+
+    /// A reader of `remaining` bytes of `byte` that counts what was taken from it.
+    struct Counted {
+        byte: u8,
+        remaining: u64,
+        read: std::rc::Rc<std::cell::Cell<u64>>,
+    }
+
+    impl Read for Counted {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(usize::try_from(self.remaining).unwrap_or(usize::MAX));
+            buf[..n].fill(self.byte);
+            self.remaining -= n as u64;
+            self.read.set(self.read.get() + n as u64);
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn what_does_not_begin_with_the_magic_is_refused_after_its_first_bytes() {
+        // Goal: the slip the module docs name (`--cluster-state` at the pool's image, GiBs) is
+        // refused having read the magic's 4 bytes, not the whole file into memory first (a
+        // start under a memory limit was killed instead of refused). A manifest is read whole.
+        let read = std::rc::Rc::new(std::cell::Cell::new(0));
+        let image = Counted { byte: 0, remaining: 64 << 20, read: read.clone() };
+        assert_eq!(read_bounded(image, 64 << 20).unwrap(), Err(Refused::Foreign));
+        assert!(read.get() <= MAGIC.len() as u64, "read {} bytes of a file that is not a manifest", read.get());
+
+        let mut manifest = header(VERSION, blocks()).to_vec();
+        manifest.extend_from_slice(&[7; 100]);
+        let length = manifest.len() as u64;
+        assert_eq!(read_bounded(&manifest[..], length).unwrap(), Ok(manifest.clone()));
+        assert_eq!(read_bounded(&b""[..], 0).unwrap(), Ok(Vec::new()), "an empty file is an empty manifest");
+        assert_eq!(read_bounded(&b"TS"[..], 2).unwrap(), Err(Refused::Foreign), "shorter than the magic");
+        assert_eq!(read_bounded(&b""[..], FILE_BYTES_MAX + 1).unwrap(), Err(Refused::TooLarge(FILE_BYTES_MAX + 1)));
     }
 
     #[test]
