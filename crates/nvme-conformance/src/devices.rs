@@ -1,5 +1,6 @@
 //! Opens `--device` strings (parsed by tutti-devices) as devices under test.
 
+use std::os::unix::fs::FileTypeExt;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
@@ -17,6 +18,27 @@ const EMU_FILE_BYTES: u64 = 256 << 20;
 
 /// A device under test and, where it has one, its fault injector.
 pub type DeviceUnderTest = (Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector>>);
+
+/// Why the suite would overwrite data `spec` already holds, or None when it holds none: an
+/// `emu:PATH` that is a block device (a whole disk: a blank start proves nothing) or a regular
+/// file that is not empty. The checks write from LBA 0 on (and across every namespace), so such
+/// a device is tested only when `--overwrite` says so. A missing or empty file holds nothing;
+/// memory devices start blank. (tutti-profile's `holds_prior_data` decides the same for its
+/// `--overwrite`, but lives in that binary; tutti-devices' `refuse_foreign_contents` lets a
+/// tutti pool through, which the suite would destroy.)
+pub fn prior_data(spec: &DeviceSpec) -> Option<String> {
+    let DeviceSpec::EmuFile(path) = spec else { return None };
+    // Whatever cannot be examined (missing, not allowed) is left to the lock and the opening,
+    // which report it.
+    let metadata = std::fs::metadata(path).ok()?;
+    if metadata.file_type().is_block_device() {
+        Some("is a block device".into())
+    } else if metadata.is_file() && metadata.len() > 0 {
+        Some(format!("holds {} bytes", metadata.len()))
+    } else {
+        None
+    }
+}
 
 /// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH`, in its own DMA space.
 pub fn open(spec: &DeviceSpec) -> Result<DeviceUnderTest> {

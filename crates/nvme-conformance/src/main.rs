@@ -5,11 +5,17 @@
 //! nvme-conformance --device emu:mem:256M                  # the software controller in memory
 //! nvme-conformance --device emu:/tmp/nvme.img --integrity-mib 256
 //! ```
+//! Every device named is overwritten. Before any is written, each is locked as tuttid and
+//! `tutti pool` lock it, and each block device claimed (`O_EXCL`); an `emu:PATH` that already
+//! holds data (a non-empty file, a block device) is tested only with `--overwrite`.
+//!
 //! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage
 //! (bad flags, a device string that does not parse or a device that cannot be opened, e.g. a
-//! memory device larger than the machine can spare; a `--filter` that selects no check; an
-//! `--integrity-mib` larger than the namespace; a `--timeout-s` above a day), 141 when standard output was closed by its
-//! reader.
+//! memory device larger than the machine can spare; a device another process holds (its lock,
+//! or a block device in use); an `emu:PATH` holding data without `--overwrite`; a `--filter`
+//! that selects no check; an `--integrity-mib` larger than the namespace; a `--timeout-s` above
+//! a day), 141 when standard output was closed by its reader.
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -17,7 +23,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use nvme_conformance::{run_suite, SuiteConfig};
 use tutti_cli::{exit, outln};
-use tutti_devices::DeviceSpec;
+use tutti_devices::{BlockDeviceClaims, DeviceLocks, DeviceSpec, HostBlockDevices, DEFAULT_LOCK_DIR};
 
 mod devices;
 
@@ -26,13 +32,23 @@ mod devices;
 #[command(
     version,
     about,
-    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device, a --filter that selects no check, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
+    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device, a device another process holds or a block device in use, an emu:PATH holding data without --overwrite, a --filter that selects no check, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
 )]
 struct Arguments {
     /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH` (a file
-    /// of at least 256 MiB is created or grown). Repeatable.
+    /// of at least 256 MiB is created or grown). Repeatable. Every device named is overwritten
+    /// (from LBA 0, in every namespace); one a tuttid or `tutti pool` holds, or a block device in
+    /// use, is refused.
     #[arg(long = "device", required = true, value_parser = parse_device)]
     devices: Vec<DeviceSpec>,
+    /// Allow testing an `emu:PATH` that already holds data (a non-empty file, a block device):
+    /// the checks overwrite it.
+    #[arg(long)]
+    overwrite: bool,
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that the suite never
+    /// writes to a device a live tuttid (or `tutti pool`) is using.
+    #[arg(long, default_value = DEFAULT_LOCK_DIR)]
+    lock_dir: PathBuf,
     /// I/O queue pairs to ask for and exercise concurrently; a controller that grants fewer is
     /// tested with what it grants (the report says how many were used).
     #[arg(long, default_value_t = 4)]
@@ -89,6 +105,24 @@ fn run(arguments: Arguments) -> Result<bool> {
     };
     // Bad usage is refused before any check runs (exit status 2), not reported as a failed suite.
     config.validate()?;
+    // Every device is checked, locked and claimed before any is written: the suite writes from
+    // LBA 0 on. One file or PCI function named twice is refused as such (not as in use).
+    tutti_devices::refuse_shared_files(&arguments.devices)?;
+    if !arguments.overwrite {
+        for spec in &arguments.devices {
+            if let Some(found) = devices::prior_data(spec) {
+                bail!("{spec} {found}: the checks overwrite it from LBA 0 on; pass --overwrite if that is intended");
+            }
+        }
+    }
+    // The lock tuttid and `tutti pool` take (flock on the emu: file, a lock file per vfio:
+    // function), held until every device is done, so that the suite never writes under a live
+    // daemon; a missing emu: file is created empty here so that it is locked before the
+    // software controller grows it. Then the claim (O_EXCL) of every block device: one that is
+    // mounted, swap or under device-mapper/MD is refused, and nothing mounts it meanwhile. The
+    // lock comes first: only its refusal names the holder.
+    let _locks = DeviceLocks::acquire(&arguments.devices, &arguments.lock_dir, true)?;
+    let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
     let mut all_passed = true;
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;

@@ -74,3 +74,62 @@ fn options_that_select_nothing_or_overflow_are_bad_usage() {
     let fits = conformance(&["--device", "emu:mem:16M", "--filter", "data_integrity", "--integrity-mib", "16"]);
     assert_eq!(fits.status.code(), Some(0), "{}", String::from_utf8_lossy(&fits.stdout));
 }
+
+/// A file of `bytes` under the test target's scratch directory, named for the test and this
+/// process (removed by the caller).
+fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-{name}-{}.img", std::process::id()));
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+#[test]
+fn a_file_another_process_holds_is_refused_and_left_as_it_was() {
+    // Goal (finding 1): the lock tuttid and `tutti pool` take on an emu: file is honoured: with
+    // it held elsewhere (here by this test process), the suite refuses the device with exit 2,
+    // naming the holder, and writes nothing (it used to overwrite the file from LBA 0 on).
+    let contents: Vec<u8> = (0..64usize << 20).map(|index| (index % 251) as u8).collect();
+    let path = scratch_file("locked", &contents);
+    let holder = std::fs::File::open(&path).unwrap();
+    holder.lock().unwrap();
+    let device = format!("emu:{}", path.display());
+    let output = conformance(&["--device", &device, "--overwrite", "--quick", "--filter", "read_write_sizes_prp"]);
+    let text = String::from_utf8_lossy(&output.stderr);
+    let unchanged = std::fs::read(&path).unwrap() == contents;
+    drop(holder);
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("in use by another process") && text.contains(&std::process::id().to_string()), "{text}");
+    assert!(unchanged, "the locked file was written");
+}
+
+#[test]
+fn a_file_holding_data_needs_overwrite() {
+    // Goal (finding 1): the suite writes from LBA 0 on, so an emu: file that already holds
+    // data is refused (exit 2, nothing written) unless --overwrite says so; with it the suite
+    // runs. A file named by mistake is not grown and overwritten.
+    let contents = b"#!/bin/sh\necho a file named by mistake\n".repeat(1000);
+    let path = scratch_file("foreign", &contents);
+    let device = format!("emu:{}", path.display());
+    let refused = conformance(&["--device", &device, "--quick", "--filter", "read_write_sizes_prp"]);
+    let text = String::from_utf8_lossy(&refused.stderr).into_owned();
+    let unchanged = std::fs::read(&path).unwrap() == contents;
+    let overwritten = conformance(&["--device", &device, "--overwrite", "--quick", "--filter", "read_write_sizes_prp"]);
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{text}");
+    assert!(text.contains("--overwrite") && !text.contains("panicked"), "{text}");
+    assert!(unchanged, "a file holding data was written without --overwrite");
+    assert!(!String::from_utf8_lossy(&refused.stdout).contains("CONFORMANCE_"), "a verdict was printed");
+    assert_eq!(overwritten.status.code(), Some(0), "{}", String::from_utf8_lossy(&overwritten.stderr));
+}
+
+#[test]
+fn a_new_file_is_created_and_tested_without_overwrite() {
+    // Goal: a missing emu: file holds nothing: it is created (locked meanwhile) and tested.
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-new-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let device = format!("emu:{}", path.display());
+    let output = conformance(&["--device", &device, "--quick", "--filter", "read_write_sizes_prp"]);
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(output.status.code(), Some(0), "{}", String::from_utf8_lossy(&output.stderr));
+}
