@@ -470,6 +470,52 @@ def test_storage_calls_read_only_the_overrides_added_since_the_last(tmp_path: Pa
             storage.close()
 
 
+@pytest.mark.parametrize("fingerprint", ["default", "explicit"])
+def test_an_overrides_log_that_cannot_be_read_at_attach_is_refused(tmp_path: Path, fingerprint: str):
+    """Goal: the backend sees in-place weight updates only through SGLang's overrides log; in a
+    process where it cannot be read (another SGLang release keeping it elsewhere) the attach is
+    refused, naming the log and the way out, before the pool is opened, not accepted blind to
+    every later update (whose pages would then be served the old weights' KV). An explicit
+    "model_fingerprint", which skips every other read of SGLang's config, is refused too."""
+    pool = host_pool("page_first")
+    explicit = {"model_fingerprint": "ab" * 32} if fingerprint == "explicit" else {}
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        get_context()._overrides_log = None  # neither the list nor overrides_log() reads; restored with the override
+        with pytest.raises(tutti.InvalidArgument, match=r"overrides log.*weight update.*SGLang 0\.5\.23"):
+            backend("page_first", pool, extra_config(tmp_path / "pool.img", True, **explicit))
+    assert not (tmp_path / "pool.img").exists(), "the pool was opened before the refusal"
+
+
+def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, caplog):
+    """Goal: a log read at the attach that cannot be read later may hide a weight update: each
+    call that cannot read it counts as one more change (with a warning), so the pages stored
+    before miss and nothing is backed up, a flush or not, while it stays unreadable; once it reads
+    again, the backend is in a key space of its own whose backups wait for SGLang's next flush."""
+    pool = host_pool("page_first")
+    keys = page_keys(32, 2)
+    later = page_keys(33, 1)
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        context = get_context()
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
+        try:
+            assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
+            assert storage.batch_exists(keys) == 2
+            log, context._overrides_log = context._overrides_log, None
+            with caplog.at_level("WARNING"):
+                assert storage.batch_exists(keys) == 0, "pages stored before are served while the overrides log cannot be read"
+            assert "overrides log" in caplog.text
+            sglang_flush(pool)
+            assert storage.batch_set_v1(later, indices([3])) == [False], "a backup was stored while the overrides log cannot be read"
+            context._overrides_log = log
+            assert storage.batch_exists(keys) == 0, "pages stored before the log became unreadable are served once it reads again"
+            assert storage.batch_set_v1(later, indices([3])) == [False], "a backup before SGLang's flush was stored"
+            sglang_flush(pool)
+            assert storage.batch_set_v1(later, indices([3])) == [True]
+            assert storage.batch_exists(later) == 1
+        finally:
+            storage.close()
+
+
 def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):
     """Goal: a server restarted on the same checkpoint arguments with another --weight-version
     serves other weights (as a live version change says): it is not served the pages of the

@@ -31,6 +31,7 @@ tutti.sglang imports these names, and `rank_devices` / `check_rank_devices` stay
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -41,6 +42,7 @@ import torch
 from tutti._engine import ConfigError
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
+logger = logging.getLogger("tutti.sglang")
 
 # The pools this process cleared (SGLang's storage clear): (device identity, fingerprint) pairs.
 # tutti cannot delete a pool's pages, so a backend built later in this process (SGLang's
@@ -326,22 +328,35 @@ def _weight_change(entry: Any) -> Optional[str]:
         return f"an entry not (source, fields): {entry!r}"
 
 
-def _overrides_log() -> Optional[tuple[list, bool]]:
+class _LogUnreadable(Exception):
+    """SGLang's overrides log cannot be read in this process (the message says why)."""
+
+
+def _overrides_log() -> tuple[list, bool]:
     """SGLang's overrides log in this process: (the runtime context's own list, True), which the
     caller reads only the new entries of (get_context().overrides_log() copies every entry, and
     the log grows for the life of the process: adaptive speculative decoding adds one at every
     step switch); (that copy, False) when the list itself cannot be read (a release that keeps it
-    elsewhere); None when neither can."""
-    from sglang.srt.runtime_context import get_context
-
+    elsewhere). Raises _LogUnreadable when neither can (never in SGLang 0.5.23: its
+    get_context() returns the process's one context, published or not, whose _overrides_log
+    slot is a list from its construction on)."""
     try:
+        from sglang.srt.runtime_context import get_context
+
         context = get_context()
         log = getattr(context, "_overrides_log", None)
         if isinstance(log, list):
             return log, True
-        return context.overrides_log(), False
-    except (ValueError, RuntimeError, AttributeError, TypeError):
-        return None
+        copy = context.overrides_log()
+        if not isinstance(copy, list):
+            raise TypeError(f"get_context().overrides_log() returned {type(copy).__name__}, not a list")
+        return copy, False
+    except (ImportError, ValueError, RuntimeError, AttributeError, TypeError) as error:
+        raise _LogUnreadable(f"{type(error).__name__}: {error}") from error
+
+
+# What _WeightEpochs records as its log when the last read failed: no list SGLang holds is it.
+_LOG_LOST = object()
 
 
 def _weight_changes(entries: list) -> tuple[str, ...]:
@@ -361,6 +376,13 @@ class _WeightEpochs:
     makes the older epochs' pages miss (they age out by LRU) without retiring the pool. With
     `private_startup` (the startup weights are named by nothing either: `_unnamed_startup_weights`)
     epoch 0 is salted the same way, so no restart finds its pages.
+
+    The log is the only way a change is seen, so a log that cannot be read fails safe: at
+    construction it is a ConfigError (the backend would be blind to every update, and serve the
+    old weights' pages after one); later, each read that fails counts as one more change (one
+    may have happened unseen), so nothing stored before is found and no backup is stored while
+    it stays unreadable, and the first read that succeeds after counts as one more (the log is
+    taken as another list).
 
     A page backed up in epoch n must be KV of epoch n's weights, and SGLang does not say when a
     host page was computed: a backup operation queued before the change may run after it (the
@@ -388,21 +410,44 @@ class _WeightEpochs:
         self._nonce = os.urandom(16)
         self._private_startup = private_startup
         # The context's own log and how many of its entries were scanned (None: not read yet,
-        # or only a copy could be read); the changes seen in a copy.
-        self._log: Optional[list] = None
+        # or only a copy could be read; _LOG_LOST: the last read failed); the changes seen in a copy.
+        self._log: Any = None
         self._scanned = 0
         self._seen: tuple[str, ...] = ()
         self._epoch = 0
-        self._read_log(first=True)
+        try:
+            self._read_log(first=True)
+        except _LogUnreadable as error:
+            raise ConfigError(
+                f"SGLang's overrides log (get_context()._overrides_log, or get_context().overrides_log()) cannot be "
+                f"read in this process ({error}), and it is how tutti sees an in-place weight update "
+                "(update_weights_from_disk, a new weight_version): after one the old weights' pages would be served "
+                "(an explicit \"model_fingerprint\" does not change that). Run the SGLang release tutti is tested "
+                "with (SGLang 0.5.23), or run this server without --hicache-storage-backend"
+            ) from None
         # The epoch SGLang's last host pool clear happened in (-1: none since a change).
         self._flushed = 0 if self._epoch == 0 else -1
 
     def _read_log(self, first: bool = False) -> None:
-        """Counts the changes SGLang recorded since the last read (under the lock, or at init)."""
-        read = _overrides_log()
-        if read is None:
+        """Counts the changes SGLang recorded since the last read (under the lock, or at init).
+        Raises _LogUnreadable only at init (`first`): later, a log that cannot be read counts as
+        a change."""
+        try:
+            log, own = _overrides_log()
+        except _LogUnreadable as error:
+            if first:
+                raise
+            if self._log is not _LOG_LOST:
+                logger.warning(
+                    "tutti: SGLang's overrides log, read when the host pool was registered, cannot be read now (%s): "
+                    "a weight update may go unseen, so every storage call counts as one (nothing stored before is "
+                    "served, nothing is backed up) until it reads again",
+                    error,
+                )
+            # One more change, and the next read that succeeds is another list: one more again.
+            self._epoch += 1
+            self._log, self._seen = _LOG_LOST, ()
             return
-        log, own = read
         if own:
             if log is self._log and len(log) >= self._scanned:
                 # A slice is taken under the GIL: entries appended meanwhile wait for the next read.
@@ -426,7 +471,7 @@ class _WeightEpochs:
         self._log, self._seen = None, changes
 
     def current(self) -> int:
-        """The epoch now (the log read again); the last one known when it cannot be read."""
+        """The epoch now (the log read again; one more than the last when it cannot be read)."""
         with self._lock:
             # Read under the lock: the log only grows between publishes, so each read extends
             # the one before (no thread's older read can undo a newer one).
