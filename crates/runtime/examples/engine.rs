@@ -150,10 +150,12 @@ fn take_blocks(runtime: &mut Runtime<gio_uring::CpuExecutor>, profile: &Profile,
     Err(format!("no {count} releasable engine blocks after 256 decode steps").into())
 }
 
-/// One decode step: the runtime's boundary (queued writes go into its slack), then its compute.
+/// One decode step: the runtime's boundary (queued writes go into its slack), then its compute,
+/// as long as the step the runtime priced: a context before the first decode row is priced as
+/// that row (`Profile::decode_pricing_context`), which `Profile::decode_step` alone refuses.
 fn decode_step(runtime: &mut Runtime<gio_uring::CpuExecutor>, profile: &Profile, context: u32) -> Result<(), Failure> {
     runtime.decode_step(context)?;
-    compute_for(runtime, dilated_us(profile.decode_step(context)?.duration_us))
+    compute_for(runtime, dilated_us(profile.decode_step(profile.decode_pricing_context(context))?.duration_us))
 }
 
 /// Ends the runtime: drains the write queue, then closes the store, whose answer says whether

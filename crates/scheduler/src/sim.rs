@@ -647,11 +647,13 @@ impl<'a> Sim<'a> {
             return Ok(Phase::Done);
         }
         let context_tokens = self.config.input_tokens.saturating_add(step);
-        let duration_us = self.truth.decode_step(context_tokens)?.duration_us;
-        // As the runtime does (`Runtime::decode_step`): a context before the scheduler's table's
-        // first decode row is priced as that row (`Profile::decode_pricing_context`, one rule
-        // for both). A table with no decode row at all knows no slack: nothing is written that
+        // As the runtime does (`Runtime::decode_step`): a context before a table's first decode
+        // row is priced as that row (`Profile::decode_pricing_context`, one rule for both), for
+        // the step's length on the simulated GPU as for the policy's slack. `decode_step` alone
+        // refuses such a context, which ended the run on a table import, `check` and the runtime
+        // accept. A table with no decode row at all knows no slack: nothing is written that
         // step (the runtime counts it in `table_fallbacks`).
+        let duration_us = self.truth.decode_step(self.truth.decode_pricing_context(context_tokens))?.duration_us;
         let view = self.queue_view(self.scheduler_table.decode_pricing_context(context_tokens));
         let issues = match self.policy.plan_decode_step(&view) {
             Err(SchedulerError::OutOfRange { .. }) => Vec::new(),

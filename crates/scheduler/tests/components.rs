@@ -415,6 +415,28 @@ fn a_decode_context_before_the_policys_first_row_is_priced_as_that_row() {
     assert!(planned.write_backlog_bytes_at_end < planned.write_backlog_bytes_at_ttft, "{planned:?}");
 }
 
+/// Goal: a table whose first decode row is past the request's context simulates when it is the
+/// simulated GPU's own table too: the step is priced as the first row for its duration as for its
+/// slack (`Profile::decode_pricing_context`, the runtime's rule). Import, `check` and the runtime
+/// accept such a table (`check_decode_steps_can_write` counts that range), but the simulator took
+/// the step's duration from `Profile::decode_step`, whose `OutOfRange` ended the run.
+#[test]
+fn a_table_whose_first_decode_row_is_past_the_input_simulates_as_its_own_truth() {
+    let mut late = common::table();
+    for step in &mut late.decode_steps {
+        step.context_tokens += 4096;
+    }
+    let late = Profile::from_table(late).unwrap();
+    late.check_decode_steps_can_write().unwrap();
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 3, queued_kernels_hide_latency: true };
+    let mut policy = PolicyKind::SlackAware.build();
+    let run = simulate(&late, &late, &toy_ssd(), &config, policy.as_mut()).unwrap();
+    assert!(run.write_backlog_bytes_at_end < run.write_backlog_bytes_at_ttft, "{run:?}");
+    // Each of the 3 steps lasts the first row's 1000 µs (context 5120, priced as 5120).
+    assert!((run.decode_us - 3.0 * 1000.0).abs() < 1e-6, "{run:?}");
+}
+
 /// Goal: the write predicate counts the contexts before the first decode row (priced as that
 /// row) that requests reach (from the smallest profiled input, 1024 tokens here): a table whose
 /// only writable row is the first, above the smallest input, can write; at or below it, it
