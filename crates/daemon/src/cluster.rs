@@ -182,7 +182,9 @@ pub struct ClusterMetrics {
     /// it should not (another segment size, a damaged writer).
     pub lookup_refused_entries: Counter,
     pub lookup_ranges_cut_short: Counter,
-    /// `FetchRemote`: fetches asked for, failed, and blocks stored here from other nodes.
+    /// `FetchRemote`: fetches that went to a holder, those of them that failed, and blocks
+    /// stored here from other nodes. One the registry did not answer is neither (counted in
+    /// `lookup_failures` or `lookups_skipped`), so failures never outnumber reads.
     pub remote_reads: Counter,
     pub remote_read_failures: Counter,
     pub fetched_blocks: Counter,
@@ -586,7 +588,9 @@ impl ClusterAgent {
         let deadline = std::time::Instant::now() + data_plane::FETCH_DEADLINE;
         let mut part = self.beyond(space, keys, local_blocks);
         if part.registry != crate::protocol::RegistryAnswer::Answered {
-            self.metrics.remote_read_failures.inc();
+            // Not a remote read (none went to a holder): the lookup counted it already
+            // (`lookup_failures` or `lookups_skipped`). Counted as a read failure too, the
+            // failures outnumbered the reads.
             return Err("the cluster registry did not answer: nothing fetched".into());
         }
         if part.holders.is_empty() {

@@ -161,10 +161,16 @@ fn tuttid_nodes_ride_out_etcd_losing_one_member_and_serve_locally_while_all_are_
     let seen = on_c.lookup_cluster(&tokens_42).unwrap();
     assert_eq!((seen.cached_blocks, seen.registry, seen.remote_blocks), (0, RegistryAnswer::Unavailable, 0));
     assert!(started.elapsed() < Duration::from_millis(3500), "the lookup timeout is 3 s: {:?}", started.elapsed());
+    let before = c.status();
     match on_c.fetch_remote(&tokens_42) {
         Err(DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message }) => assert!(message.contains("registry"), "{message}"),
         other => panic!("a remote read with the registry down: {other:?}"),
     }
+    // A fetch the registry did not answer went to no holder: counted as the lookup's failure
+    // (or skip), not as a remote read's (the failures outnumbered the reads, divided by 0).
+    let after = c.status();
+    assert_eq!((after.remote_reads, after.remote_read_failures), (before.remote_reads, before.remote_read_failures), "{after:?}");
+    assert_eq!(after.lookup_failures + after.lookups_skipped, before.lookup_failures + before.lookups_skipped + 1, "{after:?}");
     assert_eq!(on_c.lookup(&tokens_42).unwrap(), 0);
 
     etcd.restart_all().unwrap();
