@@ -285,6 +285,22 @@ pub fn raw_options_given(matches: &ArgMatches) -> Vec<String> {
     options_given(&RAW_OPTIONS, matches)
 }
 
+/// Names of the serve-only options given on the command line (refused with the raw and kv
+/// workloads, which would run once, on their own stream, without a word about them).
+pub fn serve_options_given(matches: &ArgMatches) -> Vec<String> {
+    options_given(&crate::serve::OPTIONS, matches)
+}
+
+/// The kv options the serve workload has no use for: it formats a fresh in-memory pool of one
+/// block per slot per policy (nothing there to overwrite) and keeps its store's default layers
+/// in flight. (--keep-pool, --retrieve-only, --attach and --clients are refused on their own.)
+const KV_OPTIONS_SERVE_IGNORES: [&str; 3] = ["blocks_per_slot", "layers_in_flight", "overwrite"];
+
+/// Names of the kv options given on the command line that the serve workload would ignore.
+pub fn kv_options_serve_ignores_given(matches: &ArgMatches) -> Vec<String> {
+    options_given(&KV_OPTIONS_SERVE_IGNORES, matches)
+}
+
 /// Those of `ids` given on the command line, as the user spells them (fio's `--time_based`,
 /// `--number_ios`, `--cpus_allowed`, `--scramble_buffers` keep their underscores).
 fn options_given(ids: &[&str], matches: &ArgMatches) -> Vec<String> {

@@ -37,11 +37,32 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
         if !raw_options.is_empty() {
             let (workload, accepted) = match selected {
                 Selected::Kv => ("kv", "--device, --verify, --output-format and the KV options"),
-                _ => ("serve", "--device, --output-format, the KV and the serve options"),
+                _ => ("serve", SERVE_ACCEPTS),
             };
             return usage(format!(
                 "{} apply to --workload=raw; the {workload} workload sizes its I/O from the model, the prompt and the pool (accepted with it: {accepted})",
                 raw_options.join(", ")
+            ));
+        }
+    }
+    // Each workload refuses what it would not use rather than run without it, as above: the
+    // figures printed would otherwise be taken for those of a configuration that never ran.
+    if matches!(selected, Selected::Kv | Selected::Raw) {
+        let serve_options = crate::args::serve_options_given(matches);
+        if !serve_options.is_empty() {
+            return usage(format!(
+                "{} apply to --workload=serve; the {} workload runs once, on its own I/O, not on a stream of requests",
+                serve_options.join(", "),
+                if selected == Selected::Kv { "kv" } else { "raw" }
+            ));
+        }
+    }
+    if selected == Selected::Serve {
+        let ignored = crate::args::kv_options_serve_ignores_given(matches);
+        if !ignored.is_empty() {
+            return usage(format!(
+                "{} apply to --workload=kv; the serve workload formats a fresh in-memory pool of one block per slot for each policy and keeps its store's default layers in flight (accepted with it: {SERVE_ACCEPTS})",
+                ignored.join(", ")
             ));
         }
     }
@@ -70,6 +91,9 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
         }
     }
 }
+
+/// What the serve workload accepts, for its refusals.
+const SERVE_ACCEPTS: &str = "--output-format, --emu-timing, the model options, --prompt-tokens, --hit-rate, --seed and the serve options";
 
 /// Whether a raw run writes (then its files are opened read-write, and not laid out first).
 fn raw_writes(cli: &Cli) -> bool {

@@ -825,6 +825,25 @@ fn raw_options_with_the_kv_and_serve_workloads_are_refused_naming_them() {
     assert_refused(&["--device", "emu:mem:16m", "--verify", "--runtime", "5"], &["--verify", "--runtime"]);
 }
 
+#[test]
+fn options_a_workload_does_not_use_are_refused_naming_them() {
+    // Goal: serve's options given to the kv or raw workload, and the kv options serve does not
+    // use (it formats a fresh pool of one block per slot and never sets layers in flight), were
+    // dropped without a word while the figures were printed as if they applied; like raw
+    // options with kv and serve, they are refused (exit 2) naming each option given.
+    assert_refused(&["--workload=kv", "--device", "emu:mem:64m", "--prompt-tokens=160", "--repeat=3"], &["--repeat", "--workload=serve"]);
+    assert_refused(
+        &["--workload=raw", "--device", "emu:mem:16m", "--policy=naive", "--turns=2"],
+        &["--policy", "--turns", "--workload=serve"],
+    );
+    for option in ["--blocks-per-slot=4", "--layers-in-flight=1", "--overwrite"] {
+        assert_refused(&["--workload=serve", option], &[option.split('=').next().unwrap(), "--workload=kv"]);
+    }
+    // What serve does accept is said as it is: not --device.
+    let text = stderr(&bench(&["--workload=serve", "--runtime", "5"]));
+    assert!(!text.contains("--device"), "{text}");
+}
+
 /// A file of `bytes` zeroes but for ext4's superblock magic (at byte 1080, as mkfs writes it).
 fn ext4_image(path: &Path, bytes: usize) -> Vec<u8> {
     let mut image = vec![0u8; bytes];
