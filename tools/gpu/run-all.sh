@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # tools/gpu/run-all.sh — issue 15 items 2 to 6, and issue 14's GPU memory through tuttid, on a GPU
-# machine, in two or three device calls.
+# machine, in one device call (a later session's call may finish a PARTIAL slack grid).
 #
 # usage, in the repository root:
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
 #                                       GPU machine cannot build, into target/gpu-carry/
-#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs run in the order given (default: all
-#                                       but prefill, in this order):
+#   tools/gpu/run-all.sh --plan         the device call and its time arithmetic (below), as key=value
+#   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs run in the order given (default: the
+#                                       planned call's, tests green bandwidth ipc prefill python slack):
 #     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
 #     green      item 3: tools/gpu/green-contexts.cu, GEMM slowdown beside a poller
 #     bandwidth  item 5: tools/gpu/h2d-bandwidth.cu, pinned/registered/mapped copies per KV layer
@@ -18,32 +19,33 @@
 #                stores from one process's torch CUDA KV tensors and retrieves into another's,
 #                comparing every byte, and prints GiB/s (docs/python.md, GPU memory)
 #     slack      item 4: tools/gpu/slack-profile.py timeline, then `tutti-profile import` to a table
-#     prefill    issue 15 item 6, only when named: tools/gpu/prefill-ttft.py — a Llama-3.1-8B-shaped
+#     prefill    issue 15 item 6: tools/gpu/prefill-ttft.py — a Llama-3.1-8B-shaped
 #                transformers model (random weights) prefills an 8192-token prompt whose prefix KV
 #                tutti retrieves layer by layer (the wheel and tuttid carried, emu:mem, --device-memory
-#                cuda), against recomputing the prefix, at hit rates 0.25/0.5/0.9: TTFT, bubble,
+#                cuda), against recomputing the prefix, at hit rates 0.25/0.5/0.9: TTFT, exposed I/O,
 #                logits checked (its budget, RUN_ALL_PREFILL_BUDGET_S, default 150 s, includes model
 #                set-up) → prefill-ttft.json (rewritten after each hit rate)
 #
-# The device allows 10 minutes per call and 15 minutes of device time per session, machine start
-# and idle waits included. Call 1: `bash tools/gpu/run-all.sh tests green bandwidth ipc prefill
-# python` (timeout_s 480; about 4 to 6 minutes; ipc, short, comes before prefill because it proves
-# the CUDA IPC path through tuttid that prefill stands on). Call 2, in the very next tool call
-# (the machine goes back ~30 s after a call): take budget_left_s and warm from call 1's own reply
-# (its `lease`); if warm is false subtract 150 s (a fresh start) and skip call 2 below 240 s (no
-# machine starts with less); T = min(580, left - 20) (a call may run 600 s), B = T - 100, and run
-# `RUN_ALL_DEADLINE_S=<T-20> RUN_ALL_SLACK_BUDGET_S=<B> bash tools/gpu/run-all.sh slack` with
-# timeout_s T; if B comes out under 90 s, skip call 2 and give the machine back. The slack
-# step's profile gets --budget-s B and a hard `timeout` of B + 45 s (less where the deadline is
-# nearer; it rewrites its CSV after each input length, so a kill keeps the lengths done); the SM
-# count comes from the header's probe (no second torch import), then the import: everything ends
-# by the deadline, before the call's limit. The rest of its grid waits for a later session; a
-# complete grid's CSV (~20 MiB) comes back as slack-timeline.csv.gz.
-# docs/gio-uring.md ("Running on a GPU") gives the exact calls and the carry list. `bash` in front:
+# The device allows 10 minutes per call and 15 minutes (900 s) of device time per session, the
+# machine's start (60-150 s), the transfers, idle waits and the close included, and the machine
+# goes back 30 s after a call: a second call sent after an agent's turn may find it gone and pay
+# a fresh start out of a budget sized for a warm one. So there is ONE call, every step in it,
+# slack (whose budget is simply what is left) last: `bash tools/gpu/run-all.sh tests green
+# bandwidth ipc prefill python slack` with timeout_s 590 (PLAN_TIMEOUT_S); its deadline (below,
+# default 570) ends every step 20 s before that, and 150 s of start + 590 leaves 160 s of the 900
+# for the transfers and the close (a start of up to ~250 s still fits). `--plan` prints these
+# figures; tools/gpu/test_run_all.py (DevicePlan) checks them against the device's limits and
+# the runbook. ipc, short, comes before prefill because it proves the CUDA IPC path through
+# tuttid that prefill stands on. The slack profile gets --budget-s of what is left less its
+# margins and a hard `timeout` of that plus 45 s (it rewrites its CSV after each input length, so
+# a kill keeps the lengths done); the SM count comes from the header's probe (no second torch
+# import), then the import: everything ends by the deadline, before the call's limit. The rest of
+# its grid waits for a later session (--input-first K, docs/gio-uring.md).
+# docs/gio-uring.md ("Running on a GPU") gives the exact call and the carry list. `bash` in front:
 # the copy may not keep exec bits (carried binaries are chmod +x'ed at the start for the same
 # reason).
 #
-# Deadline: RUN_ALL_DEADLINE_S (default 460: call 1's timeout_s 480 less 20 s) seconds after this
+# Deadline: RUN_ALL_DEADLINE_S (default 570: the call's timeout_s 590 less 20 s) seconds after this
 # script starts, every step has ended. Each step's timeouts are capped at what is left of it less
 # 15 s (their kill grace included); a step that no longer fits its minimum gets a `NOT RUN <step>:
 # deadline` line and is skipped. summary.txt is written as the run goes (a `RUNNING <step>` line
@@ -75,8 +77,10 @@
 #   bandwidth-kernel.json  item 5 through the gio kernel (gpu-layer-load)
 #   slack-timeline.csv.gz  item 4 kernel timeline, gzipped (provenance in its '#' lines; the CSV of a
 #                          complete grid is ~20 MiB, over the 16 MiB the tool brings back)
-#   slack-provenance.json  machine, driver, versions, date, grid   slack-table.json  the imported table
-#   prefill-ttft.json      item 6 figures (only with the prefill step: name it in a call of ≤ 7 other files)
+#   slack-table.json       the imported table
+#   prefill-ttft.json      item 6 figures
+# That is 8 with every step: the slack profile's provenance (machine, driver, versions, date, grid)
+# travels in slack-timeline.csv.gz's '#' lines; its JSON copy stays in the scratch directory.
 # Exit status: non-zero if any step failed; 3 if the pre-flight refused a stale carry (below;
 # `run-all.sh --verify` runs the pre-flight alone, here or there: run it here right before each
 # device call, it costs no device time). Every step runs under `timeout`.
@@ -84,6 +88,26 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 CARRY="$ROOT/target/gpu-carry"
+# The device call (docs/gio-uring.md, "Running on a GPU"; --plan prints it): one call, every step,
+# slack last. PLAN_START_MAX_S + PLAN_TIMEOUT_S must leave PLAN_SESSION_S room for the transfers
+# and the close; PLAN_DEADLINE_S (the default RUN_ALL_DEADLINE_S) leaves the call 20 s to exit.
+PLAN_SESSION_S=900   # device time per session: start, transfers, idle waits and the close included
+PLAN_START_MAX_S=150 # the slowest machine start seen
+PLAN_TIMEOUT_S=590   # the call's timeout_s (a call may run 600 s)
+PLAN_DEADLINE_S=570  # every step has ended by then; 20 s for the exit (tuttid's stop, the log trim)
+PLAN_STEPS=(tests green bandwidth ipc prefill python slack)
+if [[ "${1:-}" == "--plan" ]]; then
+  echo "calls=1"
+  echo "steps=${PLAN_STEPS[*]}"
+  echo "command=bash tools/gpu/run-all.sh ${PLAN_STEPS[*]}"
+  echo "carry=target/gpu-carry"
+  echo "timeout_s=$PLAN_TIMEOUT_S"
+  echo "deadline_s=$PLAN_DEADLINE_S"
+  echo "session_s=$PLAN_SESSION_S"
+  echo "start_max_s=$PLAN_START_MAX_S"
+  echo "left_for_transfers_and_close_s=$((PLAN_SESSION_S - PLAN_START_MAX_S - PLAN_TIMEOUT_S))"
+  exit 0
+fi
 CU_PROGRAMS=(green-contexts h2d-bandwidth)
 # Warnings are errors, as for the I/O kernel (tools/cuda-build.sh).
 NVCC_FLAGS=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror)
@@ -171,7 +195,7 @@ fi
 
 # The steps are checked before $OUT is touched.
 STEPS=("$@")
-[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(tests green bandwidth ipc python slack)
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=("${PLAN_STEPS[@]}")
 for step in "${STEPS[@]}"; do
   case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
 done
@@ -222,7 +246,7 @@ if [[ ${#carry_steps[@]} -gt 0 ]]; then
 fi
 WORK="$(mktemp -d)"
 
-DEADLINE=${RUN_ALL_DEADLINE_S:-460}
+DEADLINE=${RUN_ALL_DEADLINE_S:-$PLAN_DEADLINE_S}
 [[ "$DEADLINE" =~ ^[1-9][0-9]*$ ]] || { echo "run-all: RUN_ALL_DEADLINE_S must be a positive number of seconds" >&2; exit 2; }
 # cap SECONDS: SECONDS, or less so that a `timeout -k 10` of it ends 5 s before the deadline (at
 # least 1: `timeout 0` would mean no limit at all).
@@ -583,7 +607,7 @@ step_slack() {
   # The CSV stays in $WORK for the import: a complete grid's is ~20 MiB, over the 16 MiB the tool
   # brings back; $OUT gets its gzip (~2 MiB), rewritten with it after each input length.
   local csv="$WORK/slack-timeline.csv"
-  local args=("${device_args[@]}" --out-csv "$WORK/slack-timeline.csv" --out-csv-gz "$OUT/slack-timeline.csv.gz" --out-provenance "$OUT/slack-provenance.json")
+  local args=("${device_args[@]}" --out-csv "$WORK/slack-timeline.csv" --out-csv-gz "$OUT/slack-timeline.csv.gz" --out-provenance "$WORK/slack-provenance.json")
   # RUN_ALL_SLACK_ARGS adds options, e.g. "--input-first 7" to finish a PARTIAL grid (docs/gio-uring.md).
   local extra_args=()
   read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
@@ -632,13 +656,13 @@ step_slack() {
   name=$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
   sms=$(cuda_attr multiProcessorCount)
   [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sm_count"])' \
-    "$OUT/slack-provenance.json" 2>/dev/null)
+    "$WORK/slack-provenance.json" 2>/dev/null)
   [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(timeout "$(cap 30)" python3 -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null | tail -n 1)
   case "$name" in *H200*) target=(--gpu h200) ;; *H100*) target=(--gpu h100) ;; esac
   if [[ -n "${RUN_ALL_GPU_PRESET:-}" ]]; then
     target=(--gpu "$RUN_ALL_GPU_PRESET")
   elif [[ ! "$sms" =~ ^[1-9][0-9]*$ ]]; then
-    record "FAIL slack: the GPU's SM count is unknown (probe, slack-provenance.json and torch gave '${sms}'): not imported; slack-timeline.csv.gz is kept (gunzip it and import it afterwards with --gpu or --gpu-spec)"
+    record "FAIL slack: the GPU's SM count is unknown (probe, the profile's provenance and torch gave '${sms}'): not imported; slack-timeline.csv.gz is kept (gunzip it and import it afterwards with --gpu or --gpu-spec)"
     return 1
   elif [[ ${#target[@]} -eq 0 || "$sms" != "132" ]]; then
     [[ -n "$name" ]] || name="gpu"

@@ -299,6 +299,62 @@ exec python3 -c '{serve}' "$2"
         self.assertIn("NOT RUN prefill: deadline", summary)
 
 
+class DevicePlan(unittest.TestCase):
+    """The device call of docs/gio-uring.md ("Running on a GPU"), as `run-all.sh --plan` states it,
+    against the device's limits: 900 s of device time per session, the machine's start (60-150 s
+    seen), the transfers and the close included; at most 600 s per call; the machine goes back
+    after 30 s idle, so a second call after an agent's turn may find it gone and pay a fresh start
+    out of a budget sized for a warm one (issue 15: one call, every step, slack last)."""
+
+    def plan(self) -> dict[str, str]:
+        done = subprocess.run(["bash", os.path.join(ROOT, "tools/gpu/run-all.sh"), "--plan"], capture_output=True,
+                              text=True, timeout=30)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+    def test_one_call_runs_every_step_with_slack_last(self):
+        plan = self.plan()
+        self.assertEqual(plan["calls"], "1")
+        steps = plan["steps"].split()
+        self.assertEqual(sorted(steps), sorted(["tests", "green", "bandwidth", "ipc", "prefill", "python", "slack"]))
+        self.assertEqual(steps[-1], "slack")  # the step whose budget is what is left
+        self.assertEqual(plan["command"], "bash tools/gpu/run-all.sh " + plan["steps"])
+
+    def test_the_call_fits_the_session_after_the_slowest_start(self):
+        plan = self.plan()
+        session, start, timeout = int(plan["session_s"]), int(plan["start_max_s"]), int(plan["timeout_s"])
+        self.assertEqual(session, 900)
+        self.assertGreaterEqual(start, 150)
+        self.assertLessEqual(timeout, 590)  # the per-call limit is 600
+        # What the call may run plus the slowest start leaves at least a minute for the upload
+        # (~32 MB), the download (at most 8 files) and the close.
+        self.assertGreaterEqual(session - start - timeout, 60, plan)
+        # Were the start slower still (a 35 s turn and a 120 s start, as for a second call, on
+        # top of the slowest), the call ends before the session's time is spent: nothing is lost
+        # to a limit that is not the call's own.
+        self.assertLessEqual(start + 35 + 120 + timeout, session - 5, plan)
+
+    def test_every_step_ends_before_the_calls_limit(self):
+        plan = self.plan()
+        deadline, timeout = int(plan["deadline_s"]), int(plan["timeout_s"])
+        # 20 s for the exit (tuttid's stop: 10 s; the log trim) after every step's end.
+        self.assertLessEqual(deadline + 20, timeout, plan)
+        # The call's default deadline is the plan's (the command sets none).
+        stubs = StubRoot()
+        self.addCleanup(stubs.cleanup)
+        _rc, _elapsed, summary = stubs.run("tools/gpu/run-all.sh", ["ipc"], {"RUN_ALL_DRY": "1"}, limit_s=60)
+        self.assertIn(f"deadline {deadline} s", summary)
+
+    def test_the_runbook_gives_the_planned_call(self):
+        plan = self.plan()
+        with open(os.path.join(ROOT, "docs", "gio-uring.md")) as handle:
+            runbook = handle.read()
+        row = next((line for line in runbook.splitlines() if f"`{plan['command']}`" in line), None)
+        self.assertIsNotNone(row, f"docs/gio-uring.md gives no `{plan['command']}`")
+        self.assertIn(f"| {plan['timeout_s']} |", row)
+        self.assertNotIn("RUN_ALL_SLACK_BUDGET_S=B", runbook)  # no second call's recipe is left
+
+
 # A cargo for --prepare: each executable it is asked for (--bin, --example, --test) is written
 # under $CARGO_TARGET_DIR/release (as cargo puts them), holding "fresh NAME", and named in a
 # compiler-artifact message as --message-format=json-render-diagnostics does (after a library's
