@@ -286,13 +286,14 @@ fn back_off(segments: &[DataSegment], mut cursor: Cursor, mut bytes: u64) -> Cur
     cursor
 }
 
-/// Visits the (address, length) pieces of a plan in order; `address + length` never overflows
-/// (a piece that would is [`NvmeError::UnsupportedLayout`], as [`plan_command`] reports it).
+/// Visits the (segment index, address, length) pieces of a plan in order; `address + length`
+/// never overflows (a piece that would is [`NvmeError::UnsupportedLayout`], as [`plan_command`]
+/// reports it).
 fn for_each_piece(
     segments: &[DataSegment],
     plan: &CommandPlan,
     mode: DataPointerMode,
-    mut visit: impl FnMut(u64, u64),
+    mut visit: impl FnMut(usize, u64, u64),
 ) -> Result<(), NvmeError> {
     let mut cursor = plan.start;
     let mut remaining = plan.bytes;
@@ -303,7 +304,7 @@ fn for_each_piece(
             let address = segment.iova.checked_add(u64::from(cursor.offset)).filter(|start| start.checked_end(available).is_some());
             let address =
                 address.ok_or_else(|| NvmeError::UnsupportedLayout { index: cursor.segment, reason: ADDRESS_WRAPS, mode: mode.name() })?;
-            visit(address.0, available);
+            visit(cursor.segment, address.0, available);
         }
         remaining -= available;
         cursor = Cursor { segment: cursor.segment + 1, offset: 0 };
@@ -312,6 +313,8 @@ fn for_each_piece(
 }
 
 /// Writes DPTR (and the scratch page when needed) for `plan`; `scratch` is the command slot's page.
+/// A PRP plan covering more pages than PRP1 and one list page describe (513; [`plan_command`]
+/// never makes one) is [`NvmeError::UnsupportedLayout`].
 pub fn build_data_pointer(
     entry: &mut SubmissionEntry,
     segments: &[DataSegment],
@@ -389,7 +392,7 @@ fn build_data_pointer_from_pieces(
             entry.set_data_pointer_kind(DataPointerKind::Sgl);
             let mut count = 0usize;
             let mut first = SglDescriptor::default();
-            for_each_piece(segments, plan, mode, |address, len| {
+            for_each_piece(segments, plan, mode, |_, address, len| {
                 let descriptor = SglDescriptor::data_block(address, len as u32);
                 match count {
                     0 => first = descriptor,
@@ -407,11 +410,21 @@ fn build_data_pointer_from_pieces(
             entry.set_data_pointer_kind(DataPointerKind::Prp);
             let mut count = 0usize;
             let mut first_two = [0u64; 2];
-            for_each_piece(segments, plan, mode, |address, len| {
+            // The segment holding the first page PRP1 and one list page cannot describe.
+            let mut overflow = None;
+            for_each_piece(segments, plan, mode, |segment, address, len| {
                 // The first entry may carry an offset; every later one is a page start.
                 let mut page = if count == 0 { address } else { address / PAGE_BYTES * PAGE_BYTES };
                 let end = address + len; // for_each_piece checked that this is an address
-                while page < end && count <= PRP_LIST_ENTRIES_MAX {
+                while page < end {
+                    if count > PRP_LIST_ENTRIES_MAX {
+                        // `plan_command` never plans this; a hand-made plan can (the function
+                        // is public). Stopping here silently would leave the command's NLB
+                        // covering pages its PRPs do not, and the controller would take the
+                        // last list entry for a pointer to a next list page (§4.1.1).
+                        overflow.get_or_insert(segment);
+                        break;
+                    }
                     match count {
                         0 | 1 => first_two[count] = page,
                         2 => {
@@ -426,6 +439,9 @@ fn build_data_pointer_from_pieces(
                     page = next;
                 }
             })?;
+            if let Some(index) = overflow {
+                return Err(NvmeError::UnsupportedLayout { index, reason: "more pages than one PRP list page holds", mode: mode.name() });
+            }
             entry.dptr[0] = first_two[0];
             entry.dptr[1] = match count {
                 0 | 1 => 0,
@@ -635,6 +651,30 @@ mod tests {
             let built = build_data_pointer(&mut entry, &wrapping, &plan, mode, ScratchPage::new(&scratch, 0).unwrap());
             assert!(matches!(built, Err(NvmeError::UnsupportedLayout { index: 0, .. })), "{}: {built:?}", mode.name());
         }
+    }
+
+    #[test]
+    fn a_prp_plan_with_more_pages_than_one_list_page_holds_is_refused() {
+        // Goal: build_data_pointer is public and takes any plan; one covering more pages than
+        // PRP1 and one list page describe (513) is a typed error. It used to stop at 513 pages
+        // and return Ok: the command's NLB still covered the rest, and a controller moving it
+        // takes the last list entry for a pointer to a next list page (a data page), DMAing
+        // wherever that page's contents point. A plan of exactly 513 pages is still built.
+        let pool = crate::hw::DmaPool::identity();
+        let scratch = crate::hw::DmaAllocator::allocate(&pool, SCRATCH_BYTES).unwrap();
+        let segments = [segment(0x10_0000, 4 << 20)];
+        let plan =
+            |bytes: u32| CommandPlan { start: Cursor::default(), end: Cursor { segment: 0, offset: bytes }, bytes: u64::from(bytes) };
+        let mut entry = SubmissionEntry::default();
+        let built = build_data_pointer(&mut entry, &segments, &plan(4 << 20), DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap());
+        assert!(matches!(built, Err(NvmeError::UnsupportedLayout { index: 0, mode: "PRP", .. })), "{built:?}");
+        let full = 513 * PAGE_BYTES as u32;
+        let mut entry = SubmissionEntry::default();
+        build_data_pointer(&mut entry, &segments, &plan(full), DataPointerMode::Prp, ScratchPage::new(&scratch, 0).unwrap()).unwrap();
+        assert_eq!(entry.dptr, [0x10_0000, scratch.iova().0]);
+        let mut last = [0u8; 8];
+        scratch.read((PRP_LIST_ENTRIES_MAX - 1) * PRP_ENTRY_BYTES, &mut last).unwrap();
+        assert_eq!(u64::from_le_bytes(last), 0x10_0000 + 512 * PAGE_BYTES);
     }
 
     #[test]
