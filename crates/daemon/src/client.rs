@@ -25,7 +25,7 @@ use nix::sys::socket::sockopt::{PeerCredentials, SocketError};
 use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily, SockFlag, SockType, UnixAddr};
 
 use crate::fd_passing::FDS_PER_FRAME_MAX;
-use crate::frame_io::{deadline_after, read_frame_by, write_frame_with_fds_by, ReadOutcome, WAIT_MAX};
+use crate::frame_io::{deadline_after, read_frame_by, write_frame_with_fds_by, ReadOutcome, Written, WAIT_MAX};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
 use crate::DaemonError;
 
@@ -329,15 +329,14 @@ impl Client {
         // needs of it, and the reply must begin and end within what is left.
         let deadline = deadline_after(Instant::now(), self.timeout);
         self.requests_sent += 1;
-        if let Err(error) = write_frame_with_fds_by(&self.stream, &self.frame, fds, deadline, self.timeout) {
+        let written = match write_frame_with_fds_by(&self.stream, &self.frame, fds, deadline, self.timeout) {
+            Ok(written) => written,
             // A daemon that refuses a connection (Busy) answers and closes without reading what
             // the client sent: a request written after that close fails, while the refusal
             // still waits in this socket. Report the refusal, not the close.
-            return Err(match error {
-                DaemonError::Closed => self.queued_refusal().unwrap_or(DaemonError::Closed),
-                other => other,
-            });
-        }
+            Err(DaemonError::Closed) => return Err(self.queued_refusal().unwrap_or(DaemonError::Closed)),
+            Err(other) => return Err(other),
+        };
         let header = match read_frame_by(&self.stream, &mut self.body, &mut self.fds, deadline, self.timeout)? {
             ReadOutcome::Frame(header) => header,
             ReadOutcome::Closed => return Err(DaemonError::Closed),
@@ -348,10 +347,16 @@ impl Client {
         let reply = Reply::decode(header.kind, &self.body)?;
         // The request id first: an `Error` is this request's answer only with its id, or with
         // id 0 (the daemon ended the connection: lease, shutdown, a broken frame). Any other id
-        // is a reply to an earlier request (one that timed out), never this one's.
+        // is a reply to an earlier request (one that timed out), never this one's. A frame that
+        // came while the request was still being written (`PeerSpoke`) cannot be its answer
+        // either: the daemon answers only a request it has read whole. Its goodbye, which it
+        // sends while it drains the rest slowly, is reported at once rather than after the
+        // deadline (the rest of the request is not sent: the connection is out of step).
         match reply {
             Reply::Error { code, message } if header.request_id == 0 => Err(DaemonError::Remote { code, message }),
-            _ if header.request_id != request_id => Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind }),
+            _ if header.request_id != request_id || written != Written::Whole => {
+                Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind })
+            }
             Reply::Error { code, message } => Ok(Err(DaemonError::Remote { code, message })),
             reply => Ok(Ok(reply)),
         }
@@ -746,5 +751,50 @@ pub(crate) mod tests {
         daemon.join().unwrap();
         assert!(matches!(outcome, Err(DaemonError::Timeout { .. })), "{outcome:?} after {took:?}");
         assert!(took < timeout + Duration::from_millis(250), "the call waited {took:?} with a timeout of {timeout:?}");
+    }
+
+    /// Goal: a request larger than the socket's send room, to a daemon that has ended the
+    /// session (its goodbye, an id-0 `Error`, queued in this socket; its write side shut) and
+    /// now drains what the client still sends slowly (4 KiB a tick, as `await_peer_exit`), fails
+    /// at once with that goodbye (`Remote { LeaseExpired }`: the session is gone), not after the
+    /// whole timeout as a `Timeout` (which callers treat as a slow daemon and back off from).
+    #[test]
+    fn a_goodbye_queued_while_a_large_request_is_written_is_reported_at_once() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let (said_goodbye, goodbye_said) = std::sync::mpsc::channel();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            let goodbye = Reply::error(ErrorCode::LeaseExpired, "no frame for 100 ms; the session is ended");
+            answer(&stream, 0, &goodbye);
+            stream.shutdown(std::net::Shutdown::Write).unwrap();
+            said_goodbye.send(()).unwrap();
+            // Drains 4 KiB a tick until the client closes, at most 5 s (bounded).
+            let started = Instant::now();
+            let mut chunk = [0u8; 4096];
+            let mut reader = &stream;
+            while started.elapsed() < Duration::from_secs(5) {
+                match std::io::Read::read(&mut reader, &mut chunk) {
+                    Ok(0) => break,
+                    Ok(_) => std::thread::sleep(TICK),
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock || error.kind() == std::io::ErrorKind::TimedOut => {}
+                    Err(_) => break,
+                }
+            }
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        goodbye_said.recv_timeout(Duration::from_secs(5)).expect("the stand-in daemon's goodbye");
+        // 1 MiB of body: far more than the socket's send room.
+        let tokens = vec![0u32; 262_142];
+        let started = Instant::now();
+        let outcome = client.lookup(&tokens);
+        let took = started.elapsed();
+        let broken = client.is_broken();
+        drop(client);
+        daemon.join().unwrap();
+        assert!(matches!(outcome, Err(DaemonError::Remote { code: ErrorCode::LeaseExpired, .. })), "{outcome:?} after {took:?}");
+        assert!(took < Duration::from_millis(300), "the goodbye was reported after {took:?}");
+        assert!(broken, "a connection the daemon ended is out of step");
     }
 }

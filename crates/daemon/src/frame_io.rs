@@ -168,20 +168,35 @@ pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd
     let budget =
         stream.write_timeout().map_err(|source| DaemonError::Io { context: "reading the socket's write timeout".into(), source })?;
     let deadline = budget.map(|budget| deadline_after(Instant::now(), budget));
-    write_frame_until(stream, frame, fds, deadline, budget)
+    write_frame_until(stream, frame, fds, deadline, budget, false).map(drop)
+}
+
+/// How a client's write of a request ended when it did not fail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Written {
+    /// The whole frame was sent.
+    Whole,
+    /// The peer had something to read (or closed its side) while the frame waited for room,
+    /// `sent` bytes of it sent: the rest was not written. A daemon answers a request only once
+    /// it has read all of it, so what is there is its goodbye (an `Error` under id 0, then its
+    /// write side shut) while it drains what is still sent slowly: read it rather than wait for
+    /// room until the deadline.
+    PeerSpoke { sent: usize },
 }
 
 /// Writes a whole encoded frame with `fds` as [`write_frame_with_fds`] does, by `deadline`
 /// rather than within the socket's write timeout (a client's call, whose write and reply share
 /// one deadline). `budget` is the wait the deadline stands for, for the timeout's message.
+/// While it waits for room it also watches for something to read, and stops writing when
+/// there is ([`Written::PeerSpoke`]).
 pub fn write_frame_with_fds_by(
     stream: &UnixStream,
     frame: &[u8],
     fds: &[BorrowedFd<'_>],
     deadline: Instant,
     budget: Duration,
-) -> Result<(), DaemonError> {
-    write_frame_until(stream, frame, fds, Some(deadline), Some(budget))
+) -> Result<Written, DaemonError> {
+    write_frame_until(stream, frame, fds, Some(deadline), Some(budget), true)
 }
 
 fn write_frame_until(
@@ -190,7 +205,8 @@ fn write_frame_until(
     fds: &[BorrowedFd<'_>],
     deadline: Option<Instant>,
     budget: Option<Duration>,
-) -> Result<(), DaemonError> {
+    until_readable: bool,
+) -> Result<Written, DaemonError> {
     let mut sent = 0;
     while sent < frame.len() {
         // The descriptors ride on the first byte only.
@@ -203,23 +219,39 @@ fn write_frame_until(
                 })
             }
             Ok(count) => sent += count,
-            Err(error) if is_tick(&error) => wait_for_room(stream, deadline, budget, sent, frame.len())?,
+            Err(error) if is_tick(&error) => {
+                if wait_for_room(stream, deadline, budget, sent, frame.len(), until_readable)? == Room::Readable {
+                    return Ok(Written::PeerSpoke { sent });
+                }
+            }
             Err(error) if error.kind() == ErrorKind::Interrupted => {}
             Err(error) if matches!(error.kind(), ErrorKind::BrokenPipe | ErrorKind::ConnectionReset) => return Err(DaemonError::Closed),
             Err(source) => return Err(DaemonError::Io { context: "writing a frame".into(), source }),
         }
     }
-    Ok(())
+    Ok(Written::Whole)
 }
 
-/// Waits until the socket has room to send, at most until `deadline` (`None`: no bound).
+/// What [`wait_for_room`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// Room to send, or the peer closed or failed (the next send says which).
+    Writable,
+    /// Something to read (only when asked to watch for it).
+    Readable,
+}
+
+/// Waits until the socket has room to send, at most until `deadline` (`None`: no bound), or,
+/// with `until_readable`, until it has something to read.
 fn wait_for_room(
     stream: &UnixStream,
     deadline: Option<Instant>,
     budget: Option<Duration>,
     sent: usize,
     frame_bytes: usize,
-) -> Result<(), DaemonError> {
+    until_readable: bool,
+) -> Result<Room, DaemonError> {
+    let events = if until_readable { PollFlags::POLLOUT | PollFlags::POLLIN } else { PollFlags::POLLOUT };
     loop {
         let timeout = match deadline {
             None => PollTimeout::NONE,
@@ -235,10 +267,12 @@ fn wait_for_room(
                 PollTimeout::try_from(left.as_micros().div_ceil(1000)).unwrap_or(PollTimeout::MAX)
             }
         };
-        let mut polled = [PollFd::new(stream.as_fd(), PollFlags::POLLOUT)];
+        let mut polled = [PollFd::new(stream.as_fd(), events)];
         match poll(&mut polled, timeout) {
-            // Room, or the peer closed or failed: the next send says which.
-            Ok(ready) if ready > 0 => return Ok(()),
+            Ok(ready) if ready > 0 => {
+                let readable = polled[0].revents().is_some_and(|revents| revents.contains(PollFlags::POLLIN));
+                return Ok(if until_readable && readable { Room::Readable } else { Room::Writable });
+            }
             Ok(_) | Err(Errno::EINTR) => {}
             Err(errno) => return Err(DaemonError::Io { context: "waiting to write a frame".into(), source: std::io::Error::from(errno) }),
         }
