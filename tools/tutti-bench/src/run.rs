@@ -151,7 +151,9 @@ pub fn with_devices(
     } else {
         cli.devices.clone()
     };
-    if cli.keep {
+    // --keep is about the temporary pool: a file created for a --device given is removed when
+    // the run fails, --keep or not, as a failed run leaves nothing behind.
+    if cli.keep && cli.devices.is_empty() {
         created.keep();
     }
     // The lock tuttid and `tutti pool` take (flock on the file or device node named; for vfio:

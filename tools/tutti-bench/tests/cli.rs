@@ -844,6 +844,23 @@ fn options_a_workload_does_not_use_are_refused_naming_them() {
     assert!(!text.contains("--device"), "{text}");
 }
 
+#[test]
+fn keep_does_not_keep_a_named_file_a_failed_run_created() {
+    // Goal: --keep keeps the temporary pool of a run without --device; a file a run creates
+    // for a --device it was given is removed when the run fails, --keep or not ("no file left
+    // behind"). Here 512-byte blocks pass the argument checks, the file is created, and the
+    // device's 4096-byte blocks refuse them.
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("new.img");
+    let device = format!("emu:{}", path.display());
+    for keep in [false, true] {
+        let mut arguments = vec!["--device", &device, "--size", "1m", "--bs", "512"];
+        arguments.extend(keep.then_some("--keep"));
+        assert_refused(&arguments, &[]);
+        assert!(!path.exists(), "{arguments:?} left {} behind", path.display());
+    }
+}
+
 /// A file of `bytes` zeroes but for ext4's superblock magic (at byte 1080, as mkfs writes it).
 fn ext4_image(path: &Path, bytes: usize) -> Vec<u8> {
     let mut image = vec![0u8; bytes];
