@@ -9,7 +9,7 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
     BlockCount, Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion,
-    HwError, IoQueuePair, Lba, Namespace, NvmeError,
+    HwError, IoQueuePair, Lba, Namespace, NvmeError, QueueId,
 };
 
 use crate::pattern::{fill_pattern, verify_pattern};
@@ -556,11 +556,29 @@ fn bounded_timeout(context: &Context) -> Outcome {
     queue.submit_flush(namespace.id, 5)?;
     queue.ring_doorbell()?;
     let started = Instant::now();
-    let result = queue.wait_idle(Instant::now() + Duration::from_millis(300), |_| {});
-    let waited = started.elapsed();
-    ensure!(matches!(result, Err(NvmeError::Timeout { .. })), "expected a timeout, got {result:?}");
-    ensure!(waited < Duration::from_secs(5), "timeout took {waited:?}");
+    let asked = Duration::from_millis(300);
+    let result = queue.wait_idle(started + asked, |_| {});
+    timeout_verdict(&result, started.elapsed(), asked, queue.id())?;
     Ok(Verdict::Passed)
+}
+
+/// Early a timeout may come and still count as at its deadline: none, in theory (the wait's
+/// deadline is the start plus `asked`, on one monotonic clock); a little for clock granularity.
+const TIMEOUT_SLACK: Duration = Duration::from_millis(5);
+
+/// [`bounded_timeout`]'s verdict on a wait of `asked` on `queue` that returned `result` after
+/// `waited`: a timeout naming that queue with the command still outstanding, neither before
+/// the deadline (a driver that times out on its first empty poll would fail every command on a
+/// merely slow device) nor long after it.
+fn timeout_verdict(result: &Result<(), NvmeError>, waited: Duration, asked: Duration, queue: QueueId) -> Result<(), Failure> {
+    let Err(NvmeError::Timeout { queue: named, outstanding, .. }) = result else {
+        return Err(Failure(format!("expected a timeout, got {result:?}")));
+    };
+    ensure!(*named == queue, "the timeout names queue {named}, not {queue}, the queue waited on");
+    ensure!(*outstanding >= 1, "the timeout on {queue} counts {outstanding} commands outstanding, not the one never completed");
+    ensure!(waited + TIMEOUT_SLACK >= asked, "timed out after {waited:?}, before the {asked:?} deadline");
+    ensure!(waited < Duration::from_secs(5), "timeout took {waited:?}");
+    Ok(())
 }
 
 /// Goal: a completion whose command id matches nothing in flight is detected, not trusted.
@@ -737,4 +755,32 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     queue.read(namespace.id, Lba(5), &[DataSegment::new(sink.iova(), block)], context.config.timeout)?;
     verify_pattern(&sink, 0, block as usize, seed, 0).map_err(Failure)?;
     Ok(Verdict::Passed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn timed_out(queue: QueueId) -> Result<(), NvmeError> {
+        Err(NvmeError::Timeout { queue, command_id: nvme_driver::CommandId(5), waited_ms: 300, outstanding: 1 })
+    }
+
+    #[test]
+    fn a_timeout_passes_only_at_its_deadline_and_naming_its_queue() {
+        // Goal (finding 3): a driver that reports a timeout before the deadline (on its first
+        // empty poll, or with a deadline it takes as passed) fails bounded_timeout, and so does
+        // one whose error names another queue; a timeout at the deadline passes.
+        let (queue, asked) = (QueueId(1), Duration::from_millis(300));
+        timeout_verdict(&timed_out(queue), Duration::from_millis(301), asked, queue).expect("a timeout at its deadline");
+        let early = timeout_verdict(&timed_out(queue), Duration::from_millis(1), asked, queue);
+        assert!(early.as_ref().is_err_and(|failure| failure.0.contains("before")), "{early:?}");
+        let other = timeout_verdict(&timed_out(QueueId(2)), Duration::from_millis(301), asked, queue);
+        assert!(other.as_ref().is_err_and(|failure| failure.0.contains("names queue q2")), "{other:?}");
+        let late = timeout_verdict(&timed_out(queue), Duration::from_secs(6), asked, queue);
+        assert!(late.is_err(), "a timeout long past its deadline passed");
+        let empty = Err(NvmeError::Timeout { queue, command_id: nvme_driver::CommandId(5), waited_ms: 300, outstanding: 0 });
+        assert!(timeout_verdict(&empty, Duration::from_millis(301), asked, queue).is_err(), "a timeout with nothing outstanding passed");
+        let none = timeout_verdict(&Ok(()), Duration::from_millis(301), asked, queue);
+        assert!(none.is_err(), "no timeout passed");
+    }
 }
