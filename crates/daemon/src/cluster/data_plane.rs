@@ -227,6 +227,7 @@ impl FetchError {
                 **source,
                 PeerError::Io { context: "connecting", .. }
                     | PeerError::Stalled { .. }
+                    | PeerError::Stopped { .. }
                     | PeerError::Refused { code: FailureCode::NotHeld | FailureCode::Unavailable, .. }
             ),
             // This node's limits (every slot pinned, every request place taken) are load.
@@ -455,7 +456,7 @@ impl DataPlane {
                 "waiting for a request",
             ) {
                 Ok(kind) => kind,
-                Err(PeerError::Closed { .. }) => return Ok(()),
+                Err(PeerError::Closed { .. } | PeerError::Stopped { .. }) => return Ok(()),
                 Err(error @ PeerError::Garbage(_)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
@@ -738,8 +739,11 @@ impl DataPlane {
             return Err((0, FetchError::Busy { max: FETCHES_MAX }));
         };
         let per_segment = usize::from(self.segment_blocks.get());
-        let peer_error =
-            |segment: usize, source| FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) };
+        // The drain met on the connection is this node's, not the holder's: `Stopped`.
+        let peer_error = |segment: usize, source| match source {
+            PeerError::Stopped { .. } => FetchError::Stopped,
+            source => FetchError::Peer { node: node.to_owned(), address, segment: segment as u32, source: Box::new(source) },
+        };
         let stall = self.bounds.stall;
         // Clamped to the time left: a connect begun just before the deadline must not run
         // CONNECT_TIMEOUT past it.

@@ -105,6 +105,10 @@ pub enum PeerError {
     Stalled { context: &'static str, waited: Duration },
     #[error("the peer closed the connection while {context}")]
     Closed { context: &'static str },
+    /// This daemon's drain (`stopped`), not the peer: told apart so that it is neither
+    /// blamed on the peer nor counted as a fault.
+    #[error("this daemon is stopping (while {context})")]
+    Stopped { context: &'static str },
     #[error("the peer does not speak the data plane: {0}")]
     Garbage(String),
     #[error("the holder refused the read ({code:?}): {message}")]
@@ -160,7 +164,7 @@ pub fn read_exact_bounded(
     let mut last_progress = Instant::now();
     while filled < out.len() {
         if stopped() {
-            return Err(PeerError::Closed { context });
+            return Err(PeerError::Stopped { context });
         }
         match stream.read(&mut out[filled..]) {
             Ok(0) => return Err(PeerError::Closed { context }),
@@ -236,7 +240,7 @@ pub fn write_all(
     let mut written = 0;
     while written < bytes.len() {
         if stopped() {
-            return Err(PeerError::Closed { context });
+            return Err(PeerError::Stopped { context });
         }
         if Instant::now() >= deadline {
             return Err(PeerError::Stalled { context, waited: started.elapsed() });
@@ -573,7 +577,7 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
         let stopped = || true;
         let result = write_all(&mut near, &bytes, Instant::now() + Duration::from_secs(30), &stopped, "writing a test frame");
-        assert!(matches!(result, Err(PeerError::Closed { .. })), "{result:?}");
+        assert!(matches!(result, Err(PeerError::Stopped { .. })), "{result:?}");
         done.store(true, std::sync::atomic::Ordering::Release);
         drop(near);
         reader.join().unwrap();

@@ -404,6 +404,55 @@ fn a_holder_that_accepts_and_never_answers_fails_a_fetch_within_the_stall_bound(
 }
 
 #[test]
+fn the_drain_during_a_read_is_the_fetch_stopped_not_the_holder_closing() {
+    // Goal: SIGTERM while the asker waits for a segment's first block (the holder sent the
+    // header and is reading its disks) ends the fetch as `Stopped`, not a fault, and says so;
+    // before, the drain was told as "the peer closed the connection" (`Closed`), a fault that
+    // blamed the holder and was counted in `remote_read_failures`.
+    let asker = small(PeerBounds::default());
+    let block_bytes = asker.plane.block_bytes as u64;
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let slow = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut request = vec![0u8; peer::HEADER_BYTES];
+        stream.read_exact(&mut request).unwrap();
+        let mut header = Vec::new();
+        let geometry = SMALL_GEOMETRY;
+        peer::encode_segment_header(&mut header, SegmentHeader { blocks: SEGMENT, block_bytes, served: 1, geometry });
+        stream.write_all(&header).unwrap();
+        let _ = wait.recv_timeout(Duration::from_secs(30));
+    });
+    let keys = keys(1, 1);
+    let started = Instant::now();
+    let stopped = || started.elapsed() >= Duration::from_millis(100);
+    let fetched = asker.plane.fetch(
+        &asker.store,
+        &space(),
+        &keys,
+        0..1,
+        "slow",
+        address,
+        started + Duration::from_secs(10),
+        &stopped,
+        &mut |_, _, _, _| {},
+    );
+    let took = started.elapsed();
+    done.send(()).unwrap();
+    slow.join().unwrap();
+    match fetched {
+        Err((0, error)) => {
+            assert!(matches!(error, FetchError::Stopped), "{error}");
+            assert!(!error.is_fault(), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
+}
+
+#[test]
 fn a_holder_whose_staging_stays_busy_sends_the_header_then_a_failure_and_counts_nothing() {
     // Goal: the holder sends the segment header as soon as the blocks are pinned, before its
     // wait for the staging area; when that wait fails (half the segment's bound: 1 s here) a
