@@ -9,8 +9,11 @@
 //! device on Arm), then one doorbell write for the whole batch, so the controller never sees a
 //! tail that covers an unwritten entry. Completion:
 //! dword 3 of the entry at the head (command id, status, phase) is loaded with Acquire; only when
-//! its phase matches the expected one is the rest of the entry read, so the read cannot observe
-//! an entry older than the phase it carries. The CQ head doorbell is written after the entries
+//! its phase matches the expected one is the rest of the entry read, after a load barrier
+//! ([`crate::hw::fence_after_completion_phase`]: `dmb oshld` on Arm, where the Acquire load
+//! orders later loads only within the inner shareable domain, which a PCIe device is not in;
+//! a compiler barrier on x86), so the read cannot observe an entry older than the phase it
+//! carries. The CQ head doorbell is written after the entries
 //! were consumed and a fence ([`crate::hw::fence_before_completion_doorbell`]) made those loads
 //! complete, so the controller cannot reuse a slot still being read: once per reap batch on the
 //! admin queue and on attached pairs; on I/O queues the driver created, only when it is needed
@@ -713,6 +716,9 @@ impl QueuePair {
             if reaped == 0 {
                 self.prefetch_completions(max.min(self.in_flight));
             }
+            // The Acquire load does not order the body's loads after it for a device's writes on
+            // Arm (see the module documentation).
+            hw::fence_after_completion_phase();
             let mut bytes = [0u8; COMPLETION_ENTRY_BYTES];
             self.completion.read(offset, &mut bytes)?;
             let entry = CompletionEntry::from_bytes(&bytes);
@@ -892,3 +898,6 @@ mod stale_ring_tests;
 
 #[cfg(test)]
 mod execute_tests;
+
+#[cfg(test)]
+mod ordering_tests;

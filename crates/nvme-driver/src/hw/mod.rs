@@ -193,6 +193,40 @@ pub fn fence_before_completion_doorbell() {
     std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
 }
 
+/// Orders the loads of a completion entry's body (SQ head, SQ id, dword 0) after the Acquire
+/// load of its dword 3 that found the expected phase tag, so the body read cannot return what
+/// the slot held on the CQ's previous lap.
+///
+/// Why not the Acquire load alone: on Arm it orders later loads only for observers in the
+/// location's shareability domain (inner shareable for user mappings), and a PCIe device is not
+/// in it (the argument of [`fence_before_submission_doorbell`], for loads). `dmb oshld` orders
+/// earlier loads before later loads and stores for the outer shareable domain, which the
+/// device's writes are seen in: Linux's `dma_rmb()`, SPDK's poller after its phase check. On
+/// x86 loads are not reordered with other loads (TSO), so only the compiler must keep the body
+/// copy after the dword 3 load. Once per completion entry reaped.
+#[inline]
+pub fn fence_after_completion_phase() {
+    #[cfg(test)]
+    COMPLETION_PHASE_FENCES.with(|fences| fences.set(fences.get() + 1));
+    #[cfg(target_arch = "x86_64")]
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: `dmb oshld` only orders earlier loads before later accesses; it reads and writes
+    // no memory and no register, and needs no stack. No `nomem`: it is a compiler barrier too.
+    unsafe {
+        std::arch::asm!("dmb oshld", options(nostack, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+#[cfg(test)]
+thread_local! {
+    /// [`fence_after_completion_phase`] calls on this thread: what no x86 test can observe
+    /// (the fence's effect) is pinned by its tests as "the reap path calls it".
+    pub(crate) static COMPLETION_PHASE_FENCES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 /// Makes this thread's store of a shadow doorbell (§5.7) visible to the controller before its
 /// next load — the EventIdx the controller writes — is performed. This is the store-then-load
 /// half of a Dekker handshake: the controller stores the EventIdx and then reloads the shadow
