@@ -1,6 +1,7 @@
 //! The metrics endpoint's HTTP side, bounded like everything else in the daemon: one thread,
-//! at most [`CONNECTIONS_MAX`] connections open at once (the oldest is closed to admit a new
-//! one, so idle connections cannot keep a scraper out), each given [`REQUEST_DEADLINE`] to send
+//! at most [`CONNECTIONS_MAX`] connections open at once (one whose head is unfinished is closed
+//! to admit a new one, so idle connections can neither keep a scraper out nor cut off an answer
+//! being taken: [`to_close`]), each given [`REQUEST_DEADLINE`] to send
 //! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] in all to take its answer.
 //! Answers are written without blocking, a little each pass as the scraper takes them, so the
 //! thread never waits on a scraper that does not read (one slot each, until its deadline).
@@ -154,7 +155,7 @@ impl MetricsEndpoint {
     /// Accepts the connections waiting, at most [`ACCEPTS_PER_PASS_MAX`] and none once
     /// `stopped` says so. One whose request is already there is answered at once (as much as
     /// its socket takes); the others, and an answer not all taken, wait in a slot, and when all
-    /// are taken the oldest that has sent nothing (or else the oldest) is closed. False when
+    /// are taken one is closed ([`to_close`]: a scrape being answered last). False when
     /// accepting failed (the caller waits a tick).
     fn accept_pending(
         &self,
@@ -182,8 +183,7 @@ impl MetricsEndpoint {
                     };
                     if waiting {
                         if open.len() >= CONNECTIONS_MAX {
-                            let silent = open.iter().position(|pending| pending.head.is_empty()).unwrap_or(0);
-                            open.remove(silent);
+                            open.remove(to_close(open));
                         }
                         open.push_back(pending);
                     }
@@ -199,6 +199,17 @@ impl MetricsEndpoint {
         }
         true
     }
+}
+
+/// The slot closed to admit a new connection when all are taken: the oldest that has sent
+/// nothing, else the oldest whose head is unfinished, only then the oldest (every slot a
+/// scrape being answered). Never an answer while a head is unfinished: connections that send
+/// one byte and idle would otherwise cut off every scrape whose answer is still being taken.
+fn to_close(open: &VecDeque<Pending>) -> usize {
+    open.iter()
+        .position(|pending| pending.answer.is_none() && pending.head.is_empty())
+        .or_else(|| open.iter().position(|pending| pending.answer.is_none()))
+        .unwrap_or(0)
 }
 
 /// Reads what the connection has sent (non-blocking), up to the head's cap.
@@ -463,6 +474,50 @@ mod tests {
         // seconds; waiting WRITE_TIMEOUT per non-reader took 40 s.
         assert!(took < Duration::from_secs(15), "the scrape waited {took:?} behind scrapers that never read");
         drop(silent);
+        stop.store(true, Ordering::Release);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn connections_that_sent_a_byte_do_not_evict_a_scrape_being_answered() {
+        // Goal: with every slot taken by connections that sent one byte of a head and idle, a
+        // new connection closes one of them, never a scrape whose answer is being written (one
+        // larger than the sockets' buffers, taken as the scraper reads): the scrape gets its
+        // whole body. Before, the oldest connection was closed once none had sent nothing, and
+        // 16 more such connections cut the answer off (a local user could starve every scrape).
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let address = endpoint.address();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let metrics = Metrics::new();
+            let large = || Snapshot {
+                devices_fenced: (0..2_500).map(|device| (format!("emu:mem:{device:0>2000}"), device % 2 == 0)).collect(),
+                ..Snapshot::default()
+            };
+            endpoint.serve(&metrics, Duration::from_millis(10), &|| stopped.load(Ordering::Acquire), &large);
+        });
+        // One at a time, each given a pass to be accepted and its byte read: none is silent.
+        let one_byte = || {
+            let mut stream = TcpStream::connect(address).unwrap();
+            stream.write_all(b"G").unwrap();
+            std::thread::sleep(Duration::from_millis(25));
+            stream
+        };
+        let mut heads: Vec<TcpStream> = (0..CONNECTIONS_MAX).map(|_| one_byte()).collect();
+        let mut scrape = TcpStream::connect(address).unwrap();
+        scrape.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        heads.extend((0..CONNECTIONS_MAX + 4).map(|_| one_byte()));
+        scrape.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut answer = Vec::new();
+        let read = scrape.read_to_end(&mut answer);
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{read:?}: {}", &answer[..answer.len().min(200)]);
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+        assert!(body.len() > 4 << 20, "a text larger than the sockets' buffers: {} bytes", body.len());
+        assert!(head.contains(&format!("Content-Length: {}", body.len())), "{read:?}: {} bytes of the body came: {head}", body.len());
+        drop(heads);
         stop.store(true, Ordering::Release);
         thread.join().unwrap();
     }
