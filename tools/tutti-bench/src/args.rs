@@ -16,7 +16,7 @@ use tutti_devices::{parse_size, DeviceKind};
 
 /// fio-like benchmark of the raw NVMe path and of layer-wise KV store/retrieve.
 ///
-/// With no arguments (or only --output-format, --keep, --directory): a temporary pool file on
+/// With no arguments (or only --output-format, --keep, --directory, --emu-timing): a temporary pool file on
 /// the local disk (the system temp directory, or /var/tmp when that is in memory), the software
 /// NVMe controller and the CPU executor run the embedded default KV workload, then the file is
 /// removed.
@@ -259,7 +259,8 @@ const KV_OPTIONS: [&str; 17] = [
 ];
 
 /// The workload a command line selects. Presentation options (--output-format, --keep,
-/// --directory) never change it: with nothing else, the embedded default runs.
+/// --directory) and --emu-timing never change it: with nothing else, the embedded default runs
+/// (under the timing model, which its printed equivalent command names too).
 pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
     let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     match cli.workload {

@@ -67,7 +67,7 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
         }
     }
     match selected {
-        Selected::Default => default_run(cli),
+        Selected::Default => default_run(cli, matches),
         Selected::Kv => crate::kv::run(cli),
         Selected::Serve if cli.attach.is_some() => {
             usage("--attach runs the kv workload through tuttid; --workload=serve runs its own software controller: drop one of them")
@@ -728,7 +728,7 @@ pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
 
 /// With `--output-format=json` standard output holds only the JSON; what the run is about goes
 /// to standard error.
-pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
+pub fn default_run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let started = Instant::now();
     let say = narrator(cli.output_format);
     let pool = temporary_pool(cli.directory.as_deref(), None, 0, false)?;
@@ -743,7 +743,7 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
         format_size(pool.bytes),
         format_size(pool.free_bytes)
     ))?;
-    let result = default_kv(&pool, cli, &say, &mut created);
+    let result = default_kv(&pool, cli, matches, &say, &mut created);
     if cli.keep {
         // Finished: an interrupt while the last lines are written no longer removes it.
         created.keep_after_success();
@@ -764,6 +764,7 @@ pub fn default_run(cli: &Cli) -> anyhow::Result<()> {
 fn default_kv(
     pool: &TemporaryPool,
     cli: &Cli,
+    matches: &ArgMatches,
     say: &dyn Fn(String) -> anyhow::Result<()>,
     created: &mut CreatedFiles,
 ) -> anyhow::Result<()> {
@@ -771,18 +772,42 @@ fn default_kv(
     let plan = default_plan(cli, pool.bytes, &meminfo)?;
     say(format!(
         "Workload: KV store + retrieve through the object store's layer API: a {}-token prompt of {} ({} blocks of {} tokens, {} of KV) stored layer by layer, \
-         then looked up and retrieved layer by layer into cleared engine memory and compared byte for byte (equivalent to: \
-         tutti-bench --workload=kv --model={} --prompt-tokens={} --tokens-per-block={} --hit-rate=1 --verify).",
+         then looked up and retrieved layer by layer into cleared engine memory and compared byte for byte (equivalent to: {}).",
         plan.prompt_tokens,
         plan.model.name,
         plan.blocks(),
         plan.block_tokens(),
         format_size(plan.blocks() * plan.geometry().block_bytes()),
+        equivalent_command(&plan, matches)
+    ))?;
+    crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, cli.output_format, created)
+}
+
+/// The kv command line that runs what the default run does with `plan` (`matches`: the default
+/// run's own command line).
+fn equivalent_command(plan: &crate::kv::KvPlan, matches: &ArgMatches) -> String {
+    let mut command = format!(
+        "tutti-bench --workload=kv --model={} --prompt-tokens={} --tokens-per-block={} --hit-rate=1 --verify",
         plan.model.name,
         plan.prompt_tokens,
         plan.block_tokens()
-    ))?;
-    crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, cli.output_format, created)
+    );
+    // The timing model as given (not re-spelled from the parsed figures, which round): without
+    // it the command runs at full speed, up to 32x off the figures of this run.
+    if let Some(timing) = matches.get_raw("emu_timing").and_then(|mut values| values.next()) {
+        command.push_str(&format!(" --emu-timing={}", shell_word(&timing.to_string_lossy())));
+    }
+    command
+}
+
+/// `text` as one shell word: as it is when it holds nothing a shell treats specially, in
+/// single quotes otherwise.
+fn shell_word(text: &str) -> String {
+    if !text.is_empty() && text.chars().all(|c| c.is_ascii_alphanumeric() || "=,.:_-+/".contains(c)) {
+        text.to_string()
+    } else {
+        format!("'{}'", text.replace('\'', r"'\''"))
+    }
 }
 
 /// The default run's plan: up to [`DEFAULT_PROMPT_TOKENS_MAX`] tokens, fewer until the pool
@@ -854,6 +879,33 @@ mod tests {
         assert!(lock_refusal(&vfio, io(libc::EACCES)).downcast_ref::<Unusable>().is_some());
         let error = lock_refusal(&vfio, io(libc::EIO));
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO on a vfio: lock made status 2: {error:#}");
+    }
+
+    #[test]
+    fn the_default_runs_equivalent_command_keeps_its_timing_model() {
+        // Goal: --emu-timing keeps the default run (it is not a workload option), which applies
+        // the model; the kv command it prints as equivalent must too, or running that measures
+        // at full speed, up to 32x off the figures it claims to reproduce.
+        let plenty = "MemTotal: 64000000 kB\nMemAvailable: 60000000 kB\n";
+        for (arguments, timing) in [
+            (&["tutti-bench", "--emu-timing=tutti-ssd:x1"][..], Some("--emu-timing=tutti-ssd:x1")),
+            (
+                &["tutti-bench", "--emu-timing", "read=16m,write=32m,mixed=0.5,latency=1ms"][..],
+                Some("--emu-timing=read=16m,write=32m,mixed=0.5,latency=1ms"),
+            ),
+            (&["tutti-bench"][..], None),
+        ] {
+            let matches = <Cli as clap::CommandFactory>::command().try_get_matches_from(arguments).unwrap();
+            let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
+            assert_eq!(crate::args::select_workload(&matches, &cli), Selected::Default, "{arguments:?}");
+            let plan = default_plan(&cli, 1 << 30, plenty).unwrap();
+            let command = equivalent_command(&plan, &matches);
+            assert!(command.starts_with("tutti-bench --workload=kv --model=llama3-8b --prompt-tokens=4096"), "{command}");
+            match timing {
+                Some(timing) => assert!(command.ends_with(&format!(" {timing}")), "{arguments:?}: {command}"),
+                None => assert!(!command.contains("--emu-timing"), "{command}"),
+            }
+        }
     }
 
     #[test]
