@@ -80,27 +80,29 @@ macro_rules! ensure {
 pub(crate) struct Check {
     pub name: &'static str,
     pub run: fn(&Context) -> Outcome,
+    /// Skipped on a device without a [`FaultInjector`] (it provokes a fault to check).
+    pub needs_faults: bool,
 }
 
 pub(crate) const ALL: &[Check] = &[
-    Check { name: "bring_up_and_identify", run: bring_up_and_identify },
-    Check { name: "queue_pairs_at_full_depth", run: queue_pairs_at_full_depth },
-    Check { name: "read_write_sizes_prp", run: |context| read_write_sizes(context, DataPointerMode::Prp) },
-    Check { name: "read_write_sizes_sgl", run: |context| read_write_sizes(context, DataPointerMode::Sgl) },
-    Check { name: "scatter_read_prp", run: |context| scatter_read(context, DataPointerMode::Prp) },
-    Check { name: "scatter_read_sgl", run: |context| scatter_read(context, DataPointerMode::Sgl) },
-    Check { name: "mdts_split", run: mdts_split },
-    Check { name: "flush_write_zeroes_deallocate", run: flush_write_zeroes_deallocate },
-    Check { name: "error_lba_out_of_range", run: error_lba_out_of_range },
-    Check { name: "error_invalid_field", run: error_invalid_field },
-    Check { name: "error_invalid_opcode_and_namespace", run: error_invalid_opcode_and_namespace },
-    Check { name: "error_invalid_sgl", run: error_invalid_sgl },
-    Check { name: "bounded_timeout", run: bounded_timeout },
-    Check { name: "corrupted_command_id_detected", run: corrupted_command_id_detected },
-    Check { name: "fatal_status_then_reset", run: fatal_status_then_reset },
-    Check { name: "reset_and_continue", run: reset_and_continue },
-    Check { name: "detached_queue_pair", run: detached_queue_pair },
-    Check { name: "data_integrity", run: data_integrity },
+    Check { name: "bring_up_and_identify", run: bring_up_and_identify, needs_faults: false },
+    Check { name: "queue_pairs_at_full_depth", run: queue_pairs_at_full_depth, needs_faults: false },
+    Check { name: "read_write_sizes_prp", run: |context| read_write_sizes(context, DataPointerMode::Prp), needs_faults: false },
+    Check { name: "read_write_sizes_sgl", run: |context| read_write_sizes(context, DataPointerMode::Sgl), needs_faults: false },
+    Check { name: "scatter_read_prp", run: |context| scatter_read(context, DataPointerMode::Prp), needs_faults: false },
+    Check { name: "scatter_read_sgl", run: |context| scatter_read(context, DataPointerMode::Sgl), needs_faults: false },
+    Check { name: "mdts_split", run: mdts_split, needs_faults: false },
+    Check { name: "flush_write_zeroes_deallocate", run: flush_write_zeroes_deallocate, needs_faults: false },
+    Check { name: "error_lba_out_of_range", run: error_lba_out_of_range, needs_faults: false },
+    Check { name: "error_invalid_field", run: error_invalid_field, needs_faults: false },
+    Check { name: "error_invalid_opcode_and_namespace", run: error_invalid_opcode_and_namespace, needs_faults: false },
+    Check { name: "error_invalid_sgl", run: error_invalid_sgl, needs_faults: false },
+    Check { name: "bounded_timeout", run: bounded_timeout, needs_faults: true },
+    Check { name: "corrupted_command_id_detected", run: corrupted_command_id_detected, needs_faults: true },
+    Check { name: "fatal_status_then_reset", run: fatal_status_then_reset, needs_faults: true },
+    Check { name: "reset_and_continue", run: reset_and_continue, needs_faults: false },
+    Check { name: "detached_queue_pair", run: detached_queue_pair, needs_faults: false },
+    Check { name: "data_integrity", run: data_integrity, needs_faults: false },
 ];
 
 fn bring_up(context: &Context, preference: DataPointerPreference) -> Result<Controller, Failure> {

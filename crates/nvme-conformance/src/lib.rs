@@ -135,6 +135,12 @@ pub enum UsageError {
     IntegrityNotAsked { filter: String },
     #[error("--integrity-mib {mib} is larger than the namespace ({namespace_mib} MiB); accepted: up to {namespace_mib}")]
     IntegrityLargerThanNamespace { mib: u64, namespace_mib: u64 },
+    #[error(
+        "--filter '{filter}' selects only checks that need fault injection ({checks}), which this device lacks (only the \
+         software controller, emu:, has it), so every one would be skipped; accepted: a filter that selects a check that \
+         runs without it"
+    )]
+    NeedsFaultInjection { filter: String, checks: String },
     #[error("--integrity-mib {mib} is larger than any namespace (past 2^64 bytes); accepted: up to the namespace's size in MiB")]
     IntegrityPastAnyNamespace { mib: u64 },
 }
@@ -173,11 +179,17 @@ impl SuiteConfig {
         Ok(())
     }
 
-    /// [`SuiteConfig::validate`], and when the data-integrity check runs, that its MiB fit the
-    /// device's first namespace (one bring-up to read it; a device that does not come up is left
-    /// to the checks, which report it as a failure).
-    pub fn validate_for(&self, device: &Arc<dyn DeviceBackend>) -> Result<(), UsageError> {
+    /// [`SuiteConfig::validate`]; without `faults`, that some selected check runs without fault
+    /// injection (a selection that would skip every check, pass none and so fail the run, is
+    /// bad usage); and when the data-integrity check runs, that its MiB fit the device's first
+    /// namespace (one bring-up to read it; a device that does not come up is left to the
+    /// checks, which report it as a failure).
+    pub fn validate_for(&self, device: &Arc<dyn DeviceBackend>, faults: Option<&Arc<dyn FaultInjector>>) -> Result<(), UsageError> {
         self.validate()?;
+        let selected = self.selected_checks();
+        if faults.is_none() && checks::ALL.iter().filter(|check| selected.contains(&check.name)).all(|check| check.needs_faults) {
+            return Err(UsageError::NeedsFaultInjection { filter: self.filter.clone().unwrap_or_default(), checks: selected.join(", ") });
+        }
         if !self.selected_checks().contains(&"data_integrity") {
             return Ok(());
         }

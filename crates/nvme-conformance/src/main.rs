@@ -9,11 +9,13 @@
 //! `tutti pool` lock it, and each block device claimed (`O_EXCL`); an `emu:PATH` that already
 //! holds data (a non-empty file, a block device) is tested only with `--overwrite`.
 //!
-//! Exit status: 0 when every check on every device passed, 1 when any failed, 2 for bad usage
+//! Exit status: 0 when no check failed and some passed on every device (skipped checks aside),
+//! 1 when any failed, or when none passed on a device (every selected check skipped there,
+//! e.g. `--filter sgl` on a controller without SGL), 2 for bad usage
 //! (bad flags, a device string that does not parse or a device that cannot be opened, e.g. a
 //! memory device larger than the machine can spare; a device another process holds (its lock,
 //! or a block device in use); an `emu:PATH` holding data without `--overwrite`; a `--filter`
-//! that selects no check; an `--integrity-mib` larger than the namespace; a `--timeout-s` above
+//! that selects no check, or only checks that need fault injection on a `vfio:` device; an `--integrity-mib` larger than the namespace; a `--timeout-s` above
 //! a day), 141 when standard output was closed by its reader.
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -32,7 +34,7 @@ mod devices;
 #[command(
     version,
     about,
-    after_long_help = "Exit status: 0 every check passed; 1 a check failed; 2 unusable input (bad flag or device, a device another process holds or a block device in use, an emu:PATH holding data without --overwrite, a --filter that selects no check, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
+    after_long_help = "Exit status: 0 no check failed and some passed on every device; 1 a check failed, or every check selected was skipped on a device (e.g. --filter sgl without controller SGL support); 2 unusable input (bad flag or device, a device another process holds or a block device in use, an emu:PATH holding data without --overwrite, a --filter that selects no check or only fault-injection checks on a vfio: device, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
 )]
 struct Arguments {
     /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH` (a file
@@ -126,7 +128,7 @@ fn run(arguments: Arguments) -> Result<bool> {
     let mut all_passed = true;
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
-        config.validate_for(&device).with_context(|| format!("device '{spec}'"))?;
+        config.validate_for(&device, faults.as_ref()).with_context(|| format!("device '{spec}'"))?;
         let report = run_suite(device, faults, &config);
         tutti_cli::stdout::write_fmt(format_args!("{report}"))?;
         all_passed &= report.passed();

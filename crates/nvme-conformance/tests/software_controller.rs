@@ -184,3 +184,28 @@ fn a_second_run_does_not_pass_on_an_earlier_runs_data() {
     assert_ne!(first.pattern_nonce, second.pattern_nonce);
     assert!(second.to_string().contains(&format!("pattern nonce {:#018x}", second.pattern_nonce)), "{second}");
 }
+
+/// Goal (finding 7): a selection whose every check needs fault injection, on a device that has
+/// none (QEMU, a real SSD), is bad usage before any check runs, not a run that skips them all
+/// and reports CONFORMANCE_FAILED with nothing failed; with fault injection, or with one check
+/// that runs without it, the selection stands.
+#[test]
+fn a_selection_that_only_fault_injection_runs_is_refused_without_it() {
+    let emulator =
+        EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 })).expect("start the software controller");
+    let faults: Arc<dyn FaultInjector> = Arc::new(EmuFaults::new(Arc::clone(&emulator)));
+    let device: Arc<dyn nvme_driver::DeviceBackend> = emulator;
+    for filter in ["bounded_timeout", "fatal", "corrupted", "_"] {
+        let config = SuiteConfig { filter: Some(filter.into()), ..suite() };
+        let refused = config.validate_for(&device, None);
+        if filter == "_" {
+            assert_eq!(refused, Ok(()), "most checks run without fault injection");
+            continue;
+        }
+        let error = refused.expect_err(filter).to_string();
+        assert!(error.contains("fault injection") && error.contains(filter), "{error}");
+        assert_eq!(config.validate_for(&device, Some(&faults)), Ok(()), "{filter} runs with fault injection");
+    }
+    let mixed = SuiteConfig { filter: Some("reset".into()), ..suite() };
+    assert_eq!(mixed.validate_for(&device, None), Ok(()), "reset_and_continue runs without fault injection");
+}
