@@ -460,7 +460,11 @@ impl DataPlane {
                 Err(error @ PeerError::Garbage(_)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
-                    let _ = peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing garbage");
+                    if peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing garbage").is_ok() {
+                        // The rest of the frame is unread: closed as it is, the connection
+                        // would be reset, which may discard the refusal before it is read.
+                        close_after_refusal(&mut stream);
+                    }
                     return Err(error);
                 }
                 Err(error) => return Err(error),
@@ -973,9 +977,7 @@ fn pause_unless_stopped(pause: Duration, stopped: &dyn Fn() -> bool) -> bool {
 
 /// Holder: answers a connection over [`PEERS_MAX`] `Unavailable` (the asker retries) and closes
 /// it, from the accept thread, so every step is short: the frame is small (a new socket's send
-/// buffer takes it whole; the write is still bounded), then the write half is shut (a FIN after
-/// the frame) and what the asker sent already is drained without waiting (closing with unread
-/// bytes would reset the connection, which may discard the frame before it is read).
+/// buffer takes it whole; the write is still bounded), then [`close_after_refusal`].
 fn refuse_busy(mut stream: TcpStream) {
     let mut frame = Vec::new();
     peer::encode_failure(
@@ -992,12 +994,19 @@ fn refuse_busy(mut stream: TcpStream) {
         tracing::info!(%error, "refusing a data-plane connection over the limit");
         return;
     }
+    close_after_refusal(&mut stream);
+}
+
+/// Holder: readies a connection whose refusal was just written for its close: the write half is
+/// shut (a FIN after the frame) and what the asker sent already is drained without waiting, at
+/// most 64 KiB (a request is under 1 KiB). Closing with unread bytes would reset the connection,
+/// which may discard the refusal before the asker reads it (it would see a reset, not why).
+fn close_after_refusal(stream: &mut TcpStream) {
     let _ = stream.shutdown(std::net::Shutdown::Write);
     if stream.set_nonblocking(true).is_ok() {
         let mut scratch = [0u8; 4096];
-        // At most 64 KiB: a request is under 1 KiB.
         for _ in 0..16 {
-            match std::io::Read::read(&mut stream, &mut scratch) {
+            match std::io::Read::read(stream, &mut scratch) {
                 Ok(count) if count > 0 => {}
                 _ => break,
             }
