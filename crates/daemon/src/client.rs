@@ -87,6 +87,9 @@ pub struct Client {
     /// frame was cut; a reply answered another request): every later call fails at once with
     /// [`Client::out_of_step`] rather than reading an earlier request's reply as its own.
     broken: Option<String>,
+    /// The session's block size, once [`Client::hello`] has been answered: what lookup and
+    /// fetch counts are checked against.
+    block_tokens: Option<u32>,
 }
 
 impl Client {
@@ -109,6 +112,7 @@ impl Client {
             timeout,
             requests_sent: 0,
             broken: None,
+            block_tokens: None,
         })
     }
 
@@ -130,6 +134,7 @@ impl Client {
             timeout: Duration::ZERO,
             requests_sent: 0,
             broken: Some(why.into()),
+            block_tokens: None,
         })
     }
 
@@ -146,7 +151,10 @@ impl Client {
     /// sent ([`DaemonError::ClientNameTooLong`]).
     pub fn hello(&mut self, hello: &Hello) -> Result<HelloReply, DaemonError> {
         match self.call(&Request::Hello(hello.clone()))? {
-            Reply::Hello(reply) => Ok(reply),
+            Reply::Hello(reply) => {
+                self.block_tokens = Some(reply.shape.block_tokens);
+                Ok(reply)
+            }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Hello, got: other.kind() }),
         }
     }
@@ -161,7 +169,7 @@ impl Client {
     /// needs only the run from there).
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
         match self.exchange(Kind::Lookup, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
-            Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
+            Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
         }
     }
@@ -176,7 +184,7 @@ impl Client {
     /// As [`Client::lookup_all_ranks`], for the run of blocks from `first_block`: where it ends.
     pub fn lookup_all_ranks_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
         match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
-            Reply::Lookup { cached_blocks, .. } => Ok(cached_blocks),
+            Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
         }
     }
@@ -204,7 +212,21 @@ impl Client {
     /// timeout must cover the fetch (a segment's read and local store per segment).
     pub fn fetch_remote(&mut self, tokens: &[u32]) -> Result<(u32, u32), DaemonError> {
         match self.exchange(Kind::FetchRemote, |out| encode_lookup_body(tokens, out), &[])? {
-            Reply::Fetched { cached_blocks, fetched_blocks } => Ok((cached_blocks, fetched_blocks)),
+            Reply::Fetched { cached_blocks, fetched_blocks } => {
+                // Without the session's block size (no Hello answered here), blocks of at least
+                // one token each.
+                let full = tokens.len() / self.block_tokens.unwrap_or(1).max(1) as usize;
+                match cached_blocks.checked_add(fetched_blocks) {
+                    Some(blocks) if blocks as usize <= full => Ok((cached_blocks, fetched_blocks)),
+                    _ => Err(self.bad_reply(
+                        Kind::Fetched,
+                        format!(
+                            "{cached_blocks} cached and {fetched_blocks} fetched blocks of a {}-token prompt of at most {full} full blocks",
+                            tokens.len()
+                        ),
+                    )),
+                }
+            }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::FetchRemote, got: other.kind() }),
         }
     }
@@ -258,6 +280,39 @@ impl Client {
     /// reconnect.
     pub fn is_broken(&self) -> bool {
         self.broken.is_some()
+    }
+
+    /// A lookup's answer, `cached_blocks` blocks of `block_tokens` tokens, checked against the
+    /// request before an engine plans loads from it: the daemon answers where the cached run
+    /// from `first_block` ends, between `first_block` (or the prompt's end, when that is before
+    /// it) and the prompt's full blocks, in the session's block size. Anything else is a
+    /// daemon that does not keep the protocol: refused, and the connection out of step.
+    fn checked_lookup(&mut self, tokens: usize, first_block: u32, cached_blocks: u32, block_tokens: u32) -> Result<u32, DaemonError> {
+        let problem = if block_tokens == 0 || self.block_tokens.is_some_and(|session| session != block_tokens) {
+            Some(format!("blocks of {block_tokens} tokens in a session of {:?}-token blocks", self.block_tokens))
+        } else {
+            let full = tokens / block_tokens as usize;
+            let start = (first_block as usize).min(full);
+            (!(start..=full).contains(&(cached_blocks as usize))).then(|| {
+                format!(
+                    "a cached run from block {first_block} that ends at block {cached_blocks} of a {tokens}-token prompt of \
+                     {full} full blocks of {block_tokens} tokens"
+                )
+            })
+        };
+        match problem {
+            None => Ok(cached_blocks),
+            Some(reason) => Err(self.bad_reply(Kind::LookupReply, reason)),
+        }
+    }
+
+    /// A reply that decoded but does not answer the request it came for (`reason`): the
+    /// daemon does not keep the protocol, so the connection is marked out of step (the caller
+    /// reconnects) and the reply refused as a malformed body.
+    fn bad_reply(&mut self, kind: Kind, reason: String) -> DaemonError {
+        let error = DaemonError::Protocol(crate::protocol::ProtocolError::MalformedBody { kind, reason });
+        self.broken = Some(format!("tuttid answered a request with a reply that does not fit it ({error})"));
+        error
     }
 
     /// A `Hello` whose client name passes [`CLIENT_NAME_BYTES_MAX`](crate::protocol::CLIENT_NAME_BYTES_MAX)
@@ -437,7 +492,7 @@ pub(crate) mod tests {
 
     use super::*;
     use crate::frame_io::{read_frame, write_frame_with_fds};
-    use crate::protocol::ErrorCode;
+    use crate::protocol::{ErrorCode, ProtocolError};
 
     /// Goal: a detached client (a stand-in for a connection lent elsewhere) fails every call
     /// at once as out of step (NotConnected, naming its cause), sends nothing, and needs no
@@ -796,5 +851,60 @@ pub(crate) mod tests {
         assert!(matches!(outcome, Err(DaemonError::Remote { code: ErrorCode::LeaseExpired, .. })), "{outcome:?} after {took:?}");
         assert!(took < Duration::from_millis(300), "the goodbye was reported after {took:?}");
         assert!(broken, "a connection the daemon ended is out of step");
+    }
+
+    /// Runs `call` on a client of a stand-in daemon that answers its one request with `reply`:
+    /// the outcome, and whether the connection is marked out of step after it.
+    fn answered_with<T>(reply: Reply, call: impl FnOnce(&mut Client) -> Result<T, DaemonError>) -> (Result<T, DaemonError>, bool) {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            if let Some(request) = request_id(&stream, Duration::from_secs(5)) {
+                answer(&stream, request, &reply);
+            }
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let outcome = call(&mut client);
+        let broken = client.is_broken();
+        drop(client);
+        daemon.join().unwrap();
+        (outcome, broken)
+    }
+
+    /// Goal: lookup counts are socket data, checked before an engine plans loads from them: a
+    /// count past the prompt's full blocks, below the run's start, or under a block size of 0
+    /// (a buggy or foreign daemon) is a clear error that leaves the connection out of step
+    /// (reconnect), not a count past the prompt; so is a fetch that reports more blocks than the
+    /// prompt has. A count within the prompt is returned.
+    #[test]
+    fn lookup_counts_past_the_prompt_are_refused() {
+        let lookup = |cached_blocks, block_tokens| Reply::Lookup { cached_blocks, block_tokens };
+        let tokens = vec![7u32; 32];
+        let (within, broken) = answered_with(lookup(2, 16), |client| client.lookup(&tokens));
+        assert_eq!(within.unwrap(), 2);
+        assert!(!broken);
+        for (first_block, reply, what) in [
+            (0, lookup(5, 16), "5 blocks of a 2-block prompt"),
+            (0, lookup(3, 16), "3 blocks of a 2-block prompt"),
+            (2, lookup(1, 16), "a run from block 2 that ends at block 1"),
+            (0, lookup(0, 0), "blocks of 0 tokens"),
+        ] {
+            let (outcome, broken) = answered_with(reply.clone(), |client| client.lookup_from(&tokens, first_block));
+            assert!(matches!(outcome, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{what}: {outcome:?}");
+            assert!(broken, "{what}: the connection is still taken as in step");
+            let (outcome, _) = answered_with(reply, |client| client.lookup_all_ranks_from(&tokens, first_block));
+            assert!(matches!(outcome, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{what} (all ranks): {outcome:?}");
+        }
+        let (fetched, broken) =
+            answered_with(Reply::Fetched { cached_blocks: 20, fetched_blocks: 20 }, |client| client.fetch_remote(&tokens));
+        assert!(matches!(fetched, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{fetched:?}");
+        assert!(broken);
+        let (overflow, _) =
+            answered_with(Reply::Fetched { cached_blocks: u32::MAX, fetched_blocks: 2 }, |client| client.fetch_remote(&tokens));
+        assert!(overflow.is_err(), "{overflow:?}");
+        let (fetched, _) = answered_with(Reply::Fetched { cached_blocks: 1, fetched_blocks: 1 }, |client| client.fetch_remote(&tokens));
+        assert_eq!(fetched.unwrap(), (1, 1));
     }
 }
