@@ -474,16 +474,23 @@ impl<'a> Sim<'a> {
                 IoKind::Write => &mut self.writes,
             };
             if let Some(head) = queue.front_mut() {
+                // A step that reaches the end `next_event_us` computed for the head (the same
+                // expression, so the same float) ends it: past 2^34 µs a clock step is coarser
+                // than the residue snapped below, so `now + left` may round short of the end and
+                // leave a remainder whose own step rounds to 0 µs; the run then spun to its event
+                // budget.
+                let now_us = self.now_us;
                 if head.latency_left_us > 0.0 {
+                    let ends_here = now_us + head.latency_left_us <= until_us;
                     head.latency_left_us -= dt_us;
-                    // Snap float residue (below a picosecond) so the next step moves bytes; the
-                    // clock's own resolution at long run times is coarser than that.
-                    if head.latency_left_us < RESIDUE_US {
+                    // Snap float residue (below a picosecond) so the next step moves bytes.
+                    if ends_here || head.latency_left_us < RESIDUE_US {
                         head.latency_left_us = 0.0;
                     }
                 } else {
+                    let ends_here = now_us + head.bytes_left / rate <= until_us;
                     head.bytes_left -= rate * dt_us;
-                    if head.bytes_left < rate * RESIDUE_US {
+                    if ends_here || head.bytes_left < rate * RESIDUE_US {
                         head.bytes_left = 0.0;
                     }
                 }

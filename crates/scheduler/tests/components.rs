@@ -437,6 +437,41 @@ fn a_table_whose_first_decode_row_is_past_the_input_simulates_as_its_own_truth()
     assert!((run.decode_us - 3.0 * 1000.0).abs() < 1e-6, "{run:?}");
 }
 
+/// Goal: an I/O job that starts late in a long run completes at the event the simulator computed
+/// for it. Past 2^34 µs of simulated time a clock step is coarser than the float residue the
+/// simulator snapped (1e-6 µs): `now + bytes_left / rate` could round short of the job's end, the
+/// bytes left over then moved in a step that rounded to 0 µs, and the run spun to its event budget
+/// and blamed the policy ("event budget exhausted"). Here decode steps of 1e9 µs (valid: a table
+/// duration may reach 1e12 µs) leave no free SM before context 2068, so the one queued write IOCB
+/// goes in step 20, at 2e10 µs, and 1 MiB at 7 GB/s does not end on a clock step.
+#[test]
+fn a_write_issued_past_2_pow_34_us_completes() {
+    let mut table = common::table();
+    table.decode_steps = vec![
+        DecodeStep { context_tokens: 1024, duration_us: 1e9, free_sms: 0 },
+        DecodeStep { context_tokens: 2068, duration_us: 1e9, free_sms: 4 },
+    ];
+    let table = Profile::from_table(table).unwrap();
+    let ssd = SsdModel { write_bytes_per_s_per_device: 7e9, ..toy_ssd() };
+    let config = SimConfig {
+        input_tokens: 2048,
+        prefix_tokens: 1024,
+        iocb_bytes: 1 << 20,
+        decode_step_count: 21,
+        queued_kernels_hide_latency: true,
+    };
+    let mut policy = PolicyKind::SlackAware.build();
+    let run = simulate(&table, &table, &ssd, &config, policy.as_mut()).unwrap();
+    assert_eq!(run.write_backlog_bytes_at_ttft, 1 << 20, "{run:?}");
+    assert_eq!(run.write_backlog_bytes_at_end, 0, "{run:?}");
+    assert_eq!(run.decode_us, 21e9, "{run:?}");
+    // Not written before step 20 (no free SM): the write ran past 2^34 µs.
+    let before = SimConfig { decode_step_count: 20, ..config };
+    let mut policy = PolicyKind::SlackAware.build();
+    let run = simulate(&table, &table, &ssd, &before, policy.as_mut()).unwrap();
+    assert_eq!(run.write_backlog_bytes_at_end, 1 << 20, "{run:?}");
+}
+
 /// Goal: the write predicate counts the contexts before the first decode row (priced as that
 /// row) that requests reach (from the smallest profiled input, 1024 tokens here): a table whose
 /// only writable row is the first, above the smallest input, can write; at or below it, it
