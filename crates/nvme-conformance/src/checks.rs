@@ -9,10 +9,10 @@ use nvme_driver::spec::status::codes;
 use nvme_driver::spec::{SglDescriptor, StatusCodeType, SubmissionEntry};
 use nvme_driver::{
     BlockCount, Controller, ControllerConfig, DataPointerMode, DataPointerPreference, DataSegment, DeviceBackend, DmaAllocator, DmaRegion,
-    HwError, IoQueuePair, Lba, Namespace, NvmeError, QueueId,
+    HwError, IoQueuePair, Lba, Namespace, NamespaceId, NvmeError, QueueId,
 };
 
-use crate::pattern::{fill_pattern, verify_pattern};
+use crate::pattern::{fill_pattern, mix, verify_pattern};
 use crate::{FaultInjector, SuiteConfig};
 
 pub(crate) struct Context {
@@ -29,6 +29,14 @@ impl Context {
     /// data (a controller that drops writes would otherwise pass a second run).
     fn seed(&self, base: u64) -> u64 {
         base ^ self.nonce
+    }
+
+    /// [`Context::seed`] for data written to `namespace`: each namespace's pattern is its own,
+    /// so blocks one namespace's I/O left in another's (a fixed or stale NSID, namespaces that
+    /// alias each other) do not read back as the other's data. `mix` is a bijection: distinct
+    /// namespaces give distinct seeds for one base.
+    fn namespace_seed(&self, base: u64, namespace: NamespaceId) -> u64 {
+        self.seed(base) ^ mix(u64::from(namespace.0) << 32)
     }
 }
 
@@ -275,7 +283,7 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
             let start_bytes = (round as u64 * 3 * max) % (capacity - size + 1) / block * block;
             let source = dma.allocate(size as usize)?;
             let sink = dma.allocate(size as usize)?;
-            let seed = context.seed(0x5eed_0000 + round as u64);
+            let seed = context.namespace_seed(0x5eed_0000 + round as u64, namespace.id);
             fill_pattern(&source, 0, size as usize, seed, start_bytes)?;
             let source_segment = DataSegment::new(source.iova(), size as u32);
             let sink_segment = DataSegment::new(sink.iova(), size as u32);
@@ -284,7 +292,59 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
                 .map_err(|message| Failure(format!("{} {mode:?} {size} bytes: {message}", namespace.id)))?;
         }
     }
+    namespaces_kept_apart(context, &controller, mode)?;
     Ok(Verdict::Passed)
+}
+
+/// Blocks of every namespace that [`namespaces_kept_apart`] tags: the first, the middle and the
+/// last, as fractions of the namespace.
+const NAMESPACE_TAGS: [(u64, u64); 3] = [(0, 1), (1, 2), (1, 1)];
+
+/// Each namespace written first, then each read back: a block carrying its namespace's own
+/// pattern at the first, middle and last LBA of every namespace. A write that reached another
+/// namespace (a fixed or stale NSID in the command, namespaces aliasing each other) overwrote
+/// that namespace's tag with a pattern that is not its own, and its read-back fails. (Read back
+/// straight after its own write, as the rounds of [`read_write_sizes`] are, such a write would
+/// pass: the read lands where the write did.)
+fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataPointerMode) -> Result<(), Failure> {
+    let namespaces = controller.namespaces().to_vec();
+    if namespaces.len() < 2 {
+        return Ok(());
+    }
+    let mut queue = queue(controller, 16)?;
+    let dma = Arc::clone(controller.dma());
+    let tags = |namespace: &Namespace| {
+        // A namespace of no blocks (which bring_up_and_identify fails) tags block 0 three times.
+        let last = namespace.size_blocks.saturating_sub(1);
+        NAMESPACE_TAGS.map(|(numerator, denominator)| Lba(last / denominator * numerator))
+    };
+    for namespace in &namespaces {
+        let block = namespace.block_size_bytes as usize;
+        let seed = context.namespace_seed(0x7a95_0000, namespace.id);
+        let source = dma.allocate(block)?;
+        for lba in tags(namespace) {
+            let disk_bytes = lba.0 * block as u64;
+            fill_pattern(&source, 0, block, seed, disk_bytes)?;
+            queue.write(namespace.id, lba, &[DataSegment::new(source.iova(), block as u32)], false, context.config.timeout)?;
+        }
+    }
+    for namespace in &namespaces {
+        let block = namespace.block_size_bytes as usize;
+        let seed = context.namespace_seed(0x7a95_0000, namespace.id);
+        let sink = dma.allocate(block)?;
+        for lba in tags(namespace) {
+            let disk_bytes = lba.0 * block as u64;
+            sink.fill(0, block, 0)?;
+            queue.read(namespace.id, lba, &[DataSegment::new(sink.iova(), block as u32)], context.config.timeout)?;
+            verify_pattern(&sink, 0, block, seed, disk_bytes).map_err(|message| {
+                Failure(format!(
+                    "{} {mode:?} LBA {} after every namespace was written: {message} (another namespace's write landed in its blocks?)",
+                    namespace.id, lba.0
+                ))
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Allocates `count` separate page-aligned buffers of `len` bytes (distinct regions, so their
@@ -765,6 +825,22 @@ mod tests {
 
     fn timed_out(queue: QueueId) -> Result<(), NvmeError> {
         Err(NvmeError::Timeout { queue, command_id: nvme_driver::CommandId(5), waited_ms: 300, outstanding: 1 })
+    }
+
+    #[test]
+    fn namespaces_get_patterns_of_their_own() {
+        // Goal (finding 4): one seed base gives each namespace another pattern, so that data
+        // one namespace's I/O left in another's blocks (a fixed or stale NSID, namespaces
+        // aliasing each other) does not read back as that namespace's own.
+        let emulator =
+            nvme_emu::EmuDevice::start(nvme_emu::EmuConfig::default().with_backing(nvme_emu::Backing::Memory { bytes: 1 << 20 }))
+                .expect("start the software controller");
+        let context = Context { device: emulator, faults: None, config: SuiteConfig::default(), nonce: 0x1234_5678_9abc_def0 };
+        let seeds: Vec<u64> = (1..=64).map(|namespace| context.namespace_seed(0x5eed_0000, NamespaceId(namespace))).collect();
+        for (index, seed) in seeds.iter().enumerate() {
+            assert!(!seeds[..index].contains(seed), "namespace {} shares its pattern with an earlier one", index + 1);
+            assert_ne!(*seed, context.namespace_seed(0x5eed_0001, NamespaceId(index as u32 + 1)), "rounds share a pattern");
+        }
     }
 
     #[test]

@@ -1,10 +1,11 @@
 //! Deterministic data patterns: every 8-byte word is a function of (seed, byte address on the
 //! namespace), so a misplaced block, a stale block or a torn write shows up as a mismatch naming
-//! where it is.
+//! where it is. Within one namespace: another namespace's blocks are told apart only when its
+//! seed differs (the checks mix the namespace id into it).
 
 use nvme_driver::DmaRegion;
 
-fn mix(mut value: u64) -> u64 {
+pub(crate) fn mix(mut value: u64) -> u64 {
     // splitmix64 finaliser: cheap and every input bit affects every output bit.
     value = (value ^ (value >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     value = (value ^ (value >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -66,6 +66,19 @@ fn several_namespaces_stride_and_small_queues() {
     assert_passed(&report, &["bring_up_and_identify", "queue_pairs_at_full_depth", "read_write_sizes_sgl", "read_write_sizes_prp"]);
 }
 
+/// Goal (finding 4): two namespaces of one shape (as QEMU's and real multi-namespace SSDs
+/// usually are) each keep their own data: the read/write checks, which now write every
+/// namespace before reading any back with a pattern of each namespace's own, pass. (That a
+/// controller aliasing them fails needs an aliasing mode in nvme-emu, which has none.)
+#[test]
+fn two_namespaces_of_one_shape_keep_their_own_data() {
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 64 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(4096, Some(32 << 20)), NamespaceConfig::new(4096, None)]);
+    let report = run(config, SuiteConfig { integrity_mib: 0, filter: Some("read_write_sizes".into()), ..suite() });
+    assert_passed(&report, &["read_write_sizes_sgl", "read_write_sizes_prp"]);
+}
+
 /// Goal: a controller that grants a single I/O queue pair (the suite asks for 4) and has a
 /// 16 KiB MDTS passes the whole suite, and the report says how many queue pairs were used.
 #[test]
