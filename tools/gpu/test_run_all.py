@@ -213,6 +213,27 @@ class RunAll(unittest.TestCase):
         self.assertEqual(rc, 0, s.last_output)
         self.assertNotIn("STALE", summary)
 
+    def test_the_slack_import_reserves_the_io_partition_the_gpu_grants(self):
+        # Goal: on a Hopper GPU (the h100/h200 presets: compute capability 9.x) a green context
+        # grants I/O SMs in multiples of 8, so tutti's request of 4 is granted 8: the import is
+        # given 8 and the granularity (it refuses what the GPU cannot grant), and the summary
+        # says so. Before, the import reserved its default 4 and modelled compute on 128 SMs.
+        s = self.stubs
+        os.makedirs(os.path.join(s.root, "tools/gpu"), exist_ok=True)
+        with open(os.path.join(s.root, "tools/gpu/slack-profile.py"), "w") as handle:
+            handle.write("import sys\nargs = sys.argv[1:]\n"
+                         "open(args[args.index('--out-csv') + 1], 'w').write('phase,input_tokens\\n')\n")
+        arguments = os.path.join(s.root, "import-arguments")
+        profile = s.stub("stub-tutti-profile", f'[[ "$1" == import ]] && echo "$@" >{arguments}; exit 0')
+        env = {"RUN_ALL_TUTTI_PROFILE": profile, "RUN_ALL_GPU_PRESET": "h100"}
+        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
+        self.assertEqual(rc, 0, summary + s.last_output)
+        with open(arguments) as handle:
+            words = handle.read().split()
+        self.assertEqual(words[words.index("--io-sms") + 1], "8", words)
+        self.assertEqual(words[words.index("--io-sm-granularity") + 1], "8", words)
+        self.assertIn("slack: io_sms 8 reserved for I/O (4 requested", summary)
+
     def python_stub(self, import_s: int) -> str:
         """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
         machine) and whose `-m pip install --target DIR` makes DIR/tutti."""

@@ -231,12 +231,32 @@ struct ImportArgs {
     /// (at least 1).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     io_sms: u32,
+    /// The GPU's green-context SM granularity: a partition is granted in multiples of this many
+    /// SMs, at least one multiple (8 on compute capability 9.x: cuDevSmResourceSplitByCount rounds
+    /// a request of 4 up to 8). Given, an --io-sms the GPU cannot grant is refused: the table
+    /// would model compute on SMs the I/O partition really takes. Default 1: not checked.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    io_sm_granularity: u32,
     /// Output file (JSON).
     #[arg(long, short)]
     out: PathBuf,
     /// Indent the JSON (several times larger).
     #[arg(long)]
     pretty: bool,
+}
+
+/// Refuses an I/O partition of `io_sms` SMs that a GPU granting them in multiples of
+/// `granularity` cannot make (it would grant the next multiple, and compute would run on fewer
+/// SMs than the table says).
+fn check_io_partition(io_sms: u32, granularity: u32) -> Result<()> {
+    if !io_sms.is_multiple_of(granularity) {
+        let granted = io_sms.div_ceil(granularity).saturating_mul(granularity);
+        return Err(unusable(format!(
+            "--io-sms {io_sms} with --io-sm-granularity {granularity}: the GPU grants I/O partitions in multiples of \
+             {granularity} SMs, so it would reserve {granted}; pass --io-sms {granted}"
+        )));
+    }
+    Ok(())
 }
 
 #[derive(Args, Debug)]
@@ -376,6 +396,12 @@ fn analytic(args: &AnalyticArgs) -> Result<()> {
 fn import(args: &ImportArgs) -> Result<()> {
     let model = args.target.model()?;
     let gpu = args.target.gpu()?;
+    check_io_partition(args.io_sms, args.io_sm_granularity)?;
+    // The table records whether the reservation was checked against the GPU's partitions.
+    let granularity = match args.io_sm_granularity {
+        1 => String::new(),
+        unit => format!(" (a partition this GPU grants: multiples of {unit} SMs)"),
+    };
     let text =
         std::fs::read_to_string(&args.timeline).map_err(|error| unusable(format!("reading {}: {error}", args.timeline.display())))?;
     let (io_costs, io_source) = match &args.io_costs {
@@ -388,7 +414,7 @@ fn import(args: &ImportArgs) -> Result<()> {
         gpu.identity(),
         args.io_sms,
         io_costs,
-        &format!("imported-timeline: {}", args.timeline.display()),
+        &format!("imported-timeline: {}; --io-sms {}{granularity}", args.timeline.display(), args.io_sms),
         &io_source,
     )
     .with_context(|| format!("importing {}", args.timeline.display()))?;
@@ -452,4 +478,61 @@ fn check(args: &CheckArgs) -> Result<()> {
         t.io_cost_source
     )?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A timeline of two buckets measured with every kernel on all 132 SMs (what slack-profile.py
+    /// writes), imported for the h100 preset with `extra` flags; the table's JSON.
+    fn import_all_sm_timeline(name: &str, extra: &[&str]) -> Result<serde_json::Value> {
+        let dir = std::env::temp_dir().join(format!("tutti-profile-unit-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let timeline = dir.join("timeline.csv");
+        let mut csv = String::from("phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used\n");
+        for (input, prefix) in [(4096, 0), (4096, 4096)] {
+            for layer in 0..32 {
+                let t = f64::from(layer) * 1000.0;
+                csv.push_str(&format!("prefill,{input},{prefix},{layer},qkv,{t},{},132\n", t + 100.0));
+                csv.push_str(&format!("prefill,{input},{prefix},{layer},attn,{},{},132\n", t + 100.0, t + 1000.0));
+            }
+        }
+        csv.push_str("decode,4096,,,step,0,3000,132\n");
+        std::fs::write(&timeline, csv).unwrap();
+        let out = dir.join("table.json");
+        let arguments = [
+            &["tutti-profile", "import", "--timeline", timeline.to_str().unwrap(), "--gpu", "h100", "--out", out.to_str().unwrap()][..],
+            extra,
+        ]
+        .concat();
+        let Command::Import(args) = Cli::try_parse_from(arguments).unwrap().command else { unreachable!("an import") };
+        let result = import(&args).map(|()| serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+        result
+    }
+
+    /// Goal: a Hopper green context grants I/O SMs in multiples of 8 (at least 8): told so, the
+    /// import refuses a reservation of 4 (status 2, naming both flags), which would model compute
+    /// on 128 SMs where the hardware leaves 124.
+    #[test]
+    fn an_io_partition_the_gpu_cannot_grant_is_refused() {
+        let error = import_all_sm_timeline("refused", &["--io-sms", "4", "--io-sm-granularity", "8"]).unwrap_err();
+        let text = format!("{error:#}");
+        assert!(text.contains("--io-sms 4") && text.contains("--io-sm-granularity 8"), "{text}");
+        assert!(exit::is_unusable(error.as_ref()), "unusable input: {text}");
+    }
+
+    /// Goal: the granted partition is what the table reserves (compute on 132 − 8 = 124 SMs), and
+    /// the table says how the count was checked.
+    #[test]
+    fn the_granted_io_partition_is_reserved() {
+        let table = import_all_sm_timeline("granted", &["--io-sms", "8", "--io-sm-granularity", "8"]).unwrap();
+        let source = table["compute_source"].as_str().unwrap();
+        assert!(source.contains("clamped to 124"), "{source}");
+        assert!(source.contains("multiples of 8"), "{source}");
+        for step in table["decode_steps"].as_array().unwrap() {
+            assert_eq!(step["free_sms"].as_u64(), Some(8), "{step}");
+        }
+    }
 }
