@@ -437,6 +437,54 @@ pub(crate) fn keep_engine_for_good(engine: Engine, who: &str) {
     std::mem::forget(engine);
 }
 
+/// The slots formatting `targets` with `params` gives in all, each device planned as
+/// `format_pool` plans it (objstore's `Superblock::plan`, on the namespace's LBA size and
+/// size); `None` when a device cannot be planned: `format_pool` then refuses it, saying why.
+fn planned_slots(targets: &[PoolTarget], params: &FormatParams) -> Option<u64> {
+    let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
+    let device_count = u32::try_from(targets.len()).ok()?;
+    let mut slots = 0u64;
+    for (device, target) in (0u32..).zip(targets) {
+        let namespace = target.controller.namespace(target.namespace).ok()?;
+        let superblock = objstore::format::Superblock::plan(
+            params.geometry,
+            params.blocks_per_slot,
+            namespace.block_size_bytes,
+            namespace.size_blocks,
+            params.slot_count_max,
+            [0; 16],
+            device,
+            device_count,
+            flags,
+        )
+        .ok()?;
+        slots = slots.saturating_add(superblock.slot_count);
+    }
+    Some(slots)
+}
+
+/// Refuses (exit 2) a plan whose prompt needs more than `slots` slots of `blocks_per_slot`
+/// blocks, the pool's over `device_count` devices.
+fn refuse_too_few_slots(
+    plan: &KvPlan,
+    geometry: &ModelGeometry,
+    device_count: usize,
+    slots: u64,
+    blocks_per_slot: u64,
+) -> anyhow::Result<()> {
+    let slots_needed = plan.slots_needed(blocks_per_slot);
+    if slots >= slots_needed {
+        return Ok(());
+    }
+    let tokens = slots.saturating_mul(blocks_per_slot).saturating_mul(plan.block_tokens());
+    usage(format!(
+        "--prompt-tokens={} needs {slots_needed} slots of {blocks_per_slot} block(s) of {} ({} blocks, the cached prefix and the rest in slots of their own); the pool's {device_count} device(s) hold {slots}; accepted: up to {tokens} tokens on them",
+        plan.prompt_tokens,
+        format_size(geometry.block_bytes()),
+        plan.blocks(),
+    ))
+}
+
 /// Everything a run needs: the store (its queue pairs), the engine memory they name, and
 /// figures of the pool. End it with [`Rig::close`]; a drop (a panic) deletes the pairs before
 /// freeing the memory but cannot ask whether that worked.
@@ -463,6 +511,11 @@ impl Rig {
                 pool_uuid: None,
                 payload_crc: true,
             };
+            // Refused before the format destroys what the devices hold (a pool kept there for a
+            // later --retrieve-only, say): the slots are planned as format_pool plans them.
+            if let Some(slots) = planned_slots(&targets, &params) {
+                refuse_too_few_slots(plan, geometry, devices.len(), slots, u64::from(plan.blocks_per_slot))?;
+            }
             format_pool(&targets, &params).map_err(|error| match error {
                 error @ (ObjstoreError::NamespaceTooSmall { .. } | ObjstoreError::InvalidFormat { .. }) => {
                     Unusable(format!("cannot format a pool on {}: {error}", plan.model.name)).into()
@@ -473,18 +526,8 @@ impl Rig {
         let (pool, report) = Pool::open(targets, Some(geometry)).map_err(|error| pool_open_error(error, specs, plan))?;
         let payload_crc = pool.superblock(0).flags & objstore::format::FLAG_PAYLOAD_CRC != 0;
         let blocks_per_slot = u64::from(pool.blocks_per_slot());
-        let slots_needed = plan.slots_needed(blocks_per_slot);
-        if report.slots < slots_needed {
-            let tokens = report.slots.saturating_mul(blocks_per_slot).saturating_mul(plan.block_tokens());
-            return usage(format!(
-                "--prompt-tokens={} needs {slots_needed} slots of {blocks_per_slot} block(s) of {} ({} blocks, the cached prefix and the rest in slots of their own); the pool's {} device(s) hold {}; accepted: up to {tokens} tokens on them",
-                plan.prompt_tokens,
-                format_size(geometry.block_bytes()),
-                plan.blocks(),
-                devices.len(),
-                report.slots,
-            ));
-        }
+        // A kept pool's slots, and a backstop for a format planned otherwise.
+        refuse_too_few_slots(plan, geometry, devices.len(), report.slots, blocks_per_slot)?;
         // One DMA space for all pool devices (open_controllers): the first one's allocator.
         let dma = Arc::clone(devices[0].controller.dma());
         let (engine, layout) = Engine::allocate(&dma, geometry, blocks)?;

@@ -548,6 +548,25 @@ fn first_slot_data_offset(pool: &Path) -> u64 {
 }
 
 #[test]
+fn a_prompt_the_pool_cannot_hold_is_refused_before_the_pool_is_formatted() {
+    // Goal: a kv run whose prompt needs more slots than formatting its devices would give is
+    // refused (exit 2) before the format, not after it destroyed the pool kept there: the
+    // earlier run's blocks are still found by --retrieve-only. Tiny geometry: 4 KiB objects.
+    let directory = tempfile::tempdir().unwrap();
+    let pool = directory.path().join("p.img");
+    let device = format!("emu:{}", pool.display());
+    let geometry = ["--layers=2", "--kv-heads=1", "--head-dim=128", "--tokens-per-block=16"];
+    let run = |extra: &[&str]| bench(&[&["--workload=kv", "--device", &device][..], &geometry[..], extra].concat());
+    let stored = run(&["--prompt-tokens=160", "--hit-rate=1", "--verify"]);
+    assert_eq!(stored.status.code(), Some(0), "{}", stderr(&stored));
+    let larger = run(&["--prompt-tokens=200000"]);
+    assert_eq!(larger.status.code(), Some(2), "{}", stderr(&larger));
+    assert!(stderr(&larger).contains("accepted: up to"), "{}", stderr(&larger));
+    let checked = run(&["--prompt-tokens=160", "--retrieve-only"]);
+    assert_eq!(checked.status.code(), Some(0), "the refused run formatted the pool: {}", stderr(&checked));
+}
+
+#[test]
 fn a_kept_pool_is_reopened_and_checked_with_the_deterministic_pattern() {
     // Goal (issue 17 item 9): store once; a second run with --keep-pool finds the blocks instead
     // of reformatting; --retrieve-only checks every byte against the pattern of the seed and
