@@ -43,7 +43,7 @@ pub enum NvmeError {
     #[error("{queue}: completion names submission queue {reported}, expected {expected}")]
     WrongSubmissionQueue { queue: QueueId, reported: u16, expected: u16 },
 
-    #[error("{queue}: completion reports SQ head {reported}, outside {head}..={tail} (the last head reported up to the tail published), modulo the depth")]
+    #[error("{queue}: completion reports SQ head {reported}, outside {head}..={tail} (the last head reported up to the tail published), modulo the depth, and outside the window of any command in flight it names (past its entry up to that tail)")]
     InvalidSubmissionQueueHead { queue: QueueId, reported: u32, head: u32, tail: u32 },
 
     /// A completion names `command_id`, a command in flight, with an SQ head that has not

@@ -183,6 +183,89 @@ fn a_completion_naming_an_sq_head_the_controller_cannot_have_reached_is_an_error
 }
 
 #[test]
+fn completions_posted_out_of_creation_order_may_report_sq_heads_going_backwards() {
+    // Goal: SQHD is the SQ head when the completion entry was created (§4.6), and nothing
+    // makes a controller post entries in the order it created them: one with several
+    // completion engines may post C's entry (created at head 3) before A's (created at head
+    // 1). A's head lies behind the last one reported but past A's own entry, up to the tail
+    // published: it is believed, and the head does not move back. Every command completes and
+    // the pair stays usable. A's completion used to fail the pair (InvalidSubmissionQueueHead)
+    // and make A's outcome unknown although it succeeded.
+    let script =
+        FakeScript { io_completions: VecDeque::from([completion(2, 3), completion(0, 1), completion(1, 3)]), ..FakeScript::default() };
+    let (_device, controller) = bring_up(script);
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in [10, 11, 12] {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    let mut delivered = Vec::new();
+    let reaped = queue.reap(8, |completion| delivered.push((completion.tag, completion.status)));
+    assert_eq!(reaped.expect("reap"), 3);
+    assert_eq!(delivered, [(12, Ok(())), (10, Ok(())), (11, Ok(()))]);
+    assert!(!queue.failed());
+    assert_eq!((queue.in_flight(), queue.free_slots()), (0, 7), "the head stayed at 3: the whole ring is free again");
+    queue.submit_raw(flush(), 13).expect("the pair takes new commands");
+}
+
+#[test]
+fn a_head_behind_the_last_one_reported_is_believed_only_inside_its_commands_own_window() {
+    // Goal: a completion whose SQ head lies behind the last one reported is believed only if
+    // that head lies past its own command's entry (A, at index 1, created at head 1 would
+    // say it was never fetched: CompletionBeforeFetch is not bypassed by an older head), and
+    // a completion naming no command in flight must still report a head between the last one
+    // and the tail. Both fail the pair as before.
+    let behind_its_own_entry = completion(1, 1);
+    let naming_nothing = completion(0x7700, 1);
+    for bad in [behind_its_own_entry, naming_nothing] {
+        let script = FakeScript { io_completions: VecDeque::from([completion(2, 3), bad]), ..FakeScript::default() };
+        let (_device, controller) = bring_up(script);
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        for tag in [10, 11, 12] {
+            queue.submit_raw(flush(), tag).expect("submit");
+        }
+        queue.ring_doorbell().expect("ring");
+        let mut delivered = Vec::new();
+        let reaped = queue.reap(8, |completion| delivered.push(completion.tag));
+        assert_eq!(delivered, [12]);
+        let reason = match reaped {
+            Err(NvmeError::CommandOutcomeUnknown { tag: 11, reason, .. }) => *reason,
+            Err(other) => other,
+            Ok(count) => panic!("a completion with head 1 after head 3 was believed ({count} reaped)"),
+        };
+        assert!(matches!(reason, NvmeError::InvalidSubmissionQueueHead { queue: QueueId(1), reported: 1, head: 3, tail: 3 }), "{reason:?}");
+        assert!(queue.failed());
+    }
+}
+
+#[test]
+fn a_head_behind_the_last_one_does_not_complete_a_command_never_published() {
+    // Goal: a command whose entry was written but never published has no window at all: a
+    // completion naming it with a head behind the last one reported is refused like one with
+    // the current head (a_completion_for_a_command_never_published_fails_the_pair).
+    let script =
+        FakeScript { io_completions: VecDeque::from([completion(0, 1), completion(1, 2), completion(2, 3)]), ..FakeScript::default() };
+    let (device, controller) = bring_up(script);
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in 0..3 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    assert_eq!(queue.reap(8, |_| {}).expect("reap"), 3);
+    // Slots 3 and 4, generation 0 (slots are reused first-freed-first): SQ entries 3 and 4,
+    // not published. Head 4 lies past the first one's entry, but not up to the tail published.
+    queue.submit_raw(flush(), 7).expect("submit");
+    queue.submit_raw(flush(), 8).expect("submit");
+    let forged = CompletionEntry { dw0: 0, dw1: 0, sq_head: 4, sq_id: 1, command_id: 3, status_and_phase: 1 };
+    let ring = device.pool().translate(queue.completion_iova(), 4 * 16).expect("CQ entries 0..4");
+    ring.write(3 * 16, &forged.to_bytes()).expect("post");
+    let reaped = queue.reap(8, |_| panic!("a completion for an unpublished command was delivered"));
+    let Err(NvmeError::CommandOutcomeUnknown { tag: 7, reason, .. }) = reaped else { panic!("{reaped:?}") };
+    assert!(matches!(*reason, NvmeError::InvalidSubmissionQueueHead { reported: 4, head: 3, tail: 3, .. }), "{reason:?}");
+    assert!(queue.failed());
+}
+
+#[test]
 fn a_completion_whose_sq_head_has_not_passed_its_command_fails_the_pair() {
     // Goal: SQHD counts the entries the controller consumed (§4.6), so a command at SQ index i
     // can complete only with a head past i. A controller that completes three commands at SQ

@@ -31,10 +31,15 @@
 //! current generation, and that head has passed the command's own SQ entry (§4.6: SQHD counts
 //! the entries consumed, so a command completes only once it was fetched; the pair sums the
 //! heads' advances in `sq_consumed` and records each command's place in `Slot::sq_entry`).
-//! A controller posts a completion after fetching its command and reports its current head, as
-//! QEMU's controller, `nvme-emu` and the fake do. Submission also stops one short of the SQ head
-//! the controller reported, not only at depth − 1 commands in flight, so neither ring can
-//! overflow whatever the slot accounting says.
+//! A controller posts a completion after fetching its command and reports the head it had when
+//! it created the entry (§4.6), as QEMU's controller, `nvme-emu` and the fake do. Nothing makes
+//! it post entries in the order it created them, so a completion naming a command in flight may
+//! also report a head behind the last one reported, as long as that head lies in the command's
+//! own window (just past its entry up to the tail we published): it is believed and the head
+//! stays where it was (heads only move forward). A completion naming no command in flight has
+//! no window and must report a head from the last one to the tail. Submission also stops one
+//! short of the SQ head the controller reported, not only at depth − 1 commands in flight, so
+//! neither ring can overflow whatever the slot accounting says.
 //!
 //! Rejected completions. Each is consumed and reported by `reap` as an error, after the
 //! completions before it were delivered; what else happens depends on what it breaks:
@@ -652,27 +657,43 @@ impl QueuePair {
         }
     }
 
-    /// Checks a completion's SQ head (§4.6: where the controller's fetching had got to) and
-    /// records it: it must lie between the head last reported and the tail we published,
-    /// modulo the depth; anything else names a slot the controller cannot have consumed.
-    fn accept_submission_head(&mut self, reported: u16) -> Result<(), NvmeError> {
+    /// Checks a completion's SQ head (§4.6: where the controller's fetching had got to when it
+    /// created the entry) and records it. A head between the head last reported and the tail
+    /// we published, modulo the depth, moves the head forward. A head behind the last one is
+    /// believed only for a completion naming a command in flight (`command_entry`: its
+    /// [`Slot::sq_entry`]) and only inside that command's own window, and leaves the head where
+    /// it is: a controller may post entries in another order than it created them, so a later
+    /// entry can carry an older head, but never one that has not passed its own command's
+    /// entry. Anything else names a slot the controller cannot have consumed.
+    fn accept_submission_head(&mut self, reported: u16, command_entry: Option<u64>) -> Result<(), NvmeError> {
         let reported = u32::from(reported);
         // `reported` is the device's: range-checked before any arithmetic on it.
-        if reported >= self.depth
-            || ring_distance(self.sq_head, reported, self.depth) > ring_distance(self.sq_head, self.sq_tail_published, self.depth)
-        {
-            return Err(NvmeError::InvalidSubmissionQueueHead {
-                queue: self.id,
-                reported,
-                head: self.sq_head,
-                tail: self.sq_tail_published,
-            });
+        if reported < self.depth {
+            let ahead = ring_distance(self.sq_head, reported, self.depth);
+            if ahead <= ring_distance(self.sq_head, self.sq_tail_published, self.depth) {
+                // Both heads lie in the ring and the distance is at most depth − 1: the sum
+                // stays far below 2^64 (see `sq_pushed`).
+                self.sq_consumed += u64::from(ahead);
+                self.sq_head = reported;
+                return Ok(());
+            }
+            if command_entry.is_some_and(|entry| self.in_command_window(entry, reported)) {
+                return Ok(());
+            }
         }
-        // Both heads lie in the ring and the distance is at most depth − 1: the sum stays far
-        // below 2^64 (see `sq_pushed`).
-        self.sq_consumed += u64::from(ring_distance(self.sq_head, reported, self.depth));
-        self.sq_head = reported;
-        Ok(())
+        Err(NvmeError::InvalidSubmissionQueueHead { queue: self.id, reported, head: self.sq_head, tail: self.sq_tail_published })
+    }
+
+    /// Whether ring index `head` (below the depth) is a head the controller can have had once
+    /// it consumed the SQ entry at `entry` (a place in the stream, [`Slot::sq_entry`]): just
+    /// past that entry up to the tail we published. A command published a whole ring ago or
+    /// more admits any head. An entry never published admits none.
+    fn in_command_window(&self, entry: u64, head: u32) -> bool {
+        let published = self.sq_pushed - u64::from(ring_distance(self.sq_tail_published, self.sq_tail, self.depth));
+        let Some(span) = published.checked_sub(entry).filter(|&span| span > 0) else { return false };
+        // `entry % depth` is below the depth, as ring_distance requires.
+        let past_entry = ring_distance((entry % u64::from(self.depth)) as u32, head, self.depth);
+        span >= u64::from(self.depth) || (past_entry > 0 && u64::from(past_entry) <= span)
     }
 
     /// Whether [`QueuePair::reap`] would find something to report now: the entry at the CQ head
@@ -733,18 +754,16 @@ impl QueuePair {
                 failure = Some(self.reject(command_id, reason));
                 break;
             }
-            if let Err(reason) = self.accept_submission_head(entry.sq_head) {
-                failure = Some(self.reject(command_id, reason));
-                break;
-            }
             let slot_index = command_id.0 & self.slot_mask;
             // The slot's own record of the id it issued: a late completion for the slot's
             // previous command (older generation) or for an idle slot matches nothing.
-            let Some(slot) = self
-                .slots
-                .get_mut(usize::from(slot_index))
-                .filter(|slot| slot.busy && !slot.outcome_unknown && slot.command_id == command_id.0)
-            else {
+            let names = |slot: &Slot| slot.busy && !slot.outcome_unknown && slot.command_id == command_id.0;
+            let command_entry = self.slots.get(usize::from(slot_index)).filter(|slot| names(slot)).map(|slot| slot.sq_entry);
+            if let Err(reason) = self.accept_submission_head(entry.sq_head, command_entry) {
+                failure = Some(self.reject(command_id, reason));
+                break;
+            }
+            let Some(slot) = self.slots.get_mut(usize::from(slot_index)).filter(|slot| names(slot)) else {
                 failure = Some(NvmeError::UnexpectedCompletion { queue: self.id, command_id });
                 break;
             };
