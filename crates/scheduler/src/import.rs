@@ -153,6 +153,11 @@ pub fn import_timeline(
         match fields[0] {
             "prefill" => {
                 let prefix_tokens = int("prefix_tokens", fields[2])?;
+                // Off every grid: named here, on its line. Past this, it was a bucket the
+                // built table's grid walk called "not strictly increasing".
+                if prefix_tokens > input_tokens {
+                    return Err(bad(format!("prefix_tokens {prefix_tokens} exceeds input_tokens {input_tokens}")));
+                }
                 let layer = int("layer", fields[3])?;
                 if layer >= model.layer_count {
                     return Err(bad(format!("layer {layer} but the model has {}", model.layer_count)));

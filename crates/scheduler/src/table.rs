@@ -611,6 +611,7 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
             };
             let found = (bucket.input_tokens, bucket.prefix_tokens);
             if found != (input_tokens, prefix_tokens) {
+                check_prefix_within_input(bucket)?;
                 // Smaller than expected: listed twice or out of order. Larger: we skipped one.
                 if found < (input_tokens, prefix_tokens) {
                     return Err(SchedulerError::NonMonotonic {
@@ -625,6 +626,7 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
         }
     }
     if let Some(extra) = t.buckets.get(index) {
+        check_prefix_within_input(extra)?;
         return Err(invalid(
             "buckets",
             bucket_label(extra.input_tokens, extra.prefix_tokens),
@@ -635,6 +637,19 @@ fn validate(t: &ProfileTable) -> Result<Vec<usize>> {
     validate_io_costs(t)?;
     validate_decode_steps(t)?;
     Ok(bucket_start)
+}
+
+/// A bucket off the grid because its prefix is longer than its prompt is named as such: the grid
+/// walk would call it out of order (among the grid's buckets) or off a grid of other steps.
+fn check_prefix_within_input(bucket: &Bucket) -> Result<()> {
+    if bucket.prefix_tokens > bucket.input_tokens {
+        return Err(invalid(
+            "buckets.prefix_tokens",
+            bucket_label(bucket.input_tokens, bucket.prefix_tokens),
+            format!("{} tokens, longer than the input ({} tokens)", bucket.prefix_tokens, bucket.input_tokens),
+        ));
+    }
+    Ok(())
 }
 
 fn validate_bucket(t: &ProfileTable, bucket: &Bucket) -> Result<()> {

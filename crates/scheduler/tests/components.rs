@@ -762,6 +762,10 @@ fn timeline_errors_name_the_line_or_bucket() {
     assert!(matches!(error, SchedulerError::Timeline { line: 2, .. }), "{error}");
     let error = with_line(3, "warmup,1024,0,0,qkv_gemm,5000,5100,12");
     assert!(error.to_string().contains("warmup"), "{error}");
+    // A prefix longer than its prompt is off the grid: named on its line, not as a bucket "not
+    // strictly increasing" in the table built from the timeline.
+    let error = with_line(3, "prefill,1024,2048,0,qkv_gemm,5000,5100,12");
+    assert!(matches!(&error, SchedulerError::Timeline { line: 3, reason } if reason.contains("prefix_tokens 2048")), "{error}");
 
     let no_attention = timeline(None).replace("flash_attn_fwd", "gemm");
     let error = import(&no_attention).unwrap_err();

@@ -103,6 +103,30 @@ fn non_monotonic_entries_are_rejected() {
     assert!(text.contains("decode_steps.context_tokens"), "{text}");
 }
 
+/// Goal: a bucket whose prefix is longer than its input is named as such, wherever it is listed:
+/// it is neither listed twice nor out of order, but "not strictly increasing" is what the grid
+/// walk said of one among the grid's buckets.
+#[test]
+fn a_bucket_whose_prefix_is_longer_than_its_input_is_named_as_such() {
+    let stray = |at: usize| {
+        let mut t = common::table();
+        let mut bucket = t.buckets[1].clone();
+        bucket.prefix_tokens = 2048;
+        t.buckets.insert(at, bucket);
+        message(load(t))
+    };
+    // Among the grid's buckets (after (1024, 1024)), and past the grid's last one.
+    for at in [2, 5] {
+        let (error, text) = stray(at);
+        assert!(
+            matches!(&error, SchedulerError::InvalidField { field, location, .. }
+                if field == "buckets.prefix_tokens" && location == "bucket(input_tokens=1024, prefix_tokens=2048)"),
+            "{text}"
+        );
+        assert!(text.contains("longer than the input"), "{text}");
+    }
+}
+
 #[test]
 fn zero_steps_and_impossible_values_are_rejected() {
     let mut t = common::table();
