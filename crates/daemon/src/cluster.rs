@@ -193,6 +193,11 @@ pub struct ClusterMetrics {
     pub serve_refusals: Counter,
     /// Fetched segments handed to the registrar as second replicas (heavy hitters).
     pub replicated_segments: Counter,
+    /// Fetched segments whose store reservation is kept for good: the staging area was retired
+    /// with a layer in flight and a queue pair's deletion failed, so a command may still move
+    /// the slots (never released, never reused). The server's `leaked_requests` does not see
+    /// them (the data plane does not reach its counters): counted here, on `/metrics` only.
+    pub kept_reservations: Counter,
 }
 
 impl Default for ClusterMetrics {
@@ -223,6 +228,7 @@ impl Default for ClusterMetrics {
             served_segments: Counter::default(),
             serve_refusals: Counter::default(),
             replicated_segments: Counter::default(),
+            kept_reservations: Counter::default(),
         }
     }
 }
@@ -296,6 +302,11 @@ impl ClusterMetrics {
             "cluster_replicated_segments",
             "Fetched segments registered here as second replicas (their holder served them more than --cluster-replicate-after times)",
             self.replicated_segments.clone(),
+        );
+        registry.register(
+            "cluster_kept_reservations",
+            "Fetched segments whose reserved slots are kept for good (a staging queue pair that may still move them was not deleted)",
+            self.kept_reservations.clone(),
         );
     }
 }
@@ -492,8 +503,9 @@ impl ClusterAgent {
             }
         }
         tracing::info!(held = held.len(), gone = stale.len(), "segments from the manifest checked against the pool");
-        let data_plane = data_plane::DataPlane::bind(listener, control, segment_blocks, requests_max)
+        let mut data_plane = data_plane::DataPlane::bind(listener, control, segment_blocks, requests_max)
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
+        data_plane.kept_reservations = metrics.kept_reservations.clone();
         let data_address = data_plane.address();
         // Last, once nothing after it can fail: the file without the stale segments. A start
         // that failed before this leaves the manifest as it was, so the next start still finds

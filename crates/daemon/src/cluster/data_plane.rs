@@ -44,6 +44,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use objstore::{Direction, MismatchedBlock, ModelGeometry, NoLender, ObjstoreError, Placement, RequestHandle, StoreControl};
+use prometheus_client::metrics::counter::Counter;
 use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey};
 
 use super::heavy_hitters::{ServedCounts, SERVED_COUNTS_MAX};
@@ -329,6 +330,9 @@ pub struct DataPlane {
     fetches: AtomicUsize,
     /// Holder: reads served per segment (the heavy-hitter count sent with each).
     served: Mutex<ServedCounts>,
+    /// Asker: stores whose reservation is kept for good (`ClusterMetrics::kept_reservations`,
+    /// the agent's counter once bound).
+    pub(super) kept_reservations: Counter,
 }
 
 impl DataPlane {
@@ -368,6 +372,7 @@ impl DataPlane {
             peers: AtomicUsize::new(0),
             fetches: AtomicUsize::new(0),
             served: Mutex::new(ServedCounts::new(SERVED_COUNTS_MAX)),
+            kept_reservations: Counter::default(),
         })
     }
 
@@ -942,7 +947,12 @@ impl DataPlane {
         });
         match written {
             Ok(()) => Ok((placements.len(), last_written)),
-            Err(Staged { error, keep_reservation: true }) => Err(error),
+            Err(Staged { error, keep_reservation: true }) => {
+                // Never released: counted, as an operator could not tell these pinned slots
+                // from load otherwise (`with_staging` logged it).
+                self.kept_reservations.inc();
+                Err(error)
+            }
             Err(Staged { error, keep_reservation: false }) => {
                 // A refused commit keeps the reservation, a failed one ended it (release is a
                 // no-op then); anything else left it reserved: nothing of it becomes visible.

@@ -9,7 +9,8 @@
 //! failure (a wait that timed out, a failed queue pair) retires the whole staging area ([`Staging::retire`]): the executor's queue pairs are deleted,
 //! and if a deletion fails the memory is leaked rather than freed: logged at error level with its
 //! size, not counted in the daemon's leak counters (`Status`'s `leaked_*`, kept by the server,
-//! which the data plane does not reach). A retired
+//! which the data plane does not reach). An asker's store reservation kept with it is counted
+//! (`ClusterMetrics::kept_reservations`, on `/metrics`). A retired
 //! staging area serves nothing more (`None` in the caller) until the daemon restarts.
 
 use std::sync::Arc;

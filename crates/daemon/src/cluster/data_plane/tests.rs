@@ -711,6 +711,32 @@ fn a_restart_binds_past_its_predecessors_time_wait_and_still_refuses_a_second_pr
     TcpStream::connect_timeout(&address, Duration::from_secs(2)).expect("a connect once it listens");
 }
 
+#[test]
+fn a_store_whose_staging_queue_pair_is_not_deleted_keeps_its_reservation_counted() {
+    // Goal: a fetched segment's store whose layer is left in flight (the controller failed
+    // under it) retires the staging area; when a queue pair's deletion is refused too, a
+    // command may still move the reserved slots: the reservation is kept for good (the slots
+    // stay pinned) and counted in `kept_reservations` (`tuttid_cluster_kept_reservations`).
+    // Before, only an error line said so: every counter read 0 while the slots stayed pinned.
+    let node = small(PeerBounds::default());
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    let refuse = nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
+    device.set_faults(nvme_emu::FaultPlan {
+        rules: vec![
+            nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::DropCompletion),
+            nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, refuse),
+        ],
+    });
+    let per = usize::from(SEGMENT);
+    let keys = keys(1, 1);
+    let bytes = segment_bytes(&node, 1, 0);
+    let stored = node.plane.store_segment(&node.store, &keys[..per], &bytes, far(), &|| false);
+    assert!(matches!(stored, Err(FetchError::Store { .. })), "{stored:?}");
+    assert!(node.plane.staging.retired(), "the staging area was not retired");
+    assert_eq!(node.plane.kept_reservations.get(), 1, "the reservation kept for good was not counted");
+    assert_eq!(pinned(&node), per as u64, "the kept reservation's slots");
+}
+
 /// Retires `node`'s staging area, as a layer left in flight would (`DataPlane::with_staging`).
 fn retire_staging(node: &Node) {
     let mut turn = node.plane.staging.take(far(), &|| false).ok().unwrap();
