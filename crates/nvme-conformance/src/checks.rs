@@ -1,6 +1,7 @@
 //! The checks. Each one opens with its goal, brings its own controller up, and leaves the device
 //! usable for the next.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -694,6 +695,21 @@ fn fatal_status_then_reset(context: &Context) -> Outcome {
 
 /// Goal: reset() (with function-level reset) brings the controller back and data survives it.
 fn reset_and_continue(context: &Context) -> Outcome {
+    reset_and_continue_with(context, |controller| controller.reset(true))
+}
+
+/// [`reset_and_continue`] with `reset` for the controller's reset (a test gives one that does
+/// less, which the check must fail).
+fn reset_and_continue_with(context: &Context, reset: impl FnOnce(&mut Controller) -> Result<(), NvmeError>) -> Outcome {
+    // The device behind a witness of its function-level resets: the data surviving and a new
+    // queue working would also hold after a reset() that did nothing.
+    let witness = Arc::new(ResetWitness { device: Arc::clone(&context.device), function_resets: AtomicUsize::new(0) });
+    let context = &Context {
+        device: Arc::clone(&witness) as Arc<dyn DeviceBackend>,
+        faults: context.faults.clone(),
+        config: context.config.clone(),
+        nonce: context.nonce,
+    };
     let mut controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
     let block = namespace.block_size_bytes as usize;
@@ -701,17 +717,54 @@ fn reset_and_continue(context: &Context) -> Outcome {
     let segment = DataSegment::new(buffer.iova(), (8 * block) as u32);
     let seed = context.seed(21);
     fill_pattern(&buffer, 0, 8 * block, seed, 64 * block as u64)?;
-    {
-        let mut queue = queue(&controller, 16)?;
-        queue.write(namespace.id, Lba(64), &[segment], false, context.config.timeout)?;
-        queue.flush(namespace.id, context.config.timeout)?;
-    }
-    controller.reset(true)?;
+    // Kept across the reset: its queue is gone from the controller afterwards, and the driver
+    // must say so rather than submit to it.
+    let mut old = queue(&controller, 16)?;
+    old.write(namespace.id, Lba(64), &[segment], false, context.config.timeout)?;
+    old.flush(namespace.id, context.config.timeout)?;
+    let resets_before = witness.function_resets.load(Ordering::Relaxed);
+    reset(&mut controller)?;
+    ensure!(
+        witness.function_resets.load(Ordering::Relaxed) > resets_before,
+        "reset(true) returned without asking the device for a function-level reset"
+    );
+    let stale = old.submit_flush(namespace.id, 1);
+    ensure!(matches!(stale, Err(NvmeError::QueueStale { .. })), "a queue pair from before the reset gave {stale:?}, not QueueStale");
+    drop(old);
     buffer.fill(0, 8 * block, 0)?;
     let mut queue = queue(&controller, 16)?;
     queue.read(namespace.id, Lba(64), &[segment], context.config.timeout)?;
     verify_pattern(&buffer, 0, 8 * block, seed, 64 * block as u64).map_err(Failure)?;
     Ok(Verdict::Passed)
+}
+
+/// A device that counts the function-level resets asked of it, for [`reset_and_continue`].
+struct ResetWitness {
+    device: Arc<dyn DeviceBackend>,
+    function_resets: AtomicUsize,
+}
+
+impl DeviceBackend for ResetWitness {
+    fn name(&self) -> String {
+        self.device.name()
+    }
+
+    fn registers(&self) -> Arc<dyn nvme_driver::RegisterIo> {
+        self.device.registers()
+    }
+
+    fn dma(&self) -> Arc<dyn DmaAllocator> {
+        self.device.dma()
+    }
+
+    fn function_reset(&self) -> Result<(), HwError> {
+        self.function_resets.fetch_add(1, Ordering::Relaxed);
+        self.device.function_reset()
+    }
+
+    fn enable_bus_master(&self) -> Result<(), HwError> {
+        self.device.enable_bus_master()
+    }
 }
 
 /// Goal: `integrity_mib` MiB of patterned data written across every queue pair read back through
@@ -825,6 +878,27 @@ mod tests {
 
     fn timed_out(queue: QueueId) -> Result<(), NvmeError> {
         Err(NvmeError::Timeout { queue, command_id: nvme_driver::CommandId(5), waited_ms: 300, outstanding: 1 })
+    }
+
+    fn emu_context() -> Context {
+        let emulator =
+            nvme_emu::EmuDevice::start(nvme_emu::EmuConfig::default().with_backing(nvme_emu::Backing::Memory { bytes: 4 << 20 }))
+                .expect("start the software controller");
+        let config = SuiteConfig { timeout: Duration::from_secs(20), ..SuiteConfig::default() };
+        Context { device: emulator, faults: None, config, nonce: 0x1234_5678_9abc_def0 }
+    }
+
+    #[test]
+    fn reset_and_continue_fails_a_reset_that_does_not_reset() {
+        // Goal (finding 5): on QEMU and real SSDs this is the only reset check: a reset() that
+        // returns having done nothing, or that skips the function-level reset it was asked
+        // for, fails it; the driver's own reset passes.
+        let context = emu_context();
+        assert!(matches!(reset_and_continue(&context), Ok(Verdict::Passed)), "the driver's reset");
+        let nothing = reset_and_continue_with(&context, |_| Ok(()));
+        assert!(nothing.is_err(), "a reset that did nothing passed");
+        let without_flr = reset_and_continue_with(&context, |controller| controller.reset(false));
+        assert!(without_flr.as_ref().is_err_and(|failure| failure.0.contains("function-level reset")), "{:?}", without_flr.err());
     }
 
     #[test]
