@@ -35,6 +35,12 @@ mod remote_store;
 pub use gpu_export::DeviceKvMemory;
 pub use remote_store::{wire_first_block, RemoteConfig, RemoteKvStore, WindowKvLayout};
 
+/// The bytes before the tokens of a body `encode_lookup_body` encodes (the token count), and
+/// of one `encode_lookup_from_body` encodes (the first block, then the count): each token is 4
+/// more (what [`Client::check_tokens_fit`] sizes a body by before encoding it).
+const LOOKUP_FIXED_BYTES: usize = 4;
+const LOOKUP_FROM_FIXED_BYTES: usize = 8;
+
 /// Granularity of the client's waits (the socket's read timeout).
 const TICK: Duration = Duration::from_millis(50);
 
@@ -168,6 +174,7 @@ impl Client {
     /// the prefix, in this session's key space (an engine holding blocks 0..first_block itself
     /// needs only the run from there).
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
+        Client::check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::Lookup, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
@@ -183,6 +190,7 @@ impl Client {
 
     /// As [`Client::lookup_all_ranks`], for the run of blocks from `first_block`: where it ends.
     pub fn lookup_all_ranks_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
+        Client::check_tokens_fit(Kind::LookupAllRanks, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
@@ -200,6 +208,7 @@ impl Client {
     /// The longest prefix of `tokens` cached on this node (as [`Client::lookup`]) and what other
     /// nodes of the cluster hold past it, by whom.
     pub fn lookup_cluster(&mut self, tokens: &[u32]) -> Result<crate::protocol::ClusterLookupReply, DaemonError> {
+        Client::check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupCluster, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::ClusterLookup(reply) => Ok(reply),
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupCluster, got: other.kind() }),
@@ -211,6 +220,7 @@ impl Client {
     /// failure is `Remote { code: RemoteReadFailed, .. }`: recompute those blocks. The client's
     /// timeout must cover the fetch (a segment's read and local store per segment).
     pub fn fetch_remote(&mut self, tokens: &[u32]) -> Result<(u32, u32), DaemonError> {
+        Client::check_tokens_fit(Kind::FetchRemote, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::FetchRemote, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::Fetched { cached_blocks, fetched_blocks } => {
                 // Without the session's block size (no Hello answered here), blocks of at least
@@ -280,6 +290,23 @@ impl Client {
     /// reconnect.
     pub fn is_broken(&self) -> bool {
         self.broken.is_some()
+    }
+
+    /// Refuses a request whose body is `fixed_bytes` and then 4 bytes per token when that
+    /// passes the frame cap, before any of it is encoded: a prompt of millions of tokens would
+    /// otherwise be encoded whole (40 MB for 10M tokens) only to be refused
+    /// ([`DaemonError::RequestTooLarge`], as `encode_frame` would; nothing sent, in step).
+    fn check_tokens_fit(kind: Kind, fixed_bytes: usize, tokens: &[u32]) -> Result<(), DaemonError> {
+        use crate::protocol::BODY_BYTES_MAX;
+        let body_bytes = tokens.len().saturating_mul(4).saturating_add(fixed_bytes);
+        if body_bytes > BODY_BYTES_MAX as usize {
+            return Err(DaemonError::RequestTooLarge {
+                kind,
+                body_bytes: u32::try_from(body_bytes).unwrap_or(u32::MAX),
+                cap_bytes: BODY_BYTES_MAX,
+            });
+        }
+        Ok(())
     }
 
     /// A lookup's answer, `cached_blocks` blocks of `block_tokens` tokens, checked against the
@@ -906,5 +933,45 @@ pub(crate) mod tests {
         assert!(overflow.is_err(), "{overflow:?}");
         let (fetched, _) = answered_with(Reply::Fetched { cached_blocks: 1, fetched_blocks: 1 }, |client| client.fetch_remote(&tokens));
         assert_eq!(fetched.unwrap(), (1, 1));
+    }
+
+    /// Goal: a request over the frame cap (a lookup of 4M tokens: a 16 MB body) is refused
+    /// without the connection keeping a buffer of its size for the rest of its life: the
+    /// client's frame buffer stays within one frame's bytes. A lookup or fetch of a prompt too
+    /// long for a frame is refused before any of it is encoded (nothing allocated at all).
+    #[test]
+    fn a_request_over_the_cap_leaves_no_buffer_of_its_size_behind() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        // Never accepted: the request is refused before a byte is sent.
+        let _listener = UnixListener::bind(&socket).unwrap();
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let tokens = vec![0u32; 4_000_000];
+        let cap = crate::protocol::HEADER_BYTES + crate::protocol::BODY_BYTES_MAX as usize;
+        for (what, outcome) in [
+            ("lookup", client.lookup(&tokens).map(drop)),
+            ("lookup_all_ranks", client.lookup_all_ranks(&tokens).map(drop)),
+            ("lookup_cluster", client.lookup_cluster(&tokens).map(drop)),
+            ("fetch_remote", client.fetch_remote(&tokens).map(drop)),
+        ] {
+            assert!(matches!(outcome, Err(DaemonError::RequestTooLarge { .. })), "{what}: {outcome:?}");
+        }
+        assert_eq!(client.frame.capacity(), 0, "a prompt too long for a frame was encoded");
+        let request = Request::Lookup { tokens, first_block: 0 };
+        let outcome = client.call(&request);
+        assert!(matches!(outcome, Err(DaemonError::RequestTooLarge { .. })), "{outcome:?}");
+        assert!(client.frame.capacity() <= cap, "the frame buffer kept {} bytes (a frame is at most {cap})", client.frame.capacity());
+        assert!(!client.is_broken());
+        // The check before encoding draws the line where encoding does, for both bodies.
+        let mut frame = Vec::new();
+        for count in [262_141, 262_142, 262_143, 262_144] {
+            let tokens = vec![0u32; count];
+            let checked = Client::check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, &tokens).is_ok();
+            let encoded = encode_frame(&mut frame, Kind::LookupCluster, 1, |out| encode_lookup_body(&tokens, out)).is_ok();
+            assert_eq!(checked, encoded, "a lookup body of {count} tokens");
+            let checked = Client::check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, &tokens).is_ok();
+            let encoded = encode_frame(&mut frame, Kind::Lookup, 1, |out| encode_lookup_from_body(&tokens, 3, out)).is_ok();
+            assert_eq!(checked, encoded, "a lookup-from body of {count} tokens");
+        }
     }
 }

@@ -597,13 +597,17 @@ impl Reply {
 }
 
 /// Appends a whole frame (header and body) for `kind` to `out`, whose body `encode` appends.
-/// Returns an error instead of a frame the peer would refuse.
+/// Returns an error instead of a frame the peer would refuse; `out` is then left empty, with
+/// at most one frame's capacity (callers reuse it for the life of a connection, and a refused
+/// body can be any size: a 10M-token lookup is 40 MB).
 pub fn encode_frame(out: &mut Vec<u8>, kind: Kind, request_id: u32, encode: impl FnOnce(&mut Vec<u8>)) -> Result<(), ProtocolError> {
     out.clear();
     out.extend_from_slice(&[0u8; HEADER_BYTES]);
     encode(out);
     let body_bytes = out.len() - HEADER_BYTES;
     if body_bytes > BODY_BYTES_MAX as usize {
+        out.clear();
+        out.shrink_to(HEADER_BYTES + BODY_BYTES_MAX as usize);
         return Err(ProtocolError::FrameTooLarge { body_bytes: u32::try_from(body_bytes).unwrap_or(u32::MAX) });
     }
     let header = FrameHeader { kind, request_id, body_bytes: body_bytes as u32 };
