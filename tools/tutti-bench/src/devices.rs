@@ -183,14 +183,31 @@ impl CreatedFiles {
     pub fn paths(&self) -> &[PathBuf] {
         &self.paths
     }
+
+    /// Removes the files now unless they are kept, and returns those that could not be removed
+    /// with why, so that the run says what happened instead of "removed". Forgets them all: the
+    /// drop tries none again (and an interrupt no longer removes what is at a removed one's
+    /// path). Kept files stay, and are not reported.
+    pub fn remove_now(&mut self) -> Vec<(PathBuf, std::io::Error)> {
+        if self.keep {
+            return Vec::new();
+        }
+        let mut failures = Vec::new();
+        for path in std::mem::take(&mut self.paths) {
+            match std::fs::remove_file(&path) {
+                Ok(()) => crate::uring::keep_on_interrupt(&path),
+                Err(error) => failures.push((path, error)),
+            }
+        }
+        failures
+    }
 }
 
 impl Drop for CreatedFiles {
     fn drop(&mut self) {
-        if !self.keep {
-            for path in &self.paths {
-                let _ = std::fs::remove_file(path);
-            }
+        // Nothing else would say so: a file left behind is named (best effort, on stderr).
+        for (path, error) in self.remove_now() {
+            tutti_cli::errln!("tutti-bench: could not remove {}: {error}", path.display());
         }
     }
 }
@@ -783,6 +800,33 @@ mod tests {
         let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&path).unwrap().permissions());
         assert_eq!(mode & 0o077, 0, "created with mode {:o}", mode & 0o777);
         created.keep_after_success();
+    }
+
+    #[test]
+    fn a_created_file_that_cannot_be_removed_is_reported_not_said_removed() {
+        // Goal: the run says a created file was removed only when it was; one whose unlink
+        // fails (here a directory stands at its path, which root cannot unlink either) is
+        // named with the error, not swallowed, and a file removed is not reported.
+        let directory = tempfile::tempdir().unwrap();
+        let stuck = directory.path().join("stuck.img");
+        std::fs::create_dir(&stuck).unwrap();
+        let removed = directory.path().join("removed.img");
+        std::fs::write(&removed, b"pool").unwrap();
+        let mut created = CreatedFiles::default();
+        created.push(removed.clone());
+        created.push(stuck.clone());
+        let failures = created.remove_now();
+        assert!(!removed.exists(), "{} left", removed.display());
+        assert_eq!(failures.iter().map(|(path, _)| path).collect::<Vec<_>>(), [&stuck], "{failures:?}");
+        assert!(created.paths().is_empty(), "the drop would remove them again: {:?}", created.paths());
+        // Kept files are not removed, nor reported.
+        let kept = directory.path().join("kept.img");
+        std::fs::write(&kept, b"pool").unwrap();
+        let mut created = CreatedFiles::default();
+        created.push(kept.clone());
+        created.keep();
+        assert!(created.remove_now().is_empty());
+        assert!(kept.exists());
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.

@@ -206,8 +206,14 @@ pub fn with_devices(
         created.keep_after_success();
     }
     if cli.devices.is_empty() {
-        if let Some(path) = created.paths().first() {
-            tutti_cli::errln!("pool file: {} ({})", path.display(), if cli.keep { "kept" } else { "removed" });
+        if let Some(path) = created.paths().first().cloned() {
+            // Said as it turned out: removed now, so that a removal that failed is not called one.
+            let fate = match created.remove_now().into_iter().next() {
+                _ if cli.keep => "kept".to_string(),
+                None => "removed".to_string(),
+                Some((_, error)) => format!("NOT removed: {error}"),
+            };
+            tutti_cli::errln!("pool file: {} ({fate})", path.display());
         }
     }
     result
@@ -748,7 +754,13 @@ pub fn default_run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
         // Finished: an interrupt while the last lines are written no longer removes it.
         created.keep_after_success();
     }
-    let fate = if cli.keep { "kept (--keep)" } else { "removed" };
+    // Removed now, so that the line below says what happened: a removal that failed (a
+    // read-only directory, EIO) names the file and why instead of calling it removed.
+    let fate = match created.remove_now().into_iter().next() {
+        _ if cli.keep => "kept (--keep)".to_string(),
+        None => "removed".to_string(),
+        Some((_, error)) => format!("NOT removed ({error})"),
+    };
     drop(created);
     match &result {
         Ok(()) => say(format!("tutti-bench: done in {:.1}s; pool file {} {fate}.", started.elapsed().as_secs_f64(), pool.path.display()))?,
