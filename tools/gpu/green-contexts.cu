@@ -10,7 +10,13 @@
 //   io_stream+gemm_primary the poller on an ordinary stream beside the GEMM (no partition);
 //   h2d_copy+gemm_primary host-to-device copies from pinned memory beside the GEMM (staged mode's
 //                         copy-engine traffic; uses no SMs, competes for memory bandwidth).
-// The slowdown of each case is its median over the baseline median of the same token count.
+// The GPU's clocks drift over a run (power and temperature under sustained bf16 GEMMs), by as much
+// as the effect measured: so every case is bracketed by the same GEMM alone on the primary context,
+// timed right before and right after it, and its slowdown is its median over the mean of those two
+// medians (base_before_us, base_after_us in the JSON; base_drift_percent says how far they moved).
+// A GEMM on the compute green context is also bracketed by that GEMM alone on the compute green
+// context (slowdown_vs_compute_green_percent: the poller's effect apart from the partition's).
+// alone_primary, bracketed like any case, is the noise floor (expected 0 %).
 //
 // The poller is a stand-in for the gio I/O kernel (kernels/gio_io_kernel.cu), which cannot be
 // launched without NVMe queue pairs: a grid of (I/O SMs × occupancy) blocks of 128 threads that
@@ -502,17 +508,30 @@ void destroy_domain(const Cublas& cublas, Domain& domain) {
 }
 
 struct Result {
-    int tokens;
-    int io_sms_requested;
-    unsigned int io_sms_granted;
-    unsigned int compute_sms;
+    int tokens = 0;
+    int io_sms_requested = 0;
+    unsigned int io_sms_granted = 0;
+    unsigned int compute_sms = 0;
     std::string case_name;
-    std::string poller;
+    std::string poller = "-";
     Timing timing;
-    double slowdown_percent;
+    Timing base_before, base_after;                // the GEMM alone on the primary context around it
+    Timing green_base_before, green_base_after;    // alone on the compute green context (its GEMMs there)
+    double slowdown_percent = 0;                   // against the mean of base_before and base_after
+    double slowdown_vs_compute_green_percent = 0;  // against the green bracket's mean, where there is one
     PollerRun poller_run;
-    double copy_gb_per_s;
+    double copy_gb_per_s = 0;
     std::string error;  // a case that could not be measured says why
+
+    bool has_green_base() const { return green_base_before.median_us > 0 && green_base_after.median_us > 0; }
+    double base_us() const { return (base_before.median_us + base_after.median_us) / 2.0; }
+    double green_base_us() const { return (green_base_before.median_us + green_base_after.median_us) / 2.0; }
+    // The slowdowns, once the timing and its brackets are in; none for a case not measured.
+    void finish() {
+        if (!error.empty()) return;
+        slowdown_percent = (timing.median_us / base_us() - 1.0) * 100.0;
+        if (has_green_base()) slowdown_vs_compute_green_percent = (timing.median_us / green_base_us() - 1.0) * 100.0;
+    }
 };
 
 double tflops(int tokens, double us) { return 2.0 * tokens * double(kHiddenSize) * kIntermediateSize / (us * 1e-6) / 1e12; }
@@ -523,6 +542,11 @@ void print_result(const Result& r) {
                 r.slowdown_percent, tflops(r.tokens, r.timing.median_us));
     if (r.poller_run.blocks > 0) {
         std::printf("  poller %u blocks, %llu polls, %u timed out", r.poller_run.blocks, r.poller_run.polls, r.poller_run.timed_out_blocks);
+    }
+    std::printf("  base %.1f/%.1f us", r.base_before.median_us, r.base_after.median_us);
+    if (r.has_green_base() && r.error.empty()) {
+        std::printf(", green base %.1f/%.1f us (%+.2f%%)", r.green_base_before.median_us, r.green_base_after.median_us,
+                    r.slowdown_vs_compute_green_percent);
     }
     if (r.copy_gb_per_s > 0) std::printf("  h2d %.1f GB/s", r.copy_gb_per_s);
     if (!r.error.empty()) std::printf("  NOT MEASURED: %s", r.error.c_str());
@@ -590,7 +614,18 @@ int main(int argc, char** argv) {
                 "p10_us", "p90_us", "slowdown", "TFLOP/s");
 
     std::vector<Result> results;
-    std::vector<double> baseline_us(options.tokens.size(), 0.0);
+    // One case: `measure` fills its timing (and poller run or error) between the brackets; `green`
+    // (the compute green context's domain, or nullptr) when its GEMMs run there.
+    auto run_case = [&](Result r, const Domain* green, auto&& measure) {
+        r.base_before = time_gemm(cublas, primary, r.tokens, options);
+        if (green != nullptr) r.green_base_before = time_gemm(cublas, *green, r.tokens, options);
+        measure(r);
+        if (green != nullptr) r.green_base_after = time_gemm(cublas, *green, r.tokens, options);
+        r.base_after = time_gemm(cublas, primary, r.tokens, options);
+        r.finish();
+        results.push_back(r);
+        print_result(results.back());
+    };
     // --json, replaced whole (written aside, then renamed) after the baseline cases, after each I/O
     // SM count and at the end: a run stopped from outside keeps the cases it measured ("complete":
     // false until the end).
@@ -604,7 +639,8 @@ int main(int argc, char** argv) {
                      "\"driver_version\":%d,\"runtime_version\":%d,\"cublas_version\":%d,\"host_native_atomic_supported\":%d,"
                      "\"gemm\":{\"m_tokens\":\"varies\",\"k\":%d,\"n\":%d,\"dtype\":\"bf16\",\"accumulate\":\"fp32\"},"
                      "\"repetitions\":%d,\"warmup\":%d,\"poller_threads_per_block\":%d,\"poller_blocks_per_sm\":%d,"
-                     "\"backoff_ns_max\":%u,\"cases\":[",
+                     "\"backoff_ns_max\":%u,\"slowdown_base\":\"each case against the mean of "
+                     "the GEMM alone on the primary context right before and right after it\",\"cases\":[",
                      complete ? "true" : "false", properties.name, properties.multiProcessorCount, properties.major, properties.minor,
                      driver_version, runtime_version, cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
                      kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max);
@@ -613,12 +649,20 @@ int main(int argc, char** argv) {
             std::fprintf(out,
                          "%s{\"tokens\":%d,\"io_sms_requested\":%d,\"io_sms_granted\":%u,\"gemm_sms\":%u,\"case\":\"%s\",\"poller\":\"%s\","
                          "\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"slowdown_percent\":%.3f,\"tflops\":%.1f,"
+                         "\"base_before_us\":%.2f,\"base_after_us\":%.2f,\"base_drift_percent\":%.3f,"
                          "\"poller_blocks\":%u,\"poller_polls\":%llu,\"poller_timed_out_blocks\":%u,\"h2d_gb_per_s\":%.2f,"
-                         "\"error\":\"%s\"}",
+                         "\"error\":\"%s\"",
                          i == 0 ? "" : ",", r.tokens, r.io_sms_requested, r.io_sms_granted, r.compute_sms, r.case_name.c_str(),
                          r.poller.c_str(), r.timing.median_us, r.timing.p10_us, r.timing.p90_us, r.slowdown_percent,
-                         tflops(r.tokens, r.timing.median_us), r.poller_run.blocks, r.poller_run.polls, r.poller_run.timed_out_blocks,
-                         r.copy_gb_per_s, r.error.c_str());
+                         tflops(r.tokens, r.timing.median_us), r.base_before.median_us, r.base_after.median_us,
+                         (r.base_after.median_us / r.base_before.median_us - 1.0) * 100.0, r.poller_run.blocks, r.poller_run.polls,
+                         r.poller_run.timed_out_blocks, r.copy_gb_per_s, r.error.c_str());
+            if (r.has_green_base()) {
+                std::fprintf(out, ",\"compute_green_base_before_us\":%.2f,\"compute_green_base_after_us\":%.2f", r.green_base_before.median_us,
+                             r.green_base_after.median_us);
+                if (r.error.empty()) std::fprintf(out, ",\"slowdown_vs_compute_green_percent\":%.3f", r.slowdown_vs_compute_green_percent);
+            }
+            std::fprintf(out, "}");
         }
         std::fprintf(out, "]}\n");
         if (std::fclose(out) != 0) fail("writing " + partial);
@@ -632,34 +676,35 @@ int main(int argc, char** argv) {
         check(cudaHostAlloc(&host_buffer, kCopyBytes, cudaHostAllocDefault), "cudaHostAlloc copy source");
         std::memset(host_buffer, 1, kCopyBytes);
         check(cudaMalloc(&device_buffer, kCopyBytes), "cudaMalloc copy target");
-        for (size_t t = 0; t < options.tokens.size(); ++t) {
-            const int tokens = options.tokens[t];
-            const Timing alone = time_gemm(cublas, primary, tokens, options);
-            baseline_us[t] = alone.median_us;
-            results.push_back({tokens, 0, 0, primary.sm_count, "alone_primary", "-", alone, 0.0, {}, 0.0, ""});
-            print_result(results.back());
+        for (const int tokens : options.tokens) {
+            Result r;
+            r.tokens = tokens;
+            r.compute_sms = primary.sm_count;
+            r.case_name = "alone_primary";  // the noise floor: the same GEMM as its brackets
+            run_case(r, nullptr, [&](Result& c) { c.timing = time_gemm(cublas, primary, tokens, options); });
+            const Timing alone = results.back().timing;
             // Enough 256 MiB copies (about 5 ms each at PCIe 5 speed) to outlast the GEMMs.
             const double gemm_total_us = alone.median_us * (options.repetitions + options.warmup);
             const int copies = std::min(kCopiesMax, static_cast<int>(gemm_total_us / 5000.0) + 2);
-            cudaEvent_t copy_start = nullptr;
-            cudaEvent_t copy_end = nullptr;
-            check(cudaEventCreate(&copy_start), "cudaEventCreate");
-            check(cudaEventCreate(&copy_end), "cudaEventCreate");
-            check(cudaEventRecord(copy_start, primary_poller.stream), "cudaEventRecord");
-            for (int c = 0; c < copies; ++c) {
-                check(cudaMemcpyAsync(device_buffer, host_buffer, kCopyBytes, cudaMemcpyHostToDevice, primary_poller.stream), "copy");
-            }
-            check(cudaEventRecord(copy_end, primary_poller.stream), "cudaEventRecord");
-            const Timing copied = time_gemm(cublas, primary, tokens, options);
-            check(cudaStreamSynchronize(primary_poller.stream), "copies");
-            float copy_ms = 0;
-            check(cudaEventElapsedTime(&copy_ms, copy_start, copy_end), "cudaEventElapsedTime");
-            check(cudaEventDestroy(copy_start), "cudaEventDestroy");
-            check(cudaEventDestroy(copy_end), "cudaEventDestroy");
-            const double gb_per_s = double(kCopyBytes) * copies / (double(copy_ms) * 1e-3) / 1e9;
-            results.push_back({tokens, 0, 0, primary.sm_count, "h2d_copy+gemm_primary", "-", copied,
-                               (copied.median_us / alone.median_us - 1.0) * 100.0, {}, gb_per_s, ""});
-            print_result(results.back());
+            r.case_name = "h2d_copy+gemm_primary";
+            run_case(r, nullptr, [&](Result& measured) {
+                cudaEvent_t copy_start = nullptr;
+                cudaEvent_t copy_end = nullptr;
+                check(cudaEventCreate(&copy_start), "cudaEventCreate");
+                check(cudaEventCreate(&copy_end), "cudaEventCreate");
+                check(cudaEventRecord(copy_start, primary_poller.stream), "cudaEventRecord");
+                for (int c = 0; c < copies; ++c) {
+                    check(cudaMemcpyAsync(device_buffer, host_buffer, kCopyBytes, cudaMemcpyHostToDevice, primary_poller.stream), "copy");
+                }
+                check(cudaEventRecord(copy_end, primary_poller.stream), "cudaEventRecord");
+                measured.timing = time_gemm(cublas, primary, tokens, options);
+                check(cudaStreamSynchronize(primary_poller.stream), "copies");
+                float copy_ms = 0;
+                check(cudaEventElapsedTime(&copy_ms, copy_start, copy_end), "cudaEventElapsedTime");
+                check(cudaEventDestroy(copy_start), "cudaEventDestroy");
+                check(cudaEventDestroy(copy_end), "cudaEventDestroy");
+                measured.copy_gb_per_s = double(kCopyBytes) * copies / (double(copy_ms) * 1e-3) / 1e9;
+            });
         }
         check(cudaFree(device_buffer), "cudaFree");
         check(cudaFreeHost(host_buffer), "cudaFreeHost");
@@ -692,16 +737,19 @@ int main(int argc, char** argv) {
         allocate_operands(compute, tokens_max);
         const unsigned int poller_blocks = io.sm_count * static_cast<unsigned int>(poller_blocks_per_sm);
 
-        for (size_t t = 0; t < options.tokens.size(); ++t) {
-            const int tokens = options.tokens[t];
-            const double base = baseline_us[t];
-            auto record = [&](const char* case_name, const std::string& poller_name, const Timing& timing, const PollerRun& run,
-                              unsigned int compute_sms, const std::string& error) {
-                results.push_back({tokens, io_sms_requested, io.sm_count, compute_sms, case_name, poller_name, timing,
-                                   error.empty() ? (timing.median_us / base - 1.0) * 100.0 : 0.0, run, 0.0, error});
-                print_result(results.back());
+        for (const int tokens : options.tokens) {
+            auto make = [&](const char* case_name, const std::string& poller_name, unsigned int compute_sms) {
+                Result r;
+                r.tokens = tokens;
+                r.io_sms_requested = io_sms_requested;
+                r.io_sms_granted = io.sm_count;
+                r.compute_sms = compute_sms;
+                r.case_name = case_name;
+                r.poller = poller_name;
+                return r;
             };
-            record("alone_compute_green", "-", time_gemm(cublas, compute, tokens, options), PollerRun{}, compute.sm_count, "");
+            run_case(make("alone_compute_green", "-", compute.sm_count), &compute,
+                     [&](Result& c) { c.timing = time_gemm(cublas, compute, tokens, options); });
             // GEMM domain beside the poller's domain, for each case.
             const struct {
                 const char* name;
@@ -713,16 +761,19 @@ int main(int argc, char** argv) {
             for (const std::string& poller_name : options.pollers) {
                 const PollerMode mode = poller_name == "spin" ? kSpin : kPoll;
                 for (const auto& c : cases) {
-                    PollerRun run;
-                    if (!start_poller(host_poller, *c.poller_domain, poller_blocks, mode, options, run)) {
-                        record(c.name, poller_name, Timing{}, run, c.gemm_domain->sm_count, "poller grid not resident");
-                        continue;
-                    }
-                    const Timing timing = time_gemm(cublas, *c.gemm_domain, tokens, options);
-                    stop_poller(host_poller, *c.poller_domain, run, options);
-                    // A poller that hit its own deadline stopped polling during the GEMMs.
-                    record(c.name, poller_name, timing, run, c.gemm_domain->sm_count,
-                           run.timed_out_blocks > 0 ? "poller timed out during the GEMMs (raise --poller-limit-s)" : "");
+                    run_case(make(c.name, poller_name, c.gemm_domain->sm_count), c.gemm_domain == &compute ? &compute : nullptr,
+                             [&](Result& r) {
+                                 if (!start_poller(host_poller, *c.poller_domain, poller_blocks, mode, options, r.poller_run)) {
+                                     r.error = "poller grid not resident";
+                                     return;
+                                 }
+                                 r.timing = time_gemm(cublas, *c.gemm_domain, tokens, options);
+                                 stop_poller(host_poller, *c.poller_domain, r.poller_run, options);
+                                 // A poller that hit its own deadline stopped polling during the GEMMs.
+                                 if (r.poller_run.timed_out_blocks > 0) {
+                                     r.error = "poller timed out during the GEMMs (raise --poller-limit-s)";
+                                 }
+                             });
                 }
             }
         }

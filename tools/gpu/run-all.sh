@@ -428,7 +428,14 @@ step_green() {
   local cublas
   cublas=$(find_cublas)
   echo "green: cuBLAS ${cublas:-not found}" >>"$SUMMARY"
+  # The SM clock, power and temperature before and after: the program brackets every case by
+  # baselines because they drift under sustained GEMMs; these lines show by how much.
+  gpu_clocks() { command -v nvidia-smi >/dev/null || { echo "no nvidia-smi"; return; }; timeout 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1; }
+  echo "green: before: sm clock, mem clock, power, temperature: $(gpu_clocks)" >>"$SUMMARY"
   GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(cap "$(budget GREEN 150)")" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
+  local rc=$?
+  echo "green: after: sm clock, mem clock, power, temperature: $(gpu_clocks)" >>"$SUMMARY"
+  return "$rc"
 }
 
 step_bandwidth() {

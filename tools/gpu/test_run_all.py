@@ -213,6 +213,18 @@ class RunAll(unittest.TestCase):
         self.assertEqual(rc, 0, s.last_output)
         self.assertNotIn("STALE", summary)
 
+    def test_the_green_step_logs_the_clocks_around_the_program_and_keeps_its_status(self):
+        # Goal: the GPU's SM clock, power and temperature before and after the GEMM cases are in
+        # summary.txt (the slowdowns are bracketed by baselines because they drift), and the
+        # program's failure is still the step's.
+        s = self.stubs
+        for status, verdict in (("0", "PASS green"), ("1", "FAIL green")):
+            s.stub("target/gpu-carry/green-contexts", f"exit {status}")
+            _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["green"], {}, limit_s=60)
+            self.assertIn("green: before: sm clock", summary)
+            self.assertIn("green: after: sm clock", summary)
+            self.assertIn(verdict, summary)
+
     def test_the_slack_import_reserves_the_io_partition_the_gpu_grants(self):
         # Goal: on a Hopper GPU (the h100/h200 presets: compute capability 9.x) a green context
         # grants I/O SMs in multiples of 8, so tutti's request of 4 is granted 8: the import is
