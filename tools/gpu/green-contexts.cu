@@ -17,6 +17,10 @@
 // A GEMM on the compute green context is also bracketed by that GEMM alone on the compute green
 // context (slowdown_vs_compute_green_percent: the poller's effect apart from the partition's).
 // alone_primary, bracketed like any case, is the noise floor (expected 0 %).
+// cuBLAS is told the compute green context's SM count (cublasSetSmCountTarget, where the library
+// has it): its persistent/stream-K kernels size their grids from the device's SM count otherwise,
+// and a partial extra wave would show as the partition's cost. alone_compute_green_no_sm_target
+// times the same GEMM through a handle without the target (the library's tiling effect).
 //
 // The poller is a stand-in for the gio I/O kernel (kernels/gio_io_kernel.cu), which cannot be
 // launched without NVMe queue pairs: a grid of (I/O SMs × occupancy) blocks of 128 threads that
@@ -137,6 +141,7 @@ using CublasCreate = int (*)(CublasHandle*);
 using CublasDestroy = int (*)(CublasHandle);
 using CublasSetStream = int (*)(CublasHandle, cudaStream_t);
 using CublasGetVersion = int (*)(CublasHandle, int*);
+using CublasSetSmCountTarget = int (*)(CublasHandle, int);
 using CublasGemmEx = int (*)(CublasHandle, int, int, int, int, int, const void*, const void*, cudaDataType, int, const void*,
                              cudaDataType, int, const void*, void*, cudaDataType, int, int, int);
 constexpr int kCublasOpN = 0;
@@ -151,6 +156,7 @@ struct Cublas {
     CublasSetStream set_stream = nullptr;
     CublasGetVersion get_version = nullptr;
     CublasGemmEx gemm_ex = nullptr;
+    CublasSetSmCountTarget set_sm_count_target = nullptr;  // optional: nullptr where the library lacks it
 };
 
 template <typename Function>
@@ -183,6 +189,9 @@ Cublas load_cublas() {
         load_symbol(library, &cublas.set_stream, "cublasSetStream_v2");
         load_symbol(library, &cublas.get_version, "cublasGetVersion_v2");
         load_symbol(library, &cublas.gemm_ex, "cublasGemmEx");
+        if (void* function = dlsym(library, "cublasSetSmCountTarget"); function != nullptr) {
+            cublas.set_sm_count_target = reinterpret_cast<CublasSetSmCountTarget>(function);
+        }
         return cublas;
     }
     fail("no cuBLAS library could be loaded (set GREEN_CUBLAS_LIBRARY):" + tried);
@@ -484,6 +493,18 @@ void stop_poller(const HostPoller& host, const Domain& domain, PollerRun& run, c
     }
 }
 
+// A cuBLAS handle for `domain`'s stream; told the domain's SM count where the library can be.
+CublasHandle create_handle(const Cublas& cublas, const Domain& domain, bool sm_target) {
+    make_current(domain);
+    CublasHandle handle = nullptr;
+    check_cublas(cublas.create(&handle), "cublasCreate");
+    check_cublas(cublas.set_stream(handle, domain.stream), "cublasSetStream");
+    if (sm_target && cublas.set_sm_count_target != nullptr) {
+        check_cublas(cublas.set_sm_count_target(handle, static_cast<int>(domain.sm_count)), "cublasSetSmCountTarget");
+    }
+    return handle;
+}
+
 Domain create_green_domain(const std::string& name, CUgreenCtx green, const Cublas& cublas, unsigned int sm_count) {
     Domain domain;
     domain.name = name;
@@ -493,9 +514,7 @@ Domain create_green_domain(const std::string& name, CUgreenCtx green, const Cubl
     CUstream stream = nullptr;
     check(g_driver->green_ctx_stream_create(&stream, green, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate");
     domain.stream = reinterpret_cast<cudaStream_t>(stream);
-    make_current(domain);
-    check_cublas(cublas.create(&domain.cublas), "cublasCreate (green context)");
-    check_cublas(cublas.set_stream(domain.cublas, domain.stream), "cublasSetStream");
+    domain.cublas = create_handle(cublas, domain, true);
     return domain;
 }
 
@@ -586,6 +605,7 @@ int main(int argc, char** argv) {
     check_cublas(cublas.set_stream(primary.cublas, primary.stream), "cublasSetStream");
     int cublas_version = 0;
     check_cublas(cublas.get_version(primary.cublas, &cublas_version), "cublasGetVersion");
+    const char* sm_count_target = cublas.set_sm_count_target != nullptr ? "set on green contexts" : "unavailable in this cuBLAS";
     allocate_operands(primary, tokens_max);
     Domain primary_poller;  // a second ordinary stream for the unpartitioned case
     primary_poller.name = "primary (second stream)";
@@ -603,9 +623,10 @@ int main(int argc, char** argv) {
     int poller_blocks_per_sm = 0;
     check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&poller_blocks_per_sm, poller, kPollerThreadsPerBlock, 0), "occupancy");
 
-    std::printf("green-contexts: %s, %d SMs, cc %d.%d, driver %d, runtime %d, cuBLAS %d (%s), hostNativeAtomicSupported %d\n",
+    std::printf("green-contexts: %s, %d SMs, cc %d.%d, driver %d, runtime %d, cuBLAS %d (%s; SM count target %s), "
+                "hostNativeAtomicSupported %d\n",
                 properties.name, properties.multiProcessorCount, properties.major, properties.minor, driver_version, runtime_version,
-                cublas_version, cublas.library.c_str(), host_native_atomics);
+                cublas_version, cublas.library.c_str(), sm_count_target, host_native_atomics);
     std::printf("GEMM tokens x %d -> %d bf16 (fp32 accumulate), %d repetitions after %d warm-up; poller %d threads/block, %d blocks/SM, "
                 "backoff cap %u ns\n",
                 kHiddenSize, kIntermediateSize, options.repetitions, options.warmup, kPollerThreadsPerBlock, poller_blocks_per_sm,
@@ -639,11 +660,11 @@ int main(int argc, char** argv) {
                      "\"driver_version\":%d,\"runtime_version\":%d,\"cublas_version\":%d,\"host_native_atomic_supported\":%d,"
                      "\"gemm\":{\"m_tokens\":\"varies\",\"k\":%d,\"n\":%d,\"dtype\":\"bf16\",\"accumulate\":\"fp32\"},"
                      "\"repetitions\":%d,\"warmup\":%d,\"poller_threads_per_block\":%d,\"poller_blocks_per_sm\":%d,"
-                     "\"backoff_ns_max\":%u,\"slowdown_base\":\"each case against the mean of "
+                     "\"backoff_ns_max\":%u,\"cublas_sm_count_target\":\"%s\",\"slowdown_base\":\"each case against the mean of "
                      "the GEMM alone on the primary context right before and right after it\",\"cases\":[",
                      complete ? "true" : "false", properties.name, properties.multiProcessorCount, properties.major, properties.minor,
                      driver_version, runtime_version, cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
-                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max);
+                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max, sm_count_target);
         for (size_t i = 0; i < results.size(); ++i) {
             const Result& r = results[i];
             std::fprintf(out,
@@ -735,6 +756,9 @@ int main(int argc, char** argv) {
         Domain io = create_green_domain("I/O green context", io_green, cublas, io_resource.sm.smCount);
         Domain compute = create_green_domain("compute green context", compute_green, cublas, compute_resource.sm.smCount);
         allocate_operands(compute, tokens_max);
+        // The same GEMM through a handle not told the green context's SM count.
+        Domain compute_untargeted = compute;
+        compute_untargeted.cublas = cublas.set_sm_count_target != nullptr ? create_handle(cublas, compute, false) : nullptr;
         const unsigned int poller_blocks = io.sm_count * static_cast<unsigned int>(poller_blocks_per_sm);
 
         for (const int tokens : options.tokens) {
@@ -750,6 +774,10 @@ int main(int argc, char** argv) {
             };
             run_case(make("alone_compute_green", "-", compute.sm_count), &compute,
                      [&](Result& c) { c.timing = time_gemm(cublas, compute, tokens, options); });
+            if (compute_untargeted.cublas != nullptr) {
+                run_case(make("alone_compute_green_no_sm_target", "-", compute.sm_count), &compute,
+                         [&](Result& c) { c.timing = time_gemm(cublas, compute_untargeted, tokens, options); });
+            }
             // GEMM domain beside the poller's domain, for each case.
             const struct {
                 const char* name;
@@ -776,6 +804,10 @@ int main(int argc, char** argv) {
                              });
                 }
             }
+        }
+        if (compute_untargeted.cublas != nullptr) {
+            make_current(compute);
+            check_cublas(cublas.destroy(compute_untargeted.cublas), "cublasDestroy");
         }
         release_operands(compute);
         destroy_domain(cublas, compute);
