@@ -118,8 +118,8 @@ case $MODE in
             # mappings; then the object store's persistence round trip (store, reopen, scatter
             # retrieve, compare) on one pool striped over every controller (one VFIO container);
             # then tuttid on the same controllers and its client processes (tuttid-stage.sh).
-            printf '%s\n' "nvme-conformance $DEVICES ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
-                "nvme-conformance $DEVICES --quick --filter bring_up_and_identify" \
+            printf '%s\n' "nvme-conformance $DEVICES --overwrite ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $INTEGRITY_MIB" \
+                "nvme-conformance $DEVICES --overwrite --quick --filter bring_up_and_identify" \
                 "objstore-roundtrip $DEVICES" "tuttid-stage.sh $DEVICES" > "$VM_DIR/commands.main"
         fi
         if [ "$MODE" = small ] || [ "${TUTTI_VM_SMALL:-1}" = 1 ]; then
@@ -130,7 +130,7 @@ case $MODE in
             # pair: one block per slot with separate K/V tensors, and four blocks per slot with
             # block-major tensors (other run lengths, other cuts).
             # shellcheck disable=SC2016 # $TUTTI_BDF0 is expanded by the guest's shell
-            printf '%s\n' "nvme-conformance --device vfio:\$TUTTI_BDF0 ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $SMALL_INTEGRITY_MIB" \
+            printf '%s\n' "nvme-conformance --device vfio:\$TUTTI_BDF0 --overwrite ${TUTTI_VM_CONFORMANCE_ARGS:-} --integrity-mib $SMALL_INTEGRITY_MIB" \
                 "objstore-roundtrip --device vfio:\$TUTTI_BDF0" \
                 "objstore-roundtrip --device vfio:\$TUTTI_BDF0 --k 4 --layout block-major" > "$VM_DIR/commands.small"
         fi

@@ -19,15 +19,20 @@ const EMU_FILE_BYTES: u64 = 256 << 20;
 /// A device under test and, where it has one, its fault injector.
 pub type DeviceUnderTest = (Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector>>);
 
-/// Why the suite would overwrite data `spec` already holds, or None when it holds none: an
-/// `emu:PATH` that is a block device (a whole disk: a blank start proves nothing) or a regular
-/// file that is not empty. The checks write from LBA 0 on (and across every namespace), so such
-/// a device is tested only when `--overwrite` says so. A missing or empty file holds nothing;
-/// memory devices start blank. (tutti-profile's `holds_prior_data` decides the same for its
+/// Why the suite would overwrite data `spec` may already hold, or None when it holds none: a
+/// `vfio:` function (an SSD whose namespaces nothing here reads before writing: a stopped
+/// tuttid's pool, a filesystem), an `emu:PATH` that is a block device (a whole disk: a blank
+/// start proves nothing) or a regular file that is not empty. The checks write from LBA 0 on
+/// (and across every namespace), so such a device is tested only when `--overwrite` says so. A
+/// missing or empty file holds nothing; memory devices start blank. (tutti-profile's `holds_prior_data` decides the same for its
 /// `--overwrite`, but lives in that binary; tutti-devices' `refuse_foreign_contents` lets a
 /// tutti pool through, which the suite would destroy.)
 pub fn prior_data(spec: &DeviceSpec) -> Option<String> {
-    let DeviceSpec::EmuFile(path) = spec else { return None };
+    let path = match spec {
+        DeviceSpec::Vfio(_) => return Some("is an NVMe controller whose namespaces are written without being read first".into()),
+        DeviceSpec::EmuFile(path) => path,
+        _ => return None,
+    };
     // Whatever cannot be examined (missing, not allowed) is left to the lock and the opening,
     // which report it.
     let metadata = std::fs::metadata(path).ok()?;

@@ -1,20 +1,21 @@
 //! `nvme-conformance`: runs the driver's conformance suite against one or more devices.
 //!
 //! ```text
-//! nvme-conformance --device vfio:0000:00:04.0            # QEMU's controller or a real SSD
+//! nvme-conformance --device vfio:0000:00:04.0 --overwrite # QEMU's controller or a real SSD
 //! nvme-conformance --device emu:mem:256M                  # the software controller in memory
 //! nvme-conformance --device emu:/tmp/nvme.img --integrity-mib 256
 //! ```
 //! Every device named is overwritten. Before any is written, each is locked as tuttid and
-//! `tutti pool` lock it, and each block device claimed (`O_EXCL`); an `emu:PATH` that already
-//! holds data (a non-empty file, a block device) is tested only with `--overwrite`.
+//! `tutti pool` lock it, and each block device claimed (`O_EXCL`); a `vfio:` device, or an
+//! `emu:PATH` that already holds data (a non-empty file, a block device), is tested only with
+//! `--overwrite`.
 //!
 //! Exit status: 0 when no check failed and some passed on every device (skipped checks aside),
 //! 1 when any failed, or when none passed on a device (every selected check skipped there,
 //! e.g. `--filter sgl` on a controller without SGL), 2 for bad usage
 //! (bad flags, a device string that does not parse or a device that cannot be opened, e.g. a
 //! memory device larger than the machine can spare; a device another process holds (its lock,
-//! or a block device in use); an `emu:PATH` holding data without `--overwrite`; a `--filter`
+//! or a block device in use); a `vfio:` device or an `emu:PATH` holding data without `--overwrite`; a `--filter`
 //! that selects no check, or only checks that need fault injection on a `vfio:` device; an `--integrity-mib` larger than the namespace; a `--timeout-s` above
 //! a day), 141 when standard output was closed by its reader.
 use std::path::PathBuf;
@@ -34,7 +35,7 @@ mod devices;
 #[command(
     version,
     about,
-    after_long_help = "Exit status: 0 no check failed and some passed on every device; 1 a check failed, or every check selected was skipped on a device (e.g. --filter sgl without controller SGL support); 2 unusable input (bad flag or device, a device another process holds or a block device in use, an emu:PATH holding data without --overwrite, a --filter that selects no check or only fault-injection checks on a vfio: device, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
+    after_long_help = "Exit status: 0 no check failed and some passed on every device; 1 a check failed, or every check selected was skipped on a device (e.g. --filter sgl without controller SGL support); 2 unusable input (bad flag or device, a device another process holds or a block device in use, a vfio: device or an emu:PATH holding data without --overwrite, a --filter that selects no check or only fault-injection checks on a vfio: device, --integrity-mib larger than the namespace, --timeout-s above 86400); 141 standard output was closed by its reader (e.g. `| head`)."
 )]
 struct Arguments {
     /// Device to test: `vfio:BDF` (e.g. vfio:0000:00:04.0), `emu:mem:SIZE` or `emu:PATH` (a file
@@ -43,8 +44,8 @@ struct Arguments {
     /// use, is refused.
     #[arg(long = "device", required = true, value_parser = parse_device)]
     devices: Vec<DeviceSpec>,
-    /// Allow testing an `emu:PATH` that already holds data (a non-empty file, a block device):
-    /// the checks overwrite it.
+    /// Allow testing a `vfio:` device, or an `emu:PATH` that already holds data (a non-empty
+    /// file, a block device): the checks overwrite it.
     #[arg(long)]
     overwrite: bool,
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that the suite never

@@ -124,6 +124,23 @@ fn a_file_holding_data_needs_overwrite() {
 }
 
 #[test]
+fn a_vfio_device_needs_overwrite() {
+    // Goal: the suite never looks at what a vfio: SSD holds (a stopped tuttid's pool, a
+    // filesystem) before it writes every namespace from LBA 0 on, so it is refused without
+    // --overwrite (exit 2, before anything is opened). With it, this machine's missing function
+    // is refused as unusable, not as needing --overwrite.
+    let device = "vfio:0000:ff:1f.7";
+    let refused = conformance(&["--device", device, "--quick"]);
+    let text = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert_eq!(refused.status.code(), Some(2), "{text}");
+    assert!(text.contains("--overwrite") && text.contains(device) && !text.contains("panicked"), "{text}");
+    let opened = conformance(&["--device", device, "--overwrite", "--quick"]);
+    let text = String::from_utf8_lossy(&opened.stderr).into_owned();
+    assert_eq!(opened.status.code(), Some(2), "{text}");
+    assert!(!text.contains("pass --overwrite"), "{text}");
+}
+
+#[test]
 fn a_new_file_is_created_and_tested_without_overwrite() {
     // Goal: a missing emu: file holds nothing: it is created (locked meanwhile) and tested.
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-new-{}.img", std::process::id()));
