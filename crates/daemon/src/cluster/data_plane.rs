@@ -398,17 +398,19 @@ impl DataPlane {
                             refuse_busy(stream);
                             continue;
                         }
-                        self.peers.fetch_add(1, Ordering::AcqRel);
+                        // Given back when the closure is dropped: the thread's end (a panic
+                        // too), or with the closure when no thread could be made.
+                        let slot = PeerSlot::take(&self.peers);
                         let spawned = std::thread::Builder::new().name("tuttid-peer".into()).spawn_scoped(scope, move || {
+                            let _slot = slot;
                             if let Err(error) = self.serve_peer(stream, store, stop, tick, metrics) {
                                 tracing::info!(%peer, %error, "a data-plane connection ended");
                             }
-                            self.peers.fetch_sub(1, Ordering::AcqRel);
                         });
                         if let Err(error) = spawned {
-                            // The connection (moved into the closure) is closed; serve on.
+                            // The connection and the slot (moved into the closure) are given
+                            // back; serve on.
                             tracing::warn!(%peer, %error, "no thread for a data-plane connection: it is closed");
-                            self.peers.fetch_sub(1, Ordering::AcqRel);
                         }
                     }
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(tick),
@@ -1035,6 +1037,23 @@ impl<'a> FetchSlot<'a> {
 }
 
 impl Drop for FetchSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Holder: one of the [`PEERS_MAX`] peer connection slots (the accept loop checks the limit),
+/// given back when dropped, so a peer thread that panics does not keep it for good.
+struct PeerSlot<'a>(&'a AtomicUsize);
+
+impl<'a> PeerSlot<'a> {
+    fn take(peers: &'a AtomicUsize) -> PeerSlot<'a> {
+        peers.fetch_add(1, Ordering::AcqRel);
+        PeerSlot(peers)
+    }
+}
+
+impl Drop for PeerSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }

@@ -737,6 +737,22 @@ fn a_store_whose_staging_queue_pair_is_not_deleted_keeps_its_reservation_counted
     assert_eq!(pinned(&node), per as u64, "the kept reservation's slots");
 }
 
+#[test]
+fn a_peer_slot_is_given_back_when_its_thread_panics() {
+    // Goal: a peer connection's slot is a guard, given back on every way out of its thread,
+    // a panic included; before, the count was decremented after `serve_peer` returned, so a
+    // panic in it kept one of the 8 slots for good.
+    let peers = AtomicUsize::new(0);
+    let slot = PeerSlot::take(&peers);
+    assert_eq!(peers.load(Ordering::Acquire), 1);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+        let _slot = slot;
+        panic!("a peer thread panics");
+    }));
+    assert!(panicked.is_err());
+    assert_eq!(peers.load(Ordering::Acquire), 0, "the slot was kept");
+}
+
 /// Retires `node`'s staging area, as a layer left in flight would (`DataPlane::with_staging`).
 fn retire_staging(node: &Node) {
     let mut turn = node.plane.staging.take(far(), &|| false).ok().unwrap();
