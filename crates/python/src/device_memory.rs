@@ -219,7 +219,8 @@ pub struct AttachedDaemon {
     /// The daemon process (`Client::daemon_process`), so that another tuttid started at the same
     /// path later (while this one drains, or after it left its socket file behind) is not asked
     /// about this one's sessions: it lists none of them. `None` when it could not be told apart
-    /// (another pid namespace): whatever daemon answers at the path is then taken for it.
+    /// (another pid namespace): whatever daemon answers at the path is then taken for it. When
+    /// it is `Some`, a daemon answering there that cannot be identified is not taken for it.
     pub process: Option<PeerProcess>,
 }
 
@@ -285,23 +286,35 @@ enum Reached {
 }
 
 /// Connects to `daemon` at its socket, asking again every 10 ms while the connection is refused
-/// and the socket file exists, or while another daemon answers there and the one attached to
-/// still runs (it may be draining, its sessions' commands still in flight), until `deadline`.
+/// and the socket file exists, or while another daemon (or one that cannot be identified)
+/// answers there and the one attached to still runs (it may be draining, its sessions'
+/// commands still in flight), until `deadline`.
 fn reach(daemon: &AttachedDaemon, deadline: Instant) -> Reached {
+    reach_with(daemon, deadline, Client::daemon_process)
+}
+
+/// [`reach`], the answering daemon identified by `identify` (a test's stand-in for one that
+/// cannot be identified).
+fn reach_with(daemon: &AttachedDaemon, deadline: Instant, identify: impl Fn(&Client) -> Option<PeerProcess>) -> Reached {
     let socket = &daemon.socket;
     loop {
         let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let error = match Client::connect(socket, timeout) {
-            Ok(client) => match (&daemon.process, client.daemon_process()) {
-                (Some(ours), Some(theirs)) if theirs != *ours => {
+            // A daemon that cannot be identified (another pid namespace, its /proc entry
+            // unreadable) is not known to be the one attached to: as another one.
+            Ok(client) => match (&daemon.process, identify(&client)) {
+                (Some(ours), theirs) if theirs.as_ref() != Some(ours) => {
                     if ours.has_exited() {
                         return Reached::Gone;
                     }
                     if Instant::now() >= deadline {
+                        let answering = theirs.map_or_else(
+                            || "a tuttid that cannot be identified".to_string(),
+                            |theirs| format!("tuttid pid {}", theirs.pid()),
+                        );
                         return Reached::Unknown(format!(
-                            "tuttid pid {} answers at {} while the daemon this session attached to (pid {}) still runs: \
+                            "{answering} answers at {} while the daemon this session attached to (pid {}) still runs: \
                              its sessions may still move bytes",
-                            theirs.pid(),
                             socket.display(),
                             ours.pid()
                         ));
@@ -581,5 +594,40 @@ mod tests {
         }
         #[cfg(not(feature = "cuda"))]
         assert!(failure.message.contains("no CUDA support"), "{}", failure.message);
+    }
+
+    #[test]
+    fn an_unidentified_daemon_at_the_socket_does_not_speak_for_the_attached_one_while_it_runs() {
+        // Goal: a daemon at the socket that cannot be identified (another pid namespace, its
+        // /proc entry unreadable) may be another one than the daemon this session attached to;
+        // while the attached one still runs (it may be draining, its sessions' reads still
+        // writing the memory) nothing is concluded by the deadline (Unknown), and once it has
+        // exited its queue pairs went with it (Gone). Before, whichever daemon answered was
+        // taken for the attached one, and its status (none of our sessions) released the memory.
+        let directory = std::env::temp_dir().join(format!("tutti-python-unidentified-daemon-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("tuttid.sock");
+        // Connections queue in its backlog: enough for a connect to succeed.
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let mut attached = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let daemon = AttachedDaemon { socket: socket.clone(), process: PeerProcess::of(attached.id()) };
+        assert!(daemon.process.is_some());
+        let unidentified = |_: &Client| None;
+        let started = Instant::now();
+        let reached = reach_with(&daemon, started + Duration::from_millis(300), unidentified);
+        let took = started.elapsed();
+        attached.kill().unwrap();
+        attached.wait().unwrap();
+        match reached {
+            Reached::Unknown(reason) => assert!(reason.contains(&attached.id().to_string()), "{reason}"),
+            Reached::Daemon(_) => panic!("an unidentified daemon was taken for the attached one, still running"),
+            Reached::Gone => panic!("the attached daemon was taken for gone while it ran"),
+        }
+        assert!(took >= Duration::from_millis(300), "asked until the deadline, not {took:?}");
+        assert!(took < Duration::from_secs(3), "the wait was not bounded by its deadline: {took:?}");
+        let reached = reach_with(&daemon, Instant::now() + Duration::from_millis(300), unidentified);
+        std::fs::remove_dir_all(&directory).unwrap();
+        assert!(matches!(reached, Reached::Gone), "the attached daemon has exited");
     }
 }
