@@ -5,7 +5,8 @@
 #   2. the timeline logic's unit tests (tools/gpu/test_timeline.py, standard library only);
 #   3. with GPU_CHECK_PYTHON=PATH (a python with PyTorch, e.g. target/gpu-venv/bin/python; never
 #      installed by this script): the slack step of run-all.sh rehearsed on the CPU,
-#      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`;
+#      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`, and the
+#      runbook's merge of a later session's --input-first CSV (import → check);
 #   4. the python step of run-all.sh rehearsed without a GPU (the wheel, tuttid --device-memory
 #      memfd, tools/gpu/python-cuda-check.py --device stand-in);
 #   5. the prefill step of run-all.sh rehearsed on the CPU (tools/gpu/prefill-ttft.py --device cpu
@@ -44,6 +45,20 @@ if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
   PATH="$bin:$PATH" OUT="$OUT/rehearsal" RUN_ALL_SLACK_DEVICE_ARGS="--device cpu --tiny" RUN_ALL_GPU_PRESET=h100 \
     RUN_ALL_TUTTI_PROFILE="$TARGET/release/tutti-profile" tools/gpu/run-all.sh slack
   echo "gpu-check: slack step rehearsed on the CPU: $OUT/rehearsal"
+  # A PARTIAL grid finished by a later session's --input-first run (docs/gio-uring.md): two tiny
+  # runs merged by the runbook's recipe keep both provenance blocks and import as one table.
+  merge="$OUT/merge-rehearsal"
+  rm -rf "$merge"
+  mkdir -p "$merge"
+  "$GPU_CHECK_PYTHON" tools/gpu/slack-profile.py --device cpu --tiny --input-count 1 --out-csv "$merge/slack-timeline.csv" >"$merge/log" 2>&1
+  "$GPU_CHECK_PYTHON" tools/gpu/slack-profile.py --device cpu --tiny --input-first 2 --out-csv "$merge/second.csv" >>"$merge/log" 2>&1
+  (cd "$merge" && grep -v '^phase,' second.csv >>slack-timeline.csv)
+  [[ $(grep -c '^# grid: ' "$merge/slack-timeline.csv") -eq 2 ]] ||
+    { echo "gpu-check: FAILED: the merged CSV lost a provenance block ($merge)" >&2; exit 1; }
+  "$TARGET/release/tutti-profile" import --timeline "$merge/slack-timeline.csv" --model llama3-8b --gpu h100 \
+    --io-sms 8 --io-sm-granularity 8 --out "$merge/table.json" 2>>"$merge/log"
+  "$TARGET/release/tutti-profile" check "$merge/table.json" >>"$merge/log" 2>&1
+  echo "gpu-check: a later session's --input-first rows merged with both provenance blocks, imported and checked: $merge"
 fi
 # The python step rehearsed without a GPU: the wheel and a tuttid built here, the stand-in for GPU
 # memory (tuttid --device-memory memfd), the python stage's venv (numpy) as the interpreter.

@@ -23,7 +23,8 @@ previous one, and the run stops before it would pass --budget-s. The CSV is rewr
 completed input length, so what is written is always a complete grid of the lengths done (the
 table then ends at the last one; `tutti-profile simulate` needs the preset's prompt length, 32768,
 in the grid: measure the rest in a second call with --input-first K and append that CSV's rows
-without its '#' and header lines, `grep -v -e '^#' -e '^phase,' second.csv >> first.csv`).
+and its '#' provenance lines (another session's machine, driver and date), without its header,
+`grep -v '^phase,' second.csv >> first.csv`; import skips '#' lines anywhere).
 --out-csv-gz also writes a gzip of the CSV each time: a complete grid's CSV (~135 000 rows of
 ~150 bytes) is ~20 MiB, over the 16 MiB the device tool brings back, so run-all.sh keeps the CSV
 in its scratch directory for the import and puts only the gzip in $OUT (gunzip it here).

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -292,3 +293,41 @@ class SlackOutputSize(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class MergeRecipe(unittest.TestCase):
+    """The recipe that appends a later session's `--input-first K` CSV to a PARTIAL grid's
+    (docs/gio-uring.md, Running on a GPU; slack-profile.py's docstring), run as written."""
+
+    @staticmethod
+    def recipes() -> dict[str, str]:
+        here = os.path.dirname(os.path.abspath(__file__))
+        found = {}
+        for name, path in (("runbook", os.path.join(here, "..", "..", "docs", "gio-uring.md")),
+                           ("slack-profile.py", os.path.join(here, "slack-profile.py"))):
+            with open(path) as handle:
+                text = " ".join(handle.read().split())  # the recipe may be wrapped over lines
+            match = re.search(r"`(grep -v [^`]*second\.csv >> [^`]*)`", text)
+            found[name] = match.group(1) if match else None
+        return found
+
+    def test_both_sessions_provenance_survives_the_merge(self):
+        # Goal: the merged CSV keeps the later session's '#' provenance block (another machine,
+        # date and driver measured its rows; import ignores '#' lines anywhere) and one header.
+        # Before, the recipe dropped every '#' line of the second CSV.
+        for name, recipe in self.recipes().items():
+            with self.subTest(name), tempfile.TemporaryDirectory() as directory:
+                self.assertIsNotNone(recipe, f"{name} gives no `grep -v … second.csv >> …` recipe")
+                target = recipe.rsplit(">>", 1)[1].strip()
+                row = lambda tokens: timeline.Row("prefill", tokens, 0, 0, "qkv", 0.0, 1.0, 8)  # noqa: E731
+                for path, tokens, first in ((target, 4096, 1), ("second.csv", 8192, 2)):
+                    with open(os.path.join(directory, path), "w") as out:
+                        timeline.write_csv(out, [row(tokens)], [f'grid: {{"input_first": {first}}}', f"host: machine-{first}"])
+                subprocess.run(["bash", "-c", recipe], cwd=directory, check=True, timeout=30)
+                with open(os.path.join(directory, target)) as handle:
+                    merged = handle.read().splitlines()
+                self.assertIn("# host: machine-1", merged)
+                self.assertIn("# host: machine-2", merged)
+                self.assertIn('# grid: {"input_first": 2}', merged)
+                self.assertEqual(merged.count(timeline.HEADER), 1, merged)
+                self.assertEqual([line.split(",")[1] for line in merged if line.startswith("prefill,")], ["4096", "8192"])
