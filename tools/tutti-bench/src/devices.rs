@@ -159,9 +159,20 @@ pub struct CreatedFiles {
     paths: Vec<PathBuf>,
     keep: bool,
     locks: Vec<nix::fcntl::Flock<std::fs::File>>,
+    /// The files the run's lock step (run.rs `lock_devices`) holds locked, as their specs name
+    /// them: [`prepare_file`] does not lock those again (a second lock of this process's own
+    /// would be refused as in use).
+    held: Vec<PathBuf>,
+    /// The locks [`prepare_file`] took on existing files the lock step did not hold.
+    device_locks: Vec<tutti_devices::DeviceLocks>,
 }
 
 impl CreatedFiles {
+    /// Notes the files the run's own device locks hold (`DeviceLocks::paths`).
+    pub fn note_held<'a>(&mut self, paths: impl IntoIterator<Item = &'a Path>) {
+        self.held.extend(paths.into_iter().map(Path::to_path_buf));
+    }
+
     pub fn push(&mut self, path: PathBuf) {
         self.paths.push(path);
     }
@@ -216,13 +227,11 @@ impl Drop for CreatedFiles {
 pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<Arc<dyn Device>, DeviceError> {
     match spec {
         DeviceSpec::Uring(path) => {
-            prepare_file(path, options, created)?;
+            prepare_file(spec, options, created)?;
             Ok(Arc::new(crate::uring::UringDevice::open(path, options.writes)?))
         }
         _ => {
-            if let DeviceSpec::EmuFile(path) = spec {
-                prepare_file(path, options, created)?;
-            }
+            prepare_file(spec, options, created)?;
             let emu = EmuOptions { config: emu_config(options), create_bytes: None };
             let opened = open_in_one_space(std::slice::from_ref(spec), &emu)?;
             let device = opened.into_iter().next().ok_or_else(|| DeviceError::Setup(format!("{spec}: nothing was opened")))?;
@@ -291,15 +300,34 @@ pub fn storage_note(spec: &DeviceSpec, emulator: Option<&EmuDevice>) -> String {
     note
 }
 
-/// Checks a file can be opened as the run needs, creating it (and laying it out) when missing
-/// and allowed. A created file is registered in `created` so that a failed run removes it.
-pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+/// The existing file of `spec` (at `path`): checks it opens as the run needs and, unless the
+/// run's lock step holds it, takes tuttid's lock on it as that step does (`DeviceLocks`;
+/// refused as in use, exit 2, while another process holds it), held by `created` to the end of
+/// the run. The lock step skipped it because it did not exist then: another process (a second
+/// run, `tutti pool format`, `tuttid --format`) made it since, and must not share it unlocked.
+fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+    OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
+        let context = if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" };
+        DeviceError::Setup(format!("{}: {context}: {source}", path.display()))
+    })?;
+    if !created.held.iter().any(|held| held == path) {
+        // The lock directory holds vfio: functions' lock files only: an emu: or uring: file is
+        // locked itself.
+        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR), false)?;
+        created.note_held(locks.paths());
+        created.device_locks.push(locks);
+    }
+    Ok(())
+}
+
+/// Checks the file of an `emu:PATH` or `uring:PATH` spec (others: nothing to do) can be opened
+/// as the run needs, creating it (and laying it out) when missing and allowed. A created file is
+/// registered in `created` so that a failed run removes it.
+pub fn prepare_file(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+    let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
     let io_error = |context: &str, source: std::io::Error| DeviceError::Setup(format!("{}: {context}: {source}", path.display()));
     if path.exists() {
-        OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
-            io_error(if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" }, source)
-        })?;
-        return Ok(());
+        return use_existing(spec, path, options, created);
     }
     let Some(bytes) = options.create_bytes else {
         return Err(DeviceError::Setup(format!("{} does not exist; give --size to create it", path.display())));
@@ -321,13 +349,12 @@ pub fn prepare_file(path: &Path, options: OpenOptions2, created: &mut CreatedFil
         }
     }
     // Owner-only, as tuttid's and `tutti pool format`'s pool files: a kv pool holds KV bytes.
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|source| io_error("cannot create", source))?;
+    let file = match OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path) {
+        Ok(file) => file,
+        // Another process made it since the look above: not this run's to size or remove.
+        Err(source) if source.kind() == std::io::ErrorKind::AlreadyExists => return use_existing(spec, path, options, created),
+        Err(source) => return Err(io_error("cannot create", source)),
+    };
     created.push(path.to_path_buf());
     // Removed on Ctrl-C too, as a failed run removes it; until the run has succeeded.
     crate::uring::remove_on_interrupt(path);
@@ -757,9 +784,7 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
     }
     tutti_devices::check_memory(specs)?;
     for spec in specs {
-        if let DeviceSpec::EmuFile(path) = spec {
-            prepare_file(path, options, created)?;
-        }
+        prepare_file(spec, options, created)?;
     }
     let emu = EmuOptions { config: emu_config(options), create_bytes: None };
     let mut controllers = Vec::with_capacity(specs.len());
@@ -796,7 +821,7 @@ mod tests {
         let path = directory.path().join("created.img");
         let options = OpenOptions2 { create_bytes: Some(8192), ..test_options() };
         let mut created = CreatedFiles::default();
-        prepare_file(&path, options, &mut created).expect("created");
+        prepare_file(&DeviceSpec::EmuFile(path.clone()), options, &mut created).expect("created");
         let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&path).unwrap().permissions());
         assert_eq!(mode & 0o077, 0, "created with mode {:o}", mode & 0o777);
         created.keep_after_success();
@@ -827,6 +852,42 @@ mod tests {
         created.keep();
         assert!(created.remove_now().is_empty());
         assert!(kept.exists());
+    }
+
+    #[test]
+    fn a_file_that_appeared_after_the_lock_step_is_locked_or_refused_as_in_use() {
+        // Goal: the run's lock step skips a file that does not exist yet, for the run to create
+        // and lock; one another process made meanwhile (a second run, `tutti pool format`) must
+        // be locked as the lock step locks a file, and refused (exit 2) while that process holds
+        // it, not used beside it. One the lock step holds is not locked twice.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("raced.img");
+        let spec = DeviceSpec::EmuFile(path.clone());
+        let options = OpenOptions2 { create_bytes: Some(1 << 20), ..test_options() };
+        // The other process: it made the file and holds it.
+        let other = std::fs::File::create(&path).unwrap();
+        let other = nix::fcntl::Flock::lock(other, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
+        let mut created = CreatedFiles::default();
+        let error = prepare_file(&spec, options, &mut created).unwrap_err();
+        assert!(matches!(error, DeviceError::Spec(tutti_devices::DeviceError::DeviceInUse { .. })), "{error}");
+        drop(created);
+        assert!(path.exists(), "another process's file was removed");
+        // Let go: the run takes the lock and holds it to its end.
+        drop(other);
+        let mut created = CreatedFiles::default();
+        prepare_file(&spec, options, &mut created).expect("a file nobody holds");
+        let probe = std::fs::File::open(&path).unwrap();
+        assert!(
+            nix::fcntl::Flock::lock(probe, nix::fcntl::FlockArg::LockExclusiveNonblock).is_err(),
+            "the run uses a file it does not hold locked"
+        );
+        drop(created);
+        // Held by the run's own lock step: used as it is.
+        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap();
+        let mut created = CreatedFiles::default();
+        created.note_held(locks.paths());
+        prepare_file(&spec, options, &mut created).expect("a file the run holds");
+        created.keep_after_success();
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.

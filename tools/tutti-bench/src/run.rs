@@ -164,7 +164,8 @@ pub fn with_devices(
     // a node made with mknod) is another lock. Writers still meet in the exclusive claim below,
     // which is the disk's own; a raw read run takes none, so such a reader is kept from nothing
     // (it reads what is there, as fio would).
-    let _locks = lock_devices(&devices, &cli.lock_dir)?;
+    let locks = lock_devices(&devices, &cli.lock_dir)?;
+    created.note_held(locks.iter().flat_map(DeviceLocks::paths));
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
     // nothing mounts it meanwhile. A run that only reads, like fio's, may read a disk in use.
@@ -243,7 +244,8 @@ fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::Devi
 /// or `uring:` file or block device (the file itself), a `vfio:` function
 /// (`LOCK_DIR/vfio-BDF.lock`). Another holder is unusable input, named. A file that does not
 /// exist yet is not locked here: the run creates it (`create_new`, so it cannot be another's)
-/// and `devices::prepare_file` locks it then, held by the run's `CreatedFiles` to the end.
+/// and `devices::prepare_file` locks it then, held by the run's `CreatedFiles` to the end; one
+/// another process made meanwhile is locked there as here (refused while that process holds it).
 fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<DeviceLocks>> {
     // One device named twice would otherwise be refused below as held by "another process"
     // (this one): each spec takes its lock through its own open file.
