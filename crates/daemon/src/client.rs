@@ -27,7 +27,7 @@ use nix::sys::socket::{connect, getsockopt, socket as new_socket, AddressFamily,
 use crate::fd_passing::FDS_PER_FRAME_MAX;
 use crate::frame_io::{deadline_after, read_frame_by, write_frame_with_fds_by, ReadOutcome, Written, WAIT_MAX};
 use crate::protocol::{encode_frame, encode_lookup_body, encode_lookup_from_body, Hello, HelloReply, Kind, Reply, Request, StatusReply};
-use crate::DaemonError;
+use crate::{DaemonError, ErrorCode};
 
 mod gpu_export;
 mod remote_store;
@@ -77,6 +77,28 @@ impl Default for BusyPauses {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Whether tuttid sends `code` only when it ends the connection (an `Error` under id 0, then
+/// it closes): a lease or shutdown goodbye, a frame it refused (its header, or one unfinished
+/// past the frame timeout: the stream cannot be resynchronised), a peer it does not serve
+/// (`PermissionDenied`). A caller that gets one has lost its connection ([`Client::is_broken`])
+/// whatever it asked, and reconnects at once: `RemoteKvStore` reports `Disconnected`, as the
+/// Python package does (keeping the code). `Busy` ends a connection past the cap too, but is
+/// also a per-request answer (AttachQueues, asked again on the same connection), so it is not
+/// one of these; a Hello answered Busy is asked again on a new connection anyway.
+pub fn ends_the_connection(code: ErrorCode) -> bool {
+    matches!(
+        code,
+        ErrorCode::LeaseExpired
+            | ErrorCode::ShuttingDown
+            | ErrorCode::FrameTimeout
+            | ErrorCode::BadMagic
+            | ErrorCode::UnsupportedVersion
+            | ErrorCode::FrameTooLarge
+            | ErrorCode::UnknownKind
+            | ErrorCode::PermissionDenied
+    )
 }
 
 pub struct Client {

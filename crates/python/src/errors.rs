@@ -91,7 +91,9 @@ fn refusal_class(code: ErrorCode, message: &str) -> ErrorClass {
         ErrorCode::LimitReached if message.contains("pool full") => ErrorClass::PoolFull,
         ErrorCode::LimitReached => ErrorClass::LimitReached,
         ErrorCode::NotYours => ErrorClass::StaleRequest,
-        ErrorCode::LeaseExpired | ErrorCode::ShuttingDown => ErrorClass::Disconnected,
+        // The daemon ended the connection (a lease or shutdown goodbye, a frame it refused or
+        // that timed out, a peer it does not serve): the caller reconnects at once.
+        code if tutti_daemon::client::ends_the_connection(code) => ErrorClass::Disconnected,
         _ => ErrorClass::Daemon,
     }
 }
@@ -334,5 +336,13 @@ mod tests {
         let busy = Failure::from(DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() });
         assert_eq!((busy.class, busy.code.as_deref()), (ErrorClass::Daemon, Some("Busy")));
         assert!(busy.message.contains("64 clients"), "the Rust message is carried: {}", busy.message);
+        // The daemon ended the connection (a frame it refused or that timed out, a peer it does
+        // not serve): Disconnected, so that connection_lost() is true at once, keeping the code.
+        for code in [ErrorCode::FrameTimeout, ErrorCode::BadMagic, ErrorCode::UnknownKind, ErrorCode::PermissionDenied] {
+            let ended = Failure::from(DaemonError::Remote { code, message: "ended".into() });
+            assert_eq!((ended.class, ended.code), (ErrorClass::Disconnected, Some(format!("{code:?}"))), "{code}");
+            let refused = Failure::from(&refused(code, "ended"));
+            assert_eq!((refused.class, refused.code), (ErrorClass::Disconnected, Some(format!("{code:?}"))), "{code}");
+        }
     }
 }

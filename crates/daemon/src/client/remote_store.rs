@@ -193,13 +193,14 @@ fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLay
 }
 
 /// The daemon client's error as the store's, classified where it can be (a refusal's code, a
-/// lost connection, a timeout) so that callers can react by kind. `ShuttingDown` and
-/// `LeaseExpired` are the daemon saying goodbye before it closes the connection: the caller
+/// lost connection, a timeout) so that callers can react by kind. A code the daemon sends only
+/// as it ends the connection ([`super::ends_the_connection`]: `ShuttingDown`, `LeaseExpired`,
+/// a refused or timed-out frame, ...) is the daemon saying goodbye before it closes: the caller
 /// sees the session gone (`Disconnected`, as the Python package classifies them) whether the
-/// goodbye or the close reached it first.
+/// goodbye or the close reached it first, and reconnects at once.
 fn remote(error: DaemonError) -> ObjstoreError {
     let failure = match &error {
-        DaemonError::Remote { code: ErrorCode::ShuttingDown | ErrorCode::LeaseExpired, .. } => RemoteFailure::Disconnected,
+        DaemonError::Remote { code, .. } if super::ends_the_connection(*code) => RemoteFailure::Disconnected,
         DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
         DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
@@ -1072,5 +1073,63 @@ mod tests {
         // A reply over the cap came from the daemon and left the connection out of step.
         let reply_too_long = DaemonError::Protocol(crate::protocol::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 });
         assert!(!matches!(remote(reply_too_long), ObjstoreError::BadRequest { .. }));
+    }
+
+    #[test]
+    fn a_connection_the_daemon_ended_is_the_daemon_gone() {
+        // Goal: an `Error` the daemon sends only when it ends the connection (under id 0, then
+        // it closes: a frame it refused or that timed out, a peer it does not serve) is a lost
+        // connection (`Disconnected`: the caller reconnects at once), not a refusal that leaves
+        // the connection usable; before, only ShuttingDown and LeaseExpired were, and the caller
+        // kept the dead connection for one more failed call. Busy, also a per-request answer,
+        // keeps its code. Seen end to end: a stand-in daemon ends a Ping's connection with
+        // FrameTimeout.
+        use std::os::unix::net::UnixListener;
+        let directory = std::env::temp_dir().join(format!("tutti-remote-ended-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            stream.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+            stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+            let (mut body, mut fds) = (Vec::new(), Vec::new());
+            let waited = crate::frame_io::read_frame(
+                &stream,
+                &mut body,
+                &mut fds,
+                Instant::now() + Duration::from_secs(5),
+                Duration::from_secs(5),
+                &|| false,
+            );
+            assert!(matches!(waited, Ok(crate::frame_io::ReadOutcome::Frame(_))), "{waited:?}");
+            let goodbye = Reply::error(ErrorCode::FrameTimeout, "the rest of a frame: no answer within 2000 ms");
+            let mut frame = Vec::new();
+            crate::protocol::encode_frame(&mut frame, goodbye.kind(), 0, |out| goodbye.encode_body(out)).unwrap();
+            crate::frame_io::write_frame(&stream, &frame).unwrap();
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let ended = client.ping().unwrap_err();
+        daemon.join().unwrap();
+        std::fs::remove_dir_all(&directory).unwrap();
+        assert!(matches!(ended, DaemonError::Remote { code: ErrorCode::FrameTimeout, .. }), "{ended:?}");
+        assert!(client.is_broken());
+        let classify = |error| match remote(error) {
+            ObjstoreError::RemoteFailed { failure, .. } => failure,
+            other => panic!("expected a classified failure, got {other:?}"),
+        };
+        assert_eq!(classify(ended), RemoteFailure::Disconnected);
+        for code in [
+            ErrorCode::BadMagic,
+            ErrorCode::UnsupportedVersion,
+            ErrorCode::FrameTooLarge,
+            ErrorCode::UnknownKind,
+            ErrorCode::PermissionDenied,
+        ] {
+            assert_eq!(classify(DaemonError::Remote { code, message: String::new() }), RemoteFailure::Disconnected, "{code}");
+        }
+        let busy = DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() };
+        assert_eq!(classify(busy), RemoteFailure::Refused { code: ErrorCode::Busy.to_u16() });
     }
 }
