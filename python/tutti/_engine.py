@@ -72,7 +72,12 @@ def parse_config(where: str, given: Optional[Mapping[str, Any]], fields: Mapping
         type_ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             type_ok = True
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                # json.loads reads integers of up to 4300 digits; a float holds ~1.8e308. Named
+                # by its size: str() of an int past 4300 digits raises too.
+                raise ConfigError(f"{where}: field {name!r} = an integer of {value.bit_length()} bits: too large ({spec.description})") from None
         if not type_ok:
             expected = " or ".join(kind.__name__ for kind in kinds)
             raise ConfigError(f"{where}: field {name!r} must be {expected} ({spec.description}), got {value!r}")
@@ -86,6 +91,22 @@ def parse_config(where: str, given: Optional[Mapping[str, Any]], fields: Mapping
 
 def positive(value: Any) -> Optional[str]:
     return None if value > 0 else "must be positive"
+
+
+# The longest wait tutti's binding takes (its TIMEOUT_MAX_S, crates/python/src/store.rs: it refuses
+# longer ones, and infinity).
+TIMEOUT_MAX_S = 1e9
+
+
+def bounded_timeout(value: Any) -> Optional[str]:
+    """A configuration field's check for a timeout in seconds: positive, finite, at most
+    TIMEOUT_MAX_S (refused here, naming the field, rather than by the binding at attach, or
+    not at all for a wait the binding does not take: json.loads reads Infinity)."""
+    if not value > 0:
+        return "must be positive"
+    if not value <= TIMEOUT_MAX_S:
+        return f"must be at most {TIMEOUT_MAX_S:.0e} seconds (and finite)"
+    return None
 
 
 def non_empty(value: Any) -> Optional[str]:

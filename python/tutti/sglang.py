@@ -40,6 +40,7 @@ from tutti._engine import (
     ConfigError,
     Field,
     abandon_request,
+    bounded_timeout,
     byte_geometry,
     check_engine_version,
     fingerprint_from_config,
@@ -109,14 +110,14 @@ EXTRA_CONFIG_FIELDS = {
         "a checkpoint engine's weights)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
-    "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=positive),
+    "timeout_s": Field(float, "the longest wait for one page's I/O, seconds", default=30.0, check=bounded_timeout),
     "call_timeout_s": Field(
         float,
         "how long one batch_get_v1 / batch_set_v1 call starts pages, seconds: pages not begun by then are misses; "
         "pages moving then get 1 s more, and one still moving after that closes the pool (lookups miss until a "
         "restart). SGLang's cache flush waits 10 s for each storage thread and then fails, so keep it under 8.5",
         default=7.0,
-        check=positive,
+        check=bounded_timeout,
     ),
     "verify_retrieves": Field(
         bool,

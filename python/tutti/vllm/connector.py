@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tutti._engine import (
     Field,
+    bounded_timeout,
     fingerprint_from_config,
     iocbs_for,
     layers_in_flight_field,
@@ -45,7 +46,7 @@ from tutti._engine import (
 )
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
-from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata, bounded_timeout
+from tutti.vllm.metadata import LoadSpec, SaveSpec, TuttiConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

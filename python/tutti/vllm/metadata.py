@@ -5,7 +5,7 @@ exchange with tuttid is judged, and the block-size check both sides make when th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 import tutti
 from tutti._engine import ConfigError
@@ -94,17 +94,3 @@ def check_block_size(attached, block_size: int, format_hint: bool) -> None:
         f"tuttid's pool stores blocks of {block_tokens} tokens but vLLM's block size is "
         f"{block_size}: start vLLM with --block-size {block_tokens}{other_way}"
     )
-
-
-# The longest wait tutti's binding takes (it refuses longer ones, and infinity).
-TIMEOUT_MAX_S = 1e9
-
-
-def bounded_timeout(value: Any) -> Optional[str]:
-    """A configuration field's check for a timeout in seconds: positive, finite, at most
-    TIMEOUT_MAX_S (refused here, naming the field, rather than by the binding at attach)."""
-    if not value > 0:
-        return "must be positive"
-    if not value <= TIMEOUT_MAX_S:
-        return f"must be at most {TIMEOUT_MAX_S:.0e} seconds (and finite)"
-    return None

@@ -36,6 +36,7 @@ from tutti._engine import (
     ConfigError,
     Field,
     abandon_request,
+    bounded_timeout,
     byte_geometry,
     fingerprint_from_config,
     format_devices,
@@ -46,7 +47,6 @@ from tutti._engine import (
     refuses_crc_less_pool,
 )
 from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _refuse_non_causal_attention, _resolved_kv_layout
-from tutti.vllm.metadata import bounded_timeout
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
