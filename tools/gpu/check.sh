@@ -86,6 +86,15 @@ if [[ -n "$prefill_python" ]]; then
     RUN_ALL_TUTTID="$TARGET/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
     tools/gpu/run-all.sh prefill
   grep -q '^prefill: PASS' "$OUT/prefill-rehearsal/summary.txt"
+  # The I/O's exposed cost is the TTFT difference, and no host-side wait is reported as the bubble.
+  python3 - "$OUT/prefill-rehearsal/prefill-ttft.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["results"]
+assert rows, "no hit rate measured"
+for row in rows:
+    assert "bubble_ms" not in row and "host_wait_ms" in row, row
+    assert abs(row["exposed_io_ms"] - (row["tutti_ttft_ms"] - row["resident_ttft_ms"])) < 1e-6, row
+PY
   echo "gpu-check: prefill step rehearsed on the CPU with $prefill_python: $OUT/prefill-rehearsal"
 elif [[ "${GPU_CHECK_REQUIRE_PREFILL:-0}" == 1 ]]; then
   echo "gpu-check: FAILED: prefill step not rehearsed: no python with torch and transformers, and no complete vLLM environment (tools/python/engine-env.sh vllm; GPU_CHECK_REQUIRE_PREFILL=1)" >&2
