@@ -245,18 +245,21 @@ impl Client {
         Client::check_tokens_fit(Kind::FetchRemote, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::FetchRemote, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::Fetched { cached_blocks, fetched_blocks } => {
-                // Without the session's block size (no Hello answered here), blocks of at least
-                // one token each.
+                // The local prefix after the fetch (the fetched blocks included) and the blocks
+                // fetched: each within the prompt's full blocks. Without the session's block
+                // size (no Hello answered here), blocks of at least one token each.
                 let full = tokens.len() / self.block_tokens.unwrap_or(1).max(1) as usize;
-                match cached_blocks.checked_add(fetched_blocks) {
-                    Some(blocks) if blocks as usize <= full => Ok((cached_blocks, fetched_blocks)),
-                    _ => Err(self.bad_reply(
+                if cached_blocks as usize <= full && fetched_blocks as usize <= full {
+                    Ok((cached_blocks, fetched_blocks))
+                } else {
+                    Err(self.bad_reply(
                         Kind::Fetched,
                         format!(
-                            "{cached_blocks} cached and {fetched_blocks} fetched blocks of a {}-token prompt of at most {full} full blocks",
+                            "a local prefix of {cached_blocks} blocks after fetching {fetched_blocks} blocks of a {}-token prompt of \
+                             at most {full} full blocks",
                             tokens.len()
                         ),
-                    )),
+                    ))
                 }
             }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::FetchRemote, got: other.kind() }),
@@ -946,15 +949,20 @@ pub(crate) mod tests {
             let (outcome, _) = answered_with(reply, |client| client.lookup_all_ranks_from(&tokens, first_block));
             assert!(matches!(outcome, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{what} (all ranks): {outcome:?}");
         }
-        let (fetched, broken) =
-            answered_with(Reply::Fetched { cached_blocks: 20, fetched_blocks: 20 }, |client| client.fetch_remote(&tokens));
-        assert!(matches!(fetched, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{fetched:?}");
-        assert!(broken);
-        let (overflow, _) =
-            answered_with(Reply::Fetched { cached_blocks: u32::MAX, fetched_blocks: 2 }, |client| client.fetch_remote(&tokens));
-        assert!(overflow.is_err(), "{overflow:?}");
-        let (fetched, _) = answered_with(Reply::Fetched { cached_blocks: 1, fetched_blocks: 1 }, |client| client.fetch_remote(&tokens));
-        assert_eq!(fetched.unwrap(), (1, 1));
+        // A fetch answers the local prefix after it (the fetched blocks included) and the blocks
+        // it fetched: each at most the prompt's full blocks (here, no Hello answered, blocks of
+        // at least a token: 32).
+        let fetch = |cached_blocks, fetched_blocks| Reply::Fetched { cached_blocks, fetched_blocks };
+        for (cached, fetched) in [(33, 0), (0, 33), (u32::MAX, 2)] {
+            let (outcome, broken) = answered_with(fetch(cached, fetched), |client| client.fetch_remote(&tokens));
+            assert!(matches!(outcome, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{cached}, {fetched}: {outcome:?}");
+            assert!(broken);
+        }
+        for (cached, fetched) in [(1, 1), (32, 32)] {
+            let (outcome, broken) = answered_with(fetch(cached, fetched), |client| client.fetch_remote(&tokens));
+            assert_eq!(outcome.unwrap(), (cached, fetched));
+            assert!(!broken);
+        }
     }
 
     /// Goal: a request over the frame cap (a lookup of 4M tokens: a 16 MB body) is refused
