@@ -63,6 +63,13 @@ done
 commands=$(COMPARE_DRY_RUN=1 COMPARE_QD1=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2> /dev/null | grep '^ *fio ')
 check "compare.sh: fio measurements listed" yes "$([ -n "$commands" ] && echo yes || echo no)"
 check "compare.sh: every fio measurement has --randrepeat=0" 0 "$(grep -vc -- '--randrepeat=0' <<< "$commands")"
+# 2b. Writes unstamped on both sides (fio's default stamps every 512 B of a write, tutti-bench's
+# every 4 KiB and its KV store nothing): every fio and tutti-bench write has --scramble_buffers=0.
+all_commands=$(COMPARE_DRY_RUN=1 COMPARE_QD1=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2> /dev/null | grep -E '^ +[^ ]*(fio|tutti-bench) ')
+writes=$(grep -E -e '--rw=(rand)?write ' <<< "$all_commands")
+check "compare.sh: write measurements of fio and of tutti-bench listed" yes \
+    "$(grep -q '^ *fio ' <<< "$writes" && grep -q 'tutti-bench ' <<< "$writes" && echo yes || echo no)"
+check "compare.sh: every write measurement is unstamped (--scramble_buffers=0)" 0 "$(grep -vc -- '--scramble_buffers=0' <<< "$writes")"
 
 # 3. kv-store alone.
 check "compare.sh COMPARE_ROWS=kv-store: tutti-bench's KV run still runs" yes \

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Side-by-side comparison of fio (ioengine=io_uring, direct=1) with tutti-bench on the kernel
-# path (uring:) and on the software NVMe controller (emu:), identical parameters, same file.
+# path (uring:) and on the software NVMe controller (emu:), identical parameters, same file;
+# writes unstamped on both sides (--scramble_buffers=0, see UNSTAMPED; before 2026-12-01 fio
+# stamped every 512 B of each write, its default, and the write/kv-store ratios compared
+# different work).
 # A benchmark, not a test: it prints figures and ratios to fio; goals (issues 7 and 16):
 #   uring: >= 0.95x fio on every row;  emu: >= 0.9x fio at 4 KiB, >= 0.95x on the 128 KiB and
 #   1 MiB rows.
@@ -147,10 +150,18 @@ fi
 # overwrite them; older builds (COMPARE_BENCH, "the commit before") have neither the check nor
 # the option.
 KV_OVERWRITE=
+# Writes unstamped on both sides: fio's default (scramble_buffers=1) stamps every 512 B of each
+# write, tutti-bench's stamp is 8 bytes per 4 KiB and its KV store stamps nothing, so a stamped
+# fio did more work per write than the tool it was compared with (tools/vm-bench.sh turns the
+# stamp off the same way). fio takes --scramble_buffers=0 on every measurement (reads ignore it);
+# tutti-bench's write rows when it has the option (older builds neither stamp nor have it).
+UNSTAMPED=
 if [ "$DRY_RUN" = 1 ]; then
     KV_OVERWRITE=--overwrite
+    UNSTAMPED=--scramble_buffers=0
 else
     "$BENCH" --help 2>/dev/null | grep -q -- --overwrite && KV_OVERWRITE=--overwrite
+    "$BENCH" --help 2>/dev/null | grep -q -- --scramble_buffers && UNSTAMPED=--scramble_buffers=0
 fi
 
 # One file for everyone, written in full so that every read hits allocated blocks. With
@@ -200,12 +211,14 @@ run() {
             # and vm-bench's fio rows; fio's default replays the same ones.
             measure fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
                 --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" --mem="$(fio_memory "$tool")" \
-                --randrepeat=0 --output-format=json --output="$out" ;;
+                --randrepeat=0 --scramble_buffers=0 --output-format=json --output="$out" ;;
         uring|emu)
+            local unstamped=()
+            case $rw in *write) [ -z "$UNSTAMPED" ] || unstamped=("$UNSTAMPED") ;; esac
             [ "$DRY_RUN" = 0 ] || { measure "$BENCH" --device "$tool:$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
-                --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json; return; }
+                --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json "${unstamped[@]}"; return; }
             "$BENCH" --device "$tool:$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$IODEPTH" \
-                --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json >"$out" 2>"$WORK/stderr" \
+                --numjobs=1 --time_based --runtime="$RUNTIME" --output-format=json "${unstamped[@]}" >"$out" 2>"$WORK/stderr" \
                 || { say "tutti-bench $tool $row failed: $(cat "$WORK/stderr")"; echo '{}' >"$out"; } ;;
     esac
 }
@@ -221,7 +234,7 @@ run_kv() {
                 local depth=$KV_IODEPTH
                 [ "$tool" = fioqd1 ] && depth=1
                 measure fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --randrepeat=0 --output-format=json --output="$out.$pass" ;;
+                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --randrepeat=0 --scramble_buffers=0 --output-format=json --output="$out.$pass" ;;
             emu)
                 [ "$DRY_RUN" = 0 ] || { measure "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify $KV_OVERWRITE \
                     --output-format=json; continue; }
