@@ -19,7 +19,9 @@
 # 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
 #    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
-#    so that ours/kernel compares the same work.
+#    so that ours/kernel compares the same work;
+# 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
+#    runs the Python store's slot size and layers in flight and takes the same median.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -138,6 +140,12 @@ for settings in "" "TUTTI_BENCH_SHADOW=1 TUTTI_BENCH_PIN=0 TUTTI_BENCH_REPEAT=2"
     check "vm-bench.sh ${settings:-defaults}: every write row's run is unstamped" "" \
         "$(grep -v -e ' --scramble_buffers=0 ' -e 'unstamped=--scramble_buffers=0;' <<< "$writes" | cut -d';' -f1 | tr '\n' ';')"
 done
+
+# 7. python/bench's tests.
+python3 -m unittest discover -s "$HERE/../python/bench" -p 'test_*.py' > "$WORK/python-bench.out" 2>&1
+status=$?
+check "python/bench unit tests pass" 0 "$status"
+[ "$status" = 0 ] || cat "$WORK/python-bench.out" >&2
 
 if [ "$failures" -gt 0 ]; then
     echo "bench-scripts-test: $failures check(s) failed" >&2
