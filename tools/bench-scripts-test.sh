@@ -20,6 +20,9 @@
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
 #    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
 #    so that ours/kernel compares the same work;
+# 3b. compare.sh measuring with stand-ins (a fio that writes a fixed report, a tutti-bench whose
+#    third call fails): a failed measurement is named, no goal is judged on the runs left, and
+#    the script exits non-zero;
 # 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
 #    runs the Python store's slot size and layers in flight and takes the same median.
 set -uo pipefail
@@ -76,6 +79,36 @@ check "compare.sh: every write measurement is unstamped (--scramble_buffers=0)" 
 # 3. kv-store alone.
 check "compare.sh COMPARE_ROWS=kv-store: tutti-bench's KV run still runs" yes \
     "$(compare_order COMPARE_ROWS=kv-store | grep -q '^kv-store emu ' && echo yes || echo no)"
+
+# 3b. A failed tutti-bench run.
+mkdir -p "$WORK/stand-ins"
+fio_report='{"jobs":[{"read":{"bw_bytes":1000000000,"iops":1000},"write":{"bw_bytes":1000000000,"iops":1000}}]}'
+cat > "$WORK/stand-ins/fio" << FAKE
+#!/usr/bin/env bash
+# fio: --version answers, a measurement writes a fixed report to --output.
+[ "\$1" = --version ] && { echo fio-3.33; exit 0; }
+for arg; do case \$arg in --output=*) [ "\${arg#--output=}" = /dev/null ] || echo '$fio_report' > "\${arg#--output=}" ;; esac; done
+FAKE
+cat > "$WORK/stand-ins/tutti-bench" << FAKE
+#!/usr/bin/env bash
+# tutti-bench: the third measurement fails, the others print fio's report.
+[ "\$1" = --help ] && exit 0
+calls=\$(( \$(cat "$WORK/stand-ins/calls" 2> /dev/null || echo 0) + 1 ))
+echo "\$calls" > "$WORK/stand-ins/calls"
+[ "\$calls" = 3 ] && { echo "verify: mismatch" >&2; exit 1; }
+echo '$fio_report'
+FAKE
+chmod +x "$WORK/stand-ins/fio" "$WORK/stand-ins/tutti-bench"
+PATH="$WORK/stand-ins:$PATH" COMPARE_BENCH="$WORK/stand-ins/tutti-bench" COMPARE_FILE="$WORK/measured.img" COMPARE_SETTLE=0 \
+    COMPARE_RUNTIME=1 COMPARE_SIZE=1m COMPARE_ROWS=read-1m COMPARE_RUNS=2 "$HERE/compare.sh" > "$WORK/measured.out" 2> "$WORK/measured.err"
+check "compare.sh, a tutti-bench run failed: exit 1" 1 "$?"
+check "compare.sh, a tutti-bench run failed: its stand-in ran 4 times" 4 "$(cat "$WORK/stand-ins/calls" 2> /dev/null)"
+# Run 2's order is uring emu fio (the cycle turned one place): uring's run 2 is the third call.
+row=$(grep '^read-1m ' "$WORK/measured.out")
+check "compare.sh, a tutti-bench run failed: the row says which run is missing" 1 "$(grep -c 'uring run 2 missing' <<< "$row")"
+check "compare.sh, a tutti-bench run failed: no goal judged on the runs left" "uring>=0.95 INCOMPLETE, emu>=0.95 met" \
+    "$(grep -oE 'uring>=0\.95 [A-Za-z]+, emu>=0\.95 [A-Za-z]+' <<< "$row")"
+check "compare.sh, a tutti-bench run failed: the header says so" 1 "$(grep -c '^parameters: .*1 measurement(s) missing' "$WORK/measured.out")"
 
 # 4. The test file.
 COMPARE_DRY_RUN=1 COMPARE_FILE=/dev/null "$HERE/compare.sh" > /dev/null 2>&1

@@ -56,6 +56,10 @@
 #   COMPARE_DRY_RUN  1: print the run order ("run I/R: ROW TOOL after PREVIOUS") and each
 #                    measurement's command, then exit: nothing installed, built, written or
 #                    measured (tools/bench-scripts-test.sh checks the order with it)
+# A tutti-bench run that fails (its error goes to stderr) leaves its run without a figure, a KV
+# run without one when any of its passes failed (a --verify mismatch included): its row then says
+# which runs are missing, its goals read INCOMPLETE rather than judged on the runs left, and the
+# script exits 1 after the summary (a fio failure stops it at once).
 set -euo pipefail
 
 say() { printf '%s\n' "$*" >&2; }
@@ -315,13 +319,23 @@ def one_figure(tool, row, path):
 
 def figure(tool, row, index):
     """IOPS for the 4 KiB row, MB/s for the others (KV rows: the median of the passes); None
-    when the run produced nothing."""
+    when the run produced nothing, or on a KV row when any of its passes did (a failed pass,
+    a --verify mismatch among them, must not be outvoted by the others)."""
     if not row.startswith("kv-"):
         return one_figure(tool, row, f"{work}/{tool}-{row}-{index}.json")
     source = "kv-retrieve" if tool == "emu" else row  # one tutti-bench run gives both KV rows
     values = [one_figure(tool, row, f"{work}/{tool}-{source}-{index}.json.{p}") for p in range(1, kv_repeat + 1)]
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+    return None if None in values else statistics.median(values)
+
+def tools_of(row):
+    return [tool for tool in tools if not (row.startswith("kv-") and tool == "uring")]
+
+# Every measurement that produced no figure, by (row, tool): a goal is judged only on complete
+# rows, and the script fails, so that a crash or a verify failure is not a "-" in a listing.
+figures = {(row, tool): [figure(tool, row, i) for i in range(1, runs + 1)] for row in rows for tool in tools_of(row)}
+missing = {key: [i + 1 for i, v in enumerate(values) if v is None] for key, values in figures.items()}
+missing = {key: indices for key, indices in missing.items() if indices}
+missing_total = sum(len(indices) for indices in missing.values())
 
 def median(values):
     values = [v for v in values if v is not None]
@@ -331,7 +345,8 @@ def show(value, digits=0):
     return "-" if value is None else f"{value:,.{digits}f}"
 
 print(f"machine: {machine}; load average {load_start} at start, {load_end} at end")
-print(f"parameters: iodepth={iodepth} numjobs=1 runtime={runtime}s size={size} direct I/O; medians of {runs} runs; ratio = median of per-run ratios to fio")
+print(f"parameters: iodepth={iodepth} numjobs=1 runtime={runtime}s size={size} direct I/O; medians of {runs} runs; ratio = median of per-run ratios to fio"
+      + (f"; {missing_total} measurement(s) missing (INCOMPLETE rows, see stderr for the failures)" if missing_total else ""))
 if any(row.startswith("kv-") for row in rows):
     print(f"kv rows: llama3-8b, {kv_tokens} tokens, {kv_k} blocks per slot, {kv_bs_kib} KiB per command; fio randread/randwrite bs={kv_bs_kib}k iodepth={kv_iodepth} over the same bytes, one pass; each run's figure the median of {kv_repeat} passes")
 qd1 = "fioqd1" in tools
@@ -339,8 +354,13 @@ huge = "fiohuge" in tools
 print(f"{'row':<12} {'unit':<5} {'fio':>10} {'uring':>10} {'ratio':>6} {'emu':>10} {'ratio':>6}" + (f" {'fio qd1':>10}" if qd1 else "")
       + (f" {'fio huge':>10} {'emu/huge':>8}" if huge else "") + "  goals")
 for row in rows:
-    values = {tool: [figure(tool, row, i) for i in range(1, runs + 1)] for tool in ("fio", "uring", "emu")}
+    values = {tool: figures.get((row, tool), [None] * runs) for tool in ("fio", "uring", "emu")}
     fio = values["fio"]
+
+    def judged(tool, goal, ratio):
+        if missing.get((row, tool)) or missing.get((row, "fio")):
+            return f"{tool}>={goal} INCOMPLETE"
+        return f"{tool}>={goal} " + ("met" if ratio is not None and ratio >= goal else "MISSED")
     cells = []
     for tool in ("uring", "emu"):
         ratios = [v / f for v, f in zip(values[tool], fio) if v is not None and f]
@@ -348,25 +368,30 @@ for row in rows:
     (uring, uring_ratio), (emu, emu_ratio) = cells
     # Issue 16's bars: uring >= 0.95 everywhere; emu >= 0.9 at 4 KiB, >= 0.95 on large blocks;
     # KV retrieve >= 0.95, store >= 0.9.
-    goals = ["uring>=0.95 " + ("met" if uring_ratio is not None and uring_ratio >= 0.95 else "MISSED")]
+    goals = [judged("uring", 0.95, uring_ratio)]
     if row.startswith("kv-"):
         goal = 0.95 if row == "kv-retrieve" else 0.9
-        goals = [f"emu>={goal} " + ("met" if emu_ratio is not None and emu_ratio >= goal else "MISSED")]
+        goals = [judged("emu", goal, emu_ratio)]
     else:
         goal = 0.9 if row.endswith("4k") else 0.95
-        goals.append(f"emu>={goal} " + ("met" if emu_ratio is not None and emu_ratio >= goal else "MISSED"))
+        goals.append(judged("emu", goal, emu_ratio))
+    goals += [f"{tool} run{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))} missing"
+              for (missing_row, tool), indices in missing.items() if missing_row == row]
     huge_cells = ""
     if huge:
-        huge_values = [figure("fiohuge", row, i) for i in range(1, runs + 1)]
+        huge_values = figures[(row, "fiohuge")]
         huge_ratio = median([e / h for e, h in zip(values["emu"], huge_values) if e is not None and h])
         huge_cells = f" {show(median(huge_values)):>10} {show(huge_ratio, 2):>8}"
     unit = "IOPS" if row.endswith("4k") else "MB/s"
-    print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}" + (f" {show(median([figure('fioqd1', row, i) for i in range(1, runs + 1)])):>10}" if qd1 else "") + huge_cells + f"  {', '.join(goals)}")
+    print(f"{row:<12} {unit:<5} {show(median(fio)):>10} {show(uring):>10} {show(uring_ratio, 2):>6} {show(emu):>10} {show(emu_ratio, 2):>6}" + (f" {show(median(figures[(row, 'fioqd1')])):>10}" if qd1 else "") + huge_cells + f"  {', '.join(goals)}")
 print()
 print("per run (the spread is the machine's noise):")
 for row in rows:
-    for tool in tools:
-        values = [figure(tool, row, i) for i in range(1, runs + 1)]
+    for tool in tools_of(row):
+        values = figures[(row, tool)]
         name = {"fioqd1": "fio qd1", "fiohuge": "fio huge"}.get(tool, tool)
         print(f"  {row:<12} {name:<8} " + "  ".join(show(v) for v in values))
+if missing_total:
+    print(f"compare.sh: {missing_total} measurement(s) produced no figure; the goals of their rows are not judged", file=sys.stderr)
+    sys.exit(1)
 EOF
