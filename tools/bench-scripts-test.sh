@@ -23,6 +23,8 @@
 # 3b. compare.sh measuring with stand-ins (a fio that writes a fixed report, a tutti-bench whose
 #    third call fails): a failed measurement is named, no goal is judged on the runs left, and
 #    the script exits non-zero;
+# 3c. COMPARE_FIO_HUGE=1 reserves as many huge pages as fio's largest buffer set takes (fio
+#    rounds depth x bs plus a page up to 2 MiB pages: 128 x 1 MiB takes 65, not 64);
 # 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
 #    runs the Python store's slot size and layers in flight and takes the same median.
 set -uo pipefail
@@ -109,6 +111,14 @@ check "compare.sh, a tutti-bench run failed: the row says which run is missing" 
 check "compare.sh, a tutti-bench run failed: no goal judged on the runs left" "uring>=0.95 INCOMPLETE, emu>=0.95 met" \
     "$(grep -oE 'uring>=0\.95 [A-Za-z]+, emu>=0\.95 [A-Za-z]+' <<< "$row")"
 check "compare.sh, a tutti-bench run failed: the header says so" 1 "$(grep -c '^parameters: .*1 measurement(s) missing' "$WORK/measured.out")"
+
+# 3c. Huge pages for fio's buffers.
+huge_pages() { env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2>&1 > /dev/null |
+    sed -n 's/^would reserve \([0-9]*\) huge pages.*/\1/p'; }
+check "compare.sh COMPARE_FIO_HUGE=1: 32 x 1 MiB, the largest buffer set by default, takes 17 pages" 17 "$(huge_pages)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_IODEPTH=128: 128 x 1 MiB takes 65 pages" 65 "$(huge_pages COMPARE_IODEPTH=128)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_KV_TOKENS=16384: the KV rows' 128 x 1 MiB take 65 pages" 65 "$(huge_pages COMPARE_KV_TOKENS=16384)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_ROWS=randread-4k: 32 x 4 KiB take 1 page" 1 "$(huge_pages COMPARE_ROWS=randread-4k)"
 
 # 4. The test file.
 COMPARE_DRY_RUN=1 COMPARE_FILE=/dev/null "$HERE/compare.sh" > /dev/null 2>&1

@@ -44,8 +44,9 @@
 #                    reference column, with emu's ratio to it: the software controller's host
 #                    memory asks for transparent huge pages (nvme-driver's HostMemory), fio's
 #                    default malloc'd buffers are 4 KiB pages, and on a disk with few segments
-#                    per request that alone decides large transfers. Needs root: it reserves 64
-#                    more huge pages (vm.nr_hugepages) for the run and gives them back at exit
+#                    per request that alone decides large transfers. Needs root: it reserves as
+#                    many more huge pages (vm.nr_hugepages) as fio's largest buffer set takes
+#                    (see huge_pages_needed; 17 by default) and gives them back at exit
 #   COMPARE_BENCH    a tutti-bench binary to use instead of building one (e.g. an older build
 #                    for a before/after comparison in one sitting)
 #   COMPARE_KV_TOKENS   prompt of the KV rows, tokens (default 4096: 256 blocks, 512 MiB)
@@ -123,13 +124,47 @@ trap cleanup EXIT
 # fio's --mem for a fio column: huge pages for "fiohuge", its default otherwise.
 fio_memory() { if [ "$1" = fiohuge ]; then echo shmhuge; else echo malloc; fi; }
 
-if [ "${COMPARE_FIO_HUGE:-0}" = 1 ] && [ "$DRY_RUN" = 0 ]; then
-    # 64 pages (128 MiB) cover the largest buffer set of any row: 32 x 1 MiB, or 128 x 1 MiB.
-    [ "$(id -u)" = 0 ] || { say "COMPARE_FIO_HUGE=1 reserves huge pages: run as root"; exit 2; }
-    HUGE_PAGES_BEFORE=$(cat /proc/sys/vm/nr_hugepages)
-    echo $((HUGE_PAGES_BEFORE + 64)) > /proc/sys/vm/nr_hugepages
-    free_pages=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
-    [ "${free_pages:-0}" -ge 64 ] || { say "only ${free_pages:-0} huge pages free after reserving 64 more"; exit 1; }
+row_params() { # name -> "rw bs"
+    case $1 in
+        randread-4k) echo "randread 4k" ;;
+        read-128k) echo "read 128k" ;;
+        read-1m) echo "read 1m" ;;
+        write-128k) echo "write 128k" ;;
+        write-1m) echo "write 1m" ;;
+        kv-retrieve) echo "randread ${KV_BS_KIB}k" ;;
+        kv-store) echo "randwrite ${KV_BS_KIB}k" ;;
+    esac
+}
+
+# huge_pages_needed: 2 MiB pages for the largest buffer set fio allocates on the chosen rows. fio
+# sizes a job's buffers as iodepth x bs, adds a page's mask for direct I/O and rounds up to the
+# huge page (init_io_u_buffers, allocate_io_mem): 32 x 1 MiB takes 17 pages, 128 x 1 MiB 65 (a
+# fixed 64 before 2026-12-01 made shmget refuse those, and set -e then threw the sitting away).
+huge_pages_needed() {
+    local row rw bs bytes depth pages need=0
+    for row in $ROWS; do
+        read -r rw bs <<<"$(row_params "$row")"
+        bytes=$(numfmt --from=iec "${bs^^}")
+        depth=$IODEPTH
+        case $row in kv-*) depth=$KV_IODEPTH ;; esac
+        pages=$(((depth * bytes + 4095 + 2097151) / 2097152))
+        [ "$pages" -le "$need" ] || need=$pages
+    done
+    echo "$need"
+}
+
+if [ "${COMPARE_FIO_HUGE:-0}" = 1 ]; then
+    HUGE_PAGES_NEEDED=$(huge_pages_needed)
+    if [ "$DRY_RUN" = 1 ]; then
+        say "would reserve $HUGE_PAGES_NEEDED huge pages (2 MiB) for fio's buffers"
+    else
+        [ "$(id -u)" = 0 ] || { say "COMPARE_FIO_HUGE=1 reserves huge pages: run as root"; exit 2; }
+        HUGE_PAGES_BEFORE=$(cat /proc/sys/vm/nr_hugepages)
+        echo $((HUGE_PAGES_BEFORE + HUGE_PAGES_NEEDED)) > /proc/sys/vm/nr_hugepages
+        free_pages=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
+        [ "${free_pages:-0}" -ge "$HUGE_PAGES_NEEDED" ] ||
+            { say "only ${free_pages:-0} huge pages free after reserving $HUGE_PAGES_NEEDED more"; exit 1; }
+    fi
 fi
 
 # fio, installed once (idempotent: nothing happens when it is already there).
@@ -183,18 +218,6 @@ else
         --ioengine=io_uring --direct=1 --output=/dev/null
 fi
 [ "$DRY_RUN" = 1 ] || FILE_OURS=1
-
-row_params() { # name -> "rw bs"
-    case $1 in
-        randread-4k) echo "randread 4k" ;;
-        read-128k) echo "read 128k" ;;
-        read-1m) echo "read 1m" ;;
-        write-128k) echo "write 128k" ;;
-        write-1m) echo "write 1m" ;;
-        kv-retrieve) echo "randread ${KV_BS_KIB}k" ;;
-        kv-store) echo "randwrite ${KV_BS_KIB}k" ;;
-    esac
-}
 
 # measure COMMAND...: runs it, or prints it with COMPARE_DRY_RUN=1.
 measure() {
