@@ -10,7 +10,9 @@
 #    tutti-bench does;
 # 3. COMPARE_ROWS=kv-store alone still runs tutti-bench's KV run (its store phase is the figure);
 # 4. COMPARE_FILE naming a device node is refused (exit 2) and left alone, and COMPARE_KEEP=1
-#    reuses a laid-out file of the right size;
+#    reuses a file of the right size that an earlier COMPARE_KEEP=1 run laid out (its record
+#    beside it), not any file whose blocks are allocated (a fallocate'd file reads zeroes from
+#    unwritten extents without touching the disk);
 # 5. tools/compare-lmcache.sh (a stand-in Python, nothing installed): a COMPARE_LMCACHE_SITE it did
 #    not install, where LMCache does not import, is refused (exit 2) and left as it was (it was
 #    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
@@ -87,8 +89,9 @@ mkdir -p "$WORK/stand-ins"
 fio_report='{"jobs":[{"read":{"bw_bytes":1000000000,"iops":1000},"write":{"bw_bytes":1000000000,"iops":1000}}]}'
 cat > "$WORK/stand-ins/fio" << FAKE
 #!/usr/bin/env bash
-# fio: --version answers, a measurement writes a fixed report to --output.
+# fio: --version answers, the layout writes the file, a measurement writes a fixed report to --output.
 [ "\$1" = --version ] && { echo fio-3.33; exit 0; }
+[ "\$1" = --name=layout ] && { head -c 1048576 /dev/zero > "\${2#--filename=}"; exit 0; }
 for arg; do case \$arg in --output=*) [ "\${arg#--output=}" = /dev/null ] || echo '$fio_report' > "\${arg#--output=}" ;; esac; done
 FAKE
 cat > "$WORK/stand-ins/tutti-bench" << FAKE
@@ -125,7 +128,14 @@ COMPARE_DRY_RUN=1 COMPARE_FILE=/dev/null "$HERE/compare.sh" > /dev/null 2>&1
 check "compare.sh COMPARE_FILE=/dev/null: refused" 2 "$?"
 check "compare.sh COMPARE_FILE=/dev/null: left a character device" yes "$([ -c /dev/null ] && echo yes || echo no)"
 fallocate -l 1M "$WORK/kept.img" 2> /dev/null || head -c 1048576 /dev/zero > "$WORK/kept.img"
-check "compare.sh COMPARE_KEEP=1: a laid-out file of the size is reused" 1 \
+check "compare.sh COMPARE_KEEP=1: a file of the size it did not lay out (fallocate'd) is laid out anew" 1 \
+    "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=1m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^would lay out ')"
+rm -f "$WORK/kept.img"
+echo 100 > "$WORK/stand-ins/calls" # past the stand-in tutti-bench's failing call
+PATH="$WORK/stand-ins:$PATH" COMPARE_BENCH="$WORK/stand-ins/tutti-bench" COMPARE_FILE="$WORK/kept.img" COMPARE_KEEP=1 COMPARE_SETTLE=0 \
+    COMPARE_RUNTIME=1 COMPARE_SIZE=1m COMPARE_ROWS=read-1m COMPARE_RUNS=1 "$HERE/compare.sh" > /dev/null 2> "$WORK/kept.err"
+check "compare.sh COMPARE_KEEP=1, stand-in tools: laid out, measured, kept" 0 "$?"
+check "compare.sh COMPARE_KEEP=1: the file it laid out and kept is reused" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=1m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^reusing ')"
 check "compare.sh COMPARE_KEEP=1: one of another size is laid out anew" 1 \
     "$(COMPARE_DRY_RUN=1 COMPARE_KEEP=1 COMPARE_SIZE=2m COMPARE_FILE="$WORK/kept.img" "$HERE/compare.sh" 2>&1 > /dev/null | grep -c '^would lay out ')"

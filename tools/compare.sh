@@ -34,7 +34,8 @@
 #                    each tool follows each of its neighbours, see the loop)
 #   COMPARE_IODEPTH  queue depth of every row      (default 32)
 #   COMPARE_KEEP     1 keeps the test file, and reuses one of the right size an earlier
-#                    COMPARE_KEEP=1 run left (default: laid out anew, removed at the end)
+#                    COMPARE_KEEP=1 run laid out and left, which FILE.tutti-compare records
+#                    (default: laid out anew, removed at the end)
 #   COMPARE_SETTLE   seconds of pause (after a sync) before each measurement (default 2)
 #   COMPARE_ROWS     subset of rows, e.g. "randread-4k read-1m" (kv-store alone still runs
 #                    tutti-bench's KV run, whose store phase is its figure)
@@ -114,9 +115,21 @@ WORK=$(mktemp -d)
 HUGE_PAGES_BEFORE=""
 # Set once this run has laid out (or reused) the file: until then it is not this run's to remove.
 FILE_OURS=0
+# The record that this script laid the file out: its size, device, inode and mtime, written
+# after the layout and again at exit when the file is kept (the write rows move the mtime). A
+# file is reused only when it matches: one that merely has its blocks allocated may be a
+# fallocate'd one, whose unwritten extents read as zeroes without reaching the disk.
+LAYOUT_RECORD=$FILE.tutti-compare
+file_identity() { stat -c '%s %d %i %y' "$FILE"; }
 cleanup() {
     rm -rf "$WORK"
-    if [ "$FILE_OURS" = 1 ] && [ "${COMPARE_KEEP:-0}" != 1 ] && [ -f "$FILE" ] && [ ! -L "$FILE" ]; then rm -f "$FILE"; fi
+    if [ "$FILE_OURS" = 1 ] && [ -f "$FILE" ] && [ ! -L "$FILE" ]; then
+        if [ "${COMPARE_KEEP:-0}" = 1 ]; then
+            [ ! -f "$LAYOUT_RECORD" ] || [ -L "$LAYOUT_RECORD" ] || file_identity > "$LAYOUT_RECORD"
+        else
+            rm -f "$FILE" "$LAYOUT_RECORD"
+        fi
+    fi
     [ -z "$HUGE_PAGES_BEFORE" ] || echo "$HUGE_PAGES_BEFORE" > /proc/sys/vm/nr_hugepages
 }
 trap cleanup EXIT
@@ -203,19 +216,22 @@ else
     "$BENCH" --help 2>/dev/null | grep -q -- --scramble_buffers && UNSTAMPED=--scramble_buffers=0
 fi
 
-# One file for everyone, written in full so that every read hits allocated blocks. With
-# COMPARE_KEEP=1 a file an earlier run kept, of this size and allocated in full, is reused.
+# One file for everyone, written in full so that every read hits written blocks. With
+# COMPARE_KEEP=1 a file an earlier COMPARE_KEEP=1 run laid out and kept (its LAYOUT_RECORD
+# matches), of this size and allocated in full, is reused.
 if [ "${COMPARE_KEEP:-0}" = 1 ] && [ -f "$FILE" ] && [ "$(stat -c %s "$FILE")" = "$SIZE_BYTES" ] &&
-    [ $(($(stat -c '%b * %B' "$FILE"))) -ge "$SIZE_BYTES" ]; then
+    [ $(($(stat -c '%b * %B' "$FILE"))) -ge "$SIZE_BYTES" ] &&
+    [ -f "$LAYOUT_RECORD" ] && [ ! -L "$LAYOUT_RECORD" ] && [ "$(cat "$LAYOUT_RECORD")" = "$(file_identity)" ]; then
     say "reusing $FILE ($SIZE, laid out by an earlier COMPARE_KEEP=1 run)"
 elif [ "$DRY_RUN" = 1 ]; then
     say "would lay out $FILE ($SIZE)"
 else
     say "laying out $FILE ($SIZE)"
-    rm -f "$FILE"
+    rm -f "$FILE" "$LAYOUT_RECORD"
     FILE_OURS=1
     fio --name=layout --filename="$FILE" --size="$SIZE" --rw=write --bs=1m --iodepth=32 \
         --ioengine=io_uring --direct=1 --output=/dev/null
+    file_identity > "$LAYOUT_RECORD"
 fi
 [ "$DRY_RUN" = 1 ] || FILE_OURS=1
 
