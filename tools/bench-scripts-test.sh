@@ -28,7 +28,9 @@
 # 3c. COMPARE_FIO_HUGE=1 reserves as many huge pages as fio's largest buffer set takes (fio
 #    rounds depth x bs plus a page up to 2 MiB pages: 128 x 1 MiB takes 65, not 64);
 # 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
-#    runs the Python store's slot size and layers in flight and takes the same median.
+#    runs the Python store's slot size and layers in flight and takes the same median;
+#    vllm_load.py's round order lets each setting follow two different ones over its default
+#    rounds.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)

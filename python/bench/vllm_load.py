@@ -8,12 +8,14 @@ for each setting, and drives a prompt's save and load the way vLLM's model runne
 (bind_connector_metadata, start_load_kv, wait_for_layer_load / save_kv_layer per layer,
 wait_for_save, get_finished), `--compute-us` of busy CPU per layer standing in for attention.
 A setting is `N` (layers_in_flight N, the connector's default queue_depth) or `N@D` (queue_depth
-D too). Each round runs every setting in a rotated order; the load's bytes are checked against
+D too). Each round runs every setting, in an order that turns one place a round and runs
+backwards in every second group of as many rounds as there are settings (`round_order`); the
+load's bytes are checked against
 the saved ones every time. Prints per setting the median load and save bandwidth (GB/s, the
 prompt's KV bytes over the wall time from the first call to the last; a save's time runs to
 the committer's report, its flush included), and their ratios to the first setting.
 
-usage: python vllm_load.py --tuttid target/release/tuttid [--rounds 5] [--prompt-tokens 4096]
+usage: python vllm_load.py --tuttid target/release/tuttid [--rounds 2 x settings] [--prompt-tokens 4096]
        [--settings 1@64,1,2] [--compute-us 0] [--directory /var/tmp]
 (the vLLM environment of tools/python/engine-env.sh vllm, with the tutti wheel installed)
 """
@@ -40,6 +42,24 @@ from tutti.vllm.metadata import LoadSpec, SaveSpec
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
 START_TIMEOUT_S = 30.0
 FINISH_TIMEOUT_S = 60.0
+
+
+def round_order(settings: list[str], round_index: int) -> list[str]:
+    """The settings in the order round `round_index` runs them. All settings share one pool file
+    and each step saves before it loads, so the disk may still be writing back the previous
+    setting's save: a cycle that only turns keeps each setting right after the same neighbour in
+    every round (before 2026-12-01 it did). It turns one place a round and runs backwards in
+    every second group of len(settings) rounds, so over 2 x len(settings) rounds each setting
+    follows two different ones (tools/compare.sh orders its tools the same way)."""
+    count = len(settings)
+    cycle = list(reversed(settings)) if (round_index // count) % 2 else list(settings)
+    shift = round_index % count
+    return cycle[shift:] + cycle[:shift]
+
+
+def default_rounds(settings: list[str]) -> int:
+    """Rounds by default: both directions of the cycle, every rotation of each."""
+    return 2 * len(settings)
 
 
 def layer_names() -> list[str]:
@@ -166,7 +186,7 @@ def block_bytes(caches, blocks: list[int]) -> list[torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tuttid", required=True)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=None, help="default 2 x the settings (see round_order)")
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--settings", default="1@64,1,2", help="layers_in_flight[@queue_depth], comma-separated")
     parser.add_argument("--compute-us", type=float, default=0.0, help="busy CPU per layer standing in for attention")
@@ -178,6 +198,8 @@ def main() -> None:
             extra_config("", setting)
         except ValueError:
             raise SystemExit(f"--settings: {setting!r} is not N or N@D (layers_in_flight[@queue_depth], whole numbers)") from None
+    if args.rounds is None:
+        args.rounds = default_rounds(settings)
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1")
     if not Path(args.tuttid).is_file():
@@ -196,8 +218,7 @@ def main() -> None:
     saves: dict[str, list[float]] = {setting: [] for setting in settings}
     try:
         for round_index in range(args.rounds):
-            order = settings[round_index % len(settings) :] + settings[: round_index % len(settings)]
-            for setting in order:
+            for setting in round_order(settings, round_index):
                 connector, caches = worker(socket, setting, num_blocks)
                 try:
                     source = list(range(blocks))
