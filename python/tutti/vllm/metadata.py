@@ -78,7 +78,7 @@ def connection_lost(error: Exception) -> bool:
     whose), or a failure of the exchange itself (no refusal code). Another refusal with a code
     (e.g. Busy, LimitReached) leaves it usable."""
     if isinstance(error, (tutti.TimeoutError, tutti.Disconnected)):
-        return True  # Disconnected: also tuttid ending the session (LeaseExpired, ShuttingDown)
+        return True  # Disconnected: also tuttid ending the connection (LeaseExpired, ShuttingDown, FrameTimeout, ...)
     return isinstance(error, tutti.DaemonError) and getattr(error, "code", None) is None
 
 
