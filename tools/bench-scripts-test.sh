@@ -18,6 +18,7 @@
 #    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
 #    within COMPARE_LOCK_WAIT_S, then exit 2; the tutti-bench it measures is the executable
 #    cargo's JSON names (CARGO_TARGET_DIR, build.target-dir), not a fixed target/release path;
+#    a round whose tool never returns ends after COMPARE_ROUND_TIMEOUT_S with exit 2;
 # 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
 #    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
@@ -172,6 +173,19 @@ check "compare-lmcache.sh: after the bound (well under the holder's 30 s)" yes "
 check "compare-lmcache.sh: the error says the lock is held" 1 "$(grep -c 'still held after 1s' "$WORK/lock.err")"
 kill "$holder" 2> /dev/null
 wait "$holder" 2> /dev/null
+# A round that hangs: the stand-in passes the import check, then the driver never returns.
+cat > "$WORK/bin/python-hangs" << 'FAKE'
+#!/usr/bin/env bash
+case $1 in -c | -m) exit 0 ;; esac
+exec sleep 60
+FAKE
+chmod +x "$WORK/bin/python-hangs"
+started=$SECONDS
+lmcache COMPARE_PYTHON="$WORK/bin/python-hangs" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUNDS=1 COMPARE_ROUND_TIMEOUT_S=1 \
+    > /dev/null 2> "$WORK/hang.err"
+check "compare-lmcache.sh: a round that never returns: exit 2" 2 "$?"
+check "compare-lmcache.sh: after the round's bound (well under the stand-in's 60 s)" yes "$([ $((SECONDS - started)) -lt 15 ] && echo yes || echo no)"
+check "compare-lmcache.sh: the error names the tool and says it timed out" 1 "$(grep -c 'LMCache round 1 timed out after 1s' "$WORK/hang.err")"
 # tools/lib/cargo-executables.py, which compare-lmcache.sh (and the GPU runbook) read cargo's JSON
 # with, on a build whose target directory moved.
 cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti_bench"},"executable":null}

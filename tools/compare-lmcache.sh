@@ -41,6 +41,10 @@
 #   COMPARE_PYTHON      the Python to run LMCache with, instead of the vLLM engines environment
 #                       (tools/bench-scripts-test.sh uses it)
 #   COMPARE_LOCK_WAIT_S seconds to wait for another run installing into the site (default 1800)
+#   COMPARE_ROUND_TIMEOUT_S  seconds one tool's round (or strace round) may take before it is
+#                       stopped (TERM, KILL 30 s later) and the run fails (default 900; a round
+#                       takes seconds: LMCache's store and retrieve calls and its disk workers
+#                       have no bound of their own)
 #
 # Exit status: 0 done; 2 LMCache missing and not installable, a tool failing, or a check failing
 # (the reason on stderr).
@@ -56,6 +60,7 @@ SITE=${COMPARE_LMCACHE_SITE:-$LMCACHE_ROOT/site}
 # Written into the site after an install: only a directory holding it is this script's to replace.
 SITE_MARKER=.tutti-compare-lmcache
 LOCK_WAIT_S=${COMPARE_LOCK_WAIT_S:-1800}
+ROUND_TIMEOUT_S=${COMPARE_ROUND_TIMEOUT_S:-900}
 # LMCache's wheel and what the vLLM environment lacks of its imports (found by importing
 # lmcache.v1.cache_engine until nothing was missing), at the versions that resolved 2026-11-24.
 PINS=("lmcache==$LMCACHE_VERSION" aiofile==3.12.3 caio==0.12.10 sortedcontainers==2.4.0)
@@ -68,6 +73,7 @@ die() { say "compare-lmcache: $*"; exit 2; }
 
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "COMPARE_ROUNDS must be a positive integer, not '$ROUNDS'"
 [[ $LOCK_WAIT_S =~ ^[0-9]+$ ]] || die "COMPARE_LOCK_WAIT_S must be a whole number of seconds, not '$LOCK_WAIT_S'"
+[[ $ROUND_TIMEOUT_S =~ ^[1-9][0-9]*$ ]] || die "COMPARE_ROUND_TIMEOUT_S must be a positive whole number of seconds, not '$ROUND_TIMEOUT_S'"
 [[ -d $DIRECTORY && -w $DIRECTORY ]] || die "COMPARE_DIRECTORY $DIRECTORY is not a writable directory"
 [[ -w /proc/sys/vm/drop_caches ]] || say "compare-lmcache: /proc/sys/vm/drop_caches is not writable: the driver falls back to posix_fadvise(DONTNEED) per file"
 
@@ -132,18 +138,27 @@ drop_page_cache() {
     if [[ -w /proc/sys/vm/drop_caches ]]; then echo 1 >/proc/sys/vm/drop_caches; fi
 }
 
+# bounded COMMAND...: runs it under the round's bound (every wait bounded: a stuck LMCache disk
+# worker or a retrieve that never returns would otherwise hang the sitting).
+bounded() { timeout -k 30 "$ROUND_TIMEOUT_S" "$@"; }
+# timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: KILL).
+timed_out() { [[ $1 == 124 || $1 == 137 ]]; }
+
 # run_tool TOOL ROUND: one measurement, its JSON report in $WORK/TOOL-ROUND.json.
 run_tool() {
-    local tool=$1 round=$2 out=$WORK/$1-$2.json
+    local tool=$1 round=$2 out=$WORK/$1-$2.json status=0 name
     drop_page_cache
     case $tool in
         lmcache)
-            PYTHONPATH=$SITE "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >"$out" 2>"$WORK/stderr" \
-                || die "LMCache round $round failed: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)" ;;
+            name=LMCache
+            PYTHONPATH=$SITE bounded "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >"$out" 2>"$WORK/stderr" || status=$? ;;
         tutti)
-            "$BENCH" --directory "$DIRECTORY" --output-format=json >"$out" 2>"$WORK/stderr" \
-                || die "tutti-bench round $round failed: $(tail -n 5 "$WORK/stderr")" ;;
+            name=tutti-bench
+            bounded "$BENCH" --directory "$DIRECTORY" --output-format=json >"$out" 2>"$WORK/stderr" || status=$? ;;
     esac
+    [[ $status == 0 ]] && return
+    timed_out "$status" && die "$name round $round timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S): $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
+    die "$name round $round failed: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
 }
 
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -170,10 +185,13 @@ if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
         drop_page_cache
         say "strace round: $tool"
         # -C: every call (to find the data path's big transfers) and the summary at the end.
+        status=0
         case $tool in
-            lmcache) PYTHONPATH=$SITE strace -f -C -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
-            tutti) strace -f -C -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
-        esac || die "the strace round of $tool failed"
+            lmcache) PYTHONPATH=$SITE bounded strace -f -C -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
+            tutti) bounded strace -f -C -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
+        esac || status=$?
+        timed_out "$status" && die "the strace round of $tool timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S)"
+        [[ $status == 0 ]] || die "the strace round of $tool failed"
         echo
         "$PYTHON" "$TABLE" --strace "$tool" "$WORK/strace-$tool.txt"
     done
