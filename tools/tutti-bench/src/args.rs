@@ -180,8 +180,9 @@ pub struct Cli {
     /// pool (a file system, a partition table, any non-zero bytes in a file's first MiB; a block
     /// device or a vfio: SSD whose first MiB is not a tutti pool's, blank included), destroying
     /// it, as `tutti pool format --overwrite` does. Without it such a device is refused, naming
-    /// what it holds.
-    #[arg(long)]
+    /// what it holds. Not with --attach: tuttid formats its own pool (`tuttid --format
+    /// --overwrite`).
+    #[arg(long, conflicts_with = "attach")]
     pub overwrite: bool,
 
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a run is refused

@@ -521,6 +521,8 @@ fn report(
         "device": status.devices.iter().map(|device| device.spec.as_str()).collect::<Vec<_>>().join(","),
         "device_description": status.devices.iter().map(|device| device.description.as_str()).collect::<Vec<_>>().join("; "),
         "pool_slots": status.pool.slots,
+        // The daemon's (`tuttid --format --blocks-per-slot K`): the run's, as in-process.
+        "blocks_per_slot": status.shape.blocks_per_slot,
         "pool_valid_slots_at_start": status.pool.valid_slots,
         "requests_sent_per_client": requests_sent,
     });
@@ -546,8 +548,9 @@ fn report(
                 outln!("  device {} (the daemon's): {}", device.spec, device.description)?;
             }
             outln!(
-                "  pool of {} slots, {} valid at start; each client: its own connection, memfd KV window and queue pair per device; requests to the daemon per client: {:?} (none per layer)",
+                "  pool of {} slots of {} block(s), {} valid at start; each client: its own connection, memfd KV window and queue pair per device; requests to the daemon per client: {:?} (none per layer)",
                 status.pool.slots,
+                status.shape.blocks_per_slot,
                 status.pool.valid_slots,
                 requests_sent
             )?;

@@ -139,6 +139,7 @@ fn two_client_processes_run_the_kv_workload_through_the_daemon_byte_exact() {
     let text = String::from_utf8_lossy(&text.stdout);
     assert!(text.contains("mode=attach clients=1"), "{text}");
     assert!(text.contains("layers-in-flight=1"), "{text}");
+    assert!(text.contains("slots of 1 block(s)"), "the daemon's blocks per slot: {text}");
     assert!(text.contains("compared byte for byte in the client processes, no mismatch"), "{text}");
 }
 
@@ -160,6 +161,10 @@ fn attach_refuses_what_it_cannot_run_with_one_line() {
     );
     refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--device", "emu:mem:16m"]), "owns the devices");
     refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--keep-pool"]), "the pool is the daemon's");
+    // The daemon's pool has its own blocks per slot (tuttid --format --blocks-per-slot K) and
+    // is never formatted by the bench: both options would be ignored, the figures taken at K.
+    refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--blocks-per-slot", "4"]), "'--blocks-per-slot");
+    refused(bench(&daemon.socket, &["--prompt-tokens", "128", "--overwrite"]), "'--overwrite'");
     refused(bench(&daemon.socket, &["--workload=serve"]), "drop one of them");
     refused(bench(&daemon.socket, &["--workload=raw"]), "apply to --workload=kv");
     refused(bench(&daemon.socket, &["--prompt-tokens", "1048576"]), "does not fit one request to tuttid");
@@ -182,6 +187,7 @@ fn a_pool_of_several_blocks_per_slot_is_sized_in_slots_of_that_many_blocks() {
     let output = bench(&daemon.socket, &["--prompt-tokens", &tokens, "--hit-rate", "0.5", "--output-format", "json"]);
     let out = json_of(&output);
     assert_eq!(out["global options"]["blocks_per_client"].as_u64(), Some(blocks));
+    assert_eq!(out["global options"]["blocks_per_slot"].as_u64(), Some(4), "the daemon's K, which the run measured");
     // More slots than the pool has: refused before any client starts.
     let too_many = ((slots * 4 + 64) * 16).to_string();
     let refused = bench(&daemon.socket, &["--prompt-tokens", &too_many, "--seed", "7"]);
