@@ -261,7 +261,8 @@ const KV_OPTIONS: [&str; 17] = [
 
 /// The workload a command line selects. Presentation options (--output-format, --keep,
 /// --directory) and --emu-timing never change it: with nothing else, the embedded default runs
-/// (under the timing model, which its printed equivalent command names too).
+/// (under the timing model and in the directory, which its printed equivalent command names
+/// too).
 pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
     let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
     match cli.workload {

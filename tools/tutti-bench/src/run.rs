@@ -811,6 +811,11 @@ fn equivalent_command(plan: &crate::kv::KvPlan, matches: &ArgMatches) -> String 
     if let Some(timing) = matches.get_raw("emu_timing").and_then(|mut values| values.next()) {
         command.push_str(&format!(" --emu-timing={}", shell_word(&timing.to_string_lossy())));
     }
+    // The directory the pool file lies in, as given: without it the command's pool goes to the
+    // default directory (a disk), not where this run measured (/dev/shm, a slow disk).
+    if let Some(directory) = matches.get_raw("directory").and_then(|mut values| values.next()) {
+        command.push_str(&format!(" --directory={}", shell_word(&directory.to_string_lossy())));
+    }
     command
 }
 
@@ -919,6 +924,26 @@ mod tests {
                 Some(timing) => assert!(command.ends_with(&format!(" {timing}")), "{arguments:?}: {command}"),
                 None => assert!(!command.contains("--emu-timing"), "{command}"),
             }
+            assert!(!command.contains("--directory"), "{command}");
+        }
+    }
+
+    #[test]
+    fn the_default_runs_equivalent_command_keeps_its_directory() {
+        // Goal: --directory keeps the default run, whose pool file lies there (memory, with
+        // /dev/shm); the kv command it prints as equivalent must put its pool there too, or
+        // running that measures the default directory's disk instead, an order of magnitude off.
+        let plenty = "MemTotal: 64000000 kB\nMemAvailable: 60000000 kB\n";
+        for (arguments, directory) in [
+            (&["tutti-bench", "--directory", "/tmp/x y"][..], "--directory='/tmp/x y'"),
+            (&["tutti-bench", "--directory=/dev/shm", "--emu-timing=tutti-ssd:x1"][..], "--directory=/dev/shm"),
+        ] {
+            let matches = <Cli as clap::CommandFactory>::command().try_get_matches_from(arguments).unwrap();
+            let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
+            assert_eq!(crate::args::select_workload(&matches, &cli), Selected::Default, "{arguments:?}");
+            let plan = default_plan(&cli, 1 << 30, plenty).unwrap();
+            let command = equivalent_command(&plan, &matches);
+            assert!(command.contains(&format!(" {directory}")), "{arguments:?}: {command}");
         }
     }
 
