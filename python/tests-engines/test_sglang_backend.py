@@ -7,6 +7,7 @@ up, batch_get_v1 to prefetch them into other host pages); bytes checked per page
 from __future__ import annotations
 
 import hashlib
+import logging
 import signal
 import subprocess
 import sys
@@ -488,12 +489,19 @@ def test_an_overrides_log_that_cannot_be_read_at_attach_is_refused(tmp_path: Pat
 
 def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, caplog):
     """Goal: a log read at the attach that cannot be read later may hide a weight update: each
-    call that cannot read it counts as one more change (with a warning), so the pages stored
-    before miss and nothing is backed up, a flush or not, while it stays unreadable; once it reads
-    again, the backend is in a key space of its own whose backups wait for SGLang's next flush."""
+    call that cannot read it counts as one more change, so the pages stored before miss and
+    nothing is backed up, a flush or not, while it stays unreadable; once it reads again, the
+    backend is in a key space of its own whose backups wait for SGLang's next flush. Logged twice
+    in all, however many calls and backup waves meet it: one warning when the log becomes
+    unreadable, one when it reads again (never "SGLang changed its weights", which it may not
+    have); a weight change recorded after that is warned of as usual."""
     pool = host_pool("page_first")
     keys = page_keys(32, 2)
     later = page_keys(33, 1)
+
+    def log_warnings() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING and record.name.startswith("tutti")]
+
     with get_context().override_server_args(model_path=CHECKPOINT):
         context = get_context()
         storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
@@ -501,17 +509,31 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
             assert storage.batch_set_v1(keys, indices([1, 2])) == [True, True]
             assert storage.batch_exists(keys) == 2
             log, context._overrides_log = context._overrides_log, None
+            caplog.clear()
             with caplog.at_level("WARNING"):
                 assert storage.batch_exists(keys) == 0, "pages stored before are served while the overrides log cannot be read"
-            assert "overrides log" in caplog.text
-            sglang_flush(pool)
-            assert storage.batch_set_v1(later, indices([3])) == [False], "a backup was stored while the overrides log cannot be read"
+                sglang_flush(pool)
+                for _ in range(3):
+                    assert storage.batch_set_v1(later, indices([3])) == [False], "a backup was stored while the overrides log cannot be read"
+            blind = log_warnings()
+            assert len(blind) == 1 and "overrides log" in blind[0] and "cannot be read" in blind[0], blind
+            caplog.clear()
             context._overrides_log = log
-            assert storage.batch_exists(keys) == 0, "pages stored before the log became unreadable are served once it reads again"
-            assert storage.batch_set_v1(later, indices([3])) == [False], "a backup before SGLang's flush was stored"
+            with caplog.at_level("WARNING"):
+                assert storage.batch_exists(keys) == 0, "pages stored before the log became unreadable are served once it reads again"
+                for _ in range(3):
+                    assert storage.batch_set_v1(later, indices([3])) == [False], "a backup before SGLang's flush was stored"
+            again = log_warnings()
+            assert len(again) == 1 and "overrides log" in again[0] and "reads again" in again[0], again
+            assert "flush" in again[0]
             sglang_flush(pool)
             assert storage.batch_set_v1(later, indices([3])) == [True]
             assert storage.batch_exists(later) == 1
+            caplog.clear()
+            weight_version_change("after-the-blind-spell")
+            with caplog.at_level("WARNING"):
+                assert storage.batch_set_v1(keys, indices([1, 2])) == [False, False]
+            assert any("changed its weights" in message for message in log_warnings()), log_warnings()
         finally:
             storage.close()
 

@@ -382,7 +382,8 @@ class _WeightEpochs:
     old weights' pages after one); later, each read that fails counts as one more change (one
     may have happened unseen), so nothing stored before is found and no backup is stored while
     it stays unreadable, and the first read that succeeds after counts as one more (the log is
-    taken as another list).
+    taken as another list). Logged once when it becomes unreadable and once when it reads again
+    (`unseen` names those epochs, which are no change SGLang recorded).
 
     A page backed up in epoch n must be KV of epoch n's weights, and SGLang does not say when a
     host page was computed: a backup operation queued before the change may run after it (the
@@ -415,6 +416,9 @@ class _WeightEpochs:
         self._scanned = 0
         self._seen: tuple[str, ...] = ()
         self._epoch = 0
+        # The epochs of the last spell the log could not be read: its first, through the one the
+        # first read after it began (None: still unreadable); (1, 0), no epoch, before any spell.
+        self._unseen: tuple[int, Optional[int]] = (1, 0)
         try:
             self._read_log(first=True)
         except _LogUnreadable as error:
@@ -438,16 +442,31 @@ class _WeightEpochs:
             if first:
                 raise
             if self._log is not _LOG_LOST:
+                # Once per spell: every call of it is one more epoch, and SGLang's backup thread
+                # calls at each backup operation.
                 logger.warning(
                     "tutti: SGLang's overrides log, read when the host pool was registered, cannot be read now (%s): "
                     "a weight update may go unseen, so every storage call counts as one (nothing stored before is "
-                    "served, nothing is backed up) until it reads again",
+                    "served, nothing is backed up) until it reads again and SGLang then flushes its cache",
                     error,
                 )
+                self._unseen = (self._epoch + 1, None)
             # One more change, and the next read that succeeds is another list: one more again.
             self._epoch += 1
             self._log, self._seen = _LOG_LOST, ()
             return
+        lost = self._log is _LOG_LOST
+        self._count(log, own, first)
+        if lost:
+            self._unseen = (self._unseen[0], self._epoch)
+            logger.warning(
+                "tutti: SGLang's overrides log reads again: taken as one more weight change (one may have gone unseen "
+                "while it could not be read), so pages stored before are not served, and backups resume at SGLang's "
+                "next cache flush (an update with flush_cache, the default, or /flush_cache)"
+            )
+
+    def _count(self, log: list, own: bool, first: bool) -> None:
+        """Counts the changes in `log` (`_overrides_log`'s answer) not counted before."""
         if own:
             if log is self._log and len(log) >= self._scanned:
                 # A slice is taken under the GIL: entries appended meanwhile wait for the next read.
@@ -477,6 +496,13 @@ class _WeightEpochs:
             # the one before (no thread's older read can undo a newer one).
             self._read_log()
             return self._epoch
+
+    def unseen(self, epoch: int) -> bool:
+        """Whether `epoch` began because the log could not be read (while it could not, or at
+        the first read after), not at a change SGLang recorded: `_read_log` warned of it."""
+        with self._lock:
+            first, last = self._unseen
+            return first <= epoch and (last is None or epoch <= last)
 
     def salt(self, epoch: int) -> bytes:
         """What goes before a page's key in `epoch`'s key space (nothing in epoch 0, unless the

@@ -439,13 +439,15 @@ class TuttiHiCacheStorage(HiCacheStorage):
     def _backup_salt(self) -> Optional[bytes]:
         """The key salt of SGLang's weight epoch now for a backup, or None when SGLang has not
         flushed its cache since the epoch began: the host pages may be older weights' KV
-        (_WeightEpochs), so nothing is stored (logged once per epoch)."""
+        (_WeightEpochs), so nothing is stored (logged once per epoch SGLang's weight change
+        began; an epoch the overrides log's being unreadable began was logged by _WeightEpochs,
+        once for the spell)."""
         epochs = self._epochs
         assert epochs is not None
         epoch = epochs.current()
         if epochs.storable(epoch):
             return epochs.salt(epoch)
-        if self._unflushed_epoch_logged != epoch:
+        if self._unflushed_epoch_logged != epoch and not epochs.unseen(epoch):
             self._unflushed_epoch_logged = epoch
             logger.warning(
                 "tutti: SGLang changed its weights (a new weight version or an update from disk; change %d in this "
