@@ -39,6 +39,20 @@ impl Context {
     fn namespace_seed(&self, base: u64, namespace: NamespaceId) -> u64 {
         self.seed(base) ^ mix(u64::from(namespace.0) << 32)
     }
+
+    /// The pattern of [`read_write_sizes`]'s `round` in `namespace`, in `mode`. The mode is in
+    /// it because the PRP and SGL runs write the same LBAs, one after the other in a run: with
+    /// one pattern, a write in the second mode that never reached the media would read back
+    /// the first mode's blocks and pass. (Rounds stay below 2^16: a handful of sizes.)
+    fn read_write_seed(&self, mode: DataPointerMode, round: u64, namespace: NamespaceId) -> u64 {
+        self.namespace_seed(0x5eed_0000 + round + ((mode as u64) << 16), namespace)
+    }
+
+    /// The pattern of [`namespaces_kept_apart`]'s tags in `namespace`, in `mode` (the mode in
+    /// it for the reason [`Context::read_write_seed`] gives).
+    fn tag_seed(&self, mode: DataPointerMode, namespace: NamespaceId) -> u64 {
+        self.namespace_seed(0x7a95_0000 + mode as u64, namespace)
+    }
 }
 
 pub(crate) enum Verdict {
@@ -284,7 +298,7 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
             let start_bytes = (round as u64 * 3 * max) % (capacity - size + 1) / block * block;
             let source = dma.allocate(size as usize)?;
             let sink = dma.allocate(size as usize)?;
-            let seed = context.namespace_seed(0x5eed_0000 + round as u64, namespace.id);
+            let seed = context.read_write_seed(mode, round as u64, namespace.id);
             fill_pattern(&source, 0, size as usize, seed, start_bytes)?;
             let source_segment = DataSegment::new(source.iova(), size as u32);
             let sink_segment = DataSegment::new(sink.iova(), size as u32);
@@ -321,7 +335,7 @@ fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataP
     };
     for namespace in &namespaces {
         let block = namespace.block_size_bytes as usize;
-        let seed = context.namespace_seed(0x7a95_0000, namespace.id);
+        let seed = context.tag_seed(mode, namespace.id);
         let source = dma.allocate(block)?;
         for lba in tags(namespace) {
             let disk_bytes = lba.0 * block as u64;
@@ -331,7 +345,7 @@ fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataP
     }
     for namespace in &namespaces {
         let block = namespace.block_size_bytes as usize;
-        let seed = context.namespace_seed(0x7a95_0000, namespace.id);
+        let seed = context.tag_seed(mode, namespace.id);
         let sink = dma.allocate(block)?;
         for lba in tags(namespace) {
             let disk_bytes = lba.0 * block as u64;
@@ -914,6 +928,29 @@ mod tests {
         for (index, seed) in seeds.iter().enumerate() {
             assert!(!seeds[..index].contains(seed), "namespace {} shares its pattern with an earlier one", index + 1);
             assert_ne!(*seed, context.namespace_seed(0x5eed_0001, NamespaceId(index as u32 + 1)), "rounds share a pattern");
+        }
+    }
+
+    #[test]
+    fn prp_and_sgl_write_patterns_of_their_own() {
+        // Goal (rc-driver finding 2): read_write_sizes_prp and _sgl (and their
+        // namespaces_kept_apart) write the same LBAs in one run, PRP first: with one pattern for
+        // both, an SGL write that never reached the media read back the bytes the PRP check
+        // left there and passed.
+        let context = emu_context();
+        for namespace in (1..=4).map(NamespaceId) {
+            for round in 0..8 {
+                let (prp, sgl) = (
+                    context.read_write_seed(DataPointerMode::Prp, round, namespace),
+                    context.read_write_seed(DataPointerMode::Sgl, round, namespace),
+                );
+                assert_ne!(prp, sgl, "round {round} of {namespace} writes one pattern in both modes");
+            }
+            assert_ne!(
+                context.tag_seed(DataPointerMode::Prp, namespace),
+                context.tag_seed(DataPointerMode::Sgl, namespace),
+                "{namespace}'s tags carry one pattern in both modes"
+            );
         }
     }
 
