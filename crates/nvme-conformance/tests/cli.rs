@@ -83,6 +83,16 @@ fn scratch_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
     path
 }
 
+/// Takes the lock on the `emu:` file at `path` that tuttid and `tutti pool` hold, in this test
+/// process, until the result is dropped: their own code, so that the test pins the protocol
+/// (and not `File::lock`, newer than the workspace's rust-version). A function of its own, not
+/// code inside a `#[test]` one, which clippy's `incompatible_msrv` does not check.
+fn hold_as_tuttid_does(path: &std::path::Path) -> tutti_devices::DeviceLocks {
+    let spec = tutti_devices::DeviceSpec::EmuFile(path.to_path_buf());
+    // The lock directory holds only vfio: functions' lock files: unused for an emu: file.
+    tutti_devices::DeviceLocks::acquire(&[spec], std::path::Path::new(env!("CARGO_TARGET_TMPDIR")), false).expect("lock the file")
+}
+
 #[test]
 fn a_file_another_process_holds_is_refused_and_left_as_it_was() {
     // Goal (finding 1): the lock tuttid and `tutti pool` take on an emu: file is honoured: with
@@ -90,8 +100,7 @@ fn a_file_another_process_holds_is_refused_and_left_as_it_was() {
     // naming the holder, and writes nothing (it used to overwrite the file from LBA 0 on).
     let contents: Vec<u8> = (0..64usize << 20).map(|index| (index % 251) as u8).collect();
     let path = scratch_file("locked", &contents);
-    let holder = std::fs::File::open(&path).unwrap();
-    holder.lock().unwrap();
+    let holder = hold_as_tuttid_does(&path);
     let device = format!("emu:{}", path.display());
     let output = conformance(&["--device", &device, "--overwrite", "--quick", "--filter", "read_write_sizes_prp"]);
     let text = String::from_utf8_lossy(&output.stderr);
