@@ -709,7 +709,11 @@ impl ClusterAgent {
                     }
                     Err((stored, error, _, _, _)) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
-                        self.metrics.remote_read_failures.inc();
+                        // The drain (`FetchError::Stopped`, or met while passing a holder over)
+                        // is not a failure, as in a later run.
+                        if !stopped() {
+                            self.metrics.remote_read_failures.inc();
+                        }
                         let before =
                             if passed_over.is_empty() { String::new() } else { format!("; before it: {}", passed_over.join("; ")) };
                         let (stored, segments) = (stored_in_all + stored, first_segment..segments.end);
@@ -719,7 +723,9 @@ impl ClusterAgent {
             }
             let Some((stored, run)) = read else {
                 if !read_a_run {
-                    self.metrics.remote_read_failures.inc();
+                    if !stopped() {
+                        self.metrics.remote_read_failures.inc();
+                    }
                     return Err(format!("no holder listed could serve the fetch, nothing stored: {}", passed_over.join("; ")));
                 }
                 // The runs read stay; the client computes the rest (or fetches again). A fault
@@ -938,5 +944,99 @@ mod tests {
         let listening = prepared.listener.listen().unwrap();
         assert_eq!(listening.local_addr().unwrap(), address);
         std::net::TcpStream::connect_timeout(&address, std::time::Duration::from_secs(2)).expect("a connect once it listens");
+    }
+
+    #[test]
+    fn a_fetch_cut_by_the_drain_in_its_first_run_is_not_a_read_failure() {
+        // Goal: SIGTERM while a FetchRemote's first run waits for its holder's first block
+        // ends the fetch telling the client the daemon is stopping, and counts no
+        // `remote_read_failures` (the drain is not a fault: `FetchError::is_fault`). Before,
+        // the first run's failure arm counted every error, the drain's too.
+        use std::io::{Read, Write};
+        use std::time::Duration;
+
+        use nvme_driver::{Controller, ControllerConfig, NamespaceId};
+        use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+        use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
+
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let config =
+            EmuConfig::default().with_backing(Backing::Memory { bytes: 32 << 20 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+        let device = EmuDevice::start(config).unwrap();
+        let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
+        let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+        let geometry = ModelGeometry { layers: 1, kv_heads: 8, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false };
+        format_pool(&targets, &params).unwrap();
+        let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+        let mut control = StoreControl::new(pool, 16).unwrap();
+        let segment_blocks = tutti_cluster::SegmentBlocks::new(16).unwrap();
+        let registry = ClusterConfig::new(etcd.endpoints(), tutti_cluster::ClusterId::new("drain").unwrap(), segment_blocks);
+        let settings = ClusterSettings::new(
+            registry.clone(),
+            NodeId::new("asker").unwrap(),
+            "127.0.0.1:0".parse().unwrap(),
+            directory.path().join("segments"),
+        );
+        let prepared = ClusterAgent::prepare(&settings).unwrap();
+        let block_bytes = 2 * 8 * 64 * 16 * 2;
+        let agent = ClusterAgent::start(settings, prepared, &mut control, block_bytes, 16, ClusterMetrics::default()).unwrap();
+        let relay = crate::relay::DoorbellRelay::start(crate::relay::RelayConfig::default()).unwrap();
+        let store = Mutex::new(crate::session::StoreState { control, emulators: vec![Some(device)], relay });
+
+        // The only holder listed: it sends the segment header, then waits (reading its disks)
+        // while this node drains.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let holder_address = listener.local_addr().unwrap();
+        let space = ModelSpace::new([5; tutti_cluster::FINGERPRINT_BYTES], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=16).map(|block| (7 << 32) + block).collect();
+        let mut segments = Vec::new();
+        tutti_cluster::segments_of(&keys, segment_blocks, &mut segments).unwrap();
+        let record = tutti_cluster::MemberRecord {
+            node: NodeId::new("holder").unwrap(),
+            address: holder_address.to_string(),
+            capacity_bytes: 1 << 30,
+            fingerprints: vec![],
+        };
+        let holder = tutti_cluster::ClusterNode::join(registry, record).unwrap();
+        holder.register(&space, &segments).unwrap();
+        let draining = Arc::new(AtomicBool::new(false));
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        let holding = {
+            let draining = Arc::clone(&draining);
+            std::thread::spawn(move || {
+                listener.set_nonblocking(true).unwrap();
+                let until = std::time::Instant::now() + Duration::from_secs(20);
+                let mut stream = loop {
+                    match listener.accept() {
+                        Ok((stream, _)) => break stream,
+                        Err(_) if std::time::Instant::now() < until => std::thread::sleep(Duration::from_millis(5)),
+                        Err(_) => return,
+                    }
+                };
+                stream.set_nonblocking(false).unwrap();
+                stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                let mut request = [0u8; peer::HEADER_BYTES];
+                stream.read_exact(&mut request).unwrap();
+                let mut body = vec![0u8; u32::from_le_bytes(request[8..12].try_into().unwrap()) as usize];
+                stream.read_exact(&mut body).unwrap();
+                let mut header = Vec::new();
+                let sent = peer::SegmentHeader { blocks: 16, block_bytes, served: 1, geometry };
+                peer::encode_segment_header(&mut header, sent);
+                stream.write_all(&header).unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+                draining.store(true, Ordering::Release);
+                let _ = wait.recv_timeout(Duration::from_secs(30));
+            })
+        };
+        let stopped = || draining.load(Ordering::Acquire);
+        let fetched = agent.fetch(&store, &space, &keys, 0, &stopped);
+        done.send(()).unwrap();
+        holding.join().unwrap();
+        let message = fetched.expect_err("a fetch cut by the drain");
+        assert!(message.contains("stopping"), "{message}");
+        assert_eq!((agent.metrics.remote_reads.get(), agent.metrics.remote_read_failures.get()), (1, 0), "{message}");
+        drop(holder);
     }
 }

@@ -795,15 +795,25 @@ impl DataPlane {
                 match self.receive_segment(&mut stream, &request, &mut frame, &mut body, &mut bytes, segment_deadline, stopped) {
                     Ok(served) => break served,
                     Err(Unreceived { error: PeerError::Refused { code: FailureCode::Unavailable, message }, .. }) => {
-                        if Instant::now() + pause >= segment_deadline || !pause_unless_stopped(pause, stopped) {
+                        // The drain met before or during the pause is this node's, not the
+                        // holder staying busy: `Stopped`.
+                        if stopped() {
+                            return Err((stored, FetchError::Stopped));
+                        }
+                        if Instant::now() + pause >= segment_deadline {
                             let waited = started.elapsed();
                             let busy = FetchError::HolderBusy { node: node.to_owned(), address, segment: segment as u32, waited, message };
                             return Err((stored, busy));
                         }
+                        if !pause_unless_stopped(pause, stopped) {
+                            return Err((stored, FetchError::Stopped));
+                        }
                         pause = (pause * 2).min(BUSY_PAUSE_MAX);
                         stream = connect(segment, segment_deadline).map_err(|error| (stored, error))?;
                     }
-                    Err(Unreceived { error, unanswered: true }) if !reconnected && !stopped() && Instant::now() < segment_deadline => {
+                    // Not asked again for the drain: the fetch stopped, not the holder's close.
+                    Err(Unreceived { unanswered: true, .. }) if !reconnected && stopped() => return Err((stored, FetchError::Stopped)),
+                    Err(Unreceived { error, unanswered: true }) if !reconnected && Instant::now() < segment_deadline => {
                         tracing::debug!(%address, segment, %error, "the holder closed the connection before answering: connecting again");
                         reconnected = true;
                         stream = connect(segment, segment_deadline).map_err(|error| (stored, error))?;

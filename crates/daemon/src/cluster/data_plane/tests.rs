@@ -478,6 +478,66 @@ fn the_drain_during_a_read_is_the_fetch_stopped_not_the_holder_closing() {
 }
 
 #[test]
+fn the_drain_during_a_busy_holders_pause_is_the_fetch_stopped_not_the_holder_busy() {
+    // Goal: a holder answering every read `Unavailable` is paused for and asked again; SIGTERM
+    // during that pause ends the fetch as `Stopped`, at once, not as `HolderBusy` (which told
+    // the client the holder "stayed busy": this node's drain blamed on the holder).
+    let asker = small(PeerBounds::default());
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let address = listener.local_addr().unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    let busy = std::thread::spawn(move || {
+        // Every connection (each retry makes one) is answered Unavailable; bounded by `done`.
+        while wait.try_recv().is_err() {
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+                    let mut request = vec![0u8; peer::HEADER_BYTES];
+                    if stream.read_exact(&mut request).is_err() {
+                        continue;
+                    }
+                    let length = u32::from_le_bytes(request[8..12].try_into().unwrap()) as usize;
+                    let mut body = vec![0u8; length];
+                    let _ = stream.read_exact(&mut body);
+                    let mut failure = Vec::new();
+                    peer::encode_failure(&mut failure, FailureCode::Unavailable, "busy");
+                    let _ = stream.write_all(&failure);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    });
+    let keys = keys(1, 1);
+    let started = Instant::now();
+    let stopped = || started.elapsed() >= Duration::from_millis(100);
+    let fetched = asker.plane.fetch(
+        &asker.store,
+        &space(),
+        &keys,
+        0..1,
+        "busy",
+        address,
+        started + Duration::from_secs(10),
+        &stopped,
+        &mut |_, _, _, _| {},
+    );
+    let took = started.elapsed();
+    done.send(()).unwrap();
+    busy.join().unwrap();
+    match fetched {
+        Err((0, error)) => {
+            assert!(matches!(error, FetchError::Stopped), "{error}");
+            assert!(!error.is_fault(), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
+}
+
+#[test]
 fn a_holder_whose_staging_stays_busy_sends_the_header_then_a_failure_and_counts_nothing() {
     // Goal: the holder sends the segment header as soon as the blocks are pinned, before its
     // wait for the staging area; when that wait fails (half the segment's bound: 1 s here) a
