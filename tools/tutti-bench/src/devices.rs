@@ -160,8 +160,8 @@ pub struct CreatedFiles {
     keep: bool,
     locks: Vec<nix::fcntl::Flock<std::fs::File>>,
     /// The files the run's lock step (run.rs `lock_devices`) holds locked, as their specs name
-    /// them: [`prepare_file`] does not lock those again (a second lock of this process's own
-    /// would be refused as in use).
+    /// them, and its temporary pool ([`CreatedFiles::hold`]): [`prepare_file`] does not lock
+    /// those again (a second lock of this process's own would be refused as in use).
     held: Vec<PathBuf>,
     /// The locks [`prepare_file`] took on existing files the lock step did not hold.
     device_locks: Vec<tutti_devices::DeviceLocks>,
@@ -175,6 +175,13 @@ impl CreatedFiles {
 
     pub fn push(&mut self, path: PathBuf) {
         self.paths.push(path);
+    }
+
+    /// Holds `lock`, the run's own lock on the file at `path` (one it created), to the end of
+    /// the run; [`prepare_file`] does not lock that file again.
+    pub fn hold(&mut self, path: PathBuf, lock: nix::fcntl::Flock<std::fs::File>) {
+        self.locks.push(lock);
+        self.held.push(path);
     }
 
     /// Keeps the files if the run fails (`--keep`); an interrupt still removes them, as it
@@ -300,6 +307,34 @@ pub fn storage_note(spec: &DeviceSpec, emulator: Option<&EmuDevice>) -> String {
     note
 }
 
+/// An error of tuttid's lock on an existing file of `spec` (`tutti_devices::DeviceLocks::acquire`)
+/// as the run's lock step (run.rs `lock_refusal`) reads it: another holder, or a path that
+/// names nothing usable (by its errno: `tutti_devices::is_unusable_errno`), is unusable input
+/// (2); an open or a `flock` the host failed (EIO, EMFILE, ENOLCK, NFS's EBADF) is a failure
+/// (1), as [`DeviceError::Io`].
+fn lock_error(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> DeviceError {
+    match error {
+        tutti_devices::DeviceError::Io { context, source } if !tutti_devices::is_unusable_errno(&source) => {
+            DeviceError::Io { device: spec.to_string(), context, source }
+        }
+        tutti_devices::DeviceError::OpenFailed { path, source } if !tutti_devices::is_unusable_errno(&source) => {
+            DeviceError::Io { device: spec.to_string(), context: format!("opening {} to lock it", path.display()), source }
+        }
+        error => DeviceError::Spec(error),
+    }
+}
+
+/// A device error from opening the run's devices (`what`: the devices, for the context), as
+/// the exit status reads it: what was given ([`DeviceError::Setup`], [`DeviceError::Spec`]) is
+/// unusable input (2), anything else a failure (1).
+pub fn open_error(error: DeviceError, what: &str) -> anyhow::Error {
+    match error {
+        DeviceError::Setup(message) => crate::Unusable(message).into(),
+        DeviceError::Spec(error) => crate::Unusable(error.to_string()).into(),
+        error => anyhow::Error::new(error).context(format!("opening {what}")),
+    }
+}
+
 /// The existing file of `spec` (at `path`): checks it opens as the run needs and, unless the
 /// run's lock step holds it, takes tuttid's lock on it as that step does (`DeviceLocks`;
 /// refused as in use, exit 2, while another process holds it), held by `created` to the end of
@@ -308,12 +343,18 @@ pub fn storage_note(spec: &DeviceSpec, emulator: Option<&EmuDevice>) -> String {
 fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
     OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
         let context = if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" };
-        DeviceError::Setup(format!("{}: {context}: {source}", path.display()))
+        // What was given (no permission, read-only, a loop) by its errno; EIO and the like failed.
+        if tutti_devices::is_unusable_errno(&source) {
+            DeviceError::Setup(format!("{}: {context}: {source}", path.display()))
+        } else {
+            DeviceError::Io { device: spec.to_string(), context: context.to_string(), source }
+        }
     })?;
     if !created.held.iter().any(|held| held == path) {
         // The lock directory holds vfio: functions' lock files only: an emu: or uring: file is
         // locked itself.
-        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR), false)?;
+        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR), false)
+            .map_err(|error| lock_error(spec, error))?;
         created.note_held(locks.paths());
         created.device_locks.push(locks);
     }
@@ -368,7 +409,14 @@ pub fn prepare_file(spec: &DeviceSpec, options: OpenOptions2, created: &mut Crea
         Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
             return Err(DeviceError::Setup(format!("{}: another process locked the file as this run created it", path.display())))
         }
-        Err((_, errno)) => return Err(io_error("cannot lock", std::io::Error::from(errno))),
+        // The filesystem took no lock (ENOLCK, ...): failed, as the lock step's failures are.
+        Err((_, errno)) => {
+            return Err(DeviceError::Io {
+                device: spec.to_string(),
+                context: format!("locking {}", path.display()),
+                source: std::io::Error::from(errno),
+            })
+        }
     }
     if options.lay_out {
         lay_out(&file, bytes).map_err(|source| io_error("cannot lay out", source))?;
@@ -888,6 +936,32 @@ mod tests {
         created.note_held(locks.paths());
         prepare_file(&spec, options, &mut created).expect("a file the run holds");
         created.keep_after_success();
+    }
+
+    #[test]
+    fn a_lock_that_failed_on_the_host_is_a_failure_not_unusable_input() {
+        // Goal: a file that appeared after the lock step is locked in prepare_file as the lock
+        // step locks a file, and its errors read as that step's do: another holder, or a path
+        // that names nothing usable, is unusable input (exit 2); EIO, ENOLCK, and the EBADF of
+        // NFS's emulated flock on a read-only descriptor say the host failed (1).
+        let io = |errno: i32| tutti_devices::DeviceError::Io {
+            context: "locking /x/p.img".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let spec = DeviceSpec::EmuFile("/x/p.img".into());
+        for errno in [libc::EIO, libc::ENOLCK, libc::EBADF] {
+            let error = open_error(lock_error(&spec, io(errno)), "emu:/x/p.img");
+            assert!(error.downcast_ref::<crate::Unusable>().is_none(), "errno {errno} made status 2: {error:#}");
+        }
+        let failed_open =
+            tutti_devices::DeviceError::OpenFailed { path: "/x/p.img".into(), source: std::io::Error::from_raw_os_error(libc::EIO) };
+        assert!(open_error(lock_error(&spec, failed_open), "emu:/x/p.img").downcast_ref::<crate::Unusable>().is_none());
+        let not_allowed =
+            tutti_devices::DeviceError::OpenFailed { path: "/x/p.img".into(), source: std::io::Error::from_raw_os_error(libc::EACCES) };
+        assert!(open_error(lock_error(&spec, not_allowed), "emu:/x/p.img").downcast_ref::<crate::Unusable>().is_some());
+        let in_use =
+            tutti_devices::DeviceError::DeviceInUse { spec: "emu:/x/p.img".into(), lock: "/x/p.img".into(), holder: "pid 1".into() };
+        assert!(open_error(lock_error(&spec, in_use), "emu:/x/p.img").downcast_ref::<crate::Unusable>().is_some());
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.

@@ -22,7 +22,7 @@ use serde_json::json;
 use tutti_cli::{outln, ModelChoice};
 
 use crate::args::{format_size, Cli, DeviceSpec, OutputFormat};
-use crate::devices::{self, CreatedFiles, DeviceError, KvController, OpenOptions2};
+use crate::devices::{self, CreatedFiles, KvController, OpenOptions2};
 use crate::kv_workload::{json_report, run_phases, KvTarget, LayerPhase};
 use crate::{usage, Unusable};
 
@@ -264,11 +264,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         shadow_doorbells: false,
     };
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
-    let devices = devices::open_controllers(specs, options, created).map_err(|error| match error {
-        DeviceError::Setup(message) => Unusable(message).into(),
-        DeviceError::Spec(error) => Unusable(error.to_string()).into(),
-        error => anyhow::Error::new(error).context(format!("opening {listed}")),
-    })?;
+    let devices = devices::open_controllers(specs, options, created).map_err(|error| devices::open_error(error, &listed))?;
     let mut rig = Rig::build(specs, &devices, &geometry, plan)?;
     let result = run_on_rig(&mut rig, specs, &devices, &listed, plan, output);
     // The store's queue pairs are deleted before the engine memory they name is freed, and

@@ -11,7 +11,7 @@ use serde_json::json;
 use tutti_cli::outln;
 
 use crate::args::{format_size, Cli, DeviceSpec, Executor, OutputFormat, Pattern, Selected};
-use crate::devices::{self, CreatedFiles, Device, DeviceError, OpenOptions2};
+use crate::devices::{self, CreatedFiles, Device, OpenOptions2};
 use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
@@ -145,9 +145,10 @@ pub fn with_devices(
     let devices = if cli.devices.is_empty() {
         // A kv or serve run refuses --offset (a raw option) before this: it is 0 there.
         let wanted = bytes.map(|bytes| (bytes, WantedPool::of(cli)));
-        let path = temporary_pool(cli.directory.as_deref(), wanted, cli.offset, lay_out)?.path;
-        created.push(path.clone());
-        vec![DeviceSpec::EmuFile(path)]
+        // Locked as it was created and held by `created`: the lock step below has no device.
+        let mut pool = temporary_pool(cli.directory.as_deref(), wanted, cli.offset, lay_out)?;
+        track_pool(&mut pool, &mut created);
+        vec![DeviceSpec::EmuFile(pool.path)]
     } else {
         cli.devices.clone()
     };
@@ -163,8 +164,9 @@ pub fn with_devices(
     // /dev/disk/by-id/… is followed to it): the disk named through another node (another /dev,
     // a node made with mknod) is another lock. Writers still meet in the exclusive claim below,
     // which is the disk's own; a raw read run takes none, so such a reader is kept from nothing
-    // (it reads what is there, as fio would).
-    let locks = lock_devices(&devices, &cli.lock_dir)?;
+    // (it reads what is there, as fio would). The temporary pool (no --device) was locked as it
+    // was created.
+    let locks = lock_devices(&cli.devices, &cli.lock_dir)?;
     created.note_held(locks.iter().flat_map(DeviceLocks::paths));
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
@@ -461,11 +463,7 @@ fn run_raw(cli: &Cli, specs: &[DeviceSpec], created: &mut CreatedFiles) -> anyho
     };
     let mut devices: Vec<Arc<dyn Device>> = Vec::with_capacity(specs.len());
     for spec in specs {
-        let device = devices::open(spec, options, created).map_err(|error| match error {
-            DeviceError::Setup(message) => Unusable(message).into(),
-            DeviceError::Spec(error) => Unusable(error.to_string()).into(),
-            error => anyhow::Error::new(error).context(format!("opening {spec}")),
-        })?;
+        let device = devices::open(spec, options, created).map_err(|error| devices::open_error(error, &spec.to_string()))?;
         if u64::from(device.block_size_bytes()) > cli.bs || !cli.bs.is_multiple_of(u64::from(device.block_size_bytes())) {
             return usage(format!("--bs={} is not a multiple of {}'s {}-byte blocks", cli.bs, device.name(), device.block_size_bytes()));
         }
@@ -629,6 +627,43 @@ struct TemporaryPool {
     path: PathBuf,
     bytes: u64,
     free_bytes: u64,
+    /// The run's lock on it, taken on the descriptor that created it (None: the filesystem
+    /// takes no flock; see [`lock_temporary_pool`]).
+    lock: Option<nix::fcntl::Flock<std::fs::File>>,
+}
+
+/// Registers the temporary pool in `created`: removed unless kept, and held locked to the end
+/// of the run, so that opening it does not lock it again.
+fn track_pool(pool: &mut TemporaryPool, created: &mut CreatedFiles) {
+    created.push(pool.path.clone());
+    if let Some(lock) = pool.lock.take() {
+        created.hold(pool.path.clone(), lock);
+    }
+}
+
+/// The run's lock on its temporary pool `path` (tuttid's: an exclusive `flock`), as `flock` on
+/// the descriptor that created it answered. The file is this run's own and new (a random name,
+/// `O_EXCL`, owner-only), so a filesystem that takes no `flock` (ENOLCK: NFS without a lock
+/// manager; EOPNOTSUPP, EINVAL, EBADF) costs only the lock: the run goes on without it, said on
+/// standard error, as runs did before they took one. Another process holding it already is a
+/// failure (exit 1), nothing the user gave.
+fn lock_temporary_pool(
+    locked: Result<nix::fcntl::Flock<std::fs::File>, (std::fs::File, nix::errno::Errno)>,
+    path: &Path,
+) -> anyhow::Result<Option<nix::fcntl::Flock<std::fs::File>>> {
+    match locked {
+        Ok(lock) => Ok(Some(lock)),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+            Err(anyhow::anyhow!("{}: another process locked the pool file as this run created it", path.display()))
+        }
+        Err((_, errno)) => {
+            tutti_cli::errln!(
+                "tutti-bench: warning: the pool file {} cannot be locked ({errno}: its filesystem takes no flock); it is this run's own new file and is used unlocked, so tuttid or `tutti pool` would not see it in use",
+                path.display()
+            );
+            Ok(None)
+        }
+    }
 }
 
 fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
@@ -703,6 +738,20 @@ fn temporary_pool(
     })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
     crate::uring::remove_on_interrupt(&path);
+    // Locked before a byte is written, on this descriptor (open for writing: NFS emulates flock
+    // with POSIX locks, where an exclusive lock on a read-only descriptor fails with EBADF), and
+    // held by the run to its end (`track_pool`), so that opening it takes no second lock.
+    let locked = file
+        .try_clone()
+        .map_err(|source| anyhow::Error::new(source).context(format!("duplicating the descriptor of {} to lock it", path.display())))
+        .and_then(|clone| lock_temporary_pool(nix::fcntl::Flock::lock(clone, nix::fcntl::FlockArg::LockExclusiveNonblock), &path));
+    let lock = match locked {
+        Ok(lock) => lock,
+        Err(error) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(error);
+        }
+    };
     let sized = if lay_out { devices::lay_out(&file, bytes) } else { file.set_len(bytes) };
     if let Err(error) = sized {
         let _ = std::fs::remove_file(&path);
@@ -713,7 +762,7 @@ fn temporary_pool(
             format_size(bytes)
         ));
     }
-    Ok(TemporaryPool { path, bytes, free_bytes: free })
+    Ok(TemporaryPool { path, bytes, free_bytes: free, lock })
 }
 
 /// The default run's request: Llama-3.1-8B, 16-token blocks, up to this many prompt tokens
@@ -739,9 +788,9 @@ pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
 pub fn default_run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let started = Instant::now();
     let say = narrator(cli.output_format);
-    let pool = temporary_pool(cli.directory.as_deref(), None, 0, false)?;
+    let mut pool = temporary_pool(cli.directory.as_deref(), None, 0, false)?;
     let mut created = CreatedFiles::default();
-    created.push(pool.path.clone());
+    track_pool(&mut pool, &mut created);
     if cli.keep {
         created.keep();
     }
@@ -898,6 +947,59 @@ mod tests {
         assert!(lock_refusal(&vfio, io(libc::EACCES)).downcast_ref::<Unusable>().is_some());
         let error = lock_refusal(&vfio, io(libc::EIO));
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO on a vfio: lock made status 2: {error:#}");
+    }
+
+    #[test]
+    fn the_temporary_pool_is_locked_as_created_and_opened_as_held() {
+        // Goal: the run's temporary pool (the default run's, and a run's without --device) is
+        // locked on the descriptor that created it, before a byte is written, and held to the
+        // end: opening it then takes no second lock. Locked later through a read-only
+        // descriptor, as an existing file is, NFS's emulated flock refused it (EBADF), so the
+        // README's first command failed there with exit 2.
+        let directory = tempfile::tempdir().unwrap();
+        let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
+        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, false).unwrap();
+        let mut created = CreatedFiles::default();
+        track_pool(&mut pool, &mut created);
+        let probe = std::fs::File::open(&pool.path).unwrap();
+        assert!(
+            nix::fcntl::Flock::lock(probe, nix::fcntl::FlockArg::LockExclusiveNonblock).is_err(),
+            "the temporary pool is not locked before it is opened"
+        );
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: Some(1 << 20),
+            io_bytes_max: 4096,
+            queues: 1,
+            timing: None,
+            lay_out: false,
+            shadow_doorbells: false,
+        };
+        devices::prepare_file(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created).expect("the run's own pool");
+        drop(created);
+        assert!(!pool.path.exists(), "the temporary pool was left");
+    }
+
+    #[test]
+    fn a_temporary_pool_the_filesystem_cannot_lock_is_used_unlocked() {
+        // Goal: the temporary pool is this run's own new file (a random name, created with
+        // O_EXCL, owner-only): where its filesystem takes no flock (ENOLCK: NFS without a lock
+        // manager; EOPNOTSUPP, EINVAL, EBADF), the run goes on without the lock, as it did
+        // before it took one, instead of refusing the README's first command. One another
+        // process locked at once is a failure (1), not something the user gave (2).
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        for errno in [nix::errno::Errno::ENOLCK, nix::errno::Errno::EOPNOTSUPP, nix::errno::Errno::EINVAL, nix::errno::Errno::EBADF] {
+            let file = std::fs::File::create(&path).unwrap();
+            let lock = lock_temporary_pool(Err((file, errno)), &path).unwrap_or_else(|error| panic!("{errno}: {error:#}"));
+            assert!(lock.is_none());
+        }
+        let file = std::fs::File::create(&path).unwrap();
+        let error = lock_temporary_pool(Err((file, nix::errno::Errno::EWOULDBLOCK)), &path).unwrap_err();
+        assert!(error.downcast_ref::<Unusable>().is_none(), "status 2: {error:#}");
+        let file = std::fs::File::create(&path).unwrap();
+        let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock);
+        assert!(lock_temporary_pool(lock, &path).unwrap().is_some());
     }
 
     #[test]

@@ -16,9 +16,8 @@ use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeCounters};
 use super::stream::Request;
 use super::ServePlan;
 use crate::args::DeviceSpec;
-use crate::devices::{self, CreatedFiles, DeviceError, OpenOptions2};
+use crate::devices::{self, CreatedFiles, OpenOptions2};
 use crate::kv::{keep_engine_for_good, Engine, POOL_OVERHEAD_BYTES, SLOT_OVERHEAD_BYTES};
-use crate::Unusable;
 
 /// How often the sleeping compute thread lets the runtime reap and issue (wall time).
 const POLL_INTERVAL: Duration = Duration::from_micros(250);
@@ -143,11 +142,8 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
         shadow_doorbells: false,
     };
     let mut created = CreatedFiles::default();
-    let devices = devices::open_controllers(std::slice::from_ref(&spec), options, &mut created).map_err(|error| match error {
-        DeviceError::Setup(message) => Unusable(message).into(),
-        DeviceError::Spec(error) => Unusable(error.to_string()).into(),
-        error => anyhow::Error::new(error).context(format!("opening {spec}")),
-    })?;
+    let devices = devices::open_controllers(std::slice::from_ref(&spec), options, &mut created)
+        .map_err(|error| devices::open_error(error, &spec.to_string()))?;
     let emulator = devices[0].emulator.clone().ok_or_else(|| anyhow!("{spec} did not start a software controller"))?;
     let targets = vec![PoolTarget { controller: Arc::clone(&devices[0].controller), namespace: NamespaceId(1) }];
     let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
