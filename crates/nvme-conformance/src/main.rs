@@ -111,13 +111,10 @@ fn run(arguments: Arguments) -> Result<bool> {
     // Every device is checked, locked and claimed before any is written: the suite writes from
     // LBA 0 on. One file or PCI function named twice is refused as such (not as in use).
     tutti_devices::refuse_shared_files(&arguments.devices)?;
-    if !arguments.overwrite {
-        for spec in &arguments.devices {
-            if let Some(found) = devices::prior_data(spec) {
-                bail!("{spec} {found}: the checks overwrite it from LBA 0 on; pass --overwrite if that is intended");
-            }
-        }
-    }
+    // A vfio: device holds data by its kind: refused at once, before its lock directory is
+    // opened.
+    let vfio = |spec: &&DeviceSpec| matches!(spec, DeviceSpec::Vfio(_));
+    refuse_prior_data(arguments.devices.iter().filter(vfio), arguments.overwrite)?;
     // The lock tuttid and `tutti pool` take (flock on the emu: file, a lock file per vfio:
     // function), held until every device is done, so that the suite never writes under a live
     // daemon; a missing emu: file is created empty here so that it is locked before the
@@ -126,6 +123,10 @@ fn run(arguments: Arguments) -> Result<bool> {
     // lock comes first: only its refusal names the holder.
     let _locks = DeviceLocks::acquire(&arguments.devices, &arguments.lock_dir, true)?;
     let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
+    // What an emu: file holds is looked at only now, under the lock: before it, a `tutti pool
+    // format` could fill a missing or empty file between the look and the lock, and a live
+    // daemon's pool would be refused as holding data ("pass --overwrite") rather than as held.
+    refuse_prior_data(arguments.devices.iter().filter(|spec| !vfio(spec)), arguments.overwrite)?;
     let mut all_passed = true;
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
@@ -136,4 +137,17 @@ fn run(arguments: Arguments) -> Result<bool> {
     }
     outln!("{}", if all_passed { "CONFORMANCE_OK" } else { "CONFORMANCE_FAILED" })?;
     Ok(all_passed)
+}
+
+/// Refuses the first of `specs` that holds data ([`devices::prior_data`]) unless `overwrite`.
+fn refuse_prior_data<'a>(specs: impl Iterator<Item = &'a DeviceSpec>, overwrite: bool) -> Result<()> {
+    if overwrite {
+        return Ok(());
+    }
+    for spec in specs {
+        if let Some(found) = devices::prior_data(spec) {
+            bail!("{spec} {found}: the checks overwrite it from LBA 0 on; pass --overwrite if that is intended");
+        }
+    }
+    Ok(())
 }
