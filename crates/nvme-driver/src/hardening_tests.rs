@@ -266,6 +266,47 @@ fn a_head_behind_the_last_one_does_not_complete_a_command_never_published() {
 }
 
 #[test]
+fn a_head_far_behind_the_last_one_does_not_read_as_a_lap_forward() {
+    // Goal: heads only move forward. On a ring of 8, A (SQ entry 0) is still in flight when
+    // six later commands completed with head 7 and six more were published (tail 13 in the
+    // stream, ring index 5). A's completion reports head 1: A was published a whole ring ago,
+    // so that index may be entry 1 or entry 9 in the stream, and the head must not move on a
+    // guess. It used to be read modulo the depth as a move from 7 forward to 1 (entry 9, two
+    // entries the controller never reported consuming), which a completion naming nothing
+    // then showed as the head it was judged against.
+    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in 0..7 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
+    let post = |index: usize, command_id: u16, sq_head: u16| {
+        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
+        ring.write(index * 16, &entry.to_bytes()).expect("post");
+    };
+    for command in 1..7u16 {
+        post(usize::from(command) - 1, command, 7);
+    }
+    let mut delivered = Vec::new();
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("reap"), 6);
+    assert_eq!(delivered, [1, 2, 3, 4, 5, 6]);
+    for tag in 10..16 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    post(6, 0, 1);
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("A completes"), 1);
+    assert_eq!(delivered.last(), Some(&0));
+    post(7, 0x7700, 6);
+    let reaped = queue.reap(8, |_| panic!("a completion naming nothing was delivered"));
+    assert!(
+        matches!(reaped, Err(NvmeError::InvalidSubmissionQueueHead { reported: 6, head: 7, tail: 5, .. })),
+        "the head A reported moved the head: {reaped:?}"
+    );
+}
+
+#[test]
 fn a_completion_whose_sq_head_has_not_passed_its_command_fails_the_pair() {
     // Goal: SQHD counts the entries the controller consumed (§4.6), so a command at SQ index i
     // can complete only with a head past i. A controller that completes three commands at SQ

@@ -35,9 +35,12 @@
 //! it created the entry (§4.6), as QEMU's controller, `nvme-emu` and the fake do. Nothing makes
 //! it post entries in the order it created them, so a completion naming a command in flight may
 //! also report a head behind the last one reported, as long as that head lies in the command's
-//! own window (just past its entry up to the tail we published): it is believed and the head
-//! stays where it was (heads only move forward). A completion naming no command in flight has
-//! no window and must report a head from the last one to the tail. Submission also stops one
+//! own window (just past its entry up to the tail we published): it is believed, and heads
+//! only move forward by their place in the stream of SQ entries (`sq_consumed`), not by their
+//! ring index: a head behind the last one leaves it where it was, and so does any head of a
+//! command published a whole ring ago or more, whose place the ring index cannot tell (see
+//! `accept_submission_head`). A completion naming no command in flight has no window and must
+//! report a head from the last one to the tail. Submission also stops one
 //! short of the SQ head the controller reported, not only at depth − 1 commands in flight, so
 //! neither ring can overflow whatever the slot accounting says.
 //!
@@ -117,6 +120,17 @@ struct Slot {
     /// was pushed): it can complete only once the controller reported more entries consumed
     /// than that ([`QueuePair::sq_consumed`]).
     sq_entry: u64,
+}
+
+/// Where a completion's SQ head falls in its command's window
+/// ([`QueuePair::place_in_command_window`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CommandWindowPlace {
+    /// Its place in the SQ's stream of entries (the command was published less than a ring ago).
+    Exact(u64),
+    /// Any ring index lies in the window (published a whole ring ago or more): its place is
+    /// not known.
+    Ambiguous,
 }
 
 /// Polls between deadline checks and before the poller starts yielding the CPU.
@@ -202,9 +216,9 @@ pub struct QueuePair {
     /// SQ entries written since the pair was created or cleared (64 bits, so a plain count:
     /// at 10^9 commands a second it would wrap after 584 years).
     sq_pushed: u64,
-    /// SQ entries the controller reported consumed, summed over the heads it reported (each
-    /// head's ring distance from the one before). A command whose entry is at `sq_entry` was
-    /// fetched only if this exceeds it.
+    /// SQ entries the controller reported consumed: the place in the stream of the furthest
+    /// head it reported (`accept_submission_head`), never moved back. A command whose entry is
+    /// at `sq_entry` was fetched only if this exceeds it.
     sq_consumed: u64,
     cq_head: u32,
     /// The CQ head the controller was last told.
@@ -658,17 +672,42 @@ impl QueuePair {
     }
 
     /// Checks a completion's SQ head (§4.6: where the controller's fetching had got to when it
-    /// created the entry) and records it. A head between the head last reported and the tail
-    /// we published, modulo the depth, moves the head forward. A head behind the last one is
-    /// believed only for a completion naming a command in flight (`command_entry`: its
-    /// [`Slot::sq_entry`]) and only inside that command's own window, and leaves the head where
-    /// it is: a controller may post entries in another order than it created them, so a later
-    /// entry can carry an older head, but never one that has not passed its own command's
-    /// entry. Anything else names a slot the controller cannot have consumed.
+    /// created the entry) and records it. Heads only move forward, by their place in the SQ's
+    /// stream of entries, not by their ring index alone: a controller may post entries in
+    /// another order than it created them, so a later entry can carry an older head, but never
+    /// one that has not passed its own command's entry.
+    /// - A completion naming a command in flight (`command_entry`: its [`Slot::sq_entry`]) is
+    ///   believed when the head lies in that command's own window (just past its entry up to
+    ///   the tail we published). Published less than a ring ago, the window holds each ring
+    ///   index once, so the head's place in the stream is exact: the head moves there if that
+    ///   is past the last one reported and stays put otherwise. Published a whole ring ago or
+    ///   more, the window holds every index and the place is ambiguous (index 1 may be entry 1
+    ///   or entry depth + 1): the head stays put, since reading it a lap forward would count
+    ///   entries the controller may not have consumed, and the room check at push would then
+    ///   trust entries it has not fetched.
+    ///   The command's own entry is behind the last head reported then (the tail stays within
+    ///   depth − 1 of it), so it still passes the completion-before-fetch check.
+    /// - Otherwise (a head outside the window, or a completion naming nothing in flight) the
+    ///   head must lie between the last one reported and the tail we published, modulo the
+    ///   depth, and moves there; for a command whose window it missed, that is a head short of
+    ///   its entry, which `reap` then refuses (`CompletionBeforeFetch`).
+    ///
+    /// Anything else names a slot the controller cannot have consumed.
     fn accept_submission_head(&mut self, reported: u16, command_entry: Option<u64>) -> Result<(), NvmeError> {
         let reported = u32::from(reported);
         // `reported` is the device's: range-checked before any arithmetic on it.
         if reported < self.depth {
+            match command_entry.and_then(|entry| self.place_in_command_window(entry, reported)) {
+                Some(CommandWindowPlace::Exact(place)) => {
+                    if place > self.sq_consumed {
+                        self.sq_consumed = place;
+                        self.sq_head = reported;
+                    }
+                    return Ok(());
+                }
+                Some(CommandWindowPlace::Ambiguous) => return Ok(()),
+                None => {}
+            }
             let ahead = ring_distance(self.sq_head, reported, self.depth);
             if ahead <= ring_distance(self.sq_head, self.sq_tail_published, self.depth) {
                 // Both heads lie in the ring and the distance is at most depth − 1: the sum
@@ -677,23 +716,23 @@ impl QueuePair {
                 self.sq_head = reported;
                 return Ok(());
             }
-            if command_entry.is_some_and(|entry| self.in_command_window(entry, reported)) {
-                return Ok(());
-            }
         }
         Err(NvmeError::InvalidSubmissionQueueHead { queue: self.id, reported, head: self.sq_head, tail: self.sq_tail_published })
     }
 
-    /// Whether ring index `head` (below the depth) is a head the controller can have had once
-    /// it consumed the SQ entry at `entry` (a place in the stream, [`Slot::sq_entry`]): just
-    /// past that entry up to the tail we published. A command published a whole ring ago or
-    /// more admits any head. An entry never published admits none.
-    fn in_command_window(&self, entry: u64, head: u32) -> bool {
+    /// Where ring index `head` (below the depth) falls in the window of the command whose SQ
+    /// entry is at `entry` (a place in the stream, [`Slot::sq_entry`]): the heads the controller
+    /// can have had once it consumed that entry, just past it up to the tail we published.
+    /// `None` if outside (an entry never published has no window at all).
+    fn place_in_command_window(&self, entry: u64, head: u32) -> Option<CommandWindowPlace> {
         let published = self.sq_pushed - u64::from(ring_distance(self.sq_tail_published, self.sq_tail, self.depth));
-        let Some(span) = published.checked_sub(entry).filter(|&span| span > 0) else { return false };
+        let span = published.checked_sub(entry).filter(|&span| span > 0)?;
+        if span >= u64::from(self.depth) {
+            return Some(CommandWindowPlace::Ambiguous);
+        }
         // `entry % depth` is below the depth, as ring_distance requires.
         let past_entry = ring_distance((entry % u64::from(self.depth)) as u32, head, self.depth);
-        span >= u64::from(self.depth) || (past_entry > 0 && u64::from(past_entry) <= span)
+        (past_entry > 0 && u64::from(past_entry) <= span).then(|| CommandWindowPlace::Exact(entry + u64::from(past_entry)))
     }
 
     /// Whether [`QueuePair::reap`] would find something to report now: the entry at the CQ head
