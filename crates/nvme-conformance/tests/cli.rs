@@ -149,16 +149,23 @@ fn a_vfio_device_needs_overwrite() {
     // Goal: the suite never looks at what a vfio: SSD holds (a stopped tuttid's pool, a
     // filesystem) before it writes every namespace from LBA 0 on, so it is refused without
     // --overwrite (exit 2, before anything is opened). With it, this machine's missing function
-    // is refused as unusable, not as needing --overwrite.
+    // is refused as unusable, not as needing --overwrite. The lock directory is the test's own
+    // (rc-driver finding 6): with the default /run/tutti, a non-root run was refused for that
+    // directory before the function was looked at, and a root run left lock files in the host's
+    // tuttid directory.
     let device = "vfio:0000:ff:1f.7";
-    let refused = conformance(&["--device", device, "--quick"]);
+    let lock_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-locks-{}", std::process::id()));
+    let lock_dir_text = lock_dir.to_str().expect("a UTF-8 target directory");
+    let refused = conformance(&["--device", device, "--quick", "--lock-dir", lock_dir_text]);
+    let opened = conformance(&["--device", device, "--overwrite", "--quick", "--lock-dir", lock_dir_text]);
+    let _ = std::fs::remove_dir_all(&lock_dir);
     let text = String::from_utf8_lossy(&refused.stderr).into_owned();
     assert_eq!(refused.status.code(), Some(2), "{text}");
     assert!(text.contains("--overwrite") && text.contains(device) && !text.contains("panicked"), "{text}");
-    let opened = conformance(&["--device", device, "--overwrite", "--quick"]);
     let text = String::from_utf8_lossy(&opened.stderr).into_owned();
     assert_eq!(opened.status.code(), Some(2), "{text}");
     assert!(!text.contains("pass --overwrite"), "{text}");
+    assert!(text.contains("no PCI function 0000:ff:1f.7"), "refused for another reason than the missing function: {text}");
 }
 
 #[test]
