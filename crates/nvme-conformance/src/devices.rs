@@ -45,6 +45,12 @@ pub fn prior_data(spec: &DeviceSpec) -> Option<String> {
     }
 }
 
+/// Whether [`open`] gives `spec` a fault injector: only the software controller (`emu:`) has
+/// one.
+pub fn has_faults(spec: &DeviceSpec) -> bool {
+    matches!(spec, DeviceSpec::EmuMemory(_) | DeviceSpec::EmuFile(_) | DeviceSpec::EmuNull(_))
+}
+
 /// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH`, in its own DMA space.
 pub fn open(spec: &DeviceSpec) -> Result<DeviceUnderTest> {
     let emu = EmuOptions { config: EmuConfig::default(), create_bytes: Some(EMU_FILE_BYTES) };
@@ -61,7 +67,7 @@ mod tests {
     fn memory_devices_open_with_faults_and_bad_strings_are_errors() {
         let spec = DeviceSpec::parse("emu:mem:16M", &DEVICE_KINDS).unwrap();
         let (_, faults) = open(&spec).unwrap();
-        assert!(faults.is_some(), "the software controller injects faults");
+        assert!(faults.is_some() && has_faults(&spec), "the software controller injects faults");
         assert!(DeviceSpec::parse("nvme:0", &DEVICE_KINDS).is_err());
         assert!(DeviceSpec::parse("uring:/dev/nvme0n1", &DEVICE_KINDS).is_err());
         assert!(DeviceSpec::parse("emu:mem:4q", &DEVICE_KINDS).is_err());

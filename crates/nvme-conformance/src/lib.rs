@@ -179,6 +179,18 @@ impl SuiteConfig {
         Ok(())
     }
 
+    /// That some selected check runs on a device without a [`FaultInjector`] (a selection that
+    /// would skip every check there, pass none and so fail the run, is bad usage). Needs no
+    /// device: a caller that knows which devices lack one (a `vfio:` device has none) refuses
+    /// the selection before testing any of them.
+    pub fn validate_without_faults(&self) -> Result<(), UsageError> {
+        let selected = self.selected_checks();
+        if checks::ALL.iter().filter(|check| selected.contains(&check.name)).all(|check| check.needs_faults) {
+            return Err(UsageError::NeedsFaultInjection { filter: self.filter.clone().unwrap_or_default(), checks: selected.join(", ") });
+        }
+        Ok(())
+    }
+
     /// [`SuiteConfig::validate`]; without `faults`, that some selected check runs without fault
     /// injection (a selection that would skip every check, pass none and so fail the run, is
     /// bad usage); and when the data-integrity check runs, that its MiB fit the device's first
@@ -186,9 +198,8 @@ impl SuiteConfig {
     /// checks, which report it as a failure).
     pub fn validate_for(&self, device: &Arc<dyn DeviceBackend>, faults: Option<&Arc<dyn FaultInjector>>) -> Result<(), UsageError> {
         self.validate()?;
-        let selected = self.selected_checks();
-        if faults.is_none() && checks::ALL.iter().filter(|check| selected.contains(&check.name)).all(|check| check.needs_faults) {
-            return Err(UsageError::NeedsFaultInjection { filter: self.filter.clone().unwrap_or_default(), checks: selected.join(", ") });
+        if faults.is_none() {
+            self.validate_without_faults()?;
         }
         if !self.selected_checks().contains(&"data_integrity") {
             return Ok(());

@@ -108,6 +108,11 @@ fn run(arguments: Arguments) -> Result<bool> {
     };
     // Bad usage is refused before any check runs (exit status 2), not reported as a failed suite.
     config.validate()?;
+    // What needs only the devices' kinds is refused before any device is tested, not when its
+    // turn comes after others were tested and reported.
+    if let Some(spec) = arguments.devices.iter().find(|spec| !devices::has_faults(spec)) {
+        config.validate_without_faults().with_context(|| format!("device '{spec}'"))?;
+    }
     // Every device is checked, locked and claimed before any is written: the suite writes from
     // LBA 0 on. One file or PCI function named twice is refused as such (not as in use).
     tutti_devices::refuse_shared_files(&arguments.devices)?;

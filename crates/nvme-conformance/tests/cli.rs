@@ -169,6 +169,34 @@ fn a_vfio_device_needs_overwrite() {
 }
 
 #[test]
+fn a_fault_injection_only_selection_is_refused_before_any_device_is_tested() {
+    // Goal (rc-driver finding 7): bad usage is refused before any check runs. A filter that
+    // selects only checks needing fault injection, with a vfio: device among the devices
+    // (which has none), used to be refused only when that device's turn came: the devices
+    // before it were tested and their reports printed, then exit 2.
+    let lock_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-fault-locks-{}", std::process::id()));
+    let lock_dir_text = lock_dir.to_str().expect("a UTF-8 target directory");
+    let arguments = [
+        "--device",
+        "emu:mem:16M",
+        "--device",
+        "vfio:0000:ff:1f.7",
+        "--overwrite",
+        "--quick",
+        "--filter",
+        "bounded",
+        "--lock-dir",
+        lock_dir_text,
+    ];
+    let output = conformance(&arguments);
+    let _ = std::fs::remove_dir_all(&lock_dir);
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("need fault injection") && stderr.contains("bounded_timeout"), "{stderr}");
+    assert!(stdout.is_empty(), "a device was tested before the refusal: {stdout}");
+}
+
+#[test]
 fn a_new_file_is_created_and_tested_without_overwrite() {
     // Goal: a missing emu: file holds nothing: it is created (locked meanwhile) and tested.
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-new-{}.img", std::process::id()));
