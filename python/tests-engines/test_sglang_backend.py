@@ -844,6 +844,10 @@ def test_copying_interface_says_to_use_interface_v1(tmp_path: Path):
         ({"layers_in_flight": 5}, "field 'layers_in_flight' = 5: must be 1..=4"),
         ({"requests_max": 300, "layers_in_flight": 4}, "= 1200 IOCB sets, more than 1024"),
         ({"queue_depth": 4096}, "field 'queue_depth' = 4096: must be 2..=1024"),
+        ({"slots_max": 2**64}, r"field 'slots_max' = 18446744073709551616: must be at most 18446744073709551615"),
+        ({"create_bytes": 10**20}, r"field 'create_bytes' = 100000000000000000000: must be at most 18446744073709551615"),
+        ({"requests_max": 2**64}, r"field 'requests_max' = 18446744073709551616: must be at most"),
+        ({"requests_max": 65537}, r"field 'requests_max' = 65537: must be 1..=65536"),
     ],
 )
 def test_bad_extra_config_says_what_to_fix(tmp_path: Path, changes: dict, message: str):

@@ -81,6 +81,11 @@ def parse_config(where: str, given: Optional[Mapping[str, Any]], fields: Mapping
         if not type_ok:
             expected = " or ".join(kind.__name__ for kind in kinds)
             raise ConfigError(f"{where}: field {name!r} must be {expected} ({spec.description}), got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and value > INT_FIELD_MAX:
+            # Before the field's check, which may print the value: str() of an int past 4300
+            # digits raises.
+            shown = str(value) if value.bit_length() <= 256 else f"an integer of {value.bit_length()} bits"
+            raise ConfigError(f"{where}: field {name!r} = {shown}: must be at most {INT_FIELD_MAX} (2**64 - 1) ({spec.description})")
         if spec.check is not None:
             problem = spec.check(value)
             if problem is not None:
@@ -89,8 +94,25 @@ def parse_config(where: str, given: Optional[Mapping[str, Any]], fields: Mapping
     return parsed
 
 
+# The largest integer any configuration field takes (parse_config refuses more, naming the field):
+# tutti.Store.open takes create_bytes and slots_max as u64 (crates/python/src/store.rs), and PyO3
+# raises a bare OverflowError, naming no field, for an int past it; json.loads reads integers of
+# up to 4300 digits. Fields the binding bounds tighter say so in their own check.
+INT_FIELD_MAX = 2**64 - 1
+
+
 def positive(value: Any) -> Optional[str]:
     return None if value > 0 else "must be positive"
+
+
+# The most requests tutti.Store keeps prepared at once (its REQUESTS_MAX_LIMIT, crates/python/
+# src/store.rs: open and attach refuse more).
+REQUESTS_MAX_LIMIT = 65536
+
+
+def requests_in_range(value: Any) -> Optional[str]:
+    """The connectors' `requests_max` check: 1..=REQUESTS_MAX_LIMIT, as tutti.Store takes it."""
+    return None if 1 <= value <= REQUESTS_MAX_LIMIT else f"must be 1..={REQUESTS_MAX_LIMIT}"
 
 
 # The longest wait tutti's binding takes (its TIMEOUT_MAX_S, crates/python/src/store.rs: it refuses

@@ -51,6 +51,7 @@ from tutti._engine import (
     positive,
     queue_depth_field,
     refuses_crc_less_pool,
+    requests_in_range,
     wait_out_layer,
 )
 from tutti._sglang_keys import (
@@ -125,7 +126,7 @@ EXTRA_CONFIG_FIELDS = {
         "(batch_get_v1 reports it False) and leaves the pool",
         default=True,
     ),
-    "requests_max": Field(int, "pages moved at once", default=32, check=positive),
+    "requests_max": Field(int, "pages moved at once", default=32, check=requests_in_range),
     "layers_in_flight": layers_in_flight_field("page"),
     "queue_depth": queue_depth_field(),
 }

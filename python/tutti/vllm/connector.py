@@ -41,8 +41,8 @@ from tutti._engine import (
     layers_in_flight_field,
     non_empty,
     parse_config,
-    positive,
     queue_depth_field,
+    requests_in_range,
 )
 from tutti.vllm._scheduler import SchedulerSide
 from tutti.vllm._worker import KvMemoryUnsafe, WorkerSide
@@ -68,7 +68,7 @@ EXTRA_CONFIG_FIELDS = {
     "lookup_timeout_s": Field(
         float, "the longest wait for one lookup by the scheduler (a late answer is a miss), seconds", default=1.0, check=bounded_timeout
     ),
-    "requests_max": Field(int, "requests a worker prepares at once", default=32, check=positive),
+    "requests_max": Field(int, "requests a worker prepares at once", default=32, check=requests_in_range),
     "verify_retrieves": Field(
         bool,
         "check every block a worker loads against the CRC recorded when it was stored (a block that differs is "

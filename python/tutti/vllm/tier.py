@@ -45,6 +45,7 @@ from tutti._engine import (
     positive,
     queue_depth_field,
     refuses_crc_less_pool,
+    requests_in_range,
 )
 from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _refuse_non_causal_attention, _resolved_kv_layout
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -77,7 +78,7 @@ TIER_CONFIG_FIELDS = {
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=bounded_timeout),
-    "requests_max": Field(int, "chunks moved at once", default=16, check=positive),
+    "requests_max": Field(int, "chunks moved at once", default=16, check=requests_in_range),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
     "verify_retrieves": Field(
