@@ -6,7 +6,7 @@
 //! - `uring:` is the kernel path (see [`crate::uring`]).
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -160,9 +160,14 @@ pub struct CreatedFiles {
     keep: bool,
     locks: Vec<nix::fcntl::Flock<std::fs::File>>,
     /// The files the run's lock step (run.rs `lock_devices`) holds locked, as their specs name
-    /// them, and its temporary pool ([`CreatedFiles::hold`]): [`prepare_file`] does not lock
-    /// those again (a second lock of this process's own would be refused as in use).
-    held: Vec<PathBuf>,
+    /// them, and its temporary pool ([`CreatedFiles::hold`]), each with the file it was then
+    /// (device, inode; None if it could not be examined): [`prepare_file`] does not lock those
+    /// again (a second lock of this process's own would be refused as in use) while that file
+    /// is still the one at the path.
+    held: Vec<(PathBuf, Option<(u64, u64)>)>,
+    /// Existing files not held are checked for foreign contents
+    /// ([`CreatedFiles::refuse_foreign_appearing`]).
+    refuse_foreign: bool,
     /// The locks [`prepare_file`] took on existing files the lock step did not hold.
     device_locks: Vec<tutti_devices::DeviceLocks>,
 }
@@ -170,18 +175,34 @@ pub struct CreatedFiles {
 impl CreatedFiles {
     /// Notes the files the run's own device locks hold (`DeviceLocks::paths`).
     pub fn note_held<'a>(&mut self, paths: impl IntoIterator<Item = &'a Path>) {
-        self.held.extend(paths.into_iter().map(Path::to_path_buf));
+        // Examined right after the lock was taken: DeviceLocks does not say which file it holds.
+        self.held.extend(paths.into_iter().map(|path| (path.to_path_buf(), file_id(path))));
+    }
+
+    /// Whether the file now at `path` is one the run holds locked (the same path, still the
+    /// same file: one put in its place since is another, unlocked).
+    fn holds(&self, path: &Path) -> bool {
+        let now = file_id(path);
+        now.is_some() && self.held.iter().any(|(held, id)| held == path && *id == now)
     }
 
     pub fn push(&mut self, path: PathBuf) {
         self.paths.push(path);
     }
 
+    /// Has [`prepare_file`] check an existing file the lock step did not hold (one that appeared
+    /// since the run's checks, or was put in place of one it held) for foreign contents, as
+    /// those checks did: for a run that formats without `--overwrite`.
+    pub fn refuse_foreign_appearing(&mut self) {
+        self.refuse_foreign = true;
+    }
+
     /// Holds `lock`, the run's own lock on the file at `path` (one it created), to the end of
     /// the run; [`prepare_file`] does not lock that file again.
     pub fn hold(&mut self, path: PathBuf, lock: nix::fcntl::Flock<std::fs::File>) {
+        let id = lock.metadata().ok().map(|metadata| (metadata.dev(), metadata.ino()));
         self.locks.push(lock);
-        self.held.push(path);
+        self.held.push((path, id));
     }
 
     /// Keeps the files if the run fails (`--keep`); an interrupt still removes them, as it
@@ -307,6 +328,11 @@ pub fn storage_note(spec: &DeviceSpec, emulator: Option<&EmuDevice>) -> String {
     note
 }
 
+/// The file at `path` (following links, as a lock's open does): device and inode.
+fn file_id(path: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(path).ok().map(|metadata| (metadata.dev(), metadata.ino()))
+}
+
 /// An error of tuttid's lock on an existing file of `spec` (`tutti_devices::DeviceLocks::acquire`)
 /// as the run's lock step (run.rs `lock_refusal`) reads it: another holder, or a path that
 /// names nothing usable (by its errno: `tutti_devices::is_unusable_errno`), is unusable input
@@ -350,13 +376,22 @@ fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: 
             DeviceError::Io { device: spec.to_string(), context: context.to_string(), source }
         }
     })?;
-    if !created.held.iter().any(|held| held == path) {
+    if !created.holds(path) {
         // The lock directory holds vfio: functions' lock files only: an emu: or uring: file is
         // locked itself.
         let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR), false)
             .map_err(|error| lock_error(spec, error))?;
         created.note_held(locks.paths());
         created.device_locks.push(locks);
+        // The run's checks (run.rs with_devices) saw no file here, or another one: what is here
+        // now is checked as they would have checked it, under the lock, before it is formatted
+        // (a copier such as cp takes no lock, so the lock alone did not keep it off).
+        if created.refuse_foreign {
+            match tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &tutti_devices::BlockDeviceClaims::default()) {
+                Ok(()) => {}
+                Err(error) => return Err(lock_error(spec, error)),
+            }
+        }
     }
     Ok(())
 }
@@ -962,6 +997,54 @@ mod tests {
         let in_use =
             tutti_devices::DeviceError::DeviceInUse { spec: "emu:/x/p.img".into(), lock: "/x/p.img".into(), holder: "pid 1".into() };
         assert!(open_error(lock_error(&spec, in_use), "emu:/x/p.img").downcast_ref::<crate::Unusable>().is_some());
+    }
+
+    #[test]
+    fn a_file_that_appeared_after_the_checks_is_checked_for_foreign_contents() {
+        // Goal: a run that formats without --overwrite refuses (exit 2) a device holding
+        // something other than a tutti pool; a file that did not exist when the run checked, and
+        // that another process (a cp, which takes no lock) put there before the run opened it,
+        // is checked the same way once locked, not formatted over. Held by the lock step, but
+        // replaced at its path since (a mv), is not held: the new file is locked and checked.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("p.img");
+        let spec = DeviceSpec::EmuFile(path.clone());
+        let options = OpenOptions2 { create_bytes: Some(1 << 20), ..test_options() };
+        let foreign = |error: DeviceError| matches!(error, DeviceError::Spec(tutti_devices::DeviceError::ForeignContents { .. }));
+        std::fs::write(&path, b"an image the copier wrote").unwrap();
+        let mut created = CreatedFiles::default();
+        created.refuse_foreign_appearing();
+        let error = prepare_file(&spec, options, &mut created).expect_err("formatted over what appeared");
+        assert!(foreign(error), "not refused as foreign contents");
+        drop(created);
+        assert!(path.exists(), "another process's file was removed");
+        // With --overwrite (no check asked), or blank: used.
+        prepare_file(&spec, options, &mut CreatedFiles::default()).expect("--overwrite formats it");
+        std::fs::write(&path, vec![0u8; 8192]).unwrap();
+        let mut created = CreatedFiles::default();
+        created.refuse_foreign_appearing();
+        prepare_file(&spec, options, &mut created).expect("a blank file");
+        drop(created);
+        // Locked by the lock step, then replaced at its path.
+        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap();
+        let mut created = CreatedFiles::default();
+        created.refuse_foreign_appearing();
+        created.note_held(locks.paths());
+        let other = directory.path().join("other.img");
+        std::fs::write(&other, b"another image").unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        let error = prepare_file(&spec, options, &mut created).expect_err("used a replaced file as held");
+        assert!(foreign(error), "not refused as foreign contents");
+        // Replaced by a blank one: used, and locked.
+        std::fs::write(&other, vec![0u8; 8192]).unwrap();
+        std::fs::rename(&other, &path).unwrap();
+        prepare_file(&spec, options, &mut created).expect("a blank replacement");
+        let probe = std::fs::File::open(&path).unwrap();
+        assert!(
+            nix::fcntl::Flock::lock(probe, nix::fcntl::FlockArg::LockExclusiveNonblock).is_err(),
+            "the run uses a replacement it does not hold locked"
+        );
+        created.keep_after_success();
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.

@@ -204,6 +204,11 @@ pub fn with_devices(
             Err(error) => return usage(error.to_string()),
         }
     }
+    if access == Access::Formats && !cli.overwrite {
+        // A file that appears after these checks (or is put in place of one locked above)
+        // is checked the same way when the run opens it (`devices::prepare_file`).
+        created.refuse_foreign_appearing();
+    }
     let result = body(&devices, &mut created);
     if result.is_ok() && (!cli.devices.is_empty() || cli.keep) {
         created.keep_after_success();
