@@ -198,7 +198,9 @@ impl Client {
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
         Client::check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::Lookup, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
-            Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
+            Reply::Lookup { cached_blocks, block_tokens } => {
+                self.checked_lookup(Kind::LookupReply, tokens.len(), first_block, cached_blocks, block_tokens)
+            }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::Lookup, got: other.kind() }),
         }
     }
@@ -214,7 +216,9 @@ impl Client {
     pub fn lookup_all_ranks_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
         Client::check_tokens_fit(Kind::LookupAllRanks, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
-            Reply::Lookup { cached_blocks, block_tokens } => self.checked_lookup(tokens.len(), first_block, cached_blocks, block_tokens),
+            Reply::Lookup { cached_blocks, block_tokens } => {
+                self.checked_lookup(Kind::LookupReply, tokens.len(), first_block, cached_blocks, block_tokens)
+            }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupAllRanks, got: other.kind() }),
         }
     }
@@ -228,11 +232,34 @@ impl Client {
     }
 
     /// The longest prefix of `tokens` cached on this node (as [`Client::lookup`]) and what other
-    /// nodes of the cluster hold past it, by whom.
+    /// nodes of the cluster hold past it, by whom. The counts are checked as a lookup's are: a
+    /// reply whose local prefix, remote blocks or a holder's blocks pass the prompt's full
+    /// blocks is refused as a malformed body, and the connection left out of step.
     pub fn lookup_cluster(&mut self, tokens: &[u32]) -> Result<crate::protocol::ClusterLookupReply, DaemonError> {
         Client::check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupCluster, |out| encode_lookup_body(tokens, out), &[])? {
-            Reply::ClusterLookup(reply) => Ok(reply),
+            Reply::ClusterLookup(reply) => {
+                let cached = self.checked_lookup(Kind::ClusterLookupReply, tokens.len(), 0, reply.cached_blocks, reply.block_tokens)?;
+                // What other nodes hold lies past the local prefix and within the prompt's full
+                // blocks, in all and per holder (the daemon counts whole segments of the prompt
+                // from the one the local prefix ends in).
+                let past_local = tokens.len() / reply.block_tokens as usize - cached as usize;
+                let too_long = |blocks: u32| blocks as usize > past_local;
+                if too_long(reply.remote_blocks) || reply.holders.iter().any(|holder| too_long(holder.blocks)) {
+                    let holders: Vec<u32> = reply.holders.iter().map(|holder| holder.blocks).collect();
+                    return Err(self.bad_reply(
+                        Kind::ClusterLookupReply,
+                        format!(
+                            "{} remote blocks (holders {holders:?}) past a local prefix of {cached} blocks of a {}-token prompt of \
+                             {} full blocks",
+                            reply.remote_blocks,
+                            tokens.len(),
+                            tokens.len() / reply.block_tokens as usize
+                        ),
+                    ));
+                }
+                Ok(reply)
+            }
             other => Err(DaemonError::UnexpectedReply { asked: Kind::LookupCluster, got: other.kind() }),
         }
     }
@@ -338,8 +365,16 @@ impl Client {
     /// request before an engine plans loads from it: the daemon answers where the cached run
     /// from `first_block` ends, between `first_block` (or the prompt's end, when that is before
     /// it) and the prompt's full blocks, in the session's block size. Anything else is a
-    /// daemon that does not keep the protocol: refused, and the connection out of step.
-    fn checked_lookup(&mut self, tokens: usize, first_block: u32, cached_blocks: u32, block_tokens: u32) -> Result<u32, DaemonError> {
+    /// daemon that does not keep the protocol: refused as a malformed `kind` (the reply it came
+    /// in), and the connection out of step.
+    fn checked_lookup(
+        &mut self,
+        kind: Kind,
+        tokens: usize,
+        first_block: u32,
+        cached_blocks: u32,
+        block_tokens: u32,
+    ) -> Result<u32, DaemonError> {
         let problem = if block_tokens == 0 || self.block_tokens.is_some_and(|session| session != block_tokens) {
             Some(format!("blocks of {block_tokens} tokens in a session of {:?}-token blocks", self.block_tokens))
         } else {
@@ -354,7 +389,7 @@ impl Client {
         };
         match problem {
             None => Ok(cached_blocks),
-            Some(reason) => Err(self.bad_reply(Kind::LookupReply, reason)),
+            Some(reason) => Err(self.bad_reply(kind, reason)),
         }
     }
 
@@ -929,7 +964,8 @@ pub(crate) mod tests {
     /// count past the prompt's full blocks, below the run's start, or under a block size of 0
     /// (a buggy or foreign daemon) is a clear error that leaves the connection out of step
     /// (reconnect), not a count past the prompt; so is a fetch that reports more blocks than the
-    /// prompt has. A count within the prompt is returned.
+    /// prompt has, and a cluster lookup whose remote blocks (in all or a holder's) pass it. A
+    /// count within the prompt is returned.
     #[test]
     fn lookup_counts_past_the_prompt_are_refused() {
         let lookup = |cached_blocks, block_tokens| Reply::Lookup { cached_blocks, block_tokens };
@@ -961,6 +997,35 @@ pub(crate) mod tests {
         for (cached, fetched) in [(1, 1), (32, 32)] {
             let (outcome, broken) = answered_with(fetch(cached, fetched), |client| client.fetch_remote(&tokens));
             assert_eq!(outcome.unwrap(), (cached, fetched));
+            assert!(!broken);
+        }
+        // A cluster lookup answers the local prefix as Lookup does, then the blocks past it other
+        // nodes hold, in all and per holder: each within the prompt's full blocks past the local
+        // prefix (2 blocks of 16 tokens here).
+        let holder = |blocks| crate::protocol::RemoteHolder { node: "b".into(), blocks };
+        let cluster = |cached_blocks, block_tokens, remote_blocks, holders| {
+            Reply::ClusterLookup(crate::protocol::ClusterLookupReply {
+                cached_blocks,
+                block_tokens,
+                registry: crate::protocol::RegistryAnswer::Answered,
+                remote_blocks,
+                holders,
+            })
+        };
+        for (reply, what) in [
+            (cluster(3, 16, 0, vec![]), "3 local blocks of a 2-block prompt"),
+            (cluster(0, 0, 0, vec![]), "blocks of 0 tokens"),
+            (cluster(1, 16, 2, vec![holder(1)]), "1 local and 2 remote blocks of a 2-block prompt"),
+            (cluster(1, 16, u32::MAX, vec![holder(1)]), "u32::MAX remote blocks"),
+            (cluster(1, 16, 1, vec![holder(1), holder(2)]), "a holder of 2 blocks past 1 local of a 2-block prompt"),
+        ] {
+            let (outcome, broken) = answered_with(reply, |client| client.lookup_cluster(&tokens));
+            assert!(matches!(outcome, Err(DaemonError::Protocol(ProtocolError::MalformedBody { .. }))), "{what}: {outcome:?}");
+            assert!(broken, "{what}: the connection is still taken as in step");
+        }
+        for reply in [cluster(2, 16, 0, vec![]), cluster(0, 16, 2, vec![holder(2), holder(1)]), cluster(1, 16, 1, vec![holder(1)])] {
+            let (outcome, broken) = answered_with(reply.clone(), |client| client.lookup_cluster(&tokens));
+            assert_eq!(Reply::ClusterLookup(outcome.unwrap()), reply);
             assert!(!broken);
         }
     }
