@@ -853,13 +853,22 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     submission.write(0, &write.to_bytes())?;
     // Commands in one SQ may complete in any order, so the read is submitted only after the write
     // completed: one doorbell per entry.
+    // The agent owes the controller what the driver's own queue pairs do (nvme_driver::hw's
+    // fences, whose docs say why): the entry's stores complete before the doorbell that makes
+    // it fetchable, the completion's body is read only after its phase tag was seen, and its
+    // loads complete before the CQ doorbell hands the slots back. On Arm (GH200, where the
+    // GPU agent runs) a device is outside what plain atomics order: without them the
+    // controller could fetch a stale (zeroed) entry, or the body read return the slot's
+    // earlier, zeroed contents, and the check fail a correct controller.
     let registers = controller.registers();
+    nvme_driver::hw::fence_before_submission_doorbell();
     registers.write32(layout.submission_doorbell_offset, 1);
     let wait_entry = |index: usize| -> Result<CompletionEntry, Failure> {
         let deadline = deadline(context);
         loop {
             let dword3 = completion.load_u32(index * 16 + CompletionEntry::DWORD3_OFFSET, Ordering::Acquire)?;
             if CompletionEntry::decode_dword3(dword3).2 {
+                nvme_driver::hw::fence_after_completion_phase();
                 let mut bytes = [0u8; 16];
                 completion.read(index * 16, &mut bytes)?;
                 return Ok(CompletionEntry::from_bytes(&bytes));
@@ -871,9 +880,11 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     let first = wait_entry(0)?;
     ensure!(first.command_id == 1 && first.status().is_ok(), "write completion {first:?}");
     submission.write(SUBMISSION_ENTRY_BYTES, &read.to_bytes())?;
+    nvme_driver::hw::fence_before_submission_doorbell();
     registers.write32(layout.submission_doorbell_offset, 2);
     let second = wait_entry(1)?;
     ensure!(second.command_id == 2 && second.status().is_ok(), "read completion {second:?}");
+    nvme_driver::hw::fence_before_completion_doorbell();
     registers.write32(layout.completion_doorbell_offset, 2);
     verify_pattern(&sink, 0, block as usize, seed, 0).map_err(Failure)?;
     drop(detached);
