@@ -121,34 +121,7 @@ impl MetricsEndpoint {
                 // than spin on it.
                 std::thread::sleep(tick);
             }
-            let now = Instant::now();
-            let mut index = 0;
-            while index < open.len() {
-                if open[index].answer.is_some() {
-                    if keep_writing(&mut open[index], now) {
-                        index += 1;
-                    } else {
-                        open.remove(index);
-                    }
-                    continue;
-                }
-                let head = read_head(&mut open[index]);
-                match head {
-                    Head::Partial if now < open[index].deadline => index += 1,
-                    // Out of time, or gone: closed unanswered.
-                    Head::Partial | Head::Gone => drop(open.remove(index)),
-                    // Stopping: the rest are closed unanswered.
-                    Head::Complete | Head::TooLong if stopped() => drop(open.remove(index)),
-                    Head::Complete | Head::TooLong => {
-                        let pending = &mut open[index];
-                        if answer(pending, matches!(head, Head::TooLong), metrics, snapshot) {
-                            index += 1;
-                        } else {
-                            open.remove(index);
-                        }
-                    }
-                }
-            }
+            serve_open(&mut open, metrics, stopped, snapshot);
         }
     }
 
@@ -198,6 +171,44 @@ impl MetricsEndpoint {
             }
         }
         true
+    }
+}
+
+/// One pass over the connections open: each answer is written as far as its socket takes it,
+/// each head read as far as it has come (a whole one answered); a connection done, gone or past
+/// its deadline is closed.
+fn serve_open(open: &mut VecDeque<Pending>, metrics: &Metrics, stopped: &dyn Fn() -> bool, snapshot: &dyn Fn() -> Snapshot) {
+    let now = Instant::now();
+    let mut index = 0;
+    while index < open.len() {
+        let pending = &mut open[index];
+        let keep =
+            if pending.answer.is_some() { keep_writing(pending, now) } else { progress_head(pending, now, metrics, stopped, snapshot) };
+        if keep {
+            index += 1;
+        } else {
+            open.remove(index);
+        }
+    }
+}
+
+/// Reads what `pending` (its head unfinished) has sent and answers a whole head. True while
+/// it stays open: its head unfinished before its deadline, or its answer not all taken.
+fn progress_head(
+    pending: &mut Pending,
+    now: Instant,
+    metrics: &Metrics,
+    stopped: &dyn Fn() -> bool,
+    snapshot: &dyn Fn() -> Snapshot,
+) -> bool {
+    let head = read_head(pending);
+    match head {
+        Head::Partial => now < pending.deadline,
+        // Gone: closed unanswered.
+        Head::Gone => false,
+        // Stopping: the rest are closed unanswered.
+        Head::Complete | Head::TooLong if stopped() => false,
+        Head::Complete | Head::TooLong => answer(pending, matches!(head, Head::TooLong), metrics, snapshot),
     }
 }
 
@@ -478,48 +489,89 @@ mod tests {
         thread.join().unwrap();
     }
 
+    /// Connects to `address` and sends `sent` (nothing if empty).
+    fn sending(address: SocketAddr, sent: &[u8]) -> TcpStream {
+        let mut stream = TcpStream::connect(address).unwrap();
+        stream.write_all(sent).unwrap();
+        stream
+    }
+
+    /// Time for bytes written on loopback to arrive (and connects to be queued) before the
+    /// endpoint, driven by the test, accepts and reads.
+    fn settle() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    /// A client that reads what `stream` gets, to its end (bounded: 10 s), on a thread.
+    fn reading(mut stream: TcpStream) -> std::thread::JoinHandle<(std::io::Result<usize>, Vec<u8>)> {
+        std::thread::spawn(move || {
+            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut answer = Vec::new();
+            let read = stream.read_to_end(&mut answer);
+            (read, answer)
+        })
+    }
+
     #[test]
     fn connections_that_sent_a_byte_do_not_evict_a_scrape_being_answered() {
         // Goal: with every slot taken by connections that sent one byte of a head and idle, a
-        // new connection closes one of them, never a scrape whose answer is being written (one
-        // larger than the sockets' buffers, taken as the scraper reads): the scrape gets its
-        // whole body. Before, the oldest connection was closed once none had sent nothing, and
-        // 16 more such connections cut the answer off (a local user could starve every scrape).
+        // new connection closes one of them, never a scrape whose answer is being written: the
+        // scrape gets its whole body. Before, the oldest connection was closed once none had
+        // sent nothing, and 16 more such connections cut the answer off (a local user could
+        // starve every scrape). The endpoint is driven here pass by pass, so that the scrape's
+        // answer is seen not to have been written whole at its accept (else the test would
+        // prove nothing: a host whose socket buffers take it all) and its reader has all of
+        // WRITE_TIMEOUT: it reads from the moment the answer begins.
+        use nix::sys::socket::{connect, setsockopt, socket, sockopt, AddressFamily, SockFlag, SockType, SockaddrIn};
         let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let address = endpoint.address();
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        let thread = std::thread::spawn(move || {
-            let metrics = Metrics::new();
-            let large = || Snapshot {
-                devices_fenced: (0..2_500).map(|device| (format!("emu:mem:{device:0>2000}"), device % 2 == 0)).collect(),
-                ..Snapshot::default()
-            };
-            endpoint.serve(&metrics, Duration::from_millis(10), &|| stopped.load(Ordering::Acquire), &large);
-        });
-        // One at a time, each given a pass to be accepted and its byte read: none is silent.
-        let one_byte = || {
-            let mut stream = TcpStream::connect(address).unwrap();
-            stream.write_all(b"G").unwrap();
-            std::thread::sleep(Duration::from_millis(25));
-            stream
+        // The buffers are set small on both sides (the send buffer through the listener, which
+        // its connections inherit, fixed rather than grown to the host's tcp_wmem maximum), so
+        // that the 5 MB text cannot be taken whole at once on any host.
+        setsockopt(&endpoint.listener, sockopt::SndBuf, &(64 << 10)).unwrap();
+        let metrics = Metrics::new();
+        let never = || false;
+        let large = || Snapshot {
+            devices_fenced: (0..2_500).map(|device| (format!("emu:mem:{device:0>2000}"), device % 2 == 0)).collect(),
+            ..Snapshot::default()
         };
-        let mut heads: Vec<TcpStream> = (0..CONNECTIONS_MAX).map(|_| one_byte()).collect();
-        let mut scrape = TcpStream::connect(address).unwrap();
-        scrape.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
-        std::thread::sleep(Duration::from_millis(100));
-        heads.extend((0..CONNECTIONS_MAX + 4).map(|_| one_byte()));
-        scrape.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut answer = Vec::new();
-        let read = scrape.read_to_end(&mut answer);
+        let mut open = VecDeque::new();
+        let mut heads: Vec<TcpStream> = (0..CONNECTIONS_MAX).map(|_| sending(address, b"G")).collect();
+        settle();
+        assert!(endpoint.accept_pending(&mut open, &metrics, &never, &large));
+        assert!(open.len() == CONNECTIONS_MAX && open.iter().all(|pending| pending.head == b"G"), "{} open", open.len());
+        // The scrape, then more one-byte connections than there are slots, all in one pass.
+        let scrape = {
+            let socket = socket(AddressFamily::Inet, SockType::Stream, SockFlag::SOCK_CLOEXEC, None).unwrap();
+            // Before the connect, so that the window offered stays small.
+            setsockopt(&socket, sockopt::RcvBuf, &(16 << 10)).unwrap();
+            let SocketAddr::V4(v4) = address else { unreachable!("bound on 127.0.0.1") };
+            connect(std::os::fd::AsRawFd::as_raw_fd(&socket), &SockaddrIn::from(v4)).unwrap();
+            let mut scrape = TcpStream::from(socket);
+            scrape.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+            scrape
+        };
+        heads.extend((0..CONNECTIONS_MAX + 4).map(|_| sending(address, b"G")));
+        settle();
+        let reader = reading(scrape.try_clone().unwrap());
+        assert!(endpoint.accept_pending(&mut open, &metrics, &never, &large));
+        let answering: Vec<(usize, usize)> =
+            open.iter().filter_map(|pending| pending.answer.as_ref().map(|answer| (answer.written, answer.bytes.len()))).collect();
+        match answering[..] {
+            [(written, all)] => assert!(written < all, "the answer was taken whole at its accept ({all} bytes): this test proves nothing"),
+            _ => panic!("the scrape was closed to admit connections that sent a byte: answers open {answering:?}"),
+        }
+        let started = Instant::now();
+        while !reader.is_finished() && started.elapsed() < Duration::from_secs(10) {
+            serve_open(&mut open, &metrics, &never, &large);
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let (read, answer) = reader.join().unwrap();
         let answer = String::from_utf8_lossy(&answer);
         assert!(answer.starts_with("HTTP/1.1 200"), "{read:?}: {}", &answer[..answer.len().min(200)]);
         let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-        assert!(body.len() > 4 << 20, "a text larger than the sockets' buffers: {} bytes", body.len());
         assert!(head.contains(&format!("Content-Length: {}", body.len())), "{read:?}: {} bytes of the body came: {head}", body.len());
-        drop(heads);
-        stop.store(true, Ordering::Release);
-        thread.join().unwrap();
+        drop((heads, scrape));
     }
 
     #[test]
