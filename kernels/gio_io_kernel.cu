@@ -32,9 +32,11 @@
 // never spins forever. Past the deadline nothing waits: what is left of the launch (submitting the
 // remaining chunks' free slots, finalising IOCBs, one claim attempt each) takes microseconds, so a
 // launch ends about the budget after its last block started (docs/gio-uring.md: "Time bounds").
-// A completion naming another SQ, reporting an SQ head outside [sq_head, sq_tail], or completing a
-// command not published or not yet fetched by the controller is a controller fault
-// (gio_completion_verdict, the twin of nvme-driver's reap): it completes nothing and fails the launch's unfinished IOCBs with GIO_IOCB_STATUS_CONTROLLER_FAULT. From then
+// A completion naming another SQ, reporting an SQ head outside [sq_head, sq_tail] and outside its
+// command's own window (past its entry up to sq_tail: entries may be posted out of creation order,
+// so an older head is believed there, and sq_head never moves back), or completing a command not
+// published or not yet fetched by the controller is a controller fault (gio_completion_verdict,
+// the rule of nvme-driver's reap): it completes nothing and fails the launch's unfinished IOCBs with GIO_IOCB_STATUS_CONTROLLER_FAULT. From then
 // on the pair is faulted (controller_faults != 0): no reaper, in any block, accepts or consumes
 // another of its completions, and no SQE is published to it. After either, the queue pairs may hold commands the kernel no longer tracks: the host must reset them
 // before reuse (docs/gio-uring.md).
@@ -364,13 +366,14 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
 
 // ---- NVMe queue pair: completion reaping ----
 
-// Applies one NVMe completion and returns gio_completion_verdict's verdict on it. `sq_head` is the
-// reaper's free-running SQ head before this entry; the caller applies the entry's SQHD
-// (gio_sq_head_from_sqhd) only for a verdict that is no fault.
+// Applies one NVMe completion and returns gio_completion_verdict's verdict on it. `*sq_head` is the
+// reaper's free-running SQ head before this entry, and after it the head gio_sq_head_after gives:
+// moved forward only (an entry posted out of creation order may carry an older SQHD), unchanged
+// after a fault.
 // `claim_held`: the caller holds one claimed gio CQ entry; cleared if this completion used it.
 __device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
                                             uint16_t sq_id, uint16_t command_id, uint16_t sqhd,
-                                            uint16_t status, uint32_t sq_head, bool* claim_held) {
+                                            uint16_t status, uint32_t* sq_head, bool* claim_held) {
     gio_nvme_slot* slots = device_pointer<gio_nvme_slot>(qp->slots);
     gio_nvme_slot* slot = &slots[command_id & (qp->sq_depth - 1)];
     const uint32_t ticket = load_volatile(&slot->ticket);
@@ -384,14 +387,18 @@ __device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio
     const uint32_t sq_tail = load_volatile(&qp->sq_tail);
     // The command id carries the ticket's generation bits: a completion whose id does not match
     // the slot's current ticket, or for a ticket already completed, is not ours to count. One
-    // naming another SQ, reporting an SQ head outside [sq_head, sq_tail], or completing a ticket
-    // not published or not fetched yet is a controller fault (as in nvme-driver's reap): it
-    // completes nothing, its slot stays busy, and the launch's polling threads fail every
-    // unfinished IOCB of the launch with GIO_IOCB_STATUS_CONTROLLER_FAULT, which makes the host
-    // reset the queue pairs.
+    // naming another SQ, reporting an SQ head outside both [sq_head, sq_tail] and its live
+    // ticket's own window (an SQHD behind sq_head is believed inside it: SQHD is the head when
+    // the entry was created, and entries need not be posted in that order), or completing a
+    // ticket not published or not fetched yet is a controller fault (the rule of nvme-driver's
+    // reap): it completes nothing, its slot stays busy, and the launch's polling threads fail
+    // every unfinished IOCB of the launch with GIO_IOCB_STATUS_CONTROLLER_FAULT, which makes the
+    // host reset the queue pairs.
     const uint32_t verdict =
         gio_completion_verdict(load_volatile(&qp->controller_faults), sq_id, qp->qid, command_id, sqhd, ticket,
-                               load_volatile(&slot->done_ticket), sq_head, sq_tail, qp->sq_depth);
+                               load_volatile(&slot->done_ticket), *sq_head, sq_tail, qp->sq_depth);
+    // Judged with the same ticket and tail as the verdict: those read above, not reread.
+    *sq_head = gio_sq_head_after(verdict, sqhd, ticket, *sq_head, sq_tail, qp->sq_depth);
     if (verdict == GIO_COMPLETION_PAIR_FAULTED) {
         return verdict;  // counted once already; try_reap_cq leaves the entry in the CQ
     }
@@ -443,7 +450,6 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
     }
     const nvme_cqe* entries = device_pointer<const nvme_cqe>(qp->cq_entries);
     const uint32_t cq_depth = qp->cq_depth;
-    const uint32_t sq_depth = qp->sq_depth;
     uint32_t head = load_volatile(&qp->cq_head);
     uint32_t sq_head = load_volatile(&qp->sq_head);
     const uint32_t first = head;
@@ -470,17 +476,14 @@ __device__ void try_reap_cq(const gio_launch_params& params, gio_nvme_qp* qp) {
         const uint16_t command_id = load_volatile(&entry->command_id);
         const uint16_t sqhd = load_volatile(&entry->sq_head);
         const uint32_t verdict =
-            process_nvme_completion(params, qp, sq_id, command_id, sqhd, status, sq_head, &claim_held);
+            process_nvme_completion(params, qp, sq_id, command_id, sqhd, status, &sq_head, &claim_held);
         if (verdict == GIO_COMPLETION_PAIR_FAULTED) {
             break;  // not consumed: nothing the faulted controller posts is applied
         }
         ++head;  // consumed either way, so the phase tag logic stays in step with the controller
         if (gio_completion_is_fault(verdict)) {
-            break;  // its SQ head is not applied; the fault ends the launch (see above)
+            break;  // its SQ head was not applied; the fault ends the launch (see above)
         }
-        // SQHD is a slot index, found in [sq_head, sq_tail] by the verdict: the free-running head
-        // it names.
-        sq_head = gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth);
     }
     if (head != first) {
         store_volatile(&qp->cq_head, head);

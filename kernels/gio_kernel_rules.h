@@ -15,7 +15,8 @@
 #define GIO_COMPLETION_UNEXPECTED 1u   /* stale or foreign command id: counted, completes nothing */
 #define GIO_COMPLETION_WRONG_QUEUE 2u  /* names another SQ: a controller fault, completes nothing */
 #define GIO_COMPLETION_PAIR_FAULTED 3u /* the pair's controller faulted before: not even read */
-#define GIO_COMPLETION_BAD_SQ_HEAD 4u  /* SQHD outside [sq_head, sq_tail]: a controller fault */
+#define GIO_COMPLETION_BAD_SQ_HEAD 4u  /* SQHD outside [sq_head, sq_tail] and outside the live
+                                        * ticket's own window: a controller fault */
 #define GIO_COMPLETION_NOT_FETCHED 5u  /* completes a command not published, or whose entry SQHD
                                         * says was not fetched yet: a controller fault */
 
@@ -26,11 +27,20 @@ GIO_RULE int gio_completion_is_fault(uint32_t verdict) {
            verdict == GIO_COMPLETION_NOT_FETCHED;
 }
 
-/* The free-running SQ head an SQHD slot index names: the one position in [sq_head, sq_head +
- * sq_depth) with that slot (sq_depth a power of two). Applied only once gio_completion_verdict
- * found it in [sq_head, sq_tail]. */
+/* The free-running SQ head an SQHD slot index names read forward: the one position in [sq_head,
+ * sq_head + sq_depth) with that slot (sq_depth a power of two). */
 GIO_RULE uint32_t gio_sq_head_from_sqhd(uint32_t sq_head, uint32_t sqhd, uint32_t sq_depth) {
     return sq_head + ((sqhd - sq_head) & (sq_depth - 1u));
+}
+
+/* The free-running SQ head an SQHD slot index names read in ticket `ticket`'s window: the one
+ * position in (ticket, ticket + sq_depth] with that slot. The heads the controller can have had
+ * once it fetched the ticket's entry lie there, up to the tail published, which is at most
+ * ticket + sq_depth: ticket + sq_depth shares the ticket's slot and is not written before the
+ * ticket completed. So for a live ticket the position is exact, whatever the order the
+ * completions are posted in. */
+GIO_RULE uint32_t gio_sq_head_in_ticket_window(uint32_t ticket, uint32_t sqhd, uint32_t sq_depth) {
+    return ticket + 1u + ((sqhd - ticket - 1u) & (sq_depth - 1u));
 }
 
 /* The deepest NVMe queue pair the kernel drives (gpu::plan::GPU_QUEUE_DEPTH_MAX on the Rust side,
@@ -57,21 +67,29 @@ GIO_RULE uint32_t gio_command_id(uint32_t ticket) {
  * several reapers, one may consume the faulty entry while another, on a later entry, would
  * otherwise still complete a command. An entry whose SQ id is not the queue's is a controller
  * fault, checked next because none of its other fields (command id, SQ head) can then be trusted.
- * Then the SQ head it reports (`sqhd`, a slot index) must lie between the head seen so far
- * (`sq_head`, free-running) and the tail published to the controller (`sq_tail`, free-running):
- * a head past the tail would let the tail publication move past entries the controller has not
- * fetched (it re-fetches stale SQEs). Then the command id must be the slot's current ticket's
- * (gio_command_id: slot index plus generation bits) and that ticket must not be completed yet (else UNEXPECTED).
- * Last, the ticket must have been published (below sq_tail) and fetched (the new head past its
- * entry): a completion for a command the controller cannot have read would hand its buffer back
- * while the entry, published later, still names it. Every counter is free-running and modular;
- * the kernel keeps sq_tail - sq_head below sq_depth, so the windows below are unambiguous.
+ * Then the SQ head it reports (`sqhd`, a slot index) is read against the head seen so far
+ * (`sq_head`, free-running) and the tail published to the controller (`sq_tail`, free-running).
+ * SQHD is the head when the controller created the entry (NVMe Base Spec 2.0, §4.6), and nothing
+ * makes it post entries in that order, so a later entry may carry an older head:
+ * - an entry whose command id is the slot's current ticket's (gio_command_id: slot index plus
+ *   generation bits), not completed yet, is accepted when SQHD lies in that ticket's own window
+ *   (gio_sq_head_in_ticket_window: past its entry up to sq_tail; the ticket must have been
+ *   published, below sq_tail). Outside it the entry completes a command the controller cannot
+ *   have fetched: NOT_FETCHED when SQHD lies in [sq_head, sq_tail], else BAD_SQ_HEAD;
+ * - any other entry (stale, foreign or duplicated command id) has no window: UNEXPECTED when SQHD
+ *   lies in [sq_head, sq_tail], else BAD_SQ_HEAD.
+ * A head past the tail would let the tail publication move past entries the controller has not
+ * fetched (it re-fetches stale SQEs); a completion for a command it cannot have read would hand
+ * its buffer back while the entry, published later, still names it. The head to apply after a
+ * verdict is gio_sq_head_after's. Every counter is free-running and modular; the kernel keeps
+ * sq_tail - sq_head below sq_depth and sq_tail - ticket at most sq_depth, so the windows below are
+ * unambiguous. nvme-driver applies the same rule (accept_submission_head).
  */
 GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reported_sq_id, uint32_t queue_id,
                                          uint32_t command_id, uint32_t sqhd, uint32_t slot_ticket,
                                          uint32_t slot_done_ticket, uint32_t sq_head, uint32_t sq_tail,
                                          uint32_t sq_depth) {
-    uint32_t new_head;
+    int forward, names_live_ticket, published;
     if (pair_faulted != 0u) {
         return GIO_COMPLETION_PAIR_FAULTED;
     }
@@ -82,17 +100,40 @@ GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reporte
     if (sqhd >= sq_depth) {
         return GIO_COMPLETION_BAD_SQ_HEAD;
     }
-    new_head = gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth);
-    if ((uint32_t)(new_head - sq_head) > (uint32_t)(sq_tail - sq_head)) {
-        return GIO_COMPLETION_BAD_SQ_HEAD;
+    forward = (uint32_t)(gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth) - sq_head) <= (uint32_t)(sq_tail - sq_head);
+    names_live_ticket = gio_command_id(slot_ticket) == command_id && slot_done_ticket != slot_ticket + 1u;
+    if (!names_live_ticket) {
+        return forward ? GIO_COMPLETION_UNEXPECTED : GIO_COMPLETION_BAD_SQ_HEAD;
     }
-    if (gio_command_id(slot_ticket) != command_id || slot_done_ticket == slot_ticket + 1u) {
-        return GIO_COMPLETION_UNEXPECTED;
+    published = (uint32_t)(sq_tail - slot_ticket - 1u) < sq_depth;
+    if (published && (uint32_t)(gio_sq_head_in_ticket_window(slot_ticket, sqhd, sq_depth) - slot_ticket - 1u) <=
+                         (uint32_t)(sq_tail - slot_ticket - 1u)) {
+        return GIO_COMPLETION_ACCEPT;
     }
-    if ((uint32_t)(sq_tail - slot_ticket - 1u) >= sq_depth || (uint32_t)(new_head - slot_ticket - 1u) >= sq_depth) {
-        return GIO_COMPLETION_NOT_FETCHED;
+    return forward ? GIO_COMPLETION_NOT_FETCHED : GIO_COMPLETION_BAD_SQ_HEAD;
+}
+
+/*
+ * The free-running SQ head after an entry gio_completion_verdict judged with the same arguments.
+ * Heads only move forward: an ACCEPTed entry moves sq_head to the position SQHD names in its
+ * ticket's window only if that lies past sq_head, and leaves it otherwise (an entry posted after
+ * one created later). Read forward instead, an SQHD behind sq_head would move the head almost a
+ * lap ahead, and try_publish_sq would then publish over entries the controller has not fetched.
+ * An UNEXPECTED entry's SQHD lies in [sq_head, sq_tail] (the verdict checked it) and is applied
+ * there; after a fault (or on a faulted pair) nothing the entry says is applied. Both positions
+ * lie at most sq_depth behind sq_tail, so comparing their distances to it is exact.
+ */
+GIO_RULE uint32_t gio_sq_head_after(uint32_t verdict, uint32_t sqhd, uint32_t slot_ticket, uint32_t sq_head,
+                                    uint32_t sq_tail, uint32_t sq_depth) {
+    uint32_t own;
+    if (verdict == GIO_COMPLETION_UNEXPECTED) {
+        return gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth);
     }
-    return GIO_COMPLETION_ACCEPT;
+    if (verdict != GIO_COMPLETION_ACCEPT) {
+        return sq_head;
+    }
+    own = gio_sq_head_in_ticket_window(slot_ticket, sqhd, sq_depth);
+    return (uint32_t)(sq_tail - own) < (uint32_t)(sq_tail - sq_head) ? own : sq_head;
 }
 
 /*

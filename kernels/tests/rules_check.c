@@ -120,9 +120,11 @@ static void check_completion_verdicts(void) {
 
 
 /* The SQ side of a completion, as nvme-driver's reap (accept_submission_head and its
- * CompletionBeforeFetch check): SQHD must lie in [sq_head, sq_tail] (the tail published to the
- * controller), and the completed ticket must have been published (below sq_tail) and fetched
- * (SQHD past its entry). Any other completion is a controller fault, never an ACCEPT. */
+ * CompletionBeforeFetch check): the completed ticket must have been published (below sq_tail, the
+ * tail published to the controller) and SQHD must lie in its window, past its entry (fetched) up
+ * to sq_tail; it may lie behind sq_head there (check_completion_out_of_creation_order). Any other
+ * completion is a controller fault, never an ACCEPT: NOT_FETCHED when SQHD lies in [sq_head,
+ * sq_tail], else BAD_SQ_HEAD. */
 static void check_completion_sq_heads(void) {
     const uint32_t queue = 3u, depth = 64u;
     /* D = 64: tickets 0..62 published (sq_tail 63), ticket 63 written but held back (SQ full). */
@@ -165,25 +167,89 @@ static void check_completion_sq_heads(void) {
         const uint64_t tail = base + 40u;  /* sq_tail, unwrapped: 2^32 + 24 */
         uint64_t ticket;
         uint32_t sqhd;
-        unsigned accepted = 0;
+        unsigned accepted = 0, behind = 0;
         for (ticket = tail - depth - 4u; ticket <= tail + 4u; ticket++) {
             for (sqhd = 0; sqhd <= 0xFFFFu; sqhd++) {
                 const uint32_t t = (uint32_t)ticket;
                 const uint32_t verdict = gio_completion_verdict(0u, queue, queue, gio_command_id(t), sqhd, t,
                                                                 t + 1u - depth, (uint32_t)base, (uint32_t)tail, depth);
-                /* The head SQHD names: the one position in [base, base + depth) with that slot. */
+                /* The head SQHD names read forward: the one position in [base, base + depth) with
+                 * that slot; and read in the ticket's window: the one in (ticket, ticket + depth]. */
                 const uint64_t head = base + ((sqhd + depth - (base % depth)) % depth);
-                const int head_ok = sqhd < depth && head <= tail;
-                const int fetched = ticket < tail && ticket + depth >= tail && head > ticket;
-                const uint32_t expected = !head_ok  ? GIO_COMPLETION_BAD_SQ_HEAD
-                                          : !fetched ? GIO_COMPLETION_NOT_FETCHED
-                                                     : GIO_COMPLETION_ACCEPT;
+                const uint64_t own = ticket + 1u + ((sqhd + 2u * depth - ((ticket + 1u) % depth)) % depth);
+                const int forward = sqhd < depth && head <= tail;
+                const int published = ticket < tail && ticket + depth >= tail;
+                const int in_window = sqhd < depth && published && own <= tail;
+                const uint32_t expected = in_window ? GIO_COMPLETION_ACCEPT
+                                          : forward ? GIO_COMPLETION_NOT_FETCHED
+                                                    : GIO_COMPLETION_BAD_SQ_HEAD;
                 expect(verdict == expected, "SQ head sweep near the wrap", sqhd);
                 accepted += verdict == GIO_COMPLETION_ACCEPT;
+                behind += verdict == GIO_COMPLETION_ACCEPT && own < base;
+                /* The head after it: the furthest of sq_head and the accepted SQHD's position,
+                 * never a lap forward; unchanged after a fault. */
+                expect(gio_sq_head_after(verdict, sqhd, t, (uint32_t)base, (uint32_t)tail, depth) ==
+                           (uint32_t)(expected == GIO_COMPLETION_ACCEPT && own > base ? own : base),
+                       "SQ head after, sweep near the wrap", sqhd);
             }
         }
         expect(accepted > 100u, "the sweep accepts some completions", accepted);
+        expect(behind > 100u, "the sweep accepts some SQ heads behind sq_head", behind);
     }
+}
+
+/* Completions posted out of creation order, as nvme-driver's reap takes them: SQHD is the SQ head
+ * when the controller created the entry (NVMe Base Spec 2.0, §4.6), and nothing makes it post
+ * entries in that order, so a completion may report a head behind the one seen so far. It is
+ * accepted when that head lies in its own ticket's window (past the ticket's entry, up to the
+ * tail published); anything else stays a fault. */
+static void check_completion_out_of_creation_order(void) {
+    const uint32_t queue = 3u, depth = 8u;
+    /* Tickets 0, 1 and 2 published (sq_tail 3); ticket 2's completion came first with SQHD 3, so
+     * sq_head is 3. Ticket 0's, created at head 1, comes next. */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(0u), 1u, 0u, 1u - depth, 3u, 3u, depth) ==
+               GIO_COMPLETION_ACCEPT,
+           "SQHD behind sq_head but past the ticket's own entry is accepted", 1u);
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(1u), 3u, 1u, 2u - depth, 3u, 3u, depth) ==
+               GIO_COMPLETION_ACCEPT,
+           "ticket 1 at the head seen so far is accepted", 3u);
+    /* The head only moves forward: ticket 0's SQHD 1 names position 1 in its window, behind 3.
+     * Read forward from 3 it would name 9, almost a lap ahead (try_publish_sq would then publish
+     * over entries not fetched). */
+    expect(gio_sq_head_after(GIO_COMPLETION_ACCEPT, 1u, 0u, 3u, 3u, depth) == 3u,
+           "an accepted SQHD behind sq_head leaves sq_head", gio_sq_head_after(GIO_COMPLETION_ACCEPT, 1u, 0u, 3u, 3u, depth));
+    expect(gio_sq_head_after(GIO_COMPLETION_ACCEPT, 3u, 2u, 1u, 3u, depth) == 3u,
+           "an accepted SQHD past sq_head moves it there", gio_sq_head_after(GIO_COMPLETION_ACCEPT, 3u, 2u, 1u, 3u, depth));
+    expect(gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 2u, 0u, 1u, 3u, depth) == 2u,
+           "an unexpected completion's SQHD (in [sq_head, sq_tail]) is applied", 2u);
+    expect(gio_sq_head_after(GIO_COMPLETION_NOT_FETCHED, 2u, 0u, 1u, 3u, depth) == 1u &&
+               gio_sq_head_after(GIO_COMPLETION_BAD_SQ_HEAD, 2u, 0u, 1u, 3u, depth) == 1u &&
+               gio_sq_head_after(GIO_COMPLETION_WRONG_QUEUE, 2u, 0u, 1u, 3u, depth) == 1u &&
+               gio_sq_head_after(GIO_COMPLETION_PAIR_FAULTED, 2u, 0u, 1u, 3u, depth) == 1u,
+           "a fault's SQHD is not applied", 2u);
+    expect(gio_sq_head_after(GIO_COMPLETION_ACCEPT, 7u, 0xFFFFFFFEu, 0u, 0u, depth) == 0u,
+           "an accepted SQHD behind sq_head across the wrap leaves sq_head", 7u);
+    /* Ticket 1 created at head 1 would say its entry was never fetched: not in its window. */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(1u), 1u, 1u, 2u - depth, 3u, 3u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD behind sq_head and not past the ticket's entry is a fault", 1u);
+    /* A completion naming no live ticket has no window: behind sq_head is a fault, as before. */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(1u), 1u, 1u, 2u, 3u, 3u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD behind sq_head on a completed ticket is a fault", 1u);
+    expect(gio_completion_verdict(0u, queue, queue, 0x7700u, 1u, 0u, 1u - depth, 3u, 3u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD behind sq_head on a foreign command id is a fault", 0x7700u);
+    /* A ticket never published (ticket 3, sq_tail 3) has no window either. */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(3u), 1u, 3u, 4u - depth, 3u, 3u, depth) ==
+               GIO_COMPLETION_BAD_SQ_HEAD,
+           "SQHD behind sq_head on a ticket never published is a fault", 3u);
+    /* The same across the 2^32 wrap: tickets 2^32 - 2 and 2^32 - 1 published (sq_tail 0 after the
+     * wrap), the second completed with SQHD 0 (sq_head 0); the first one's completion was created
+     * at head 2^32 - 1 (slot 7). */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(0xFFFFFFFEu), 7u, 0xFFFFFFFEu, 0xFFFFFFFFu - depth,
+                                  0u, 0u, depth) == GIO_COMPLETION_ACCEPT,
+           "SQHD behind sq_head across the wrap is accepted in its window", 7u);
 }
 
 /* gio CQ claims (gio_cq_may_claim): a model of the kernel's protocol, with free-running counters
@@ -367,6 +433,7 @@ int main(int argc, char **argv) {
     check_completion_verdicts();
     check_command_ids();
     check_completion_sq_heads();
+    check_completion_out_of_creation_order();
     check_cq_claims();
     check_ioctx_commands();
     if (failures != 0) {
