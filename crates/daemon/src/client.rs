@@ -196,7 +196,7 @@ impl Client {
     /// the prefix, in this session's key space (an engine holding blocks 0..first_block itself
     /// needs only the run from there).
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
-        Client::check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, tokens)?;
+        self.check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::Lookup, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, block_tokens } => {
                 self.checked_lookup(Kind::LookupReply, tokens.len(), first_block, cached_blocks, block_tokens)
@@ -214,7 +214,7 @@ impl Client {
 
     /// As [`Client::lookup_all_ranks`], for the run of blocks from `first_block`: where it ends.
     pub fn lookup_all_ranks_from(&mut self, tokens: &[u32], first_block: u32) -> Result<u32, DaemonError> {
-        Client::check_tokens_fit(Kind::LookupAllRanks, LOOKUP_FROM_FIXED_BYTES, tokens)?;
+        self.check_tokens_fit(Kind::LookupAllRanks, LOOKUP_FROM_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupAllRanks, |out| encode_lookup_from_body(tokens, first_block, out), &[])? {
             Reply::Lookup { cached_blocks, block_tokens } => {
                 self.checked_lookup(Kind::LookupReply, tokens.len(), first_block, cached_blocks, block_tokens)
@@ -236,7 +236,7 @@ impl Client {
     /// reply whose local prefix, remote blocks or a holder's blocks pass the prompt's full
     /// blocks is refused as a malformed body, and the connection left out of step.
     pub fn lookup_cluster(&mut self, tokens: &[u32]) -> Result<crate::protocol::ClusterLookupReply, DaemonError> {
-        Client::check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, tokens)?;
+        self.check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::LookupCluster, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::ClusterLookup(reply) => {
                 let cached = self.checked_lookup(Kind::ClusterLookupReply, tokens.len(), 0, reply.cached_blocks, reply.block_tokens)?;
@@ -269,7 +269,7 @@ impl Client {
     /// failure is `Remote { code: RemoteReadFailed, .. }`: recompute those blocks. The client's
     /// timeout must cover the fetch (a segment's read and local store per segment).
     pub fn fetch_remote(&mut self, tokens: &[u32]) -> Result<(u32, u32), DaemonError> {
-        Client::check_tokens_fit(Kind::FetchRemote, LOOKUP_FIXED_BYTES, tokens)?;
+        self.check_tokens_fit(Kind::FetchRemote, LOOKUP_FIXED_BYTES, tokens)?;
         match self.exchange(Kind::FetchRemote, |out| encode_lookup_body(tokens, out), &[])? {
             Reply::Fetched { cached_blocks, fetched_blocks } => {
                 // The local prefix after the fetch (the fetched blocks included) and the blocks
@@ -347,9 +347,14 @@ impl Client {
     /// Refuses a request whose body is `fixed_bytes` and then 4 bytes per token when that
     /// passes the frame cap, before any of it is encoded: a prompt of millions of tokens would
     /// otherwise be encoded whole (40 MB for 10M tokens) only to be refused
-    /// ([`DaemonError::RequestTooLarge`], as `encode_frame` would; nothing sent, in step).
-    fn check_tokens_fit(kind: Kind, fixed_bytes: usize, tokens: &[u32]) -> Result<(), DaemonError> {
+    /// ([`DaemonError::RequestTooLarge`], as `encode_frame` would; nothing sent, in step). A
+    /// connection already out of step fails first as such, as every call on it does
+    /// ([`Client::exchange`]): its callers reconnect rather than take the prompt for too long.
+    fn check_tokens_fit(&self, kind: Kind, fixed_bytes: usize, tokens: &[u32]) -> Result<(), DaemonError> {
         use crate::protocol::BODY_BYTES_MAX;
+        if let Some(cause) = &self.broken {
+            return Err(Client::out_of_step(cause));
+        }
         let body_bytes = tokens.len().saturating_mul(4).saturating_add(fixed_bytes);
         if body_bytes > BODY_BYTES_MAX as usize {
             return Err(DaemonError::RequestTooLarge {
@@ -589,7 +594,18 @@ pub(crate) mod tests {
         let mut client = Client::detached("lent to the keep-alive ping").unwrap();
         assert!(client.is_broken());
         let started = Instant::now();
-        for outcome in [client.ping(), client.status().map(|_| ()), client.lookup(&[1, 2, 3]).map(|_| ())] {
+        // A prompt too long for a frame included: the lost connection, not RequestTooLarge (a
+        // Python LookupClient would raise InvalidArgument, not Disconnected).
+        let long = vec![0u32; 300_000];
+        for outcome in [
+            client.ping(),
+            client.status().map(drop),
+            client.lookup(&[1, 2, 3]).map(drop),
+            client.lookup(&long).map(drop),
+            client.lookup_all_ranks(&long).map(drop),
+            client.lookup_cluster(&long).map(drop),
+            client.fetch_remote(&long).map(drop),
+        ] {
             match outcome {
                 Err(DaemonError::Io { context, source }) => {
                     assert_eq!(source.kind(), std::io::ErrorKind::NotConnected);
@@ -1061,10 +1077,10 @@ pub(crate) mod tests {
         let mut frame = Vec::new();
         for count in [262_141, 262_142, 262_143, 262_144] {
             let tokens = vec![0u32; count];
-            let checked = Client::check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, &tokens).is_ok();
+            let checked = client.check_tokens_fit(Kind::LookupCluster, LOOKUP_FIXED_BYTES, &tokens).is_ok();
             let encoded = encode_frame(&mut frame, Kind::LookupCluster, 1, |out| encode_lookup_body(&tokens, out)).is_ok();
             assert_eq!(checked, encoded, "a lookup body of {count} tokens");
-            let checked = Client::check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, &tokens).is_ok();
+            let checked = client.check_tokens_fit(Kind::Lookup, LOOKUP_FROM_FIXED_BYTES, &tokens).is_ok();
             let encoded = encode_frame(&mut frame, Kind::Lookup, 1, |out| encode_lookup_from_body(&tokens, 3, out)).is_ok();
             assert_eq!(checked, encoded, "a lookup-from body of {count} tokens");
         }
