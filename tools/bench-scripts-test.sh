@@ -31,8 +31,7 @@
 # 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
 #    runs the Python store's slot size and layers in flight and takes the same median;
 #    vllm_load.py's round order lets each setting follow two different ones over its default
-#    rounds; tools/python/bench's: lmcache_table.py's report checks (the LMCache comparison's
-#    table).
+#    rounds. (tools/python/bench's tests run in the python stage: tools/python/core-test.sh.)
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -211,13 +210,11 @@ for settings in "" "TUTTI_BENCH_SHADOW=1 TUTTI_BENCH_PIN=0 TUTTI_BENCH_REPEAT=2"
         "$(grep -v -e ' --scramble_buffers=0 ' -e 'unstamped=--scramble_buffers=0;' <<< "$writes" | cut -d';' -f1 | tr '\n' ';')"
 done
 
-# 7. python/bench's and tools/python/bench's tests.
-for bench_dir in python/bench tools/python/bench; do
-    python3 -m unittest discover -s "$HERE/../$bench_dir" -p 'test_*.py' > "$WORK/python-bench.out" 2>&1
-    status=$?
-    check "$bench_dir unit tests pass" 0 "$status"
-    [ "$status" = 0 ] || cat "$WORK/python-bench.out" >&2
-done
+# 7. python/bench's tests.
+python3 -m unittest discover -s "$HERE/../python/bench" -p 'test_*.py' > "$WORK/python-bench.out" 2>&1
+status=$?
+check "python/bench unit tests pass" 0 "$status"
+[ "$status" = 0 ] || cat "$WORK/python-bench.out" >&2
 
 if [ "$failures" -gt 0 ]; then
     echo "bench-scripts-test: $failures check(s) failed" >&2
