@@ -238,6 +238,10 @@ impl AdminQueue {
             }
             std::hint::spin_loop();
         }
+        // The Acquire load of dword 3 does not order the body's loads after it for a device's
+        // writes on Arm: without this the body (command id included, which from_bytes takes
+        // from the copy) could be the slot's previous lap (see the driver's fence for why).
+        hw::fence_after_completion_phase();
         let mut bytes = [0u8; COMPLETION_ENTRY_BYTES];
         self.completion_queue.read(slot, &mut bytes)?;
         let completion = CompletionEntry::from_bytes(&bytes);
