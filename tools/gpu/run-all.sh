@@ -6,6 +6,8 @@
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
 #                                       GPU machine cannot build, into target/gpu-carry/
 #   tools/gpu/run-all.sh --plan         the device call and its time arithmetic (below), as key=value
+#   tools/gpu/run-all.sh --plan --left-s N   that call sized for N s of device time left (status's
+#                                       budget_left_s, read right before the call), or call=no
 #   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs run in the order given (default: the
 #                                       planned call's, tests green bandwidth ipc prefill python slack):
 #     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
@@ -31,7 +33,8 @@
 # goes back 30 s after a call: a second call sent after an agent's turn may find it gone and pay
 # a fresh start out of a budget sized for a warm one. So there is ONE call, every step in it,
 # slack (whose budget is simply what is left) last: `bash tools/gpu/run-all.sh tests green
-# bandwidth ipc prefill python slack` with timeout_s 590 (PLAN_TIMEOUT_S); its deadline (below,
+# bandwidth ipc prefill python slack` with timeout_s 590 (PLAN_TIMEOUT_S; less, with a deadline to
+# match, where status says less than 900 s is left: --plan --left-s); its deadline (below,
 # default 570) ends every step 20 s before that, and 150 s of start + 590 leaves 160 s of the 900
 # for the transfers and the close (a start of up to ~250 s still fits). `--plan` prints these
 # figures; tools/gpu/test_run_all.py (DevicePlan) checks them against the device's limits and
@@ -96,16 +99,48 @@ PLAN_START_MAX_S=150 # the slowest machine start seen
 PLAN_TIMEOUT_S=590   # the call's timeout_s (a call may run 600 s)
 PLAN_DEADLINE_S=570  # every step has ended by then; 20 s for the exit (tuttid's stop, the log trim)
 PLAN_STEPS=(tests green bandwidth ipc prefill python slack)
+# A session with less than PLAN_SESSION_S left (a retry after a failed start, which costs 1-2
+# minutes per kind tried, or a later session at the same work: the device counts earlier tries
+# in, and cuts a call's limit to what is left) sizes its call from status's budget_left_s:
+# `--plan --left-s N` gives timeout_s = min(PLAN_TIMEOUT_S, N - PLAN_START_MAX_S -
+# PLAN_TRANSFER_MARGIN_S) and the command with RUN_ALL_DEADLINE_S = timeout_s - 20, so the call
+# ends by its own deadline, inside the time the tool allows it, and $OUT still comes back. Under
+# PLAN_TIMEOUT_MIN_S for the call (N under 300) it says not to call.
+PLAN_TRANSFER_MARGIN_S=60 # the upload (~9 MB of tree, ~23 MB of carry), the download and the close
+PLAN_TIMEOUT_MIN_S=90     # less, and the steps after the start and transfers are hardly worth it
 if [[ "${1:-}" == "--plan" ]]; then
+  timeout_s=$PLAN_TIMEOUT_S deadline_s=$PLAN_DEADLINE_S command="bash tools/gpu/run-all.sh ${PLAN_STEPS[*]}"
+  if [[ $# -gt 1 ]]; then
+    if [[ "$2" != --left-s || $# -ne 3 || ! "$3" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
+      echo "run-all: usage: run-all.sh --plan [--left-s SECONDS] (SECONDS: status's budget_left_s, a whole number)" >&2
+      exit 2
+    fi
+    left=$3 floor=$((PLAN_START_MAX_S + PLAN_TRANSFER_MARGIN_S + PLAN_TIMEOUT_MIN_S))
+    echo "left_s=$left"
+    echo "start_max_s=$PLAN_START_MAX_S"
+    echo "transfer_margin_s=$PLAN_TRANSFER_MARGIN_S"
+    if ((left < floor)); then
+      echo "call=no"
+      echo "reason=do not call: ${left} s left is under ${floor} s (a ${PLAN_START_MAX_S} s start, ${PLAN_TRANSFER_MARGIN_S} s of transfers and the close, and a call of at least ${PLAN_TIMEOUT_MIN_S} s); the steps wait for a later session"
+      exit 0
+    fi
+    timeout_s=$((left - PLAN_START_MAX_S - PLAN_TRANSFER_MARGIN_S))
+    ((timeout_s > PLAN_TIMEOUT_S)) && timeout_s=$PLAN_TIMEOUT_S
+    deadline_s=$((timeout_s - 20))
+    command="RUN_ALL_DEADLINE_S=$deadline_s $command"
+    echo "call=yes"
+  else
+    echo "session_s=$PLAN_SESSION_S"
+    echo "start_max_s=$PLAN_START_MAX_S"
+    echo "transfer_margin_s=$PLAN_TRANSFER_MARGIN_S"
+    echo "left_for_transfers_and_close_s=$((PLAN_SESSION_S - PLAN_START_MAX_S - PLAN_TIMEOUT_S))"
+  fi
   echo "calls=1"
   echo "steps=${PLAN_STEPS[*]}"
-  echo "command=bash tools/gpu/run-all.sh ${PLAN_STEPS[*]}"
+  echo "command=$command"
   echo "carry=target/gpu-carry"
-  echo "timeout_s=$PLAN_TIMEOUT_S"
-  echo "deadline_s=$PLAN_DEADLINE_S"
-  echo "session_s=$PLAN_SESSION_S"
-  echo "start_max_s=$PLAN_START_MAX_S"
-  echo "left_for_transfers_and_close_s=$((PLAN_SESSION_S - PLAN_START_MAX_S - PLAN_TIMEOUT_S))"
+  echo "timeout_s=$timeout_s"
+  echo "deadline_s=$deadline_s"
   exit 0
 fi
 CU_PROGRAMS=(green-contexts h2d-bandwidth)

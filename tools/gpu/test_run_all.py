@@ -339,11 +339,50 @@ class DevicePlan(unittest.TestCase):
     after 30 s idle, so a second call after an agent's turn may find it gone and pay a fresh start
     out of a budget sized for a warm one (issue 15: one call, every step, slack last)."""
 
-    def plan(self) -> dict[str, str]:
-        done = subprocess.run(["bash", os.path.join(ROOT, "tools/gpu/run-all.sh"), "--plan"], capture_output=True,
+    def plan(self, *extra: str) -> dict[str, str]:
+        done = subprocess.run(["bash", os.path.join(ROOT, "tools/gpu/run-all.sh"), "--plan", *extra], capture_output=True,
                               text=True, timeout=30)
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
         return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+    def test_a_session_with_less_left_gets_a_call_sized_to_it(self):
+        # Goal: a retry after a failed start, or a later session's call at the same work, has less
+        # than 900 s left (status's budget_left_s). The call is sized from what is left: the
+        # slowest start and the transfers come off it first, and run-all's deadline is the
+        # call's timeout_s less 20 s, so the tool's own cut of the call (limit_s) never lands
+        # inside a step and $OUT comes back. Before, --plan took no input and the call was
+        # always timeout_s 590 with deadline 570.
+        full = self.plan()
+        for left in (900, 1000, 660, 500, 300):
+            with self.subTest(left=left):
+                plan = self.plan("--left-s", str(left))
+                self.assertEqual(plan["call"], "yes", plan)
+                timeout, deadline = int(plan["timeout_s"]), int(plan["deadline_s"])
+                start, transfers = int(plan["start_max_s"]), int(plan["transfer_margin_s"])
+                self.assertLessEqual(timeout, 590)
+                self.assertLessEqual(start + transfers + timeout, left, plan)
+                self.assertEqual(timeout, min(590, left - start - transfers), plan)
+                self.assertEqual(deadline, timeout - 20, plan)
+                self.assertEqual(plan["command"], f"RUN_ALL_DEADLINE_S={deadline} {full['command']}", plan)
+                self.assertEqual(plan["steps"], full["steps"])
+        plan = self.plan("--left-s", "660")
+        self.assertLessEqual(int(plan["timeout_s"]), 450, plan)
+        self.assertLessEqual(int(plan["deadline_s"]), int(plan["timeout_s"]) - 20, plan)
+        # Below the floor no call is made: a start and the transfers would leave the steps too
+        # little (and the device starts no machine under 240 s).
+        for left in (299, 280, 0):
+            with self.subTest(left=left):
+                plan = self.plan("--left-s", str(left))
+                self.assertEqual(plan["call"], "no", plan)
+                self.assertNotIn("command", plan)
+                self.assertNotIn("timeout_s", plan)
+                self.assertIn("do not call", plan["reason"])
+        for bad in ("", "-5", "5m", "12.5"):
+            with self.subTest(bad=bad):
+                done = subprocess.run(["bash", os.path.join(ROOT, "tools/gpu/run-all.sh"), "--plan", "--left-s", bad],
+                                      capture_output=True, text=True, timeout=30)
+                self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
+                self.assertIn("--left-s", done.stderr)
 
     def test_one_call_runs_every_step_with_slack_last(self):
         plan = self.plan()
