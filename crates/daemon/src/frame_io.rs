@@ -171,7 +171,32 @@ pub fn write_frame_with_fds(stream: &UnixStream, frame: &[u8], fds: &[BorrowedFd
     write_frame_until(stream, frame, fds, deadline, budget, false).map(drop)
 }
 
-/// How a client's write of a request ended when it did not fail.
+/// How a client's write of a request ended when it did not fail. Must be looked at: a caller
+/// that only propagates the error would take a frame cut short ([`Written::PeerSpoke`]) for
+/// one sent whole, and read the next frame as the reply to a request the daemon never got.
+///
+/// ```compile_fail
+/// #![deny(unused_must_use)]
+/// # use std::os::unix::net::UnixStream;
+/// # use std::time::{Duration, Instant};
+/// # use tutti_daemon::{frame_io::write_frame_with_fds_by, DaemonError};
+/// fn send(stream: &UnixStream, frame: &[u8]) -> Result<(), DaemonError> {
+///     write_frame_with_fds_by(stream, frame, &[], Instant::now(), Duration::ZERO)?;
+///     Ok(())
+/// }
+/// ```
+///
+/// ```no_run
+/// #![deny(unused_must_use)]
+/// # use std::os::unix::net::UnixStream;
+/// # use std::time::{Duration, Instant};
+/// # use tutti_daemon::{frame_io::{write_frame_with_fds_by, Written}, DaemonError};
+/// fn send(stream: &UnixStream, frame: &[u8]) -> Result<bool, DaemonError> {
+///     let written = write_frame_with_fds_by(stream, frame, &[], Instant::now(), Duration::ZERO)?;
+///     Ok(written == Written::Whole)
+/// }
+/// ```
+#[must_use = "a PeerSpoke write sent only part of the frame: read the peer's goodbye, not a reply"]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Written {
     /// The whole frame was sent.
