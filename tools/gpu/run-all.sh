@@ -40,10 +40,10 @@
 # figures; tools/gpu/test_run_all.py (DevicePlan) checks them against the device's limits and
 # the runbook. ipc, short, comes before prefill because it proves the CUDA IPC path through
 # tuttid that prefill stands on. The slack profile gets --budget-s of what is left less its
-# margins and a hard `timeout` of that plus 45 s (it rewrites its CSV after each input length, so
-# a kill keeps the lengths done); the SM count comes from the header's probe (no second torch
-# import), then the import: everything ends by the deadline, before the call's limit. The rest of
-# its grid waits for a later session (--input-first K, docs/gio-uring.md).
+# margins and a hard `timeout` of that plus 45 s, also when the deadline bounds it (it rewrites
+# its CSV after each input length, so a kill keeps the lengths done); the SM count comes from the
+# header's probe (no second torch import), then the import: everything ends by the deadline, before
+# the call's limit. The rest of its grid waits for a later session (--input-first K, docs/gio-uring.md).
 # docs/gio-uring.md ("Running on a GPU") gives the exact call and the carry list. `bash` in front:
 # the copy may not keep exec bits (carried binaries are chmod +x'ed at the start for the same
 # reason).
@@ -295,9 +295,10 @@ cap() {
 # python and prefill import torch (10-20 s on the GPU machine) and install the wheel before their
 # own limits are worked out, so their minimums are those limits' needs plus 20 s: python's check
 # gets the cap less 40 s (tuttid's stop) and needs 20 s; prefill needs a 30 s budget plus 90 s of
-# margin. Lower, a started step spent its imports and then said NOT RUN anyway.
+# margin. Lower, a started step spent its imports and then said NOT RUN anyway. slack: a 30 s
+# budget, its 45 s hard-limit margin and the 20 s kept for the import.
 step_minimum() {
-  case "$1" in tests) echo 60 ;; prefill) echo 140 ;; slack) echo 60 ;; python) echo 80 ;; *) echo 30 ;; esac
+  case "$1" in tests) echo 60 ;; prefill) echo 140 ;; slack) echo 95 ;; python) echo 80 ;; *) echo 30 ;; esac
 }
 
 # run.log's size: the device tool brings back no file over 16 MiB.
@@ -654,15 +655,17 @@ step_slack() {
   local extra_args=()
   read -r -a extra_args <<<"${RUN_ALL_SLACK_ARGS:-}"
   args+=("${extra_args[@]}")
-  # The profile's hard limit is its budget plus 45 s (an input length it mispredicted): it rewrites
-  # the CSV after each input length, so a kill keeps the lengths done. 20 s of the deadline are kept
-  # for what follows (the SM count, from the header's probe or the profile's provenance: no torch
-  # import; the import and check take seconds): where the deadline is nearer, the hard limit shrinks
-  # first, then the budget (at most the limit less 20 s).
+  # The profile's hard limit is its budget plus 45 s (an input length it mispredicted: its next
+  # length's time is a quadratic guess, low for attention-heavy lengths): it rewrites the CSV after
+  # each input length, so a kill keeps the lengths done. 20 s of the deadline are kept for what
+  # follows (the SM count, from the header's probe or the profile's provenance: no torch import;
+  # the import and check take seconds): where the deadline is nearer (always, last in the planned
+  # call), the hard limit is what is left less those 20 s and the budget shrinks to it less 45 s,
+  # so the margin stays 45 s.
   limit=$(($(cap $((budget_s + 45 + 20))) - 20))
-  ((budget_s > limit - 20)) && budget_s=$((limit - 20))
+  ((budget_s > limit - 45)) && budget_s=$((limit - 45))
   if ((budget_s < 30)); then
-    record "NOT RUN slack: deadline (a ${limit} s limit leaves no 30 s budget)"
+    record "NOT RUN slack: deadline (a ${limit} s limit leaves no 30 s budget after its 45 s margin)"
     return 1
   fi
   section "slack-profile.py (budget $budget_s s, limit $limit s)"
@@ -672,7 +675,7 @@ step_slack() {
     # The profiler path failed outright: CUDA events give group durations (SMs unknown) instead.
     local left=$((budget_s - (SECONDS - started)))
     local room=$(($(cap $((left + 45 + 20))) - 20))
-    ((left > room - 20)) && left=$((room - 20))
+    ((left > room - 45)) && left=$((room - 45))
     if [[ $left -gt 60 ]]; then
       record "NOTE slack: the profiler run failed (exit $rc); retrying with --timing events, ${left} s left"
       limit=$room

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -245,6 +246,42 @@ class RunAll(unittest.TestCase):
         self.assertEqual(words[words.index("--io-sms") + 1], "8", words)
         self.assertEqual(words[words.index("--io-sm-granularity") + 1], "8", words)
         self.assertIn("slack: io_sms 8 reserved for I/O (4 requested", summary)
+
+    def slack_stub(self, body: str = "") -> str:
+        """A slack-profile.py that writes a header-only CSV, then runs `body` (Python); and a
+        tutti-profile that does nothing. Returns the RUN_ALL_TUTTI_PROFILE path."""
+        s = self.stubs
+        os.makedirs(os.path.join(s.root, "tools/gpu"), exist_ok=True)
+        with open(os.path.join(s.root, "tools/gpu/slack-profile.py"), "w") as handle:
+            handle.write("import os, sys, time\nargs = sys.argv[1:]\n"
+                         "open(args[args.index('--out-csv') + 1], 'w').write('phase,input_tokens\\n')\n" + body + "\n")
+        return s.stub("stub-tutti-profile", "exit 0")
+
+    def test_a_deadline_bound_slack_profile_keeps_its_45_s_over_its_budget(self):
+        # Goal: the profile's hard limit is its --budget-s plus 45 s (an input length it
+        # mispredicted finishes instead of being killed with its minutes spent) in the planned
+        # call too, where slack, last, is always bound by the deadline: there the budget shrinks,
+        # not the margin. Before, the deadline-bound branch left budget + 20 s (budget 95, limit 115
+        # at a 150 s deadline).
+        s = self.stubs
+        profile = self.slack_stub()
+        for deadline in (150, 300, 115):
+            with self.subTest(deadline=deadline):
+                env = {"RUN_ALL_TUTTI_PROFILE": profile, "RUN_ALL_GPU_PRESET": "h100", "RUN_ALL_DEADLINE_S": str(deadline)}
+                _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
+                with open(os.path.join(s.out, "run.log")) as handle:
+                    log = handle.read()
+                found = re.search(r"slack-profile\.py \(budget (\d+) s, limit (\d+) s\)", log)
+                self.assertIsNotNone(found, summary + log)
+                budget, limit = int(found.group(1)), int(found.group(2))
+                self.assertGreaterEqual(limit - budget, 45, found.group(0))
+                self.assertGreaterEqual(budget, 30, found.group(0))
+                self.assertLessEqual(limit + 20, deadline - 15, found.group(0))  # the import's 20 s after it
+                self.assertIn("PASS slack", summary)
+        # A deadline that leaves no 30 s budget over those margins is NOT RUN at the loop.
+        env = {"RUN_ALL_TUTTI_PROFILE": profile, "RUN_ALL_GPU_PRESET": "h100", "RUN_ALL_DEADLINE_S": "100"}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
+        self.assertIn("NOT RUN slack: deadline", summary)
 
     def python_stub(self, import_s: int) -> str:
         """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
