@@ -1,7 +1,11 @@
 //! The metrics endpoint's HTTP side, bounded like everything else in the daemon: one thread,
-//! at most [`CONNECTIONS_MAX`] connections open at once (one whose head is unfinished is closed
-//! to admit a new one, so idle connections can neither keep a scraper out nor cut off an answer
-//! being taken: [`to_close`]), each given [`REQUEST_DEADLINE`] to send
+//! at most [`CONNECTIONS_MAX`] connections open at once (when all are taken, one whose head is
+//! unfinished is closed to admit a new one, after every unfinished head is read again; an
+//! answer being taken is closed only when every slot is one, so connections that have not
+//! sent a whole request head cannot cut it off; a scrape accepted before its head arrived is
+//! kept through that accept pass, unless every slot held an answer or a connection accepted in
+//! the same pass when it came, and closed for another only if its head has still not come when
+//! it is next read: [`make_room`], [`to_close`]), each given [`REQUEST_DEADLINE`] to send
 //! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] in all to take its answer.
 //! Answers are written without blocking, a little each pass as the scraper takes them, so the
 //! thread never waits on a scraper that does not read (one slot each, until its deadline).
@@ -51,6 +55,10 @@ struct Pending {
     head: Vec<u8>,
     deadline: Instant,
     answer: Option<Answer>,
+    /// Accepted in the accept pass under way: not closed to admit a connection without an
+    /// answer ([`to_close`]), so that a scrape accepted just before its head arrives is read
+    /// at least once before it can be.
+    fresh: bool,
 }
 
 /// An answer and how much of it the scraper has taken.
@@ -128,7 +136,7 @@ impl MetricsEndpoint {
     /// Accepts the connections waiting, at most [`ACCEPTS_PER_PASS_MAX`] and none once
     /// `stopped` says so. One whose request is already there is answered at once (as much as
     /// its socket takes); the others, and an answer not all taken, wait in a slot, and when all
-    /// are taken one is closed ([`to_close`]: a scrape being answered last). False when
+    /// are taken one is closed ([`make_room`]: a scrape being answered last). False when
     /// accepting failed (the caller waits a tick).
     fn accept_pending(
         &self,
@@ -137,6 +145,9 @@ impl MetricsEndpoint {
         stopped: &dyn Fn() -> bool,
         snapshot: &dyn Fn() -> Snapshot,
     ) -> bool {
+        for pending in open.iter_mut() {
+            pending.fresh = false;
+        }
         for _ in 0..ACCEPTS_PER_PASS_MAX {
             if stopped() {
                 return true;
@@ -147,17 +158,15 @@ impl MetricsEndpoint {
                         tracing::info!("metrics endpoint: a connection: {error}");
                         continue;
                     }
-                    let mut pending = Pending { stream, head: Vec::new(), deadline: Instant::now() + REQUEST_DEADLINE, answer: None };
+                    let deadline = Instant::now() + REQUEST_DEADLINE;
+                    let mut pending = Pending { stream, head: Vec::new(), deadline, answer: None, fresh: true };
                     let waiting = match read_head(&mut pending) {
                         Head::Complete => answer(&mut pending, false, metrics, snapshot),
                         Head::TooLong => answer(&mut pending, true, metrics, snapshot),
                         Head::Gone => false,
                         Head::Partial => true,
                     };
-                    if waiting {
-                        if open.len() >= CONNECTIONS_MAX {
-                            open.remove(to_close(open));
-                        }
+                    if waiting && make_room(open, pending.answer.is_some(), metrics, stopped, snapshot) {
                         open.push_back(pending);
                     }
                 }
@@ -212,15 +221,57 @@ fn progress_head(
     }
 }
 
-/// The slot closed to admit a new connection when all are taken: the oldest that has sent
-/// nothing, else the oldest whose head is unfinished, only then the oldest (every slot a
-/// scrape being answered). Never an answer while a head is unfinished: connections that send
-/// one byte and idle would otherwise cut off every scrape whose answer is still being taken.
-fn to_close(open: &VecDeque<Pending>) -> usize {
+/// Makes a slot for a connection just accepted (`answering`: its answer begun) when all are
+/// taken; false when it is the one to close. First every head unfinished is read again, and
+/// those now whole are answered (an answer taken whole, or a connection gone, frees its slot):
+/// a scrape accepted before its head arrived is not taken for one that sent nothing while its
+/// head waits unread. Then [`to_close`] picks one.
+fn make_room(
+    open: &mut VecDeque<Pending>,
+    answering: bool,
+    metrics: &Metrics,
+    stopped: &dyn Fn() -> bool,
+    snapshot: &dyn Fn() -> Snapshot,
+) -> bool {
+    if open.len() < CONNECTIONS_MAX {
+        return true;
+    }
+    let now = Instant::now();
+    let mut index = 0;
+    while index < open.len() {
+        let pending = &mut open[index];
+        if pending.answer.is_some() || progress_head(pending, now, metrics, stopped, snapshot) {
+            index += 1;
+        } else {
+            open.remove(index);
+        }
+    }
+    if open.len() < CONNECTIONS_MAX {
+        return true;
+    }
+    match to_close(open, answering) {
+        Some(index) => {
+            open.remove(index);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The slot closed to admit a new connection when all are taken (`answering`: the newcomer's
+/// answer is begun), or None to close the newcomer instead: the oldest that has sent nothing,
+/// else the oldest whose head is unfinished, only then the oldest (every slot a scrape being
+/// answered). Never an answer while a head is unfinished: connections that send one byte and
+/// idle would otherwise cut off every scrape whose answer is still being taken. A connection
+/// accepted in the pass under way (`fresh`) is closed only for a newcomer being answered; for
+/// another, the newcomer is closed: a flood accepted in one pass cannot close a scrape
+/// accepted in it before the endpoint has read it.
+fn to_close(open: &VecDeque<Pending>, answering: bool) -> Option<usize> {
+    let closable = |pending: &Pending| pending.answer.is_none() && (answering || !pending.fresh);
     open.iter()
-        .position(|pending| pending.answer.is_none() && pending.head.is_empty())
-        .or_else(|| open.iter().position(|pending| pending.answer.is_none()))
-        .unwrap_or(0)
+        .position(|pending| closable(pending) && pending.head.is_empty())
+        .or_else(|| open.iter().position(closable))
+        .or_else(|| open.iter().all(|pending| pending.answer.is_some()).then_some(0))
 }
 
 /// Reads what the connection has sent (non-blocking), up to the head's cap.
@@ -572,6 +623,44 @@ mod tests {
         let (head, body) = answer.split_once("\r\n\r\n").unwrap();
         assert!(head.contains(&format!("Content-Length: {}", body.len())), "{read:?}: {} bytes of the body came: {head}", body.len());
         drop((heads, scrape));
+    }
+
+    #[test]
+    fn a_scrape_whose_head_comes_after_its_accept_is_not_evicted_by_one_byte_connections() {
+        // Goal: a scrape accepted before its request arrives (a few microseconds behind the
+        // connect) looks like a connection that sent nothing; with every other slot taken by
+        // connections that sent one byte, it was the first closed to admit the next one (at
+        // 64 accepts a pass, a flood closed it before it was read). It is kept through the
+        // pass it was accepted in, and read again before a slot is chosen to close in the
+        // next: its request is answered.
+        let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let address = endpoint.address();
+        let metrics = Metrics::new();
+        let never = || false;
+        let snapshot = Snapshot::default;
+        let mut open = VecDeque::new();
+        let mut heads: Vec<TcpStream> = (0..CONNECTIONS_MAX).map(|_| sending(address, b"G")).collect();
+        settle();
+        assert!(endpoint.accept_pending(&mut open, &metrics, &never, &snapshot));
+        assert!(open.len() == CONNECTIONS_MAX && open.iter().all(|pending| pending.head == b"G"), "{} open", open.len());
+        // Accepted before its head came, then a flood in the same pass.
+        let mut scrape = sending(address, b"");
+        heads.extend((0..CONNECTIONS_MAX + 2).map(|_| sending(address, b"G")));
+        settle();
+        assert!(endpoint.accept_pending(&mut open, &metrics, &never, &snapshot));
+        assert_eq!(open.len(), CONNECTIONS_MAX);
+        // Its head comes; the flood goes on in the next pass, before the endpoint's loop has
+        // read the slots.
+        scrape.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").unwrap();
+        heads.push(sending(address, b"G"));
+        settle();
+        let reader = reading(scrape);
+        assert!(endpoint.accept_pending(&mut open, &metrics, &never, &snapshot));
+        serve_open(&mut open, &metrics, &never, &snapshot);
+        let (read, answer) = reader.join().unwrap();
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "the scrape was closed unanswered: {read:?}: {answer:?}");
+        drop(heads);
     }
 
     #[test]
