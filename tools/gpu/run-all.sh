@@ -43,7 +43,8 @@
 # margins and a hard `timeout` of that plus 45 s, also when the deadline bounds it (it rewrites
 # its CSV after each input length, so a kill keeps the lengths done); the SM count comes from the
 # header's probe (no second torch import), then the import: everything ends by the deadline, before
-# the call's limit. The rest of its grid waits for a later session (--input-first K, docs/gio-uring.md).
+# the call's limit. The rest of its grid waits for a later session (--input-first K,
+# docs/gio-uring.md).
 # docs/gio-uring.md ("Running on a GPU") gives the exact call and the carry list. `bash` in front:
 # the copy may not keep exec bits (carried binaries are chmod +x'ed at the start for the same
 # reason).
@@ -83,7 +84,8 @@
 #   slack-table.json       the imported table
 #   prefill-ttft.json      item 6 figures
 # That is 8 with every step: the slack profile's provenance (machine, driver, versions, date, grid)
-# travels in slack-timeline.csv.gz's '#' lines; its JSON copy stays in the scratch directory.
+# travels in slack-timeline.csv.gz's '#' lines; its JSON copy stays in the scratch directory. A
+# `.partial` left by a step killed mid-rewrite is removed at the exit (finish).
 # Exit status: non-zero if any step failed; 3 if the pre-flight refused a stale carry (below;
 # `run-all.sh --verify` runs the pre-flight alone, here or there: run it here right before each
 # device call, it costs no device time). Every step runs under `timeout`.
@@ -333,8 +335,13 @@ stop_python_tuttid() {
   wait "$PYTHON_TUTTID_PID" 2>/dev/null
   PYTHON_TUTTID_PID=""
 }
+# finish also removes a writer's `.partial` from $OUT (a step killed between writing one and
+# renaming it; slack-profile's gzip takes about 1 s per 20 MiB): it would be a ninth file, and the
+# tool brings back 8, not of our choosing. Every writer renames atomically, so a `.partial` is
+# never a result's only copy.
 finish() {
   stop_python_tuttid 10
+  rm -f "$OUT"/*.partial
   trim_log 0 "$LOG_MAX"
   rm -rf "$WORK"
 }

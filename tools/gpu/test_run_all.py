@@ -283,6 +283,22 @@ class RunAll(unittest.TestCase):
         _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
         self.assertIn("NOT RUN slack: deadline", summary)
 
+    def test_a_step_killed_while_rewriting_leaves_no_partial_file_in_out(self):
+        # Goal: $OUT holds the eight files the tool brings back and nothing else: a writer killed
+        # between writing its `.partial` and renaming it (slack-profile's gzip takes about 1 s
+        # per 20 MiB) would leave a ninth, and which file the tool then leaves out is not ours
+        # to choose. Every writer renames atomically, so a `.partial` is never a result's only
+        # copy. The stand-in is killed (SIGKILL) right after writing it.
+        s = self.stubs
+        profile = self.slack_stub("gz = args[args.index('--out-csv-gz') + 1]\n"
+                                  "open(gz + '.partial', 'w').write('x')\n"
+                                  "os.kill(os.getpid(), 9)")
+        env = {"RUN_ALL_TUTTI_PROFILE": profile, "RUN_ALL_GPU_PRESET": "h100"}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
+        self.assertIn("slack", summary)
+        self.assertIn("summary.txt", os.listdir(s.out))
+        self.assertEqual([name for name in os.listdir(s.out) if name.endswith(".partial")], [], summary)
+
     def python_stub(self, import_s: int) -> str:
         """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
         machine) and whose `-m pip install --target DIR` makes DIR/tutti."""
