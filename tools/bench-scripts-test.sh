@@ -27,7 +27,9 @@
 #    third call fails): a failed measurement is named, no goal is judged on the runs left, and
 #    the script exits non-zero;
 # 3c. COMPARE_FIO_HUGE=1 reserves as many huge pages as fio's largest buffer set takes (fio
-#    rounds depth x bs plus a page up to 2 MiB pages: 128 x 1 MiB takes 65, not 64);
+#    rounds depth x bs plus a page up to 2 MiB, then shmget rounds again after another page:
+#    128 x 1 MiB takes 66, 32 x 1 MiB 18), and, where fio is installed, as many as fio's own
+#    shmget request (fio --debug=mem, the null engine: no file, no I/O);
 # 7. python/bench's unit tests (stdlib only, no binding): layer_overhead.py's tutti-bench round
 #    runs the Python store's slot size and layers in flight and takes the same median;
 #    vllm_load.py's round order lets each setting follow two different ones over its default
@@ -121,10 +123,45 @@ check "compare.sh, a tutti-bench run failed: the header says so" 1 "$(grep -c '^
 # 3c. Huge pages for fio's buffers.
 huge_pages() { env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2>&1 > /dev/null |
     sed -n 's/^would reserve \([0-9]*\) huge pages.*/\1/p'; }
-check "compare.sh COMPARE_FIO_HUGE=1: 32 x 1 MiB, the largest buffer set by default, takes 17 pages" 17 "$(huge_pages)"
-check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_IODEPTH=128: 128 x 1 MiB takes 65 pages" 65 "$(huge_pages COMPARE_IODEPTH=128)"
-check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_KV_TOKENS=16384: the KV rows' 128 x 1 MiB take 65 pages" 65 "$(huge_pages COMPARE_KV_TOKENS=16384)"
-check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_ROWS=randread-4k: 32 x 4 KiB take 1 page" 1 "$(huge_pages COMPARE_ROWS=randread-4k)"
+# fio rounds depth x bs plus a page's mask up to 2 MiB, then adds the mask again and shmget
+# rounds up once more: one page more than a single rounding (fio-3.33 asks shmget for 36 MiB for
+# 32 x 1 MiB).
+check "compare.sh COMPARE_FIO_HUGE=1: 32 x 1 MiB, the largest buffer set by default, takes 18 pages" 18 "$(huge_pages)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_IODEPTH=128: 128 x 1 MiB takes 66 pages" 66 "$(huge_pages COMPARE_IODEPTH=128)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_KV_TOKENS=16384: the KV rows' 128 x 1 MiB take 66 pages" 66 "$(huge_pages COMPARE_KV_TOKENS=16384)"
+check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_ROWS=randread-4k: 32 x 4 KiB take 2 pages" 2 "$(huge_pages COMPARE_ROWS=randread-4k)"
+# Against fio's own request, where fio is installed: each distinct buffer set of the dry run's
+# huge-page fio commands (their --bs, --iodepth, --direct, --mem and --hugepage-size, as the
+# script writes them) goes to fio with --debug=mem and the null engine, which opens no file and
+# does no I/O. fio has no way to report its buffer size without asking for it: it logs
+# "shmget SIZE" and calls shmget, which fails at once without free huge pages (or without root),
+# and otherwise holds them for the instant a null job of one I/O takes. The largest request, in
+# 2 MiB pages, must be the count the dry run reserves.
+fio_huge_pages() { # ENV... -> the 2 MiB pages of fio's largest shmget for the dry run's fiohuge commands
+    local options size largest=0
+    while read -r options; do
+        # shellcheck disable=SC2086 # the options are words
+        size=$(timeout 30 fio --debug=mem --name=probe --ioengine=null --rw=read --size=1m $options 2>&1 |
+            sed -n 's/^mem .* shmget \([0-9]*\),.*/\1/p' | head -n 1)
+        [ -n "$size" ] || { echo "fio logged no shmget for: $options"; return; }
+        [ "$size" -le "$largest" ] || largest=$size
+    done < <(env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2> /dev/null |
+        awk '$1 == "fio" && / --mem=shmhuge/ {
+            line = ""
+            for (i = 2; i <= NF; i++) if ($i ~ /^--(bs|iodepth|direct|mem|hugepage-size)=/) line = line " " $i
+            print line
+        }' | sort -u)
+    echo $((largest / 2097152))
+}
+if command -v fio > /dev/null 2>&1; then
+    for settings in "" COMPARE_IODEPTH=128 COMPARE_KV_TOKENS=16384 COMPARE_ROWS=randread-4k; do
+        # shellcheck disable=SC2086 # word splitting of the settings is meant
+        check "compare.sh COMPARE_FIO_HUGE=1 ${settings:-defaults}: the pages reserved are fio's own shmget request ($(fio --version))" \
+            "$(fio_huge_pages $settings)" "$(huge_pages $settings)"
+    done
+else
+    echo "bench-scripts-test: skipped: compare.sh's huge pages against fio's shmget (no fio installed)" >&2
+fi
 
 # 4. The test file.
 COMPARE_DRY_RUN=1 COMPARE_FILE=/dev/null "$HERE/compare.sh" > /dev/null 2>&1

@@ -41,13 +41,15 @@
 #                    tutti-bench's KV run, whose store phase is its figure)
 #   COMPARE_QD1      1 adds fio at queue depth 1 as a reference column: the software controller
 #                    (emu:) serialises backing-store writes, so its writes are compared with this
-#   COMPARE_FIO_HUGE 1 adds fio with its buffers in 2 MiB huge pages (--mem=shmhuge) as a
+#   COMPARE_FIO_HUGE 1 adds fio with its buffers in 2 MiB huge pages (--mem=shmhuge
+#                    --hugepage-size=2m) as a
 #                    reference column, with emu's ratio to it: the software controller's host
 #                    memory asks for transparent huge pages (nvme-driver's HostMemory), fio's
 #                    default malloc'd buffers are 4 KiB pages, and on a disk with few segments
 #                    per request that alone decides large transfers. Needs root: it reserves as
 #                    many more huge pages (vm.nr_hugepages) as fio's largest buffer set takes
-#                    (see huge_pages_needed; 17 by default) and gives them back at exit
+#                    (see huge_pages_needed; 18 by default, 66 at 128 x 1 MiB) and gives them
+#                    back at exit
 #   COMPARE_BENCH    a tutti-bench binary to use instead of building one (e.g. an older build
 #                    for a before/after comparison in one sitting)
 #   COMPARE_KV_TOKENS   prompt of the KV rows, tokens (default 4096: 256 blocks, 512 MiB)
@@ -134,8 +136,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# fio's --mem for a fio column: huge pages for "fiohuge", its default otherwise.
-fio_memory() { if [ "$1" = fiohuge ]; then echo shmhuge; else echo malloc; fi; }
+# fio's memory options for a fio column: 2 MiB huge pages for "fiohuge" (the size the script
+# reserves and counts in, whatever fio's default huge page on the architecture), its default
+# malloc otherwise.
+fio_memory() { if [ "$1" = fiohuge ]; then echo --mem=shmhuge --hugepage-size=2m; else echo --mem=malloc; fi; }
 
 row_params() { # name -> "rw bs"
     case $1 in
@@ -151,16 +155,23 @@ row_params() { # name -> "rw bs"
 
 # huge_pages_needed: 2 MiB pages for the largest buffer set fio allocates on the chosen rows. fio
 # sizes a job's buffers as iodepth x bs, adds a page's mask for direct I/O and rounds up to the
-# huge page (init_io_u_buffers, allocate_io_mem): 32 x 1 MiB takes 17 pages, 128 x 1 MiB 65 (a
-# fixed 64 before 2026-12-01 made shmget refuse those, and set -e then threw the sitting away).
+# huge page (init_io_u_buffers); allocate_io_mem then adds the page's mask again and shmget's
+# size is rounded up to the huge page once more (alloc_mem_shm), so the request is one page
+# more than a single rounding: 32 x 1 MiB takes 18 pages, 128 x 1 MiB 66, 32 x 4 KiB 2 (fio-3.33
+# with --debug=mem logs "shmget 37748736" for 32 x 1 MiB; tools/bench-scripts-test.sh compares
+# this count with fio's own request where fio is installed). A fixed 64 before 2026-12-01, then
+# one page short on every row until the second rounding was counted: shmget refused, and set -e
+# threw the sitting away. fio's huge page is told (--hugepage-size=2m, see fio_memory): its
+# default is 4 MiB on some architectures (aarch64).
 huge_pages_needed() {
-    local row rw bs bytes depth pages need=0
+    local row rw bs bytes depth pages need=0 page_mask
+    page_mask=$(($(getconf PAGESIZE) - 1))
     for row in $ROWS; do
         read -r rw bs <<<"$(row_params "$row")"
         bytes=$(numfmt --from=iec "${bs^^}")
         depth=$IODEPTH
         case $row in kv-*) depth=$KV_IODEPTH ;; esac
-        pages=$(((depth * bytes + 4095 + 2097151) / 2097152))
+        pages=$(((depth * bytes + page_mask + 2097151) / 2097152 + 1))
         [ "$pages" -le "$need" ] || need=$pages
     done
     echo "$need"
@@ -172,6 +183,10 @@ if [ "${COMPARE_FIO_HUGE:-0}" = 1 ]; then
         say "would reserve $HUGE_PAGES_NEEDED huge pages (2 MiB) for fio's buffers"
     else
         [ "$(id -u)" = 0 ] || { say "COMPARE_FIO_HUGE=1 reserves huge pages: run as root"; exit 2; }
+        # vm.nr_hugepages and shmget's SHM_HUGETLB use the default huge page, which must be the
+        # 2 MiB one counted in.
+        huge_kib=$(awk '/^Hugepagesize:/ {print $2}' /proc/meminfo)
+        [ "$huge_kib" = 2048 ] || { say "COMPARE_FIO_HUGE=1 counts 2 MiB huge pages; this kernel's default is ${huge_kib:-unknown} kB"; exit 2; }
         HUGE_PAGES_BEFORE=$(cat /proc/sys/vm/nr_hugepages)
         echo $((HUGE_PAGES_BEFORE + HUGE_PAGES_NEEDED)) > /proc/sys/vm/nr_hugepages
         free_pages=$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)
@@ -248,12 +263,13 @@ run() {
     case $row in kv-*) run_kv "$tool" "$row" "$index" "$rw" "$bs" "$out"; return ;; esac
     case $tool in
         fio|fioqd1|fiohuge)
-            local depth=$IODEPTH
+            local depth=$IODEPTH memory
             [ "$tool" = fioqd1 ] && depth=1
+            read -r -a memory <<<"$(fio_memory "$tool")"
             # --randrepeat=0: other offsets every run, as tutti-bench (seeded from the clock)
             # and vm-bench's fio rows; fio's default replays the same ones.
             measure fio --name=job --filename="$FILE" --size="$SIZE" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" --mem="$(fio_memory "$tool")" \
+                --numjobs=1 --ioengine=io_uring --direct=1 --time_based --runtime="$RUNTIME" "${memory[@]}" \
                 --randrepeat=0 --scramble_buffers=0 --output-format=json --output="$out" ;;
         uring|emu)
             local unstamped=()
@@ -274,10 +290,11 @@ run_kv() {
     for pass in $(seq 1 "$KV_REPEAT"); do
         case $tool in
             fio|fioqd1|fiohuge)
-                local depth=$KV_IODEPTH
+                local depth=$KV_IODEPTH memory
                 [ "$tool" = fioqd1 ] && depth=1
+                read -r -a memory <<<"$(fio_memory "$tool")"
                 measure fio --name=job --filename="$FILE" --offset=1m --size="$KV_BYTES" --rw="$rw" --bs="$bs" --iodepth="$depth" \
-                    --numjobs=1 --ioengine=io_uring --direct=1 --mem="$(fio_memory "$tool")" --randrepeat=0 --scramble_buffers=0 --output-format=json --output="$out.$pass" ;;
+                    --numjobs=1 --ioengine=io_uring --direct=1 "${memory[@]}" --randrepeat=0 --scramble_buffers=0 --output-format=json --output="$out.$pass" ;;
             emu)
                 [ "$DRY_RUN" = 0 ] || { measure "$BENCH" --device "emu:$FILE" --workload=kv --prompt-tokens="$KV_TOKENS" --blocks-per-slot="$KV_K" --hit-rate=1 --verify $KV_OVERWRITE \
                     --output-format=json; continue; }
