@@ -112,7 +112,9 @@ REQUESTS_MAX_LIMIT = 65536
 
 def requests_in_range(value: Any) -> Optional[str]:
     """The connectors' `requests_max` check: 1..=REQUESTS_MAX_LIMIT, as tutti.Store takes it."""
-    return None if 1 <= value <= REQUESTS_MAX_LIMIT else f"must be 1..={REQUESTS_MAX_LIMIT}"
+    if not value > 0:
+        return "must be positive"
+    return None if value <= REQUESTS_MAX_LIMIT else f"must be at most {REQUESTS_MAX_LIMIT} (tutti.Store's limit)"
 
 
 # The longest wait tutti's binding takes (its TIMEOUT_MAX_S, crates/python/src/store.rs: it refuses
