@@ -472,8 +472,9 @@ step_green() {
   cublas=$(find_cublas)
   echo "green: cuBLAS ${cublas:-not found}" >>"$SUMMARY"
   # The SM clock, power and temperature before and after: the program brackets every case by
-  # baselines because they drift under sustained GEMMs; these lines show by how much.
-  gpu_clocks() { command -v nvidia-smi >/dev/null || { echo "no nvidia-smi"; return; }; timeout 20 nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1; }
+  # baselines because they drift under sustained GEMMs; these lines show by how much. Capped like
+  # the program: a hung nvidia-smi after a program stopped at its cap would run past the deadline.
+  gpu_clocks() { command -v nvidia-smi >/dev/null || { echo "no nvidia-smi"; return; }; timeout -k 2 "$(cap 20)" nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1; }
   echo "green: before: sm clock, mem clock, power, temperature: $(gpu_clocks)" >>"$SUMMARY"
   GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(cap "$(budget GREEN 150)")" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
   local rc=$?

@@ -226,6 +226,17 @@ class RunAll(unittest.TestCase):
             self.assertIn("green: after: sm clock", summary)
             self.assertIn(verdict, summary)
 
+    def test_the_green_steps_clock_readings_end_by_the_deadline(self):
+        # Goal: a hung nvidia-smi around the green program (20 s each reading) is capped by the
+        # deadline as the program is: the step started near the deadline ends by it. Before, the
+        # reading after a program stopped at its cap ran its full 20 s past the deadline.
+        s = self.stubs
+        s.stub("stub-bin/nvidia-smi", '[[ "$*" == *clocks.sm* ]] && exec sleep 1000; exit 1')  # the header's query is quick
+        s.stub("target/gpu-carry/green-contexts", "exec sleep 1000")
+        _rc, elapsed, summary = s.run("tools/gpu/run-all.sh", ["green"], {"RUN_ALL_DEADLINE_S": "50"}, limit_s=90)
+        self.assertIn("FAIL green", summary)
+        self.assertLess(elapsed, 50, summary)
+
     def test_the_slack_import_reserves_the_io_partition_the_gpu_grants(self):
         # Goal: on a Hopper GPU (the h100/h200 presets: compute capability 9.x) a green context
         # grants I/O SMs in multiples of 8, so tutti's request of 4 is granted 8: the import is
