@@ -291,8 +291,16 @@ class SlackOutputSize(unittest.TestCase):
                 self.assertEqual(handle.read(), csv)
 
 
-if __name__ == "__main__":
-    unittest.main()
+class RunAsAScript(unittest.TestCase):
+    def test_every_test_class_comes_before_the_main_guard(self):
+        # Goal: `python3 test_timeline.py` runs every test discover runs; a class defined after
+        # `unittest.main()` is never defined when the file runs as a script (MergeRecipe was).
+        import ast
+
+        with open(os.path.abspath(__file__)) as handle:
+            body = ast.parse(handle.read()).body
+        guards = [index for index, node in enumerate(body) if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)]
+        self.assertEqual(guards, [len(body) - 1], "the __main__ guard is not the file's last statement")
 
 
 class MergeRecipe(unittest.TestCase):
@@ -331,3 +339,7 @@ class MergeRecipe(unittest.TestCase):
                 self.assertIn('# grid: {"input_first": 2}', merged)
                 self.assertEqual(merged.count(timeline.HEADER), 1, merged)
                 self.assertEqual([line.split(",")[1] for line in merged if line.startswith("prefill,")], ["4096", "8192"])
+
+
+if __name__ == "__main__":
+    unittest.main()
