@@ -18,7 +18,10 @@
 #    deleted once pip had installed a fresh copy); a site lock another run holds is waited for
 #    within COMPARE_LOCK_WAIT_S, then exit 2; the tutti-bench it measures is the executable
 #    cargo's JSON names (CARGO_TARGET_DIR, build.target-dir), not a fixed target/release path;
-#    a round whose tool never returns ends after COMPARE_ROUND_TIMEOUT_S with exit 2;
+#    a round whose tool never returns ends after COMPARE_ROUND_TIMEOUT_S with exit 2, its
+#    process group killed; Ctrl-C (SIGINT to the script's process group, under setsid as at a
+#    terminal) stops the running round, whose group timeout made its own, and ends the sitting
+#    with exit 130;
 # 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
 #    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
@@ -217,12 +220,55 @@ case $1 in -c | -m) exit 0 ;; esac
 exec sleep 60
 FAKE
 chmod +x "$WORK/bin/python-hangs"
-started=$SECONDS
-lmcache COMPARE_PYTHON="$WORK/bin/python-hangs" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUNDS=1 COMPARE_ROUND_TIMEOUT_S=1 \
-    > /dev/null 2> "$WORK/hang.err"
-check "compare-lmcache.sh: a round that never returns: exit 2" 2 "$?"
-check "compare-lmcache.sh: after the round's bound (well under the stand-in's 60 s)" yes "$([ $((SECONDS - started)) -lt 15 ] && echo yes || echo no)"
+# sitting ERR ENV...: compare-lmcache.sh with the hanging stand-in, in the background as the leader
+# of a session (and process group) of its own, as at a terminal (setsid execs: a background job
+# of this script leads no group); its pid, the session's id, in $sitting. SIGINT as at a terminal
+# too: this shell starts background jobs with it ignored, and bash cannot trap a signal ignored
+# when it starts.
+sitting() {
+    local err=$1
+    shift
+    setsid env --default-signal=INT COMPARE_PYTHON="$WORK/bin/python-hangs" COMPARE_DIRECTORY="$WORK" COMPARE_BENCH=/bin/true \
+        COMPARE_ROUNDS=1 "$@" "$HERE/compare-lmcache.sh" > /dev/null 2> "$err" &
+    sitting=$!
+}
+# sitting_ends BOUND_S: $ended, the sitting's exit status once it ends within BOUND_S seconds, or
+# "running"; then $left, whatever is left in its session (the round's own process group
+# included), which is killed.
+sitting_ends() {
+    local tenths
+    for ((tenths = 0; tenths < $1 * 10; tenths++)); do
+        kill -0 "$sitting" 2> /dev/null || break
+        sleep 0.1
+    done
+    ended=running
+    if ! kill -0 "$sitting" 2> /dev/null; then
+        wait "$sitting"
+        ended=$?
+    fi
+    left=$(pgrep -s "$sitting" | tr '\n' ' ')
+    # shellcheck disable=SC2086 # the pids are words
+    [ -z "$left" ] || kill -KILL $left 2> /dev/null
+    [ "$ended" != running ] || wait "$sitting" 2> /dev/null
+}
+sitting "$WORK/hang.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=1
+sitting_ends 15
+check "compare-lmcache.sh: a round that never returns: exit 2 after the round's bound (well under the stand-in's 60 s)" 2 "$ended"
 check "compare-lmcache.sh: the error names the tool and says it timed out" 1 "$(grep -c 'LMCache round 1 timed out after 1s' "$WORK/hang.err")"
+check "compare-lmcache.sh: the timed-out round's process group killed, nothing left of the sitting" "" "$left"
+# Ctrl-C: the terminal sends SIGINT to the script's process group, which the round under
+# timeout (a group of its own) is not in: the round must be stopped and the sitting end (130),
+# not the interrupt swallowed and the next round run.
+sitting "$WORK/interrupt.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=60
+for ((tenths = 0; tenths < 100; tenths++)); do # until the round runs: its stand-in's sleep
+    pgrep -s "$sitting" -x sleep > /dev/null && break
+    sleep 0.1
+done
+kill -INT -- "-$sitting"
+sitting_ends 10
+check "compare-lmcache.sh: Ctrl-C (SIGINT to its process group) in a round: exit 130 within 10 s (the round's bound is 60 s)" 130 "$ended"
+check "compare-lmcache.sh: Ctrl-C: the round stopped, nothing left of the sitting" "" "$left"
+check "compare-lmcache.sh: Ctrl-C: the error says the sitting was interrupted" 1 "$(grep -c 'interrupted' "$WORK/interrupt.err")"
 # tools/lib/cargo-executables.py, which compare-lmcache.sh (and the GPU runbook) read cargo's JSON
 # with, on a build whose target directory moved.
 cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti_bench"},"executable":null}

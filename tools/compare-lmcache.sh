@@ -47,7 +47,8 @@
 #                       have no bound of their own)
 #
 # Exit status: 0 done; 2 LMCache missing and not installable, a tool failing, or a check failing
-# (the reason on stderr).
+# (the reason on stderr); 130 (143) interrupted by SIGINT, Ctrl-C (SIGTERM): the running round
+# is stopped first.
 set -euo pipefail
 
 ROUNDS=${COMPARE_ROUNDS:-6}
@@ -139,8 +140,42 @@ drop_page_cache() {
 }
 
 # bounded COMMAND...: runs it under the round's bound (every wait bounded: a stuck LMCache disk
-# worker or a retrieve that never returns would otherwise hang the sitting).
-bounded() { timeout -k 30 "$ROUND_TIMEOUT_S" "$@"; }
+# worker or a retrieve that never returns would otherwise hang the sitting). timeout puts the
+# command in a process group of its own, which it kills whole at the bound (the driver's threads,
+# strace and its tracees), so the terminal's Ctrl-C, sent to this script's group, no longer
+# reaches the round, and bash, waiting in the foreground for a child that did not die of it,
+# would go on to the next round. So timeout runs in the background, the wait for it is
+# interruptible, and an INT or TERM to this script is passed on to it as TERM (timeout relays
+# it to its group, and KILLs the group 30 s later if it is still there): the round stops,
+# INTERRUPTED names the signal, and run_tool ends the sitting (130 for INT, 143 for TERM).
+INTERRUPTED=
+ROUND_PID=
+bounded() {
+    local status=0
+    # Trapped before the round starts, so that no interrupt finds it started and untrapped.
+    trap 'INTERRUPTED=INT; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' INT
+    trap 'INTERRUPTED=TERM; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' TERM
+    timeout -k 30 "$ROUND_TIMEOUT_S" "$@" &
+    ROUND_PID=$!
+    [[ -z $INTERRUPTED ]] || kill -TERM "$ROUND_PID" 2>/dev/null
+    # A trapped signal ends the wait early; wait again until timeout itself has ended (within
+    # the -k 30 after the TERM it was sent).
+    while :; do
+        status=0
+        wait "$ROUND_PID" || status=$?
+        kill -0 "$ROUND_PID" 2>/dev/null || break
+    done
+    ROUND_PID=
+    trap - INT TERM
+    return "$status"
+}
+# stop_if_interrupted: ends the sitting when bounded was interrupted.
+stop_if_interrupted() {
+    case $INTERRUPTED in
+        INT) say "compare-lmcache: interrupted (SIGINT): the round was stopped"; exit 130 ;;
+        TERM) say "compare-lmcache: interrupted (SIGTERM): the round was stopped"; exit 143 ;;
+    esac
+}
 # timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: KILL).
 timed_out() { [[ $1 == 124 || $1 == 137 ]]; }
 
@@ -156,6 +191,7 @@ run_tool() {
             name=tutti-bench
             bounded "$BENCH" --directory "$DIRECTORY" --output-format=json >"$out" 2>"$WORK/stderr" || status=$? ;;
     esac
+    stop_if_interrupted
     [[ $status == 0 ]] && return
     timed_out "$status" && die "$name round $round timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S): $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
     die "$name round $round failed: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
@@ -190,6 +226,7 @@ if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
             lmcache) PYTHONPATH=$SITE bounded strace -f -C -o "$WORK/strace-$tool.txt" "$PYTHON" "$DRIVER" --directory "$LMCACHE_DIRECTORY" >/dev/null 2>&1 ;;
             tutti) bounded strace -f -C -o "$WORK/strace-$tool.txt" "$BENCH" --directory "$DIRECTORY" --output-format=json >/dev/null 2>&1 ;;
         esac || status=$?
+        stop_if_interrupted
         timed_out "$status" && die "the strace round of $tool timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S)"
         [[ $status == 0 ]] || die "the strace round of $tool failed"
         echo
