@@ -56,7 +56,7 @@ if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
   [[ $(grep -c '^# grid: ' "$merge/slack-timeline.csv") -eq 2 ]] ||
     { echo "gpu-check: FAILED: the merged CSV lost a provenance block ($merge)" >&2; exit 1; }
   "$TARGET/release/tutti-profile" import --timeline "$merge/slack-timeline.csv" --model llama3-8b --gpu h100 \
-    --io-sms 8 --io-sm-granularity 8 --out "$merge/table.json" 2>>"$merge/log"
+    --io-sms 8 --io-sm-granularity 8 --io-sm-minimum 8 --out "$merge/table.json" 2>>"$merge/log"
   "$TARGET/release/tutti-profile" check "$merge/table.json" >>"$merge/log" 2>&1
   echo "gpu-check: a later session's --input-first rows merged with both provenance blocks, imported and checked: $merge"
 fi

@@ -733,9 +733,9 @@ PY
   # (RUN_ALL_IO_SMS, default 4, the analytic model's), not the request: cuDevSmResourceSplitByCount
   # grants at least 8 SMs, in multiples of 8, on compute capability 9.x and up (Hopper: 4 becomes
   # 8, and compute keeps 124 of 132 SMs, not 128), at least 4 in multiples of 2 on 8.x, 2 in
-  # multiples of 2 on 7.x. The import is told the granularity too and refuses a count it cannot
-  # grant. Compute capability: the header's probe, else the h100/h200 presets' 9 (check.sh's CPU
-  # rehearsal names one); unknown: the request, unchecked (a NOTE says so).
+  # multiples of 2 on 7.x. The import is told the granularity and the minimum too and refuses a
+  # count it cannot grant. Compute capability: the header's probe, else the h100/h200 presets' 9
+  # (check.sh's CPU rehearsal names one); unknown: the request, unchecked (a NOTE says so).
   local request=${RUN_ALL_IO_SMS:-4} major unit=1 minimum=1 io_sms
   [[ "$request" =~ ^[1-9][0-9]*$ ]] || { record "FAIL slack: RUN_ALL_IO_SMS='$request' is not a positive number of SMs"; return 1; }
   major=$(cuda_attr computeCapabilityMajor)
@@ -750,9 +750,9 @@ PY
   else
     record "NOTE slack: the compute capability is unknown: the table reserves the requested $io_sms I/O SMs, unchecked against what a green context grants"
   fi
-  section "tutti-profile import ${target[*]} --io-sms $io_sms --io-sm-granularity $unit"
+  section "tutti-profile import ${target[*]} --io-sms $io_sms --io-sm-granularity $unit --io-sm-minimum $minimum"
   timeout -k 5 "$(cap 60)" "$profile" import --timeline "$csv" --model llama3-8b "${target[@]}" \
-    --io-sms "$io_sms" --io-sm-granularity "$unit" --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
+    --io-sms "$io_sms" --io-sm-granularity "$unit" --io-sm-minimum "$minimum" --out "$OUT/slack-table.json" >>"$LOG" 2>&1 &&
     timeout -k 5 "$(cap 60)" "$profile" check "$OUT/slack-table.json" >>"$LOG" 2>&1
 }
 

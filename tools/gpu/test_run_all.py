@@ -256,6 +256,7 @@ class RunAll(unittest.TestCase):
             words = handle.read().split()
         self.assertEqual(words[words.index("--io-sms") + 1], "8", words)
         self.assertEqual(words[words.index("--io-sm-granularity") + 1], "8", words)
+        self.assertEqual(words[words.index("--io-sm-minimum") + 1], "8", words)
         self.assertIn("slack: io_sms 8 reserved for I/O (4 requested", summary)
 
     def slack_stub(self, body: str = "") -> str:

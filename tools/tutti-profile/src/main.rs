@@ -232,11 +232,16 @@ struct ImportArgs {
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     io_sms: u32,
     /// The GPU's green-context SM granularity: a partition is granted in multiples of this many
-    /// SMs, at least one multiple (8 on compute capability 9.x: cuDevSmResourceSplitByCount rounds
-    /// a request of 4 up to 8). Given, an --io-sms the GPU cannot grant is refused: the table
-    /// would model compute on SMs the I/O partition really takes. Default 1: not checked.
+    /// SMs (8 on compute capability 9.x: cuDevSmResourceSplitByCount rounds a request of 4 up to
+    /// 8). Given, an --io-sms the GPU cannot grant is refused: the table would model compute on
+    /// SMs the I/O partition really takes. Default 1: not checked.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     io_sm_granularity: u32,
+    /// The smallest partition the GPU grants, SMs (a multiple of --io-sm-granularity; default:
+    /// one multiple). It can be more than one: compute capability 8.x grants at least 4 SMs in
+    /// multiples of 2, so --io-sms 2 would be granted 4. A smaller --io-sms is refused.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    io_sm_minimum: Option<u32>,
     /// Output file (JSON).
     #[arg(long, short)]
     out: PathBuf,
@@ -246,9 +251,23 @@ struct ImportArgs {
 }
 
 /// Refuses an I/O partition of `io_sms` SMs that a GPU granting them in multiples of
-/// `granularity` cannot make (it would grant the next multiple, and compute would run on fewer
-/// SMs than the table says).
-fn check_io_partition(io_sms: u32, granularity: u32) -> Result<()> {
+/// `granularity`, at least `minimum` (None: one multiple), cannot make (it would grant the next
+/// multiple or the minimum, and compute would run on fewer SMs than the table says).
+fn check_io_partition(io_sms: u32, granularity: u32, minimum: Option<u32>) -> Result<()> {
+    if let Some(minimum) = minimum {
+        if !minimum.is_multiple_of(granularity) {
+            return Err(unusable(format!(
+                "--io-sm-minimum {minimum} with --io-sm-granularity {granularity}: the smallest partition is a \
+                 whole number of multiples"
+            )));
+        }
+        if io_sms < minimum {
+            return Err(unusable(format!(
+                "--io-sms {io_sms} with --io-sm-minimum {minimum}: the GPU grants I/O partitions of at least \
+                 {minimum} SMs, so it would reserve {minimum}; pass --io-sms {minimum}"
+            )));
+        }
+    }
     if !io_sms.is_multiple_of(granularity) {
         let granted = io_sms.div_ceil(granularity).saturating_mul(granularity);
         return Err(unusable(format!(
@@ -396,11 +415,14 @@ fn analytic(args: &AnalyticArgs) -> Result<()> {
 fn import(args: &ImportArgs) -> Result<()> {
     let model = args.target.model()?;
     let gpu = args.target.gpu()?;
-    check_io_partition(args.io_sms, args.io_sm_granularity)?;
+    check_io_partition(args.io_sms, args.io_sm_granularity, args.io_sm_minimum)?;
     // The table records whether the reservation was checked against the GPU's partitions.
-    let granularity = match args.io_sm_granularity {
-        1 => String::new(),
-        unit => format!(" (a partition this GPU grants: multiples of {unit} SMs)"),
+    let granularity = match (args.io_sm_granularity, args.io_sm_minimum) {
+        (1, None) => String::new(),
+        (unit, None) => format!(" (a partition this GPU grants: multiples of {unit} SMs)"),
+        (unit, Some(minimum)) => {
+            format!(" (a partition this GPU grants: multiples of {unit} SMs, at least {minimum})")
+        }
     };
     let text =
         std::fs::read_to_string(&args.timeline).map_err(|error| unusable(format!("reading {}: {error}", args.timeline.display())))?;
@@ -521,6 +543,30 @@ mod tests {
         let text = format!("{error:#}");
         assert!(text.contains("--io-sms 4") && text.contains("--io-sm-granularity 8"), "{text}");
         assert!(exit::is_unusable(error.as_ref()), "unusable input: {text}");
+    }
+
+    /// Goal: on compute capability 8.x a green context grants at least 4 SMs, in multiples of
+    /// 2: told the minimum too, the import refuses 2 (a multiple of the granularity the GPU
+    /// would still round up to 4), status 2 naming the flags; 4 and 6 pass. Without
+    /// --io-sm-minimum the minimum is one multiple, as before.
+    #[test]
+    fn an_io_partition_below_the_gpus_minimum_is_refused() {
+        let refused = ["--io-sms", "2", "--io-sm-granularity", "2", "--io-sm-minimum", "4"];
+        let error = import_all_sm_timeline("below-minimum", &refused).unwrap_err();
+        let text = format!("{error:#}");
+        assert!(text.contains("--io-sms 2") && text.contains("--io-sm-minimum 4") && text.contains("pass --io-sms 4"), "{text}");
+        assert!(exit::is_unusable(error.as_ref()), "unusable input: {text}");
+        for io_sms in ["4", "6"] {
+            let granted = ["--io-sms", io_sms, "--io-sm-granularity", "2", "--io-sm-minimum", "4"];
+            let table = import_all_sm_timeline(&format!("at-minimum-{io_sms}"), &granted).unwrap();
+            let source = table["compute_source"].as_str().unwrap();
+            assert!(source.contains("at least 4"), "{source}");
+        }
+        import_all_sm_timeline("one-multiple", &["--io-sms", "2", "--io-sm-granularity", "2"]).unwrap();
+        // A minimum that is not a whole number of multiples is itself refused.
+        let odd = ["--io-sms", "6", "--io-sm-granularity", "2", "--io-sm-minimum", "5"];
+        let error = import_all_sm_timeline("odd-minimum", &odd).unwrap_err();
+        assert!(exit::is_unusable(error.as_ref()), "{error:#}");
     }
 
     /// Goal: the granted partition is what the table reserves (compute on 132 − 8 = 124 SMs), and
