@@ -21,7 +21,8 @@
 #    a round whose tool never returns ends after COMPARE_ROUND_TIMEOUT_S with exit 2, its
 #    process group killed; Ctrl-C (SIGINT to the script's process group, under setsid as at a
 #    terminal) stops the running round, whose group timeout made its own, and ends the sitting
-#    with exit 130;
+#    with exit 130; a round SIGKILLed before its bound (status 137, as timeout's own KILL gives)
+#    is said to be killed, not to have timed out;
 # 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
 #    (--scramble_buffers=0; fio's default stamps every 512 B of each write, slow under TCG),
@@ -269,6 +270,19 @@ sitting_ends 10
 check "compare-lmcache.sh: Ctrl-C (SIGINT to its process group) in a round: exit 130 within 10 s (the round's bound is 60 s)" 130 "$ended"
 check "compare-lmcache.sh: Ctrl-C: the round stopped, nothing left of the sitting" "" "$left"
 check "compare-lmcache.sh: Ctrl-C: the error says the sitting was interrupted" 1 "$(grep -c 'interrupted' "$WORK/interrupt.err")"
+# A round whose tool is SIGKILLed before the bound (the OOM killer, say): timeout passes the death
+# on as 137, the status its own KILL gives, but the round did not time out.
+cat > "$WORK/bin/python-killed" << 'FAKE'
+#!/usr/bin/env bash
+case $1 in -c | -m) exit 0 ;; esac
+kill -KILL $$
+FAKE
+chmod +x "$WORK/bin/python-killed"
+lmcache COMPARE_PYTHON="$WORK/bin/python-killed" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUNDS=1 COMPARE_ROUND_TIMEOUT_S=60 \
+    > /dev/null 2> "$WORK/killed.err"
+check "compare-lmcache.sh: a round SIGKILLed at once: exit 2" 2 "$?"
+check "compare-lmcache.sh: a round SIGKILLed at once: said killed, not timed out" "1 0" \
+    "$(grep -c 'LMCache round 1 was killed (SIGKILL' "$WORK/killed.err") $(grep -c 'timed out' "$WORK/killed.err")"
 # tools/lib/cargo-executables.py, which compare-lmcache.sh (and the GPU runbook) read cargo's JSON
 # with, on a build whose target directory moved.
 cargo_json='{"reason":"compiler-artifact","target":{"kind":["lib"],"name":"tutti_bench"},"executable":null}

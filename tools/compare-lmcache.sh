@@ -150,8 +150,11 @@ drop_page_cache() {
 # INTERRUPTED names the signal, and run_tool ends the sitting (130 for INT, 143 for TERM).
 INTERRUPTED=
 ROUND_PID=
+# Whole seconds the last bounded command ran (SECONDS counts whole seconds, and for a whole
+# bound floor(end) - floor(start) >= the bound whenever the command ran that long).
+ROUND_ELAPSED=0
 bounded() {
-    local status=0
+    local status=0 started=$SECONDS
     # Trapped before the round starts, so that no interrupt finds it started and untrapped.
     trap 'INTERRUPTED=INT; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' INT
     trap 'INTERRUPTED=TERM; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' TERM
@@ -166,6 +169,7 @@ bounded() {
         kill -0 "$ROUND_PID" 2>/dev/null || break
     done
     ROUND_PID=
+    ROUND_ELAPSED=$((SECONDS - started))
     trap - INT TERM
     return "$status"
 }
@@ -176,8 +180,13 @@ stop_if_interrupted() {
         TERM) say "compare-lmcache: interrupted (SIGTERM): the round was stopped"; exit 143 ;;
     esac
 }
-# timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: KILL).
-timed_out() { [[ $1 == 124 || $1 == 137 ]]; }
+# timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: its KILL 30 s later)
+# after the bound. A status alone does not say: timeout passes on a command's death by a signal
+# as 128 + the signal, so 137 is also a command SIGKILLed by the kernel's OOM killer or by
+# a person, and 124 a command that exited 124; only a command that ran its whole bound timed out.
+timed_out() { [[ ($1 == 124 || $1 == 137) && $ROUND_ELAPSED -ge $ROUND_TIMEOUT_S ]]; }
+# killed_by_sigkill STATUS: a SIGKILL before the bound (see timed_out).
+killed_by_sigkill() { [[ $1 == 137 ]] && ! timed_out "$1"; }
 
 # run_tool TOOL ROUND: one measurement, its JSON report in $WORK/TOOL-ROUND.json.
 run_tool() {
@@ -194,6 +203,7 @@ run_tool() {
     stop_if_interrupted
     [[ $status == 0 ]] && return
     timed_out "$status" && die "$name round $round timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S): $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
+    killed_by_sigkill "$status" && die "$name round $round was killed (SIGKILL, status 137) after ${ROUND_ELAPSED}s, before its ${ROUND_TIMEOUT_S}s bound: the kernel's OOM killer (see dmesg) or a person: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
     die "$name round $round failed: $(grep -v ' LMCache WARNING' "$WORK/stderr" | tail -n 5)"
 }
 
@@ -228,6 +238,7 @@ if [[ ${COMPARE_STRACE:-0} == 1 ]]; then
         esac || status=$?
         stop_if_interrupted
         timed_out "$status" && die "the strace round of $tool timed out after ${ROUND_TIMEOUT_S}s (COMPARE_ROUND_TIMEOUT_S)"
+        killed_by_sigkill "$status" && die "the strace round of $tool was killed (SIGKILL, status 137) after ${ROUND_ELAPSED}s, before its ${ROUND_TIMEOUT_S}s bound: the kernel's OOM killer (see dmesg) or a person"
         [[ $status == 0 ]] || die "the strace round of $tool failed"
         echo
         "$PYTHON" "$TABLE" --strace "$tool" "$WORK/strace-$tool.txt"
