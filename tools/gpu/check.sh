@@ -30,6 +30,16 @@ for program in green-contexts h2d-bandwidth; do
     -arch=sm_90 -o "$OUT/$program" "tools/gpu/$program.cu" -ldl
   echo "gpu-check: tools/gpu/$program.cu compiled for sm_90, warnings as errors"
 done
+# green-contexts' JSON case writer, run before any CUDA call: a case not measured (no timing) must
+# still be JSON that json.load takes (glibc prints a division by zero as `inf`, which it refuses).
+"$OUT/green-contexts" --json-self-test "$OUT/green-json-self-test.json"
+python3 - "$OUT/green-json-self-test.json" <<'PY'
+import json, math, sys
+measured, unmeasured = json.load(open(sys.argv[1]))["cases"]
+assert math.isfinite(measured["tflops"]) and measured["tflops"] > 0, measured
+assert unmeasured["error"] and unmeasured["tflops"] is None and unmeasured["slowdown_percent"] is None, unmeasured
+PY
+echo "gpu-check: green-contexts' JSON of a case not measured parses"
 
 python3 -m unittest discover -s tools/gpu -p 'test_*.py'
 

@@ -40,7 +40,7 @@
 //        -o green-contexts green-contexts.cu -ldl          (tools/gpu/check.sh, tools/gpu/run-all.sh)
 // Usage: green-contexts [--tokens 1024,4096,16384] [--io-sms 8,16] [--repetitions 50]
 //        [--warmup 5] [--pollers poll,spin] [--backoff-ns-max 10000] [--poller-limit-s 20]
-//        [--json PATH]
+//        [--json PATH] [--json-self-test PATH (the JSON case writer alone, no GPU: check.sh)]
 // STATUS: compiled here (sm_90, warnings as errors); it has never run on a GPU.
 
 #include <cuda.h>
@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -279,6 +280,7 @@ struct Options {
     uint32_t backoff_ns_max = 10000;
     int poller_limit_s = 20;
     std::string json_path;
+    std::string json_self_test_path;  // --json-self-test: the case writer alone, no CUDA call (check.sh)
 };
 
 std::vector<std::string> split(const std::string& text) {
@@ -333,6 +335,8 @@ Options parse_options(int argc, char** argv) {
             options.poller_limit_s = parse_int(value, "--poller-limit-s", 1, 300);
         } else if (flag == "--json") {
             options.json_path = value;
+        } else if (flag == "--json-self-test") {
+            options.json_self_test_path = value;
         } else {
             fail("unknown option " + flag);
         }
@@ -573,10 +577,75 @@ void print_result(const Result& r) {
     std::fflush(stdout);
 }
 
+// `value` with `decimals` as a JSON number, or null where it is no finite number or `measured`
+// is false: glibc prints 1/0 as `inf`, which JSON parsers refuse (one case not measured, with no
+// timing, made the whole file unreadable).
+std::string json_number(double value, int decimals, bool measured = true) {
+    if (!measured || !std::isfinite(value)) return "null";
+    char text[64];
+    std::snprintf(text, sizeof text, "%.*f", decimals, value);
+    return text;
+}
+
+// One case of --json's "cases" array (`first`: no comma before it). A case not measured (its
+// error says why) has no timing: its slowdown and TFLOP/s are null.
+void write_case_json(FILE* out, const Result& r, bool first) {
+    const bool measured = r.error.empty();
+    std::fprintf(out,
+                 "%s{\"tokens\":%d,\"io_sms_requested\":%d,\"io_sms_granted\":%u,\"gemm_sms\":%u,\"case\":\"%s\",\"poller\":\"%s\","
+                 "\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"slowdown_percent\":%s,\"tflops\":%s,"
+                 "\"base_before_us\":%.2f,\"base_after_us\":%.2f,\"base_drift_percent\":%s,"
+                 "\"poller_blocks\":%u,\"poller_polls\":%llu,\"poller_timed_out_blocks\":%u,\"h2d_gb_per_s\":%.2f,"
+                 "\"error\":\"%s\"",
+                 first ? "" : ",", r.tokens, r.io_sms_requested, r.io_sms_granted, r.compute_sms, r.case_name.c_str(), r.poller.c_str(),
+                 r.timing.median_us, r.timing.p10_us, r.timing.p90_us, json_number(r.slowdown_percent, 3, measured).c_str(),
+                 json_number(tflops(r.tokens, r.timing.median_us), 1, measured).c_str(), r.base_before.median_us, r.base_after.median_us,
+                 json_number((r.base_after.median_us / r.base_before.median_us - 1.0) * 100.0, 3).c_str(), r.poller_run.blocks,
+                 r.poller_run.polls, r.poller_run.timed_out_blocks, r.copy_gb_per_s, r.error.c_str());
+    if (r.has_green_base()) {
+        std::fprintf(out, ",\"compute_green_base_before_us\":%.2f,\"compute_green_base_after_us\":%.2f", r.green_base_before.median_us,
+                     r.green_base_after.median_us);
+        if (r.error.empty()) std::fprintf(out, ",\"slowdown_vs_compute_green_percent\":%.3f", r.slowdown_vs_compute_green_percent);
+    }
+    std::fprintf(out, "}");
+}
+
+// --json-self-test PATH: a measured case and one not measured (a poller grid not resident: no
+// timing) through write_case_json, before any CUDA call, so tools/gpu/check.sh can check on a
+// machine without a GPU that what --json writes is JSON a parser takes.
+int json_self_test(const std::string& path) {
+    Result measured;
+    measured.tokens = 4096;
+    measured.compute_sms = 132;
+    measured.case_name = "alone_primary";
+    measured.timing = Timing{1000.0, 990.0, 1010.0};
+    measured.base_before = measured.base_after = measured.timing;
+    measured.finish();
+    Result unmeasured;
+    unmeasured.tokens = 4096;
+    unmeasured.io_sms_requested = 8;
+    unmeasured.io_sms_granted = 8;
+    unmeasured.compute_sms = 124;
+    unmeasured.case_name = "io_green+gemm_green";
+    unmeasured.poller = "poll";
+    unmeasured.base_before = unmeasured.base_after = unmeasured.green_base_before = unmeasured.green_base_after = measured.timing;
+    unmeasured.error = "poller grid not resident";
+    unmeasured.finish();
+    FILE* out = std::fopen(path.c_str(), "w");
+    if (out == nullptr) fail("cannot write " + path);
+    std::fprintf(out, "{\"cases\":[");
+    write_case_json(out, measured, true);
+    write_case_json(out, unmeasured, false);
+    std::fprintf(out, "]}\n");
+    if (std::fclose(out) != 0) fail("writing " + path);
+    return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
     const Options options = parse_options(argc, argv);
+    if (!options.json_self_test_path.empty()) return json_self_test(options.json_self_test_path);
     int device_count = 0;
     check(cudaGetDeviceCount(&device_count), "cudaGetDeviceCount");
     if (device_count < 1) fail("no CUDA device");
@@ -665,26 +734,7 @@ int main(int argc, char** argv) {
                      complete ? "true" : "false", properties.name, properties.multiProcessorCount, properties.major, properties.minor,
                      driver_version, runtime_version, cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
                      kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max, sm_count_target);
-        for (size_t i = 0; i < results.size(); ++i) {
-            const Result& r = results[i];
-            std::fprintf(out,
-                         "%s{\"tokens\":%d,\"io_sms_requested\":%d,\"io_sms_granted\":%u,\"gemm_sms\":%u,\"case\":\"%s\",\"poller\":\"%s\","
-                         "\"median_us\":%.2f,\"p10_us\":%.2f,\"p90_us\":%.2f,\"slowdown_percent\":%.3f,\"tflops\":%.1f,"
-                         "\"base_before_us\":%.2f,\"base_after_us\":%.2f,\"base_drift_percent\":%.3f,"
-                         "\"poller_blocks\":%u,\"poller_polls\":%llu,\"poller_timed_out_blocks\":%u,\"h2d_gb_per_s\":%.2f,"
-                         "\"error\":\"%s\"",
-                         i == 0 ? "" : ",", r.tokens, r.io_sms_requested, r.io_sms_granted, r.compute_sms, r.case_name.c_str(),
-                         r.poller.c_str(), r.timing.median_us, r.timing.p10_us, r.timing.p90_us, r.slowdown_percent,
-                         tflops(r.tokens, r.timing.median_us), r.base_before.median_us, r.base_after.median_us,
-                         (r.base_after.median_us / r.base_before.median_us - 1.0) * 100.0, r.poller_run.blocks, r.poller_run.polls,
-                         r.poller_run.timed_out_blocks, r.copy_gb_per_s, r.error.c_str());
-            if (r.has_green_base()) {
-                std::fprintf(out, ",\"compute_green_base_before_us\":%.2f,\"compute_green_base_after_us\":%.2f", r.green_base_before.median_us,
-                             r.green_base_after.median_us);
-                if (r.error.empty()) std::fprintf(out, ",\"slowdown_vs_compute_green_percent\":%.3f", r.slowdown_vs_compute_green_percent);
-            }
-            std::fprintf(out, "}");
-        }
+        for (size_t i = 0; i < results.size(); ++i) write_case_json(out, results[i], i == 0);
         std::fprintf(out, "]}\n");
         if (std::fclose(out) != 0) fail("writing " + partial);
         if (std::rename(partial.c_str(), options.json_path.c_str()) != 0) fail("renaming " + partial + " to " + options.json_path);
