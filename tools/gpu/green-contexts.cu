@@ -497,14 +497,26 @@ void stop_poller(const HostPoller& host, const Domain& domain, PollerRun& run, c
     }
 }
 
-// A cuBLAS handle for `domain`'s stream; told the domain's SM count where the library can be.
+// The first refusal of cublasSetSmCountTarget ("refused (status N)"), else empty: the JSON's
+// cublas_sm_count_target reports it in place of "set on green contexts".
+std::string g_sm_count_target_refused;
+
+// A cuBLAS handle for `domain`'s stream; told the domain's SM count where the library can be. The
+// target is optional (the library may lack it): a refusal (INVALID_VALUE, NOT_SUPPORTED on a green
+// context, say) is a NOTE and the handle goes on without it, rather than the program's exit,
+// which would lose every green-context case.
 CublasHandle create_handle(const Cublas& cublas, const Domain& domain, bool sm_target) {
     make_current(domain);
     CublasHandle handle = nullptr;
     check_cublas(cublas.create(&handle), "cublasCreate");
     check_cublas(cublas.set_stream(handle, domain.stream), "cublasSetStream");
     if (sm_target && cublas.set_sm_count_target != nullptr) {
-        check_cublas(cublas.set_sm_count_target(handle, static_cast<int>(domain.sm_count)), "cublasSetSmCountTarget");
+        const int status = cublas.set_sm_count_target(handle, static_cast<int>(domain.sm_count));
+        if (status != 0) {
+            std::printf("NOTE cublasSetSmCountTarget(%u) on %s refused (status %d): its GEMMs run without the target\n", domain.sm_count,
+                        domain.name.c_str(), status);
+            if (g_sm_count_target_refused.empty()) g_sm_count_target_refused = "refused (status " + std::to_string(status) + ")";
+        }
     }
     return handle;
 }
@@ -733,7 +745,8 @@ int main(int argc, char** argv) {
                      "the GEMM alone on the primary context right before and right after it\",\"cases\":[",
                      complete ? "true" : "false", properties.name, properties.multiProcessorCount, properties.major, properties.minor,
                      driver_version, runtime_version, cublas_version, host_native_atomics, kHiddenSize, kIntermediateSize, options.repetitions, options.warmup,
-                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max, sm_count_target);
+                     kPollerThreadsPerBlock, poller_blocks_per_sm, options.backoff_ns_max,
+                     g_sm_count_target_refused.empty() ? sm_count_target : g_sm_count_target_refused.c_str());
         for (size_t i = 0; i < results.size(); ++i) write_case_json(out, results[i], i == 0);
         std::fprintf(out, "]}\n");
         if (std::fclose(out) != 0) fail("writing " + partial);
