@@ -369,7 +369,7 @@ __device__ void try_publish_sq(const gio_launch_params& params, gio_nvme_qp* qp)
 // Applies one NVMe completion and returns gio_completion_verdict's verdict on it. `*sq_head` is the
 // reaper's free-running SQ head before this entry, and after it the head gio_sq_head_after gives:
 // moved forward only (an entry posted out of creation order may carry an older SQHD), unchanged
-// after a fault.
+// after a fault or an entry naming no ticket (its SQHD has no window to place it in).
 // `claim_held`: the caller holds one claimed gio CQ entry; cleared if this completion used it.
 __device__ uint32_t process_nvme_completion(const gio_launch_params& params, gio_nvme_qp* qp,
                                             uint16_t sq_id, uint16_t command_id, uint16_t sqhd,

@@ -77,7 +77,8 @@ GIO_RULE uint32_t gio_command_id(uint32_t ticket) {
  *   published, below sq_tail). Outside it the entry completes a command the controller cannot
  *   have fetched: NOT_FETCHED when SQHD lies in [sq_head, sq_tail], else BAD_SQ_HEAD;
  * - any other entry (stale, foreign or duplicated command id) has no window: UNEXPECTED when SQHD
- *   lies in [sq_head, sq_tail], else BAD_SQ_HEAD.
+ *   lies in [sq_head, sq_tail], else BAD_SQ_HEAD. That range only classifies it: its SQHD may be
+ *   an old head that, read forward, lands inside it, so gio_sq_head_after never applies it.
  * A head past the tail would let the tail publication move past entries the controller has not
  * fetched (it re-fetches stale SQEs); a completion for a command it cannot have read would hand
  * its buffer back while the entry, published later, still names it. The head to apply after a
@@ -119,16 +120,16 @@ GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reporte
  * ticket's window only if that lies past sq_head, and leaves it otherwise (an entry posted after
  * one created later). Read forward instead, an SQHD behind sq_head would move the head almost a
  * lap ahead, and try_publish_sq would then publish over entries the controller has not fetched.
- * An UNEXPECTED entry's SQHD lies in [sq_head, sq_tail] (the verdict checked it) and is applied
- * there; after a fault (or on a faulted pair) nothing the entry says is applied. Both positions
+ * An UNEXPECTED entry names no ticket, so it has no window to place its SQHD in: it may be a
+ * duplicate or a late entry created long ago, whose old SQHD read forward lands inside
+ * [sq_head, sq_tail] (any SQHD k places behind sq_head does once sq_tail - sq_head >= sq_depth - k)
+ * and would let try_publish_sq publish a whole ring. So it leaves sq_head, a lower bound, where
+ * it is; so does a fault (or a faulted pair): nothing the entry says is applied. Both positions
  * lie at most sq_depth behind sq_tail, so comparing their distances to it is exact.
  */
 GIO_RULE uint32_t gio_sq_head_after(uint32_t verdict, uint32_t sqhd, uint32_t slot_ticket, uint32_t sq_head,
                                     uint32_t sq_tail, uint32_t sq_depth) {
     uint32_t own;
-    if (verdict == GIO_COMPLETION_UNEXPECTED) {
-        return gio_sq_head_from_sqhd(sq_head, sqhd, sq_depth);
-    }
     if (verdict != GIO_COMPLETION_ACCEPT) {
         return sq_head;
     }

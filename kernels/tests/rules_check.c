@@ -220,8 +220,22 @@ static void check_completion_out_of_creation_order(void) {
            "an accepted SQHD behind sq_head leaves sq_head", gio_sq_head_after(GIO_COMPLETION_ACCEPT, 1u, 0u, 3u, 3u, depth));
     expect(gio_sq_head_after(GIO_COMPLETION_ACCEPT, 3u, 2u, 1u, 3u, depth) == 3u,
            "an accepted SQHD past sq_head moves it there", gio_sq_head_after(GIO_COMPLETION_ACCEPT, 3u, 2u, 1u, 3u, depth));
-    expect(gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 2u, 0u, 1u, 3u, depth) == 2u,
-           "an unexpected completion's SQHD (in [sq_head, sq_tail]) is applied", 2u);
+    /* A completion naming no command has no window to place its SQHD in: read forward it may be
+     * an old head a lap behind, so it is never applied. */
+    expect(gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 2u, 0u, 1u, 3u, depth) == 1u,
+           "an unexpected completion's SQHD is not applied",
+           gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 2u, 0u, 1u, 3u, depth));
+    /* Depth 4: tickets 0..2 fetched; ticket 0's completion (SQHD 1) came after ticket 2's (SQHD 3),
+     * so sq_head is 3; tickets 4..6 then published (sq_tail 6). A duplicate of ticket 0's entry
+     * (command id 0, SQHD 1) names nothing (slot 0 holds ticket 4). Read forward from 3, SQHD 1
+     * names 5, inside [3, 6]: applied, try_publish_sq would publish a whole ring (tail 7, head 3). */
+    expect(gio_completion_verdict(0u, queue, queue, gio_command_id(0u), 1u, 4u, 1u, 3u, 6u, 4u) ==
+               GIO_COMPLETION_UNEXPECTED,
+           "a duplicate of a completed ticket's entry is unexpected",
+           gio_completion_verdict(0u, queue, queue, gio_command_id(0u), 1u, 4u, 1u, 3u, 6u, 4u));
+    expect(gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 1u, 4u, 3u, 6u, 4u) == 3u,
+           "a duplicate's old SQHD does not move sq_head a lap forward",
+           gio_sq_head_after(GIO_COMPLETION_UNEXPECTED, 1u, 4u, 3u, 6u, 4u));
     expect(gio_sq_head_after(GIO_COMPLETION_NOT_FETCHED, 2u, 0u, 1u, 3u, depth) == 1u &&
                gio_sq_head_after(GIO_COMPLETION_BAD_SQ_HEAD, 2u, 0u, 1u, 3u, depth) == 1u &&
                gio_sq_head_after(GIO_COMPLETION_WRONG_QUEUE, 2u, 0u, 1u, 3u, depth) == 1u &&

@@ -39,8 +39,9 @@
 //! only move forward by their place in the stream of SQ entries (`sq_consumed`), not by their
 //! ring index: a head behind the last one leaves it where it was, and so does any head of a
 //! command published a whole ring ago or more, whose place the ring index cannot tell (see
-//! `accept_submission_head`). A completion naming no command in flight has no window and must
-//! report a head from the last one to the tail. Submission also stops one
+//! `accept_submission_head`). A completion naming no command in flight has no window: it must
+//! report a head from the last one to the tail, and that head is never applied (a duplicate's
+//! old head can read as a lap forward inside that range). Submission also stops one
 //! short of the SQ head the controller reported, not only at depth − 1 commands in flight, so
 //! neither ring can overflow whatever the slot accounting says.
 //!
@@ -687,10 +688,16 @@ impl QueuePair {
     ///   trust entries it has not fetched.
     ///   The command's own entry is behind the last head reported then (the tail stays within
     ///   depth − 1 of it), so it still passes the completion-before-fetch check.
-    /// - Otherwise (a head outside the window, or a completion naming nothing in flight) the
-    ///   head must lie between the last one reported and the tail we published, modulo the
-    ///   depth, and moves there; for a command whose window it missed, that is a head short of
-    ///   its entry, which `reap` then refuses (`CompletionBeforeFetch`).
+    /// - A completion naming a command whose window the head missed: the head must lie between
+    ///   the last one reported and the tail we published, modulo the depth, and moves there;
+    ///   that is a head short of the command's entry, which `reap` then refuses
+    ///   (`CompletionBeforeFetch`, failing the pair).
+    /// - A completion naming nothing in flight (a duplicate, a stale generation, an id whose
+    ///   slot was reused) has no window: its head may be one created long ago, which read
+    ///   modulo the depth can land a lap forward, inside the tail, over entries not fetched.
+    ///   It is checked against the same range (last head reported to the tail we published)
+    ///   only to tell `UnexpectedCompletion` from `InvalidSubmissionQueueHead`, and never
+    ///   moves the head: the head is only a lower bound, so keeping it is always safe.
     ///
     /// Anything else names a slot the controller cannot have consumed.
     fn accept_submission_head(&mut self, reported: u16, command_entry: Option<u64>) -> Result<(), NvmeError> {
@@ -710,10 +717,12 @@ impl QueuePair {
             }
             let ahead = ring_distance(self.sq_head, reported, self.depth);
             if ahead <= ring_distance(self.sq_head, self.sq_tail_published, self.depth) {
-                // Both heads lie in the ring and the distance is at most depth − 1: the sum
-                // stays far below 2^64 (see `sq_pushed`).
-                self.sq_consumed += u64::from(ahead);
-                self.sq_head = reported;
+                if command_entry.is_some() {
+                    // Both heads lie in the ring and the distance is at most depth − 1: the
+                    // sum stays far below 2^64 (see `sq_pushed`).
+                    self.sq_consumed += u64::from(ahead);
+                    self.sq_head = reported;
+                }
                 return Ok(());
             }
         }
