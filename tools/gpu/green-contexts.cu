@@ -20,7 +20,9 @@
 // cuBLAS is told the compute green context's SM count (cublasSetSmCountTarget, where the library
 // has it): its persistent/stream-K kernels size their grids from the device's SM count otherwise,
 // and a partial extra wave would show as the partition's cost. alone_compute_green_no_sm_target
-// times the same GEMM through a handle without the target (the library's tiling effect).
+// times the same GEMM through a handle without the target (the library's tiling effect), and
+// io_green+gemm_green_no_sm_target the full partition through it (PyTorch sets no target, so an
+// engine's GEMMs run so unless it is changed).
 //
 // The poller is a stand-in for the gio I/O kernel (kernels/gio_io_kernel.cu), which cannot be
 // launched without NVMe queue pairs: a grid of (I/O SMs × occupancy) blocks of 128 threads that
@@ -572,7 +574,7 @@ struct Result {
 double tflops(int tokens, double us) { return 2.0 * tokens * double(kHiddenSize) * kIntermediateSize / (us * 1e-6) / 1e12; }
 
 void print_result(const Result& r) {
-    std::printf("%6d %4d %4u %4u %-24s %-5s %10.1f %10.1f %10.1f %+8.2f%% %7.1f", r.tokens, r.io_sms_requested, r.io_sms_granted,
+    std::printf("%6d %4d %4u %4u %-32s %-5s %10.1f %10.1f %10.1f %+8.2f%% %7.1f", r.tokens, r.io_sms_requested, r.io_sms_granted,
                 r.compute_sms, r.case_name.c_str(), r.poller.c_str(), r.timing.median_us, r.timing.p10_us, r.timing.p90_us,
                 r.slowdown_percent, tflops(r.tokens, r.timing.median_us));
     if (r.poller_run.blocks > 0) {
@@ -712,7 +714,7 @@ int main(int argc, char** argv) {
                 "backoff cap %u ns\n",
                 kHiddenSize, kIntermediateSize, options.repetitions, options.warmup, kPollerThreadsPerBlock, poller_blocks_per_sm,
                 options.backoff_ns_max);
-    std::printf("%6s %4s %4s %4s %-24s %-5s %10s %10s %10s %9s %7s\n", "tokens", "ioSM", "got", "cmp", "case", "pollr", "median_us",
+    std::printf("%6s %4s %4s %4s %-32s %-5s %10s %10s %10s %9s %7s\n", "tokens", "ioSM", "got", "cmp", "case", "pollr", "median_us",
                 "p10_us", "p90_us", "slowdown", "TFLOP/s");
 
     std::vector<Result> results;
@@ -841,18 +843,26 @@ int main(int argc, char** argv) {
                 run_case(make("alone_compute_green_no_sm_target", "-", compute.sm_count), &compute,
                          [&](Result& c) { c.timing = time_gemm(cublas, compute_untargeted, tokens, options); });
             }
-            // GEMM domain beside the poller's domain, for each case.
-            const struct {
+            // GEMM domain beside the poller's domain, for each case. The full partition also runs
+            // through the handle without the SM target: an engine's GEMMs go through PyTorch,
+            // which does not call cublasSetSmCountTarget, so that is tutti's layout on a
+            // partitioned GPU unless the engine is changed; the targeted case is the best a
+            // cuBLAS told the partition can do. Both are bracketed by the targeted GEMM alone on
+            // the compute green context (as alone_compute_green_no_sm_target is).
+            struct Case {
                 const char* name;
                 const Domain* poller_domain;
                 const Domain* gemm_domain;
-            } cases[] = {{"io_green+gemm_primary", &io, &primary},
-                         {"io_green+gemm_green", &io, &compute},
-                         {"io_stream+gemm_primary", &primary_poller, &primary}};
+            };
+            std::vector<Case> cases = {{"io_green+gemm_primary", &io, &primary},
+                                       {"io_green+gemm_green", &io, &compute},
+                                       {"io_stream+gemm_primary", &primary_poller, &primary}};
+            if (compute_untargeted.cublas != nullptr) cases.push_back({"io_green+gemm_green_no_sm_target", &io, &compute_untargeted});
             for (const std::string& poller_name : options.pollers) {
                 const PollerMode mode = poller_name == "spin" ? kSpin : kPoll;
                 for (const auto& c : cases) {
-                    run_case(make(c.name, poller_name, c.gemm_domain->sm_count), c.gemm_domain == &compute ? &compute : nullptr,
+                    const bool on_compute_green = c.gemm_domain == &compute || c.gemm_domain == &compute_untargeted;
+                    run_case(make(c.name, poller_name, c.gemm_domain->sm_count), on_compute_green ? &compute : nullptr,
                              [&](Result& r) {
                                  if (!start_poller(host_poller, *c.poller_domain, poller_blocks, mode, options, r.poller_run)) {
                                      r.error = "poller grid not resident";
