@@ -125,8 +125,11 @@ check "compare.sh, a tutti-bench run failed: no goal judged on the runs left" "u
 check "compare.sh, a tutti-bench run failed: the header says so" 1 "$(grep -c '^parameters: .*1 measurement(s) missing' "$WORK/measured.out")"
 
 # 3c. Huge pages for fio's buffers.
-huge_pages() { env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2>&1 > /dev/null |
-    sed -n 's/^would reserve \([0-9]*\) huge pages.*/\1/p'; }
+huge_pages() { # ENV... -> the pages the dry run reserves, kept with its commands for fio's check
+    env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2>&1 \
+        > "$WORK/huge-commands.${*// /_}" | sed -n 's/^would reserve \([0-9]*\) huge pages.*/\1/p' |
+        tee "$WORK/huge-pages.${*// /_}"
+}
 # fio rounds depth x bs plus a page's mask up to 2 MiB, then adds the mask again and shmget
 # rounds up once more: one page more than a single rounding (fio-3.33 asks shmget for 36 MiB for
 # 32 x 1 MiB).
@@ -134,34 +137,37 @@ check "compare.sh COMPARE_FIO_HUGE=1: 32 x 1 MiB, the largest buffer set by defa
 check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_IODEPTH=128: 128 x 1 MiB takes 66 pages" 66 "$(huge_pages COMPARE_IODEPTH=128)"
 check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_KV_TOKENS=16384: the KV rows' 128 x 1 MiB take 66 pages" 66 "$(huge_pages COMPARE_KV_TOKENS=16384)"
 check "compare.sh COMPARE_FIO_HUGE=1 COMPARE_ROWS=randread-4k: 32 x 4 KiB take 2 pages" 2 "$(huge_pages COMPARE_ROWS=randread-4k)"
-# Against fio's own request, where fio is installed: each distinct buffer set of the dry run's
-# huge-page fio commands (their --bs, --iodepth, --direct, --mem and --hugepage-size, as the
-# script writes them) goes to fio with --debug=mem and the null engine, which opens no file and
-# does no I/O. fio has no way to report its buffer size without asking for it: it logs
+# Against fio's own request, where fio is installed: the largest buffer set (depth x bs) of the
+# dry run's huge-page fio commands, with their --bs, --iodepth, --direct, --mem and
+# --hugepage-size as the script writes them, goes to fio with --debug=mem and the null engine,
+# which opens no file and does no I/O (fio's request grows with depth x bs: the largest set
+# decides). fio has no way to report its buffer size without asking for it: it logs
 # "shmget SIZE" and calls shmget, which fails at once without free huge pages (or without root),
-# and otherwise holds them for the instant a null job of one I/O takes. The largest request, in
-# 2 MiB pages, must be the count the dry run reserves.
-fio_huge_pages() { # ENV... -> the 2 MiB pages of fio's largest shmget for the dry run's fiohuge commands
-    local options size largest=0
-    while read -r options; do
-        # shellcheck disable=SC2086 # the options are words
-        size=$(timeout 30 fio --debug=mem --name=probe --ioengine=null --rw=read --size=1m $options 2>&1 |
-            sed -n 's/^mem .* shmget \([0-9]*\),.*/\1/p' | head -n 1)
-        [ -n "$size" ] || { echo "fio logged no shmget for: $options"; return; }
-        [ "$size" -le "$largest" ] || largest=$size
-    done < <(env "$@" COMPARE_DRY_RUN=1 COMPARE_FIO_HUGE=1 COMPARE_FILE="$WORK/none.img" "$HERE/compare.sh" 2> /dev/null |
-        awk '$1 == "fio" && / --mem=shmhuge/ {
-            line = ""
-            for (i = 2; i <= NF; i++) if ($i ~ /^--(bs|iodepth|direct|mem|hugepage-size)=/) line = line " " $i
-            print line
-        }' | sort -u)
-    echo $((largest / 2097152))
+# and otherwise holds them for the instant a null job of one I/O takes. That request, in 2 MiB
+# pages, must be the count the dry run reserves.
+fio_huge_pages() { # ENV... (as huge_pages was given) -> the 2 MiB pages fio's shmget asks for
+    local options size
+    options=$(awk '$1 == "fio" && / --mem=shmhuge/ {
+            line = ""; bytes = 0; depth = 0
+            for (i = 2; i <= NF; i++) {
+                if ($i ~ /^--(bs|iodepth|direct|mem|hugepage-size)=/) line = line " " $i
+                if ($i ~ /^--bs=[0-9]+[kKmM]$/) { bytes = substr($i, 6) + 0; bytes *= ($i ~ /[mM]$/) ? 1048576 : 1024 }
+                if ($i ~ /^--iodepth=/) depth = substr($i, 11) + 0
+            }
+            if (bytes * depth > largest) { largest = bytes * depth; chosen = line }
+        } END { print chosen }' "$WORK/huge-commands.${*// /_}")
+    [ -n "$options" ] || { echo "no huge-page fio command with --bs=NUMBER[k|m] and --iodepth in the dry run"; return; }
+    # shellcheck disable=SC2086 # the options are words
+    size=$(timeout 30 fio --debug=mem --name=probe --ioengine=null --rw=read --size=1m $options 2>&1 |
+        sed -n 's/^mem .* shmget \([0-9]*\),.*/\1/p' | head -n 1)
+    [ -n "$size" ] || { echo "fio logged no shmget for:$options"; return; }
+    echo $((size / 2097152))
 }
 if command -v fio > /dev/null 2>&1; then
     for settings in "" COMPARE_IODEPTH=128 COMPARE_KV_TOKENS=16384 COMPARE_ROWS=randread-4k; do
         # shellcheck disable=SC2086 # word splitting of the settings is meant
         check "compare.sh COMPARE_FIO_HUGE=1 ${settings:-defaults}: the pages reserved are fio's own shmget request ($(fio --version))" \
-            "$(fio_huge_pages $settings)" "$(huge_pages $settings)"
+            "$(fio_huge_pages $settings)" "$(cat "$WORK/huge-pages.${settings// /_}")"
     done
 else
     echo "bench-scripts-test: skipped: compare.sh's huge pages against fio's shmget (no fio installed)" >&2
