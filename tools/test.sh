@@ -506,7 +506,7 @@ stage_lint() {
     # clippy's incompatible_msrv lint checks std APIs against rust-version; check-msrv.sh checks
     # that every package declares it and that no locked dependency needs a newer compiler.
     # tools/lib/prune-test.sh: the cache pruning engine-env.sh does (no build, a second).
-    ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 60 tools/bench-scripts-test.sh &&
+    ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 180 tools/bench-scripts-test.sh &&
         timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
         timeout -k 30 300 cargo fmt --all -- --check
 }
