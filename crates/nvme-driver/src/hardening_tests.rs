@@ -314,6 +314,45 @@ fn a_head_far_behind_the_last_one_does_not_read_as_a_lap_forward() {
 }
 
 #[test]
+fn a_head_for_a_command_published_exactly_a_ring_ago_is_exact() {
+    // Goal: a command's window (past its entry, up to the tail published) holds each ring index
+    // once while it spans at most the depth, its own entry's index included once (as the end
+    // of the window, never its start), so its place is exact at a span of exactly the depth,
+    // as gio_sq_head_after reads it. On a ring of 8, A (SQ entry 0) is in flight while six
+    // later commands complete with head 7, and one more (entry 7) is published: the tail is 8.
+    // A's head 0 can only be entry 8: the head moves there, and a completion naming nothing
+    // with head 7 (behind it) is then impossible. It used to be called ambiguous and the head
+    // stayed at 7, so that head passed as unexpected.
+    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in 0..7 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
+    let post = |index: usize, command_id: u16, sq_head: u16| {
+        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
+        ring.write(index * 16, &entry.to_bytes()).expect("post");
+    };
+    for command in 1..7u16 {
+        post(usize::from(command) - 1, command, 7);
+    }
+    let mut delivered = Vec::new();
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("reap"), 6);
+    queue.submit_raw(flush(), 7).expect("submit");
+    queue.ring_doorbell().expect("ring");
+    post(6, 0, 0);
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("A completes"), 1);
+    assert_eq!(delivered.last(), Some(&0));
+    post(7, 0x7700, 7);
+    let reaped = queue.reap(8, |_| panic!("a completion naming nothing was delivered"));
+    assert!(
+        matches!(reaped, Err(NvmeError::InvalidSubmissionQueueHead { reported: 7, head: 0, tail: 0, .. })),
+        "A's head did not move the head to entry 8: {reaped:?}"
+    );
+}
+
+#[test]
 fn a_completion_whose_sq_head_has_not_passed_its_command_fails_the_pair() {
     // Goal: SQHD counts the entries the controller consumed (§4.6), so a command at SQ index i
     // can complete only with a head past i. A controller that completes three commands at SQ

@@ -38,7 +38,7 @@
 //! own window (just past its entry up to the tail we published): it is believed, and heads
 //! only move forward by their place in the stream of SQ entries (`sq_consumed`), not by their
 //! ring index: a head behind the last one leaves it where it was, and so does any head of a
-//! command published a whole ring ago or more, whose place the ring index cannot tell (see
+//! command published more than a ring ago, whose place the ring index cannot tell (see
 //! `accept_submission_head`). A completion naming no command in flight has no window: it must
 //! report a head from the last one to the tail, and that head is never applied (a duplicate's
 //! old head can read as a lap forward inside that range). Submission also stops one
@@ -127,10 +127,10 @@ struct Slot {
 /// ([`QueuePair::place_in_command_window`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CommandWindowPlace {
-    /// Its place in the SQ's stream of entries (the command was published less than a ring ago).
+    /// Its place in the SQ's stream of entries (the command was published at most a ring ago).
     Exact(u64),
-    /// Any ring index lies in the window (published a whole ring ago or more): its place is
-    /// not known.
+    /// Some ring index lies in the window twice (published more than a ring ago): its place
+    /// is not known.
     Ambiguous,
 }
 
@@ -679,13 +679,15 @@ impl QueuePair {
     /// one that has not passed its own command's entry.
     /// - A completion naming a command in flight (`command_entry`: its [`Slot::sq_entry`]) is
     ///   believed when the head lies in that command's own window (just past its entry up to
-    ///   the tail we published). Published less than a ring ago, the window holds each ring
-    ///   index once, so the head's place in the stream is exact: the head moves there if that
-    ///   is past the last one reported and stays put otherwise. Published a whole ring ago or
-    ///   more, the window holds every index and the place is ambiguous (index 1 may be entry 1
-    ///   or entry depth + 1): the head stays put, since reading it a lap forward would count
-    ///   entries the controller may not have consumed, and the room check at push would then
-    ///   trust entries it has not fetched.
+    ///   the tail we published). Published at most a ring ago, the window holds each ring
+    ///   index at most once (the entry's own index only as its end, entry + depth), so the
+    ///   head's place in the stream is exact: the head moves there if that is past the last one
+    ///   reported and stays put otherwise. This is the kernel's rule
+    ///   (`gio_sq_head_in_ticket_window`), which never sees a longer window. Published more
+    ///   than a ring ago, the window holds some index twice and the place is ambiguous (for
+    ///   entry 0, index 1 may be entry 1 or entry depth + 1): the head stays put, since reading
+    ///   it a lap forward would count entries the controller may not have consumed, and the
+    ///   room check at push would then trust entries it has not fetched.
     ///   The command's own entry is behind the last head reported then (the tail stays within
     ///   depth − 1 of it), so it still passes the completion-before-fetch check.
     /// - A completion naming a command whose window the head missed: the head must lie between
@@ -736,12 +738,17 @@ impl QueuePair {
     fn place_in_command_window(&self, entry: u64, head: u32) -> Option<CommandWindowPlace> {
         let published = self.sq_pushed - u64::from(ring_distance(self.sq_tail_published, self.sq_tail, self.depth));
         let span = published.checked_sub(entry).filter(|&span| span > 0)?;
-        if span >= u64::from(self.depth) {
+        if span > u64::from(self.depth) {
             return Some(CommandWindowPlace::Ambiguous);
         }
-        // `entry % depth` is below the depth, as ring_distance requires.
-        let past_entry = ring_distance((entry % u64::from(self.depth)) as u32, head, self.depth);
-        (past_entry > 0 && u64::from(past_entry) <= span).then(|| CommandWindowPlace::Exact(entry + u64::from(past_entry)))
+        // `entry % depth` is below the depth, as ring_distance requires. The window starts
+        // just past the entry, so the entry's own index names its end, entry + depth (inside
+        // the window only when it spans the whole ring).
+        let past_entry = match ring_distance((entry % u64::from(self.depth)) as u32, head, self.depth) {
+            0 => self.depth,
+            past_entry => past_entry,
+        };
+        (u64::from(past_entry) <= span).then(|| CommandWindowPlace::Exact(entry + u64::from(past_entry)))
     }
 
     /// Whether [`QueuePair::reap`] would find something to report now: the entry at the CQ head
