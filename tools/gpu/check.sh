@@ -2,7 +2,8 @@
 # tools/gpu/check.sh — what of the GPU scripts can be checked without a GPU (tools/test.sh's cuda
 # stage runs it after tools/cuda-build.sh, which installs the pinned nvcc wheels it uses):
 #   1. tools/gpu/*.cu compile and link for sm_90 with warnings as errors (nvcc 13.2 from the wheels);
-#   2. the timeline logic's unit tests (tools/gpu/test_timeline.py, standard library only);
+#   2. the GPU scripts' unit tests (tools/gpu/test_*.py, standard library only; test_timeline.py
+#      runs the runbook's simulate recipe with a tutti-profile built here);
 #   3. with GPU_CHECK_PYTHON=PATH (a python with PyTorch, e.g. target/gpu-venv/bin/python; never
 #      installed by this script): the slack step of run-all.sh rehearsed on the CPU,
 #      slack-profile.py --device cpu --tiny → CSV → `tutti-profile import` → `check`, and the
@@ -41,7 +42,10 @@ assert unmeasured["error"] and unmeasured["tflops"] is None and unmeasured["slow
 PY
 echo "gpu-check: green-contexts' JSON of a case not measured parses"
 
-python3 -m unittest discover -s tools/gpu -p 'test_*.py'
+# A tutti-profile for test_timeline.py's AfterwardsRecipe (the runbook's simulate recipe, run on a
+# synthetic H200 table); without one that test only checks the recipe's text.
+cargo build --locked -p tutti-profile
+GPU_CHECK_TUTTI_PROFILE="$TARGET/debug/tutti-profile" python3 -m unittest discover -s tools/gpu -p 'test_*.py'
 
 if [[ -n "${GPU_CHECK_PYTHON:-}" ]]; then
   bin="$OUT/python-bin"

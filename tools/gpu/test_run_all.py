@@ -490,6 +490,12 @@ class DevicePlan(unittest.TestCase):
         self.assertIsNotNone(row, f"docs/gio-uring.md gives no `{plan['command']}`")
         self.assertIn(f"| {plan['timeout_s']} |", row)
         self.assertNotIn("RUN_ALL_SLACK_BUDGET_S=B", runbook)  # no second call's recipe is left
+        # A session with less than 900 s left sizes its call from status's budget_left_s.
+        self.assertIn("--plan --left-s", runbook)
+        self.assertIn("budget_left_s", runbook)
+        self.assertNotIn("`timeout_s` 590, the same arithmetic", runbook)
+        # The slack profile's margins as run-all.sh applies them (test above).
+        self.assertIn("`--budget-s` = that less 45 s", " ".join(runbook.split()))
 
 
 # A cargo for --prepare: each executable it is asked for (--bin, --example, --test) is written

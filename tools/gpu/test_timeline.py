@@ -9,6 +9,7 @@ on a GPU stream, tied to their launch by `correlation`, as torch.profiler export
 import gzip
 import importlib.util
 import io
+import json
 import os
 import random
 import re
@@ -289,6 +290,75 @@ class SlackOutputSize(unittest.TestCase):
             self.assertIn("slack-timeline.csv.gz", sizes)
             with gzip.open(os.path.join(out, "slack-timeline.csv.gz")) as handle:
                 self.assertEqual(handle.read(), csv)
+
+
+def tutti_profile() -> str | None:
+    """A tutti-profile build: GPU_CHECK_TUTTI_PROFILE (check.sh builds one), else the workspace's
+    debug or release build, else None."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(root, "target"))
+    for path in (os.environ.get("GPU_CHECK_TUTTI_PROFILE", ""), os.path.join(target, "debug", "tutti-profile"),
+                 os.path.join(target, "release", "tutti-profile")):
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+class AfterwardsRecipe(unittest.TestCase):
+    """The runbook's "Afterwards, here" recipe (docs/gio-uring.md, Running on a GPU), run as
+    written on a table imported as the slack step imports it on the lent H200 (--gpu h200, 8 I/O
+    SMs in multiples of 8), from a synthetic all-SM timeline of the slack grid (4096 x 1..8,
+    prefixes every 1024)."""
+
+    def recipe(self) -> list[str]:
+        here = os.path.dirname(os.path.abspath(__file__))
+        with open(os.path.join(here, "..", "..", "docs", "gio-uring.md")) as handle:
+            text = handle.read()
+        match = re.search(r"\*\*Afterwards, here:\*\*.*?```sh\n(.*?)```", text, re.S)
+        self.assertIsNotNone(match, "the runbook's Afterwards paragraph gives no ```sh block")
+        return [line for line in match.group(1).splitlines() if line.strip() and not line.startswith("#")]
+
+    def test_the_recipe_compares_the_measured_table_with_an_analytic_one_of_the_same_reservation(self):
+        # Goal: the recipe runs on the table the one call imports (an H200's: `simulate` refuses
+        # a table of another GPU than its preset's), and its analytic side reserves the same 8
+        # I/O SMs (the preset's own analytic table reserves 4: compute on 128 SMs where the
+        # measured table has 124, a difference the model would be blamed for). Before, the
+        # recipe was `simulate --preset llama3-8b-h100-32k --table TABLE` beside the preset alone.
+        lines = self.recipe()
+        analytic = [line for line in lines if " analytic " in line]
+        self.assertTrue(analytic and all("--io-sms 8" in line and "--gpu h200" in line for line in analytic), lines)
+        simulate = [line for line in lines if " simulate " in line]
+        self.assertEqual(len(simulate), 2, lines)
+        self.assertTrue(all("--preset llama3-8b-h200-32k" in line and "--table " in line for line in simulate), lines)
+        profile = tutti_profile()
+        if profile is None:
+            self.skipTest("no tutti-profile build (GPU_CHECK_TUTTI_PROFILE, target/debug or target/release)")
+        with tempfile.TemporaryDirectory() as directory:
+            rows = [timeline.HEADER]
+            for k in range(1, 9):
+                tokens = 4096 * k
+                for prefix in range(0, tokens + 1, 1024):
+                    new = max(tokens - prefix, 1)
+                    for layer in range(32):
+                        start = layer * 1000.0
+                        rows.append(f"prefill,{tokens},{prefix},{layer},qkv,{start},{start + 100 + new * 0.01},132")
+                        rows.append(f"prefill,{tokens},{prefix},{layer},attn,{start + 100 + new * 0.01},{start + 900},132")
+                rows.append(f"decode,{tokens},,,step,0,{3000 + 100 * k},132")
+            with open(os.path.join(directory, "timeline.csv"), "w") as handle:
+                handle.write("\n".join(rows) + "\n")
+            subprocess.run([profile, "import", "--timeline", "timeline.csv", "--model", "llama3-8b", "--gpu", "h200",
+                            "--io-sms", "8", "--io-sm-granularity", "8", "--io-sm-minimum", "8", "--out", "slack-table.json"],
+                           cwd=directory, check=True, timeout=120, capture_output=True)
+            for line in lines:
+                command = line.replace("tutti-profile ", shlex.quote(profile) + " ", 1).replace(" TABLE ", " slack-table.json ")
+                done = subprocess.run(["bash", "-c", command], cwd=directory, capture_output=True, text=True, timeout=300)
+                self.assertEqual(done.returncode, 0, f"{line}: {done.stderr}")
+            outputs = [line.rsplit(">", 1)[1].strip() for line in simulate if ">" in line]
+            self.assertEqual(len(outputs), 2, simulate)
+            for name in outputs:
+                with open(os.path.join(directory, name)) as handle:
+                    summary = json.load(handle)
+                self.assertEqual(summary["preset"]["gpu"]["name"], "h200")
 
 
 class RunAsAScript(unittest.TestCase):
