@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -72,3 +73,25 @@ def test_a_connection_the_daemon_ended_is_disconnected_with_its_code(tmp_path):
     error = raised.value
     assert isinstance(error, tutti.Disconnected), f"{type(error).__name__}: {error}"
     assert error.code == "FrameTimeout"
+
+
+def test_a_store_call_on_a_session_the_daemon_ended_is_disconnected_with_its_code(tmp_path):
+    # Goal: an attached Store's calls go through RemoteKvStore, whose error (not the daemon
+    # client's) reaches Python; a goodbye (here LeaseExpired: no frame within a 300 ms lease,
+    # keep-alive off) is Disconnected there too, keeping the daemon's code as attach's does.
+    # Before, the Store path raised Disconnected with code None.
+    from conftest import attach, start_daemon, tokens
+
+    daemon = start_daemon(tmp_path, "--lease", "300ms")
+    try:
+        store = attach(daemon, timeout_s=3.0)
+        store.allocate_kv(4, "paged")
+        time.sleep(1.0)  # past the lease: tuttid ends the session with LeaseExpired
+        with pytest.raises(tutti.Error) as raised:
+            store.prepare_store(tokens(1, 2), [0, 1])
+        store.close()
+    finally:
+        daemon.stop()
+    error = raised.value
+    assert isinstance(error, tutti.Disconnected), f"{type(error).__name__}: {error}"
+    assert error.code == "LeaseExpired", f"{error.code!r}: {error}"

@@ -52,7 +52,10 @@ pub enum RemoteFailure {
     /// The daemon refused it with this error code (tutti-daemon's `ErrorCode::to_u16`).
     Refused { code: u16 },
     /// The connection is gone (closed by the daemon, a socket error, no daemon at the socket).
-    Disconnected,
+    /// `code`: the daemon's goodbye when it said one as it ended the connection (tutti-daemon's
+    /// `ErrorCode::to_u16`: `ShuttingDown`, `LeaseExpired`, `FrameTimeout`, ...), kept for the
+    /// caller's diagnostics; `None` when it closed without one or was never reached.
+    Disconnected { code: Option<u16> },
     /// No answer within the client's timeout.
     TimedOut,
 }

@@ -146,7 +146,11 @@ impl From<&ObjstoreError> for Failure {
                         let code = ErrorCode::from_u16(*code);
                         Failure { class: refusal_class(code, reason), message, code: Some(code_name(code)) }
                     }
-                    RemoteFailure::Disconnected => Failure::new(ErrorClass::Disconnected, message),
+                    // The daemon's goodbye, when it said one, is kept (`e.code`), as it is for
+                    // the daemon client's own error (attach, the LookupClient).
+                    RemoteFailure::Disconnected { code } => {
+                        Failure { class: ErrorClass::Disconnected, message, code: code.map(|code| code_name(ErrorCode::from_u16(code))) }
+                    }
                     RemoteFailure::TimedOut => Failure::new(ErrorClass::Timeout, message),
                 };
             }
@@ -315,8 +319,9 @@ mod tests {
         assert_eq!(Failure::from(&refused(ErrorCode::LimitReached, "at most 32 prepared requests")).class, ErrorClass::LimitReached);
         assert_eq!(Failure::from(&refused(ErrorCode::NotYours, "")).class, ErrorClass::StaleRequest);
         assert_eq!(Failure::from(&refused(ErrorCode::Busy, "")).class, ErrorClass::Daemon);
-        let gone = ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected, reason: "closed".into() };
-        assert_eq!(Failure::from(&gone).class, ErrorClass::Disconnected);
+        let gone =
+            Failure::from(&ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected { code: None }, reason: "closed".into() });
+        assert_eq!((gone.class, gone.code), (ErrorClass::Disconnected, None));
         assert_eq!(Failure::from(DaemonError::Closed).class, ErrorClass::Disconnected);
         // An exchange that timed out: tutti.TimeoutError with no code; the connectors treat it
         // (as Disconnected, and any DaemonError without a code) as a lost connection.
@@ -336,13 +341,29 @@ mod tests {
         let busy = Failure::from(DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() });
         assert_eq!((busy.class, busy.code.as_deref()), (ErrorClass::Daemon, Some("Busy")));
         assert!(busy.message.contains("64 clients"), "the Rust message is carried: {}", busy.message);
-        // The daemon ended the connection (a frame it refused or that timed out, a peer it does
-        // not serve): Disconnected, so that connection_lost() is true at once, keeping the code.
-        for code in [ErrorCode::FrameTimeout, ErrorCode::BadMagic, ErrorCode::UnknownKind, ErrorCode::PermissionDenied] {
+        // The daemon ended the connection (a lease or shutdown goodbye, a frame it refused or
+        // that timed out, a peer it does not serve): Disconnected, so that connection_lost() is
+        // true at once, keeping the code, whether the daemon client's error reaches Python
+        // (attach, the LookupClient) or a Store's (RemoteKvStore's RemoteFailure). A Refused
+        // with such a code is not produced (RemoteKvStore says Disconnected); it would read the
+        // same.
+        for code in [
+            ErrorCode::FrameTimeout,
+            ErrorCode::BadMagic,
+            ErrorCode::UnknownKind,
+            ErrorCode::PermissionDenied,
+            ErrorCode::LeaseExpired,
+            ErrorCode::ShuttingDown,
+        ] {
+            let name = Some(format!("{code:?}"));
             let ended = Failure::from(DaemonError::Remote { code, message: "ended".into() });
-            assert_eq!((ended.class, ended.code), (ErrorClass::Disconnected, Some(format!("{code:?}"))), "{code}");
+            assert_eq!((ended.class, &ended.code), (ErrorClass::Disconnected, &name), "{code}");
+            let store =
+                ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected { code: Some(code.to_u16()) }, reason: "ended".into() };
+            let store = Failure::from(&store);
+            assert_eq!((store.class, &store.code), (ErrorClass::Disconnected, &name), "{code} (a Store's)");
             let refused = Failure::from(&refused(code, "ended"));
-            assert_eq!((refused.class, refused.code), (ErrorClass::Disconnected, Some(format!("{code:?}"))), "{code}");
+            assert_eq!((refused.class, &refused.code), (ErrorClass::Disconnected, &name), "{code}");
         }
     }
 }

@@ -196,13 +196,14 @@ fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLay
 /// lost connection, a timeout) so that callers can react by kind. A code the daemon sends only
 /// as it ends the connection ([`super::ends_the_connection`]: `ShuttingDown`, `LeaseExpired`,
 /// a refused or timed-out frame, ...) is the daemon saying goodbye before it closes: the caller
-/// sees the session gone (`Disconnected`, as the Python package classifies them) whether the
-/// goodbye or the close reached it first, and reconnects at once.
+/// sees the session gone (`Disconnected`, as the Python package classifies them, keeping the
+/// code when the goodbye reached it) whether the goodbye or the close reached it first, and
+/// reconnects at once.
 fn remote(error: DaemonError) -> ObjstoreError {
     let failure = match &error {
-        DaemonError::Remote { code, .. } if super::ends_the_connection(*code) => RemoteFailure::Disconnected,
+        DaemonError::Remote { code, .. } if super::ends_the_connection(*code) => RemoteFailure::Disconnected { code: Some(code.to_u16()) },
         DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
-        DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected,
+        DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected { code: None },
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
         // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
         // frame cap; a client name over 64 bytes): the caller's request, and the connection
@@ -1059,10 +1060,10 @@ mod tests {
             other => panic!("expected a classified failure, got {other:?}"),
         };
         let goodbye = DaemonError::Remote { code: ErrorCode::ShuttingDown, message: "draining".into() };
-        assert_eq!(classify(goodbye), RemoteFailure::Disconnected);
+        assert_eq!(classify(goodbye), RemoteFailure::Disconnected { code: Some(ErrorCode::ShuttingDown.to_u16()) });
         let expired = DaemonError::Remote { code: ErrorCode::LeaseExpired, message: "no frame within the lease".into() };
-        assert_eq!(classify(expired), RemoteFailure::Disconnected);
-        assert_eq!(classify(DaemonError::Closed), RemoteFailure::Disconnected);
+        assert_eq!(classify(expired), RemoteFailure::Disconnected { code: Some(ErrorCode::LeaseExpired.to_u16()) });
+        assert_eq!(classify(DaemonError::Closed), RemoteFailure::Disconnected { code: None });
         let full = DaemonError::Remote { code: ErrorCode::LimitReached, message: "pool full".into() };
         assert_eq!(classify(full), RemoteFailure::Refused { code: ErrorCode::LimitReached.to_u16() });
         // A request over the frame cap was never sent: the caller's, not a lost connection.
@@ -1119,7 +1120,7 @@ mod tests {
             ObjstoreError::RemoteFailed { failure, .. } => failure,
             other => panic!("expected a classified failure, got {other:?}"),
         };
-        assert_eq!(classify(ended), RemoteFailure::Disconnected);
+        assert_eq!(classify(ended), RemoteFailure::Disconnected { code: Some(ErrorCode::FrameTimeout.to_u16()) });
         for code in [
             ErrorCode::BadMagic,
             ErrorCode::UnsupportedVersion,
@@ -1127,7 +1128,8 @@ mod tests {
             ErrorCode::UnknownKind,
             ErrorCode::PermissionDenied,
         ] {
-            assert_eq!(classify(DaemonError::Remote { code, message: String::new() }), RemoteFailure::Disconnected, "{code}");
+            let ended = classify(DaemonError::Remote { code, message: String::new() });
+            assert_eq!(ended, RemoteFailure::Disconnected { code: Some(code.to_u16()) }, "{code}");
         }
         let busy = DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() };
         assert_eq!(classify(busy), RemoteFailure::Refused { code: ErrorCode::Busy.to_u16() });
