@@ -300,7 +300,7 @@ def tutti_profile() -> str | None:
     for path in (os.environ.get("GPU_CHECK_TUTTI_PROFILE", ""), os.path.join(target, "debug", "tutti-profile"),
                  os.path.join(target, "release", "tutti-profile")):
         if path and os.access(path, os.X_OK):
-            return path
+            return os.path.abspath(path)  # the recipe runs in a temporary directory
     return None
 
 
