@@ -263,11 +263,14 @@ fn make_room(
 /// else the oldest whose head is unfinished, only then the oldest (every slot a scrape being
 /// answered). Never an answer while a head is unfinished: connections that send one byte and
 /// idle would otherwise cut off every scrape whose answer is still being taken. A connection
-/// accepted in the pass under way (`fresh`) is closed only for a newcomer being answered; for
-/// another, the newcomer is closed: a flood accepted in one pass cannot close a scrape
-/// accepted in it before the endpoint has read it.
+/// accepted in the pass under way (`fresh`) that has sent nothing is closed only for a
+/// newcomer being answered; for another, the newcomer is closed: a flood accepted in one pass
+/// cannot close a scrape accepted in it before the endpoint has read it. Only one that has
+/// sent nothing: one that has sent a byte is no scrape whose head is late, and protecting it
+/// too would let the flood's own first connections of a pass fill every slot and shut out a
+/// scrape accepted after them.
 fn to_close(open: &VecDeque<Pending>, answering: bool) -> Option<usize> {
-    let closable = |pending: &Pending| pending.answer.is_none() && (answering || !pending.fresh);
+    let closable = |pending: &Pending| pending.answer.is_none() && (answering || !pending.fresh || !pending.head.is_empty());
     open.iter()
         .position(|pending| closable(pending) && pending.head.is_empty())
         .or_else(|| open.iter().position(closable))
@@ -631,8 +634,10 @@ mod tests {
         // connect) looks like a connection that sent nothing; with every other slot taken by
         // connections that sent one byte, it was the first closed to admit the next one (at
         // 64 accepts a pass, a flood closed it before it was read). It is kept through the
-        // pass it was accepted in, and read again before a slot is chosen to close in the
-        // next: its request is answered.
+        // pass it was accepted in, even when every other slot was taken by the flood in that
+        // pass before it came (the flood's connections, having sent a byte, are closed for
+        // one another, not the scrape for them), and read again before a slot is chosen to
+        // close in the next: its request is answered.
         let endpoint = MetricsEndpoint::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let address = endpoint.address();
         let metrics = Metrics::new();
@@ -643,7 +648,10 @@ mod tests {
         settle();
         assert!(endpoint.accept_pending(&mut open, &metrics, &never, &snapshot));
         assert!(open.len() == CONNECTIONS_MAX && open.iter().all(|pending| pending.head == b"G"), "{} open", open.len());
-        // Accepted before its head came, then a flood in the same pass.
+        // Accepted before its head came, in a pass where a flood came first (enough to replace
+        // every older slot, so that every slot is one accepted in this pass when the scrape
+        // comes) and goes on after it.
+        heads.extend((0..CONNECTIONS_MAX).map(|_| sending(address, b"G")));
         let mut scrape = sending(address, b"");
         heads.extend((0..CONNECTIONS_MAX + 2).map(|_| sending(address, b"G")));
         settle();
