@@ -21,7 +21,7 @@
 #    a round whose tool never returns ends after COMPARE_ROUND_TIMEOUT_S with exit 2, its
 #    process group killed; Ctrl-C (SIGINT to the script's process group, under setsid as at a
 #    terminal) stops the running round, whose group timeout made its own, and ends the sitting
-#    with exit 130; a round SIGKILLed before its bound (status 137, as timeout's own KILL gives)
+#    with exit 130, a hangup (SIGHUP) likewise with exit 129; a round SIGKILLed before its bound (status 137, as timeout's own KILL gives)
 #    is said to be killed, not to have timed out;
 # 6. tools/vm-bench.sh's guest commands (TUTTI_BENCH_COMMANDS_ONLY, nothing built or booted):
 #    on every write row the kernel's fio and every tutti-bench run write unstamped buffers
@@ -276,6 +276,18 @@ sitting_ends 10
 check "compare-lmcache.sh: Ctrl-C (SIGINT to its process group) in a round: exit 130 within 10 s (the round's bound is 60 s)" 130 "$ended"
 check "compare-lmcache.sh: Ctrl-C: the round stopped, nothing left of the sitting" "" "$left"
 check "compare-lmcache.sh: Ctrl-C: the error says the sitting was interrupted" 1 "$(grep -c 'interrupted' "$WORK/interrupt.err")"
+# A hangup (an SSH session dropped, a terminal closed): SIGHUP goes to the script's process group
+# (the shell's killpg of its jobs, the kernel's to the foreground group), not to the round's: the
+# round must be stopped as for Ctrl-C, not left running into the directory the cleanup removed.
+sitting "$WORK/hangup.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=60
+for ((tenths = 0; tenths < 100; tenths++)); do # until the round runs: its stand-in's sleep
+    pgrep -s "$sitting" -x sleep > /dev/null && break
+    sleep 0.1
+done
+kill -HUP -- "-$sitting"
+sitting_ends 10
+check "compare-lmcache.sh: a hangup (SIGHUP to its process group) in a round: exit 129 within 10 s" 129 "$ended"
+check "compare-lmcache.sh: a hangup: the round stopped, nothing left of the sitting" "" "$left"
 # A round whose tool is SIGKILLed before the bound (the OOM killer, say): timeout passes the death
 # on as 137, the status its own KILL gives, but the round did not time out.
 cat > "$WORK/bin/python-killed" << 'FAKE'

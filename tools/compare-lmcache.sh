@@ -47,8 +47,8 @@
 #                       have no bound of their own)
 #
 # Exit status: 0 done; 2 LMCache missing and not installable, a tool failing, or a check failing
-# (the reason on stderr); 130 (143) interrupted by SIGINT, Ctrl-C (SIGTERM): the running round
-# is stopped first.
+# (the reason on stderr); 130 (143, 129) interrupted by SIGINT, Ctrl-C (SIGTERM; SIGHUP, a
+# dropped SSH session or closed terminal): the running round is stopped first.
 set -euo pipefail
 
 ROUNDS=${COMPARE_ROUNDS:-6}
@@ -145,9 +145,11 @@ drop_page_cache() {
 # strace and its tracees), so the terminal's Ctrl-C, sent to this script's group, no longer
 # reaches the round, and bash, waiting in the foreground for a child that did not die of it,
 # would go on to the next round. So timeout runs in the background, the wait for it is
-# interruptible, and an INT or TERM to this script is passed on to it as TERM (timeout relays
-# it to its group, and KILLs the group 30 s later if it is still there): the round stops,
-# INTERRUPTED names the signal, and run_tool ends the sitting (130 for INT, 143 for TERM).
+# interruptible, and an INT, TERM or HUP to this script is passed on to it as TERM (timeout
+# relays it to its group, and KILLs the group 30 s later if it is still there): the round stops,
+# INTERRUPTED names the signal, and run_tool ends the sitting (130 for INT, 143 for TERM, 129
+# for HUP: a dropped SSH session or closed terminal signals this script's group, not the
+# round's, which would otherwise run on into the directory the cleanup removed).
 INTERRUPTED=
 ROUND_PID=
 # Whole seconds the last bounded command ran (SECONDS counts whole seconds, and for a whole
@@ -158,6 +160,7 @@ bounded() {
     # Trapped before the round starts, so that no interrupt finds it started and untrapped.
     trap 'INTERRUPTED=INT; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' INT
     trap 'INTERRUPTED=TERM; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' TERM
+    trap 'INTERRUPTED=HUP; [[ -z $ROUND_PID ]] || kill -TERM "$ROUND_PID" 2>/dev/null' HUP
     timeout -k 30 "$ROUND_TIMEOUT_S" "$@" &
     ROUND_PID=$!
     [[ -z $INTERRUPTED ]] || kill -TERM "$ROUND_PID" 2>/dev/null
@@ -170,7 +173,7 @@ bounded() {
     done
     ROUND_PID=
     ROUND_ELAPSED=$((SECONDS - started))
-    trap - INT TERM
+    trap - INT TERM HUP
     return "$status"
 }
 # stop_if_interrupted: ends the sitting when bounded was interrupted.
@@ -178,6 +181,7 @@ stop_if_interrupted() {
     case $INTERRUPTED in
         INT) say "compare-lmcache: interrupted (SIGINT): the round was stopped"; exit 130 ;;
         TERM) say "compare-lmcache: interrupted (SIGTERM): the round was stopped"; exit 143 ;;
+        HUP) say "compare-lmcache: interrupted (SIGHUP): the round was stopped"; exit 129 ;;
     esac
 }
 # timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: its KILL 30 s later)
