@@ -197,11 +197,13 @@ impl CreatedFiles {
         self.refuse_foreign = true;
     }
 
-    /// Holds `lock`, the run's own lock on the file at `path` (one it created), to the end of
-    /// the run; [`prepare_file`] does not lock that file again.
-    pub fn hold(&mut self, path: PathBuf, lock: nix::fcntl::Flock<std::fs::File>) {
-        let id = lock.metadata().ok().map(|metadata| (metadata.dev(), metadata.ino()));
-        self.locks.push(lock);
+    /// Holds the file at `path`, one the run created (`id`: its device and inode, from `fstat`
+    /// on the descriptor that created it), as the run's own to the end of the run, with `lock`,
+    /// the run's lock on it, when its filesystem took one: [`prepare_file`] does not lock that
+    /// file again either way (where the filesystem took no flock, a second one fails as the
+    /// first did).
+    pub fn hold(&mut self, path: PathBuf, lock: Option<nix::fcntl::Flock<std::fs::File>>, id: Option<(u64, u64)>) {
+        self.locks.extend(lock);
         self.held.push((path, id));
     }
 

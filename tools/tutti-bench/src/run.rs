@@ -2,6 +2,7 @@
 //! opening, the phases themselves, and the printed configuration and results. Also the
 //! no-argument default run.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -635,15 +636,17 @@ struct TemporaryPool {
     /// The run's lock on it, taken on the descriptor that created it (None: the filesystem
     /// takes no flock; see [`lock_temporary_pool`]).
     lock: Option<nix::fcntl::Flock<std::fs::File>>,
+    /// The file created (device, inode), from `fstat` on the descriptor that created it: what
+    /// marks it as the run's own when no lock does.
+    id: Option<(u64, u64)>,
 }
 
-/// Registers the temporary pool in `created`: removed unless kept, and held locked to the end
-/// of the run, so that opening it does not lock it again.
+/// Registers the temporary pool in `created`: removed unless kept, and held as the run's own
+/// (locked, where its filesystem took the lock) to the end of the run, so that opening it does
+/// not lock it again.
 fn track_pool(pool: &mut TemporaryPool, created: &mut CreatedFiles) {
     created.push(pool.path.clone());
-    if let Some(lock) = pool.lock.take() {
-        created.hold(pool.path.clone(), lock);
-    }
+    created.hold(pool.path.clone(), pool.lock.take(), pool.id);
 }
 
 /// The run's lock on its temporary pool `path` (tuttid's: an exclusive `flock`), as `flock` on
@@ -743,6 +746,7 @@ fn temporary_pool(
     })?;
     let (file, path) = file.keep().map_err(|error| anyhow::anyhow!("cannot keep the pool file: {error}"))?;
     crate::uring::remove_on_interrupt(&path);
+    let id = file.metadata().ok().map(|metadata| (metadata.dev(), metadata.ino()));
     // Locked before a byte is written, on this descriptor (open for writing: NFS emulates flock
     // with POSIX locks, where an exclusive lock on a read-only descriptor fails with EBADF), and
     // held by the run to its end (`track_pool`), so that opening it takes no second lock.
@@ -767,7 +771,7 @@ fn temporary_pool(
             format_size(bytes)
         ));
     }
-    Ok(TemporaryPool { path, bytes, free_bytes: free, lock })
+    Ok(TemporaryPool { path, bytes, free_bytes: free, lock, id })
 }
 
 /// The default run's request: Llama-3.1-8B, 16-token blocks, up to this many prompt tokens
@@ -1005,6 +1009,36 @@ mod tests {
         let file = std::fs::File::create(&path).unwrap();
         let lock = nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock);
         assert!(lock_temporary_pool(lock, &path).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_temporary_pool_left_unlocked_is_opened_without_a_second_lock() {
+        // Goal: a temporary pool whose filesystem took no flock (lock_temporary_pool's None) is
+        // still the run's own: opening it must not lock it again, or that second lock fails as
+        // the first did (ENOLCK on NFS without a lock manager) and the README's first command
+        // exits 1 after saying the pool is used unlocked. The flock the filesystem refuses is
+        // stood in for by another descriptor's, which any second lock would be refused by.
+        let directory = tempfile::tempdir().unwrap();
+        let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
+        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, false).unwrap();
+        pool.lock = None;
+        let other = std::fs::OpenOptions::new().read(true).write(true).open(&pool.path).unwrap();
+        let _other = nix::fcntl::Flock::lock(other, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
+        let mut created = CreatedFiles::default();
+        track_pool(&mut pool, &mut created);
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: Some(1 << 20),
+            io_bytes_max: 4096,
+            queues: 1,
+            timing: None,
+            lay_out: false,
+            shadow_doorbells: false,
+        };
+        devices::prepare_file(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created)
+            .expect("the run's own unlocked pool was locked again");
+        drop(created);
+        assert!(!pool.path.exists(), "the temporary pool was left");
     }
 
     #[test]
