@@ -26,7 +26,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use nvme_conformance::{run_suite, SuiteConfig};
 use tutti_cli::{exit, outln};
-use tutti_devices::{BlockDeviceClaims, DeviceLocks, DeviceSpec, HostBlockDevices, DEFAULT_LOCK_DIR};
+use tutti_devices::{BlockDeviceClaims, DeviceLocks, DeviceSpec, FileUndo, HostBlockDevices, DEFAULT_LOCK_DIR};
 
 mod devices;
 
@@ -122,16 +122,21 @@ fn run(arguments: Arguments) -> Result<bool> {
     refuse_prior_data(arguments.devices.iter().filter(vfio), arguments.overwrite)?;
     // The lock tuttid and `tutti pool` take (flock on the emu: file, a lock file per vfio:
     // function), held until every device is done, so that the suite never writes under a live
-    // daemon; a missing emu: file is created empty here so that it is locked before the
-    // software controller grows it. Then the claim (O_EXCL) of every block device: one that is
-    // mounted, swap or under device-mapper/MD is refused, and nothing mounts it meanwhile. The
-    // lock comes first: only its refusal names the holder.
-    let _locks = DeviceLocks::acquire(&arguments.devices, &arguments.lock_dir, true)?;
+    // daemon; a missing emu: file is created empty here (by `made`, locked as it is made, the
+    // lock then shared) so that it is locked before the software controller grows it. Then the
+    // claim (O_EXCL) of every block device: one that is mounted, swap or under
+    // device-mapper/MD is refused, and nothing mounts it meanwhile. The lock comes first: only
+    // its refusal names the holder.
+    let made = FileUndo::create_missing(&arguments.devices, std::iter::empty());
+    let _locks = DeviceLocks::acquire_created(&arguments.devices, &arguments.lock_dir, &made)?;
     let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
     // What an emu: file holds is looked at only now, under the lock: before it, a `tutti pool
     // format` could fill a missing or empty file between the look and the lock, and a live
     // daemon's pool would be refused as holding data ("pass --overwrite") rather than as held.
     refuse_prior_data(arguments.devices.iter().filter(|spec| !vfio(spec)), arguments.overwrite)?;
+    // Every refusal above (exit 2: nothing was changed) dropped `made`, which removed the files
+    // it created; past them they are the suite's to grow and test.
+    made.keep();
     let mut all_passed = true;
     for spec in &arguments.devices {
         let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;

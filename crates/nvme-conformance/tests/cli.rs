@@ -145,6 +145,32 @@ fn a_file_holding_data_needs_overwrite() {
 }
 
 #[test]
+fn a_refusal_for_data_held_leaves_no_file_created() {
+    // Goal (rc2-a finding 2): exit 2 means nothing was changed. The data check runs under the
+    // lock, and the lock creates a missing emu: file (so that it is locked before the software
+    // controller grows it): a later device refused for the data it holds must not leave that
+    // new, empty file behind.
+    let missing = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-undone-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&missing);
+    let contents = b"data the suite would overwrite\n".repeat(100);
+    let held = scratch_file("held-data", &contents);
+    let lock_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-undone-locks-{}", std::process::id()));
+    let lock_dir_text = lock_dir.to_str().expect("a UTF-8 target directory");
+    let (first, second) = (format!("emu:{}", missing.display()), format!("emu:{}", held.display()));
+    let output = conformance(&["--device", &first, "--device", &second, "--quick", "--lock-dir", lock_dir_text]);
+    let created = missing.exists();
+    let unchanged = std::fs::read(&held).unwrap() == contents;
+    let _ = std::fs::remove_file(&missing);
+    std::fs::remove_file(&held).unwrap();
+    let _ = std::fs::remove_dir_all(&lock_dir);
+    let text = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{text}");
+    assert!(text.contains("pass --overwrite"), "{text}");
+    assert!(!created, "the refusal left the file the lock created");
+    assert!(unchanged, "the file holding data was written");
+}
+
+#[test]
 fn a_vfio_device_needs_overwrite() {
     // Goal: the suite never looks at what a vfio: SSD holds (a stopped tuttid's pool, a
     // filesystem) before it writes every namespace from LBA 0 on, so it is refused without
