@@ -19,8 +19,8 @@ use tutti_daemon::{DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{
-    holders, members, model, reader, segments, space, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, REQUEST_TIMEOUT,
-    SEGMENT_BLOCKS, SOON,
+    holders_once_available, members, model, reader, segments, space, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS,
+    REQUEST_TIMEOUT, SEGMENT_BLOCKS, SOON,
 };
 use common::hello;
 
@@ -315,7 +315,7 @@ fn c_fetches_72_extended(etcd: &LocalEtcd, answers: Vec<Misbehaviour>, fake_segm
     wait_for("two nodes join", SOON, || members(&reader) == ["a", "c"]);
     let [a, c] = &nodes[..] else { unreachable!("two nodes") };
     store(a, 72);
-    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 72).is_some_and(|holders| holders == [["a"], ["a"]]));
     let extended = common::prompt(72, 48, BLOCK_TOKENS);
     let (address, thread) = fake_holder_answering(answers);
     let evil = register_fake_holder_of(etcd, "evil", address, fake_segments);

@@ -41,7 +41,7 @@ fn three_nodes_share_a_prompt_survive_a_holders_death_and_its_return() {
     wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
     let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
     store(a, 13);
-    wait_for("a's segments registered", SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 13).is_some_and(|holders| holders == [["a"], ["a"]]));
     let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
     let client = |node: &Node, name: &str| {
         let mut client = node.daemon().client();
@@ -74,7 +74,9 @@ fn three_nodes_share_a_prompt_survive_a_holders_death_and_its_return() {
     store(c, 14);
 
     a.start(&etcd, false);
-    wait_for("a registers what survived", LEASE + SOON, || holders(&reader, 13) == [["a"], ["a"]]);
+    wait_for("a registers what survived", LEASE + SOON, || {
+        holders_once_available(&reader, 13).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
     assert_ne!(a.status().data_address, old_address, "a serves on a new port");
     assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
     wrong += common::retrieve_prompt(&mut c.connect(), 13, 0, 32).unwrap();
@@ -109,7 +111,7 @@ fn tuttid_nodes_ride_out_etcd_losing_one_member_and_serve_locally_while_all_are_
     wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
     let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
     store(a, 40);
-    wait_for("a's segments registered", SOON, || holders(&reader, 40) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 40).is_some_and(|holders| holders == [["a"], ["a"]]));
     assert_eq!(a.status().registry, RegistryAnswer::Answered);
 
     let leader = (0..3).find(|&member| etcd.is_leader(member).unwrap_or(false)).expect("an etcd leader");
@@ -217,7 +219,7 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     b.start(&etcd, true);
     wait_for("both nodes join", SOON, || members(&reader) == ["a", "b"]);
     store(&a, 50);
-    wait_for("a's segments registered", SOON, || holders(&reader, 50) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 50).is_some_and(|holders| holders == [["a"], ["a"]]));
 
     let wipe = |node: &Node, manifest_too: bool| {
         std::fs::remove_file(node.directory.join("pool")).unwrap();
@@ -229,7 +231,9 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     let killed = Instant::now();
     wipe(&a, false);
     a.start(&etcd, true);
-    let gone = wait_for("the stale registrations are deleted at a's restart", Duration::from_secs(3), || holders(&reader, 50).is_empty());
+    let gone = wait_for("the stale registrations are deleted at a's restart", Duration::from_secs(3), || {
+        holders_once_available(&reader, 50).is_some_and(|holders| holders.is_empty())
+    });
     eprintln!("stale registrations deleted {gone:?} after the restart, {:?} after the kill (lease 8 s)", killed.elapsed());
     let tokens = common::prompt(50, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_b = client_of(&b, "b");
@@ -241,14 +245,16 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b stored something of the wiped prompt");
     wait_for("a joins once the old lease is gone", Duration::from_secs(8) + SOON, || a.status().joined);
     store(&a, 51);
-    wait_for("a registers what it stores now", SOON, || holders(&reader, 51) == [["a"], ["a"]]);
+    wait_for("a registers what it stores now", SOON, || {
+        holders_once_available(&reader, 51).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
     // A new session: the first one's client lease ran out while a waited.
     let mut on_b = client_of(&b, "b-again");
     assert_eq!(on_b.fetch_remote(&common::prompt(51, PROMPT_BLOCKS, BLOCK_TOKENS)).unwrap(), (32, 32));
     let wrong = common::retrieve_prompt(&mut b.connect(), 51, 0, 32).unwrap();
 
     store(&a, 52);
-    wait_for("prompt 52 registered", SOON, || holders(&reader, 52) == [["a"], ["a"]]);
+    wait_for("prompt 52 registered", SOON, || holders_once_available(&reader, 52).is_some_and(|holders| holders == [["a"], ["a"]]));
     a.kill();
     let killed = Instant::now();
     wipe(&a, true);
@@ -264,7 +270,7 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b stored something of the wiped prompt");
     assert!(a.status().serve_refusals >= 1);
     wait_for("the stale entries vanish with the old lease", Duration::from_secs(8) + Duration::from_secs(4), || {
-        holders(&reader, 52).is_empty()
+        holders_once_available(&reader, 52).is_some_and(|holders| holders.is_empty())
     });
     eprintln!("stale entries of a wiped node vanished {:?} after the kill (lease 8 s); wrong bytes {wrong}", killed.elapsed());
     assert_eq!(client_of(&a, "a").lookup(&tokens).unwrap(), 0, "the wiped pool holds nothing of prompt 52");
@@ -290,7 +296,7 @@ fn a_start_that_fails_leaves_the_manifest_as_it_was() {
     a.data_address = free_address();
     a.start(&etcd, true);
     store(&a, 60);
-    wait_for("a's segments registered", SOON, || holders(&reader, 60) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 60).is_some_and(|holders| holders == [["a"], ["a"]]));
     a.kill();
     std::fs::remove_file(a.directory.join("pool")).unwrap();
     let manifest = a.directory.join("segments");
@@ -306,7 +312,8 @@ fn a_start_that_fails_leaves_the_manifest_as_it_was() {
 
     drop(taken);
     a.start(&etcd, true);
-    let gone =
-        wait_for("the stale registrations are deleted at the next start", Duration::from_secs(5), || holders(&reader, 60).is_empty());
+    let gone = wait_for("the stale registrations are deleted at the next start", Duration::from_secs(5), || {
+        holders_once_available(&reader, 60).is_some_and(|holders| holders.is_empty())
+    });
     eprintln!("stale registrations deleted {gone:?} after the start that followed a failed one");
 }

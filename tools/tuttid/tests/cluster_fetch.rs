@@ -19,7 +19,9 @@ use tutti_daemon::protocol::{RegistryAnswer, RemoteHolder};
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
-use common::cluster::{client_of, holders, members, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON};
+use common::cluster::{
+    client_of, holders, holders_once_available, members, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
+};
 use common::{hello, store_prompt};
 
 /// Nodes a and b started and joined, a holding prompt `seed`'s two segments, registered.
@@ -37,7 +39,7 @@ fn two_nodes_a_holding(
     b.start(etcd, true);
     wait_for("both nodes join", SOON, || members(reader) == ["a", "b"]);
     store(&a, seed);
-    wait_for("a's segments registered", SOON, || holders(reader, seed) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(reader, seed).is_some_and(|holders| holders == [["a"], ["a"]]));
     (a, b)
 }
 
@@ -83,7 +85,9 @@ fn a_cluster_lookup_finds_what_other_nodes_hold_past_the_local_prefix_in_one_rou
 
     let mut store_b = b.connect();
     assert_eq!(store_prompt(&mut store_b, 8, 0, 20).unwrap(), 20);
-    wait_for("b's first segment registered", SOON, || holders(&reader, 8) == [vec!["a", "b"], vec!["a"]]);
+    wait_for("b's first segment registered", SOON, || {
+        holders_once_available(&reader, 8).is_some_and(|holders| holders == [vec!["a", "b"], vec!["a"]])
+    });
     let before = etcd.requests_started(0, "").unwrap();
     for _ in 0..10 {
         let answer = on_b.lookup_cluster(&tokens).unwrap();
@@ -170,7 +174,7 @@ fn a_holder_never_sends_a_block_its_own_pool_says_is_damaged() {
     wait_for("a counts its refusal", SOON, || a.status().serve_refusals == 1);
     // The holder evicted the damaged block, so its segment leaves the registry (no one is sent
     // to it again) and a's own prefix stops before it.
-    wait_for("a's damaged segment unregistered", SOON, || holders(&reader, 12).len() == 1);
+    wait_for("a's damaged segment unregistered", SOON, || holders_once_available(&reader, 12).is_some_and(|holders| holders.len() == 1));
     assert_eq!(holders(&reader, 12)[0], ["a"]);
     let mut on_a = a.daemon().client();
     on_a.hello(&hello(0, 1, "check-a")).unwrap();
@@ -196,7 +200,7 @@ fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_f
     wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
     let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
     store(a, 30);
-    wait_for("a's segments registered", SOON, || holders(&reader, 30) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 30).is_some_and(|holders| holders == [["a"], ["a"]]));
     let tokens = common::prompt(30, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_b = client_of(b, "b");
     for fetch in 1..=3u32 {
@@ -212,14 +216,18 @@ fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_f
             assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b's copy of prompt 30 is evicted");
         }
     }
-    wait_for("b's copy registered as a second replica", SOON, || holders(&reader, 30) == [["a", "b"], ["a", "b"]]);
+    wait_for("b's copy registered as a second replica", SOON, || {
+        holders_once_available(&reader, 30).is_some_and(|holders| holders == [["a", "b"], ["a", "b"]])
+    });
     let status = b.status();
     assert_eq!((status.replicated_segments, status.fetched_blocks), (2, 96), "{status:?}");
     // Counted after the last write: waited for.
     wait_for("a counts six segments served", SOON, || a.status().served_segments == 6);
 
     a.kill();
-    wait_for("a's entries vanish with its lease", LEASE + Duration::from_secs(4), || holders(&reader, 30) == [["b"], ["b"]]);
+    wait_for("a's entries vanish with its lease", LEASE + Duration::from_secs(4), || {
+        holders_once_available(&reader, 30).is_some_and(|holders| holders == [["b"], ["b"]])
+    });
     let mut on_c = client_of(c, "c");
     let seen = on_c.lookup_cluster(&tokens).unwrap();
     assert_eq!((seen.remote_blocks, seen.holders.clone()), (32, vec![RemoteHolder { node: "b".into(), blocks: 32 }]));
@@ -232,7 +240,9 @@ fn a_segment_fetched_more_than_n_times_gets_a_second_replica_that_outlives_its_f
     assert!(exit.success(), "{exit}: {stderr}");
     assert!(holders(&reader, 30).is_empty(), "b left: its replica leaves with it (c's copy, served once, is not registered)");
     b.start(&etcd, false);
-    wait_for("b registers its replica again from its manifest", SOON, || holders(&reader, 30) == [["b"], ["b"]]);
+    wait_for("b registers its replica again from its manifest", SOON, || {
+        holders_once_available(&reader, 30).is_some_and(|holders| holders == [["b"], ["b"]])
+    });
 }
 
 #[test]
@@ -251,7 +261,7 @@ fn an_idle_node_whose_member_key_was_deleted_is_listed_again_and_read_from() {
     etcd.delete_key(&layout.member_key(&NodeId::new("a").unwrap())).unwrap();
     assert_eq!(members(&reader), ["b"], "the member key was not deleted");
     let back = wait_for("a is listed again with its segments", 2 * LEASE, || {
-        members(&reader) == ["a", "b"] && holders(&reader, 13) == [["a"], ["a"]]
+        members(&reader) == ["a", "b"] && holders_once_available(&reader, 13).is_some_and(|holders| holders == [["a"], ["a"]])
     });
     eprintln!("a was listed again {back:?} after its member key was deleted (lease {LEASE:?})");
     let status = a.status();
@@ -285,7 +295,7 @@ fn a_fetched_copy_stays_unregistered_when_its_node_stores_the_prompt_extended() 
     wait_for("three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
     let [a, b, c] = &mut nodes[..] else { unreachable!("three nodes") };
     store(a, 72);
-    wait_for("a's segments registered", SOON, || holders(&reader, 72) == [["a"], ["a"]]);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 72).is_some_and(|holders| holders == [["a"], ["a"]]));
     let tokens = common::prompt(72, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_b = client_of(b, "b");
     assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (32, 32));

@@ -19,7 +19,9 @@ use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_daemon::client::RemoteKvStore;
 
 mod common;
-use common::cluster::{holders, members, model, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON};
+use common::cluster::{
+    holders, holders_once_available, members, model, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
+};
 
 #[test]
 fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
@@ -44,7 +46,9 @@ fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
     assert!(record.fingerprints.is_empty(), "no segments held yet: {record:?}");
 
     store(&node, 1);
-    wait_for("prompt 1's segments are registered", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    wait_for("prompt 1's segments are registered", SOON, || {
+        holders_once_available(&reader, 1).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
     let status = node.status();
     assert!(status.enabled && status.joined, "{status:?}");
     assert_eq!((status.segments_held, status.segments_registered, status.registered_segments), (2, 2, 2));
@@ -53,7 +57,8 @@ fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
 
     store(&node, 2);
     wait_for("prompt 2 registered, prompt 1 (evicted) unregistered", SOON, || {
-        holders(&reader, 2) == [["a"], ["a"]] && holders(&reader, 1).is_empty()
+        holders_once_available(&reader, 2).is_some_and(|holders| holders == [["a"], ["a"]])
+            && holders_once_available(&reader, 1).is_some_and(|holders| holders.is_empty())
     });
     let status = node.status();
     assert_eq!((status.segments_held, status.unregistered_segments), (2, 2), "{status:?}");
@@ -64,23 +69,25 @@ fn a_node_registers_commits_unregisters_evictions_leaves_and_comes_back() {
     assert!(holders(&reader, 2).is_empty(), "a node that left still holds segments");
 
     node.start(&etcd, false);
-    wait_for("the restarted node registers what survived", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    wait_for("the restarted node registers what survived", SOON, || {
+        holders_once_available(&reader, 2).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
     assert!(holders(&reader, 1).is_empty(), "evicted before the restart: never registered again");
     assert_eq!(node.status().segments_held, 2);
 
     node.kill();
     let vanished = wait_for("a killed node vanishes within its lease", LEASE + Duration::from_secs(4), || {
-        members(&reader).is_empty() && holders(&reader, 2).is_empty()
+        members(&reader).is_empty() && holders_once_available(&reader, 2).is_some_and(|holders| holders.is_empty())
     });
     eprintln!("a SIGKILLed node vanished after {vanished:?} (lease {LEASE:?})");
 
     node.start(&etcd, false);
-    wait_for("registered again", SOON, || holders(&reader, 2) == [["a"], ["a"]]);
+    wait_for("registered again", SOON, || holders_once_available(&reader, 2).is_some_and(|holders| holders == [["a"], ["a"]]));
     node.kill();
     // At once: the dead process's lease still holds the id.
     node.start(&etcd, false);
     wait_for("registered again after the dead lease expired", LEASE + SOON, || {
-        holders(&reader, 2) == [["a"], ["a"]] && node.status().joined
+        holders_once_available(&reader, 2).is_some_and(|holders| holders == [["a"], ["a"]]) && node.status().joined
     });
     let status = node.status();
     assert!(status.registry_errors >= 1 && status.last_error.contains("already registered"), "{status:?}");
@@ -119,7 +126,7 @@ fn a_store_is_registered_only_once_committed() {
     assert!(holders(&reader, 7).is_empty(), "registered before the commit");
     assert_eq!(node.status().segments_held, 0);
     store.commit_store(handle).unwrap();
-    wait_for("registered after the commit", SOON, || holders(&reader, 7) == [["d"], ["d"]]);
+    wait_for("registered after the commit", SOON, || holders_once_available(&reader, 7).is_some_and(|holders| holders == [["d"], ["d"]]));
 }
 
 #[test]
@@ -150,7 +157,9 @@ fn the_registry_being_away_never_fails_or_slows_a_commit() {
     assert_eq!((status.segments_held, status.segments_registered), (2, 0), "{status:?}");
     assert!(!status.last_error.is_empty());
     etcd.restart(0).unwrap();
-    wait_for("registered once etcd is back", Duration::from_secs(6) + SOON, || holders(&reader, 6) == [["b"], ["b"]]);
+    wait_for("registered once etcd is back", Duration::from_secs(6) + SOON, || {
+        holders_once_available(&reader, 6).is_some_and(|holders| holders == [["b"], ["b"]])
+    });
     assert!(holders(&reader, 5).is_empty());
     let status = node.status();
     assert!(status.joined && status.segments_registered == 2, "{status:?}");
@@ -199,7 +208,7 @@ fn a_node_stopping_leaves_the_cluster_at_once_while_a_connection_still_finishes(
     node.extra = vec!["--frame-timeout", "10s"];
     node.start(&etcd, true);
     store(&node, 12);
-    wait_for("prompt 12 registered", SOON, || holders(&reader, 12) == [["f"], ["f"]]);
+    wait_for("prompt 12 registered", SOON, || holders_once_available(&reader, 12).is_some_and(|holders| holders == [["f"], ["f"]]));
     let mut daemon = node.daemon.take().unwrap();
     let mut stalled = std::os::unix::net::UnixStream::connect(&daemon.socket).unwrap();
     std::io::Write::write_all(&mut stalled, &[0]).unwrap();
@@ -207,7 +216,7 @@ fn a_node_stopping_leaves_the_cluster_at_once_while_a_connection_still_finishes(
     std::thread::sleep(Duration::from_millis(300));
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(daemon.pid() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
     let left = wait_for("the stopping node leaves the cluster", Duration::from_secs(3), || {
-        members(&reader).is_empty() && holders(&reader, 12).is_empty()
+        members(&reader).is_empty() && holders_once_available(&reader, 12).is_some_and(|holders| holders.is_empty())
     });
     eprintln!("the node left {left:?} after SIGTERM, a connection still in a frame");
     let exit = common::wait_bounded(daemon.child.as_mut().unwrap());
@@ -234,7 +243,9 @@ fn a_sigkilled_holder_still_listed_is_passed_over_for_another_holder() {
     store(&a, 11);
     let mut store_b = b.connect();
     assert_eq!(common::store_prompt(&mut store_b, 11, 0, 20).unwrap(), 20);
-    wait_for("a's two segments and b's first registered", SOON, || holders(&reader, 11) == [vec!["a", "b"], vec!["a"]]);
+    wait_for("a's two segments and b's first registered", SOON, || {
+        holders_once_available(&reader, 11).is_some_and(|holders| holders == [vec!["a", "b"], vec!["a"]])
+    });
     a.kill();
     let tokens = common::prompt(11, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_c = common::cluster::client_of(&c, "fetch-c");
@@ -253,11 +264,13 @@ fn a_lost_lease_is_rejoined_and_every_held_segment_registered_again() {
     let mut node = Node::new(root.path(), "c");
     node.start(&etcd, true);
     store(&node, 4);
-    wait_for("registered", SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    wait_for("registered", SOON, || holders_once_available(&reader, 4).is_some_and(|holders| holders == [["c"], ["c"]]));
     let old_lease = node.status().lease_id;
     etcd.revoke_lease(old_lease as i64).unwrap();
     assert!(holders(&reader, 4).is_empty(), "revoking the lease removes the node's segments");
-    wait_for("rejoined and registered again", LEASE + SOON, || holders(&reader, 4) == [["c"], ["c"]]);
+    wait_for("rejoined and registered again", LEASE + SOON, || {
+        holders_once_available(&reader, 4).is_some_and(|holders| holders == [["c"], ["c"]])
+    });
     let status = node.status();
     assert_ne!(status.lease_id, old_lease);
     assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
@@ -279,7 +292,7 @@ fn a_lease_lost_once_is_counted_once_however_many_rejoins_fail() {
     let mut node = Node::new(root.path(), "e");
     node.start(&etcd, true);
     store(&node, 8);
-    wait_for("registered", SOON, || holders(&reader, 8) == [["e"], ["e"]]);
+    wait_for("registered", SOON, || holders_once_available(&reader, 8).is_some_and(|holders| holders == [["e"], ["e"]]));
     let member_key = tutti_cluster::layout::KeyLayout::new(tutti_cluster::ClusterId::new(CLUSTER).unwrap())
         .member_key(&tutti_cluster::NodeId::new("e").unwrap());
     etcd.put_key(&member_key, b"planted").unwrap();
@@ -289,7 +302,9 @@ fn a_lease_lost_once_is_counted_once_however_many_rejoins_fail() {
     assert!(!status.joined && status.registry_errors >= 3, "{status:?}");
     assert_eq!((status.lease_losses, status.segments_registered), (1, 0), "{status:?}");
     etcd.delete_key(&member_key).unwrap();
-    wait_for("rejoined and registered again", SOON, || holders(&reader, 8) == [["e"], ["e"]] && node.status().joined);
+    wait_for("rejoined and registered again", SOON, || {
+        holders_once_available(&reader, 8).is_some_and(|holders| holders == [["e"], ["e"]]) && node.status().joined
+    });
     let status = node.status();
     assert_eq!((status.joins, status.lease_losses, status.segments_registered), (2, 1, 2), "{status:?}");
 }
@@ -309,7 +324,9 @@ fn a_second_daemon_on_a_live_nodes_manifest_is_refused_and_deletes_nothing() {
     let mut first = Node::new(root.path(), "a");
     first.start(&etcd, true);
     store(&first, 1);
-    wait_for("the first daemon's segments are registered", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    wait_for("the first daemon's segments are registered", SOON, || {
+        holders_once_available(&reader, 1).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
     let mut second = Node::new(&root.path().join("second"), "a");
     second.manifest = first.manifest.clone();
     let mut daemon = second.spawn(&etcd, true);
@@ -340,7 +357,9 @@ fn a_second_daemon_on_a_live_nodes_manifest_is_refused_and_deletes_nothing() {
     let (exit, stderr) = first.daemon.take().unwrap().terminate();
     assert!(exit.success(), "{exit}: {stderr}");
     first.start(&etcd, false);
-    wait_for("a restart on the manifest finds its segments", SOON, || holders(&reader, 1) == [["a"], ["a"]]);
+    wait_for("a restart on the manifest finds its segments", SOON, || {
+        holders_once_available(&reader, 1).is_some_and(|holders| holders == [["a"], ["a"]])
+    });
 }
 
 #[test]

@@ -185,7 +185,10 @@ pub fn segments(seed: u32) -> Vec<Segment> {
     segments
 }
 
-/// The nodes the registry lists for each segment of prompt `seed` (up to the first miss).
+/// The nodes the registry lists for each segment of prompt `seed` (up to the first miss), for a
+/// plain assertion. Not inside a [`wait_for`] condition: its retries can outlast the wait's
+/// bound (which is checked only between calls), so a timed wait could pass after it; use
+/// [`holders_once_available`] there.
 pub fn holders(reader: &ClusterClient, seed: u32) -> Vec<Vec<String>> {
     // The test's own reader asks etcd with a 1 s request timeout; on a loaded machine one
     // attempt can go unanswered (`Unavailable`, seen in 2 of 78 runs of cluster_fetch), which is
@@ -205,7 +208,8 @@ fn holder_names(lookup: &tutti_cluster::Lookup) -> Vec<Vec<String>> {
 }
 
 /// [`holders`], or `None` while the registry is unavailable (an etcd leader election that
-/// outlasts a request timeout on a loaded machine): for polls that ride out a disruption.
+/// outlasts a request timeout on a loaded machine): for polls that ride out a disruption, and
+/// for every [`wait_for`] condition (one request timeout a call, so the wait's bound holds).
 pub fn holders_once_available(reader: &ClusterClient, seed: u32) -> Option<Vec<Vec<String>>> {
     match reader.lookup(&model(), &segments(seed)) {
         Ok(lookup) => Some(holder_names(&lookup)),
