@@ -134,8 +134,19 @@ fn run(arguments: Arguments) -> Result<bool> {
     // format` could fill a missing or empty file between the look and the lock, and a live
     // daemon's pool would be refused as holding data ("pass --overwrite") rather than as held.
     refuse_prior_data(arguments.devices.iter().filter(|spec| !vfio(spec)), arguments.overwrite)?;
+    // An integrity run larger than a device's namespace is bad usage too: every device is
+    // looked at for it before any is tested, not when its turn comes after others were tested
+    // and reported. Opened one at a time and dropped (memory devices need not fit together);
+    // only an integrity run needs it, so no other run opens a device twice.
+    if config.selected_checks().contains(&"data_integrity") {
+        for spec in &arguments.devices {
+            let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
+            config.validate_for(&device, faults.as_ref()).with_context(|| format!("device '{spec}'"))?;
+        }
+    }
     // Every refusal above (exit 2: nothing was changed) dropped `made`, which removed the files
-    // it created; past them they are the suite's to grow and test.
+    // it created (grown by an opening above included); past them they are the suite's to grow
+    // and test.
     made.keep();
     let mut all_passed = true;
     for spec in &arguments.devices {

@@ -223,6 +223,26 @@ fn a_fault_injection_only_selection_is_refused_before_any_device_is_tested() {
 }
 
 #[test]
+fn an_integrity_run_past_a_later_devices_namespace_is_refused_before_any_device_is_tested() {
+    // Goal (rc2-a finding 3, the other half of rc-driver finding 7): an --integrity-mib larger
+    // than a device's namespace is bad usage, refused before any check runs. With that device
+    // second, the first used to be tested and its report printed, then exit 2. A missing emu:
+    // file, created and grown to look at its namespace, is removed by the refusal.
+    let missing = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-integrity-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&missing);
+    let first = format!("emu:{}", missing.display());
+    let arguments = ["--device", &first, "--device", "emu:mem:16M", "--overwrite", "--filter", "data_integrity", "--integrity-mib", "32"];
+    let output = conformance(&arguments);
+    let created = missing.exists();
+    let _ = std::fs::remove_file(&missing);
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--integrity-mib 32") && stderr.contains("emu:mem:16M"), "{stderr}");
+    assert!(stdout.is_empty(), "a device was tested before the refusal: {stdout}");
+    assert!(!created, "the refusal left the file it created");
+}
+
+#[test]
 fn a_new_file_is_created_and_tested_without_overwrite() {
     // Goal: a missing emu: file holds nothing: it is created (locked meanwhile) and tested.
     let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("nvme-conformance-new-{}.img", std::process::id()));
