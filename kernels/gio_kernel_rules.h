@@ -85,9 +85,11 @@ GIO_RULE uint32_t gio_command_id(uint32_t ticket) {
  * verdict is gio_sq_head_after's. Every counter is free-running and modular; the kernel keeps
  * sq_tail - sq_head below sq_depth and sq_tail - ticket at most sq_depth, so the windows below are
  * unambiguous (at sq_tail - ticket == sq_depth the ticket's own slot names the window's end, a
- * ring on). nvme-driver applies the same rule and the same head (accept_submission_head); only
- * for a command published more than a ring ago, which the kernel never sees, does it keep the
- * head.
+ * ring on). nvme-driver applies the same rule and the same head after every verdict, a fault
+ * included (accept_submission_head: an entry short of its command's entry, NOT_FETCHED here and
+ * CompletionBeforeFetch there, leaves the head on both sides, and a failed pair there still
+ * judges later entries against it); only for a command published more than a ring ago, which
+ * the kernel never sees, does it keep the head (the SQHD's place is then ambiguous).
  */
 GIO_RULE uint32_t gio_completion_verdict(uint32_t pair_faulted, uint32_t reported_sq_id, uint32_t queue_id,
                                          uint32_t command_id, uint32_t sqhd, uint32_t slot_ticket,

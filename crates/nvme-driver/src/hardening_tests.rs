@@ -353,6 +353,49 @@ fn a_head_for_a_command_published_exactly_a_ring_ago_is_exact() {
 }
 
 #[test]
+fn a_completion_short_of_its_commands_entry_leaves_the_head_where_it_was() {
+    // Goal: a completion naming a command in flight whose SQ head lies between the last one
+    // reported and the tail, but short of the command's own entry, fails the pair
+    // (CompletionBeforeFetch, naming the head it reported) without moving the head: the pair
+    // keeps reaping other completions after the failure, and those are judged against the head
+    // the controller last reported for a command it had fetched, as the kernel judges them
+    // (NOT_FETCHED leaves sq_head). On a ring of 8, seven commands are published (tail 7);
+    // command 1 completes with head 2; a corrupt completion for command 6 (entry 6) reports head
+    // 5. The head used to move to 5 before the refusal, so a duplicate of command 1's completion
+    // (head 2) then read as an impossible head (InvalidSubmissionQueueHead, head 5) instead of an
+    // unexpected completion.
+    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in 0..7 {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
+    let post = |index: usize, command_id: u16, sq_head: u16| {
+        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
+        ring.write(index * 16, &entry.to_bytes()).expect("post");
+    };
+    post(0, 1, 2);
+    let mut delivered = Vec::new();
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("command 1 completes"), 1);
+    assert_eq!(delivered, [1]);
+    post(1, 6, 5);
+    let reaped = queue.reap(8, |_| panic!("a completion for an unfetched command was delivered"));
+    let Err(NvmeError::CommandOutcomeUnknown { tag: 6, reason, .. }) = reaped else { panic!("{reaped:?}") };
+    assert!(matches!(*reason, NvmeError::CompletionBeforeFetch { sq_index: 6, reported: 5, .. }), "{reason:?}");
+    assert!(queue.failed());
+    post(2, 0x7700, 2);
+    let reaped = queue.reap(8, |_| panic!("a completion naming nothing was delivered"));
+    assert!(
+        matches!(reaped, Err(NvmeError::UnexpectedCompletion { command_id: crate::CommandId(0x7700), .. })),
+        "the refused completion moved the head: {reaped:?}"
+    );
+    post(3, 0, 3);
+    assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("command 0 completes"), 1);
+    assert_eq!(delivered, [1, 0], "a later completion of another command is still delivered");
+}
+
+#[test]
 fn a_completion_whose_sq_head_has_not_passed_its_command_fails_the_pair() {
     // Goal: SQHD counts the entries the controller consumed (§4.6), so a command at SQ index i
     // can complete only with a head past i. A controller that completes three commands at SQ

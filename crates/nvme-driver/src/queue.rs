@@ -41,7 +41,9 @@
 //! command published more than a ring ago, whose place the ring index cannot tell (see
 //! `accept_submission_head`). A completion naming no command in flight has no window: it must
 //! report a head from the last one to the tail, and that head is never applied (a duplicate's
-//! old head can read as a lap forward inside that range). Submission also stops one
+//! old head can read as a lap forward inside that range). Nor is the head of a completion
+//! that names a command but lies short of its entry (refused as `CompletionBeforeFetch`): only
+//! a head in its own command's window ever moves the head. Submission also stops one
 //! short of the SQ head the controller reported, not only at depth − 1 commands in flight, so
 //! neither ring can overflow whatever the slot accounting says.
 //!
@@ -691,9 +693,15 @@ impl QueuePair {
     ///   The command's own entry is behind the last head reported then (the tail stays within
     ///   depth − 1 of it), so it still passes the completion-before-fetch check.
     /// - A completion naming a command whose window the head missed: the head must lie between
-    ///   the last one reported and the tail we published, modulo the depth, and moves there;
-    ///   that is a head short of the command's entry, which `reap` then refuses
-    ///   (`CompletionBeforeFetch`, failing the pair).
+    ///   the last one reported and the tail we published, modulo the depth, and is then a head
+    ///   short of the command's entry, which `reap` refuses (`CompletionBeforeFetch`, failing
+    ///   the pair). It never moves the head. Read forward, its place lies at most at the tail
+    ///   published (the tail stays within depth − 1 of the head); any place past the entry up
+    ///   to there would have lain in the command's window (Exact, when that spans at most the
+    ///   depth, and Ambiguous otherwise, both handled before), so the place is at or short of
+    ///   the entry and `sq_consumed`, kept, stays at or short of it too. Moving the head there
+    ///   would judge the completions `reap` still checks on the failed pair against a head
+    ///   taken from a completion it refused, where the kernel keeps its head on NOT_FETCHED.
     /// - A completion naming nothing in flight (a duplicate, a stale generation, an id whose
     ///   slot was reused) has no window: its head may be one created long ago, which read
     ///   modulo the depth can land a lap forward, inside the tail, over entries not fetched.
@@ -717,14 +725,11 @@ impl QueuePair {
                 Some(CommandWindowPlace::Ambiguous) => return Ok(()),
                 None => {}
             }
+            // Outside the window of the command it names (then short of its entry), or naming
+            // none (then possibly an old head): the range only classifies the completion, and
+            // the head stays where it was.
             let ahead = ring_distance(self.sq_head, reported, self.depth);
             if ahead <= ring_distance(self.sq_head, self.sq_tail_published, self.depth) {
-                if command_entry.is_some() {
-                    // Both heads lie in the ring and the distance is at most depth − 1: the
-                    // sum stays far below 2^64 (see `sq_pushed`).
-                    self.sq_consumed += u64::from(ahead);
-                    self.sq_head = reported;
-                }
                 return Ok(());
             }
         }
@@ -827,7 +832,9 @@ impl QueuePair {
                 // have fetched it, and may yet (freeing the slot would hand its scratch page
                 // and the caller's buffer to the next command while the entry names them).
                 let sq_index = (slot.sq_entry % u64::from(self.depth)) as u32;
-                let reason = NvmeError::CompletionBeforeFetch { queue: self.id, command_id, sq_index, reported: self.sq_head };
+                // The head it reported, which was not applied (`accept_submission_head`).
+                let reported = u32::from(entry.sq_head);
+                let reason = NvmeError::CompletionBeforeFetch { queue: self.id, command_id, sq_index, reported };
                 failure = Some(self.reject(command_id, reason));
                 break;
             }
