@@ -1,12 +1,17 @@
 //! The metrics endpoint's HTTP side, bounded like everything else in the daemon: one thread,
-//! at most [`CONNECTIONS_MAX`] connections open at once (when all are taken, one whose head is
-//! unfinished is closed to admit a new one, after every unfinished head is read again; an
-//! answer being taken is closed only when every slot is one, so connections that have not
-//! sent a whole request head cannot cut it off; a scrape accepted before its head arrived is
-//! kept through that accept pass, unless every slot held an answer or a connection accepted in
-//! the same pass when it came, and closed for another only if its head has still not come when
-//! it is next read: [`make_room`], [`to_close`]), each given [`REQUEST_DEADLINE`] to send
-//! a request head of at most [`HEAD_BYTES_MAX`] and [`WRITE_TIMEOUT`] in all to take its answer.
+//! at most [`CONNECTIONS_MAX`] connections open at once (when all are taken, every unfinished
+//! head is read again, a whole one answered, then one is closed to admit a new one: the oldest
+//! that has sent nothing, else the oldest whose head is unfinished, and an answer being taken
+//! only when every slot is one, then for any newcomer, even one that has sent nothing; so
+//! connections that have not sent a whole request head cannot cut off an answer while any slot
+//! holds something else. One accepted in the same pass that has sent nothing is closed only to
+//! admit a newcomer being answered (the newcomer is closed when no slot may be): a scrape
+//! accepted before its head arrived is closed at its accept only if every slot held an answer
+//! or such a connection, not all answers; once in, it is kept through that pass while it has
+//! sent nothing, unless a newcomer being answered is given its slot, and closed for another
+//! only if its head has still not come when it is next read: [`make_room`], [`to_close`]),
+//! each given [`REQUEST_DEADLINE`] to send a request head of at most [`HEAD_BYTES_MAX`] and
+//! [`WRITE_TIMEOUT`] in all to take its answer.
 //! Answers are written without blocking, a little each pass as the scraper takes them, so the
 //! thread never waits on a scraper that does not read (one slot each, until its deadline).
 //! `GET /metrics` answers the registry's text; another path is 404, another method 405, a head
