@@ -538,6 +538,63 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
             storage.close()
 
 
+def test_a_backup_as_the_log_reads_again_is_not_taken_for_a_weight_change(tmp_path: Path, caplog):
+    """Goal: a backup whose read of the epoch is the overrides log's first good read after a spell
+    it could not be read (an epoch no change SGLang recorded began) is refused without the
+    warning "SGLang changed its weights", even when another thread's storage call meets the log
+    unreadable again while the backup decides (which starts the next spell). Before, the backup
+    read the epoch, whether it is storable and whether it began unseen under three holds of the
+    lock: a call landing between them moved the spell on, and the backup warned of a change
+    SGLang never recorded. The other thread's call is made to land right after the backup's
+    first call into the weight epochs returns."""
+    pool = host_pool("page_first")
+    keys = page_keys(34, 1)
+
+    def log_warnings() -> list[str]:
+        return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING and record.name.startswith("tutti")]
+
+    with get_context().override_server_args(model_path=CHECKPOINT):
+        context = get_context()
+        storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
+        try:
+            epochs = storage._epochs
+            log, context._overrides_log = context._overrides_log, None
+            with caplog.at_level("WARNING"):
+                assert storage.batch_exists(keys) == 0  # the spell begins
+            context._overrides_log = log
+            calls = []
+
+            def other_thread_meets_the_log_unreadable() -> None:
+                context._overrides_log = None
+                try:
+                    type(epochs).current(epochs)
+                finally:
+                    context._overrides_log = log
+
+            def interleaved(name: str):
+                method = getattr(epochs, name)
+
+                def call(*args, **kwargs):
+                    calls.append(name)
+                    result = method(*args, **kwargs)
+                    if len(calls) == 1:
+                        other_thread_meets_the_log_unreadable()
+                    return result
+
+                return call
+
+            for name in [name for name in dir(type(epochs)) if not name.startswith("_") and name != "salt"]:
+                setattr(epochs, name, interleaved(name))
+            caplog.clear()
+            with caplog.at_level("WARNING"):
+                assert storage.batch_set_v1(keys, indices([1])) == [False], "a backup before SGLang's flush was stored"
+            assert calls, "the backup did not ask the weight epochs"
+            changed = [message for message in log_warnings() if "changed its weights" in message]
+            assert not changed, f"calls {calls}: {changed}"
+        finally:
+            storage.close()
+
+
 def test_the_startup_weight_version_names_the_key_space(tmp_path: Path):
     """Goal: a server restarted on the same checkpoint arguments with another --weight-version
     serves other weights (as a live version change says): it is not served the pages of the

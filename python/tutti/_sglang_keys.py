@@ -499,10 +499,25 @@ class _WeightEpochs:
 
     def unseen(self, epoch: int) -> bool:
         """Whether `epoch` began because the log could not be read (while it could not, or at
-        the first read after), not at a change SGLang recorded: `_read_log` warned of it."""
+        the first read after), not at a change SGLang recorded: `_read_log` warned of it. Only
+        the last spell is kept: ask of the epoch now (`for_backup`)."""
         with self._lock:
-            first, last = self._unseen
-            return first <= epoch and (last is None or epoch <= last)
+            return self._unseen_locked(epoch)
+
+    def _unseen_locked(self, epoch: int) -> bool:
+        first, last = self._unseen
+        return first <= epoch and (last is None or epoch <= last)
+
+    def for_backup(self) -> tuple[int, bool, bool]:
+        """The epoch now, whether it is `storable` and whether it is `unseen`, in one hold of the
+        lock. Apart, another thread's read between them that meets the log unreadable again
+        starts the next spell, and the epoch read first (the first good read after a spell)
+        would no longer be `unseen`: a backup would warn of a weight change SGLang never
+        recorded."""
+        with self._lock:
+            self._read_log()
+            epoch = self._epoch
+            return epoch, self._flushed >= epoch, self._unseen_locked(epoch)
 
     def salt(self, epoch: int) -> bytes:
         """What goes before a page's key in `epoch`'s key space (nothing in epoch 0, unless the

@@ -445,10 +445,12 @@ class TuttiHiCacheStorage(HiCacheStorage):
         once for the spell)."""
         epochs = self._epochs
         assert epochs is not None
-        epoch = epochs.current()
-        if epochs.storable(epoch):
+        # One read of the three: another thread's storage call between separate reads may move
+        # the epochs on (`_WeightEpochs.for_backup`).
+        epoch, storable, unseen = epochs.for_backup()
+        if storable:
             return epochs.salt(epoch)
-        if self._unflushed_epoch_logged != epoch and not epochs.unseen(epoch):
+        if self._unflushed_epoch_logged != epoch and not unseen:
             self._unflushed_epoch_logged = epoch
             logger.warning(
                 "tutti: SGLang changed its weights (a new weight version or an update from disk; change %d in this "
