@@ -688,6 +688,11 @@ mod tests {
         };
         let before = threads();
         let idle: Vec<TcpStream> = (0..200).map(|_| TcpStream::connect(address).unwrap()).collect();
+        // Time for the endpoint to accept them all before the scrape connects: else, on a loaded
+        // machine, 16 or more of them could share the scrape's accept pass, and a scrape whose
+        // request lags its connect would be closed at its accept (a newcomer that has sent
+        // nothing, every slot taken by such a connection of the same pass).
+        std::thread::sleep(Duration::from_millis(100));
         let started = Instant::now();
         let answer = ask(address, b"GET /metrics HTTP/1.1\r\n\r\n");
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
@@ -695,11 +700,22 @@ mod tests {
         // Other tests of this binary run beside this one: a margin for their threads, far
         // below the 200 a thread per connection would add.
         assert!(threads() < before + 50, "the endpoint started threads: {} then {}", before, threads());
-        // The newest idle connection is closed at its deadline (EOF to a read).
-        let mut last = idle.into_iter().last().unwrap();
+        // An idle connection is closed at its deadline (EOF to a read), not before: one opened
+        // after a settle, alone in its accept pass, so that no newcomer's rule can close it at
+        // its accept (as it could the 200th of the flood above, sharing a pass with 16 or more
+        // of them, and the read's EOF would not have tested the deadline).
+        std::thread::sleep(Duration::from_millis(100));
+        let opened = Instant::now();
+        let mut last = TcpStream::connect(address).unwrap();
         last.set_read_timeout(Some(REQUEST_DEADLINE * 5)).unwrap();
         let mut byte = [0u8; 1];
         assert_eq!(last.read(&mut byte).unwrap(), 0, "the idle connection was not closed");
+        let closed = opened.elapsed();
+        assert!(
+            closed >= REQUEST_DEADLINE - Duration::from_millis(500) && closed < REQUEST_DEADLINE * 5,
+            "the idle connection was closed {closed:?} after its connect, not at its deadline ({REQUEST_DEADLINE:?})"
+        );
+        drop(idle);
         stop.store(true, Ordering::Release);
         thread.join().unwrap();
     }
