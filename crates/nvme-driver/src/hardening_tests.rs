@@ -314,6 +314,50 @@ fn a_head_far_behind_the_last_one_does_not_read_as_a_lap_forward() {
 }
 
 #[test]
+fn a_duplicates_old_head_fails_the_pair_when_it_reads_past_the_tail() {
+    // Goal: the documented policy for a completion naming no command in flight (queue.rs,
+    // "Rejected completions"): it has no window, so its SQ head is judged only by the range
+    // from the last head reported to the tail published, and one outside it fails the pair,
+    // even a duplicate's old head, a head the controller really had. On a ring of 8, A, B and
+    // C complete (A with head 1, the others with head 3); A's completion is then posted again.
+    // With nothing more published (tail 3), its head 1 lies outside 3..=3: the pair fails.
+    // With six more commands published (tail 9, ring index 1), head 1 lies inside 3..=1 read
+    // forward: the same duplicate is only unexpected and the pair goes on. The kernel rules
+    // pin the same two outcomes (rules_check.c: BAD_SQ_HEAD and UNEXPECTED).
+    for published_after in [0u64, 6] {
+        let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        for tag in 0..3 {
+            queue.submit_raw(flush(), tag).expect("submit");
+        }
+        queue.ring_doorbell().expect("ring");
+        let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
+        let post = |index: usize, command_id: u16, sq_head: u16| {
+            let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
+            ring.write(index * 16, &entry.to_bytes()).expect("post");
+        };
+        for (index, (command_id, sq_head)) in [(0, 1), (1, 3), (2, 3)].into_iter().enumerate() {
+            post(index, command_id, sq_head);
+        }
+        assert_eq!(queue.reap(8, |_| {}).expect("A, B and C complete"), 3);
+        for tag in 10..10 + published_after {
+            queue.submit_raw(flush(), tag).expect("submit");
+        }
+        queue.ring_doorbell().expect("ring");
+        // Slot 0 is busy again only with a later generation (id 8), if at all: id 0 names nothing.
+        post(3, 0, 1);
+        let reaped = queue.reap(8, |_| panic!("a duplicate completion was delivered"));
+        if published_after == 0 {
+            assert!(matches!(reaped, Err(NvmeError::InvalidSubmissionQueueHead { reported: 1, head: 3, tail: 3, .. })), "{reaped:?}");
+            assert!(queue.failed(), "a duplicate's head past the tail fails the pair");
+        } else {
+            assert!(matches!(reaped, Err(NvmeError::UnexpectedCompletion { .. })), "{reaped:?}");
+            assert!(!queue.failed(), "a duplicate's head inside the range is only unexpected");
+        }
+    }
+}
+
+#[test]
 fn a_head_for_a_command_published_exactly_a_ring_ago_is_exact() {
     // Goal: a command's window (past its entry, up to the tail published) holds each ring index
     // once while it spans at most the depth, its own entry's index included once (as the end

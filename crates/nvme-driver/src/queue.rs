@@ -50,9 +50,20 @@
 //! Rejected completions. Each is consumed and reported by `reap` as an error, after the
 //! completions before it were delivered; what else happens depends on what it breaks:
 //! - its command id names no command in flight (stale, duplicated or corrupted), but its SQ id
-//!   and SQ head are sound: [`NvmeError::UnexpectedCompletion`]; it completes nothing and the
-//!   pair goes on (a command whose real completion this was stays in flight until a deadline
-//!   names it);
+//!   is this queue's and its SQ head lies between the last head reported and the tail we
+//!   published, modulo the depth: [`NvmeError::UnexpectedCompletion`]; it completes nothing
+//!   and the pair goes on (a command whose real completion this was stays in flight until a
+//!   deadline names it). Such a completion has no command window, so that range is the only
+//!   check on its head, and a head outside it fails the pair as below, even a duplicate's (or
+//!   a late entry's) old head, one the controller really had: every ring index was the head
+//!   at some time, so no check can tell that head from one the controller cannot have reached
+//!   (past the tail: a controller fetching entries we never published). Whether a duplicate
+//!   is only unexpected or fails the pair thus depends on how full the SQ is when it comes.
+//!   Failing is the conservative choice: that head is all the entry says about the
+//!   controller's view of the queue, believing it would let a controller whose view is not
+//!   ours run on, and a failed pair frees nothing early (its commands still complete or keep
+//!   their slots until it is deleted); a controller that posts a completion twice is off the
+//!   specification anyway. The kernel does the same (`BAD_SQ_HEAD`);
 //! - its SQ id is not this queue's, or its SQ head is impossible, or that head has not passed
 //!   the entry of the command it names ([`NvmeError::CompletionBeforeFetch`]: the controller
 //!   completed a command it has not fetched): the controller's view of the queue is not ours,
