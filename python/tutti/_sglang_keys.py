@@ -383,7 +383,7 @@ class _WeightEpochs:
     may have happened unseen), so nothing stored before is found and no backup is stored while
     it stays unreadable, and the first read that succeeds after counts as one more (the log is
     taken as another list). Logged once when it becomes unreadable and once when it reads again
-    (`unseen` names those epochs, which are no change SGLang recorded).
+    (`for_backup` tells those epochs, which are no change SGLang recorded, from the others).
 
     A page backed up in epoch n must be KV of epoch n's weights, and SGLang does not say when a
     host page was computed: a backup operation queued before the change may run after it (the
@@ -393,7 +393,7 @@ class _WeightEpochs:
     mem_pool_host.clear()) comes after the change is recorded, on the same scheduler thread, and
     leaves no page and no queued operation of older weights. So `flushed` (called from the host
     pool's clear, `_watch_host_pool_clears`) notes the epoch that clear happened in, and
-    `storable` allows backups only in an epoch a clear happened in; reads use the current epoch
+    `for_backup` allows backups only in an epoch a clear happened in; reads use the current epoch
     at once. A backend registered after a change (a re-attach) starts in that epoch unflushed:
     its host pool may hold older KV.
 
@@ -497,27 +497,19 @@ class _WeightEpochs:
             self._read_log()
             return self._epoch
 
-    def unseen(self, epoch: int) -> bool:
-        """Whether `epoch` began because the log could not be read (while it could not, or at
-        the first read after), not at a change SGLang recorded: `_read_log` warned of it. Only
-        the last spell is kept: ask of the epoch now (`for_backup`)."""
-        with self._lock:
-            return self._unseen_locked(epoch)
-
-    def _unseen_locked(self, epoch: int) -> bool:
-        first, last = self._unseen
-        return first <= epoch and (last is None or epoch <= last)
-
     def for_backup(self) -> tuple[int, bool, bool]:
-        """The epoch now, whether it is `storable` and whether it is `unseen`, in one hold of the
-        lock. Apart, another thread's read between them that meets the log unreadable again
-        starts the next spell, and the epoch read first (the first good read after a spell)
-        would no longer be `unseen`: a backup would warn of a weight change SGLang never
-        recorded."""
+        """(the epoch now; whether a backup in it holds its KV, SGLang having flushed since it
+        began; whether it began because the log could not be read, while it could not or at the
+        first read after, not at a change SGLang recorded: `_read_log` warned of it), in one hold
+        of the lock. Apart, another thread's read between them that meets the log unreadable
+        again starts the next spell (only the last is kept), and the epoch read first (the first
+        good read after a spell) would no longer be one the log's being unreadable began: a
+        backup would warn of a weight change SGLang never recorded."""
         with self._lock:
             self._read_log()
             epoch = self._epoch
-            return epoch, self._flushed >= epoch, self._unseen_locked(epoch)
+            first, last = self._unseen
+            return epoch, self._flushed >= epoch, first <= epoch and (last is None or epoch <= last)
 
     def salt(self, epoch: int) -> bytes:
         """What goes before a page's key in `epoch`'s key space (nothing in epoch 0, unless the
@@ -531,11 +523,6 @@ class _WeightEpochs:
         epoch = self.current()
         with self._lock:
             self._flushed = max(self._flushed, epoch)
-
-    def storable(self, epoch: int) -> bool:
-        """Whether a backup in `epoch` holds that epoch's KV (SGLang flushed since it began)."""
-        with self._lock:
-            return self._flushed >= epoch
 
 
 # The host pools whose clear is watched: pool -> the weight epochs told of each clear.
