@@ -95,3 +95,39 @@ def test_a_store_call_on_a_session_the_daemon_ended_is_disconnected_with_its_cod
     error = raised.value
     assert isinstance(error, tutti.Disconnected), f"{type(error).__name__}: {error}"
     assert error.code == "LeaseExpired", f"{error.code!r}: {error}"
+
+
+KEEPALIVE_FAILED = "keep-alive ping to tuttid failed"
+
+
+def test_a_goodbye_the_keepalive_ping_read_keeps_its_code_for_the_next_call(tmp_path, capfd):
+    # Goal: with keep-alive on (the default), the ping is often what reads tuttid's goodbye (an
+    # idle engine while tuttid is restarted); the next Store call on that connection raises
+    # Disconnected with the daemon's code all the same. Before, only the call that read the
+    # goodbye kept the code: after the ping had, the next call's Disconnected had code None.
+    # A 3 s lease (a ping a second): the session cannot expire before the SIGTERM that follows
+    # allocate_kv however slow the machine, and the ping's failure is waited for (bounded, on
+    # its warning on standard error), so the ping, not the call, has read the goodbye.
+    from conftest import WAIT_S, start_daemon, tokens
+
+    daemon = start_daemon(tmp_path, "--lease", "3s")
+    try:
+        store = tutti.Store.attach(daemon.socket, model_fingerprint=FINGERPRINT, keepalive=True, timeout_s=3.0)
+        store.allocate_kv(4, "paged")
+    finally:
+        daemon.stop()  # SIGTERM: tuttid says ShuttingDown to the idle session and exits
+    stderr = ""
+    deadline = time.monotonic() + WAIT_S
+    while KEEPALIVE_FAILED not in stderr and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stderr += capfd.readouterr().err
+    try:
+        assert KEEPALIVE_FAILED in stderr, f"no failed keep-alive ping within {WAIT_S} s: {stderr}"
+        assert "ShuttingDown" in stderr, stderr
+        with pytest.raises(tutti.Error) as raised:
+            store.prepare_store(tokens(1, 2), [0, 1])
+    finally:
+        store.close()
+    error = raised.value
+    assert isinstance(error, tutti.Disconnected), f"{type(error).__name__}: {error}"
+    assert error.code == "ShuttingDown", f"{error.code!r}: {error}"

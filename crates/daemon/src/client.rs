@@ -101,6 +101,38 @@ pub fn ends_the_connection(code: ErrorCode) -> bool {
     )
 }
 
+/// Why a [`Client`]'s connection can no longer be used.
+#[derive(Debug)]
+enum Broken {
+    /// Out of step, for the reason given: a request timed out (its reply may still come), a
+    /// frame was cut, a reply answered another request, or the connection was never in step
+    /// ([`Client::detached`]).
+    OutOfStep(String),
+    /// The daemon ended it with a goodbye (an `Error` whose code [`ends_the_connection`]),
+    /// whichever call read it: a keep-alive ping often does, so every later call reports the
+    /// same code, and its callers see the daemon's reason (Python's `Disconnected` keeps it).
+    Ended { code: ErrorCode, message: String },
+}
+
+impl Broken {
+    /// The error every call on such a connection returns: out of step, an `Io` error
+    /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
+    /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect; ended, the goodbye's code
+    /// again (`Remote`, which they classify as the same lost connection, keeping the code).
+    fn error(&self) -> DaemonError {
+        match self {
+            Broken::OutOfStep(cause) => DaemonError::Io {
+                context: format!("this connection to tuttid can no longer be used: {cause}; reconnect"),
+                source: std::io::Error::from(std::io::ErrorKind::NotConnected),
+            },
+            Broken::Ended { code, message } => DaemonError::Remote {
+                code: *code,
+                message: format!("tuttid ended this connection earlier; reconnect (said earlier: {message})"),
+            },
+        }
+    }
+}
+
 pub struct Client {
     stream: UnixStream,
     frame: Vec<u8>,
@@ -111,10 +143,9 @@ pub struct Client {
     timeout: Duration,
     /// Requests sent on this connection (what proves the per-layer path sends none).
     requests_sent: u64,
-    /// Why the connection is out of step (a request timed out, so its reply may still come; a
-    /// frame was cut; a reply answered another request): every later call fails at once with
-    /// [`Client::out_of_step`] rather than reading an earlier request's reply as its own.
-    broken: Option<String>,
+    /// Why the connection can no longer be used (see [`Broken`]): every later call fails at
+    /// once with [`Broken::error`] rather than reading an earlier request's reply as its own.
+    broken: Option<Broken>,
     /// The session's block size, once [`Client::hello`] has been answered: what lookup and
     /// fetch counts are checked against.
     block_tokens: Option<u32>,
@@ -145,7 +176,7 @@ impl Client {
     }
 
     /// A client connected to no daemon and out of step from the start: every call fails at
-    /// once with [`Client::out_of_step`]'s error (`Io`, `NotConnected`: a lost connection to
+    /// once with an out-of-step error (`Io`, `NotConnected`: a lost connection to
     /// its callers), `why` its cause, and sends nothing. It stands in for a connection lent
     /// elsewhere for a while (the Python package's keep-alive ping has the store's). Its stream
     /// is one end of a socket pair whose other end is closed at once: no file system, no
@@ -161,7 +192,7 @@ impl Client {
             next_request_id: 1,
             timeout: Duration::ZERO,
             requests_sent: 0,
-            broken: Some(why.into()),
+            broken: Some(Broken::OutOfStep(why.into())),
             block_tokens: None,
         })
     }
@@ -338,8 +369,8 @@ impl Client {
         self.requests_sent
     }
 
-    /// Whether an earlier failure left the connection out of step (see [`Client::out_of_step`]):
-    /// reconnect.
+    /// Whether an earlier failure left the connection out of step, or the daemon ended it with
+    /// a goodbye (every later call then fails with that goodbye's code again): reconnect.
     pub fn is_broken(&self) -> bool {
         self.broken.is_some()
     }
@@ -348,12 +379,13 @@ impl Client {
     /// passes the frame cap, before any of it is encoded: a prompt of millions of tokens would
     /// otherwise be encoded whole (40 MB for 10M tokens) only to be refused
     /// ([`DaemonError::RequestTooLarge`], as `encode_frame` would; nothing sent, in step). A
-    /// connection already out of step fails first as such, as every call on it does
-    /// ([`Client::exchange`]): its callers reconnect rather than take the prompt for too long.
+    /// connection already out of step (or ended by the daemon) fails first as such, as every
+    /// call on it does ([`Client::exchange`]): its callers reconnect rather than take the prompt
+    /// for too long.
     fn check_tokens_fit(&self, kind: Kind, fixed_bytes: usize, tokens: &[u32]) -> Result<(), DaemonError> {
         use crate::protocol::BODY_BYTES_MAX;
-        if let Some(cause) = &self.broken {
-            return Err(Client::out_of_step(cause));
+        if let Some(broken) = &self.broken {
+            return Err(broken.error());
         }
         let body_bytes = tokens.len().saturating_mul(4).saturating_add(fixed_bytes);
         if body_bytes > BODY_BYTES_MAX as usize {
@@ -403,7 +435,7 @@ impl Client {
     /// reconnects) and the reply refused as a malformed body.
     fn bad_reply(&mut self, kind: Kind, reason: String) -> DaemonError {
         let error = DaemonError::Protocol(crate::protocol::ProtocolError::MalformedBody { kind, reason });
-        self.broken = Some(format!("tuttid answered a request with a reply that does not fit it ({error})"));
+        self.broken = Some(Broken::OutOfStep(format!("tuttid answered a request with a reply that does not fit it ({error})")));
         error
     }
 
@@ -421,25 +453,15 @@ impl Client {
         }
     }
 
-    /// The error every call on a connection left out of step returns: an `Io` error
-    /// (`NotConnected`), which callers treat as a lost connection (`RemoteFailure::Disconnected`
-    /// in `RemoteKvStore`, `Disconnected` in Python) and reconnect.
-    fn out_of_step(cause: &str) -> DaemonError {
-        DaemonError::Io {
-            context: format!("this connection to tuttid can no longer be used: {cause}; reconnect"),
-            source: std::io::Error::from(std::io::ErrorKind::NotConnected),
-        }
-    }
-
     /// One request and its reply. A request refused before any byte of it is written (too
     /// large for a frame, too many descriptors) fails alone: nothing was sent, so no reply can
     /// come and the connection stays in step. Any later failure other than the daemon's answer
     /// to this very request leaves the connection out of step (a late reply may still be
     /// queued, a frame may be half written or read), so it is marked broken and refuses every
-    /// later call.
+    /// later call: with the goodbye's code when the daemon ended it, as out of step otherwise.
     fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>), fds: &[BorrowedFd<'_>]) -> Result<Reply, DaemonError> {
-        if let Some(cause) = &self.broken {
-            return Err(Client::out_of_step(cause));
+        if let Some(broken) = &self.broken {
+            return Err(broken.error());
         }
         let request_id = self.next_request_id;
         self.next_request_id = self.next_request_id.wrapping_add(1).max(1);
@@ -462,7 +484,12 @@ impl Client {
             // The daemon refused this request: the stream is in step.
             Ok(Err(refusal)) => Err(refusal),
             Err(error) => {
-                self.broken = Some(format!("an earlier {kind:?} request failed ({error}), so its reply may still be on the way"));
+                self.broken = Some(match &error {
+                    DaemonError::Remote { code, message } if ends_the_connection(*code) => {
+                        Broken::Ended { code: *code, message: message.clone() }
+                    }
+                    _ => Broken::OutOfStep(format!("an earlier {kind:?} request failed ({error}), so its reply may still be on the way")),
+                });
                 Err(error)
             }
         }
@@ -641,6 +668,76 @@ pub(crate) mod tests {
         match outcome {
             Err(DaemonError::Remote { code: ErrorCode::Busy, .. }) => {}
             other => panic!("expected the daemon's Busy, got {other:?}"),
+        }
+    }
+
+    /// Goal: a connection the daemon ended with a goodbye (an id-0 `Error` whose code ends the
+    /// connection: here `ShuttingDown`, read by a keep-alive `Ping`) keeps that code for every
+    /// later call on it: a lookup, a status, a prompt too long for a frame, each fails at once
+    /// with `Remote { ShuttingDown }` naming what the daemon said, sends nothing, so that
+    /// `RemoteKvStore` and Python report `Disconnected` with the daemon's code whichever call
+    /// read the goodbye. Before, only the call that read it had the code; later ones were `Io`
+    /// (`NotConnected`), and Python's `Disconnected` had code None.
+    #[test]
+    fn a_goodbye_read_by_a_ping_is_kept_for_every_later_call() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            let ping = request_id(&stream, Duration::from_secs(5));
+            answer(&stream, 0, &Reply::error(ErrorCode::ShuttingDown, "tuttid is stopping for the test"));
+            ping
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let pinged = client.ping();
+        assert!(daemon.join().unwrap().is_some(), "the ping was not sent");
+        assert!(matches!(pinged, Err(DaemonError::Remote { code: ErrorCode::ShuttingDown, .. })), "{pinged:?}");
+        assert!(client.is_broken());
+        let started = Instant::now();
+        let long = vec![0u32; 300_000];
+        for (what, outcome) in [
+            ("lookup", client.lookup(&[1, 2, 3]).map(drop)),
+            ("status", client.status().map(drop)),
+            ("a lookup too long for a frame", client.lookup(&long).map(drop)),
+            ("fetch_remote", client.fetch_remote(&long).map(drop)),
+        ] {
+            match outcome {
+                Err(DaemonError::Remote { code: ErrorCode::ShuttingDown, message }) => {
+                    assert!(message.contains("tuttid is stopping for the test") && message.contains("reconnect"), "{what}: {message}")
+                }
+                other => panic!("{what} on a connection the daemon ended: {other:?}"),
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert_eq!(client.requests_sent(), 1, "a call on the ended connection sent a request");
+    }
+
+    /// Goal: a connection broken by anything but a goodbye (here a Busy under id 0, which is also
+    /// a per-request answer, so not one of `ends_the_connection`'s codes) is out of step as
+    /// before: later calls fail at once as `Io` (`NotConnected`), with no daemon code.
+    #[test]
+    fn a_connection_broken_by_no_goodbye_is_out_of_step_without_a_code() {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            let ping = request_id(&stream, Duration::from_secs(5));
+            answer(&stream, 0, &Reply::error(ErrorCode::Busy, "busy for the test"));
+            ping
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let pinged = client.ping();
+        assert!(daemon.join().unwrap().is_some(), "the ping was not sent");
+        assert!(matches!(pinged, Err(DaemonError::Remote { code: ErrorCode::Busy, .. })), "{pinged:?}");
+        assert!(client.is_broken());
+        match client.lookup(&[1, 2, 3]) {
+            Err(DaemonError::Io { context, source }) => {
+                assert_eq!(source.kind(), std::io::ErrorKind::NotConnected);
+                assert!(context.contains("reconnect"), "{context}");
+            }
+            other => panic!("a lookup on a connection broken by Busy: {other:?}"),
         }
     }
 
