@@ -368,12 +368,34 @@ NVCC=$(command -v nvcc 2>/dev/null) || { [[ -f /usr/local/cuda/bin/nvcc ]] && NV
 # slack step takes the SM count from them.
 timeout -k 5 30 python3 tools/gpu/cuda-attrs.py >"$WORK/cuda-attrs.txt" 2>&1 || echo "cuda-attrs: probe did not finish (exit $?)" >>"$WORK/cuda-attrs.txt"
 cuda_attr() { local value; value=$(sed -n "s/^$1=//p" "$WORK/cuda-attrs.txt" | head -n 1); echo "${value:-unknown}"; }
+# nvidia_smi ARGS...: nvidia-smi's answer on stdout, under the deadline's cap (at most 20 s, then
+# KILL 2 s later). A hung nvidia-smi (after a hung kernel, say) hangs every query, not only one:
+# once a query timed out, later ones are skipped at once (a file flag: callers run this in command
+# substitutions). What went wrong goes to stderr, never into the answer: status 127, no
+# nvidia-smi; 124, it did not answer in time (now or earlier).
+nvidia_smi() {
+  command -v nvidia-smi >/dev/null || { echo "no nvidia-smi" >&2; return 127; }
+  if [[ -f "$WORK/nvidia-smi-hung" ]]; then
+    echo "nvidia-smi not asked: $(cat "$WORK/nvidia-smi-hung")" >&2
+    return 124
+  fi
+  local limit rc
+  limit=$(cap 20)
+  timeout -k 2 "$limit" nvidia-smi "$@"
+  rc=$?
+  if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    echo "an earlier query did not answer within $limit s (+${SECONDS} s)" >"$WORK/nvidia-smi-hung"
+    echo "nvidia-smi did not answer within $limit s (status $rc): it is there but hung" >&2
+    return 124
+  fi
+  return $rc
+}
 
 {
   echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}, deadline ${DEADLINE} s${RUN_ALL_DRY:+ (DRY RUN: RUN_ALL_DRY=1, every step a sleep)}"
   echo "== commit $(python3 tools/gpu/provenance.py line "$CARRY" 2>&1)"
   echo "== uname $(uname -srm)"
-  echo "== gpu $(command -v nvidia-smi >/dev/null && timeout 20 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1 || echo "no nvidia-smi")"
+  echo "== gpu $(nvidia_smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1)"
   echo "== nvcc ${NVCC:-not found}${NVCC:+ $(timeout 20 "$NVCC" --version 2>&1 | tail -n 1)}"
   echo "== python $(timeout 60 python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1 | tail -n 1)"
   echo "== glibc $(ldd --version 2>&1 | head -n 1)"
@@ -398,8 +420,15 @@ PROGRAMS=""
 PROGRAMS_BUILD_TRIED=0
 programs() {
   [[ -n "$PROGRAMS" ]] && return 0
-  local arch
-  arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d '. ')"
+  # The architecture: the header's probe (no second query), else nvidia-smi's (bounded: a hung
+  # one would hold the green step, and every step after it, past the deadline).
+  local arch major minor
+  major=$(cuda_attr computeCapabilityMajor) minor=$(cuda_attr computeCapabilityMinor)
+  if [[ "$major" =~ ^[0-9]+$ && "$minor" =~ ^[0-9]+$ ]]; then
+    arch="sm_$major$minor"
+  else
+    arch="sm_$(nvidia_smi --query-gpu=compute_cap --format=csv,noheader 2>>"$LOG" | head -n 1 | tr -d '. ')"
+  fi
   if [[ $PROGRAMS_BUILD_TRIED -eq 0 && -n "$NVCC" && "$arch" =~ ^sm_[0-9]+$ ]]; then
     PROGRAMS_BUILD_TRIED=1
     section "build ${CU_PROGRAMS[*]} with $NVCC for $arch"
@@ -474,7 +503,7 @@ step_green() {
   # The SM clock, power and temperature before and after: the program brackets every case by
   # baselines because they drift under sustained GEMMs; these lines show by how much. Capped like
   # the program: a hung nvidia-smi after a program stopped at its cap would run past the deadline.
-  gpu_clocks() { command -v nvidia-smi >/dev/null || { echo "no nvidia-smi"; return; }; timeout -k 2 "$(cap 20)" nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1; }
+  gpu_clocks() { nvidia_smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader 2>&1 | head -n 1; }
   echo "green: before: sm clock, mem clock, power, temperature: $(gpu_clocks)" >>"$SUMMARY"
   GREEN_CUBLAS_LIBRARY="$cublas" timeout -k 10 "$(cap "$(budget GREEN 150)")" "$PROGRAMS/green-contexts" --json "$OUT/green-contexts.json" >>"$LOG" 2>&1
   local rc=$?
@@ -706,7 +735,7 @@ step_slack() {
   # probe (cuDeviceGetAttribute), else the one the profile recorded (torch's, in its provenance),
   # else torch asked here, within what is left.
   local name sms target=()
-  name=$(timeout 20 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+  name=$(nvidia_smi --query-gpu=name --format=csv,noheader 2>>"$LOG" | head -n 1)
   sms=$(cuda_attr multiProcessorCount)
   [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sm_count"])' \
     "$WORK/slack-provenance.json" 2>/dev/null)

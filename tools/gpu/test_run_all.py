@@ -237,6 +237,21 @@ class RunAll(unittest.TestCase):
         self.assertIn("FAIL green", summary)
         self.assertLess(elapsed, 50, summary)
 
+    def test_an_nvidia_smi_that_hangs_on_every_query_costs_no_step_after_green(self):
+        # Goal: a hung nvidia-smi hangs every query, not only the clock readings: the header's,
+        # programs()'s compute capability and slack's name query are bounded by the deadline too,
+        # the header says the query timed out (not "no nvidia-smi"), and the steps after green
+        # still run. Before, programs() waited on nvidia-smi with no limit at all, past the
+        # deadline, and ipc never ran.
+        s = self.stubs
+        s.stub("stub-bin/nvidia-smi", "exec sleep 1000")
+        _rc, elapsed, summary = s.run("tools/gpu/run-all.sh", ["green", "ipc"], {"RUN_ALL_DEADLINE_S": "90"}, limit_s=150)
+        self.assertLess(elapsed, 90, summary)
+        self.assertRegex(summary, r"(PASS|FAIL) green", summary)
+        self.assertIn("PASS ipc", summary)
+        self.assertIn("did not answer", summary)
+        self.assertNotIn("no nvidia-smi", summary)
+
     def test_the_slack_import_reserves_the_io_partition_the_gpu_grants(self):
         # Goal: on a Hopper GPU (the h100/h200 presets: compute capability 9.x) a green context
         # grants I/O SMs in multiples of 8, so tutti's request of 4 is granted 8: the import is
