@@ -6,8 +6,9 @@
 #   tools/gpu/run-all.sh --prepare      on the development machine (cargo, pip, network): what the
 #                                       GPU machine cannot build, into target/gpu-carry/
 #   tools/gpu/run-all.sh --plan         the device call and its time arithmetic (below), as key=value
-#   tools/gpu/run-all.sh --plan --left-s N   that call sized for N s of device time left (status's
-#                                       budget_left_s, read right before the call), or call=no
+#   tools/gpu/run-all.sh --plan --left-s N [STEP...]   that call (or one of those STEPs) sized for
+#                                       N s of device time left (status's budget_left_s, read right
+#                                       before the call), or call=no below its floor_s
 #   tools/gpu/run-all.sh [STEP...]      on the GPU machine; STEPs run in the order given (default: the
 #                                       planned call's, tests green bandwidth ipc prefill python slack):
 #     tests      item 2: tools/gpu/run-gpu-tests.sh (kernels, rule checks, the gio-uring GPU test)
@@ -106,30 +107,56 @@ PLAN_STEPS=(tests green bandwidth ipc prefill python slack)
 # in, and cuts a call's limit to what is left) sizes its call from status's budget_left_s:
 # `--plan --left-s N` gives timeout_s = min(PLAN_TIMEOUT_S, N - PLAN_START_MAX_S -
 # PLAN_TRANSFER_MARGIN_S) and the command with RUN_ALL_DEADLINE_S = timeout_s - 20, so the call
-# ends by its own deadline, inside the time the tool allows it, and $OUT still comes back. Under
-# PLAN_TIMEOUT_MIN_S for the call (N under 300) it says not to call.
+# ends by its own deadline, inside the time the tool allows it, and $OUT still comes back. It says
+# not to call (call=no, floor_s) where the call could not start its first step: under the start,
+# the transfers, 20 s to exit, the loop's 15 s margin, PLAN_HEADER_S and that step's minimum
+# (step_minimum; at least PLAN_TIMEOUT_MIN_S for the call). STEPs after N: a call of those steps
+# alone (slack to finish a PARTIAL grid: N of at least 370), sized the same way.
 PLAN_TRANSFER_MARGIN_S=60 # the upload (~9 MB of tree, ~23 MB of carry), the download and the close
 PLAN_TIMEOUT_MIN_S=90     # less, and the steps after the start and transfers are hardly worth it
+PLAN_HEADER_S=30          # the header before the first step (cuda-attrs, nvidia-smi, torch's import)
+# The least a step needs to be worth starting (its set-up included); below it: NOT RUN, deadline.
+# python and prefill import torch (10-20 s on the GPU machine) and install the wheel before their
+# own limits are worked out, so their minimums are those limits' needs plus 20 s: python's check
+# gets the cap less 40 s (tuttid's stop) and needs 20 s; prefill needs a 30 s budget plus 90 s of
+# margin. Lower, a started step spent its imports and then said NOT RUN anyway. slack: a 30 s
+# budget, its 45 s hard-limit margin and the 20 s kept for the import.
+step_minimum() {
+  case "$1" in tests) echo 60 ;; prefill) echo 140 ;; slack) echo 95 ;; python) echo 80 ;; *) echo 30 ;; esac
+}
 if [[ "${1:-}" == "--plan" ]]; then
-  timeout_s=$PLAN_TIMEOUT_S deadline_s=$PLAN_DEADLINE_S command="bash tools/gpu/run-all.sh ${PLAN_STEPS[*]}"
+  timeout_s=$PLAN_TIMEOUT_S deadline_s=$PLAN_DEADLINE_S plan_steps=("${PLAN_STEPS[@]}") left=""
   if [[ $# -gt 1 ]]; then
-    if [[ "$2" != --left-s || $# -ne 3 || ! "$3" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
-      echo "run-all: usage: run-all.sh --plan [--left-s SECONDS] (SECONDS: status's budget_left_s, a whole number)" >&2
+    if [[ "$2" != --left-s || $# -lt 3 || ! "$3" =~ ^(0|[1-9][0-9]{0,5})$ ]]; then
+      echo "run-all: usage: run-all.sh --plan [--left-s SECONDS [STEP...]] (SECONDS: status's budget_left_s, a whole number)" >&2
       exit 2
     fi
-    left=$3 floor=$((PLAN_START_MAX_S + PLAN_TRANSFER_MARGIN_S + PLAN_TIMEOUT_MIN_S))
+    left=$3
+    shift 3
+    if [[ $# -gt 0 ]]; then
+      plan_steps=("$@")
+      for step in "${plan_steps[@]}"; do
+        case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
+      done
+    fi
+    # The call must outlast its 20 s exit, the loop's 15 s margin, the header and the first
+    # step's minimum, or that step only writes `NOT RUN ...: deadline`.
+    first=${plan_steps[0]}
+    least=$((20 + 15 + PLAN_HEADER_S + $(step_minimum "$first")))
+    ((least < PLAN_TIMEOUT_MIN_S)) && least=$PLAN_TIMEOUT_MIN_S
+    floor=$((PLAN_START_MAX_S + PLAN_TRANSFER_MARGIN_S + least))
     echo "left_s=$left"
     echo "start_max_s=$PLAN_START_MAX_S"
     echo "transfer_margin_s=$PLAN_TRANSFER_MARGIN_S"
+    echo "floor_s=$floor"
     if ((left < floor)); then
       echo "call=no"
-      echo "reason=do not call: ${left} s left is under ${floor} s (a ${PLAN_START_MAX_S} s start, ${PLAN_TRANSFER_MARGIN_S} s of transfers and the close, and a call of at least ${PLAN_TIMEOUT_MIN_S} s); the steps wait for a later session"
+      echo "reason=do not call: ${left} s left is under ${floor} s (a ${PLAN_START_MAX_S} s start, ${PLAN_TRANSFER_MARGIN_S} s of transfers and the close, and a call of at least ${least} s: 20 s to exit, the 15 s margin, ~${PLAN_HEADER_S} s of header and ${first}'s minimum of $(step_minimum "$first") s); the steps wait for a later session"
       exit 0
     fi
     timeout_s=$((left - PLAN_START_MAX_S - PLAN_TRANSFER_MARGIN_S))
     ((timeout_s > PLAN_TIMEOUT_S)) && timeout_s=$PLAN_TIMEOUT_S
     deadline_s=$((timeout_s - 20))
-    command="RUN_ALL_DEADLINE_S=$deadline_s $command"
     echo "call=yes"
   else
     echo "session_s=$PLAN_SESSION_S"
@@ -137,8 +164,10 @@ if [[ "${1:-}" == "--plan" ]]; then
     echo "transfer_margin_s=$PLAN_TRANSFER_MARGIN_S"
     echo "left_for_transfers_and_close_s=$((PLAN_SESSION_S - PLAN_START_MAX_S - PLAN_TIMEOUT_S))"
   fi
+  command="bash tools/gpu/run-all.sh ${plan_steps[*]}"
+  [[ -n "$left" ]] && command="RUN_ALL_DEADLINE_S=$deadline_s $command"
   echo "calls=1"
-  echo "steps=${PLAN_STEPS[*]}"
+  echo "steps=${plan_steps[*]}"
   echo "command=$command"
   echo "carry=target/gpu-carry"
   echo "timeout_s=$timeout_s"
@@ -292,15 +321,6 @@ cap() {
   ((room < 1)) && room=1
   ((${1} < room)) && room=$1
   echo "$room"
-}
-# The least a step needs to be worth starting (its set-up included); below it: NOT RUN, deadline.
-# python and prefill import torch (10-20 s on the GPU machine) and install the wheel before their
-# own limits are worked out, so their minimums are those limits' needs plus 20 s: python's check
-# gets the cap less 40 s (tuttid's stop) and needs 20 s; prefill needs a 30 s budget plus 90 s of
-# margin. Lower, a started step spent its imports and then said NOT RUN anyway. slack: a 30 s
-# budget, its 45 s hard-limit margin and the 20 s kept for the import.
-step_minimum() {
-  case "$1" in tests) echo 60 ;; prefill) echo 140 ;; slack) echo 95 ;; python) echo 80 ;; *) echo 30 ;; esac
 }
 
 # run.log's size: the device tool brings back no file over 16 MiB.

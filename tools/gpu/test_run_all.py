@@ -433,7 +433,7 @@ class DevicePlan(unittest.TestCase):
         # inside a step and $OUT comes back. Before, --plan took no input and the call was
         # always timeout_s 590 with deadline 570.
         full = self.plan()
-        for left in (900, 1000, 660, 500, 300):
+        for left in (900, 1000, 660, 500, 340):
             with self.subTest(left=left):
                 plan = self.plan("--left-s", str(left))
                 self.assertEqual(plan["call"], "yes", plan)
@@ -450,7 +450,7 @@ class DevicePlan(unittest.TestCase):
         self.assertLessEqual(int(plan["deadline_s"]), int(plan["timeout_s"]) - 20, plan)
         # Below the floor no call is made: a start and the transfers would leave the steps too
         # little (and the device starts no machine under 240 s).
-        for left in (299, 280, 0):
+        for left in (334, 300, 299, 280, 0):
             with self.subTest(left=left):
                 plan = self.plan("--left-s", str(left))
                 self.assertEqual(plan["call"], "no", plan)
@@ -463,6 +463,36 @@ class DevicePlan(unittest.TestCase):
                                       capture_output=True, text=True, timeout=30)
                 self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
                 self.assertIn("--left-s", done.stderr)
+
+    def test_a_call_is_planned_only_where_its_first_step_can_start(self):
+        # Goal: `--plan --left-s N [STEP...]` says call=yes only where, after the slowest start,
+        # the transfers, the call's 20 s exit, the loop's 15 s margin and the header (~30 s: its
+        # torch import alone takes 10-20 s there), the first step still has its minimum (run-all's
+        # step_minimum): else the call's only step writes `NOT RUN ...: deadline` and the start is
+        # spent for nothing. Before, the floor was 300 s for any step: slack alone (minimum 95)
+        # needs about 370.
+        plan = self.plan("--left-s", "320", "slack")
+        self.assertEqual(plan["call"], "no", plan)
+        self.assertIn("slack", plan["reason"])
+        minimums = {"tests": 60, "prefill": 140, "slack": 95, "python": 80, "green": 30}
+        for steps in (["slack"], [], ["prefill", "slack"], ["green", "ipc"]):
+            first = steps[0] if steps else "tests"
+            for left in range(240, 1001, 5):
+                plan = self.plan("--left-s", str(left), *steps)
+                if plan["call"] != "yes":
+                    continue
+                with self.subTest(steps=steps, left=left):
+                    self.assertGreaterEqual(int(plan["deadline_s"]) - 30 - 15, minimums[first], plan)
+                    self.assertLessEqual(int(plan["start_max_s"]) + int(plan["transfer_margin_s"]) + int(plan["timeout_s"]),
+                                         left, plan)
+                    if steps:
+                        self.assertEqual(plan["steps"], " ".join(steps), plan)
+                        self.assertTrue(plan["command"].endswith("run-all.sh " + " ".join(steps)), plan)
+        plan = self.plan("--left-s", "370", "slack")
+        self.assertEqual(plan["call"], "yes", plan)
+        done = subprocess.run(["bash", os.path.join(ROOT, "tools/gpu/run-all.sh"), "--plan", "--left-s", "600", "nope"],
+                              capture_output=True, text=True, timeout=30)
+        self.assertEqual(done.returncode, 2, done.stdout + done.stderr)
 
     def test_one_call_runs_every_step_with_slack_last(self):
         plan = self.plan()
