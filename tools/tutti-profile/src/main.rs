@@ -234,7 +234,7 @@ struct ImportArgs {
     /// The GPU's green-context SM granularity: a partition is granted in multiples of this many
     /// SMs (8 on compute capability 9.x: cuDevSmResourceSplitByCount rounds a request of 4 up to
     /// 8). Given, an --io-sms the GPU cannot grant is refused: the table would model compute on
-    /// SMs the I/O partition really takes. Default 1: not checked.
+    /// SMs the I/O partition really takes. Default 1: not checked (nor with --io-sm-minimum 1).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     io_sm_granularity: u32,
     /// The smallest partition the GPU grants, SMs (a multiple of --io-sm-granularity; default:
@@ -417,8 +417,10 @@ fn import(args: &ImportArgs) -> Result<()> {
     let gpu = args.target.gpu()?;
     check_io_partition(args.io_sms, args.io_sm_granularity, args.io_sm_minimum)?;
     // The table records whether the reservation was checked against the GPU's partitions.
+    // Granularity 1 with minimum 1 (what run-all passes where the compute capability is unknown)
+    // allows any count: nothing was checked, so no claim.
     let granularity = match (args.io_sm_granularity, args.io_sm_minimum) {
-        (1, None) => String::new(),
+        (1, None | Some(1)) => String::new(),
         (unit, None) => format!(" (a partition this GPU grants: multiples of {unit} SMs)"),
         (unit, Some(minimum)) => {
             format!(" (a partition this GPU grants: multiples of {unit} SMs, at least {minimum})")
@@ -567,6 +569,21 @@ mod tests {
         let odd = ["--io-sms", "6", "--io-sm-granularity", "2", "--io-sm-minimum", "5"];
         let error = import_all_sm_timeline("odd-minimum", &odd).unwrap_err();
         assert!(exit::is_unusable(error.as_ref()), "{error:#}");
+    }
+
+    /// Goal: granularity 1 with minimum 1 is what run-all passes where the compute capability is
+    /// unknown: nothing was checked, so the table claims no granted partition (as without the
+    /// flags). Before, --io-sm-minimum 1 wrote "a partition this GPU grants" into compute_source.
+    #[test]
+    fn a_granularity_and_minimum_of_one_claim_no_granted_partition() {
+        for (name, extra) in [
+            ("unchecked-both", &["--io-sms", "4", "--io-sm-granularity", "1", "--io-sm-minimum", "1"][..]),
+            ("unchecked-none", &["--io-sms", "4"][..]),
+        ] {
+            let table = import_all_sm_timeline(name, extra).unwrap();
+            let source = table["compute_source"].as_str().unwrap();
+            assert!(source.contains("--io-sms 4") && !source.contains("grants"), "{source}");
+        }
     }
 
     /// Goal: the granted partition is what the table reserves (compute on 132 − 8 = 124 SMs), and
