@@ -715,8 +715,8 @@ step_slack() {
   # The profile's hard limit is its budget plus 45 s (an input length it mispredicted: its next
   # length's time is a quadratic guess, low for attention-heavy lengths): it rewrites the CSV after
   # each input length, so a kill keeps the lengths done. 20 s of the deadline are kept for what
-  # follows (the SM count, from the header's probe or the profile's provenance: no torch import;
-  # the import and check take seconds): where the deadline is nearer (always, last in the planned
+  # follows (after a stop, the CSV's re-gzip, capped at 5 s; the SM count, from the header's probe
+  # or the profile's provenance: no torch import; the import and check take seconds): where the deadline is nearer (always, last in the planned
   # call), the hard limit is what is left less those 20 s and the budget shrinks to it less 45 s,
   # so the margin stays 45 s.
   limit=$(($(cap $((budget_s + 45 + 20))) - 20))
@@ -742,6 +742,18 @@ step_slack() {
   fi
   [[ $rc -eq 124 || $rc -eq 137 ]] && record "NOTE slack: the profile ran past its limit ($limit s) and was stopped; the CSV (and slack-timeline.csv.gz) keeps the input lengths completed before"
   [[ $rc -eq 3 ]] && record "NOTE slack: PARTIAL grid (budget reached); the table ends at the last complete input length"
+  if [[ ($rc -eq 124 || $rc -eq 137) && -s "$csv" ]]; then
+    # The profile replaces its CSV first, then rewrites the gzip: stopped in between, the gzip is
+    # one input length behind the CSV imported below, and $WORK (the CSV) is removed at the exit.
+    # So the gzip that comes back is rewritten from the CSV, atomically (~1 s per 20 MiB; capped,
+    # the import keeps its few seconds).
+    if timeout -k 1 "$(cap 5)" gzip -6 -n -c "$csv" >"$OUT/slack-timeline.csv.gz.partial" 2>>"$LOG"; then
+      mv -f "$OUT/slack-timeline.csv.gz.partial" "$OUT/slack-timeline.csv.gz"
+    else
+      rm -f "$OUT/slack-timeline.csv.gz.partial"
+      record "NOTE slack: re-gzipping the CSV after the stop did not finish: slack-timeline.csv.gz may lack the table's last input length"
+    fi
+  fi
   [[ -s "$csv" ]] || return 1
   # RUN_ALL_TUTTI_PROFILE: another build (tools/gpu/check.sh's rehearsal, which leaves the carry
   # and its provenance alone).

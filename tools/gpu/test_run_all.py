@@ -326,6 +326,30 @@ class RunAll(unittest.TestCase):
         self.assertIn("summary.txt", os.listdir(s.out))
         self.assertEqual([name for name in os.listdir(s.out) if name.endswith(".partial")], [], summary)
 
+    def test_a_profile_killed_while_gzipping_returns_a_gzip_of_the_imported_csv(self):
+        # Goal: the profile replaces its CSV first, then rewrites the gzip; killed in between, the
+        # CSV the step imports has one input length more than slack-timeline.csv.gz, the only copy
+        # that comes back ($WORK is removed). On status 124/137 the step re-gzips the CSV into $OUT
+        # before the import, so the returned gzip holds the table's rows. Before, it stayed one
+        # length behind (or was missing after the first length).
+        import gzip
+        s = self.stubs
+        rows = "phase,input_tokens\nprefill,4096\nprefill,8192\n"
+        profile = self.slack_stub("import gzip\n"
+                                  f"open(args[args.index('--out-csv') + 1], 'w').write({rows!r})\n"
+                                  "gz = args[args.index('--out-csv-gz') + 1]\n"
+                                  "gzip.open(gz, 'wt').write('phase,input_tokens\\nprefill,4096\\n')\n"
+                                  "os.kill(os.getpid(), 9)")
+        imported = os.path.join(s.root, "imported.csv")
+        s.stub("stub-tutti-profile", f'[[ "$1" == import ]] && cp "$3" {imported}; exit 0')
+        env = {"RUN_ALL_TUTTI_PROFILE": profile, "RUN_ALL_GPU_PRESET": "h100"}
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], env, limit_s=60)
+        with open(imported) as handle:
+            self.assertEqual(handle.read(), rows, summary)
+        with gzip.open(os.path.join(s.out, "slack-timeline.csv.gz"), "rt") as handle:
+            self.assertEqual(handle.read(), rows, summary)
+        self.assertEqual([name for name in os.listdir(s.out) if name.endswith(".partial")], [], summary)
+
     def python_stub(self, import_s: int) -> str:
         """A python whose `-c import ...` takes import_s seconds (torch's import on the GPU
         machine) and whose `-m pip install --target DIR` makes DIR/tutti."""
