@@ -500,7 +500,7 @@ void stop_poller(const HostPoller& host, const Domain& domain, PollerRun& run, c
 }
 
 // The first refusal of cublasSetSmCountTarget ("refused (status N)"), else empty: the JSON's
-// cublas_sm_count_target reports it in place of "set on green contexts".
+// cublas_sm_count_target reports it in place of "set on the compute green context".
 std::string g_sm_count_target_refused;
 
 // A cuBLAS handle for `domain`'s stream; told the domain's SM count where the library can be. The
@@ -523,7 +523,10 @@ CublasHandle create_handle(const Cublas& cublas, const Domain& domain, bool sm_t
     return handle;
 }
 
-Domain create_green_domain(const std::string& name, CUgreenCtx green, const Cublas& cublas, unsigned int sm_count) {
+// sm_target: whether its handle is told the SM count. The I/O domain's is not: only its poller
+// runs there, never a GEMM, so a refusal there would mark cublas_sm_count_target "refused" for
+// GEMMs that all ran with the target.
+Domain create_green_domain(const std::string& name, CUgreenCtx green, const Cublas& cublas, unsigned int sm_count, bool sm_target) {
     Domain domain;
     domain.name = name;
     domain.green = green;
@@ -532,7 +535,7 @@ Domain create_green_domain(const std::string& name, CUgreenCtx green, const Cubl
     CUstream stream = nullptr;
     check(g_driver->green_ctx_stream_create(&stream, green, CU_STREAM_NON_BLOCKING, 0), "cuGreenCtxStreamCreate");
     domain.stream = reinterpret_cast<cudaStream_t>(stream);
-    domain.cublas = create_handle(cublas, domain, true);
+    domain.cublas = create_handle(cublas, domain, sm_target);
     return domain;
 }
 
@@ -688,7 +691,7 @@ int main(int argc, char** argv) {
     check_cublas(cublas.set_stream(primary.cublas, primary.stream), "cublasSetStream");
     int cublas_version = 0;
     check_cublas(cublas.get_version(primary.cublas, &cublas_version), "cublasGetVersion");
-    const char* sm_count_target = cublas.set_sm_count_target != nullptr ? "set on green contexts" : "unavailable in this cuBLAS";
+    const char* sm_count_target = cublas.set_sm_count_target != nullptr ? "set on the compute green context" : "unavailable in this cuBLAS";
     allocate_operands(primary, tokens_max);
     Domain primary_poller;  // a second ordinary stream for the unpartitioned case
     primary_poller.name = "primary (second stream)";
@@ -818,8 +821,8 @@ int main(int argc, char** argv) {
         CUgreenCtx compute_green = nullptr;
         check(driver.green_ctx_create(&io_green, io_desc, 0, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate (I/O)");
         check(driver.green_ctx_create(&compute_green, compute_desc, 0, CU_GREEN_CTX_DEFAULT_STREAM), "cuGreenCtxCreate (compute)");
-        Domain io = create_green_domain("I/O green context", io_green, cublas, io_resource.sm.smCount);
-        Domain compute = create_green_domain("compute green context", compute_green, cublas, compute_resource.sm.smCount);
+        Domain io = create_green_domain("I/O green context", io_green, cublas, io_resource.sm.smCount, false);
+        Domain compute = create_green_domain("compute green context", compute_green, cublas, compute_resource.sm.smCount, true);
         allocate_operands(compute, tokens_max);
         // The same GEMM through a handle not told the green context's SM count.
         Domain compute_untargeted = compute;
