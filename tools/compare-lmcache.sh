@@ -179,9 +179,11 @@ bounded() {
 # stop_if_interrupted: ends the sitting when bounded was interrupted.
 stop_if_interrupted() {
     case $INTERRUPTED in
-        INT) say "compare-lmcache: interrupted (SIGINT): the round was stopped"; exit 130 ;;
-        TERM) say "compare-lmcache: interrupted (SIGTERM): the round was stopped"; exit 143 ;;
-        HUP) say "compare-lmcache: interrupted (SIGHUP): the round was stopped"; exit 129 ;;
+        # `|| :`: after a hangup standard error may be the hung-up terminal (EIO), and set -e
+        # would end the sitting with status 1 instead of the signal's.
+        INT) say "compare-lmcache: interrupted (SIGINT): the round was stopped" || :; exit 130 ;;
+        TERM) say "compare-lmcache: interrupted (SIGTERM): the round was stopped" || :; exit 143 ;;
+        HUP) say "compare-lmcache: interrupted (SIGHUP): the round was stopped" || :; exit 129 ;;
     esac
 }
 # timed_out STATUS: whether timeout(1) stopped the command (124: TERM, 137: its KILL 30 s later)

@@ -288,7 +288,7 @@ impl ClusterMetrics {
         registry.register("cluster_remote_reads", "FetchRemote requests that went to a holder", self.remote_reads.clone());
         registry.register(
             "cluster_remote_read_failures",
-            "Remote reads that failed by a fault, in whole (a typed error to the client) or in part (a fault past a run read); a wait, a limit or a fetch ended by this node's drain is not counted",
+            "Remote reads that failed in whole (a typed error to the client; any cause but this node's drain) or in part (a fault past a run read; a wait or a limit there is not counted)",
             self.remote_read_failures.clone(),
         );
         registry.register("cluster_fetched_blocks", "Blocks fetched from other nodes and stored here", self.fetched_blocks.clone());

@@ -60,9 +60,9 @@ struct Pending {
     head: Vec<u8>,
     deadline: Instant,
     answer: Option<Answer>,
-    /// Accepted in the accept pass under way: not closed to admit a connection without an
-    /// answer ([`to_close`]), so that a scrape accepted just before its head arrives is read
-    /// at least once before it can be.
+    /// Accepted in the accept pass under way: while it has sent nothing, not closed to admit a
+    /// connection without an answer ([`to_close`]), so that a scrape accepted just before its
+    /// head arrives is read at least once before it can be.
     fresh: bool,
 }
 
@@ -271,9 +271,10 @@ fn make_room(
 /// accepted in the pass under way (`fresh`) that has sent nothing is closed only for a
 /// newcomer being answered; for another, the newcomer is closed: a flood accepted in one pass
 /// cannot close a scrape accepted in it before the endpoint has read it. Only one that has
-/// sent nothing: one that has sent a byte is no scrape whose head is late, and protecting it
-/// too would let the flood's own first connections of a pass fill every slot and shut out a
-/// scrape accepted after them.
+/// sent nothing: protecting one that has sent a byte too would let a one-byte flood's own first
+/// connections of a pass fill every slot and shut out a scrape accepted after them; the price is
+/// that a scrape whose head arrives in pieces (its request line in, its headers not yet) can be
+/// closed by a flood in its pass.
 fn to_close(open: &VecDeque<Pending>, answering: bool) -> Option<usize> {
     let closable = |pending: &Pending| pending.answer.is_none() && (answering || !pending.fresh || !pending.head.is_empty());
     open.iter()
