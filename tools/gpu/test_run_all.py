@@ -252,6 +252,22 @@ class RunAll(unittest.TestCase):
         self.assertIn("did not answer", summary)
         self.assertNotIn("no nvidia-smi", summary)
 
+    def test_a_hung_nvidia_smi_is_not_asked_again_by_the_steps_child_scripts(self):
+        # Goal: once the header's query timed out, the later steps' own scripts (run-gpu-tests.sh,
+        # prefill-ttft.py, slack-profile.py) do not wait on nvidia-smi either: a shim first on
+        # PATH answers at once. Before, the tests step spent 2 x 30 s on two doomed queries, and
+        # prefill and slack 20 s of their budgets each.
+        s = self.stubs
+        s.stub("stub-bin/nvidia-smi", "exec sleep 1000")
+        s.stub("target/gpu-carry/gpu-test", "echo 'gpu test: passed'")
+        s.stub("target/gpu-carry/gpu-layer-load", "exit 0")
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DEADLINE_S": "200"}, limit_s=150)
+        found = re.search(r"PASS tests \((\d+) s\)", summary)
+        self.assertIsNotNone(found, summary + s.last_output)
+        self.assertLess(int(found.group(1)), 15, summary)
+        with open(os.path.join(s.out, "run.log")) as handle:
+            self.assertIn("not asked: nvidia-smi hung earlier", handle.read())
+
     def test_the_slack_import_reserves_the_io_partition_the_gpu_grants(self):
         # Goal: on a Hopper GPU (the h100/h200 presets: compute capability 9.x) a green context
         # grants I/O SMs in multiples of 8, so tutti's request of 4 is granted 8: the import is
