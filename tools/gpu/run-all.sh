@@ -391,24 +391,36 @@ cuda_attr() { local value; value=$(sed -n "s/^$1=//p" "$WORK/cuda-attrs.txt" | h
 # nvidia_smi ARGS...: nvidia-smi's answer on stdout, under the deadline's cap (at most 20 s, then
 # KILL 2 s later). A hung nvidia-smi (after a hung kernel, say) hangs every query, not only one:
 # once a query timed out, later ones are skipped at once (a file flag: callers run this in command
-# substitutions; the step loop then puts a shim first on PATH for the steps' own scripts). What went wrong goes to stderr, never into the answer: status 127, no
-# nvidia-smi; 124, it did not answer in time (now or earlier).
+# substitutions; the step loop then puts a shim first on PATH for the steps' own scripts). What
+# went wrong goes to stderr, never into the answer: nvidia-smi prints its own failures on stdout
+# ("NVIDIA-SMI has failed ...", status 9), so its stdout is passed on only with status 0. Status
+# 127, no nvidia-smi; 124, it did not answer in time (now or earlier); else nvidia-smi's.
 nvidia_smi() {
   command -v nvidia-smi >/dev/null || { echo "no nvidia-smi" >&2; return 127; }
   if [[ -f "$WORK/nvidia-smi-hung" ]]; then
     echo "nvidia-smi not asked: $(cat "$WORK/nvidia-smi-hung")" >&2
     return 124
   fi
-  local limit rc
+  local limit rc answer
   limit=$(cap 20)
-  timeout -k 2 "$limit" nvidia-smi "$@"
+  answer=$(timeout -k 2 "$limit" nvidia-smi "$@")
   rc=$?
   if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+    # A cap under 10 s (near the deadline) can stop a slow but healthy nvidia-smi (no
+    # persistence mode): only a longer wait marks it hung.
+    if ((limit < 10)); then
+      echo "nvidia-smi did not answer within $limit s (status $rc; the deadline's cap)" >&2
+      return 124
+    fi
     echo "an earlier query did not answer within $limit s (+${SECONDS} s)" >"$WORK/nvidia-smi-hung"
     echo "nvidia-smi did not answer within $limit s (status $rc): it is there but hung" >&2
     return 124
   fi
-  return $rc
+  if [[ $rc -ne 0 ]]; then
+    echo "nvidia-smi failed (status $rc): ${answer:0:300}" >&2
+    return $rc
+  fi
+  printf '%s\n' "$answer"
 }
 
 {
@@ -763,11 +775,16 @@ step_slack() {
     return 1
   fi
   # The table's GPU identity: the presets are h100 and h200 with 132 SMs; another SM count gets
-  # a spec of its own so that the table says what it was measured on. The SM count: the header's
-  # probe (cuDeviceGetAttribute), else the one the profile recorded (torch's, in its provenance),
-  # else torch asked here, within what is left.
+  # a spec of its own so that the table says what it was measured on. The name: the header's
+  # probe (cuDeviceGetName), else the one the profile recorded (torch's, in its provenance), else
+  # nvidia-smi (last: it may have hung, and the probe and the profile reached the GPU without it).
+  # The SM count: the header's probe (cuDeviceGetAttribute), else the profile's provenance, else
+  # torch asked here, within what is left.
   local name sms target=()
-  name=$(nvidia_smi --query-gpu=name --format=csv,noheader 2>>"$LOG" | head -n 1)
+  name=$(cuda_attr device0)
+  [[ "$name" == unknown* ]] && name=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["gpu"])' \
+    "$WORK/slack-provenance.json" 2>/dev/null)
+  [[ -n "$name" ]] || name=$(nvidia_smi --query-gpu=name --format=csv,noheader 2>>"$LOG" | head -n 1)
   sms=$(cuda_attr multiProcessorCount)
   [[ "$sms" =~ ^[1-9][0-9]*$ ]] || sms=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["sm_count"])' \
     "$WORK/slack-provenance.json" 2>/dev/null)

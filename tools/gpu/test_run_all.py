@@ -300,6 +300,47 @@ class RunAll(unittest.TestCase):
                          "open(args[args.index('--out-csv') + 1], 'w').write('phase,input_tokens\\n')\n" + body + "\n")
         return s.stub("stub-tutti-profile", "exit 0")
 
+    def slack_import_arguments(self, provenance: str) -> tuple[list[str], str]:
+        """Runs the slack step with a profile that writes `provenance` as its provenance JSON and
+        a tutti-profile that records its import's arguments, no RUN_ALL_GPU_PRESET. Returns the
+        import's words and summary.txt."""
+        s = self.stubs
+        self.slack_stub(f"open(args[args.index('--out-provenance') + 1], 'w').write({provenance!r})")
+        arguments = os.path.join(s.root, "import-arguments")
+        profile = s.stub("stub-tutti-profile", f'[[ "$1" == import ]] && echo "$@" >{arguments}; exit 0')
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["slack"], {"RUN_ALL_TUTTI_PROFILE": profile}, limit_s=90)
+        with open(arguments) as handle:
+            return handle.read().split(), summary
+
+    def test_the_slack_table_takes_the_gpu_name_from_the_cuda_probe_when_nvidia_smi_hangs(self):
+        # Goal: the table's GPU identity comes from the header's probe (cuDeviceGetName), which
+        # answered, not from an nvidia-smi that hung: the import gets --gpu h200 and no false
+        # "not a 132-SM preset" NOTE. Before, the name was nvidia-smi's alone: empty, so the
+        # table was named gpu-132sm, which simulate --preset h200 refuses.
+        s = self.stubs
+        s.stub("stub-bin/nvidia-smi", "exec sleep 1000")
+        with open(os.path.join(s.root, "tools/gpu/cuda-attrs.py"), "w") as handle:
+            handle.write("print('device0=NVIDIA H200\\nmultiProcessorCount=132\\n"
+                         "computeCapabilityMajor=9\\ncomputeCapabilityMinor=0')\n")
+        s.write_provenance()  # a carry of this tree, stub probe included
+        words, summary = self.slack_import_arguments("{}")
+        self.assertEqual(words[words.index("--gpu") + 1] if "--gpu" in words else words, "h200", summary)
+        self.assertNotIn("132-SM preset", summary)
+
+    def test_a_failing_nvidia_smis_stdout_never_becomes_the_gpu_name(self):
+        # Goal: nvidia-smi prints its own failure on stdout with a non-zero status ("NVIDIA-SMI
+        # has failed ...", 9): that text is no answer. The name comes from the profile's
+        # provenance where the probe has none, and with no name anywhere the spec is 'gpu'.
+        # Before, the failure text became the name (a spec 'nvidia-smi-has-failed-...-132sm').
+        s = self.stubs
+        s.stub("stub-bin/nvidia-smi", "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver'; exit 9")
+        words, summary = self.slack_import_arguments('{"gpu": "NVIDIA H200", "sm_count": 132}')
+        self.assertEqual(words[words.index("--gpu") + 1] if "--gpu" in words else words, "h200", summary)
+        self.assertNotIn("132-SM preset", summary)
+        words, summary = self.slack_import_arguments('{"sm_count": 132}')
+        self.assertIn("GPU 'gpu' with 132 SMs", summary)
+        self.assertNotIn("has failed", re.search(r"NOTE slack: GPU .*", summary).group(0))
+
     def test_a_deadline_bound_slack_profile_keeps_its_45_s_over_its_budget(self):
         # Goal: the profile's hard limit is its --budget-s plus 45 s (an input length it
         # mispredicted finishes instead of being killed with its minutes spent) in the planned
