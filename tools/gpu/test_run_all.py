@@ -623,6 +623,23 @@ class DevicePlan(unittest.TestCase):
         # The slack profile's margins as run-all.sh applies them (test above).
         self.assertIn("`--budget-s` = that less 45 s", " ".join(runbook.split()))
 
+    def test_the_runbook_sizes_a_partial_finishing_call_from_the_first_calls_times(self):
+        # Goal: slack's floor (the least --plan calls for) only starts the step; the profile's
+        # first input length is not checked against its budget, so a finishing call is sized
+        # from the first call's seconds_per_input_length. The runbook's budget arithmetic is
+        # run-all.sh's: the start and transfers, the 20 s exit, the header, the loop's 15 s, the
+        # 20 s kept for the import and the 45 s hard-limit margin.
+        with open(os.path.join(ROOT, "tools", "gpu", "run-all.sh")) as handle:
+            script = handle.read()
+        constant = lambda name: int(re.search(rf"^{name}=(\d+)", script, re.M).group(1))
+        taken = constant("PLAN_START_MAX_S") + constant("PLAN_TRANSFER_MARGIN_S") + 20 + constant("PLAN_HEADER_S") + 15 + 20 + 45
+        with open(os.path.join(ROOT, "docs", "gio-uring.md")) as handle:
+            runbook = " ".join(handle.read().split())
+        partial = runbook[runbook.index("If `summary.txt` says PARTIAL"):runbook.index("**Afterwards, here:**")]
+        self.assertIn("seconds_per_input_length", partial)
+        self.assertIn(f"N − {taken}", partial)
+        self.assertEqual(self.plan("--left-s", str(taken + 30), "slack")["call"], "yes")  # the floor: a 30 s budget
+
 
 # A cargo for --prepare: each executable it is asked for (--bin, --example, --test) is written
 # under $CARGO_TARGET_DIR/release (as cargo puts them), holding "fresh NAME", and named in a
