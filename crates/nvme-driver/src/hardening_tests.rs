@@ -28,6 +28,27 @@ fn flush() -> SubmissionEntry {
     SubmissionEntry::flush(crate::NamespaceId(1))
 }
 
+/// A depth-8 I/O queue pair on a fake controller that answers no I/O, with `count` flushes
+/// (tags 0..count) submitted and published, and its CQ entries, where the test posts the
+/// completions itself (`post_completion`). The device and controller come back to be kept alive.
+fn hand_posted_flushes(count: u64) -> (Arc<FakeDevice>, Controller, IoQueuePair, crate::hw::DmaRegion) {
+    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    for tag in 0..count {
+        queue.submit_raw(flush(), tag).expect("submit");
+    }
+    queue.ring_doorbell().expect("ring");
+    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
+    (device, controller, queue, ring)
+}
+
+/// Writes a completion of `command_id` reporting SQ head `sq_head` into CQ entry `index` with
+/// phase tag `phase`.
+fn post_completion(ring: &crate::hw::DmaRegion, index: usize, command_id: u16, sq_head: u16, phase: u16) {
+    let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: phase };
+    ring.write(index * 16, &entry.to_bytes()).expect("post");
+}
+
 /// Submits up to `count` flushes tagged from `next_tag` on, stopping at back-pressure; returns
 /// the next tag.
 fn submit_flushes(queue: &mut IoQueuePair, count: usize, mut next_tag: u64) -> u64 {
@@ -276,17 +297,8 @@ fn a_head_far_behind_the_last_one_does_not_read_as_a_lap_forward() {
     // then showed as the head it was judged against. A duplicate of A's completion, posted
     // after A completed, names nothing and so has no window: its head 1 read forward from 7
     // lies within the tail, but it must not move the head either.
-    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
-    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-    for tag in 0..7 {
-        queue.submit_raw(flush(), tag).expect("submit");
-    }
-    queue.ring_doorbell().expect("ring");
-    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
-    let post_in_phase = |index: usize, command_id: u16, sq_head: u16, phase: u16| {
-        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: phase };
-        ring.write(index * 16, &entry.to_bytes()).expect("post");
-    };
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(7);
+    let post_in_phase = |index: usize, command_id: u16, sq_head: u16, phase: u16| post_completion(&ring, index, command_id, sq_head, phase);
     let post = |index: usize, command_id: u16, sq_head: u16| post_in_phase(index, command_id, sq_head, 1);
     for command in 1..7u16 {
         post(usize::from(command) - 1, command, 7);
@@ -325,17 +337,8 @@ fn a_duplicates_old_head_fails_the_pair_when_it_reads_past_the_tail() {
     // forward: the same duplicate is only unexpected and the pair goes on. The kernel rules
     // pin the same two outcomes (rules_check.c: BAD_SQ_HEAD and UNEXPECTED).
     for published_after in [0u64, 6] {
-        let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
-        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-        for tag in 0..3 {
-            queue.submit_raw(flush(), tag).expect("submit");
-        }
-        queue.ring_doorbell().expect("ring");
-        let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
-        let post = |index: usize, command_id: u16, sq_head: u16| {
-            let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
-            ring.write(index * 16, &entry.to_bytes()).expect("post");
-        };
+        let (_device, _controller, mut queue, ring) = hand_posted_flushes(3);
+        let post = |index: usize, command_id: u16, sq_head: u16| post_completion(&ring, index, command_id, sq_head, 1);
         for (index, (command_id, sq_head)) in [(0, 1), (1, 3), (2, 3)].into_iter().enumerate() {
             post(index, command_id, sq_head);
         }
@@ -367,17 +370,8 @@ fn a_head_for_a_command_published_exactly_a_ring_ago_is_exact() {
     // A's head 0 can only be entry 8: the head moves there, and a completion naming nothing
     // with head 7 (behind it) is then impossible. It used to be called ambiguous and the head
     // stayed at 7, so that head passed as unexpected.
-    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
-    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-    for tag in 0..7 {
-        queue.submit_raw(flush(), tag).expect("submit");
-    }
-    queue.ring_doorbell().expect("ring");
-    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
-    let post = |index: usize, command_id: u16, sq_head: u16| {
-        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
-        ring.write(index * 16, &entry.to_bytes()).expect("post");
-    };
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(7);
+    let post = |index: usize, command_id: u16, sq_head: u16| post_completion(&ring, index, command_id, sq_head, 1);
     for command in 1..7u16 {
         post(usize::from(command) - 1, command, 7);
     }
@@ -408,17 +402,8 @@ fn a_completion_short_of_its_commands_entry_leaves_the_head_where_it_was() {
     // 5. The head used to move to 5 before the refusal, so a duplicate of command 1's completion
     // (head 2) then read as an impossible head (InvalidSubmissionQueueHead, head 5) instead of an
     // unexpected completion.
-    let (device, controller) = bring_up(FakeScript { io_unanswered: true, ..FakeScript::default() });
-    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
-    for tag in 0..7 {
-        queue.submit_raw(flush(), tag).expect("submit");
-    }
-    queue.ring_doorbell().expect("ring");
-    let ring = device.pool().translate(queue.completion_iova(), 8 * 16).expect("CQ entries");
-    let post = |index: usize, command_id: u16, sq_head: u16| {
-        let entry = CompletionEntry { dw0: 0, dw1: 0, sq_head, sq_id: 1, command_id, status_and_phase: 1 };
-        ring.write(index * 16, &entry.to_bytes()).expect("post");
-    };
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(7);
+    let post = |index: usize, command_id: u16, sq_head: u16| post_completion(&ring, index, command_id, sq_head, 1);
     post(0, 1, 2);
     let mut delivered = Vec::new();
     assert_eq!(queue.reap(8, |completion| delivered.push(completion.tag)).expect("command 1 completes"), 1);
