@@ -4,67 +4,22 @@ Python too: `Disconnected`, keeping the daemon's code, so that a connector's `co
 
 from __future__ import annotations
 
-import socket
-import struct
-import threading
 import time
 
 import pytest
 
 import tutti
 from conftest import FINGERPRINT
+from error_daemon import ErrorDaemon
 
 FRAME_TIMEOUT = 8  # ErrorCode::FrameTimeout
-ERROR_KIND = 0x80FF
-PROTOCOL_VERSION = 8
-
-
-class EndingDaemon:
-    """Answers the first request of each connection with `code` under request id 0 (the
-    daemon ending the connection), then closes it."""
-
-    def __init__(self, path, code: int):
-        self.code = code
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(16)
-        self.listener.settimeout(0.05)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
-
-    def serve(self):
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            with connection:
-                connection.settimeout(5.0)
-                header = connection.recv(16, socket.MSG_WAITALL)
-                if len(header) < 16:
-                    continue
-                _, _, _, _, body_bytes = struct.unpack("<4sHHII", header)
-                if body_bytes:
-                    connection.recv(body_bytes, socket.MSG_WAITALL)
-                message = b"the rest of a frame: no answer within 2000 ms"
-                body = struct.pack("<HH", self.code, len(message)) + message
-                try:
-                    connection.sendall(struct.pack("<4sHHII", b"TUTD", PROTOCOL_VERSION, ERROR_KIND, 0, len(body)) + body)
-                except OSError:
-                    pass  # the client gave up first: the test's assertions say so
-
-    def stop(self):
-        self.stopping.set()
-        self.thread.join(5.0)
-        self.listener.close()
 
 
 def test_a_connection_the_daemon_ended_is_disconnected_with_its_code(tmp_path):
     # Goal: FrameTimeout under id 0 (tuttid cut a frame and closed) raises Disconnected with the
     # code, not a DaemonError refusal that reads as "the connection is usable" (before, the
     # connector kept the dead client for one more failed call).
-    daemon = EndingDaemon(tmp_path / "ending.sock", FRAME_TIMEOUT)
+    daemon = ErrorDaemon(tmp_path / "ending.sock", FRAME_TIMEOUT, b"the rest of a frame: no answer within 2000 ms", goodbye=True)
     try:
         with pytest.raises(tutti.Error) as raised:
             tutti.Store.attach(str(tmp_path / "ending.sock"), model_fingerprint=FINGERPRINT, keepalive=False, timeout_s=2.0)

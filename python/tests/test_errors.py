@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tutti
+from error_daemon import ErrorDaemon
 from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, open_store, start_daemon, store_prompt, tokens
 
 RAISED: set[type] = set()
@@ -412,53 +413,7 @@ def test_an_attach_refused_busy_is_asked_again_until_its_timeout(small_daemon):
     second.close()
 
 
-class SlowBusyDaemon:
-    """A stand-in for tuttid at `path` that answers every Hello with Busy after `delay_s` (a
-    daemon slow to refuse), then closes the connection."""
-
-    def __init__(self, path, delay_s: float):
-        import socket
-        import threading
-
-        self.delay_s = delay_s
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(str(path))
-        self.listener.listen(16)
-        self.listener.settimeout(0.05)
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self.serve, daemon=True)
-        self.thread.start()
-
-    def serve(self):
-        import socket
-        import struct
-        import time
-
-        while not self.stopping.is_set():
-            try:
-                connection, _ = self.listener.accept()
-            except socket.timeout:
-                continue
-            with connection:
-                connection.settimeout(5.0)
-                header = connection.recv(16, socket.MSG_WAITALL)
-                if len(header) < 16:
-                    continue
-                _, _, _, request_id, body_bytes = struct.unpack("<4sHHII", header)
-                if body_bytes:
-                    connection.recv(body_bytes, socket.MSG_WAITALL)
-                time.sleep(self.delay_s)
-                message = b"every connection is taken"
-                body = struct.pack("<HH", 10, len(message)) + message  # ErrorCode::Busy
-                try:
-                    connection.sendall(struct.pack("<4sHHII", b"TUTD", 8, 0x80FF, request_id, len(body)) + body)
-                except OSError:
-                    continue  # the client gave up at its deadline and closed: what the test expects
-
-    def stop(self):
-        self.stopping.set()
-        self.thread.join(5.0)
-        self.listener.close()
+BUSY = 10  # ErrorCode::Busy
 
 
 def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
@@ -467,7 +422,7 @@ def test_an_attach_asked_again_after_busy_ends_within_its_timeout(tmp_path):
     # whole Hello exchange (about 1.8 s before; the bound, 1.5 s, leaves room for a loaded machine).
     import time
 
-    daemon = SlowBusyDaemon(tmp_path / "busy.sock", 0.9)
+    daemon = ErrorDaemon(tmp_path / "busy.sock", BUSY, b"every connection is taken", delay_s=0.9)
     try:
         started = time.monotonic()
         with pytest.raises(tutti.DaemonError):

@@ -671,6 +671,27 @@ pub(crate) mod tests {
         }
     }
 
+    /// A client whose `Ping` a stand-in daemon answered with an id-0 `Error` of `code`: the ping
+    /// was sent, failed with that code, and left the client broken. The directory holds the
+    /// socket.
+    fn broken_by_a_ping_answered(code: ErrorCode, message: &'static str) -> (tempfile::TempDir, Client) {
+        let directory = tempfile::tempdir().unwrap();
+        let socket = directory.path().join("socket");
+        let listener = UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_one(&listener);
+            let ping = request_id(&stream, Duration::from_secs(5));
+            answer(&stream, 0, &Reply::error(code, message));
+            ping
+        });
+        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+        let pinged = client.ping();
+        assert!(daemon.join().unwrap().is_some(), "the ping was not sent");
+        assert!(matches!(&pinged, Err(DaemonError::Remote { code: answered, .. }) if *answered == code), "{pinged:?}");
+        assert!(client.is_broken());
+        (directory, client)
+    }
+
     /// Goal: a connection the daemon ended with a goodbye (an id-0 `Error` whose code ends the
     /// connection: here `ShuttingDown`, read by a keep-alive `Ping`) keeps that code for every
     /// later call on it: a lookup, a status, a prompt too long for a frame, each fails at once
@@ -680,20 +701,7 @@ pub(crate) mod tests {
     /// (`NotConnected`), and Python's `Disconnected` had code None.
     #[test]
     fn a_goodbye_read_by_a_ping_is_kept_for_every_later_call() {
-        let directory = tempfile::tempdir().unwrap();
-        let socket = directory.path().join("socket");
-        let listener = UnixListener::bind(&socket).unwrap();
-        let daemon = std::thread::spawn(move || {
-            let stream = accept_one(&listener);
-            let ping = request_id(&stream, Duration::from_secs(5));
-            answer(&stream, 0, &Reply::error(ErrorCode::ShuttingDown, "tuttid is stopping for the test"));
-            ping
-        });
-        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
-        let pinged = client.ping();
-        assert!(daemon.join().unwrap().is_some(), "the ping was not sent");
-        assert!(matches!(pinged, Err(DaemonError::Remote { code: ErrorCode::ShuttingDown, .. })), "{pinged:?}");
-        assert!(client.is_broken());
+        let (_directory, mut client) = broken_by_a_ping_answered(ErrorCode::ShuttingDown, "tuttid is stopping for the test");
         let started = Instant::now();
         let long = vec![0u32; 300_000];
         for (what, outcome) in [
@@ -718,20 +726,7 @@ pub(crate) mod tests {
     /// before: later calls fail at once as `Io` (`NotConnected`), with no daemon code.
     #[test]
     fn a_connection_broken_by_no_goodbye_is_out_of_step_without_a_code() {
-        let directory = tempfile::tempdir().unwrap();
-        let socket = directory.path().join("socket");
-        let listener = UnixListener::bind(&socket).unwrap();
-        let daemon = std::thread::spawn(move || {
-            let stream = accept_one(&listener);
-            let ping = request_id(&stream, Duration::from_secs(5));
-            answer(&stream, 0, &Reply::error(ErrorCode::Busy, "busy for the test"));
-            ping
-        });
-        let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
-        let pinged = client.ping();
-        assert!(daemon.join().unwrap().is_some(), "the ping was not sent");
-        assert!(matches!(pinged, Err(DaemonError::Remote { code: ErrorCode::Busy, .. })), "{pinged:?}");
-        assert!(client.is_broken());
+        let (_directory, mut client) = broken_by_a_ping_answered(ErrorCode::Busy, "busy for the test");
         match client.lookup(&[1, 2, 3]) {
             Err(DaemonError::Io { context, source }) => {
                 assert_eq!(source.kind(), std::io::ErrorKind::NotConnected);
