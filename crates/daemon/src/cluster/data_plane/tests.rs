@@ -428,6 +428,32 @@ fn a_holder_that_accepts_and_never_answers_fails_a_fetch_within_the_stall_bound(
     assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0);
 }
 
+/// `asker` fetches the first segment of one prompt from `holder_address`, its daemon draining
+/// (`stopped`) 100 ms in; returns the fetch's outcome and how long it took.
+fn fetch_drained_after_100_ms(
+    asker: &Node,
+    holder_address: std::net::SocketAddr,
+    holder: &str,
+) -> (Result<usize, (usize, FetchError)>, Duration) {
+    let keys = keys(1, 1);
+    let started = Instant::now();
+    let stopped = || started.elapsed() >= Duration::from_millis(100);
+    let deadline = started + Duration::from_secs(10);
+    let fetched = asker.plane.fetch(&asker.store, &space(), &keys, 0..1, holder, holder_address, deadline, &stopped, &mut |_, _, _, _| {});
+    (fetched, started.elapsed())
+}
+
+/// The fetch ended as `Stopped` (not a fault) before any segment was stored.
+fn assert_stopped_before_any_segment(fetched: Result<usize, (usize, FetchError)>) {
+    match fetched {
+        Err((0, error)) => {
+            assert!(matches!(error, FetchError::Stopped), "{error}");
+            assert!(!error.is_fault(), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn the_drain_during_a_read_is_the_fetch_stopped_not_the_holder_closing() {
     // Goal: SIGTERM while the asker waits for a segment's first block (the holder sent the
@@ -449,30 +475,10 @@ fn the_drain_during_a_read_is_the_fetch_stopped_not_the_holder_closing() {
         stream.write_all(&header).unwrap();
         let _ = wait.recv_timeout(Duration::from_secs(30));
     });
-    let keys = keys(1, 1);
-    let started = Instant::now();
-    let stopped = || started.elapsed() >= Duration::from_millis(100);
-    let fetched = asker.plane.fetch(
-        &asker.store,
-        &space(),
-        &keys,
-        0..1,
-        "slow",
-        address,
-        started + Duration::from_secs(10),
-        &stopped,
-        &mut |_, _, _, _| {},
-    );
-    let took = started.elapsed();
+    let (fetched, took) = fetch_drained_after_100_ms(&asker, address, "slow");
     done.send(()).unwrap();
     slow.join().unwrap();
-    match fetched {
-        Err((0, error)) => {
-            assert!(matches!(error, FetchError::Stopped), "{error}");
-            assert!(!error.is_fault(), "{error}");
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_stopped_before_any_segment(fetched);
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
 }
@@ -509,30 +515,10 @@ fn the_drain_during_a_busy_holders_pause_is_the_fetch_stopped_not_the_holder_bus
             }
         }
     });
-    let keys = keys(1, 1);
-    let started = Instant::now();
-    let stopped = || started.elapsed() >= Duration::from_millis(100);
-    let fetched = asker.plane.fetch(
-        &asker.store,
-        &space(),
-        &keys,
-        0..1,
-        "busy",
-        address,
-        started + Duration::from_secs(10),
-        &stopped,
-        &mut |_, _, _, _| {},
-    );
-    let took = started.elapsed();
+    let (fetched, took) = fetch_drained_after_100_ms(&asker, address, "busy");
     done.send(()).unwrap();
     busy.join().unwrap();
-    match fetched {
-        Err((0, error)) => {
-            assert!(matches!(error, FetchError::Stopped), "{error}");
-            assert!(!error.is_fault(), "{error}");
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_stopped_before_any_segment(fetched);
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert_eq!(asker.plane.fetches.load(Ordering::Acquire), 0);
 }
