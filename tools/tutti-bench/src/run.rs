@@ -958,6 +958,21 @@ mod tests {
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO on a vfio: lock made status 2: {error:#}");
     }
 
+    /// Opens the 1 MiB temporary pool `pool` for writing as a run does (prepare_file), noting it
+    /// in `created`; fails the test with `what` if it is refused.
+    fn open_temporary_pool(pool: &TemporaryPool, created: &mut CreatedFiles, what: &str) {
+        let options = OpenOptions2 {
+            writes: true,
+            create_bytes: Some(1 << 20),
+            io_bytes_max: 4096,
+            queues: 1,
+            timing: None,
+            lay_out: false,
+            shadow_doorbells: false,
+        };
+        devices::prepare_file(&DeviceSpec::EmuFile(pool.path.clone()), options, created).expect(what);
+    }
+
     #[test]
     fn the_temporary_pool_is_locked_as_created_and_opened_as_held() {
         // Goal: the run's temporary pool (the default run's, and a run's without --device) is
@@ -975,16 +990,7 @@ mod tests {
             nix::fcntl::Flock::lock(probe, nix::fcntl::FlockArg::LockExclusiveNonblock).is_err(),
             "the temporary pool is not locked before it is opened"
         );
-        let options = OpenOptions2 {
-            writes: true,
-            create_bytes: Some(1 << 20),
-            io_bytes_max: 4096,
-            queues: 1,
-            timing: None,
-            lay_out: false,
-            shadow_doorbells: false,
-        };
-        devices::prepare_file(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created).expect("the run's own pool");
+        open_temporary_pool(&pool, &mut created, "the run's own pool");
         drop(created);
         assert!(!pool.path.exists(), "the temporary pool was left");
     }
@@ -1026,17 +1032,7 @@ mod tests {
         let _other = nix::fcntl::Flock::lock(other, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();
         let mut created = CreatedFiles::default();
         track_pool(&mut pool, &mut created);
-        let options = OpenOptions2 {
-            writes: true,
-            create_bytes: Some(1 << 20),
-            io_bytes_max: 4096,
-            queues: 1,
-            timing: None,
-            lay_out: false,
-            shadow_doorbells: false,
-        };
-        devices::prepare_file(&DeviceSpec::EmuFile(pool.path.clone()), options, &mut created)
-            .expect("the run's own unlocked pool was locked again");
+        open_temporary_pool(&pool, &mut created, "the run's own unlocked pool was locked again");
         drop(created);
         assert!(!pool.path.exists(), "the temporary pool was left");
     }
