@@ -96,6 +96,11 @@ def storage_config(layout: str, extra: dict, **ranks) -> HiCacheStorageConfig:
     )  # fmt: skip
 
 
+def tutti_warnings(caplog) -> list[str]:
+    """The messages of the warnings (or worse) the tutti package logged into `caplog`."""
+    return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING and record.name.startswith("tutti")]
+
+
 def extra_config(pool_file: Path, format_pool: bool, **changes) -> dict:
     config = {
         "backend_name": "tutti",
@@ -499,9 +504,6 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
     keys = page_keys(32, 2)
     later = page_keys(33, 1)
 
-    def log_warnings() -> list[str]:
-        return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING and record.name.startswith("tutti")]
-
     with get_context().override_server_args(model_path=CHECKPOINT):
         context = get_context()
         storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, model_fingerprint="ab" * 32))
@@ -515,7 +517,7 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
                 sglang_flush(pool)
                 for _ in range(3):
                     assert storage.batch_set_v1(later, indices([3])) == [False], "a backup was stored while the overrides log cannot be read"
-            blind = log_warnings()
+            blind = tutti_warnings(caplog)
             assert len(blind) == 1 and "overrides log" in blind[0] and "cannot be read" in blind[0], blind
             caplog.clear()
             context._overrides_log = log
@@ -523,7 +525,7 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
                 assert storage.batch_exists(keys) == 0, "pages stored before the log became unreadable are served once it reads again"
                 for _ in range(3):
                     assert storage.batch_set_v1(later, indices([3])) == [False], "a backup before SGLang's flush was stored"
-            again = log_warnings()
+            again = tutti_warnings(caplog)
             assert len(again) == 1 and "overrides log" in again[0] and "reads again" in again[0], again
             assert "flush" in again[0]
             sglang_flush(pool)
@@ -533,7 +535,7 @@ def test_an_overrides_log_that_becomes_unreadable_is_a_change(tmp_path: Path, ca
             weight_version_change("after-the-blind-spell")
             with caplog.at_level("WARNING"):
                 assert storage.batch_set_v1(keys, indices([1, 2])) == [False, False]
-            assert any("changed its weights" in message for message in log_warnings()), log_warnings()
+            assert any("changed its weights" in message for message in tutti_warnings(caplog)), tutti_warnings(caplog)
         finally:
             storage.close()
 
@@ -549,9 +551,6 @@ def test_a_backup_as_the_log_reads_again_is_not_taken_for_a_weight_change(tmp_pa
     first call into the weight epochs returns."""
     pool = host_pool("page_first")
     keys = page_keys(34, 1)
-
-    def log_warnings() -> list[str]:
-        return [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING and record.name.startswith("tutti")]
 
     with get_context().override_server_args(model_path=CHECKPOINT):
         context = get_context()
@@ -589,7 +588,7 @@ def test_a_backup_as_the_log_reads_again_is_not_taken_for_a_weight_change(tmp_pa
             with caplog.at_level("WARNING"):
                 assert storage.batch_set_v1(keys, indices([1])) == [False], "a backup before SGLang's flush was stored"
             assert calls, "the backup did not ask the weight epochs"
-            changed = [message for message in log_warnings() if "changed its weights" in message]
+            changed = [message for message in tutti_warnings(caplog) if "changed its weights" in message]
             assert not changed, f"calls {calls}: {changed}"
         finally:
             storage.close()
