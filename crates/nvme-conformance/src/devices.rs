@@ -25,9 +25,8 @@ pub type DeviceUnderTest = (Arc<dyn DeviceBackend>, Option<Arc<dyn FaultInjector
 /// start proves nothing) or a regular file that is not empty. The checks write from LBA 0 on
 /// (and across every namespace), so such a device is tested only when `--overwrite` says so. A
 /// missing or empty file holds nothing; memory devices start blank. (tutti-profile's
-/// `holds_prior_data` is stricter, any existing `emu:` file, since its measurement never creates
-/// one empty under a lock as the suite does; tutti-devices' `refuse_foreign_contents` lets a tutti
-/// pool through, which the suite would destroy.)
+/// `holds_prior_data` is stricter: any existing `emu:` file, an empty one too. tutti-devices'
+/// `refuse_foreign_contents` lets a tutti pool through, which the suite would destroy.)
 pub fn prior_data(spec: &DeviceSpec) -> Option<String> {
     let path = match spec {
         DeviceSpec::Vfio(_) => return Some("is an NVMe controller whose namespaces are written without being read first".into()),
