@@ -181,8 +181,8 @@ pub struct Cli {
     /// device or a vfio: SSD whose first MiB is not a tutti pool's, blank included), destroying
     /// it, as `tutti pool format --overwrite` does. Without it such a device is refused, naming
     /// what it holds. Not with --attach: tuttid formats its own pool (`tuttid --format
-    /// --overwrite`).
-    #[arg(long, conflicts_with = "attach")]
+    /// --overwrite`), nor with --keep-pool or --retrieve-only, which never format.
+    #[arg(long, conflicts_with_all = ["attach", "keep_pool", "retrieve_only"])]
     pub overwrite: bool,
 
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a run is refused

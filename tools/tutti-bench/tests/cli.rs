@@ -392,6 +392,9 @@ fn kv_slots_of_one_four_and_sixteen_blocks_move_the_same_bytes() {
         assert_eq!(phases[1]["verified_bytes"], 6 * 32 * 2 * (32 << 10), "{flag}");
     }
     assert_refused(&["--device", "emu:/nonexistent/pool.img", "--keep-pool", "--blocks-per-slot=4"], &["--blocks-per-slot"]);
+    // A kept pool is never formatted, so --overwrite would be ignored without a word: refused.
+    assert_refused(&["--device", "emu:/nonexistent/pool.img", "--keep-pool", "--overwrite"], &["--overwrite"]);
+    assert_refused(&["--device", "emu:/nonexistent/pool.img", "--retrieve-only", "--overwrite"], &["--overwrite"]);
 }
 
 #[test]
