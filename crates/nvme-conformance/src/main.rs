@@ -128,8 +128,12 @@ fn run(arguments: Arguments) -> Result<bool> {
     // device-mapper/MD is refused, and nothing mounts it meanwhile. The lock comes first: only
     // its refusal names the holder.
     let made = FileUndo::create_missing(&arguments.devices, std::iter::empty());
-    let _locks = DeviceLocks::acquire_created(&arguments.devices, &arguments.lock_dir, &made)?;
+    let locks = DeviceLocks::acquire_created(&arguments.devices, &arguments.lock_dir, &made)?;
     let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
+    // Every emu: file exists and is held now: their sizes are recorded, so that a refusal
+    // below shrinks back an existing (empty) file the integrity look grew, as `made` removes
+    // the ones it created. Dropped before `made`, which then removes its own.
+    let grown = FileUndo::create_missing(&arguments.devices, locks.paths());
     // What an emu: file holds is looked at only now, under the lock: before it, a `tutti pool
     // format` could fill a missing or empty file between the look and the lock, and a live
     // daemon's pool would be refused as holding data ("pass --overwrite") rather than as held.
@@ -144,9 +148,10 @@ fn run(arguments: Arguments) -> Result<bool> {
             config.validate_for(&device, faults.as_ref()).with_context(|| format!("device '{spec}'"))?;
         }
     }
-    // Every refusal above (exit 2: nothing was changed) dropped `made`, which removed the files
-    // it created (grown by an opening above included); past them they are the suite's to grow
-    // and test.
+    // Every refusal above (exit 2: nothing was changed) dropped `grown` and `made`, which
+    // shrank back the files found and removed the ones created (grown by an opening above
+    // included); past them they are the suite's to grow and test.
+    grown.keep();
     made.keep();
     let mut all_passed = true;
     for spec in &arguments.devices {

@@ -240,6 +240,17 @@ fn an_integrity_run_past_a_later_devices_namespace_is_refused_before_any_device_
     assert!(stderr.contains("--integrity-mib 32") && stderr.contains("emu:mem:16M"), "{stderr}");
     assert!(stdout.is_empty(), "a device was tested before the refusal: {stdout}");
     assert!(!created, "the refusal left the file it created");
+
+    // An existing empty file holds nothing (no --overwrite needed) and is grown to be looked
+    // at: the refusal shrinks it back to empty rather than leaving it 256 MiB.
+    let empty = scratch_file("integrity-empty", &[]);
+    let first = format!("emu:{}", empty.display());
+    let arguments = ["--device", &first, "--device", "emu:mem:16M", "--filter", "data_integrity", "--integrity-mib", "32"];
+    let output = conformance(&arguments);
+    let length = std::fs::metadata(&empty).map(|metadata| metadata.len());
+    let _ = std::fs::remove_file(&empty);
+    assert_eq!(output.status.code(), Some(2), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(length.ok(), Some(0), "the refusal left the empty file grown (or removed it)");
 }
 
 #[test]
