@@ -235,6 +235,11 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
         holders_once_available(&reader, 50).is_some_and(|holders| holders.is_empty())
     });
     eprintln!("stale registrations deleted {gone:?} after the restart, {:?} after the kill (lease 8 s)", killed.elapsed());
+    // The dead process's lease still lived then (its member key is listed while the new a has
+    // not joined; read in that order): the restart deleted them, not the lease's expiry, which
+    // a slow restart would otherwise let pass for it.
+    let listed = members(&reader);
+    assert!(listed == ["a", "b"] && !a.status().joined, "the old lease ran out first ({listed:?}): the test cannot tell who deleted them");
     let tokens = common::prompt(50, PROMPT_BLOCKS, BLOCK_TOKENS);
     let mut on_b = client_of(&b, "b");
     match on_b.fetch_remote(&tokens) {

@@ -221,8 +221,21 @@ pub fn holders_once_available(reader: &ClusterClient, seed: u32) -> Option<Vec<V
     }
 }
 
+/// The members the registry lists. A registry that is briefly unavailable (an etcd member
+/// restarting, a slow loaded machine) is asked again for up to [`SOON`], as
+/// [`holders_once_available`]'s callers do, rather than failing the test at once.
 pub fn members(reader: &ClusterClient) -> Vec<String> {
-    reader.members().expect("members").nodes.iter().map(|record| record.node.to_string()).collect()
+    let started = Instant::now();
+    loop {
+        match reader.members() {
+            Ok(members) => return members.nodes.iter().map(|record| record.node.to_string()).collect(),
+            Err(error @ tutti_cluster::ClusterError::Unavailable { .. }) if started.elapsed() < SOON => {
+                eprintln!("registry unavailable, asking again: {error}");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(error) => panic!("members: {error}"),
+        }
+    }
 }
 
 /// Polls `condition` every 20 ms for up to `timeout`; the time it took, or a panic naming `what`.
