@@ -12,7 +12,9 @@
 //!   an engine's process (vLLM, SGLang) whose other Rust libraries read `RUST_LOG` for their own
 //!   logging, and one variable for every tutti process keeps the rule the same everywhere.
 //! - A `TUTTI_LOG` that does not parse does not stop the program: the default is used and one
-//!   line on standard error says so.
+//!   line on standard error says so. So is one with a bare word that is not a level
+//!   (`warning`), which `RUST_LOG` syntax would read as a target selecting nothing of tutti's:
+//!   a target alone is written `target=trace`.
 //! - Colours only when standard error is a terminal and `NO_COLOR` is unset.
 //! - Installing never panics: where a subscriber is already installed (a host program's own),
 //!   that one is kept.
@@ -41,14 +43,32 @@ pub fn filter_from(value: Option<&OsStr>) -> (EnvFilter, Option<String>) {
     };
     let complaint = match value.to_str() {
         Some(text) if text.trim().is_empty() => return (EnvFilter::new(DEFAULT_FILTER), None),
-        Some(text) => match EnvFilter::builder().parse(text) {
-            Ok(filter) => return (filter, None),
-            Err(error) => format!("{LOG_ENV}={text:?} is not a valid filter ({error})"),
+        Some(text) => match bare_word_not_a_level(text) {
+            Some(word) => format!(
+                "{LOG_ENV}={text:?}: {word:?} is not a level (off, error, warn, info, debug, trace); a target alone is \
+                 written {word}=trace"
+            ),
+            None => match EnvFilter::builder().parse(text) {
+                Ok(filter) => return (filter, None),
+                Err(error) => format!("{LOG_ENV}={text:?} is not a valid filter ({error})"),
+            },
         },
         None => format!("{LOG_ENV}={value:?} is not valid UTF-8"),
     };
     let complaint = format!("tutti: {complaint}; logging with the default filter, {DEFAULT_FILTER:?}");
     (EnvFilter::new(DEFAULT_FILTER), Some(complaint))
+}
+
+/// The first directive of `text` that is a bare word but not a level, if any. `RUST_LOG`
+/// syntax reads a bare word as a target enabled at every level, so a misspelt level
+/// (`warning`, Python's name, or `verbose`) would parse and select only events of a target by
+/// that name: none of tutti's, every warning silenced (a leak "reported loudly" included),
+/// without a word. Such a word is refused instead; a target alone is spelt `target=trace`.
+fn bare_word_not_a_level(text: &str) -> Option<&str> {
+    text.split(',')
+        .map(str::trim)
+        .filter(|directive| !directive.is_empty() && !directive.contains('=') && !directive.contains('['))
+        .find(|word| word.parse::<tracing_subscriber::filter::LevelFilter>().is_err())
 }
 
 /// Installs the process's subscriber: events selected by [`LOG_ENV`] (default `warn`) to
@@ -92,13 +112,18 @@ mod tests {
         assert_eq!(level(Some("info")), (Some(LevelFilter::INFO), None));
         assert_eq!(level(Some("tutti_daemon=debug")), (Some(LevelFilter::DEBUG), None));
         assert_eq!(level(Some("off")), (Some(LevelFilter::OFF), None));
+        assert_eq!(level(Some("WARN")), (Some(LevelFilter::WARN), None));
+        assert_eq!(level(Some("warn,objstore=trace")), (Some(LevelFilter::TRACE), None));
+        assert_eq!(level(Some("tutti_daemon=trace")), (Some(LevelFilter::TRACE), None));
     }
 
     #[test]
     fn an_invalid_filter_falls_back_to_the_default_and_says_so() {
         // Goal: a typo in TUTTI_LOG neither stops the program nor silences its warnings; one
         // line names the variable, the value and the default used instead.
-        for value in ["tutti=loud", "[unclosed", "=warn"] {
+        // A misspelt level parses in RUST_LOG syntax as a target of that name (every level of
+        // no tutti target: nothing shown): refused as well, with or without other directives.
+        for value in ["tutti=loud", "[unclosed", "=warn", "warning", "WARNING", "verbose", "info,tutti_daemn"] {
             let (hint, complaint) = level(Some(value));
             assert_eq!(hint, Some(LevelFilter::WARN), "{value}");
             let complaint = complaint.unwrap_or_else(|| panic!("{value} was accepted"));
