@@ -3,8 +3,8 @@
 //!
 //! cudarc's loaded functions panic when libcuda or a symbol is missing, so nothing here calls
 //! the driver before [`ensure_driver`] succeeded: every entry point is [`Gpu::open`] (or takes a
-//! [`Gpu`], which only it makes), and calls newer than CUDA 11.0 check the driver's version
-//! first.
+//! [`Gpu`], which only it makes). [`ensure_driver`] refuses a driver older than CUDA 11.0 (the
+//! `_v2` calls below need it), and calls newer than CUDA 11.0 check the driver's version first.
 //!
 //! Contexts: a [`Gpu`] retains its device's primary context; every operation makes it current on
 //! the calling thread first (the daemon's controller threads call in from wherever they run). The
@@ -21,7 +21,7 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use nvme_driver::hw::{CopiedMemory, HwError};
 
-use crate::{check_device_ordinal, format_uuid, CudaIpcError, IPC_HANDLE_BYTES, UUID_BYTES};
+use crate::{check_device_ordinal, check_driver_version, format_uuid, CudaIpcError, IPC_HANDLE_BYTES, UUID_BYTES};
 
 /// The first driver with `CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE`, CUDA 11.3.
 const IPC_CAPABLE_ATTRIBUTE_MIN_DRIVER_VERSION: i32 = 11030;
@@ -50,8 +50,9 @@ pub fn driver_available() -> bool {
     unsafe { sys::is_culib_present() }
 }
 
-/// Loads the driver and runs `cuInit`; the driver's version. Idempotent (cuInit may be called
-/// again).
+/// Loads the driver and runs `cuInit`; the driver's version, refused below CUDA 11.0
+/// ([`CudaIpcError::DriverTooOld`], see `check_driver_version`). Idempotent (cuInit may be
+/// called again).
 fn ensure_driver() -> Result<i32, CudaIpcError> {
     if !driver_available() {
         return Err(CudaIpcError::NoDriver);
@@ -61,7 +62,7 @@ fn ensure_driver() -> Result<i32, CudaIpcError> {
     let mut version = 0i32;
     // SAFETY: `version` is a valid out-pointer for the duration of the call.
     check("cuDriverGetVersion", unsafe { sys::cuDriverGetVersion(&mut version) })?;
-    Ok(version)
+    check_driver_version(version)
 }
 
 /// The context current on the calling thread when saved (none: null), made current again when

@@ -81,6 +81,21 @@ fn check_device_ordinal(pointer: u64, ordinal: i32, uuid: &[u8; UUID_BYTES], fou
     }
 }
 
+/// The oldest driver the crate runs on, CUDA 11.0: the first with the `_v2` entry points it
+/// calls whatever the version (`cuDevicePrimaryCtxRelease_v2`, `cuIpcOpenMemHandle_v2`), and
+/// cudarc panics on a call of a symbol the loaded libcuda lacks.
+const MIN_DRIVER_VERSION: i32 = 11000;
+
+/// `found` (`cuDriverGetVersion`, e.g. 12080 for 12.8) if the crate runs on it, else
+/// [`CudaIpcError::DriverTooOld`]: the driver's first check, before any call it may lack.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn check_driver_version(found: i32) -> Result<i32, CudaIpcError> {
+    if found < MIN_DRIVER_VERSION {
+        return Err(CudaIpcError::DriverTooOld { what: "GPU memory export and import", found, needed: MIN_DRIVER_VERSION });
+    }
+    Ok(found)
+}
+
 /// A UUID as `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (how `nvidia-smi -L` prints it).
 pub fn format_uuid(uuid: &[u8; UUID_BYTES]) -> String {
     let hex: String = uuid.iter().map(|byte| format!("{byte:02x}")).collect();
@@ -115,5 +130,24 @@ mod tests {
         }
         let message = check_device_ordinal(0x1000, 0, &uuid, 3).unwrap_err().to_string();
         assert!(message.contains("device 3") && message.contains("device 0") && message.contains("GPU-11111111"), "{message}");
+    }
+
+    #[test]
+    fn a_driver_older_than_cuda_11_0_is_refused() {
+        // Goal: a driver older than CUDA 11.0 lacks the `_v2` entry points the crate calls
+        // unconditionally (cuDevicePrimaryCtxRelease_v2, cuIpcOpenMemHandle_v2), on which
+        // cudarc panics; it is refused by its version, before any of them, naming both versions.
+        use super::{check_driver_version, CudaIpcError};
+        for found in [10020, 10000, 9020, 0, -1] {
+            match check_driver_version(found) {
+                Err(CudaIpcError::DriverTooOld { found: reported, needed: 11000, .. }) => assert_eq!(reported, found),
+                other => panic!("driver {found}: {other:?}"),
+            }
+        }
+        for found in [11000, 11070, 12080] {
+            assert_eq!(check_driver_version(found).unwrap(), found);
+        }
+        let message = check_driver_version(10020).unwrap_err().to_string();
+        assert!(message.contains("10020") && message.contains("11000"), "{message}");
     }
 }
