@@ -502,9 +502,9 @@ impl Ring {
         entered
     }
 
-    /// Submits queued entries and waits until at least one completion is ready or `deadline`
-    /// passes ([`UringError::Timeout`]). Returns at once (after submitting) when a completion is
-    /// already there or nothing is in flight.
+    /// Submits queued entries (also when `deadline` has passed already) and waits until at
+    /// least one completion is ready or `deadline` passes ([`UringError::Timeout`]). Returns at
+    /// once (after submitting) when a completion is already there or nothing is in flight.
     pub fn wait(&mut self, deadline: Instant) -> Result<(), UringError> {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
@@ -516,6 +516,12 @@ impl Ring {
     /// [`Ring::wait`] without the abandonment check (cancellation runs on abandoned rings).
     fn wait_for_completion(&mut self, deadline: Instant) -> Result<(), UringError> {
         let started = Instant::now();
+        // Queued entries go to the kernel even when the deadline has passed already: the wait
+        // in the kernel below, which submits them too, is never reached then, and they would
+        // stay queued (counted in flight, never started) until some later call.
+        if !self.ring.submission().is_empty() {
+            self.submit_queued()?;
+        }
         // Bounded by the deadline: every pass either returns or sleeps in the kernel until it.
         loop {
             if !self.ring.completion().is_empty() || self.in_flight() == 0 {

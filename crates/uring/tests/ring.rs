@@ -148,6 +148,39 @@ fn a_wait_ends_at_its_deadline_and_the_transfer_can_still_complete() {
 }
 
 #[test]
+fn a_wait_past_its_deadline_still_submits_what_is_queued() {
+    // Goal: Ring::wait submits queued entries even when its deadline has already passed (its
+    // documented promise): a write pushed, then waited on with a deadline in the past, reaches
+    // the kernel and completes, so a later reap (with no submit in between) gets it back.
+    // Before, such a wait returned Timeout with the write still queued, never submitted.
+    if skip() {
+        return;
+    }
+    let file = tempfile::tempfile().unwrap();
+    let mut ring = Ring::new(2).unwrap();
+    let write = Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
+    ring.push(write, patterned(4096, 5), 21).unwrap();
+    let past = Instant::now().checked_sub(Duration::from_millis(1)).unwrap();
+    // A buffered write to a file often completes during the submit itself: then the wait finds
+    // its completion and returns at once; otherwise the deadline is over.
+    match ring.wait(past) {
+        Ok(()) | Err(UringError::Timeout { in_flight: 1, .. }) => {}
+        Err(error) => panic!("a wait past its deadline: {error}"),
+    }
+    let mut completions = Vec::new();
+    // Bounded: reaped, or the check below fails after 5 s.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while completions.is_empty() && Instant::now() < deadline {
+        ring.reap(|completion| completions.push(completion)).unwrap();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(completions.len(), 1, "the write was never submitted");
+    assert_eq!(completions[0].tag, 21);
+    completions[0].check().unwrap();
+    assert_eq!(file.metadata().unwrap().len(), 4096);
+}
+
+#[test]
 fn a_batch_larger_than_the_ring_runs_every_job() {
     // Goal: run_batch keeps at most the ring's capacity in flight and finishes every job.
     if skip() {
