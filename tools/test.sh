@@ -8,6 +8,8 @@
 #               (cargo test --doc: --all-targets leaves them out)
 #   lint        rust-version checked (tools/check-msrv.sh), the engine cache's pruning
 #               (tools/lib/prune-test.sh), the package-repair helper (tools/lib/dpkg-test.sh),
+#               the benchmark scripts (tools/bench-scripts-test.sh) and the python, engines and
+#               cuda stages' scripts with stand-ins (tools/stage-scripts-test.sh),
 #               cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
@@ -507,6 +509,7 @@ stage_lint() {
     # that every package declares it and that no locked dependency needs a newer compiler.
     # tools/lib/prune-test.sh: the cache pruning engine-env.sh does (no build, a second).
     ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 180 tools/bench-scripts-test.sh &&
+        bounded 180 tools/stage-scripts-test.sh &&
         timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
         timeout -k 30 300 cargo fmt --all -- --check
 }

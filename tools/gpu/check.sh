@@ -20,6 +20,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
+# shellcheck source=tools/lib/process.sh
+. tools/lib/process.sh
 TARGET=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 WHEELS="$ROOT/.tools/cuda-wheels-13.2.86/nvidia/cu13"
 OUT="$ROOT/target/gpu-check"
@@ -86,7 +88,16 @@ grep -q '^python: PASS' "$OUT/python-rehearsal/summary.txt"
 echo "gpu-check: python step rehearsed with the stand-in: $OUT/python-rehearsal"
 prefill_python=""
 engine_python=""
-engine_env=$(timeout 600 tools/python/engine-env.sh vllm --existing 2>/dev/null | tail -n 1) && engine_python="$engine_env/bin/python"
+# Bounded, and stopped by Ctrl-C (interruptible_timeout: a bare `timeout` is a process group of
+# its own, which the terminal's SIGINT misses).
+# An interrupt ends the command substitution with 130 (143, 129), which `&&` would take for
+# "no environment": passed on as the script's status instead.
+status=0
+engine_env=$(interruptible_timeout 600 tools/python/engine-env.sh vllm --existing 2>/dev/null | tail -n 1) || status=$?
+case $status in
+  0) engine_python="$engine_env/bin/python" ;;
+  129 | 130 | 143) exit "$status" ;;
+esac
 for candidate in "${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$engine_python" \
   "${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}"/engines/vllm-*/bin/python; do
   if [[ -n "$candidate" && -x "$candidate" ]] && "$candidate" -c "import torch, transformers" 2>/dev/null; then

@@ -12,12 +12,16 @@
 #    and runs that engine's tests (python/tests-engines/test_ENGINE_*.py: every file named after
 #    it; a test_*.py named after neither engine fails the stage) with the environment's
 #    interpreter.
-# Every step is bounded by `timeout`.
+# Every step is bounded by `timeout`, through interruptible_timeout (tools/lib/process.sh): run
+# alone, Ctrl-C stops the step and the script (130), which a bare `timeout` (a process group of
+# its own) would not let it reach.
 #
 # usage: tools/python/engine-test.sh [vllm] [sglang]   (default: both)
 #        ENGINE_TEST_LIST=1 tools/python/engine-test.sh   (prints the files each engine would run)
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
+# shellcheck source=tools/lib/process.sh
+. tools/lib/process.sh
 target_dir=$(realpath -m "${CARGO_TARGET_DIR:-target}") # cargo's, as cargo resolves it from here
 
 engines=("$@")
@@ -61,7 +65,7 @@ if [ ! -x tools/python/wheel.sh ] || [ ! -f python/requirements-test.txt ]; then
     echo "engine-test.sh: the python stage's wheel builder (tools/python/wheel.sh, python/requirements-test.txt) is missing" >&2
     exit 1
 fi
-timeout 1800 tools/python/wheel.sh > /dev/null
+interruptible_timeout 1800 tools/python/wheel.sh > /dev/null
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 # A copy taken under wheel.sh's lock: another build in this clone may replace the wheel while
@@ -71,23 +75,23 @@ trap 'rm -rf "$scratch"' EXIT
     cp target/wheels/tutti-*-abi3-*.whl "$scratch/"
 ) 8>target/wheel.lock
 wheel=$(ls "$scratch"/tutti-*-abi3-*.whl)
-timeout 1800 cargo build --locked -p tuttid --bin tuttid
+interruptible_timeout 1800 cargo build --locked -p tuttid --bin tuttid
 export TUTTI_TUTTID="$target_dir/debug/tuttid"
 
 for engine in "${engines[@]}"; do
     tests=(python/tests-engines/test_"$engine"_*.py)
-    env_dir=$(timeout 3600 tools/python/engine-env.sh "$engine" | tail -n 1)
+    env_dir=$(interruptible_timeout 3600 tools/python/engine-env.sh "$engine" | tail -n 1)
     python="$env_dir/bin/python"
     # pytest comes with the environment (engine-env.sh installs it at the python stage's pin,
     # under its lock): nothing is installed into the shared environment here.
     site="$scratch/$engine-site"
-    timeout 300 "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" "$wheel"
+    interruptible_timeout 300 "$python" -m pip install --quiet --disable-pip-version-check --no-deps --target "$site" "$wheel"
     # What the tests import is the wheel just installed, with the engine of the environment.
-    (cd / && PYTHONPATH="$site" timeout 300 "$python" -c "
+    (cd / && PYTHONPATH="$site" interruptible_timeout 300 "$python" -c "
 import sys, tutti, tutti.$engine
 assert tutti.__file__.startswith('$site/'), tutti.__file__
 print('engine-test.sh: $engine: tutti from', tutti.__file__, file=sys.stderr)
 ")
     echo "engine-test.sh: $engine tests in $env_dir" >&2
-    PYTHONPATH="$site" timeout 2400 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}"
+    PYTHONPATH="$site" interruptible_timeout 2400 "$python" -m pytest -q -p no:cacheprovider "${tests[@]}"
 done

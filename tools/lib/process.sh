@@ -1,0 +1,72 @@
+# shellcheck shell=bash
+# tools/lib/process.sh — bounded steps that Ctrl-C still stops, and a look at a session's
+# processes (tools/python/core-test.sh, tools/python/engine-test.sh, tools/gpu/check.sh, and the
+# tests of scripts: tools/bench-scripts-test.sh, tools/stage-scripts-test.sh). Sourced, not run;
+# defines functions only.
+#
+#   interruptible_timeout SECONDS COMMAND [ARG...]
+#       `timeout -k 30 SECONDS COMMAND ARG...`, whose status it returns (124 or 137 when the
+#       limit expired), except that SIGINT, SIGTERM or SIGHUP to the calling shell stops COMMAND
+#       (TERM to timeout, which passes it to its process group and KILLs the group 30 s later)
+#       and then ends the calling shell with 130, 143 or 129 (its EXIT trap runs). COMMAND keeps
+#       the caller's standard input. The caller's own INT, TERM and HUP traps are put back after.
+#   session_pids SID
+#       prints the pids (one a line) of the processes of session SID; fails, saying so, when
+#       /proc cannot be read (a check that nothing is left must not pass without looking).
+#
+# Why interruptible_timeout: GNU timeout puts itself and COMMAND in a process group of their
+# own, so the terminal's Ctrl-C (SIGINT to the foreground group, the script's) never reaches
+# COMMAND; bash, waiting in the foreground for a child that did not die of the signal, takes it
+# for handled and goes on to the next step. Run in the background, the wait is interruptible
+# and the trap passes the signal on (as tools/vm/lib.sh's QEMU boot and tools/compare-lmcache.sh's
+# rounds do). Background commands of a shell without job control start with SIGINT ignored:
+# only the trap answers it.
+
+interruptible_timeout() {
+    local limit=$1 status saved
+    shift
+    saved=$(trap -p INT TERM HUP)
+    _interrupted='' _timeout_pid=''
+    # Trapped before timeout starts, so that no signal finds it started and untrapped.
+    trap '_interrupted=INT; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' INT
+    trap '_interrupted=TERM; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' TERM
+    trap '_interrupted=HUP; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' HUP
+    # <&0: a background command's standard input would otherwise be /dev/null.
+    timeout -k 30 "$limit" "$@" <&0 &
+    _timeout_pid=$!
+    [ -z "$_interrupted" ] || kill -TERM "$_timeout_pid" 2> /dev/null
+    # A trapped signal ends the wait early: waited for again until timeout itself has ended
+    # (within its -k 30 after the TERM).
+    while :; do
+        status=0
+        wait "$_timeout_pid" || status=$?
+        kill -0 "$_timeout_pid" 2> /dev/null || break
+    done
+    _timeout_pid=
+    trap - INT TERM HUP
+    eval "$saved"
+    case $_interrupted in
+        # `|| :`: after a hangup standard error may be the hung-up terminal (EIO).
+        INT) echo "$0: interrupted (SIGINT): '$1' stopped" >&2 || :; exit 130 ;;
+        TERM) echo "$0: interrupted (SIGTERM): '$1' stopped" >&2 || :; exit 143 ;;
+        HUP) echo "$0: interrupted (SIGHUP): '$1' stopped" >&2 || :; exit 129 ;;
+    esac
+    return "$status"
+}
+
+# /proc, not pgrep: procps is not on every fresh machine. Field 6 of stat is the session (the
+# fields after the command, which may hold spaces and parentheses, start at field 3).
+session_pids() {
+    local sid=$1 stat line fields
+    if ! read -r line 2> /dev/null < /proc/self/stat; then
+        echo "$0: cannot read /proc: cannot tell which processes session $sid has" >&2
+        return 1
+    fi
+    for stat in /proc/[0-9]*/stat; do
+        read -r line 2> /dev/null < "$stat" || continue
+        read -r -a fields <<< "${line##*") "}"
+        [ "${fields[3]:-}" = "$sid" ] || continue
+        stat=${stat#/proc/}
+        echo "${stat%/stat}"
+    done
+}

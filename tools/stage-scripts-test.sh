@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# shellcheck disable=SC2016 # (file-wide) the stand-ins' bodies are literal, expanded when they run
+# tools/stage-scripts-test.sh — checks of the scripts tools/test.sh's python, engines and cuda
+# stages run (tools/python/core-test.sh, tools/python/engine-test.sh, tools/gpu/check.sh), in
+# seconds, with stand-ins: each script is copied into a scratch tree whose wheel builder,
+# engine environments, nvcc, cargo and run-all.sh are stand-ins, so nothing is built, installed
+# or measured (tools/test.sh's lint stage runs it; alone: `tools/stage-scripts-test.sh`, no root):
+# 1. Ctrl-C (SIGINT to the script's process group, under setsid as at a terminal) while a step
+#    under timeout runs (a process group of its own, which the terminal's SIGINT misses) stops
+#    the step and ends the script with 130 within seconds, nothing of it left running: the
+#    wheel build (inside a command substitution), the venv's python, the engine environment
+#    (tools/lib/process.sh's interruptible_timeout); SIGTERM likewise with 143;
+set -uo pipefail
+HERE=$(dirname "$(readlink -f "$0")")
+# shellcheck source=tools/lib/process.sh
+. "$HERE/lib/process.sh"
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+failures=0
+check() {
+    local what=$1 expected=$2 got=$3
+    if [ "$got" = "$expected" ]; then
+        echo "stage-scripts-test: ok: $what" >&2
+    else
+        echo "stage-scripts-test: FAILED: $what: expected $expected, got $got" >&2
+        failures=$((failures + 1))
+    fi
+}
+
+# The scratch tree: the scripts under test and what they source, copied; everything they call,
+# a stand-in. A stand-in that hangs (STAND_IN_HANG names it) runs `sleep 60` in its place.
+repo=$WORK/repo
+mkdir -p "$repo/tools/python" "$repo/tools/gpu" "$repo/tools/lib" "$repo/python/tests-engines" "$repo/target/wheels" \
+    "$WORK/bin" "$repo/.tools/cuda-wheels-13.2.86/nvidia/cu13/bin" "$WORK/venv/bin"
+cp "$HERE/python/core-test.sh" "$HERE/python/engine-test.sh" "$repo/tools/python/"
+cp "$HERE/gpu/check.sh" "$repo/tools/gpu/"
+cp "$HERE/lib/process.sh" "$repo/tools/lib/"
+touch "$repo/python/requirements-test.txt" "$repo/python/tests-engines/test_vllm_stand_in.py" \
+    "$repo/python/tests-engines/test_sglang_stand_in.py" "$repo/target/wheels/tutti-0.0.0-cp39-abi3-linux_x86_64.whl"
+stand_in() { # NAME PATH BODY: a bash script at PATH running BODY, or sleep 60 if STAND_IN_HANG=NAME
+    printf '#!/usr/bin/env bash\n[ "${STAND_IN_HANG:-}" != %s ] || exec sleep 60\n%s\n' "$1" "$3" > "$2"
+    chmod +x "$2"
+}
+stand_in wheel "$repo/tools/python/wheel.sh" "echo $WORK/venv"
+stand_in python "$WORK/venv/bin/python" 'exit 0'
+stand_in python "$WORK/bin/python" 'exit 0'
+stand_in cargo "$WORK/bin/cargo" 'exit 0'
+# engine-env.sh: no pinned environment (--existing finds none).
+stand_in engine-env "$repo/tools/python/engine-env.sh" 'exit 1'
+# run-all.sh: every step passes; the prefill step's JSON holds one consistent row.
+stand_in run-all "$repo/tools/gpu/run-all.sh" 'mkdir -p "$OUT" && echo "$1: PASS" > "$OUT/summary.txt"
+echo "{\"results\": [{\"host_wait_ms\": 0, \"exposed_io_ms\": 1, \"tutti_ttft_ms\": 3, \"resident_ttft_ms\": 2}]}" > "$OUT/prefill-ttft.json"'
+# nvcc: the "program" it writes answers --json-self-test with one case measured, one not.
+stand_in nvcc "$repo/.tools/cuda-wheels-13.2.86/nvidia/cu13/bin/nvcc" \
+    'while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+printf "#!/bin/sh\necho %s > \"\$2\"\n" "'"'"'{\"cases\": [{\"tflops\": 1.0}, {\"error\": \"x\", \"tflops\": null, \"slowdown_percent\": null}]}'"'"'" > "$out"
+chmod +x "$out"'
+printf 'import unittest\n\nclass StandIn(unittest.TestCase):\n    def test_nothing(self):\n        pass\n' > "$repo/tools/gpu/test_stand_in.py"
+
+# sitting SCRIPT ERR ENV...: SCRIPT in the background as the leader of a session (and process
+# group) of its own, as at a terminal; its pid, the session's id, in $sitting. SIGINT as at a
+# terminal too: this shell starts background jobs with it ignored, and bash cannot trap a signal
+# ignored when it starts.
+sitting() {
+    local script=$1 err=$2
+    shift 2
+    setsid env --default-signal=INT PATH="$WORK/bin:$PATH" "$@" "$script" > /dev/null 2> "$err" &
+    sitting=$!
+}
+# sitting_ends BOUND_S: $ended, the sitting's exit status once it ends within BOUND_S seconds, or
+# "running"; then $left, whatever is left in its session (the step's own process group
+# included; "unknown" when /proc cannot be read), which is killed.
+sitting_ends() {
+    local tenths
+    for ((tenths = 0; tenths < $1 * 10; tenths++)); do
+        kill -0 "$sitting" 2> /dev/null || break
+        sleep 0.1
+    done
+    ended=running
+    if ! kill -0 "$sitting" 2> /dev/null; then
+        wait "$sitting"
+        ended=$?
+    fi
+    left=$(session_pids "$sitting" | tr '\n' ' ') || left=unknown
+    # shellcheck disable=SC2086 # the pids are words
+    [ -z "$left" ] || [ "$left" = unknown ] || kill -KILL $left 2> /dev/null
+    [ "$ended" != running ] || wait "$sitting" 2> /dev/null
+}
+# hanging_step: waits (up to 10 s) until the stand-in's sleep runs in the sitting's session, and
+# one second more.
+hanging_step() {
+    local tenths pid
+    for ((tenths = 0; tenths < 100; tenths++)); do
+        for pid in $(session_pids "$sitting"); do
+            [ "$(cat "/proc/$pid/comm" 2> /dev/null)" != sleep ] || break 2
+        done
+        sleep 0.1
+    done
+    sleep 1
+}
+
+# 1. Interrupted steps.
+interrupt() { # WHAT SIGNAL CODE SCRIPT ENV...: the script stopped by SIGNAL to its group while a step hangs
+    local what=$1 signal=$2 code=$3
+    shift 3
+    sitting "$@"
+    hanging_step
+    kill -"$signal" -- "-$sitting"
+    sitting_ends 10
+    check "$what: SIG$signal (to its process group) in a hanging step: exit $code within 10 s (the step's stand-in sleeps 60 s)" "$code" "$ended"
+    check "$what: SIG$signal: nothing left of it running" "" "$left"
+}
+interrupt "core-test.sh, the wheel build" INT 130 "$repo/tools/python/core-test.sh" "$WORK/core-wheel.err" STAND_IN_HANG=wheel
+interrupt "core-test.sh, the fresh venv" INT 130 "$repo/tools/python/core-test.sh" "$WORK/core-venv.err" \
+    STAND_IN_HANG=python TUTTI_PYTHON="$WORK/bin/python"
+interrupt "core-test.sh, the fresh venv" TERM 143 "$repo/tools/python/core-test.sh" "$WORK/core-term.err" \
+    STAND_IN_HANG=python TUTTI_PYTHON="$WORK/bin/python"
+check "core-test.sh: the interrupt is said" 1 "$(grep -c 'interrupted (SIGINT)' "$WORK/core-venv.err")"
+interrupt "engine-test.sh, the wheel build" INT 130 "$repo/tools/python/engine-test.sh" "$WORK/engine-wheel.err" STAND_IN_HANG=wheel
+interrupt "engine-test.sh, the engine environment" INT 130 "$repo/tools/python/engine-test.sh" "$WORK/engine-env.err" \
+    STAND_IN_HANG=engine-env
+interrupt "gpu/check.sh, the vLLM environment" INT 130 "$repo/tools/gpu/check.sh" "$WORK/check-env.err" STAND_IN_HANG=engine-env
+
+if [ "$failures" -gt 0 ]; then
+    echo "stage-scripts-test: $failures check(s) failed" >&2
+    exit 1
+fi
+echo "stage-scripts-test: all checks passed" >&2
