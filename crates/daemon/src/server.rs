@@ -262,6 +262,9 @@ struct SessionRecord {
     /// Store-path holdings, counted (the holdings themselves live with the connection).
     registrations: u32,
     queue_pairs: u32,
+    /// Requests prepared and not committed or released. Once the session ended (retiring or
+    /// kept for good) its count as it ended: reservations it still holds though its connection
+    /// no longer counts, which a `Hello` is admitted against (`connection::reservations_refusal`).
     requests_in_flight: u32,
     /// The relay's counters of the session's relayed pairs (set when it attaches queues).
     relay: Vec<Arc<PairCounters>>,

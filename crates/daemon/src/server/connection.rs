@@ -1,6 +1,7 @@
 //! One client connection: its credentials, then request frames until it closes, its lease runs
 //! out, it breaks the protocol or the server stops; its session is released on every path out.
 
+use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read};
 use std::net::Shutdown;
 use std::os::fd::{AsFd, OwnedFd};
@@ -20,7 +21,7 @@ use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, K
 use crate::session::{Holdings, Released};
 use crate::DaemonError;
 
-use super::{lock, mark_kept, status, SessionRecord, Shared};
+use super::{lock, mark_kept, status, ServerConfig, SessionRecord, Shared};
 
 /// One connection's life: credentials, then frames until it closes, its lease runs out, it
 /// breaks the protocol, or the server stops. Its session is released on every path out, a
@@ -95,6 +96,11 @@ impl Drop for Ended<'_> {
         }
         let _uncount = Uncount(&self.shared.connections);
         let Some(session) = self.connection.session.take() else { return };
+        // The reservations it ends with, exact (a handler that panicked did not mirror them):
+        // a session that keeps them (retiring, kept for good) is counted by them at `Hello`.
+        if let Some(record) = lock(&self.shared.sessions).get_mut(&session) {
+            record.requests_in_flight = self.connection.holdings.requests_in_flight();
+        }
         if std::thread::panicking() {
             // A panic after the handler's (caught) one: in the wait for the client's exit, or
             // in deciding whether to wait. Whether the client still rings its queues is not
@@ -109,6 +115,44 @@ impl Drop for Ended<'_> {
             release_session(self.shared, session, &mut self.connection.holdings);
         }
     }
+}
+
+/// Refuses a `Hello` whose session could not be given `--requests-per-session` reservations.
+/// The pool's table holds `clients_max` × that many (sized in `Server::bind_prepared`), and a
+/// session is promised its whole share from `Hello` on. An ended session that keeps its
+/// reservations (retiring: its queue pairs' deletion not confirmed yet, so they may still write
+/// the slots; or kept for good) no longer counts as a connection, so without this a session
+/// admitted in its place would find the table short and its prepares refused `LimitReached`,
+/// for good where a kept session holds them. Counted under the sessions lock: live sessions
+/// (awaiting their client's exit included) at their whole share, ended ones at what they hold.
+/// `Busy` (retry shortly: the Python package asks again on a new connection) when the retiring
+/// sessions' reservations are what is missing, as an attach is for their queue ids;
+/// `LimitReached` when sessions kept for good hold them (until the daemon restarts).
+fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, config: &ServerConfig) -> Option<Reply> {
+    let share = config.session_limits.requests_max;
+    let table = config.clients_max.saturating_mul(share);
+    let (mut promised, mut retiring, mut kept) = (0usize, 0usize, 0usize);
+    for record in sessions.values() {
+        let held = record.requests_in_flight as usize;
+        match (record.kept, record.retiring) {
+            (true, _) => kept += held,
+            (false, true) => retiring += held,
+            (false, false) => promised += share,
+        }
+    }
+    if promised.saturating_add(retiring).saturating_add(kept).saturating_add(share) <= table {
+        return None;
+    }
+    let held = format!(
+        "{retiring} of the daemon's {table} request reservations are held by ended sessions whose queue pairs' deletion is not \
+         confirmed yet and {kept} by sessions kept for good (queue pairs not known deleted); {promised} are promised to live \
+         sessions, and a new session needs {share} (--requests-per-session)"
+    );
+    Some(if promised.saturating_add(kept).saturating_add(share) <= table {
+        Reply::error(ErrorCode::Busy, format!("{held}: retry shortly"))
+    } else {
+        Reply::error(ErrorCode::LimitReached, format!("{held}: held until the daemon restarts"))
+    })
 }
 
 /// Whether a connection's error is its client closing the socket: an end of file in the middle
@@ -503,6 +547,9 @@ impl Connection {
                             ErrorCode::LimitReached,
                             format!("{} sessions are listed ({kept} of them kept for good: queue pairs not known deleted)", sessions.len()),
                         );
+                    }
+                    if let Some(refusal) = reservations_refusal(&sessions, &shared.config) {
+                        return refusal;
                     }
                     sessions.insert(session, record);
                 }

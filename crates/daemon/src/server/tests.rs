@@ -58,6 +58,11 @@ impl InProcess {
     /// As [`InProcess::start`] (4 clients, shared register page), the controller's admin
     /// timeout `admin_timeout` (a late admin completion's tests); with its software controller.
     fn start_with_admin_timeout(admin_timeout: Duration) -> (InProcess, Arc<nvme_emu::EmuDevice>) {
+        InProcess::start_configured(admin_timeout, |_| {})
+    }
+
+    /// [`InProcess::start_with_admin_timeout`], its configuration then changed by `configure`.
+    fn start_configured(admin_timeout: Duration, configure: impl FnOnce(&mut ServerConfig)) -> (InProcess, Arc<nvme_emu::EmuDevice>) {
         let directory = tempfile::tempdir().unwrap();
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
         let opened = pool(directory.path(), false);
@@ -66,6 +71,7 @@ impl InProcess {
         let socket = directory.path().join("tuttid.sock");
         let mut config = ServerConfig::new(socket.clone());
         config.clients_max = 4;
+        configure(&mut config);
         let server = Server::bind(config, opened).expect("bind");
         let stop = server.stop_handle();
         let (sender, served) = mpsc::channel();
@@ -529,6 +535,114 @@ fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout(
     }
     assert_eq!(emulator.stats().faults_injected, 2, "the Delete I/O SQ and the retry's Delete I/O CQ were late");
     assert!(slowest < admin_timeout * 3 / 4, "a status query waited {slowest:?} (the admin timeout is {admin_timeout:?})");
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+/// One client, two requests each: what the reservation admission tests serve with.
+fn one_client_of_two_requests(config: &mut ServerConfig) {
+    config.clients_max = 1;
+    config.session_limits.requests_max = 2;
+}
+
+/// Stores prepared by a session holding both its requests (`one_client_of_two_requests`), on a
+/// window of 8 blocks.
+fn prepare_two_stores(store: &mut RemoteKvStore) {
+    for (first_token, block_ids) in [(0u32, [0, 1, 2, 3]), (1000, [4, 5, 6, 7])] {
+        let tokens: Vec<u32> = (first_token..first_token + 64).collect();
+        store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &block_ids }).expect("prepare_store");
+    }
+}
+
+/// A `Hello` as `name` on a connection of its own, asked again while the daemon's one normal
+/// place is still taken (the status queries' connections, ending): what the daemon answers
+/// once it is not that.
+fn hello_past_the_place(daemon: &InProcess, name: &str) -> Result<crate::protocol::HelloReply, DaemonError> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let answered = daemon.client().hello(&hello(name));
+        match &answered {
+            Err(DaemonError::Remote { code: ErrorCode::Busy, message }) if message.contains("maximum number of connections") => {
+                assert!(Instant::now() < deadline, "the place stayed taken: {message}");
+                thread::sleep(Duration::from_millis(20));
+            }
+            _ => return answered,
+        }
+    }
+}
+
+#[test]
+fn a_hello_is_told_to_retry_while_a_retiring_session_holds_the_reservations_it_needs() {
+    // Goal: an ended session whose queue pairs' deletion is not confirmed yet keeps its
+    // reservations (the pairs may still write their slots) but no longer its connection. With
+    // one client of two requests, a session admitted meanwhile could not prepare its second
+    // request, and its first would be refused as `LimitReached` (the table of clients × requests
+    // full). Its `Hello` is answered `Busy` until the retiring session gives them back; then
+    // the next session gets both its requests. The Delete I/O SQ completes 3 s late.
+    let admin_timeout = Duration::from_millis(50);
+    let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    prepare_two_stores(&mut first);
+    let session = first.hello_reply().session;
+    let late = nvme_emu::FaultAction::Delay(60 * admin_timeout);
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(first);
+    daemon.status_once("the session was not listed retiring with its requests", |status| {
+        status.clients.iter().any(|client| client.session == session && client.retiring && client.requests_in_flight == 2)
+    });
+    match hello_past_the_place(&daemon, "next") {
+        Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
+            assert!(message.contains("not confirmed"), "{message}");
+        }
+        other => panic!("a Hello while the retiring session holds the reservations: {other:?}"),
+    }
+    assert!(
+        daemon.client().status().unwrap().clients.iter().any(|client| client.session == session),
+        "the retiring session left before the refusal was checked (the late Delete came early)"
+    );
+    // Asked again, it is admitted once the retiring session is released, with both requests.
+    let deadline = Instant::now() + WAIT;
+    let mut next = loop {
+        match RemoteKvStore::connect(&daemon.socket, &hello("next"), &config) {
+            Ok(store) => break store,
+            Err(error) => assert!(Instant::now() < deadline, "attach: {error}"),
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    prepare_two_stores(&mut next);
+    drop(next);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_hello_is_refused_while_sessions_kept_for_good_hold_the_reservations_it_needs() {
+    // Goal: a session kept for good (its Delete I/O SQ refused by the controller) keeps its
+    // reservations for the daemon's life. With one client of two requests, both held so, no
+    // later session could prepare any request: its `Hello` is refused up front as
+    // `LimitReached`, saying why, instead of being admitted to fail every prepare.
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), one_client_of_two_requests);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    prepare_two_stores(&mut first);
+    let session = first.hello_reply().session;
+    let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
+    let rule = nvme_emu::FaultRule::on_nth_admin(
+        1,
+        nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue,
+        nvme_emu::FaultAction::Status(status),
+    );
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(first);
+    daemon.status_once("the session was not kept with its requests", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept && client.requests_in_flight == 2)
+    });
+    match hello_past_the_place(&daemon, "next") {
+        Err(DaemonError::Remote { code: ErrorCode::LimitReached, message }) => {
+            assert!(message.contains("kept for good"), "{message}");
+        }
+        other => panic!("a Hello while a kept session holds the reservations: {other:?}"),
+    }
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
