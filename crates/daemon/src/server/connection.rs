@@ -241,8 +241,9 @@ impl Connection {
     /// would free their queue ids for the next client while this one may still write their
     /// doorbells (a client does not see its session end until it next talks to the daemon),
     /// and its doorbells would then reach the next client's queue. Kept, they reach only its
-    /// own pairs, which move only its own window and the slots it still holds. The wait takes
-    /// one of the daemon's `--clients-max` connections, as the client did. The socket is shut
+    /// own pairs, restricted to its own memory and the pool's data LBAs (its honest commands
+    /// only to the slots it still holds, not reused meanwhile). The wait takes one of the
+    /// daemon's `--clients-max` connections, as the client did. The socket is shut
     /// for writing (the client reads the end after the daemon's last answer); what the client
     /// still sends is read and dropped.
     fn await_peer_exit(&self, shared: &Shared, session: u64, stream: &mut UnixStream) {
