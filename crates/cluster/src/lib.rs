@@ -14,7 +14,8 @@
 //! take one T in all: `members` (its pages share it), `member`, `update_record`; `register`,
 //! `unregister`, `forget` and `lookup` one T per `txn_ops_max` segments (a lookup chunk re-read
 //! in smaller pieces shares its T). The compound ones are bounded by their requests: `join`
-//! ≤ 3 T, `rejoin` ≤ 4 T, `leave` and dropping a node ≤ T + 1 s (the runtime's shutdown),
+//! ≤ 3 T (4 T when it fails with its new lease unrevoked: tried once more as it returns),
+//! `rejoin` ≤ 4 T, `leave` and dropping a node ≤ T + 1 s (the runtime's shutdown),
 //! `status` ≤ [`STATUS_REQUEST_TIMEOUTS`] × T in all.
 
 //!

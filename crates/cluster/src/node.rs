@@ -55,6 +55,8 @@ pub struct LeaseHealth {
 /// What [`ClusterNode::rejoin`] did with the old lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejoined {
+    /// The node's last lease: the one it held, or the one a failed rejoin granted and could
+    /// not revoke after its member transaction's answer was lost.
     pub old_lease_id: i64,
     /// False when its revoke failed: it and its entries live until it expires.
     pub old_lease_revoked: bool,
@@ -70,7 +72,8 @@ struct KeepAlive {
 /// vanish at once; a node that dies without dropping it vanishes when the lease expires.
 ///
 /// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
-/// the new lease when that fails); `rejoin` ≤ 4 T (the old lease's revoke, then a join);
+/// the new lease when that fails; 4 T when the transaction's answer was lost and that revoke
+/// failed: the lease may hold the member key, and the dropped node revokes it once more); `rejoin` ≤ 4 T (the old lease's revoke, then a join);
 /// `leave` or drop ≤ T + 1 s (2 T + 1 s after a rejoin whose revoke of the old lease failed:
 /// that lease is revoked too); `register` and `unregister` T per `txn_ops_max` segments;
 /// `update_record` T.
@@ -84,6 +87,16 @@ pub struct ClusterNode {
     /// rejoin that failed leaves no keep-alive, so `shut_down` would revoke nothing without
     /// it; the latest such lease is kept (an earlier one was left unrenewed a rejoin before).
     unrevoked: Option<i64>,
+    /// A lease a failed `establish` granted whose member transaction may have been applied
+    /// (its answer was lost) and whose revoke failed: it may hold the member key, and nothing
+    /// renews it. It is made the node's lease too, so the next rejoin revokes it as the old one
+    /// (a join under another lease found the key taken by it, blamed on another process, for
+    /// up to a TTL); `shut_down` revokes it.
+    orphaned: Option<i64>,
+    /// Tests only: called after the member transaction was applied, whose answer is then taken
+    /// as lost (`Unavailable`), as a member that stalls right after applying it would make it.
+    #[cfg(test)]
+    lose_member_answer: Option<Box<dyn FnMut() + Send + Sync>>,
 }
 
 impl ClusterNode {
@@ -91,7 +104,8 @@ impl ClusterNode {
     /// live lease holds ([`ClusterError::NodeIdTaken`]: after a crash, the restarted node waits
     /// for the old lease to expire). Then starts the keep-alive. At most three requests of one
     /// request timeout each: the grant, the member transaction, and the new lease's revoke
-    /// when the transaction fails.
+    /// when the transaction fails — and one more when that revoke fails after a transaction
+    /// whose answer was lost (the lease may hold the member key: revoked as the node is dropped).
     pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
         // The lease's settings too: `connect` checks only what a client without a lease uses.
         config.validate()?;
@@ -105,7 +119,16 @@ impl ClusterNode {
             renewed_at_ms: AtomicU64::new(0),
             origin: Instant::now(),
         });
-        let mut node = ClusterNode { client, record, lease, keep_alive: None, unrevoked: None };
+        let mut node = ClusterNode {
+            client,
+            record,
+            lease,
+            keep_alive: None,
+            unrevoked: None,
+            orphaned: None,
+            #[cfg(test)]
+            lose_member_answer: None,
+        };
         node.establish()?;
         Ok(node)
     }
@@ -127,10 +150,27 @@ impl ClusterNode {
                 .or_else([TxnOp::get(key.clone(), None)]);
             async move { client.txn(transaction).await }
         });
+        #[cfg(test)]
+        let answer = match (answer, self.lose_member_answer.as_mut()) {
+            (Ok(_), Some(lose)) => {
+                lose();
+                Err(ClusterError::Unavailable {
+                    operation: "register the member",
+                    waited: Duration::ZERO,
+                    last_error: "lost (test)".into(),
+                })
+            }
+            (answer, _) => answer,
+        };
         let answer = match answer {
             Ok(answer) => answer,
             Err(error) => {
-                let _ = self.revoke(lease_id);
+                // The transaction may have been applied with its answer lost: the new lease may
+                // hold the member key.
+                if !self.revoke(lease_id) {
+                    self.lease.lease_id.store(lease_id, Ordering::Relaxed);
+                    self.orphaned = Some(lease_id);
+                }
                 return Err(error);
             }
         };
@@ -142,6 +182,8 @@ impl ClusterNode {
                 _ => None,
             });
             if holder.as_ref().map(|(holder_lease, _)| *holder_lease) != Some(lease_id) {
+                // The put was not applied, so nothing is under the new lease: a failed revoke
+                // leaves an empty lease to expire.
                 let _ = self.revoke(lease_id);
                 return Err(self.taken_by(key, holder));
             }
@@ -243,6 +285,9 @@ impl ClusterNode {
             // A retry after a rejoin that failed: its lease is gone now.
             self.unrevoked = None;
         }
+        // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
+        // unrevoked.
+        self.orphaned = None;
         self.establish()?;
         Ok(Rejoined { old_lease_id, old_lease_revoked })
     }
@@ -258,6 +303,11 @@ impl ClusterNode {
         if self.keep_alive.is_some() {
             self.stop_keep_alive();
             let _ = self.revoke(lease_id);
+        }
+        // After a join or rejoin that failed leaving its new lease unrevoked (never with a
+        // keep-alive: one revoke either way).
+        if let Some(orphaned) = self.orphaned.take() {
+            let _ = self.revoke(orphaned);
         }
         // After a rejoin whose revoke failed (and, when the rejoin failed too, the node's
         // only lease): revoked now rather than left listed until it expires.
@@ -732,5 +782,89 @@ mod tests {
         assert!(watch_before_first_renewal(Duration::from_secs(1), request_timeout), "exactly one attempt's room");
         assert!(!watch_before_first_renewal(Duration::from_millis(999), request_timeout));
         assert!(!watch_before_first_renewal(Duration::ZERO, request_timeout), "the renewal is due at once");
+    }
+}
+
+#[cfg(test)]
+mod lease_orphan_tests {
+    use super::*;
+    use crate::local_etcd::LocalEtcd;
+    use crate::names::ClusterId;
+    use crate::segments::SegmentBlocks;
+    use std::sync::Mutex;
+
+    /// The lease etcd holds `node`'s member key under (0: none), read through `client`.
+    fn member_key_lease(client: &ClusterClient, node: &NodeId) -> i64 {
+        let key = client.layout.member_key(node);
+        let answer = client
+            .connection
+            .call_kv("read the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.get(key, None).await }
+            })
+            .unwrap();
+        answer.kvs().first().map_or(0, |entry| entry.lease())
+    }
+
+    /// etcd's TTL left on `lease_id`: −1 for a lease it does not know.
+    fn ttl_left(client: &ClusterClient, lease_id: i64) -> i64 {
+        client
+            .connection
+            .call_lease("lease time to live", |mut lease| async move { lease.time_to_live(lease_id, None).await })
+            .unwrap()
+            .ttl()
+    }
+
+    /// A rejoin whose member transaction was applied, its answer lost (the member crashed right
+    /// after) and its new lease's revoke failed (etcd down): once etcd is back the member key
+    /// is under that lease, which nothing renews.
+    fn rejoin_orphaning_a_lease(node: &mut ClusterNode, etcd: &Arc<Mutex<LocalEtcd>>) -> i64 {
+        let crashed = etcd.clone();
+        node.lose_member_answer = Some(Box::new(move || crashed.lock().unwrap().kill(0).unwrap()));
+        let failed = node.rejoin();
+        node.lose_member_answer = None;
+        etcd.lock().unwrap().restart(0).unwrap();
+        assert!(matches!(failed, Err(ClusterError::Unavailable { .. })), "{:?}", failed.map(|_| ()));
+        let orphan = member_key_lease(&node.client, &node.record.node);
+        let ttl = ttl_left(&node.client, orphan);
+        assert!(orphan != 0 && ttl > 0, "the member key is under a live lease: lease {orphan:#x}, TTL {ttl}");
+        orphan
+    }
+
+    #[test]
+    fn a_lease_a_failed_join_could_not_revoke_is_revoked_by_the_next_rejoin_and_by_the_drop() {
+        // Goal: a member transaction applied with its answer lost, then the new lease's revoke
+        // failing, left the member key under a lease nobody renewed or tracked: the next rejoin
+        // answered NodeIdTaken (blaming another process) for up to a TTL, and dropping the node
+        // revoked nothing. Now that lease is the node's: the next rejoin revokes it (as its old
+        // lease) and joins, and a drop revokes it.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let endpoints = etcd.endpoints();
+        let etcd = Arc::new(Mutex::new(etcd));
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new("orphan").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config.clone(), record.clone()).unwrap();
+
+        let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
+        let rejoined = node.rejoin().expect("the rejoin after revokes the orphaned lease");
+        assert_eq!(rejoined, Rejoined { old_lease_id: orphan, old_lease_revoked: true });
+        assert_eq!(ttl_left(&node.client, orphan), -1, "the orphaned lease is gone");
+        let lease_id = node.health().lease_id;
+        assert_eq!(member_key_lease(&node.client, &record.node), lease_id);
+        assert!(!node.health().lost);
+
+        let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
+        let reader = ClusterClient::connect(config).unwrap();
+        drop(node);
+        assert_eq!(ttl_left(&reader, orphan), -1, "the drop revoked the orphaned lease");
+        assert_eq!(member_key_lease(&reader, &record.node), 0, "the member key went with it");
     }
 }
