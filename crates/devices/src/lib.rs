@@ -42,7 +42,10 @@ pub use contents::{read_namespace_head, refuse_foreign_contents, refuse_foreign_
 pub use duration::parse_duration;
 pub use lock::{DeviceLocks, DEFAULT_LOCK_DIR};
 pub use memory::{check_memory, check_memory_with, mem_available_bytes, memory_reserve_bytes, memory_shortfall, MemoryShortfall};
-pub use open::{check_one_space, open_in_one_space, open_pool_devices, refuse_shared_files, OpenedDevice, PoolDevice};
+pub use open::{
+    check_one_space, open_in_one_space, open_pool_devices, refuse_shared_files, refuse_shared_files_with, BlockDeviceLayout, DiskExtent,
+    OpenedDevice, PoolDevice,
+};
 pub use size::{format_size, format_size_exact, parse_size};
 pub use spec::{DeviceKind, DeviceSpec};
 pub use timing::parse_timing;
@@ -76,11 +79,10 @@ pub enum DeviceError {
     MissingFile { spec: String },
     #[error("{spec}: the file is empty (0 bytes), so it holds no namespace (was it truncated?)")]
     EmptyFile { spec: String },
-    #[error(
-        "{first} and {second} name the same file: two software controllers on one file would overwrite each other's data; \
-         give each file once"
-    )]
-    DuplicateFile { first: String, second: String },
+    /// Two specs naming one file or, `overlap` saying where, two block devices sharing bytes of
+    /// one disk (a whole disk and one of its partitions, two overlapping partitions).
+    #[error("{first} and {second} {}", duplicate_file_reason(overlap.as_deref()))]
+    DuplicateFile { first: String, second: String, overlap: Option<String> },
     #[error(
         "{spec}: {} is {kind}, not a regular file or a device: a pool device must be one (opening it could wait \
          without end, as for a FIFO's writer)",
@@ -139,6 +141,17 @@ impl DeviceError {
             DeviceError::OpenFailed { source, .. } => is_unusable_errno(source),
             _ => false,
         }
+    }
+}
+
+/// The rest of [`DeviceError::DuplicateFile`]'s message.
+fn duplicate_file_reason(overlap: Option<&str>) -> String {
+    match overlap {
+        None => "name the same file: two software controllers on one file would overwrite each other's data; give each file once".into(),
+        Some(overlap) => format!(
+            "overlap on one disk ({overlap}): two software controllers on the same sectors would overwrite each other's data; \
+             give a disk or partitions of it, not both, and partitions that do not overlap"
+        ),
     }
 }
 

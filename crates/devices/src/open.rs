@@ -12,6 +12,7 @@ use nvme_driver::hw::VfioDevice;
 use nvme_driver::{Controller, ControllerConfig, DeviceBackend, DmaPool};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 
+use crate::claim::HostBlockDevices;
 use crate::memory::check_memory;
 use crate::spec::{DeviceKind, DeviceSpec};
 use crate::DeviceError;
@@ -162,14 +163,78 @@ enum FileIdentity {
 }
 
 /// `None` where it cannot be told (a path ending in `..`, a directory that cannot be reached,
-/// a file that cannot be looked at): opening it fails on its own, with the path.
-fn file_identity(path: &Path) -> Option<FileIdentity> {
+/// a file that cannot be looked at): opening it fails on its own, with the path. Block devices
+/// are told by `layout`.
+fn file_identity(path: &Path, layout: &dyn BlockDeviceLayout) -> Option<FileIdentity> {
+    if let Some(rdev) = layout.block_device_number(path) {
+        return Some(FileIdentity::BlockDevice { rdev });
+    }
     match std::fs::metadata(path) {
-        Ok(metadata) if metadata.file_type().is_block_device() => Some(FileIdentity::BlockDevice { rdev: metadata.rdev() }),
         Ok(metadata) => Some(FileIdentity::Inode { dev: metadata.dev(), ino: metadata.ino() }),
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => to_create(path),
         Err(_) => None,
     }
+}
+
+/// The bytes of a disk that a block device covers: the whole disk, or one partition of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskExtent {
+    /// The whole disk's device number (`st_rdev`; the device's own for a whole disk).
+    pub disk: u64,
+    pub start_bytes: u64,
+    pub len_bytes: u64,
+}
+
+impl DiskExtent {
+    /// Whether the two share a byte of one disk.
+    fn overlaps(&self, other: &DiskExtent) -> bool {
+        self.disk == other.disk
+            && self.start_bytes < other.start_bytes.saturating_add(other.len_bytes)
+            && other.start_bytes < self.start_bytes.saturating_add(self.len_bytes)
+    }
+}
+
+/// What [`refuse_shared_files_with`] asks of the system about block devices, so that tests can
+/// answer for the kernel and sysfs.
+pub trait BlockDeviceLayout {
+    /// The device number of the block device `path` names (following symbolic links); `None`
+    /// for anything else, or where it cannot be looked at.
+    fn block_device_number(&self, path: &Path) -> Option<u64>;
+    /// Where block device `rdev` lies on its disk; `None` where that cannot be told, and then
+    /// it is compared with others by device number only.
+    fn disk_extent(&self, rdev: u64) -> Option<DiskExtent>;
+}
+
+/// Bytes per sector in sysfs's `size` and `start`, whatever the device's own block size.
+const SYSFS_SECTOR_BYTES: u64 = 512;
+
+impl BlockDeviceLayout for HostBlockDevices {
+    fn block_device_number(&self, path: &Path) -> Option<u64> {
+        let metadata = std::fs::metadata(path).ok()?;
+        metadata.file_type().is_block_device().then(|| metadata.rdev())
+    }
+
+    /// From `/sys/dev/block/MAJ:MIN`: a partition has a `partition` file, `start` and `size`
+    /// (512-byte sectors), and is a directory of its disk's, whose `dev` names the disk; a
+    /// whole disk covers its `size` from 0.
+    fn disk_extent(&self, rdev: u64) -> Option<DiskExtent> {
+        let directory = std::fs::canonicalize(format!("/sys/dev/block/{}:{}", nix::libc::major(rdev), nix::libc::minor(rdev))).ok()?;
+        let bytes = |name: &str| -> Option<u64> {
+            std::fs::read_to_string(directory.join(name)).ok()?.trim().parse::<u64>().ok()?.checked_mul(SYSFS_SECTOR_BYTES)
+        };
+        let len_bytes = bytes("size")?;
+        if !directory.join("partition").exists() {
+            return Some(DiskExtent { disk: rdev, start_bytes: 0, len_bytes });
+        }
+        let disk = parse_device_number(&std::fs::read_to_string(directory.parent()?.join("dev")).ok()?)?;
+        Some(DiskExtent { disk, start_bytes: bytes("start")?, len_bytes })
+    }
+}
+
+/// A sysfs `dev` file's `MAJ:MIN` as a device number.
+fn parse_device_number(text: &str) -> Option<u64> {
+    let (major, minor) = text.trim().split_once(':')?;
+    Some(nix::libc::makedev(major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// Most symbolic links followed to find where a file to be created will be: the kernel's own
@@ -211,12 +276,20 @@ fn parent_directory(path: &Path) -> &Path {
 
 /// Refuses two specs naming one file ([`DeviceError::DuplicateFile`], naming both): `emu:`
 /// files (two software controllers on one file) and `uring:` files (tutti-bench's kernel
-/// path), in any mix; and two `vfio:` specs of one PCI function
+/// path), in any mix, block devices among them also when they share bytes of one disk (a whole
+/// disk and one of its partitions, two overlapping partitions; told from sysfs, and by device
+/// number alone where sysfs cannot be read); and two `vfio:` specs of one PCI function
 /// ([`DeviceError::DuplicateFunction`]; addresses compare parsed, so however spelled).
 /// [`open_in_one_space`] and [`crate::DeviceLocks::acquire`] check their own sets (the second
-/// lock on one file would otherwise be refused as held by another process); a tool that opens
-/// its devices one by one calls this first.
+/// lock on one file would otherwise be refused as held by another process, the exclusive claim
+/// of a disk's partition as in use by another program); a tool that opens its devices one by
+/// one calls this first.
 pub fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
+    refuse_shared_files_with(specs, &HostBlockDevices)
+}
+
+/// [`refuse_shared_files`] with block devices told by `layout`.
+pub fn refuse_shared_files_with(specs: &[DeviceSpec], layout: &dyn BlockDeviceLayout) -> Result<(), DeviceError> {
     let functions = specs.iter().filter_map(|spec| match spec {
         DeviceSpec::Vfio(address) => Some((address, spec)),
         _ => None,
@@ -228,14 +301,36 @@ pub fn refuse_shared_files(specs: &[DeviceSpec]) -> Result<(), DeviceError> {
         }
         seen_functions.push((address, spec));
     }
-    let mut seen: Vec<(FileIdentity, &DeviceSpec)> = Vec::with_capacity(specs.len());
+    let mut seen: Vec<(FileIdentity, Option<DiskExtent>, &DeviceSpec)> = Vec::with_capacity(specs.len());
     for spec in specs {
         let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { continue };
-        let Some(identity) = file_identity(path) else { continue };
-        if let Some((_, first)) = seen.iter().find(|(earlier, _)| *earlier == identity) {
-            return Err(DeviceError::DuplicateFile { first: first.to_string(), second: spec.to_string() });
+        let Some(identity) = file_identity(path, layout) else { continue };
+        let extent = match identity {
+            FileIdentity::BlockDevice { rdev } => layout.disk_extent(rdev),
+            _ => None,
+        };
+        for (earlier, earlier_extent, first) in &seen {
+            if *earlier == identity {
+                return Err(DeviceError::DuplicateFile { first: first.to_string(), second: spec.to_string(), overlap: None });
+            }
+            // Two device numbers of one disk (the disk and a partition, two partitions): the
+            // same sectors unless their ranges are apart. The exclusive claim taken later would
+            // refuse the second as in use by "another program".
+            if let (Some(a), Some(b)) = (earlier_extent, extent) {
+                if a.overlaps(&b) {
+                    let (major, minor) = (nix::libc::major(a.disk), nix::libc::minor(a.disk));
+                    let overlap = format!(
+                        "disk {major}:{minor}, bytes {}..{} and {}..{}",
+                        a.start_bytes,
+                        a.start_bytes.saturating_add(a.len_bytes),
+                        b.start_bytes,
+                        b.start_bytes.saturating_add(b.len_bytes)
+                    );
+                    return Err(DeviceError::DuplicateFile { first: first.to_string(), second: spec.to_string(), overlap: Some(overlap) });
+                }
+            }
         }
-        seen.push((identity, spec));
+        seen.push((identity, extent, spec));
     }
     Ok(())
 }
@@ -324,7 +419,8 @@ mod tests {
         assert!(!directory.path().join("q.img").exists(), "refused before the file was created");
         // A relative file to be created, with and without `./`, is one file too.
         let missing = std::path::Path::new("tutti-devices-test-no-such-file.img");
-        assert!(file_identity(missing).is_some() && file_identity(missing) == file_identity(&std::path::Path::new(".").join(missing)));
+        let identity = |path: &std::path::Path| file_identity(path, &HostBlockDevices);
+        assert!(identity(missing).is_some() && identity(missing) == identity(&std::path::Path::new(".").join(missing)));
         // uring: files count too (tutti-bench's kernel path), also mixed with emu: ones.
         let kernel = parse(&format!("uring:{dir}/p.img"));
         assert!(matches!(
@@ -358,11 +454,94 @@ mod tests {
         }
         // A symlink loop cannot be told apart (opening it fails on its own); it is not a panic.
         std::os::unix::fs::symlink("loop.img", directory.path().join("loop.img")).unwrap();
-        assert_eq!(file_identity(&directory.path().join("loop.img")), None);
+        assert_eq!(file_identity(&directory.path().join("loop.img"), &HostBlockDevices), None);
         // A dangling link to a different file is a different file.
         let specs = [parse(&format!("emu:{dir}/link.img")), parse(&format!("emu:{dir}/other.img"))];
         assert_eq!(open_in_one_space(&specs, &creating).unwrap().len(), 2);
         assert!(directory.path().join("target.img").exists(), "created through the link");
+    }
+
+    /// Answers for the kernel and sysfs: each path is a block device with a device number and,
+    /// unless `None` (sysfs unreadable), a place on its disk.
+    struct FakeLayout(Vec<(&'static str, u64, Option<DiskExtent>)>);
+
+    impl BlockDeviceLayout for FakeLayout {
+        fn block_device_number(&self, path: &Path) -> Option<u64> {
+            self.0.iter().find(|(name, ..)| Path::new(name) == path).map(|(_, rdev, _)| *rdev)
+        }
+
+        fn disk_extent(&self, rdev: u64) -> Option<DiskExtent> {
+            self.0.iter().find(|(_, number, _)| *number == rdev).and_then(|(.., extent)| *extent)
+        }
+    }
+
+    #[test]
+    fn a_disk_and_its_partition_or_overlapping_partitions_are_refused_naming_both() {
+        // Goal: two block devices sharing bytes of one disk (a whole disk and one of its
+        // partitions, two overlapping partitions) are two software controllers over the same
+        // sectors: refused before anything is claimed, naming both specs (the exclusive claim
+        // would otherwise blame "another program"). Partitions that do not overlap, or the same
+        // range on two disks, are distinct; where sysfs cannot say, device numbers decide.
+        const MIB: u64 = 1 << 20;
+        let disk = nix::libc::makedev(259, 0);
+        let other_disk = nix::libc::makedev(259, 4);
+        let extent = |disk, start_bytes, len_bytes| Some(DiskExtent { disk, start_bytes, len_bytes });
+        let layout = FakeLayout(vec![
+            ("/dev/nvme0n1", disk, extent(disk, 0, 1024 * MIB)),
+            ("/dev/nvme0n1p1", nix::libc::makedev(259, 1), extent(disk, MIB, 500 * MIB)),
+            ("/dev/nvme0n1p2", nix::libc::makedev(259, 2), extent(disk, 501 * MIB, 500 * MIB)),
+            ("/dev/nvme0n1p3", nix::libc::makedev(259, 3), extent(disk, 400 * MIB, 200 * MIB)),
+            ("/dev/nvme1n1p1", nix::libc::makedev(259, 5), extent(other_disk, MIB, 500 * MIB)),
+            ("/dev/unknown", nix::libc::makedev(8, 0), None),
+            ("/dev/unknown-part", nix::libc::makedev(8, 1), None),
+        ]);
+        for (first, second) in [
+            ("emu:/dev/nvme0n1", "emu:/dev/nvme0n1p1"),
+            ("emu:/dev/nvme0n1p2", "emu:/dev/nvme0n1"),
+            ("emu:/dev/nvme0n1p1", "uring:/dev/nvme0n1p3"),
+            ("emu:/dev/nvme0n1p3", "emu:/dev/nvme0n1p2"),
+        ] {
+            let specs = [parse(first), parse("emu:mem:8m"), parse(second)];
+            let error = refuse_shared_files_with(&specs, &layout).unwrap_err();
+            assert!(matches!(&error, DeviceError::DuplicateFile { first: a, second: b, .. } if a == first && b == second), "{error}");
+            let message = error.to_string();
+            assert!(message.starts_with(&format!("{first} and {second} overlap on one disk")), "{message}");
+        }
+        for (first, second) in [
+            ("emu:/dev/nvme0n1p1", "emu:/dev/nvme0n1p2"),
+            ("emu:/dev/nvme0n1p1", "emu:/dev/nvme1n1p1"),
+            ("emu:/dev/unknown", "emu:/dev/unknown-part"),
+        ] {
+            assert!(refuse_shared_files_with(&[parse(first), parse(second)], &layout).is_ok(), "{first} {second}");
+        }
+        // One device twice is still the same file, with or without sysfs.
+        for spec in ["emu:/dev/nvme0n1p1", "emu:/dev/unknown"] {
+            let error = refuse_shared_files_with(&[parse(spec), parse(spec)], &layout).unwrap_err().to_string();
+            assert!(error.starts_with(&format!("{spec} and {spec} name the same file")), "{error}");
+        }
+    }
+
+    #[test]
+    fn sysfs_places_this_hosts_block_devices_on_their_disks() {
+        // Goal: the host's answer read from /sys/dev/block: a whole disk is its own disk from
+        // byte 0, a partition lies within its parent disk. Checks what this host has (nothing
+        // where sysfs shows no block devices); the device number parse on its own.
+        assert_eq!(parse_device_number("259:3\n"), Some(nix::libc::makedev(259, 3)));
+        assert_eq!(parse_device_number("259"), None);
+        assert_eq!(parse_device_number("a:b"), None);
+        let Ok(entries) = std::fs::read_dir("/sys/dev/block") else { return };
+        for entry in entries.flatten() {
+            let Some(rdev) = entry.file_name().to_str().and_then(parse_device_number) else { continue };
+            let Some(extent) = HostBlockDevices.disk_extent(rdev) else { continue };
+            if extent.disk == rdev {
+                assert_eq!(extent.start_bytes, 0, "{entry:?}");
+            } else {
+                let disk = HostBlockDevices.disk_extent(extent.disk).unwrap();
+                assert_eq!(disk.disk, extent.disk, "{entry:?}");
+                assert!(extent.start_bytes + extent.len_bytes <= disk.len_bytes, "{entry:?}: {extent:?} beyond {disk:?}");
+                assert!(extent.overlaps(&disk), "{entry:?}");
+            }
+        }
     }
 
     #[test]
