@@ -30,6 +30,10 @@ pub enum RuntimeError {
     },
     #[error("{call} out of order: {reason}")]
     OutOfOrder { call: &'static str, reason: String },
+    /// `begin_prefill` was given an engine block it may not read into or write from (see
+    /// `Runtime::releasable`, or one named twice). Nothing was prepared or changed.
+    #[error("begin_prefill: engine block {block} (block_ids[{position}]) {reason}; the request was not begun")]
+    BlockRefused { block: u32, position: usize, reason: &'static str },
     #[error("{call}: request {request} is finished or was never begun (the active one is {active:?})")]
     StaleRequest { call: &'static str, request: u64, active: Option<u64> },
     /// `cause` names the bound passed: "the block limit", "the store limit", or "the object

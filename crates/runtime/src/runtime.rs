@@ -311,7 +311,9 @@ impl<E: Executor> Runtime<E> {
     /// Begins a request's prefill. `request.tokens` is the whole prompt, `request.block_ids` the
     /// engine blocks of its full blocks in order. The runtime looks up the cached prefix, prepares
     /// its retrieve into the leading engine blocks and the store of the rest (blocks cached or
-    /// being stored elsewhere are shared, not written twice). Nothing is issued yet.
+    /// being stored elsewhere are shared, not written twice). Nothing is issued yet. The blocks it
+    /// reads into or stores from must be [`Runtime::releasable`] and distinct: otherwise
+    /// `BlockRefused`, and nothing is prepared.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -333,6 +335,12 @@ impl<E: Executor> Runtime<E> {
             // stored (a prefix is what later lookups can hit), the rest are not; the cached prefix
             // is read as usual.
             incoming = limit_blocks;
+        }
+        // Before anything is prepared: a block the device may still move (a queued store's
+        // source, a retiring request's, a lost read's target) or named twice would take stale or
+        // another block's bytes into the new KV, or commit them under this request's keys.
+        if let Some((position, block, reason)) = self.writes.refuse_unusable(&request.block_ids[..hit + incoming]) {
+            return Err(RuntimeError::BlockRefused { block, position, reason });
         }
         // A fully cached prompt has no store but its retrieve still needs a request slot: room
         // is made for it too (before, only for new blocks, and with the queue and the retiring

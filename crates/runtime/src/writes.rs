@@ -63,6 +63,9 @@ pub(crate) struct WriteQueue {
     /// naming it (each time a list names it: at most the entries of every list, so a `usize`
     /// never saturates; a `u16` did at 65,535 duplicates and released the block early).
     holds: Vec<usize>,
+    /// Per engine block, marked while `refuse_unusable` looks for a block named twice; all clear
+    /// between calls (kept to avoid an allocation per request).
+    named: Vec<bool>,
     /// Sum of `engine_blocks.len()` over `stores`.
     pub queued_blocks: usize,
     /// Block lists of finished stores, reused (no allocation per request once warm).
@@ -82,6 +85,7 @@ impl WriteQueue {
             stores: VecDeque::with_capacity(stores_max),
             retiring: Vec::with_capacity(stores_max + 1),
             holds: vec![0; engine_blocks as usize],
+            named: vec![false; engine_blocks as usize],
             queued_blocks: 0,
             spare_lists: Vec::with_capacity(stores_max),
             granted_us: 0.0,
@@ -199,6 +203,35 @@ impl WriteQueue {
     /// hold nothing of ours.
     pub fn releasable(&self, block: u32) -> bool {
         self.holds.get(block as usize).is_none_or(|&hold| hold == 0)
+    }
+
+    /// The first of `blocks` (a new request's retrieve targets and store sources) that it may
+    /// not use, its position and why: one still held (a queued store's source, a retiring
+    /// request's, the running retrieve's target: the device may still move its bytes, and
+    /// data read into it or written from it would be another request's), or one named twice
+    /// (two blocks' KV cannot share it: a read into it would overwrite the other block, a store
+    /// from it would commit one block's KV under another's key). Blocks outside the
+    /// registration are left to the object store's prepare, which refuses them.
+    pub fn refuse_unusable(&mut self, blocks: &[u32]) -> Option<(usize, u32, &'static str)> {
+        let mut refused = None;
+        for (position, &block) in blocks.iter().enumerate() {
+            if !self.releasable(block) {
+                refused = Some((position, block, "is still held (not releasable): the device may still move its bytes"));
+                break;
+            }
+            let Some(named) = self.named.get_mut(block as usize) else { continue };
+            if *named {
+                refused = Some((position, block, "is named twice: two blocks' KV cannot share one engine block"));
+                break;
+            }
+            *named = true;
+        }
+        for &block in blocks {
+            if let Some(named) = self.named.get_mut(block as usize) {
+                *named = false;
+            }
+        }
+        refused
     }
 
     pub fn index_of(&self, request: u64) -> Option<usize> {

@@ -398,3 +398,35 @@ fn a_forced_store_whose_write_fails_is_not_counted_forced() {
     stack.runtime.drain().unwrap();
     assert_eq!(stack.runtime.lookup(&second), 4);
 }
+
+/// Goal: one engine block named for two blocks of a request (a retrieve target and a store
+/// source, or two store sources) is refused before anything is prepared: a read into it would
+/// overwrite the source, or one block's KV would be committed under another's key. Before, the
+/// object store refused duplicates only within a retrieve, and both were accepted.
+#[test]
+fn an_engine_block_named_twice_in_a_request_is_refused() {
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    let cases: [(Vec<u32>, Vec<u32>, u32, usize); 2] = [
+        // Four cached blocks read into 10..14, and 10 again as the fifth block's source.
+        (prompt(0, 1), vec![10, 11, 12, 13, 10, 15], 10, 4),
+        // The system prompt read into 20, 21; 22 the source of both new blocks.
+        (prompt(1, 0), vec![20, 21, 22, 22], 22, 3),
+    ];
+    for (tokens, blocks, block, position) in cases {
+        let before = stack.runtime.counters();
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks });
+        match refused {
+            Err(RuntimeError::BlockRefused { block: b, position: p, .. }) => assert_eq!((b, p), (block, position)),
+            other => panic!("expected BlockRefused for block {block}, got {other:?}"),
+        }
+        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+        assert_eq!(stack.runtime.queued_stores(), 0, "nothing was prepared");
+        assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)));
+    }
+    // Distinct blocks go.
+    let blocks: Vec<u32> = (30..36).collect();
+    assert_eq!(prefill(&mut stack, &prompt(0, 1), &blocks).unwrap(), 4);
+    assert!(stack.engine.holds(&prompt(0, 1), 0..6, &blocks, common::geometry().layers));
+}

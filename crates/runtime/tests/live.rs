@@ -525,3 +525,30 @@ fn a_running_retrieve_holds_its_target_blocks_until_the_prefill_ends() {
         stack.runtime.drain().unwrap();
     }
 }
+
+#[test]
+fn a_queued_stores_source_is_refused_as_a_retrieve_target() {
+    // Goal: an engine block a queued store still has to write from (not `releasable`) is refused
+    // as the next request's retrieve target, before anything is prepared: the read would land
+    // over the store's source and the store would commit the cached block's bytes under its own
+    // keys. Before, `begin_prefill` accepted it.
+    let mut stack = stack(config(PolicyChoice::SlackAware), None);
+    prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    // Shares the system prompt (read into 4, 5); its own blocks, from 6 and 7, stay queued.
+    assert_eq!(prefill(&mut stack, &prompt(1, 0), &[4, 5, 6, 7]).unwrap(), 2);
+    assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
+    assert!(!stack.runtime.releasable(6));
+    let before = stack.runtime.counters();
+    let tokens = prompt(0, 0);
+    let refused = stack.runtime.begin_prefill(&objstore::KvRequest { tokens: &tokens, block_ids: &[10, 6, 11, 12] });
+    assert!(matches!(refused, Err(tutti_runtime::RuntimeError::BlockRefused { block: 6, position: 1, .. })), "{refused:?}");
+    assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+    assert_eq!((stack.runtime.queued_stores(), stack.runtime.queued_blocks()), (1, 2), "the queue is as it was");
+    // Nothing was left begun: the same request on free blocks goes, and the queued store commits
+    // its own bytes.
+    assert_eq!(prefill(&mut stack, &tokens, &[10, 11, 12, 13]).unwrap(), 4);
+    stack.runtime.drain().unwrap();
+    assert!(stack.engine.holds(&prompt(1, 0), 2..4, &[4, 5, 6, 7], common::geometry().layers));
+    assert_eq!(stack.runtime.lookup(&prompt(1, 0)), 4);
+}

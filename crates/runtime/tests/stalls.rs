@@ -360,6 +360,27 @@ fn retire_a_read<E: Executor>(stack: &mut Stack<E>) {
     assert_eq!(stack.runtime.retiring_requests(), 1);
 }
 
+#[test]
+fn a_retiring_reads_target_is_refused_as_a_new_target() {
+    // Goal: a block a lost read may still write (its retrieve retiring: not `releasable`) is
+    // refused as the next request's retrieve target with nothing begun or prepared; before,
+    // `begin_prefill` took it, and the late read could land over the new request's KV.
+    bounded(|| {
+        let mut stack = stalled_stack(PolicyChoice::SlackAware);
+        retire_a_read(&mut stack);
+        assert!(!stack.runtime.releasable(5));
+        let before = stack.runtime.counters();
+        let tokens = prompt(0, 0);
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &[20, 5, 21, 22] });
+        assert!(matches!(refused, Err(RuntimeError::BlockRefused { block: 5, position: 1, .. })), "{refused:?}");
+        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+        assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (1, 0));
+        // Nothing was left begun: the request on free blocks goes.
+        assert_eq!(prefill(&mut stack, &tokens, &[20, 21, 22, 23]).unwrap(), 4);
+        assert!(stack.engine.holds(&tokens, 0..4, &[20, 21, 22, 23], common::geometry().layers));
+    });
+}
+
 /// What a [`Rigged`] executor holds back: the IOCBs marked (`mark`: those ISSUED then), the
 /// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
 #[derive(Default)]

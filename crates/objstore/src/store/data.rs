@@ -306,9 +306,9 @@ impl<E: Executor> StoreData<E> {
             self.shape.check_placement(position, placement)?;
             registration.check_block(placement.engine_block)?;
         }
-        if direction == Direction::Retrieve {
-            self.refuse_duplicate_engine_blocks(placements)?;
-        }
+        // Both ways: a retrieve into one engine block twice overwrites one read with the other;
+        // a store from one block twice commits one block's KV under another's key.
+        self.refuse_duplicate_engine_blocks(direction, placements)?;
         let verified = self.config.verify_retrieves && direction == Direction::Retrieve;
         if verified && expected_crcs.is_none_or(|crcs| crcs.len() != placements.len()) {
             return Err(ObjstoreError::BadRequest {
@@ -426,10 +426,11 @@ impl<E: Executor> StoreData<E> {
         Ok(())
     }
 
-    /// Refuses a retrieve that reads two blocks into one engine block: one would overwrite the
-    /// other (and a verified retrieve would condemn a good slot for it). Placements were
-    /// checked in range.
-    fn refuse_duplicate_engine_blocks(&mut self, placements: &[Placement]) -> Result<()> {
+    /// Refuses a retrieve that reads two blocks into one engine block (one would overwrite the
+    /// other, and a verified retrieve would condemn a good slot for it) and a store that writes
+    /// two blocks from one (one block's KV would be committed under the other's key). Placements
+    /// were checked in range.
+    fn refuse_duplicate_engine_blocks(&mut self, direction: Direction, placements: &[Placement]) -> Result<()> {
         let mut duplicate = None;
         for (position, placement) in placements.iter().enumerate() {
             let block = placement.engine_block as usize;
@@ -445,7 +446,15 @@ impl<E: Executor> StoreData<E> {
         }
         match duplicate {
             Some((position, block)) => Err(ObjstoreError::BadRequest {
-                reason: format!("engine block {block} is read into twice (again at position {position}): a retrieve fills each once"),
+                reason: match direction {
+                    Direction::Retrieve => {
+                        format!("engine block {block} is read into twice (again at position {position}): a retrieve fills each once")
+                    }
+                    Direction::Store => format!(
+                        "engine block {block} is stored from twice (again at position {position}): one block's KV cannot be two \
+                         blocks'"
+                    ),
+                },
             }),
             None => Ok(()),
         }

@@ -1,0 +1,70 @@
+//! What a store's prepare refuses before anything is reserved or written.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use gio_uring::SmBudget;
+use nvme_driver::hw::DeviceBackend;
+use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaRegion, NamespaceId};
+use nvme_emu::{Backing, EmuConfig, EmuDevice};
+use objstore::{
+    cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, ObjstoreError, Pool,
+    PoolTarget, StoreConfig,
+};
+
+const ENGINE_BLOCKS: u32 = 16;
+
+fn geometry() -> ModelGeometry {
+    ModelGeometry { layers: 2, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 16 }
+}
+
+/// A one-device pool on the emulator and a store over it, with engine memory of
+/// `ENGINE_BLOCKS` blocks registered (the regions are returned: they must outlive the store).
+fn store() -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) {
+    let geometry = geometry();
+    let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 })).expect("emulator");
+    let backend: Arc<dyn DeviceBackend> = device.clone();
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("controller"));
+    let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
+    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false })
+        .expect("format");
+    let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open pool");
+    let object_bytes = geometry.object_bytes();
+    let tensors: Vec<DmaRegion> = (0..2 * geometry.layers)
+        .map(|_| controller.dma().allocate(object_bytes as usize * ENGINE_BLOCKS as usize).expect("allocate"))
+        .collect();
+    let layout = KvLayout::SeparateKv {
+        key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
+        value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
+        block_stride_bytes: object_bytes,
+    };
+    let registration = KvRegistration::new(geometry, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
+    let config = StoreConfig::default();
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, config).expect("store");
+    (device, store, tensors)
+}
+
+#[test]
+fn a_store_from_one_engine_block_twice_is_refused() {
+    // Goal: a store naming one engine block as the source of two blocks is refused before
+    // anything is reserved or written, as a retrieve into one block twice is: one block's KV
+    // would be committed under the other's key. Before, only a retrieve was checked, and the
+    // store committed engine block 5's bytes as both blocks.
+    let (_device, mut store, _tensors) = store();
+    let tokens: Vec<u32> = (0..32).collect();
+    match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[5, 5] }) {
+        Err(ObjstoreError::BadRequest { reason }) => assert!(reason.contains("engine block 5"), "{reason}"),
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
+    assert_eq!(store.lookup(&tokens), 0);
+    // Nothing stayed reserved: the same blocks store from distinct engine blocks.
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_store");
+    assert_eq!(plan.new_blocks, 2);
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, SmBudget(1)).expect("store_layer");
+        store.wait(plan.handle, Instant::now() + Duration::from_secs(10)).expect("wait");
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit_store"), 2);
+    assert_eq!(store.lookup(&tokens), 2);
+}
