@@ -511,13 +511,20 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
         address,
         device: Device::Cpu,
         itemsize,
-        raw_bytes: matches!(format.as_str(), "B" | "b" | "c" | "<B" | "=B" | "@B"),
+        raw_bytes: is_byte_format(&format),
         shape: if shape.is_empty() { vec![1] } else { shape },
         strides_bytes: None,
         writable: true,
     };
     let keep = Keep::Objects(vec![view.unbind(), array.unbind()]);
     Ok((description, keep))
+}
+
+/// Whether a buffer's struct format names single bytes ("B", "b", "c"), after at most one
+/// byte-order character: ctypes spells its byte arrays "<B", "<b", "<c".
+fn is_byte_format(format: &str) -> bool {
+    let element = format.strip_prefix(['<', '>', '=', '@', '!']).unwrap_or(format);
+    matches!(element, "B" | "b" | "c")
 }
 
 /// The names the error messages give a layout's tensors.
@@ -535,6 +542,18 @@ pub fn tensor_names(kind: LayoutKind, count: usize) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_formats_are_raw_bytes_with_one_byte_order_prefix_at_most() {
+        // Goal: the buffer formats of single bytes, bare or after one byte-order character
+        // (ctypes' "<c", "<b"), are raw bytes; wider formats, and two prefixes, are not.
+        for format in ["B", "b", "c", "<B", "<b", "<c", ">c", "=B", "@b", "!B"] {
+            assert!(is_byte_format(format), "{format}");
+        }
+        for format in ["", "<", "H", "<e", "e", "<<B", "2B", "Bx"] {
+            assert!(!is_byte_format(format), "{format}");
+        }
+    }
 
     #[test]
     fn reach_is_the_bytes_a_shape_names_from_its_address() {
