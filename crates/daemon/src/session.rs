@@ -419,7 +419,9 @@ impl Holdings {
         let window = registration.window.clone();
         let mut grants = Vec::with_capacity(devices);
         let mut created = Vec::with_capacity(devices);
-        let mut relayed = Vec::new();
+        // Declared after `created`, so dropped before it on a panic's unwinding: the relay stops
+        // forwarding for the pairs before their drop deletes them (the release's order).
+        let mut relayed = RelayedByAttach { store, tickets: Vec::new() };
         let mut failure = None;
         let mut creations_unsettled = 0;
         for (device, rings) in request.rings.iter().enumerate() {
@@ -518,7 +520,14 @@ impl Holdings {
                 // Relayed from here on: the client gets its page with the reply, after this.
                 match DoorbellRelay::make_page(controller.registers().as_ref(), &layout) {
                     Ok(page) => {
-                        relayed.push(lock(store).relay.add(Arc::clone(&page), Arc::clone(controller.registers()), &layout));
+                        relayed.tickets.push(lock(store).relay.add(Arc::clone(&page), Arc::clone(controller.registers()), &layout));
+                        // A bug's panic in the loop, for the test that the unwinding takes the
+                        // pair off the relay.
+                        #[cfg(test)]
+                        assert!(
+                            !tests::PANICS_AFTER_RELAYING.with(std::cell::Cell::get),
+                            "test hook: the attach panics after relaying a pair"
+                        );
                         registers[device] = Some(page);
                     }
                     Err(error) => {
@@ -570,7 +579,7 @@ impl Holdings {
             }
         }
         registration.queues = created;
-        registration.relayed = relayed;
+        registration.relayed = relayed.keep();
         self.creations_unsettled += creations_unsettled;
         if let Some(reply) = failure {
             // The client has no layout yet, so nothing rings these: delete them now (a pair whose
@@ -931,6 +940,35 @@ impl Holdings {
             let _ = leaks.queue_id_holders.fetch_update(Ordering::AcqRel, Ordering::Acquire, |holders| holders.checked_sub(1));
         }
         Released::Done
+    }
+}
+
+/// The relay tickets an attach took, until the registration holds them with its pairs
+/// ([`RelayedByAttach::keep`]). Dropped before that (a panic in the attach's loop, which the
+/// connection catches and serves on from), it takes its pairs off the relay: otherwise the relay
+/// would go on forwarding a page nobody holds to queue ids the unwinding frees (the pairs'
+/// drop deletes them) for the next attach to get.
+struct RelayedByAttach<'a> {
+    store: &'a Mutex<StoreState>,
+    tickets: Vec<RelayTicket>,
+}
+
+impl RelayedByAttach<'_> {
+    fn keep(mut self) -> Vec<RelayTicket> {
+        std::mem::take(&mut self.tickets)
+    }
+}
+
+impl Drop for RelayedByAttach<'_> {
+    fn drop(&mut self) {
+        if self.tickets.is_empty() {
+            return;
+        }
+        // `lock` takes a mutex the panic poisoned (a panic under the pool lock).
+        let store = lock(self.store);
+        for ticket in self.tickets.drain(..) {
+            store.relay.remove(&ticket);
+        }
     }
 }
 

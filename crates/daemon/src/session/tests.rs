@@ -190,6 +190,34 @@ fn an_attach_whose_register_page_cannot_be_duplicated_leaves_nothing_behind() {
     }
 }
 
+thread_local! {
+    /// Makes `Holdings::attach` panic on this thread once it relays a pair (see there).
+    pub(super) static PANICS_AFTER_RELAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+#[test]
+fn an_attach_that_panics_after_relaying_a_pair_leaves_nothing_relayed() {
+    // Goal: a panic in the attach's per-device loop (a bug; the connection's `catch_unwind`
+    // catches it and the daemon serves on) after the relay took a pair must take the pair off
+    // the relay as the unwinding deletes it: the relay would otherwise go on forwarding a page
+    // nobody holds to a queue id the next attach gets. The hook panics right after the relay
+    // took the pair; the same registration then attaches.
+    let store = store(false);
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    PANICS_AFTER_RELAYING.with(|panics| panics.set(true));
+    let attached = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| attach(&mut holdings, &store, registration)));
+    PANICS_AFTER_RELAYING.with(|panics| panics.set(false));
+    assert!(attached.is_err(), "the hook did not panic");
+    assert_eq!(lock(&store).relay.counts().queues, 0, "the panicked attach left its pair relayed");
+    assert_eq!(holdings.queue_pairs(), 0);
+    let (retry, fds) = attach(&mut holdings, &store, registration);
+    assert!(matches!(&retry, Reply::Attached { queues } if queues.len() == 1), "the retry: {retry:?}");
+    assert_eq!((fds.len(), lock(&store).relay.counts().queues), (1, 1));
+    assert!(holdings.release(&store, &LeakCounters::default()).is_done());
+    assert_eq!(lock(&store).relay.counts().queues, 0);
+}
+
 #[test]
 fn device_memory_is_refused_on_a_pool_with_a_vfio_device() {
     // Goal: a pool device without a software controller (a vfio: device) cannot take memory
