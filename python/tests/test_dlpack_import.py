@@ -16,6 +16,112 @@ from conftest import GEOMETRY, open_store, store_prompt, tokens
 NBYTES = 4 * GEOMETRY.block_bytes
 
 
+class _DlTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device_type", ctypes.c_int32),
+        ("device_id", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("code", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8),
+        ("lanes", ctypes.c_uint16),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_LEGACY_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_VERSIONED_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DlManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _LEGACY_DELETER)]
+
+
+class _DlManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [
+        ("major", ctypes.c_uint32),
+        ("minor", ctypes.c_uint32),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _VERSIONED_DELETER),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", _DlTensor),
+    ]
+
+
+def _capsule(pointer: int, name: bytes):
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(pointer, name, None)
+
+
+def _capsule_name(capsule) -> bytes:
+    get = ctypes.pythonapi.PyCapsule_GetName
+    get.restype, get.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    return get(capsule)
+
+
+class Producer:
+    """A CPU DLPack producer over `array`'s bytes (1-D, uint8 unless `bits`/`lanes`/`code` say
+    otherwise). `versioned`: hands out "dltensor_versioned" (DLPack `major`.0, `flags`) when the
+    consumer passes max_version, else "dltensor". `keywords`: whether __dlpack__ takes the
+    DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version). Records each
+    call's keywords, the capsule and the deleter's calls (with the struct's address)."""
+
+    def __init__(self, array, *, versioned=True, keywords=True, flags=0, major=1, bits=8, lanes=1, code=1, ndim=1,
+                 shape=True, name=None):
+        self.array = array
+        itemsize = max(bits * lanes // 8, 1)
+        self.shape = (ctypes.c_int64 * 64)(*([array.nbytes // itemsize] + [1] * 63))
+        tensor = _DlTensor(array.ctypes.data, 1, 0, ndim, code, bits, lanes, self.shape if shape else None, None, 0)
+        self.deleted: list[int] = []
+        self.legacy_deleter = _LEGACY_DELETER(self.deleted.append)
+        self.versioned_deleter = _VERSIONED_DELETER(self.deleted.append)
+        self.legacy = _DlManagedTensor(tensor, None, self.legacy_deleter)
+        self.versioned = _DlManagedTensorVersioned(major, 0, None, self.versioned_deleter, flags, tensor)
+        self.offers_versioned, self.keywords, self.name = versioned, keywords, name
+        self.calls: list[dict] = []
+        self.capsule = None
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kwargs):
+        if kwargs and not self.keywords:
+            raise TypeError(f"__dlpack__() got an unexpected keyword argument {next(iter(kwargs))!r}")
+        self.calls.append(kwargs)
+        if self.offers_versioned and kwargs.get("max_version", (0, 0)) >= (1, 0):
+            self.capsule = _capsule(ctypes.addressof(self.versioned), self.name or b"dltensor_versioned")
+        else:
+            self.capsule = _capsule(ctypes.addressof(self.legacy), self.name or b"dltensor")
+        return self.capsule
+
+    def address(self) -> int:
+        return ctypes.addressof(self.versioned) if self.offers_versioned and self.keywords else ctypes.addressof(self.legacy)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"name": b"used_dltensor"}, r"tensor: __dlpack__\(\) did not return an unused"),
+        ({"versioned": False, "name": b"used_dltensor"}, r"tensor: __dlpack__\(\) did not return an unused"),
+        ({"ndim": 33}, "tensor: a DLPack tensor with 33 dimensions"),
+        ({"versioned": False, "ndim": -1}, "tensor: a DLPack tensor with -1 dimensions"),
+        ({"shape": False}, "tensor: a DLPack tensor without a shape"),
+    ],
+)
+def test_dlpack_import_refusals_name_the_tensor(options, message):
+    # Goal: a capsule the import refuses (already consumed, garbage dimensions, no shape, a
+    # DLPack major version it does not know) is InvalidArgument naming the tensor, not a bare
+    # TypeError or ValueError; the store stays usable.
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=message):
+            store.register_kv(tutti.KvLayout.block_major(Producer(np.zeros(NBYTES, dtype=np.uint8), **options)))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(8, 1), [0])
+
+
 @pytest.mark.parametrize("element", [ctypes.c_char, ctypes.c_byte, ctypes.c_ubyte])
 def test_ctypes_byte_arrays_are_raw_bytes(element):
     # Goal: a ctypes array of bytes (buffer format "<c", "<b", "<B": a byte-order prefix before a

@@ -134,33 +134,45 @@ impl Drop for ImportedDlpack {
     }
 }
 
+/// Why a capsule was not imported.
+#[derive(Debug)]
+pub enum ImportError {
+    /// The capsule or its tensor is not one tutti takes (the caller names the tensor).
+    Refused(String),
+    /// The capsule API failed.
+    Python(PyErr),
+}
+
 /// Consumes the capsule `producer.__dlpack__()` returned: checks its name, copies the tensor's
 /// description, renames it "used_dltensor" (so that its destructor leaves the tensor to us).
-pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<(DlpackTensor, ImportedDlpack)> {
+/// A refused capsule is left unconsumed: its producer's destructor frees it.
+pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, ImportedDlpack), ImportError> {
     let object = capsule.as_ptr();
+    let fetch = || ImportError::Python(PyErr::fetch(capsule.py()));
     // SAFETY: `object` is a live object (borrowed for this call); PyCapsule_IsValid accepts any
     // object and only reads its type and name.
     let valid = unsafe { ffi::PyCapsule_IsValid(object, DLTENSOR.as_ptr()) };
     if valid != 1 {
-        return Err(pyo3::exceptions::PyTypeError::new_err(
-            "__dlpack__() did not return an unused \"dltensor\" capsule (already consumed, or a versioned capsule)",
+        return Err(ImportError::Refused(
+            "__dlpack__() did not return an unused \"dltensor\" capsule (already consumed, a versioned capsule, or not a DLPack capsule)"
+                .into(),
         ));
     }
     // SAFETY: the capsule is valid under this name (checked above); its pointer is non-null by
     // the capsule API's definition of valid.
     let pointer = unsafe { ffi::PyCapsule_GetPointer(object, DLTENSOR.as_ptr()) } as *mut DlManagedTensor;
-    let managed = NonNull::new(pointer).ok_or_else(|| PyErr::fetch(capsule.py()))?;
+    let managed = NonNull::new(pointer).ok_or_else(fetch)?;
     // SAFETY: a "dltensor" capsule points to a DLManagedTensor that stays valid until its deleter
     // is called (not yet: the capsule is unconsumed). We read it by value; `shape` and `strides`
     // point to `ndim` int64s each (strides may be null: compact), checked before reading.
     let description = unsafe {
         let tensor = &(*managed.as_ptr()).dl_tensor;
         if !(0..=NDIM_MAX).contains(&tensor.ndim) {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!("a DLPack tensor with {} dimensions", tensor.ndim)));
+            return Err(ImportError::Refused(format!("a DLPack tensor with {} dimensions", tensor.ndim)));
         }
         let ndim = tensor.ndim as usize;
         if ndim > 0 && tensor.shape.is_null() {
-            return Err(pyo3::exceptions::PyValueError::new_err("a DLPack tensor without a shape"));
+            return Err(ImportError::Refused("a DLPack tensor without a shape".into()));
         }
         let shape = if ndim == 0 { Vec::new() } else { std::slice::from_raw_parts(tensor.shape, ndim).to_vec() };
         let strides = (!tensor.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(tensor.strides, ndim).to_vec());
@@ -177,7 +189,7 @@ pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> PyResult<(DlpackTensor, Impo
     };
     // SAFETY: renaming a valid capsule; the name is a static C string that outlives it.
     if unsafe { ffi::PyCapsule_SetName(object, USED_DLTENSOR.as_ptr()) } != 0 {
-        return Err(PyErr::fetch(capsule.py()));
+        return Err(fetch());
     }
     Ok((description, ImportedDlpack { managed }))
 }

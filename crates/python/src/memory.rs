@@ -427,7 +427,10 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
                 format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"),
             ))
         })?;
-        let (tensor, imported) = ffi::import_dlpack(&capsule)?;
+        let (tensor, imported) = ffi::import_dlpack(&capsule).map_err(|error| match error {
+            ffi::ImportError::Refused(reason) => PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name}: {reason}"))),
+            ffi::ImportError::Python(error) => error,
+        })?;
         // The capsule is what is mapped, so its device decides: one tutti cannot reach is
         // refused (UnsupportedMemory) even when __dlpack_device__ said otherwise, and a capsule
         // of a device other than the one __dlpack_device__ named is a producer to distrust.
