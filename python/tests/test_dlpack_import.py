@@ -122,6 +122,17 @@ def test_dlpack_import_refusals_name_the_tensor(options, message):
         store_prompt(store, tokens(8, 1), [0])
 
 
+@pytest.mark.parametrize("bits, lanes", [(20, 1), (4, 5), (12, 1)])
+def test_a_dtype_of_a_fraction_of_a_byte_is_refused(bits, lanes):
+    # Goal: a DLPack dtype whose bits x lanes is not a whole number of bytes is refused as
+    # InvalidArgument naming it: before, 20 bits counted as a 2-byte element (the model's
+    # dtype_bytes) and was registered with a wrong element size.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), bits=bits, lanes=lanes, code=0)
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=f"tensor: a DLPack dtype of {bits} bits x {lanes} lanes .*whole number of bytes"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+
+
 @pytest.mark.parametrize("element", [ctypes.c_char, ctypes.c_byte, ctypes.c_ubyte])
 def test_ctypes_byte_arrays_are_raw_bytes(element):
     # Goal: a ctypes array of bytes (buffer format "<c", "<b", "<B": a byte-order prefix before a

@@ -176,13 +176,21 @@ pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, Import
         }
         let shape = if ndim == 0 { Vec::new() } else { std::slice::from_raw_parts(tensor.shape, ndim).to_vec() };
         let strides = (!tensor.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(tensor.strides, ndim).to_vec());
-        let bits = u64::from(tensor.dtype.bits) * u64::from(tensor.dtype.lanes);
+        let DlDataType { code, bits, lanes } = tensor.dtype;
+        let bits_per_element = u64::from(bits) * u64::from(lanes);
+        // Sub-byte dtypes (int4, packed lanes) have no byte size: rounding down would register
+        // the memory with a wrong element size (20 bits as 2 bytes).
+        if bits_per_element % 8 != 0 {
+            return Err(ImportError::Refused(format!(
+                "a DLPack dtype of {bits} bits x {lanes} lanes (type code {code}) is not a whole number of bytes: register the memory's bytes (uint8) or a dtype of whole bytes"
+            )));
+        }
         DlpackTensor {
             address: (tensor.data as u64).wrapping_add(tensor.byte_offset),
             device_type: tensor.device.device_type,
             device_id: tensor.device.device_id,
-            itemsize: bits / 8,
-            raw_bytes: matches!(tensor.dtype.code, DLPACK_INT | DLPACK_UINT) && tensor.dtype.bits == 8 && tensor.dtype.lanes == 1,
+            itemsize: bits_per_element / 8,
+            raw_bytes: matches!(code, DLPACK_INT | DLPACK_UINT) && bits == 8 && lanes == 1,
             shape,
             strides,
         }
