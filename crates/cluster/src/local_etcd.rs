@@ -43,6 +43,8 @@ pub struct LocalEtcd {
     members: Vec<Member>,
     directory: tempfile::TempDir,
     token: String,
+    /// More flags for every member, restarts included (`start_with_flags`).
+    flags: Vec<String>,
 }
 
 /// Free loopback ports: bound, noted, released (another process could take one in between;
@@ -77,6 +79,11 @@ impl LocalEtcd {
     /// binary is installed — unless `TUTTI_REQUIRE_ETCD=1` (tools/test.sh's cluster stage), where
     /// that panics. A binary that is there but fails to start panics too.
     pub fn start_or_skip(members: usize) -> Option<LocalEtcd> {
+        LocalEtcd::start_or_skip_with_flags(members, &[])
+    }
+
+    /// [`LocalEtcd::start_or_skip`] with more flags ([`LocalEtcd::start_with_flags`]).
+    pub fn start_or_skip_with_flags(members: usize, flags: &[&str]) -> Option<LocalEtcd> {
         if etcd_binary().is_none() {
             assert!(
                 std::env::var_os("TUTTI_REQUIRE_ETCD").is_none_or(|value| value != "1"),
@@ -85,11 +92,17 @@ impl LocalEtcd {
             eprintln!("SKIPPED: no etcd binary (install Debian's etcd-server, or run tools/test.sh cluster)");
             return None;
         }
-        Some(LocalEtcd::start(members).expect("start a local etcd"))
+        Some(LocalEtcd::start_with_flags(members, flags).expect("start a local etcd"))
     }
 
     /// Starts `members` members (1 or 3 in the tests) and waits until each answers healthy.
     pub fn start(members: usize) -> Result<LocalEtcd> {
+        LocalEtcd::start_with_flags(members, &[])
+    }
+
+    /// [`LocalEtcd::start`] with more flags for every member (e.g. `--max-request-bytes`, for
+    /// values larger than an answer may be).
+    pub fn start_with_flags(members: usize, flags: &[&str]) -> Result<LocalEtcd> {
         let binary = etcd_binary().ok_or_else(|| {
             io_error("find the etcd binary", std::io::Error::new(std::io::ErrorKind::NotFound, "install etcd-server or set TUTTI_ETCD"))
         })?;
@@ -100,7 +113,8 @@ impl LocalEtcd {
             .map(|index| Member { name: format!("m{index}"), client_port: ports[2 * index], peer_port: ports[2 * index + 1], child: None })
             .collect();
         let token = format!("tutti-{}-{}", std::process::id(), directory.path().display()).replace('/', "-");
-        let mut etcd = LocalEtcd { binary, members, directory, token };
+        let flags = flags.iter().map(|flag| flag.to_string()).collect();
+        let mut etcd = LocalEtcd { binary, members, directory, token, flags };
         for index in 0..etcd.members.len() {
             etcd.spawn(index)?;
         }
@@ -138,6 +152,7 @@ impl LocalEtcd {
             .args(["--initial-cluster-token", &self.token])
             .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
             .args(["--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn"])
+            .args(&self.flags)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -30,6 +30,12 @@ pub(crate) struct Scanned {
     pub unreadable: bool,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests only: run before the keys-only read that steps over an entry too large to read.
+    static BEFORE_KEY_ONLY: std::cell::RefCell<Option<Box<dyn FnMut()>>> = const { std::cell::RefCell::new(None) };
+}
+
 /// The first key after every key that starts with `prefix`: the end of its range.
 pub(crate) fn prefix_end(prefix: &str) -> Vec<u8> {
     let mut end = prefix.as_bytes().to_vec();
@@ -79,6 +85,12 @@ pub(crate) fn scan(
             }
             Err(error) if is_too_large(&error) => {
                 // One entry larger than an answer may be: step over it by its key alone.
+                #[cfg(test)]
+                BEFORE_KEY_ONLY.with(|hook| {
+                    if let Some(hook) = hook.borrow_mut().as_mut() {
+                        hook()
+                    }
+                });
                 let key_only = connection.call_kv_by(operation, deadline, |mut client| {
                     let options = GetOptions::new().with_range(end.clone()).with_limit(1).with_keys_only();
                     let start = start.clone();
@@ -95,7 +107,12 @@ pub(crate) fn scan(
                     }
                     Err(error) => return Err(error),
                 };
-                let Some(entry) = answer.kvs().first() else { return Ok(scanned) };
+                let Some(entry) = answer.kvs().first() else {
+                    // The range emptied since the read that was too large: nothing is left
+                    // unread (not the previous page's `more`).
+                    scanned.more = false;
+                    return Ok(scanned);
+                };
                 tracing::debug!(operation, "an etcd entry longer than an answer may be was skipped");
                 scanned.entries += 1;
                 scanned.oversized += 1;
@@ -127,4 +144,51 @@ pub(crate) fn scan(
 /// that sound entries never make its answer too long.
 pub(crate) fn page_entries(entry_bytes_max: usize) -> u64 {
     ((RESPONSE_BYTES_MAX - crate::layout::ANSWER_OVERHEAD_BYTES) / entry_bytes_max) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::local_etcd::LocalEtcd;
+
+    fn put(connection: &Connection, key: &'static str, value: Vec<u8>) {
+        connection
+            .call_kv("put", |mut kv| {
+                let value = value.clone();
+                async move { kv.put(key, value, None).await }
+            })
+            .unwrap();
+    }
+
+    #[test]
+    fn a_range_emptied_while_an_oversized_entry_is_stepped_over_has_no_more_entries() {
+        // Goal: a page that said more entries follow, then an entry too large to read even
+        // alone whose keys-only read finds the range emptied meanwhile: the scan ends with
+        // `more` false (nothing was left unread), not the previous page's `more`, which made
+        // members()/status() report a truncated listing. etcd takes values over 4 MiB (an
+        // answer's bound) only with a larger --max-request-bytes.
+        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
+        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        put(&connection, "scan/a", vec![1]);
+        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
+        let deleter = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        let stepped = std::rc::Rc::new(std::cell::Cell::new(0));
+        let counted = stepped.clone();
+        BEFORE_KEY_ONLY.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                counted.set(counted.get() + 1);
+                deleter.call_kv("delete", |mut kv| async move { kv.delete("scan/b", None).await }).unwrap();
+            }))
+        });
+        let mut visited = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let range = (b"scan/".to_vec(), prefix_end("scan/"));
+        let scanned = scan(&connection, "test scan", deadline, range, 10, 1, |entry| visited.push(entry.key().to_vec()));
+        BEFORE_KEY_ONLY.with(|hook| hook.borrow_mut().take());
+        assert_eq!(stepped.get(), 1, "one keys-only read, after the deletion");
+        assert_eq!(visited, vec![b"scan/a".to_vec()]);
+        assert_eq!(scanned.unwrap(), Scanned { entries: 1, oversized: 0, more: false, unreadable: false });
+    }
 }
