@@ -10,6 +10,10 @@
 #    the step and ends the script with 130 within seconds, nothing of it left running: the
 #    wheel build (inside a command substitution), the venv's python, the engine environment
 #    (tools/lib/process.sh's interruptible_timeout); SIGTERM likewise with 143;
+# 2. tools/gpu/check.sh with GPU_CHECK_REQUIRE_PREFILL=1 takes only the pythons it is given and
+#    the pinned vLLM environment (engine-env.sh vllm --existing, which checks it is complete),
+#    never any vllm-* directory under the cache: with only an unpinned one there, it fails
+#    saying the prefill step was not rehearsed; without the requirement it may still use one.
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 # shellcheck source=tools/lib/process.sh
@@ -120,6 +124,20 @@ interrupt "engine-test.sh, the wheel build" INT 130 "$repo/tools/python/engine-t
 interrupt "engine-test.sh, the engine environment" INT 130 "$repo/tools/python/engine-test.sh" "$WORK/engine-env.err" \
     STAND_IN_HANG=engine-env
 interrupt "gpu/check.sh, the vLLM environment" INT 130 "$repo/tools/gpu/check.sh" "$WORK/check-env.err" STAND_IN_HANG=engine-env
+
+# 2. The prefill rehearsal's python, with only an unpinned environment in the cache.
+cache=$WORK/cache
+mkdir -p "$cache/engines/vllm-0.0.0-aaaaaaaaaaaa/bin"
+stand_in none "$cache/engines/vllm-0.0.0-aaaaaaaaaaaa/bin/python" 'exit 0'
+PATH="$WORK/bin:$PATH" TUTTI_ENV_CACHE=$cache GPU_CHECK_REQUIRE_PREFILL=1 "$repo/tools/gpu/check.sh" > "$WORK/required.out" 2>&1
+check "gpu/check.sh GPU_CHECK_REQUIRE_PREFILL=1, only an unpinned vllm-* environment: exit 1" 1 "$?"
+check "gpu/check.sh GPU_CHECK_REQUIRE_PREFILL=1: the failure says the prefill step was not rehearsed" 1 \
+    "$(grep -c 'FAILED: prefill step not rehearsed' "$WORK/required.out")"
+check "gpu/check.sh GPU_CHECK_REQUIRE_PREFILL=1: the unpinned environment not used" 0 \
+    "$(grep -c 'prefill step rehearsed on the CPU with' "$WORK/required.out")"
+PATH="$WORK/bin:$PATH" TUTTI_ENV_CACHE=$cache "$repo/tools/gpu/check.sh" > "$WORK/optional.out" 2>&1
+check "gpu/check.sh without the requirement: a vllm-* environment of the cache still serves" "0 1" \
+    "$? $(grep -c "prefill step rehearsed on the CPU with $cache/engines/vllm-0.0.0-aaaaaaaaaaaa/bin/python" "$WORK/optional.out")"
 
 if [ "$failures" -gt 0 ]; then
     echo "stage-scripts-test: $failures check(s) failed" >&2

@@ -16,7 +16,8 @@
 #      the vLLM engines environment (tools/python/engine-env.sh vllm --existing: the pinned one under
 #      ${TUTTI_ENV_CACHE:-~/.cache/tutti}/engines), else any vllm-* one there; skipped, saying so,
 #      without one, unless GPU_CHECK_REQUIRE_PREFILL=1 (tools/test.sh sets it when its engines stage
-#      ran before: that stage builds the environment), which makes a missing one a failure.
+#      ran before: that stage builds the environment), which makes a missing one a failure and
+#      takes only the pythons named and the pinned environment (never another vllm-* one).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -98,8 +99,13 @@ case $status in
   0) engine_python="$engine_env/bin/python" ;;
   129 | 130 | 143) exit "$status" ;;
 esac
-for candidate in "${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$engine_python" \
-  "${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}"/engines/vllm-*/bin/python; do
+candidates=("${GPU_CHECK_PREFILL_PYTHON:-}" "${GPU_CHECK_PYTHON:-}" "$engine_python")
+# Any vllm-* environment of the cache only when the rehearsal is optional: such a directory may be
+# an older pin's, or one whose build was interrupted, which engine-env.sh's checks of the pinned
+# one (--existing) would refuse; a required rehearsal must not pass on it.
+[[ "${GPU_CHECK_REQUIRE_PREFILL:-0}" == 1 ]] ||
+  candidates+=("${TUTTI_ENV_CACHE:-$HOME/.cache/tutti}"/engines/vllm-*/bin/python)
+for candidate in "${candidates[@]}"; do
   if [[ -n "$candidate" && -x "$candidate" ]] && "$candidate" -c "import torch, transformers" 2>/dev/null; then
     prefill_python=$candidate
     break
