@@ -101,6 +101,53 @@ class Producer:
         return ctypes.addressof(self.versioned) if self.offers_versioned and self.keywords else ctypes.addressof(self.legacy)
 
 
+def test_a_versioned_capsule_is_consumed_renamed_and_deleted_once():
+    # Goal: register_kv asks for DLPack 1.0 (max_version=(1, 0)), takes a writable
+    # "dltensor_versioned" capsule (before, it refused every versioned capsule with a TypeError),
+    # renames it "used_dltensor_versioned" (the spec's consumed name), keeps it until close, and
+    # then calls its deleter exactly once, with the struct's own address.
+    array = np.zeros(NBYTES, dtype=np.uint8)
+    producer = Producer(array)
+    with open_store() as store:
+        store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.calls == [{"max_version": (1, 0)}]
+        assert _capsule_name(producer.capsule) == b"used_dltensor_versioned"
+        store_prompt(store, tokens(5, 1), [0])
+        assert producer.deleted == []
+    assert producer.deleted == [producer.address()]
+
+
+def test_a_legacy_producer_is_asked_again_without_keywords():
+    # Goal: a producer whose __dlpack__ knows no max_version (TypeError) is asked again without
+    # arguments and its legacy capsule is consumed ("used_dltensor") and deleted once at close;
+    # a producer that takes max_version but hands out a legacy capsule is taken as well.
+    for producer in (Producer(np.zeros(NBYTES, dtype=np.uint8), keywords=False), Producer(np.zeros(NBYTES, dtype=np.uint8), versioned=False)):
+        with open_store() as store:
+            store.register_kv(tutti.KvLayout.block_major(producer))
+            assert producer.calls[-1] in ({}, {"max_version": (1, 0)})
+            assert _capsule_name(producer.capsule) == b"used_dltensor"
+            store_prompt(store, tokens(6, 1), [0])
+        assert producer.deleted == [ctypes.addressof(producer.legacy)]
+
+
+def test_a_read_only_dlpack_tensor_is_refused():
+    # Goal: a versioned capsule flagged read-only (flags bit 0) is refused as InvalidArgument
+    # naming the tensor (retrieves write into it), and the consumed capsule's deleter runs once;
+    # a read-only numpy array (numpy flags it in the versioned capsule) is refused the same way;
+    # the store then registers good memory.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), flags=1)
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match="tensor is read-only"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.deleted == [ctypes.addressof(producer.versioned)]
+        readonly = np.zeros(NBYTES, dtype=np.uint8)
+        readonly.flags.writeable = False
+        with pytest.raises(tutti.InvalidArgument, match="tensor is read-only"):
+            store.register_kv(tutti.KvLayout.block_major(readonly))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(7, 1), [0])
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -109,6 +156,7 @@ class Producer:
         ({"ndim": 33}, "tensor: a DLPack tensor with 33 dimensions"),
         ({"versioned": False, "ndim": -1}, "tensor: a DLPack tensor with -1 dimensions"),
         ({"shape": False}, "tensor: a DLPack tensor without a shape"),
+        ({"major": 2}, r"tensor: a DLPack 2\.0 capsule"),
     ],
 )
 def test_dlpack_import_refusals_name_the_tensor(options, message):

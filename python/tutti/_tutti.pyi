@@ -155,20 +155,27 @@ class ModelGeometry:
 TensorLike = Any
 """What a KV layout accepts as one tensor, tried in this order:
 - a `KvBuffer` (memory tutti allocated) or a `RawMemory` (address + size + device + owner);
-- an object with `__dlpack__` / `__dlpack_device__` (a torch tensor, a numpy array, ...): the
+- an object with `__dlpack__` / `__dlpack_device__` (a torch tensor, a numpy array, ...): asked
+  with `max_version=(1, 0)` (a DLPack 1.0 capsule, which says whether the memory is read-only:
+  one flagged read-only raises InvalidArgument), and again without arguments when the producer
+  raises TypeError at that keyword (a legacy capsule, which cannot say so: taken as writable). The
   DLPack capsule is consumed and kept, with the object, until the store is closed. That keeps
   the tensor object alive, not its memory: a producer may still free or move the memory under a
   live tensor (torch: `resize_`, `set_`, `untyped_storage().resize_(0)`), and the store would
   go on naming it (the device writes there). Never resize or `set_` a registered tensor or its
   storage before the store's close();
-- an object with the buffer protocol (bytearray, mmap, array.array, numpy): it must be writable
-  and C-contiguous; the export is held (so it cannot be resized or freed) until the store is
-  closed.
+- an object with the buffer protocol (bytearray, mmap, array.array, numpy, ctypes arrays): it
+  must be writable and C-contiguous (formats "B", "b", "c", after at most one byte-order
+  character, are raw bytes); the export is held (so it cannot be resized or freed) until the
+  store is closed.
 Its device must be the CPU (DLPack device type 1 or 3, "cpu") or CUDA (DLPack device type 2,
 "cuda:N"; registered only through tuttid, see Store.register_kv); anything else raises
 UnsupportedMemory. The DLPack capsule's device decides: a capsule of another device type (or
-CUDA device) than `__dlpack_device__` named raises InvalidArgument. Its element size must be the geometry's dtype_bytes, or 1 (raw bytes, e.g.
-uint8); another raises InvalidArgument. torch is never imported by tutti."""
+CUDA device) than `__dlpack_device__` named raises InvalidArgument, and so does a capsule that
+cannot be imported (already consumed, more than 32 dimensions, no shape, a DLPack major version
+other than 1, a dtype of a fraction of a byte such as int4), naming the tensor. Its element size
+must be the geometry's dtype_bytes, or 1 (raw bytes, e.g. uint8); another raises InvalidArgument.
+torch is never imported by tutti."""
 
 class RawMemory:
     """Memory named by address and size (a tensor's `data_ptr()` and byte size), for producers
@@ -516,8 +523,9 @@ class Store:
         In-process: the tensors' memory is mapped where it is (no copy; each tensor's pages are
         mapped whole, and only the bytes of its blocks are ever named in a command). Checks, each
         an InvalidArgument that names the tensor and what to fix: the device (UnsupportedMemory),
-        writability, element size, the bytes per block against the geometry, the block
-        dimension's density, the same N and stride across tensors, no two tensors overlapping,
+        the DLPack capsule (see TensorLike), writability (a read-only buffer, or a DLPack 1.0
+        capsule flagged read-only; a legacy DLPack capsule cannot say so), element size, the
+        bytes per block against the geometry, the block dimension's density, the same N and stride across tensors, no two tensors overlapping,
         the alignment the devices need (4 bytes with SGL, 4 KiB with PRP).
         Attached to tuttid, CPU memory: accepted when `layout`'s tensors are exactly this
         store's allocation from allocate_kv (same addresses, kind and N: a no-op that lets an

@@ -1,12 +1,14 @@
 //! The crate's only unsafe code: reading a DLPack capsule a producer gave us, handing one out
 //! over memory tutti allocated, and mapping a caller's memory for the store's devices.
 //!
-//! DLPack (dlpack.h, the unversioned `DLManagedTensor` every producer offers through
-//! `__dlpack__()` without `max_version`): a capsule named "dltensor" holds a pointer to a
-//! `DLManagedTensor`; the consumer renames it "used_dltensor" and owns the tensor from then on,
-//! calling its `deleter` when done. Until then the producer keeps its export, not necessarily the
-//! memory: a torch tensor's `resize_`, `set_` or `untyped_storage().resize_(0)` free or move the
-//! storage under a live export (the Python docs tell the caller never to). The deleter may be
+//! DLPack (dlpack.h): a capsule named "dltensor_versioned" holds a pointer to a
+//! `DLManagedTensorVersioned` (DLPack 1.0, which `__dlpack__(max_version=(1, 0))` asks for: its
+//! flags say whether the memory is read-only); one named "dltensor" a legacy `DLManagedTensor`
+//! (producers without DLPack 1.0, or asked without `max_version`: it cannot say read-only). The
+//! consumer renames it "used_dltensor_versioned" / "used_dltensor" and owns the tensor from then
+//! on, calling its `deleter` when done. Until then the producer keeps its export, not necessarily
+//! the memory: a torch tensor's `resize_`, `set_` or `untyped_storage().resize_(0)` free or move
+//! the storage under a live export (the Python docs tell the caller never to). The deleter may be
 //! called from any thread, with or without the GIL (the spec requires producers to take the GIL
 //! themselves where they need it: numpy does).
 
@@ -23,6 +25,12 @@ use pyo3::prelude::*;
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
 const DLTENSOR_VERSIONED: &CStr = c"dltensor_versioned";
+const USED_DLTENSOR_VERSIONED: &CStr = c"used_dltensor_versioned";
+/// The one DLPack major version whose `DLManagedTensorVersioned` layout this reads (a capsule of
+/// another major version guarantees only its `version`, `manager_ctx` and `deleter` fields).
+const DLPACK_MAJOR: u32 = 1;
+/// `DLManagedTensorVersioned::flags` bit 0 (`DLPACK_FLAG_BITMASK_READ_ONLY`).
+const DLPACK_FLAG_READ_ONLY: u64 = 1;
 /// More dimensions than any KV tensor has: a larger `ndim` is refused as garbage.
 const NDIM_MAX: i32 = 32;
 /// Pages of the devices' DMA mappings.
@@ -105,13 +113,21 @@ pub struct DlpackTensor {
     pub shape: Vec<i64>,
     /// In elements, as DLPack gives them; `None`: compact (C order).
     pub strides: Option<Vec<i64>>,
+    /// A versioned capsule flagged read-only; a legacy capsule cannot say so (false).
+    pub read_only: bool,
+}
+
+/// The producer's struct a consumed capsule pointed to, by the capsule's kind.
+enum Managed {
+    Legacy(NonNull<DlManagedTensor>),
+    Versioned(NonNull<DlManagedTensorVersioned>),
 }
 
 /// A consumed DLPack tensor: the producer's export is held until this is dropped, which calls
 /// the producer's deleter (once). That holds the producer's tensor object, not its memory (see
 /// the module's doc: torch can free or move it under a live export).
 pub struct ImportedDlpack {
-    managed: NonNull<DlManagedTensor>,
+    managed: Managed,
 }
 
 // SAFETY: the pointer is only used to call the producer's deleter, which the DLPack
@@ -123,12 +139,22 @@ unsafe impl Sync for ImportedDlpack {}
 
 impl Drop for ImportedDlpack {
     fn drop(&mut self) {
-        // SAFETY: `managed` came from a capsule named "dltensor" that we renamed, so we own it
-        // (DLPack's protocol) and call its deleter exactly once, here; the struct is valid until
-        // then (the producer frees it only in the deleter).
+        // SAFETY: `managed` came from a capsule named "dltensor" or "dltensor_versioned" that we
+        // renamed, so we own it (DLPack's protocol) and call its deleter exactly once, here, with
+        // the struct's own address (each kind's deleter takes its own struct); the struct is
+        // valid until then (the producer frees it only in the deleter).
         unsafe {
-            if let Some(deleter) = (*self.managed.as_ptr()).deleter {
-                deleter(self.managed.as_ptr());
+            match self.managed {
+                Managed::Legacy(managed) => {
+                    if let Some(deleter) = (*managed.as_ptr()).deleter {
+                        deleter(managed.as_ptr());
+                    }
+                }
+                Managed::Versioned(managed) => {
+                    if let Some(deleter) = (*managed.as_ptr()).deleter {
+                        deleter(managed.as_ptr());
+                    }
+                }
             }
         }
     }
@@ -143,60 +169,95 @@ pub enum ImportError {
     Python(PyErr),
 }
 
-/// Consumes the capsule `producer.__dlpack__()` returned: checks its name, copies the tensor's
-/// description, renames it "used_dltensor" (so that its destructor leaves the tensor to us).
-/// A refused capsule is left unconsumed: its producer's destructor frees it.
+/// Copies the description out of a producer's `DLTensor`, or says why it is refused.
+///
+/// # Safety
+/// `tensor` is the `dl_tensor` of a live, unconsumed DLPack struct: `shape` and `strides` point
+/// to `ndim` int64s each when not null (strides may be null: compact), as the spec requires.
+unsafe fn read_tensor(tensor: &DlTensor, read_only: bool) -> Result<DlpackTensor, String> {
+    if !(0..=NDIM_MAX).contains(&tensor.ndim) {
+        return Err(format!("a DLPack tensor with {} dimensions", tensor.ndim));
+    }
+    let ndim = tensor.ndim as usize;
+    if ndim > 0 && tensor.shape.is_null() {
+        return Err("a DLPack tensor without a shape".into());
+    }
+    let DlDataType { code, bits, lanes } = tensor.dtype;
+    let bits_per_element = u64::from(bits) * u64::from(lanes);
+    // Sub-byte dtypes (int4, packed lanes) have no byte size: rounding down would register the
+    // memory with a wrong element size (20 bits as 2 bytes).
+    if bits_per_element % 8 != 0 {
+        return Err(format!(
+            "a DLPack dtype of {bits} bits x {lanes} lanes (type code {code}) is not a whole number of bytes: register the memory's bytes (uint8) or a dtype of whole bytes"
+        ));
+    }
+    // SAFETY: `ndim` is in 0..=NDIM_MAX and `shape` is not null when ndim > 0 (checked above);
+    // the caller's contract makes both arrays `ndim` long.
+    let (shape, strides) = unsafe {
+        let shape = if ndim == 0 { Vec::new() } else { std::slice::from_raw_parts(tensor.shape, ndim).to_vec() };
+        let strides = (!tensor.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(tensor.strides, ndim).to_vec());
+        (shape, strides)
+    };
+    Ok(DlpackTensor {
+        address: (tensor.data as u64).wrapping_add(tensor.byte_offset),
+        device_type: tensor.device.device_type,
+        device_id: tensor.device.device_id,
+        itemsize: bits_per_element / 8,
+        raw_bytes: matches!(code, DLPACK_INT | DLPACK_UINT) && bits == 8 && lanes == 1,
+        shape,
+        strides,
+        read_only,
+    })
+}
+
+/// Consumes the capsule `producer.__dlpack__(...)` returned, "dltensor_versioned" (DLPack 1.0)
+/// or "dltensor": checks its name (and a versioned one's major version), copies the tensor's
+/// description, renames it "used_dltensor_versioned" / "used_dltensor" (so that its destructor
+/// leaves the tensor to us). A refused capsule is left unconsumed: its producer's destructor
+/// frees it.
 pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, ImportedDlpack), ImportError> {
     let object = capsule.as_ptr();
     let fetch = || ImportError::Python(PyErr::fetch(capsule.py()));
     // SAFETY: `object` is a live object (borrowed for this call); PyCapsule_IsValid accepts any
-    // object and only reads its type and name.
-    let valid = unsafe { ffi::PyCapsule_IsValid(object, DLTENSOR.as_ptr()) };
-    if valid != 1 {
+    // object, only reads its type and name, and sets no error.
+    let (versioned, legacy) = unsafe {
+        (ffi::PyCapsule_IsValid(object, DLTENSOR_VERSIONED.as_ptr()) == 1, ffi::PyCapsule_IsValid(object, DLTENSOR.as_ptr()) == 1)
+    };
+    let (description, managed, used) = if versioned {
+        // SAFETY: the capsule is valid under this name (checked above); its pointer is non-null
+        // by the capsule API's definition of valid.
+        let pointer = unsafe { ffi::PyCapsule_GetPointer(object, DLTENSOR_VERSIONED.as_ptr()) } as *mut DlManagedTensorVersioned;
+        let managed = NonNull::new(pointer).ok_or_else(fetch)?;
+        // SAFETY: a "dltensor_versioned" capsule points to a DLManagedTensorVersioned that stays
+        // valid until its deleter is called (not yet: unconsumed). Its `version` comes first in
+        // every DLPack version; the rest of the layout is read only for major version 1.
+        let description = unsafe {
+            let managed = &*managed.as_ptr();
+            let DlPackVersion { major, minor } = managed.version;
+            if major != DLPACK_MAJOR {
+                return Err(ImportError::Refused(format!(
+                    "a DLPack {major}.{minor} capsule: tutti reads DLPack {DLPACK_MAJOR} (its __dlpack__ was given max_version=({DLPACK_MAJOR}, 0))"
+                )));
+            }
+            read_tensor(&managed.dl_tensor, managed.flags & DLPACK_FLAG_READ_ONLY != 0).map_err(ImportError::Refused)?
+        };
+        (description, Managed::Versioned(managed), USED_DLTENSOR_VERSIONED)
+    } else if legacy {
+        // SAFETY: as above, under the legacy name.
+        let pointer = unsafe { ffi::PyCapsule_GetPointer(object, DLTENSOR.as_ptr()) } as *mut DlManagedTensor;
+        let managed = NonNull::new(pointer).ok_or_else(fetch)?;
+        // SAFETY: a "dltensor" capsule points to a DLManagedTensor that stays valid until its
+        // deleter is called (not yet: unconsumed).
+        let description = unsafe { read_tensor(&(*managed.as_ptr()).dl_tensor, false) }.map_err(ImportError::Refused)?;
+        (description, Managed::Legacy(managed), USED_DLTENSOR)
+    } else {
         return Err(ImportError::Refused(
-            "__dlpack__() did not return an unused \"dltensor\" capsule (already consumed, a versioned capsule, or not a DLPack capsule)"
+            "__dlpack__() did not return an unused \"dltensor_versioned\" or \"dltensor\" capsule (already consumed, or not a DLPack capsule)"
                 .into(),
         ));
-    }
-    // SAFETY: the capsule is valid under this name (checked above); its pointer is non-null by
-    // the capsule API's definition of valid.
-    let pointer = unsafe { ffi::PyCapsule_GetPointer(object, DLTENSOR.as_ptr()) } as *mut DlManagedTensor;
-    let managed = NonNull::new(pointer).ok_or_else(fetch)?;
-    // SAFETY: a "dltensor" capsule points to a DLManagedTensor that stays valid until its deleter
-    // is called (not yet: the capsule is unconsumed). We read it by value; `shape` and `strides`
-    // point to `ndim` int64s each (strides may be null: compact), checked before reading.
-    let description = unsafe {
-        let tensor = &(*managed.as_ptr()).dl_tensor;
-        if !(0..=NDIM_MAX).contains(&tensor.ndim) {
-            return Err(ImportError::Refused(format!("a DLPack tensor with {} dimensions", tensor.ndim)));
-        }
-        let ndim = tensor.ndim as usize;
-        if ndim > 0 && tensor.shape.is_null() {
-            return Err(ImportError::Refused("a DLPack tensor without a shape".into()));
-        }
-        let shape = if ndim == 0 { Vec::new() } else { std::slice::from_raw_parts(tensor.shape, ndim).to_vec() };
-        let strides = (!tensor.strides.is_null() && ndim > 0).then(|| std::slice::from_raw_parts(tensor.strides, ndim).to_vec());
-        let DlDataType { code, bits, lanes } = tensor.dtype;
-        let bits_per_element = u64::from(bits) * u64::from(lanes);
-        // Sub-byte dtypes (int4, packed lanes) have no byte size: rounding down would register
-        // the memory with a wrong element size (20 bits as 2 bytes).
-        if bits_per_element % 8 != 0 {
-            return Err(ImportError::Refused(format!(
-                "a DLPack dtype of {bits} bits x {lanes} lanes (type code {code}) is not a whole number of bytes: register the memory's bytes (uint8) or a dtype of whole bytes"
-            )));
-        }
-        DlpackTensor {
-            address: (tensor.data as u64).wrapping_add(tensor.byte_offset),
-            device_type: tensor.device.device_type,
-            device_id: tensor.device.device_id,
-            itemsize: bits_per_element / 8,
-            raw_bytes: matches!(code, DLPACK_INT | DLPACK_UINT) && bits == 8 && lanes == 1,
-            shape,
-            strides,
-        }
     };
     // SAFETY: renaming a valid capsule; the name is a static C string that outlives it.
-    if unsafe { ffi::PyCapsule_SetName(object, USED_DLTENSOR.as_ptr()) } != 0 {
+    if unsafe { ffi::PyCapsule_SetName(object, used.as_ptr()) } != 0 {
         return Err(fetch());
     }
     Ok((description, ImportedDlpack { managed }))

@@ -5,7 +5,7 @@
 use nvme_driver::DmaRegion;
 use pyo3::exceptions::{PyBufferError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList};
 
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{self, ImportedDlpack, DLPACK_CPU, DLPACK_CUDA, DLPACK_CUDA_HOST};
@@ -421,7 +421,16 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
             };
             return Ok((description, Keep::Objects(Vec::new())));
         }
-        let capsule = object.call_method0("__dlpack__").map_err(|error| {
+        // DLPack 1.0 first: its capsule says whether the memory is read-only. A producer that
+        // does not know the keyword (TypeError, as the array API standard says) is asked again
+        // without it, for the legacy capsule, which cannot say (taken as writable).
+        let keywords = PyDict::new(py);
+        keywords.set_item("max_version", (1, 0))?;
+        let capsule = match object.call_method("__dlpack__", (), Some(&keywords)) {
+            Err(error) if error.is_instance_of::<PyTypeError>(py) => object.call_method0("__dlpack__"),
+            answer => answer,
+        }
+        .map_err(|error| {
             PyErr::from(Failure::new(
                 ErrorClass::InvalidArgument,
                 format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"),
@@ -474,7 +483,8 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
             raw_bytes: tensor.raw_bytes,
             shape: if shape.is_empty() { vec![1] } else { shape },
             strides_bytes,
-            writable: true,
+            // A versioned capsule flagged read-only: `check_layout` refuses it by name.
+            writable: !tensor.read_only,
         };
         return Ok((description, Keep::Dlpack(imported, object.clone().unbind())));
     }
