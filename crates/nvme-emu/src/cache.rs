@@ -2,9 +2,10 @@
 //!
 //! Model: a write lands here and completes; it reaches the backing store (becomes durable) on
 //! Flush, on a FUA write of the same blocks, or when the cache exceeds its capacity (then every
-//! dirty block is written back). A power loss discards the cache. Blocks are keyed by
-//! (namespace index, LBA) so a write-back walks them in order and coalesces consecutive
-//! blocks into few backing-store writes.
+//! dirty block is written back). A power loss discards the cache (after writing a pseudorandom
+//! subset back, in `PowerLossMode::PartialWriteBack`: see `ControllerCore::write_back_some`).
+//! Blocks are keyed by (namespace index, LBA) so a write-back walks them in order and
+//! coalesces consecutive blocks into few backing-store writes.
 
 use std::collections::BTreeMap;
 

@@ -150,6 +150,26 @@ impl Shared {
     }
 }
 
+/// What the volatile write cache does when the power goes ([`EmuDevice::power_loss_with`]).
+///
+/// A real drive writes its cache back in its own order, a block at a time, whenever it likes:
+/// at a cut any subset of the blocks written since the last Flush may already be on media, in
+/// no relation to the order the host wrote them. Blocks covered by a completed Flush or FUA are
+/// on media in every mode; each block is wholly old or wholly new (one logical block is atomic
+/// on power fail, AWUPF = 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PowerLossMode {
+    /// Every dirty cached block is lost ([`EmuDevice::power_loss`]): the media holds what was
+    /// written back, all of it together, by a Flush, a FUA, a full cache or a shutdown.
+    #[default]
+    DiscardCache,
+    /// A pseudorandom subset of the dirty cached blocks (each with even odds, drawn from `seed`)
+    /// reaches the media first, the rest is lost: a host that relies on the order of two
+    /// non-FUA writes without a Flush between them can find the later one on media without the
+    /// earlier. The same seed over the same cached blocks picks the same subset.
+    PartialWriteBack { seed: u64 },
+}
+
 /// A running software NVMe controller. See the crate documentation for an example.
 pub struct EmuDevice {
     shared: Arc<Shared>,
@@ -222,7 +242,13 @@ impl EmuDevice {
     /// cut's register reset clears); a zeroing (deallocate, Write Zeroes) at its next slice,
     /// without a completion. A function reset waits, and is given way to, the same way.
     pub fn power_loss(&self) {
-        self.shared.core_preempting().power_loss();
+        self.power_loss_with(PowerLossMode::DiscardCache);
+    }
+
+    /// [`EmuDevice::power_loss`], with what the volatile write cache does at the cut chosen by
+    /// `mode` (see [`PowerLossMode`]).
+    pub fn power_loss_with(&self, mode: PowerLossMode) {
+        self.shared.core_preempting().power_loss(mode);
     }
 
     /// Installs a fault plan (replacing the previous one; rule counters start from zero).

@@ -28,7 +28,7 @@
 //!   `File { path, create_bytes }`), [`NamespaceConfig`] (`block_size_bytes`, `size_bytes`);
 //! - [`EmuDevice::start`]`(EmuConfig) -> Result<Arc<EmuDevice>, EmuError>`; the device implements
 //!   [`nvme_driver::hw::DeviceBackend`] and stops its thread when the last `Arc` drops;
-//! - [`EmuDevice::power_loss`], [`EmuDevice::set_faults`]`(`[`FaultPlan`]`)`,
+//! - [`EmuDevice::power_loss`], [`EmuDevice::power_loss_with`]`(`[`PowerLossMode`]`)`, [`EmuDevice::set_faults`]`(`[`FaultPlan`]`)`,
 //!   [`EmuDevice::stats`]` -> `[`EmuStats`], [`EmuDevice::register_region`] (BAR0 memory for a
 //!   GPU), [`EmuDevice::dma_pool`];
 //! - [`fuzzing::process_raw`] for fuzzers.
@@ -77,7 +77,7 @@ mod tests;
 use std::path::PathBuf;
 
 pub use config::{Backing, EmuConfig, NamespaceConfig};
-pub use device::{EmuDevice, RestrictionPreset};
+pub use device::{EmuDevice, PowerLossMode, RestrictionPreset};
 pub use faults::{FaultAction, FaultPlan, FaultRule, QueueFilter};
 pub use registers::RegisterFile;
 pub use restriction::QueueRestriction;

@@ -9,7 +9,7 @@ use nvme_driver::Iova;
 use super::in_flight::Settle;
 use super::{ControllerCore, State, CSTS_FATAL, CSTS_READY, CSTS_SHUTDOWN_COMPLETE, CSTS_SHUTDOWN_MASK, CSTS_SHUTDOWN_OCCURRING};
 use crate::queues::{CompletionQueue, SubmissionQueue};
-use crate::EmuError;
+use crate::{EmuError, PowerLossMode};
 
 impl ControllerCore {
     /// Applies CC: enable (EN 0 to 1), reset (EN 1 to 0), shutdown notification. Called by the
@@ -279,8 +279,10 @@ impl ControllerCore {
         }
     }
 
-    /// Power is cut: unflushed cache contents are lost, in-flight commands get no completion,
-    /// every register returns to its reset value. The backing store is kept.
+    /// Power is cut: unflushed cache contents are lost (all of them, or, in `mode`
+    /// [`PowerLossMode::PartialWriteBack`], all but a pseudorandom subset written back first),
+    /// in-flight commands get no completion, every register returns to its reset value. The
+    /// backing store is kept.
     ///
     /// A real device loses the power to DMA with it; here the kernel may keep a transfer into
     /// host memory past the cut (one it would not cancel). Then CSTS does not read as a
@@ -288,11 +290,16 @@ impl ControllerCore {
     /// `report_stopped`), so a host bringing the controller up again times out waiting for
     /// RDY = 0 instead of reusing memory the kernel may still write. Runs on the caller's thread
     /// (`EmuDevice::power_loss`) and returns when the cut is done.
-    pub(crate) fn power_loss(&mut self) {
+    pub(crate) fn power_loss(&mut self, mode: PowerLossMode) {
         // Transfers in flight are cancelled where the kernel still can (those never land) and
         // waited for otherwise (those land, as a write already on its way to the media would);
         // none of their commands completes.
         self.settle_in_flight(Settle::PowerLoss);
+        // After the settle: a Write that landed there dropped the older cached copies of its
+        // blocks, which must not be written back over it now.
+        if let PowerLossMode::PartialWriteBack { seed } = mode {
+            self.write_back_some(seed);
+        }
         self.cache.discard_all();
         self.stop();
         self.registers.power_on_reset();

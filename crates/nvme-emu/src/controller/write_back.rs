@@ -1,5 +1,6 @@
 //! Write-back of the volatile write cache to the backing store (Flush, VWC = 0, shutdown,
-//! function reset, a full cache). A FUA Write writes nothing back: it writes its own data to
+//! function reset, a full cache, and part of it at a power loss in
+//! [`crate::PowerLossMode::PartialWriteBack`]). A FUA Write writes nothing back: it writes its own data to
 //! the store and drops the cached copies of its blocks (`store_blocks` in `io.rs`, `landed` in
 //! `batch.rs`).
 
@@ -60,6 +61,30 @@ impl ControllerCore {
         Ok(())
     }
 
+    /// A power loss in [`crate::PowerLossMode::PartialWriteBack`]: writes a pseudorandom subset
+    /// of the dirty cached blocks (each with even odds, drawn from `seed`) to the backing store,
+    /// one whole block at a time, as a drive that had written part of its cache back, in its own
+    /// order, before the cut. The rest stays in the cache for the cut to discard. A block whose
+    /// write fails is lost like the rest (the failure is logged): power is going, nothing retries.
+    pub(crate) fn write_back_some(&mut self, seed: u64) {
+        if self.cache.is_empty() {
+            return;
+        }
+        if self.store.is_fenced() {
+            tracing::error!("partial write-back at the power loss skipped: the backing store is fenced");
+            return;
+        }
+        let blocks = self.cache.take(None);
+        let mut state = seed;
+        for ((namespace_index, lba), data) in blocks {
+            if split_mix(&mut state) & 1 == 1 {
+                // `write_run` logs a failure; the block is then lost, as the unchosen ones are.
+                let _ = self.write_run(namespace_index, lba, &data);
+            }
+            self.cache.recycle(data);
+        }
+    }
+
     fn write_run(&mut self, namespace_index: usize, start_lba: u64, data: &[u8]) -> Result<(), NvmeStatus> {
         let Some(namespace) = self.namespaces.get(namespace_index).copied() else { return Ok(()) };
         let offset = namespace.base_offset_bytes + start_lba * u64::from(namespace.block_size_bytes);
@@ -75,4 +100,14 @@ impl ControllerCore {
         self.counters.totals.cache_writeback_bytes += data.len() as u64;
         Ok(())
     }
+}
+
+/// SplitMix64: a small, well-mixed generator, so that neighbouring seeds (a test's iteration
+/// numbers) still pick unrelated subsets.
+fn split_mix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }

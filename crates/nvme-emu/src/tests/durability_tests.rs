@@ -312,3 +312,49 @@ fn a_failed_write_through_keeps_an_earlier_completed_cached_write() {
         let _ = std::fs::remove_file(&path);
     }
 }
+
+#[test]
+fn a_partial_power_loss_writes_back_some_whole_cached_blocks_and_loses_the_rest() {
+    // Goal: `PowerLossMode::PartialWriteBack` models a drive that wrote back part of its cache
+    // before the cut: of 64 blocks written (not FUA, no Flush) over old data, some read back new
+    // and some old, each one wholly; the same seed picks the same blocks; a Flushed block and a
+    // FUA one are on media whatever the seed; plain `power_loss` still loses every cached block.
+    let lbas = 0..64u64;
+    let cut = |mode: Option<crate::PowerLossMode>| -> Vec<bool> {
+        let mut host = TestHost::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 8 << 20 }));
+        let mut queue = host.create_io_pair(1, 16);
+        for lba in lbas.clone() {
+            write(&host, &mut queue, lba, 0x11, false);
+        }
+        write(&host, &mut queue, 100, 0x33, false);
+        assert_eq!(status_of(&host.execute_on(&mut queue, SubmissionEntry::flush(NamespaceId(1)))), Ok(()));
+        for lba in lbas.clone() {
+            write(&host, &mut queue, lba, 0x22, false);
+        }
+        write(&host, &mut queue, 101, 0x44, true);
+        match mode {
+            Some(mode) => host.device.power_loss_with(mode),
+            None => host.device.power_loss(),
+        }
+        host.enable();
+        let mut queue = host.create_io_pair(1, 16);
+        assert!(read_block(&host, &mut queue, 100).iter().all(|&byte| byte == 0x33), "a Flushed block was lost");
+        assert!(read_block(&host, &mut queue, 101).iter().all(|&byte| byte == 0x44), "a FUA block was lost");
+        lbas.clone()
+            .map(|lba| {
+                let block = read_block(&host, &mut queue, lba);
+                let new = block.iter().all(|&byte| byte == 0x22);
+                assert!(new || block.iter().all(|&byte| byte == 0x11), "LBA {lba} is torn: neither wholly old nor wholly new");
+                new
+            })
+            .collect()
+    };
+    let seed = crate::PowerLossMode::PartialWriteBack { seed: 7 };
+    let first = cut(Some(seed));
+    let landed = first.iter().filter(|&&new| new).count();
+    assert!(landed > 0 && landed < first.len(), "{landed} of {} cached blocks reached media: want some, not all", first.len());
+    assert_eq!(cut(Some(seed)), first, "the same seed must pick the same blocks");
+    assert_ne!(cut(Some(crate::PowerLossMode::PartialWriteBack { seed: 8 })), first, "another seed picks other blocks");
+    assert!(cut(None).iter().all(|&new| !new), "plain power_loss must lose every cached block");
+    assert!(cut(Some(crate::PowerLossMode::DiscardCache)).iter().all(|&new| !new), "DiscardCache is power_loss");
+}
