@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::client::{ClusterClient, Lookup, Members};
 use crate::config::ClusterConfig;
-use crate::connection::{attempt_timeout, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
+use crate::connection::{attempt_timeout, is_too_large, Members as EtcdMembers, RETRY_PAUSE_FIRST, RETRY_PAUSE_MAX};
 use crate::error::{ClusterError, Result};
 use crate::layout::{MemberRecord, SegmentRecord};
 use crate::names::{ModelSpace, NodeId};
@@ -164,6 +164,18 @@ impl ClusterNode {
         };
         let answer = match answer {
             Ok(answer) => answer,
+            Err(error) if is_too_large(&error) => {
+                // Only the read of a taken key answers at length: the put was not applied, and
+                // a value that long is no member record (as `member()` refuses it). Its lease
+                // is in the answer the client refused to decode.
+                let _ = self.revoke(lease_id);
+                return Err(ClusterError::MemberKeyBlocked {
+                    node: self.record.node.to_string(),
+                    key,
+                    lease_id: 0,
+                    reason: "a value larger than an answer may be, its lease unread",
+                });
+            }
             Err(error) => {
                 // The transaction may have been applied with its answer lost: the new lease may
                 // hold the member key.

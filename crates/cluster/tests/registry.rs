@@ -487,6 +487,29 @@ fn a_member_key_no_live_node_holds_is_named_not_taken_for_a_holder() {
     assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
 }
 
+#[test]
+fn a_member_key_too_large_to_read_is_named_not_an_opaque_etcd_error() {
+    // Goal: a member key holding a value longer than an answer may be (4 MiB; etcd takes it
+    // with a larger --max-request-bytes) is no member record: `join` answers
+    // `MemberKeyBlocked` naming the key to delete, as `member()` refuses it, not an opaque
+    // `Etcd { OutOfRange }` the operator cannot act on; once it is deleted the node joins.
+    let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else {
+        return;
+    };
+    let key = KeyLayout::new(ClusterId::new("bulky-member").unwrap()).member_key(&node("a"));
+    put_raw(&etcd, &[(key.clone(), vec![0x5a; 4608 << 10])]);
+    match ClusterNode::join(config(&etcd, "bulky-member"), record("a")) {
+        Err(error @ ClusterError::MemberKeyBlocked { .. }) => {
+            let text = error.to_string();
+            assert!(text.contains(&key) && text.contains("larger than an answer"), "{text}");
+        }
+        other => panic!("a member key too large to read: {:?}", other.map(|_| ())),
+    }
+    delete_raw(&etcd, &key);
+    let node_a = ClusterNode::join(config(&etcd, "bulky-member"), record("a")).unwrap();
+    assert_eq!(node_a.members().unwrap().nodes, vec![record("a")]);
+}
+
 /// Deletes one key behind the registry's back, as an operator would with `etcdctl del`.
 fn delete_raw(etcd: &tutti_cluster::local_etcd::LocalEtcd, key: &str) {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
