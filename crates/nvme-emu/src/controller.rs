@@ -299,6 +299,11 @@ pub(crate) struct ControllerCore {
     /// Cache write-backs fail with an I/O error while set (a store that refuses writes, in tests).
     #[cfg(test)]
     pub(crate) fail_write_backs_for_tests: bool,
+    /// A bounced Write the kernel gives back at a stop (reset, power loss) is taken as having
+    /// written this many bytes of its data to the store before it stopped (they are written
+    /// there, and the transfer reports short): a short write cut off by the stop, in tests.
+    #[cfg(test)]
+    pub(crate) short_write_at_stop_for_tests: Option<usize>,
     /// `fdatasync` of the store fails with an I/O error while set (a disk that loses its
     /// cache flushes, in tests).
     #[cfg(test)]
@@ -380,6 +385,8 @@ impl ControllerCore {
             direct_on_override: false,
             #[cfg(test)]
             fail_write_backs_for_tests: false,
+            #[cfg(test)]
+            short_write_at_stop_for_tests: None,
             #[cfg(test)]
             fail_syncs_for_tests: false,
             #[cfg(test)]

@@ -403,21 +403,86 @@ impl ControllerCore {
         if io.direct {
             io.buffers.regions = completion.regions;
         }
+        #[cfg(test)]
+        let result = self.short_write_for_tests(&io, &completion.buffer, result, settle);
         self.end_io(io, completion.buffer, result, settle);
+    }
+
+    /// `short_write_at_stop_for_tests`: lands the first bytes of a bounced Write given back at a
+    /// stop in the store, as a kernel that wrote part of it would have, and reports it short.
+    #[cfg(test)]
+    fn short_write_for_tests(
+        &mut self,
+        io: &PreparedIo,
+        buffer: &AlignedBuffer,
+        result: Result<(), UringError>,
+        settle: Settle,
+    ) -> Result<(), UringError> {
+        match self.short_write_at_stop_for_tests {
+            Some(done_bytes) if settle != Settle::Finish && io.write && !io.direct && done_bytes < io.len_bytes() => {
+                let offset_bytes = io.offset_bytes();
+                self.store.write(offset_bytes, &buffer.bytes(io.len_bytes())[..done_bytes]).expect("the test's short write lands");
+                Err(UringError::ShortTransfer { direction: Direction::Write, offset_bytes, len_bytes: io.len_bytes(), done_bytes })
+            }
+            _ => result,
+        }
     }
 
     /// Ends a command whose transfer the kernel gave back: finishes it (`Settle::Finish`), or
     /// drops it without a completion. A dropped Write that did not complete is not redone: its
     /// blocks keep whatever the cache and the store held before it (it never happened, which a
-    /// command without a completion may not have); one that completed landed all the same.
-    pub(super) fn end_io(&mut self, io: PreparedIo, buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
+    /// command without a completion may not have); one that completed landed all the same; one
+    /// given back short has the block it stopped in finished ([`ControllerCore::whole_blocks_after`]).
+    pub(super) fn end_io(&mut self, io: PreparedIo, mut buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
         if settle == Settle::Finish {
             self.finish_io(io, buffer, result);
         } else {
-            if io.write && result.is_ok() {
-                self.landed(&io);
+            match result {
+                Ok(()) if io.write => self.landed(&io),
+                Err(UringError::ShortTransfer { done_bytes, .. }) if io.write => self.whole_blocks_after(&io, &mut buffer, done_bytes),
+                _ => {}
             }
             self.recycle_buffer(buffer);
+        }
+    }
+
+    /// A dropped Write the kernel gave back short, `done_bytes` of it in the store: the logical
+    /// block it stopped in holds new bytes over old ones. One logical block is atomic on power
+    /// fail (Identify's AWUPF = 0, a 0's based value), and a stop is where the host may see one,
+    /// so that block is finished from the command's data (its first bytes, already there, are
+    /// written again with it): each block then reads wholly old (not reached) or wholly new.
+    /// Dropping it back instead would need its old bytes, which the store no longer has. The
+    /// blocks before it landed whole; older cached copies of them stay (a command with no
+    /// completion may have happened or not, block by block). A direct Write's data is gathered
+    /// again from the host's memory, which the kernel gave back with the transfer.
+    fn whole_blocks_after(&mut self, io: &PreparedIo, buffer: &mut AlignedBuffer, done_bytes: usize) {
+        let block = io.namespace.block_size_bytes as usize;
+        let len = io.len_bytes();
+        if block == 0 || done_bytes.is_multiple_of(block) || done_bytes >= len {
+            return;
+        }
+        let start = done_bytes - done_bytes % block;
+        let mut bounce = None;
+        let data: &[u8] = if io.direct {
+            let bounce = bounce.insert(self.io_buffers.pop().unwrap_or_default());
+            if let Err(status) = io.buffers.gather(bounce.slice(len)) {
+                tracing::error!(%status, "a Write cut short by a stop left a torn block: its data could not be gathered again");
+                return;
+            }
+            bounce.bytes(len)
+        } else {
+            buffer.bytes(len)
+        };
+        let offset = io.offset_bytes() + start as u64;
+        let written = match data.get(start..start + block) {
+            Some(rest) => self.store.write(offset, rest),
+            None => Err(std::io::Error::other("the Write's buffer is shorter than the command")),
+        };
+        if let Err(error) = written {
+            tracing::error!(%error, offset, "a Write cut short by a stop left a torn block: finishing it failed");
+        }
+        if let Some(bounce) = bounce {
+            self.recycle_buffer(bounce);
         }
     }
 
