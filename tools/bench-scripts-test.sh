@@ -40,6 +40,10 @@
 #    rounds. (tools/python/bench's tests run in the python stage: tools/python/core-test.sh.)
 set -uo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
+# session_pids: a session's processes from /proc (pgrep is not on every fresh machine, and a
+# missing one would make every "nothing left" check pass without looking).
+# shellcheck source=tools/lib/process.sh
+. "$HERE/lib/process.sh"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 failures=0
@@ -241,7 +245,7 @@ sitting() {
 }
 # sitting_ends BOUND_S: $ended, the sitting's exit status once it ends within BOUND_S seconds, or
 # "running"; then $left, whatever is left in its session (the round's own process group
-# included), which is killed.
+# included; "unknown" when /proc cannot be read), which is killed.
 sitting_ends() {
     local tenths
     for ((tenths = 0; tenths < $1 * 10; tenths++)); do
@@ -253,11 +257,28 @@ sitting_ends() {
         wait "$sitting"
         ended=$?
     fi
-    left=$(pgrep -s "$sitting" | tr '\n' ' ')
+    left=$(session_pids "$sitting" | tr '\n' ' ') || left=unknown
     # shellcheck disable=SC2086 # the pids are words
-    [ -z "$left" ] || kill -KILL $left 2> /dev/null
+    [ -z "$left" ] || [ "$left" = unknown ] || kill -KILL $left 2> /dev/null
     [ "$ended" != running ] || wait "$sitting" 2> /dev/null
 }
+# round_runs: waits (up to 10 s) until the round runs: its stand-in's sleep, in the sitting's
+# session.
+round_runs() {
+    local tenths pid
+    for ((tenths = 0; tenths < 100; tenths++)); do
+        for pid in $(session_pids "$sitting"); do
+            [ "$(cat "/proc/$pid/comm" 2> /dev/null)" != sleep ] || return 0
+        done
+        sleep 0.1
+    done
+}
+# The look itself: a process left in a session is seen (without it, every "nothing left" below
+# would pass without looking).
+setsid sleep 30 < /dev/null > /dev/null 2>&1 &
+sitting=$!
+sitting_ends 0
+check "session_pids: a process still running in a session is seen" "$sitting " "$left"
 sitting "$WORK/hang.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=1
 sitting_ends 15
 check "compare-lmcache.sh: a round that never returns: exit 2 after the round's bound (well under the stand-in's 60 s)" 2 "$ended"
@@ -267,10 +288,7 @@ check "compare-lmcache.sh: the timed-out round's process group killed, nothing l
 # timeout (a group of its own) is not in: the round must be stopped and the sitting end (130),
 # not the interrupt swallowed and the next round run.
 sitting "$WORK/interrupt.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=60
-for ((tenths = 0; tenths < 100; tenths++)); do # until the round runs: its stand-in's sleep
-    pgrep -s "$sitting" -x sleep > /dev/null && break
-    sleep 0.1
-done
+round_runs
 kill -INT -- "-$sitting"
 sitting_ends 10
 check "compare-lmcache.sh: Ctrl-C (SIGINT to its process group) in a round: exit 130 within 10 s (the round's bound is 60 s)" 130 "$ended"
@@ -280,10 +298,7 @@ check "compare-lmcache.sh: Ctrl-C: the error says the sitting was interrupted" 1
 # (the shell's killpg of its jobs, the kernel's to the foreground group), not to the round's: the
 # round must be stopped as for Ctrl-C, not left running into the directory the cleanup removed.
 sitting "$WORK/hangup.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=60
-for ((tenths = 0; tenths < 100; tenths++)); do # until the round runs: its stand-in's sleep
-    pgrep -s "$sitting" -x sleep > /dev/null && break
-    sleep 0.1
-done
+round_runs
 kill -HUP -- "-$sitting"
 sitting_ends 10
 check "compare-lmcache.sh: a hangup (SIGHUP to its process group) in a round: exit 129 within 10 s" 129 "$ended"
