@@ -113,7 +113,9 @@ impl ClusterClient {
     /// absent, or still under `lease_id`, the lease the dead process recorded (0: none known,
     /// then only an absent key will do). Otherwise the entries may be a live process's (a
     /// second tuttid started with the same node id) and nothing is deleted:
-    /// [`ClusterError::NodeIdTaken`] names the holder's lease. One transaction per
+    /// [`ClusterError::NodeIdTaken`] names the holder's lease. An absent key is trusted: one
+    /// an operator deleted by hand under a live process lets this delete that process's
+    /// entries (docs/cluster.md, "The guard trusts the member key"). One transaction per
     /// `txn_ops_max` segments; returns the transactions. Not for a live node's eviction:
     /// `ClusterNode::unregister` deletes under its own lease. Deleting an entry that is not
     /// there is not an error.
