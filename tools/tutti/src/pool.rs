@@ -53,7 +53,9 @@ pub struct DeviceArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=0xFFFF_FFFE))]
     namespace: u32,
     /// LBA size of an `emu:` device's namespace. `inspect` and `check` must be given the one
-    /// `format` was (a pool read with another is refused, status 2, naming it).
+    /// `format` was (a pool read with another is refused, status 2, naming it). tuttid, the
+    /// Python package's `Store.open` and tutti-bench run `emu:` devices with 4096-byte LBAs
+    /// only: they serve only pools formatted with the default 4096.
     #[arg(long, default_value_t = 4096)]
     emu_lba_bytes: u32,
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that the two exclude

@@ -41,7 +41,8 @@ struct Cli {
     #[arg(long, value_name = "SOCKET", conflicts_with_all = ["devices", "socket", "format"])]
     status: Option<PathBuf>,
     /// A pool device: vfio:BDF, emu:PATH or emu:mem:SIZE (the software controller runs inside
-    /// the daemon). Repeat for several; all in one DMA space.
+    /// the daemon, with 4096-byte LBAs: an emu: pool formatted with another LBA size is
+    /// refused). Repeat for several; all in one DMA space.
     #[arg(long = "device", value_name = "SPEC", required_unless_present = "status", value_parser = parse_device)]
     devices: Vec<DeviceSpec>,
     /// The Unix socket to serve on (created mode 0600).
@@ -265,7 +266,7 @@ fn serve(cli: &Cli) -> Result<()> {
     let options = PoolOptions {
         specs: cli.devices.clone(),
         namespace: cli.namespace,
-        emu_lba_bytes: 4096,
+        emu_lba_bytes: EMU_LBA_BYTES,
         emu_create_bytes: cli.emu_create_bytes,
         format,
         overwrite: cli.overwrite,
@@ -303,7 +304,7 @@ fn serve(cli: &Cli) -> Result<()> {
     // (locked by another daemon, not a manifest, its directory missing, the address in use)
     // costs nothing, and "nothing was changed" is true.
     let prepared = Server::prepare(&config).map_err(classify)?;
-    let opened = open_pool(&options).map_err(classify)?;
+    let opened = open_pool(&options).map_err(|error| classify_open(error, &options.specs))?;
     let report = opened.report;
     let server = Server::bind_prepared(config, prepared, opened).map_err(classify)?;
     if let Some(address) = server.metrics_address() {
@@ -334,6 +335,29 @@ fn serve(cli: &Cli) -> Result<()> {
     drop(served.opened);
     eprintln!("tuttid: stopped after {} connections; {} cached blocks", served.connections_served, counts.cached_blocks);
     Ok(())
+}
+
+/// The LBA size of every `emu:` device's namespace: tuttid has no `--emu-lba-bytes` (nor does
+/// the Python package's `Store.open`, or tutti-bench), so it serves only emu: pools formatted
+/// with this size (`tutti pool format`'s default).
+const EMU_LBA_BYTES: u32 = 4096;
+
+/// [`classify`] for opening the pool. An `emu:` pool formatted with another LBA size (`tutti
+/// pool format --emu-lba-bytes 512`) is sound, just not one tuttid can serve: said so, with what
+/// reads it and what to format instead, not as a device that holds no pool.
+fn classify_open(error: DaemonError, specs: &[DeviceSpec]) -> anyhow::Error {
+    if let DaemonError::Pool { source: source @ objstore::ObjstoreError::LbaSizeMismatch { device, recorded, .. }, .. } = &error {
+        if let Some(spec) = specs.get(*device).filter(|spec| spec.is_emulated()) {
+            return Unusable(format!(
+                "{spec}: {source}: tuttid serves only emu: pools of {EMU_LBA_BYTES}-byte LBAs (it has no --emu-lba-bytes; neither \
+                 have the Python package's Store.open and tutti-bench), and this one was formatted with {recorded}-byte LBAs \
+                 (only `tutti pool inspect|check --emu-lba-bytes {recorded}` read it): format it with `tutti pool format \
+                 --emu-lba-bytes {EMU_LBA_BYTES}` (the default) or `tuttid --format`"
+            ))
+            .into();
+        }
+    }
+    classify(error)
 }
 
 /// A device another daemon holds, a device string that cannot be opened, or a device without
