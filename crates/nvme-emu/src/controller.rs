@@ -299,7 +299,7 @@ pub(crate) struct ControllerCore {
     /// Cache write-backs fail with an I/O error while set (a store that refuses writes, in tests).
     #[cfg(test)]
     pub(crate) fail_write_backs_for_tests: bool,
-    /// A bounced Write the kernel gives back at a stop (reset, power loss) is taken as having
+    /// A Write the kernel gives back at a stop (reset, power loss) is taken as having
     /// written this many bytes of its data to the store before it stopped (they are written
     /// there, and the transfer reports short): a short write cut off by the stop, in tests.
     #[cfg(test)]

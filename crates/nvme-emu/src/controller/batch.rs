@@ -408,8 +408,8 @@ impl ControllerCore {
         self.end_io(io, completion.buffer, result, settle);
     }
 
-    /// `short_write_at_stop_for_tests`: lands the first bytes of a bounced Write given back at a
-    /// stop in the store, as a kernel that wrote part of it would have, and reports it short.
+    /// `short_write_at_stop_for_tests`: lands the first bytes of a Write given back at a stop in
+    /// the store, as a kernel that wrote part of it would have, and reports it short.
     #[cfg(test)]
     fn short_write_for_tests(
         &mut self,
@@ -418,11 +418,18 @@ impl ControllerCore {
         result: Result<(), UringError>,
         settle: Settle,
     ) -> Result<(), UringError> {
+        let len_bytes = io.len_bytes();
         match self.short_write_at_stop_for_tests {
-            Some(done_bytes) if settle != Settle::Finish && io.write && !io.direct && done_bytes < io.len_bytes() => {
+            Some(done_bytes) if settle != Settle::Finish && io.write && done_bytes < len_bytes => {
+                let mut data = vec![0u8; len_bytes];
+                if io.direct {
+                    io.buffers.gather(&mut data).expect("the direct Write's host memory");
+                } else {
+                    data.copy_from_slice(buffer.bytes(len_bytes));
+                }
                 let offset_bytes = io.offset_bytes();
-                self.store.write(offset_bytes, &buffer.bytes(io.len_bytes())[..done_bytes]).expect("the test's short write lands");
-                Err(UringError::ShortTransfer { direction: Direction::Write, offset_bytes, len_bytes: io.len_bytes(), done_bytes })
+                self.store.write(offset_bytes, &data[..done_bytes]).expect("the test's short write lands");
+                Err(UringError::ShortTransfer { direction: Direction::Write, offset_bytes, len_bytes, done_bytes })
             }
             _ => result,
         }
