@@ -246,6 +246,10 @@ run_stage() {
     # (Something that left for a session of its own, `setsid`, and whose parent is gone, is out of
     # reach: `bounded` stops those of the scripts it runs while it still can find them.)
     kill_tree "$stage_pid"
+    # A policy-rc.d that a script of the stage put in place and was KILLed holding (vm-test.sh,
+    # check-bindings.sh: owners of their own) would forbid service starts on this machine until
+    # the next run: removed now that its owner is gone (never a live run's).
+    clean_stale_policy_rc_d
     if [ ${#killed[@]} -gt 0 ]; then
         echo "tools/test.sh: stage $name left ${#killed[@]} process(es) running, stopped now:" >&2
         printf '  %.200s\n' "${killed[@]}" >&2
@@ -570,7 +574,7 @@ stage_vm() { ensure_build && ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVM
 # Scratch files of this run (bounded's session ids); removed on exit, however the run ends. The
 # handlers are set here, once every function they call is defined.
 run_tmp=$(mktemp -d) || exit 1
-trap 'restore_own_policy_rc_d; rm -rf "$run_tmp"' EXIT
+trap 'restore_own_policy_rc_d; clean_stale_policy_rc_d; rm -rf "$run_tmp"' EXIT
 trap 'on_signal INT 130' INT
 trap 'on_signal TERM 143' TERM
 trap 'on_signal HUP 129' HUP

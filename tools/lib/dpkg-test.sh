@@ -3,7 +3,9 @@
 # package is touched): under set -e, as the VM scripts run it; with a package installed for two
 # architectures (dpkg --verify refuses the bare name); with a verify that fails (a timeout); and
 # with dpkg's path-exclude/path-include settings of a slim image (files left out on purpose are
-# not damage; a re-included one is), read and applied in dpkg's order.
+# not damage; a re-included one is), read and applied in dpkg's order. As root, also its
+# policy-rc.d hook at paths of the test's own: a live owner's is kept, a KILLed owner's (a zombie
+# not yet reaped) removed with the original put back.
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")/../.."
 work="$(mktemp -d)"
@@ -85,4 +87,44 @@ mkdir -p "$work/home"
 printf 'path-include=/usr/share/doc/docsonly/*\n' > "$work/home/.dpkg.cfg"
 got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
 [[ "$got" == "docsonly cpp-12" ]] || fail "~/.dpkg.cfg read last: expected 'docsonly cpp-12', got '$got'"
+
+# The policy-rc.d hook, at paths of the test's own (as root only: clean_stale_policy_rc_d does
+# nothing otherwise). An owner KILLed whose parent has not reaped it yet (a zombie: a stage's
+# script whose shell was killed with it, handed to an init that does not reap) is gone: its
+# policy-rc.d is removed and the one it kept aside put back; a live owner's is kept.
+if [ "$(id -u)" -eq 0 ]; then
+    policy() { # COMMAND...: with tools/lib/dpkg.sh sourced and its paths under $work/policy
+        (
+            # shellcheck source=tools/lib/dpkg.sh
+            . tools/lib/dpkg.sh
+            POLICY_RC_D=$work/policy/policy-rc.d POLICY_RC_D_SAVED=$work/policy/policy-rc.d.tutti-saved
+            POLICY_RC_D_LOCK=$work/policy/lock
+            "$@"
+        )
+    }
+    mkdir -p "$work/policy"
+    echo original > "$work/policy/policy-rc.d"
+    # The owner's parent execs sleep, which never reaps it.
+    # shellcheck disable=SC2016 # expanded by the inner shells
+    bash -c 'bash -c "$1" & echo $! > "$2"; exec sleep 30' policy-parent \
+        "cd '$PWD' && work='$work' && $(declare -f policy) && policy forbid_service_starts && touch '$work/policy/ready' && exec sleep 30" \
+        "$work/policy/owner" &
+    parent=$!
+    for ((tenths = 0; tenths < 100; tenths++)); do [ -e "$work/policy/ready" ] && break; sleep 0.1; done
+    owner=$(cat "$work/policy/owner")
+    policy clean_stale_policy_rc_d 2> /dev/null
+    grep -q 'exit 101' "$work/policy/policy-rc.d" || fail "a live owner's policy-rc.d was removed"
+    kill -KILL "$owner"
+    for ((tenths = 0; tenths < 50; tenths++)); do
+        [ "$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$owner/stat" 2> /dev/null)" = Z ] && break
+        sleep 0.1
+    done
+    policy clean_stale_policy_rc_d 2> /dev/null
+    got=$(cat "$work/policy/policy-rc.d" 2> /dev/null)
+    kill -KILL "$parent" 2> /dev/null
+    wait "$parent" 2> /dev/null || true
+    [ "$got" = original ] || fail "an owner KILLed (not yet reaped): expected its policy-rc.d gone and the original back, got '$got'"
+else
+    echo "dpkg-test: not root: the policy-rc.d checks skipped"
+fi
 echo "dpkg-test: passed"

@@ -25,8 +25,10 @@
 # line, which names its owner (the pid of the script that put it there, that process's start
 # time and the boot id: a reused pid or a reboot is not mistaken for the owner) and whether it
 # kept an original aside. One whose owner is gone (a run killed with SIGKILL, a reboot) is
-# removed, its original put back, at the start of every tools/test.sh run as root and before ours
-# goes in; one whose owner still runs is waited for, and never removed by anyone but its owner.
+# removed, its original put back, at the start and the end of every tools/test.sh run as root,
+# after each of its stages (a script a stage ran, vm-test.sh or check-bindings.sh, may have been
+# KILLed holding one) and before ours goes in; one whose owner still runs is waited for, and
+# never removed by anyone but its owner.
 # Every change of these files is made under a lock (flock), so two runs cannot interleave them.
 # The marker keeps its first wording (tools/test.sh's), so that files earlier runs left are
 # still recognised.
@@ -38,12 +40,14 @@ POLICY_RC_D_MARK="# tools/test.sh: no service is started while it installs packa
 # shells; a script a stage runs is an owner of its own).
 main_pid=$$
 boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
-# process_start PID: the process's start time (stat's field 22), or nothing if it is gone.
+# process_start PID: the process's start time (stat's field 22), or nothing if it is gone. A
+# zombie (stat's field 3: Z) is gone: a script KILLed whose parent was killed with it may wait
+# long for an init that reaps, and its policy-rc.d must not be taken for a live run's meanwhile.
 process_start() {
     local line fields
     read -r line 2> /dev/null < "/proc/$1/stat" || return 0
     read -r -a fields <<< "${line##*") "}"
-    echo "${fields[19]}"
+    [ "${fields[0]}" = Z ] || echo "${fields[19]}"
 }
 policy_owner() { echo "$main_pid $(process_start "$main_pid") $(boot_id)"; }
 # policy_rc_d_state sets `policy_state` to none, foreign (not ours), mine (this run's), live
