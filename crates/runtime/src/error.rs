@@ -34,6 +34,18 @@ pub enum RuntimeError {
     /// `Runtime::releasable`, or one named twice). Nothing was prepared or changed.
     #[error("begin_prefill: engine block {block} (block_ids[{position}]) {reason}; the request was not begun")]
     BlockRefused { block: u32, position: usize, reason: &'static str },
+    /// `end_prefill` ended the prefill (its reads are over; its store stays queued) and then
+    /// failed: `source`, met advancing the queues (an issue the executor failed after publishing
+    /// it: the layer is in flight and the next call collects it). The request is over either way: a retry of
+    /// `end_prefill` is `StaleRequest`; the engine goes on with its next call. `kv_wait` is what
+    /// `Ok` would have returned.
+    #[error("request {request}'s prefill ended (after {kv_wait:?} waiting for KV), then: {source}")]
+    PrefillEnded {
+        request: u64,
+        kv_wait: std::time::Duration,
+        #[source]
+        source: Box<RuntimeError>,
+    },
     #[error("{call}: request {request} is finished or was never begun (the active one is {active:?})")]
     StaleRequest { call: &'static str, request: u64, active: Option<u64> },
     /// `cause` names the bound passed: "the block limit", "the store limit", or "the object

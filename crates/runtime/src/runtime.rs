@@ -65,6 +65,9 @@ struct Prefill {
     in_layer: Option<u32>,
     /// The policy asked, at the layer begun, that every read land before it goes on.
     wait_for_all: bool,
+    /// A layer whose plan was applied but not handed over (the issue failed): its
+    /// `wait_for_all`. A retry of its `begin_layer` issues what waits without planning again.
+    planned: Option<(u32, bool)>,
     /// The layer begun has had its KV waited for (`wait_layer_kv`).
     kv_resident: bool,
     /// No table entry for this request: all reads at once, writes left to decode steps.
@@ -431,6 +434,7 @@ impl<E: Executor> Runtime<E> {
             next_layer: 0,
             in_layer: None,
             wait_for_all: false,
+            planned: None,
             kv_resident: false,
             fallback,
             kv_wait: Duration::ZERO,
@@ -474,9 +478,15 @@ impl<E: Executor> Runtime<E> {
             return Err(RuntimeError::OutOfOrder { call, reason: format!("layer {layer}, expected {expected}") });
         }
         let (input_tokens, prefix_tokens, fallback) = (prefill.input_tokens, prefill.prefix_tokens, prefill.fallback);
+        let planned = prefill.planned.filter(|&(planned, _)| planned == layer).map(|(_, wait_for_all)| wait_for_all);
         self.progress()?;
         let mut wait_for_all = false;
-        if fallback {
+        if let Some(planned) = planned {
+            // A retry: this layer's plan was applied and handing it over failed (below). What
+            // waits goes now (`progress` above); applying the plan again would count its
+            // write grant twice.
+            wait_for_all = planned;
+        } else if fallback {
             for read_layer in 0..self.layers {
                 self.decide_read(read_layer, self.read_budget.0);
             }
@@ -501,8 +511,12 @@ impl<E: Executor> Runtime<E> {
                 self.apply(issue);
             }
         }
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.planned = Some((layer, wait_for_all));
+        }
         self.pump()?;
         if let Some(prefill) = self.prefill.as_mut() {
+            prefill.planned = None;
             prefill.in_layer = Some(layer);
             prefill.wait_for_all = wait_for_all;
             prefill.kv_resident = false;
@@ -536,9 +550,16 @@ impl<E: Executor> Runtime<E> {
         Ok(waited)
     }
 
-    /// After layer `layer` computed: its new KV is in engine memory and may be written.
+    /// After layer `layer` computed: its new KV is in engine memory and may be written. Called
+    /// again for the layer that ended last (a retry after it failed advancing the queues), it
+    /// only advances them.
     pub fn after_layer(&mut self, id: PrefillId, layer: u32) -> Result<()> {
         let prefill = self.prefill_of("after_layer", id)?;
+        if prefill.in_layer.is_none() && prefill.next_layer.checked_sub(1) == Some(layer) {
+            // The layer ended already: a retry of a call that failed after ending it (advancing
+            // the queues, below: an issue the executor failed after publishing it) goes on.
+            return self.progress();
+        }
         if prefill.in_layer != Some(layer) {
             return Err(RuntimeError::OutOfOrder {
                 call: "after_layer",
@@ -561,7 +582,9 @@ impl<E: Executor> Runtime<E> {
     }
 
     /// After the last layer: the request's reads are over; its writes stay queued for later slack.
-    /// Returns the time this prefill waited for KV.
+    /// Returns the time this prefill waited for KV. Past its order checks (`OutOfOrder`,
+    /// `StaleRequest`: nothing changed) the prefill ends whatever it returns: a failure after
+    /// that is `PrefillEnded`, with the wait and the cause, not to be retried.
     pub fn end_prefill(&mut self, id: PrefillId) -> Result<Duration> {
         let layers = self.layers;
         let prefill = self.prefill_of("end_prefill", id)?;
@@ -573,6 +596,7 @@ impl<E: Executor> Runtime<E> {
         }
         let context_tokens = prefill.input_tokens;
         let kv_wait = prefill.kv_wait;
+        let ended = |source| RuntimeError::PrefillEnded { request: id.0, kv_wait, source: Box::new(source) };
         if let Some(handle) = prefill.retrieve.take() {
             // Every layer waited for its own reads, so none is in flight.
             self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
@@ -584,13 +608,17 @@ impl<E: Executor> Runtime<E> {
         if let Some(index) = self.writes.index_of(id.0) {
             self.writes.stores[index].prefill_ended = true;
         }
+        // A failure from here on comes after the prefill ended: `PrefillEnded` says so (and a
+        // retry would be `StaleRequest`).
         let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
-        let issues =
-            self.policy.plan_prefill_end(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
+        let issues = self
+            .policy
+            .plan_prefill_end(&view)
+            .map_err(|source| ended(RuntimeError::Scheduler { policy: self.config.policy.name(), source }))?;
         for issue in &issues {
             self.apply(issue);
         }
-        self.progress()?;
+        self.progress().map_err(ended)?;
         Ok(kv_wait)
     }
 

@@ -566,6 +566,90 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
 }
 
 #[test]
+fn after_layer_whose_issue_failed_after_publishing_is_retried() {
+    // Goal: `after_layer` that ended its layer and then failed handing a layer over (its
+    // submission failed after publishing: the layer is in flight) goes on when retried, as the
+    // documentation says. Before, the retry was `OutOfOrder` (the layer had already ended),
+    // and the engine could not tell a retry from a misuse.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let armed = &rigging.submit_fails;
+        // 16 blocks cached, 18 asked for: past the table's largest prompt (256 tokens), so the
+        // request falls back to issuing every read at layer 0; they are handed over one layer
+        // at a time, each once the one before completed. Layer k's wait leaves layer k + 1's
+        // read in flight; it completes during the layer's compute, and `after_layer` hands
+        // layer k + 2's over.
+        let cached: Vec<u32> = (0..16).collect();
+        prefill(&mut stack, &prompt(0, 6), &cached).unwrap();
+        stack.runtime.drain().unwrap();
+        let tokens = prompt(0, 7);
+        let blocks: Vec<u32> = (16..34).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 16);
+        let mut tripped = 0;
+        for layer in 0..layers {
+            stack.runtime.before_layer(start.id, layer).unwrap();
+            // Long enough for the device to end the read in flight on a busy machine.
+            std::thread::sleep(Duration::from_millis(20));
+            stack.engine.compute_layer(&tokens, 16..18, &blocks, layer);
+            armed.store(true, Ordering::SeqCst);
+            let ended = stack.runtime.after_layer(start.id, layer);
+            if armed.swap(false, Ordering::SeqCst) {
+                ended.expect("nothing was handed over");
+                continue;
+            }
+            assert!(matches!(ended, Err(RuntimeError::Store { .. })), "{ended:?}");
+            tripped += 1;
+            stack.runtime.after_layer(start.id, layer).expect("a retry of after_layer goes on");
+        }
+        assert!(tripped > 0, "no after_layer handed a layer over");
+        stack.runtime.end_prefill(start.id).unwrap();
+        assert!(stack.engine.holds(&tokens, 0..18, &blocks, layers), "every byte of the prefix arrived");
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&tokens), 18);
+    });
+}
+
+#[test]
+fn end_prefill_whose_issue_failed_after_publishing_says_the_prefill_ended() {
+    // Goal: `end_prefill` that ended the prefill and then failed handing a write layer over
+    // (published, then the submission failed) says the prefill ended (`PrefillEnded`, with its
+    // KV wait); the store stays queued, its layer is collected, and it commits. Before, the
+    // error was the bare `Store { "store_layer" }`: the engine could not tell the prefill had
+    // ended, its KV wait was lost, and a retry was `StaleRequest`.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::NoOverlap);
+        let armed = &rigging.submit_fails;
+        let tokens = prompt(0, 0);
+        let blocks = [0, 1, 2, 3];
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        for layer in 0..layers {
+            stack.runtime.before_layer(start.id, layer).unwrap();
+            stack.engine.compute_layer(&tokens, 0..4, &blocks, layer);
+            stack.runtime.after_layer(start.id, layer).unwrap();
+        }
+        armed.store(true, Ordering::SeqCst);
+        let ended = stack.runtime.end_prefill(start.id);
+        assert!(!armed.load(Ordering::SeqCst), "no-overlap hands its first write layer over at the end");
+        match &ended {
+            Err(RuntimeError::PrefillEnded { request, source, .. }) => {
+                assert_eq!(*request, start.id.get());
+                assert!(matches!(**source, RuntimeError::Store { operation: "store_layer", .. }), "{source:?}");
+            }
+            other => panic!("expected PrefillEnded, got {other:?}"),
+        }
+        assert!(matches!(stack.runtime.end_prefill(start.id), Err(RuntimeError::StaleRequest { .. })));
+        assert_eq!(stack.runtime.queued_stores(), 1, "the store stays queued");
+        stack.runtime.drain().unwrap();
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_committed, counters.write_layers_issued), (1, u64::from(layers)), "{counters:?}");
+        assert_eq!(stack.runtime.lookup(&tokens), 4);
+    });
+}
+
+#[test]
 fn a_retiring_request_counts_against_the_queues_request_slots() {
     // Goal: at the deepest queue allowed (`write_queue_limit_stores` = `requests_max` − 1), a
     // request retiring (a read that timed out) holds an object-store request slot as a queued
