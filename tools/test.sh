@@ -9,7 +9,8 @@
 #   lint        rust-version checked (tools/check-msrv.sh), the engine cache's pruning
 #               (tools/lib/prune-test.sh), the package-repair helper (tools/lib/dpkg-test.sh),
 #               the benchmark scripts (tools/bench-scripts-test.sh) and the python, engines and
-#               cuda stages' scripts with stand-ins (tools/stage-scripts-test.sh),
+#               cuda stages' scripts with stand-ins (tools/stage-scripts-test.sh), this script's
+#               own stage machinery (tools/test-sh-test.sh),
 #               cargo clippy -D warnings, cargo fmt --check
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
@@ -141,7 +142,8 @@ print_summary() {
 # init), except this script's own group and session. SIGTERM first,
 # then, for what is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on
 # every fresh machine.
-# `killed` is set to what it found running besides SID itself ("PID COMMAND" each).
+# `killed` is set to what it found running besides SID itself ("PID COMMAND" each; zombies,
+# which have ended, left out).
 killed=()
 kill_tree() {
     local root=$1 signal round line stat pid ppid pgid sid fields changed own_pgid own_sid
@@ -175,6 +177,10 @@ kill_tree() {
         if [ "$signal" = TERM ]; then
             for pid in "${!pids[@]}"; do
                 [ "$pid" != "$root" ] || continue
+                # A zombie has ended (an init that does not reap keeps it): not left running.
+                read -r line 2> /dev/null < "/proc/$pid/stat" || continue
+                read -r -a fields <<< "${line##*") "}"
+                [ "${fields[0]}" != Z ] || continue
                 line=$(tr '\0' ' ' 2> /dev/null < "/proc/$pid/cmdline")
                 [ -n "$line" ] || read -r line 2> /dev/null < "/proc/$pid/comm" || continue
                 killed+=("$pid ${line% }")
@@ -250,18 +256,22 @@ run_stage() {
     # check-bindings.sh: owners of their own) would forbid service starts on this machine until
     # the next run: removed now that its owner is gone (never a live run's).
     clean_stale_policy_rc_d
+    # A stage that left processes running fails, whatever its status: a test that leaks a
+    # daemon (or a script that does not stop what it started) must not go green.
+    local leaked=""
     if [ ${#killed[@]} -gt 0 ]; then
         echo "tools/test.sh: stage $name left ${#killed[@]} process(es) running, stopped now:" >&2
         printf '  %.200s\n' "${killed[@]}" >&2
+        leaked=", leaked ${#killed[@]} process(es) still running at its end"
     fi
     stage_pid= current_stage=
-    if [ "$rc" = 0 ]; then
+    if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
     else
         failed=$((failed + 1))
         failed_names+=("$name")
-        summary+=("FAIL $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
+        summary+=("FAIL $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after$leaked)")
     fi
 }
 
@@ -513,7 +523,7 @@ stage_lint() {
     # that every package declares it and that no locked dependency needs a newer compiler.
     # tools/lib/prune-test.sh: the cache pruning engine-env.sh does (no build, a second).
     ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 180 tools/bench-scripts-test.sh &&
-        bounded 180 tools/stage-scripts-test.sh &&
+        bounded 180 tools/stage-scripts-test.sh && bounded 120 tools/test-sh-test.sh &&
         timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
         timeout -k 30 300 cargo fmt --all -- --check
 }
@@ -571,6 +581,17 @@ stage_engines() { ensure_build && ensure_protoc && ensure_venv "${TUTTI_ENGINE_P
 # guest kernel and builds the static binaries first.
 stage_vm() { ensure_build && ensure_protoc && TUTTI_VM_NVME_COUNT=${TUTTI_VM_NVME_COUNT:-2} bounded 2400 tools/vm-test.sh; }
 
+# What a stage's shell (run_stage) starts from: the variables the functions read, and the
+# functions. A variable missing here fails the stage loudly (set -u), not silently.
+write_stage_functions() {
+    { declare -p STAGES run_tmp main_pid POLICY_RC_D POLICY_RC_D_SAVED POLICY_RC_D_LOCK POLICY_RC_D_MARK policy_state policy_saved && declare -f; } > "$run_tmp/functions.sh"
+}
+
+# Sourced (`. tools/test.sh STAGE`, by tools/test-sh-test.sh): the functions only, no stage run.
+if [ "${BASH_SOURCE[0]}" != "$0" ]; then
+    return 0
+fi
+
 # Scratch files of this run (bounded's session ids); removed on exit, however the run ends. The
 # handlers are set here, once every function they call is defined.
 run_tmp=$(mktemp -d) || exit 1
@@ -579,9 +600,7 @@ trap 'on_signal INT 130' INT
 trap 'on_signal TERM 143' TERM
 trap 'on_signal HUP 129' HUP
 
-# What a stage's shell (run_stage) starts from: the variables the functions read, and the
-# functions. A variable missing here fails the stage loudly (set -u), not silently.
-{ declare -p STAGES run_tmp main_pid POLICY_RC_D POLICY_RC_D_SAVED POLICY_RC_D_LOCK POLICY_RC_D_MARK policy_state policy_saved && declare -f; } > "$run_tmp/functions.sh" || exit 1
+write_stage_functions || exit 1
 
 # A policy-rc.d that an earlier run left (killed before it could put it back) would stop every
 # service restart on this machine's package upgrades from now on: removed whether or not a

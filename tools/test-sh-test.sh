@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# tools/test-sh-test.sh — checks of tools/test.sh's own machinery, with its functions sourced
+# (`. tools/test.sh lint`: no stage of it runs) and stand-in stages (tools/test.sh's lint stage
+# runs it; alone: `tools/test-sh-test.sh`; the policy-rc.d check as root only):
+# 1. a stage that ends with a process of its still running is a FAIL that says how many it
+#    leaked (they are stopped), not a PASS; a stage that leaves nothing is a PASS;
+# 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
+#    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
+#    the original it kept aside put back (at paths of the test's own).
+set -uo pipefail
+cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
+# shellcheck source=tools/test.sh
+. tools/test.sh lint > /dev/null
+set +e
+run_tmp=$(mktemp -d)
+trap 'rm -rf "$run_tmp"' EXIT
+failures=0
+check() {
+    local what=$1 expected=$2 got=$3
+    if [ "$got" = "$expected" ]; then
+        echo "test-sh-test: ok: $what" >&2
+    else
+        echo "test-sh-test: FAILED: $what: expected $expected, got $got" >&2
+        failures=$((failures + 1))
+    fi
+}
+POLICY_RC_D=$run_tmp/policy-rc.d POLICY_RC_D_SAVED=$run_tmp/policy-rc.d.tutti-saved POLICY_RC_D_LOCK=$run_tmp/policy.lock
+
+# The stand-in stages.
+stage_leaks() {
+    sleep 60 > /dev/null 2>&1 &
+    echo $! > "$run_tmp/leaked.pid"
+}
+stage_clean() { return 0; }
+# A script of its own: forbids service starts (its own policy-rc.d) and is KILLed holding it.
+stage_policy_killed() {
+    # shellcheck disable=SC2016 # expanded by the script
+    bash -c '. tools/lib/dpkg.sh && POLICY_RC_D=$1 POLICY_RC_D_SAVED=$2 POLICY_RC_D_LOCK=$3 &&
+        forbid_service_starts && kill -KILL $$' policy-script "$POLICY_RC_D" "$POLICY_RC_D_SAVED" "$POLICY_RC_D_LOCK"
+    grep -q 'exit 101' "$POLICY_RC_D" # the script did put it there
+}
+write_stage_functions
+
+# 1. Leaks.
+run_stage leaks stage_leaks > "$run_tmp/leaks.out" 2>&1
+check "a stage that leaves a process running: a FAIL that says it leaked 1" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
+run_stage clean stage_clean > "$run_tmp/clean.out" 2>&1
+check "a stage that leaves nothing: a PASS" yes "$(printf '%s\n' "${summary[@]}" | grep -q '^PASS clean ' && echo yes || echo "no: ${summary[*]}")"
+leaked=$(cat "$run_tmp/leaked.pid")
+# (A zombie has stopped: init reaps it when it gets to it.)
+state=$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$leaked/stat" 2> /dev/null)
+check "the leaked process stopped" stopped "$([ -z "$state" ] || [ "$state" = Z ] && echo stopped || echo "running ($leaked)")"
+
+# 2. A policy-rc.d left by a KILLed script of a stage.
+if [ "$(id -u)" -eq 0 ]; then
+    echo original > "$POLICY_RC_D"
+    run_stage policy stage_policy_killed > "$run_tmp/policy.out" 2>&1
+    check "the stage's script put its policy-rc.d in place" yes \
+        "$(printf '%s\n' "${summary[@]}" | grep -q '^PASS policy ' && echo yes || echo "no: $(cat "$run_tmp/policy.out")")"
+    check "a policy-rc.d whose owner (a script of the stage) was KILLed: the original back when the stage ends" original \
+        "$(cat "$POLICY_RC_D" 2> /dev/null)"
+else
+    echo "test-sh-test: not root: the policy-rc.d check skipped" >&2
+fi
+
+if [ "$failures" -gt 0 ]; then
+    echo "test-sh-test: $failures check(s) failed" >&2
+    exit 1
+fi
+echo "test-sh-test: all checks passed" >&2
