@@ -597,13 +597,16 @@ impl<E: Executor> Runtime<E> {
         let context_tokens = prefill.input_tokens;
         let kv_wait = prefill.kv_wait;
         let ended = |source| RuntimeError::PrefillEnded { request: id.0, kv_wait, source: Box::new(source) };
-        if let Some(handle) = prefill.retrieve.take() {
-            // Every layer waited for its own reads, so none is in flight.
-            self.store.finish(handle).map_err(store_error("finish the retrieve"))?;
-        }
-        if let Some(prefill) = self.prefill.take() {
-            // Its reads are over: their target blocks are the engine's again.
-            self.writes.release_targets(prefill.read_targets);
+        // The prefill ends here, whatever follows: its retrieve is finished (every layer waited
+        // for its own reads, so none is in flight) and its target blocks are the engine's again.
+        // The handle is let go only once finished: refused, it retires with its targets held if
+        // the object store still holds a layer of it (`end_reads`), rather than leaking its
+        // request slot. The store's new KV was computed on that prefix: it is dropped too.
+        if let Err(error) = self.end_reads() {
+            if let Err(dropped) = self.drop_store(id.0) {
+                tracing::warn!(error = %dropped, "runtime: dropping the store of a prefill whose retrieve could not be finished");
+            }
+            return Err(ended(error));
         }
         if let Some(index) = self.writes.index_of(id.0) {
             self.writes.stores[index].prefill_ended = true;
