@@ -464,7 +464,7 @@ class Store:
 
         timeout_s: the longest wait for any daemon answer; an attach the daemon answers Busy
         (every connection taken, or a restarted engine's old session still releasing the queue
-        ids this one needs) is asked again on a new connection until timeout_s has passed.
+        ids or the request reservations this one needs) is asked again on a new connection until timeout_s has passed.
         keepalive: a background thread of this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the

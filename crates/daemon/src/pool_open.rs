@@ -199,7 +199,15 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     }
     let controllers: Vec<Arc<Controller>> = targets.iter().map(|target| target.controller.clone()).collect();
     let (pool, report) = Pool::open(targets, None).map_err(|source| DaemonError::Pool {
-        context: "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)".into(),
+        // A pool of another LBA size is a pool still: the --format hint would destroy it.
+        context: match source {
+            objstore::ObjstoreError::LbaSizeMismatch { .. } => {
+                "opening the pool (formatted with another LBA size than its namespace has now: a namespace reformatted \
+                 with another LBA format, or a software controller run with another LBA size)"
+            }
+            _ => "opening the pool (a device that holds none: start with --format, or run `tutti pool format`)",
+        }
+        .into(),
         source,
     })?;
     // The pool orders its devices by the index each superblock records, whatever order the
@@ -445,5 +453,25 @@ mod tests {
         let error = refuse_foreign_files(&options, &options.specs, &locks).unwrap_err();
         assert!(matches!(&error, DaemonError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EIO)), "{error:?}");
         assert!(error.to_string().contains("reading its first bytes"), "{error}");
+    }
+
+    #[test]
+    fn a_pool_of_another_lba_size_is_not_told_to_be_formatted() {
+        // Goal: a pool read with another LBA size than it was formatted with (a vfio: namespace
+        // reformatted with another LBA format; here an emu: file formatted with 512-byte LBAs and
+        // opened with 4096) is a pool still: the refusal says what differs and never suggests
+        // --format, which would destroy it.
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let mut options = formatting(directory.path(), vec![DeviceSpec::EmuFile(image)], geometry, 64 << 20);
+        options.emu_lba_bytes = 512;
+        drop(open_pool(&options).expect("format a pool of 512-byte LBAs"));
+        options.emu_lba_bytes = 4096;
+        options.format = None;
+        let Err(error) = open_pool(&options) else { panic!("a pool of 512-byte LBAs opened with 4096-byte ones") };
+        let message = error.to_string();
+        assert!(matches!(&error, DaemonError::Pool { source: objstore::ObjstoreError::LbaSizeMismatch { .. }, .. }), "{message}");
+        assert!(message.contains("another LBA size") && !message.contains("--format"), "{message}");
     }
 }
