@@ -6,7 +6,9 @@
 #    leaked (they are stopped), not a PASS; a stage that leaves nothing is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
-#    the original it kept aside put back (at paths of the test's own).
+#    the original it kept aside put back (at paths of the test's own);
+# 3. loop_devices_work, stopped while its file system is mounted, leaves nothing mounted or
+#    attached (as root where loop devices work).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 # shellcheck source=tools/test.sh
@@ -62,6 +64,33 @@ if [ "$(id -u)" -eq 0 ]; then
         "$(cat "$POLICY_RC_D" 2> /dev/null)"
 else
     echo "test-sh-test: not root: the policy-rc.d check skipped" >&2
+fi
+
+# 3. loop_devices_work stopped as an interrupt or an expired limit stops a stage (kill_tree: TERM
+#    to every process of the stage's session at once) while its file system is mounted: nothing
+#    of it left mounted or attached. (Root on a machine where loop devices attach, as
+#    loop_devices_work itself needs; its mount is a stand-in that mounts, then hangs.)
+if [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup mkfs.ext4 mount > /dev/null 2>&1; then
+    mkdir -p "$run_tmp/bin"
+    # shellcheck disable=SC2016 # expanded by the stand-in
+    printf '#!/usr/bin/env bash\necho "$2" > %q\n%q "$@" || exit\nexec sleep 60\n' "$run_tmp/mounted" "$(command -v mount)" > "$run_tmp/bin/mount"
+    chmod +x "$run_tmp/bin/mount"
+    # shellcheck disable=SC2016 # expanded by the stage's shell
+    PATH="$run_tmp/bin:$PATH" setsid -w bash -c '. "$1" && loop_devices_work' loop "$run_tmp/functions.sh" < /dev/null > /dev/null 2>&1 &
+    loop=$!
+    for ((tenths = 0; tenths < 300; tenths++)); do [ -s "$run_tmp/mounted" ] && break; sleep 0.1; done
+    mnt=$(cat "$run_tmp/mounted" 2> /dev/null)
+    check "loop_devices_work: its file system mounted (the stand-in mount ran)" yes "$([ -n "$mnt" ] && mountpoint -q "$mnt" && echo yes || echo no)"
+    kill_tree "$loop"
+    image=${mnt%/mnt}/disk.img
+    left=$(grep -c " ${mnt:-/nonexistent} " /proc/self/mountinfo)
+    nodes=$(losetup --list -n -O NAME -j "$image" 2> /dev/null | tr '\n' ' ')
+    check "loop_devices_work stopped while mounted: nothing left mounted, no loop device left on its file" "0 " "$left $nodes"
+    # What a failure left, undone.
+    [ "$left" = 0 ] || umount "$mnt"
+    for node in $nodes; do losetup -d "$node"; done
+else
+    echo "test-sh-test: no root or no loop devices: the loop-device check skipped" >&2
 fi
 
 if [ "$failures" -gt 0 ]; then

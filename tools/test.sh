@@ -453,22 +453,36 @@ ensure_etcd() {
 # a file to a loop device, make an ext4 file system on it and mount it. Root with losetup is not
 # enough: an unprivileged container (root inside) has no usable /dev/loop-control, or may refuse
 # the mount. Tried for real on a small file; everything undone after.
+# The trial runs in a subshell whose EXIT trap undoes it (loop_devices_undo), and which a TERM,
+# INT or HUP ends through that trap: an interrupt of tools/test.sh or the stage's limit (kill_tree
+# TERMs every process of the stage at once) between the mount and the detach would otherwise
+# leave the file system mounted and the loop device attached for good.
 loop_devices_work() {
-    local dir node rc=1
+    local dir
     [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup > /dev/null 2>&1 &&
         command -v mkfs.ext4 > /dev/null 2>&1 && command -v mount > /dev/null 2>&1 || return 1
     dir=$(mktemp -d -p "$run_tmp") || return 1
-    mkdir "$dir/mnt" && truncate -s 8M "$dir/disk.img" || { rm -rf "$dir"; return 1; }
-    if node=$(timeout -k 5 30 losetup --find --show "$dir/disk.img" 2> /dev/null) && [ -n "$node" ]; then
-        if timeout -k 5 60 mkfs.ext4 -q -F "$node" > /dev/null 2>&1 &&
-            timeout -k 5 30 mount "$node" "$dir/mnt" > /dev/null 2>&1; then
-            rc=0
-            timeout -k 5 30 umount "$dir/mnt" > /dev/null 2>&1
-        fi
+    (
+        # shellcheck disable=SC2064 # this trial's directory, fixed now
+        trap "loop_devices_undo '$dir'" EXIT
+        trap 'exit 143' TERM
+        trap 'exit 130' INT
+        trap 'exit 129' HUP
+        mkdir "$dir/mnt" && truncate -s 8M "$dir/disk.img" || exit 1
+        node=$(timeout -k 5 30 losetup --find --show "$dir/disk.img" 2> /dev/null) && [ -n "$node" ] || exit 1
+        timeout -k 5 60 mkfs.ext4 -q -F "$node" > /dev/null 2>&1 && timeout -k 5 30 mount "$node" "$dir/mnt" > /dev/null 2>&1
+    )
+}
+# loop_devices_undo DIR: unmounts DIR/mnt (if mounted), detaches every loop device on
+# DIR/disk.img (found by the file: one attached by a losetup that was interrupted before it
+# printed the device's name counts too) and removes DIR.
+loop_devices_undo() {
+    local dir=$1 node
+    ! grep -qF " $dir/mnt " /proc/self/mountinfo 2> /dev/null || timeout -k 5 30 umount "$dir/mnt" > /dev/null 2>&1
+    for node in $(losetup --list -n -O NAME -j "$dir/disk.img" 2> /dev/null); do
         timeout -k 5 30 losetup -d "$node" > /dev/null 2>&1
-    fi
+    done
     rm -rf "$dir"
-    return "$rc"
 }
 
 stage_rust() {
@@ -588,6 +602,7 @@ write_stage_functions() {
 }
 
 # Sourced (`. tools/test.sh STAGE`, by tools/test-sh-test.sh): the functions only, no stage run.
+# (The cd at the top goes by $0, the sourcing script's: it must sit in tools/ as well.)
 if [ "${BASH_SOURCE[0]}" != "$0" ]; then
     return 0
 fi
