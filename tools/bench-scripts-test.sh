@@ -275,8 +275,13 @@ round_runs() {
 }
 # The look itself: a process left in a session is seen (without it, every "nothing left" below
 # would pass without looking).
+# (Looked at until it is seen, up to 5 s: the background child runs setsid only once started.)
 setsid sleep 30 < /dev/null > /dev/null 2>&1 &
 sitting=$!
+for ((tenths = 0; tenths < 50; tenths++)); do
+    [ -z "$(session_pids "$sitting")" ] || break
+    sleep 0.1
+done
 sitting_ends 0
 check "session_pids: a process still running in a session is seen" "$sitting " "$left"
 sitting "$WORK/hang.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=1
