@@ -340,8 +340,10 @@ impl<E: Executor> KvStore<E> {
 
     /// Checks `request`, whose blocks are blocks `first_block..` of its prefix, and computes the
     /// keys of the prefix's blocks up to its last into `self.keys`; returns how many (the
-    /// request's own are the last `block_ids.len()`).
-    fn check_request(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<usize> {
+    /// request's own are the last `block_ids.len()`). Everything refused here is refused before
+    /// anything is reserved: a store's reservation may evict (and sync Empty headers over)
+    /// cached blocks, which releasing it does not bring back.
+    fn check_request(&mut self, request: &KvRequest<'_>, first_block: usize, direction: Direction) -> Result<usize> {
         let block_tokens = self.control.pool().geometry().block_tokens as usize;
         let full = request.tokens.len() / block_tokens;
         let blocks = request.block_ids.len();
@@ -366,6 +368,9 @@ impl<E: Executor> KvStore<E> {
                 registration.check_block(block)?;
             }
         }
+        // All of the request's blocks, shared ones included: one engine block cannot hold two
+        // blocks' KV whichever of them is already cached.
+        self.data.refuse_duplicate_engine_blocks(direction, request.block_ids.iter().copied())?;
         block_keys_seeded(self.key_seed, &request.tokens[..end * block_tokens], block_tokens as u32, &mut self.keys);
         Ok(end)
     }
@@ -382,7 +387,7 @@ impl<E: Executor> KvStore<E> {
     /// whole prefix up to the last block read: a block's key depends on every token before it.
     /// Pins the read blocks' slots until `finish`.
     pub fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle> {
-        let end = self.check_request(request, first_block)?;
+        let end = self.check_request(request, first_block, Direction::Retrieve)?;
         let handle = self.control.reserve_retrieve(&self.keys[first_block..end], request.block_ids, first_block)?;
         let expected = if self.data.config().verify_retrieves {
             if let Err(error) = self.control.recorded_payload_crcs(handle, &mut self.crcs) {
@@ -408,7 +413,7 @@ impl<E: Executor> KvStore<E> {
     /// are pinned until the store commits or is finished, so no allocation (this one's or
     /// another store's) evicts a block this request counts on.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
-        let n = self.check_request(request, 0)?;
+        let n = self.check_request(request, 0, Direction::Store)?;
         let plan = self.control.reserve_store(&self.keys[..n], request.block_ids, self.data.lender())?;
         let prepared =
             self.control.placements(plan.handle).and_then(|placements| self.data.prepare(plan.handle, Direction::Store, placements, None));

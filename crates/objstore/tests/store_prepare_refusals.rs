@@ -21,12 +21,17 @@ fn geometry() -> ModelGeometry {
 /// A one-device pool on the emulator and a store over it, with engine memory of
 /// `ENGINE_BLOCKS` blocks registered (the regions are returned: they must outlive the store).
 fn store() -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) {
+    store_with_slots(None)
+}
+
+/// As [`store`], with at most `slot_count_max` one-block slots in the pool.
+fn store_with_slots(slot_count_max: Option<u64>) -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) {
     let geometry = geometry();
     let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 })).expect("emulator");
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("controller"));
     let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
-    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false })
+    format_pool(&targets, &FormatParams { geometry, blocks_per_slot: 1, slot_count_max, pool_uuid: None, payload_crc: false })
         .expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open pool");
     let object_bytes = geometry.object_bytes();
@@ -47,10 +52,10 @@ fn store() -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) 
 
 #[test]
 fn a_store_from_one_engine_block_twice_is_refused() {
-    // Goal: a store naming one engine block as the source of two blocks is refused before
-    // anything is reserved or written, as a retrieve into one block twice is: one block's KV
-    // would be committed under the other's key. Before, only a retrieve was checked, and the
-    // store committed engine block 5's bytes as both blocks.
+    // Goal: a store naming one engine block as the source of two blocks is refused, as a
+    // retrieve into one block twice is: one block's KV would be committed under the other's
+    // key. Before, only a retrieve was checked, and the store committed engine block 5's bytes
+    // as both blocks.
     let (_device, mut store, _tensors) = store();
     let tokens: Vec<u32> = (0..32).collect();
     match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[5, 5] }) {
@@ -67,4 +72,40 @@ fn a_store_from_one_engine_block_twice_is_refused() {
     }
     assert_eq!(store.commit_store(plan.handle).expect("commit_store"), 2);
     assert_eq!(store.lookup(&tokens), 2);
+}
+
+/// Stores `tokens` (one block per 16 tokens) from engine blocks `block_ids` and commits it.
+fn store_and_commit(store: &mut KvStore<gio_uring::CpuExecutor>, tokens: &[u32], block_ids: &[u32]) {
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, SmBudget(1)).expect("store_layer");
+        store.wait(plan.handle, Instant::now() + Duration::from_secs(10)).expect("wait");
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit_store"), block_ids.len());
+}
+
+#[test]
+fn a_refused_duplicate_costs_a_full_pool_nothing() {
+    // Goal: a store refused for naming one engine block twice is refused before any slot is
+    // reserved, so on a full pool it evicts nothing. Before, the refusal came after the
+    // reservation had evicted the two least recently used prompts (and synced their headers
+    // Empty): a bad request destroyed cached KV.
+    const SLOTS: u64 = 4;
+    let (_device, mut store, _tensors) = store_with_slots(Some(SLOTS));
+    assert_eq!(store.counts().slots, SLOTS);
+    let prompts: Vec<Vec<u32>> = (0..SLOTS as u32).map(|p| (p * 1000..p * 1000 + 16).collect()).collect();
+    for (p, tokens) in prompts.iter().enumerate() {
+        store_and_commit(&mut store, tokens, &[p as u32]);
+    }
+    assert_eq!(store.counts().free_slots, 0);
+    let tokens: Vec<u32> = (50_000..50_032).collect();
+    match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[5, 5] }) {
+        Err(ObjstoreError::BadRequest { reason }) => assert!(reason.contains("engine block 5"), "{reason}"),
+        other => panic!("expected BadRequest, got {other:?}"),
+    }
+    for tokens in &prompts {
+        assert_eq!(store.lookup(tokens), 1, "a cached prompt was lost to a refused store");
+    }
+    assert_eq!(store.counts().evictions, 0);
+    assert_eq!(store.counts().valid_slots, SLOTS);
 }

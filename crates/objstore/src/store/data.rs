@@ -307,8 +307,10 @@ impl<E: Executor> StoreData<E> {
             registration.check_block(placement.engine_block)?;
         }
         // Both ways: a retrieve into one engine block twice overwrites one read with the other;
-        // a store from one block twice commits one block's KV under another's key.
-        self.refuse_duplicate_engine_blocks(direction, placements)?;
+        // a store from one block twice commits one block's KV under another's key. `KvStore`
+        // refuses them before reserving (a store's reservation may evict); this is for callers
+        // of the halves.
+        self.refuse_duplicate_engine_blocks(direction, placements.iter().map(|placement| placement.engine_block))?;
         let verified = self.config.verify_retrieves && direction == Direction::Retrieve;
         if verified && expected_crcs.is_none_or(|crcs| crcs.len() != placements.len()) {
             return Err(ObjstoreError::BadRequest {
@@ -428,21 +430,21 @@ impl<E: Executor> StoreData<E> {
 
     /// Refuses a retrieve that reads two blocks into one engine block (one would overwrite the
     /// other, and a verified retrieve would condemn a good slot for it) and a store that writes
-    /// two blocks from one (one block's KV would be committed under the other's key). Placements
-    /// were checked in range.
-    fn refuse_duplicate_engine_blocks(&mut self, direction: Direction, placements: &[Placement]) -> Result<()> {
+    /// two blocks from one (one block's KV would be committed under the other's key). `blocks`
+    /// (the engine block of each position, in order) were checked in the registration's range.
+    pub(super) fn refuse_duplicate_engine_blocks(&mut self, direction: Direction, blocks: impl Iterator<Item = u32> + Clone) -> Result<()> {
         let mut duplicate = None;
-        for (position, placement) in placements.iter().enumerate() {
-            let block = placement.engine_block as usize;
+        for (position, engine_block) in blocks.clone().enumerate() {
+            let block = engine_block as usize;
             let (word, bit) = (block / 64, 1u64 << (block % 64));
             if self.engine_blocks_seen[word] & bit != 0 {
-                duplicate = Some((position, placement.engine_block));
+                duplicate = Some((position, engine_block));
                 break;
             }
             self.engine_blocks_seen[word] |= bit;
         }
-        for placement in placements {
-            self.engine_blocks_seen[placement.engine_block as usize / 64] = 0;
+        for engine_block in blocks {
+            self.engine_blocks_seen[engine_block as usize / 64] = 0;
         }
         match duplicate {
             Some((position, block)) => Err(ObjstoreError::BadRequest {
