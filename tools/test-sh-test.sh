@@ -72,8 +72,10 @@ fi
 #    loop_devices_work itself needs; its mount is a stand-in that mounts, then hangs.)
 if [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup mkfs.ext4 mount > /dev/null 2>&1; then
     mkdir -p "$run_tmp/bin"
+    # The mount point written once the real mount has returned: written before, the poll below
+    # could look while the mount was still under way and find nothing mounted.
     # shellcheck disable=SC2016 # expanded by the stand-in
-    printf '#!/usr/bin/env bash\necho "$2" > %q\n%q "$@" || exit\nexec sleep 60\n' "$run_tmp/mounted" "$(command -v mount)" > "$run_tmp/bin/mount"
+    printf '#!/usr/bin/env bash\n%q "$@" || exit\necho "$2" > %q\nexec sleep 60\n' "$(command -v mount)" "$run_tmp/mounted" > "$run_tmp/bin/mount"
     chmod +x "$run_tmp/bin/mount"
     # shellcheck disable=SC2016 # expanded by the stage's shell
     PATH="$run_tmp/bin:$PATH" setsid -w bash -c '. "$1" && loop_devices_work' loop "$run_tmp/functions.sh" < /dev/null > /dev/null 2>&1 &
