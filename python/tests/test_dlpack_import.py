@@ -6,6 +6,7 @@ a numpy array's bytes), so each case is exactly the struct a producer could hand
 from __future__ import annotations
 
 import ctypes
+import gc
 
 import numpy as np
 import pytest
@@ -50,10 +51,32 @@ class _DlManagedTensorVersioned(ctypes.Structure):
     ]
 
 
-def _capsule(pointer: int, name: bytes):
+# Each live test capsule's struct and name (kept alive until the capsule's destructor ran: the
+# capsule holds only their addresses), by the capsule's address.
+_CAPSULE_STRUCTS: dict[int, tuple[ctypes.Structure, bytes]] = {}
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _capsule_destructor(capsule):
+    # As numpy's and torch's destructors: a capsule nobody consumed (not renamed "used_*") still
+    # owns its tensor and calls the deleter; a consumed one leaves it to the consumer. The
+    # capsule arrives as an address: it is being deallocated (a py_object would resurrect it).
+    struct, _name = _CAPSULE_STRUCTS.pop(capsule)
+    get = ctypes.pythonapi.PyCapsule_GetName
+    get.restype, get.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    if not get(capsule).startswith(b"used_"):
+        struct.deleter(ctypes.addressof(struct))
+
+
+def _capsule(struct: ctypes.Structure, name: bytes):
+    """A capsule over `struct` with a numpy-style destructor. Tests keep the producer (and so the
+    capsule) in a variable and drop it where no exception is in flight: the destructor is Python
+    code, which must not run with an exception set (as while a raising frame's stack is popped)."""
     new = ctypes.pythonapi.PyCapsule_New
     new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(pointer, name, None)
+    capsule = new(ctypes.addressof(struct), name, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+    _CAPSULE_STRUCTS[id(capsule)] = (struct, name)
+    return capsule
 
 
 def _capsule_name(capsule) -> bytes:
@@ -67,7 +90,8 @@ class Producer:
     otherwise). `versioned`: hands out "dltensor_versioned" (DLPack `major`.0, `flags`) when the
     consumer passes max_version, else "dltensor". `keywords`: whether __dlpack__ takes the
     DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version). Records each
-    call's keywords, the capsule and the deleter's calls (with the struct's address)."""
+    call's keywords, the capsule and the deleter's calls (with the struct's address): tutti's,
+    for a capsule it consumed, or the capsule's destructor's, for one it left unconsumed."""
 
     def __init__(self, array, *, versioned=True, keywords=True, flags=0, major=1, bits=8, lanes=1, code=1, ndim=1,
                  shape=True, name=None):
@@ -92,13 +116,19 @@ class Producer:
             raise TypeError(f"__dlpack__() got an unexpected keyword argument {next(iter(kwargs))!r}")
         self.calls.append(kwargs)
         if self.offers_versioned and kwargs.get("max_version", (0, 0)) >= (1, 0):
-            self.capsule = _capsule(ctypes.addressof(self.versioned), self.name or b"dltensor_versioned")
+            self.capsule = _capsule(self.versioned, self.name or b"dltensor_versioned")
         else:
-            self.capsule = _capsule(ctypes.addressof(self.legacy), self.name or b"dltensor")
+            self.capsule = _capsule(self.legacy, self.name or b"dltensor")
         return self.capsule
 
     def address(self) -> int:
         return ctypes.addressof(self.versioned) if self.offers_versioned and self.keywords else ctypes.addressof(self.legacy)
+
+    def drop_capsule(self) -> list[int]:
+        """Drops the last capsule (its destructor runs) and returns every deleter call so far."""
+        self.capsule = None
+        gc.collect()
+        return self.deleted
 
 
 def test_a_versioned_capsule_is_consumed_renamed_and_deleted_once():
@@ -115,6 +145,8 @@ def test_a_versioned_capsule_is_consumed_renamed_and_deleted_once():
         store_prompt(store, tokens(5, 1), [0])
         assert producer.deleted == []
     assert producer.deleted == [producer.address()]
+    # Renamed, so the capsule's destructor leaves the tensor alone: still one deletion.
+    assert producer.drop_capsule() == [producer.address()]
 
 
 def test_a_legacy_producer_is_asked_again_without_keywords():
@@ -128,6 +160,7 @@ def test_a_legacy_producer_is_asked_again_without_keywords():
             assert _capsule_name(producer.capsule) == b"used_dltensor"
             store_prompt(store, tokens(6, 1), [0])
         assert producer.deleted == [ctypes.addressof(producer.legacy)]
+        assert producer.drop_capsule() == [ctypes.addressof(producer.legacy)]
 
 
 def test_a_read_only_dlpack_tensor_is_refused():
@@ -140,6 +173,7 @@ def test_a_read_only_dlpack_tensor_is_refused():
         with pytest.raises(tutti.InvalidArgument, match="tensor is read-only"):
             store.register_kv(tutti.KvLayout.block_major(producer))
         assert producer.deleted == [ctypes.addressof(producer.versioned)]
+        assert producer.drop_capsule() == [ctypes.addressof(producer.versioned)]
         readonly = np.zeros(NBYTES, dtype=np.uint8)
         readonly.flags.writeable = False
         with pytest.raises(tutti.InvalidArgument, match="tensor is read-only"):
@@ -162,12 +196,20 @@ def test_a_read_only_dlpack_tensor_is_refused():
 def test_dlpack_import_refusals_name_the_tensor(options, message):
     # Goal: a capsule the import refuses (already consumed, garbage dimensions, no shape, a
     # DLPack major version it does not know) is InvalidArgument naming the tensor, not a bare
-    # TypeError or ValueError; the store stays usable.
+    # TypeError or ValueError; the store stays usable. A refused capsule is left unconsumed
+    # (not renamed): tutti never calls its deleter, the producer's capsule destructor does, once
+    # (calling it as well would free the producer's tensor twice); a capsule already named
+    # "used_*" belongs to someone else and is deleted by neither.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), **options)
     with open_store() as store:
         with pytest.raises(tutti.InvalidArgument, match=message):
-            store.register_kv(tutti.KvLayout.block_major(Producer(np.zeros(NBYTES, dtype=np.uint8), **options)))
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.deleted == []
+        unconsumed = b"dltensor_versioned" if options.get("versioned", True) else b"dltensor"
+        assert _capsule_name(producer.capsule) == options.get("name", unconsumed)
         store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
         store_prompt(store, tokens(8, 1), [0])
+    assert producer.drop_capsule() == ([] if "name" in options else [producer.address()])
 
 
 @pytest.mark.parametrize("bits, lanes", [(20, 1), (4, 5), (12, 1)])
@@ -175,10 +217,13 @@ def test_a_dtype_of_a_fraction_of_a_byte_is_refused(bits, lanes):
     # Goal: a DLPack dtype whose bits x lanes is not a whole number of bytes is refused as
     # InvalidArgument naming it: before, 20 bits counted as a 2-byte element (the model's
     # dtype_bytes) and was registered with a wrong element size.
+    # The refused capsule is left to its destructor, which deletes it once.
     producer = Producer(np.zeros(NBYTES, dtype=np.uint8), bits=bits, lanes=lanes, code=0)
     with open_store() as store:
         with pytest.raises(tutti.InvalidArgument, match=f"tensor: a DLPack dtype of {bits} bits x {lanes} lanes .*whole number of bytes"):
             store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.deleted == []
+    assert producer.drop_capsule() == [producer.address()]
 
 
 @pytest.mark.parametrize("element", [ctypes.c_char, ctypes.c_byte, ctypes.c_ubyte])
