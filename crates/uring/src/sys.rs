@@ -516,12 +516,6 @@ impl Ring {
     /// [`Ring::wait`] without the abandonment check (cancellation runs on abandoned rings).
     fn wait_for_completion(&mut self, deadline: Instant) -> Result<(), UringError> {
         let started = Instant::now();
-        // Queued entries go to the kernel even when the deadline has passed already: the wait
-        // in the kernel below, which submits them too, is never reached then, and they would
-        // stay queued (counted in flight, never started) until some later call.
-        if !self.ring.submission().is_empty() {
-            self.submit_queued()?;
-        }
         // Bounded by the deadline: every pass either returns or sleeps in the kernel until it.
         loop {
             if !self.ring.completion().is_empty() || self.in_flight() == 0 {
@@ -530,6 +524,11 @@ impl Ring {
             }
             let now = Instant::now();
             if now >= deadline {
+                // Queued entries still go to the kernel: a deadline that had passed before the
+                // wait below (which submits them too) was ever reached would leave them queued,
+                // counted in flight and never started, until some later call. Only here, so a
+                // wait whose deadline is ahead stays one `io_uring_enter` (submit and wait).
+                self.submit_queued()?;
                 return Err(UringError::Timeout { waited: now.saturating_duration_since(started), in_flight: self.in_flight() });
             }
             let left = deadline.saturating_duration_since(now);
