@@ -264,7 +264,8 @@ struct SessionRecord {
     queue_pairs: u32,
     /// Requests prepared and not committed or released. Once the session ended (retiring or
     /// kept for good) its count as it ended: reservations it still holds though its connection
-    /// no longer counts, which a `Hello` is admitted against (`connection::reservations_refusal`).
+    /// no longer counts, which a first registration is admitted against
+    /// (`connection::reservations_refusal`).
     requests_in_flight: u32,
     /// The relay's counters of the session's relayed pairs (set when it attaches queues).
     relay: Vec<Arc<PairCounters>>,
@@ -279,6 +280,10 @@ struct SessionRecord {
     /// kept for good, and so is this record (its client must never free what the pairs may
     /// still write). Bounded: the table holds at most `STATUS_CLIENTS_MAX` records (`Hello`).
     kept: bool,
+    /// The session was promised its share of the request reservations (`--requests-per-session`)
+    /// at its first registration (`connection::reservations_refusal`): only a session with a
+    /// registration can prepare, so one that only looks up (an engine's scheduler) holds none.
+    promised: bool,
 }
 
 impl SessionRecord {

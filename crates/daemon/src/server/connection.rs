@@ -97,7 +97,7 @@ impl Drop for Ended<'_> {
         let _uncount = Uncount(&self.shared.connections);
         let Some(session) = self.connection.session.take() else { return };
         // The reservations it ends with, exact (a handler that panicked did not mirror them):
-        // a session that keeps them (retiring, kept for good) is counted by them at `Hello`.
+        // a session that keeps them (retiring, kept for good) is counted by them at a registration.
         if let Some(record) = lock(&self.shared.sessions).get_mut(&session) {
             record.requests_in_flight = self.connection.holdings.requests_in_flight();
         }
@@ -117,27 +117,33 @@ impl Drop for Ended<'_> {
     }
 }
 
-/// Refuses a `Hello` whose session could not be given `--requests-per-session` reservations.
-/// The pool's table holds `clients_max` × that many (sized in `Server::bind_prepared`), and a
-/// session is promised its whole share from `Hello` on. An ended session that keeps its
-/// reservations (retiring: its queue pairs' deletion not confirmed yet, so they may still write
-/// the slots; or kept for good) no longer counts as a connection, so without this a session
-/// admitted in its place would find the table short and its prepares refused `LimitReached`,
-/// for good where a kept session holds them. Counted under the sessions lock: live sessions
-/// (awaiting their client's exit included) at their whole share, ended ones at what they hold.
-/// `Busy` (retry shortly: the Python package asks again on a new connection) when the retiring
-/// sessions' reservations are what is missing, as an attach is for their queue ids;
+/// Refuses a session's first registration (`RegisterMemory`, `RegisterDeviceMemory`) when it
+/// could not be given `--requests-per-session` reservations. The pool's table holds
+/// `clients_max` × that many (sized in `Server::bind_prepared`), and a session is promised its
+/// whole share from its first registration on: only a registered session can prepare, so a
+/// session that only looks up (an engine's scheduler, `LookupClient`) is promised none, and its
+/// `Hello` is admitted by the connection cap alone. An ended session that keeps its reservations
+/// (retiring: its queue pairs' deletion not confirmed yet, so they may still write the slots; or
+/// kept for good) no longer counts as a connection, so without this a session admitted in its
+/// place would find the table short and its prepares refused `LimitReached`, for good where a
+/// kept session holds them. Counted under the sessions lock, `this` session left out: promised
+/// live sessions (awaiting their client's exit included) at their whole share, ended ones at
+/// what they hold.
+/// `Busy` (retry shortly: `RemoteKvStore` asks again) when the retiring sessions' reservations
+/// are what is missing, as an attach is for their queue ids;
 /// `LimitReached` when sessions kept for good hold them (until the daemon restarts).
-fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, config: &ServerConfig) -> Option<Reply> {
+fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, this: u64, config: &ServerConfig) -> Option<Reply> {
     let share = config.session_limits.requests_max;
     let table = config.clients_max.saturating_mul(share);
     let (mut promised, mut retiring, mut kept) = (0usize, 0usize, 0usize);
-    for record in sessions.values() {
+    for (&session, record) in sessions {
         let held = record.requests_in_flight as usize;
         match (record.kept, record.retiring) {
             (true, _) => kept += held,
             (false, true) => retiring += held,
-            (false, false) => promised += share,
+            (false, false) if session != this && record.promised => promised += share,
+            // Unregistered (it holds none) or this session itself.
+            (false, false) => {}
         }
     }
     if promised.saturating_add(retiring).saturating_add(kept).saturating_add(share) <= table {
@@ -146,13 +152,30 @@ fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, config: &Server
     let held = format!(
         "{retiring} of the daemon's {table} request reservations are held by ended sessions whose queue pairs' deletion is not \
          confirmed yet and {kept} by sessions kept for good (queue pairs not known deleted); {promised} are promised to live \
-         sessions, and a new session needs {share} (--requests-per-session)"
+         sessions that registered memory, and a new one needs {share} (--requests-per-session)"
     );
     Some(if promised.saturating_add(kept).saturating_add(share) <= table {
         Reply::error(ErrorCode::Busy, format!("{held}: retry shortly"))
     } else {
         Reply::error(ErrorCode::LimitReached, format!("{held}: held until the daemon restarts"))
     })
+}
+
+/// Promises `session` its share of the reservations at its first registration, or answers the
+/// refusal ([`reservations_refusal`]); under the sessions lock, so two sessions' first
+/// registrations cannot both take the last share.
+fn promise_reservations(shared: &Shared, session: u64) -> Option<Reply> {
+    let mut sessions = lock(&shared.sessions);
+    if sessions.get(&session).is_none_or(|record| record.promised) {
+        return None;
+    }
+    if let Some(refusal) = reservations_refusal(&sessions, session, &shared.config) {
+        return Some(refusal);
+    }
+    if let Some(record) = sessions.get_mut(&session) {
+        record.promised = true;
+    }
+    None
 }
 
 /// Whether a connection's error is its client closing the socket: an end of file in the middle
@@ -426,6 +449,11 @@ impl Connection {
             other => (other.kind(), None),
         };
         let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
+        if matches!(request, Request::RegisterMemory(_) | Request::RegisterDeviceMemory(_)) {
+            if let Some(refusal) = self.session.and_then(|session| promise_reservations(shared, session)) {
+                return (refusal, Vec::new());
+            }
+        }
         let reply = match (request, space) {
             (Request::RegisterMemory(register), Some(_)) => {
                 let session = self.session.unwrap_or(0);
@@ -537,6 +565,7 @@ impl Connection {
                     awaiting_exit: false,
                     retiring: false,
                     kept: false,
+                    promised: false,
                 };
                 {
                     // Sessions kept for good stay listed: the table is bounded at what one
@@ -548,9 +577,6 @@ impl Connection {
                             ErrorCode::LimitReached,
                             format!("{} sessions are listed ({kept} of them kept for good: queue pairs not known deleted)", sessions.len()),
                         );
-                    }
-                    if let Some(refusal) = reservations_refusal(&sessions, &shared.config) {
-                        return refusal;
                     }
                     sessions.insert(session, record);
                 }

@@ -553,31 +553,66 @@ fn prepare_two_stores(store: &mut RemoteKvStore) {
     }
 }
 
-/// A `Hello` as `name` on a connection of its own, asked again while the daemon's one normal
-/// place is still taken (the status queries' connections, ending): what the daemon answers
-/// once it is not that.
-fn hello_past_the_place(daemon: &InProcess, name: &str) -> Result<crate::protocol::HelloReply, DaemonError> {
+/// A client attached as `name` on a connection of its own, asked again while the daemon's
+/// normal places are still taken (the status queries' connections, ending).
+fn hello_past_the_place(daemon: &InProcess, name: &str) -> Client {
     let deadline = Instant::now() + WAIT;
     loop {
-        let answered = daemon.client().hello(&hello(name));
-        match &answered {
+        let mut client = daemon.client();
+        match client.hello(&hello(name)) {
+            Ok(_) => return client,
             Err(DaemonError::Remote { code: ErrorCode::Busy, message }) if message.contains("maximum number of connections") => {
                 assert!(Instant::now() < deadline, "the place stayed taken: {message}");
                 thread::sleep(Duration::from_millis(20));
             }
-            _ => return answered,
+            Err(error) => panic!("Hello as {name}: {error}"),
         }
     }
 }
 
+/// A store attached as `name` (timeout `timeout`), asked again while the daemon's normal places
+/// are still taken (as [`hello_past_the_place`]): what its attach comes to once it is not that.
+fn attach_past_the_place(daemon: &InProcess, name: &str, timeout: Duration) -> Result<RemoteKvStore, String> {
+    let config = RemoteConfig { kv_blocks: 8, timeout, ..RemoteConfig::default() };
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match RemoteKvStore::connect(&daemon.socket, &hello(name), &config) {
+            Ok(store) => return Ok(store),
+            Err(error) if error.to_string().contains("maximum number of connections") => {
+                assert!(Instant::now() < deadline, "the place stayed taken: {error}");
+                thread::sleep(Duration::from_millis(20));
+            }
+            Err(error) => return Err(error.to_string()),
+        }
+    }
+}
+
+/// Ends `store`'s session with its Delete I/O SQ refused by the controller, so that it is kept
+/// for good with what it holds (`held` requests); returns once status lists it so.
+fn end_kept(daemon: &InProcess, emulator: &nvme_emu::EmuDevice, store: RemoteKvStore, held: u32) {
+    let session = store.hello_reply().session;
+    let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
+    let rule = nvme_emu::FaultRule::on_nth_admin(
+        1,
+        nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue,
+        nvme_emu::FaultAction::Status(status),
+    );
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(store);
+    daemon.status_once("the session was not kept with its requests", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept && client.requests_in_flight == held)
+    });
+}
+
 #[test]
-fn a_hello_is_told_to_retry_while_a_retiring_session_holds_the_reservations_it_needs() {
+fn a_registration_is_told_to_retry_while_a_retiring_session_holds_the_reservations_it_needs() {
     // Goal: an ended session whose queue pairs' deletion is not confirmed yet keeps its
     // reservations (the pairs may still write their slots) but no longer its connection. With
     // one client of two requests, a session admitted meanwhile could not prepare its second
     // request, and its first would be refused as `LimitReached` (the table of clients × requests
-    // full). Its `Hello` is answered `Busy` until the retiring session gives them back; then
-    // the next session gets both its requests. The Delete I/O SQ completes 3 s late.
+    // full). Its `Hello` is admitted (it may only look up), but its first registration is
+    // answered `Busy` until the retiring session gives them back; then the next session gets
+    // both its requests. The Delete I/O SQ completes 3 s late.
     let admin_timeout = Duration::from_millis(50);
     let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
@@ -591,11 +626,9 @@ fn a_hello_is_told_to_retry_while_a_retiring_session_holds_the_reservations_it_n
     daemon.status_once("the session was not listed retiring with its requests", |status| {
         status.clients.iter().any(|client| client.session == session && client.retiring && client.requests_in_flight == 2)
     });
-    match hello_past_the_place(&daemon, "next") {
-        Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
-            assert!(message.contains("not confirmed"), "{message}");
-        }
-        other => panic!("a Hello while the retiring session holds the reservations: {other:?}"),
+    match attach_past_the_place(&daemon, "next", Duration::from_millis(300)) {
+        Err(message) => assert!(message.contains("Busy") && message.contains("not confirmed"), "{message}"),
+        Ok(_) => panic!("an attach while the retiring session holds the reservations was admitted"),
     }
     assert!(
         daemon.client().status().unwrap().clients.iter().any(|client| client.session == session),
@@ -616,33 +649,44 @@ fn a_hello_is_told_to_retry_while_a_retiring_session_holds_the_reservations_it_n
 }
 
 #[test]
-fn a_hello_is_refused_while_sessions_kept_for_good_hold_the_reservations_it_needs() {
+fn a_registration_is_refused_while_sessions_kept_for_good_hold_the_reservations_it_needs() {
     // Goal: a session kept for good (its Delete I/O SQ refused by the controller) keeps its
     // reservations for the daemon's life. With one client of two requests, both held so, no
-    // later session could prepare any request: its `Hello` is refused up front as
+    // later session could prepare any request: its first registration is refused up front as
     // `LimitReached`, saying why, instead of being admitted to fail every prepare.
     let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), one_client_of_two_requests);
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
     let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
     prepare_two_stores(&mut first);
-    let session = first.hello_reply().session;
-    let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
-    let rule = nvme_emu::FaultRule::on_nth_admin(
-        1,
-        nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue,
-        nvme_emu::FaultAction::Status(status),
-    );
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
-    drop(first);
-    daemon.status_once("the session was not kept with its requests", |status| {
-        status.clients.iter().any(|client| client.session == session && client.kept && client.requests_in_flight == 2)
-    });
-    match hello_past_the_place(&daemon, "next") {
-        Err(DaemonError::Remote { code: ErrorCode::LimitReached, message }) => {
-            assert!(message.contains("kept for good"), "{message}");
-        }
-        other => panic!("a Hello while a kept session holds the reservations: {other:?}"),
+    end_kept(&daemon, &emulator, first, 2);
+    match attach_past_the_place(&daemon, "next", Duration::from_secs(5)) {
+        Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
+        Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
     }
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_session_that_only_looks_up_is_promised_no_reservations() {
+    // Goal: only a session with a registration can prepare, so one that only looks up (an
+    // engine's scheduler: `LookupClient`) is promised none of the table. Two clients of two
+    // requests; one session kept for good holding one: a lookup-only session and then a store
+    // are both admitted, and the store prepares both its requests (the table of 4 has 3 free).
+    // Counted at a whole share, the lookup session left the store's `Hello` refused.
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
+        config.clients_max = 2;
+        config.session_limits.requests_max = 2;
+    });
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let tokens: Vec<u32> = (5000..5064).collect();
+    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    end_kept(&daemon, &emulator, first, 1);
+    let mut scheduler = hello_past_the_place(&daemon, "scheduler");
+    scheduler.lookup(&tokens).expect("lookup");
+    let mut worker = attach_past_the_place(&daemon, "worker", Duration::from_secs(5)).expect("the worker's attach");
+    prepare_two_stores(&mut worker);
+    drop((worker, scheduler));
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
