@@ -68,9 +68,11 @@ fi
 
 # 3. loop_devices_work stopped as an interrupt or an expired limit stops a stage (kill_tree: TERM
 #    to every process of the stage's session at once) while its file system is mounted: nothing
-#    of it left mounted or attached. (Root on a machine where loop devices attach, as
-#    loop_devices_work itself needs; its mount is a stand-in that mounts, then hangs.)
-if [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup mkfs.ext4 mount > /dev/null 2>&1; then
+#    of it left mounted or attached. (Only where loop_devices_work, tried for real first,
+#    succeeds: root, losetup, mkfs.ext4 and mount there, and a loop device that attaches, formats
+#    and mounts. Elsewhere the stand-in's mount would never be reached, and the check would wait
+#    30 s and fail. In the check its mount is a stand-in that mounts, then hangs.)
+if loop_devices_work; then
     mkdir -p "$run_tmp/bin"
     # The mount point written once the real mount has returned: written before, the poll below
     # could look while the mount was still under way and find nothing mounted.
@@ -92,7 +94,7 @@ if [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup mkfs.e
     [ "$left" = 0 ] || umount "$mnt"
     for node in $nodes; do losetup -d "$node"; done
 else
-    echo "test-sh-test: no root or no loop devices: the loop-device check skipped" >&2
+    echo "test-sh-test: loop_devices_work fails here (not root, no losetup, mkfs.ext4 or mount, or no loop device that attaches, formats and mounts): the loop-device check skipped" >&2
 fi
 
 if [ "$failures" -gt 0 ]; then
