@@ -73,20 +73,24 @@ struct KeepAlive {
 ///
 /// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
 /// the new lease when that fails; 4 T when the transaction's answer was lost and that revoke
-/// failed: the lease may hold the member key, and the dropped node revokes it once more); `rejoin` ≤ 4 T (the old lease's revoke, then a join);
-/// `leave` or drop ≤ T + 1 s (2 T + 1 s after a rejoin whose revoke of the old lease failed:
-/// that lease is revoked too); `register` and `unregister` T per `txn_ops_max` segments;
+/// failed: the lease may hold the member key, and the dropped node revokes it once more);
+/// `rejoin` ≤ 6 T (the revokes of the node's last lease and of up to two whose revoke failed
+/// before, then the grant, the member transaction and the new lease's revoke); `leave` or
+/// drop ≤ T + 1 s (up to 3 T + 1 s after rejoins whose revokes failed: those leases, at most
+/// two, are revoked too); `register` and `unregister` T per `txn_ops_max` segments;
 /// `update_record` T.
 pub struct ClusterNode {
     client: ClusterClient,
     record: MemberRecord,
     lease: Arc<LeaseState>,
     keep_alive: Option<KeepAlive>,
-    /// A lease of this node whose revoke failed in a rejoin and none has confirmed since: it
-    /// may live (and keep the member key and segments under it listed) until it expires. A
-    /// rejoin that failed leaves no keep-alive, so `shut_down` would revoke nothing without
-    /// it; the latest such lease is kept (an earlier one was left unrenewed a rejoin before).
-    unrevoked: Option<i64>,
+    /// Leases of this node whose revoke failed in a rejoin and none has confirmed since,
+    /// newest first: each may live (and keep the member key or segments under it listed) until
+    /// it expires, and the member key under one refuses every join under another lease. Each
+    /// rejoin tries them again; `shut_down` revokes them (a rejoin that failed leaves no
+    /// keep-alive, so it would revoke nothing without them). At most [`UNREVOKED_KEPT`]: an
+    /// older one was left unrenewed more rejoins ago and expires first.
+    unrevoked: Vec<i64>,
     /// A lease a failed `establish` granted whose member transaction may have been applied
     /// (its answer was lost) and whose revoke failed: it may hold the member key, and nothing
     /// renews it. It is made the node's lease too, so the next rejoin revokes it as the old one
@@ -97,6 +101,9 @@ pub struct ClusterNode {
     /// as lost (`Unavailable`), as a member that stalls right after applying it would make it.
     #[cfg(test)]
     lose_member_answer: Option<Box<dyn FnMut() + Send + Sync>>,
+    /// Tests only: a lease whose revoke fails (as with etcd out of reach), sent to no one.
+    #[cfg(test)]
+    fail_revoke: Option<i64>,
 }
 
 impl ClusterNode {
@@ -124,10 +131,12 @@ impl ClusterNode {
             record,
             lease,
             keep_alive: None,
-            unrevoked: None,
+            unrevoked: Vec::new(),
             orphaned: None,
             #[cfg(test)]
             lose_member_answer: None,
+            #[cfg(test)]
+            fail_revoke: None,
         };
         node.establish()?;
         Ok(node)
@@ -249,6 +258,11 @@ impl ClusterNode {
     /// Revokes `lease_id`, bounded; a failure leaves the lease to expire by itself. Whether it
     /// is gone now (revoked, or etcd no longer knew it).
     fn revoke(&self, lease_id: i64) -> bool {
+        #[cfg(test)]
+        if self.fail_revoke == Some(lease_id) {
+            tracing::warn!(lease_id, "could not revoke the lease (test); it expires by itself");
+            return false;
+        }
         let result = self.client.connection.call_lease("revoke the lease", |mut lease| async move { lease.revoke(lease_id).await });
         match revoked(result) {
             Ok(()) => true,
@@ -278,7 +292,8 @@ impl ClusterNode {
 
     /// After [`ClusterError::LeaseLost`]: a new lease and member record. The node's segments
     /// vanished with the old lease; the owner registers what it still holds again. At most
-    /// four request timeouts: the old lease's revoke, then a join.
+    /// six request timeouts: the revokes of the old lease and of up to two earlier ones whose
+    /// revoke failed ([`UNREVOKED_KEPT`]), then a join's grant, member transaction and revoke.
     /// Until the new lease is in place the node has none (the keep-alive is stopped and the
     /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
     /// lease still live (the registrar's unregister queue overflowed) included — leaves it
@@ -290,13 +305,19 @@ impl ClusterNode {
         self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
         let old_lease_id = self.lease.lease_id.load(Ordering::Relaxed);
-        let old_lease_revoked = self.revoke(old_lease_id);
-        if !old_lease_revoked {
-            self.unrevoked = Some(old_lease_id);
-        } else if self.unrevoked == Some(old_lease_id) {
-            // A retry after a rejoin that failed: its lease is gone now.
-            self.unrevoked = None;
+        // Every lease of the node that may live: the last one (an orphaned lease is it) and
+        // those whose revoke failed before. Revoking only the last one left the member key
+        // under an earlier one, which refused this join (NodeIdTaken, blamed on another
+        // process) until it expired.
+        let mut held = vec![old_lease_id];
+        held.extend(self.unrevoked.iter().copied().filter(|&lease_id| lease_id != old_lease_id));
+        let mut failed: Vec<i64> = held.into_iter().filter(|&lease_id| !self.revoke(lease_id)).collect();
+        if failed.len() > UNREVOKED_KEPT {
+            tracing::warn!(leases = ?&failed[UNREVOKED_KEPT..], "no longer revoked by this node: they expire by themselves");
+            failed.truncate(UNREVOKED_KEPT);
         }
+        let old_lease_revoked = !failed.contains(&old_lease_id);
+        self.unrevoked = failed;
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
         self.orphaned = None;
@@ -321,9 +342,9 @@ impl ClusterNode {
         if let Some(orphaned) = self.orphaned.take() {
             let _ = self.revoke(orphaned);
         }
-        // After a rejoin whose revoke failed (and, when the rejoin failed too, the node's
-        // only lease): revoked now rather than left listed until it expires.
-        if let Some(unrevoked) = self.unrevoked.take() {
+        // After rejoins whose revokes failed (and, when the last rejoin failed too, the node's
+        // only leases): revoked now rather than left listed until they expire.
+        for unrevoked in std::mem::take(&mut self.unrevoked) {
             let _ = self.revoke(unrevoked);
         }
     }
@@ -477,6 +498,11 @@ impl Drop for ClusterNode {
         self.shut_down();
     }
 }
+
+/// How many leases whose revoke failed a node keeps to revoke again: a rejoin tries the node's
+/// last lease and these (each a request timeout), and keeps the newest that failed again.
+/// Two cover a rejoin whose revoke of the old lease failed and whose new lease was orphaned.
+const UNREVOKED_KEPT: usize = 2;
 
 /// A member record that `MemberRecord::encode` refuses, as a setting error.
 fn refused_record(reason: &'static str) -> ClusterError {
@@ -878,5 +904,45 @@ mod lease_orphan_tests {
         drop(node);
         assert_eq!(ttl_left(&reader, orphan), -1, "the drop revoked the orphaned lease");
         assert_eq!(member_key_lease(&reader, &record.node), 0, "the member key went with it");
+    }
+
+    #[test]
+    fn a_rejoin_revokes_the_lease_an_earlier_rejoin_could_not_as_well_as_the_orphan() {
+        // Goal: a rejoin whose revoke of the old lease L0 failed, then whose member transaction's
+        // answer was lost and whose new lease L1's revoke failed too, left the member key under
+        // L0 (alive) and L1 as the node's lease. The next rejoin revoked only L1 and answered
+        // NodeIdTaken{L0} — blaming another process — until L0 expired (up to a TTL). Now it
+        // revokes every lease of the node that may live, L0 included, and joins.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let endpoints = etcd.endpoints();
+        let etcd = Arc::new(Mutex::new(etcd));
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new("unrevoked").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let first = node.health().lease_id;
+
+        node.fail_revoke = Some(first);
+        let holder = rejoin_orphaning_a_lease(&mut node, &etcd);
+        node.fail_revoke = None;
+        assert_eq!(holder, first, "the member key stayed under the lease whose revoke failed");
+        let second = node.health().lease_id;
+        assert_ne!(second, first, "the failed rejoin's new lease is the node's");
+        assert!(ttl_left(&node.client, second) > 0, "its revoke failed: it lives");
+
+        let rejoined = node.rejoin().expect("the rejoin revokes both leases and joins");
+        assert_eq!(ttl_left(&node.client, first), -1, "the lease the first rejoin could not revoke is gone");
+        assert_eq!(ttl_left(&node.client, second), -1, "the orphaned lease is gone");
+        assert_eq!(rejoined.old_lease_id, second);
+        assert!(rejoined.old_lease_revoked);
+        assert_eq!(member_key_lease(&node.client, &record.node), node.health().lease_id);
+        assert!(!node.health().lost);
     }
 }

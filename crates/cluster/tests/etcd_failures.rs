@@ -51,8 +51,8 @@ fn the_registry_survives_the_loss_of_one_etcd_member_of_three() {
 fn with_every_etcd_member_down_each_call_is_unavailable_within_its_deadline() {
     // Goal: all three members killed: lookup, members, register and status each return
     // `Unavailable` within the request timeout T (plus scheduling slack), never hang; the
-    // compound calls within the bounds lib.rs documents: a join 3 T, a rejoin 4 T, leaving the
-    // cluster (drop) T + 1 s.
+    // compound calls within the bounds lib.rs documents: a join 3 T, a rejoin 4 T (one lease
+    // to revoke, then a join), leaving the cluster (drop) T + 1 s.
     let Some(mut etcd) = start_etcd(3) else { return };
     let node_a = ClusterNode::join(config(&etcd, "dark"), record("a")).unwrap();
     let mut node_b = ClusterNode::join(config(&etcd, "dark"), record("b")).unwrap();

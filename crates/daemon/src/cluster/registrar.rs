@@ -18,11 +18,11 @@
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
 //! (T, the registry's request timeout: a transaction T, a join 3 T (4 T when it failed and
-//! revokes its new lease once more), a rejoin 4 T; the cluster crate lists them) and the stop
+//! revokes its new lease once more), a rejoin 6 T; the cluster crate lists them) and the stop
 //! is checked between calls, so the thread sees the daemon's stop within a tick plus one call
-//! (at most 4 T, a rejoin). Then it leaves the cluster at once
-//! (revoking the lease, its segments vanishing: T, and 1 s for the client's runtime; 2 T when a
-//! rejoin's revoke of the old lease failed, which is revoked too): the data plane stops serving
+//! (at most 6 T, a rejoin). Then it leaves the cluster at once
+//! (revoking the lease, its segments vanishing: T, and 1 s for the client's runtime; up to 3 T
+//! when rejoins' revokes of old leases failed, which are revoked too): the data plane stops serving
 //! within a tick of the stop, and a node still listed would send peers' fetches to an address
 //! that refuses them. Then, without etcd, it journals every commit still queued and those the
 //! connection threads hand over while they finish their last request, until the server says
