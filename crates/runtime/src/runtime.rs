@@ -314,9 +314,10 @@ impl<E: Executor> Runtime<E> {
     /// Begins a request's prefill. `request.tokens` is the whole prompt, `request.block_ids` the
     /// engine blocks of its full blocks in order. The runtime looks up the cached prefix, prepares
     /// its retrieve into the leading engine blocks and the store of the rest (blocks cached or
-    /// being stored elsewhere are shared, not written twice). Nothing is issued yet. The blocks it
-    /// reads into or stores from must be [`Runtime::releasable`] and distinct: otherwise
-    /// `BlockRefused`, and nothing is prepared.
+    /// being stored elsewhere are shared, not written twice). Nothing is issued yet. All of
+    /// `block_ids` (read into, stored from, or only computed into past a truncated store) must
+    /// be [`Runtime::releasable`] and distinct: otherwise `BlockRefused`, and nothing is
+    /// prepared.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -341,8 +342,10 @@ impl<E: Executor> Runtime<E> {
         }
         // Before anything is prepared: a block the device may still move (a queued store's
         // source, a retiring request's, a lost read's target) or named twice would take stale or
-        // another block's bytes into the new KV, or commit them under this request's keys.
-        if let Some((position, block, reason)) = self.writes.refuse_unusable(&request.block_ids[..hit + incoming]) {
+        // another block's bytes into the new KV, or commit them under this request's keys. All
+        // of the request's blocks, those past a truncated store too: the engine computes KV into
+        // every one of them.
+        if let Some((position, block, reason)) = self.writes.refuse_unusable(request.block_ids) {
             return Err(RuntimeError::BlockRefused { block, position, reason });
         }
         // A fully cached prompt has no store but its retrieve still needs a request slot: room

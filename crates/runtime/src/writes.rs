@@ -205,7 +205,8 @@ impl WriteQueue {
         self.holds.get(block as usize).is_none_or(|&hold| hold == 0)
     }
 
-    /// The first of `blocks` (a new request's retrieve targets and store sources) that it may
+    /// The first of `blocks` (a new request's: retrieve targets, store sources, and the blocks
+    /// past a truncated store that the engine computes into all the same) that it may
     /// not use, its position and why: one still held (a queued store's source, a retiring
     /// request's, the running retrieve's target: the device may still move its bytes, and
     /// data read into it or written from it would be another request's), or one named twice

@@ -381,6 +381,29 @@ fn a_retiring_reads_target_is_refused_as_a_new_target() {
     });
 }
 
+#[test]
+fn a_retiring_reads_target_past_a_truncated_store_is_refused() {
+    // Goal: a request with more new blocks than the write queue holds stores only its first
+    // `write_queue_limit_blocks`, but the engine computes KV into all of them, so a block past
+    // the stored ones that a lost read may still write is refused as well. Before, only the
+    // stored blocks were checked, and the late read could land over the new request's KV.
+    bounded(|| {
+        let mut config = config(PolicyChoice::SlackAware);
+        config.io_timeout = IO_TIMEOUT;
+        config.write_queue_limit_blocks = 4;
+        let mut stack = stack(config, None);
+        retire_a_read(&mut stack);
+        assert!(!stack.runtime.releasable(5));
+        let before = stack.runtime.counters();
+        let block_tokens = common::geometry().block_tokens;
+        let tokens: Vec<u32> = (0..6 * block_tokens).map(|index| 9_000_000 + index).collect();
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &[20, 21, 22, 23, 24, 5] });
+        assert!(matches!(refused, Err(RuntimeError::BlockRefused { block: 5, position: 5, .. })), "{refused:?}");
+        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+        assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (1, 0));
+    });
+}
+
 /// What a [`Rigged`] executor holds back: the IOCBs marked (`mark`: those ISSUED then), the
 /// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
 #[derive(Default)]
