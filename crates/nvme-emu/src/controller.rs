@@ -304,6 +304,10 @@ pub(crate) struct ControllerCore {
     /// there, and the transfer reports short): a short write cut off by the stop, in tests.
     #[cfg(test)]
     pub(crate) short_write_at_stop_for_tests: Option<usize>,
+    /// How many Writes `short_write_at_stop_for_tests` cut short, so a test can tell that its
+    /// case happened (a transfer past its deadline before the stop is redone whole instead).
+    #[cfg(test)]
+    pub(crate) short_writes_at_stop_for_tests: usize,
     /// `fdatasync` of the store fails with an I/O error while set (a disk that loses its
     /// cache flushes, in tests).
     #[cfg(test)]
@@ -387,6 +391,8 @@ impl ControllerCore {
             fail_write_backs_for_tests: false,
             #[cfg(test)]
             short_write_at_stop_for_tests: None,
+            #[cfg(test)]
+            short_writes_at_stop_for_tests: 0,
             #[cfg(test)]
             fail_syncs_for_tests: false,
             #[cfg(test)]

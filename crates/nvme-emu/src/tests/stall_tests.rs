@@ -404,7 +404,14 @@ fn short_write_at_a_power_loss(name: &str, direct: bool) {
         std::thread::sleep(Duration::from_millis(1));
     }
     stalled.host.device.power_loss();
-    stalled.host.device.with_core(|core| core.short_write_at_stop_for_tests = None);
+    // Both writes were cut short at the stop, not redone whole after passing their deadline
+    // (IN_FLIGHT_WINDOW) before the power loss took the lock: otherwise the asserts below
+    // would hold without testing anything.
+    let cut_short = stalled.host.device.with_core(|core| {
+        core.short_write_at_stop_for_tests = None;
+        core.short_writes_at_stop_for_tests
+    });
+    assert_eq!(cut_short, 2, "{name}: the writes were not both in flight at the power loss");
     let media = stalled.media_blocks(5);
     for (lba, data) in (3u64..).zip(media[3 * 4096..].chunks(4096)) {
         let (old, new) = (block(0x50 + lba as u8), block(0x60 + lba as u8));
