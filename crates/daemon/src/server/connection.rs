@@ -129,9 +129,10 @@ impl Drop for Ended<'_> {
 /// kept session holds them. Counted under the sessions lock, `this` session left out: promised
 /// live sessions (awaiting their client's exit included) at their whole share, ended ones at
 /// what they hold.
-/// `Busy` (retry shortly: `RemoteKvStore` asks again) when the retiring sessions' reservations
-/// are what is missing, as an attach is for their queue ids;
-/// `LimitReached` when sessions kept for good hold them (until the daemon restarts).
+/// `LimitReached` only when the sessions kept for good alone leave no share (nothing but a
+/// restart gives theirs back); otherwise `Busy` (retry shortly: `RemoteKvStore` asks again),
+/// the retiring sessions' reservations and the live sessions' shares coming back as they end,
+/// as an attach is for retiring sessions' queue ids.
 fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, this: u64, config: &ServerConfig) -> Option<Reply> {
     let share = config.session_limits.requests_max;
     let table = config.clients_max.saturating_mul(share);
@@ -154,10 +155,13 @@ fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, this: u64, conf
          confirmed yet and {kept} by sessions kept for good (queue pairs not known deleted); {promised} are promised to live \
          sessions that registered memory, and a new one needs {share} (--requests-per-session)"
     );
-    Some(if promised.saturating_add(kept).saturating_add(share) <= table {
-        Reply::error(ErrorCode::Busy, format!("{held}: retry shortly"))
+    // Permanent only when the kept ones alone leave no share: the retiring ones come back once
+    // their deletion is confirmed (or are kept for good, then counted so), the live ones as
+    // their sessions end.
+    Some(if kept.saturating_add(share) <= table {
+        Reply::error(ErrorCode::Busy, format!("{held}: retry shortly (they come back as those sessions end)"))
     } else {
-        Reply::error(ErrorCode::LimitReached, format!("{held}: held until the daemon restarts"))
+        Reply::error(ErrorCode::LimitReached, format!("{held}: the kept ones are held until the daemon restarts"))
     })
 }
 

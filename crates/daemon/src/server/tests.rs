@@ -691,6 +691,37 @@ fn a_session_that_only_looks_up_is_promised_no_reservations() {
 }
 
 #[test]
+fn a_registration_short_for_want_of_live_sessions_reservations_is_told_to_retry() {
+    // Goal: `LimitReached` says the reservations are held until the daemon restarts; that must
+    // be so. Two clients of two requests, one session kept for good holding one, one live
+    // store: a second store's registration is short (4 < 1 + 2 + 2), but only for as long as
+    // the live one lives: `Busy`, and admitted once it ended.
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
+        config.clients_max = 2;
+        config.session_limits.requests_max = 2;
+    });
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let tokens: Vec<u32> = (5000..5064).collect();
+    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    end_kept(&daemon, &emulator, first, 1);
+    let live = attach_past_the_place(&daemon, "live", Duration::from_secs(5)).expect("the live store's attach");
+    match attach_past_the_place(&daemon, "second", Duration::from_millis(300)) {
+        Err(message) => {
+            assert!(message.contains("Busy") && !message.contains("until the daemon restarts"), "{message}");
+        }
+        Ok(_) => panic!("a store short of its share was admitted"),
+    }
+    let ended = live.hello_reply().session;
+    drop(live);
+    daemon.status_once("the live store's session did not end", |status| status.clients.iter().all(|client| client.session != ended));
+    let mut second = attach_past_the_place(&daemon, "second", WAIT).expect("the attach once the live store ended");
+    prepare_two_stores(&mut second);
+    drop(second);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
 fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     // Goal: a client reads its daemon's socket file gone as its session ended (the Python
     // module then frees its device memory). A session kept for good (its Delete I/O SQ refused
