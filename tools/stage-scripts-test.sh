@@ -15,6 +15,11 @@
 #    never any vllm-* directory under the cache: with only an unpinned one there, it fails
 #    saying the prefill step was not rehearsed; without the requirement it may still use one.
 set -uo pipefail
+# What the scripts under test read from the environment, set by each check where it matters and
+# otherwise unset: the caller's (tools/gpu/check.sh's docs have one export GPU_CHECK_PYTHON on a
+# GPU machine) would change which pythons check.sh tries and break the checks below.
+unset GPU_CHECK_PYTHON GPU_CHECK_PREFILL_PYTHON GPU_CHECK_REQUIRE_PREFILL TUTTI_PYTHON TUTTI_ENV_CACHE \
+    ENGINE_TEST_LIST STAND_IN_HANG
 HERE=$(dirname "$(readlink -f "$0")")
 # shellcheck source=tools/lib/process.sh
 . "$HERE/lib/process.sh"
