@@ -651,7 +651,9 @@ impl<E: Executor> Runtime<E> {
 
     /// Before a decode step over `context_tokens` tokens: queued writes go into the step's slack
     /// as the policy decides. Not while a prefill runs. A context before the table's first decode
-    /// row is priced as that row.
+    /// row is priced as that row. Call it once per step: one that failed handing a layer over
+    /// has applied the step's grant already (the layer is collected by the next call; go on
+    /// with [`Runtime::poll_io`]), and a second call for the same step grants its slack twice.
     pub fn decode_step(&mut self, context_tokens: u32) -> Result<()> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
