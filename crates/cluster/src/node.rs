@@ -58,7 +58,9 @@ pub struct Rejoined {
     /// The node's last lease: the one it held, or the one a failed rejoin granted and could
     /// not revoke after its member transaction's answer was lost.
     pub old_lease_id: i64,
-    /// False when its revoke failed: it and its entries live until it expires.
+    /// False when a revoke failed — of this lease or of an earlier one of the node whose revoke
+    /// had failed before: that lease and its entries live until it expires. True only when no
+    /// lease of the node but the new one is left.
     pub old_lease_revoked: bool,
 }
 
@@ -298,9 +300,10 @@ impl ClusterNode {
     /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
     /// lease still live (the registrar's unregister queue overflowed) included — leaves it
     /// reporting lost, its writes refused, not joined under a revoked lease.
-    /// The answer says whether the old lease is gone: if its revoke failed, the entries under
-    /// it live on until it expires (a TTL at most), and an owner that meant to delete some of
-    /// them must still do so (under the new lease: the keys name the node, not the lease).
+    /// The answer says whether the old leases are all gone: if a revoke failed, the entries
+    /// under that lease live on until it expires (a TTL at most), and an owner that meant to
+    /// delete some of them must still do so (under the new lease: the keys name the node, not
+    /// the lease).
     pub fn rejoin(&mut self) -> Result<Rejoined> {
         self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
@@ -316,7 +319,9 @@ impl ClusterNode {
             tracing::warn!(leases = ?&failed[UNREVOKED_KEPT..], "no longer revoked by this node: they expire by themselves");
             failed.truncate(UNREVOKED_KEPT);
         }
-        let old_lease_revoked = !failed.contains(&old_lease_id);
+        // Entries of the node live on under any lease left, not only under the last one: the
+        // owner must delete what it meant to (`Rejoined::old_lease_revoked`).
+        let old_lease_revoked = failed.is_empty();
         self.unrevoked = failed;
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
@@ -944,5 +949,50 @@ mod lease_orphan_tests {
         assert!(rejoined.old_lease_revoked);
         assert_eq!(member_key_lease(&node.client, &record.node), node.health().lease_id);
         assert!(!node.health().lost);
+    }
+
+    #[test]
+    fn a_rejoin_reports_the_old_lease_revoked_only_when_no_lease_of_the_node_is_left() {
+        // Goal: `old_lease_revoked` tells the owner whether entries of the node may live under
+        // an old lease (the registrar then keeps its unregister queue to delete them under the
+        // new one). A rejoin whose revoke of L0 failed, then a rejoin revoking L1 but failing
+        // L0's revoke again, answered "revoked" for L1 though L0 and its registrations lived on.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("left").unwrap(), SegmentBlocks::new(16).unwrap());
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let first = node.health().lease_id;
+        // The member key deleted by hand (as the keep-alive's watch sees): L0 lives on without
+        // it, so a rejoin under a new lease succeeds while L0 cannot be revoked.
+        let key = node.client.layout.member_key(&record.node);
+        node.client
+            .connection
+            .call_kv("delete the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.delete(key, None).await }
+            })
+            .unwrap();
+        node.fail_revoke = Some(first);
+        let rejoined = node.rejoin().expect("joins under a new lease");
+        assert_eq!(rejoined, Rejoined { old_lease_id: first, old_lease_revoked: false });
+        let second = node.health().lease_id;
+
+        let rejoined = node.rejoin().expect("joins under a new lease again");
+        assert_eq!(rejoined.old_lease_id, second);
+        assert_eq!(ttl_left(&node.client, second), -1);
+        assert!(ttl_left(&node.client, first) > 0, "the hook kept the first lease alive");
+        assert!(!rejoined.old_lease_revoked, "reported revoked though the first lease and its entries live");
+
+        node.fail_revoke = None;
+        let rejoined = node.rejoin().expect("joins once more");
+        assert!(rejoined.old_lease_revoked, "every lease of the node is gone now");
+        assert_eq!(ttl_left(&node.client, first), -1);
     }
 }

@@ -534,7 +534,8 @@ impl Registrar {
     }
 
     /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
-    /// has nothing left to do — unless its revoke failed. Then they live until it expires (up to
+    /// has nothing left to do — unless a revoke failed (of that lease, or of an earlier one the
+    /// rejoin tried again: `old_lease_revoked` is false). Then they live until it expires (up to
     /// a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
     /// deletes them under the new lease (a guarded delete of the key, which names the node, not
     /// the lease). Clearing it regardless left them claimed for that TTL.
