@@ -182,6 +182,24 @@ def test_a_read_only_dlpack_tensor_is_refused():
         store_prompt(store, tokens(7, 1), [0])
 
 
+@pytest.mark.parametrize("flags", [2, 3])
+def test_a_copy_the_producer_made_is_refused(flags):
+    # Goal: a versioned capsule flagged IS_COPIED (flags bit 1: the producer exported a copy,
+    # which the array API lets it do when not asked for copy=False) is refused as InvalidArgument
+    # naming the tensor: registered, the copy would take the retrieves (which the engine never
+    # reads) and give the stores its bytes, not the tensor's; before, it was registered. Refused
+    # before it is consumed: tutti calls no deleter, the capsule's destructor deletes it once.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), flags=flags)
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=r"tensor: .*a copy the producer made \(DLPack IS_COPIED\): retrieves would write into the copy"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.deleted == []
+        assert _capsule_name(producer.capsule) == b"dltensor_versioned"
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(10, 1), [0])
+    assert producer.drop_capsule() == [producer.address()]
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

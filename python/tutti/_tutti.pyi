@@ -156,8 +156,9 @@ TensorLike = Any
 """What a KV layout accepts as one tensor, tried in this order:
 - a `KvBuffer` (memory tutti allocated) or a `RawMemory` (address + size + device + owner);
 - an object with `__dlpack__` / `__dlpack_device__` (a torch tensor, a numpy array, ...): asked
-  with `max_version=(1, 0)` (a DLPack 1.0 capsule, which says whether the memory is read-only:
-  one flagged read-only raises InvalidArgument), and again without arguments when the producer
+  with `max_version=(1, 0)` (a DLPack 1.0 capsule, which says whether the memory is read-only
+  and whether it is a copy the producer made: one flagged read-only or IS_COPIED raises
+  InvalidArgument, as retrieves would not reach the tensor), and again without arguments when the producer
   raises TypeError at that keyword (a legacy capsule, which cannot say so: taken as writable). The
   DLPack capsule is consumed and kept, with the object, until the store is closed. That keeps
   the tensor object alive, not its memory: a producer may still free or move the memory under a

@@ -31,6 +31,10 @@ const USED_DLTENSOR_VERSIONED: &CStr = c"used_dltensor_versioned";
 const DLPACK_MAJOR: u32 = 1;
 /// `DLManagedTensorVersioned::flags` bit 0 (`DLPACK_FLAG_BITMASK_READ_ONLY`).
 const DLPACK_FLAG_READ_ONLY: u64 = 1;
+/// `DLManagedTensorVersioned::flags` bit 1 (`DLPACK_FLAG_BITMASK_IS_COPIED`): the producer
+/// exported a copy of its tensor (the array API lets it when the consumer did not pass
+/// `copy=False`).
+const DLPACK_FLAG_IS_COPIED: u64 = 2;
 /// More dimensions than any KV tensor has: a larger `ndim` is refused as garbage.
 const NDIM_MAX: i32 = 32;
 /// Pages of the devices' DMA mappings.
@@ -238,6 +242,15 @@ pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, Import
                 return Err(ImportError::Refused(format!(
                     "a DLPack {major}.{minor} capsule: tutti reads DLPack {DLPACK_MAJOR} (its __dlpack__ was given max_version=({DLPACK_MAJOR}, 0))"
                 )));
+            }
+            // Registered, a copy would take the retrieves (which the engine, reading its own
+            // tensor, never sees) and give the stores the copy's bytes. tutti does not pass
+            // `copy=False` instead: a producer that takes `max_version` but not `copy` would
+            // raise TypeError and be asked for the legacy capsule, which cannot say read-only.
+            if managed.flags & DLPACK_FLAG_IS_COPIED != 0 {
+                return Err(ImportError::Refused(
+                    "a copy the producer made (DLPack IS_COPIED): retrieves would write into the copy, not the tensor; register a tensor its producer exports in place".into(),
+                ));
             }
             read_tensor(&managed.dl_tensor, managed.flags & DLPACK_FLAG_READ_ONLY != 0).map_err(ImportError::Refused)?
         };
