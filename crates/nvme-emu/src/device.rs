@@ -166,7 +166,9 @@ pub enum PowerLossMode {
     /// A pseudorandom subset of the dirty cached blocks (each with even odds, drawn from `seed`)
     /// reaches the media first, the rest is lost: a host that relies on the order of two
     /// non-FUA writes without a Flush between them can find the later one on media without the
-    /// earlier. The same seed over the same cached blocks picks the same subset.
+    /// earlier. The same seed over the same cached blocks picks the same subset. While the
+    /// store is fenced (an abandoned io_uring write the kernel still holds may land) nothing is
+    /// written back, as in `DiscardCache` (logged as an error).
     PartialWriteBack { seed: u64 },
 }
 

@@ -136,8 +136,8 @@ impl ControllerCore {
 
     /// Lifts the store's fence once the kernel has given back every write that an abandoned
     /// ring left with it (they can no longer land over newer data). Checked when the
-    /// controller is enabled, before it runs fetched commands and before a shutdown's or a
-    /// function reset's write-back, only while fenced.
+    /// controller is enabled, before it runs fetched commands and before a shutdown's, a
+    /// function reset's or a power loss's (partial) write-back, only while fenced.
     pub(super) fn refresh_store_fence(&mut self) {
         if !self.store.is_fenced() || self.reader.as_mut().is_some_and(UringReader::holds_writes) {
             return;

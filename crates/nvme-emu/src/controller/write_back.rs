@@ -66,10 +66,14 @@ impl ControllerCore {
     /// one whole block at a time, as a drive that had written part of its cache back, in its own
     /// order, before the cut. The rest stays in the cache for the cut to discard. A block whose
     /// write fails is lost like the rest (the failure is logged): power is going, nothing retries.
+    /// While the store is fenced (the kernel may still land a write an abandoned ring kept)
+    /// nothing is written back, as in `DiscardCache`; the fence is looked at first, as a
+    /// shutdown and a function reset do, so one whose writes were given back no longer counts.
     pub(crate) fn write_back_some(&mut self, seed: u64) {
         if self.cache.is_empty() {
             return;
         }
+        self.refresh_store_fence();
         if self.store.is_fenced() {
             tracing::error!("partial write-back at the power loss skipped: the backing store is fenced");
             return;

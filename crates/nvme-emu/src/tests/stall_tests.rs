@@ -255,6 +255,18 @@ fn a_function_reset_after_the_kernel_gave_back_its_kept_writes_writes_the_cache_
 }
 
 #[test]
+fn a_partial_write_back_power_loss_after_the_kernel_gave_back_its_kept_writes_writes_back_its_pick() {
+    // Goal: as a shutdown and a function reset do, a power loss in `PartialWriteBack` mode looks
+    // at the fence itself: once the kernel gave back the writes that fenced the store, the block
+    // its seed picks (seed 0's first draw picks the one cached block) reaches the media. Until
+    // 2026-12-01 the store still marked fenced made it write nothing back, as `DiscardCache`.
+    let Some(stalled) = cached_then_fenced_then_given_back("power-loss-fence-lifted", 0x4E) else { return };
+    stalled.host.device.power_loss_with(crate::PowerLossMode::PartialWriteBack { seed: 0 });
+    let media = stalled.media_blocks(CACHED_LBA + 1);
+    assert!(media[CACHED_LBA * 4096..] == block(0x4E)[..], "the power loss did not write the picked block back");
+}
+
+#[test]
 fn a_direct_write_the_kernel_keeps_is_never_completed_and_stops_the_controller() {
     // Goal: a write straight from host memory that the kernel will not give back (cancellation
     // disabled, as for a write blocked in a hung filesystem) gets no completion, since one would
