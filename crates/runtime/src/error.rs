@@ -34,10 +34,12 @@ pub enum RuntimeError {
     /// `Runtime::releasable`, or one named twice). Nothing was prepared or changed.
     #[error("begin_prefill: engine block {block} (block_ids[{position}]) {reason}; the request was not begun")]
     BlockRefused { block: u32, position: usize, reason: &'static str },
-    /// `end_prefill` ended the prefill (its reads are over; its store stays queued, unless
-    /// `source` says it was dropped) and then failed: `source`, met advancing the queues (an
-    /// issue the executor failed after publishing it: the layer is in flight and the next call
-    /// collects it) or ending the retrieve. The request is over either way: a retry of
+    /// `end_prefill` ended the prefill (its reads are over) and then failed: `source`. Met
+    /// ending the retrieve (`source` is `StillInFlight` or `Store`, with the operation "finish
+    /// the retrieve"), the request's store was dropped as well: its new KV was computed on that
+    /// prefix. Met afterwards, advancing the queues (an issue the executor failed after
+    /// publishing it: the layer is in flight and the next call collects it) or planning them
+    /// (`Scheduler`), the store stays queued. The request is over either way: a retry of
     /// `end_prefill` is `StaleRequest`; the engine goes on with its next call. `kv_wait` is what
     /// `Ok` would have returned.
     #[error("request {request}'s prefill ended (after {kv_wait:?} waiting for KV), then: {source}")]
