@@ -14,11 +14,11 @@
 //! take one T in all: `members` (its pages share it), `member`, `update_record`; `register`,
 //! `unregister`, `forget` and `lookup` one T per `txn_ops_max` segments (a lookup chunk re-read
 //! in smaller pieces shares its T). The compound ones are bounded by their requests: `join`
-//! ≤ 3 T (4 T when it fails with its new lease unrevoked: tried once more as it returns),
-//! `rejoin` ≤ 6 T (up to three leases revoked, then a join's three requests), `leave` and
-//! dropping a node ≤ T + 1 s (the runtime's shutdown; 3 T + 1 s with two leases left unrevoked
-//! by rejoins),
-//! `status` ≤ [`STATUS_REQUEST_TIMEOUTS`] × T in all.
+//! ≤ 3 T (4 T when its member transaction failed, other than with an answer too large, and
+//! the new lease's revoke failed too: tried once more as it returns), `rejoin` ≤ 6 T (up to
+//! three leases revoked, then the grant, the member transaction and the new lease's revoke),
+//! `leave` and dropping a node ≤ T + 1 s (the runtime's shutdown; 3 T + 1 s with two leases
+//! left unrevoked by rejoins), `status` ≤ [`STATUS_REQUEST_TIMEOUTS`] × T in all.
 
 //!
 //! Feature `etcd` (default): everything that talks to etcd. Without it the crate is the names,

@@ -74,10 +74,12 @@ struct KeepAlive {
 /// vanish at once; a node that dies without dropping it vanishes when the lease expires.
 ///
 /// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
-/// the new lease when that fails; 4 T when the transaction's answer was lost and that revoke
-/// failed: the lease may hold the member key, and the dropped node revokes it once more);
+/// the new lease when that fails; 4 T when the transaction failed with any error but an
+/// answer too large, and that revoke failed: the transaction may have been applied, its answer
+/// lost, so the lease may hold the member key, and the dropped node revokes it once more);
 /// `rejoin` ≤ 6 T (the revokes of the node's last lease and of up to two whose revoke failed
-/// before, then the grant, the member transaction and the new lease's revoke); `leave` or
+/// before, then the grant, the member transaction and the new lease's revoke: a lease that
+/// revoke leaves is the node's, revoked by the next rejoin or the drop); `leave` or
 /// drop ≤ T + 1 s (up to 3 T + 1 s after rejoins whose revokes failed: those leases, at most
 /// two, are revoked too); `register` and `unregister` T per `txn_ops_max` segments;
 /// `update_record` T.
@@ -94,7 +96,8 @@ pub struct ClusterNode {
     /// older one was left unrenewed more rejoins ago and expires first.
     unrevoked: Vec<i64>,
     /// A lease a failed `establish` granted whose member transaction may have been applied
-    /// (its answer was lost) and whose revoke failed: it may hold the member key, and nothing
+    /// (it failed other than with an answer too large: the answer may have been lost) and
+    /// whose revoke failed: it may hold the member key, and nothing
     /// renews it. It is made the node's lease too, so the next rejoin revokes it as the old one
     /// (a join under another lease found the key taken by it, blamed on another process, for
     /// up to a TTL); `shut_down` revokes it.
@@ -114,7 +117,8 @@ impl ClusterNode {
     /// for the old lease to expire). Then starts the keep-alive. At most three requests of one
     /// request timeout each: the grant, the member transaction, and the new lease's revoke
     /// when the transaction fails — and one more when that revoke fails after a transaction
-    /// whose answer was lost (the lease may hold the member key: revoked as the node is dropped).
+    /// error other than an answer too large (the transaction may have been applied with its
+    /// answer lost, so the lease may hold the member key: revoked as the node is dropped).
     pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
         // The lease's settings too: `connect` checks only what a client without a lease uses.
         config.validate()?;
