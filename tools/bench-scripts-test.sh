@@ -284,6 +284,24 @@ for ((tenths = 0; tenths < 50; tenths++)); do
 done
 sitting_ends 0
 check "session_pids: a process still running in a session is seen" "$sitting " "$left"
+# A zombie (ended, its parent not reaping it: here the `true` whose parent exec'd sleep) is not
+# running: not listed (as kill_tree of tools/test.sh counts it as ended).
+setsid sh -c 'true & exec sleep 30' < /dev/null > /dev/null 2>&1 &
+sitting=$!
+zombie=
+for ((tenths = 0; tenths < 50; tenths++)); do
+    for stat in /proc/[0-9]*/stat; do
+        read -r line 2> /dev/null < "$stat" || continue
+        read -r -a fields <<< "${line##*") "}"
+        [ "${fields[3]:-}" = "$sitting" ] && [ "${fields[0]}" = Z ] || continue
+        zombie=${stat#/proc/} zombie=${zombie%/stat}
+        break 2
+    done
+    sleep 0.1
+done
+sitting_ends 0
+check "session_pids: a zombie of a session ($zombie) is not listed, the process still running is" "yes $sitting " \
+    "$([ -n "$zombie" ] && echo yes || echo "no zombie seen") $left"
 sitting "$WORK/hang.err" COMPARE_LMCACHE_SITE="$WORK/hang-site" COMPARE_ROUND_TIMEOUT_S=1
 sitting_ends 15
 check "compare-lmcache.sh: a round that never returns: exit 2 after the round's bound (well under the stand-in's 60 s)" 2 "$ended"

@@ -11,8 +11,10 @@
 #       and then ends the calling shell with 130, 143 or 129 (its EXIT trap runs). COMMAND keeps
 #       the caller's standard input. The caller's own INT, TERM and HUP traps are put back after.
 #   session_pids SID
-#       prints the pids (one a line) of the processes of session SID; fails, saying so, when
-#       /proc cannot be read (a check that nothing is left must not pass without looking).
+#       prints the pids (one a line) of the processes of session SID still running (a zombie,
+#       state Z, has ended: its parent has not reaped it yet, or an init that does not reap keeps
+#       it, as tools/test.sh's kill_tree counts it); fails, saying so, when /proc cannot be read
+#       (a check that nothing is left must not pass without looking).
 #
 # Why interruptible_timeout: GNU timeout puts itself and COMMAND in a process group of their
 # own, so the terminal's Ctrl-C (SIGINT to the foreground group, the script's) never reaches
@@ -55,7 +57,8 @@ interruptible_timeout() {
 }
 
 # /proc, not pgrep: procps is not on every fresh machine. Field 6 of stat is the session (the
-# fields after the command, which may hold spaces and parentheses, start at field 3).
+# fields after the command, which may hold spaces and parentheses, start at field 3); field 3 is
+# the state.
 session_pids() {
     local sid=$1 stat line fields
     if ! read -r line 2> /dev/null < /proc/self/stat; then
@@ -65,7 +68,7 @@ session_pids() {
     for stat in /proc/[0-9]*/stat; do
         read -r line 2> /dev/null < "$stat" || continue
         read -r -a fields <<< "${line##*") "}"
-        [ "${fields[3]:-}" = "$sid" ] || continue
+        [ "${fields[3]:-}" = "$sid" ] && [ "${fields[0]}" != Z ] || continue
         stat=${stat#/proc/}
         echo "${stat%/stat}"
     done
