@@ -70,6 +70,9 @@ cd "$(dirname "$(readlink -f "$0")")/.."
 # tools/check-bindings.sh.
 # shellcheck source=tools/lib/dpkg.sh
 . tools/lib/dpkg.sh
+# session_pids (run_stage's grace for what a stage leaves ending).
+# shellcheck source=tools/lib/process.sh
+. tools/lib/process.sh
 
 ALL_STAGES="rust lint bindings fuzz benches cluster python engines cuda vm"
 case "${1:-}" in
@@ -247,6 +250,14 @@ run_stage() {
     stage_pid=$!
     wait "$stage_pid"
     rc=$?
+    # A member already on its way out (a SIGKILLed child still freeing its memory, a helper that
+    # exits once its parent's pipe closes) is not a leak: up to 3 s for the session's running
+    # members to end; only what still runs after is counted below. (Zombies have ended.)
+    local tenths
+    for ((tenths = 0; tenths < 30; tenths++)); do
+        [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || break
+        sleep 0.1
+    done
     # What the stage left running (a crashed test's etcd or tuttid, handed to init; its `timeout`s'
     # groups) is still in its session: stopped now, not left to the next stage or the machine.
     # (Something that left for a session of its own, `setsid`, and whose parent is gone, is out of
