@@ -200,7 +200,7 @@ fn free_address() -> String {
 
 #[test]
 fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
-    // Goal (issue 11): node a (fixed data address, 8 s lease) holds prompt 50; it is SIGKILLed,
+    // Goal (issue 11): node a (fixed data address, 12 s lease) holds prompt 50; it is SIGKILLed,
     // its pool replaced by a freshly formatted one, and it restarts on the same address while
     // the dead process's lease still lives. The restart checks the manifest against the pool:
     // prompt 50's segments are gone, so their registrations are deleted at once (not a lease
@@ -208,12 +208,15 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     // gone, and serves what it stores from then on (b reads it byte-exact). Then the whole node
     // is wiped, manifest too (nothing can name its stale entries): b's read reaches the new a at
     // the old address and gets a typed error (not held), nothing stored; the entries vanish
-    // with the old lease.
+    // with the old lease. The lease is long because the kill, the restart and the deletion must
+    // all happen while it lives: renewed every TTL/3, it has only 2/3 of its TTL left at the
+    // kill at worst (5.3 s of an 8 s lease, tight on a loaded 2-core machine).
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
     let (mut a, mut b) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"));
-    (a.lease, a.timeout) = ("8s", "2s");
+    (a.lease, a.timeout) = ("12s", "2s");
+    let lease = Duration::from_secs(12);
     a.data_address = free_address();
     a.start(&etcd, true);
     b.start(&etcd, true);
@@ -234,7 +237,10 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     let gone = wait_for("the stale registrations are deleted at a's restart", Duration::from_secs(3), || {
         holders_once_available(&reader, 50).is_some_and(|holders| holders.is_empty())
     });
-    eprintln!("stale registrations deleted {gone:?} after the restart, {:?} after the kill (lease 8 s)", killed.elapsed());
+    eprintln!(
+        "stale registrations deleted {gone:?} after the restart, {:?} after the kill (lease {lease:?}, at least 2/3 of it left then)",
+        killed.elapsed()
+    );
     // The dead process's lease still lived then (its member key is listed while the new a has
     // not joined; read in that order): the restart deleted them, not the lease's expiry, which
     // a slow restart would otherwise let pass for it.
@@ -248,7 +254,9 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
         Err(other) => panic!("{other:?}"),
     }
     assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b stored something of the wiped prompt");
-    wait_for("a joins once the old lease is gone", Duration::from_secs(8) + SOON, || a.status().joined);
+    // The old lease runs out at most a TTL after the kill; a's next join attempt follows within
+    // its backoff (at most 5 s).
+    wait_for("a joins once the old lease is gone", lease + SOON, || a.status().joined);
     store(&a, 51);
     wait_for("a registers what it stores now", SOON, || {
         holders_once_available(&reader, 51).is_some_and(|holders| holders == [["a"], ["a"]])
@@ -274,10 +282,10 @@ fn a_node_whose_pool_was_wiped_while_its_lease_lived_serves_no_stale_bytes() {
     }
     assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b stored something of the wiped prompt");
     assert!(a.status().serve_refusals >= 1);
-    wait_for("the stale entries vanish with the old lease", Duration::from_secs(8) + Duration::from_secs(4), || {
+    wait_for("the stale entries vanish with the old lease", lease + Duration::from_secs(4), || {
         holders_once_available(&reader, 52).is_some_and(|holders| holders.is_empty())
     });
-    eprintln!("stale entries of a wiped node vanished {:?} after the kill (lease 8 s); wrong bytes {wrong}", killed.elapsed());
+    eprintln!("stale entries of a wiped node vanished {:?} after the kill (lease {lease:?}); wrong bytes {wrong}", killed.elapsed());
     assert_eq!(client_of(&a, "a").lookup(&tokens).unwrap(), 0, "the wiped pool holds nothing of prompt 52");
     assert_eq!(wrong, 0);
 }
