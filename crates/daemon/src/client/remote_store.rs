@@ -31,7 +31,7 @@
 //! `IoQueuePair::attach` (doorbells from the register page's own CAP.DSTRD, rings at the IOVAs
 //! this process allocated), every register page by `SharedMemory::from_fd`.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -220,28 +220,79 @@ fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
     remote(DaemonError::UnexpectedReply { asked, got: got.kind() })
 }
 
-/// Sends `attach` (an `AttachQueues`) and returns the grants and register page descriptors.
-/// Busy is transient: the daemon says it while an ended session's queue deletion is not
-/// confirmed yet (its queue ids, or the controller's admin queue, come free once it is;
-/// docs/tuttid.md), so it is asked again on the same connection, after a pause, until
-/// `timeout` has passed; then the last Busy is the error, saying so. A refused attach leaves
-/// nothing at the daemon (no pair, no id held: `Holdings::attach`), and the rings in the window
-/// were never given to a queue, so the same request is valid again.
+/// Sends `attach` (an `AttachQueues`) and returns the grants and register page descriptors,
+/// asked again while Busy ([`call_asking_again_while_busy`]): the daemon says it while an ended
+/// session's queue deletion is not confirmed yet (its queue ids, or the controller's admin
+/// queue, come free once it is; docs/tuttid.md). A refused attach leaves nothing at the daemon
+/// (no pair, no id held: `Holdings::attach`), and the rings in the window were never given to a
+/// queue, so the same request is valid again.
 fn attach_queues(client: &mut Client, attach: &Request, timeout: Duration) -> Result<(Vec<QueueGrant>, Vec<OwnedFd>), ObjstoreError> {
+    match call_asking_again_while_busy(client, attach, &[], timeout)? {
+        (Reply::Attached { queues }, fds) => Ok((queues, fds)),
+        (other, _) => Err(unexpected(Kind::AttachQueues, &other)),
+    }
+}
+
+/// Sends `request` with `fds` and returns the reply. Busy is transient (an AttachQueues, or a
+/// session's first registration, while an ended session's queue deletion is not confirmed yet,
+/// or while other sessions hold the request reservations the new one needs: docs/tuttid.md), so
+/// it is asked again on the same connection, after a pause, until `timeout` has passed; then the
+/// last Busy is the error, saying so. The daemon refuses these before taking anything (the
+/// descriptors sent with a refused one are closed there), so the same request is valid again.
+fn call_asking_again_while_busy(
+    client: &mut Client,
+    request: &Request,
+    fds: &[BorrowedFd<'_>],
+    timeout: Duration,
+) -> Result<(Reply, Vec<OwnedFd>), ObjstoreError> {
     let started = Instant::now();
     let deadline = crate::frame_io::deadline_after(started, timeout);
     let mut pauses = super::BusyPauses::new();
     let mut asked = 0u32;
     loop {
         asked += 1;
-        match client.call_with_fds(attach, &[]) {
-            Ok((Reply::Attached { queues }, fds)) => return Ok((queues, fds)),
-            Ok((other, _)) => return Err(unexpected(Kind::AttachQueues, &other)),
+        match client.call_with_fds(request, fds) {
+            Ok(answered) => return Ok(answered),
             Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
-                tracing::debug!(%message, asked, "tuttid answered AttachQueues Busy; asking again");
+                tracing::debug!(%message, asked, kind = ?request.kind(), "tuttid answered Busy; asking again");
                 if !pauses.pause_before(deadline) {
                     let message = format!(
-                        "AttachQueues answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
+                        "{:?} answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
+                        request.kind(),
+                        started.elapsed().as_secs_f64(),
+                        timeout.as_secs_f64()
+                    );
+                    return Err(remote(DaemonError::Remote { code: ErrorCode::Busy, message }));
+                }
+            }
+            Err(error) => return Err(remote(error)),
+        }
+    }
+}
+
+/// Connects to tuttid at `socket` and attaches as `hello`. A `Hello` answered Busy (the daemon
+/// serves its maximum number of connections; it closes the connection) is asked again on a new
+/// connection, after a pause, until `timeout` has passed (as the Python package's
+/// `hello_daemon`); then the last Busy is the error, saying so.
+fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration) -> Result<(Client, HelloReply), ObjstoreError> {
+    let started = Instant::now();
+    let deadline = crate::frame_io::deadline_after(started, timeout);
+    let mut pauses = super::BusyPauses::new();
+    let mut asked = 0u32;
+    loop {
+        asked += 1;
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        let mut client = Client::connect(socket, left).map_err(remote)?;
+        match client.hello(hello) {
+            Ok(attached) => {
+                client.set_timeout(timeout);
+                return Ok((client, attached));
+            }
+            Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
+                tracing::debug!(%message, asked, "tuttid answered Hello Busy; asking again on a new connection");
+                if !pauses.pause_before(deadline) {
+                    let message = format!(
+                        "Hello answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
                         started.elapsed().as_secs_f64(),
                         timeout.as_secs_f64()
                     );
@@ -269,8 +320,7 @@ impl RemoteKvStore {
         config: &RemoteConfig,
         kv_layout: WindowKvLayout,
     ) -> Result<RemoteKvStore, ObjstoreError> {
-        let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
-        let attached = client.hello(hello).map_err(remote)?;
+        let (client, attached) = hello_asking_again_while_busy(socket, hello, config.timeout)?;
         Self::with_client(client, attached, config, kv_layout)
     }
 
@@ -285,8 +335,7 @@ impl RemoteKvStore {
         config: &RemoteConfig,
         kv: &DeviceKvMemory,
     ) -> Result<RemoteKvStore, ObjstoreError> {
-        let mut client = Client::connect(socket, config.timeout).map_err(remote)?;
-        let attached = client.hello(hello).map_err(remote)?;
+        let (client, attached) = hello_asking_again_while_busy(socket, hello, config.timeout)?;
         let block_major = KvLayout::BlockMajor { base: Iova(0), block_stride_bytes: 0 };
         Self::set_up(client, attached, config, WindowKvLayout::BlockMajor, Some((kv, block_major)))
     }
@@ -368,7 +417,7 @@ impl RemoteKvStore {
         let memory = SharedMemory::create("tutti-kv-window", window_len).map_err(HwError::from)?;
         let window_kv_blocks = if device.is_some() { 0 } else { config.kv_blocks };
         let register = Request::RegisterMemory(RegisterMemory { window_bytes, kv_blocks: window_kv_blocks });
-        let registered = match client.call_with_fds(&register, &[memory.fd()]).map_err(remote)? {
+        let registered = match call_asking_again_while_busy(&mut client, &register, &[memory.fd()], config.timeout)? {
             (Reply::Registered(registered), _) => registered,
             (other, _) => return Err(unexpected(Kind::RegisterMemory, &other)),
         };
@@ -382,7 +431,7 @@ impl RemoteKvStore {
             }
             Some(device) => {
                 let request = Request::RegisterDeviceMemory(device.request(config.kv_blocks));
-                match client.call_with_fds(&request, &device.descriptors()).map_err(remote)? {
+                match call_asking_again_while_busy(&mut client, &request, &device.descriptors(), config.timeout)? {
                     (Reply::Registered(memory), _) => (Vec::new(), memory.registration, Some(Iova(memory.iova_base))),
                     (other, _) => return Err(unexpected(Kind::RegisterDeviceMemory, &other)),
                 }

@@ -722,6 +722,27 @@ fn a_registration_short_for_want_of_live_sessions_reservations_is_told_to_retry(
 }
 
 #[test]
+fn a_store_whose_hello_is_answered_busy_asks_again_on_a_new_connection() {
+    // Goal: a `Hello` past the connection cap is answered Busy (and the connection closed);
+    // `RemoteKvStore::connect` asks again on a new connection within its timeout, as the
+    // Python package does, instead of failing at once (`tutti-bench --attach` right after a
+    // killed run). One client; its place is taken for 300 ms.
+    let mut daemon = InProcess::start(1, false);
+    let mut holder = daemon.client();
+    holder.hello(&hello("holder")).expect("the holder's Hello");
+    let released = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(300));
+        drop(holder);
+    });
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello("next"), &config).expect("the attach once the place is free");
+    released.join().unwrap();
+    prepare_two_stores(&mut store);
+    drop(store);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
 fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     // Goal: a client reads its daemon's socket file gone as its session ended (the Python
     // module then frees its device memory). A session kept for good (its Delete I/O SQ refused

@@ -3,8 +3,10 @@
 //! included, and rewrites the next `RetrievePrepared` or `StorePrepared` as a test asks. The
 //! client must refuse such a reply (its placements would move other requests' KV blocks, or
 //! leave some of the request's blocks unfilled while reporting success). The proxy can also
-//! answer `AttachQueues` itself with `Busy` (what the daemon says while an ended session's queue
-//! deletion is not confirmed yet), which the client must ask again within its timeout. Every
+//! answer `AttachQueues` or `RegisterMemory` itself with `Busy` (what the daemon says while an
+//! ended session's queue deletion is not confirmed yet, or while other sessions hold the request
+//! reservations a first registration needs), which the client must ask again within its
+//! timeout. Every
 //! wait is bounded.
 
 use std::os::fd::AsFd;
@@ -43,6 +45,8 @@ type Tamper = Box<dyn FnOnce(&mut Reply) + Send>;
 #[derive(Default)]
 struct BusyAttaches {
     remaining: AtomicU32,
+    /// As `remaining`, for `RegisterMemory` (a first registration short of its reservations).
+    registrations: AtomicU32,
     answered: AtomicU32,
 }
 
@@ -111,6 +115,11 @@ impl TamperingDaemon {
         self.busy.remaining.store(attaches, Ordering::Release);
     }
 
+    /// Answers the next `registrations` RegisterMemory with Busy itself.
+    fn busy_registrations_next(&self, registrations: u32) {
+        self.busy.registrations.store(registrations, Ordering::Release);
+    }
+
     fn store(&self) -> RemoteKvStore {
         self.connect(RemoteConfig::default().timeout).expect("attach through the proxy")
     }
@@ -172,8 +181,13 @@ fn forward(from: &UnixStream, to: &UnixStream, tampering: Tampering<'_>) {
             _ => break,
         };
         if let Tampering::Attaches(busy) = tampering {
-            let refuse = header.kind == Kind::AttachQueues
-                && busy.remaining.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(1)).is_ok();
+            let remaining = match header.kind {
+                Kind::AttachQueues => Some(&busy.remaining),
+                Kind::RegisterMemory => Some(&busy.registrations),
+                _ => None,
+            };
+            let refuse = remaining
+                .is_some_and(|remaining| remaining.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(1)).is_ok());
             if refuse {
                 // The client waits for this reply before its next request: the reply direction
                 // writes nothing to it meanwhile.
@@ -355,6 +369,19 @@ fn an_attach_answered_busy_is_asked_again() {
     // left of the refused attempt (the refusal came before the daemon saw the request).
     let daemon = TamperingDaemon::start();
     daemon.busy_next(2);
+    let mut store = daemon.store();
+    assert_eq!(daemon.busy.answered.load(Ordering::Acquire), 2, "the Busy answers");
+    store_four_blocks(&mut store);
+    retrieve_four_blocks(&mut store);
+}
+
+#[test]
+fn a_registration_answered_busy_is_asked_again() {
+    // Goal: a first registration answered Busy (the daemon's word for a session short of its
+    // request reservations while ended or live sessions hold them) is asked again on the same
+    // connection, the window's descriptor sent again, and the store then works.
+    let daemon = TamperingDaemon::start();
+    daemon.busy_registrations_next(2);
     let mut store = daemon.store();
     assert_eq!(daemon.busy.answered.load(Ordering::Acquire), 2, "the Busy answers");
     store_four_blocks(&mut store);
