@@ -89,12 +89,13 @@ class Producer:
     """A CPU DLPack producer over `array`'s bytes (1-D, uint8 unless `bits`/`lanes`/`code` say
     otherwise). `versioned`: hands out "dltensor_versioned" (DLPack `major`.0, `flags`) when the
     consumer passes max_version, else "dltensor". `keywords`: whether __dlpack__ takes the
-    DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version). Records each
+    DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version); `unasked`:
+    hands out the versioned capsule to a call without max_version too. Records each
     call's keywords, the capsule and the deleter's calls (with the struct's address): tutti's,
     for a capsule it consumed, or the capsule's destructor's, for one it left unconsumed."""
 
     def __init__(self, array, *, versioned=True, keywords=True, flags=0, major=1, bits=8, lanes=1, code=1, ndim=1,
-                 shape=True, name=None):
+                 shape=True, name=None, unasked=False):
         self.array = array
         itemsize = max(bits * lanes // 8, 1)
         self.shape = (ctypes.c_int64 * 64)(*([array.nbytes // itemsize] + [1] * 63))
@@ -104,7 +105,7 @@ class Producer:
         self.versioned_deleter = _VERSIONED_DELETER(self.deleted.append)
         self.legacy = _DlManagedTensor(tensor, None, self.legacy_deleter)
         self.versioned = _DlManagedTensorVersioned(major, 0, None, self.versioned_deleter, flags, tensor)
-        self.offers_versioned, self.keywords, self.name = versioned, keywords, name
+        self.offers_versioned, self.keywords, self.name, self.unasked = versioned, keywords, name, unasked
         self.calls: list[dict] = []
         self.capsule = None
 
@@ -115,14 +116,15 @@ class Producer:
         if kwargs and not self.keywords:
             raise TypeError(f"__dlpack__() got an unexpected keyword argument {next(iter(kwargs))!r}")
         self.calls.append(kwargs)
-        if self.offers_versioned and kwargs.get("max_version", (0, 0)) >= (1, 0):
+        if self.offers_versioned and (self.unasked or kwargs.get("max_version", (0, 0)) >= (1, 0)):
             self.capsule = _capsule(self.versioned, self.name or b"dltensor_versioned")
         else:
             self.capsule = _capsule(self.legacy, self.name or b"dltensor")
         return self.capsule
 
     def address(self) -> int:
-        return ctypes.addressof(self.versioned) if self.offers_versioned and self.keywords else ctypes.addressof(self.legacy)
+        versioned = self.offers_versioned and (self.keywords or self.unasked)
+        return ctypes.addressof(self.versioned) if versioned else ctypes.addressof(self.legacy)
 
     def drop_capsule(self) -> list[int]:
         """Drops the last capsule (its destructor runs) and returns every deleter call so far."""
@@ -197,6 +199,25 @@ def test_a_copy_the_producer_made_is_refused(flags):
         assert _capsule_name(producer.capsule) == b"dltensor_versioned"
         store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
         store_prompt(store, tokens(10, 1), [0])
+    assert producer.drop_capsule() == [producer.address()]
+
+
+@pytest.mark.parametrize("keywords", [True, False])
+def test_a_capsule_of_another_major_version_says_how_it_was_asked_for(keywords):
+    # Goal: the refusal of a DLPack 2.0 capsule says max_version=(1, 0) was given only when it
+    # was: a producer that raised TypeError on max_version and then handed out a versioned
+    # capsule to the call without it was never given one (before, the message said it was).
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), major=2, keywords=keywords, unasked=True)
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=r"tensor: a DLPack 2\.0 capsule: tutti reads DLPack 1") as refused:
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.calls == ([{"max_version": (1, 0)}] if keywords else [{}])
+        if keywords:
+            assert "its __dlpack__ was given max_version=(1, 0)" in str(refused.value)
+        else:
+            assert "was given max_version" not in str(refused.value)
+            assert "its __dlpack__ did not take max_version=(1, 0)" in str(refused.value)
+        assert producer.deleted == []
     assert producer.drop_capsule() == [producer.address()]
 
 

@@ -218,8 +218,9 @@ unsafe fn read_tensor(tensor: &DlTensor, read_only: bool) -> Result<DlpackTensor
 /// or "dltensor": checks its name (and a versioned one's major version), copies the tensor's
 /// description, renames it "used_dltensor_versioned" / "used_dltensor" (so that its destructor
 /// leaves the tensor to us). A refused capsule is left unconsumed: its producer's destructor
-/// frees it.
-pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, ImportedDlpack), ImportError> {
+/// frees it. `asked_max_version`: whether the `__dlpack__` call that returned it was given
+/// `max_version=(1, 0)` (a refusal says so only when it was).
+pub fn import_dlpack(capsule: &Bound<'_, PyAny>, asked_max_version: bool) -> Result<(DlpackTensor, ImportedDlpack), ImportError> {
     let object = capsule.as_ptr();
     let fetch = || ImportError::Python(PyErr::fetch(capsule.py()));
     // SAFETY: `object` is a live object (borrowed for this call); PyCapsule_IsValid accepts any
@@ -239,9 +240,12 @@ pub fn import_dlpack(capsule: &Bound<'_, PyAny>) -> Result<(DlpackTensor, Import
             let managed = &*managed.as_ptr();
             let DlPackVersion { major, minor } = managed.version;
             if major != DLPACK_MAJOR {
-                return Err(ImportError::Refused(format!(
-                    "a DLPack {major}.{minor} capsule: tutti reads DLPack {DLPACK_MAJOR} (its __dlpack__ was given max_version=({DLPACK_MAJOR}, 0))"
-                )));
+                let asked = if asked_max_version {
+                    format!("its __dlpack__ was given max_version=({DLPACK_MAJOR}, 0)")
+                } else {
+                    format!("its __dlpack__ did not take max_version=({DLPACK_MAJOR}, 0) and handed this out to the call without it")
+                };
+                return Err(ImportError::Refused(format!("a DLPack {major}.{minor} capsule: tutti reads DLPack {DLPACK_MAJOR} ({asked})")));
             }
             // Registered, a copy would take the retrieves (which the engine, reading its own
             // tensor, never sees) and give the stores the copy's bytes. tutti does not pass

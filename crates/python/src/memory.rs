@@ -426,8 +426,12 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
         // without it, for the legacy capsule, which cannot say (taken as writable).
         let keywords = PyDict::new(py);
         keywords.set_item("max_version", (1, 0))?;
+        let mut asked_max_version = true;
         let capsule = match object.call_method("__dlpack__", (), Some(&keywords)) {
-            Err(error) if error.is_instance_of::<PyTypeError>(py) => object.call_method0("__dlpack__"),
+            Err(error) if error.is_instance_of::<PyTypeError>(py) => {
+                asked_max_version = false;
+                object.call_method0("__dlpack__")
+            }
             answer => answer,
         }
         .map_err(|error| {
@@ -436,7 +440,7 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
                 format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"),
             ))
         })?;
-        let (tensor, imported) = ffi::import_dlpack(&capsule).map_err(|error| match error {
+        let (tensor, imported) = ffi::import_dlpack(&capsule, asked_max_version).map_err(|error| match error {
             ffi::ImportError::Refused(reason) => PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name}: {reason}"))),
             ffi::ImportError::Python(error) => error,
         })?;
