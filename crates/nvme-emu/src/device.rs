@@ -155,8 +155,8 @@ impl Shared {
 /// A real drive writes its cache back in its own order, a block at a time, whenever it likes:
 /// at a cut any subset of the blocks written since the last Flush may already be on media, in
 /// no relation to the order the host wrote them. Blocks covered by a completed Flush or FUA are
-/// on media in every mode; each block is wholly old or wholly new (one logical block is atomic
-/// on power fail, AWUPF = 0).
+/// on media in every mode; each cached block is written back whole or not at all (one logical
+/// block is atomic on power fail, AWUPF = 0). A Write in flight at the cut: see [`EmuDevice::power_loss`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PowerLossMode {
     /// Every dirty cached block is lost ([`EmuDevice::power_loss`]): the media holds what was
@@ -228,7 +228,10 @@ impl EmuDevice {
 
     /// Cuts the power: what the volatile write cache held is lost, commands in flight get no
     /// completion, CSTS.RDY drops to 0 and every register returns to its reset value. The
-    /// backing store keeps what was durable; the host must bring the controller up again.
+    /// backing store keeps what was durable; the host must bring the controller up again. A
+    /// Write in flight lands whole, not at all, or in part: one the kernel gives back short has
+    /// the logical block it stopped in finished (AWUPF = 0: one block is atomic), unless that
+    /// fails (logged); one given back failed may leave a block torn (which landed is unknown).
     ///
     /// Unless the kernel still holds a transfer straight into host memory that it would not
     /// cancel: CSTS then reads RDY = 1 with CFS (not a clean stop) until it gives it back, and

@@ -441,6 +441,9 @@ impl ControllerCore {
     /// blocks keep whatever the cache and the store held before it (it never happened, which a
     /// command without a completion may not have); one that completed landed all the same; one
     /// given back short has the block it stopped in finished ([`ControllerCore::whole_blocks_after`]).
+    /// One given back failed (an error, not a count: an O_DIRECT write part of whose bios
+    /// landed returns EIO) is left as the kernel left it: which of its blocks landed, whole or
+    /// in part, is unknown, so nothing can finish or drop them back.
     pub(super) fn end_io(&mut self, io: PreparedIo, mut buffer: AlignedBuffer, result: Result<(), UringError>, settle: Settle) {
         if settle == Settle::Finish {
             self.finish_io(io, buffer, result);
@@ -458,7 +461,9 @@ impl ControllerCore {
     /// block it stopped in holds new bytes over old ones. One logical block is atomic on power
     /// fail (Identify's AWUPF = 0, a 0's based value), and a stop is where the host may see one,
     /// so that block is finished from the command's data (its first bytes, already there, are
-    /// written again with it): each block then reads wholly old (not reached) or wholly new.
+    /// written again with it): each block then reads wholly old (not reached) or wholly new,
+    /// unless finishing fails (the data cannot be gathered again, the store write fails or the
+    /// store is fenced): that block then stays torn, logged as an error.
     /// Dropping it back instead would need its old bytes, which the store no longer has. The
     /// blocks before it landed whole; older cached copies of them stay (a command with no
     /// completion may have happened or not, block by block). A direct Write's data is gathered

@@ -43,8 +43,9 @@ impl ControllerCore {
     }
 
     /// Abandons the ring after `cause`: what the kernel gives back when cancelled finishes (a
-    /// transfer that did not complete is redone synchronously from its own buffer); a write it
-    /// keeps fails with Write Fault, fences the store and makes the controller fatal.
+    /// transfer that did not complete is redone synchronously from its own buffer; at a stop,
+    /// a Write given back short has the block it stopped in finished); a write it keeps fails
+    /// with Write Fault, fences the store and makes the controller fatal.
     pub(super) fn fail_ring(&mut self, cause: &UringError, settle: Settle) {
         let mut given_back = std::mem::take(&mut self.in_flight.reaped);
         let held = self.reader.as_mut().map(|reader| reader.abandon(cause, |completion| given_back.push(completion))).unwrap_or_default();
@@ -52,13 +53,19 @@ impl ControllerCore {
             .iter()
             .filter(|&&tag| self.in_flight.slots.get(tag as usize).is_some_and(|slot| slot.as_ref().is_some_and(|(io, _)| io.write)))
             .count();
-        if kept_writes > 0 {
-            self.fence_for_kept_writes(kept_writes);
-        }
+        // What was given back ends before the fence, as in `settle_in_flight`: the fence guards
+        // the blocks of the writes the kernel keeps, and a transfer given back touches none of
+        // them (it was in flight beside them, and a command overlapping a Write in flight waits
+        // for it). Fenced first, its redo (or a short Write's last block at a stop) would fail
+        // against a store it cannot harm, and a short Write's block would stay torn. Until
+        // 2026-12-01 the fence came first.
         for completion in given_back.drain(..) {
             self.end_given_back(completion, settle);
         }
         self.in_flight.reaped = given_back;
+        if kept_writes > 0 {
+            self.fence_for_kept_writes(kept_writes);
+        }
         self.end_held(&held, "an abandoned io_uring batch", settle);
         if kept_writes > 0 && settle == Settle::Finish {
             self.set_fatal();
