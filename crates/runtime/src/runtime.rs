@@ -470,7 +470,10 @@ impl<E: Executor> Runtime<E> {
         let layers = self.layers;
         let prefill = self.prefill_of(call, id)?;
         if let Some(open) = prefill.in_layer {
-            return Err(RuntimeError::OutOfOrder { call, reason: format!("layer {open} has not ended (after_layer first)") });
+            // Named for what goes on: a layer begun but not waited for (a `before_layer` whose
+            // wait failed, retried) needs `wait_layer_kv` first; `after_layer` would refuse it.
+            let next = if prefill.kv_resident { "after_layer first" } else { "wait_layer_kv, then after_layer first" };
+            return Err(RuntimeError::OutOfOrder { call, reason: format!("layer {open} has not ended ({next})") });
         }
         if layer != prefill.next_layer || layer >= layers {
             let expected = if prefill.next_layer == layers {

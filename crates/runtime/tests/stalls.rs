@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -319,6 +319,9 @@ struct Rigging {
     /// call errs after the kernel was queued, or a CPU executor that meets a retired queue
     /// pair part way through. The IOCBs still run and complete (`GioError::SubmitFailed`).
     submit_fails: Arc<AtomicBool>,
+    /// Armed with n > 0: the n-th `submit` from now fails as an armed `submit_fails` makes the
+    /// next one fail (for a failure past the first issue of a call).
+    submit_fails_at: Arc<AtomicU32>,
     /// Armed: the next `poll` polls and then fails: an executor-level error reported once (as
     /// gio-uring reports a stopped worker or a lasting doorbell fault).
     poll_fails: Arc<AtomicBool>,
@@ -444,7 +447,8 @@ impl Executor for Rigged {
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
         self.inner.submit(memory, batch)?;
-        if self.rigging.submit_fails.swap(false, Ordering::SeqCst) {
+        let countdown = self.rigging.submit_fails_at.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if self.rigging.submit_fails.swap(false, Ordering::SeqCst) || countdown == Ok(1) {
             return Err(GioError::Executor { executor: "fails once after publishing", reason: "after the batch was taken".into() });
         }
         Ok(())
@@ -585,6 +589,49 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
         assert!(stack.engine.holds(&tokens, 0..6, &blocks, layers), "every byte of the prefix arrived");
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&tokens), 6);
+    });
+}
+
+#[test]
+fn before_layer_whose_wait_failed_names_wait_layer_kv_as_the_next_call() {
+    // Goal: `before_layer` whose layer was begun and whose wait then failed (a read handed over
+    // during the wait whose submission failed after publishing) is refused when retried with
+    // the call that goes on named: `wait_layer_kv`. Before, the refusal said "after_layer
+    // first", which would itself be refused (the layer's KV never waited for).
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        // As in `after_layer_whose_issue_failed_after_publishing_is_retried`: every read is
+        // issued at layer 0 and handed over one at a time, so layer 0's begin hands over the
+        // first read and its wait the second, once the first completed.
+        let cached: Vec<u32> = (0..16).collect();
+        prefill(&mut stack, &prompt(0, 6), &cached).unwrap();
+        stack.runtime.drain().unwrap();
+        let tokens = prompt(0, 7);
+        let blocks: Vec<u32> = (16..34).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 16);
+        rigging.submit_fails_at.store(2, Ordering::SeqCst);
+        let failed = stack.runtime.before_layer(start.id, 0);
+        assert!(matches!(failed, Err(RuntimeError::Store { operation: "retrieve_layer", .. })), "{failed:?}");
+        assert_eq!(rigging.submit_fails_at.load(Ordering::SeqCst), 0, "the wait handed the second read over");
+        match stack.runtime.before_layer(start.id, 0) {
+            Err(RuntimeError::OutOfOrder { call: "before_layer", reason }) => {
+                assert!(reason.contains("wait_layer_kv"), "the refusal names the next call: {reason}")
+            }
+            other => panic!("expected OutOfOrder, got {other:?}"),
+        }
+        // The call it names goes on.
+        stack.runtime.wait_layer_kv(start.id, 0).expect("the read in flight is collected, not issued again");
+        stack.engine.compute_layer(&tokens, 16..18, &blocks, 0);
+        stack.runtime.after_layer(start.id, 0).unwrap();
+        for layer in 1..layers {
+            stack.runtime.before_layer(start.id, layer).unwrap();
+            stack.engine.compute_layer(&tokens, 16..18, &blocks, layer);
+            stack.runtime.after_layer(start.id, layer).unwrap();
+        }
+        stack.runtime.end_prefill(start.id).unwrap();
+        assert!(stack.engine.holds(&tokens, 0..18, &blocks, layers), "every byte of the prefix arrived");
     });
 }
 
