@@ -468,6 +468,11 @@ ensure_etcd() {
 # INT or HUP ends through that trap: an interrupt of tools/test.sh or the stage's limit (kill_tree
 # TERMs every process of the stage at once) between the mount and the detach would otherwise
 # leave the file system mounted and the loop device attached for good.
+# The undo has what kill_tree gives: it SIGKILLs whatever of the session still runs 5 s after
+# its TERM, the undo's umount and losetup -d included. Unmounting and detaching an idle 8 MiB
+# file system takes a fraction of that (test-sh-test.sh: well under a second); a KILL in the
+# middle of it (a hung umount) would leave the mount and the loop device behind, under
+# $run_tmp, for `umount` and `losetup -d` by hand (`losetup --list` shows the file).
 loop_devices_work() {
     local dir
     [ "$(id -u)" -eq 0 ] && [ -c /dev/loop-control ] && command -v losetup > /dev/null 2>&1 &&
