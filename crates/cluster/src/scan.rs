@@ -5,7 +5,9 @@
 //! (values up to its `--max-request-bytes`, 1.5 MiB by default), so a few foreign entries can
 //! make a page's answer longer than the client decodes: the scan then reads half as many at a
 //! time, down to one, and an entry too large to read even alone is stepped over by its key
-//! (a keys-only read) and counted, never decoded. Only a key that is itself too large for an
+//! (a keys-only read) and counted, never decoded. The key that read finds is read once more
+//! with its value: the big entry may have been deleted or replaced meanwhile, and a readable
+//! entry found in its place is visited, not skipped. Only a key that is itself too large for an
 //! answer (etcd configured for requests over 4 MiB) stops the scan, reported as `unreadable`.
 
 use std::time::Instant;
@@ -113,14 +115,34 @@ pub(crate) fn scan(
                     scanned.more = false;
                     return Ok(scanned);
                 };
-                tracing::debug!(operation, "an etcd entry longer than an answer may be was skipped");
-                scanned.entries += 1;
-                scanned.oversized += 1;
+                let key = entry.key().to_vec();
+                // The entry too large may have been deleted or replaced since: the key found
+                // may hold a readable entry, read again with its value (that key alone) and
+                // visited rather than skipped as oversized.
+                let whole = connection.call_kv_by(operation, deadline, |mut client| {
+                    let key = key.clone();
+                    async move { client.get(key, Some(GetOptions::new().with_limit(1))).await }
+                });
+                match whole {
+                    Ok(whole) => {
+                        // Gone again by now: nothing to visit.
+                        if let Some(entry) = whole.kvs().first() {
+                            visit(entry);
+                            scanned.entries += 1;
+                        }
+                    }
+                    Err(error) if is_too_large(&error) => {
+                        tracing::debug!(operation, "an etcd entry longer than an answer may be was skipped");
+                        scanned.entries += 1;
+                        scanned.oversized += 1;
+                    }
+                    Err(error) => return Err(error),
+                }
                 scanned.more = answer.more();
                 if !scanned.more {
                     return Ok(scanned);
                 }
-                start = after(entry.key());
+                start = after(&key);
                 continue;
             }
             Err(error) => return Err(error),
@@ -190,5 +212,48 @@ mod tests {
         assert_eq!(stepped.get(), 1, "one keys-only read, after the deletion");
         assert_eq!(visited, vec![b"scan/a".to_vec()]);
         assert_eq!(scanned.unwrap(), Scanned { entries: 1, oversized: 0, more: false, unreadable: false });
+    }
+
+    #[test]
+    fn a_readable_entry_found_by_the_keys_only_step_is_visited_not_skipped() {
+        // Goal: an entry too large to read alone, deleted before the keys-only read that steps
+        // over it: that read finds the next entry, a readable one, which was counted as
+        // oversized and never visited (a member or holder missing from the answer). Now the key
+        // found is read again with its value and visited when it fits.
+        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
+        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        put(&connection, "scan/a", vec![1]);
+        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
+        put(&connection, "scan/c", vec![3]);
+        let deleter = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        BEFORE_KEY_ONLY.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                deleter.call_kv("delete", |mut kv| async move { kv.delete("scan/b", None).await }).unwrap();
+            }))
+        });
+        let mut visited = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let range = (b"scan/".to_vec(), prefix_end("scan/"));
+        let scanned = scan(&connection, "test scan", deadline, range, 10, 1, |entry| visited.push(entry.key().to_vec()));
+        BEFORE_KEY_ONLY.with(|hook| hook.borrow_mut().take());
+        assert_eq!(visited, vec![b"scan/a".to_vec(), b"scan/c".to_vec()], "the readable entry was skipped");
+        assert_eq!(scanned.unwrap(), Scanned { entries: 2, oversized: 0, more: false, unreadable: false });
+    }
+
+    #[test]
+    fn an_entry_too_large_to_read_alone_is_still_stepped_over_and_counted() {
+        // Goal: without a change between the reads, the oversized entry is counted and never
+        // visited, and the scan goes on past it.
+        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
+        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        put(&connection, "scan/a", vec![1]);
+        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
+        put(&connection, "scan/c", vec![3]);
+        let mut visited = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let range = (b"scan/".to_vec(), prefix_end("scan/"));
+        let scanned = scan(&connection, "test scan", deadline, range, 10, 4, |entry| visited.push(entry.key().to_vec()));
+        assert_eq!(visited, vec![b"scan/a".to_vec(), b"scan/c".to_vec()]);
+        assert_eq!(scanned.unwrap(), Scanned { entries: 3, oversized: 1, more: false, unreadable: false });
     }
 }
