@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # tools/lib/process.sh — bounded steps that Ctrl-C still stops, and a look at a session's
-# processes (tools/python/core-test.sh, tools/python/engine-test.sh, tools/gpu/check.sh, and the
-# tests of scripts: tools/bench-scripts-test.sh, tools/stage-scripts-test.sh). Sourced, not run;
-# defines functions only.
+# processes (tools/python/core-test.sh, tools/python/engine-test.sh, tools/gpu/check.sh,
+# tools/test.sh's run_stage, and the tests of scripts: tools/bench-scripts-test.sh,
+# tools/stage-scripts-test.sh). Sourced, not run; defines functions only.
 #
 #   interruptible_timeout SECONDS COMMAND [ARG...]
 #       `timeout -k 30 SECONDS COMMAND ARG...`, whose status it returns (124 or 137 when the
