@@ -90,12 +90,13 @@ class Producer:
     otherwise). `versioned`: hands out "dltensor_versioned" (DLPack `major`.0, `flags`) when the
     consumer passes max_version, else "dltensor". `keywords`: whether __dlpack__ takes the
     DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version); `unasked`:
-    hands out the versioned capsule to a call without max_version too. Records each
+    hands out the versioned capsule to a call without max_version too. `device`: what
+    __dlpack_device__ returns (an exception: raises it). Records each
     call's keywords, the capsule and the deleter's calls (with the struct's address): tutti's,
     for a capsule it consumed, or the capsule's destructor's, for one it left unconsumed."""
 
     def __init__(self, array, *, versioned=True, keywords=True, flags=0, major=1, bits=8, lanes=1, code=1, ndim=1,
-                 shape=True, name=None, unasked=False):
+                 shape=True, name=None, unasked=False, device=(1, 0)):
         self.array = array
         itemsize = max(bits * lanes // 8, 1)
         self.shape = (ctypes.c_int64 * 64)(*([array.nbytes // itemsize] + [1] * 63))
@@ -105,12 +106,14 @@ class Producer:
         self.versioned_deleter = _VERSIONED_DELETER(self.deleted.append)
         self.legacy = _DlManagedTensor(tensor, None, self.legacy_deleter)
         self.versioned = _DlManagedTensorVersioned(major, 0, None, self.versioned_deleter, flags, tensor)
-        self.offers_versioned, self.keywords, self.name, self.unasked = versioned, keywords, name, unasked
+        self.offers_versioned, self.keywords, self.name, self.unasked, self.device = versioned, keywords, name, unasked, device
         self.calls: list[dict] = []
         self.capsule = None
 
     def __dlpack_device__(self):
-        return (1, 0)
+        if isinstance(self.device, BaseException):
+            raise self.device
+        return self.device
 
     def __dlpack__(self, **kwargs):
         if kwargs and not self.keywords:
@@ -219,6 +222,32 @@ def test_a_capsule_of_another_major_version_says_how_it_was_asked_for(keywords):
             assert "its __dlpack__ did not take max_version=(1, 0)" in str(refused.value)
         assert producer.deleted == []
     assert producer.drop_capsule() == [producer.address()]
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        (RuntimeError("no device here"), r"tensor: its __dlpack_device__\(\) failed \(RuntimeError: no device here\)"),
+        ("cpu", r"tensor: its __dlpack_device__\(\) returned 'cpu', not a \(device type, device id\) pair of ints"),
+        ((1,), r"tensor: its __dlpack_device__\(\) returned \(1,\), not a"),
+        ((1, 0, 0), r"tensor: its __dlpack_device__\(\) returned \(1, 0, 0\), not a"),
+        ((1.0, 0), r"tensor: its __dlpack_device__\(\) returned \(1\.0, 0\), not a"),
+        ((2**40, 0), r"tensor: its __dlpack_device__\(\) returned \(1099511627776, 0\), not a"),
+        ("x" * 1000, r"tensor: its __dlpack_device__\(\) returned 'x{79}\.\.\., not a"),
+    ],
+)
+def test_a_broken_dlpack_device_is_refused_naming_the_tensor(device, message):
+    # Goal: a __dlpack_device__ that raises, or returns anything but two ints (each an int32, as
+    # DLPack's DLDevice has them), is InvalidArgument naming the tensor, as every other refusal of
+    # a tensor is; before, its own exception or a bare TypeError came out, naming nothing. The
+    # answer is quoted cut to 80 characters. Its __dlpack__ is never called; the store stays usable.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), device=device)
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=message):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.calls == []
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(11, 1), [0])
 
 
 @pytest.mark.parametrize(

@@ -373,6 +373,33 @@ fn device_name(device_type: i32, device_id: i32) -> String {
     format!("{name}:{device_id} (DLPack device type {device_type})")
 }
 
+/// What `object.__dlpack_device__()` says, (DLPack device type, device id); its failure or an
+/// answer that is not two int32s is an InvalidArgument naming the tensor `name`, as every other
+/// refusal of a tensor is (the bare exception named nothing).
+fn dlpack_device(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(i32, i32)> {
+    let answer = object.call_method0("__dlpack_device__").map_err(|error| {
+        PyErr::from(Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("{name}: its __dlpack_device__() failed ({error}): register a tensor whose producer can say its device"),
+        ))
+    })?;
+    answer.extract::<(i32, i32)>().map_err(|_| {
+        // An answer's repr is the producer's: bounded, and a repr that fails is not the error.
+        let mut shown = answer.repr().map(|repr| repr.to_string()).unwrap_or_else(|_| "an object whose repr() failed".into());
+        if let Some((cut, _)) = shown.char_indices().nth(REPR_CHARS_MAX) {
+            shown.truncate(cut);
+            shown.push_str("...");
+        }
+        PyErr::from(Failure::new(
+            ErrorClass::InvalidArgument,
+            format!("{name}: its __dlpack_device__() returned {shown}, not a (device type, device id) pair of ints (DLPack's DLDevice, two int32s)"),
+        ))
+    })
+}
+
+/// The most characters of a producer's answer a refusal quotes.
+const REPR_CHARS_MAX: usize = 80;
+
 /// Describes `object` (a tensor-like, see the stub's `TensorLike`) as `name`; returns what keeps
 /// its memory alive. Consumes a DLPack export, takes a buffer export.
 pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescription, Keep)> {
@@ -407,7 +434,7 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
         return Ok((description, Keep::Objects(vec![raw.owner.clone_ref(py)])));
     }
     if object.hasattr("__dlpack__")? && object.hasattr("__dlpack_device__")? {
-        let (device_type, device_id): (i32, i32) = object.call_method0("__dlpack_device__")?.extract()?;
+        let (device_type, device_id) = dlpack_device(object, name)?;
         if device_type != DLPACK_CPU && device_type != DLPACK_CUDA_HOST && device_type != DLPACK_CUDA {
             let description = TensorDescription {
                 name: name.into(),
