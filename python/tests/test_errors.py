@@ -63,6 +63,36 @@ def test_bad_values_are_invalid_arguments():
             tutti.Store.open("emu:mem:64m", GEOMETRY, format=True).allocate_kv(4, "ragged")
 
 
+def test_ints_past_their_argument_width_are_overflow_errors():
+    # Goal: the widths the Exceptions table gives hold: block ids, tokens and a request's layer
+    # (store_layer, retrieve_layer) are 32 bits, first_block and KvLayout's key/value/layer index
+    # 64, so an int past them (or negative) is the builtin OverflowError, and one inside them but
+    # out of range is InvalidArgument (a layout's layer 2**32: before, the docs said 32 bits for
+    # every layer, which would make it an OverflowError).
+    with open_store() as store:
+        store.allocate_kv(4, "paged")
+        with pytest.raises(OverflowError):
+            store.prepare_store(tokens(2, 1), [2**32])
+        with pytest.raises(OverflowError):
+            store.prepare_store([2**32] * 20, [0])
+        with pytest.raises(OverflowError):
+            store.prepare_retrieve(tokens(2, 1), [0], first_block=2**64)
+        with raises(tutti.InvalidArgument):
+            store.prepare_retrieve(tokens(2, 1), [0], first_block=2**32)
+        request = store.prepare_store(tokens(2, 1), [0])
+        for layer in (2**32, -1):
+            with pytest.raises(OverflowError):
+                request.store_layer(layer)
+        request.finish()
+    layout = tutti.KvLayout.separate([np.zeros(8, dtype=np.uint8)], [np.zeros(8, dtype=np.uint8)])
+    for pick in (layout.key, layout.value, layout.layer):
+        with raises(tutti.InvalidArgument):
+            pick(2**32)
+        for layer in (2**64, -1):
+            with pytest.raises(OverflowError):
+                pick(layer)
+
+
 def test_queue_options_out_of_bounds_are_refused_at_open_and_attach(tmp_path):
     # Goal: iocbs not a power of two in 2..=65536 (gio_uring's ring depth bound), queue_depth
     # outside 2..=1024 and requests_max outside 1..=65536 are InvalidArgument from Store.open
