@@ -656,7 +656,8 @@ impl Server {
             retry_retiring(&shared, Some(deadline));
         }
         for (session, retiring) in std::mem::take(&mut *lock(&shared.retiring)) {
-            let kept = retiring.keep_for_good(&shared.leaks);
+            let kept =
+                retiring.keep_for_good(&shared.leaks, "the daemon stopped before the deletion of a session's queue pairs was confirmed");
             tracing::error!(session, kept, "the daemon stopped before a session's queue pairs were known deleted: kept for good");
             mark_kept(&shared, session);
         }
@@ -844,10 +845,23 @@ fn drain_retire_window(admin_timeout: Duration) -> Duration {
     admin_timeout.saturating_mul(2).saturating_add(Duration::from_secs(1))
 }
 
+/// How long the retiring thread retries a session's unconfirmed deletions while serving before
+/// keeping it for good: eight admin timeouts and a second (81 s with the default 10 s timeout).
+/// A pair's deletion is two commands (Delete I/O SQ, then CQ); each may time out, complete up to
+/// about one more admin timeout late, and be followed by a retry that waits out another: four
+/// admin timeouts, doubled for a slow controller. Past that, a Delete that never completes
+/// (the admin queue answering QueueBusy every tick) would otherwise keep the session retiring,
+/// and every session short of its reservations `Busy`, for the daemon's life. Longer than the
+/// drain's window ([`drain_retire_window`]), which trades waiting for a stop.
+fn serving_retire_bound(admin_timeout: Duration) -> Duration {
+    admin_timeout.saturating_mul(8).saturating_add(Duration::from_secs(1))
+}
+
 /// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each (on the
 /// retiring thread while serving, then on the drain's): a
 /// session whose deletion is confirmed gives everything back and leaves the status table; one
-/// whose deletion failed for good keeps everything (counted as leaks). Bounded: each retry is
+/// whose deletion failed for good keeps everything (counted as leaks), and so does, while
+/// serving, one whose deletion stayed unconfirmed past [`serving_retire_bound`] since it ended. Bounded: each retry is
 /// at most two admin commands per pair, each bounded by the admin timeout, and a busy admin
 /// queue refuses at once. The list is taken out while retrying, so a session ending meanwhile
 /// does not wait for it. Past `deadline` (the drain's), the sessions not retried yet are left
@@ -873,12 +887,26 @@ fn retry_retiring(shared: &Shared, deadline: Option<Instant>) {
             entry.retry(&shared.store, &shared.leaks)
         }));
         let Ok(retried) = retried else {
-            let leaked = entry.keep_for_good(&shared.leaks);
+            let leaked = entry.keep_for_good(&shared.leaks, "retrying the deletion of a session's queue pairs panicked");
             tracing::error!(session, leaked, "retrying an ended session's queue-pair deletion panicked: its memory is kept for good");
             mark_kept(shared, session);
             continue;
         };
         match retried {
+            // Serving, a deletion unconfirmed past its bound is not coming: kept for good, so that what it holds is counted as held for the daemon's life and a session
+            // short of it is told so (`LimitReached`), not `Busy` for as long as the daemon runs.
+            Retried::Pending if deadline.is_none() && entry.retiring_for() >= serving_retire_bound(shared.admin_timeout) => {
+                let waited = entry.retiring_for();
+                let leaked =
+                    entry.keep_for_good(&shared.leaks, "the deletion of a session's queue pairs stayed unconfirmed past its bound");
+                tracing::error!(
+                    session,
+                    leaked,
+                    waited_ms = waited.as_millis() as u64,
+                    "an ended session's queue-pair deletion stayed unconfirmed past eight admin timeouts and a second: its memory is kept for good"
+                );
+                mark_kept(shared, session);
+            }
             Retried::Pending => pending.push((session, entry)),
             Retried::Done => {
                 tracing::info!(session, "an ended session's queue pairs are deleted: its windows and reservations are given back");

@@ -919,7 +919,7 @@ impl Holdings {
             return Released::Kept(count);
         }
         if !retry.is_empty() {
-            return Released::Retiring(Retiring { pairs: retry, holdings: std::mem::take(self) });
+            return Released::Retiring(Retiring { pairs: retry, holdings: std::mem::take(self), since: std::time::Instant::now() });
         }
         // 3. Reservations: an uncommitted store's slots go back free, invisible.
         {
@@ -997,6 +997,9 @@ impl Released {
 pub struct Retiring {
     pairs: Vec<DetachedQueuePair>,
     holdings: Holdings,
+    /// When the session ended with its deletion unconfirmed (a retry does not move it): what
+    /// the retiring thread bounds the retries by.
+    since: std::time::Instant,
 }
 
 /// What a retry of a retiring session's deletions came to.
@@ -1037,12 +1040,18 @@ impl Retiring {
         }
     }
 
-    /// Gives up (the daemon drains with deletions still unconfirmed): everything is kept for
-    /// good, as for a failed deletion. Returns the pairs kept.
-    pub fn keep_for_good(mut self, leaks: &LeakCounters) -> u64 {
+    /// How long ago the session ended with its deletion unconfirmed.
+    pub fn retiring_for(&self) -> std::time::Duration {
+        self.since.elapsed()
+    }
+
+    /// Gives up (the daemon drains with deletions still unconfirmed, or they stayed unconfirmed
+    /// past the retiring thread's bound; `why` says which): everything is kept for good, as for
+    /// a failed deletion. Returns the pairs kept.
+    pub fn keep_for_good(mut self, leaks: &LeakCounters, why: &str) -> u64 {
         let pairs = self.pairs.len() as u64;
         std::mem::forget(std::mem::take(&mut self.pairs));
-        self.holdings.keep_for_good(pairs, leaks, "the daemon stopped before the deletion of a session's queue pairs was confirmed");
+        self.holdings.keep_for_good(pairs, leaks, why);
         uncount_retiring(leaks);
         pairs
     }

@@ -612,14 +612,16 @@ fn a_registration_is_told_to_retry_while_a_retiring_session_holds_the_reservatio
     // request, and its first would be refused as `LimitReached` (the table of clients × requests
     // full). Its `Hello` is admitted (it may only look up), but its first registration is
     // answered `Busy` until the retiring session gives them back; then the next session gets
-    // both its requests. The Delete I/O SQ completes 3 s late.
-    let admin_timeout = Duration::from_millis(50);
+    // both its requests. The Delete I/O SQ completes 7 s late (admin timeout 1 s: the session
+    // retiring from 1 s on, its refusal checked in the 6 s before the late completion, which
+    // comes 3 s before the 9 s after which a retiring session is kept for good).
+    let admin_timeout = Duration::from_secs(1);
     let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
     let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
     prepare_two_stores(&mut first);
     let session = first.hello_reply().session;
-    let late = nvme_emu::FaultAction::Delay(60 * admin_timeout);
+    let late = nvme_emu::FaultAction::Delay(7 * admin_timeout);
     let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
     emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
     drop(first);
@@ -634,8 +636,9 @@ fn a_registration_is_told_to_retry_while_a_retiring_session_holds_the_reservatio
         daemon.client().status().unwrap().clients.iter().any(|client| client.session == session),
         "the retiring session left before the refusal was checked (the late Delete came early)"
     );
-    // Asked again, it is admitted once the retiring session is released, with both requests.
-    let deadline = Instant::now() + WAIT;
+    // Asked again, it is admitted once the retiring session is released (up to the late
+    // completion, 7 s from the end, and a tick), with both requests.
+    let deadline = Instant::now() + 2 * WAIT;
     let mut next = loop {
         match RemoteKvStore::connect(&daemon.socket, &hello("next"), &config) {
             Ok(store) => break store,
@@ -739,6 +742,36 @@ fn a_store_whose_hello_is_answered_busy_asks_again_on_a_new_connection() {
     released.join().unwrap();
     prepare_two_stores(&mut store);
     drop(store);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_retiring_session_whose_deletion_never_completes_is_kept_for_good_within_its_bound() {
+    // Goal: a Delete I/O SQ that never completes (the controller drops its completion) leaves
+    // the session retiring, every retry answered QueueBusy; kept so for the daemon's life, it
+    // would make every session short of its reservations `Busy` for as long as the daemon runs.
+    // Past eight admin timeouts and a second (`serving_retire_bound`) it is kept for good, and a
+    // session short of what it holds is told `LimitReached`. Admin timeout 50 ms: 1.4 s.
+    let admin_timeout = Duration::from_millis(50);
+    let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    prepare_two_stores(&mut first);
+    let session = first.hello_reply().session;
+    let never = nvme_emu::FaultAction::DropCompletion;
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let ended = Instant::now();
+    drop(first);
+    let kept = daemon.status_once("the session was not kept for good", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept && client.requests_in_flight == 2)
+    });
+    assert!(ended.elapsed() >= 8 * admin_timeout, "kept before its bound: {:?}", ended.elapsed());
+    assert_eq!(kept.leaked_requests, 2, "{kept:?}");
+    match attach_past_the_place(&daemon, "next", Duration::from_secs(1)) {
+        Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
+        Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
+    }
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
