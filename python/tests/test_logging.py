@@ -14,6 +14,8 @@ import sys
 import threading
 from typing import Optional
 
+import pytest
+
 from conftest import WAIT_S
 
 # Attaches to the daemon at argv[1] with a 0.3 s timeout, prepares a one-block store and says
@@ -98,13 +100,24 @@ def test_tutti_log_selects_the_events(formatted_daemon):
     assert orphan_a_request(formatted_daemon, "off") == ""
 
 
-def test_an_invalid_tutti_log_says_so_once_and_keeps_the_default():
+@pytest.mark.parametrize("value", ["tutti=loud", "warning", "objstore"])
+def test_an_invalid_tutti_log_says_so_once_and_keeps_the_default(value):
     # Goal: a TUTTI_LOG that does not parse neither stops the import nor silences the
-    # extension: one line names the variable and the value.
+    # extension: one line names the variable and the value. A bare word that is not a level
+    # (`warning`, or a target alone) is refused the same way: RUST_LOG syntax would read it as a
+    # target and show nothing else; the line says a target alone is written `word=trace`.
     done = subprocess.run(
         [sys.executable, "-c", "import tutti; print('imported')"],
-        capture_output=True, text=True, timeout=WAIT_S, env=child_env("tutti=loud"),
+        capture_output=True, text=True, timeout=WAIT_S, env=child_env(value),
     )  # fmt: skip
     assert (done.returncode, done.stdout.strip()) == (0, "imported"), done.stderr
     complaints = [line for line in done.stderr.splitlines() if "TUTTI_LOG" in line]
-    assert len(complaints) == 1 and "tutti=loud" in complaints[0] and "default" in complaints[0], done.stderr
+    assert len(complaints) == 1 and value in complaints[0] and "default" in complaints[0], done.stderr
+    if "=" not in value:
+        assert f"{value}=trace" in complaints[0], done.stderr
+
+
+def test_a_bare_word_that_is_not_a_level_keeps_the_default(formatted_daemon):
+    # Goal: TUTTI_LOG=warning (Python's name for the level) keeps the default filter: the
+    # orphaned request's error is still reported (parsed as a target, it showed nothing).
+    assert ORPHANED in orphan_a_request(formatted_daemon, "warning")
