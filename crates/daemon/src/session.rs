@@ -681,6 +681,14 @@ impl Holdings {
                 format!("engine block {block} is outside registration {} of {kv_blocks} blocks", prepare.registration),
             ));
         }
+        // Two of the request's blocks in one engine block: only one of them can be there, so
+        // the reservation (and the evictions it may take) would be for nothing the client can
+        // move; its own checks refuse it only after the daemon reserved. Refused here, first.
+        let mut sorted = prepare.block_ids.clone();
+        sorted.sort_unstable();
+        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
+            return Err((ErrorCode::BadRequest, format!("engine block {} is named twice in one request", pair[0])));
+        }
         space.keys(&prepare.tokens[..end * block_tokens as usize], block_tokens, &mut self.keys);
         Ok(first_block..end)
     }

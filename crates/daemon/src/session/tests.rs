@@ -950,3 +950,30 @@ fn an_attach_whose_half_made_pairs_cannot_be_deleted_is_not_told_to_retry() {
     }
     assert!(next.release(&store, &leaks).is_done(), "the kept pair was not deleted at session end");
 }
+
+#[test]
+fn a_prepare_naming_an_engine_block_twice_is_refused_before_anything_is_reserved() {
+    // Goal: two of a request's blocks in one engine block would have the daemon reserve (and
+    // maybe evict for) slots whose data can only be one of them; the client's checks refuse it
+    // only after the daemon reserved. The daemon refuses it up front (`BadRequest`, naming the
+    // block), a store and a retrieve alike, holding nothing afterwards.
+    let store = store(true);
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let space = KeySpace::new(&[0x5c; 32], 0, 1).unwrap();
+    let tokens: Vec<u32> = (0..48).collect();
+    let limits = SessionLimits::default();
+    let prepare = || Prepare { registration, tokens: tokens.clone(), block_ids: vec![0, 1, 0], first_block: 0 };
+    for (what, reply) in [
+        ("store", holdings.prepare_store(prepare(), &space, 16, &store, &limits)),
+        ("retrieve", holdings.prepare_retrieve(prepare(), &space, 16, &store, &limits)),
+    ] {
+        match reply {
+            Reply::Error { code: ErrorCode::BadRequest, message } => assert!(message.contains("engine block 0"), "{what}: {message}"),
+            other => panic!("a {what} naming engine block 0 twice: {other:?}"),
+        }
+        assert_eq!(holdings.requests_in_flight(), 0, "{what}: a request is held");
+        let counts = lock(&store).control.pool().index().counts();
+        assert_eq!((counts.writing_slots, counts.pinned_slots), (0, 0), "{what}: {counts:?}");
+    }
+}
