@@ -20,6 +20,9 @@ pub(super) const PANICS_ON_PING: &str = "panics-on-ping";
 /// A client whose Ping panics (ending its connection while it may still ring its queues) and
 /// whose wait for its exit then panics too.
 pub(super) const PANICS_AWAITING_EXIT: &str = "panics-awaiting-exit";
+/// A client whose Ping panics and whose connection's decision whether to wait for its exit
+/// (`Connection::may_still_ring`) then panics too.
+pub(super) const PANICS_DECIDING_TO_WAIT: &str = "panics-deciding-to-wait";
 /// A client name whose session's retried deletion panics (`retry_retiring`).
 pub(super) const PANICS_RETRYING: &str = "panics-retrying";
 
@@ -286,6 +289,41 @@ fn a_panic_while_awaiting_a_clients_exit_keeps_its_session_instead_of_releasing_
     let mut next = RemoteKvStore::connect(&daemon.socket, &hello("next"), &config).expect("attach after the panics");
     next.client().ping().unwrap();
     drop(next);
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_panic_on_the_way_out_of_a_session_without_queue_pairs_keeps_its_reservations_counted() {
+    // Goal: a panic after the handler's (here in deciding whether to wait for the client's
+    // exit) keeps everything the session holds, its reservations included (never released).
+    // A session without queue pairs (registered and prepared, never attached) keeps no pair,
+    // yet its reservations are held all the same: its record must stay, kept for good with
+    // them, or the table would be short of them with nothing counting them (a later session's
+    // first registration admitted, then its prepares refused). Raw requests: the library
+    // always attaches.
+    let mut daemon = InProcess::start(4, false);
+    let mut client = daemon.client();
+    let session = client.hello(&hello(PANICS_DECIDING_TO_WAIT)).expect("Hello").session;
+    let memory = nvme_driver::hw::SharedMemory::create("panic-test", 1 << 20).unwrap();
+    let register = crate::protocol::Request::RegisterMemory(crate::protocol::RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 });
+    let registration = match client.call_with_fds(&register, &[memory.fd()]).expect("RegisterMemory") {
+        (crate::protocol::Reply::Registered(registered), _) => registered.registration,
+        (other, _) => panic!("RegisterMemory: {other:?}"),
+    };
+    let prepare = crate::protocol::Prepare { registration, tokens: (0..64).collect(), block_ids: vec![0, 1, 2, 3], first_block: 0 };
+    match client.call(&crate::protocol::Request::PrepareStore(prepare)).expect("PrepareStore") {
+        crate::protocol::Reply::StorePrepared(_) => {}
+        other => panic!("PrepareStore: {other:?}"),
+    }
+    assert!(client.ping().is_err(), "the panicking connection answered");
+    let ended = daemon.status_once("the session's connection did not end", |status| status.connections == 1);
+    let record = ended.clients.iter().find(|client| client.session == session);
+    assert!(
+        record.is_some_and(|record| record.kept && record.requests_in_flight == 1),
+        "the session holding a reservation was not kept with it: {ended:?}"
+    );
+    assert!(ended.pool.writing_slots > 0, "the reservation was released: {:?}", ended.pool);
+    drop(client);
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
