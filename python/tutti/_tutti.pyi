@@ -464,8 +464,9 @@ class Store:
         call `allocate_kv` next.
 
         timeout_s: the longest wait for any daemon answer; an attach the daemon answers Busy
-        (every connection taken, or a restarted engine's old session still releasing the queue
-        ids or the request reservations this one needs) is asked again on a new connection until timeout_s has passed.
+        is asked again until timeout_s has passed: on a new connection when every connection
+        is taken, on the same one when a restarted engine's old session still holds the request
+        reservations or the queue ids this one needs.
         keepalive: a background thread of this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the

@@ -552,10 +552,10 @@ pub(crate) enum Busy {
 /// every later call's wait on the connection. Busy to Hello is transient (every connection
 /// taken, docs/tuttid.md): with [`Busy::AskAgain`] it is asked again, on a new connection (a
 /// refused Hello's connection holds a place until it closes), until `timeout` has passed. (A
-/// restarted engine's old session still retiring is answered Busy on Hello while it holds the
-/// request reservations the new session needs, asked again here as any Busy Hello; and on
-/// AttachQueues while it holds the queue ids: `RemoteKvStore` asks that again itself within its
-/// own `timeout`.) A connection
+/// restarted engine's old session still retiring is answered Busy on the first memory
+/// registration while it holds the request reservations the new session needs, and on
+/// AttachQueues while it holds the queue ids: `RemoteKvStore` asks those again itself, on the
+/// same connection, within its own `timeout`.) A connection
 /// that fails after its descriptors were recorded is forgotten as it closes: its own record
 /// only (another thread's connection found with it keeps its own).
 pub(crate) fn hello_daemon(socket: &std::path::Path, timeout: Duration, hello: &Hello, busy: Busy) -> Result<Hellod, Failure> {
