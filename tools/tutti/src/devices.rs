@@ -16,7 +16,7 @@ use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
 use tutti_cli::outln;
 use tutti_devices::{DeviceError, DeviceSpec, DEFAULT_LOCK_DIR};
 
-use crate::system::{BlockDeviceUse, System};
+use crate::system::{BlockDeviceUse, GroupProbe, System};
 use crate::Unusable;
 
 /// How long the kernel gets to bind or release a function after a probe request (short in unit
@@ -364,8 +364,10 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 /// Returns the driver that took it (None if none did). Refuses, before writing anything, a
 /// function that is not an NVMe controller (unless `not_nvme`), one whose tuttid device lock
 /// (`lock_dir/vfio-BDF.lock`) another process holds, and one whose VFIO group or device some
-/// process holds open: the kernel's unbind would wait for that process to let go (for ever, if
-/// it has no request handler), with the override already cleared. The lock is held from before
+/// process holds open (seen by opening the single-open group node, and named from /proc where
+/// it shows): the kernel's unbind would wait for that process to let go (for ever, if it has no
+/// request handler), with the override already cleared. The group node stays open until the
+/// kernel has let go, so nothing opens it in between. The lock is held from before
 /// the check to the end, so that a tuttid starting meanwhile (a supervisor's restart) is refused
 /// instead of opening the group between the check and the unbind. These refusals, a function
 /// that is not there and one not bound to vfio-pci are unusable input ([`Unusable`], exit
@@ -393,24 +395,16 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
             Unusable(format!("{address} is bound to {}, not vfio-pci: nothing to undo", driver.as_deref().unwrap_or_default())).into()
         );
     }
-    if driver.is_some() {
-        let nodes = system.vfio_nodes(address, system.sysfs.iommu_group(address)?);
-        let holders = system.openers(|_, target| nodes.iter().any(|node| node == target));
-        if !holders.is_empty() {
-            let list: Vec<String> = holders.iter().map(ToString::to_string).collect();
-            return Err(Unusable(format!(
-                "{address} is in use through VFIO: {}; stop it first (tuttid, a VM) and run `tutti unbind` again",
-                list.join(", ")
-            ))
-            .into());
-        }
-    }
+    // Held from before the override is cleared until the kernel has let go: nothing can open
+    // the group in between, and the unbind cannot wait on a holder.
+    let group = if driver.is_some() { Some(vfio_free(system, address)?) } else { None };
     // An empty line clears the override, so that the default driver matches again.
     system.write_attribute(&device_dir.join("driver_override"), "\n")?;
     if driver.is_some() {
         system.write_attribute(&device_dir.join("driver/unbind"), &address.to_string())?;
         system.wait_for_driver(address, DRIVER_CHANGE_TIMEOUT, |driver| driver != Some(VFIO_PCI_DRIVER))?;
     }
+    drop(group);
     if !reprobe {
         return Ok(None);
     }
@@ -418,6 +412,45 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
     // The kernel probes synchronously, but a driver may also decline: then the function stays
     // unbound, which is not an error. A short bounded wait covers asynchronous probing.
     Ok(system.wait_for_driver(address, Duration::from_secs(2), |driver| driver.is_some()).unwrap_or(None))
+}
+
+/// Refuses ([`Unusable`]) a function some process holds through VFIO: the kernel's unbind would
+/// wait for it to let go (for ever, if it has no request handler). Returns the open group node
+/// (None where there is none: an iommufd-only kernel), which keeps anything else from opening
+/// the group until dropped. The group's single open sees every holder, in any PID namespace,
+/// one holding only a device descriptor included; /proc names the ones it can see.
+fn vfio_free(system: &System, address: PciAddress) -> Result<Option<Box<dyn Send + Sync>>> {
+    let group = system.sysfs.iommu_group(address)?;
+    let probe = match group {
+        Some(group) => system.probe_vfio_group(group)?,
+        None => GroupProbe::NoNode,
+    };
+    let nodes = system.vfio_nodes(address, group);
+    let own_pid = std::process::id();
+    let holders: Vec<String> = system
+        .openers(|_, target| nodes.iter().any(|node| node == target))
+        .iter()
+        .filter(|opener| opener.pid != own_pid)
+        .map(ToString::to_string)
+        .collect();
+    if !holders.is_empty() {
+        return Err(Unusable(format!(
+            "{address} is in use through VFIO: {}; stop it first (tuttid, a VM) and run `tutti unbind` again",
+            holders.join(", ")
+        ))
+        .into());
+    }
+    match probe {
+        GroupProbe::Held(file) => Ok(Some(file)),
+        GroupProbe::NoNode => Ok(None),
+        GroupProbe::Busy => Err(Unusable(format!(
+            "{address} is in use through VFIO: its group /dev/vfio/{} is held by a process this tool cannot see (another PID \
+             namespace, /proc mounted with hidepid, or one holding only a device descriptor); stop it first (tuttid, a VM) and \
+             run `tutti unbind` again",
+            group.unwrap_or_default()
+        ))
+        .into()),
+    }
 }
 
 pub fn run_unbind(system: &System, args: &UnbindArgs) -> Result<()> {

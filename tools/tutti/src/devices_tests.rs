@@ -58,6 +58,7 @@ impl FakeHost {
             let target = driver_link.as_ref().and_then(|link| std::fs::read_link(link).ok());
             target.map_or("none".to_string(), |target| target.file_name().unwrap().to_string_lossy().into_owned())
         };
+        let group_driver_now = driver_now.clone();
         let opens_log = Arc::clone(&log);
         // As the kernel does (block/bdev.c, bd_may_claim), an exclusive open of a partition
         // fails while its whole disk is held exclusively, and one of the whole disk fails while
@@ -91,7 +92,33 @@ impl FakeHost {
             };
             Ok(ExclusiveHandle::new(device_number, Box::new(closed)))
         };
-        (System::with_exclusive_open(self.sys.clone(), self.proc.clone(), dev, Box::new(exclusive_open)), log)
+        // A VFIO group node `dev/vfio/<group>` answers EBUSY when it holds `EBUSY`, and opens
+        // otherwise, logging `open vfio/<group> (driver <d>, override <o>)` and, when closed,
+        // `close vfio/<group> (driver <d>)`; a missing one is not found.
+        let group_log = Arc::clone(&log);
+        let override_file = function.map(|function| self.sys.join("bus/pci/devices").join(function).join("driver_override"));
+        let group_open = move |path: &Path| -> std::io::Result<Box<dyn Send + Sync>> {
+            if std::fs::read_to_string(path)? == "EBUSY" {
+                return Err(std::io::Error::from_raw_os_error(libc::EBUSY));
+            }
+            let node = format!("vfio/{}", path.file_name().unwrap().to_string_lossy());
+            let override_now = override_file.as_ref().and_then(|file| std::fs::read_to_string(file).ok()).unwrap_or_default();
+            group_log.lock().unwrap().push(format!("open {node} (driver {}, override {:?})", group_driver_now(), override_now.trim()));
+            let driver_now = group_driver_now.clone();
+            Ok(Box::new(LogOnDrop {
+                log: Arc::clone(&group_log),
+                line: Box::new(move || format!("close {node} (driver {})", driver_now())),
+            }))
+        };
+        let system = System::with_exclusive_open(self.sys.clone(), self.proc.clone(), dev, Box::new(exclusive_open));
+        (system.with_group_open(Box::new(group_open)), log)
+    }
+
+    /// Makes `/dev/vfio/<group>` a group node that opens (`free`) or answers EBUSY (`EBUSY`).
+    fn group_node(&self, group: u32, state: &str) {
+        let vfio = self.proc.with_file_name("dev").join("vfio");
+        std::fs::create_dir_all(&vfio).unwrap();
+        std::fs::write(vfio.join(group.to_string()), state).unwrap();
     }
 
     /// Makes `/dev/<device>` a node of block device `major_minor`, free for an exclusive open.
@@ -712,4 +739,30 @@ fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
     assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
     let after = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false);
     assert!(after.is_ok(), "the unbind let go of the lock: {:?}", after.err());
+}
+
+#[test]
+fn unbind_refuses_a_vfio_group_held_by_a_process_it_cannot_see() {
+    // Goal: a VFIO holder in another PID namespace, behind a hidepid /proc, or holding only a
+    // device descriptor (anon_inode:[vfio-device]) shows in no /proc/*/fd scan, and the kernel's
+    // unbind then waits for it (D state) with the override already cleared. The group node is
+    // single-open: unbind opens it first, and EBUSY refuses the unbind with nothing written; a
+    // free group stays open from before the override is cleared until the kernel has let go.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    host.group_node(3, "EBUSY");
+    let (system, log) = host.system_logging(Some("0000:00:04.0"));
+    let _kernel = host.kernel();
+
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = format!("{error:#}");
+    assert!(error.contains("/dev/vfio/3 is held by a process this tool cannot see") && error.contains("stop it first"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not cleared");
+
+    host.group_node(3, "free");
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+    assert_eq!(*log.lock().unwrap(), ["open vfio/3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/3 (driver none)"]);
 }

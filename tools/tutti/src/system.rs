@@ -36,12 +36,31 @@ impl ExclusiveHandle {
 /// Exclusive claims on block devices, held until dropped.
 pub type ExclusiveClaims = Vec<ExclusiveHandle>;
 
+/// Opens a legacy VFIO group node (`/dev/vfio/<group>`) read-write; the open file is returned
+/// and closed when dropped. The kernel lets one file at a time open a group, and a device
+/// descriptor taken through it (or an iommufd cdev of one of its devices) keeps it so: EBUSY
+/// says someone holds it, whoever and wherever they are (another PID namespace, a /proc mounted
+/// with hidepid). Replaceable so tests answer for it.
+pub type GroupOpen = Box<dyn Fn(&Path) -> std::io::Result<Box<dyn Send + Sync>> + Send + Sync>;
+
+/// What opening a function's VFIO group node showed.
+pub enum GroupProbe {
+    /// Opened: nothing else held the group or its devices, and nothing else can open them
+    /// while this lives.
+    Held(Box<dyn Send + Sync>),
+    /// There is no group node (an iommufd-only kernel): only /proc can tell who holds it.
+    NoNode,
+    /// EBUSY: a process holds the group, or a device of it, open.
+    Busy,
+}
+
 pub struct System {
     pub sysfs: PciSysfs,
     proc_root: PathBuf,
     /// Where the block device nodes are (`/dev`), for [`System::exclusive_open`].
     dev_root: PathBuf,
     exclusive_open: ExclusiveOpen,
+    group_open: GroupOpen,
 }
 
 impl System {
@@ -53,7 +72,13 @@ impl System {
 
     /// The host with `exclusive_open` answering for its block device nodes (tests give a fake).
     pub fn with_exclusive_open(sysfs_root: PathBuf, proc_root: PathBuf, dev_root: PathBuf, exclusive_open: ExclusiveOpen) -> Self {
-        Self { sysfs: PciSysfs::new(sysfs_root), proc_root, dev_root, exclusive_open }
+        Self { sysfs: PciSysfs::new(sysfs_root), proc_root, dev_root, exclusive_open, group_open: Box::new(open_vfio_group) }
+    }
+
+    /// This host with `group_open` answering for its VFIO group nodes (tests give a fake).
+    #[cfg(test)]
+    pub fn with_group_open(self, group_open: GroupOpen) -> Self {
+        Self { group_open, ..self }
     }
 
     pub fn sysfs_root(&self) -> &Path {
@@ -282,6 +307,21 @@ impl System {
         nodes
     }
 
+    /// Opens `<dev_root>/vfio/<group>`, to see whether anything holds the group and, while the
+    /// returned file lives, to keep anything else from opening it. Another failure than EBUSY
+    /// or a missing node is an error: the group's use is then unknown.
+    pub fn probe_vfio_group(&self, group: u32) -> Result<GroupProbe> {
+        let node = self.dev_root.join("vfio").join(group.to_string());
+        match (self.group_open)(&node) {
+            Ok(file) => Ok(GroupProbe::Held(file)),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(GroupProbe::NoNode),
+            Err(error) if error.raw_os_error() == Some(libc::EBUSY) => Ok(GroupProbe::Busy),
+            Err(error) => {
+                Err(anyhow::Error::new(error).context(format!("opening {} to see whether a process holds the VFIO group", node.display())))
+            }
+        }
+    }
+
     /// Writes a sysfs attribute the way `echo value > file` does (sysfs ignores the truncation,
     /// a fake tree needs it); never creates files.
     pub fn write_attribute(&self, path: &Path, value: &str) -> Result<()> {
@@ -390,6 +430,13 @@ fn open_exclusive(path: &Path) -> std::io::Result<ExclusiveHandle> {
         format!("{}:{}", libc::major(rdev), libc::minor(rdev))
     });
     Ok(ExclusiveHandle::new(device_number, Box::new(file)))
+}
+
+/// The real [`GroupOpen`]: `open(path, O_RDWR | O_CLOEXEC)` (std sets O_CLOEXEC), as a VFIO
+/// user opens the group.
+fn open_vfio_group(path: &Path) -> std::io::Result<Box<dyn Send + Sync>> {
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(path)?;
+    Ok(Box::new(file))
 }
 
 /// Whether a `/proc/<pid>/fd/<n>` link's target can be a file at all (a block device node
