@@ -26,8 +26,14 @@ pub enum IoctxFault {
     BadSglSegment { desc_bytes: u32 },
     #[error("address arithmetic overflows at layer {layer}")]
     AddressOverflow { layer: u32 },
-    /// Staged DMA mode copies `data_iova..+data_bytes`; an SGL segment may scatter the data.
-    #[error("staged DMA mode needs contiguous data, not an SGL segment")]
+    /// Staged DMA mode copies `data_iova..+data_bytes`, so the SSD must move exactly that range:
+    /// an SGL segment may scatter the data, a PRP list may name any pages (the executor does not
+    /// read lists), and a PRP2 other than the page after the data's first page at every layer
+    /// (layer 0, and a descriptor stride equal to `mem_stride_bytes`) moves other bytes.
+    #[error(
+        "staged DMA mode needs contiguous data: no SGL segment, no PRP list, and PRP2 the page after the data's first page at \
+         every layer"
+    )]
     StagedScatteredData,
     #[error("data {range} is not inside one staging buffer at the first and last layer")]
     OutsideStaging { range: IovaRange },

@@ -672,8 +672,15 @@ impl Executor for GpuExecutor {
                 descriptor_kind: ioctx.descriptor_kind,
             }
         });
-        plan::plan_staged_copies(ioctxs, header.layer_count, header.mem_stride_bytes, &self.staging, &mut attached.runs[id.0 as usize])
-            .map_err(|(index, fault)| GioError::InvalidIoctx { id, index, fault })
+        plan::plan_staged_copies(
+            ioctxs,
+            header.layer_count,
+            header.mem_stride_bytes,
+            header.desc_stride_bytes,
+            &self.staging,
+            &mut attached.runs[id.0 as usize],
+        )
+        .map_err(|(index, fault)| GioError::InvalidIoctx { id, index, fault })
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {

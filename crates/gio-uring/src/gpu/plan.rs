@@ -12,6 +12,7 @@ use nvme_driver::DetachedQueueLayout;
 use crate::abi::{self, gio_nvme_qp, gio_nvme_slot};
 use crate::error::{GioError, IoctxFault};
 use crate::types::{Iova, IovaRange, SmBudget};
+use crate::validate::CONTROLLER_PAGE_BYTES;
 
 /// Host page size; `cuMemHostRegister` pins whole pages, so registrations are page-rounded.
 pub const PAGE_BYTES: u64 = 4096;
@@ -329,14 +330,17 @@ pub struct StagedIoctx {
 
 /// Plans the copies of an IOCB in staged mode into `runs` (cleared first). Each IOCTX's data
 /// must be the contiguous IOVA range `data_iova..+data_bytes` inside one staging pair at the
-/// first and the last layer, so an SGL segment (scattered data) is refused; a PRP list must
-/// describe exactly that contiguous range. Adjacent IOCTXs merge into one run: a pool laid out
-/// contiguously costs one copy per IOCB. Runs never cover bytes outside the IOCTXs, because a
-/// read's copy into GPU memory must not overwrite neighbouring data.
+/// first and the last layer, and the SSD must move exactly that range, since that is what is
+/// copied: an SGL segment (scattered data) and a PRP list (which the executor does not read) are
+/// refused, and PRP2 must be the page after the data's first page at every layer (see
+/// [`contiguous_prp2`]). Adjacent IOCTXs merge into one run: a pool laid out contiguously costs
+/// one copy per IOCB. Runs never cover bytes outside the IOCTXs, because a read's copy into GPU
+/// memory must not overwrite neighbouring data.
 pub fn plan_staged_copies(
     ioctxs: impl Iterator<Item = StagedIoctx>,
     layer_count: u32,
     mem_stride_bytes: u64,
+    desc_stride_bytes: u64,
     pairs: &[StagingPair],
     runs: &mut Vec<CopyRun>,
 ) -> Result<(), (u32, IoctxFault)> {
@@ -346,6 +350,11 @@ pub fn plan_staged_copies(
         match abi::DescriptorKind::from_abi(ioctx.descriptor_kind) {
             None => return Err((index, IoctxFault::UnknownDescriptorKind { kind: ioctx.descriptor_kind })),
             Some(abi::DescriptorKind::Sgl) if ioctx.desc_iova != 0 => return Err((index, IoctxFault::StagedScatteredData)),
+            Some(abi::DescriptorKind::Prp)
+                if ioctx.desc_iova != 0 && !contiguous_prp2(&ioctx, last_layer, mem_stride_bytes, desc_stride_bytes) =>
+            {
+                return Err((index, IoctxFault::StagedScatteredData));
+            }
             Some(_) => {}
         }
         let len = u64::from(ioctx.data_bytes);
@@ -376,6 +385,22 @@ pub fn plan_staged_copies(
         }
     }
     Ok(())
+}
+
+/// Whether a PRP IOCTX's PRP2 (`desc_iova`, not 0) makes the SSD move exactly
+/// `data_iova..+data_bytes` at every layer: two memory pages with PRP2 the page right after the
+/// data's first page. At layer 0 that is an address check; at later layers both move by their
+/// stride, so the strides must be equal, and a page multiple so that the data's page moves with
+/// PRP2 (fill already asks a two-page PRP2's stride to be one). A transfer over more pages takes
+/// a PRP list, which may name any pages: the executor does not read lists (the caller may rewrite
+/// one after fill), so a list is refused rather than trusted.
+fn contiguous_prp2(ioctx: &StagedIoctx, last_layer: u32, mem_stride_bytes: u64, desc_stride_bytes: u64) -> bool {
+    let first_page = ioctx.data_iova / CONTROLLER_PAGE_BYTES * CONTROLLER_PAGE_BYTES;
+    // offset < 4096 and data_bytes < 2^32: no overflow.
+    let pages = ((ioctx.data_iova - first_page) + u64::from(ioctx.data_bytes)).div_ceil(CONTROLLER_PAGE_BYTES);
+    let strides_agree =
+        last_layer == 0 || (desc_stride_bytes == mem_stride_bytes && mem_stride_bytes.is_multiple_of(CONTROLLER_PAGE_BYTES));
+    pages <= 2 && first_page.checked_add(CONTROLLER_PAGE_BYTES) == Some(ioctx.desc_iova) && strides_agree
 }
 
 /// GPU addresses of what one launch reads, besides the batch itself.
@@ -612,20 +637,50 @@ mod tests {
         let pairs = [StagingPair { iova: Iova(0x1_0000), host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 0x4000 }];
         let mut runs = Vec::new();
         let contiguous = [ioctx(0x1_0000, 512), ioctx(0x1_0200, 512)];
-        plan_staged_copies(contiguous.into_iter(), 2, 0x1000, &pairs, &mut runs).unwrap();
+        plan_staged_copies(contiguous.into_iter(), 2, 0x1000, 0, &pairs, &mut runs).unwrap();
         assert_eq!(runs, vec![CopyRun { host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 1024 }]);
         let gap = [ioctx(0x1_0000, 512), ioctx(0x1_0400, 512)];
-        plan_staged_copies(gap.into_iter(), 1, 0, &pairs, &mut runs).unwrap();
+        plan_staged_copies(gap.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap();
         assert_eq!(runs.len(), 2);
         assert_eq!(runs[1], CopyRun { host_address: 0x7000_0400, gpu_address: 0x9000_0400, len_bytes: 512 });
         let past_end = [ioctx(0x1_0000, 512), ioctx(0x1_3000, 512)];
-        let error = plan_staged_copies(past_end.into_iter(), 2, 0x1000, &pairs, &mut runs).unwrap_err();
+        let error = plan_staged_copies(past_end.into_iter(), 2, 0x1000, 0, &pairs, &mut runs).unwrap_err();
         assert!(matches!(error, (1, IoctxFault::OutsideStaging { .. })), "{error:?}");
         let segment = [StagedIoctx { desc_iova: 0x1_2000, ..ioctx(0x1_0000, 512) }];
-        assert_eq!(plan_staged_copies(segment.into_iter(), 1, 0, &pairs, &mut runs).unwrap_err(), (0, IoctxFault::StagedScatteredData));
+        assert_eq!(plan_staged_copies(segment.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap_err(), (0, IoctxFault::StagedScatteredData));
         let prp = [StagedIoctx { desc_iova: 0x1_1000, descriptor_kind: abi::GIO_DESCRIPTOR_PRP as u8, ..ioctx(0x1_0000, 8192) }];
-        plan_staged_copies(prp.into_iter(), 1, 0, &pairs, &mut runs).unwrap();
+        plan_staged_copies(prp.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap();
         assert_eq!(runs.len(), 1);
+    }
+
+    #[test]
+    fn staged_prp_must_name_the_page_after_the_data_at_every_layer() {
+        // Goal: the staged copy moves data_iova..+data_bytes, so the SSD must move exactly those
+        // bytes: PRP2 of a two-page transfer is the data's next page at every layer (layer 0 and a
+        // descriptor stride equal to the data's), and a PRP list (which the executor does not
+        // read) is refused. Otherwise the copy would move bytes the SSD never touched.
+        let pairs = [StagingPair { iova: Iova(0x1_0000), host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 0x8000 }];
+        let mut runs = Vec::new();
+        let prp = |data_iova, data_bytes, desc_iova| StagedIoctx {
+            desc_iova,
+            descriptor_kind: abi::GIO_DESCRIPTOR_PRP as u8,
+            ..ioctx(data_iova, data_bytes)
+        };
+        let elsewhere = [prp(0x1_0000, 8192, 0x1_3000)];
+        assert_eq!(plan_staged_copies(elsewhere.into_iter(), 1, 0, 0, &pairs, &mut runs), Err((0, IoctxFault::StagedScatteredData)));
+        let unaligned_start = [prp(0x1_0200, 4096, 0x1_1000)];
+        plan_staged_copies(unaligned_start.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap();
+        assert_eq!(runs, vec![CopyRun { host_address: 0x7000_0200, gpu_address: 0x9000_0200, len_bytes: 4096 }]);
+        let drifting = [prp(0x1_0000, 8192, 0x1_1000)];
+        assert_eq!(plan_staged_copies(drifting.into_iter(), 2, 0x2000, 0, &pairs, &mut runs), Err((0, IoctxFault::StagedScatteredData)));
+        let moving = [prp(0x1_0000, 8192, 0x1_1000)];
+        plan_staged_copies(moving.into_iter(), 2, 0x2000, 0x2000, &pairs, &mut runs).unwrap();
+        assert_eq!(runs, vec![CopyRun { host_address: 0x7000_0000, gpu_address: 0x9000_0000, len_bytes: 8192 }]);
+        let list = [prp(0x1_0000, 12288, 0x1_7000)];
+        assert_eq!(plan_staged_copies(list.into_iter(), 1, 0, 0, &pairs, &mut runs), Err((0, IoctxFault::StagedScatteredData)));
+        let inline = [prp(0x1_0000, 12288, 0)];
+        plan_staged_copies(inline.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap();
+        assert_eq!(runs.len(), 1, "no PRP2: the plan does not judge it (fill refuses what needs one)");
     }
 
     #[test]
@@ -636,7 +691,7 @@ mod tests {
         let mut runs = Vec::new();
         for kind in [abi::GIO_DESCRIPTOR_KIND_COUNT as u8, 9, u8::MAX] {
             let unknown = [ioctx(0x1_0000, 512), StagedIoctx { descriptor_kind: kind, ..ioctx(0x1_0200, 512) }];
-            let error = plan_staged_copies(unknown.into_iter(), 1, 0, &pairs, &mut runs).unwrap_err();
+            let error = plan_staged_copies(unknown.into_iter(), 1, 0, 0, &pairs, &mut runs).unwrap_err();
             assert_eq!(error, (1, IoctxFault::UnknownDescriptorKind { kind }));
         }
     }
