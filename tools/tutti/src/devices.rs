@@ -39,6 +39,10 @@ pub struct BindArgs {
     /// still checked: a disk in use needs --force as well.
     #[arg(long)]
     not_nvme: bool,
+    /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a tuttid starting
+    /// on the function is refused while it is being bound.
+    #[arg(long, default_value = DEFAULT_LOCK_DIR)]
+    lock_dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -257,14 +261,18 @@ pub enum BindOutcome {
 /// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev), each unless its
 /// override is given: passing the class check never passes the in-use check. These refusals,
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
-/// changed), as `tutti pool` and tutti-bench refuse a device in use.
-pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Result<BindOutcome> {
+/// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
+/// (`lock_dir/vfio-BDF.lock`) is held throughout, as `unbind` holds it: one held by another
+/// process is refused the same way, and no tuttid starts on the function (nor a rollback's
+/// unbind waits on one) while it moves.
+pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir: &Path) -> Result<BindOutcome> {
     if !system.sysfs.exists(address) {
         return Err(Unusable(format!("no PCI function {address} (see `tutti devices`)")).into());
     }
     if !system.is_nvme(address) && !overrides.not_nvme {
         return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway")).into());
     }
+    let _lock = device_lock(address, lock_dir, "bind")?;
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
         return Ok(BindOutcome::AlreadyBound);
@@ -311,6 +319,24 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides) -> Resul
 fn roll_back_bind(system: &System, address: PciAddress, previous_driver: Option<&str>, error: anyhow::Error) -> anyhow::Error {
     let device_dir = system.sysfs.device_dir(address);
     let current = || system.sysfs.driver(address).ok().flatten();
+    // vfio-pci, having taken it late, is left to a process that holds it through VFIO (a VM
+    // that opened the group meanwhile): its unbind would wait for that process, for ever if it
+    // has no request handler. A free group stays open through the unbind below.
+    let _group = if current().as_deref() == Some(VFIO_PCI_DRIVER) {
+        match vfio_free(system, address) {
+            Ok(group) => group,
+            Err(held) => {
+                return error.context(format!(
+                    "binding {address} to vfio-pci failed and was not rolled back: {address} is now bound to vfio-pci, \
+                     driver_override still vfio-pci (it was {}), left so because {held:#}; `tutti unbind {address}` restores it once \
+                     that is stopped",
+                    previous_driver.map_or("bound to no driver".to_string(), |driver| format!("bound to {driver}"))
+                ));
+            }
+        }
+    } else {
+        None
+    };
     let override_cleared = system.write_attribute(&device_dir.join("driver_override"), "\n").is_ok();
     // A driver other than the one it had (vfio-pci, late) lets go of it first.
     if current().is_some_and(|driver| Some(driver.as_str()) != previous_driver) {
@@ -339,7 +365,7 @@ fn roll_back_bind(system: &System, address: PciAddress, previous_driver: Option<
 
 pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
     let address = parse_address(&args.address)?;
-    match bind(system, address, Overrides { in_use: args.force, not_nvme: args.not_nvme })? {
+    match bind(system, address, Overrides { in_use: args.force, not_nvme: args.not_nvme }, &args.lock_dir)? {
         BindOutcome::AlreadyBound => outln!("{address} is already bound to vfio-pci")?,
         BindOutcome::Bound { previous_driver } => outln!("{address}: {} -> vfio-pci", previous_driver.as_deref().unwrap_or("(no driver)"))?,
     }
@@ -379,15 +405,7 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
     if !system.is_nvme(address) && !not_nvme {
         return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to unbind it anyway")).into());
     }
-    let _lock = match tutti_devices::DeviceLocks::acquire(&[DeviceSpec::Vfio(address)], lock_dir, false) {
-        Ok(lock) => lock,
-        Err(error @ DeviceError::DeviceInUse { .. }) => {
-            return Err(Unusable(format!("{error}; stop it first and run `tutti unbind` again")).into())
-        }
-        // As `tutti pool` tells them: a lock directory that cannot be used is unusable input,
-        // an I/O failure (EIO, EMFILE) a failure.
-        Err(error) => return Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
-    };
+    let _lock = device_lock(address, lock_dir, "unbind")?;
     let device_dir = system.sysfs.device_dir(address);
     let driver = system.sysfs.driver(address)?;
     if driver.as_deref().is_some_and(|driver| driver != VFIO_PCI_DRIVER) {
@@ -412,6 +430,20 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
     // The kernel probes synchronously, but a driver may also decline: then the function stays
     // unbound, which is not an error. A short bounded wait covers asynchronous probing.
     Ok(system.wait_for_driver(address, Duration::from_secs(2), |driver| driver.is_some()).unwrap_or(None))
+}
+
+/// tuttid's device lock on `address` (`lock_dir/vfio-BDF.lock`), for `tutti <command>`; one
+/// another process holds is unusable input.
+fn device_lock(address: PciAddress, lock_dir: &Path, command: &str) -> Result<tutti_devices::DeviceLocks> {
+    match tutti_devices::DeviceLocks::acquire(&[DeviceSpec::Vfio(address)], lock_dir, false) {
+        Ok(lock) => Ok(lock),
+        Err(error @ DeviceError::DeviceInUse { .. }) => {
+            Err(Unusable(format!("{error}; stop it first and run `tutti {command}` again")).into())
+        }
+        // As `tutti pool` tells them: a lock directory that cannot be used is unusable input,
+        // an I/O failure (EIO, EMFILE) a failure.
+        Err(error) => Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
+    }
 }
 
 /// Refuses ([`Unusable`]) a function some process holds through VFIO: the kernel's unbind would

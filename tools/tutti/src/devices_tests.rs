@@ -352,11 +352,11 @@ fn bind_and_unbind_round_trip() {
     let system = host.system();
     let _kernel = host.kernel();
 
-    let outcome = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap();
+    let outcome = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap();
     assert_eq!(outcome, BindOutcome::Bound { previous_driver: Some("nvme".into()) });
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
-    assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(), BindOutcome::AlreadyBound);
+    assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap(), BindOutcome::AlreadyBound);
 
     let driver = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap();
     assert_eq!(driver.as_deref(), Some("nvme"));
@@ -373,24 +373,24 @@ fn bind_refuses_mounted_devices_unless_forced() {
     host.mount("nvme0n2p1", r"/mnt/my\040data");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(unusable(&error), "a disk in use is refused as unusable input (status 2): {error:#}");
     let error = error.to_string();
     assert!(error.contains("/dev/nvme0n2p1 mounted on /mnt/my data") && error.contains("--force"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
 
     let swap_host = FakeHost::new();
     swap_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::write(swap_host.proc.join("swaps"), "Filename Type Size Used Priority\n/dev/nvme0n1p1 partition 100 0 -2\n").unwrap();
-    let error = bind(&swap_host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&swap_host.system(), at("0000:00:04.0"), Overrides::default(), &swap_host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1p1 used as swap"), "{error}");
 
     let stacked_host = FakeHost::new();
     stacked_host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     std::fs::create_dir_all(stacked_host.sys.join("class/block/nvme0n1/holders/dm-0")).unwrap();
-    let error = bind(&stacked_host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&stacked_host.system(), at("0000:00:04.0"), Overrides::default(), &stacked_host.lock_dir()).unwrap_err().to_string();
     // Each kind of use reads as itself: this was "/dev/nvme0n1 on held by dm-0".
     assert!(error.contains("/dev/nvme0n1 held by dm-0") && !error.contains(" on held"), "{error}");
 }
@@ -405,14 +405,14 @@ fn bind_refuses_a_device_claimed_without_a_mount_unless_forced() {
     host.claim("nvme0n2");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(
         error.contains("/dev/nvme0n2 claimed exclusively by another opener") && error.contains("EBUSY") && error.contains("--force"),
         "{error}"
     );
     assert!(!error.contains(" on an exclusive claim"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
 }
 
@@ -423,20 +423,23 @@ fn bind_refuses_what_vfio_cannot_take() {
     let host = FakeHost::new();
     let sata = host.add("0000:00:1f.2", 0x010601, Some("ahci"), 6, 0, 0);
     let system = host.system();
-    let error = bind(&system, at("0000:00:1f.2"), Overrides::default()).unwrap_err();
+    let error = bind(&system, at("0000:00:1f.2"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(error.to_string().contains("not an NVMe controller") && unusable(&error), "{error:#}");
     assert_eq!(std::fs::read_to_string(sata.join("driver_override")).unwrap(), "(null)\n");
-    let error = bind(&system, at("0000:00:09.0"), Overrides::default()).unwrap_err();
+    let error = bind(&system, at("0000:00:09.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(error.to_string().contains("no PCI function") && unusable(&error), "{error:#}");
     let error = unbind(&system, at("0000:00:09.0"), true, false, &host.lock_dir()).unwrap_err();
     assert!(error.to_string().contains("no PCI function") && unusable(&error), "{error:#}");
 
     let nvme = host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
     std::fs::remove_file(nvme.join("iommu_group")).unwrap();
-    assert!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string().contains("intel_iommu=on"));
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string().contains("intel_iommu=on"));
 
     std::fs::remove_dir_all(host.sys.join("bus/pci/drivers/vfio-pci")).unwrap();
-    assert!(bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string().contains("modprobe vfio-pci"));
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir())
+        .unwrap_err()
+        .to_string()
+        .contains("modprobe vfio-pci"));
 }
 
 #[test]
@@ -446,7 +449,7 @@ fn bind_times_out_when_the_kernel_does_not_react() {
     let host = FakeHost::new();
     host.add("0000:00:04.0", 0x010802, None, 3, 0, 0);
     let started = Instant::now();
-    let error = bind(&host.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err();
+    let error = bind(&host.system(), at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(format!("{error:#}").contains("vfio-pci did not take"), "{error:#}");
     assert!(started.elapsed() < DRIVER_CHANGE_TIMEOUT + Duration::from_secs(5));
 }
@@ -460,7 +463,7 @@ fn a_failed_bind_is_rolled_back_to_the_driver_it_had() {
     host.nodes(0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci"]);
-    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err());
     assert!(error.contains("vfio-pci did not take") && error.contains("rolled back"), "{error}");
     assert!(error.contains("bound to nvme, driver_override cleared"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
@@ -476,7 +479,7 @@ fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_resto
     host.nodes(0, 1);
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci", "nvme"]);
-    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err());
+    let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err());
     assert!(error.contains("could not be rolled back"), "{error}");
     assert!(error.contains("now bound to no driver, driver_override cleared (it was bound to nvme)"), "{error}");
     assert!(error.contains("`tutti unbind 0000:00:04.0` restores it"), "{error}");
@@ -496,10 +499,10 @@ fn bind_past_the_class_check_still_refuses_a_disk_in_use_whatever_drives_it() {
     host.mount("sda1", "/");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:17.0"), Overrides { in_use: false, not_nvme: true }).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:17.0"), Overrides { in_use: false, not_nvme: true }, &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/sda1 mounted on /") && error.contains("--force"), "{error}");
     // --force alone lifts the in-use check only; the class check still stands.
-    let error = bind(&system, at("0000:00:17.0"), FORCE).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:17.0"), FORCE, &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
     assert_eq!(host.driver_of("0000:00:17.0").as_deref(), Some("ahci"), "nothing changed");
 }
@@ -564,7 +567,7 @@ fn bind_sees_the_partitions_of_a_multipath_head_disk() {
     let system = host.system();
     let _kernel = host.kernel();
     assert_eq!(system.block_devices(at("0000:00:04.0")).into_iter().collect::<Vec<_>>(), ["nvme0n1", "nvme0n1p1"]);
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1p1 mounted on /data"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
 }
@@ -580,7 +583,7 @@ fn bind_holds_the_exclusive_opens_until_the_old_driver_let_go() {
     host.node("nvme0n1p1", "259:3");
     let (system, log) = host.system_logging(Some("0000:00:04.0"));
     let _kernel = host.kernel();
-    bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap();
+    bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap();
     let log = log.lock().unwrap().clone();
     // A held partition would make the whole disk's exclusive open fail: partitions are probed
     // and closed at once, and the whole disk, whose hold also bars claims of its partitions, is
@@ -603,7 +606,7 @@ fn an_idle_partitioned_disk_is_not_its_own_exclusive_claim() {
     let system = host.system();
     let _kernel = host.kernel();
     assert_eq!(
-        bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap(),
+        bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap(),
         BindOutcome::Bound { previous_driver: Some("nvme".into()) }
     );
     // A partition someone else claims is still seen.
@@ -612,7 +615,7 @@ fn an_idle_partitioned_disk_is_not_its_own_exclusive_claim() {
     busy.node("nvme0n1", "259:2");
     busy.claim("nvme0n1p1");
     let _busy_kernel = busy.kernel();
-    let error = bind(&busy.system(), at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&busy.system(), at("0000:00:04.0"), Overrides::default(), &busy.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1p1 claimed exclusively") && !error.contains("/dev/nvme0n1 claimed"), "{error}");
 }
 
@@ -626,7 +629,7 @@ fn bind_refuses_a_node_that_is_not_the_disk_it_names() {
     host.node("nvme0n1", "8:0");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1 is not the disk of that name: the node is device 8:0, sysfs gives 259:2"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
 }
@@ -646,7 +649,7 @@ fn one_odd_function_neither_hides_the_others_nor_fails_a_done_bind() {
     let system = host.system();
     run_devices(&system, &DevicesArgs {}).unwrap();
 
-    let args = BindArgs { address: "0000:00:05.0".into(), force: false, not_nvme: false };
+    let args = BindArgs { address: "0000:00:05.0".into(), force: false, not_nvme: false, lock_dir: host.lock_dir() };
     run_bind(&system, &args).unwrap();
 }
 
@@ -660,10 +663,10 @@ fn bind_refuses_a_disk_whose_node_cannot_be_opened_unless_forced() {
     host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n1 cannot be checked") && error.contains("--force"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
 }
 
 #[test]
@@ -683,13 +686,13 @@ fn devices_says_a_disk_it_may_not_open_exclusively_needs_root_to_check_and_bind_
     assert!(shown.contains("nvme0n1, nvme0n1p1 cannot be checked as this user") && shown.contains("run as root"), "{shown}");
 
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(
         error.contains("/dev/nvme0n1 cannot be checked") && error.contains("Permission denied") && error.contains("--force"),
         "{error}"
     );
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
 }
 
 #[test]
@@ -704,11 +707,11 @@ fn bind_refuses_a_disk_a_process_holds_open_unless_forced() {
     host.open_fd(99, "bash", 0, "/dev/nvme0n10");
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default()).unwrap_err().to_string();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err().to_string();
     assert!(error.contains("/dev/nvme0n2 open by pid 4321 (qemu-system-x86)"), "{error}");
     assert!(error.contains("/dev/nvme0n1p1 open by pid 4400 (postgres)") && !error.contains("pid 99"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE).is_ok());
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
 }
 
 #[test]
@@ -765,4 +768,62 @@ fn unbind_refuses_a_vfio_group_held_by_a_process_it_cannot_see() {
     host.group_node(3, "free");
     assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
     assert_eq!(*log.lock().unwrap(), ["open vfio/3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/3 (driver none)"]);
+}
+
+#[test]
+fn bind_takes_the_tuttid_lock_of_the_function() {
+    // Goal: `tutti bind` holds tuttid's device lock (LOCK_DIR/vfio-BDF.lock) while it moves the
+    // function, as `tutti unbind` does: a lock another process holds (a tuttid starting on it)
+    // refuses the bind (exit 2) with nothing written; a free lock is taken and let go.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
+    let system = host.system();
+    let _kernel = host.kernel();
+    let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
+    let tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = format!("{error:#}");
+    assert!(error.contains("vfio-0000:00:04.0.lock") && error.contains("run `tutti bind` again"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "override not written");
+
+    drop(tuttid);
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).is_ok());
+    let after = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false);
+    assert!(after.is_ok(), "the bind let go of the lock: {:?}", after.err());
+}
+
+#[test]
+fn a_bind_rollback_leaves_a_function_someone_holds_through_vfio_with_vfio_pci() {
+    // Goal: when vfio-pci took the function too late (the bind failed), the rollback unbinds
+    // it from vfio-pci only if nothing holds it through VFIO: a process that opened the group
+    // meanwhile (a VM) would make the kernel's unbind wait for it. Held, it stays bound to
+    // vfio-pci with its override, and the error says so and names `tutti unbind`.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    host.group_node(3, "EBUSY");
+    let (system, log) = host.system_logging(Some("0000:00:04.0"));
+    let _kernel = host.kernel();
+    let error = roll_back_bind(&system, at("0000:00:04.0"), Some("nvme"), anyhow::anyhow!("vfio-pci did not take it"));
+    let error = format!("{error:#}");
+    assert!(error.contains("was not rolled back") && error.contains("bound to vfio-pci, driver_override still vfio-pci"), "{error}");
+    assert!(error.contains("held by a process this tool cannot see") && error.contains("`tutti unbind 0000:00:04.0`"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n");
+    assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/vfio-pci/unbind")).unwrap(), "", "unbind not written");
+
+    // One /proc shows is named; a free group is rolled back, held open through the unbind.
+    host.group_node(3, "free");
+    host.open_fd(4321, "qemu-system-x86", 7, "/dev/vfio/3");
+    let error = format!("{:#}", roll_back_bind(&system, at("0000:00:04.0"), Some("nvme"), anyhow::anyhow!("late")));
+    assert!(error.contains("was not rolled back") && error.contains("pid 4321 (qemu-system-x86)"), "{error}");
+    std::fs::remove_dir_all(host.proc.join("4321")).unwrap();
+    log.lock().unwrap().clear();
+    let error = format!("{:#}", roll_back_bind(&system, at("0000:00:04.0"), Some("nvme"), anyhow::anyhow!("late")));
+    assert!(error.contains("was rolled back"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
+    assert_eq!(*log.lock().unwrap(), ["open vfio/3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/3 (driver nvme)"]);
 }
