@@ -154,6 +154,9 @@ struct Launch {
     /// Resets done when it was enqueued: a timeout in a launch older than the last reset does not
     /// need another one.
     reset_generation: u64,
+    /// `retire::settle`'s verdict once it ran: a retried retirement does not settle again (see
+    /// `retire::settle_once`).
+    settled: Option<bool>,
     /// CQEs of its IOCBs posted so far (in SQ order): a retirement that failed part way resumes
     /// after them, so no IOCB gets two.
     posted: u32,
@@ -161,7 +164,7 @@ struct Launch {
 
 impl Launch {
     fn new(batch: &IssueBatch, event: Option<usize>, reached: Reached, reset_generation: u64) -> Self {
-        Self { sq_first: batch.sq_first, count: batch.count, event, reached, reset_generation, posted: 0 }
+        Self { sq_first: batch.sq_first, count: batch.count, event, reached, reset_generation, settled: None, posted: 0 }
     }
 
     /// Whether everything reached the stream. Not so when the enqueue failed after something
@@ -578,7 +581,12 @@ impl GpuExecutor {
             attached.sink.load_u32(core::mem::offset_of!(gio_ring_header, reset_requests), Ordering::Acquire)
                 != attached.sink_reset_requests
         });
-        let timed_out = retire::settle(memory, launch.sq_first, launch.count, enqueued, kernel_requested_reset)?;
+        let mut settled = launch.settled;
+        let settling = retire::settle_once(memory, launch.sq_first, launch.count, enqueued, kernel_requested_reset, &mut settled);
+        if let Some(front) = self.attached.as_mut().and_then(|attached| attached.launches.front_mut()) {
+            front.settled = settled; // `retire` passes the front launch; kept for a retry
+        }
+        let timed_out = settling?;
         // Launches enqueued before the last reset ran on the queue pairs it replaced.
         if timed_out && launch.reached.ran && launch.reset_generation == self.reset_generation {
             self.reset_queue_pairs()?;

@@ -13,7 +13,9 @@
 //! 4. [`advance_sq`]: the SQ head moves past the launch, which only now stops reading its entries.
 //!
 //! A step that fails leaves the launch unretired and the next `poll` retries; every step is
-//! idempotent or resumes where it stopped (`post_completions` counts the CQEs it posted).
+//! idempotent or resumes where it stopped: [`settle_once`] records settle's verdict and does not
+//! settle again (an IOCB whose CQE was posted may have been issued anew meanwhile), and
+//! `post_completions` counts the CQEs it posted.
 
 use std::sync::atomic::Ordering;
 
@@ -100,6 +102,27 @@ pub fn settle(memory: &QueueMemory, sq_first: u32, count: u32, enqueued: Enqueue
         }
     }
     Ok(reset_needed)
+}
+
+/// [`settle`] at most once per launch: `settled` is the launch's record of its verdict (`None`
+/// until settle first succeeds). A retirement retried after a later step failed (a reset, a full
+/// CQ, the SQ header) must not settle again: once some CQEs are posted, the caller may have
+/// reaped one and issued that IOCB again, and settling would finish the new issue, still ISSUED,
+/// as TIMEOUT. The retry reuses the verdict, with a reset request the kernel raised since.
+pub fn settle_once(
+    memory: &QueueMemory,
+    sq_first: u32,
+    count: u32,
+    enqueued: Enqueued,
+    kernel_requested_reset: bool,
+    settled: &mut Option<bool>,
+) -> Result<bool, GioError> {
+    if let Some(verdict) = *settled {
+        return Ok(verdict || kernel_requested_reset);
+    }
+    let verdict = settle(memory, sq_first, count, enqueued, kernel_requested_reset)?;
+    *settled = Some(verdict);
+    Ok(verdict)
 }
 
 /// Posts one CQE per IOCB of the launch from the IOCB's final line, starting after the
@@ -281,6 +304,40 @@ mod tests {
         assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
         assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Ok(()));
         assert_eq!(queue.reap_cqe().unwrap(), None, "no second CQE for either IOCB");
+    }
+
+    #[test]
+    fn a_retried_retirement_does_not_settle_an_iocb_reissued_after_its_cqe() {
+        // Goal: a retirement that failed after posting some CQEs (a full CQ) is retried on a
+        // later poll; meanwhile the caller may have reaped an IOCB's CQE and issued it again. The
+        // retry must not settle the launch again: that would finish the IOCB's new issue, still
+        // ISSUED, as TIMEOUT (a spurious failure and queue-pair reset).
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        for id in [a, b] {
+            memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
+        }
+        let cq: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
+        let filler = Cqe { iocb_id: IocbId(3), issue_seq: 0, failed_ioctx: abi::GIO_NO_FAILED_IOCTX, status: 2, failed_nvme_status: 0 };
+        let mut producer = cq.producer().unwrap();
+        for _ in 0..3 {
+            producer.push(filler).unwrap();
+        }
+        drop(producer);
+        let mut settled = None;
+        assert!(!settle_once(memory, 0, 2, Enqueued::Fully, false, &mut settled).unwrap());
+        let mut posted = 0;
+        assert!(post_completions(memory, 0, 2, &mut posted).is_err(), "room for a's CQE only");
+        assert_eq!(cq.consumer().unwrap().by_ref().take(3).count(), 3, "the caller drains the fillers");
+        let deadline = Instant::now() + Duration::from_secs(1);
+        assert_eq!(queue.wait_cqe(a, deadline).unwrap().result, Ok(()));
+        queue.issue_io(&[a], LayerIndex(0), SmBudget(1)).unwrap();
+        let memory = queue.memory();
+        assert!(!settle_once(memory, 0, 2, Enqueued::Fully, false, &mut settled).unwrap(), "the retry reports the first verdict");
+        assert_eq!(memory.read_iocb_progress(a).status, abi::GIO_IOCB_STATUS_ISSUED, "a's new issue is left to its own launch");
+        post_completions(memory, 0, 2, &mut posted).unwrap();
+        advance_sq(memory, 0, 2).unwrap();
+        assert_eq!(queue.wait_cqe(b, deadline).unwrap().result, Ok(()));
     }
 
     #[test]
