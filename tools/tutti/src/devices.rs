@@ -387,7 +387,8 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 }
 
 /// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
-/// Returns the driver that took it (None if none did). Refuses, before writing anything, a
+/// Returns the driver that took it (None if none did); vfio-pci taking it back (its ids given
+/// to vfio-pci) is an error. Refuses, before writing anything, a
 /// function that is not an NVMe controller (unless `not_nvme`), one whose tuttid device lock
 /// (`lock_dir/vfio-BDF.lock`) another process holds, and one whose VFIO group or device some
 /// process holds open (seen by opening the single-open group node, and named from /proc where
@@ -429,7 +430,21 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
     system.write_attribute(&system.sysfs_root().join("bus/pci/drivers_probe"), &address.to_string())?;
     // The kernel probes synchronously, but a driver may also decline: then the function stays
     // unbound, which is not an error. A short bounded wait covers asynchronous probing.
-    Ok(system.wait_for_driver(address, Duration::from_secs(2), |driver| driver.is_some()).unwrap_or(None))
+    let driver = system.wait_for_driver(address, Duration::from_secs(2), |driver| driver.is_some()).unwrap_or(None);
+    if driver.as_deref() == Some(VFIO_PCI_DRIVER) {
+        // Its ids are vfio-pci's own (a module option or a new_id write): the probe that was
+        // to hand it to the kernel's driver gave it straight back.
+        let id = |name| system.sysfs.hex_attribute(address, name).map_or_else(|_| name.to_uppercase(), |id| format!("{id:04x}"));
+        bail!(
+            "vfio-pci took {address} back when the kernel probed it again: its ids ({vendor}:{device}) are vfio-pci's, from \
+             the vfio-pci.ids= module option or a new_id write; `echo {vendor} {device} > {}` (or drop them from the module \
+             options and reload vfio-pci), then run `tutti unbind {address}` again",
+            system.sysfs_root().join("bus/pci/drivers/vfio-pci/remove_id").display(),
+            vendor = id("vendor"),
+            device = id("device"),
+        );
+    }
+    Ok(driver)
 }
 
 /// tuttid's device lock on `address` (`lock_dir/vfio-BDF.lock`), for `tutti <command>`; one

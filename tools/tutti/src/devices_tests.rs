@@ -227,6 +227,12 @@ impl FakeHost {
     /// A fake driver core whose `declined` drivers refuse every function they are probed for
     /// (as vfio-pci does when it cannot set a function up): the function stays unbound.
     fn kernel_declining(&self, declined: &[&'static str]) -> FakeKernel {
+        self.kernel_with(declined, "nvme")
+    }
+
+    /// A fake driver core whose `declined` drivers refuse every function, and which gives a
+    /// function with no override to `default_driver` (vfio-pci: its ids in `vfio-pci.ids=`).
+    fn kernel_with(&self, declined: &[&'static str], default_driver: &'static str) -> FakeKernel {
         let stop = Arc::new(AtomicBool::new(false));
         let sys = self.sys.clone();
         let flag = Arc::clone(&stop);
@@ -234,7 +240,7 @@ impl FakeHost {
         let handle = std::thread::spawn(move || {
             let deadline = Instant::now() + Duration::from_secs(30);
             while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
-                fake_driver_core_step(&sys, &declined);
+                fake_driver_core_step(&sys, &declined, default_driver);
                 std::thread::sleep(Duration::from_millis(5));
             }
         });
@@ -270,7 +276,7 @@ impl Drop for FakeKernel {
 }
 
 /// One round of what the driver core does with the files tutti writes.
-fn fake_driver_core_step(sys: &Path, declined: &[&str]) {
+fn fake_driver_core_step(sys: &Path, declined: &[&str], default_driver: &str) {
     let drivers = sys.join("bus/pci/drivers");
     for driver in std::fs::read_dir(&drivers).unwrap().filter_map(|entry| entry.ok()) {
         let unbind = driver.path().join("unbind");
@@ -288,7 +294,7 @@ fn fake_driver_core_step(sys: &Path, declined: &[&str]) {
         let dir = sys.join("bus/pci/devices").join(requested);
         let override_driver = std::fs::read_to_string(dir.join("driver_override")).unwrap_or_default();
         let chosen = match override_driver.trim() {
-            "" | "(null)" => "nvme".to_string(),
+            "" | "(null)" => default_driver.to_string(),
             name => name.to_string(),
         };
         if !dir.join("driver").exists() && !declined.contains(&chosen.as_str()) {
@@ -826,4 +832,25 @@ fn a_bind_rollback_leaves_a_function_someone_holds_through_vfio_with_vfio_pci() 
     assert!(error.contains("was rolled back"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
     assert_eq!(*log.lock().unwrap(), ["open vfio/3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/3 (driver nvme)"]);
+}
+
+#[test]
+fn unbind_fails_when_vfio_pci_takes_the_function_back() {
+    // Goal: with the function's ids in vfio-pci's (the vfio-pci.ids= option, a `new_id` write)
+    // the re-probe after the unbind gives it straight back to vfio-pci: that is no success
+    // (exit 1), and the error names the cause and the fix.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let system = host.system();
+    let _kernel = host.kernel_with(&[], "vfio-pci");
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(!unusable(&error), "a failed unbind, not unusable input: {error:#}");
+    let error = format!("{error:#}");
+    assert!(error.contains("vfio-pci took 0000:00:04.0 back"), "{error}");
+    assert!(
+        error.contains("vfio-pci.ids=") && error.contains("echo 1b36 0010 > ") && error.contains("bus/pci/drivers/vfio-pci/remove_id"),
+        "{error}"
+    );
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "", "the override is cleared");
 }
