@@ -635,9 +635,10 @@ impl Server {
         }
         // After the connection threads: their last commits reach the registrar's queue, which
         // it journals (locally) once told no more come. It saw the stop within a tick plus the
-        // registry call in progress (up to 4 request timeouts: a rejoin) and left the cluster at
-        // once (a request timeout + 1 s; docs/cluster.md gives each call's bound), before that
-        // journalling, so the node is not listed while its data plane no longer serves.
+        // registry call in progress (T the request timeout: a join up to 4 T + 1 s, a rejoin up
+        // to 6 T) and left the cluster at once (T + 1 s, up to 3 T + 1 s after rejoins whose
+        // revokes failed; docs/cluster.md gives each call's bound), before that journalling, so
+        // the node is not listed while its data plane no longer serves.
         if let Some(cluster) = &shared.cluster {
             cluster.connections_ended();
         }
