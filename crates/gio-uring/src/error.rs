@@ -58,6 +58,11 @@ pub enum IoctxFault {
     /// controller would refuse it (PRP Offset Invalid) at that layer's issue.
     #[error("data address {data_iova:#x} at layer {layer} is not a multiple of 4")]
     UnalignedData { data_iova: u64, layer: u32 },
+    /// Force Unit Access asked of a Read. The executors disagree on it (the CPU executor builds
+    /// a Read without FUA, the GPU kernel copies the flag into any command), so one request
+    /// would behave differently on each: FUA is taken for writes only.
+    #[error("force_unit_access is for writes; this IOCB reads")]
+    ForceUnitAccessOnRead,
     /// A record in shared memory names a descriptor kind the ABI does not define
     /// (`gio_descriptor_kind_is_valid` in kernels/gio_abi.h).
     #[error("descriptor kind {kind} is not one the ABI defines")]

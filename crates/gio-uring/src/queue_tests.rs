@@ -142,6 +142,20 @@ fn fill_rejects_bad_ioctxs_naming_the_index_and_leaves_the_iocb_unissuable() {
 }
 
 #[test]
+fn fill_refuses_force_unit_access_on_a_read_and_takes_it_on_a_write() {
+    // Goal: FUA is for writes; on a Read the CPU executor would drop it and the GPU kernel send
+    // it, so fill refuses it and neither executor ever sees one.
+    let mut queue = queue(MemoryExecutor::default());
+    let id = queue.get_iocb(1, Dependency::None).unwrap()[0];
+    let fua = IoctxSpec { force_unit_access: true, ..ioctx(0, 0, 1, 0) };
+    let result = queue.fill_iocb(id, &layered(0), &[ioctx(0, 1, 1, 512), fua]);
+    assert!(matches!(result, Err(GioError::InvalidIoctx { index: 1, fault: IoctxFault::ForceUnitAccessOnRead, .. })), "{result:?}");
+    let refused = queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
+    assert!(matches!(refused, Err(GioError::WrongState { .. })), "{refused:?}");
+    queue.fill_iocb(id, &IocbSpec { opcode: Opcode::Write, ..layered(0) }, &[fua]).unwrap();
+}
+
+#[test]
 fn wait_is_bounded_by_its_deadline() {
     // Goal: an executor that never completes makes wait_cqe fail with a timeout, promptly.
     let mut queue = queue(MemoryExecutor { stalled: true, ..Default::default() });

@@ -190,6 +190,8 @@ pub struct IoctxEncoder<'a> {
     mem_stride_bytes: u64,
     /// Some layer moves dword-aligned data off a dword boundary (layer 1 does, when any does).
     mem_stride_unaligned: bool,
+    /// The IOCB reads: force_unit_access is refused ([`IoctxFault::ForceUnitAccessOnRead`]).
+    reads: bool,
 }
 
 impl<'a> IoctxEncoder<'a> {
@@ -208,6 +210,7 @@ impl<'a> IoctxEncoder<'a> {
             desc_stride_bytes: iocb.desc_stride_bytes,
             mem_stride_bytes: iocb.mem_stride_bytes,
             mem_stride_unaligned: last_layer > 0 && !iocb.mem_stride_bytes.is_multiple_of(DATA_ALIGN_BYTES),
+            reads: iocb.opcode == Opcode::Read,
         }
     }
 
@@ -229,7 +232,7 @@ impl<'a> IoctxEncoder<'a> {
     fn check_quickly(&self, spec: &IoctxSpec) -> Option<Checked> {
         let device = self.devices.get(spec.device)?;
         let count = spec.block_count;
-        if count.wrapping_sub(1) >= NVME_BLOCKS_PER_COMMAND_MAX || spec.nsid != device.nsid {
+        if count.wrapping_sub(1) >= NVME_BLOCKS_PER_COMMAND_MAX || spec.nsid != device.nsid || (spec.force_unit_access && self.reads) {
             return None;
         }
         let data_bytes = count.checked_mul(device.block_bytes)?;
@@ -287,6 +290,11 @@ impl<'a> IoctxEncoder<'a> {
         }
         if spec.nsid != device.nsid {
             return Err(cold_fault(|| IoctxFault::WrongNamespace { nsid: spec.nsid, expected_nsid: device.nsid }));
+        }
+        // The CPU executor builds a Read without FUA, the kernel would send it: one rule for
+        // both by never letting a Read carry the flag.
+        if spec.force_unit_access && self.reads {
+            return Err(cold_fault(|| IoctxFault::ForceUnitAccessOnRead));
         }
         let Some(data_bytes) = spec.block_count.checked_mul(device.block_bytes) else {
             return Err(cold_fault(|| IoctxFault::LengthMismatch {
@@ -577,7 +585,7 @@ mod tests {
             block_count: 8,
             data: Iova(0x10_0000),
             descriptor: Descriptor::SglInline,
-            force_unit_access: true,
+            force_unit_access: false,
         }
     }
 
@@ -599,6 +607,8 @@ mod tests {
     #[test]
     fn a_good_ioctx_is_encoded_field_by_field() {
         let ioctx = check(good(), layered(9)).unwrap();
+        assert_eq!(ioctx.flags, 0);
+        let ioctx = check(IoctxSpec { force_unit_access: true, ..good() }, IocbSpec { opcode: Opcode::Write, ..layered(9) }).unwrap();
         assert_eq!(ioctx.data_iova, 0x10_0000);
         assert_eq!(ioctx.data_bytes, 4096);
         assert_eq!(ioctx.start_lba, 10);
@@ -617,6 +627,7 @@ mod tests {
             (IoctxSpec { block_count: 0, ..good() }, iocb, |f| matches!(f, IoctxFault::ZeroLength)),
             (IoctxSpec { block_count: 65537, ..good() }, iocb, |f| matches!(f, IoctxFault::TooManyBlocks { .. })),
             (IoctxSpec { nsid: 2, ..good() }, iocb, |f| matches!(f, IoctxFault::WrongNamespace { .. })),
+            (IoctxSpec { force_unit_access: true, ..good() }, iocb, |f| matches!(f, IoctxFault::ForceUnitAccessOnRead)),
             (IoctxSpec { start_lba: Lba(993), ..good() }, iocb, |f| matches!(f, IoctxFault::LbaOutOfRange { layer: 0, .. })),
             // In range at layer 0, out of range at layer 10 (10 + 10*100 + 8 > 1000).
             (good(), layered(11), |f| matches!(f, IoctxFault::LbaOutOfRange { layer: 10, .. })),
@@ -902,13 +913,16 @@ mod tests {
         fn iocb() -> impl Strategy<Value = IocbSpec> {
             let mem = prop_oneof![near(0..0x3000), (0u64..3).prop_map(|pages| pages * 0x1000)];
             let desc = prop_oneof![near(0..0x40), (0u64..3).prop_map(|entries| entries * 8)];
-            (prop_oneof![8 => 1u32..5, 1 => any::<u32>()], near(0..40), mem, desc).prop_map(|(layers, lba, mem, desc)| IocbSpec {
-                opcode: Opcode::Write,
-                user_data: 0,
-                layer_count: layers,
-                lba_stride_blocks: lba,
-                mem_stride_bytes: mem,
-                desc_stride_bytes: desc,
+            let opcode = prop_oneof![Just(Opcode::Write), Just(Opcode::Read)];
+            (prop_oneof![8 => 1u32..5, 1 => any::<u32>()], near(0..40), mem, desc, opcode).prop_map(|(layers, lba, mem, desc, opcode)| {
+                IocbSpec {
+                    opcode,
+                    user_data: 0,
+                    layer_count: layers,
+                    lba_stride_blocks: lba,
+                    mem_stride_bytes: mem,
+                    desc_stride_bytes: desc,
+                }
             })
         }
 
