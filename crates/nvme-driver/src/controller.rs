@@ -166,7 +166,13 @@ pub struct Controller {
     identify: IdentifyController,
     namespaces: Vec<Namespace>,
     refused_namespaces: Vec<RefusedNamespace>,
+    /// I/O queue pairs Number of Queues granted; 0 from the moment a bring-up saw the
+    /// controller stop (a controller reset ends the grant) until Number of Queues answers again.
     granted_queue_pairs: u16,
+    /// The stage at which the last bring-up (a reset's) failed, `None` once one finished: the
+    /// queue ids, grant and Identify data may then not describe the controller as it is now, so
+    /// no queue pair is created (`NvmeError::ControllerNotReady`) until a reset succeeds.
+    unfinished: Option<BringUpStage>,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
     /// The shutdown bound ([`shutdown_timeout_ms`]), from the last Identify (CAP.TO alone
@@ -343,6 +349,7 @@ impl Controller {
             namespaces: Vec::new(),
             refused_namespaces: Vec::new(),
             granted_queue_pairs: 0,
+            unfinished: None,
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
             shutdown_timeout_ms: shutdown_timeout_ms(capabilities, 0),
@@ -354,16 +361,24 @@ impl Controller {
         Ok(controller)
     }
 
-    /// Runs the bring-up state machine from `Disable` to `Ready`. `ending` is the doorbell gate
-    /// held by a reset: released once CSTS.RDY = 0 was seen (marking the old generations'
-    /// queues gone) or bring-up failed before that (leaving them possibly live).
-    fn bring_up(&mut self, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
+    /// Runs the bring-up state machine from `Disable` to `Ready`, and records the stage it
+    /// failed at (`unfinished`). `ending` is the doorbell gate held by a reset: released once
+    /// CSTS.RDY = 0 was seen (marking the old generations' queues gone) or bring-up failed
+    /// before that (leaving them possibly live).
+    fn bring_up(&mut self, ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
+        let mut stage = BringUpStage::Disable;
+        let outcome = self.run_stages(&mut stage, ending);
+        self.unfinished = outcome.is_err().then_some(stage);
+        outcome
+    }
+
+    /// The stages of [`Controller::bring_up`]; `stage` is left at the one that failed.
+    fn run_stages(&mut self, stage: &mut BringUpStage, mut ending: Option<ResetGuard<'_>>) -> Result<(), NvmeError> {
         let enable_bound = self.enable_bound;
         let disable_bound = ReadyBound::disable(self.capabilities);
-        let mut stage = BringUpStage::Disable;
         loop {
             tracing::debug!(device = %self.backend.name(), ?stage, "bring-up");
-            stage = match stage {
+            *stage = match *stage {
                 BringUpStage::Disable => {
                     clear_enable(self.registers.as_ref(), self.settle_bound(), &self.backend.name())?;
                     BringUpStage::WaitNotReady
@@ -376,6 +391,7 @@ impl Controller {
                         ending.mark_quiesced();
                     }
                     self.admin.forget_queue_ids();
+                    self.granted_queue_pairs = 0;
                     // A controller reset clears the Doorbell Buffer Config too.
                     self.shadow_doorbells = ShadowState::Off;
                     // Only now may the function DMA (VFIO opens it, and a function-level reset
@@ -467,6 +483,17 @@ impl Controller {
         }
     }
 
+    /// Refuses new queue pairs after a bring-up that did not finish: a failure after the
+    /// controller stopped leaves no grant and no I/O queue (creation would otherwise report the
+    /// ids of a grant that no longer exists used up), one before it leaves the controller in
+    /// a state nobody confirmed.
+    fn check_brought_up(&self) -> Result<(), NvmeError> {
+        match self.unfinished {
+            Some(stage) => Err(NvmeError::ControllerNotReady { stage }),
+            None => Ok(()),
+        }
+    }
+
     /// Whether this controller's I/O queue pairs use shadow doorbells (asked for in
     /// [`ControllerConfig::shadow_doorbells`], advertised, and accepted).
     pub fn shadow_doorbells_active(&self) -> bool {
@@ -476,7 +503,10 @@ impl Controller {
     fn identify_all(&mut self) -> Result<(), NvmeError> {
         let bytes = self.identify_raw(IdentifyCns::Controller, 0)?;
         let identify = IdentifyController::parse(&bytes)?;
-        self.mode = match (self.config.data_pointer, identify.sgl_support.supported()) {
+        // Everything derived from Identify is assigned together at the end: a bring-up that
+        // fails part-way (a namespace Identify that times out) keeps the view of before whole,
+        // rather than a new transfer limit next to old Identify data and namespaces.
+        let mode = match (self.config.data_pointer, identify.sgl_support.supported()) {
             (DataPointerPreference::Prp, _) | (DataPointerPreference::Auto, false) => DataPointerMode::Prp,
             (DataPointerPreference::Sgl, true) | (DataPointerPreference::Auto, true) => DataPointerMode::Sgl,
             (DataPointerPreference::Sgl, false) => {
@@ -484,7 +514,7 @@ impl Controller {
             }
         };
         // One PRP list page per command bounds a command at 2 MiB; MDTS may bound it further.
-        self.max_transfer_bytes =
+        let max_transfer_bytes =
             identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(TRANSFER_BYTES_MAX).min(TRANSFER_BYTES_MAX);
         // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN.
         let namespace_ids = if self.version.0 >= 0x0001_0100 {
@@ -500,7 +530,7 @@ impl Controller {
                 Ok(bytes) if bytes.iter().all(|&byte| byte == 0) => continue,
                 // Data the driver cannot compute with refuses this namespace, not the controller.
                 Ok(bytes) => match IdentifyNamespace::parse(&bytes) {
-                    Ok(namespace) => classify(NamespaceId(nsid), &namespace, self.max_transfer_bytes),
+                    Ok(namespace) => classify(NamespaceId(nsid), &namespace, max_transfer_bytes),
                     Err(error) => Err(refuse_malformed(NamespaceId(nsid), error)),
                 },
                 // So does an error status: the controller answered, about this namespace. A
@@ -517,6 +547,8 @@ impl Controller {
             }
         }
         self.shutdown_timeout_ms = shutdown_timeout_ms(self.capabilities, IdentifyController::rtd3_entry_latency_us(&bytes));
+        self.mode = mode;
+        self.max_transfer_bytes = max_transfer_bytes;
         self.identify = identify;
         self.namespaces = namespaces;
         self.refused_namespaces = refused;
@@ -555,6 +587,7 @@ impl Controller {
     /// lowest free queue id. Depth is bounded by [`Controller::max_queue_depth`].
     pub fn create_io_queue_pair(&self, depth: u32) -> Result<IoQueuePair, NvmeError> {
         self.check_doorbells_known()?;
+        self.check_brought_up()?;
         self.check_queue_depth(depth)?;
         let id = self.admin.reserve_queue_id(self.granted_queue_pairs)?;
         let stride = self.capabilities.doorbell_stride_log2();
@@ -632,6 +665,7 @@ impl Controller {
     /// and apart from each other ([`NvmeError::RingsOverlap`]).
     pub fn create_detached_queue_pair(&self, depth: u32, rings: Option<(DmaRegion, DmaRegion)>) -> Result<DetachedQueuePair, NvmeError> {
         self.check_doorbells_known()?;
+        self.check_brought_up()?;
         if self.shadow_doorbells_active() {
             return Err(NvmeError::ShadowDoorbellsActive);
         }
@@ -691,13 +725,25 @@ impl Controller {
     /// finish within a bound (its thread is stopped):
     /// [`NvmeError::ResetBlockedByDoorbellWrite`], with the controller left untouched; retry
     /// once that thread runs again.
+    ///
+    /// A reset that fails otherwise (in its function-level reset or at any bring-up stage)
+    /// leaves the controller unusable for new queue pairs: creating one fails with
+    /// [`NvmeError::ControllerNotReady`], naming the stage, until a reset succeeds. One that
+    /// failed after the controller stopped has no grant left ([`Controller::granted_queue_pairs`]
+    /// is 0), and the Identify-derived view (Identify data, namespaces, transfer limit, data
+    /// pointer mode) stays the one of before whenever Identify did not complete.
     pub fn reset(&mut self, function_reset: bool) -> Result<(), NvmeError> {
         // The gate stays exclusive until bring-up saw RDY = 0 (or failed before): a pair
         // dropped on another thread meanwhile waits to learn whether its rings may go.
         let gate = Arc::clone(&self.admin.gate);
         let ending = gate.begin_reset()?;
         if function_reset {
-            self.backend.function_reset()?;
+            if let Err(error) = self.backend.function_reset() {
+                // Whether the function was reset is unknown, and with it the controller's state:
+                // as after a bring-up that failed before it saw the controller stop.
+                self.unfinished = Some(BringUpStage::Disable);
+                return Err(error.into());
+            }
         }
         self.bring_up(Some(ending))
     }

@@ -112,6 +112,12 @@ pub enum NvmeError {
     #[error("{queue} has no slot in the one-page shadow doorbell buffer at a doorbell stride of {stride_bytes} bytes (queues 1..={last_queue} fit): create fewer queue pairs, or bring the controller up without shadow doorbells")]
     NoShadowDoorbellSlot { queue: QueueId, stride_bytes: usize, last_queue: u16 },
 
+    /// The last bring-up (a [`crate::Controller::reset`]) stopped at `stage` without finishing:
+    /// the queue ids, the grant and the Identify data of before may not hold for the controller
+    /// now, so no queue pair is created until a reset succeeds.
+    #[error("the controller's last reset stopped at bring-up stage {stage:?} without finishing: no queue pair is created until a reset succeeds")]
+    ControllerNotReady { stage: crate::BringUpStage },
+
     #[error("no free I/O queue identifier: the controller granted {granted} I/O queue pairs")]
     NoQueueAvailable { granted: u16 },
 

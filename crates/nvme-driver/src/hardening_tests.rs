@@ -1358,3 +1358,48 @@ fn a_settle_that_may_wait_past_cap_to_is_logged_first() {
     assert_eq!(settle_warnings(mid_enable(CRWMS)), 1, "the CRTO.CRWMT settle was not announced");
     assert_eq!(settle_warnings(mid_enable(0)), 0, "a CAP.TO settle was announced");
 }
+
+#[test]
+fn a_reset_that_fails_after_the_controller_stopped_refuses_new_pairs_naming_the_stage() {
+    // Goal: a reset that saw CSTS.RDY = 0 and then failed (here Number of Queues answered with
+    // an error) leaves no I/O queue on the controller and no grant: `granted_queue_pairs` says
+    // 0, and creating a pair says the bring-up did not finish (at which stage), not that the
+    // ids of the old grant ran out. A later reset that succeeds makes creation work again.
+    use crate::spec::{AdminOpcode, NvmeStatus};
+    use crate::BringUpStage;
+    let (device, mut controller) = bring_up(FakeScript::default());
+    assert_eq!(controller.granted_queue_pairs(), 4);
+    let invalid_field = NvmeStatus::generic(crate::spec::status::codes::INVALID_FIELD);
+    device.update_script(|script| script.admin_failures = vec![(AdminOpcode::SetFeatures as u8, invalid_field)]);
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::Command { .. })), "{reset:?}");
+    assert_eq!(controller.granted_queue_pairs(), 0, "the controller reset dropped the old grant");
+    let host_driven = controller.create_io_queue_pair(8);
+    assert!(matches!(host_driven, Err(NvmeError::ControllerNotReady { stage: BringUpStage::NumberOfQueues })), "{host_driven:?}");
+    let detached = controller.create_detached_queue_pair(8, None);
+    assert!(matches!(detached, Err(NvmeError::ControllerNotReady { stage: BringUpStage::NumberOfQueues })), "{detached:?}");
+    device.update_script(|script| script.admin_failures.clear());
+    controller.reset(false).expect("reset");
+    assert_eq!(controller.granted_queue_pairs(), 4);
+    controller.create_io_queue_pair(8).expect("queue pair after a reset that succeeded");
+}
+
+#[test]
+fn identify_data_is_replaced_whole_or_not_at_all() {
+    // Goal: a reset whose Identify fails part-way (Identify Controller answered with a new
+    // MDTS, the Active Namespace List never answered) keeps the Identify-derived view of
+    // before whole: the transfer limit the daemon puts in attach grants still matches
+    // `identify().mdts`, instead of the new limit next to the old Identify data.
+    let (device, mut controller) = bring_up(FakeScript::default());
+    let page = controller.capabilities().min_page_size_bytes();
+    assert_eq!((controller.identify().mdts, controller.max_transfer_bytes()), (5, page << 5));
+    device.update_script(|script| {
+        script.identify_controller[77] = 3;
+        script.identify_unanswered = vec![0x02];
+    });
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::Timeout { queue: QueueId(0), .. })), "{reset:?}");
+    let mdts = controller.identify().mdts;
+    assert_eq!(controller.max_transfer_bytes(), page << mdts, "max_transfer_bytes agrees with identify().mdts ({mdts})");
+    assert_eq!(mdts, 5, "the view of before the failed reset");
+}

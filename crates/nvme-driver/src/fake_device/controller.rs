@@ -294,7 +294,9 @@ impl FakeState {
 
     fn execute_admin(&mut self, pool: &DmaPool, entry: &SubmissionEntry) -> Option<CompletionEntry> {
         let opcode = entry.opcode();
-        if self.script.admin_unanswered.contains(&opcode) {
+        let identify_unanswered =
+            opcode == AdminOpcode::Identify as u8 && self.script.identify_unanswered.contains(&((entry.cdw10 & 0xFF) as u8));
+        if self.script.admin_unanswered.contains(&opcode) || identify_unanswered {
             // Bounded by the admin queue: a command stays here while its slot stays busy in the
             // driver, and a disable clears them all.
             self.withheld.push(*entry);

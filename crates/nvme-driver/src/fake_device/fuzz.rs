@@ -60,6 +60,7 @@ impl FakeScript {
             number_of_queues_dw0: u32_at(16),
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
+            identify_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: flags & 1 == 1,
             io_unanswered: false,

@@ -66,6 +66,10 @@ pub struct FakeScript {
     pub admin_failures: Vec<(u8, NvmeStatus)>,
     /// Admin opcodes fetched but never completed (the driver's admin timeout fires).
     pub admin_unanswered: Vec<u8>,
+    /// Identify CNS values (CDW10 7:0) whose Identify is fetched but never completed, as
+    /// `admin_unanswered` does for whole opcodes: e.g. an Active Namespace List that times out
+    /// after Identify Controller was answered.
+    pub identify_unanswered: Vec<u8>,
     /// Raw completion entries for I/O commands, used one per command fetched, in order; once
     /// they run out, each command gets a well-formed success completion.
     pub io_completions: VecDeque<[u8; COMPLETION_ENTRY_BYTES]>,
@@ -140,6 +144,7 @@ impl Default for FakeScript {
             number_of_queues_dw0: 0x0003_0003,
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
+            identify_unanswered: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: false,
             io_unanswered: false,
