@@ -148,7 +148,8 @@ fn readiness(
     // A disk whose exclusive open failed other than with EBUSY (not root, the usual case here)
     // is a use to `tutti bind`, which then needs --force; here it is no use seen but a check
     // not made, and said so.
-    let (uses, _claims) = system.uses_of(block_devices)?;
+    let (mut uses, _claims) = system.uses_of(block_devices)?;
+    uses.extend(system.controller_node_uses(address));
     let (unchecked, uses): (Vec<_>, Vec<_>) = uses.into_iter().partition(|(_, how)| matches!(how, BlockDeviceUse::Unchecked { .. }));
     if !uses.is_empty() {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("{device} {how}")).collect();
@@ -258,7 +259,8 @@ pub enum BindOutcome {
 }
 
 /// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
-/// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev), each unless its
+/// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev, a process holding
+/// a disk or a controller's character device open), each unless its
 /// override is given: passing the class check never passes the in-use check. These refusals,
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
 /// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
@@ -285,7 +287,8 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
     }
     // The exclusive opens stay held until the old driver has let go of the function, so that
     // nothing mounts one of its disks between this check and the unbind.
-    let (uses, claims) = system.uses_of(&system.block_devices(address))?;
+    let (mut uses, claims) = system.uses_of(&system.block_devices(address))?;
+    uses.extend(system.controller_node_uses(address));
     if !uses.is_empty() && !overrides.in_use {
         let list: Vec<String> = uses.iter().map(|(device, how)| format!("/dev/{device} {how}")).collect();
         return Err(Unusable(format!(

@@ -854,3 +854,37 @@ fn unbind_fails_when_vfio_pci_takes_the_function_back() {
     );
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "", "the override is cleared");
 }
+
+#[test]
+fn bind_refuses_a_controller_or_generic_node_a_process_holds_open_unless_forced() {
+    // Goal: a process driving the controller through its character devices (nvme-cli or a
+    // passthrough job on /dev/nvme0, io_uring passthrough on the generic /dev/ng0n1) holds no
+    // block device, yet the unbind pulls the controller from under it: bind finds it in
+    // /proc/*/fd, by path or by device number (another node of it, such as /dev/char/M:m), and
+    // refuses unless forced.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
+    std::fs::write(dir.join("nvme/nvme0/dev"), "241:0\n").unwrap();
+    // The generic node of namespace 1, as /dev/null's device number: a real character device
+    // the scan can stat.
+    let null = std::fs::metadata("/dev/null").unwrap();
+    let null_number = {
+        use std::os::unix::fs::MetadataExt;
+        format!("{}:{}", libc::major(null.rdev()), libc::minor(null.rdev()))
+    };
+    std::fs::create_dir_all(dir.join("nvme/nvme0/ng0n1")).unwrap();
+    std::fs::write(dir.join("nvme/nvme0/ng0n1/dev"), format!("{null_number}\n")).unwrap();
+    host.open_fd(555, "nvme", 3, "/dev/nvme0");
+    host.open_fd(556, "fio", 4, "/dev/null");
+    host.open_fd(99, "bash", 0, "/dev/nvme01");
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = error.to_string();
+    assert!(error.contains("/dev/nvme0 open by pid 555 (nvme)") && error.contains("/dev/ng0n1 open by pid 556 (fio)"), "{error}");
+    assert!(!error.contains("pid 99") && error.contains("--force"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
+}

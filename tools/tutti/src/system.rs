@@ -269,6 +269,65 @@ impl System {
         Ok((uses, claims))
     }
 
+    /// Processes (other than this one) holding a character device of the function's nvme
+    /// controllers open: the controller node (`/dev/nvme0`: nvme-cli, admin passthrough) and
+    /// the generic namespace nodes (`/dev/ng0n1`: io_uring passthrough), which no block device
+    /// check sees. Found by path or, for another node of the same device (`/dev/char/M:m`), by
+    /// device number. The generic nodes are those under the controller's sysfs directory and,
+    /// for a multipath head (whose node hangs off the subsystem), `ngXnY` of each namespace
+    /// disk `nvmeXnY` that has one in `class/nvme-generic`.
+    pub fn controller_node_uses(&self, address: PciAddress) -> Vec<(String, BlockDeviceUse)> {
+        let mut nodes: Vec<(String, Option<String>)> = Vec::new();
+        let read_dev = |dir: &Path| std::fs::read_to_string(dir.join("dev")).ok().map(|text| text.trim().to_string());
+        let is_generic = |name: &str| {
+            name.strip_prefix("ng")
+                .and_then(split_digits)
+                .and_then(|(_, rest)| rest.strip_prefix('n'))
+                .and_then(split_digits)
+                .is_some_and(|(_, tail)| tail.is_empty())
+        };
+        for controller in self.nvme_controllers(address) {
+            let controller_dir = self.sysfs.device_dir(address).join("nvme").join(&controller);
+            nodes.push((controller.clone(), read_dev(&controller_dir)));
+            for entry in read_names(&controller_dir).into_iter().filter(|entry| is_generic(entry)) {
+                let number = read_dev(&controller_dir.join(&entry));
+                nodes.push((entry, number));
+            }
+        }
+        for disk in self.block_devices(address) {
+            let Some(generic) = disk.strip_prefix("nvme").filter(|_| namespace_block_name(&disk).as_deref() == Some(disk.as_str())) else {
+                continue;
+            };
+            let generic = format!("ng{generic}");
+            let dir = self.sysfs_root().join("class/nvme-generic").join(&generic);
+            if dir.exists() && !nodes.iter().any(|(name, _)| *name == generic) {
+                let number = read_dev(&dir);
+                nodes.push((generic, number));
+            }
+        }
+        let opened = |fd_path: &Path, target: &Path| -> Option<String> {
+            if let Some((name, _)) = nodes.iter().find(|(name, _)| target == Path::new("/dev").join(name)) {
+                return Some(name.clone());
+            }
+            if !may_be_a_file(target) {
+                return None;
+            }
+            let opened_number = device_number(fd_path, libc::S_IFCHR)?;
+            nodes.iter().find(|(_, number)| number.as_deref() == Some(opened_number.as_str())).map(|(name, _)| name.clone())
+        };
+        let own_pid = std::process::id();
+        let mut uses = Vec::new();
+        for opener in self.openers(|fd_path, target| opened(fd_path, target).is_some()) {
+            if opener.pid == own_pid {
+                continue;
+            }
+            if let Some(name) = opened(&opener.fd, &opener.path) {
+                uses.push((name, BlockDeviceUse::OpenBy { pid: opener.pid, comm: opener.comm }));
+            }
+        }
+        uses
+    }
+
     /// Whether block device `name` is a partition: the kernel gives partitions, and only
     /// them, a `partition` attribute.
     fn is_partition(&self, name: &str) -> bool {
@@ -454,6 +513,12 @@ fn may_be_a_file(target: &Path) -> bool {
 /// server hangs is answered from them instead of blocking the scan for ever (a full `stat`
 /// reaches the file system's getattr).
 fn block_device_number(path: &Path) -> Option<String> {
+    device_number(path, libc::S_IFBLK)
+}
+
+/// `major:minor` of the device of type `kind` (`S_IFBLK`, `S_IFCHR`) a path leads to, as
+/// [`block_device_number`] reads it; None for anything else or when it cannot be read.
+fn device_number(path: &Path, kind: libc::mode_t) -> Option<String> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     let mut buffer = std::mem::MaybeUninit::<libc::statx>::zeroed();
@@ -465,8 +530,8 @@ fn block_device_number(path: &Path) -> Option<String> {
     }
     // SAFETY: zeroed before the call, so every field is initialised; statx succeeded and filled it.
     let stat = unsafe { buffer.assume_init() };
-    let block_device = u32::from(stat.stx_mode) & libc::S_IFMT == libc::S_IFBLK;
-    block_device.then(|| format!("{}:{}", stat.stx_rdev_major, stat.stx_rdev_minor))
+    let of_kind = u32::from(stat.stx_mode) & libc::S_IFMT == kind;
+    of_kind.then(|| format!("{}:{}", stat.stx_rdev_major, stat.stx_rdev_minor))
 }
 
 /// Names of the entries of a directory; empty when it does not exist or cannot be read.
