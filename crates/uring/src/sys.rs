@@ -504,7 +504,8 @@ impl Ring {
 
     /// Submits queued entries (also when `deadline` has passed already) and waits until at
     /// least one completion is ready or `deadline` passes ([`UringError::Timeout`]). Returns at
-    /// once (after submitting) when a completion is already there or nothing is in flight.
+    /// once (after submitting) when a completion is already there or nothing is in flight; past
+    /// its deadline, also when that submit posted one.
     pub fn wait(&mut self, deadline: Instant) -> Result<(), UringError> {
         if let Some(error) = self.abandoned_error() {
             return Err(error);
@@ -529,6 +530,13 @@ impl Ring {
                 // counted in flight and never started, until some later call. Only here, so a
                 // wait whose deadline is ahead stays one `io_uring_enter` (submit and wait).
                 self.submit_queued()?;
+                // That submit may have completed a transfer inline (a write with room), or, on
+                // a `DEFER_TASKRUN` ring, posted completions the kernel held: the wait then
+                // found what it waits for, and a Timeout would send the caller to fail a ring
+                // whose completion is ready to reap.
+                if !self.ring.completion().is_empty() {
+                    return Ok(());
+                }
                 return Err(UringError::Timeout { waited: now.saturating_duration_since(started), in_flight: self.in_flight() });
             }
             let left = deadline.saturating_duration_since(now);

@@ -5,7 +5,7 @@ use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tutti_uring::{available, AlignedBuffer, Direction, Job, Ring, Transfer, UringError};
+use tutti_uring::{available, AlignedBuffer, Direction, Job, Ring, SetupFlags, Transfer, UringError};
 
 fn skip() -> bool {
     if available() {
@@ -150,34 +150,71 @@ fn a_wait_ends_at_its_deadline_and_the_transfer_can_still_complete() {
 #[test]
 fn a_wait_past_its_deadline_still_submits_what_is_queued() {
     // Goal: Ring::wait submits queued entries even when its deadline has already passed (its
-    // documented promise): a write pushed, then waited on with a deadline in the past, reaches
-    // the kernel and completes, so a later reap (with no submit in between) gets it back.
-    // Before, such a wait returned Timeout with the write still queued, never submitted.
+    // documented promise): a read of an empty pipe, pushed, then waited on with a deadline in
+    // the past, reaches the kernel (exactly Timeout, the read in flight: nothing can complete
+    // it yet) and completes once data arrives, so a later reap (with no submit in between)
+    // gets it back. Before 0c215f8 such a wait returned Timeout with the read still queued,
+    // never submitted. Both with and without DEFER_TASKRUN (whose submit is a GETEVENTS enter).
     if skip() {
         return;
     }
-    let file = tempfile::tempfile().unwrap();
-    let mut ring = Ring::new(2).unwrap();
-    let write = Transfer { fd: file.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
-    ring.push(write, patterned(4096, 5), 21).unwrap();
-    let past = Instant::now().checked_sub(Duration::from_millis(1)).unwrap();
-    // A buffered write to a file often completes during the submit itself: then the wait finds
-    // its completion and returns at once; otherwise the deadline is over.
-    match ring.wait(past) {
-        Ok(()) | Err(UringError::Timeout { in_flight: 1, .. }) => {}
-        Err(error) => panic!("a wait past its deadline: {error}"),
+    for flags in [SetupFlags::NONE, SetupFlags::DEFERRED_TASK_RUN] {
+        let (reader, mut writer) = std::io::pipe().unwrap();
+        let mut ring = Ring::with_setup(2, flags).unwrap();
+        let read = Transfer { fd: reader.as_raw_fd(), direction: Direction::Read, offset_bytes: 0, len_bytes: 5 };
+        ring.push(read, AlignedBuffer::with_capacity(4096).unwrap(), 21).unwrap();
+        let past = Instant::now().checked_sub(Duration::from_millis(1)).unwrap();
+        match ring.wait(past) {
+            Err(UringError::Timeout { in_flight: 1, .. }) => {}
+            other => panic!("{flags:?}: a wait past its deadline on a read with no data: {other:?}"),
+        }
+        writer.write_all(b"hello").unwrap();
+        let mut completions = Vec::new();
+        // Bounded: reaped, or the check below fails after 5 s.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while completions.is_empty() && Instant::now() < deadline {
+            ring.reap(|completion| completions.push(completion)).unwrap();
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(completions.len(), 1, "{flags:?}: the read was never submitted");
+        assert_eq!(completions[0].tag, 21);
+        completions[0].check().unwrap();
+        assert_eq!(completions[0].buffer.bytes(5), b"hello");
     }
-    let mut completions = Vec::new();
-    // Bounded: reaped, or the check below fails after 5 s.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while completions.is_empty() && Instant::now() < deadline {
+}
+
+#[test]
+fn a_wait_past_its_deadline_reports_a_completion_its_own_submit_posted() {
+    // Goal: a wait whose deadline has passed returns Ok, not Timeout, when the submit it makes
+    // completed a transfer: a write into a pipe with room (non-blocking, so the kernel finishes
+    // it inside io_uring_enter, never in a worker) is in the completion queue when the wait
+    // returns, and the very next reap, which enters the kernel no more (see `events_posted`),
+    // hands it back. Until 2026-12-01 (85ec068) the wait returned Timeout without looking at
+    // the completion queue after its submit.
+    if skip() {
+        return;
+    }
+    for flags in [SetupFlags::NONE, SetupFlags::DEFERRED_TASK_RUN] {
+        let (mut reader, writer) = std::io::pipe().unwrap();
+        let writer = std::fs::File::from(std::os::fd::OwnedFd::from(writer));
+        set_nonblocking(&writer);
+        let mut ring = Ring::with_setup(2, flags).unwrap();
+        let write = Transfer { fd: writer.as_raw_fd(), direction: Direction::Write, offset_bytes: 0, len_bytes: 4096 };
+        ring.push(write, patterned(4096, 5), 22).unwrap();
+        let past = Instant::now().checked_sub(Duration::from_millis(1)).unwrap();
+        match ring.wait(past) {
+            Ok(()) => {}
+            other => panic!("{flags:?}: a wait past its deadline whose submit completed a write: {other:?}"),
+        }
+        let mut completions = Vec::new();
         ring.reap(|completion| completions.push(completion)).unwrap();
-        std::thread::sleep(Duration::from_millis(10));
+        assert_eq!(completions.len(), 1, "{flags:?}: the wait said a completion was ready");
+        assert_eq!(completions[0].tag, 22);
+        completions[0].check().unwrap();
+        let mut landed = vec![0u8; 4096];
+        reader.read_exact(&mut landed).unwrap();
+        assert_eq!(landed, patterned(4096, 5).bytes(4096));
     }
-    assert_eq!(completions.len(), 1, "the write was never submitted");
-    assert_eq!(completions[0].tag, 21);
-    completions[0].check().unwrap();
-    assert_eq!(file.metadata().unwrap().len(), 4096);
 }
 
 #[test]
