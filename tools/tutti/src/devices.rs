@@ -400,7 +400,7 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 /// kernel has let go, so nothing opens it in between. The lock is held from before
 /// the check to the end, so that a tuttid starting meanwhile (a supervisor's restart) is refused
 /// instead of opening the group between the check and the unbind. These refusals, a function
-/// that is not there and one not bound to vfio-pci are unusable input ([`Unusable`], exit
+/// that is not there and one bound to a driver other than vfio-pci are unusable input ([`Unusable`], exit
 /// status 2, nothing changed), as `tutti pool` refuses a device whose lock another holds.
 pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool, lock_dir: &Path) -> Result<Option<String>> {
     if !system.sysfs.exists(address) {

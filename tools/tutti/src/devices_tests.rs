@@ -888,3 +888,24 @@ fn bind_refuses_a_controller_or_generic_node_a_process_holds_open_unless_forced(
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
 }
+
+#[test]
+fn unbind_refuses_only_a_function_bound_to_another_driver() {
+    // Goal: what the docs say exit status 2 covers for unbind: a function bound to a driver
+    // other than vfio-pci is refused with nothing written; one bound to no driver (a bind that
+    // could not be rolled back, a declined probe) is not refused: its override is cleared and
+    // the kernel probes it again.
+    let host = FakeHost::new();
+    let bound = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 0);
+    let unbound = host.add("0000:00:05.0", 0x010802, None, 4, 1, 0);
+    std::fs::write(bound.join("driver_override"), "vfio-pci\n").unwrap();
+    std::fs::write(unbound.join("driver_override"), "vfio-pci\n").unwrap();
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error) && error.to_string().contains("bound to nvme, not vfio-pci"), "{error:#}");
+    assert_eq!(std::fs::read_to_string(bound.join("driver_override")).unwrap(), "vfio-pci\n", "nothing written");
+
+    assert_eq!(unbind(&system, at("0000:00:05.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+    assert_eq!(std::fs::read_to_string(unbound.join("driver_override")).unwrap().trim(), "", "override cleared");
+}

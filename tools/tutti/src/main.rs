@@ -7,8 +7,8 @@
 //! failed or damage was found (a device that holds no pool included: never formatted and a
 //! destroyed superblock look alike), 2 unusable input (a bad flag, device string, PCI address or
 //! model geometry; a file that is empty or too small; a pool of another geometry or format
-//! version; a device or PCI function that is not there, not an NVMe controller, not bound to vfio-pci
-//! (unbind) or in use), 141 standard output closed.
+//! version; a device or PCI function that is not there, not an NVMe controller, bound to a driver
+//! other than vfio-pci (unbind) or in use), 141 standard output closed.
 use std::path::PathBuf;
 use std::process::ExitCode;
 
