@@ -922,6 +922,20 @@ impl Controller {
     }
 }
 
+#[cfg(test)]
+impl Controller {
+    /// Replaces the doorbell gate (one with a short ringer wait, say); before any queue pair
+    /// exists, since pairs share the gate.
+    pub(crate) fn replace_gate_for_test(&mut self, gate: crate::gate::DoorbellGate) {
+        let admin = Arc::get_mut(&mut self.admin).expect("no queue pair shares the admin state yet");
+        *Arc::get_mut(&mut admin.gate).expect("no queue pair shares the gate yet") = gate;
+    }
+
+    pub(crate) fn gate_for_test(&self) -> &crate::gate::DoorbellGate {
+        &self.admin.gate
+    }
+}
+
 impl Drop for Controller {
     fn drop(&mut self) {
         // Stale first: from here no queue pair of this controller can ring a doorbell or delete

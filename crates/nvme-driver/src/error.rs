@@ -100,7 +100,11 @@ pub enum NvmeError {
     #[error("a controller reset waited {waited_ms} ms for a doorbell write in progress on another thread and gave up: the controller was left as it was, and the queue pairs created before are stale and keep (leak) their rings until a later reset succeeds; retry the reset once that thread runs again")]
     ResetBlockedByDoorbellWrite { waited_ms: u64 },
 
-    #[error("{queue}: the controller was reset but never confirmed it stopped (CSTS.RDY stayed 1): the queues may still be live, so their rings are kept; reset the controller successfully first")]
+    /// A reset or teardown since the pair was created could not confirm the controller stopped:
+    /// a disable that ran out CAP.TO, an enable under way that never finished, a doorbell write
+    /// it gave up on ([`NvmeError::ResetBlockedByDoorbellWrite`], the controller untouched), a
+    /// failed function reset, a device gone. That call's error says which.
+    #[error("{queue}: a reset or teardown since this queue pair was created could not confirm the controller stopped (see that call's error): the queues may still be live, so their rings are kept; reset the controller successfully first")]
     QueueMaybeLive { queue: QueueId },
 
     #[error("this controller uses shadow doorbells (ControllerConfig::shadow_doorbells) and reads I/O doorbells from their page, which a detached pair's agent does not write: bring the controller up without them to create detached pairs")]

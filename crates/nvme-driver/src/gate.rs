@@ -115,6 +115,14 @@ impl std::ops::Deref for RingFlag {
     }
 }
 
+#[cfg(test)]
+impl Ringer {
+    /// Raises the flag and leaves it up: a thread stopped inside a doorbell write, for tests.
+    pub(crate) fn raise_and_stop(&self) {
+        self.ringing.store(true, Ordering::SeqCst);
+    }
+}
+
 /// Lowers a ringer's flag when the doorbell write is over, however it ended.
 struct Lowered<'a>(&'a AtomicBool);
 

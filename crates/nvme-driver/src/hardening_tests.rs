@@ -1403,3 +1403,26 @@ fn identify_data_is_replaced_whole_or_not_at_all() {
     assert_eq!(controller.max_transfer_bytes(), page << mdts, "max_transfer_bytes agrees with identify().mdts ({mdts})");
     assert_eq!(mdts, 5, "the view of before the failed reset");
 }
+
+#[test]
+fn a_pair_whose_queues_a_reset_could_not_confirm_gone_does_not_blame_csts_rdy() {
+    // Goal: QueueMaybeLive follows every reset or teardown that could not confirm the
+    // controller stopped, not only a disable that timed out with CSTS.RDY = 1: here a reset
+    // gave up on a doorbell write in progress (ResetBlockedByDoorbellWrite) without touching
+    // the controller. The error says what is known and points at that call's error, and does
+    // not claim CSTS.RDY stayed 1.
+    let (_device, mut controller) = bring_up(FakeScript::default());
+    controller.replace_gate_for_test(crate::gate::DoorbellGate::with_ringer_wait_max(Duration::from_millis(1)));
+    let first = controller.create_io_queue_pair(8).expect("queue pair");
+    let stopped = controller.gate_for_test().register();
+    stopped.raise_and_stop();
+    let reset = controller.reset(false);
+    assert!(matches!(reset, Err(NvmeError::ResetBlockedByDoorbellWrite { .. })), "{reset:?}");
+    let undeleted = first.delete().expect_err("the queues may still be live");
+    assert!(matches!(undeleted.source, NvmeError::QueueMaybeLive { queue: QueueId(1) }), "{}", undeleted.source);
+    let text = undeleted.source.to_string();
+    assert!(!text.contains("RDY stayed 1"), "{text}");
+    assert!(text.contains("could not confirm the controller stopped"), "{text}");
+    drop(undeleted);
+    drop(stopped);
+}
