@@ -464,9 +464,9 @@ class Store:
         call `allocate_kv` next.
 
         timeout_s: the longest wait for any daemon answer; an attach the daemon answers Busy
-        is asked again until timeout_s has passed: on a new connection when every connection
-        is taken, on the same one when a restarted engine's old session still holds the request
-        reservations or the queue ids this one needs.
+        (every connection taken) is asked again on a new connection until timeout_s has passed.
+        (A Busy for a restarted engine's old session still holding the request reservations or
+        queue ids this one needs comes later, at allocate_kv / register_kv.)
         keepalive: a background thread of this store pings the daemon every third of its lease (HelloReply's lease) while the
         store is idle, so an idle engine keeps its session; without it, an engine idle longer
         than the lease (tuttid --lease, 10 s by default) loses its session (Disconnected on the
@@ -517,8 +517,13 @@ class Store:
         devices: the only memory an attached store can use. In-process: DMA memory of the
         pool's allocator. Once per store.
 
+        Attached: a registration or queue attach tuttid answers Busy (a restarted engine's old
+        session still holds the request reservations or queue ids this one needs) is asked
+        again on the same connection, each step for up to the store's timeout_s.
+
         Raises InvalidArgument (num_blocks 0, or the window over tuttid's per-session byte cap),
-        InvalidState (already registered), DaemonError / LimitReached (refused by tuttid)."""
+        InvalidState (already registered), DaemonError / LimitReached (refused by tuttid;
+        DaemonError "Busy": still busy at timeout_s)."""
     def register_kv(self, layout: KvLayout) -> None:
         """Registers the engine's KV memory, described by `layout`, for the store's devices.
 
@@ -546,6 +551,8 @@ class Store:
         them): tuttid copies from the memory as it is. Without a CUDA driver (libcuda): an
         UnsupportedMemory saying so. An in-process store refuses GPU memory (UnsupportedMemory:
         attach to tuttid).
+        Attached: a Busy from tuttid is asked again as for allocate_kv (DaemonError "Busy" once
+        timeout_s has passed).
         Once per store (InvalidState otherwise, except that repeat)."""
     def lookup(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """The longest cached prefix of `tokens`, in blocks (x block_tokens for tokens), in this
