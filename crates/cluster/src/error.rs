@@ -30,6 +30,13 @@ pub enum ClusterError {
     /// Another live process holds this node id in this cluster.
     #[error("node id {node} is already registered in cluster {cluster} (lease {lease_id:#x}); is another tuttid running with this id?")]
     NodeIdTaken { cluster: String, node: String, lease_id: i64 },
+    /// A rejoin found this node id's member key still under one of the node's own old leases,
+    /// whose revoke failed (etcd did not answer it in time): not another process. The lease is
+    /// unrenewed and expires by itself (within a TTL); the next rejoin revokes it again.
+    #[error(
+        "node id {node}'s member key is still under this node's own old lease {lease_id:#x}, whose revoke failed; it expires by itself within a TTL, and the next rejoin revokes it again"
+    )]
+    OwnLeaseHolds { node: String, lease_id: i64 },
     /// This node id's member key holds what no live node put there: a value under no lease
     /// (written by hand: it never expires) or one that is no member record of this cluster.
     /// Waiting will not free it (unlike [`ClusterError::NodeIdTaken`]): an operator deletes

@@ -212,6 +212,11 @@ impl ClusterNode {
                 // The put was not applied, so nothing is under the new lease: a failed revoke
                 // leaves an empty lease to expire.
                 let _ = self.revoke(lease_id);
+                // A rejoin's revoke of a lease of this node failed and it still holds the key:
+                // not another process (which NodeIdTaken would blame).
+                if let Some(&(holder_lease, _)) = holder.as_ref().filter(|(holder_lease, _)| self.unrevoked.contains(holder_lease)) {
+                    return Err(ClusterError::OwnLeaseHolds { node: self.record.node.to_string(), lease_id: holder_lease });
+                }
                 return Err(self.taken_by(key, holder));
             }
         }
@@ -303,7 +308,9 @@ impl ClusterNode {
     /// Until the new lease is in place the node has none (the keep-alive is stopped and the
     /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
     /// lease still live (the registrar's unregister queue overflowed) included — leaves it
-    /// reporting lost, its writes refused, not joined under a revoked lease.
+    /// reporting lost, its writes refused, not joined under a revoked lease. A member key still
+    /// under a lease of the node whose revoke failed refuses the join with
+    /// [`ClusterError::OwnLeaseHolds`] (not `NodeIdTaken`: no other process holds the id).
     /// The answer says whether the old leases are all gone: if a revoke failed, the entries
     /// under that lease live on until it expires (a TTL at most), and an owner that meant to
     /// delete some of them must still do so (under the new lease: the keys name the node, not
@@ -998,5 +1005,45 @@ mod lease_orphan_tests {
         let rejoined = node.rejoin().expect("joins once more");
         assert!(rejoined.old_lease_revoked, "every lease of the node is gone now");
         assert_eq!(ttl_left(&node.client, first), -1);
+    }
+}
+
+#[cfg(test)]
+mod own_lease_tests {
+    use super::*;
+    use crate::local_etcd::LocalEtcd;
+    use crate::names::ClusterId;
+    use crate::segments::SegmentBlocks;
+
+    #[test]
+    fn a_rejoin_refused_by_the_nodes_own_unrevoked_lease_does_not_blame_another_process() {
+        // Goal: a rejoin asked for with the lease live (the registrar's unregister queue full)
+        // whose revoke of that lease failed found the member key under it and answered
+        // NodeIdTaken, "is another tuttid running with this id?", shown as the registrar's last
+        // error. The key is under this node's own old lease: the error says so (it expires by
+        // itself, or the next rejoin revokes it).
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("own").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record).unwrap();
+        let first = node.health().lease_id;
+
+        node.fail_revoke = Some(first);
+        let error = node.rejoin().map(|_| ()).expect_err("the member key is still under the first lease");
+        assert!(!matches!(error, ClusterError::NodeIdTaken { .. }), "blamed on another process: {error}");
+        assert!(error.to_string().contains(&format!("{first:#x}")), "names the lease: {error}");
+        assert!(matches!(error, ClusterError::OwnLeaseHolds { lease_id, .. } if lease_id == first), "{error:?}");
+
+        node.fail_revoke = None;
+        node.rejoin().expect("the next rejoin revokes the old lease and joins");
+        assert!(!node.health().lost);
     }
 }
