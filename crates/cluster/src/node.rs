@@ -70,8 +70,9 @@ struct KeepAlive {
 }
 
 /// A live member of the cluster. Dropping it stops the keep-alive and revokes the lease (one
-/// request timeout, and up to 1 s for its runtime's shutdown), so its record and segments
-/// vanish at once; a node that dies without dropping it vanishes when the lease expires.
+/// request timeout, and up to 1 s for its runtime's shutdown; up to 3 T + 1 s after rejoins
+/// whose revokes failed, those leases revoked too), so its record and segments vanish at once;
+/// a node that dies without dropping it vanishes when the lease expires.
 ///
 /// Bounds, T the request timeout: `join` ≤ 3 T (grant, member transaction, and the revoke of
 /// the new lease when that fails; 4 T when the transaction failed with any error but an
@@ -342,7 +343,8 @@ impl ClusterNode {
     }
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
-    /// timeout for the revoke, up to 1 s for the runtime's shutdown).
+    /// timeout for the revoke, up to 1 s for the runtime's shutdown; up to 3 T + 1 s after
+    /// rejoins whose revokes failed: those leases, at most two, are revoked too).
     pub fn leave(mut self) {
         self.shut_down();
     }

@@ -585,8 +585,9 @@ impl Registrar {
     }
 
     /// Leaves the cluster: the lease is revoked, so this node's record and segments vanish now
-    /// rather than a TTL later (bounded by the request timeout, and 1 s for the client's
-    /// runtime to shut down).
+    /// rather than a TTL later (bounded by the request timeout T, and 1 s for the client's
+    /// runtime to shut down; up to 3 T + 1 s after rejoins whose revokes failed, those leases
+    /// revoked too).
     fn leave(&mut self) {
         if let Some(node) = self.node.take() {
             node.leave();
