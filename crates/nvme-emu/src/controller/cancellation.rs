@@ -53,19 +53,18 @@ impl ControllerCore {
             .iter()
             .filter(|&&tag| self.in_flight.slots.get(tag as usize).is_some_and(|slot| slot.as_ref().is_some_and(|(io, _)| io.write)))
             .count();
-        // What was given back ends before the fence, as in `settle_in_flight`: the fence guards
-        // the blocks of the writes the kernel keeps, and a transfer given back touches none of
-        // them (it was in flight beside them, and a command overlapping a Write in flight waits
-        // for it). Fenced first, its redo (or a short Write's last block at a stop) would fail
-        // against a store it cannot harm, and a short Write's block would stay torn. Until
-        // 2026-12-01 the fence came first.
+        // What was given back, then what was kept, ends before the fence (`end_held` fences
+        // after its loop), as in `settle_in_flight`: the fence guards the blocks of the writes
+        // the kernel keeps, and no other transfer of the ring touches them (it was in flight
+        // beside them, and a command overlapping a Write in flight waits for it). A kept Write
+        // itself only fails, touching no block. Fenced first, a redo (of a transfer given back,
+        // or a kept Read) or a short Write's last block at a stop would fail against a store it
+        // cannot harm, and a short Write's block would stay torn. Until 2026-12-01 the fence
+        // came first.
         for completion in given_back.drain(..) {
             self.end_given_back(completion, settle);
         }
         self.in_flight.reaped = given_back;
-        if kept_writes > 0 {
-            self.fence_for_kept_writes(kept_writes);
-        }
         self.end_held(&held, "an abandoned io_uring batch", settle);
         if kept_writes > 0 && settle == Settle::Finish {
             self.set_fatal();
@@ -73,7 +72,8 @@ impl ControllerCore {
     }
 
     /// Commands whose transfers the kernel kept after cancellation: a kept Write fails (its data
-    /// may land at any time), a kept Read is redone synchronously into a fresh buffer. A kept
+    /// may land at any time), a kept Read is redone synchronously into a fresh buffer (before
+    /// the store is fenced for the kept Writes, whose blocks it does not overlap). A kept
     /// direct transfer gets no completion at all, since that would hand the host memory the
     /// kernel may still read or write back to the host: the controller becomes fatal (CSTS.CFS)
     /// instead, as a device hung in the middle of its DMA, the ring keeps the memory's regions

@@ -192,6 +192,38 @@ fn a_batched_write_the_kernel_keeps_fails_and_fences_the_store_until_it_is_given
     assert_eq!(stalled.read(5), (Ok(()), block(5)));
 }
 
+#[test]
+fn a_read_the_kernel_keeps_beside_a_kept_write_is_redone_from_the_store() {
+    // Goal: when the kernel keeps both a stalled FUA Write (block 0) and a stalled Read of
+    // another block (8) from one doorbell (cancellation disabled), the Write fails (Write
+    // Fault) and fences the store, but the Read is redone synchronously from the store first
+    // and completes with the file's data: the fence guards only the kept Write's blocks, which
+    // a Read in flight beside it never touches. Until 2026-12-01 an abandoned ring fenced the
+    // store before ending its kept transfers, so the Read failed (Unrecovered Read Error) on
+    // healthy data.
+    let Some(mut stalled) = Stalled::start("kept-read-beside-write", false) else { return };
+    assert_eq!(stalled.write(8, &block(8)), Ok(()), "block 8's data, on the file");
+    let source = stalled.host.buffer(4096);
+    source.write(0, &block(0)).unwrap();
+    let target = stalled.host.buffer(4096);
+    let write =
+        TestHost::push(&mut stalled.queue, with_sgl(SubmissionEntry::write(NamespaceId(1), Lba(0), block_count(1), true), &source, 4096));
+    let read = TestHost::push(&mut stalled.queue, with_sgl(SubmissionEntry::read(NamespaceId(1), Lba(8), block_count(1)), &target, 4096));
+    stalled.host.ring_submission(&stalled.queue);
+    let mut statuses = [None, None];
+    for _ in 0..2 {
+        let done = stalled.host.reap(&mut stalled.queue);
+        let index = if done.command_id() == write { 0 } else { 1 };
+        assert!(done.command_id() == write || done.command_id() == read, "an unknown completion: {done:?}");
+        statuses[index] = Some(status_of(&done));
+    }
+    assert_eq!(statuses, [Some(media(codes::WRITE_FAULT)), Some(Ok(()))], "[Write, Read]");
+    let mut data = vec![0u8; 4096];
+    target.read(0, &mut data).unwrap();
+    assert!(data == block(8), "the kept Read's redo did not return block 8's data");
+    assert_eq!(stalled.host.device.stats().batched_reads, 0, "the Read completed through the ring, not as kept");
+}
+
 /// LBA of the block [`cached_then_fenced_then_given_back`] leaves in the cache only.
 const CACHED_LBA: usize = 4;
 
