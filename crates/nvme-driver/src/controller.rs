@@ -516,11 +516,27 @@ impl Controller {
         // One PRP list page per command bounds a command at 2 MiB; MDTS may bound it further.
         let max_transfer_bytes =
             identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(TRANSFER_BYTES_MAX).min(TRANSFER_BYTES_MAX);
-        // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN.
+        // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN (inactive ones
+        // read as zeroes and are skipped below).
+        let every_nsid = || (1..=identify.namespace_count.min(NAMESPACES_MAX as u32)).collect::<Vec<_>>();
         let namespace_ids = if self.version.0 >= 0x0001_0100 {
-            valid_namespace_ids(parse_active_namespaces(&self.identify_raw(IdentifyCns::ActiveNamespaceList, 0)?))
+            match self.identify_raw(IdentifyCns::ActiveNamespaceList, 0) {
+                Ok(list) => valid_namespace_ids(parse_active_namespaces(&list)),
+                // A controller that claims 1.1 or later but refuses the list (Invalid Field, as
+                // some do) answered: scan NSIDs as for an older one, as Linux does. A timeout or
+                // a transport error says the controller itself is unwell: bring-up fails.
+                Err(NvmeError::Command { status, .. }) => {
+                    tracing::warn!(
+                        device = %self.backend.name(),
+                        %status,
+                        "Identify Active Namespace List (CNS 02h) failed: identifying NSIDs 1..=NN one by one instead"
+                    );
+                    every_nsid()
+                }
+                Err(error) => return Err(error),
+            }
         } else {
-            (1..=identify.namespace_count.min(NAMESPACES_MAX as u32)).collect()
+            every_nsid()
         };
         let mut namespaces = Vec::with_capacity(namespace_ids.len());
         let mut refused = Vec::new();

@@ -1426,3 +1426,23 @@ fn a_pair_whose_queues_a_reset_could_not_confirm_gone_does_not_blame_csts_rdy() 
     drop(undeleted);
     drop(stopped);
 }
+
+#[test]
+fn an_active_namespace_list_refused_with_an_error_status_falls_back_to_scanning_nsids() {
+    // Goal: a controller that reports NVMe 1.1 or later but answers Identify CNS 02h (the
+    // Active Namespace List) with an error status still comes up: the driver identifies NSIDs
+    // 1..=NN one by one, as for a pre-1.1 controller (Linux falls back the same way). A list
+    // that gets no answer at all still fails bring-up: the controller itself is unwell then.
+    use crate::spec::status::codes;
+    use crate::spec::NvmeStatus;
+    let refused = FakeScript {
+        version: 0x0001_0400,
+        identify_failures: vec![(0x02, NvmeStatus::generic(codes::INVALID_FIELD))],
+        ..FakeScript::default()
+    };
+    let (_device, controller) = bring_up(refused);
+    assert_eq!(controller.namespaces().iter().map(|namespace| namespace.id.0).collect::<Vec<_>>(), [1]);
+    let unanswered = FakeScript { identify_unanswered: vec![0x02], ..FakeScript::default() };
+    let outcome = Controller::init(FakeDevice::new(unanswered), config());
+    assert!(matches!(outcome, Err(NvmeError::Timeout { queue: QueueId(0), .. })), "{outcome:?}");
+}

@@ -316,7 +316,11 @@ impl FakeState {
         let invalid_queue = Some(NvmeStatus::command_specific(codes::INVALID_QUEUE_IDENTIFIER));
         let (dw0, status) = match AdminOpcode::from_u8(opcode) {
             Some(AdminOpcode::Identify) => {
-                let data = match entry.cdw10 & 0xFF {
+                let cns = (entry.cdw10 & 0xFF) as u8;
+                if let Some(&(_, status)) = self.script.identify_failures.iter().find(|(failing, _)| *failing == cns) {
+                    return self.completion_for(0, entry, 0, Some(status));
+                }
+                let data = match cns {
                     0x01 => self.script.identify_controller.clone(),
                     0x02 => self.script.namespace_list.clone(),
                     0x00 => {

@@ -61,6 +61,7 @@ impl FakeScript {
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
             identify_unanswered: Vec::new(),
+            identify_failures: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: flags & 1 == 1,
             io_unanswered: false,

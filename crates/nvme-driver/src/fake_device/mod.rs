@@ -70,6 +70,10 @@ pub struct FakeScript {
     /// `admin_unanswered` does for whole opcodes: e.g. an Active Namespace List that times out
     /// after Identify Controller was answered.
     pub identify_unanswered: Vec<u8>,
+    /// Identify CNS values whose Identify completes with this status instead of data (e.g. an
+    /// Active Namespace List, CNS 02h, refused with Invalid Field by a controller that reports
+    /// NVMe 1.1 or later but does not implement it).
+    pub identify_failures: Vec<(u8, NvmeStatus)>,
     /// Raw completion entries for I/O commands, used one per command fetched, in order; once
     /// they run out, each command gets a well-formed success completion.
     pub io_completions: VecDeque<[u8; COMPLETION_ENTRY_BYTES]>,
@@ -145,6 +149,7 @@ impl Default for FakeScript {
             admin_failures: Vec::new(),
             admin_unanswered: Vec::new(),
             identify_unanswered: Vec::new(),
+            identify_failures: Vec::new(),
             io_completions: VecDeque::new(),
             io_phase_from_script: false,
             io_unanswered: false,
