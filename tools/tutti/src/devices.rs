@@ -30,9 +30,10 @@ pub struct DevicesArgs {}
 pub struct BindArgs {
     /// PCI address of the NVMe function, e.g. 0000:00:04.0.
     address: String,
-    /// Bind even if the device is in use (a mounted filesystem, swap, a stacked device, or any
-    /// other claim the kernel reports as EBUSY to an exclusive open, such as a ZFS pool: it will
-    /// stop working).
+    /// Bind even if the device is in use (a mounted filesystem, swap, a stacked device, any other
+    /// claim the kernel reports as EBUSY to an exclusive open, such as a ZFS pool, or a process
+    /// holding a disk or the controller's /dev/nvmeN or /dev/ngNnM open: it will stop working),
+    /// or has SR-IOV virtual functions enabled (they go away).
     #[arg(long)]
     force: bool,
     /// Bind even if the function is not an NVMe controller (PCI class 0x010802). Its disks are
@@ -298,6 +299,26 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
         .into());
     }
     let device_dir = system.sysfs.device_dir(address);
+    // The disks of its SR-IOV virtual functions' controllers are none of the above, and the
+    // unbind of the physical function's driver takes the VFs away. No file: no SR-IOV.
+    let numvfs_path = device_dir.join("sriov_numvfs");
+    let numvfs = match std::fs::read_to_string(&numvfs_path) {
+        Ok(text) => text.trim().parse::<u32>().map_err(|_| format!("unreadable ({:?})", text.trim())),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(error) => Err(format!("unreadable ({error})")),
+    };
+    if numvfs != Ok(0) && !overrides.in_use {
+        let count = match numvfs {
+            Ok(count) => format!("{count} SR-IOV virtual functions enabled"),
+            Err(reason) => format!("SR-IOV virtual functions in an unknown number ({} {reason})", numvfs_path.display()),
+        };
+        return Err(Unusable(format!(
+            "{address} has {count}: their disks are not checked, and moving it takes them away; `echo 0 > {}` first, or \
+             pass --force",
+            numvfs_path.display()
+        ))
+        .into());
+    }
     // Nothing has changed until the override is written; from then on a failure rolls back.
     system.write_attribute(&device_dir.join("driver_override"), VFIO_PCI_DRIVER)?;
     let moved = (|| {

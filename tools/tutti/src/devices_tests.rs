@@ -909,3 +909,29 @@ fn unbind_refuses_only_a_function_bound_to_another_driver() {
     assert_eq!(unbind(&system, at("0000:00:05.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
     assert_eq!(std::fs::read_to_string(unbound.join("driver_override")).unwrap().trim(), "", "override cleared");
 }
+
+#[test]
+fn bind_refuses_a_function_with_sriov_virtual_functions_unless_forced() {
+    // Goal: a physical function with SR-IOV virtual functions enabled has disks bind never
+    // examines (those of its VFs' controllers), and the unbind of its driver takes the VFs
+    // away: refused (exit 2, nothing written) unless --force; sriov_numvfs 0 is no VF.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
+    std::fs::write(dir.join("sriov_numvfs"), "2\n").unwrap();
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = error.to_string();
+    assert!(error.contains("2 SR-IOV virtual functions") && error.contains("sriov_numvfs") && error.contains("--force"), "{error}");
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "nothing written");
+    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
+
+    let idle = FakeHost::new();
+    let dir = idle.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    idle.nodes(0, 1);
+    std::fs::write(dir.join("sriov_numvfs"), "0\n").unwrap();
+    let _idle_kernel = idle.kernel();
+    assert!(bind(&idle.system(), at("0000:00:04.0"), Overrides::default(), &idle.lock_dir()).is_ok());
+}
