@@ -1433,6 +1433,42 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         worker.shutdown()
 
 
+def test_a_steps_saves_do_not_take_the_places_its_loads_need(tuttid):
+    """Goal: in a step with loads, the loads are prepared before the saves: saves that would
+    take every one of the store's requests_max places are the ones refused (misses), not the
+    load, which fills its blocks (reported failed before: recompute, and its save cancelled)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, requests_max=2)
+    try:
+        tokens = prompt(16, blocks=2, tail=0)
+        worker.fill([1, 2], 16)
+        worker.save("S", tokens, [1, 2])
+        expected = [part.clone() for part in worker.blocks_bytes([1, 2])]
+        for part in worker.blocks_bytes([20, 21]):
+            part.zero_()
+        worker.fill([30, 31, 32, 33], 17)
+        result = worker.step(
+            TuttiConnectorMetadata(
+                loads=[LoadSpec("L", tokens, [20, 21])],
+                saves=[
+                    SaveSpec("W0", prompt(117, blocks=2, tail=0), [30, 31]),
+                    SaveSpec("W1", prompt(118, blocks=2, tail=0), [32, 33]),
+                ],
+            )
+        )
+        assert result["load_errors"] == set()
+        assert all(torch.equal(got, want) for got, want in zip(worker.blocks_bytes([20, 21]), expected))
+        # Every save is reported (at least one a miss: the load held a place).
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        pending = {"W0", "W1"}
+        while pending:
+            pending -= worker.connector.get_finished(set(pending))[0] or set()
+            assert time.monotonic() < deadline, f"saves {pending} were never reported"
+            time.sleep(0.01)
+    finally:
+        worker.shutdown()
+
+
 def test_a_load_failing_in_a_layer_only_the_draft_model_waits_for_is_reported_in_its_step(tuttid):
     """Goal: with speculative decoding vLLM defers wait_for_save past the draft model's forward
     but asks get_block_ids_with_load_errors before it; a load whose failing layer only the draft

@@ -130,8 +130,13 @@ class WorkerSide:
         self._step_had_loads = False
         self._last_step_had_loads = False
         # Whether this step's loads were started (by start_load_kv, or by the first
-        # wait_for_layer_load if vLLM had not called it before the forward).
+        # wait_for_layer_load if vLLM had not called it before the forward), and its saves
+        # prepared (`_start_step`: after the loads, which need their request places more).
         self._loads_started = False
+        self._saves_prepared = False
+        # Requests whose load failed on this rank before the step's saves were prepared: their
+        # saves of the step are misses, never prepared (`_prepare_saves`).
+        self._step_failed_loads: set[str] = set()
         # Requests that loaded blocks and have not saved yet (nor finished, nor been preempted):
         # whether this rank's load completed. Anything but a completed load counts as failed,
         # and the request's save, in that step or a later one, is cancelled (on every rank:
@@ -296,16 +301,42 @@ class WorkerSide:
                 self._save_token.pop(req_id, None)
 
     def _bind_worker_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """The worker's part of bind_connector_metadata: prepares the step's saves."""
+        """The worker's part of bind_connector_metadata: prepares the step's saves when it has no
+        loads (vLLM then calls start_load_kv only after the forward, and save_kv_layer during
+        it); otherwise they are prepared after the loads (`_start_step`)."""
         assert isinstance(connector_metadata, TuttiConnectorMetadata)
         self._check_scheduler_fingerprint(connector_metadata)
         self._loads_started = False
+        self._saves_prepared = False
+        self._step_failed_loads = set()
         self._last_step_failed_blocks, self._step_failed_blocks = self._step_failed_blocks, set()
         self._last_step_had_loads, self._step_had_loads = self._step_had_loads, bool(connector_metadata.loads)
         self._reattach_if_due()
         self._settle_parked()
         self._end_session_if_broken()
-        self._prepare_saves(connector_metadata.saves)
+        if not connector_metadata.loads:
+            self._prepare_step_saves(connector_metadata)
+
+    def _start_step(self) -> None:
+        """Starts the bound metadata's loads, then prepares its saves, each once per step. Loads
+        come first: a step's saves could otherwise take every one of the store's requests_max
+        places, and its loads, refused, would be reported failed (recomputed, their saves
+        cancelled), while a save refused is only a future miss. vLLM calls start_load_kv before
+        the forward in a step with loads (SchedulerOutput.has_sync_kv_loads), so the saves are
+        still prepared before their first save_kv_layer; should it not, the first
+        wait_for_layer_load (or save_kv_layer, wait_for_save) starts the step."""
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TuttiConnectorMetadata)
+        self._start_loads(meta)
+        self._prepare_step_saves(meta)
+
+    def _prepare_step_saves(self, meta: TuttiConnectorMetadata) -> None:
+        if self._saves_prepared:
+            return
+        self._saves_prepared = True
+        self._prepare_saves(meta.saves)
         self._end_session_if_broken()
 
     def _check_scheduler_fingerprint(self, meta: TuttiConnectorMetadata) -> None:
@@ -355,11 +386,10 @@ class WorkerSide:
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Prepares this step's loads and issues each one's first layers, `layers_in_flight` of
-        them (saves were prepared when the metadata was bound). A load that cannot start is
-        reported failed (vLLM recomputes it)."""
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, TuttiConnectorMetadata)
-        self._start_loads(meta)
+        them, then prepares the step's saves if the metadata had loads (`_start_step`; without
+        loads they were prepared when it was bound). A load that cannot start is reported failed
+        (vLLM recomputes it)."""
+        self._start_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Blocks until every load of this step has layer `layer_name` in vLLM's blocks; each
@@ -368,12 +398,10 @@ class WorkerSide:
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        if not self._loads_started and self.has_connector_metadata():
+        if not self._loads_started:
             # Loads are synchronous (vLLM starts them before the forward); should vLLM not have
             # done so, they start here, before the layers that need them.
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, TuttiConnectorMetadata)
-            self._start_loads(meta)
+            self._start_step()
         for req_id, state in list(self._loads.items()):
             if self._loads.get(req_id) is not state:
                 continue  # ended meanwhile (the session ended)
@@ -391,6 +419,8 @@ class WorkerSide:
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
+        if not self._saves_prepared:
+            self._start_step()  # vLLM called neither start_load_kv nor wait_for_layer_load first
         if self._saves:
             self._gpu_writes_done()
         for req_id, state in list(self._saves.items()):
@@ -411,6 +441,7 @@ class WorkerSide:
         # Loads are synchronous: one whose later layers vLLM did not wait for ends in this step.
         if self._layers:
             self.wait_for_layer_load(self._layer_names[-1])
+        self._start_step()  # already done, unless there are no layers
         self._agree_on_loads()
         if self._saves:
             self._gpu_writes_done()
@@ -577,6 +608,11 @@ class WorkerSide:
             if self._dead is not None:
                 self._save_settled(save.req_id, token, False)
                 continue
+            if save.req_id in self._step_failed_loads:
+                # Computed against blocks whose load failed: see _cancel_save_of_failed_load.
+                logger.warning("tutti: save of request %s not started: its load failed", save.req_id)
+                self._save_settled(save.req_id, token, False)
+                continue
             try:
                 request = self._store.prepare_store(save.tokens, save.block_ids)
             except tutti.Error as error:
@@ -685,9 +721,11 @@ class WorkerSide:
     def _cancel_save_of_failed_load(self, req_id: str, on_this_rank: bool = True, shared: bool = False) -> None:
         """A request whose load failed saves nothing in this step: its blocks hold what vLLM had
         there before (recomputed only after the step), and the blocks after them were computed
-        against those. Its save (prepared when the metadata was bound, possibly with layers
+        against those. Its save (prepared after the step's loads, if any, started; possibly with layers
         issued) is given up, never committed, and reported through get_finished as a miss.
-        `on_this_rank`: False when the load failed on another TP rank (`_agree_on_loads`)."""
+        `on_this_rank`: False when the load failed on another TP rank (`_agree_on_loads`). A
+        save not prepared yet (the step's loads start first) is never prepared."""
+        self._step_failed_loads.add(req_id)
         state = self._saves.pop(req_id, None)
         if state is None:
             return

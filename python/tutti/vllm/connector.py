@@ -18,8 +18,10 @@ WORKER, one per tensor-parallel rank), each in its own process:
   layer l's attention; it first waits for layer l-N); `wait_for_save` hands each save's last
   layers to a committer thread, so a step never waits for a flush: the save is reported done through
   `get_finished` and vLLM keeps the request's blocks until then (`request_finished` returns True).
-  Saves are prepared when vLLM binds the step's metadata (`bind_connector_metadata`): vLLM calls
-  `start_load_kv` only after the forward in a step without synchronous loads.
+  A step's saves are prepared when vLLM binds its metadata (`bind_connector_metadata`) if it has
+  no loads (vLLM then calls `start_load_kv` only after the forward), and after its loads, in
+  `start_load_kv` (before the forward), if it has: saves refused for want of request places are
+  misses, a load refused would be recomputed.
 
 Memory a device may still write is never handed back to vLLM: a load whose layer cannot be
 settled ends the worker's tuttid session (tuttid deletes its queue pairs) before its blocks are
@@ -149,9 +151,10 @@ class TuttiConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         return False
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Takes the step's metadata and prepares its saves: vLLM calls save_kv_layer during the
-        forward, while start_load_kv comes after the forward in a step without synchronous loads
-        (vLLM 0.32's SchedulerOutput.has_sync_kv_loads)."""
+        """Takes the step's metadata and, in a step without loads, prepares its saves: vLLM calls
+        save_kv_layer during the forward, while start_load_kv comes after the forward in a step
+        without synchronous loads (vLLM 0.32's SchedulerOutput.has_sync_kv_loads). A step with
+        loads prepares its saves after them, in start_load_kv (before the forward)."""
         super().bind_connector_metadata(connector_metadata)
         if self._role != KVConnectorRole.SCHEDULER:
             self._bind_worker_metadata(connector_metadata)
