@@ -308,6 +308,10 @@ pub(crate) struct ControllerCore {
     /// case happened (a transfer past its deadline before the stop is redone whole instead).
     #[cfg(test)]
     pub(crate) short_writes_at_stop_for_tests: usize,
+    /// How many of those went straight from host memory (a direct transfer), so a test of the
+    /// direct path can tell it from the bounced one it falls back to.
+    #[cfg(test)]
+    pub(crate) short_direct_writes_at_stop_for_tests: usize,
     /// `fdatasync` of the store fails with an I/O error while set (a disk that loses its
     /// cache flushes, in tests).
     #[cfg(test)]
@@ -393,6 +397,8 @@ impl ControllerCore {
             short_write_at_stop_for_tests: None,
             #[cfg(test)]
             short_writes_at_stop_for_tests: 0,
+            #[cfg(test)]
+            short_direct_writes_at_stop_for_tests: 0,
             #[cfg(test)]
             fail_syncs_for_tests: false,
             #[cfg(test)]

@@ -430,6 +430,7 @@ impl ControllerCore {
                 let offset_bytes = io.offset_bytes();
                 self.store.write(offset_bytes, &data[..done_bytes]).expect("the test's short write lands");
                 self.short_writes_at_stop_for_tests += 1;
+                self.short_direct_writes_at_stop_for_tests += usize::from(io.direct);
                 Err(UringError::ShortTransfer { direction: Direction::Write, offset_bytes, len_bytes, done_bytes })
             }
             _ => result,

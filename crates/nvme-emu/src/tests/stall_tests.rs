@@ -426,6 +426,11 @@ fn a_write_cut_short_by_a_power_loss_leaves_each_block_wholly_old_or_new() {
 
 fn short_write_at_a_power_loss(name: &str, direct: bool) {
     let Some(mut stalled) = Stalled::start_with(name, true, IN_FLIGHT_WINDOW) else { return };
+    if direct && stalled.host.device.with_core(|core| core.store_is_buffered_file()) {
+        // Every transfer would go through the controller's buffers: the bounced case again.
+        eprintln!("{name}: the temporary directory refuses O_DIRECT: the direct case is skipped");
+        return;
+    }
     for lba in 3..5u64 {
         assert_eq!(stalled.write(lba, &block(0x50 + lba as u8)), Ok(()), "the old data of block {lba}");
     }
@@ -451,11 +456,14 @@ fn short_write_at_a_power_loss(name: &str, direct: bool) {
     // Both writes were cut short at the stop, not redone whole after passing their deadline
     // (IN_FLIGHT_WINDOW) before the power loss took the lock: otherwise the asserts below
     // would hold without testing anything.
-    let cut_short = stalled.host.device.with_core(|core| {
+    let (cut_short, cut_short_direct) = stalled.host.device.with_core(|core| {
         core.short_write_at_stop_for_tests = None;
-        core.short_writes_at_stop_for_tests
+        (core.short_writes_at_stop_for_tests, core.short_direct_writes_at_stop_for_tests)
     });
     assert_eq!(cut_short, 2, "{name}: the writes were not both in flight at the power loss");
+    // Both straight from host memory, or both through the controller's buffers, as asked:
+    // a direct case that fell back to bounce buffers would test the bounced path twice.
+    assert_eq!(cut_short_direct, if direct { 2 } else { 0 }, "{name}: the writes' path");
     let media = stalled.media_blocks(5);
     for (lba, data) in (3u64..).zip(media[3 * 4096..].chunks(4096)) {
         let (old, new) = (block(0x50 + lba as u8), block(0x60 + lba as u8));
