@@ -823,3 +823,47 @@ def test_drain_jobs_raises_when_no_job_finishes_in_time(tmp_path: Path):
     finally:
         release.set()
         manager.shutdown()
+
+
+class SleepingStall(StalledLayer):
+    """A StalledLayer whose waits take all the time they are given (a device that does not answer)
+    and whose layer stays in flight whatever is polled."""
+
+    def wait(self, timeout_s=None):
+        time.sleep(timeout_s)
+        raise tutti.TimeoutError("injected: the layer did not complete")
+
+    def poll(self):
+        return None
+
+    @property
+    def layer_in_flight(self):
+        return 0
+
+    @property
+    def layers_in_flight(self):
+        return [0]
+
+
+def test_a_stalled_wave_ends_within_drain_jobs_bound(tmp_path: Path):
+    """Goal: a promotion whose every chunk stalls holds the tier's thread for one deadline of its
+    wave, not timeout_s twice per chunk (a wait, then the abandon's wait): drain_jobs returns
+    within its bound ((requests_max + 2) x timeout_s without a job finishing) instead of raising,
+    and the job is reported failed after the pool was closed."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2, requests_max=4).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        stored = keys(4, 30)
+        assert tier._store_chunks(stored, [0, 1, 2, 3]) == stored
+        wrapped = StoreWithStalledLoads(tier)
+        wrapped.prepare_retrieve = lambda tokens, block_ids: SleepingStall(wrapped._store.prepare_retrieve(tokens, block_ids))
+        tier._store = wrapped
+        job = TransferJob(job_id=30, keys=stored, chunk_ids=np.array([4, 5, 6, 7]), is_promotion=True, req_context=ReqContext(req_id="r"))
+        tier.submit_load(job)
+        drain_within(tier, 20.0)  # raises tutti.TimeoutError past its bound
+        assert [(result.job_id, result.success) for result in tier.get_finished_jobs()] == [(30, False)]
+        assert wrapped.closed_by_tier, "the job was reported with the pool open: its rows may still be written"
+        assert wrapped.reported_at_close == [], "the job was reported before the pool was closed"
+    finally:
+        manager.shutdown()
+

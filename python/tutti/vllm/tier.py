@@ -46,6 +46,7 @@ from tutti._engine import (
     queue_depth_field,
     refuses_crc_less_pool,
     requests_in_range,
+    wait_out_layer,
 )
 from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _refuse_non_causal_attention, _resolved_kv_layout
 from vllm.v1.kv_offload.base import Locality, LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
@@ -77,7 +78,12 @@ TIER_CONFIG_FIELDS = {
         "default: derived from the engine's VllmConfig as the connector's (refused where the tier cannot find it)",
     ),
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
-    "timeout_s": Field(float, "the longest wait for one chunk's I/O, seconds", default=30.0, check=bounded_timeout),
+    "timeout_s": Field(
+        float,
+        "the longest wait for one chunk's I/O, seconds (a wave of chunks waits at most timeout_s a chunk in all)",
+        default=30.0,
+        check=bounded_timeout,
+    ),
     "requests_max": Field(int, "chunks moved at once", default=16, check=requests_in_range),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
@@ -160,6 +166,8 @@ class TuttiTier(SecondaryTierManager):
         self._results_lock = threading.Lock()
         self._idle = threading.Condition(self._results_lock)
         self._in_progress = 0
+        # Waves of chunks the tier's thread ended (drain_jobs' progress within a job).
+        self._waves_ended = 0
         self.dropped_store_jobs = 0
         # Why the pool was closed for good (a load's layer did not complete): jobs fail at once.
         self._dead: Optional[str] = None
@@ -212,21 +220,23 @@ class TuttiTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Waits until every submitted job finished. Every wait of a job's I/O is bounded (a wave
-        of requests_max chunks, each waited for at most timeout_s, then abandoned), so when no
-        job finished for timeout_s x (requests_max + 2) the tier is stuck: raises
+        of at most requests_max chunks waits at most timeout_s a chunk in all, abandons
+        included, then closes the pool if a layer is stuck: `_wave_deadline`), so when no job
+        and no wave of one finished for timeout_s x (requests_max + 2) the tier is stuck: raises
         tutti.TimeoutError rather than return (vLLM frees rows after drain_jobs, which a job
         may still touch) or wait for ever. Jobs queued for a thread that has stopped are
         reported failed (they touched no row)."""
         stall_s = self._timeout_s * (self._requests_max + 2)
-        last_in_progress, progress_at = None, time.monotonic()
+        last_progress, progress_at = None, time.monotonic()
         while True:
             self._raise_if_unsafe()
             self._fail_orphaned_jobs()
             with self._idle:
                 if self._in_progress == 0:
                     return
-                if last_in_progress is None or self._in_progress < last_in_progress:
-                    last_in_progress, progress_at = self._in_progress, time.monotonic()
+                progress = (-self._in_progress, self._waves_ended)
+                if last_progress is None or progress != last_progress:
+                    last_progress, progress_at = progress, time.monotonic()
                 elif time.monotonic() - progress_at > stall_s:
                     raise tutti.TimeoutError(
                         f"tutti tier: {self._in_progress} jobs still running and none finished in {stall_s:.1f} s"
@@ -366,14 +376,18 @@ class TuttiTier(SecondaryTierManager):
 
     def _store_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
         """Stores each chunk not in the pool yet, `requests_max` at a time; returns the keys that
-        are in the pool afterwards."""
+        are in the pool afterwards. A wave's waits end by its deadline (`_wave_deadline`); at
+        its first chunk whose layer does not complete the wave stops waiting and the pool is
+        closed (the close settles the wave's other requests)."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
             if self._dead is not None:
                 break
+            wave_keys, wave_chunks = keys[start : start + self._requests_max], chunks[start : start + self._requests_max]
+            deadline = self._wave_deadline(len(wave_keys))
             wave = []
             stuck = False
-            for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
+            for key, chunk in zip(wave_keys, wave_chunks):
                 tokens = hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS)
                 try:
                     request = self._store.prepare_store(tokens, [chunk])
@@ -390,33 +404,41 @@ class TuttiTier(SecondaryTierManager):
                 except tutti.Error as error:
                     # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
-                    stuck |= not _abandon(request, self._timeout_s)
-            for key, request in wave:
+                    if not _abandon(request, self._timeout_s, deadline):
+                        stuck = True
+                        break
+            for key, request in [] if stuck else wave:
                 try:
-                    request.wait(self._timeout_s)
+                    request.wait(_wait_s(self._timeout_s, deadline))
                     request.commit()
                     done.append(key)
                 except tutti.Error as error:
                     logger.warning("tutti tier: a chunk was not stored: %s", error)
-                    stuck |= not _abandon(request, self._timeout_s)
+                    if not _abandon(request, self._timeout_s, deadline):
+                        stuck = True
+                        break
             if stuck:
                 # A store only reads its row, so vLLM may reuse it; but a request whose layer
                 # never completes keeps its request place and pins for good, and enough of them
                 # would stop every later job: a pool whose devices do not complete is closed.
                 self._close_pool("a layer of a chunk store did not complete", rows_written=False)
+            self._wave_ended()
         return done
 
     def _load_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
         """Reads each chunk into its primary-tier row; returns the keys read. A chunk whose layer
         does not complete closes the pool before the job is reported (see the module
-        documentation); raises _RowsUnsafe when that close does not confirm it."""
+        documentation); raises _RowsUnsafe when that close does not confirm it. Waits end as
+        `_store_chunks`' do."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
             if self._dead is not None:
                 break
+            wave_keys, wave_chunks = keys[start : start + self._requests_max], chunks[start : start + self._requests_max]
+            deadline = self._wave_deadline(len(wave_keys))
             wave = []
             stuck = False
-            for key, chunk in zip(keys[start : start + self._requests_max], chunks[start : start + self._requests_max]):
+            for key, chunk in zip(wave_keys, wave_chunks):
                 try:
                     request = self._store.prepare_retrieve(hash_tokens(key, BYTE_GEOMETRY_BLOCK_TOKENS), [chunk])
                 except tutti.Error as error:
@@ -429,18 +451,39 @@ class TuttiTier(SecondaryTierManager):
                     # Prepared: it holds a request place and pins until finished. An issue that
                     # failed after its commands were published leaves the layer in flight.
                     logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
-                    stuck |= not _abandon(request, self._timeout_s)
-            for key, request in wave:
+                    if not _abandon(request, self._timeout_s, deadline):
+                        stuck = True
+                        break
+            for key, request in [] if stuck else wave:
                 try:
-                    request.wait(self._timeout_s)
+                    request.wait(_wait_s(self._timeout_s, deadline))
                     request.finish()
                     done.append(key)
                 except tutti.Error as error:
                     logger.warning("tutti tier: a chunk was not loaded: %s", error)
-                    stuck |= not _abandon(request, self._timeout_s)
+                    if not _abandon(request, self._timeout_s, deadline):
+                        stuck = True
+                        break
             if stuck:
+                # The chunks not waited for are not reported loaded: the close deletes the queue
+                # pairs that could still write their rows.
                 self._close_pool("a layer of a chunk load did not complete")
+            self._wave_ended()
         return done
+
+    def _wave_deadline(self, chunks: int) -> float:
+        """The deadline (time.monotonic()) of a wave of `chunks` chunks: every wait for its layers
+        and every abandon's wait ends by it, timeout_s a chunk in all, so a wave whose chunks
+        all stall holds the tier's thread that long (then the pool's close: timeout_s for the
+        layers in flight, and the queue pairs' deletion), not a wait and an abandon's wait of
+        timeout_s each per chunk."""
+        return time.monotonic() + self._timeout_s * chunks
+
+    def _wave_ended(self) -> None:
+        """Progress for drain_jobs: a job of many waves is not stuck while its waves end."""
+        with self._idle:
+            self._waves_ended += 1
+            self._idle.notify_all()
 
     def _close_pool(self, reason: str, rows_written: bool = True) -> None:
         """Closes the pool for good: its queue pairs are deleted, after which no controller
@@ -551,6 +594,17 @@ class _CloseFailed(Exception):
     """The tier's thread: a close of the pool raised before it confirmed anything."""
 
 
-def _abandon(request: Any, timeout_s: float) -> bool:
-    """`abandon_request` with this module's log."""
-    return abandon_request(request, timeout_s, logger, "tutti tier: a failed request")
+def _abandon(request: Any, timeout_s: float, deadline: float) -> bool:
+    """`abandon_request` with this module's log, its waits for the layer in flight ending by
+    `deadline` (time.monotonic(): the wave's)."""
+    what = "tutti tier: a failed request"
+    if not wait_out_layer(request, timeout_s, logger, what, deadline=deadline):
+        return False
+    # No layer in flight any more: abandon_request only finishes it.
+    return abandon_request(request, timeout_s, logger, what)
+
+
+def _wait_s(timeout_s: float, deadline: float) -> float:
+    """A layer's wait: timeout_s, ending no later than `deadline` (0 once it has passed: a layer
+    complete by then is still returned)."""
+    return max(0.0, min(timeout_s, deadline - time.monotonic()))
