@@ -52,16 +52,21 @@ pub struct LeaseHealth {
     pub since_renewal: Duration,
 }
 
-/// What [`ClusterNode::rejoin`] did with the old lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What [`ClusterNode::rejoin`] did with the node's old leases.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejoined {
     /// The node's last lease: the one it held, or the one a failed rejoin granted and could
     /// not revoke after its member transaction's answer was lost.
     pub old_lease_id: i64,
-    /// False when a revoke failed — of this lease or of an earlier one of the node whose revoke
-    /// had failed before: that lease and its entries live until it expires. True only when no
-    /// lease of the node but the new one is left.
+    /// Whether that lease is gone (revoked, or etcd no longer knew it): every entry put under
+    /// it went with it.
     pub old_lease_revoked: bool,
+    /// The leases of the node this rejoin tried and could not revoke, newest first (the old
+    /// lease among them unless `old_lease_revoked`): each lives, with the entries under it,
+    /// until it expires. Empty when no lease this node still tracks is left; one an earlier
+    /// rejoin stopped tracking (past the two it keeps, logged then) may live on unrenewed
+    /// for up to a TTL after that rejoin.
+    pub left: Vec<i64>,
 }
 
 struct KeepAlive {
@@ -312,10 +317,9 @@ impl ClusterNode {
     /// reporting lost, its writes refused, not joined under a revoked lease. A member key still
     /// under a lease of the node whose revoke failed refuses the join with
     /// [`ClusterError::OwnLeaseHolds`] (not `NodeIdTaken`: no other process holds the id).
-    /// The answer says whether the old leases are all gone: if a revoke failed, the entries
-    /// under that lease live on until it expires (a TTL at most), and an owner that meant to
-    /// delete some of them must still do so (under the new lease: the keys name the node, not
-    /// the lease).
+    /// The answer names the leases it could not revoke: the entries under each live on until
+    /// it expires (a TTL at most), and an owner that meant to delete some of them must still
+    /// do so (under the new lease: the keys name the node, not the lease).
     pub fn rejoin(&mut self) -> Result<Rejoined> {
         self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
@@ -327,19 +331,20 @@ impl ClusterNode {
         let mut held = vec![old_lease_id];
         held.extend(self.unrevoked.iter().copied().filter(|&lease_id| lease_id != old_lease_id));
         let mut failed: Vec<i64> = held.into_iter().filter(|&lease_id| !self.revoke(lease_id)).collect();
+        let old_lease_revoked = !failed.contains(&old_lease_id);
+        // Entries of the node live on under any lease left, not only under the last one: the
+        // owner must delete what it meant to (`Rejoined::left`).
+        let left = failed.clone();
         if failed.len() > UNREVOKED_KEPT {
             tracing::warn!(leases = ?&failed[UNREVOKED_KEPT..], "no longer revoked by this node: they expire by themselves");
             failed.truncate(UNREVOKED_KEPT);
         }
-        // Entries of the node live on under any lease left, not only under the last one: the
-        // owner must delete what it meant to (`Rejoined::old_lease_revoked`).
-        let old_lease_revoked = failed.is_empty();
         self.unrevoked = failed;
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
         self.orphaned = None;
         self.establish()?;
-        Ok(Rejoined { old_lease_id, old_lease_revoked })
+        Ok(Rejoined { old_lease_id, old_lease_revoked, left })
     }
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
@@ -911,7 +916,7 @@ mod lease_orphan_tests {
 
         let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
         let rejoined = node.rejoin().expect("the rejoin after revokes the orphaned lease");
-        assert_eq!(rejoined, Rejoined { old_lease_id: orphan, old_lease_revoked: true });
+        assert_eq!(rejoined, Rejoined { old_lease_id: orphan, old_lease_revoked: true, left: Vec::new() });
         assert_eq!(ttl_left(&node.client, orphan), -1, "the orphaned lease is gone");
         let lease_id = node.health().lease_id;
         assert_eq!(member_key_lease(&node.client, &record.node), lease_id);
@@ -960,16 +965,19 @@ mod lease_orphan_tests {
         assert_eq!(ttl_left(&node.client, second), -1, "the orphaned lease is gone");
         assert_eq!(rejoined.old_lease_id, second);
         assert!(rejoined.old_lease_revoked);
+        assert!(rejoined.left.is_empty(), "{:?}", rejoined.left);
         assert_eq!(member_key_lease(&node.client, &record.node), node.health().lease_id);
         assert!(!node.health().lost);
     }
 
     #[test]
-    fn a_rejoin_reports_the_old_lease_revoked_only_when_no_lease_of_the_node_is_left() {
-        // Goal: `old_lease_revoked` tells the owner whether entries of the node may live under
-        // an old lease (the registrar then keeps its unregister queue to delete them under the
-        // new one). A rejoin whose revoke of L0 failed, then a rejoin revoking L1 but failing
-        // L0's revoke again, answered "revoked" for L1 though L0 and its registrations lived on.
+    fn a_rejoin_reports_the_leases_of_the_node_it_left() {
+        // Goal: the answer tells the owner which leases of the node may live on with entries
+        // under them (the registrar then keeps its unregister queue to delete them under the
+        // new one, and names them). A rejoin whose revoke of L0 failed, then a rejoin revoking
+        // L1 but failing L0's revoke again, answered "revoked" for L1 though L0 and its
+        // registrations lived on; then it said only "not revoked", and the registrar's warning
+        // named L1, the lease that was gone.
         let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
         let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("left").unwrap(), SegmentBlocks::new(16).unwrap());
         config.lease_ttl = Duration::from_secs(30);
@@ -994,18 +1002,23 @@ mod lease_orphan_tests {
             .unwrap();
         node.fail_revoke = Some(first);
         let rejoined = node.rejoin().expect("joins under a new lease");
-        assert_eq!(rejoined, Rejoined { old_lease_id: first, old_lease_revoked: false });
+        assert_eq!(rejoined, Rejoined { old_lease_id: first, old_lease_revoked: false, left: vec![first] });
         let second = node.health().lease_id;
 
         let rejoined = node.rejoin().expect("joins under a new lease again");
         assert_eq!(rejoined.old_lease_id, second);
         assert_eq!(ttl_left(&node.client, second), -1);
         assert!(ttl_left(&node.client, first) > 0, "the hook kept the first lease alive");
-        assert!(!rejoined.old_lease_revoked, "reported revoked though the first lease and its entries live");
+        assert_eq!(
+            rejoined,
+            Rejoined { old_lease_id: second, old_lease_revoked: true, left: vec![first] },
+            "the first lease and its entries live"
+        );
 
         node.fail_revoke = None;
         let rejoined = node.rejoin().expect("joins once more");
-        assert!(rejoined.old_lease_revoked, "every lease of the node is gone now");
+        assert!(rejoined.old_lease_revoked);
+        assert_eq!(rejoined.left, Vec::<i64>::new(), "every lease of the node is gone now");
         assert_eq!(ttl_left(&node.client, first), -1);
     }
 }

@@ -535,18 +535,18 @@ impl Registrar {
 
     /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
     /// has nothing left to do — unless a revoke failed (of that lease, or of an earlier one the
-    /// rejoin tried again: `old_lease_revoked` is false). Then they live until it expires (up to
-    /// a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
-    /// deletes them under the new lease (a guarded delete of the key, which names the node, not
-    /// the lease). Clearing it regardless left them claimed for that TTL.
+    /// rejoin tried again: `left` names them). Then they live until it expires (up to a TTL),
+    /// listing segments this pool no longer holds, and the queue is kept: this pass deletes
+    /// them under the new lease (a guarded delete of the key, which names the node, not the
+    /// lease). Clearing it regardless left them claimed for that TTL.
     fn rejoined(&mut self, rejoined: Rejoined) {
-        if rejoined.old_lease_revoked {
+        if rejoined.left.is_empty() {
             self.to_unregister.clear();
         } else if !self.to_unregister.is_empty() {
             tracing::warn!(
-                lease_id = rejoined.old_lease_id,
+                leases = ?rejoined.left,
                 segments = self.to_unregister.len(),
-                "the old lease was not revoked: its registrations of segments no longer held are deleted under the new one"
+                "leases of this node were not revoked: their registrations of segments no longer held are deleted under the new one"
             );
         }
     }
@@ -808,9 +808,9 @@ mod tests {
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let queued = vec![(space, Segment { index: 0, key: SegmentKey::new(16).unwrap() })];
         registrar.to_unregister = queued.clone();
-        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: false });
+        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: false, left: vec![0x77] });
         assert_eq!(registrar.to_unregister, queued, "dropped though the old lease's entries live on");
-        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: true });
+        registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: true, left: Vec::new() });
         assert!(registrar.to_unregister.is_empty(), "kept though the old lease's entries are gone");
     }
 }
