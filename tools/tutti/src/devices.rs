@@ -261,8 +261,8 @@ pub enum BindOutcome {
 
 /// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
 /// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev, a process holding
-/// a disk or a controller's character device open), each unless its
-/// override is given: passing the class check never passes the in-use check. These refusals,
+/// a disk or a controller's character device open, SR-IOV virtual functions enabled), each
+/// unless its override is given: passing the class check never passes the in-use check. These refusals,
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
 /// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
 /// (`lock_dir/vfio-BDF.lock`) is held throughout, as `unbind` holds it: one held by another
@@ -412,17 +412,17 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 
 /// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
 /// Returns the driver that took it (None if none did); vfio-pci taking it back (its ids given
-/// to vfio-pci) is an error. Refuses, before writing anything, a
-/// function that is not an NVMe controller (unless `not_nvme`), one whose tuttid device lock
-/// (`lock_dir/vfio-BDF.lock`) another process holds, and one whose VFIO group or device some
-/// process holds open (seen by opening the single-open group node, and named from /proc where
-/// it shows): the kernel's unbind would wait for that process to let go (for ever, if it has no
-/// request handler), with the override already cleared. The group node stays open until the
-/// kernel has let go, so nothing opens it in between. The lock is held from before
-/// the check to the end, so that a tuttid starting meanwhile (a supervisor's restart) is refused
-/// instead of opening the group between the check and the unbind. These refusals, a function
-/// that is not there and one bound to a driver other than vfio-pci are unusable input ([`Unusable`], exit
-/// status 2, nothing changed), as `tutti pool` refuses a device whose lock another holds.
+/// to vfio-pci) is an error. Refuses, before writing anything, a function that is not an NVMe
+/// controller (unless `not_nvme`), one whose tuttid device lock (`lock_dir/vfio-BDF.lock`)
+/// another process holds, and one whose VFIO group or device some process holds open (seen by
+/// opening the single-open group node, and named from /proc where it shows): the kernel's
+/// unbind would wait for that process to let go (for ever, if it has no request handler), with
+/// the override already cleared. The group node stays open until the kernel has let go, so
+/// nothing opens it in between. The lock is held from before the check to the end, so that a
+/// tuttid starting meanwhile (a supervisor's restart) is refused instead of opening the group
+/// between the check and the unbind. These refusals, a function that is not there and one
+/// bound to a driver other than vfio-pci are unusable input ([`Unusable`], exit status 2,
+/// nothing changed), as `tutti pool` refuses a device whose lock another holds.
 pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool, lock_dir: &Path) -> Result<Option<String>> {
     if !system.sysfs.exists(address) {
         return Err(Unusable(format!("no PCI function {address} (see `tutti devices`)")).into());
