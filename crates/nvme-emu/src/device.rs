@@ -231,7 +231,9 @@ impl EmuDevice {
     /// backing store keeps what was durable; the host must bring the controller up again. A
     /// Write in flight lands whole, not at all, or in part: one the kernel gives back short has
     /// the logical block it stopped in finished (AWUPF = 0: one block is atomic), unless that
-    /// fails (logged); one given back failed may leave a block torn (which landed is unknown).
+    /// fails (logged); one given back failed may leave a block torn (which landed is unknown),
+    /// and so may one the kernel keeps past the 5 s cancellation: it fences the store, and
+    /// when the kernel gives it back later, what it wrote stays as it landed (not finished).
     ///
     /// Unless the kernel still holds a transfer straight into host memory that it would not
     /// cancel: CSTS then reads RDY = 1 with CFS (not a clean stop) until it gives it back, and

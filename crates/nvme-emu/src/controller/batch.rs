@@ -463,12 +463,20 @@ impl ControllerCore {
     /// fail (Identify's AWUPF = 0, a 0's based value), and a stop is where the host may see one,
     /// so that block is finished from the command's data (its first bytes, already there, are
     /// written again with it): each block then reads wholly old (not reached) or wholly new,
-    /// unless finishing fails (the data cannot be gathered again, the store write fails or the
-    /// store is fenced): that block then stays torn, logged as an error.
+    /// unless finishing fails (the data cannot be gathered again, or the store write fails):
+    /// that block then stays torn, logged as an error.
     /// Dropping it back instead would need its old bytes, which the store no longer has. The
     /// blocks before it landed whole; older cached copies of them stay (a command with no
     /// completion may have happened or not, block by block). A direct Write's data is gathered
     /// again from the host's memory, which the kernel gave back with the transfer.
+    ///
+    /// Only a Write given back within the cancellation comes here, and it never finds the store
+    /// fenced (a fence comes only with an abandoned ring, whose transfers given back all end
+    /// before it, and which takes no new ones). One the kernel keeps past the cancellation was
+    /// ended by `end_held` (failed or dropped, the store fenced); when the kernel gives it back
+    /// later its completion is dropped unread (`UringReader::holds_writes`, `retain_held`), so
+    /// a block it wrote in part stays torn: its command (namespace, block size) is no longer
+    /// tracked by then.
     fn whole_blocks_after(&mut self, io: &PreparedIo, buffer: &mut AlignedBuffer, done_bytes: usize) {
         let block = io.namespace.block_size_bytes as usize;
         let len = io.len_bytes();
