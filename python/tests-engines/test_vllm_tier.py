@@ -867,3 +867,21 @@ def test_a_stalled_wave_ends_within_drain_jobs_bound(tmp_path: Path):
     finally:
         manager.shutdown()
 
+
+
+def test_a_wave_of_more_than_64_chunks_is_not_refused_for_want_of_iocbs(tmp_path: Path):
+    """Goal: the tier's pool is opened with the IOCBs its requests_max requests need (the store's
+    default, 64, would refuse every chunk of a wave past the 64th with LimitReached); a
+    requests_max whose IOCBs cannot be given is refused with a ConfigError naming it."""
+    manager = offloading_spec(tmp_path / "pool.img", True, requests_max=128).get_manager()
+    try:
+        tier = manager.secondary_tiers[0]
+        stored = keys(128, 31)
+        # The primary tier has CHUNKS rows: several chunks are stored from one row (a store only reads it).
+        assert tier._store_chunks(stored, [index % CHUNKS for index in range(128)]) == stored
+    finally:
+        manager.shutdown()
+    from tutti._engine import ConfigError
+
+    with pytest.raises(ConfigError, match="requests_max"):
+        offloading_spec(tmp_path / "pool2.img", True, requests_max=2048).get_manager()

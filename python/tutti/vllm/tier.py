@@ -41,6 +41,7 @@ from tutti._engine import (
     fingerprint_from_config,
     format_devices,
     hash_tokens,
+    iocbs_for,
     parse_config,
     positive,
     queue_depth_field,
@@ -84,7 +85,9 @@ TIER_CONFIG_FIELDS = {
         default=30.0,
         check=bounded_timeout,
     ),
-    "requests_max": Field(int, "chunks moved at once", default=16, check=requests_in_range),
+    "requests_max": Field(
+        int, "chunks moved at once (at most 1024, the IOCBs the pool gives them; more is refused)", default=16, check=requests_in_range
+    ),
     "queue_depth": queue_depth_field(),
     "queue_max": Field(int, "jobs waiting for the tier's thread; a store job beyond it is dropped (a future miss)", default=1024, check=positive),
     "verify_retrieves": Field(
@@ -122,6 +125,10 @@ class TuttiTier(SecondaryTierManager):
         config = parse_config(f"secondary tier {tier_type!r}", tier_config, TIER_CONFIG_FIELDS)
         self._timeout_s = float(config["timeout_s"])
         self._requests_max = int(config["requests_max"])
+        # A chunk is one request of one block and one layer: one IOCB each, requests_max in all
+        # (the store's default, 64, would refuse every request of a wave past the 64th).
+        # Refused here (ConfigError), before the pool is opened, past 1024.
+        iocbs = iocbs_for(f"secondary tier {tier_type!r}", self._requests_max, 1, blocks_per_request_max=1)
         geometry = byte_geometry(self.block_size_bytes)
         spec_config = offloading_spec.config
         try:
@@ -142,6 +149,7 @@ class TuttiTier(SecondaryTierManager):
             model_fingerprint=fingerprint,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
+            iocbs=iocbs,
             queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
             verify_retrieves=config["verify_retrieves"],
