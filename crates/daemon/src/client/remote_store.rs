@@ -51,6 +51,8 @@ use crate::protocol::{
 };
 use crate::DaemonError;
 
+#[cfg(test)]
+mod busy_hellos;
 mod reply_checks;
 mod request_slots;
 #[cfg(test)]
@@ -271,32 +273,38 @@ fn call_asking_again_while_busy(
 }
 
 /// Connects to tuttid at `socket` and attaches as `hello`. A `Hello` answered Busy (the daemon
-/// serves its maximum number of connections; it closes the connection) is asked again on a new
-/// connection, after a pause, until `timeout` has passed (as the Python package's
-/// `hello_daemon`); then the last Busy is the error, saying so.
+/// serves its maximum number of connections) is asked again on a new connection, after a
+/// pause, until `timeout` has passed (as the Python package's `hello_daemon`); then the last
+/// Busy is the error, saying so.
 fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration) -> Result<(Client, HelloReply), ObjstoreError> {
     let started = Instant::now();
     let deadline = crate::frame_io::deadline_after(started, timeout);
     let mut pauses = super::BusyPauses::new();
-    let mut asked = 0u32;
+    let mut busy = 0u32;
+    let last_busy = |busy: u32, message: &str| {
+        let message = format!(
+            "Hello answered Busy {busy} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
+            started.elapsed().as_secs_f64(),
+            timeout.as_secs_f64()
+        );
+        remote(DaemonError::Remote { code: ErrorCode::Busy, message })
+    };
     loop {
-        asked += 1;
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let mut client = Client::connect(socket, left).map_err(remote)?;
-        match client.hello(hello) {
-            Ok(attached) => {
+        let tried = Client::connect(socket, left).and_then(|mut client| client.hello(hello).map(|attached| (client, attached)));
+        match tried {
+            Ok((mut client, attached)) => {
                 client.set_timeout(timeout);
                 return Ok((client, attached));
             }
+            // The refused connection is closed by now (`tried` held it): a Busy Hello is answered
+            // on the daemon's one status-only connection, which it keeps open, so a store that
+            // held it through the pause would take that place from `tuttid --status`.
             Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
-                tracing::debug!(%message, asked, "tuttid answered Hello Busy; asking again on a new connection");
+                busy += 1;
+                tracing::debug!(%message, busy, "tuttid answered Hello Busy; asking again on a new connection");
                 if !pauses.pause_before(deadline) {
-                    let message = format!(
-                        "Hello answered Busy {asked} time(s) over {:.1} s, the store's timeout being {:.1} s: {message}",
-                        started.elapsed().as_secs_f64(),
-                        timeout.as_secs_f64()
-                    );
-                    return Err(remote(DaemonError::Remote { code: ErrorCode::Busy, message }));
+                    return Err(last_busy(busy, &message));
                 }
             }
             Err(error) => return Err(remote(error)),

@@ -1,0 +1,82 @@
+//! `hello_asking_again_while_busy` against a stand-in daemon that answers Busy: what the
+//! daemon sees of the store's retries (each refused connection closed before the pause).
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::thread;
+
+use super::*;
+use crate::frame_io::{read_frame, write_frame, ReadOutcome};
+
+/// A fresh directory for a stand-in daemon's socket, and the socket's path in it.
+fn socket_in(name: &str) -> (PathBuf, PathBuf) {
+    let directory = std::env::temp_dir().join(format!("tutti-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&directory);
+    std::fs::create_dir_all(&directory).unwrap();
+    let socket = directory.join("socket");
+    (directory, socket)
+}
+
+fn hello() -> Hello {
+    Hello { model_fingerprint: [0x5a; 32], tp_rank: 0, tp_world: 1, client_name: "busy".into() }
+}
+
+/// Reads one frame on `stream` (a Hello), waiting up to 5 s for it.
+fn read_hello(stream: &UnixStream) -> crate::protocol::FrameHeader {
+    stream.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+    stream.set_write_timeout(Some(Duration::from_secs(2))).unwrap();
+    let (mut body, mut fds) = (Vec::new(), Vec::new());
+    match read_frame(stream, &mut body, &mut fds, Instant::now() + Duration::from_secs(5), Duration::from_secs(5), &|| false) {
+        Ok(ReadOutcome::Frame(header)) => {
+            assert_eq!(header.kind, Kind::Hello);
+            header
+        }
+        other => panic!("expected a Hello, got {other:?}"),
+    }
+}
+
+/// Answers the frame `header` names with Busy, as the daemon's status-only connection does.
+fn answer_busy(stream: &UnixStream, header: &crate::protocol::FrameHeader) {
+    let busy = Reply::error(ErrorCode::Busy, "tuttid serves its maximum number of connections; retry later");
+    let mut frame = Vec::new();
+    crate::protocol::encode_frame(&mut frame, busy.kind(), header.request_id, |out| busy.encode_body(out)).unwrap();
+    write_frame(stream, &frame).unwrap();
+}
+
+#[test]
+fn a_hello_answered_busy_closes_its_connection_before_the_pause() {
+    // Goal: a Hello past the cap is answered Busy on the daemon's one status-only connection,
+    // which the daemon keeps open; a store that kept the refused connection through its pause
+    // (20 ms doubling to 500 ms) held that place for most of each cycle, so `tuttid --status`
+    // (which does not ask again) was refused exactly when the place is there for it. The store
+    // closes it as soon as the Busy is read (docs/tuttid.md: "the library closes on a refused
+    // Hello"): the stand-in daemon sees each connection's end well within the pause after it
+    // (pauses 160, 320, 500 and 500 ms after the 4th to 7th Busy).
+    const BUSIES: usize = 7;
+    const CLOSED_WITHIN: Duration = Duration::from_millis(120);
+    let (directory, socket) = socket_in("busy-hello-closes");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let daemon = thread::spawn(move || {
+        let mut closed_after = Vec::new();
+        for _ in 0..BUSIES {
+            let (stream, _) = listener.accept().unwrap();
+            let header = read_hello(&stream);
+            answer_busy(&stream, &header);
+            let answered = Instant::now();
+            let (mut body, mut fds) = (Vec::new(), Vec::new());
+            let outcome = read_frame(&stream, &mut body, &mut fds, answered + Duration::from_secs(2), Duration::from_secs(2), &|| false);
+            assert!(matches!(outcome, Ok(ReadOutcome::Closed)), "{outcome:?}");
+            closed_after.push(answered.elapsed());
+        }
+        // The listener goes with this thread: the store's next connect is refused, and it
+        // stops asking.
+        closed_after
+    });
+    let failed = hello_asking_again_while_busy(&socket, &hello(), Duration::from_secs(20)).err();
+    let closed_after = daemon.join().unwrap();
+    std::fs::remove_dir_all(&directory).unwrap();
+    assert!(failed.is_some(), "no daemon left to answer");
+    for (busy, after) in closed_after.iter().enumerate() {
+        assert!(*after < CLOSED_WITHIN, "the connection refused by Busy {} was closed {after:?} after it: {closed_after:?}", busy + 1);
+    }
+}
