@@ -113,6 +113,12 @@ pub(crate) struct Registrar {
     previous_lease: i64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
+    /// Entries of this node may be under a lease a rejoin left (its revoke failed): queued
+    /// deletes, and held segments not yet registered under the current lease. Set by a rejoin
+    /// that left its old lease (everything of the node was under it), kept by one that left
+    /// only earlier leases while set; cleared once the queue is empty and every held segment is
+    /// registered under the current lease (a put under it moved each key off the old lease).
+    left_may_hold: bool,
     /// A rejoin was attempted and has not succeeded yet. `ClusterNode::rejoin` marks the node
     /// lost before it tries, and a failed attempt leaves it so: that is this process's doing,
     /// not a loss etcd reported, so it is not counted again (nor at all for a rejoin asked for
@@ -152,6 +158,7 @@ impl Registrar {
             fetched,
             previous_lease,
             rejoin_needed: false,
+            left_may_hold: false,
             rejoining: false,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
@@ -481,7 +488,16 @@ impl Registrar {
                 }
             }
         }
+        self.settled();
         Ok(())
+    }
+
+    /// Nothing of the node is under a lease a rejoin left once no delete is queued and every
+    /// held segment is registered under the current lease (`left_may_hold`).
+    fn settled(&mut self) {
+        if self.to_unregister.is_empty() && self.held.registered() == self.held.len() {
+            self.left_may_hold = false;
+        }
     }
 
     /// Deletes this node id's entries of the stale segments (up to [`TRANSACTIONS_PER_PASS`]
@@ -534,13 +550,17 @@ impl Registrar {
     }
 
     /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
-    /// has nothing left to do — unless a revoke failed (of that lease, or of an earlier one the
-    /// rejoin tried again: `left` names them). Then they live until it expires (up to a TTL),
-    /// listing segments this pool no longer holds, and the queue is kept: this pass deletes
-    /// them under the new lease (a guarded delete of the key, which names the node, not the
-    /// lease). Clearing it regardless left them claimed for that TTL.
+    /// has nothing left to do — unless a lease that may hold queued entries lives on: the old
+    /// lease, its revoke failed, or an earlier one the rejoin tried again and failed while
+    /// entries may still be under it (`left_may_hold`). Then they live until it expires (up
+    /// to a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
+    /// deletes them under the new lease (a guarded delete of the key, which names the node, not
+    /// the lease). Clearing it regardless left them claimed for that TTL; keeping it whenever an
+    /// earlier lease was left kept a full queue (the rejoin's reason) whose entries had all
+    /// gone with the revoked old lease.
     fn rejoined(&mut self, rejoined: Rejoined) {
-        if rejoined.left.is_empty() {
+        self.left_may_hold = !rejoined.old_lease_revoked || (self.left_may_hold && !rejoined.left.is_empty());
+        if !self.left_may_hold {
             self.to_unregister.clear();
         } else if !self.to_unregister.is_empty() {
             tracing::warn!(
@@ -556,6 +576,7 @@ impl Registrar {
         self.held.unregister_all();
         self.to_unregister.clear();
         self.rejoin_needed = false;
+        self.left_may_hold = false;
         self.metrics.joins.inc();
     }
 
@@ -812,5 +833,37 @@ mod tests {
         assert_eq!(registrar.to_unregister, queued, "dropped though the old lease's entries live on");
         registrar.rejoined(Rejoined { old_lease_id: 0x77, old_lease_revoked: true, left: Vec::new() });
         assert!(registrar.to_unregister.is_empty(), "kept though the old lease's entries are gone");
+    }
+
+    #[test]
+    fn a_rejoin_that_revoked_the_last_lease_drops_the_queue_though_an_earlier_lease_was_left() {
+        // Goal: a rejoin for a full unregister queue revoked the last lease, under which every
+        // queued entry was registered (so all are gone), but an earlier lease's revoke failed
+        // again: the queue, 65,536 deletes to send one transaction at a time, was kept — the
+        // cost the rejoin exists to avoid. It is dropped unless an entry may be under a lease
+        // left: the last lease was, or an earlier one was and entries of the node may still be
+        // under it (queued, or held and not yet registered under the lease since).
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "overflow", HeldSegments::default(), 0, inbox);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let queued = vec![(space, Segment { index: 0, key: SegmentKey::new(16).unwrap() }); UNREGISTER_QUEUE_MAX];
+        registrar.to_unregister = queued.clone();
+        registrar.rejoined(Rejoined { old_lease_id: 0x78, old_lease_revoked: true, left: vec![0x77] });
+        assert!(registrar.to_unregister.is_empty(), "kept though every queued entry went with the revoked lease");
+
+        // A rejoin left its old lease 0x78: the queue's entries live under it. The next one
+        // revokes its old lease but leaves 0x78 again: they still do, the queue is kept.
+        registrar.to_unregister = queued.clone();
+        registrar.rejoined(Rejoined { old_lease_id: 0x78, old_lease_revoked: false, left: vec![0x78] });
+        registrar.rejoined(Rejoined { old_lease_id: 0x79, old_lease_revoked: true, left: vec![0x78] });
+        assert_eq!(registrar.to_unregister.len(), UNREGISTER_QUEUE_MAX, "dropped though its entries live under 0x78");
+        // Once those are deleted (and every held segment registered under the current lease),
+        // nothing is under 0x78: a queue filled after that went with the revoked lease.
+        registrar.to_unregister.clear();
+        registrar.settled();
+        registrar.to_unregister = queued;
+        registrar.rejoined(Rejoined { old_lease_id: 0x7a, old_lease_revoked: true, left: vec![0x78] });
+        assert!(registrar.to_unregister.is_empty(), "kept though nothing of the node was under the lease left");
     }
 }
