@@ -275,7 +275,9 @@ fn call_asking_again_while_busy(
 /// Connects to tuttid at `socket` and attaches as `hello`. A `Hello` answered Busy (the daemon
 /// serves its maximum number of connections) is asked again on a new connection, after a
 /// pause, until `timeout` has passed (as the Python package's `hello_daemon`); then the last
-/// Busy is the error, saying so.
+/// Busy is the error, saying so. A try after a pause that runs out of time (it may start with
+/// only milliseconds left) fails with that last Busy too, not a timeout: the daemon answered,
+/// and was full.
 fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration) -> Result<(Client, HelloReply), ObjstoreError> {
     let started = Instant::now();
     let deadline = crate::frame_io::deadline_after(started, timeout);
@@ -289,6 +291,7 @@ fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration
         );
         remote(DaemonError::Remote { code: ErrorCode::Busy, message })
     };
+    let mut busy_message = String::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         let tried = Client::connect(socket, left).and_then(|mut client| client.hello(hello).map(|attached| (client, attached)));
@@ -306,7 +309,9 @@ fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration
                 if !pauses.pause_before(deadline) {
                     return Err(last_busy(busy, &message));
                 }
+                busy_message = message;
             }
+            Err(DaemonError::Timeout { .. }) if busy > 0 => return Err(last_busy(busy, &busy_message)),
             Err(error) => return Err(remote(error)),
         }
     }

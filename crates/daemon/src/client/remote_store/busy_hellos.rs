@@ -1,5 +1,6 @@
 //! `hello_asking_again_while_busy` against a stand-in daemon that answers Busy: what the
-//! daemon sees of the store's retries (each refused connection closed before the pause).
+//! daemon sees of the store's retries (each refused connection closed before the pause), and
+//! what the store reports when its last try runs out of time (the last Busy).
 
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
@@ -79,4 +80,49 @@ fn a_hello_answered_busy_closes_its_connection_before_the_pause() {
     for (busy, after) in closed_after.iter().enumerate() {
         assert!(*after < CLOSED_WITHIN, "the connection refused by Busy {} was closed {after:?} after it: {closed_after:?}", busy + 1);
     }
+}
+
+#[test]
+fn a_try_that_runs_out_of_time_after_a_busy_reports_the_busy() {
+    // Goal: the docs promise the last Busy once the timeout has passed. The try after the last
+    // pause may start with only milliseconds left (the pause is taken whenever it ends before
+    // the deadline); its Hello then times out, and the store reported TimedOut, a daemon that
+    // does not answer, instead of the daemon that is full. Timeout 1 s: the first Hello is
+    // answered Busy after 900 ms, the second (asked about 20 ms later) not within its 80 ms.
+    let timeout = Duration::from_secs(1);
+    let (directory, socket) = socket_in("busy-hello-last");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let daemon = thread::spawn(move || {
+        let (first, _) = listener.accept().unwrap();
+        let header = read_hello(&first);
+        thread::sleep(Duration::from_millis(900));
+        answer_busy(&first, &header);
+        let (second, _) = listener.accept().unwrap();
+        let header = read_hello(&second);
+        // Answered well after the store's deadline: it has given up by then.
+        thread::sleep(Duration::from_millis(600));
+        let _ = answer_busy_late(&second, &header);
+        (first, second)
+    });
+    let started = Instant::now();
+    let failed = hello_asking_again_while_busy(&socket, &hello(), timeout).err();
+    let elapsed = started.elapsed();
+    let _connections = daemon.join().unwrap();
+    std::fs::remove_dir_all(&directory).unwrap();
+    match failed {
+        Some(ObjstoreError::RemoteFailed { failure: RemoteFailure::Refused { code }, reason }) => {
+            assert_eq!(code, ErrorCode::Busy.to_u16(), "{reason}");
+            assert!(reason.contains("Busy 1 time(s)"), "{reason}");
+        }
+        other => panic!("expected the last Busy, got {other:?}"),
+    }
+    assert!(elapsed < timeout + Duration::from_millis(500), "{elapsed:?}");
+}
+
+/// [`answer_busy`] on a connection the store may have closed already.
+fn answer_busy_late(stream: &UnixStream, header: &crate::protocol::FrameHeader) -> Result<(), DaemonError> {
+    let busy = Reply::error(ErrorCode::Busy, "late");
+    let mut frame = Vec::new();
+    crate::protocol::encode_frame(&mut frame, busy.kind(), header.request_id, |out| busy.encode_body(out)).unwrap();
+    write_frame(stream, &frame)
 }
