@@ -342,7 +342,12 @@ impl<E: Executor> KvStore<E> {
     /// keys of the prefix's blocks up to its last into `self.keys`; returns how many (the
     /// request's own are the last `block_ids.len()`). Everything refused here is refused before
     /// anything is reserved: a store's reservation may evict (and sync Empty headers over)
-    /// cached blocks, which releasing it does not bring back.
+    /// cached blocks, which releasing it does not bring back. So is a store short of IOCBs
+    /// (`prepare_store` counts them next), and the reservation refuses a pool too full before
+    /// it evicts. What can still refuse a store after its reservation evicted: the evicted
+    /// slots' headers failing to sync, and the data half's own checks of the placements the
+    /// control half made (consistent unless the index is), none of which a request causes.
+    /// A retrieve's reservation evicts nothing.
     fn check_request(&mut self, request: &KvRequest<'_>, first_block: usize, direction: Direction) -> Result<usize> {
         let block_tokens = self.control.pool().geometry().block_tokens as usize;
         let full = request.tokens.len() / block_tokens;
@@ -414,6 +419,17 @@ impl<E: Executor> KvStore<E> {
     /// another store's) evicts a block this request counts on.
     pub fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan> {
         let n = self.check_request(request, 0, Direction::Store)?;
+        if self.data.may_be_short_of_iocbs(n) {
+            // The IOCBs the new blocks take, refused before the reservation can evict: the
+            // blocks no one holds or claimed are exactly those `reserve_store` finds new.
+            let index = self.control.pool().index();
+            let new_blocks = self.keys[..n]
+                .iter()
+                .zip(request.block_ids)
+                .filter(|&(&key, _)| index.get(key).is_none() && !index.is_claimed(key))
+                .map(|(_, &engine_block)| engine_block);
+            self.data.refuse_short_of_iocbs(new_blocks, index.blocks_per_slot() as usize)?;
+        }
         let plan = self.control.reserve_store(&self.keys[..n], request.block_ids, self.data.lender())?;
         let prepared =
             self.control.placements(plan.handle).and_then(|placements| self.data.prepare(plan.handle, Direction::Store, placements, None));

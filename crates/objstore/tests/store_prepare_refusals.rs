@@ -26,6 +26,11 @@ fn store() -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) 
 
 /// As [`store`], with at most `slot_count_max` one-block slots in the pool.
 fn store_with_slots(slot_count_max: Option<u64>) -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) {
+    store_with(slot_count_max, StoreConfig::default())
+}
+
+/// As [`store_with_slots`], with `config`.
+fn store_with(slot_count_max: Option<u64>, config: StoreConfig) -> (Arc<EmuDevice>, KvStore<gio_uring::CpuExecutor>, Vec<DmaRegion>) {
     let geometry = geometry();
     let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 })).expect("emulator");
     let backend: Arc<dyn DeviceBackend> = device.clone();
@@ -44,7 +49,6 @@ fn store_with_slots(slot_count_max: Option<u64>) -> (Arc<EmuDevice>, KvStore<gio
         block_stride_bytes: object_bytes,
     };
     let registration = KvRegistration::new(geometry, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
-    let config = StoreConfig::default();
     let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
     let store = KvStore::new(pool, registration, Arc::clone(controller.dma()), executor, config).expect("store");
     (device, store, tensors)
@@ -108,4 +112,39 @@ fn a_refused_duplicate_costs_a_full_pool_nothing() {
     }
     assert_eq!(store.counts().evictions, 0);
     assert_eq!(store.counts().valid_slots, SLOTS);
+}
+
+#[test]
+fn a_store_short_of_iocbs_costs_a_full_pool_nothing() {
+    // Goal: a store that cannot get the IOCBs its new blocks need is refused before any slot
+    // is reserved, so on a full pool it evicts nothing. Before, the reservation evicted the
+    // least recently used prompt (and synced its header Empty), then building the IOCBs failed
+    // NoFreeIocb: with every IOCB held by prepared requests, each refused store destroyed a
+    // cached prompt.
+    const SLOTS: u64 = 4;
+    let (_device, mut store, _tensors) = store_with(Some(SLOTS), StoreConfig { iocbs: 2, ..StoreConfig::default() });
+    let prompts: Vec<Vec<u32>> = (0..SLOTS as u32).map(|p| (p * 1000..p * 1000 + 16).collect()).collect();
+    for (p, tokens) in prompts.iter().enumerate() {
+        store_and_commit(&mut store, tokens, &[p as u32]);
+    }
+    assert_eq!(store.counts().free_slots, 0);
+    // Two retrieves pin prompts 0 and 1 (the LRU tail is then prompt 2) and hold both IOCBs.
+    let reads: Vec<_> = (0..2)
+        .map(|p| store.prepare_retrieve(&KvRequest { tokens: &prompts[p], block_ids: &[8 + p as u32] }).expect("prepare_retrieve"))
+        .collect();
+    let tokens: Vec<u32> = (50_000..50_016).collect();
+    match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }) {
+        Err(ObjstoreError::Gio(gio_uring::GioError::NoFreeIocb { .. })) => {}
+        other => panic!("expected NoFreeIocb, got {other:?}"),
+    }
+    assert_eq!(store.counts().evictions, 0);
+    for tokens in &prompts {
+        assert_eq!(store.lookup(tokens), 1, "a cached prompt was lost to a refused store");
+    }
+    // Once an IOCB is back, the same store goes ahead (evicting the LRU tail, prompt 2).
+    store.finish(reads[0]).expect("finish");
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }).expect("prepare_store");
+    assert_eq!((plan.new_blocks, plan.evicted_slots), (1, 1));
+    store.finish(plan.handle).expect("finish the store");
+    store.finish(reads[1]).expect("finish");
 }

@@ -428,6 +428,61 @@ impl<E: Executor> StoreData<E> {
         Ok(())
     }
 
+    /// Refuses a store whose new blocks need more IOCBs than the queue has free, with the
+    /// [`GioError::NoFreeIocb`] `build_iocbs` would return: asked before the reservation, which
+    /// may evict cached blocks (and sync their headers Empty) that releasing it does not bring
+    /// back. `new_blocks` are the engine blocks of the store's new blocks in order (see
+    /// [`StoreData::store_iocbs`]).
+    pub(super) fn refuse_short_of_iocbs(&self, new_blocks: impl Iterator<Item = u32>, blocks_per_slot: usize) -> Result<()> {
+        let needed = self.store_iocbs(new_blocks, blocks_per_slot);
+        let available = self.queue.free_iocbs();
+        if needed > available {
+            return Err(GioError::NoFreeIocb { requested: needed, available }.into());
+        }
+        Ok(())
+    }
+
+    /// The IOCBs `build_iocbs` takes for a store whose new blocks come from `new_blocks` (in
+    /// order; 0 when there are none). The control half places them `blocks_per_slot` to a
+    /// slot, the i-th at index i % blocks_per_slot of a fresh slot, so the runs `build_iocbs`
+    /// merges, and so its count, are known before they are placed.
+    pub(super) fn store_iocbs(&self, new_blocks: impl Iterator<Item = u32>, blocks_per_slot: usize) -> usize {
+        let mergeable = self.table.form() == MappingForm::SglTable;
+        let mut commands = 0u64;
+        // The run being merged: (its first engine block, its length).
+        let mut run: Option<(u32, u32)> = None;
+        for (i, block) in new_blocks.enumerate() {
+            match run {
+                Some((first, len)) if mergeable && i % blocks_per_slot != 0 && block as usize == first as usize + len as usize => {
+                    run = Some((first, len + 1));
+                }
+                _ => {
+                    if let Some((_, len)) = run {
+                        commands += self.table.commands_per_run(len);
+                    }
+                    run = Some((block, 1));
+                }
+            }
+        }
+        if let Some((_, len)) = run {
+            commands += self.table.commands_per_run(len);
+        }
+        usize::try_from(commands.div_ceil(u64::from(self.config.ioctx_per_iocb_max)))
+            .unwrap_or(usize::MAX)
+            .saturating_mul(self.layers_in_flight_max)
+    }
+
+    /// Whether a store of `blocks` blocks might need more IOCBs than are free: false when even
+    /// each block a run of its own (the most IOCBs any of them take, merged runs taking no
+    /// more) fits, which spares [`StoreData::refuse_short_of_iocbs`]'s index probes.
+    pub(super) fn may_be_short_of_iocbs(&self, blocks: usize) -> bool {
+        let commands = self.table.commands_per_run(1).saturating_mul(blocks as u64);
+        let most = usize::try_from(commands.div_ceil(u64::from(self.config.ioctx_per_iocb_max)))
+            .unwrap_or(usize::MAX)
+            .saturating_mul(self.layers_in_flight_max);
+        most > self.queue.free_iocbs()
+    }
+
     /// Refuses a retrieve that reads two blocks into one engine block (one would overwrite the
     /// other, and a verified retrieve would condemn a good slot for it) and a store that writes
     /// two blocks from one (one block's KV would be committed under the other's key). `blocks`

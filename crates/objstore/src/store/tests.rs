@@ -1533,3 +1533,35 @@ fn evicting_a_retrieve_stages_each_slot_once() {
     assert_eq!(control.pool().generation - before, 1, "one Empty header staged for the one slot");
     assert_eq!(control.lookup(&keys), 0);
 }
+
+#[test]
+fn a_store_takes_the_iocbs_counted_before_its_reservation() {
+    // Goal: the IOCB count `KvStore::prepare_store` refuses on before reserving (so that a
+    // store short of IOCBs evicts nothing) is exactly what building the store's IOCBs takes,
+    // with merged runs, slot boundaries and lanes: more would refuse stores that fit, fewer
+    // would let a reservation evict and then fail NoFreeIocb.
+    // With k = 4 on the SGL table: runs [1] [3 4 5] | [6] [9 10] [12], the slot boundary
+    // splitting 3..=6.
+    let blocks = [1u32, 3, 4, 5, 6, 9, 10, 12];
+    for (mode, k) in [(DataPointerMode::Prp, 1), (DataPointerMode::Sgl, 1), (DataPointerMode::Sgl, 4)] {
+        for lanes in [1, 2] {
+            let mut fixture = fixture(k, None);
+            let g = geometry();
+            let layout = KvLayout::BlockMajor { base: fixture.region.iova(), block_stride_bytes: g.block_bytes() };
+            fixture.registration = KvRegistration::new(g, ENGINE_BLOCKS, layout, mode).expect("registration");
+            // One IOCTX per IOCB: the count is the commands', merged runs showing.
+            let (mut control, mut data) = halves(&fixture, StoreConfig { ioctx_per_iocb_max: 1, ..StoreConfig::default() });
+            data.set_layers_in_flight_max(lanes).expect("lanes");
+            let keys = keys_of(&tokens(1, blocks.len()));
+            let counted = data.store_iocbs(blocks.iter().copied(), k as usize);
+            let free = data.queue().free_iocbs();
+            let plan = control.reserve_store(&keys, &blocks, &mut NoLender).expect("reserve_store");
+            data.prepare(plan.handle, Direction::Store, control.placements(plan.handle).unwrap(), None).expect("prepare");
+            let form = data.table().form();
+            assert_eq!(free - data.queue().free_iocbs(), counted, "{mode:?}, {form:?}, k = {k}, {lanes} lanes");
+            assert!(counted > 0);
+            data.finish(plan.handle).expect("finish");
+            control.release(plan.handle).expect("release");
+        }
+    }
+}
