@@ -654,9 +654,11 @@ impl<E: Executor> Runtime<E> {
 
     /// Before a decode step over `context_tokens` tokens: queued writes go into the step's slack
     /// as the policy decides. Not while a prefill runs. A context before the table's first decode
-    /// row is priced as that row. Call it once per step: one that failed handing a layer over
-    /// has applied the step's grant already (the layer is collected by the next call; go on
-    /// with [`Runtime::poll_io`]), and a second call for the same step grants its slack twice.
+    /// row is priced as that row. Call it once per step: one that failed advancing the queues
+    /// (handing a layer over before or after planning, say) has applied the step's grant
+    /// already, the first error returned (the layer is collected by the next call; go on with
+    /// [`Runtime::poll_io`]), and a second call for the same step grants its slack twice. Only
+    /// a [`RuntimeError::Scheduler`] (the policy could not plan) applies nothing.
     pub fn decode_step(&mut self, context_tokens: u32) -> Result<()> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -664,7 +666,10 @@ impl<E: Executor> Runtime<E> {
                 reason: format!("request {} is in prefill (end_prefill first)", active.id),
             });
         }
-        self.progress()?;
+        // A failure here (a layer handed over, say) still lets the step plan and apply its
+        // grant: the engine goes on with `poll_io`, not another `decode_step` for this step, so
+        // returning before planning lost the step's slack for good. The first error is returned.
+        let progressed = self.progress();
         // A context before the table's first decode row is priced as that row: the shortest
         // step the table knows (at short contexts a decode step is bound by the weights, about
         // as long). Before, such a step wrote nothing: with rows from 4096 (the analytic
@@ -693,9 +698,13 @@ impl<E: Executor> Runtime<E> {
             }
             // A table with no decode row at all: no slack is known, nothing is written.
             Err(SchedulerError::OutOfRange { .. }) => self.counters.table_fallbacks += 1,
-            Err(source) => return Err(RuntimeError::Scheduler { policy: self.config.policy.name(), source }),
+            Err(source) => {
+                progressed?;
+                return Err(RuntimeError::Scheduler { policy: self.config.policy.name(), source });
+            }
         }
-        self.pump()
+        let pumped = self.pump();
+        progressed.and(pumped)
     }
 
     /// Advances the queues without a decision: reaps completions, commits finished stores,

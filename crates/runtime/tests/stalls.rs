@@ -1149,3 +1149,41 @@ fn a_store_write_reaped_before_abandon_in_flight_failed_is_written_again() {
         assert_eq!(stack.runtime.retiring_requests(), 0, "the retiring retrieve ended once its CQE was posted");
     });
 }
+
+#[test]
+fn a_decode_step_whose_first_handover_failed_still_applies_its_grant() {
+    // Goal: a decode step whose first progress (before it plans) fails handing a write layer
+    // over still plans and applies the step's grant, as docs/scheduler.md tells the engine
+    // ("poll_io goes on": it does not call decode_step again for that step). Before, the
+    // failure returned before planning: the step's slack was never granted, and with the last
+    // layer undecided, poll_io alone never finished the store.
+    bounded(|| {
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        let tokens = prompt(0, 0);
+        // Layer 1's first write (one command per block) completes late: it is still in flight
+        // when the prefill ends, whatever the timing.
+        let late = FaultRule::on_nth_io(5, FaultAction::Delay(Duration::from_millis(100))).with_opcode(NvmOpcode::Write as u8);
+        stack.device.set_faults(FaultPlan::none().with_rule(late));
+        prefill(&mut stack, &tokens, &[0, 1, 2, 3]).unwrap();
+        // Slack-aware left layer 1 in flight (or layer 0, on a loaded machine), layer 2 decided
+        // and the last layer undecided (for the decode steps' slack).
+        let issued = stack.runtime.counters().write_layers_issued;
+        assert!((1..=2).contains(&issued), "{issued} write layers issued by the prefill's end");
+        // The layer in flight ends on the device: the step's first progress collects it and
+        // hands the next over, whose submission fails after publishing.
+        std::thread::sleep(Duration::from_millis(300));
+        rigging.submit_fails_at.store(1, Ordering::SeqCst);
+        let failed = stack.runtime.decode_step(tokens.len() as u32);
+        assert!(matches!(failed, Err(RuntimeError::Store { operation: "store_layer", .. })), "{failed:?}");
+        assert_eq!(rigging.submit_fails_at.load(Ordering::SeqCst), 0, "the step handed a layer over");
+        let until = Instant::now() + Duration::from_secs(5);
+        while stack.runtime.queued_stores() > 0 {
+            assert!(Instant::now() < until, "the step's grant was not applied: poll_io never wrote the last layer");
+            stack.runtime.poll_io().expect("poll_io");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let counters = stack.runtime.counters();
+        assert_eq!((counters.stores_committed, counters.write_layers_issued), (1, 4), "{counters:?}");
+        assert_eq!(stack.runtime.lookup(&tokens), 4);
+    });
+}
