@@ -18,11 +18,12 @@
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
 //! (T, the registry's request timeout: a transaction T, a join 3 T (4 T when it failed and
-//! revokes its new lease once more), a rejoin 6 T; the cluster crate lists them) and the stop
-//! is checked between calls, so the thread sees the daemon's stop within a tick plus one call
-//! (at most 6 T, a rejoin). Then it leaves the cluster at once
-//! (revoking the lease, its segments vanishing: T, and 1 s for the client's runtime; up to 3 T
-//! when rejoins' revokes of old leases failed, which are revoked too): the data plane stops serving
+//! revokes its new lease once more, and up to 1 s more as a failed join's client shuts its
+//! runtime down), a rejoin 6 T; the cluster crate lists them) and the stop is checked between
+//! calls, so the thread sees the daemon's stop within a tick plus one call (a join up to
+//! 4 T + 1 s, or a rejoin up to 6 T). Then it leaves the cluster at once
+//! (revoking the lease, its segments vanishing: T, and 1 s for the client's runtime; up to
+//! 3 T + 1 s when rejoins' revokes of old leases failed, which are revoked too): the data plane stops serving
 //! within a tick of the stop, and a node still listed would send peers' fetches to an address
 //! that refuses them. Then, without etcd, it journals every commit still queued and those the
 //! connection threads hand over while they finish their last request, until the server says
@@ -420,6 +421,10 @@ impl Registrar {
             self.record_lease(node.health().lease_id);
             self.joined_anew();
             self.node = Some(node);
+            // A node lost right after its join would rejoin next: a second call.
+            if stop.is_stopped() {
+                return Ok(());
+            }
         }
         let Some(node) = self.node.as_mut() else { return Ok(()) };
         if node.health().lost || self.rejoin_needed {
@@ -865,5 +870,77 @@ mod tests {
         registrar.to_unregister = queued;
         registrar.rejoined(Rejoined { old_lease_id: 0x7a, old_lease_revoked: true, left: vec![0x78] });
         assert!(registrar.to_unregister.is_empty(), "kept though nothing of the node was under the lease left");
+    }
+
+    /// At the registrar's "joined the cluster" event (the join done, its pass going on):
+    /// revokes the new lease behind the node's back, as an expiry during a partition would,
+    /// gives the node's watch time to mark it lost, and stops the daemon.
+    struct StopAtJoin {
+        etcd: Arc<tutti_cluster::local_etcd::LocalEtcd>,
+        stop: StopHandle,
+    }
+
+    #[derive(Default)]
+    struct JoinedEvent {
+        joined: bool,
+        lease_id: i64,
+    }
+
+    impl tracing::field::Visit for JoinedEvent {
+        fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
+            if field.name() == "lease_id" {
+                self.lease_id = value;
+            }
+        }
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" && format!("{value:?}") == "joined the cluster" {
+                self.joined = true;
+            }
+        }
+    }
+
+    impl tracing::Subscriber for StopAtJoin {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut seen = JoinedEvent::default();
+            event.record(&mut seen);
+            if seen.joined && !self.stop.is_stopped() {
+                self.etcd.revoke_lease(seen.lease_id).unwrap();
+                std::thread::sleep(Duration::from_secs(2));
+                self.stop.stop();
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn a_stop_during_the_join_ends_the_pass_before_a_rejoin() {
+        // Goal: the registrar sees the daemon's stop within one call (a join up to 4 T + 1 s,
+        // or a rejoin up to 6 T) plus a tick. A pass that joined went on to the rejoin check
+        // without looking at the stop, so a node lost right after its join (its watch saw the
+        // member key deleted) rejoined first: a join and a rejoin, up to 10 T + 1 s.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let etcd = Arc::new(etcd);
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "stop-at-join", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        let stop = StopHandle::default();
+        let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone() };
+        let result = tracing::subscriber::with_default(subscriber, || registrar.talk_to_etcd(&stop));
+        result.unwrap();
+        assert!(stop.is_stopped(), "the join was not seen");
+        assert_eq!(registrar.metrics.lease_losses.get(), 0, "rejoined after the stop");
+        assert!(!registrar.rejoining);
+        assert!(registrar.node.as_ref().is_some_and(|node| node.health().lost), "the test needs the node lost after its join");
     }
 }
