@@ -781,8 +781,8 @@ mod tests {
         // the wait for the connection threads, which never said they ended), a commit handed
         // over after it is refused as disconnected, so `ClusterAgent::hand_over` counts it in
         // `commits_dropped` and logs it. Before, the queue stayed open while the registrar
-        // left the cluster (T + 1 s, up to 3 T + 1 s): such a commit was accepted, then dropped with the
-        // registrar, neither journalled nor counted.
+        // left the cluster (T + 1 s, up to 3 T + 1 s): such a commit was accepted, then dropped
+        // with the registrar, neither journalled nor counted.
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "closed", HeldSegments::default(), 0, inbox);
