@@ -1433,6 +1433,76 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         worker.shutdown()
 
 
+class StalledSave:
+    """A tutti.Request whose layers, once issued, are never seen to complete: each wait takes all
+    the time it is given, counted in `waits`."""
+
+    def __init__(self, request, waits: list) -> None:
+        self._request = request
+        self._waits = waits
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def wait(self, timeout_s=None):
+        self._waits.append(timeout_s)
+        time.sleep(timeout_s)
+        raise tutti.TimeoutError("injected: the layer did not complete")
+
+    def poll(self):
+        return None
+
+    @property
+    def layer_in_flight(self):
+        return 0
+
+    @property
+    def layers_in_flight(self):
+        return [0]
+
+
+class StoreWithFailingLoadsAndStalledSaves:
+    """A tutti.Store whose loads fail when waited for and whose saves stall."""
+
+    def __init__(self, store, waits: list) -> None:
+        self._store = store
+        self._waits = waits
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_retrieve(self, tokens, block_ids, first_block=0):
+        return harness.FailingWait(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
+
+    def prepare_store(self, tokens, block_ids):
+        return StalledSave(self._store.prepare_store(tokens, block_ids), self._waits)
+
+
+def test_saves_cancelled_for_a_failed_load_wait_for_a_stalled_device_once(tuttid):
+    """Goal: saves cancelled because they share blocks whose load failed (_agree_on_loads), their
+    layers stalled, do not each wait timeout_s for their layer: the first that does not settle
+    breaks the session, and the others are given up without a wait (settled when the session
+    ends); all are reported as misses."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    # Every layer of a save issued during the forward without a wait: the stall is first met when
+    # the saves are cancelled.
+    worker = LocalWorker(daemon.socket, timeout_s=0.5, layers_in_flight=harness.LAYERS)
+    try:
+        tokens = prompt(19, blocks=2, tail=0)
+        worker.fill([1, 2], 19)
+        worker.save("S", tokens, [1, 2])
+        waits: list = []
+        worker.connector._store = StoreWithFailingLoadsAndStalledSaves(worker.connector._store, waits)
+        saves = [SaveSpec(f"W{index}", prompt(120 + index, blocks=2, tail=0), [20, 30 + index]) for index in range(4)]
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])], saves=saves))
+        assert result["load_errors"] == {20, 21}
+        assert len(waits) == 1, f"the cancelled saves waited {len(waits)} times for their stalled layers"
+        names = {save.req_id for save in saves}
+        assert worker.connector.get_finished(names)[0] == names
+    finally:
+        worker.shutdown()
+
+
 def test_a_steps_saves_do_not_take_the_places_its_loads_need(tuttid):
     """Goal: in a step with loads, the loads are prepared before the saves: saves that would
     take every one of the store's requests_max places are the ones refused (misses), not the

@@ -506,6 +506,10 @@ class WorkerSide:
         get_finished reports them."""
         if self._committer.is_alive():
             return
+        # Their waits for their layers in flight share one timeout_s; none waits once the
+        # session is broken (a layer that did not settle, a lost connection): the session's end
+        # settles them.
+        deadline = time.monotonic() + self._timeout_s
         while True:
             try:
                 item = self._commit_queue.get_nowait()
@@ -514,7 +518,10 @@ class WorkerSide:
             if item is None:
                 continue
             req_id, token, request, session, _ = item
-            self._settle_save(request, session)
+            if self._session_broken(session):
+                self._keep_until_session_ends(request, session)
+            else:
+                self._settle_save(request, session, deadline)
             self._save_settled(req_id, token, False)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
@@ -718,13 +725,16 @@ class WorkerSide:
         self._failed_block_ids.update(block_ids)
         self._step_failed_blocks.update(block_ids)
 
-    def _cancel_save_of_failed_load(self, req_id: str, on_this_rank: bool = True, shared: bool = False) -> None:
+    def _cancel_save_of_failed_load(
+        self, req_id: str, on_this_rank: bool = True, shared: bool = False, deadline: Optional[float] = None
+    ) -> None:
         """A request whose load failed saves nothing in this step: its blocks hold what vLLM had
         there before (recomputed only after the step), and the blocks after them were computed
         against those. Its save (prepared after the step's loads, if any, started; possibly with layers
         issued) is given up, never committed, and reported through get_finished as a miss.
         `on_this_rank`: False when the load failed on another TP rank (`_agree_on_loads`). A
-        save not prepared yet (the step's loads start first) is never prepared."""
+        save not prepared yet (the step's loads start first) is never prepared. `deadline`: as
+        `_give_up_save`'s."""
         self._step_failed_loads.add(req_id)
         state = self._saves.pop(req_id, None)
         if state is None:
@@ -733,7 +743,7 @@ class WorkerSide:
         why = "it shares blocks whose load failed" if shared else "its load failed"
         logger.warning("tutti: save of request %s cancelled: %s%s", req_id, why, where)
         # Its layers in flight only read vLLM's blocks; see _give_up_save.
-        self._give_up_save(req_id, state)
+        self._give_up_save(req_id, state, deadline)
 
     def _agree_on_loads(self) -> None:
         """Cancels the step's saves computed against blocks whose load failed:
@@ -787,19 +797,27 @@ class WorkerSide:
                     req_ids, error,
                 )  # fmt: skip
                 failed_anywhere = [True] * len(req_ids)
+        # The cancelled saves' waits for their layers in flight share one timeout_s.
+        deadline = time.monotonic() + self._timeout_s
         for req_id, anywhere, here, by_sharing in zip(req_ids, failed_anywhere, failed_here, shared):
             if anywhere:
-                self._cancel_save_of_failed_load(req_id, on_this_rank=here, shared=by_sharing)
+                self._cancel_save_of_failed_load(req_id, on_this_rank=here, shared=by_sharing, deadline=deadline)
 
     def _fail_save(self, req_id: str, state: _WorkerSave, error: Exception) -> None:
         logger.warning("tutti: save of request %s failed (%s); nothing of it becomes visible", req_id, error)
         self._saves.pop(req_id, None)
         self._give_up_save(req_id, state)
 
-    def _give_up_save(self, req_id: str, state: _WorkerSave) -> None:
+    def _give_up_save(self, req_id: str, state: _WorkerSave, deadline: Optional[float] = None) -> None:
         """Ends a save that is not committed and records it as a miss. A layer that does not
-        settle only reads vLLM's blocks and is never committed."""
-        self._settle_save(state.request)
+        settle only reads vLLM's blocks and is never committed; after one (the session then
+        broken), or a lost connection, later saves are given up without a wait
+        (`_abandon_save`), rather than each wait timeout_s for a stalled device. `deadline`
+        (time.monotonic()): no wait goes past it (several saves given up at once)."""
+        if self._session_broken():
+            self._abandon_save(req_id, state)
+            return
+        self._settle_save(state.request, deadline=deadline)
         self._save_settled(req_id, state.token, False)
 
     def _session_broken(self, session: Optional[int] = None) -> bool:
