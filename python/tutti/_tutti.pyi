@@ -576,7 +576,8 @@ class Store:
         block's key depends on every token before it.
 
         Raises InvalidArgument (no block ids, blocks past the full blocks of tokens, a block id
-        outside the registration, a block no longer cached), NotRegistered, LimitReached
+        outside the registration, an engine block named twice (refused before anything is
+        reserved), a block no longer cached), NotRegistered, LimitReached
         (requests_max), DaemonError / Disconnected (tuttid)."""
     def prepare_store(self, tokens: Sequence[int], block_ids: Sequence[int]) -> Request:
         """Prepares storing blocks 0..len(block_ids) of the prefix of `tokens` from engine blocks

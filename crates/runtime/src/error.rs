@@ -30,8 +30,10 @@ pub enum RuntimeError {
     },
     #[error("{call} out of order: {reason}")]
     OutOfOrder { call: &'static str, reason: String },
-    /// `begin_prefill` was given an engine block it may not read into or write from (see
-    /// `Runtime::releasable`, or one named twice). Nothing was prepared or changed.
+    /// `begin_prefill` was given an engine block the request may not use: read into, stored
+    /// from, or (past a truncated store) only computed into. One not `Runtime::releasable`,
+    /// one named twice, or one outside the registered engine blocks. Nothing was prepared or
+    /// changed.
     #[error("begin_prefill: engine block {block} (block_ids[{position}]) {reason}; the request was not begun")]
     BlockRefused { block: u32, position: usize, reason: &'static str },
     /// `end_prefill` ended the prefill (its reads are over) and then failed: `source`. Met

@@ -316,8 +316,8 @@ impl<E: Executor> Runtime<E> {
     /// its retrieve into the leading engine blocks and the store of the rest (blocks cached or
     /// being stored elsewhere are shared, not written twice). Nothing is issued yet. All of
     /// `block_ids` (read into, stored from, or only computed into past a truncated store) must
-    /// be [`Runtime::releasable`] and distinct: otherwise `BlockRefused`, and nothing is
-    /// prepared.
+    /// be [`Runtime::releasable`], distinct and registered: otherwise `BlockRefused`, and
+    /// nothing is prepared.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -342,7 +342,8 @@ impl<E: Executor> Runtime<E> {
         }
         // Before anything is prepared: a block the device may still move (a queued store's
         // source, a retiring request's, a lost read's target) or named twice would take stale or
-        // another block's bytes into the new KV, or commit them under this request's keys. All
+        // another block's bytes into the new KV, or commit them under this request's keys; one
+        // outside the registration is no block of the engine's memory at all. All
         // of the request's blocks, those past a truncated store too: the engine computes KV into
         // every one of them.
         if let Some((position, block, reason)) = self.writes.refuse_unusable(request.block_ids) {

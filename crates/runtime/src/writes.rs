@@ -211,8 +211,10 @@ impl WriteQueue {
     /// request's, the running retrieve's target: the device may still move its bytes, and
     /// data read into it or written from it would be another request's), or one named twice
     /// (two blocks' KV cannot share it: a read into it would overwrite the other block, a store
-    /// from it would commit one block's KV under another's key). Blocks outside the
-    /// registration are left to the object store's prepare, which refuses them.
+    /// from it would commit one block's KV under another's key), or one outside the
+    /// registration (`named` has one entry per registered engine block): checked here, not
+    /// left to the object store's prepare, which blocks past a truncated store (or all new
+    /// blocks of a store skipped) never reach.
     pub fn refuse_unusable(&mut self, blocks: &[u32]) -> Option<(usize, u32, &'static str)> {
         let mut refused = None;
         for (position, &block) in blocks.iter().enumerate() {
@@ -220,7 +222,10 @@ impl WriteQueue {
                 refused = Some((position, block, "is still held (not releasable): the device may still move its bytes"));
                 break;
             }
-            let Some(named) = self.named.get_mut(block as usize) else { continue };
+            let Some(named) = self.named.get_mut(block as usize) else {
+                refused = Some((position, block, "is outside the registered engine blocks"));
+                break;
+            };
             if *named {
                 refused = Some((position, block, "is named twice: two blocks' KV cannot share one engine block"));
                 break;

@@ -430,3 +430,22 @@ fn an_engine_block_named_twice_in_a_request_is_refused() {
     assert_eq!(prefill(&mut stack, &prompt(0, 1), &blocks).unwrap(), 4);
     assert!(stack.engine.holds(&prompt(0, 1), 0..6, &blocks, common::geometry().layers));
 }
+
+#[test]
+fn an_engine_block_outside_the_registration_is_refused_past_a_truncated_store_too() {
+    // Goal: a block id past the registered engine memory is refused wherever it stands in
+    // `block_ids`, as `BlockRefused` before anything is prepared. Before, only the blocks that
+    // reached the object store's prepare were checked: one past a truncated store (stored
+    // nowhere, only computed into) was accepted.
+    let mut config = config(PolicyChoice::SlackAware);
+    config.on_write_queue_full = WriteQueueFullAction::ForceOldest;
+    config.write_queue_limit_blocks = 4;
+    let mut stack = stack(config, None);
+    let block_tokens = common::geometry().block_tokens;
+    let tokens: Vec<u32> = (0..6 * block_tokens).map(|index| 9_000_000 + index).collect();
+    let outside = common::ENGINE_BLOCKS;
+    let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &[20, 21, 22, 23, 24, outside] });
+    assert!(matches!(refused, Err(RuntimeError::BlockRefused { block, position: 5, .. }) if block == outside), "{refused:?}");
+    assert_eq!(stack.runtime.counters().prefills, 0, "no prefill began");
+    assert_eq!(stack.runtime.queued_stores(), 0, "nothing was prepared");
+}
