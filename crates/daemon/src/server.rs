@@ -847,15 +847,19 @@ fn drain_retire_window(admin_timeout: Duration) -> Duration {
 }
 
 /// How long the retiring thread retries a session's unconfirmed deletions while serving before
-/// keeping it for good: eight admin timeouts and a second (81 s with the default 10 s timeout).
+/// keeping it for good: eight admin timeouts per pair unconfirmed when it ended (`pairs`, at
+/// least one), and a second (81 s with the default 10 s timeout and one pair, 161 s with two).
 /// A pair's deletion is two commands (Delete I/O SQ, then CQ); each may time out, complete up to
 /// about one more admin timeout late, and be followed by a retry that waits out another: four
-/// admin timeouts, doubled for a slow controller. Past that, a Delete that never completes
-/// (the admin queue answering QueueBusy every tick) would otherwise keep the session retiring,
-/// and every session short of its reservations `Busy`, for the daemon's life. Longer than the
-/// drain's window ([`drain_retire_window`]), which trades waiting for a stop.
-fn serving_retire_bound(admin_timeout: Duration) -> Duration {
-    admin_timeout.saturating_mul(8).saturating_add(Duration::from_secs(1))
+/// admin timeouts, doubled for a slow controller. A retry deletes the session's pairs one after
+/// another (one per pool device), so with every controller late each of its steps waits once per
+/// pair. Past that, a Delete that never completes (the admin queue answering QueueBusy every
+/// tick) would otherwise keep the session retiring, and every session short of its
+/// reservations `Busy`, for the daemon's life. Longer than the drain's window
+/// ([`drain_retire_window`]), which trades waiting for a stop.
+fn serving_retire_bound(admin_timeout: Duration, pairs: usize) -> Duration {
+    let pairs = u32::try_from(pairs.max(1)).unwrap_or(u32::MAX);
+    admin_timeout.saturating_mul(8).saturating_mul(pairs).saturating_add(Duration::from_secs(1))
 }
 
 /// Retries the deletions of ended sessions' queue pairs (`Shared::retiring`) once each (on the
@@ -896,7 +900,9 @@ fn retry_retiring(shared: &Shared, deadline: Option<Instant>) {
         match retried {
             // Serving, a deletion unconfirmed past its bound is not coming: kept for good, so that what it holds is counted as held for the daemon's life and a session
             // short of it is told so (`LimitReached`), not `Busy` for as long as the daemon runs.
-            Retried::Pending if deadline.is_none() && entry.retiring_for() >= serving_retire_bound(shared.admin_timeout) => {
+            Retried::Pending
+                if deadline.is_none() && entry.retiring_for() >= serving_retire_bound(shared.admin_timeout, entry.pairs_when_ended()) =>
+            {
                 let waited = entry.retiring_for();
                 let leaked =
                     entry.keep_for_good(&shared.leaks, "the deletion of a session's queue pairs stayed unconfirmed past its bound");
@@ -904,7 +910,7 @@ fn retry_retiring(shared: &Shared, deadline: Option<Instant>) {
                     session,
                     leaked,
                     waited_ms = waited.as_millis() as u64,
-                    "an ended session's queue-pair deletion stayed unconfirmed past eight admin timeouts and a second: its memory is kept for good"
+                    "an ended session's queue-pair deletion stayed unconfirmed past eight admin timeouts per pair and a second: its memory is kept for good"
                 );
                 mark_kept(shared, session);
             }

@@ -927,7 +927,13 @@ impl Holdings {
             return Released::Kept(count);
         }
         if !retry.is_empty() {
-            return Released::Retiring(Retiring { pairs: retry, holdings: std::mem::take(self), since: std::time::Instant::now() });
+            let pairs_when_ended = retry.len();
+            return Released::Retiring(Retiring {
+                pairs: retry,
+                holdings: std::mem::take(self),
+                since: std::time::Instant::now(),
+                pairs_when_ended,
+            });
         }
         // 3. Reservations: an uncommitted store's slots go back free, invisible.
         {
@@ -1008,6 +1014,9 @@ pub struct Retiring {
     /// When the session ended with its deletion unconfirmed (a retry does not move it): what
     /// the retiring thread bounds the retries by.
     since: std::time::Instant,
+    /// The pairs unconfirmed then (a retry only removes some): what that bound scales with,
+    /// each retry deleting them one after another.
+    pairs_when_ended: usize,
 }
 
 /// What a retry of a retiring session's deletions came to.
@@ -1051,6 +1060,12 @@ impl Retiring {
     /// How long ago the session ended with its deletion unconfirmed.
     pub fn retiring_for(&self) -> std::time::Duration {
         self.since.elapsed()
+    }
+
+    /// The queue pairs whose deletion was unconfirmed when the session ended (at least those
+    /// [`Retiring::queue_pairs`] still holds).
+    pub fn pairs_when_ended(&self) -> usize {
+        self.pairs_when_ended
     }
 
     /// Gives up (the daemon drains with deletions still unconfirmed, or they stayed unconfirmed

@@ -66,11 +66,22 @@ impl InProcess {
 
     /// [`InProcess::start_with_admin_timeout`], its configuration then changed by `configure`.
     fn start_configured(admin_timeout: Duration, configure: impl FnOnce(&mut ServerConfig)) -> (InProcess, Arc<nvme_emu::EmuDevice>) {
+        let (daemon, mut emulators) = InProcess::start_on_devices(1, admin_timeout, configure);
+        (daemon, emulators.remove(0))
+    }
+
+    /// [`InProcess::start_configured`] on a pool of `devices` software controllers; with them,
+    /// in pool order.
+    fn start_on_devices(
+        devices: usize,
+        admin_timeout: Duration,
+        configure: impl FnOnce(&mut ServerConfig),
+    ) -> (InProcess, Vec<Arc<nvme_emu::EmuDevice>>) {
         let directory = tempfile::tempdir().unwrap();
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
-        let opened = pool(directory.path(), false);
+        let opened = pool_of(directory.path(), false, 4, devices);
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
-        let emulator = opened.emulators[0].clone().unwrap();
+        let emulators = opened.emulators.iter().map(|emulator| emulator.clone().unwrap()).collect();
         let socket = directory.path().join("tuttid.sock");
         let mut config = ServerConfig::new(socket.clone());
         config.clients_max = 4;
@@ -82,7 +93,7 @@ impl InProcess {
             let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
             let _ = sender.send(outcome);
         });
-        (InProcess { socket, stop, served, thread: Some(thread), _directory: directory }, emulator)
+        (InProcess { socket, stop, served, thread: Some(thread), _directory: directory }, emulators)
     }
 
     fn client(&self) -> Client {
@@ -134,9 +145,14 @@ fn pool(directory: &std::path::Path, relay: bool) -> crate::pool_open::OpenedPoo
 
 /// [`pool`], its controller made for `client_queue_pairs` clients.
 fn pool_with_clients(directory: &std::path::Path, relay: bool, client_queue_pairs: u16) -> crate::pool_open::OpenedPool {
+    pool_of(directory, relay, client_queue_pairs, 1)
+}
+
+/// [`pool_with_clients`] on `devices` software controllers.
+fn pool_of(directory: &std::path::Path, relay: bool, client_queue_pairs: u16, devices: usize) -> crate::pool_open::OpenedPool {
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
     let options = PoolOptions {
-        specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+        specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap(); devices],
         namespace: 1,
         emu_lba_bytes: 4096,
         emu_create_bytes: None,
@@ -788,8 +804,9 @@ fn a_retiring_session_whose_deletion_never_completes_is_kept_for_good_within_its
     // Goal: a Delete I/O SQ that never completes (the controller drops its completion) leaves
     // the session retiring, every retry answered QueueBusy; kept so for the daemon's life, it
     // would make every session short of its reservations `Busy` for as long as the daemon runs.
-    // Past eight admin timeouts and a second (`serving_retire_bound`) it is kept for good, and a
-    // session short of what it holds is told `LimitReached`. Admin timeout 50 ms: 1.4 s.
+    // Past eight admin timeouts per pair (one here) and a second (`serving_retire_bound`) it is
+    // kept for good, and a session short of what it holds is told `LimitReached`. Admin
+    // timeout 50 ms: 1.4 s.
     let admin_timeout = Duration::from_millis(50);
     let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
@@ -806,13 +823,43 @@ fn a_retiring_session_whose_deletion_never_completes_is_kept_for_good_within_its
     });
     // `since` is set after the session's first deletion pass, after `ended`: the bound holds
     // whole from here.
-    let bound = serving_retire_bound(admin_timeout);
+    let bound = serving_retire_bound(admin_timeout, 1);
     assert!(ended.elapsed() >= bound, "kept before its bound ({bound:?}): {:?}", ended.elapsed());
     assert_eq!(kept.leaked_requests, 2, "{kept:?}");
     match attach_past_the_place(&daemon, "next", Duration::from_secs(1)) {
         Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
         Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
     }
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
+fn a_retiring_sessions_bound_grows_with_its_queue_pairs() {
+    // Goal: a session's pairs are deleted one after another, each Delete waiting up to an admin
+    // timeout, so on a pool of N devices one retry of a session whose controllers all answer
+    // late takes up to N admin timeouts per command; a bound of eight admin timeouts and a
+    // second whatever the pairs would keep for good, for the daemon's life, a session whose
+    // confirmations were still coming. The bound is eight admin timeouts per pair the session
+    // ended with unconfirmed, and a second. Two devices whose Delete I/O SQs never complete,
+    // admin timeout 100 ms: kept no earlier than 2.6 s (before: at about 2 s).
+    let admin_timeout = Duration::from_millis(100);
+    let (mut daemon, emulators) = InProcess::start_on_devices(2, admin_timeout, |_| {});
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("two pairs"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    for emulator in &emulators {
+        let never = nvme_emu::FaultAction::DropCompletion;
+        let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
+        emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    }
+    let ended = Instant::now();
+    drop(store);
+    daemon.status_once("the session was not kept for good", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept)
+    });
+    let bound = serving_retire_bound(admin_timeout, 2);
+    assert_eq!(bound, admin_timeout * 16 + Duration::from_secs(1));
+    assert!(ended.elapsed() >= bound, "kept before its bound ({bound:?}): {:?}", ended.elapsed());
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
