@@ -39,9 +39,13 @@ pub enum RuntimeError {
     /// `end_prefill` ended the prefill (its reads are over) and then failed: `source`. Met
     /// ending the retrieve (`source` is `StillInFlight` or `Store`, with the operation "finish
     /// the retrieve"), the request's store was dropped as well: its new KV was computed on that
-    /// prefix. Met afterwards, advancing the queues (an issue the executor failed after
-    /// publishing it: the layer is in flight and the next call collects it) or planning them
-    /// (`Scheduler`), the store stays queued. The request is over either way: a retry of
+    /// prefix. Met afterwards, planning the queues (`Scheduler`: nothing was advanced), the
+    /// store stays queued. Met advancing them (an issue the executor failed after publishing
+    /// it: the layer is in flight and the next call collects it; a write that failed), the
+    /// store stays queued unless that advance ended it: committed (its last layer written
+    /// meanwhile), or dropped because a write of its own failed (counted in `stores_failed`;
+    /// when finishing it was then refused, that is the failure returned: `Store` with the
+    /// operation "finish a failed store"). The request is over either way: a retry of
     /// `end_prefill` is `StaleRequest`; the engine goes on with its next call. `kv_wait` is what
     /// `Ok` would have returned.
     #[error("request {request}'s prefill ended (after {kv_wait:?} waiting for KV), then: {source}")]
