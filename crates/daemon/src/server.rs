@@ -849,9 +849,10 @@ fn drain_retire_window(admin_timeout: Duration) -> Duration {
 /// How long the retiring thread retries a session's unconfirmed deletions while serving before
 /// keeping it for good: eight admin timeouts per pair unconfirmed when it ended (`pairs`, at
 /// least one), and a second (81 s with the default 10 s timeout and one pair, 161 s with two).
-/// A pair's deletion is two commands (Delete I/O SQ, then CQ); each may time out, complete up to
-/// about one more admin timeout late, and be followed by a retry that waits out another: four
-/// admin timeouts, doubled for a slow controller. A retry deletes the session's pairs one after
+/// A pair's deletion is two commands (Delete I/O SQ, then CQ); each may time out and complete up
+/// to about one more admin timeout late, its retry then answered at once (deleted, or Invalid
+/// Queue Identifier): four admin timeouts; doubled, which covers a retry that waits out a
+/// timeout of its own (six) and a slow controller. A retry deletes the session's pairs one after
 /// another (one per pool device), so with every controller late each of its steps waits once per
 /// pair. Past that, a Delete that never completes (the admin queue answering QueueBusy every
 /// tick) would otherwise keep the session retiring, and every session short of its

@@ -22,7 +22,9 @@
 //! restriction allows the window and device memory). A deletion that could not be confirmed
 //! for now (the admin queue busy with a late command, or the Delete timed out) is not a failure:
 //! the pairs and everything they may write wait in a [`Retiring`], retried every tick by the
-//! server until the controller confirms (then all is given back) or a definite error keeps all.
+//! server until the controller confirms (then all is given back) or a definite error keeps all;
+//! one still unconfirmed past the server's bound (eight admin timeouts per pair and a second
+//! while serving, the drain's window at a stop: `crate::server`) is kept for good too.
 
 use std::ops::Range;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -370,7 +372,8 @@ impl Holdings {
                         ErrorCode::Busy,
                         format!(
                             "pool device {device}: {retiring} ended session(s) hold I/O queue pairs whose deletion the controller \
-                             has not confirmed yet (retried every tick); their queue ids come free once it does: retry the attach"
+                             has not confirmed yet (retried every tick); their queue ids come free once it does (unless it \
+                             stays unconfirmed past the daemon's bound: then they are kept for good): retry the attach"
                         ),
                     );
                 }
@@ -1141,7 +1144,8 @@ fn creation_refused(device: usize, error: &NvmeError, retiring: u64) -> Reply {
             ErrorCode::Busy,
             format!(
                 "{context} ({retiring} ended session(s) hold queue ids whose deletion the controller has not confirmed yet; \
-                 they come free once it does): retry the attach shortly"
+                 they come free once it does, unless it stays unconfirmed past the daemon's bound: then they are kept \
+                 for good): retry the attach shortly"
             ),
         ),
         NvmeError::NoQueueAvailable { .. } => Reply::error(ErrorCode::LimitReached, context),
