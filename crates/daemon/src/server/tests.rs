@@ -864,6 +864,33 @@ fn a_retiring_sessions_bound_grows_with_its_queue_pairs() {
 }
 
 #[test]
+fn an_attach_after_a_session_kept_for_a_delete_that_never_completes_stays_busy() {
+    // Goal: pins what docs/tuttid.md says is not solved. Keeping for good a session whose
+    // Delete I/O SQ never completes settles the reservations, not the controller: the lost
+    // Delete keeps that controller's admin queue (`QueueBusy`) until a reset, which the daemon
+    // does only with every client detached, so a later attach (a pair on every device) is
+    // answered Busy, saying the admin queue waits for a late completion, until the daemon
+    // restarts.
+    let admin_timeout = Duration::from_millis(50);
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let store = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let session = store.hello_reply().session;
+    let never = nvme_emu::FaultAction::DropCompletion;
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    drop(store);
+    daemon.status_once("the session was not kept for good", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept)
+    });
+    match attach_past_the_place(&daemon, "next", Duration::from_millis(500)) {
+        Err(message) => assert!(message.contains("Busy") && message.contains("admin queue"), "{message}"),
+        Ok(_) => panic!("an attach on a controller whose admin queue holds a lost Delete was admitted"),
+    }
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
 fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     // Goal: a client reads its daemon's socket file gone as its session ended (the Python
     // module then frees its device memory). A session kept for good (its Delete I/O SQ refused
