@@ -472,15 +472,23 @@ impl<E: Executor> StoreData<E> {
             .saturating_mul(self.layers_in_flight_max)
     }
 
-    /// Whether a store of `blocks` blocks might need more IOCBs than are free: false when even
-    /// each block a run of its own (the most IOCBs any of them take, merged runs taking no
-    /// more) fits, which spares [`StoreData::refuse_short_of_iocbs`]'s index probes.
-    pub(super) fn may_be_short_of_iocbs(&self, blocks: usize) -> bool {
+    /// The most IOCBs a store of `blocks` blocks can take, whichever of them are new: each
+    /// block a run of its own (a merged run takes no more commands than its blocks apart).
+    /// A caller that cannot see the index (tuttid's client, before it sends its
+    /// `PrepareStore`) refuses a store above the queue's free IOCBs with this, before the
+    /// reservation can evict; `KvStore` counts exactly when this is above them.
+    pub fn store_iocbs_at_most(&self, blocks: usize) -> usize {
         let commands = self.table.commands_per_run(1).saturating_mul(blocks as u64);
-        let most = usize::try_from(commands.div_ceil(u64::from(self.config.ioctx_per_iocb_max)))
+        usize::try_from(commands.div_ceil(u64::from(self.config.ioctx_per_iocb_max)))
             .unwrap_or(usize::MAX)
-            .saturating_mul(self.layers_in_flight_max);
-        most > self.queue.free_iocbs()
+            .saturating_mul(self.layers_in_flight_max)
+    }
+
+    /// Whether a store of `blocks` blocks might need more IOCBs than are free
+    /// ([`StoreData::store_iocbs_at_most`]): when not, `KvStore` spares the exact count's index
+    /// probes.
+    pub(super) fn may_be_short_of_iocbs(&self, blocks: usize) -> bool {
+        self.store_iocbs_at_most(blocks) > self.queue.free_iocbs()
     }
 
     /// Refuses a retrieve that reads two blocks into one engine block (one would overwrite the
