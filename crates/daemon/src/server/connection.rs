@@ -170,19 +170,31 @@ fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, this: u64, conf
 
 /// Promises `session` its share of the reservations at its first registration, or answers the
 /// refusal ([`reservations_refusal`]); under the sessions lock, so two sessions' first
-/// registrations cannot both take the last share.
-fn promise_reservations(shared: &Shared, session: u64) -> Option<Reply> {
+/// registrations cannot both take the last share. `Ok(true)`: promised by this call, which
+/// [`withdraw_promise`] takes back should the registration be refused for its own reasons.
+fn promise_reservations(shared: &Shared, session: u64) -> Result<bool, Reply> {
     let mut sessions = lock(&shared.sessions);
     if sessions.get(&session).is_none_or(|record| record.promised) {
-        return None;
+        return Ok(false);
     }
     if let Some(refusal) = reservations_refusal(&sessions, session, &shared.config) {
-        return Some(refusal);
+        return Err(refusal);
     }
     if let Some(record) = sessions.get_mut(&session) {
         record.promised = true;
     }
-    None
+    Ok(true)
+}
+
+/// Takes back the promise of `session`'s first registration, refused for its own reasons (no
+/// or a bad descriptor, its size, unsupported device memory, the per-session cap): the session
+/// holds no registration, so it cannot prepare, and kept promised it would count a whole share
+/// (another session's registration answered Busy for it) for as long as it lives. Under the
+/// sessions lock, as the promise was made.
+fn withdraw_promise(shared: &Shared, session: u64) {
+    if let Some(record) = lock(&shared.sessions).get_mut(&session) {
+        record.promised = false;
+    }
 }
 
 /// Whether a connection's error is its client closing the socket: an end of file in the middle
@@ -464,9 +476,13 @@ impl Connection {
             other => (other.kind(), None),
         };
         let not_attached = || Reply::error(ErrorCode::NotAttached, "send Hello (model fingerprint, TP rank and world size) first");
-        if matches!(request, Request::RegisterMemory(_) | Request::RegisterDeviceMemory(_)) {
-            if let Some(refusal) = self.session.and_then(|session| promise_reservations(shared, session)) {
-                return (refusal, Vec::new());
+        // Checked and taken before the registration's own checks (the registration then runs
+        // outside the sessions lock), and taken back below when it is refused.
+        let mut promised_here = false;
+        if let (Request::RegisterMemory(_) | Request::RegisterDeviceMemory(_), Some(session)) = (&request, self.session) {
+            match promise_reservations(shared, session) {
+                Ok(promised) => promised_here = promised,
+                Err(refusal) => return (refusal, Vec::new()),
             }
         }
         let reply = match (request, space) {
@@ -536,6 +552,11 @@ impl Connection {
             ) => not_attached(),
             (request, _) => self.handle_session(request, shared),
         };
+        if promised_here && self.holdings.registrations() == 0 {
+            if let Some(session) = self.session {
+                withdraw_promise(shared, session);
+            }
+        }
         if let (Some(cluster), Some(space)) = (&shared.cluster, space) {
             self.track_stores(cluster, &space, kind, commit_handle, &reply);
         }

@@ -748,6 +748,36 @@ fn a_session_that_only_looks_up_is_promised_no_reservations() {
 }
 
 #[test]
+fn a_refused_registration_leaves_its_session_promised_nothing() {
+    // Goal: a session is promised its share of the reservations at its first registration, and
+    // the promise is checked and taken before the registration's own checks. A registration
+    // refused for its own reasons (here no window descriptor: BadRequest) leaves the session
+    // registered nowhere, so it can never prepare; kept promised, it counted a whole share, and
+    // another store short for it was answered Busy for as long as the refused session lived.
+    // Two clients of two requests, one session kept for good holding one: after a refused
+    // registration, a store still gets its share (1 + 2 <= 4).
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
+        config.clients_max = 2;
+        config.session_limits.requests_max = 2;
+    });
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let tokens: Vec<u32> = (5000..5064).collect();
+    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    end_kept(&daemon, &emulator, first, 1);
+    let mut refused = hello_past_the_place(&daemon, "refused");
+    let register = crate::protocol::Request::RegisterMemory(crate::protocol::RegisterMemory { window_bytes: 1 << 20, kv_blocks: 0 });
+    match refused.call(&register) {
+        Err(DaemonError::Remote { code: ErrorCode::BadRequest, .. }) => {}
+        other => panic!("a registration without its window's descriptor: expected BadRequest, got {other:?}"),
+    }
+    let mut store = attach_past_the_place(&daemon, "store", Duration::from_secs(1)).expect("the store's attach");
+    prepare_two_stores(&mut store);
+    drop((store, refused));
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+#[test]
 fn a_registration_short_for_want_of_live_sessions_reservations_is_told_to_retry() {
     // Goal: `LimitReached` says the reservations are held until the daemon restarts; that must
     // be so. Two clients of two requests, one session kept for good holding one, one live
