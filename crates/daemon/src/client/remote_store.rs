@@ -883,7 +883,18 @@ impl LayerKvStore for RemoteKvStore {
         Ok(handle)
     }
 
+    /// Refused here, before the daemon reserves, when the data half has fewer IOCBs free than
+    /// the store could take (`StoreData::store_iocbs_at_most`): the reservation may evict cached
+    /// blocks (their headers synced Empty), which releasing it does not bring back, and the data
+    /// half would then refuse the store (`NoFreeIocb`), as `KvStore::prepare_store` refuses
+    /// before reserving. The index is the daemon's, so the bound counts every block new and a
+    /// run of its own: a store sharing blocks that would have fit may be refused too.
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan, ObjstoreError> {
+        let most = self.data.store_iocbs_at_most(request.block_ids.len());
+        let available = self.data.queue().free_iocbs();
+        if most > available {
+            return Err(gio_uring::GioError::NoFreeIocb { requested: most, available }.into());
+        }
         let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration, 0));
         let prepared = match self.client.call(&prepare).map_err(remote)? {
             Reply::StorePrepared(prepared) => prepared,

@@ -77,9 +77,19 @@ impl InProcess {
         admin_timeout: Duration,
         configure: impl FnOnce(&mut ServerConfig),
     ) -> (InProcess, Vec<Arc<nvme_emu::EmuDevice>>) {
+        InProcess::start_on_pool(devices, None, admin_timeout, configure)
+    }
+
+    /// [`InProcess::start_on_devices`], the pool formatted with at most `slots` one-block slots.
+    fn start_on_pool(
+        devices: usize,
+        slots: Option<u64>,
+        admin_timeout: Duration,
+        configure: impl FnOnce(&mut ServerConfig),
+    ) -> (InProcess, Vec<Arc<nvme_emu::EmuDevice>>) {
         let directory = tempfile::tempdir().unwrap();
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
-        let opened = pool_of(directory.path(), false, 4, devices);
+        let opened = pool_of(directory.path(), false, 4, devices, slots);
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
         let emulators = opened.emulators.iter().map(|emulator| emulator.clone().unwrap()).collect();
         let socket = directory.path().join("tuttid.sock");
@@ -145,18 +155,24 @@ fn pool(directory: &std::path::Path, relay: bool) -> crate::pool_open::OpenedPoo
 
 /// [`pool`], its controller made for `client_queue_pairs` clients.
 fn pool_with_clients(directory: &std::path::Path, relay: bool, client_queue_pairs: u16) -> crate::pool_open::OpenedPool {
-    pool_of(directory, relay, client_queue_pairs, 1)
+    pool_of(directory, relay, client_queue_pairs, 1, None)
 }
 
-/// [`pool_with_clients`] on `devices` software controllers.
-fn pool_of(directory: &std::path::Path, relay: bool, client_queue_pairs: u16, devices: usize) -> crate::pool_open::OpenedPool {
+/// [`pool_with_clients`] on `devices` software controllers, with at most `slot_count_max` slots.
+fn pool_of(
+    directory: &std::path::Path,
+    relay: bool,
+    client_queue_pairs: u16,
+    devices: usize,
+    slot_count_max: Option<u64>,
+) -> crate::pool_open::OpenedPool {
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
     let options = PoolOptions {
         specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap(); devices],
         namespace: 1,
         emu_lba_bytes: 4096,
         emu_create_bytes: None,
-        format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
+        format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max, pool_uuid: None, payload_crc: false }),
         overwrite: false,
         lock_dir: directory.join("locks"),
         client_queue_pairs,
@@ -917,6 +933,61 @@ fn an_attach_after_a_session_kept_for_a_delete_that_never_completes_stays_busy()
         Err(message) => assert!(message.contains("Busy") && message.contains("admin queue"), "{message}"),
         Ok(_) => panic!("an attach on a controller whose admin queue holds a lost Delete was admitted"),
     }
+    assert!(daemon.stop().is_some(), "serve did not return");
+}
+
+/// Stores `tokens` (one block per id of `block_ids`) through every layer and commits it.
+fn store_and_commit(store: &mut RemoteKvStore, tokens: &[u32], block_ids: &[u32]) {
+    let plan = store.prepare_store(&KvRequest { tokens, block_ids }).expect("prepare_store");
+    for layer in 0..2 {
+        store.store_layer(plan.handle, layer, gio_uring::SmBudget(1)).expect("store_layer");
+        store.wait(plan.handle, Instant::now() + WAIT).expect("wait");
+    }
+    store.commit_store(plan.handle).expect("commit_store");
+}
+
+#[test]
+fn a_store_short_of_its_iocbs_is_refused_before_the_daemon_reserves() {
+    // Goal: objstore's KvStore refuses a store whose new blocks need more IOCBs than are free
+    // before its reservation, which may evict cached blocks (syncing their headers Empty) that
+    // releasing it does not bring back. A split store's reservation is the daemon's: before,
+    // RemoteKvStore sent the PrepareStore, the daemon reserved (evicting on a full pool), and
+    // then the client's data half refused NoFreeIocb, each refused store costing a cached
+    // prompt. Four one-block slots, all committed; the client's two IOCBs held by two prepared
+    // retrieves: the store is refused without a request sent, nothing evicted.
+    let (mut daemon, _) = InProcess::start_on_pool(1, Some(4), Duration::from_secs(10), |_| {});
+    let store_config = objstore::StoreConfig { iocbs: 2, ..objstore::StoreConfig::default() };
+    let config = RemoteConfig { kv_blocks: 16, store: store_config, ..RemoteConfig::default() };
+    let mut store = RemoteKvStore::connect(&daemon.socket, &hello("short of iocbs"), &config).expect("attach");
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|p| (p * 1000..p * 1000 + 16).collect()).collect();
+    for (p, tokens) in prompts.iter().enumerate() {
+        store_and_commit(&mut store, tokens, &[p as u32]);
+    }
+    let before = daemon.client().status().unwrap().pool;
+    assert_eq!(before.free_slots, 0, "{before:?}");
+    let reads: Vec<_> = (0..2)
+        .map(|p| store.prepare_retrieve(&KvRequest { tokens: &prompts[p], block_ids: &[8 + p as u32] }).expect("prepare_retrieve"))
+        .collect();
+    let sent = store.requests_sent();
+    let tokens: Vec<u32> = (50_000..50_016).collect();
+    match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }) {
+        Err(objstore::ObjstoreError::Gio(gio_uring::GioError::NoFreeIocb { .. })) => {}
+        other => panic!("expected NoFreeIocb, got {other:?}"),
+    }
+    assert_eq!(store.requests_sent(), sent, "the refused store reached the daemon");
+    let after = daemon.client().status().unwrap().pool;
+    assert_eq!(after.evictions, before.evictions, "{after:?}");
+    for tokens in &prompts {
+        assert_eq!(store.lookup(tokens), 1, "a cached prompt was lost to a refused store");
+    }
+    // Once an IOCB is back, the same store goes ahead (evicting the LRU tail, prompt 2).
+    let mut reads = reads.into_iter();
+    store.finish(reads.next().unwrap()).expect("finish a retrieve");
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }).expect("prepare_store");
+    assert_eq!((plan.new_blocks, plan.evicted_slots), (1, 1));
+    store.finish(plan.handle).expect("finish the store");
+    store.finish(reads.next().unwrap()).expect("finish a retrieve");
+    drop(store);
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
