@@ -46,7 +46,7 @@ pub struct ClusterConfig {
 
 impl ClusterConfig {
     /// The defaults: 3 s per request (etcd's default election timeout is 1 s), a 10 s lease, 128 operations per transaction, 16 holders.
-    /// Endpoints are written as `http://host:port` ([`normalize_endpoint`]).
+    /// Endpoints are written as `http://host:port` (`normalize_endpoint`).
     pub fn new(endpoints: Vec<String>, cluster: ClusterId, segment_blocks: SegmentBlocks) -> ClusterConfig {
         ClusterConfig {
             endpoints: endpoints.into_iter().map(normalize_endpoint).collect(),

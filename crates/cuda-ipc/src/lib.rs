@@ -5,15 +5,15 @@
 //! `cuda`: `cudarc` loads libcuda at run time, so it builds without CUDA and fails at run time
 //! with [`CudaIpcError::NoDriver`]):
 //!
-//! - **export** (the engine): [`export_range`] names a range of a CUDA allocation for another
+//! - **export** (the engine): `export_range` names a range of a CUDA allocation for another
 //!   process: the allocation's CUDA IPC handle (`cuIpcGetMemHandle` of its base), the range's
 //!   offset and length in it, and, where the driver gives one, a dma-buf file descriptor of the
 //!   range (`cuMemGetHandleForAddressRange`), which travels with SCM_RIGHTS;
-//! - **import** (tuttid): [`ImportedMemory::open`] opens the handle in the daemon's own context
+//! - **import** (tuttid): `ImportedMemory::open` opens the handle in the daemon's own context
 //!   (`cuIpcOpenMemHandle`), checks the range against the allocation the driver reports, and
 //!   implements `nvme_driver::hw::CopiedMemory`: the software controller inside the daemon moves
 //!   a command's data with `cuMemcpyDtoH` / `cuMemcpyHtoD` of the imported pointer;
-//! - [`DeviceBuffer`] (`cuMemAlloc`), [`Gpu`] (a device's primary context): what a client and
+//! - `DeviceBuffer` (`cuMemAlloc`), `Gpu` (a device's primary context): what a client and
 //!   the GPU check (`tuttid-gpu-check`) need around them.
 //!
 //! Every CUDA call is in `driver.rs`, the crate's only module with unsafe code; each checks its

@@ -154,9 +154,9 @@ pub fn refuse_foreign_namespaces<'a>(targets: impl IntoIterator<Item = (&'a Devi
     Ok(())
 }
 
-/// The first min([`PROBE_BYTES`], namespace size) bytes of `target`'s namespace (`spec` names
+/// The first min(`PROBE_BYTES`, namespace size) bytes of `target`'s namespace (`spec` names
 /// it in errors), read through its controller on a queue pair of its own (deleted afterwards),
-/// in commands of at most MDTS, each waited on for at most [`HEAD_READ_TIMEOUT`].
+/// in commands of at most MDTS, each waited on for at most `HEAD_READ_TIMEOUT`.
 pub fn read_namespace_head(spec: &DeviceSpec, target: &PoolTarget) -> Result<Vec<u8>, DeviceError> {
     let failed = |context: &str| {
         let context = context.to_string();

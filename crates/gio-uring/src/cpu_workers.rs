@@ -9,7 +9,7 @@
 //! serving every device, budget `b` puts exactly `min(b, workers)` threads on the batch and the
 //! rest idle, as a GPU kernel of `b` blocks would; with each device served by one worker (a
 //! partition), the budget cannot go below the workers owning the devices touched: no queue pair
-//! moves between threads. The grouping per worker ([`crate::ioctx_index`]) is built at the first
+//! moves between threads. The grouping per worker (`crate::ioctx_index`) is built at the first
 //! issue of a filled IOCB and rebuilt only when an issue brings another budget, so reissuing
 //! with the same budget does no per-IOCTX work.
 //!

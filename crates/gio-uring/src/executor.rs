@@ -129,7 +129,7 @@ pub trait QueuePairReset: Executor {
 ///    IOCTX count has seen every earlier failure record;
 /// 3. that thread moves `status` off ISSUED with a compare-and-swap: exactly one CQE per issue,
 ///    even if a timeout path raced it. It then notes that a CPU executor's issue of the IOCB
-///    has ended ([`QueueMemory::end_issue_taken`]) before the CQE goes out.
+///    has ended (`QueueMemory::end_issue_taken`) before the CQE goes out.
 pub fn complete_ioctx(
     memory: &QueueMemory,
     id: IocbId,
@@ -190,7 +190,7 @@ pub(crate) const CQ_LOCK_WAIT: std::time::Duration = std::time::Duration::from_m
 /// serialise on the ring's `producer_lock`, whose Acquire/Release pair also orders one holder's
 /// tail store before the next holder's tail load. The CQ has one entry per IOCB and an IOCB is
 /// reissued only after its CQE was reaped, so a full CQ is a protocol violation, not back-pressure.
-/// Waits for the lock at most [`CQ_LOCK_WAIT`].
+/// Waits for the lock at most `CQ_LOCK_WAIT`.
 pub fn post_cqe(memory: &QueueMemory, cqe: Cqe) -> Result<(), GioError> {
     let lock = memory.layout.cq.header_offset_bytes + core::mem::offset_of!(abi::gio_ring_header, producer_lock);
     let mut attempts = 0u32;

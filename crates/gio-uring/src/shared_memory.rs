@@ -195,7 +195,7 @@ impl SharedRegion {
     /// The words may span fields that are read with narrower accesses: the caller must write
     /// only memory no other agent reads or writes concurrently, and publish it (a Release store
     /// the readers acquire, a channel) before anyone reads it with another width, as
-    /// [`crate::layout::QueueMemory::write_ioctx_record`] does for the IOCTX records of an IOCB
+    /// `crate::layout::QueueMemory::write_ioctx_record` does for the IOCTX records of an IOCB
     /// that is not in flight.
     #[inline]
     pub fn store_u64_array<const N: usize>(&self, offset_bytes: usize, words: &[u64; N], order: Ordering) {

@@ -744,7 +744,9 @@ impl Controller {
     ///
     /// A reset that fails otherwise (in its function-level reset or at any bring-up stage)
     /// leaves the controller unusable for new queue pairs: creating one fails with
-    /// [`NvmeError::ControllerNotReady`], naming the stage, until a reset succeeds. One that
+    /// [`NvmeError::ControllerNotReady`], naming the stage, until a reset succeeds (or
+    /// [`NvmeError::ShadowDoorbellsUnknown`] first, where a Doorbell Buffer Config whose fate is
+    /// unknown may have run: that check comes before this one). One that
     /// failed after the controller stopped has no grant left ([`Controller::granted_queue_pairs`]
     /// is 0), and the Identify-derived view (Identify data, namespaces, transfer limit, data
     /// pointer mode) stays the one of before whenever Identify did not complete.

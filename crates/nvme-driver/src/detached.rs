@@ -225,7 +225,7 @@ impl IoQueuePair {
     /// (so a corrupt layout cannot make this pair ring the admin queue's or another queue's
     /// doorbell or write outside the page), and that the namespaces and the
     /// transfer limit are ones a controller's bring-up could have produced (see
-    /// [`check_grant`]): the config comes off the daemon's wire.
+    /// `check_grant`): the config comes off the daemon's wire.
     ///
     /// # The attach contract
     ///

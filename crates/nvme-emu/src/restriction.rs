@@ -3,7 +3,7 @@
 //! SQ entries cannot make the controller read or write another client's memory or blocks.
 //!
 //! Every address a command makes the controller touch is checked: the data ranges, each PRP
-//! list page and each SGL segment (through [`HostAccess`], the only way `data_pointer` reaches
+//! list page and each SGL segment (through `HostAccess`, the only way `data_pointer` reaches
 //! host memory), and every LBA range (Read, Write, Write Zeroes, each Dataset Management
 //! range). A refused command completes with an error status before any data moves.
 //!

@@ -446,7 +446,7 @@ pub const HEADER_FLAG_PAYLOAD_CRC: u32 = 1;
 /// them all at each restart). A pool that committed a header every nanosecond would take 292
 /// years to reach it; a header at it (or just below) leaves the count no room, and every later
 /// commit, eviction and condemnation is refused, naming that header
-/// ([`ObjstoreError::GenerationExhausted`](crate::ObjstoreError::GenerationExhausted)) rather
+/// ([`crate::ObjstoreError::GenerationExhausted`]) rather
 /// than wrapped (a wrapped count would invert which copy of a key is newer).
 pub const GENERATION_MAX: u64 = 1 << 63;
 

@@ -3,7 +3,7 @@
 //! - [`geometry`]: the model's KV shape and presets;
 //! - [`registration`]: the engine's KV pool in device address space, validated once;
 //! - [`mapping`]: the P2P mapping table (SGL descriptors or PRP lists, or base + strides);
-//! - [`format`]: superblock and slot headers on each namespace, byte by byte;
+//! - [`format`](mod@format): superblock and slot headers on each namespace, byte by byte;
 //! - [`hash`], [`index`]: chained prefix keys, slot allocation, LRU eviction, pins;
 //! - [`pool`]: the pool's devices — format, open with recovery, metadata I/O, check;
 //! - [`leak`]: DMA memory kept for good because a controller may still use it;

@@ -4,7 +4,7 @@
 //! Metadata goes through one NVMe queue pair per device owned here (data goes through gio_uring),
 //! or, on a controller that granted too few I/O queue pairs for that (fewer than two per pool
 //! device on it), through the executor's queue pair, lent between commands (`QueueLender`).
-//! Each device's header region is mirrored in DMA memory ([`mirror`]): the mirror only ever holds
+//! Each device's header region is mirrored in DMA memory (`mirror`): the mirror only ever holds
 //! Valid entries whose data is already durable, and Empty entries, so writing any of its sectors
 //! is always safe, and a sync writes only the sectors that changed.
 

@@ -81,7 +81,7 @@ pub const UNSUPPORTED_DEVICE: &str = "tutti registers CPU memory, and CUDA memor
 /// One tensor as its producer described it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorDescription {
-    /// How the error messages name it (e.g. "keys[3]").
+    /// How the error messages name it (e.g. `keys[3]`).
     pub name: String,
     /// Address of element [0, 0, ...].
     pub address: u64,

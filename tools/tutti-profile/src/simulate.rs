@@ -25,7 +25,7 @@ pub struct SimulateArgs {
     /// model and GPU and contain the preset's prompt length.
     #[arg(long)]
     table: Option<PathBuf>,
-    /// Output directory for CSV, SVG and summary (default: target/tutti-profile/<preset>).
+    /// Output directory for CSV, SVG and summary (default: target/tutti-profile/PRESET).
     #[arg(long)]
     out: Option<PathBuf>,
     /// Print the summary as JSON on stdout.

@@ -13,13 +13,13 @@ pub trait IommuMapper: Send + Sync {
 
     /// Whether the device translates IOVAs itself through the pool's table (the software
     /// controller), so that memory reached only by copies can be given an IOVA
-    /// ([`DmaAllocator::map_copied`]). An IOMMU maps host pages, not copy functions: false.
+    /// (`DmaAllocator::map_copied`). An IOMMU maps host pages, not copy functions: false.
     fn device_translates(&self) -> bool {
         false
     }
 }
 
-/// A mapper for devices that translate IOVAs themselves through [`DmaPool::translate`] (the
+/// A mapper for devices that translate IOVAs themselves through `DmaPool::translate` (the
 /// software controller). Nothing is programmed anywhere; the pool's table is the IOMMU.
 #[derive(Debug, Default)]
 pub struct IdentityMapper;

@@ -108,7 +108,7 @@ impl SharedMemory {
 
     /// Maps `len` bytes of a memfd received from another process, after checking it: a memfd
     /// (`F_GET_SEALS` succeeds), sealed against shrinking, on shmem (not a hugetlbfs memfd:
-    /// [`check_filesystem`]), and at least `len` bytes long.
+    /// `check_filesystem`), and at least `len` bytes long.
     pub fn from_fd(fd: OwnedFd, len: usize) -> Result<Arc<Self>, SharedMemoryError> {
         check_length(len)?;
         // SAFETY: fcntl(F_GET_SEALS) reads no memory; on an fd that does not support sealing

@@ -13,7 +13,7 @@ use crate::error::{ObjstoreError, Result};
 const METADATA_TAG: u64 = LENT_COMMAND_TAG;
 
 /// Depth of a metadata queue pair (a pool device's own, or a temporary one), on a controller
-/// whose CAP.MQES allows it (see [`create_metadata_queue`]).
+/// whose CAP.MQES allows it (see `create_metadata_queue`).
 pub const METADATA_QUEUE_DEPTH: u32 = 64;
 /// Metadata moves in pieces of at most this size (each piece is one submit + wait).
 pub(crate) const METADATA_CHUNK_BYTES: u64 = 1 << 20;
