@@ -172,13 +172,13 @@ fn reservations_refusal(sessions: &BTreeMap<u64, SessionRecord>, this: u64, conf
 /// refusal ([`reservations_refusal`]); under the sessions lock, so two sessions' first
 /// registrations cannot both take the last share. `Ok(true)`: promised by this call, which
 /// [`withdraw_promise`] takes back should the registration be refused for its own reasons.
-fn promise_reservations(shared: &Shared, session: u64) -> Result<bool, Reply> {
+fn promise_reservations(shared: &Shared, session: u64) -> Result<bool, Box<Reply>> {
     let mut sessions = lock(&shared.sessions);
     if sessions.get(&session).is_none_or(|record| record.promised) {
         return Ok(false);
     }
     if let Some(refusal) = reservations_refusal(&sessions, session, &shared.config) {
-        return Err(refusal);
+        return Err(Box::new(refusal));
     }
     if let Some(record) = sessions.get_mut(&session) {
         record.promised = true;
@@ -482,7 +482,7 @@ impl Connection {
         if let (Request::RegisterMemory(_) | Request::RegisterDeviceMemory(_), Some(session)) = (&request, self.session) {
             match promise_reservations(shared, session) {
                 Ok(promised) => promised_here = promised,
-                Err(refusal) => return (refusal, Vec::new()),
+                Err(refusal) => return (*refusal, Vec::new()),
             }
         }
         let reply = match (request, space) {
