@@ -55,14 +55,18 @@ pub struct LeaseHealth {
 /// What [`ClusterNode::rejoin`] did with the node's old leases.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rejoined {
-    /// The node's last lease: the one it held, or the one a failed rejoin granted and could
-    /// not revoke after its member transaction's answer was lost.
+    /// The lease the node last joined under: every registration and record update since that
+    /// join went under it. Not a lease a failed rejoin granted and could not revoke after its
+    /// member transaction's answer was lost (an orphan, the node's last lease then): at most
+    /// the member key is under that one, never a segment.
     pub old_lease_id: i64,
-    /// Whether that lease is gone (revoked, or etcd no longer knew it): every entry put under
-    /// it went with it.
+    /// Whether that lease is gone (revoked by this rejoin or by a failed one since that join,
+    /// or etcd no longer knew it): every entry put under it went with it. False when it may
+    /// live, its revoke failed (or, tried and failed by rejoins past the two leases a node
+    /// keeps, it was no longer tried).
     pub old_lease_revoked: bool,
     /// The leases of the node this rejoin tried and could not revoke, newest first (the old
-    /// lease among them unless `old_lease_revoked`): each lives, with the entries under it,
+    /// lease among them when this rejoin tried it and failed): each lives, with the entries under it,
     /// until it expires. Empty when no lease this node still tracks is left; one an earlier
     /// rejoin stopped tracking (past the two it keeps, logged then) may live on unrenewed
     /// for up to a TTL after that rejoin.
@@ -108,13 +112,18 @@ pub struct ClusterNode {
     /// (a join under another lease found the key taken by it, blamed on another process, for
     /// up to a TTL); `shut_down` revokes it.
     orphaned: Option<i64>,
+    /// The lease of the last join that succeeded (`establish`), under which the owner put its
+    /// entries since, and whether a revoke (or etcd not knowing it) has confirmed it gone. A
+    /// failed rejoin may leave an orphan as the node's lease: the entries are not under that.
+    joined: i64,
+    joined_gone: bool,
     /// Tests only: called after the member transaction was applied, whose answer is then taken
     /// as lost (`Unavailable`), as a member that stalls right after applying it would make it.
     #[cfg(test)]
     lose_member_answer: Option<Box<dyn FnMut() + Send + Sync>>,
-    /// Tests only: a lease whose revoke fails (as with etcd out of reach), sent to no one.
+    /// Tests only: leases whose revoke fails (as with etcd out of reach), sent to no one.
     #[cfg(test)]
-    fail_revoke: Option<i64>,
+    fail_revoke: Vec<i64>,
 }
 
 impl ClusterNode {
@@ -145,10 +154,12 @@ impl ClusterNode {
             keep_alive: None,
             unrevoked: Vec::new(),
             orphaned: None,
+            joined: 0,
+            joined_gone: true,
             #[cfg(test)]
             lose_member_answer: None,
             #[cfg(test)]
-            fail_revoke: None,
+            fail_revoke: Vec::new(),
         };
         node.establish()?;
         Ok(node)
@@ -231,6 +242,8 @@ impl ClusterNode {
         let seen_at = answer.header().map(|header| header.revision()).filter(|&revision| revision > 0);
         self.lease.lease_id.store(lease_id, Ordering::Relaxed);
         self.lease.lost.store(false, Ordering::Relaxed);
+        self.joined = lease_id;
+        self.joined_gone = false;
         let granted_at_ms = granted_at.saturating_duration_since(self.lease.origin).as_millis() as u64;
         self.lease.renewed_at_ms.store(granted_at_ms, Ordering::Relaxed);
         let (stop, stopped) = watch::channel(false);
@@ -276,7 +289,7 @@ impl ClusterNode {
     /// is gone now (revoked, or etcd no longer knew it).
     fn revoke(&self, lease_id: i64) -> bool {
         #[cfg(test)]
-        if self.fail_revoke == Some(lease_id) {
+        if self.fail_revoke.contains(&lease_id) {
             tracing::warn!(lease_id, "could not revoke the lease (test); it expires by itself");
             return false;
         }
@@ -330,8 +343,15 @@ impl ClusterNode {
         // process) until it expired.
         let mut held = vec![old_lease_id];
         held.extend(self.unrevoked.iter().copied().filter(|&lease_id| lease_id != old_lease_id));
-        let mut failed: Vec<i64> = held.into_iter().filter(|&lease_id| !self.revoke(lease_id)).collect();
-        let old_lease_revoked = !failed.contains(&old_lease_id);
+        let mut failed: Vec<i64> = held.iter().copied().filter(|&lease_id| !self.revoke(lease_id)).collect();
+        // The owner's entries are under the lease it last joined under, not under an orphan a
+        // failed rejoin left as the node's lease (which holds the member key at most): the
+        // answer says whether that lease is gone. One no longer tracked (past
+        // `UNREVOKED_KEPT`) is not tried and may live.
+        if held.contains(&self.joined) && !failed.contains(&self.joined) {
+            self.joined_gone = true;
+        }
+        let (joined, joined_gone) = (self.joined, self.joined_gone);
         // Entries of the node live on under any lease left, not only under the last one: the
         // owner must delete what it meant to (`Rejoined::left`).
         let left = failed.clone();
@@ -344,7 +364,7 @@ impl ClusterNode {
         // unrevoked.
         self.orphaned = None;
         self.establish()?;
-        Ok(Rejoined { old_lease_id, old_lease_revoked, left })
+        Ok(Rejoined { old_lease_id: joined, old_lease_revoked: joined_gone, left })
     }
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
@@ -914,9 +934,11 @@ mod lease_orphan_tests {
         };
         let mut node = ClusterNode::join(config.clone(), record.clone()).unwrap();
 
+        let joined = node.health().lease_id;
         let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
         let rejoined = node.rejoin().expect("the rejoin after revokes the orphaned lease");
-        assert_eq!(rejoined, Rejoined { old_lease_id: orphan, old_lease_revoked: true, left: Vec::new() });
+        // The lease joined under went with the failed rejoin's revoke.
+        assert_eq!(rejoined, Rejoined { old_lease_id: joined, old_lease_revoked: true, left: Vec::new() });
         assert_eq!(ttl_left(&node.client, orphan), -1, "the orphaned lease is gone");
         let lease_id = node.health().lease_id;
         assert_eq!(member_key_lease(&node.client, &record.node), lease_id);
@@ -952,9 +974,9 @@ mod lease_orphan_tests {
         let mut node = ClusterNode::join(config, record.clone()).unwrap();
         let first = node.health().lease_id;
 
-        node.fail_revoke = Some(first);
+        node.fail_revoke = vec![first];
         let holder = rejoin_orphaning_a_lease(&mut node, &etcd);
-        node.fail_revoke = None;
+        node.fail_revoke = Vec::new();
         assert_eq!(holder, first, "the member key stayed under the lease whose revoke failed");
         let second = node.health().lease_id;
         assert_ne!(second, first, "the failed rejoin's new lease is the node's");
@@ -963,7 +985,7 @@ mod lease_orphan_tests {
         let rejoined = node.rejoin().expect("the rejoin revokes both leases and joins");
         assert_eq!(ttl_left(&node.client, first), -1, "the lease the first rejoin could not revoke is gone");
         assert_eq!(ttl_left(&node.client, second), -1, "the orphaned lease is gone");
-        assert_eq!(rejoined.old_lease_id, second);
+        assert_eq!(rejoined.old_lease_id, first, "the lease joined under, not the orphan");
         assert!(rejoined.old_lease_revoked);
         assert!(rejoined.left.is_empty(), "{:?}", rejoined.left);
         assert_eq!(member_key_lease(&node.client, &record.node), node.health().lease_id);
@@ -1000,7 +1022,7 @@ mod lease_orphan_tests {
                 async move { kv.delete(key, None).await }
             })
             .unwrap();
-        node.fail_revoke = Some(first);
+        node.fail_revoke = vec![first];
         let rejoined = node.rejoin().expect("joins under a new lease");
         assert_eq!(rejoined, Rejoined { old_lease_id: first, old_lease_revoked: false, left: vec![first] });
         let second = node.health().lease_id;
@@ -1015,11 +1037,58 @@ mod lease_orphan_tests {
             "the first lease and its entries live"
         );
 
-        node.fail_revoke = None;
+        node.fail_revoke = Vec::new();
         let rejoined = node.rejoin().expect("joins once more");
         assert!(rejoined.old_lease_revoked);
         assert_eq!(rejoined.left, Vec::<i64>::new(), "every lease of the node is gone now");
         assert_eq!(ttl_left(&node.client, first), -1);
+    }
+    #[test]
+    fn a_rejoin_after_one_that_orphaned_its_lease_reports_the_lease_joined_under() {
+        // Goal: the answer says whether the lease the node's entries were put under is gone.
+        // Joined under L1, a rejoin whose revoke of L1 failed (the member key deleted by hand:
+        // its join goes ahead) had its member transaction's answer lost and could not revoke
+        // its new lease O: O became the node's lease. The next rejoin revoked O, failed L1's
+        // revoke again and answered {old: O, revoked, left: [L1]}: the registrar took the
+        // entries as gone and dropped its unregister queue, though they live under L1.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let endpoints = etcd.endpoints();
+        let etcd = Arc::new(Mutex::new(etcd));
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new("joined").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let first = node.health().lease_id;
+        let key = node.client.layout.member_key(&record.node);
+        node.client
+            .connection
+            .call_kv("delete the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.delete(key, None).await }
+            })
+            .unwrap();
+
+        node.fail_revoke = vec![first];
+        let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
+        assert_eq!(orphan, node.health().lease_id, "the failed rejoin's new lease holds the member key and is the node's");
+        assert_ne!(orphan, first);
+
+        let rejoined = node.rejoin().expect("revokes the orphan and joins");
+        assert_eq!(ttl_left(&node.client, orphan), -1, "the orphan is gone");
+        assert!(ttl_left(&node.client, first) > 0, "the lease joined under lives");
+        assert_eq!(
+            rejoined,
+            Rejoined { old_lease_id: first, old_lease_revoked: false, left: vec![first] },
+            "the entries put under the lease joined under live"
+        );
+        node.fail_revoke = Vec::new();
     }
 }
 
@@ -1051,13 +1120,13 @@ mod own_lease_tests {
         let mut node = ClusterNode::join(config, record).unwrap();
         let first = node.health().lease_id;
 
-        node.fail_revoke = Some(first);
+        node.fail_revoke = vec![first];
         let error = node.rejoin().map(|_| ()).expect_err("the member key is still under the first lease");
         assert!(!matches!(error, ClusterError::NodeIdTaken { .. }), "blamed on another process: {error}");
         assert!(error.to_string().contains(&format!("{first:#x}")), "names the lease: {error}");
         assert!(matches!(error, ClusterError::OwnLeaseHolds { lease_id, .. } if lease_id == first), "{error:?}");
 
-        node.fail_revoke = None;
+        node.fail_revoke = Vec::new();
         node.rejoin().expect("the next rejoin revokes the old lease and joins");
         assert!(!node.health().lost);
     }

@@ -116,7 +116,8 @@ pub(crate) struct Registrar {
     rejoin_needed: bool,
     /// Entries of this node may be under a lease a rejoin left (its revoke failed): queued
     /// deletes, and held segments not yet registered under the current lease. Set by a rejoin
-    /// that left its old lease (everything of the node was under it), kept by one that left
+    /// that left the lease the node last joined under (`Rejoined::old_lease_id`: everything of
+    /// the node was under it, never under a lease a failed rejoin orphaned), kept by one that left
     /// only earlier leases while set; cleared once the queue is empty and every held segment is
     /// registered under the current lease (a put under it moved each key off the old lease).
     left_may_hold: bool,
@@ -556,7 +557,8 @@ impl Registrar {
 
     /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
     /// has nothing left to do — unless a lease that may hold queued entries lives on: the old
-    /// lease, its revoke failed, or an earlier one the rejoin tried again and failed while
+    /// lease (the one the node last joined under, whichever lease a failed rejoin left as the
+    /// node's since), its revoke failed, or an earlier one the rejoin tried again and failed while
     /// entries may still be under it (`left_may_hold`). Then they live until it expires (up
     /// to a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
     /// deletes them under the new lease (a guarded delete of the key, which names the node, not
