@@ -3,8 +3,9 @@
 # (`. tools/test.sh lint`: no stage of it runs) and stand-in stages (tools/test.sh's lint stage
 # runs it; alone: `tools/test-sh-test.sh`; the policy-rc.d check as root only):
 # 1. a stage that ends with a process of its still running is a FAIL that says how many it
-#    leaked (they are stopped), not a PASS; a stage that leaves nothing, or only a process that
-#    ends within the grace after the stage, is a PASS;
+#    leaked (they are stopped), not a PASS: one whose command name holds a newline and ") S 1 2"
+#    (a stat line that a line-wise read would cut short) too; a stage that leaves
+#    nothing, or only a process that ends within the grace after the stage, is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
 #    the original it kept aside put back (at paths of the test's own);
@@ -34,6 +35,12 @@ stage_leaks() {
     sleep 60 > /dev/null 2>&1 &
     echo $! > "$run_tmp/leaked.pid"
 }
+# A copy of sleep whose command name (stat's field 2) holds a newline and a fake ") S 1 2".
+stage_leaks_newline() {
+    local name="$run_tmp/nl"$'\n'") S 1 2"
+    "$name" 60 > /dev/null 2>&1 &
+    echo $! > "$run_tmp/leaked-newline.pid"
+}
 stage_clean() { return 0; }
 # Leaves a process that is already on its way out (as a SIGKILLed child freeing its memory, or
 # a helper that exits once its parent's pipe closes): it ends within the grace, not leaked.
@@ -45,7 +52,20 @@ stage_policy_killed() {
         forbid_service_starts && kill -KILL $$' policy-script "$POLICY_RC_D" "$POLICY_RC_D_SAVED" "$POLICY_RC_D_LOCK"
     grep -q 'exit 101' "$POLICY_RC_D" # the script did put it there
 }
+cp "$(command -v sleep)" "$run_tmp/nl"$'\n'") S 1 2"
 write_stage_functions
+# stopped PID: "stopped" when PID has ended (a zombie has: init reaps it when it gets to it);
+# a process still running is KILLed (what a failed check left) and named.
+stopped() {
+    local state
+    state=$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$1/stat" 2> /dev/null | tail -1)
+    if [ -z "$state" ] || [ "$state" = Z ]; then
+        echo stopped
+    else
+        kill -KILL "$1" 2> /dev/null
+        echo "running ($1)"
+    fi
+}
 
 # 1. Leaks.
 run_stage leaks stage_leaks > "$run_tmp/leaks.out" 2>&1
@@ -56,10 +76,11 @@ check "a stage that leaves nothing: a PASS" yes "$(printf '%s\n' "${summary[@]}"
 run_stage ending stage_ending > "$run_tmp/ending.out" 2>&1
 check "a stage that leaves a process ending within a second: a PASS" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^PASS ending ' && echo yes || echo "no: ${summary[*]}")"
-leaked=$(cat "$run_tmp/leaked.pid")
-# (A zombie has stopped: init reaps it when it gets to it.)
-state=$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$leaked/stat" 2> /dev/null)
-check "the leaked process stopped" stopped "$([ -z "$state" ] || [ "$state" = Z ] && echo stopped || echo "running ($leaked)")"
+check "the leaked process stopped" stopped "$(stopped "$(cat "$run_tmp/leaked.pid")")"
+run_stage leaks-newline stage_leaks_newline > "$run_tmp/leaks-newline.out" 2>&1
+check "a stage that leaves a process whose name holds a newline and ') S 1 2': a FAIL that says it leaked 1" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-newline (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
+check "the process whose name holds a newline stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-newline.pid")")"
 
 # 2. A policy-rc.d left by a KILLed script of a stage.
 if [ "$(id -u)" -eq 0 ]; then

@@ -70,7 +70,8 @@ cd "$(dirname "$(readlink -f "$0")")/.."
 # tools/check-bindings.sh.
 # shellcheck source=tools/lib/dpkg.sh
 . tools/lib/dpkg.sh
-# session_pids (run_stage's grace for what a stage leaves ending).
+# session_pids (run_stage's grace for what a stage leaves ending), proc_stat (kill_tree's and
+# bounded's look at /proc).
 # shellcheck source=tools/lib/process.sh
 . tools/lib/process.sh
 
@@ -149,12 +150,11 @@ print_summary() {
 # which have ended, left out).
 killed=()
 kill_tree() {
-    local root=$1 signal round line stat pid ppid pgid sid fields changed own_pgid own_sid
+    local root=$1 signal round line stat pid ppid pgid sid proc_fields=() changed own_pgid own_sid
     local -A pids=() pgids=() sids=()
     killed=()
-    read -r line < /proc/$$/stat
-    read -r -a fields <<< "${line##*") "}"
-    own_pgid=${fields[2]} own_sid=${fields[3]}
+    proc_stat /proc/$$/stat
+    own_pgid=${proc_fields[2]:-} own_sid=${proc_fields[3]:-}
     pids[$root]=1 sids[$root]=1
     for signal in TERM KILL; do
         # Until a pass finds nothing new: the members of a group or session found on one pass may
@@ -163,10 +163,9 @@ kill_tree() {
         while [ "$changed" = 1 ]; do
             changed=0
             for stat in /proc/[0-9]*/stat; do
-                read -r line 2> /dev/null < "$stat" || continue
-                read -r -a fields <<< "${line##*") "}"
+                proc_stat "$stat" || continue
                 pid=${stat#/proc/} pid=${pid%/stat}
-                ppid=${fields[1]} pgid=${fields[2]} sid=${fields[3]}
+                ppid=${proc_fields[1]:-} pgid=${proc_fields[2]:-} sid=${proc_fields[3]:-}
                 [ "$pid" != $$ ] || continue
                 if [ -n "${pids[$ppid]:-}" ] || [ -n "${pgids[$pgid]:-}" ] || [ -n "${sids[$sid]:-}" ]; then
                     [ -n "${pids[$pid]:-}" ] || { pids[$pid]=1 changed=1; }
@@ -181,12 +180,12 @@ kill_tree() {
             for pid in "${!pids[@]}"; do
                 [ "$pid" != "$root" ] || continue
                 # A zombie has ended (an init that does not reap keeps it): not left running.
-                read -r line 2> /dev/null < "/proc/$pid/stat" || continue
-                read -r -a fields <<< "${line##*") "}"
-                [ "${fields[0]}" != Z ] || continue
+                proc_stat "/proc/$pid/stat" || continue
+                [ "${proc_fields[0]:-}" != Z ] || continue
                 line=$(tr '\0' ' ' 2> /dev/null < "/proc/$pid/cmdline")
                 [ -n "$line" ] || read -r line 2> /dev/null < "/proc/$pid/comm" || continue
-                killed+=("$pid ${line% }")
+                # One line each in the report (a name may hold a newline).
+                line=${line% } && killed+=("$pid ${line//$'\n'/?}")
             done
         fi
         for pid in "${!pids[@]}"; do kill -"$signal" "$pid" 2> /dev/null; done
@@ -195,9 +194,8 @@ kill_tree() {
         for round in 1 2 3 4 5 6 7 8 9 10; do
             changed=0
             for pid in "${!pids[@]}"; do
-                read -r line 2> /dev/null < "/proc/$pid/stat" || continue
-                read -r -a fields <<< "${line##*") "}"
-                [ "${fields[0]}" = Z ] || { changed=1 && break; }
+                proc_stat "/proc/$pid/stat" || continue
+                [ "${proc_fields[0]:-}" = Z ] || { changed=1 && break; }
             done
             [ "$changed" = 1 ] || break
             sleep 0.5
@@ -293,7 +291,7 @@ run_stage() {
 # their own that the outer `timeout` does not signal. Returns COMMAND's status (124 or 137 when
 # the limit expired).
 bounded() {
-    local limit=$1 sidfile sid rc stat line fields
+    local limit=$1 sidfile sid rc stat proc_fields=()
     shift
     sidfile=$(mktemp -p "$run_tmp") || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
@@ -305,9 +303,8 @@ bounded() {
     if [ -n "$sid" ]; then
         # /proc, not pkill: procps is not on every fresh machine. Field 6 of stat is the session.
         for stat in /proc/[0-9]*/stat; do
-            read -r line 2> /dev/null < "$stat" || continue
-            read -r -a fields <<< "${line##*") "}"
-            [ "${fields[3]:-}" = "$sid" ] || continue
+            proc_stat "$stat" || continue
+            [ "${proc_fields[3]:-}" = "$sid" ] || continue
             stat=${stat#/proc/}
             kill -KILL "${stat%/stat}" 2> /dev/null
         done

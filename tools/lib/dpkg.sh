@@ -43,11 +43,16 @@ boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
 # process_start PID: the process's start time (stat's field 22), or nothing if it is gone. A
 # zombie (stat's field 3: Z) is gone: a script KILLed whose parent was killed with it may wait
 # long for an init that reaps, and its policy-rc.d must not be taken for a live run's meanwhile.
+# The whole file, split after the last ") ": the command name before it may hold spaces,
+# parentheses and newlines, where a line-wise read would stop (tools/lib/process.sh's proc_stat
+# does the same; not sourced here: vm/lib.sh and check-bindings.sh source this file alone).
 process_start() {
-    local line fields
-    read -r line 2> /dev/null < "/proc/$1/stat" || return 0
+    local line='' fields=()
+    # -d '': to the end of the file; read then returns 1 although it read everything.
+    IFS= read -r -d '' line 2> /dev/null < "/proc/$1/stat"
+    [ -n "$line" ] || return 0
     read -r -a fields <<< "${line##*") "}"
-    [ "${fields[0]}" = Z ] || echo "${fields[19]}"
+    [ "${fields[0]:-}" = Z ] || echo "${fields[19]:-}"
 }
 policy_owner() { echo "$main_pid $(process_start "$main_pid") $(boot_id)"; }
 # policy_rc_d_state sets `policy_state` to none, foreign (not ours), mine (this run's), live

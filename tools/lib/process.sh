@@ -15,6 +15,11 @@
 #       state Z, has ended: its parent has not reaped it yet, or an init that does not reap keeps
 #       it, as tools/test.sh's kill_tree counts it); fails, saying so, when /proc cannot be read
 #       (a check that nothing is left must not pass without looking).
+#   proc_stat FILE
+#       sets the array proc_fields to the fields of FILE (a /proc/PID/stat) that follow the
+#       command name: [0] the state (stat's field 3), [1] the parent, [2] the process group,
+#       [3] the session, [19] the start time (field 22); fails when FILE cannot be read (the
+#       process has gone). tools/test.sh's kill_tree and bounded use it too.
 #
 # Why interruptible_timeout: GNU timeout puts itself and COMMAND in a process group of their
 # own, so the terminal's Ctrl-C (SIGINT to the foreground group, the script's) never reaches
@@ -56,19 +61,32 @@ interruptible_timeout() {
     return "$status"
 }
 
+# The command name (field 2, in parentheses) is the executable's name as it was given: any
+# bytes but NUL, spaces, parentheses and newlines included (a file named $'x\n) S 1 2' run).
+# So the whole file is read (a line-wise read would stop inside the name and leave the fields
+# after it out) and split after the last ") ", which the kernel writes after the name (no field
+# after it holds one). Callers read ${proc_fields[N]:-}: a stat of a shape not foreseen must
+# not end them under set -u, and declare proc_fields local.
+proc_stat() {
+    local line=''
+    # -d '': to the end of the file; read then returns 1 although it read everything.
+    IFS= read -r -d '' line 2> /dev/null < "$1"
+    [ -n "$line" ] || return 1
+    read -r -a proc_fields <<< "${line##*") "}"
+}
+
 # /proc, not pgrep: procps is not on every fresh machine. Field 6 of stat is the session (the
 # fields after the command, which may hold spaces and parentheses, start at field 3); field 3 is
 # the state.
 session_pids() {
-    local sid=$1 stat line fields
-    if ! read -r line 2> /dev/null < /proc/self/stat; then
+    local sid=$1 stat proc_fields=()
+    if ! proc_stat /proc/self/stat; then
         echo "$0: cannot read /proc: cannot tell which processes session $sid has" >&2
         return 1
     fi
     for stat in /proc/[0-9]*/stat; do
-        read -r line 2> /dev/null < "$stat" || continue
-        read -r -a fields <<< "${line##*") "}"
-        [ "${fields[3]:-}" = "$sid" ] && [ "${fields[0]}" != Z ] || continue
+        proc_stat "$stat" || continue
+        [ "${proc_fields[3]:-}" = "$sid" ] && [ "${proc_fields[0]:-}" != Z ] || continue
         stat=${stat#/proc/}
         echo "${stat%/stat}"
     done
