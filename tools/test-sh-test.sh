@@ -4,7 +4,8 @@
 # runs it; alone: `tools/test-sh-test.sh`; the policy-rc.d check as root only):
 # 1. a stage that ends with a process of its still running is a FAIL that says how many it
 #    leaked (they are stopped), not a PASS: one whose command name holds a newline and ") S 1 2"
-#    (a stat line that a line-wise read would cut short) too; a stage that leaves
+#    (a stat line that a line-wise read would cut short) too, and one in a session of its own
+#    whose parent, a member of the stage's session, ends during the grace; a stage that leaves
 #    nothing, or only a process that ends within the grace after the stage, is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
@@ -40,6 +41,15 @@ stage_leaks_newline() {
     local name="$run_tmp/nl"$'\n'") S 1 2"
     "$name" 60 > /dev/null 2>&1 &
     echo $! > "$run_tmp/leaked-newline.pid"
+}
+# A member of the stage's session that starts a process in a session of its own (setsid, not
+# forking: the child is no group leader) and ends half a second into the grace: afterwards the
+# sleep is reachable neither by the stage's session nor by a parent.
+stage_leaks_setsid() {
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    bash -c 'setsid sleep 60 > /dev/null 2>&1 & echo $! > "$0"; sleep 0.5' "$run_tmp/leaked-setsid.pid" &
+    # Until the inner shell has started the sleep (the stage's end must find it there).
+    for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$run_tmp/leaked-setsid.pid" ] && break; sleep 0.1; done
 }
 stage_clean() { return 0; }
 # Leaves a process that is already on its way out (as a SIGKILLed child freeing its memory, or
@@ -81,6 +91,10 @@ run_stage leaks-newline stage_leaks_newline > "$run_tmp/leaks-newline.out" 2>&1
 check "a stage that leaves a process whose name holds a newline and ') S 1 2': a FAIL that says it leaked 1" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-newline (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
 check "the process whose name holds a newline stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-newline.pid")")"
+run_stage leaks-setsid stage_leaks_setsid > "$run_tmp/leaks-setsid.out" 2>&1
+check "a stage whose member, ending in the grace, leaves a process in a session of its own: a FAIL that says it leaked 1" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-setsid (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
+check "the process in a session of its own stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-setsid.pid")")"
 
 # 2. A policy-rc.d left by a KILLed script of a stage.
 if [ "$(id -u)" -eq 0 ]; then

@@ -139,43 +139,78 @@ print_summary() {
     [ "$failed" -eq 0 ] || echo "failed stages: ${failed_names[*]}"
 }
 
-# kill_tree SID: kills every process of session SID (a stage's: its leader, SID, is the stage's
-# shell; members handed to init are found by the session, not by parent links), every process
-# below them, and every process in the process groups and sessions those belong to (the
-# `timeout`s' groups, `bounded`'s sessions: processes there may already have been handed to
-# init), except this script's own group and session. SIGTERM first,
-# then, for what is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on
-# every fresh machine.
+# tree_find (kill_tree's and tree_snapshot's): adds to the caller's associative arrays pids,
+# pgids and sids every process whose parent is in pids or whose group or session is in pgids or
+# sids, and puts the groups and sessions of the processes in pids (but this script's own) in
+# pgids and sids, until a pass finds nothing new: the members of a group or session found on
+# one pass may have children of their own.
+tree_find() {
+    local stat pid ppid pgid sid changed=1 own_pgid own_sid proc_fields=()
+    proc_stat /proc/$$/stat
+    own_pgid=${proc_fields[2]:-} own_sid=${proc_fields[3]:-}
+    while [ "$changed" = 1 ]; do
+        changed=0
+        for stat in /proc/[0-9]*/stat; do
+            proc_stat "$stat" || continue
+            pid=${stat#/proc/} pid=${pid%/stat}
+            ppid=${proc_fields[1]:-} pgid=${proc_fields[2]:-} sid=${proc_fields[3]:-}
+            [ "$pid" != $$ ] || continue
+            if [ -n "${pids[$ppid]:-}" ] || [ -n "${pgids[$pgid]:-}" ] || [ -n "${sids[$sid]:-}" ]; then
+                [ -n "${pids[$pid]:-}" ] || { pids[$pid]=1 changed=1; }
+            fi
+            if [ -n "${pids[$pid]:-}" ]; then
+                [ "$pgid" = "$own_pgid" ] || [ -n "${pgids[$pgid]:-}" ] || { pgids[$pgid]=1 changed=1; }
+                [ "$sid" = "$own_sid" ] || [ -n "${sids[$sid]:-}" ] || { sids[$sid]=1 changed=1; }
+            fi
+        done
+    done
+}
+# tree_snapshot SID: prints "PID START" (START: stat's field 22, the start time) for every
+# process besides SID that kill_tree SID would find now, signalling none (zombies, which have
+# ended, left out).
+tree_snapshot() {
+    local root=$1 pid proc_fields=()
+    local -A pids=() pgids=() sids=()
+    pids[$root]=1 sids[$root]=1
+    tree_find
+    for pid in "${!pids[@]}"; do
+        [ "$pid" != "$root" ] && proc_stat "/proc/$pid/stat" && [ "${proc_fields[0]:-}" != Z ] || continue
+        echo "$pid ${proc_fields[19]:-}"
+    done
+}
+# tree_running SNAPSHOT: prints the pids of SNAPSHOT's processes still running: not zombies,
+# and started when the snapshot says (a pid reused since by another process is not theirs).
+tree_running() {
+    local pid start proc_fields=()
+    while read -r pid start; do
+        if [ -n "$start" ] && proc_stat "/proc/$pid/stat" && [ "${proc_fields[19]:-}" = "$start" ] &&
+            [ "${proc_fields[0]:-}" != Z ]; then
+            echo "$pid"
+        fi
+    done <<< "$1"
+}
+
+# kill_tree SID [SNAPSHOT]: kills every process of session SID (a stage's: its leader, SID, is
+# the stage's shell; members handed to init are found by the session, not by parent links),
+# every process below them, and every process in the process groups and sessions those belong
+# to (the `timeout`s' groups, `bounded`'s sessions: processes there may already have been
+# handed to init), except this script's own group and session; and the processes of SNAPSHOT
+# (tree_snapshot's, taken earlier) that still run, with all that is below them and in their
+# groups and sessions: one found then only through a parent that has ended since (a process in
+# a session of its own, setsid, handed to init) is still reached. SIGTERM first, then, for what
+# is still there after a few seconds, SIGKILL. /proc, not pkill: procps is not on every fresh
+# machine.
 # `killed` is set to what it found running besides SID itself ("PID COMMAND" each; zombies,
 # which have ended, left out).
 killed=()
 kill_tree() {
-    local root=$1 signal round line stat pid ppid pgid sid proc_fields=() changed own_pgid own_sid
+    local root=$1 snapshot=${2:-} signal round line pid proc_fields=() changed
     local -A pids=() pgids=() sids=()
     killed=()
-    proc_stat /proc/$$/stat
-    own_pgid=${proc_fields[2]:-} own_sid=${proc_fields[3]:-}
     pids[$root]=1 sids[$root]=1
+    for pid in $(tree_running "$snapshot"); do pids[$pid]=1; done
     for signal in TERM KILL; do
-        # Until a pass finds nothing new: the members of a group or session found on one pass may
-        # have children of their own.
-        changed=1
-        while [ "$changed" = 1 ]; do
-            changed=0
-            for stat in /proc/[0-9]*/stat; do
-                proc_stat "$stat" || continue
-                pid=${stat#/proc/} pid=${pid%/stat}
-                ppid=${proc_fields[1]:-} pgid=${proc_fields[2]:-} sid=${proc_fields[3]:-}
-                [ "$pid" != $$ ] || continue
-                if [ -n "${pids[$ppid]:-}" ] || [ -n "${pgids[$pgid]:-}" ] || [ -n "${sids[$sid]:-}" ]; then
-                    [ -n "${pids[$pid]:-}" ] || { pids[$pid]=1 changed=1; }
-                fi
-                if [ -n "${pids[$pid]:-}" ]; then
-                    [ "$pgid" = "$own_pgid" ] || [ -n "${pgids[$pgid]:-}" ] || { pgids[$pgid]=1 changed=1; }
-                    [ "$sid" = "$own_sid" ] || [ -n "${sids[$sid]:-}" ] || { sids[$sid]=1 changed=1; }
-                fi
-            done
-        done
+        tree_find
         if [ "$signal" = TERM ]; then
             for pid in "${!pids[@]}"; do
                 [ "$pid" != "$root" ] || continue
@@ -250,17 +285,22 @@ run_stage() {
     rc=$?
     # A member already on its way out (a SIGKILLed child still freeing its memory, a helper that
     # exits once its parent's pipe closes) is not a leak: up to 3 s for the session's running
-    # members to end; only what still runs after is counted below. (Zombies have ended.)
-    local tenths
+    # members, and what kill_tree would find now, to end; only what still runs after is counted
+    # below. (Zombies have ended.) What kill_tree finds now is kept first: a member ending in
+    # the grace may leave a child in a session of its own (setsid), handed to init, that only
+    # its parent led to.
+    local tenths snapshot
+    snapshot=$(tree_snapshot "$stage_pid")
     for ((tenths = 0; tenths < 30; tenths++)); do
-        [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || break
+        [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || [ -n "$(tree_running "$snapshot")" ] || break
         sleep 0.1
     done
     # What the stage left running (a crashed test's etcd or tuttid, handed to init; its `timeout`s'
-    # groups) is still in its session: stopped now, not left to the next stage or the machine.
-    # (Something that left for a session of its own, `setsid`, and whose parent is gone, is out of
-    # reach: `bounded` stops those of the scripts it runs while it still can find them.)
-    kill_tree "$stage_pid"
+    # groups) is still in its session, or was found before the grace: stopped now, not left to
+    # the next stage or the machine. (Something that left for a session of its own, `setsid`,
+    # and whose parent was gone already when the stage ended, is out of reach: `bounded` stops
+    # those of the scripts it runs while it still can find them.)
+    kill_tree "$stage_pid" "$snapshot"
     # A policy-rc.d that a script of the stage put in place and was KILLed holding (vm-test.sh,
     # check-bindings.sh: owners of their own) would forbid service starts on this machine until
     # the next run: removed now that its owner is gone (never a live run's).
