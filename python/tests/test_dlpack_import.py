@@ -91,12 +91,13 @@ class Producer:
     consumer passes max_version, else "dltensor". `keywords`: whether __dlpack__ takes the
     DLPack 1.0 keywords at all (a legacy producer raises TypeError on max_version); `unasked`:
     hands out the versioned capsule to a call without max_version too. `device`: what
-    __dlpack_device__ returns (an exception: raises it). Records each
+    __dlpack_device__ returns (an exception: raises it); `raises`: an exception __dlpack__
+    raises instead of handing out a capsule. Records each
     call's keywords, the capsule and the deleter's calls (with the struct's address): tutti's,
     for a capsule it consumed, or the capsule's destructor's, for one it left unconsumed."""
 
     def __init__(self, array, *, versioned=True, keywords=True, flags=0, major=1, bits=8, lanes=1, code=1, ndim=1,
-                 shape=True, name=None, unasked=False, device=(1, 0)):
+                 shape=True, name=None, unasked=False, device=(1, 0), raises=None):
         self.array = array
         itemsize = max(bits * lanes // 8, 1)
         self.shape = (ctypes.c_int64 * 64)(*([array.nbytes // itemsize] + [1] * 63))
@@ -107,6 +108,7 @@ class Producer:
         self.legacy = _DlManagedTensor(tensor, None, self.legacy_deleter)
         self.versioned = _DlManagedTensorVersioned(major, 0, None, self.versioned_deleter, flags, tensor)
         self.offers_versioned, self.keywords, self.name, self.unasked, self.device = versioned, keywords, name, unasked, device
+        self.raises = raises
         self.calls: list[dict] = []
         self.capsule = None
 
@@ -119,6 +121,8 @@ class Producer:
         if kwargs and not self.keywords:
             raise TypeError(f"__dlpack__() got an unexpected keyword argument {next(iter(kwargs))!r}")
         self.calls.append(kwargs)
+        if self.raises is not None:
+            raise self.raises
         if self.offers_versioned and (self.unasked or kwargs.get("max_version", (0, 0)) >= (1, 0)):
             self.capsule = _capsule(self.versioned, self.name or b"dltensor_versioned")
         else:
@@ -228,6 +232,7 @@ def test_a_capsule_of_another_major_version_says_how_it_was_asked_for(keywords):
     "device, message",
     [
         (RuntimeError("no device here"), r"tensor: its __dlpack_device__\(\) failed \(RuntimeError: no device here\)"),
+        (ValueError("no device"), r"tensor: its __dlpack_device__\(\) failed \(ValueError: no device\)"),
         ("cpu", r"tensor: its __dlpack_device__\(\) returned 'cpu', not a \(device type, device id\) pair of ints"),
         ((1,), r"tensor: its __dlpack_device__\(\) returned \(1,\), not a"),
         ((1, 0, 0), r"tensor: its __dlpack_device__\(\) returned \(1, 0, 0\), not a"),
@@ -248,6 +253,32 @@ def test_a_broken_dlpack_device_is_refused_naming_the_tensor(device, message):
         assert producer.calls == []
         store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
         store_prompt(store, tokens(11, 1), [0])
+
+
+@pytest.mark.parametrize("where", ["device", "raises"])
+@pytest.mark.parametrize("exception", [KeyboardInterrupt, SystemExit, MemoryError])
+def test_an_interrupt_or_memory_error_in_the_producer_is_not_a_refusal(where, exception):
+    # Goal: a KeyboardInterrupt or SystemExit (BaseException, not Exception) or a MemoryError (a
+    # resource failure, not the producer refusing the tensor) raised by __dlpack_device__ or
+    # __dlpack__ comes out as itself; before, each became InvalidArgument (a tutti.Error, which a
+    # caller may retry: Ctrl-C was swallowed, a MemoryError retried). The store stays usable.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), **{where: exception("from the producer")})
+    with open_store() as store:
+        with pytest.raises(exception, match="from the producer"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(12, 1), [0])
+
+
+@pytest.mark.parametrize("keywords", [True, False])
+def test_a_failing_dlpack_call_is_refused_naming_the_tensor(keywords):
+    # Goal: an ordinary exception from __dlpack__ (also from the retry without max_version, after
+    # a TypeError) is InvalidArgument naming the tensor and quoting the producer's error.
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), keywords=keywords, raises=ValueError("no export"))
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=r"tensor: its __dlpack__\(\) failed \(ValueError: no export\)"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.calls == ([{"max_version": (1, 0)}] if keywords else [{}])
 
 
 @pytest.mark.parametrize(

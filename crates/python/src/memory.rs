@@ -3,7 +3,7 @@
 //! object into a [`TensorDescription`] plus what keeps its memory alive.
 
 use nvme_driver::DmaRegion;
-use pyo3::exceptions::{PyBufferError, PyTypeError};
+use pyo3::exceptions::{PyBufferError, PyException, PyMemoryError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
@@ -373,15 +373,26 @@ fn device_name(device_type: i32, device_id: i32) -> String {
     format!("{name}:{device_id} (DLPack device type {device_type})")
 }
 
-/// What `object.__dlpack_device__()` says, (DLPack device type, device id); its failure or an
-/// answer that is not two int32s is an InvalidArgument naming the tensor `name`, as every other
-/// refusal of a tensor is (the bare exception named nothing).
+/// The `error` a producer's `__dlpack_device__` / `__dlpack__` raised, as the InvalidArgument
+/// `refusal` words (naming the tensor: the bare exception named nothing). Passed through as it
+/// is: what is not an `Exception` (KeyboardInterrupt, SystemExit: an interrupt, not the
+/// producer's answer) and a MemoryError (a resource failure, not a refusal of the tensor). Made a
+/// tutti.Error, either would be taken for one the caller may retry or report as a bad tensor.
+fn producer_failure(py: Python<'_>, error: PyErr, refusal: impl FnOnce(&PyErr) -> String) -> PyErr {
+    if !error.is_instance_of::<PyException>(py) || error.is_instance_of::<PyMemoryError>(py) {
+        return error;
+    }
+    Failure::new(ErrorClass::InvalidArgument, refusal(&error)).into()
+}
+
+/// What `object.__dlpack_device__()` says, (DLPack device type, device id); its failure (but see
+/// `producer_failure`) or an answer that is not two int32s is an InvalidArgument naming the
+/// tensor `name`, as every other refusal of a tensor is (the bare exception named nothing).
 fn dlpack_device(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(i32, i32)> {
     let answer = object.call_method0("__dlpack_device__").map_err(|error| {
-        PyErr::from(Failure::new(
-            ErrorClass::InvalidArgument,
-            format!("{name}: its __dlpack_device__() failed ({error}): register a tensor whose producer can say its device"),
-        ))
+        producer_failure(object.py(), error, |error| {
+            format!("{name}: its __dlpack_device__() failed ({error}): register a tensor whose producer can say its device")
+        })
     })?;
     answer.extract::<(i32, i32)>().map_err(|_| {
         // An answer's repr is the producer's: bounded, and a repr that fails is not the error.
@@ -462,10 +473,7 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
             answer => answer,
         }
         .map_err(|error| {
-            PyErr::from(Failure::new(
-                ErrorClass::InvalidArgument,
-                format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"),
-            ))
+            producer_failure(py, error, |error| format!("{name}: its __dlpack__() failed ({error}): register a writable tensor"))
         })?;
         let (tensor, imported) = ffi::import_dlpack(&capsule, asked_max_version).map_err(|error| match error {
             ffi::ImportError::Refused(reason) => PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name}: {reason}"))),
