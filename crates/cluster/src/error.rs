@@ -32,9 +32,10 @@ pub enum ClusterError {
     NodeIdTaken { cluster: String, node: String, lease_id: i64 },
     /// A rejoin found this node id's member key still under one of the node's own old leases,
     /// whose revoke failed (etcd did not answer it in time): not another process. The lease is
-    /// unrenewed and expires by itself (within a TTL); the next rejoin revokes it again.
+    /// unrenewed and expires by itself (within a TTL); the next rejoin revokes it again if the
+    /// node still tracks it (the two newest leases whose revoke failed).
     #[error(
-        "node id {node}'s member key is still under this node's own old lease {lease_id:#x}, whose revoke failed; it expires by itself within a TTL, and the next rejoin revokes it again"
+        "node id {node}'s member key is still under this node's own old lease {lease_id:#x}, whose revoke failed; it expires by itself within a TTL, sooner if a later rejoin's revoke of it succeeds"
     )]
     OwnLeaseHolds { node: String, lease_id: i64 },
     /// This node id's member key holds what no live node put there: a value under no lease

@@ -161,12 +161,16 @@ impl ClusterNode {
             #[cfg(test)]
             fail_revoke: Vec::new(),
         };
-        node.establish()?;
+        node.establish(&[])?;
         Ok(node)
     }
 
     /// Grants a lease, puts the member record under it if the id is free, starts the keep-alive.
-    fn establish(&mut self) -> Result<()> {
+    /// `own`: leases of this node that may live (a rejoin's failed revokes, all of them, not
+    /// only the ones it keeps): a member key under one refuses the join as
+    /// [`ClusterError::OwnLeaseHolds`], as does one under the lease last joined under while no
+    /// revoke confirmed it gone.
+    fn establish(&mut self, own: &[i64]) -> Result<()> {
         let ttl_s = self.client.config.lease_ttl.as_secs() as i64;
         // etcd starts the lease's TTL when it grants it, not later than this: the keep-alive's
         // first renewal is timed from here, so the member transaction's time counts against it.
@@ -231,7 +235,8 @@ impl ClusterNode {
                 let _ = self.revoke(lease_id);
                 // A rejoin's revoke of a lease of this node failed and it still holds the key:
                 // not another process (which NodeIdTaken would blame).
-                if let Some(&(holder_lease, _)) = holder.as_ref().filter(|(holder_lease, _)| self.unrevoked.contains(holder_lease)) {
+                let own_lease = |lease_id: &i64| own.contains(lease_id) || (!self.joined_gone && *lease_id == self.joined);
+                if let Some(&(holder_lease, _)) = holder.as_ref().filter(|(holder_lease, _)| own_lease(holder_lease)) {
                     return Err(ClusterError::OwnLeaseHolds { node: self.record.node.to_string(), lease_id: holder_lease });
                 }
                 return Err(self.taken_by(key, holder));
@@ -363,7 +368,7 @@ impl ClusterNode {
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
         self.orphaned = None;
-        self.establish()?;
+        self.establish(&left)?;
         Ok(Rejoined { old_lease_id: joined, old_lease_revoked: joined_gone, left })
     }
 
@@ -1098,6 +1103,7 @@ mod own_lease_tests {
     use crate::local_etcd::LocalEtcd;
     use crate::names::ClusterId;
     use crate::segments::SegmentBlocks;
+    use std::sync::Mutex;
 
     #[test]
     fn a_rejoin_refused_by_the_nodes_own_unrevoked_lease_does_not_blame_another_process() {
@@ -1129,5 +1135,61 @@ mod own_lease_tests {
         node.fail_revoke = Vec::new();
         node.rejoin().expect("the next rejoin revokes the old lease and joins");
         assert!(!node.health().lost);
+    }
+
+    #[test]
+    fn a_rejoin_refused_by_an_own_lease_past_the_two_kept_does_not_blame_another_process() {
+        // Goal: a rejoin that fails three revokes keeps the newest two to revoke again; the
+        // member key may be under the third (here the lease the first failed rejoin orphaned
+        // after its member transaction was applied, its answer lost). The holder was checked
+        // only against the two kept, so that rejoin answered NodeIdTaken, blaming another
+        // process, for the node's own lease.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let endpoints = etcd.endpoints();
+        let etcd = Arc::new(Mutex::new(etcd));
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new("own-past").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let first = node.health().lease_id;
+        // The member key deleted by hand: the first failed rejoin's transaction puts it under
+        // its new lease.
+        let key = node.client.layout.member_key(&record.node);
+        node.client
+            .connection
+            .call_kv("delete the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.delete(key, None).await }
+            })
+            .unwrap();
+
+        // Three rejoins fail every revoke, and each orphans its new lease (an answer lost as
+        // etcd stops): the member key stays under the first orphan.
+        node.fail_revoke = vec![first];
+        for _ in 0..3 {
+            let crashed = etcd.clone();
+            node.lose_member_answer = Some(Box::new(move || crashed.lock().unwrap().kill(0).unwrap()));
+            let failed = node.rejoin();
+            node.lose_member_answer = None;
+            etcd.lock().unwrap().restart(0).unwrap();
+            assert!(matches!(failed, Err(ClusterError::Unavailable { .. })), "{:?}", failed.map(|_| ()));
+            node.fail_revoke.push(node.health().lease_id);
+        }
+        let holder = node.fail_revoke[1];
+        // The next rejoin tries the last orphan and the two kept, and fails all three.
+        assert_eq!(node.unrevoked, vec![node.fail_revoke[2], holder]);
+        assert_eq!(node.health().lease_id, node.fail_revoke[3]);
+
+        let error = node.rejoin().map(|_| ()).expect_err("the member key is still under the first orphan");
+        assert!(matches!(error, ClusterError::OwnLeaseHolds { lease_id, .. } if lease_id == holder), "{error:?}");
+        assert!(!node.unrevoked.contains(&holder), "the test needs the holder past the two kept: {:?}", node.unrevoked);
+        node.fail_revoke = Vec::new();
     }
 }
