@@ -127,14 +127,25 @@ if loop_devices_work; then
     for ((tenths = 0; tenths < 300; tenths++)); do [ -s "$run_tmp/mounted" ] && break; sleep 0.1; done
     mnt=$(cat "$run_tmp/mounted" 2> /dev/null)
     check "loop_devices_work: its file system mounted (the stand-in mount ran)" yes "$([ -n "$mnt" ] && mountpoint -q "$mnt" && echo yes || echo no)"
-    kill_tree "$loop"
+    # The loop device, recorded now: the undo removes the image, after which `losetup -j` on
+    # it lists nothing, whether or not a device is still attached to the deleted file.
     image=${mnt%/mnt}/disk.img
+    nodes=$(losetup --list -n -O NAME -j "$image" 2> /dev/null)
+    check "loop_devices_work: a loop device attached to its file" yes "$([ -n "$nodes" ] && echo yes || echo no)"
+    kill_tree "$loop"
     left=$(grep -c " ${mnt:-/nonexistent} " /proc/self/mountinfo)
-    nodes=$(losetup --list -n -O NAME -j "$image" 2> /dev/null | tr '\n' ' ')
-    check "loop_devices_work stopped while mounted: nothing left mounted, no loop device left on its file" "0 " "$left $nodes"
+    # Still attached: the device's backing_file names the image (with " (deleted)" once it
+    # is removed); a device detached has none, or one of another user's that took it since.
+    attached=
+    for node in $nodes; do
+        case $(cat "/sys/block/${node#/dev/}/loop/backing_file" 2> /dev/null) in
+            "$image" | "$image (deleted)") attached+="$node " ;;
+        esac
+    done
+    check "loop_devices_work stopped while mounted: nothing left mounted, no loop device left on its file" "0 " "$left $attached"
     # What a failure left, undone.
     [ "$left" = 0 ] || umount "$mnt"
-    for node in $nodes; do losetup -d "$node"; done
+    for node in $attached; do losetup -d "$node"; done
 else
     echo "test-sh-test: loop_devices_work fails here (not root, no losetup, mkfs.ext4 or mount, or no loop device that attaches, formats and mounts): the loop-device check skipped" >&2
 fi
