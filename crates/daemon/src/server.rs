@@ -368,7 +368,7 @@ impl Server {
     /// ended, and a start that then fails on that daemon's device locks must not have removed
     /// it), the metrics
     /// endpoint's address (bound here and kept), the device memory import and a cluster node's
-    /// part that needs no pool ([`ClusterAgent::prepare`]: its manifest locked and read, its
+    /// part that needs no pool (`ClusterAgent::prepare`: its manifest locked and read, its
     /// data address bound and kept). A refusal here leaves the devices untouched.
     pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
         config.validate()?;

@@ -4,7 +4,7 @@
 //! body length u32 — checked before a byte of the body is read, and bodies decoded with bounds
 //! checks. Everything read from a peer is untrusted: a malformed frame, a body over its kind's
 //! cap, a block that is not the one expected or whose CRC does not match is a typed
-//! [`PeerError`], never a panic and never bytes passed on.
+//! `PeerError`, never a panic and never bytes passed on.
 //!
 //! A read: the asker sends `ReadSegment` (model space, segment position, its pool's geometry,
 //! the segment's block keys); the holder answers `SegmentHeader` (blocks, bytes per block, how
@@ -19,7 +19,7 @@
 //! another shape (1 layer × dim 64 and 2 layers × dim 32) exchanged bytes that mean something
 //! else, and the block size was all either side checked. Each side refuses a geometry not its
 //! own (the holder before it pins anything).
-//! Every read has a deadline per frame ([`read_frame`]): a peer that stalls mid-stream costs
+//! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
 use std::io::{ErrorKind, Read, Write};
