@@ -49,9 +49,10 @@
 # A C compiler and linker (gcc, libc6-dev) are installed, checked by compiling a program.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. Each stage runs in a session of its own, so a signal sent to this
-# script's process group (a cancelled CI job, a closed terminal) reaches this script and not the
-# stage: SIGINT, SIGTERM or SIGHUP stops the running stage with everything it started (its
+# non-zero if any failed. A stage whose processes still run 3 s after it ends is a FAIL
+# ("leaked N process(es)" in the summary), whatever its status, and they are stopped. Each stage
+# runs in a session of its own, so a signal sent to this script's process group (a cancelled CI
+# job, a closed terminal) reaches this script and not the stage: SIGINT, SIGTERM or SIGHUP stops the running stage with everything it started (its
 # session, and whatever left it for a group or session of its own), prints the summary so far
 # and exits 130, 143 or 129. Every command of a stage (apt-get and rustup included) runs under a
 # time limit (generous: a cold build on two cores included), so one hung test fails its stage
