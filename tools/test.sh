@@ -49,18 +49,18 @@
 # A C compiler and linker (gcc, libc6-dev) are installed, checked by compiling a program.
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
-# non-zero if any failed. A stage whose processes still run 3 s after it ends is a FAIL
-# ("leaked N process(es)" in the summary), whatever its status, and they are stopped. Each stage
-# runs in a session of its own, so a signal sent to this script's process group (a cancelled CI
-# job, a closed terminal) reaches this script and not the stage: SIGINT, SIGTERM or SIGHUP stops
-# the running stage with everything it started (its session, and whatever left it for a group or
-# session of its own), prints the summary so far and exits 130, 143 or 129. Every command of a stage (apt-get and rustup included) runs under a
-# time limit (generous: a cold build on two cores included), so one hung test fails its stage
-# instead of hanging CI. The scripts a stage runs
-# (tools/python/*.sh, tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each
-# such `timeout` moves into a process group of its own, which an outer `timeout`'s signal misses,
-# so those scripts run through `bounded` below: in a session of their own, all of which is killed
-# when the script ends or its limit expires.
+# non-zero if any failed. A stage whose processes still run 3 s after it ends is a FAIL ("leaked N
+# process(es)" in the summary), whatever its status, and they are stopped. Each stage runs in a
+# session of its own, so a signal sent to this script's process group (a cancelled CI job, a closed
+# terminal) reaches this script and not the stage: SIGINT, SIGTERM or SIGHUP stops the running stage
+# with everything it started (its session, and whatever left it for a group or session of its own),
+# prints the summary so far and exits 130, 143 or 129. Every command of a stage (apt-get and rustup
+# included) runs under a time limit (generous: a cold build on two cores included), so one hung test
+# fails its stage instead of hanging CI. The scripts a stage runs (tools/python/*.sh,
+# tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each such `timeout` moves
+# into a process group of its own, which an outer `timeout`'s signal misses, so those scripts run
+# through `bounded` below: in a session of their own, all of which is killed when the script ends or
+# its limit expires.
 #
 # usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all; any
 #                                     selection runs in the order above, each stage once)
