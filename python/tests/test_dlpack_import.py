@@ -55,6 +55,25 @@ class _DlManagedTensorVersioned(ctypes.Structure):
 # capsule holds only their addresses), by the capsule's address.
 _CAPSULE_STRUCTS: dict[int, tuple[ctypes.Structure, bytes]] = {}
 
+# Every test capsule not yet dropped, with the producer that made it. A capsule's destructor is
+# Python code, which must not run with an exception set (it would be replaced by a SystemError
+# and lost), as it is while a raising call releases its arguments (a producer held by nothing
+# else, and so its capsule). So no capsule is freed where a test lets go of it: only
+# Producer.drop_capsule and the autouse fixture after each test release them, with nothing raised.
+_LIVE_CAPSULES: list[tuple[Producer, object]] = []
+
+
+def _release_capsules(made_by=None) -> None:
+    """Frees the live capsules `made_by` made (every one when None), running their destructors."""
+    _LIVE_CAPSULES[:] = [] if made_by is None else [(maker, capsule) for maker, capsule in _LIVE_CAPSULES if maker is not made_by]
+    gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _release_leftover_capsules():
+    yield
+    _release_capsules()
+
 
 @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 def _capsule_destructor(capsule):
@@ -68,14 +87,14 @@ def _capsule_destructor(capsule):
         struct.deleter(ctypes.addressof(struct))
 
 
-def _capsule(struct: ctypes.Structure, name: bytes):
-    """A capsule over `struct` with a numpy-style destructor. Tests keep the producer (and so the
-    capsule) in a variable and drop it where no exception is in flight: the destructor is Python
-    code, which must not run with an exception set (as while a raising frame's stack is popped)."""
+def _capsule(maker: Producer, struct: ctypes.Structure, name: bytes):
+    """A capsule over `struct` with a numpy-style destructor, kept in _LIVE_CAPSULES (see there)
+    until `maker.drop_capsule()` or the end of the test."""
     new = ctypes.pythonapi.PyCapsule_New
     new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     capsule = new(ctypes.addressof(struct), name, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
     _CAPSULE_STRUCTS[id(capsule)] = (struct, name)
+    _LIVE_CAPSULES.append((maker, capsule))
     return capsule
 
 
@@ -124,9 +143,9 @@ class Producer:
         if self.raises is not None:
             raise self.raises
         if self.offers_versioned and (self.unasked or kwargs.get("max_version", (0, 0)) >= (1, 0)):
-            self.capsule = _capsule(self.versioned, self.name or b"dltensor_versioned")
+            self.capsule = _capsule(self, self.versioned, self.name or b"dltensor_versioned")
         else:
-            self.capsule = _capsule(self.legacy, self.name or b"dltensor")
+            self.capsule = _capsule(self, self.legacy, self.name or b"dltensor")
         return self.capsule
 
     def address(self) -> int:
@@ -134,9 +153,10 @@ class Producer:
         return ctypes.addressof(self.versioned) if versioned else ctypes.addressof(self.legacy)
 
     def drop_capsule(self) -> list[int]:
-        """Drops the last capsule (its destructor runs) and returns every deleter call so far."""
+        """Drops the capsules this producer made (their destructors run) and returns every
+        deleter call so far."""
         self.capsule = None
-        gc.collect()
+        _release_capsules(made_by=self)
         return self.deleted
 
 
@@ -253,6 +273,19 @@ def test_a_broken_dlpack_device_is_refused_naming_the_tensor(device, message):
         assert producer.calls == []
         store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
         store_prompt(store, tokens(11, 1), [0])
+
+
+def test_a_producer_dropped_while_its_refusal_propagates_keeps_the_error():
+    # Goal (of this file's harness): a producer that nothing but the raising call holds is freed
+    # while the refusal propagates (the call's arguments are released with the exception set).
+    # Its unconsumed capsule must not be freed then: its destructor is Python code, which would
+    # run with the exception set (SystemError, the refusal lost). The module's list of live
+    # capsules keeps it until the test ends (the autouse fixture frees it, with nothing raised).
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=r"DLPack IS_COPIED"):
+            store.register_kv(tutti.KvLayout.block_major(Producer(np.zeros(NBYTES, dtype=np.uint8), flags=2)))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(13, 1), [0])
 
 
 @pytest.mark.parametrize("where", ["device", "raises"])
