@@ -215,10 +215,14 @@ unsafe fn read_tensor(tensor: &DlTensor, read_only: bool) -> Result<DlpackTensor
 }
 
 /// Consumes the capsule `producer.__dlpack__(...)` returned, "dltensor_versioned" (DLPack 1.0)
-/// or "dltensor": checks its name (and a versioned one's major version), copies the tensor's
-/// description, renames it "used_dltensor_versioned" / "used_dltensor" (so that its destructor
-/// leaves the tensor to us). A refused capsule is left unconsumed: its producer's destructor
-/// frees it. `asked_max_version`: whether the `__dlpack__` call that returned it was given
+/// or "dltensor": checks its name; a versioned one's major version (1) and its IS_COPIED flag (a
+/// copy the producer made is refused: retrieves would write into the copy); the tensor's ndim,
+/// shape and dtype (whole bytes, see `read_tensor`). Copies the tensor's description, with a
+/// versioned one's READ_ONLY flag as `read_only` (not refused here: the caller registers it as
+/// not writable and `check_layout` refuses it by name; a legacy capsule cannot say, false), and
+/// renames it "used_dltensor_versioned" / "used_dltensor" (so that its destructor leaves the
+/// tensor to us), last. A refused capsule is left unconsumed: its producer's destructor frees
+/// it. `asked_max_version`: whether the `__dlpack__` call that returned it was given
 /// `max_version=(1, 0)` (a refusal says so only when it was).
 pub fn import_dlpack(capsule: &Bound<'_, PyAny>, asked_max_version: bool) -> Result<(DlpackTensor, ImportedDlpack), ImportError> {
     let object = capsule.as_ptr();
