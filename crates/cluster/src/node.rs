@@ -10,6 +10,7 @@ use etcd_client::{
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tracing::instrument::WithSubscriber;
 
 use crate::client::{ClusterClient, Lookup, Members};
 use crate::config::ClusterConfig;
@@ -264,7 +265,9 @@ impl ClusterNode {
             first_wait: first_renewal_wait(interval, granted_at.elapsed()),
             request_timeout: self.client.config.request_timeout,
         };
-        let task = self.client.connection.runtime().spawn(renewal.run(stopped));
+        // Its events go where the join's do (the subscriber current here), not only to the
+        // global default: a runtime thread has no subscriber of its own.
+        let task = self.client.connection.runtime().spawn(renewal.run(stopped).with_current_subscriber());
         self.keep_alive = Some(KeepAlive { stop, task });
         Ok(())
     }
@@ -656,8 +659,9 @@ impl RenewalLoop {
             let outcome = match tokio::time::timeout(attempt_timeout(self.request_timeout), self.renew(&mut stream)).await {
                 Ok(Ok(ttl_s)) if ttl_s > 0 => Ok(()),
                 Ok(Ok(_)) => {
-                    tracing::error!(lease_id = self.lease_id, "etcd says the node's lease expired");
+                    // Marked before it is logged: whoever sees the event sees the node lost.
                     self.lease.lost.store(true, Ordering::Relaxed);
+                    tracing::error!(lease_id = self.lease_id, "etcd says the node's lease expired");
                     return;
                 }
                 Ok(Err(error)) => Err(error.to_string()),
@@ -710,8 +714,8 @@ impl RenewalLoop {
         for event in response.events() {
             let ours = event.event_type() == EventType::Put && event.kv().is_some_and(|entry| entry.lease() == self.lease_id);
             if !ours {
-                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
                 self.lease.lost.store(true, Ordering::Relaxed);
+                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
                 return false;
             }
         }
@@ -743,8 +747,8 @@ impl RenewalLoop {
                 true
             }
             Ok(Ok(None)) => {
-                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
                 self.lease.lost.store(true, Ordering::Relaxed);
+                tracing::error!(lease_id = self.lease_id, key = %self.member_key, "the member key is no longer under this node's lease: the lease is lost");
                 false
             }
             Ok(Err(error)) => {

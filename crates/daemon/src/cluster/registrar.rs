@@ -876,17 +876,28 @@ mod tests {
 
     /// At the registrar's "joined the cluster" event (the join done, its pass going on):
     /// revokes the new lease behind the node's back, as an expiry during a partition would,
-    /// gives the node's watch time to mark it lost, and stops the daemon.
+    /// waits (at most 10 s) until the node's keep-alive has marked it lost, and stops the
+    /// daemon. The keep-alive's events come here too (its task logs where the join did), each
+    /// logged after the node is marked lost.
     struct StopAtJoin {
         etcd: Arc<tutti_cluster::local_etcd::LocalEtcd>,
         stop: StopHandle,
+        /// The lease joined under (0 before the join).
+        joined: std::sync::atomic::AtomicI64,
+        /// The keep-alive marked that lease lost.
+        lost: std::sync::atomic::AtomicBool,
     }
 
     #[derive(Default)]
     struct JoinedEvent {
         joined: bool,
+        lost: bool,
         lease_id: i64,
     }
+
+    /// What the node's keep-alive logs once it has marked its lease lost.
+    const LEASE_LOST_MESSAGES: [&str; 2] =
+        ["the member key is no longer under this node's lease: the lease is lost", "etcd says the node's lease expired"];
 
     impl tracing::field::Visit for JoinedEvent {
         fn record_i64(&mut self, field: &tracing::field::Field, value: i64) {
@@ -895,8 +906,10 @@ mod tests {
             }
         }
         fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-            if field.name() == "message" && format!("{value:?}") == "joined the cluster" {
-                self.joined = true;
+            if field.name() == "message" {
+                let message = format!("{value:?}");
+                self.joined |= message == "joined the cluster";
+                self.lost |= LEASE_LOST_MESSAGES.contains(&message.as_str());
             }
         }
     }
@@ -913,9 +926,19 @@ mod tests {
         fn event(&self, event: &tracing::Event<'_>) {
             let mut seen = JoinedEvent::default();
             event.record(&mut seen);
+            if seen.lost && seen.lease_id != 0 && seen.lease_id == self.joined.load(Ordering::Acquire) {
+                self.lost.store(true, Ordering::Release);
+            }
             if seen.joined && !self.stop.is_stopped() {
+                self.joined.store(seen.lease_id, Ordering::Release);
                 self.etcd.revoke_lease(seen.lease_id).unwrap();
-                std::thread::sleep(Duration::from_secs(2));
+                // The pass must find the node lost once this returns: a loss seen only later
+                // would let a pass that skips the stop check pass too.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !self.lost.load(Ordering::Acquire) {
+                    assert!(Instant::now() < deadline, "the node did not mark its lease lost within 10 s of its revoke");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 self.stop.stop();
             }
         }
@@ -937,7 +960,7 @@ mod tests {
         registrar.config.endpoints = etcd.endpoints();
         registrar.config.request_timeout = Duration::from_secs(1);
         let stop = StopHandle::default();
-        let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone() };
+        let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone(), joined: Default::default(), lost: Default::default() };
         let result = tracing::subscriber::with_default(subscriber, || registrar.talk_to_etcd(&stop));
         result.unwrap();
         assert!(stop.is_stopped(), "the join was not seen");
