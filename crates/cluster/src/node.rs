@@ -331,7 +331,7 @@ impl ClusterNode {
     /// After [`ClusterError::LeaseLost`]: a new lease and member record. The node's segments
     /// vanished with the old lease; the owner registers what it still holds again. At most
     /// six request timeouts: the revokes of the old lease and of up to two earlier ones whose
-    /// revoke failed ([`UNREVOKED_KEPT`]), then a join's grant, member transaction and revoke.
+    /// revoke failed (`UNREVOKED_KEPT`), then a join's grant, member transaction and revoke.
     /// Until the new lease is in place the node has none (the keep-alive is stopped and the
     /// old lease revoked): it is marked lost first, so a failed rejoin — one asked for with the
     /// lease still live (the registrar's unregister queue overflowed) included — leaves it

@@ -4,7 +4,7 @@
 //! breaks, and leaves on SIGTERM.
 //!
 //! **The registry never holds local work up.** A commit hands its block keys to a bounded queue
-//! ([`ClusterAgent::committed`], after the commit is durable) and returns; one thread, the
+//! (`ClusterAgent::committed`, after the commit is durable) and returns; one thread, the
 //! registrar (`registrar.rs`), does everything that talks to etcd. When etcd is slow or away the
 //! queue fills and further commits are dropped from registration (counted), segments wait to be
 //! registered (retried with a bounded backoff), and clients are served from the local pool as
@@ -22,7 +22,7 @@
 //!   must not register either.
 //!
 //! These three need the crate's `cluster` feature (etcd's client); without it
-//! [`ClusterAgent::start`] refuses cluster settings with the reason.
+//! `ClusterAgent::start` refuses cluster settings with the reason.
 
 #[cfg(feature = "cluster")]
 mod data_plane;
