@@ -11,7 +11,8 @@
 #               the benchmark scripts (tools/bench-scripts-test.sh) and the python, engines and
 #               cuda stages' scripts with stand-ins (tools/stage-scripts-test.sh), this script's
 #               own stage machinery (tools/test-sh-test.sh),
-#               cargo clippy -D warnings, cargo fmt --check
+#               cargo clippy -D warnings, cargo fmt --check, cargo doc with rustdoc's warnings
+#               as errors (broken or private intra-doc links)
 #   bindings    gio_abi.h → Rust bindings regenerated with bindgen and diffed (tools/check-bindings.sh,
 #               after tools/check-bindings-test.sh tests its libclang detection)
 #   fuzz        the cargo-fuzz targets build (running them needs nightly: see fuzz/README.md)
@@ -593,7 +594,8 @@ stage_lint() {
     ensure_protoc && ensure_python3 && bounded 900 tools/check-msrv.sh && bounded 60 tools/lib/prune-test.sh && bounded 60 tools/lib/dpkg-test.sh && bounded 180 tools/bench-scripts-test.sh &&
         bounded 180 tools/stage-scripts-test.sh && bounded 120 tools/test-sh-test.sh &&
         timeout -k 30 1800 cargo clippy --workspace --all-targets --locked -- -D warnings &&
-        timeout -k 30 300 cargo fmt --all -- --check
+        timeout -k 30 300 cargo fmt --all -- --check &&
+        RUSTDOCFLAGS="-D warnings" timeout -k 30 900 cargo doc --workspace --no-deps --locked
 }
 
 stage_bindings() { ensure_build && bounded 300 tools/check-bindings-test.sh && bounded 1200 tools/check-bindings.sh; }
