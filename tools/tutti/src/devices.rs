@@ -41,7 +41,8 @@ pub struct BindArgs {
     #[arg(long)]
     not_nvme: bool,
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a tuttid starting
-    /// on the function is refused while it is being bound.
+    /// on the function is refused while it is being bound. Only a lock file already there is
+    /// taken: neither the directory nor a file is made (they are the tuttid user's).
     #[arg(long, default_value = DEFAULT_LOCK_DIR)]
     lock_dir: PathBuf,
 }
@@ -265,9 +266,11 @@ pub enum BindOutcome {
 /// unless its override is given: passing the class check never passes the in-use check. These refusals,
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
 /// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
-/// (`lock_dir/vfio-BDF.lock`) is held throughout, as `unbind` holds it: one held by another
-/// process is refused the same way, and no tuttid starts on the function (nor a rollback's
-/// unbind waits on one) while it moves.
+/// (`lock_dir/vfio-BDF.lock`), where its file is already there, is held throughout
+/// ([`existing_device_lock`]; neither directory nor file is made): one held by another process
+/// is refused the same way, and no tuttid starts on the function (nor a rollback's unbind waits
+/// on one) while it moves. Without a file no tuttid has locked the function there yet, and a
+/// rollback's unbind is guarded by its own VFIO check.
 pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir: &Path) -> Result<BindOutcome> {
     if !system.sysfs.exists(address) {
         return Err(Unusable(format!("no PCI function {address} (see `tutti devices`)")).into());
@@ -275,7 +278,7 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
     if !system.is_nvme(address) && !overrides.not_nvme {
         return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway")).into());
     }
-    let _lock = device_lock(address, lock_dir, "bind")?;
+    let _lock = existing_device_lock(address, lock_dir)?;
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
         return Ok(BindOutcome::AlreadyBound);
@@ -483,6 +486,54 @@ fn device_lock(address: PciAddress, lock_dir: &Path, command: &str) -> Result<tu
         // an I/O failure (EIO, EMFILE) a failure.
         Err(error) => Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
     }
+}
+
+/// tuttid's device lock on `address` for `tutti bind`, if its lock file
+/// (`lock_dir/vfio-BDF.lock`) is already there: held until dropped, so that no tuttid starts on
+/// the function while it moves; one another process holds is unusable input, naming the holder.
+/// Neither the directory nor the file is ever made: they belong to the user tuttid runs as,
+/// which refuses a lock directory or file of another's (one `sudo tutti bind` made, root's), and
+/// a tuttid that never ran on the function has made no file and holds nothing. The file is
+/// opened read-only (flock needs no write access), never through a symbolic link, and only a
+/// regular file is locked: whoever owns the directory decides what is there, and nothing is
+/// written to it.
+fn existing_device_lock(address: PciAddress, lock_dir: &Path) -> Result<Option<std::fs::File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
+    let path = lock_dir.join(format!("vfio-{address}.lock"));
+    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC).open(&path);
+    let file = match opened {
+        Ok(file) => file,
+        // No directory or no file: no tuttid has ever locked the function there.
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => {
+            return Err(Unusable(format!(
+                "{address}'s device lock {} cannot be opened ({error}; a symbolic link is not followed); give the lock \
+                 directory tuttid uses with --lock-dir",
+                path.display()
+            ))
+            .into())
+        }
+    };
+    let is_file = file.metadata().with_context(|| format!("examining {}", path.display()))?.file_type().is_file();
+    if !is_file {
+        return Err(Unusable(format!("{address}'s device lock {} is not a regular file; have its owner remove it", path.display())).into());
+    }
+    // SAFETY: flock on a descriptor this function owns; it takes no pointers.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let error = std::io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            let in_use = DeviceError::DeviceInUse {
+                spec: DeviceSpec::Vfio(address).to_string(),
+                lock: path,
+                holder: tutti_devices::lock::holder_of(&file, Path::new("/proc")),
+            };
+            return Err(Unusable(format!("{in_use}; stop it first and run `tutti bind` again")).into());
+        }
+        return Err(anyhow::Error::new(error).context(format!("locking {}", path.display())));
+    }
+    // Closing the file (its only descriptor) lets go of the lock.
+    Ok(Some(file))
 }
 
 /// Refuses ([`Unusable`]) a function some process holds through VFIO: the kernel's unbind would

@@ -792,6 +792,11 @@ fn bind_takes_the_tuttid_lock_of_the_function() {
     assert!(unusable(&error), "{error:#}");
     let error = format!("{error:#}");
     assert!(error.contains("vfio-0000:00:04.0.lock") && error.contains("run `tutti bind` again"), "{error}");
+    // The holder is this test process; named where /proc/locks lists its lock exactly.
+    let lock_file = host.lock_dir().join("vfio-0000:00:04.0.lock");
+    if tutti_devices::lock::lists_flock_exactly(&lock_file, std::process::id()) {
+        assert!(error.contains(&format!("pid {} (", std::process::id())), "{error}");
+    }
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
     assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "override not written");
 
@@ -934,4 +939,29 @@ fn bind_refuses_a_function_with_sriov_virtual_functions_unless_forced() {
     std::fs::write(dir.join("sriov_numvfs"), "0\n").unwrap();
     let _idle_kernel = idle.kernel();
     assert!(bind(&idle.system(), at("0000:00:04.0"), Overrides::default(), &idle.lock_dir()).is_ok());
+}
+
+#[test]
+fn bind_neither_makes_the_lock_directory_nor_a_lock_file() {
+    // Goal: tuttid may run as a user of its own, whose lock directory (and lock files) must be
+    // that user's: `sudo tutti bind` making /run/tutti (root's, 0700) or a root 0600 lock file
+    // in it made that tuttid refuse its lock directory, and a directory made for that user
+    // made the bind refuse it. bind only takes a lock file that is already there.
+    let host = FakeHost::new();
+    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+    host.nodes(0, 1);
+    let system = host.system();
+    let _kernel = host.kernel();
+    let missing = host.lock_dir().join("missing");
+    assert!(bind(&system, at("0000:00:04.0"), Overrides::default(), &missing).is_ok());
+    assert!(!missing.exists(), "bind made the lock directory");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
+
+    // A directory that is there, with no lock file for the function: none is made.
+    host.add("0000:00:05.0", 0x010802, Some("nvme"), 4, 1, 1);
+    host.nodes(1, 1);
+    std::fs::create_dir_all(host.lock_dir()).unwrap();
+    assert!(bind(&system, at("0000:00:05.0"), Overrides::default(), &host.lock_dir()).is_ok());
+    assert_eq!(std::fs::read_dir(host.lock_dir()).unwrap().count(), 0, "bind made a lock file");
+    assert_eq!(host.driver_of("0000:00:05.0").as_deref(), Some("vfio-pci"));
 }
