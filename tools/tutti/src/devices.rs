@@ -278,6 +278,11 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
     if !system.is_nvme(address) && !overrides.not_nvme {
         return Err(Unusable(format!("{address} is not an NVMe controller (class 0x010802); use --not-nvme to bind it anyway")).into());
     }
+    // A function on vfio-pci already has nothing to move, whoever holds its lock (the tuttid
+    // serving it): said before the lock is looked at, and again once it is held.
+    if system.sysfs.driver(address)?.as_deref() == Some(VFIO_PCI_DRIVER) {
+        return Ok(BindOutcome::AlreadyBound);
+    }
     let _lock = existing_device_lock(address, lock_dir)?;
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {

@@ -965,3 +965,17 @@ fn bind_neither_makes_the_lock_directory_nor_a_lock_file() {
     assert_eq!(std::fs::read_dir(host.lock_dir()).unwrap().count(), 0, "bind made a lock file");
     assert_eq!(host.driver_of("0000:00:05.0").as_deref(), Some("vfio-pci"));
 }
+
+#[test]
+fn bind_of_a_function_on_vfio_pci_is_already_bound_while_tuttid_holds_its_lock() {
+    // Goal: `tutti bind X` while tuttid serves X (holding its device lock) has nothing to do
+    // and says so (exit 0, "already bound"), as before bind took the lock; the lock only
+    // matters to a function that is to move.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let system = host.system();
+    let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
+    let _tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
+    assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap(), BindOutcome::AlreadyBound);
+}
