@@ -32,8 +32,9 @@ pub struct BindArgs {
     address: String,
     /// Bind even if the device is in use (a mounted filesystem, swap, a stacked device, any other
     /// claim the kernel reports as EBUSY to an exclusive open, such as a ZFS pool, or a process
-    /// holding a disk or the controller's /dev/nvmeN or /dev/ngNnM open: it will stop working),
-    /// or has SR-IOV virtual functions enabled (they go away).
+    /// holding a disk or the controller's /dev/nvmeN or /dev/ngNnM open: it will stop working).
+    /// A function with SR-IOV virtual functions enabled is refused all the same (vfio-pci does
+    /// not take one).
     #[arg(long)]
     force: bool,
     /// Bind even if the function is not an NVMe controller (PCI class 0x010802). Its disks are
@@ -147,6 +148,9 @@ fn readiness(
     if driver == Some(VFIO_PCI_DRIVER) {
         return Ok(Readiness::Ready);
     }
+    if let Some(reason) = sriov_blocker(system, address) {
+        return Ok(Readiness::Blocked(reason));
+    }
     // A disk whose exclusive open failed other than with EBUSY (not root, the usual case here)
     // is a use to `tutti bind`, which then needs --force; here it is no use seen but a check
     // not made, and said so.
@@ -164,6 +168,29 @@ fn readiness(
         return Ok(Readiness::Unchecked(describe_unchecked(&unchecked)));
     }
     Ok(Readiness::Bindable)
+}
+
+/// Why vfio-pci cannot take `address`, a physical function with SR-IOV virtual functions
+/// enabled (None when it has none: `sriov_numvfs` 0, or no such file, no SR-IOV): vfio-pci
+/// refuses it (the kernel's vfio_pci_core_register_device, "Cannot bind to PF with SR-IOV
+/// enabled", EBUSY, since 5.7), and nvme's unbind leaves the VFs enabled, so no override can
+/// help; the VFs must be disabled first. A count that cannot be read is refused the same way.
+fn sriov_blocker(system: &System, address: PciAddress) -> Option<String> {
+    let path = system.sysfs.device_dir(address).join("sriov_numvfs");
+    let count = match std::fs::read_to_string(&path) {
+        Ok(text) => match text.trim().parse::<u32>() {
+            Ok(0) => return None,
+            Ok(count) => format!("{count} SR-IOV virtual functions enabled"),
+            Err(_) => format!("SR-IOV virtual functions in an unknown number ({} reads {:?})", path.display(), text.trim()),
+        },
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(error) => format!("SR-IOV virtual functions in an unknown number ({}: {error})", path.display()),
+    };
+    Some(format!(
+        "{count}: vfio-pci refuses a physical function with SR-IOV enabled (\"Cannot bind to PF with SR-IOV enabled\"), \
+         whatever the options; `echo 0 > {}` first (its virtual functions, and their disks, go away)",
+        path.display()
+    ))
 }
 
 /// Why the disks whose exclusive open failed (other than with EBUSY) leave their use unknown:
@@ -262,8 +289,9 @@ pub enum BindOutcome {
 
 /// Moves `address` to vfio-pci. Refuses non-NVMe functions and devices in use (mounted
 /// filesystems, active swap, holders, an exclusive claim such as a ZFS vdev, a process holding
-/// a disk or a controller's character device open, SR-IOV virtual functions enabled), each
-/// unless its override is given: passing the class check never passes the in-use check. These refusals,
+/// a disk or a controller's character device open), each unless its override is given: passing
+/// the class check never passes the in-use check; a function with SR-IOV virtual functions
+/// enabled, which vfio-pci would not take ([`sriov_blocker`]), always. These refusals,
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
 /// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
 /// (`lock_dir/vfio-BDF.lock`), where its file is already there, is held throughout
@@ -294,6 +322,11 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
     if system.sysfs.iommu_group(address)?.is_none() {
         bail!("{address} has no IOMMU group: enable VT-d/AMD-Vi in firmware and boot with intel_iommu=on or amd_iommu=on");
     }
+    // No override: nvme's unbind would take the disks away, and vfio-pci then refuse it all
+    // the same.
+    if let Some(reason) = sriov_blocker(system, address) {
+        return Err(Unusable(format!("{address} has {reason}")).into());
+    }
     // The exclusive opens stay held until the old driver has let go of the function, so that
     // nothing mounts one of its disks between this check and the unbind.
     let (mut uses, claims) = system.uses_of(&system.block_devices(address))?;
@@ -307,26 +340,6 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
         .into());
     }
     let device_dir = system.sysfs.device_dir(address);
-    // The disks of its SR-IOV virtual functions' controllers are none of the above, and the
-    // unbind of the physical function's driver takes the VFs away. No file: no SR-IOV.
-    let numvfs_path = device_dir.join("sriov_numvfs");
-    let numvfs = match std::fs::read_to_string(&numvfs_path) {
-        Ok(text) => text.trim().parse::<u32>().map_err(|_| format!("unreadable ({:?})", text.trim())),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(0),
-        Err(error) => Err(format!("unreadable ({error})")),
-    };
-    if numvfs != Ok(0) && !overrides.in_use {
-        let count = match numvfs {
-            Ok(count) => format!("{count} SR-IOV virtual functions enabled"),
-            Err(reason) => format!("SR-IOV virtual functions in an unknown number ({} {reason})", numvfs_path.display()),
-        };
-        return Err(Unusable(format!(
-            "{address} has {count}: their disks are not checked, and moving it takes them away; `echo 0 > {}` first, or \
-             pass --force",
-            numvfs_path.display()
-        ))
-        .into());
-    }
     // Nothing has changed until the override is written; from then on a failure rolls back.
     system.write_attribute(&device_dir.join("driver_override"), VFIO_PCI_DRIVER)?;
     let moved = (|| {

@@ -916,28 +916,38 @@ fn unbind_refuses_only_a_function_bound_to_another_driver() {
 }
 
 #[test]
-fn bind_refuses_a_function_with_sriov_virtual_functions_unless_forced() {
-    // Goal: a physical function with SR-IOV virtual functions enabled has disks bind never
-    // examines (those of its VFs' controllers), and the unbind of its driver takes the VFs
-    // away: refused (exit 2, nothing written) unless --force; sriov_numvfs 0 is no VF.
+fn bind_refuses_a_function_with_sriov_virtual_functions_even_forced() {
+    // Goal: vfio-pci refuses a physical function with SR-IOV enabled (the kernel's
+    // vfio_pci_core_register_device: "Cannot bind to PF with SR-IOV enabled", EBUSY, since
+    // 5.7), and nvme's unbind leaves the VFs enabled: a forced bind unbound nvme (its disks
+    // gone, mounted ones too), then failed and rolled back. Refused always (exit 2, nothing
+    // written: no override, no unbind), naming the rule and the fix; `tutti devices` shows it
+    // blocked; sriov_numvfs 0 is no VF.
     let host = FakeHost::new();
     let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     host.nodes(0, 1);
     std::fs::write(dir.join("sriov_numvfs"), "2\n").unwrap();
     let system = host.system();
     let _kernel = host.kernel();
-    let error = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
-    assert!(unusable(&error), "{error:#}");
-    let error = error.to_string();
-    assert!(error.contains("2 SR-IOV virtual functions") && error.contains("sriov_numvfs") && error.contains("--force"), "{error}");
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "nothing written");
-    assert!(bind(&system, at("0000:00:04.0"), FORCE, &host.lock_dir()).is_ok());
+    for overrides in [Overrides::default(), FORCE] {
+        let error = bind(&system, at("0000:00:04.0"), overrides, &host.lock_dir()).unwrap_err();
+        assert!(unusable(&error), "{error:#}");
+        let error = error.to_string();
+        assert!(error.contains("2 SR-IOV virtual functions") && error.contains("vfio-pci refuses"), "{error}");
+        assert!(error.contains("echo 0 > ") && error.contains("0000:00:04.0/sriov_numvfs") && !error.contains("--force"), "{error}");
+        assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "nothing written");
+        assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/nvme/unbind")).unwrap(), "", "nvme not unbound");
+        assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
+    }
+    let readiness = inspect(&system, at("0000:00:04.0")).unwrap().readiness;
+    assert!(matches!(&readiness, Readiness::Blocked(reason) if reason.contains("SR-IOV") && reason.contains("echo 0 >")), "{readiness}");
 
     let idle = FakeHost::new();
     let dir = idle.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
     idle.nodes(0, 1);
     std::fs::write(dir.join("sriov_numvfs"), "0\n").unwrap();
     let _idle_kernel = idle.kernel();
+    assert_eq!(inspect(&idle.system(), at("0000:00:04.0")).unwrap().readiness, Readiness::Bindable);
     assert!(bind(&idle.system(), at("0000:00:04.0"), Overrides::default(), &idle.lock_dir()).is_ok());
 }
 
