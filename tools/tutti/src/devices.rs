@@ -584,10 +584,10 @@ fn vfio_free(system: &System, address: PciAddress) -> Result<Option<Box<dyn Send
         GroupProbe::Held(file) => Ok(Some(file)),
         GroupProbe::NoNode => Ok(None),
         GroupProbe::Busy => Err(Unusable(format!(
-            "{address} is in use through VFIO: its group /dev/vfio/{} is held by a process this tool cannot see (another PID \
-             namespace, /proc mounted with hidepid, or one holding only a device descriptor); stop it first (tuttid, a VM) and \
-             run `tutti unbind` again",
-            group.unwrap_or_default()
+            "{address} is in use through VFIO: its group /dev/vfio/{group} is held by a process this tool cannot see (another \
+             PID namespace, /proc mounted with hidepid, or one holding only a device descriptor), or another device of IOMMU \
+             group {group} is in use; stop it first (tuttid, a VM) and run `tutti unbind` again",
+            group = group.unwrap_or_default()
         ))
         .into()),
     }

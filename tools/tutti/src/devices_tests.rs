@@ -989,3 +989,31 @@ fn bind_of_a_function_on_vfio_pci_is_already_bound_while_tuttid_holds_its_lock()
     let _tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
     assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap(), BindOutcome::AlreadyBound);
 }
+
+#[test]
+fn unbind_names_a_process_holding_another_device_of_the_iommu_group() {
+    // Goal: the group open fails with EBUSY also while another device of the same IOMMU group
+    // is held (an iommufd cdev bound to iommufd keeps the whole group so): the process holding
+    // the sibling's cdev is named from /proc, not called one this tool cannot see; without one
+    // in /proc, the message says that another device of the group may be the one in use.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let sibling = host.add("0000:00:04.1", 0x010802, Some("vfio-pci"), 3, 1, 0);
+    std::fs::create_dir_all(sibling.join("vfio-dev/vfio1")).unwrap();
+    host.group_node(3, "EBUSY");
+    host.open_fd(77, "qemu-system-x86", 9, "/dev/vfio/devices/vfio1");
+    let system = host.system();
+    let _kernel = host.kernel();
+
+    let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
+    assert!(unusable(&error), "{error:#}");
+    let error = format!("{error:#}");
+    assert!(error.contains("pid 77 (qemu-system-x86) holds /dev/vfio/devices/vfio1"), "{error}");
+    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not cleared");
+
+    std::fs::remove_dir_all(host.proc.join("77")).unwrap();
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
+    assert!(error.contains("or another device of IOMMU group 3 is in use"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
+}

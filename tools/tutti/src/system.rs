@@ -357,12 +357,23 @@ impl System {
     }
 
     /// The VFIO device nodes through which user space can hold this function: its group's
-    /// `/dev/vfio/<group>` and its iommufd cdevs `/dev/vfio/devices/<name>` (from `vfio-dev/`).
+    /// `/dev/vfio/<group>` and the iommufd cdevs `/dev/vfio/devices/<name>` (from `vfio-dev/`)
+    /// of every device of its IOMMU group, its own included: a cdev bound to iommufd keeps the
+    /// whole group from being opened, so a sibling's holder is why the group open fails.
     pub fn vfio_nodes(&self, address: PciAddress, group: Option<u32>) -> Vec<PathBuf> {
         let mut nodes: Vec<PathBuf> = group.map(|group| PathBuf::from(format!("/dev/vfio/{group}"))).into_iter().collect();
-        for name in read_names(&self.sysfs.device_dir(address).join("vfio-dev")) {
-            nodes.push(Path::new("/dev/vfio/devices").join(name));
+        let mut device_dirs = vec![self.sysfs.device_dir(address)];
+        if let Some(group) = group {
+            let members = self.sysfs_root().join("kernel/iommu_groups").join(group.to_string()).join("devices");
+            device_dirs.extend(read_names(&members).into_iter().map(|member| members.join(member)));
         }
+        for dir in device_dirs {
+            for name in read_names(&dir.join("vfio-dev")) {
+                nodes.push(Path::new("/dev/vfio/devices").join(name));
+            }
+        }
+        nodes.sort();
+        nodes.dedup();
         nodes
     }
 
