@@ -566,11 +566,12 @@ fn vfio_free(system: &System, address: PciAddress) -> Result<Option<Box<dyn Send
         None => GroupProbe::NoNode,
     };
     let nodes = system.vfio_nodes(address, group);
-    let own_pid = std::process::id();
+    // This process holds the group it just opened: known by its pid in the /proc read.
+    let own_pid = system.own_pid();
     let holders: Vec<String> = system
         .openers(|_, target| nodes.iter().any(|node| node == target))
         .iter()
-        .filter(|opener| opener.pid != own_pid)
+        .filter(|opener| Some(opener.pid) != own_pid)
         .map(ToString::to_string)
         .collect();
     if !holders.is_empty() {

@@ -1017,3 +1017,27 @@ fn unbind_names_a_process_holding_another_device_of_the_iommu_group() {
     assert!(error.contains("or another device of IOMMU group 3 is in use"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
 }
+
+#[test]
+fn the_tools_own_descriptors_are_known_by_its_pid_in_the_proc_it_reads() {
+    // Goal: with --proc-root at the /proc of another PID namespace, this process has another
+    // pid there (what `self` links to): its own group descriptor, held while it unbinds, was
+    // taken for another holder's (skipped by std::process::id(), the pid in its own
+    // namespace), and a pid equal to that number there is some other process.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    host.group_node(3, "free");
+    symlink("4242", host.proc.join("self")).unwrap();
+    host.open_fd(4242, "tutti", 5, "/dev/vfio/3");
+    let own_number = std::process::id();
+    host.open_fd(own_number, "qemu-system-x86", 7, "/dev/vfio/devices/vfio0");
+    std::fs::create_dir_all(dir.join("vfio-dev/vfio0")).unwrap();
+    let system = host.system();
+    let _kernel = host.kernel();
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
+    assert!(error.contains(&format!("pid {own_number} (qemu-system-x86)")) && !error.contains("pid 4242"), "{error}");
+
+    std::fs::remove_dir_all(host.proc.join(own_number.to_string())).unwrap();
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+}

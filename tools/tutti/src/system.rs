@@ -204,7 +204,7 @@ impl System {
                 (name, dev.ok().map(|text| text.trim().to_string()))
             })
             .collect();
-        let own_pid = std::process::id();
+        let own_pid = self.own_pid();
         let opened = |fd_path: &Path, target: &Path| -> Option<String> {
             if let Some((name, _)) = device_numbers.iter().find(|(name, _)| target == Path::new("/dev").join(name)) {
                 return Some((*name).clone());
@@ -216,7 +216,7 @@ impl System {
             device_numbers.iter().find(|(_, number)| number.as_deref() == Some(opened_number.as_str())).map(|(name, _)| (*name).clone())
         };
         for opener in self.openers(|fd_path, target| opened(fd_path, target).is_some()) {
-            if opener.pid == own_pid {
+            if Some(opener.pid) == own_pid {
                 continue;
             }
             // It may have closed it since: then it is no longer a use.
@@ -315,10 +315,10 @@ impl System {
             let opened_number = device_number(fd_path, libc::S_IFCHR)?;
             nodes.iter().find(|(_, number)| number.as_deref() == Some(opened_number.as_str())).map(|(name, _)| name.clone())
         };
-        let own_pid = std::process::id();
+        let own_pid = self.own_pid();
         let mut uses = Vec::new();
         for opener in self.openers(|fd_path, target| opened(fd_path, target).is_some()) {
-            if opener.pid == own_pid {
+            if Some(opener.pid) == own_pid {
                 continue;
             }
             if let Some(name) = opened(&opener.fd, &opener.path) {
@@ -332,6 +332,14 @@ impl System {
     /// them, a `partition` attribute.
     fn is_partition(&self, name: &str) -> bool {
         self.sysfs_root().join("class/block").join(name).join("partition").exists()
+    }
+
+    /// This process's pid in the /proc that is read (`<proc_root>/self`): with a /proc of
+    /// another PID namespace it is not `std::process::id()`, which there may be any other
+    /// process. None where `self` does not resolve: this process is not in that namespace, and
+    /// none of its descriptors show there.
+    pub fn own_pid(&self) -> Option<u32> {
+        std::fs::read_link(self.proc_root.join("self")).ok()?.to_str()?.parse().ok()
     }
 
     /// Every process with an open file descriptor that `holds` accepts, given the descriptor's
