@@ -557,8 +557,11 @@ fn existing_device_lock(address: PciAddress, lock_dir: &Path) -> Result<Option<s
 /// Refuses ([`Unusable`]) a function some process holds through VFIO: the kernel's unbind would
 /// wait for it to let go (for ever, if it has no request handler). Returns the open group node
 /// (None where there is none: an iommufd-only kernel), which keeps anything else from opening
-/// the group until dropped. The group's single open sees every holder, in any PID namespace,
-/// one holding only a device descriptor included; /proc names the ones it can see.
+/// the group (or binding a device's cdev to iommufd) until dropped. The group's single open
+/// sees a holder of the group, of a device descriptor taken through it or of a cdev bound to
+/// iommufd, in any PID namespace; a cdev opened but not yet bound, which the kernel's unbind
+/// waits on all the same, shows only in /proc ([`crate::system::GroupOpen`]), which also names
+/// the holders it can see.
 fn vfio_free(system: &System, address: PciAddress) -> Result<Option<Box<dyn Send + Sync>>> {
     let group = system.sysfs.iommu_group(address)?;
     let probe = match group {
@@ -584,8 +587,8 @@ fn vfio_free(system: &System, address: PciAddress) -> Result<Option<Box<dyn Send
     match probe {
         GroupProbe::Held(file) => Ok(Some(file)),
         GroupProbe::NoNode => Ok(None),
-        GroupProbe::Busy => Err(Unusable(format!(
-            "{address} is in use through VFIO: its group /dev/vfio/{group} is held by a process this tool cannot see (another \
+        GroupProbe::Busy { node } => Err(Unusable(format!(
+            "{address} is in use through VFIO: its group {node} is held by a process this tool cannot see (another \
              PID namespace, /proc mounted with hidepid, or one holding only a device descriptor), or another device of IOMMU \
              group {group} is in use; stop it first (tuttid, a VM) and run `tutti unbind` again",
             group = group.unwrap_or_default()

@@ -1041,3 +1041,34 @@ fn the_tools_own_descriptors_are_known_by_its_pid_in_the_proc_it_reads() {
     std::fs::remove_dir_all(host.proc.join(own_number.to_string())).unwrap();
     assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
 }
+
+#[test]
+fn unbind_probes_and_scans_a_noiommu_group_node() {
+    // Goal: in VFIO's no-IOMMU mode the group node is /dev/vfio/noiommu-<group>, not
+    // /dev/vfio/<group>: it was taken for an iommufd-only kernel's missing node, neither
+    // opened (a holder behind hidepid went unseen) nor looked for in /proc.
+    let host = FakeHost::new();
+    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let vfio = host.proc.with_file_name("dev").join("vfio");
+    std::fs::create_dir_all(&vfio).unwrap();
+    std::fs::write(vfio.join("noiommu-3"), "EBUSY").unwrap();
+    let (system, log) = host.system_logging(Some("0000:00:04.0"));
+    let _kernel = host.kernel();
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
+    assert!(error.contains("/dev/vfio/noiommu-3 is held by a process this tool cannot see"), "{error}");
+
+    std::fs::write(vfio.join("noiommu-3"), "free").unwrap();
+    host.open_fd(88, "dpdk", 4, "/dev/vfio/noiommu-3");
+    let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
+    assert!(error.contains("pid 88 (dpdk) holds /dev/vfio/noiommu-3"), "{error}");
+    assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
+
+    std::fs::remove_dir_all(host.proc.join("88")).unwrap();
+    log.lock().unwrap().clear();
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+    assert_eq!(
+        *log.lock().unwrap(),
+        ["open vfio/noiommu-3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/noiommu-3 (driver none)"]
+    );
+}

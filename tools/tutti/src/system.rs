@@ -36,23 +36,32 @@ impl ExclusiveHandle {
 /// Exclusive claims on block devices, held until dropped.
 pub type ExclusiveClaims = Vec<ExclusiveHandle>;
 
-/// Opens a legacy VFIO group node (`/dev/vfio/<group>`) read-write; the open file is returned
-/// and closed when dropped. The kernel lets one file at a time open a group, and a device
-/// descriptor taken through it (or an iommufd cdev of one of its devices) keeps it so: EBUSY
-/// says someone holds it, whoever and wherever they are (another PID namespace, a /proc mounted
-/// with hidepid). Replaceable so tests answer for it.
+/// Opens a legacy VFIO group node (`/dev/vfio/<group>`, or `/dev/vfio/noiommu-<group>` in
+/// VFIO's no-IOMMU mode) read-write; the open file is returned and closed when dropped. The
+/// kernel lets one file at a time open a group, and keeps it from being opened while a device
+/// descriptor taken through it is open, or an iommufd cdev (`/dev/vfio/devices/vfioN`) of any
+/// of its devices is bound to an iommufd (`VFIO_DEVICE_BIND_IOMMUFD`): EBUSY says someone holds
+/// it so, whoever and wherever they are (another PID namespace, a /proc mounted with hidepid).
+/// A cdev opened but not yet bound is not seen so, though the kernel's unbind waits for it to
+/// be closed as for any holder: only /proc shows it. Replaceable so tests answer for it.
 pub type GroupOpen = Box<dyn Fn(&Path) -> std::io::Result<Box<dyn Send + Sync>> + Send + Sync>;
 
 /// What opening a function's VFIO group node showed.
 pub enum GroupProbe {
-    /// Opened: nothing else held the group or its devices, and nothing else can open them
-    /// while this lives.
+    /// Opened: nothing else held the group, a device taken through it or a device's cdev
+    /// bound to iommufd, and while this lives nothing can open the group nor bind a cdev (a
+    /// cdev can still be opened, unbound: see [`GroupOpen`]).
     Held(Box<dyn Send + Sync>),
     /// There is no group node (an iommufd-only kernel): only /proc can tell who holds it.
     NoNode,
-    /// EBUSY: a process holds the group, or a device of it, open.
-    Busy,
+    /// EBUSY from the group node `node` (`/dev/vfio/<name>`): a process holds the group, a
+    /// device of it or a cdev of one bound to iommufd.
+    Busy { node: String },
 }
+
+/// The names a VFIO group's node may have under `/dev/vfio`: `<group>`, or `noiommu-<group>`
+/// for a group of VFIO's no-IOMMU mode (the kernel names it so, never both).
+const GROUP_NODE_NAMES: [fn(u32) -> String; 2] = [|group| group.to_string(), |group| format!("noiommu-{group}")];
 
 pub struct System {
     pub sysfs: PciSysfs,
@@ -365,11 +374,12 @@ impl System {
     }
 
     /// The VFIO device nodes through which user space can hold this function: its group's
-    /// `/dev/vfio/<group>` and the iommufd cdevs `/dev/vfio/devices/<name>` (from `vfio-dev/`)
+    /// `/dev/vfio/<group>` (`/dev/vfio/noiommu-<group>` in no-IOMMU mode) and the iommufd cdevs `/dev/vfio/devices/<name>` (from `vfio-dev/`)
     /// of every device of its IOMMU group, its own included: a cdev bound to iommufd keeps the
     /// whole group from being opened, so a sibling's holder is why the group open fails.
     pub fn vfio_nodes(&self, address: PciAddress, group: Option<u32>) -> Vec<PathBuf> {
-        let mut nodes: Vec<PathBuf> = group.map(|group| PathBuf::from(format!("/dev/vfio/{group}"))).into_iter().collect();
+        let mut nodes: Vec<PathBuf> =
+            group.into_iter().flat_map(|group| GROUP_NODE_NAMES.map(|name| Path::new("/dev/vfio").join(name(group)))).collect();
         let mut device_dirs = vec![self.sysfs.device_dir(address)];
         if let Some(group) = group {
             let members = self.sysfs_root().join("kernel/iommu_groups").join(group.to_string()).join("devices");
@@ -385,19 +395,26 @@ impl System {
         nodes
     }
 
-    /// Opens `<dev_root>/vfio/<group>`, to see whether anything holds the group and, while the
-    /// returned file lives, to keep anything else from opening it. Another failure than EBUSY
-    /// or a missing node is an error: the group's use is then unknown.
+    /// Opens `<dev_root>/vfio/<group>` (or, if there is none, `noiommu-<group>`), to see whether
+    /// anything holds the group and, while the returned file lives, to keep anything else from
+    /// opening it. Another failure than EBUSY or a missing node is an error: the group's use is
+    /// then unknown.
     pub fn probe_vfio_group(&self, group: u32) -> Result<GroupProbe> {
-        let node = self.dev_root.join("vfio").join(group.to_string());
-        match (self.group_open)(&node) {
-            Ok(file) => Ok(GroupProbe::Held(file)),
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(GroupProbe::NoNode),
-            Err(error) if error.raw_os_error() == Some(libc::EBUSY) => Ok(GroupProbe::Busy),
-            Err(error) => {
-                Err(anyhow::Error::new(error).context(format!("opening {} to see whether a process holds the VFIO group", node.display())))
+        for name in GROUP_NODE_NAMES.map(|name| name(group)) {
+            let node = self.dev_root.join("vfio").join(&name);
+            match (self.group_open)(&node) {
+                Ok(file) => return Ok(GroupProbe::Held(file)),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) if error.raw_os_error() == Some(libc::EBUSY) => {
+                    return Ok(GroupProbe::Busy { node: format!("/dev/vfio/{name}") })
+                }
+                Err(error) => {
+                    return Err(anyhow::Error::new(error)
+                        .context(format!("opening {} to see whether a process holds the VFIO group", node.display())))
+                }
             }
         }
+        Ok(GroupProbe::NoNode)
     }
 
     /// Writes a sysfs attribute the way `echo value > file` does (sysfs ignores the truncation,
