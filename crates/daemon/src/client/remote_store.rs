@@ -56,6 +56,8 @@ mod busy_hellos;
 mod reply_checks;
 mod request_slots;
 #[cfg(test)]
+mod store_refusals;
+#[cfg(test)]
 mod tampered_replies;
 use reply_checks::{check_retrieve, check_store};
 use request_slots::{to_daemon, RequestSlots};
@@ -888,8 +890,12 @@ impl LayerKvStore for RemoteKvStore {
     /// blocks (their headers synced Empty), which releasing it does not bring back, and the data
     /// half would then refuse the store (`NoFreeIocb`), as `KvStore::prepare_store` refuses
     /// before reserving. The index is the daemon's, so the bound counts every block new and a
-    /// run of its own: a store sharing blocks that would have fit may be refused too.
+    /// run of its own: a store sharing blocks that would have fit may be refused too. So is a
+    /// store with none of this process's request slots free (`TooManyRequests`): the slots
+    /// (`StoreConfig::requests_max`) may be fewer than the daemon's per session, which would
+    /// reserve first.
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan, ObjstoreError> {
+        self.slots.check_free()?;
         let most = self.data.store_iocbs_at_most(request.block_ids.len());
         let available = self.data.queue().free_iocbs();
         if most > available {

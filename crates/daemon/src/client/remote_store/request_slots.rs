@@ -45,6 +45,17 @@ impl RequestSlots {
         Ok(local_handle(slot, self.generations[slot]))
     }
 
+    /// Refuses with `take`'s `TooManyRequests` when no slot is free: a store checks before the
+    /// daemon reserves, as that reservation may evict cached blocks that releasing it does not
+    /// bring back.
+    pub(super) fn check_free(&self) -> Result<(), ObjstoreError> {
+        if self.daemon.contains(&None) {
+            Ok(())
+        } else {
+            Err(ObjstoreError::TooManyRequests { max: self.daemon.len() })
+        }
+    }
+
     /// The data half's handle for the daemon's `daemon`; a handle not prepared here (never,
     /// or finished since) is `UnknownHandle`, naming the daemon's handle.
     pub(super) fn local(&self, daemon: RequestHandle) -> Result<RequestHandle, ObjstoreError> {
@@ -109,6 +120,7 @@ mod tests {
         assert!(local_a.to_bits() >> 32 < 2 && local_b.to_bits() >> 32 < 2);
         assert_ne!(local_a, local_b);
         assert!(matches!(slots.take(c), Err(ObjstoreError::TooManyRequests { max: 2 })));
+        assert!(matches!(slots.check_free(), Err(ObjstoreError::TooManyRequests { max: 2 })));
         assert_eq!(slots.taken(), 2);
         assert_eq!(slots.local(a).unwrap(), local_a);
         assert_eq!(slots.local(b).unwrap(), local_b);

@@ -1,0 +1,145 @@
+//! Stores `RemoteKvStore` refuses itself, before a `PrepareStore` reaches the daemon: the
+//! daemon's reservation may evict cached blocks (their headers synced Empty), which releasing
+//! it does not bring back, so a store the client's data half would refuse after it must not be
+//! sent. A real daemon (an in-memory software controller, in a thread) on a pool of four
+//! one-block slots, all committed before each test's refusal. Every wait is bounded.
+
+use std::path::PathBuf;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use gio_uring::SmBudget;
+use objstore::{FormatParams, KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, StoreConfig};
+use tutti_devices::{DeviceKind, DeviceSpec};
+
+use super::{RemoteConfig, RemoteKvStore};
+use crate::pool_open::{open_pool, PoolOptions};
+use crate::protocol::{Hello, PoolStatus};
+use crate::{Client, Server, ServerConfig, StopHandle};
+
+/// The longest any wait here takes before the test fails.
+const WAIT: Duration = Duration::from_secs(10);
+/// The pool's slots (one block each).
+const SLOTS: u32 = 4;
+
+/// A daemon in a thread, its configuration the default but for a pool of [`SLOTS`] slots.
+struct SmallPool {
+    socket: PathBuf,
+    stop: StopHandle,
+    served: Option<JoinHandle<()>>,
+    _directory: tempfile::TempDir,
+}
+
+impl SmallPool {
+    fn start() -> SmallPool {
+        let directory = tempfile::tempdir().unwrap();
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: None,
+            format: Some(FormatParams {
+                geometry,
+                blocks_per_slot: 1,
+                slot_count_max: Some(u64::from(SLOTS)),
+                pool_uuid: None,
+                payload_crc: false,
+            }),
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 4,
+            emu_doorbell_relay: false,
+        };
+        let opened = open_pool(&options).expect("open the pool");
+        let socket = directory.path().join("tuttid.sock");
+        let server = Server::bind(ServerConfig::new(socket.clone()), opened).expect("bind");
+        let stop = server.stop_handle();
+        let served = thread::spawn(move || {
+            let _ = server.serve();
+        });
+        SmallPool { socket, stop, served: Some(served), _directory: directory }
+    }
+
+    fn connect(&self, name: &str, store: StoreConfig) -> RemoteKvStore {
+        let hello = Hello { model_fingerprint: [0x5c; 32], tp_rank: 0, tp_world: 1, client_name: name.into() };
+        let config = RemoteConfig { kv_blocks: 16, store, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.socket, &hello, &config).expect("attach")
+    }
+
+    fn pool(&self) -> PoolStatus {
+        Client::connect(&self.socket, WAIT).expect("connect").status().expect("status").pool
+    }
+}
+
+impl Drop for SmallPool {
+    fn drop(&mut self) {
+        self.stop.stop();
+        let deadline = Instant::now() + WAIT;
+        while self.served.as_ref().is_some_and(|served| !served.is_finished()) && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(10));
+        }
+        if let Some(served) = self.served.take().filter(JoinHandle::is_finished) {
+            let _ = served.join();
+        }
+    }
+}
+
+/// Prompt `p` of the tests: one block of 16 tokens of its own.
+fn prompt(p: u32) -> Vec<u32> {
+    (p * 1000..p * 1000 + 16).collect()
+}
+
+/// Stores and commits prompts 0..SLOTS from engine blocks 0..SLOTS: the pool is full.
+fn fill_the_pool(daemon: &SmallPool, store: &mut RemoteKvStore) {
+    for p in 0..SLOTS {
+        let tokens = prompt(p);
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[p] }).expect("prepare_store");
+        for layer in 0..2 {
+            store.store_layer(plan.handle, layer, SmBudget(1)).expect("store_layer");
+            store.wait(plan.handle, Instant::now() + WAIT).expect("wait");
+        }
+        store.commit_store(plan.handle).expect("commit_store");
+    }
+    assert_eq!(daemon.pool().free_slots, 0);
+}
+
+/// Every prompt stored by [`fill_the_pool`] is still cached.
+fn all_prompts_found(store: &mut RemoteKvStore) {
+    for p in 0..SLOTS {
+        assert_eq!(store.lookup(&prompt(p)), 1, "prompt {p} was lost to a refused store");
+    }
+}
+
+#[test]
+fn a_store_past_the_clients_request_slots_is_refused_before_the_daemon_reserves() {
+    // Goal: the client's request slots (`StoreConfig::requests_max`) may be fewer than the
+    // daemon's per session (32 by default). A store with every client slot taken was sent, the
+    // daemon reserved it (evicting a cached prompt on a full pool), and then the client refused
+    // it (TooManyRequests): each refused store cost a cached prompt, and vLLM's worker relies
+    // on refusals past requests_max. Two client slots, both held by prepared retrieves: the
+    // store is refused without a request sent, nothing evicted.
+    let daemon = SmallPool::start();
+    let mut store = daemon.connect("two slots", StoreConfig { requests_max: 2, iocbs: 64, ..StoreConfig::default() });
+    fill_the_pool(&daemon, &mut store);
+    let before = daemon.pool();
+    let reads: Vec<_> =
+        (0..2).map(|p| store.prepare_retrieve(&KvRequest { tokens: &prompt(p), block_ids: &[8 + p] }).expect("prepare_retrieve")).collect();
+    let sent = store.requests_sent();
+    let tokens = prompt(50);
+    match store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }) {
+        Err(ObjstoreError::TooManyRequests { max: 2 }) => {}
+        other => panic!("expected TooManyRequests, got {other:?}"),
+    }
+    assert_eq!(store.requests_sent(), sent, "the refused store reached the daemon");
+    let after = daemon.pool();
+    assert_eq!(after.evictions, before.evictions, "{after:?}");
+    all_prompts_found(&mut store);
+    // Once a slot is free, the same store goes ahead (evicting the LRU tail, prompt 2).
+    let mut reads = reads.into_iter();
+    store.finish(reads.next().unwrap()).expect("finish a retrieve");
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[10] }).expect("prepare_store");
+    assert_eq!((plan.new_blocks, plan.evicted_slots), (1, 1));
+    store.finish(plan.handle).expect("finish the store");
+    store.finish(reads.next().unwrap()).expect("finish a retrieve");
+}
