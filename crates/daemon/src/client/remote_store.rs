@@ -48,6 +48,7 @@ use objstore::{
 use super::{Client, DeviceKvMemory};
 use crate::protocol::{
     AttachQueues, Commit, ErrorCode, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets,
+    PREPARE_BLOCKS_MAX,
 };
 use crate::DaemonError;
 
@@ -668,6 +669,22 @@ impl RemoteKvStore {
         self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
     }
 
+    /// Whether the daemon would reserve `request` as a store, as far as the checks it makes
+    /// first go (`KvStore`'s): 1..=full blocks of ids (and at most `PREPARE_BLOCKS_MAX`), each
+    /// in the registration and named once. Asked only when the store would be refused here
+    /// (its allocation off the common path).
+    fn store_is_well_formed(&self, request: &KvRequest<'_>) -> bool {
+        let full = request.tokens.len() / self.hello_reply().shape.block_tokens.max(1) as usize;
+        let blocks = request.block_ids.len();
+        let num_blocks = self.data.table().registration().num_blocks();
+        if blocks == 0 || blocks > full || blocks > PREPARE_BLOCKS_MAX || request.block_ids.iter().any(|&id| id >= num_blocks) {
+            return false;
+        }
+        let mut ids = request.block_ids.to_vec();
+        ids.sort_unstable();
+        ids.windows(2).all(|pair| pair[0] != pair[1])
+    }
+
     /// Prepares the data path of the daemon's request `handle`: takes a request slot here and,
     /// if the reply answers the request (`consistent`: `reply_checks`), prepares `placements`
     /// in it. On failure the slot is free again and the request is released at the daemon,
@@ -890,15 +907,18 @@ impl LayerKvStore for RemoteKvStore {
     /// blocks (their headers synced Empty), which releasing it does not bring back, and the data
     /// half would then refuse the store (`NoFreeIocb`), as `KvStore::prepare_store` refuses
     /// before reserving. The index is the daemon's, so the bound counts every block new and a
-    /// run of its own: a store sharing blocks that would have fit may be refused too. So is a
-    /// store with none of this process's request slots free (`TooManyRequests`): the slots
-    /// (`StoreConfig::requests_max`) may be fewer than the daemon's per session, which would
-    /// reserve first.
+    /// run of its own: a store sharing blocks, all of them even, that would have fit may be
+    /// refused too. So is a store with none of this process's request slots free
+    /// (`TooManyRequests`): the slots (`StoreConfig::requests_max`) may be fewer than the
+    /// daemon's per session, which would reserve first. A malformed store is sent all the
+    /// same: the daemon refuses it (`BadRequest`) before reserving anything, as `KvStore`
+    /// checks the request before its IOCBs.
     fn prepare_store(&mut self, request: &KvRequest<'_>) -> Result<StorePlan, ObjstoreError> {
-        self.slots.check_free()?;
+        let slot = self.slots.check_free();
         let most = self.data.store_iocbs_at_most(request.block_ids.len());
         let available = self.data.queue().free_iocbs();
-        if most > available {
+        if (slot.is_err() || most > available) && self.store_is_well_formed(request) {
+            slot?;
             return Err(gio_uring::GioError::NoFreeIocb { requested: most, available }.into());
         }
         let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration, 0));

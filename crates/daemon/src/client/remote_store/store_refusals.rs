@@ -143,3 +143,58 @@ fn a_store_past_the_clients_request_slots_is_refused_before_the_daemon_reserves(
     store.finish(plan.handle).expect("finish the store");
     store.finish(reads.next().unwrap()).expect("finish a retrieve");
 }
+
+#[test]
+fn a_malformed_store_is_a_bad_request_even_with_no_slot_or_iocb_free() {
+    // Goal: the client's refusals before sending (no request slot free, fewer IOCBs free than
+    // the store could take) are for stores the daemon would reserve. A malformed store (more
+    // block ids than full blocks, an engine block named twice or past the registration) was
+    // refused NoFreeIocb or TooManyRequests while those were short, where objstore's KvStore
+    // (and the daemon) says BadRequest, which is what the engine must see: the request is
+    // wrong, not early. Such a store goes to the daemon, which refuses it before reserving.
+    // Both request slots and both IOCBs held; then one slot free, the IOCBs still held.
+    malformed_stores_are_bad_requests(StoreConfig { requests_max: 2, iocbs: 2, ..StoreConfig::default() }, |refused| {
+        matches!(refused, ObjstoreError::TooManyRequests { max: 2 })
+    });
+    malformed_stores_are_bad_requests(StoreConfig { requests_max: 3, iocbs: 2, ..StoreConfig::default() }, |refused| {
+        matches!(refused, ObjstoreError::Gio(gio_uring::GioError::NoFreeIocb { .. }))
+    });
+}
+
+/// Two prepared retrieves on a full pool, with `config`: malformed stores are the daemon's
+/// BadRequest, and a well-formed one is refused here as `refused_here` says, nothing sent.
+fn malformed_stores_are_bad_requests(config: StoreConfig, refused_here: impl Fn(&ObjstoreError) -> bool) {
+    let daemon = SmallPool::start();
+    let mut store = daemon.connect("malformed", config);
+    fill_the_pool(&daemon, &mut store);
+    let before = daemon.pool();
+    let reads: Vec<_> =
+        (0..2).map(|p| store.prepare_retrieve(&KvRequest { tokens: &prompt(p), block_ids: &[8 + p] }).expect("prepare_retrieve")).collect();
+    let one_block = prompt(50);
+    let two_blocks: Vec<u32> = (50_000..50_032).collect();
+    let malformed: [(&str, &[u32], &[u32]); 3] = [
+        ("more block ids than full blocks", &one_block, &[10, 11]),
+        ("an engine block named twice", &two_blocks, &[10, 10]),
+        ("an engine block past the registration", &one_block, &[16]),
+    ];
+    let bad_request = crate::protocol::ErrorCode::BadRequest.to_u16();
+    for (what, tokens, block_ids) in malformed {
+        match store.prepare_store(&KvRequest { tokens, block_ids }) {
+            Err(ObjstoreError::RemoteFailed { failure: objstore::RemoteFailure::Refused { code }, .. }) if code == bad_request => {}
+            other => panic!("{what}: expected the daemon's BadRequest, got {other:?}"),
+        }
+    }
+    // A well-formed store is still refused here, before the daemon reserves.
+    let sent = store.requests_sent();
+    match store.prepare_store(&KvRequest { tokens: &two_blocks, block_ids: &[10, 11] }) {
+        Err(refused) if refused_here(&refused) => {}
+        other => panic!("expected a refusal before sending, got {other:?}"),
+    }
+    assert_eq!(store.requests_sent(), sent, "the refused store reached the daemon");
+    let after = daemon.pool();
+    assert_eq!(after.evictions, before.evictions, "{after:?}");
+    all_prompts_found(&mut store);
+    for read in reads {
+        store.finish(read).expect("finish a retrieve");
+    }
+}
