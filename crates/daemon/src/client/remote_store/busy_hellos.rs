@@ -87,28 +87,33 @@ fn a_try_that_runs_out_of_time_after_a_busy_reports_the_busy() {
     // Goal: the docs promise the last Busy once the timeout has passed. The try after the last
     // pause may start with only milliseconds left (the pause is taken whenever it ends before
     // the deadline); its Hello then times out, and the store reported TimedOut, a daemon that
-    // does not answer, instead of the daemon that is full. Timeout 1 s: the first Hello is
-    // answered Busy after 900 ms, the second (asked about 20 ms later) not within its 80 ms.
-    let timeout = Duration::from_secs(1);
+    // does not answer, instead of the daemon that is full. Timeout 2.5 s: the first Hello is
+    // answered Busy 150 ms before the deadline, the second (asked about 20 ms later) not
+    // within the rest. That second connection must have been made: else the store gave up
+    // after the Busy itself (its pause past the deadline), not on the try that timed out.
+    let timeout = Duration::from_millis(2500);
     let (directory, socket) = socket_in("busy-hello-last");
     let listener = UnixListener::bind(&socket).unwrap();
+    let started = Instant::now();
     let daemon = thread::spawn(move || {
-        let (first, _) = listener.accept().unwrap();
+        let first = accept_within(&listener, timeout).expect("the store's first connection");
         let header = read_hello(&first);
-        thread::sleep(Duration::from_millis(900));
+        thread::sleep((started + timeout - Duration::from_millis(150)).saturating_duration_since(Instant::now()));
         answer_busy(&first, &header);
-        let (second, _) = listener.accept().unwrap();
-        let header = read_hello(&second);
-        // Answered well after the store's deadline: it has given up by then.
-        thread::sleep(Duration::from_millis(600));
-        let _ = answer_busy_late(&second, &header);
+        let second = accept_within(&listener, timeout);
+        if let Some(second) = &second {
+            let header = read_hello(second);
+            // Answered well after the store's deadline: it has given up by then.
+            thread::sleep((started + timeout + Duration::from_millis(600)).saturating_duration_since(Instant::now()));
+            let _ = answer_busy_late(second, &header);
+        }
         (first, second)
     });
-    let started = Instant::now();
     let failed = hello_asking_again_while_busy(&socket, &hello(), timeout).err();
     let elapsed = started.elapsed();
-    let _connections = daemon.join().unwrap();
+    let (_first, second) = daemon.join().unwrap();
     std::fs::remove_dir_all(&directory).unwrap();
+    assert!(second.is_some(), "the store did not ask again after the Busy: {failed:?}");
     match failed {
         Some(ObjstoreError::RemoteFailed { failure: RemoteFailure::Refused { code }, reason }) => {
             assert_eq!(code, ErrorCode::Busy.to_u16(), "{reason}");
@@ -117,6 +122,25 @@ fn a_try_that_runs_out_of_time_after_a_busy_reports_the_busy() {
         other => panic!("expected the last Busy, got {other:?}"),
     }
     assert!(elapsed < timeout + Duration::from_millis(500), "{elapsed:?}");
+}
+
+/// The next connection on `listener` within `wait`; None if none came.
+fn accept_within(listener: &UnixListener, wait: Duration) -> Option<UnixStream> {
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + wait;
+    loop {
+        match listener.accept() {
+            Ok((stream, _)) => {
+                stream.set_nonblocking(false).unwrap();
+                return Some(stream);
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                thread::sleep(Duration::from_millis(2))
+            }
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return None,
+            Err(error) => panic!("accepting the store's connection: {error}"),
+        }
+    }
 }
 
 /// [`answer_busy`] on a connection the store may have closed already.
