@@ -77,6 +77,12 @@ stopped() {
     fi
 }
 
+# 0. proc_stat called plainly by a script under set -e with inherit_errexit: its whole-file
+#    read, which returns 1 at the end of the file, must not end it.
+# shellcheck disable=SC2016 # expanded by the inner shell
+check "proc_stat under set -e and inherit_errexit: the state of a running process" "state=R" \
+    "$(bash -c 'set -euo pipefail; shopt -s inherit_errexit; . tools/lib/process.sh; proc_stat /proc/self/stat; echo "state=${proc_fields[0]:-}"' 2>&1)"
+
 # 1. Leaks.
 run_stage leaks stage_leaks > "$run_tmp/leaks.out" 2>&1
 check "a stage that leaves a process running: a FAIL that says it leaked 1" yes \

@@ -88,6 +88,14 @@ printf 'path-include=/usr/share/doc/docsonly/*\n' > "$work/home/.dpkg.cfg"
 got="$(DPKG_CONFIG_ROOT="$work/root" HOME="$work/home" damaged)"
 [[ "$got" == "docsonly cpp-12" ]] || fail "~/.dpkg.cfg read last: expected 'docsonly cpp-12', got '$got'"
 
+# process_start called plainly by a script under set -e with inherit_errexit (command
+# substitutions keep -e): its whole-file read, which returns 1 at the end of the file, must not
+# end it (nor empty what it prints); nor must a process gone (pid 4194304: above the largest
+# pid_max), which prints nothing.
+# shellcheck disable=SC2016 # expanded by the inner shell
+got=$(bash -c 'set -euo pipefail; shopt -s inherit_errexit; . tools/lib/dpkg.sh; start=$(process_start $$); gone=$(process_start 4194304); echo "start=$start gone=$gone"' 2>&1) || true
+[[ "$got" =~ ^start=[0-9]+\ gone=$ ]] || fail "process_start under set -e and inherit_errexit: expected 'start=<start time> gone=', got '$got'"
+
 # The policy-rc.d hook, at paths of the test's own (as root only: clean_stale_policy_rc_d does
 # nothing otherwise). An owner KILLed whose parent has not reaped it yet (a zombie: a stage's
 # script whose shell was killed with it, handed to an init that does not reap) is gone: its

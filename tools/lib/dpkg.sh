@@ -48,8 +48,10 @@ boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
 # does the same; not sourced here: vm/lib.sh and check-bindings.sh source this file alone).
 process_start() {
     local line='' fields=()
-    # -d '': to the end of the file; read then returns 1 although it read everything.
-    IFS= read -r -d '' line 2> /dev/null < "/proc/$1/stat"
+    # -d '': to the end of the file; read then returns 1 although it read everything (`|| :`:
+    # the scripts that source this file run under set -e, which would end them there).
+    # A process gone (the redirection fails) prints nothing, its status 0 all the same.
+    { IFS= read -r -d '' line || :; } 2> /dev/null < "/proc/$1/stat" || return 0
     [ -n "$line" ] || return 0
     read -r -a fields <<< "${line##*") "}"
     [ "${fields[0]:-}" = Z ] || echo "${fields[19]:-}"

@@ -69,8 +69,9 @@ interruptible_timeout() {
 # not end them under set -u, and declare proc_fields local.
 proc_stat() {
     local line=''
-    # -d '': to the end of the file; read then returns 1 although it read everything.
-    IFS= read -r -d '' line 2> /dev/null < "$1"
+    # -d '': to the end of the file; read then returns 1 although it read everything (`|| :`:
+    # a caller under set -e, or a command substitution with inherit_errexit, would end there).
+    { IFS= read -r -d '' line || :; } 2> /dev/null < "$1"
     [ -n "$line" ] || return 1
     read -r -a proc_fields <<< "${line##*") "}"
 }
