@@ -133,21 +133,40 @@ if loop_devices_work; then
     for ((tenths = 0; tenths < 300; tenths++)); do [ -s "$run_tmp/mounted" ] && break; sleep 0.1; done
     mnt=$(cat "$run_tmp/mounted" 2> /dev/null)
     check "loop_devices_work: its file system mounted (the stand-in mount ran)" yes "$([ -n "$mnt" ] && mountpoint -q "$mnt" && echo yes || echo no)"
+    # The paths as the kernel writes them (mountinfo, backing_file: canonical), resolved now
+    # while they exist: with a TMPDIR not canonical (/tmp//x/.., a symlink) the strings
+    # compared below would never match, and the check could never fail.
+    dir=$(readlink -f "${mnt%/mnt}" 2> /dev/null)
+    mnt=${dir:-/nonexistent}/mnt image=${dir:-/nonexistent}/disk.img
     # The loop device, recorded now: the undo removes the image, after which `losetup -j` on
     # it lists nothing, whether or not a device is still attached to the deleted file.
-    image=${mnt%/mnt}/disk.img
     nodes=$(losetup --list -n -O NAME -j "$image" 2> /dev/null)
     check "loop_devices_work: a loop device attached to its file" yes "$([ -n "$nodes" ] && echo yes || echo no)"
+    # The device held open (as udev's blkid probe holds it after the umount, on a machine with
+    # udev) from before the stop until half a second after: the kernel defers the detach of a
+    # device still open until its last close (losetup -d succeeds), so a working undo must
+    # not be judged by a single look right after kill_tree.
+    node=${nodes%%$'\n'*}
+    [ -z "$node" ] || exec 9< "$node"
     kill_tree "$loop"
-    left=$(grep -c " ${mnt:-/nonexistent} " /proc/self/mountinfo)
+    # The copy of fd 9 that the background sleep inherits is the last: closed as it ends.
+    [ -z "$node" ] || { sleep 0.5 & }
+    exec 9<&-
+    left=$(grep -c " $mnt " /proc/self/mountinfo)
     # Still attached: the device's backing_file names the image (with " (deleted)" once it
     # is removed); a device detached has none, or one of another user's that took it since.
-    attached=
-    for node in $nodes; do
-        case $(cat "/sys/block/${node#/dev/}/loop/backing_file" 2> /dev/null) in
-            "$image" | "$image (deleted)") attached+="$node " ;;
-        esac
-    done
+    # Looked at for up to 3 s, until none is (a deferred detach done).
+    still_attached() {
+        local node
+        attached=
+        for node in $nodes; do
+            case $(cat "/sys/block/${node#/dev/}/loop/backing_file" 2> /dev/null) in
+                "$image" | "$image (deleted)") attached+="$node " ;;
+            esac
+        done
+        [ -n "$attached" ]
+    }
+    for ((tenths = 0; tenths < 30; tenths++)); do still_attached || break; sleep 0.1; done
     check "loop_devices_work stopped while mounted: nothing left mounted, no loop device left on its file" "0 " "$left $attached"
     # What a failure left, undone.
     [ "$left" = 0 ] || umount "$mnt"
