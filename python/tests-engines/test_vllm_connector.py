@@ -1435,21 +1435,23 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
 
 class StalledSave:
     """A tutti.Request whose layers, once issued, are never seen to complete: each wait takes all
-    the time it is given, counted in `waits`."""
+    the time it is given; every wait and poll is counted in `calls` as (what, the save's number)."""
 
-    def __init__(self, request, waits: list) -> None:
+    def __init__(self, request, calls: list, number: int) -> None:
         self._request = request
-        self._waits = waits
+        self._calls = calls
+        self._number = number
 
     def __getattr__(self, name: str):
         return getattr(self._request, name)
 
     def wait(self, timeout_s=None):
-        self._waits.append(timeout_s)
+        self._calls.append(("wait", self._number))
         time.sleep(timeout_s)
         raise tutti.TimeoutError("injected: the layer did not complete")
 
     def poll(self):
+        self._calls.append(("poll", self._number))
         return None
 
     @property
@@ -1464,9 +1466,10 @@ class StalledSave:
 class StoreWithFailingLoadsAndStalledSaves:
     """A tutti.Store whose loads fail when waited for and whose saves stall."""
 
-    def __init__(self, store, waits: list) -> None:
+    def __init__(self, store, calls: list) -> None:
         self._store = store
-        self._waits = waits
+        self._calls = calls
+        self._saves = 0
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
@@ -1475,7 +1478,8 @@ class StoreWithFailingLoadsAndStalledSaves:
         return harness.FailingWait(self._store.prepare_retrieve(tokens, block_ids, first_block=first_block))
 
     def prepare_store(self, tokens, block_ids):
-        return StalledSave(self._store.prepare_store(tokens, block_ids), self._waits)
+        self._saves += 1
+        return StalledSave(self._store.prepare_store(tokens, block_ids), self._calls, self._saves)
 
 
 def test_saves_cancelled_for_a_failed_load_wait_for_a_stalled_device_once(tuttid):
@@ -1491,12 +1495,18 @@ def test_saves_cancelled_for_a_failed_load_wait_for_a_stalled_device_once(tuttid
         tokens = prompt(19, blocks=2, tail=0)
         worker.fill([1, 2], 19)
         worker.save("S", tokens, [1, 2])
-        waits: list = []
-        worker.connector._store = StoreWithFailingLoadsAndStalledSaves(worker.connector._store, waits)
+        calls: list = []
+        worker.connector._store = StoreWithFailingLoadsAndStalledSaves(worker.connector._store, calls)
         saves = [SaveSpec(f"W{index}", prompt(120 + index, blocks=2, tail=0), [20, 30 + index]) for index in range(4)]
         result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [20, 21])], saves=saves))
         assert result["load_errors"] == {20, 21}
+        waits = [number for what, number in calls if what == "wait"]
         assert len(waits) == 1, f"the cancelled saves waited {len(waits)} times for their stalled layers"
+        # The saves after the first are given up because the session broke, not because the
+        # shared deadline ran out (which would still poll each of them once): none is waited
+        # for or polled.
+        looked_at = sorted({number for _, number in calls})
+        assert looked_at == waits, f"saves {looked_at} were waited for or polled after save {waits[0]} broke the session: {calls}"
         names = {save.req_id for save in saves}
         assert worker.connector.get_finished(names)[0] == names
     finally:
