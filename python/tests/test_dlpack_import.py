@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -301,6 +302,61 @@ def test_an_interrupt_or_memory_error_in_the_producer_is_not_a_refusal(where, ex
             store.register_kv(tutti.KvLayout.block_major(producer))
         store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
         store_prompt(store, tokens(12, 1), [0])
+
+
+class _RaisingIndex:
+    """An int-like whose __index__ (what reading an int out of it calls) raises `exception`."""
+
+    def __init__(self, exception):
+        self.exception = exception
+
+    def __index__(self):
+        raise self.exception
+
+
+@pytest.mark.parametrize("exception", [KeyboardInterrupt, SystemExit, MemoryError])
+def test_an_interrupt_or_memory_error_reading_the_dlpack_device_is_not_a_refusal(exception):
+    # Goal: an interrupt or MemoryError raised while the __dlpack_device__ answer is read (its
+    # device id's __index__) comes out as itself; before, it became InvalidArgument "returned
+    # ..., not a (device type, device id) pair of ints" (Ctrl-C swallowed into a tutti.Error).
+    producer = Producer(np.zeros(NBYTES, dtype=np.uint8), device=(1, _RaisingIndex(exception("from the answer"))))
+    with open_store() as store:
+        with pytest.raises(exception, match="from the answer"):
+            store.register_kv(tutti.KvLayout.block_major(producer))
+        assert producer.calls == []
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(14, 1), [0])
+
+
+def test_a_failing_buffer_export_is_refused_quoting_its_error():
+    # Goal: an exporter's own error from the buffer protocol (not a TypeError, which says the
+    # object has no buffer at all) is InvalidArgument naming the tensor and quoting that error;
+    # before, every exception became "... is not a tensor", the exporter's text lost. A released
+    # memoryview refuses a new export with a ValueError.
+    released = memoryview(bytearray(NBYTES))
+    released.release()
+    with open_store() as store:
+        with pytest.raises(tutti.InvalidArgument, match=r"tensor \(memoryview\): its buffer export failed \(ValueError: operation forbidden on released memoryview"):
+            store.register_kv(tutti.KvLayout.block_major(released))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(15, 1), [0])
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="a Python-level buffer exporter (__buffer__) needs Python 3.12")
+@pytest.mark.parametrize("exception", [KeyboardInterrupt, SystemExit, MemoryError])
+def test_an_interrupt_or_memory_error_in_a_buffer_export_is_not_a_refusal(exception):
+    # Goal: a KeyboardInterrupt/SystemExit or MemoryError raised by a buffer exporter comes out as
+    # itself; before, it became InvalidArgument "... is not a tensor" (a tutti.Error a caller may
+    # retry: Ctrl-C swallowed, a MemoryError retried or reported as a bad tensor).
+    class Exporter:
+        def __buffer__(self, flags):
+            raise exception("from the exporter")
+
+    with open_store() as store:
+        with pytest.raises(exception, match="from the exporter"):
+            store.register_kv(tutti.KvLayout.block_major(Exporter()))
+        store.register_kv(tutti.KvLayout.block_major(np.zeros(NBYTES, dtype=np.uint8)))
+        store_prompt(store, tokens(16, 1), [0])
 
 
 @pytest.mark.parametrize("keywords", [True, False])

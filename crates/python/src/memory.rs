@@ -373,16 +373,23 @@ fn device_name(device_type: i32, device_id: i32) -> String {
     format!("{name}:{device_id} (DLPack device type {device_type})")
 }
 
-/// The `error` a producer's `__dlpack_device__` / `__dlpack__` raised, as the InvalidArgument
-/// `refusal` words (naming the tensor: the bare exception named nothing). Passed through as it
-/// is: what is not an `Exception` (KeyboardInterrupt, SystemExit: an interrupt, not the
-/// producer's answer) and a MemoryError (a resource failure, not a refusal of the tensor). Made a
-/// tutti.Error, either would be taken for one the caller may retry or report as a bad tensor.
+/// The `error` a producer's `__dlpack_device__` / `__dlpack__` (or a buffer exporter) raised, as
+/// the InvalidArgument `refusal` words (naming the tensor: the bare exception named nothing).
+/// Passed through as it is: what is not an `Exception` (KeyboardInterrupt, SystemExit: an
+/// interrupt, not the producer's answer) and a MemoryError (a resource failure, not a refusal of
+/// the tensor). Made a tutti.Error, either would be taken for one the caller may retry or report
+/// as a bad tensor.
 fn producer_failure(py: Python<'_>, error: PyErr, refusal: impl FnOnce(&PyErr) -> String) -> PyErr {
-    if !error.is_instance_of::<PyException>(py) || error.is_instance_of::<PyMemoryError>(py) {
+    if passes_through(py, &error) {
         return error;
     }
     Failure::new(ErrorClass::InvalidArgument, refusal(&error)).into()
+}
+
+/// Whether `error` is one `producer_failure` passes through as it is (not an `Exception`, or a
+/// MemoryError).
+fn passes_through(py: Python<'_>, error: &PyErr) -> bool {
+    !error.is_instance_of::<PyException>(py) || error.is_instance_of::<PyMemoryError>(py)
 }
 
 /// What `object.__dlpack_device__()` says, (DLPack device type, device id); its failure (but see
@@ -394,7 +401,12 @@ fn dlpack_device(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(i32, i32)> 
             format!("{name}: its __dlpack_device__() failed ({error}): register a tensor whose producer can say its device")
         })
     })?;
-    answer.extract::<(i32, i32)>().map_err(|_| {
+    answer.extract::<(i32, i32)>().map_err(|error| {
+        // Reading an int calls the answer's __index__: an interrupt or MemoryError it raised is
+        // passed through (`producer_failure`), not taken for a malformed answer.
+        if passes_through(answer.py(), &error) {
+            return error;
+        }
         // An answer's repr is the producer's: bounded, and a repr that fails is not the error.
         let mut shown = answer.repr().map(|repr| repr.to_string()).unwrap_or_else(|_| "an object whose repr() failed".into());
         if let Some((cut, _)) = shown.char_indices().nth(REPR_CHARS_MAX) {
@@ -528,15 +540,16 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
         return Ok((description, Keep::Dlpack(imported, object.clone().unbind())));
     }
     // The buffer protocol, through a memoryview; the address through a ctypes view over it,
-    // which holds the export (so the object cannot be resized or freed while kept).
-    let view = py.import("builtins")?.getattr("memoryview")?.call1((object,)).map_err(|_| {
-        PyErr::from(Failure::new(
-            ErrorClass::InvalidArgument,
-            format!(
-                "{name} ({}) is not a tensor: give an object with __dlpack__ (torch, numpy), a writable buffer (bytearray, mmap, numpy), a KvBuffer or a RawMemory",
-                object.get_type().name().map(|name| name.to_string()).unwrap_or_default()
-            ),
-        ))
+    // which holds the export (so the object cannot be resized or freed while kept). A TypeError
+    // is memoryview's "no buffer": not a tensor. The exporter's own failure (a BufferError, ...)
+    // is quoted; an interrupt or MemoryError passes through (`producer_failure`).
+    let view = py.import("builtins")?.getattr("memoryview")?.call1((object,)).map_err(|error| {
+        let type_name = object.get_type().name().map(|name| name.to_string()).unwrap_or_default();
+        let kinds = "give an object with __dlpack__ (torch, numpy), a writable buffer (bytearray, mmap, numpy), a KvBuffer or a RawMemory";
+        if error.is_instance_of::<PyTypeError>(py) {
+            return PyErr::from(Failure::new(ErrorClass::InvalidArgument, format!("{name} ({type_name}) is not a tensor: {kinds}")));
+        }
+        producer_failure(py, error, |error| format!("{name} ({type_name}): its buffer export failed ({error}): {kinds}"))
     })?;
     let readonly: bool = view.getattr("readonly")?.extract()?;
     let contiguous: bool = view.getattr("c_contiguous")?.extract()?;
