@@ -269,6 +269,47 @@ def test_shutdown_waits_a_little_for_a_reattach_in_flight(tuttid):
     assert session.closed
 
 
+class RegisterRaises(FakeSession):
+    """A store a re-attach opened whose register_kv raises `exception`."""
+
+    def __init__(self, exception: BaseException) -> None:
+        super().__init__()
+        self.exception = exception
+
+    def register_kv(self, layout) -> None:
+        raise self.exception
+
+
+def test_a_memory_error_in_a_reattach_is_a_failed_try_and_an_interrupt_is_for_good(tuttid):
+    """Goal: a MemoryError in a re-attach (torch's __dlpack__ out of host memory: register_kv
+    passes it through, not as a tutti.Error) is a failed try like a tutti.Error: the store it
+    opened is closed, the rank backs off and its next try opens a session; before, the rank
+    re-attached no more, logged as a bug. A KeyboardInterrupt there (raised by a producer itself)
+    still ends the rank's re-attaching for good."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--device-memory", "memfd"])
+    for exception, retried in [(MemoryError("out of memory (the test)"), True), (KeyboardInterrupt("the test"), False)]:
+        failing = RegisterRaises(exception)
+        worker = ended_worker_reattaching(daemon, lambda failing=failing: failing)
+        connector = worker.connector
+        try:
+            connector._reattach_thread.join(5.0)
+            worker.step(TuttiConnectorMetadata())
+            assert failing.closed, "the store the failed try opened was left open"
+            assert connector._dead is not None
+            if not retried:
+                assert connector._reattach_at == math.inf, f"{exception!r} was retried"
+                continue
+            assert time.monotonic() < connector._reattach_at < math.inf, f"{exception!r} is not retried after a back-off"
+            del connector._attach  # the next try attaches for real
+            connector._reattach_at = 0.0
+            worker.step(TuttiConnectorMetadata())
+            connector._reattach_thread.join(10.0)
+            worker.step(TuttiConnectorMetadata())
+            assert connector._dead is None and connector.reattaches == 1
+        finally:
+            worker.shutdown()
+
+
 def test_a_programming_error_in_a_reattach_stops_that_ranks_reattaching_without_raising(tuttid, monkeypatch, caplog):
     """Goal: the re-attach thread treats tutti.Error as a failed try (retried after a back-off);
     anything else (a bug) is logged at error level with its traceback and the rank re-attaches no

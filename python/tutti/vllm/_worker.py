@@ -1002,8 +1002,11 @@ class WorkerSide:
         back-off after a failed try has passed. The try (attach, register_kv: each waits up to
         timeout_s for tuttid) runs on a thread of its own, so a step never waits for it; its
         result is taken up at the first step after it is over. A failure leaves the worker as it
-        was (loads reported failed, saves missed) until the next try; a failure that is not a
-        tutti.Error (a bug) for good (logged, not raised: see below)."""
+        was (loads reported failed, saves missed) until the next try. A MemoryError is such a
+        failed try too (host memory short, e.g. in torch's __dlpack__, which register_kv passes
+        through as itself: transient, not a bug). Any other failure that is not a tutti.Error (a
+        bug; a KeyboardInterrupt or SystemExit, which only a producer raising it itself gets to
+        this thread) for good (logged, not raised: see below)."""
         if self._dead is None or self._kv_tensors is None:
             return
         thread = self._reattach_thread
@@ -1014,14 +1017,15 @@ class WorkerSide:
             with self._lock:
                 result, self._reattached = self._reattached, None
             store, error = result if result is not None else (None, RuntimeError("the try ended without a result"))
-            if result is not None and store is None and not isinstance(error, tutti.Error):
-                # Not a refusal of tutti's (a bug): not retried for good, nor raised. Each rank's
-                # re-attach is its own, so with tensor parallelism this rank alone would raise:
-                # vLLM 0.32's MultiprocExecutor only logs a rank's exception that is not the
-                # output rank's, and the others would wait in the forward's all-reduce until
-                # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and stop the engine with a timeout. Agreeing
-                # on it would take a collective in every step. The rank serves without tutti
-                # until restarted (the scheduler side is told: build_connector_worker_meta).
+            if result is not None and store is None and not isinstance(error, (tutti.Error, MemoryError)):
+                # Neither a refusal of tutti's nor short memory (a bug): not retried for good, nor
+                # raised. Each rank's re-attach is its own, so with tensor parallelism this rank
+                # alone would raise: vLLM 0.32's MultiprocExecutor only logs a rank's exception
+                # that is not the output rank's, and the others would wait in the forward's
+                # all-reduce until VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS and stop the engine with a
+                # timeout. Agreeing on it would take a collective in every step. The rank serves
+                # without tutti until restarted (the scheduler side is told:
+                # build_connector_worker_meta).
                 self._reattach_at = math.inf
                 logger.error(
                     "tutti: opening a new tuttid session failed with an unexpected error (a bug); this worker "
@@ -1033,7 +1037,10 @@ class WorkerSide:
             if store is None:
                 self._reattach_backoff_s = min(max(2 * self._reattach_backoff_s, _REATTACH_BACKOFF_FIRST_S), _REATTACH_BACKOFF_MAX_S)
                 self._reattach_at = time.monotonic() + self._reattach_backoff_s
-                logger.warning("tutti: a new tuttid session failed (%s); the next try in %.1f s", error, self._reattach_backoff_s)
+                # repr for a bare MemoryError(), whose str is empty.
+                logger.warning(
+                    "tutti: a new tuttid session failed (%s); the next try in %.1f s", str(error) or repr(error), self._reattach_backoff_s
+                )
                 return
             logger.warning("tutti: the worker opened a new tuttid session (the last one ended: %s)", self._dead)
             self._store = store
@@ -1063,7 +1070,7 @@ class WorkerSide:
             except BaseException:
                 store.close()
                 raise
-        except tutti.Error as failure:  # a failed try: the step backs off and tries again
+        except (tutti.Error, MemoryError) as failure:  # a failed try: the step backs off and tries again
             store, error = None, failure
         except BaseException as failure:  # noqa: BLE001 - anything else: the next step logs it, tries no more
             store, error = None, failure
