@@ -553,6 +553,9 @@ class Store:
         attach to tuttid).
         Attached: a Busy from tuttid is asked again as for allocate_kv (DaemonError "Busy" once
         timeout_s has passed).
+        A tensor's own failure is not a refusal: KeyboardInterrupt, SystemExit or MemoryError
+        raised by its __dlpack__, __dlpack_device__ or buffer export comes out as itself; any
+        other exception from them is an InvalidArgument naming the tensor and quoting it.
         Once per store (InvalidState otherwise, except that repeat)."""
     def lookup(self, tokens: Sequence[int], first_block: int = 0) -> int:
         """The longest cached prefix of `tokens`, in blocks (x block_tokens for tokens), in this
