@@ -19,6 +19,10 @@ cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 set +e
 run_tmp=$(mktemp -d)
 trap 'rm -rf "$run_tmp"' EXIT
+# Not canonical on purpose (as with TMPDIR=/tmp//x/..): the loop check below must compare the
+# kernel's canonical paths (mountinfo, backing_file), and loop_devices_work's undo find its mount
+# all the same.
+run_tmp=$run_tmp//.
 failures=0
 check() {
     local what=$1 expected=$2 got=$3

@@ -533,7 +533,10 @@ loop_devices_work() {
 # printed the device's name counts too) and removes DIR.
 loop_devices_undo() {
     local dir=$1 node
-    ! grep -qF " $dir/mnt " /proc/self/mountinfo 2> /dev/null || timeout -k 5 30 umount "$dir/mnt" > /dev/null 2>&1
+    # mountpoint, not a look for " $dir/mnt " in mountinfo: the kernel writes the canonical path
+    # there (and a space as \040), which a TMPDIR not canonical (/tmp//x/.., a symlink) or with a
+    # space never matches: the file system was left mounted.
+    ! mountpoint -q "$dir/mnt" 2> /dev/null || timeout -k 5 30 umount "$dir/mnt" > /dev/null 2>&1
     for node in $(losetup --list -n -O NAME -j "$dir/disk.img" 2> /dev/null); do
         timeout -k 5 30 losetup -d "$node" > /dev/null 2>&1
     done
