@@ -32,8 +32,9 @@ pub enum ClusterError {
     NodeIdTaken { cluster: String, node: String, lease_id: i64 },
     /// A rejoin found this node id's member key still under one of the node's own old leases,
     /// whose revoke failed (etcd did not answer it in time): not another process. The lease is
-    /// unrenewed and expires by itself (within a TTL); the next rejoin revokes it again if the
-    /// node still tracks it (the two newest leases whose revoke failed).
+    /// unrenewed and expires by itself (within a TTL of its last renewal, unless a new etcd
+    /// leader extends it); the node keeps it first among the leases it revokes again, even one
+    /// past the two it keeps otherwise, so the next rejoin tries it.
     #[error(
         "node id {node}'s member key is still under this node's own old lease {lease_id:#x}, whose revoke failed; it expires by itself within a TTL, sooner if a later rejoin's revoke of it succeeds"
     )]

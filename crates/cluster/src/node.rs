@@ -104,8 +104,23 @@ pub struct ClusterNode {
     /// it expires, and the member key under one refuses every join under another lease. Each
     /// rejoin tries them again; `shut_down` revokes them (a rejoin that failed leaves no
     /// keep-alive, so it would revoke nothing without them). At most [`UNREVOKED_KEPT`]: an
-    /// older one was left unrenewed more rejoins ago and expires first.
+    /// older one was left unrenewed more rejoins ago and expires first, and goes to `given_up`
+    /// — except the lease a rejoin found holding the member key: kept first (its member
+    /// transaction won, so newer leases' failed the compare and hold no member key), the
+    /// newest dropped instead, or no rejoin would try it again and each would answer
+    /// NodeIdTaken (blaming another process) until it expired.
     unrevoked: Vec<i64>,
+    /// Leases of this node a rejoin stopped revoking (past `UNREVOKED_KEPT`), newest first,
+    /// each with the time it was given up plus the longest TTL etcd granted (`lease_ttl`): the
+    /// latest it lives unrenewed, its last renewal having come before — unless a new etcd
+    /// leader took over since, which extends every lease by a TTL (then it may live past
+    /// that). Not revoked again (a rejoin's bound stays 6 T); within that deadline a rejoin
+    /// counts a member key under it as the node's own ([`ClusterError::OwnLeaseHolds`], and
+    /// kept in `unrevoked` again). One per rejoin at most, each dropped past its deadline.
+    given_up: Vec<(i64, Instant)>,
+    /// The longest TTL etcd granted this node's leases: the configured one, or more (etcd
+    /// raises a TTL below its minimum, which follows its election timeout).
+    lease_ttl: Duration,
     /// A lease a failed `establish` granted whose member transaction may have been applied
     /// (it failed other than with an answer too large: the answer may have been lost) and
     /// whose revoke failed: it may hold the member key, and nothing
@@ -139,6 +154,7 @@ impl ClusterNode {
         // The lease's settings too: `connect` checks only what a client without a lease uses.
         config.validate()?;
         record.encode(&config.cluster).map_err(refused_record)?;
+        let lease_ttl = config.lease_ttl;
         let client = ClusterClient::connect(config)?;
         let lease = Arc::new(LeaseState {
             lease_id: AtomicI64::new(0),
@@ -154,6 +170,8 @@ impl ClusterNode {
             lease,
             keep_alive: None,
             unrevoked: Vec::new(),
+            given_up: Vec::new(),
+            lease_ttl,
             orphaned: None,
             joined: 0,
             joined_gone: true,
@@ -179,6 +197,7 @@ impl ClusterNode {
         let value = self.record.encode(self.client.layout.cluster()).map_err(refused_record)?;
         let granted = self.client.connection.call_lease("grant a lease", |mut lease| async move { lease.grant(ttl_s, None).await })?;
         let lease_id = granted.id();
+        self.lease_ttl = self.lease_ttl.max(Duration::from_secs(granted.ttl().max(0) as u64));
         let key = self.client.layout.member_key(&self.record.node);
         let answer = self.client.connection.call_kv("register the member", |mut client| {
             let transaction = Txn::new()
@@ -363,16 +382,54 @@ impl ClusterNode {
         // Entries of the node live on under any lease left, not only under the last one: the
         // owner must delete what it meant to (`Rejoined::left`).
         let left = failed.clone();
+        let now = Instant::now();
+        // A lease given up and tried here again (the old one) is revoked or kept now.
+        self.given_up.retain(|&(lease_id, until)| until > now && !held.contains(&lease_id));
         if failed.len() > UNREVOKED_KEPT {
             tracing::warn!(leases = ?&failed[UNREVOKED_KEPT..], "no longer revoked by this node: they expire by themselves");
+            let until = now + self.lease_ttl;
+            for &lease_id in failed[UNREVOKED_KEPT..].iter().rev() {
+                self.given_up.insert(0, (lease_id, until));
+            }
             failed.truncate(UNREVOKED_KEPT);
         }
+        // Given up, it may still hold the member key.
+        let mut own = left.clone();
+        own.extend(self.given_up.iter().map(|&(lease_id, _)| lease_id).filter(|lease_id| !left.contains(lease_id)));
         self.unrevoked = failed;
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
         self.orphaned = None;
-        self.establish(&left)?;
+        if let Err(error) = self.establish(&own) {
+            if let ClusterError::OwnLeaseHolds { lease_id, .. } = error {
+                self.keep_to_revoke(lease_id);
+            }
+            return Err(error);
+        }
         Ok(Rejoined { old_lease_id: joined, old_lease_revoked: joined_gone, left })
+    }
+
+    /// Keeps `lease_id`, found holding the member key, among the leases the next rejoin
+    /// revokes (first), should the rejoin that failed to revoke it have given it up: that next
+    /// rejoin would otherwise not try it and answer NodeIdTaken, blaming another process, until
+    /// it expired. The newest lease kept makes room (it went into the member transaction after
+    /// the holder's won, so it holds no member key; the node's last lease, often that one, is
+    /// tried all the same) and is given up in its stead.
+    fn keep_to_revoke(&mut self, lease_id: i64) {
+        if self.unrevoked.contains(&lease_id) {
+            return;
+        }
+        self.given_up.retain(|&(given_up, _)| given_up != lease_id);
+        self.unrevoked.insert(0, lease_id);
+        if self.unrevoked.len() > UNREVOKED_KEPT {
+            let dropped = self.unrevoked.remove(1);
+            tracing::warn!(
+                lease_id = dropped,
+                holder = lease_id,
+                "no longer revoked by this node, the lease holding the member key kept instead: it expires by itself"
+            );
+            self.given_up.insert(0, (dropped, Instant::now() + self.lease_ttl));
+        }
     }
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
@@ -1147,7 +1204,9 @@ mod own_lease_tests {
         // member key may be under the third (here the lease the first failed rejoin orphaned
         // after its member transaction was applied, its answer lost). The holder was checked
         // only against the two kept, so that rejoin answered NodeIdTaken, blaming another
-        // process, for the node's own lease.
+        // process, for the node's own lease. Then (answered OwnLeaseHolds) the next rejoin,
+        // with etcd answering revokes again, tried only the two kept, not the holder, and
+        // answered NodeIdTaken until the holder expired: the holder is kept to revoke again.
         let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
         let endpoints = etcd.endpoints();
         let etcd = Arc::new(Mutex::new(etcd));
@@ -1193,7 +1252,13 @@ mod own_lease_tests {
 
         let error = node.rejoin().map(|_| ()).expect_err("the member key is still under the first orphan");
         assert!(matches!(error, ClusterError::OwnLeaseHolds { lease_id, .. } if lease_id == holder), "{error:?}");
-        assert!(!node.unrevoked.contains(&holder), "the test needs the holder past the two kept: {:?}", node.unrevoked);
+
+        // etcd answers revokes again: the next rejoin revokes the holder too (the rejoin that
+        // found it kept it to revoke again) and joins. It tried only the two it kept, and
+        // answered NodeIdTaken{holder}, blaming another process, until the holder expired.
         node.fail_revoke = Vec::new();
+        node.rejoin().expect("the next rejoin revokes the lease holding the member key and joins");
+        assert!(!node.health().lost);
+        assert!(node.unrevoked.is_empty(), "{:?}", node.unrevoked);
     }
 }
