@@ -1169,9 +1169,21 @@ fn a_decode_step_whose_first_handover_failed_still_applies_its_grant() {
         // and the last layer undecided (for the decode steps' slack).
         let issued = stack.runtime.counters().write_layers_issued;
         assert!((1..=2).contains(&issued), "{issued} write layers issued by the prefill's end");
-        // The layer in flight ends on the device: the step's first progress collects it and
-        // hands the next over, whose submission fails after publishing.
-        std::thread::sleep(Duration::from_millis(300));
+        // The layer in flight ends on the device (every write issued fetched, every command
+        // fetched completed), so that the step's first progress, before it plans, collects it
+        // and hands the next over, whose submission fails after publishing. (Were the layer
+        // still in flight, the handover would come after planning, and the step would apply
+        // its grant however its first progress went.)
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let device = stack.device.stats();
+            let fetched = device.admin_commands.values().sum::<u64>() + device.io_commands.values().sum::<u64>();
+            if device.io(NvmOpcode::Write) >= issued * 4 && device.completions_posted >= fetched {
+                break;
+            }
+            assert!(Instant::now() < until, "the layer in flight did not end on the device: {device:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         rigging.submit_fails_at.store(1, Ordering::SeqCst);
         let failed = stack.runtime.decode_step(tokens.len() as u32);
         assert!(matches!(failed, Err(RuntimeError::Store { operation: "store_layer", .. })), "{failed:?}");
