@@ -848,7 +848,7 @@ class SleepingStall(StalledLayer):
 def test_a_stalled_wave_ends_within_drain_jobs_bound(tmp_path: Path):
     """Goal: a promotion whose every chunk stalls holds the tier's thread for one deadline of its
     wave, not timeout_s twice per chunk (a wait, then the abandon's wait): drain_jobs returns
-    within its bound ((requests_max + 2) x timeout_s without a job finishing) instead of raising,
+    within its bound ((requests_max + 4) x timeout_s without a job finishing) instead of raising,
     and the job is reported failed after the pool was closed."""
     manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2, requests_max=4).get_manager()
     tier = manager.secondary_tiers[0]
@@ -867,6 +867,75 @@ def test_a_stalled_wave_ends_within_drain_jobs_bound(tmp_path: Path):
     finally:
         manager.shutdown()
 
+
+class LateLayer:
+    """A tutti.Request whose layer, once issued, is reported in flight until `late_s` after the
+    issue (a slow device, not a stuck one): a wait before then takes the time it is given (at
+    most until then) and times out; after, the request behaves as the real one."""
+
+    def __init__(self, request, late_s: float) -> None:
+        self._request = request
+        self._late_s = late_s
+        self._ready_at: Optional[float] = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def _late(self) -> bool:
+        return self._ready_at is not None and time.monotonic() < self._ready_at
+
+    def retrieve_layer(self, layer: int):
+        result = self._request.retrieve_layer(layer)
+        self._ready_at = time.monotonic() + self._late_s
+        return result
+
+    def wait(self, timeout_s=None):
+        if self._late():
+            remaining = self._ready_at - time.monotonic()
+            time.sleep(max(0.0, remaining if timeout_s is None else min(timeout_s, remaining)))
+            if self._late():
+                raise tutti.TimeoutError("injected: the layer did not complete yet")
+        return self._request.wait(timeout_s)
+
+    def poll(self):
+        return None if self._late() else self._request.poll()
+
+    @property
+    def layer_in_flight(self):
+        return 0 if self._late() else self._request.layer_in_flight
+
+    @property
+    def layers_in_flight(self):
+        return [0] if self._late() else self._request.layers_in_flight
+
+
+def test_a_chunk_late_by_less_than_a_timeout_past_its_wait_does_not_close_the_pool(tmp_path: Path):
+    """Goal: a one-chunk promotion whose layer completes half a timeout_s after its wait timed out
+    is given up (finished, the job reported) and the pool stays open: its wave has one timeout_s
+    beyond its chunks' waits for that follow-up, counted from the end of its issues. Before, the
+    wave's deadline (timeout_s a chunk, counted before the chunks were prepared) was all spent by
+    the chunk's wait, the follow-up only polled once, and the pool was closed for good."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        stored = keys(1, 40)
+        assert tier._store_chunks(stored, [0]) == stored
+        wrapped = StoreWithStalledLoads(tier)
+        wrapped.prepare_retrieve = lambda tokens, block_ids: LateLayer(wrapped._store.prepare_retrieve(tokens, block_ids), 0.3)
+        tier._store = wrapped
+        job = TransferJob(job_id=40, keys=stored, chunk_ids=np.array([1]), is_promotion=True, req_context=ReqContext(req_id="r"))
+        tier.submit_load(job)
+        drain_within(tier, 20.0)
+        assert [result.job_id for result in tier.get_finished_jobs()] == [40]
+        assert tier._dead is None, f"the pool was closed for a chunk late by half a timeout: {tier._dead}"
+        assert not wrapped.closed_by_tier
+        tier._store = wrapped._store
+        later = keys(2, 41)
+        assert tier._store_chunks(later, [2, 3]) == later
+        assert tier._load_chunks(later, [4, 5]) == later
+        assert np.array_equal(rows(tier)[4:6], rows(tier)[2:4])
+    finally:
+        manager.shutdown()
 
 
 def test_a_wave_of_more_than_64_chunks_is_not_refused_for_want_of_iocbs(tmp_path: Path):

@@ -81,7 +81,7 @@ TIER_CONFIG_FIELDS = {
     "lock_dir": Field(str, "where vfio: devices' lock files live (as tuttid's --lock-dir)", default="/run/tutti"),
     "timeout_s": Field(
         float,
-        "the longest wait for one chunk's I/O, seconds (a wave of chunks waits at most timeout_s a chunk in all)",
+        "the longest wait for one chunk's I/O, seconds (a wave of chunks waits at most timeout_s a chunk, and one more, in all)",
         default=30.0,
         check=bounded_timeout,
     ),
@@ -227,14 +227,19 @@ class TuttiTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def drain_jobs(self) -> None:
-        """Waits until every submitted job finished. Every wait of a job's I/O is bounded (a wave
-        of at most requests_max chunks waits at most timeout_s a chunk in all, abandons
-        included, then closes the pool if a layer is stuck: `_wave_deadline`), so when no job
-        and no wave of one finished for timeout_s x (requests_max + 2) the tier is stuck: raises
+        """Waits until every submitted job finished. Every wait of a job's I/O is bounded: a wave
+        of at most requests_max chunks waits at most timeout_s for the chunks that failed to
+        issue (`_issue_deadline`), then timeout_s a chunk and one more for the issued ones
+        (`_wave_deadline`), then closes the pool if a layer is stuck (timeout_s for the layers
+        in flight, then the queue pairs' deletion). So when no job and no wave of one finished
+        for timeout_s x (requests_max + 4) the tier is taken for stuck: raises
         tutti.TimeoutError rather than return (vLLM frees rows after drain_jobs, which a job
-        may still touch) or wait for ever. Jobs queued for a thread that has stopped are
-        reported failed (they touched no row)."""
-        stall_s = self._timeout_s * (self._requests_max + 2)
+        may still touch) or wait for ever. The pool's metadata I/O is not in that bound: a
+        prepare's header syncs and a commit's flush and header writes are bounded by the pool's
+        own metadata timeout (10 s each, whatever timeout_s is), so a device that answers those
+        late can make this raise while the job still runs. Jobs queued
+        for a thread that has stopped are reported failed (they touched no row)."""
+        stall_s = self._timeout_s * (self._requests_max + 4)
         last_progress, progress_at = None, time.monotonic()
         while True:
             self._raise_if_unsafe()
@@ -384,15 +389,15 @@ class TuttiTier(SecondaryTierManager):
 
     def _store_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
         """Stores each chunk not in the pool yet, `requests_max` at a time; returns the keys that
-        are in the pool afterwards. A wave's waits end by its deadline (`_wave_deadline`); at
-        its first chunk whose layer does not complete the wave stops waiting and the pool is
-        closed (the close settles the wave's other requests)."""
+        are in the pool afterwards. A wave's waits end by its deadlines (`_issue_deadline`,
+        `_wave_deadline`); at its first chunk whose layer does not complete the wave stops
+        waiting and the pool is closed (the close settles the wave's other requests)."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
             if self._dead is not None:
                 break
             wave_keys, wave_chunks = keys[start : start + self._requests_max], chunks[start : start + self._requests_max]
-            deadline = self._wave_deadline(len(wave_keys))
+            issue_deadline: Optional[float] = None
             wave = []
             stuck = False
             for key, chunk in zip(wave_keys, wave_chunks):
@@ -412,9 +417,11 @@ class TuttiTier(SecondaryTierManager):
                 except tutti.Error as error:
                     # Prepared: it holds a request place and pins until finished.
                     logger.warning("tutti tier: chunk %d not stored: %s", chunk, error)
-                    if not _abandon(request, self._timeout_s, deadline):
+                    issue_deadline = issue_deadline or self._issue_deadline()
+                    if not _abandon(request, self._timeout_s, issue_deadline):
                         stuck = True
                         break
+            deadline = self._wave_deadline(len(wave))
             for key, request in [] if stuck else wave:
                 try:
                     request.wait(_wait_s(self._timeout_s, deadline))
@@ -443,7 +450,7 @@ class TuttiTier(SecondaryTierManager):
             if self._dead is not None:
                 break
             wave_keys, wave_chunks = keys[start : start + self._requests_max], chunks[start : start + self._requests_max]
-            deadline = self._wave_deadline(len(wave_keys))
+            issue_deadline: Optional[float] = None
             wave = []
             stuck = False
             for key, chunk in zip(wave_keys, wave_chunks):
@@ -459,9 +466,11 @@ class TuttiTier(SecondaryTierManager):
                     # Prepared: it holds a request place and pins until finished. An issue that
                     # failed after its commands were published leaves the layer in flight.
                     logger.warning("tutti tier: chunk %d not loaded: %s", chunk, error)
-                    if not _abandon(request, self._timeout_s, deadline):
+                    issue_deadline = issue_deadline or self._issue_deadline()
+                    if not _abandon(request, self._timeout_s, issue_deadline):
                         stuck = True
                         break
+            deadline = self._wave_deadline(len(wave))
             for key, request in [] if stuck else wave:
                 try:
                     request.wait(_wait_s(self._timeout_s, deadline))
@@ -479,13 +488,22 @@ class TuttiTier(SecondaryTierManager):
             self._wave_ended()
         return done
 
+    def _issue_deadline(self) -> float:
+        """The deadline (time.monotonic()) shared by the waits of a wave's chunks that failed to
+        issue (before they are finished: a layer may be in flight), counted from the first of
+        them (the prepares before take none of it): timeout_s in all, not timeout_s each."""
+        return time.monotonic() + self._timeout_s
+
     def _wave_deadline(self, chunks: int) -> float:
-        """The deadline (time.monotonic()) of a wave of `chunks` chunks: every wait for its layers
-        and every abandon's wait ends by it, timeout_s a chunk in all, so a wave whose chunks
-        all stall holds the tier's thread that long (then the pool's close: timeout_s for the
-        layers in flight, and the queue pairs' deletion), not a wait and an abandon's wait of
-        timeout_s each per chunk."""
-        return time.monotonic() + self._timeout_s * chunks
+        """The deadline (time.monotonic()) of the waits of a wave's `chunks` issued chunks,
+        counted once they are issued (their prepares, whose header syncs the pool bounds itself,
+        take none of it): every wait for their layers and every abandon's wait ends by it,
+        timeout_s a chunk and one more, so a chunk whose wait timed out still has up to
+        timeout_s for its layer to complete (then it is finished and the pool stays open) even
+        in a wave of one. A wave whose chunks all stall holds the tier's thread that long (then
+        the pool's close: timeout_s for the layers in flight, and the queue pairs' deletion), not
+        a wait and an abandon's wait of timeout_s each per chunk."""
+        return time.monotonic() + self._timeout_s * (chunks + 1)
 
     def _wave_ended(self) -> None:
         """Progress for drain_jobs: a job of many waves is not stuck while its waves end."""
