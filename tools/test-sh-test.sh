@@ -40,11 +40,23 @@ stage_leaks() {
     sleep 60 > /dev/null 2>&1 &
     echo $! > "$run_tmp/leaked.pid"
 }
-# A copy of sleep whose command name (stat's field 2) holds a newline and a fake ") S 1 2".
+# A copy of sleep whose command name (stat's field 2) holds a newline and a fake ") S 1 2". The
+# kernel takes the command name from the file run, so the copy has that name; its argv[0] stays
+# "sleep": a multicall sleep (uutils' coreutils, busybox) dispatches on argv[0] and would end at
+# once under any other. Its command name is written down (checked below) once it has exec'd
+# (until then it is the shell's).
 stage_leaks_newline() {
-    local name="$run_tmp/nl"$'\n'") S 1 2"
-    "$name" 60 > /dev/null 2>&1 &
-    echo $! > "$run_tmp/leaked-newline.pid"
+    local name="$run_tmp/nl"$'\n'") S 1 2" pid comm own tenths
+    (exec -a sleep "$name" 60) > /dev/null 2>&1 &
+    pid=$!
+    echo "$pid" > "$run_tmp/leaked-newline.pid"
+    own=$(cat "/proc/$BASHPID/comm")
+    for ((tenths = 0; tenths < 50; tenths++)); do
+        comm=$(cat "/proc/$pid/comm" 2> /dev/null)
+        [ "$comm" = "$own" ] || break
+        sleep 0.1
+    done
+    printf '%s' "$comm" > "$run_tmp/leaked-newline.comm"
 }
 # A member of the stage's session that starts a process in a session of its own (setsid, not
 # forking: the child is no group leader) and ends half a second into the grace: afterwards the
@@ -100,6 +112,7 @@ check "the leaked process stopped" stopped "$(stopped "$(cat "$run_tmp/leaked.pi
 run_stage leaks-newline stage_leaks_newline > "$run_tmp/leaks-newline.out" 2>&1
 check "a stage that leaves a process whose name holds a newline and ') S 1 2': a FAIL that says it leaked 1" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-newline (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
+check "the leaked process's command name holds the newline and ') S 1 2'" "nl"$'\n'") S 1 2" "$(cat "$run_tmp/leaked-newline.comm")"
 check "the process whose name holds a newline stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-newline.pid")")"
 run_stage leaks-setsid stage_leaks_setsid > "$run_tmp/leaks-setsid.out" 2>&1
 check "a stage whose member, ending in the grace, leaves a process in a session of its own: a FAIL that says it leaked 1" yes \
