@@ -938,6 +938,62 @@ def test_a_chunk_late_by_less_than_a_timeout_past_its_wait_does_not_close_the_po
         manager.shutdown()
 
 
+class StoreWithSlowFailingCommits:
+    """The tier's tutti.Store whose commits take `slow_s` and then fail with a timeout (the pool's
+    flush or header writes not answering), counted in `commits`."""
+
+    def __init__(self, store, slow_s: float) -> None:
+        self._store = store
+        self._slow_s = slow_s
+        self.commits = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_store(self, tokens, block_ids):
+        request = self._store.prepare_store(tokens, block_ids)
+        owner = self
+
+        class SlowCommit:
+            def __getattr__(self, name: str):
+                return getattr(request, name)
+
+            def commit(self):
+                owner.commits += 1
+                time.sleep(owner._slow_s)
+                raise tutti.TimeoutError("injected: the pool's header write did not complete")
+
+        return SlowCommit()
+
+
+def test_a_commit_failing_past_its_waves_deadline_stops_the_wave_and_closes_the_pool(tmp_path: Path):
+    """Goal: a chunk's commit that fails with a timeout past its wave's deadline (the pool's
+    flush and header writes run under the pool's own 10 s metadata timeout, not the wave's)
+    stops the wave and closes the pool, as a stuck layer does, rather than have every chunk of
+    the wave pay it (and drain_jobs raise while the job still runs): the job is reported
+    failed, the wave's other chunks are not committed."""
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2, requests_max=4).get_manager()
+    tier = manager.secondary_tiers[0]
+    try:
+        wrapped = StoreWithSlowFailingCommits(tier._store, 1.2)
+        tier._store = wrapped
+        job = TransferJob(job_id=42, keys=keys(4, 42), chunk_ids=np.array([0, 1, 2, 3]), is_promotion=False, req_context=ReqContext(req_id="r"))
+        tier.submit_store(job)
+        # Not drain_jobs: its bound does not cover the pool's metadata I/O (here 1.2 s a commit,
+        # more than the test's timeout_s x (requests_max + 3)).
+        results = []
+        deadline = time.monotonic() + DEADLINE_S
+        while not results:
+            assert time.monotonic() < deadline, "the job was never reported"
+            results = list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        assert [(result.job_id, result.success) for result in results] == [(42, False)]
+        assert wrapped.commits == 1, f"{wrapped.commits} commits were tried past the wave's deadline"
+        assert tier._dead is not None and "commit" in tier._dead
+    finally:
+        manager.shutdown()
+
+
 def test_a_wave_of_more_than_64_chunks_is_not_refused_for_want_of_iocbs(tmp_path: Path):
     """Goal: the tier's pool is opened with the IOCBs its requests_max requests need (the store's
     default, 64, would refuse every chunk of a wave past the 64th with LimitReached); a

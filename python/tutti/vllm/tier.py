@@ -237,7 +237,8 @@ class TuttiTier(SecondaryTierManager):
         may still touch) or wait for ever. The pool's metadata I/O is not in that bound: a
         prepare's header syncs and a commit's flush and header writes are bounded by the pool's
         own metadata timeout (10 s each, whatever timeout_s is), so a device that answers those
-        late can make this raise while the job still runs. Jobs queued
+        late can make this raise while the job still runs (at most one commit of a wave fails
+        that way past its deadline: the wave stops there and the pool is closed). Jobs queued
         for a thread that has stopped are reported failed (they touched no row)."""
         stall_s = self._timeout_s * (self._requests_max + 4)
         last_progress, progress_at = None, time.monotonic()
@@ -390,8 +391,10 @@ class TuttiTier(SecondaryTierManager):
     def _store_chunks(self, keys: list[OffloadKey], chunks: list[int]) -> list[OffloadKey]:
         """Stores each chunk not in the pool yet, `requests_max` at a time; returns the keys that
         are in the pool afterwards. A wave's waits end by its deadlines (`_issue_deadline`,
-        `_wave_deadline`); at its first chunk whose layer does not complete the wave stops
-        waiting and the pool is closed (the close settles the wave's other requests)."""
+        `_wave_deadline`); at its first chunk whose layer does not complete, or whose commit
+        fails with a timeout or device error past the deadline (the pool's flush and header
+        writes, which the pool bounds itself), the wave stops and the pool is closed (the close
+        settles the wave's other requests)."""
         done: list[OffloadKey] = []
         for start in range(0, len(keys), self._requests_max):
             if self._dead is not None:
@@ -422,9 +425,12 @@ class TuttiTier(SecondaryTierManager):
                         stuck = True
                         break
             deadline = self._wave_deadline(len(wave))
+            commit_stuck = False
             for key, request in [] if stuck else wave:
+                committing = False
                 try:
                     request.wait(_wait_s(self._timeout_s, deadline))
+                    committing = True
                     request.commit()
                     done.append(key)
                 except tutti.Error as error:
@@ -432,11 +438,21 @@ class TuttiTier(SecondaryTierManager):
                     if not _abandon(request, self._timeout_s, deadline):
                         stuck = True
                         break
+                    if committing and isinstance(error, (tutti.TimeoutError, tutti.DeviceError)) and time.monotonic() >= deadline:
+                        # A commit's flush and header writes are bounded by the pool's own
+                        # metadata timeout (10 s each), not by the wave's deadline: one that
+                        # failed that way past it would be paid again by every chunk left.
+                        commit_stuck = True
+                        break
             if stuck:
                 # A store only reads its row, so vLLM may reuse it; but a request whose layer
                 # never completes keeps its request place and pins for good, and enough of them
                 # would stop every later job: a pool whose devices do not complete is closed.
                 self._close_pool("a layer of a chunk store did not complete", rows_written=False)
+            elif commit_stuck:
+                self._close_pool(
+                    "a chunk's commit (the pool's flush and header writes) failed past its wave's deadline", rows_written=False
+                )
             self._wave_ended()
         return done
 
