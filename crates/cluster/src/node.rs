@@ -66,11 +66,14 @@ pub struct Rejoined {
     /// live, its revoke failed (or, tried and failed by rejoins past the two leases a node
     /// keeps, it was no longer tried).
     pub old_lease_revoked: bool,
-    /// The leases of the node this rejoin tried and could not revoke, newest first (the old
-    /// lease among them when this rejoin tried it and failed): each lives, with the entries under it,
-    /// until it expires. Empty when no lease this node still tracks is left; one an earlier
-    /// rejoin stopped tracking (past the two it keeps, logged then) may live on unrenewed
-    /// for up to a TTL after that rejoin.
+    /// The leases of the node that may live, each with the entries under it until it expires:
+    /// those this rejoin tried and could not revoke, newest first (the old lease among them
+    /// when this rejoin tried it and failed), then those earlier rejoins gave up revoking
+    /// (past the two a node keeps to revoke again, logged then) less than a TTL ago, newest
+    /// first. An unrenewed lease lives at most a TTL past its last renewal, which came before
+    /// it was given up — unless a new etcd leader took over since (or the members restarted):
+    /// etcd then extends every lease by a TTL from that moment, and a lease given up may live
+    /// past the TTL it is listed here for. Empty when no lease of the node may live.
     pub left: Vec<i64>,
 }
 
@@ -115,8 +118,9 @@ pub struct ClusterNode {
     /// latest it lives unrenewed, its last renewal having come before — unless a new etcd
     /// leader took over since, which extends every lease by a TTL (then it may live past
     /// that). Not revoked again (a rejoin's bound stays 6 T); within that deadline a rejoin
-    /// counts a member key under it as the node's own ([`ClusterError::OwnLeaseHolds`], and
-    /// kept in `unrevoked` again). One per rejoin at most, each dropped past its deadline.
+    /// still reports it (`Rejoined::left`: entries may live under it) and counts a member key
+    /// under it as the node's own ([`ClusterError::OwnLeaseHolds`], and kept in `unrevoked`
+    /// again). One per rejoin at most, each dropped past its deadline.
     given_up: Vec<(i64, Instant)>,
     /// The longest TTL etcd granted this node's leases: the configured one, or more (etcd
     /// raises a TTL below its minimum, which follows its election timeout).
@@ -357,9 +361,10 @@ impl ClusterNode {
     /// reporting lost, its writes refused, not joined under a revoked lease. A member key still
     /// under a lease of the node whose revoke failed refuses the join with
     /// [`ClusterError::OwnLeaseHolds`] (not `NodeIdTaken`: no other process holds the id).
-    /// The answer names the leases it could not revoke: the entries under each live on until
-    /// it expires (a TTL at most), and an owner that meant to delete some of them must still
-    /// do so (under the new lease: the keys name the node, not the lease).
+    /// The answer names the leases it could not revoke, and those earlier rejoins gave up
+    /// revoking that may still live: the entries under each live on until it expires (a TTL
+    /// at most, unless a new etcd leader extended it), and an owner that meant to delete some
+    /// of them must still do so (under the new lease: the keys name the node, not the lease).
     pub fn rejoin(&mut self) -> Result<Rejoined> {
         self.lease.lost.store(true, Ordering::Relaxed);
         self.stop_keep_alive();
@@ -381,7 +386,7 @@ impl ClusterNode {
         let (joined, joined_gone) = (self.joined, self.joined_gone);
         // Entries of the node live on under any lease left, not only under the last one: the
         // owner must delete what it meant to (`Rejoined::left`).
-        let left = failed.clone();
+        let mut left = failed.clone();
         let now = Instant::now();
         // A lease given up and tried here again (the old one) is revoked or kept now.
         self.given_up.retain(|&(lease_id, until)| until > now && !held.contains(&lease_id));
@@ -393,14 +398,16 @@ impl ClusterNode {
             }
             failed.truncate(UNREVOKED_KEPT);
         }
-        // Given up, it may still hold the member key.
-        let mut own = left.clone();
-        own.extend(self.given_up.iter().map(|&(lease_id, _)| lease_id).filter(|lease_id| !left.contains(lease_id)));
+        // Given up, it may still hold entries and the member key: the owner keeps what it
+        // meant to delete (an earlier lease dropped from tracking while entries were under it
+        // was left out, and the registrar dropped its unregister queue).
+        let given_up: Vec<i64> = self.given_up.iter().map(|&(lease_id, _)| lease_id).filter(|lease_id| !left.contains(lease_id)).collect();
+        left.extend(given_up);
         self.unrevoked = failed;
         // An orphaned lease was the node's lease, the old one just handled: revoked, or kept as
         // unrevoked.
         self.orphaned = None;
-        if let Err(error) = self.establish(&own) {
+        if let Err(error) = self.establish(&left) {
             if let ClusterError::OwnLeaseHolds { lease_id, .. } = error {
                 self.keep_to_revoke(lease_id);
             }
@@ -1109,6 +1116,51 @@ mod lease_orphan_tests {
         assert_eq!(rejoined.left, Vec::<i64>::new(), "every lease of the node is gone now");
         assert_eq!(ttl_left(&node.client, first), -1);
     }
+    #[test]
+    fn a_rejoin_reports_a_lease_given_up_past_the_two_kept_while_it_may_live() {
+        // Goal: Rejoined::left names every lease of the node that may live with entries under
+        // it. Joined under L1, rejoins whose revokes fail join under L2, L3 and L4 (the member
+        // key deleted by hand each time); the third gives L1 up (past the two kept: not tried
+        // again). A rejoin that then revoked L4, L3 and L2 answered {L4, revoked, left: []}:
+        // the registrar dropped its unregister queue, though entries under L1 live until L1
+        // expires.
+        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("given-up").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let first = node.health().lease_id;
+        let key = node.client.layout.member_key(&record.node);
+        for _ in 0..3 {
+            node.client
+                .connection
+                .call_kv("delete the member key", |mut kv| {
+                    let key = key.clone();
+                    async move { kv.delete(key, None).await }
+                })
+                .unwrap();
+            node.fail_revoke.push(node.health().lease_id);
+            let rejoined = node.rejoin().expect("joins under a new lease");
+            assert!(!rejoined.old_lease_revoked);
+            assert!(rejoined.left.contains(&first), "{rejoined:?}");
+        }
+        assert!(!node.unrevoked.contains(&first), "the test needs the first lease past the two kept: {:?}", node.unrevoked);
+        assert!(ttl_left(&node.client, first) > 0);
+
+        node.fail_revoke = Vec::new();
+        let rejoined = node.rejoin().expect("revokes the leases it kept and joins");
+        assert!(rejoined.old_lease_revoked, "{rejoined:?}");
+        assert!(ttl_left(&node.client, first) > 0, "the lease given up lives");
+        assert_eq!(rejoined.left, vec![first], "the entries under the lease given up may live");
+    }
+
     #[test]
     fn a_rejoin_after_one_that_orphaned_its_lease_reports_the_lease_joined_under() {
         // Goal: the answer says whether the lease the node's entries were put under is gone.

@@ -118,8 +118,11 @@ pub(crate) struct Registrar {
     /// deletes, and held segments not yet registered under the current lease. Set by a rejoin
     /// that left the lease the node last joined under (`Rejoined::old_lease_id`: everything of
     /// the node was under it, never under a lease a failed rejoin orphaned), kept by one that left
-    /// only earlier leases while set; cleared once the queue is empty and every held segment is
-    /// registered under the current lease (a put under it moved each key off the old lease).
+    /// only earlier leases while set (`Rejoined::left`: those it could not revoke, and those an
+    /// earlier rejoin gave up revoking, past the two a node keeps, less than a TTL ago — longer
+    /// lived if a new etcd leader extended them, which this cannot see); cleared once the queue
+    /// is empty and every held segment is registered under the current lease (a put under it
+    /// moved each key off the old lease).
     left_may_hold: bool,
     /// A rejoin was attempted and has not succeeded yet. `ClusterNode::rejoin` marks the node
     /// lost before it tries, and a failed attempt leaves it so: that is this process's doing,
@@ -558,7 +561,8 @@ impl Registrar {
     /// After a rejoin: the old lease's registrations vanished with it, so the unregister queue
     /// has nothing left to do — unless a lease that may hold queued entries lives on: the old
     /// lease (the one the node last joined under, whichever lease a failed rejoin left as the
-    /// node's since), its revoke failed, or an earlier one the rejoin tried again and failed while
+    /// node's since), its revoke failed, or an earlier one is left (the rejoin tried it again and
+    /// failed, or an earlier rejoin gave it up less than a TTL ago: `Rejoined::left`) while
     /// entries may still be under it (`left_may_hold`). Then they live until it expires (up
     /// to a TTL), listing segments this pool no longer holds, and the queue is kept: this pass
     /// deletes them under the new lease (a guarded delete of the key, which names the node, not
@@ -872,6 +876,17 @@ mod tests {
         registrar.to_unregister = queued;
         registrar.rejoined(Rejoined { old_lease_id: 0x7a, old_lease_revoked: true, left: vec![0x78] });
         assert!(registrar.to_unregister.is_empty(), "kept though nothing of the node was under the lease left");
+
+        // Rejoins whose revokes fail leave 0x71, then 0x72 and 0x71, then 0x73, 0x72 and 0x71,
+        // the node giving 0x71 up (past the two it keeps to revoke again). The next rejoin
+        // revokes 0x74, 0x73 and 0x72 and reports 0x71 still left: the queue's entries under it
+        // may live, the queue is kept.
+        registrar.to_unregister = vec![(space, Segment { index: 0, key: SegmentKey::new(16).unwrap() })];
+        registrar.rejoined(Rejoined { old_lease_id: 0x71, old_lease_revoked: false, left: vec![0x71] });
+        registrar.rejoined(Rejoined { old_lease_id: 0x72, old_lease_revoked: false, left: vec![0x72, 0x71] });
+        registrar.rejoined(Rejoined { old_lease_id: 0x73, old_lease_revoked: false, left: vec![0x73, 0x72, 0x71] });
+        registrar.rejoined(Rejoined { old_lease_id: 0x74, old_lease_revoked: true, left: vec![0x71] });
+        assert_eq!(registrar.to_unregister.len(), 1, "dropped though its entries may live under the lease given up");
     }
 
     /// At the registrar's "joined the cluster" event (the join done, its pass going on):
