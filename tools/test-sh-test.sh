@@ -59,11 +59,14 @@ stage_leaks_newline() {
     printf '%s' "$comm" > "$run_tmp/leaked-newline.comm"
 }
 # A member of the stage's session that starts a process in a session of its own (setsid, not
-# forking: the child is no group leader) and ends half a second into the grace: afterwards the
-# sleep is reachable neither by the stage's session nor by a parent.
+# forking: the child is no group leader) and ends 2 s after starting it, in the 3 s grace:
+# afterwards the sleep is reachable neither by the stage's session nor by a parent. (2 s, not
+# less: the stage's end must still find the member there on a loaded machine, or the sleep is
+# out of reach before it looks; under 3 s: a stage end that followed only the session and
+# parents would still miss the sleep, and fail this check.)
 stage_leaks_setsid() {
     # shellcheck disable=SC2016 # expanded by the inner shell
-    bash -c 'setsid sleep 60 > /dev/null 2>&1 & echo $! > "$0"; sleep 0.5' "$run_tmp/leaked-setsid.pid" &
+    bash -c 'setsid sleep 60 > /dev/null 2>&1 & echo $! > "$0"; sleep 2' "$run_tmp/leaked-setsid.pid" &
     # Until the inner shell has started the sleep (the stage's end must find it there).
     for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$run_tmp/leaked-setsid.pid" ] && break; sleep 0.1; done
 }
