@@ -154,6 +154,9 @@ impl ClusterNode {
     /// when the transaction fails — and one more when that revoke fails after a transaction
     /// error other than an answer too large (the transaction may have been applied with its
     /// answer lost, so the lease may hold the member key: revoked as the node is dropped).
+    /// Each keep-alive (this join's, each rejoin's) logs to the `tracing` subscriber current
+    /// at that call, captured then: set logging up before joining, or the keep-alive logs
+    /// nothing.
     pub fn join(config: ClusterConfig, record: MemberRecord) -> Result<ClusterNode> {
         // The lease's settings too: `connect` checks only what a client without a lease uses.
         config.validate()?;
@@ -289,7 +292,10 @@ impl ClusterNode {
             request_timeout: self.client.config.request_timeout,
         };
         // Its events go where the join's do (the subscriber current here), not only to the
-        // global default: a runtime thread has no subscriber of its own.
+        // global default: a runtime thread has no subscriber of its own. Captured now, for the
+        // task's life: with no subscriber set here (none scoped, no global default yet) that is
+        // the no-op one, and the keep-alive logs nothing even after a global default is set
+        // later. The owner sets its logging up before it joins (tuttid does so first thing).
         let task = self.client.connection.runtime().spawn(renewal.run(stopped).with_current_subscriber());
         self.keep_alive = Some(KeepAlive { stop, task });
         Ok(())
