@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import tutti
+from tutti._engine import _IOCBS_MAX as IOCBS_MAX
 from tutti._engine import (
     BYTE_GEOMETRY_BLOCK_TOKENS,
     ConfigError,
@@ -127,7 +128,13 @@ class TuttiTier(SecondaryTierManager):
         self._requests_max = int(config["requests_max"])
         # A chunk is one request of one block and one layer: one IOCB each, requests_max in all
         # (the store's default, 64, would refuse every request of a wave past the 64th).
-        # Refused here (ConfigError), before the pool is opened, past 1024.
+        # Refused here, before the pool is opened, past 1024 (IOCBS_MAX), in the tier's own
+        # words: iocbs_for's refusal names layers_in_flight, which the tier does not have.
+        if self._requests_max > IOCBS_MAX:
+            raise ConfigError(
+                f"secondary tier {tier_type!r}: requests_max = {self._requests_max}: at most {IOCBS_MAX} for the "
+                "tier (one IOCB per chunk moved at once, and a pool is given at most that many)"
+            )
         iocbs = iocbs_for(f"secondary tier {tier_type!r}", self._requests_max, 1, blocks_per_request_max=1)
         geometry = byte_geometry(self.block_size_bytes)
         spec_config = offloading_spec.config
