@@ -120,7 +120,8 @@ pub struct ClusterNode {
     /// that). Not revoked again (a rejoin's bound stays 6 T); within that deadline a rejoin
     /// still reports it (`Rejoined::left`: entries may live under it) and counts a member key
     /// under it as the node's own ([`ClusterError::OwnLeaseHolds`], and kept in `unrevoked`
-    /// again). One per rejoin at most, each dropped past its deadline.
+    /// again). Two per rejoin at most (one past the two kept, one the key's holder displaced),
+    /// each dropped past its deadline.
     given_up: Vec<(i64, Instant)>,
     /// The longest TTL etcd granted this node's leases: the configured one, or more (etcd
     /// raises a TTL below its minimum, which follows its election timeout).
