@@ -915,13 +915,15 @@ def test_a_chunk_late_by_less_than_a_timeout_past_its_wait_does_not_close_the_po
     beyond its chunks' waits for that follow-up, counted from the end of its issues. Before, the
     wave's deadline (timeout_s a chunk, counted before the chunks were prepared) was all spent by
     the chunk's wait, the follow-up only polled once, and the pool was closed for good."""
-    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.2).get_manager()
+    # timeout_s 0.5, the layer late by 1.5 of it: a quarter of a second either side of the
+    # follow-up's end, for a loaded machine.
+    manager = offloading_spec(tmp_path / "pool.img", True, timeout_s=0.5).get_manager()
     tier = manager.secondary_tiers[0]
     try:
         stored = keys(1, 40)
         assert tier._store_chunks(stored, [0]) == stored
         wrapped = StoreWithStalledLoads(tier)
-        wrapped.prepare_retrieve = lambda tokens, block_ids: LateLayer(wrapped._store.prepare_retrieve(tokens, block_ids), 0.3)
+        wrapped.prepare_retrieve = lambda tokens, block_ids: LateLayer(wrapped._store.prepare_retrieve(tokens, block_ids), 0.75)
         tier._store = wrapped
         job = TransferJob(job_id=40, keys=stored, chunk_ids=np.array([1]), is_promotion=True, req_context=ReqContext(req_id="r"))
         tier.submit_load(job)
