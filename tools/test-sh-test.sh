@@ -5,8 +5,9 @@
 # 1. a stage that ends with a process of its still running is a FAIL that says how many it
 #    leaked (they are stopped), not a PASS: one whose command name holds a newline and ") S 1 2"
 #    (a stat line that a line-wise read would cut short) too, and one in a session of its own
-#    whose parent, a member of the stage's session, ends during the grace; a stage that leaves
-#    nothing, or only a process that ends within the grace after the stage, is a PASS;
+#    whose parent, a member of the stage's session, ends during the grace (stopped by a SIGTERM
+#    to the script then, too: on_signal); a stage that leaves nothing, or only a process that
+#    ends within the grace after the stage, is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
 #    the original it kept aside put back (at paths of the test's own);
@@ -64,11 +65,13 @@ stage_leaks_newline() {
 # less: the stage's end must still find the member there on a loaded machine, or the sleep is
 # out of reach before it looks; under 3 s: a stage end that followed only the session and
 # parents would still miss the sleep, and fail this check.)
+# stage_leaks_setsid [PREFIX]: the sleep's pid in PREFIX.pid, the member's in PREFIX.member.
 stage_leaks_setsid() {
+    local prefix=${1:-$run_tmp/leaked-setsid}
     # shellcheck disable=SC2016 # expanded by the inner shell
-    bash -c 'setsid sleep 60 > /dev/null 2>&1 & echo $! > "$0"; sleep 2' "$run_tmp/leaked-setsid.pid" &
+    bash -c 'echo $$ > "$0.member"; setsid sleep 60 > /dev/null 2>&1 & echo $! > "$0.pid"; sleep 2' "$prefix" &
     # Until the inner shell has started the sleep (the stage's end must find it there).
-    for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$run_tmp/leaked-setsid.pid" ] && break; sleep 0.1; done
+    for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$prefix.pid" ] && break; sleep 0.1; done
 }
 stage_clean() { return 0; }
 # Leaves a process that is already on its way out (as a SIGKILLed child freeing its memory, or
@@ -83,12 +86,16 @@ stage_policy_killed() {
 }
 cp "$(command -v sleep)" "$run_tmp/nl"$'\n'") S 1 2"
 write_stage_functions
+# ended PID: whether PID has ended (a zombie has), signalling nothing.
+ended() {
+    local state
+    state=$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$1/stat" 2> /dev/null | tail -1)
+    [ -z "$state" ] || [ "$state" = Z ]
+}
 # stopped PID: "stopped" when PID has ended (a zombie has: init reaps it when it gets to it);
 # a process still running is KILLed (what a failed check left) and named.
 stopped() {
-    local state
-    state=$(sed -E 's/^.*\) ([A-Z]).*$/\1/' "/proc/$1/stat" 2> /dev/null | tail -1)
-    if [ -z "$state" ] || [ "$state" = Z ]; then
+    if ended "$1"; then
         echo stopped
     else
         kill -KILL "$1" 2> /dev/null
@@ -121,6 +128,23 @@ run_stage leaks-setsid stage_leaks_setsid > "$run_tmp/leaks-setsid.out" 2>&1
 check "a stage whose member, ending in the grace, leaves a process in a session of its own: a FAIL that says it leaked 1" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-setsid (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
 check "the process in a session of its own stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-setsid.pid")")"
+# The same stage, and a SIGTERM to this script (on_signal, as tools/test.sh traps it) once the
+# member has ended, in the grace: on_signal stops what run_stage's snapshot found too.
+(
+    trap 'on_signal TERM 143' TERM
+    run_stage signalled-setsid stage_leaks_setsid "$run_tmp/signalled-setsid"
+) > "$run_tmp/signalled-setsid.out" 2>&1 &
+runner=$!
+for ((tenths = 0; tenths < 100; tenths++)); do
+    [ -s "$run_tmp/signalled-setsid.member" ] && ended "$(cat "$run_tmp/signalled-setsid.member")" && break
+    sleep 0.1
+done
+kill -TERM "$runner"
+wait "$runner"
+check "a SIGTERM in the grace after a member ended: the stage INTERRUPTED" yes \
+    "$(grep -q '^INTERRUPTED signalled-setsid (SIGTERM)' "$run_tmp/signalled-setsid.out" && echo yes || echo "no: $(cat "$run_tmp/signalled-setsid.out")")"
+check "a SIGTERM in the grace after a member ended: its process in a session of its own stopped" stopped \
+    "$(stopped "$(cat "$run_tmp/signalled-setsid.pid")")"
 
 # 2. A policy-rc.d left by a KILLed script of a stage.
 if [ "$(id -u)" -eq 0 ]; then

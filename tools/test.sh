@@ -250,14 +250,17 @@ kill_tree() {
 # which the signal misses) would be handed to init, and nothing would lead to them any more;
 # the stage's session still holds them. The stage runs in the background with `wait`, which a
 # trapped signal interrupts (a foreground command would delay the trap until it ended).
-stage_pid=
+# stage_snapshot: run_stage's tree_snapshot of the stage that has ended, kept while its grace
+# and kill_tree run, so that on_signal, stopping it then, still reaches what only the snapshot
+# leads to (a process in a session of its own whose parent ended in the grace).
+stage_pid= stage_snapshot=
 current_stage=
 on_signal() {
     local signal=$1 code=$2
     trap '' INT TERM HUP
     echo >&2
     echo "tools/test.sh: SIG$signal: stopping${current_stage:+ stage $current_stage and} everything it started" >&2
-    [ -z "$stage_pid" ] || kill_tree "$stage_pid"
+    [ -z "$stage_pid" ] || kill_tree "$stage_pid" "$stage_snapshot"
     [ -z "$current_stage" ] || {
         failed=$((failed + 1))
         failed_names+=("$current_stage")
@@ -280,6 +283,7 @@ run_stage() {
     # kill_tree would find the forked child below $! then). The stage's shell is a new bash that
     # reads this script's functions and the variables they use from $run_tmp/functions.sh.
     # stdin is /dev/null, as for any background command; stdout and stderr are this script's.
+    stage_snapshot=
     setsid -w bash -c 'set -uo pipefail && . "$1" && shift && "$@"' "tools/test.sh:$name" \
         "$run_tmp/functions.sh" "$@" < /dev/null &
     stage_pid=$!
@@ -290,11 +294,11 @@ run_stage() {
     # members, and what kill_tree would find now, to end; only what still runs after is counted
     # below. (Zombies have ended.) What kill_tree finds now is kept first: a member ending in
     # the grace may leave a child in a session of its own (setsid), handed to init, that only
-    # its parent led to.
-    local tenths snapshot
-    snapshot=$(tree_snapshot "$stage_pid")
+    # its parent led to. (Global: on_signal passes it to its kill_tree as well.)
+    local tenths
+    stage_snapshot=$(tree_snapshot "$stage_pid")
     for ((tenths = 0; tenths < 30; tenths++)); do
-        [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || [ -n "$(tree_running "$snapshot")" ] || break
+        [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || [ -n "$(tree_running "$stage_snapshot")" ] || break
         sleep 0.1
     done
     # What the stage left running (a crashed test's etcd or tuttid, handed to init; its `timeout`s'
@@ -302,7 +306,7 @@ run_stage() {
     # the next stage or the machine. (Something that left for a session of its own, `setsid`,
     # and whose parent was gone already when the stage ended, is out of reach: `bounded` stops
     # those of the scripts it runs while it still can find them.)
-    kill_tree "$stage_pid" "$snapshot"
+    kill_tree "$stage_pid" "$stage_snapshot"
     # A policy-rc.d that a script of the stage put in place and was KILLed holding (vm-test.sh,
     # check-bindings.sh: owners of their own) would forbid service starts on this machine until
     # the next run: removed now that its owner is gone (never a live run's).
@@ -315,7 +319,7 @@ run_stage() {
         printf '  %.200s\n' "${killed[@]}" >&2
         leaked=", leaked ${#killed[@]} process(es) still running at its end"
     fi
-    stage_pid= current_stage=
+    stage_pid= stage_snapshot= current_stage=
     if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
