@@ -72,8 +72,8 @@ cd "$(dirname "$(readlink -f "$0")")/.."
 # tools/check-bindings.sh.
 # shellcheck source=tools/lib/dpkg.sh
 . tools/lib/dpkg.sh
-# session_pids (run_stage's grace for what a stage leaves ending), proc_stat (kill_tree's and
-# bounded's look at /proc).
+# session_pids (run_stage's grace for what a stage leaves ending), proc_stat (the look at /proc
+# of tree_find, tree_snapshot, tree_running, kill_tree and bounded).
 # shellcheck source=tools/lib/process.sh
 . tools/lib/process.sh
 
