@@ -19,8 +19,9 @@
 #       sets the array proc_fields to the fields of FILE (a /proc/PID/stat) that follow the
 #       command name: [0] the state (stat's field 3), [1] the parent, [2] the process group,
 #       [3] the session, [19] the start time (field 22); fails when FILE cannot be read (the
-#       process has gone; a plain call under set -e ends nothing else). tools/test.sh's
-#       tree_find, tree_snapshot, tree_running, kill_tree and bounded use it too.
+#       process has gone; reading to the end of the file is no failure, under set -e either).
+#       tools/test.sh's tree_find, tree_snapshot, tree_running, kill_tree and bounded use it
+#       too.
 #
 # Why interruptible_timeout: GNU timeout puts itself and COMMAND in a process group of their
 # own, so the terminal's Ctrl-C (SIGINT to the foreground group, the script's) never reaches
