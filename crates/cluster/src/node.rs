@@ -205,7 +205,7 @@ impl ClusterNode {
         let value = self.record.encode(self.client.layout.cluster()).map_err(refused_record)?;
         let granted = self.client.connection.call_lease("grant a lease", |mut lease| async move { lease.grant(ttl_s, None).await })?;
         let lease_id = granted.id();
-        self.lease_ttl = self.lease_ttl.max(Duration::from_secs(granted.ttl().max(0) as u64));
+        self.lease_ttl = self.lease_ttl.max(granted_ttl(granted.ttl()));
         let key = self.client.layout.member_key(&self.record.node);
         let answer = self.client.connection.call_kv("register the member", |mut client| {
             let transaction = Txn::new()
@@ -901,9 +901,31 @@ async fn next_message(watching: &mut Option<WatchStream>) -> std::result::Result
     }
 }
 
+/// The longest a lease etcd granted may live unrenewed, as far as the given-up leases' deadlines
+/// go: its answer's TTL, bounded by the longest TTL this crate asks for (3600 s; etcd raises a
+/// request only to its own minimum, seconds), so that an answer out of bounds (a broken server or
+/// proxy) cannot push a deadline past any instant (`Instant + Duration` panics on overflow) or
+/// keep given-up leases for good.
+fn granted_ttl(ttl_s: i64) -> Duration {
+    const GRANTED_TTL_MAX_S: u64 = 3600;
+    Duration::from_secs(u64::try_from(ttl_s).unwrap_or(0).min(GRANTED_TTL_MAX_S))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_granted_ttl_out_of_bounds_is_bounded() {
+        // Goal: etcd's answer is untrusted: a TTL near i64::MAX (which would overflow
+        // `Instant + Duration` at the next given-up lease's deadline) or a negative one is kept
+        // within 0..=3600 s; an ordinary one is taken as it is.
+        assert_eq!(granted_ttl(i64::MAX), Duration::from_secs(3600));
+        assert_eq!(granted_ttl(3601), Duration::from_secs(3600));
+        assert_eq!(granted_ttl(-1), Duration::ZERO);
+        assert_eq!(granted_ttl(30), Duration::from_secs(30));
+        let _ = Instant::now() + granted_ttl(i64::MAX);
+    }
 
     #[test]
     fn a_revoke_of_a_lease_etcd_no_longer_knows_is_done() {
