@@ -18,12 +18,12 @@ cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 # shellcheck source=tools/test.sh
 . tools/test.sh lint > /dev/null
 set +e
-run_tmp=$(mktemp -d)
-trap 'rm -rf "$run_tmp"' EXIT
+run_dir=$(mktemp -d)
+trap 'rm -rf "$run_dir"' EXIT
 # Not canonical on purpose (as with TMPDIR=/tmp//x/..): the loop check below must compare the
 # kernel's canonical paths (mountinfo, backing_file), and loop_devices_work's undo find its mount
-# all the same.
-run_tmp=$run_tmp//.
+# all the same. (Removed by run_dir: rm refuses a path ending in "/.".)
+run_tmp=$run_dir//.
 failures=0
 check() {
     local what=$1 expected=$2 got=$3
