@@ -54,7 +54,10 @@ fn a_hello_answered_busy_closes_its_connection_before_the_pause() {
     // Hello"): the stand-in daemon sees each connection's end well within the pause after it
     // (pauses 160, 320, 500 and 500 ms after the 4th to 7th Busy).
     const BUSIES: usize = 7;
-    const CLOSED_WITHIN: Duration = Duration::from_millis(120);
+    // Judged on the 5th to 7th Busy only, whose pauses (320, 500, 500 ms) a connection kept
+    // through them would outlast: 250 ms leaves a loaded machine room to schedule the store.
+    const CLOSED_WITHIN: Duration = Duration::from_millis(250);
+    const JUDGED_FROM: usize = 4;
     let (directory, socket) = socket_in("busy-hello-closes");
     let listener = UnixListener::bind(&socket).unwrap();
     let daemon = thread::spawn(move || {
@@ -77,7 +80,7 @@ fn a_hello_answered_busy_closes_its_connection_before_the_pause() {
     let closed_after = daemon.join().unwrap();
     std::fs::remove_dir_all(&directory).unwrap();
     assert!(failed.is_some(), "no daemon left to answer");
-    for (busy, after) in closed_after.iter().enumerate() {
+    for (busy, after) in closed_after.iter().enumerate().skip(JUDGED_FROM) {
         assert!(*after < CLOSED_WITHIN, "the connection refused by Busy {} was closed {after:?} after it: {closed_after:?}", busy + 1);
     }
 }
@@ -88,7 +91,7 @@ fn a_try_that_runs_out_of_time_after_a_busy_reports_the_busy() {
     // pause may start with only milliseconds left (the pause is taken whenever it ends before
     // the deadline); its Hello then times out, and the store reported TimedOut, a daemon that
     // does not answer, instead of the daemon that is full. Timeout 2.5 s: the first Hello is
-    // answered Busy 150 ms before the deadline, the second (asked about 20 ms later) not
+    // answered Busy 400 ms before the deadline, the second (asked about 20 ms later) not
     // within the rest. That second connection must have been made: else the store gave up
     // after the Busy itself (its pause past the deadline), not on the try that timed out.
     let timeout = Duration::from_millis(2500);
@@ -98,7 +101,7 @@ fn a_try_that_runs_out_of_time_after_a_busy_reports_the_busy() {
     let daemon = thread::spawn(move || {
         let first = accept_within(&listener, timeout).expect("the store's first connection");
         let header = read_hello(&first);
-        thread::sleep((started + timeout - Duration::from_millis(150)).saturating_duration_since(Instant::now()));
+        thread::sleep((started + timeout - Duration::from_millis(400)).saturating_duration_since(Instant::now()));
         answer_busy(&first, &header);
         let second = accept_within(&listener, timeout);
         if let Some(second) = &second {
