@@ -253,7 +253,8 @@ kill_tree() {
 # stage_snapshot: run_stage's tree_snapshot of the stage that has ended, kept while its grace
 # and kill_tree run, so that on_signal, stopping it then, still reaches what only the snapshot
 # leads to (a process in a session of its own whose parent ended in the grace).
-stage_pid= stage_snapshot=
+stage_pid=
+stage_snapshot=
 current_stage=
 on_signal() {
     local signal=$1 code=$2
@@ -319,7 +320,8 @@ run_stage() {
         printf '  %.200s\n' "${killed[@]}" >&2
         leaked=", leaked ${#killed[@]} process(es) still running at its end"
     fi
-    stage_pid= stage_snapshot= current_stage=
+    stage_pid= current_stage=
+    stage_snapshot=
     if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
