@@ -47,14 +47,15 @@ stage_leaks() {
 # once under any other. Its command name is written down (checked below) once it has exec'd
 # (until then it is the shell's).
 stage_leaks_newline() {
-    local name="$run_tmp/nl"$'\n'") S 1 2" pid comm own tenths
+    local name="$run_tmp/nl"$'\n'") S 1 2" pid comm tenths
     (exec -a sleep "$name" 60) > /dev/null 2>&1 &
     pid=$!
     echo "$pid" > "$run_tmp/leaked-newline.pid"
-    own=$(cat "/proc/$BASHPID/comm")
+    # Waited for by the name itself (the file's name, under the kernel's 15 bytes): "not the
+    # shell's any more" was read through a command substitution, whose own process is cat.
     for ((tenths = 0; tenths < 50; tenths++)); do
         comm=$(cat "/proc/$pid/comm" 2> /dev/null)
-        [ "$comm" = "$own" ] || break
+        [ "$comm" = "nl"$'\n'") S 1 2" ] && break
         sleep 0.1
     done
     printf '%s' "$comm" > "$run_tmp/leaked-newline.comm"
@@ -196,7 +197,6 @@ if loop_devices_work; then
     # The copy of fd 9 that the background sleep inherits is the last: closed as it ends.
     [ -z "$node" ] || { sleep 0.5 & }
     exec 9<&-
-    left=$(grep -c " $mnt " /proc/self/mountinfo)
     # Still attached: the device's backing_file names the image (with " (deleted)" once it
     # is removed); a device detached has none, or one of another user's that took it since.
     # Looked at for up to 3 s, until none is (a deferred detach done).
@@ -210,7 +210,13 @@ if loop_devices_work; then
         done
         [ -n "$attached" ]
     }
-    for ((tenths = 0; tenths < 30; tenths++)); do still_attached || break; sleep 0.1; done
+    # The mount looked at the same way (a loaded machine may let the undo's umount land a moment
+    # after the processes kill_tree waited for have gone).
+    for ((tenths = 0; tenths < 30; tenths++)); do
+        left=$(grep -c " $mnt " /proc/self/mountinfo)
+        still_attached || [ "$left" != 0 ] || break
+        sleep 0.1
+    done
     check "loop_devices_work stopped while mounted: nothing left mounted, no loop device left on its file" "0 " "$left $attached"
     # What a failure left, undone.
     [ "$left" = 0 ] || umount "$mnt"
