@@ -14,23 +14,9 @@ import pytest
 
 import tutti
 from conftest import GEOMETRY, open_store, store_prompt, tokens
+from dlpack_structs import DlTensor
 
 NBYTES = 4 * GEOMETRY.block_bytes
-
-
-class _DlTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
 
 
 _LEGACY_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -38,7 +24,7 @@ _VERSIONED_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
 class _DlManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _LEGACY_DELETER)]
+    _fields_ = [("dl_tensor", DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _LEGACY_DELETER)]
 
 
 class _DlManagedTensorVersioned(ctypes.Structure):
@@ -48,7 +34,7 @@ class _DlManagedTensorVersioned(ctypes.Structure):
         ("manager_ctx", ctypes.c_void_p),
         ("deleter", _VERSIONED_DELETER),
         ("flags", ctypes.c_uint64),
-        ("dl_tensor", _DlTensor),
+        ("dl_tensor", DlTensor),
     ]
 
 
@@ -121,7 +107,7 @@ class Producer:
         self.array = array
         itemsize = max(bits * lanes // 8, 1)
         self.shape = (ctypes.c_int64 * 64)(*([array.nbytes // itemsize] + [1] * 63))
-        tensor = _DlTensor(array.ctypes.data, 1, 0, ndim, code, bits, lanes, self.shape if shape else None, None, 0)
+        tensor = DlTensor(array.ctypes.data, 1, 0, ndim, code, bits, lanes, self.shape if shape else None, None, 0)
         self.deleted: list[int] = []
         self.legacy_deleter = _LEGACY_DELETER(self.deleted.append)
         self.versioned_deleter = _VERSIONED_DELETER(self.deleted.append)

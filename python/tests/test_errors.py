@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import tutti
+from dlpack_structs import DlTensor
 from error_daemon import ErrorDaemon
 from conftest import FINGERPRINT, GEOMETRY, WAIT_S, corrupted_pool, fill_block, open_store, start_daemon, store_prompt, tokens
 
@@ -193,23 +194,8 @@ class OtherDeviceTensor:
         raise AssertionError("a tensor of another device must be refused before it is exported")
 
 
-class _DlTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device_type", ctypes.c_int32),
-        ("device_id", ctypes.c_int32),
-        ("ndim", ctypes.c_int32),
-        ("code", ctypes.c_uint8),
-        ("bits", ctypes.c_uint8),
-        ("lanes", ctypes.c_uint16),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
 class _DlManagedTensor(ctypes.Structure):
-    _fields_ = [("dl_tensor", _DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+    _fields_ = [("dl_tensor", DlTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
 
 
 class CudaTensor:
@@ -219,7 +205,7 @@ class CudaTensor:
 
     def __init__(self, device_id: int, nbytes: int):
         self.shape = (ctypes.c_int64 * 1)(nbytes)
-        tensor = _DlTensor(0x7F00_0000_0000, 2, device_id, 1, 1, 8, 1, self.shape, None, 0)
+        tensor = DlTensor(0x7F00_0000_0000, 2, device_id, 1, 1, 8, 1, self.shape, None, 0)
         self.managed = _DlManagedTensor(tensor, None, None)
         self.device_id = device_id
 
@@ -260,7 +246,7 @@ class SaysCpuExportsOther:
     def __init__(self, array: np.ndarray, device_type: int):
         self.array = array
         self.shape = (ctypes.c_int64 * 1)(array.nbytes)
-        tensor = _DlTensor(array.ctypes.data, device_type, 0, 1, 1, 8, 1, self.shape, None, 0)
+        tensor = DlTensor(array.ctypes.data, device_type, 0, 1, 1, 8, 1, self.shape, None, 0)
         self.managed = _DlManagedTensor(tensor, None, None)
 
     def __dlpack_device__(self):
