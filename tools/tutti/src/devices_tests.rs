@@ -184,6 +184,22 @@ impl FakeHost {
         dir
     }
 
+    /// The nvme controller most tests bind: 0000:00:04.0 on nvme in IOMMU group 3, `nvme0`
+    /// with one namespace and its partition, their /dev nodes in place.
+    fn nvme_controller(&self) -> PathBuf {
+        let dir = self.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
+        self.nodes(0, 1);
+        dir
+    }
+
+    /// 0000:00:04.0 (IOMMU group 3, no disks) as a bind leaves it: on vfio-pci, its
+    /// driver_override `vfio-pci`.
+    fn bound_to_vfio(&self) -> PathBuf {
+        let dir = self.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
+        std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+        dir
+    }
+
     /// A block device `name` (device number `dev`, "major:minor") whose sysfs directory is
     /// `device_dir` (a partition when that lies in another block device's), linked from
     /// `class/block` as the kernel links it.
@@ -311,6 +327,11 @@ fn at(text: &str) -> PciAddress {
     text.parse().unwrap()
 }
 
+/// What the function whose sysfs directory is `function` has in its driver_override.
+fn override_of(function: &Path) -> String {
+    std::fs::read_to_string(function.join("driver_override")).unwrap()
+}
+
 /// Whether `error` makes tutti exit 2 (unusable input, nothing changed), as `tutti pool` and
 /// tutti-bench do for the same refusals (a device in use, one that is not there).
 fn unusable(error: &anyhow::Error) -> bool {
@@ -353,21 +374,20 @@ fn bind_and_unbind_round_trip() {
     // Goal: bind moves an idle nvme-bound function to vfio-pci through driver_override, and
     // unbind gives it back to nvme, with the override cleared.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     let system = host.system();
     let _kernel = host.kernel();
 
     let outcome = bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap();
     assert_eq!(outcome, BindOutcome::Bound { previous_driver: Some("nvme".into()) });
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci");
+    assert_eq!(override_of(&dir), "vfio-pci");
     assert_eq!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap(), BindOutcome::AlreadyBound);
 
     let driver = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap();
     assert_eq!(driver.as_deref(), Some("nvme"));
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+    assert_eq!(override_of(&dir).trim(), "");
 }
 
 #[test]
@@ -431,7 +451,7 @@ fn bind_refuses_what_vfio_cannot_take() {
     let system = host.system();
     let error = bind(&system, at("0000:00:1f.2"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(error.to_string().contains("not an NVMe controller") && unusable(&error), "{error:#}");
-    assert_eq!(std::fs::read_to_string(sata.join("driver_override")).unwrap(), "(null)\n");
+    assert_eq!(override_of(&sata), "(null)\n");
     let error = bind(&system, at("0000:00:09.0"), Overrides::default(), &host.lock_dir()).unwrap_err();
     assert!(error.to_string().contains("no PCI function") && unusable(&error), "{error:#}");
     let error = unbind(&system, at("0000:00:09.0"), true, false, &host.lock_dir()).unwrap_err();
@@ -465,15 +485,14 @@ fn a_failed_bind_is_rolled_back_to_the_driver_it_had() {
     // Goal: when vfio-pci does not take the function, bind does not leave it unbound with a
     // sticky driver_override: the override is cleared, nvme gets it back, and the error says so.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci"]);
     let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err());
     assert!(error.contains("vfio-pci did not take") && error.contains("rolled back"), "{error}");
     assert!(error.contains("bound to nvme, driver_override cleared"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+    assert_eq!(override_of(&dir).trim(), "");
 }
 
 #[test]
@@ -481,8 +500,7 @@ fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_resto
     // Goal: when neither vfio-pci nor nvme takes the function, the error names its state (no
     // driver, override cleared) and `tutti unbind`; the override is not left behind.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     let system = host.system();
     let _kernel = host.kernel_declining(&["vfio-pci", "nvme"]);
     let error = format!("{:#}", bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).unwrap_err());
@@ -490,7 +508,7 @@ fn a_bind_that_cannot_be_rolled_back_says_where_the_function_is_and_how_to_resto
     assert!(error.contains("now bound to no driver, driver_override cleared (it was bound to nvme)"), "{error}");
     assert!(error.contains("`tutti unbind 0000:00:04.0` restores it"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0"), None);
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "");
+    assert_eq!(override_of(&dir).trim(), "");
 }
 
 #[test]
@@ -533,7 +551,7 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     let error = format!("{error:#}");
     assert!(error.contains("not an NVMe controller") && error.contains("--not-nvme"), "{error}");
     assert_eq!(host.driver_of("0000:3b:00.0").as_deref(), Some("vfio-pci"), "nothing changed");
-    assert_eq!(std::fs::read_to_string(gpu.join("driver_override")).unwrap(), "vfio-pci\n");
+    assert_eq!(override_of(&gpu), "vfio-pci\n");
     assert!(unbind(&system, at("0000:3b:00.0"), false, true, &host.lock_dir()).is_ok(), "--not-nvme lets it through");
 
     let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
@@ -541,7 +559,7 @@ fn unbind_refuses_what_is_not_nvme_and_a_vfio_device_someone_holds() {
     let error = format!("{error:#}");
     assert!(error.contains("pid 1234 (tuttid)") && error.contains("/dev/vfio/3"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
-    assert_eq!(std::fs::read_to_string(nvme.join("driver_override")).unwrap(), "vfio-pci\n");
+    assert_eq!(override_of(&nvme), "vfio-pci\n");
 
     // The iommufd cdev of this function counts as well; another function's does not.
     std::fs::remove_dir_all(host.proc.join("1234")).unwrap();
@@ -729,8 +747,7 @@ fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
     // lock another holds) with nothing written, instead of the kernel's unbind then waiting on
     // the group it opens; once the lock is free the unbind runs.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     let system = host.system();
     let _kernel = host.kernel();
     let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
@@ -741,7 +758,7 @@ fn unbind_refuses_a_function_whose_tuttid_lock_is_held() {
     let error = format!("{error:#}");
     assert!(error.contains("in use") && error.contains("vfio-0000:00:04.0.lock") && error.contains("stop it first"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not written");
+    assert_eq!(override_of(&dir), "vfio-pci\n", "override not written");
     assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/vfio-pci/unbind")).unwrap(), "", "unbind not written");
 
     drop(tuttid);
@@ -758,8 +775,7 @@ fn unbind_refuses_a_vfio_group_held_by_a_process_it_cannot_see() {
     // single-open: unbind opens it first, and EBUSY refuses the unbind with nothing written; a
     // free group stays open from before the override is cleared until the kernel has let go.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     host.group_node(3, "EBUSY");
     let (system, log) = host.system_logging(Some("0000:00:04.0"));
     let _kernel = host.kernel();
@@ -769,7 +785,7 @@ fn unbind_refuses_a_vfio_group_held_by_a_process_it_cannot_see() {
     let error = format!("{error:#}");
     assert!(error.contains("/dev/vfio/3 is held by a process this tool cannot see") && error.contains("stop it first"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"), "nothing changed");
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not cleared");
+    assert_eq!(override_of(&dir), "vfio-pci\n", "override not cleared");
 
     host.group_node(3, "free");
     assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
@@ -782,8 +798,7 @@ fn bind_takes_the_tuttid_lock_of_the_function() {
     // function, as `tutti unbind` does: a lock another process holds (a tuttid starting on it)
     // refuses the bind (exit 2) with nothing written; a free lock is taken and let go.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     let system = host.system();
     let _kernel = host.kernel();
     let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
@@ -798,7 +813,7 @@ fn bind_takes_the_tuttid_lock_of_the_function() {
         assert!(error.contains(&format!("pid {} (", std::process::id())), "{error}");
     }
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"), "nothing changed");
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "override not written");
+    assert_eq!(override_of(&dir), "(null)\n", "override not written");
 
     drop(tuttid);
     assert!(bind(&system, at("0000:00:04.0"), Overrides::default(), &host.lock_dir()).is_ok());
@@ -813,8 +828,7 @@ fn a_bind_rollback_leaves_a_function_someone_holds_through_vfio_with_vfio_pci() 
     // meanwhile (a VM) would make the kernel's unbind wait for it. Held, it stays bound to
     // vfio-pci with its override, and the error says so and names `tutti unbind`.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     host.group_node(3, "EBUSY");
     let (system, log) = host.system_logging(Some("0000:00:04.0"));
     let _kernel = host.kernel();
@@ -823,7 +837,7 @@ fn a_bind_rollback_leaves_a_function_someone_holds_through_vfio_with_vfio_pci() 
     assert!(error.contains("was not rolled back") && error.contains("bound to vfio-pci, driver_override still vfio-pci"), "{error}");
     assert!(error.contains("held by a process this tool cannot see") && error.contains("`tutti unbind 0000:00:04.0`"), "{error}");
     assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("vfio-pci"));
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n");
+    assert_eq!(override_of(&dir), "vfio-pci\n");
     assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/vfio-pci/unbind")).unwrap(), "", "unbind not written");
 
     // One /proc shows is named; a free group is rolled back, held open through the unbind.
@@ -845,8 +859,7 @@ fn unbind_fails_when_vfio_pci_takes_the_function_back() {
     // the re-probe after the unbind gives it straight back to vfio-pci: that is no success
     // (exit 1), and the error names the cause and the fix.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     let system = host.system();
     let _kernel = host.kernel_with(&[], "vfio-pci");
     let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
@@ -857,7 +870,7 @@ fn unbind_fails_when_vfio_pci_takes_the_function_back() {
         error.contains("vfio-pci.ids=") && error.contains("echo 1b36 0010 > ") && error.contains("bus/pci/drivers/vfio-pci/remove_id"),
         "{error}"
     );
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap().trim(), "", "the override is cleared");
+    assert_eq!(override_of(&dir).trim(), "", "the override is cleared");
 }
 
 #[test]
@@ -868,8 +881,7 @@ fn bind_refuses_a_controller_or_generic_node_a_process_holds_open_unless_forced(
     // /proc/*/fd, by path or by device number (another node of it, such as /dev/char/M:m), and
     // refuses unless forced.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     std::fs::write(dir.join("nvme/nvme0/dev"), "241:0\n").unwrap();
     // The generic node of namespace 1, as /dev/null's device number: a real character device
     // the scan can stat.
@@ -909,10 +921,10 @@ fn unbind_refuses_only_a_function_bound_to_another_driver() {
     let _kernel = host.kernel();
     let error = unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err();
     assert!(unusable(&error) && error.to_string().contains("bound to nvme, not vfio-pci"), "{error:#}");
-    assert_eq!(std::fs::read_to_string(bound.join("driver_override")).unwrap(), "vfio-pci\n", "nothing written");
+    assert_eq!(override_of(&bound), "vfio-pci\n", "nothing written");
 
     assert_eq!(unbind(&system, at("0000:00:05.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
-    assert_eq!(std::fs::read_to_string(unbound.join("driver_override")).unwrap().trim(), "", "override cleared");
+    assert_eq!(override_of(&unbound).trim(), "", "override cleared");
 }
 
 #[test]
@@ -924,8 +936,7 @@ fn bind_refuses_a_function_with_sriov_virtual_functions_even_forced() {
     // written: no override, no unbind), naming the rule and the fix; `tutti devices` shows it
     // blocked; sriov_numvfs 0 is no VF.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    let dir = host.nvme_controller();
     std::fs::write(dir.join("sriov_numvfs"), "2\n").unwrap();
     let system = host.system();
     let _kernel = host.kernel();
@@ -935,7 +946,7 @@ fn bind_refuses_a_function_with_sriov_virtual_functions_even_forced() {
         let error = error.to_string();
         assert!(error.contains("2 SR-IOV virtual functions") && error.contains("vfio-pci refuses"), "{error}");
         assert!(error.contains("echo 0 > ") && error.contains("0000:00:04.0/sriov_numvfs") && !error.contains("--force"), "{error}");
-        assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "(null)\n", "nothing written");
+        assert_eq!(override_of(&dir), "(null)\n", "nothing written");
         assert_eq!(std::fs::read_to_string(host.sys.join("bus/pci/drivers/nvme/unbind")).unwrap(), "", "nvme not unbound");
         assert_eq!(host.driver_of("0000:00:04.0").as_deref(), Some("nvme"));
     }
@@ -943,8 +954,7 @@ fn bind_refuses_a_function_with_sriov_virtual_functions_even_forced() {
     assert!(matches!(&readiness, Readiness::Blocked(reason) if reason.contains("SR-IOV") && reason.contains("echo 0 >")), "{readiness}");
 
     let idle = FakeHost::new();
-    let dir = idle.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    idle.nodes(0, 1);
+    let dir = idle.nvme_controller();
     std::fs::write(dir.join("sriov_numvfs"), "0\n").unwrap();
     let _idle_kernel = idle.kernel();
     assert_eq!(inspect(&idle.system(), at("0000:00:04.0")).unwrap().readiness, Readiness::Bindable);
@@ -958,8 +968,7 @@ fn bind_neither_makes_the_lock_directory_nor_a_lock_file() {
     // in it made that tuttid refuse its lock directory, and a directory made for that user
     // made the bind refuse it. bind only takes a lock file that is already there.
     let host = FakeHost::new();
-    host.add("0000:00:04.0", 0x010802, Some("nvme"), 3, 0, 1);
-    host.nodes(0, 1);
+    host.nvme_controller();
     let system = host.system();
     let _kernel = host.kernel();
     let missing = host.lock_dir().join("missing");
@@ -982,8 +991,7 @@ fn bind_of_a_function_on_vfio_pci_is_already_bound_while_tuttid_holds_its_lock()
     // and says so (exit 0, "already bound"), as before bind took the lock; the lock only
     // matters to a function that is to move.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    host.bound_to_vfio();
     let system = host.system();
     let spec = tutti_devices::DeviceSpec::Vfio(at("0000:00:04.0"));
     let _tuttid = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(&spec), &host.lock_dir(), false).unwrap();
@@ -997,8 +1005,7 @@ fn unbind_names_a_process_holding_another_device_of_the_iommu_group() {
     // the sibling's cdev is named from /proc, not called one this tool cannot see; without one
     // in /proc, the message says that another device of the group may be the one in use.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     let sibling = host.add("0000:00:04.1", 0x010802, Some("vfio-pci"), 3, 1, 0);
     std::fs::create_dir_all(sibling.join("vfio-dev/vfio1")).unwrap();
     host.group_node(3, "EBUSY");
@@ -1010,7 +1017,7 @@ fn unbind_names_a_process_holding_another_device_of_the_iommu_group() {
     assert!(unusable(&error), "{error:#}");
     let error = format!("{error:#}");
     assert!(error.contains("pid 77 (qemu-system-x86) holds /dev/vfio/devices/vfio1"), "{error}");
-    assert_eq!(std::fs::read_to_string(dir.join("driver_override")).unwrap(), "vfio-pci\n", "override not cleared");
+    assert_eq!(override_of(&dir), "vfio-pci\n", "override not cleared");
 
     std::fs::remove_dir_all(host.proc.join("77")).unwrap();
     let error = format!("{:#}", unbind(&system, at("0000:00:04.0"), true, false, &host.lock_dir()).unwrap_err());
@@ -1025,8 +1032,7 @@ fn the_tools_own_descriptors_are_known_by_its_pid_in_the_proc_it_reads() {
     // taken for another holder's (skipped by std::process::id(), the pid in its own
     // namespace), and a pid equal to that number there is some other process.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    let dir = host.bound_to_vfio();
     host.group_node(3, "free");
     symlink("4242", host.proc.join("self")).unwrap();
     host.open_fd(4242, "tutti", 5, "/dev/vfio/3");
@@ -1048,8 +1054,7 @@ fn unbind_probes_and_scans_a_noiommu_group_node() {
     // /dev/vfio/<group>: it was taken for an iommufd-only kernel's missing node, neither
     // opened (a holder behind hidepid went unseen) nor looked for in /proc.
     let host = FakeHost::new();
-    let dir = host.add("0000:00:04.0", 0x010802, Some("vfio-pci"), 3, 0, 0);
-    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    host.bound_to_vfio();
     let vfio = host.proc.with_file_name("dev").join("vfio");
     std::fs::create_dir_all(&vfio).unwrap();
     std::fs::write(vfio.join("noiommu-3"), "EBUSY").unwrap();
