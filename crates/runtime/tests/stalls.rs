@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use gio_uring::{Executor, GioError, IocbId, IssueBatch};
 use nvme_driver::spec::NvmOpcode;
 use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use objstore::KvRequest;
-use tutti_runtime::{IoDirection, IoEventKind, PolicyChoice, Runtime, RuntimeError, WriteQueueFullAction};
+use tutti_runtime::{IoDirection, IoEventKind, PolicyChoice, PrefillId, PrefillStart, Runtime, RuntimeError, WriteQueueFullAction};
 
 const IO_TIMEOUT: Duration = Duration::from_millis(200);
 
@@ -363,6 +364,20 @@ fn retire_a_read<E: Executor>(stack: &mut Stack<E>) {
     assert_eq!(stack.runtime.retiring_requests(), 1);
 }
 
+/// Retires a read ([`retire_a_read`]: block 5 is one of its targets, not `releasable`), then
+/// begins `tokens` on `block_ids`, whose `position` is block 5: the begin is refused for block 5
+/// there with nothing begun (no prefill counted, no store queued, only the retiring request).
+#[track_caller]
+fn assert_a_retiring_reads_block_5_is_refused<E: Executor>(stack: &mut Stack<E>, tokens: &[u32], block_ids: &[u32], position: usize) {
+    retire_a_read(stack);
+    assert!(!stack.runtime.releasable(5));
+    let before = stack.runtime.counters();
+    let refused = stack.runtime.begin_prefill(&KvRequest { tokens, block_ids });
+    assert!(matches!(refused, Err(RuntimeError::BlockRefused { block: 5, position: at, .. }) if at == position), "{refused:?}");
+    assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+    assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (1, 0));
+}
+
 #[test]
 fn a_retiring_reads_target_is_refused_as_a_new_target() {
     // Goal: a block a lost read may still write (its retrieve retiring: not `releasable`) is
@@ -370,14 +385,8 @@ fn a_retiring_reads_target_is_refused_as_a_new_target() {
     // `begin_prefill` took it, and the late read could land over the new request's KV.
     bounded(|| {
         let mut stack = stalled_stack(PolicyChoice::SlackAware);
-        retire_a_read(&mut stack);
-        assert!(!stack.runtime.releasable(5));
-        let before = stack.runtime.counters();
         let tokens = prompt(0, 0);
-        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &[20, 5, 21, 22] });
-        assert!(matches!(refused, Err(RuntimeError::BlockRefused { block: 5, position: 1, .. })), "{refused:?}");
-        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
-        assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (1, 0));
+        assert_a_retiring_reads_block_5_is_refused(&mut stack, &tokens, &[20, 5, 21, 22], 1);
         // Nothing was left begun: the request on free blocks goes.
         assert_eq!(prefill(&mut stack, &tokens, &[20, 21, 22, 23]).unwrap(), 4);
         assert!(stack.engine.holds(&tokens, 0..4, &[20, 21, 22, 23], common::geometry().layers));
@@ -395,15 +404,9 @@ fn a_retiring_reads_target_past_a_truncated_store_is_refused() {
         config.io_timeout = IO_TIMEOUT;
         config.write_queue_limit_blocks = 4;
         let mut stack = stack(config, None);
-        retire_a_read(&mut stack);
-        assert!(!stack.runtime.releasable(5));
-        let before = stack.runtime.counters();
         let block_tokens = common::geometry().block_tokens;
         let tokens: Vec<u32> = (0..6 * block_tokens).map(|index| 9_000_000 + index).collect();
-        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &[20, 21, 22, 23, 24, 5] });
-        assert!(matches!(refused, Err(RuntimeError::BlockRefused { block: 5, position: 5, .. })), "{refused:?}");
-        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
-        assert_eq!((stack.runtime.retiring_requests(), stack.runtime.queued_stores()), (1, 0));
+        assert_a_retiring_reads_block_5_is_refused(&mut stack, &tokens, &[20, 21, 22, 23, 24, 5], 5);
     });
 }
 
@@ -517,6 +520,66 @@ impl gio_uring::QueuePairReset for Rigged {
     }
 }
 
+/// Stores 16 blocks of `prompt(0, 6)` and drains, then begins `prompt(0, 7)` on engine blocks
+/// 16..34: 16 blocks cached, 18 asked for, past the profile table's largest prompt. Returns its
+/// tokens, engine blocks and start.
+fn begin_past_the_largest_prompt<E: Executor>(stack: &mut Stack<E>) -> (Vec<u32>, Vec<u32>, PrefillStart) {
+    let cached: Vec<u32> = (0..16).collect();
+    prefill(stack, &prompt(0, 6), &cached).unwrap();
+    stack.runtime.drain().unwrap();
+    let tokens = prompt(0, 7);
+    let blocks: Vec<u32> = (16..34).collect();
+    let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+    assert_eq!(start.cached_blocks, 16);
+    (tokens, blocks, start)
+}
+
+/// Runs `layers` of prefill `id` as the engine does (`before_layer`, the compute of `tokens`'
+/// blocks `computed` into `blocks`, `after_layer`), every call expected to succeed.
+fn compute_layers<E: Executor>(
+    stack: &mut Stack<E>,
+    id: PrefillId,
+    tokens: &[u32],
+    computed: Range<u32>,
+    blocks: &[u32],
+    layers: Range<u32>,
+) {
+    for layer in layers {
+        stack.runtime.before_layer(id, layer).unwrap();
+        stack.engine.compute_layer(tokens, computed.clone(), blocks, layer);
+        stack.runtime.after_layer(id, layer).unwrap();
+    }
+}
+
+/// Ends prefill `id` and checks that the engine's `blocks` hold every layer of `tokens`' first
+/// `prefix` blocks.
+#[track_caller]
+fn end_holding_every_byte<E: Executor>(stack: &mut Stack<E>, id: PrefillId, tokens: &[u32], prefix: u32, blocks: &[u32]) {
+    stack.runtime.end_prefill(id).unwrap();
+    assert!(stack.engine.holds(tokens, 0..prefix, blocks, common::geometry().layers), "every byte of the prefix arrived");
+}
+
+/// Polls until no store is queued: fails with `stuck` after 5 s, or with `poll_failed` when a
+/// poll fails.
+#[track_caller]
+fn poll_until_no_store_is_queued<E: Executor>(stack: &mut Stack<E>, stuck: &str, poll_failed: &str) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while stack.runtime.queued_stores() > 0 {
+        assert!(Instant::now() < until, "{stuck}");
+        stack.runtime.poll_io().expect(poll_failed);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The one store committed, `write_layers` write layers handed over in all, and `tokens`' 4
+/// blocks found in the store.
+#[track_caller]
+fn assert_the_store_committed<E: Executor>(stack: &mut Stack<E>, tokens: &[u32], write_layers: u64) {
+    let counters = stack.runtime.counters();
+    assert_eq!((counters.stores_committed, counters.write_layers_issued), (1, write_layers), "{counters:?}");
+    assert_eq!(stack.runtime.lookup(tokens), 4);
+}
+
 #[test]
 fn a_write_whose_submission_failed_after_publishing_is_collected() {
     // Goal: a write layer whose submission failed after its IOCBs were published (they are in
@@ -544,12 +607,11 @@ fn a_write_whose_submission_failed_after_publishing_is_collected() {
             failed.as_ref().expect("nothing failed before the submission");
         }
         assert!(matches!(failed, Err(RuntimeError::Store { operation: "store_layer", .. })), "{failed:?}");
-        let until = Instant::now() + Duration::from_secs(5);
-        while stack.runtime.queued_stores() > 0 {
-            assert!(Instant::now() < until, "the write whose submission failed was never collected");
-            stack.runtime.poll_io().expect("the layer in flight is collected, not issued again");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        poll_until_no_store_is_queued(
+            &mut stack,
+            "the write whose submission failed was never collected",
+            "the layer in flight is collected, not issued again",
+        );
         stack.runtime.drain().unwrap();
         // Its IOCBs completed as the device ran them: the store is whole, each layer handed over
         // once.
@@ -585,8 +647,7 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
             stack.engine.compute_layer(&tokens, 4..6, &blocks, layer);
             stack.runtime.after_layer(start.id, layer).unwrap();
         }
-        stack.runtime.end_prefill(start.id).unwrap();
-        assert!(stack.engine.holds(&tokens, 0..6, &blocks, layers), "every byte of the prefix arrived");
+        end_holding_every_byte(&mut stack, start.id, &tokens, 6, &blocks);
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
@@ -604,13 +665,7 @@ fn before_layer_whose_wait_failed_names_wait_layer_kv_as_the_next_call() {
         // As in `after_layer_whose_issue_failed_after_publishing_is_retried`: every read is
         // issued at layer 0 and handed over one at a time, so layer 0's begin hands over the
         // first read and its wait the second, once the first completed.
-        let cached: Vec<u32> = (0..16).collect();
-        prefill(&mut stack, &prompt(0, 6), &cached).unwrap();
-        stack.runtime.drain().unwrap();
-        let tokens = prompt(0, 7);
-        let blocks: Vec<u32> = (16..34).collect();
-        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
-        assert_eq!(start.cached_blocks, 16);
+        let (tokens, blocks, start) = begin_past_the_largest_prompt(&mut stack);
         rigging.submit_fails_at.store(2, Ordering::SeqCst);
         let failed = stack.runtime.before_layer(start.id, 0);
         assert!(matches!(failed, Err(RuntimeError::Store { operation: "retrieve_layer", .. })), "{failed:?}");
@@ -625,13 +680,8 @@ fn before_layer_whose_wait_failed_names_wait_layer_kv_as_the_next_call() {
         stack.runtime.wait_layer_kv(start.id, 0).expect("the read in flight is collected, not issued again");
         stack.engine.compute_layer(&tokens, 16..18, &blocks, 0);
         stack.runtime.after_layer(start.id, 0).unwrap();
-        for layer in 1..layers {
-            stack.runtime.before_layer(start.id, layer).unwrap();
-            stack.engine.compute_layer(&tokens, 16..18, &blocks, layer);
-            stack.runtime.after_layer(start.id, layer).unwrap();
-        }
-        stack.runtime.end_prefill(start.id).unwrap();
-        assert!(stack.engine.holds(&tokens, 0..18, &blocks, layers), "every byte of the prefix arrived");
+        compute_layers(&mut stack, start.id, &tokens, 16..18, &blocks, 1..layers);
+        end_holding_every_byte(&mut stack, start.id, &tokens, 18, &blocks);
     });
 }
 
@@ -650,13 +700,7 @@ fn after_layer_whose_issue_failed_after_publishing_is_retried() {
         // at a time, each once the one before completed. Layer k's wait leaves layer k + 1's
         // read in flight; it completes during the layer's compute, and `after_layer` hands
         // layer k + 2's over.
-        let cached: Vec<u32> = (0..16).collect();
-        prefill(&mut stack, &prompt(0, 6), &cached).unwrap();
-        stack.runtime.drain().unwrap();
-        let tokens = prompt(0, 7);
-        let blocks: Vec<u32> = (16..34).collect();
-        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
-        assert_eq!(start.cached_blocks, 16);
+        let (tokens, blocks, start) = begin_past_the_largest_prompt(&mut stack);
         let mut tripped = 0;
         for layer in 0..layers {
             stack.runtime.before_layer(start.id, layer).unwrap();
@@ -674,8 +718,7 @@ fn after_layer_whose_issue_failed_after_publishing_is_retried() {
             stack.runtime.after_layer(start.id, layer).expect("a retry of after_layer goes on");
         }
         assert!(tripped > 0, "no after_layer handed a layer over");
-        stack.runtime.end_prefill(start.id).unwrap();
-        assert!(stack.engine.holds(&tokens, 0..18, &blocks, layers), "every byte of the prefix arrived");
+        end_holding_every_byte(&mut stack, start.id, &tokens, 18, &blocks);
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&tokens), 18);
     });
@@ -695,11 +738,7 @@ fn end_prefill_whose_issue_failed_after_publishing_says_the_prefill_ended() {
         let tokens = prompt(0, 0);
         let blocks = [0, 1, 2, 3];
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
-        for layer in 0..layers {
-            stack.runtime.before_layer(start.id, layer).unwrap();
-            stack.engine.compute_layer(&tokens, 0..4, &blocks, layer);
-            stack.runtime.after_layer(start.id, layer).unwrap();
-        }
+        compute_layers(&mut stack, start.id, &tokens, 0..4, &blocks, 0..layers);
         armed.store(true, Ordering::SeqCst);
         let ended = stack.runtime.end_prefill(start.id);
         assert!(!armed.load(Ordering::SeqCst), "no-overlap hands its first write layer over at the end");
@@ -713,9 +752,7 @@ fn end_prefill_whose_issue_failed_after_publishing_says_the_prefill_ended() {
         assert!(matches!(stack.runtime.end_prefill(start.id), Err(RuntimeError::StaleRequest { .. })));
         assert_eq!(stack.runtime.queued_stores(), 1, "the store stays queued");
         stack.runtime.drain().unwrap();
-        let counters = stack.runtime.counters();
-        assert_eq!((counters.stores_committed, counters.write_layers_issued), (1, u64::from(layers)), "{counters:?}");
-        assert_eq!(stack.runtime.lookup(&tokens), 4);
+        assert_the_store_committed(&mut stack, &tokens, u64::from(layers));
     });
 }
 
@@ -1188,14 +1225,7 @@ fn a_decode_step_whose_first_handover_failed_still_applies_its_grant() {
         let failed = stack.runtime.decode_step(tokens.len() as u32);
         assert!(matches!(failed, Err(RuntimeError::Store { operation: "store_layer", .. })), "{failed:?}");
         assert_eq!(rigging.submit_fails_at.load(Ordering::SeqCst), 0, "the step handed a layer over");
-        let until = Instant::now() + Duration::from_secs(5);
-        while stack.runtime.queued_stores() > 0 {
-            assert!(Instant::now() < until, "the step's grant was not applied: poll_io never wrote the last layer");
-            stack.runtime.poll_io().expect("poll_io");
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        let counters = stack.runtime.counters();
-        assert_eq!((counters.stores_committed, counters.write_layers_issued), (1, 4), "{counters:?}");
-        assert_eq!(stack.runtime.lookup(&tokens), 4);
+        poll_until_no_store_is_queued(&mut stack, "the step's grant was not applied: poll_io never wrote the last layer", "poll_io");
+        assert_the_store_committed(&mut stack, &tokens, 4);
     });
 }
