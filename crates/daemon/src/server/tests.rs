@@ -509,8 +509,7 @@ fn a_session_whose_queue_pair_deletion_completes_late_is_released_once_it_does()
     let store = RemoteKvStore::connect(&daemon.socket, &hello("late-delete"), &config).expect("attach");
     let session = store.hello_reply().session;
     let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, late);
     let ended = Instant::now();
     drop(store);
     daemon.status_once("the session was not listed retiring", |status| {
@@ -538,8 +537,7 @@ fn a_retry_that_panics_keeps_its_session_for_good_and_later_sessions_are_still_r
     let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
     let late_delete = || {
         let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
-        let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
-        emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+        fault_the_next_sq_deletion(&emulator, late);
     };
     let store = RemoteKvStore::connect(&daemon.socket, &hello(PANICS_RETRYING), &config).expect("attach");
     let panicking = store.hello_reply().session;
@@ -576,8 +574,7 @@ fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout(
     // against a limit of 150 with 200 ms.)
     let admin_timeout = Duration::from_millis(600);
     let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let store = RemoteKvStore::connect(&daemon.socket, &hello("slow-delete"), &config).expect("attach");
+    let store = attach(&daemon, "slow-delete");
     let session = store.hello_reply().session;
     let delete_sq = nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue;
     let delete_cq = nvme_driver::spec::AdminOpcode::DeleteIoCompletionQueue;
@@ -612,6 +609,51 @@ fn status_answers_while_a_retiring_sessions_deletion_waits_out_an_admin_timeout(
 fn one_client_of_two_requests(config: &mut ServerConfig) {
     config.clients_max = 1;
     config.session_limits.requests_max = 2;
+}
+
+/// Two clients, two requests each.
+fn two_clients_of_two_requests(config: &mut ServerConfig) {
+    config.clients_max = 2;
+    config.session_limits.requests_max = 2;
+}
+
+/// A store attached as `name` on a window of 8 blocks (the default timeout).
+fn attach(daemon: &InProcess, name: &str) -> RemoteKvStore {
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    RemoteKvStore::connect(&daemon.socket, &hello(name), &config).expect("attach")
+}
+
+/// The controller answers the next Delete I/O SQ with `action` (late, never, or an error).
+fn fault_the_next_sq_deletion(emulator: &nvme_emu::EmuDevice, action: nvme_emu::FaultAction) {
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, action);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+}
+
+/// Returns once status lists `session` kept for good.
+fn await_kept_for_good(daemon: &InProcess, session: u64) {
+    daemon.status_once("the session was not kept for good", |status| {
+        status.clients.iter().any(|client| client.session == session && client.kept)
+    });
+}
+
+/// A session "first" that prepared one store (tokens 5000..5064, returned) and was then kept
+/// for good holding that one request ([`end_kept`]).
+fn keep_one_request_for_good(daemon: &InProcess, emulator: &nvme_emu::EmuDevice) -> Vec<u32> {
+    let mut first = attach(daemon, "first");
+    let tokens: Vec<u32> = (5000..5064).collect();
+    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
+    end_kept(daemon, emulator, first, 1);
+    tokens
+}
+
+/// An attach as "next" (timeout `timeout`) is refused `LimitReached`, naming the session kept
+/// for good that holds the reservations it needs.
+#[track_caller]
+fn assert_refused_while_a_kept_session_holds_the_reservations(daemon: &InProcess, timeout: Duration) {
+    match attach_past_the_place(daemon, "next", timeout) {
+        Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
+        Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
+    }
 }
 
 /// Stores prepared by a session holding both its requests (`one_client_of_two_requests`), on a
@@ -662,12 +704,7 @@ fn attach_past_the_place(daemon: &InProcess, name: &str, timeout: Duration) -> R
 fn end_kept(daemon: &InProcess, emulator: &nvme_emu::EmuDevice, store: RemoteKvStore, held: u32) {
     let session = store.hello_reply().session;
     let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
-    let rule = nvme_emu::FaultRule::on_nth_admin(
-        1,
-        nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue,
-        nvme_emu::FaultAction::Status(status),
-    );
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(emulator, nvme_emu::FaultAction::Status(status));
     drop(store);
     daemon.status_once("the session was not kept with its requests", |status| {
         status.clients.iter().any(|client| client.session == session && client.kept && client.requests_in_flight == held)
@@ -692,8 +729,7 @@ fn a_registration_is_told_to_retry_while_a_retiring_session_holds_the_reservatio
     prepare_two_stores(&mut first);
     let session = first.hello_reply().session;
     let late = nvme_emu::FaultAction::Delay(7 * admin_timeout);
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, late);
     drop(first);
     daemon.status_once("the session was not listed retiring with its requests", |status| {
         status.clients.iter().any(|client| client.session == session && client.retiring && client.requests_in_flight == 2)
@@ -728,14 +764,10 @@ fn a_registration_is_refused_while_sessions_kept_for_good_hold_the_reservations_
     // later session could prepare any request: its first registration is refused up front as
     // `LimitReached`, saying why, instead of being admitted to fail every prepare.
     let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), one_client_of_two_requests);
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let mut first = attach(&daemon, "first");
     prepare_two_stores(&mut first);
     end_kept(&daemon, &emulator, first, 2);
-    match attach_past_the_place(&daemon, "next", Duration::from_secs(5)) {
-        Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
-        Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
-    }
+    assert_refused_while_a_kept_session_holds_the_reservations(&daemon, Duration::from_secs(5));
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
@@ -746,15 +778,8 @@ fn a_session_that_only_looks_up_is_promised_no_reservations() {
     // requests; one session kept for good holding one: a lookup-only session and then a store
     // are both admitted, and the store prepares both its requests (the table of 4 has 3 free).
     // Counted at a whole share, the lookup session left the store's `Hello` refused.
-    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
-        config.clients_max = 2;
-        config.session_limits.requests_max = 2;
-    });
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
-    let tokens: Vec<u32> = (5000..5064).collect();
-    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
-    end_kept(&daemon, &emulator, first, 1);
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), two_clients_of_two_requests);
+    let tokens = keep_one_request_for_good(&daemon, &emulator);
     let mut scheduler = hello_past_the_place(&daemon, "scheduler");
     scheduler.lookup(&tokens).expect("lookup");
     let mut worker = attach_past_the_place(&daemon, "worker", Duration::from_secs(5)).expect("the worker's attach");
@@ -772,15 +797,8 @@ fn a_refused_registration_leaves_its_session_promised_nothing() {
     // another store short for it was answered Busy for as long as the refused session lived.
     // Two clients of two requests, one session kept for good holding one: after a refused
     // registration, a store still gets its share (1 + 2 <= 4).
-    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
-        config.clients_max = 2;
-        config.session_limits.requests_max = 2;
-    });
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
-    let tokens: Vec<u32> = (5000..5064).collect();
-    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
-    end_kept(&daemon, &emulator, first, 1);
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), two_clients_of_two_requests);
+    keep_one_request_for_good(&daemon, &emulator);
     let mut refused = hello_past_the_place(&daemon, "refused");
     let register = crate::protocol::Request::RegisterMemory(crate::protocol::RegisterMemory { window_bytes: 1 << 20, kv_blocks: 0 });
     match refused.call(&register) {
@@ -799,15 +817,8 @@ fn a_registration_short_for_want_of_live_sessions_reservations_is_told_to_retry(
     // be so. Two clients of two requests, one session kept for good holding one, one live
     // store: a second store's registration is short (4 < 1 + 2 + 2), but only for as long as
     // the live one lives: `Busy`, and admitted once it ended.
-    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), |config| {
-        config.clients_max = 2;
-        config.session_limits.requests_max = 2;
-    });
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
-    let tokens: Vec<u32> = (5000..5064).collect();
-    first.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] }).expect("prepare_store");
-    end_kept(&daemon, &emulator, first, 1);
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), two_clients_of_two_requests);
+    keep_one_request_for_good(&daemon, &emulator);
     let live = attach_past_the_place(&daemon, "live", Duration::from_secs(5)).expect("the live store's attach");
     match attach_past_the_place(&daemon, "second", Duration::from_millis(300)) {
         Err(message) => {
@@ -855,13 +866,11 @@ fn a_retiring_session_whose_deletion_never_completes_is_kept_for_good_within_its
     // timeout 50 ms: 1.4 s.
     let admin_timeout = Duration::from_millis(50);
     let (mut daemon, emulator) = InProcess::start_configured(admin_timeout, one_client_of_two_requests);
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut first = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let mut first = attach(&daemon, "first");
     prepare_two_stores(&mut first);
     let session = first.hello_reply().session;
     let never = nvme_emu::FaultAction::DropCompletion;
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, never);
     let ended = Instant::now();
     drop(first);
     let kept = daemon.status_once("the session was not kept for good", |status| {
@@ -872,10 +881,7 @@ fn a_retiring_session_whose_deletion_never_completes_is_kept_for_good_within_its
     let bound = serving_retire_bound(admin_timeout, 1);
     assert!(ended.elapsed() >= bound, "kept before its bound ({bound:?}): {:?}", ended.elapsed());
     assert_eq!(kept.leaked_requests, 2, "{kept:?}");
-    match attach_past_the_place(&daemon, "next", Duration::from_secs(1)) {
-        Err(message) => assert!(message.contains("LimitReached") && message.contains("kept for good"), "{message}"),
-        Ok(_) => panic!("an attach while a kept session holds the reservations was admitted"),
-    }
+    assert_refused_while_a_kept_session_holds_the_reservations(&daemon, Duration::from_secs(1));
     assert!(daemon.stop().is_some(), "serve did not return");
 }
 
@@ -890,19 +896,15 @@ fn a_retiring_sessions_bound_grows_with_its_queue_pairs() {
     // admin timeout 100 ms: kept no earlier than 2.6 s (before: at about 2 s).
     let admin_timeout = Duration::from_millis(100);
     let (mut daemon, emulators) = InProcess::start_on_devices(2, admin_timeout, |_| {});
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let store = RemoteKvStore::connect(&daemon.socket, &hello("two pairs"), &config).expect("attach");
+    let store = attach(&daemon, "two pairs");
     let session = store.hello_reply().session;
     for emulator in &emulators {
         let never = nvme_emu::FaultAction::DropCompletion;
-        let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
-        emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+        fault_the_next_sq_deletion(emulator, never);
     }
     let ended = Instant::now();
     drop(store);
-    daemon.status_once("the session was not kept for good", |status| {
-        status.clients.iter().any(|client| client.session == session && client.kept)
-    });
+    await_kept_for_good(&daemon, session);
     let bound = serving_retire_bound(admin_timeout, 2);
     assert_eq!(bound, admin_timeout * 16 + Duration::from_secs(1));
     assert!(ended.elapsed() >= bound, "kept before its bound ({bound:?}): {:?}", ended.elapsed());
@@ -919,16 +921,12 @@ fn an_attach_after_a_session_kept_for_a_delete_that_never_completes_stays_busy()
     // restarts.
     let admin_timeout = Duration::from_millis(50);
     let (mut daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let store = RemoteKvStore::connect(&daemon.socket, &hello("first"), &config).expect("attach");
+    let store = attach(&daemon, "first");
     let session = store.hello_reply().session;
     let never = nvme_emu::FaultAction::DropCompletion;
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, never);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, never);
     drop(store);
-    daemon.status_once("the session was not kept for good", |status| {
-        status.clients.iter().any(|client| client.session == session && client.kept)
-    });
+    await_kept_for_good(&daemon, session);
     match attach_past_the_place(&daemon, "next", Duration::from_millis(500)) {
         Err(message) => assert!(message.contains("Busy") && message.contains("admin queue"), "{message}"),
         Ok(_) => panic!("an attach on a controller whose admin queue holds a lost Delete was admitted"),
@@ -997,13 +995,11 @@ fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     // module then frees its device memory). A session kept for good (its Delete I/O SQ refused
     // by the controller) must never read so: after the drain the socket file is still there.
     let (mut daemon, emulator) = InProcess::start_with_admin_timeout(Duration::from_secs(10));
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let store = RemoteKvStore::connect(&daemon.socket, &hello("kept"), &config).expect("attach");
+    let store = attach(&daemon, "kept");
     let session = store.hello_reply().session;
     let status = nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR);
     let refuse = nvme_emu::FaultAction::Status(status);
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, refuse);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, refuse);
     drop(store);
     daemon.status_once("the session was not kept", |status| status.clients.iter().any(|client| client.session == session && client.kept));
     assert!(daemon.stop().is_some(), "serve did not return");
@@ -1051,8 +1047,7 @@ fn a_device_fenced_after_failing_flushes_is_reported_by_status_and_metrics() {
     assert!(healthy.contains(&gauge(0)), "missing {:?} in\n{healthy}", gauge(0));
     assert_eq!(daemon.client().status().unwrap().metadata_fenced, vec![false]);
 
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let mut store = RemoteKvStore::connect(&daemon.socket, &hello("fenced"), &config).expect("attach");
+    let mut store = attach(&daemon, "fenced");
     let layers = store.hello_reply().shape.layers;
     let block_tokens = store.hello_reply().shape.block_tokens;
     let flush_fault = FaultAction::Status(NvmeStatus::new(StatusCodeType::MediaAndDataIntegrity, 0x80));
@@ -1093,12 +1088,10 @@ fn a_drain_leaves_the_socket_another_daemon_bound_meanwhile() {
     let (daemon, emulator) = InProcess::start_with_admin_timeout(admin_timeout);
     let second_directory = tempfile::tempdir().unwrap();
     let second_pool = pool(second_directory.path(), false);
-    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
-    let store = RemoteKvStore::connect(&daemon.socket, &hello("late-delete"), &config).expect("attach");
+    let store = attach(&daemon, "late-delete");
     let session = store.hello_reply().session;
     let late = nvme_emu::FaultAction::Delay(4 * admin_timeout);
-    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, late);
-    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    fault_the_next_sq_deletion(&emulator, late);
     drop(store);
     daemon.status_once("the session was not listed retiring", |status| {
         status.clients.iter().any(|client| client.session == session && client.retiring)
