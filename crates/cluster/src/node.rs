@@ -968,12 +968,70 @@ mod tests {
     }
 }
 
+/// Set-up shared by the rejoin tests against a local etcd below.
 #[cfg(test)]
-mod lease_orphan_tests {
+mod rejoin_test_support {
     use super::*;
     use crate::local_etcd::LocalEtcd;
     use crate::names::ClusterId;
     use crate::segments::SegmentBlocks;
+    use std::sync::Mutex;
+
+    /// One local etcd member, shared with the hooks that kill it; None: no etcd binary here
+    /// (the test is skipped).
+    pub(super) fn start_etcd() -> Option<Arc<Mutex<LocalEtcd>>> {
+        LocalEtcd::start_or_skip(1).map(|etcd| Arc::new(Mutex::new(etcd)))
+    }
+
+    /// Node "a" joined to cluster `cluster` on `etcd`, and the config it joined with.
+    pub(super) fn join_node_a(etcd: &Arc<Mutex<LocalEtcd>>, cluster: &str) -> (ClusterNode, ClusterConfig) {
+        let endpoints = etcd.lock().unwrap().endpoints();
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new(cluster).unwrap(), SegmentBlocks::new(16).unwrap());
+        // Long enough that no lease here expires by itself during the test.
+        config.lease_ttl = Duration::from_secs(30);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![[7; 32]],
+        };
+        let node = ClusterNode::join(config.clone(), record).unwrap();
+        (node, config)
+    }
+
+    /// Deletes `node`'s member key by hand (as the keep-alive's watch sees): the lease it was
+    /// under lives on without it, so a rejoin goes ahead under a new lease even when that old
+    /// lease's revoke fails.
+    pub(super) fn delete_member_key(node: &ClusterNode) {
+        let key = node.client.layout.member_key(&node.record.node);
+        node.client
+            .connection
+            .call_kv("delete the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.delete(key, None).await }
+            })
+            .unwrap();
+    }
+
+    /// A rejoin whose member transaction is applied and its answer lost: etcd is killed as it
+    /// answers (the member crashed right after), then restarted. Asserts that the rejoin
+    /// failed as Unavailable.
+    pub(super) fn rejoin_losing_the_member_answer(node: &mut ClusterNode, etcd: &Arc<Mutex<LocalEtcd>>) {
+        let crashed = etcd.clone();
+        node.lose_member_answer = Some(Box::new(move || crashed.lock().unwrap().kill(0).unwrap()));
+        let failed = node.rejoin();
+        node.lose_member_answer = None;
+        etcd.lock().unwrap().restart(0).unwrap();
+        assert!(matches!(failed, Err(ClusterError::Unavailable { .. })), "{:?}", failed.map(|_| ()));
+    }
+}
+
+#[cfg(test)]
+mod lease_orphan_tests {
+    use super::rejoin_test_support::{delete_member_key, join_node_a, rejoin_losing_the_member_answer, start_etcd};
+    use super::*;
+    use crate::local_etcd::LocalEtcd;
     use std::sync::Mutex;
 
     /// The lease etcd holds `node`'s member key under (0: none), read through `client`.
@@ -1002,12 +1060,7 @@ mod lease_orphan_tests {
     /// after) and its new lease's revoke failed (etcd down): once etcd is back the member key
     /// is under that lease, which nothing renews.
     fn rejoin_orphaning_a_lease(node: &mut ClusterNode, etcd: &Arc<Mutex<LocalEtcd>>) -> i64 {
-        let crashed = etcd.clone();
-        node.lose_member_answer = Some(Box::new(move || crashed.lock().unwrap().kill(0).unwrap()));
-        let failed = node.rejoin();
-        node.lose_member_answer = None;
-        etcd.lock().unwrap().restart(0).unwrap();
-        assert!(matches!(failed, Err(ClusterError::Unavailable { .. })), "{:?}", failed.map(|_| ()));
+        rejoin_losing_the_member_answer(node, etcd);
         let orphan = member_key_lease(&node.client, &node.record.node);
         let ttl = ttl_left(&node.client, orphan);
         assert!(orphan != 0 && ttl > 0, "the member key is under a live lease: lease {orphan:#x}, TTL {ttl}");
@@ -1021,20 +1074,9 @@ mod lease_orphan_tests {
         // answered NodeIdTaken (blaming another process) for up to a TTL, and dropping the node
         // revoked nothing. Now that lease is the node's: the next rejoin revokes it (as its old
         // lease) and joins, and a drop revokes it.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let endpoints = etcd.endpoints();
-        let etcd = Arc::new(Mutex::new(etcd));
-        let mut config = ClusterConfig::new(endpoints, ClusterId::new("orphan").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config.clone(), record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, config) = join_node_a(&etcd, "orphan");
+        let id = node.record.node.clone();
 
         let joined = node.health().lease_id;
         let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
@@ -1043,14 +1085,14 @@ mod lease_orphan_tests {
         assert_eq!(rejoined, Rejoined { old_lease_id: joined, old_lease_revoked: true, left: Vec::new() });
         assert_eq!(ttl_left(&node.client, orphan), -1, "the orphaned lease is gone");
         let lease_id = node.health().lease_id;
-        assert_eq!(member_key_lease(&node.client, &record.node), lease_id);
+        assert_eq!(member_key_lease(&node.client, &id), lease_id);
         assert!(!node.health().lost);
 
         let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
         let reader = ClusterClient::connect(config).unwrap();
         drop(node);
         assert_eq!(ttl_left(&reader, orphan), -1, "the drop revoked the orphaned lease");
-        assert_eq!(member_key_lease(&reader, &record.node), 0, "the member key went with it");
+        assert_eq!(member_key_lease(&reader, &id), 0, "the member key went with it");
     }
 
     #[test]
@@ -1060,20 +1102,8 @@ mod lease_orphan_tests {
         // L0 (alive) and L1 as the node's lease. The next rejoin revoked only L1 and answered
         // NodeIdTaken{L0} — blaming another process — until L0 expired (up to a TTL). Now it
         // revokes every lease of the node that may live, L0 included, and joins.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let endpoints = etcd.endpoints();
-        let etcd = Arc::new(Mutex::new(etcd));
-        let mut config = ClusterConfig::new(endpoints, ClusterId::new("unrevoked").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "unrevoked");
         let first = node.health().lease_id;
 
         node.fail_revoke = vec![first];
@@ -1090,7 +1120,7 @@ mod lease_orphan_tests {
         assert_eq!(rejoined.old_lease_id, first, "the lease joined under, not the orphan");
         assert!(rejoined.old_lease_revoked);
         assert!(rejoined.left.is_empty(), "{:?}", rejoined.left);
-        assert_eq!(member_key_lease(&node.client, &record.node), node.health().lease_id);
+        assert_eq!(member_key_lease(&node.client, &node.record.node), node.health().lease_id);
         assert!(!node.health().lost);
     }
 
@@ -1102,28 +1132,12 @@ mod lease_orphan_tests {
         // L1 but failing L0's revoke again, answered "revoked" for L1 though L0 and its
         // registrations lived on; then it said only "not revoked", and the registrar's warning
         // named L1, the lease that was gone.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("left").unwrap(), SegmentBlocks::new(16).unwrap());
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "left");
         let first = node.health().lease_id;
         // The member key deleted by hand (as the keep-alive's watch sees): L0 lives on without
         // it, so a rejoin under a new lease succeeds while L0 cannot be revoked.
-        let key = node.client.layout.member_key(&record.node);
-        node.client
-            .connection
-            .call_kv("delete the member key", |mut kv| {
-                let key = key.clone();
-                async move { kv.delete(key, None).await }
-            })
-            .unwrap();
+        delete_member_key(&node);
         node.fail_revoke = vec![first];
         let rejoined = node.rejoin().expect("joins under a new lease");
         assert_eq!(rejoined, Rejoined { old_lease_id: first, old_lease_revoked: false, left: vec![first] });
@@ -1153,28 +1167,11 @@ mod lease_orphan_tests {
         // again). A rejoin that then revoked L4, L3 and L2 answered {L4, revoked, left: []}:
         // the registrar dropped its unregister queue, though entries under L1 live until L1
         // expires.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("given-up").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "given-up");
         let first = node.health().lease_id;
-        let key = node.client.layout.member_key(&record.node);
         for _ in 0..3 {
-            node.client
-                .connection
-                .call_kv("delete the member key", |mut kv| {
-                    let key = key.clone();
-                    async move { kv.delete(key, None).await }
-                })
-                .unwrap();
+            delete_member_key(&node);
             node.fail_revoke.push(node.health().lease_id);
             let rejoined = node.rejoin().expect("joins under a new lease");
             assert!(!rejoined.old_lease_revoked);
@@ -1198,29 +1195,10 @@ mod lease_orphan_tests {
         // its new lease O: O became the node's lease. The next rejoin revoked O, failed L1's
         // revoke again and answered {old: O, revoked, left: [L1]}: the registrar took the
         // entries as gone and dropped its unregister queue, though they live under L1.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let endpoints = etcd.endpoints();
-        let etcd = Arc::new(Mutex::new(etcd));
-        let mut config = ClusterConfig::new(endpoints, ClusterId::new("joined").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "joined");
         let first = node.health().lease_id;
-        let key = node.client.layout.member_key(&record.node);
-        node.client
-            .connection
-            .call_kv("delete the member key", |mut kv| {
-                let key = key.clone();
-                async move { kv.delete(key, None).await }
-            })
-            .unwrap();
+        delete_member_key(&node);
 
         node.fail_revoke = vec![first];
         let orphan = rejoin_orphaning_a_lease(&mut node, &etcd);
@@ -1241,11 +1219,8 @@ mod lease_orphan_tests {
 
 #[cfg(test)]
 mod own_lease_tests {
+    use super::rejoin_test_support::{delete_member_key, join_node_a, rejoin_losing_the_member_answer, start_etcd};
     use super::*;
-    use crate::local_etcd::LocalEtcd;
-    use crate::names::ClusterId;
-    use crate::segments::SegmentBlocks;
-    use std::sync::Mutex;
 
     #[test]
     fn a_rejoin_refused_by_the_nodes_own_unrevoked_lease_does_not_blame_another_process() {
@@ -1254,18 +1229,8 @@ mod own_lease_tests {
         // NodeIdTaken, "is another tuttid running with this id?", shown as the registrar's last
         // error. The key is under this node's own old lease: the error says so (it expires by
         // itself, or the next rejoin revokes it).
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("own").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "own");
         let first = node.health().lease_id;
 
         node.fail_revoke = vec![first];
@@ -1288,42 +1253,18 @@ mod own_lease_tests {
         // process, for the node's own lease. Then (answered OwnLeaseHolds) the next rejoin,
         // with etcd answering revokes again, tried only the two kept, not the holder, and
         // answered NodeIdTaken until the holder expired: the holder is kept to revoke again.
-        let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
-        let endpoints = etcd.endpoints();
-        let etcd = Arc::new(Mutex::new(etcd));
-        let mut config = ClusterConfig::new(endpoints, ClusterId::new("own-past").unwrap(), SegmentBlocks::new(16).unwrap());
-        // Long enough that no lease here expires by itself during the test.
-        config.lease_ttl = Duration::from_secs(30);
-        config.request_timeout = Duration::from_secs(1);
-        let record = MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            address: "127.0.0.1:7001".into(),
-            capacity_bytes: 1 << 40,
-            fingerprints: vec![[7; 32]],
-        };
-        let mut node = ClusterNode::join(config, record.clone()).unwrap();
+        let Some(etcd) = start_etcd() else { return };
+        let (mut node, _) = join_node_a(&etcd, "own-past");
         let first = node.health().lease_id;
         // The member key deleted by hand: the first failed rejoin's transaction puts it under
         // its new lease.
-        let key = node.client.layout.member_key(&record.node);
-        node.client
-            .connection
-            .call_kv("delete the member key", |mut kv| {
-                let key = key.clone();
-                async move { kv.delete(key, None).await }
-            })
-            .unwrap();
+        delete_member_key(&node);
 
         // Three rejoins fail every revoke, and each orphans its new lease (an answer lost as
         // etcd stops): the member key stays under the first orphan.
         node.fail_revoke = vec![first];
         for _ in 0..3 {
-            let crashed = etcd.clone();
-            node.lose_member_answer = Some(Box::new(move || crashed.lock().unwrap().kill(0).unwrap()));
-            let failed = node.rejoin();
-            node.lose_member_answer = None;
-            etcd.lock().unwrap().restart(0).unwrap();
-            assert!(matches!(failed, Err(ClusterError::Unavailable { .. })), "{:?}", failed.map(|_| ()));
+            rejoin_losing_the_member_answer(&mut node, &etcd);
             node.fail_revoke.push(node.health().lease_id);
         }
         let holder = node.fail_revoke[1];

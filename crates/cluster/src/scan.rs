@@ -184,6 +184,44 @@ mod tests {
             .unwrap();
     }
 
+    /// One etcd member that takes values over 4 MiB (an answer's bound), which it does only with
+    /// a larger --max-request-bytes, and a connection to it; None: no etcd binary here.
+    fn start_etcd_taking_oversized_values() -> Option<(LocalEtcd, Connection)> {
+        let etcd = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"])?;
+        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        Some((etcd, connection))
+    }
+
+    /// Puts "scan/a", readable, then "scan/b", too large (4.5 MiB) to read even alone.
+    fn put_a_readable_then_an_oversized_entry(connection: &Connection) {
+        put(connection, "scan/a", vec![1]);
+        put(connection, "scan/b", vec![0x5a; 4608 << 10]);
+    }
+
+    /// Before each keys-only read that steps over an oversized entry (until [`scan_the_prefix`]
+    /// removes the hook): runs `then`, then deletes "scan/b" through a connection of its own, a
+    /// change between the reads.
+    fn delete_the_oversized_entry_before_the_keys_only_read(etcd: &LocalEtcd, mut then: impl FnMut() + 'static) {
+        let deleter = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        BEFORE_KEY_ONLY.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                then();
+                deleter.call_kv("delete", |mut kv| async move { kv.delete("scan/b", None).await }).unwrap();
+            }))
+        });
+    }
+
+    /// Scans "scan/" (at most 10 entries, `page_max` a page, 10 s in all) with the keys-only
+    /// hook then removed: the keys visited and the answer.
+    fn scan_the_prefix(connection: &Connection, page_max: u64) -> (Vec<Vec<u8>>, Result<Scanned>) {
+        let mut visited = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let range = (b"scan/".to_vec(), prefix_end("scan/"));
+        let scanned = scan(connection, "test scan", deadline, range, 10, page_max, |entry| visited.push(entry.key().to_vec()));
+        BEFORE_KEY_ONLY.with(|hook| hook.borrow_mut().take());
+        (visited, scanned)
+    }
+
     #[test]
     fn a_range_emptied_while_an_oversized_entry_is_stepped_over_has_no_more_entries() {
         // Goal: a page that said more entries follow, then an entry too large to read even
@@ -191,24 +229,12 @@ mod tests {
         // `more` false (nothing was left unread), not the previous page's `more`, which made
         // members()/status() report a truncated listing. etcd takes values over 4 MiB (an
         // answer's bound) only with a larger --max-request-bytes.
-        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
-        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
-        put(&connection, "scan/a", vec![1]);
-        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
-        let deleter = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
+        let Some((etcd, connection)) = start_etcd_taking_oversized_values() else { return };
+        put_a_readable_then_an_oversized_entry(&connection);
         let stepped = std::rc::Rc::new(std::cell::Cell::new(0));
         let counted = stepped.clone();
-        BEFORE_KEY_ONLY.with(|hook| {
-            *hook.borrow_mut() = Some(Box::new(move || {
-                counted.set(counted.get() + 1);
-                deleter.call_kv("delete", |mut kv| async move { kv.delete("scan/b", None).await }).unwrap();
-            }))
-        });
-        let mut visited = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let range = (b"scan/".to_vec(), prefix_end("scan/"));
-        let scanned = scan(&connection, "test scan", deadline, range, 10, 1, |entry| visited.push(entry.key().to_vec()));
-        BEFORE_KEY_ONLY.with(|hook| hook.borrow_mut().take());
+        delete_the_oversized_entry_before_the_keys_only_read(&etcd, move || counted.set(counted.get() + 1));
+        let (visited, scanned) = scan_the_prefix(&connection, 1);
         assert_eq!(stepped.get(), 1, "one keys-only read, after the deletion");
         assert_eq!(visited, vec![b"scan/a".to_vec()]);
         assert_eq!(scanned.unwrap(), Scanned { entries: 1, oversized: 0, more: false, unreadable: false });
@@ -220,22 +246,11 @@ mod tests {
         // over it: that read finds the next entry, a readable one, which was counted as
         // oversized and never visited (a member or holder missing from the answer). Now the key
         // found is read again with its value and visited when it fits.
-        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
-        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
-        put(&connection, "scan/a", vec![1]);
-        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
+        let Some((etcd, connection)) = start_etcd_taking_oversized_values() else { return };
+        put_a_readable_then_an_oversized_entry(&connection);
         put(&connection, "scan/c", vec![3]);
-        let deleter = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
-        BEFORE_KEY_ONLY.with(|hook| {
-            *hook.borrow_mut() = Some(Box::new(move || {
-                deleter.call_kv("delete", |mut kv| async move { kv.delete("scan/b", None).await }).unwrap();
-            }))
-        });
-        let mut visited = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let range = (b"scan/".to_vec(), prefix_end("scan/"));
-        let scanned = scan(&connection, "test scan", deadline, range, 10, 1, |entry| visited.push(entry.key().to_vec()));
-        BEFORE_KEY_ONLY.with(|hook| hook.borrow_mut().take());
+        delete_the_oversized_entry_before_the_keys_only_read(&etcd, || {});
+        let (visited, scanned) = scan_the_prefix(&connection, 1);
         assert_eq!(visited, vec![b"scan/a".to_vec(), b"scan/c".to_vec()], "the readable entry was skipped");
         assert_eq!(scanned.unwrap(), Scanned { entries: 2, oversized: 0, more: false, unreadable: false });
     }
@@ -244,15 +259,10 @@ mod tests {
     fn an_entry_too_large_to_read_alone_is_still_stepped_over_and_counted() {
         // Goal: without a change between the reads, the oversized entry is counted and never
         // visited, and the scan goes on past it.
-        let Some(etcd) = LocalEtcd::start_or_skip_with_flags(1, &["--max-request-bytes", "6291456"]) else { return };
-        let connection = Connection::open(&etcd.endpoints(), Duration::from_secs(5)).unwrap();
-        put(&connection, "scan/a", vec![1]);
-        put(&connection, "scan/b", vec![0x5a; 4608 << 10]);
+        let Some((_etcd, connection)) = start_etcd_taking_oversized_values() else { return };
+        put_a_readable_then_an_oversized_entry(&connection);
         put(&connection, "scan/c", vec![3]);
-        let mut visited = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let range = (b"scan/".to_vec(), prefix_end("scan/"));
-        let scanned = scan(&connection, "test scan", deadline, range, 10, 4, |entry| visited.push(entry.key().to_vec()));
+        let (visited, scanned) = scan_the_prefix(&connection, 4);
         assert_eq!(visited, vec![b"scan/a".to_vec(), b"scan/c".to_vec()]);
         assert_eq!(scanned.unwrap(), Scanned { entries: 3, oversized: 1, more: false, unreadable: false });
     }
