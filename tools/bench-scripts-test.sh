@@ -44,6 +44,8 @@ HERE=$(dirname "$(readlink -f "$0")")
 # missing one would make every "nothing left" check pass without looking).
 # shellcheck source=tools/lib/process.sh
 . "$HERE/lib/process.sh"
+# shellcheck source=tools/lib/sitting.sh
+. "$HERE/lib/sitting.sh"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 failures=0
@@ -243,36 +245,9 @@ sitting() {
         COMPARE_ROUNDS=1 "$@" "$HERE/compare-lmcache.sh" > /dev/null 2> "$err" &
     sitting=$!
 }
-# sitting_ends BOUND_S: $ended, the sitting's exit status once it ends within BOUND_S seconds, or
-# "running"; then $left, whatever is left in its session (the round's own process group
-# included; "unknown" when /proc cannot be read), which is killed.
-sitting_ends() {
-    local tenths
-    for ((tenths = 0; tenths < $1 * 10; tenths++)); do
-        kill -0 "$sitting" 2> /dev/null || break
-        sleep 0.1
-    done
-    ended=running
-    if ! kill -0 "$sitting" 2> /dev/null; then
-        wait "$sitting"
-        ended=$?
-    fi
-    left=$(session_pids "$sitting" | tr '\n' ' ') || left=unknown
-    # shellcheck disable=SC2086 # the pids are words
-    [ -z "$left" ] || [ "$left" = unknown ] || kill -KILL $left 2> /dev/null
-    [ "$ended" != running ] || wait "$sitting" 2> /dev/null
-}
 # round_runs: waits (up to 10 s) until the round runs: its stand-in's sleep, in the sitting's
 # session.
-round_runs() {
-    local tenths pid
-    for ((tenths = 0; tenths < 100; tenths++)); do
-        for pid in $(session_pids "$sitting"); do
-            [ "$(cat "/proc/$pid/comm" 2> /dev/null)" != sleep ] || return 0
-        done
-        sleep 0.1
-    done
-}
+round_runs() { sitting_sleeps || :; }
 # The look itself: a process left in a session is seen (without it, every "nothing left" below
 # would pass without looking).
 # (Looked at until it is seen, up to 5 s: the background child runs setsid only once started.)

@@ -23,6 +23,8 @@ unset GPU_CHECK_PYTHON GPU_CHECK_PREFILL_PYTHON GPU_CHECK_REQUIRE_PREFILL TUTTI_
 HERE=$(dirname "$(readlink -f "$0")")
 # shellcheck source=tools/lib/process.sh
 . "$HERE/lib/process.sh"
+# shellcheck source=tools/lib/sitting.sh
+. "$HERE/lib/sitting.sh"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 failures=0
@@ -76,35 +78,10 @@ sitting() {
     setsid env --default-signal=INT PATH="$WORK/bin:$PATH" "$@" "$script" > /dev/null 2> "$err" &
     sitting=$!
 }
-# sitting_ends BOUND_S: $ended, the sitting's exit status once it ends within BOUND_S seconds, or
-# "running"; then $left, whatever is left in its session (the step's own process group
-# included; "unknown" when /proc cannot be read), which is killed.
-sitting_ends() {
-    local tenths
-    for ((tenths = 0; tenths < $1 * 10; tenths++)); do
-        kill -0 "$sitting" 2> /dev/null || break
-        sleep 0.1
-    done
-    ended=running
-    if ! kill -0 "$sitting" 2> /dev/null; then
-        wait "$sitting"
-        ended=$?
-    fi
-    left=$(session_pids "$sitting" | tr '\n' ' ') || left=unknown
-    # shellcheck disable=SC2086 # the pids are words
-    [ -z "$left" ] || [ "$left" = unknown ] || kill -KILL $left 2> /dev/null
-    [ "$ended" != running ] || wait "$sitting" 2> /dev/null
-}
 # hanging_step: waits (up to 10 s) until the stand-in's sleep runs in the sitting's session, and
 # one second more.
 hanging_step() {
-    local tenths pid
-    for ((tenths = 0; tenths < 100; tenths++)); do
-        for pid in $(session_pids "$sitting"); do
-            [ "$(cat "/proc/$pid/comm" 2> /dev/null)" != sleep ] || break 2
-        done
-        sleep 0.1
-    done
+    sitting_sleeps || :
     sleep 1
 }
 
