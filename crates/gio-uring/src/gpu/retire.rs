@@ -276,13 +276,10 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_retirement_retried_after_a_full_cq_posts_each_cqe_once() {
-        // Goal: posting a launch's CQEs can fail part way (a full CQ); the retry on the next
-        // poll resumes after the CQEs already posted, so each IOCB gets exactly one CQE.
-        let (mut queue, [a, b]) = queue_with_two_issued();
-        let memory = queue.memory();
-        for id in [a, b] {
+    /// Ends `ids` (both issued) with SUCCESS and fills three of the CQ's four entries with
+    /// fillers: room for one of their CQEs. Returns the CQ, for the caller to drain.
+    fn both_succeeded_behind_a_nearly_full_cq(memory: &QueueMemory, ids: [IocbId; 2]) -> Ring<'_, Cqe> {
+        for id in ids {
             memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
         }
         let cq: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
@@ -292,6 +289,16 @@ mod tests {
             producer.push(filler).unwrap();
         }
         drop(producer);
+        cq
+    }
+
+    #[test]
+    fn a_retirement_retried_after_a_full_cq_posts_each_cqe_once() {
+        // Goal: posting a launch's CQEs can fail part way (a full CQ); the retry on the next
+        // poll resumes after the CQEs already posted, so each IOCB gets exactly one CQE.
+        let (mut queue, [a, b]) = queue_with_two_issued();
+        let memory = queue.memory();
+        let cq = both_succeeded_behind_a_nearly_full_cq(memory, [a, b]);
         assert!(!settle(memory, 0, 2, Enqueued::Fully, false).unwrap());
         let mut posted = 0;
         assert!(matches!(post_completions(memory, 0, 2, &mut posted), Err(GioError::CompletionQueueFull { .. })), "room for one of two");
@@ -314,16 +321,7 @@ mod tests {
         // ISSUED, as TIMEOUT (a spurious failure and queue-pair reset).
         let (mut queue, [a, b]) = queue_with_two_issued();
         let memory = queue.memory();
-        for id in [a, b] {
-            memory.region.store_u32(memory.iocb_field_offset(id, IocbField::Status), abi::GIO_IOCB_STATUS_SUCCESS, Ordering::Release);
-        }
-        let cq: Ring<'_, Cqe> = Ring::new(&memory.region, memory.layout.cq, "cq");
-        let filler = Cqe { iocb_id: IocbId(3), issue_seq: 0, failed_ioctx: abi::GIO_NO_FAILED_IOCTX, status: 2, failed_nvme_status: 0 };
-        let mut producer = cq.producer().unwrap();
-        for _ in 0..3 {
-            producer.push(filler).unwrap();
-        }
-        drop(producer);
+        let cq = both_succeeded_behind_a_nearly_full_cq(memory, [a, b]);
         let mut settled = None;
         assert!(!settle_once(memory, 0, 2, Enqueued::Fully, false, &mut settled).unwrap());
         let mut posted = 0;
