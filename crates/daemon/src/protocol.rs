@@ -31,8 +31,8 @@ pub use status::{
     STATUS_DEVICES_RESERVED,
 };
 pub use store::{
-    AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared, RingOffsets, StorePrepared,
-    DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX, RELEASE_CORRUPT_BLOCKS_MAX,
+    block_named_twice, AttachQueues, Commit, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, RetrievePrepared,
+    RingOffsets, StorePrepared, DEVICES_MAX, NAMESPACES_MAX, PREPARE_BLOCKS_MAX, RELEASE_CORRUPT_BLOCKS_MAX,
 };
 
 /// Frame magic, the bytes `TUTD`.

@@ -41,8 +41,8 @@ use crate::gpu_memory::{Claim, DeviceMemoryService};
 use crate::keys::KeySpace;
 use crate::metrics::Metrics;
 use crate::protocol::{
-    AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply, RetrievePrepared,
-    StorePrepared, PREPARE_BLOCKS_MAX,
+    block_named_twice, AttachQueues, Commit, ErrorCode, NamespaceGrant, Prepare, QueueGrant, RegisterMemory, Registered, Reply,
+    RetrievePrepared, StorePrepared, PREPARE_BLOCKS_MAX,
 };
 use crate::relay::{DoorbellRelay, PairCounters, RelayTicket};
 use crate::report::{self, Refusal};
@@ -127,6 +127,8 @@ pub struct Holdings {
     creations_unsettled: u64,
     /// Scratch: a request's block keys and CRCs.
     keys: Vec<u64>,
+    /// Scratch: a request's engine block ids, sorted to find one named twice.
+    sorted_blocks: Vec<u32>,
     crcs: Vec<u32>,
 }
 
@@ -687,10 +689,8 @@ impl Holdings {
         // Two of the request's blocks in one engine block: only one of them can be there, so
         // the reservation (and the evictions it may take) would be for nothing the client can
         // move; its own checks refuse it only after the daemon reserved. Refused here, first.
-        let mut sorted = prepare.block_ids.clone();
-        sorted.sort_unstable();
-        if let Some(pair) = sorted.windows(2).find(|pair| pair[0] == pair[1]) {
-            return Err((ErrorCode::BadRequest, format!("engine block {} is named twice in one request", pair[0])));
+        if let Some(block) = block_named_twice(&prepare.block_ids, &mut self.sorted_blocks) {
+            return Err((ErrorCode::BadRequest, format!("engine block {block} is named twice in one request")));
         }
         space.keys(&prepare.tokens[..end * block_tokens as usize], block_tokens, &mut self.keys);
         Ok(first_block..end)

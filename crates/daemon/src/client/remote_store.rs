@@ -47,8 +47,8 @@ use objstore::{
 
 use super::{Client, DeviceKvMemory};
 use crate::protocol::{
-    AttachQueues, Commit, ErrorCode, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request, RingOffsets,
-    PREPARE_BLOCKS_MAX,
+    block_named_twice, AttachQueues, Commit, ErrorCode, Hello, HelloReply, Kind, Prepare, QueueGrant, RegisterMemory, Reply, Request,
+    RingOffsets, PREPARE_BLOCKS_MAX,
 };
 use crate::DaemonError;
 
@@ -680,9 +680,7 @@ impl RemoteKvStore {
         if blocks == 0 || blocks > full || blocks > PREPARE_BLOCKS_MAX || request.block_ids.iter().any(|&id| id >= num_blocks) {
             return false;
         }
-        let mut ids = request.block_ids.to_vec();
-        ids.sort_unstable();
-        ids.windows(2).all(|pair| pair[0] != pair[1])
+        block_named_twice(request.block_ids, &mut Vec::new()).is_none()
     }
 
     /// Prepares the data path of the daemon's request `handle`: takes a request slot here and,

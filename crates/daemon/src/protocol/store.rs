@@ -18,6 +18,15 @@ pub const NAMESPACES_MAX: usize = 16;
 /// Checked before anything is reserved. Only pools of 1–3 tokens per block reach it: a request
 /// names at least `block_tokens` tokens per block, 4 bytes each, within the same body cap.
 pub const PREPARE_BLOCKS_MAX: usize = (super::BODY_BYTES_MAX as usize - 64) / (PLACEMENT_BYTES + 4);
+/// The engine block `ids` names twice (the least such), if any. `scratch` receives the sorted
+/// ids: kept by the caller, it is allocated once, not per request. The daemon refuses such a
+/// prepare before reserving (`check_prepare`), and `RemoteKvStore` knows it for one it sends.
+pub fn block_named_twice(ids: &[u32], scratch: &mut Vec<u32>) -> Option<u32> {
+    scratch.clear();
+    scratch.extend_from_slice(ids);
+    scratch.sort_unstable();
+    scratch.windows(2).find(|pair| pair[0] == pair[1]).map(|pair| pair[0])
+}
 /// Most corrupt blocks one `Release` can report and still fit one frame (its handle,
 /// transferred bytes and commands, and the count come first): 47,661, fewer than a retrieve
 /// may name ([`PREPARE_BLOCKS_MAX`]). A client with more reports these and logs the rest
