@@ -339,7 +339,7 @@ run_stage() {
 # their own that the outer `timeout` does not signal. Returns COMMAND's status (124 or 137 when
 # the limit expired).
 bounded() {
-    local limit=$1 sidfile sid rc stat proc_fields=()
+    local limit=$1 sidfile sid rc pid
     shift
     sidfile=$(mktemp -p "$run_tmp") || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
@@ -349,12 +349,9 @@ bounded() {
     sid=$(cat "$sidfile" 2> /dev/null)
     rm -f "$sidfile"
     if [ -n "$sid" ]; then
-        # /proc, not pkill: procps is not on every fresh machine. Field 6 of stat is the session.
-        for stat in /proc/[0-9]*/stat; do
-            proc_stat "$stat" || continue
-            [ "${proc_fields[3]:-}" = "$sid" ] || continue
-            stat=${stat#/proc/}
-            kill -KILL "${stat%/stat}" 2> /dev/null
+        # session_pids reads /proc, not pkill: procps is not on every fresh machine.
+        for pid in $(session_pids "$sid" 2> /dev/null); do
+            kill -KILL "$pid" 2> /dev/null
         done
     fi
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2
