@@ -4,7 +4,7 @@
 //! sent. A real daemon (an in-memory software controller, in a thread) on a pool of four
 //! one-block slots, all committed before each test's refusal. Every wait is bounded.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
@@ -22,30 +22,26 @@ const WAIT: Duration = Duration::from_secs(10);
 /// The pool's slots (one block each).
 const SLOTS: u32 = 4;
 
-/// A daemon in a thread, its configuration the default but for a pool of [`SLOTS`] slots.
-struct SmallPool {
-    socket: PathBuf,
+/// A daemon in a thread, its configuration the default but for its pool: one in-memory
+/// device formatted with `geometry` in one-block slots, at most `slot_count_max` of them. Also
+/// the daemon of the sibling `tampered_replies` tests. Dropping it stops the daemon (a bounded
+/// wait), then removes its directory.
+pub(super) struct ServedPool {
+    pub(super) socket: PathBuf,
     stop: StopHandle,
     served: Option<JoinHandle<()>>,
-    _directory: tempfile::TempDir,
+    directory: tempfile::TempDir,
 }
 
-impl SmallPool {
-    fn start() -> SmallPool {
+impl ServedPool {
+    pub(super) fn start(geometry: ModelGeometry, slot_count_max: Option<u64>) -> ServedPool {
         let directory = tempfile::tempdir().unwrap();
-        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
         let options = PoolOptions {
             specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
             namespace: 1,
             emu_lba_bytes: 4096,
             emu_create_bytes: None,
-            format: Some(FormatParams {
-                geometry,
-                blocks_per_slot: 1,
-                slot_count_max: Some(u64::from(SLOTS)),
-                pool_uuid: None,
-                payload_crc: false,
-            }),
+            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max, pool_uuid: None, payload_crc: false }),
             overwrite: false,
             lock_dir: directory.path().join("locks"),
             client_queue_pairs: 4,
@@ -58,21 +54,16 @@ impl SmallPool {
         let served = thread::spawn(move || {
             let _ = server.serve();
         });
-        SmallPool { socket, stop, served: Some(served), _directory: directory }
+        ServedPool { socket, stop, served: Some(served), directory }
     }
 
-    fn connect(&self, name: &str, store: StoreConfig) -> RemoteKvStore {
-        let hello = Hello { model_fingerprint: [0x5c; 32], tp_rank: 0, tp_world: 1, client_name: name.into() };
-        let config = RemoteConfig { kv_blocks: 16, store, ..RemoteConfig::default() };
-        RemoteKvStore::connect(&self.socket, &hello, &config).expect("attach")
-    }
-
-    fn pool(&self) -> PoolStatus {
-        Client::connect(&self.socket, WAIT).expect("connect").status().expect("status").pool
+    /// The daemon's directory (its socket, its locks): a place for a test's own sockets.
+    pub(super) fn directory(&self) -> &Path {
+        self.directory.path()
     }
 }
 
-impl Drop for SmallPool {
+impl Drop for ServedPool {
     fn drop(&mut self) {
         self.stop.stop();
         let deadline = Instant::now() + WAIT;
@@ -82,6 +73,28 @@ impl Drop for SmallPool {
         if let Some(served) = self.served.take().filter(JoinHandle::is_finished) {
             let _ = served.join();
         }
+    }
+}
+
+/// The tests' daemon: a pool of [`SLOTS`] slots.
+struct SmallPool {
+    daemon: ServedPool,
+}
+
+impl SmallPool {
+    fn start() -> SmallPool {
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        SmallPool { daemon: ServedPool::start(geometry, Some(u64::from(SLOTS))) }
+    }
+
+    fn connect(&self, name: &str, store: StoreConfig) -> RemoteKvStore {
+        let hello = Hello { model_fingerprint: [0x5c; 32], tp_rank: 0, tp_world: 1, client_name: name.into() };
+        let config = RemoteConfig { kv_blocks: 16, store, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&self.daemon.socket, &hello, &config).expect("attach")
+    }
+
+    fn pool(&self) -> PoolStatus {
+        Client::connect(&self.daemon.socket, WAIT).expect("connect").status().expect("status").pool
     }
 }
 

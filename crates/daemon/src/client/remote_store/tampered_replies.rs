@@ -14,19 +14,17 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::thread::{self, JoinHandle};
+use std::thread;
 use std::time::{Duration, Instant};
 
 use gio_uring::SmBudget;
-use objstore::{FormatParams, KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, RequestHandle};
-use tutti_devices::{DeviceKind, DeviceSpec};
+use objstore::{KvRequest, LayerKvStore, ModelGeometry, ObjstoreError, RequestHandle};
 
+use super::store_refusals::ServedPool;
 use super::{RemoteConfig, RemoteKvStore};
 use crate::frame_io::{read_frame, write_frame_with_fds, ReadOutcome};
-use crate::pool_open::{open_pool, PoolOptions};
 use crate::protocol::ErrorCode;
 use crate::protocol::{encode_frame, Hello, Kind, Reply};
-use crate::{Server, ServerConfig, StopHandle};
 
 /// The longest any wait here takes before the test fails.
 const WAIT: Duration = Duration::from_secs(10);
@@ -56,34 +54,17 @@ struct TamperingDaemon {
     proxy_socket: PathBuf,
     tamper: Arc<Mutex<Option<Tamper>>>,
     busy: Arc<BusyAttaches>,
-    stop: StopHandle,
-    served: Option<JoinHandle<()>>,
-    _directory: tempfile::TempDir,
+    /// Held to stop the daemon when the test ends; dropped last, the proxy's socket lying in
+    /// its directory.
+    _daemon: ServedPool,
 }
 
 impl TamperingDaemon {
     fn start() -> TamperingDaemon {
-        let directory = tempfile::tempdir().unwrap();
         let geometry = ModelGeometry { layers: LAYERS, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: BLOCK_TOKENS };
-        let options = PoolOptions {
-            specs: vec![DeviceSpec::parse("emu:mem:64m", &DeviceKind::ALL).unwrap()],
-            namespace: 1,
-            emu_lba_bytes: 4096,
-            emu_create_bytes: None,
-            format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false }),
-            overwrite: false,
-            lock_dir: directory.path().join("locks"),
-            client_queue_pairs: 4,
-            emu_doorbell_relay: false,
-        };
-        let opened = open_pool(&options).expect("open the pool");
-        let daemon_socket = directory.path().join("tuttid.sock");
-        let server = Server::bind(ServerConfig::new(daemon_socket.clone()), opened).expect("bind");
-        let stop = server.stop_handle();
-        let served = thread::spawn(move || {
-            let _ = server.serve();
-        });
-        let proxy_socket = directory.path().join("proxy.sock");
+        let daemon = ServedPool::start(geometry, None);
+        let daemon_socket = daemon.socket.clone();
+        let proxy_socket = daemon.directory().join("proxy.sock");
         let listener = UnixListener::bind(&proxy_socket).unwrap();
         let tamper: Arc<Mutex<Option<Tamper>>> = Arc::new(Mutex::new(None));
         let replies_tamper = Arc::clone(&tamper);
@@ -102,7 +83,7 @@ impl TamperingDaemon {
             forward(&daemon, &client, Tampering::Prepared(&replies_tamper));
             let _ = requests.join();
         });
-        TamperingDaemon { proxy_socket, tamper, busy, stop, served: Some(served), _directory: directory }
+        TamperingDaemon { proxy_socket, tamper, busy, _daemon: daemon }
     }
 
     /// Rewrites the next `RetrievePrepared` or `StorePrepared` with `tamper`.
@@ -128,19 +109,6 @@ impl TamperingDaemon {
         let hello = Hello { model_fingerprint: [0x5b; 32], tp_rank: 0, tp_world: 1, client_name: "tampered".into() };
         let config = RemoteConfig { kv_blocks: KV_BLOCKS, timeout, ..RemoteConfig::default() };
         RemoteKvStore::connect(&self.proxy_socket, &hello, &config)
-    }
-}
-
-impl Drop for TamperingDaemon {
-    fn drop(&mut self) {
-        self.stop.stop();
-        let deadline = Instant::now() + WAIT;
-        while self.served.as_ref().is_some_and(|served| !served.is_finished()) && Instant::now() < deadline {
-            thread::sleep(Duration::from_millis(10));
-        }
-        if let Some(served) = self.served.take().filter(JoinHandle::is_finished) {
-            let _ = served.join();
-        }
     }
 }
 
