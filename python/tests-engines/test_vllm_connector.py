@@ -18,6 +18,7 @@ import torch
 
 import tutti
 import vllm_harness as harness
+from stalled import SleepingStall
 from tutti.vllm import TuttiConnector, TuttiConnectorMetadata
 from tutti._engine import ConfigError
 from tutti.vllm.connector import KvMemoryUnsafe, LoadSpec, SaveSpec
@@ -1433,36 +1434,6 @@ def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid)
         worker.shutdown()
 
 
-class StalledSave:
-    """A tutti.Request whose layers, once issued, are never seen to complete: each wait takes all
-    the time it is given; every wait and poll is counted in `calls` as (what, the save's number)."""
-
-    def __init__(self, request, calls: list, number: int) -> None:
-        self._request = request
-        self._calls = calls
-        self._number = number
-
-    def __getattr__(self, name: str):
-        return getattr(self._request, name)
-
-    def wait(self, timeout_s=None):
-        self._calls.append(("wait", self._number))
-        time.sleep(timeout_s)
-        raise tutti.TimeoutError("injected: the layer did not complete")
-
-    def poll(self):
-        self._calls.append(("poll", self._number))
-        return None
-
-    @property
-    def layer_in_flight(self):
-        return 0
-
-    @property
-    def layers_in_flight(self):
-        return [0]
-
-
 class StoreWithFailingLoadsAndStalledSaves:
     """A tutti.Store whose loads fail when waited for and whose saves stall."""
 
@@ -1479,7 +1450,7 @@ class StoreWithFailingLoadsAndStalledSaves:
 
     def prepare_store(self, tokens, block_ids):
         self._saves += 1
-        return StalledSave(self._store.prepare_store(tokens, block_ids), self._calls, self._saves)
+        return SleepingStall(self._store.prepare_store(tokens, block_ids), self._calls, self._saves)
 
 
 def test_saves_cancelled_for_a_failed_load_wait_for_a_stalled_device_once(tuttid):

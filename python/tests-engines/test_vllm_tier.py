@@ -20,7 +20,7 @@ import pytest
 
 import tutti
 import vllm_harness as harness
-from stalled import StalledLayer
+from stalled import SleepingStall, StalledLayer
 from tutti.vllm import TuttiTier
 from tutti.vllm.connector import KvMemoryUnsafe
 from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext, ScheduleEndContext, make_offload_key
@@ -823,26 +823,6 @@ def test_drain_jobs_raises_when_no_job_finishes_in_time(tmp_path: Path):
     finally:
         release.set()
         manager.shutdown()
-
-
-class SleepingStall(StalledLayer):
-    """A StalledLayer whose waits take all the time they are given (a device that does not answer)
-    and whose layer stays in flight whatever is polled."""
-
-    def wait(self, timeout_s=None):
-        time.sleep(timeout_s)
-        raise tutti.TimeoutError("injected: the layer did not complete")
-
-    def poll(self):
-        return None
-
-    @property
-    def layer_in_flight(self):
-        return 0
-
-    @property
-    def layers_in_flight(self):
-        return [0]
 
 
 def test_a_stalled_wave_ends_within_drain_jobs_bound(tmp_path: Path):
