@@ -308,6 +308,12 @@ def refuses_crc_less_pool(error: BaseException) -> bool:
     return isinstance(error, tutti.InvalidArgument) and "verify_retrieves" in message and "payload CRC" in message
 
 
+def wait_s(timeout_s: float, deadline: float) -> float:
+    """A layer's wait: timeout_s, ending no later than `deadline` (time.monotonic(); 0 once it
+    has passed: a layer complete by then is still returned)."""
+    return max(0.0, min(timeout_s, deadline - time.monotonic()))
+
+
 def wait_out_layer(
     request: Any, timeout_s: float, log: logging.Logger, what: str, deadline: Optional[float] = None
 ) -> bool:

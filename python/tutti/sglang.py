@@ -52,6 +52,7 @@ from tutti._engine import (
     queue_depth_field,
     refuses_crc_less_pool,
     requests_in_range,
+    wait_s,
     wait_out_layer,
 )
 from tutti._sglang_keys import (
@@ -631,7 +632,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     return True
             oldest = round_index - ahead + 1
             if oldest >= 0 and self._each_request(
-                wave, lambda request: request.wait(self._wait_s(hard)), f"layer {oldest} of a page failed", hard
+                wave, lambda request: request.wait(wait_s(self._timeout_s, hard)), f"layer {oldest} of a page failed", hard
             ):
                 return True
         return False
@@ -653,11 +654,6 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 return True
             wave[position] = (index, None)
         return False
-
-    def _wait_s(self, deadline: float) -> float:
-        """A layer's wait: timeout_s, ending no later than `deadline` (0 once it has passed: a
-        layer complete by then is still returned)."""
-        return max(0.0, min(self._timeout_s, deadline - time.monotonic()))
 
     def _each_request(self, wave: list[tuple[int, Any]], action: Callable[[Any], Any], failed: str, deadline: float) -> bool:
         """`action` on every live request of the wave; one that raises is finished (after its

@@ -48,6 +48,7 @@ from tutti._engine import (
     queue_depth_field,
     refuses_crc_less_pool,
     requests_in_range,
+    wait_s,
     wait_out_layer,
 )
 from tutti.vllm.connector import KvMemoryUnsafe, _model_identity, _refuse_non_causal_attention, _resolved_kv_layout
@@ -436,7 +437,7 @@ class TuttiTier(SecondaryTierManager):
             for key, request in [] if stuck else wave:
                 committing = False
                 try:
-                    request.wait(_wait_s(self._timeout_s, deadline))
+                    request.wait(wait_s(self._timeout_s, deadline))
                     committing = True
                     request.commit()
                     done.append(key)
@@ -496,7 +497,7 @@ class TuttiTier(SecondaryTierManager):
             deadline = self._wave_deadline(len(wave))
             for key, request in [] if stuck else wave:
                 try:
-                    request.wait(_wait_s(self._timeout_s, deadline))
+                    request.wait(wait_s(self._timeout_s, deadline))
                     request.finish()
                     done.append(key)
                 except tutti.Error as error:
@@ -652,8 +653,3 @@ def _abandon(request: Any, timeout_s: float, deadline: float) -> bool:
     # No layer in flight any more: abandon_request only finishes it.
     return abandon_request(request, timeout_s, logger, what)
 
-
-def _wait_s(timeout_s: float, deadline: float) -> float:
-    """A layer's wait: timeout_s, ending no later than `deadline` (0 once it has passed: a layer
-    complete by then is still returned)."""
-    return max(0.0, min(timeout_s, deadline - time.monotonic()))
