@@ -380,16 +380,10 @@ fn device_name(device_type: i32, device_id: i32) -> String {
 /// the tensor). Made a tutti.Error, either would be taken for one the caller may retry or report
 /// as a bad tensor.
 fn producer_failure(py: Python<'_>, error: PyErr, refusal: impl FnOnce(&PyErr) -> String) -> PyErr {
-    if passes_through(py, &error) {
+    if !error.is_instance_of::<PyException>(py) || error.is_instance_of::<PyMemoryError>(py) {
         return error;
     }
     Failure::new(ErrorClass::InvalidArgument, refusal(&error)).into()
-}
-
-/// Whether `error` is one `producer_failure` passes through as it is (not an `Exception`, or a
-/// MemoryError).
-fn passes_through(py: Python<'_>, error: &PyErr) -> bool {
-    !error.is_instance_of::<PyException>(py) || error.is_instance_of::<PyMemoryError>(py)
 }
 
 /// What `object.__dlpack_device__()` says, (DLPack device type, device id); its failure (but see
@@ -401,22 +395,18 @@ fn dlpack_device(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(i32, i32)> 
             format!("{name}: its __dlpack_device__() failed ({error}): register a tensor whose producer can say its device")
         })
     })?;
+    // Reading an int calls the answer's __index__: an interrupt or MemoryError it raised is
+    // passed through (`producer_failure`), not taken for a malformed answer.
     answer.extract::<(i32, i32)>().map_err(|error| {
-        // Reading an int calls the answer's __index__: an interrupt or MemoryError it raised is
-        // passed through (`producer_failure`), not taken for a malformed answer.
-        if passes_through(answer.py(), &error) {
-            return error;
-        }
-        // An answer's repr is the producer's: bounded, and a repr that fails is not the error.
-        let mut shown = answer.repr().map(|repr| repr.to_string()).unwrap_or_else(|_| "an object whose repr() failed".into());
-        if let Some((cut, _)) = shown.char_indices().nth(REPR_CHARS_MAX) {
-            shown.truncate(cut);
-            shown.push_str("...");
-        }
-        PyErr::from(Failure::new(
-            ErrorClass::InvalidArgument,
-            format!("{name}: its __dlpack_device__() returned {shown}, not a (device type, device id) pair of ints (DLPack's DLDevice, two int32s)"),
-        ))
+        producer_failure(answer.py(), error, |_| {
+            // An answer's repr is the producer's: bounded, and a repr that fails is not the error.
+            let mut shown = answer.repr().map(|repr| repr.to_string()).unwrap_or_else(|_| "an object whose repr() failed".into());
+            if let Some((cut, _)) = shown.char_indices().nth(REPR_CHARS_MAX) {
+                shown.truncate(cut);
+                shown.push_str("...");
+            }
+            format!("{name}: its __dlpack_device__() returned {shown}, not a (device type, device id) pair of ints (DLPack's DLDevice, two int32s)")
+        })
     })
 }
 
