@@ -82,6 +82,38 @@ impl DeviceLocks {
         Self::acquire_sharing(specs, lock_dir, true, Some(undo))
     }
 
+    /// tuttid's lock on the `vfio:` function `address`, for a tool that moves the function
+    /// between drivers (`tutti bind`, `tutti unbind`), taken only where its lock file
+    /// (`lock_dir/vfio-BDF.lock`) is already there: None where the directory or the file is
+    /// missing, for no tuttid has locked the function there. Neither is ever made: they belong
+    /// to the user tuttid runs as, which refuses a lock directory or file of another's (root's,
+    /// made by `sudo tutti bind`). The file is opened read-only (flock needs no write access)
+    /// and never through a symbolic link, and only a regular file is locked; its owner and the
+    /// directory's are not checked ([`DeviceLocks::acquire`] does, for the files it may make):
+    /// whoever owns the directory decides what is there, and nothing is written to it. One
+    /// another process holds is [`DeviceError::DeviceInUse`], naming the holder.
+    pub fn acquire_existing(address: nvme_driver::hw::vfio::PciAddress, lock_dir: &Path) -> Result<Option<DeviceLocks>, DeviceError> {
+        let spec = DeviceSpec::Vfio(address);
+        let path = lock_dir.join(format!("vfio-{address}.lock"));
+        // O_NONBLOCK as open_without_waiting: a FIFO put there must not make the tool wait.
+        let opened = OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK).open(&path);
+        let file = match opened {
+            Ok(file) => file,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(DeviceError::OpenFailed { path, source }),
+        };
+        let file_type = file
+            .metadata()
+            .map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?
+            .file_type();
+        if !file_type.is_file() {
+            return Err(DeviceError::NotAFileOrDevice { spec: spec.to_string(), path, kind: file_kind(file_type).into() });
+        }
+        let mut locks = DeviceLocks::default();
+        locks.lock(&spec, path, file)?;
+        Ok(Some(locks))
+    }
+
     fn acquire_sharing(
         specs: &[DeviceSpec],
         lock_dir: &Path,
@@ -857,6 +889,45 @@ mod tests {
             DeviceError::Io { source, .. } => crate::is_unusable_errno(source),
             error => error.is_unusable_input(),
         }
+    }
+
+    #[test]
+    fn an_existing_lock_is_taken_where_its_file_is_there_and_nothing_is_made() {
+        // Goal: `tutti bind`/`unbind` run as root take tuttid's lock on a function only where
+        // its file is there, making neither the directory nor the file (they belong to the user
+        // tuttid runs as); a link is not followed and a FIFO neither waited on nor locked; a
+        // held one is in use, named as such.
+        let address: nvme_driver::hw::vfio::PciAddress = "0000:00:04.0".parse().unwrap();
+        let directory = tempfile::tempdir().unwrap();
+        let lock_dir = directory.path().join("locks");
+        assert!(DeviceLocks::acquire_existing(address, &lock_dir).unwrap().is_none());
+        assert!(!lock_dir.exists(), "the directory was made");
+        std::fs::create_dir(&lock_dir).unwrap();
+        assert!(DeviceLocks::acquire_existing(address, &lock_dir).unwrap().is_none());
+        assert_eq!(std::fs::read_dir(&lock_dir).unwrap().count(), 0, "a lock file was made");
+
+        let path = lock_dir.join("vfio-0000:00:04.0.lock");
+        let target = directory.path().join("elsewhere");
+        std::fs::write(&target, b"").unwrap();
+        std::os::unix::fs::symlink(&target, &path).unwrap();
+        let error = DeviceLocks::acquire_existing(address, &lock_dir).unwrap_err();
+        assert!(is_input(&error), "a link is refused as input: {error}");
+        std::fs::remove_file(&path).unwrap();
+
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let error = within_a_second(move || DeviceLocks::acquire_existing(address, &lock_dir).map(|_| ()), || ())
+            .expect("a FIFO made the lock wait")
+            .unwrap_err();
+        assert!(matches!(error, DeviceError::NotAFileOrDevice { .. }), "{error}");
+        let lock_dir = directory.path().join("locks");
+        std::fs::remove_file(&path).unwrap();
+
+        std::fs::write(&path, b"").unwrap();
+        let held = DeviceLocks::acquire_existing(address, &lock_dir).unwrap().expect("the file is there");
+        let error = DeviceLocks::acquire_existing(address, &lock_dir).unwrap_err();
+        assert!(matches!(error, DeviceError::DeviceInUse { .. }), "{error}");
+        drop(held);
+        assert!(DeviceLocks::acquire_existing(address, &lock_dir).unwrap().is_some(), "let go on drop");
     }
 
     #[test]

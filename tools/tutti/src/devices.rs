@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use nvme_driver::hw::vfio::{describe_blockers, PciAddress, VFIO_PCI_DRIVER};
 use tutti_cli::outln;
-use tutti_devices::{DeviceError, DeviceSpec, DEFAULT_LOCK_DIR};
+use tutti_devices::{DeviceError, DEFAULT_LOCK_DIR};
 
 use crate::system::{BlockDeviceUse, GroupProbe, System};
 use crate::Unusable;
@@ -295,7 +295,7 @@ pub enum BindOutcome {
 /// and a function that is not there, are unusable input ([`Unusable`], exit status 2, nothing
 /// changed), as `tutti pool` and tutti-bench refuse a device in use. tuttid's device lock
 /// (`lock_dir/vfio-BDF.lock`), where its file is already there, is held throughout
-/// ([`existing_device_lock`]; neither directory nor file is made): one held by another process
+/// ([`device_lock`]; neither directory nor file is made): one held by another process
 /// is refused the same way, and no tuttid starts on the function (nor a rollback's unbind waits
 /// on one) while it moves. Without a file no tuttid has locked the function there yet, and a
 /// rollback's unbind is guarded by its own VFIO check.
@@ -311,7 +311,7 @@ pub fn bind(system: &System, address: PciAddress, overrides: Overrides, lock_dir
     if system.sysfs.driver(address)?.as_deref() == Some(VFIO_PCI_DRIVER) {
         return Ok(BindOutcome::AlreadyBound);
     }
-    let _lock = existing_device_lock(address, lock_dir)?;
+    let _lock = device_lock(address, lock_dir, "bind")?;
     let previous_driver = system.sysfs.driver(address)?;
     if previous_driver.as_deref() == Some(VFIO_PCI_DRIVER) {
         return Ok(BindOutcome::AlreadyBound);
@@ -434,14 +434,16 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
 /// Detaches `address` from vfio-pci and, with `reprobe`, lets the kernel pick its driver again.
 /// Returns the driver that took it (None if none did); vfio-pci taking it back (its ids given
 /// to vfio-pci) is an error. Refuses, before writing anything, a function that is not an NVMe
-/// controller (unless `not_nvme`), one whose tuttid device lock (`lock_dir/vfio-BDF.lock`)
+/// controller (unless `not_nvme`), one whose tuttid device lock (`lock_dir/vfio-BDF.lock`,
+/// taken where its file is there: [`device_lock`], which makes neither directory nor file)
 /// another process holds, and one whose VFIO group or device some process holds open (seen by
 /// opening the single-open group node, and named from /proc where it shows): the kernel's
 /// unbind would wait for that process to let go (for ever, if it has no request handler), with
 /// the override already cleared. The group node stays open until the kernel has let go, so
 /// nothing opens it in between. The lock is held from before the check to the end, so that a
 /// tuttid starting meanwhile (a supervisor's restart) is refused instead of opening the group
-/// between the check and the unbind. These refusals, a function that is not there and one
+/// between the check and the unbind; a tuttid that never locked the function there (no file)
+/// finds the group node taken once the check has opened it. These refusals, a function that is not there and one
 /// bound to a driver other than vfio-pci are unusable input ([`Unusable`], exit status 2,
 /// nothing changed), as `tutti pool` refuses a device whose lock another holds.
 pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: bool, lock_dir: &Path) -> Result<Option<String>> {
@@ -492,66 +494,22 @@ pub fn unbind(system: &System, address: PciAddress, reprobe: bool, not_nvme: boo
     Ok(driver)
 }
 
-/// tuttid's device lock on `address` (`lock_dir/vfio-BDF.lock`), for `tutti <command>`; one
-/// another process holds is unusable input.
-fn device_lock(address: PciAddress, lock_dir: &Path, command: &str) -> Result<tutti_devices::DeviceLocks> {
-    match tutti_devices::DeviceLocks::acquire(&[DeviceSpec::Vfio(address)], lock_dir, false) {
+/// tuttid's device lock on `address` (`lock_dir/vfio-BDF.lock`) for `tutti <command>`, if its
+/// lock file is already there ([`tutti_devices::DeviceLocks::acquire_existing`]: neither the
+/// directory nor the file is made, for they belong to the user tuttid runs as): held until
+/// dropped, so that no tuttid starts on the function while it moves. One another process holds
+/// is unusable input naming the holder; a lock file that cannot be used (a symbolic link, not
+/// a regular file, not readable) is unusable input too, an I/O failure (EIO, EMFILE) a failure.
+fn device_lock(address: PciAddress, lock_dir: &Path, command: &str) -> Result<Option<tutti_devices::DeviceLocks>> {
+    match tutti_devices::DeviceLocks::acquire_existing(address, lock_dir) {
         Ok(lock) => Ok(lock),
         Err(error @ DeviceError::DeviceInUse { .. }) => {
             Err(Unusable(format!("{error}; stop it first and run `tutti {command}` again")).into())
         }
-        // As `tutti pool` tells them: a lock directory that cannot be used is unusable input,
-        // an I/O failure (EIO, EMFILE) a failure.
-        Err(error) => Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
+        Err(error) => Err(crate::pool::device_refusal(error).context(format!(
+            "taking {address}'s device lock (a symbolic link is not followed; give the lock directory tuttid uses with --lock-dir)"
+        ))),
     }
-}
-
-/// tuttid's device lock on `address` for `tutti bind`, if its lock file
-/// (`lock_dir/vfio-BDF.lock`) is already there: held until dropped, so that no tuttid starts on
-/// the function while it moves; one another process holds is unusable input, naming the holder.
-/// Neither the directory nor the file is ever made: they belong to the user tuttid runs as,
-/// which refuses a lock directory or file of another's (one `sudo tutti bind` made, root's), and
-/// a tuttid that never ran on the function has made no file and holds nothing. The file is
-/// opened read-only (flock needs no write access), never through a symbolic link, and only a
-/// regular file is locked: whoever owns the directory decides what is there, and nothing is
-/// written to it.
-fn existing_device_lock(address: PciAddress, lock_dir: &Path) -> Result<Option<std::fs::File>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    use std::os::unix::io::AsRawFd;
-    let path = lock_dir.join(format!("vfio-{address}.lock"));
-    let opened = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC).open(&path);
-    let file = match opened {
-        Ok(file) => file,
-        // No directory or no file: no tuttid has ever locked the function there.
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(error) => {
-            return Err(Unusable(format!(
-                "{address}'s device lock {} cannot be opened ({error}; a symbolic link is not followed); give the lock \
-                 directory tuttid uses with --lock-dir",
-                path.display()
-            ))
-            .into())
-        }
-    };
-    let is_file = file.metadata().with_context(|| format!("examining {}", path.display()))?.file_type().is_file();
-    if !is_file {
-        return Err(Unusable(format!("{address}'s device lock {} is not a regular file; have its owner remove it", path.display())).into());
-    }
-    // SAFETY: flock on a descriptor this function owns; it takes no pointers.
-    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let error = std::io::Error::last_os_error();
-        if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
-            let in_use = DeviceError::DeviceInUse {
-                spec: DeviceSpec::Vfio(address).to_string(),
-                lock: path,
-                holder: tutti_devices::lock::holder_of(&file, Path::new("/proc")),
-            };
-            return Err(Unusable(format!("{in_use}; stop it first and run `tutti bind` again")).into());
-        }
-        return Err(anyhow::Error::new(error).context(format!("locking {}", path.display())));
-    }
-    // Closing the file (its only descriptor) lets go of the lock.
-    Ok(Some(file))
 }
 
 /// Refuses ([`Unusable`]) a function some process holds through VFIO: the kernel's unbind would

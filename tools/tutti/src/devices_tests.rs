@@ -1077,3 +1077,24 @@ fn unbind_probes_and_scans_a_noiommu_group_node() {
         ["open vfio/noiommu-3 (driver vfio-pci, override \"vfio-pci\")", "close vfio/noiommu-3 (driver none)"]
     );
 }
+
+#[test]
+fn unbind_neither_makes_the_lock_directory_nor_a_lock_file() {
+    // Goal: as bind, `sudo tutti unbind` takes tuttid's device lock only where its file is
+    // already there: making /run/tutti (root's, 0700) or a root 0600 lock file in it made a
+    // tuttid running as a user of its own refuse its lock directory from then on.
+    let host = FakeHost::new();
+    host.bound_to_vfio();
+    let system = host.system();
+    let _kernel = host.kernel();
+    let missing = host.lock_dir().join("missing");
+    assert_eq!(unbind(&system, at("0000:00:04.0"), true, false, &missing).unwrap().as_deref(), Some("nvme"));
+    assert!(!missing.exists(), "unbind made the lock directory");
+
+    // A directory that is there, with no lock file for the function: none is made.
+    let dir = host.add("0000:00:05.0", 0x010802, Some("vfio-pci"), 4, 0, 0);
+    std::fs::write(dir.join("driver_override"), "vfio-pci\n").unwrap();
+    std::fs::create_dir_all(host.lock_dir()).unwrap();
+    assert_eq!(unbind(&system, at("0000:00:05.0"), true, false, &host.lock_dir()).unwrap().as_deref(), Some("nvme"));
+    assert_eq!(std::fs::read_dir(host.lock_dir()).unwrap().count(), 0, "unbind made a lock file");
+}
