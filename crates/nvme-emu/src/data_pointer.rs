@@ -158,7 +158,10 @@ fn translate(dma: &HostAccess<'_>, iova: u64, len: u64, out: &mut DataBuffers) -
         out.push(region);
         return Ok(());
     }
-    if len <= PAGE_BYTES {
+    // Mappings start on page boundaries, so a range inside one page meets at most one of them;
+    // any range that crosses a boundary, however short (half a page at the end of one buffer
+    // and half at the start of the next), may span two.
+    if (iova % PAGE_BYTES).saturating_add(len) <= PAGE_BYTES {
         return Err(transfer_error);
     }
     let mut done = 0u64;
@@ -398,6 +401,7 @@ mod tests {
 
     use super::*;
     use nvme_driver::hw::{DmaAllocator, DmaPool};
+    use nvme_driver::spec::command::DataPointerKind;
 
     /// The (address, length) pieces a PRP walk hands out, collected.
     fn prp_ranges(dma: &HostAccess<'_>, prp1: u64, prp2: u64, length_bytes: u64) -> Result<Vec<(u64, u64)>, NvmeStatus> {
@@ -535,5 +539,38 @@ mod tests {
         let chained = SglDescriptor::segment(segs.iova().0, 2).to_dptr();
         assert_eq!(sgl_ranges(&HostAccess::new(&dma, None), chained, 2 * 4096).unwrap(), vec![(base, 4096), (base + 4096, 4096)]);
         assert_eq!(LOOP_SETS_MADE.with(Cell::get), made_before + 1);
+    }
+
+    #[test]
+    fn a_short_range_across_two_adjacent_mappings_resolves_per_mapping() {
+        // Goal: pieces that continue each other across two separate mappings adjacent in IOVA
+        // space (the pool's allocator leaves no gap) resolve into one region per mapping, however
+        // short the merged range. Until 2026-12-01 only a merged range longer than a page was
+        // retried page by page: one of a page or less that crossed a page boundary (PRP1 in the
+        // middle of one buffer, PRP2 the next) failed with Data Transfer Error.
+        let dma = DmaPool::identity();
+        let first = dma.allocate(4096).unwrap();
+        let second = dma.allocate(4096).unwrap();
+        let segs = dma.allocate(4096).unwrap();
+        let (a, b) = (first.iova().0, second.iova().0);
+        assert_eq!(a + 4096, b, "the pool handed out IOVAs with a gap: the test needs adjacent ones");
+        let regions = |buffers: &DataBuffers| buffers.regions.iter().map(|region| (region.iova().0, region.len())).collect::<Vec<_>>();
+        // PRP: half a page at the end of one buffer, half at the start of the next.
+        let entry = SubmissionEntry { dptr: [a + 2048, b], ..SubmissionEntry::default() };
+        let buffers = resolve(&HostAccess::new(&dma, None), &entry, 4096, false, Vec::new()).unwrap();
+        assert_eq!(regions(&buffers), vec![(a + 2048, 2048), (b, 2048)]);
+        // SGL: a Last Segment of two data blocks, 196 bytes in all, across the same boundary.
+        segs.write(0, &SglDescriptor::data_block(a + 4000, 96).to_bytes()).unwrap();
+        segs.write(16, &SglDescriptor::data_block(b, 100).to_bytes()).unwrap();
+        let mut entry = SubmissionEntry { dptr: SglDescriptor::last_segment(segs.iova().0, 2).to_dptr(), ..SubmissionEntry::default() };
+        entry.set_data_pointer_kind(DataPointerKind::Sgl);
+        let buffers = resolve(&HostAccess::new(&dma, None), &entry, 196, true, Vec::new()).unwrap();
+        assert_eq!(regions(&buffers), vec![(a + 4000, 96), (b, 100)]);
+        // The data lands where the pointer said.
+        buffers.scatter(&[7u8; 196]).unwrap();
+        let (mut end_of_first, mut start_of_second) = ([0u8; 96], [0u8; 100]);
+        first.read(4000, &mut end_of_first).unwrap();
+        second.read(0, &mut start_of_second).unwrap();
+        assert_eq!((end_of_first, start_of_second), ([7u8; 96], [7u8; 100]));
     }
 }
