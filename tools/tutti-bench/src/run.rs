@@ -85,10 +85,15 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             // Checked before anything is created: without --device the temporary pool file is
             // laid out (written) to --offset + --size first.
             validate_raw(cli)?;
+            // Sized as a file --device names and the run creates is (`run_raw`): to whole --bs
+            // blocks, as the run counts the capacity it covers. `offset + size` rounded only to
+            // 1 MiB left a --size of 10m with --bs 4m short of its third block, refused after
+            // the pool was laid out.
             let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
+            let pool_bytes = end_bytes.map(|end| stripe_share_bytes(end, cli.bs, 1)).transpose()?;
             let lay_out = !raw_writes(cli);
             let access = if raw_writes(cli) { Access::Writes } else { Access::Reads };
-            with_devices(cli, end_bytes, lay_out, access, |devices, created| run_raw(cli, devices, created))
+            with_devices(cli, pool_bytes, lay_out, access, |devices, created| run_raw(cli, devices, created))
         }
     }
 }
@@ -147,7 +152,7 @@ pub fn with_devices(
         // A kv or serve run refuses --offset (a raw option) before this: it is 0 there.
         let wanted = bytes.map(|bytes| (bytes, WantedPool::of(cli)));
         // Locked as it was created and held by `created`: the lock step below has no device.
-        let mut pool = temporary_pool(cli.directory.as_deref(), wanted, cli.offset, lay_out)?;
+        let mut pool = temporary_pool(cli.directory.as_deref(), wanted, cli.offset, cli.bs, lay_out)?;
         track_pool(&mut pool, &mut created);
         vec![DeviceSpec::EmuFile(pool.path)]
     } else {
@@ -409,10 +414,12 @@ fn validate_raw(cli: &Cli) -> anyhow::Result<()> {
     // DEFAULT_POOL_BYTES_MAX: an --offset at or past that is refused before the directory is
     // even looked at (a smaller pool, for lack of free space, is checked in temporary_pool,
     // still before the file is created).
-    if cli.devices.is_empty() && cli.size.is_none() && cli.offset >= DEFAULT_POOL_BYTES_MAX {
+    // The run covers whole --bs blocks of it: 3 MiB blocks end at 1023 MiB.
+    if cli.devices.is_empty() && cli.size.is_none() && cli.offset >= DEFAULT_POOL_BYTES_MAX / cli.bs * cli.bs {
         return usage(format!(
-            "--offset={} is at or past the end of the temporary pool file (at most {}: a tenth of the free space); accepted: a smaller --offset, or --size, or --device",
+            "--offset={} is at or past the end of the last whole --bs={} block of the temporary pool file (at most {}: a tenth of the free space); accepted: a smaller --offset, or --size, or --device",
             cli.offset,
+            format_size(cli.bs),
             format_size(DEFAULT_POOL_BYTES_MAX)
         ));
     }
@@ -681,11 +688,13 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
         .map_err(|error| Unusable(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
-/// A raw run's `offset` at or past the pool's size is refused before the file is created.
+/// A raw run's `offset` at or past the pool's last whole block of `block_bytes` (its --bs; 1 for
+/// a run that covers no such blocks) is refused before the file is created.
 fn temporary_pool(
     directory: Option<&Path>,
     wanted_bytes: Option<(u64, WantedPool)>,
     offset: u64,
+    block_bytes: u64,
     lay_out: bool,
 ) -> anyhow::Result<TemporaryPool> {
     let directory = match directory {
@@ -732,11 +741,16 @@ fn temporary_pool(
         }
         None => fitting,
     };
-    // Refused before the file is created and laid out (up to 1 GiB written and fsynced).
-    if offset >= bytes {
+    // Refused before the file is created and laid out (up to 1 GiB written and fsynced). A raw
+    // run covers whole --bs blocks (`run_raw`): an --offset in the tail past the last one would
+    // be refused there, after the lay-out.
+    let whole_blocks_bytes = bytes / block_bytes.max(1) * block_bytes.max(1);
+    if offset >= whole_blocks_bytes {
         return usage(format!(
-            "--offset={offset} is at or past the end of the temporary pool file ({}: a tenth of the {} free in {}); accepted: a smaller --offset, or --size, or --device",
+            "--offset={offset} is at or past the end of the last whole --bs={} block of the temporary pool file ({}, {} of it in whole blocks; sized from the {} free in {}); accepted: a smaller --offset, or --size, or --device",
+            format_size(block_bytes),
             format_size(bytes),
+            format_size(whole_blocks_bytes),
             format_size(free),
             directory.display()
         ));
@@ -797,7 +811,7 @@ pub fn narrator(format: OutputFormat) -> impl Fn(String) -> anyhow::Result<()> {
 pub fn default_run(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
     let started = Instant::now();
     let say = narrator(cli.output_format);
-    let mut pool = temporary_pool(cli.directory.as_deref(), None, 0, false)?;
+    let mut pool = temporary_pool(cli.directory.as_deref(), None, 0, 1, false)?;
     let mut created = CreatedFiles::default();
     track_pool(&mut pool, &mut created);
     if cli.keep {
@@ -982,7 +996,7 @@ mod tests {
         // README's first command failed there with exit 2.
         let directory = tempfile::tempdir().unwrap();
         let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
-        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, false).unwrap();
+        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, 1, false).unwrap();
         let mut created = CreatedFiles::default();
         track_pool(&mut pool, &mut created);
         let probe = std::fs::File::open(&pool.path).unwrap();
@@ -993,6 +1007,23 @@ mod tests {
         open_temporary_pool(&pool, &mut created, "the run's own pool");
         drop(created);
         assert!(!pool.path.exists(), "the temporary pool was left");
+    }
+
+    #[test]
+    fn an_offset_past_the_temporary_pools_last_whole_block_is_refused_before_it_is_created() {
+        // Goal: a raw run covers whole --bs blocks; a 10 MiB pool holds two of 4 MiB, so an
+        // --offset of 8 MiB starts past them. It is refused before the file is created, not by
+        // the run after the pool was laid out; 4 MiB, in the second block, is kept.
+        let directory = tempfile::tempdir().unwrap();
+        let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
+        let error =
+            temporary_pool(Some(directory.path()), Some((10 << 20, WantedPool::of(&cli))), 8 << 20, 4 << 20, true).map(|_| ()).unwrap_err();
+        assert!(error.downcast_ref::<Unusable>().is_some(), "status 1: {error:#}");
+        assert!(error.to_string().contains("--offset") && error.to_string().contains("--bs"), "{error:#}");
+        assert_eq!(std::fs::read_dir(directory.path()).unwrap().count(), 0, "a file was created: {error:#}");
+        let mut pool = temporary_pool(Some(directory.path()), Some((10 << 20, WantedPool::of(&cli))), 4 << 20, 4 << 20, false).unwrap();
+        let mut created = CreatedFiles::default();
+        track_pool(&mut pool, &mut created);
     }
 
     #[test]
@@ -1026,7 +1057,7 @@ mod tests {
         // stood in for by another descriptor's, which any second lock would be refused by.
         let directory = tempfile::tempdir().unwrap();
         let cli = Cli::try_parse_from(["tutti-bench"]).unwrap();
-        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, false).unwrap();
+        let mut pool = temporary_pool(Some(directory.path()), Some((1 << 20, WantedPool::of(&cli))), 0, 1, false).unwrap();
         pool.lock = None;
         let other = std::fs::OpenOptions::new().read(true).write(true).open(&pool.path).unwrap();
         let _other = nix::fcntl::Flock::lock(other, nix::fcntl::FlockArg::LockExclusiveNonblock).unwrap();

@@ -272,6 +272,24 @@ fn a_raw_read_on_a_temporary_pool_reads_laid_out_blocks() {
 }
 
 #[test]
+fn a_size_that_is_not_whole_blocks_runs_on_a_temporary_pool_as_on_a_new_file() {
+    // Goal: --size 10m --bs 4m covers the 8 MiB of whole blocks on a file --device creates
+    // (sized to whole --bs blocks); without --device the temporary pool was sized to 10 MiB,
+    // held 8 MiB of whole blocks, and the run was refused as "larger than the device" after the
+    // pool had been laid out.
+    let directory = tempfile::tempdir().unwrap();
+    let directory_arg = directory.path().display().to_string();
+    let new_file = format!("emu:{}/new.img", directory_arg);
+    let sizes = ["--size", "10m", "--bs", "4m", "--output-format=json"];
+    for place in [&["--directory", &directory_arg][..], &["--device", &new_file][..]] {
+        let output = bench(&[place, &sizes[..]].concat());
+        assert_eq!(output.status.code(), Some(0), "{place:?}: {}", stderr(&output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).expect("JSON output parses");
+        assert_eq!(json["global options"]["size"], 8 << 20, "{place:?}");
+    }
+}
+
+#[test]
 fn a_size_and_offset_past_2_pow_64_are_refused() {
     // Goal: --offset + --size that overflow a u64 are refused with one line (a panic in a
     // debug build, a wrapped region in a release build before).
@@ -777,6 +795,8 @@ fn raw_arguments_are_checked_before_a_temporary_pool_is_written() {
     // Without --size the pool is the default one, at most 1 GiB: an --offset past that is
     // refused before the pool is laid out (before, 1 GiB was written and fsynced first).
     assert_refused(&[&missing[..], &["--offset", "1t"]].concat(), &["--offset", "temporary pool"]);
+    // Nor one past its last whole --bs block: 1023 MiB is 341 blocks of 3 MiB, all of them.
+    assert_refused(&[&missing[..], &["--bs", "3m", "--offset", "1023m"]].concat(), &["--offset", "temporary pool", "--bs"]);
     // A pool that does not fit the free space is named as the user gave it: --size from
     // --offset (the file holds both), not a --size of their sum.
     let directory = tempfile::tempdir().unwrap();
