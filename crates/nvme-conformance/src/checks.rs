@@ -669,8 +669,11 @@ fn corrupted_command_id_detected(context: &Context) -> Outcome {
     faults.corrupt_next_command_id();
     queue.submit_flush(namespace.id, 5)?;
     queue.ring_doorbell()?;
+    // The flush's own completion never comes (the corrupted one was it): the wait runs to its
+    // deadline and reports the unexpected completion there, with the flush still in flight.
     let result = queue.wait_idle(Instant::now() + Duration::from_millis(500), |_| {});
     ensure!(matches!(result, Err(NvmeError::UnexpectedCompletion { .. })), "expected an unexpected-completion error, got {result:?}");
+    ensure!(queue.in_flight() == 1, "the flush whose completion was corrupted is no longer in flight ({} are)", queue.in_flight());
     Ok(Verdict::Passed)
 }
 

@@ -1446,3 +1446,59 @@ fn an_active_namespace_list_refused_with_an_error_status_falls_back_to_scanning_
     let outcome = Controller::init(FakeDevice::new(unanswered), config());
     assert!(matches!(outcome, Err(NvmeError::Timeout { queue: QueueId(0), .. })), "{outcome:?}");
 }
+
+#[test]
+fn a_wait_goes_on_past_an_unexpected_completion_until_its_commands_completed() {
+    // Goal: a completion naming nothing in flight is not fatal ("it completes nothing and the
+    // pair goes on", queue.rs), so a wait that meets one keeps reaping until its condition holds
+    // and only then reports it. On a ring of 8, commands 0 and 1 are in flight; the CQ holds 0's
+    // completion, one naming nothing, then 1's. The wait used to return the unexpected
+    // completion at once, with 1 still in flight and its completion not delivered: a caller of
+    // read or write took the transfer as over while the controller could still move its data.
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(2);
+    post_completion(&ring, 0, 0, 2, 1);
+    post_completion(&ring, 1, 0x7700, 2, 1);
+    post_completion(&ring, 2, 1, 2, 1);
+    let mut delivered = Vec::new();
+    let started = std::time::Instant::now();
+    let waited = queue.wait_idle(started + Duration::from_secs(5), |completion| delivered.push(completion.tag));
+    assert!(matches!(waited, Err(NvmeError::UnexpectedCompletion { command_id: crate::CommandId(0x7700), .. })), "{waited:?}");
+    assert_eq!(delivered, [0, 1], "every completion was delivered");
+    assert_eq!(queue.in_flight(), 0, "the wait returned with a command in flight");
+    assert!(!queue.failed());
+    assert!(started.elapsed() < Duration::from_secs(1), "the wait ended when its commands completed, not at its deadline");
+}
+
+#[test]
+fn a_wait_that_met_an_unexpected_completion_reports_it_at_its_deadline() {
+    // Goal: when the command a stray completion may have stood for never completes, the wait
+    // still runs to its deadline (the command may yet complete, and its memory is the
+    // controller's until then) and then reports the unexpected completion, not a bare timeout.
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(2);
+    post_completion(&ring, 0, 0, 2, 1);
+    post_completion(&ring, 1, 0x7700, 2, 1);
+    let mut delivered = Vec::new();
+    let asked = Duration::from_millis(100);
+    let started = std::time::Instant::now();
+    let waited = queue.wait_idle(started + asked, |completion| delivered.push(completion.tag));
+    assert!(matches!(waited, Err(NvmeError::UnexpectedCompletion { command_id: crate::CommandId(0x7700), .. })), "{waited:?}");
+    assert!(started.elapsed() >= asked, "the wait gave up after {:?}, before its deadline", started.elapsed());
+    assert_eq!(delivered, [0]);
+    assert_eq!(queue.in_flight(), 1, "command 1 is still in flight");
+}
+
+#[test]
+fn complete_all_reports_a_failed_command_before_an_unexpected_completion() {
+    // Goal: complete_all turns the first failed command into its error; an unexpected
+    // completion met on the way (with every command then completed) does not hide it: the
+    // command's failure is what its caller must act on. Before, the wait's error came back at
+    // once and the failure already delivered in the same reap was dropped.
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(2);
+    // Status: generic, Invalid Field in Command (02h), above the phase bit.
+    post_completion(&ring, 0, 0, 2, 1 | 0x02 << 1);
+    post_completion(&ring, 1, 0x7700, 2, 1);
+    post_completion(&ring, 2, 1, 2, 1);
+    let result = queue.complete_all(Duration::from_secs(5));
+    assert!(matches!(result, Err(NvmeError::Command { command_id: crate::CommandId(0), .. })), "{result:?}");
+    assert_eq!(queue.in_flight(), 0);
+}

@@ -417,12 +417,19 @@ impl IoQueuePair {
     /// Reaps until no command is in flight, or fails at `deadline` with
     /// [`NvmeError::Timeout`] naming the oldest command outstanding (the first issued of those
     /// still in flight).
+    ///
+    /// A completion naming nothing in flight does not end the wait: the first one is returned
+    /// as [`NvmeError::UnexpectedCompletion`] once nothing is in flight, or at the deadline in
+    /// place of the timeout (then with commands still in flight: [`IoQueuePair::in_flight`]).
     pub fn wait_idle(&mut self, deadline: Instant, on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         self.queue.poll_until(deadline, on_completion, |queue| queue.in_flight() == 0)
     }
 
-    /// Reaps until at least `count` more completions arrived, or fails at `deadline`.
+    /// Reaps until at least `count` more completions arrived, or fails at `deadline`. A
+    /// completion naming nothing in flight does not count and does not end the wait; the first
+    /// one is returned as [`NvmeError::UnexpectedCompletion`] once `count` arrived, or at the
+    /// deadline (as for [`IoQueuePair::wait_idle`]).
     pub fn wait_for(&mut self, count: usize, deadline: Instant, mut on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         let seen = std::cell::Cell::new(0usize);
@@ -437,16 +444,28 @@ impl IoQueuePair {
     }
 
     /// Rings, waits for everything in flight and turns the first failed completion into an error.
+    /// A completion naming nothing in flight met on the way is [`NvmeError::UnexpectedCompletion`]
+    /// when every command succeeded; a failed command's error comes first (once nothing is in
+    /// flight, that is what the caller must act on). Any other error of the wait, a timeout
+    /// with commands still in flight included, comes back as it is.
     pub fn complete_all(&mut self, timeout: Duration) -> Result<(), NvmeError> {
         self.ring_doorbell()?;
         let queue = self.queue.id();
         let mut first_failure = None;
-        self.wait_idle(Instant::now() + timeout, |completion| {
+        let waited = self.wait_idle(Instant::now() + timeout, |completion| {
             if first_failure.is_none() {
                 first_failure = completion.into_result(queue).err();
             }
-        })?;
-        first_failure.map_or(Ok(()), Err)
+        });
+        match (waited, first_failure) {
+            (Ok(()), None) => Ok(()),
+            (Ok(()), Some(failure)) => Err(failure),
+            (Err(unexpected @ NvmeError::UnexpectedCompletion { .. }), Some(failure)) if self.queue.in_flight() == 0 => {
+                tracing::warn!(%queue, %unexpected, "an unexpected completion while the wait's commands completed (one failed)");
+                Err(failure)
+            }
+            (Err(error), _) => Err(error),
+        }
     }
 
     /// Synchronous read (tests, tools): submit, ring, wait.

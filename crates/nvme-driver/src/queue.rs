@@ -52,8 +52,9 @@
 //! - its command id names no command in flight (stale, duplicated or corrupted), but its SQ id
 //!   is this queue's and its SQ head lies between the last head reported and the tail we
 //!   published, modulo the depth: [`NvmeError::UnexpectedCompletion`]; it completes nothing
-//!   and the pair goes on (a command whose real completion this was stays in flight until a
-//!   deadline names it). Such a completion has no command window, so that range is the only
+//!   and the pair goes on (a command whose real completion this was stays in flight). A wait
+//!   (`poll_until`) that meets one goes on too, until its condition holds or its deadline, and
+//!   only then reports it: the commands waited for may still complete. Such a completion has no command window, so that range is the only
 //!   check on its head, and a head outside it fails the pair as below, even a duplicate's (or
 //!   a late entry's) old head, one the controller really had: every ring index was the head
 //!   at some time, so no check can tell that head from one the controller cannot have reached
@@ -878,6 +879,13 @@ impl QueuePair {
     /// or failed controller is reported as such rather than as a slow command. On a
     /// [failed](QueuePair::failed) pair whose commands in flight all have unknown outcomes
     /// (nothing more can complete), fails at once with [`NvmeError::QueueFailed`].
+    ///
+    /// A completion naming nothing in flight ([`NvmeError::UnexpectedCompletion`]) does not end
+    /// the wait: it completes nothing and the pair goes on, so the commands waited for may still
+    /// complete, and until they do the memory they name is the controller's. The first one is
+    /// remembered and returned once `done` says so (every completion reaped delivered), or at
+    /// the deadline in place of [`NvmeError::Timeout`] (a dead or failed controller, or a failed
+    /// pair, is still reported as such). Any other error from `reap` ends the wait at once.
     pub fn poll_until(
         &mut self,
         deadline: Instant,
@@ -886,10 +894,25 @@ impl QueuePair {
     ) -> Result<(), NvmeError> {
         let started = Instant::now();
         let mut idle_polls = 0u32;
+        let mut unexpected = None;
         loop {
-            let reaped = self.reap(usize::MAX, &mut on_completion)?;
+            // `reap` delivered the completions before an unexpected one; the wait goes on for
+            // those after it.
+            let reaped = match self.reap(usize::MAX, &mut on_completion) {
+                Ok(reaped) => reaped,
+                Err(error @ NvmeError::UnexpectedCompletion { .. }) => {
+                    if unexpected.is_none() {
+                        unexpected = Some(error);
+                    } else {
+                        tracing::warn!(queue = %self.id, %error, "another unexpected completion in the same wait");
+                    }
+                    // It consumed an entry: poll again at once, as after any reaped entry.
+                    1
+                }
+                Err(error) => return Err(error),
+            };
             if done(self) {
-                return Ok(());
+                return unexpected.map_or(Ok(()), Err);
             }
             if self.failed && self.in_flight == self.unknown_outcomes {
                 return Err(NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes });
@@ -901,7 +924,15 @@ impl QueuePair {
             idle_polls = idle_polls.saturating_add(1);
             if idle_polls.is_multiple_of(POLLS_PER_CHECK) {
                 if Instant::now() >= deadline {
-                    return Err(self.diagnose_timeout(started));
+                    return Err(match (self.diagnose_timeout(started), unexpected) {
+                        (timeout @ NvmeError::Timeout { .. }, Some(unexpected)) => {
+                            // The stray completion may have been the late command's own: it is
+                            // the more telling answer, and the timeout goes to the log.
+                            tracing::warn!(queue = %self.id, %timeout, "a wait that met an unexpected completion timed out");
+                            unexpected
+                        }
+                        (diagnosis, _) => diagnosis,
+                    });
                 }
                 std::thread::yield_now();
             } else {
