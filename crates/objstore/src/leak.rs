@@ -1,7 +1,8 @@
 //! DMA memory the store gives up for good because a controller may still use it: the buffers of
-//! metadata commands on a queue pair whose deletion failed, and (when the executor could not
-//! delete one of its queue pairs) the mapping table and header mirrors. Freeing such memory
-//! would hand its IOVA to the next allocation while a late command still reads or writes it.
+//! metadata commands on a queue pair whose deletion failed (header mirrors among them), and the
+//! mapping table when the executor could not delete one of its queue pairs, or does not say
+//! whether it did while a layer is in flight. Freeing such memory would hand its IOVA to the
+//! next allocation while a late command still reads or writes it.
 //! Every leak is logged at error level and counted here, for the whole process.
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1137,6 +1137,49 @@ fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
 }
 
 #[test]
+fn close_keeps_the_mapping_table_while_a_layer_may_still_move_over_an_executor_that_does_not_say() {
+    // Goal: `close` over an executor that does not say whether its queue pairs are gone
+    // (`retire_queue_pairs` answers `None`, as the GPU executor) with a layer still in flight
+    // (issued, never waited for) answers `false` and leaks the mapping table: that layer's
+    // commands may still read the table's SGL descriptors and write the engine's KV memory
+    // (a retrieve) or read it (a store). It used to answer `true`, and the table was freed
+    // under the commands. With every layer reaped the same store closes as before: `true`,
+    // nothing leaked.
+    for layer_in_flight in [true, false] {
+        let mut fixture = fixture(2, Some(8));
+        let g = geometry();
+        let layout = KvLayout::BlockMajor { base: fixture.region.iova(), block_stride_bytes: g.block_bytes() };
+        fixture.registration = KvRegistration::new(g, ENGINE_BLOCKS, layout, DataPointerMode::Sgl).expect("registration");
+        let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
+        let (pool, _) = Pool::open(fixture.targets.clone(), Some(&g)).expect("open");
+        let executor = DoesNotReport { inner: cpu_executor_for(&pool, 64, &config).expect("executor") };
+        let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+        assert_eq!(store.table().form(), crate::mapping::MappingForm::SglTable, "a table the device reads");
+        store.set_key_seed(SEED);
+        let tokens = tokens(31, 2);
+        for (block, &key) in keys_of(&tokens).iter().enumerate() {
+            fill(&fixture, block as u32, key);
+        }
+        let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1] }).expect("prepare_store");
+        for layer in 0..g.layers {
+            store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+            assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+        }
+        assert_eq!(store.commit_store(plan.handle).expect("commit"), 2);
+        let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+        store.retrieve_layer(handle, 0, BUDGET).expect("retrieve_layer");
+        if !layer_in_flight {
+            assert_eq!(store.wait(handle, deadline()).expect("wait"), Some(0));
+        }
+        let leaked_before = crate::leak::leaked_dma_regions_on_this_thread();
+        let safe = store.close();
+        let leaked = crate::leak::leaked_dma_regions_on_this_thread() - leaked_before;
+        let expected = if layer_in_flight { (false, 1) } else { (true, 0) };
+        assert_eq!((safe, leaked), expected, "layer in flight: {layer_in_flight}: (safe to free, tables leaked)");
+    }
+}
+
+#[test]
 fn a_commit_refused_before_it_begins_leaves_the_request_to_its_caller() {
     // Goal: the contract of a refused commit. Refused before it begins (a layer never stored,
     // or a retrieve's handle), the request is left as it was, still holding its slot, pins and
