@@ -72,6 +72,28 @@ impl DetachedRings {
         self.depth
     }
 
+    /// Deletes the pair for good (teardown): afterwards the controller no longer uses the rings.
+    /// A failed deletion keeps the pair, as in [`DetachedRings::replace`], and calling again
+    /// retries it. Rings with no pair are done already: `Deleted`, and `Retired`, whose queues
+    /// the driver keeps but no kernel was ever given (a failed creation), so no doorbell of
+    /// theirs was rung and no command of theirs exists.
+    pub(crate) fn delete(&mut self, device: usize) -> Result<(), GioError> {
+        let pair = match std::mem::replace(&mut self.state, PairState::Deleted) {
+            PairState::Live { pair, .. } => pair,
+            PairState::Undeleted(pair) => *pair,
+            PairState::Deleted => return Ok(()),
+            PairState::Retired => {
+                self.state = PairState::Retired;
+                return Ok(());
+            }
+        };
+        pair.delete().map_err(|undeleted| {
+            let queue = undeleted.pair.layout().id;
+            self.state = PairState::Undeleted(undeleted.pair);
+            GioError::UndeletedQueuePair { device, queue, source: undeleted.source }
+        })
+    }
+
     /// Deletes the pair and creates one on the same rings for reset `generation` (the caller
     /// has stopped every kernel that could use the old one). Returns the new layout, or the
     /// live pair's when it was already made for `generation`. `device` names the gio device in
@@ -123,6 +145,22 @@ impl DetachedRings {
             }
         }
     }
+}
+
+/// Teardown of the CUDA executor: deletes every device's pair, retrying those a failed deletion
+/// kept; `Ok` when the controller is known done with all of them (`Executor::
+/// retire_queue_pairs`), else the first failure. The caller has stopped every kernel (drained
+/// the stream) and launches none afterwards. A deletion that fails keeps its pair (the rings
+/// untouched) for the next call; the other devices are still deleted.
+pub(crate) fn delete_all<'a>(queues: impl IntoIterator<Item = &'a mut DetachedRings>) -> Result<(), GioError> {
+    let mut first_error = None;
+    for (device, rings) in queues.into_iter().enumerate() {
+        if let Err(error) = rings.delete(device) {
+            tracing::error!(device, %error, "gio-uring CUDA executor teardown: a detached queue pair could not be deleted");
+            first_error.get_or_insert(error);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
 }
 
 #[cfg(test)]
@@ -238,5 +276,35 @@ mod tests {
         let layout = rings.replace(0, 1).unwrap();
         assert_eq!(layout.submission_iova, first.submission_iova);
         assert_eq!(rings.depth(), DEPTH);
+    }
+    #[test]
+    fn teardown_deletes_every_pair_and_reports_one_it_could_not_until_a_retry_deletes_it() {
+        // Goal: the CUDA executor's teardown answers Some(true) only when the controller is done
+        // with every detached pair. A refused Delete I/O SQ keeps that pair (false), the other
+        // device's pair is still deleted, and the next call deletes the kept one (true) without
+        // touching the pair already gone; rings a creation left to the driver are not the
+        // executor's to delete.
+        let (device, _controller, first) = rig();
+        let (_, _, second) = rig();
+        let mut queues = [first, second];
+        device.set_faults(FaultPlan::none().with_rule(refuse(1, DELETE_SQ)));
+        assert!(
+            matches!(delete_all(queues.iter_mut()), Err(GioError::UndeletedQueuePair { device: 0, .. })),
+            "a refused deletion is reported"
+        );
+        assert!(matches!(queues[0].state, PairState::Undeleted(_)), "kept for a retry: {:?}", queues[0].state);
+        assert!(matches!(queues[1].state, PairState::Deleted), "the other device's pair is deleted anyway");
+        let deletes = admin_commands(&device, DELETE_SQ);
+        assert!(delete_all(queues.iter_mut()).is_ok(), "the retry deleted the kept pair");
+        assert_eq!(admin_commands(&device, DELETE_SQ), deletes + 1);
+        assert!(queues.iter().all(|rings| matches!(rings.state, PairState::Deleted)));
+        assert!(delete_all(queues.iter_mut()).is_ok(), "nothing left to delete");
+        assert_eq!(admin_commands(&device, DELETE_SQ), deletes + 1, "no command for a pair already deleted");
+
+        let (device, _controller, mut rings) = rig();
+        device.set_faults(FaultPlan::none().with_rule(refuse(1, CREATE_SQ)).with_rule(refuse(2, DELETE_CQ)));
+        assert!(matches!(rings.replace(0, 1), Err(GioError::Nvme { .. })));
+        assert!(matches!(rings.state, PairState::Retired));
+        assert!(delete_all([&mut rings]).is_ok(), "no command can run on rings the driver keeps: no kernel was given them");
     }
 }

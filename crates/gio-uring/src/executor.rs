@@ -94,9 +94,10 @@ pub trait Executor: Send {
     /// buffers, descriptor tables and PRP lists) may be freed. `Some(false)`: at least one pair
     /// could not be deleted (its rings are leaked) and its commands may still read or write that
     /// memory: the caller must keep it for good. Afterwards the executor serves no I/O. With
-    /// `Some(true)` the CPU executors end every IOCB still issued as TIMEOUT (one CQE each).
-    /// `None` (the default): this executor does not report it (the CUDA executor, whose
-    /// detached queue pairs its own teardown handles).
+    /// `Some(true)` the CPU executors end every IOCB still issued as TIMEOUT (one CQE each), and
+    /// the CUDA executor, which first waits for its stream to drain (`Some(false)` if it does
+    /// not), retires its launches. `None` (the default): this executor does not report it (the
+    /// in-memory test doubles): nothing is known either way.
     fn retire_queue_pairs(&mut self) -> Option<bool> {
         None
     }

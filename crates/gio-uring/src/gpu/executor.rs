@@ -32,6 +32,11 @@
 //! A pair whose deletion fails is kept with its rings, which are not reused
 //! ([`GioError::UndeletedQueuePair`], see `detached_rings.rs`); the launch then stays unretired,
 //! so every later `poll` or `submit` retries the reset and no kernel runs until it succeeds.
+//!
+//! Teardown ([`Executor::retire_queue_pairs`]): no kernel is launched any more; once the stream
+//! has drained (bounded), every detached pair is deleted (those kept by a failed deletion
+//! retried), and only when all are known deleted are the launches still unretired retired, so
+//! that no CQE tells the caller it may reuse memory a command left on a pair may still use.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -184,8 +189,9 @@ impl Launch {
 /// State that exists once `init_queue` attached the executor to a queue.
 #[derive(Debug)]
 struct Attached {
-    /// Keeps the queue's region alive as long as launches may read it.
-    _memory: Arc<QueueMemory>,
+    /// Keeps the queue's region alive as long as launches may read it; teardown retires the
+    /// launches left unretired through it.
+    memory: Arc<QueueMemory>,
     queue_gpu: u64,
     sink: Arc<SharedRegion>,
     sink_layout: RingLayout,
@@ -218,6 +224,8 @@ pub struct GpuExecutor {
     limits: GridLimits,
     config: GpuExecutorConfig,
     reset_generation: u64,
+    /// `retire_queue_pairs` ran: nothing is launched and no queue pair is recreated any more.
+    retired: bool,
     runtime: GpuRuntime,
 }
 
@@ -355,6 +363,7 @@ impl GpuExecutor {
             limits,
             config,
             reset_generation: 0,
+            retired: false,
             runtime,
         })
     }
@@ -481,6 +490,13 @@ impl GpuExecutor {
         Ok(())
     }
 
+    /// Teardown's deletion of every detached pair (those kept by a failed deletion retried),
+    /// once the stream has drained: a kernel still running could ring a deleted pair's doorbell.
+    fn delete_queue_pairs(&mut self) -> Result<(), GioError> {
+        self.drain_stream()?;
+        crate::detached_rings::delete_all(self.queues.iter_mut().map(|queue| &mut queue.rings))
+    }
+
     /// Enqueues everything for one issue, recording in `reached` how far it got (on error: what
     /// the stream may still run).
     fn enqueue(&mut self, memory: &QueueMemory, batch: &IssueBatch, event_index: usize, reached: &mut Reached) -> Result<(), GioError> {
@@ -589,7 +605,13 @@ impl GpuExecutor {
         let timed_out = settling?;
         // Launches enqueued before the last reset ran on the queue pairs it replaced.
         if timed_out && launch.reached.ran && launch.reset_generation == self.reset_generation {
-            self.reset_queue_pairs()?;
+            if self.retired {
+                // After teardown the pairs are deleted, never recreated (no kernel will use
+                // them); the CQEs wait, as for a reset, until every one is known deleted.
+                self.delete_queue_pairs()?;
+            } else {
+                self.reset_queue_pairs()?;
+            }
         }
         let mut posted = launch.posted;
         let posting = retire::post_completions(memory, launch.sq_first, launch.count, &mut posted);
@@ -641,7 +663,7 @@ impl Executor for GpuExecutor {
         // One event per IOCB: every launch in flight holds at least one SQ entry.
         let events = (0..depth).map(|_| Event::create()).collect::<Result<Vec<_>, _>>()?;
         self.attached = Some(Attached {
-            _memory: Arc::clone(memory),
+            memory: Arc::clone(memory),
             queue_gpu,
             sink,
             sink_layout,
@@ -710,6 +732,18 @@ impl Executor for GpuExecutor {
             }
             return Err(error);
         }
+        if self.retired {
+            // No queue pair is left to run it: recorded as a launch that never ran, and retired
+            // at once if the launches ahead of it are, so each IOCB ends as TIMEOUT with its CQE.
+            let launch = Launch::new(batch, None, Reached::default(), self.reset_generation);
+            if let Some(attached) = self.attached.as_mut() {
+                attached.launches.push_back(launch);
+            }
+            if let Err(error) = self.retire(memory) {
+                tracing::warn!(%error, "gio-uring CUDA executor: an issue after teardown could not end yet; the next poll retries");
+            }
+            return Err(GioError::QueuePairsRetired { executor: NAME });
+        }
         let attached = self.attached.as_mut().ok_or_else(|| executor_error("not attached to a queue".into()))?;
         let event_index = attached
             .free_events
@@ -747,6 +781,35 @@ impl Executor for GpuExecutor {
     fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
         let _current = self.runtime.enter()?;
         self.retire(memory)
+    }
+
+    /// Stops launching, waits (bounded by `drain_timeout`) for the stream to drain, then deletes
+    /// every detached pair (see the module documentation). `Some(false)` while a kernel or copy
+    /// may still run (the context cannot be made current, or the stream did not drain: nothing
+    /// is deleted then, since a kernel may still ring the pairs' doorbells) or a pair could not
+    /// be deleted; a later call retries both. With `Some(true)` the launches still unretired
+    /// are retired: each IOCB gets its CQE, one the kernel left ISSUED ending as TIMEOUT.
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.retired = true;
+        let _current = match self.runtime.enter() {
+            Ok(current) => current,
+            Err(error) => {
+                tracing::error!(%error, "gio-uring CUDA executor teardown: cannot wait for the I/O stream; its queue pairs are kept");
+                return Some(false);
+            }
+        };
+        if let Err(error) = self.delete_queue_pairs() {
+            tracing::error!(%error, "gio-uring CUDA executor teardown: a kernel may still run or a queue pair is undeleted");
+            return Some(false);
+        }
+        // The stream drained, so every launch's event has completed and retirement does not
+        // wait; with the pairs deleted no command of theirs completes any more either.
+        if let Some(memory) = self.attached.as_ref().map(|attached| Arc::clone(&attached.memory)) {
+            if let Err(error) = self.retire(&memory) {
+                tracing::warn!(%error, "gio-uring CUDA executor teardown: launches left unretired; the next poll retries");
+            }
+        }
+        Some(true)
     }
 }
 
