@@ -13,7 +13,7 @@
 //! whose parent is gone sees end of file on standard input and stops.
 
 use std::ffi::OsString;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -188,6 +188,33 @@ enum Heard {
     Closed,
 }
 
+/// Passes the lines client `index` prints on `output` to `sender` as [`Heard`], from a thread
+/// of `builder` (a test fails it); one the system refuses is an error naming the client.
+fn listen(
+    index: u32,
+    output: impl Read + Send + 'static,
+    sender: mpsc::Sender<(usize, Heard)>,
+    builder: &dyn Fn() -> std::io::Result<std::thread::Builder>,
+) -> anyhow::Result<()> {
+    let index = index as usize;
+    builder()
+        .and_then(|builder| {
+            builder.spawn(move || {
+                for line in BufReader::new(output).lines() {
+                    let Ok(line) = line else { break };
+                    if let Some(message) = line.strip_prefix(LINE_PREFIX) {
+                        if sender.send((index, Heard::Line(message.to_string()))).is_err() {
+                            return;
+                        }
+                    }
+                }
+                let _ = sender.send((index, Heard::Closed));
+            })
+        })
+        .map(drop)
+        .with_context(|| format!("starting the thread that reads client process {index}'s output"))
+}
+
 /// The client processes of a run; any still running when this is dropped are killed.
 struct Clients {
     children: Vec<Child>,
@@ -215,18 +242,9 @@ impl Clients {
             let output = child.stdout.take().ok_or_else(|| anyhow!("client {index} has no standard output"))?;
             started.children.push(child);
             started.inputs.push(input);
-            let sender = sender.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(output).lines() {
-                    let Ok(line) = line else { break };
-                    if let Some(message) = line.strip_prefix(LINE_PREFIX) {
-                        if sender.send((index as usize, Heard::Line(message.to_string()))).is_err() {
-                            return;
-                        }
-                    }
-                }
-                let _ = sender.send((index as usize, Heard::Closed));
-            });
+            // Refused (a pids cgroup, RLIMIT_NPROC): the run fails naming the client, and
+            // `started`, dropped, kills the clients already started.
+            listen(index, output, sender.clone(), &|| Ok(std::thread::Builder::new().name(format!("client{index}"))))?;
         }
         Ok(started)
     }
@@ -569,6 +587,21 @@ fn report(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reader_thread_the_system_refuses_is_an_error_naming_the_client() {
+        // Goal: where the OS refuses one more thread (a pids cgroup, RLIMIT_NPROC), the run
+        // fails naming the client whose output would go unread, instead of panicking in
+        // `std::thread::spawn` with the clients left to the unwinding.
+        let (sender, _heard) = mpsc::channel();
+        let refused = || Err(std::io::Error::from_raw_os_error(libc::EAGAIN));
+        let error = listen(3, std::io::empty(), sender.clone(), &refused).unwrap_err();
+        assert!(format!("{error:#}").contains("client process 3"), "{error:#}");
+        let (sender, heard) = mpsc::channel();
+        listen(1, &b"tutti-bench-client barrier x\nnoise\n"[..], sender, &|| Ok(std::thread::Builder::new())).unwrap();
+        assert!(matches!(heard.recv_timeout(Duration::from_secs(5)), Ok((1, Heard::Line(line))) if line == "barrier x"));
+        assert!(matches!(heard.recv_timeout(Duration::from_secs(5)), Ok((1, Heard::Closed))));
+    }
 
     /// A client's phase as its process reports it: 1 GB in 10 layers of 100 ms, its layers
     /// running from `start_ns` on the system's monotonic clock for one second.

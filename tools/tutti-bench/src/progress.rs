@@ -14,6 +14,8 @@ use crate::workloads::Progress;
 /// Period of plain progress lines.
 const PLAIN_PERIOD: Duration = Duration::from_secs(5);
 const BAR_PERIOD: Duration = Duration::from_millis(100);
+/// Whether the run has said that it goes on without progress (a thread refused).
+static WARNED_NO_THREAD: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Runs `work` while showing progress of `progress.bytes_done` towards `total_bytes` (a byte
 /// count for one-pass phases, or none for time-based ones, shown against `runtime`).
@@ -24,10 +26,30 @@ pub fn with_progress<T>(
     progress: &Arc<Progress>,
     work: impl FnOnce() -> T,
 ) -> T {
+    with_progress_with(label, total_bytes, runtime, progress, &|| Ok(std::thread::Builder::new().name("progress".into())), work)
+}
+
+/// [`with_progress`] with the progress thread's builder from `builder` (a test fails it).
+fn with_progress_with<T>(
+    label: &str,
+    total_bytes: Option<u64>,
+    runtime: Option<Duration>,
+    progress: &Arc<Progress>,
+    builder: &dyn Fn() -> std::io::Result<std::thread::Builder>,
+    work: impl FnOnce() -> T,
+) -> T {
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let done = &done;
-        scope.spawn(move || show(label, total_bytes, runtime, progress, done));
+        // Progress is best effort: where the OS refuses one more thread (a pids cgroup,
+        // RLIMIT_NPROC), the phase runs without it, said once for the run (not once a phase).
+        if let Err(error) =
+            builder().and_then(|builder| builder.spawn_scoped(scope, move || show(label, total_bytes, runtime, progress, done)))
+        {
+            if !WARNED_NO_THREAD.swap(true, Ordering::Relaxed) {
+                tutti_cli::errln!("tutti-bench: warning: cannot start the progress thread ({error}); the run goes on without progress");
+            }
+        }
         // Set as `work` returns or unwinds: a panic in it must not leave the scope waiting on
         // a progress thread that never ends.
         let _finished = Finished(done);
@@ -111,5 +133,19 @@ mod tests {
         });
         let panicked = receiver.recv_timeout(Duration::from_secs(1)).expect("with_progress returned within 1 s");
         assert!(panicked);
+    }
+
+    #[test]
+    fn a_progress_thread_the_system_refuses_leaves_the_phase_to_run_without_progress() {
+        // Goal: progress is best effort. Where the OS refuses one more thread (a pids cgroup,
+        // RLIMIT_NPROC), the phase runs without it (a warning said once) instead of panicking.
+        let progress = Arc::new(Progress::default());
+        let refused = || Err(std::io::Error::from_raw_os_error(libc::EAGAIN));
+        for _ in 0..2 {
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                with_progress_with("test", Some(1), None, &progress, &refused, || 42)
+            }));
+            assert_eq!(outcome.ok(), Some(42), "the phase did not run to its result");
+        }
     }
 }
