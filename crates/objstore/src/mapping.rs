@@ -288,8 +288,9 @@ impl MappingTable {
         self.region.as_ref().map(|region| IovaRange::new(region.iova(), region.len() as u64))
     }
 
-    /// Commands (IOCTXs) that move one layer of a run of `run` consecutive blocks of one slot
-    /// (runs longer than one block exist only on the SGL table path).
+    /// Commands (IOCTXs) that move one layer of a run of `run` consecutive blocks of one slot:
+    /// the pieces [`MappingTable::for_each_piece`] emits for it (the store merges runs longer
+    /// than one block only on the SGL table path; elsewhere each block has its own commands).
     pub fn commands_per_run(&self, run: u32) -> u64 {
         match self.form {
             MappingForm::SglTable => (2 * self.parts_per_unit * u64::from(run)).div_ceil(self.descriptors_per_command),
@@ -309,7 +310,8 @@ impl MappingTable {
     /// The pieces that move engine blocks `first_block .. first_block + run` (consecutive ids)
     /// at layer 0, handed to `emit` in disk order (one per command: at most 2 per block unless
     /// MDTS cuts objects). Runs longer than one block are merged into one piece only on the
-    /// SGL table path. Allocation-free: the hot path of `prepare_*` calls it per block. A
+    /// SGL table path; on the other forms each block of the run gives its own pieces, the
+    /// block's disk offsets a K+V pair past the previous block's. Allocation-free: the hot path of `prepare_*` calls it per block. A
     /// callback rather than an out-array: writing the pieces to memory and reading them back
     /// in wider loads stalled store forwarding.
     ///
@@ -323,6 +325,7 @@ impl MappingTable {
         if u64::from(first_block) + u64::from(run) > u64::from(num_blocks) {
             return Err(ObjstoreError::BlockOutOfRange { block: first_block.max(num_blocks), num_blocks });
         }
+        // From here `first_block + run` is at most `num_blocks`: no u32 sum below overflows.
         let b = u64::from(first_block);
         match self.form {
             MappingForm::SglTable => {
@@ -341,29 +344,37 @@ impl MappingTable {
                 }
                 self.split_sgl_pieces(first, run, &mut emit)
             }
+            // No merging here: a run is its blocks one after another, each block's layer a
+            // K+V pair (`2 * object` bytes) past the previous one's on disk.
             MappingForm::Collapsed => {
-                let base = self.registration.address(0, KvKind::Key, first_block).ok_or_else(|| overflow("a KV object"))?;
-                for part in 0..self.parts_per_unit {
-                    let offset = part * self.part_bytes;
-                    let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
-                    let descriptor = self.prp_descriptor(data, first_block, 0, offset)?;
-                    emit(Piece { disk_offset_bytes: offset, len_bytes: self.part_bytes, data, descriptor })?;
+                for (j, block) in (first_block..first_block + run).enumerate() {
+                    let pair = j as u64 * 2 * self.object_bytes;
+                    let base = self.registration.address(0, KvKind::Key, block).ok_or_else(|| overflow("a KV object"))?;
+                    for part in 0..self.parts_per_unit {
+                        let offset = part * self.part_bytes;
+                        let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
+                        let descriptor = self.prp_descriptor(data, block, 0, offset)?;
+                        emit(Piece { disk_offset_bytes: pair + offset, len_bytes: self.part_bytes, data, descriptor })?;
+                    }
                 }
                 Ok(())
             }
             MappingForm::StridedPair => {
                 let object = self.object_bytes;
-                for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
-                    let base = self.registration.address(0, kind, first_block).ok_or_else(|| overflow("a KV object"))?;
-                    for part in 0..self.parts_per_unit {
-                        let offset = part * self.part_bytes;
-                        let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
-                        emit(Piece {
-                            disk_offset_bytes: index as u64 * object + offset,
-                            len_bytes: self.part_bytes,
-                            data,
-                            descriptor: self.prp_descriptor(data, first_block, index as u64, offset)?,
-                        })?;
+                for (j, block) in (first_block..first_block + run).enumerate() {
+                    let pair = j as u64 * 2 * object;
+                    for (index, kind) in [KvKind::Key, KvKind::Value].into_iter().enumerate() {
+                        let base = self.registration.address(0, kind, block).ok_or_else(|| overflow("a KV object"))?;
+                        for part in 0..self.parts_per_unit {
+                            let offset = part * self.part_bytes;
+                            let data = base.checked_add(offset).ok_or_else(|| overflow("a part of a KV object"))?;
+                            emit(Piece {
+                                disk_offset_bytes: pair + index as u64 * object + offset,
+                                len_bytes: self.part_bytes,
+                                data,
+                                descriptor: self.prp_descriptor(data, block, index as u64, offset)?,
+                            })?;
+                        }
                     }
                 }
                 Ok(())
@@ -549,7 +560,9 @@ mod tests {
         // descriptors; PRP: PRP1 and the list entries it points at); and the large-MDTS case
         // keeps one command per block-layer (per run on the SGL table path). A block-major
         // SGL registration collapses with one block per slot and takes the table with more, so
-        // that a slot's run of blocks is one command per layer.
+        // that a slot's run of blocks is one command per layer. Runs of several blocks are
+        // walked on every form, as many pieces as `commands_per_run` counts (the non-table
+        // forms emitted only the first block's pieces, and no caller could tell).
         let cases = [
             (DataPointerMode::Sgl, false, 4, MappingForm::SglTable),
             (DataPointerMode::Sgl, true, 1, MappingForm::Collapsed),
@@ -562,7 +575,6 @@ mod tests {
                 let (dma, registration, _memory) = engine(mode, major, 8);
                 let geometry = *registration.geometry();
                 let object = geometry.object_bytes();
-                let run = if form == MappingForm::SglTable { run } else { 1 };
                 let limits = CommandLimits { max_transfer_bytes: max_transfer, lba_bytes: 512 };
                 let table = MappingTable::build(registration.clone(), &dma, blocks_per_slot, limits).unwrap();
                 assert_eq!(table.form(), form);
@@ -577,7 +589,7 @@ mod tests {
                 assert_eq!(pieces.len() as u64, table.commands_per_run(run), "{context}");
                 if max_transfer == 1 << 20 {
                     let per_block = if form == MappingForm::StridedPair { 2 } else { 1 };
-                    let expected = if form == MappingForm::SglTable { 1 } else { per_block };
+                    let expected = if form == MappingForm::SglTable { 1 } else { per_block * run as usize };
                     assert_eq!(pieces.len(), expected, "{context}: the common case is not split");
                 }
                 // Memory of the run in disk order: for block j, K then V.
