@@ -933,6 +933,33 @@ def test_version_check_names_the_tested_version(monkeypatch):
     assert any(TESTED_SGLANG_VERSION in str(warning.message) for warning in caught)
 
 
+@pytest.mark.parametrize(
+    ("layout", "requests_max", "layers_in_flight", "iocbs"),
+    [
+        # One layer a page: one IOCB set (one IOCB: a page is one block) per request.
+        ("page_first", 32, 2, 64),
+        ("page_first", 512, 2, 512),
+        # requests_max x layers_in_flight sets of one IOCB, up to the 1024 the config allows.
+        ("layer_first", 32, LAYERS, 128),
+        ("layer_first", 512, 2, 1024),
+    ],
+)
+def test_a_pool_is_given_one_iocb_per_page_layer_in_flight(
+    tmp_path: Path, store_options: list, caplog, layout: str, requests_max: int, layers_in_flight: int, iocbs: int
+):
+    """Goal: an SGLang request is one page, one block: each layer in flight holds one IOCB, so
+    the pool gets requests_max x (its layers in flight) IOCBs (at least the store's 64), and a
+    requests_max the config allows (up to 1024 / layers_in_flight) is never warned about as
+    preparing fewer requests than it (iocbs_for's sizing for layers of up to 2048 blocks would
+    double the IOCBs and warn at 512 x 2)."""
+    extra = extra_config(tmp_path / "pool.img", True, requests_max=requests_max, layers_in_flight=layers_in_flight)
+    with caplog.at_level("WARNING"):
+        storage = backend(layout, host_pool(layout), extra)
+    storage.close()
+    assert [(name, options["iocbs"]) for name, options in store_options] == [("open", iocbs)]
+    assert not any("longest" in message for message in tutti_warnings(caplog)), tutti_warnings(caplog)
+
+
 class RecordingRequest:
     """A tutti.Request that notes, at each wait, how many of its layers were issued and how many
     returned by a wait before it."""
@@ -994,7 +1021,7 @@ def test_a_layer_first_page_keeps_layers_in_flight(tmp_path: Path, layers_in_fli
         paged.close()
         # The pools were opened with the default queue depth and the IOCBs their requests need.
         assert [(name, options["queue_depth"], options["layers_in_flight"], options["iocbs"]) for name, options in store_options] == [
-            ("open", 1024, layers_in_flight, max(64, 2 * 32 * layers_in_flight)),
+            ("open", 1024, layers_in_flight, max(64, 32 * layers_in_flight)),
             ("open", 1024, 1, 64),
         ]
         recording = RecordingStore(storage._store)

@@ -205,7 +205,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
         # Layers of one page in flight at once (layer_first pools: a page moves layer by layer;
         # page layouts have one layer, and the store is opened for min(N, layers)).
         self._layers_ahead = int(self._config["layers_in_flight"])
-        iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead)  # refused here
+        _iocbs(self._requests_max, self._layers_ahead)  # refused here
         self._store: Any = None
         # The pool's (device identities, fingerprint) once registered: what a clear records.
         self._pool_identity: Optional[tuple[tuple[str, ...], bytes]] = None
@@ -299,7 +299,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             tp_world=storage.tp_size,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
-            iocbs=iocbs_for("--hicache-storage-backend-extra-config", self._requests_max, self._layers_ahead),
+            iocbs=_iocbs(self._requests_max, self._layers_ahead),
             queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
             layers_in_flight=self._layers_ahead,
@@ -704,6 +704,15 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     )
             if self._unsafe is not None:
                 _host_pages_unsafe(self._unsafe)
+
+
+def _iocbs(requests_max: int, layers_in_flight: int) -> int:
+    """The IOCBs a pool needs for `requests_max` pages of `layers_in_flight` layers in flight
+    each: a request is one page, one block (its layer's K and V, at most two NVMe commands), so
+    one IOCB a layer in flight (iocbs_for's default sizes a set for layers of up to 2048 blocks:
+    twice the IOCBs, and a false warning at requests_max 512 that fewer can be prepared at once).
+    Raises ConfigError past 1024 sets."""
+    return iocbs_for("--hicache-storage-backend-extra-config", requests_max, layers_in_flight, blocks_per_request_max=1)
 
 
 class _RequestPlaces:
