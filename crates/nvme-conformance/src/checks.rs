@@ -152,6 +152,13 @@ fn deadline(context: &Context) -> Instant {
     Instant::now() + context.config.timeout
 }
 
+/// An I/O queue pair of `depth` (at most CAP.MQES) on `controller`.
+///
+/// Every check declares the DMA buffers its commands name before the queue pair that runs
+/// them, so that on an early return (an error with commands still in flight) the pair drops
+/// first: its drop deletes the queues, after which the controller moves no more data, and only
+/// then do the buffers give their IOVA back. Declared after it, they went first, while a read
+/// could still write into the range.
 fn queue(controller: &Controller, depth: u32) -> Result<IoQueuePair, Failure> {
     let depth = depth.min(controller.capabilities().max_queue_entries());
     Ok(controller.create_io_queue_pair(depth)?)
@@ -205,11 +212,12 @@ fn queue_pairs_at_full_depth(context: &Context) -> Outcome {
     let (pairs, note) = queue_pairs_to_use(context, &controller)?;
     let depth = context.config.queue_depth_max.min(controller.capabilities().max_queue_entries());
     let block = namespace.block_size_bytes as usize;
+    // Before the queues, so that it outlives them (see `queue`).
+    let buffer = controller.dma().allocate(block * depth as usize)?;
     let mut queues = Vec::new();
     for _ in 0..pairs {
         queues.push(queue(&controller, depth)?);
     }
-    let buffer = controller.dma().allocate(block * depth as usize)?;
     for queue in &mut queues {
         let commands = queue.free_slots();
         ensure!(commands == depth as usize - 1, "{} offers {} slots for depth {}", queue.id(), commands, depth);
@@ -281,11 +289,15 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
         Err(reason) => return Ok(Verdict::Skipped(reason)),
     };
     let dma = Arc::clone(controller.dma());
+    let max = 4 * controller.max_transfer_bytes();
+    // One source and one sink for every round, the largest transfer's size, allocated before
+    // the queue pairs so that they outlive them (see `queue`).
+    let source = dma.allocate(max as usize)?;
+    let sink = dma.allocate(max as usize)?;
     for namespace in controller.namespaces().to_vec() {
         let mut queue = queue(&controller, 64)?;
         ensure!(queue.data_pointer_mode() == mode, "queue uses {:?}, wanted {mode:?}", queue.data_pointer_mode());
         let block = u64::from(namespace.block_size_bytes);
-        let max = 4 * controller.max_transfer_bytes();
         let mut sizes =
             vec![block, 4096.max(block), 8192, 64 * 1024, controller.max_transfer_bytes(), controller.max_transfer_bytes() + block, max];
         if context.config.quick {
@@ -296,10 +308,10 @@ fn read_write_sizes(context: &Context, mode: DataPointerMode) -> Outcome {
         for (round, size) in sizes.into_iter().enumerate() {
             ensure!(size <= capacity, "namespace too small for a {size}-byte transfer");
             let start_bytes = (round as u64 * 3 * max) % (capacity - size + 1) / block * block;
-            let source = dma.allocate(size as usize)?;
-            let sink = dma.allocate(size as usize)?;
             let seed = context.read_write_seed(mode, round as u64, namespace.id);
             fill_pattern(&source, 0, size as usize, seed, start_bytes)?;
+            // Zeroed, so that a read that moves nothing fails whatever an earlier round left.
+            sink.fill(0, size as usize, 0)?;
             let source_segment = DataSegment::new(source.iova(), size as u32);
             let sink_segment = DataSegment::new(sink.iova(), size as u32);
             write_then_read(context, &mut queue, &namespace, Lba(start_bytes / block), &[source_segment], &[sink_segment])?;
@@ -326,8 +338,13 @@ fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataP
     if namespaces.len() < 2 {
         return Ok(());
     }
-    let mut queue = queue(controller, 16)?;
     let dma = Arc::clone(controller.dma());
+    // One block of the largest size for every namespace, before the queue pair so that they
+    // outlive it (see `queue`).
+    let block_max = namespaces.iter().map(|namespace| namespace.block_size_bytes as usize).max().unwrap_or(0);
+    let source = dma.allocate(block_max)?;
+    let sink = dma.allocate(block_max)?;
+    let mut queue = queue(controller, 16)?;
     let tags = |namespace: &Namespace| {
         // A namespace of no blocks (which bring_up_and_identify fails) tags block 0 three times.
         let last = namespace.size_blocks.saturating_sub(1);
@@ -336,7 +353,6 @@ fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataP
     for namespace in &namespaces {
         let block = namespace.block_size_bytes as usize;
         let seed = context.tag_seed(mode, namespace.id);
-        let source = dma.allocate(block)?;
         for lba in tags(namespace) {
             let disk_bytes = lba.0 * block as u64;
             fill_pattern(&source, 0, block, seed, disk_bytes)?;
@@ -346,7 +362,6 @@ fn namespaces_kept_apart(context: &Context, controller: &Controller, mode: DataP
     for namespace in &namespaces {
         let block = namespace.block_size_bytes as usize;
         let seed = context.tag_seed(mode, namespace.id);
-        let sink = dma.allocate(block)?;
         for lba in tags(namespace) {
             let disk_bytes = lba.0 * block as u64;
             sink.fill(0, block, 0)?;
@@ -383,17 +398,18 @@ fn scatter_read(context: &Context, mode: DataPointerMode) -> Outcome {
     };
     let namespace = first_namespace(&controller)?;
     let dma = Arc::clone(controller.dma());
-    let mut queue = queue(&controller, 64)?;
     let piece = 8192usize.max(namespace.block_size_bytes as usize);
     let count = if context.config.quick { 16 } else { 64 };
     let total = piece * count;
+    // The buffers before the queue pair, so that they outlive it (see `queue`).
     let source = dma.allocate(total)?;
+    let buffers = scattered(dma.as_ref(), count, piece)?;
+    let mut queue = queue(&controller, 64)?;
     let start_bytes = 1024 * 1024u64;
     let seed = context.seed(0x5ca7_7e20 + mode as u64);
     fill_pattern(&source, 0, total, seed, start_bytes)?;
     let start = Lba(start_bytes / u64::from(namespace.block_size_bytes));
     queue.write(namespace.id, start, &[DataSegment::new(source.iova(), total as u32)], false, context.config.timeout)?;
-    let buffers = scattered(dma.as_ref(), count, piece)?;
     let segments: Vec<DataSegment> = buffers.iter().map(|region| DataSegment::new(region.iova(), piece as u32)).collect();
     let commands = queue.submit_read(namespace.id, start, &segments, 7)?;
     queue.complete_all(context.config.timeout)?;
@@ -408,10 +424,11 @@ fn scatter_read(context: &Context, mode: DataPointerMode) -> Outcome {
 fn mdts_split(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
-    let mut queue = queue(&controller, 64)?;
     let max = controller.max_transfer_bytes();
     let total = 4 * max + u64::from(namespace.block_size_bytes);
+    // Before the queue pair, so that it outlives it (see `queue`).
     let buffer = controller.dma().allocate(total as usize)?;
+    let mut queue = queue(&controller, 64)?;
     let seed = context.seed(77);
     fill_pattern(&buffer, 0, total as usize, seed, 0)?;
     let commands = queue.submit_write(namespace.id, Lba(0), &[DataSegment::new(buffer.iova(), total as u32)], false, 1)?;
@@ -427,9 +444,10 @@ fn mdts_split(context: &Context) -> Outcome {
 fn flush_write_zeroes_deallocate(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
-    let mut queue = queue(&controller, 64)?;
     let block = namespace.block_size_bytes as usize;
+    // Before the queue pair, so that it outlives it (see `queue`).
     let buffer = controller.dma().allocate(16 * block)?;
+    let mut queue = queue(&controller, 64)?;
     let segment = DataSegment::new(buffer.iova(), (16 * block) as u32);
     fill_pattern(&buffer, 0, 16 * block, context.seed(3), 0)?;
     queue.write(namespace.id, Lba(32), &[segment], false, context.config.timeout)?;
@@ -494,8 +512,9 @@ fn expect_status(error: &NvmeError, code_type: StatusCodeType, code: u8, what: &
 fn error_lba_out_of_range(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
-    let mut queue = queue(&controller, 16)?;
+    // Before the queue pair, so that it outlives it (see `queue`).
     let buffer = controller.dma().allocate(namespace.block_size_bytes as usize)?;
+    let mut queue = queue(&controller, 16)?;
     let segment = DataSegment::new(buffer.iova(), namespace.block_size_bytes);
     let error = raw_status(
         context,
@@ -540,6 +559,18 @@ fn error_invalid_field(context: &Context) -> Outcome {
     };
     let block = u64::from(namespace.block_size_bytes);
     let bytes = limit.checked_add(block).ok_or_else(|| Failure(format!("MDTS {limit} bytes plus one block overflows")))?;
+    let Some(blocks) = u32::try_from(bytes / block).ok().and_then(BlockCount::new) else {
+        return Ok(Verdict::Skipped(format!(
+            "MDTS {} KiB plus one block is more than the {} blocks of {block} bytes one command carries",
+            limit / 1024,
+            BlockCount::MAX
+        )));
+    };
+    let (Ok(length), Ok(allocation)) = (u32::try_from(bytes), usize::try_from(bytes)) else {
+        return Ok(Verdict::Skipped(format!("MDTS {} KiB plus one block is more than one data segment carries", limit / 1024)));
+    };
+    // Before the queue pair, so that it outlives it (see `queue`).
+    let buffer = controller.dma().allocate(allocation)?;
     let mut queue = queue(&controller, 16)?;
     let mode = queue.data_pointer_mode();
     // The buffer is page aligned: PRP1 names its first page, one list page the rest.
@@ -551,17 +582,6 @@ fn error_invalid_field(context: &Context) -> Outcome {
             limit / 1024
         )));
     }
-    let Some(blocks) = u32::try_from(bytes / block).ok().and_then(BlockCount::new) else {
-        return Ok(Verdict::Skipped(format!(
-            "MDTS {} KiB plus one block is more than the {} blocks of {block} bytes one command carries",
-            limit / 1024,
-            BlockCount::MAX
-        )));
-    };
-    let (Ok(length), Ok(allocation)) = (u32::try_from(bytes), usize::try_from(bytes)) else {
-        return Ok(Verdict::Skipped(format!("MDTS {} KiB plus one block is more than one data segment carries", limit / 1024)));
-    };
-    let buffer = controller.dma().allocate(allocation)?;
     let error = raw_status(
         context,
         &mut queue,
@@ -576,13 +596,14 @@ fn error_invalid_field(context: &Context) -> Outcome {
 fn error_invalid_opcode_and_namespace(context: &Context) -> Outcome {
     let controller = bring_up(context, DataPointerPreference::Auto)?;
     let namespace = first_namespace(&controller)?;
+    // Before the queue pair, so that it outlives it (see `queue`).
+    let buffer = controller.dma().allocate(4096)?;
     let mut queue = queue(&controller, 16)?;
     let mut unknown = SubmissionEntry::flush(namespace.id);
     unknown.cdw0 = 0x7E;
     let error = raw_status(context, &mut queue, unknown, None)?;
     expect_status(&error, StatusCodeType::Generic, codes::INVALID_OPCODE, "opcode 0x7e")?;
     let inactive = nvme_driver::NamespaceId(controller.identify().namespace_count.saturating_add(7));
-    let buffer = controller.dma().allocate(4096)?;
     let error = raw_status(
         context,
         &mut queue,
@@ -600,8 +621,9 @@ fn error_invalid_sgl(context: &Context) -> Outcome {
         Err(reason) => return Ok(Verdict::Skipped(reason)),
     };
     let namespace = first_namespace(&controller)?;
-    let mut queue = queue(&controller, 16)?;
+    // Before the queue pair, so that it outlives it (see `queue`).
     let buffer = controller.dma().allocate(4096)?;
+    let mut queue = queue(&controller, 16)?;
     let mut entry = SubmissionEntry::read(namespace.id, Lba(0), BlockCount::ONE);
     entry.set_data_pointer_kind(nvme_driver::spec::command::DataPointerKind::Sgl);
     let mut descriptor = SglDescriptor::data_block(buffer.iova().0, namespace.block_size_bytes);
@@ -695,14 +717,15 @@ fn fatal_status_then_reset(context: &Context) -> Outcome {
     let stale = queue.submit_flush(namespace.id, 1);
     ensure!(matches!(stale, Err(NvmeError::QueueStale { .. })), "old queue after reset gave {stale:?}");
     drop(queue);
-    let mut fresh = self::queue(&controller, 16)?;
     let block = namespace.block_size_bytes as usize;
+    // The buffers before the queue pair, so that they outlive it (see `queue`).
     let buffer = controller.dma().allocate(block)?;
-    let seed = context.seed(11);
-    fill_pattern(&buffer, 0, block, seed, 0)?;
     // Read back into a zeroed buffer of its own and compare: a controller that completes the
     // read without moving data must fail here.
     let sink = controller.dma().allocate(block)?;
+    let mut fresh = self::queue(&controller, 16)?;
+    let seed = context.seed(11);
+    fill_pattern(&buffer, 0, block, seed, 0)?;
     sink.fill(0, block, 0)?;
     let (source, target) = (DataSegment::new(buffer.iova(), block as u32), DataSegment::new(sink.iova(), block as u32));
     write_then_read(context, &mut fresh, &namespace, Lba(0), &[source], &[target])?;
@@ -798,13 +821,16 @@ fn data_integrity(context: &Context) -> Outcome {
         context.config.integrity_mib
     );
     let (pairs, note) = queue_pairs_to_use(context, &controller)?;
+    // The buffers before the queue pairs, so that they outlive them (see `queue`). The reads
+    // go into 16 scattered 64 KiB pieces per MiB.
+    let staging = controller.dma().allocate(chunk)?;
+    let pieces = scattered(controller.dma().as_ref(), 16, chunk / 16)?;
     let mut queues = Vec::new();
     for _ in 0..pairs {
         queues.push(queue(&controller, 256)?);
     }
     let block = u64::from(namespace.block_size_bytes);
     let seed = context.seed(0x1a7e_9417);
-    let staging = controller.dma().allocate(chunk)?;
     for index in 0..context.config.integrity_mib {
         let offset = index * chunk as u64;
         fill_pattern(&staging, 0, chunk, seed, offset)?;
@@ -813,8 +839,6 @@ fn data_integrity(context: &Context) -> Outcome {
         queue.write(namespace.id, Lba(offset / block), &[DataSegment::new(staging.iova(), chunk as u32)], false, context.config.timeout)?;
     }
     queues[0].flush(namespace.id, context.config.timeout)?;
-    // Read back as 16 scattered 64 KiB pieces per MiB.
-    let pieces = scattered(controller.dma().as_ref(), 16, chunk / 16)?;
     let segments: Vec<DataSegment> = pieces.iter().map(|region| DataSegment::new(region.iova(), (chunk / 16) as u32)).collect();
     for index in 0..context.config.integrity_mib {
         let offset = index * chunk as u64;
@@ -838,15 +862,16 @@ fn detached_queue_pair(context: &Context) -> Outcome {
     let depth = 16u32;
     let submission = controller.dma().allocate(depth as usize * SUBMISSION_ENTRY_BYTES)?;
     let completion = controller.dma().allocate(depth as usize * 16)?;
+    let block = namespace.block_size_bytes;
+    // Write one block with PRP1, then read it back into a second buffer: both before the
+    // queue pairs, so that they outlive them (see `queue`).
+    let buffer = controller.dma().allocate(block as usize)?;
+    let sink = controller.dma().allocate(block as usize)?;
     let detached = controller.create_detached_queue_pair(depth, Some((submission.clone(), completion.clone())))?;
     let layout = detached.layout();
     ensure!(layout.submission_iova == submission.iova(), "layout names another submission ring");
-    let block = namespace.block_size_bytes;
-    let buffer = controller.dma().allocate(block as usize)?;
     let seed = context.seed(41);
     fill_pattern(&buffer, 0, block as usize, seed, 0)?;
-    // Write one block with PRP1, then read it back into a second buffer.
-    let sink = controller.dma().allocate(block as usize)?;
     let mut write = SubmissionEntry::write(namespace.id, Lba(5), BlockCount::ONE, false);
     write.set_command_id(nvme_driver::CommandId(1));
     write.dptr = [buffer.iova().0, 0];
