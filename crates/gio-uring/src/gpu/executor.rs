@@ -83,7 +83,9 @@ pub struct StagingBuffer {
 pub struct GpuExecutorConfig {
     /// A multiple of 32.
     pub threads_per_block: u32,
-    /// Bound on every wait inside the kernel, in polling iterations.
+    /// Bound on every wait inside the kernel, in polling iterations: at least 1, and with
+    /// `backoff_ns_max` a deadline of at least [`plan::KERNEL_DEADLINE_MIN`] (checked by
+    /// [`GpuExecutor::new`]).
     pub poll_iterations_max: u32,
     /// Cap of the kernel's exponential `__nanosleep` backoff. Every wait of a launch ends at one
     /// deadline, `poll_iterations_max × backoff_ns_max` after its block started (2 s with the
@@ -269,15 +271,7 @@ impl GpuExecutor {
         if queues.is_empty() || queues.len() > usize::from(u16::MAX) {
             return Err(GioError::InvalidConfig { reason: format!("{} queue pairs; 1..=65535 are possible", queues.len()) });
         }
-        let kernel_bound = plan::kernel_time_bound(config.poll_iterations_max, config.backoff_ns_max);
-        if config.drain_timeout < kernel_bound {
-            return Err(GioError::InvalidConfig {
-                reason: format!(
-                    "drain timeout {:?} is shorter than one launch may run ({kernel_bound:?}: {} polls x {} ns backoff + margin)",
-                    config.drain_timeout, config.poll_iterations_max, config.backoff_ns_max
-                ),
-            });
-        }
+        plan::check_kernel_waits(config.poll_iterations_max, config.backoff_ns_max, config.drain_timeout)?;
         let dma_mode = runtime.report().dma_mode;
         match (dma_mode, config.staging.is_empty()) {
             (DmaMode::Staged, true) => {

@@ -204,6 +204,42 @@ pub fn kernel_time_bound(poll_iterations_max: u32, backoff_ns_max: u32) -> Durat
     Duration::from_nanos(budget_ns) + KERNEL_TAIL_MARGIN
 }
 
+/// The shortest per-block deadline (`poll_iterations_max × max(backoff_ns_max, 32)` ns) the
+/// executor accepts. Below it the kernel's waits end before an NVMe command can complete, so
+/// every I/O would time out and every launch reset the queue pairs.
+pub const KERNEL_DEADLINE_MIN: Duration = Duration::from_millis(1);
+
+/// Checks the kernel's wait settings of a `GpuExecutorConfig` (what `GpuExecutor::new` refuses):
+/// `poll_iterations_max` is at least 1 (the kernel's claim and slot loops run that many times:
+/// zero never claims anything), the per-block deadline is at least [`KERNEL_DEADLINE_MIN`], and
+/// `drain_timeout` covers one launch ([`kernel_time_bound`]).
+pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_timeout: Duration) -> Result<(), GioError> {
+    if poll_iterations_max == 0 {
+        return Err(GioError::InvalidConfig {
+            reason: "poll_iterations_max is 0: the kernel's waits would never poll, so every I/O would time out".into(),
+        });
+    }
+    let deadline = kernel_time_bound(poll_iterations_max, backoff_ns_max) - KERNEL_TAIL_MARGIN;
+    if deadline < KERNEL_DEADLINE_MIN {
+        return Err(GioError::InvalidConfig {
+            reason: format!(
+                "the kernel's deadline, poll_iterations_max {poll_iterations_max} x max(backoff_ns_max {backoff_ns_max}, \
+                 {BACKOFF_NS_MIN}) ns = {deadline:?}, is under {KERNEL_DEADLINE_MIN:?}: NVMe commands would time out"
+            ),
+        });
+    }
+    let kernel_bound = deadline + KERNEL_TAIL_MARGIN;
+    if drain_timeout < kernel_bound {
+        return Err(GioError::InvalidConfig {
+            reason: format!(
+                "drain_timeout {drain_timeout:?} is shorter than one launch may run ({kernel_bound:?}: poll_iterations_max \
+                 {poll_iterations_max} x backoff_ns_max {backoff_ns_max} ns + margin)"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// What bounds the grid of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GridLimits {
@@ -570,6 +606,27 @@ mod tests {
         write_queue_pair_state(&mut image, &state, 1, &qp, 0);
         assert_eq!(image[dirty], 0);
         assert_eq!(image[neighbour], 9);
+    }
+
+    #[test]
+    fn kernel_wait_settings_that_would_time_out_every_io_are_refused_naming_the_field() {
+        // Goal: GpuExecutor::new refuses settings under which the kernel cannot finish any
+        // I/O (zero polling iterations: its claim loops never run; a deadline shorter than a
+        // command takes) instead of timing out every IOCB and resetting the queue pairs on
+        // every launch; the error names the field. The defaults and the GPU test's pass.
+        let drain = Duration::from_secs(10);
+        let refused = |poll, backoff, drain| match check_kernel_waits(poll, backoff, drain) {
+            Err(GioError::InvalidConfig { reason }) => reason,
+            other => panic!("({poll}, {backoff}, {drain:?}) accepted: {other:?}"),
+        };
+        assert!(refused(0, 10_000, drain).contains("poll_iterations_max"));
+        assert!(refused(1, 10_000, drain).contains("poll_iterations_max"), "a 10 us deadline");
+        assert!(refused(31_000, 0, drain).contains("backoff_ns_max"), "a zero cap counts as 32 ns: 0.99 ms");
+        assert!(refused(200_000, 10_000, Duration::from_secs(2)).contains("drain_timeout"));
+        assert!(check_kernel_waits(200_000, 10_000, drain).is_ok(), "the defaults");
+        assert!(check_kernel_waits(20_000, 10_000, drain).is_ok(), "the GPU test's first pass: 0.2 s");
+        assert!(check_kernel_waits(31_250, 0, drain).is_ok(), "exactly 1 ms");
+        assert!(check_kernel_waits(1, 1_000_000, drain).is_ok(), "one long poll");
     }
 
     #[test]
