@@ -67,8 +67,8 @@ pub struct EmuConfig {
     /// Longest sleep of the idle poller between doorbell scans.
     pub idle_sleep_max: Duration,
     /// `fdatasync` the backing file before every completion that promises media: Flush, FUA
-    /// Writes, Writes with the cache off, a shutdown's write-back (real durability across host
-    /// crashes; slow).
+    /// Writes and Reads, Writes with the cache off, a shutdown's write-back (real durability
+    /// across host crashes; slow).
     pub sync_file_on_flush: bool,
     /// Batch consecutive Reads and write-through Writes of a file-backed device through io_uring
     /// (several in flight); off, or when io_uring is unavailable, every transfer is one

@@ -1,4 +1,4 @@
-//! NVM command set (NVM §3): Read, Write (FUA), Flush, Write Zeroes, Dataset Management.
+//! NVM command set (NVM §3): Read and Write (both with FUA), Flush, Write Zeroes, Dataset Management.
 
 use nvme_driver::hw::DmaRegion;
 use nvme_driver::spec::command::{DatasetRange, DSM_DEALLOCATE};
@@ -102,7 +102,9 @@ impl ControllerCore {
         let result = if write {
             buffers.gather(data).and_then(|()| self.store_blocks(index, &namespace, start_lba, data, entry.force_unit_access()))
         } else {
-            self.load_blocks(index, &namespace, start_lba, data).and_then(|()| buffers.scatter(data))
+            let committed =
+                if entry.force_unit_access() { self.commit_for_fua_read(index, start_lba, u64::from(entry.block_count())) } else { Ok(()) };
+            committed.and_then(|()| self.load_blocks(index, &namespace, start_lba, data)).and_then(|()| buffers.scatter(data))
         };
         self.scratch = scratch;
         self.recycle_regions(buffers.regions);
@@ -115,6 +117,18 @@ impl ControllerCore {
             self.counters.host_reads += 1;
         }
         Ok(0)
+    }
+
+    /// A Read with FUA (CDW12 bit 30) first commits the data of its blocks to non-volatile media
+    /// (NVM command set, Read): their dirty cached copies are written back (other cached blocks
+    /// stay cached) and, with `sync_file_on_flush`, the file is synced, as for a FUA Write (its
+    /// blocks may also hold a write that bypassed the cache only for its size, never synced).
+    /// A failure is a Write Fault, as the Flush that would have done the same reports; the
+    /// blocks it could not write back stay cached. The io_uring path runs a FUA Read only when
+    /// none of its blocks is cached, and syncs before its completion (`finish_io` in `batch.rs`).
+    fn commit_for_fua_read(&mut self, index: usize, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
+        self.write_back_range(index, start_lba, blocks)?;
+        self.sync_if_promised(true)
     }
 
     /// Reads blocks as the host sees them: media, overlaid with newer cached writes.

@@ -10,7 +10,7 @@
 //!   shutdown, CSTS RDY/CFS/SHST, AQA/ASQ/ACQ, doorbells with the configured stride);
 //! - admin commands: Identify (CNS 0/1/2), Create/Delete I/O SQ/CQ, Get/Set Features (Number of
 //!   Queues, Volatile Write Cache, Arbitration), Get Log Page (Error Information, SMART), Abort;
-//! - NVM commands: Read, Write (FUA), Flush, Write Zeroes, Dataset Management (deallocate);
+//! - NVM commands: Read and Write (FUA), Flush, Write Zeroes, Dataset Management (deallocate);
 //! - PRP (with chained lists) and SGL (Data Block, Segment, Last Segment) data pointers;
 //! - a volatile write cache with [`EmuDevice::power_loss`], fault injection ([`FaultPlan`]),
 //!   a no-storage mode, counters ([`EmuStats`]), and an optional [`TimingModel`] that holds

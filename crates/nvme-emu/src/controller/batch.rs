@@ -52,9 +52,10 @@ const RESET_LOOK_INTERVAL: Duration = Duration::from_millis(10);
 const REGION_LISTS_KEPT: usize = 128;
 
 impl ControllerCore {
-    /// Runs commands fetched from one SQ in order. Reads of a file-backed device, and Writes
-    /// that go straight to the backing store (write cache off, FUA, or larger than the cache),
-    /// start their transfers and finish later (see the module documentation); a lone one with
+    /// Runs commands fetched from one SQ in order. Reads of a file-backed device (but a FUA one
+    /// with cached blocks to write back, see [`ControllerCore::fua_read_needs_write_back`]), and
+    /// Writes that go straight to the backing store (write cache off, FUA, or larger than the
+    /// cache), start their transfers and finish later (see the module documentation); a lone one with
     /// nothing in flight is a synchronous `pread`/`pwrite` instead (the ring would only add a
     /// wait). Any other command first waits for everything in flight.
     pub(super) fn run_batch(&mut self, queue_id: u16, completion_queue_id: u16, fetched: &[(SubmissionEntry, u32)], now: Instant) {
@@ -83,7 +84,8 @@ impl ControllerCore {
                 && !admin
                 && self.reader.as_ref().is_some_and(UringReader::is_usable)
                 && entry.fuse() == 0
-                && (read || (entry.opcode() == NvmOpcode::Write as u8 && self.write_goes_to_store(entry)));
+                && ((read && !self.fua_read_needs_write_back(entry))
+                    || (entry.opcode() == NvmOpcode::Write as u8 && self.write_goes_to_store(entry)));
             let alone = position + 1 == fetched.len() && self.in_flight.is_empty();
             if transfer && !alone {
                 self.start_io(queue_id, completion_queue_id, entry, *sq_head, !read);
@@ -539,7 +541,7 @@ impl ControllerCore {
                 self.landed(&io);
                 self.sync_if_promised(io.entry.force_unit_access())
             } else {
-                Ok(())
+                self.sync_for_fua_read(&io)
             };
             return self.finish_counted(io, buffer, durable.map(|()| 0));
         }
@@ -582,7 +584,7 @@ impl ControllerCore {
             }
             Ok(()) => {
                 self.cache.overlay(io.namespace_index, io.start_lba, io.namespace.block_size_bytes as usize, data);
-                io.buffers.scatter(data).map(|()| 0)
+                io.buffers.scatter(data).and_then(|()| self.sync_for_fua_read(&io)).map(|()| 0)
             }
         };
         self.finish_counted(io, buffer, result);
@@ -603,6 +605,31 @@ impl ControllerCore {
         self.recycle_buffer(buffer);
         self.complete(io.queue_id, io.completion_queue_id, io.sq_head, &io.entry, result, None, Instant::now());
         self.recycle_regions(io.buffers.regions);
+    }
+
+    /// Whether a Read has FUA and any of its blocks cached: then it runs on the synchronous path,
+    /// which writes them back before it reads (`commit_for_fua_read` in `io.rs`). Only the FUA
+    /// bit costs a look at the cache, so plain Reads stay as they were. Its blocks cannot be
+    /// cached later while it is in flight: a cached Write waits for everything in flight, and a
+    /// Write that lands only drops cached blocks. A Read naming no valid namespace answers false
+    /// (its transfer's validation reports the error).
+    fn fua_read_needs_write_back(&self, entry: &SubmissionEntry) -> bool {
+        if !entry.force_unit_access() {
+            return false;
+        }
+        let Ok(index) = self.namespace_index(entry.nsid) else { return false };
+        self.cache.holds_any(index, entry.starting_lba().0, u64::from(entry.block_count()))
+    }
+
+    /// The sync a FUA Read promises (see `commit_for_fua_read` in `io.rs`) once its transfer
+    /// through io_uring is done; none of its blocks was cached (see
+    /// [`ControllerCore::fua_read_needs_write_back`]), so there is nothing to write back.
+    fn sync_for_fua_read(&mut self, io: &PreparedIo) -> Result<(), nvme_driver::spec::NvmeStatus> {
+        if io.entry.force_unit_access() {
+            self.sync_if_promised(true)
+        } else {
+            Ok(())
+        }
     }
 
     /// Whether a Write bypasses the volatile write cache (the rule of `store_blocks`). A Write

@@ -1,8 +1,10 @@
 //! Write-back of the volatile write cache to the backing store (Flush, VWC = 0, shutdown,
 //! function reset, a full cache, and part of it at a power loss in
-//! [`crate::PowerLossMode::PartialWriteBack`]). A FUA Write writes nothing back: it writes its own data to
-//! the store and drops the cached copies of its blocks (`store_blocks` in `io.rs`, `landed` in
-//! `batch.rs`).
+//! [`crate::PowerLossMode::PartialWriteBack`]), and the cached blocks of a FUA Read's range
+//! (`read_write` in `io.rs`). A FUA Write writes nothing back: it writes its own data to the store
+//! and drops the cached copies of its blocks (`store_blocks` in `io.rs`, `landed` in `batch.rs`).
+
+use std::collections::BTreeMap;
 
 use nvme_driver::spec::status::codes;
 use nvme_driver::spec::NvmeStatus;
@@ -16,12 +18,35 @@ impl ControllerCore {
         if self.cache.is_empty() {
             return Ok(());
         }
+        self.refuse_write_back_if_fenced()?;
+        let blocks = self.cache.take(only_namespace);
+        self.write_back_taken(blocks)
+    }
+
+    /// Writes the dirty cached blocks of `start_lba..start_lba+blocks` of one namespace back
+    /// (a FUA Read commits its blocks to media before it reads them), as [`Self::write_back`]
+    /// does; other cached blocks stay cached.
+    pub(crate) fn write_back_range(&mut self, namespace_index: usize, start_lba: u64, blocks: u64) -> Result<(), NvmeStatus> {
+        if !self.cache.holds_any(namespace_index, start_lba, blocks) {
+            return Ok(());
+        }
+        self.refuse_write_back_if_fenced()?;
+        let taken = self.cache.take_range(namespace_index, start_lba, blocks);
+        self.write_back_taken(taken)
+    }
+
+    fn refuse_write_back_if_fenced(&self) -> Result<(), NvmeStatus> {
         if self.store.is_fenced() {
             // Keep the blocks cached (still served to reads): the store takes nothing now.
             tracing::error!("cache write-back refused: the backing store is fenced");
             return Err(media(codes::WRITE_FAULT));
         }
-        let mut blocks = self.cache.take(only_namespace);
+        Ok(())
+    }
+
+    /// Writes blocks taken out of the cache to the store; on a failure they, and those not
+    /// tried yet, go back into the cache.
+    fn write_back_taken(&mut self, mut blocks: BTreeMap<(usize, u64), Box<[u8]>>) -> Result<(), NvmeStatus> {
         // Runs of consecutive blocks, each at most WRITE_BACK_CHUNK_BYTES: (namespace index,
         // first LBA, blocks).
         let mut runs: Vec<(usize, u64, u64)> = Vec::new();

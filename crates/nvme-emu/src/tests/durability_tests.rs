@@ -1,6 +1,6 @@
 //! What the controller promises about durability: with `sync_file_on_flush`, every write whose
 //! completion means "on media" (FUA, cache off, shutdown write-back) is `fdatasync`ed before it
-//! completes; a write-back that fails loses nothing, and a shutdown whose write-back or sync
+//! completes, and so is a FUA Read, which writes its cached blocks back first; a write-back that fails loses nothing, and a shutdown whose write-back or sync
 //! fails never reports SHST = complete.
 
 use std::time::{Duration, Instant};
@@ -357,4 +357,98 @@ fn a_partial_power_loss_writes_back_some_whole_cached_blocks_and_loses_the_rest(
     assert_ne!(cut(Some(crate::PowerLossMode::PartialWriteBack { seed: 8 })), first, "another seed picks other blocks");
     assert!(cut(None).iter().all(|&new| !new), "plain power_loss must lose every cached block");
     assert!(cut(Some(crate::PowerLossMode::DiscardCache)).iter().all(|&new| !new), "DiscardCache is power_loss");
+}
+
+/// A one-block Read at `lba` into a fresh buffer, with FUA (CDW12 bit 30) when `fua`; the
+/// buffer is returned with it (keep it until the command completes).
+fn read_entry(host: &TestHost, lba: u64, fua: bool) -> (SubmissionEntry, DmaRegion) {
+    let target = host.buffer(4096);
+    let mut entry = SubmissionEntry::read(NamespaceId(1), Lba(lba), block_count(1));
+    if fua {
+        entry.cdw12 |= 1 << 30;
+    }
+    assert!(entry.force_unit_access() == fua);
+    (with_sgl(entry, &target, 4096), target)
+}
+
+#[test]
+fn a_fua_read_makes_its_cached_blocks_durable() {
+    // Goal: a Read with FUA commits the data of its blocks to non-volatile media before it
+    // reads (NVM command set, Read, CDW12 bit 30): a block written through the enabled cache
+    // (no Flush) and then read with FUA survives a power loss, whether the Read runs alone
+    // (the synchronous path) or within a batch (where Reads of a file go through io_uring);
+    // another cached block, outside the Read, stays volatile. With sync_file_on_flush the FUA
+    // Read also fdatasyncs the file, on either path, as a FUA Write does; a plain Read does not.
+    // Until 2026-12-01 FUA on a Read was ignored: its cached blocks were lost at the cut.
+    for sync_file_on_flush in [false, true] {
+        let (config, path) = file_config(&format!("fua-read-{sync_file_on_flush}"), sync_file_on_flush);
+        let mut host = TestHost::start(config);
+        let mut queue = host.create_io_pair(1, 16);
+        for lba in 0..4 {
+            write(&host, &mut queue, lba, 0x10, true);
+        }
+        for lba in [0, 1, 3] {
+            write(&host, &mut queue, lba, 0x20 + lba as u8, false);
+        }
+        // Alone: LBA 0.
+        let before = syncs(&host);
+        let (entry, target) = read_entry(&host, 0, true);
+        assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+        let mut read = vec![0u8; 4096];
+        target.read(0, &mut read).unwrap();
+        assert!(read.iter().all(|&byte| byte == 0x20), "the FUA Read returns the cached write");
+        let alone_syncs = syncs(&host) - before;
+        // In a batch: LBA 1 with FUA, LBA 3 without, then LBA 2 (not cached) with FUA and
+        // LBA 3 again without.
+        let before = syncs(&host);
+        let mut targets = Vec::new();
+        for (lba, fua) in [(1, true), (3, false)] {
+            let (entry, target) = read_entry(&host, lba, fua);
+            TestHost::push(&mut queue, entry);
+            targets.push(target);
+        }
+        host.ring_submission(&queue);
+        for _ in 0..2 {
+            assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+        }
+        targets[0].read(0, &mut read).unwrap();
+        assert!(read.iter().all(|&byte| byte == 0x21), "the batched FUA Read returns the cached write");
+        let batch_syncs = syncs(&host) - before;
+        let before = syncs(&host);
+        let batched_before = host.device.stats().batched_reads;
+        for (lba, fua) in [(2, true), (3, false)] {
+            let (entry, target) = read_entry(&host, lba, fua);
+            TestHost::push(&mut queue, entry);
+            targets.push(target);
+        }
+        host.ring_submission(&queue);
+        for _ in 0..2 {
+            assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+        }
+        let uncached_syncs = syncs(&host) - before;
+        let ring = tutti_uring::available() && host.device.stats().batched_reads > batched_before;
+        if sync_file_on_flush {
+            assert!(alone_syncs >= 1, "a lone FUA Read was not synced");
+            assert!(batch_syncs >= 1, "a batched FUA Read was not synced");
+            assert!(uncached_syncs >= 1, "a FUA Read of uncached blocks (ring: {ring}) was not synced");
+        } else {
+            assert_eq!((alone_syncs, batch_syncs, uncached_syncs), (0, 0, 0), "without sync_file_on_flush nothing is synced");
+        }
+        let before = syncs(&host);
+        assert!(read_block(&host, &mut queue, 3).iter().all(|&byte| byte == 0x23));
+        assert_eq!(syncs(&host), before, "a plain Read needs no sync");
+        host.device.power_loss();
+        host.enable();
+        let mut queue = host.create_io_pair(1, 16);
+        for (lba, expected) in [(0, 0x20), (1, 0x21), (2, 0x10), (3, 0x10)] {
+            let block = read_block(&host, &mut queue, lba);
+            assert!(
+                block.iter().all(|&byte| byte == expected),
+                "sync {sync_file_on_flush}: LBA {lba} reads {:#x}, not {expected:#x}",
+                block[0]
+            );
+        }
+        drop(host);
+        let _ = std::fs::remove_file(&path);
+    }
 }
