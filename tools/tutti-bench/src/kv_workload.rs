@@ -302,9 +302,10 @@ pub(crate) fn run_phases<T: KvTarget>(
         let cpu_before = ProcessCpu::now();
         let started = Instant::now();
         let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
+        let bytes_per_layer = u64::from(cached) * 2 * target.object_bytes() as u64;
         let store = target.store();
         let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
-        let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve)?;
+        let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve, bytes_per_layer)?;
         store.finish(handle).context("finishing the retrieve")?;
         let wall = started.elapsed();
         let cpu = ProcessCpu::now().since(&cpu_before);
@@ -319,7 +320,7 @@ pub(crate) fn run_phases<T: KvTarget>(
         phases.push(LayerPhase {
             label: "retrieve (the request's cached prefix, read into the engine's KV memory)".to_string(),
             blocks: u64::from(cached),
-            bytes_per_layer: u64::from(cached) * 2 * target.object_bytes() as u64,
+            bytes_per_layer,
             layer_latencies: latencies,
             wall,
             cpu,
@@ -346,7 +347,15 @@ enum Direction {
 /// layer ends the run, after the layers issued behind it are waited for (the device may still
 /// be moving their bytes).
 /// Also the first layer's issue and the last layer's completion (`None` with no layer).
-fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, direction: Direction) -> anyhow::Result<MovedLayers> {
+/// `bytes_per_layer` is what each layer moves: a layer with nothing in flight is accepted only
+/// where it is 0.
+fn move_layers<S: LayerKvStore>(
+    store: &mut S,
+    handle: RequestHandle,
+    layers: u32,
+    direction: Direction,
+    bytes_per_layer: u64,
+) -> anyhow::Result<MovedLayers> {
     let ahead = store.layers_in_flight_max().max(1);
     let verb = if direction == Direction::Retrieve { "retrieve" } else { "store" };
     let mut latencies = Vec::with_capacity(layers as usize);
@@ -370,14 +379,16 @@ fn move_layers<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u3
         let done = Instant::now();
         match waited {
             Ok(Some(completed)) if completed == layer => {}
-            // Nothing was in flight: the request moves no bytes (a store whose blocks are all
-            // cached already), so its issues completed at once.
-            Ok(None) => {}
+            // Nothing was in flight: right only where the layer moves no bytes (a store whose
+            // blocks are all cached already), so its issues completed at once. Elsewhere the
+            // layer's bytes would be counted over no I/O, a rate made up.
+            Ok(None) if bytes_per_layer == 0 => {}
             other => {
                 drain(store, handle, layer + 1..next);
                 let error = match other {
                     Err(error) => anyhow::Error::new(error),
-                    Ok(completed) => anyhow!("the store completed layer {completed:?}, expected layer {layer} (issue order)"),
+                    Ok(None) => anyhow!("the store had nothing in flight for layer {layer}, which moves {bytes_per_layer} bytes"),
+                    Ok(Some(completed)) => anyhow!("the store completed layer {completed}, expected layer {layer} (issue order)"),
                 };
                 return Err(error).with_context(|| format!("waiting for {verb} layer {layer}"));
             }
@@ -409,12 +420,13 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
     let cpu_before = ProcessCpu::now();
     let started = Instant::now();
     let plan = store.prepare_store(request).context("prepare_store")?;
-    let (latencies, span) = move_layers(store, plan.handle, layers, Direction::Store)?;
+    let bytes_per_layer = plan.new_blocks as u64 * 2 * object_bytes;
+    let (latencies, span) = move_layers(store, plan.handle, layers, Direction::Store, bytes_per_layer)?;
     store.commit_store(plan.handle).context("commit_store")?;
     Ok(LayerPhase {
         label: label.to_string(),
         blocks: plan.new_blocks as u64,
-        bytes_per_layer: plan.new_blocks as u64 * 2 * object_bytes,
+        bytes_per_layer,
         layer_latencies: latencies,
         wall: started.elapsed(),
         cpu: ProcessCpu::now().since(&cpu_before),
@@ -437,4 +449,60 @@ pub fn json_report(mode: &str, clients: Option<u32>, config: Value, phases: Vec<
         out["clients"] = json!(clients);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use objstore::{Result, StorePlan};
+
+    /// A store with nothing ever in flight: every issue is taken, every `wait` answers `None`.
+    struct NothingInFlight;
+
+    impl LayerKvStore for NothingInFlight {
+        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
+            first_block
+        }
+        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
+            Ok(RequestHandle::from_bits(1))
+        }
+        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
+            unreachable!("move_layers prepares nothing")
+        }
+        fn retrieve_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
+            Ok(())
+        }
+        fn store_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
+            Ok(())
+        }
+        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
+            Ok(false)
+        }
+        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
+            Ok(None)
+        }
+        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
+            Ok(true)
+        }
+        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
+            Ok(0)
+        }
+        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn nothing_in_flight_is_accepted_only_for_a_layer_that_moves_no_bytes() {
+        // Goal: a store whose blocks were all cached moves no bytes, and its layers complete at
+        // once (`wait` answers None). A layer that should move bytes and had nothing in flight
+        // is the store's failure: counted as done, its bytes over ~0 s made GB/s up.
+        let handle = RequestHandle::from_bits(1);
+        let (latencies, _) = move_layers(&mut NothingInFlight, handle, 3, Direction::Store, 0).unwrap();
+        assert_eq!(latencies.len(), 3);
+        for direction in [Direction::Retrieve, Direction::Store] {
+            let error = move_layers(&mut NothingInFlight, handle, 3, direction, 1 << 20).unwrap_err();
+            assert!(format!("{error:#}").contains("nothing in flight for layer 0"), "{error:#}");
+        }
+    }
 }
