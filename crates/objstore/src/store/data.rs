@@ -390,7 +390,10 @@ impl<E: Executor> StoreData<E> {
                     device: DeviceIndex(first.device),
                     nsid,
                     start_lba,
-                    block_count: (piece.len_bytes >> lba_shift) as u32,
+                    // At most MDTS (the shape check bounds it) in LBAs: fits; checked all the same.
+                    block_count: u32::try_from(piece.len_bytes >> lba_shift).map_err(|_| ObjstoreError::AddressOverflow {
+                        what: format!("the LBA count of a {}-byte command to slot {}", piece.len_bytes, first.slot),
+                    })?,
                     data: piece.data,
                     descriptor: piece.descriptor,
                     force_unit_access: false,

@@ -5,10 +5,11 @@
 //! half checks every placement it is given against it.
 
 use crate::error::{ObjstoreError, Result};
-use crate::format::{metadata_layout, SlotAddressing, FLAG_PAYLOAD_CRC};
+use crate::format::{header_entry_bytes, metadata_layout, SlotAddressing, BLOCKS_PER_SLOT_MAX, FLAG_PAYLOAD_CRC};
 use crate::geometry::ModelGeometry;
 use crate::index::BlockLocation;
 use crate::pool::Pool;
+use nvme_driver::datapath::TRANSFER_BYTES_MAX;
 
 /// One pool device as the data half sees it (pool device i is gio_uring device index i).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -139,15 +140,18 @@ fn bad_shape(reason: String) -> ObjstoreError {
 impl PoolShape {
     /// Checks that the shape is self-consistent and that every slot of every device, all its
     /// layers, lies inside that device's namespace: then no placement inside the shape names
-    /// an LBA outside it. Every field is untrusted: the geometry is validated as at format,
-    /// LBA sizes must be ones a namespace has, and all arithmetic is checked.
+    /// an LBA outside it. Every field is untrusted: the geometry and blocks per slot are
+    /// validated as at format, LBA sizes must be ones a namespace has, each MDTS lies between
+    /// one LBA and what one command carries, and all arithmetic is checked.
     pub fn check(&self) -> Result<()> {
         if self.devices.is_empty() || self.devices.len() > usize::from(u16::MAX) {
             return Err(bad_shape(format!("{} devices, expected 1..={}", self.devices.len(), u16::MAX)));
         }
+        // As at format (`Superblock::plan`: a slot header lists each block); the header
+        // entry's fit in one LBA is checked per device below.
         let k = u64::from(self.blocks_per_slot);
-        if k == 0 || self.blocks_per_slot > u32::from(u16::MAX) {
-            return Err(bad_shape(format!("{} blocks per slot", self.blocks_per_slot)));
+        if k == 0 || self.blocks_per_slot > BLOCKS_PER_SLOT_MAX {
+            return Err(bad_shape(format!("{} blocks per slot, expected 1..={BLOCKS_PER_SLOT_MAX}", self.blocks_per_slot)));
         }
         // A validated geometry's object is at most 1 GiB, so the pair's bytes cannot overflow;
         // checked all the same.
@@ -167,6 +171,23 @@ impl PoolShape {
                 return Err(bad_shape(format!(
                     "device {index}: LBA size {} with shift {}, expected a power of two in {LBA_BYTES_MIN}..={LBA_BYTES_MAX} and its log2",
                     device.lba_bytes, a.lba_shift
+                )));
+            }
+            let entry_bytes = header_entry_bytes(self.blocks_per_slot);
+            if entry_bytes > u64::from(device.lba_bytes) {
+                return Err(bad_shape(format!(
+                    "device {index}: {} blocks per slot need a {entry_bytes}-byte slot header entry, more than one {}-byte LBA",
+                    self.blocks_per_slot, device.lba_bytes
+                )));
+            }
+            // The data half cuts every transfer into commands of at most this many bytes, and
+            // counts one command's LBAs in a u32: between one LBA and what the driver lets one
+            // command carry (every controller's MDTS is capped there).
+            if !(u64::from(device.lba_bytes)..=TRANSFER_BYTES_MAX).contains(&device.max_transfer_bytes) {
+                return Err(bad_shape(format!(
+                    "device {index}: a largest transfer (MDTS) of {} bytes, expected {}..={TRANSFER_BYTES_MAX} (one LBA to what one \
+                     command carries)",
+                    device.max_transfer_bytes, device.lba_bytes
                 )));
             }
             if !pair_bytes.is_multiple_of(u64::from(device.lba_bytes)) || a.pair_blocks != pair_bytes >> a.lba_shift {
@@ -375,6 +396,63 @@ mod tests {
             } else {
                 assert!(shape.check().is_err(), "{lba_bytes}-byte LBAs");
             }
+        }
+    }
+
+    #[test]
+    fn a_shape_whose_commands_or_slots_no_pool_has_is_refused() {
+        // Goal: the data half cuts commands by the shape's MDTS and puts one command's LBAs in
+        // a u32; both come over tuttid's socket. An MDTS of 0, below one LBA or above what one
+        // command can carry (`TRANSFER_BYTES_MAX`, where the driver caps every controller's) is
+        // refused, and so is a slot of more blocks than format allows (`BLOCKS_PER_SLOT_MAX`,
+        // a header entry within one LBA), consistent in every other field: with k = 2048 and
+        // an MDTS of u64::MAX both used to pass, and one merged run's command of 2048 blocks
+        // could exceed a u32 count of LBAs.
+        good_shape().check().expect("the shape of a real pool");
+        for max_transfer_bytes in [0, 256, TRANSFER_BYTES_MAX + 1, u64::MAX] {
+            let mut shape = good_shape();
+            shape.devices[0].max_transfer_bytes = max_transfer_bytes;
+            let reason = refused(&shape, &format!("MDTS {max_transfer_bytes}"));
+            assert!(reason.contains("transfer"), "{reason}");
+        }
+        let mut largest = good_shape();
+        largest.devices[0].max_transfer_bytes = TRANSFER_BYTES_MAX;
+        largest.check().expect("the largest MDTS a controller reports");
+        // k blocks per slot, every other field what format would write for one slot of them
+        // (blocks of 128 tokens: a K+V pair of 64 KiB, whole LBAs of every size here).
+        let with_k = |k: u32, lba_bytes: u32, max_transfer_bytes: u64| {
+            let mut shape = good_shape();
+            shape.geometry.block_tokens = 128;
+            let pair_bytes = 2 * shape.geometry.object_bytes();
+            shape.blocks_per_slot = k;
+            let device = &mut shape.devices[0];
+            device.lba_bytes = lba_bytes;
+            device.max_transfer_bytes = max_transfer_bytes;
+            let a = &mut device.addressing;
+            a.lba_shift = lba_bytes.trailing_zeros();
+            a.pair_blocks = pair_bytes >> a.lba_shift;
+            shape.layer_stride_blocks = a.pair_blocks * u64::from(k);
+            a.slot_blocks = shape.layer_stride_blocks * u64::from(shape.geometry.layers);
+            device.slot_count = 1;
+            a.data_lba = metadata_layout(1, k, lba_bytes).unwrap().data_start >> a.lba_shift;
+            device.capacity_blocks = a.data_lba + a.slot_blocks;
+            shape
+        };
+        // The largest k format allows, on LBAs that hold its header entry.
+        let lba_bytes = header_entry_bytes(BLOCKS_PER_SLOT_MAX) as u32;
+        with_k(BLOCKS_PER_SLOT_MAX, lba_bytes, TRANSFER_BYTES_MAX).check().expect("k at format's limit");
+        for (k, lba_bytes, max_transfer_bytes, named) in [
+            (2048, 65536, u64::MAX, "blocks per slot"),
+            (2048, 65536, TRANSFER_BYTES_MAX, "blocks per slot"),
+            (BLOCKS_PER_SLOT_MAX + 1, 65536, TRANSFER_BYTES_MAX, "blocks per slot"),
+            (u32::from(u16::MAX), 65536, TRANSFER_BYTES_MAX, "blocks per slot"),
+            (BLOCKS_PER_SLOT_MAX, 65536, u64::MAX, "transfer"),
+            // A header entry of 1024 blocks does not fit a 512-byte LBA.
+            (BLOCKS_PER_SLOT_MAX, 512, TRANSFER_BYTES_MAX, "header entry"),
+        ] {
+            let shape = with_k(k, lba_bytes, max_transfer_bytes);
+            let reason = refused(&shape, &format!("k = {k} on {lba_bytes}-byte LBAs, MDTS {max_transfer_bytes}"));
+            assert!(reason.contains(named), "{reason}");
         }
     }
 }
