@@ -529,6 +529,11 @@ __device__ uint32_t submit_ioctx(const gio_launch_params& params, gio_nvme_qp* q
         help_all_queue_pairs(params);  // whoever waits also drives completions: no deadlock
         backoff.pause();
     }
+    // Acquire, pairing with process_nvme_completion's fence before its done_ticket store: the
+    // previous round's reaper read this slot's tracker before it freed the slot, so the SQE and
+    // tracker writes below must not be ordered before the load that saw done_ticket; without the
+    // fence that reaper could read this round's fields as its own.
+    __threadfence();
     // Also when the slot was free at once (the loop above never ran its check): no SQE is written
     // for a faulted controller, whose completion of it would never be accepted.
     if (queue_pair_faulted(qp)) {

@@ -556,6 +556,23 @@ mod tests {
     }
 
     #[test]
+    fn a_submitter_fences_after_its_slot_wait_before_it_overwrites_the_slot() {
+        // Goal: kernels/gio_io_kernel.cu's submit_ioctx pairs the reaper's release (it reads
+        // the previous round's tracker and fences before storing done_ticket) with an acquire:
+        // a fence after the wait on done_ticket, before the SQE and the tracker are overwritten,
+        // so those writes cannot be ordered before the load that saw the slot free. Without it
+        // the reaper could read this round's fields as the previous round's.
+        let kernel = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/gio_io_kernel.cu")).unwrap();
+        let submit = &kernel[kernel.find("__device__ uint32_t submit_ioctx(").expect("submit_ioctx")..];
+        let wait = submit.find("while (load_volatile(&slot->done_ticket) != previous_done)").expect("the slot wait");
+        let wait_end = wait + submit[wait..].find("\n    }\n").expect("the wait loop's end");
+        let overwrite = submit.find("target[part] = source[part]").expect("the SQE store");
+        let tracker = submit.find("store_volatile(&slot->iocb_id").expect("the tracker store");
+        assert!(wait_end < overwrite && overwrite < tracker);
+        assert!(submit[wait_end..overwrite].contains("__threadfence();"), "no fence between the slot wait and the SQE store");
+    }
+
+    #[test]
     fn queues_too_deep_for_a_generation_bit_are_refused() {
         // Goal: the command id is ticket & 0xFFFF, slot index in the low bits and a generation in
         // the rest, never FFFFh (the top slot's last generation takes 7FFFh): at depth 32768 that
