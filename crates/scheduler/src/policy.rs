@@ -130,7 +130,8 @@ fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
 /// Before layer `k`:
 /// 1. any of layer `k`'s own KV still unissued is on the critical path: issue it now;
 /// 2. layer `k+1`'s reads go into this layer's slack windows — in each window as many IOCBs as
-///    the I/O cost table says finish inside it, queued behind reads still in flight. If the
+///    the I/O cost table says finish inside it, queued behind reads and writes still in flight
+///    (under the barrier a read waits while a write is in flight). If the
 ///    windows cannot hold all of them, no window is suitable (reads are the bottleneck): issue
 ///    them all now rather than stall;
 /// 3. windows with room left take reads of later layers (run-ahead);
@@ -276,9 +277,16 @@ impl IoPolicy for SlackAware {
         let mut plan = LayerPlan::default();
         // Reads issued and not completed, priced as the kernels they reach the SSD as: as one,
         // three layers handed over one at a time were taken to pay one command latency, and
-        // run-ahead reads went into room their other latencies had taken.
+        // run-ahead reads went into room their other latencies had taken. Writes released and
+        // not completed hold the SSD too, one after the reads (the barrier: a read waits while a
+        // write is in flight, a released write for the reads): priced from the reads alone,
+        // the next layer's reads went into windows a write carried in from the last request
+        // still took. Writes waiting behind the reads are priced before them all the same
+        // (the view does not say which is in flight), which errs towards issuing reads now.
+        let write_budget = table.io_sm_budget_max(IoKind::Write);
         let mut ssd_free_at_us =
-            kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?;
+            kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?
+                + kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
 
         // 1. This layer's KV is needed now.
         if let Some(own) = unissued.get_mut(layer).filter(|c| **c > 0) {
@@ -310,14 +318,11 @@ impl IoPolicy for SlackAware {
         // Whether any is left, not how many: per-layer counts can sum past a u32.
         let reads_left = targets.iter().any(|t| t.1 > 0);
         if !reads_left && view.queued_write_iocbs > 0 {
-            let write_budget = table.io_sm_budget_max(IoKind::Write);
-            // Writes released earlier start only once the reads ahead of them completed (the
-            // barrier: no write beside a pending read), so the new ones start after both, one
-            // after the other; as their max, they were placed into the earlier writes' time.
-            let writes_us =
-                kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
+            // The SSD is free once the reads and the writes released earlier are done, one after
+            // the other (counted in `ssd_free_at_us` above, so not again); as their max, the new
+            // writes were placed into the earlier writes' time.
             let mut writes = [(None, view.queued_write_iocbs)];
-            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us + writes_us, &mut writes)?;
+            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us, &mut writes)?;
             plan.issues.extend(fill.issues);
         }
         Ok(plan)

@@ -81,6 +81,28 @@ fn slack_aware_accounts_for_reads_in_flight() {
     assert_eq!(plan.issues, vec![read(2, 3, 4, 0.0)]);
 }
 
+/// Goal: writes outstanding hold the SSD as reads in flight do: under the read/write barrier a
+/// read waits while a write is in flight (`tutti-runtime`; the simulator's carried write with
+/// `WriteCarry::reads_wait_for_in_flight`), so layer k+1's reads may not be placed into windows
+/// the write takes. 8 write IOCBs outstanding on 4 SMs (1600 µs) outlast every window of the
+/// 1000 µs layer: no window is suitable and layer 1's 3 IOCBs go at once. Before, the windows
+/// were priced from the reads alone and took them at 0 and 100 µs, inside the write.
+#[test]
+fn slack_aware_keeps_reads_out_of_windows_outstanding_writes_take() {
+    let table = profile();
+    let unissued = [0, 3, 0, 0];
+    let mut v = view(&table, 0, &unissued);
+    // Idle SSD: [0,100) takes 1 IOCB, [100,600) on 2 SMs the other 2.
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 4, 0.0), read(1, 2, 2, 100.0)]);
+    v.outstanding_write_iocbs = 8;
+    v.outstanding_write_kernels = 1;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 3, 4, 0.0)]);
+    // A write of 400 µs (2 IOCBs): [100,600) on 2 SMs holds 1 IOCB (150 µs) from 400, and
+    // [600,1000) the other 2.
+    v.outstanding_write_iocbs = 2;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 2, 400.0), read(1, 2, 4, 600.0)]);
+}
+
 /// Goal: writes only go into room left after every read of the request is issued, start after
 /// the reads (stream dependency) and must end inside their window.
 #[test]
