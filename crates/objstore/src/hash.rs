@@ -46,6 +46,7 @@ pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
 }
 
 /// Keys of every full block of `tokens` (a partial last block has no key: it is not stored).
+/// With `block_tokens` 0 no block is full: `out` is left empty.
 pub fn block_keys(tokens: &[u32], block_tokens: u32, out: &mut Vec<u64>) {
     block_keys_seeded(0, tokens, block_tokens, out);
 }
@@ -53,9 +54,14 @@ pub fn block_keys(tokens: &[u32], block_tokens: u32, out: &mut Vec<u64>) {
 /// Keys of every full block of `tokens` in the key space `seed`: the chain starts from `seed`
 /// instead of 0, so the same tokens under another seed (tuttid's model fingerprint and
 /// tensor-parallel rank/world size) give unrelated keys, and a lookup in one space never finds a
-/// block stored in another. Seed 0 is the in-process store's space ([`block_keys`]).
+/// block stored in another. Seed 0 is the in-process store's space ([`block_keys`]). With
+/// `block_tokens` 0 no block is full: `out` is left empty (the block size may come from an
+/// untrusted request, so it is no panic).
 pub fn block_keys_seeded(seed: u64, tokens: &[u32], block_tokens: u32, out: &mut Vec<u64>) {
     out.clear();
+    if block_tokens == 0 {
+        return;
+    }
     let mut previous = seed;
     for block in tokens.chunks_exact(block_tokens as usize) {
         previous = chain_hash(previous, block);
@@ -103,6 +109,22 @@ mod tests {
         block_keys_seeded(0xfeed, &tokens, 16, &mut seeded);
         assert_eq!(seeded[0], chain_hash(0xfeed, &tokens[..16]));
         assert!(plain.iter().zip(&seeded).all(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn blocks_of_zero_tokens_have_no_keys_and_no_panic() {
+        // Goal: the public key functions take their block size from the caller (a tuttid
+        // client's request, a geometry not yet validated); 0 tokens per block used to panic in
+        // `chunks_exact(0)`. No block is full then: no keys, and what `out` held is cleared.
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut keys = vec![7, 8];
+        block_keys(&tokens, 0, &mut keys);
+        assert!(keys.is_empty(), "{keys:?}");
+        keys.push(9);
+        block_keys_seeded(0xfeed, &tokens, 0, &mut keys);
+        assert!(keys.is_empty(), "{keys:?}");
+        block_keys_seeded(0xfeed, &[], 0, &mut keys);
+        assert!(keys.is_empty(), "{keys:?}");
     }
 
     const GOLDEN_FIRST: u64 = 0x1b0e_9a34_61a6_1443;
