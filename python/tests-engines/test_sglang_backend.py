@@ -1152,6 +1152,41 @@ def test_a_device_template_that_gives_two_scheduler_processes_one_device_is_refu
         StorageBackendFactory.create_backend("dynamic", config, None)
 
 
+@pytest.mark.parametrize(
+    ("template", "ranks", "clash"),
+    [
+        # tp_rank 0 + pp_rank 11 and tp_rank 10 + pp_rank 1 both read "110".
+        ("emu:{dir}/pools/{{pp_rank}}{{tp_rank}}.img", {"pp_size": 12, "tp_size": 12},
+         r"tp_rank 0, pp_rank 11 and tp_rank 10, pp_rank 1 both get 'emu:.*/pools/110\.img'"),
+        # pp_rank 1 + tp_rank 0 ("10") and pp_rank 0 + tp_rank 10 ("010"): one PCI bus, 0x10.
+        ("vfio:0000:{{pp_rank}}{{tp_rank}}:00.0", {"pp_size": 2, "tp_size": 11},
+         r"tp_rank 0, pp_rank 1 gets 'vfio:0000:10:00\.0' and tp_rank 10, pp_rank 0 gets 'vfio:0000:010:00\.0', the same storage"),
+        # A DP-attention group's process (dp_rank 11) knows the groups before it exist.
+        ("emu:{dir}/dp{{dp_rank}}{{tp_rank}}.img", {"dp_rank": 11, "tp_size": 12},
+         r"tp_rank 0, dp_rank 11 and tp_rank 10, dp_rank 1 both get 'emu:.*/dp110\.img'"),
+        # A key in a path component that names no part of the storage.
+        ("emu:{dir}/{{tp_rank}}/../pool.img", {"tp_size": 2},
+         r"tp_rank 0 gets 'emu:.*/0/\.\./pool\.img' and tp_rank 1 gets 'emu:.*/1/\.\./pool\.img', the same storage"),
+    ],
+    ids=["pp-tp", "vfio bus", "dp-tp", "dot-dot"],
+)  # fmt: skip
+def test_a_device_template_whose_keys_give_two_processes_one_device_is_refused(tmp_path: Path, template: str, ranks: dict, clash: str):
+    """Goal: a template with every key can still give two scheduler processes one device (keys
+    side by side with no separator once a size reaches 11, a PCI bus read in hex whatever its
+    leading zeros, a key in a path component that does not count): every process's devices,
+    filled in for each rank the server's sizes imply, are compared, and a device two get is
+    refused when SGLang's factory builds the backend, naming both processes' ranks and their
+    spellings of it. The docs' own examples pass at the sizes they fit."""
+    devices = template.format(dir=tmp_path)
+    config = storage_config("page_first", extra_config(tmp_path / "pool.img", True, devices=devices), **ranks)
+    with pytest.raises(tutti.InvalidArgument, match=r"field 'devices'.*gives two scheduler processes one device: " + clash):
+        StorageBackendFactory.create_backend("dynamic", config, None)
+    examples = [("vfio:0000:{pp_rank}{tp_rank}:00.0", {}), ("emu:/var/tutti/dp{dp_rank}-pp{pp_rank}-tp{tp_rank}.img", {"dp_rank": 3})]
+    for example, more in examples:
+        config = storage_config("page_first", extra_config(tmp_path / "pool.img", True, devices=example), pp_size=2, tp_size=8, **more)
+        StorageBackendFactory.create_backend("dynamic", config, None)
+
+
 def test_pipeline_stages_and_dp_attention_groups_open_their_own_pools_in_their_own_key_spaces(tmp_path: Path, store_options: list):
     """Goal: with pipeline parallelism (and DP attention) two scheduler processes share tp_rank
     0; "{pp_rank}", "{dp_rank}" and "{cp_rank}" in the devices template give each its own pool,

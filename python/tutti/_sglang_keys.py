@@ -31,6 +31,7 @@ tutti.sglang imports these names, and `rank_devices` / `check_rank_devices` stay
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -181,11 +182,32 @@ def rank_devices(devices: Any, storage: HiCacheStorageConfig) -> list[str]:
     """The device strings of this scheduler process: "{tp_rank}", "{pp_rank}", "{dp_rank}" and
     "{cp_rank}" replaced by its ranks (a key not in any string is not looked up)."""
     listed = [devices] if isinstance(devices, str) else list(devices)
-    for key, _, value, _ in _RANK_KEYS:
-        if any("{" + key + "}" in device for device in listed):
-            rank = str(value(storage))
-            listed = [device.replace("{" + key + "}", rank) for device in listed]
+    return _filled(listed, {key: value(storage) for key, _, value, _ in _RANK_KEYS if _in_template(key, listed)})
+
+
+def _in_template(key: str, listed: list[str]) -> bool:
+    return any("{" + key + "}" in device for device in listed)
+
+
+def _filled(listed: list[str], ranks: dict[str, int]) -> list[str]:
+    """The device strings with each "{key}" of `ranks` replaced by its rank."""
+    for key, rank in ranks.items():
+        listed = [device.replace("{" + key + "}", str(rank)) for device in listed]
     return listed
+
+
+def _server_ranks(storage: HiCacheStorageConfig) -> dict[str, range]:
+    """Each key's ranks among this server's scheduler processes, as far as this process can tell:
+    every TP rank, pipeline stage and CP rank; every plain-DP replica, or the DP-attention groups
+    up to this process's (group 0 cannot tell that others exist; a clash with a later group is
+    refused by that group's process)."""
+    replicas = _replicas()[1]
+    return {
+        "tp_rank": range(storage.tp_size),
+        "pp_rank": range(storage.pp_size),
+        "dp_rank": range(replicas if replicas > 1 else int(getattr(storage, "dp_rank", 0)) + 1),
+        "cp_rank": range(storage.attn_cp_size),
+    }
 
 
 def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
@@ -202,7 +224,41 @@ def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
                 f"dp_size {_replicas()[1]}); "
                 f"put \"{{{key}}}\" in every device string, e.g. \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
             )
+    _check_distinct_devices(devices, listed, storage)
     rank_devices(devices, storage)  # a replica whose rank SGLang did not state is refused here
+
+
+def _check_distinct_devices(devices: Any, listed: list[str], storage: HiCacheStorageConfig) -> None:
+    """Raises ConfigError when the template, filled in for every scheduler process of this
+    server (`_server_ranks`), gives two of them one device, though each has every key it needs:
+    keys side by side with no separator ("{pp_rank}{tp_rank}": pp 1 tp 11 and pp 11 tp 1 both
+    read "111"), a PCI bus whose leading zeros do not count ("010" and "10"), a key in a path
+    component that names nothing ("{tp_rank}/../pool.img"). Devices are compared by the storage
+    behind them (`_device_identity`), as the cleared-pool record compares them; memory devices
+    keep nothing and are never shared."""
+    names = {key: name for key, name, _, _ in _RANK_KEYS}
+    present = {key: ranks for key, ranks in _server_ranks(storage).items() if _in_template(key, listed)}
+    # The first process (its ranks) and spelling each device was given.
+    given: dict[str, tuple[tuple[int, ...], str]] = {}
+    for combination in itertools.product(*present.values()):
+        for device in dict.fromkeys(_filled(listed, dict(zip(present, combination)))):
+            identity = _device_identity(device)
+            if identity is None:
+                continue
+            first, spelling = given.setdefault(identity, (combination, device))
+            if first == combination:
+                continue
+            who = [", ".join(f"{names[key]} {rank}" for key, rank in zip(present, ranks)) for ranks in (first, combination)]
+            clash = (
+                f"{who[0]} and {who[1]} both get {device!r}"
+                if spelling == device
+                else f"{who[0]} gets {spelling!r} and {who[1]} gets {device!r}, the same storage"
+            )
+            raise ConfigError(
+                f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r} gives two scheduler processes "
+                f"one device: {clash}; give every process's devices distinct names, e.g. with a separator between "
+                f"keys: \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
+            )
 
 
 def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ...]:
