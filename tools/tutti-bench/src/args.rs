@@ -16,7 +16,8 @@ use tutti_devices::{parse_size, DeviceKind};
 
 /// fio-like benchmark of the raw NVMe path and of layer-wise KV store/retrieve.
 ///
-/// With no arguments (or only --output-format, --keep, --directory, --emu-timing): a temporary pool file on
+/// With no arguments (or only --output-format, --keep, --directory, --emu-timing, --lock-dir,
+/// --executor=cpu): a temporary pool file on
 /// the local disk (the system temp directory, or /var/tmp when that is in memory), the software
 /// NVMe controller and the CPU executor run the embedded default KV workload, then the file is
 /// removed.
@@ -45,7 +46,8 @@ pub struct Cli {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub numjobs: u32,
 
-    /// Bytes each job covers, from --offset (default: the device from --offset to its end).
+    /// Bytes each job covers, from --offset (with --verify: the region the jobs split between
+    /// them; default: the device from --offset to its end).
     #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
 
@@ -260,7 +262,7 @@ const KV_OPTIONS: [&str; 17] = [
 ];
 
 /// The workload a command line selects. Presentation options (--output-format, --keep,
-/// --directory) and --emu-timing never change it: with nothing else, the embedded default runs
+/// --directory), --emu-timing, --lock-dir and --executor never change it: with nothing else, the embedded default runs
 /// (under the timing model and in the directory, which its printed equivalent command names
 /// too).
 pub fn select_workload(matches: &ArgMatches, cli: &Cli) -> Selected {
@@ -458,5 +460,45 @@ mod tests {
         assert_eq!(selected(&["--workload=raw"]), Selected::Raw);
         assert_eq!(selected(&["--attach", "/run/tuttid.sock"]), Selected::Kv);
         assert_eq!(selected(&["--attach", "/run/tuttid.sock", "--clients", "4"]), Selected::Kv);
+    }
+
+    #[test]
+    fn the_docs_name_every_option_the_default_run_keeps_and_help_says_verify_splits_size() {
+        // Goal: the docs' no-argument section names every option with which the default run
+        // still runs (it named four; --lock-dir and --executor=cpu keep it too), and --size's
+        // help does not say each job covers it where --verify splits it between the jobs.
+        let selected = |arguments: &[&str]| {
+            let matches = Cli::command().try_get_matches_from(std::iter::once("tutti-bench").chain(arguments.iter().copied())).unwrap();
+            select_workload(&matches, &Cli::from_arg_matches(&matches).unwrap())
+        };
+        let docs = include_str!("../../../docs/tutti-bench.md");
+        let section = docs.split("## The no-argument default").nth(1).and_then(|rest| rest.split("\n1. ").next()).unwrap();
+        // Every option no workload claims, less those that select one themselves (in the order
+        // declared).
+        let selects = ["workload", "devices", "verify", "attach_client", "help", "version"];
+        let command = Cli::command();
+        let keeping: Vec<_> = command
+            .get_arguments()
+            .filter(|arg| {
+                let id = arg.get_id().as_str();
+                ![&RAW_OPTIONS[..], &KV_OPTIONS[..], &crate::serve::OPTIONS[..], &selects[..]].concat().contains(&id)
+            })
+            .map(|arg| format!("--{}", arg.get_long().unwrap()))
+            .collect();
+        let given: [(&str, &[&str]); 6] = [
+            ("--output-format", &["--output-format=json"]),
+            ("--emu-timing", &["--emu-timing=tutti-ssd"]),
+            ("--executor", &["--executor=cpu"]),
+            ("--lock-dir", &["--lock-dir=/x"]),
+            ("--keep", &["--keep"]),
+            ("--directory", &["--directory=/x"]),
+        ];
+        assert_eq!(keeping, given.iter().map(|(name, _)| name.to_string()).collect::<Vec<_>>());
+        for (name, arguments) in given {
+            assert_eq!(selected(arguments), Selected::Default, "{arguments:?}");
+            assert!(section.contains(&format!("`{name}")), "the docs' no-argument section does not name {name}: {section}");
+        }
+        let size = command.get_arguments().find(|arg| arg.get_id() == "size").unwrap().get_help().unwrap().to_string();
+        assert!(size.contains("--verify"), "{size}");
     }
 }
