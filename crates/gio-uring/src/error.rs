@@ -183,11 +183,21 @@ pub enum IocbFailure {
     Nvme { ioctx_index: u32, status: NvmeStatus },
     #[error("the executor refused IOCTX {ioctx_index}")]
     InvalidIoctx { ioctx_index: u32 },
-    #[error("the executor timed out (first unfinished IOCTX {ioctx_index:?})")]
+    /// The IOCB was ended as timed out: a wait of the GPU executor's kernel ran out, or a reset
+    /// or teardown ended it. `ioctx_index` is the IOCB's `failed_ioctx`, as both executors record
+    /// it: the first IOCTX that failed (for any reason, the expired wait's included) before the
+    /// IOCB ended, not necessarily an unfinished one; `None` when none had failed.
+    #[error("the executor timed out (first failed IOCTX {ioctx_index:?})")]
     Timeout { ioctx_index: Option<u32> },
-    /// A controller posted a completion naming another submission queue (the GPU executor's
-    /// kernel checks it as nvme-driver does); the executor resets its queue pairs.
-    #[error("a controller posted a completion for another submission queue (first failed IOCTX {ioctx_index:?})")]
+    /// A controller posted a completion that breaks the queue protocol, by the rule of
+    /// nvme-driver's reap that the GPU executor's kernel applies (`gio_completion_verdict` in
+    /// kernels/gio_kernel_rules.h): one naming another submission queue, one whose SQ head lies
+    /// outside the commands in flight, or one completing a command not yet published or not yet
+    /// fetched. The executor resets its queue pairs. `ioctx_index`: the first failed IOCTX, if any.
+    #[error(
+        "a controller posted a completion that breaks the queue protocol (another submission queue, an SQ head outside the \
+         commands in flight, or a command not yet published or fetched; first failed IOCTX {ioctx_index:?})"
+    )]
     ControllerFault { ioctx_index: Option<u32> },
 }
 
@@ -205,5 +215,22 @@ fn kernel_abi_found(found: &Option<u32>) -> String {
     match found {
         Some(version) => format!("was built for ABI version {version}"),
         None => "has no gio_abi_version (built before ABI version 3)".to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iocb_failures_say_which_ioctx_they_name_and_every_fault_the_kernel_reports() {
+        // Goal: the messages say what the executors record. A timed-out IOCB names the first
+        // IOCTX recorded as failed (failed_ioctx), not an unfinished one; a controller fault is
+        // any completion that breaks the queue protocol (another SQ, an SQ head outside the
+        // commands in flight, a command not yet published or fetched), not only another SQ.
+        let timeout = IocbFailure::Timeout { ioctx_index: Some(3) }.to_string();
+        assert!(timeout.contains("first failed IOCTX Some(3)") && !timeout.contains("unfinished"), "{timeout}");
+        let fault = IocbFailure::ControllerFault { ioctx_index: None }.to_string();
+        assert!(fault.contains("another submission queue") && fault.contains("SQ head") && fault.contains("not yet"), "{fault}");
     }
 }
