@@ -3,9 +3,18 @@
 //!
 //! The mixer is a 64x64->128 folded multiply over two tokens at a time, in two lanes: a few ns
 //! per block of 16 tokens. Keys are stored in slot headers, so the scheme is part of the pool
-//! format: changing it needs a new format version (pools of another scheme are refused). Keys are 64 bits: for a pool of 10^6 blocks the chance of any collision is ~3e-8;
-//! a collision would serve another prefix's KV, so a deployment that cannot accept that risk
-//! should widen the key (the slot header has room) — noted in docs/objstore.md.
+//! format: changing it needs a new format version (pools of another scheme are refused).
+//!
+//! Keys are 64 bits. By accident, for a pool of 10^6 blocks the chance of any collision is
+//! ~3e-8; a collision serves another prefix's KV. On purpose it is cheap: this is a fast
+//! non-cryptographic mix with public constants (the key-space seed is not secret either), so
+//! whoever chooses tokens finds two blocks with one key by a birthday search of ~2^32 hashes
+//! (minutes on one machine), and the mix was never analysed against chosen input, so
+//! assume cheaper ways, even a block matching a given key, exist. It is no security boundary:
+//! a tuttid client gains nothing it lacks, since it can store any bytes under a prompt's real
+//! tokens (and write any LBA: docs/tuttid.md, "The IOMMU trust boundary"); but an engine
+//! whose end users choose prompt text and must not affect each other's outputs needs a keyed
+//! or wider hash (a new format version; the slot header has room). See docs/objstore.md.
 
 const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
 const MULTIPLIER: u64 = 0xD6E8_FEB8_6659_FD93;
