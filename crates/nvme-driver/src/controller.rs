@@ -27,7 +27,7 @@ use crate::namespace::{classify, refuse_identify_failed, refuse_malformed, Names
 use crate::queue::{doorbell_offsets, Completion, QueuePair, QUEUE_DEPTH_MAX};
 use crate::shadow::DoorbellBuffer;
 use crate::spec::command::{FeatureId, IdentifyCns, LogPageId};
-use crate::spec::identify::parse_active_namespaces;
+use crate::spec::identify::{parse_active_namespaces, NvmIdentifyController};
 use crate::spec::registers::{self, Capabilities, ControllerConfiguration, ControllerStatus, ReadyTimeouts, Version};
 use crate::spec::{IdentifyController, IdentifyNamespace, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES, SUBMISSION_ENTRY_BYTES};
 use crate::teardown::{may_have_executed, AdminShared};
@@ -175,6 +175,8 @@ pub struct Controller {
     unfinished: Option<BringUpStage>,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
+    /// Most bytes one Write Zeroes may cover (WZSL, Identify CNS 06h), `None` for no limit.
+    write_zeroes_max_bytes: Option<u64>,
     /// The shutdown bound ([`shutdown_timeout_ms`]), from the last Identify (CAP.TO alone
     /// before one).
     shutdown_timeout_ms: u64,
@@ -352,6 +354,7 @@ impl Controller {
             unfinished: None,
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
+            write_zeroes_max_bytes: None,
             shutdown_timeout_ms: shutdown_timeout_ms(capabilities, 0),
             scratch,
             doorbell_buffer: None,
@@ -516,6 +519,26 @@ impl Controller {
         // One PRP list page per command bounds a command at 2 MiB; MDTS may bound it further.
         let max_transfer_bytes =
             identify.max_transfer_bytes(self.capabilities.min_page_size_bytes()).unwrap_or(TRANSFER_BYTES_MAX).min(TRANSFER_BYTES_MAX);
+        // WZSL (CNS 06h, for the NVM command set) bounds one Write Zeroes, which MDTS does not.
+        // Asked only where Write Zeroes is supported, and only of controllers of NVMe 1.2 or
+        // later, whose CNS field is a whole byte: a 1.0 controller reads one bit of it, a 1.1
+        // controller two, and would answer 06h as another CNS, whose data would be taken for
+        // these limits (Linux asks the same controllers, `nvme_id_cns_ok`).
+        let write_zeroes_max_bytes = if identify.supports_write_zeroes() && self.version.0 >= 0x0001_0200 {
+            match self.identify_raw(IdentifyCns::IoCommandSetController, 0) {
+                Ok(bytes) => NvmIdentifyController::parse(&bytes)?.write_zeroes_max_bytes(self.capabilities.min_page_size_bytes()),
+                // Optional before NVMe 2.0: a controller that refuses it (Invalid Field, as
+                // most 1.x controllers do) reports no limit. A timeout or a transport error
+                // says the controller itself is unwell: bring-up fails.
+                Err(NvmeError::Command { status, .. }) => {
+                    tracing::debug!(device = %self.backend.name(), %status, "no NVM Identify Controller (CNS 06h): Write Zeroes unbounded");
+                    None
+                }
+                Err(error) => return Err(error),
+            }
+        } else {
+            None
+        };
         // CNS 02h exists from NVMe 1.1; older controllers: every NSID up to NN (inactive ones
         // read as zeroes and are skipped below).
         let every_nsid = || (1..=identify.namespace_count.min(NAMESPACES_MAX as u32)).collect::<Vec<_>>();
@@ -565,6 +588,7 @@ impl Controller {
         self.shutdown_timeout_ms = shutdown_timeout_ms(self.capabilities, IdentifyController::rtd3_entry_latency_us(&bytes));
         self.mode = mode;
         self.max_transfer_bytes = max_transfer_bytes;
+        self.write_zeroes_max_bytes = write_zeroes_max_bytes;
         self.identify = identify;
         self.namespaces = namespaces;
         self.refused_namespaces = refused;
@@ -634,6 +658,9 @@ impl Controller {
         );
         if self.identify.sgl_support.dword_alignment_required() {
             pair.require_dword_sgl_lengths();
+        }
+        if let Some(max_bytes) = self.write_zeroes_max_bytes {
+            pair.limit_write_zeroes(max_bytes);
         }
         Ok(pair)
     }
@@ -929,6 +956,13 @@ impl Controller {
     /// Largest transfer one command carries (MDTS, and at most one PRP list page).
     pub fn max_transfer_bytes(&self) -> u64 {
         self.max_transfer_bytes
+    }
+
+    /// Most bytes one Write Zeroes may cover (WZSL, from the NVM command set's Identify
+    /// Controller, CNS 06h), `None` where the controller reports no limit or was not asked
+    /// (no Write Zeroes, or older than NVMe 1.2). Queue pairs made here split at it.
+    pub fn write_zeroes_max_bytes(&self) -> Option<u64> {
+        self.write_zeroes_max_bytes
     }
 
     pub fn dma(&self) -> &Arc<dyn DmaAllocator> {

@@ -1502,3 +1502,61 @@ fn complete_all_reports_a_failed_command_before_an_unexpected_completion() {
     assert!(matches!(result, Err(NvmeError::Command { command_id: crate::CommandId(0), .. })), "{result:?}");
     assert_eq!(queue.in_flight(), 0);
 }
+
+/// The NLB fields (1-based) of the first `count` entries of `queue`'s submission ring.
+fn submitted_block_counts(device: &FakeDevice, queue: &IoQueuePair, count: usize) -> Vec<u32> {
+    let ring = device.pool().translate(queue.submission_iova(), count * 64).expect("SQ entries");
+    (0..count)
+        .map(|index| {
+            let mut bytes = [0u8; 64];
+            ring.read(index * 64, &mut bytes).expect("read entry");
+            (SubmissionEntry::from_bytes(&bytes).cdw12 & 0xFFFF) + 1
+        })
+        .collect()
+}
+
+#[test]
+fn write_zeroes_is_split_at_the_controllers_write_zeroes_size_limit() {
+    // Goal: WZSL (I/O Command Set specific Identify Controller, CNS 06h, for the NVM command
+    // set) bounds the data one Write Zeroes may cover, as MDTS does a read's: a command past it
+    // is failed by the controller (Invalid Field). WZSL 1 is 2^1 minimum pages (CAP.MPSMIN 4
+    // KiB): 8 KiB, two 4 KiB blocks, so five blocks take three commands (2, 2, 1). The driver
+    // used to ignore WZSL and send one command of five blocks. A controller older than 1.2
+    // (whose CNS field is one or two bits: 06h would read as another CNS) is not asked, and
+    // its Write Zeroes stay unbounded.
+    for (version, expected) in [(0x0001_0400, vec![2, 2, 1]), (0x0001_0100, vec![5])] {
+        let mut identify_controller = FakeScript::default().identify_controller;
+        identify_controller[520..522].copy_from_slice(&(1u16 << 3).to_le_bytes()); // ONCS: Write Zeroes
+        let mut nvm_identify_controller = vec![0u8; 4096];
+        nvm_identify_controller[1] = 1; // WZSL
+        let script = FakeScript { version, identify_controller, nvm_identify_controller, ..FakeScript::default() };
+        let (device, controller) = bring_up(script);
+        let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+        let commands = queue.submit_write_zeroes(crate::NamespaceId(1), Lba(0), 5, false, 0).expect("submit");
+        assert_eq!(submitted_block_counts(&device, &queue, commands), expected, "VS {version:#x}");
+        queue.complete_all(Duration::from_secs(5)).expect("the Write Zeroes complete");
+    }
+}
+
+#[test]
+fn a_write_zeroes_size_limit_below_one_block_is_refused_before_submitting() {
+    // Goal: a WZSL smaller than one block of the namespace (8 KiB against 64 KiB blocks) leaves
+    // no Write Zeroes the controller would take: the driver says so (Unsupported), queuing
+    // nothing, rather than dividing it down to zero blocks per command.
+    let mut identify_controller = FakeScript::default().identify_controller;
+    identify_controller[520..522].copy_from_slice(&(1u16 << 3).to_le_bytes()); // ONCS: Write Zeroes
+    let mut nvm_identify_controller = vec![0u8; 4096];
+    nvm_identify_controller[1] = 1; // WZSL: 8 KiB
+    let script = FakeScript {
+        identify_controller,
+        nvm_identify_controller,
+        identify_namespaces: vec![identify_namespace_bytes(65536, 64, 0, false)],
+        ..FakeScript::default()
+    };
+    let (_device, controller) = bring_up(script);
+    assert_eq!(controller.write_zeroes_max_bytes(), Some(8192));
+    let mut queue = controller.create_io_queue_pair(8).expect("queue pair");
+    let refused = queue.submit_write_zeroes(crate::NamespaceId(1), Lba(0), 1, false, 0);
+    assert!(matches!(refused, Err(NvmeError::Unsupported { .. })), "{refused:?}");
+    assert_eq!(queue.unpublished_submissions(), 0, "nothing was queued");
+}

@@ -44,6 +44,8 @@ pub struct IoQueuePair {
     /// in SGL mode every segment's length must be a multiple of 4.
     sgl_dword_lengths: bool,
     max_transfer_bytes: u64,
+    /// Most bytes one Write Zeroes may cover (the controller's WZSL), `None` for no limit.
+    write_zeroes_max_bytes: Option<u64>,
     namespaces: Vec<Namespace>,
     refused_namespaces: Vec<RefusedNamespace>,
     /// Set by [`IoQueuePair::delete`], so that drop does not delete twice.
@@ -86,6 +88,7 @@ impl IoQueuePair {
             mode,
             sgl_dword_lengths: false,
             max_transfer_bytes,
+            write_zeroes_max_bytes: None,
             namespaces,
             refused_namespaces,
             deleted: false,
@@ -98,6 +101,12 @@ impl IoQueuePair {
     /// fail such a command.
     pub(crate) fn require_dword_sgl_lengths(&mut self) {
         self.sgl_dword_lengths = true;
+    }
+
+    /// Splits Write Zeroes at `max_bytes` per command (the controller's WZSL): it fails a
+    /// command past it (Invalid Field).
+    pub(crate) fn limit_write_zeroes(&mut self, max_bytes: u64) {
+        self.write_zeroes_max_bytes = Some(max_bytes);
     }
 
     pub fn id(&self) -> QueueId {
@@ -299,8 +308,11 @@ impl IoQueuePair {
     }
 
     /// Queues Write Zeroes over `blocks` blocks from `start` (split at [`BlockCount::MAX`] blocks
-    /// per command; more commands than the pair holds at once is
-    /// [`NvmeError::TransferTooLarge`]).
+    /// per command, and at the controller's Write Zeroes size limit, WZSL, where it reports
+    /// one; more commands than the pair holds at once is [`NvmeError::TransferTooLarge`]). A
+    /// limit below one block of the namespace is [`NvmeError::Unsupported`], nothing queued.
+    /// An [attached](IoQueuePair::attach) pair knows no such limit (the daemon's grant does
+    /// not carry it) and splits at [`BlockCount::MAX`] only.
     pub fn submit_write_zeroes(
         &mut self,
         namespace: NamespaceId,
@@ -312,7 +324,16 @@ impl IoQueuePair {
         self.check_epoch()?;
         let namespace = self.namespace(namespace)?;
         let end = Self::check_range(&namespace, start, blocks)?;
-        let per_command = u64::from(BlockCount::MAX);
+        let block_bytes = u64::from(namespace.block_size_bytes);
+        let per_command = match self.write_zeroes_max_bytes {
+            Some(max_bytes) if max_bytes < block_bytes => {
+                return Err(NvmeError::Unsupported {
+                    reason: format!("the Write Zeroes size limit (WZSL, {max_bytes} bytes) is below one block of {}", namespace.id),
+                });
+            }
+            Some(max_bytes) => (max_bytes / block_bytes).min(u64::from(BlockCount::MAX)),
+            None => u64::from(BlockCount::MAX),
+        };
         let commands = blocks.div_ceil(per_command);
         self.check_room(commands)?;
         let mut lba = start;

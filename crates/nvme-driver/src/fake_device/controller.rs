@@ -323,6 +323,10 @@ impl FakeState {
                 let data = match cns {
                     0x01 => self.script.identify_controller.clone(),
                     0x02 => self.script.namespace_list.clone(),
+                    // The NVM command set's (CSI 00h, CDW11 31:24) only.
+                    0x06 if entry.cdw11 >> 24 == 0 && !self.script.nvm_identify_controller.is_empty() => {
+                        self.script.nvm_identify_controller.clone()
+                    }
                     0x00 => {
                         if let Some(&(_, status)) = self.script.identify_namespace_failures.iter().find(|(nsid, _)| *nsid == entry.nsid) {
                             return self.completion_for(0, entry, 0, Some(status));

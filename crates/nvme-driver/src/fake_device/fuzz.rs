@@ -54,6 +54,9 @@ impl FakeScript {
             disable_completes: header[28] != FUZZ_DISABLE_HANGS,
             identify_controller: sections.next().unwrap_or_default(),
             namespace_list: sections.next().unwrap_or_default(),
+            // Not in the input format (CNS 06h then completes with Invalid Field): its three
+            // fields are read at fixed offsets of a page whose length Identify fixes.
+            nvm_identify_controller: Vec::new(),
             identify_namespaces: Vec::new(),
             identify_namespace_failures: Vec::new(),
             log_pages: Vec::new(),

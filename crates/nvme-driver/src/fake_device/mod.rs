@@ -52,6 +52,10 @@ pub struct FakeScript {
     pub identify_controller: Vec<u8>,
     /// Active Namespace ID list data (CNS 02h).
     pub namespace_list: Vec<u8>,
+    /// I/O Command Set specific Identify Controller data for the NVM command set (CNS 06h,
+    /// CSI 00h: WZSL, DMRL, DMRSL); empty (the default): that Identify completes with Invalid
+    /// Field, as from a controller that does not implement it.
+    pub nvm_identify_controller: Vec<u8>,
     /// Identify Namespace data for NSID 1, 2, ... (missing ones read as zeroes: inactive).
     pub identify_namespaces: Vec<Vec<u8>>,
     /// NSIDs whose Identify Namespace (CNS 00h) completes with this status instead of data.
@@ -142,6 +146,7 @@ impl Default for FakeScript {
             disable_completes: true,
             identify_controller: controller,
             namespace_list,
+            nvm_identify_controller: Vec::new(),
             identify_namespaces: vec![identify_namespace_bytes(4096, 1024, 0, false)],
             identify_namespace_failures: Vec::new(),
             log_pages: Vec::new(),

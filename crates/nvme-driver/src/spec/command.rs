@@ -90,6 +90,9 @@ pub enum IdentifyCns {
     Namespace = 0x00,
     Controller = 0x01,
     ActiveNamespaceList = 0x02,
+    /// I/O Command Set specific Identify Controller; the command set is CSI (CDW11 31:24),
+    /// which [`SubmissionEntry::identify`] leaves 00h: the NVM command set.
+    IoCommandSetController = 0x06,
 }
 
 /// PSDT (CDW0 bits 15:14): how DPTR is to be read.

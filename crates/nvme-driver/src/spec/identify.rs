@@ -190,6 +190,32 @@ impl LbaFormat {
     }
 }
 
+/// I/O Command Set specific Identify Controller for the NVM command set (CNS 06h, CSI 00h;
+/// NVM Command Set Specification §4.1.5.1), the fields we use. Default: nothing reported (a
+/// controller that does not implement it), no limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NvmIdentifyController {
+    /// wzsl (byte 1): Write Zeroes Size Limit, the most data one Write Zeroes may cover, as a
+    /// power of two of the minimum page size (CAP.MPSMIN), as MDTS is; 0 = no limit.
+    pub write_zeroes_size_limit: u8,
+}
+
+impl NvmIdentifyController {
+    pub fn parse(bytes: &[u8]) -> Result<Self, IdentifyError> {
+        if bytes.len() != IDENTIFY_BYTES {
+            return Err(IdentifyError::WrongLength { actual: bytes.len() });
+        }
+        Ok(Self { write_zeroes_size_limit: bytes[1] })
+    }
+
+    /// Most bytes one Write Zeroes may cover given the controller's minimum page size, or
+    /// `None` if unlimited. The exponent is capped as MDTS's is: 2^20 pages is past what any
+    /// command's 16-bit NLB can cover, and the shift stays inside 64 bits.
+    pub fn write_zeroes_max_bytes(&self, min_page_size_bytes: u64) -> Option<u64> {
+        (self.write_zeroes_size_limit != 0).then(|| min_page_size_bytes << self.write_zeroes_size_limit.min(20))
+    }
+}
+
 /// Identify Namespace (CNS 00h, NVM Figure 97), the fields we use.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IdentifyNamespace {
