@@ -23,7 +23,6 @@ use gio_uring::{Executor, QueuePairReset, SmBudget};
 use objstore::{KvRequest, KvStore, ObjstoreError, RequestHandle};
 use scheduler::policy::{IoPolicy, LayerView, QueueView};
 use scheduler::table::{IoKind, ModelIdentity, Profile};
-use scheduler::SchedulerError;
 
 use crate::config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
 use crate::error::{store_error, FinishError, Result, RuntimeError};
@@ -697,8 +696,10 @@ impl<E: Executor> Runtime<E> {
                     }
                 }
             }
-            // A table with no decode row at all: no slack is known, nothing is written.
-            Err(SchedulerError::OutOfRange { .. }) => self.counters.table_fallbacks += 1,
+            // Any error, `OutOfRange` included: validation refuses a table with no decode row
+            // and the step is priced at or past the first row, so no table reaches a step the
+            // policy cannot price. Taken as "no decode row, nothing written" (a table fallback),
+            // it once hid whatever had gone wrong instead.
             Err(source) => {
                 progressed?;
                 return Err(RuntimeError::Scheduler { policy: self.config.policy.name(), source });

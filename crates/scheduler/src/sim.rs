@@ -658,15 +658,13 @@ impl<'a> Sim<'a> {
         // row is priced as that row (`Profile::decode_pricing_context`, one rule for both), for
         // the step's length on the simulated GPU as for the policy's slack. `decode_step` alone
         // refuses such a context, which ended the run on a table import, `check` and the runtime
-        // accept. A table with no decode row at all knows no slack: nothing is written that
-        // step (the runtime counts it in `table_fallbacks`).
+        // accept. Validation refuses a table with no decode row, so a step priced so is always
+        // in range, and an error from the policy (`OutOfRange` included) ends the run: it once
+        // stood for "no decode row, nothing written", a case no table reaches, and hid whatever
+        // else had gone wrong.
         let duration_us = self.truth.decode_step(self.truth.decode_pricing_context(context_tokens))?.duration_us;
         let view = self.queue_view(self.scheduler_table.decode_pricing_context(context_tokens));
-        let issues = match self.policy.plan_decode_step(&view) {
-            Err(SchedulerError::OutOfRange { .. }) => Vec::new(),
-            other => other?,
-        };
-        for issue in issues {
+        for issue in self.policy.plan_decode_step(&view)? {
             self.launch(issue, self.now_us + issue.offset_us.max(0.0))?;
         }
         Ok(Phase::Decode { step, end_us: self.now_us + duration_us })

@@ -267,6 +267,35 @@ fn a_write_in_flight_at_arrival_holds_reads_under_a_barrier() {
     assert_eq!(held.write_backlog_bytes_at_ttft, none.write_backlog_bytes_at_ttft);
 }
 
+/// Goal: an `OutOfRange` from a policy's decode step ends the run with that error. It was taken
+/// as "a table with no decode row": nothing written that step, the run went on. Validation
+/// refuses a table with no decode row and the step's context is priced at or past the first
+/// row (`Profile::decode_pricing_context`), so no table reaches that case, and the error
+/// meant something else was wrong (`slack_aware_decode_steps_as_priced_are_never_out_of_range`).
+#[test]
+fn an_out_of_range_decode_step_is_an_error_not_a_step_without_writes() {
+    struct DecodeOutOfRange;
+    impl IoPolicy for DecodeOutOfRange {
+        fn name(&self) -> &'static str {
+            "decode-out-of-range"
+        }
+        fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+            WritesOneIocb.plan_layer(view)
+        }
+        fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+            Ok(vec![])
+        }
+        fn plan_decode_step(&mut self, view: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+            Err(SchedulerError::OutOfRange { what: "context_tokens", value: u64::from(view.context_tokens), min: 0, max: 0 })
+        }
+    }
+    let table = Profile::from_table(common::table()).unwrap();
+    let config =
+        SimConfig { input_tokens: 2048, prefix_tokens: 1024, iocb_bytes: 1 << 20, decode_step_count: 2, queued_kernels_hide_latency: true };
+    let error = simulate(&table, &table, &toy_ssd(), &config, &mut DecodeOutOfRange).unwrap_err();
+    assert!(matches!(error, SchedulerError::OutOfRange { what: "context_tokens", value: 2048, .. }), "{error}");
+}
+
 /// Reads every layer up front; before layer 1 writes one IOCB of whatever is queued.
 struct WritesOneIocb;
 

@@ -181,6 +181,43 @@ fn slack_aware_prices_outstanding_reads_per_kernel() {
     assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(3, 1, 4, 650.0)]);
 }
 
+/// Goal: a decode step priced as the runtime and the simulator price it
+/// (`Profile::decode_pricing_context`) is never `OutOfRange`, whatever the context and the
+/// queues: validation refuses a table with no decode row, a context before the first row is
+/// priced as that row, and every I/O lookup is at the largest profiled budget. So both may take
+/// an `OutOfRange` from `plan_decode_step` as an error (it once stood for "a table with no decode
+/// row", a step without writes). Rows start at 1024 here, past the contexts 0 and 1.
+#[test]
+fn slack_aware_decode_steps_as_priced_are_never_out_of_range() {
+    let table = profile();
+    let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let edges = [0, 1, 1023, 1024, 1025, 1500, 2047, 2048, 2049, u32::MAX - 1, u32::MAX];
+    let contexts: Vec<u32> = edges.into_iter().chain((0..2000).map(|_| next() as u32)).collect();
+    let counts = [0, 1, 7, 8, 9, u32::MAX];
+    for (case, context) in contexts.into_iter().enumerate() {
+        let pick = |n: u64| counts[(n % counts.len() as u64) as usize];
+        let queue = QueueView {
+            table: &table,
+            context_tokens: table.decode_pricing_context(context),
+            outstanding_read_iocbs: pick(next()),
+            outstanding_write_iocbs: pick(next()),
+            outstanding_write_kernels: pick(next()),
+            // Never 0: with nothing queued the step returns before any lookup.
+            queued_write_iocbs: pick(next()).max(1),
+        };
+        if let Err(error) = SlackAware.plan_decode_step(&queue) {
+            let QueueView { outstanding_read_iocbs: reads, outstanding_write_iocbs: writes, queued_write_iocbs: queued, .. } = queue;
+            panic!("case {case}, context {context}: {error} (reads {reads}, writes {writes}, queued {queued})");
+        }
+    }
+}
+
 /// Goal: a decode step between two rows gets the fewer free SMs of the two, as prefill windows
 /// between grid points do. Rows 1024 → 4 SMs free, 2048 → 2: a context of 1500 writes on 2 SMs
 /// (the step rounded down, 1000 µs: 2 IOCBs, as 3 are priced by the 4-IOCB row's 1200 µs).
