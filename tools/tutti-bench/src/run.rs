@@ -27,6 +27,7 @@ const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
 
 pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     check_executor(cli.executor)?;
+    refuse_pool_options_without_use(cli, matches)?;
     if cli.shadow_doorbells && selected != Selected::Raw {
         return usage("--shadow-doorbells applies to --workload=raw (the kv and serve workloads keep MMIO doorbells)");
     }
@@ -96,6 +97,35 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             with_devices(cli, pool_bytes, lay_out, access, |devices, created| run_raw(cli, devices, created))
         }
     }
+}
+
+/// Refuses, as the refusals of [`run`] do, the options of a temporary pool or of device locks
+/// where the run has none to apply them to: --directory and --keep are about the temporary
+/// pool of a run without --device (with --device the run's files are the ones named, kept when
+/// it succeeds); with --attach the pool is tuttid's, locked by tuttid under its own --lock-dir.
+fn refuse_pool_options_without_use(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
+    let given = |id: &str, name: &'static str| (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)).then_some(name);
+    let pool_options = [given("directory", "--directory"), given("keep", "--keep")];
+    if cli.attach.is_some() {
+        let ignored: Vec<&str> = pool_options.into_iter().chain([given("lock_dir", "--lock-dir")]).flatten().collect();
+        if !ignored.is_empty() {
+            return usage(format!(
+                "{} do not apply with --attach: the pool is tuttid's, on its devices and locked by tuttid under its own --lock-dir; drop them",
+                ignored.join(", ")
+            ));
+        }
+    }
+    if !cli.devices.is_empty() {
+        let ignored: Vec<&str> = pool_options.into_iter().flatten().collect();
+        if !ignored.is_empty() {
+            return usage(format!(
+                "{} apply to a run without --device (its temporary pool file: where it goes, whether it stays); with --device the run uses the files named, which stay after a run that succeeded: drop {}",
+                ignored.join(", "),
+                if ignored.len() == 1 { "it" } else { "them" }
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// What the serve workload accepts, for its refusals.

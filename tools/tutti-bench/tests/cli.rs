@@ -889,18 +889,41 @@ fn options_a_workload_does_not_use_are_refused_naming_them() {
 #[test]
 fn keep_does_not_keep_a_named_file_a_failed_run_created() {
     // Goal: --keep keeps the temporary pool of a run without --device; a file a run creates
-    // for a --device it was given is removed when the run fails, --keep or not ("no file left
-    // behind"). Here 512-byte blocks pass the argument checks, the file is created, and the
-    // device's 4096-byte blocks refuse them.
+    // for a --device it was given is removed when the run fails ("no file left behind"), and
+    // --keep with --device is refused, naming it, before the file is created. Here 512-byte
+    // blocks pass the argument checks, the file is created, and the device's 4096-byte blocks
+    // refuse them.
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("new.img");
     let device = format!("emu:{}", path.display());
     for keep in [false, true] {
         let mut arguments = vec!["--device", &device, "--size", "1m", "--bs", "512"];
         arguments.extend(keep.then_some("--keep"));
-        assert_refused(&arguments, &[]);
+        assert_refused(&arguments, if keep { &["--keep", "--device"] } else { &["512"] });
         assert!(!path.exists(), "{arguments:?} left {} behind", path.display());
     }
+}
+
+#[test]
+fn temporary_pool_options_where_there_is_no_temporary_pool_are_refused_naming_them() {
+    // Goal: --directory and --keep are about the temporary pool a run without --device makes,
+    // --lock-dir about the locks of the devices the run names; with --device (the run's files
+    // are the ones named) or --attach (the pool is tuttid's, locked by tuttid) they would be
+    // ignored without a word, so they are refused (exit 2), as each workload refuses what it
+    // would not use.
+    let directory = tempfile::tempdir().unwrap();
+    let directory_arg = directory.path().display().to_string();
+    for (arguments, named) in [
+        (vec!["--device", "emu:mem:16m", "--keep"], "--keep"),
+        (vec!["--device", "emu:mem:16m", "--directory", &directory_arg], "--directory"),
+        (vec!["--device", "emu:mem:64m", "--workload=kv", "--prompt-tokens=160", "--keep"], "--keep"),
+        (vec!["--attach", "/nonexistent/tuttid.sock", "--keep"], "--keep"),
+        (vec!["--attach", "/nonexistent/tuttid.sock", "--directory", &directory_arg], "--directory"),
+        (vec!["--attach", "/nonexistent/tuttid.sock", "--lock-dir", &directory_arg], "--lock-dir"),
+    ] {
+        assert_refused(&arguments, &[named]);
+    }
+    assert_eq!(std::fs::read_dir(directory.path()).unwrap().count(), 0, "a file was created");
 }
 
 /// A file of `bytes` zeroes but for ext4's superblock magic (at byte 1080, as mkfs writes it).
