@@ -108,8 +108,8 @@ pub struct RuntimeCounters {
     /// stored.
     pub stores_skipped_no_request_slot: u64,
     /// Prefills the table had no bucket for (every read at layer 0, writes left to decode
-    /// steps), and decode steps it had no row for (a context before the first row is priced as
-    /// that row, not counted).
+    /// steps). Decode steps never count: a validated table has decode rows, and a context
+    /// before the first row is priced as that row.
     pub table_fallbacks: u64,
     /// Time `before_layer` waited for a layer's KV (the bubble the runtime saw).
     pub kv_wait: Duration,
