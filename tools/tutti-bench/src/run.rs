@@ -718,6 +718,15 @@ fn free_bytes(directory: &Path) -> anyhow::Result<u64> {
         .map_err(|error| Unusable(format!("{}: cannot read free space: {error}", directory.display())).into())
 }
 
+/// The free space a directory needs for the temporary pool below not to be refused for lack of
+/// it: `wanted` bytes (rounded up to pages, as checked there), or the default pool's minimum.
+fn needed_free(wanted: Option<u64>) -> u64 {
+    match wanted {
+        Some(wanted) => wanted.div_ceil(4096).saturating_mul(4096),
+        None => DEFAULT_POOL_BYTES_MIN * DEFAULT_POOL_FREE_DIVISOR,
+    }
+}
+
 /// A raw run's `offset` at or past the pool's last whole block of `block_bytes` (its --bs; 1 for
 /// a run that covers no such blocks) is refused before the file is created.
 fn temporary_pool(
@@ -739,9 +748,12 @@ fn temporary_pool(
             directory.to_path_buf()
         }
         // The system temp directory is tmpfs on several distributions: a disk instead.
+        // One with room for the pool, where one has it (`needed_free`).
         None => crate::filesystems::choose_default_directory(
             &crate::filesystems::default_directory_candidates(),
             crate::filesystems::memory_filesystem,
+            crate::filesystems::writable_free_bytes,
+            needed_free(wanted_bytes.as_ref().map(|(wanted, _)| *wanted)),
         )
         .map_err(Unusable)?,
     };
