@@ -340,7 +340,10 @@ impl Client {
         }
     }
 
-    /// Sends `request` and waits for its reply; an `Error` reply is [`DaemonError::Remote`].
+    /// Sends `request` and waits for its reply, which is of the kind that answers it; an `Error`
+    /// reply is [`DaemonError::Remote`]. A reply of any other kind is
+    /// [`DaemonError::UnexpectedReply`] and leaves the connection out of step
+    /// ([`Client::is_broken`]).
     pub fn call(&mut self, request: &Request) -> Result<Reply, DaemonError> {
         Client::check_hello(request)?;
         self.exchange(request.kind(), |out| request.encode_body(out), &[])
@@ -488,6 +491,9 @@ impl Client {
                     DaemonError::Remote { code, message } if ends_the_connection(*code) => {
                         Broken::Ended { code: *code, message: message.clone() }
                     }
+                    DaemonError::UnexpectedReply { .. } => {
+                        Broken::OutOfStep(format!("tuttid answered an earlier {kind:?} request out of step ({error})"))
+                    }
                     _ => Broken::OutOfStep(format!("an earlier {kind:?} request failed ({error}), so its reply may still be on the way")),
                 });
                 Err(error)
@@ -497,7 +503,8 @@ impl Client {
 
     /// The exchange proper, of the request encoded in `self.frame`: `Ok(Err(..))` is the
     /// daemon's `Error` answer to this request (the connection stays usable); `Err(..)` is
-    /// everything else that went wrong.
+    /// everything else that went wrong, a reply under another id or of a kind that does not
+    /// answer this request ([`answer_kind`]) included (`UnexpectedReply`).
     fn exchange_in_step(&mut self, kind: Kind, request_id: u32, fds: &[BorrowedFd<'_>]) -> Result<Result<Reply, DaemonError>, DaemonError> {
         // One deadline for the whole call, the write included: the write may take what it
         // needs of it, and the reply must begin and end within what is left.
@@ -532,6 +539,12 @@ impl Client {
                 Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind })
             }
             Reply::Error { code, message } => Ok(Err(DaemonError::Remote { code, message })),
+            // This request's id on a reply of a kind that never answers it: the daemon broke the
+            // protocol (a buggy or foreign one), so nothing more it sends here is taken as in
+            // step, as for a foreign id. Left usable, a store would go on sending requests (a
+            // commit's slot already freed here, nothing released there) to a daemon that
+            // answers them with something else.
+            _ if answer_kind(kind) != Some(header.kind) => Err(DaemonError::UnexpectedReply { asked: kind, got: header.kind }),
             reply => Ok(Ok(reply)),
         }
     }
@@ -548,6 +561,42 @@ impl Client {
             _ => None,
         }
     }
+}
+
+/// The kind of reply tuttid answers a `request` of this kind with when it does not refuse it
+/// (an `Error` answers any request); `None` for a reply kind, which no request is.
+fn answer_kind(request: Kind) -> Option<Kind> {
+    Some(match request {
+        Kind::Hello => Kind::HelloReply,
+        Kind::Lookup | Kind::LookupAllRanks => Kind::LookupReply,
+        Kind::Status => Kind::StatusReply,
+        Kind::Ping => Kind::Pong,
+        Kind::RegisterMemory | Kind::RegisterDeviceMemory => Kind::Registered,
+        Kind::AttachQueues => Kind::Attached,
+        Kind::PoolShape => Kind::PoolShapeReply,
+        Kind::PrepareRetrieve => Kind::RetrievePrepared,
+        Kind::PrepareStore => Kind::StorePrepared,
+        Kind::Commit => Kind::Committed,
+        Kind::Release => Kind::Released,
+        Kind::ClusterStatus => Kind::ClusterStatusReply,
+        Kind::LookupCluster => Kind::ClusterLookupReply,
+        Kind::FetchRemote => Kind::Fetched,
+        Kind::HelloReply
+        | Kind::LookupReply
+        | Kind::StatusReply
+        | Kind::Pong
+        | Kind::Registered
+        | Kind::Attached
+        | Kind::PoolShapeReply
+        | Kind::RetrievePrepared
+        | Kind::StorePrepared
+        | Kind::Committed
+        | Kind::Released
+        | Kind::ClusterStatusReply
+        | Kind::ClusterLookupReply
+        | Kind::Fetched
+        | Kind::Error => return None,
+    })
 }
 
 /// Connects to the Unix socket at `socket` within `timeout`. A blocking connect waits, with no

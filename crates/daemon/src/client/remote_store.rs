@@ -203,12 +203,15 @@ fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLay
 /// a refused or timed-out frame, ...) is the daemon saying goodbye before it closes: the caller
 /// sees the session gone (`Disconnected`, as the Python package classifies them, keeping the
 /// code when the goodbye reached it) whether the goodbye or the close reached it first, and
-/// reconnects at once.
+/// reconnects at once. So does a reply to another request or of a kind that does not answer
+/// this one (`UnexpectedReply`): the client leaves such a connection out of step.
 fn remote(error: DaemonError) -> ObjstoreError {
     let failure = match &error {
         DaemonError::Remote { code, .. } if super::ends_the_connection(*code) => RemoteFailure::Disconnected { code: Some(code.to_u16()) },
         DaemonError::Remote { code, .. } => RemoteFailure::Refused { code: code.to_u16() },
-        DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => RemoteFailure::Disconnected { code: None },
+        DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } | DaemonError::UnexpectedReply { .. } => {
+            RemoteFailure::Disconnected { code: None }
+        }
         DaemonError::Timeout { .. } => RemoteFailure::TimedOut,
         // Refused before a byte was sent (a prepare whose tokens and block ids pass the 1 MiB
         // frame cap; a client name over 64 bytes): the caller's request, and the connection

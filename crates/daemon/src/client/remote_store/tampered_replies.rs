@@ -173,13 +173,16 @@ fn forward(from: &UnixStream, to: &UnixStream, tampering: Tampering<'_>) {
             Tampering::Prepared(tamper) if prepared => tamper.lock().unwrap().take(),
             _ => None,
         };
+        // A rewrite may change the reply's kind too (under the same request id).
+        let mut kind = header.kind;
         if let Some(rewrite) = tamper {
             let mut reply = Reply::decode(header.kind, &body).unwrap();
             rewrite(&mut reply);
+            kind = reply.kind();
             body.clear();
             reply.encode_body(&mut body);
         }
-        encode_frame(&mut frame, header.kind, header.request_id, |out| out.extend_from_slice(&body)).unwrap();
+        encode_frame(&mut frame, kind, header.request_id, |out| out.extend_from_slice(&body)).unwrap();
         let attached: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
         if write_frame_with_fds(to, &frame, &attached).is_err() {
             break;
@@ -289,6 +292,26 @@ fn store_replies_that_do_not_match_the_request_are_refused() {
 
     store_four_blocks(&mut store);
     retrieve_four_blocks(&mut store);
+}
+
+#[test]
+fn a_reply_of_a_kind_that_does_not_answer_the_request_is_a_lost_connection() {
+    // Goal: a PrepareStore answered under its own id with a reply of another kind (Pong) is a
+    // daemon out of step with the protocol: the store reports the connection lost
+    // (`RemoteFailed { Disconnected }`: reconnect) and its client refuses every later call,
+    // rather than an `ObjstoreError::Remote` that leaves the store using that daemon.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    let tokens = tokens();
+    daemon.tamper_next(|reply| *reply = Reply::Pong);
+    let outcome = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] });
+    match outcome {
+        Err(ObjstoreError::RemoteFailed { failure: objstore::RemoteFailure::Disconnected { code: None }, reason }) => {
+            assert!(reason.contains("Pong") && reason.contains("PrepareStore"), "{reason}")
+        }
+        other => panic!("a PrepareStore answered Pong: {other:?}"),
+    }
+    assert!(store.client().is_broken(), "the connection is still taken as in step");
 }
 
 #[test]
