@@ -86,12 +86,13 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
             // Checked before anything is created: without --device the temporary pool file is
             // laid out (written) to --offset + --size first.
             validate_raw(cli)?;
-            // Sized as a file --device names and the run creates is (`run_raw`): to whole --bs
-            // blocks, as the run counts the capacity it covers. `offset + size` rounded only to
-            // 1 MiB left a --size of 10m with --bs 4m short of its third block, refused after
-            // the pool was laid out.
+            // Sized as a file --device names and the run creates is (`run_raw`,
+            // `stripe_share_bytes` of one device): to whole --bs blocks, as the run counts the
+            // capacity it covers. `offset + size` rounded only to 1 MiB left a --size of 10m
+            // with --bs 4m short of its third block, refused after the pool was laid out.
             let end_bytes = cli.size.map(|size| region_end(cli.offset, size)).transpose()?;
-            let pool_bytes = end_bytes.map(|end| stripe_share_bytes(end, cli.bs, 1)).transpose()?;
+            // Saturated past 2^64: such a pool is refused as not fitting the free space, named.
+            let pool_bytes = end_bytes.map(|end| end.div_ceil(cli.bs).saturating_mul(cli.bs));
             let lay_out = !raw_writes(cli);
             let access = if raw_writes(cli) { Access::Writes } else { Access::Reads };
             with_devices(cli, pool_bytes, lay_out, access, |devices, created| run_raw(cli, devices, created))
