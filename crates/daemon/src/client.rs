@@ -137,7 +137,8 @@ pub struct Client {
     stream: UnixStream,
     frame: Vec<u8>,
     body: Vec<u8>,
-    /// Descriptors that came with the last reply.
+    /// Where a reply's descriptors are read into; emptied by every exchange before it returns
+    /// ([`Client::exchange_with_fds`]).
     fds: Vec<OwnedFd>,
     next_request_id: u32,
     timeout: Duration,
@@ -353,8 +354,7 @@ impl Client {
     /// the descriptors that came with it.
     pub fn call_with_fds(&mut self, request: &Request, fds: &[BorrowedFd<'_>]) -> Result<(Reply, Vec<OwnedFd>), DaemonError> {
         Client::check_hello(request)?;
-        let reply = self.exchange(request.kind(), |out| request.encode_body(out), fds)?;
-        Ok((reply, std::mem::take(&mut self.fds)))
+        self.exchange_with_fds(request.kind(), |out| request.encode_body(out), fds)
     }
 
     /// The daemon process at the other end of this connection (`SO_PEERCRED`, its pid as this
@@ -462,7 +462,19 @@ impl Client {
     /// to this very request leaves the connection out of step (a late reply may still be
     /// queued, a frame may be half written or read), so it is marked broken and refuses every
     /// later call: with the goodbye's code when the daemon ended it, as out of step otherwise.
+    /// Descriptors that came with the reply are closed (only [`Client::call_with_fds`]'s
+    /// caller takes them).
     fn exchange(&mut self, kind: Kind, encode: impl FnOnce(&mut Vec<u8>), fds: &[BorrowedFd<'_>]) -> Result<Reply, DaemonError> {
+        self.exchange_with_fds(kind, encode, fds).map(|(reply, _received)| reply)
+    }
+
+    /// [`Client::exchange`], returning the descriptors that came with the reply too.
+    fn exchange_with_fds(
+        &mut self,
+        kind: Kind,
+        encode: impl FnOnce(&mut Vec<u8>),
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(Reply, Vec<OwnedFd>), DaemonError> {
         if let Some(broken) = &self.broken {
             return Err(broken.error());
         }
@@ -482,8 +494,13 @@ impl Client {
                 source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
             });
         }
-        match self.exchange_in_step(kind, request_id, fds) {
-            Ok(Ok(reply)) => Ok(reply),
+        let outcome = self.exchange_in_step(kind, request_id, fds);
+        // Taken on every way out: with the reply to the caller, or closed here with an `Error`
+        // answer or a failure (up to 8 a frame), not kept open until the next read or the
+        // client's drop.
+        let received = std::mem::take(&mut self.fds);
+        match outcome {
+            Ok(Ok(reply)) => Ok((reply, received)),
             // The daemon refused this request: the stream is in step.
             Ok(Err(refusal)) => Err(refusal),
             Err(error) => {
@@ -1095,6 +1112,45 @@ pub(crate) mod tests {
         assert!(matches!(outcome, Err(DaemonError::Remote { code: ErrorCode::LeaseExpired, .. })), "{outcome:?} after {took:?}");
         assert!(took < Duration::from_millis(300), "the goodbye was reported after {took:?}");
         assert!(broken, "a connection the daemon ended is out of step");
+    }
+
+    /// Goal: descriptors that come with a reply its caller does not take (a `Pong`, an `Error`
+    /// refusal, a reply that breaks the connection) are closed when the call returns, not kept
+    /// open until the next reply is read or the client drops: a stand-in daemon sends a pipe's
+    /// write end with each, and the read end sees the end of the pipe once the call returns.
+    #[test]
+    fn descriptors_that_come_with_a_reply_no_caller_takes_are_closed_when_the_call_returns() {
+        for (what, reply) in [
+            ("a Pong", Reply::Pong),
+            ("an Error", Reply::error(ErrorCode::LimitReached, "refused for the test")),
+            ("a reply of another kind", Reply::Released),
+        ] {
+            let directory = tempfile::tempdir().unwrap();
+            let socket = directory.path().join("socket");
+            let listener = UnixListener::bind(&socket).unwrap();
+            let (reader, writer) = std::io::pipe().unwrap();
+            let daemon = std::thread::spawn(move || {
+                let stream = accept_one(&listener);
+                if let Some(ping) = request_id(&stream, Duration::from_secs(5)) {
+                    let mut frame = Vec::new();
+                    encode_frame(&mut frame, reply.kind(), ping, |out| reply.encode_body(out)).unwrap();
+                    write_frame_with_fds(&stream, &frame, &[writer.as_fd()]).unwrap();
+                }
+                // The daemon's own write end closes here: the client's is the last one.
+                drop(writer);
+                stream
+            });
+            let mut client = Client::connect(&socket, Duration::from_secs(2)).unwrap();
+            let outcome = client.ping();
+            // Held until the check: the connection stays open, and so does anything it holds.
+            let _stream = daemon.join().unwrap();
+            assert_eq!(outcome.is_ok(), what == "a Pong", "{what}: {outcome:?}");
+            let mut polled = [PollFd::new(reader.as_fd(), PollFlags::POLLIN)];
+            let ready = poll(&mut polled, PollTimeout::from(200u16)).unwrap();
+            let hung_up = ready == 1 && polled[0].revents().is_some_and(|events| events.contains(PollFlags::POLLHUP));
+            assert!(hung_up, "{what}: the pipe's write end is still open after the call returned");
+            drop(client);
+        }
     }
 
     /// Runs `call` on a client of a stand-in daemon that answers its one request with `reply`:
