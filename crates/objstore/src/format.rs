@@ -17,10 +17,13 @@ use crate::error::{ObjstoreError, Result};
 use crate::geometry::ModelGeometry;
 
 pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
-/// 3: Empty slot headers carry the pool tag, slot number and a CRC (a zeroed header region is
-/// damage, not an empty pool), and payload CRCs are per block. Version 2 (all-zero Empty
-/// entries, one payload CRC per slot) and version 1 (keys of the first hash scheme) are refused.
-pub const FORMAT_VERSION: u32 = 3;
+/// 4: block keys are SHA-256 based (`hash::chain_hash`), so a chosen block cannot be made to
+/// match a given prefix's key; the layout is version 3's. Version 3 (keys of the earlier fast
+/// mix), version 2 (also all-zero Empty entries, one payload CRC per slot) and version 1 (keys of
+/// the first hash scheme) are refused. Version 3 introduced Empty slot headers carrying the pool
+/// tag, slot number and a CRC (a zeroed header region is damage, not an empty pool) and payload
+/// CRCs per block.
+pub const FORMAT_VERSION: u32 = 4;
 pub const SUPERBLOCK_ENCODED_BYTES: usize = 256;
 /// The superblock region: one 4 KiB unit whatever the LBA size, so headers start at byte 4096.
 pub const SUPERBLOCK_REGION_BYTES: u64 = 4096;
@@ -42,12 +45,15 @@ fn older_version_reason(version: u32) -> Option<&'static str> {
         // Same layout, but its slot headers hold keys of the first block-hash scheme: its
         // blocks could never be found, and new ones would sit beside them unseen.
         1 => Some("its block keys use the first hash scheme; reformat it (`tutti pool format`)"),
-        // Its Empty headers are all zeroes, which version 3 reads as a damaged header region
-        // (and its payload CRCs are per slot): every slot would count as corrupt.
+        // Its Empty headers are all zeroes, which versions 3 and later read as a damaged header
+        // region (and its payload CRCs are per slot): every slot would count as corrupt.
         2 => Some(
             "its empty slot headers are all zeroes, which this version treats as damage (a zeroed header region), and its \
-             payload CRCs are per slot; reformat it (`tutti pool format`)",
+             payload CRCs are per slot, and its block keys use an earlier hash scheme; reformat it (`tutti pool format`)",
         ),
+        // Same layout, but its keys are of the fast mix that chosen tokens could collide with
+        // a given prefix's key: its blocks could never be found under the SHA-256 keys.
+        3 => Some("its block keys use the earlier hash scheme; reformat it (`tutti pool format`)"),
         _ => None,
     }
 }
@@ -734,7 +740,7 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        for older in [1, 2] {
+        for older in [1, 2, 3] {
             let mut bytes = good;
             put_u32(&mut bytes, 8, older);
             let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
@@ -745,6 +751,9 @@ mod tests {
                 "{error}"
             );
             assert!(error.to_string().contains("tutti pool format"), "{error}");
+            if older == 3 {
+                assert!(error.to_string().contains("earlier hash scheme"), "{error}");
+            }
         }
         assert!(matches!(
             Superblock::decode(&good, 0, 4096, 16 << 8),

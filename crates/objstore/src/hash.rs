@@ -1,57 +1,65 @@
 //! Chained block hashes (TokenLake-style): the key of block i is a hash of block i-1's key and
 //! block i's tokens, so a key names a whole prefix and equal prefixes share keys.
 //!
-//! The mixer is a 64x64->128 folded multiply over two tokens at a time, in two lanes: a few ns
-//! per block of 16 tokens. Keys are stored in slot headers, so the scheme is part of the pool
-//! format: changing it needs a new format version (pools of another scheme are refused).
+//! A key is the first 64 bits (little-endian) of SHA-256 over an unambiguous encoding: the tag
+//! `tutti-block-v1`, the predecessor's key (u64 LE), the token count (u64 LE), the tokens (u32
+//! LE each); 0 is taken as 1. Keys are stored in slot headers, so the scheme is part of the
+//! pool format: changing it needs a new format version (pools of another scheme are refused).
+//! Version 4 introduced it; versions 1-3 used fast non-cryptographic mixes.
 //!
-//! Keys are 64 bits. By accident, for a pool of 10^6 blocks the chance of any collision is
-//! ~3e-8; a collision serves another prefix's KV. On purpose it is cheap: this is a fast
-//! non-cryptographic mix with public constants (the key-space seed is not secret either), so
-//! whoever chooses tokens finds two blocks with one key by a birthday search of ~2^32 hashes
-//! (minutes on one machine), and the mix was never analysed against chosen input, so
-//! assume cheaper ways, even a block matching a given key, exist. It is no security boundary:
-//! a tuttid client gains nothing it lacks, since it can store any bytes under a prompt's real
-//! tokens (and write any LBA: docs/tuttid.md, "The IOMMU trust boundary"); but an engine
-//! whose end users choose prompt text and must not affect each other's outputs needs a keyed
-//! or wider hash (a new format version; the slot header has room). See docs/objstore.md.
+//! Why a cryptographic hash: the seed of a key space (tuttid's model fingerprint and TP
+//! rank/world) is not secret, and whoever chooses prompt tokens (an engine's end users) could,
+//! with the earlier public-constant mix, craft a block whose key matches the key of a prefix
+//! others send (a shared system prompt); the first store of a key wins, so they would then be
+//! served the attacker's KV. With SHA-256, finding a block whose key equals a given key (a
+//! second preimage of 64 bits) costs ~2^64 hashes. What remains: keys are 64 bits, so a
+//! birthday search of ~2^32 hashes finds two prompts, both of the attacker's own choosing,
+//! with one key; that spoils only prompts the attacker wrote (a victim would have to send the
+//! attacker's text verbatim). By accident, for a pool of 10^6 blocks the chance of any
+//! collision is ~3e-8. Widening keys (index, protocol, cluster registry) is a larger format and
+//! protocol change, not done. A tuttid client is no attacker to defend against here: it can
+//! store any bytes under a prompt's real tokens (and write any LBA: docs/tuttid.md, "The IOMMU
+//! trust boundary"). See docs/objstore.md, "Index and allocation", for the cost per block.
 
-const SEED: u64 = 0x9E37_79B9_7F4A_7C15;
-const MULTIPLIER: u64 = 0xD6E8_FEB8_6659_FD93;
-const LANE: u64 = 0xA076_1D64_78BD_642F;
+use sha2::{Digest, Sha256};
 
-#[inline]
-fn fold(a: u64, b: u64) -> u64 {
-    let product = u128::from(a) * u128::from(b);
-    (product as u64) ^ ((product >> 64) as u64)
-}
+/// The domain tag, first in every hashed message: a fixed length, so the fields after it are
+/// at fixed offsets, and a new encoding takes a new tag (and format version).
+const DOMAIN: &[u8; 14] = b"tutti-block-v1";
+/// Tokens converted to little-endian bytes per SHA-256 update (a 256-byte stack buffer): no
+/// allocation per block, and one update for the usual 16- or 32-token block.
+const TOKENS_PER_UPDATE: usize = 64;
 
 /// The key of a block given its predecessor's key (0 for the first block) and its tokens.
 /// Never 0, so 0 can mean "no block" on disk.
 ///
-/// The tokens are mixed in two independent lanes of two tokens per step, seeded by constants
-/// (4 steps per lane for 16 tokens), and the predecessor enters only in the final fold, with
-/// both lanes. So the chain from one block's key to the next is a single multiply: the lanes
-/// of consecutive blocks overlap in the CPU, which halved `block_keys` per block against the
-/// first scheme (format version 1), where the predecessor seeded both lanes.
+/// SHA-256 of `DOMAIN`, `previous` (u64 LE), `tokens.len()` (u64 LE) and the tokens (u32 LE
+/// each), hashed incrementally; the key is the digest's first 8 bytes, little-endian. With the
+/// count before the tokens and every field of fixed width, no two (previous, tokens) pairs
+/// share a message. 16 tokens make 94 bytes: two SHA-256 compressions.
 #[inline]
 pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
-    let mut a = fold(SEED, MULTIPLIER ^ tokens.len() as u64);
-    let mut b = fold(MULTIPLIER, SEED ^ LANE);
-    let mut quads = tokens.chunks_exact(4);
-    for quad in &mut quads {
-        a = fold(a ^ (u64::from(quad[0]) | u64::from(quad[1]) << 32), MULTIPLIER);
-        b = fold(b ^ (u64::from(quad[2]) | u64::from(quad[3]) << 32), LANE);
+    let mut hasher = Sha256::new();
+    hasher.update(DOMAIN);
+    hasher.update(previous.to_le_bytes());
+    hasher.update((tokens.len() as u64).to_le_bytes());
+    let mut buffer = [0u8; 4 * TOKENS_PER_UPDATE];
+    for run in tokens.chunks(TOKENS_PER_UPDATE) {
+        for (bytes, token) in buffer.chunks_exact_mut(4).zip(run) {
+            bytes.copy_from_slice(&token.to_le_bytes());
+        }
+        hasher.update(&buffer[..4 * run.len()]);
     }
-    for (i, &token) in quads.remainder().iter().enumerate() {
-        a = fold(a ^ (u64::from(token) | (i as u64 + 1) << 32), MULTIPLIER);
-    }
-    let key = fold(a ^ previous ^ LANE, b ^ previous.rotate_left(32) ^ SEED);
-    if key == 0 {
-        1
-    } else {
-        key
-    }
+    let digest = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    key_of_digest(first)
+}
+
+/// The key a digest names: its first 8 bytes, little-endian, with 0 (no block) taken as 1.
+#[inline]
+fn key_of_digest(first: [u8; 8]) -> u64 {
+    u64::from_le_bytes(first).max(1)
 }
 
 /// Keys of every full block of `tokens` (a partial last block has no key: it is not stored).
@@ -136,15 +144,74 @@ mod tests {
         assert!(keys.is_empty(), "{keys:?}");
     }
 
-    const GOLDEN_FIRST: u64 = 0x1b0e_9a34_61a6_1443;
-    const GOLDEN_SECOND: u64 = 0x4095_b39c_6fcc_c925;
+    /// The encoding the keys are defined by, built in one buffer and hashed in one call: what
+    /// `chain_hash`'s incremental, buffered feeding must agree with.
+    fn reference_key(previous: u64, tokens: &[u32]) -> u64 {
+        use sha2::{Digest, Sha256};
+        let mut message = b"tutti-block-v1".to_vec();
+        message.extend_from_slice(&previous.to_le_bytes());
+        message.extend_from_slice(&(tokens.len() as u64).to_le_bytes());
+        for token in tokens {
+            message.extend_from_slice(&token.to_le_bytes());
+        }
+        let digest = Sha256::digest(&message);
+        let key = u64::from_le_bytes(digest[..8].try_into().unwrap());
+        key.max(1)
+    }
+
+    #[test]
+    fn keys_are_the_first_64_bits_of_sha256_over_tag_previous_count_and_tokens() {
+        // Goal: the key is SHA-256 (not a fast mix a chooser of tokens can steer) over an
+        // unambiguous encoding: a fixed tag, the predecessor, the token count, the tokens. Block
+        // sizes around the 64-token stack buffer and 64-byte SHA blocks, and an empty block.
+        for len in [0usize, 1, 3, 15, 16, 17, 32, 63, 64, 65, 128, 200] {
+            let tokens: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(0x9E37_79B9) ^ 0x8000_0001).collect();
+            for previous in [0, 1, 0xfeed, u64::MAX] {
+                assert_eq!(chain_hash(previous, &tokens), reference_key(previous, &tokens), "{len} tokens after {previous:#x}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_digest_starting_with_zero_bytes_gives_key_1() {
+        // Goal: 0 stays "no block" on disk, whatever the digest.
+        assert_eq!(key_of_digest([0; 8]), 1);
+        assert_eq!(key_of_digest([1, 0, 0, 0, 0, 0, 0, 0]), 1);
+        assert_eq!(key_of_digest([0, 1, 0, 0, 0, 0, 0, 0]), 0x100);
+    }
+
+    /// Cost of `block_keys` per block: 4096 tokens in 16-token blocks (256 blocks), the median
+    /// of 15 runs of 200 chains each. A measurement, not a check: run it in release,
+    /// `cargo test --release --offline -p objstore --lib hash::tests::block_keys_cost -- --ignored --nocapture`
+    /// (figures in docs/objstore.md, "Index and allocation").
+    #[test]
+    #[ignore = "a measurement; run in release with --ignored --nocapture"]
+    fn block_keys_cost() {
+        let tokens: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2_654_435_761) % 128_256).collect();
+        let mut keys = Vec::with_capacity(256);
+        let mut runs: Vec<f64> = (0..15)
+            .map(|_| {
+                let started = std::time::Instant::now();
+                for _ in 0..200 {
+                    block_keys(std::hint::black_box(&tokens), 16, &mut keys);
+                    std::hint::black_box(&keys);
+                }
+                started.elapsed().as_nanos() as f64 / (200.0 * 256.0)
+            })
+            .collect();
+        runs.sort_by(f64::total_cmp);
+        eprintln!("block_keys, 16-token blocks: median {:.1} ns/block (min {:.1}, max {:.1}, 15 runs)", runs[7], runs[0], runs[14]);
+    }
+
+    // Also computed with Python's hashlib over the same encoding.
+    const GOLDEN_FIRST: u64 = 0x3c52_32ae_5104_ba42;
+    const GOLDEN_SECOND: u64 = 0x3545_aca8_dd32_00bf;
 
     #[test]
     fn the_scheme_is_pinned_by_the_format_version() {
-        // Goal: keys are on disk; a change to the mixer must fail here and come with a new
-        // FORMAT_VERSION (these values belong to versions 2 and 3: version 3 changed only the
-        // slot headers).
-        assert_eq!(crate::format::FORMAT_VERSION, 3);
+        // Goal: keys are on disk; a change to the scheme must fail here and come with a new
+        // FORMAT_VERSION (these values belong to version 4, the first with SHA-256 keys).
+        assert_eq!(crate::format::FORMAT_VERSION, 4);
         let tokens: Vec<u32> = (0..16).collect();
         let first = chain_hash(0, &tokens);
         let second = chain_hash(first, &tokens);
