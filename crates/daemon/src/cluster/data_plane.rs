@@ -340,13 +340,25 @@ impl DataPlane {
     /// [`DataPlane::address`]), then builds the staging area over the pool; served from `serve`.
     /// Listening first, as soon as the pool is open: peers that connect while the staging area is
     /// made wait in the backlog for a moment rather than being refused, so a peer that saw the
-    /// daemon's socket answer is not refused here (a refused start closes it again).
+    /// daemon's socket answer is not refused here (a refused start closes it again). A pool whose
+    /// blocks pass [`peer::BLOCK_BYTES_MAX`] is refused before either.
     pub(crate) fn bind(
         bound: BoundAddress,
         control: &StoreControl,
         segment_blocks: SegmentBlocks,
         requests_max: usize,
     ) -> std::io::Result<DataPlane> {
+        // The block size first, from the pool's geometry (the staging area's blocks are its
+        // blocks): a pool of blocks too large is refused before segment_blocks of them are
+        // allocated (gigabytes of DMA memory, populated) and queue pairs made, only to be freed.
+        let geometry = *control.pool().geometry();
+        if geometry.block_bytes() > peer::BLOCK_BYTES_MAX {
+            return Err(std::io::Error::other(format!(
+                "blocks of {} bytes: the data plane moves blocks of at most {} bytes",
+                geometry.block_bytes(),
+                peer::BLOCK_BYTES_MAX
+            )));
+        }
         // From here peers' connections are taken (until here refused: `BoundAddress`).
         let listener = bound.listen()?;
         listener.set_nonblocking(true)?;
@@ -354,13 +366,6 @@ impl DataPlane {
         let staging = Staging::new(control.pool(), u32::from(segment_blocks.get()), requests_max)
             .map_err(|error| std::io::Error::other(format!("the data plane's staging area: {error}")))?;
         let block_bytes = staging.block_bytes();
-        let geometry = *control.pool().geometry();
-        if block_bytes as u64 > peer::BLOCK_BYTES_MAX {
-            return Err(std::io::Error::other(format!(
-                "blocks of {block_bytes} bytes: the data plane moves blocks of at most {} bytes",
-                peer::BLOCK_BYTES_MAX
-            )));
-        }
         Ok(DataPlane {
             listener: Mutex::new(Some(listener)),
             address,

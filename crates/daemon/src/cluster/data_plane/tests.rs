@@ -936,3 +936,91 @@ fn faults_are_told_from_waits_and_limits() {
         assert!(!peer(answered).holder_unreachable());
     }
 }
+
+/// The emulator's host-side DMA allocator, refusing (and counting) allocations over `cap`
+/// bytes: a controller's rings and a pool's metadata buffers are far below it, a staging area
+/// of blocks over `peer::BLOCK_BYTES_MAX` far above.
+struct CappedDma {
+    inner: Arc<dyn nvme_driver::DmaAllocator>,
+    cap: usize,
+    refused: AtomicUsize,
+}
+
+impl nvme_driver::DmaAllocator for CappedDma {
+    fn allocate(&self, len: usize) -> Result<nvme_driver::DmaRegion, nvme_driver::HwError> {
+        if len > self.cap {
+            self.refused.fetch_add(1, Ordering::AcqRel);
+            return Err(nvme_driver::HwError::Backend { backend: "test", message: format!("{len} bytes refused (over {})", self.cap) });
+        }
+        self.inner.allocate(len)
+    }
+
+    // Unsafe to call by the trait; this one performs no unsafe operation (as session/tests.rs's
+    // `SlowMapping`): nothing here maps external memory, so it refuses rather than forwards.
+    #[allow(unsafe_code)]
+    unsafe fn map_external(&self, _host: *mut u8, _len: usize) -> Result<nvme_driver::DmaRegion, nvme_driver::HwError> {
+        Err(nvme_driver::HwError::Backend { backend: "test", message: "map_external is not offered".into() })
+    }
+
+    fn translate(&self, iova: nvme_driver::Iova, len: usize) -> Result<nvme_driver::DmaRegion, nvme_driver::HwError> {
+        self.inner.translate(iova, len)
+    }
+
+    fn address_space(&self) -> nvme_driver::AddressSpaceId {
+        self.inner.address_space()
+    }
+}
+
+/// An emulated device whose host side allocates through a [`CappedDma`].
+struct CappedDevice {
+    device: Arc<EmuDevice>,
+    dma: Arc<CappedDma>,
+}
+
+impl nvme_driver::DeviceBackend for CappedDevice {
+    fn name(&self) -> String {
+        nvme_driver::DeviceBackend::name(&*self.device)
+    }
+
+    fn registers(&self) -> Arc<dyn nvme_driver::RegisterIo> {
+        nvme_driver::DeviceBackend::registers(&*self.device)
+    }
+
+    fn dma(&self) -> Arc<dyn nvme_driver::DmaAllocator> {
+        Arc::clone(&self.dma) as Arc<dyn nvme_driver::DmaAllocator>
+    }
+
+    fn function_reset(&self) -> Result<(), nvme_driver::HwError> {
+        nvme_driver::DeviceBackend::function_reset(&*self.device)
+    }
+}
+
+#[test]
+fn blocks_over_the_largest_the_data_plane_moves_are_refused_before_the_staging_area_is_made() {
+    // Goal: a pool whose blocks pass peer::BLOCK_BYTES_MAX (256 MiB; here 258 MiB: 129 layers of
+    // 1 MiB objects) is refused by bind before its staging area (segment blocks x block bytes of
+    // DMA memory, 4 GiB here, populated at allocation; an executor and queue pairs) is made:
+    // the allocator is never asked for it. Before, bind allocated it, then refused the block size.
+    let geometry = ModelGeometry { layers: 129, kv_heads: 8, head_dim: 4096, dtype_bytes: 2, block_tokens: 16 };
+    assert!(geometry.block_bytes() > peer::BLOCK_BYTES_MAX);
+    // Lazily committed: only what the format writes costs memory.
+    let config =
+        EmuConfig::default().with_backing(Backing::Memory { bytes: 1 << 30 }).with_namespaces(vec![NamespaceConfig::new(4096, None)]);
+    let device = EmuDevice::start(config).unwrap();
+    let dma = Arc::new(CappedDma { inner: nvme_driver::DeviceBackend::dma(&*device), cap: 64 << 20, refused: AtomicUsize::new(0) });
+    let backend = Arc::new(CappedDevice { device: Arc::clone(&device), dma: Arc::clone(&dma) });
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
+    let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(2), pool_uuid: None, payload_crc: false };
+    format_pool(&targets, &params).unwrap();
+    let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+    let control = StoreControl::new(pool, 16).unwrap();
+    let outcome =
+        DataPlane::bind(BoundAddress::bind("127.0.0.1:0".parse().unwrap()).unwrap(), &control, SegmentBlocks::new(SEGMENT).unwrap(), 16);
+    let refused = dma.refused.load(Ordering::Acquire);
+    match outcome {
+        Err(error) => assert!(error.to_string().contains("at most"), "{error}"),
+        Ok(_) => panic!("a data plane over blocks of {} bytes was bound", geometry.block_bytes()),
+    }
+    assert_eq!(refused, 0, "the staging area's memory was asked for before the block size was checked");
+}
