@@ -176,7 +176,11 @@ impl From<DaemonError> for Failure {
             DaemonError::Remote { code, message: sentence } => {
                 Failure { class: refusal_class(*code, sentence), message, code: Some(code_name(*code)) }
             }
-            DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } => Failure::new(ErrorClass::Disconnected, message),
+            // A reply that does not answer its request leaves the connection out of step: the
+            // client is broken, as after a lost connection (RemoteKvStore says Disconnected).
+            DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } | DaemonError::UnexpectedReply { .. } => {
+                Failure::new(ErrorClass::Disconnected, message)
+            }
             DaemonError::Timeout { .. } => Failure::new(ErrorClass::Timeout, message),
             DaemonError::Devices(_) | DaemonError::Controller { .. } | DaemonError::DeviceInUse { .. } => {
                 Failure::new(ErrorClass::Device, message)
@@ -323,6 +327,11 @@ mod tests {
             Failure::from(&ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected { code: None }, reason: "closed".into() });
         assert_eq!((gone.class, gone.code), (ErrorClass::Disconnected, None));
         assert_eq!(Failure::from(DaemonError::Closed).class, ErrorClass::Disconnected);
+        // A reply that does not answer the request leaves the connection out of step (broken):
+        // lost, as RemoteKvStore reports it, so the connectors reconnect.
+        let kind = tutti_daemon::protocol::Kind::Lookup;
+        let odd = Failure::from(DaemonError::UnexpectedReply { asked: kind, got: tutti_daemon::protocol::Kind::Ping });
+        assert_eq!((odd.class, odd.code), (ErrorClass::Disconnected, None));
         // An exchange that timed out: tutti.TimeoutError with no code; the connectors treat it
         // (as Disconnected, and any DaemonError without a code) as a lost connection.
         let late = Failure::from(DaemonError::Timeout { what: "Lookup request".into(), after_ms: 5 });
