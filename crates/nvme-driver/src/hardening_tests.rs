@@ -1560,3 +1560,30 @@ fn a_write_zeroes_size_limit_below_one_block_is_refused_before_submitting() {
     assert!(matches!(refused, Err(NvmeError::Unsupported { .. })), "{refused:?}");
     assert_eq!(queue.unpublished_submissions(), 0, "nothing was queued");
 }
+
+#[test]
+fn a_wait_meeting_unexpected_completions_without_end_still_ends_at_its_deadline() {
+    // Goal: every wait is bounded, even against a controller that keeps posting completions
+    // naming nothing in flight. Each is accepted (its SQ head lies between the last reported and
+    // the tail) and consumed, and the CQ head doorbell that frees its entry has the controller
+    // post the next, so the ring never runs empty. The wait used to take each as a reaped entry
+    // and poll again at once, checking its deadline only on empty polls, and never returned (on
+    // the admin path, under the admin mutex: bring-up, attach and delete all hung). The fake
+    // refills the ring within the doorbell write itself, so no empty poll can end the wait by
+    // chance, as a posting thread racing the reaper could.
+    let (device, _controller, queue, _ring) = hand_posted_flushes(2);
+    let stray = CompletionEntry { dw0: 0, dw1: 0, sq_head: 2, sq_id: 1, command_id: 0x7700, status_and_phase: 0 };
+    device.keep_posting(1, stray);
+    let (sender, receiver) = std::sync::mpsc::channel();
+    // Detached: before the fix it never returns (the fake's posting ends with the process).
+    std::thread::spawn(move || {
+        let mut queue = queue;
+        let waited = queue.wait_idle(std::time::Instant::now() + Duration::from_millis(50), |_| {});
+        let _ = sender.send((waited, queue.in_flight(), queue.failed()));
+    });
+    let outcome = receiver.recv_timeout(Duration::from_secs(1));
+    let (waited, in_flight, failed) = outcome.expect("the wait did not end within a second of its 50 ms deadline");
+    assert!(waited.is_err(), "{waited:?}");
+    assert_eq!(in_flight, 2, "both flushes are still in flight");
+    assert!(!failed, "a completion naming nothing in flight does not fail the pair");
+}

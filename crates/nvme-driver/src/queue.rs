@@ -885,7 +885,9 @@ impl QueuePair {
     /// complete, and until they do the memory they name is the controller's. The first one is
     /// remembered and returned once `done` says so (every completion reaped delivered), or at
     /// the deadline in place of [`NvmeError::Timeout`] (a dead or failed controller, or a failed
-    /// pair, is still reported as such). Any other error from `reap` ends the wait at once.
+    /// pair, is still reported as such). The deadline is checked after each such completion, so
+    /// a controller that keeps posting them cannot hold the wait past it. Any other error from
+    /// `reap` ends the wait at once.
     pub fn poll_until(
         &mut self,
         deadline: Instant,
@@ -898,8 +900,8 @@ impl QueuePair {
         loop {
             // `reap` delivered the completions before an unexpected one; the wait goes on for
             // those after it.
-            let reaped = match self.reap(usize::MAX, &mut on_completion) {
-                Ok(reaped) => reaped,
+            let (reaped, stray) = match self.reap(usize::MAX, &mut on_completion) {
+                Ok(reaped) => (reaped, false),
                 Err(error @ NvmeError::UnexpectedCompletion { .. }) => {
                     if unexpected.is_none() {
                         unexpected = Some(error);
@@ -907,7 +909,7 @@ impl QueuePair {
                         tracing::warn!(queue = %self.id, %error, "another unexpected completion in the same wait");
                     }
                     // It consumed an entry: poll again at once, as after any reaped entry.
-                    1
+                    (1, true)
                 }
                 Err(error) => return Err(error),
             };
@@ -917,6 +919,13 @@ impl QueuePair {
             if self.failed && self.in_flight == self.unknown_outcomes {
                 return Err(NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes });
             }
+            // Past a stray the deadline is checked at once: a controller that keeps posting
+            // them (each accepted, its entry freed by the head doorbell) would otherwise never
+            // leave the wait an empty poll to check it on. Completions of commands in flight
+            // are bounded by those commands.
+            if stray && Instant::now() >= deadline {
+                return Err(self.deadline_passed(started, unexpected));
+            }
             if reaped > 0 {
                 idle_polls = 0;
                 continue;
@@ -924,20 +933,25 @@ impl QueuePair {
             idle_polls = idle_polls.saturating_add(1);
             if idle_polls.is_multiple_of(POLLS_PER_CHECK) {
                 if Instant::now() >= deadline {
-                    return Err(match (self.diagnose_timeout(started), unexpected) {
-                        (timeout @ NvmeError::Timeout { .. }, Some(unexpected)) => {
-                            // The stray completion may have been the late command's own: it is
-                            // the more telling answer, and the timeout goes to the log.
-                            tracing::warn!(queue = %self.id, %timeout, "a wait that met an unexpected completion timed out");
-                            unexpected
-                        }
-                        (diagnosis, _) => diagnosis,
-                    });
+                    return Err(self.deadline_passed(started, unexpected));
                 }
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
+        }
+    }
+
+    /// What a wait whose deadline passed reports ([`QueuePair::poll_until`]).
+    fn deadline_passed(&self, started: Instant, unexpected: Option<NvmeError>) -> NvmeError {
+        match (self.diagnose_timeout(started), unexpected) {
+            (timeout @ NvmeError::Timeout { .. }, Some(unexpected)) => {
+                // The stray completion may have been the late command's own: it is the more
+                // telling answer, and the timeout goes to the log.
+                tracing::warn!(queue = %self.id, %timeout, "a wait that met an unexpected completion timed out");
+                unexpected
+            }
+            (diagnosis, _) => diagnosis,
         }
     }
 

@@ -63,6 +63,9 @@ pub(super) struct FakeState {
     pub(super) completion: BTreeMap<u16, CompletionRing>,
     /// Completions waiting for room in their CQ, oldest first, with their `keep_phase`.
     pub(super) held: BTreeMap<u16, VecDeque<(CompletionEntry, bool)>>,
+    /// Completions posted again into every entry of their CQ that a head doorbell frees
+    /// ([`FakeDevice::keep_posting`]), until a disable or the CQ's deletion.
+    pub(super) endless: BTreeMap<u16, CompletionEntry>,
     pub(super) counters: FakeCounters,
     /// Admin commands fetched and left unanswered (`admin_unanswered`), oldest first, until
     /// [`FakeDevice::answer_withheld`] or a disable.
@@ -106,6 +109,7 @@ impl FakeRegisters {
             completion: BTreeMap::new(),
             counters: FakeCounters::default(),
             held: BTreeMap::new(),
+            endless: BTreeMap::new(),
             withheld: Vec::new(),
             enabling_reads_left,
             enabling_since: None,
@@ -131,6 +135,7 @@ impl FakeState {
         self.submission.clear();
         self.completion.clear();
         self.held.clear();
+        self.endless.clear();
         self.withheld.clear();
         if self.script.disable_completes {
             self.csts &= !CSTS_READY;
@@ -234,7 +239,8 @@ impl FakeState {
     }
 
     /// A CQ head doorbell write: records the head (a value outside the ring is ignored) and
-    /// posts what was held for the room it frees.
+    /// posts what was held for the room it frees, then the CQ's endless completion, if any, into
+    /// the rest.
     fn ring_completion(&mut self, pool: &DmaPool, completion_queue: u16, head: u32) {
         let Some(ring) = self.completion.get_mut(&completion_queue) else { return };
         *self.counters.completion_doorbells_by_queue.entry(completion_queue).or_default() += 1;
@@ -245,10 +251,26 @@ impl FakeState {
             self.counters.repeated_completion_heads += 1;
         }
         ring.head = head;
-        let Some(held) = self.held.get_mut(&completion_queue) else { return };
+        if let Some(held) = self.held.get_mut(&completion_queue) {
+            while !ring.is_full() {
+                let Some((entry, keep_phase)) = held.pop_front() else { break };
+                Self::write_completion(pool, ring, entry, keep_phase);
+            }
+        }
+        self.fill_with_endless(pool, completion_queue);
+    }
+
+    /// Posts CQ `completion_queue`'s endless completion into every free entry (nothing while
+    /// completions are held for room: those go first).
+    pub(super) fn fill_with_endless(&mut self, pool: &DmaPool, completion_queue: u16) {
+        let (Some(ring), Some(&entry)) = (self.completion.get_mut(&completion_queue), self.endless.get(&completion_queue)) else {
+            return;
+        };
+        if self.held.get(&completion_queue).is_some_and(|held| !held.is_empty()) {
+            return;
+        }
         while !ring.is_full() {
-            let Some((entry, keep_phase)) = held.pop_front() else { break };
-            Self::write_completion(pool, ring, entry, keep_phase);
+            Self::write_completion(pool, ring, entry, false);
         }
     }
 
@@ -366,6 +388,7 @@ impl FakeState {
             Some(AdminOpcode::DeleteIoSubmissionQueue) => (0, self.submission.remove(&queue_id).map_or(invalid_queue, |_| None)),
             Some(AdminOpcode::DeleteIoCompletionQueue) => {
                 self.held.remove(&queue_id);
+                self.endless.remove(&queue_id);
                 (0, self.completion.remove(&queue_id).map_or(invalid_queue, |_| None))
             }
             Some(AdminOpcode::CreateIoCompletionQueue | AdminOpcode::CreateIoSubmissionQueue) => (0, invalid_queue),

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use crate::hw::{DeviceBackend, DmaAllocator, DmaPool, HwError, RegisterIo};
 use crate::spec::registers::Capabilities;
-use crate::spec::{NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES};
+use crate::spec::{CompletionEntry, NvmeStatus, SubmissionEntry, COMPLETION_ENTRY_BYTES, IDENTIFY_BYTES};
 
 use controller::FakeRegisters;
 pub use fuzz::{run_fuzz_input, FuzzOutcome, FuzzPlan, FUZZ_DISABLE_HANGS, FUZZ_HEADER_BYTES};
@@ -244,6 +244,15 @@ impl FakeDevice {
     /// Changes the script (e.g. makes the next disable hang, queues more raw completions).
     pub fn update_script(&self, change: impl FnOnce(&mut FakeScript)) {
         change(&mut self.registers.lock().script);
+    }
+
+    /// Makes the fake post `entry` (its phase the fake's) into every free entry of CQ
+    /// `queue_id`, now and after each head doorbell, until a disable or the CQ's deletion: a
+    /// controller that never stops posting completions (for `entry`'s command, or naming none).
+    pub fn keep_posting(&self, queue_id: u16, entry: CompletionEntry) {
+        let mut state = self.registers.lock();
+        state.endless.insert(queue_id, entry);
+        state.fill_with_endless(&self.pool, queue_id);
     }
 
     /// The admin commands the fake fetched and has not answered (their data pointers are where
