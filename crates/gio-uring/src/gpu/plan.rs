@@ -192,43 +192,79 @@ pub const BACKOFF_NS_MIN: u32 = 32;
 
 /// Allowance for what a launch does after its deadline: no waiting, only submitting into free
 /// slots, finalising IOCBs and one claim attempt each, whose lock-free retries repeat only when
-/// another thread succeeded. Microseconds in practice; a second is a wide margin.
+/// another thread succeeded; and the one backoff sleep a wait may have begun just before the
+/// deadline (at most [`NANOSLEEP_NS_MAX`], nominally). Milliseconds at most in practice; a
+/// second is a wide margin.
 pub const KERNEL_TAIL_MARGIN: Duration = Duration::from_secs(1);
 
 /// How long one launch of the I/O kernel runs at most once its blocks have started: every wait of
 /// a block ends at one deadline, `poll_iterations_max × max(backoff_ns_max, 32)` ns after the block
-/// started (kernels/gio_io_kernel.cu), plus [`KERNEL_TAIL_MARGIN`]. Launches on the I/O stream run
+/// started (kernels/gio_io_kernel.cu), plus [`KERNEL_TAIL_MARGIN`]. The deadline as the kernel
+/// computes it, not the shorter [`kernel_wait_window`]: one wait may run out of iterations
+/// sooner, but a warp that waits for several chunks in turn waits several times, and only the
+/// deadline bounds them all. Launches on the I/O stream run
 /// one after another, so draining `n` queued launches takes at most `n` times this.
 pub fn kernel_time_bound(poll_iterations_max: u32, backoff_ns_max: u32) -> Duration {
     let budget_ns = u64::from(poll_iterations_max) * u64::from(backoff_ns_max.max(BACKOFF_NS_MIN));
     Duration::from_nanos(budget_ns) + KERNEL_TAIL_MARGIN
 }
 
-/// The shortest per-block deadline (`poll_iterations_max × max(backoff_ns_max, 32)` ns) the
-/// executor accepts. Below it the kernel's waits end before an NVMe command can complete, so
-/// every I/O would time out and every launch reset the queue pairs.
+/// The longest one `__nanosleep` sleeps: CUDA documents its maximum as about 1 ms, whatever
+/// the argument, so a backoff cap above it sleeps no longer.
+pub const NANOSLEEP_NS_MAX: u32 = 1_000_000;
+
+/// How long one wait of the kernel keeps looking, from its first look to its last, when its
+/// iterations run out before the deadline: each wait (slot, CQE claim, final poll;
+/// kernels/gio_io_kernel.cu) looks `poll_iterations_max` times, and between two looks its
+/// `Backoff` sleeps 32 ns, doubling up to `max(backoff_ns_max, 32)` ns, each sleep at most
+/// [`NANOSLEEP_NS_MAX`]. So `poll_iterations_max - 1` sleeps: the doubling ramp, then the cap.
+/// A sleep after the last look (the final poll and the claim take one) serves nothing, since
+/// nothing is looked at after it. Nominal sleeps (`__nanosleep(t)` sleeps in [0, 2t]). Never
+/// more than the deadline, which counts a full cap per look.
+pub fn kernel_wait_window(poll_iterations_max: u32, backoff_ns_max: u32) -> Duration {
+    let cap_ns = u64::from(backoff_ns_max.clamp(BACKOFF_NS_MIN, NANOSLEEP_NS_MAX));
+    let sleeps = u64::from(poll_iterations_max.saturating_sub(1));
+    // The ramp has at most 15 sleeps (32 << 15 > 1 ms); the rest sleep the cap each. No overflow:
+    // under 2^32 sleeps of at most 10^6 ns.
+    let (mut ramp_sleeps, mut ramp_ns, mut sleep_ns) = (0u64, 0u64, u64::from(BACKOFF_NS_MIN));
+    while ramp_sleeps < sleeps && sleep_ns < cap_ns {
+        ramp_ns += sleep_ns;
+        sleep_ns *= 2;
+        ramp_sleeps += 1;
+    }
+    Duration::from_nanos(ramp_ns + (sleeps - ramp_sleeps) * cap_ns)
+}
+
+/// The shortest time a kernel wait must keep looking, both until its block's deadline
+/// (`poll_iterations_max × max(backoff_ns_max, 32)` ns) and through its iterations
+/// ([`kernel_wait_window`]), that the executor accepts. Below it the kernel's waits end before
+/// an NVMe command can complete, so every I/O would time out and every launch reset the queue
+/// pairs.
 pub const KERNEL_DEADLINE_MIN: Duration = Duration::from_millis(1);
 
 /// Checks the kernel's wait settings of a `GpuExecutorConfig` (what `GpuExecutor::new` refuses):
 /// `poll_iterations_max` is at least 1 (the kernel's claim and slot loops run that many times:
-/// zero never claims anything), the per-block deadline is at least [`KERNEL_DEADLINE_MIN`], and
-/// `drain_timeout` covers one launch ([`kernel_time_bound`]).
+/// zero never claims anything), a wait keeps looking at least [`KERNEL_DEADLINE_MIN`] (through
+/// its iterations, [`kernel_wait_window`], which is never longer than the per-block deadline, so
+/// the deadline is then at least that too), and `drain_timeout` covers one launch
+/// ([`kernel_time_bound`]).
 pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_timeout: Duration) -> Result<(), GioError> {
     if poll_iterations_max == 0 {
         return Err(GioError::InvalidConfig {
             reason: "poll_iterations_max is 0: the kernel's waits would never poll, so every I/O would time out".into(),
         });
     }
-    let deadline = kernel_time_bound(poll_iterations_max, backoff_ns_max) - KERNEL_TAIL_MARGIN;
-    if deadline < KERNEL_DEADLINE_MIN {
+    let window = kernel_wait_window(poll_iterations_max, backoff_ns_max);
+    if window < KERNEL_DEADLINE_MIN {
         return Err(GioError::InvalidConfig {
             reason: format!(
-                "the kernel's deadline, poll_iterations_max {poll_iterations_max} x max(backoff_ns_max {backoff_ns_max}, \
-                 {BACKOFF_NS_MIN}) ns = {deadline:?}, is under {KERNEL_DEADLINE_MIN:?}: NVMe commands would time out"
+                "a kernel wait keeps looking for {window:?}, under {KERNEL_DEADLINE_MIN:?}, so NVMe commands would time out: \
+                 poll_iterations_max {poll_iterations_max} looks, the sleeps between them {BACKOFF_NS_MIN} ns doubling up to \
+                 backoff_ns_max {backoff_ns_max} ns (at least {BACKOFF_NS_MIN}, at most {NANOSLEEP_NS_MAX} ns)"
             ),
         });
     }
-    let kernel_bound = deadline + KERNEL_TAIL_MARGIN;
+    let kernel_bound = kernel_time_bound(poll_iterations_max, backoff_ns_max);
     if drain_timeout < kernel_bound {
         return Err(GioError::InvalidConfig {
             reason: format!(
@@ -640,10 +676,41 @@ mod tests {
         assert!(refused(1, 10_000, drain).contains("poll_iterations_max"), "a 10 us deadline");
         assert!(refused(31_000, 0, drain).contains("backoff_ns_max"), "a zero cap counts as 32 ns: 0.99 ms");
         assert!(refused(200_000, 10_000, Duration::from_secs(2)).contains("drain_timeout"));
+        // A long deadline is not enough: each wait also ends after poll_iterations_max looks,
+        // with a backoff that starts at 32 ns. One look never waits at all; ten sleep about
+        // 16 us, not the "1 ms" of 10 x 100 us.
+        assert!(refused(1, 1_000_000, drain).contains("poll_iterations_max"), "one look, a 1 ms deadline");
+        assert!(refused(10, 100_000, drain).contains("poll_iterations_max"), "ten looks, a 1 ms deadline");
+        assert!(refused(2, u32::MAX, drain).contains("poll_iterations_max"), "one sleep of 32 ns, a 8.6 s deadline");
         assert!(check_kernel_waits(200_000, 10_000, drain).is_ok(), "the defaults");
         assert!(check_kernel_waits(20_000, 10_000, drain).is_ok(), "the GPU test's first pass: 0.2 s");
-        assert!(check_kernel_waits(31_250, 0, drain).is_ok(), "exactly 1 ms");
-        assert!(check_kernel_waits(1, 1_000_000, drain).is_ok(), "one long poll");
+        assert!(check_kernel_waits(31_251, 0, drain).is_ok(), "exactly 1 ms between the first look and the last");
+        assert!(refused(31_250, 0, drain).contains("poll_iterations_max"), "1 ms less one 32 ns sleep");
+    }
+
+    #[test]
+    fn a_wait_lasts_the_backoff_ramp_then_the_cap_between_its_first_and_last_look() {
+        // Goal: the time a kernel wait keeps looking is what its looks and sleeps add up to:
+        // poll_iterations_max looks, the sleeps between them 32 ns doubling up to the cap (at
+        // least 32 ns; at most the ~1 ms one __nanosleep sleeps), not looks x cap.
+        assert_eq!(kernel_wait_window(0, 10_000), Duration::ZERO);
+        assert_eq!(kernel_wait_window(1, 10_000), Duration::ZERO, "one look, no sleep");
+        assert_eq!(kernel_wait_window(2, 10_000), Duration::from_nanos(32));
+        // 32 + 64 + ... + 8192, then 10 us each.
+        assert_eq!(kernel_wait_window(10, 10_000), Duration::from_nanos(16_352));
+        assert_eq!(kernel_wait_window(11, 10_000), Duration::from_nanos(16_352 + 10_000));
+        assert_eq!(kernel_wait_window(10, 100_000), Duration::from_nanos(16_352));
+        assert_eq!(kernel_wait_window(200_000, 10_000), Duration::from_nanos(16_352 + (199_999 - 9) * 10_000));
+        assert_eq!(kernel_wait_window(5, 0), Duration::from_nanos(4 * 32), "a zero cap sleeps 32 ns");
+        assert_eq!(kernel_wait_window(5, 100), Duration::from_nanos(32 + 64 + 100 + 100));
+        // Up to 524_288 ns the ramp, then 1 ms per sleep however large the cap.
+        let ramp_to_1_ms = 32 * ((1 << 15) - 1);
+        assert_eq!(kernel_wait_window(17, u32::MAX), Duration::from_nanos(ramp_to_1_ms + 1_000_000));
+        assert_eq!(kernel_wait_window(u32::MAX, u32::MAX), Duration::from_nanos(ramp_to_1_ms + (u64::from(u32::MAX) - 16) * 1_000_000));
+        // Never longer than the deadline, which counts every look a full cap.
+        for (poll, cap) in [(1, 0), (10, 100), (10, 100_000), (200_000, 10_000), (u32::MAX, 5_000_000)] {
+            assert!(kernel_wait_window(poll, cap) <= kernel_time_bound(poll, cap) - KERNEL_TAIL_MARGIN, "({poll}, {cap})");
+        }
     }
 
     #[test]
