@@ -440,8 +440,9 @@ impl IoQueuePair {
     /// still in flight).
     ///
     /// A completion naming nothing in flight does not end the wait: the first one is returned
-    /// as [`NvmeError::UnexpectedCompletion`] once nothing is in flight, or at the deadline in
-    /// place of the timeout (then with commands still in flight: [`IoQueuePair::in_flight`]).
+    /// as [`NvmeError::UnexpectedCompletion`] once nothing is in flight. At the deadline the
+    /// wait times out as any other (the ones it met are logged), so an unexpected completion
+    /// always means nothing is in flight and a timeout that something still is.
     pub fn wait_idle(&mut self, deadline: Instant, on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         self.queue.poll_until(deadline, on_completion, |queue| queue.in_flight() == 0)
@@ -449,8 +450,8 @@ impl IoQueuePair {
 
     /// Reaps until at least `count` more completions arrived, or fails at `deadline`. A
     /// completion naming nothing in flight does not count and does not end the wait; the first
-    /// one is returned as [`NvmeError::UnexpectedCompletion`] once `count` arrived, or at the
-    /// deadline (as for [`IoQueuePair::wait_idle`]).
+    /// one is returned as [`NvmeError::UnexpectedCompletion`] once `count` arrived (at the
+    /// deadline the wait times out, as for [`IoQueuePair::wait_idle`]).
     pub fn wait_for(&mut self, count: usize, deadline: Instant, mut on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
         self.check_epoch()?;
         let seen = std::cell::Cell::new(0usize);
@@ -468,7 +469,8 @@ impl IoQueuePair {
     /// A completion naming nothing in flight met on the way is [`NvmeError::UnexpectedCompletion`]
     /// when every command succeeded; a failed command's error comes first (once nothing is in
     /// flight, that is what the caller must act on). Any other error of the wait, a timeout
-    /// with commands still in flight included, comes back as it is.
+    /// with commands still in flight (unexpected completions met or not) included, comes back
+    /// as it is.
     pub fn complete_all(&mut self, timeout: Duration) -> Result<(), NvmeError> {
         self.ring_doorbell()?;
         let queue = self.queue.id();

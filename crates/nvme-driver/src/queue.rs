@@ -53,8 +53,10 @@
 //!   is this queue's and its SQ head lies between the last head reported and the tail we
 //!   published, modulo the depth: [`NvmeError::UnexpectedCompletion`]; it completes nothing
 //!   and the pair goes on (a command whose real completion this was stays in flight). A wait
-//!   (`poll_until`) that meets one goes on too, until its condition holds or its deadline, and
-//!   only then reports it: the commands waited for may still complete. Such a completion has no command window, so that range is the only
+//!   (`poll_until`) that meets one goes on too, and reports it once its condition holds: the
+//!   commands waited for may still complete. At its deadline (checked after each such
+//!   completion, so a controller posting them without end cannot hold it) it times out as any
+//!   wait with commands in flight, and logs them. Such a completion has no command window, so that range is the only
 //!   check on its head, and a head outside it fails the pair as below, even a duplicate's (or
 //!   a late entry's) old head, one the controller really had: every ring index was the head
 //!   at some time, so no check can tell that head from one the controller cannot have reached
@@ -150,6 +152,37 @@ enum CommandWindowPlace {
 
 /// Polls between deadline checks and before the poller starts yielding the CPU.
 const POLLS_PER_CHECK: u32 = 64;
+
+/// The completions naming nothing in flight that one wait met ([`QueuePair::poll_until`]): the
+/// first, kept to report, and how many. They are logged once, as the wait ends, not one line
+/// each: a controller can post them as fast as they are reaped.
+#[derive(Default)]
+struct Strays {
+    first: Option<NvmeError>,
+    count: u64,
+}
+
+impl Strays {
+    fn met(&mut self, error: NvmeError) {
+        self.count += 1;
+        self.first.get_or_insert(error);
+    }
+
+    /// The first, for a wait whose condition held; the others go to the log.
+    fn reported(self, queue: QueueId) -> Option<NvmeError> {
+        if self.count > 1 {
+            tracing::warn!(%queue, count = self.count, "a wait whose commands completed met more than one unexpected completion (the first is reported)");
+        }
+        self.first
+    }
+
+    /// Logs them (if any) for a wait that ends on something else: its deadline, a failed pair.
+    fn log(&self, queue: QueueId, ending: &NvmeError) {
+        if let Some(first) = &self.first {
+            tracing::warn!(%queue, %first, count = self.count, %ending, "a wait that met unexpected completions ended without its commands");
+        }
+    }
+}
 
 /// The deepest queue this driver creates. A command id is the slot index in the low bits and a
 /// generation in the rest; at depth 32768 the slot index takes 15 of the 16 bits, and deeper
@@ -883,10 +916,12 @@ impl QueuePair {
     /// A completion naming nothing in flight ([`NvmeError::UnexpectedCompletion`]) does not end
     /// the wait: it completes nothing and the pair goes on, so the commands waited for may still
     /// complete, and until they do the memory they name is the controller's. The first one is
-    /// remembered and returned once `done` says so (every completion reaped delivered), or at
-    /// the deadline in place of [`NvmeError::Timeout`] (a dead or failed controller, or a failed
-    /// pair, is still reported as such). The deadline is checked after each such completion, so
-    /// a controller that keeps posting them cannot hold the wait past it. Any other error from
+    /// remembered and returned once `done` says so (every completion reaped delivered). At the
+    /// deadline the wait reports what any wait reports there ([`NvmeError::Timeout`] with
+    /// commands still in flight, or a dead or failed controller), and the strays go to the log:
+    /// callers take a timeout as "still in flight, retry or settle later", which an
+    /// unexpected completion does not say. The deadline is checked after each stray, so a
+    /// controller that keeps posting them cannot hold the wait past it. Any other error from
     /// `reap` ends the wait at once.
     pub fn poll_until(
         &mut self,
@@ -896,62 +931,51 @@ impl QueuePair {
     ) -> Result<(), NvmeError> {
         let started = Instant::now();
         let mut idle_polls = 0u32;
-        let mut unexpected = None;
+        let mut strays = Strays::default();
         loop {
             // `reap` delivered the completions before an unexpected one; the wait goes on for
             // those after it.
             let (reaped, stray) = match self.reap(usize::MAX, &mut on_completion) {
                 Ok(reaped) => (reaped, false),
                 Err(error @ NvmeError::UnexpectedCompletion { .. }) => {
-                    if unexpected.is_none() {
-                        unexpected = Some(error);
-                    } else {
-                        tracing::warn!(queue = %self.id, %error, "another unexpected completion in the same wait");
-                    }
+                    strays.met(error);
                     // It consumed an entry: poll again at once, as after any reaped entry.
                     (1, true)
                 }
                 Err(error) => return Err(error),
             };
             if done(self) {
-                return unexpected.map_or(Ok(()), Err);
+                return strays.reported(self.id).map_or(Ok(()), Err);
             }
             if self.failed && self.in_flight == self.unknown_outcomes {
-                return Err(NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes });
+                let failed = NvmeError::QueueFailed { queue: self.id, unknown_outcomes: self.unknown_outcomes };
+                strays.log(self.id, &failed);
+                return Err(failed);
             }
             // Past a stray the deadline is checked at once: a controller that keeps posting
             // them (each accepted, its entry freed by the head doorbell) would otherwise never
             // leave the wait an empty poll to check it on. Completions of commands in flight
             // are bounded by those commands.
-            if stray && Instant::now() >= deadline {
-                return Err(self.deadline_passed(started, unexpected));
+            let deadline_passed = if reaped > 0 {
+                idle_polls = 0;
+                stray && Instant::now() >= deadline
+            } else {
+                idle_polls = idle_polls.saturating_add(1);
+                idle_polls.is_multiple_of(POLLS_PER_CHECK) && Instant::now() >= deadline
+            };
+            if deadline_passed {
+                let diagnosis = self.diagnose_timeout(started);
+                strays.log(self.id, &diagnosis);
+                return Err(diagnosis);
             }
             if reaped > 0 {
-                idle_polls = 0;
                 continue;
             }
-            idle_polls = idle_polls.saturating_add(1);
             if idle_polls.is_multiple_of(POLLS_PER_CHECK) {
-                if Instant::now() >= deadline {
-                    return Err(self.deadline_passed(started, unexpected));
-                }
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
-        }
-    }
-
-    /// What a wait whose deadline passed reports ([`QueuePair::poll_until`]).
-    fn deadline_passed(&self, started: Instant, unexpected: Option<NvmeError>) -> NvmeError {
-        match (self.diagnose_timeout(started), unexpected) {
-            (timeout @ NvmeError::Timeout { .. }, Some(unexpected)) => {
-                // The stray completion may have been the late command's own: it is the more
-                // telling answer, and the timeout goes to the log.
-                tracing::warn!(queue = %self.id, %timeout, "a wait that met an unexpected completion timed out");
-                unexpected
-            }
-            (diagnosis, _) => diagnosis,
         }
     }
 
