@@ -685,9 +685,11 @@ pub fn stream_is_idle(stream: sys::CUstream) -> Result<bool, GioError> {
 /// Waits, polling every 50 µs up to `timeout`, until everything enqueued on `stream` has
 /// completed. Never blocks inside the driver (a `cuStreamSynchronize` could wait forever).
 pub fn drain_stream(stream: sys::CUstream, timeout: std::time::Duration) -> Result<(), GioError> {
-    let deadline = std::time::Instant::now() + timeout;
+    // A timeout past what an Instant holds (centuries) never runs out, rather than panicking:
+    // only a caller that asked for that long gets it.
+    let deadline = std::time::Instant::now().checked_add(timeout);
     while !stream_is_idle(stream)? {
-        if std::time::Instant::now() >= deadline {
+        if deadline.is_some_and(|deadline| std::time::Instant::now() >= deadline) {
             return Err(GioError::Executor { executor: "cuda", reason: format!("I/O stream still busy after {timeout:?}") });
         }
         std::thread::sleep(std::time::Duration::from_micros(50));

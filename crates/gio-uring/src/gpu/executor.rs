@@ -92,11 +92,13 @@ pub struct GpuExecutorConfig {
     /// deadline, `poll_iterations_max × backoff_ns_max` after its block started (2 s with the
     /// defaults); a launch ends within [`plan::kernel_time_bound`] of starting.
     pub backoff_ns_max: u32,
-    /// Bound on waiting for the stream to drain before a queue-pair reset and on teardown; at
-    /// least [`plan::kernel_time_bound`] (checked by [`GpuExecutor::new`]), so that one launch
-    /// that runs to its deadline always drains. The default, 10 s, drains three launches that
-    /// all run to a 2 s deadline (a 3 s bound each); a drain that runs out is retried by the next
-    /// `poll` (reset) or keeps the memory for good (teardown).
+    /// Bound on waiting for the stream to drain before a queue-pair reset; at least
+    /// [`plan::kernel_time_bound`] (checked by [`GpuExecutor::new`]), so that one launch that
+    /// runs to its deadline always drains. The default, 10 s, drains three launches that all run
+    /// to a 2 s deadline (a 3 s bound each); a drain that runs out is retried by the next `poll`.
+    /// Teardown waits longer when more launches are unretired, a bound for each
+    /// ([`plan::teardown_drain_timeout`]), and at least this; a teardown drain that runs out
+    /// keeps the memory for good.
     pub drain_timeout: Duration,
     /// Staged mode only (required there, refused in p2p mode).
     pub staging: Vec<StagingBuffer>,
@@ -440,6 +442,17 @@ impl GpuExecutor {
         driver::drain_stream(self.runtime.stream(), self.config.drain_timeout)
     }
 
+    /// Teardown's wait for the I/O stream: long enough for every launch still unretired to run
+    /// to its deadline ([`plan::teardown_drain_timeout`]), at least `drain_timeout`. A shorter
+    /// wait would give up on launches still queued behind a stalled device and keep the
+    /// caller's memory (or the executor's) for good, though they end within their bounds.
+    fn drain_stream_for_teardown(&self) -> Result<(), GioError> {
+        let unretired = self.attached.as_ref().map_or(0, |attached| attached.launches.len());
+        let timeout =
+            plan::teardown_drain_timeout(self.config.drain_timeout, unretired, self.config.poll_iterations_max, self.config.backoff_ns_max);
+        driver::drain_stream(self.runtime.stream(), timeout)
+    }
+
     /// Deletes and recreates every detached queue pair on its rings and rewrites the kernel state,
     /// once the stream has drained (no kernel may be using a queue pair while it is replaced).
     ///
@@ -778,8 +791,9 @@ impl Executor for GpuExecutor {
         self.retire(memory)
     }
 
-    /// Stops launching, waits (bounded by `drain_timeout`) for the stream to drain, then deletes
-    /// every detached pair (see the module documentation). `Some(false)` while a kernel or copy
+    /// Stops launching, waits for the stream to drain (bounded: every unretired launch's
+    /// [`plan::kernel_time_bound`], at least `drain_timeout`; [`plan::teardown_drain_timeout`]),
+    /// then deletes every detached pair (see the module documentation). `Some(false)` while a kernel or copy
     /// may still run (the context cannot be made current, or the stream did not drain: nothing
     /// is deleted then, since a kernel may still ring the pairs' doorbells) or a pair could not
     /// be deleted; a later call retries both. With `Some(true)` the launches still unretired
@@ -793,7 +807,8 @@ impl Executor for GpuExecutor {
                 return Some(false);
             }
         };
-        if let Err(error) = self.delete_queue_pairs() {
+        // The longer teardown wait first; delete_queue_pairs's own drain then returns at once.
+        if let Err(error) = self.drain_stream_for_teardown().and_then(|()| self.delete_queue_pairs()) {
             tracing::error!(%error, "gio-uring CUDA executor teardown: a kernel may still run or a queue pair is undeleted");
             return Some(false);
         }
@@ -853,7 +868,7 @@ impl Drop for GpuExecutor {
             Ok(current) => current,
             Err(error) => return self.keep_for_good(&error),
         };
-        if let Err(error) = self.drain_stream() {
+        if let Err(error) = self.drain_stream_for_teardown() {
             return self.keep_for_good(&error);
         }
         // What needs the I/O context to be released goes now, in field order, while it is

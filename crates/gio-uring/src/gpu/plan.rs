@@ -276,6 +276,18 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
     Ok(())
 }
 
+/// How long teardown waits for the I/O stream to drain with `unretired` launches still on it
+/// (`GpuExecutor::retire_queue_pairs` and its drop): they run one after another, each within
+/// [`kernel_time_bound`] of starting, so `unretired` bounds from now cover them all (the first
+/// may have started already). Never less than `drain_timeout`. One `drain_timeout` covers only a
+/// few launches (three with the defaults); giving up while more still run to their deadlines
+/// keeps the caller's memory for good, which waiting them out avoids. Bounded: one event per
+/// queue entry, so at most the queue depth of launches are unretired. Saturates.
+pub fn teardown_drain_timeout(drain_timeout: Duration, unretired: usize, poll_iterations_max: u32, backoff_ns_max: u32) -> Duration {
+    let launches = u32::try_from(unretired).unwrap_or(u32::MAX);
+    drain_timeout.max(kernel_time_bound(poll_iterations_max, backoff_ns_max).saturating_mul(launches))
+}
+
 /// What bounds the grid of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GridLimits {
@@ -724,6 +736,25 @@ mod tests {
             kernel_time_bound(u32::MAX, u32::MAX),
             Duration::from_nanos(u64::from(u32::MAX) * u64::from(u32::MAX)) + KERNEL_TAIL_MARGIN
         );
+    }
+
+    #[test]
+    fn teardown_waits_long_enough_for_every_launch_still_queued() {
+        // Goal: teardown's wait for the I/O stream covers every launch still on it, each of
+        // which may run a whole kernel_time_bound after the one before: with more launches
+        // queued behind a stalled device than drain_timeout covers (10 s: three 3 s bounds),
+        // one drain_timeout would give up while they still run to their deadlines, and the
+        // caller would keep its memory for good. Never shorter than drain_timeout.
+        let drain = Duration::from_secs(10);
+        let bound = kernel_time_bound(200_000, 10_000);
+        for launches in [0usize, 1, 3, 4, 16, 1024] {
+            let wait = teardown_drain_timeout(drain, launches, 200_000, 10_000);
+            assert!(wait >= bound * launches as u32, "{launches} launches: {wait:?}");
+            assert!(wait >= drain, "{launches} launches: {wait:?}");
+        }
+        assert_eq!(teardown_drain_timeout(drain, 16, 200_000, 10_000), bound * 16);
+        assert_eq!(teardown_drain_timeout(drain, 1, 200_000, 10_000), drain);
+        assert_eq!(teardown_drain_timeout(Duration::MAX, usize::MAX, u32::MAX, u32::MAX), Duration::MAX, "saturates");
     }
 
     #[test]
