@@ -87,27 +87,52 @@ impl DeviceLocks {
     /// (`lock_dir/vfio-BDF.lock`) is already there: None where the directory or the file is
     /// missing, for no tuttid has locked the function there. Neither is ever made: they belong
     /// to the user tuttid runs as, which refuses a lock directory or file of another's (root's,
-    /// made by `sudo tutti bind`). The file is opened read-only (flock needs no write access)
-    /// and never through a symbolic link, and only a regular file is locked; its owner and the
+    /// made by `sudo tutti bind`). The file is opened for writing, or read-only where this
+    /// user cannot write it (flock needs no write access, but NFS's emulation of it does), never
+    /// through a symbolic link, and only a regular file is locked; its owner and the
     /// directory's are not checked ([`DeviceLocks::acquire`] does, for the files it may make):
     /// whoever owns the directory decides what is there, and nothing is written to it. One
     /// another process holds is [`DeviceError::DeviceInUse`], naming the holder.
     pub fn acquire_existing(address: nvme_driver::hw::vfio::PciAddress, lock_dir: &Path) -> Result<Option<DeviceLocks>, DeviceError> {
         let spec = DeviceSpec::Vfio(address);
         let path = lock_dir.join(format!("vfio-{address}.lock"));
-        // O_NONBLOCK as open_without_waiting: a FIFO put there must not make the tool wait.
-        let opened = OpenOptions::new().read(true).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK).open(&path);
+        let refuse = |reason: String| DeviceError::SharedLockFile {
+            path: path.clone(),
+            reason: format!("{reason}; have its owner remove it, or give the lock directory tuttid uses with --lock-dir"),
+        };
+        // Opened for writing where this user may (NFS emulates flock with POSIX locks, whose
+        // exclusive lock needs a descriptor open for writing), else read-only; nothing is
+        // written either way. O_NONBLOCK as open_without_waiting: a FIFO put there must not
+        // make the tool wait.
+        let open = |write: bool| {
+            OpenOptions::new().read(true).write(write).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK).open(&path)
+        };
+        let opened = match open(true) {
+            Err(error) if matches!(error.raw_os_error().map(Errno::from_raw), Some(Errno::EACCES | Errno::EPERM | Errno::EROFS)) => {
+                open(false)
+            }
+            opened => opened,
+        };
         let file = match opened {
             Ok(file) => file,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(DeviceError::OpenFailed { path, source }),
+            // O_NOFOLLOW on a link: ELOOP; a socket cannot be opened: ENXIO. Said as what they are.
+            Err(source) => match std::fs::symlink_metadata(&path) {
+                Ok(metadata) if metadata.file_type().is_symlink() => {
+                    return Err(refuse("the lock file is a symbolic link, which is not followed".into()))
+                }
+                Ok(metadata) if !metadata.file_type().is_file() => {
+                    return Err(refuse(format!("the lock file is {}, not a regular file", file_kind(metadata.file_type()))))
+                }
+                _ => return Err(DeviceError::OpenFailed { path, source }),
+            },
         };
         let file_type = file
             .metadata()
             .map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?
             .file_type();
         if !file_type.is_file() {
-            return Err(DeviceError::NotAFileOrDevice { spec: spec.to_string(), path, kind: file_kind(file_type).into() });
+            return Err(refuse(format!("the lock file is {}, not a regular file", file_kind(file_type))));
         }
         let mut locks = DeviceLocks::default();
         locks.lock(&spec, path, file)?;
@@ -210,8 +235,8 @@ fn lock_failure(path: &Path, errno: Errno) -> DeviceError {
     let context = match errno {
         Errno::EBADF => format!(
             "locking {} (it is likely on NFS, or another filesystem that emulates flock with POSIX locks, where an exclusive \
-             lock needs a descriptor opened for writing, and an existing pool file is opened read-only to lock it; a pool \
-             file on a local filesystem avoids this)",
+             lock needs a descriptor opened for writing, and an existing pool file, or a lock file this user cannot write, is \
+             opened read-only to lock it; a file on a local filesystem avoids this)",
             path.display()
         ),
         _ => format!("locking {}", path.display()),
@@ -911,15 +936,20 @@ mod tests {
         std::fs::write(&target, b"").unwrap();
         std::os::unix::fs::symlink(&target, &path).unwrap();
         let error = DeviceLocks::acquire_existing(address, &lock_dir).unwrap_err();
-        assert!(is_input(&error), "a link is refused as input: {error}");
+        assert!(is_input(&error) && error.to_string().contains("symbolic link"), "a link is refused as input: {error}");
         std::fs::remove_file(&path).unwrap();
 
         nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
         let error = within_a_second(move || DeviceLocks::acquire_existing(address, &lock_dir).map(|_| ()), || ())
             .expect("a FIFO made the lock wait")
             .unwrap_err();
-        assert!(matches!(error, DeviceError::NotAFileOrDevice { .. }), "{error}");
+        assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
+        assert!(error.to_string().contains("not a regular file") && !error.to_string().contains("pool"), "{error}");
         let lock_dir = directory.path().join("locks");
+        std::fs::remove_file(&path).unwrap();
+        let _socket = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let error = DeviceLocks::acquire_existing(address, &lock_dir).unwrap_err();
+        assert!(is_input(&error) && error.to_string().contains("a socket"), "a socket is named as such: {error}");
         std::fs::remove_file(&path).unwrap();
 
         std::fs::write(&path, b"").unwrap();

@@ -59,7 +59,8 @@ pub struct UnbindArgs {
     #[arg(long)]
     not_nvme: bool,
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a tuttid starting
-    /// on the function is refused while it is being unbound.
+    /// on the function is refused while it is being unbound. Only a lock file already there is
+    /// taken: neither the directory nor a file is made (they are the tuttid user's).
     #[arg(long, default_value = DEFAULT_LOCK_DIR)]
     lock_dir: PathBuf,
 }
@@ -506,9 +507,7 @@ fn device_lock(address: PciAddress, lock_dir: &Path, command: &str) -> Result<Op
         Err(error @ DeviceError::DeviceInUse { .. }) => {
             Err(Unusable(format!("{error}; stop it first and run `tutti {command}` again")).into())
         }
-        Err(error) => Err(crate::pool::device_refusal(error).context(format!(
-            "taking {address}'s device lock (a symbolic link is not followed; give the lock directory tuttid uses with --lock-dir)"
-        ))),
+        Err(error) => Err(crate::pool::device_refusal(error).context(format!("taking {address}'s device lock"))),
     }
 }
 
