@@ -569,10 +569,10 @@ fn error_invalid_field(context: &Context) -> Outcome {
     let (Ok(length), Ok(allocation)) = (u32::try_from(bytes), usize::try_from(bytes)) else {
         return Ok(Verdict::Skipped(format!("MDTS {} KiB plus one block is more than one data segment carries", limit / 1024)));
     };
-    // Before the queue pair, so that it outlives it (see `queue`).
-    let buffer = controller.dma().allocate(allocation)?;
-    let mut queue = queue(&controller, 16)?;
-    let mode = queue.data_pointer_mode();
+    // The mode the controller's queue pairs get (bring-up chose it), known before anything is
+    // allocated: a transfer the check skips is never allocated (it can be tens of MiB, and a
+    // failed allocation would turn the skip into a failure).
+    let mode = controller.data_pointer_mode();
     // The buffer is page aligned: PRP1 names its first page, one list page the rest.
     let pages = bytes.div_ceil(PAGE_BYTES);
     let pages_max = PRP_LIST_ENTRIES_MAX as u64 + 1;
@@ -582,6 +582,10 @@ fn error_invalid_field(context: &Context) -> Outcome {
             limit / 1024
         )));
     }
+    // Before the queue pair, so that it outlives it (see `queue`).
+    let buffer = controller.dma().allocate(allocation)?;
+    let mut queue = queue(&controller, 16)?;
+    ensure!(queue.data_pointer_mode() == mode, "a queue pair of a {} controller uses {}", mode.name(), queue.data_pointer_mode().name());
     let error = raw_status(
         context,
         &mut queue,
@@ -1009,6 +1013,29 @@ mod tests {
                 "{namespace}'s tags carry one pattern in both modes"
             );
         }
+    }
+
+    #[test]
+    fn error_invalid_field_skips_a_prp_transfer_past_one_list_before_allocating_it() {
+        // Goal: on a PRP-only controller whose MDTS plus one block needs more than one PRP list
+        // page, error_invalid_field skips before allocating that transfer's buffer (4 MiB here,
+        // up to tens of MiB on real SSDs): a device short of DMA space would have turned the
+        // skip into a failure. It used to allocate first and decide on the skip after. The DMA
+        // space reports the largest mapping made.
+        let largest = Arc::new(AtomicUsize::new(0));
+        let observed = Arc::clone(&largest);
+        let space = nvme_driver::DmaPool::identity_observed(Box::new(move |_, len| {
+            observed.fetch_max(len, Ordering::Relaxed);
+        }));
+        let config =
+            nvme_emu::EmuConfig::default().with_backing(nvme_emu::Backing::Memory { bytes: 4 << 20 }).with_sgl(false).with_mdts(10);
+        let device = nvme_emu::EmuDevice::start_in(config, &space).expect("start the software controller");
+        let config = SuiteConfig { timeout: Duration::from_secs(20), ..SuiteConfig::default() };
+        let context = Context { device, faults: None, config, nonce: 0x1234_5678_9abc_def0 };
+        let skipped = matches!(error_invalid_field(&context), Ok(Verdict::Skipped(reason)) if reason.contains("PRP"));
+        assert!(skipped, "not skipped for its PRP pages");
+        let largest = largest.load(Ordering::Relaxed);
+        assert!(largest < 1 << 20, "a mapping of {largest} bytes was made for a transfer the check skips");
     }
 
     #[test]
