@@ -91,7 +91,9 @@ struct Backoff {
     __device__ explicit Backoff(uint32_t cap_ns) : sleep_ns(32), max_ns(cap_ns < 32 ? 32 : cap_ns) {}
     __device__ void pause() {
         __nanosleep(sleep_ns);
-        sleep_ns = sleep_ns * 2 > max_ns ? max_ns : sleep_ns * 2;
+        // Compared against half the cap: sleep_ns * 2 wraps past 2^32 for a cap of 2^31 ns or
+        // more, which would drop the sleep to 0 and leave the wait spinning.
+        sleep_ns = sleep_ns > max_ns / 2 ? max_ns : sleep_ns * 2;
     }
 };
 

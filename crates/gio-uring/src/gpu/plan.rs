@@ -621,6 +621,20 @@ mod tests {
     }
 
     #[test]
+    fn the_kernel_backoff_doubles_without_wrapping_past_its_cap() {
+        // Goal: Backoff::pause doubles its 32-bit sleep only while the double stays within the
+        // cap, compared against half the cap: `sleep_ns * 2 > max_ns` wraps for a cap of 2^31
+        // ns or more (backoff_ns_max is a u32 check_kernel_waits accepts), the sleep dropping
+        // to 0 after 27 steps and the wait spinning from then on.
+        let kernel = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/gio_io_kernel.cu")).unwrap();
+        let backoff = &kernel[kernel.find("struct Backoff {").expect("Backoff")..];
+        let pause = &backoff[backoff.find("void pause()").expect("pause")..];
+        let pause = &pause[..pause.find("\n    }\n").expect("pause's end")];
+        assert!(!pause.contains("sleep_ns * 2 >"), "the doubled sleep is compared after it may have wrapped:\n{pause}");
+        assert!(pause.contains("sleep_ns > max_ns / 2"), "{pause}");
+    }
+
+    #[test]
     fn queues_too_deep_for_a_generation_bit_are_refused() {
         // Goal: the command id is ticket & 0xFFFF, slot index in the low bits and a generation in
         // the rest, never FFFFh (the top slot's last generation takes 7FFFh): at depth 32768 that
