@@ -189,19 +189,20 @@ pub struct Cli {
 
     /// Where `vfio:` devices' lock files live: tuttid's `--lock-dir`, so that a run is refused
     /// on a device tuttid or `tutti pool` is using (emu: files are locked themselves). Not
-    /// with --attach: tuttid locks its pool, under its own --lock-dir.
+    /// with --attach (tuttid locks its pool, under its own --lock-dir) or --workload=serve (an
+    /// in-memory pool per policy, no device to lock).
     #[arg(long = "lock-dir", default_value = tutti_devices::DEFAULT_LOCK_DIR)]
     pub lock_dir: PathBuf,
 
-    /// Keep the temporary pool file of a run without --device (the default run's, a raw run's);
-    /// refused with --device or --attach, which make none.
+    /// Keep the temporary pool file of a run without --device (the default run's, a raw or kv
+    /// run's); refused with --device, --attach or --workload=serve, which make none.
     #[arg(long)]
     pub keep: bool,
 
     /// Where a run without --device puts its temporary pool file (default: the system temp
     /// directory, or /var/tmp when that is tmpfs or ramfs). On tmpfs or ramfs the run goes on,
-    /// and the device line says the file is memory, not a disk. Refused with --device or
-    /// --attach, which make no such file.
+    /// and the device line says the file is memory, not a disk. Refused with --device, --attach
+    /// or --workload=serve, which make no such file.
     #[arg(long)]
     pub directory: Option<PathBuf>,
 

@@ -27,7 +27,7 @@ const DEFAULT_POOL_BYTES_MIN: u64 = 64 << 20;
 
 pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     check_executor(cli.executor)?;
-    refuse_pool_options_without_use(cli, matches)?;
+    refuse_pool_options_without_use(cli, selected, matches)?;
     if cli.shadow_doorbells && selected != Selected::Raw {
         return usage("--shadow-doorbells applies to --workload=raw (the kv and serve workloads keep MMIO doorbells)");
     }
@@ -103,10 +103,22 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
 /// Refuses, as the refusals of [`run`] do, the options of a temporary pool or of device locks
 /// where the run has none to apply them to: --directory and --keep are about the temporary
 /// pool of a run without --device (with --device the run's files are the ones named, kept when
-/// it succeeds); with --attach the pool is tuttid's, locked by tuttid under its own --lock-dir.
-fn refuse_pool_options_without_use(cli: &Cli, matches: &ArgMatches) -> anyhow::Result<()> {
+/// it succeeds); with --attach the pool is tuttid's, locked by tuttid under its own --lock-dir;
+/// the serve workload has neither a pool file nor a device to lock (an in-memory pool per policy).
+fn refuse_pool_options_without_use(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     let given = |id: &str, name: &'static str| (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)).then_some(name);
     let pool_options = [given("directory", "--directory"), given("keep", "--keep")];
+    if selected == Selected::Serve {
+        let ignored: Vec<&str> = pool_options.into_iter().chain([given("lock_dir", "--lock-dir")]).flatten().collect();
+        if !ignored.is_empty() {
+            return usage(format!(
+                "{} {} not apply with --workload=serve: it builds a fresh in-memory pool per policy, with no file to place or keep and no device to lock; drop {} (accepted with it: {SERVE_ACCEPTS})",
+                ignored.join(", "),
+                if ignored.len() == 1 { "does" } else { "do" },
+                if ignored.len() == 1 { "it" } else { "them" }
+            ));
+        }
+    }
     if cli.attach.is_some() {
         let ignored: Vec<&str> = pool_options.into_iter().chain([given("lock_dir", "--lock-dir")]).flatten().collect();
         if !ignored.is_empty() {

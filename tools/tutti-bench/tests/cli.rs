@@ -923,6 +923,15 @@ fn temporary_pool_options_where_there_is_no_temporary_pool_are_refused_naming_th
     ] {
         assert_refused(&arguments, &[named]);
     }
+    // The serve workload makes no pool file and locks nothing: it builds an in-memory pool per
+    // policy, so until 2026-12-01 it ran without a word about these.
+    for arguments in [
+        vec!["--workload=serve", "--keep"],
+        vec!["--workload=serve", "--directory", &directory_arg],
+        vec!["--workload=serve", "--lock-dir", &directory_arg],
+    ] {
+        assert_refused(&arguments, &[arguments[1], "--workload=serve"]);
+    }
     assert_eq!(std::fs::read_dir(directory.path()).unwrap().count(), 0, "a file was created");
 }
 
