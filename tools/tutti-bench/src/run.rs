@@ -919,14 +919,14 @@ fn default_kv(
         plan.blocks(),
         plan.block_tokens(),
         format_size(plan.blocks() * plan.geometry().block_bytes()),
-        equivalent_command(&plan, matches)
+        equivalent_command(&plan, matches, pool.path.parent().unwrap_or(Path::new(".")))
     ))?;
     crate::kv::run_plan(&[DeviceSpec::EmuFile(pool.path.clone())], &plan, cli.output_format, created)
 }
 
 /// The kv command line that runs what the default run does with `plan` (`matches`: the default
-/// run's own command line).
-fn equivalent_command(plan: &crate::kv::KvPlan, matches: &ArgMatches) -> String {
+/// run's own command line; `pool_directory`: where its pool file lies).
+fn equivalent_command(plan: &crate::kv::KvPlan, matches: &ArgMatches, pool_directory: &Path) -> String {
     let mut command = format!(
         "tutti-bench --workload=kv --model={} --prompt-tokens={} --tokens-per-block={} --hit-rate=1 --verify",
         plan.model.name,
@@ -938,11 +938,15 @@ fn equivalent_command(plan: &crate::kv::KvPlan, matches: &ArgMatches) -> String 
     if let Some(timing) = matches.get_raw("emu_timing").and_then(|mut values| values.next()) {
         command.push_str(&format!(" --emu-timing={}", shell_word(&timing.to_string_lossy())));
     }
-    // The directory the pool file lies in, as given: without it the command's pool goes to the
-    // default directory (a disk), not where this run measured (/dev/shm, a slow disk).
-    if let Some(directory) = matches.get_raw("directory").and_then(|mut values| values.next()) {
-        command.push_str(&format!(" --directory={}", shell_word(&directory.to_string_lossy())));
-    }
+    // The directory the pool file lies in: as given, or the default one this run chose. Without
+    // it the command's pool goes to the default directory (a disk), not where this run measured
+    // (/dev/shm, a slow disk); and that default is chosen by the room the command's own smaller
+    // pool needs, so it could be the /tmp this run passed over for /var/tmp.
+    let directory = match matches.get_raw("directory").and_then(|mut values| values.next()) {
+        Some(given) => given.to_string_lossy().into_owned(),
+        None => pool_directory.to_string_lossy().into_owned(),
+    };
+    command.push_str(&format!(" --directory={}", shell_word(&directory)));
     command
 }
 
@@ -1141,13 +1145,12 @@ mod tests {
             let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
             assert_eq!(crate::args::select_workload(&matches, &cli), Selected::Default, "{arguments:?}");
             let plan = default_plan(&cli, 1 << 30, plenty).unwrap();
-            let command = equivalent_command(&plan, &matches);
+            let command = equivalent_command(&plan, &matches, Path::new("/tmp"));
             assert!(command.starts_with("tutti-bench --workload=kv --model=llama3-8b --prompt-tokens=4096"), "{command}");
             match timing {
-                Some(timing) => assert!(command.ends_with(&format!(" {timing}")), "{arguments:?}: {command}"),
+                Some(timing) => assert!(command.contains(&format!(" {timing}")), "{arguments:?}: {command}"),
                 None => assert!(!command.contains("--emu-timing"), "{command}"),
             }
-            assert!(!command.contains("--directory"), "{command}");
         }
     }
 
@@ -1165,8 +1168,25 @@ mod tests {
             let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
             assert_eq!(crate::args::select_workload(&matches, &cli), Selected::Default, "{arguments:?}");
             let plan = default_plan(&cli, 1 << 30, plenty).unwrap();
-            let command = equivalent_command(&plan, &matches);
+            let command = equivalent_command(&plan, &matches, Path::new("/elsewhere"));
             assert!(command.contains(&format!(" {directory}")), "{arguments:?}: {command}");
+            assert_eq!(command.matches("--directory").count(), 1, "{command}");
+        }
+    }
+
+    #[test]
+    fn the_default_runs_equivalent_command_names_the_directory_its_pool_went_to() {
+        // Goal: without --directory the default run's pool goes to the first default directory
+        // with room for 640 MiB free (/var/tmp when /tmp is memory, small or not writable); the
+        // kv command picks its own by the room its smaller pool needs, so without --directory it
+        // could run on the /tmp this run passed over. The command names the directory used.
+        let plenty = "MemTotal: 64000000 kB\nMemAvailable: 60000000 kB\n";
+        let matches = <Cli as clap::CommandFactory>::command().try_get_matches_from(["tutti-bench"]).unwrap();
+        let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
+        let plan = default_plan(&cli, 1 << 30, plenty).unwrap();
+        for (pool_directory, directory) in [("/var/tmp", "--directory=/var/tmp"), ("/home/a b", "--directory='/home/a b'")] {
+            let command = equivalent_command(&plan, &matches, Path::new(pool_directory));
+            assert!(command.ends_with(&format!(" {directory}")), "{pool_directory}: {command}");
         }
     }
 
