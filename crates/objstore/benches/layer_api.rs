@@ -1,6 +1,8 @@
 //! CPU cost of the layer-wise API (issue 5): `prepare_retrieve` / `prepare_store` per block
-//! (target <= 50 ns: a hash, a map probe and one 48-byte IOCTX per block), and the per-layer
-//! issue for 16 vs 2048 blocks (target: within 2x, since an issue is O(IOCBs), not O(blocks)).
+//! (target <= 50 ns: a hash, a map probe and one 48-byte IOCTX per block; not met since format
+//! version 4, whose SHA-256 block key alone takes ~115 ns: docs/objstore.md, "Benchmarks"), and
+//! the per-layer issue for 16 vs 2048 blocks (target: within 2x, since an issue is O(IOCBs), not
+//! O(blocks)).
 //!
 //! Llama-3.1-8B's 32 layers and 16-token blocks, separate per-layer K/V tensors (the SGL-table
 //! path), one block per slot, on a memory-backed software controller with the CPU executor. The
