@@ -17,8 +17,8 @@ use tutti_devices::{parse_size, DeviceKind};
 /// fio-like benchmark of the raw NVMe path and of layer-wise KV store/retrieve.
 ///
 /// With no arguments (or only --output-format, --keep, --directory, --emu-timing, --lock-dir,
-/// --executor=cpu): a temporary pool file on
-/// the local disk (the system temp directory, or /var/tmp when that is in memory), the software
+/// --executor=cpu): a temporary pool file on the local disk (the system temp directory, or
+/// /var/tmp when that is in memory, lacks room for the pool or cannot be written), the software
 /// NVMe controller and the CPU executor run the embedded default KV workload, then the file is
 /// removed.
 #[derive(Debug, Parser, Clone)]
@@ -200,7 +200,8 @@ pub struct Cli {
     pub keep: bool,
 
     /// Where a run without --device puts its temporary pool file (default: the system temp
-    /// directory, or /var/tmp when that is tmpfs or ramfs). On tmpfs or ramfs the run goes on,
+    /// directory, or /var/tmp when that is tmpfs or ramfs, lacks room for the pool or cannot be
+    /// written). A directory given here is used as it is: on tmpfs or ramfs the run goes on,
     /// and the device line says the file is memory, not a disk. Refused with --device, --attach
     /// or --workload=serve, which make no such file.
     #[arg(long)]

@@ -678,7 +678,7 @@ impl WantedPool {
 }
 
 /// A pool file in `directory` (default: the system temp directory, or `/var/tmp` when that is
-/// tmpfs or ramfs) sized for the free space.
+/// tmpfs or ramfs, lacks room for the pool or cannot be written) sized for the free space.
 struct TemporaryPool {
     path: PathBuf,
     bytes: u64,
