@@ -1158,9 +1158,10 @@ def test_a_device_template_that_gives_two_scheduler_processes_one_device_is_refu
         # tp_rank 0 + pp_rank 11 and tp_rank 10 + pp_rank 1 both read "110".
         ("emu:{dir}/pools/{{pp_rank}}{{tp_rank}}.img", {"pp_size": 12, "tp_size": 12},
          r"tp_rank 0, pp_rank 11 and tp_rank 10, pp_rank 1 both get 'emu:.*/pools/110\.img'"),
-        # pp_rank 1 + tp_rank 0 ("10") and pp_rank 0 + tp_rank 10 ("010"): one PCI bus, 0x10.
-        ("vfio:0000:{{pp_rank}}{{tp_rank}}:00.0", {"pp_size": 2, "tp_size": 11},
-         r"tp_rank 0, pp_rank 1 gets 'vfio:0000:10:00\.0' and tp_rank 10, pp_rank 0 gets 'vfio:0000:010:00\.0', the same storage"),
+        # pp_rank 1 + tp_rank 0 ("010") and pp_rank 0 + tp_rank 10 ("0010"): one PCI domain, 0x10
+        # (a domain takes up to 4 hex digits; a bus of 3 is no PCI address, see below).
+        ("vfio:0{{pp_rank}}{{tp_rank}}:00:00.0", {"pp_size": 2, "tp_size": 11},
+         r"tp_rank 0, pp_rank 1 gets 'vfio:010:00:00\.0' and tp_rank 10, pp_rank 0 gets 'vfio:0010:00:00\.0', the same storage"),
         # A DP-attention group's process (dp_rank 11) knows the groups before it exist.
         ("emu:{dir}/dp{{dp_rank}}{{tp_rank}}.img", {"dp_rank": 11, "tp_size": 12},
          r"tp_rank 0, dp_rank 11 and tp_rank 10, dp_rank 1 both get 'emu:.*/dp110\.img'"),
@@ -1168,11 +1169,11 @@ def test_a_device_template_that_gives_two_scheduler_processes_one_device_is_refu
         ("emu:{dir}/{{tp_rank}}/../pool.img", {"tp_size": 2},
          r"tp_rank 0 gets 'emu:.*/0/\.\./pool\.img' and tp_rank 1 gets 'emu:.*/1/\.\./pool\.img', the same storage"),
     ],
-    ids=["pp-tp", "vfio bus", "dp-tp", "dot-dot"],
+    ids=["pp-tp", "vfio domain", "dp-tp", "dot-dot"],
 )  # fmt: skip
 def test_a_device_template_whose_keys_give_two_processes_one_device_is_refused(tmp_path: Path, template: str, ranks: dict, clash: str):
     """Goal: a template with every key can still give two scheduler processes one device (keys
-    side by side with no separator once a size reaches 11, a PCI bus read in hex whatever its
+    side by side with no separator once a size reaches 11, a PCI domain read in hex whatever its
     leading zeros, a key in a path component that does not count): every process's devices,
     filled in for each rank the server's sizes imply, are compared, and a device two get is
     refused when SGLang's factory builds the backend, naming both processes' ranks and their
@@ -1184,6 +1185,38 @@ def test_a_device_template_whose_keys_give_two_processes_one_device_is_refused(t
     examples = [("vfio:0000:{pp_rank}{tp_rank}:00.0", {}), ("emu:/var/tutti/dp{dp_rank}-pp{pp_rank}-tp{tp_rank}.img", {"dp_rank": 3})]
     for example, more in examples:
         config = storage_config("page_first", extra_config(tmp_path / "pool.img", True, devices=example), pp_size=2, tp_size=8, **more)
+        StorageBackendFactory.create_backend("dynamic", config, None)
+
+
+@pytest.mark.parametrize(
+    ("template", "ranks", "refusal"),
+    [
+        # A bus of 3 hex digits: tutti's PciAddress takes at most 2 (it would read as bus 0x10).
+        ("vfio:0000:{{pp_rank}}{{tp_rank}}:00.0", {"pp_size": 2, "tp_size": 11},
+         r"tp_rank 10, pp_rank 0 gets 'vfio:0000:010:00\.0', which is not a PCI address"),
+        # A function past 7, and a slot past 0x1f.
+        ("vfio:0000:01:00.{{tp_rank}}", {"tp_size": 9}, r"tp_rank 8 gets 'vfio:0000:01:00\.8', which is not a PCI address"),
+        ("vfio:0000:01:{{tp_rank}}.0", {"tp_size": 21}, r"tp_rank 20 gets 'vfio:0000:01:20\.0', which is not a PCI address"),
+        # What Python's int(..., 16) takes and tutti does not: a sign, a 0x prefix, an underscore.
+        ("vfio:+1:00.0", {}, r"this scheduler process gets 'vfio:\+1:00\.0', which is not a PCI address"),
+        ("vfio:0x1:00.0", {}, r"this scheduler process gets 'vfio:0x1:00\.0', which is not a PCI address"),
+        ("vfio:0000:0_1:00.0", {}, r"this scheduler process gets 'vfio:0000:0_1:00\.0', which is not a PCI address"),
+        # A path no file can have: os.stat raised a bare ValueError (embedded null byte).
+        ("emu:{dir}/pool\0-tp{{tp_rank}}.img", {"tp_size": 2}, r"tp_rank 0 gets 'emu:.*/pool\\x00-tp0\.img', which names a path no file"),
+    ],
+    ids=["bus of 3 digits", "function 8", "slot 0x20", "sign", "0x prefix", "underscore", "nul byte"],
+)  # fmt: skip
+def test_a_device_tutti_cannot_open_is_refused_naming_the_process_that_gets_it(tmp_path: Path, template: str, ranks: dict, refusal: str):
+    """Goal: a device template is filled in for every scheduler process and each device compared
+    by the storage behind it; a vfio: device is parsed as tutti's PciAddress parses it (a domain
+    of at most 4 hex digits, a bus and a slot of at most 2, the slot at most 0x1f, a function of
+    1 digit at most 7, nothing but hex digits), so one that tutti would refuse to open is refused
+    when SGLang's factory builds the backend, naming the ranks of the process that gets it, not
+    taken for the address Python's int() reads in it; a path with a NUL byte is refused the same
+    way, not a bare ValueError."""
+    devices = template.format(dir=tmp_path)
+    config = storage_config("page_first", extra_config(tmp_path / "pool.img", True, devices=devices), **ranks)
+    with pytest.raises(tutti.InvalidArgument, match=r"field 'devices'.*: " + refusal):
         StorageBackendFactory.create_backend("dynamic", config, None)
 
 

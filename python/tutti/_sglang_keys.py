@@ -34,6 +34,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import weakref
 from typing import Any, Callable, Optional
@@ -58,14 +59,58 @@ def _device_identities(devices: list[str]) -> tuple[str, ...]:
     return tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
 
 
+class _UnopenableDevice(ConfigError):
+    """A device string tutti would refuse to open (`_device_identity`); `clause` says why, to
+    follow the device string in a message (which names the process it was filled in for)."""
+
+    def __init__(self, device: str, clause: str) -> None:
+        super().__init__(f"--hicache-storage-backend-extra-config: field 'devices': {device!r}, {clause}")
+        self.clause = clause
+
+
+def _keeps_nothing(device: str) -> bool:
+    """A memory or no-storage device (emu:mem:SIZE, emu:null:SIZE): nothing of it outlives its
+    close, and no two processes can share one."""
+    kind, _, rest = device.partition(":")
+    return kind == "emu" and rest.startswith(("mem:", "null:"))
+
+
+# Hex digits each field of a PCI address may have at most: domain, bus, slot, function.
+_PCI_FIELD_DIGITS = (4, 2, 2, 1)
+
+
+def _pci_address(text: str) -> Optional[str]:
+    """`text` as tutti's PciAddress parses it (crates/nvme-driver/src/hw/vfio/sysfs.rs):
+    DOMAIN:BUS:SLOT.FUNCTION or BUS:SLOT.FUNCTION (domain 0), ASCII hex digits only, any case, a
+    domain of at most 4 digits, a bus and a slot of at most 2, a function of 1, the slot at most
+    0x1f and the function at most 7. Its canonical spelling (0000:01:00.0), or None where tutti
+    refuses it (Python's int(..., 16) would also take a sign, a 0x prefix, underscores, spaces
+    and a 3-digit bus, which name no device tutti opens)."""
+    head, dot, function = text.rpartition(".")
+    fields = head.split(":") if dot else []
+    if len(fields) == 2:
+        fields.insert(0, "0")
+    if len(fields) != 3:
+        return None
+    fields.append(function)
+    if not all(re.fullmatch(f"[0-9a-fA-F]{{1,{digits}}}", field) for field, digits in zip(fields, _PCI_FIELD_DIGITS)):
+        return None
+    domain, bus, slot, number = (int(field, 16) for field in fields)
+    if slot > 0x1F or number > 7:
+        return None
+    return f"{domain:04x}:{bus:02x}:{slot:02x}.{number:x}"
+
+
 def _device_identity(device: str) -> Optional[str]:
     """The storage behind a device string, however it is spelled: a file or block device
     (emu:PATH and uring:PATH open the same storage) by its resolved path, a vfio: PCI function
-    by its address with the domain; None for memory and no-storage devices (emu:mem:SIZE,
-    emu:null:SIZE), which keep nothing past their close."""
-    kind, _, rest = device.partition(":")
-    if kind == "emu" and rest.startswith(("mem:", "null:")):
+    by its address with the domain; None for memory and no-storage devices (`_keeps_nothing`).
+    Raises _UnopenableDevice (a ConfigError) for a device tutti would refuse to open: a vfio:
+    address that is not a PCI address (`_pci_address`), a path no file can have (a NUL byte, a
+    name the file system's encoding cannot take)."""
+    if _keeps_nothing(device):
         return None
+    kind, _, rest = device.partition(":")
     if kind in ("emu", "uring"):
         try:
             # The file itself: a hard link or another path to it is the same storage.
@@ -73,19 +118,19 @@ def _device_identity(device: str) -> Optional[str]:
             return f"file:{status.st_dev}:{status.st_ino}"
         except OSError:
             return "path:" + os.path.realpath(rest)
+        except ValueError as error:
+            raise _UnopenableDevice(device, f"which names a path no file can have ({error})") from None
     if kind == "vfio":
-        # Parsed as tutti's PciAddress parses it (any case, short fields, domain optional), so
-        # that vfio:1:0.0 and vfio:0000:01:00.0 are one function.
-        head, _, function = rest.rpartition(".")
-        fields = head.split(":")
-        if len(fields) == 2:
-            fields.insert(0, "0")
-        try:
-            domain, bus, slot, number = (int(field, 16) for field in (*fields, function))
-        except ValueError:
-            return device
-        if len(fields) == 3 and all(field for field in (*fields, function)):
-            return f"vfio:{domain:04x}:{bus:02x}:{slot:02x}.{number:x}"
+        # So that vfio:1:0.0 and vfio:0000:01:00.0 are one function.
+        address = _pci_address(rest)
+        if address is None:
+            raise _UnopenableDevice(
+                device,
+                "which is not a PCI address as tutti reads one: DOMAIN:BUS:SLOT.FUNCTION (or BUS:SLOT.FUNCTION), hex "
+                "digits only, a domain of at most 4, a bus and a slot of at most 2 (the slot at most 1f), a function "
+                "of 1 (at most 7), e.g. vfio:0000:01:00.0",
+            )
+        return "vfio:" + address
     return device
 
 
@@ -232,23 +277,32 @@ def _check_distinct_devices(devices: Any, listed: list[str], storage: HiCacheSto
     """Raises ConfigError when the template, filled in for every scheduler process of this
     server (`_server_ranks`), gives two of them one device, though each has every key it needs:
     keys side by side with no separator ("{pp_rank}{tp_rank}": pp 1 tp 11 and pp 11 tp 1 both
-    read "111"), a PCI bus whose leading zeros do not count ("010" and "10"), a key in a path
-    component that names nothing ("{tp_rank}/../pool.img"). Devices are compared by the storage
-    behind them (`_device_identity`), as the cleared-pool record compares them; memory devices
-    keep nothing and are never shared."""
+    read "111"), a PCI domain whose leading zeros do not count ("0010" and "010"), a key in a
+    path component that names nothing ("{tp_rank}/../pool.img"). Devices are compared by the
+    storage behind them (`_device_identity`), as the cleared-pool record compares them; memory
+    devices keep nothing and are never shared. A device tutti would refuse to open (a vfio:
+    address that is not a PCI address, such as a 3-digit bus: `_pci_address`) is refused
+    naming the process that gets it."""
     names = {key: name for key, name, _, _ in _RANK_KEYS}
     present = {key: ranks for key, ranks in _server_ranks(storage).items() if _in_template(key, listed)}
     # The first process (its ranks) and spelling each device was given.
     given: dict[str, tuple[tuple[int, ...], str]] = {}
     for combination in itertools.product(*present.values()):
         for device in dict.fromkeys(_filled(listed, dict(zip(present, combination)))):
-            identity = _device_identity(device)
+            try:
+                identity = _device_identity(device)
+            except _UnopenableDevice as unopenable:
+                process = _process_name(names, present, combination)
+                raise ConfigError(
+                    f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r}: {process} gets {device!r}, "
+                    f"{unopenable.clause}"
+                ) from None
             if identity is None:
                 continue
             first, spelling = given.setdefault(identity, (combination, device))
             if first == combination:
                 continue
-            who = [", ".join(f"{names[key]} {rank}" for key, rank in zip(present, ranks)) for ranks in (first, combination)]
+            who = [_process_name(names, present, ranks) for ranks in (first, combination)]
             clash = (
                 f"{who[0]} and {who[1]} both get {device!r}"
                 if spelling == device
@@ -259,6 +313,11 @@ def _check_distinct_devices(devices: Any, listed: list[str], storage: HiCacheSto
                 f"one device: {clash}; give every process's devices distinct names, e.g. with a separator between "
                 f"keys: \"emu:/var/tutti/pp{{pp_rank}}-tp{{tp_rank}}.img\""
             )
+
+
+def _process_name(names: dict[str, str], keys: Any, ranks: tuple[int, ...]) -> str:
+    """A scheduler process named by its ranks in the template's keys ("tp_rank 1, pp_rank 0")."""
+    return ", ".join(f"{names[key]} {rank}" for key, rank in zip(keys, ranks)) or "this scheduler process"
 
 
 def _shard_parts(storage: HiCacheStorageConfig, host_pool: Any) -> tuple[Any, ...]:
