@@ -107,36 +107,38 @@ pub fn run(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Resul
 /// the serve workload has neither a pool file nor a device to lock (an in-memory pool per policy).
 fn refuse_pool_options_without_use(cli: &Cli, selected: Selected, matches: &ArgMatches) -> anyhow::Result<()> {
     let given = |id: &str, name: &'static str| (matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)).then_some(name);
-    let pool_options = [given("directory", "--directory"), given("keep", "--keep")];
-    if selected == Selected::Serve {
-        let ignored: Vec<&str> = pool_options.into_iter().chain([given("lock_dir", "--lock-dir")]).flatten().collect();
-        if !ignored.is_empty() {
-            return usage(format!(
-                "{} {} not apply with --workload=serve: it builds a fresh in-memory pool per policy, with no file to place or keep and no device to lock; drop {} (accepted with it: {SERVE_ACCEPTS})",
-                ignored.join(", "),
-                if ignored.len() == 1 { "does" } else { "do" },
-                if ignored.len() == 1 { "it" } else { "them" }
-            ));
+    let (directory, keep) = (given("directory", "--directory"), given("keep", "--keep"));
+    let lock_dir = given("lock_dir", "--lock-dir");
+    // One refusal naming every option given that `why` rules out.
+    let refuse = |options: &[Option<&'static str>], why: &str| -> anyhow::Result<()> {
+        let ignored: Vec<&str> = options.iter().copied().flatten().collect();
+        if ignored.is_empty() {
+            return Ok(());
         }
+        let (verb, pronoun) = if ignored.len() == 1 { ("does", "it") } else { ("do", "them") };
+        usage(format!("{} {verb} not apply {why}; drop {pronoun}", ignored.join(", ")))
+    };
+    if selected == Selected::Serve {
+        refuse(
+            &[directory, keep, lock_dir],
+            &format!(
+                "with --workload=serve: it builds a fresh in-memory pool per policy, with no file to place or keep and no device \
+                 to lock (accepted with it: {SERVE_ACCEPTS})"
+            ),
+        )?;
     }
     if cli.attach.is_some() {
-        let ignored: Vec<&str> = pool_options.into_iter().chain([given("lock_dir", "--lock-dir")]).flatten().collect();
-        if !ignored.is_empty() {
-            return usage(format!(
-                "{} do not apply with --attach: the pool is tuttid's, on its devices and locked by tuttid under its own --lock-dir; drop them",
-                ignored.join(", ")
-            ));
-        }
+        refuse(
+            &[directory, keep, lock_dir],
+            "with --attach: the pool is tuttid's, on its devices and locked by tuttid under its own --lock-dir",
+        )?;
     }
     if !cli.devices.is_empty() {
-        let ignored: Vec<&str> = pool_options.into_iter().flatten().collect();
-        if !ignored.is_empty() {
-            return usage(format!(
-                "{} apply to a run without --device (its temporary pool file: where it goes, whether it stays); with --device the run uses the files named, which stay after a run that succeeded: drop {}",
-                ignored.join(", "),
-                if ignored.len() == 1 { "it" } else { "them" }
-            ));
-        }
+        refuse(
+            &[directory, keep],
+            "with --device, which names the run's files (they stay after a run that succeeded): these options are for the \
+             temporary pool file of a run without --device (where it goes, whether it stays)",
+        )?;
     }
     Ok(())
 }
