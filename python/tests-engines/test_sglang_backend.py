@@ -1188,6 +1188,19 @@ def test_a_device_template_whose_keys_give_two_processes_one_device_is_refused(t
         StorageBackendFactory.create_backend("dynamic", config, None)
 
 
+@pytest.mark.parametrize("devices", ["emu:mem:64m", "emu:null:1g", ["emu:mem:64m", "emu:{dir}/pool-pp{{pp_rank}}-tp{{tp_rank}}.img"]])
+def test_memory_devices_need_no_rank_key(tmp_path: Path, devices):
+    """Goal: a memory or no-storage device (emu:mem:SIZE, emu:null:SIZE) is each process's own
+    and keeps nothing, so a template that names one without "{tp_rank}" gives no two processes
+    one device: accepted at tp_size 2 (it was refused as giving every process the same device,
+    though the distinct-devices check already excepted memory devices)."""
+    from tutti.sglang import check_rank_devices
+
+    listed = devices.format(dir=tmp_path) if isinstance(devices, str) else [device.format(dir=tmp_path) for device in devices]
+    for tp_rank in (0, 1):
+        check_rank_devices(listed, storage_config("page_first", {}, tp_rank=tp_rank, tp_size=2, pp_size=2))
+
+
 @pytest.mark.parametrize(
     ("template", "ranks", "refusal"),
     [

@@ -258,10 +258,13 @@ def _server_ranks(storage: HiCacheStorageConfig) -> dict[str, range]:
 def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
     """Raises ConfigError when another scheduler process of this server (another TP rank,
     pipeline stage, DP-attention group, DP replica or CP rank) would get the same device strings:
-    its open of the same devices would fail, and SGLang would not start."""
+    its open of the same devices would fail, and SGLang would not start. Memory and no-storage
+    devices (emu:mem:, emu:null:) are never shared, so they need no key."""
     listed = [devices] if isinstance(devices, str) else list(devices)
+    # A memory device is each process's own (nothing of it is shared): it needs no key.
+    stored = [device for device in listed if not _keeps_nothing(device)]
     for key, name, value, differs in _RANK_KEYS:
-        if differs(storage) and not all("{" + key + "}" in device for device in listed):
+        if differs(storage) and not all("{" + key + "}" in device for device in stored):
             raise ConfigError(
                 f"--hicache-storage-backend-extra-config: field 'devices' = {devices!r} gives every scheduler process "
                 f"of this server the same device for each {name} (tp_size {storage.tp_size}, pp_size {storage.pp_size}, "
