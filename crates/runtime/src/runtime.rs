@@ -508,6 +508,7 @@ impl<E: Executor> Runtime<E> {
                 outstanding_read_kernels: self.reads.waiting.len() as u32 + u32::from(self.reads.in_flight.is_some()),
                 outstanding_write_iocbs: self.writes.outstanding_iocbs(),
                 outstanding_write_kernels: self.writes.outstanding_layers(),
+                in_flight_write_iocbs: self.writes.in_flight_iocbs(),
                 queued_write_iocbs: self.writes.queued_iocbs(),
             };
             let plan =

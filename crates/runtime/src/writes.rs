@@ -260,6 +260,13 @@ impl WriteQueue {
         self.stores.iter().fold(0u32, |sum, s| sum.saturating_add(s.decided_layers - s.written_layers))
     }
 
+    /// The IOCBs of the write layers in flight: of the outstanding ones, those the device holds
+    /// now. One layer at most (`Runtime::pump_layers` hands them over one at a time), and while a
+    /// read is pending no other is handed over (the barrier), so a read waits behind these alone.
+    pub fn in_flight_iocbs(&self) -> u32 {
+        self.stores.iter().filter(|s| s.in_flight.is_some()).fold(0u32, |sum, s| sum.saturating_add(s.iocbs_per_layer))
+    }
+
     pub fn any_in_flight(&self) -> bool {
         self.stores.iter().any(|store| store.in_flight.is_some())
     }
@@ -513,6 +520,20 @@ mod tests {
             in_flight,
             prefill_ended: true,
         }
+    }
+
+    #[test]
+    fn the_writes_a_read_waits_behind_are_the_layer_in_flight_not_every_released_one() {
+        // Goal: the policy prices a read behind the write layer in flight alone
+        // (`LayerView::in_flight_write_iocbs`): the other released layers wait for the reads.
+        // A decode step released 4 layers of 2 IOCBs, one in flight; another store 2 of 3.
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(ended_store(1, 2, 4, 4, Some(0)));
+        queue.push(ended_store(2, 3, 2, 2, None));
+        assert_eq!((queue.outstanding_iocbs(), queue.outstanding_layers(), queue.in_flight_iocbs()), (14, 6, 2));
+        queue.stores[0].in_flight = None;
+        queue.stores[0].written_layers = 1;
+        assert_eq!((queue.outstanding_iocbs(), queue.outstanding_layers(), queue.in_flight_iocbs()), (12, 5, 0));
     }
 
     #[test]

@@ -62,6 +62,7 @@ fn plan_layer(c: &mut Criterion) {
                         outstanding_read_kernels: 1,
                         outstanding_write_iocbs: 8,
                         outstanding_write_kernels: 1,
+                        in_flight_write_iocbs: 8,
                         queued_write_iocbs: 64,
                     };
                     black_box(planner.plan_layer(&view).expect("plan"))

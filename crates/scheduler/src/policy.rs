@@ -64,6 +64,12 @@ pub struct LayerView<'a> {
     /// How many kernels the outstanding writes reach the SSD as, each paying the command
     /// latency (`tutti-runtime` hands them over a layer at a time); 0 counts as 1.
     pub outstanding_write_kernels: u32,
+    /// Of the outstanding writes, the IOCBs of the one write kernel the SSD holds now, which a
+    /// read waits behind (the read/write barrier); the others wait for the reads. `tutti-runtime`
+    /// hands its write layers over one at a time, and none while a read is pending: its write
+    /// layer in flight. The simulator: the write carried in flight when this request's reads
+    /// wait for it (`WriteCarry::reads_wait_for_in_flight`). 0 when none is.
+    pub in_flight_write_iocbs: u32,
     /// New KV of finished layers waiting to be written, in IOCBs.
     pub queued_write_iocbs: u32,
 }
@@ -130,8 +136,9 @@ fn write_all(iocb_count: u32, sm_budget: u32, after_reads: bool) -> Issue {
 /// Before layer `k`:
 /// 1. any of layer `k`'s own KV still unissued is on the critical path: issue it now;
 /// 2. layer `k+1`'s reads go into this layer's slack windows — in each window as many IOCBs as
-///    the I/O cost table says finish inside it, queued behind reads and writes still in flight
-///    (under the barrier a read waits while a write is in flight). If the
+///    the I/O cost table says finish inside it, queued behind the reads outstanding and the
+///    write kernel in flight (under the barrier a read waits while a write is in flight; the
+///    other released writes wait for the reads). If the
 ///    windows cannot hold all of them, no window is suitable (reads are the bottleneck): issue
 ///    them all now rather than stall;
 /// 3. windows with room left take reads of later layers (run-ahead);
@@ -277,16 +284,26 @@ impl IoPolicy for SlackAware {
         let mut plan = LayerPlan::default();
         // Reads issued and not completed, priced as the kernels they reach the SSD as: as one,
         // three layers handed over one at a time were taken to pay one command latency, and
-        // run-ahead reads went into room their other latencies had taken. Writes released and
-        // not completed hold the SSD too, one after the reads (the barrier: a read waits while a
-        // write is in flight, a released write for the reads): priced from the reads alone,
-        // the next layer's reads went into windows a write carried in from the last request
-        // still took. Writes waiting behind the reads are priced before them all the same
-        // (the view does not say which is in flight), which errs towards issuing reads now.
+        // run-ahead reads went into room their other latencies had taken. The write kernel in
+        // flight holds the SSD too (the barrier: a read waits while a write is in flight):
+        // priced from the reads alone, the next layer's reads went into windows a write carried
+        // in from the last request still took. Only that one: the other released writes wait
+        // for the reads (no write is handed over while a read is pending), so they come after
+        // them, before new writes (step 4). Priced ahead as well, a decode step's L released
+        // layers pushed every layer's reads of the next prefill L-1 write kernels late, past
+        // its windows: each layer's reads went at once and nothing ran ahead. The writes behind
+        // are all outstanding ones as their kernels, less the one in flight: for layers of one
+        // size, the others as their kernels; in all, the SSD's time for writes is as before.
         let write_budget = table.io_sm_budget_max(IoKind::Write);
+        let in_flight_write_us =
+            kernels_duration_us(table, IoKind::Write, view.in_flight_write_iocbs.min(view.outstanding_write_iocbs), 1, write_budget)?;
+        let writes_behind_us =
+            (kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?
+                - in_flight_write_us)
+                .max(0.0);
         let mut ssd_free_at_us =
             kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?
-                + kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
+                + in_flight_write_us;
 
         // 1. This layer's KV is needed now.
         if let Some(own) = unissued.get_mut(layer).filter(|c| **c > 0) {
@@ -318,11 +335,11 @@ impl IoPolicy for SlackAware {
         // Whether any is left, not how many: per-layer counts can sum past a u32.
         let reads_left = targets.iter().any(|t| t.1 > 0);
         if !reads_left && view.queued_write_iocbs > 0 {
-            // The SSD is free once the reads and the writes released earlier are done, one after
-            // the other (counted in `ssd_free_at_us` above, so not again); as their max, the new
-            // writes were placed into the earlier writes' time.
+            // The SSD is free once the write in flight, the reads and the writes released
+            // earlier are done, one after the other (the first two counted in `ssd_free_at_us`);
+            // as their max, the new writes were placed into the earlier writes' time.
             let mut writes = [(None, view.queued_write_iocbs)];
-            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us, &mut writes)?;
+            let fill = fill_windows(table, IoKind::Write, &windows, ssd_free_at_us + writes_behind_us, &mut writes)?;
             plan.issues.extend(fill.issues);
         }
         Ok(plan)

@@ -372,6 +372,19 @@ impl<'a> Sim<'a> {
         iocbs.min(f64::from(u32::MAX)) as u32
     }
 
+    /// The IOCBs left of the write this request's reads wait behind: the carried write that
+    /// holds them (`WriteCarry::reads_wait_for_in_flight`; queued first, it is the write queue's
+    /// head until it completes). Reads pass every other write.
+    fn write_iocbs_holding_reads(&self) -> u32 {
+        match self.writes.front() {
+            Some(head) if head.holds_reads => {
+                let iocbs = (head.bytes_left / self.config.iocb_bytes as f64).ceil();
+                iocbs.min(f64::from(u32::MAX)) as u32
+            }
+            _ => 0,
+        }
+    }
+
     fn queued_write_iocbs(&self) -> u32 {
         let iocbs = self.queued_write_bytes.div_ceil(self.config.iocb_bytes);
         u32::try_from(iocbs).unwrap_or(u32::MAX)
@@ -542,6 +555,7 @@ impl<'a> Sim<'a> {
             },
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             outstanding_write_kernels: self.outstanding_write_kernels(),
+            in_flight_write_iocbs: self.write_iocbs_holding_reads(),
             queued_write_iocbs: self.queued_write_iocbs(),
         };
         let plan = self.policy.plan_layer(&view)?;

@@ -21,6 +21,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         outstanding_read_kernels: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
         queued_write_iocbs: 0,
     }
 }
@@ -96,11 +97,57 @@ fn slack_aware_keeps_reads_out_of_windows_outstanding_writes_take() {
     assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 4, 0.0), read(1, 2, 2, 100.0)]);
     v.outstanding_write_iocbs = 8;
     v.outstanding_write_kernels = 1;
+    v.in_flight_write_iocbs = 8;
     assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 3, 4, 0.0)]);
     // A write of 400 µs (2 IOCBs): [100,600) on 2 SMs holds 1 IOCB (150 µs) from 400, and
     // [600,1000) the other 2.
     v.outstanding_write_iocbs = 2;
+    v.in_flight_write_iocbs = 2;
     assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 2, 400.0), read(1, 2, 4, 600.0)]);
+}
+
+/// Goal: a read waits behind the one write kernel in flight, not behind the writes released
+/// with it that wait for the reads. `tutti-runtime` hands write layers over one at a time and,
+/// while reads are pending, none (the barrier): after a decode step released 4 layers of 2
+/// IOCBs, the next prefill's reads wait for the layer in flight alone (400 µs), and go into the
+/// same windows as behind a single 2-IOCB write. Before, all 8 IOCBs were priced ahead of them
+/// (4 × 400 µs, past every window): every layer's reads went at once and nothing ran ahead.
+/// Once that layer is written, the other 3 still wait and the reads go as on an idle SSD.
+#[test]
+fn slack_aware_prices_reads_behind_the_write_in_flight_only() {
+    let table = profile();
+    let unissued = [0, 3, 0, 0];
+    let mut v = view(&table, 0, &unissued);
+    v.outstanding_write_iocbs = 8;
+    v.outstanding_write_kernels = 4;
+    v.in_flight_write_iocbs = 2;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 2, 400.0), read(1, 2, 4, 600.0)]);
+    v.outstanding_write_iocbs = 6;
+    v.outstanding_write_kernels = 3;
+    v.in_flight_write_iocbs = 0;
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 4, 0.0), read(1, 2, 2, 100.0)]);
+}
+
+/// Goal: the released writes waiting behind the reads still come before new writes: a prefill
+/// window's writes start after the write in flight, the reads, then the rest, one after the
+/// other. Windows [0,100) on 4 SMs, [100,600) on 2, [600,1000) on 4; a write IOCB takes 200 µs
+/// on 4 SMs, 300 on 2. A 1-IOCB write layer in flight (to 200 µs), 1 read IOCB outstanding
+/// behind it (to 300 µs), a second write layer of 1 IOCB waiting (to 500 µs): [100,600)'s
+/// 100 µs left are granted as time and the new IOCB goes into [600,1000).
+#[test]
+fn slack_aware_starts_writes_after_the_released_writes_waiting_behind_the_reads() {
+    let window_time = |sm_budget: u32, offset_us: f64, slack_us: f64| Issue { slack_us, ..write(0, sm_budget, offset_us, true) };
+    let table = profile();
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 1;
+    v.outstanding_read_iocbs = 1;
+    v.outstanding_read_kernels = 1;
+    v.outstanding_write_iocbs = 2;
+    v.outstanding_write_kernels = 2;
+    v.in_flight_write_iocbs = 1;
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert_eq!(plan.issues, vec![window_time(2, 500.0, 100.0), write(1, 4, 600.0, true)]);
 }
 
 /// Goal: writes only go into room left after every read of the request is issued, start after
