@@ -1188,6 +1188,35 @@ def test_a_device_template_whose_keys_give_two_processes_one_device_is_refused(t
         StorageBackendFactory.create_backend("dynamic", config, None)
 
 
+def test_without_dp_attention_cp_ranks_follow_the_tp_rank(tmp_path: Path):
+    """Goal: without DP attention SGLang derives each process's attention-CP rank from its TP
+    rank (ranks laid out (dp, cp, tp), tp fastest: attn_cp_rank = (tp_rank // attn_tp_size) %
+    attn_cp_size, attn_tp_size = tp_size / attn_cp_size; runtime_context.derive_attention_ranks),
+    so at tp 4, cp 2 the processes are (tp 0, cp 0), (1, 0), (2, 1), (3, 1): the distinct-devices
+    check fills the template in for those, not for tp x cp (which made up (tp 0, cp 1) and
+    refused a template that gives the real processes distinct devices), and a refusal names two
+    real processes. With DP attention the storage config's tp_rank is the attention-TP rank and
+    every (tp, cp) pair is a process."""
+    from sglang.srt.runtime_context import get_flags
+    from tutti.sglang import check_rank_devices
+
+    def config(tp_rank: int, cp_rank: int) -> HiCacheStorageConfig:
+        return storage_config("page_first", {}, tp_rank=tp_rank, tp_size=4, attn_cp_rank=cp_rank, attn_cp_size=2)
+
+    processes = [(0, 0), (1, 0), (2, 1), (3, 1)]
+    # The CP rank's component names nothing: the TP rank alone tells the real processes apart.
+    distinct = f"emu:{tmp_path}/cp{{cp_rank}}/../tp{{tp_rank}}.img"
+    for tp_rank, cp_rank in processes:
+        check_rank_devices(distinct, config(tp_rank, cp_rank))
+    # Every process gets one device: the first two real processes are named.
+    shared = f"emu:{tmp_path}/tp{{tp_rank}}-cp{{cp_rank}}/../pool.img"
+    with pytest.raises(tutti.InvalidArgument, match=r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 1, attn_cp_rank 0 gets"):
+        check_rank_devices(shared, config(2, 1))
+    with get_flags().dp.override(enabled=True):
+        with pytest.raises(tutti.InvalidArgument, match=r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 0, attn_cp_rank 1 gets"):
+            check_rank_devices(distinct, config(0, 1))
+
+
 @pytest.mark.parametrize("devices", ["emu:mem:64m", "emu:null:1g", ["emu:mem:64m", "emu:{dir}/pool-pp{{pp_rank}}-tp{{tp_rank}}.img"]])
 def test_memory_devices_need_no_rank_key(tmp_path: Path, devices):
     """Goal: a memory or no-storage device (emu:mem:SIZE, emu:null:SIZE) is each process's own

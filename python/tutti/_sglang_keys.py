@@ -241,18 +241,52 @@ def _filled(listed: list[str], ranks: dict[str, int]) -> list[str]:
     return listed
 
 
-def _server_ranks(storage: HiCacheStorageConfig) -> dict[str, range]:
-    """Each key's ranks among this server's scheduler processes, as far as this process can tell:
-    every TP rank, pipeline stage and CP rank; every plain-DP replica, or the DP-attention groups
-    up to this process's (group 0 cannot tell that others exist; a clash with a later group is
-    refused by that group's process)."""
+def _dp_attention(storage: HiCacheStorageConfig) -> Optional[bool]:
+    """Whether SGLang runs DP attention: True when the storage config names a DP-attention group
+    past 0 (SGLang gives dp_rank 0 without it), else SGLang's own flag, as its
+    _generate_storage_config reads it (is_dp_attention_enabled); None when that cannot be read
+    (SGLang's context is not set up in this process)."""
+    if int(getattr(storage, "dp_rank", 0)) > 0:
+        return True
+    try:
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+        return bool(is_dp_attention_enabled())
+    except (ImportError, ValueError, RuntimeError, AttributeError):
+        return None
+
+
+def _server_processes(storage: HiCacheStorageConfig, keys: list[str]) -> list[tuple[int, ...]]:
+    """This server's scheduler processes as far as this process can tell, each by its ranks in
+    `keys` (each tuple once): every TP rank and pipeline stage; every plain-DP replica, or the
+    DP-attention groups up to this process's (group 0 cannot tell that others exist; a clash
+    with a later group is refused by that group's process); and the CP ranks. Without DP
+    attention a process's CP rank follows from its TP rank: SGLang lays ranks out (dp, cp, tp),
+    tp fastest, so attn_cp_rank = (tp_rank // attn_tp_size) % attn_cp_size with attn_tp_size =
+    tp_size / attn_cp_size (runtime_context.derive_attention_ranks; the cache controller's
+    attn_cp group), and only those (tp, cp) pairs are processes. With DP attention the storage
+    config's tp_rank is the attention-TP rank and every (tp, cp) pair is one; so is it where
+    SGLang's flag cannot be read or tp_size is no multiple of attn_cp_size (which SGLang
+    refuses): more pairs than the real ones may refuse a template they would not clash on, but
+    miss no clash."""
     replicas = _replicas()[1]
-    return {
+    ranks = {
         "tp_rank": range(storage.tp_size),
         "pp_rank": range(storage.pp_size),
         "dp_rank": range(replicas if replicas > 1 else int(getattr(storage, "dp_rank", 0)) + 1),
         "cp_rank": range(storage.attn_cp_size),
     }
+    cp_size = storage.attn_cp_size
+    derived = "cp_rank" in keys and cp_size > 1 and storage.tp_size % cp_size == 0 and _dp_attention(storage) is False
+    # The keys enumerated: those asked for, and the TP rank a derived CP rank follows from.
+    enumerated = [key for key in ranks if (key in keys or (derived and key == "tp_rank")) and not (derived and key == "cp_rank")]
+    processes: dict[tuple[int, ...], None] = {}
+    for combination in itertools.product(*(ranks[key] for key in enumerated)):
+        process = dict(zip(enumerated, combination))
+        if derived:
+            process["cp_rank"] = (process["tp_rank"] // (storage.tp_size // cp_size)) % cp_size
+        processes.setdefault(tuple(process[key] for key in keys), None)
+    return list(processes)
 
 
 def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
@@ -278,7 +312,7 @@ def check_rank_devices(devices: Any, storage: HiCacheStorageConfig) -> None:
 
 def _check_distinct_devices(devices: Any, listed: list[str], storage: HiCacheStorageConfig) -> None:
     """Raises ConfigError when the template, filled in for every scheduler process of this
-    server (`_server_ranks`), gives two of them one device, though each has every key it needs:
+    server (`_server_processes`), gives two of them one device, though each has every key it needs:
     keys side by side with no separator ("{pp_rank}{tp_rank}": pp 1 tp 11 and pp 11 tp 1 both
     read "111"), a PCI domain whose leading zeros do not count ("0010" and "010"), a key in a
     path component that names nothing ("{tp_rank}/../pool.img"). Devices are compared by the
@@ -287,10 +321,10 @@ def _check_distinct_devices(devices: Any, listed: list[str], storage: HiCacheSto
     address that is not a PCI address, such as a 3-digit bus: `_pci_address`) is refused
     naming the process that gets it."""
     names = {key: name for key, name, _, _ in _RANK_KEYS}
-    present = {key: ranks for key, ranks in _server_ranks(storage).items() if _in_template(key, listed)}
+    present = [key for key in names if _in_template(key, listed)]
     # The first process (its ranks) and spelling each device was given.
     given: dict[str, tuple[tuple[int, ...], str]] = {}
-    for combination in itertools.product(*present.values()):
+    for combination in _server_processes(storage, present):
         for device in dict.fromkeys(_filled(listed, dict(zip(present, combination)))):
             try:
                 identity = _device_identity(device)
