@@ -685,8 +685,9 @@ pub fn stream_is_idle(stream: sys::CUstream) -> Result<bool, GioError> {
 /// Waits, polling every 50 µs up to `timeout`, until everything enqueued on `stream` has
 /// completed. Never blocks inside the driver (a `cuStreamSynchronize` could wait forever).
 pub fn drain_stream(stream: sys::CUstream, timeout: std::time::Duration) -> Result<(), GioError> {
-    // A timeout past what an Instant holds (centuries) never runs out, rather than panicking:
-    // only a caller that asked for that long gets it.
+    // A timeout past what an Instant holds (centuries) never runs out, rather than panicking.
+    // The executor never asks for one: GpuExecutor::new refuses a drain_timeout over
+    // plan::DRAIN_TIMEOUT_MAX.
     let deadline = std::time::Instant::now().checked_add(timeout);
     while !stream_is_idle(stream)? {
         if deadline.is_some_and(|deadline| std::time::Instant::now() >= deadline) {

@@ -93,8 +93,9 @@ pub struct GpuExecutorConfig {
     /// defaults); a launch ends within [`plan::kernel_time_bound`] of starting.
     pub backoff_ns_max: u32,
     /// Bound on waiting for the stream to drain before a queue-pair reset; at least
-    /// [`plan::kernel_time_bound`] (checked by [`GpuExecutor::new`]), so that one launch that
-    /// runs to its deadline always drains. The default, 10 s, drains three launches that all run
+    /// [`plan::kernel_time_bound`], so that one launch that runs to its deadline always drains,
+    /// and at most [`plan::DRAIN_TIMEOUT_MAX`] (an hour), so that the wait stays bounded (both
+    /// checked by [`GpuExecutor::new`]). The default, 10 s, drains three launches that all run
     /// to a 2 s deadline (a 3 s bound each); a drain that runs out is retried by the next `poll`.
     /// Teardown waits longer when more launches are unretired, a bound for each
     /// ([`plan::teardown_drain_timeout`]), and at least this; a teardown drain that runs out

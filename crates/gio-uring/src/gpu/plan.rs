@@ -242,12 +242,20 @@ pub fn kernel_wait_window(poll_iterations_max: u32, backoff_ns_max: u32) -> Dura
 /// pairs.
 pub const KERNEL_DEADLINE_MIN: Duration = Duration::from_millis(1);
 
+/// The longest `drain_timeout` the executor accepts: it bounds the drain before a queue-pair
+/// reset and (with [`teardown_drain_timeout`]) the teardown drain, so a larger one (up to
+/// `Duration::MAX`, which `driver::drain_stream` cannot turn into a deadline and waits out for
+/// ever) would leave those waits unbounded in practice. An hour is far past any launch a
+/// useful configuration runs (3 s with the defaults), and since `drain_timeout` must cover one
+/// [`kernel_time_bound`], it caps the kernel's deadline too.
+pub const DRAIN_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
+
 /// Checks the kernel's wait settings of a `GpuExecutorConfig` (what `GpuExecutor::new` refuses):
 /// `poll_iterations_max` is at least 1 (the kernel's claim and slot loops run that many times:
 /// zero never claims anything), a wait keeps looking at least [`KERNEL_DEADLINE_MIN`] (through
 /// its iterations, [`kernel_wait_window`], which is never longer than the per-block deadline, so
 /// the deadline is then at least that too), and `drain_timeout` covers one launch
-/// ([`kernel_time_bound`]).
+/// ([`kernel_time_bound`]) and is at most [`DRAIN_TIMEOUT_MAX`].
 pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_timeout: Duration) -> Result<(), GioError> {
     if poll_iterations_max == 0 {
         return Err(GioError::InvalidConfig {
@@ -261,6 +269,14 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
                 "a kernel wait keeps looking for {window:?}, under {KERNEL_DEADLINE_MIN:?}, so NVMe commands would time out: \
                  poll_iterations_max {poll_iterations_max} looks, the sleeps between them {BACKOFF_NS_MIN} ns doubling up to \
                  backoff_ns_max {backoff_ns_max} ns (at least {BACKOFF_NS_MIN}, at most {NANOSLEEP_NS_MAX} ns)"
+            ),
+        });
+    }
+    if drain_timeout > DRAIN_TIMEOUT_MAX {
+        return Err(GioError::InvalidConfig {
+            reason: format!(
+                "drain_timeout {drain_timeout:?} is over {DRAIN_TIMEOUT_MAX:?}: the drains before a queue-pair reset and on \
+                 teardown would not be bounded in practice"
             ),
         });
     }
@@ -712,6 +728,22 @@ mod tests {
         assert!(check_kernel_waits(20_000, 10_000, drain).is_ok(), "the GPU test's first pass: 0.2 s");
         assert!(check_kernel_waits(31_251, 0, drain).is_ok(), "exactly 1 ms between the first look and the last");
         assert!(refused(31_250, 0, drain).contains("poll_iterations_max"), "1 ms less one 32 ns sleep");
+    }
+
+    #[test]
+    fn a_drain_timeout_past_the_maximum_is_refused_naming_it() {
+        // Goal: every wait bounded. drain_timeout bounds the reset drain and (with
+        // teardown_drain_timeout) the teardown drain; a config asking for Duration::MAX (which
+        // drain_stream treats as no deadline: an Instant cannot hold it) or days would make
+        // those waits unbounded in practice. GpuExecutor::new refuses it, naming the field.
+        for drain in [DRAIN_TIMEOUT_MAX + Duration::from_nanos(1), Duration::from_secs(86_400), Duration::MAX] {
+            match check_kernel_waits(200_000, 10_000, drain) {
+                Err(GioError::InvalidConfig { reason }) => assert!(reason.contains("drain_timeout"), "{drain:?}: {reason}"),
+                other => panic!("{drain:?} accepted: {other:?}"),
+            }
+        }
+        assert!(check_kernel_waits(200_000, 10_000, DRAIN_TIMEOUT_MAX).is_ok(), "the maximum itself");
+        assert_eq!(DRAIN_TIMEOUT_MAX, Duration::from_secs(3600));
     }
 
     #[test]
