@@ -947,7 +947,8 @@ def test_version_check_names_the_tested_version(monkeypatch):
 def test_a_pool_is_given_one_iocb_per_page_layer_in_flight(
     tmp_path: Path, store_options: list, caplog, layout: str, requests_max: int, layers_in_flight: int, iocbs: int
 ):
-    """Goal: an SGLang request is one page, one block: each layer in flight holds one IOCB, so
+    """Goal: an SGLang request is one page, one block: each layer in flight holds one IOCB (a
+    page layer of up to 4 MiB of K: see the next test), so
     the pool gets requests_max x (its layers in flight) IOCBs (at least the store's 64), and a
     requests_max the config allows (up to 1024 / layers_in_flight) is never warned about as
     preparing fewer requests than it (iocbs_for's sizing for layers of up to 2048 blocks would
@@ -958,6 +959,42 @@ def test_a_pool_is_given_one_iocb_per_page_layer_in_flight(
     storage.close()
     assert [(name, options["iocbs"]) for name, options in store_options] == [("open", iocbs)]
     assert not any("longest" in message for message in tutti_warnings(caplog)), tutti_warnings(caplog)
+
+
+def test_a_page_layer_of_more_commands_than_an_iocb_holds_gets_more_iocbs_per_request():
+    """Goal: a request is one page, but in a page layout its K and V are each one object across
+    every layer, cut into commands at the devices' MDTS (not known before the pool opens, so
+    sized for the smallest transfer a command is sure to carry, 4 KiB): 2 x object / 4 KiB
+    commands, one IOCB per 2048. Sized for two commands a page layer (bf62e81), a page past
+    4 MiB of K (a 70B model's 160 MiB at tp 1 and 1024-token pages: 2560 commands at a 128 KiB
+    MDTS) got one IOCB a request and half its prepares failed for want of IOCBs."""
+    from tutti.sglang import _iocbs
+
+    # Up to 4 MiB of K (Llama-3-8B, 64-token pages): 2048 commands, one IOCB a set.
+    assert _iocbs(64, 1, 4 << 20) == 64
+    assert _iocbs(512, 1, 4 << 20) == 512
+    assert _iocbs(512, 2, 128 << 10) == 1024
+    # One 4 KiB more: 2050 commands, two IOCBs a set, twice the IOCBs.
+    assert _iocbs(64, 1, (4 << 20) + 4096) == 128
+    assert _iocbs(32, 2, (4 << 20) + 4096) == 128
+    # 160 MiB: 81920 commands at 4 KiB, 40 IOCBs a set; 8 requests take 320 (rounded to 512).
+    assert _iocbs(8, 1, 160 << 20) == 512
+    # More than 1024 are not given (iocbs_for warns that fewer requests are prepared at once).
+    assert _iocbs(32, 1, 160 << 20) == 1024
+
+
+def test_a_pool_is_sized_from_its_page_s_object_bytes(tmp_path: Path, store_options: list, monkeypatch):
+    """Goal: register_mem_pool_host sizes the pool's IOCBs from the bytes of its page's K
+    object: the test's 16 KiB page object at a smallest command of 4 bytes (2 x 4096 commands, 4
+    IOCBs a set) gets 4 x requests_max IOCBs."""
+    import tutti.sglang
+
+    monkeypatch.setattr(tutti.sglang, "_COMMAND_BYTES_MIN", 4)
+    pool = host_pool("page_first")
+    assert pool.kv_buffer[0, 0:PAGE].numel() * pool.kv_buffer.element_size() == 16 << 10
+    storage = backend("page_first", pool, extra_config(tmp_path / "pool.img", True, requests_max=32))
+    storage.close()
+    assert [(name, options["iocbs"]) for name, options in store_options] == [("open", 128)]
 
 
 class RecordingRequest:

@@ -299,7 +299,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             tp_world=storage.tp_size,
             lock_dir=config["lock_dir"],
             requests_max=self._requests_max,
-            iocbs=_iocbs(self._requests_max, self._layers_ahead),
+            iocbs=_iocbs(self._requests_max, self._layers_ahead, layer_block_bytes // 2),
             queue_depth=config["queue_depth"],
             timeout_s=self._timeout_s,
             layers_in_flight=self._layers_ahead,
@@ -706,13 +706,31 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 _host_pages_unsafe(self._unsafe)
 
 
-def _iocbs(requests_max: int, layers_in_flight: int) -> int:
+# The fewest bytes one NVMe command of a pool carries (but the last of a page's layer), for
+# sizing IOCBs before the pool's devices are open (their MDTS is known only then, and the binding
+# reports none): on the PRP path a command moves whole 4 KiB pages; on the SGL path as many whole
+# parts of an object (each at most MDTS) as MDTS holds, more than half of it, and the smallest
+# MDTS NVMe allows is 8 KiB (2^1 x a 4 KiB CAP.MPSMIN).
+_COMMAND_BYTES_MIN = 4096
+
+
+def _iocbs(requests_max: int, layers_in_flight: int, object_bytes: int = 0) -> int:
     """The IOCBs a pool needs for `requests_max` pages of `layers_in_flight` layers in flight
-    each: a request is one page, one block (its layer's K and V, at most two NVMe commands), so
-    one IOCB a layer in flight (iocbs_for's default sizes a set for layers of up to 2048 blocks:
-    twice the IOCBs, and a false warning at requests_max 512 that fewer can be prepared at once).
+    each. A request is one page, one block, and each layer in flight holds a set of IOCBs, one
+    per 2048 NVMe commands of the page's layer: its K and V objects of `object_bytes` each, cut
+    at MDTS. In a layer_first pool an object is one layer's (a page of Llama-3-8B, 64 tokens:
+    128 KiB); in a page layout (page_first, page_first_direct, page_head) it spans every layer
+    (4 MiB; a 70B model's at tp 1 and 1024-token pages, 160 MiB: 2560 commands at a 128 KiB
+    MDTS). The MDTS is not known here, so a set is sized for commands of _COMMAND_BYTES_MIN:
+    2 x object / 4 KiB commands, one IOCB up to 4 MiB objects (those a device of larger MDTS
+    needs fewer of); at most 1024 IOCBs in all, past which iocbs_for warns that fewer requests
+    are prepared at once. iocbs_for's default (two IOCBs a set) would give small pages twice the
+    IOCBs and a false warning at requests_max 512. `object_bytes` 0: only the sets are checked.
     Raises ConfigError past 1024 sets."""
-    return iocbs_for("--hicache-storage-backend-extra-config", requests_max, layers_in_flight, blocks_per_request_max=1)
+    commands = 2 * -(-object_bytes // _COMMAND_BYTES_MIN)
+    # iocbs_for counts two commands (a K and a V object) a block: `commands` are commands / 2 of them.
+    blocks = max(1, -(-commands // 2))
+    return iocbs_for("--hicache-storage-backend-extra-config", requests_max, layers_in_flight, blocks_per_request_max=blocks)
 
 
 class _RequestPlaces:
