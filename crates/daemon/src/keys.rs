@@ -4,15 +4,11 @@
 //! so ranks never find each other's blocks and a change of model or TP size never serves stale
 //! KV. The pool format does not change: a key is still one 64-bit chained hash.
 
-use objstore::hash::{block_keys_seeded, chain_hash};
+use objstore::hash::{block_keys_seeded, space_seed};
 use objstore::index::Index;
 use tutti_cluster::{ClusterError, ModelSpace};
 
 use crate::protocol::FINGERPRINT_BYTES;
-
-/// Domain tag mixed into every seed ("tuttid keys v1"): a seed is never the in-process store's
-/// seed 0 (`chain_hash` never returns 0) and changes if this derivation ever does.
-const SEED_DOMAIN: u32 = 0x7464_6b31;
 
 /// A session's key space: the cluster tier's [`ModelSpace`] (which checks the identity, one
 /// place for the whole workspace) and the seed of its block-key chain.
@@ -36,15 +32,16 @@ impl KeySpace {
     /// The key space of a checked identity.
     pub fn of(model: ModelSpace) -> KeySpace {
         let fingerprint = model.fingerprint();
-        let mut words = [0u32; FINGERPRINT_BYTES / 4 + 3];
+        let mut words = [0u32; FINGERPRINT_BYTES / 4 + 2];
         for (word, bytes) in words.iter_mut().zip(fingerprint.chunks_exact(4)) {
             *word = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
         }
         let tail = FINGERPRINT_BYTES / 4;
         words[tail] = model.tp_rank();
         words[tail + 1] = model.tp_world();
-        words[tail + 2] = SEED_DOMAIN;
-        KeySpace { seed: chain_hash(0, &words), model }
+        // Under its own tag (objstore::hash::space_seed): never 0, the in-process store's
+        // seed, and never the key of a block made of these words.
+        KeySpace { seed: space_seed(&words), model }
     }
 
     /// The identity: model fingerprint and tensor-parallel shape.
@@ -137,6 +134,23 @@ mod tests {
             assert_ne!(other.seed(), base.seed(), "{other:?}");
             assert_ne!(other.seed(), 0);
         }
+    }
+
+    #[test]
+    fn a_seed_is_not_the_key_of_a_block_of_its_own_words() {
+        // Goal: a space's seed is hashed under its own tag, so it never equals the in-process
+        // key (seed 0) of a block made of the very words it was derived from (the fingerprint,
+        // rank and world), which with a shared tag it did for that block size.
+        let fingerprint = fingerprint(3);
+        let space = KeySpace::new(&fingerprint, 1, 2).unwrap();
+        let mut words: Vec<u32> = fingerprint.chunks_exact(4).map(|bytes| u32::from_le_bytes(bytes.try_into().unwrap())).collect();
+        words.extend([1, 2]);
+        assert_ne!(space.seed(), objstore::hash::chain_hash(0, &words));
+        // The derivation before, a tag word after the others: the same block's key.
+        let tagged: Vec<u32> = words.iter().copied().chain([0x7464_6b31]).collect();
+        assert_ne!(space.seed(), objstore::hash::chain_hash(0, &tagged));
+        assert_eq!(space.seed(), objstore::hash::space_seed(&words));
+        assert_ne!(space.seed(), 0);
     }
 
     #[test]

@@ -26,6 +26,9 @@ use sha2::{Digest, Sha256};
 /// The domain tag, first in every hashed message: a fixed length, so the fields after it are
 /// at fixed offsets, and a new encoding takes a new tag (and format version).
 const DOMAIN: &[u8; 14] = b"tutti-block-v1";
+/// The tag of a key space's seed ([`space_seed`]), of the same length as [`DOMAIN`]: no seed
+/// is the key of any block, whatever its tokens and block size.
+const SPACE_DOMAIN: &[u8; 14] = b"tutti-space-v1";
 /// Tokens converted to little-endian bytes per SHA-256 update (a 256-byte stack buffer): no
 /// allocation per block, and one update for the usual 16- or 32-token block.
 const TOKENS_PER_UPDATE: usize = 64;
@@ -39,8 +42,22 @@ const TOKENS_PER_UPDATE: usize = 64;
 /// share a message. 16 tokens make 94 bytes: two SHA-256 compressions.
 #[inline]
 pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
+    tagged_hash(DOMAIN, previous, tokens)
+}
+
+/// The seed of a key space (tuttid's: the words of a model fingerprint, TP rank and world
+/// size), for [`block_keys_seeded`]: [`chain_hash`]'s encoding under its own tag, so a seed is
+/// never the in-process key (seed 0) of a block made of the same words. Never 0.
+pub fn space_seed(words: &[u32]) -> u64 {
+    tagged_hash(SPACE_DOMAIN, 0, words)
+}
+
+/// SHA-256 of `tag`, `previous` (u64 LE), the count of `tokens` (u64 LE) and the tokens (u32
+/// LE each): the key of that message ([`key_of_digest`]).
+#[inline]
+fn tagged_hash(tag: &[u8; 14], previous: u64, tokens: &[u32]) -> u64 {
     let mut hasher = Sha256::new();
-    hasher.update(DOMAIN);
+    hasher.update(tag);
     hasher.update(previous.to_le_bytes());
     hasher.update((tokens.len() as u64).to_le_bytes());
     let mut buffer = [0u8; 4 * TOKENS_PER_UPDATE];
@@ -89,6 +106,20 @@ pub fn block_keys_seeded(seed: u64, tokens: &[u32], block_tokens: u32, out: &mut
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_space_seed_is_hashed_under_its_own_tag() {
+        // Goal: a key space's seed is chain_hash's encoding under the tag tutti-space-v1, so it
+        // is no block's key: the same words as a first block give another value.
+        let words = [7u32, 8, 9, 10, 11];
+        let mut message = b"tutti-space-v1".to_vec();
+        message.extend(0u64.to_le_bytes());
+        message.extend((words.len() as u64).to_le_bytes());
+        words.iter().for_each(|word| message.extend(word.to_le_bytes()));
+        let digest = Sha256::digest(&message);
+        assert_eq!(space_seed(&words), u64::from_le_bytes(digest[..8].try_into().unwrap()).max(1));
+        assert_ne!(space_seed(&words), chain_hash(0, &words));
+    }
 
     #[test]
     fn keys_depend_on_the_whole_prefix() {
