@@ -1495,6 +1495,27 @@ fn a_wait_that_met_an_unexpected_completion_times_out_at_its_deadline() {
 }
 
 #[test]
+fn a_wait_past_its_deadline_still_reads_the_completions_posted_behind_an_unexpected_one() {
+    // Goal: a wait whose deadline has passed reports a timeout only for commands whose
+    // completions are not in the CQ: what was posted before it looked is delivered first, as a
+    // wait that met no stray delivers everything posted before its empty poll. A stray stops
+    // `reap` at its entry; the wait then checked its deadline at once and, past it, returned
+    // Timeout with the completions of commands 0 and 1 still sitting behind the stray (as when
+    // objstore's last complete_all gets a zero timeout after earlier drains): the caller took
+    // completed commands for ones still in flight.
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(2);
+    post_completion(&ring, 0, 0x7700, 2, 1);
+    post_completion(&ring, 1, 0, 2, 1);
+    post_completion(&ring, 2, 1, 2, 1);
+    let mut delivered = Vec::new();
+    let waited = queue.wait_idle(std::time::Instant::now(), |completion| delivered.push(completion.tag));
+    assert!(matches!(waited, Err(NvmeError::UnexpectedCompletion { command_id: crate::CommandId(0x7700), .. })), "{waited:?}");
+    assert_eq!(delivered, [0, 1], "the completions behind the stray were delivered");
+    assert_eq!(queue.in_flight(), 0);
+    assert!(!queue.failed());
+}
+
+#[test]
 fn complete_all_reports_a_failed_command_before_an_unexpected_completion() {
     // Goal: complete_all turns the first failed command into its error; an unexpected
     // completion met on the way (with every command then completed) does not hide it: the

@@ -55,13 +55,15 @@
 //!   and the pair goes on (a command whose real completion this was stays in flight). A wait
 //!   (`poll_until`) that meets one goes on too, and reports it once its condition holds: the
 //!   commands waited for may still complete. At its deadline (checked after each such
-//!   completion, so a controller posting them without end cannot hold it) it times out as any
-//!   wait with commands in flight, and logs them. Such a completion has no command window, so that range is the only
-//!   check on its head, and a head outside it fails the pair as below, even a duplicate's (or
-//!   a late entry's) old head, one the controller really had: every ring index was the head
-//!   at some time, so no check can tell that head from one the controller cannot have reached
-//!   (past the tail: a controller fetching entries we never published). Whether a duplicate
-//!   is only unexpected or fails the pair thus depends on how full the SQ is when it comes.
+//!   completion, so a controller posting them without end cannot hold it) it first reads what
+//!   the CQ holds behind the stray (one ring's worth at most), then times out as any wait with
+//!   commands in flight, and logs them. Such a completion has no command window, so that range
+//!   is the only check on its head, and a head outside it fails the pair as below, even a
+//!   duplicate's (or a late entry's) old head, one the controller really had: every ring index
+//!   was the head at some time, so no check can tell that head from one the controller cannot
+//!   have reached (past the tail: a controller fetching entries we never published). Whether a
+//!   duplicate is only unexpected or fails the pair thus depends on how full the SQ is when it
+//!   comes.
 //!   Failing is the conservative choice: that head is all the entry says about the
 //!   controller's view of the queue, believing it would let a controller whose view is not
 //!   ours run on, and a failed pair frees nothing early (its commands still complete or keep
@@ -908,6 +910,26 @@ impl QueuePair {
         }
     }
 
+    /// Consumes what the CQ holds now, stepping over completions naming nothing in flight
+    /// (counted in `strays`), at most one ring's worth (`depth` entries, strays included):
+    /// the CQ holds at most depth − 1 entries at once, so anything past that was posted after
+    /// this began, and a controller that keeps posting strays cannot hold the caller here.
+    /// Other errors from `reap` end it. An entry at a time, since a failed `reap` does not say
+    /// how many entries it consumed.
+    fn reap_posted(&mut self, mut on_completion: impl FnMut(Completion), strays: &mut Strays) -> Result<(), NvmeError> {
+        for _ in 0..self.depth {
+            if !self.completion_pending() {
+                break;
+            }
+            match self.reap(1, &mut on_completion) {
+                Ok(_) => {}
+                Err(error @ NvmeError::UnexpectedCompletion { .. }) => strays.met(error),
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
+    }
+
     /// Reaps until `done` says so or the deadline passes; on timeout, inspects CSTS so that a dead
     /// or failed controller is reported as such rather than as a slow command. On a
     /// [failed](QueuePair::failed) pair whose commands in flight all have unknown outcomes
@@ -921,8 +943,10 @@ impl QueuePair {
     /// commands still in flight, or a dead or failed controller), and the strays go to the log:
     /// callers take a timeout as "still in flight, retry or settle later", which an
     /// unexpected completion does not say. The deadline is checked after each stray, so a
-    /// controller that keeps posting them cannot hold the wait past it. Any other error from
-    /// `reap` ends the wait at once.
+    /// controller that keeps posting them cannot hold the wait past it; past the deadline, what
+    /// the CQ holds behind the stray (one ring's worth at most) is still read, and `done`
+    /// checked, before a timeout is reported, as a wait that met no stray reads everything
+    /// posted before its last empty poll. Any other error from `reap` ends the wait at once.
     pub fn poll_until(
         &mut self,
         deadline: Instant,
@@ -964,6 +988,18 @@ impl QueuePair {
                 idle_polls.is_multiple_of(POLLS_PER_CHECK) && Instant::now() >= deadline
             };
             if deadline_passed {
+                if stray {
+                    // The stray stopped `reap` at its entry, so completions posted behind it
+                    // (perhaps those waited for) are read before a timeout is reported, as a
+                    // wait that met none reads everything posted before its empty poll.
+                    if let Err(error) = self.reap_posted(&mut on_completion, &mut strays) {
+                        strays.log(self.id, &error);
+                        return Err(error);
+                    }
+                    if done(self) {
+                        return strays.reported(self.id).map_or(Ok(()), Err);
+                    }
+                }
                 let diagnosis = self.diagnose_timeout(started);
                 strays.log(self.id, &diagnosis);
                 return Err(diagnosis);
