@@ -281,8 +281,8 @@ impl<E: Executor> KvStore<E> {
     /// Gives the pool back; the executor's queue pairs are retired first, as by
     /// [`KvStore::close`]. Requests never finished are released ([`StoreControl::into_pool`]),
     /// unless a queue pair could not be retired, or a store layer is still in flight and the
-    /// executor does not say whether its pairs are gone (the GPU executor keeps those it could
-    /// not drain): a late write may still land in a live store's slots, so every reservation
+    /// executor does not say whether its pairs are gone (`retire_queue_pairs` answers `None`,
+    /// the trait's default): a late write may still land in a live store's slots, so every reservation
     /// is then kept (those slots are not reused before a reopen).
     pub fn into_pool(self) -> Pool {
         let KvStore { mut data, control, .. } = self;

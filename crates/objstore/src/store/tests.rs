@@ -1076,7 +1076,7 @@ fn a_retrieve_into_one_engine_block_twice_is_refused() {
 }
 
 /// A CPU executor that deletes its queue pairs at retirement but does not say so (answers
-/// `None`), as the GPU executor, whose drop keeps the pairs it could not drain.
+/// `None`, the trait's default, which no executor in the tree keeps any more).
 struct DoesNotReport {
     inner: CpuExecutor,
 }
@@ -1139,7 +1139,7 @@ fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
 #[test]
 fn close_keeps_the_mapping_table_while_a_layer_may_still_move_over_an_executor_that_does_not_say() {
     // Goal: `close` over an executor that does not say whether its queue pairs are gone
-    // (`retire_queue_pairs` answers `None`, as the GPU executor) with a layer still in flight
+    // (`retire_queue_pairs` answers `None`, the trait's default) with a layer still in flight
     // (issued, never waited for) answers `false` and leaks the mapping table: that layer's
     // commands may still read the table's SGL descriptors and write the engine's KV memory
     // (a retrieve) or read it (a store). It used to answer `true`, and the table was freed
