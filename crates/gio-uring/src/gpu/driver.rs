@@ -687,7 +687,7 @@ pub fn stream_is_idle(stream: sys::CUstream) -> Result<bool, GioError> {
 pub fn drain_stream(stream: sys::CUstream, timeout: std::time::Duration) -> Result<(), GioError> {
     // A timeout past what an Instant holds (centuries) never runs out, rather than panicking.
     // The executor never asks for one: GpuExecutor::new refuses a drain_timeout over
-    // plan::DRAIN_TIMEOUT_MAX.
+    // plan::DRAIN_TIMEOUT_MAX, and teardown's wait is capped (plan::TEARDOWN_DRAIN_MAX).
     let deadline = std::time::Instant::now().checked_add(timeout);
     while !stream_is_idle(stream)? {
         if deadline.is_some_and(|deadline| std::time::Instant::now() >= deadline) {

@@ -41,7 +41,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
 use nvme_driver::{Controller, DmaRegion};
@@ -97,9 +97,10 @@ pub struct GpuExecutorConfig {
     /// and at most [`plan::DRAIN_TIMEOUT_MAX`] (an hour), so that the wait stays bounded (both
     /// checked by [`GpuExecutor::new`]). The default, 10 s, drains three launches that all run
     /// to a 2 s deadline (a 3 s bound each); a drain that runs out is retried by the next `poll`.
-    /// Teardown waits longer when more launches are unretired, a bound for each
-    /// ([`plan::teardown_drain_timeout`]), and at least this; a teardown drain that runs out
-    /// keeps the memory for good.
+    /// Teardown waits longer when more launches are unretired, a bound for each, and at least
+    /// this, but at most [`plan::TEARDOWN_DRAIN_MAX`] (5 min) or this in all
+    /// ([`plan::teardown_drain_timeout`]); a teardown drain that runs out keeps the memory for
+    /// good.
     pub drain_timeout: Duration,
     /// Staged mode only (required there, refused in p2p mode).
     pub staging: Vec<StagingBuffer>,
@@ -232,6 +233,10 @@ pub struct GpuExecutor {
     reset_generation: u64,
     /// `retire_queue_pairs` ran: nothing is launched and no queue pair is recreated any more.
     retired: bool,
+    /// How long teardown (`retire_queue_pairs`, then the drop) has waited for the I/O stream so
+    /// far: the later waits take it off their bound, so teardown blocks at most one
+    /// [`plan::teardown_drain_timeout`] in all.
+    teardown_waited: Duration,
     runtime: GpuRuntime,
 }
 
@@ -362,6 +367,7 @@ impl GpuExecutor {
             config,
             reset_generation: 0,
             retired: false,
+            teardown_waited: Duration::ZERO,
             runtime,
         })
     }
@@ -444,14 +450,25 @@ impl GpuExecutor {
     }
 
     /// Teardown's wait for the I/O stream: long enough for every launch still unretired to run
-    /// to its deadline ([`plan::teardown_drain_timeout`]), at least `drain_timeout`. A shorter
-    /// wait would give up on launches still queued behind a stalled device and keep the
-    /// caller's memory (or the executor's) for good, though they end within their bounds.
-    fn drain_stream_for_teardown(&self) -> Result<(), GioError> {
+    /// to its deadline, at least `drain_timeout`, but at most [`plan::TEARDOWN_DRAIN_MAX`] (or
+    /// `drain_timeout`) for the whole teardown: what an earlier teardown wait took (a
+    /// `retire_queue_pairs` that gave up) is taken off ([`plan::teardown_drain_timeout`]). A
+    /// shorter wait would give up on launches still queued behind a stalled device and keep the
+    /// caller's memory (or the executor's) for good, though they end within their bounds; a
+    /// longer one would block the caller for as many bounds as the queue is deep.
+    fn drain_stream_for_teardown(&mut self) -> Result<(), GioError> {
         let unretired = self.attached.as_ref().map_or(0, |attached| attached.launches.len());
-        let timeout =
-            plan::teardown_drain_timeout(self.config.drain_timeout, unretired, self.config.poll_iterations_max, self.config.backoff_ns_max);
-        driver::drain_stream(self.runtime.stream(), timeout)
+        let timeout = plan::teardown_drain_timeout(
+            self.config.drain_timeout,
+            unretired,
+            self.config.poll_iterations_max,
+            self.config.backoff_ns_max,
+            self.teardown_waited,
+        );
+        let started = Instant::now();
+        let drained = driver::drain_stream(self.runtime.stream(), timeout);
+        self.teardown_waited = self.teardown_waited.saturating_add(started.elapsed());
+        drained
     }
 
     /// Deletes and recreates every detached queue pair on its rings and rewrites the kernel state,
@@ -792,13 +809,16 @@ impl Executor for GpuExecutor {
         self.retire(memory)
     }
 
-    /// Stops launching, waits for the stream to drain (bounded: every unretired launch's
-    /// [`plan::kernel_time_bound`], at least `drain_timeout`; [`plan::teardown_drain_timeout`]),
-    /// then deletes every detached pair (see the module documentation). `Some(false)` while a kernel or copy
-    /// may still run (the context cannot be made current, or the stream did not drain: nothing
-    /// is deleted then, since a kernel may still ring the pairs' doorbells) or a pair could not
-    /// be deleted; a later call retries both. With `Some(true)` the launches still unretired
-    /// are retired: each IOCB gets its CQE, one the kernel left ISSUED ending as TIMEOUT.
+    /// Stops launching, waits for the stream to drain, blocking the calling thread (bounded:
+    /// every unretired launch's [`plan::kernel_time_bound`], at least `drain_timeout`, at most
+    /// [`plan::TEARDOWN_DRAIN_MAX`] or `drain_timeout` for this and the drop together;
+    /// [`plan::teardown_drain_timeout`]: 192 s at 64 launches with the defaults, 5 min from 100),
+    /// then deletes every detached pair (see the module documentation). `Some(false)` while a
+    /// kernel or copy may still run (the context cannot be made current, or the stream did not
+    /// drain: nothing is deleted then, since a kernel may still ring the pairs' doorbells) or a
+    /// pair could not be deleted; a later call retries both (waiting only what is left of the
+    /// bound). With `Some(true)` the launches still unretired are retired: each IOCB gets its
+    /// CQE, one the kernel left ISSUED ending as TIMEOUT.
     fn retire_queue_pairs(&mut self) -> Option<bool> {
         self.retired = true;
         let _current = match self.runtime.enter() {
@@ -861,6 +881,10 @@ impl GpuExecutor {
     }
 }
 
+/// Blocks the dropping thread until the I/O stream drains, for what is left of teardown's
+/// bound ([`plan::teardown_drain_timeout`]: at most [`plan::TEARDOWN_DRAIN_MAX`], or
+/// `drain_timeout` if longer, counted together with `retire_queue_pairs`'s wait); then releases
+/// everything, or keeps it for good if the stream did not drain.
 impl Drop for GpuExecutor {
     fn drop(&mut self) {
         // Host memory may only be unregistered (and then freed), GPU memory freed and queue pairs

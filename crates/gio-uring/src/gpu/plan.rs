@@ -292,16 +292,34 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
     Ok(())
 }
 
+/// The most teardown waits for the I/O stream in all (unless `drain_timeout` is longer; see
+/// [`teardown_drain_timeout`]): 5 min, a hundred launches running to their 3 s bound with the
+/// defaults (objstore's default 64 IOCBs need 192 s). Without it the wait grew with the queue
+/// depth, up to `GIO_RING_DEPTH_MAX` (65536) launches: about 54 h blocking the thread that
+/// closes or drops the executor.
+pub const TEARDOWN_DRAIN_MAX: Duration = Duration::from_secs(300);
+
 /// How long teardown waits for the I/O stream to drain with `unretired` launches still on it
-/// (`GpuExecutor::retire_queue_pairs` and its drop): they run one after another, each within
+/// (`GpuExecutor::retire_queue_pairs` and its drop), when earlier teardown waits of the same
+/// executor took `already_waited`. The launches run one after another, each within
 /// [`kernel_time_bound`] of starting, so `unretired` bounds from now cover them all (the first
-/// may have started already). Never less than `drain_timeout`. One `drain_timeout` covers only a
-/// few launches (three with the defaults); giving up while more still run to their deadlines
-/// keeps the caller's memory for good, which waiting them out avoids. Bounded: one event per
-/// queue entry, so at most the queue depth of launches are unretired. Saturates.
-pub fn teardown_drain_timeout(drain_timeout: Duration, unretired: usize, poll_iterations_max: u32, backoff_ns_max: u32) -> Duration {
+/// may have started already): one `drain_timeout` covers only a few (three with the defaults),
+/// and giving up while more still run to their deadlines keeps the caller's memory for good.
+/// But that is capped at [`TEARDOWN_DRAIN_MAX`], or `drain_timeout` if longer (at most
+/// [`DRAIN_TIMEOUT_MAX`]): launches are bounded only by the queue depth, and teardown blocks
+/// its caller. The cap is for the executor's teardown in all: what earlier teardown waits took
+/// is taken off (none left: one look at the stream), so a drop after a `retire_queue_pairs`
+/// that gave up does not wait for the same launches again.
+pub fn teardown_drain_timeout(
+    drain_timeout: Duration,
+    unretired: usize,
+    poll_iterations_max: u32,
+    backoff_ns_max: u32,
+    already_waited: Duration,
+) -> Duration {
     let launches = u32::try_from(unretired).unwrap_or(u32::MAX);
-    drain_timeout.max(kernel_time_bound(poll_iterations_max, backoff_ns_max).saturating_mul(launches))
+    let every_launch = kernel_time_bound(poll_iterations_max, backoff_ns_max).saturating_mul(launches).min(TEARDOWN_DRAIN_MAX);
+    drain_timeout.max(every_launch).saturating_sub(already_waited)
 }
 
 /// What bounds the grid of one launch.
@@ -790,17 +808,48 @@ mod tests {
         // which may run a whole kernel_time_bound after the one before: with more launches
         // queued behind a stalled device than drain_timeout covers (10 s: three 3 s bounds),
         // one drain_timeout would give up while they still run to their deadlines, and the
-        // caller would keep its memory for good. Never shorter than drain_timeout.
+        // caller would keep its memory for good. Never shorter than drain_timeout. (Up to the
+        // cap of 100 bounds with the defaults: teardown_waits_at_most_its_cap_in_all_...)
         let drain = Duration::from_secs(10);
         let bound = kernel_time_bound(200_000, 10_000);
-        for launches in [0usize, 1, 3, 4, 16, 1024] {
-            let wait = teardown_drain_timeout(drain, launches, 200_000, 10_000);
+        for launches in [0usize, 1, 3, 4, 16, 64, 100] {
+            let wait = teardown_drain_timeout(drain, launches, 200_000, 10_000, Duration::ZERO);
             assert!(wait >= bound * launches as u32, "{launches} launches: {wait:?}");
             assert!(wait >= drain, "{launches} launches: {wait:?}");
         }
-        assert_eq!(teardown_drain_timeout(drain, 16, 200_000, 10_000), bound * 16);
-        assert_eq!(teardown_drain_timeout(drain, 1, 200_000, 10_000), drain);
-        assert_eq!(teardown_drain_timeout(Duration::MAX, usize::MAX, u32::MAX, u32::MAX), Duration::MAX, "saturates");
+        assert_eq!(teardown_drain_timeout(drain, 16, 200_000, 10_000, Duration::ZERO), bound * 16);
+        assert_eq!(teardown_drain_timeout(drain, 1, 200_000, 10_000, Duration::ZERO), drain);
+        assert_eq!(teardown_drain_timeout(Duration::MAX, usize::MAX, u32::MAX, u32::MAX, Duration::ZERO), Duration::MAX, "saturates");
+    }
+
+    #[test]
+    fn teardown_waits_at_most_its_cap_in_all_however_many_launches_are_queued() {
+        // Goal: teardown blocks the thread that closes or drops the executor for a bounded,
+        // documented time. Unretired launches are bounded only by the gio queue depth (up to
+        // 65536): a kernel_time_bound each (3 s with the defaults) is 192 s at 64 IOCBs but about
+        // 54 h at 65536, so the wait is capped at TEARDOWN_DRAIN_MAX (or drain_timeout if that
+        // is longer). And close then drop never wait for the same launches twice: what an
+        // earlier teardown wait used is taken off the next.
+        let drain = Duration::from_secs(10);
+        let bound = kernel_time_bound(200_000, 10_000);
+        assert_eq!(bound, Duration::from_secs(3));
+        assert_eq!(TEARDOWN_DRAIN_MAX, Duration::from_secs(300));
+        let wait = |launches, waited| teardown_drain_timeout(drain, launches, 200_000, 10_000, waited);
+        assert_eq!(wait(64, Duration::ZERO), Duration::from_secs(192), "objstore's default depth: under the cap");
+        assert_eq!(wait(100, Duration::ZERO), TEARDOWN_DRAIN_MAX);
+        assert_eq!(wait(101, Duration::ZERO), TEARDOWN_DRAIN_MAX, "capped");
+        assert_eq!(wait(65_536, Duration::ZERO), TEARDOWN_DRAIN_MAX, "GIO_RING_DEPTH_MAX launches: 5 min, not 54 h");
+        assert_eq!(wait(usize::MAX, Duration::ZERO), TEARDOWN_DRAIN_MAX);
+        // A retire_queue_pairs that gave up after waiting it all leaves drop nothing to wait
+        // (one look at the stream); one that gave up sooner leaves the rest.
+        assert_eq!(wait(65_536, TEARDOWN_DRAIN_MAX), Duration::ZERO);
+        assert_eq!(wait(65_536, Duration::from_secs(100)), Duration::from_secs(200));
+        assert_eq!(wait(64, Duration::from_secs(192)), Duration::ZERO);
+        assert_eq!(wait(1, drain), Duration::ZERO, "drain_timeout is not waited again either");
+        assert_eq!(wait(1, Duration::MAX), Duration::ZERO);
+        // A drain_timeout longer than the cap (at most DRAIN_TIMEOUT_MAX) is still honoured.
+        let long = teardown_drain_timeout(DRAIN_TIMEOUT_MAX, 65_536, 200_000, 10_000, Duration::ZERO);
+        assert_eq!(long, DRAIN_TIMEOUT_MAX);
     }
 
     #[test]
