@@ -484,6 +484,10 @@ impl Client {
             crate::protocol::ProtocolError::FrameTooLarge { body_bytes } => {
                 DaemonError::RequestTooLarge { kind, body_bytes, cap_bytes: crate::protocol::BODY_BYTES_MAX }
             }
+            // Not met: `encode_frame` fails only over the cap. Were it to fail otherwise, nothing
+            // was sent and the connection stays in step, yet the Python package, which sees the
+            // error alone, takes every `Protocol` error for a reply's (the connection out of
+            // step): such a failure would need a variant of its own.
             other => DaemonError::Protocol(other),
         })?;
         // Checked here, not only by the send: a send that refuses them has written nothing

@@ -177,10 +177,17 @@ impl From<DaemonError> for Failure {
                 Failure { class: refusal_class(*code, sentence), message, code: Some(code_name(*code)) }
             }
             // A reply that does not answer its request leaves the connection out of step: the
-            // client is broken, as after a lost connection (RemoteKvStore says Disconnected).
-            DaemonError::Closed | DaemonError::Truncated { .. } | DaemonError::Io { .. } | DaemonError::UnexpectedReply { .. } => {
-                Failure::new(ErrorClass::Disconnected, message)
-            }
+            // client is broken, as after a lost connection (RemoteKvStore says Disconnected). So
+            // does every `Protocol` error the daemon client returns: each is about what the
+            // daemon sent (a reply body that does not decode, a frame header or size refused, a
+            // lookup answer that does not fit the request), the one a request can meet before it
+            // is sent (over the frame cap) being `RequestTooLarge`. This sees the error only, not
+            // the client; RemoteKvStore tells by the client's state (`Client::is_broken`).
+            DaemonError::Closed
+            | DaemonError::Truncated { .. }
+            | DaemonError::Io { .. }
+            | DaemonError::UnexpectedReply { .. }
+            | DaemonError::Protocol(_) => Failure::new(ErrorClass::Disconnected, message),
             DaemonError::Timeout { .. } => Failure::new(ErrorClass::Timeout, message),
             DaemonError::Devices(_) | DaemonError::Controller { .. } | DaemonError::DeviceInUse { .. } => {
                 Failure::new(ErrorClass::Device, message)
@@ -347,6 +354,12 @@ mod tests {
         // A reply over the cap is the daemon's, its connection out of step: not the caller's.
         let reply_too_long = Failure::from(DaemonError::Protocol(tutti_daemon::ProtocolError::FrameTooLarge { body_bytes: 1 << 21 }));
         assert_ne!(reply_too_long.class, ErrorClass::InvalidArgument);
+        // Any `Protocol` error the daemon client returns is about what the daemon sent (a body
+        // that does not decode, a frame header refused, a lookup answer that does not fit),
+        // after which the client is broken: lost, as RemoteKvStore reports it.
+        assert_eq!((reply_too_long.class, reply_too_long.code), (ErrorClass::Disconnected, None));
+        let cut = tutti_daemon::ProtocolError::MalformedBody { kind: tutti_daemon::protocol::Kind::LookupReply, reason: "cut".into() };
+        assert_eq!(Failure::from(DaemonError::Protocol(cut)).class, ErrorClass::Disconnected);
         let busy = Failure::from(DaemonError::Remote { code: ErrorCode::Busy, message: "64 clients".into() });
         assert_eq!((busy.class, busy.code.as_deref()), (ErrorClass::Daemon, Some("Busy")));
         assert!(busy.message.contains("64 clients"), "the Rust message is carried: {}", busy.message);

@@ -204,7 +204,8 @@ fn offset_layout(layout: KvLayout, base: Iova, block_bytes: u64) -> Result<KvLay
 /// sees the session gone (`Disconnected`, as the Python package classifies them, keeping the
 /// code when the goodbye reached it) whether the goodbye or the close reached it first, and
 /// reconnects at once. So does a reply to another request or of a kind that does not answer
-/// this one (`UnexpectedReply`): the client leaves such a connection out of step.
+/// this one (`UnexpectedReply`): the client leaves such a connection out of step. Other
+/// failures that leave it so are told by the client's state, not the error: [`remote_after`].
 fn remote(error: DaemonError) -> ObjstoreError {
     let failure = match &error {
         DaemonError::Remote { code, .. } if super::ends_the_connection(*code) => RemoteFailure::Disconnected { code: Some(code.to_u16()) },
@@ -222,6 +223,28 @@ fn remote(error: DaemonError) -> ObjstoreError {
         _ => return ObjstoreError::Remote { reason: error.to_string() },
     };
     ObjstoreError::RemoteFailed { failure, reason: error.to_string() }
+}
+
+/// [`remote`] for a failed call on a client that `broken` says ([`Client::is_broken`], read
+/// after the call) it left out of step or ended: what [`remote`] can classify only as the
+/// daemon's failure (`ObjstoreError::Remote`: a reply whose body does not decode, a frame
+/// header or size refused, a lookup answer that does not fit the request: `Protocol`) is then
+/// a lost connection too (`Disconnected`, no code), as for a reply that does not answer its
+/// request: every later call on that client fails, so the caller reconnects. The classes
+/// [`remote`] gives already stay (a goodbye's code, `TimedOut`, a refusal). A `Protocol`
+/// error refused before a byte was sent leaves the client in step, so stays `Remote`.
+fn remote_after(broken: bool, error: DaemonError) -> ObjstoreError {
+    lost_if(broken, remote(error))
+}
+
+/// `error` ([`remote`]'s) as a lost connection when `broken` (see [`remote_after`]).
+fn lost_if(broken: bool, error: ObjstoreError) -> ObjstoreError {
+    match error {
+        ObjstoreError::Remote { reason } if broken => {
+            ObjstoreError::RemoteFailed { failure: RemoteFailure::Disconnected { code: None }, reason }
+        }
+        other => other,
+    }
 }
 
 fn unexpected(asked: Kind, got: &Reply) -> ObjstoreError {
@@ -273,7 +296,7 @@ fn call_asking_again_while_busy(
                     return Err(remote(DaemonError::Remote { code: ErrorCode::Busy, message }));
                 }
             }
-            Err(error) => return Err(remote(error)),
+            Err(error) => return Err(remote_after(client.is_broken(), error)),
         }
     }
 }
@@ -300,7 +323,14 @@ fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration
     let mut busy_message = String::new();
     loop {
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        let tried = Client::connect(socket, left).and_then(|mut client| client.hello(hello).map(|attached| (client, attached)));
+        // A failed Hello comes with whether it left its (dropped) client broken: `remote_after`.
+        let tried = match Client::connect(socket, left) {
+            Ok(mut client) => match client.hello(hello) {
+                Ok(attached) => Ok((client, attached)),
+                Err(error) => Err((error, client.is_broken())),
+            },
+            Err(error) => Err((error, false)),
+        };
         match tried {
             Ok((mut client, attached)) => {
                 client.set_timeout(timeout);
@@ -309,7 +339,7 @@ fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration
             // The refused connection is closed by now (`tried` held it): a Busy Hello is answered
             // on the daemon's one status-only connection, which it keeps open, so a store that
             // held it through the pause would take that place from `tuttid --status`.
-            Err(DaemonError::Remote { code: ErrorCode::Busy, message }) => {
+            Err((DaemonError::Remote { code: ErrorCode::Busy, message }, _)) => {
                 busy += 1;
                 tracing::debug!(%message, busy, "tuttid answered Hello Busy; asking again on a new connection");
                 if !pauses.pause_before(deadline) {
@@ -317,8 +347,8 @@ fn hello_asking_again_while_busy(socket: &Path, hello: &Hello, timeout: Duration
                 }
                 busy_message = message;
             }
-            Err(DaemonError::Timeout { .. }) if busy > 0 => return Err(last_busy(busy, &busy_message)),
-            Err(error) => return Err(remote(error)),
+            Err((DaemonError::Timeout { .. }, _)) if busy > 0 => return Err(last_busy(busy, &busy_message)),
+            Err((error, broken)) => return Err(remote_after(broken, error)),
         }
     }
 }
@@ -402,7 +432,7 @@ impl RemoteKvStore {
             Some((memory, layout)) => (Some(memory), Some(layout)),
             None => (None, None),
         };
-        let shape = match client.call(&Request::PoolShape).map_err(remote)? {
+        let shape = match client.call(&Request::PoolShape).map_err(|error| remote_after(client.is_broken(), error))? {
             Reply::PoolShape(shape) => shape,
             other => return Err(unexpected(Kind::PoolShape, &other)),
         };
@@ -669,7 +699,8 @@ impl RemoteKvStore {
     /// every rank; the engine scheduler's question).
     pub fn lookup_all_ranks(&mut self, tokens: &[u32], first_block: usize) -> Result<usize, ObjstoreError> {
         let first_block = wire_first_block(first_block)?;
-        self.client.lookup_all_ranks_from(tokens, first_block).map(|blocks| blocks as usize).map_err(remote)
+        let looked_up = self.client.lookup_all_ranks_from(tokens, first_block);
+        looked_up.map(|blocks| blocks as usize).map_err(|error| remote_after(self.client.is_broken(), error))
     }
 
     /// Whether the daemon would reserve `request` as a store, as far as the checks it makes
@@ -756,7 +787,7 @@ impl RemoteKvStore {
         if counted {
             self.count_reported(direction, transferred);
         }
-        result
+        result.map_err(|error| lost_if(self.client.is_broken(), error))
     }
 }
 
@@ -893,7 +924,7 @@ impl LayerKvStore for RemoteKvStore {
     fn prepare_retrieve_from(&mut self, request: &KvRequest<'_>, first_block: usize) -> Result<RequestHandle, ObjstoreError> {
         let first_block = wire_first_block(first_block)?;
         let prepare = Request::PrepareRetrieve(Self::prepare_request(request, self.registration, first_block));
-        let prepared = match self.client.call(&prepare).map_err(remote)? {
+        let prepared = match self.client.call(&prepare).map_err(|error| remote_after(self.client.is_broken(), error))? {
             Reply::RetrievePrepared(prepared) => prepared,
             other => return Err(unexpected(Kind::PrepareRetrieve, &other)),
         };
@@ -923,7 +954,7 @@ impl LayerKvStore for RemoteKvStore {
             return Err(gio_uring::GioError::NoFreeIocb { requested: most, available }.into());
         }
         let prepare = Request::PrepareStore(Self::prepare_request(request, self.registration, 0));
-        let prepared = match self.client.call(&prepare).map_err(remote)? {
+        let prepared = match self.client.call(&prepare).map_err(|error| remote_after(self.client.is_broken(), error))? {
             Reply::StorePrepared(prepared) => prepared,
             other => return Err(unexpected(Kind::PrepareStore, &other)),
         };
@@ -1009,7 +1040,7 @@ impl LayerKvStore for RemoteKvStore {
                 // commit that failed while writing ended it, and the daemon counted its report:
                 // the release, refused NotYours, says so and it is counted here too).
                 self.release_remote(handle, Direction::Store, transferred);
-                Err(remote(error))
+                Err(remote_after(self.client.is_broken(), error))
             }
         }
     }

@@ -35,8 +35,13 @@ const KV_BLOCKS: u32 = 8;
 const LAYERS: u32 = 2;
 const BLOCK_TOKENS: u32 = 16;
 
-/// Rewrites one prepare reply.
-type Tamper = Box<dyn FnOnce(&mut Reply) + Send>;
+/// Rewrites one prepare reply: decoded, or its raw body (which then need not decode).
+enum Tamper {
+    Reply(RewriteReply),
+    Body(RewriteBody),
+}
+type RewriteReply = Box<dyn FnOnce(&mut Reply) + Send>;
+type RewriteBody = Box<dyn FnOnce(&mut Vec<u8>) + Send>;
 
 /// The proxy's own answers to `AttachQueues`: `Busy` while `remaining` is above 0 (each
 /// answer takes one), the request then not forwarded; `answered` counts them.
@@ -88,7 +93,13 @@ impl TamperingDaemon {
 
     /// Rewrites the next `RetrievePrepared` or `StorePrepared` with `tamper`.
     fn tamper_next(&self, tamper: impl FnOnce(&mut Reply) + Send + 'static) {
-        *self.tamper.lock().unwrap() = Some(Box::new(tamper));
+        *self.tamper.lock().unwrap() = Some(Tamper::Reply(Box::new(tamper)));
+    }
+
+    /// Rewrites the raw body of the next `RetrievePrepared` or `StorePrepared` with `tamper`
+    /// (sent under the same kind and id).
+    fn tamper_next_body(&self, tamper: impl FnOnce(&mut Vec<u8>) + Send + 'static) {
+        *self.tamper.lock().unwrap() = Some(Tamper::Body(Box::new(tamper)));
     }
 
     /// Answers the next `attaches` AttachQueues with Busy itself.
@@ -175,12 +186,16 @@ fn forward(from: &UnixStream, to: &UnixStream, tampering: Tampering<'_>) {
         };
         // A rewrite may change the reply's kind too (under the same request id).
         let mut kind = header.kind;
-        if let Some(rewrite) = tamper {
-            let mut reply = Reply::decode(header.kind, &body).unwrap();
-            rewrite(&mut reply);
-            kind = reply.kind();
-            body.clear();
-            reply.encode_body(&mut body);
+        match tamper {
+            Some(Tamper::Reply(rewrite)) => {
+                let mut reply = Reply::decode(header.kind, &body).unwrap();
+                rewrite(&mut reply);
+                kind = reply.kind();
+                body.clear();
+                reply.encode_body(&mut body);
+            }
+            Some(Tamper::Body(rewrite)) => rewrite(&mut body),
+            None => {}
         }
         encode_frame(&mut frame, kind, header.request_id, |out| out.extend_from_slice(&body)).unwrap();
         let attached: Vec<_> = fds.iter().map(|fd| fd.as_fd()).collect();
@@ -310,6 +325,28 @@ fn a_reply_of_a_kind_that_does_not_answer_the_request_is_a_lost_connection() {
             assert!(reason.contains("Pong") && reason.contains("PrepareStore"), "{reason}")
         }
         other => panic!("a PrepareStore answered Pong: {other:?}"),
+    }
+    assert!(store.client().is_broken(), "the connection is still taken as in step");
+}
+
+#[test]
+fn a_reply_that_does_not_decode_is_a_lost_connection() {
+    // Goal: a StorePrepared whose body is cut short (3 bytes) fails to decode: the client
+    // cannot tell where the next frame of a daemon that sends such bodies begins, so it leaves
+    // the connection out of step, and the store reports it lost (`RemoteFailed { Disconnected }`:
+    // reconnect), as it does a reply of a kind that does not answer the request, rather than
+    // `ObjstoreError::Remote`, which the Python package takes for a daemon error on a live
+    // connection.
+    let daemon = TamperingDaemon::start();
+    let mut store = daemon.store();
+    let tokens = tokens();
+    daemon.tamper_next_body(|body| body.truncate(body.len() - 3));
+    let outcome = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0, 1, 2, 3] });
+    match outcome {
+        Err(ObjstoreError::RemoteFailed { failure: objstore::RemoteFailure::Disconnected { code: None }, reason }) => {
+            assert!(reason.contains("StorePrepared"), "{reason}")
+        }
+        other => panic!("a StorePrepared cut 3 bytes short: {other:?}"),
     }
     assert!(store.client().is_broken(), "the connection is still taken as in step");
 }
