@@ -930,6 +930,20 @@ impl QueuePair {
         Ok(())
     }
 
+    /// Consumes the late completions of commands whose waits gave up (what the CQ holds now,
+    /// one ring's worth at most; see `reap_posted`), stepping over completions naming nothing
+    /// in flight, logged once with their count: they complete nothing, and stopping at one would
+    /// leave the late completions behind it unread and hand the caller an error for a queue
+    /// that goes on. Any other error from `reap` is returned.
+    pub(crate) fn reap_late(&mut self, on_completion: impl FnMut(Completion)) -> Result<(), NvmeError> {
+        let mut strays = Strays::default();
+        let reaped = self.reap_posted(on_completion, &mut strays);
+        if let Some(first) = &strays.first {
+            tracing::warn!(queue = %self.id, %first, count = strays.count, "unexpected completions stepped over while consuming late ones");
+        }
+        reaped
+    }
+
     /// Reaps until `done` says so or the deadline passes; on timeout, inspects CSTS so that a dead
     /// or failed controller is reported as such rather than as a slow command. On a
     /// [failed](QueuePair::failed) pair whose commands in flight all have unknown outcomes

@@ -73,16 +73,18 @@ impl AdminShared {
     }
 
     /// The admin queue, idle: completions that arrived late for commands that timed out are
-    /// consumed first (the controller has finished with their buffers once it posts them). If a
-    /// command is still outstanding, [`NvmeError::QueueBusy`]: its buffer may still be written,
-    /// so no admin command may be submitted, nor its buffer refilled, until it completes or a
-    /// reset confirms the controller stopped (bring-up then clears the queue).
+    /// consumed first (the controller has finished with their buffers once it posts them),
+    /// stepping over completions naming nothing in flight (logged; the queue goes on, and a
+    /// late completion may be posted behind one). If a command is still outstanding,
+    /// [`NvmeError::QueueBusy`]: its buffer may still be written, so no admin command may be
+    /// submitted, nor its buffer refilled, until it completes or a reset confirms the
+    /// controller stopped (bring-up then clears the queue).
     pub(crate) fn lock_idle_admin(&self) -> Result<MutexGuard<'_, QueuePair>, NvmeError> {
         let mut admin = self.lock_admin();
         if admin.in_flight() > 0 {
             // Every admin command goes through `execute` under this lock, so whatever is in
             // flight here is a command whose caller gave up on it.
-            admin.reap(usize::MAX, |late| {
+            admin.reap_late(|late| {
                 tracing::warn!(command_id = %late.command_id, opcode = late.opcode, status = ?late.status, "late admin completion consumed");
             })?;
         }

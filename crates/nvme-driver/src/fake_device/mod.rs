@@ -255,6 +255,16 @@ impl FakeDevice {
         state.fill_with_endless(&self.pool, queue_id);
     }
 
+    /// Posts one completion of `command_id` on CQ `queue_id` reporting the SQ's head now (its
+    /// phase the fake's), as a controller answering a command the host never issued, or one
+    /// twice, would: with no such command in flight, a completion naming nothing in flight.
+    pub fn post_unexpected(&self, queue_id: u16, command_id: u16) {
+        let mut state = self.registers.lock();
+        let mut entry = state.completion_for(queue_id, &SubmissionEntry::flush(crate::NamespaceId(1)), 0, None);
+        entry.command_id = command_id;
+        state.post(&self.pool, queue_id, entry, false);
+    }
+
     /// The admin commands the fake fetched and has not answered (their data pointers are where
     /// a late answer would write), oldest first.
     pub fn withheld_admin_commands(&self) -> Vec<SubmissionEntry> {
