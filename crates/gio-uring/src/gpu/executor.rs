@@ -85,8 +85,10 @@ pub struct GpuExecutorConfig {
     pub threads_per_block: u32,
     /// Bound on every wait inside the kernel, in polling iterations: at least 1, and enough
     /// that, with the backoff sleeps between them (32 ns doubling up to `backoff_ns_max`), a wait
-    /// keeps looking at least [`plan::KERNEL_DEADLINE_MIN`] ([`plan::kernel_wait_window`];
-    /// checked by [`GpuExecutor::new`]): a long cap does not make up for few iterations.
+    /// nominally keeps looking at least [`plan::KERNEL_DEADLINE_MIN`]
+    /// ([`plan::kernel_wait_window`], which counts the sleeps asked for: `__nanosleep(t)` sleeps
+    /// 0 to about 2t; checked by [`GpuExecutor::new`]): a long cap does not make up for few
+    /// iterations.
     pub poll_iterations_max: u32,
     /// Cap of the kernel's exponential `__nanosleep` backoff. Every wait of a launch ends at one
     /// deadline, `poll_iterations_max × backoff_ns_max` after its block started (2 s with the

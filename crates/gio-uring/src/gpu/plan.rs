@@ -252,10 +252,11 @@ pub const DRAIN_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
 
 /// Checks the kernel's wait settings of a `GpuExecutorConfig` (what `GpuExecutor::new` refuses):
 /// `poll_iterations_max` is at least 1 (the kernel's claim and slot loops run that many times:
-/// zero never claims anything), a wait keeps looking at least [`KERNEL_DEADLINE_MIN`] (through
-/// its iterations, [`kernel_wait_window`], which is never longer than the per-block deadline, so
-/// the deadline is then at least that too), and `drain_timeout` covers one launch
-/// ([`kernel_time_bound`]) and is at most [`DRAIN_TIMEOUT_MAX`].
+/// zero never claims anything), a wait nominally keeps looking at least [`KERNEL_DEADLINE_MIN`]
+/// (through its iterations, [`kernel_wait_window`], which counts nominal sleeps and is never
+/// longer than the per-block deadline, so the deadline is then at least that too), and
+/// `drain_timeout` covers one launch ([`kernel_time_bound`]) and is at most
+/// [`DRAIN_TIMEOUT_MAX`].
 pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_timeout: Duration) -> Result<(), GioError> {
     if poll_iterations_max == 0 {
         return Err(GioError::InvalidConfig {
