@@ -100,16 +100,19 @@ class DeviceError(Error):
 
 class DaemonError(Error):
     """tuttid refused or failed a request in a way no other class describes (`code` names the
-    daemon's error code, e.g. "Busy", "Unsupported", "StoreFailed"), or answered something
-    unexpected."""
+    daemon's error code, e.g. "Busy", "Unsupported", "StoreFailed"). A reply that does not answer
+    its request (of another kind, a body that does not decode, a lookup count out of range) is
+    `Disconnected`: the client no longer uses that connection."""
 
     code: Optional[str]
     """The daemon's error code name, or None when the error is not a daemon refusal."""
 
 class Disconnected(DaemonError):
     """The connection to tuttid failed or is gone: no daemon at the socket, the daemon closed the
-    connection (it stopped, the session's lease expired), or a socket error. Reconnect with a new
-    `Store.attach` / `LookupClient.connect`; nothing of an uncommitted store survives."""
+    connection (it stopped, the session's lease expired), a socket error, or a reply that does not
+    answer its request (of another kind, a body that does not decode, a lookup count out of
+    range), after which the connection is out of step. Reconnect with a new `Store.attach` /
+    `LookupClient.connect`; nothing of an uncommitted store survives."""
 
 # ---------------------------------------------------------------------------------------------
 # Model geometry

@@ -105,8 +105,9 @@ pub fn ends_the_connection(code: ErrorCode) -> bool {
 #[derive(Debug)]
 enum Broken {
     /// Out of step, for the reason given: a request timed out (its reply may still come), a
-    /// frame was cut, a reply answered another request, or the connection was never in step
-    /// ([`Client::detached`]).
+    /// frame was cut or refused, a reply did not decode, answered another request or was of a
+    /// kind that does not answer the request ([`answer_kind`]), a lookup or fetch answer did not
+    /// fit its request, or the connection was never in step ([`Client::detached`]).
     OutOfStep(String),
     /// The daemon ended it with a goodbye (an `Error` whose code [`ends_the_connection`]),
     /// whichever call read it: a keep-alive ping often does, so every later call reports the

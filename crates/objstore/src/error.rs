@@ -51,7 +51,9 @@ impl std::fmt::Display for MismatchedBlock {
 pub enum RemoteFailure {
     /// The daemon refused it with this error code (tutti-daemon's `ErrorCode::to_u16`).
     Refused { code: u16 },
-    /// The connection is gone (closed by the daemon, a socket error, no daemon at the socket).
+    /// The connection is gone (closed by the daemon, a socket error, no daemon at the socket),
+    /// or out of step (a reply of a kind that does not answer its request, or one that does not
+    /// decode: every later call on it fails).
     /// `code`: the daemon's goodbye when it said one as it ended the connection (tutti-daemon's
     /// `ErrorCode::to_u16`: `ShuttingDown`, `LeaseExpired`, `FrameTimeout`, ...), kept for the
     /// caller's diagnostics; `None` when it closed without one or was never reached.
