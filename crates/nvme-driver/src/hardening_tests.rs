@@ -1516,6 +1516,22 @@ fn a_wait_past_its_deadline_still_reads_the_completions_posted_behind_an_unexpec
 }
 
 #[test]
+fn a_wait_ended_by_a_rejected_completion_logs_the_unexpected_ones_it_met() {
+    // Goal: the completions naming nothing in flight a wait met go to the log however the wait
+    // ends, also when a completion that breaks the protocol (here an SQ head past the tail)
+    // ends it: they are logged only as the wait ends (one line, first and count). A wait ended
+    // by such an error used to return it without a word about the stray before it.
+    let (_device, _controller, mut queue, ring) = hand_posted_flushes(2);
+    post_completion(&ring, 0, 0x7700, 2, 1);
+    post_completion(&ring, 1, 0, 7, 1);
+    let (waited, warnings) = warnings_during(|| queue.wait_idle(std::time::Instant::now() + Duration::from_secs(5), |_| {}));
+    assert!(matches!(&waited, Err(error) if !matches!(error, NvmeError::UnexpectedCompletion { .. })), "{waited:?}");
+    assert!(queue.failed(), "the head past the tail failed the pair");
+    let logged = warnings.iter().filter(|warning| warning.contains("unexpected completions")).count();
+    assert_eq!(logged, 1, "the stray was not logged: {warnings:?}");
+}
+
+#[test]
 fn complete_all_reports_a_failed_command_before_an_unexpected_completion() {
     // Goal: complete_all turns the first failed command into its error; an unexpected
     // completion met on the way (with every command then completed) does not hide it: the

@@ -178,7 +178,8 @@ impl Strays {
         self.first
     }
 
-    /// Logs them (if any) for a wait that ends on something else: its deadline, a failed pair.
+    /// Logs them (if any) for a wait that ends on something else: its deadline, a failed pair,
+    /// another error from `reap`.
     fn log(&self, queue: QueueId, ending: &NvmeError) {
         if let Some(first) = &self.first {
             tracing::warn!(%queue, %first, count = self.count, %ending, "a wait that met unexpected completions ended without its commands");
@@ -960,7 +961,8 @@ impl QueuePair {
     /// controller that keeps posting them cannot hold the wait past it; past the deadline, what
     /// the CQ holds behind the stray (one ring's worth at most) is still read, and `done`
     /// checked, before a timeout is reported, as a wait that met no stray reads everything
-    /// posted before its last empty poll. Any other error from `reap` ends the wait at once.
+    /// posted before its last empty poll. Any other error from `reap` ends the wait at once
+    /// (the strays met before it logged).
     pub fn poll_until(
         &mut self,
         deadline: Instant,
@@ -980,7 +982,10 @@ impl QueuePair {
                     // It consumed an entry: poll again at once, as after any reaped entry.
                     (1, true)
                 }
-                Err(error) => return Err(error),
+                Err(error) => {
+                    strays.log(self.id, &error);
+                    return Err(error);
+                }
             };
             if done(self) {
                 return strays.reported(self.id).map_or(Ok(()), Err);
