@@ -87,9 +87,10 @@ impl DeviceLocks {
     /// (`lock_dir/vfio-BDF.lock`) is already there: None where the directory or the file is
     /// missing, for no tuttid has locked the function there. Neither is ever made: they belong
     /// to the user tuttid runs as, which refuses a lock directory or file of another's (root's,
-    /// made by `sudo tutti bind`). The file is opened for writing, or read-only where this
-    /// user cannot write it (flock needs no write access, but NFS's emulation of it does), never
-    /// through a symbolic link, and only a regular file is locked; its owner and the
+    /// made by `sudo tutti bind`). The file is opened read-only (flock needs no write access;
+    /// where NFS's emulation of it refuses a read-only descriptor, the same file is opened
+    /// again for writing, if this user may), never through a symbolic link, and only a regular
+    /// file is locked (a FIFO or device node is never opened for writing); its owner and the
     /// directory's are not checked ([`DeviceLocks::acquire`] does, for the files it may make):
     /// whoever owns the directory decides what is there, and nothing is written to it. One
     /// another process holds is [`DeviceError::DeviceInUse`], naming the holder.
@@ -100,20 +101,13 @@ impl DeviceLocks {
             path: path.clone(),
             reason: format!("{reason}; have its owner remove it, or give the lock directory tuttid uses with --lock-dir"),
         };
-        // Opened for writing where this user may (NFS emulates flock with POSIX locks, whose
-        // exclusive lock needs a descriptor open for writing), else read-only; nothing is
-        // written either way. O_NONBLOCK as open_without_waiting: a FIFO put there must not
-        // make the tool wait.
+        // Opened read-only (flock needs no write access), and its type checked before
+        // anything else: a FIFO or a device node put there is never opened for writing.
+        // O_NONBLOCK as open_without_waiting: a FIFO must not make the tool wait.
         let open = |write: bool| {
             OpenOptions::new().read(true).write(write).custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK).open(&path)
         };
-        let opened = match open(true) {
-            Err(error) if matches!(error.raw_os_error().map(Errno::from_raw), Some(Errno::EACCES | Errno::EPERM | Errno::EROFS)) => {
-                open(false)
-            }
-            opened => opened,
-        };
-        let file = match opened {
+        let file = match open(false) {
             Ok(file) => file,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             // O_NOFOLLOW on a link: ELOOP; a socket cannot be opened: ENXIO. Said as what they are.
@@ -127,15 +121,24 @@ impl DeviceLocks {
                 _ => return Err(DeviceError::OpenFailed { path, source }),
             },
         };
-        let file_type = file
-            .metadata()
-            .map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?
-            .file_type();
-        if !file_type.is_file() {
-            return Err(refuse(format!("the lock file is {}, not a regular file", file_kind(file_type))));
+        let metadata =
+            file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {} (what it is)", path.display()), source })?;
+        if !metadata.file_type().is_file() {
+            return Err(refuse(format!("the lock file is {}, not a regular file", file_kind(metadata.file_type()))));
         }
         let mut locks = DeviceLocks::default();
-        locks.lock(&spec, path, file)?;
+        match locks.lock(&spec, path.clone(), file) {
+            // NFS emulates flock with POSIX locks, whose exclusive lock needs a descriptor open
+            // for writing: the same file (by device and inode) opened so, where this user may.
+            Err(DeviceError::Io { source, .. }) if source.raw_os_error() == Some(nix::libc::EBADF) => {
+                let same = |file: &File| file.metadata().is_ok_and(|again| (again.dev(), again.ino()) == (metadata.dev(), metadata.ino()));
+                match open(true) {
+                    Ok(writable) if same(&writable) => locks.lock(&spec, path, writable)?,
+                    _ => return Err(lock_failure(&path, Errno::EBADF)),
+                }
+            }
+            locked => locked?,
+        }
         Ok(Some(locks))
     }
 
