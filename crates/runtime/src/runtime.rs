@@ -509,6 +509,7 @@ impl<E: Executor> Runtime<E> {
                 outstanding_write_iocbs: self.writes.outstanding_iocbs(),
                 outstanding_write_kernels: self.writes.outstanding_layers(),
                 in_flight_write_iocbs: self.writes.in_flight_iocbs(),
+                in_flight_write_sm_budget: self.writes.in_flight_sm_budget(),
                 queued_write_iocbs: self.writes.queued_iocbs(),
             };
             let plan =

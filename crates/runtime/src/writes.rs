@@ -267,6 +267,16 @@ impl WriteQueue {
         self.stores.iter().filter(|s| s.in_flight.is_some()).fold(0u32, |sum, s| sum.saturating_add(s.iocbs_per_layer))
     }
 
+    /// The SM budget the write layer in flight runs on (what the policy prices it on): its
+    /// store's, which `Runtime::pump_layers` hands each layer over with. 0 when none is in
+    /// flight. The store's budget is the latest grant's that released layers of it: a grant
+    /// releasing more of them after this layer was handed over (a decode step while it ran)
+    /// changed it, and the layer is then priced on that grant's budget (exact would need the
+    /// budget recorded at the handover).
+    pub fn in_flight_sm_budget(&self) -> u32 {
+        self.stores.iter().find(|s| s.in_flight.is_some()).map_or(0, |s| s.sm_budget)
+    }
+
     pub fn any_in_flight(&self) -> bool {
         self.stores.iter().any(|store| store.in_flight.is_some())
     }
@@ -534,6 +544,20 @@ mod tests {
         queue.stores[0].in_flight = None;
         queue.stores[0].written_layers = 1;
         assert_eq!((queue.outstanding_iocbs(), queue.outstanding_layers(), queue.in_flight_iocbs()), (12, 5, 0));
+    }
+
+    #[test]
+    fn the_write_in_flight_is_priced_on_its_stores_sm_budget() {
+        // Goal: the policy prices the write layer in flight on the SMs it runs on
+        // (`LayerView::in_flight_write_sm_budget`), its store's budget (a decode step's free
+        // SMs), not the table's largest; 0 when none is in flight.
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(ended_store(1, 2, 4, 4, None));
+        queue.push(ended_store(2, 3, 2, 2, Some(0)));
+        queue.stores[1].sm_budget = 2;
+        assert_eq!(queue.in_flight_sm_budget(), 2);
+        queue.stores[1].in_flight = None;
+        assert_eq!(queue.in_flight_sm_budget(), 0);
     }
 
     #[test]

@@ -63,6 +63,7 @@ fn plan_layer(c: &mut Criterion) {
                         outstanding_write_iocbs: 8,
                         outstanding_write_kernels: 1,
                         in_flight_write_iocbs: 8,
+                        in_flight_write_sm_budget: 0,
                         queued_write_iocbs: 64,
                     };
                     black_box(planner.plan_layer(&view).expect("plan"))

@@ -70,6 +70,14 @@ pub struct LayerView<'a> {
     /// layer in flight. The simulator: the write carried in flight when this request's reads
     /// wait for it (`WriteCarry::reads_wait_for_in_flight`). 0 when none is.
     pub in_flight_write_iocbs: u32,
+    /// The SM budget that write kernel runs on, which prices it: `tutti-runtime` hands a layer
+    /// over on its store's budget, the latest grant's that released layers of it (a decode
+    /// step's free SMs, or the table's largest for a forced write or a flush; a grant that
+    /// released more of the store's layers while this one ran has changed it to its own, and
+    /// the runtime gives that); the simulator runs its carried write on the table's largest.
+    /// 0 when not known: priced on the table's largest write budget. A budget below every
+    /// profiled write budget is priced on the smallest (the table knows none slower).
+    pub in_flight_write_sm_budget: u32,
     /// New KV of finished layers waiting to be written, in IOCBs.
     pub queued_write_iocbs: u32,
 }
@@ -293,14 +301,24 @@ impl IoPolicy for SlackAware {
         // layers pushed every layer's reads of the next prefill L-1 write kernels late, past
         // its windows: each layer's reads went at once and nothing ran ahead. The writes behind
         // are all outstanding ones as their kernels, less the one in flight: for layers of one
-        // size, the others as their kernels; in all, the SSD's time for writes is as before.
+        // size, the others as their kernels. The one in flight is priced on the SMs it runs on
+        // (a decode step's free SMs): on the table's largest budget, a layer a 2-SM step
+        // released was priced as its 4-SM time and the next layer's reads went into windows
+        // it still took. The others, whose budgets the view does not give, are priced on the
+        // largest, as before.
         let write_budget = table.io_sm_budget_max(IoKind::Write);
-        let in_flight_write_us =
-            kernels_duration_us(table, IoKind::Write, view.in_flight_write_iocbs.min(view.outstanding_write_iocbs), 1, write_budget)?;
+        let in_flight_write_iocbs = view.in_flight_write_iocbs.min(view.outstanding_write_iocbs);
+        let in_flight_write_budget = match view.in_flight_write_sm_budget {
+            0 => write_budget,
+            // Below every profiled budget `io_duration_us` cannot price it: the smallest is
+            // the slowest the table knows.
+            budget => budget.max(table.io_sm_budget_min(IoKind::Write)),
+        };
+        let in_flight_write_us = kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, in_flight_write_budget)?;
         let writes_behind_us =
             (kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?
-                - in_flight_write_us)
-                .max(0.0);
+                - kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, write_budget)?)
+            .max(0.0);
         let mut ssd_free_at_us =
             kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?
                 + in_flight_write_us;

@@ -372,16 +372,17 @@ impl<'a> Sim<'a> {
         iocbs.min(f64::from(u32::MAX)) as u32
     }
 
-    /// The IOCBs left of the write this request's reads wait behind: the carried write that
-    /// holds them (`WriteCarry::reads_wait_for_in_flight`; queued first, it is the write queue's
-    /// head until it completes). Reads pass every other write.
-    fn write_iocbs_holding_reads(&self) -> u32 {
+    /// The IOCBs left of the write this request's reads wait behind, and the SM budget it runs
+    /// on: the carried write that holds them (`WriteCarry::reads_wait_for_in_flight`; queued
+    /// first, it is the write queue's head until it completes). Reads pass every other write.
+    /// (0, 0) when none holds them.
+    fn write_holding_reads(&self) -> (u32, u32) {
         match self.writes.front() {
             Some(head) if head.holds_reads => {
                 let iocbs = (head.bytes_left / self.config.iocb_bytes as f64).ceil();
-                iocbs.min(f64::from(u32::MAX)) as u32
+                (iocbs.min(f64::from(u32::MAX)) as u32, head.sm_budget)
             }
-            _ => 0,
+            _ => (0, 0),
         }
     }
 
@@ -540,6 +541,7 @@ impl<'a> Sim<'a> {
     }
 
     fn start_layer(&mut self, layer: u32) -> Result<Phase> {
+        let (in_flight_write_iocbs, in_flight_write_sm_budget) = self.write_holding_reads();
         let view = LayerView {
             table: self.scheduler_table,
             input_tokens: self.config.input_tokens,
@@ -555,7 +557,8 @@ impl<'a> Sim<'a> {
             },
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             outstanding_write_kernels: self.outstanding_write_kernels(),
-            in_flight_write_iocbs: self.write_iocbs_holding_reads(),
+            in_flight_write_iocbs,
+            in_flight_write_sm_budget,
             queued_write_iocbs: self.queued_write_iocbs(),
         };
         let plan = self.policy.plan_layer(&view)?;

@@ -22,6 +22,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 0,
     }
 }
@@ -126,6 +127,32 @@ fn slack_aware_prices_reads_behind_the_write_in_flight_only() {
     v.outstanding_write_kernels = 3;
     v.in_flight_write_iocbs = 0;
     assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 1, 4, 0.0), read(1, 2, 2, 100.0)]);
+}
+
+/// Goal: the write kernel in flight is priced on the SMs it runs on, not the table's largest
+/// write budget. `tutti-runtime` hands a layer a decode step released over on that step's free
+/// SMs: a 2-IOCB layer on 2 SMs takes 600 µs, not the 400 µs it takes on 4. Priced on 4 SMs,
+/// layer 1's 5 reads fit ([100,600) on 2 SMs holds 1 from 400, [600,1000) the other 4), though
+/// from 600 only [600,1000) is left and holds 4: the reads went into windows late. On its own
+/// 2 SMs no window is suitable and they go at once. A budget not known (0) is priced on the
+/// table's largest, and one below every profiled write budget on the smallest.
+#[test]
+fn slack_aware_prices_the_write_in_flight_on_its_own_sm_budget() {
+    let table = profile();
+    let unissued = [0, 5, 0, 0];
+    let mut v = view(&table, 0, &unissued);
+    v.outstanding_write_iocbs = 2;
+    v.outstanding_write_kernels = 1;
+    v.in_flight_write_iocbs = 2;
+    let windows = vec![read(1, 1, 2, 400.0), read(1, 4, 4, 600.0)];
+    for budget in [0, 4] {
+        v.in_flight_write_sm_budget = budget;
+        assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, windows, "in-flight budget {budget}");
+    }
+    for budget in [2, 1] {
+        v.in_flight_write_sm_budget = budget;
+        assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![read(1, 5, 4, 0.0)], "in-flight budget {budget}");
+    }
 }
 
 /// Goal: the released writes waiting behind the reads still come before new writes: a prefill
