@@ -262,7 +262,16 @@ impl WriteQueue {
 
     /// The IOCBs of the write layers in flight: of the outstanding ones, those the device holds
     /// now. One layer at most (`Runtime::pump_layers` hands them over one at a time), and while a
-    /// read is pending no other is handed over (the barrier), so a read waits behind these alone.
+    /// read is pending no other is handed over (the barrier), so of the queued stores' writes a
+    /// read waits behind these alone.
+    ///
+    /// Retiring stores' layers ([`WriteQueue::retire`]: a write that failed, or whose wait timed
+    /// out, while the device still holds it) are not counted, here nor in
+    /// [`WriteQueue::outstanding_iocbs`]: they are outside the barrier, so reads are handed over
+    /// beside them (and the next store's write: two write layers may then be on the device), and
+    /// the policy prices the SSD as if they were done. Not counted because their completion may
+    /// be lost: a read does not wait for them, and priced ahead of it, a write that never ends
+    /// (until `abandon_in_flight`) would push every later layer's reads out of its windows.
     pub fn in_flight_iocbs(&self) -> u32 {
         self.stores.iter().filter(|s| s.in_flight.is_some()).fold(0u32, |sum, s| sum.saturating_add(s.iocbs_per_layer))
     }
@@ -558,6 +567,23 @@ mod tests {
         assert_eq!(queue.in_flight_sm_budget(), 2);
         queue.stores[1].in_flight = None;
         assert_eq!(queue.in_flight_sm_budget(), 0);
+    }
+
+    #[test]
+    fn a_retiring_stores_write_is_not_counted_as_in_flight_or_outstanding() {
+        // Goal: pins the documented exclusion (`in_flight_iocbs`): a store retired with its
+        // layer in flight (its write failed or its wait timed out) leaves the counts the policy
+        // prices reads behind; the device may still hold that layer (`retiring_in`), but it is
+        // outside the barrier and its completion may be lost.
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(ended_store(1, 2, 4, 4, Some(0)));
+        assert_eq!((queue.outstanding_iocbs(), queue.in_flight_iocbs(), queue.in_flight_sm_budget()), (8, 2, 4));
+        assert_eq!(queue.retire(0), Some(1));
+        assert!(queue.retiring_in(false) && !queue.any_in_flight());
+        assert_eq!(
+            (queue.outstanding_iocbs(), queue.outstanding_layers(), queue.in_flight_iocbs(), queue.in_flight_sm_budget()),
+            (0, 0, 0, 0)
+        );
     }
 
     #[test]

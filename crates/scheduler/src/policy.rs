@@ -67,8 +67,12 @@ pub struct LayerView<'a> {
     /// Of the outstanding writes, the IOCBs of the one write kernel the SSD holds now, which a
     /// read waits behind (the read/write barrier); the others wait for the reads. `tutti-runtime`
     /// hands its write layers over one at a time, and none while a read is pending: its write
-    /// layer in flight. The simulator: the write carried in flight when this request's reads
-    /// wait for it (`WriteCarry::reads_wait_for_in_flight`). 0 when none is.
+    /// layer in flight. Not counted, there nor in `outstanding_write_iocbs`: a retiring request's
+    /// write (one that failed, or whose wait timed out, while the device still holds it). It is
+    /// outside the barrier, since its completion may be lost: reads, and the next store's
+    /// write, are handed over beside it, and it is priced as done. The simulator: the write
+    /// carried in flight when this request's reads wait for it
+    /// (`WriteCarry::reads_wait_for_in_flight`). 0 when none is.
     pub in_flight_write_iocbs: u32,
     /// The SM budget that write kernel runs on, which prices it: `tutti-runtime` hands a layer
     /// over on its store's budget, the latest grant's that released layers of it (a decode
