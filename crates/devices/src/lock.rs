@@ -126,19 +126,43 @@ impl DeviceLocks {
         if !metadata.file_type().is_file() {
             return Err(refuse(format!("the lock file is {}, not a regular file", file_kind(metadata.file_type()))));
         }
+        // A second descriptor of the same open file: the inode stays open (its number cannot
+        // be reused) and, through /proc/self/fd, can be opened again without looking the path
+        // up (a file swapped in meanwhile is never opened).
+        let same_file =
+            file.try_clone().map_err(|source| DeviceError::Io { context: format!("duplicating {}", path.display()), source })?;
         let mut locks = DeviceLocks::default();
         match locks.lock(&spec, path.clone(), file) {
             // NFS emulates flock with POSIX locks, whose exclusive lock needs a descriptor open
-            // for writing: the same file (by device and inode) opened so, where this user may.
+            // for writing: the same file opened so, where this user may.
             Err(DeviceError::Io { source, .. }) if source.raw_os_error() == Some(nix::libc::EBADF) => {
-                let same = |file: &File| file.metadata().is_ok_and(|again| (again.dev(), again.ino()) == (metadata.dev(), metadata.ino()));
-                match open(true) {
-                    Ok(writable) if same(&writable) => locks.lock(&spec, path, writable)?,
-                    _ => return Err(lock_failure(&path, Errno::EBADF)),
+                let again = format!("/proc/self/fd/{}", same_file.as_raw_fd());
+                match OpenOptions::new().read(true).write(true).custom_flags(nix::libc::O_NONBLOCK).open(&again) {
+                    Ok(writable) => {
+                        let reopened = writable.metadata().map_err(|source| DeviceError::Io {
+                            context: format!("examining {} opened again for writing", path.display()),
+                            source,
+                        })?;
+                        if (reopened.dev(), reopened.ino()) != (metadata.dev(), metadata.ino()) {
+                            return Err(lock_failure(&path, Errno::EBADF));
+                        }
+                        locks.lock(&spec, path, writable)?
+                    }
+                    Err(source) => {
+                        return Err(DeviceError::Io {
+                            context: format!(
+                                "locking {}: a read-only descriptor was refused (EBADF: NFS, whose flock emulation needs one \
+                                 open for writing), and opening it again for writing failed",
+                                path.display()
+                            ),
+                            source,
+                        })
+                    }
                 }
             }
             locked => locked?,
         }
+        drop(same_file);
         Ok(Some(locks))
     }
 
