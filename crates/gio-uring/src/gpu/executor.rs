@@ -88,11 +88,15 @@ pub struct GpuExecutorConfig {
     /// nominally keeps looking at least [`plan::KERNEL_DEADLINE_MIN`]
     /// ([`plan::kernel_wait_window`], which counts the sleeps asked for: `__nanosleep(t)` sleeps
     /// 0 to about 2t; checked by [`GpuExecutor::new`]): a long cap does not make up for few
-    /// iterations.
+    /// iterations. At most so many, with `backoff_ns_max`, that one launch
+    /// ([`plan::kernel_time_bound`]) ends within [`plan::DRAIN_TIMEOUT_MAX`] (an hour):
+    /// `poll_iterations_max × backoff_ns_max` up to 3599 s, since `drain_timeout` must cover one
+    /// launch and may not pass that ceiling ([`GpuExecutor::new`] refuses more, naming both fields).
     pub poll_iterations_max: u32,
     /// Cap of the kernel's exponential `__nanosleep` backoff. Every wait of a launch ends at one
     /// deadline, `poll_iterations_max × backoff_ns_max` after its block started (2 s with the
-    /// defaults); a launch ends within [`plan::kernel_time_bound`] of starting.
+    /// defaults); a launch ends within [`plan::kernel_time_bound`] of starting, which must be at
+    /// most [`plan::DRAIN_TIMEOUT_MAX`] (an hour; see `poll_iterations_max`).
     pub backoff_ns_max: u32,
     /// Bound on waiting for the stream to drain before a queue-pair reset; at least
     /// [`plan::kernel_time_bound`], so that one launch that runs to its deadline always drains,

@@ -247,16 +247,19 @@ pub const KERNEL_DEADLINE_MIN: Duration = Duration::from_millis(1);
 /// `Duration::MAX`, which `driver::drain_stream` cannot turn into a deadline and waits out for
 /// ever) would leave those waits unbounded in practice. An hour is far past any launch a
 /// useful configuration runs (3 s with the defaults), and since `drain_timeout` must cover one
-/// [`kernel_time_bound`], it caps the kernel's deadline too.
+/// [`kernel_time_bound`], it caps the kernel's deadline too: [`check_kernel_waits`] refuses
+/// kernel settings whose bound is over it, naming `poll_iterations_max` and `backoff_ns_max`.
 pub const DRAIN_TIMEOUT_MAX: Duration = Duration::from_secs(3600);
 
 /// Checks the kernel's wait settings of a `GpuExecutorConfig` (what `GpuExecutor::new` refuses):
 /// `poll_iterations_max` is at least 1 (the kernel's claim and slot loops run that many times:
 /// zero never claims anything), a wait nominally keeps looking at least [`KERNEL_DEADLINE_MIN`]
 /// (through its iterations, [`kernel_wait_window`], which counts nominal sleeps and is never
-/// longer than the per-block deadline, so the deadline is then at least that too), and
-/// `drain_timeout` covers one launch ([`kernel_time_bound`]) and is at most
-/// [`DRAIN_TIMEOUT_MAX`].
+/// longer than the per-block deadline, so the deadline is then at least that too), one launch
+/// ([`kernel_time_bound`]) ends within [`DRAIN_TIMEOUT_MAX`] (refused naming
+/// `poll_iterations_max` and `backoff_ns_max`, before `drain_timeout` is looked at: no
+/// `drain_timeout` could then satisfy the next two rules), and `drain_timeout` covers one launch
+/// and is at most [`DRAIN_TIMEOUT_MAX`].
 pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_timeout: Duration) -> Result<(), GioError> {
     if poll_iterations_max == 0 {
         return Err(GioError::InvalidConfig {
@@ -273,6 +276,18 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
             ),
         });
     }
+    let kernel_bound = kernel_time_bound(poll_iterations_max, backoff_ns_max);
+    // Before the drain_timeout checks: no drain_timeout satisfies both when one launch alone may
+    // run past the ceiling, and either of their messages would send the user after the wrong field.
+    if kernel_bound > DRAIN_TIMEOUT_MAX {
+        return Err(GioError::InvalidConfig {
+            reason: format!(
+                "one launch may run {kernel_bound:?} (poll_iterations_max {poll_iterations_max} x backoff_ns_max \
+                 {backoff_ns_max} ns + margin), over the {DRAIN_TIMEOUT_MAX:?} ceiling on drain_timeout, which must cover \
+                 one launch: lower poll_iterations_max or backoff_ns_max"
+            ),
+        });
+    }
     if drain_timeout > DRAIN_TIMEOUT_MAX {
         return Err(GioError::InvalidConfig {
             reason: format!(
@@ -281,7 +296,6 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
             ),
         });
     }
-    let kernel_bound = kernel_time_bound(poll_iterations_max, backoff_ns_max);
     if drain_timeout < kernel_bound {
         return Err(GioError::InvalidConfig {
             reason: format!(
@@ -763,6 +777,28 @@ mod tests {
         }
         assert!(check_kernel_waits(200_000, 10_000, DRAIN_TIMEOUT_MAX).is_ok(), "the maximum itself");
         assert_eq!(DRAIN_TIMEOUT_MAX, Duration::from_secs(3600));
+    }
+
+    #[test]
+    fn kernel_settings_whose_one_launch_outlasts_the_drain_ceiling_are_refused_naming_them() {
+        // Goal: a config no drain_timeout can satisfy is refused for its real cause. With
+        // 4_000_000 looks and a 1 ms cap one launch may run 4001 s, over DRAIN_TIMEOUT_MAX,
+        // which drain_timeout may not pass but must cover one launch: the user was told
+        // "drain_timeout is shorter than one launch", then, once raised, "over 3600s".
+        for drain in [Duration::from_secs(10), DRAIN_TIMEOUT_MAX, DRAIN_TIMEOUT_MAX + Duration::from_secs(1)] {
+            match check_kernel_waits(4_000_000, 1_000_000, drain) {
+                Err(GioError::InvalidConfig { reason }) => {
+                    assert!(reason.contains("poll_iterations_max") && reason.contains("backoff_ns_max"), "{drain:?}: {reason}");
+                    assert!(reason.contains("3600s"), "names the ceiling: {reason}");
+                    assert!(!reason.contains("shorter than") && !reason.starts_with("drain_timeout"), "{drain:?}: {reason}");
+                }
+                other => panic!("{drain:?} accepted: {other:?}"),
+            }
+        }
+        // The largest budget under the ceiling (the bound adds the 1 s margin) is accepted with
+        // the ceiling itself; one look (1 ms) more is not.
+        assert!(check_kernel_waits(3_599_000, 1_000_000, DRAIN_TIMEOUT_MAX).is_ok());
+        assert!(check_kernel_waits(3_599_001, 1_000_000, DRAIN_TIMEOUT_MAX).is_err());
     }
 
     #[test]
