@@ -19,6 +19,10 @@
 //! another shape (1 layer × dim 64 and 2 layers × dim 32) exchanged bytes that mean something
 //! else, and the block size was all either side checked. Each side refuses a geometry not its
 //! own (the holder before it pins anything).
+//! Version 4 changed no frame: it marks the block key scheme, SHA-256 since pool format 4
+//! (`objstore::hash`). Keys name segments in the request and the registry, and a node on the old
+//! mix computes other keys for the same prompt, so the two would never meet: every read between
+//! them a silent miss. Refused by version instead, a mixed cluster says so at its first read.
 //! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
@@ -29,7 +33,8 @@ use objstore::ModelGeometry;
 use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
 
 const MAGIC: [u8; 4] = *b"TPDP";
-pub const VERSION: u16 = 3;
+/// 4 since block keys are SHA-256 based (module comment): a version-3 peer's keys never match.
+pub const VERSION: u16 = 4;
 pub const HEADER_BYTES: usize = 12;
 /// Most blocks one segment has (`SegmentBlocks::MAX`).
 pub const SEGMENT_BLOCKS_MAX: usize = 64;
@@ -512,6 +517,22 @@ mod tests {
         let mut big = Vec::new();
         encode_header(&mut big, PeerKind::Block, 4096 + 7);
         assert!(matches!(decode_header(big[..].try_into().unwrap(), |kind| answer_body_max(kind, 4096)), Err(PeerError::Garbage(_))));
+    }
+
+    #[test]
+    fn a_peer_on_the_weak_key_scheme_is_refused_by_version() {
+        // Goal: a peer of data plane version 3 or earlier (block keys from pool format 3's fast
+        // mix) is refused at its first header, in words naming the version, rather than being
+        // asked for segments whose keys it can never hold.
+        for old in 1..=3u16 {
+            let mut frame = Vec::new();
+            request().encode(&mut frame);
+            frame[4..6].copy_from_slice(&old.to_le_bytes());
+            match decode_header(frame[..HEADER_BYTES].try_into().unwrap(), request_body_max) {
+                Err(PeerError::Garbage(message)) => assert!(message.contains(&format!("data plane version {old}")), "{message}"),
+                other => panic!("version {old}: {other:?}"),
+            }
+        }
     }
 
     #[test]
