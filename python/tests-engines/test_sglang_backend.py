@@ -979,8 +979,28 @@ def test_a_page_layer_of_more_commands_than_an_iocb_holds_gets_more_iocbs_per_re
     assert _iocbs(32, 2, (4 << 20) + 4096) == 128
     # 160 MiB: 81920 commands at 4 KiB, 40 IOCBs a set; 8 requests take 320 (rounded to 512).
     assert _iocbs(8, 1, 160 << 20) == 512
-    # More than 1024 are not given (iocbs_for warns that fewer requests are prepared at once).
+    # More than 1024 are not given (see the next test for what is logged).
     assert _iocbs(32, 1, 160 << 20) == 1024
+
+
+def test_iocbs_capped_for_the_smallest_command_are_not_warned_about_unless_no_mdts_would_fit(caplog):
+    """Goal: the count sized for 4 KiB commands is a worst case (a device of 8 KiB MDTS), so
+    capping it at 1024 is no shortfall on a device of larger MDTS: a 70B model's 160 MiB page
+    object at requests_max 32 (40 IOCBs a set at 4 KiB, 1024 given) needs 64 at 128 KiB, and
+    iocbs_for's "only 25 requests of the longest length" warning was false. It is logged below
+    warning level; a warning comes only where even the largest transfer a command carries (2
+    MiB, the driver's cap on MDTS) would not fit the sets in 1024."""
+    from tutti.sglang import _iocbs
+
+    with caplog.at_level("DEBUG", logger="tutti"):
+        assert _iocbs(32, 1, 160 << 20) == 1024
+    assert not tutti_warnings(caplog), tutti_warnings(caplog)
+    assert any("8 KiB" in record.getMessage() for record in caplog.records), caplog.records
+    caplog.clear()
+    # 4 GiB objects: 4096 commands of K and V even at 2 MiB, 2 IOCBs a set, 2048 for 1024 sets.
+    with caplog.at_level("DEBUG", logger="tutti"):
+        assert _iocbs(512, 2, 4 << 30) == 1024
+    assert any("longest" in message for message in tutti_warnings(caplog)), caplog.records
 
 
 def test_a_pool_is_sized_from_its_page_s_object_bytes(tmp_path: Path, store_options: list, monkeypatch):

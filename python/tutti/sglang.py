@@ -39,6 +39,8 @@ from tutti._engine import (
     BYTE_GEOMETRY_BLOCK_TOKENS,
     ConfigError,
     Field,
+    _COMMANDS_PER_IOCB,
+    _IOCBS_MAX,
     abandon_request,
     bounded_timeout,
     byte_geometry,
@@ -712,6 +714,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
 # parts of an object (each at most MDTS) as MDTS holds, more than half of it, and the smallest
 # MDTS NVMe allows is 8 KiB (2^1 x a 4 KiB CAP.MPSMIN).
 _COMMAND_BYTES_MIN = 4096
+# The most bytes one NVMe command carries on any device: the driver caps MDTS at one PRP list
+# page of pages (nvme-driver's TRANSFER_BYTES_MAX).
+_COMMAND_BYTES_MAX = 2 << 20
 
 
 def _iocbs(requests_max: int, layers_in_flight: int, object_bytes: int = 0) -> int:
@@ -723,14 +728,30 @@ def _iocbs(requests_max: int, layers_in_flight: int, object_bytes: int = 0) -> i
     (4 MiB; a 70B model's at tp 1 and 1024-token pages, 160 MiB: 2560 commands at a 128 KiB
     MDTS). The MDTS is not known here, so a set is sized for commands of _COMMAND_BYTES_MIN:
     2 x object / 4 KiB commands, one IOCB up to 4 MiB objects (those a device of larger MDTS
-    needs fewer of); at most 1024 IOCBs in all, past which iocbs_for warns that fewer requests
-    are prepared at once. iocbs_for's default (two IOCBs a set) would give small pages twice the
-    IOCBs and a false warning at requests_max 512. `object_bytes` 0: only the sets are checked.
-    Raises ConfigError past 1024 sets."""
+    needs fewer of); at most 1024 IOCBs in all. That count is a worst case (a device of 8 KiB
+    MDTS), so its passing 1024 is logged at info level, not as a shortfall: the 70B pages above
+    at requests_max 32 want 1280 at 4 KiB but 64 at 128 KiB. Only where even commands of
+    _COMMAND_BYTES_MAX (no device's are larger) would not fit the sets in 1024 is fewer requests
+    being prepared at once than requests_max certain, and iocbs_for warns (its count for them,
+    at most 1024 // IOCBs a set, is an upper bound). iocbs_for's default (two IOCBs a set) would
+    give small pages twice the IOCBs and a false warning at requests_max 512. `object_bytes` 0:
+    only the sets are checked. Raises ConfigError past 1024 sets."""
+    where = "--hicache-storage-backend-extra-config"
+    # iocbs_for counts two commands (a K and a V object) a block: a layer's commands are
+    # commands / 2 of them. At the largest command, K and V may share one (SGL descriptors).
+    fewest = -(-2 * object_bytes // _COMMAND_BYTES_MAX)
+    iocbs_for(where, requests_max, layers_in_flight, blocks_per_request_max=max(1, -(-fewest // 2)))  # refused, warned here
     commands = 2 * -(-object_bytes // _COMMAND_BYTES_MIN)
-    # iocbs_for counts two commands (a K and a V object) a block: `commands` are commands / 2 of them.
-    blocks = max(1, -(-commands // 2))
-    return iocbs_for("--hicache-storage-backend-extra-config", requests_max, layers_in_flight, blocks_per_request_max=blocks)
+    per_set = max(1, -(-commands // _COMMANDS_PER_IOCB))
+    wanted = requests_max * layers_in_flight * per_set
+    if wanted > _IOCBS_MAX:
+        logger.info(
+            "%s: %d requests x %d layers in flight x %d IOCBs a page layer of %d-byte objects needs at 4 KiB a command "
+            "= %d IOCBs, given %d: a worst case, for a device of 8 KiB MDTS (a larger MDTS needs fewer); where the "
+            "devices' MDTS needs more than given, a prepare past them is a miss that says so",
+            where, requests_max, layers_in_flight, per_set, object_bytes, wanted, _IOCBS_MAX,
+        )  # fmt: skip
+    return min(_IOCBS_MAX, max(64, 1 << (wanted - 1).bit_length()))
 
 
 class _RequestPlaces:
