@@ -20,9 +20,11 @@
 //! else, and the block size was all either side checked. Each side refuses a geometry not its
 //! own (the holder before it pins anything).
 //! Version 4 changed no frame: it marks the block key scheme, SHA-256 since pool format 4
-//! (`objstore::hash`). Keys name segments in the request and the registry, and a node on the old
-//! mix computes other keys for the same prompt, so the two would never meet: every read between
-//! them a silent miss. Refused by version instead, a mixed cluster says so at its first read.
+//! (`objstore::hash`). A node on the old mix names the same prompt's segments by other keys, so
+//! old and new nodes' registry entries never match and no read passes between them: misses,
+//! silently (the registry's format is still v1, so `tutti cluster status` does not tell the two
+//! apart). A read that does pass (a 64-bit accident: the key of another prefix) is refused by
+//! version at its first header instead of serving that prefix's bytes.
 //! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
@@ -33,7 +35,8 @@ use objstore::ModelGeometry;
 use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
 
 const MAGIC: [u8; 4] = *b"TPDP";
-/// 4 since block keys are SHA-256 based (module comment): a version-3 peer's keys never match.
+/// 4 since block keys are SHA-256 based (module comment): a version-3 peer's keys are of another
+/// scheme, and a match between the two is another prefix's.
 pub const VERSION: u16 = 4;
 pub const HEADER_BYTES: usize = 12;
 /// Most blocks one segment has (`SegmentBlocks::MAX`).
