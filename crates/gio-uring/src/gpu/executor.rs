@@ -819,7 +819,12 @@ impl Executor for GpuExecutor {
     /// every unretired launch's [`plan::kernel_time_bound`], at least `drain_timeout`, at most
     /// [`plan::TEARDOWN_DRAIN_MAX`] or `drain_timeout` for this and the drop together;
     /// [`plan::teardown_drain_timeout`]: 192 s at 64 launches with the defaults, 5 min from 100),
-    /// then deletes every detached pair (see the module documentation). `Some(false)` while a
+    /// then deletes every detached pair (see the module documentation). That cap is on the stream
+    /// waits only: the deletions add up to two admin timeouts per pair (Delete SQ, Delete CQ; the
+    /// controller's `admin_timeout`, 10 s by default, plus the wait for the admin queue's lock),
+    /// and the drop tries those that failed again. More than 100 launches queued behind a stalled
+    /// device (a store of up to 1024 IOCBs can have that many) outlast the cap though each would
+    /// end within its bound: `Some(false)`, and the memory is kept for good. `Some(false)` while a
     /// kernel or copy may still run (the context cannot be made current, or the stream did not
     /// drain: nothing is deleted then, since a kernel may still ring the pairs' doorbells) or a
     /// pair could not be deleted; a later call retries both (waiting only what is left of the
@@ -890,7 +895,9 @@ impl GpuExecutor {
 /// Blocks the dropping thread until the I/O stream drains, for what is left of teardown's
 /// bound ([`plan::teardown_drain_timeout`]: at most [`plan::TEARDOWN_DRAIN_MAX`], or
 /// `drain_timeout` if longer, counted together with `retire_queue_pairs`'s wait); then releases
-/// everything, or keeps it for good if the stream did not drain.
+/// everything, or keeps it for good if the stream did not drain. Releasing the queues (their
+/// field drop) deletes the pairs still undeleted: outside that cap, up to two admin timeouts
+/// per pair.
 impl Drop for GpuExecutor {
     fn drop(&mut self) {
         // Host memory may only be unregistered (and then freed), GPU memory freed and queue pairs

@@ -311,7 +311,10 @@ pub fn check_kernel_waits(poll_iterations_max: u32, backoff_ns_max: u32, drain_t
 /// [`teardown_drain_timeout`]): 5 min, a hundred launches running to their 3 s bound with the
 /// defaults (objstore's default 64 IOCBs need 192 s). Without it the wait grew with the queue
 /// depth, up to `GIO_RING_DEPTH_MAX` (65536) launches: about 54 h blocking the thread that
-/// closes or drops the executor.
+/// closes or drops the executor. The deletions of the detached pairs that follow the drain are
+/// not in it (up to two admin timeouts per pair). Past it the launches still queued are given
+/// up on and the caller's memory is kept for good, though they would end within their bounds:
+/// the price of a bounded close with more than 100 launches behind a stalled device.
 pub const TEARDOWN_DRAIN_MAX: Duration = Duration::from_secs(300);
 
 /// How long teardown waits for the I/O stream to drain with `unretired` launches still on it
