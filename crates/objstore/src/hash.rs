@@ -8,18 +8,44 @@
 //! Version 4 introduced it; versions 1-3 used fast non-cryptographic mixes.
 //!
 //! Why a cryptographic hash: the seed of a key space (tuttid's model fingerprint and TP
-//! rank/world) is not secret, and whoever chooses prompt tokens (an engine's end users) could,
-//! with the earlier public-constant mix, craft a block whose key matches the key of a prefix
-//! others send (a shared system prompt); the first store of a key wins, so they would then be
-//! served the attacker's KV. With SHA-256, finding a block whose key equals a given key (a
-//! second preimage of 64 bits) costs ~2^64 hashes. What remains: keys are 64 bits, so a
-//! birthday search of ~2^32 hashes finds two prompts, both of the attacker's own choosing,
-//! with one key; that spoils only prompts the attacker wrote (a victim would have to send the
-//! attacker's text verbatim). By accident, for a pool of 10^6 blocks the chance of any
-//! collision is ~3e-8. Widening keys (index, protocol, cluster registry) is a larger format and
-//! protocol change, not done. A tuttid client is no attacker to defend against here: it can
-//! store any bytes under a prompt's real tokens (and write any LBA: docs/tuttid.md, "The IOMMU
-//! trust boundary"). See docs/objstore.md, "Index and allocation", for the cost per block.
+//! rank/world) is not secret, the first store of a key wins, and whoever chooses prompt tokens
+//! (an engine's end users) could, with the earlier public-constant mix, craft a block whose key
+//! matches the key of a prefix others send (a shared system prompt) and have them served the
+//! attacker's KV. What SHA-256 truncated to 64 bits resists, and what it does not
+//! (docs/objstore.md, "Index and allocation", says the same at length):
+//! - One target: a block whose key equals one given key (a second preimage of 64 bits) takes
+//!   ~2^64 trials, a trial being about one SHA-256 compression (the message's first 64 bytes
+//!   fixed, their midstate computed once).
+//! - Many targets: an attacker content with any of T keys (every block key of predictable
+//!   prefixes not yet stored, across every TP rank's key space) takes ~2^64/T: T = 2^16 is 2^48
+//!   trials (hours on a GPU), T = 2^20 is 2^44.
+//! - A birthday search: ~2^32 trials (minutes on one core) find two prefixes A and B with one key
+//!   at some block i. The chain then runs on from equal keys, so A‖x and B‖x share the key of
+//!   every later block for any x. The attacker stores A first; a victim whose prompt begins with
+//!   B up to the end of block i (counted from token 0, chat template included; same model, TP
+//!   rank/world and block size) gets A's KV at block i whatever follows. Searching two families
+//!   (harmless-looking variants of B against variants of A) lets B read as ordinary text. So
+//!   what is exposed is every prompt that begins with text the attacker wrote (a published
+//!   template or system prompt, a document an application puts first), whatever follows it; a
+//!   prompt whose first i+1 blocks differ from B's is not.
+//! - By accident: for a pool of 10^6 blocks the chance of any collision is ~3e-8.
+//!
+//! A keyed hash, a secret in the seed, would remove both searches (an attacker could not
+//! compute a key) at the same cost per block: the seed is hashed once per key space. Not done:
+//! every node of a cluster, and every process opening a pool, must compute the same keys, so it
+//! needs a secret shared cluster-wide, kept in the superblock or the daemon's configuration.
+//! Widening keys to 128 bits (index, protocol, cluster registry) would raise the birthday
+//! search to ~2^64 but is a larger format and protocol change, not done either.
+//!
+//! Keys made from an engine's own block hash (vLLM's offloading tier, SGLang's HiCache: the
+//! tokens are words of SHA-256 of the engine's key, python/tutti/_engine.py `hash_tokens`) are
+//! only as strong as that hash: two prompts whose engine hashes collide get one key here, so
+//! with vLLM's xxhash options SHA-256 buys nothing.
+//!
+//! A tuttid client is no attacker to defend against here: it can store any bytes under a
+//! prompt's real tokens (and write any LBA: docs/tuttid.md, "The IOMMU trust boundary").
+//! Cost: ~130 ns per 16-token block in the standalone `block_keys_cost` test, ~115 ns added per
+//! block to `prepare_retrieve` / `prepare_store` in the `layer_api` bench (docs/objstore.md).
 
 use sha2::{Digest, Sha256};
 
