@@ -74,40 +74,118 @@ impl KeySpace {
     }
 
     /// The longest prefix of `tokens` committed in every rank's space of this model and world
-    /// size: what an engine's scheduler process needs before it plans a prefill over all ranks
-    /// (a block missing on one rank must be recomputed on all of them). Each rank after the
-    /// first hashes only the prefix the ranks before it still share, so the cost is one chain
-    /// over `tokens` plus at most `tp_world - 1` chains over the shrinking common prefix, and it
-    /// stops at the first rank with nothing cached.
-    ///
-    /// From `first_block` (blocks the engine holds itself need not be cached): where the run of
-    /// blocks from there committed on every rank ends, `first_block` when it is empty (clamped
-    /// to the full blocks of `tokens`).
+    /// size, over one `index`: [`KeySpace::all_ranks_chains`] probing `index`, then
+    /// [`RankChains::run_end`] on it. The daemon runs the two halves apart, the first without
+    /// the pool lock (see there).
     pub fn cached_prefix_on_all_ranks(
         &self,
         index: &Index,
         tokens: &[u32],
         first_block: usize,
         block_tokens: u32,
-        keys: &mut Vec<u64>,
+        chains: &mut RankChains,
     ) -> usize {
+        match self.all_ranks_chains(tokens, first_block, block_tokens, chains, |keys, first| index.cached_run_end(keys, first)) {
+            Some(end) => end,
+            None => chains.run_end(index),
+        }
+    }
+
+    /// The first half of an all-ranks lookup, the hashing, for the daemon to do without the pool
+    /// lock (a block key is a SHA-256, about 120 ns: TP 8 over 128K tokens is 8 ms of it, which
+    /// under the lock every worker's prepare, commit and lookup would wait out). It answers the
+    /// longest prefix of `tokens` committed in every rank's space of this model and world size:
+    /// what an engine's scheduler process needs before it plans a prefill over all ranks (a
+    /// block missing on one rank must be recomputed on all of them).
+    ///
+    /// Each rank's chain goes into `chains`, hashed over the prefix the ranks before it shared
+    /// at `probe` (`probe(keys, first_block)`: where the committed run from `first_block` ends,
+    /// a brief look at the index that may change before the second half), so the cost is one
+    /// chain over `tokens` plus at most `tp_world - 1` chains over the shrinking common prefix.
+    /// `Some(first_block)` when a rank had nothing from there (the answer, at that probe's
+    /// instant, whatever the others hold); else `None`, and [`RankChains::run_end`] under one
+    /// lock gives the answer over one state of the index: the ranks' shortest run, capped at
+    /// what the last rank's chain covers (shorter only where blocks were committed between the
+    /// halves; each rank then still holds every block of the answer).
+    ///
+    /// From `first_block` (blocks the engine holds itself need not be cached): where the run of
+    /// blocks from there committed on every rank ends, `first_block` when it is empty (clamped
+    /// to the full blocks of `tokens`).
+    pub fn all_ranks_chains(
+        &self,
+        tokens: &[u32],
+        first_block: usize,
+        block_tokens: u32,
+        chains: &mut RankChains,
+        mut probe: impl FnMut(&[u64], usize) -> usize,
+    ) -> Option<usize> {
+        chains.keys.clear();
+        chains.ends.clear();
         let full = tokens.len() / block_tokens.max(1) as usize;
         let first_block = first_block.min(full);
+        chains.first_block = first_block;
         let mut common = full;
         let world = self.tp_world();
         for rank in 0..world {
             if common == first_block {
-                break;
+                return Some(first_block);
             }
             let space = match KeySpace::new(self.model.fingerprint(), rank, world) {
                 Ok(space) => space,
                 // Unreachable: every rank below a world this space was built with is valid.
-                Err(_) => return first_block,
+                Err(_) => return Some(first_block),
             };
-            space.keys(&tokens[..common * block_tokens as usize], block_tokens, keys);
-            common = index.cached_run_end(keys, first_block);
+            space.keys(&tokens[..common * block_tokens as usize], block_tokens, &mut chains.scratch);
+            common = probe(&chains.scratch, first_block);
+            chains.keys.extend_from_slice(&chains.scratch);
+            chains.ends.push(chains.keys.len());
         }
-        common
+        (common == first_block).then_some(first_block)
+    }
+}
+
+/// Every rank's block keys for an all-ranks lookup ([`KeySpace::all_ranks_chains`]), kept
+/// from one lookup to the next by the connection (at most `tp_world` chains of one request's
+/// blocks; [`RankChains::trim`] gives back what a large one grew).
+#[derive(Debug, Default)]
+pub struct RankChains {
+    /// Rank after rank.
+    keys: Vec<u64>,
+    /// Where each rank's chain ends in `keys`.
+    ends: Vec<usize>,
+    scratch: Vec<u64>,
+    first_block: usize,
+}
+
+impl RankChains {
+    /// Keys kept between lookups at most: 1 MiB, a TP-8 lookup of 16K blocks.
+    const KEEP_KEYS: usize = 1 << 17;
+
+    /// The second half of an all-ranks lookup, for under the pool lock: probes only, no hashing
+    /// (about 7 ns a key). Where the run from the first block committed on every rank's chain
+    /// ends: the shortest one, over one state of `index`.
+    pub fn run_end(&self, index: &Index) -> usize {
+        let mut start = 0;
+        let mut common = usize::MAX;
+        for &end in &self.ends {
+            common = common.min(index.cached_run_end(&self.keys[start..end], self.first_block));
+            if common == self.first_block {
+                break;
+            }
+            start = end;
+        }
+        if common == usize::MAX {
+            self.first_block
+        } else {
+            common
+        }
+    }
+
+    /// Gives back memory past [`RankChains::KEEP_KEYS`] that a large world's lookup grew.
+    pub fn trim(&mut self) {
+        self.keys.clear();
+        self.keys.shrink_to(Self::KEEP_KEYS);
+        self.scratch.shrink_to(Self::KEEP_KEYS);
     }
 }
 
@@ -217,7 +295,7 @@ mod tests {
                 index.commit(0, allocation.slot, &[key], 1);
             }
             let expected = *committed.iter().min().unwrap();
-            let mut scratch = Vec::new();
+            let mut scratch = RankChains::default();
             for rank in 0..world {
                 let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
                 assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), expected, "world {world} rank {rank}");
@@ -228,6 +306,85 @@ mod tests {
             let other_model = KeySpace::new(&fingerprint(10), 0, world).unwrap();
             assert_eq!(other_model.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), 0);
         }
+    }
+
+    /// Commits `count` blocks of `space`'s chain over `tokens` from block `from`, one slot each,
+    /// and returns their slots.
+    fn commit_blocks(index: &mut Index, space: &KeySpace, tokens: &[u32], from: usize, count: usize) -> Vec<u32> {
+        let mut keys = Vec::new();
+        space.keys(tokens, 16, &mut keys);
+        let mut slots = Vec::new();
+        for &key in &keys[from..from + count] {
+            let allocation = index.allocate_on(0).unwrap();
+            index.commit(0, allocation.slot, &[key], 1);
+            slots.push(allocation.slot);
+        }
+        slots
+    }
+
+    #[test]
+    fn all_ranks_keys_are_hashed_apart_from_the_locked_probe() {
+        // Goal: the daemon hashes every rank's chain without the pool lock and under it only
+        // probes: `run_end` takes the index and precomputed keys, no tokens, and gives the
+        // shortest prefix any rank has, as before, for TP 1, 2, 4 and 8, whichever rank asks.
+        let tokens: Vec<u32> = (0..16 * 12).collect();
+        for world in [1u32, 2, 4, 8] {
+            let mut index = Index::new(&[256], 1);
+            let committed: Vec<usize> = (0..world as usize).map(|rank| [9, 11, 6, 12, 10, 7, 12, 8][rank]).collect();
+            for rank in 0..world {
+                let space = KeySpace::new(&fingerprint(4), rank, world).unwrap();
+                commit_blocks(&mut index, &space, &tokens, 0, committed[rank as usize]);
+            }
+            let expected = *committed.iter().min().unwrap();
+            let mut chains = RankChains::default();
+            for rank in 0..world {
+                let space = KeySpace::new(&fingerprint(4), rank, world).unwrap();
+                let mut probes = 0;
+                let settled = space.all_ranks_chains(&tokens, 0, 16, &mut chains, |keys, first| {
+                    probes += 1;
+                    index.cached_run_end(keys, first)
+                });
+                assert_eq!(settled, None, "world {world}: every rank has blocks");
+                assert_eq!(probes, world, "world {world}: one brief probe a rank");
+                assert_eq!(chains.run_end(&index), expected, "world {world} rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_locked_probe_sees_the_index_as_it_is_then() {
+        // Goal: blocks that leave the index between the unlocked hashing and the locked probe
+        // lower the answer to what every rank holds at the probe; blocks committed in between
+        // do not raise it past what the hashed chains cover (each rank still holds it all); a
+        // rank with nothing settles the answer at once, with no locked probe to make.
+        let tokens: Vec<u32> = (0..16 * 8).collect();
+        let world = 2;
+        let rank0 = KeySpace::new(&fingerprint(5), 0, world).unwrap();
+        let rank1 = KeySpace::new(&fingerprint(5), 1, world).unwrap();
+        let mut index = Index::new(&[64], 1);
+        commit_blocks(&mut index, &rank0, &tokens, 0, 6);
+        let rank1_slots = commit_blocks(&mut index, &rank1, &tokens, 0, 4);
+        let mut chains = RankChains::default();
+        fn probe(index: &Index) -> impl FnMut(&[u64], usize) -> usize + '_ {
+            move |keys, first| index.cached_run_end(keys, first)
+        }
+        assert_eq!(rank0.all_ranks_chains(&tokens, 0, 16, &mut chains, probe(&index)), None);
+        assert_eq!(chains.run_end(&index), 4);
+        // Rank 1's block 2 leaves (a CRC failure) before the locked probe.
+        index.condemn(0, rank1_slots[2]);
+        assert_eq!(chains.run_end(&index), 2);
+        // Blocks 2..8 of rank 1 and 6..8 of rank 0 arrive: rank 1's chain was hashed over the
+        // 6 blocks rank 0 had at its probe, so the answer stays at 6 (both ranks hold them).
+        commit_blocks(&mut index, &rank1, &tokens, 2, 6);
+        commit_blocks(&mut index, &rank0, &tokens, 6, 2);
+        assert_eq!(chains.run_end(&index), 6);
+        // Hashed again, the whole prompt.
+        assert_eq!(rank1.all_ranks_chains(&tokens, 0, 16, &mut chains, probe(&index)), None);
+        assert_eq!(chains.run_end(&index), 8);
+        // Another model has nothing on rank 0: settled, whatever the index holds later.
+        let other = KeySpace::new(&fingerprint(6), 1, world).unwrap();
+        assert_eq!(other.all_ranks_chains(&tokens, 0, 16, &mut chains, probe(&index)), Some(0));
+        assert_eq!(other.all_ranks_chains(&tokens, 3, 16, &mut chains, probe(&index)), Some(3));
     }
 
     #[test]
@@ -248,9 +405,9 @@ mod tests {
                 index.commit(0, allocation.slot, &[key], 1);
             }
         }
-        let mut scratch = Vec::new();
+        let mut scratch = RankChains::default();
         let space = KeySpace::new(&fingerprint(9), 1, world).unwrap();
-        let from = |first_block, scratch: &mut Vec<u64>| space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, scratch);
+        let from = |first_block, scratch: &mut RankChains| space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, scratch);
         assert_eq!(from(0, &mut scratch), 0);
         assert_eq!(from(1, &mut scratch), 1);
         assert_eq!(from(2, &mut scratch), 4);

@@ -14,7 +14,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 
 use crate::cluster::{ClusterAgent, PreparedStores};
 use crate::frame_io::{read_frame, write_frame, write_frame_with_fds, ReadOutcome};
-use crate::keys::KeySpace;
+use crate::keys::{KeySpace, RankChains};
 use crate::metrics::RequestLabel;
 use crate::peer::PeerProcess;
 use crate::protocol::{encode_frame, ClusterStatusReply, ErrorCode, HelloReply, Kind, Reply, Request};
@@ -39,6 +39,7 @@ pub(super) fn serve_connection(mut stream: UnixStream, shared: &Shared, status_o
             peer: None,
             ending: Ending::Other,
             keys: Vec::new(),
+            chains: RankChains::default(),
             holdings: Holdings::default(),
             prepared_stores: PreparedStores::default(),
         },
@@ -258,6 +259,8 @@ pub(super) struct Connection {
     pub(super) ending: Ending,
     /// Block keys of the request being served (reused).
     pub(super) keys: Vec<u64>,
+    /// Every rank's block keys of a `LookupAllRanks` being served (reused).
+    pub(super) chains: RankChains,
     /// The session's store-path holdings.
     pub(super) holdings: Holdings,
     /// In a cluster: the block keys of the session's prepared stores, for the registrar.
@@ -643,11 +646,17 @@ impl Connection {
         let full = tokens.len() / block_tokens.max(1) as usize;
         let first_block = first_block.min(full);
         let cached = if all_ranks {
-            // Keys are hashed under the pool lock here (one chain per rank over the shrinking
-            // common prefix): a scheduler's lookup is once per request, and the index must not
-            // change between ranks' probes for the minimum to mean anything.
-            let store = lock(&shared.store);
-            space.cached_prefix_on_all_ranks(store.control.pool().index(), tokens, first_block, block_tokens, &mut self.keys)
+            // Every rank's chain is hashed without the pool lock (SHA-256 keys: TP 8 over 128K
+            // tokens is 8 ms of hashing, which every worker's prepare, commit and lookup would
+            // wait out, and a scheduler may ask every step for a waiting request), each over
+            // the prefix the ranks before it shared at a brief probe; then one lock for the
+            // probes alone, so that the ranks' minimum is over one state of the index.
+            let settled = space.all_ranks_chains(tokens, first_block, block_tokens, &mut self.chains, |keys, first| {
+                lock(&shared.store).control.pool().index().cached_run_end(keys, first)
+            });
+            let end = settled.unwrap_or_else(|| self.chains.run_end(lock(&shared.store).control.pool().index()));
+            self.chains.trim();
+            end
         } else {
             space.keys(tokens, block_tokens, &mut self.keys);
             lock(&shared.store).control.lookup_from(&self.keys, first_block)
