@@ -40,7 +40,8 @@ impl KeySpace {
         words[tail] = model.tp_rank();
         words[tail + 1] = model.tp_world();
         // Under its own tag (objstore::hash::space_seed): never 0, the in-process store's
-        // seed, and never the key of a block made of these words.
+        // seed, and not derived as any block's key (no block's words hash under that tag): it
+        // equals a block's key only by a 64-bit accident, or by a search of about 2^64 hashes.
         KeySpace { seed: space_seed(&words), model }
     }
 
@@ -216,9 +217,9 @@ mod tests {
 
     #[test]
     fn a_seed_is_not_the_key_of_a_block_of_its_own_words() {
-        // Goal: a space's seed is hashed under its own tag, so it never equals the in-process
-        // key (seed 0) of a block made of the very words it was derived from (the fingerprint,
-        // rank and world), which with a shared tag it did for that block size.
+        // Goal: a space's seed is hashed under its own tag, so it is not the in-process key
+        // (seed 0) of a block made of the very words it was derived from (the fingerprint, rank
+        // and world), which with a shared tag it was, by construction, for that block size.
         let fingerprint = fingerprint(3);
         let space = KeySpace::new(&fingerprint, 1, 2).unwrap();
         let mut words: Vec<u32> = fingerprint.chunks_exact(4).map(|bytes| u32::from_le_bytes(bytes.try_into().unwrap())).collect();
