@@ -1253,8 +1253,8 @@ def test_without_dp_attention_cp_ranks_follow_the_tp_rank(tmp_path: Path):
     check fills the template in for those, not for tp x cp (which made up (tp 0, cp 1) and
     refused a template that gives the real processes distinct devices), and a refusal names two
     real processes. With DP attention the storage config's tp_rank is the attention-TP rank and
-    every (tp, cp) pair is a process."""
-    from sglang.srt.runtime_context import get_flags
+    every (tp, cp) pair is a process. SGLang's published attn_dp_enabled says which."""
+    from sglang.srt.runtime_context import get_parallel
     from tutti.sglang import check_rank_devices
 
     def config(tp_rank: int, cp_rank: int) -> HiCacheStorageConfig:
@@ -1263,14 +1263,41 @@ def test_without_dp_attention_cp_ranks_follow_the_tp_rank(tmp_path: Path):
     processes = [(0, 0), (1, 0), (2, 1), (3, 1)]
     # The CP rank's component names nothing: the TP rank alone tells the real processes apart.
     distinct = f"emu:{tmp_path}/cp{{cp_rank}}/../tp{{tp_rank}}.img"
-    for tp_rank, cp_rank in processes:
-        check_rank_devices(distinct, config(tp_rank, cp_rank))
-    # Every process gets one device: the first two real processes are named.
     shared = f"emu:{tmp_path}/tp{{tp_rank}}-cp{{cp_rank}}/../pool.img"
-    with pytest.raises(tutti.InvalidArgument, match=r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 1, attn_cp_rank 0 gets"):
-        check_rank_devices(shared, config(2, 1))
-    with get_flags().dp.override(enabled=True):
+    with get_parallel().override(attn_dp_enabled=False):
+        for tp_rank, cp_rank in processes:
+            check_rank_devices(distinct, config(tp_rank, cp_rank))
+        # Every process gets one device: the first two real processes are named.
+        with pytest.raises(tutti.InvalidArgument, match=r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 1, attn_cp_rank 0 gets"):
+            check_rank_devices(shared, config(2, 1))
+    with get_parallel().override(attn_dp_enabled=True):
         with pytest.raises(tutti.InvalidArgument, match=r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 0, attn_cp_rank 1 gets"):
+            check_rank_devices(distinct, config(0, 1))
+
+
+def test_cp_ranks_are_not_derived_where_sglang_s_context_is_unset_or_disagrees(tmp_path: Path):
+    """Goal: CP ranks are derived from TP ranks only where SGLang says DP attention is off
+    (get_parallel().attn_dp_enabled, which raises while nothing is published) and this process's
+    own CP rank is the one derived from its TP rank; else every (tp, cp) pair is taken to be a
+    process. is_dp_attention_enabled() (read before) returns False with nothing published, so an
+    unset context was taken as no DP attention and (tp 0, cp 1), no process under that
+    derivation, had its template accepted though tp 0's of the other CP rank gets its device."""
+    from sglang.srt.runtime_context import get_parallel
+    from tutti.sglang import check_rank_devices
+
+    def config(tp_rank: int, cp_rank: int) -> HiCacheStorageConfig:
+        return storage_config("page_first", {}, tp_rank=tp_rank, tp_size=4, attn_cp_rank=cp_rank, attn_cp_size=2)
+
+    distinct = f"emu:{tmp_path}/cp{{cp_rank}}/../tp{{tp_rank}}.img"
+    clash = r"tp_rank 0, attn_cp_rank 0 gets .* and tp_rank 0, attn_cp_rank 1 gets"
+    with unpublished():
+        with pytest.raises(RuntimeError):
+            get_parallel().attn_dp_enabled
+        with pytest.raises(tutti.InvalidArgument, match=clash):
+            check_rank_devices(distinct, config(0, 1))
+    # Published as off, but this process's CP rank is not (0 // 2) % 2 = 0: not SGLang's layout.
+    with get_parallel().override(attn_dp_enabled=False):
+        with pytest.raises(tutti.InvalidArgument, match=clash):
             check_rank_devices(distinct, config(0, 1))
 
 

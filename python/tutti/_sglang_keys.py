@@ -243,15 +243,16 @@ def _filled(listed: list[str], ranks: dict[str, int]) -> list[str]:
 
 def _dp_attention(storage: HiCacheStorageConfig) -> Optional[bool]:
     """Whether SGLang runs DP attention: True when the storage config names a DP-attention group
-    past 0 (SGLang gives dp_rank 0 without it), else SGLang's own flag, as its
-    _generate_storage_config reads it (is_dp_attention_enabled); None when that cannot be read
-    (SGLang's context is not set up in this process)."""
+    past 0 (SGLang gives dp_rank 0 without it), else SGLang's published attn_dp_enabled (what
+    its is_dp_attention_enabled flag is set from); None when that cannot be read: SGLang's
+    context is not published in this process, where get_parallel() raises RuntimeError (its
+    is_dp_attention_enabled() would answer False there, taking an unset context for none)."""
     if int(getattr(storage, "dp_rank", 0)) > 0:
         return True
     try:
-        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+        from sglang.srt.runtime_context import get_parallel
 
-        return bool(is_dp_attention_enabled())
+        return bool(get_parallel().attn_dp_enabled)
     except (ImportError, ValueError, RuntimeError, AttributeError):
         return None
 
@@ -266,9 +267,10 @@ def _server_processes(storage: HiCacheStorageConfig, keys: list[str]) -> list[tu
     tp_size / attn_cp_size (runtime_context.derive_attention_ranks; the cache controller's
     attn_cp group), and only those (tp, cp) pairs are processes. With DP attention the storage
     config's tp_rank is the attention-TP rank and every (tp, cp) pair is one; so is it where
-    SGLang's flag cannot be read or tp_size is no multiple of attn_cp_size (which SGLang
-    refuses): more pairs than the real ones may refuse a template they would not clash on, but
-    miss no clash."""
+    SGLang's flag cannot be read, tp_size is no multiple of attn_cp_size (which SGLang
+    refuses), or this process's own attn_cp_rank is not the one derived from its tp_rank (the
+    layout is not the one assumed): more pairs than the real ones may refuse a template they
+    would not clash on, but miss no clash."""
     replicas = _replicas()[1]
     ranks = {
         "tp_rank": range(storage.tp_size),
@@ -277,7 +279,13 @@ def _server_processes(storage: HiCacheStorageConfig, keys: list[str]) -> list[tu
         "cp_rank": range(storage.attn_cp_size),
     }
     cp_size = storage.attn_cp_size
-    derived = "cp_rank" in keys and cp_size > 1 and storage.tp_size % cp_size == 0 and _dp_attention(storage) is False
+    derived = (
+        "cp_rank" in keys
+        and cp_size > 1
+        and storage.tp_size % cp_size == 0
+        and storage.attn_cp_rank == (storage.tp_rank // (storage.tp_size // cp_size)) % cp_size
+        and _dp_attention(storage) is False
+    )
     # The keys enumerated: those asked for, and the TP rank a derived CP rank follows from.
     enumerated = [key for key in ranks if (key in keys or (derived and key == "tp_rank")) and not (derived and key == "cp_rank")]
     processes: dict[tuple[int, ...], None] = {}
