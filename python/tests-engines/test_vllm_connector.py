@@ -1226,6 +1226,49 @@ def test_lookups_that_time_out_on_a_daemon_that_still_connects_back_off(monkeypa
     scheduler.shutdown()
 
 
+def test_lookups_lost_twice_in_a_row_back_off(monkeypatch):
+    """Goal: a lookup whose session is lost (Disconnected) is asked again at once on a new
+    session, once; lost again, the back-off starts, so a daemon that keeps breaking its lookup
+    sessions (a reply that does not decode is Disconnected since dba9cb3) costs two connects per
+    back-off, not two per request. The lookup session and the clock are stand-ins."""
+    from types import SimpleNamespace
+
+    from tutti.vllm import _scheduler
+
+    class Session:
+        def lookup_all_ranks(self, tokens, first_block=0):
+            lookups.append(clock.now)
+            raise tutti.Disconnected("injected: tuttid's reply does not decode")
+
+        def close(self):
+            pass
+
+    lookups: list = []
+    connects: list = []
+
+    def connect(self):
+        connects.append(clock.now)
+        return Session()
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(_scheduler, "time", SimpleNamespace(monotonic=lambda: clock.now))
+    monkeypatch.setattr(_scheduler.SchedulerSide, "_connect_lookup", connect)
+    scheduler = harness.make_connector(harness.vllm_config("/nonexistent/tuttid.sock", 1), KVConnectorRole.SCHEDULER)
+    tokens = prompt(81, blocks=3, tail=1)
+
+    def matched(at: float) -> int:
+        clock.now = at
+        tokens_matched, _ = scheduler.get_num_new_matched_tokens(harness.request(f"R{at}", tokens), 0)
+        return tokens_matched
+
+    assert matched(100.0) == 0 and lookups == [100.0, 100.0]  # asked again once, then back-off 1 s
+    assert matched(100.5) == 0 and len(lookups) == 2, "a lookup during the back-off asked tuttid"
+    assert matched(101.1) == 0 and len(lookups) == 4  # back-off 2 s
+    assert matched(102.0) == 0 and len(lookups) == 4
+    assert len(connects) == 1 + 3  # at start, the retry, then after the back-off and its retry
+    scheduler.shutdown()
+
+
 def test_a_daemon_exchange_that_times_out_ends_the_worker_session(tuttid):
     """Goal: a worker whose tuttid exchange timed out (its connection out of step) ends its
     session (tuttid frees what it held) instead of sending more requests on it; later steps

@@ -151,7 +151,8 @@ class SchedulerSide:
         blocks before are vLLM's own: they need not be in tutti). A lost session (closed by tuttid after a
         scheduler idle past its lease, or an exchange that timed out, after which the connection
         cannot be trusted) is dropped and connected again before the next use; a session tuttid
-        closed is connected again at once, and the lookup asked again (once). A lookup that
+        closed is connected again at once, and the lookup asked again (once; lost again, the
+        back-off starts). A lookup that
         timed out starts (or doubles) the back-off: the scheduler's loop waited lookup_timeout_s
         for it, and a daemon that connects but answers late would cost that per request."""
         for attempt in range(2):
@@ -165,6 +166,11 @@ class SchedulerSide:
                 self._drop_lookup()
                 if isinstance(error, tutti.TimeoutError):
                     self._back_off_lookups(f"a lookup timed out after {self._lookup_timeout_s:.1f} s ({error})")
+                if attempt == 1 and isinstance(error, tutti.Disconnected):
+                    # Lost again on a fresh session: a daemon that keeps breaking its sessions
+                    # (a reply that does not decode or answer the lookup) costs two connects per
+                    # back-off, not two per request.
+                    self._back_off_lookups(f"the lookup session was lost twice in a row ({error})")
                 if attempt == 1 or not isinstance(error, tutti.Disconnected):
                     raise
                 continue
