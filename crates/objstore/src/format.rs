@@ -17,8 +17,8 @@ use crate::error::{ObjstoreError, Result};
 use crate::geometry::ModelGeometry;
 
 pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
-/// 4: block keys are SHA-256 based (`hash::chain_hash`), so a chosen block cannot be made to
-/// match a given prefix's key; the layout is version 3's. Version 3 (keys of the earlier fast
+/// 4: block keys are SHA-256 based (`hash::chain_hash`), so matching a given prefix's key takes
+/// a ~2^64 search (2^64/T against any of T keys; see `hash`); the layout is version 3's. Version 3 (keys of the earlier fast
 /// mix), version 2 (also all-zero Empty entries, one payload CRC per slot) and version 1 (keys of
 /// the first hash scheme) are refused. Version 3 introduced Empty slot headers carrying the pool
 /// tag, slot number and a CRC (a zeroed header region is damage, not an empty pool) and payload
@@ -51,8 +51,8 @@ fn older_version_reason(version: u32) -> Option<&'static str> {
             "its empty slot headers are all zeroes, which this version treats as damage (a zeroed header region), and its \
              payload CRCs are per slot, and its block keys use an earlier hash scheme; reformat it (`tutti pool format`)",
         ),
-        // Same layout, but its keys are of the fast mix that chosen tokens could collide with
-        // a given prefix's key: its blocks could never be found under the SHA-256 keys.
+        // Same layout, but its keys are of the earlier fast mix (cheap to collide on purpose):
+        // its blocks could never be found under the SHA-256 keys.
         3 => Some("its block keys use the earlier hash scheme; reformat it (`tutti pool format`)"),
         _ => None,
     }
