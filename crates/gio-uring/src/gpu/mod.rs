@@ -338,9 +338,9 @@ impl GpuRuntime {
     }
 
     /// Makes the runtime's context current on the calling thread and leaves it so, for set-up
-    /// on the thread that opened the runtime (allocating [`DeviceMemory`](crate::gpu::DeviceMemory)
+    /// on the thread that opened the runtime (allocating [`DeviceMemory`]
     /// and copying into it; `open` did the same). The executor's entry points do not use this:
-    /// they push the context for the call and pop it before returning ([`GpuRuntime::enter`]).
+    /// they push the context for the call and pop it before returning (`GpuRuntime::enter`).
     /// Dropping the runtime on this thread takes the I/O context off it; dropping it on
     /// another leaves this thread with the destroyed context current until it sets another.
     pub fn make_current(&self) -> Result<(), GioError> {

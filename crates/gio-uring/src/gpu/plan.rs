@@ -469,7 +469,7 @@ pub struct StagedIoctx {
 /// first and the last layer, and the SSD must move exactly that range, since that is what is
 /// copied: an SGL segment (scattered data) and a PRP list (which the executor does not read) are
 /// refused, and PRP2 must be the page after the data's first page at every layer (see
-/// [`contiguous_prp2`]). Adjacent IOCTXs merge into one run: a pool laid out contiguously costs
+/// `contiguous_prp2`). Adjacent IOCTXs merge into one run: a pool laid out contiguously costs
 /// one copy per IOCB. Runs never cover bytes outside the IOCTXs, because a read's copy into GPU
 /// memory must not overwrite neighbouring data.
 pub fn plan_staged_copies(
