@@ -53,7 +53,8 @@ use sha2::{Digest, Sha256};
 /// at fixed offsets, and a new encoding takes a new tag (and format version).
 const DOMAIN: &[u8; 14] = b"tutti-block-v1";
 /// The tag of a key space's seed ([`space_seed`]), of the same length as [`DOMAIN`]: no seed
-/// is the key of any block, whatever its tokens and block size.
+/// is derived as a block's key, whatever its tokens and block size (it equals one only by a
+/// 64-bit accident or a ~2^64 search).
 const SPACE_DOMAIN: &[u8; 14] = b"tutti-space-v1";
 /// Tokens converted to little-endian bytes per SHA-256 update (a 256-byte stack buffer): no
 /// allocation per block, and one update for the usual 16- or 32-token block.
@@ -73,7 +74,8 @@ pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
 
 /// The seed of a key space (tuttid's: the words of a model fingerprint, TP rank and world
 /// size), for [`block_keys_seeded`]: [`chain_hash`]'s encoding under its own tag, so a seed is
-/// never the in-process key (seed 0) of a block made of the same words. Never 0.
+/// not derived as the in-process key (seed 0) of a block made of the same words (it equals
+/// one only by a 64-bit accident or a ~2^64 search). Never 0.
 pub fn space_seed(words: &[u32]) -> u64 {
     tagged_hash(SPACE_DOMAIN, 0, words)
 }
