@@ -182,7 +182,7 @@ impl RankChains {
         }
     }
 
-    /// Gives back memory past [`RankChains::KEEP_KEYS`] that a large world's lookup grew.
+    /// Gives back memory past `RankChains::KEEP_KEYS` that a large world's lookup grew.
     pub fn trim(&mut self) {
         self.keys.clear();
         self.keys.shrink_to(Self::KEEP_KEYS);
