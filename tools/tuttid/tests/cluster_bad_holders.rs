@@ -46,13 +46,28 @@ enum Misbehaviour {
     Sound,
 }
 
+#[test]
+fn the_fake_holders_frames_pass_the_data_planes_header_check() {
+    // Goal: the fakes below misbehave in their bodies only: their headers are ones this build
+    // takes (a stale version made every case a version refusal, which the fault counts could
+    // not tell from the misbehaviour each test is about).
+    use tutti_daemon::cluster::peer::{answer_body_max, decode_header, HEADER_BYTES};
+    for kind in [0x8001u16, 0x8002] {
+        let bytes = frame(kind, &[0; 8]);
+        let header: &[u8; HEADER_BYTES] = bytes[..HEADER_BYTES].try_into().unwrap();
+        let decoded = decode_header(header, |kind| answer_body_max(kind, BLOCK_BYTES as u64));
+        assert!(decoded.is_ok(), "kind {kind:#x}: {:?}", decoded.err());
+    }
+}
+
 /// Bytes of one block of the test geometry (2 layers × K and V × 2 heads × 64 × 16 × 2 bytes).
 const BLOCK_BYTES: usize = 2 * 2 * 2 * 64 * 16 * 2;
 
 fn frame(kind: u16, body: &[u8]) -> Vec<u8> {
     let mut out = b"TPDP".to_vec();
-    // The data plane's version 3 (the request and the segment header carry the pool geometry).
-    out.extend_from_slice(&3u16.to_le_bytes());
+    // The data plane's version, this build's: a fake holder that spoke another would be refused
+    // at its first header, and every misbehaviour below would read as that refusal.
+    out.extend_from_slice(&tutti_daemon::cluster::peer::VERSION.to_le_bytes());
     out.extend_from_slice(&kind.to_le_bytes());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(body);
