@@ -897,7 +897,7 @@ impl GpuExecutor {
 /// `drain_timeout` if longer, counted together with `retire_queue_pairs`'s wait); then releases
 /// everything, or keeps it for good if the stream did not drain. Releasing the queues (their
 /// field drop) deletes the pairs still undeleted: outside that cap, up to two admin timeouts
-/// per pair.
+/// per pair, each possibly after as long a wait for the admin queue's lock.
 impl Drop for GpuExecutor {
     fn drop(&mut self) {
         // Host memory may only be unregistered (and then freed), GPU memory freed and queue pairs
