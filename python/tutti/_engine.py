@@ -179,7 +179,9 @@ _COMMANDS_PER_IOCB = 2048
 _COMMANDS_PER_BLOCK_MAX = 2
 
 
-def iocbs_for(where: str, requests_max: int, layers_in_flight: int, blocks_per_request_max: Optional[int] = None) -> int:
+def iocbs_for(
+    where: str, requests_max: int, layers_in_flight: int, blocks_per_request_max: Optional[int] = None, upper_bound: bool = False
+) -> int:
     """The gio_uring IOCBs a store needs for `requests_max` prepared requests of
     `layers_in_flight` layers each (tutti.Store's `iocbs`, a power of two): one set per layer
     in flight, a set being one IOCB per 2048 commands of a layer. With
@@ -187,8 +189,10 @@ def iocbs_for(where: str, requests_max: int, layers_in_flight: int, blocks_per_r
     without, two IOCBs (layers up to 2048 blocks). At least the store's default of 64 and at
     most 1024 (each IOCB holds ~96 KiB of queue memory): past that, fewer requests of the
     longest length are prepared at once than requests_max (a prepare that finds no free IOCBs
-    is refused and says so: a miss), which is logged here. Raises ConfigError naming `where`
-    when not even one set per request fits in 1024."""
+    is refused and says so: a miss), which is logged here. `upper_bound`: the set size is the
+    fewest commands any device could take (the SGLang backend's, for 2 MiB commands), so the
+    count logged is said to be at most that. Raises ConfigError naming `where` when not even one
+    set per request fits in 1024."""
     sets = requests_max * layers_in_flight
     if sets > _IOCBS_MAX:
         raise ConfigError(
@@ -202,8 +206,9 @@ def iocbs_for(where: str, requests_max: int, layers_in_flight: int, blocks_per_r
     if wanted > _IOCBS_MAX:
         logger.warning(
             "%s: requests_max x layers_in_flight x IOCBs a layer of the longest request needs = %d x %d x %d = %d IOCBs, "
-            "more than %d: only %d requests of the longest length can be prepared at once (a prepare past them is a miss)",
-            where, requests_max, layers_in_flight, per_set, wanted, _IOCBS_MAX, _IOCBS_MAX // (layers_in_flight * per_set),
+            "more than %d: %s %d requests of the longest length can be prepared at once (a prepare past them is a miss)%s",
+            where, requests_max, layers_in_flight, per_set, wanted, _IOCBS_MAX, "at most" if upper_bound else "only",
+            _IOCBS_MAX // (layers_in_flight * per_set), ", fewer on a device of smaller MDTS" if upper_bound else "",
         )  # fmt: skip
     return min(_IOCBS_MAX, max(64, 1 << (wanted - 1).bit_length()))
 

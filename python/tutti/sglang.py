@@ -740,7 +740,8 @@ def _iocbs(requests_max: int, layers_in_flight: int, object_bytes: int = 0) -> i
     # iocbs_for counts two commands (a K and a V object) a block: a layer's commands are
     # commands / 2 of them. At the largest command, K and V may share one (SGL descriptors).
     fewest = -(-2 * object_bytes // _COMMAND_BYTES_MAX)
-    iocbs_for(where, requests_max, layers_in_flight, blocks_per_request_max=max(1, -(-fewest // 2)))  # refused, warned here
+    # Refused, or warned here; the count it names is for 2 MiB commands: an upper bound.
+    iocbs_for(where, requests_max, layers_in_flight, blocks_per_request_max=max(1, -(-fewest // 2)), upper_bound=True)
     commands = 2 * -(-object_bytes // _COMMAND_BYTES_MIN)
     per_set = max(1, -(-commands // _COMMANDS_PER_IOCB))
     wanted = requests_max * layers_in_flight * per_set
