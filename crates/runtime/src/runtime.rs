@@ -384,6 +384,7 @@ impl<E: Executor> Runtime<E> {
                         decided_layers: 0,
                         written_layers: 0,
                         in_flight: None,
+                        in_flight_sm_budget: 0,
                         prefill_ended: false,
                     });
                 }

@@ -34,6 +34,9 @@ pub(crate) struct PendingStore {
     pub decided_layers: u32,
     pub written_layers: u32,
     pub in_flight: Option<u32>,
+    /// The SM budget the layer in flight was handed over on ([`WriteQueue::hand_over`]): a
+    /// later grant releasing more of this store changes `sm_budget`, not the layer running.
+    pub in_flight_sm_budget: u32,
     /// The request's prefill has ended: writes issued from now on are deferred ones.
     pub prefill_ended: bool,
 }
@@ -276,14 +279,24 @@ impl WriteQueue {
         self.stores.iter().filter(|s| s.in_flight.is_some()).fold(0u32, |sum, s| sum.saturating_add(s.iocbs_per_layer))
     }
 
-    /// The SM budget the write layer in flight runs on (what the policy prices it on): its
-    /// store's, which `Runtime::pump_layers` hands each layer over with. 0 when none is in
-    /// flight. The store's budget is the latest grant's that released layers of it: a grant
-    /// releasing more of them after this layer was handed over (a decode step while it ran)
-    /// changed it, and the layer is then priced on that grant's budget (exact would need the
-    /// budget recorded at the handover).
+    /// The SM budget the write layer in flight runs on (what the policy prices it on): the one
+    /// it was handed over on ([`WriteQueue::hand_over`]), not its store's budget now, which a
+    /// grant releasing more of the store while the layer runs (a decode step) overwrites: read
+    /// from the store, a layer handed over on 2 SMs was priced at its 4-SM time after a 4-SM
+    /// grant, the optimistic error pricing it on its own budget avoids. 0 when none is in
+    /// flight.
     pub fn in_flight_sm_budget(&self) -> u32 {
-        self.stores.iter().find(|s| s.in_flight.is_some()).map_or(0, |s| s.sm_budget)
+        self.stores.iter().find(|s| s.in_flight.is_some()).map_or(0, |s| s.in_flight_sm_budget)
+    }
+
+    /// Layer `layer` of the store at `index` was handed over to the device on its store's
+    /// budget now (`Runtime::pump_layers`): it is in flight, and is priced on that budget
+    /// until it ends.
+    pub fn hand_over(&mut self, index: usize, layer: u32) {
+        if let Some(store) = self.stores.get_mut(index) {
+            store.in_flight = Some(layer);
+            store.in_flight_sm_budget = store.sm_budget;
+        }
     }
 
     pub fn any_in_flight(&self) -> bool {
@@ -537,6 +550,7 @@ mod tests {
             decided_layers,
             written_layers: 0,
             in_flight,
+            in_flight_sm_budget: 4,
             prefill_ended: true,
         }
     }
@@ -558,15 +572,30 @@ mod tests {
     #[test]
     fn the_write_in_flight_is_priced_on_its_stores_sm_budget() {
         // Goal: the policy prices the write layer in flight on the SMs it runs on
-        // (`LayerView::in_flight_write_sm_budget`), its store's budget (a decode step's free
-        // SMs), not the table's largest; 0 when none is in flight.
+        // (`LayerView::in_flight_write_sm_budget`), the budget it was handed over on (a decode
+        // step's free SMs), not the table's largest; 0 when none is in flight.
         let mut queue = WriteQueue::new(4, 2);
         queue.push(ended_store(1, 2, 4, 4, None));
         queue.push(ended_store(2, 3, 2, 2, Some(0)));
-        queue.stores[1].sm_budget = 2;
+        queue.stores[1].in_flight_sm_budget = 2;
         assert_eq!(queue.in_flight_sm_budget(), 2);
         queue.stores[1].in_flight = None;
         assert_eq!(queue.in_flight_sm_budget(), 0);
+    }
+
+    #[test]
+    fn a_later_grant_does_not_reprice_the_write_layer_in_flight() {
+        // Goal: the layer in flight is priced on the budget it was handed over on, not on that
+        // of a later grant releasing more of its store while it runs. Layer 0 handed over on 2
+        // SMs, then a 4-SM decode step releases layer 1: the layer in flight still runs on 2
+        // (before, the store's budget was read, which the later grant overwrote).
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(ended_store(1, 1, 2, 1, None));
+        queue.stores[0].sm_budget = 2;
+        queue.hand_over(0, 0);
+        assert_eq!(queue.decide(1, 4, f64::from), 1);
+        assert_eq!(queue.stores[0].sm_budget, 4);
+        assert_eq!(queue.in_flight_sm_budget(), 2);
     }
 
     #[test]
@@ -666,6 +695,7 @@ mod tests {
             decided_layers: 0,
             written_layers: 0,
             in_flight: None,
+            in_flight_sm_budget: 0,
             prefill_ended: false,
         };
         let mut queue = WriteQueue::new(4, 2);

@@ -76,9 +76,10 @@ pub struct LayerView<'a> {
     pub in_flight_write_iocbs: u32,
     /// The SM budget that write kernel runs on, which prices it: `tutti-runtime` hands a layer
     /// over on its store's budget, the latest grant's that released layers of it (a decode
-    /// step's free SMs, or the table's largest for a forced write or a flush; a grant that
-    /// released more of the store's layers while this one ran has changed it to its own, and
-    /// the runtime gives that); the simulator runs its carried write on the table's largest.
+    /// step's free SMs, or the table's largest for a forced write or a flush), recorded at the
+    /// handover (a grant that released more of the store's layers while this one ran changes
+    /// the store's budget, not this layer's); the simulator runs its carried write on the
+    /// table's largest.
     /// 0 when not known: priced on the table's largest write budget. A budget below every
     /// profiled write budget is priced on the smallest (the table knows none slower).
     pub in_flight_write_sm_budget: u32,

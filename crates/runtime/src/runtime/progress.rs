@@ -465,7 +465,7 @@ impl<E: Executor> Runtime<E> {
             if issued.is_err() && !self.device_holds_layer(handle, layer) {
                 return issued.map_err(store_error("store_layer"));
             }
-            self.writes.stores[index].in_flight = Some(layer);
+            self.writes.hand_over(index, layer);
             self.counters.write_layers_issued += 1;
             if deferred {
                 self.counters.write_layers_deferred += 1;
