@@ -111,7 +111,10 @@ impl KeySpace {
     ///
     /// From `first_block` (blocks the engine holds itself need not be cached): where the run of
     /// blocks from there committed on every rank ends, `first_block` when it is empty (clamped
-    /// to the full blocks of `tokens`).
+    /// to the full blocks of `tokens`). Only each chain's keys from `first_block` are kept, and
+    /// at most `RankChains::CHAIN_KEYS_MAX` of them over all the ranks (8 MiB, where a TP-1024
+    /// lookup of 1-token blocks would otherwise hold 2 GiB): past that the chains are cut short
+    /// and the answer may be short of what every rank holds, never past it.
     pub fn all_ranks_chains(
         &self,
         tokens: &[u32],
@@ -128,6 +131,12 @@ impl KeySpace {
         let mut common = full;
         let world = self.tp_world();
         for rank in 0..world {
+            // This rank's chain takes at most an equal share of the keys the cap leaves for it
+            // and the ranks after it, so the chains held stay under the cap whatever the world
+            // and block size. A clamped chain can only lower the answer, which is safe: a lookup
+            // is advisory (the engine recomputes what it is not told is cached).
+            let share = chains.keys_max.saturating_sub(chains.keys.len()) / (world - rank) as usize;
+            common = common.min(first_block + share);
             if common == first_block {
                 return Some(first_block);
             }
@@ -138,29 +147,48 @@ impl KeySpace {
             };
             space.keys(&tokens[..common * block_tokens as usize], block_tokens, &mut chains.scratch);
             common = probe(&chains.scratch, first_block);
-            chains.keys.extend_from_slice(&chains.scratch);
+            // Blocks before `first_block` are the engine's own: the locked probe needs none.
+            chains.keys.extend_from_slice(&chains.scratch[first_block..]);
             chains.ends.push(chains.keys.len());
         }
         (common == first_block).then_some(first_block)
     }
 }
 
-/// Every rank's block keys for an all-ranks lookup ([`KeySpace::all_ranks_chains`]), kept
-/// from one lookup to the next by the connection (at most `tp_world` chains of one request's
-/// blocks; [`RankChains::trim`] gives back what a large one grew).
-#[derive(Debug, Default)]
+/// Every rank's block keys from the lookup's first block for an all-ranks lookup
+/// ([`KeySpace::all_ranks_chains`]), kept from one lookup to the next by the connection: at most
+/// `RankChains::CHAIN_KEYS_MAX` keys over all the ranks, plus one chain over the request's
+/// blocks being hashed; [`RankChains::trim`] gives back what a large lookup grew.
+#[derive(Debug)]
 pub struct RankChains {
-    /// Rank after rank.
+    /// Rank after rank, each from `first_block`.
     keys: Vec<u64>,
     /// Where each rank's chain ends in `keys`.
     ends: Vec<usize>,
+    /// The chain being hashed, from block 0 (a key chains on the one before it).
     scratch: Vec<u64>,
     first_block: usize,
+    /// `CHAIN_KEYS_MAX`, smaller in tests.
+    keys_max: usize,
+}
+
+impl Default for RankChains {
+    fn default() -> RankChains {
+        RankChains { keys: Vec::new(), ends: Vec::new(), scratch: Vec::new(), first_block: 0, keys_max: RankChains::CHAIN_KEYS_MAX }
+    }
 }
 
 impl RankChains {
     /// Keys kept between lookups at most: 1 MiB, a TP-8 lookup of 16K blocks.
     const KEEP_KEYS: usize = 1 << 17;
+
+    /// Keys held by one lookup's chains at most: 8 MiB.
+    const CHAIN_KEYS_MAX: usize = 1 << 20;
+
+    #[cfg(test)]
+    fn with_keys_max(keys_max: usize) -> RankChains {
+        RankChains { keys_max, ..RankChains::default() }
+    }
 
     /// The second half of an all-ranks lookup, for under the pool lock: probes only, no hashing
     /// (about 7 ns a key). Where the run from the first block committed on every rank's chain
@@ -169,7 +197,7 @@ impl RankChains {
         let mut start = 0;
         let mut common = usize::MAX;
         for &end in &self.ends {
-            common = common.min(index.cached_run_end(&self.keys[start..end], self.first_block));
+            common = common.min(self.first_block + index.cached_prefix(&self.keys[start..end]));
             if common == self.first_block {
                 break;
             }
@@ -415,5 +443,34 @@ mod tests {
         assert_eq!(from(3, &mut scratch), 4);
         assert_eq!(from(5, &mut scratch), 5, "past the shortest run: nothing from there");
         assert_eq!(from(100, &mut scratch), 8, "a start past the prompt is its end");
+    }
+
+    #[test]
+    fn the_chains_held_stay_under_the_cap_and_the_answer_under_the_truth() {
+        // Goal: world 64, every rank holding a 200-block prompt: the keys held for the locked
+        // probe are only those from the first block (64 × 50 from block 150) and never more
+        // than the cap (a cap of 1000 here against 12,800 uncapped); a capped answer is at most
+        // the true one (200), never past what every rank holds, and still not nothing.
+        let tokens: Vec<u32> = (0..16 * 200).collect();
+        let world = 64;
+        let mut index = Index::new(&[64 * 200], 1);
+        for rank in 0..world {
+            let space = KeySpace::new(&fingerprint(11), rank, world).unwrap();
+            commit_blocks(&mut index, &space, &tokens, 0, 200);
+        }
+        let space = KeySpace::new(&fingerprint(11), 5, world).unwrap();
+        let mut chains = RankChains::default();
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut chains), 200);
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 150, 16, &mut chains), 200);
+        assert_eq!(chains.keys.len(), 64 * 50, "only the keys from the first block");
+        for (cap, first_block) in [(1000, 0), (1000, 150), (64, 0), (63, 0)] {
+            let mut chains = RankChains::with_keys_max(cap);
+            let answer = space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, &mut chains);
+            assert!(chains.keys.len() <= cap, "cap {cap}: {} keys held", chains.keys.len());
+            assert!(answer <= 200 && answer >= first_block, "cap {cap}: {answer}");
+            if cap >= 64 {
+                assert!(answer > first_block, "cap {cap}: a block a rank fits, so some answer");
+            }
+        }
     }
 }

@@ -650,7 +650,9 @@ impl Connection {
             // tokens is 8 ms of hashing, which every worker's prepare, commit and lookup would
             // wait out, and a scheduler may ask every step for a waiting request), each over
             // the prefix the ranks before it shared at a brief probe; then one lock for the
-            // probes alone, so that the ranks' minimum is over one state of the index.
+            // probes alone, so that the ranks' minimum is over one state of the index. The
+            // chains kept for it are capped (8 MiB of keys, `keys::RankChains`) on every
+            // connection, whatever the world and block size.
             let settled = space.all_ranks_chains(tokens, first_block, block_tokens, &mut self.chains, |keys, first| {
                 lock(&shared.store).control.pool().index().cached_run_end(keys, first)
             });
