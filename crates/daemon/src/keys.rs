@@ -212,8 +212,11 @@ impl RankChains {
 
     /// Gives back memory past `RankChains::KEEP_KEYS` that a large world's lookup grew.
     pub fn trim(&mut self) {
+        // Cleared first: `shrink_to` never goes below the length, and the scratch still holds
+        // the last chain hashed (the next lookup clears both anyway).
         self.keys.clear();
         self.keys.shrink_to(Self::KEEP_KEYS);
+        self.scratch.clear();
         self.scratch.shrink_to(Self::KEEP_KEYS);
     }
 }
@@ -472,5 +475,20 @@ mod tests {
                 assert!(answer > first_block, "cap {cap}: a block a rank fits, so some answer");
             }
         }
+    }
+
+    #[test]
+    fn trim_gives_back_the_scratch_of_a_large_lookup() {
+        // Goal: after a lookup over more than `KEEP_KEYS` blocks, trim leaves no buffer holding
+        // more than `KEEP_KEYS` keys' room (the scratch chain included).
+        let tokens: Vec<u32> = (0..RankChains::KEEP_KEYS as u32 + 1000).collect();
+        let space = KeySpace::new(&fingerprint(12), 0, 1).unwrap();
+        let index = Index::new(&[8], 1);
+        let mut chains = RankChains::default();
+        assert_eq!(space.all_ranks_chains(&tokens, 0, 1, &mut chains, |keys, first| index.cached_run_end(keys, first)), Some(0));
+        assert!(chains.scratch.capacity() > RankChains::KEEP_KEYS);
+        chains.trim();
+        assert!(chains.scratch.capacity() <= RankChains::KEEP_KEYS, "scratch keeps {}", chains.scratch.capacity());
+        assert!(chains.keys.capacity() <= RankChains::KEEP_KEYS);
     }
 }
