@@ -105,6 +105,8 @@ fn queue_view<'a>(profile: &'a Profile, reads: &Reads, writes: &WriteQueue, cont
         outstanding_write_iocbs: writes.outstanding_iocbs(),
         // Handed over a layer at a time: each pays the command latency.
         outstanding_write_kernels: writes.outstanding_layers(),
+        in_flight_write_iocbs: writes.in_flight_iocbs(),
+        in_flight_write_sm_budget: writes.in_flight_sm_budget(),
         queued_write_iocbs: writes.queued_iocbs(),
     }
 }

@@ -646,12 +646,15 @@ impl<'a> Sim<'a> {
     }
 
     fn queue_view(&self, context_tokens: u32) -> QueueView<'a> {
+        let (in_flight_write_iocbs, in_flight_write_sm_budget) = self.write_holding_reads();
         QueueView {
             table: self.scheduler_table,
             context_tokens,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             outstanding_write_kernels: self.outstanding_write_kernels(),
+            in_flight_write_iocbs,
+            in_flight_write_sm_budget,
             queued_write_iocbs: self.queued_write_iocbs(),
         }
     }

@@ -209,6 +209,8 @@ fn slack_aware_defers_writes_to_decode() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 8,
     };
     assert!(SlackAware.plan_prefill_end(&queue).unwrap().is_empty());
@@ -220,6 +222,31 @@ fn slack_aware_defers_writes_to_decode() {
     // Below the first profiled context: a typed error, not a guess.
     queue.context_tokens = 10;
     assert!(SlackAware.plan_decode_step(&queue).is_err());
+}
+
+/// Goal: a decode step prices the write kernel in flight on the SMs it runs on, as a layer does
+/// (`slack_aware_prices_the_write_in_flight_on_its_own_sm_budget`). A 1-IOCB write handed over
+/// on 2 SMs takes 300 µs, not the 200 µs it takes on 4: of the 1000 µs step (4 SMs free),
+/// 700 µs are left, room for 2 new IOCBs (400 µs) and not 4 (800 µs). Priced on 4 SMs, all 4
+/// went at 200 and ran to 1100, past the step. Not known (0) or on 4 SMs: as before.
+#[test]
+fn slack_aware_decode_step_prices_the_write_in_flight_on_its_own_sm_budget() {
+    let table = profile();
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1024,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 1,
+        outstanding_write_kernels: 1,
+        in_flight_write_iocbs: 1,
+        in_flight_write_sm_budget: 2,
+        queued_write_iocbs: 4,
+    };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 300.0, true)]);
+    for budget in [0, 4] {
+        queue.in_flight_write_sm_budget = budget;
+        assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 200.0, true)], "in-flight budget {budget}");
+    }
 }
 
 /// Goal: reads issued and not completed are priced as the kernels they reach the SSD as, each
@@ -282,6 +309,8 @@ fn slack_aware_decode_steps_as_priced_are_never_out_of_range() {
             outstanding_read_iocbs: pick(next()),
             outstanding_write_iocbs: pick(next()),
             outstanding_write_kernels: pick(next()),
+            in_flight_write_iocbs: pick(next()),
+            in_flight_write_sm_budget: [0, 1, 2, 3, 4, u32::MAX][(next() % 6) as usize],
             // Never 0: with nothing queued the step returns before any lookup.
             queued_write_iocbs: pick(next()).max(1),
         };
@@ -308,6 +337,8 @@ fn slack_aware_decode_steps_between_rows_take_the_fewer_free_sms() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 8,
     };
     assert_eq!(table.decode_step(1500).unwrap().free_sms, 2);
@@ -338,6 +369,8 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 8,
     };
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![window_time(4, 0.0, 150.0)]);
@@ -359,6 +392,8 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 8,
     };
     assert!(SlackAware.plan_decode_step(&queue).unwrap().is_empty());
@@ -571,6 +606,8 @@ fn slack_aware_prices_outstanding_writes_per_kernel() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 4,
         outstanding_write_kernels: 2,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 8,
     };
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(3, 4, 800.0, true)]);
@@ -605,6 +642,8 @@ fn slack_aware_banks_decode_steps_a_write_layer_in_flight_takes_whole() {
         outstanding_read_iocbs: 0,
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
         queued_write_iocbs: 3,
     };
     let banked = Issue { slack_us: 4400.0, ..write(0, 4, 0.0, true) };
