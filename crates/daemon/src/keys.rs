@@ -1,8 +1,10 @@
 //! Key spaces: the model fingerprint and tensor-parallel (rank, world size) a session declared
 //! in `Hello` select the chain of block keys it stores and looks up. The chain of a prompt's
 //! block keys starts from the space's seed instead of 0 (`objstore::hash::block_keys_seeded`),
-//! so ranks never find each other's blocks and a change of model or TP size never serves stale
-//! KV. The pool format does not change: a key is still one 64-bit chained hash.
+//! so ranks do not find each other's blocks and a change of model or TP size does not serve
+//! stale KV: all spaces share one index, so two spaces' keys meet only by a 64-bit accident or
+//! a search (docs/objstore.md says what the keys resist). The pool format does not change: a key
+//! is still one 64-bit chained hash.
 
 use objstore::hash::{block_keys_seeded, space_seed};
 use objstore::index::Index;
@@ -93,11 +95,11 @@ impl KeySpace {
     }
 
     /// The first half of an all-ranks lookup, the hashing, for the daemon to do without the pool
-    /// lock (a block key is a SHA-256, about 120 ns: TP 8 over 128K tokens is 8 ms of it, which
-    /// under the lock every worker's prepare, commit and lookup would wait out). It answers the
-    /// longest prefix of `tokens` committed in every rank's space of this model and world size:
-    /// what an engine's scheduler process needs before it plans a prefill over all ranks (a
-    /// block missing on one rank must be recomputed on all of them).
+    /// lock (a block key is a SHA-256, ~130 ns a 16-token block: TP 8 over 128K tokens is 8 ms of
+    /// it, which under the lock every worker's prepare, commit and lookup would wait out). It
+    /// answers the longest prefix of `tokens` committed in every rank's space of this model and
+    /// world size: what an engine's scheduler process needs before it plans a prefill over all
+    /// ranks (a block missing on one rank must be recomputed on all of them).
     ///
     /// Each rank's chain goes into `chains`, hashed over the prefix the ranks before it shared
     /// at `probe` (`probe(keys, first_block)`: where the committed run from `first_block` ends,

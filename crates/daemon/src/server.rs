@@ -10,11 +10,13 @@
 //! and a `LookupAllRanks`'s chains: at most 8 MiB held plus the ≤ 2 MiB one being hashed,
 //! `keys::RankChains`) is the whole cost.
 //!
-//! Locking: the pool (the store's control half) behind one mutex, the session table behind
-//! another; neither is held across socket I/O. The pool lock is held for an index probe (keys
-//! are hashed before it is taken, a `LookupAllRanks`'s too: every rank's chain, SHA-256 keys at
-//! ~120 ns a block, which a scheduler may ask for every step; then one lock for all the ranks'
-//! probes so that they see one index), a reservation, or a commit (flush +
+//! Locking: the pool (the store's control half) behind one mutex, the session table behind another;
+//! neither is held across socket I/O. The pool lock is held for an index probe (keys are hashed
+//! before it is taken, a `LookupAllRanks`'s too: every rank's chain, SHA-256 keys at ~130 ns a
+//! 16-token block hashed alone (docs/objstore.md, "Cost"), which a scheduler may ask for every
+//! step; the lock is taken briefly after each rank's hashing, to probe its chain and shrink the
+//! prefix the next rank hashes, then once more for the final probes of all the ranks' chains, so
+//! that the minimum is over one state of the index), a reservation, or a commit (flush +
 //! header writes with FUA: one commit at a time, and lookups wait for it; docs/tuttid.md gives
 //! the figures; after a failed metadata command a commit may replace the pool's metadata queue
 //! pair, admin commands under the lock), but not across an attach's admin commands: an attach
