@@ -81,7 +81,8 @@ pub struct LayerView<'a> {
     /// the store's budget, not this layer's); the simulator runs its carried write on the
     /// table's largest.
     /// 0 when not known: priced on the table's largest write budget. A budget below every
-    /// profiled write budget is priced on the smallest (the table knows none slower).
+    /// profiled write budget is priced on the slowest of them (fewer SMs need not be slower,
+    /// so the smallest's rows are no bound for it).
     pub in_flight_write_sm_budget: u32,
     /// New KV of finished layers waiting to be written, in IOCBs.
     pub queued_write_iocbs: u32,
@@ -245,9 +246,12 @@ fn fill_windows(
 fn in_flight_write_budget(table: &Profile, sm_budget: u32) -> u32 {
     match sm_budget {
         0 => table.io_sm_budget_max(IoKind::Write),
-        // Below every profiled budget `io_duration_us` cannot price it: the smallest is
-        // the slowest the table knows.
-        budget => budget.max(table.io_sm_budget_min(IoKind::Write)),
+        // Below every profiled budget `io_duration_us` cannot price it. Not on the smallest:
+        // fewer SMs need not be slower (`Profile::io_duration_us`), so the smallest's rows may
+        // be faster than a larger budget's, and fewer SMs still are likely slower yet. Above
+        // every profiled budget, it is priced on the slowest of them all.
+        budget if budget < table.io_sm_budget_min(IoKind::Write) => u32::MAX,
+        budget => budget,
     }
 }
 

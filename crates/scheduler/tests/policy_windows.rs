@@ -135,7 +135,7 @@ fn slack_aware_prices_reads_behind_the_write_in_flight_only() {
 /// layer 1's 5 reads fit ([100,600) on 2 SMs holds 1 from 400, [600,1000) the other 4), though
 /// from 600 only [600,1000) is left and holds 4: the reads went into windows late. On its own
 /// 2 SMs no window is suitable and they go at once. A budget not known (0) is priced on the
-/// table's largest, and one below every profiled write budget on the smallest.
+/// table's largest, and one below every profiled write budget on the slowest (here 2 SMs).
 #[test]
 fn slack_aware_prices_the_write_in_flight_on_its_own_sm_budget() {
     let table = profile();
@@ -247,6 +247,31 @@ fn slack_aware_decode_step_prices_the_write_in_flight_on_its_own_sm_budget() {
         queue.in_flight_write_sm_budget = budget;
         assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(4, 4, 200.0, true)], "in-flight budget {budget}");
     }
+}
+
+/// Goal: a write in flight on a budget below every profiled one is priced on the slowest budget
+/// the table has, not the smallest: fewer SMs need not be slower (`Profile::io_duration_us`).
+/// Writes here take 300 µs per IOCB on 2 SMs and 400 on 4. A 1-IOCB write in flight on 1 SM is
+/// taken for 400 µs: of the 1000 µs step, one new IOCB (400 µs on 4 SMs) goes at 400. Priced on
+/// the smallest budget's 300 µs, it went at 300, into time the write may still take.
+#[test]
+fn slack_aware_prices_a_write_in_flight_below_every_budget_on_the_slowest() {
+    let mut raw = common::table();
+    for row in raw.io_costs.iter_mut().filter(|r| r.kind == IoKind::Write) {
+        row.duration_us = if row.sm_budget == 2 { 300.0 } else { 400.0 } * f64::from(row.iocb_count);
+    }
+    let table = Profile::from_table(raw).expect("valid: durations grow with counts within a budget");
+    let queue = QueueView {
+        table: &table,
+        context_tokens: 1024,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 1,
+        outstanding_write_kernels: 1,
+        in_flight_write_iocbs: 1,
+        in_flight_write_sm_budget: 1,
+        queued_write_iocbs: 4,
+    };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(1, 4, 400.0, true)]);
 }
 
 /// Goal: reads issued and not completed are priced as the kernels they reach the SSD as, each
