@@ -130,6 +130,11 @@ impl KeySpace {
         let full = tokens.len() / block_tokens.max(1) as usize;
         let first_block = first_block.min(full);
         chains.first_block = first_block;
+        if block_tokens == 0 {
+            // No block is full (objstore::hash gives no keys): nothing is cached from
+            // `first_block`, and the empty chain has no keys from there to keep.
+            return Some(first_block);
+        }
         let mut common = full;
         let world = self.tp_world();
         for rank in 0..world {
@@ -477,6 +482,21 @@ mod tests {
                 assert!(answer > first_block, "cap {cap}: a block a rank fits, so some answer");
             }
         }
+    }
+
+    #[test]
+    fn a_block_size_of_0_is_no_panic_from_a_first_block() {
+        // Goal: block size 0 has no blocks (objstore::hash gives no keys, and says it is no
+        // panic): an all-ranks lookup from a first block past 0 answers that start, nothing
+        // cached from there, instead of slicing the empty chain from it.
+        let tokens = [1u32; 64];
+        let space = KeySpace::new(&fingerprint(13), 0, 2).unwrap();
+        let index = Index::new(&[8], 1);
+        let mut chains = RankChains::default();
+        let probe = |keys: &[u64], first| index.cached_run_end(keys, first);
+        assert_eq!(space.all_ranks_chains(&tokens, 2, 0, &mut chains, probe), Some(2));
+        assert_eq!(space.all_ranks_chains(&tokens, 0, 0, &mut chains, probe), Some(0));
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 2, 0, &mut chains), 2);
     }
 
     #[test]
