@@ -381,7 +381,7 @@ impl<E: Executor> Runtime<E> {
                         handle: plan.handle,
                         engine_blocks,
                         iocbs_per_layer,
-                        sm_budget: self.write_budget.0,
+                        layer_budgets: vec![self.write_budget.0; self.layers as usize],
                         ready_layers: 0,
                         decided_layers: 0,
                         written_layers: 0,

@@ -27,18 +27,41 @@ pub(crate) struct PendingStore {
     pub engine_blocks: Vec<u32>,
     /// The policy's unit for one layer of this store.
     pub iocbs_per_layer: u32,
-    /// The SM budget of the latest grant that released layers of this store: what the executor
-    /// gets with each of its layers (the table's largest for forced writes and drains).
-    pub sm_budget: u32,
+    /// Per layer, the SM budget of the grant that released it: what the executor gets with that
+    /// layer (the table's largest for forced writes and drains, and until a grant releases it).
+    /// One per layer, as reads keep theirs: under the barrier several grants may release layers
+    /// of this store before any is handed over, and with one budget for the store every layer
+    /// went on the last grant's (more SMs than compute left free, or fewer than granted). One
+    /// entry per model layer, allocated when the store is queued: no allocation per layer.
+    pub layer_budgets: Vec<u32>,
     pub ready_layers: u32,
     pub decided_layers: u32,
     pub written_layers: u32,
     pub in_flight: Option<u32>,
-    /// The SM budget the layer in flight was handed over on ([`WriteQueue::hand_over`]): a
-    /// later grant releasing more of this store changes `sm_budget`, not the layer running.
+    /// The SM budget the layer in flight was handed over on ([`WriteQueue::hand_over`]).
     pub in_flight_sm_budget: u32,
     /// The request's prefill has ended: writes issued from now on are deferred ones.
     pub prefill_ended: bool,
+}
+
+impl PendingStore {
+    /// The SM budget layer `layer` goes on: that of the grant that released it. A layer past
+    /// `layer_budgets` (none: one entry per model layer, and the runtime takes no layer past
+    /// the model's) goes on the largest there.
+    pub fn layer_budget(&self, layer: u32) -> u32 {
+        match self.layer_budgets.get(layer as usize) {
+            Some(&budget) => budget,
+            None => self.layer_budgets.iter().copied().max().unwrap_or(1),
+        }
+    }
+
+    /// Layers `layers` go on `sm_budget` SMs (those past `layer_budgets`: see `layer_budget`).
+    pub fn set_budgets(&mut self, layers: std::ops::Range<u32>, sm_budget: u32) {
+        let end = (layers.end as usize).min(self.layer_budgets.len());
+        if let Some(budgets) = self.layer_budgets.get_mut(layers.start as usize..end) {
+            budgets.fill(sm_budget);
+        }
+    }
 }
 
 /// A request taken off the queue (or a retrieve ended) with a layer still in flight.
@@ -280,22 +303,25 @@ impl WriteQueue {
     }
 
     /// The SM budget the write layer in flight runs on (what the policy prices it on): the one
-    /// it was handed over on ([`WriteQueue::hand_over`]), not its store's budget now, which a
-    /// grant releasing more of the store while the layer runs (a decode step) overwrites: read
-    /// from the store, a layer handed over on 2 SMs was priced at its 4-SM time after a 4-SM
-    /// grant, the optimistic error pricing it on its own budget avoids. 0 when none is in
-    /// flight.
+    /// it was handed over on ([`WriteQueue::hand_over`]), that of the grant that released it.
+    /// Once the store kept one budget, which a grant releasing more of it while the layer ran
+    /// (a decode step) overwrote: a layer handed over on 2 SMs was priced at its 4-SM time
+    /// after a 4-SM grant, the optimistic error pricing it on its own budget avoids. 0 when
+    /// none is in flight.
     pub fn in_flight_sm_budget(&self) -> u32 {
         self.stores.iter().find(|s| s.in_flight.is_some()).map_or(0, |s| s.in_flight_sm_budget)
     }
 
-    /// Layer `layer` of the store at `index` was handed over to the device on its store's
-    /// budget now (`Runtime::pump_layers`): it is in flight, and is priced on that budget
-    /// until it ends.
+    /// Layer `layer` of the store at `index` was handed over to the device on its budget,
+    /// [`PendingStore::layer_budget`] (`Runtime::pump_layers`): it is in flight, and is priced
+    /// on that budget until it ends. The only place a write layer is put in flight, so that
+    /// what it is priced on is what it was handed over on.
     pub fn hand_over(&mut self, index: usize, layer: u32) {
+        debug_assert!(!self.any_in_flight(), "one write layer in flight at a time");
         if let Some(store) = self.stores.get_mut(index) {
+            debug_assert_eq!(layer, store.written_layers, "a store's layers are handed over in order");
             store.in_flight = Some(layer);
-            store.in_flight_sm_budget = store.sm_budget;
+            store.in_flight_sm_budget = store.layer_budget(layer);
         }
     }
 
@@ -320,7 +346,7 @@ impl WriteQueue {
     /// every window would wait for the queue limit (then be forced onto a prefill's critical
     /// path). The price: such a layer overruns the window it goes in by what that window's grant
     /// lacks. Returns the layers released.
-    /// The grant's `sm_budget` goes with every layer it releases.
+    /// The grant's `sm_budget` goes with each layer it releases (`PendingStore::layer_budgets`).
     pub fn decide(&mut self, grant_iocbs: u32, sm_budget: u32, cost_us: impl Fn(u32) -> f64) -> u32 {
         let grant_us = cost_us(grant_iocbs);
         self.release(grant_us, sm_budget, cost_us)
@@ -393,7 +419,7 @@ impl WriteQueue {
         self.banked_us = self.banked_us.min((head_layer_cost_us - self.granted_us).max(0.0));
         let stores = self.stores.iter_mut().map(|store| {
             (
-                Released { decided_layers: &mut store.decided_layers, sm_budget: &mut store.sm_budget },
+                Released { decided_layers: &mut store.decided_layers, layer_budgets: &mut store.layer_budgets },
                 store.ready_layers,
                 store.iocbs_per_layer,
             )
@@ -422,8 +448,8 @@ impl WriteQueue {
         for store in self.stores.iter_mut() {
             if store.decided_layers < store.ready_layers {
                 released += store.ready_layers - store.decided_layers;
+                store.set_budgets(store.decided_layers..store.ready_layers, sm_budget);
                 store.decided_layers = store.ready_layers;
-                store.sm_budget = sm_budget;
             }
         }
         released
@@ -433,12 +459,12 @@ impl WriteQueue {
 /// What [`release_layers`] updates in a store when it releases a layer.
 struct Released<'a> {
     decided_layers: &'a mut u32,
-    sm_budget: &'a mut u32,
+    layer_budgets: &'a mut [u32],
 }
 
-/// The release rule of [`WriteQueue::decide`] over each store's (decided layers and budget,
+/// The release rule of [`WriteQueue::decide`] over each store's (decided layers and budgets,
 /// ready layers, IOCBs per layer), oldest first; `carried_us` is the time granted and not used
-/// yet, `grant_us` what this grant adds; a released layer's store takes the grant's `sm_budget`.
+/// yet, `grant_us` what this grant adds; a released layer takes the grant's `sm_budget`.
 fn release_layers<'a>(
     carried_us: &mut f64,
     grant_us: f64,
@@ -462,8 +488,10 @@ fn release_layers<'a>(
                 break 'stores; // oldest first: no younger write jumps ahead
             }
             available_us -= layer_cost_us;
+            if let Some(budget) = store.layer_budgets.get_mut(*store.decided_layers as usize) {
+                *budget = sm_budget;
+            }
             *store.decided_layers += 1;
-            *store.sm_budget = sm_budget;
             released += 1;
         }
     }
@@ -479,11 +507,11 @@ mod tests {
     /// Returns what each grant (in IOCBs) released.
     fn releases(ready: u32, grants: &[u32]) -> Vec<u32> {
         let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
-        let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+        let (mut carried_us, mut decided, mut budgets) = (0.0, 0, vec![4; ready as usize]);
         grants
             .iter()
             .map(|&grant| {
-                let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+                let store = Released { decided_layers: &mut decided, layer_budgets: &mut budgets };
                 release_layers(&mut carried_us, cost_us(grant), 4, std::iter::once((store, ready, 2)), cost_us)
             })
             .collect()
@@ -507,10 +535,10 @@ mod tests {
         // one layer; the second covers the 6 IOCBs left, but 3 layers cost 1200 µs: it releases
         // 2 and carries 300 µs. A single grant of all 8 (1450 µs) releases 3, not 4 (1600 µs).
         let cost_us = |iocbs: u32| 50.0 + 175.0 * f64::from(iocbs);
-        let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+        let (mut carried_us, mut decided, mut budgets) = (0.0, 0, [4; 4]);
         let mut granted_us = 0.0;
         for grant in [2, 6] {
-            let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+            let store = Released { decided_layers: &mut decided, layer_budgets: &mut budgets };
             release_layers(&mut carried_us, cost_us(grant), 4, std::iter::once((store, 4, 2)), cost_us);
             granted_us += cost_us(grant);
             assert!(f64::from(decided) * cost_us(2) + carried_us <= granted_us, "{decided} layers, {carried_us} µs carried");
@@ -526,15 +554,15 @@ mod tests {
         // finite is worth nothing.
         for layer_cost_us in [f64::INFINITY, f64::NAN] {
             let cost_us = |iocbs: u32| if iocbs == 5 { layer_cost_us } else { 10.0 };
-            let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
+            let (mut carried_us, mut decided, mut budgets) = (0.0, 0, [4; 2]);
             for _ in 0..3 {
-                let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+                let store = Released { decided_layers: &mut decided, layer_budgets: &mut budgets };
                 assert_eq!(release_layers(&mut carried_us, cost_us(1), 4, std::iter::once((store, 2, 5)), cost_us), 0, "{layer_cost_us}");
             }
             assert!(carried_us.is_finite());
         }
-        let (mut carried_us, mut decided, mut budget) = (0.0, 0, 4);
-        let store = Released { decided_layers: &mut decided, sm_budget: &mut budget };
+        let (mut carried_us, mut decided, mut budgets) = (0.0, 0, [4; 2]);
+        let store = Released { decided_layers: &mut decided, layer_budgets: &mut budgets };
         assert_eq!(release_layers(&mut carried_us, f64::INFINITY, 4, std::iter::once((store, 2, 5)), |_| 10.0), 0);
     }
 
@@ -545,7 +573,7 @@ mod tests {
             handle: RequestHandle::from_bits(request),
             engine_blocks: vec![0],
             iocbs_per_layer,
-            sm_budget: 4,
+            layer_budgets: vec![4; ready_layers as usize],
             ready_layers,
             decided_layers,
             written_layers: 0,
@@ -591,10 +619,29 @@ mod tests {
         // (before, the store's budget was read, which the later grant overwrote).
         let mut queue = WriteQueue::new(4, 2);
         queue.push(ended_store(1, 1, 2, 1, None));
-        queue.stores[0].sm_budget = 2;
+        queue.stores[0].layer_budgets[0] = 2;
         queue.hand_over(0, 0);
         assert_eq!(queue.decide(1, 4, f64::from), 1);
-        assert_eq!(queue.stores[0].sm_budget, 4);
+        assert_eq!(queue.stores[0].layer_budgets, [2, 4]);
+        assert_eq!(queue.in_flight_sm_budget(), 2);
+    }
+
+    #[test]
+    fn each_layer_is_handed_over_on_the_budget_of_the_grant_that_released_it() {
+        // Goal: under the barrier several grants may release layers of one store before any is
+        // handed over; each layer runs (and is priced) on the budget of the grant that released
+        // it, as reads do. A 4-SM grant releases layer 0, then a 2-SM grant layer 1, nothing
+        // handed over yet: layer 0 goes on 4 SMs, layer 1 on 2. Before, the store kept one
+        // budget, the last grant's, and layer 0 went on 2.
+        let mut queue = WriteQueue::new(4, 2);
+        queue.push(ended_store(1, 1, 2, 0, None));
+        assert_eq!(queue.decide(1, 4, f64::from), 1);
+        assert_eq!(queue.decide(1, 2, f64::from), 1);
+        queue.hand_over(0, 0);
+        assert_eq!(queue.in_flight_sm_budget(), 4);
+        queue.stores[0].in_flight = None;
+        queue.stores[0].written_layers = 1;
+        queue.hand_over(0, 1);
         assert_eq!(queue.in_flight_sm_budget(), 2);
     }
 
@@ -690,7 +737,7 @@ mod tests {
             handle: RequestHandle::from_bits(request),
             engine_blocks,
             iocbs_per_layer: 1,
-            sm_budget: 1,
+            layer_budgets: Vec::new(),
             ready_layers: 0,
             decided_layers: 0,
             written_layers: 0,

@@ -44,8 +44,8 @@ impl<E: Executor> Runtime<E> {
             (IoKind::Read, None) => {}
             (IoKind::Write, _) => {
                 // The policy's budget for this grant (a window's free SMs, at most the table's
-                // largest): the executor gets it with every layer the grant releases, and the
-                // grant is worth what the table says that many IOCBs take on that budget.
+                // largest): the executor gets it with every layer the grant releases (and no
+                // other: `PendingStore::layer_budgets`), and the grant is worth what the table says that many IOCBs take on that budget.
                 let budget = issue.sm_budget.clamp(1, self.write_budget.0);
                 let profile = &self.profile;
                 // A table without write rows for the budget: the count itself, for grants and
@@ -457,7 +457,9 @@ impl<E: Executor> Runtime<E> {
         if let Some(index) = self.writes.stores.iter().position(|store| store.written_layers < store.decided_layers) {
             let store = &self.writes.stores[index];
             let (handle, layer, request, deferred) = (store.handle, store.written_layers, store.request, store.prefill_ended);
-            let budget = SmBudget(store.sm_budget);
+            // The budget of the grant that released this layer (`PendingStore::layer_budgets`),
+            // which `hand_over` records as the one it is priced on while in flight.
+            let budget = SmBudget(store.layer_budget(layer));
             let issued = self.store.store_layer(handle, layer, budget);
             // As for a read: a layer the object store holds in flight after a failed issue is
             // in flight here too, so that the next call collects it (through `write_failed` if
@@ -653,8 +655,10 @@ impl<E: Executor> Runtime<E> {
     /// not within its bound.
     pub(super) fn force_store(&mut self, index: usize) -> Result<()> {
         let Some(store) = self.writes.stores.get_mut(index) else { return Ok(()) };
+        // Every layer not yet handed over goes on the table's largest, those an earlier grant
+        // released included: the store is on a critical path now.
+        store.set_budgets(store.written_layers..store.ready_layers, self.write_budget.0);
         store.decided_layers = store.ready_layers;
-        store.sm_budget = self.write_budget.0;
         let request = store.request;
         // Each pass completes a write layer (of this store, or of one ahead of it: one layer is
         // in flight at a time, oldest first) or fails.
