@@ -457,30 +457,50 @@ mod tests {
 
     #[test]
     fn the_chains_held_stay_under_the_cap_and_the_answer_under_the_truth() {
-        // Goal: world 64, every rank holding a 200-block prompt: the keys held for the locked
-        // probe are only those from the first block (64 × 50 from block 150) and never more
-        // than the cap (a cap of 1000 here against 12,800 uncapped); a capped answer is at most
-        // the true one (200), never past what every rank holds, and still not nothing.
+        // Goal: world 64 over a 200-block prompt, rank 40 holding blocks 0..120, rank 7 0..160
+        // and every other rank all 200: uncapped, the answer is the truth (120) and the keys
+        // held for the locked probe are only those from the first block. Capped, every rank's
+        // chain is cut to an equal share of the cap (cap / 64 blocks), so the keys held stay
+        // under the cap and the answer is first_block + that share where the cut falls below
+        // rank 40's 120, and 120 where it falls above (past rank 7's 160 too): never past what
+        // every rank holds.
         let tokens: Vec<u32> = (0..16 * 200).collect();
         let world = 64;
+        let held = |rank: u32| match rank {
+            40 => 120,
+            7 => 160,
+            _ => 200,
+        };
         let mut index = Index::new(&[64 * 200], 1);
         for rank in 0..world {
             let space = KeySpace::new(&fingerprint(11), rank, world).unwrap();
-            commit_blocks(&mut index, &space, &tokens, 0, 200);
+            commit_blocks(&mut index, &space, &tokens, 0, held(rank));
         }
         let space = KeySpace::new(&fingerprint(11), 5, world).unwrap();
         let mut chains = RankChains::default();
-        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut chains), 200);
-        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 150, 16, &mut chains), 200);
-        assert_eq!(chains.keys.len(), 64 * 50, "only the keys from the first block");
-        for (cap, first_block) in [(1000, 0), (1000, 150), (64, 0), (63, 0)] {
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut chains), 120);
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 100, 16, &mut chains), 120);
+        // Each chain from block 100 over the prefix the ranks before it shared: ranks 0..=7
+        // over 200 blocks, 8..=40 over rank 7's 160, 41.. over rank 40's 120.
+        assert_eq!(chains.keys.len(), 8 * 100 + 33 * 60 + 23 * 20, "only the keys from the first block");
+        assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 150, 16, &mut chains), 150, "rank 40 has nothing from 150");
+        // (cap, first block, answer): the share is cap / 64 blocks a rank.
+        for (cap, first_block, expected) in [
+            (64 * 100, 0, 100),      // cut at 100, below rank 40's 120
+            (64 * 119, 0, 119),      // cut at 119, just below
+            (64 * 120 + 63, 0, 120), // cut at 120, exactly rank 40's
+            (64 * 140, 0, 120),      // cut at 140, above rank 40's, below rank 7's
+            (64 * 180, 0, 120),      // cut at 180, above both
+            (64 * 10, 100, 110),     // from block 100: cut at 110
+            (64 * 30, 100, 120),     // from block 100: cut at 130, above
+            (64, 0, 1),              // one block a rank
+            (63, 0, 0),              // not one block a rank: nothing
+        ] {
             let mut chains = RankChains::with_keys_max(cap);
             let answer = space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, &mut chains);
             assert!(chains.keys.len() <= cap, "cap {cap}: {} keys held", chains.keys.len());
-            assert!(answer <= 200 && answer >= first_block, "cap {cap}: {answer}");
-            if cap >= 64 {
-                assert!(answer > first_block, "cap {cap}: a block a rank fits, so some answer");
-            }
+            assert_eq!(answer, expected, "cap {cap} from block {first_block}");
+            assert!(answer <= 120, "cap {cap}: {answer} past what every rank holds");
         }
     }
 
