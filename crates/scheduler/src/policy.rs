@@ -404,15 +404,23 @@ impl IoPolicy for SlackAware {
         // `plan_layer`: on the table's largest budget, a 1-IOCB write on 2 SMs (300 µs on the
         // test table) was taken for 200 µs and a 1000 µs step granted 4 IOCBs (800 µs) from
         // 200, which ran 100 µs past the step. The others, whose budgets the view does not
-        // give, on the largest. Added as the difference to the old price, which is exactly 0
-        // when the in-flight budget is the largest (the simulator's), so its numbers stay.
+        // give, on the largest, as what all outstanding writes add to the one in flight, never
+        // less than nothing: the same price as `plan_layer`'s. Where the table makes a kernel
+        // cost more than the smaller kernels it could be split into (the outstanding writes as
+        // their kernels priced below the one in flight alone), an unclamped difference priced
+        // the writes below the kernel in flight and granted new ones into time it still took.
+        // Exactly the price before the in-flight budget was known when that budget is the
+        // largest (the simulator's) and the writes cost at least the one in flight, so the
+        // simulator's numbers stay.
         let in_flight_write_iocbs = view.in_flight_write_iocbs.min(view.outstanding_write_iocbs);
         let in_flight_write_budget = in_flight_write_budget(table, view.in_flight_write_sm_budget);
-        let busy_until_us = table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)?
-            + kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?;
-        let busy_until_us = busy_until_us
-            + (kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, in_flight_write_budget)?
-                - kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, write_budget)?);
+        let in_flight_write_us = kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, in_flight_write_budget)?;
+        let writes_behind_us =
+            (kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?
+                - kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, write_budget)?)
+            .max(0.0);
+        let busy_until_us =
+            table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)? + in_flight_write_us + writes_behind_us;
         // A write layer outstanding past the step's end (a layer longer than a step, priced
         // whole from the step's start: the runtime does not say how far into it the SSD is)
         // leaves no room, but the step's time is still granted, to bank: a runtime moving

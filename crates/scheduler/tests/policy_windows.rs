@@ -274,6 +274,53 @@ fn slack_aware_prices_a_write_in_flight_below_every_budget_on_the_slowest() {
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(1, 4, 400.0, true)]);
 }
 
+/// Goal: a decode step prices the writes ahead of it as `plan_layer` does: the write kernel in
+/// flight on its own budget, plus what the other outstanding writes add (never less than
+/// nothing). Writes on 4 SMs here cost more than twice as much at 4 IOCBs as at 2 (100, 250,
+/// 700 µs at 1, 2, 4). A layer of 3 IOCBs (priced on the 4-IOCB row: 700 µs) in flight, one of 1
+/// behind it: the 4 outstanding IOCBs as 2 kernels are priced 2 × 250 = 500 µs, below the
+/// kernel in flight alone. Before, the decode step took the writes for 500 + 700 − 700 = 500 µs
+/// and granted 2 IOCBs at 500 µs, while the layer in flight held the SSD until 700; `plan_layer`
+/// priced the same writes at 700 + max(0, 500 − 700) = 700.
+#[test]
+fn slack_aware_decode_step_prices_outstanding_writes_as_plan_layer_does() {
+    let mut raw = common::table();
+    for row in raw.io_costs.iter_mut().filter(|r| r.kind == IoKind::Write && r.sm_budget == 4) {
+        row.duration_us = match row.iocb_count {
+            1 => 100.0,
+            2 => 250.0,
+            4 => 700.0,
+            _ => 1400.0,
+        };
+    }
+    let table = Profile::from_table(raw).expect("valid: durations grow with counts within a budget");
+    let queue = QueueView {
+        table: &table,
+        context_tokens: 1024,
+        outstanding_read_iocbs: 0,
+        outstanding_write_iocbs: 4,
+        outstanding_write_kernels: 2,
+        in_flight_write_iocbs: 3,
+        in_flight_write_sm_budget: 4,
+        queued_write_iocbs: 4,
+    };
+    let step = SlackAware.plan_decode_step(&queue).unwrap();
+    // The 1000 µs step from 700 µs: 2 IOCBs (250 µs) fit, 3 (the 4-IOCB row) do not.
+    assert_eq!(step, vec![write(2, 4, 700.0, true)]);
+    let unissued = [0; common::LAYERS as usize];
+    let layer = LayerView {
+        outstanding_write_iocbs: queue.outstanding_write_iocbs,
+        outstanding_write_kernels: queue.outstanding_write_kernels,
+        in_flight_write_iocbs: queue.in_flight_write_iocbs,
+        in_flight_write_sm_budget: queue.in_flight_write_sm_budget,
+        queued_write_iocbs: queue.queued_write_iocbs,
+        ..view(&table, 0, &unissued)
+    };
+    let plan = SlackAware.plan_layer(&layer).unwrap();
+    // The layer's last window, [600, 1000) on 4 SMs, from the same 700 µs.
+    assert_eq!(plan.issues.first().map(|issue| issue.offset_us), Some(step[0].offset_us), "{plan:?}");
+}
+
 /// Goal: reads issued and not completed are priced as the kernels they reach the SSD as, each
 /// with its command latency: three layers of 2 IOCBs waiting in a runtime that hands them over
 /// one at a time take 3 × (50 + 200) = 750 µs, not one 6-IOCB kernel's 650, so a window ending
