@@ -152,10 +152,22 @@ impl KeySpace {
                 // Unreachable: every rank below a world this space was built with is valid.
                 Err(_) => return Some(first_block),
             };
+            // Room for exactly this chain: one grown key by key doubles, up to twice its length.
+            chains.scratch.clear();
+            chains.scratch.reserve_exact(common);
             space.keys(&tokens[..common * block_tokens as usize], block_tokens, &mut chains.scratch);
-            common = probe(&chains.scratch, first_block);
+            // Within the chain hashed and from `first_block` whatever `probe` answers, so that
+            // no slice below can fall out of range.
+            common = probe(&chains.scratch, first_block).clamp(first_block, chains.scratch.len());
             // Blocks before `first_block` are the engine's own: the locked probe needs none.
-            chains.keys.extend_from_slice(&chains.scratch[first_block..]);
+            let chain = &chains.scratch[first_block..];
+            // Room, reserved exactly, for what this chain and the ranks after it (each over at
+            // most the prefix this probe left) can still add, within the cap: extended chain by
+            // chain, `keys` would double up to twice the cap (16 MiB for 8 MiB of keys). That
+            // bound only shrinks rank after rank, so this allocates at most once a lookup.
+            let still = chain.len() + (world - rank - 1) as usize * (common - first_block);
+            chains.keys.reserve_exact(still.min(chains.keys_max.saturating_sub(chains.keys.len())));
+            chains.keys.extend_from_slice(chain);
             chains.ends.push(chains.keys.len());
         }
         (common == first_block).then_some(first_block)
@@ -163,9 +175,10 @@ impl KeySpace {
 }
 
 /// Every rank's block keys from the lookup's first block for an all-ranks lookup
-/// ([`KeySpace::all_ranks_chains`]), kept from one lookup to the next by the connection: at most
-/// `RankChains::CHAIN_KEYS_MAX` keys over all the ranks, plus one chain over the request's
-/// blocks being hashed; [`RankChains::trim`] gives back what a large lookup grew.
+/// ([`KeySpace::all_ranks_chains`]), kept from one lookup to the next by the connection: room
+/// for at most `RankChains::CHAIN_KEYS_MAX` keys over all the ranks (reserved exactly, not
+/// grown by doubling), plus room for exactly the one chain over the request's blocks being
+/// hashed; [`RankChains::trim`] gives back what a large lookup grew.
 #[derive(Debug)]
 pub struct RankChains {
     /// Rank after rank, each from `first_block`.
@@ -189,7 +202,7 @@ impl RankChains {
     /// Keys kept between lookups at most: 1 MiB, a TP-8 lookup of 16K blocks.
     const KEEP_KEYS: usize = 1 << 17;
 
-    /// Keys held by one lookup's chains at most: 8 MiB.
+    /// Keys one lookup's chains hold, and have room for, at most: 8 MiB.
     const CHAIN_KEYS_MAX: usize = 1 << 20;
 
     #[cfg(test)]
@@ -501,6 +514,33 @@ mod tests {
             assert!(chains.keys.len() <= cap, "cap {cap}: {} keys held", chains.keys.len());
             assert_eq!(answer, expected, "cap {cap} from block {first_block}");
             assert!(answer <= 120, "cap {cap}: {answer} past what every rank holds");
+        }
+    }
+
+    #[test]
+    fn the_chains_allocated_stay_under_the_cap() {
+        // Goal: the cap bounds the memory the chains take, not only the keys they hold: a vector
+        // grown key by key or chain by chain doubles, up to twice what it holds (world 3 over
+        // 100-block chains: 100, 200, then 400 for 300 keys). Every rank holding a 200-block
+        // prompt, the keys' room stays within the cap and the chain being hashed within the
+        // blocks it covers (first_block + cap / 3), lookup after lookup on the same buffers.
+        let tokens: Vec<u32> = (0..16 * 200).collect();
+        let world = 3;
+        let mut index = Index::new(&[3 * 200], 1);
+        for rank in 0..world {
+            let space = KeySpace::new(&fingerprint(14), rank, world).unwrap();
+            commit_blocks(&mut index, &space, &tokens, 0, 200);
+        }
+        let space = KeySpace::new(&fingerprint(14), 2, world).unwrap();
+        for (cap, first_block) in [(300, 0), (3 * 150, 20), (3 * 190 + 2, 0), (3 * 70 + 1, 100), (1 << 20, 0)] {
+            let mut chains = RankChains::with_keys_max(cap);
+            for _ in 0..2 {
+                let answer = space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, &mut chains);
+                assert_eq!(answer, 200.min(first_block + cap / 3), "cap {cap} from block {first_block}");
+                assert!(chains.keys.capacity() <= cap, "cap {cap}: room for {} keys", chains.keys.capacity());
+                let covered = 200.min(first_block + cap / 3);
+                assert!(chains.scratch.capacity() <= covered, "cap {cap}: room for {} keys hashing {covered}", chains.scratch.capacity());
+            }
         }
     }
 

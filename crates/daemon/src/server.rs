@@ -7,8 +7,8 @@
 //! control requests per inference request, microseconds of work each. A bounded thread per
 //! connection keeps each client's state on its own stack, blocks only that client on a slow
 //! peer, and needs no dependency; 64 threads × (a 1 MiB body buffer, a reply, a lookup's keys
-//! and a `LookupAllRanks`'s chains: at most 8 MiB held plus the ≤ 2 MiB one being hashed,
-//! `keys::RankChains`) is the whole cost.
+//! and a `LookupAllRanks`'s chains: at most 8 MiB allocated, room included, plus the ≤ 2 MiB
+//! one being hashed, `keys::RankChains`) is the whole cost.
 //!
 //! Locking: the pool (the store's control half) behind one mutex, the session table behind another;
 //! neither is held across socket I/O. The pool lock is held for an index probe (keys are hashed
