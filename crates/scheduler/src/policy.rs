@@ -255,6 +255,25 @@ fn in_flight_write_budget(table: &Profile, sm_budget: u32) -> u32 {
     }
 }
 
+/// The outstanding writes ahead of new I/O, as (the write kernel in flight, priced on the SMs
+/// it runs on; what all outstanding writes, as their kernels on the largest budget, add to it,
+/// never less than nothing): the price `plan_layer` and `plan_decode_step` both put on them.
+fn outstanding_writes_us(
+    table: &Profile,
+    in_flight_iocbs: u32,
+    in_flight_sm_budget: u32,
+    outstanding_iocbs: u32,
+    outstanding_kernels: u32,
+) -> Result<(f64, f64)> {
+    let largest = table.io_sm_budget_max(IoKind::Write);
+    let in_flight_iocbs = in_flight_iocbs.min(outstanding_iocbs);
+    let in_flight_us = kernels_duration_us(table, IoKind::Write, in_flight_iocbs, 1, in_flight_write_budget(table, in_flight_sm_budget))?;
+    let behind_us = (kernels_duration_us(table, IoKind::Write, outstanding_iocbs, outstanding_kernels, largest)?
+        - kernels_duration_us(table, IoKind::Write, in_flight_iocbs, 1, largest)?)
+    .max(0.0);
+    Ok((in_flight_us, behind_us))
+}
+
 /// `iocbs` IOCBs reaching the SSD as `kernels` kernels one after another (as even as whole IOCBs
 /// allow), each paying its own latency; 0 kernels counts as 1.
 fn kernels_duration_us(table: &Profile, kind: IoKind, iocbs: u32, kernels: u32, budget: u32) -> Result<f64> {
@@ -331,14 +350,13 @@ impl IoPolicy for SlackAware {
         // released was priced as its 4-SM time and the next layer's reads went into windows
         // it still took. The others, whose budgets the view does not give, are priced on the
         // largest, as before.
-        let write_budget = table.io_sm_budget_max(IoKind::Write);
-        let in_flight_write_iocbs = view.in_flight_write_iocbs.min(view.outstanding_write_iocbs);
-        let in_flight_write_budget = in_flight_write_budget(table, view.in_flight_write_sm_budget);
-        let in_flight_write_us = kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, in_flight_write_budget)?;
-        let writes_behind_us =
-            (kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?
-                - kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, write_budget)?)
-            .max(0.0);
+        let (in_flight_write_us, writes_behind_us) = outstanding_writes_us(
+            table,
+            view.in_flight_write_iocbs,
+            view.in_flight_write_sm_budget,
+            view.outstanding_write_iocbs,
+            view.outstanding_write_kernels,
+        )?;
         let mut ssd_free_at_us =
             kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?
                 + in_flight_write_us;
@@ -412,13 +430,13 @@ impl IoPolicy for SlackAware {
         // Exactly the price before the in-flight budget was known when that budget is the
         // largest (the simulator's) and the writes cost at least the one in flight, so the
         // simulator's numbers stay.
-        let in_flight_write_iocbs = view.in_flight_write_iocbs.min(view.outstanding_write_iocbs);
-        let in_flight_write_budget = in_flight_write_budget(table, view.in_flight_write_sm_budget);
-        let in_flight_write_us = kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, in_flight_write_budget)?;
-        let writes_behind_us =
-            (kernels_duration_us(table, IoKind::Write, view.outstanding_write_iocbs, view.outstanding_write_kernels, write_budget)?
-                - kernels_duration_us(table, IoKind::Write, in_flight_write_iocbs, 1, write_budget)?)
-            .max(0.0);
+        let (in_flight_write_us, writes_behind_us) = outstanding_writes_us(
+            table,
+            view.in_flight_write_iocbs,
+            view.in_flight_write_sm_budget,
+            view.outstanding_write_iocbs,
+            view.outstanding_write_kernels,
+        )?;
         let busy_until_us =
             table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)? + in_flight_write_us + writes_behind_us;
         // A write layer outstanding past the step's end (a layer longer than a step, priced
