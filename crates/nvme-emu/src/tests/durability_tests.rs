@@ -401,30 +401,26 @@ fn a_fua_read_makes_its_cached_blocks_durable() {
         // In a batch: LBA 1 with FUA, LBA 3 without, then LBA 2 (not cached) with FUA and
         // LBA 3 again without.
         let before = syncs(&host);
+        // Submits reads of (LBA, FUA) in one batch and reaps them, each a success.
         let mut targets = Vec::new();
-        for (lba, fua) in [(1, true), (3, false)] {
-            let (entry, target) = read_entry(&host, lba, fua);
-            TestHost::push(&mut queue, entry);
-            targets.push(target);
-        }
-        host.ring_submission(&queue);
-        for _ in 0..2 {
-            assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
-        }
+        let mut batch = |reads: [(u64, bool); 2], targets: &mut Vec<_>| {
+            for (lba, fua) in reads {
+                let (entry, target) = read_entry(&host, lba, fua);
+                TestHost::push(&mut queue, entry);
+                targets.push(target);
+            }
+            host.ring_submission(&queue);
+            for _ in reads {
+                assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
+            }
+        };
+        batch([(1, true), (3, false)], &mut targets);
         targets[0].read(0, &mut read).unwrap();
         assert!(read.iter().all(|&byte| byte == 0x21), "the batched FUA Read returns the cached write");
         let batch_syncs = syncs(&host) - before;
         let before = syncs(&host);
         let batched_before = host.device.stats().batched_reads;
-        for (lba, fua) in [(2, true), (3, false)] {
-            let (entry, target) = read_entry(&host, lba, fua);
-            TestHost::push(&mut queue, entry);
-            targets.push(target);
-        }
-        host.ring_submission(&queue);
-        for _ in 0..2 {
-            assert_eq!(status_of(&host.reap(&mut queue)), Ok(()));
-        }
+        batch([(2, true), (3, false)], &mut targets);
         let uncached_syncs = syncs(&host) - before;
         let ring = tutti_uring::available() && host.device.stats().batched_reads > batched_before;
         if sync_file_on_flush {
