@@ -224,7 +224,7 @@ fn foreign_malformed_and_other_version_records_are_refused() {
         (layout.segment_key(&space(), segments[1].key, &node("g")), garbage),
         (format!("{}/x", layout.segment_key(&space(), segments[1].key, &node("k"))), good(1, "k").encode(&cluster)),
         (layout.member_key(&node("m")), b"not a member".to_vec()),
-        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v1/", "/v2/"), good(1, "v").encode(&cluster)),
+        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v2/", "/v1/"), good(1, "v").encode(&cluster)),
     ];
     put_raw(&etcd, &plants);
 
@@ -425,7 +425,7 @@ fn entries_too_large_for_one_answer_are_skipped_and_counted_not_fatal() {
         // Node ids that sort before "a": the range meets them first.
         plants.push((layout.segment_key(&space(), segments[0].key, &node(name)), bulk.clone()));
         plants.push((layout.member_key(&node(name)), bulk.clone()));
-        plants.push((layout.member_key(&node(name)).replace("/v1/", "/v2/"), bulk.clone()));
+        plants.push((layout.member_key(&node(name)).replace("/v2/", "/v1/"), bulk.clone()));
     }
     put_raw(&etcd, &plants);
 
