@@ -47,7 +47,7 @@ fn status_shows_members_leases_segments_and_replicas() {
     let output = tutti(&["cluster", "status", "--etcd", endpoint, "--cluster", "fleet", "--segment-blocks", "16"]);
     let text = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&output.stderr));
-    assert!(text.contains("cluster fleet (registry format v1): 2 members"), "{text}");
+    assert!(text.contains(&format!("cluster fleet (registry format v{}): 2 members", tutti_cluster::FORMAT_VERSION)), "{text}");
     let line_a = text.lines().find(|line| line.trim_start().starts_with("a ")).expect(&text);
     assert!(line_a.contains("10.0.0.1:7070") && line_a.contains(" 3 ") && line_a.contains(" s "), "{line_a}");
     let line_b = text.lines().find(|line| line.trim_start().starts_with("bb ")).expect(&text);

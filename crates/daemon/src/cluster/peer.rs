@@ -21,9 +21,9 @@
 //! own (the holder before it pins anything).
 //! Version 4 changed no frame: it marks the block key scheme, SHA-256 since pool format 4
 //! (`objstore::hash`). A node on the old mix names the same prompt's segments by other keys, so
-//! old and new nodes' registry entries never match and no read passes between them: misses,
-//! silently (the registry's format is still v1, so `tutti cluster status` does not tell the two
-//! apart). A read that does pass (a 64-bit accident: the key of another prefix) is refused by
+//! old and new nodes' registry entries never match and no read passes between them; the
+//! registry moved to format 2 (`/v2/`) with the keys, so each side's `tutti cluster status`
+//! counts the other's keys under `other_version_keys` instead of the mix only missing. A read that does pass (a 64-bit accident: the key of another prefix) is refused by
 //! version at its first header instead of serving that prefix's bytes.
 //! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
