@@ -368,7 +368,12 @@ vm_below() {
     while [ "$changed" = 1 ]; do
         changed=0
         for stat in /proc/[0-9]*/stat; do
-            read -r line 2> /dev/null < "$stat" || continue
+            # To the end of the file, as tools/lib/process.sh's proc_stat: a command name may
+            # hold a newline, where a line-wise read would stop inside it and take the wrong
+            # parent (`|| :`: read returns 1 at the end although it read everything).
+            line=''
+            { IFS= read -r -d '' line || :; } 2> /dev/null < "$stat"
+            [ -n "$line" ] || continue
             read -r -a fields <<< "${line##*") "}"
             pid=${stat#/proc/} pid=${pid%/stat}
             if [ -n "${below[${fields[1]}]:-}" ] && [ -z "${below[$pid]:-}" ]; then
