@@ -107,6 +107,11 @@ struct Registration {
     queues: Vec<DetachedQueuePair>,
     /// The relay's tickets for those of `queues` whose doorbells it forwards.
     relayed: Vec<RelayTicket>,
+    /// Of `queues`, those whose doorbells are in a software controller's shared register page,
+    /// which the client writes directly. Counted apart from `relayed`: a failed attach takes its
+    /// pairs off the relay but keeps any whose deletion failed, and such a pair on a relayed
+    /// device is rung by nobody.
+    shared_register_pairs: usize,
     _claim: Claim,
 }
 
@@ -172,7 +177,7 @@ impl Holdings {
     /// Whether one of the session's queue pairs has its doorbells in a software controller's
     /// shared register page (which the client writes directly) rather than behind the relay.
     pub fn rings_shared_registers(&self) -> bool {
-        self.registrations.iter().any(|registration| registration.queues.len() > registration.relayed.len())
+        self.registrations.iter().any(|registration| registration.shared_register_pairs > 0)
     }
 
     pub fn requests_in_flight(&self) -> u32 {
@@ -291,6 +296,7 @@ impl Holdings {
             kv_blocks: request.kv_blocks,
             queues: Vec::new(),
             relayed: Vec::new(),
+            shared_register_pairs: 0,
             _claim: claim,
         });
         Reply::Registered(reply)
@@ -418,6 +424,9 @@ impl Holdings {
             }
             registers.push(memory);
         }
+        // Which devices' pairs the client rings through a shared register page (the others get
+        // a relay page below, in `registers` too).
+        let shared_page: Vec<bool> = registers.iter().map(Option::is_some).collect();
         // Every queue of the session may reach the session's device memory too.
         let device_ranges: Vec<_> = self.device_memory.iter().map(|device| (device.region.iova(), device.region.len() as u64)).collect();
         let registration = &mut self.registrations[index];
@@ -583,6 +592,8 @@ impl Holdings {
                 }
             }
         }
+        // `created` holds device 0's pair first, one per device up to the failure (if any).
+        registration.shared_register_pairs = shared_page.iter().take(created.len()).filter(|&&shared| shared).count();
         registration.queues = created;
         registration.relayed = relayed.keep();
         self.creations_unsettled += creations_unsettled;
@@ -598,6 +609,7 @@ impl Holdings {
             }
             // `queues` holds device 0's pair first, one per device up to the failure.
             let (mut kept, mut undeleted_pairs) = (Vec::new(), Vec::new());
+            registration.shared_register_pairs = 0;
             for (device, pair) in std::mem::take(&mut registration.queues).into_iter().enumerate() {
                 if let Err(undeleted) = pair.delete() {
                     tracing::error!(device, error = %undeleted.source, "deleting a half-attached client queue pair");
@@ -607,6 +619,7 @@ impl Holdings {
                         undeleted.source
                     ));
                     kept.push(*undeleted.pair);
+                    registration.shared_register_pairs += usize::from(shared_page[device]);
                 }
             }
             registration.queues = kept;
@@ -889,7 +902,14 @@ impl Holdings {
         self.stop_relaying(store);
         // 2. Queue pairs: the controller must confirm each deletion before anything they could
         //    write (the window, the slots of the session's reservations) is reused.
-        let pairs: Vec<DetachedQueuePair> = self.registrations.iter_mut().flat_map(|registration| registration.queues.drain(..)).collect();
+        let pairs: Vec<DetachedQueuePair> = self
+            .registrations
+            .iter_mut()
+            .flat_map(|registration| {
+                registration.shared_register_pairs = 0;
+                registration.queues.drain(..)
+            })
+            .collect();
         let (retry, kept) = delete_pairs(pairs, false);
         let released = self.settle(retry, kept, store, leaks);
         if let Released::Retiring(retiring) = &released {

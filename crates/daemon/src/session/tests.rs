@@ -977,3 +977,34 @@ fn a_prepare_naming_an_engine_block_twice_is_refused_before_anything_is_reserved
         assert_eq!((counts.writing_slots, counts.pinned_slots), (0, 0), "{what}: {counts:?}");
     }
 }
+
+#[test]
+fn a_relayed_pair_kept_by_a_failed_attach_does_not_count_as_ringing_a_shared_register_page() {
+    // Goal: an attach undone after its pair was created (the register page could not be
+    // duplicated) whose pair's deletion then fails keeps the pair with the registration. On a
+    // device without a shared register page that pair was relayed, and the undo took it off the
+    // relay: nothing of the client rings it, so the session must not count as ringing a shared
+    // register page (the server would otherwise hold the ended session until its client exits).
+    // On a device with one, the kept pair does count.
+    for shared_registers in [false, true] {
+        let store = store(shared_registers);
+        let device = lock(&store).emulators[0].clone().unwrap();
+        let mut holdings = Holdings::default();
+        let registration = registered(&mut holdings, &store);
+        let delete_sq = nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue;
+        let refused =
+            nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
+        device.set_faults(nvme_emu::FaultPlan::none().with_rule(nvme_emu::FaultRule::on_nth_admin(1, delete_sq, refused)));
+        DUPLICATES_FAIL.with(|fail| fail.set(true));
+        let (reply, _) = attach(&mut holdings, &store, registration);
+        DUPLICATES_FAIL.with(|fail| fail.set(false));
+        assert!(
+            matches!(&reply, Reply::Error { code: ErrorCode::StoreFailed, message } if message.contains("could not be deleted")),
+            "{reply:?}"
+        );
+        assert_eq!(holdings.queue_pairs(), 1, "shared registers {shared_registers}: the undeleted pair stays");
+        assert_eq!(lock(&store).relay.counts().queues, 0, "shared registers {shared_registers}: still relayed");
+        assert_eq!(holdings.rings_shared_registers(), shared_registers, "shared registers {shared_registers}");
+        assert!(holdings.release(&store, &LeakCounters::default()).is_done());
+    }
+}
