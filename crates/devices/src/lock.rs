@@ -518,8 +518,9 @@ pub fn file_kind(file_type: std::fs::FileType) -> &'static str {
 /// Reads of `/proc/locks` before the holder is given up as not found.
 const PROC_LOCKS_READS: usize = 5;
 
-/// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks`; a
-/// sentence saying it could not be found otherwise (the holder may have just exited).
+/// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks` (its
+/// first 200 characters, control characters escaped: [`printable`]); a sentence saying it could
+/// not be found otherwise (the holder may have just exited).
 pub fn holder_of(file: &File, proc_root: &Path) -> String {
     let Ok(metadata) = file.metadata() else {
         return "another process (the lock file cannot be examined)".into();
@@ -546,7 +547,7 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
             let command = std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
                 .map(|raw| {
                     let text: String = String::from_utf8_lossy(&raw).replace('\0', " ").trim().chars().take(200).collect();
-                    text
+                    printable(&text)
                 })
                 .unwrap_or_default();
             if command.is_empty() {
@@ -557,6 +558,23 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
         }
         None => "another process (not found in /proc/locks; it may have just exited)".into(),
     }
+}
+
+/// `text` with its control characters escaped (`\n`, `\u{1b}`), the rest kept: another
+/// process's command line goes into [`DeviceError::DeviceInUse`], and so into tuttid's log and
+/// the tools' one-line errors, where a raw terminal escape (ESC `[2K` erases the line being
+/// read) or newline (a forged log line) would act on whoever reads it. Escaped as tutti-cli's
+/// `printable` escapes (this crate does not depend on it).
+fn printable(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for character in text.chars() {
+        if character.is_control() {
+            escaped.extend(character.escape_default());
+        } else {
+            escaped.push(character);
+        }
+    }
+    escaped
 }
 
 /// Whether `/proc/locks` lists a FLOCK WRITE lock held by `pid` on `path`'s own device and inode.
@@ -699,6 +717,21 @@ mod tests {
         assert!(holder.contains("not found"), "{holder}");
         std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
         assert_eq!(holder_of(&file, &proc_root), "pid 4242 (unrelated --flag)");
+    }
+
+    #[test]
+    fn a_holders_command_line_comes_out_with_its_control_characters_escaped() {
+        // Goal: the holder's /proc/PID/cmdline is another process's text, put into
+        // DeviceInUse and so into tuttid's log and the tools' one-line errors: a terminal escape
+        // in it (ESC [2K erases the line a reader sees) or a newline (a forged log line) came
+        // out raw. Control characters are escaped as tutti-cli's `printable` escapes them;
+        // the argument separators still read as spaces and the rest is kept.
+        let directory = tempfile::tempdir().unwrap();
+        let (file, proc_root, process) = lock_listed_on_another_device(directory.path(), b"evil\x1b[2K\0--x\nfake line\x7f \xc3\xa9\0");
+        std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
+        let holder = holder_of(&file, &proc_root);
+        assert_eq!(holder, "pid 4242 (evil\\u{1b}[2K --x\\nfake line\\u{7f} \u{e9})");
+        assert!(!holder.chars().any(char::is_control), "{holder:?}");
     }
 
     #[test]
