@@ -781,7 +781,9 @@ impl<E: QueuePairReset> Runtime<E> {
     /// replacing the executor's queue pairs (`KvStore::abandon_in_flight`), then finishes the
     /// retiring requests (their engine blocks become releasable) and hands the healthy layers it
     /// ended to the executor again (the running prefill's read, the oldest store's write).
-    /// Returns the layers abandoned. If a queue pair cannot be deleted the error says so and
+    /// Returns the layers abandoned, once the reset succeeded: should handing a layer over again
+    /// fail (logged), the layer waits and the next call (`before_layer`, `poll_io`, ...) hands it
+    /// over. If a queue pair cannot be deleted the error says so and
     /// nothing is released: the controller must be reset first. An error after the reset (while
     /// reaping the completions it posted) may have ended some layers and not others: those the
     /// object store no longer holds in flight are handed back to be issued again, as above, and
@@ -803,7 +805,14 @@ impl<E: QueuePairReset> Runtime<E> {
         };
         self.requeue_abandoned(|_, _, _| true);
         self.retire_ended();
-        self.pump()?;
+        // The reset is done and every layer it ended is requeued: an error here is the reissue's
+        // (an issue refused before publishing, an error the executor kept from before the reset),
+        // not the abandon's, and the error this call returns tells the engine to reset the
+        // controller. The layers refused wait, and the next call hands them over; one published
+        // before the failure is in flight as usual (`pump_layers`).
+        if let Err(error) = self.pump() {
+            tracing::warn!(%error, "runtime: handing the abandoned layers over again failed; the next call hands them over");
+        }
         Ok(abandoned)
     }
 

@@ -328,6 +328,9 @@ struct Rigging {
     poll_fails: Arc<AtomicBool>,
     /// The IOCBs whose TIMEOUT CQEs the next reset holds back ([`Held`]).
     held: Arc<std::sync::Mutex<Held>>,
+    /// Armed: the next issue is refused before anything of it is published (the executor's
+    /// `check_dependency` fails): the layer is not in flight, and nothing of it runs.
+    issue_refused: Arc<AtomicBool>,
 }
 
 /// A CPU executor with the failures its [`Rigging`] arms; unarmed, it is the CPU executor.
@@ -446,6 +449,13 @@ impl Executor for Rigged {
 
     fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
         self.inner.prepared(memory, id)
+    }
+
+    fn check_dependency(&self, dependency: &gio_uring::Dependency) -> Result<(), GioError> {
+        if self.rigging.issue_refused.swap(false, Ordering::SeqCst) {
+            return Err(GioError::Executor { executor: "refuses once before publishing", reason: "nothing was published".into() });
+        }
+        self.inner.check_dependency(dependency)
     }
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
@@ -1227,5 +1237,53 @@ fn a_decode_step_whose_first_handover_failed_still_applies_its_grant() {
         assert_eq!(rigging.submit_fails_at.load(Ordering::SeqCst), 0, "the step handed a layer over");
         poll_until_no_store_is_queued(&mut stack, "the step's grant was not applied: poll_io never wrote the last layer", "poll_io");
         assert_the_store_committed(&mut stack, &tokens, 4);
+    });
+}
+
+#[test]
+fn abandon_in_flight_whose_reissue_is_refused_says_what_it_abandoned() {
+    // Goal: `abandon_in_flight` whose reset succeeded says so (`Ok`, the layers abandoned) even
+    // when handing the abandoned read over again is then refused (an issue refused before
+    // anything was published): the read waits, and the next `before_layer` hands it over and
+    // waits for it. Before, the refusal came back as the call's error, which its doc reserves
+    // for a queue pair that could not be deleted ("nothing is released: the controller must be
+    // reset first"), although every layer had been abandoned and the read requeued.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let logged = stack.runtime.events().len();
+        let tokens = prompt(0, 1);
+        let blocks: Vec<u32> = (4..10).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 4);
+        let request = start.id.get();
+        let read_issues = |stack: &Stack<Rigged>, layer: u32| {
+            stack.runtime.events()[logged..]
+                .iter()
+                .filter(|e| e.request == request && e.direction == IoDirection::Read && e.layer == layer && e.kind == IoEventKind::Issued)
+                .count()
+        };
+        // Layer 0's read completes in `before_layer`; `after_layer` hands layer 1's over, whose
+        // completion the device loses.
+        compute_layers(&mut stack, start.id, &tokens, 4..6, &blocks, 0..1);
+        assert_eq!(read_issues(&stack, 1), 1, "layer 1's read is in flight: {:?}", &stack.runtime.events()[logged..]);
+
+        rigging.issue_refused.store(true, Ordering::SeqCst);
+        let abandoned = stack.runtime.abandon_in_flight();
+        assert!(matches!(abandoned, Ok(1)), "the lost read was abandoned; only its reissue was refused: {abandoned:?}");
+        assert!(!rigging.issue_refused.load(Ordering::SeqCst), "the abandoned read was handed over again, and refused");
+        assert_eq!(read_issues(&stack, 1), 1, "the refused issue is not logged as issued");
+
+        compute_layers(&mut stack, start.id, &tokens, 4..6, &blocks, 1..layers);
+        assert_eq!(read_issues(&stack, 1), 2, "layer 1's read was issued again: {:?}", &stack.runtime.events()[logged..]);
+        end_holding_every_byte(&mut stack, start.id, &tokens, 6, &blocks);
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }
