@@ -10,8 +10,9 @@
 //! or such a connection, not all answers; once in, it is kept through that pass while it has
 //! sent nothing, unless a newcomer being answered is given its slot, and closed for another
 //! only if its head has still not come when it is next read: [`make_room`], [`to_close`]),
-//! each given [`REQUEST_DEADLINE`] to send a request head of at most [`HEAD_BYTES_MAX`] and
-//! [`WRITE_TIMEOUT`] in all to take its answer.
+//! each given [`REQUEST_DEADLINE`] to send a request head of at most [`HEAD_BYTES_MAX`] (its
+//! lines ended by CRLF or a bare LF, RFC 9112 §2.2) and [`WRITE_TIMEOUT`] in all to take its
+//! answer.
 //! Answers are written without blocking, a little each pass as the scraper takes them, so the
 //! thread never waits on a scraper that does not read (one slot each, until its deadline).
 //! `GET /metrics` answers the registry's text; another path is 404, another method 405, a head
@@ -86,7 +87,7 @@ enum Written {
 enum Head {
     /// The head so far; more may come.
     Partial,
-    /// A whole head (ends with an empty line).
+    /// A whole head (ends with an empty line: [`head_is_whole`]).
     Complete,
     /// Longer than the cap without ending.
     TooLong,
@@ -283,11 +284,18 @@ fn to_close(open: &VecDeque<Pending>, answering: bool) -> Option<usize> {
         .or_else(|| open.iter().all(|pending| pending.answer.is_some()).then_some(0))
 }
 
+/// Whether `head` holds an empty line: its lines end in CRLF or, as RFC 9112 lets a recipient
+/// take them, a bare LF (a CR before it ignored). Complete only at CRLF CRLF, a head ended by
+/// LF LF would wait out [`REQUEST_DEADLINE`] and be closed without an answer.
+fn head_is_whole(head: &[u8]) -> bool {
+    head.windows(2).any(|window| window == b"\n\n") || head.windows(3).any(|window| window == b"\n\r\n")
+}
+
 /// Reads what the connection has sent (non-blocking), up to the head's cap.
 fn read_head(pending: &mut Pending) -> Head {
     let mut chunk = [0u8; 1024];
     loop {
-        if pending.head.windows(4).any(|window| window == b"\r\n\r\n") {
+        if head_is_whole(&pending.head) {
             return Head::Complete;
         }
         if pending.head.len() >= HEAD_BYTES_MAX {
@@ -476,6 +484,24 @@ mod tests {
         let (address, stop, thread) = endpoint();
         let head = ask(address, b"HEAD\t/metrics HTTP/1.1\r\n\r\n");
         assert!(head.starts_with("HTTP/1.1 200") && head.ends_with("\r\n\r\n"), "HEAD: the headers alone: {head}");
+        stop.store(true, Ordering::Release);
+        thread.join().unwrap();
+    }
+
+    #[test]
+    fn a_head_whose_lines_end_in_a_bare_lf_is_answered_at_once() {
+        // Goal: RFC 9112 lets a recipient take a bare LF for a line's end; a head ended by an
+        // empty line so (LF LF, or mixed with CRLF) is whole and answered well before the
+        // request deadline. It used to be complete only at CRLF CRLF, so such a scrape waited
+        // out REQUEST_DEADLINE and was closed with no answer.
+        let (address, stop, thread) = endpoint();
+        for request in [&b"GET /metrics HTTP/1.1\n\n"[..], b"GET /metrics HTTP/1.1\nHost: here\r\n\n", b"GET /other HTTP/1.1\n\r\n"] {
+            let started = Instant::now();
+            let answer = ask(address, request);
+            let took = started.elapsed();
+            assert!(answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.1 404"), "{request:?}: {answer}");
+            assert!(took < REQUEST_DEADLINE / 2, "{request:?} answered after {took:?}");
+        }
         stop.store(true, Ordering::Release);
         thread.join().unwrap();
     }
