@@ -10,6 +10,11 @@
 //!   group, but without naming who holds it), mode 0600 in a directory created 0700: a lock
 //!   file others could open would let any local user hold the SSD's lock;
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
+//!
+//! A pool file (`emu:PATH`, `uring:PATH`, a regular file) is its owner's only, like a lock
+//! file: one of this user's that others may open is made so when it is locked, one of another
+//! user's that others may read or write refused (`pool_file_access`); a block device keeps
+//! the mode the system gave it.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -40,6 +45,9 @@ pub const LOCK_FILE_MODE: u32 = 0o600;
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
     held: Vec<(PathBuf, Held)>,
+    /// Pool files whose group and others' permissions were taken away to lock them, with the
+    /// mode each had ([`DeviceLocks::narrowed`]).
+    narrowed: Vec<(PathBuf, u32)>,
 }
 
 /// One lock of a [`DeviceLocks`], held for its drop (never read).
@@ -92,8 +100,11 @@ impl DeviceLocks {
     /// again for writing, if this user may), never through a symbolic link, and only a regular
     /// file is locked (a FIFO or device node is never opened for writing); its owner and the
     /// directory's are not checked ([`DeviceLocks::acquire`] does, for the files it may make):
-    /// whoever owns the directory decides what is there, and nothing is written to it. One
-    /// another process holds is [`DeviceError::DeviceInUse`], naming the holder.
+    /// whoever owns the directory decides what is there, and nothing is written to it. Nor is
+    /// its mode changed, as [`DeviceLocks::acquire`] changes a pool file's: it is the file of
+    /// the user tuttid runs as, who narrows it when taking it, and it holds no data (one others
+    /// can open lets them only hold the lock, and they are named if they do). One another
+    /// process holds is [`DeviceError::DeviceInUse`], naming the holder.
     pub fn acquire_existing(address: nvme_driver::hw::vfio::PciAddress, lock_dir: &Path) -> Result<Option<DeviceLocks>, DeviceError> {
         let spec = DeviceSpec::Vfio(address);
         let path = lock_dir.join(format!("vfio-{address}.lock"));
@@ -200,7 +211,8 @@ impl DeviceLocks {
             options.read(true).write(create_files).create(create_files).truncate(false);
             // A pool file will hold every cached KV block: only its owner may read it (the
             // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
-            // umask; an existing one keeps the mode it has.
+            // umask. This mode applies only to a file created here; an existing one is
+            // narrowed (or refused) once open, below.
             options.mode(POOL_FILE_MODE);
             let file = match open_without_waiting(&path, &mut options) {
                 Ok(file) => file,
@@ -213,6 +225,14 @@ impl DeviceLocks {
                 }
             };
             refuse_special_file(spec, &path, &file)?;
+            // An existing file has the mode it was made with (`truncate -s 64G pool.img` under
+            // umask 022: 0644): every local user could read the cached KV blocks, and open it
+            // to hold its lock (flock needs no write access), keeping tuttid out as in use.
+            // Checked and changed on this descriptor, so on the file locked, not a name's
+            // later target.
+            if let Some(mode) = restrict_pool_file(&path, &file)? {
+                locks.narrowed.push((path.clone(), mode));
+            }
             // A file the given undo made is locked already, on the descriptor that made it:
             // that lock is shared (a duplicate of the descriptor), not refused as another's.
             if create_files {
@@ -247,6 +267,13 @@ impl DeviceLocks {
             }
             Err((_, errno)) => Err(lock_failure(&path, errno)),
         }
+    }
+
+    /// The pool files of this user's that others could open, whose group and others'
+    /// permissions were taken away to lock them, each with the mode it had: for the caller to
+    /// tell (this crate logs nothing).
+    pub fn narrowed(&self) -> impl Iterator<Item = (&Path, u32)> {
+        self.narrowed.iter().map(|(path, mode)| (path.as_path(), *mode))
     }
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
@@ -455,6 +482,80 @@ fn restrict_lock_file(path: &Path, file: &File) -> Result<(), DeviceError> {
         ),
         source,
     })
+}
+
+/// What is done with a pool file's mode before it is locked ([`pool_file_access`]).
+#[derive(Debug, PartialEq, Eq)]
+enum PoolFileAccess {
+    /// Left as it is.
+    Keep,
+    /// Changed to this mode (the owner's bits only).
+    Narrow(u32),
+    /// Refused ([`DeviceError::SharedLockFile`]) for this reason.
+    Refuse(String),
+}
+
+/// The rule for an existing pool file (`regular`: a regular file; its owner `uid`, group `gid`,
+/// `mode`) that the user `euid` is to lock. A pool file holds every cached KV block, and
+/// whoever can open it can hold its lock (flock needs only a descriptor), so only its owner may
+/// open it: one of this user's that group or others may open is narrowed to its owner's bits;
+/// one of another user's that group or others can read or write is refused (changing it is its
+/// owner's decision; root could, but would be changing a file another user set up), naming who
+/// can. A block device (or a character device: whoever opens it for I/O says what it cannot
+/// use) keeps the mode the system gave it (udev, the disk group).
+fn pool_file_access(regular: bool, uid: u32, gid: u32, mode: u32, euid: u32) -> PoolFileAccess {
+    if !regular {
+        return PoolFileAccess::Keep;
+    }
+    if uid == euid {
+        return if mode & 0o077 == 0 { PoolFileAccess::Keep } else { PoolFileAccess::Narrow(mode & 0o700) };
+    }
+    let can = |bits: u32| match (bits & 0o4 != 0, bits & 0o2 != 0) {
+        (true, true) => Some("read and write it"),
+        (true, false) => Some("read it"),
+        (false, true) => Some("write it"),
+        (false, false) => None,
+    };
+    let mut who = Vec::new();
+    if let Some(access) = can(mode >> 3) {
+        who.push(format!("group gid {gid} can {access}"));
+    }
+    if let Some(access) = can(mode) {
+        who.push(format!("every user can {access}"));
+    }
+    if who.is_empty() {
+        return PoolFileAccess::Keep;
+    }
+    PoolFileAccess::Refuse(format!(
+        "the pool file is owned by uid {uid}, not {euid} (the user that runs tutti), with mode {mode:o}: {}; it holds every \
+         cached KV block, and whoever can open it can hold its lock; have its owner run tutti, or (while no tutti process \
+         runs) chmod it 600 or chown it to the user that runs tutti",
+        who.join(", ")
+    ))
+}
+
+/// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some(mode it had)`
+/// where it was narrowed (`fchmod` on this descriptor: the file that is locked, whatever the
+/// name names meanwhile; it needs ownership, not write access, so a read-only open serves).
+fn restrict_pool_file(path: &Path, file: &File) -> Result<Option<u32>, DeviceError> {
+    let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
+    let mode = metadata.mode() & 0o7777;
+    let euid = nix::unistd::geteuid().as_raw();
+    match pool_file_access(metadata.is_file(), metadata.uid(), metadata.gid(), mode, euid) {
+        PoolFileAccess::Keep => Ok(None),
+        PoolFileAccess::Narrow(narrowed) => {
+            file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(narrowed)).map_err(|source| DeviceError::Io {
+                context: format!(
+                    "{} can be opened by other users (mode {mode:o}), who could read every cached KV block and hold its lock; \
+                     making it {narrowed:o} failed (chmod it 600, or keep the pool on a filesystem with Unix permissions)",
+                    path.display()
+                ),
+                source,
+            })?;
+            Ok(Some(mode))
+        }
+        PoolFileAccess::Refuse(reason) => Err(DeviceError::SharedLockFile { path: path.to_path_buf(), reason }),
+    }
 }
 
 /// Opens `path` as `options` say, with `O_NONBLOCK`: opening a FIFO for reading waits for a
@@ -924,6 +1025,87 @@ mod tests {
         drop(DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true).unwrap());
         let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
         assert_eq!(mode & 0o077, 0, "created with mode {mode:o}");
+    }
+
+    #[test]
+    fn an_existing_pool_file_others_can_open_is_made_its_owners_only_or_refused() {
+        // Goal: the mode a pool file is created with (0600) applied only to a file acquire
+        // created; one that already existed kept its own, e.g. 0644 from `truncate -s 64G
+        // pool.img` under umask 022: any local user could read every cached KV block, and open
+        // it and hold its lock (flock works on a read-only descriptor), keeping tuttid and
+        // `tutti pool` out as in use. Now a file of ours is narrowed to its owner's bits when
+        // taken, with either open (read-only, or for writing when files may be created), and
+        // the change is told to the caller (`narrowed`); one of another user's that others
+        // can read or write is refused, its mode untouched.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o7777;
+        let set_mode = |path: &Path, mode: u32| std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let lock_dir = directory.path().join("locks");
+        for create_files in [false, true] {
+            set_mode(&path, 0o644);
+            let locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            assert_eq!(mode(&path), 0o600, "create_files {create_files}");
+            assert_eq!(locks.narrowed().collect::<Vec<_>>(), [(path.as_path(), 0o644)]);
+            drop(locks);
+            // Already the owner's only: nothing to tell.
+            let locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            assert_eq!(locks.narrowed().count(), 0);
+        }
+        // A uring: path is the same file, taken the same way.
+        set_mode(&path, 0o660);
+        drop(DeviceLocks::acquire(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap());
+        assert_eq!(mode(&path), 0o600);
+        // Another user's file: refused naming who else can open it, left as it is. Only root
+        // can give a file away here; elsewhere the decision is pinned by the unit test below.
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("note: not root, so no file of another user's can be made; refusing one is not checked here");
+            return;
+        }
+        let nobody = nix::unistd::Uid::from_raw(65534);
+        nix::unistd::chown(&path, Some(nobody), None).unwrap();
+        set_mode(&path, 0o644);
+        for create_files in [false, true] {
+            let error = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap_err();
+            assert!(matches!(error, DeviceError::SharedLockFile { .. }), "{error}");
+            let text = error.to_string();
+            assert!(text.contains("uid 65534") && text.contains("every user"), "{text}");
+            assert_eq!(mode(&path), 0o644, "another user's file was chmodded");
+        }
+        // Readable by its owner alone: that user's file, used as it is.
+        set_mode(&path, 0o600);
+        let locks = DeviceLocks::acquire(&specs, &lock_dir, false).expect("another user's file only its owner can open");
+        assert_eq!(locks.narrowed().count(), 0);
+    }
+
+    #[test]
+    fn who_may_open_a_pool_file_decides_whether_it_is_kept_narrowed_or_refused() {
+        // Goal: the rule apart from the files a test can make (another owner needs root): only
+        // a regular file is touched (a block device's mode is the system's: udev, the disk
+        // group), ours is narrowed to its owner's bits, another user's that its group or every
+        // user can read or write is refused naming them, and one only its owner can open kept.
+        let regular = true;
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o600, 1000), PoolFileAccess::Keep);
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o400, 1000), PoolFileAccess::Keep);
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o644, 1000), PoolFileAccess::Narrow(0o600));
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o4755, 1000), PoolFileAccess::Narrow(0o700));
+        assert_eq!(pool_file_access(regular, 0, 0, 0o606, 0), PoolFileAccess::Narrow(0o600));
+        assert_eq!(pool_file_access(!regular, 0, 6, 0o660, 0), PoolFileAccess::Keep, "a block device is left alone");
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o600, 0), PoolFileAccess::Keep, "another's, its owner's only");
+        let refused = |mode: u32| match pool_file_access(regular, 1000, 100, mode, 0) {
+            PoolFileAccess::Refuse(reason) => reason,
+            other => panic!("mode {mode:o}: {other:?}"),
+        };
+        let reason = refused(0o640);
+        assert!(reason.contains("uid 1000") && reason.contains("group gid 100 can read") && !reason.contains("every user"), "{reason}");
+        let reason = refused(0o602);
+        assert!(reason.contains("every user can write") && !reason.contains("group"), "{reason}");
+        let reason = refused(0o664);
+        assert!(reason.contains("group gid 100 can read and write") && reason.contains("every user can read"), "{reason}");
+        // Execute bits alone open nothing.
+        assert_eq!(pool_file_access(regular, 1000, 100, 0o711, 0), PoolFileAccess::Keep);
     }
 
     #[test]
