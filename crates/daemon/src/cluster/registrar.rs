@@ -13,7 +13,12 @@
 //!    held segment is registered again); update the
 //!    member record when the set of models changed; unregister broken segments; register held
 //!    ones, one transaction per `txn_ops_max` segments of one model space, at most
-//!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting.
+//!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting. Before each call
+//!    but the join, step 1 runs again on the commits queued meanwhile (local work): a pass may
+//!    wait on etcd for up to 64 transactions of T each, and a commit the full queue refuses is
+//!    never journalled, so never registered for the life of the pool. A single call (a join,
+//!    up to 4 T + 1 s; a rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`,
+//!    default 1,024 commits).
 //!
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
@@ -197,7 +202,7 @@ impl Registrar {
             self.update_local(store, &commits);
             commits.clear();
             if Instant::now() >= self.next_attempt {
-                match self.talk_to_etcd(stop) {
+                match self.talk_to_etcd(store, stop) {
                     Ok(()) => {
                         self.backoff = BACKOFF_FIRST;
                         self.state.failing.store(false, Ordering::Relaxed);
@@ -404,11 +409,24 @@ impl Registrar {
         }
     }
 
-    /// Step 2 (module docs).
-    fn talk_to_etcd(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
+    /// Between two etcd calls of a pass: journals the commits queued (local work, no etcd).
+    /// One pass may wait on etcd call after call (up to [`TRANSACTIONS_PER_PASS`] each of
+    /// unregistrations and registrations, each up to T): a queue read only between passes
+    /// filled meanwhile, and a commit refused by a full queue is never journalled, so never
+    /// registered for the life of the pool. Only a single call (a join, up to 4 T + 1 s; a
+    /// rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`).
+    fn take_commits(&mut self, store: &Mutex<StoreState>) {
+        let mut commits = Vec::new();
+        // `Drained::More` (over 16,384 queued, past any queue's bound in practice) leaves the
+        // rest to the next read; `Disconnected` to the run loop's.
+        self.drain(store, &mut commits);
+    }
+
+    /// Step 2 (module docs). The queue is read before each call ([`Registrar::take_commits`]).
+    fn talk_to_etcd(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<(), ClusterError> {
         let fingerprints: Vec<[u8; 32]> = self.held.fingerprints().take(FINGERPRINTS_MAX).copied().collect();
         if self.node.is_none() && !self.stale.is_empty() {
-            self.forget_stale(stop)?;
+            self.forget_stale(store, stop)?;
             if !self.stale.is_empty() {
                 // More than a pass's share: the next pass goes on before joining.
                 return Ok(());
@@ -419,6 +437,8 @@ impl Registrar {
             return Ok(());
         }
         if self.node.is_none() {
+            // No read of the queue here: a segment it found broken would wait in `stale`, which
+            // is deleted only before a join, after this one. The run loop read it before the pass.
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
@@ -439,6 +459,8 @@ impl Registrar {
                 tracing::warn!(lease_id = node.health().lease_id, "the cluster lease is lost; rejoining");
             }
             self.rejoining = true;
+            self.take_commits(store);
+            let Some(node) = self.node.as_mut() else { return Ok(()) };
             let rejoined = node.rejoin()?;
             self.rejoining = false;
             tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
@@ -460,11 +482,19 @@ impl Registrar {
         }
         if node.record().fingerprints != fingerprints {
             let record = MemberRecord { fingerprints, ..node.record().clone() };
+            self.take_commits(store);
+            let Some(node) = self.node.as_mut() else { return Ok(()) };
             node.update_record(record)?;
         }
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
-        while !self.to_unregister.is_empty() && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+        while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            // Segments it finds broken join the queue below, this pass.
+            self.take_commits(store);
+            if self.to_unregister.is_empty() {
+                break;
+            }
+            let Some(node) = self.node.as_ref() else { break };
             let space = self.to_unregister[0].0;
             let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
             self.to_unregister.retain(|&(other, segment)| {
@@ -483,6 +513,10 @@ impl Registrar {
             transactions += 1;
         }
         while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            // Segments it holds anew are registered this pass; those it finds broken wait for
+            // the next one's unregistrations.
+            self.take_commits(store);
+            let Some(node) = self.node.as_ref() else { break };
             let Some(space) = self.held.next_to_register(batch_max, &mut self.ids, &mut self.segments) else { break };
             match node.register(&space, &self.segments) {
                 Ok(sent) => {
@@ -515,11 +549,16 @@ impl Registrar {
     /// under the previous process's lease: a live process holding the id (another tuttid started
     /// with it) keeps its entries, and the stale list is dropped (whatever the previous process
     /// registered vanishes with its lease).
-    fn forget_stale(&mut self, stop: &StopHandle) -> Result<(), ClusterError> {
+    fn forget_stale(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<(), ClusterError> {
         let client = ClusterClient::connect(self.config.clone())?;
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
-        while !self.stale.is_empty() && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+        while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            // Not joined yet: segments it finds broken join `stale`, deleted in this loop.
+            self.take_commits(store);
+            if self.stale.is_empty() {
+                break;
+            }
             let space = self.stale[0].0;
             let mut batch = Vec::with_capacity(batch_max.min(self.stale.len()));
             self.stale.retain(|&(other, segment)| {
@@ -889,6 +928,95 @@ mod tests {
         assert_eq!(registrar.to_unregister.len(), 1, "dropped though its entries may live under the lease given up");
     }
 
+    /// At each of the registrar's "deleted registrations" events (one per transaction of
+    /// `forget_stale`), hands the next of `commits` over to the registrar's queue as a
+    /// connection thread would (never blocking), counting those a full queue refused.
+    struct HandOverPerTransaction {
+        sender: Mutex<std::sync::mpsc::SyncSender<Committed>>,
+        commits: Mutex<Vec<Committed>>,
+        dropped: std::sync::atomic::AtomicUsize,
+    }
+
+    #[derive(Default)]
+    struct MessageOf(String);
+
+    impl tracing::field::Visit for MessageOf {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl tracing::Subscriber for HandOverPerTransaction {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut message = MessageOf::default();
+            event.record(&mut message);
+            if message.0 != "deleted registrations of segments this pool no longer holds" {
+                return;
+            }
+            let Some(commit) = lock(&self.commits).pop() else { return };
+            if let Err(std::sync::mpsc::TrySendError::Full(_)) = lock(&self.sender).try_send(commit) {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn commits_handed_over_while_a_pass_waits_on_etcd_are_journalled() {
+        // Goal: a pass of the registrar calls etcd transaction after transaction (here the
+        // deletes of stale segments before the first join, one per transaction; registrations
+        // and unregistrations alike), each up to T. The queue was read only between passes, so
+        // commits the connection threads handed over meanwhile filled it and the rest were
+        // dropped: never journalled, so never registered for the life of the pool. Now the
+        // queue is read (and journalled, local work only) before each call.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        // A queue of one commit; three transactions, one commit handed over during each.
+        let (sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "queue-during-pass", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        registrar.stale = (0..3).map(|i| (space, Segment { index: 0, key: SegmentKey::new(1000 + i).unwrap() })).collect();
+        let store = store();
+        let prompts: Vec<Vec<u64>> = (0..3u64).map(|i| (1..=16).map(|block| 100 * (i + 1) + block).collect()).collect();
+        for keys in &prompts {
+            commit(&store, keys);
+        }
+        for keys in &prompts {
+            assert!(lock(&store).control.pool().index().get(keys[15]).is_some(), "the test needs every prompt in the pool");
+        }
+        let commits = prompts.iter().map(|keys| Committed { space, keys: keys.clone(), first_segment: 0 }).collect();
+        let subscriber =
+            Arc::new(HandOverPerTransaction { sender: Mutex::new(sender), commits: Mutex::new(commits), dropped: Default::default() });
+        let stop = StopHandle::default();
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        assert!(registrar.stale.is_empty(), "the stale segments were not all deleted this pass");
+        assert!(lock(&subscriber.commits).is_empty(), "a transaction did not hand its commit over");
+        assert_eq!(subscriber.dropped.load(Ordering::Relaxed), 0, "commits handed over during the pass's calls were dropped");
+        // The last one, handed over during the last transaction, is read by the next pass.
+        assert_eq!(registrar.drain(&store, &mut Vec::new()), Drained::Empty);
+        registrar.leave();
+        registrar.flush_manifest();
+        let loaded = super::super::manifest::load(&directory.path().join("segments"), registrar.config.segment_blocks).unwrap();
+        let mut journalled: Vec<u64> = loaded.segments.iter().map(|segment| segment.keys[15]).collect();
+        journalled.sort_unstable();
+        assert_eq!(journalled, [116, 216, 316], "a commit handed over was not journalled");
+    }
+
     /// At the registrar's "joined the cluster" event (the join done, its pass going on):
     /// revokes the new lease behind the node's back, as an expiry during a partition would,
     /// waits (at most 10 s) until the node's keep-alive has marked it lost, and stops the
@@ -976,7 +1104,8 @@ mod tests {
         registrar.config.request_timeout = Duration::from_secs(1);
         let stop = StopHandle::default();
         let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone(), joined: Default::default(), lost: Default::default() };
-        let result = tracing::subscriber::with_default(subscriber, || registrar.talk_to_etcd(&stop));
+        let store = store();
+        let result = tracing::subscriber::with_default(subscriber, || registrar.talk_to_etcd(&store, &stop));
         result.unwrap();
         assert!(stop.is_stopped(), "the join was not seen");
         assert_eq!(registrar.metrics.lease_losses.get(), 0, "rejoined after the stop");
