@@ -804,7 +804,9 @@ impl<E: QueuePairReset> Runtime<E> {
             }
         };
         self.requeue_abandoned(|_, _, _| true);
-        self.retire_ended();
+        // An executor error met here is logged; the queue pairs are fresh and the layers ended
+        // are requeued, so no I/O of before the reset is left to hear it.
+        let _ = self.retire_ended();
         // The reset is done and every layer it ended is requeued: an error here is the reissue's
         // (an issue refused before publishing, an error the executor kept from before the reset),
         // not the abandon's, and the error this call returns tells the engine to reset the

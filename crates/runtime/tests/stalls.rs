@@ -341,6 +341,11 @@ struct Rigged {
 
 /// The stalled stack's configuration (`IO_TIMEOUT`) over a [`Rigged`] executor, and its rigging.
 fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
+    rigged_stack_timed(policy, IO_TIMEOUT)
+}
+
+/// The same, with `io_timeout` instead of `IO_TIMEOUT`.
+fn rigged_stack_timed(policy: PolicyChoice, io_timeout: Duration) -> (Stack<Rigged>, Rigging) {
     let rigging = Rigging::default();
     let shared = rigging.clone();
     let (device, store, engine) = common::parts_with(None, move |pool, store_config| Rigged {
@@ -348,7 +353,7 @@ fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
         rigging: shared,
     });
     let mut config = config(policy);
-    config.io_timeout = IO_TIMEOUT;
+    config.io_timeout = io_timeout;
     let runtime = Runtime::new(store, common::profile(), config).expect("runtime");
     (Stack { device, runtime, engine }, rigging)
 }
@@ -1081,6 +1086,90 @@ fn an_executor_error_met_polling_a_retiring_request_is_logged_as_a_warning() {
         );
         assert!(stack.runtime.abandon_in_flight().unwrap() >= 1);
         assert_eq!(stack.runtime.retiring_requests(), 0);
+    });
+}
+
+#[test]
+fn an_executor_error_met_polling_a_retiring_request_fails_the_read_in_flight() {
+    // Goal: an executor error (gio-uring reports it once, to whichever wait polls first) that a
+    // retiring request's poll meets while a read is in flight fails that read with the
+    // executor's error, at once. Before, `retire_ended` (which polls first) only logged it: the
+    // read's own waits never saw it, and `wait_layer_kv` waited a whole `io_timeout` to fail as
+    // `WaitTimeout`, which steers the engine to `abandon_in_flight` rather than to the executor.
+    // Here the read's completion is lost, as a stopped worker's would be. `io_timeout` is long
+    // beside the call's own work so that the bound below tells the two apart.
+    bounded(|| {
+        let io_timeout = Duration::from_secs(2);
+        let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
+        retire_a_read(&mut stack);
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let first = prompt(0, 0);
+        let targets: Vec<u32> = (10..14).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (4, 0), "fully cached: a retrieve only");
+        stack.runtime.begin_layer(start.id, 0).expect("layer 0's read is handed over");
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let started = Instant::now();
+        let failed = stack.runtime.wait_layer_kv(start.id, 0);
+        let waited = started.elapsed();
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
+        assert!(
+            matches!(
+                &failed,
+                Err(RuntimeError::ReadFailed { layer: 0, source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 }) })
+            ),
+            "the read in flight fails with the executor's error: {failed:?}"
+        );
+        assert!(waited < io_timeout / 2, "the read failed at once, not after a wait: {waited:?}");
+        // Its lost read retires the prefill's retrieve beside the first one.
+        assert_eq!(stack.runtime.retiring_requests(), 2);
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2);
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+        assert!((0..14).all(|block| stack.runtime.releasable(block)));
+    });
+}
+
+#[test]
+fn an_executor_error_met_polling_a_retiring_request_is_returned_beside_a_write_in_flight() {
+    // Goal: with no read in flight, an executor error a retiring request's poll meets while a
+    // write is in flight comes back from the call (`Store`, "poll the executor"), the store
+    // still queued: the write's own polls would never see it. Before, it was only logged.
+    bounded(|| {
+        let layers = common::geometry().layers;
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        retire_a_read(&mut stack);
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
+        );
+        // Shares no block with the prompts before it: a store and no retrieve. Its first write
+        // is lost, so that it stays in flight.
+        let fresh: Vec<u32> = (0..4 * common::BLOCK_TOKENS).map(|index| 7_000_000 + index).collect();
+        let targets: Vec<u32> = (20..24).collect();
+        let issued = stack.runtime.counters().write_layers_issued;
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &fresh, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (0, 4));
+        compute_layers(&mut stack, start.id, &fresh, 0..4, &targets, 0..layers);
+        stack.runtime.end_prefill(start.id).unwrap();
+        assert_eq!(stack.runtime.counters().write_layers_issued - issued, 1, "the lost write holds the others back");
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let failed = stack.runtime.poll_io();
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
+        assert!(
+            matches!(
+                &failed,
+                Err(RuntimeError::Store {
+                    operation: "poll the executor",
+                    source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 })
+                })
+            ),
+            "the executor's error is returned: {failed:?}"
+        );
+        assert_eq!((stack.runtime.queued_stores(), stack.runtime.retiring_requests()), (1, 1));
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&fresh), 4, "the store committed once its write was issued again");
     });
 }
 

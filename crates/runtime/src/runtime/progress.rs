@@ -106,11 +106,20 @@ impl<E: Executor> Runtime<E> {
 
     /// `progress`, handing waiting layers to the executor only if `issue`.
     pub(super) fn advance(&mut self, issue: bool) -> Result<()> {
-        self.retire_ended();
+        // gio-uring reports an executor error (a stopped worker, a lasting doorbell fault) once,
+        // to whichever poll meets it first, and the retiring requests are polled first. Kept, it
+        // goes to the live I/O polled below, as though its own poll had met it: otherwise no
+        // wait of it ever saw the error, and each waited a whole `io_timeout` to fail as
+        // `WaitTimeout`, which points the engine at `abandon_in_flight` and not the executor.
+        let mut executor_failure = self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             match self.store.poll(handle) {
                 Ok(true) => self.complete_read(layer),
-                Ok(false) => {}
+                Ok(false) => {
+                    if let Some(source) = executor_failure.take() {
+                        return Err(self.read_failed(layer, source));
+                    }
+                }
                 Err(source) => return Err(self.read_failed(layer, source)),
             }
         }
@@ -131,6 +140,12 @@ impl<E: Executor> Runtime<E> {
             }
         }
         self.commit_written()?;
+        // No read in flight took it: the writes still in flight would not see it either. Their
+        // stores stay queued (their own layers did not fail, as far as anyone knows); the error
+        // says the executor failed.
+        if let Some(source) = executor_failure.filter(|_| self.writes.any_in_flight()) {
+            return Err(RuntimeError::Store { operation: "poll the executor", source });
+        }
         if issue {
             self.pump()?;
         }
@@ -154,8 +169,11 @@ impl<E: Executor> Runtime<E> {
     /// blocks. Never blocks: each is polled once. A finish refused although nothing of the
     /// request is in flight is logged, not returned: its blocks are released all the same (the
     /// device no longer moves them), and the call that happened to retire it (another
-    /// prefill's `before_layer`, a decode step) did not fail.
-    pub(super) fn retire_ended(&mut self) {
+    /// prefill's `before_layer`, a decode step) did not fail. Returns the first executor error
+    /// a poll met (`executor_error`; logged too): reported once, it is the live I/O's as much
+    /// as theirs, and `advance` hands it on.
+    pub(super) fn retire_ended(&mut self) -> Option<ObjstoreError> {
+        let mut executor_failure = None;
         let mut index = 0;
         // Bounded: each round keeps one entry (index moves on) or removes it.
         while index < self.writes.retiring.len() {
@@ -166,6 +184,7 @@ impl<E: Executor> Runtime<E> {
             if let Err(error) = self.store.poll(handle) {
                 if executor_error(&error) {
                     tracing::warn!(%error, "runtime: the executor failed while a retiring request was polled");
+                    executor_failure.get_or_insert(error);
                 } else {
                     tracing::debug!(%error, "runtime: polling a retiring request");
                 }
@@ -189,6 +208,7 @@ impl<E: Executor> Runtime<E> {
                 self.writes.recycle(entry.engine_blocks);
             }
         }
+        executor_failure
     }
 
     /// Waits, until one `io_timeout` from now for all of them together, for the retiring
@@ -205,7 +225,10 @@ impl<E: Executor> Runtime<E> {
                 Ok(_) => {}
             }
         }
-        self.retire_ended();
+        // Only `drain` waits for them, once it has waited for the writes (or one timed out):
+        // an executor error met here, as one met by the waits above, is logged, and the drain
+        // answers with what is left (`DrainIncomplete`).
+        let _ = self.retire_ended();
         Ok(())
     }
 
@@ -701,8 +724,10 @@ impl<E: Executor> Runtime<E> {
 /// verification's `PayloadMismatch`) and ends only that request: debug. An executor error
 /// (gio-uring's `WorkerStopped`, a lasting doorbell fault, a corrupt ring) is reported once, to
 /// whichever wait polls first, and concerns every request: at debug it was lost at the default
-/// level when a retiring request happened to meet it. (A `Gio` error naming the layer's own IOCB,
-/// `WrongState` or `UnknownIocb`, would be a bug: a warning too.)
+/// level when a retiring request happened to meet it. A warning, and met by a poll of
+/// `retire_ended` it goes on to the live I/O (`advance`), whose own polls will not see it. (A
+/// `Gio` error naming the layer's own IOCB, `WrongState` or `UnknownIocb`, would be a bug: a
+/// warning too, and handed on the same way.)
 fn executor_error(error: &ObjstoreError) -> bool {
     matches!(error, ObjstoreError::Gio(error) if !matches!(error, gio_uring::GioError::WaitTimeout { .. }))
 }
