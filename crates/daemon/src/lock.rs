@@ -58,12 +58,8 @@ impl DeviceLocks {
         // The devices crate logs nothing: a pool file others could open was made its owner's
         // only to be locked, which its owner should hear of (a tool reading it as another user
         // now cannot).
-        for (path, mode) in locks.narrowed() {
-            tracing::warn!(
-                path = %path.display(),
-                "pool file was mode {mode:04o}: others could read the cached KV and hold its lock; it is now {:04o} (its owner's only)",
-                mode & 0o700
-            );
+        for note in locks.narrowed_notes() {
+            tracing::warn!("{note}");
         }
         let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
         Ok(DeviceLocks { locks, claims, more: Vec::new() })

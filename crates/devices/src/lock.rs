@@ -276,6 +276,19 @@ impl DeviceLocks {
         self.narrowed.iter().map(|(path, mode)| (path.as_path(), *mode))
     }
 
+    /// [`DeviceLocks::narrowed`] as one sentence each, for the tools and tuttid to print as a
+    /// warning: one wording wherever it is told.
+    pub fn narrowed_notes(&self) -> impl Iterator<Item = String> + '_ {
+        self.narrowed().map(|(path, mode)| {
+            format!(
+                "pool file {} was mode {mode:04o}: other users could read its cached KV blocks and hold its lock; it is now {:04o}, \
+                 its owner's only",
+                path.display(),
+                mode & 0o700
+            )
+        })
+    }
+
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }

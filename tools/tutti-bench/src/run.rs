@@ -317,6 +317,9 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
     let mut locks = Vec::with_capacity(devices.len());
     for spec in devices {
         let held = DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false).map_err(|error| lock_refusal(spec, error))?;
+        for note in held.narrowed_notes() {
+            tutti_cli::errln!("tutti-bench: warning: {note}");
+        }
         locks.push(held);
     }
     Ok(locks)

@@ -69,7 +69,11 @@ pub struct DeviceArgs {
 /// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
 /// it is left for opening to report.
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
-    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)
+    let locks = DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)?;
+    for note in locks.narrowed_notes() {
+        tutti_cli::errln!("warning: {note}");
+    }
+    Ok(locks)
 }
 
 /// [`lock_devices`] with `create_files` for the missing `emu:` files of a format, once `undo`

@@ -597,3 +597,22 @@ fn bind_and_unbind_refusals_are_unusable_input() {
         assert_status(&tutti(&[&roots[..], command].concat()), 2, &["no PCI function 0000:00:09.0"]);
     }
 }
+
+#[test]
+fn a_pool_file_others_can_open_is_narrowed_and_the_user_told() {
+    // Goal: a pool file made world-readable (truncate under umask 022) is its owner's only once
+    // `tutti pool` has locked it, and the user is told on standard error which file changed and
+    // from what mode; a file already its owner's only is used without a word.
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let output = format(&path, &["--model", "llama3-8b"]);
+    let note = format!("warning: pool file {} was mode 0644", path.display());
+    assert_status(&output, 0, &[&note, "it is now 0600"]);
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o600);
+    let output = tutti(&["pool", "inspect", "--device", &device(&path)]);
+    assert_status(&output, 0, &[]);
+    assert!(!stderr(&output).contains("was mode"), "{}", stderr(&output));
+}
