@@ -77,19 +77,21 @@ impl InProcess {
         admin_timeout: Duration,
         configure: impl FnOnce(&mut ServerConfig),
     ) -> (InProcess, Vec<Arc<nvme_emu::EmuDevice>>) {
-        InProcess::start_on_pool(devices, None, admin_timeout, configure)
+        InProcess::start_on_pool(devices, None, false, admin_timeout, configure)
     }
 
-    /// [`InProcess::start_on_devices`], the pool formatted with at most `slots` one-block slots.
+    /// [`InProcess::start_on_devices`], the pool formatted with at most `slots` one-block slots
+    /// (`relay`: the controllers withhold their register pages, as in [`InProcess::start`]).
     fn start_on_pool(
         devices: usize,
         slots: Option<u64>,
+        relay: bool,
         admin_timeout: Duration,
         configure: impl FnOnce(&mut ServerConfig),
     ) -> (InProcess, Vec<Arc<nvme_emu::EmuDevice>>) {
         let directory = tempfile::tempdir().unwrap();
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(Some(admin_timeout)));
-        let opened = pool_of(directory.path(), false, 4, devices, slots);
+        let opened = pool_of(directory.path(), relay, 4, devices, slots);
         crate::pool_open::TEST_ADMIN_TIMEOUT.with(|cell| cell.set(None));
         let emulators = opened.emulators.iter().map(|emulator| emulator.clone().unwrap()).collect();
         let socket = directory.path().join("tuttid.sock");
@@ -953,7 +955,7 @@ fn a_store_short_of_its_iocbs_is_refused_before_the_daemon_reserves() {
     // then the client's data half refused NoFreeIocb, each refused store costing a cached
     // prompt. Four one-block slots, all committed; the client's two IOCBs held by two prepared
     // retrieves: the store is refused without a request sent, nothing evicted.
-    let (mut daemon, _) = InProcess::start_on_pool(1, Some(4), Duration::from_secs(10), |_| {});
+    let (mut daemon, _) = InProcess::start_on_pool(1, Some(4), false, Duration::from_secs(10), |_| {});
     let store_config = objstore::StoreConfig { iocbs: 2, ..objstore::StoreConfig::default() };
     let config = RemoteConfig { kv_blocks: 16, store: store_config, ..RemoteConfig::default() };
     let mut store = RemoteKvStore::connect(&daemon.socket, &hello("short of iocbs"), &config).expect("attach");
@@ -1164,4 +1166,47 @@ fn a_bind_refused_after_the_socket_was_bound_removes_it_and_leaves_the_manifest(
     assert!(!socket.exists(), "the refused bind ({error}) left its socket file");
     assert!(std::fs::read(&manifest).unwrap() == before, "the refused bind ({error}) rewrote the manifest");
     drop(taken);
+}
+
+#[test]
+fn a_relayed_pair_kept_by_a_failed_attach_does_not_hold_its_session_past_the_lease() {
+    // Goal: on a pool of two relayed devices (no shared register page), an attach creates
+    // device 0's pair, device 1's creation is refused, and undoing the attach device 0's pair
+    // cannot be deleted: it stays with the session, off the relay. The client then goes silent
+    // with its process running (this test's). Nothing of it can ring that pair, so the lease
+    // ends the session and it leaves status within a few ticks (the kept pair's deletion retried
+    // at release). It used to count as ringing a shared register page: the session was held,
+    // awaiting its client's exit, for as long as the client ran.
+    let (mut daemon, emulators) = InProcess::start_on_pool(2, None, true, Duration::from_secs(10), |config| {
+        config.lease = Duration::from_millis(300);
+    });
+    let mut client = daemon.client();
+    let session = client.hello(&hello("relayed")).expect("hello").session;
+    let memory = nvme_driver::hw::SharedMemory::create("server-test", 1 << 20).unwrap();
+    let register = crate::protocol::Request::RegisterMemory(crate::protocol::RegisterMemory { window_bytes: 1 << 20, kv_blocks: 4 });
+    let registration = match client.call_with_fds(&register, &[memory.fd().as_fd()]).expect("register").0 {
+        Reply::Registered(registered) => registered.registration,
+        other => panic!("{other:?}"),
+    };
+    let refused = nvme_emu::FaultAction::Status(nvme_driver::spec::NvmeStatus::generic(nvme_driver::spec::status::codes::INTERNAL_ERROR));
+    let create_cq = nvme_driver::spec::AdminOpcode::CreateIoCompletionQueue;
+    emulators[1].set_faults(nvme_emu::FaultPlan::none().with_rule(nvme_emu::FaultRule::on_nth_admin(1, create_cq, refused)));
+    fault_the_next_sq_deletion(&emulators[0], refused);
+    let rings = vec![
+        crate::protocol::RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 },
+        crate::protocol::RingOffsets { submission_offset: 576 << 10, completion_offset: 832 << 10 },
+    ];
+    let attach = crate::protocol::Request::AttachQueues(crate::protocol::AttachQueues { registration, depth: 64, rings });
+    match client.call(&attach) {
+        Err(DaemonError::Remote { code: ErrorCode::StoreFailed, message }) => {
+            assert!(message.contains("could not be deleted"), "{message}")
+        }
+        other => panic!("an attach whose half-made pair stayed: {other:?}"),
+    }
+    let status = daemon.client().status().unwrap();
+    assert_eq!(status.relay.queues, 0, "the kept pair is still relayed: {status:?}");
+    // Silent from here, its connection open and its process running.
+    daemon.status_once("the session was held past its lease", |status| !status.clients.iter().any(|client| client.session == session));
+    drop(client);
+    assert!(daemon.stop().is_some(), "serve did not return");
 }
