@@ -113,6 +113,13 @@ impl<E: Executor> Runtime<E> {
         // `WaitTimeout`, which points the engine at `abandon_in_flight` and not the executor.
         let mut executor_failure = self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
+            // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including
+            // a layer that never was or was ended unfilled without the runtime hearing of it
+            // (the shape of the partial-abandon bug): only one the object store still holds can
+            // complete here.
+            if !self.device_holds_layer(handle, layer) {
+                return Err(self.read_failed(layer, read_not_in_flight(handle, layer, None)));
+            }
             match self.store.poll(handle) {
                 Ok(true) => self.complete_read(layer),
                 Ok(false) => {
@@ -509,10 +516,14 @@ impl<E: Executor> Runtime<E> {
     pub(super) fn wait_read(&mut self) -> Result<()> {
         let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
         match self.store.wait(handle, self.io_deadline()) {
-            Ok(_) => {
+            Ok(Some(waited)) if waited == layer => {
                 self.complete_read(layer);
                 Ok(())
             }
+            // Nothing in flight (`None`), or another layer: this read did not land, whatever
+            // happened to it. Taken as landed, its layer's wait returned on blocks the device
+            // may never have filled.
+            Ok(other) => Err(self.read_failed(layer, read_not_in_flight(handle, layer, other))),
             Err(source) => Err(self.read_failed(layer, source)),
         }
     }
@@ -715,6 +726,22 @@ impl<E: Executor> Runtime<E> {
             cause: "a forced store did not leave the queue",
             action,
         }
+    }
+}
+
+/// The failure of read `layer`, in flight in the runtime, when the object store does not hold it
+/// in flight (`found`: `None`) or collected another layer of the retrieve (`Some`). A retrieve
+/// has at least one block, so every layer it issues has IOCBs and is in flight until collected;
+/// the runtime has one read in flight at a time and collects it only through `advance`'s poll or
+/// `wait_read`, so this is a bug's shape (an ended layer not requeued), not a device's.
+fn read_not_in_flight(handle: RequestHandle, layer: u32, found: Option<u32>) -> ObjstoreError {
+    let found = match found {
+        None => "holds no layer of it in flight".to_string(),
+        Some(other) => format!("collected layer {other} instead"),
+    };
+    ObjstoreError::HandleState {
+        handle: handle.to_bits(),
+        reason: format!("layer {layer}'s read is in flight in the runtime, but the object store {found}: it did not land"),
     }
 }
 
