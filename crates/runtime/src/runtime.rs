@@ -318,7 +318,13 @@ impl<E: Executor> Runtime<E> {
     /// being stored elsewhere are shared, not written twice). Nothing is issued yet. All of
     /// `block_ids` (read into, stored from, or only computed into past a truncated store) must
     /// be [`Runtime::releasable`], distinct and registered: otherwise `BlockRefused`, and
-    /// nothing is prepared.
+    /// nothing is prepared. A pool with no room for the new blocks skips the store
+    /// (`stores_skipped_pool_full`) and the prefix is read; any other failure preparing the
+    /// store (a malformed request: `block_ids` past the prompt's full blocks; too few free
+    /// IOCBs; the headers of evicted slots not written) or the retrieve fails the request
+    /// (`Store`, naming the operation) with nothing prepared, the cached prefix not read.
+    /// So does an executor error met reaping before anything is prepared (`Store`, "poll the
+    /// executor"); a failure of another request's store met then is logged, not returned.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -329,7 +335,15 @@ impl<E: Executor> Runtime<E> {
         // Completions are reaped and finished stores committed (lookup sees them), but no
         // waiting write is handed over: the new request's reads, not known yet, go first (the
         // barrier holds writes while they are pending; see `reads_pending`).
-        self.advance(false)?;
+        match self.advance(false) {
+            Ok(()) => {}
+            // The executor failed (a retiring request's poll met it, writes in flight): this
+            // request's I/O would go to it too. Nothing is prepared; the error is reported once.
+            Err(error @ RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, .. }) => return Err(error),
+            // Another request's: a queued store whose write failed, already off the queue, and
+            // whose finish was then refused. Returned, it refused this request for it.
+            Err(error) => tracing::warn!(%error, "runtime: advancing the queues before a prefill"),
+        }
         let blocks = request.block_ids.len();
         let hit = self.store.lookup(request.tokens).min(blocks);
         let mut incoming = blocks - hit;
@@ -401,7 +415,12 @@ impl<E: Executor> Runtime<E> {
             match self.store.prepare_retrieve(&KvRequest { tokens: request.tokens, block_ids: &request.block_ids[..hit] }) {
                 Ok(handle) => Some(handle),
                 Err(source) => {
-                    self.drop_store(id)?;
+                    // The retrieve's error is the one the engine needs (why its prefix is not
+                    // read); dropping the store just prepared (nothing of it in flight) is
+                    // cleanup, and its failure would have hidden that.
+                    if let Err(dropped) = self.drop_store(id) {
+                        tracing::warn!(error = %dropped, "runtime: dropping the store of a prefill whose retrieve could not be prepared");
+                    }
                     return Err(RuntimeError::Store { operation: "prepare_retrieve", source });
                 }
             }

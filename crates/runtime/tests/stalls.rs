@@ -1131,45 +1131,77 @@ fn an_executor_error_met_polling_a_retiring_request_fails_the_read_in_flight() {
     });
 }
 
+/// Retires a read ([`retire_a_read`]), then stores a prompt of its own (engine blocks 20..24)
+/// whose first write the device loses: it stays in flight, its store queued. Returns the prompt.
+fn a_write_in_flight_beside_a_retiring_read<E: Executor>(stack: &mut Stack<E>) -> Vec<u32> {
+    let layers = common::geometry().layers;
+    retire_a_read(stack);
+    stack
+        .device
+        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)));
+    // Shares no block with the prompts before it: a store and no retrieve.
+    let fresh: Vec<u32> = (0..4 * common::BLOCK_TOKENS).map(|index| 7_000_000 + index).collect();
+    let targets: Vec<u32> = (20..24).collect();
+    let issued = stack.runtime.counters().write_layers_issued;
+    let start = stack.runtime.begin_prefill(&KvRequest { tokens: &fresh, block_ids: &targets }).unwrap();
+    assert_eq!((start.cached_blocks, start.queued_blocks), (0, 4));
+    compute_layers(stack, start.id, &fresh, 0..4, &targets, 0..layers);
+    stack.runtime.end_prefill(start.id).unwrap();
+    assert_eq!(stack.runtime.counters().write_layers_issued - issued, 1, "the lost write holds the others back");
+    fresh
+}
+
+/// Whether `result` is the executor error the rigged poll returns, met reaping.
+fn is_the_executor_error<T>(result: &Result<T, RuntimeError>) -> bool {
+    matches!(
+        result,
+        Err(RuntimeError::Store {
+            operation: "poll the executor",
+            source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 })
+        })
+    )
+}
+
 #[test]
 fn an_executor_error_met_polling_a_retiring_request_is_returned_beside_a_write_in_flight() {
     // Goal: with no read in flight, an executor error a retiring request's poll meets while a
     // write is in flight comes back from the call (`Store`, "poll the executor"), the store
     // still queued: the write's own polls would never see it. Before, it was only logged.
     bounded(|| {
-        let layers = common::geometry().layers;
         let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
-        retire_a_read(&mut stack);
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
-        // Shares no block with the prompts before it: a store and no retrieve. Its first write
-        // is lost, so that it stays in flight.
-        let fresh: Vec<u32> = (0..4 * common::BLOCK_TOKENS).map(|index| 7_000_000 + index).collect();
-        let targets: Vec<u32> = (20..24).collect();
-        let issued = stack.runtime.counters().write_layers_issued;
-        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &fresh, block_ids: &targets }).unwrap();
-        assert_eq!((start.cached_blocks, start.queued_blocks), (0, 4));
-        compute_layers(&mut stack, start.id, &fresh, 0..4, &targets, 0..layers);
-        stack.runtime.end_prefill(start.id).unwrap();
-        assert_eq!(stack.runtime.counters().write_layers_issued - issued, 1, "the lost write holds the others back");
+        let fresh = a_write_in_flight_beside_a_retiring_read(&mut stack);
         rigging.poll_fails.store(true, Ordering::SeqCst);
         let failed = stack.runtime.poll_io();
         assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
-        assert!(
-            matches!(
-                &failed,
-                Err(RuntimeError::Store {
-                    operation: "poll the executor",
-                    source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 })
-                })
-            ),
-            "the executor's error is returned: {failed:?}"
-        );
+        assert!(is_the_executor_error(&failed), "the executor's error is returned: {failed:?}");
         assert_eq!((stack.runtime.queued_stores(), stack.runtime.retiring_requests()), (1, 1));
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
         stack.runtime.drain().unwrap();
         assert_eq!(stack.runtime.lookup(&fresh), 4, "the store committed once its write was issued again");
+    });
+}
+
+#[test]
+fn begin_prefill_refuses_for_an_executor_error_and_begins_on_retry() {
+    // Goal: `begin_prefill`, reaping first, returns an executor error it meets there (the
+    // request's own I/O would go to the same executor) with nothing prepared, and a retry
+    // begins the request: the error is reported once. (Another request's store failure met
+    // there is logged instead: not this request's.)
+    bounded(|| {
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        a_write_in_flight_beside_a_retiring_read(&mut stack);
+        let before = stack.runtime.counters();
+        let tokens = prompt(1, 0);
+        let blocks: Vec<u32> = (30..34).collect();
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks });
+        assert!(is_the_executor_error(&refused), "the executor's error is returned: {refused:?}");
+        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+        assert_eq!((stack.runtime.queued_stores(), stack.runtime.retiring_requests()), (1, 1), "nothing was prepared");
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).expect("the retry begins");
+        stack.runtime.abort_prefill(start.id).expect("nothing of it in flight");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
+        stack.runtime.drain().unwrap();
     });
 }
 

@@ -16,6 +16,10 @@ use crate::error::{store_error, Result, RuntimeError};
 use crate::events::{IoDirection, IoEvent, IoEventKind};
 use crate::writes::WriteQueue;
 
+/// The operation of the `Store` error `advance` returns for an executor error no live I/O took
+/// (`retire_ended` met it; writes in flight).
+pub(super) const POLL_THE_EXECUTOR: &str = "poll the executor";
+
 impl<E: Executor> Runtime<E> {
     pub(super) fn prefill_of(&mut self, call: &'static str, id: PrefillId) -> Result<&mut Prefill> {
         let active = self.prefill.as_ref().map(|p| p.id);
@@ -151,7 +155,7 @@ impl<E: Executor> Runtime<E> {
         // stores stay queued (their own layers did not fail, as far as anyone knows); the error
         // says the executor failed.
         if let Some(source) = executor_failure.filter(|_| self.writes.any_in_flight()) {
-            return Err(RuntimeError::Store { operation: "poll the executor", source });
+            return Err(RuntimeError::Store { operation: POLL_THE_EXECUTOR, source });
         }
         if issue {
             self.pump()?;
