@@ -476,8 +476,6 @@ impl ClusterAgent {
         requests_max: usize,
         metrics: ClusterMetrics,
     ) -> Result<ClusterAgent, DaemonError> {
-        use held::HeldSegments;
-
         let segment_blocks = settings.registry.segment_blocks;
         let ClusterPrepared { manifest_lock, loaded, listener, lookups } = prepared;
         let io = |source| DaemonError::Io { context: "the cluster's segment manifest".into(), source };
@@ -488,20 +486,7 @@ impl ClusterAgent {
         let pool_blocks = counts.slots.saturating_mul(blocks_per_slot);
         control.track_departures(usize::try_from(pool_blocks).unwrap_or(usize::MAX).clamp(1, DEPARTURES_MAX));
         let index = control.pool().index();
-        let mut held = HeldSegments::default();
-        // Segments the previous process held (and so may have registered: it journals a
-        // segment before registering it) whose blocks this pool no longer has — a pool wiped or
-        // replaced while the old lease lived. Their entries are deleted before this node joins,
-        // not left to claim them until that lease expires — only while the member key is absent
-        // or under the lease the manifest recorded (`ClusterClient::forget`).
-        let mut stale = Vec::new();
-        for segment in &loaded.segments {
-            if segment.keys.iter().all(|&key| index.get(key).is_some()) {
-                held.insert(segment.space, segment.index, &segment.keys);
-            } else if let Some(key) = segment.keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) {
-                stale.push((segment.space, tutti_cluster::Segment { index: segment.index, key }));
-            }
-        }
+        let (held, stale) = recover_segments(&loaded, |key| index.get(key).is_some());
         tracing::info!(held = held.len(), gone = stale.len(), "segments from the manifest checked against the pool");
         let mut data_plane = data_plane::DataPlane::bind(listener, control, segment_blocks, requests_max)
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
@@ -907,6 +892,34 @@ impl PreparedStores {
     pub(crate) fn retain(&mut self, live: impl Fn(u64) -> bool) {
         self.stores.retain(|(handle, _)| live(*handle));
     }
+}
+
+/// At start, the manifest's segments against the recovered pool (`present`: whether a block
+/// key is committed in its index): the held ones, whose blocks are all there, and the stale
+/// ones, whose registrations the registrar deletes before its first join. Stale: segments the
+/// previous process held (and so may have registered: it journals a segment before registering
+/// it) whose blocks this pool no longer has — a pool wiped or replaced while the old lease
+/// lived — and those it journalled as dropped (`Loaded::departed`), whose unregister may not
+/// have gone out before it died. Their entries are deleted before this node joins, not left to
+/// claim them until that lease expires (peers sent here would be refused) — only while the
+/// member key is absent or under the lease the manifest recorded (`ClusterClient::forget`;
+/// deleting an entry that is not there is no error).
+#[cfg(feature = "cluster")]
+fn recover_segments(
+    loaded: &manifest::Loaded,
+    present: impl Fn(u64) -> bool,
+) -> (held::HeldSegments, Vec<(ModelSpace, tutti_cluster::Segment)>) {
+    let mut held = held::HeldSegments::default();
+    let mut stale = Vec::new();
+    for segment in &loaded.segments {
+        if segment.keys.iter().all(|&key| present(key)) {
+            held.insert(segment.space, segment.index, &segment.keys);
+        } else if let Some(key) = segment.keys.last().and_then(|&last| tutti_cluster::SegmentKey::new(last).ok()) {
+            stale.push((segment.space, tutti_cluster::Segment { index: segment.index, key }));
+        }
+    }
+    stale.extend_from_slice(&loaded.departed);
+    (held, stale)
 }
 
 #[cfg(feature = "cluster")]

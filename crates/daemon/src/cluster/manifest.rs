@@ -21,7 +21,9 @@
 //! the journal is a hint the index confirms, so a lost write costs a registration, not data.
 //!
 //! The journal also records the etcd lease the node joined under (each join and rejoin): a
-//! successor after a crash deletes the registrations of segments its pool lost only while the
+//! successor after a crash deletes the registrations of segments its pool lost, and of those
+//! journalled as dropped since the file was written (a segment is journalled as dropped before
+//! its unregister goes out, which a crash may have prevented: `Loaded::departed`), only while the
 //! node id's member key is absent or still under that lease (`ClusterClient::forget`), never
 //! those of a live process holding the id.
 //!
@@ -41,7 +43,7 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
-use tutti_cluster::{ModelSpace, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
+use tutti_cluster::{ModelSpace, Segment, SegmentBlocks, SegmentKey, FINGERPRINT_BYTES};
 use tutti_devices::lock::file_kind;
 
 use super::held::HeldSegment;
@@ -74,6 +76,12 @@ pub struct ManifestSegment {
 pub struct Loaded {
     /// The segments the journal says are held, in the order they were first recorded.
     pub segments: Vec<ManifestSegment>,
+    /// The segments journalled as dropped since the file was written (and not held again
+    /// after), in the order dropped: the previous process may have died before their
+    /// unregister went out, so their registrations may live on under its lease, and the start
+    /// deletes them with the stale ones. The index is the held record's (0 when the file holds
+    /// none: a delete names the key alone).
+    pub departed: Vec<(ModelSpace, Segment)>,
     /// Bytes after the last sound record (a torn tail, or damage), not trusted.
     pub dropped_bytes: u64,
     /// Why the whole file was discarded (a manifest of another version or segment size), if it was.
@@ -420,6 +428,9 @@ fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Result<Loaded, Foreign>
     // (space, segment key) -> position in `loaded.segments` (None once dropped).
     let mut positions: HashMap<(ModelSpace, SegmentKey), usize> = HashMap::new();
     let mut slots: Vec<Option<ManifestSegment>> = Vec::new();
+    // The same for `loaded.departed` (None once held again).
+    let mut departed_positions: HashMap<(ModelSpace, SegmentKey), usize> = HashMap::new();
+    let mut departed: Vec<Option<(ModelSpace, Segment)>> = Vec::new();
     let mut at = HEADER_BYTES;
     while at < bytes.len() {
         let Some(record) = read_record(&bytes[at..]) else { break };
@@ -451,17 +462,25 @@ fn parse(bytes: &[u8], segment_blocks: SegmentBlocks) -> Result<Loaded, Foreign>
         let Some(&last) = keys.last() else { break };
         let Ok(key) = SegmentKey::new(last) else { break };
         if held {
+            if let Some(position) = departed_positions.remove(&(space, key)) {
+                departed[position] = None;
+            }
             if let std::collections::hash_map::Entry::Vacant(vacant) = positions.entry((space, key)) {
                 vacant.insert(slots.len());
                 slots.push(Some(ManifestSegment { space, index, keys }));
             }
-        } else if let Some(position) = positions.remove(&(space, key)) {
-            slots[position] = None;
+        } else {
+            let index = positions.remove(&(space, key)).and_then(|position| slots[position].take()).map_or(0, |segment| segment.index);
+            if let std::collections::hash_map::Entry::Vacant(vacant) = departed_positions.entry((space, key)) {
+                vacant.insert(departed.len());
+                departed.push(Some((space, Segment { index, key })));
+            }
         }
         at += record_bytes;
     }
     loaded.dropped_bytes = (bytes.len() - at) as u64;
     loaded.segments = slots.into_iter().flatten().collect();
+    loaded.departed = departed.into_iter().flatten().collect();
     Ok(loaded)
 }
 

@@ -867,6 +867,36 @@ mod tests {
     }
 
     #[test]
+    fn a_segment_journalled_as_dropped_is_stale_for_a_successor_after_a_crash() {
+        // Goal: a segment journalled as held (so perhaps registered) whose block then left the
+        // pool is journalled as dropped at once, while its unregister waits for the next etcd
+        // call (perhaps a backoff of 5 s). A process killed in between left its registration
+        // under the old lease, and the successor's manifest no longer listed the segment: it
+        // could not delete the entry, which sent peers here (to be refused) until the old lease
+        // expired, up to a TTL. Now a dropped segment is stale at the next start, like one whose
+        // blocks the pool lost.
+        let directory = tempfile::tempdir().unwrap();
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=16).collect();
+        let mut held = HeldSegments::default();
+        assert!(held.insert(space, 0, &keys));
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "dropped", held, 0x77, inbox);
+        let store = store();
+        registrar.held.block_departed(5, &mut |_| false, &mut registrar.removed);
+        assert_eq!(registrar.removed.len(), 1, "the segment's block left the pool");
+        // The pass's local step journals the drop; the process dies before any etcd call.
+        registrar.update_local(&store, &[]);
+        drop(registrar);
+
+        let loaded = super::super::manifest::load(&directory.path().join("segments"), SegmentBlocks::new(16).unwrap()).unwrap();
+        let (held, stale) = super::super::recover_segments(&loaded, |key| key != 5);
+        assert_eq!(held.len(), 0);
+        let segment = Segment { index: 0, key: SegmentKey::new(16).unwrap() };
+        assert_eq!(stale, vec![(space, segment)], "the dropped segment's registration is not deleted at the next start");
+    }
+
+    #[test]
     fn a_rejoin_whose_old_lease_was_not_revoked_keeps_the_unregister_queue() {
         // Goal: segments broken while joined wait in the unregister queue. A rejoin whose revoke
         // of the old lease succeeded (or found it gone) drops the queue: the entries vanished
