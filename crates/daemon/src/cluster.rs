@@ -492,7 +492,7 @@ impl ClusterAgent {
             .map_err(|source| DaemonError::Io { context: format!("the data plane on {}", settings.data_address), source })?;
         data_plane.kept_reservations = metrics.kept_reservations.clone();
         let data_address = data_plane.address();
-        // Last, once nothing after it can fail: the file without the stale segments. A start
+        // Last, once nothing after it can fail: the file with the stale segments as dropped. A start
         // that failed before this leaves the manifest as it was, so the next start still finds
         // (and deletes the registrations of) the segments this pool lost.
         // The previous process's lease is kept until this one joins: a start that fails before
@@ -501,7 +501,10 @@ impl ClusterAgent {
         // meanwhile is another file's (the pool's image, created or formatted by open_pool at
         // the same path), which the rename would replace.
         manifest::still_as_loaded(&settings.manifest, &loaded)?;
-        let manifest = manifest::Manifest::rewrite(&settings.manifest, segment_blocks, loaded.lease_id, held.iter()).map_err(io)?;
+        // The stale segments are kept as dropped records: a start that dies before the
+        // registrar deleted them leaves them for the next.
+        let manifest = manifest::Manifest::rewrite_keeping(&settings.manifest, segment_blocks, loaded.lease_id, held.iter(), stale.iter())
+            .map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::new());
         let record = tutti_cluster::MemberRecord {

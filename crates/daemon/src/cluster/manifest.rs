@@ -76,8 +76,9 @@ pub struct ManifestSegment {
 pub struct Loaded {
     /// The segments the journal says are held, in the order they were first recorded.
     pub segments: Vec<ManifestSegment>,
-    /// The segments journalled as dropped since the file was written (and not held again
-    /// after), in the order dropped: the previous process may have died before their
+    /// The segments journalled as dropped (and not held again after), in the order dropped:
+    /// since the file was written, or kept by its rewrite as still to delete
+    /// ([`Manifest::rewrite_keeping`]). The previous process may have died before their
     /// unregister went out, so their registrations may live on under its lease, and the start
     /// deletes them with the stale ones. The index is the held record's (0 when the file holds
     /// none: a delete names the key alone).
@@ -119,7 +120,7 @@ impl FileIdentity {
 
 /// Refuses ([`DaemonError::Config`], nothing changed) when the manifest's path no longer holds
 /// what [`load`] read there: made since (missing then), another file, or written since. Called
-/// just before the start's [`Manifest::rewrite`], which would otherwise rename a manifest over
+/// just before the start's [`Manifest::rewrite_keeping`], which would otherwise rename a manifest over
 /// whatever is there: a `--cluster-state` naming the pool's image, missing or empty at load,
 /// then created or formatted by the pool's open, left the daemon on an unlinked inode.
 pub fn still_as_loaded(path: &Path, loaded: &Loaded) -> Result<(), DaemonError> {
@@ -205,7 +206,7 @@ fn frame(out: &mut Vec<u8>, tag: u8, body: impl FnOnce(&mut Vec<u8>)) {
 /// each read the other's segments as lost from its pool, and the second would delete the
 /// first's registrations under the lease the first recorded (`ClusterClient::forget` allows
 /// exactly that lease), then rename its own manifest over the first's. Not a lock on the
-/// manifest itself: [`Manifest::rewrite`] renames a new file over it, and a lock belongs to
+/// manifest itself: [`Manifest::rewrite_keeping`] renames a new file over it, and a lock belongs to
 /// the file it was taken on, not to the path.
 #[derive(Debug)]
 pub struct ManifestLock {
@@ -283,7 +284,7 @@ fn open_regular(path: &Path) -> std::io::Result<Result<(File, std::fs::Metadata)
     Ok(if metadata.file_type().is_file() { Ok((file, metadata)) } else { Err(file_kind(metadata.file_type())) })
 }
 
-/// `PATH.new`, where [`Manifest::rewrite`] writes the file it renames over `PATH`.
+/// `PATH.new`, where [`Manifest::rewrite_keeping`] writes the file it renames over `PATH`.
 fn temporary_of(path: &Path) -> PathBuf {
     let mut temporary = path.as_os_str().to_owned();
     temporary.push(".new");
@@ -497,14 +498,30 @@ fn read_record(bytes: &[u8]) -> Option<(u8, &[u8], usize)> {
 }
 
 impl Manifest {
-    /// Rewrites the file with exactly `segments` and the lease `lease_id` (0: none; a start
-    /// keeps the previous process's until this one joins) — a new file, then renamed over the
-    /// old one, so a crash leaves one or the other whole — and opens it for appending.
+    /// [`Manifest::rewrite_keeping`] with no deletes to keep (tests).
+    #[cfg(test)]
     pub fn rewrite<'a>(
         path: &Path,
         segment_blocks: SegmentBlocks,
         lease_id: i64,
         segments: impl Iterator<Item = &'a HeldSegment>,
+    ) -> std::io::Result<Manifest> {
+        Manifest::rewrite_keeping(path, segment_blocks, lease_id, segments, std::iter::empty())
+    }
+
+    /// Rewrites the file with exactly `segments`, a dropped record for each of `departed`, and
+    /// the lease `lease_id` (0: none; a start keeps the previous process's until this one
+    /// joins) — a new file, then renamed over the old one, so a crash leaves one or the other
+    /// whole — and opens it for appending. `departed`: segments not held whose registrations
+    /// are still to delete (queued, or stale before the first join), which a successor after a
+    /// crash must still find (`Loaded::departed`); none may be among `segments` (it would read
+    /// as dropped).
+    pub fn rewrite_keeping<'a, 'b>(
+        path: &Path,
+        segment_blocks: SegmentBlocks,
+        lease_id: i64,
+        segments: impl Iterator<Item = &'a HeldSegment>,
+        departed: impl Iterator<Item = &'b (ModelSpace, Segment)>,
     ) -> std::io::Result<Manifest> {
         let temporary = temporary_of(path);
         let mut record = Vec::new();
@@ -525,6 +542,11 @@ impl Manifest {
             }
             for held in segments {
                 held_record(&mut record, &held.space, held.segment.index, &held.keys);
+                writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
+                records += 1;
+            }
+            for (space, segment) in departed {
+                dropped_record(&mut record, space, segment.key);
                 writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
                 records += 1;
             }
@@ -581,10 +603,7 @@ impl Manifest {
 
     /// Appends "this node no longer holds the segment `key` of `space`".
     pub fn dropped(&mut self, space: &ModelSpace, key: SegmentKey) -> std::io::Result<()> {
-        frame(&mut self.record, TAG_DROPPED, |out| {
-            put_space(out, space);
-            out.extend_from_slice(&key.get().to_le_bytes());
-        });
+        dropped_record(&mut self.record, space, key);
         self.records += 1;
         self.file.write_all(&self.record).map_err(io_context(&self.path, "appending to"))
     }
@@ -597,6 +616,13 @@ impl Manifest {
 
 fn lease_record(out: &mut Vec<u8>, lease_id: i64) {
     frame(out, TAG_LEASE, |out| out.extend_from_slice(&lease_id.to_le_bytes()));
+}
+
+fn dropped_record(out: &mut Vec<u8>, space: &ModelSpace, key: SegmentKey) {
+    frame(out, TAG_DROPPED, |out| {
+        put_space(out, space);
+        out.extend_from_slice(&key.get().to_le_bytes());
+    });
 }
 
 fn held_record(out: &mut Vec<u8>, space: &ModelSpace, index: u32, keys: &[u64]) {

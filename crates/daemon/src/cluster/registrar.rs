@@ -369,9 +369,14 @@ impl Registrar {
             }
         }
         if let Some(manifest) = self.manifest.as_mut() {
-            let result = if manifest.records() > 2 * self.held.len() as u64 + 4096 {
-                // Compaction: the journal outgrew what it describes.
-                Manifest::rewrite(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), self.held.iter())
+            let pending = self.to_unregister.len() + self.stale.len();
+            let result = if manifest.records() > 2 * (self.held.len() + pending) as u64 + 4096 {
+                // Compaction: the journal outgrew what it describes. Deletes still queued are
+                // kept as dropped records, so a successor after a crash still makes them (a
+                // segment held again since is registered instead: left out).
+                let held = &self.held;
+                let departed = self.to_unregister.iter().chain(&self.stale).filter(|(space, segment)| !held.contains(space, segment.key));
+                Manifest::rewrite_keeping(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), held.iter(), departed)
                     .map(|fresh| *manifest = fresh)
             } else {
                 manifest.flush()
@@ -894,6 +899,37 @@ mod tests {
         assert_eq!(held.len(), 0);
         let segment = Segment { index: 0, key: SegmentKey::new(16).unwrap() };
         assert_eq!(stale, vec![(space, segment)], "the dropped segment's registration is not deleted at the next start");
+    }
+
+    #[test]
+    fn a_compaction_keeps_the_segments_whose_registrations_are_still_to_delete() {
+        // Goal: the journal's compaction (a rewrite with the held segments) while deletes are
+        // still queued — unregistrations, or stale segments before the first join (etcd away
+        // while the cache churned) — keeps them as dropped records, so a successor after a
+        // crash still deletes their registrations. Before, the rewrite left them out and only
+        // the old lease's expiry (up to a TTL) removed the entries.
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "compaction", HeldSegments::default(), 0x77, inbox);
+        let store = store();
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let queued = (space, Segment { index: 0, key: SegmentKey::new(16).unwrap() });
+        let stale = (space, Segment { index: 1, key: SegmentKey::new(32).unwrap() });
+        registrar.to_unregister.push(queued);
+        registrar.stale.push(stale);
+        // Records enough for a compaction at the next pass.
+        let manifest = registrar.manifest.as_mut().unwrap();
+        for key in 1000..6000 {
+            manifest.dropped(&space, SegmentKey::new(key).unwrap()).unwrap();
+        }
+        registrar.update_local(&store, &[]);
+        let records = registrar.manifest.as_ref().unwrap().records();
+        assert!(records < 10, "no compaction: {records} records");
+        drop(registrar);
+        let loaded = super::super::manifest::load(&directory.path().join("segments"), SegmentBlocks::new(16).unwrap()).unwrap();
+        let mut departed = loaded.departed.clone();
+        departed.sort_by_key(|(_, segment)| segment.key.get());
+        assert_eq!(departed, [(space, Segment { index: 0, ..queued.1 }), (space, Segment { index: 0, ..stale.1 })]);
     }
 
     #[test]
