@@ -1178,7 +1178,7 @@ fn a_relayed_pair_kept_by_a_failed_attach_does_not_hold_its_session_past_the_lea
     // at release). It used to count as ringing a shared register page: the session was held,
     // awaiting its client's exit, for as long as the client ran.
     let (mut daemon, emulators) = InProcess::start_on_pool(2, None, true, Duration::from_secs(10), |config| {
-        config.lease = Duration::from_millis(300);
+        config.lease = Duration::from_secs(1);
     });
     let mut client = daemon.client();
     let session = client.hello(&hello("relayed")).expect("hello").session;
