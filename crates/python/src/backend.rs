@@ -37,7 +37,9 @@ pub(crate) mod test_store;
 pub use request_state::{Issues, RequestState, Stall};
 
 /// The longest a `wait` holds the store's lock in one go: other threads' calls (and the
-/// completion thread) get the lock between slices.
+/// completion thread) get the lock between slices, the wait giving way to them
+/// (`StoreShared::give_way`; `Request` waits it out this way; a store's close holds the lock
+/// throughout).
 pub const WAIT_SLICE: Duration = Duration::from_millis(2);
 
 /// How long the completion thread leaves a request alone after its wait failed without ending

@@ -418,7 +418,7 @@ impl Request {
                         return outcome.into_result().map(|layer| Waited::Done(Some(layer)));
                     }
                 }
-                Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => continue,
+                Err(failure) if failure.class == ErrorClass::Timeout && Instant::now() < deadline => {}
                 Err(failure) if failure.class == ErrorClass::Timeout => {
                     let request = state.request(self.handle)?;
                     return Ok(Waited::TimedOut(Failure::new(
@@ -435,19 +435,24 @@ impl Request {
                 }
                 Err(failure) => return Err(failure),
             }
+            // Between slices, the callers waiting for the lock take it first: let go and taken
+            // again at once, it would nearly always come back to this wait (a Mutex is not fair).
+            drop(state);
+            self.shared.give_way();
         }
     }
 
     /// Waits out every layer in flight (`StoreState::settle_step`), taking the store's lock one
-    /// slice at a time so that other threads get their turn; bounded by `deadline`. A failed
-    /// layer does not stop it (the later ones are still waited for); what it could not settle
-    /// is left in flight for `finish` to refuse.
+    /// slice at a time and giving way between slices so that other threads get their turn;
+    /// bounded by `deadline`. A failed layer does not stop it (the later ones are still waited
+    /// for); what it could not settle is left in flight for `finish` to refuse.
     fn settle(&self, deadline: Instant) {
         loop {
             let step = self.shared.locked(|state| state.settle_step(self.handle, deadline));
             if step != Ok(Settling::Continue) {
                 return;
             }
+            self.shared.give_way(); // as `wait_until`, between slices
         }
     }
 
@@ -567,6 +572,8 @@ impl Request {
                 Err(failure) if oldest == layer => return Err(failure),
                 Err(failure) => return Err(behind(layer, oldest, &failure)),
             }
+            drop(state);
+            self.shared.give_way(); // as `wait_until`, between slices
         }
     }
 }
@@ -976,6 +983,58 @@ mod tests {
             pyo3::Python::attach(|py| interruptible(py, deadline, |until| request.wait_layer(0, issue, until)).map(|()| String::new()));
         assert_eq!(raised(waited), "layer 0 failed: x", "LayerIo.wait");
         assert!(started.elapsed() < Duration::from_secs(5), "raised at once, not at the deadline");
+    }
+
+    #[test]
+    fn a_thread_waiting_for_the_stores_lock_gets_it_between_a_waits_slices() {
+        // Goal: while a wait drives a layer that does not complete (its completion 3 s late),
+        // holding the store's lock one WAIT_SLICE at a time, another thread asking for the
+        // lock (vLLM's scheduler thread looking up prefixes, the worker's main thread) gets it
+        // at the end of the slice under way, not at the wait's deadline. Each of Request.wait
+        // (`wait_until`), LayerIo.wait (`wait_layer`) and the settling of a request's end
+        // (`settle`) waits 1.5 s on another thread while this one takes the lock every
+        // millisecond for 1.1 s: on average within 3 ms (a slice and a give-way), none after
+        // more than 250 ms (generous: a loaded machine may not run this thread for a while).
+        // Before, each wait let go of the lock and took it again at once, and std's Mutex, not
+        // fair, gave it back to the wait whenever this thread was not running at that instant:
+        // here 3-15 ms on average, up to 500 ms for one taking.
+        type Wait = fn(&Request, u64, Instant);
+        let waits: [(&str, Wait); 3] = [
+            ("Request.wait", |request, _, deadline| drop(request.wait_until(deadline))),
+            ("LayerIo.wait", |request, issue, deadline| drop(request.wait_layer(0, issue, deadline))),
+            ("the settling of a request's end", |request, _, deadline| request.settle(deadline)),
+        ];
+        for (seed, (name, wait)) in (13..).zip(waits) {
+            let mut state = test_store::local_state(1);
+            let handle = test_store::prepare_store(&mut state, seed);
+            // Not dropped: the in-process store's drop would wait 5 s for it.
+            let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
+            test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
+            let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
+            // A short store timeout: the request's drop at the end settles for no longer.
+            let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_millis(50));
+            let request = Arc::new(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+            let waiter = Arc::clone(&request);
+            let deadline = Instant::now() + Duration::from_millis(1500);
+            let waiting = std::thread::spawn(move || wait(&waiter, issue, deadline));
+            std::thread::sleep(Duration::from_millis(50)); // the wait is in its slices
+            let (mut takings, mut total, mut slowest) = (0u32, Duration::ZERO, Duration::ZERO);
+            while Instant::now() + Duration::from_millis(300) < deadline {
+                let asked = Instant::now();
+                shared.locked_data_path(|_| ()).expect("the store's lock");
+                let took = asked.elapsed();
+                (takings, total, slowest) = (takings + 1, total + took, slowest.max(took));
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let still_waiting = !waiting.is_finished();
+            waiting.join().expect("the wait");
+            assert!(still_waiting, "{name}: the wait ended before the takings (the layer completes after its deadline)");
+            let mean = total / takings.max(1);
+            assert!(
+                mean < Duration::from_millis(3) && slowest < Duration::from_millis(250),
+                "{name}: {takings} takings of the lock took {mean:?} on average, the slowest {slowest:?}"
+            );
+        }
     }
 
     #[test]

@@ -33,10 +33,11 @@ const SERVICE_SLICE: Duration = Duration::from_micros(200);
 /// The longest the completion thread sleeps when nothing is armed (it also wakes on a signal),
 /// and the keep-alive thread between its looks at the store (it also wakes on a stop).
 const SERVICE_IDLE_MAX: Duration = Duration::from_millis(500);
-/// The longest the completion thread waits, after one of its steps, for the callers waiting
-/// for the store's lock to take it (`StoreShared::give_way`): a caller still waiting then
-/// waits one more step (a slice at most), and a thread that holds the lock longer costs the
-/// completion thread no more than this each step.
+/// The longest the completion thread waits, after one of its steps (and a wait after one of
+/// its slices), for the callers waiting for the store's lock to take it
+/// (`StoreShared::give_way`): a caller still waiting then waits one more step (a slice at
+/// most), and a thread that holds the lock longer costs the one giving way no more than this
+/// each step.
 const GIVE_WAY_MAX: Duration = Duration::from_millis(1);
 
 /// What a `Store` and its requests share.
@@ -44,7 +45,8 @@ pub struct StoreShared {
     state: Mutex<StoreState>,
     /// Callers waiting for the store's lock (`lock`). A Mutex goes to whichever thread asks
     /// first once let go, and the completion thread, stepping from one request to the next,
-    /// would always ask first: it gives way to them between its steps (`give_way`).
+    /// or a wait, from one slice to the next, would always ask first: each gives way to them
+    /// between its steps (`give_way`).
     waiting: AtomicUsize,
     /// Wakes the completion thread (a request armed, the store closing).
     wake: Condvar,
@@ -82,9 +84,12 @@ impl StoreShared {
         Ok(state)
     }
 
-    /// The completion thread, between its steps (it holds no lock): lets the callers waiting
-    /// for the store's lock take it first, waiting for that at most `GIVE_WAY_MAX`.
-    fn give_way(&self) {
+    /// The completion thread between its steps, and a wait between its slices (`WAIT_SLICE`;
+    /// either holds no lock then): lets the callers waiting for the store's lock take it
+    /// first, waiting for that at most `GIVE_WAY_MAX`. A thread that let go of the lock and
+    /// took it again at once would nearly always get it back (a Mutex is not fair), and a
+    /// caller waiting would wait out the whole wait.
+    pub fn give_way(&self) {
         let until = Instant::now() + GIVE_WAY_MAX;
         std::thread::yield_now();
         while self.waiting.load(Ordering::Acquire) > 0 && Instant::now() < until {
