@@ -276,8 +276,17 @@ class WorkerSide:
         in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
         does not complete ends the session first (the blocks may still be written); a save with
         the committer whose layer does not complete in time is cancelled (never committed: its
-        bytes may have been read after vLLM reused the blocks). All of it within one timeout_s,
-        however many requests were preempted: what is not settled by then is handled as above."""
+        bytes may have been read after vLLM reused the blocks). The waits for layers and for the
+        committer share one timeout_s, however many requests were preempted: what is not settled
+        by then is handled as above. That is not the whole bound. A load still in flight at
+        that deadline ends the session (`_end_session`, once per call): its
+        `Store.close(timeout_s)` waits for the layers still in flight, then for tuttid to confirm
+        that the session ended: up to timeout_s + 5 s more in all. And each exchange with
+        tuttid takes up to timeout_s of its own: a settled request's finish, the committer's
+        commit (which holds the store's lock: this call's waits wait behind it), a keep-alive
+        ping under way (the close waits for it); the first that runs out leaves the connection
+        unusable, so the later ones fail at once. With a stalled device and tuttid the call may
+        thus take up to about 3 x timeout_s + 5 s."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
