@@ -57,10 +57,11 @@
 #   TUTTI_VM_SKIP_APT=1      never call apt (fail if something is missing)
 #   TUTTI_VM_KERNEL_PACKAGE  e.g. linux-image-6.1.0-56-amd64 (default: what linux-image-amd64 names)
 #
-# Exit status: 0 only if every guest command exited 0, as the guest reported it (and, leaving
-# through isa-debug-exit, passed to QEMU's exit status); a guest that hangs after reporting is
-# stopped after TUTTI_VM_EXIT_GRACE_S and its reported status counts. Non-zero on any failure, a
-# missing binary, no result reported, or TUTTI_VM_TIMEOUT_S.
+# Exit status: 0 only if every required guest command (a line not marked `optional `) exited
+# 0, as the guest reported it (and, leaving through isa-debug-exit, passed to QEMU's exit
+# status); a guest that hangs after reporting is stopped after TUTTI_VM_EXIT_GRACE_S and its
+# reported status counts. Non-zero on any failure, a missing binary, no result reported, or
+# TUTTI_VM_TIMEOUT_S.
 set -euo pipefail
 # shellcheck source=tools/vm/lib.sh
 . "$(dirname "$(readlink -f "$0")")/vm/lib.sh"

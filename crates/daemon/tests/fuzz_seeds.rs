@@ -27,6 +27,7 @@ fn seed_directory(target: &str) -> PathBuf {
 
 /// Checks each committed seed of `target` against `seeds` (named as the files), then `reaches`.
 fn check_committed(target: &str, seeds: Vec<(&'static str, Vec<u8>)>, reaches: impl Fn(&str, &[u8])) {
+    assert_only_built_files(&seed_directory(target), seeds.iter().map(|(name, _)| *name));
     for (name, data) in seeds {
         let committed = std::fs::read(seed_directory(target).join(name)).unwrap_or_default();
         assert!(
@@ -222,4 +223,17 @@ fn committed_tuttid_protocol_seeds_are_current_and_decode() {
         };
         assert_eq!(decodes, Ok(kind), "seed tuttid_protocol/{name}: its body as {kind:?}");
     });
+}
+
+/// The fuzzer reads every file of the directory: one this file does not build (renamed, left
+/// behind) would be fed to it unchecked.
+fn assert_only_built_files<'a>(directory: &std::path::Path, built: impl Iterator<Item = &'a str>) {
+    let mut committed: Vec<String> = std::fs::read_dir(directory)
+        .expect("seed directory")
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut built: Vec<String> = built.map(str::to_string).collect();
+    committed.sort();
+    built.sort();
+    assert_eq!(committed, built, "{} holds files this test does not build", directory.display());
 }

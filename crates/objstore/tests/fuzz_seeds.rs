@@ -135,7 +135,16 @@ fn write_fuzz_seeds() {
 fn committed_fuzz_seeds_are_current_and_decode_as_the_target_reads_them() {
     // Goal: the committed seeds are the ones this file builds, and each reaches what it is for
     // (an Empty entry behind a zeroed superblock region, a Valid entry, a superblock accepted
-    // on its namespace) — else the fuzzer starts blind.
+    // on its namespace) — else the fuzzer starts blind. The fuzzer reads every file of the
+    // directory: none may be there that this file does not build.
+    let mut committed: Vec<String> = std::fs::read_dir(seed_directory())
+        .expect("seed directory")
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut built: Vec<String> = seeds().iter().map(|(name, _)| name.to_string()).collect();
+    committed.sort();
+    built.sort();
+    assert_eq!(committed, built, "fuzz/seeds/objstore_format holds files this test does not build");
     for (name, data) in seeds() {
         let committed = std::fs::read(seed_directory().join(name)).unwrap_or_default();
         assert!(
