@@ -41,6 +41,13 @@ pub struct ClusterConfig {
     pub txn_ops_max: usize,
     /// Most holders a lookup returns per segment (the rest exist but are not listed). With
     /// `txn_ops_max`, bounded by [`RESPONSE_BYTES_MAX`]: holders × operations ≤ ~8,000.
+    /// Which ones: each segment's holders are one range read in key order, whose last part is
+    /// the node id, so always those of the lowest node ids (byte order), whatever the reader.
+    /// A segment with more holders than this sends every reader to the same ones (the others
+    /// never serve it, and a dead low id is tried until its lease expires), and a holder past
+    /// the limit in one segment's list ends its run there (`Lookup::holder_prefixes`). Set it
+    /// above the most replicas one segment may have (at most every node of the cluster);
+    /// tuttid keeps the default (no flag sets it).
     pub holders_max: usize,
 }
 
