@@ -14,7 +14,8 @@
 //! A pool file (`emu:PATH`, `uring:PATH`, a regular file) is its owner's only, like a lock
 //! file: one of this user's that others may open is made so when it is locked, one of another
 //! user's that others may read or write refused (`pool_file_access`); a block device keeps
-//! the mode the system gave it.
+//! the mode the system gave it. tutti-bench's raw runs, which read any file as fio does, lock
+//! without this ([`DeviceLocks::acquire_leaving_modes`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -76,7 +77,16 @@ impl DeviceLocks {
     /// its lock, or this with `create_files` called inside [`FileUndo::lending_locks`] on the
     /// undo's thread (for a caller that reaches this through a wrapper of its own).
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
-        Self::acquire_sharing(specs, lock_dir, create_files, None)
+        Self::acquire_sharing(specs, lock_dir, create_files, None, PoolFileModes::Narrow)
+    }
+
+    /// [`DeviceLocks::acquire`] for files that are not pools, which keep their mode: an
+    /// existing `emu:`/`uring:` file others can open is neither narrowed nor refused for it.
+    /// For tutti-bench's raw runs, which read (or write) any file as fio would (a data set, a
+    /// disk image shared with other users): the mode is its owner's business there, and the
+    /// lock only keeps two runs (or a run and tuttid) off one file at once.
+    pub fn acquire_leaving_modes(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
+        Self::acquire_sharing(specs, lock_dir, create_files, None, PoolFileModes::Leave)
     }
 
     /// [`DeviceLocks::acquire`] with `create_files` for the `emu:` files a format is to create,
@@ -87,7 +97,7 @@ impl DeviceLocks {
     /// process holds it). Neither side's drop unlocks the other's: `undo` keeps its lock until
     /// it is dropped or kept, whether this succeeds, fails part-way, or is dropped first.
     pub fn acquire_created(specs: &[DeviceSpec], lock_dir: &Path, undo: &FileUndo) -> Result<DeviceLocks, DeviceError> {
-        Self::acquire_sharing(specs, lock_dir, true, Some(undo))
+        Self::acquire_sharing(specs, lock_dir, true, Some(undo), PoolFileModes::Narrow)
     }
 
     /// tuttid's lock on the `vfio:` function `address`, for a tool that moves the function
@@ -182,6 +192,7 @@ impl DeviceLocks {
         lock_dir: &Path,
         create_files: bool,
         undo: Option<&FileUndo>,
+        modes: PoolFileModes,
     ) -> Result<DeviceLocks, DeviceError> {
         refuse_shared_files(specs)?;
         let mut locks = DeviceLocks::default();
@@ -230,8 +241,10 @@ impl DeviceLocks {
             // to hold its lock (flock needs no write access), keeping tuttid out as in use.
             // Checked and changed on this descriptor, so on the file locked, not a name's
             // later target.
-            if let Some(mode) = restrict_pool_file(&path, &file)? {
-                locks.narrowed.push((path.clone(), mode));
+            if modes == PoolFileModes::Narrow {
+                if let Some(mode) = restrict_pool_file(&path, &file)? {
+                    locks.narrowed.push((path.clone(), mode));
+                }
             }
             // A file the given undo made is locked already, on the descriptor that made it:
             // that lock is shared (a duplicate of the descriptor), not refused as another's.
@@ -495,6 +508,15 @@ fn restrict_lock_file(path: &Path, file: &File) -> Result<(), DeviceError> {
         ),
         source,
     })
+}
+
+/// Whether [`DeviceLocks`] applies [`pool_file_access`] to the existing files it locks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PoolFileModes {
+    /// Pool files ([`DeviceLocks::acquire`]): narrowed or refused.
+    Narrow,
+    /// Any file ([`DeviceLocks::acquire_leaving_modes`]): its mode left as it is.
+    Leave,
 }
 
 /// What is done with a pool file's mode before it is locked ([`pool_file_access`]).

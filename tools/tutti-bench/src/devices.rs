@@ -170,6 +170,35 @@ pub struct CreatedFiles {
     refuse_foreign: bool,
     /// The locks [`prepare_file`] took on existing files the lock step did not hold.
     device_locks: Vec<tutti_devices::DeviceLocks>,
+    /// What those locks do with an existing file's mode, as the lock step's do.
+    file_modes: FileModes,
+}
+
+/// What the run's locks do with the mode of an existing `emu:`/`uring:` file others can open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum FileModes {
+    /// A pool (the kv workload): narrowed to its owner's bits, or refused if another user's,
+    /// as tuttid does (`tutti_devices::DeviceLocks::acquire`).
+    #[default]
+    Narrow,
+    /// Any file a raw run reads or writes, as fio would (a data set others read too): left as
+    /// it is (`tutti_devices::DeviceLocks::acquire_leaving_modes`).
+    Leave,
+}
+
+impl FileModes {
+    /// Locks `specs` (no file is created) as `self` says; what was narrowed, or could not be,
+    /// is printed as a warning here, so that no caller can leave it untold.
+    pub fn acquire(self, specs: &[DeviceSpec], lock_dir: &Path) -> Result<tutti_devices::DeviceLocks, tutti_devices::DeviceError> {
+        let locks = match self {
+            FileModes::Narrow => tutti_devices::DeviceLocks::acquire(specs, lock_dir, false)?,
+            FileModes::Leave => tutti_devices::DeviceLocks::acquire_leaving_modes(specs, lock_dir, false)?,
+        };
+        for note in locks.narrowed_notes() {
+            tutti_cli::errln!("tutti-bench: warning: {note}");
+        }
+        Ok(locks)
+    }
 }
 
 impl CreatedFiles {
@@ -193,6 +222,11 @@ impl CreatedFiles {
     /// Has [`prepare_file`] check an existing file the lock step did not hold (one that appeared
     /// since the run's checks, or was put in place of one it held) for foreign contents, as
     /// those checks did: for a run that formats without `--overwrite`.
+    /// Has [`prepare_file`] lock an existing file the lock step did not hold as that step does.
+    pub fn set_file_modes(&mut self, modes: FileModes) {
+        self.file_modes = modes;
+    }
+
     pub fn refuse_foreign_appearing(&mut self) {
         self.refuse_foreign = true;
     }
@@ -381,7 +415,9 @@ fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: 
     if !created.holds(path) {
         // The lock directory holds vfio: functions' lock files only: an emu: or uring: file is
         // locked itself.
-        let locks = tutti_devices::DeviceLocks::acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR), false)
+        let locks = created
+            .file_modes
+            .acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR))
             .map_err(|error| lock_error(spec, error))?;
         created.note_held(locks.paths());
         created.device_locks.push(locks);

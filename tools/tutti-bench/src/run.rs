@@ -12,7 +12,7 @@ use serde_json::json;
 use tutti_cli::outln;
 
 use crate::args::{format_size, Cli, DeviceSpec, Executor, OutputFormat, Pattern, Selected};
-use crate::devices::{self, CreatedFiles, Device, OpenOptions2};
+use crate::devices::{self, CreatedFiles, Device, FileModes, OpenOptions2};
 use crate::progress::with_progress;
 use crate::report::{phase_json, phase_text, PhaseResult};
 use crate::workloads::{run_phase, PhasePlan, Progress, VerifyMode};
@@ -217,7 +217,11 @@ pub fn with_devices(
     // which is the disk's own; a raw read run takes none, so such a reader is kept from nothing
     // (it reads what is there, as fio would). The temporary pool (no --device) was locked as it
     // was created.
-    let locks = lock_devices(&cli.devices, &cli.lock_dir)?;
+    // A raw run reads (or writes) any file, as fio does: its mode is left alone. A kv run's
+    // devices are a pool, narrowed or refused as tuttid's are (only its owner may open it).
+    let modes = if matches!(access, Access::Reads | Access::Writes) { FileModes::Leave } else { FileModes::Narrow };
+    created.set_file_modes(modes);
+    let locks = lock_devices(&cli.devices, &cli.lock_dir, modes)?;
     created.note_held(locks.iter().flat_map(DeviceLocks::paths));
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
@@ -304,7 +308,9 @@ fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::Devi
 /// exist yet is not locked here: the run creates it (`create_new`, so it cannot be another's)
 /// and `devices::prepare_file` locks it then, held by the run's `CreatedFiles` to the end; one
 /// another process made meanwhile is locked there as here (refused while that process holds it).
-fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<DeviceLocks>> {
+/// `modes`: whether an existing file others can open is narrowed (or refused) as a pool file
+/// (a kv run), or left as it is (a raw run).
+fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path, modes: FileModes) -> anyhow::Result<Vec<DeviceLocks>> {
     // One device named twice would otherwise be refused below as held by "another process"
     // (this one): each spec takes its lock through its own open file.
     match tutti_devices::refuse_shared_files(devices) {
@@ -316,10 +322,7 @@ fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path) -> anyhow::Result<Vec<D
     }
     let mut locks = Vec::with_capacity(devices.len());
     for spec in devices {
-        let held = DeviceLocks::acquire(std::slice::from_ref(spec), lock_dir, false).map_err(|error| lock_refusal(spec, error))?;
-        for note in held.narrowed_notes() {
-            tutti_cli::errln!("tutti-bench: warning: {note}");
-        }
+        let held = modes.acquire(std::slice::from_ref(spec), lock_dir).map_err(|error| lock_refusal(spec, error))?;
         locks.push(held);
     }
     Ok(locks)
@@ -1018,7 +1021,7 @@ mod tests {
         let looping = directory.path().join("loop");
         std::os::unix::fs::symlink(&looping, &looping).unwrap();
         for path in [file.join("under-a-file"), looping] {
-            let error = lock_devices(&[DeviceSpec::EmuFile(path.clone())], directory.path()).unwrap_err();
+            let error = lock_devices(&[DeviceSpec::EmuFile(path.clone())], directory.path(), FileModes::Narrow).unwrap_err();
             assert!(error.downcast_ref::<Unusable>().is_some(), "{}: not status 2: {error:#}", path.display());
         }
         let failed = tutti_devices::DeviceError::OpenFailed { path: file.clone(), source: std::io::Error::from_raw_os_error(libc::EIO) };

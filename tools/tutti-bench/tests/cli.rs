@@ -1232,3 +1232,29 @@ fn a_missing_required_argument_is_named() {
     // lines below; the one line keeps them.
     assert_refused(&["--clients", "2"], &["--attach"]);
 }
+
+#[test]
+fn a_raw_run_leaves_the_mode_of_the_file_it_reads_alone() {
+    // Goal: a raw run (fio's kind, on any file: a data set, a disk image) took the lock as a
+    // pool file's and so narrowed this user's 0644 file to 0600 (others lost access) or refused
+    // another user's that it used to read. Only kv runs, which make and use a pool, narrow; a
+    // raw run locks the file and leaves its mode as it is.
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("dataset.bin");
+    std::fs::write(&path, vec![7u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mode = || std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+    for kind in ["emu", "uring"] {
+        let device = format!("{kind}:{}", path.display());
+        let output = bench(&["--device", &device, "--rw=randread", "--bs=4k", "--size=1m"]);
+        let text = stderr(&output);
+        if kind == "uring" && output.status.code() != Some(0) && (text.contains("io_uring_setup") || text.contains("O_DIRECT")) {
+            skip_uring(&format!("io_uring with O_DIRECT is not available here: {text}"));
+            continue;
+        }
+        assert_eq!(output.status.code(), Some(0), "{device}: {text}");
+        assert_eq!(mode(), 0o644, "{device}: the raw read run changed the file's mode");
+        assert!(!text.contains("was mode"), "{device}: {text}");
+    }
+}
