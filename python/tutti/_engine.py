@@ -247,7 +247,9 @@ def hash_tokens(key: bytes, block_tokens: int) -> list[int]:
 
     Engines that hand a storage tier a hash per block (vLLM's offloading tiers, SGLang's HiCache)
     already chain it over the whole prefix, so each block is stored as a prefix of one block of
-    its own: its "tokens" are the first words of SHA-256(key), then zeroes. tutti then chains
+    its own: its "tokens" are the words of SHA-256 over the tag b"tutti engine block key v1\\0"
+    then `key` (the 32-byte digest read as eight little-endian u32 words), the first block_tokens
+    of them, or all eight then zeroes up to block_tokens. tutti then chains
     those words into its 64-bit block key in the store's key space (model fingerprint and TP rank
     for a store attached to tuttid). Needs block_tokens >= HASH_TOKENS_MIN (the caller checks, with
     a message about its own configuration)."""
