@@ -51,9 +51,8 @@ pub struct DeviceLocks {
     narrowed: Vec<(PathBuf, u32)>,
 }
 
-/// One lock of a [`DeviceLocks`], held for its drop (never read).
+/// One lock of a [`DeviceLocks`], held for its drop (read only to narrow its file's mode).
 #[derive(Debug)]
-#[allow(dead_code)]
 enum Held {
     /// Taken here, on an open file description of its own; unlocked on drop.
     Own(Flock<File>),
@@ -62,6 +61,16 @@ enum Held {
     /// hold. Dropped, it only closes the duplicate (no `LOCK_UN`, which would unlock the
     /// undo's side too); the kernel releases the lock when the last of the two is closed.
     Shared(File),
+}
+
+impl Held {
+    /// The descriptor the lock is on.
+    fn file(&self) -> &File {
+        match self {
+            Held::Own(lock) => lock,
+            Held::Shared(file) => file,
+        }
+    }
 }
 
 impl DeviceLocks {
@@ -200,6 +209,9 @@ impl DeviceLocks {
         // its lock files are opened relative to this descriptor, so the path is not resolved
         // again (a link swapped in meanwhile is not followed).
         let mut opened_lock_dir: Option<LockDir> = None;
+        // The pool files to narrow once every lock is held: the index of each one's lock in
+        // `locks.held`, the mode it has and the mode it is to have.
+        let mut to_narrow: Vec<(usize, u32, u32)> = Vec::new();
         for spec in specs {
             let path = match spec {
                 DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => path.clone(),
@@ -239,11 +251,12 @@ impl DeviceLocks {
             // An existing file has the mode it was made with (`truncate -s 64G pool.img` under
             // umask 022: 0644): every local user could read the cached KV blocks, and open it
             // to hold its lock (flock needs no write access), keeping tuttid out as in use.
-            // Checked and changed on this descriptor, so on the file locked, not a name's
-            // later target.
+            // Decided on this descriptor, so on the file locked, not a name's later target:
+            // another user's is refused now, before its lock; this user's is narrowed only
+            // once every lock is held (below), so a refusal changes no file's mode.
             if modes == PoolFileModes::Narrow {
-                if let Some(mode) = restrict_pool_file(&path, &file)? {
-                    locks.narrowed.push((path.clone(), mode));
+                if let Some((from, to)) = pool_file_narrowing(&path, &file)? {
+                    to_narrow.push((locks.held.len(), from, to));
                 }
             }
             // A file the given undo made is locked already, on the descriptor that made it:
@@ -266,7 +279,28 @@ impl DeviceLocks {
             }
             locks.lock(spec, path, file)?;
         }
+        locks.narrow(&to_narrow)?;
         Ok(locks)
+    }
+
+    /// Narrows the pool files `to_narrow` names (their locks' indices in `held`, with the mode
+    /// each has and is to have), every lock being held: on the locked descriptor. Where one
+    /// fails, those narrowed before it get their modes back (nobody would be told of them: the
+    /// caller gets the error, not these locks).
+    fn narrow(&mut self, to_narrow: &[(usize, u32, u32)]) -> Result<(), DeviceError> {
+        for (done, &(index, from, to)) in to_narrow.iter().enumerate() {
+            let (path, held) = &self.held[index];
+            if let Err(error) = narrow_pool_file(path, held.file(), from, to) {
+                for &(index, from, _) in &to_narrow[..done] {
+                    let (_, held) = &self.held[index];
+                    // Best effort: it was changed by this very descriptor a moment ago.
+                    let _ = held.file().set_permissions(std::os::unix::fs::PermissionsExt::from_mode(from));
+                }
+                return Err(error);
+            }
+            self.narrowed.push((path.clone(), from));
+        }
+        Ok(())
     }
 
     fn lock(&mut self, spec: &DeviceSpec, path: PathBuf, file: File) -> Result<(), DeviceError> {
@@ -569,28 +603,32 @@ fn pool_file_access(regular: bool, uid: u32, gid: u32, mode: u32, euid: u32) -> 
     ))
 }
 
-/// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some(mode it had)`
-/// where it was narrowed (`fchmod` on this descriptor: the file that is locked, whatever the
-/// name names meanwhile; it needs ownership, not write access, so a read-only open serves).
-fn restrict_pool_file(path: &Path, file: &File) -> Result<Option<u32>, DeviceError> {
+/// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some((mode it has,
+/// mode it is to have))` where it is to be narrowed ([`narrow_pool_file`], once locked);
+/// another user's that others can open refused.
+fn pool_file_narrowing(path: &Path, file: &File) -> Result<Option<(u32, u32)>, DeviceError> {
     let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
     let mode = metadata.mode() & 0o7777;
     let euid = nix::unistd::geteuid().as_raw();
     match pool_file_access(metadata.is_file(), metadata.uid(), metadata.gid(), mode, euid) {
         PoolFileAccess::Keep => Ok(None),
-        PoolFileAccess::Narrow(narrowed) => {
-            file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(narrowed)).map_err(|source| DeviceError::Io {
-                context: format!(
-                    "{} can be opened by other users (mode {mode:o}), who could read every cached KV block and hold its lock; \
-                     making it {narrowed:o} failed (chmod it 600, or keep the pool on a filesystem with Unix permissions)",
-                    path.display()
-                ),
-                source,
-            })?;
-            Ok(Some(mode))
-        }
+        PoolFileAccess::Narrow(narrowed) => Ok(Some((mode, narrowed))),
         PoolFileAccess::Refuse(reason) => Err(DeviceError::SharedLockFile { path: path.to_path_buf(), reason }),
     }
+}
+
+/// Narrows the pool file `file` (opened from `path` and locked) from mode `from` to `to`:
+/// `fchmod` on this descriptor, the file that is locked, whatever the name names meanwhile; it
+/// needs ownership, not write access, so a read-only open serves.
+fn narrow_pool_file(path: &Path, file: &File, from: u32, to: u32) -> Result<(), DeviceError> {
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(to)).map_err(|source| DeviceError::Io {
+        context: format!(
+            "{} can be opened by other users (mode {from:o}), who could read every cached KV block and hold its lock; \
+             making it {to:o} failed (chmod it 600, or keep the pool on a filesystem with Unix permissions)",
+            path.display()
+        ),
+        source,
+    })
 }
 
 /// Opens `path` as `options` say, with `O_NONBLOCK`: opening a FIFO for reading waits for a
@@ -1060,6 +1098,33 @@ mod tests {
         drop(DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true).unwrap());
         let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
         assert_eq!(mode & 0o077, 0, "created with mode {mode:o}");
+    }
+
+    #[test]
+    fn a_refused_acquire_leaves_every_pool_files_mode_as_it_was() {
+        // Goal: a pool file was narrowed as soon as it was opened, before its flock: when that
+        // lock, or a later spec's, was refused, the DeviceLocks (and the list of what it
+        // narrowed) was dropped with nobody told, yet the file's mode had changed. Narrowing
+        // waits until every lock is held: a refusal leaves every file as it was.
+        let directory = tempfile::tempdir().unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o7777;
+        let [first, held] = ["a.img", "b.img"].map(|name| {
+            let path = directory.path().join(name);
+            std::fs::write(&path, [0u8; 4096]).unwrap();
+            std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+            path
+        });
+        let lock_dir = directory.path().join("locks");
+        let holder = DeviceLocks::acquire_leaving_modes(&[DeviceSpec::EmuFile(held.clone())], &lock_dir, false).unwrap();
+        let specs = [DeviceSpec::EmuFile(first.clone()), DeviceSpec::EmuFile(held.clone())];
+        let error = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap_err();
+        assert!(matches!(error, DeviceError::DeviceInUse { .. }), "{error}");
+        assert_eq!(mode(&first), 0o644, "the first file was narrowed though the acquire was refused");
+        assert_eq!(mode(&held), 0o644, "the held file was narrowed though its lock was refused");
+        drop(holder);
+        let locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
+        assert_eq!((mode(&first), mode(&held)), (0o600, 0o600));
+        assert_eq!(locks.narrowed().count(), 2);
     }
 
     #[test]

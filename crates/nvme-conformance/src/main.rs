@@ -129,6 +129,11 @@ fn run(arguments: Arguments) -> Result<bool> {
     // its refusal names the holder.
     let made = FileUndo::create_missing(&arguments.devices, std::iter::empty());
     let locks = DeviceLocks::acquire_created(&arguments.devices, &arguments.lock_dir, &made)?;
+    // An existing pool file others could open was made its owner's only to lock it (or could
+    // not be): its owner should hear of it.
+    for note in locks.narrowed_notes() {
+        eprintln!("nvme-conformance: warning: {note}");
+    }
     let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
     // Every emu: file exists and is held now: their sizes are recorded, so that a refusal
     // below shrinks back an existing (empty) file the integrity look grew, as `made` removes

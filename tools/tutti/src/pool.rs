@@ -69,7 +69,12 @@ pub struct DeviceArgs {
 /// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
 /// it is left for opening to report.
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
-    let locks = DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)?;
+    told(DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)?)
+}
+
+/// `locks`, once what they did to pool files' modes ([`DeviceLocks::narrowed_notes`]) is on
+/// standard error: every lock of this tool goes through here, so none is left untold.
+fn told(locks: DeviceLocks) -> Result<DeviceLocks> {
     for note in locks.narrowed_notes() {
         tutti_cli::errln!("warning: {note}");
     }
@@ -80,7 +85,7 @@ fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> 
 /// made them and locked them: their locks are shared with it
 /// ([`DeviceLocks::acquire_created`]), so there is no moment without them.
 fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo) -> Result<DeviceLocks> {
-    DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(device_refusal)
+    told(DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(device_refusal)?)
 }
 
 /// A refused lock, block-device claim or look at what a device holds as an exit status: a file

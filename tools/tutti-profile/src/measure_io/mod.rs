@@ -253,6 +253,11 @@ pub fn run(args: &IoArgs) -> Result<()> {
     // grows it (a tuttid starting beside this run cannot take it meanwhile).
     let emu_file_is_new = matches!(&spec, Some(DeviceSpec::EmuFile(path)) if !path.exists());
     let locks = DeviceLocks::acquire(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
+    // An existing pool file others could open was made its owner's only to lock it (or could
+    // not be): its owner should hear of it.
+    for note in locks.narrowed_notes() {
+        eprintln!("io: warning: {note}");
+    }
     let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
     let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new)?;
