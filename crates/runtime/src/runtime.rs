@@ -129,6 +129,11 @@ pub struct Runtime<E: Executor> {
     next_request: u64,
     /// The request whose store `make_room` is forcing: counted in `stores_forced` when it commits.
     forcing: Option<u64>,
+    /// An executor error (`progress::executor_error`) a poll met that no live I/O has been
+    /// failed with yet: gio-uring reports one once, to whichever poll meets it first, and a
+    /// layer whose own polls will never see it would wait a whole `io_timeout` instead.
+    /// `advance` hands it to the live I/O (see there).
+    executor_failure: Option<ObjstoreError>,
     counters: RuntimeCounters,
     log: EventLog,
 }
@@ -189,6 +194,7 @@ impl<E: Executor> Runtime<E> {
             writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
             next_request: 1,
             forcing: None,
+            executor_failure: None,
             counters: RuntimeCounters::default(),
             log: EventLog::new(config.event_log_capacity),
             config,
@@ -802,7 +808,9 @@ impl<E: QueuePairReset> Runtime<E> {
     /// ended to the executor again (the running prefill's read, the oldest store's write).
     /// Returns the layers abandoned, once the reset succeeded: should handing a layer over again
     /// fail (logged), the layer waits and the next call (`before_layer`, `poll_io`, ...) hands it
-    /// over. If a queue pair cannot be deleted the error says so and
+    /// over; an executor error met then (reported once, by the poll that starts the layers
+    /// handed over) is kept for them, and the next call fails them with it as a poll of their
+    /// own would have (a read: `ReadFailed`). If a queue pair cannot be deleted the error says so and
     /// nothing is released: the controller must be reset first. An error after the reset (while
     /// reaping the completions it posted) may have ended some layers and not others: those the
     /// object store no longer holds in flight are handed back to be issued again, as above, and
@@ -810,6 +818,12 @@ impl<E: QueuePairReset> Runtime<E> {
     /// its prefill, a write drops its store). A GPU executor needs none of this (it resets its
     /// queue pairs itself; the runtime retires its layers as they fail).
     pub fn abandon_in_flight(&mut self) -> Result<usize> {
+        // An executor error kept for the live I/O concerned the queue pairs being replaced:
+        // forgotten, as the queue forgets those it kept (`GioQueue::reset_queue_pairs`), or it
+        // would fail the first layer handed over again.
+        if let Some(error) = self.executor_failure.take() {
+            tracing::warn!(%error, "runtime: an executor error no live I/O heard is forgotten: it concerned the queue pairs the reset replaces");
+        }
         let abandoned = match self.store.abandon_in_flight() {
             Ok(abandoned) => abandoned,
             Err(source) => {
@@ -823,16 +837,28 @@ impl<E: QueuePairReset> Runtime<E> {
             }
         };
         self.requeue_abandoned(|_, _, _| true);
-        // An executor error met here is logged; the queue pairs are fresh and the layers ended
-        // are requeued, so no I/O of before the reset is left to hear it.
-        let _ = self.retire_ended();
+        // An executor error met here (logged) came after the reset: it concerns the fresh queue
+        // pairs, and the layers about to be handed over again, not the ended ones, have to hear
+        // it (kept, as the reissue's below).
+        if let Some(error) = self.retire_ended() {
+            self.executor_failure.get_or_insert(error);
+        }
         // The reset is done and every layer it ended is requeued: an error here is the reissue's
-        // (an issue refused before publishing, an error the executor kept from before the reset),
-        // not the abandon's, and the error this call returns tells the engine to reset the
-        // controller. The layers refused wait, and the next call hands them over; one published
-        // before the failure is in flight as usual (`pump_layers`).
+        // (an issue refused before publishing, or the executor's, met by the poll that starts
+        // what was handed over), not the abandon's, and the error this call returns tells the
+        // engine to reset the controller. The layers refused wait, and the next call hands them
+        // over; one published before the failure is in flight as usual (`pump_layers`).
         if let Err(error) = self.pump() {
             tracing::warn!(%error, "runtime: handing the abandoned layers over again failed; the next call hands them over");
+            // The executor's error is reported once, and this poll was the first since the reset
+            // (which forgot those kept before it): the layers just handed over never hear it
+            // otherwise and would each wait a whole `io_timeout`. Kept, the next call fails
+            // them with it (`advance`).
+            if let RuntimeError::Store { operation: progress::START_ISSUED_IO, source } = error {
+                if progress::executor_error(&source) {
+                    self.executor_failure.get_or_insert(source);
+                }
+            }
         }
         Ok(abandoned)
     }

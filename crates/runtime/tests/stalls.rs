@@ -1408,3 +1408,51 @@ fn abandon_in_flight_whose_reissue_is_refused_says_what_it_abandoned() {
         assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }
+
+#[test]
+fn an_executor_error_met_reissuing_after_abandon_in_flight_fails_the_read_again_handed_over() {
+    // Goal: `abandon_in_flight` whose reissue meets an executor error (the poll that starts the
+    // read handed over again: the first since the reset, which forgot the errors kept before it,
+    // so gio-uring reports this one once, there) still returns the layers abandoned, and the
+    // error reaches that read: the next `before_layer` fails it with the executor's error at
+    // once. Before, the error was only logged, and the read, hung on the stopped executor,
+    // waited a whole `io_timeout` to fail as `WaitTimeout`. `io_timeout` is long beside the
+    // call's own work so that the bound below tells the two apart.
+    bounded(|| {
+        let io_timeout = Duration::from_secs(2);
+        let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
+        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let tokens = prompt(0, 1);
+        let blocks: Vec<u32> = (4..10).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 4);
+        compute_layers(&mut stack, start.id, &tokens, 4..6, &blocks, 0..1);
+        // The read handed over again hangs too, as on a stopped executor.
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let abandoned = stack.runtime.abandon_in_flight();
+        assert!(matches!(abandoned, Ok(1)), "the lost read was abandoned: {abandoned:?}");
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the reissue's poll met the executor's error");
+        let started = Instant::now();
+        let failed = stack.runtime.before_layer(start.id, 1);
+        let waited = started.elapsed();
+        assert!(
+            matches!(
+                &failed,
+                Err(RuntimeError::ReadFailed { layer: 1, source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 }) })
+            ),
+            "the read handed over again fails with the executor's error: {failed:?}"
+        );
+        assert!(waited < io_timeout / 2, "the read failed at once, not after a wait: {waited:?}");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the hung read, retiring");
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+        assert!((4..10).all(|block| stack.runtime.releasable(block)));
+    });
+}

@@ -20,6 +20,10 @@ use crate::writes::WriteQueue;
 /// (`retire_ended` met it; writes in flight).
 pub(super) const POLL_THE_EXECUTOR: &str = "poll the executor";
 
+/// The operation of the `Store` error `pump` returns when the poll that starts what it handed
+/// over fails.
+pub(super) const START_ISSUED_IO: &str = "start issued I/O";
+
 impl<E: Executor> Runtime<E> {
     pub(super) fn prefill_of(&mut self, call: &'static str, id: PrefillId) -> Result<&mut Prefill> {
         let active = self.prefill.as_ref().map(|p| p.id);
@@ -115,7 +119,10 @@ impl<E: Executor> Runtime<E> {
         // goes to the live I/O polled below, as though its own poll had met it: otherwise no
         // wait of it ever saw the error, and each waited a whole `io_timeout` to fail as
         // `WaitTimeout`, which points the engine at `abandon_in_flight` and not the executor.
-        let mut executor_failure = self.retire_ended();
+        // One kept from an earlier call (`Runtime::executor_failure`: the reissue after
+        // `abandon_in_flight`) goes first.
+        let met = self.retire_ended();
+        let mut executor_failure = self.executor_failure.take().or(met);
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including
             // a layer that never was or was ended unfilled without the runtime hearing of it
@@ -442,10 +449,7 @@ impl<E: Executor> Runtime<E> {
             // A caller-driven executor (the CPU one) turns issued IOCBs into device commands only
             // when polled: start them now rather than at the next boundary. Peeking consumes no
             // completion.
-            self.store
-                .queue_mut()
-                .peek_cqe()
-                .map_err(|error| RuntimeError::Store { operation: "start issued I/O", source: error.into() })?;
+            self.store.queue_mut().peek_cqe().map_err(|error| RuntimeError::Store { operation: START_ISSUED_IO, source: error.into() })?;
         }
         Ok(())
     }
@@ -759,7 +763,7 @@ fn read_not_in_flight(handle: RequestHandle, layer: u32, found: Option<u32>) -> 
 /// `retire_ended` it goes on to the live I/O (`advance`), whose own polls will not see it. (A
 /// `Gio` error naming the layer's own IOCB, `WrongState` or `UnknownIocb`, would be a bug: a
 /// warning too, and handed on the same way.)
-fn executor_error(error: &ObjstoreError) -> bool {
+pub(super) fn executor_error(error: &ObjstoreError) -> bool {
     matches!(error, ObjstoreError::Gio(error) if !matches!(error, gio_uring::GioError::WaitTimeout { .. }))
 }
 
