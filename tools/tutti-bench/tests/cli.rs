@@ -998,6 +998,10 @@ fn a_kv_run_refuses_to_format_over_a_file_system_unless_told_to_overwrite() {
     let directory = tempfile::tempdir().unwrap();
     let image = directory.path().join("vm.img");
     let original = ext4_image(&image, 128 << 20);
+    // Its owner's only, as a pool file is: one others can open is narrowed with a warning
+    // line first (a_raw_run_leaves_the_mode_of_the_file_it_reads_alone, tutti's cli tests),
+    // and the refusal here is to be the one line said.
+    std::fs::set_permissions(&image, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let device = format!("emu:{}", image.display());
     assert_refused(&small_kv_run(&[&device]), &["ext2/3/4", "--overwrite"]);
     assert!(std::fs::read(&image).unwrap() == original, "the refused run changed the image");
