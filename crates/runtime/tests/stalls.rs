@@ -1456,3 +1456,38 @@ fn an_executor_error_met_reissuing_after_abandon_in_flight_fails_the_read_again_
         assert!((4..10).all(|block| stack.runtime.releasable(block)));
     });
 }
+
+#[test]
+fn an_executor_error_met_while_a_read_waits_behind_a_write_fails_the_prefill() {
+    // Goal: an executor error a retiring request's poll meets while the running prefill's read
+    // waits behind a write in flight (under the barrier; a decode step's, say) fails that read
+    // as a write's timed-out wait does (`ReadFailed`, the prefill ended, its targets free), and
+    // the next `begin_prefill` needs no `abort_prefill`. Before, it came back as `Store`
+    // ("poll the executor") with the prefill still running, holding its targets: `begin_prefill`
+    // refused `OutOfOrder` until the engine aborted it, and a retry's read waited a whole
+    // `io_timeout` on the failed executor.
+    bounded(|| {
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        a_write_in_flight_beside_a_retiring_read(&mut stack);
+        let first = prompt(0, 0);
+        let targets: Vec<u32> = (10..14).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets }).unwrap();
+        assert_eq!((start.cached_blocks, start.queued_blocks), (4, 0), "fully cached: a retrieve only");
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let failed = stack.runtime.before_layer(start.id, 0);
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
+        assert!(
+            matches!(
+                &failed,
+                Err(RuntimeError::ReadFailed { layer: 0, source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 }) })
+            ),
+            "the read waiting behind the write fails with the executor's error: {failed:?}"
+        );
+        assert!((10..14).all(|block| stack.runtime.releasable(block)), "nothing of the read was handed over");
+        let again = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets });
+        let again = again.expect("the prefill ended: the next one begins without abort_prefill");
+        stack.runtime.abort_prefill(again.id).expect("nothing of it in flight");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
+        stack.runtime.drain().unwrap();
+    });
+}

@@ -103,6 +103,16 @@ impl<E: Executor> Runtime<E> {
             || (self.prefill.is_some() && self.reads.done.iter().any(|&done| !done))
     }
 
+    /// The running prefill's first read not handed over yet (waiting, or not issued by the
+    /// policy yet), if it has one and none is in flight.
+    fn read_to_come(&self) -> Option<u32> {
+        if self.reads.in_flight.is_some() || self.prefill.as_ref().is_none_or(|p| p.retrieve.is_none()) {
+            return None;
+        }
+        let undone = || self.reads.done.iter().position(|&done| !done).and_then(|layer| u32::try_from(layer).ok());
+        self.reads.waiting.front().copied().or_else(undone)
+    }
+
     pub(super) fn record(&mut self, request: u64, direction: IoDirection, layer: u32, kind: IoEventKind, sm_budget: Option<SmBudget>) {
         self.log.record(IoEvent { at: Instant::now(), request, direction, layer, kind, sm_budget });
     }
@@ -162,6 +172,14 @@ impl<E: Executor> Runtime<E> {
         // stores stay queued (their own layers did not fail, as far as anyone knows); the error
         // says the executor failed.
         if let Some(source) = executor_failure.filter(|_| self.writes.any_in_flight()) {
+            // The running prefill's read still to come waits behind them (the barrier) and goes
+            // to the same executor: it fails as it does behind a write whose wait timed out
+            // (`wait_for_reads`), the prefill ended and its targets free. Returned as `Store`,
+            // the prefill kept running, holding them, and `begin_prefill` refused until
+            // `abort_prefill`.
+            if let Some(blocked) = self.read_to_come() {
+                return Err(self.read_failed(blocked, source));
+            }
             return Err(RuntimeError::Store { operation: POLL_THE_EXECUTOR, source });
         }
         if issue {
