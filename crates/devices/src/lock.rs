@@ -46,9 +46,9 @@ pub const LOCK_FILE_MODE: u32 = 0o600;
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
     held: Vec<(PathBuf, Held)>,
-    /// Pool files whose group and others' permissions were taken away to lock them, with the
-    /// mode each had ([`DeviceLocks::narrowed`]).
-    narrowed: Vec<(PathBuf, u32)>,
+    /// Pool files of this user's that others could open, with the mode each had and what
+    /// narrowing it came to ([`DeviceLocks::narrowed`], [`DeviceLocks::narrowed_notes`]).
+    narrowed: Vec<(PathBuf, u32, Narrowing)>,
 }
 
 /// One lock of a [`DeviceLocks`], held for its drop (read only to narrow its file's mode).
@@ -290,15 +290,18 @@ impl DeviceLocks {
     fn narrow(&mut self, to_narrow: &[(usize, u32, u32)]) -> Result<(), DeviceError> {
         for (done, &(index, from, to)) in to_narrow.iter().enumerate() {
             let (path, held) = &self.held[index];
-            if let Err(error) = narrow_pool_file(path, held.file(), from, to) {
-                for &(index, from, _) in &to_narrow[..done] {
-                    let (_, held) = &self.held[index];
-                    // Best effort: it was changed by this very descriptor a moment ago.
-                    let _ = held.file().set_permissions(std::os::unix::fs::PermissionsExt::from_mode(from));
+            let narrowing = match narrow_pool_file(path, held.file(), from, to) {
+                Ok(narrowing) => narrowing,
+                Err(error) => {
+                    for &(index, from, _) in &to_narrow[..done] {
+                        let (_, held) = &self.held[index];
+                        // Best effort: it was changed by this very descriptor a moment ago.
+                        let _ = held.file().set_permissions(std::os::unix::fs::PermissionsExt::from_mode(from));
+                    }
+                    return Err(error);
                 }
-                return Err(error);
-            }
-            self.narrowed.push((path.clone(), from));
+            };
+            self.narrowed.push((path.clone(), from, narrowing));
         }
         Ok(())
     }
@@ -320,19 +323,33 @@ impl DeviceLocks {
     /// permissions were taken away to lock them, each with the mode it had: for the caller to
     /// tell (this crate logs nothing).
     pub fn narrowed(&self) -> impl Iterator<Item = (&Path, u32)> {
-        self.narrowed.iter().map(|(path, mode)| (path.as_path(), *mode))
+        self.narrowed.iter().filter(|(_, _, narrowing)| *narrowing == Narrowing::Done).map(|(path, mode, _)| (path.as_path(), *mode))
     }
 
-    /// [`DeviceLocks::narrowed`] as one sentence each, for the tools and tuttid to print as a
-    /// warning: one wording wherever it is told.
+    /// What was done to the mode of each pool file others could open, one sentence each, for
+    /// the tools and tuttid to print as a warning (one wording wherever it is told): narrowed
+    /// ([`DeviceLocks::narrowed`]), or left open to others because its filesystem is read-only
+    /// or ignores permissions.
     pub fn narrowed_notes(&self) -> impl Iterator<Item = String> + '_ {
-        self.narrowed().map(|(path, mode)| {
-            format!(
-                "pool file {} was mode {mode:04o}: other users could read its cached KV blocks and hold its lock; it is now {:04o}, \
-                 its owner's only",
-                path.display(),
-                mode & 0o700
-            )
+        self.narrowed.iter().map(|(path, mode, narrowing)| {
+            let path = path.display();
+            match narrowing {
+                Narrowing::Done => format!(
+                    "pool file {path} was mode {mode:04o}: other users could read its cached KV blocks and hold its lock; it is now \
+                     {:04o}, its owner's only (a process that already had it open keeps its access until it closes it)",
+                    mode & 0o700
+                ),
+                Narrowing::Ignored { now } => format!(
+                    "pool file {path} is mode {now:04o} and could not be narrowed: changing it to {:04o} succeeded but its \
+                     filesystem ignores permissions (vfat, CIFS with noperm, some FUSE filesystems), so other users may read its \
+                     cached KV blocks and hold its lock; keep the pool on a filesystem with Unix permissions",
+                    mode & 0o700
+                ),
+                Narrowing::ReadOnly => format!(
+                    "pool file {path} is mode {mode:04o} on a read-only filesystem, where its mode cannot be changed and was left \
+                     so: other users can read its cached KV blocks and hold its lock"
+                ),
+            }
         })
     }
 
@@ -617,14 +634,61 @@ fn pool_file_narrowing(path: &Path, file: &File) -> Result<Option<(u32, u32)>, D
     }
 }
 
+/// What narrowing a pool file's mode came to ([`narrowing_outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Narrowing {
+    /// Its group and others' bits are cleared.
+    Done,
+    /// `fchmod` succeeded, yet the mode (`now`) still lets others open it: a filesystem that
+    /// ignores permissions (vfat without `quiet` errors, CIFS with `noperm`, some FUSE ones).
+    Ignored { now: u32 },
+    /// Left as it is: `fchmod` said EROFS, a read-only mount, where nobody can write the file
+    /// (a later read-write open fails as it would have).
+    ReadOnly,
+}
+
 /// Narrows the pool file `file` (opened from `path` and locked) from mode `from` to `to`:
 /// `fchmod` on this descriptor, the file that is locked, whatever the name names meanwhile; it
-/// needs ownership, not write access, so a read-only open serves.
-fn narrow_pool_file(path: &Path, file: &File, from: u32, to: u32) -> Result<(), DeviceError> {
-    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(to)).map_err(|source| DeviceError::Io {
+/// needs ownership, not write access, so a read-only open serves. The mode is read again after
+/// it: some filesystems accept the change and keep the old mode.
+fn narrow_pool_file(path: &Path, file: &File, from: u32, to: u32) -> Result<Narrowing, DeviceError> {
+    let chmod = file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(to));
+    let now = match chmod {
+        Ok(()) => Some(
+            file.metadata()
+                .map_err(|source| DeviceError::Io { context: format!("examining {} after narrowing its mode", path.display()), source })?
+                .mode()
+                & 0o7777,
+        ),
+        Err(_) => None,
+    };
+    narrowing_outcome(path, from, to, chmod, now)
+}
+
+/// The decision of [`narrow_pool_file`] on what `fchmod` of the pool file at `path` from
+/// `from` to `to` said (`chmod`) and, where it succeeded, the mode `fstat` then read (`now`).
+fn narrowing_outcome(path: &Path, from: u32, to: u32, chmod: std::io::Result<()>, now: Option<u32>) -> Result<Narrowing, DeviceError> {
+    let source = match chmod {
+        Ok(()) => {
+            return Ok(match now {
+                Some(now) if now & 0o077 != 0 => Narrowing::Ignored { now },
+                _ => Narrowing::Done,
+            })
+        }
+        Err(source) => source,
+    };
+    let why = match source.raw_os_error().map(Errno::from_raw) {
+        Some(Errno::EROFS) => return Ok(Narrowing::ReadOnly),
+        Some(Errno::EPERM) => "EPERM: the file is immutable or append-only (lsattr shows i or a; root removes it with chattr -i \
+                               or -a), or its filesystem refuses mode changes (vfat, CIFS, some FUSE filesystems); have it made \
+                               mode 600, or keep the pool on a filesystem with Unix permissions"
+            .to_string(),
+        _ => "chmod it 600, or keep the pool on a filesystem with Unix permissions".to_string(),
+    };
+    Err(DeviceError::Io {
         context: format!(
-            "{} can be opened by other users (mode {from:o}), who could read every cached KV block and hold its lock; \
-             making it {to:o} failed (chmod it 600, or keep the pool on a filesystem with Unix permissions)",
+            "{} can be opened by other users (mode {from:o}), who could read every cached KV block and hold its lock; making it \
+             {to:o} failed ({why})",
             path.display()
         ),
         source,
@@ -1098,6 +1162,40 @@ mod tests {
         drop(DeviceLocks::acquire(&[DeviceSpec::EmuFile(path.clone())], &directory.path().join("locks"), true).unwrap());
         let mode = std::fs::metadata(&path).unwrap().mode() & 0o777;
         assert_eq!(mode & 0o077, 0, "created with mode {mode:o}");
+    }
+
+    #[test]
+    fn a_failed_or_ignored_narrowing_is_decided_by_what_chmod_and_fstat_said() {
+        // Goal: a failing fchmod made every such file a refusal with one piece of advice. On a
+        // read-only mount (EROFS) nobody can write the file: its mode is kept and the lock
+        // taken (a later read-write open fails as it did). EPERM (chattr +i, or a filesystem
+        // refusing chmod) is still refused, naming the errno and what causes it. A chmod that
+        // succeeded but changed nothing (vfat, CIFS noperm, FUSE) is told as such, not as 0600.
+        let path = Path::new("/pool.img");
+        let errno = |errno: Errno| Err(std::io::Error::from_raw_os_error(errno as i32));
+        assert_eq!(narrowing_outcome(path, 0o644, 0o600, errno(Errno::EROFS), None).unwrap(), Narrowing::ReadOnly);
+        let error = narrowing_outcome(path, 0o644, 0o600, errno(Errno::EPERM), None).unwrap_err();
+        let text = error.to_string();
+        assert!(matches!(&error, DeviceError::Io { source, .. } if crate::is_unusable_errno(source)), "{error:?}");
+        assert!(text.contains("EPERM") && text.contains("chattr") && text.contains("immutable"), "{text}");
+        let error = narrowing_outcome(path, 0o644, 0o600, errno(Errno::EIO), None).unwrap_err();
+        assert!(!error.to_string().contains("chattr"), "{error}");
+        assert_eq!(narrowing_outcome(path, 0o644, 0o600, Ok(()), Some(0o600)).unwrap(), Narrowing::Done);
+        assert_eq!(narrowing_outcome(path, 0o644, 0o600, Ok(()), Some(0o755)).unwrap(), Narrowing::Ignored { now: 0o755 });
+
+        // What each is told: a narrowing does not reach descriptors already open.
+        let locks = |narrowing: Narrowing| DeviceLocks { held: Vec::new(), narrowed: vec![(path.to_path_buf(), 0o644, narrowing)] };
+        let note = |locks: DeviceLocks| locks.narrowed_notes().collect::<Vec<_>>().join("");
+        let done = locks(Narrowing::Done);
+        assert_eq!(done.narrowed().collect::<Vec<_>>(), [(path, 0o644)]);
+        let text = note(done);
+        assert!(text.contains("was mode 0644") && text.contains("it is now 0600") && text.contains("already had it open"), "{text}");
+        let ignored = locks(Narrowing::Ignored { now: 0o755 });
+        assert_eq!(ignored.narrowed().count(), 0);
+        let text = note(ignored);
+        assert!(text.contains("could not be narrowed") && text.contains("ignores") && !text.contains("it is now 0600"), "{text}");
+        let text = note(locks(Narrowing::ReadOnly));
+        assert!(text.contains("read-only filesystem") && !text.contains("it is now"), "{text}");
     }
 
     #[test]
