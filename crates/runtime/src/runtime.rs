@@ -132,7 +132,8 @@ pub struct Runtime<E: Executor> {
     /// An executor error (`progress::executor_error`) a poll met that no live I/O has been
     /// failed with yet: gio-uring reports one once, to whichever poll meets it first, and a
     /// layer whose own polls will never see it would wait a whole `io_timeout` instead.
-    /// `advance` hands it to the live I/O (see there).
+    /// `advance` hands it to the live I/O (see there); with none, it waits for the next, or for
+    /// `begin_prefill`, which returns it. The first is kept; later ones are logged only.
     executor_failure: Option<ObjstoreError>,
     counters: RuntimeCounters,
     log: EventLog,
@@ -329,8 +330,10 @@ impl<E: Executor> Runtime<E> {
     /// store (a malformed request: `block_ids` past the prompt's full blocks; too few free
     /// IOCBs; the headers of evicted slots not written) or the retrieve fails the request
     /// (`Store`, naming the operation) with nothing prepared, the cached prefix not read.
-    /// So does an executor error met reaping before anything is prepared (`Store`, "poll the
-    /// executor"); a failure of another request's store met then is logged, not returned.
+    /// So does an executor error met reaping before anything is prepared, or met by an earlier
+    /// call with no live I/O to fail with it (`Store`, "poll the executor"; the request's I/O
+    /// would go to the same executor; reported once, so a retry begins it); a failure of
+    /// another request's store met then is logged, not returned.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -349,6 +352,12 @@ impl<E: Executor> Runtime<E> {
             // Another request's: a queued store whose write failed, already off the queue, and
             // whose finish was then refused. Returned, it refused this request for it.
             Err(error) => tracing::warn!(%error, "runtime: advancing the queues before a prefill"),
+        }
+        // The same for an executor error no live I/O claimed (none in flight, or met beside
+        // another failure): kept, it would fail this request's first read or write instead,
+        // once handed over, and begun here the request would hold its blocks meanwhile.
+        if let Some(source) = self.executor_failure.take() {
+            return Err(RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, source });
         }
         let blocks = request.block_ids.len();
         let hit = self.store.lookup(request.tokens).min(blocks);
@@ -839,10 +848,8 @@ impl<E: QueuePairReset> Runtime<E> {
         self.requeue_abandoned(|_, _, _| true);
         // An executor error met here (logged) came after the reset: it concerns the fresh queue
         // pairs, and the layers about to be handed over again, not the ended ones, have to hear
-        // it (kept, as the reissue's below).
-        if let Some(error) = self.retire_ended() {
-            self.executor_failure.get_or_insert(error);
-        }
+        // it (kept by `retire_ended`, as the reissue's below).
+        self.retire_ended();
         // The reset is done and every layer it ended is requeued: an error here is the reissue's
         // (an issue refused before publishing, or the executor's, met by the poll that starts
         // what was handed over), not the abandon's, and the error this call returns tells the

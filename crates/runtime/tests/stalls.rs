@@ -1491,3 +1491,30 @@ fn an_executor_error_met_while_a_read_waits_behind_a_write_fails_the_prefill() {
         stack.runtime.drain().unwrap();
     });
 }
+
+#[test]
+fn begin_prefill_refuses_for_an_executor_error_met_with_nothing_in_flight() {
+    // Goal: an executor error `begin_prefill` meets reaping (a retiring request's poll) is
+    // returned as its doc says, with nothing prepared, though no write is in flight: the
+    // request's own I/O would go to the same executor, and no other I/O is left to hear it.
+    // Before, only an error met beside a write in flight was; with the queue empty it was
+    // logged and the prefill began, its reads handed to the failed executor.
+    bounded(|| {
+        let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
+        retire_a_read(&mut stack);
+        assert_eq!(stack.runtime.queued_stores(), 0);
+        let before = stack.runtime.counters();
+        let tokens = prompt(0, 0);
+        let blocks: Vec<u32> = (30..34).collect();
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks });
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
+        assert!(is_the_executor_error(&refused), "the executor's error is returned: {refused:?}");
+        assert_eq!(stack.runtime.counters().prefills, before.prefills, "no prefill began");
+        assert_eq!((stack.runtime.queued_stores(), stack.runtime.retiring_requests()), (0, 1), "nothing was prepared");
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).expect("the retry begins");
+        stack.runtime.abort_prefill(start.id).expect("nothing of it in flight");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the lost read");
+        stack.runtime.drain().unwrap();
+    });
+}

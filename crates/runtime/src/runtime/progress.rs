@@ -125,14 +125,15 @@ impl<E: Executor> Runtime<E> {
     /// `progress`, handing waiting layers to the executor only if `issue`.
     pub(super) fn advance(&mut self, issue: bool) -> Result<()> {
         // gio-uring reports an executor error (a stopped worker, a lasting doorbell fault) once,
-        // to whichever poll meets it first, and the retiring requests are polled first. Kept, it
-        // goes to the live I/O polled below, as though its own poll had met it: otherwise no
-        // wait of it ever saw the error, and each waited a whole `io_timeout` to fail as
-        // `WaitTimeout`, which points the engine at `abandon_in_flight` and not the executor.
-        // One kept from an earlier call (`Runtime::executor_failure`: the reissue after
-        // `abandon_in_flight`) goes first.
-        let met = self.retire_ended();
-        let mut executor_failure = self.executor_failure.take().or(met);
+        // to whichever poll meets it first, and the retiring requests are polled first. Kept
+        // (`Runtime::executor_failure`, with one kept by an earlier call: met with no live I/O,
+        // or by the reissue after `abandon_in_flight`), it goes to the live I/O polled below,
+        // as though its own poll had met it: otherwise no wait of it ever saw the error, and
+        // each waited a whole `io_timeout` to fail as `WaitTimeout`, which points the engine at
+        // `abandon_in_flight` and not the executor. Only a claim takes it: a read failing or
+        // completing on its own leaves it for the writes, and with no live I/O it waits for
+        // the next (or `begin_prefill`).
+        self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including
             // a layer that never was or was ended unfilled without the runtime hearing of it
@@ -144,13 +145,17 @@ impl<E: Executor> Runtime<E> {
             match self.store.poll(handle) {
                 Ok(true) => self.complete_read(layer),
                 Ok(false) => {
-                    if let Some(source) = executor_failure.take() {
+                    if let Some(source) = self.executor_failure.take() {
                         return Err(self.read_failed(layer, source));
                     }
                 }
                 Err(source) => return Err(self.read_failed(layer, source)),
             }
         }
+        // A failed write drops its store only: the pass goes on (the other writes polled, what
+        // finished committed, the executor's error handed on), and the first such error is
+        // returned at its end.
+        let mut write_failure = None;
         let mut index = 0;
         while index < self.writes.stores.len() {
             let store = &self.writes.stores[index];
@@ -164,23 +169,36 @@ impl<E: Executor> Runtime<E> {
                     index += 1;
                 }
                 Ok(false) => index += 1,
-                Err(source) => self.write_failed(index, &source)?,
+                // The store left the queue (finished or retiring): `index` is the next one's.
+                Err(source) => {
+                    if let Err(error) = self.write_failed(index, &source) {
+                        write_failure.get_or_insert(error);
+                    }
+                }
             }
         }
         self.commit_written()?;
         // No read in flight took it: the writes still in flight would not see it either. Their
         // stores stay queued (their own layers did not fail, as far as anyone knows); the error
         // says the executor failed.
-        if let Some(source) = executor_failure.filter(|_| self.writes.any_in_flight()) {
-            // The running prefill's read still to come waits behind them (the barrier) and goes
-            // to the same executor: it fails as it does behind a write whose wait timed out
-            // (`wait_for_reads`), the prefill ended and its targets free. Returned as `Store`,
-            // the prefill kept running, holding them, and `begin_prefill` refused until
-            // `abort_prefill`.
-            if let Some(blocked) = self.read_to_come() {
-                return Err(self.read_failed(blocked, source));
+        if self.writes.any_in_flight() {
+            if let Some(source) = self.executor_failure.take() {
+                if let Some(error) = write_failure {
+                    tracing::warn!(%error, "runtime: a failed store could not be finished (the executor's error is returned)");
+                }
+                // The running prefill's read still to come waits behind them (the barrier) and
+                // goes to the same executor: it fails as it does behind a write whose wait timed
+                // out (`wait_for_reads`), the prefill ended and its targets free. Returned as
+                // `Store`, the prefill kept running, holding them, and `begin_prefill` refused
+                // until `abort_prefill`.
+                if let Some(blocked) = self.read_to_come() {
+                    return Err(self.read_failed(blocked, source));
+                }
+                return Err(RuntimeError::Store { operation: POLL_THE_EXECUTOR, source });
             }
-            return Err(RuntimeError::Store { operation: POLL_THE_EXECUTOR, source });
+        }
+        if let Some(error) = write_failure {
+            return Err(error);
         }
         if issue {
             self.pump()?;
@@ -205,11 +223,11 @@ impl<E: Executor> Runtime<E> {
     /// blocks. Never blocks: each is polled once. A finish refused although nothing of the
     /// request is in flight is logged, not returned: its blocks are released all the same (the
     /// device no longer moves them), and the call that happened to retire it (another
-    /// prefill's `before_layer`, a decode step) did not fail. Returns the first executor error
-    /// a poll met (`executor_error`; logged too): reported once, it is the live I/O's as much
-    /// as theirs, and `advance` hands it on.
-    pub(super) fn retire_ended(&mut self) -> Option<ObjstoreError> {
-        let mut executor_failure = None;
+    /// prefill's `before_layer`, a decode step) did not fail. An executor error a poll meets
+    /// (`executor_error`; logged) is kept in `Runtime::executor_failure`: reported once, it is
+    /// the live I/O's as much as theirs, and `advance` hands it on. Only the first is kept
+    /// until claimed: the later ones (logged) most likely follow from it.
+    pub(super) fn retire_ended(&mut self) {
         let mut index = 0;
         // Bounded: each round keeps one entry (index moves on) or removes it.
         while index < self.writes.retiring.len() {
@@ -220,7 +238,7 @@ impl<E: Executor> Runtime<E> {
             if let Err(error) = self.store.poll(handle) {
                 if executor_error(&error) {
                     tracing::warn!(%error, "runtime: the executor failed while a retiring request was polled");
-                    executor_failure.get_or_insert(error);
+                    self.executor_failure.get_or_insert(error);
                 } else {
                     tracing::debug!(%error, "runtime: polling a retiring request");
                 }
@@ -244,7 +262,6 @@ impl<E: Executor> Runtime<E> {
                 self.writes.recycle(entry.engine_blocks);
             }
         }
-        executor_failure
     }
 
     /// Waits, until one `io_timeout` from now for all of them together, for the retiring
@@ -255,16 +272,18 @@ impl<E: Executor> Runtime<E> {
             let handle = self.writes.retiring[index].handle;
             match self.store.wait(handle, deadline) {
                 Err(error) if executor_error(&error) => {
-                    tracing::warn!(%error, "runtime: the executor failed while a retiring request was waited for")
+                    tracing::warn!(%error, "runtime: the executor failed while a retiring request was waited for");
+                    self.executor_failure.get_or_insert(error);
                 }
                 Err(error) => tracing::debug!(%error, "runtime: waiting for a retiring request"),
                 Ok(_) => {}
             }
         }
         // Only `drain` waits for them, once it has waited for the writes (or one timed out):
-        // an executor error met here, as one met by the waits above, is logged, and the drain
-        // answers with what is left (`DrainIncomplete`).
-        let _ = self.retire_ended();
+        // an executor error met here, as one met by the waits above, is logged and kept for
+        // the next live I/O or `begin_prefill`, and the drain answers with what is left
+        // (`DrainIncomplete`).
+        self.retire_ended();
         Ok(())
     }
 
