@@ -41,7 +41,9 @@ pub enum RuntimeError {
     /// the retrieve"), the request's store was dropped as well: its new KV was computed on that
     /// prefix. Met afterwards, planning the queues (`Scheduler`: nothing was advanced), the
     /// store stays queued. Met advancing them (an issue the executor failed after publishing
-    /// it: the layer is in flight and the next call collects it; a write that failed), the
+    /// it: the layer is in flight and the next call collects it; a write that failed; an
+    /// executor error a retiring request's poll met beside writes in flight, `Store` with the
+    /// operation "poll the executor"), the
     /// store stays queued unless that advance ended it: committed (its last layer written
     /// meanwhile), or dropped because a write of its own failed (counted in `stores_failed`;
     /// when finishing it was then refused, that is the failure returned: `Store` with the

@@ -498,7 +498,10 @@ impl<E: Executor> Runtime<E> {
 
     /// Layer `layer` begins: the policy decides what to issue and the runtime issues it; nothing
     /// is waited for. The engine may run the layer's work that needs no cached KV (norm, QKV
-    /// projection), then calls [`Runtime::wait_layer_kv`] before attention.
+    /// projection), then calls [`Runtime::wait_layer_kv`] before attention. `Store` with the
+    /// operation "poll the executor" (an executor error met beside writes in flight, with no
+    /// read of this prefill to fail with it) leaves the prefill running: retry, or
+    /// `abort_prefill`.
     pub fn begin_layer(&mut self, id: PrefillId, layer: u32) -> Result<()> {
         self.begin_layer_as("begin_layer", id, layer)
     }
@@ -571,7 +574,8 @@ impl<E: Executor> Runtime<E> {
 
     /// Before layer `layer`'s attention: returns once its cached KV is resident (every layer's,
     /// where the policy asked for that), and how long that took (the bubble). A second call in
-    /// the same layer returns at once.
+    /// the same layer returns at once. `Store` with the operation "poll the executor" (as for
+    /// `begin_layer`) leaves the prefill running: retry, or `abort_prefill`.
     pub fn wait_layer_kv(&mut self, id: PrefillId, layer: u32) -> Result<Duration> {
         let prefill = self.prefill_of("wait_layer_kv", id)?;
         if prefill.in_layer != Some(layer) {
