@@ -3,12 +3,17 @@
 //! whose numbers make the policy's decisions easy to follow.
 #![allow(dead_code)]
 
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use gio_uring::layout::QueueMemory;
+use gio_uring::{Executor, GioError, IocbId, IssueBatch};
 use nvme_driver::hw::DeviceBackend;
+use nvme_driver::spec::NvmOpcode;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaRegion, NamespaceId};
-use nvme_emu::{Backing, EmuConfig, EmuDevice, TimingModel};
+use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule, TimingModel};
 use objstore::{
     cpu_executor_for, format_pool, FormatParams, KvLayout, KvRegistration, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig,
 };
@@ -16,7 +21,7 @@ use scheduler::table::{
     Bucket, DecodeStep, GpuIdentity, IoCostEntry, IoKind, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow,
     PROFILE_FORMAT_VERSION,
 };
-use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig};
+use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeError};
 
 pub const BLOCK_TOKENS: u32 = 16;
 pub const ENGINE_BLOCKS: u32 = 64;
@@ -270,4 +275,208 @@ pub fn decode<E: gio_uring::Executor>(stack: &mut Stack<E>, context_tokens: u32)
     stack.runtime.decode_step(context_tokens)?;
     compute_for(Duration::from_micros(DECODE_STEP_US));
     Ok(())
+}
+
+// Shared by the stall tests (tests/stalls.rs, tests/executor_errors.rs): their bounds, a
+// read retired by a lost completion, and an executor that fails as a test arms it.
+
+pub const IO_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Bound on a whole test here: its I/O waits add up to a few `IO_TIMEOUT`s and one late
+/// completion; a call that hangs fails the test instead of stalling the suite.
+pub const TEST_LIMIT: Duration = Duration::from_secs(30);
+
+/// Runs `test` on a thread of its own (the runtime is not `Send`, so all of it), passing on its
+/// panic; fails if it has not ended within `TEST_LIMIT` (the thread is left behind).
+pub fn bounded(test: impl FnOnce() + Send + 'static) {
+    let (sender, receiver) = mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        test();
+        let _ = sender.send(());
+    });
+    match receiver.recv_timeout(TEST_LIMIT) {
+        Ok(()) => {}
+        Err(RecvTimeoutError::Disconnected) => {
+            if let Err(panic) = thread.join() {
+                std::panic::resume_unwind(panic);
+            }
+        }
+        Err(RecvTimeoutError::Timeout) => panic!("the test did not end within {TEST_LIMIT:?}: a runtime call hangs"),
+    }
+}
+
+/// What a test arms in a [`Rigged`] executor (shared with it).
+#[derive(Clone, Default)]
+pub struct Rigging {
+    /// Armed: the next `submit` takes the batch and then fails: as a GPU executor whose launch
+    /// call errs after the kernel was queued, or a CPU executor that meets a retired queue
+    /// pair part way through. The IOCBs still run and complete (`GioError::SubmitFailed`).
+    pub submit_fails: Arc<AtomicBool>,
+    /// Armed with n > 0: the n-th `submit` from now fails as an armed `submit_fails` makes the
+    /// next one fail (for a failure past the first issue of a call).
+    pub submit_fails_at: Arc<AtomicU32>,
+    /// Armed: the next `poll` polls and then fails: an executor-level error reported once (as
+    /// gio-uring reports a stopped worker or a lasting doorbell fault).
+    pub poll_fails: Arc<AtomicBool>,
+    /// The IOCBs whose TIMEOUT CQEs the next reset holds back ([`Held`]).
+    pub held: Arc<std::sync::Mutex<Held>>,
+    /// Armed: the next issue is refused before anything of it is published (the executor's
+    /// `check_dependency` fails): the layer is not in flight, and nothing of it runs.
+    pub issue_refused: Arc<AtomicBool>,
+}
+
+/// A CPU executor with the failures its [`Rigging`] arms; unarmed, it is the CPU executor.
+pub struct Rigged {
+    inner: gio_uring::CpuExecutor,
+    rigging: Rigging,
+}
+
+/// The stalled stack's configuration (`IO_TIMEOUT`) over a [`Rigged`] executor, and its rigging.
+pub fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
+    rigged_stack_timed(policy, IO_TIMEOUT)
+}
+
+/// The same, with `io_timeout` instead of `IO_TIMEOUT`.
+pub fn rigged_stack_timed(policy: PolicyChoice, io_timeout: Duration) -> (Stack<Rigged>, Rigging) {
+    let rigging = Rigging::default();
+    let shared = rigging.clone();
+    let (device, store, engine) = parts_with(None, move |pool, store_config| Rigged {
+        inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
+        rigging: shared,
+    });
+    let mut config = config(policy);
+    config.io_timeout = io_timeout;
+    let runtime = Runtime::new(store, profile(), config).expect("runtime");
+    (Stack { device, runtime, engine }, rigging)
+}
+
+/// Stores the first prompt (`prompt(0, 0)`, engine blocks 0..4) and drains it, then prefills
+/// `prompt(0, 1)` (engine blocks 4..10) with its first read's completion lost on the device: the
+/// prefill fails with ReadFailed and its retrieve retires (the fault plan stays set).
+pub fn retire_a_read<E: Executor>(stack: &mut Stack<E>) {
+    prefill(stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+    stack.runtime.drain().unwrap();
+    stack
+        .device
+        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)));
+    let failed = prefill(stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
+    assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
+    assert_eq!(stack.runtime.retiring_requests(), 1);
+}
+
+/// What a [`Rigged`] executor holds back: the IOCBs marked (`mark`: those ISSUED then), the
+/// TIMEOUT CQEs of those the next reset ended, and whether the next poll fails.
+#[derive(Default)]
+pub struct Held {
+    pub memory: Option<Arc<QueueMemory>>,
+    pub marked: Vec<IocbId>,
+    pub cqes: Vec<gio_uring::ring::Cqe>,
+    pub fail_next_poll: bool,
+}
+
+impl Held {
+    /// Marks the IOCBs ISSUED now: the next reset ends them without posting their CQEs.
+    pub fn mark(&mut self) {
+        let memory = self.memory.as_ref().expect("attached");
+        let issued = gio_uring::abi::GIO_IOCB_STATUS_ISSUED;
+        self.marked = (0..memory.layout.config.depth).map(IocbId).filter(|&id| memory.read_iocb_progress(id).status == issued).collect();
+    }
+}
+
+// The rigged executor's reset ends the IOCBs marked (`Held::mark`) as TIMEOUT without posting
+// their CQEs, as when the CQ producer lock is held past its bound (gio-uring keeps such a CQE
+// for the next poll: `a_cqe_whose_post_failed_is_posted_by_the_next_poll`), and its next poll
+// then fails (the post failing again); the poll after posts them. The other IOCBs in flight
+// end as usual, their CQEs posted by the reset.
+impl Executor for Rigged {
+    fn name(&self) -> &'static str {
+        "rigged"
+    }
+
+    fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+        self.rigging.held.lock().expect("held").memory = Some(Arc::clone(memory));
+        self.inner.attach(memory)
+    }
+
+    fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+        self.inner.prepared(memory, id)
+    }
+
+    fn check_dependency(&self, dependency: &gio_uring::Dependency) -> Result<(), GioError> {
+        if self.rigging.issue_refused.swap(false, Ordering::SeqCst) {
+            return Err(GioError::Executor { executor: "refuses once before publishing", reason: "nothing was published".into() });
+        }
+        self.inner.check_dependency(dependency)
+    }
+
+    fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+        self.inner.submit(memory, batch)?;
+        let countdown = self.rigging.submit_fails_at.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if self.rigging.submit_fails.swap(false, Ordering::SeqCst) || countdown == Ok(1) {
+            return Err(GioError::Executor { executor: "fails once after publishing", reason: "after the batch was taken".into() });
+        }
+        Ok(())
+    }
+
+    fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+        let mut held = self.rigging.held.lock().expect("held");
+        if std::mem::take(&mut held.fail_next_poll) {
+            self.inner.poll(memory)?;
+            return Err(GioError::Executor { executor: "cq", reason: "CQ producer lock not released (test)".into() });
+        }
+        for cqe in std::mem::take(&mut held.cqes) {
+            gio_uring::executor::post_cqe(memory, cqe)?;
+        }
+        drop(held);
+        self.inner.poll(memory)?;
+        if self.rigging.poll_fails.swap(false, Ordering::SeqCst) {
+            return Err(GioError::WorkerStopped { worker: 3 });
+        }
+        Ok(())
+    }
+
+    fn lend_queue_pair(
+        &mut self,
+        memory: &QueueMemory,
+        device: usize,
+        deadline: Instant,
+    ) -> Result<Option<&mut nvme_driver::IoQueuePair>, GioError> {
+        self.inner.lend_queue_pair(memory, device, deadline)
+    }
+
+    fn retire_queue_pairs(&mut self) -> Option<bool> {
+        self.inner.retire_queue_pairs()
+    }
+}
+
+impl gio_uring::QueuePairReset for Rigged {
+    fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+        self.inner.served_queue_depths()
+    }
+
+    fn reset(&mut self, memory: &QueueMemory, fresh: Vec<nvme_driver::IoQueuePair>) -> Result<usize, GioError> {
+        let mut held = self.rigging.held.lock().expect("held");
+        let (issued, timeout) = (gio_uring::abi::GIO_IOCB_STATUS_ISSUED, gio_uring::abi::GIO_IOCB_STATUS_TIMEOUT);
+        // Ended here as the reset would (status ISSUED → TIMEOUT), the CQE kept: the reset
+        // below finds them ended and posts nothing for them.
+        for id in std::mem::take(&mut held.marked) {
+            let mut progress = memory.read_iocb_progress(id);
+            if progress.status != issued {
+                continue;
+            }
+            progress.status = timeout;
+            memory.write_iocb_progress(id, &progress, Ordering::Release);
+            held.cqes.push(gio_uring::ring::Cqe {
+                iocb_id: id,
+                issue_seq: memory.read_iocb_header(id).issue_seq,
+                failed_ioctx: progress.failed_ioctx,
+                status: timeout as u16,
+                failed_nvme_status: 0,
+            });
+        }
+        held.fail_next_poll = !held.cqes.is_empty();
+        let kept = held.cqes.len();
+        drop(held);
+        Ok(self.inner.reset(memory, fresh)? + kept)
+    }
 }
