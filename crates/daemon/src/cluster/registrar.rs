@@ -14,7 +14,9 @@
 //!    member record when the set of models changed; unregister broken segments; register held
 //!    ones, one transaction per `txn_ops_max` segments of one model space, at most
 //!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting. Before each call
-//!    but the join, step 1 runs again on the commits queued meanwhile (local work): a pass may
+//!    but the join, step 1 runs again on the commits queued meanwhile (local work), and a
+//!    delete it queues goes out before the next registration (a segment broken and held again
+//!    within the pass is deleted, then registered, never the other way round): a pass may
 //!    wait on etcd for up to 64 transactions of T each, and a commit the full queue refuses is
 //!    never journalled, so never registered for the life of the pool. A single call (a join,
 //!    up to 4 T + 1 s; a rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`,
@@ -493,41 +495,42 @@ impl Registrar {
         }
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
+        // One loop, deletes first: a registration goes out only with the unregister queue
+        // empty, as the queue read before it may refill it. Segment A registered, found broken
+        // (its delete queued) and held again before the next call would otherwise have its put
+        // sent before that delete, which the next pass sent after it: A held and counted as
+        // registered, gone from the registry. So etcd sees a segment's deletes and puts in the
+        // order the pool's events came.
         while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
-            // Segments it finds broken join the queue below, this pass.
             self.take_commits(store);
-            if self.to_unregister.is_empty() {
-                break;
-            }
             let Some(node) = self.node.as_ref() else { break };
-            let space = self.to_unregister[0].0;
-            let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
-            self.to_unregister.retain(|&(other, segment)| {
-                if other == space && batch.len() < batch_max {
-                    batch.push(segment);
-                    false
-                } else {
-                    true
+            if !self.to_unregister.is_empty() {
+                let space = self.to_unregister[0].0;
+                let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
+                self.to_unregister.retain(|&(other, segment)| {
+                    if other == space && batch.len() < batch_max {
+                        batch.push(segment);
+                        false
+                    } else {
+                        true
+                    }
+                });
+                if let Err(error) = node.unregister(&space, &batch) {
+                    self.to_unregister.extend(batch.into_iter().map(|segment| (space, segment)));
+                    return Err(error);
                 }
-            });
-            if let Err(error) = node.unregister(&space, &batch) {
-                self.to_unregister.extend(batch.into_iter().map(|segment| (space, segment)));
-                return Err(error);
+                tracing::debug!(segments = batch.len(), "unregistered segments");
+                self.metrics.unregistered_segments.inc_by(batch.len() as u64);
+                transactions += 1;
+                continue;
             }
-            self.metrics.unregistered_segments.inc_by(batch.len() as u64);
-            transactions += 1;
-        }
-        while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
-            // Segments it holds anew are registered this pass; those it finds broken wait for
-            // the next one's unregistrations.
-            self.take_commits(store);
-            let Some(node) = self.node.as_ref() else { break };
             let Some(space) = self.held.next_to_register(batch_max, &mut self.ids, &mut self.segments) else { break };
             match node.register(&space, &self.segments) {
                 Ok(sent) => {
                     self.held.registered_now(&self.ids);
                     self.metrics.registered_segments.inc_by(self.segments.len() as u64);
                     self.metrics.registration_transactions.inc_by(sent as u64);
+                    tracing::debug!(segments = self.segments.len(), "registered segments");
                     transactions += sent;
                 }
                 Err(error) => {
@@ -1081,6 +1084,105 @@ mod tests {
         let mut journalled: Vec<u64> = loaded.segments.iter().map(|segment| segment.keys[15]).collect();
         journalled.sort_unstable();
         assert_eq!(journalled, [116, 216, 316], "a commit handed over was not journalled");
+    }
+
+    /// At each of the registrar's "registered segments" events (one per registration
+    /// transaction), runs the next of `steps` (none left: nothing), as the connection threads
+    /// and the pool's evictions would act while the pass waits on etcd.
+    struct AtEachRegistration {
+        steps: Mutex<std::collections::VecDeque<Box<dyn FnOnce() + Send>>>,
+    }
+
+    impl tracing::Subscriber for AtEachRegistration {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut message = MessageOf::default();
+            event.record(&mut message);
+            if message.0 != "registered segments" {
+                return;
+            }
+            let step = lock(&self.steps).pop_front();
+            if let Some(step) = step {
+                step();
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    #[test]
+    fn a_segment_broken_and_stored_again_during_a_pass_stays_registered() {
+        // Goal: the queue is read before each call of a pass, so a registered segment A can be
+        // found broken (queued for deletion) and then held again (waiting to register) within
+        // one pass. A registration that went out before the queued delete was undone by it the
+        // next pass: A stayed held and counted as registered, gone from the registry (peers
+        // never sent here for it). Now a queued delete goes out before any registration after
+        // it, so etcd sees A's delete, then its put.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let mut registrar = registrar_of(directory.path(), "broken-during-pass", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let store = Arc::new(store());
+        assert_eq!(lock(&store).control.counts().slots, 64, "the test fills a pool of 64 one-block slots");
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stop = StopHandle::default();
+        let a: Vec<u64> = (1..=16).collect();
+        let committed = move |keys: &[u64]| Committed { space, keys: keys.to_vec(), first_segment: 0 };
+        // Pass 1: A is registered.
+        commit(&store, &a);
+        registrar.update_local(&store, &[committed(&a)]);
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert_eq!(registrar.held.registered(), 1);
+        // B1..B3 fill the pool (A the least recently used) and wait to be registered.
+        let b: Vec<Vec<u64>> = (1..=3u64).map(|i| (1..=16).map(|block| 100 * i + block).collect()).collect();
+        for keys in &b {
+            commit(&store, keys);
+        }
+        lock(&store).control.track_departures(1024);
+        registrar.update_local(&store, &b.iter().map(|keys| committed(keys)).collect::<Vec<_>>());
+        // Pass 2: during its first registration C evicts A (C's commit handed over, so the next
+        // read of the queue takes A's departure); during its second A is stored again
+        // (evicting B1) and handed over.
+        let c: Vec<u64> = (1001..=1016).collect();
+        let evict_a: Box<dyn FnOnce() + Send> = {
+            let (store, sender, c) = (Arc::clone(&store), sender.clone(), c.clone());
+            Box::new(move || {
+                commit(&store, &c);
+                assert!(lock(&store).control.pool().index().get(16).is_none(), "the test needs A evicted");
+                sender.try_send(committed(&c)).unwrap();
+            })
+        };
+        let store_a_again: Box<dyn FnOnce() + Send> = {
+            let (store, sender, a) = (Arc::clone(&store), sender.clone(), a.clone());
+            Box::new(move || {
+                commit(&store, &a);
+                sender.try_send(committed(&a)).unwrap();
+            })
+        };
+        let subscriber = Arc::new(AtEachRegistration { steps: Mutex::new([evict_a, store_a_again].into()) });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        assert!(lock(&subscriber.steps).is_empty(), "the pass made fewer than two registrations");
+        // Pass 3: what the queue still holds (nothing, now) is deleted.
+        registrar.update_local(&store, &[]);
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        let key_a = SegmentKey::new(16).unwrap();
+        assert!(registrar.held.contains(&space, key_a), "A, stored again, is not held");
+        let node = registrar.node.as_ref().unwrap();
+        let lookup = node.lookup(&space, &[Segment { index: 0, key: key_a }]).unwrap();
+        assert_eq!(lookup.holders, [vec![NodeId::new("a").unwrap()]], "A is held and counted as registered, but not in the registry");
+        assert_eq!(registrar.held.registered(), registrar.held.len());
+        registrar.leave();
     }
 
     /// At the registrar's "joined the cluster" event (the join done, its pass going on):
