@@ -502,7 +502,8 @@ impl ClusterAgent {
         // the same path), which the rename would replace.
         manifest::still_as_loaded(&settings.manifest, &loaded)?;
         // The stale segments are kept as dropped records: a start that dies before the
-        // registrar deleted them leaves them for the next.
+        // registrar deleted them leaves them for the next (its first join, which follows those
+        // deletes, rewrites the file without them).
         let manifest = manifest::Manifest::rewrite_keeping(&settings.manifest, segment_blocks, loaded.lease_id, held.iter(), stale.iter())
             .map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));

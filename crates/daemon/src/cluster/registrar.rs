@@ -9,10 +9,11 @@
 //!    since (a wiped pool, or evictions before the join: the previous process's lease may still
 //!    claim them), only while the node id's member key is absent or under the lease the
 //!    manifest recorded — never a live process's that holds the id; join, recording the lease
-//!    in the manifest (or rejoin after a lost lease: a new lease has no registrations, so every
-//!    held segment is registered again); update the
-//!    member record when the set of models changed; unregister broken segments; register held
-//!    ones, one transaction per `txn_ops_max` segments of one model space, at most
+//!    in the manifest, which the first join then rewrites without the stale segments' dropped
+//!    records, their deletes made (or rejoin after a lost lease: a new lease has no
+//!    registrations, so every held segment is registered again); update the member record
+//!    when the set of models changed; unregister broken segments; register held ones, one
+//!    transaction per `txn_ops_max` segments of one model space, at most
 //!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting. Before each call
 //!    but the join, step 1 runs again on the commits queued meanwhile (local work), and a
 //!    delete it queues goes out before the next registration (a segment broken and held again
@@ -119,6 +120,10 @@ pub(crate) struct Registrar {
     fetched: Arc<Mutex<FetchedCopies>>,
     /// The previous process's lease, from the manifest (0: none).
     previous_lease: i64,
+    /// The manifest holds dropped records of `stale` (the start's rewrite keeps them, and an
+    /// eviction before the first join journals one): rewritten without them at the first
+    /// join, once they are deleted ([`Registrar::rewrite_manifest`]).
+    stale_journalled: bool,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
     /// Entries of this node may be under a lease a rejoin left (its revoke failed): queued
@@ -156,6 +161,7 @@ impl Registrar {
         fetched: Arc<Mutex<FetchedCopies>>,
     ) -> Registrar {
         let Recovered { held, manifest, stale, previous_lease } = recovered;
+        let stale_journalled = !stale.is_empty();
         Registrar {
             config,
             record,
@@ -169,6 +175,7 @@ impl Registrar {
             stale,
             fetched,
             previous_lease,
+            stale_journalled,
             rejoin_needed: false,
             left_may_hold: false,
             rejoining: false,
@@ -372,20 +379,27 @@ impl Registrar {
         }
         if let Some(manifest) = self.manifest.as_mut() {
             let pending = self.to_unregister.len() + self.stale.len();
-            let result = if manifest.records() > 2 * (self.held.len() + pending) as u64 + 4096 {
-                // Compaction: the journal outgrew what it describes. Deletes still queued are
-                // kept as dropped records, so a successor after a crash still makes them (a
-                // segment held again since is registered instead: left out).
-                let held = &self.held;
-                let departed = self.to_unregister.iter().chain(&self.stale).filter(|(space, segment)| !held.contains(space, segment.key));
-                Manifest::rewrite_keeping(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), held.iter(), departed)
-                    .map(|fresh| *manifest = fresh)
-            } else {
-                manifest.flush()
-            };
-            if let Err(error) = result {
+            if manifest.records() > 2 * (self.held.len() + pending) as u64 + 4096 {
+                // Compaction: the journal outgrew what it describes.
+                self.rewrite_manifest();
+            } else if let Err(error) = manifest.flush() {
                 manifest_failed(&mut self.manifest, &self.metrics, error);
             }
+        }
+    }
+
+    /// Rewrites the manifest with the held segments, the lease last recorded, and a dropped
+    /// record for each delete still to make (queued, or stale before the first join), so a
+    /// successor after a crash still makes them (a segment held again since is registered
+    /// instead: left out). Deletes made are left out, so no later start makes them again.
+    fn rewrite_manifest(&mut self) {
+        let Some(manifest) = self.manifest.as_mut() else { return };
+        let held = &self.held;
+        let departed = self.to_unregister.iter().chain(&self.stale).filter(|(space, segment)| !held.contains(space, segment.key));
+        let result = Manifest::rewrite_keeping(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), held.iter(), departed)
+            .map(|fresh| *manifest = fresh);
+        if let Err(error) = result {
+            manifest_failed(&mut self.manifest, &self.metrics, error);
         }
     }
 
@@ -410,8 +424,12 @@ impl Registrar {
                 } else {
                     self.rejoin_needed = true;
                 }
-            } else if self.stale.len() < UNREGISTER_QUEUE_MAX {
-                self.stale.push(entry);
+            } else {
+                // Its dropped record, written above, is one of the first join's to leave out.
+                self.stale_journalled = true;
+                if self.stale.len() < UNREGISTER_QUEUE_MAX {
+                    self.stale.push(entry);
+                }
             }
         }
     }
@@ -451,6 +469,15 @@ impl Registrar {
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
             self.record_lease(node.health().lease_id);
             self.joined_anew();
+            if std::mem::take(&mut self.stale_journalled) {
+                // The stale deletes are made (`stale` is empty here: a pass joins only then)
+                // and the queue is empty: their dropped records (the start's rewrite kept them
+                // for a successor should this process die first) would have every later start
+                // make them again before its first join, until a compaction a node of little
+                // churn may never reach. A rewrite that fails leaves the file as it was, with
+                // this join's lease (recorded above); the manifest is then no longer written.
+                self.rewrite_manifest();
+            }
             self.node = Some(node);
             // A node lost right after its join would rejoin next: a second call.
             if stop.is_stopped() {
@@ -727,12 +754,25 @@ mod tests {
         previous_lease: i64,
         inbox: std::sync::mpsc::Receiver<Committed>,
     ) -> Registrar {
+        registrar_recovered(directory, cluster, held, Vec::new(), previous_lease, inbox)
+    }
+
+    /// [`registrar_of`], with `stale` recovered too (kept in the manifest as dropped records,
+    /// as the start's rewrite does).
+    fn registrar_recovered(
+        directory: &std::path::Path,
+        cluster: &str,
+        held: HeldSegments,
+        stale: Vec<(ModelSpace, Segment)>,
+        previous_lease: i64,
+        inbox: std::sync::mpsc::Receiver<Committed>,
+    ) -> Registrar {
         let blocks = SegmentBlocks::new(16).unwrap();
         let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new(cluster).unwrap(), blocks);
         let record =
             MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
-        let manifest = Manifest::rewrite(&directory.join("segments"), blocks, previous_lease, held.iter()).unwrap();
-        let recovered = Recovered { held, manifest, stale: Vec::new(), previous_lease };
+        let manifest = Manifest::rewrite_keeping(&directory.join("segments"), blocks, previous_lease, held.iter(), stale.iter()).unwrap();
+        let recovered = Recovered { held, manifest, stale, previous_lease };
         let fetched = Arc::new(Mutex::new(FetchedCopies::new(16)));
         Registrar::new(config, record, inbox, ClusterMetrics::default(), Arc::new(super::super::AgentState::new()), recovered, fetched)
     }
@@ -1084,6 +1124,40 @@ mod tests {
         let mut journalled: Vec<u64> = loaded.segments.iter().map(|segment| segment.keys[15]).collect();
         journalled.sort_unstable();
         assert_eq!(journalled, [116, 216, 316], "a commit handed over was not journalled");
+    }
+
+    #[test]
+    fn the_first_join_drops_the_deletes_made_from_the_manifest() {
+        // Goal: the start rewrites the manifest with its stale segments as dropped records, so
+        // that a start dying before the registrar deleted them leaves them for the next. Once
+        // they are deleted (before the first join) they must leave the file: kept, every
+        // later start deleted them again before its first join (a transaction per
+        // `txn_ops_max` of them, the join waiting behind) until a compaction, which a node of
+        // little churn may never reach.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let keys: Vec<u64> = (1..=16).collect();
+        let mut held = HeldSegments::default();
+        assert!(held.insert(space, 0, &keys));
+        // As the start leaves the manifest: the held segment, the stale ones as dropped records.
+        let stale = (0..3).map(|i| (space, Segment { index: 1, key: SegmentKey::new(1000 + i).unwrap() })).collect();
+        let mut registrar = registrar_recovered(directory.path(), "first-join", held, stale, 0x77, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        let blocks = registrar.config.segment_blocks;
+        let path = directory.path().join("segments");
+        assert_eq!(super::super::manifest::load(&path, blocks).unwrap().departed.len(), 3);
+        let store = store();
+        registrar.talk_to_etcd(&store, &StopHandle::default()).unwrap();
+        assert!(registrar.node.is_some() && registrar.stale.is_empty(), "the test needs the stale segments deleted and the node joined");
+        let lease_id = registrar.node.as_ref().unwrap().health().lease_id;
+        registrar.leave();
+        registrar.flush_manifest();
+        let loaded = super::super::manifest::load(&path, blocks).unwrap();
+        assert_eq!(loaded.departed, [], "the deletes made before the first join are still in the manifest, made again at every start");
+        assert_eq!((loaded.segments.len(), loaded.lease_id), (1, lease_id));
     }
 
     /// At each of the registrar's "registered segments" events (one per registration
