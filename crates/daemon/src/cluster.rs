@@ -465,8 +465,9 @@ impl ClusterAgent {
     /// At bind, before any client, with what [`ClusterAgent::prepare`] made of the same
     /// settings: keeps the manifest's segments whose blocks the recovered index holds whole,
     /// starts recording the index's departures, makes the data plane's staging area, rewrites
-    /// the manifest with those segments (last: a failed start leaves it as it was) and prepares
-    /// the registrar (it joins when the server starts serving).
+    /// the manifest with those segments and the stale ones as dropped records (last: a failed
+    /// start leaves it as it was) and prepares the registrar (it joins when the server starts
+    /// serving).
     #[cfg(feature = "cluster")]
     pub(crate) fn start(
         settings: ClusterSettings,

@@ -5,7 +5,10 @@
 //! tokens, which no header keeps). So the daemon journals each segment it starts to hold (its
 //! model space, position and block keys) and each it stops holding, and at start replays the
 //! journal, keeps the segments whose blocks are all still in the recovered index, registers
-//! them again, and rewrites the file with only those.
+//! them again, and rewrites the file with those, and a dropped record for each of the others
+//! (those it lists but the pool lost, and those journalled as dropped: their registrations are
+//! still to delete, below); the registrar's first join, those deletes made, rewrites it with
+//! the held segments alone.
 //!
 //! Untrusted input (a file anyone could have changed, or a crash could have cut). What is not a
 //! manifest at all is refused, and left as it is: a path that is not a regular file (a FIFO would
@@ -58,7 +61,8 @@ const TAG_HELD: u8 = 1;
 const TAG_DROPPED: u8 = 2;
 const TAG_LEASE: u8 = 3;
 /// A manifest larger than this is refused, not read (a live one is ~8 bytes per pool block,
-/// compacted at every start and when it doubles): a file that big was not written by tuttid.
+/// rewritten at every start and compacted when it doubles): a file that big was not written
+/// by tuttid.
 const FILE_BYTES_MAX: u64 = 8 << 30;
 /// Bytes of a space in a record.
 const SPACE_BYTES: usize = FINGERPRINT_BYTES + 8;
@@ -148,7 +152,7 @@ pub struct Manifest {
     segment_blocks: SegmentBlocks,
     file: BufWriter<File>,
     /// Records written since the file was last rewritten (compaction is due when they outgrow
-    /// the live segments).
+    /// twice the held segments and the deletes still to make, plus 4,096).
     records: u64,
     /// The lease last recorded (0: none), written again by every rewrite.
     lease_id: i64,

@@ -89,7 +89,7 @@ enum Drained {
 pub(super) struct Recovered {
     /// Segments the manifest listed whose blocks the pool still holds.
     pub held: HeldSegments,
-    /// The manifest, rewritten with those.
+    /// The manifest, rewritten with those and `stale` (as dropped records).
     pub manifest: Manifest,
     /// Segments the manifest listed that the pool no longer holds (their registrations, if
     /// any, are deleted before the first join).
