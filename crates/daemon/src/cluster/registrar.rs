@@ -463,7 +463,8 @@ impl Registrar {
         }
         if self.node.is_none() {
             // No read of the queue here: a segment it found broken would wait in `stale`, which
-            // is deleted only before a join, after this one. The run loop read it before the pass.
+            // is deleted only before a join, after this one. The run loop read it before the
+            // pass, and `forget_stale` (when called) after its client's drop.
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
@@ -620,6 +621,12 @@ impl Registrar {
             self.metrics.unregistered_segments.inc_by(batch.len() as u64);
             transactions += 1;
         }
+        // The client's drop shuts its runtime down (up to 1 s), then the join follows with no
+        // read of the queue before it: the queue is read after the drop, so the join alone
+        // (up to 4 T + 1 s) is left to the queue's bound. A segment that read finds broken
+        // joins `stale`, and the pass goes on to the join only once that is empty.
+        drop(client);
+        self.take_commits(store);
         Ok(())
     }
 
