@@ -49,10 +49,10 @@ pub struct StoreShared {
     /// between its steps (`give_way`).
     waiting: AtomicUsize,
     /// Wakes the completion thread (a request armed, the store closing).
-    wake: Condvar,
+    wake: Signal,
     /// Wakes the callers waiting for the connection to tuttid the keep-alive ping has
     /// (`StoreState::connection_lent`) once it is back.
-    connection_back: Condvar,
+    connection_back: Signal,
     stop: AtomicBool,
     /// The completion thread (`run_service`), once started.
     service: Mutex<Option<JoinHandle<()>>>,
@@ -78,10 +78,18 @@ impl StoreShared {
     /// (checked before the lock is taken: a thread of the parent may have held it at the fork).
     pub fn lock(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
         self.owner.check("the store")?;
+        Ok(self.take_lock())
+    }
+
+    /// The store's lock, counted among the callers waiting for it while it is asked for (so
+    /// that a thread giving way lets this one take it: `give_way`). Every taking of the lock
+    /// goes through here: one that is not counted (a Condvar's wait taking it again inside
+    /// std) would wait out a wait's slices, each taken back at once.
+    fn take_lock(&self) -> MutexGuard<'_, StoreState> {
         self.waiting.fetch_add(1, Ordering::AcqRel);
         let state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         self.waiting.fetch_sub(1, Ordering::AcqRel);
-        Ok(state)
+        state
     }
 
     /// The completion thread between its steps, and a wait between its slices (`WAIT_SLICE`;
@@ -122,7 +130,9 @@ impl StoreShared {
 
     /// The store's lock with the connection to tuttid in place: while the keep-alive ping has
     /// it (`StoreState::connection_lent`), waits for its return, which the ping's own timeout
-    /// (the store's) bounds; Timeout should it not come back within that and a second.
+    /// (the store's) bounds; Timeout should it not come back within that and a second. It
+    /// waits without the lock and takes it again through `lock` (counted: a wait slicing
+    /// meanwhile gives way to it).
     fn lock_with_connection(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
         let mut state = self.lock()?;
         if state.connection_lent.is_none() {
@@ -141,7 +151,11 @@ impl StoreShared {
                     ),
                 ));
             }
-            state = self.connection_back.wait_timeout(state, left).unwrap_or_else(|poisoned| poisoned.into_inner()).0;
+            // Seen under the lock: a return after this moves it, and the sleep ends at once.
+            let seen = self.connection_back.seen();
+            drop(state);
+            self.connection_back.wait_past(seen, left);
+            state = self.lock()?;
         }
         Ok(state)
     }
@@ -254,8 +268,10 @@ impl StoreShared {
     /// placeholder left in its place (out of step: every later call that talks to tuttid fails
     /// at once as Disconnected). Then wakes the calls waiting for it.
     fn end_loan(&self, connection: Option<Client>, placeholder: &mut Option<Client>) {
-        // The raw lock: `locked` would wait for this very return.
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Not `locked`, which would wait for this very return; counted, so that a wait slicing
+        // meanwhile gives way to it (else it could take the lock only past the calls' bound on
+        // this return, failing them as Timeout).
+        let mut state = self.take_lock();
         match connection {
             Some(connection) => *placeholder = state.return_connection(connection),
             None => {
@@ -264,7 +280,7 @@ impl StoreShared {
             }
         }
         drop(state);
-        self.connection_back.notify_all();
+        self.connection_back.notify();
     }
 
     /// Closes the store (if it is not closed) with the completion thread stopped; called without
@@ -278,6 +294,13 @@ impl StoreShared {
                 state.close(deadline);
             }
         })
+    }
+
+    /// Tests: ends a loan of the store's connection (`end_loan`) as the keep-alive ping does,
+    /// with `connection` as what it had.
+    #[cfg(test)]
+    pub fn end_loan_for_tests(&self, connection: Option<Client>) {
+        self.end_loan(connection, &mut None);
     }
 
     /// Tests: how many callers wait for the store's lock (`lock`), so that a test holding it
@@ -306,8 +329,8 @@ impl StoreShared {
         Arc::new(StoreShared {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
-            wake: Condvar::new(),
-            connection_back: Condvar::new(),
+            wake: Signal::new(),
+            connection_back: Signal::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             keepalive_service: Mutex::new(None),
@@ -337,7 +360,7 @@ impl StoreShared {
     }
 
     pub fn wake(&self) {
-        self.wake.notify_all();
+        self.wake.notify();
     }
 
     /// Starts the keep-alive thread, which pings tuttid when the store has been idle `interval`
@@ -356,7 +379,7 @@ impl StoreShared {
     /// slice or idle sleep, and a ping under way by the store's timeout).
     fn stop_service(&self) {
         self.stop.store(true, Ordering::Release);
-        self.wake.notify_all();
+        self.wake.notify();
         let completion = self.service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         let keepalive = self.keepalive_service.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
         if let Some(handle) = &keepalive {
@@ -421,8 +444,49 @@ fn run_service(weak: Weak<StoreShared>, slice: Duration) {
         }
         // A request waiting out its backoff after a failed wait is retried at the end of it.
         let sleep = if backing_off || !state.orphans.is_empty() { STALL_RETRY_BACKOFF } else { SERVICE_IDLE_MAX };
-        let (state, _) = shared.wake.wait_timeout(state, sleep).unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Seen under the lock (an issue after this wakes it: the sleep ends at once), slept
+        // without it: the next pass takes it through the counted path, so a wait slicing
+        // meanwhile gives way to this thread too. A stop after `seen` is seen here, or wakes it.
+        let seen = shared.wake.seen();
         drop(state);
+        if !shared.stop.load(Ordering::Acquire) {
+            shared.wake.wait_past(seen, sleep);
+        }
+    }
+}
+
+/// A wake-up that holds no store lock: a count of signals under a mutex of its own. A thread
+/// reads the count under the store's lock while it decides to sleep (`seen`), lets go of the
+/// store's lock and sleeps until the count moves (`wait_past`); the signaller moves it after its
+/// change to the store (`notify`, after the store's lock is let go). So no signal is slept
+/// through, and the sleeper takes the store's lock again through `StoreShared::lock`, counted
+/// among the callers waiting for it (a Condvar on the store's own mutex would take it again
+/// inside its wait, uncounted, and a wait slicing would keep it from that thread).
+struct Signal {
+    count: Mutex<u64>,
+    moved: Condvar,
+}
+
+impl Signal {
+    fn new() -> Signal {
+        Signal { count: Mutex::new(0), moved: Condvar::new() }
+    }
+
+    fn seen(&self) -> u64 {
+        *self.count.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn notify(&self) {
+        let mut count = self.count.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        *count = count.wrapping_add(1);
+        drop(count);
+        self.moved.notify_all();
+    }
+
+    /// Sleeps until the count is no longer `seen`, `timeout` at most.
+    fn wait_past(&self, seen: u64, timeout: Duration) {
+        let count = self.count.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        drop(self.moved.wait_timeout_while(count, timeout, |count| *count == seen).unwrap_or_else(|poisoned| poisoned.into_inner()));
     }
 }
 
@@ -873,8 +937,8 @@ impl Store {
         Store::new(StoreShared {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
-            wake: Condvar::new(),
-            connection_back: Condvar::new(),
+            wake: Signal::new(),
+            connection_back: Signal::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             keepalive_service: Mutex::new(None),
@@ -942,8 +1006,8 @@ impl Store {
         Store::new(StoreShared {
             state: Mutex::new(state),
             waiting: AtomicUsize::new(0),
-            wake: Condvar::new(),
-            connection_back: Condvar::new(),
+            wake: Signal::new(),
+            connection_back: Signal::new(),
             stop: AtomicBool::new(false),
             service: Mutex::new(None),
             keepalive_service: Mutex::new(None),
