@@ -19,10 +19,12 @@ use crate::DaemonError;
 /// Held locks and block-device claims; dropping releases them.
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
+    /// This set's locks and those of the sets added by [`DeviceLocks::extend`], as one.
     locks: tutti_devices::DeviceLocks,
     claims: BlockDeviceClaims,
-    /// Sets taken later for more devices ([`DeviceLocks::extend`]), held as long as this one.
-    more: Vec<(tutti_devices::DeviceLocks, BlockDeviceClaims)>,
+    /// The claims of sets taken later for more devices ([`DeviceLocks::extend`]), held as long
+    /// as this one.
+    more_claims: Vec<BlockDeviceClaims>,
 }
 
 /// A device error as the daemon's: I/O that failed (an open that failed with EIO, EMFILE, ...
@@ -54,15 +56,24 @@ impl DeviceLocks {
         create_files: bool,
         opener: &dyn BlockDeviceOpener,
     ) -> Result<DeviceLocks, DaemonError> {
+        // Changes no mode: a pool file of this user's that others can open is narrowed only
+        // once the pool is open (`narrow_pool_files`), so a refused start leaves it as it was.
         let locks = tutti_devices::DeviceLocks::acquire(specs, lock_dir, create_files).map_err(daemon_error)?;
-        // The devices crate logs nothing: a pool file others could open was made its owner's
-        // only to be locked, which its owner should hear of (a tool reading it as another user
-        // now cannot).
-        for note in locks.narrowed_notes() {
+        let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
+        Ok(DeviceLocks { locks, claims, more_claims: Vec::new() })
+    }
+
+    /// Makes every pool file of this set (and of those added by [`DeviceLocks::extend`]) that
+    /// others could open its owner's only ([`tutti_devices::DeviceLocks::narrow_pool_files`]):
+    /// for `open_pool` once the pool is open, so that no refusal (what a file holds, a file
+    /// that holds no pool) changes a mode. What was done is logged as a warning (the devices
+    /// crate logs nothing, and the owner should hear that a tool reading the file as another
+    /// user now cannot); a failure (EPERM) puts the modes back and is the daemon's error.
+    pub fn narrow_pool_files(&mut self) -> Result<(), DaemonError> {
+        for note in self.locks.narrow_pool_files().map_err(daemon_error)? {
             tracing::warn!("{note}");
         }
-        let claims = BlockDeviceClaims::acquire(specs, opener).map_err(daemon_error)?;
-        Ok(DeviceLocks { locks, claims, more: Vec::new() })
+        Ok(())
     }
 
     /// The block devices claimed when this set was acquired (not those of sets added by
@@ -75,13 +86,14 @@ impl DeviceLocks {
     /// of anything: a format locks the files it creates only after the existing ones were taken
     /// and read, and keeps both.
     pub fn extend(&mut self, other: DeviceLocks) {
-        self.more.push((other.locks, other.claims));
-        self.more.extend(other.more);
+        self.locks.extend(other.locks);
+        self.more_claims.push(other.claims);
+        self.more_claims.extend(other.more_claims);
     }
 
     /// Every lock file held, this set's and those added by [`DeviceLocks::extend`].
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
-        self.locks.paths().chain(self.more.iter().flat_map(|(locks, _)| locks.paths()))
+        self.locks.paths()
     }
 }
 

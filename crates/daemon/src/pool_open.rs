@@ -146,7 +146,8 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
             // would both be refused as in use).
             let created = made.lending_locks(|| DeviceLocks::acquire(&missing, &options.lock_dir, true))?;
             // A file another process made or wrote since the first look is read as the others
-            // were; one refused is left as that process wrote it.
+            // were; one refused is left as that process wrote it (its mode too: narrowing
+            // waits for the pool to open).
             for spec in &missing {
                 if let Err(error) = refuse_foreign_files(options, std::slice::from_ref(spec), &created) {
                     if let DeviceSpec::EmuFile(path) = spec {
@@ -221,6 +222,11 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     if let Some(undo) = undo.take() {
         undo.keep();
     }
+    // Known to be the pool now: a pool file of this user's that others could open is made its
+    // owner's only (logged). Not before: a start refused on the way here (a file system on the
+    // device, a file that holds no pool) must leave every mode as it was.
+    // (Refused here, the pool is dropped before the locks, as on any error.)
+    locks.narrow_pool_files()?;
     Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
 }
 
@@ -453,6 +459,40 @@ mod tests {
         let error = refuse_foreign_files(&options, &options.specs, &locks).unwrap_err();
         assert!(matches!(&error, DaemonError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EIO)), "{error:?}");
         assert!(error.to_string().contains("reading its first bytes"), "{error}");
+    }
+
+    #[test]
+    fn a_refused_start_changes_no_mode_and_a_pool_opened_is_made_its_owners_only() {
+        // Goal: a pool file of this user's that others could open was narrowed to 0600 when it
+        // was locked, before the refusals that come after the lock: a disk image holding a file
+        // system that --format refuses, or a mistyped path that holds no pool, lost its group
+        // and others' access though the start was refused. Only a pool that opened is narrowed.
+        use std::os::unix::fs::PermissionsExt;
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("vm.img");
+        let mut bytes = vec![0u8; 8 << 20];
+        bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+        std::fs::write(&image, &bytes).unwrap();
+        std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mode = || std::fs::metadata(&image).unwrap().permissions().mode() & 0o7777;
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let mut options = formatting(directory.path(), vec![DeviceSpec::EmuFile(image.clone())], geometry, 64 << 20);
+        let error = open_pool(&options).err().expect("the file system is refused");
+        assert!(matches!(error, DaemonError::Devices(DeviceError::ForeignContents { .. })), "{error}");
+        assert_eq!(mode(), 0o644, "a refused --format changed the mode");
+        let format = options.format.take();
+        assert!(open_pool(&options).is_err(), "a file that holds no pool opened");
+        assert_eq!(mode(), 0o644, "a refused start changed the mode");
+        assert!(std::fs::read(&image).unwrap() == bytes, "a refused start wrote to the file");
+        options.format = format;
+        options.overwrite = true;
+        let opened = open_pool(&options).expect("format over it");
+        assert_eq!(mode(), 0o600, "the pool opened is still open to others");
+        drop(opened);
+        std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o640)).unwrap();
+        options.format = None;
+        drop(open_pool(&options).expect("open the pool"));
+        assert_eq!(mode(), 0o600, "a pool opened without --format is still open to others");
     }
 
     #[test]

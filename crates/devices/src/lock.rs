@@ -12,10 +12,14 @@
 //! - `emu:mem:` / `emu:null:`: nothing to share, no lock.
 //!
 //! A pool file (`emu:PATH`, `uring:PATH`, a regular file) is its owner's only, like a lock
-//! file: one of this user's that others may open is made so when it is locked, one of another
-//! user's that others may read or write refused (`pool_file_access`); a block device keeps
-//! the mode the system gave it. tutti-bench's raw runs, which read any file as fio does, lock
-//! without this ([`DeviceLocks::acquire_leaving_modes`]).
+//! file: one of another user's that others may read or write is refused when locked
+//! (`pool_file_access`); one of this user's that others may open is only recorded then, and
+//! made its owner's by [`DeviceLocks::narrow_pool_files`], which the caller calls once it knows
+//! the file is its pool (formatted, or opened as one): a command that refuses the file after
+//! locking it (a file system on it, a file that holds no pool) changes no mode. A block device
+//! keeps the mode the system gave it. Files that are not pools (tutti-bench's raw runs, which
+//! read any file as fio does; measurement and conformance patterns) are locked without any of
+//! this ([`DeviceLocks::acquire_leaving_modes`]).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -46,8 +50,12 @@ pub const LOCK_FILE_MODE: u32 = 0o600;
 #[derive(Debug, Default)]
 pub struct DeviceLocks {
     held: Vec<(PathBuf, Held)>,
-    /// Pool files of this user's that others could open, with the mode each had and what
-    /// narrowing it came to ([`DeviceLocks::narrowed`], [`DeviceLocks::narrowed_notes`]).
+    /// Pool files of this user's that others can open, found when locked and not narrowed yet
+    /// ([`DeviceLocks::narrow_pool_files`]): the index of each one's lock in `held`, the mode it
+    /// has and the mode it is to have (its owner's bits).
+    open_to_others: Vec<(usize, u32, u32)>,
+    /// Pool files [`DeviceLocks::narrow_pool_files`] narrowed, or tried to, with the mode each
+    /// had and what narrowing it came to ([`DeviceLocks::narrowed`]).
     narrowed: Vec<(PathBuf, u32, Narrowing)>,
 }
 
@@ -85,15 +93,21 @@ impl DeviceLocks {
     /// like any other holder's: only [`DeviceLocks::acquire_created`], given that undo, shares
     /// its lock, or this with `create_files` called inside [`FileUndo::lending_locks`] on the
     /// undo's thread (for a caller that reaches this through a wrapper of its own).
+    ///
+    /// No mode is changed here. An existing pool file of another user's that others can read
+    /// or write is refused before its lock is taken ([`DeviceError::SharedLockFile`]); one of
+    /// this user's that others can open is recorded, for [`DeviceLocks::narrow_pool_files`]
+    /// (once the caller knows it is its pool) or [`DeviceLocks::open_to_others_notes`] (a
+    /// command that only reads it).
     pub fn acquire(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
         Self::acquire_sharing(specs, lock_dir, create_files, None, PoolFileModes::Narrow)
     }
 
-    /// [`DeviceLocks::acquire`] for files that are not pools, which keep their mode: an
-    /// existing `emu:`/`uring:` file others can open is neither narrowed nor refused for it.
-    /// For tutti-bench's raw runs, which read (or write) any file as fio would (a data set, a
-    /// disk image shared with other users): the mode is its owner's business there, and the
-    /// lock only keeps two runs (or a run and tuttid) off one file at once.
+    /// [`DeviceLocks::acquire`] for files that are not pools: an existing `emu:`/`uring:` file
+    /// others can open is neither refused nor recorded for it. For tutti-bench's raw runs, which
+    /// read (or write) any file as fio would (a data set, a disk image shared with other
+    /// users), and for tutti-profile's I/O measurement: the mode is its owner's business there,
+    /// and the lock only keeps two runs (or a run and tuttid) off one file at once.
     pub fn acquire_leaving_modes(specs: &[DeviceSpec], lock_dir: &Path, create_files: bool) -> Result<DeviceLocks, DeviceError> {
         Self::acquire_sharing(specs, lock_dir, create_files, None, PoolFileModes::Leave)
     }
@@ -109,6 +123,13 @@ impl DeviceLocks {
         Self::acquire_sharing(specs, lock_dir, true, Some(undo), PoolFileModes::Narrow)
     }
 
+    /// [`DeviceLocks::acquire_created`] for files that are not pools, as
+    /// [`DeviceLocks::acquire_leaving_modes`]: nvme-conformance, which writes its test patterns
+    /// over whatever file it is given.
+    pub fn acquire_created_leaving_modes(specs: &[DeviceSpec], lock_dir: &Path, undo: &FileUndo) -> Result<DeviceLocks, DeviceError> {
+        Self::acquire_sharing(specs, lock_dir, true, Some(undo), PoolFileModes::Leave)
+    }
+
     /// tuttid's lock on the `vfio:` function `address`, for a tool that moves the function
     /// between drivers (`tutti bind`, `tutti unbind`), taken only where its lock file
     /// (`lock_dir/vfio-BDF.lock`) is already there: None where the directory or the file is
@@ -120,7 +141,7 @@ impl DeviceLocks {
     /// file is locked (a FIFO or device node is never opened for writing); its owner and the
     /// directory's are not checked ([`DeviceLocks::acquire`] does, for the files it may make):
     /// whoever owns the directory decides what is there, and nothing is written to it. Nor is
-    /// its mode changed, as [`DeviceLocks::acquire`] changes a pool file's: it is the file of
+    /// its mode changed, as [`DeviceLocks::narrow_pool_files`] changes a pool file's: it is the file of
     /// the user tuttid runs as, who narrows it when taking it, and it holds no data (one others
     /// can open lets them only hold the lock, and they are named if they do). One another
     /// process holds is [`DeviceError::DeviceInUse`], naming the holder.
@@ -209,9 +230,6 @@ impl DeviceLocks {
         // its lock files are opened relative to this descriptor, so the path is not resolved
         // again (a link swapped in meanwhile is not followed).
         let mut opened_lock_dir: Option<LockDir> = None;
-        // The pool files to narrow once every lock is held: the index of each one's lock in
-        // `locks.held`, the mode it has and the mode it is to have.
-        let mut to_narrow: Vec<(usize, u32, u32)> = Vec::new();
         for spec in specs {
             let path = match spec {
                 DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) => path.clone(),
@@ -235,7 +253,7 @@ impl DeviceLocks {
             // A pool file will hold every cached KV block: only its owner may read it (the
             // daemon's trust boundary is its 0600 socket and peer uid check), whatever the
             // umask. This mode applies only to a file created here; an existing one is
-            // narrowed (or refused) once open, below.
+            // refused (another user's) or recorded (this user's) once open, below.
             options.mode(POOL_FILE_MODE);
             let file = match open_without_waiting(&path, &mut options) {
                 Ok(file) => file,
@@ -252,11 +270,13 @@ impl DeviceLocks {
             // umask 022: 0644): every local user could read the cached KV blocks, and open it
             // to hold its lock (flock needs no write access), keeping tuttid out as in use.
             // Decided on this descriptor, so on the file locked, not a name's later target:
-            // another user's is refused now, before its lock; this user's is narrowed only
-            // once every lock is held (below), so a refusal changes no file's mode.
+            // another user's is refused now, before its lock; this user's is only recorded
+            // (every path below adds its lock to `held` at this index, or fails), to be
+            // narrowed by narrow_pool_files once the caller knows it is its pool: a refusal,
+            // here or the caller's, changes no file's mode.
             if modes == PoolFileModes::Narrow {
                 if let Some((from, to)) = pool_file_narrowing(&path, &file)? {
-                    to_narrow.push((locks.held.len(), from, to));
+                    locks.open_to_others.push((locks.held.len(), from, to));
                 }
             }
             // A file the given undo made is locked already, on the descriptor that made it:
@@ -279,31 +299,118 @@ impl DeviceLocks {
             }
             locks.lock(spec, path, file)?;
         }
-        locks.narrow(&to_narrow)?;
         Ok(locks)
     }
 
-    /// Narrows the pool files `to_narrow` names (their locks' indices in `held`, with the mode
-    /// each has and is to have), every lock being held: on the locked descriptor. Where one
-    /// fails, those narrowed before it get their modes back (nobody would be told of them: the
-    /// caller gets the error, not these locks).
-    fn narrow(&mut self, to_narrow: &[(usize, u32, u32)]) -> Result<(), DeviceError> {
-        for (done, &(index, from, to)) in to_narrow.iter().enumerate() {
+    /// Holds `other`'s locks as long as this set's, as one set: its pool files still to narrow
+    /// are narrowed (or put back) by this set's [`DeviceLocks::narrow_pool_files`] together with
+    /// this set's, and what it narrowed already is this set's to tell.
+    pub fn extend(&mut self, other: DeviceLocks) {
+        let offset = self.held.len();
+        self.held.extend(other.held);
+        self.open_to_others.extend(other.open_to_others.into_iter().map(|(index, from, to)| (index + offset, from, to)));
+        self.narrowed.extend(other.narrowed);
+    }
+
+    /// Makes every pool file of this user's that others could open when it was locked (recorded
+    /// by [`DeviceLocks::acquire`] and [`DeviceLocks::acquire_created`]) its owner's only:
+    /// `fchmod` on the locked descriptor (the file that is locked, whatever its name names
+    /// meanwhile; it needs ownership, not write access). For the caller to call once it knows
+    /// the files are its pool (a format or an open of the pool succeeded), every lock still held:
+    /// a command that refuses a file after locking it (what it holds, a claim) must change no
+    /// mode. Returns one sentence per file, for the caller to print or log as a warning (this
+    /// crate logs nothing): narrowed, or left open to others (its filesystem is read-only, or
+    /// ignores permissions). Where one fails (EPERM: an immutable file, a filesystem refusing
+    /// chmod), every file this call changed, that one included, gets its mode back, and the
+    /// error names any that could not be put back. Each file is narrowed once: a second call
+    /// has nothing left to do.
+    pub fn narrow_pool_files(&mut self) -> Result<Vec<String>, DeviceError> {
+        self.narrow_with(&|file, mode| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)), &|file| {
+            file.metadata().map(|metadata| metadata.mode() & 0o7777)
+        })
+    }
+
+    /// [`DeviceLocks::narrow_pool_files`] with `chmod` (fchmod) and `mode_of` (fstat) given, so
+    /// that a test can make either fail.
+    fn narrow_with(
+        &mut self,
+        chmod_fn: &dyn Fn(&File, u32) -> std::io::Result<()>,
+        mode_of: &dyn Fn(&File) -> std::io::Result<u32>,
+    ) -> Result<Vec<String>, DeviceError> {
+        let pending = std::mem::take(&mut self.open_to_others);
+        let first_new = self.narrowed.len();
+        // The files whose fchmod succeeded in this call, with the mode each had: put back if a
+        // later one fails (nobody would be told of them: the caller gets the error).
+        let mut changed: Vec<(usize, u32, u32)> = Vec::new();
+        for &(index, from, to) in &pending {
             let (path, held) = &self.held[index];
-            let narrowing = match narrow_pool_file(path, held.file(), from, to) {
-                Ok(narrowing) => narrowing,
-                Err(error) => {
-                    for &(index, from, _) in &to_narrow[..done] {
-                        let (_, held) = &self.held[index];
-                        // Best effort: it was changed by this very descriptor a moment ago.
-                        let _ = held.file().set_permissions(std::os::unix::fs::PermissionsExt::from_mode(from));
+            let chmod = chmod_fn(held.file(), to);
+            let chmodded = chmod.is_ok();
+            if chmodded {
+                changed.push((index, from, to));
+            }
+            // The mode is read again after fchmod: some filesystems accept the change and keep
+            // the old mode (narrowing_outcome tells it as such).
+            let outcome = match chmod {
+                Ok(()) => match mode_of(held.file()) {
+                    Ok(now) => narrowing_outcome(path, from, to, Ok(()), Some(now)),
+                    Err(source) => {
+                        Err(DeviceError::Io { context: format!("examining {} after narrowing its mode", path.display()), source })
                     }
-                    return Err(error);
-                }
+                },
+                Err(source) => narrowing_outcome(path, from, to, Err(source), None),
             };
-            self.narrowed.push((path.clone(), from, narrowing));
+            match outcome {
+                Ok(narrowing) => self.narrowed.push((path.clone(), from, narrowing)),
+                Err(error) => {
+                    self.narrowed.truncate(first_new);
+                    return Err(self.put_back(&changed, chmod_fn, error));
+                }
+            }
         }
-        Ok(())
+        Ok(self.narrowed[first_new..].iter().map(|(path, mode, narrowing)| note(path, *mode, *narrowing)).collect())
+    }
+
+    /// `error`, once every file of `changed` (index in `held`, mode it had, mode it was given)
+    /// got its mode back through `chmod`: those that could not be are named in its context
+    /// (left their owner's only: their owner must know to give the mode back).
+    fn put_back(
+        &self,
+        changed: &[(usize, u32, u32)],
+        chmod: &dyn Fn(&File, u32) -> std::io::Result<()>,
+        error: DeviceError,
+    ) -> DeviceError {
+        let mut failures = Vec::new();
+        for &(index, from, to) in changed {
+            let (path, held) = &self.held[index];
+            // It was changed by this very descriptor a moment ago.
+            if let Err(source) = chmod(held.file(), from) {
+                failures
+                    .push(format!("putting the mode of {} back to {from:04o} failed too ({source}): it is left {to:04o}", path.display()));
+            }
+        }
+        match error {
+            DeviceError::Io { context, source } if !failures.is_empty() => {
+                DeviceError::Io { context: format!("{context}; {}", failures.join("; ")), source }
+            }
+            error => error,
+        }
+    }
+
+    /// What a command that only reads its pool (`tutti pool inspect`, `check`) tells of the
+    /// pool files of this user's that others can open (recorded when locked), one sentence
+    /// each: it changes no mode, and says how to.
+    pub fn open_to_others_notes(&self) -> Vec<String> {
+        self.open_to_others
+            .iter()
+            .map(|&(index, from, to)| {
+                format!(
+                    "pool file {} is mode {from:04o}: other users can read its cached KV blocks and hold its lock; make it its \
+                     owner's only with chmod {to:o} (tuttid, `tutti pool format` and tutti-bench's kv runs do so when they use it)",
+                    self.held[index].0.display()
+                )
+            })
+            .collect()
     }
 
     fn lock(&mut self, spec: &DeviceSpec, path: PathBuf, file: File) -> Result<(), DeviceError> {
@@ -320,41 +427,37 @@ impl DeviceLocks {
     }
 
     /// The pool files of this user's that others could open, whose group and others'
-    /// permissions were taken away to lock them, each with the mode it had: for the caller to
-    /// tell (this crate logs nothing).
+    /// permissions [`DeviceLocks::narrow_pool_files`] took away, each with the mode it had.
     pub fn narrowed(&self) -> impl Iterator<Item = (&Path, u32)> {
         self.narrowed.iter().filter(|(_, _, narrowing)| *narrowing == Narrowing::Done).map(|(path, mode, _)| (path.as_path(), *mode))
     }
 
-    /// What was done to the mode of each pool file others could open, one sentence each, for
-    /// the tools and tuttid to print as a warning (one wording wherever it is told): narrowed
-    /// ([`DeviceLocks::narrowed`]), or left open to others because its filesystem is read-only
-    /// or ignores permissions.
-    pub fn narrowed_notes(&self) -> impl Iterator<Item = String> + '_ {
-        self.narrowed.iter().map(|(path, mode, narrowing)| {
-            let path = path.display();
-            match narrowing {
-                Narrowing::Done => format!(
-                    "pool file {path} was mode {mode:04o}: other users could read its cached KV blocks and hold its lock; it is now \
-                     {:04o}, its owner's only (a process that already had it open keeps its access until it closes it)",
-                    mode & 0o700
-                ),
-                Narrowing::Ignored { now } => format!(
-                    "pool file {path} is mode {now:04o} and could not be narrowed: changing it to {:04o} succeeded but its \
-                     filesystem ignores permissions (vfat, CIFS with noperm, some FUSE filesystems), so other users may read its \
-                     cached KV blocks and hold its lock; keep the pool on a filesystem with Unix permissions",
-                    mode & 0o700
-                ),
-                Narrowing::ReadOnly => format!(
-                    "pool file {path} is mode {mode:04o} on a read-only filesystem, where its mode cannot be changed and was left \
-                     so: other users can read its cached KV blocks and hold its lock"
-                ),
-            }
-        })
-    }
-
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
+    }
+}
+
+/// What [`DeviceLocks::narrow_pool_files`] did to the mode of the pool file at `path` (mode
+/// `mode` before), one sentence: the one wording tuttid, the in-process Store and the tools
+/// print or log as a warning.
+fn note(path: &Path, mode: u32, narrowing: Narrowing) -> String {
+    let path = path.display();
+    match narrowing {
+        Narrowing::Done => format!(
+            "pool file {path} was mode {mode:04o}: other users could read its cached KV blocks and hold its lock; it is now \
+             {:04o}, its owner's only (a process that already had it open keeps its access until it closes it)",
+            mode & 0o700
+        ),
+        Narrowing::Ignored { now } => format!(
+            "pool file {path} is mode {now:04o} and could not be narrowed: changing it to {:04o} succeeded but its \
+             filesystem ignores permissions (vfat, CIFS with noperm, some FUSE filesystems), so other users may read its \
+             cached KV blocks and hold its lock; keep the pool on a filesystem with Unix permissions",
+            mode & 0o700
+        ),
+        Narrowing::ReadOnly => format!(
+            "pool file {path} is mode {mode:04o} on a read-only filesystem, where its mode cannot be changed and was left \
+             so: other users can read its cached KV blocks and hold its lock"
+        ),
     }
 }
 
@@ -564,7 +667,8 @@ fn restrict_lock_file(path: &Path, file: &File) -> Result<(), DeviceError> {
 /// Whether [`DeviceLocks`] applies [`pool_file_access`] to the existing files it locks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum PoolFileModes {
-    /// Pool files ([`DeviceLocks::acquire`]): narrowed or refused.
+    /// Pool files ([`DeviceLocks::acquire`]): another user's refused, this user's recorded for
+    /// [`DeviceLocks::narrow_pool_files`].
     Narrow,
     /// Any file ([`DeviceLocks::acquire_leaving_modes`]): its mode left as it is.
     Leave,
@@ -621,7 +725,7 @@ fn pool_file_access(regular: bool, uid: u32, gid: u32, mode: u32, euid: u32) -> 
 }
 
 /// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some((mode it has,
-/// mode it is to have))` where it is to be narrowed ([`narrow_pool_file`], once locked);
+/// mode it is to have))` where it is to be narrowed ([`DeviceLocks::narrow_pool_files`]);
 /// another user's that others can open refused.
 fn pool_file_narrowing(path: &Path, file: &File) -> Result<Option<(u32, u32)>, DeviceError> {
     let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
@@ -642,30 +746,13 @@ enum Narrowing {
     /// `fchmod` succeeded, yet the mode (`now`) still lets others open it: a filesystem that
     /// ignores permissions (vfat without `quiet` errors, CIFS with `noperm`, some FUSE ones).
     Ignored { now: u32 },
-    /// Left as it is: `fchmod` said EROFS, a read-only mount, where nobody can write the file
-    /// (a later read-write open fails as it would have).
+    /// Left as it is: `fchmod` said EROFS, a read-only mount, where nobody can write the file.
+    /// Hardly reached: the callers narrow once their pool is open for writing, which fails on
+    /// a read-only mount first (a mount made read-only since would do it).
     ReadOnly,
 }
 
-/// Narrows the pool file `file` (opened from `path` and locked) from mode `from` to `to`:
-/// `fchmod` on this descriptor, the file that is locked, whatever the name names meanwhile; it
-/// needs ownership, not write access, so a read-only open serves. The mode is read again after
-/// it: some filesystems accept the change and keep the old mode.
-fn narrow_pool_file(path: &Path, file: &File, from: u32, to: u32) -> Result<Narrowing, DeviceError> {
-    let chmod = file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(to));
-    let now = match chmod {
-        Ok(()) => Some(
-            file.metadata()
-                .map_err(|source| DeviceError::Io { context: format!("examining {} after narrowing its mode", path.display()), source })?
-                .mode()
-                & 0o7777,
-        ),
-        Err(_) => None,
-    };
-    narrowing_outcome(path, from, to, chmod, now)
-}
-
-/// The decision of [`narrow_pool_file`] on what `fchmod` of the pool file at `path` from
+/// The decision of [`DeviceLocks::narrow_pool_files`] on what `fchmod` of the pool file at `path` from
 /// `from` to `to` said (`chmod`) and, where it succeeded, the mode `fstat` then read (`now`).
 fn narrowing_outcome(path: &Path, from: u32, to: u32, chmod: std::io::Result<()>, now: Option<u32>) -> Result<Narrowing, DeviceError> {
     let source = match chmod {
@@ -1184,17 +1271,15 @@ mod tests {
         assert_eq!(narrowing_outcome(path, 0o644, 0o600, Ok(()), Some(0o755)).unwrap(), Narrowing::Ignored { now: 0o755 });
 
         // What each is told: a narrowing does not reach descriptors already open.
-        let locks = |narrowing: Narrowing| DeviceLocks { held: Vec::new(), narrowed: vec![(path.to_path_buf(), 0o644, narrowing)] };
-        let note = |locks: DeviceLocks| locks.narrowed_notes().collect::<Vec<_>>().join("");
-        let done = locks(Narrowing::Done);
-        assert_eq!(done.narrowed().collect::<Vec<_>>(), [(path, 0o644)]);
-        let text = note(done);
+        let locks = |narrowing: Narrowing| DeviceLocks { narrowed: vec![(path.to_path_buf(), 0o644, narrowing)], ..Default::default() };
+        let note = |narrowing: Narrowing| note(path, 0o644, narrowing);
+        assert_eq!(locks(Narrowing::Done).narrowed().collect::<Vec<_>>(), [(path, 0o644)]);
+        let text = note(Narrowing::Done);
         assert!(text.contains("was mode 0644") && text.contains("it is now 0600") && text.contains("already had it open"), "{text}");
-        let ignored = locks(Narrowing::Ignored { now: 0o755 });
-        assert_eq!(ignored.narrowed().count(), 0);
-        let text = note(ignored);
+        assert_eq!(locks(Narrowing::Ignored { now: 0o755 }).narrowed().count(), 0);
+        let text = note(Narrowing::Ignored { now: 0o755 });
         assert!(text.contains("could not be narrowed") && text.contains("ignores") && !text.contains("it is now 0600"), "{text}");
-        let text = note(locks(Narrowing::ReadOnly));
+        let text = note(Narrowing::ReadOnly);
         assert!(text.contains("read-only filesystem") && !text.contains("it is now"), "{text}");
     }
 
@@ -1220,9 +1305,64 @@ mod tests {
         assert_eq!(mode(&first), 0o644, "the first file was narrowed though the acquire was refused");
         assert_eq!(mode(&held), 0o644, "the held file was narrowed though its lock was refused");
         drop(holder);
-        let locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
+        let mut locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
+        assert_eq!((mode(&first), mode(&held)), (0o644, 0o644), "acquire changed a mode");
+        assert_eq!(locks.narrow_pool_files().unwrap().len(), 2);
         assert_eq!((mode(&first), mode(&held)), (0o600, 0o600));
         assert_eq!(locks.narrowed().count(), 2);
+    }
+
+    #[test]
+    fn a_narrowing_that_fails_part_way_puts_every_mode_back_or_names_the_file_it_could_not() {
+        // Goal: narrow_pool_files restored only the files narrowed before the one that failed:
+        // where fchmod succeeded but the fstat after it failed, that file stayed 0600 with
+        // nobody told; and a restore that failed was dropped in silence. Now every file whose
+        // fchmod succeeded gets its mode back, and one that could not is named in the error.
+        let directory = tempfile::tempdir().unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o7777;
+        let paths = ["a.img", "b.img"].map(|name| directory.path().join(name));
+        let specs = paths.clone().map(DeviceSpec::EmuFile);
+        let lock_dir = directory.path().join("locks");
+        let chmod = |file: &File, mode: u32| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
+        let real_mode = |file: &File| file.metadata().map(|metadata| metadata.mode() & 0o7777);
+        let fresh = || {
+            for path in &paths {
+                std::fs::write(path, [0u8; 4096]).unwrap();
+                std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+            }
+            DeviceLocks::acquire(&specs, &lock_dir, false).unwrap()
+        };
+        // fstat fails on the second file, after its fchmod succeeded: both put back.
+        let mut locks = fresh();
+        let calls = std::cell::Cell::new(0);
+        let failing_second = |file: &File| {
+            calls.set(calls.get() + 1);
+            if calls.get() == 2 {
+                return Err(std::io::Error::from_raw_os_error(nix::libc::EIO));
+            }
+            real_mode(file)
+        };
+        let error = locks.narrow_with(&chmod, &failing_second).unwrap_err();
+        assert!(error.to_string().contains("after narrowing its mode"), "{error}");
+        assert_eq!((mode(&paths[0]), mode(&paths[1])), (0o644, 0o644), "a file was left narrowed: {error}");
+        assert_eq!(locks.narrowed().count(), 0);
+        drop(locks);
+        // The second fchmod fails (EPERM) and putting the first back fails too: named.
+        let mut locks = fresh();
+        let chmods = std::cell::Cell::new(0);
+        let failing = |file: &File, mode: u32| {
+            chmods.set(chmods.get() + 1);
+            match chmods.get() {
+                1 => chmod(file, mode),
+                _ => Err(std::io::Error::from_raw_os_error(nix::libc::EPERM)),
+            }
+        };
+        let error = locks.narrow_with(&failing, &real_mode).unwrap_err();
+        let text = error.to_string();
+        let first = paths[0].display().to_string();
+        assert!(text.contains("EPERM") && text.contains(&format!("putting the mode of {first} back to 0644 failed")), "{text}");
+        assert!(text.contains("it is left 0600"), "{text}");
+        assert!(matches!(&error, DeviceError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EPERM)), "{error:?}");
     }
 
     #[test]
@@ -1244,17 +1384,29 @@ mod tests {
         let lock_dir = directory.path().join("locks");
         for create_files in [false, true] {
             set_mode(&path, 0o644);
-            let locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            let mut locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            // Only recorded: the caller narrows once it knows the file is its pool.
+            assert_eq!(mode(&path), 0o644, "create_files {create_files}: acquire changed the mode");
+            assert_eq!(locks.open_to_others_notes().len(), 1);
+            let notes = locks.narrow_pool_files().unwrap();
             assert_eq!(mode(&path), 0o600, "create_files {create_files}");
+            assert!(notes.len() == 1 && notes[0].contains("was mode 0644"), "{notes:?}");
             assert_eq!(locks.narrowed().collect::<Vec<_>>(), [(path.as_path(), 0o644)]);
+            assert!(locks.narrow_pool_files().unwrap().is_empty() && locks.open_to_others_notes().is_empty(), "narrowed twice");
             drop(locks);
             // Already the owner's only: nothing to tell.
-            let locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            let mut locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
+            assert!(locks.narrow_pool_files().unwrap().is_empty());
             assert_eq!(locks.narrowed().count(), 0);
         }
-        // A uring: path is the same file, taken the same way.
+        // A uring: path is the same file, taken the same way; a lock that leaves modes records
+        // nothing.
         set_mode(&path, 0o660);
-        drop(DeviceLocks::acquire(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap());
+        let mut leaving = DeviceLocks::acquire_leaving_modes(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap();
+        assert!(leaving.narrow_pool_files().unwrap().is_empty());
+        drop(leaving);
+        assert_eq!(mode(&path), 0o660);
+        DeviceLocks::acquire(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap().narrow_pool_files().unwrap();
         assert_eq!(mode(&path), 0o600);
         // Another user's file: refused naming who else can open it, left as it is. Only root
         // can give a file away here; elsewhere the decision is pinned by the unit test below.

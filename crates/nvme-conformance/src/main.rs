@@ -128,12 +128,9 @@ fn run(arguments: Arguments) -> Result<bool> {
     // device-mapper/MD is refused, and nothing mounts it meanwhile. The lock comes first: only
     // its refusal names the holder.
     let made = FileUndo::create_missing(&arguments.devices, std::iter::empty());
-    let locks = DeviceLocks::acquire_created(&arguments.devices, &arguments.lock_dir, &made)?;
-    // An existing pool file others could open was made its owner's only to lock it (or could
-    // not be): its owner should hear of it.
-    for note in locks.narrowed_notes() {
-        eprintln!("nvme-conformance: warning: {note}");
-    }
+    // The suite writes its test patterns over the file, which is no pool: its mode is its
+    // owner's business, left as it is (neither narrowed nor, another user's, refused for it).
+    let locks = DeviceLocks::acquire_created_leaving_modes(&arguments.devices, &arguments.lock_dir, &made)?;
     let _claims = BlockDeviceClaims::acquire(&arguments.devices, &HostBlockDevices)?;
     // Every emu: file exists and is held now: their sizes are recorded, so that a refusal
     // below shrinks back an existing (empty) file the integrity look grew, as `made` removes

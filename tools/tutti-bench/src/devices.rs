@@ -168,17 +168,21 @@ pub struct CreatedFiles {
     /// Existing files not held are checked for foreign contents
     /// ([`CreatedFiles::refuse_foreign_appearing`]).
     refuse_foreign: bool,
-    /// The locks [`prepare_file`] took on existing files the lock step did not hold.
-    device_locks: Vec<tutti_devices::DeviceLocks>,
+    /// The locks of the run's lock step ([`CreatedFiles::hold_locks`]) and those [`prepare_file`]
+    /// took on existing files that step did not hold, as one set: a kv run narrows their pool
+    /// files together once its pool is open ([`CreatedFiles::narrow_pool_files`]).
+    device_locks: tutti_devices::DeviceLocks,
     /// What those locks do with an existing file's mode, as the lock step's do.
     file_modes: FileModes,
 }
 
 /// What the run's locks do with the mode of an existing `emu:`/`uring:` file others can open.
+/// Locking changes no mode either way.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum FileModes {
-    /// A pool (the kv workload): narrowed to its owner's bits, or refused if another user's,
-    /// as tuttid does (`tutti_devices::DeviceLocks::acquire`).
+    /// A pool (the kv workload), as tuttid's: another user's refused, this user's recorded
+    /// (`tutti_devices::DeviceLocks::acquire`) and narrowed to its owner's bits once the pool
+    /// is open ([`CreatedFiles::narrow_pool_files`]).
     #[default]
     Narrow,
     /// Any file a raw run reads or writes, as fio would (a data set others read too): left as
@@ -187,17 +191,12 @@ pub enum FileModes {
 }
 
 impl FileModes {
-    /// Locks `specs` (no file is created) as `self` says; what was narrowed, or could not be,
-    /// is printed as a warning here, so that no caller can leave it untold.
+    /// Locks `specs` (no file is created) as `self` says.
     pub fn acquire(self, specs: &[DeviceSpec], lock_dir: &Path) -> Result<tutti_devices::DeviceLocks, tutti_devices::DeviceError> {
-        let locks = match self {
-            FileModes::Narrow => tutti_devices::DeviceLocks::acquire(specs, lock_dir, false)?,
-            FileModes::Leave => tutti_devices::DeviceLocks::acquire_leaving_modes(specs, lock_dir, false)?,
-        };
-        for note in locks.narrowed_notes() {
-            tutti_cli::errln!("tutti-bench: warning: {note}");
+        match self {
+            FileModes::Narrow => tutti_devices::DeviceLocks::acquire(specs, lock_dir, false),
+            FileModes::Leave => tutti_devices::DeviceLocks::acquire_leaving_modes(specs, lock_dir, false),
         }
-        Ok(locks)
     }
 }
 
@@ -219,14 +218,32 @@ impl CreatedFiles {
         self.paths.push(path);
     }
 
-    /// Has [`prepare_file`] check an existing file the lock step did not hold (one that appeared
-    /// since the run's checks, or was put in place of one it held) for foreign contents, as
-    /// those checks did: for a run that formats without `--overwrite`.
     /// Has [`prepare_file`] lock an existing file the lock step did not hold as that step does.
     pub fn set_file_modes(&mut self, modes: FileModes) {
         self.file_modes = modes;
     }
 
+    /// Holds `locks`, the run's lock step's, to the end of the run with those [`prepare_file`]
+    /// takes, for [`CreatedFiles::narrow_pool_files`].
+    pub fn hold_locks(&mut self, locks: tutti_devices::DeviceLocks) {
+        self.device_locks.extend(locks);
+    }
+
+    /// Makes every pool file of the run's locks that others could open its owner's only
+    /// (`tutti_devices::DeviceLocks::narrow_pool_files`), and says so on standard error: for a
+    /// kv run once its pool is formatted or opened, every device locked, so that a run refused
+    /// before (a file system on a device, another device in use) changes no mode. Where one
+    /// fails (EPERM), the modes changed are put back and the error returned.
+    pub fn narrow_pool_files(&mut self) -> Result<(), tutti_devices::DeviceError> {
+        for note in self.device_locks.narrow_pool_files()? {
+            tutti_cli::errln!("tutti-bench: warning: {note}");
+        }
+        Ok(())
+    }
+
+    /// Has [`prepare_file`] check an existing file the lock step did not hold (one that appeared
+    /// since the run's checks, or was put in place of one it held) for foreign contents, as
+    /// those checks did: for a run that formats without `--overwrite`.
     pub fn refuse_foreign_appearing(&mut self) {
         self.refuse_foreign = true;
     }
@@ -420,7 +437,7 @@ fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: 
             .acquire(std::slice::from_ref(spec), Path::new(tutti_devices::DEFAULT_LOCK_DIR))
             .map_err(|error| lock_error(spec, error))?;
         created.note_held(locks.paths());
-        created.device_locks.push(locks);
+        created.device_locks.extend(locks);
         // The run's checks (run.rs with_devices) saw no file here, or another one: what is here
         // now is checked as they would have checked it, under the lock, before it is formatted
         // (a copier such as cp takes no lock, so the lock alone did not keep it off).

@@ -266,7 +266,12 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     let listed = specs.iter().map(ToString::to_string).collect::<Vec<_>>().join(",");
     let devices = devices::open_controllers(specs, options, created).map_err(|error| devices::open_error(error, &listed))?;
     let mut rig = Rig::build(specs, &devices, &geometry, plan)?;
-    let result = run_on_rig(&mut rig, specs, &devices, &listed, plan, output);
+    // The devices hold this run's pool now (formatted, or opened as one): a pool file of this
+    // user's that others could open is made its owner's only, every device at once. Not
+    // before: a run refused on the way (a file system on a device, a device in use) must
+    // leave every mode as it was.
+    let result =
+        created.narrow_pool_files().map_err(narrowing_error).and_then(|()| run_on_rig(&mut rig, specs, &devices, &listed, plan, output));
     // The store's queue pairs are deleted before the engine memory they name is freed, and
     // if one could not be, that memory is kept: asked here, not left to the drops.
     if !rig.close() && result.is_ok() {
@@ -275,6 +280,17 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         ));
     }
     result
+}
+
+/// A pool file whose mode could not be narrowed, as the exit status says it: by its errno
+/// (EPERM: an immutable file, a filesystem refusing chmod: what was given, 2), as the lock
+/// step's refusals (run.rs `lock_refusal`); a failure (1) otherwise.
+fn narrowing_error(error: tutti_devices::DeviceError) -> anyhow::Error {
+    if crate::run::lock_input_error(&error) {
+        Unusable(error.to_string()).into()
+    } else {
+        error.into()
+    }
 }
 
 /// The body of [`run_plan`] on its rig: the configuration, the phases, the report.

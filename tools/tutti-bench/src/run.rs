@@ -218,11 +218,16 @@ pub fn with_devices(
     // (it reads what is there, as fio would). The temporary pool (no --device) was locked as it
     // was created.
     // A raw run reads (or writes) any file, as fio does: its mode is left alone. A kv run's
-    // devices are a pool, narrowed or refused as tuttid's are (only its owner may open it).
+    // devices are a pool, as tuttid's: another user's that others can open refused here, this
+    // user's narrowed only once the pool is open (kv.rs, `CreatedFiles::narrow_pool_files`),
+    // so that a refusal below (a file system on a device) or on the way there changes no mode.
     let modes = if matches!(access, Access::Reads | Access::Writes) { FileModes::Leave } else { FileModes::Narrow };
     created.set_file_modes(modes);
     let locks = lock_devices(&cli.devices, &cli.lock_dir, modes)?;
     created.note_held(locks.iter().flat_map(DeviceLocks::paths));
+    for locks in locks {
+        created.hold_locks(locks);
+    }
     // A run that writes claims every block device it names (O_EXCL, held to the end): one that
     // is mounted, swap or under device-mapper/MD is refused before a byte is written, and
     // nothing mounts it meanwhile. A run that only reads, like fio's, may read a disk in use.
@@ -308,8 +313,9 @@ fn refuse_foreign_ssds(devices: &[DeviceSpec]) -> Result<(), tutti_devices::Devi
 /// exist yet is not locked here: the run creates it (`create_new`, so it cannot be another's)
 /// and `devices::prepare_file` locks it then, held by the run's `CreatedFiles` to the end; one
 /// another process made meanwhile is locked there as here (refused while that process holds it).
-/// `modes`: whether an existing file others can open is narrowed (or refused) as a pool file
-/// (a kv run), or left as it is (a raw run).
+/// `modes`: whether an existing file others can open is refused (another user's) or recorded
+/// (this user's, narrowed later) as a pool file (a kv run), or left as it is (a raw run);
+/// no mode is changed here.
 fn lock_devices(devices: &[DeviceSpec], lock_dir: &Path, modes: FileModes) -> anyhow::Result<Vec<DeviceLocks>> {
     // One device named twice would otherwise be refused below as held by "another process"
     // (this one): each spec takes its lock through its own open file.
@@ -359,7 +365,7 @@ fn lock_refusal(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> anyhow:
 /// Whether a lock file's open, or the lock directory's making, failed for what was given (no
 /// such path, no permission, read-only, a loop: `tutti_devices::is_unusable_errno`) rather than
 /// because the host failed (EIO, EMFILE, ENOSPC: exit 1).
-fn lock_input_error(error: &tutti_devices::DeviceError) -> bool {
+pub(crate) fn lock_input_error(error: &tutti_devices::DeviceError) -> bool {
     match error {
         tutti_devices::DeviceError::Io { source, .. } => tutti_devices::is_unusable_errno(source),
         error => error.is_unusable_input(),

@@ -994,24 +994,54 @@ fn a_kv_run_naming_one_existing_file_twice_is_refused_as_such_not_as_in_use() {
 fn a_kv_run_refuses_to_format_over_a_file_system_unless_told_to_overwrite() {
     // Goal: the kv workload formats a pool, which destroys what the file held; like `tutti pool
     // format` and `tuttid --format` it refuses a file holding something else (here ext4's
-    // magic), naming what it found, unless given --overwrite.
+    // magic), naming what it found, unless given --overwrite. The image is 0644 (written under
+    // umask 022), as a disk image others read is: the refusal, its one line, leaves its mode as
+    // it was (a kv run narrowed it to 0600 on locking it, before refusing it, with a warning).
+    use std::os::unix::fs::PermissionsExt;
     let directory = tempfile::tempdir().unwrap();
     let image = directory.path().join("vm.img");
     let original = ext4_image(&image, 128 << 20);
-    // Its owner's only, as a pool file is: one others can open is narrowed with a warning
-    // line first (a_raw_run_leaves_the_mode_of_the_file_it_reads_alone, tutti's cli tests),
-    // and the refusal here is to be the one line said.
-    std::fs::set_permissions(&image, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mode = || std::fs::metadata(&image).unwrap().permissions().mode() & 0o7777;
     let device = format!("emu:{}", image.display());
     assert_refused(&small_kv_run(&[&device]), &["ext2/3/4", "--overwrite"]);
     assert!(std::fs::read(&image).unwrap() == original, "the refused run changed the image");
+    assert_eq!(mode(), 0o644, "the refused run changed the image's mode");
     let mut overwrite = small_kv_run(&[&device]);
     overwrite.push("--overwrite");
     let output = bench(&overwrite);
     assert_eq!(output.status.code(), Some(0), "{}", stderr(&output));
+    // Formatted, it is this run's pool: made its owner's only, with one warning.
+    let text = stderr(&output);
+    let warnings: Vec<&str> = text.lines().filter(|line| line.contains("warning")).collect();
+    assert!(warnings.len() == 1 && warnings[0].contains("was mode 0644") && warnings[0].contains("it is now 0600"), "{text}");
+    assert_eq!(mode(), 0o600);
     // A pool the bench formatted is reformatted without being told.
     let again = bench(&small_kv_run(&[&device]));
     assert_eq!(again.status.code(), Some(0), "{}", stderr(&again));
+}
+
+#[test]
+fn a_kv_run_refused_for_a_later_device_leaves_an_earlier_ones_mode_alone() {
+    // Goal: the lock step locks one device at a time, and each was narrowed as soon as it was
+    // locked: a later device in use (or otherwise refused) left an earlier one, a file others
+    // could read, narrowed to 0600 with the run refused. Nothing is narrowed before the pool
+    // opens: the refusal is the one line said, and a.img keeps its mode.
+    use nix::fcntl::{Flock, FlockArg};
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let [first, held] = ["a.img", "b.img"].map(|name| {
+        let path = directory.path().join(name);
+        std::fs::write(&path, vec![0u8; 64 << 20]).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        path
+    });
+    let _holder = Flock::lock(std::fs::File::open(&held).unwrap(), FlockArg::LockExclusiveNonblock).expect("hold b.img");
+    let devices = [format!("emu:{}", first.display()), format!("emu:{}", held.display())];
+    assert_refused(&small_kv_run(&[&devices[0], &devices[1]]), &["in use", &held.display().to_string()]);
+    for path in [&first, &held] {
+        assert_eq!(std::fs::metadata(path).unwrap().permissions().mode() & 0o7777, 0o644, "{}: mode changed", path.display());
+    }
 }
 
 #[test]

@@ -67,25 +67,38 @@ pub struct DeviceArgs {
 /// Takes the lock on every device of `args` that has one, held until the value is dropped;
 /// another holder (a live tuttid) is unusable input, named. `create_files`: a missing `emu:`
 /// file is created empty to be locked (format, once nothing can refuse it any more); otherwise
-/// it is left for opening to report.
+/// it is left for opening to report. No mode is changed: a pool file of this user's that others
+/// can open is narrowed only once `format` has written the pool ([`narrow_pool_files`]), and
+/// `inspect` and `check` only warn of it ([`warn_open_to_others`]).
 fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> Result<DeviceLocks> {
-    told(DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)?)
+    DeviceLocks::acquire(specs, &args.lock_dir, create_files).map_err(device_refusal)
 }
 
-/// `locks`, once what they did to pool files' modes ([`DeviceLocks::narrowed_notes`]) is on
-/// standard error: every lock of this tool goes through here, so none is left untold.
-fn told(locks: DeviceLocks) -> Result<DeviceLocks> {
-    for note in locks.narrowed_notes() {
+/// Makes the pool files of `locks` that others could open their owner's only, once `format`
+/// wrote the pool (not before: a format refused for what a file holds leaves its mode as it
+/// was), and says so on standard error; a file whose mode cannot be changed (EPERM) is
+/// unusable input, its mode and the others' put back ([`device_refusal`]).
+fn narrow_pool_files(locks: &mut DeviceLocks) -> Result<()> {
+    for note in locks.narrow_pool_files().map_err(device_refusal)? {
         tutti_cli::errln!("warning: {note}");
     }
-    Ok(locks)
+    Ok(())
+}
+
+/// `inspect` and `check` read the pool and change nothing on its devices, their modes
+/// included: a pool file others can open is told on standard error, with how to make it its
+/// owner's only, once the pool opened (a file that holds no pool is not called one).
+fn warn_open_to_others(locks: &DeviceLocks) {
+    for note in locks.open_to_others_notes() {
+        tutti_cli::errln!("warning: {note}");
+    }
 }
 
 /// [`lock_devices`] with `create_files` for the missing `emu:` files of a format, once `undo`
 /// made them and locked them: their locks are shared with it
 /// ([`DeviceLocks::acquire_created`]), so there is no moment without them.
 fn lock_created_devices(args: &DeviceArgs, specs: &[DeviceSpec], undo: &FileUndo) -> Result<DeviceLocks> {
-    told(DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(device_refusal)?)
+    DeviceLocks::acquire_created(specs, &args.lock_dir, undo).map_err(device_refusal)
 }
 
 /// A refused lock, block-device claim or look at what a device holds as an exit status: a file
@@ -336,7 +349,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // to create, once nothing can refuse any more (a refusal leaves no file behind).
             // The lock comes before the claim, as in tuttid and tutti-bench: a tuttid holding a
             // block device holds both, and its lock's refusal names it (the claim's cannot).
-            let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
+            let mut locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             // Block devices are claimed before anything is read or written, and held to the end.
             let claims = claim_block_devices(&args.devices, opener)?;
             refuse_foreign_contents(&args.devices, &claims, args.overwrite)?;
@@ -353,7 +366,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // The files this format creates and grows, put back as they were if it is refused
             // before anything is written. Declared after the locks, so dropped before them: it
             // undoes the files while they are still held.
-            let mut _created_locks: Option<DeviceLocks> = None;
+            let mut created_locks: Option<DeviceLocks> = None;
             let mut undo: Option<FileUndo> = None;
             if args.emu_create_bytes.is_some() {
                 // Made here with O_EXCL (so the undo knows which it made) and locked at once;
@@ -365,7 +378,8 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 tests::AFTER_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
                 let created = lock_created_devices(&args.devices, &to_create, &made)?;
                 // A file another process made or wrote since the first look is read as the
-                // others were; one refused is left as that process wrote it.
+                // others were; one refused is left as that process wrote it (its mode too:
+                // narrowing waits for the format).
                 if !args.overwrite {
                     for spec in &to_create {
                         if let Err(error) =
@@ -381,7 +395,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                         }
                     }
                 }
-                _created_locks = Some(created);
+                created_locks = Some(created);
                 undo = Some(made);
             }
             let targets = open_targets(&args.devices, args.emu_create_bytes)?;
@@ -398,6 +412,11 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 }
             }
             let superblocks = formatted?;
+            // The devices hold this pool now: their files are narrowed, all together.
+            if let Some(created) = created_locks.take() {
+                locks.extend(created);
+            }
+            narrow_pool_files(&mut locks)?;
             for superblock in superblocks {
                 outln!("{}", describe(&superblock))?;
             }
@@ -405,7 +424,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
         }
         PoolCommand::Inspect(args) => {
             // Lock, then claim (see format).
-            let _locks = lock_devices(args, &args.devices, false)?;
+            let locks = lock_devices(args, &args.devices, false)?;
             let _claims = claim_block_devices(args, opener)?;
             let targets = open_targets(args, None)?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
@@ -415,6 +434,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 }
             }
             let (pool, report) = Pool::open(targets, None).map_err(|error| classify(error, "opening the pool", &args.devices))?;
+            warn_open_to_others(&locks);
             let counts = pool.index().counts();
             outln!(
                 "{} slots: {} valid, {} empty, {} corrupt headers, {} duplicates; {} cached blocks",
@@ -434,10 +454,11 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
         }
         PoolCommand::Check(args) => {
             // Lock, then claim (see format).
-            let _locks = lock_devices(&args.devices, &args.devices.devices, false)?;
+            let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             let _claims = claim_block_devices(&args.devices, opener)?;
             let (mut pool, report) = Pool::open(open_targets(&args.devices, None)?, None)
                 .map_err(|error| classify(error, "opening the pool", &args.devices.devices))?;
+            warn_open_to_others(&locks);
             outln!(
                 "{} slots checked: {} valid, {} empty, {} corrupt headers ({} all zeroes), {} duplicates",
                 report.slots,

@@ -614,5 +614,42 @@ fn a_pool_file_others_can_open_is_narrowed_and_the_user_told() {
     assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o600);
     let output = tutti(&["pool", "inspect", "--device", &device(&path)]);
     assert_status(&output, 0, &[]);
-    assert!(!stderr(&output).contains("was mode"), "{}", stderr(&output));
+    assert!(!stderr(&output).contains("was mode") && !stderr(&output).contains("warning"), "{}", stderr(&output));
+    // inspect and check read the pool and change nothing: a pool file others can open is
+    // told, with how to make it its owner's only, and left as it is.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+    for command in ["inspect", "check"] {
+        let output = tutti(&["pool", command, "--device", &device(&path)]);
+        let note = format!("warning: pool file {} is mode 0640", path.display());
+        assert_status(&output, 0, &[&note, "chmod 600"]);
+        assert_eq!(stderr(&output).lines().count(), 1, "{command}: {}", stderr(&output));
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o640, "{command} changed the mode");
+    }
+}
+
+#[test]
+fn a_file_the_pool_commands_refuse_keeps_its_mode() {
+    // Goal: `tutti pool format` and `inspect` narrowed a pool file others could open to 0600
+    // when they locked it, before refusing it: a disk image holding a file system (format
+    // without --overwrite, inspect finding no pool) lost its group and others' access though
+    // nothing was done to it. A refused command changes no mode, and says one thing.
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("vm.img");
+    let mut bytes = vec![0u8; 8 << 20];
+    bytes[1080..1082].copy_from_slice(&[0x53, 0xef]);
+    std::fs::write(&path, &bytes).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mode = || std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+    let output = format(&path, &["--model", "llama3-8b"]);
+    assert_status(&output, 2, &["ext2/3/4"]);
+    assert!(!stderr(&output).contains("warning"), "{}", stderr(&output));
+    assert_eq!(mode(), 0o644, "a refused format changed the mode");
+    for command in ["inspect", "check"] {
+        let output = tutti(&["pool", command, "--device", &device(&path)]);
+        assert_ne!(output.status.code(), Some(0), "{command}: {}", stderr(&output));
+        assert!(!stderr(&output).contains("warning"), "{command}: {}", stderr(&output));
+        assert_eq!(mode(), 0o644, "a refused {command} changed the mode");
+    }
+    assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the file");
 }

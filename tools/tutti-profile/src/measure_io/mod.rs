@@ -252,12 +252,9 @@ pub fn run(args: &IoArgs) -> Result<()> {
     // A missing emu: file is created empty here so that it is locked before the controller
     // grows it (a tuttid starting beside this run cannot take it meanwhile).
     let emu_file_is_new = matches!(&spec, Some(DeviceSpec::EmuFile(path)) if !path.exists());
-    let locks = DeviceLocks::acquire(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
-    // An existing pool file others could open was made its owner's only to lock it (or could
-    // not be): its owner should hear of it.
-    for note in locks.narrowed_notes() {
-        eprintln!("io: warning: {note}");
-    }
+    // The file is a measurement's, overwritten with its pattern, not a pool: its mode is its
+    // owner's business, left as it is (neither narrowed nor, another user's, refused for it).
+    let locks = DeviceLocks::acquire_leaving_modes(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
     let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
     let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new)?;
