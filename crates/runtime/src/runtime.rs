@@ -855,21 +855,15 @@ impl<E: QueuePairReset> Runtime<E> {
         // it (kept by `retire_ended`, as the reissue's below).
         self.retire_ended();
         // The reset is done and every layer it ended is requeued: an error here is the reissue's
-        // (an issue refused before publishing, or the executor's, met by the poll that starts
-        // what was handed over), not the abandon's, and the error this call returns tells the
-        // engine to reset the controller. The layers refused wait, and the next call hands them
-        // over; one published before the failure is in flight as usual (`pump_layers`).
+        // (an issue refused before publishing), not the abandon's, and the error this call
+        // returns tells the engine to reset the controller. The layers refused wait, and the
+        // next call hands them over; one published before the failure is in flight as usual
+        // (`pump_layers`). An executor error met by the poll that starts the layers handed over
+        // (the first since the reset, which forgot those kept before it, so gio-uring reports
+        // it there, once) `pump` keeps for them, as in any call: the next call fails them with
+        // it (`advance`).
         if let Err(error) = self.pump() {
             tracing::warn!(%error, "runtime: handing the abandoned layers over again failed; the next call hands them over");
-            // The executor's error is reported once, and this poll was the first since the reset
-            // (which forgot those kept before it): the layers just handed over never hear it
-            // otherwise and would each wait a whole `io_timeout`. Kept, the next call fails
-            // them with it (`advance`).
-            if let RuntimeError::Store { operation: progress::START_ISSUED_IO, source } = error {
-                if progress::executor_error(&source) {
-                    self.executor_failure.get_or_insert(source);
-                }
-            }
         }
         Ok(abandoned)
     }

@@ -744,3 +744,48 @@ fn begin_prefill_refuses_for_an_executor_error_met_with_nothing_in_flight() {
         stack.runtime.drain().unwrap();
     });
 }
+
+#[test]
+fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
+    // Goal: an executor error met by the poll that starts the layers a call just handed over
+    // (`pump`'s peek; gio-uring reports it once, to that poll) reaches them: `before_layer(0)`,
+    // whose `begin_layer` hands layer 0's read over, fails that read with the executor's error
+    // at once. Before, `begin_layer` returned it (`Store`, "start issued I/O", the prefill
+    // running: retry) and it was gone: the retry's wait, on a read hung on the stopped
+    // executor, ran a whole `io_timeout` to fail as `WaitTimeout`, which points the engine at
+    // `abandon_in_flight` and not the executor. The same held for every call that hands a layer
+    // over (`after_layer`, `end_prefill`, `decode_step`, `poll_io`, a forced store).
+    // `io_timeout` is long beside the call's own work so that the bound below tells the two
+    // apart.
+    bounded(|| {
+        let io_timeout = Duration::from_secs(2);
+        let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
+        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
+        stack.runtime.drain().unwrap();
+        // Layer 0's read is lost, as on a stopped executor.
+        stack.device.set_faults(
+            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
+        );
+        let tokens = prompt(0, 1);
+        let blocks: Vec<u32> = (4..10).collect();
+        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
+        assert_eq!(start.cached_blocks, 4);
+        // Nothing is in flight: the first executor poll is the one starting layer 0's read.
+        rigging.poll_fails.store(true, Ordering::SeqCst);
+        let started = Instant::now();
+        let failed = stack.runtime.before_layer(start.id, 0);
+        let waited = started.elapsed();
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the poll starting layer 0's read met the executor's error");
+        assert!(
+            matches!(
+                &failed,
+                Err(RuntimeError::ReadFailed { layer: 0, source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 }) })
+            ),
+            "the read handed over fails with the executor's error: {failed:?}"
+        );
+        assert!(waited < io_timeout / 2, "the read failed at once, not after a wait: {waited:?}");
+        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the hung read, retiring");
+        assert_eq!(stack.runtime.retiring_requests(), 0);
+        assert!((4..10).all(|block| stack.runtime.releasable(block)));
+    });
+}

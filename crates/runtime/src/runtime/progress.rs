@@ -21,7 +21,8 @@ use crate::writes::WriteQueue;
 pub(super) const POLL_THE_EXECUTOR: &str = "poll the executor";
 
 /// The operation of the `Store` error `pump` returns when the poll that starts what it handed
-/// over fails.
+/// over fails with an error that is not the executor's (`executor_error`; the executor's is kept
+/// for the layers handed over instead).
 pub(super) const START_ISSUED_IO: &str = "start issued I/O";
 
 impl<E: Executor> Runtime<E> {
@@ -486,7 +487,21 @@ impl<E: Executor> Runtime<E> {
             // A caller-driven executor (the CPU one) turns issued IOCBs into device commands only
             // when polled: start them now rather than at the next boundary. Peeking consumes no
             // completion.
-            self.store.queue_mut().peek_cqe().map_err(|error| RuntimeError::Store { operation: START_ISSUED_IO, source: error.into() })?;
+            if let Err(error) = self.store.queue_mut().peek_cqe() {
+                let source = ObjstoreError::from(error);
+                if !executor_error(&source) {
+                    return Err(RuntimeError::Store { operation: START_ISSUED_IO, source });
+                }
+                // The executor's error (a stopped worker, a lasting doorbell fault), reported once
+                // and here often by the first poll since the layers were handed over: it is
+                // theirs, and their own polls will not see it. Kept (`Runtime::executor_failure`),
+                // the next call fails them with it (`advance`). Returned, it was gone once the
+                // caller had it (`ObjstoreError` cannot be both kept and returned), and a read
+                // just handed over waited a whole `io_timeout` to fail as `WaitTimeout`. The
+                // layers were handed over: the call goes on.
+                tracing::warn!(error = %source, "runtime: the executor failed starting the layers handed over; kept for them");
+                self.executor_failure.get_or_insert(source);
+            }
         }
         Ok(())
     }
