@@ -330,10 +330,11 @@ impl<E: Executor> Runtime<E> {
     /// store (a malformed request: `block_ids` past the prompt's full blocks; too few free
     /// IOCBs; the headers of evicted slots not written) or the retrieve fails the request
     /// (`Store`, naming the operation) with nothing prepared, the cached prefix not read.
-    /// So does an executor error met reaping before anything is prepared, or met by an earlier
-    /// call with no live I/O to fail with it (`Store`, "poll the executor"; the request's I/O
-    /// would go to the same executor; reported once, so a retry begins it); a failure of
-    /// another request's store met then is logged, not returned.
+    /// So does an executor error met reaping before anything is prepared or forcing a store
+    /// out of the queue (`ForceOldest`), or met by an earlier call with no live I/O to fail
+    /// with it (`Store`, "poll the executor"; the request's I/O would go to the same executor;
+    /// reported once, so a retry begins it); a failure of another request's store met then is
+    /// logged, not returned.
     pub fn begin_prefill(&mut self, request: &KvRequest<'_>) -> Result<PrefillStart> {
         if let Some(active) = &self.prefill {
             return Err(RuntimeError::OutOfOrder {
@@ -386,6 +387,13 @@ impl<E: Executor> Runtime<E> {
             // The retiring requests leave no request slot for the store beside the retrieve
             // (`stores_skipped_no_request_slot`): the retrieve runs, nothing is stored.
             incoming = 0;
+        }
+        // Forcing (`ForceOldest`) advanced the queues with no write in flight when `advance`
+        // looked (the forced layers are waited for one at a time), so an executor error met
+        // there is still kept: returned now, nothing of the request prepared yet, as one met
+        // above. Left, it failed this request's first read instead.
+        if let Some(source) = self.executor_failure.take() {
+            return Err(RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, source });
         }
         if truncated && incoming > 0 {
             self.counters.stores_truncated += 1;

@@ -789,3 +789,41 @@ fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
         assert!((4..10).all(|block| stack.runtime.releasable(block)));
     });
 }
+
+#[test]
+fn begin_prefill_refuses_for_an_executor_error_met_forcing_a_store() {
+    // Goal: an executor error `begin_prefill` meets while forcing the oldest store out
+    // (`ForceOldest`, the queue full) is returned as its doc says, with nothing of the request
+    // prepared, and a retry begins it. Forcing advances the queues with no write of its own in
+    // flight when the error is claimed (its writes are waited for one at a time), so nothing
+    // claimed it there. Before, it was kept past the forcing: the prefill began and its first
+    // read failed with an error met before anything of it was prepared. Here the error is met
+    // by the poll that starts the forced store's next write layer.
+    bounded(|| {
+        let mut config = common::config(PolicyChoice::SlackAware);
+        config.io_timeout = common::IO_TIMEOUT;
+        config.write_queue_limit_stores = 1;
+        config.on_write_queue_full = tutti_runtime::WriteQueueFullAction::ForceOldest;
+        let (mut stack, rigging) = common::rigged_stack_configured(config);
+        let first = prompt(0, 0);
+        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
+        assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
+        let before = stack.runtime.counters();
+        // Another session's prompt: a store of its own, which needs the one store's room.
+        let other: Vec<u32> = prompt(1, 0).iter().map(|token| token + 7_000_000).collect();
+        let blocks: Vec<u32> = (10..14).collect();
+        rigging.poll_fails_after_submit.store(true, Ordering::SeqCst);
+        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &other, block_ids: &blocks });
+        assert!(!rigging.poll_fails_after_submit.load(Ordering::SeqCst), "the forced store's write was handed over");
+        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
+        assert!(is_the_executor_error(&refused), "the executor's error is returned: {refused:?}");
+        let counters = stack.runtime.counters();
+        assert_eq!(counters.prefills, before.prefills, "no prefill began");
+        assert_eq!((counters.stores_forced, stack.runtime.queued_stores()), (1, 0), "the forced store committed: {counters:?}");
+        assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)), "nothing of the request was prepared");
+        assert_eq!(stack.runtime.lookup(&first), 4);
+        assert_eq!(prefill(&mut stack, &other, &blocks).unwrap(), 0, "the retry begins and runs");
+        stack.runtime.drain().unwrap();
+        assert_eq!(stack.runtime.lookup(&other), 4);
+    });
+}

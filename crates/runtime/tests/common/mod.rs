@@ -318,6 +318,9 @@ pub struct Rigging {
     /// Armed: the next `poll` polls and then fails: an executor-level error reported once (as
     /// gio-uring reports a stopped worker or a lasting doorbell fault).
     pub poll_fails: Arc<AtomicBool>,
+    /// Armed: the next `submit` arms `poll_fails`, so that the first poll after it fails (the
+    /// one that starts what a call handed over, past the polls the call made before it).
+    pub poll_fails_after_submit: Arc<AtomicBool>,
     /// The IOCBs whose TIMEOUT CQEs the next reset holds back ([`Held`]).
     pub held: Arc<std::sync::Mutex<Held>>,
     /// Armed: the next issue is refused before anything of it is published (the executor's
@@ -338,14 +341,19 @@ pub fn rigged_stack(policy: PolicyChoice) -> (Stack<Rigged>, Rigging) {
 
 /// The same, with `io_timeout` instead of `IO_TIMEOUT`.
 pub fn rigged_stack_timed(policy: PolicyChoice, io_timeout: Duration) -> (Stack<Rigged>, Rigging) {
+    let mut config = config(policy);
+    config.io_timeout = io_timeout;
+    rigged_stack_configured(config)
+}
+
+/// A [`Rigged`] stack with the runtime configured by `config`.
+pub fn rigged_stack_configured(config: RuntimeConfig) -> (Stack<Rigged>, Rigging) {
     let rigging = Rigging::default();
     let shared = rigging.clone();
     let (device, store, engine) = parts_with(None, move |pool, store_config| Rigged {
         inner: objstore::cpu_executor_for(pool, 256, store_config).expect("executor"),
         rigging: shared,
     });
-    let mut config = config(policy);
-    config.io_timeout = io_timeout;
     let runtime = Runtime::new(store, profile(), config).expect("runtime");
     (Stack { device, runtime, engine }, rigging)
 }
@@ -411,6 +419,9 @@ impl Executor for Rigged {
 
     fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
         self.inner.submit(memory, batch)?;
+        if self.rigging.poll_fails_after_submit.swap(false, Ordering::SeqCst) {
+            self.rigging.poll_fails.store(true, Ordering::SeqCst);
+        }
         let countdown = self.rigging.submit_fails_at.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
         if self.rigging.submit_fails.swap(false, Ordering::SeqCst) || countdown == Ok(1) {
             return Err(GioError::Executor { executor: "fails once after publishing", reason: "after the batch was taken".into() });
