@@ -992,12 +992,16 @@ mod tests {
         // lock (vLLM's scheduler thread looking up prefixes, the worker's main thread) gets it
         // at the end of the slice under way, not at the wait's deadline. Each of Request.wait
         // (`wait_until`), LayerIo.wait (`wait_layer`) and the settling of a request's end
-        // (`settle`) waits 1.5 s on another thread while this one takes the lock every
-        // millisecond for 1.1 s: on average within 3 ms (a slice and a give-way), none after
-        // more than 250 ms (generous: a loaded machine may not run this thread for a while).
-        // Before, each wait let go of the lock and took it again at once, and std's Mutex, not
-        // fair, gave it back to the wait whenever this thread was not running at that instant:
-        // here 3-15 ms on average, up to 500 ms for one taking.
+        // (`settle`) waits 1.5 s on another thread while this one takes the lock, sleeping
+        // 1 ms between takings, for 1.15 s: at least 300 takings, the median under 5 ms. Before
+        // (no give-way), each wait let go of the lock and took it again at once, and std's
+        // Mutex, not fair, gave it back to the wait whenever this thread was not running at
+        // that instant: here (give_way removed, 11 runs) 3-244 takings, medians 0.94-544 ms,
+        // the slowest 96-799 ms (and at times the wait ended first); after, 425-555 takings,
+        // medians about 1 ms, the slowest 2-27 ms, also beside the crate's other tests. The
+        // count is what separates them (a taking starved for long leaves time for few); the
+        // median says that most takings wait a slice or so. The slowest alone is not asserted:
+        // a loaded machine may leave this thread unrun for a while.
         type Wait = fn(&Request, u64, Instant);
         let waits: [(&str, Wait); 3] = [
             ("Request.wait", |request, _, deadline| drop(request.wait_until(deadline))),
@@ -1018,22 +1022,23 @@ mod tests {
             let deadline = Instant::now() + Duration::from_millis(1500);
             let waiting = std::thread::spawn(move || wait(&waiter, issue, deadline));
             std::thread::sleep(Duration::from_millis(50)); // the wait is in its slices
-            let (mut takings, mut total, mut slowest) = (0u32, Duration::ZERO, Duration::ZERO);
+            let mut took = Vec::new();
             while Instant::now() + Duration::from_millis(300) < deadline {
                 let asked = Instant::now();
                 shared.locked_data_path(|_| ()).expect("the store's lock");
-                let took = asked.elapsed();
-                (takings, total, slowest) = (takings + 1, total + took, slowest.max(took));
+                took.push(asked.elapsed());
                 std::thread::sleep(Duration::from_millis(1));
             }
             let still_waiting = !waiting.is_finished();
             waiting.join().expect("the wait");
-            assert!(still_waiting, "{name}: the wait ended before the takings (the layer completes after its deadline)");
-            let mean = total / takings.max(1);
+            took.sort();
+            let median = took.get(took.len() / 2).copied().unwrap_or(Duration::MAX);
+            let (takings, slowest) = (took.len(), took.last().copied().unwrap_or_default());
             assert!(
-                mean < Duration::from_millis(3) && slowest < Duration::from_millis(250),
-                "{name}: {takings} takings of the lock took {mean:?} on average, the slowest {slowest:?}"
+                takings >= 300 && median < Duration::from_millis(5),
+                "{name}: {takings} takings of the lock in the window, {median:?} the median, the slowest {slowest:?}"
             );
+            assert!(still_waiting, "{name}: the wait ended before the takings (the layer completes after its deadline)");
         }
     }
 
