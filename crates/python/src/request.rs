@@ -1011,7 +1011,9 @@ mod tests {
         for (seed, (name, wait)) in (13..).zip(waits) {
             let mut state = test_store::local_state(1);
             let handle = test_store::prepare_store(&mut state, seed);
-            // Not dropped: the in-process store's drop would wait 5 s for it.
+            // The layer completes 3 s after its issue, past the wait's deadline (1.5 s); the
+            // store's drop at the round's end closes it, which waits for the layer (5 s at
+            // most): about 1.5 s more per round.
             let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
             test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
             let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
