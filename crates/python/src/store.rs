@@ -303,6 +303,18 @@ impl StoreShared {
         self.end_loan(connection, &mut None);
     }
 
+    /// Tests: counts (`by` 1) or uncounts (-1) a caller waiting for the store's lock that is not
+    /// there: one that asked and has not run since (a loaded machine), whom `give_way` waits
+    /// for its whole `GIVE_WAY_MAX`.
+    #[cfg(test)]
+    pub fn pretend_waiting_for_tests(&self, by: isize) {
+        if by >= 0 {
+            self.waiting.fetch_add(by.unsigned_abs(), Ordering::AcqRel);
+        } else {
+            self.waiting.fetch_sub(by.unsigned_abs(), Ordering::AcqRel);
+        }
+    }
+
     /// Tests: how many callers wait for the store's lock (`lock`), so that a test holding it
     /// knows another thread reached it.
     #[cfg(test)]
