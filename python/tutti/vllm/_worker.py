@@ -286,7 +286,9 @@ class WorkerSide:
         commit (which holds the store's lock: this call's waits wait behind it), a keep-alive
         ping under way (the close waits for it); the first that runs out leaves the connection
         unusable, so the later ones fail at once. With a stalled device and tuttid the call may
-        thus take up to about 3 x timeout_s + 5 s."""
+        thus take up to about 3 x timeout_s + 5 s. A slow tuttid, not stalled (each answer just
+        within timeout_s), leaves the connection usable: each settled request's finish may then
+        take up to timeout_s on top, one per request preempted."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
