@@ -24,7 +24,7 @@ use tutti_runtime::{IoDirection, IoEventKind, PolicyChoice, PrefillId, PrefillSt
 fn begin_past_the_largest_prompt<E: Executor>(stack: &mut Stack<E>) -> (Vec<u32>, Vec<u32>, PrefillStart) {
     let cached: Vec<u32> = (0..16).collect();
     prefill(stack, &prompt(0, 6), &cached).unwrap();
-    stack.runtime.drain().unwrap();
+    common::drain_healthy(&mut stack.runtime);
     let tokens = prompt(0, 7);
     let blocks: Vec<u32> = (16..34).collect();
     let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
@@ -110,7 +110,7 @@ fn a_write_whose_submission_failed_after_publishing_is_collected() {
             "the write whose submission failed was never collected",
             "the layer in flight is collected, not issued again",
         );
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         // Its IOCBs completed as the device ran them: the store is whole, each layer handed over
         // once.
         let counters = stack.runtime.counters();
@@ -131,7 +131,7 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
         let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
         let armed = &rigging.submit_fails;
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
         armed.store(true, Ordering::SeqCst);
@@ -146,7 +146,7 @@ fn a_read_whose_submission_failed_after_publishing_is_collected() {
             stack.runtime.after_layer(start.id, layer).unwrap();
         }
         end_holding_every_byte(&mut stack, start.id, &tokens, 6, &blocks);
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }
@@ -217,7 +217,7 @@ fn after_layer_whose_issue_failed_after_publishing_is_retried() {
         }
         assert!(tripped > 0, "no after_layer handed a layer over");
         end_holding_every_byte(&mut stack, start.id, &tokens, 18, &blocks);
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.lookup(&tokens), 18);
     });
 }
@@ -249,7 +249,7 @@ fn end_prefill_whose_issue_failed_after_publishing_says_the_prefill_ended() {
         }
         assert!(matches!(stack.runtime.end_prefill(start.id), Err(RuntimeError::StaleRequest { .. })));
         assert_eq!(stack.runtime.queued_stores(), 1, "the store stays queued");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_the_store_committed(&mut stack, &tokens, u64::from(layers));
     });
 }
@@ -402,7 +402,7 @@ fn an_executor_error_met_polling_a_retiring_request_is_returned_beside_a_write_i
         assert!(is_the_executor_error(&failed), "the executor's error is returned: {failed:?}");
         assert_eq!((stack.runtime.queued_stores(), stack.runtime.retiring_requests()), (1, 1));
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.lookup(&fresh), 4, "the store committed once its write was issued again");
     });
 }
@@ -427,7 +427,7 @@ fn begin_prefill_refuses_for_an_executor_error_and_begins_on_retry() {
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).expect("the retry begins");
         stack.runtime.abort_prefill(start.id).expect("nothing of it in flight");
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
     });
 }
 
@@ -531,7 +531,7 @@ fn a_store_write_reaped_before_abandon_in_flight_failed_is_written_again() {
         let abandoned = stack.runtime.abandon_in_flight();
         assert!(abandoned.is_err(), "the retiring retrieve's reap fails: {abandoned:?}");
 
-        stack.runtime.drain().expect("the store's writes, the abandoned one issued again, complete");
+        common::drain_healthy(&mut stack.runtime);
         let issued_twice = writes(&stack, in_flight[0], IoEventKind::Issued);
         // What was committed is what the engine computed: read back into other blocks.
         let again: Vec<u32> = (30..34).collect();
@@ -599,7 +599,7 @@ fn abandon_in_flight_whose_reissue_is_refused_says_what_it_abandoned() {
         let layers = common::geometry().layers;
         let (mut stack, rigging) = rigged_stack(PolicyChoice::SlackAware);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
         stack.device.set_faults(
             FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
@@ -630,7 +630,7 @@ fn abandon_in_flight_whose_reissue_is_refused_says_what_it_abandoned() {
         compute_layers(&mut stack, start.id, &tokens, 4..6, &blocks, 1..layers);
         assert_eq!(read_issues(&stack, 1), 2, "layer 1's read was issued again: {:?}", &stack.runtime.events()[logged..]);
         end_holding_every_byte(&mut stack, start.id, &tokens, 6, &blocks);
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.lookup(&tokens), 6);
     });
 }
@@ -648,7 +648,7 @@ fn an_executor_error_met_reissuing_after_abandon_in_flight_fails_the_read_again_
         let io_timeout = Duration::from_secs(2);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
         stack.device.set_faults(
             FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
@@ -714,7 +714,7 @@ fn an_executor_error_met_while_a_read_waits_behind_a_write_fails_the_prefill() {
         let again = again.expect("the prefill ended: the next one begins without abort_prefill");
         stack.runtime.abort_prefill(again.id).expect("nothing of it in flight");
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 2, "the lost read and the lost write");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
     });
 }
 
@@ -741,7 +741,7 @@ fn begin_prefill_refuses_for_an_executor_error_met_with_nothing_in_flight() {
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).expect("the retry begins");
         stack.runtime.abort_prefill(start.id).expect("nothing of it in flight");
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the lost read");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
     });
 }
 
@@ -761,7 +761,7 @@ fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
         let io_timeout = Duration::from_secs(2);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         // Layer 0's read is lost, as on a stopped executor.
         stack.device.set_faults(
             FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
@@ -823,7 +823,7 @@ fn begin_prefill_refuses_for_an_executor_error_met_forcing_a_store() {
         assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)), "nothing of the request was prepared");
         assert_eq!(stack.runtime.lookup(&first), 4);
         assert_eq!(prefill(&mut stack, &other, &blocks).unwrap(), 0, "the retry begins and runs");
-        stack.runtime.drain().unwrap();
+        common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.lookup(&other), 4);
     });
 }
