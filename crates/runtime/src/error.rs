@@ -42,12 +42,14 @@ pub enum RuntimeError {
     /// prefix. Met afterwards, planning the queues (`Scheduler`: nothing was advanced), the
     /// store stays queued. Met advancing them (an issue the executor failed after publishing
     /// it: the layer is in flight and the next call collects it; a write that failed; an
-    /// executor error a retiring request's poll met beside writes in flight, `Store` with the
-    /// operation "poll the executor"), the
+    /// executor error, met beside writes in flight by a retiring request's poll or kept by an
+    /// earlier call (met with no live I/O, by `wait_retiring`, or starting layers handed over),
+    /// `Store` with the operation "poll the executor"), the
     /// store stays queued unless that advance ended it: committed (its last layer written
     /// meanwhile), or dropped because a write of its own failed (counted in `stores_failed`;
-    /// when finishing it was then refused, that is the failure returned: `Store` with the
-    /// operation "finish a failed store"). The request is over either way: a retry of
+    /// when finishing it was then refused, that is the failure returned, `Store` with the
+    /// operation "finish a failed store", unless the same advance also returns an executor
+    /// error: that one is returned and the refusal logged). The request is over either way: a retry of
     /// `end_prefill` is `StaleRequest`; the engine goes on with its next call. `kv_wait` is what
     /// `Ok` would have returned.
     #[error("request {request}'s prefill ended (after {kv_wait:?} waiting for KV), then: {source}")]

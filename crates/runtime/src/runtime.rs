@@ -130,10 +130,24 @@ pub struct Runtime<E: Executor> {
     /// The request whose store `make_room` is forcing: counted in `stores_forced` when it commits.
     forcing: Option<u64>,
     /// An executor error (`progress::executor_error`) a poll met that no live I/O has been
-    /// failed with yet: gio-uring reports one once, to whichever poll meets it first, and a
+    /// failed with yet (a retiring request's poll or wait, or `pump`'s peek starting the layers
+    /// a call handed over): gio-uring reports one once, to whichever poll meets it first, and a
     /// layer whose own polls will never see it would wait a whole `io_timeout` instead.
     /// `advance` hands it to the live I/O (see there); with none, it waits for the next, or for
     /// `begin_prefill`, which returns it. The first is kept; later ones are logged only.
+    /// `abandon_in_flight` forgets it (logged): it concerned the queue pairs the reset replaces.
+    ///
+    /// Nothing else ends it, however long ago it was met: only a claim reports it, once. So it
+    /// can outlive what it concerned: the read in flight may fail with its own error from the
+    /// same fault (a stopped worker's issue ending as TIMEOUT: `ReadFailed`, `LayerIo`) and the
+    /// next `begin_prefill` is then refused for the kept one too; a GPU executor that reset
+    /// itself and recovered still has its next live I/O failed, or, with none meanwhile, a much
+    /// later `begin_prefill` refused, once; and one kept when the engine drains fails that
+    /// `drain` (or `finish`, `FinishError`) if a write is in flight then. Each is reported
+    /// once (`Store` "poll the executor", or the read's `ReadFailed`): a retry goes on. No
+    /// rule tells a stale error from a live one (a successful poll says nothing of the error a
+    /// worker reported once, and a failed read need not be the executor's fault), so it is kept
+    /// rather than a new request's I/O handed to an executor known to have failed.
     executor_failure: Option<ObjstoreError>,
     counters: RuntimeCounters,
     log: EventLog,
@@ -830,8 +844,10 @@ impl<E: QueuePairReset> Runtime<E> {
     /// Returns the layers abandoned, once the reset succeeded: should handing a layer over again
     /// fail (logged), the layer waits and the next call (`before_layer`, `poll_io`, ...) hands it
     /// over; an executor error met then (reported once, by the poll that starts the layers
-    /// handed over) is kept for them, and the next call fails them with it as a poll of their
-    /// own would have (a read: `ReadFailed`). If a queue pair cannot be deleted the error says so and
+    /// handed over) is kept for them, and the next call fails them with it: a read as a poll of
+    /// its own would have (`ReadFailed`, the prefill ended), writes with `Store` "poll the
+    /// executor", their stores left queued (a failed poll of a write's own would have dropped
+    /// its store). If a queue pair cannot be deleted the error says so and
     /// nothing is released: the controller must be reset first. An error after the reset (while
     /// reaping the completions it posted) may have ended some layers and not others: those the
     /// object store no longer holds in flight are handed back to be issued again, as above, and

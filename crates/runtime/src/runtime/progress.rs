@@ -127,13 +127,14 @@ impl<E: Executor> Runtime<E> {
     pub(super) fn advance(&mut self, issue: bool) -> Result<()> {
         // gio-uring reports an executor error (a stopped worker, a lasting doorbell fault) once,
         // to whichever poll meets it first, and the retiring requests are polled first. Kept
-        // (`Runtime::executor_failure`, with one kept by an earlier call: met with no live I/O,
-        // or by the reissue after `abandon_in_flight`), it goes to the live I/O polled below,
-        // as though its own poll had met it: otherwise no wait of it ever saw the error, and
-        // each waited a whole `io_timeout` to fail as `WaitTimeout`, which points the engine at
-        // `abandon_in_flight` and not the executor. Only a claim takes it: a read failing or
-        // completing on its own leaves it for the writes, and with no live I/O it waits for
-        // the next (or `begin_prefill`).
+        // (`Runtime::executor_failure`, with one kept by an earlier call: met with no live
+        // I/O, or by the poll starting the layers a call handed over), it goes to the live I/O
+        // polled below, as though its own poll had met it: otherwise no wait of it ever saw
+        // the error, and each waited a whole `io_timeout` to fail as `WaitTimeout`, which
+        // points the engine at `abandon_in_flight` and not the executor. Only a claim takes
+        // it: a read failing or completing on its own leaves it for the writes, and with no
+        // live I/O it waits for the next (or `begin_prefill`). (Failing a read still drops the
+        // prefill's store, which waits for its write in flight: see `read_failed`.)
         self.retire_ended();
         if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
             // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including
@@ -306,7 +307,12 @@ impl<E: Executor> Runtime<E> {
 
     /// A read failed (or its wait timed out, or the executor failed): the prefill ends, its
     /// retrieve and store are dropped (retiring if a layer of them is still in flight) and the
-    /// error says so. A read the device failed with a media error status (`is_media_error`)
+    /// error says so. Dropping the store waits (`drop_store`, one `io_timeout` at most) for its
+    /// write in flight, if any: so a read failed with an executor's error is not always failed
+    /// at once. Under `Naive` (no barrier) the prefill's own store can have a write in flight
+    /// while its reads are still to come, and on a stopped executor that wait runs the whole
+    /// `io_timeout` before `ReadFailed` comes back (the store then retiring); under the
+    /// barrier policies no write of the prefill's is in flight while a read is. A read the device failed with a media error status (`is_media_error`)
     /// also evicts the retrieve's cached blocks (later lookups miss them and the prefix is
     /// stored again).
     pub(super) fn read_failed(&mut self, layer: u32, source: ObjstoreError) -> RuntimeError {
