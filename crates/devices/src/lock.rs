@@ -52,7 +52,8 @@ pub struct DeviceLocks {
     held: Vec<(PathBuf, Held)>,
     /// Pool files of this user's that others can open, found when locked and not narrowed yet
     /// ([`DeviceLocks::narrow_pool_files`]): the index of each one's lock in `held`, the mode it
-    /// has and the mode it is to have (its owner's bits).
+    /// had then and its owner's bits of it (what [`DeviceLocks::open_to_others_notes`] tells;
+    /// narrowing reads the mode again).
     open_to_others: Vec<(usize, u32, u32)>,
     /// Pool files [`DeviceLocks::narrow_pool_files`] narrowed, or tried to, with the mode each
     /// had and what narrowing it came to ([`DeviceLocks::narrowed`]).
@@ -313,9 +314,10 @@ impl DeviceLocks {
     }
 
     /// Makes every pool file of this user's that others could open when it was locked (recorded
-    /// by [`DeviceLocks::acquire`] and [`DeviceLocks::acquire_created`]) its owner's only:
-    /// `fchmod` on the locked descriptor (the file that is locked, whatever its name names
-    /// meanwhile; it needs ownership, not write access). For the caller to call once it knows
+    /// by [`DeviceLocks::acquire`] and [`DeviceLocks::acquire_created`]), and still can, its
+    /// owner's only: its mode read again and `fchmod` on the locked descriptor (the file that is
+    /// locked, whatever its name names meanwhile; it needs ownership, not write access), so
+    /// that a mode its owner changed since it was locked is what is narrowed, told and put back. For the caller to call once it knows
     /// the files are its pool (a format or an open of the pool succeeded), every lock still held:
     /// a command that refuses a file after locking it (what it holds, a claim) must change no
     /// mode. Returns one sentence per file, for the caller to print or log as a warning (this
@@ -330,8 +332,8 @@ impl DeviceLocks {
         })
     }
 
-    /// [`DeviceLocks::narrow_pool_files`] with `chmod` (fchmod) and `mode_of` (fstat) given, so
-    /// that a test can make either fail.
+    /// [`DeviceLocks::narrow_pool_files`] with `chmod` (fchmod) and `mode_of` (fstat, before
+    /// and after each fchmod) given, so that a test can make either fail.
     fn narrow_with(
         &mut self,
         chmod_fn: &dyn Fn(&File, u32) -> std::io::Result<()>,
@@ -342,8 +344,26 @@ impl DeviceLocks {
         // The files whose fchmod succeeded in this call, with the mode each had: put back if a
         // later one fails (nobody would be told of them: the caller gets the error).
         let mut changed: Vec<(usize, u32, u32)> = Vec::new();
-        for &(index, from, to) in &pending {
+        for &(index, _, _) in &pending {
             let (path, held) = &self.held[index];
+            // The mode read when the file was locked is a whole format or pool recovery old: its
+            // owner may have changed it since (made it 600, or 640 to share it with a group on
+            // purpose). Decided again from the mode it has now, on the locked descriptor, so
+            // that a file its owner narrowed is left alone, and a restore gives back the mode it
+            // had just before, never a wider one of lock time. Its owner and type were settled
+            // when it was locked (a file of this user's; giving it away takes root).
+            let from = match mode_of(held.file()) {
+                Ok(mode) => mode,
+                Err(source) => {
+                    let error = DeviceError::Io { context: format!("examining {} to narrow its mode", path.display()), source };
+                    self.narrowed.truncate(first_new);
+                    return Err(self.put_back(&changed, chmod_fn, error));
+                }
+            };
+            if from & 0o077 == 0 {
+                continue;
+            }
+            let to = from & 0o700;
             let chmod = chmod_fn(held.file(), to);
             let chmodded = chmod.is_ok();
             if chmodded {
@@ -1332,12 +1352,13 @@ mod tests {
             }
             DeviceLocks::acquire(&specs, &lock_dir, false).unwrap()
         };
-        // fstat fails on the second file, after its fchmod succeeded: both put back.
+        // fstat fails on the second file, after its fchmod succeeded (each file's mode is read
+        // before and after its fchmod: the fourth read): both put back.
         let mut locks = fresh();
         let calls = std::cell::Cell::new(0);
         let failing_second = |file: &File| {
             calls.set(calls.get() + 1);
-            if calls.get() == 2 {
+            if calls.get() == 4 {
                 return Err(std::io::Error::from_raw_os_error(nix::libc::EIO));
             }
             real_mode(file)
@@ -1363,6 +1384,57 @@ mod tests {
         assert!(text.contains("EPERM") && text.contains(&format!("putting the mode of {first} back to 0644 failed")), "{text}");
         assert!(text.contains("it is left 0600"), "{text}");
         assert!(matches!(&error, DeviceError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EPERM)), "{error:?}");
+    }
+
+    #[test]
+    fn a_narrowing_decides_from_the_mode_the_file_has_then_not_the_one_it_had_when_locked() {
+        // Goal: narrow_pool_files used the mode read when the file was locked, which is a whole
+        // format or pool recovery earlier. Its owner's change meanwhile was overridden: a file
+        // chmodded 640 (shared with a group on purpose) was put back to the 0644 of lock time
+        // when a later file's fchmod failed, widening it; one narrowed to 600 was told as "was
+        // mode 0644". Now each file's mode is read again on its locked descriptor.
+        let directory = tempfile::tempdir().unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o7777;
+        let set_mode = |path: &Path, mode: u32| std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
+        let paths = ["a.img", "b.img"].map(|name| directory.path().join(name));
+        let specs = paths.clone().map(DeviceSpec::EmuFile);
+        let lock_dir = directory.path().join("locks");
+        let chmod = |file: &File, mode: u32| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
+        let real_mode = |file: &File| file.metadata().map(|metadata| metadata.mode() & 0o7777);
+        let fresh = || {
+            for path in &paths {
+                std::fs::write(path, [0u8; 4096]).unwrap();
+                set_mode(path, 0o644);
+            }
+            DeviceLocks::acquire(&specs, &lock_dir, false).unwrap()
+        };
+        // a.img made 640 by its owner meanwhile; b.img's fchmod fails: a.img gets 640 back.
+        let mut locks = fresh();
+        set_mode(&paths[0], 0o640);
+        let chmods = std::cell::Cell::new(0);
+        let second_fails = |file: &File, mode: u32| {
+            chmods.set(chmods.get() + 1);
+            match chmods.get() {
+                2 => Err(std::io::Error::from_raw_os_error(nix::libc::EPERM)),
+                _ => chmod(file, mode),
+            }
+        };
+        locks.narrow_with(&second_fails, &real_mode).unwrap_err();
+        assert_eq!((mode(&paths[0]), mode(&paths[1])), (0o640, 0o644), "a mode its owner set was not put back");
+        drop(locks);
+        // a.img made 600 by its owner meanwhile: left alone, and only b.img is told.
+        let mut locks = fresh();
+        set_mode(&paths[0], 0o600);
+        let notes = locks.narrow_with(&chmod, &real_mode).unwrap();
+        assert!(notes.len() == 1 && notes[0].contains(&*paths[1].to_string_lossy()), "{notes:?}");
+        assert_eq!(locks.narrowed().collect::<Vec<_>>(), [(paths[1].as_path(), 0o644)]);
+        drop(locks);
+        // a.img made 755 meanwhile: narrowed to 700, told as the 0755 it was.
+        let mut locks = fresh();
+        set_mode(&paths[0], 0o755);
+        let notes = locks.narrow_with(&chmod, &real_mode).unwrap();
+        assert_eq!((mode(&paths[0]), mode(&paths[1])), (0o700, 0o600));
+        assert!(notes[0].contains("was mode 0755"), "{notes:?}");
     }
 
     #[test]
