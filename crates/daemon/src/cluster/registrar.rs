@@ -8,9 +8,11 @@
 //!    entries of segments the manifest listed but the pool no longer holds, at start or evicted
 //!    since (a wiped pool, or evictions before the join: the previous process's lease may still
 //!    claim them), only while the node id's member key is absent or under the lease the
-//!    manifest recorded — never a live process's that holds the id; join, recording the lease
-//!    in the manifest, which the first join then rewrites without the stale segments' dropped
-//!    records, their deletes made (or rejoin after a lost lease: a new lease has no
+//!    manifest recorded — never a live process's that holds the id; a pass deletes those stale
+//!    at its first read of the queue, then joins (what breaks after that read is queued for
+//!    deletion under the new lease); join, recording the lease in the manifest, which the
+//!    first join then rewrites without the stale segments' dropped records, their deletes
+//!    made (or rejoin after a lost lease: a new lease has no
 //!    registrations, so every held segment is registered again); update the member record
 //!    when the set of models changed; unregister broken segments; register held ones, one
 //!    transaction per `txn_ops_max` segments of one model space, at most
@@ -113,7 +115,8 @@ pub(crate) struct Registrar {
     /// Broken segments still registered under the current lease.
     to_unregister: Vec<(ModelSpace, Segment)>,
     /// Before the first join: segments the previous process may have registered that this pool
-    /// no longer holds (from the manifest, and those evicted since), to delete first.
+    /// no longer holds (from the manifest, and those evicted since), to delete first (those
+    /// found after a pass's first read: the join moves them to `to_unregister`).
     stale: Vec<(ModelSpace, Segment)>,
     /// Fetched segments not registered (`fetched.rs`): a commit's segments among them are not
     /// held nor registered. Locked under the pool's lock.
@@ -450,33 +453,35 @@ impl Registrar {
     /// Step 2 (module docs). The queue is read before each call ([`Registrar::take_commits`]).
     fn talk_to_etcd(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<(), ClusterError> {
         let fingerprints: Vec<[u8; 32]> = self.held.fingerprints().take(FINGERPRINTS_MAX).copied().collect();
-        if self.node.is_none() && !self.stale.is_empty() {
-            self.forget_stale(store, stop)?;
-            if !self.stale.is_empty() {
-                // More than a pass's share: the next pass goes on before joining.
-                return Ok(());
-            }
+        // More than a pass's share (or a stop): the next pass goes on before joining.
+        if self.node.is_none() && !self.stale.is_empty() && !self.forget_stale(store, stop)? {
+            return Ok(());
         }
         // Between calls: a stop is seen after the call in flight, not after the whole pass.
         if stop.is_stopped() {
             return Ok(());
         }
         if self.node.is_none() {
-            // No read of the queue here: a segment it found broken would wait in `stale`, which
-            // is deleted only before a join, after this one. The run loop read it before the
-            // pass, and `forget_stale` (when called) after its client's drop.
+            // The run loop read the queue before the pass, and `forget_stale` (when called)
+            // after its client's drop: only the join is left to the queue's bound.
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
             let node = ClusterNode::join(self.config.clone(), record)?;
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
             self.record_lease(node.health().lease_id);
             self.joined_anew();
+            // What `forget_stale` found broken after its first read (it deleted only what was
+            // stale then, so that steady eviction cannot hold the join back pass after pass):
+            // deleted under this node's lease instead, as any unregistration. The join
+            // succeeded, so no live process holds the id; a delete names the node, not the lease.
+            self.to_unregister.append(&mut self.stale);
             if std::mem::take(&mut self.stale_journalled) {
-                // The stale deletes are made (`stale` is empty here: a pass joins only then)
-                // and the queue is empty: their dropped records (the start's rewrite kept them
-                // for a successor should this process die first) would have every later start
-                // make them again before its first join, until a compaction a node of little
-                // churn may never reach. A rewrite that fails leaves the file as it was, with
-                // this join's lease (recorded above); the manifest is then no longer written.
+                // The stale deletes are made, but for those just queued (kept by the rewrite as
+                // dropped records until made): the others' dropped records (the start's rewrite
+                // kept them for a successor should this process die first) would have every
+                // later start make them again before its first join, until a compaction a node
+                // of little churn may never reach. A rewrite that fails leaves the file as it
+                // was, with this join's lease (recorded above); the manifest is then no longer
+                // written.
                 self.rewrite_manifest();
             }
             self.node = Some(node);
@@ -579,32 +584,39 @@ impl Registrar {
         }
     }
 
-    /// Deletes this node id's entries of the stale segments (up to [`TRANSACTIONS_PER_PASS`]
-    /// transactions per pass), before the first join and so before any registration of this
-    /// process: nothing it registers itself is deleted. Only while the member key is absent or
-    /// under the previous process's lease: a live process holding the id (another tuttid started
-    /// with it) keeps its entries, and the stale list is dropped (whatever the previous process
-    /// registered vanishes with its lease).
-    fn forget_stale(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<(), ClusterError> {
+    /// Deletes this node id's entries of the segments stale at its first read of the queue (up
+    /// to [`TRANSACTIONS_PER_PASS`] transactions per pass), before the first join and so before
+    /// any registration of this process: nothing it registers itself is deleted. Only while the
+    /// member key is absent or under the previous process's lease: a live process holding the
+    /// id (another tuttid started with it) keeps its entries, and the stale list is dropped
+    /// (whatever the previous process registered vanishes with its lease). Whether those are all
+    /// deleted, so the pass may join: segments its later reads find broken wait in `stale`
+    /// behind them, and the join queues them for deletion under its lease. Deleting them here
+    /// too let a busy node (a commit evicting a held segment per etcd round trip) spend every
+    /// pass on deletes and never join.
+    fn forget_stale(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<bool, ClusterError> {
         let client = ClusterClient::connect(self.config.clone())?;
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
-        while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
-            // Not joined yet: segments it finds broken join `stale`, deleted in this loop.
-            self.take_commits(store);
-            if self.stale.is_empty() {
-                break;
+        self.take_commits(store);
+        // `stale[..first]`: stale at the first read and not deleted yet. A later read appends.
+        let mut first = self.stale.len();
+        while first > 0 && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+            if transactions > 0 {
+                self.take_commits(store);
             }
             let space = self.stale[0].0;
-            let mut batch = Vec::with_capacity(batch_max.min(self.stale.len()));
+            let mut batch = Vec::with_capacity(batch_max.min(first));
+            let mut position = 0;
             self.stale.retain(|&(other, segment)| {
-                if other == space && batch.len() < batch_max {
+                let taken = position < first && other == space && batch.len() < batch_max;
+                position += 1;
+                if taken {
                     batch.push(segment);
-                    false
-                } else {
-                    true
                 }
+                !taken
             });
+            first -= batch.len();
             match client.forget(&self.record.node, self.previous_lease, &space, &batch) {
                 Ok(_) => {}
                 Err(error @ ClusterError::NodeIdTaken { .. }) => {
@@ -613,7 +625,7 @@ impl Registrar {
                     return Err(error);
                 }
                 Err(error) => {
-                    self.stale.extend(batch.into_iter().map(|segment| (space, segment)));
+                    self.stale.splice(0..0, batch.into_iter().map(|segment| (space, segment)));
                     return Err(error);
                 }
             }
@@ -624,10 +636,10 @@ impl Registrar {
         // The client's drop shuts its runtime down (up to 1 s), then the join follows with no
         // read of the queue before it: the queue is read after the drop, so the join alone
         // (up to 4 T + 1 s) is left to the queue's bound. A segment that read finds broken
-        // joins `stale`, and the pass goes on to the join only once that is empty.
+        // joins `stale`, queued for deletion by the join.
         drop(client);
         self.take_commits(store);
-        Ok(())
+        Ok(first == 0)
     }
 
     /// Records the lease joined under in the manifest, for a successor after a crash.
@@ -1371,5 +1383,104 @@ mod tests {
         assert_eq!(registrar.metrics.lease_losses.get(), 0, "rejoined after the stop");
         assert!(!registrar.rejoining);
         assert!(registrar.node.as_ref().is_some_and(|node| node.health().lost), "the test needs the node lost after its join");
+    }
+
+    /// At each of the registrar's events whose message is `message`, runs `step` again, as the
+    /// connection threads and the pool's evictions would act while the pass waits on etcd.
+    struct AtEachEvent {
+        message: &'static str,
+        step: Mutex<Box<dyn FnMut() + Send>>,
+        /// Times `step` ran.
+        ran: std::sync::atomic::AtomicUsize,
+    }
+
+    impl tracing::Subscriber for AtEachEvent {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut message = MessageOf::default();
+            event.record(&mut message);
+            if message.0 == self.message {
+                (lock(&self.step))();
+                self.ran.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// Four 16-block prompts fill the 64 one-block slots of `store`, departures tracked, and
+    /// become `registrar`'s held segments (waiting to be registered).
+    fn fill_the_pool(registrar: &mut Registrar, store: &Mutex<StoreState>, space: ModelSpace) {
+        assert_eq!(lock(store).control.counts().slots, 64, "the test fills a pool of 64 one-block slots");
+        let prompts: Vec<Vec<u64>> = (1..=4u64).map(|i| (1..=16).map(|block| 100 * i + block).collect()).collect();
+        for keys in &prompts {
+            commit(store, keys);
+        }
+        lock(store).control.track_departures(1024);
+        let commits: Vec<Committed> = prompts.iter().map(|keys| Committed { space, keys: keys.clone(), first_segment: 0 }).collect();
+        registrar.update_local(store, &commits);
+        assert_eq!(registrar.held.len(), 4, "the test needs the four prompts held");
+    }
+
+    /// A step that commits a fresh 16-block prompt to the full pool, evicting the least recently
+    /// used held one, and hands it over, as a busy node's clients do.
+    fn evicting_commits(
+        store: &Arc<Mutex<StoreState>>,
+        sender: std::sync::mpsc::SyncSender<Committed>,
+        space: ModelSpace,
+    ) -> Box<dyn FnMut() + Send> {
+        let store = Arc::clone(store);
+        let mut next = 0u64;
+        Box::new(move || {
+            next += 1;
+            let keys: Vec<u64> = (1..=16).map(|block| 1_000_000 * next + block).collect();
+            commit(&store, &keys);
+            sender.try_send(Committed { space, keys, first_segment: 0 }).unwrap();
+        })
+    }
+
+    #[test]
+    fn steady_evictions_before_the_first_join_do_not_keep_the_node_from_joining() {
+        // Goal: before the first join, a held segment an eviction breaks is stale (the previous
+        // process may have registered it). The pass joined only once a read of the queue found
+        // the stale list empty, and the queue is read before each delete: on a busy node with a
+        // full pool, a commit per etcd round trip refilled it every time, and every pass spent
+        // its budget on deletes and never joined. Now a pass deletes what was stale at its
+        // first read, then joins; what broke later is deleted after the join.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
+        let mut registrar = registrar_recovered(directory.path(), "evicting-before-join", HeldSegments::default(), stale, 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let store = Arc::new(store());
+        fill_the_pool(&mut registrar, &store, space);
+        let subscriber = Arc::new(AtEachEvent {
+            message: "deleted registrations of segments this pool no longer holds",
+            step: Mutex::new(evicting_commits(&store, sender, space)),
+            ran: Default::default(),
+        });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let stop = StopHandle::default();
+        for _ in 0..3 {
+            tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        }
+        assert!(subscriber.ran.load(Ordering::Relaxed) > 0, "the test needs evictions during the deletes");
+        assert!(registrar.node.is_some(), "not joined after three passes, {} deletes", subscriber.ran.load(Ordering::Relaxed));
+        // What broke after the first read was deleted under the new lease, this pass.
+        assert!(registrar.stale.is_empty() && registrar.to_unregister.is_empty());
+        assert_eq!(registrar.metrics.unregistered_segments.get(), 2, "the stale segment, then the one its delete's eviction broke");
+        assert_eq!(registrar.held.registered(), registrar.held.len());
+        registrar.leave();
     }
 }
