@@ -344,11 +344,14 @@ fn in_flight_max(events: &[IoEvent], direction: IoDirection) -> usize {
 /// flight and the next request's first read waited for all of them.
 #[test]
 fn one_write_layer_in_flight_across_queued_stores() {
-    // Writes at a quarter of slow_ssd's rate, so that stores queue behind one another however
-    // the machine's load stretches the prefills; each session on engine blocks of its own, so
-    // that no later session's store holds the first's blocks when the test asks whether they
-    // were let go (take_blocks would hand a committed store's blocks to the next prefill).
-    let timing = nvme_emu::TimingModel { write_bytes_per_s: 32_000_000, ..common::slow_ssd() };
+    // Writes at a sixteenth of slow_ssd's rate (a store's 4 layers take ~16 ms, a prefill's
+    // compute 4 ms), so that stores queue behind one another however the machine's load
+    // stretches the prefills (at a quarter, ~4 ms a store, a loaded 2-core machine once wrote
+    // them as fast as they came: never two queued in 8 sessions); each session on engine
+    // blocks of its own, so that no later session's store holds the first's blocks when the
+    // test asks whether they were let go (take_blocks would hand a committed store's blocks to
+    // the next prefill).
+    let timing = nvme_emu::TimingModel { write_bytes_per_s: 8_000_000, ..common::slow_ssd() };
     let mut stack = stack(config(PolicyChoice::NoOverlap), Some(timing));
     let blocks_per_prompt = prompt(0, 0).len() / BLOCK_TOKENS as usize;
     let own_blocks =
