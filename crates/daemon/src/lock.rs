@@ -43,6 +43,13 @@ pub(crate) fn daemon_error(error: DeviceError) -> DaemonError {
     }
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: the errno every `fchmod` of [`DeviceLocks::narrow_pool_files`] on this thread
+    /// fails with (EPERM: a filesystem refusing mode changes); `None`: the real fchmod.
+    pub(crate) static NARROWING_FAILS_WITH: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
+}
+
 impl DeviceLocks {
     /// [`tutti_devices::DeviceLocks::acquire`] and the claims of the block devices among
     /// `specs`, their errors as the daemon's.
@@ -68,9 +75,20 @@ impl DeviceLocks {
     /// for `open_pool` once the pool is open, so that no refusal (what a file holds, a file
     /// that holds no pool) changes a mode. What was done is logged as a warning (the devices
     /// crate logs nothing, and the owner should hear that a tool reading the file as another
-    /// user now cannot); a failure (EPERM) puts the modes back and is the daemon's error.
-    pub fn narrow_pool_files(&mut self) -> Result<(), DaemonError> {
-        for note in self.locks.narrow_pool_files().map_err(daemon_error)? {
+    /// user now cannot); a failure (EPERM) puts the modes back and is the daemon's error,
+    /// saying first that the pool was formatted on `formatted` (a `--format` start; empty
+    /// otherwise) and is kept.
+    pub fn narrow_pool_files(&mut self, formatted: &[DeviceSpec]) -> Result<(), DaemonError> {
+        // Tests make every fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
+        #[cfg(test)]
+        let failing = NARROWING_FAILS_WITH.get();
+        #[cfg(not(test))]
+        let failing: Option<i32> = None;
+        let notes = match failing {
+            Some(errno) => self.locks.narrow_pool_files_with(formatted, &|_, _| Err(std::io::Error::from_raw_os_error(errno))),
+            None => self.locks.narrow_pool_files(formatted),
+        };
+        for note in notes.map_err(daemon_error)? {
             tracing::warn!("{note}");
         }
         Ok(())

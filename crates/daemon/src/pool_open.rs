@@ -226,7 +226,8 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // owner's only (logged). Not before: a start refused on the way here (a file system on the
     // device, a file that holds no pool) must leave every mode as it was.
     // (Refused here, the pool is dropped before the locks, as on any error.)
-    locks.narrow_pool_files()?;
+    // A --format start's error then says the pool was formatted (and is kept).
+    locks.narrow_pool_files(if options.format.is_some() { &options.specs } else { &[] })?;
     Ok(OpenedPool { pool, devices, report, emulators, admin_timeout: controller_config.admin_timeout, locks })
 }
 
@@ -493,6 +494,35 @@ mod tests {
         options.format = None;
         drop(open_pool(&options).expect("open the pool"));
         assert_eq!(mode(), 0o600, "a pool opened without --format is still open to others");
+    }
+
+    #[test]
+    fn a_format_whose_narrowing_fails_says_the_pool_was_formatted_and_keeps_it() {
+        // Goal: narrowing waits for the format, so an EPERM from it (a filesystem refusing
+        // chmod) comes after the pool was written; the start was refused with the lock step's
+        // old message alone, which reads as if nothing had changed though the file now holds a
+        // fresh pool (with --overwrite, what it held is gone). Now the error says the pool was
+        // formatted there, and the pool is kept (a later start opens it).
+        use std::os::unix::fs::PermissionsExt;
+        let directory = tempfile::tempdir().unwrap();
+        let image = directory.path().join("pool.img");
+        std::fs::write(&image, vec![0u8; 8 << 20]).unwrap();
+        std::fs::set_permissions(&image, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let mode = || std::fs::metadata(&image).unwrap().permissions().mode() & 0o7777;
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let mut options = formatting(directory.path(), vec![DeviceSpec::EmuFile(image.clone())], geometry, 64 << 20);
+        crate::lock::NARROWING_FAILS_WITH.set(Some(nix::libc::EPERM));
+        let refused = open_pool(&options).err();
+        crate::lock::NARROWING_FAILS_WITH.set(None);
+        let error = refused.expect("a pool file that cannot be narrowed is refused");
+        let text = error.to_string();
+        assert!(matches!(error, DaemonError::Devices(DeviceError::Io { .. })), "not status 2: {error:?}");
+        assert!(text.contains(&format!("the pool was formatted on emu:{} and is kept", image.display())), "{text}");
+        assert!(text.contains("EPERM") && !text.contains("immutable"), "{text}");
+        assert_eq!(mode(), 0o644);
+        options.format = None;
+        drop(open_pool(&options).expect("the pool formatted is there"));
+        assert_eq!(mode(), 0o600);
     }
 
     #[test]

@@ -316,20 +316,34 @@ impl DeviceLocks {
     /// Makes every pool file of this user's that others could open when it was locked (recorded
     /// by [`DeviceLocks::acquire`] and [`DeviceLocks::acquire_created`]), and still can, its
     /// owner's only: its mode read again and `fchmod` on the locked descriptor (the file that is
-    /// locked, whatever its name names meanwhile; it needs ownership, not write access), so
-    /// that a mode its owner changed since it was locked is what is narrowed, told and put back. For the caller to call once it knows
-    /// the files are its pool (a format or an open of the pool succeeded), every lock still held:
-    /// a command that refuses a file after locking it (what it holds, a claim) must change no
-    /// mode. Returns one sentence per file, for the caller to print or log as a warning (this
-    /// crate logs nothing): narrowed, or left open to others (its filesystem is read-only, or
-    /// ignores permissions). Where one fails (EPERM: an immutable file, a filesystem refusing
-    /// chmod), every file this call changed, that one included, gets its mode back, and the
-    /// error names any that could not be put back. Each file is narrowed once: a second call
-    /// has nothing left to do.
-    pub fn narrow_pool_files(&mut self) -> Result<Vec<String>, DeviceError> {
-        self.narrow_with(&|file, mode| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)), &|file| {
-            file.metadata().map(|metadata| metadata.mode() & 0o7777)
-        })
+    /// locked, whatever its name names meanwhile; it needs ownership, not write access), so that
+    /// a mode its owner changed since it was locked is what is narrowed, told and put back. For
+    /// the caller to call once it knows the files are its pool (a format or an open of the pool
+    /// succeeded), every lock still held: a command that refuses a file after locking it (what
+    /// it holds, a claim) must change no mode. Returns one sentence per file, for the caller to
+    /// print or log as a warning (this crate logs nothing): narrowed, or left open to others
+    /// (its filesystem is read-only, or ignores permissions). Where one fails (EPERM: its
+    /// filesystem refuses mode changes), every file this call changed, that one included, gets
+    /// its mode back, and the error names any that could not be put back. Each file is
+    /// narrowed once: a second call has nothing left to do.
+    ///
+    /// `formatted`: the devices the caller has just formatted a pool on (empty if it formatted
+    /// none). The error then says first that the pool was formatted there and is kept, and
+    /// that only the narrowing failed: it comes after the write, and a bare refusal would read
+    /// as if nothing had changed (what the devices held is gone).
+    pub fn narrow_pool_files(&mut self, formatted: &[DeviceSpec]) -> Result<Vec<String>, DeviceError> {
+        self.narrow_pool_files_with(formatted, &|file, mode| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)))
+    }
+
+    /// [`DeviceLocks::narrow_pool_files`] with its `fchmod` given as `chmod`: for the callers'
+    /// tests, which make it fail (EPERM) to see what their command then says and does.
+    pub fn narrow_pool_files_with(
+        &mut self,
+        formatted: &[DeviceSpec],
+        chmod: &dyn Fn(&File, u32) -> std::io::Result<()>,
+    ) -> Result<Vec<String>, DeviceError> {
+        self.narrow_with(chmod, &|file| file.metadata().map(|metadata| metadata.mode() & 0o7777))
+            .map_err(|error| formatted_but(error, formatted))
     }
 
     /// [`DeviceLocks::narrow_pool_files`] with `chmod` (fchmod) and `mode_of` (fstat, before
@@ -454,6 +468,26 @@ impl DeviceLocks {
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
+    }
+}
+
+/// `error`, from narrowing the pool files of a pool just formatted on `formatted` (none: left
+/// as it is), saying first that the format was done and is kept: the narrowing comes after it,
+/// so a bare refusal would read as if nothing had changed, though what the devices held is
+/// gone. Narrowing fails only with [`DeviceError::Io`]; any other error is left as it is.
+fn formatted_but(error: DeviceError, formatted: &[DeviceSpec]) -> DeviceError {
+    match error {
+        DeviceError::Io { context, source } if !formatted.is_empty() => {
+            let listed = formatted.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+            DeviceError::Io {
+                context: format!(
+                    "the pool was formatted on {listed} and is kept there (it replaced what was there); only making its files \
+                     their owner's failed, and tuttid, tutti-bench and the Python Store refuse the pool while that fails: {context}"
+                ),
+                source,
+            }
+        }
+        error => error,
     }
 }
 
@@ -786,10 +820,14 @@ fn narrowing_outcome(path: &Path, from: u32, to: u32, chmod: std::io::Result<()>
     };
     let why = match source.raw_os_error().map(Errno::from_raw) {
         Some(Errno::EROFS) => return Ok(Narrowing::ReadOnly),
-        Some(Errno::EPERM) => "EPERM: the file is immutable or append-only (lsattr shows i or a; root removes it with chattr -i \
-                               or -a), or its filesystem refuses mode changes (vfat, CIFS, some FUSE filesystems); have it made \
-                               mode 600, or keep the pool on a filesystem with Unix permissions"
-            .to_string(),
+        // Not an immutable or append-only file (chattr +i, +a): every caller opens its pool for
+        // writing before narrowing it, and that open fails there first.
+        Some(Errno::EPERM) => format!(
+            "EPERM: its filesystem refuses mode changes (vfat, CIFS, NFS mapping user ids, some FUSE filesystems); make it its \
+             owner's only yourself where its filesystem allows it (chmod go-rwx {}), or keep the pool on a filesystem with Unix \
+             permissions",
+            path.display()
+        ),
         _ => "chmod it 600, or keep the pool on a filesystem with Unix permissions".to_string(),
     };
     Err(DeviceError::Io {
@@ -1275,8 +1313,8 @@ mod tests {
     fn a_failed_or_ignored_narrowing_is_decided_by_what_chmod_and_fstat_said() {
         // Goal: a failing fchmod made every such file a refusal with one piece of advice. On a
         // read-only mount (EROFS) nobody can write the file: its mode is kept and the lock
-        // taken (a later read-write open fails as it did). EPERM (chattr +i, or a filesystem
-        // refusing chmod) is still refused, naming the errno and what causes it. A chmod that
+        // taken (a later read-write open fails as it did). EPERM (a filesystem refusing chmod)
+        // is still refused, naming the errno and what causes it. A chmod that
         // succeeded but changed nothing (vfat, CIFS noperm, FUSE) is told as such, not as 0600.
         let path = Path::new("/pool.img");
         let errno = |errno: Errno| Err(std::io::Error::from_raw_os_error(errno as i32));
@@ -1284,7 +1322,7 @@ mod tests {
         let error = narrowing_outcome(path, 0o644, 0o600, errno(Errno::EPERM), None).unwrap_err();
         let text = error.to_string();
         assert!(matches!(&error, DeviceError::Io { source, .. } if crate::is_unusable_errno(source)), "{error:?}");
-        assert!(text.contains("EPERM") && text.contains("chattr") && text.contains("immutable"), "{text}");
+        assert!(text.contains("EPERM") && text.contains("chmod go-rwx /pool.img") && !text.contains("immutable"), "{text}");
         let error = narrowing_outcome(path, 0o644, 0o600, errno(Errno::EIO), None).unwrap_err();
         assert!(!error.to_string().contains("chattr"), "{error}");
         assert_eq!(narrowing_outcome(path, 0o644, 0o600, Ok(()), Some(0o600)).unwrap(), Narrowing::Done);
@@ -1327,7 +1365,7 @@ mod tests {
         drop(holder);
         let mut locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
         assert_eq!((mode(&first), mode(&held)), (0o644, 0o644), "acquire changed a mode");
-        assert_eq!(locks.narrow_pool_files().unwrap().len(), 2);
+        assert_eq!(locks.narrow_pool_files(&[]).unwrap().len(), 2);
         assert_eq!((mode(&first), mode(&held)), (0o600, 0o600));
         assert_eq!(locks.narrowed().count(), 2);
     }
@@ -1384,6 +1422,30 @@ mod tests {
         assert!(text.contains("EPERM") && text.contains(&format!("putting the mode of {first} back to 0644 failed")), "{text}");
         assert!(text.contains("it is left 0600"), "{text}");
         assert!(matches!(&error, DeviceError::Io { source, .. } if source.raw_os_error() == Some(nix::libc::EPERM)), "{error:?}");
+    }
+
+    #[test]
+    fn a_narrowing_that_fails_after_a_format_says_the_pool_was_formatted() {
+        // Goal: since narrowing waits for the format, an EPERM from it comes after the pool was
+        // written, yet the error was the lock step's old refusal ("... making it 600 failed"),
+        // which reads as if nothing had changed though what the device held is gone; and it
+        // named an immutable file as a cause, which the read-write open refuses long before.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        std::fs::write(&path, [0u8; 4096]).unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let lock_dir = directory.path().join("locks");
+        let refusing = |_: &File, _: u32| Err(std::io::Error::from_raw_os_error(nix::libc::EPERM));
+        for formatted in [&specs[..], &[]] {
+            let mut locks = DeviceLocks::acquire(&specs, &lock_dir, false).unwrap();
+            let error = locks.narrow_pool_files_with(formatted, &refusing).unwrap_err();
+            let text = error.to_string();
+            assert!(matches!(&error, DeviceError::Io { source, .. } if crate::is_unusable_errno(source)), "{error:?}");
+            assert!(text.contains("EPERM") && !text.contains("immutable") && text.contains("chmod"), "{text}");
+            let told = text.starts_with(&format!("the pool was formatted on emu:{} and is kept", path.display()));
+            assert_eq!(told, !formatted.is_empty(), "{text}");
+        }
     }
 
     #[test]
@@ -1460,25 +1522,25 @@ mod tests {
             // Only recorded: the caller narrows once it knows the file is its pool.
             assert_eq!(mode(&path), 0o644, "create_files {create_files}: acquire changed the mode");
             assert_eq!(locks.open_to_others_notes().len(), 1);
-            let notes = locks.narrow_pool_files().unwrap();
+            let notes = locks.narrow_pool_files(&[]).unwrap();
             assert_eq!(mode(&path), 0o600, "create_files {create_files}");
             assert!(notes.len() == 1 && notes[0].contains("was mode 0644"), "{notes:?}");
             assert_eq!(locks.narrowed().collect::<Vec<_>>(), [(path.as_path(), 0o644)]);
-            assert!(locks.narrow_pool_files().unwrap().is_empty() && locks.open_to_others_notes().is_empty(), "narrowed twice");
+            assert!(locks.narrow_pool_files(&[]).unwrap().is_empty() && locks.open_to_others_notes().is_empty(), "narrowed twice");
             drop(locks);
             // Already the owner's only: nothing to tell.
             let mut locks = DeviceLocks::acquire(&specs, &lock_dir, create_files).unwrap();
-            assert!(locks.narrow_pool_files().unwrap().is_empty());
+            assert!(locks.narrow_pool_files(&[]).unwrap().is_empty());
             assert_eq!(locks.narrowed().count(), 0);
         }
         // A uring: path is the same file, taken the same way; a lock that leaves modes records
         // nothing.
         set_mode(&path, 0o660);
         let mut leaving = DeviceLocks::acquire_leaving_modes(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap();
-        assert!(leaving.narrow_pool_files().unwrap().is_empty());
+        assert!(leaving.narrow_pool_files(&[]).unwrap().is_empty());
         drop(leaving);
         assert_eq!(mode(&path), 0o660);
-        DeviceLocks::acquire(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap().narrow_pool_files().unwrap();
+        DeviceLocks::acquire(&[DeviceSpec::Uring(path.clone())], &lock_dir, false).unwrap().narrow_pool_files(&[]).unwrap();
         assert_eq!(mode(&path), 0o600);
         // Another user's file: refused naming who else can open it, left as it is. Only root
         // can give a file away here; elsewhere the decision is pinned by the unit test below.

@@ -152,6 +152,13 @@ pub struct OpenOptions2 {
     pub shadow_doorbells: bool,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests: the errno every fchmod of [`CreatedFiles::narrow_pool_files`] on this thread fails
+    /// with (EPERM: a filesystem refusing mode changes); `None`: the real fchmod.
+    pub(crate) static NARROWING_FAILS_WITH: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
+}
+
 /// Files this run created, removed on drop unless the run succeeded and keeps them; each one
 /// [`prepare_file`] created stays locked (tuttid's flock on the file itself) until then.
 #[derive(Debug, Default)]
@@ -233,9 +240,20 @@ impl CreatedFiles {
     /// (`tutti_devices::DeviceLocks::narrow_pool_files`), and says so on standard error: for a
     /// kv run once its pool is formatted or opened, every device locked, so that a run refused
     /// before (a file system on a device, another device in use) changes no mode. Where one
-    /// fails (EPERM), the modes changed are put back and the error returned.
-    pub fn narrow_pool_files(&mut self) -> Result<(), tutti_devices::DeviceError> {
-        for note in self.device_locks.narrow_pool_files()? {
+    /// fails (EPERM), the modes changed are put back and the error returned, saying first that
+    /// the pool was formatted on `formatted` and is kept (a run that formatted; empty for one
+    /// that opened a kept pool).
+    pub fn narrow_pool_files(&mut self, formatted: &[DeviceSpec]) -> Result<(), tutti_devices::DeviceError> {
+        // Tests make every fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
+        #[cfg(test)]
+        let failing = NARROWING_FAILS_WITH.get();
+        #[cfg(not(test))]
+        let failing: Option<i32> = None;
+        let notes = match failing {
+            Some(errno) => self.device_locks.narrow_pool_files_with(formatted, &|_, _| Err(std::io::Error::from_raw_os_error(errno))),
+            None => self.device_locks.narrow_pool_files(formatted),
+        };
+        for note in notes? {
             tutti_cli::errln!("tutti-bench: warning: {note}");
         }
         Ok(())

@@ -270,8 +270,12 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     // user's that others could open is made its owner's only, every device at once. Not
     // before: a run refused on the way (a file system on a device, a device in use) must
     // leave every mode as it was.
-    let result =
-        created.narrow_pool_files().map_err(narrowing_error).and_then(|()| run_on_rig(&mut rig, specs, &devices, &listed, plan, output));
+    // A run that formatted says so if the narrowing then fails: the pool is there.
+    let formatted = if plan.pool == PoolMode::Format { specs } else { &[] };
+    let result = created
+        .narrow_pool_files(formatted)
+        .map_err(narrowing_error)
+        .and_then(|()| run_on_rig(&mut rig, specs, &devices, &listed, plan, output));
     // The store's queue pairs are deleted before the engine memory they name is freed, and
     // if one could not be, that memory is kept: asked here, not left to the drops.
     if !rig.close() && result.is_ok() {
@@ -283,8 +287,9 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
 }
 
 /// A pool file whose mode could not be narrowed, as the exit status says it: by its errno
-/// (EPERM: an immutable file, a filesystem refusing chmod: what was given, 2), as the lock
-/// step's refusals (run.rs `lock_refusal`); a failure (1) otherwise.
+/// (EPERM: a filesystem refusing chmod: what was given, 2), by the rule of the lock step's
+/// refusals (run.rs `lock_input_error`), as tutti pool and tuttid decide it; a failure (1)
+/// otherwise (EIO from the fstat after it).
 fn narrowing_error(error: tutti_devices::DeviceError) -> anyhow::Error {
     if crate::run::lock_input_error(&error) {
         Unusable(error.to_string()).into()
@@ -638,6 +643,34 @@ mod tests {
         assert!(!rig.close(), "the store's queue pairs were not deleted, yet close said the memory may be freed");
         let kept = KEPT_ENGINE_BYTES.load(std::sync::atomic::Ordering::Relaxed) - before;
         assert!(kept >= engine_bytes, "{kept} of {engine_bytes} bytes of engine memory kept: the rest was freed");
+    }
+
+    #[test]
+    fn a_kv_run_whose_narrowing_fails_says_the_pool_was_formatted_with_status_2() {
+        // Goal: narrowing waits for the pool, so an EPERM from it (a filesystem refusing chmod)
+        // comes after Rig::build formatted the devices; the run stopped with the lock step's old
+        // refusal alone, which reads as if nothing had changed though the file now holds a
+        // fresh pool (with --overwrite, what it held is gone). Now the error says the pool was
+        // formatted there, with status 2 (what was given: the file's filesystem).
+        use std::os::unix::fs::PermissionsExt;
+        let cli = Cli::try_parse_from(["tutti-bench", "--workload=kv", "--prompt-tokens=160"]).unwrap();
+        let plan = KvPlan::from_cli(&cli).unwrap();
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        std::fs::File::create(&path).unwrap().set_len(plan.pool_bytes_per_device(1)).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let mut created = CreatedFiles::default();
+        let locks = devices::FileModes::Narrow.acquire(&specs, &directory.path().join("locks")).expect("locked");
+        created.note_held(locks.paths());
+        created.hold_locks(locks);
+        devices::NARROWING_FAILS_WITH.set(Some(libc::EPERM));
+        let result = run_plan(&specs, &plan, cli.output_format, &mut created);
+        devices::NARROWING_FAILS_WITH.set(None);
+        let error = result.unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&format!("the pool was formatted on emu:{} and is kept", path.display())), "{}", unusable.0);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
     }
 
     #[test]

@@ -20,8 +20,10 @@
 //! holds it until it ends, so none runs on a pool a live tuttid (or another `tutti pool`) is
 //! using: refused with status 2, naming the holder.
 //!
-//! Exit status: 2 when the devices or options cannot be used (nothing is written), 1 when the
-//! pool is damaged (`check`, `inspect`) or a device fails, 0 otherwise.
+//! Exit status: 2 when the devices or options cannot be used (nothing is written, but for a
+//! pool file whose mode `format` could not make its owner's only once it wrote the pool: the
+//! pool is kept, and the error says so), 1 when the pool is damaged (`check`, `inspect`) or a
+//! device fails, 0 otherwise.
 
 use std::time::{Duration, Instant};
 
@@ -75,11 +77,23 @@ fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> 
 }
 
 /// Makes the pool files of `locks` that others could open their owner's only, once `format`
-/// wrote the pool (not before: a format refused for what a file holds leaves its mode as it
-/// was), and says so on standard error; a file whose mode cannot be changed (EPERM) is
-/// unusable input, its mode and the others' put back ([`device_refusal`]).
-fn narrow_pool_files(locks: &mut DeviceLocks) -> Result<()> {
-    for note in locks.narrow_pool_files().map_err(device_refusal)? {
+/// wrote the pool on `formatted` (not before: a format refused for what a file holds leaves
+/// its mode as it was), and says so on standard error. A file whose mode cannot be changed
+/// (EPERM: its filesystem refuses chmod) is unusable input, its mode and the others' put back
+/// ([`device_refusal`]), the error saying first that the pool was formatted and is kept: it
+/// is, and tuttid would refuse it as it stands (it narrows the file too), so a success status
+/// would let `tutti pool format ... && tuttid ...` run on into that refusal.
+fn narrow_pool_files(locks: &mut DeviceLocks, formatted: &[DeviceSpec]) -> Result<()> {
+    // Tests make every fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
+    #[cfg(test)]
+    let failing = tests::NARROWING_FAILS_WITH.get();
+    #[cfg(not(test))]
+    let failing: Option<i32> = None;
+    let notes = match failing {
+        Some(errno) => locks.narrow_pool_files_with(formatted, &|_, _| Err(std::io::Error::from_raw_os_error(errno))),
+        None => locks.narrow_pool_files(formatted),
+    };
+    for note in notes.map_err(device_refusal)? {
         tutti_cli::errln!("warning: {note}");
     }
     Ok(())
@@ -412,15 +426,15 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 }
             }
             let superblocks = formatted?;
-            // The devices hold this pool now: their files are narrowed, all together.
-            if let Some(created) = created_locks.take() {
-                locks.extend(created);
-            }
-            narrow_pool_files(&mut locks)?;
+            // The devices hold this pool now: what was written is told first, so that it is
+            // there even when the narrowing of their files (all together) fails.
             for superblock in superblocks {
                 outln!("{}", describe(&superblock))?;
             }
-            Ok(())
+            if let Some(created) = created_locks.take() {
+                locks.extend(created);
+            }
+            narrow_pool_files(&mut locks, &args.devices.devices)
         }
         PoolCommand::Inspect(args) => {
             // Lock, then claim (see format).
@@ -521,6 +535,33 @@ mod tests {
         /// Run by format once it created the missing files, before it locks them and reads
         /// them: a test writes one it made, as another process that ignores the lock would.
         pub(super) static AFTER_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
+        /// The errno every fchmod of format's narrowing fails with (EPERM: a filesystem that
+        /// refuses chmod); `None`: the real fchmod.
+        pub(super) static NARROWING_FAILS_WITH: Cell<Option<i32>> = const { Cell::new(None) };
+    }
+
+    #[test]
+    fn a_format_whose_narrowing_fails_says_the_pool_was_formatted_and_keeps_it() {
+        // Goal: narrowing waits for the format, so an EPERM from it (a filesystem refusing
+        // chmod) comes after the pool was written; the user saw only the lock step's old
+        // refusal ("making it 600 failed", status 2), which reads as if nothing had changed,
+        // though the file holds a fresh pool (with --overwrite, what it held is gone). Now the
+        // error says the pool was formatted there and is kept.
+        use std::os::unix::fs::PermissionsExt;
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        File::create(&path).unwrap().set_len(64 << 20).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let device = format!("emu:{}", path.display());
+        NARROWING_FAILS_WITH.set(Some(libc::EPERM));
+        let formatted = run_with(&command(&["format", "--device", &device, "--model", "llama3-8b"]), &HostBlockDevices);
+        NARROWING_FAILS_WITH.set(None);
+        let error = formatted.unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&format!("the pool was formatted on {device} and is kept")), "{}", unusable.0);
+        assert!(unusable.0.contains("EPERM") && !unusable.0.contains("immutable"), "{}", unusable.0);
+        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
+        run_with(&command(&["inspect", "--device", &device]), &HostBlockDevices).expect("the pool formatted is there");
     }
 
     type Hook = std::thread::LocalKey<std::cell::RefCell<Option<Box<dyn FnOnce()>>>>;
