@@ -674,6 +674,22 @@ mod tests {
     }
 
     #[test]
+    fn a_pool_file_that_cannot_be_narrowed_is_status_2_and_one_that_fails_to_be_examined_1() {
+        // Goal: this was checked on run.rs's lock_refusal, which no longer meets a narrowing
+        // (the lock step changes no mode since 2dc4560): narrowing_error, the path a kv run's
+        // narrowing takes, was untested. EPERM (a filesystem refusing chmod) is what was given,
+        // 2, as tutti pool and tuttid say; EIO (the fstat after the fchmod) is a failure, 1.
+        let io = |errno: i32| tutti_devices::DeviceError::Io {
+            context: "/pool.img can be opened by other users (mode 644)".into(),
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let error = narrowing_error(io(libc::EPERM));
+        assert!(error.downcast_ref::<Unusable>().is_some(), "EPERM made status 1: {error:#}");
+        let error = narrowing_error(io(libc::EIO));
+        assert!(error.downcast_ref::<Unusable>().is_none(), "EIO made status 2: {error:#}");
+    }
+
+    #[test]
     fn an_attach_run_counts_the_engine_memory_of_every_client_it_starts() {
         // Goal: the parent of an --attach run starts --clients processes on this host, each with
         // its own KV window of the plan's blocks (llama3-8b, 16384 tokens: 2 GiB): 16 of them

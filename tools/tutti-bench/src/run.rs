@@ -354,9 +354,10 @@ fn lock_refusal(spec: &DeviceSpec, error: tutti_devices::DeviceError) -> anyhow:
                 "{error} (--lock-dir picks another directory for vfio: lock files; give tuttid's, so that a run is refused on a device it uses)"
             ))
         }
-        // A file that cannot be opened, or any other I/O error (a pool file whose mode could
-        // not be narrowed: EPERM), by its errno (no such path, no permission, read-only, a
-        // loop: what was given; EIO, EMFILE, ENOSPC: a failure), as tutti pool and tuttid say.
+        // A file that cannot be opened, or any other I/O error of the lock step, by its errno
+        // (no such path, no permission, read-only, a loop: what was given; EIO, EMFILE,
+        // ENOSPC: a failure), as tutti pool and tuttid say. (No mode is narrowed here: a kv
+        // run narrows once its pool is open, kv.rs `narrowing_error`.)
         error if lock_input_error(&error) => usage(error.to_string()),
         error => error.into(),
     }
@@ -1044,12 +1045,6 @@ mod tests {
         assert!(lock_refusal(&vfio, io(libc::EACCES)).downcast_ref::<Unusable>().is_some());
         let error = lock_refusal(&vfio, io(libc::EIO));
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO on a vfio: lock made status 2: {error:#}");
-        // A pool file whose mode could not be narrowed (EPERM: immutable, or a filesystem that
-        // refuses chmod) is what was given, 2 as tutti pool and tuttid say; EIO is a failure.
-        let emu = DeviceSpec::EmuFile("/pool.img".into());
-        let error = lock_refusal(&emu, io(libc::EPERM));
-        assert!(error.downcast_ref::<Unusable>().is_some(), "EPERM on an emu: file made status 1: {error:#}");
-        assert!(lock_refusal(&emu, io(libc::EIO)).downcast_ref::<Unusable>().is_none());
     }
 
     /// Opens the 1 MiB temporary pool `pool` for writing as a run does (prepare_file), noting it
