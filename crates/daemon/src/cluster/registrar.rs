@@ -14,13 +14,14 @@
 //!    first join then rewrites without the stale segments' dropped records, their deletes
 //!    made (or rejoin after a lost lease: a new lease has no
 //!    registrations, so every held segment is registered again); update the member record
-//!    when the set of models changed; unregister broken segments; register held ones, one
-//!    transaction per `txn_ops_max` segments of one model space, at most
-//!    [`TRANSACTIONS_PER_PASS`] per pass so departures are not kept waiting. Before each call
-//!    but the join, step 1 runs again on the commits queued meanwhile (local work), and a
-//!    delete it queues goes out before the next registration (a segment broken and held again
-//!    within the pass is deleted, then registered, never the other way round): a pass may
-//!    wait on etcd for up to 64 transactions of T each, and a commit the full queue refuses is
+//!    when the set of models changed; unregister broken segments and register held ones,
+//!    taking turns while both wait, one transaction per `txn_ops_max` segments of one model
+//!    space, at most [`TRANSACTIONS_PER_PASS`] together per pass so departures are not kept
+//!    waiting. Before each call but the join, step 1 runs again on the commits queued
+//!    meanwhile (local work); a registration drops the deletes still queued for its segments
+//!    (queued when each broke, before it was held again: its put replaced the key), so a
+//!    segment broken and held again is never deleted after its new put, and one broken again
+//!    after it is deleted: a pass may wait on etcd for up to 64 transactions of T each, and a commit the full queue refuses is
 //!    never journalled, so never registered for the life of the pool. A single call (a join,
 //!    up to 4 T + 1 s; a rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`,
 //!    default 1,024 commits).
@@ -528,16 +529,21 @@ impl Registrar {
         }
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
-        // One loop, deletes first: a registration goes out only with the unregister queue
-        // empty, as the queue read before it may refill it. Segment A registered, found broken
-        // (its delete queued) and held again before the next call would otherwise have its put
-        // sent before that delete, which the next pass sent after it: A held and counted as
-        // registered, gone from the registry. So etcd sees a segment's deletes and puts in the
-        // order the pool's events came.
+        // One loop, deletes and registrations taking turns while both wait: the queue read
+        // before each call may queue a delete, and on a busy node with a full pool (a commit
+        // evicting a held segment per etcd round trip) deletes first, always, left no turn
+        // to registrations. The order per segment is kept instead: segment A registered, found
+        // broken (its delete queued) and held again before the next call must not have that
+        // delete sent after its new put (A held and counted as registered, gone from the
+        // registry), so a registration takes the queued deletes of its segments out of the
+        // queue (`superseded`). A delete still queued when its segment's put goes out was
+        // queued before it, and the put replaced the key; one queued after (A broken again)
+        // goes out.
+        let mut delete_turn = true;
         while transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
             self.take_commits(store);
             let Some(node) = self.node.as_ref() else { break };
-            if !self.to_unregister.is_empty() {
+            if delete_turn && !self.to_unregister.is_empty() {
                 let space = self.to_unregister[0].0;
                 let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
                 self.to_unregister.retain(|&(other, segment)| {
@@ -555,12 +561,20 @@ impl Registrar {
                 tracing::debug!(segments = batch.len(), "unregistered segments");
                 self.metrics.unregistered_segments.inc_by(batch.len() as u64);
                 transactions += 1;
+                delete_turn = false;
                 continue;
             }
-            let Some(space) = self.held.next_to_register(batch_max, &mut self.ids, &mut self.segments) else { break };
+            delete_turn = true;
+            let Some(space) = self.held.next_to_register(batch_max, &mut self.ids, &mut self.segments) else {
+                if self.to_unregister.is_empty() {
+                    break;
+                }
+                continue;
+            };
             match node.register(&space, &self.segments) {
                 Ok(sent) => {
                     self.held.registered_now(&self.ids);
+                    superseded(&mut self.to_unregister, &space, &self.segments);
                     self.metrics.registered_segments.inc_by(self.segments.len() as u64);
                     self.metrics.registration_transactions.inc_by(sent as u64);
                     tracing::debug!(segments = self.segments.len(), "registered segments");
@@ -730,6 +744,19 @@ impl Registrar {
             }
         }
     }
+}
+
+/// After `segments` of `space` were registered: their deletes still queued are dropped. Each
+/// was queued when its segment broke, before the segment was held again and so before this
+/// put, which replaced the key under the current lease (off any lease a rejoin left too): sent
+/// now, it would delete the registration of a segment this node holds. A delete queued after
+/// the put (the segment broken again) is not here yet, and goes out.
+fn superseded(to_unregister: &mut Vec<(ModelSpace, Segment)>, space: &ModelSpace, segments: &[Segment]) {
+    if to_unregister.is_empty() {
+        return;
+    }
+    let keys: std::collections::HashSet<_> = segments.iter().map(|segment| segment.key).collect();
+    to_unregister.retain(|(other, segment)| other != space || !keys.contains(&segment.key));
 }
 
 fn manifest_failed(manifest: &mut Option<Manifest>, metrics: &ClusterMetrics, error: std::io::Error) {
@@ -1481,6 +1508,106 @@ mod tests {
         assert!(registrar.stale.is_empty() && registrar.to_unregister.is_empty());
         assert_eq!(registrar.metrics.unregistered_segments.get(), 2, "the stale segment, then the one its delete's eviction broke");
         assert_eq!(registrar.held.registered(), registrar.held.len());
+        registrar.leave();
+    }
+
+    #[test]
+    fn steady_evictions_during_a_pass_leave_registrations_their_turn() {
+        // Goal: every eviction of a held segment queues a delete, and the queue is read before
+        // each call. A registration went out only when that read found no delete waiting: on a
+        // busy node with a full pool, a commit evicting a held segment per etcd round trip
+        // made every pass all deletes, and what it stored was never registered. Now deletes
+        // and registrations take turns while both wait.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let mut registrar = registrar_of(directory.path(), "evicting-during-pass", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let store = Arc::new(store());
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stop = StopHandle::default();
+        // Joined, the pool full of held segments waiting, one delete queued.
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(registrar.node.is_some());
+        fill_the_pool(&mut registrar, &store, space);
+        let mut step = evicting_commits(&store, sender, space);
+        step();
+        registrar.take_commits(&store);
+        assert_eq!(registrar.to_unregister.len(), 1, "the test needs a delete queued");
+        let subscriber = Arc::new(AtEachEvent { message: "unregistered segments", step: Mutex::new(step), ran: Default::default() });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        let (deletes, registrations) = (subscriber.ran.load(Ordering::Relaxed), registrar.metrics.registration_transactions.get());
+        assert!(deletes > 1, "the test needs evictions during the pass");
+        assert!(registrations as usize >= TRANSACTIONS_PER_PASS / 4, "{deletes} deletes, {registrations} registrations in a pass");
+        registrar.leave();
+    }
+
+    #[test]
+    fn a_segment_broken_and_held_again_keeps_its_registration_whichever_goes_first() {
+        // Goal: with deletes and registrations taking turns, a segment A broken (its delete
+        // queued) and held again may be registered before or after that delete goes out. Its
+        // delete must never follow its new put (A held and counted as registered, gone from the
+        // registry), and a delete queued after that put (A broken again) must go out.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "order-per-segment", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let store = store();
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stop = StopHandle::default();
+        let prompt = |n: u64| -> Vec<u64> { (1..=16).map(|block| 100 * n + block).collect() };
+        let a = prompt(0);
+        // Commits `prompts` (each evicting the least recently used prompt of a full pool), then
+        // the registrar's local step reads them.
+        let commit_all = |registrar: &mut Registrar, prompts: &[Vec<u64>]| {
+            for keys in prompts {
+                commit(&store, keys);
+            }
+            let commits: Vec<Committed> = prompts.iter().map(|keys| Committed { space, keys: keys.clone(), first_segment: 0 }).collect();
+            registrar.update_local(&store, &commits);
+        };
+        let present = |keys: &[u64]| lock(&store).control.pool().index().get(keys[15]).is_some();
+        let listed = |registrar: &Registrar| {
+            let lookup = registrar.node.as_ref().unwrap().lookup(&space, &[Segment { index: 0, key: SegmentKey::new(16).unwrap() }]);
+            !lookup.unwrap().holders.is_empty()
+        };
+        lock(&store).control.track_departures(1024);
+        commit_all(&mut registrar, &[a.clone(), prompt(1), prompt(2), prompt(3)]);
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(listed(&registrar) && registrar.held.registered() == 4);
+
+        // A broken, then held again before the pass: its delete goes first, then its put.
+        commit_all(&mut registrar, &[prompt(4)]);
+        assert!(!present(&a), "the test needs A evicted");
+        commit_all(&mut registrar, std::slice::from_ref(&a));
+        assert!(!present(&prompt(1)) && registrar.to_unregister.len() == 2, "the test needs A's delete and B1's queued");
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(listed(&registrar), "A, deleted then registered again, is not in the registry");
+
+        // A broken and held again, its delete queued behind others: its registration comes
+        // first, and its delete is not sent after it.
+        let (x, y) = (SegmentKey::new(900_016).unwrap(), SegmentKey::new(900_032).unwrap());
+        registrar.to_unregister.extend([(space, Segment { index: 0, key: x }), (space, Segment { index: 0, key: y })]);
+        commit_all(&mut registrar, &[prompt(5), prompt(6), prompt(7), prompt(8)]);
+        assert!(!present(&a), "the test needs A evicted");
+        commit_all(&mut registrar, std::slice::from_ref(&a));
+        assert!(!present(&prompt(5)), "the test needs E1 evicted");
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(registrar.to_unregister.is_empty());
+        assert_eq!(registrar.held.registered(), registrar.held.len());
+        assert!(listed(&registrar), "A's delete, queued before its registration, was sent after it");
+
+        // A broken again: that delete, queued after A's put, goes out.
+        commit_all(&mut registrar, &[prompt(9), prompt(10), prompt(11), prompt(12)]);
+        assert!(!present(&a), "the test needs A evicted");
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(!listed(&registrar), "A, broken again after its registration, is still in the registry");
         registrar.leave();
     }
 }
