@@ -1560,8 +1560,10 @@ mod tests {
         }
         // Readable by its owner alone: that user's file, used as it is.
         set_mode(&path, 0o600);
-        let locks = DeviceLocks::acquire(&specs, &lock_dir, false).expect("another user's file only its owner can open");
-        assert_eq!(locks.narrowed().count(), 0);
+        let mut locks = DeviceLocks::acquire(&specs, &lock_dir, false).expect("another user's file only its owner can open");
+        assert!(locks.open_to_others_notes().is_empty(), "recorded as open to others");
+        assert!(locks.narrow_pool_files(&[]).unwrap().is_empty());
+        assert_eq!(mode(&path), 0o600);
     }
 
     #[test]

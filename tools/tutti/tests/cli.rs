@@ -601,8 +601,9 @@ fn bind_and_unbind_refusals_are_unusable_input() {
 #[test]
 fn a_pool_file_others_can_open_is_narrowed_and_the_user_told() {
     // Goal: a pool file made world-readable (truncate under umask 022) is its owner's only once
-    // `tutti pool` has locked it, and the user is told on standard error which file changed and
-    // from what mode; a file already its owner's only is used without a word.
+    // `tutti pool format` has formatted it (locking it changes no mode), and the user is told on
+    // standard error which file changed and from what mode; a file already its owner's only is
+    // used without a word.
     use std::os::unix::fs::PermissionsExt;
     let directory = tempfile::tempdir().unwrap();
     let path = directory.path().join("pool.img");
