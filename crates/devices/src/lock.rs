@@ -51,10 +51,10 @@ pub const LOCK_FILE_MODE: u32 = 0o600;
 pub struct DeviceLocks {
     held: Vec<(PathBuf, Held)>,
     /// Pool files of this user's that others can open, found when locked and not narrowed yet
-    /// ([`DeviceLocks::narrow_pool_files`]): the index of each one's lock in `held`, the mode it
-    /// had then and its owner's bits of it (what [`DeviceLocks::open_to_others_notes`] tells;
-    /// narrowing reads the mode again).
-    open_to_others: Vec<(usize, u32, u32)>,
+    /// ([`DeviceLocks::narrow_pool_files`]): the index of each one's lock in `held` and the mode
+    /// it had then (what [`DeviceLocks::open_to_others_notes`] tells; narrowing reads the mode
+    /// again).
+    open_to_others: Vec<(usize, u32)>,
     /// Pool files [`DeviceLocks::narrow_pool_files`] narrowed, or tried to, with the mode each
     /// had and what narrowing it came to ([`DeviceLocks::narrowed`]).
     narrowed: Vec<(PathBuf, u32, Narrowing)>,
@@ -276,8 +276,8 @@ impl DeviceLocks {
             // narrowed by narrow_pool_files once the caller knows it is its pool: a refusal,
             // here or the caller's, changes no file's mode.
             if modes == PoolFileModes::Narrow {
-                if let Some((from, to)) = pool_file_narrowing(&path, &file)? {
-                    locks.open_to_others.push((locks.held.len(), from, to));
+                if let Some(mode) = pool_file_narrowing(&path, &file)? {
+                    locks.open_to_others.push((locks.held.len(), mode));
                 }
             }
             // A file the given undo made is locked already, on the descriptor that made it:
@@ -309,7 +309,7 @@ impl DeviceLocks {
     pub fn extend(&mut self, other: DeviceLocks) {
         let offset = self.held.len();
         self.held.extend(other.held);
-        self.open_to_others.extend(other.open_to_others.into_iter().map(|(index, from, to)| (index + offset, from, to)));
+        self.open_to_others.extend(other.open_to_others.into_iter().map(|(index, mode)| (index + offset, mode)));
         self.narrowed.extend(other.narrowed);
     }
 
@@ -358,7 +358,7 @@ impl DeviceLocks {
         // The files whose fchmod succeeded in this call, with the mode each had: put back if a
         // later one fails (nobody would be told of them: the caller gets the error).
         let mut changed: Vec<(usize, u32, u32)> = Vec::new();
-        for &(index, _, _) in &pending {
+        for &(index, _) in &pending {
             let (path, held) = &self.held[index];
             // The mode read when the file was locked is a whole format or pool recovery old: its
             // owner may have changed it since (made it 600, or 640 to share it with a group on
@@ -433,15 +433,18 @@ impl DeviceLocks {
 
     /// What a command that only reads its pool (`tutti pool inspect`, `check`) tells of the
     /// pool files of this user's that others can open (recorded when locked), one sentence
-    /// each: it changes no mode, and says how to.
+    /// each: it changes no mode, and says how to, with `chmod go-rwx`, which is right whatever
+    /// the mode (a fixed `chmod 600` would take the owner's execute bit, one made of the owner's
+    /// bits would differ from file to file), and who else does it.
     pub fn open_to_others_notes(&self) -> Vec<String> {
         self.open_to_others
             .iter()
-            .map(|&(index, from, to)| {
+            .map(|&(index, mode)| {
+                let path = self.held[index].0.display();
                 format!(
-                    "pool file {} is mode {from:04o}: other users can read its cached KV blocks and hold its lock; make it its \
-                     owner's only with chmod {to:o} (tuttid, `tutti pool format` and tutti-bench's kv runs do so when they use it)",
-                    self.held[index].0.display()
+                    "pool file {path} is mode {mode:04o}: other users can read its cached KV blocks and hold its lock; make it its \
+                     owner's only with chmod go-rwx {path} (tuttid, the Python Store, `tutti pool format` and tutti-bench's kv \
+                     runs do so when they use it)"
                 )
             })
             .collect()
@@ -773,21 +776,21 @@ fn pool_file_access(regular: bool, uid: u32, gid: u32, mode: u32, euid: u32) -> 
     PoolFileAccess::Refuse(format!(
         "the pool file is owned by uid {uid}, not {euid} (the user that runs tutti), with mode {mode:o}: {}; it holds every \
          cached KV block, and whoever can open it can hold its lock; have its owner run tutti, or (while no tutti process \
-         runs) chmod it 600 or chown it to the user that runs tutti",
+         runs) chmod go-rwx it or chown it to the user that runs tutti",
         who.join(", ")
     ))
 }
 
-/// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some((mode it has,
-/// mode it is to have))` where it is to be narrowed ([`DeviceLocks::narrow_pool_files`]);
-/// another user's that others can open refused.
-fn pool_file_narrowing(path: &Path, file: &File) -> Result<Option<(u32, u32)>, DeviceError> {
+/// [`pool_file_access`] applied to `file`, opened from `path` to lock it: `Some(mode it has)`
+/// where it is to be narrowed ([`DeviceLocks::narrow_pool_files`]); another user's that others
+/// can open refused.
+fn pool_file_narrowing(path: &Path, file: &File) -> Result<Option<u32>, DeviceError> {
     let metadata = file.metadata().map_err(|source| DeviceError::Io { context: format!("examining {}", path.display()), source })?;
     let mode = metadata.mode() & 0o7777;
     let euid = nix::unistd::geteuid().as_raw();
     match pool_file_access(metadata.is_file(), metadata.uid(), metadata.gid(), mode, euid) {
         PoolFileAccess::Keep => Ok(None),
-        PoolFileAccess::Narrow(narrowed) => Ok(Some((mode, narrowed))),
+        PoolFileAccess::Narrow(_) => Ok(Some(mode)),
         PoolFileAccess::Refuse(reason) => Err(DeviceError::SharedLockFile { path: path.to_path_buf(), reason }),
     }
 }
@@ -828,7 +831,7 @@ fn narrowing_outcome(path: &Path, from: u32, to: u32, chmod: std::io::Result<()>
              permissions",
             path.display()
         ),
-        _ => "chmod it 600, or keep the pool on a filesystem with Unix permissions".to_string(),
+        _ => format!("chmod go-rwx {}, or keep the pool on a filesystem with Unix permissions", path.display()),
     };
     Err(DeviceError::Io {
         context: format!(

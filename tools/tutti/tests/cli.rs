@@ -617,14 +617,18 @@ fn a_pool_file_others_can_open_is_narrowed_and_the_user_told() {
     assert_status(&output, 0, &[]);
     assert!(!stderr(&output).contains("was mode") && !stderr(&output).contains("warning"), "{}", stderr(&output));
     // inspect and check read the pool and change nothing: a pool file others can open is
-    // told, with how to make it its owner's only, and left as it is.
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
-    for command in ["inspect", "check"] {
-        let output = tutti(&["pool", command, "--device", &device(&path)]);
-        let note = format!("warning: pool file {} is mode 0640", path.display());
-        assert_status(&output, 0, &[&note, "chmod 600"]);
-        assert_eq!(stderr(&output).lines().count(), 1, "{command}: {}", stderr(&output));
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o640, "{command} changed the mode");
+    // told, with how to make it its owner's only (`chmod go-rwx`, right whatever the mode: the
+    // warning said `chmod 700` for a 0755 file, the docs `chmod 600`), and left as it is.
+    for mode in [0o640, 0o755] {
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        for command in ["inspect", "check"] {
+            let output = tutti(&["pool", command, "--device", &device(&path)]);
+            let note = format!("warning: pool file {} is mode {mode:04o}", path.display());
+            let advice = format!("chmod go-rwx {}", path.display());
+            assert_status(&output, 0, &[&note, &advice, "Python Store"]);
+            assert_eq!(stderr(&output).lines().count(), 1, "{command}: {}", stderr(&output));
+            assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, mode, "{command} changed the mode");
+        }
     }
 }
 
