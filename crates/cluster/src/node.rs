@@ -448,27 +448,35 @@ impl ClusterNode {
 
     /// Leaves the cluster now: the member record and every segment vanish (one request
     /// timeout for the revoke, up to 1 s for the runtime's shutdown; up to 3 T + 1 s after
-    /// rejoins whose revokes failed: those leases, at most two, are revoked too).
-    pub fn leave(mut self) {
-        self.shut_down();
+    /// rejoins whose revokes failed: those leases, at most two, are revoked too). Whether every
+    /// lease of the node that may hold its entries is gone now: each revoke succeeded (or etcd
+    /// no longer knew the lease), and no lease a rejoin gave up revoking may still live. When
+    /// false, entries of the node may stay listed until their lease expires, and an owner that
+    /// meant to delete some of them must still do so (at its next start, say).
+    pub fn leave(mut self) -> bool {
+        self.shut_down()
     }
 
-    fn shut_down(&mut self) {
+    fn shut_down(&mut self) -> bool {
         let lease_id = self.lease.lease_id.load(Ordering::Relaxed);
+        let mut gone = true;
         if self.keep_alive.is_some() {
             self.stop_keep_alive();
-            let _ = self.revoke(lease_id);
+            gone &= self.revoke(lease_id);
         }
         // After a join or rejoin that failed leaving its new lease unrevoked (never with a
         // keep-alive: one revoke either way).
         if let Some(orphaned) = self.orphaned.take() {
-            let _ = self.revoke(orphaned);
+            gone &= self.revoke(orphaned);
         }
         // After rejoins whose revokes failed (and, when the last rejoin failed too, the node's
         // only leases): revoked now rather than left listed until they expire.
         for unrevoked in std::mem::take(&mut self.unrevoked) {
-            let _ = self.revoke(unrevoked);
+            gone &= self.revoke(unrevoked);
         }
+        // Given up by a rejoin (not revoked again): may live until its deadline.
+        let now = Instant::now();
+        gone && self.given_up.iter().all(|&(_, until)| until <= now)
     }
 
     /// Replaces the member record (e.g. a model fingerprint the node now serves), under the
@@ -617,7 +625,7 @@ impl ClusterNode {
 
 impl Drop for ClusterNode {
     fn drop(&mut self) {
-        self.shut_down();
+        let _ = self.shut_down();
     }
 }
 
@@ -1282,5 +1290,20 @@ mod own_lease_tests {
         node.rejoin().expect("the next rejoin revokes the lease holding the member key and joins");
         assert!(!node.health().lost);
         assert!(node.unrevoked.is_empty(), "{:?}", node.unrevoked);
+    }
+
+    #[test]
+    fn a_leave_says_whether_the_nodes_leases_are_gone() {
+        // Goal: the owner rewrites its journal of deletes still to make only once every entry
+        // of the node went with its lease: leave says whether each revoke succeeded.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, _) = join_node_a(&etcd, "leave-revoked");
+        let lease_id = node.health().lease_id;
+        assert!(node.leave(), "the lease was revoked");
+        let (node, _) = join_node_a(&etcd, "leave-revoked");
+        assert_ne!(node.health().lease_id, lease_id);
+        let (mut node, _) = join_node_a(&etcd, "leave-failed");
+        node.fail_revoke = vec![node.health().lease_id];
+        assert!(!node.leave(), "the revoke failed: the lease and its entries live on");
     }
 }

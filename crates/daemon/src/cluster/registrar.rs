@@ -40,7 +40,10 @@
 //! connection threads hand over while they finish their last request, until the server says
 //! they have all ended (at most [`LAST_COMMITS_WAIT_MAX`]): a commit left out of the manifest
 //! is never registered for the life of the pool (its blocks are not committed again); the next
-//! start registers what it journalled.
+//! start registers what it journalled. A leave that revoked every lease of the node that may
+//! hold entries then rewrites the manifest with the held segments alone: the dropped records
+//! of deletes made while joined (or queued, their entries gone with the lease) would otherwise
+//! have the next start delete them all again before its first join.
 
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{RecvTimeoutError, TryRecvError};
@@ -225,12 +228,27 @@ impl Registrar {
             }
             self.publish();
         }
+        self.stopped(store, tick, commits, LAST_COMMITS_WAIT_MAX);
+    }
+
+    /// After the stop: leaves the cluster, journals the last commits ([`Registrar::finish`],
+    /// `commits`, and those handed over for up to `wait_max`), and writes the manifest out.
+    fn stopped(&mut self, store: &Mutex<StoreState>, tick: Duration, commits: Vec<Committed>, wait_max: Duration) {
         // Leave first: the data plane stops serving within a tick of the stop, so a node still
         // listed would send peers' fetches to an address that refuses them, for as long as
         // the journalling below waits on a connection thread (a frame timeout, up to
         // LAST_COMMITS_WAIT_MAX). Journalling is local and needs no lease.
-        self.leave();
-        self.finish(store, tick, commits, LAST_COMMITS_WAIT_MAX);
+        let nothing_listed = self.leave();
+        self.finish(store, tick, commits, wait_max);
+        if nothing_listed {
+            // Every entry of the node went with its leases: the deletes still queued, and the
+            // dropped records of those made (each eviction while joined journals one, which
+            // only a compaction removed), would have the next start delete them all again
+            // before its first join. One rewrite with the held segments instead.
+            self.to_unregister.clear();
+            self.stale.clear();
+            self.rewrite_manifest();
+        }
         self.flush_manifest();
     }
 
@@ -726,14 +744,18 @@ impl Registrar {
     /// Leaves the cluster: the lease is revoked, so this node's record and segments vanish now
     /// rather than a TTL later (bounded by the request timeout T, and 1 s for the client's
     /// runtime to shut down; up to 3 T + 1 s after rejoins whose revokes failed, those leases
-    /// revoked too).
-    fn leave(&mut self) {
+    /// revoked too). Whether nothing of this node is listed now: it had joined, every lease of
+    /// it that may hold entries is gone (`ClusterNode::leave`), and no lease a rejoin left may
+    /// hold any (`left_may_hold`). Never joined, the stale segments may still be listed.
+    fn leave(&mut self) -> bool {
+        let mut nothing_listed = false;
         if let Some(node) = self.node.take() {
-            node.leave();
+            nothing_listed = node.leave() && !self.left_may_hold;
             tracing::info!("left the cluster");
         }
         self.metrics.joined.set(0);
         self.metrics.segments_registered.set(0);
+        nothing_listed
     }
 
     /// The manifest's last write, once nothing more is journalled.
@@ -1609,5 +1631,37 @@ mod tests {
         registrar.talk_to_etcd(&store, &stop).unwrap();
         assert!(!listed(&registrar), "A, broken again after its registration, is still in the registry");
         registrar.leave();
+    }
+
+    #[test]
+    fn a_clean_leave_drops_the_deletes_made_while_joined_from_the_manifest() {
+        // Goal: each eviction while joined journals a dropped record, which only a compaction
+        // removed: the next start deleted every such segment again before its first join (up to
+        // the held segments and 2,048 more, a transaction per `txn_ops_max`, the join waiting
+        // behind), though a leave whose revoke succeeded took every entry of the node with its
+        // lease. Now such a leave rewrites the manifest with the held segments alone.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let mut registrar = registrar_of(directory.path(), "clean-leave", HeldSegments::default(), 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        let store = Arc::new(store());
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stop = StopHandle::default();
+        fill_the_pool(&mut registrar, &store, space);
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert_eq!(registrar.held.registered(), 4);
+        // A commit evicts a registered segment; the next pass unregisters it.
+        evicting_commits(&store, sender, space)();
+        registrar.take_commits(&store);
+        assert_eq!(registrar.to_unregister.len(), 1, "the test needs a registered segment evicted");
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(registrar.to_unregister.is_empty());
+        registrar.state.connections_ended.store(true, Ordering::Release);
+        registrar.stopped(&store, Duration::from_millis(10), Vec::new(), Duration::from_secs(1));
+        let loaded = super::super::manifest::load(&directory.path().join("segments"), registrar.config.segment_blocks).unwrap();
+        assert_eq!(loaded.departed, [], "a delete made while joined is made again by the next start");
+        assert_eq!(loaded.segments.len(), 4);
     }
 }
