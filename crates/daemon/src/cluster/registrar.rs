@@ -21,10 +21,12 @@
 //!    meanwhile (local work); a registration drops the deletes still queued for its segments
 //!    (queued when each broke, before it was held again: its put replaced the key), so a
 //!    segment broken and held again is never deleted after its new put, and one broken again
-//!    after it is deleted: a pass may wait on etcd for up to 64 transactions of T each, and a commit the full queue refuses is
-//!    never journalled, so never registered for the life of the pool. A single call (a join,
-//!    up to 4 T + 1 s; a rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`,
-//!    default 1,024 commits).
+//!    after it is deleted: a pass may wait on etcd for up to 64 transactions of T each, and a
+//!    commit the full queue refuses is never journalled, so never registered for the life of
+//!    the pool. A single call (a join, up to 4 T + 1 s; a rejoin, up to 6 T) is left to the
+//!    queue's bound (`commits_queued_max`, default 1,024 commits), as is the first join's
+//!    rewrite of the manifest (local: every held record and two fsyncs), the queue read
+//!    between the two.
 //!
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
@@ -493,8 +495,14 @@ impl Registrar {
             // deleted under this node's lease instead, as any unregistration. The join
             // succeeded, so no live process holds the id; a delete names the node, not the lease.
             self.to_unregister.append(&mut self.stale);
+            self.node = Some(node);
+            // Read before the rewrite below (every held record, then two fsyncs: ~38 MB for
+            // 125k segments), so the queue alone covers the join or the rewrite, never both.
+            // Joined now, a segment it finds broken is queued for deletion under the new lease
+            // and kept as a dropped record by the rewrite.
+            self.take_commits(store);
             if std::mem::take(&mut self.stale_journalled) {
-                // The stale deletes are made, but for those just queued (kept by the rewrite as
+                // The stale deletes are made, but for those queued (kept by the rewrite as
                 // dropped records until made): the others' dropped records (the start's rewrite
                 // kept them for a successor should this process die first) would have every
                 // later start make them again before its first join, until a compaction a node
@@ -503,7 +511,6 @@ impl Registrar {
                 // written.
                 self.rewrite_manifest();
             }
-            self.node = Some(node);
             // A node lost right after its join would rejoin next: a second call.
             if stop.is_stopped() {
                 return Ok(());
@@ -1663,5 +1670,38 @@ mod tests {
         let loaded = super::super::manifest::load(&directory.path().join("segments"), registrar.config.segment_blocks).unwrap();
         assert_eq!(loaded.departed, [], "a delete made while joined is made again by the next start");
         assert_eq!(loaded.segments.len(), 4);
+    }
+
+    #[test]
+    fn the_queue_is_read_between_the_first_join_and_its_rewrite_of_the_manifest() {
+        // Goal: the first join's rewrite of the manifest (every held record, then two fsyncs:
+        // ~38 MB for 125k segments) ran right after the join with no read of the queue between,
+        // so the queue alone covered both. Now the queue is read once after the join, before
+        // the rewrite, which then holds what that read journalled (no record after it here).
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
+        let mut registrar = registrar_recovered(directory.path(), "read-after-join", HeldSegments::default(), stale, 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        let store = Arc::new(store());
+        fill_the_pool(&mut registrar, &store, space);
+        // During the join a commit evicts a held segment and is handed over.
+        let subscriber = Arc::new(AtEachEvent {
+            message: "joined the cluster",
+            step: Mutex::new(evicting_commits(&store, sender, space)),
+            ran: Default::default(),
+        });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &StopHandle::default())).unwrap();
+        assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs the join");
+        assert_eq!(registrar.held.len(), 4, "the commit handed over during the join was not read this pass");
+        // The rewrite's records (the lease, the held segments, the evicted one's delete, queued
+        // when it ran) and none after it.
+        let records = registrar.manifest.as_ref().unwrap().records();
+        assert_eq!(records, 1 + 4 + 1, "the commit handed over during the join was journalled after the rewrite, not read before it");
+        registrar.leave();
     }
 }
