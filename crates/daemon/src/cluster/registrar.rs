@@ -459,11 +459,13 @@ impl Registrar {
     }
 
     /// Between two etcd calls of a pass: journals the commits queued (local work, no etcd).
-    /// One pass may wait on etcd call after call (up to [`TRANSACTIONS_PER_PASS`] each of
-    /// unregistrations and registrations, each up to T): a queue read only between passes
-    /// filled meanwhile, and a commit refused by a full queue is never journalled, so never
+    /// One pass may wait on etcd call after call (up to [`TRANSACTIONS_PER_PASS`] of
+    /// unregistrations and registrations together, and as many deletes of stale segments
+    /// before the first join, each up to T): a queue read only between passes filled
+    /// meanwhile, and a commit refused by a full queue is never journalled, so never
     /// registered for the life of the pool. Only a single call (a join, up to 4 T + 1 s; a
-    /// rejoin, up to 6 T) is left to the queue's bound (`commits_queued_max`).
+    /// rejoin, up to 6 T), or the first join's rewrite of the manifest, is left to the queue's
+    /// bound (`commits_queued_max`).
     fn take_commits(&mut self, store: &Mutex<StoreState>) {
         let mut commits = Vec::new();
         // `Drained::More` (over 16,384 queued, past any queue's bound in practice) leaves the
