@@ -426,15 +426,20 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 }
             }
             let superblocks = formatted?;
-            // The devices hold this pool now: what was written is told first, so that it is
-            // there even when the narrowing of their files (all together) fails.
-            for superblock in superblocks {
-                outln!("{}", describe(&superblock))?;
-            }
+            // The devices hold this pool now: their files (all together) are narrowed before
+            // anything is printed, so that a print that fails (a full disk, a closed pipe)
+            // cannot skip it. What was written is told even when the narrowing failed, and that
+            // failure is the error returned ahead of a failed print's.
             if let Some(created) = created_locks.take() {
                 locks.extend(created);
             }
-            narrow_pool_files(&mut locks, &args.devices.devices)
+            let narrowed = narrow_pool_files(&mut locks, &args.devices.devices);
+            for superblock in superblocks {
+                if let Err(error) = outln!("{}", describe(&superblock)) {
+                    return narrowed.and(Err(error.into()));
+                }
+            }
+            narrowed
         }
         PoolCommand::Inspect(args) => {
             // Lock, then claim (see format).

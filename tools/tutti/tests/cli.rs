@@ -633,6 +633,28 @@ fn a_pool_file_others_can_open_is_narrowed_and_the_user_told() {
 }
 
 #[test]
+fn a_format_whose_standard_output_fails_still_narrows_the_pool_file() {
+    // Goal: the superblocks are printed after the narrowing, so a failed print (a full disk, a
+    // closed pipe) cannot skip it: the pool is written either way, and was left 0644, untold.
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let path = directory.path().join("pool.img");
+    std::fs::File::create(&path).unwrap().set_len(64 << 20).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let output = Command::new(env!("CARGO_BIN_EXE_tutti"))
+        .env_remove("TUTTI_LOG")
+        .args(["pool", "format", "--device", &device(&path), "--model", "llama3-8b"])
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let note = format!("warning: pool file {} was mode 0644", path.display());
+    assert_status(&output, 1, &[&note]);
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o600);
+}
+
+#[test]
 fn a_file_the_pool_commands_refuse_keeps_its_mode() {
     // Goal: `tutti pool format` and `inspect` narrowed a pool file others could open to 0600
     // when they locked it, before refusing it: a disk image holding a file system (format
