@@ -402,10 +402,12 @@ impl<E: Executor> Runtime<E> {
             // (`stores_skipped_no_request_slot`): the retrieve runs, nothing is stored.
             incoming = 0;
         }
-        // Forcing (`ForceOldest`) advanced the queues with no write in flight when `advance`
-        // looked (the forced layers are waited for one at a time), so an executor error met
-        // there is still kept: returned now, nothing of the request prepared yet, as one met
-        // above. Left, it failed this request's first read instead.
+        // Forcing (`ForceOldest`) returns an executor error met with the forced layer in
+        // flight (`make_room` above). One met with none in flight when `advance` looked (a
+        // retiring request's poll between forced layers, which are waited for one at a time;
+        // the forced layer done by the pass that would have claimed it) is still kept:
+        // returned now, nothing of the request prepared yet, as one met above. Left, it failed
+        // this request's first read instead.
         if let Some(source) = self.executor_failure.take() {
             return Err(RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, source });
         }

@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{bounded, prefill, prompt, retire_a_read, rigged_stack, rigged_stack_timed, Rigged, Stack};
+use common::{bounded, is_the_executor_error, prefill, prompt, retire_a_read, rigged_stack, rigged_stack_timed, Rigged, Stack};
 use gio_uring::{Executor, GioError};
 use nvme_driver::spec::NvmOpcode;
 use nvme_emu::{FaultAction, FaultPlan, FaultRule};
@@ -377,17 +377,6 @@ fn a_write_in_flight_beside_a_retiring_read<E: Executor>(stack: &mut Stack<E>) -
     fresh
 }
 
-/// Whether `result` is the executor error the rigged poll returns, met reaping.
-fn is_the_executor_error<T>(result: &Result<T, RuntimeError>) -> bool {
-    matches!(
-        result,
-        Err(RuntimeError::Store {
-            operation: "poll the executor",
-            source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 })
-        })
-    )
-}
-
 #[test]
 fn an_executor_error_met_polling_a_retiring_request_is_returned_beside_a_write_in_flight() {
     // Goal: with no read in flight, an executor error a retiring request's poll meets while a
@@ -742,88 +731,5 @@ fn begin_prefill_refuses_for_an_executor_error_met_with_nothing_in_flight() {
         stack.runtime.abort_prefill(start.id).expect("nothing of it in flight");
         assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the lost read");
         common::drain_healthy(&mut stack.runtime);
-    });
-}
-
-#[test]
-fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
-    // Goal: an executor error met by the poll that starts the layers a call just handed over
-    // (`pump`'s peek; gio-uring reports it once, to that poll) reaches them: `before_layer(0)`,
-    // whose `begin_layer` hands layer 0's read over, fails that read with the executor's error
-    // at once. Before, `begin_layer` returned it (`Store`, "start issued I/O", the prefill
-    // running: retry) and it was gone: the retry's wait, on a read hung on the stopped
-    // executor, ran a whole `io_timeout` to fail as `WaitTimeout`, which points the engine at
-    // `abandon_in_flight` and not the executor. The same held for every call that hands a layer
-    // over (`after_layer`, `end_prefill`, `decode_step`, `poll_io`, a forced store).
-    // `io_timeout` is long beside the call's own work so that the bound below tells the two
-    // apart.
-    bounded(|| {
-        let io_timeout = Duration::from_secs(2);
-        let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
-        prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
-        common::drain_healthy(&mut stack.runtime);
-        // Layer 0's read is lost, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
-        let tokens = prompt(0, 1);
-        let blocks: Vec<u32> = (4..10).collect();
-        let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
-        assert_eq!(start.cached_blocks, 4);
-        // Nothing is in flight: the first executor poll is the one starting layer 0's read.
-        rigging.poll_fails.store(true, Ordering::SeqCst);
-        let started = Instant::now();
-        let failed = stack.runtime.before_layer(start.id, 0);
-        let waited = started.elapsed();
-        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the poll starting layer 0's read met the executor's error");
-        assert!(
-            matches!(
-                &failed,
-                Err(RuntimeError::ReadFailed { layer: 0, source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 }) })
-            ),
-            "the read handed over fails with the executor's error: {failed:?}"
-        );
-        assert!(waited < io_timeout / 2, "the read failed at once, not after a wait: {waited:?}");
-        assert_eq!(stack.runtime.abandon_in_flight().unwrap(), 1, "the hung read, retiring");
-        assert_eq!(stack.runtime.retiring_requests(), 0);
-        assert!((4..10).all(|block| stack.runtime.releasable(block)));
-    });
-}
-
-#[test]
-fn begin_prefill_refuses_for_an_executor_error_met_forcing_a_store() {
-    // Goal: an executor error `begin_prefill` meets while forcing the oldest store out
-    // (`ForceOldest`, the queue full) is returned as its doc says, with nothing of the request
-    // prepared, and a retry begins it. Forcing advances the queues with no write of its own in
-    // flight when the error is claimed (its writes are waited for one at a time), so nothing
-    // claimed it there. Before, it was kept past the forcing: the prefill began and its first
-    // read failed with an error met before anything of it was prepared. Here the error is met
-    // by the poll that starts the forced store's next write layer.
-    bounded(|| {
-        let mut config = common::config(PolicyChoice::SlackAware);
-        config.io_timeout = common::IO_TIMEOUT;
-        config.write_queue_limit_stores = 1;
-        config.on_write_queue_full = tutti_runtime::WriteQueueFullAction::ForceOldest;
-        let (mut stack, rigging) = common::rigged_stack_configured(config);
-        let first = prompt(0, 0);
-        prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
-        assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
-        let before = stack.runtime.counters();
-        // Another session's prompt: a store of its own, which needs the one store's room.
-        let other: Vec<u32> = prompt(1, 0).iter().map(|token| token + 7_000_000).collect();
-        let blocks: Vec<u32> = (10..14).collect();
-        rigging.poll_fails_after_submit.store(true, Ordering::SeqCst);
-        let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &other, block_ids: &blocks });
-        assert!(!rigging.poll_fails_after_submit.load(Ordering::SeqCst), "the forced store's write was handed over");
-        assert!(!rigging.poll_fails.load(Ordering::SeqCst), "the executor's error was met");
-        assert!(is_the_executor_error(&refused), "the executor's error is returned: {refused:?}");
-        let counters = stack.runtime.counters();
-        assert_eq!(counters.prefills, before.prefills, "no prefill began");
-        assert_eq!((counters.stores_forced, stack.runtime.queued_stores()), (1, 0), "the forced store committed: {counters:?}");
-        assert!(blocks.iter().all(|&block| stack.runtime.releasable(block)), "nothing of the request was prepared");
-        assert_eq!(stack.runtime.lookup(&first), 4);
-        assert_eq!(prefill(&mut stack, &other, &blocks).unwrap(), 0, "the retry begins and runs");
-        common::drain_healthy(&mut stack.runtime);
-        assert_eq!(stack.runtime.lookup(&other), 4);
     });
 }

@@ -136,24 +136,7 @@ impl<E: Executor> Runtime<E> {
         // live I/O it waits for the next (or `begin_prefill`). (Failing a read still drops the
         // prefill's store, which waits for its write in flight: see `read_failed`.)
         self.retire_ended();
-        if let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) {
-            // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including
-            // a layer that never was or was ended unfilled without the runtime hearing of it
-            // (the shape of the partial-abandon bug): only one the object store still holds can
-            // complete here.
-            if !self.device_holds_layer(handle, layer) {
-                return Err(self.read_failed(layer, read_not_in_flight(handle, layer, None)));
-            }
-            match self.store.poll(handle) {
-                Ok(true) => self.complete_read(layer),
-                Ok(false) => {
-                    if let Some(source) = self.executor_failure.take() {
-                        return Err(self.read_failed(layer, source));
-                    }
-                }
-                Err(source) => return Err(self.read_failed(layer, source)),
-            }
-        }
+        self.reap_read()?;
         // A failed write drops its store only: the pass goes on (the other writes polled, what
         // finished committed, the executor's error handed on), and the first such error is
         // returned at its end.
@@ -204,6 +187,42 @@ impl<E: Executor> Runtime<E> {
         }
         if issue {
             self.pump()?;
+            // An executor error kept now (the poll starting the layers just handed over met
+            // it) or still kept (no live I/O took it above) goes to those layers in this call,
+            // by one more pass that hands nothing over (so it ends): the read just handed over
+            // fails with it (`ReadFailed`), or the writes in flight return it (`Store` "poll
+            // the executor"). Left for the next call, the caller's own wait came first: a
+            // read's wait (`wait_for_reads`), a forced store's or a drain's (`wait_writes`)
+            // ran a whole `io_timeout` on the failed executor, to fail as `WaitTimeout` (the
+            // kept error then forgotten by the `abandon_in_flight` that points the engine at)
+            // or, for a forced store, `WriteQueueFull`.
+            if self.executor_failure.is_some() {
+                return self.advance(false);
+            }
+        }
+        Ok(())
+    }
+
+    /// Polls the running prefill's read in flight, if any: completed, it is done; failed, or
+    /// still in flight with an executor error kept (`Runtime::executor_failure`, which it
+    /// claims: its own polls would never see it), the prefill ends (`read_failed`).
+    fn reap_read(&mut self) -> Result<()> {
+        let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
+        // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including a
+        // layer that never was or was ended unfilled without the runtime hearing of it (the
+        // shape of the partial-abandon bug): only one the object store still holds can
+        // complete here.
+        if !self.device_holds_layer(handle, layer) {
+            return Err(self.read_failed(layer, read_not_in_flight(handle, layer, None)));
+        }
+        match self.store.poll(handle) {
+            Ok(true) => self.complete_read(layer),
+            Ok(false) => {
+                if let Some(source) = self.executor_failure.take() {
+                    return Err(self.read_failed(layer, source));
+                }
+            }
+            Err(source) => return Err(self.read_failed(layer, source)),
         }
         Ok(())
     }
@@ -501,10 +520,13 @@ impl<E: Executor> Runtime<E> {
                 // The executor's error (a stopped worker, a lasting doorbell fault), reported once
                 // and here often by the first poll since the layers were handed over: it is
                 // theirs, and their own polls will not see it. Kept (`Runtime::executor_failure`),
-                // the next call fails them with it (`advance`). Returned, it was gone once the
-                // caller had it (`ObjstoreError` cannot be both kept and returned), and a read
-                // just handed over waited a whole `io_timeout` to fail as `WaitTimeout`. The
-                // layers were handed over: the call goes on.
+                // `advance` fails them with it in this call (its pass after `pump`); a call
+                // that hands over last, calling `pump` itself (`begin_layer`, `decode_step`,
+                // `abandon_in_flight`), leaves it to the next call, which fails them with it
+                // before any wait of theirs (`advance`, `wait_read`). Returned, it was gone once
+                // the caller had it (`ObjstoreError` cannot be both kept and returned), and a
+                // read just handed over waited a whole `io_timeout` to fail as `WaitTimeout`.
+                // The layers were handed over: the call goes on.
                 tracing::warn!(error = %source, "runtime: the executor failed starting the layers handed over; kept for them");
                 self.executor_failure.get_or_insert(source);
             }
@@ -580,6 +602,12 @@ impl<E: Executor> Runtime<E> {
     }
 
     pub(super) fn wait_read(&mut self) -> Result<()> {
+        // A kept executor error is this read's if it is still in flight (`reap_read`), as in
+        // `advance`: a call that handed it over last and did not advance after (`begin_layer`,
+        // then `abort_prefill`) left it kept, and the wait below would never see it.
+        if self.executor_failure.is_some() {
+            self.reap_read()?;
+        }
         let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
         match self.store.wait(handle, self.io_deadline()) {
             Ok(Some(waited)) if waited == layer => {

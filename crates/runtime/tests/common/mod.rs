@@ -395,6 +395,18 @@ pub fn rigged_stack_configured(config: RuntimeConfig) -> (Stack<Rigged>, Rigging
     (Stack { device, runtime, engine }, rigging)
 }
 
+/// Whether `result` is the executor error the rigged poll returns ([`Rigging::poll_fails`]),
+/// returned as no live I/O's (`Store`, "poll the executor").
+pub fn is_the_executor_error<T>(result: &Result<T, RuntimeError>) -> bool {
+    matches!(
+        result,
+        Err(RuntimeError::Store {
+            operation: "poll the executor",
+            source: objstore::ObjstoreError::Gio(GioError::WorkerStopped { worker: 3 })
+        })
+    )
+}
+
 /// Stores the first prompt (`prompt(0, 0)`, engine blocks 0..4) and drains it, then prefills
 /// `prompt(0, 1)` (engine blocks 4..10) with its first read's completion lost on the device: the
 /// prefill fails with ReadFailed and its retrieve retires (the fault plan stays set).
