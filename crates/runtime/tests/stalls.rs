@@ -299,8 +299,12 @@ fn a_drain_whose_write_completes_past_io_timeout_is_collected_by_the_next_drain(
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
-        // The next write handed over (the drain's) completes half an `io_timeout` past its wait.
-        let late = FaultRule::on_nth_io(1, FaultAction::Delay(IO_TIMEOUT * 3 / 2)).with_opcode(NvmOpcode::Write as u8);
+        // The next write handed over (the drain's) completes two `io_timeout`s past the first
+        // drain's wait: far enough that a pause of the test process between the device taking
+        // it and that wait's deadline being set (about a second, see `IO_TIMEOUT`) cannot make
+        // the wait see it (half an `io_timeout`, it could), and within `drain_writes`' tries
+        // (the third or fourth call of `DRAIN_TRIES` collects it).
+        let late = FaultRule::on_nth_io(1, FaultAction::Delay(IO_TIMEOUT * 3)).with_opcode(NvmOpcode::Write as u8);
         stack.device.set_faults(FaultPlan::none().with_rule(late));
         let drained = stack.runtime.drain();
         assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 1, retiring: 0 })), "{drained:?}");
