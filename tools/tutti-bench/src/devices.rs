@@ -159,7 +159,7 @@ thread_local! {
     pub(crate) static NARROWING_FAILS_WITH: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
 }
 
-/// Files this run created, removed on drop unless the run succeeded and keeps them; each one
+/// Files this run created, removed on drop unless kept ([`CreatedFiles::keep_after_success`]); each one
 /// [`prepare_file`] created stays locked (tuttid's flock on the file itself) until then.
 #[derive(Debug, Default)]
 pub struct CreatedFiles {
@@ -282,7 +282,9 @@ impl CreatedFiles {
         self.keep = true;
     }
 
-    /// Keeps the files of a run that succeeded: an interrupt from here on leaves them too.
+    /// Keeps the files of a run that succeeded, or of a kv run whose pool was formatted on them
+    /// before its narrowing failed (the error says the pool is kept there): an interrupt from
+    /// here on leaves them too.
     pub fn keep_after_success(&mut self) {
         self.keep = true;
         for path in &self.paths {

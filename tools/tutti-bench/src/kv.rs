@@ -270,12 +270,16 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     // user's that others could open is made its owner's only, every device at once. Not
     // before: a run refused on the way (a file system on a device, a device in use) must
     // leave every mode as it was.
-    // A run that formatted says so if the narrowing then fails: the pool is there.
+    // A run that formatted says so if the narrowing then fails: the pool is there, and the
+    // files the run created for it are kept with the others (an interrupt leaves them too), as
+    // tuttid and `tutti pool format` keep theirs. Removed, they would leave the devices not
+    // created holding part of a pool nothing can open, under an error saying it is kept.
     let formatted = if plan.pool == PoolMode::Format { specs } else { &[] };
-    let result = created
-        .narrow_pool_files(formatted)
-        .map_err(narrowing_error)
-        .and_then(|()| run_on_rig(&mut rig, specs, &devices, &listed, plan, output));
+    let narrowed = created.narrow_pool_files(formatted);
+    if narrowed.is_err() && !formatted.is_empty() {
+        created.keep_after_success();
+    }
+    let result = narrowed.map_err(narrowing_error).and_then(|()| run_on_rig(&mut rig, specs, &devices, &listed, plan, output));
     // The store's queue pairs are deleted before the engine memory they name is freed, and
     // if one could not be, that memory is kept: asked here, not left to the drops.
     if !rig.close() && result.is_ok() {
@@ -671,6 +675,38 @@ mod tests {
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         assert!(unusable.0.contains(&format!("the pool was formatted on emu:{} and is kept", path.display())), "{}", unusable.0);
         assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
+    }
+
+    #[test]
+    fn a_kv_run_whose_narrowing_fails_after_formatting_keeps_the_files_it_created() {
+        // Goal: the error says the pool was formatted on every device and is kept there, yet a
+        // failed run removed the files it created: with a.img (0644, refused a mode change) and
+        // b.img (made by the run), b.img went and a.img was left holding device 0/2 of a pool
+        // nothing can open. The files are kept, as tuttid and `tutti pool format` keep theirs.
+        use std::os::unix::fs::PermissionsExt;
+        let cli = Cli::try_parse_from(["tutti-bench", "--workload=kv", "--prompt-tokens=160"]).unwrap();
+        let plan = KvPlan::from_cli(&cli).unwrap();
+        let directory = tempfile::tempdir().unwrap();
+        let (a, b) = (directory.path().join("a.img"), directory.path().join("b.img"));
+        std::fs::File::create(&a).unwrap().set_len(plan.pool_bytes_per_device(2)).unwrap();
+        std::fs::set_permissions(&a, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let specs = [DeviceSpec::EmuFile(a.clone()), DeviceSpec::EmuFile(b.clone())];
+        let mut created = CreatedFiles::default();
+        for spec in &specs {
+            let locks = devices::FileModes::Narrow.acquire(std::slice::from_ref(spec), &directory.path().join("locks")).expect("locked");
+            created.note_held(locks.paths());
+            created.hold_locks(locks);
+        }
+        devices::NARROWING_FAILS_WITH.set(Some(libc::EPERM));
+        let result = run_plan(&specs, &plan, cli.output_format, &mut created);
+        devices::NARROWING_FAILS_WITH.set(None);
+        let error = result.unwrap_err();
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        let kept = format!("the pool was formatted on emu:{}, emu:{} and is kept", a.display(), b.display());
+        assert!(unusable.0.contains(&kept), "{}", unusable.0);
+        assert_eq!(created.paths(), [b.clone()], "the run did not create b.img");
+        drop(created);
+        assert!(b.exists(), "b.img, said to be kept, was removed");
     }
 
     #[test]
