@@ -20,11 +20,6 @@ use crate::writes::WriteQueue;
 /// (`retire_ended` met it; writes in flight).
 pub(super) const POLL_THE_EXECUTOR: &str = "poll the executor";
 
-/// The operation of the `Store` error `pump` returns when the poll that starts what it handed
-/// over fails with an error that is not the executor's (`executor_error`; the executor's is kept
-/// for the layers handed over instead).
-pub(super) const START_ISSUED_IO: &str = "start issued I/O";
-
 impl<E: Executor> Runtime<E> {
     pub(super) fn prefill_of(&mut self, call: &'static str, id: PrefillId) -> Result<&mut Prefill> {
         let active = self.prefill.as_ref().map(|p| p.id);
@@ -513,13 +508,11 @@ impl<E: Executor> Runtime<E> {
             // when polled: start them now rather than at the next boundary. Peeking consumes no
             // completion.
             if let Err(error) = self.store.queue_mut().peek_cqe() {
-                let source = ObjstoreError::from(error);
-                if !executor_error(&source) {
-                    return Err(RuntimeError::Store { operation: START_ISSUED_IO, source });
-                }
-                // The executor's error (a stopped worker, a lasting doorbell fault), reported once
-                // and here often by the first poll since the layers were handed over: it is
-                // theirs, and their own polls will not see it. Kept (`Runtime::executor_failure`),
+                // Every error of this poll is the executor's or its queue's (a stopped worker, a
+                // lasting doorbell fault, a corrupt ring: `executor_error`; only a wait returns
+                // `WaitTimeout`, and `peek_cqe` does not wait), reported once and here often by
+                // the first poll since the layers were handed over: it is theirs, and their own
+                // polls will not see it. Kept (`Runtime::executor_failure`),
                 // `advance` fails them with it in this call (its pass after `pump`); a call
                 // that hands over last, calling `pump` itself (`begin_layer`, `decode_step`,
                 // `abandon_in_flight`), leaves it to the next call, which fails them with it
@@ -527,6 +520,7 @@ impl<E: Executor> Runtime<E> {
                 // the caller had it (`ObjstoreError` cannot be both kept and returned), and a
                 // read just handed over waited a whole `io_timeout` to fail as `WaitTimeout`.
                 // The layers were handed over: the call goes on.
+                let source = ObjstoreError::from(error);
                 tracing::warn!(error = %source, "runtime: the executor failed starting the layers handed over; kept for them");
                 self.executor_failure.get_or_insert(source);
             }
