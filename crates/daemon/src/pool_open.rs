@@ -519,7 +519,8 @@ mod tests {
         assert!(matches!(error, DaemonError::Devices(DeviceError::Io { .. })), "not status 2: {error:?}");
         assert!(text.contains(&format!("the pool was formatted on emu:{} and is kept", image.display())), "{text}");
         assert!(text.contains("EPERM") && !text.contains("immutable"), "{text}");
-        assert_eq!(mode(), 0o644);
+        // No mode is asserted here: the seam fails every fchmod, so the file's cannot change
+        // (what is put back is the devices crate's to test).
         options.format = None;
         drop(open_pool(&options).expect("the pool formatted is there"));
         assert_eq!(mode(), 0o600);

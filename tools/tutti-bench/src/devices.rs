@@ -154,9 +154,11 @@ pub struct OpenOptions2 {
 
 #[cfg(test)]
 thread_local! {
-    /// Tests: the errno every fchmod of [`CreatedFiles::narrow_pool_files`] on this thread fails
-    /// with (EPERM: a filesystem refusing mode changes); `None`: the real fchmod.
-    pub(crate) static NARROWING_FAILS_WITH: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
+    /// Tests: which fchmod of [`CreatedFiles::narrow_pool_files`] on this thread fails (1: the
+    /// first, counting the restores), and with what errno (EPERM: a filesystem refusing mode
+    /// changes); the others, and all with `None`, are the real fchmod, so that what the
+    /// narrowing put back shows.
+    pub(crate) static NARROWING_FAILS_WITH: std::cell::Cell<Option<(usize, i32)>> = const { std::cell::Cell::new(None) };
 }
 
 /// Files this run created, removed on drop unless kept ([`CreatedFiles::keep_after_success`]); each one
@@ -244,13 +246,23 @@ impl CreatedFiles {
     /// the pool was formatted on `formatted` and is kept (a run that formatted; empty for one
     /// that opened a kept pool).
     pub fn narrow_pool_files(&mut self, formatted: &[DeviceSpec]) -> Result<(), tutti_devices::DeviceError> {
-        // Tests make every fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
+        // Tests make one fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
         #[cfg(test)]
         let failing = NARROWING_FAILS_WITH.get();
         #[cfg(not(test))]
-        let failing: Option<i32> = None;
+        let failing: Option<(usize, i32)> = None;
         let notes = match failing {
-            Some(errno) => self.device_locks.narrow_pool_files_with(formatted, &|_, _| Err(std::io::Error::from_raw_os_error(errno))),
+            Some((nth, errno)) => {
+                let calls = std::cell::Cell::new(0);
+                self.device_locks.narrow_pool_files_with(formatted, &|file, mode| {
+                    calls.set(calls.get() + 1);
+                    if calls.get() == nth {
+                        Err(std::io::Error::from_raw_os_error(errno))
+                    } else {
+                        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+                    }
+                })
+            }
             None => self.device_locks.narrow_pool_files(formatted),
         };
         for note in notes? {

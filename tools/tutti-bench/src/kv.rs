@@ -655,26 +655,36 @@ mod tests {
         // comes after Rig::build formatted the devices; the run stopped with the lock step's old
         // refusal alone, which reads as if nothing had changed though the file now holds a
         // fresh pool (with --overwrite, what it held is gone). Now the error says the pool was
-        // formatted there, with status 2 (what was given: the file's filesystem).
+        // formatted there, with status 2 (what was given: the file's filesystem). Two files,
+        // each locked as run.rs's lock step does, the second one's fchmod failing: the first,
+        // narrowed already, gets its mode back (all are narrowed together).
         use std::os::unix::fs::PermissionsExt;
         let cli = Cli::try_parse_from(["tutti-bench", "--workload=kv", "--prompt-tokens=160"]).unwrap();
         let plan = KvPlan::from_cli(&cli).unwrap();
         let directory = tempfile::tempdir().unwrap();
-        let path = directory.path().join("pool.img");
-        std::fs::File::create(&path).unwrap().set_len(plan.pool_bytes_per_device(1)).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let specs = [DeviceSpec::EmuFile(path.clone())];
+        let paths = [directory.path().join("a.img"), directory.path().join("b.img")];
+        for path in &paths {
+            std::fs::File::create(path).unwrap().set_len(plan.pool_bytes_per_device(2)).unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let specs = paths.clone().map(DeviceSpec::EmuFile);
         let mut created = CreatedFiles::default();
-        let locks = devices::FileModes::Narrow.acquire(&specs, &directory.path().join("locks")).expect("locked");
-        created.note_held(locks.paths());
-        created.hold_locks(locks);
-        devices::NARROWING_FAILS_WITH.set(Some(libc::EPERM));
+        for spec in &specs {
+            let locks = devices::FileModes::Narrow.acquire(std::slice::from_ref(spec), &directory.path().join("locks")).expect("locked");
+            created.note_held(locks.paths());
+            created.hold_locks(locks);
+        }
+        devices::NARROWING_FAILS_WITH.set(Some((2, libc::EPERM)));
         let result = run_plan(&specs, &plan, cli.output_format, &mut created);
         devices::NARROWING_FAILS_WITH.set(None);
         let error = result.unwrap_err();
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
-        assert!(unusable.0.contains(&format!("the pool was formatted on emu:{} and is kept", path.display())), "{}", unusable.0);
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
+        let kept = format!("the pool was formatted on {}, {} and is kept", specs[0], specs[1]);
+        assert!(unusable.0.contains(&kept), "{}", unusable.0);
+        for path in &paths {
+            let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o644, "{} was not put back", path.display());
+        }
     }
 
     #[test]
@@ -697,7 +707,7 @@ mod tests {
             created.note_held(locks.paths());
             created.hold_locks(locks);
         }
-        devices::NARROWING_FAILS_WITH.set(Some(libc::EPERM));
+        devices::NARROWING_FAILS_WITH.set(Some((1, libc::EPERM)));
         let result = run_plan(&specs, &plan, cli.output_format, &mut created);
         devices::NARROWING_FAILS_WITH.set(None);
         let error = result.unwrap_err();

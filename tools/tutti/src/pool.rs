@@ -84,13 +84,23 @@ fn lock_devices(args: &DeviceArgs, specs: &[DeviceSpec], create_files: bool) -> 
 /// is, and tuttid would refuse it as it stands (it narrows the file too), so a success status
 /// would let `tutti pool format ... && tuttid ...` run on into that refusal.
 fn narrow_pool_files(locks: &mut DeviceLocks, formatted: &[DeviceSpec]) -> Result<()> {
-    // Tests make every fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
+    // Tests make one fchmod fail (NARROWING_FAILS_WITH), as a filesystem refusing it does.
     #[cfg(test)]
     let failing = tests::NARROWING_FAILS_WITH.get();
     #[cfg(not(test))]
-    let failing: Option<i32> = None;
+    let failing: Option<(usize, i32)> = None;
     let notes = match failing {
-        Some(errno) => locks.narrow_pool_files_with(formatted, &|_, _| Err(std::io::Error::from_raw_os_error(errno))),
+        Some((nth, errno)) => {
+            let calls = std::cell::Cell::new(0);
+            locks.narrow_pool_files_with(formatted, &|file, mode| {
+                calls.set(calls.get() + 1);
+                if calls.get() == nth {
+                    Err(std::io::Error::from_raw_os_error(errno))
+                } else {
+                    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+                }
+            })
+        }
         None => locks.narrow_pool_files(formatted),
     };
     for note in notes.map_err(device_refusal)? {
@@ -540,9 +550,10 @@ mod tests {
         /// Run by format once it created the missing files, before it locks them and reads
         /// them: a test writes one it made, as another process that ignores the lock would.
         pub(super) static AFTER_CREATING_FILES: std::cell::RefCell<Option<Box<dyn FnOnce()>>> = std::cell::RefCell::new(None);
-        /// The errno every fchmod of format's narrowing fails with (EPERM: a filesystem that
-        /// refuses chmod); `None`: the real fchmod.
-        pub(super) static NARROWING_FAILS_WITH: Cell<Option<i32>> = const { Cell::new(None) };
+        /// Which fchmod of format's narrowing on this thread fails (1: the first, counting the
+        /// restores), and with what errno (EPERM: a filesystem that refuses chmod); the others,
+        /// and all with `None`, are the real fchmod, so that what the narrowing put back shows.
+        pub(super) static NARROWING_FAILS_WITH: Cell<Option<(usize, i32)>> = const { Cell::new(None) };
     }
 
     #[test]
@@ -551,22 +562,29 @@ mod tests {
         // chmod) comes after the pool was written; the user saw only the lock step's old
         // refusal ("making it 600 failed", status 2), which reads as if nothing had changed,
         // though the file holds a fresh pool (with --overwrite, what it held is gone). Now the
-        // error says the pool was formatted there and is kept.
+        // error says the pool was formatted there and is kept. Two files, the second one's
+        // fchmod failing: the first, narrowed already, gets its mode back (all are narrowed
+        // together).
         use std::os::unix::fs::PermissionsExt;
         let directory = tempfile::tempdir().unwrap();
-        let path = directory.path().join("pool.img");
-        File::create(&path).unwrap().set_len(64 << 20).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let device = format!("emu:{}", path.display());
-        NARROWING_FAILS_WITH.set(Some(libc::EPERM));
-        let formatted = run_with(&command(&["format", "--device", &device, "--model", "llama3-8b"]), &HostBlockDevices);
+        let paths = [directory.path().join("a.img"), directory.path().join("b.img")];
+        for path in &paths {
+            File::create(path).unwrap().set_len(64 << 20).unwrap();
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let [a, b] = paths.each_ref().map(|path| format!("emu:{}", path.display()));
+        NARROWING_FAILS_WITH.set(Some((2, libc::EPERM)));
+        let formatted = run_with(&command(&["format", "--device", &a, "--device", &b, "--model", "llama3-8b"]), &HostBlockDevices);
         NARROWING_FAILS_WITH.set(None);
         let error = formatted.unwrap_err();
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
-        assert!(unusable.0.contains(&format!("the pool was formatted on {device} and is kept")), "{}", unusable.0);
+        assert!(unusable.0.contains(&format!("the pool was formatted on {a}, {b} and is kept")), "{}", unusable.0);
         assert!(unusable.0.contains("EPERM") && !unusable.0.contains("immutable"), "{}", unusable.0);
-        assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777, 0o644);
-        run_with(&command(&["inspect", "--device", &device]), &HostBlockDevices).expect("the pool formatted is there");
+        for path in &paths {
+            let mode = std::fs::metadata(path).unwrap().permissions().mode() & 0o7777;
+            assert_eq!(mode, 0o644, "{} was not put back", path.display());
+        }
+        run_with(&command(&["inspect", "--device", &a, "--device", &b]), &HostBlockDevices).expect("the pool formatted is there");
     }
 
     type Hook = std::thread::LocalKey<std::cell::RefCell<Option<Box<dyn FnOnce()>>>>;
