@@ -317,7 +317,8 @@ impl DeviceLocks {
     /// by [`DeviceLocks::acquire`] and [`DeviceLocks::acquire_created`]), and still can, its
     /// owner's only: its mode read again and `fchmod` on the locked descriptor (the file that is
     /// locked, whatever its name names meanwhile; it needs ownership, not write access), so that
-    /// a mode its owner changed since it was locked is what is narrowed, told and put back. For
+    /// a mode its owner changed since it was locked is what is narrowed, told and put back (one
+    /// given to another user since, by root's chown, is left as it is and told). For
     /// the caller to call once it knows the files are its pool (a format or an open of the pool
     /// succeeded), every lock still held: a command that refuses a file after locking it (what
     /// it holds, a claim) must change no mode. Returns one sentence per file, for the caller to
@@ -336,25 +337,29 @@ impl DeviceLocks {
     }
 
     /// [`DeviceLocks::narrow_pool_files`] with its `fchmod` given as `chmod`: for the callers'
-    /// tests, which make it fail (EPERM) to see what their command then says and does.
+    /// tests, which make it fail (EPERM) to see what their command then says and does. A test
+    /// seam, hidden from the docs.
+    #[doc(hidden)]
     pub fn narrow_pool_files_with(
         &mut self,
         formatted: &[DeviceSpec],
         chmod: &dyn Fn(&File, u32) -> std::io::Result<()>,
     ) -> Result<Vec<String>, DeviceError> {
-        self.narrow_with(chmod, &|file| file.metadata().map(|metadata| metadata.mode() & 0o7777))
+        self.narrow_with(chmod, &|file| file.metadata().map(|metadata| (metadata.uid(), metadata.mode() & 0o7777)))
             .map_err(|error| formatted_but(error, formatted))
     }
 
     /// [`DeviceLocks::narrow_pool_files`] with `chmod` (fchmod) and `mode_of` (fstat, before
-    /// and after each fchmod) given, so that a test can make either fail.
+    /// and after each fchmod: the file's owner and mode) given, so that a test can make either
+    /// fail, or give the file away.
     fn narrow_with(
         &mut self,
         chmod_fn: &dyn Fn(&File, u32) -> std::io::Result<()>,
-        mode_of: &dyn Fn(&File) -> std::io::Result<u32>,
+        mode_of: &dyn Fn(&File) -> std::io::Result<(u32, u32)>,
     ) -> Result<Vec<String>, DeviceError> {
         let pending = std::mem::take(&mut self.open_to_others);
         let first_new = self.narrowed.len();
+        let euid = nix::unistd::geteuid().as_raw();
         // The files whose fchmod succeeded in this call, with the mode each had: put back if a
         // later one fails (nobody would be told of them: the caller gets the error).
         let mut changed: Vec<(usize, u32, u32)> = Vec::new();
@@ -364,10 +369,10 @@ impl DeviceLocks {
             // owner may have changed it since (made it 600, or 640 to share it with a group on
             // purpose). Decided again from the mode it has now, on the locked descriptor, so
             // that a file its owner narrowed is left alone, and a restore gives back the mode it
-            // had just before, never a wider one of lock time. Its owner and type were settled
-            // when it was locked (a file of this user's; giving it away takes root).
-            let from = match mode_of(held.file()) {
-                Ok(mode) => mode,
+            // had just before, never a wider one of lock time. Its type was settled when it was
+            // locked (the same inode); its owner is read again too (below).
+            let (owner, from) = match mode_of(held.file()) {
+                Ok(read) => read,
                 Err(source) => {
                     let error = DeviceError::Io { context: format!("examining {} to narrow its mode", path.display()), source };
                     self.narrowed.truncate(first_new);
@@ -375,6 +380,14 @@ impl DeviceLocks {
                 }
             };
             if from & 0o077 == 0 {
+                continue;
+            }
+            // Given to another user since it was locked (chown: root's doing): its mode is that
+            // user's to decide, as pool_file_access says of another user's file (root would be
+            // changing what another user set up, anyone else gets EPERM, which would be blamed
+            // on the filesystem). Left as it is, and told.
+            if owner != euid {
+                self.narrowed.push((path.clone(), from, Narrowing::GivenAway { owner }));
                 continue;
             }
             let to = from & 0o700;
@@ -387,7 +400,7 @@ impl DeviceLocks {
             // the old mode (narrowing_outcome tells it as such).
             let outcome = match chmod {
                 Ok(()) => match mode_of(held.file()) {
-                    Ok(now) => narrowing_outcome(path, from, to, Ok(()), Some(now)),
+                    Ok((_, now)) => narrowing_outcome(path, from, to, Ok(()), Some(now)),
                     Err(source) => {
                         Err(DeviceError::Io { context: format!("examining {} after narrowing its mode", path.display()), source })
                     }
@@ -514,6 +527,11 @@ fn note(path: &Path, mode: u32, narrowing: Narrowing) -> String {
         Narrowing::ReadOnly => format!(
             "pool file {path} is mode {mode:04o} on a read-only filesystem, where its mode cannot be changed and was left \
              so: other users can read its cached KV blocks and hold its lock"
+        ),
+        Narrowing::GivenAway { owner } => format!(
+            "pool file {path} is mode {mode:04o} and was left so: it is owned by uid {owner} now (given away since it was \
+             locked), whose decision its mode is; other users can read its cached KV blocks and hold its lock: its owner can \
+             make it its owner's only with chmod go-rwx {path}"
         ),
     }
 }
@@ -807,6 +825,9 @@ enum Narrowing {
     /// Hardly reached: the callers narrow once their pool is open for writing, which fails on
     /// a read-only mount first (a mount made read-only since would do it).
     ReadOnly,
+    /// Left as it is: the file is owned by `owner` now, another user (given away since it was
+    /// locked), whose decision its mode is.
+    GivenAway { owner: u32 },
 }
 
 /// The decision of [`DeviceLocks::narrow_pool_files`] on what `fchmod` of the pool file at `path` from
@@ -1385,7 +1406,7 @@ mod tests {
         let specs = paths.clone().map(DeviceSpec::EmuFile);
         let lock_dir = directory.path().join("locks");
         let chmod = |file: &File, mode: u32| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
-        let real_mode = |file: &File| file.metadata().map(|metadata| metadata.mode() & 0o7777);
+        let real_mode = |file: &File| file.metadata().map(|metadata| (metadata.uid(), metadata.mode() & 0o7777));
         let fresh = || {
             for path in &paths {
                 std::fs::write(path, [0u8; 4096]).unwrap();
@@ -1465,7 +1486,7 @@ mod tests {
         let specs = paths.clone().map(DeviceSpec::EmuFile);
         let lock_dir = directory.path().join("locks");
         let chmod = |file: &File, mode: u32| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode));
-        let real_mode = |file: &File| file.metadata().map(|metadata| metadata.mode() & 0o7777);
+        let real_mode = |file: &File| file.metadata().map(|metadata| (metadata.uid(), metadata.mode() & 0o7777));
         let fresh = || {
             for path in &paths {
                 std::fs::write(path, [0u8; 4096]).unwrap();
@@ -1500,6 +1521,44 @@ mod tests {
         let notes = locks.narrow_with(&chmod, &real_mode).unwrap();
         assert_eq!((mode(&paths[0]), mode(&paths[1])), (0o700, 0o600));
         assert!(notes[0].contains("was mode 0755"), "{notes:?}");
+    }
+
+    #[test]
+    fn a_pool_file_given_away_since_it_was_locked_is_left_alone_and_told() {
+        // Goal: the mode was read again before narrowing but not the owner: a file chowned to
+        // another user meanwhile (root's doing) was narrowed by a root tutti, changing a file
+        // another user now owns, which the lock-time rule leaves alone; a user's own tutti
+        // failed with EPERM blamed on the filesystem. Now such a file is left as it is and told.
+        let directory = tempfile::tempdir().unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().mode() & 0o7777;
+        let paths = ["a.img", "b.img"].map(|name| directory.path().join(name));
+        for path in &paths {
+            std::fs::write(path, [0u8; 4096]).unwrap();
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+        }
+        let specs = paths.clone().map(DeviceSpec::EmuFile);
+        let mut locks = DeviceLocks::acquire(&specs, &directory.path().join("locks"), false).unwrap();
+        let given_away = std::fs::metadata(&paths[0]).unwrap().ino();
+        let other = nix::unistd::geteuid().as_raw() + 1;
+        let owner_and_mode = |file: &File| {
+            file.metadata().map(|metadata| {
+                let owner = if metadata.ino() == given_away { other } else { metadata.uid() };
+                (owner, metadata.mode() & 0o7777)
+            })
+        };
+        let chmodded = std::cell::RefCell::new(Vec::new());
+        let chmod = |file: &File, mode: u32| {
+            chmodded.borrow_mut().push(file.metadata()?.ino());
+            file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
+        };
+        let notes = locks.narrow_with(&chmod, &owner_and_mode).unwrap();
+        assert!(!chmodded.borrow().contains(&given_away), "the file given away was chmodded");
+        assert_eq!((mode(&paths[0]), mode(&paths[1])), (0o644, 0o600));
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        let a = paths[0].display().to_string();
+        assert!(notes[0].contains(&a) && notes[0].contains(&format!("owned by uid {other}")), "{notes:?}");
+        assert!(notes[0].contains("left") && notes[0].contains(&format!("chmod go-rwx {a}")), "{notes:?}");
+        assert_eq!(locks.narrowed().collect::<Vec<_>>(), [(paths[1].as_path(), 0o644)]);
     }
 
     #[test]
