@@ -8,12 +8,12 @@
 //!    entries of segments the manifest listed but the pool no longer holds, at start or evicted
 //!    since (a wiped pool, or evictions before the join: the previous process's lease may still
 //!    claim them), only while the node id's member key is absent or under the lease the
-//!    manifest recorded — never a live process's that holds the id; a pass deletes those stale
-//!    at its first read of the queue, then joins (what breaks after that read is queued for
-//!    deletion under the new lease); join, recording the lease in the manifest, which the
-//!    first join then rewrites without the stale segments' dropped records, their deletes
-//!    made (or rejoin after a lost lease: a new lease has no
-//!    registrations, so every held segment is registered again); update the member record
+//!    manifest recorded — never a live process's that holds the id; the passes delete those
+//!    stale at the first pass's first read of the queue, then join (what breaks after that read
+//!    is queued for deletion under the new lease); join, recording the lease in the manifest,
+//!    which the first join then rewrites without the stale segments' dropped records, their
+//!    deletes made (or rejoin after a lost lease: a new lease has no registrations, so every
+//!    held segment is registered again); update the member record
 //!    when the set of models changed; unregister broken segments and register held ones,
 //!    taking turns while both wait, one transaction per `txn_ops_max` segments of one model
 //!    space, at most [`TRANSACTIONS_PER_PASS`] together per pass so departures are not kept
@@ -122,8 +122,14 @@ pub(crate) struct Registrar {
     to_unregister: Vec<(ModelSpace, Segment)>,
     /// Before the first join: segments the previous process may have registered that this pool
     /// no longer holds (from the manifest, and those evicted since), to delete first (those
-    /// found after a pass's first read: the join moves them to `to_unregister`).
+    /// found after the first pass's first read: the join moves them to `to_unregister`).
     stale: Vec<(ModelSpace, Segment)>,
+    /// `stale[..n]` are the deletes still owed before the first join: what was stale at the
+    /// first `forget_stale`'s first read, less those made (`None` until that read). Kept across
+    /// passes: counted again at each pass, it took in what the previous pass had found broken
+    /// after its first read, so evictions breaking `txn_ops_max` segments per delete held a
+    /// backlog longer than one pass at its size and the node never joined.
+    stale_owed: Option<usize>,
     /// Fetched segments not registered (`fetched.rs`): a commit's segments among them are not
     /// held nor registered. Locked under the pool's lock.
     fetched: Arc<Mutex<FetchedCopies>>,
@@ -182,6 +188,7 @@ impl Registrar {
             node: None,
             to_unregister: Vec::new(),
             stale,
+            stale_owed: None,
             fetched,
             previous_lease,
             stale_journalled,
@@ -492,8 +499,9 @@ impl Registrar {
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
             self.record_lease(node.health().lease_id);
             self.joined_anew();
-            // What `forget_stale` found broken after its first read (it deleted only what was
-            // stale then, so that steady eviction cannot hold the join back pass after pass):
+            // What `forget_stale` found broken after the first pass's first read (it deleted only
+            // what was stale then, so that steady eviction cannot hold the join back pass after
+            // pass):
             // deleted under this node's lease instead, as any unregistration. The join
             // succeeded, so no live process holds the id; a delete names the node, not the lease.
             self.to_unregister.append(&mut self.stale);
@@ -625,44 +633,48 @@ impl Registrar {
         }
     }
 
-    /// Deletes this node id's entries of the segments stale at its first read of the queue (up
-    /// to [`TRANSACTIONS_PER_PASS`] transactions per pass), before the first join and so before
-    /// any registration of this process: nothing it registers itself is deleted. Only while the
-    /// member key is absent or under the previous process's lease: a live process holding the
-    /// id (another tuttid started with it) keeps its entries, and the stale list is dropped
-    /// (whatever the previous process registered vanishes with its lease). Whether those are all
-    /// deleted, so the pass may join: segments its later reads find broken wait in `stale`
-    /// behind them, and the join queues them for deletion under its lease. Deleting them here
-    /// too let a busy node (a commit evicting a held segment per etcd round trip) spend every
-    /// pass on deletes and never join.
+    /// Deletes this node id's entries of the segments stale at the first pass's first read of
+    /// the queue (`stale_owed`; up to [`TRANSACTIONS_PER_PASS`] transactions per pass), before
+    /// the first join and so before any registration of this process: nothing it registers
+    /// itself is deleted. Only while the member key is absent or under the previous process's
+    /// lease: a live process holding the id (another tuttid started with it) keeps its entries,
+    /// and the stale list is dropped (whatever the previous process registered vanishes with its
+    /// lease). Whether those are all deleted, so the pass may join: segments later reads find
+    /// broken wait in `stale` behind them, and the join queues them for deletion under its
+    /// lease. Deleting them here too let a busy node (a commit evicting a held segment per etcd
+    /// round trip) spend every pass on deletes and never join.
     fn forget_stale(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<bool, ClusterError> {
+        if self.stale_owed == Some(0) {
+            return Ok(true);
+        }
         let client = ClusterClient::connect(self.config.clone())?;
         let batch_max = self.config.txn_ops_max;
         let mut transactions = 0;
         self.take_commits(store);
-        // `stale[..first]`: stale at the first read and not deleted yet. A later read appends.
-        let mut first = self.stale.len();
-        while first > 0 && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
+        // `stale[..owed]`: stale at the first pass's first read and not deleted yet. A later
+        // read appends; a failed batch goes back in front.
+        let mut owed = *self.stale_owed.get_or_insert(self.stale.len());
+        while owed > 0 && transactions < TRANSACTIONS_PER_PASS && !stop.is_stopped() {
             if transactions > 0 {
                 self.take_commits(store);
             }
             let space = self.stale[0].0;
-            let mut batch = Vec::with_capacity(batch_max.min(first));
+            let mut batch = Vec::with_capacity(batch_max.min(owed));
             let mut position = 0;
             self.stale.retain(|&(other, segment)| {
-                let taken = position < first && other == space && batch.len() < batch_max;
+                let taken = position < owed && other == space && batch.len() < batch_max;
                 position += 1;
                 if taken {
                     batch.push(segment);
                 }
                 !taken
             });
-            first -= batch.len();
             match client.forget(&self.record.node, self.previous_lease, &space, &batch) {
                 Ok(_) => {}
                 Err(error @ ClusterError::NodeIdTaken { .. }) => {
                     tracing::warn!(%error, segments = batch.len() + self.stale.len(), "another process holds this node id: its registrations are not deleted");
                     self.stale.clear();
+                    self.stale_owed = Some(0);
                     return Err(error);
                 }
                 Err(error) => {
@@ -670,6 +682,8 @@ impl Registrar {
                     return Err(error);
                 }
             }
+            owed -= batch.len();
+            self.stale_owed = Some(owed);
             tracing::info!(segments = batch.len(), "deleted registrations of segments this pool no longer holds");
             self.metrics.unregistered_segments.inc_by(batch.len() as u64);
             transactions += 1;
@@ -680,7 +694,7 @@ impl Registrar {
         // joins `stale`, queued for deletion by the join.
         drop(client);
         self.take_commits(store);
-        Ok(first == 0)
+        Ok(owed == 0)
     }
 
     /// Records the lease joined under in the manifest, for a successor after a crash.
@@ -1539,6 +1553,41 @@ mod tests {
         assert!(registrar.stale.is_empty() && registrar.to_unregister.is_empty());
         assert_eq!(registrar.metrics.unregistered_segments.get(), 2, "the stale segment, then the one its delete's eviction broke");
         assert_eq!(registrar.held.registered(), registrar.held.len());
+        registrar.leave();
+    }
+
+    #[test]
+    fn a_stale_backlog_longer_than_a_pass_is_deleted_once_under_steady_evictions() {
+        // Goal: a pass deleted what was stale at its own first read. With more stale entries
+        // than one pass deletes, the next pass's first read counted again what the previous
+        // pass's reads had found broken after its first (meant for the join to queue): under
+        // evictions breaking a segment per delete the backlog never shrank and the node never
+        // joined. Now only what was stale at the first pass's first read is deleted before
+        // the join, across as many passes as it takes.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stale: Vec<_> = (1..=40u64).map(|n| (space, Segment { index: 0, key: SegmentKey::new(900_000 + n).unwrap() })).collect();
+        let mut registrar = registrar_recovered(directory.path(), "stale-backlog", HeldSegments::default(), stale, 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        registrar.config.txn_ops_max = 1;
+        let store = Arc::new(store());
+        fill_the_pool(&mut registrar, &store, space);
+        let subscriber = Arc::new(AtEachEvent {
+            message: "deleted registrations of segments this pool no longer holds",
+            step: Mutex::new(evicting_commits(&store, sender, space)),
+            ran: Default::default(),
+        });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let stop = StopHandle::default();
+        for _ in 0..3 {
+            tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        }
+        let deletes = subscriber.ran.load(Ordering::Relaxed);
+        assert!(registrar.node.is_some(), "not joined after three passes, {deletes} deletes before the join");
+        assert_eq!(deletes, 40, "the deletes before the join are the 40 stale at the first read, no more");
         registrar.leave();
     }
 
