@@ -714,7 +714,7 @@ mod tests {
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         let kept = format!("the pool was formatted on emu:{}, emu:{} and is kept", a.display(), b.display());
         assert!(unusable.0.contains(&kept), "{}", unusable.0);
-        assert_eq!(created.paths(), [b.clone()], "the run did not create b.img");
+        assert_eq!(created.paths(), std::slice::from_ref(&b), "the run did not create b.img");
         drop(created);
         assert!(b.exists(), "b.img, said to be kept, was removed");
     }
