@@ -26,7 +26,8 @@
 //!    the pool. A single call (a join, up to 4 T + 1 s; a rejoin, up to 6 T) is left to the
 //!    queue's bound (`commits_queued_max`, default 1,024 commits), as is the first join's
 //!    rewrite of the manifest (local: every held record and two fsyncs), the queue read
-//!    between the two.
+//!    between the two. A compaction of the manifest (the same work) is followed by a read of
+//!    the queue, and stands for the first join's rewrite when the read after the join made one.
 //!
 //! A failed call is counted, remembered for status, and retried after a backoff (100 ms
 //! doubling to at most 5 s or half the lease); segments wait meanwhile. Every call is bounded
@@ -139,6 +140,9 @@ pub(crate) struct Registrar {
     /// eviction before the first join journals one): rewritten without them at the first
     /// join, once they are deleted ([`Registrar::rewrite_manifest`]).
     stale_journalled: bool,
+    /// Rewrites of the manifest made (compactions, the first join's, a clean stop's): the first
+    /// join's is not made again when the read before it compacted.
+    manifest_rewrites: u64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
     /// Entries of this node may be under a lease a rejoin left (its revoke failed): queued
@@ -192,6 +196,7 @@ impl Registrar {
             fetched,
             previous_lease,
             stale_journalled,
+            manifest_rewrites: 0,
             rejoin_needed: false,
             left_may_hold: false,
             rejoining: false,
@@ -224,8 +229,12 @@ impl Registrar {
                     Err(_) => break,
                 }
             }
-            self.update_local(store, &commits);
+            let compacted = self.update_local(store, &commits);
             commits.clear();
+            if compacted {
+                // Not the compaction and the pass's first call both on the queue alone.
+                self.take_commits(store);
+            }
             if Instant::now() >= self.next_attempt {
                 match self.talk_to_etcd(store, stop) {
                     Ok(()) => {
@@ -344,19 +353,24 @@ impl Registrar {
                     }
                 }
             }
+            let mut compacted = false;
             if !commits.is_empty() {
-                self.update_local(store, commits);
+                compacted = self.update_local(store, commits);
                 commits.clear();
             }
-            if drained != Drained::More {
+            // After a compaction, read again: what came during it is not left to the queue
+            // together with the etcd call that follows.
+            if drained != Drained::More && !compacted {
                 return drained;
             }
         }
         Drained::More
     }
 
-    /// Step 1 (module docs).
-    fn update_local(&mut self, store: &Mutex<StoreState>, commits: &[Committed]) {
+    /// Step 1 (module docs). Whether it compacted the manifest (every held record, then two
+    /// fsyncs: ~38 MB for 125k segments), after which the queue is read again before any etcd
+    /// call, so that the queue alone never covers both.
+    fn update_local(&mut self, store: &Mutex<StoreState>, commits: &[Committed]) -> bool {
         let per_segment = usize::from(self.config.segment_blocks.get());
         let mut added: Vec<(ModelSpace, u32, usize, usize)> = Vec::new();
         {
@@ -412,11 +426,15 @@ impl Registrar {
             let pending = self.to_unregister.len() + self.stale.len();
             if manifest.records() > 2 * (self.held.len() + pending) as u64 + 4096 {
                 // Compaction: the journal outgrew what it describes.
+                let records = manifest.records();
                 self.rewrite_manifest();
+                tracing::debug!(records, "compacted the segment manifest");
+                return true;
             } else if let Err(error) = manifest.flush() {
                 manifest_failed(&mut self.manifest, &self.metrics, error);
             }
         }
+        false
     }
 
     /// Rewrites the manifest with the held segments, the lease last recorded, and a dropped
@@ -429,8 +447,9 @@ impl Registrar {
         let departed = self.to_unregister.iter().chain(&self.stale).filter(|(space, segment)| !held.contains(space, segment.key));
         let result = Manifest::rewrite_keeping(manifest.path(), manifest.segment_blocks(), manifest.lease_id(), held.iter(), departed)
             .map(|fresh| *manifest = fresh);
-        if let Err(error) = result {
-            manifest_failed(&mut self.manifest, &self.metrics, error);
+        match result {
+            Ok(()) => self.manifest_rewrites += 1,
+            Err(error) => manifest_failed(&mut self.manifest, &self.metrics, error),
         }
     }
 
@@ -472,7 +491,7 @@ impl Registrar {
     /// meanwhile, and a commit refused by a full queue is never journalled, so never
     /// registered for the life of the pool. Only a single call (a join, up to 4 T + 1 s; a
     /// rejoin, up to 6 T), or the first join's rewrite of the manifest, is left to the queue's
-    /// bound (`commits_queued_max`).
+    /// bound (`commits_queued_max`): a read that compacted the manifest reads again.
     fn take_commits(&mut self, store: &Mutex<StoreState>) {
         let mut commits = Vec::new();
         // `Drained::More` (over 16,384 queued, past any queue's bound in practice) leaves the
@@ -510,8 +529,11 @@ impl Registrar {
             // 125k segments), so the queue alone covers the join or the rewrite, never both.
             // Joined now, a segment it finds broken is queued for deletion under the new lease
             // and kept as a dropped record by the rewrite.
+            let rewrites = self.manifest_rewrites;
             self.take_commits(store);
-            if std::mem::take(&mut self.stale_journalled) {
+            // A compaction in that read wrote what the rewrite below would (the node set, the
+            // stale entries moved to `to_unregister`): not written again.
+            if std::mem::take(&mut self.stale_journalled) && self.manifest_rewrites == rewrites {
                 // The stale deletes are made, but for those queued (kept by the rewrite as
                 // dropped records until made): the others' dropped records (the start's rewrite
                 // kept them for a successor should this process die first) would have every
@@ -1588,6 +1610,74 @@ mod tests {
         let deletes = subscriber.ran.load(Ordering::Relaxed);
         assert!(registrar.node.is_some(), "not joined after three passes, {deletes} deletes before the join");
         assert_eq!(deletes, 40, "the deletes before the join are the 40 stale at the first read, no more");
+        registrar.leave();
+    }
+
+    /// Pads `registrar`'s manifest with dropped records past the compaction's threshold (for
+    /// at most a few held segments and deletes), so the next local step compacts it.
+    fn outgrow_the_manifest(registrar: &mut Registrar, space: ModelSpace) {
+        let manifest = registrar.manifest.as_mut().unwrap();
+        for n in 0..5000u64 {
+            manifest.dropped(&space, SegmentKey::new(800_000 + n).unwrap()).unwrap();
+        }
+    }
+
+    #[test]
+    fn the_queue_is_read_again_after_a_compaction_of_the_manifest() {
+        // Goal: a compaction (every held record, then two fsyncs) ran in the local step of a
+        // read of the queue, followed straight by an etcd call: the queue alone covered both.
+        // Now a read that compacted reads the queue again.
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let mut registrar = registrar_of(directory.path(), "read-after-compaction", HeldSegments::default(), 0, inbox);
+        let store = Arc::new(store());
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        fill_the_pool(&mut registrar, &store, space);
+        outgrow_the_manifest(&mut registrar, space);
+        let mut step = evicting_commits(&store, sender, space);
+        step();
+        // During the compaction a commit is handed over.
+        let subscriber =
+            Arc::new(AtEachEvent { message: "compacted the segment manifest", step: Mutex::new(step), ran: Default::default() });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.take_commits(&store));
+        assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs one compaction");
+        assert!(registrar.inbox.try_recv().is_err(), "the commit handed over during the compaction was left in the queue");
+        assert_eq!(registrar.held.len(), 4);
+        assert_eq!(registrar.to_unregister.len() + registrar.stale.len(), 2, "the two commits evicted two held segments");
+    }
+
+    #[test]
+    fn a_compaction_in_the_read_after_the_first_join_stands_for_its_rewrite() {
+        // Goal: the read between the first join and its rewrite of the manifest may compact
+        // the manifest, which writes what that rewrite would: the rewrite after it wrote it all
+        // again (every held record, then two fsyncs).
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
+        let mut registrar = registrar_recovered(directory.path(), "compaction-after-join", HeldSegments::default(), stale, 0, inbox);
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+        let store = Arc::new(store());
+        fill_the_pool(&mut registrar, &store, space);
+        outgrow_the_manifest(&mut registrar, space);
+        // During the join a commit evicting a held segment is handed over: the read after the
+        // join compacts.
+        let subscriber = Arc::new(AtEachEvent {
+            message: "joined the cluster",
+            step: Mutex::new(evicting_commits(&store, sender, space)),
+            ran: Default::default(),
+        });
+        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &StopHandle::default())).unwrap();
+        assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs the join");
+        assert_eq!(registrar.manifest_rewrites, 1, "the compaction, then the first join's rewrite of the same");
+        // The compaction's records: the lease, the held segments, the evicted one's delete.
+        assert_eq!(registrar.manifest.as_ref().unwrap().records(), 1 + 4 + 1);
+        let loaded = super::super::manifest::load(&directory.path().join("segments"), registrar.config.segment_blocks).unwrap();
+        assert_eq!(loaded.departed.len(), 1, "the stale segment's delete, made, is dropped; the evicted one's is kept");
         registrar.leave();
     }
 
