@@ -154,6 +154,8 @@ pub struct Manifest {
     /// Records written since the file was last rewritten (compaction is due when they outgrow
     /// twice the held segments and the deletes still to make, plus 4,096).
     records: u64,
+    /// Dropped records the file holds: those its last rewrite kept, and those appended since.
+    dropped_records: u64,
     /// The lease last recorded (0: none), written again by every rewrite.
     lease_id: i64,
     /// Scratch for one record.
@@ -530,6 +532,7 @@ impl Manifest {
         let temporary = temporary_of(path);
         let mut record = Vec::new();
         let mut records = 0;
+        let mut dropped_records = 0;
         {
             // A crash mid-rewrite leaves it; anything else there is refused, never removed.
             if stale_temporary(&temporary)? {
@@ -553,6 +556,7 @@ impl Manifest {
                 dropped_record(&mut record, space, segment.key);
                 writer.write_all(&record).map_err(io_context(&temporary, "writing"))?;
                 records += 1;
+                dropped_records += 1;
             }
             let file = writer.into_inner().map_err(|error| io_context(&temporary, "writing")(error.into_error()))?;
             file.sync_all().map_err(io_context(&temporary, "syncing"))?;
@@ -566,7 +570,7 @@ impl Manifest {
             }
         }
         let file = OpenOptions::new().append(true).open(path).map_err(io_context(path, "opening"))?;
-        Ok(Manifest { path: path.to_owned(), segment_blocks, file: BufWriter::new(file), records, lease_id, record })
+        Ok(Manifest { path: path.to_owned(), segment_blocks, file: BufWriter::new(file), records, dropped_records, lease_id, record })
     }
 
     pub fn path(&self) -> &Path {
@@ -580,6 +584,12 @@ impl Manifest {
     /// Records written since the last rewrite.
     pub fn records(&self) -> u64 {
         self.records
+    }
+
+    /// Dropped records the file holds (kept by its last rewrite, or appended since): with none,
+    /// a rewrite would write what the file already says (its held segments and lease).
+    pub fn dropped_records(&self) -> u64 {
+        self.dropped_records
     }
 
     /// The lease last recorded (0: none).
@@ -609,6 +619,7 @@ impl Manifest {
     pub fn dropped(&mut self, space: &ModelSpace, key: SegmentKey) -> std::io::Result<()> {
         dropped_record(&mut self.record, space, key);
         self.records += 1;
+        self.dropped_records += 1;
         self.file.write_all(&self.record).map_err(io_context(&self.path, "appending to"))
     }
 
