@@ -999,27 +999,33 @@ mod tests {
         // at the end of the slice under way, not at the wait's deadline. Each of Request.wait
         // (`wait_until`), LayerIo.wait (`wait_layer`) and the settling of a request's end
         // (`settle`) waits 1.5 s on another thread while this one takes the lock, sleeping
-        // 1 ms between takings, for 1.15 s: at least 300 takings, the median under 5 ms. Before
-        // (no give-way), each wait let go of the lock and took it again at once, and std's
-        // Mutex, not fair, gave it back to the wait whenever this thread was not running at
-        // that instant: here (give_way removed, 11 runs) 3-244 takings, medians 0.94-544 ms,
-        // the slowest 96-799 ms (and at times the wait ended first); after, 425-555 takings,
-        // medians about 1 ms, the slowest 2-27 ms, also beside the crate's other tests. The
-        // count is what separates them (a taking starved for long leaves time for few); the
-        // median says that most takings wait a slice or so. The slowest alone is not asserted:
-        // a loaded machine may leave this thread unrun for a while.
+        // 1 ms between takings, for 1.15 s: the median taking under 5 ms, and under 100 ms in
+        // all spent in takings of 50 ms or more, in one of three measures at least. Before (no
+        // give-way), each wait let go of the lock and took it again at once, and std's Mutex,
+        // not fair, gave it back to the wait whenever this thread was not running at that
+        // instant: here (give_way removed) 3-438 takings, medians 0.94-544 ms, the slowest
+        // 96-799 ms, 173 ms to 1.3 s in takings of 50 ms or more in all but a few measures; the
+        // test failed 2 runs of 3 (and 4 of 4 with one measure). After: 425-555 takings,
+        // medians about 1 ms, the slowest 2-27 ms; beside three busy loops and other builds
+        // (load average 7-9 on two cores) 272-385 takings, medians up to 2.7 ms, the slowest
+        // 13-47 ms; but in the crate's full run (other tests beside) a measure now and then has
+        // one taking of 150-220 ms: the wait's thread, whose polling yields while it holds the
+        // lock, is left unrun for that long. Hence three measures. The count of takings, which
+        // the sleeps' overrun under load also lowers, overlaps between before and after.
+        let _alone = test_store::timing_alone();
         type Wait = fn(&Request, u64, Instant);
         let waits: [(&str, Wait); 3] = [
             ("Request.wait", |request, _, deadline| drop(request.wait_until(deadline))),
             ("LayerIo.wait", |request, issue, deadline| drop(request.wait_layer(0, issue, deadline))),
             ("the settling of a request's end", |request, _, deadline| request.settle(deadline)),
         ];
-        for (seed, (name, wait)) in (13..).zip(waits) {
+        // One measure: Err says what failed it.
+        let measure = |seed: u32, wait: Wait| -> Result<(), String> {
             let mut state = test_store::local_state(1);
             let handle = test_store::prepare_store(&mut state, seed);
             // The layer completes 3 s after its issue, past the wait's deadline (1.5 s); the
-            // store's drop at the round's end closes it, which waits for the layer (5 s at
-            // most): about 1.5 s more per round.
+            // store's drop at the measure's end closes it, which waits for the layer (5 s at
+            // most): about 1.5 s more per measure.
             let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
             test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
             let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
@@ -1042,11 +1048,27 @@ mod tests {
             took.sort();
             let median = took.get(took.len() / 2).copied().unwrap_or(Duration::MAX);
             let (takings, slowest) = (took.len(), took.last().copied().unwrap_or_default());
-            assert!(
-                takings >= 300 && median < Duration::from_millis(5),
-                "{name}: {takings} takings of the lock in the window, {median:?} the median, the slowest {slowest:?}"
-            );
-            assert!(still_waiting, "{name}: the wait ended before the takings (the layer completes after its deadline)");
+            let starved: Duration = took.iter().filter(|&&taking| taking >= Duration::from_millis(50)).sum();
+            if median >= Duration::from_millis(5) || starved >= Duration::from_millis(100) {
+                return Err(format!(
+                    "{takings} takings of the lock in the window, {median:?} the median, {starved:?} in those of 50 ms or more, \
+                     the slowest {slowest:?}"
+                ));
+            }
+            if !still_waiting {
+                return Err("the wait ended before the takings (the layer completes after its deadline)".into());
+            }
+            Ok(())
+        };
+        for (seed, (name, wait)) in (13..).zip(waits) {
+            let mut failed = Vec::new();
+            while failed.len() < 3 {
+                match measure(seed, wait) {
+                    Ok(()) => break,
+                    Err(failure) => failed.push(failure),
+                }
+            }
+            assert!(failed.len() < 3, "{name}: three measures failed: {failed:?}");
         }
     }
 
@@ -1057,11 +1079,14 @@ mod tests {
         // is back (`locked`), both get the store's lock within a few of a wait's slices, the
         // wait (Request.wait on a layer 3 s late, until its deadline at 2.5 s) giving way to
         // them as to any caller. 40 loans lent and ended during the wait, each taking under
-        // 25 ms (a slice is 2 ms; the rest is room for a loaded machine). Before, neither was
+        // 50 ms (a slice is 2 ms; the rest is room for a loaded machine). Before, neither was
         // counted among the callers waiting for the lock (the loan's end took the lock raw, the
         // parked call took it again inside the condvar's wait), so the wait took it back at
         // once after each slice: here 1-5 of the 40 loans had a taking of 26-265 ms (in 4 runs
-        // of 4); after, none over 3 ms, alone or beside the crate's other tests.
+        // of 4), and 1-6 of 25 over 50 ms (4 runs of 4); after, none over 3 ms, alone or beside
+        // the crate's other tests (one run beside another timing test, before they were kept
+        // apart: 146 ms once).
+        let _alone = test_store::timing_alone();
         let mut state = test_store::local_state(1);
         let handle = test_store::prepare_store(&mut state, 20);
         let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
@@ -1088,7 +1113,7 @@ mod tests {
             shared.end_loan_for_tests(None);
             let returned = Instant::now();
             let called = parked.join().expect("the parked call").saturating_duration_since(returned);
-            let limit = Duration::from_millis(25);
+            let limit = Duration::from_millis(50);
             if returned - asked >= limit || called >= limit {
                 slow.push((returned - asked, called));
             }
@@ -1108,6 +1133,7 @@ mod tests {
         // for the store's lock that does not take it (one not run since it asked), whom each
         // give-way waits for its whole 1 ms. The best of three polls (three requests) is under
         // 2 ms. Before, the poll gave way after each round that ended a layer: 4 ms and more.
+        let _alone = test_store::timing_alone();
         let mut state = test_store::local_state(4);
         let mut polled = Vec::new();
         for seed in 30..33 {

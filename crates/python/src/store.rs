@@ -1217,6 +1217,7 @@ mod tests {
         // slices of 100 ms: a caller taking the lock over 0.8 s never waits 250 ms (one slice
         // plus room for a loaded machine's scheduling). Before, one pass held the lock across
         // every request (4 x 100 ms each time, 400 ms and more).
+        let _alone = crate::backend::test_store::timing_alone();
         let mut state = crate::backend::test_store::local_state(1);
         let handles: Vec<u64> = (1..=4).map(|seed| crate::backend::test_store::prepare_store(&mut state, seed)).collect();
         let late = nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(1500)));

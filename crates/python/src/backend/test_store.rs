@@ -23,6 +23,15 @@ pub fn geometry() -> ModelGeometry {
     ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
 }
 
+/// Taken by the tests that time how long a thread waits for the store's lock, so that they
+/// never run beside each other (cargo runs tests in parallel): each keeps a core busy (a wait
+/// polling in its slices, the controller's threads), and two at once on a two-core machine
+/// leave a woken thread unrun past the 1 ms a give-way waits for it.
+pub fn timing_alone() -> std::sync::MutexGuard<'static, ()> {
+    static TIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TIMING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Every wait of these tests ends by then.
 pub fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(10)
