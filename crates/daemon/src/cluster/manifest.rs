@@ -8,7 +8,8 @@
 //! them again, and rewrites the file with those, and a dropped record for each of the others
 //! (those it lists but the pool lost, and those journalled as dropped: their registrations are
 //! still to delete, below); the registrar's first join, those deletes made, rewrites it with
-//! the held segments alone.
+//! the held segments and, as dropped records, the deletes not yet made (segments found broken
+//! after the first read of the queue that counted the stale ones, or during the join).
 //!
 //! Untrusted input (a file anyone could have changed, or a crash could have cut). What is not a
 //! manifest at all is refused, and left as it is: a path that is not a regular file (a FIFO would

@@ -119,7 +119,10 @@ pub(crate) struct Registrar {
     /// `None` once a write failed (logged and counted; the next start rewrites it).
     manifest: Option<Manifest>,
     node: Option<ClusterNode>,
-    /// Broken segments still registered under the current lease.
+    /// Deletes to make under the current lease: broken segments it may still list, and, from the
+    /// first join, the stale entries found after the first pass's first read (the previous
+    /// process's registrations: `stale`). The join needed the member key absent, so the previous
+    /// main lease was gone by then; a rejoin that clears the queue clears those too.
     to_unregister: Vec<(ModelSpace, Segment)>,
     /// Before the first join: segments the previous process may have registered that this pool
     /// no longer holds (from the manifest, and those evicted since), to delete first (those
@@ -1314,8 +1317,10 @@ mod tests {
         // found broken (queued for deletion) and then held again (waiting to register) within
         // one pass. A registration that went out before the queued delete was undone by it the
         // next pass: A stayed held and counted as registered, gone from the registry (peers
-        // never sent here for it). Now a queued delete goes out before any registration after
-        // it, so etcd sees A's delete, then its put.
+        // never sent here for it). Now a registration drops the queued deletes of its segments
+        // (`superseded`; deletes and registrations take turns, so here A's delete, its turn
+        // first, goes out before its put; `a_segment_broken_and_held_again_keeps_its_registration_
+        // whichever_goes_first` pins either order).
         let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
