@@ -1086,9 +1086,28 @@ mod tests {
         // of 4), and 1-6 of 25 over 50 ms (4 runs of 4); after, none over 3 ms, alone or beside
         // the crate's other tests (one run beside another timing test, before they were kept
         // apart: 146 ms once).
+        // Up to three tries, one of which must have no slow taking: a loaded machine can leave
+        // a thread unscheduled for 100 ms and more in any one try (the wait yields the CPU
+        // holding the lock), while the old code had slow takings in every run measured.
         let _alone = test_store::timing_alone();
+        let mut tries = Vec::new();
+        for seed in [20, 21, 22] {
+            let (loans, slow, still_waiting) = keepalive_loans_during_a_wait(seed);
+            assert!(still_waiting && loans == 40, "the wait ended before the takings ({loans} loans)");
+            if slow.is_empty() {
+                return;
+            }
+            tries.push(slow);
+        }
+        panic!("in each of three tries of 40 loans, these took the lock slowly (the loan's end, the parked call after it): {tries:?}");
+    }
+
+    /// One try of the test above: 40 loans lent and ended while a request waits in its slices;
+    /// returns the loans made, those whose end or parked call took 50 ms or more, and whether
+    /// the wait was still going when they were done.
+    fn keepalive_loans_during_a_wait(seed: u32) -> (usize, Vec<(Duration, Duration)>, bool) {
         let mut state = test_store::local_state(1);
-        let handle = test_store::prepare_store(&mut state, 20);
+        let handle = test_store::prepare_store(&mut state, seed);
         let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
         test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
         state.issue(handle, 0, 1, Direction::Store).expect("issue");
@@ -1121,8 +1140,7 @@ mod tests {
         }
         let still_waiting = !waiting.is_finished();
         waiting.join().expect("the wait");
-        assert!(slow.is_empty(), "of {loans} loans, these took the lock slowly (the loan's end, the parked call after it): {slow:?}");
-        assert!(still_waiting && loans == 40, "the wait ended before the takings ({loans} loans)");
+        (loans, slow, still_waiting)
     }
 
     #[test]
