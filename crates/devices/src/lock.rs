@@ -926,7 +926,7 @@ pub fn file_kind(file_type: std::fs::FileType) -> &'static str {
 const PROC_LOCKS_READS: usize = 5;
 
 /// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks` (its
-/// first 200 characters, control characters escaped: [`printable`]); a sentence saying it could
+/// first 200 characters, control characters escaped: `printable`); a sentence saying it could
 /// not be found otherwise (the holder may have just exited).
 pub fn holder_of(file: &File, proc_root: &Path) -> String {
     let Ok(metadata) = file.metadata() else {
