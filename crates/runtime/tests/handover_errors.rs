@@ -30,7 +30,7 @@ fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
     // `io_timeout` is long beside the call's own work so that the bound below tells the two
     // apart.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
@@ -123,7 +123,7 @@ fn an_executor_error_met_starting_a_read_handed_over_while_waiting_fails_that_re
     // whole `io_timeout` later it failed as `WaitTimeout`, the kept error left for a later call
     // (and forgotten by the `abandon_in_flight` that `WaitTimeout` points the engine at).
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::NoOverlap, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
@@ -159,7 +159,7 @@ fn abort_prefill_fails_a_read_handed_over_with_the_executor_error_met_starting_i
     // executor's error (it is retiring: `Err`), not after a whole `io_timeout` spent waiting
     // for a read hung on the failed executor.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
@@ -211,7 +211,7 @@ fn begin_prefill_refuses_at_once_for_an_executor_error_met_starting_a_forced_wri
     // `WriteQueueFull` ("a forced write timed out") and the executor's error only came with a
     // later call.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let mut config = common::config(PolicyChoice::SlackAware);
         config.io_timeout = io_timeout;
         config.write_queue_limit_stores = 1;
@@ -253,7 +253,7 @@ fn a_drain_fails_at_once_for_an_executor_error_met_starting_a_write_that_hangs()
     // the executor"), the store still queued. Before, it was kept, the write's wait ran a whole
     // `io_timeout`, and only then did the drain's last advance return it.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
