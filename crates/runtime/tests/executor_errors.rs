@@ -325,7 +325,7 @@ fn an_executor_error_met_polling_a_retiring_request_fails_the_read_in_flight() {
     // Here the read's completion is lost, as a stopped worker's would be. `io_timeout` is long
     // beside the call's own work so that the bound below tells the two apart.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         retire_a_read(&mut stack);
         stack.device.set_faults(
@@ -634,7 +634,7 @@ fn an_executor_error_met_reissuing_after_abandon_in_flight_fails_the_read_again_
     // waited a whole `io_timeout` to fail as `WaitTimeout`. `io_timeout` is long beside the
     // call's own work so that the bound below tells the two apart.
     bounded(|| {
-        let io_timeout = Duration::from_secs(2);
+        let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
