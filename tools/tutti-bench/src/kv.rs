@@ -295,7 +295,9 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
 /// refusals (run.rs `lock_input_error`), as tutti pool and tuttid decide it; a failure (1)
 /// otherwise (EIO from the fstat after it).
 fn narrowing_error(error: tutti_devices::DeviceError) -> anyhow::Error {
-    if crate::run::lock_input_error(&error) {
+    // A pool file given to another user while it was locked, which others can open, is refused
+    // as at the lock step (run.rs lock_refusal): unusable input.
+    if matches!(error, tutti_devices::DeviceError::SharedLockFile { .. }) || crate::run::lock_input_error(&error) {
         Unusable(error.to_string()).into()
     } else {
         error.into()
@@ -733,6 +735,11 @@ mod tests {
         assert!(error.downcast_ref::<Unusable>().is_some(), "EPERM made status 1: {error:#}");
         let error = narrowing_error(io(libc::EIO));
         assert!(error.downcast_ref::<Unusable>().is_none(), "EIO made status 2: {error:#}");
+        // A file given to another user meanwhile, others able to open it: refused, 2, as when
+        // the lock step finds it so.
+        let given_away = tutti_devices::DeviceError::SharedLockFile { path: "/pool.img".into(), reason: "owned by uid 1000".into() };
+        let error = narrowing_error(given_away);
+        assert!(error.downcast_ref::<Unusable>().is_some(), "a shared pool file made status 1: {error:#}");
     }
 
     #[test]
