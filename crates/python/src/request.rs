@@ -1024,8 +1024,7 @@ mod tests {
             let mut state = test_store::local_state(1);
             let handle = test_store::prepare_store(&mut state, seed);
             // The layer completes 3 s after its issue, past the wait's deadline (1.5 s); the
-            // store's drop at the measure's end closes it, which waits for the layer (5 s at
-            // most): about 1.5 s more per measure.
+            // measure waits it out after the wait (below).
             let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
             test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
             let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
@@ -1045,6 +1044,13 @@ mod tests {
             }
             let still_waiting = !waiting.is_finished();
             waiting.join().expect("the wait");
+            // The layer's end waited out here (about 1.5 s more): the request's drop then finds
+            // nothing in flight and starts no completion thread, so the store is closed by the
+            // drop below, on this thread, not beside the next measure.
+            request.settle(Instant::now() + Duration::from_secs(5));
+            let store = Arc::downgrade(&shared);
+            drop((request, shared));
+            assert!(store.upgrade().is_none(), "the store outlives its measure (closed on another thread, beside the next)");
             took.sort();
             let median = took.get(took.len() / 2).copied().unwrap_or(Duration::MAX);
             let (takings, slowest) = (took.len(), took.last().copied().unwrap_or_default());
@@ -1140,6 +1146,9 @@ mod tests {
         }
         let still_waiting = !waiting.is_finished();
         waiting.join().expect("the wait");
+        // The layer's end waited out here: the request's drop then starts no completion thread,
+        // so the store is closed on this thread, not beside the next try.
+        request.settle(Instant::now() + Duration::from_secs(5));
         (loans, slow, still_waiting)
     }
 

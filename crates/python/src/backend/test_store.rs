@@ -26,7 +26,10 @@ pub fn geometry() -> ModelGeometry {
 /// Taken by the tests that time how long a thread waits for the store's lock, so that they
 /// never run beside each other (cargo runs tests in parallel): each keeps a core busy (a wait
 /// polling in its slices, the controller's threads), and two at once on a two-core machine
-/// leave a woken thread unrun past the 1 ms a give-way waits for it.
+/// leave a woken thread unrun past the 1 ms a give-way waits for it. Each leaves nothing
+/// running once it lets go of it: no layer in flight at a request's drop (which would start a
+/// completion thread, and the store's close, polling until the layer ends, would run on it
+/// after the test), its own completion thread stopped.
 pub fn timing_alone() -> std::sync::MutexGuard<'static, ()> {
     static TIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     TIMING.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
