@@ -129,10 +129,12 @@ pub(crate) struct Registrar {
     /// found after the first pass's first read: the join moves them to `to_unregister`).
     stale: Vec<(ModelSpace, Segment)>,
     /// `stale[..n]` are the deletes still owed before the first join: what was stale at the
-    /// first `forget_stale`'s first read, less those made (`None` until that read). Kept across
-    /// passes: counted again at each pass, it took in what the previous pass had found broken
-    /// after its first read, so evictions breaking `txn_ops_max` segments per delete held a
-    /// backlog longer than one pass at its size and the node never joined.
+    /// first `forget_stale`'s first read, less those made (`None` until that read, and again
+    /// after a failed join, so the next pass counts what was evicted while the join waited).
+    /// Kept across passes until a join is tried: counted again at each pass, it took in what
+    /// the previous pass had found broken after its first read, so evictions breaking
+    /// `txn_ops_max` segments per delete held a backlog longer than one pass at its size and
+    /// the node never joined.
     stale_owed: Option<usize>,
     /// Fetched segments not registered (`fetched.rs`): a commit's segments among them are not
     /// held nor registered. Locked under the pool's lock.
@@ -521,7 +523,21 @@ impl Registrar {
             // The run loop read the queue before the pass, and `forget_stale` (when called)
             // after its client's drop: only the join is left to the queue's bound.
             let record = MemberRecord { fingerprints: fingerprints.clone(), ..self.record.clone() };
-            let node = ClusterNode::join(self.config.clone(), record)?;
+            let node = match ClusterNode::join(self.config.clone(), record) {
+                Ok(node) => node,
+                Err(error) => {
+                    // The next pass counts the stale entries again: a segment evicted while the
+                    // join waits (NodeIdTaken for up to a TTL after a SIGKILL, the dead
+                    // process's lease alive; or etcd away) may be registered under the previous
+                    // lease, and is deleted before the next join rather than left listed until
+                    // that lease expires. Any failure, not only NodeIdTaken: each means another
+                    // pass before the join, with the same evictions to forget. The count is taken
+                    // again only after the owed deletes were made and a join tried, so a steady
+                    // eviction still cannot keep the node from joining.
+                    self.stale_owed = None;
+                    return Err(error);
+                }
+            };
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
             self.record_lease(node.health().lease_id);
             self.joined_anew();
@@ -663,15 +679,16 @@ impl Registrar {
     }
 
     /// Deletes this node id's entries of the segments stale at the first pass's first read of
-    /// the queue (`stale_owed`; up to [`TRANSACTIONS_PER_PASS`] transactions per pass), before
-    /// the first join and so before any registration of this process: nothing it registers
-    /// itself is deleted. Only while the member key is absent or under the previous process's
-    /// lease: a live process holding the id (another tuttid started with it) keeps its entries,
-    /// and the stale list is dropped (whatever the previous process registered vanishes with its
-    /// lease). Whether those are all deleted, so the pass may join: segments later reads find
-    /// broken wait in `stale` behind them, and the join queues them for deletion under its
-    /// lease. Deleting them here too let a busy node (a commit evicting a held segment per etcd
-    /// round trip) spend every pass on deletes and never join.
+    /// the queue (since the last failed join: `stale_owed`; up to [`TRANSACTIONS_PER_PASS`]
+    /// transactions per pass), before the first join and so before any registration of this
+    /// process: nothing it registers itself is deleted. Only while the member key is absent or
+    /// under the previous process's lease: a live process holding the id (another tuttid
+    /// started with it) keeps its entries, and the stale list is dropped (whatever the previous
+    /// process registered vanishes with its lease). Whether those are all deleted, so the pass
+    /// may join: segments later reads find broken wait in `stale` behind them, and the join
+    /// queues them for deletion under its lease. Deleting them here too let a busy node (a
+    /// commit evicting a held segment per etcd round trip) spend every pass on deletes and never
+    /// join.
     fn forget_stale(&mut self, store: &Mutex<StoreState>, stop: &StopHandle) -> Result<bool, ClusterError> {
         if self.stale_owed == Some(0) {
             return Ok(true);
@@ -1620,6 +1637,58 @@ mod tests {
         assert!(registrar.node.is_some(), "not joined after three passes, {deletes} deletes before the join");
         assert_eq!(deletes, 40, "the deletes before the join are the 40 stale at the first read, no more");
         registrar.leave();
+    }
+
+    #[test]
+    fn a_segment_evicted_while_the_old_lease_holds_the_id_is_forgotten_before_the_next_join() {
+        // Goal: a restart after a SIGKILL, the dead process's lease L0 alive: the first pass
+        // deletes the stale entries, then its join fails (NodeIdTaken) until L0 expires, up to a
+        // TTL. A held segment (registered under L0) evicted meanwhile was stale, but its delete
+        // was owed only at the first pass's count: later passes, owing none, went straight to the
+        // join, and the entry stayed listed (peers sent here, refused) until L0 expired. Now a
+        // failed join lets the next pass count the stale entries again.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let cluster = "evicted-while-taken";
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let segment = |key: u64| Segment { index: 0, key: SegmentKey::new(key).unwrap() };
+        // The dead process, as etcd still sees it: node "a" under L0, with the four segments
+        // `fill_the_pool` holds and one the pool no longer holds.
+        let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(cluster).unwrap(), SegmentBlocks::new(16).unwrap());
+        config.request_timeout = Duration::from_secs(1);
+        let record =
+            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let dead = ClusterNode::join(config.clone(), record).unwrap();
+        let old_lease = dead.health().lease_id;
+        let stale_key = 999_999;
+        dead.register(&space, &[116, 216, 316, 416, stale_key].map(segment)).unwrap();
+        let listed = |key: u64| dead.lookup(&space, &[segment(key)]).unwrap().holders.concat().contains(&NodeId::new("a").unwrap());
+
+        let directory = tempfile::tempdir().unwrap();
+        let (sender, inbox) = std::sync::mpsc::sync_channel(4);
+        let mut registrar =
+            registrar_recovered(directory.path(), cluster, HeldSegments::default(), vec![(space, segment(stale_key))], old_lease, inbox);
+        registrar.config = config;
+        let store = Arc::new(store());
+        fill_the_pool(&mut registrar, &store, space);
+        let stop = StopHandle::default();
+        // Pass 1: the stale entry is deleted (the member key is under L0, the manifest's
+        // lease), then the join is refused.
+        let error = registrar.talk_to_etcd(&store, &stop).unwrap_err();
+        assert!(matches!(error, ClusterError::NodeIdTaken { lease_id, .. } if lease_id == old_lease), "{error}");
+        assert!(!listed(stale_key), "the test needs the first pass's delete");
+        // A commit evicts a held segment (prompt 1, the least recently used: key 116).
+        evicting_commits(&store, sender, space)();
+        assert!(lock(&store).control.pool().index().get(116).is_none(), "the test needs 116 evicted");
+        // The run loop's read before the pass.
+        registrar.take_commits(&store);
+        assert_eq!(registrar.stale, [(space, segment(116))], "the test needs 116 stale");
+        // Pass 2: L0 still holds the id, so the join is refused again; the evicted segment's
+        // entry, under L0, was deleted before it.
+        let error = registrar.talk_to_etcd(&store, &stop).unwrap_err();
+        assert!(matches!(error, ClusterError::NodeIdTaken { .. }), "{error}");
+        assert!(!listed(116), "a segment evicted while the join waited for the old lease is still listed under it");
+        assert!(listed(216), "a held segment's entry was deleted");
+        dead.leave();
     }
 
     /// Pads `registrar`'s manifest with dropped records past the compaction's threshold (for
