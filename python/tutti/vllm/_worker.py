@@ -287,8 +287,9 @@ class WorkerSide:
         ping under way (the close waits for it); the first that runs out leaves the connection
         unusable, so the later ones fail at once. With a stalled device and tuttid the call may
         thus take up to about 3 x timeout_s + 5 s. A slow tuttid, not stalled (each answer just
-        within timeout_s), leaves the connection usable: each settled request's finish may then
-        take up to timeout_s on top, one per request preempted."""
+        within timeout_s), leaves the connection usable: each settled load's or save's finish
+        may then take up to timeout_s on top, one per load or save settled (a request preempted
+        while loading and saving has both: up to two)."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
