@@ -143,10 +143,11 @@ pub(crate) struct Registrar {
     previous_lease: i64,
     /// The manifest holds dropped records of `stale` (the start's rewrite keeps them, and an
     /// eviction before the first join journals one): rewritten without them at the first
-    /// join, once they are deleted ([`Registrar::rewrite_manifest`]).
+    /// join, once they are deleted ([`Registrar::rewrite_manifest`]), or by a compaction in the
+    /// read of the queue just after the join, which then stands in for that rewrite.
     stale_journalled: bool,
     /// Rewrites of the manifest made (compactions, the first join's, a clean stop's): the first
-    /// join's is not made again when the read before it compacted.
+    /// join's is not made again when the read between the join and it compacted.
     manifest_rewrites: u64,
     /// The unregister queue overflowed: rejoin rather than unregister one by one.
     rejoin_needed: bool,
