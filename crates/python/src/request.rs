@@ -1012,6 +1012,10 @@ mod tests {
         // one taking of 150-220 ms: the wait's thread, whose polling yields while it holds the
         // lock, is left unrun for that long. Hence three measures. The count of takings, which
         // the sleeps' overrun under load also lowers, overlaps between before and after.
+        // A smoke test, then, not a guard: with give_way removed it still passes about one run
+        // in three. That the callers asking for the lock are counted (whom give_way waits for)
+        // is pinned deterministically in store.rs's tests (`..._is_counted_...`: the keep-alive
+        // loan's end, a call parked for the connection, the completion thread after its sleep).
         let _alone = test_store::timing_alone();
         type Wait = fn(&Request, u64, Instant);
         let waits: [(&str, Wait); 3] = [
@@ -1076,80 +1080,6 @@ mod tests {
             }
             assert!(failed.len() < 3, "{name}: three measures failed: {failed:?}");
         }
-    }
-
-    #[test]
-    fn the_keepalive_pings_return_and_a_call_waiting_for_it_get_the_lock_between_a_waits_slices() {
-        // Goal: the end of the keep-alive ping's loan (`end_loan`, taking the store's lock to
-        // put the connection back) and a call that talks to tuttid, parked until the connection
-        // is back (`locked`), both get the store's lock within a few of a wait's slices, the
-        // wait (Request.wait on a layer 3 s late, until its deadline at 2.5 s) giving way to
-        // them as to any caller. 40 loans lent and ended during the wait, each taking under
-        // 50 ms (a slice is 2 ms; the rest is room for a loaded machine). Before, neither was
-        // counted among the callers waiting for the lock (the loan's end took the lock raw, the
-        // parked call took it again inside the condvar's wait), so the wait took it back at
-        // once after each slice: here 1-5 of the 40 loans had a taking of 26-265 ms (in 4 runs
-        // of 4), and 1-6 of 25 over 50 ms (4 runs of 4); after, none over 3 ms, alone or beside
-        // the crate's other tests (one run beside another timing test, before they were kept
-        // apart: 146 ms once).
-        // Up to three tries, one of which must have no slow taking: a loaded machine can leave
-        // a thread unscheduled for 100 ms and more in any one try (the wait yields the CPU
-        // holding the lock), while the old code had slow takings in every run measured.
-        let _alone = test_store::timing_alone();
-        let mut tries = Vec::new();
-        for seed in [20, 21, 22] {
-            let (loans, slow, still_waiting) = keepalive_loans_during_a_wait(seed);
-            assert!(still_waiting && loans == 40, "the wait ended before the takings ({loans} loans)");
-            if slow.is_empty() {
-                return;
-            }
-            tries.push(slow);
-        }
-        panic!("in each of three tries of 40 loans, these took the lock slowly (the loan's end, the parked call after it): {tries:?}");
-    }
-
-    /// One try of the test above: 40 loans lent and ended while a request waits in its slices;
-    /// returns the loans made, those whose end or parked call took 50 ms or more, and whether
-    /// the wait was still going when they were done.
-    fn keepalive_loans_during_a_wait(seed: u32) -> (usize, Vec<(Duration, Duration)>, bool) {
-        let mut state = test_store::local_state(1);
-        let handle = test_store::prepare_store(&mut state, seed);
-        let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(3)));
-        test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
-        state.issue(handle, 0, 1, Direction::Store).expect("issue");
-        // A short store timeout: the request's drop at the end settles for no longer; a parked
-        // call waits up to it and a second for the connection.
-        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_millis(50));
-        let request = Arc::new(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
-        let waiter = Arc::clone(&request);
-        let deadline = Instant::now() + Duration::from_millis(2500);
-        let waiting = std::thread::spawn(move || drop(waiter.wait_until(deadline)));
-        std::thread::sleep(Duration::from_millis(20)); // the wait is in its slices
-        let (mut loans, mut slow) = (0, Vec::new());
-        while loans < 40 && Instant::now() + Duration::from_millis(300) < deadline {
-            shared.lock().expect("the store's lock").connection_lent = Some(0); // as the ping lends it
-            let caller = Arc::clone(&shared);
-            let parked = std::thread::spawn(move || {
-                caller.locked(|_| ()).expect("the connection back within the store's timeout and a second");
-                Instant::now()
-            });
-            std::thread::sleep(Duration::from_millis(10)); // the call parked
-            let asked = Instant::now();
-            shared.end_loan_for_tests(None);
-            let returned = Instant::now();
-            let called = parked.join().expect("the parked call").saturating_duration_since(returned);
-            let limit = Duration::from_millis(50);
-            if returned - asked >= limit || called >= limit {
-                slow.push((returned - asked, called));
-            }
-            loans += 1;
-        }
-        let still_waiting = !waiting.is_finished();
-        waiting.join().expect("the wait");
-        // The layer's end waited out here: the request's drop then starts no completion thread,
-        // so the store is closed on this thread, not beside the next try.
-        request.settle(Instant::now() + Duration::from_secs(5));
-        (loans, slow, still_waiting)
     }
 
     #[test]

@@ -1289,6 +1289,112 @@ mod tests {
         StoreShared::for_tests(state, crate::backend::test_store::geometry(), 1, timeout)
     }
 
+    /// Polls (5 s at most) until one caller is counted as waiting for the store's lock.
+    fn one_counted_waiting(shared: &StoreShared) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if shared.waiting_for_lock() == 1 {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    #[test]
+    fn the_end_of_a_keepalive_loan_is_counted_while_it_waits_for_the_stores_lock() {
+        // Goal: the end of the keep-alive ping's loan (`end_loan`) takes the store's lock
+        // counted among the callers waiting for it, so a wait slicing meanwhile gives way to it
+        // (`give_way`). This test holds the lock while the loan ends on another thread: it is
+        // counted within 5 s. Before (358a832), it took the lock raw: never counted (seen
+        // failing with `self.state.lock()` in its place).
+        let shared = attached_for_tests(Client::detached("the store's own connection").unwrap(), Duration::from_secs(2));
+        let mut held = shared.lock().unwrap();
+        held.connection_lent = Some(0); // as the ping lends it
+        let ender = Arc::clone(&shared);
+        let ending = std::thread::spawn(move || ender.end_loan_for_tests(None));
+        let counted = one_counted_waiting(&shared);
+        drop(held);
+        ending.join().expect("the loan's end");
+        assert!(counted, "the loan's end waited for the store's lock uncounted");
+        assert!(shared.lock().unwrap().connection_lent.is_none(), "the loan ended");
+    }
+
+    #[test]
+    fn a_call_parked_for_the_lent_connection_is_counted_when_it_takes_the_lock_again() {
+        // Goal: a call that talks to tuttid, parked while the keep-alive ping has the store's
+        // connection (`lock_with_connection`), takes the store's lock again, once woken by the
+        // connection's return, counted among the callers waiting for it. This test parks one
+        // (100 ms for it to park), then, holding the lock, ends the loan and wakes it: it is
+        // counted within 5 s. Before (358a832), it slept on a Condvar of the store's mutex,
+        // which took the lock again inside std, uncounted (seen failing with a raw
+        // `self.state.lock()` after the sleep).
+        let shared = attached_for_tests(Client::detached("the store's own connection").unwrap(), Duration::from_secs(2));
+        shared.lock().unwrap().connection_lent = Some(0); // as the ping lends it
+        let caller = Arc::clone(&shared);
+        let parked = std::thread::spawn(move || caller.locked(|_| ()));
+        std::thread::sleep(Duration::from_millis(100)); // the call parked
+        let mut held = shared.lock().unwrap();
+        held.connection_lent = None; // as `end_loan` does, which wakes it after
+        shared.connection_back.notify();
+        let counted = one_counted_waiting(&shared);
+        drop(held);
+        let called = parked.join().expect("the parked call");
+        assert!(counted, "the parked call took the store's lock again uncounted");
+        assert_eq!(called, Ok(()));
+    }
+
+    #[test]
+    fn the_completion_thread_is_counted_when_it_takes_the_lock_after_its_idle_sleep() {
+        // Goal: the completion thread, woken from its idle sleep (`run_service`), takes the
+        // store's lock again counted among the callers waiting for it, so a wait slicing
+        // meanwhile gives way to it. Idle (nothing armed), it sleeps up to 500 ms; this test,
+        // holding the lock, wakes it: it is counted within 5 s. Before (358a832), it slept on
+        // a Condvar of the store's mutex, which took the lock again inside std, uncounted
+        // (seen failing with a raw `state.lock()` after the sleep).
+        let shared = attached_for_tests(Client::detached("the store's own connection").unwrap(), Duration::from_secs(2));
+        let weak = Arc::downgrade(&shared);
+        let service = std::thread::spawn(move || run_service(weak, Duration::from_millis(1)));
+        *shared.service.lock().unwrap() = Some(service);
+        std::thread::sleep(Duration::from_millis(100)); // in its idle sleep
+        let held = shared.lock().unwrap();
+        shared.wake();
+        let counted = one_counted_waiting(&shared);
+        drop(held);
+        shared.stop_service();
+        assert!(counted, "the completion thread took the store's lock again uncounted");
+    }
+
+    #[test]
+    fn a_signal_given_after_the_count_was_seen_ends_the_sleep_at_once() {
+        // Goal: `Signal::wait_past` sleeps until the count differs from the one the sleeper
+        // saw under the store's lock, not from the one at the start of its sleep: a signal
+        // given between the two (the store's lock let go, the sleep not begun) ends it at once,
+        // not at its bound. Without a signal it sleeps its whole bound; a signal from another
+        // thread during the sleep ends it. Seen failing with the count read again in
+        // `wait_past` (the first sleep took its 5 s).
+        let signal = Signal::new();
+        let seen = signal.seen();
+        signal.notify();
+        let asked = Instant::now();
+        signal.wait_past(seen, Duration::from_secs(5));
+        assert!(asked.elapsed() < Duration::from_secs(1), "slept {:?} through a signal given before", asked.elapsed());
+        let asked = Instant::now();
+        signal.wait_past(signal.seen(), Duration::from_millis(200));
+        assert!(asked.elapsed() >= Duration::from_millis(200), "woke after {:?} with no signal", asked.elapsed());
+        let signal = Arc::new(signal);
+        let seen = signal.seen();
+        let signaller = Arc::clone(&signal);
+        let signalling = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            signaller.notify();
+        });
+        let asked = Instant::now();
+        signal.wait_past(seen, Duration::from_secs(5));
+        signalling.join().unwrap();
+        assert!(asked.elapsed() < Duration::from_secs(2), "slept {:?} through a signal given during the sleep", asked.elapsed());
+    }
+
     #[test]
     fn a_keepalive_ping_that_panics_with_the_connection_does_not_leave_it_lent() {
         // Goal: the keep-alive ping has the store's connection without the lock; should it
