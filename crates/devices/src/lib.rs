@@ -99,6 +99,14 @@ pub enum DeviceError {
     BringUp { spec: String, source: nvme_driver::NvmeError },
     #[error("{spec} is in use by another process: {lock} is held by {holder}")]
     DeviceInUse { spec: String, lock: std::path::PathBuf, holder: String },
+    /// The file an `emu:`/`uring:` device serves is not the one its lock is on: its path was
+    /// renamed over or relinked between the lock and the open ([`DeviceLocks::check_opened`]).
+    #[error(
+        "{spec}: {} was replaced while it was being opened (renamed or linked over after it was locked): the file \
+         opened is not the one locked, and another process could lock and use it too; open it again",
+        path.display()
+    )]
+    ReplacedWhileOpening { spec: String, path: std::path::PathBuf },
     #[error("{path}: {reason}")]
     SharedLockFile { path: std::path::PathBuf, reason: String },
     /// A device's file (or a `vfio:` lock file) that could not be opened to lock it;

@@ -303,6 +303,33 @@ impl DeviceLocks {
         Ok(locks)
     }
 
+    /// Refuses ([`DeviceError::ReplacedWhileOpening`]) an `emu:PATH` or `uring:PATH` device
+    /// whose opened file (`opened`: its device and inode, e.g. [`crate::OpenedDevice::backing_file`])
+    /// is not the file this set locked at PATH: the device is opened by its path after the lock
+    /// was taken, and a rename or link over PATH in between would leave the lock (and the
+    /// narrowing of its mode) on one file while another is served, which a second user could
+    /// lock and serve too. For the caller to call right after opening, before any I/O. A spec
+    /// this set holds no lock for (another kind, a file locked elsewhere), or `opened` None
+    /// (nothing was opened by path), passes.
+    pub fn check_opened(&self, spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DeviceError> {
+        let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
+        let Some(opened) = opened else { return Ok(()) };
+        // One path may be locked twice in a set grown by `extend` (a file locked again after
+        // another was put in its place): the file opened must be one of them.
+        let mut refusal = Ok(());
+        for (_, held) in self.held.iter().filter(|(held, _)| held == path) {
+            let locked = held
+                .file()
+                .metadata()
+                .map_err(|source| DeviceError::Io { context: format!("examining the locked {}", path.display()), source })?;
+            refusal = refuse_replaced(spec, (locked.dev(), locked.ino()), opened);
+            if refusal.is_ok() {
+                return Ok(());
+            }
+        }
+        refusal
+    }
+
     /// Holds `other`'s locks as long as this set's, as one set: its pool files still to narrow
     /// are narrowed (or put back) by this set's [`DeviceLocks::narrow_pool_files`] together with
     /// this set's, and what it narrowed already is this set's to tell.
@@ -512,6 +539,18 @@ impl DeviceLocks {
 
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
+    }
+}
+
+/// [`DeviceLocks::check_opened`]'s comparison, for a caller that holds a lock of its own on a
+/// file it made (tutti-bench's created files): `locked` and `opened` are device and inode. A
+/// spec that is not `emu:PATH` or `uring:PATH` passes.
+pub fn refuse_replaced(spec: &DeviceSpec, locked: (u64, u64), opened: (u64, u64)) -> Result<(), DeviceError> {
+    match spec {
+        DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) if locked != opened => {
+            Err(DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() })
+        }
+        _ => Ok(()),
     }
 }
 
@@ -1101,6 +1140,44 @@ fn has_open(proc_root: &Path, pid: u32, own_path: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_file_replaced_between_lock_and_open_is_refused() {
+        // Goal: the software controller opens an emu: file by its path after the lock was taken
+        // on it; a rename and copy over the path in between (`mv p.img moved.img; cp -p
+        // moved.img p.img`) had it serve the new, unlocked file while the lock (and the mode
+        // narrowing) stayed on the old one, so a second tuttid could lock and serve the file
+        // too. The opened file is compared with the locked one and refused, naming the path;
+        // a file left in place passes, and so do uring: files compared the same way.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("p.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let spec = DeviceSpec::parse(&format!("emu:{}", path.display()), &crate::DeviceKind::ALL).unwrap();
+        let emu = crate::open::EmuOptions::default();
+        let locks = DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap();
+        let opened = crate::open_in_one_space(std::slice::from_ref(&spec), &emu).unwrap();
+        assert!(opened[0].backing_file().is_some());
+        locks.check_opened(&spec, opened[0].backing_file()).expect("the file locked is the file opened");
+        drop(opened);
+        let moved = directory.path().join("moved.img");
+        std::fs::rename(&path, &moved).unwrap();
+        std::fs::copy(&moved, &path).unwrap();
+        let opened = crate::open_in_one_space(std::slice::from_ref(&spec), &emu).unwrap();
+        let error = locks.check_opened(&spec, opened[0].backing_file()).unwrap_err();
+        assert!(matches!(&error, DeviceError::ReplacedWhileOpening { path: named, .. } if *named == path), "{error:?}");
+        let text = error.to_string();
+        assert!(text.contains(&path.display().to_string()) && text.contains("replaced while it was being opened"), "{text}");
+        // uring: (tutti-bench opens it itself): the same comparison, on what it opened.
+        drop(opened);
+        let kernel = DeviceSpec::parse(&format!("uring:{}", path.display()), &crate::DeviceKind::ALL).unwrap();
+        let kernel_locks = DeviceLocks::acquire(std::slice::from_ref(&kernel), directory.path(), false).unwrap();
+        let id = |path: &Path| std::fs::metadata(path).map(|metadata| (metadata.dev(), metadata.ino())).ok();
+        kernel_locks.check_opened(&kernel, id(&path)).expect("the same file");
+        assert!(matches!(kernel_locks.check_opened(&kernel, id(&moved)), Err(DeviceError::ReplacedWhileOpening { .. })));
+        // Nothing opened by path, or a device this set holds no lock for: nothing to compare.
+        locks.check_opened(&spec, None).unwrap();
+        DeviceLocks::default().check_opened(&spec, id(&moved)).unwrap();
+    }
 
     #[test]
     fn proc_locks_lines_are_parsed_and_waiters_skipped() {

@@ -25,6 +25,14 @@ pub struct OpenedDevice {
     pub emulator: Option<Arc<EmuDevice>>,
 }
 
+impl OpenedDevice {
+    /// The device and inode of the file a software controller serves (`None`: no file), for
+    /// [`crate::DeviceLocks::check_opened`].
+    pub fn backing_file(&self) -> Option<(u64, u64)> {
+        self.emulator.as_ref().and_then(|emulator| emulator.backing_file())
+    }
+}
+
 /// How software controllers are started.
 #[derive(Debug, Clone, Default)]
 pub struct EmuOptions {
@@ -121,6 +129,8 @@ pub fn pool_emu_options(lba_bytes: u32, create_bytes: Option<u64>) -> EmuOptions
 pub struct PoolDevice {
     pub spec: DeviceSpec,
     pub controller: Arc<Controller>,
+    /// [`OpenedDevice::backing_file`], for [`crate::DeviceLocks::check_opened`].
+    pub backing_file: Option<(u64, u64)>,
 }
 
 /// Opens `specs` in one DMA space ([`open_in_one_space`]) with [`pool_emu_options`] and brings
@@ -132,9 +142,10 @@ pub fn open_pool_devices(specs: &[DeviceSpec], lba_bytes: u32, create_bytes: Opt
     let opened = open_in_one_space(specs, &pool_emu_options(lba_bytes, create_bytes))?;
     let mut devices = Vec::with_capacity(opened.len());
     for device in opened {
+        let backing_file = device.backing_file();
         let controller = Controller::init(device.backend, ControllerConfig::default())
             .map_err(|source| DeviceError::BringUp { spec: device.spec.to_string(), source })?;
-        devices.push(PoolDevice { spec: device.spec, controller: Arc::new(controller) });
+        devices.push(PoolDevice { spec: device.spec, controller: Arc::new(controller), backing_file });
     }
     Ok(devices)
 }

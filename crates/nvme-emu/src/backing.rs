@@ -14,7 +14,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
 use std::os::fd::{AsRawFd, RawFd};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::config::Backing;
@@ -50,6 +50,9 @@ pub(crate) enum Store {
 pub(crate) struct FileStore {
     path: PathBuf,
     buffered: File,
+    /// The file both descriptors are open on: device and inode (`fstat` of `buffered`), for a
+    /// caller that locked the path to check it serves the file it locked ([`Store::file_identity`]).
+    identity: (u64, u64),
     direct: Option<File>,
     size_bytes: u64,
     /// Why every access is refused, while it is (see the module documentation).
@@ -68,6 +71,9 @@ pub(crate) struct FileStore {
     #[cfg(test)]
     zeroes_written_bytes: u64,
 }
+
+/// Why a file store is refused whose path named another file at its second open.
+const REPLACED_WHILE_OPENING: &str = "the file was replaced (renamed or linked over) while it was being opened; open it again";
 
 fn open_error(path: &Path) -> impl FnOnce(io::Error) -> EmuError + '_ {
     move |source| EmuError::Backing { path: path.to_path_buf(), source }
@@ -121,6 +127,14 @@ impl Store {
 
     pub(crate) fn is_file(&self) -> bool {
         matches!(self, Store::File(_))
+    }
+
+    /// The device and inode of a file store's file; `None` for memory.
+    pub(crate) fn file_identity(&self) -> Option<(u64, u64)> {
+        match self {
+            Store::File(file) => Some(file.identity),
+            Store::Memory(_) | Store::Null { .. } => None,
+        }
     }
 
     /// Whether this is a file store without an `O_DIRECT` descriptor (the filesystem refused
@@ -336,8 +350,20 @@ impl FileStore {
                 size_bytes = wanted;
             }
         }
+        let metadata = buffered.metadata().map_err(open_error(path))?;
+        let identity = (metadata.dev(), metadata.ino());
+        // The path is looked up a second time: a file renamed or linked into its place between
+        // the two opens would be served by half the descriptors (aligned transfers to one file,
+        // the rest to the other). Refused; the caller's check against the file it locked
+        // (tutti-devices' `DeviceLocks::check_opened`) reads the identity of `buffered`.
         let direct = match OpenOptions::new().read(true).write(true).custom_flags(libc::O_DIRECT).open(path) {
-            Ok(file) => Some(file),
+            Ok(file) => {
+                let reopened = file.metadata().map_err(open_error(path))?;
+                if (reopened.dev(), reopened.ino()) != identity {
+                    return Err(EmuError::Backing { path: path.to_path_buf(), source: io::Error::other(REPLACED_WHILE_OPENING) });
+                }
+                Some(file)
+            }
             Err(error) => {
                 // Once per device: tmpfs and some FUSE filesystems refuse O_DIRECT.
                 tracing::warn!(path = %path.display(), %error, "O_DIRECT refused; using buffered pread/pwrite (the page cache, not the disk, serves I/O)");
@@ -347,6 +373,7 @@ impl FileStore {
         Ok(Self {
             path: path.to_path_buf(),
             buffered,
+            identity,
             direct,
             size_bytes,
             fence: None,

@@ -428,6 +428,10 @@ impl ControllerCore {
         self.store.describe()
     }
 
+    pub(crate) fn store_file_identity(&self) -> Option<(u64, u64)> {
+        self.store.file_identity()
+    }
+
     pub(crate) fn store_is_buffered_file(&self) -> bool {
         self.store.is_buffered_file()
     }

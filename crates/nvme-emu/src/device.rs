@@ -263,6 +263,14 @@ impl EmuDevice {
         self.shared.core().set_faults(plan);
     }
 
+    /// The device and inode (`st_dev`, `st_ino`) of the file the backing store is open on;
+    /// `None` for memory. A caller that locked the path before starting the controller compares
+    /// it with the file it locked: the path is looked up again here, and may name another file
+    /// by then.
+    pub fn backing_file(&self) -> Option<(u64, u64)> {
+        self.shared.core().store_file_identity()
+    }
+
     /// Whether the backing store is a file the controller reads and writes through the page
     /// cache, because its filesystem refused `O_DIRECT` (tmpfs before Linux 6.6, some FUSE
     /// filesystems): its figures are then memory's, not a disk's.

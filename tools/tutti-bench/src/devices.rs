@@ -169,7 +169,8 @@ pub struct CreatedFiles {
     keep: bool,
     locks: Vec<nix::fcntl::Flock<std::fs::File>>,
     /// The files the run's lock step (run.rs `lock_devices`) holds locked, as their specs name
-    /// them, and its temporary pool ([`CreatedFiles::hold`]), each with the file it was then
+    /// them, its temporary pool ([`CreatedFiles::hold`]) and the files [`prepare_file`] created
+    /// (locked as it made them), each with the file it was then
     /// (device, inode; None if it could not be examined): [`prepare_file`] does not lock those
     /// again (a second lock of this process's own would be refused as in use) while that file
     /// is still the one at the path.
@@ -221,6 +222,25 @@ impl CreatedFiles {
     fn holds(&self, path: &Path) -> bool {
         let now = file_id(path);
         now.is_some() && self.held.iter().any(|(held, id)| held == path && *id == now)
+    }
+
+    /// Refuses (`tutti_devices::DeviceError::ReplacedWhileOpening`, exit status 2) an `emu:` or
+    /// `uring:` device whose file, opened by its path (`opened`: device and inode), is not the
+    /// file the run locked at that path: one renamed or linked over it between the lock and the
+    /// open is another file, unlocked, that another process could lock and use too. Against
+    /// the run's device locks where they hold the path, else the file the run created there.
+    pub fn check_opened(&self, spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DeviceError> {
+        let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
+        let Some(opened) = opened else { return Ok(()) };
+        if self.device_locks.paths().any(|held| held == path) {
+            return Ok(self.device_locks.check_opened(spec, Some(opened))?);
+        }
+        // Made by this run ([`prepare_file`], [`CreatedFiles::hold`]): compared with the file it
+        // made, examined on the descriptor that made it.
+        match self.held.iter().find(|(held, _)| held == path) {
+            Some((_, Some(locked))) => Ok(tutti_devices::lock::refuse_replaced(spec, *locked, opened)?),
+            _ => Ok(()),
+        }
     }
 
     pub fn push(&mut self, path: PathBuf) {
@@ -341,13 +361,16 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
     match spec {
         DeviceSpec::Uring(path) => {
             prepare_file(spec, options, created)?;
-            Ok(Arc::new(crate::uring::UringDevice::open(path, options.writes)?))
+            let device = crate::uring::UringDevice::open(path, options.writes)?;
+            created.check_opened(spec, Some(device.file_id()))?;
+            Ok(Arc::new(device))
         }
         _ => {
             prepare_file(spec, options, created)?;
             let emu = EmuOptions { config: emu_config(options), create_bytes: None };
             let opened = open_in_one_space(std::slice::from_ref(spec), &emu)?;
             let device = opened.into_iter().next().ok_or_else(|| DeviceError::Setup(format!("{spec}: nothing was opened")))?;
+            created.check_opened(spec, device.backing_file())?;
             Ok(Arc::new(NvmeDevice::init(device, options)?))
         }
     }
@@ -519,6 +542,9 @@ pub fn prepare_file(spec: &DeviceSpec, options: OpenOptions2, created: &mut Crea
         Err(source) => return Err(io_error("cannot create", source)),
     };
     created.push(path.to_path_buf());
+    // The file made, for [`CreatedFiles::check_opened`] (and not locked again by this run).
+    let made = file.metadata().map_err(|source| io_error("cannot examine", source))?;
+    created.held.push((path.to_path_buf(), Some((made.dev(), made.ino()))));
     // Removed on Ctrl-C too, as a failed run removes it; until the run has succeeded.
     crate::uring::remove_on_interrupt(path);
     // The run's device locks (run.rs lock_devices) were taken before it existed: lock it as they
@@ -959,6 +985,7 @@ pub fn open_controllers(specs: &[DeviceSpec], options: OpenOptions2, created: &m
     let emu = EmuOptions { config: emu_config(options), create_bytes: None };
     let mut controllers = Vec::with_capacity(specs.len());
     for device in open_in_one_space(specs, &emu)? {
+        created.check_opened(&device.spec, device.backing_file())?;
         let name = device.backend.name();
         let controller =
             Controller::init(device.backend, ControllerConfig::default()).map_err(|source| DeviceError::Nvme { device: name, source })?;
@@ -1057,6 +1084,57 @@ mod tests {
         let mut created = CreatedFiles::default();
         created.note_held(locks.paths());
         prepare_file(&spec, options, &mut created).expect("a file the run holds");
+        created.keep_after_success();
+    }
+
+    #[test]
+    fn a_file_replaced_between_its_lock_and_its_open_is_refused() {
+        // Goal: the device is opened by its path after the run locked it (its lock step, or
+        // prepare_file as it created it); a file renamed or copied over the path in between
+        // (`mv p.img moved.img; cp -p moved.img p.img`) was served unlocked, and another run or
+        // tuttid could lock and use it too. Refused (exit 2), naming the path; a file left in
+        // place opens.
+        let directory = tempfile::tempdir().unwrap();
+        let swap = |path: &Path| {
+            let moved = path.with_extension("moved");
+            std::fs::rename(path, &moved).unwrap();
+            std::fs::copy(&moved, path).unwrap();
+        };
+        let id = |path: &Path| file_id(path).unwrap();
+        let replaced = |error: DeviceError, path: &Path| {
+            assert!(
+                matches!(&error, DeviceError::Spec(tutti_devices::DeviceError::ReplacedWhileOpening { path: named, .. }) if named == path),
+                "{error:?}"
+            );
+            let error = open_error(error, "the devices");
+            let unusable = error.downcast_ref::<crate::Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+            assert!(unusable.0.contains(&path.display().to_string()) && unusable.0.contains("replaced"), "{}", unusable.0);
+        };
+        // Locked by the run's lock step (uring: opened by tutti-bench itself: compared by what it opened).
+        let path = directory.path().join("kernel.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let spec = DeviceSpec::Uring(path.clone());
+        let mut created = CreatedFiles::default();
+        let locks = FileModes::Leave.acquire(std::slice::from_ref(&spec), directory.path()).unwrap();
+        created.note_held(locks.paths());
+        created.hold_locks(locks);
+        created.check_opened(&spec, Some(id(&path))).expect("the file locked");
+        swap(&path);
+        replaced(created.check_opened(&spec, Some(id(&path))).unwrap_err(), &path);
+        // Made and locked by prepare_file, then opened by the software controller (as `open`
+        // does, with the swap between the two).
+        let path = directory.path().join("made.img");
+        let spec = DeviceSpec::EmuFile(path.clone());
+        let options = OpenOptions2 { create_bytes: Some(1 << 20), ..test_options() };
+        let mut created = CreatedFiles::default();
+        drop(open(&spec, options, &mut created).expect("a file the run made and locked"));
+        swap(&path);
+        let emu = EmuOptions { config: emu_config(options), create_bytes: None };
+        let opened = open_in_one_space(std::slice::from_ref(&spec), &emu).unwrap();
+        replaced(created.check_opened(&spec, opened[0].backing_file()).unwrap_err(), &path);
+        // Opened again through `open`, the file now there is locked first (prepare_file): served.
+        drop(opened);
+        drop(open(&spec, options, &mut created).expect("the file now there, locked"));
         created.keep_after_success();
     }
 

@@ -15,7 +15,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,6 +36,8 @@ const BLKSSZGET: libc::c_ulong = 0x1268;
 pub struct UringDevice {
     path: PathBuf,
     file: Arc<File>,
+    /// The file's device and inode ([`UringDevice::file_id`]).
+    id: (u64, u64),
     capacity_bytes: u64,
     block_size_bytes: u32,
     block_device: bool,
@@ -45,6 +47,12 @@ pub struct UringDevice {
 }
 
 impl UringDevice {
+    /// The device and inode of the file opened, to compare with the one the run locked.
+    pub fn file_id(&self) -> (u64, u64) {
+        // Examined at open; a file's device and inode never change while it is open.
+        self.id
+    }
+
     pub fn open(path: &Path, writable: bool) -> Result<Self, DeviceError> {
         let setup = |context: &str, error: std::io::Error| DeviceError::Setup(format!("uring:{}: {context}: {error}", path.display()));
         let file = OpenOptions::new()
@@ -78,7 +86,8 @@ impl UringDevice {
         let setup_flags = Ring::with_setup(2, SetupFlags::FIO)
             .map_err(|error| DeviceError::Setup(format!("uring:{}: {error}", path.display())))?
             .setup_flags();
-        Ok(Self { path: path.to_path_buf(), file: Arc::new(file), capacity_bytes, block_size_bytes, block_device, setup_flags })
+        let id = (metadata.dev(), metadata.ino());
+        Ok(Self { path: path.to_path_buf(), file: Arc::new(file), id, capacity_bytes, block_size_bytes, block_device, setup_flags })
     }
 }
 

@@ -231,14 +231,21 @@ pub struct CheckArgs {
 /// Opens the pool's devices in one DMA space, as a store over them needs: every `vfio:` device
 /// in one VFIO container (which also lets two functions of one IOMMU group be used), every
 /// `emu:` controller in one DMA pool. `emu_create_bytes` creates or grows `emu:` files
-/// (`format` only).
-fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>) -> Result<Vec<PoolTarget>> {
+/// (`format` only). Each `emu:` file opened must be the one `locks` (every set the command
+/// holds) locked: the controller opens it by its path again, which may name another file by then.
+fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>, locks: &[&DeviceLocks]) -> Result<Vec<PoolTarget>> {
     check_namespace(args)?;
-    let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, emu_create_bytes).map_err(|error| match error {
+    let refusal = |error| match error {
         // A controller that does not come up is a device failure (status 1), not bad input.
         error @ DeviceError::BringUp { .. } => anyhow::Error::new(error),
         error => Unusable(error.to_string()).into(),
-    })?;
+    };
+    let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, emu_create_bytes).map_err(refusal)?;
+    for device in &opened {
+        for locks in locks {
+            locks.check_opened(&device.spec, device.backing_file).map_err(refusal)?;
+        }
+    }
     Ok(opened.into_iter().map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(args.namespace) }).collect())
 }
 
@@ -422,7 +429,8 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 created_locks = Some(created);
                 undo = Some(made);
             }
-            let targets = open_targets(&args.devices, args.emu_create_bytes)?;
+            let targets =
+                open_targets(&args.devices, args.emu_create_bytes, &[&locks].into_iter().chain(&created_locks).collect::<Vec<_>>())?;
             // What a vfio: SSD holds can only be read through its controller, now that it is up;
             // emu: devices were read before anything was created or grown.
             let vfio = args.devices.devices.iter().zip(&targets).filter(|(spec, _)| matches!(spec, DeviceSpec::Vfio(_)));
@@ -455,7 +463,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // Lock, then claim (see format).
             let locks = lock_devices(args, &args.devices, false)?;
             let _claims = claim_block_devices(args, opener)?;
-            let targets = open_targets(args, None)?;
+            let targets = open_targets(args, None, &[&locks])?;
             for ((position, target), spec) in targets.iter().enumerate().zip(&args.devices) {
                 match read_superblock(target, position) {
                     Ok(superblock) => outln!("{spec}: {}", describe(&superblock))?,
@@ -485,7 +493,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // Lock, then claim (see format).
             let locks = lock_devices(&args.devices, &args.devices.devices, false)?;
             let _claims = claim_block_devices(&args.devices, opener)?;
-            let (mut pool, report) = Pool::open(open_targets(&args.devices, None)?, None)
+            let (mut pool, report) = Pool::open(open_targets(&args.devices, None, &[&locks])?, None)
                 .map_err(|error| classify(error, "opening the pool", &args.devices.devices))?;
             warn_open_to_others(&locks);
             outln!(
@@ -705,7 +713,7 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let device = format!("emu:{}", path.display());
         let PoolCommand::Inspect(args) = command(&["inspect", "--device", &device]) else { unreachable!() };
-        let targets = open_targets(&args, None).unwrap();
+        let targets = open_targets(&args, None, &[]).unwrap();
         let error = refuse_foreign_namespaces(args.devices.iter().zip(&targets), false).unwrap_err();
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
