@@ -94,6 +94,12 @@ impl DeviceLocks {
         Ok(())
     }
 
+    /// [`tutti_devices::DeviceLocks::check_opened`] over this set (and those added by
+    /// [`DeviceLocks::extend`]): an opened `emu:` or `uring:` file must be the file locked.
+    pub fn check_opened(&self, spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DaemonError> {
+        self.locks.check_opened(spec, opened).map_err(daemon_error)
+    }
+
     /// The block devices claimed when this set was acquired (not those of sets added by
     /// [`DeviceLocks::extend`]), to read what they hold before formatting them.
     pub fn claims(&self) -> &BlockDeviceClaims {

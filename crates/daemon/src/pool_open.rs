@@ -169,6 +169,10 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         .with_shared_registers(!options.emu_doorbell_relay)
         .with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(POOL_QUEUE_PAIRS_RESERVED));
     let opened = open_in_one_space(&options.specs, &emu)?;
+    // The controllers opened the files by path again: each must be the file locked above.
+    for device in &opened {
+        locks.check_opened(&device.spec, device.backing_file())?;
+    }
     let mut targets = Vec::with_capacity(opened.len());
     let mut devices = Vec::with_capacity(opened.len());
     let mut emulators = Vec::with_capacity(opened.len());
