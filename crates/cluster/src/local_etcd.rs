@@ -12,6 +12,10 @@ use crate::error::{ClusterError, Result};
 
 /// How long a fresh cluster may take to answer its health check.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Tries of a start whose member found a port it was given taken (`PORT_TAKEN` in its log).
+const START_ATTEMPTS: u32 = 3;
+/// What etcd logs when it cannot bind a port it was given.
+const PORT_TAKEN: &str = "address already in use";
 /// The longest `revoke_lease` waits for one member (connection and answer).
 pub const REVOKE_ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Most bytes an HTTP answer from a member may have (metrics are ~100 KiB).
@@ -106,9 +110,29 @@ impl LocalEtcd {
         let binary = etcd_binary().ok_or_else(|| {
             io_error("find the etcd binary", std::io::Error::new(std::io::ErrorKind::NotFound, "install etcd-server or set TUTTI_ETCD"))
         })?;
+        // The ports are free when picked but released for etcd to bind, so another process (a
+        // parallel test's etcd, or any outbound connection given one as its ephemeral port) may
+        // take one first: such a start is tried again on other ports, a few times.
+        LocalEtcd::start_picking(&binary, members, flags, &mut free_ports)
+    }
+
+    /// [`LocalEtcd::start_with_flags`] with the ports of each try from `pick` (a test gives it
+    /// taken ones).
+    fn start_picking(binary: &Path, members: usize, flags: &[&str], pick: &mut dyn FnMut(usize) -> Result<Vec<u16>>) -> Result<LocalEtcd> {
+        let mut attempt = 1;
+        loop {
+            match LocalEtcd::start_once(binary, members, flags, pick(2 * members)?) {
+                Err(error) if attempt < START_ATTEMPTS && error.to_string().contains(PORT_TAKEN) => attempt += 1,
+                outcome => return outcome,
+            }
+        }
+    }
+
+    /// One try of [`LocalEtcd::start_with_flags`], on ports picked now.
+    fn start_once(binary: &Path, members: usize, flags: &[&str], ports: Vec<u16>) -> Result<LocalEtcd> {
+        let binary = binary.to_path_buf();
         let directory =
             tempfile::Builder::new().prefix("tutti-etcd-").tempdir().map_err(|error| io_error("create the data directory", error))?;
-        let ports = free_ports(2 * members)?;
         let members = (0..members)
             .map(|index| Member { name: format!("m{index}"), client_port: ports[2 * index], peer_port: ports[2 * index + 1], child: None })
             .collect();
@@ -171,15 +195,22 @@ impl LocalEtcd {
                     Ok(body) if body.contains("\"health\":\"true\"") => break,
                     _ => {}
                 }
-                let exited = match self.members[index].child.as_mut().map(|child| child.try_wait()) {
-                    Some(Ok(Some(status))) => Some(status.to_string()),
-                    _ => None,
-                };
+                // Any member that exited, not only the one waited for: without it the others
+                // lack a quorum and would wait out the whole timeout, naming the wrong member.
+                let exited =
+                    (0..self.members.len()).find_map(|other| match self.members[other].child.as_mut().map(|child| child.try_wait()) {
+                        Some(Ok(Some(status))) => Some((other, status.to_string())),
+                        _ => None,
+                    });
                 if exited.is_some() || Instant::now() > deadline {
-                    let log = self.log_tail(index);
-                    let why = exited.map_or_else(|| format!("not healthy in {timeout:?}"), |status| format!("exited ({status})"));
+                    let (named, why) = match exited {
+                        Some((other, status)) => (other, format!("exited ({status})")),
+                        None => (index, format!("not healthy in {timeout:?}")),
+                    };
+                    let log = self.log_tail(named);
+                    let member = &self.members[named];
                     return Err(io_error(
-                        format!("etcd member {} on port {port} {why}; log:\n{log}", self.members[index].name),
+                        format!("etcd member {} on ports {}/{} {why}; log:\n{log}", member.name, member.client_port, member.peer_port),
                         std::io::Error::other("etcd did not start"),
                     ));
                 }
@@ -359,5 +390,45 @@ impl Drop for LocalEtcd {
                 let _ = child.wait();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_whose_port_was_taken_meanwhile_is_tried_again_on_other_ports() {
+        // Goal: a port picked free but taken before etcd binds it (a parallel test's etcd, an
+        // outbound connection's ephemeral port) fails that try, naming the member's log, and
+        // the start goes on with other ports; every try failing so is an error saying why.
+        let Some(binary) = etcd_binary() else {
+            assert!(std::env::var_os("TUTTI_REQUIRE_ETCD").is_none(), "TUTTI_REQUIRE_ETCD is set but no etcd binary was found");
+            eprintln!("skipped: no etcd binary (install etcd-server or set TUTTI_ETCD)");
+            return;
+        };
+        let taken = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+        let taken_port = taken.local_addr().unwrap().port();
+        let mut tries = 0;
+        let mut first_taken = |count: usize| {
+            tries += 1;
+            let mut ports = free_ports(count)?;
+            if tries == 1 {
+                ports[0] = taken_port;
+            }
+            Ok(ports)
+        };
+        let etcd = LocalEtcd::start_picking(&binary, 1, &[], &mut first_taken).expect("started on the second try");
+        assert_ne!(etcd.client_port(0), taken_port);
+        drop(etcd);
+        assert_eq!(tries, 2);
+        let error = LocalEtcd::start_picking(&binary, 1, &[], &mut |count: usize| {
+            let mut ports = free_ports(count)?;
+            ports[0] = taken_port;
+            Ok(ports)
+        })
+        .err()
+        .expect("every try on a taken port fails");
+        assert!(error.to_string().contains(PORT_TAKEN), "{error}");
     }
 }
