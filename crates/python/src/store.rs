@@ -1214,9 +1214,10 @@ mod tests {
         // slice at most and lets go of it between requests (giving way to a caller waiting for
         // it), so a caller waits about one slice, not one per request. Four armed store
         // requests, each with a layer the controller completes only after 1.5 s, driven in
-        // slices of 100 ms: a caller taking the lock over 0.8 s never waits 250 ms (one slice
-        // plus room for a loaded machine's scheduling). Before, one pass held the lock across
-        // every request (4 x 100 ms each time, 400 ms and more).
+        // slices of 100 ms: a caller taking the lock over 0.8 s never waits 380 ms (one slice
+        // plus room for a loaded machine's scheduling: 250 ms failed once in twelve runs at a
+        // load of 4.5 on 2 cores). Before, one pass held the lock across every request (4 x
+        // 100 ms each time, 400 ms and more).
         let _alone = crate::backend::test_store::timing_alone();
         let mut state = crate::backend::test_store::local_state(1);
         let handles: Vec<u64> = (1..=4).map(|seed| crate::backend::test_store::prepare_store(&mut state, seed)).collect();
@@ -1242,7 +1243,7 @@ mod tests {
             std::thread::sleep(Duration::from_millis(1));
         }
         shared.stop_service();
-        assert!(longest < Duration::from_millis(250), "a caller waited {longest:?} for the store's lock");
+        assert!(longest < Duration::from_millis(380), "a caller waited {longest:?} for the store's lock");
     }
 
     #[test]
