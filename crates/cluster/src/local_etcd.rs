@@ -51,16 +51,54 @@ pub struct LocalEtcd {
     flags: Vec<String>,
 }
 
-/// Free loopback ports: bound, noted, released (another process could take one in between;
-/// a member that fails to start names its port in the error).
+/// The lowest port [`free_ports`] hands out.
+const PORTS_LOW: u16 = 20_000;
+/// Where the ephemeral range starts when /proc does not say (Linux's default).
+const EPHEMERAL_LOW_DEFAULT: u16 = 32_768;
+
+/// Free loopback ports: bound, noted, released, each taken below the kernel's ephemeral range
+/// (ip_local_port_range), from a counter that starts at an offset of this process's id, so that
+/// neither an outbound connection (an etcd member dialing its peers, a test's client) nor
+/// another etcd of this process is given one between its release and etcd binding it; another
+/// process could still take one (a start that finds a port taken is tried again,
+/// `START_ATTEMPTS`).
 fn free_ports(count: usize) -> Result<Vec<u16>> {
-    let listeners = (0..count)
-        .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|error| io_error("bind a free port", error)))
-        .collect::<Result<Vec<_>>>()?;
-    listeners
-        .iter()
-        .map(|listener| listener.local_addr().map(|address| address.port()).map_err(|error| io_error("read a bound port", error)))
-        .collect()
+    static NEXT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(EPHEMERAL_LOW_DEFAULT);
+    if ephemeral_low <= PORTS_LOW + 1024 {
+        // No room below the ephemeral range: any free port, as the kernel picks it.
+        let listeners = (0..count)
+            .map(|_| TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).map_err(|error| io_error("bind a free port", error)))
+            .collect::<Result<Vec<_>>>()?;
+        return listeners
+            .iter()
+            .map(|listener| listener.local_addr().map(|address| address.port()).map_err(|error| io_error("read a bound port", error)))
+            .collect();
+    }
+    let span = u32::from(ephemeral_low - PORTS_LOW);
+    let next = NEXT.get_or_init(|| std::sync::atomic::AtomicU32::new(std::process::id().wrapping_mul(97) % span));
+    // Held until every port of this call is picked, so that one call never picks a port twice.
+    let mut listeners = Vec::with_capacity(count);
+    for _ in 0..count {
+        let listener = (0..span)
+            .find_map(|_| {
+                let offset = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % span;
+                // In range: offset < span = ephemeral_low - PORTS_LOW.
+                let port = PORTS_LOW + u16::try_from(offset).ok()?;
+                TcpListener::bind((Ipv4Addr::LOCALHOST, port)).ok().map(|listener| (port, listener))
+            })
+            .ok_or_else(|| {
+                io_error(
+                    format!("find a free port in {PORTS_LOW}..{ephemeral_low}"),
+                    std::io::Error::new(std::io::ErrorKind::AddrInUse, "every port in the range is taken"),
+                )
+            })?;
+        listeners.push(listener);
+    }
+    Ok(listeners.into_iter().map(|(port, _)| port).collect())
 }
 
 /// A GET on a member's client port (HTTP/1.0, bounded in time and size): the body.
@@ -396,6 +434,26 @@ impl Drop for LocalEtcd {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn free_ports_are_below_the_ephemeral_range_and_never_handed_out_twice_in_a_row() {
+        // Goal: the ports picked for etcd are not ones the kernel gives outbound connections
+        // (ip_local_port_range), and two picks in a row (two tests starting their etcds) get
+        // different ones although the first pick's were released.
+        let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
+            .unwrap_or(EPHEMERAL_LOW_DEFAULT);
+        let first = free_ports(6).unwrap();
+        let second = free_ports(6).unwrap();
+        if ephemeral_low > PORTS_LOW + 1024 {
+            assert!(first.iter().chain(&second).all(|port| (PORTS_LOW..ephemeral_low).contains(port)), "{first:?} {second:?}");
+        }
+        let mut all: Vec<u16> = first.iter().chain(&second).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 12, "{first:?} {second:?}");
+    }
 
     #[test]
     fn a_start_whose_port_was_taken_meanwhile_is_tried_again_on_other_ports() {
