@@ -100,6 +100,8 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
     // What opening the devices refuses on its own (kinds, one DMA space, one file named twice)
     // is refused before anything is locked, created or grown.
     tutti_devices::check_one_space(&options.specs, create_bytes)?;
+    #[cfg(test)]
+    tests::BEFORE_LOCKING.with(|hook| hook.take().map(|hook| hook()));
     // Existing files are locked and read first, the ones a format is to create only once
     // nothing refused (as `tutti pool format` orders it): a refusal leaves no file behind.
     let mut locks = DeviceLocks::acquire(&options.specs, &options.lock_dir, false)?;
@@ -168,8 +170,11 @@ pub fn open_pool(options: &PoolOptions) -> Result<OpenedPool, DaemonError> {
         .config
         .with_shared_registers(!options.emu_doorbell_relay)
         .with_io_queue_pairs_max(options.client_queue_pairs.saturating_add(POOL_QUEUE_PAIRS_RESERVED));
+    #[cfg(test)]
+    tests::BEFORE_OPENING.with(|hook| hook.take().map(|hook| hook()));
     let opened = open_in_one_space(&options.specs, &emu)?;
-    // The controllers opened the files by path again: each must be the file locked above.
+    // The controllers opened the files by path again: each must be the file locked above (one
+    // missing then and put there since is refused too: nothing locked it).
     for device in &opened {
         locks.check_opened(&device.spec, device.backing_file())?;
     }
@@ -334,6 +339,54 @@ mod tests {
         /// Run by open_pool (on the test's thread) just before it locks the files a format is
         /// to create: a test looks at what is held at that moment.
         pub(super) static BEFORE_CREATING_FILES: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+        /// Run by open_pool (on the test's thread) once the devices were checked, before they
+        /// are locked.
+        pub(super) static BEFORE_LOCKING: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+        /// Run by open_pool (on the test's thread) between taking the locks and opening the
+        /// devices by their paths.
+        pub(super) static BEFORE_OPENING: RefCell<Option<Box<dyn FnOnce()>>> = RefCell::new(None);
+    }
+
+    #[test]
+    fn a_file_put_at_its_path_after_the_locks_were_taken_is_refused() {
+        // Goal: without --format a missing emu: file is not locked (nothing to lock) and one put
+        // at its path before the controller opens it was served unlocked (a second tuttid could
+        // serve it too); a file renamed and copied over a locked one was served likewise. Both
+        // are refused (status 2), naming the path, before anything is read or written.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("p.img");
+        let options = PoolOptions {
+            specs: vec![DeviceSpec::EmuFile(path.clone())],
+            namespace: 1,
+            emu_lba_bytes: 4096,
+            emu_create_bytes: None,
+            format: None,
+            overwrite: false,
+            lock_dir: directory.path().join("locks"),
+            client_queue_pairs: 1,
+            emu_doorbell_relay: false,
+        };
+        let refused = |error: DaemonError| {
+            assert!(
+                matches!(&error, DaemonError::Devices(DeviceError::ReplacedWhileOpening { path: named, .. }) if *named == path),
+                "{error}"
+            )
+        };
+        // There when the devices are checked, gone when they are locked, back when opened.
+        std::fs::write(&path, vec![0u8; 8 << 20]).unwrap();
+        let gone = path.clone();
+        BEFORE_LOCKING.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::remove_file(&gone).unwrap())));
+        let (late, zeros) = (path.clone(), vec![0u8; 8 << 20]);
+        BEFORE_OPENING.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &zeros).unwrap())));
+        refused(open_pool(&options).err().expect("a file that appeared after the locks was opened"));
+        let (replaced, moved) = (path.clone(), directory.path().join("moved.img"));
+        BEFORE_OPENING.with(|hook| {
+            *hook.borrow_mut() = Some(Box::new(move || {
+                std::fs::rename(&replaced, &moved).unwrap();
+                std::fs::copy(&moved, &replaced).unwrap();
+            }))
+        });
+        refused(open_pool(&options).err().expect("a file renamed over the locked one was opened"));
     }
 
     #[test]

@@ -305,29 +305,15 @@ impl DeviceLocks {
 
     /// Refuses ([`DeviceError::ReplacedWhileOpening`]) an `emu:PATH` or `uring:PATH` device
     /// whose opened file (`opened`: its device and inode, e.g. [`crate::OpenedDevice::backing_file`])
-    /// is not the file this set locked at PATH: the device is opened by its path after the lock
+    /// is not a file this set locked at PATH: the device is opened by its path after the lock
     /// was taken, and a rename or link over PATH in between would leave the lock (and the
     /// narrowing of its mode) on one file while another is served, which a second user could
-    /// lock and serve too. For the caller to call right after opening, before any I/O. A spec
-    /// this set holds no lock for (another kind, a file locked elsewhere), or `opened` None
-    /// (nothing was opened by path), passes.
+    /// lock and serve too. A PATH this set holds no lock for is refused too: a file missing
+    /// when the locks were taken is skipped by [`DeviceLocks::acquire`], and one that appeared
+    /// there since is unlocked. For the caller to call right after opening, before any I/O. A
+    /// spec of another kind, or `opened` None (nothing was opened by path), passes.
     pub fn check_opened(&self, spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DeviceError> {
-        let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
-        let Some(opened) = opened else { return Ok(()) };
-        // One path may be locked twice in a set grown by `extend` (a file locked again after
-        // another was put in its place): the file opened must be one of them.
-        let mut refusal = Ok(());
-        for (_, held) in self.held.iter().filter(|(held, _)| held == path) {
-            let locked = held
-                .file()
-                .metadata()
-                .map_err(|source| DeviceError::Io { context: format!("examining the locked {}", path.display()), source })?;
-            refusal = refuse_replaced(spec, (locked.dev(), locked.ino()), opened);
-            if refusal.is_ok() {
-                return Ok(());
-            }
-        }
-        refusal
+        check_opened_in(&[self], spec, opened)
     }
 
     /// Holds `other`'s locks as long as this set's, as one set: its pool files still to narrow
@@ -540,6 +526,29 @@ impl DeviceLocks {
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }
+}
+
+/// [`DeviceLocks::check_opened`] over several sets held together (a command that locks the
+/// files it creates as a set of their own): the opened file must be one of those any set
+/// locked at its path; a path none of them holds is refused as unlocked.
+pub fn check_opened_in(sets: &[&DeviceLocks], spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DeviceError> {
+    let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
+    let Some(opened) = opened else { return Ok(()) };
+    // One path may be locked twice in a set grown by `extend` (a file locked again after
+    // another was put in its place): the file opened must be one of them. None at all: the
+    // file appeared after the locks were taken (`acquire` skips a missing one), unlocked.
+    let mut refusal = Err(DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() });
+    for (_, held) in sets.iter().flat_map(|set| set.held.iter()).filter(|(held, _)| held == path) {
+        let locked = held
+            .file()
+            .metadata()
+            .map_err(|source| DeviceError::Io { context: format!("examining the locked {}", path.display()), source })?;
+        refusal = refuse_replaced(spec, (locked.dev(), locked.ino()), opened);
+        if refusal.is_ok() {
+            return Ok(());
+        }
+    }
+    refusal
 }
 
 /// [`DeviceLocks::check_opened`]'s comparison, for a caller that holds a lock of its own on a
@@ -1174,9 +1183,28 @@ mod tests {
         let id = |path: &Path| std::fs::metadata(path).map(|metadata| (metadata.dev(), metadata.ino())).ok();
         kernel_locks.check_opened(&kernel, id(&path)).expect("the same file");
         assert!(matches!(kernel_locks.check_opened(&kernel, id(&moved)), Err(DeviceError::ReplacedWhileOpening { .. })));
-        // Nothing opened by path, or a device this set holds no lock for: nothing to compare.
+        // Nothing opened by path: nothing to compare.
         locks.check_opened(&spec, None).unwrap();
-        DeviceLocks::default().check_opened(&spec, id(&moved)).unwrap();
+        // Several sets: the file one of them locked passes.
+        check_opened_in(&[&DeviceLocks::default(), &kernel_locks], &kernel, id(&path)).expect("locked by the second set");
+    }
+
+    #[test]
+    fn a_file_that_appeared_after_the_locks_were_taken_is_refused() {
+        // Goal: a file missing when the locks were taken is skipped (nothing to lock), and the
+        // controller then opened one that appeared at its path meanwhile, unlocked: tuttid
+        // without --format, or tutti pool inspect/check, served it, and a second tuttid could
+        // lock and serve it too. A path no held lock covers is refused as the replaced one is.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("late.img");
+        let spec = DeviceSpec::parse(&format!("emu:{}", path.display()), &crate::DeviceKind::ALL).unwrap();
+        let locks = DeviceLocks::acquire(std::slice::from_ref(&spec), directory.path(), false).unwrap();
+        assert_eq!(locks.paths().count(), 0, "a missing file is not locked");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let opened = crate::open_in_one_space(std::slice::from_ref(&spec), &crate::open::EmuOptions::default()).unwrap();
+        let error = locks.check_opened(&spec, opened[0].backing_file()).unwrap_err();
+        assert!(matches!(&error, DeviceError::ReplacedWhileOpening { path: named, .. } if *named == path), "{error:?}");
+        assert!(matches!(check_opened_in(&[], &spec, opened[0].backing_file()), Err(DeviceError::ReplacedWhileOpening { .. })));
     }
 
     #[test]

@@ -231,8 +231,9 @@ pub struct CheckArgs {
 /// Opens the pool's devices in one DMA space, as a store over them needs: every `vfio:` device
 /// in one VFIO container (which also lets two functions of one IOMMU group be used), every
 /// `emu:` controller in one DMA pool. `emu_create_bytes` creates or grows `emu:` files
-/// (`format` only). Each `emu:` file opened must be the one `locks` (every set the command
-/// holds) locked: the controller opens it by its path again, which may name another file by then.
+/// (`format` only). Each `emu:` file opened must be one `locks` (every set the command holds)
+/// locked: the controller opens it by its path again, which may name another file by then, or
+/// a file that was missing when the locks were taken.
 fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>, locks: &[&DeviceLocks]) -> Result<Vec<PoolTarget>> {
     check_namespace(args)?;
     let refusal = |error| match error {
@@ -241,10 +242,10 @@ fn open_targets(args: &DeviceArgs, emu_create_bytes: Option<u64>, locks: &[&Devi
         error => Unusable(error.to_string()).into(),
     };
     let opened = open_pool_devices(&args.devices, args.emu_lba_bytes, emu_create_bytes).map_err(refusal)?;
+    // One of the sets must hold the file opened: a path none holds is a file that appeared
+    // after the locks were taken (a missing one is skipped), unlocked.
     for device in &opened {
-        for locks in locks {
-            locks.check_opened(&device.spec, device.backing_file).map_err(refusal)?;
-        }
+        tutti_devices::lock::check_opened_in(locks, &device.spec, device.backing_file).map_err(refusal)?;
     }
     Ok(opened.into_iter().map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(args.namespace) }).collect())
 }
@@ -702,6 +703,22 @@ mod tests {
     }
 
     #[test]
+    fn a_file_that_appeared_after_the_locks_were_taken_is_status_2() {
+        // Goal: tutti pool inspect/check lock the files first and skip a missing one; one put
+        // at its path before the controller opens it is unlocked (another tuttid could serve
+        // it too) and is refused, status 2, naming it.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("late.img");
+        let device = format!("emu:{}", path.display());
+        let PoolCommand::Inspect(args) = command(&["inspect", "--device", &device]) else { unreachable!() };
+        let locks = DeviceLocks::acquire(&args.devices, directory.path(), false).unwrap();
+        std::fs::write(&path, vec![0u8; 8 << 20]).unwrap();
+        let error = open_targets(&args, None, &[&locks]).expect_err("an unlocked file was opened");
+        let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
+        assert!(unusable.0.contains(&path.display().to_string()), "{}", unusable.0);
+    }
+
+    #[test]
     fn a_namespace_holding_a_file_system_is_refused_unless_overwrite() {
         // Goal: tutti pool format's wrapper of tutti-devices' check (tested there) makes what a
         // vfio: SSD holds (an emu:-file-backed target stands in for it here) status 2, naming
@@ -713,7 +730,8 @@ mod tests {
         std::fs::write(&path, &bytes).unwrap();
         let device = format!("emu:{}", path.display());
         let PoolCommand::Inspect(args) = command(&["inspect", "--device", &device]) else { unreachable!() };
-        let targets = open_targets(&args, None, &[]).unwrap();
+        let locks = DeviceLocks::acquire(&args.devices, directory.path(), false).unwrap();
+        let targets = open_targets(&args, None, &[&locks]).unwrap();
         let error = refuse_foreign_namespaces(args.devices.iter().zip(&targets), false).unwrap_err();
         let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("not status 2: {error:#}"));
         assert!(unusable.0.contains(&device) && unusable.0.contains("ext2/3/4"), "{}", unusable.0);
