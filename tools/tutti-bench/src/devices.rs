@@ -236,11 +236,17 @@ impl CreatedFiles {
             return Ok(self.device_locks.check_opened(spec, Some(opened))?);
         }
         // Made by this run ([`prepare_file`], [`CreatedFiles::hold`]): compared with the file it
-        // made, examined on the descriptor that made it.
-        match self.held.iter().find(|(held, _)| held == path) {
-            Some((_, Some(locked))) => Ok(tutti_devices::lock::refuse_replaced(spec, *locked, opened)?),
-            _ => Ok(()),
+        // made, examined on the descriptor that made it. A path made or held twice (a file put
+        // in place of the first and held in its turn) has two entries: either file passes.
+        let mut refusal = Ok(());
+        for (_, locked) in self.held.iter().filter(|(held, _)| held == path) {
+            let Some(locked) = locked else { continue };
+            refusal = tutti_devices::lock::refuse_replaced(spec, *locked, opened);
+            if refusal.is_ok() {
+                return Ok(());
+            }
         }
+        Ok(refusal?)
     }
 
     pub fn push(&mut self, path: PathBuf) {
@@ -1134,6 +1140,20 @@ mod tests {
         replaced(created.check_opened(&spec, opened[0].backing_file()).unwrap_err(), &path);
         // Opened again through `open`, the file now there is locked first (prepare_file): served.
         drop(opened);
+        // Two files held at one path (the second put there and held in its turn): the one
+        // opened is compared with each, not only the first held.
+        let twice = directory.path().join("twice.img");
+        std::fs::write(&twice, b"first").unwrap();
+        let twice_spec = DeviceSpec::EmuFile(twice.clone());
+        let mut held_twice = CreatedFiles::default();
+        held_twice.hold(twice.clone(), None, Some(id(&twice)));
+        swap(&twice);
+        held_twice.hold(twice.clone(), None, Some(id(&twice)));
+        held_twice.check_opened(&twice_spec, Some(id(&twice))).expect("the second file held");
+        let other = directory.path().join("other.img");
+        std::fs::write(&other, b"other").unwrap();
+        replaced(held_twice.check_opened(&twice_spec, Some(id(&other))).unwrap_err(), &twice);
+        held_twice.keep_after_success();
         drop(open(&spec, options, &mut created).expect("the file now there, locked"));
         created.keep_after_success();
     }
