@@ -8,7 +8,7 @@ use nvme_conformance::{EmuFaults, FaultInjector};
 use nvme_driver::DeviceBackend;
 use nvme_emu::EmuConfig;
 use tutti_devices::open::EmuOptions;
-use tutti_devices::{open_in_one_space, DeviceKind, DeviceSpec};
+use tutti_devices::{open_in_one_space, DeviceKind, DeviceLocks, DeviceSpec};
 
 /// What `--device` may name.
 pub const DEVICE_KINDS: [DeviceKind; 3] = [DeviceKind::Vfio, DeviceKind::EmuMemory, DeviceKind::EmuFile];
@@ -51,10 +51,14 @@ pub fn has_faults(spec: &DeviceSpec) -> bool {
     matches!(spec, DeviceSpec::EmuMemory(_) | DeviceSpec::EmuFile(_) | DeviceSpec::EmuNull(_))
 }
 
-/// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH`, in its own DMA space.
-pub fn open(spec: &DeviceSpec) -> Result<DeviceUnderTest> {
+/// `vfio:BDF`, `emu:mem:SIZE` or `emu:PATH`, in its own DMA space. An `emu:PATH` must be the
+/// file `locks` holds at PATH: the software controller opens it by its path again, and one
+/// renamed or copied over it since the lock (or put there after a missing one was skipped) is
+/// another file, unlocked, which a live tuttid could hold: refused before anything is written.
+pub fn open(spec: &DeviceSpec, locks: &DeviceLocks) -> Result<DeviceUnderTest> {
     let emu = EmuOptions { config: EmuConfig::default(), create_bytes: Some(EMU_FILE_BYTES) };
     let device = open_in_one_space(std::slice::from_ref(spec), &emu)?.into_iter().next().context("nothing was opened")?;
+    locks.check_opened(spec, device.backing_file())?;
     let faults = device.emulator.map(|emulator| Arc::new(EmuFaults::new(emulator)) as Arc<dyn FaultInjector>);
     Ok((device.backend, faults))
 }
@@ -66,10 +70,33 @@ mod tests {
     #[test]
     fn memory_devices_open_with_faults_and_bad_strings_are_errors() {
         let spec = DeviceSpec::parse("emu:mem:16M", &DEVICE_KINDS).unwrap();
-        let (_, faults) = open(&spec).unwrap();
+        let (_, faults) = open(&spec, &DeviceLocks::default()).unwrap();
         assert!(faults.is_some() && has_faults(&spec), "the software controller injects faults");
         assert!(DeviceSpec::parse("nvme:0", &DEVICE_KINDS).is_err());
         assert!(DeviceSpec::parse("uring:/dev/nvme0n1", &DEVICE_KINDS).is_err());
         assert!(DeviceSpec::parse("emu:mem:4q", &DEVICE_KINDS).is_err());
+    }
+
+    #[test]
+    fn a_file_replaced_after_its_lock_is_refused_before_it_is_written() {
+        // Goal: the suite locks an emu: file, then the software controller opens it by its path
+        // again; a file renamed and copied over the path in between (another holder's pool,
+        // say) was written with test patterns, unlocked. Refused, naming the path; the file
+        // locked and left in place opens.
+        let directory = std::env::temp_dir().join(format!("nvme-conformance-test-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("p.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let spec = DeviceSpec::parse(&format!("emu:{}", path.display()), &DEVICE_KINDS).unwrap();
+        let locks = DeviceLocks::acquire(std::slice::from_ref(&spec), &directory, false).unwrap();
+        drop(open(&spec, &locks).expect("the file locked"));
+        let moved = directory.join("moved.img");
+        std::fs::rename(&path, &moved).unwrap();
+        std::fs::copy(&moved, &path).unwrap();
+        let error = open(&spec, &locks).err().expect("a file replaced after its lock was opened");
+        let text = format!("{error:#}");
+        drop(locks);
+        std::fs::remove_dir_all(&directory).unwrap();
+        assert!(text.contains(&path.display().to_string()) && text.contains("replaced"), "{text}");
     }
 }

@@ -146,7 +146,7 @@ fn run(arguments: Arguments) -> Result<bool> {
     // only an integrity run needs it, so no other run opens a device twice.
     if config.selected_checks().contains(&"data_integrity") {
         for spec in &arguments.devices {
-            let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
+            let (device, faults) = devices::open(spec, &locks).with_context(|| format!("opening device '{spec}'"))?;
             config.validate_for(&device, faults.as_ref()).with_context(|| format!("device '{spec}'"))?;
         }
     }
@@ -157,7 +157,7 @@ fn run(arguments: Arguments) -> Result<bool> {
     made.keep();
     let mut all_passed = true;
     for spec in &arguments.devices {
-        let (device, faults) = devices::open(spec).with_context(|| format!("opening device '{spec}'"))?;
+        let (device, faults) = devices::open(spec, &locks).with_context(|| format!("opening device '{spec}'"))?;
         config.validate_for(&device, faults.as_ref()).with_context(|| format!("device '{spec}'"))?;
         let report = run_suite(device, faults, &config);
         tutti_cli::stdout::write_fmt(format_args!("{report}"))?;
