@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use nvme_driver::{Controller, ControllerConfig, DeviceBackend, Namespace};
 use nvme_emu::{EmuConfig, EmuDevice, NamespaceConfig};
 use tutti_devices::open::EmuOptions;
-use tutti_devices::{open_in_one_space, DeviceKind, DeviceSpec, OpenedDevice};
+use tutti_devices::{open_in_one_space, DeviceKind, DeviceLocks, DeviceSpec, OpenedDevice};
 
 use crate::unusable;
 
@@ -75,14 +75,18 @@ pub struct Backend {
 impl Backend {
     /// Opens `spec`, or a software controller over a temporary file when `None`.
     /// `emu_file_is_new`: an `emu:` file this run created (empty, to lock it) is grown to the
-    /// span; any other keeps its size.
-    pub fn open(spec: Option<&DeviceSpec>, needs: Requirements, emu_file_is_new: bool) -> Result<Self> {
+    /// span; any other keeps its size. `locks`: what the run holds on `spec`; an `emu:` file
+    /// the controller opens (by its path, again) must be the one locked there, else it is
+    /// refused (exit 2) before anything is written: one renamed or copied over the path since
+    /// the lock is another's to hold (a live tuttid's pool, say).
+    pub fn open(spec: Option<&DeviceSpec>, needs: Requirements, emu_file_is_new: bool, locks: &DeviceLocks) -> Result<Self> {
         let Some(spec) = spec else {
             let path = temporary_path();
             // Registered before the controller creates it, so that a failed start removes it.
             let guard = TemporaryFile(path.clone());
             let what = format!("nvme-emu software controller over temporary file {} (host page cache)", path.display());
-            let mut backend = Self::emu(&DeviceSpec::EmuFile(path), Some(needs.span_bytes), needs, what)?;
+            // The run's own file, which nothing locks: nothing to compare.
+            let mut backend = Self::emu(&DeviceSpec::EmuFile(path), Some(needs.span_bytes), needs, what, None)?;
             backend._temporary = Some(guard);
             return Ok(backend);
         };
@@ -90,13 +94,15 @@ impl Backend {
             DeviceSpec::EmuFile(path) => {
                 // An existing file keeps its size: growing a user's file is not ours to do.
                 let create_bytes = (emu_file_is_new || !path.exists()).then_some(needs.span_bytes);
-                Self::emu(spec, create_bytes, needs, format!("nvme-emu software controller over file {} (host page cache)", path.display()))
+                let description = format!("nvme-emu software controller over file {} (host page cache)", path.display());
+                Self::emu(spec, create_bytes, needs, description, Some(locks))
             }
             DeviceSpec::EmuMemory(bytes) => {
-                Self::emu(spec, None, needs, format!("nvme-emu software controller over {} of memory", tutti_devices::format_size(*bytes)))
+                let description = format!("nvme-emu software controller over {} of memory", tutti_devices::format_size(*bytes));
+                Self::emu(spec, None, needs, description, Some(locks))
             }
             DeviceSpec::Vfio(address) => {
-                let device = open_one(spec, &EmuOptions::default())?;
+                let device = open_one(spec, &EmuOptions::default(), Some(locks))?;
                 let controller = Self::bring_up(device.backend, needs).with_context(|| format!("vfio:{address}"))?;
                 let identify = controller.identify();
                 let description = format!(
@@ -117,7 +123,13 @@ impl Backend {
         }
     }
 
-    fn emu(spec: &DeviceSpec, create_bytes: Option<u64>, needs: Requirements, description: String) -> Result<Self> {
+    fn emu(
+        spec: &DeviceSpec,
+        create_bytes: Option<u64>,
+        needs: Requirements,
+        description: String,
+        locks: Option<&DeviceLocks>,
+    ) -> Result<Self> {
         // MDTS large enough that one IOCTX is one command, as the executor requires.
         let mut mdts = 5u8;
         while (4096u64 << mdts) < needs.command_bytes && mdts < 12 {
@@ -130,7 +142,7 @@ impl Backend {
             // volatile cache (a 32 MiB cache would make small write kernels look free).
             .with_volatile_write_cache(false)
             .with_io_queue_pairs_max(needs.queue_pairs.max(1));
-        let device = open_one(spec, &EmuOptions { config, create_bytes })?;
+        let device = open_one(spec, &EmuOptions { config, create_bytes }, locks)?;
         let emulator = device.emulator.clone();
         let controller = Self::bring_up(device.backend, needs).context("bringing up the software NVMe controller")?;
         Self::finish(controller, format!("{description}, volatile write cache off"), emulator, needs)
@@ -167,10 +179,15 @@ impl Backend {
 }
 
 /// Opens one device through tutti-devices; what it refuses (a memory device larger than the
-/// machine can spare, a VFIO function that cannot be opened) is unusable input.
-fn open_one(spec: &DeviceSpec, emu: &EmuOptions) -> Result<OpenedDevice> {
+/// machine can spare, a VFIO function that cannot be opened) is unusable input, and so is a
+/// file opened that is not the one `locks` holds at its path (None: a file nothing locks).
+fn open_one(spec: &DeviceSpec, emu: &EmuOptions, locks: Option<&DeviceLocks>) -> Result<OpenedDevice> {
     let opened = open_in_one_space(std::slice::from_ref(spec), emu).map_err(|error| unusable(error.to_string()))?;
-    opened.into_iter().next().with_context(|| format!("{spec}: nothing was opened"))
+    let device = opened.into_iter().next().with_context(|| format!("{spec}: nothing was opened"))?;
+    if let Some(locks) = locks {
+        locks.check_opened(spec, device.backing_file()).map_err(|error| unusable(error.to_string()))?;
+    }
+    Ok(device)
 }
 
 fn temporary_path() -> PathBuf {
@@ -193,5 +210,29 @@ mod tests {
         assert!(holds_prior_data(Some(&DeviceSpec::parse("vfio:0000:01:00.0", &DEVICE_KINDS).unwrap())));
         assert!(!holds_prior_data(Some(&DeviceSpec::EmuMemory(1 << 20))));
         assert!(!holds_prior_data(None));
+    }
+
+    #[test]
+    fn a_file_replaced_after_its_lock_is_refused_before_it_is_written() {
+        // Goal: `tutti-profile io` locks an emu: file, then the software controller opens it by
+        // its path again; a file renamed and copied over the path in between (another holder's
+        // pool, say) got the measurement's write pattern, unlocked. Refused, status 2, naming
+        // the path, before the controller is brought up.
+        let directory = std::env::temp_dir().join(format!("tutti-profile-io-test-{}", std::process::id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("p.img");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let spec = DeviceSpec::parse(&format!("emu:{}", path.display()), &DEVICE_KINDS).unwrap();
+        let locks = DeviceLocks::acquire_leaving_modes(std::slice::from_ref(&spec), &directory, false).unwrap();
+        let moved = directory.join("moved.img");
+        std::fs::rename(&path, &moved).unwrap();
+        std::fs::copy(&moved, &path).unwrap();
+        let error = open_one(&spec, &EmuOptions::default(), Some(&locks)).err().map(|error| format!("{error:#}"));
+        let unusable = open_one(&spec, &EmuOptions::default(), Some(&locks)).err().map(|error| error.is::<crate::Unusable>());
+        drop(locks);
+        std::fs::remove_dir_all(&directory).unwrap();
+        let error = error.expect("a file replaced after its lock was opened");
+        assert!(error.contains(&path.display().to_string()) && error.contains("replaced"), "{error}");
+        assert_eq!(unusable, Some(true), "not status 2");
     }
 }

@@ -257,7 +257,7 @@ pub fn run(args: &IoArgs) -> Result<()> {
     let locks = DeviceLocks::acquire_leaving_modes(&specs, &args.lock_dir, emu_file_is_new).map_err(|error| unusable(error.to_string()))?;
     let claims = BlockDeviceClaims::acquire(&specs, &HostBlockDevices).map_err(|error| unusable(error.to_string()))?;
     let needs = Requirements { span_bytes: shape.span_bytes(), command_bytes: u64::from(ioctx_bytes), queue_pairs };
-    let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new)?;
+    let backend = Backend::open(spec.as_ref(), needs, emu_file_is_new, &locks)?;
     let mut probe = CpuProbe::new(backend, shape)?;
     let sm_budget_min = grid.sm_budgets.iter().copied().min().unwrap_or(1);
 
