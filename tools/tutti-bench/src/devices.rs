@@ -228,7 +228,8 @@ impl CreatedFiles {
     /// `uring:` device whose file, opened by its path (`opened`: device and inode), is not the
     /// file the run locked at that path: one renamed or linked over it between the lock and the
     /// open is another file, unlocked, that another process could lock and use too. Against
-    /// the run's device locks where they hold the path, else the file the run created there.
+    /// the run's device locks where they hold the path, else the file the run created there;
+    /// a path the run holds no file at is refused too.
     pub fn check_opened(&self, spec: &DeviceSpec, opened: Option<(u64, u64)>) -> Result<(), DeviceError> {
         let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
         let Some(opened) = opened else { return Ok(()) };
@@ -237,8 +238,9 @@ impl CreatedFiles {
         }
         // Made by this run ([`prepare_file`], [`CreatedFiles::hold`]): compared with the file it
         // made, examined on the descriptor that made it. A path made or held twice (a file put
-        // in place of the first and held in its turn) has two entries: either file passes.
-        let mut refusal = Ok(());
+        // in place of the first and held in its turn) has two entries: either file passes. A
+        // path the run holds nothing at (its lock skipped a file gone meanwhile) is unlocked.
+        let mut refusal = Err(tutti_devices::DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() });
         for (_, locked) in self.held.iter().filter(|(held, _)| held == path) {
             let Some(locked) = locked else { continue };
             refusal = tutti_devices::lock::refuse_replaced(spec, *locked, opened);
@@ -1153,6 +1155,8 @@ mod tests {
         let other = directory.path().join("other.img");
         std::fs::write(&other, b"other").unwrap();
         replaced(held_twice.check_opened(&twice_spec, Some(id(&other))).unwrap_err(), &twice);
+        // A path the run holds nothing at: the file there is unlocked.
+        replaced(CreatedFiles::default().check_opened(&twice_spec, Some(id(&twice))).unwrap_err(), &twice);
         held_twice.keep_after_success();
         drop(open(&spec, options, &mut created).expect("the file now there, locked"));
         created.keep_after_success();
