@@ -537,30 +537,16 @@ pub fn check_opened_in(sets: &[&DeviceLocks], spec: &DeviceSpec, opened: Option<
     // One path may be locked twice in a set grown by `extend` (a file locked again after
     // another was put in its place): the file opened must be one of them. None at all: the
     // file appeared after the locks were taken (`acquire` skips a missing one), unlocked.
-    let mut refusal = Err(DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() });
     for (_, held) in sets.iter().flat_map(|set| set.held.iter()).filter(|(held, _)| held == path) {
         let locked = held
             .file()
             .metadata()
             .map_err(|source| DeviceError::Io { context: format!("examining the locked {}", path.display()), source })?;
-        refusal = refuse_replaced(spec, (locked.dev(), locked.ino()), opened);
-        if refusal.is_ok() {
+        if (locked.dev(), locked.ino()) == opened {
             return Ok(());
         }
     }
-    refusal
-}
-
-/// [`DeviceLocks::check_opened`]'s comparison, for a caller that holds a lock of its own on a
-/// file it made (tutti-bench's created files): `locked` and `opened` are device and inode. A
-/// spec that is not `emu:PATH` or `uring:PATH` passes.
-pub fn refuse_replaced(spec: &DeviceSpec, locked: (u64, u64), opened: (u64, u64)) -> Result<(), DeviceError> {
-    match spec {
-        DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path) if locked != opened => {
-            Err(DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() })
-        }
-        _ => Ok(()),
-    }
+    Err(DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() })
 }
 
 /// `error`, from narrowing the pool files of a pool just formatted on `formatted` (none: left

@@ -240,15 +240,10 @@ impl CreatedFiles {
         // made, examined on the descriptor that made it. A path made or held twice (a file put
         // in place of the first and held in its turn) has two entries: either file passes. A
         // path the run holds nothing at (its lock skipped a file gone meanwhile) is unlocked.
-        let mut refusal = Err(tutti_devices::DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() });
-        for (_, locked) in self.held.iter().filter(|(held, _)| held == path) {
-            let Some(locked) = locked else { continue };
-            refusal = tutti_devices::lock::refuse_replaced(spec, *locked, opened);
-            if refusal.is_ok() {
-                return Ok(());
-            }
+        if self.held.iter().any(|(held, locked)| held == path && *locked == Some(opened)) {
+            return Ok(());
         }
-        Ok(refusal?)
+        Err(tutti_devices::DeviceError::ReplacedWhileOpening { spec: spec.to_string(), path: path.clone() }.into())
     }
 
     pub fn push(&mut self, path: PathBuf) {
