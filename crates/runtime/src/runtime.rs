@@ -371,9 +371,7 @@ impl<E: Executor> Runtime<E> {
         // The same for an executor error no live I/O claimed (none in flight, or met beside
         // another failure): kept, it would fail this request's first read or write instead,
         // once handed over, and begun here the request would hold its blocks meanwhile.
-        if let Some(source) = self.executor_failure.take() {
-            return Err(RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, source });
-        }
+        self.claim_executor_failure()?;
         let blocks = request.block_ids.len();
         let hit = self.store.lookup(request.tokens).min(blocks);
         let mut incoming = blocks - hit;
@@ -408,9 +406,7 @@ impl<E: Executor> Runtime<E> {
         // the forced layer done by the pass that would have claimed it) is still kept:
         // returned now, nothing of the request prepared yet, as one met above. Left, it failed
         // this request's first read instead.
-        if let Some(source) = self.executor_failure.take() {
-            return Err(RuntimeError::Store { operation: progress::POLL_THE_EXECUTOR, source });
-        }
+        self.claim_executor_failure()?;
         if truncated && incoming > 0 {
             self.counters.stores_truncated += 1;
         }

@@ -198,11 +198,25 @@ impl<E: Executor> Runtime<E> {
         Ok(())
     }
 
+    /// The executor error kept for the live I/O (`Runtime::executor_failure`), taken and
+    /// returned as a `Store` error ("poll the executor"); `Ok` when none is kept.
+    pub(super) fn claim_executor_failure(&mut self) -> Result<()> {
+        match self.executor_failure.take() {
+            Some(source) => Err(RuntimeError::Store { operation: POLL_THE_EXECUTOR, source }),
+            None => Ok(()),
+        }
+    }
+
+    /// The running prefill's read in flight: its layer and the retrieve's handle.
+    fn read_in_flight(&self) -> Option<(u32, RequestHandle)> {
+        Some((self.reads.in_flight?, self.prefill.as_ref()?.retrieve?))
+    }
+
     /// Polls the running prefill's read in flight, if any: completed, it is done; failed, or
     /// still in flight with an executor error kept (`Runtime::executor_failure`, which it
     /// claims: its own polls would never see it), the prefill ends (`read_failed`).
     fn reap_read(&mut self) -> Result<()> {
-        let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
+        let Some((layer, handle)) = self.read_in_flight() else { return Ok(()) };
         // `poll` answers `Ok(true)` whenever nothing of the request is in flight, including a
         // layer that never was or was ended unfilled without the runtime hearing of it (the
         // shape of the partial-abandon bug): only one the object store still holds can
@@ -602,7 +616,7 @@ impl<E: Executor> Runtime<E> {
         if self.executor_failure.is_some() {
             self.reap_read()?;
         }
-        let (Some(layer), Some(handle)) = (self.reads.in_flight, self.prefill.as_ref().and_then(|p| p.retrieve)) else { return Ok(()) };
+        let Some((layer, handle)) = self.read_in_flight() else { return Ok(()) };
         match self.store.wait(handle, self.io_deadline()) {
             Ok(Some(waited)) if waited == layer => {
                 self.complete_read(layer);
@@ -843,7 +857,7 @@ fn read_not_in_flight(handle: RequestHandle, layer: u32, found: Option<u32>) -> 
 /// `retire_ended` it goes on to the live I/O (`advance`), whose own polls will not see it. (A
 /// `Gio` error naming the layer's own IOCB, `WrongState` or `UnknownIocb`, would be a bug: a
 /// warning too, and handed on the same way.)
-pub(super) fn executor_error(error: &ObjstoreError) -> bool {
+fn executor_error(error: &ObjstoreError) -> bool {
     matches!(error, ObjstoreError::Gio(error) if !matches!(error, gio_uring::GioError::WaitTimeout { .. }))
 }
 
