@@ -56,6 +56,14 @@ const PORTS_LOW: u16 = 20_000;
 /// Where the ephemeral range starts when /proc does not say (Linux's default).
 const EPHEMERAL_LOW_DEFAULT: u16 = 32_768;
 
+/// Where the kernel's ephemeral port range starts (ip_local_port_range), or Linux's default.
+fn ephemeral_low() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(EPHEMERAL_LOW_DEFAULT)
+}
+
 /// Free loopback ports: bound, noted, released, each taken below the kernel's ephemeral range
 /// (ip_local_port_range), from a counter that starts at an offset of this process's id, so that
 /// neither an outbound connection (an etcd member dialing its peers, a test's client) nor
@@ -64,10 +72,7 @@ const EPHEMERAL_LOW_DEFAULT: u16 = 32_768;
 /// `START_ATTEMPTS`).
 fn free_ports(count: usize) -> Result<Vec<u16>> {
     static NEXT: std::sync::OnceLock<std::sync::atomic::AtomicU32> = std::sync::OnceLock::new();
-    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
-        .unwrap_or(EPHEMERAL_LOW_DEFAULT);
+    let ephemeral_low = ephemeral_low();
     if ephemeral_low <= PORTS_LOW + 1024 {
         // No room below the ephemeral range: any free port, as the kernel picks it.
         let listeners = (0..count)
@@ -440,10 +445,7 @@ mod tests {
         // Goal: the ports picked for etcd are not ones the kernel gives outbound connections
         // (ip_local_port_range), and two picks in a row (two tests starting their etcds) get
         // different ones although the first pick's were released.
-        let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|text| text.split_whitespace().next()?.parse::<u16>().ok())
-            .unwrap_or(EPHEMERAL_LOW_DEFAULT);
+        let ephemeral_low = ephemeral_low();
         let first = free_ports(6).unwrap();
         let second = free_ports(6).unwrap();
         if ephemeral_low > PORTS_LOW + 1024 {

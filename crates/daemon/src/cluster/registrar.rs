@@ -638,16 +638,8 @@ impl Registrar {
             self.take_commits(store);
             let Some(node) = self.node.as_ref() else { break };
             if delete_turn && !self.to_unregister.is_empty() {
-                let space = self.to_unregister[0].0;
-                let mut batch = Vec::with_capacity(batch_max.min(self.to_unregister.len()));
-                self.to_unregister.retain(|&(other, segment)| {
-                    if other == space && batch.len() < batch_max {
-                        batch.push(segment);
-                        false
-                    } else {
-                        true
-                    }
-                });
+                let within = self.to_unregister.len();
+                let (space, batch) = take_batch(&mut self.to_unregister, within, batch_max);
                 if let Err(error) = node.unregister(&space, &batch) {
                     self.to_unregister.extend(batch.into_iter().map(|segment| (space, segment)));
                     return Err(error);
@@ -718,17 +710,7 @@ impl Registrar {
             if transactions > 0 {
                 self.take_commits(store);
             }
-            let space = self.stale[0].0;
-            let mut batch = Vec::with_capacity(batch_max.min(owed));
-            let mut position = 0;
-            self.stale.retain(|&(other, segment)| {
-                let taken = position < owed && other == space && batch.len() < batch_max;
-                position += 1;
-                if taken {
-                    batch.push(segment);
-                }
-                !taken
-            });
+            let (space, batch) = take_batch(&mut self.stale, owed, batch_max);
             match client.forget(&self.record.node, self.previous_lease, &space, &batch) {
                 Ok(_) => {}
                 Err(error @ ClusterError::NodeIdTaken { .. }) => {
@@ -868,6 +850,24 @@ fn manifest_failed(manifest: &mut Option<Manifest>, metrics: &ClusterMetrics, er
     metrics.manifest_errors.inc();
     tracing::error!(%error, "writing the segment manifest failed; it is not written again until restart");
     *manifest = None;
+}
+
+/// Takes one transaction's batch off the front of `queue`: up to `batch_max` segments of the
+/// first entry's model space among its first `within` entries, in order; the rest stay, in
+/// order. `queue` must not be empty.
+fn take_batch(queue: &mut Vec<(ModelSpace, Segment)>, within: usize, batch_max: usize) -> (ModelSpace, Vec<Segment>) {
+    let space = queue[0].0;
+    let mut batch = Vec::with_capacity(batch_max.min(within));
+    let mut position = 0;
+    queue.retain(|&(other, segment)| {
+        let taken = position < within && other == space && batch.len() < batch_max;
+        position += 1;
+        if taken {
+            batch.push(segment);
+        }
+        !taken
+    });
+    (space, batch)
 }
 
 #[cfg(test)]

@@ -319,8 +319,7 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
     if too_long {
         return ("400 Bad Request", plain, format!("request head longer than {HEAD_BYTES_MAX} bytes\n"));
     }
-    let line = head.split(|&byte| byte == b'\n').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
+    let line = String::from_utf8_lossy(request_line(head));
     let mut words = line.split_ascii_whitespace();
     let (Some(method), Some(target), Some(version)) = (words.next(), words.next(), words.next()) else {
         return ("400 Bad Request", plain, "not an HTTP request line\n".into());
@@ -343,8 +342,13 @@ fn response_for(head: &[u8], too_long: bool, metrics: &Metrics, snapshot: &dyn F
 /// Whether the request line's method is `HEAD` (its answer has no body), its words split on
 /// whitespace as [`response_for`] splits them (a tab after the method included).
 fn is_head_request(head: &[u8]) -> bool {
-    let line = head.split(|&byte| byte == b'\n').next().unwrap_or_default();
-    line.split(u8::is_ascii_whitespace).find(|word| !word.is_empty()) == Some(&b"HEAD"[..])
+    request_line(head).split(u8::is_ascii_whitespace).find(|word| !word.is_empty()) == Some(&b"HEAD"[..])
+}
+
+/// The head's first line (to its first LF), which both [`response_for`] and
+/// [`is_head_request`] read.
+fn request_line(head: &[u8]) -> &[u8] {
+    head.split(|&byte| byte == b'\n').next().unwrap_or_default()
 }
 
 /// Starts answering `pending`'s request: writes what its socket takes now (without blocking)
