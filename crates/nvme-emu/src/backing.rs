@@ -341,17 +341,17 @@ impl FileStore {
         options.read(true).write(true).create(create_bytes.is_some()).mode(0o600);
         let mut buffered = options.open(path).map_err(open_error(path))?;
         let mut size_bytes = buffered.seek(SeekFrom::End(0)).map_err(open_error(path))?;
+        // One fstat: growing the file (below) changes neither its type nor its identity.
+        let metadata = buffered.metadata().map_err(open_error(path))?;
+        let identity = (metadata.dev(), metadata.ino());
         if let Some(wanted) = create_bytes {
             // Only a regular file is grown: a block device has its own size, and set_len on a
             // character device fails (EINVAL), or would try to truncate what it is.
-            let regular = buffered.metadata().map_err(open_error(path))?.is_file();
-            if regular && size_bytes < wanted {
+            if metadata.is_file() && size_bytes < wanted {
                 buffered.set_len(wanted).map_err(open_error(path))?;
                 size_bytes = wanted;
             }
         }
-        let metadata = buffered.metadata().map_err(open_error(path))?;
-        let identity = (metadata.dev(), metadata.ino());
         // The path is looked up a second time: a file renamed or linked into its place between
         // the two opens would be served by half the descriptors (aligned transfers to one file,
         // the rest to the other). Refused; the caller's check against the file it locked
