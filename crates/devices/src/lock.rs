@@ -401,8 +401,7 @@ impl DeviceLocks {
                 Ok(read) => read,
                 Err(source) => {
                     let error = DeviceError::Io { context: format!("examining {} to narrow its mode", path.display()), source };
-                    self.narrowed.truncate(first_new);
-                    return Err(self.put_back(&changed, chmod_fn, error));
+                    return Err(self.put_back(first_new, &changed, chmod_fn, error));
                 }
             };
             if from & 0o077 == 0 {
@@ -422,8 +421,7 @@ impl DeviceLocks {
                             path: path.clone(),
                             reason: format!("it was given to another user while it was locked: {reason}"),
                         };
-                        self.narrowed.truncate(first_new);
-                        return Err(self.put_back(&changed, chmod_fn, error));
+                        return Err(self.put_back(first_new, &changed, chmod_fn, error));
                     }
                     PoolFileAccess::Keep | PoolFileAccess::Narrow(_) => continue,
                 }
@@ -448,8 +446,7 @@ impl DeviceLocks {
             match outcome {
                 Ok(narrowing) => self.narrowed.push((path.clone(), from, narrowing)),
                 Err(error) => {
-                    self.narrowed.truncate(first_new);
-                    return Err(self.put_back(&changed, chmod_fn, error));
+                    return Err(self.put_back(first_new, &changed, chmod_fn, error));
                 }
             }
         }
@@ -457,14 +454,18 @@ impl DeviceLocks {
     }
 
     /// `error`, once every file of `changed` (index in `held`, mode it had, mode it was given)
-    /// got its mode back through `chmod`: those that could not be are named in its context
+    /// got its mode back through `chmod` and the entries this call added to `narrowed` (from
+    /// `first_new` on) were dropped: those that could not be put back are named in its context
     /// (left their owner's only: their owner must know to give the mode back).
     fn put_back(
-        &self,
+        &mut self,
+        first_new: usize,
         changed: &[(usize, u32, u32)],
         chmod: &dyn Fn(&File, u32) -> std::io::Result<()>,
         error: DeviceError,
     ) -> DeviceError {
+        // None of this call's files stays counted as narrowed.
+        self.narrowed.truncate(first_new);
         let mut failures = Vec::new();
         for &(index, from, to) in changed {
             let (path, held) = &self.held[index];
