@@ -348,7 +348,23 @@ impl DeviceLocks {
     /// that only the narrowing failed: it comes after the write, and a bare refusal would read
     /// as if nothing had changed (what the devices held is gone).
     pub fn narrow_pool_files(&mut self, formatted: &[DeviceSpec]) -> Result<Vec<String>, DeviceError> {
-        self.narrow_pool_files_with(formatted, &|file, mode| file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode)))
+        self.narrow_pool_files_with(formatted, &set_mode)
+    }
+
+    /// [`DeviceLocks::narrow_pool_files`] as a filesystem refusing the `nth` fchmod (from 1)
+    /// with `errno` would make it, the others done: for the callers' tests. A test seam, hidden
+    /// from the docs.
+    #[doc(hidden)]
+    pub fn narrow_pool_files_failing(&mut self, formatted: &[DeviceSpec], nth: usize, errno: i32) -> Result<Vec<String>, DeviceError> {
+        let calls = std::cell::Cell::new(0);
+        self.narrow_pool_files_with(formatted, &|file, mode| {
+            calls.set(calls.get() + 1);
+            if calls.get() == nth {
+                Err(std::io::Error::from_raw_os_error(errno))
+            } else {
+                set_mode(file, mode)
+            }
+        })
     }
 
     /// [`DeviceLocks::narrow_pool_files`] with its `fchmod` given as `chmod`: for the callers'
@@ -527,6 +543,11 @@ impl DeviceLocks {
     pub fn paths(&self) -> impl Iterator<Item = &Path> {
         self.held.iter().map(|(path, _)| path.as_path())
     }
+}
+
+/// fchmod on the locked descriptor: what narrowing does to a file.
+fn set_mode(file: &File, mode: u32) -> std::io::Result<()> {
+    file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
 }
 
 /// [`DeviceLocks::check_opened`] over several sets held together (a command that locks the

@@ -275,17 +275,7 @@ impl CreatedFiles {
         #[cfg(not(test))]
         let failing: Option<(usize, i32)> = None;
         let notes = match failing {
-            Some((nth, errno)) => {
-                let calls = std::cell::Cell::new(0);
-                self.device_locks.narrow_pool_files_with(formatted, &|file, mode| {
-                    calls.set(calls.get() + 1);
-                    if calls.get() == nth {
-                        Err(std::io::Error::from_raw_os_error(errno))
-                    } else {
-                        file.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(mode))
-                    }
-                })
-            }
+            Some((nth, errno)) => self.device_locks.narrow_pool_files_failing(formatted, nth, errno),
             None => self.device_locks.narrow_pool_files(formatted),
         };
         for note in notes? {
