@@ -896,6 +896,12 @@ mod tests {
         Mutex::new(StoreState { control, emulators: vec![Some(device)], relay })
     }
 
+    /// Points `registrar` at the local `etcd`, each request within 1 s.
+    fn use_etcd(registrar: &mut Registrar, etcd: &tutti_cluster::local_etcd::LocalEtcd) {
+        registrar.config.endpoints = etcd.endpoints();
+        registrar.config.request_timeout = Duration::from_secs(1);
+    }
+
     /// A registrar of node "a" in cluster `cluster` (16-block segments, etcd unreachable), over
     /// a manifest in `directory` holding `held` under `previous_lease`, as recovered at a start.
     fn registrar_of(
@@ -1245,8 +1251,7 @@ mod tests {
         // A queue of one commit; three transactions, one commit handed over during each.
         let (sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "queue-during-pass", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         registrar.stale = (0..3).map(|i| (space, Segment { index: 0, key: SegmentKey::new(1000 + i).unwrap() })).collect();
@@ -1295,8 +1300,7 @@ mod tests {
         // As the start leaves the manifest: the held segment, the stale ones as dropped records.
         let stale = (0..3).map(|i| (space, Segment { index: 1, key: SegmentKey::new(1000 + i).unwrap() })).collect();
         let mut registrar = registrar_recovered(directory.path(), "first-join", held, stale, 0x77, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let blocks = registrar.config.segment_blocks;
         let path = directory.path().join("segments");
         assert_eq!(super::super::manifest::load(&path, blocks).unwrap().departed.len(), 3);
@@ -1356,8 +1360,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "broken-during-pass", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let store = Arc::new(store());
         assert_eq!(lock(&store).control.counts().slots, 64, "the test fills a pool of 64 one-block slots");
@@ -1506,8 +1509,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "stop-at-join", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let stop = StopHandle::default();
         let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone(), joined: Default::default(), lost: Default::default() };
         let store = store();
@@ -1594,8 +1596,7 @@ mod tests {
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
         let mut registrar = registrar_recovered(directory.path(), "evicting-before-join", HeldSegments::default(), stale, 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
@@ -1632,8 +1633,7 @@ mod tests {
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stale: Vec<_> = (1..=40u64).map(|n| (space, Segment { index: 0, key: SegmentKey::new(900_000 + n).unwrap() })).collect();
         let mut registrar = registrar_recovered(directory.path(), "stale-backlog", HeldSegments::default(), stale, 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
@@ -1750,8 +1750,7 @@ mod tests {
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
         let mut registrar = registrar_recovered(directory.path(), "compaction-after-join", HeldSegments::default(), stale, 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
         outgrow_the_manifest(&mut registrar, space);
@@ -1784,8 +1783,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "evicting-during-pass", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let store = Arc::new(store());
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
@@ -1817,8 +1815,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "order-per-segment", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         registrar.config.txn_ops_max = 1;
         let store = store();
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
@@ -1884,8 +1881,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "clean-leave", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let store = Arc::new(store());
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stop = StopHandle::default();
@@ -1914,8 +1910,7 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "clean-stop-nothing-dropped", HeldSegments::default(), 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let store = Arc::new(store());
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         fill_the_pool(&mut registrar, &store, space);
@@ -1948,8 +1943,7 @@ mod tests {
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
         let mut registrar = registrar_recovered(directory.path(), "read-after-join", HeldSegments::default(), stale, 0, inbox);
-        registrar.config.endpoints = etcd.endpoints();
-        registrar.config.request_timeout = Duration::from_secs(1);
+        use_etcd(&mut registrar, &etcd);
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
         // During the join a commit evicts a held segment and is handed over.
