@@ -73,7 +73,39 @@ pub struct StoreShared {
     pub owner: OwningProcess,
 }
 
+/// What a store is, fixed when it is opened or attached (`StoreShared::new`).
+pub struct StoreIdentity {
+    pub kind: &'static str,
+    pub geometry: Geometry,
+    pub timeout: Duration,
+    pub session: Option<u64>,
+    pub layers_in_flight: u32,
+    pub keepalive: Option<Duration>,
+}
+
 impl StoreShared {
+    /// A store's shared part, no thread started, no layout registered, nobody waiting.
+    pub fn new(state: StoreState, identity: StoreIdentity, owner: OwningProcess) -> StoreShared {
+        let StoreIdentity { kind, geometry, timeout, session, layers_in_flight, keepalive } = identity;
+        StoreShared {
+            state: Mutex::new(state),
+            waiting: AtomicUsize::new(0),
+            wake: Signal::new(),
+            connection_back: Signal::new(),
+            stop: AtomicBool::new(false),
+            service: Mutex::new(None),
+            keepalive_service: Mutex::new(None),
+            kind,
+            geometry,
+            timeout,
+            session,
+            layers_in_flight,
+            keepalive,
+            kv_layout: Mutex::new(None),
+            owner,
+        }
+    }
+
     /// The store's lock; InvalidState in a process other than the one that opened the store
     /// (checked before the lock is taken: a thread of the parent may have held it at the fork).
     pub fn lock(&self) -> Result<MutexGuard<'_, StoreState>, Failure> {
@@ -338,23 +370,11 @@ impl StoreShared {
         timeout: Duration,
         owner: OwningProcess,
     ) -> Arc<StoreShared> {
-        Arc::new(StoreShared {
-            state: Mutex::new(state),
-            waiting: AtomicUsize::new(0),
-            wake: Signal::new(),
-            connection_back: Signal::new(),
-            stop: AtomicBool::new(false),
-            service: Mutex::new(None),
-            keepalive_service: Mutex::new(None),
-            kind: "in-process",
-            geometry,
-            timeout,
-            session: None,
-            layers_in_flight,
-            keepalive: None,
-            kv_layout: Mutex::new(None),
+        Arc::new(StoreShared::new(
+            state,
+            StoreIdentity { kind: "in-process", geometry, timeout, session: None, layers_in_flight, keepalive: None },
             owner,
-        })
+        ))
     }
 
     /// Starts the completion thread if it is not running (one per store).
@@ -946,23 +966,11 @@ impl Store {
         let backend = Backend::LocalOpen { pool: opened.pool, emulators: opened.emulators, locks: opened.locks, config, queue_depth };
         let mut state = StoreState::new(backend, key_space, RequestLimits { layers_in_flight, iocbs, requests_max });
         state.closed_in_forked_children = device_fds;
-        Store::new(StoreShared {
-            state: Mutex::new(state),
-            waiting: AtomicUsize::new(0),
-            wake: Signal::new(),
-            connection_back: Signal::new(),
-            stop: AtomicBool::new(false),
-            service: Mutex::new(None),
-            keepalive_service: Mutex::new(None),
-            kind: "in-process",
-            geometry,
-            timeout,
-            session: None,
-            layers_in_flight,
-            keepalive: None,
-            kv_layout: Mutex::new(None),
-            owner: OwningProcess::current(),
-        })
+        Store::new(StoreShared::new(
+            state,
+            StoreIdentity { kind: "in-process", geometry, timeout, session: None, layers_in_flight, keepalive: None },
+            OwningProcess::current(),
+        ))
     }
 
     #[staticmethod]
@@ -1015,23 +1023,18 @@ impl Store {
         state.daemon = Some(crate::device_memory::AttachedDaemon { socket, process: daemon_process });
         state.daemon_session = Some(session);
         state.closed_in_forked_children = connections;
-        Store::new(StoreShared {
-            state: Mutex::new(state),
-            waiting: AtomicUsize::new(0),
-            wake: Signal::new(),
-            connection_back: Signal::new(),
-            stop: AtomicBool::new(false),
-            service: Mutex::new(None),
-            keepalive_service: Mutex::new(None),
-            kind: "tuttid",
-            geometry,
-            timeout,
-            session: Some(session),
-            layers_in_flight,
-            keepalive: keepalive.then(|| keepalive_interval(lease)),
-            kv_layout: Mutex::new(None),
-            owner: OwningProcess::current(),
-        })
+        Store::new(StoreShared::new(
+            state,
+            StoreIdentity {
+                kind: "tuttid",
+                geometry,
+                timeout,
+                session: Some(session),
+                layers_in_flight,
+                keepalive: keepalive.then(|| keepalive_interval(lease)),
+            },
+            OwningProcess::current(),
+        ))
     }
 
     #[getter]
