@@ -328,9 +328,7 @@ fn an_executor_error_met_polling_a_retiring_request_fails_the_read_in_flight() {
         let io_timeout = Duration::from_secs(8);
         let (mut stack, rigging) = rigged_stack_timed(PolicyChoice::SlackAware, io_timeout);
         retire_a_read(&mut stack);
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let first = prompt(0, 0);
         let targets: Vec<u32> = (10..14).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &first, block_ids: &targets }).unwrap();
@@ -362,9 +360,7 @@ fn an_executor_error_met_polling_a_retiring_request_fails_the_read_in_flight() {
 fn a_write_in_flight_beside_a_retiring_read<E: Executor>(stack: &mut Stack<E>) -> Vec<u32> {
     let layers = common::geometry().layers;
     retire_a_read(stack);
-    stack
-        .device
-        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)));
+    common::lose_completion(&stack.device, 1, NvmOpcode::Write);
     // Shares no block with the prompts before it: a store and no retrieve.
     let fresh: Vec<u32> = (0..4 * common::BLOCK_TOKENS).map(|index| 7_000_000 + index).collect();
     let targets: Vec<u32> = (20..24).collect();
@@ -590,9 +586,7 @@ fn abandon_in_flight_whose_reissue_is_refused_says_what_it_abandoned() {
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
         // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 5, NvmOpcode::Read);
         let logged = stack.runtime.events().len();
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
@@ -639,18 +633,14 @@ fn an_executor_error_met_reissuing_after_abandon_in_flight_fails_the_read_again_
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
         // One command per block: layer 1's first read is the 5th of a 4-block retrieve.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 5, NvmOpcode::Read);
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
         assert_eq!(start.cached_blocks, 4);
         compute_layers(&mut stack, start.id, &tokens, 4..6, &blocks, 0..1);
         // The read handed over again hangs too, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         rigging.poll_fails.store(true, Ordering::SeqCst);
         let abandoned = stack.runtime.abandon_in_flight();
         assert!(matches!(abandoned, Ok(1)), "the lost read was abandoned: {abandoned:?}");

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use common::{bounded, is_the_executor_error, prefill, prompt, rigged_stack_timed, Stack};
 use gio_uring::{Executor, GioError};
 use nvme_driver::spec::NvmOpcode;
-use nvme_emu::{FaultAction, FaultPlan, FaultRule};
 use objstore::KvRequest;
 use tutti_runtime::{IoDirection, IoEventKind, PolicyChoice, RuntimeError};
 
@@ -35,9 +34,7 @@ fn an_executor_error_met_starting_a_read_handed_over_fails_that_read() {
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
         // Layer 0's read is lost, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
@@ -129,9 +126,7 @@ fn an_executor_error_met_starting_a_read_handed_over_while_waiting_fails_that_re
         common::drain_healthy(&mut stack.runtime);
         // One command per block: layer 1's first read is the 5th of a 4-block retrieve. It is
         // lost, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(5, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 5, NvmOpcode::Read);
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
@@ -164,9 +159,7 @@ fn abort_prefill_fails_a_read_handed_over_with_the_executor_error_met_starting_i
         prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
         // Layer 0's read is lost, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let tokens = prompt(0, 1);
         let blocks: Vec<u32> = (4..10).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &tokens, block_ids: &blocks }).unwrap();
@@ -223,9 +216,7 @@ fn begin_prefill_refuses_at_once_for_an_executor_error_met_starting_a_forced_wri
         settle_writes(&mut stack);
         assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
         // The forced write layer is lost, as on a stopped executor.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         let before = stack.runtime.counters();
         let other: Vec<u32> = prompt(1, 0).iter().map(|token| token + 7_000_000).collect();
         let blocks: Vec<u32> = (10..14).collect();
@@ -259,9 +250,7 @@ fn a_drain_fails_at_once_for_an_executor_error_met_starting_a_write_that_hangs()
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         settle_writes(&mut stack);
         assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         rigging.poll_fails_after_submit.store(true, Ordering::SeqCst);
         let started = Instant::now();
         let failed = stack.runtime.drain();

@@ -36,9 +36,7 @@ fn a_read_whose_completion_is_lost_retires_and_the_next_request_goes_on() {
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let second = prompt(0, 1);
         let targets: Vec<u32> = (4..10).collect();
         let start = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &targets }).unwrap();
@@ -167,9 +165,7 @@ fn a_finish_that_cannot_drain_hands_the_runtime_back() {
         let blocks = [0, 1, 2, 3];
         prefill(&mut stack, &tokens, &blocks).unwrap();
         assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         // The engine's KV memory outlives the store, as in an engine.
         let Stack { device: _device, runtime, engine: _engine } = stack;
         let failed = match runtime.finish() {
@@ -210,9 +206,7 @@ fn a_forced_write_that_times_out_is_write_queue_full() {
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         assert_eq!(stack.runtime.queued_stores(), 1, "slack-aware keeps the last layer queued");
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         let second = prompt(1, 0);
         let refused = stack.runtime.begin_prefill(&KvRequest { tokens: &second, block_ids: &[4, 5, 6, 7] });
         assert!(matches!(refused, Err(RuntimeError::WriteQueueFull { .. })), "{refused:?}");
@@ -244,9 +238,7 @@ fn a_read_behind_a_write_whose_completion_is_lost_fails_the_prefill() {
         common::drain_healthy(&mut stack.runtime);
         // The next request's first write (issued once its reads are, under the barrier) loses
         // its completion, and stays in flight past its prefill.
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         let other = prompt(1, 0);
         prefill(&mut stack, &other, &[10, 11, 12, 13]).unwrap();
         assert_eq!(stack.runtime.queued_stores(), 1);
@@ -282,9 +274,7 @@ fn a_drain_whose_write_times_out_is_drain_incomplete() {
         let mut stack = stalled_stack(PolicyChoice::SlackAware);
         let first = prompt(0, 0);
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Write as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Write);
         let drained = stack.runtime.drain();
         assert!(matches!(drained, Err(RuntimeError::DrainIncomplete { queued_stores: 1, retiring: 0 })), "{drained:?}");
         // As `RuntimeConfig::io_timeout` says: a write that timed out leaves its store queued,
@@ -451,9 +441,7 @@ fn writes_beside_a_retiring_read_count_as_mixed() {
         prefill(&mut stack, &first, &[0, 1, 2, 3]).unwrap();
         common::drain_healthy(&mut stack.runtime);
         assert_eq!(stack.runtime.counters().mixed_issues, 0);
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let failed = prefill(&mut stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
         assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
         stack.device.set_faults(FaultPlan::none());
@@ -533,9 +521,7 @@ fn two_retiring(action: WriteQueueFullAction) -> Stack {
     prefill(&mut stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
     common::drain_healthy(&mut stack.runtime);
     for (turn, blocks) in [(1, [4, 5, 6, 7, 8, 9]), (2, [10, 11, 12, 13, 14, 15])] {
-        stack.device.set_faults(
-            FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)),
-        );
+        common::lose_completion(&stack.device, 1, NvmOpcode::Read);
         let failed = prefill(&mut stack, &prompt(0, turn), &blocks);
         assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
     }

@@ -407,15 +407,19 @@ pub fn is_the_executor_error<T>(result: &Result<T, RuntimeError>) -> bool {
     )
 }
 
+/// The device executes its `nth` I/O command of `opcode` (counted from now) and never posts its
+/// completion, as a stopped executor's commands never finish. Replaces the fault plan.
+pub fn lose_completion(device: &EmuDevice, nth: u64, opcode: NvmOpcode) {
+    device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(nth, FaultAction::DropCompletion).with_opcode(opcode as u8)));
+}
+
 /// Stores the first prompt (`prompt(0, 0)`, engine blocks 0..4) and drains it, then prefills
 /// `prompt(0, 1)` (engine blocks 4..10) with its first read's completion lost on the device: the
 /// prefill fails with ReadFailed and its retrieve retires (the fault plan stays set).
 pub fn retire_a_read<E: Executor>(stack: &mut Stack<E>) {
     prefill(stack, &prompt(0, 0), &[0, 1, 2, 3]).unwrap();
     drain_healthy(&mut stack.runtime);
-    stack
-        .device
-        .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::DropCompletion).with_opcode(NvmOpcode::Read as u8)));
+    lose_completion(&stack.device, 1, NvmOpcode::Read);
     let failed = prefill(stack, &prompt(0, 1), &[4, 5, 6, 7, 8, 9]);
     assert!(matches!(failed, Err(RuntimeError::ReadFailed { .. })), "{failed:?}");
     assert_eq!(stack.runtime.retiring_requests(), 1);
