@@ -160,7 +160,9 @@ impl Shared {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PowerLossMode {
     /// Every dirty cached block is lost ([`EmuDevice::power_loss`]): the media holds what was
-    /// written back, all of it together, by a Flush, a FUA, a full cache or a shutdown.
+    /// written back when asked: all of the cache by a Flush of every namespace, a full cache or
+    /// a shutdown; a namespace's or a range's blocks by a Flush of that namespace or a FUA
+    /// command. So it may hold a later write without an earlier one.
     #[default]
     DiscardCache,
     /// A pseudorandom subset of the dirty cached blocks (each with even odds, drawn from `seed`)

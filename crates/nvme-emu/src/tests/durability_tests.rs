@@ -448,3 +448,31 @@ fn a_fua_read_makes_its_cached_blocks_durable() {
         let _ = std::fs::remove_file(&path);
     }
 }
+
+#[test]
+fn discard_cache_can_leave_a_later_write_on_media_without_an_earlier_one() {
+    // Goal: pins what `PowerLossMode::DiscardCache` promises and no more. A FUA Read writes back
+    // only the cached blocks of its own range, so after two cached writes (LBA 0, then LBA 8)
+    // and a FUA Read of LBA 8 the cut leaves the later write on media and loses the earlier
+    // one: a state the host's writes never passed through in order. The docs said until
+    // 2026-12-02 that cached writes reach media only all together in this mode.
+    let (config, path) = file_config("out-of-order", false);
+    let mut host = TestHost::start(config);
+    let mut queue = host.create_io_pair(1, 16);
+    for lba in [0, 8] {
+        write(&host, &mut queue, lba, 0x10, true);
+    }
+    write(&host, &mut queue, 0, 0x20, false);
+    write(&host, &mut queue, 8, 0x28, false);
+    let (entry, _target) = read_entry(&host, 8, true);
+    assert_eq!(status_of(&host.execute_on(&mut queue, entry)), Ok(()));
+    host.device.power_loss();
+    host.enable();
+    let mut queue = host.create_io_pair(1, 16);
+    for (lba, expected) in [(0, 0x10), (8, 0x28)] {
+        let block = read_block(&host, &mut queue, lba);
+        assert!(block.iter().all(|&byte| byte == expected), "LBA {lba} reads {:#x}, not {expected:#x}", block[0]);
+    }
+    drop(host);
+    let _ = std::fs::remove_file(&path);
+}
