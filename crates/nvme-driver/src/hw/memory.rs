@@ -48,6 +48,20 @@ use crate::types::Iova;
 pub const PAGE_SIZE_BYTES: usize = 4096;
 const HUGE_PAGE_SIZE_BYTES: usize = 2 << 20;
 
+/// Whether an allocation of `len` bytes tries 2 MiB hugetlbfs pages first: only with
+/// `prefer_huge`, and only from one huge page up.
+///
+/// Why the threshold: a hugetlbfs allocation is a whole number of huge pages, so a 4 KiB
+/// scratch page, a shadow doorbell page or a 1 KiB admin CQ would each take a 2 MiB page (and a
+/// 2 MiB IOMMU mapping) out of the reserved pool — about 6 MiB per I/O queue pair — and the KV
+/// buffers the pool is reserved for would fall back to 4 KiB pages. What a huge page saves a
+/// small allocation (a few IOMMU entries for rings and scratch that no bulk transfer streams
+/// through) is worth less than the page. From 2 MiB up, less than half of what is taken is
+/// rounding.
+fn tries_huge_pages(len: usize, prefer_huge: bool) -> bool {
+    prefer_huge && len >= HUGE_PAGE_SIZE_BYTES
+}
+
 /// What backs a host allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageKind {
@@ -72,10 +86,12 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
-    /// Allocates `len` bytes rounded up to a page, zeroed and resident. With `prefer_huge`, tries
-    /// 2 MiB pages first (they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages;
-    /// 4 KiB-page memory of 2 MiB or more starts on a 2 MiB boundary and asks the kernel for
-    /// transparent huge pages (see `mmap_transparent_huge`).
+    /// Allocates `len` bytes rounded up to a page, zeroed and resident. With `prefer_huge` and a
+    /// `len` of 2 MiB or more, tries 2 MiB pages first (rounding up to a whole number of them;
+    /// they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages; smaller allocations
+    /// always take 4 KiB pages (see `tries_huge_pages`). 4 KiB-page memory of 2 MiB or more
+    /// starts on a 2 MiB boundary and asks the kernel for transparent huge pages (see
+    /// `mmap_transparent_huge`).
     ///
     /// Resident (`MAP_POPULATE`): memory a device moves data into must be there before the first
     /// command, as VFIO's DMA map makes it by pinning. A lazily faulted page would cost its
@@ -85,7 +101,7 @@ impl HostMemory {
         if len == 0 {
             return Err(HwError::ZeroLength);
         }
-        if let (true, Some(huge_len)) = (prefer_huge, round_up(len, HUGE_PAGE_SIZE_BYTES)) {
+        if let (true, Some(huge_len)) = (tries_huge_pages(len, prefer_huge), round_up(len, HUGE_PAGE_SIZE_BYTES)) {
             if let Ok(memory) = Self::mmap(huge_len, PageKind::Huge2MiB) {
                 return Ok(memory);
             }
@@ -448,10 +464,11 @@ impl DmaRegion {
     /// too.
     ///
     /// Returns the bytes this call newly leaked, for the caller's accounting: what is kept is the
-    /// whole allocation this window belongs to, not just the window (a 4 KiB ring carved from a
-    /// 2 MiB huge page pins the 2 MiB), so the first leak of any window onto an allocation
-    /// reports the allocation's length and later ones report 0. Summing the results of several
-    /// leaks counts each allocation once.
+    /// whole allocation this window belongs to, not just the window (a 4 KiB sub-window of a
+    /// 64 KiB allocation pins the 64 KiB; an allocation in huge pages, 2 MiB or more, is a
+    /// whole number of them), so the first leak of any window onto an allocation reports the
+    /// allocation's length and later ones report 0. Summing the results of several leaks counts
+    /// each allocation once.
     pub fn leak(self) -> usize {
         let first = !self.inner.leaked.swap(true, Ordering::Relaxed);
         let bytes = if first { self.inner.len } else { 0 };
@@ -773,8 +790,9 @@ impl PoolShared {
     }
 }
 
-/// The standard [`DmaAllocator`]: host pages (2 MiB when reservable), IOVAs from a simple
-/// allocator inside `[base, limit)`, programmed through an [`IommuMapper`].
+/// The standard [`DmaAllocator`]: host pages (2 MiB ones for allocations of 2 MiB or more when
+/// reservable), IOVAs from a simple allocator inside `[base, limit)`, programmed through an
+/// [`IommuMapper`].
 #[derive(Clone)]
 pub struct DmaPool {
     shared: Arc<PoolShared>,

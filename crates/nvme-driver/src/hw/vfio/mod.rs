@@ -60,7 +60,8 @@ pub struct VfioOptions {
     /// Where sysfs is mounted (tests use a fake tree; the kernel's device nodes are always
     /// under /dev/vfio).
     pub sysfs_root: PathBuf,
-    /// Back DMA allocations with 2 MiB hugepages when `vm.nr_hugepages` has some reserved.
+    /// Back DMA allocations of 2 MiB or more with 2 MiB hugepages when `vm.nr_hugepages` has some
+    /// reserved (smaller ones always take 4 KiB pages: they would each take a whole huge page).
     pub prefer_huge_pages: bool,
 }
 
