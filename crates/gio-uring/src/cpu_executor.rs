@@ -136,13 +136,16 @@ pub(crate) fn issued_header_or_end(
     }
 }
 
-/// The tag of an NVMe command: which IOCTX of which IOCB it carries.
-fn tag(id: IocbId, ioctx_index: u32) -> u64 {
-    u64::from(id.0) << 32 | u64::from(ioctx_index)
+/// The tag of an NVMe command: which IOCTX of which issue of which IOCB it carries (the issue
+/// sequence number's low 16 bits, so a late completion of an earlier issue is told from the
+/// issue in flight; an IOCTX index is below 2048, `abi::MAX_IOCTX_PER_IOCB`).
+fn tag(id: IocbId, issue_seq: u32, ioctx_index: u32) -> u64 {
+    u64::from(id.0) << 32 | u64::from(issue_seq as u16) << 16 | u64::from(ioctx_index & 0xFFFF)
 }
 
-fn untag(tag: u64) -> (IocbId, u32) {
-    (IocbId((tag >> 32) as u32), tag as u32)
+/// (IOCB, issue sequence number's low 16 bits, IOCTX index) of a [`tag`].
+fn untag(tag: u64) -> (IocbId, u16, u32) {
+    (IocbId((tag >> 32) as u32), (tag >> 16) as u16, tag as u32 & 0xFFFF)
 }
 
 /// The driver's status in the CQE status-field layout of the ABI (phase bit clear).
@@ -293,7 +296,7 @@ impl CpuExecutor {
                     // changed behind the queue's back, or the queue pairs were retired: fail
                     // the IOCTX, never guess.
                     let status = Err((abi::GIO_IOCB_STATUS_INVALID_IOCTX, NvmeStatus::SUCCESS));
-                    if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
+                    if let Some(cqe) = complete_ioctx(memory, id, index, header.issue_seq, status) {
                         if let Err(error) = post_cqe_or_keep(memory, cqe) {
                             first_error.get_or_insert(error);
                         }
@@ -315,7 +318,7 @@ impl CpuExecutor {
                     self.pending_held_only = false;
                     break 'iocbs; // back-pressure: retried on the next poll, in order
                 }
-                if let Err(error) = queue.submit_raw(command, tag(id, index)) {
+                if let Err(error) = queue.submit_raw(command, tag(id, header.issue_seq, index)) {
                     note_device_error(&mut self.stale, &mut first_error, device, error);
                     position += 1; // held in place, like a pair that takes no command
                     continue 'iocbs;
@@ -715,18 +718,21 @@ impl Executor for CpuExecutor {
 }
 
 /// Accounts one NVMe completion to its IOCTX and posts the IOCB's CQE if it was the last. A tag
-/// naming no IOCB (a borrower's [`crate::executor::LENT_COMMAND_TAG`], or garbage) is an error.
+/// naming no IOCB (a borrower's [`crate::executor::LENT_COMMAND_TAG`], or garbage), or another
+/// issue than the one in flight, or no IOCTX of it, is an error and is not counted.
 ///
-/// The IOCB's IOCTX count and issue sequence number come from `issued`, the line this executor
-/// accepted for the issue, not from shared memory: a line 0 rewritten after the issue cannot
-/// make the IOCB end while some of its commands still move data.
+/// The IOCB's issue sequence number comes from `issued`, the line this executor accepted for
+/// the issue, not from shared memory, and the IOCTXs left are counted in host memory
+/// ([`complete_ioctx`]): neither a rewritten line 0 nor a rewritten line 1 can make the IOCB end
+/// while some of its commands still move data. The tag carries the issue's sequence number, so
+/// a completion of an earlier issue that arrives after a reissue is never counted for it.
 fn finish_command(
     memory: &QueueMemory,
     issued: &[Option<IocbHeader>],
     completion: nvme_driver::Completion,
     posting: &mut Result<(), GioError>,
 ) {
-    let (id, index) = untag(completion.tag);
+    let (id, issue_seq, index) = untag(completion.tag);
     let Some(header) = issued.get(id.0 as usize).copied().flatten() else {
         // Not counted: an IOCB this executor issued waits for a reset, which ends it as timed out.
         *posting = Err(GioError::Executor {
@@ -735,8 +741,20 @@ fn finish_command(
         });
         return;
     };
+    if issue_seq != header.issue_seq as u16 || index >= header.ioctx_count {
+        // Not counted: the issue in flight still waits for its own completions (or a reset).
+        *posting = Err(GioError::Executor {
+            executor: "cpu",
+            reason: format!(
+                "completion tag {:#x} names IOCTX {index} of issue {issue_seq} (low 16 bits) of {id}, not one of its issue in flight \
+                 ({}, {} IOCTXs): not counted",
+                completion.tag, header.issue_seq as u16, header.ioctx_count
+            ),
+        });
+        return;
+    }
     let status = completion.status.map_err(|status| (abi::GIO_IOCB_STATUS_NVME_ERROR, abi_status(status)));
-    if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
+    if let Some(cqe) = complete_ioctx(memory, id, index, header.issue_seq, status) {
         if let Err(error) = post_cqe_or_keep(memory, cqe) {
             *posting = Err(error);
         }
@@ -1386,10 +1404,104 @@ mod tests {
         assert_eq!(completion.result, Err(crate::IocbFailure::InvalidIoctx { ioctx_index: 0 }));
     }
 
+    /// Fills another IOCB on the rig's queue with two one-block Reads of device 0 (blocks 0 and
+    /// 1 into the first two 512-byte blocks of the DMA buffer), not issued.
+    fn fill_two_reads<E: Executor>(rig: &mut EmuRig<E>) -> IocbId {
+        use crate::validate::{Descriptor, IocbSpec, IoctxSpec};
+        let id = rig.queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
+        let read = |block: u64| IoctxSpec {
+            device: crate::types::DeviceIndex(0),
+            nsid: rig.controller.namespaces()[0].id.0,
+            start_lba: crate::types::Lba(block),
+            block_count: 1,
+            data: crate::types::Iova(rig._buffer.iova().0 + block * 512),
+            descriptor: Descriptor::Prp { prp2: None },
+            force_unit_access: false,
+        };
+        rig.queue.fill_iocb(id, &IocbSpec::single(Opcode::Read, 0), &[read(0), read(1)]).expect("fill");
+        id
+    }
+
+    /// A two-IOCTX IOCB whose shared completed-IOCTX count another agent sets to 1 right after
+    /// the issue reset it, its second read's completion 300 ms late: it must not end before
+    /// that completion, and ends once with it; its next issue runs on its own completions.
+    fn a_rewritten_progress_line_does_not_end_an_iocb_early<E: Executor>(
+        mut rig: EmuRig<crate::executor::test_double::Corrupting<E>>,
+        who: &str,
+    ) {
+        use crate::types::{LayerIndex, SmBudget};
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        let id = fill_two_reads(&mut rig);
+        assert_eq!(id, rig.queue.executor_mut().iocb, "{who}: the IOCB the wrapper rewrites");
+        let delay = FaultAction::Delay(std::time::Duration::from_millis(300));
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(2, delay)));
+        rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).expect("issue");
+        let early = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_millis(100));
+        assert!(matches!(early, Err(GioError::WaitTimeout { .. })), "{who}: ended while IOCTX 1 was in flight: {early:?}");
+        let done = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("ends with its last completion");
+        assert_eq!(done.result, Ok(()), "{who}");
+        rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).expect("reissue");
+        let again = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(5)).expect("the reissue ends");
+        assert_eq!(again.result, Ok(()), "{who}");
+        assert_eq!(io_commands(&rig.device), 4, "{who}: both issues sent both reads");
+    }
+
+    #[test]
+    fn a_completed_ioctx_count_rewritten_in_shared_memory_does_not_end_an_iocb_early() {
+        // Goal: the CPU executors count an issue's completed IOCTXs in host memory, not in the
+        // shared line 1 another agent can write: a completed_ioctx_count set to 1 after the
+        // issue reset it made the first completion of a two-IOCTX IOCB end it as SUCCESS while
+        // IOCTX 1 still moved data. Both executors.
+        use crate::executor::test_double::Corrupting;
+        let count = core::mem::offset_of!(abi::gio_iocb, completed_ioctx_count);
+        let single = emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(1), count, 1));
+        a_rewritten_progress_line_does_not_end_an_iocb_early(single, "CPU executor");
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let pooled = emu_rig(|pair| Corrupting::new(workers(pair), IocbId(1), count, 1));
+        a_rewritten_progress_line_does_not_end_an_iocb_early(pooled, "CPU workers");
+    }
+
+    #[test]
+    fn a_completion_of_an_earlier_issue_is_not_counted_against_the_next() {
+        // Goal: a command's tag carries its issue's sequence number, so a completion that
+        // arrives after its IOCB was issued again (the issue it belonged to ended some other
+        // way) is refused as an executor error, never counted against the new issue.
+        let memory = QueueMemory::new(crate::layout::QueueConfig { depth: 2, ioctx_per_iocb_max: 2 }).expect("memory");
+        let id = IocbId(1);
+        let header = IocbHeader {
+            id: 1,
+            ioctx_count: 2,
+            ioctx_first: 2,
+            layer_count: 1,
+            layer: 0,
+            issue_seq: 6,
+            opcode: Opcode::Read.to_abi(),
+            user_data: 0,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0,
+            desc_stride_bytes: 0,
+        };
+        memory.write_iocb_progress(id, &crate::layout::IocbProgress::ISSUED, std::sync::atomic::Ordering::Release);
+        memory.arm_issue(id, header.ioctx_count);
+        let issued = vec![None, Some(header)];
+        let completion = |tag| nvme_driver::Completion { tag, command_id: nvme_driver::CommandId(0), opcode: 0x02, dw0: 0, status: Ok(()) };
+        let mut posting = Ok(());
+        finish_command(&memory, &issued, completion(self::tag(id, 5, 1)), &mut posting);
+        assert!(matches!(&posting, Err(GioError::Executor { reason, .. }) if reason.contains("issue")), "{posting:?}");
+        let mut posting = Ok(());
+        finish_command(&memory, &issued, completion(self::tag(id, 6, 0)), &mut posting);
+        posting.expect("IOCTX 0 of the issue in flight is counted");
+        assert_eq!(memory.read_iocb_progress(id).status, abi::GIO_IOCB_STATUS_ISSUED, "IOCTX 1 is still to come");
+        let mut posting = Ok(());
+        finish_command(&memory, &issued, completion(self::tag(id, 6, 1)), &mut posting);
+        posting.expect("IOCTX 1 ends it");
+        assert_eq!(memory.read_iocb_progress(id).status, abi::GIO_IOCB_STATUS_SUCCESS);
+    }
+
     #[test]
     fn tags_round_trip_and_statuses_keep_their_fields() {
-        assert_eq!(untag(tag(IocbId(7), 2047)), (IocbId(7), 2047));
-        assert_eq!(untag(tag(IocbId(u32::MAX), u32::MAX)), (IocbId(u32::MAX), u32::MAX));
+        assert_eq!(untag(tag(IocbId(7), 0x1_2345, 2047)), (IocbId(7), 0x2345, 2047));
+        assert_eq!(untag(tag(IocbId(u32::MAX), u32::MAX, 2047)), (IocbId(u32::MAX), 0xFFFF, 2047));
         let media = DriverStatus { code_type: StatusCodeType::from_u8(2), code: 0x81, do_not_retry: true, more: false };
         let status = abi_status(media);
         assert_eq!((status.status_code_type(), status.status_code(), status.do_not_retry()), (2, 0x81, true));

@@ -19,8 +19,9 @@
 //! batch is taken off the SQ with nothing sent and each IOCB is ended at once as TIMEOUT (one
 //! CQE each), so the SQ never stops mid-batch. A worker submits exactly its group of IOCTXs,
 //! without scanning the others, and reaps its own queues. IOCTXs of one IOCB may be spread over several workers:
-//! completion counting is the shared-memory protocol of [`crate::executor::complete_ioctx`] (atomic
-//! counter, compare-and-swap on the first failure and on the final status), so whichever worker
+//! completion counting is the protocol of `executor::complete_ioctx` (an atomic count of
+//! the IOCTXs left in host memory, compare-and-swap on the first failure and on the final
+//! status in shared memory), so whichever worker
 //! completes the last IOCTX posts the one CQE, under the CQ's producer lock.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

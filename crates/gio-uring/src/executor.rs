@@ -2,8 +2,9 @@
 //!
 //! An executor is the SQ's consumer and the CQ's producer: the CPU executors (`cpu_executor`,
 //! `cpu_workers`) and, with the `cuda` feature, the CUDA executor (`gpu`). This module holds the
-//! trait, the completion accounting every executor follows ([`complete_ioctx`], [`post_cqe`]),
-//! and — in tests only — an in-memory test double.
+//! trait, the CPU executors' completion accounting (`complete_ioctx`, crate-private: it counts
+//! in host memory the executor arms when it takes an issue; the CUDA kernel follows the same
+//! protocol on the shared counter), [`post_cqe`], and — in tests only — an in-memory test double.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -122,20 +123,23 @@ pub trait QueuePairReset: Executor {
 }
 
 /// Records the completion of IOCTX `ioctx_index` of IOCB `id` with `status`; returns the CQE to
-/// post if this was the last outstanding IOCTX of the issue. The protocol the GPU kernel follows
-/// too:
+/// post if this was the last outstanding IOCTX of the issue. The CPU executors' side of the
+/// protocol the GPU kernel follows too:
 /// 1. a failure claims `failed_ioctx` with a compare-and-swap (first failure wins), then writes its
 ///    NVMe status and the IOCB status it implies;
-/// 2. the completed-IOCTX counter is incremented with AcqRel, so the thread that takes it to the
-///    IOCTX count has seen every earlier failure record;
+/// 2. the IOCTXs left of the issue are counted down with AcqRel, so the thread that counts the
+///    last one has seen every earlier failure record. The count is kept in host memory
+///    ([`QueueMemory::count_ioctx_done`], armed with the validated IOCTX count when the issue was
+///    taken off the SQ), never in the shared `completed_ioctx_count` another agent can write,
+///    which is only brought along as a mirror for the ABI. A completion with none left is not
+///    counted (logged; nothing is returned);
 /// 3. that thread moves `status` off ISSUED with a compare-and-swap: exactly one CQE per issue,
 ///    even if a timeout path raced it. It then notes that a CPU executor's issue of the IOCB
 ///    has ended (`QueueMemory::end_issue_taken`) before the CQE goes out.
-pub fn complete_ioctx(
+pub(crate) fn complete_ioctx(
     memory: &QueueMemory,
     id: IocbId,
     ioctx_index: u32,
-    ioctx_count: u32,
     issue_seq: u32,
     status: Result<(), (u32, NvmeStatus)>,
 ) -> Option<Cqe> {
@@ -155,8 +159,12 @@ pub fn complete_ioctx(
             region.store_u16(memory.iocb_field_offset(id, IocbField::FailedStatus), iocb_status as u16, Ordering::Relaxed);
         }
     }
-    let previous = region.fetch_add_u32(memory.iocb_field_offset(id, IocbField::CompletedIoctxCount), 1, Ordering::AcqRel);
-    if previous.wrapping_add(1) != ioctx_count {
+    let Some(last) = memory.count_ioctx_done(id) else {
+        tracing::error!(%id, ioctx_index, issue_seq, "gio-uring: an IOCTX completion with none of its issue outstanding; not counted");
+        return None;
+    };
+    region.fetch_add_u32(memory.iocb_field_offset(id, IocbField::CompletedIoctxCount), 1, Ordering::Relaxed);
+    if !last {
         return None;
     }
     let failed_ioctx = region.load_u32(memory.iocb_field_offset(id, IocbField::FailedIoctx), Ordering::Relaxed);
@@ -355,6 +363,7 @@ pub(crate) mod test_double {
     impl MemoryExecutor {
         fn execute(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
             let header = memory.read_iocb_header(id);
+            memory.arm_issue(id, header.ioctx_count);
             for index in 0..header.ioctx_count {
                 let ioctx = memory.read_ioctx(header.ioctx_first + index);
                 let layer = u64::from(header.layer);
@@ -375,7 +384,7 @@ pub(crate) mod test_double {
                     .find(|(iocb, i, _)| *iocb == id && *i == index)
                     .map(|(_, _, status)| (abi::GIO_IOCB_STATUS_NVME_ERROR, *status));
                 let status = status.map_or(Ok(()), Err);
-                if let Some(cqe) = complete_ioctx(memory, id, index, header.ioctx_count, header.issue_seq, status) {
+                if let Some(cqe) = complete_ioctx(memory, id, index, header.issue_seq, status) {
                     post_cqe(memory, cqe)?;
                 }
             }
@@ -573,17 +582,23 @@ mod tests {
         let memory = QueueMemory::new(QueueConfig { depth: 2, ioctx_per_iocb_max: 4 }).unwrap();
         let id = IocbId(1);
         memory.write_iocb_progress(id, &IocbProgress::ISSUED, Ordering::Release);
+        memory.arm_issue(id, 4);
         let nvme = |sc| Err((abi::GIO_IOCB_STATUS_NVME_ERROR, NvmeStatus::new(0, sc)));
-        assert_eq!(complete_ioctx(&memory, id, 0, 4, 7, Ok(())), None);
-        assert_eq!(complete_ioctx(&memory, id, 2, 4, 7, nvme(0x80)), None);
-        assert_eq!(complete_ioctx(&memory, id, 1, 4, 7, nvme(0x81)), None);
-        let cqe = complete_ioctx(&memory, id, 3, 4, 7, Ok(())).expect("last IOCTX posts");
+        assert_eq!(complete_ioctx(&memory, id, 0, 7, Ok(())), None);
+        assert_eq!(complete_ioctx(&memory, id, 2, 7, nvme(0x80)), None);
+        assert_eq!(complete_ioctx(&memory, id, 1, 7, nvme(0x81)), None);
+        let cqe = complete_ioctx(&memory, id, 3, 7, Ok(())).expect("last IOCTX posts");
         assert_eq!(cqe.failed_ioctx, 2);
         assert_eq!(NvmeStatus(cqe.failed_nvme_status).status_code(), 0x80);
         assert_eq!(u32::from(cqe.status), abi::GIO_IOCB_STATUS_NVME_ERROR);
         assert_eq!(cqe.issue_seq, 7);
-        // Status already final: a second finaliser must not post another CQE.
+        assert_eq!(memory.read_iocb_progress(id).completed_ioctx_count, 4, "the shared count mirrors the host one");
+        // A completion more than the issue's IOCTXs is not counted and posts nothing, even
+        // with the shared mirror rewritten to say one is left.
         memory.region.store_u32(memory.iocb_field_offset(id, IocbField::CompletedIoctxCount), 3, Ordering::Relaxed);
-        assert_eq!(complete_ioctx(&memory, id, 3, 4, 7, Ok(())), None);
+        assert_eq!(complete_ioctx(&memory, id, 3, 7, Ok(())), None);
+        // Status already final: a second finaliser (armed again) must not post another CQE.
+        memory.arm_issue(id, 1);
+        assert_eq!(complete_ioctx(&memory, id, 3, 7, Ok(())), None);
     }
 }

@@ -11,7 +11,7 @@
 //! IOCBs never allocates. Back of the envelope: depth 64 x 2048 IOCTXs x 48 B = 6 MiB per queue.
 
 use core::mem::{offset_of, size_of};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use crate::abi::{self, gio_cqe, gio_iocb, gio_ioctx, gio_ring_header, CACHE_LINE_BYTES};
 use crate::error::GioError;
@@ -162,6 +162,13 @@ pub struct QueueMemory {
     /// `cpu_executor::finish_as_timeout_with`, before its CQE is posted) and by a reset once no
     /// old command can complete. The GPU executor never sets it.
     issues_taken: Box<[AtomicBool]>,
+    /// Per IOCB: IOCTXs of the issue a CPU executor took that have not completed yet, set from
+    /// the validated line 0 when the issue is taken ([`FilledLines::take`]) and counted down
+    /// by [`crate::executor::complete_ioctx`]; the one completion that takes it to zero ends
+    /// the issue. Host memory no other agent can write: the shared `completed_ioctx_count` is
+    /// only a mirror for the ABI (the GPU kernel counts there), so a rewritten one cannot make
+    /// an IOCB end while some of its commands still move data.
+    ioctxs_left: Box<[AtomicU32]>,
 }
 
 macro_rules! field {
@@ -250,7 +257,9 @@ impl QueueMemory {
         let len_bytes = layout.total_bytes.div_ceil(REGION_ALIGN_BYTES) * REGION_ALIGN_BYTES;
         let region = SharedRegion::allocate_host(len_bytes)?;
         let issues_taken = (0..config.depth).map(|_| AtomicBool::new(false)).collect();
-        let memory = Self { region, layout, kept_cqes: crate::executor::KeptCqes::new(config.depth), issues_taken };
+        let ioctxs_left = (0..config.depth).map(|_| AtomicU32::new(0)).collect();
+        let kept_cqes = crate::executor::KeptCqes::new(config.depth);
+        let memory = Self { region, layout, kept_cqes, issues_taken, ioctxs_left };
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;
             memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
@@ -278,6 +287,25 @@ impl QueueMemory {
         if let Some(taken) = self.issues_taken.get(id.0 as usize) {
             taken.store(false, Ordering::Release);
         }
+    }
+
+    /// Notes that the issue of `id` just taken runs `ioctx_count` IOCTXs (see
+    /// [`QueueMemory::ioctxs_left`]). Release: the threads completing them are handed the IOCB
+    /// after this (through the executor's own state or a channel).
+    pub(crate) fn arm_issue(&self, id: IocbId, ioctx_count: u32) {
+        if let Some(left) = self.ioctxs_left.get(id.0 as usize) {
+            left.store(ioctx_count, Ordering::Release);
+        }
+    }
+
+    /// Counts one completed IOCTX of the issue of `id` in flight: `Some(true)` when it was the
+    /// last, `Some(false)` when some are left, `None` when none was outstanding (more
+    /// completions than the issue's IOCTXs, or an id outside the pool): nothing is counted.
+    /// AcqRel, so the thread that counts the last one has seen every earlier failure record.
+    pub(crate) fn count_ioctx_done(&self, id: IocbId) -> Option<bool> {
+        let left = self.ioctxs_left.get(id.0 as usize)?;
+        let previous = left.fetch_update(Ordering::AcqRel, Ordering::Acquire, |left| left.checked_sub(1)).ok()?;
+        Some(previous == 1)
     }
 
     /// Writes the CPU line of an IOCB. Relaxed: published by the SQ tail's Release store.
@@ -483,7 +511,8 @@ impl FilledLines {
     /// Takes the issue of `id` an SQ entry names: only if the IOCB is ISSUED and this queue's
     /// executor has not taken it already (an issue in flight, see
     /// [`QueueMemory::issue_taken`]). Then it is noted as taken (until it ends) and consumed,
-    /// and its sequence number comes back: one more than the previous one; `None` for an IOCB
+    /// its IOCTX count (the validated one) is armed for counting its completions
+    /// ([`QueueMemory::arm_issue`]), and its sequence number comes back: one more than the previous one; `None` for an IOCB
     /// never filled on this queue (nothing is known of its issues). Otherwise the entry is not
     /// an issue of `id` (another agent rewrote it, or named an IOCB twice): nothing of `id` is
     /// touched, not its count, not its status, and [`GioError::WrongState`] says why; the
@@ -493,6 +522,7 @@ impl FilledLines {
         memory.issues_taken[id.0 as usize].store(true, Ordering::Release);
         let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return Ok(None) };
         line.issue_seq = line.issue_seq.wrapping_add(1);
+        memory.arm_issue(id, line.ioctx_count);
         Ok(Some(line.issue_seq))
     }
 
