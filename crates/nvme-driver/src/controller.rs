@@ -14,6 +14,7 @@
 //! rings and scratch page freed (and lets stale queue pairs free theirs); otherwise they are
 //! leaked and counted, because a controller that is still enabled may still write them.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -173,6 +174,11 @@ pub struct Controller {
     /// queue ids, grant and Identify data may then not describe the controller as it is now, so
     /// no queue pair is created (`NvmeError::ControllerNotReady`) until a reset succeeds.
     unfinished: Option<BringUpStage>,
+    /// [`Controller::shutdown`] set CC.SHN since the controller was last seen stopped (a reset's
+    /// CSTS.RDY = 0): a shut-down controller executes no command until it is reset (§3.6.1), so
+    /// no queue pair is created ([`NvmeError::ControllerShutDown`]). Atomic because `shutdown`
+    /// takes `&self`.
+    shut_down: AtomicBool,
     mode: DataPointerMode,
     max_transfer_bytes: u64,
     /// Most bytes one Write Zeroes may cover (WZSL, Identify CNS 06h), `None` for no limit.
@@ -352,6 +358,7 @@ impl Controller {
             refused_namespaces: Vec::new(),
             granted_queue_pairs: 0,
             unfinished: None,
+            shut_down: AtomicBool::new(false),
             mode: DataPointerMode::Prp,
             max_transfer_bytes: PAGE_BYTES,
             write_zeroes_max_bytes: None,
@@ -395,6 +402,8 @@ impl Controller {
                     }
                     self.admin.forget_queue_ids();
                     self.granted_queue_pairs = 0;
+                    // The reset §3.6.1 asks for after a shutdown: the next enable starts afresh.
+                    self.shut_down.store(false, Ordering::Relaxed);
                     // A controller reset clears the Doorbell Buffer Config too.
                     self.shadow_doorbells = ShadowState::Off;
                     // Only now may the function DMA (VFIO opens it, and a function-level reset
@@ -489,12 +498,19 @@ impl Controller {
     /// Refuses new queue pairs after a bring-up that did not finish: a failure after the
     /// controller stopped leaves no grant and no I/O queue (creation would otherwise report the
     /// ids of a grant that no longer exists used up), one before it leaves the controller in
-    /// a state nobody confirmed.
+    /// a state nobody confirmed. Refuses them after a shutdown too, until a reset: the
+    /// controller would not execute the Create commands, and a Create that times out leaves its
+    /// rings leaked and its queue id reserved.
     fn check_brought_up(&self) -> Result<(), NvmeError> {
-        match self.unfinished {
-            Some(stage) => Err(NvmeError::ControllerNotReady { stage }),
-            None => Ok(()),
+        if let Some(stage) = self.unfinished {
+            return Err(NvmeError::ControllerNotReady { stage });
         }
+        // Relaxed: the flag orders no memory; a creation racing a shutdown on another thread
+        // is a caller's race either way.
+        if self.shut_down.load(Ordering::Relaxed) {
+            return Err(NvmeError::ControllerShutDown);
+        }
+        Ok(())
     }
 
     /// Whether this controller's I/O queue pairs use shadow doorbells (asked for in
@@ -829,7 +845,18 @@ impl Controller {
     /// Normal shutdown (§3.6.1): CC.SHN = 01b, wait for CSTS.SHST = complete within the
     /// shutdown bound ([`Controller::shutdown_timeout`]; [`NvmeError::ReadyTimeout`] past it);
     /// `ControllerFatal` as soon as CSTS.CFS shows the shutdown failed.
+    ///
+    /// A shut-down controller executes no command until it is reset (CC.EN 1 → 0), whatever
+    /// this returns: from this call until [`Controller::reset`] succeeds, creating a queue pair
+    /// fails with [`NvmeError::ControllerShutDown`]. Existing queue pairs and admin commands are
+    /// not refused: stop using them before calling this. What the controller does with a
+    /// command sent afterwards is undefined; an admin command that times out holds the admin
+    /// queue ([`NvmeError::QueueBusy`]) until its late completion or a reset, and a pair dropped
+    /// afterwards whose Delete commands time out keeps (leaks) its rings. Reset the controller
+    /// to use it again.
     pub fn shutdown(&self) -> Result<(), NvmeError> {
+        // Before CC.SHN: from the write on the controller may stop taking commands.
+        self.shut_down.store(true, Ordering::Relaxed);
         let configuration = self.registers.read32(registers::CC);
         self.registers.write32(registers::CC, configuration & !(0x3 << 14) | 1 << 14);
         let timeout_ms = self.shutdown_timeout_ms;

@@ -122,6 +122,12 @@ pub enum NvmeError {
     #[error("the controller's last reset stopped at bring-up stage {stage:?} without finishing: no queue pair is created until a reset succeeds")]
     ControllerNotReady { stage: crate::BringUpStage },
 
+    /// [`crate::Controller::shutdown`] was called: a shut-down controller executes no command
+    /// until it is reset (NVMe 2.0 §3.6.1: CC.EN 1 → 0), so no queue pair is created until a
+    /// reset succeeds.
+    #[error("the controller was shut down (CC.SHN): it executes no command until a reset, so no queue pair is created until one succeeds")]
+    ControllerShutDown,
+
     #[error("no free I/O queue identifier: the controller granted {granted} I/O queue pairs")]
     NoQueueAvailable { granted: u16 },
 

@@ -89,3 +89,19 @@ fn a_reserved_shutdown_status_is_not_taken_for_complete() {
     assert_eq!(counters.disables_during_shutdown, 0, "{counters:?}");
     assert_eq!(counters.disables, 1, "{counters:?}");
 }
+
+#[test]
+fn a_shut_down_controller_creates_no_queue_pair_until_a_reset() {
+    // Goal: after a normal shutdown the controller executes no command until CC.EN goes 1 → 0
+    // (§3.6.1), so creating a queue pair is refused up front: before, Create I/O CQ/SQ went to
+    // the controller, and one that timed out there left its rings leaked and its id reserved.
+    // A reset makes the controller usable again.
+    let (_device, mut controller) = bring_up(FakeScript::default());
+    controller.shutdown().expect("shutdown");
+    let host_driven = controller.create_io_queue_pair(8).map(drop);
+    assert!(matches!(host_driven, Err(NvmeError::ControllerShutDown)), "{host_driven:?}");
+    let detached = controller.create_detached_queue_pair(8, None).map(drop);
+    assert!(matches!(detached, Err(NvmeError::ControllerShutDown)), "{detached:?}");
+    controller.reset(false).expect("reset");
+    controller.create_io_queue_pair(8).expect("a reset controller creates queue pairs again");
+}
