@@ -287,14 +287,14 @@ impl CpuExecutor {
                 let ioctx = memory.read_ioctx(header.ioctx_first + index);
                 let device = usize::from(ioctx.device_index);
                 let command = Self::command(&header, &ioctx);
-                if self.index.is_some() && matches!(self.queues.get(device), Some(None)) {
-                    pending.next += 1; // another worker's device
-                    continue;
-                }
                 let (Some(Some(queue)), Some(command)) = (self.queues.get_mut(device), command) else {
                     // Validation at fill time makes this unreachable unless shared memory was
                     // changed behind the queue's back, or the queue pairs were retired: fail
-                    // the IOCTX, never guess.
+                    // the IOCTX, never guess. In worker mode too: the index gives this worker
+                    // only IOCTXs dealt to it for a device it serves, so a record naming
+                    // another worker's device was rewritten since the dealing; skipping it
+                    // would leave it uncounted (no worker runs it) and the IOCB in flight
+                    // until its caller's deadline, with no error naming the cause.
                     let status = Err((abi::GIO_IOCB_STATUS_INVALID_IOCTX, NvmeStatus::SUCCESS));
                     if let Some(cqe) = complete_ioctx(memory, id, index, header.issue_seq, status) {
                         if let Err(error) = post_cqe_or_keep(memory, cqe) {
@@ -1496,6 +1496,33 @@ mod tests {
         finish_command(&memory, &issued, completion(self::tag(id, 6, 1)), &mut posting);
         posting.expect("IOCTX 1 ends it");
         assert_eq!(memory.read_iocb_progress(id).status, abi::GIO_IOCB_STATUS_SUCCESS);
+    }
+
+    #[test]
+    fn a_worker_dealt_an_ioctx_whose_device_it_does_not_serve_fails_it() {
+        // Goal: a worker reads each IOCTX record at its pump; one that names a device of
+        // another worker by then (the record was rewritten after the dealing) is failed as
+        // INVALID_IOCTX, with its CQE, instead of being skipped uncounted, which left the IOCB
+        // in flight until its caller's deadline with no error naming the cause.
+        let index = Arc::new(IoctxIndex::new(4, 4, 1));
+        let worker_index = Arc::clone(&index);
+        let mut rig = emu_rig_on_devices(2, move |pairs| {
+            let mut pairs = pairs.into_iter();
+            let own = pairs.next();
+            if let Some(other) = pairs.next() {
+                other.delete().expect("the other worker's pair is deleted");
+            }
+            CpuExecutor::for_devices(vec![own, None], 4, Some((worker_index, 0)))
+        });
+        let id = fill_read_on(&mut rig, 1);
+        index.build(id, &[0], &mut [0]); // dealt to this worker, which serves device 0 only
+        rig.queue.issue_io(&[id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let ended = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_secs(1));
+        assert!(
+            matches!(ended, Ok(crate::queue::Completion { result: Err(crate::IocbFailure::InvalidIoctx { ioctx_index: 0 }), .. })),
+            "{ended:?}"
+        );
+        assert_eq!(io_commands(&rig.device), 0, "no command was sent");
     }
 
     #[test]
