@@ -775,8 +775,13 @@ impl Controller {
     /// then repeats Identify and Number of Queues. Existing queue pairs become stale first:
     /// from the moment this is called, none of them can write a doorbell (their operations fail
     /// with [`NvmeError::QueueStale`]); create new ones. This waits for any doorbell write or
-    /// queue deletion already in progress on another thread (the latter bounded by the admin
-    /// timeout).
+    /// queue deletion already in progress on another thread. A deletion sends two admin
+    /// commands (Delete SQ, Delete CQ), each bounded by the admin timeout, and deletions take the
+    /// admin queue in turn, behind any admin command already running: with `n` pairs being
+    /// deleted when this is called, the wait is up to about `2n + 1` admin timeouts (with the
+    /// 10 s default and 16 pairs, over 5 minutes) against a controller that answers each just
+    /// in time. One that does not answer at all ends it sooner: after the first timeout the
+    /// admin queue is busy, and the other deletions fail at once ([`NvmeError::QueueBusy`]).
     ///
     /// If the controller never reaches CSTS.RDY = 0 (an error from this call), the old queues
     /// may still be live: their pairs keep (leak) their rings when dropped, until a later reset
