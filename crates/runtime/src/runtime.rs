@@ -92,8 +92,63 @@ struct Reads {
 impl Reads {
     /// Issued by the policy and not completed, in the policy's IOCBs.
     fn outstanding_iocbs(&self) -> u32 {
-        let layers = self.waiting.len() as u32 + u32::from(self.in_flight.is_some());
-        layers.saturating_mul(self.iocbs_per_layer)
+        self.outstanding_layers().saturating_mul(self.iocbs_per_layer)
+    }
+
+    /// The layers waiting and in flight: handed over a layer at a time, each pays the command
+    /// latency (`LayerView::outstanding_read_kernels`).
+    fn outstanding_layers(&self) -> u32 {
+        self.waiting.len() as u32 + u32::from(self.in_flight.is_some())
+    }
+
+    /// The SM budget the outstanding reads are priced on (`LayerView::outstanding_read_sm_budget`):
+    /// the smallest of the budgets the layers waiting and in flight go (went) over on, so that
+    /// none is taken for faster than it runs. A run-ahead layer the policy placed partly in a
+    /// window of few free SMs goes whole on those; priced on the table's largest, the next plan
+    /// placed writes into time it still took. 0 when none is outstanding.
+    fn outstanding_sm_budget(&self) -> u32 {
+        self.waiting.iter().chain(self.in_flight.iter()).filter_map(|&layer| self.budgets.get(layer as usize).copied()).min().unwrap_or(0)
+    }
+
+    /// The policy issued (some of) layer `layer`'s reads on `budget` SMs: the whole layer waits
+    /// to be handed over, with the largest budget any of its issues asked for.
+    fn decide(&mut self, layer: u32, budget: u32) {
+        let index = layer as usize;
+        let Some(unissued) = self.unissued_iocbs.get_mut(index) else { return };
+        if *unissued > 0 {
+            *unissued = 0;
+            self.waiting.push_back(layer);
+            self.budgets[index] = budget;
+        } else if self.waiting.contains(&layer) {
+            self.budgets[index] = self.budgets[index].max(budget);
+        }
+    }
+}
+
+/// What the policy is shown before layer `layer` of a prefill of `input_tokens` (of which
+/// `prefix_tokens` cached) begins.
+fn layer_view<'a>(
+    profile: &'a Profile,
+    reads: &'a Reads,
+    writes: &WriteQueue,
+    input_tokens: u32,
+    prefix_tokens: u32,
+    layer: u32,
+) -> LayerView<'a> {
+    LayerView {
+        table: profile,
+        input_tokens,
+        prefix_tokens,
+        layer,
+        unissued_read_iocbs: &reads.unissued_iocbs,
+        outstanding_read_iocbs: reads.outstanding_iocbs(),
+        outstanding_read_kernels: reads.outstanding_layers(),
+        outstanding_read_sm_budget: reads.outstanding_sm_budget(),
+        outstanding_write_iocbs: writes.outstanding_iocbs(),
+        outstanding_write_kernels: writes.outstanding_layers(),
+        in_flight_write_iocbs: writes.in_flight_iocbs(),
+        in_flight_write_sm_budget: writes.in_flight_sm_budget(),
+        queued_write_iocbs: writes.queued_iocbs(),
     }
 }
 
@@ -102,6 +157,7 @@ fn queue_view<'a>(profile: &'a Profile, reads: &Reads, writes: &WriteQueue, cont
         table: profile,
         context_tokens,
         outstanding_read_iocbs: reads.outstanding_iocbs(),
+        outstanding_read_sm_budget: reads.outstanding_sm_budget(),
         outstanding_write_iocbs: writes.outstanding_iocbs(),
         // Handed over a layer at a time: each pays the command latency.
         outstanding_write_kernels: writes.outstanding_layers(),
@@ -557,21 +613,7 @@ impl<E: Executor> Runtime<E> {
                 self.decide_read(read_layer, self.read_budget.0);
             }
         } else {
-            let view = LayerView {
-                table: &self.profile,
-                input_tokens,
-                prefix_tokens,
-                layer,
-                unissued_read_iocbs: &self.reads.unissued_iocbs,
-                outstanding_read_iocbs: self.outstanding_read_iocbs(),
-                // Handed over a layer at a time: each pays the command latency.
-                outstanding_read_kernels: self.reads.waiting.len() as u32 + u32::from(self.reads.in_flight.is_some()),
-                outstanding_write_iocbs: self.writes.outstanding_iocbs(),
-                outstanding_write_kernels: self.writes.outstanding_layers(),
-                in_flight_write_iocbs: self.writes.in_flight_iocbs(),
-                in_flight_write_sm_budget: self.writes.in_flight_sm_budget(),
-                queued_write_iocbs: self.writes.queued_iocbs(),
-            };
+            let view = layer_view(&self.profile, &self.reads, &self.writes, input_tokens, prefix_tokens, layer);
             let plan =
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
@@ -914,5 +956,76 @@ impl<E: QueuePairReset> Runtime<E> {
                 self.record(request, IoDirection::Write, layer, IoEventKind::Completed, None);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
+    use scheduler::ssd::SsdModel;
+
+    use super::*;
+
+    fn profile() -> Profile {
+        let grid = AnalyticGrid { input_step_tokens: 64, input_step_count: 2, prefix_step_tokens: 64, io_sms: 4, decode_step_tokens: 64 };
+        let io_costs = SsdModel::tutti_two_ssds().cost_table(1 << 20, 16, &[2, 4]).expect("cost table");
+        let table = build_table(&ModelConfig::llama3_8b(), &GpuSpec::h100(), &grid, io_costs, "analytic (test)").expect("table");
+        Profile::from_table(table).expect("valid table")
+    }
+
+    /// A prefill's reads as `begin_prefill` leaves them: every layer unissued, on the largest
+    /// budget until decided.
+    fn reads(layers: usize, iocbs_per_layer: u32, largest: u32) -> Reads {
+        Reads {
+            unissued_iocbs: vec![iocbs_per_layer; layers],
+            iocbs_per_layer,
+            waiting: VecDeque::new(),
+            in_flight: None,
+            done: vec![false; layers],
+            budgets: vec![largest; layers],
+        }
+    }
+
+    /// As `pump_layers` hands the first waiting read over once the one ahead completed.
+    fn hand_over(reads: &mut Reads) {
+        if let Some(done) = reads.in_flight.take() {
+            reads.done[done as usize] = true;
+        }
+        reads.in_flight = reads.waiting.pop_front();
+    }
+
+    #[test]
+    fn the_layer_view_prices_reads_on_the_budget_a_run_ahead_layer_went_out_on() {
+        // Goal: a run-ahead layer the policy placed partly in a 2-SM window goes whole on 2 SMs
+        // (`Reads::decide`), and the next plan's view says so (`outstanding_read_sm_budget`),
+        // so that the policy does not take it for its time on the table's largest budget (4)
+        // and place writes into time it still takes. Before, the view had no read budget and
+        // the policy priced every outstanding read on the largest.
+        let profile = profile();
+        let writes = WriteQueue::new(64, 4);
+        let mut reads = reads(4, 2, 4);
+        // Layer 0's plan: its own KV at once on the largest, layer 1 in a 4-SM window, layer 2
+        // run ahead partly into a 2-SM window (the rest of it unissued by the policy).
+        reads.decide(0, 4);
+        reads.decide(1, 4);
+        reads.decide(2, 2);
+        hand_over(&mut reads);
+        let view = layer_view(&profile, &reads, &writes, 64, 64, 1);
+        assert_eq!((view.outstanding_read_iocbs, view.outstanding_read_kernels, view.outstanding_read_sm_budget), (6, 3, 2));
+        // Layers 0 and 1 done: the run-ahead layer alone, in flight on its 2 SMs.
+        hand_over(&mut reads);
+        hand_over(&mut reads);
+        assert_eq!(reads.in_flight, Some(2));
+        let view = layer_view(&profile, &reads, &writes, 64, 64, 2);
+        assert_eq!((view.outstanding_read_iocbs, view.outstanding_read_sm_budget), (2, 2));
+        assert_eq!(queue_view(&profile, &reads, &writes, 64).outstanding_read_sm_budget, 2);
+        // A layer whose plan also placed some of it on 4 SMs before its handover goes on 4.
+        reads.decide(3, 2);
+        reads.decide(3, 4);
+        hand_over(&mut reads);
+        assert_eq!(layer_view(&profile, &reads, &writes, 64, 64, 3).outstanding_read_sm_budget, 4);
+        // Nothing outstanding: not known.
+        hand_over(&mut reads);
+        assert_eq!(layer_view(&profile, &reads, &writes, 64, 64, 3).outstanding_read_sm_budget, 0);
     }
 }

@@ -59,6 +59,14 @@ pub struct LayerView<'a> {
     /// completed, so its layers waiting and in flight; 1 for a runtime whose queued kernels
     /// hide the latency (the SSD already holds their commands). 0 counts as 1.
     pub outstanding_read_kernels: u32,
+    /// The SM budget the outstanding reads run on, which prices them: `tutti-runtime` hands a
+    /// whole layer over on the budget its plan's issues of it chose (the largest of them), so a
+    /// run-ahead layer partly placed in a window of few free SMs runs entirely on those; of its
+    /// layers waiting and in flight, the smallest such budget. The simulator: the smallest of
+    /// its read jobs' budgets. 0 when not known: priced on the table's largest read budget. A
+    /// budget below every profiled read budget is priced on the slowest of them, as
+    /// [`LayerView::in_flight_write_sm_budget`] is.
+    pub outstanding_read_sm_budget: u32,
     /// Writes released (granted) and not completed, in IOCBs.
     pub outstanding_write_iocbs: u32,
     /// How many kernels the outstanding writes reach the SSD as, each paying the command
@@ -95,6 +103,8 @@ pub struct QueueView<'a> {
     /// Context length (prompt plus tokens generated so far).
     pub context_tokens: u32,
     pub outstanding_read_iocbs: u32,
+    /// As [`LayerView::outstanding_read_sm_budget`].
+    pub outstanding_read_sm_budget: u32,
     pub outstanding_write_iocbs: u32,
     /// As [`LayerView::outstanding_write_kernels`].
     pub outstanding_write_kernels: u32,
@@ -241,18 +251,27 @@ fn fill_windows(
     Ok(Fill { issues, ssd_free_at_us })
 }
 
-/// The budget the write kernel in flight is priced on, from the view's
-/// (`LayerView::in_flight_write_sm_budget`): 0 (not known) is the table's largest write budget.
-fn in_flight_write_budget(table: &Profile, sm_budget: u32) -> u32 {
+/// The budget I/O the view says runs on `sm_budget` SMs is priced on
+/// (`LayerView::in_flight_write_sm_budget` for the write kernel in flight,
+/// `LayerView::outstanding_read_sm_budget` for the outstanding reads): 0 (not known) is the
+/// table's largest budget of that kind.
+fn priced_budget(table: &Profile, kind: IoKind, sm_budget: u32) -> u32 {
     match sm_budget {
-        0 => table.io_sm_budget_max(IoKind::Write),
+        0 => table.io_sm_budget_max(kind),
         // Below every profiled budget `io_duration_us` cannot price it. Not on the smallest:
         // fewer SMs need not be slower (`Profile::io_duration_us`), so the smallest's rows may
         // be faster than a larger budget's, and fewer SMs still are likely slower yet. Above
         // every profiled budget, it is priced on the slowest of them all.
-        budget if budget < table.io_sm_budget_min(IoKind::Write) => u32::MAX,
+        budget if budget < table.io_sm_budget_min(kind) => u32::MAX,
         budget => budget,
     }
+}
+
+/// The outstanding reads, as the kernels they reach the SSD as, on the SMs they run on
+/// (`LayerView::outstanding_read_sm_budget`): the price `plan_layer` and `plan_decode_step`
+/// both put on them.
+fn outstanding_reads_us(table: &Profile, iocbs: u32, kernels: u32, sm_budget: u32) -> Result<f64> {
+    kernels_duration_us(table, IoKind::Read, iocbs, kernels, priced_budget(table, IoKind::Read, sm_budget))
 }
 
 /// The outstanding writes ahead of new I/O, as (the write kernel in flight, priced on the SMs
@@ -267,7 +286,8 @@ fn outstanding_writes_us(
 ) -> Result<(f64, f64)> {
     let largest = table.io_sm_budget_max(IoKind::Write);
     let in_flight_iocbs = in_flight_iocbs.min(outstanding_iocbs);
-    let in_flight_us = kernels_duration_us(table, IoKind::Write, in_flight_iocbs, 1, in_flight_write_budget(table, in_flight_sm_budget))?;
+    let in_flight_us =
+        kernels_duration_us(table, IoKind::Write, in_flight_iocbs, 1, priced_budget(table, IoKind::Write, in_flight_sm_budget))?;
     let behind_us = (kernels_duration_us(table, IoKind::Write, outstanding_iocbs, outstanding_kernels, largest)?
         - kernels_duration_us(table, IoKind::Write, in_flight_iocbs, 1, largest)?)
     .max(0.0);
@@ -349,7 +369,11 @@ impl IoPolicy for SlackAware {
         // (a decode step's free SMs): on the table's largest budget, a layer a 2-SM step
         // released was priced as its 4-SM time and the next layer's reads went into windows
         // it still took. The others, whose budgets the view does not give, are priced on the
-        // largest, as before.
+        // largest, as before. The reads are priced on the SMs they run on as well
+        // (`LayerView::outstanding_read_sm_budget`): `tutti-runtime` hands a whole layer over on
+        // the budget its plan chose, so a run-ahead layer placed partly in a 2-SM window runs
+        // entirely on 2 SMs; priced on the largest, it was taken for its 4-SM time and writes
+        // (rule 4) were placed into time it still took.
         let (in_flight_write_us, writes_behind_us) = outstanding_writes_us(
             table,
             view.in_flight_write_iocbs,
@@ -358,7 +382,7 @@ impl IoPolicy for SlackAware {
             view.outstanding_write_kernels,
         )?;
         let mut ssd_free_at_us =
-            kernels_duration_us(table, IoKind::Read, view.outstanding_read_iocbs, view.outstanding_read_kernels, read_budget)?
+            outstanding_reads_us(table, view.outstanding_read_iocbs, view.outstanding_read_kernels, view.outstanding_read_sm_budget)?
                 + in_flight_write_us;
 
         // 1. This layer's KV is needed now.
@@ -414,7 +438,6 @@ impl IoPolicy for SlackAware {
         let step = view.table.decode_step(view.context_tokens)?;
         let window = SlackWindow { offset_us: 0.0, duration_us: step.duration_us, free_sms: step.free_sms };
         let table = view.table;
-        let read_budget = table.io_sm_budget_max(IoKind::Read);
         let write_budget = table.io_sm_budget_max(IoKind::Write);
         // Reads and writes never share the SSD (the barrier): what is outstanding of each runs
         // one after the other, the writes as the kernels they reach the SSD as. The write
@@ -437,8 +460,10 @@ impl IoPolicy for SlackAware {
             view.outstanding_write_iocbs,
             view.outstanding_write_kernels,
         )?;
-        let busy_until_us =
-            table.io_duration_us(IoKind::Read, view.outstanding_read_iocbs, read_budget)? + in_flight_write_us + writes_behind_us;
+        // The reads on the SMs they run on, as in `plan_layer`.
+        let busy_until_us = outstanding_reads_us(table, view.outstanding_read_iocbs, 1, view.outstanding_read_sm_budget)?
+            + in_flight_write_us
+            + writes_behind_us;
         // A write layer outstanding past the step's end (a layer longer than a step, priced
         // whole from the step's start: the runtime does not say how far into it the SSD is)
         // leaves no room, but the step's time is still granted, to bank: a runtime moving

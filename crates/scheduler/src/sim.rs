@@ -372,6 +372,13 @@ impl<'a> Sim<'a> {
         iocbs.min(f64::from(u32::MAX)) as u32
     }
 
+    /// The SM budget the outstanding reads are priced on (`LayerView::outstanding_read_sm_budget`):
+    /// the smallest of the read jobs' (each job moves on its own, so pricing all of them on the
+    /// smallest takes them for no faster than they are); 0 when none is outstanding.
+    fn outstanding_read_sm_budget(&self) -> u32 {
+        self.reads.iter().map(|j| j.sm_budget).min().unwrap_or(0)
+    }
+
     /// The IOCBs left of the write this request's reads wait behind, and the SM budget it runs
     /// on: the carried write that holds them (`WriteCarry::reads_wait_for_in_flight`; queued
     /// first, it is the write queue's head until it completes). Reads pass every other write.
@@ -549,6 +556,7 @@ impl<'a> Sim<'a> {
             layer,
             unissued_read_iocbs: &self.unissued_read_iocbs,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
+            outstanding_read_sm_budget: self.outstanding_read_sm_budget(),
             // Each read job pays the latency unless queued kernels hide it (then one does).
             outstanding_read_kernels: if self.config.queued_kernels_hide_latency {
                 u32::from(!self.reads.is_empty())
@@ -651,6 +659,7 @@ impl<'a> Sim<'a> {
             table: self.scheduler_table,
             context_tokens,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
+            outstanding_read_sm_budget: self.outstanding_read_sm_budget(),
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             outstanding_write_kernels: self.outstanding_write_kernels(),
             in_flight_write_iocbs,

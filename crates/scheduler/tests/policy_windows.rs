@@ -18,6 +18,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         layer,
         unissued_read_iocbs: unissued,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_read_kernels: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
@@ -155,6 +156,60 @@ fn slack_aware_prices_the_write_in_flight_on_its_own_sm_budget() {
     }
 }
 
+/// Goal: the outstanding reads are priced on the SMs they run on, as the write in flight is.
+/// `tutti-runtime` hands a whole read layer over on the budget its plan chose for it, so a
+/// run-ahead layer partly placed in a 2-SM window runs entirely on 2 SMs: 4 IOCBs take 600 µs
+/// there (150 per IOCB), not the 400 µs they take on 4. Behind them a write may start at 600
+/// at the earliest, in [600,1000). Priced on the table's largest read budget, [100,600) was
+/// granted from 400 as time (a 0-IOCB write a runtime moving layers adds up), under reads still
+/// running. Not known (0) or on 4 SMs: as before; below every profiled budget (1): the slowest.
+#[test]
+fn slack_aware_prices_outstanding_reads_on_their_own_sm_budget() {
+    let table = profile();
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.outstanding_read_iocbs = 4;
+    v.outstanding_read_kernels = 1;
+    v.queued_write_iocbs = 1;
+    let reads_on_2_sms_us = table.io_duration_us(IoKind::Read, 4, 2).unwrap();
+    assert_eq!(reads_on_2_sms_us, 600.0);
+    for budget in [2, 1] {
+        v.outstanding_read_sm_budget = budget;
+        let plan = SlackAware.plan_layer(&v).unwrap();
+        assert!(plan.issues.iter().all(|issue| issue.offset_us >= reads_on_2_sms_us), "read budget {budget}: {plan:?}");
+        assert_eq!(plan.issues, vec![write(1, 4, 600.0, true)], "read budget {budget}");
+    }
+    let window_time = Issue { slack_us: 200.0, ..write(0, 2, 400.0, true) };
+    for budget in [0, 4] {
+        v.outstanding_read_sm_budget = budget;
+        assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![window_time, write(1, 4, 600.0, true)], "read budget {budget}");
+    }
+}
+
+/// Goal: a decode step prices the outstanding reads on their own SM budget too: 4 read IOCBs
+/// on 2 SMs hold the SSD to 600 µs of the 1000 µs step, room for 2 write IOCBs (400 µs on 4
+/// SMs) from 600. Priced on 4 SMs (400 µs) the same 2 went at 400, under the reads.
+#[test]
+fn slack_aware_decode_step_prices_outstanding_reads_on_their_own_sm_budget() {
+    let table = profile();
+    let mut queue = QueueView {
+        table: &table,
+        context_tokens: 1024,
+        outstanding_read_iocbs: 4,
+        outstanding_read_sm_budget: 2,
+        outstanding_write_iocbs: 0,
+        outstanding_write_kernels: 0,
+        in_flight_write_iocbs: 0,
+        in_flight_write_sm_budget: 0,
+        queued_write_iocbs: 4,
+    };
+    assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 600.0, true)]);
+    for budget in [0, 4] {
+        queue.outstanding_read_sm_budget = budget;
+        assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 400.0, true)], "read budget {budget}");
+    }
+}
+
 /// Goal: the released writes waiting behind the reads still come before new writes: a prefill
 /// window's writes start after the write in flight, the reads, then the rest, one after the
 /// other. Windows [0,100) on 4 SMs, [100,600) on 2, [600,1000) on 4; a write IOCB takes 200 µs
@@ -207,6 +262,7 @@ fn slack_aware_defers_writes_to_decode() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -236,6 +292,7 @@ fn slack_aware_decode_step_prices_the_write_in_flight_on_its_own_sm_budget() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 1,
@@ -265,6 +322,7 @@ fn slack_aware_prices_a_write_in_flight_below_every_budget_on_the_slowest() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 1,
@@ -298,6 +356,7 @@ fn slack_aware_decode_step_prices_outstanding_writes_as_plan_layer_does() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 4,
         outstanding_write_kernels: 2,
         in_flight_write_iocbs: 3,
@@ -379,6 +438,7 @@ fn slack_aware_decode_steps_as_priced_are_never_out_of_range() {
             table: &table,
             context_tokens: table.decode_pricing_context(context),
             outstanding_read_iocbs: pick(next()),
+            outstanding_read_sm_budget: [0, 1, 2, 3, 4, u32::MAX][(next() % 6) as usize],
             outstanding_write_iocbs: pick(next()),
             outstanding_write_kernels: pick(next()),
             in_flight_write_iocbs: pick(next()),
@@ -407,6 +467,7 @@ fn slack_aware_decode_steps_between_rows_take_the_fewer_free_sms() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -439,6 +500,7 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -462,6 +524,7 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -553,6 +616,8 @@ fn slack_aware_invariants_hold_on_random_states() {
         v.outstanding_read_iocbs = next(6) as u32;
         v.outstanding_write_iocbs = next(3) as u32;
         v.queued_write_iocbs = next(6) as u32;
+        // Not known, below every profiled budget, profiled, between and above them.
+        v.outstanding_read_sm_budget = next(6) as u32;
         let plan = SlackAware.plan_layer(&v).unwrap();
 
         let mut issued = vec![0u32; common::LAYERS as usize];
@@ -676,6 +741,7 @@ fn slack_aware_prices_outstanding_writes_per_kernel() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 4,
         outstanding_write_kernels: 2,
         in_flight_write_iocbs: 0,
@@ -712,6 +778,7 @@ fn slack_aware_banks_decode_steps_a_write_layer_in_flight_takes_whole() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
+        outstanding_read_sm_budget: 0,
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 0,

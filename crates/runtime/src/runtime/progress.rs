@@ -37,10 +37,6 @@ impl<E: Executor> Runtime<E> {
         now.checked_add(self.config.io_timeout).or_else(|| now.checked_add(IO_TIMEOUT_MAX)).unwrap_or(now)
     }
 
-    pub(super) fn outstanding_read_iocbs(&self) -> u32 {
-        self.reads.outstanding_iocbs()
-    }
-
     /// Applies one issue of a plan.
     pub(super) fn apply(&mut self, issue: &Issue) {
         match (issue.kind, issue.layer) {
@@ -69,18 +65,9 @@ impl<E: Executor> Runtime<E> {
         }
     }
 
-    /// The policy issued (some of) layer `layer`'s reads on `budget` SMs: the whole layer waits
-    /// to be handed over, with the largest budget any of its issues asked for.
+    /// The policy issued (some of) layer `layer`'s reads on `budget` SMs (`Reads::decide`).
     pub(super) fn decide_read(&mut self, layer: u32, budget: u32) {
-        let index = layer as usize;
-        let Some(unissued) = self.reads.unissued_iocbs.get_mut(index) else { return };
-        if *unissued > 0 {
-            *unissued = 0;
-            self.reads.waiting.push_back(layer);
-            self.reads.budgets[index] = budget;
-        } else if self.reads.waiting.contains(&layer) {
-            self.reads.budgets[index] = self.reads.budgets[index].max(budget);
-        }
+        self.reads.decide(layer, budget);
     }
 
     pub(super) fn barrier(&self) -> bool {
