@@ -304,6 +304,32 @@ def test_a_pool_cleared_in_this_process_is_not_opened_again_in_it(tmp_path: Path
     again.close()
 
 
+def test_a_second_backend_on_the_devices_of_an_open_one_is_refused_naming_the_decode_offload_manager(tmp_path: Path):
+    """Goal: on a PD decode server with --disaggregation-decode-enable-offload-kvcache, SGLang's
+    decode KV offload manager (decode_kvcache_offload_manager.py) builds a cache controller, and
+    so a backend, of its own beside the hierarchical radix cache's, from the same extra config and
+    ranks: both fill the device template in alike and would open the same devices in one process.
+    The second is refused with a ConfigError naming that cause and the way out (not the devices'
+    "in use by another daemon ... held by pid <this process>", which blames another daemon); the
+    devices are free again once the first backend closes."""
+    from tutti._engine import ConfigError
+
+    extra = extra_config(tmp_path / "pool.img", True)
+    first = backend("page_first", host_pool("page_first"), extra)
+    second = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra), None)
+    with pytest.raises(ConfigError, match=r"disaggregation-decode-enable-offload-kvcache.*enable-hierarchical-cache") as refused:
+        second.register_mem_pool_host(host_pool("page_first"))
+    assert str(tmp_path / "pool.img") in str(refused.value)
+    assert "daemon" not in str(refused.value)
+    second.close()  # SGLang closes a backend whose attach failed: the first one's devices stay its own
+    third = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", False)), None)
+    with pytest.raises(ConfigError, match="offload"):
+        third.register_mem_pool_host(host_pool("page_first"))
+    first.close()
+    reopened = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", False))
+    reopened.close()
+
+
 def weight_version_change(version: str) -> None:
     """SGLang's Scheduler.record_weight_version_change (scheduler.py, SGLang 0.5.23), restated:
     Scheduler's module imports packages this environment lacks. An in-place weight update

@@ -24,6 +24,9 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
   pages (tutti cannot delete them), so it is not opened again under that fingerprint unless it
   is formatted (`_refuse_cleared_pool`); devices are named by the storage behind them
   (`_device_identity`), however a device string spells it.
+- the open-devices record: the devices this process's backends have open (`_claim_devices`), so
+  a second backend on them (PD decode's KV offload manager builds one beside the hierarchical
+  cache's, from the same config and ranks) is refused naming that, not by the devices' locks.
 
 Apart from tutti/sglang.py (the backend class and its page I/O) to keep each file to one concept;
 tutti.sglang imports these names, and `rank_devices` / `check_rank_devices` stay public there.
@@ -52,6 +55,17 @@ logger = logging.getLogger("tutti.sglang")
 # fingerprint, unless it formats it.
 _CLEARED_POOLS: set[tuple[str, bytes]] = set()
 _CLEARED_POOLS_LOCK = threading.Lock()
+
+
+# The devices the backends of this process have open: device identity (`_device_identity`) ->
+# the backend holding it, weakly (a backend dropped without SGLang's close frees its devices with
+# its store). On a PD decode server with --disaggregation-decode-enable-offload-kvcache SGLang
+# builds two backends in one scheduler process from the one extra config and the same ranks (its
+# decode KV offload manager's, beside the hierarchical radix cache's): both fill the device
+# template in alike, and the second's open would fail on the first's device locks, blaming
+# "another daemon" with this process's own pid (`_claim_devices` refuses it naming the cause).
+_OPEN_DEVICES: dict[str, "weakref.ref[object]"] = {}
+_OPEN_DEVICES_LOCK = threading.Lock()
 
 
 def _device_identities(devices: list[str]) -> tuple[str, ...]:
@@ -143,6 +157,43 @@ def _forget_cleared_pools(identities: tuple[str, ...]) -> None:
     """The devices were formatted: no page of a cleared pool is left on them."""
     with _CLEARED_POOLS_LOCK:
         _CLEARED_POOLS.difference_update({entry for entry in _CLEARED_POOLS if entry[0] in identities})
+
+
+def _claim_devices(owner: object, devices: list[str], identities: tuple[str, ...]) -> None:
+    """Records the devices of `identities` as open by `owner` (a backend, before its pool opens).
+    Raises ConfigError, recording nothing, when another backend of this process that is still
+    alive holds one of them (`_OPEN_DEVICES`)."""
+    with _OPEN_DEVICES_LOCK:
+        holders = [_holder(identity) for identity in identities]
+        if all(holder is None or holder is owner for holder in holders):
+            for identity in identities:
+                _OPEN_DEVICES[identity] = weakref.ref(owner)
+            return
+    raise ConfigError(
+        f"--hicache-storage-backend-extra-config: field 'devices': another tutti backend of this process has "
+        f"{', '.join(devices)} open. SGLang builds two storage backends in one scheduler process on a PD decode "
+        "server with --disaggregation-decode-enable-offload-kvcache and --enable-hierarchical-cache: its decode KV "
+        "offload manager's beside the hierarchical radix cache's, from the one extra config and with the same ranks, "
+        "so both get the same devices, and the extra config cannot give them others. tutti does not support the two "
+        "together: run the decode server without --enable-hierarchical-cache (the offload manager's backend is then "
+        "the only one) or without --disaggregation-decode-enable-offload-kvcache"
+    )
+
+
+def _holder(identity: str) -> Optional[object]:
+    """The live backend that recorded the device `identity` open, or None (call under the lock)."""
+    reference = _OPEN_DEVICES.get(identity)
+    return None if reference is None else reference()
+
+
+def _release_devices(owner: object) -> None:
+    """Forgets the devices `owner` recorded (its pool closed, or did not open), and any whose
+    backend is gone."""
+    with _OPEN_DEVICES_LOCK:
+        for identity in list(_OPEN_DEVICES):
+            holder = _holder(identity)
+            if holder is None or holder is owner:
+                del _OPEN_DEVICES[identity]
 
 
 def _refuse_cleared_pool(devices: list[str], identities: tuple[str, ...], fingerprint: bytes) -> None:

@@ -59,12 +59,14 @@ from tutti._engine import (
 )
 from tutti._sglang_keys import (
     _checkpoint_parts,
+    _claim_devices,
     _device_identities,
     _device_strings_problem,
     _forget_cleared_pools,
     _kv_format_parts,
     _page_layout_parts,
     _refuse_cleared_pool,
+    _release_devices,
     _remember_cleared_pool,
     _shard_parts,
     _unnamed_startup_weights,
@@ -289,28 +291,38 @@ class TuttiHiCacheStorage(HiCacheStorage):
         epochs = self._epochs = _WeightEpochs(private_startup=unnamed is not None)
         if not config["format"]:
             _refuse_cleared_pool(devices, identities, fingerprint)
-        self._store = tutti.Store.open(
-            devices,
-            byte_geometry(layer_block_bytes, layers),
-            format=config["format"],
-            overwrite=config["overwrite"],
-            create_bytes=config["create_bytes"],
-            slots_max=config["slots_max"],
-            model_fingerprint=fingerprint,
-            tp_rank=storage.tp_rank,
-            tp_world=storage.tp_size,
-            lock_dir=config["lock_dir"],
-            requests_max=self._requests_max,
-            iocbs=_iocbs(self._requests_max, self._layers_ahead, layer_block_bytes // 2),
-            queue_depth=config["queue_depth"],
-            timeout_s=self._timeout_s,
-            layers_in_flight=self._layers_ahead,
-            verify_retrieves=config["verify_retrieves"],
-        )
+        # Before the open: a second backend of this process on these devices (PD decode's KV
+        # offload manager's) would fail on the first's device locks naming another daemon.
+        _claim_devices(self, devices, identities)
+        try:
+            self._store = tutti.Store.open(
+                devices,
+                byte_geometry(layer_block_bytes, layers),
+                format=config["format"],
+                overwrite=config["overwrite"],
+                create_bytes=config["create_bytes"],
+                slots_max=config["slots_max"],
+                model_fingerprint=fingerprint,
+                tp_rank=storage.tp_rank,
+                tp_world=storage.tp_size,
+                lock_dir=config["lock_dir"],
+                requests_max=self._requests_max,
+                iocbs=_iocbs(self._requests_max, self._layers_ahead, layer_block_bytes // 2),
+                queue_depth=config["queue_depth"],
+                timeout_s=self._timeout_s,
+                layers_in_flight=self._layers_ahead,
+                verify_retrieves=config["verify_retrieves"],
+            )
+        except BaseException:
+            _release_devices(self)
+            raise
         try:
             self._store.register_kv(tutti.KvLayout.separate(keys, values))
         except BaseException as error:
-            self._store.close()
+            try:
+                self._store.close()
+            finally:
+                _release_devices(self)
             if config["verify_retrieves"] and refuses_crc_less_pool(error):
                 # The pool's own refusal names only reformatting: say the other way out too.
                 raise ConfigError(
@@ -324,6 +336,8 @@ class TuttiHiCacheStorage(HiCacheStorage):
         # Again now that the pool is open: a pool file the format just created has an identity
         # (its inode) only from here on.
         identities = _device_identities(devices)
+        # A file the format created is recorded under its inode too (the next backend's name for it).
+        _claim_devices(self, devices, identities)
         if config["format"]:
             _forget_cleared_pools(identities)  # formatted: nothing stored before the clear is left
         self._pool_identity = (identities, fingerprint)
@@ -694,7 +708,10 @@ class TuttiHiCacheStorage(HiCacheStorage):
                 close_s = self._timeout_s
                 if deadline is not None:
                     close_s = min(close_s, max(deadline - time.monotonic(), _CLOSE_AT_DEADLINE_MIN_S))
-                self._store.close(timeout_s=close_s)
+                try:
+                    self._store.close(timeout_s=close_s)
+                finally:
+                    _release_devices(self)  # a later backend of this process may open them
                 kept = self._store.leaked_registrations()
                 if kept:
                     # Whatever this thread moved: a read of another thread may have been in flight.
