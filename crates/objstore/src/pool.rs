@@ -841,7 +841,8 @@ impl Pool {
     /// device, so it does not count toward [`HEADER_SYNC_FAILURES_FENCE`]. On the executor's
     /// queue pair lent for metadata, which the pool cannot delete, such a timeout would fence
     /// a device that may be healthy until reopen: there the writes are submitted only if the
-    /// whole metadata timeout fits before `deadline`, else they stay staged (`DeadlinePassed`).
+    /// whole metadata timeout fits before `deadline` once the pair is lent (the lend waits for
+    /// the executor's commands on it), else they stay staged (`DeadlinePassed`).
     /// `None`: no deadline but the metadata timeout's.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
         self.sync_devices(lender, deadline, None, None)
@@ -886,12 +887,25 @@ impl Pool {
                 first_error.get_or_insert(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
                 continue;
             }
-            let cut_short = left < full_timeout;
+            let mut cut_short = left < full_timeout;
+            let timeout_is_full = !cut_short;
             let namespace = d.target.namespace;
-            // One absolute end for all of this device's waits: its runs may take several drains.
-            let ends = Instant::now() + left;
-            let mut synced =
-                d.run_metadata(index, lender, &mut None, left, !cut_short, |queue, mirror, _| mirror.sync(queue, namespace, ends));
+            let mut synced = d.run_metadata(index, lender, &mut None, left, timeout_is_full, deadline, |queue, mirror, _| {
+                // One absolute end for all of this device's waits (its runs may take several
+                // drains), measured from here: a lent queue pair comes once the executor's
+                // commands on it have ended, which may take up to `left`, and that wait must
+                // not leave the writes too little time, timing out in flight on a pair the pool
+                // cannot delete (fencing a healthy device). `run_metadata` submits nothing on a
+                // lent pair unless `left` fits before `deadline` from here.
+                let mut ends = Instant::now() + left;
+                if let Some(deadline) = deadline.filter(|&deadline| deadline < ends) {
+                    // Only on a pair of the pool's own (or a temporary one) that took a while
+                    // to make: cut to the caller's deadline, and not counted (below).
+                    ends = deadline;
+                    cut_short = true;
+                }
+                mirror.sync(queue, namespace, ends)
+            });
             if let Err(ObjstoreError::DeadlinePassed { .. }) = synced {
                 synced = Err(ObjstoreError::DeadlinePassed { what: "header sync", done: synced_devices });
             }
@@ -921,8 +935,9 @@ impl Pool {
         for (index, (d, &used)) in self.devices.iter_mut().zip(devices).enumerate() {
             if used {
                 let namespace = d.target.namespace;
-                let flushed =
-                    d.run_metadata(index, lender, &mut None, timeout, true, |queue, _, _| metadata_io::flush(queue, namespace, timeout));
+                let flushed = d.run_metadata(index, lender, &mut None, timeout, true, None, |queue, _, _| {
+                    metadata_io::flush(queue, namespace, timeout)
+                });
                 d.count_flush(index, &flushed);
                 flushed?;
             }
@@ -970,7 +985,7 @@ impl Pool {
                         let lba = superblock.block_lba(slot, j as u32) + u64::from(layer) * superblock.layer_stride_blocks();
                         let d = &mut self.devices[device];
                         let (namespace, timeout) = (d.target.namespace, self.timeout);
-                        readable = d.run_metadata(device, &mut no_lender, &mut temporary, timeout, true, |queue, _, scratch| {
+                        readable = d.run_metadata(device, &mut no_lender, &mut temporary, timeout, true, None, |queue, _, scratch| {
                             let lba_bytes = u64::from(superblock.lba_bytes);
                             match transfer_region(queue, namespace, lba, scratch, 0, pair, lba_bytes, Transfer::Read, timeout) {
                                 Ok(()) => {}

@@ -30,7 +30,11 @@ impl PoolDevice {
     /// fences the device (module docs). `timeout_is_full`: false when a caller's deadline cut
     /// `timeout` below the metadata timeout; then a lent queue pair is not used (a timeout
     /// there would fence the device for the caller's haste, not the device's): nothing is
-    /// submitted and [`ObjstoreError::DeadlinePassed`] is returned.
+    /// submitted and [`ObjstoreError::DeadlinePassed`] is returned. The same holds when the
+    /// lend itself (which waits, up to `timeout`, for the executor's commands on the pair to
+    /// end) leaves less than `timeout` before `deadline`, the caller's: `work` measures its
+    /// waits from after the lend, and on a lent pair they must be whole.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn run_metadata<T>(
         &mut self,
         index: usize,
@@ -38,6 +42,7 @@ impl PoolDevice {
         temporary: &mut Option<IoQueuePair>,
         timeout: Duration,
         timeout_is_full: bool,
+        deadline: Option<Instant>,
         work: impl FnOnce(&mut IoQueuePair, &mut HeaderMirror, &DmaRegion) -> Result<T>,
     ) -> Result<T> {
         self.check_fence(index)?;
@@ -48,7 +53,7 @@ impl PoolDevice {
             let (queue, lent) = match self.queue.as_mut() {
                 Some(queue) => (queue, false),
                 None => match lender.lend(index, Instant::now() + timeout)? {
-                    Some(_) if !timeout_is_full => {
+                    Some(_) if !timeout_is_full || deadline.is_some_and(|deadline| deadline < Instant::now() + timeout) => {
                         return Err(ObjstoreError::DeadlinePassed { what: "metadata command on a lent queue pair", done: 0 })
                     }
                     Some(queue) => (queue, true),

@@ -157,6 +157,51 @@ impl QueueLender for OneQueueLender {
     }
 }
 
+/// Lends one queue pair as an executor busy with other layers on it does: the pair is idle only
+/// 1 ms before the lend's deadline (`lend_queue_pair` waits that long for them to end).
+struct SlowLender(IoQueuePair);
+
+impl QueueLender for SlowLender {
+    fn lend(&mut self, _device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()).saturating_sub(Duration::from_millis(1)));
+        Ok(Some(&mut self.0))
+    }
+}
+
+#[test]
+fn a_slow_lend_does_not_use_up_the_header_writes_time() {
+    // Goal: the executor lends its queue pair only when its own layers on it have ended, up to
+    // the lend's deadline. That wait must not come out of the header writes' time: they used to
+    // get what was left of one metadata timeout measured before the lend, so a lend ending
+    // near its deadline left the writes ~1 ms, they timed out in flight on a pair the pool
+    // cannot delete, and a healthy device (writes answered in 20 ms) was fenced at once.
+    // With a caller's deadline that the lend leaves too little of, nothing is submitted on the
+    // lent pair: DeadlinePassed, the sector stays staged, nothing fenced.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(pool.metadata_queue_shared(0));
+    let timeout = Duration::from_millis(300);
+    pool.set_metadata_timeout(timeout);
+    let mut lender = SlowLender(targets[0].controller.create_io_queue_pair(16).unwrap());
+    let slow_write = FaultRule::every_nth_io(1, FaultAction::Delay(Duration::from_millis(20))).with_opcode(NvmOpcode::Write as u8);
+    device.set_faults(FaultPlan::none().with_rule(slow_write));
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    let synced = pool.sync_headers_by(&mut lender, Some(Instant::now() + timeout + Duration::from_millis(100)));
+    assert!(matches!(synced, Err(ObjstoreError::DeadlinePassed { .. })), "{synced:?}");
+    assert!(!pool.metadata_fenced(0), "the caller's deadline says nothing about the device");
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 1, "the sector stays staged");
+    pool.sync_headers(&mut lender).expect("the writes get the whole metadata timeout after the lend");
+    assert!(!pool.metadata_fenced(0));
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0);
+    device.set_faults(FaultPlan::none());
+}
+
 #[test]
 fn a_header_sync_fits_a_lent_queue_of_depth_4() {
     // Goal: a header sync through a lent queue of depth 4 (3 commands at once) writes a
