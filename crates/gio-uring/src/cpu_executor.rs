@@ -52,7 +52,8 @@ pub struct CpuExecutor {
     doorbell_due: Vec<bool>,
     /// Worker mode: the IOCTX index built at fill time and this worker's number in it.
     index: Option<(Arc<IoctxIndex>, usize)>,
-    /// (device, old queue pair) whose deletion failed in a reset: retried by the next one.
+    /// (device, old queue pair) whose deletion failed in a reset: retried by the next one, and
+    /// reaped by every poll meanwhile (its completions count for the issues in flight).
     undeleted: Vec<(usize, IoQueuePair)>,
     /// Per device: its pair's controller was reset (the driver answers `QueueStale`). Reported
     /// once; from then on the pair is not reaped and its IOCTXs are held back, like a failed
@@ -439,6 +440,64 @@ impl CpuExecutor {
     }
 }
 
+/// How long a retirement waits for the commands still in flight on an attached pair
+/// (`IoQueuePair::attach`) to complete: such a pair cannot delete its queues and says it is
+/// deleted only once none of its commands is in flight, which only reaping lowers. A command
+/// that does not complete within it (a lost completion) leaves the pair undeleted, and the
+/// caller keeps the memory it names.
+pub(crate) const ATTACHED_RETIRE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl CpuExecutor {
+    /// The first half of `retire_queue_pairs`, also run by each worker of `CpuWorkers` on its
+    /// thread: deletes every queue pair held (those kept from a failed deletion too) and says
+    /// whether all are known gone; afterwards nothing is pending and every issue ends at once.
+    ///
+    /// With the queue's `memory`, each pair is reaped first, its completions counted as usual
+    /// (they belong to the issues in flight, whose CQEs go out): an attached pair is deleted
+    /// only when none of its commands is in flight, so one whose last completion arrived but
+    /// was not reaped was never deleted. An attached pair that still holds commands is waited
+    /// for, at most [`ATTACHED_RETIRE_WAIT`], and deleted again. A controller's own pair needs
+    /// no wait: deleting it aborts or finishes what it holds.
+    pub(crate) fn retire_pairs(&mut self, memory: Option<&QueueMemory>) -> bool {
+        let mut retiring = std::mem::take(&mut self.undeleted);
+        retiring.extend(self.queues.iter_mut().enumerate().filter_map(|(device, slot)| slot.take().map(|pair| (device, pair))));
+        let mut posting = Ok(());
+        for (device, mut pair) in retiring {
+            if let Some(memory) = memory {
+                let depth = pair.depth() as usize;
+                if let Err(error) = pair.reap(depth, |completion| finish_command(memory, &self.issued, completion, &mut posting)) {
+                    tracing::warn!(device, %error, "gio-uring CPU executor teardown: reaping a queue pair before its deletion");
+                }
+            }
+            let deleted = match (pair.delete(), memory) {
+                // Only an attached pair with commands in flight answers Unsupported: wait for
+                // them (bounded), then ask again.
+                (Err(undeleted), Some(memory)) if matches!(undeleted.source, nvme_driver::NvmeError::Unsupported { .. }) => {
+                    let mut pair = *undeleted.pair;
+                    let deadline = Instant::now() + ATTACHED_RETIRE_WAIT;
+                    if let Err(error) =
+                        pair.wait_idle(deadline, |completion| finish_command(memory, &self.issued, completion, &mut posting))
+                    {
+                        tracing::warn!(device, %error, "gio-uring CPU executor teardown: an attached pair's commands did not all complete");
+                    }
+                    pair.delete()
+                }
+                (outcome, _) => outcome,
+            };
+            if let Err(error) = deleted {
+                tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
+                self.undeleted.push((device, *error.pair));
+            }
+        }
+        if let Err(error) = posting {
+            tracing::error!(%error, "gio-uring CPU executor teardown: a completion reaped before the deletion");
+        }
+        self.pending.clear();
+        self.retired = true;
+        self.undeleted.is_empty()
+    }
+}
+
 /// The second half of a reset, once no old command can complete: every IOCB still ISSUED ends
 /// as TIMEOUT with one CQE (the compare-and-swap of a normal completion). Returns how many.
 /// Each CQE carries the issue's sequence number as `filled` knows it
@@ -650,6 +709,17 @@ impl Executor for CpuExecutor {
                 note_device_error(&mut self.stale, &mut first_error, device, error);
             }
         }
+        // Pairs whose deletion failed in a reset still deliver completions of the issues in
+        // flight (the reset reclaimed nothing): counted as usual. An attached pair is deleted
+        // only once none of its commands is in flight, which only this lowers, so without it
+        // every later reset failed to delete it. Their errors are not reported here: the next
+        // reset retries the deletion and reports that.
+        for (device, pair) in &mut self.undeleted {
+            let depth = pair.depth() as usize;
+            if let Err(error) = pair.reap(depth, |completion| finish_command(memory, &self.issued, completion, &mut posting)) {
+                tracing::debug!(device, %error, "gio-uring CPU executor: reaping a queue pair whose deletion failed");
+            }
+        }
         if let Err(error) = posting {
             first_error.get_or_insert(error);
         }
@@ -660,18 +730,9 @@ impl Executor for CpuExecutor {
     }
 
     fn retire_queue_pairs(&mut self) -> Option<bool> {
-        let mut retiring = std::mem::take(&mut self.undeleted);
-        retiring.extend(self.queues.iter_mut().enumerate().filter_map(|(device, slot)| slot.take().map(|pair| (device, pair))));
-        for (device, pair) in retiring {
-            if let Err(error) = pair.delete() {
-                tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
-                self.undeleted.push((device, *error.pair));
-            }
-        }
-        self.pending.clear();
-        self.retired = true;
-        let all_deleted = self.undeleted.is_empty();
-        if let (true, Some(memory)) = (all_deleted, &self.memory) {
+        let memory = self.memory.clone();
+        let all_deleted = self.retire_pairs(memory.as_deref());
+        if let (true, Some(memory)) = (all_deleted, &memory) {
             // No command of this executor can complete any more: what is still issued (sent
             // or pending) would never end otherwise.
             end_issued_after_retirement(memory, &mut self.filled, "CPU executor");
@@ -1523,6 +1584,137 @@ mod tests {
             "{ended:?}"
         );
         assert_eq!(io_commands(&rig.device), 0, "no command was sent");
+    }
+
+    /// A gio queue whose CPU executor drives an I/O queue pair attached as a client of a
+    /// daemon would (`IoQueuePair::attach`, over the software controller's shared register
+    /// page), with one filled one-block Read, not issued. Fields drop in order: the queue (and
+    /// the attached pair) first, then the daemon's detached pair, which deletes the queues.
+    struct AttachedRig<E: Executor> {
+        queue: crate::queue::GioQueue<E>,
+        id: IocbId,
+        /// The daemon's side of every pair attached: the rig's, then those of `attach_pair`.
+        detached: Vec<nvme_driver::DetachedQueuePair>,
+        _buffer: nvme_driver::hw::DmaRegion,
+        _controller: nvme_driver::Controller,
+        device: Arc<nvme_emu::EmuDevice>,
+    }
+
+    /// A detached queue pair the controller creates (the daemon's side) and the I/O queue pair
+    /// attached to it over the shared register page (the client's side).
+    fn attach_pair(controller: &nvme_driver::Controller, device: &nvme_emu::EmuDevice) -> (nvme_driver::DetachedQueuePair, IoQueuePair) {
+        use nvme_driver::spec::{COMPLETION_ENTRY_BYTES, SUBMISSION_ENTRY_BYTES};
+        let depth = 16u32;
+        let dma = controller.dma();
+        let rings = (
+            dma.allocate(depth as usize * SUBMISSION_ENTRY_BYTES).expect("SQ"),
+            dma.allocate(depth as usize * COMPLETION_ENTRY_BYTES).expect("CQ"),
+        );
+        let detached = controller.create_detached_queue_pair(depth, Some(rings.clone())).expect("detached pair");
+        let registers = device.shared_register_memory().expect("shared registers");
+        let registers: Arc<dyn nvme_driver::RegisterIo> = Arc::new(nvme_driver::hw::SharedRegisters::new(registers));
+        let attach = nvme_driver::AttachedQueueConfig {
+            layout: detached.layout(),
+            namespaces: controller.namespaces().to_vec(),
+            data_pointer_mode: controller.data_pointer_mode(),
+            max_transfer_bytes: controller.max_transfer_bytes(),
+            sgl_dword_lengths: false,
+        };
+        let pair = IoQueuePair::attach(attach, rings, dma.as_ref(), registers).expect("attach");
+        (detached, pair)
+    }
+
+    fn attached_rig<E: Executor>(executor: impl FnOnce(IoQueuePair) -> E) -> AttachedRig<E> {
+        use crate::types::{DeviceIndex, IovaRange, Lba};
+        use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
+        let config = nvme_emu::EmuConfig::default()
+            .with_backing(nvme_emu::Backing::Memory { bytes: 1 << 20 })
+            .with_namespaces(vec![nvme_emu::NamespaceConfig::new(512, Some(1024))])
+            .with_shared_registers(true);
+        let device = nvme_emu::EmuDevice::start(config).expect("software controller");
+        let backend: Arc<dyn nvme_driver::hw::DeviceBackend> = device.clone();
+        let controller = nvme_driver::Controller::init(backend, nvme_driver::ControllerConfig::default()).expect("bring-up");
+        let (detached, pair) = attach_pair(&controller, &device);
+        let dma = controller.dma();
+        let buffer = dma.allocate(64 << 10).expect("DMA buffer");
+        let namespace = controller.namespaces()[0];
+        let info = DeviceInfo {
+            nsid: namespace.id.0,
+            capacity_blocks: namespace.size_blocks,
+            block_bytes: namespace.block_size_bytes,
+            sgl_supported: false,
+        };
+        let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).expect("registered");
+        let config = crate::layout::QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
+        let mut queue =
+            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info]), registered, executor(pair)).expect("queue");
+        let id = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
+        let ioctx = IoctxSpec {
+            device: DeviceIndex(0),
+            nsid: namespace.id.0,
+            start_lba: Lba(0),
+            block_count: 1,
+            data: buffer.iova(),
+            descriptor: Descriptor::Prp { prp2: None },
+            force_unit_access: false,
+        };
+        queue.fill_iocb(id, &IocbSpec::single(Opcode::Read, 0), &[ioctx]).expect("fill");
+        AttachedRig { queue, id, detached: vec![detached], _buffer: buffer, _controller: controller, device }
+    }
+
+    /// Issues the rig's IOCB, waits until its command was executed (its completion posted,
+    /// not reaped), retires the queue pairs and checks they are all deleted and the IOCB ended
+    /// by its own completion.
+    fn retire_an_attached_pair_with_a_completion_not_reaped<E: Executor>(mut rig: AttachedRig<E>, who: &str) {
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let _ = executor.poll(memory); // the CPU executor sends its command here
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while io_commands(&rig.device) == 0 && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50)); // its completion is posted
+        assert_eq!(rig.queue.executor_mut().retire_queue_pairs(), Some(true), "{who}: the attached pair is idle once reaped");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2)).expect("ended");
+        assert_eq!(done.result, Ok(()), "{who}: ended by its own completion, not as timed out");
+    }
+
+    #[test]
+    fn retiring_an_attached_pair_reaps_what_completed_first() {
+        // Goal: an attached pair says it is deleted only when none of its commands is in
+        // flight, which only reaping lowers: retiring it with a command completed but not
+        // reaped used to answer Some(false) (the caller then keeps its memory for good). The
+        // retirement reaps first: Some(true), and the IOCB ends with its own completion. The
+        // CPU executor's command is sent by a poll and never reaped; a CPU worker reaps on its
+        // own, so for it the test shows the retirement does not lose what the worker had.
+        retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(workers), "CPU workers");
+    }
+
+    #[test]
+    fn a_pair_whose_deletion_failed_is_reaped_until_a_reset_deletes_it() {
+        // Goal: a reset keeps a pair it could not delete (an attached one with a command in
+        // flight) and polls reap it: its completion ends the IOCB as usual and the next reset
+        // deletes it. It used to be reaped by nobody, so an attached pair never became idle
+        // and every later reset failed.
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        let mut rig = attached_rig(|pair| CpuExecutor::new(vec![pair], 4));
+        rig.device
+            .set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, FaultAction::Delay(std::time::Duration::from_millis(300)))));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        executor.poll(memory).expect("the command is sent");
+        let (detached, fresh) = attach_pair(&rig._controller, &rig.device);
+        rig.detached.push(detached);
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert!(executor.reset(memory, vec![fresh]).is_err(), "the attached pair holds a command in flight");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2));
+        assert!(matches!(done, Ok(crate::queue::Completion { result: Ok(()), .. })), "ended by its own completion: {done:?}");
+        let (detached, fresh) = attach_pair(&rig._controller, &rig.device);
+        rig.detached.push(detached);
+        let (executor, memory) = rig.queue.executor_and_memory();
+        assert_eq!(executor.reset(memory, vec![fresh]).expect("the old pair is idle and deleted"), 0);
     }
 
     #[test]

@@ -283,7 +283,7 @@ impl CpuWorkers {
     }
 
     /// Acts on one message just received; `false` when the worker must stop.
-    fn handle(core: &mut CpuExecutor, queued: &AtomicUsize, message: Message) -> bool {
+    fn handle(memory: &QueueMemory, core: &mut CpuExecutor, queued: &AtomicUsize, message: Message) -> bool {
         queued.fetch_sub(1, Ordering::AcqRel);
         match message {
             Message::Iocb(header) => core.accept(header),
@@ -293,8 +293,10 @@ impl CpuWorkers {
             }
             Message::Retire { done } => {
                 // As for a reset. A pair that was not deleted stays in `core` (its rings are
-                // never freed while the controller may use them) and the answer says so.
-                let _ = done.send(core.retire_queue_pairs() == Some(true));
+                // never freed while the controller may use them) and the answer says so. The
+                // pairs are reaped first (their completions counted; an attached pair is
+                // deleted only once idle); `CpuWorkers` ends what is still issued.
+                let _ = done.send(core.retire_pairs(Some(memory)));
             }
             Message::Stop => return false,
             #[cfg(test)]
@@ -310,7 +312,7 @@ impl CpuWorkers {
             loop {
                 match receiver.try_recv() {
                     Ok(message) => {
-                        if !Self::handle(&mut core, &queued, message) {
+                        if !Self::handle(&memory, &mut core, &queued, message) {
                             return;
                         }
                     }
@@ -335,7 +337,7 @@ impl CpuWorkers {
             // arrives, bounded so that a lost wake-up cannot stall it.
             match receiver.recv_timeout(IDLE_WAIT) {
                 Ok(message) => {
-                    if !Self::handle(&mut core, &queued, message) {
+                    if !Self::handle(&memory, &mut core, &queued, message) {
                         return;
                     }
                 }

@@ -90,7 +90,9 @@ pub trait Executor: Send {
     }
 
     /// Teardown: deletes every NVMe queue pair this executor holds now (and retries those kept
-    /// from an earlier failed deletion), and says whether all of them are known gone. `Some(true)`:
+    /// from an earlier failed deletion), and says whether all of them are known gone. The CPU
+    /// executors reap each pair first (an attached one is deleted only once idle: they wait for
+    /// its commands, bounded). `Some(true)`:
     /// none of its commands moves data any more, so the memory its IOCTXs name (the caller's
     /// buffers, descriptor tables and PRP lists) may be freed. `Some(false)`: at least one pair
     /// could not be deleted (its rings are leaked) and its commands may still read or write that
