@@ -152,9 +152,7 @@ impl<E: Executor> StoreData<E> {
                 reason: format!("store config {config:?}: requests_max and ioctx_per_iocb_max must be positive"),
             });
         }
-        if config.verify_retrieves {
-            verify::check_verifiable(&shape, &registration, &dma)?;
-        }
+        verify::check_verifiable(&shape, &registration, &dma, config.verify_retrieves)?;
         // Every command must fit every pool device: the table cuts transfers to the smallest MDTS.
         let max_transfer_bytes = shape.devices.iter().map(|device| device.max_transfer_bytes).min().unwrap_or(0);
         let limits = CommandLimits { max_transfer_bytes, lba_bytes: shape.devices[0].lba_bytes };

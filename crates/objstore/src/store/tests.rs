@@ -1040,6 +1040,51 @@ fn a_store_on_a_healthy_device_commits_while_another_devices_header_writes_hang(
     assert_eq!(pool.index().get(b).map(|location| location.device), Some(1), "B committed durably");
 }
 
+/// Memory the controller reaches only by copies (`DmaAllocator::map_copied`), as it reaches
+/// GPU memory: the host cannot read it through `translate`.
+struct DeviceMemory(std::sync::Mutex<Vec<u8>>);
+
+impl nvme_driver::hw::CopiedMemory for DeviceMemory {
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn read(&self, offset: usize, destination: &mut [u8]) -> std::result::Result<(), nvme_driver::HwError> {
+        destination.copy_from_slice(&self.0.lock().unwrap()[offset..offset + destination.len()]);
+        Ok(())
+    }
+    fn write(&self, offset: usize, source: &[u8]) -> std::result::Result<(), nvme_driver::HwError> {
+        self.0.lock().unwrap()[offset..offset + source.len()].copy_from_slice(source);
+        Ok(())
+    }
+    fn describe(&self) -> String {
+        "test device memory".into()
+    }
+}
+
+#[test]
+fn a_pool_recording_payload_crcs_is_refused_kv_memory_the_host_cannot_read() {
+    // Goal: a pool that records payload CRCs computes them at every commit from the engine's
+    // memory on the CPU; memory the host cannot read (GPU memory) is refused when the store is
+    // built, naming the setting, as the tuttid client refuses it. Only `verify_retrieves` used
+    // to check it: the store was built, and every commit failed, after its reservation had
+    // evicted cached blocks to make room.
+    let fixture = fixture(1, None);
+    let g = geometry();
+    let memory = DeviceMemory(std::sync::Mutex::new(vec![0; (g.block_bytes() * u64::from(ENGINE_BLOCKS)) as usize]));
+    let kv = fixture.dma.map_copied(Arc::new(memory)).expect("device memory");
+    assert!(fixture.dma.translate(kv.iova(), 1).is_err(), "the host cannot read it");
+    let layout = KvLayout::BlockMajor { base: kv.iova(), block_stride_bytes: g.block_bytes() };
+    let registration = KvRegistration::new(g, ENGINE_BLOCKS, layout, DataPointerMode::Prp).expect("registration");
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let config = StoreConfig { verify_retrieves: false, ..StoreConfig::default() };
+    let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
+    match KvStore::new(pool, registration, fixture.dma.clone(), executor, config) {
+        Err(ObjstoreError::InvalidRegistration { reason }) => assert!(reason.contains("payload CRC"), "{reason}"),
+        Err(other) => panic!("expected InvalidRegistration, got {other:?}"),
+        Ok(_) => panic!("a store whose every commit must fail was built"),
+    }
+}
+
 #[test]
 fn key_zero_is_refused() {
     // Goal: 0 is no block's key (the index marks unused entries with it): a request naming it

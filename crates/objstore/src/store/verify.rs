@@ -37,20 +37,41 @@ use super::RequestHandle;
 use crate::error::{KvKind, MismatchedBlock, ObjstoreError, Result};
 use crate::registration::KvRegistration;
 
-/// The check, at construction, for `verify_retrieves`: the pool records payload CRCs, and the
-/// KV memory is host-visible through `dma` (GPU memory is not).
-pub(super) fn check_verifiable(shape: &PoolShape, registration: &KvRegistration, dma: &Arc<dyn DmaAllocator>) -> Result<()> {
-    if !shape.payload_crcs {
+/// The checks, at construction, of what reads the KV memory on the CPU: a pool that records
+/// payload CRCs computes them at every commit from that memory, and `verify_retrieves` (which
+/// also needs such a pool) recomputes them at every retrieve. The memory must then be
+/// host-visible through `dma` (GPU memory is not): refused here, rather than every commit
+/// failing after its reservation evicted cached blocks. As the tuttid client refuses it.
+pub(super) fn check_verifiable(
+    shape: &PoolShape,
+    registration: &KvRegistration,
+    dma: &Arc<dyn DmaAllocator>,
+    verify_retrieves: bool,
+) -> Result<()> {
+    if verify_retrieves && !shape.payload_crcs {
         return Err(ObjstoreError::BadRequest {
             reason: "verify_retrieves needs a pool that records payload CRCs: format it with FormatParams::payload_crc (`tutti pool \
                      format --payload-crc`)"
                 .into(),
         });
     }
+    if !shape.payload_crcs {
+        return Ok(());
+    }
     let object = registration.geometry().object_bytes() as usize;
     let address = registration.object_address(0, KvKind::Key, 0)?;
-    dma.translate(address, object).map_err(|error| ObjstoreError::InvalidRegistration {
-        reason: format!("verify_retrieves reads the KV memory on the CPU, but it is not host-visible through this DMA allocator: {error}"),
+    dma.translate(address, object).map_err(|error| {
+        let reader = if verify_retrieves {
+            "verify_retrieves and the payload CRCs each commit records"
+        } else {
+            "the payload CRCs each commit records"
+        };
+        ObjstoreError::InvalidRegistration {
+            reason: format!(
+                "the pool records payload CRCs, which are computed on the CPU from the KV memory ({reader}), but it is not host-visible \
+                 through this DMA allocator (device memory?): {error}; use host memory, or a pool formatted without payload_crc"
+            ),
+        }
     })?;
     Ok(())
 }
