@@ -330,6 +330,21 @@ def test_a_second_backend_on_the_devices_of_an_open_one_is_refused_naming_the_de
     reopened.close()
 
 
+def test_sglang_s_own_hicache_fields_are_accepted(tmp_path: Path):
+    """Goal: SGLang's PD decode KV offload manager hands the backend the extra config as json.loads
+    reads it, with SGLang's own fields in it (the hierarchical cache's path removes them first:
+    HybridCacheController.parse_storage_backend_extra_config); they are accepted (and ignored: they
+    are SGLang's), with the types SGLang's own parse takes."""
+    sglang_fields = dict(
+        prefetch_threshold=512, prefetch_timeout_base=1, prefetch_timeout_per_ki_token=0.25, hicache_storage_pass_prefix_keys=True
+    )
+    backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", True, **sglang_fields)).close()
+    with pytest.raises(tutti.InvalidArgument, match="prefetch_threshold"):
+        StorageBackendFactory.create_backend(
+            "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, prefetch_threshold="512")), None
+        )
+
+
 def weight_version_change(version: str) -> None:
     """SGLang's Scheduler.record_weight_version_change (scheduler.py, SGLang 0.5.23), restated:
     Scheduler's module imports packages this environment lacks. An in-place weight update

@@ -90,6 +90,14 @@ EXTRA_CONFIG_FIELDS = {
     "class_name": Field(str, "\"TuttiHiCacheStorage\""),
     "interface_v1": Field((int, bool), "must be 1: SGLang then calls the zero-copy batch_get_v1/batch_set_v1", required=True),
     "allocator": Field(str, "SGLang's host pool allocator (\"shm\" or absent)"),
+    # SGLang's own HiCache settings, accepted and ignored: the hierarchical cache's path removes them
+    # before building the backend (HybridCacheController.parse_storage_backend_extra_config), but
+    # PD decode's KV offload manager (decode_kvcache_offload_manager.py) hands the backend the
+    # extra config as json.loads reads it. Their types are the ones SGLang's parse takes.
+    "prefetch_threshold": Field(int, "SGLang's: the fewest tokens a prefetch is started for (ignored by tutti)"),
+    "prefetch_timeout_base": Field((int, float), "SGLang's: a prefetch's base timeout, seconds (ignored by tutti)"),
+    "prefetch_timeout_per_ki_token": Field((int, float), "SGLang's: a prefetch's timeout per 1024 tokens, seconds (ignored by tutti)"),
+    "hicache_storage_pass_prefix_keys": Field(bool, "SGLang's: whether it passes prefix keys to the backend (ignored by tutti)"),
     # tutti's.
     "devices": Field(
         (str, list),
