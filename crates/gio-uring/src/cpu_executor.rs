@@ -1717,6 +1717,74 @@ mod tests {
         assert_eq!(executor.reset(memory, vec![fresh]).expect("the old pair is idle and deleted"), 0);
     }
 
+    /// Refuses every `submit` without consuming the batch (as an executor whose SQ check failed
+    /// before it took anything); forwards the rest.
+    struct RefusingSubmit<E> {
+        inner: E,
+    }
+
+    impl<E: Executor> Executor for RefusingSubmit<E> {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+            self.inner.attach(memory)
+        }
+        fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            self.inner.prepared(memory, id)
+        }
+        fn submit(&mut self, _memory: &QueueMemory, _batch: &IssueBatch) -> Result<(), GioError> {
+            Err(GioError::Executor { executor: "refusing", reason: "refused before taking the batch".into() })
+        }
+        fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+            self.inner.poll(memory)
+        }
+    }
+
+    impl<E: crate::executor::QueuePairReset> crate::executor::QueuePairReset for RefusingSubmit<E> {
+        fn served_queue_depths(&self) -> Vec<(usize, u32)> {
+            self.inner.served_queue_depths()
+        }
+        fn reset(&mut self, memory: &QueueMemory, fresh: Vec<IoQueuePair>) -> Result<usize, GioError> {
+            self.inner.reset(memory, fresh)
+        }
+    }
+
+    /// Issues the rig's IOCB through a submit that takes nothing, rewrites line 0's issue
+    /// sequence number to 5 more, resets, and checks the IOCB ends as TIMEOUT with the issue's
+    /// own number (the queue takes the CQE).
+    fn a_reset_ends_an_issue_never_taken_with_its_own_seq<E: crate::executor::QueuePairReset>(
+        mut rig: EmuRig<RefusingSubmit<E>>,
+        who: &str,
+    ) {
+        use crate::types::{LayerIndex, SmBudget};
+        let issued = rig.queue.issue_io(&[rig.id], LayerIndex(0), SmBudget(1));
+        assert!(matches!(issued, Err(GioError::SubmitFailed { .. })), "{who}: {issued:?}");
+        let memory = rig.queue.memory();
+        let seq = memory.layout.iocb_offset(rig.id) + core::mem::offset_of!(abi::gio_iocb, issue_seq);
+        let rewritten = memory.read_iocb_header(rig.id).issue_seq.wrapping_add(5);
+        memory.region.store_u32(seq, rewritten, std::sync::atomic::Ordering::Relaxed);
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        assert_eq!(rig.queue.reset_queue_pairs(vec![fresh]).expect("reset"), 1, "{who}");
+        let ended = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(2));
+        assert!(
+            matches!(ended, Ok(crate::queue::Completion { result: Err(crate::IocbFailure::Timeout { ioctx_index: None }), .. })),
+            "{who}: {ended:?}"
+        );
+    }
+
+    #[test]
+    fn a_reset_ends_an_issue_never_taken_with_its_own_seq_whatever_line_0_says() {
+        // Goal: an issue whose SQ entry no submit took is ended by the reset with the number
+        // the queue gave it (one more than the last issue taken), whatever line 0 holds by
+        // then: a line 0 rewritten to any other number made the reset post the last issue's
+        // number, the queue dropped the CQE as stale, and the IOCB stayed in flight for ever.
+        let single = emu_rig(|pair| RefusingSubmit { inner: CpuExecutor::new(vec![pair], 4) });
+        a_reset_ends_an_issue_never_taken_with_its_own_seq(single, "CPU executor");
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        a_reset_ends_an_issue_never_taken_with_its_own_seq(emu_rig(|pair| RefusingSubmit { inner: workers(pair) }), "CPU workers");
+    }
+
     #[test]
     fn tags_round_trip_and_statuses_keep_their_fields() {
         assert_eq!(untag(tag(IocbId(7), 0x1_2345, 2047)), (IocbId(7), 0x2345, 2047));

@@ -545,14 +545,17 @@ impl FilledLines {
     /// The sequence number to end IOCB `id`, still ISSUED, with when no command of it can
     /// complete (a reset, a retirement), given the one `shared` line 0 holds and whether its
     /// issue was `taken` off the SQ ([`QueueMemory::issue_taken`], read before the end). Taken:
-    /// the last issue consumed is the one in flight, whatever line 0 says. Not taken: the one
-    /// after it when `shared` says so (an issue whose SQ entry no submit took: it is noted as
-    /// consumed), else the last issue consumed (`shared` was rewritten). `shared` for an IOCB
-    /// never filled on this queue.
+    /// the last issue consumed is the one in flight, whatever line 0 says. Not taken: the IOCB
+    /// is ISSUED by an issue whose SQ entry no submit took (a submit that failed before taking
+    /// it, or an entry rewritten to name another IOCB), and the queue gave that issue one more
+    /// than the last issue consumed: that one, noted as consumed, whatever `shared` says (it may
+    /// have been rewritten; adopting it, or keeping the last issue's number when it differed,
+    /// made the queue drop the CQE as stale and keep the IOCB in flight for ever). `shared` for
+    /// an IOCB never filled on this queue.
     pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32, taken: bool) -> u32 {
         let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return shared };
-        if !taken && shared == line.issue_seq.wrapping_add(1) {
-            line.issue_seq = shared;
+        if !taken {
+            line.issue_seq = line.issue_seq.wrapping_add(1);
         }
         line.issue_seq
     }
