@@ -51,14 +51,18 @@
 //! the table is then validated, so a missing bucket is named; a table in which the slack-aware
 //! policy could never write in a decode step ([`Profile::check_decode_steps_can_write`]) is
 //! refused. Either is [`SchedulerError::ImportedTable`] (the steps were inferred, not declared);
-//! an input that is no multiple of the smallest is a [`SchedulerError::Timeline`] error.
+//! an input that is no multiple of the smallest is a [`SchedulerError::Timeline`] error. Cost
+//! rows above `io_sms` take compute SMs (those a timeline's kernels leave idle): a decode-step
+//! refusal of a table whose rows of a kind have no budget at or below `io_sms` is an
+//! [`SchedulerError::InvalidConfig`] on `io_sms` naming that first.
 
 use std::collections::BTreeMap;
 
 use crate::between::intersect;
 use crate::error::{Result, SchedulerError};
 use crate::table::{
-    Bucket, DecodeStep, GpuIdentity, IoCostEntry, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow, PROFILE_FORMAT_VERSION,
+    Bucket, DecodeStep, GpuIdentity, IoCostEntry, IoKind, LayerProfile, ModelIdentity, Profile, ProfileTable, SlackWindow,
+    PROFILE_FORMAT_VERSION,
 };
 
 const HEADER: &str = "phase,input_tokens,prefix_tokens,layer,kernel,start_us,end_us,sms_used";
@@ -282,9 +286,46 @@ pub fn import_timeline(
         decode_steps,
     };
     let imported = |source| SchedulerError::ImportedTable { input_step_tokens, prefix_step_tokens, source: Box::new(source) };
+    // Cost rows of a kind all above the reservation: a refusal for the decode steps names that
+    // first. Where compute fills its SMs a decode step leaves `io_sms` free, below every such
+    // budget, and the refusal named only the decode steps' free SMs, as though the timeline were
+    // at fault. Such rows are not refused as such: budgets above `io_sms` take SMs compute
+    // leaves idle, which a timeline may have (kernels on fewer SMs than the compute ones).
+    let mismatch = io_reservation_mismatch(&table.io_costs, io_sms);
     let profile = Profile::from_table(table).map_err(imported)?;
-    profile.check_decode_steps_can_write().map_err(imported)?;
+    profile.check_decode_steps_can_write().map_err(|source| match &mismatch {
+        Some(mismatch) => SchedulerError::InvalidConfig { field: "io_sms".into(), reason: format!("{mismatch}; {}", imported(source)) },
+        None => imported(source),
+    })?;
     Ok(profile)
+}
+
+/// What is wrong with cost rows none of whose budgets of a kind is at or below the `io_sms` SMs
+/// reserved for I/O (`None` when every kind with rows has one): each such kind's smallest
+/// budget against `io_sms`. A budget above `io_sms` takes SMs compute may be using, so such a
+/// kind has no kernel that fits where compute fills its SMs: an imported table refused for its
+/// decode steps' free SMs is refused for this (`import_timeline`).
+fn io_reservation_mismatch(io_costs: &[IoCostEntry], io_sms: u32) -> Option<String> {
+    let above: Vec<String> = [IoKind::Read, IoKind::Write]
+        .into_iter()
+        .filter_map(|kind| {
+            let smallest = io_costs.iter().filter(|row| row.kind == kind).map(|row| row.sm_budget).min()?;
+            let name = match kind {
+                IoKind::Read => "read",
+                IoKind::Write => "write",
+            };
+            (smallest > io_sms).then(|| format!("the smallest {name} sm_budget {smallest}"))
+        })
+        .collect();
+    if above.is_empty() {
+        return None;
+    }
+    Some(format!(
+        "io_sms {io_sms} is below {} of the I/O cost rows: budgets above io_sms take SMs compute may be using, and where \
+         compute fills its SMs (sm_count − io_sms) no such kernel fits; measure (or pass) rows at budgets at or below io_sms, or \
+         reserve as many SMs as the smallest budget",
+        above.join(" and ")
+    ))
 }
 
 fn gcd(a: u32, b: u32) -> u32 {

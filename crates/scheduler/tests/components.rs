@@ -631,10 +631,42 @@ fn the_decode_write_predicate_refuses_a_table_with_no_free_sms() {
     let error = profile.check_decode_steps_can_write().unwrap_err();
     assert!(error.to_string().contains("smallest write budget (2 SMs)") && error.to_string().contains("[0, 0]"), "{error}");
     // import refuses to write such a table: a reservation below the write budget leaves the
-    // decode steps (16 SMs busy, clamped to 15) 1 SM where a write needs 2.
+    // decode steps (16 SMs busy, clamped to 15) 1 SM where a write needs 2; the refusal names
+    // the reservation too (`an_io_reservation_below_every_cost_row_budget_is_named_when_the_table_is_refused`).
     let full = timeline(None).replace(",10\n", ",16\n");
     let error = import_timeline(&full, common::model(), common::gpu(), 1, common::io_costs(), "test", "test").unwrap_err();
-    assert!(error.to_string().contains("smallest write budget"), "{error}");
+    assert!(error.to_string().contains("io_sms 1") && error.to_string().contains("smallest write budget"), "{error}");
+}
+
+/// Goal: an imported table whose cost rows of a kind have no budget at or below the SMs
+/// reserved for I/O is, when refused, refused naming that mismatch (`io_sms`, the kind's smallest
+/// `sm_budget`), with the refusal behind it. Budgets above `io_sms` take SMs compute may be
+/// using: where every kernel fills the compute SMs, a decode step leaves only `io_sms` free and
+/// no write on 8 SMs fits. Before, import with `io_sms` 4 and write rows only at 8 was refused
+/// for its decode steps alone (`decode_steps.free_sms`, "fewer SMs free than the smallest write
+/// budget"), which blamed the timeline. A table that works with such rows (kernels leaving 16
+/// of 32 SMs free) is still accepted.
+#[test]
+fn an_io_reservation_below_every_cost_row_budget_is_named_when_the_table_is_refused() {
+    let full = timeline(None).replace(",12\n", ",16\n").replace(",14\n", ",16\n").replace(",10\n", ",16\n");
+    let mut rows_at_8 = common::io_costs();
+    for row in rows_at_8.iter_mut().filter(|row| row.kind == IoKind::Write) {
+        row.sm_budget *= 2;
+    }
+    rows_at_8.retain(|row| row.kind == IoKind::Read || row.sm_budget == 8);
+    let error = import_timeline(&full, common::model(), common::gpu(), 4, rows_at_8.clone(), "test", "test").unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "io_sms"), "{error}");
+    assert!(text.contains("io_sms 4") && text.contains("smallest write sm_budget 8"), "{text}");
+    assert!(text.contains("decode_steps.free_sms"), "the refusal behind it: {text}");
+    // Reads alike: rows at 2 and 4, a reservation of 1 (the writes' too).
+    let error = import_timeline(&full, common::model(), common::gpu(), 1, common::io_costs(), "test", "test").unwrap_err();
+    let text = error.to_string();
+    assert!(text.contains("io_sms 1") && text.contains("smallest read sm_budget 2") && text.contains("write sm_budget 2"), "{text}");
+    // On 32 SMs the kernels (16 SMs) leave 16 free: the same rows are usable, and accepted.
+    let mut gpu = common::gpu();
+    gpu.sm_count = 32;
+    import_timeline(&full, common::model(), gpu, 4, rows_at_8, "test", "test").unwrap();
 }
 
 /// Goal: a decode step of no time is no step a write can go in: the predicate refuses a table

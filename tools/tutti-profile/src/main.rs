@@ -586,6 +586,37 @@ mod tests {
         }
     }
 
+    /// Goal: `--io-costs` rows measured only above `--io-sms` (8 SMs against a reservation of
+    /// 4), on a timeline whose kernels fill the compute SMs (decode steps leave 4 free): the
+    /// refusal (status 2) names that mismatch, `io_sms` against the rows' smallest `sm_budget`.
+    /// Before, it named only `decode_steps.free_sms`, as though the timeline were at fault.
+    #[test]
+    fn io_costs_rows_only_above_io_sms_are_named_in_the_refusal() {
+        let costs = std::env::temp_dir().join(format!("tutti-profile-unit-costs-at-8-{}.json", std::process::id()));
+        let rows: Vec<IoCostEntry> = [scheduler::table::IoKind::Read, scheduler::table::IoKind::Write]
+            .into_iter()
+            .flat_map(|kind| {
+                [1u32, 2, 4].map(|iocb_count| IoCostEntry {
+                    kind,
+                    iocb_count,
+                    sm_budget: 8,
+                    duration_us: 100.0 * f64::from(iocb_count),
+                    bytes: u64::from(iocb_count) << 20,
+                })
+            })
+            .collect();
+        std::fs::write(&costs, serde_json::to_string(&rows).unwrap()).unwrap();
+        let error = import_all_sm_timeline("costs-at-8", &["--io-sms", "4", "--io-costs", costs.to_str().unwrap()]).unwrap_err();
+        std::fs::remove_file(&costs).unwrap();
+        let text = format!("{error:#}");
+        assert!(text.contains("io_sms 4") && text.contains("smallest read sm_budget 8") && text.contains("write sm_budget 8"), "{text}");
+        // Status 2 (`main`): an `InvalidConfig` of the scheduler's.
+        let invalid_config = error.chain().any(|cause| {
+            matches!(cause.downcast_ref::<scheduler::SchedulerError>(), Some(scheduler::SchedulerError::InvalidConfig { field, .. }) if field == "io_sms")
+        });
+        assert!(invalid_config, "unusable input: {text}");
+    }
+
     /// Goal: the granted partition is what the table reserves (compute on 132 − 8 = 124 SMs), and
     /// the table says how the count was checked.
     #[test]
