@@ -43,7 +43,8 @@
 //! constant number of free SMs (`sm_count −` SMs of the kernels running, which count at most
 //! `sm_count − io_sms`), gaps between kernels counting as fully free; intervals with no free
 //! SM are dropped. A decode
-//! step's duration spans its kernels and its free SMs are the minimum over the step. Several
+//! step's duration spans its kernels (a step whose kernels span 0 µs is refused, naming its
+//! context and run) and its free SMs are the minimum over the step. Several
 //! runs give the conservative figure: per decode context the shortest step and the fewest free
 //! SMs; per layer the shortest duration, the earliest KV need and the runs' windows intersected
 //! (at each offset the fewest SMs any run has free, none where a run has none). The input and
@@ -253,20 +254,32 @@ pub fn import_timeline(
     }
 
     // Per context, the shortest step and the fewest free SMs of its steps.
-    let decode_steps = decode
-        .into_iter()
-        .map(|(context_tokens, steps)| {
-            let (mut duration_us, mut free_sms) = (f64::INFINITY, gpu.sm_count);
-            for kernels in steps.values() {
-                let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
-                let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
-                duration_us = duration_us.min(end_us - start_us);
-                free_sms = free_sms
-                    .min(free_intervals(kernels, gpu.sm_count, compute_sms).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count));
+    let mut decode_steps = Vec::with_capacity(decode.len());
+    for (context_tokens, steps) in decode {
+        let (mut duration_us, mut free_sms) = (f64::INFINITY, gpu.sm_count);
+        for (&run, kernels) in &steps {
+            let start_us = kernels.iter().map(|k| k.start_us).fold(f64::INFINITY, f64::min);
+            let end_us = kernels.iter().map(|k| k.end_us).fold(0.0, f64::max);
+            // A step whose kernels span no time (zero-length kernels: a launch recorded and
+            // never run) is no measurement: it has no interval, so every SM came out free, and
+            // as the shortest of its context's steps it made that context's step 0 µs, silently
+            // dropping the steps measured beside it.
+            if end_us - start_us <= 0.0 {
+                let run = if steps.len() > 1 || run != 0 { format!(" run {run}") } else { String::new() };
+                return Err(SchedulerError::Timeline {
+                    line: 0,
+                    reason: format!(
+                        "decode step at context {context_tokens}{run}: its kernels span 0 us (from {start_us} to {end_us} us); a \
+                         decode step must last (drop the step's rows, or the zero-length kernels)"
+                    ),
+                });
             }
-            DecodeStep { context_tokens, duration_us, free_sms }
-        })
-        .collect();
+            duration_us = duration_us.min(end_us - start_us);
+            free_sms =
+                free_sms.min(free_intervals(kernels, gpu.sm_count, compute_sms).iter().map(|w| w.free_sms).min().unwrap_or(gpu.sm_count));
+        }
+        decode_steps.push(DecodeStep { context_tokens, duration_us, free_sms });
+    }
 
     let table = ProfileTable {
         format_version: PROFILE_FORMAT_VERSION,

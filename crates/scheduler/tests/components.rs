@@ -835,6 +835,30 @@ fn timeline_errors_name_the_line_or_bucket() {
     assert!(import("").is_err());
 }
 
+/// Goal: a decode step whose kernels span no time (one zero-length kernel, say: a profiler's
+/// record of a launch that never ran) is refused naming its context and run, not folded in.
+/// Folded, it gave a step of 0 µs with every SM free, and the shortest of the context's steps
+/// made the context's step 0 µs, silently: the 5000 µs step measured beside it was lost.
+#[test]
+fn a_decode_step_of_no_time_is_refused_naming_its_context_and_run() {
+    let mut text = String::new();
+    for line in timeline(None).lines() {
+        match line {
+            "" => {}
+            _ if line.starts_with('#') => text.push_str(&format!("{line}\n")),
+            _ if line.starts_with("phase,") => text.push_str(&format!("{line},run\n")),
+            _ => text.push_str(&format!("{line},0\n")),
+        }
+    }
+    let measured = format!("{text}decode,4096,,,decode_step,0,5000,10,0\n");
+    assert_eq!(import(&measured).unwrap().decode_step(4096).unwrap().duration_us, 5000.0);
+    let degenerate = format!("{measured}decode,4096,,,decode_step,100000,100000,10,7\n");
+    let error = import(&degenerate).unwrap_err();
+    let text = error.to_string();
+    assert!(matches!(error, SchedulerError::Timeline { .. }), "{error}");
+    assert!(text.contains("context 4096") && text.contains("run 7") && text.contains("0 us"), "{text}");
+}
+
 /// Goal: repeated runs of a bucket, and repeated decode steps at one context, marked by the
 /// optional `run` column, become one figure each on the conservative side: per context the
 /// shortest step and the fewest free SMs; per layer the shortest duration, the earliest KV need
