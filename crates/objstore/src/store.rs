@@ -279,29 +279,39 @@ impl<E: Executor> KvStore<E> {
     }
 
     /// Gives the pool back; the executor's queue pairs are retired first, as by
-    /// [`KvStore::close`]. Requests never finished are released ([`StoreControl::into_pool`]),
-    /// unless a queue pair could not be retired, or a store layer is still in flight and the
-    /// executor does not say whether its pairs are gone (`retire_queue_pairs` answers `None`,
-    /// the trait's default): a late write may still land in a live store's slots, so every reservation
-    /// is then kept (those slots are not reused before a reopen).
+    /// [`KvStore::close`]. Drops `close`'s answer (logged at error level when it is no): a
+    /// caller that frees the engine's KV memory afterwards uses
+    /// [`KvStore::into_pool_reporting`] instead.
     pub fn into_pool(self) -> Pool {
+        self.into_pool_reporting().0
+    }
+
+    /// Gives the pool back, and says, as [`KvStore::close`] does, whether the engine may free
+    /// its registered KV memory; the executor's queue pairs are retired first. Requests never
+    /// finished are released ([`StoreControl::into_pool`]), unless a queue pair could not be
+    /// retired, or a layer (a store's or a retrieve's) is still in flight and the executor does
+    /// not say whether its pairs are gone (`retire_queue_pairs` answers `None`, the trait's
+    /// default): then every reservation is kept (those slots are not reused before a reopen),
+    /// since a store's late write may still land in its slots and a retrieve's late read still
+    /// reads its slots into the KV memory, and the answer is `false`.
+    pub fn into_pool_reporting(self) -> (Pool, bool) {
         let KvStore { mut data, control, .. } = self;
-        let store_in_flight = data.store_layer_in_flight();
+        let layer_in_flight = data.layer_in_flight();
         let answer = data.retire_reporting();
         drop(data);
         match answer {
-            Some(true) => control.into_pool(),
-            None if !store_in_flight => control.into_pool(),
+            Some(true) => (control.into_pool(), true),
+            None if !layer_in_flight => (control.into_pool(), true),
             Some(false) => {
                 tracing::error!("objstore: the pool was given back with executor queue pairs not retired: live reservations kept");
-                control.into_pool_unreleased()
+                (control.into_pool_unreleased(), false)
             }
             None => {
                 tracing::error!(
-                    "objstore: the pool was given back with a store layer in flight, over an executor that does not say whether its \
-                     queue pairs are gone: live reservations kept"
+                    "objstore: the pool was given back with a layer in flight, over an executor that does not say whether its queue \
+                     pairs are gone: live reservations kept"
                 );
-                control.into_pool_unreleased()
+                (control.into_pool_unreleased(), false)
             }
         }
     }

@@ -5,7 +5,7 @@
 use gio_uring::Executor;
 
 use super::data::StoreData;
-use super::{Direction, KvStore};
+use super::KvStore;
 
 impl<E: Executor> Drop for StoreData<E> {
     fn drop(&mut self) {
@@ -67,14 +67,8 @@ impl<E: Executor> StoreData<E> {
 
     /// Whether a layer of some request is in flight (issued, not reaped by a `wait`): its
     /// commands may still move data until the executor's queue pairs are known deleted.
-    fn layer_in_flight(&self) -> bool {
+    pub(super) fn layer_in_flight(&self) -> bool {
         self.requests.iter().any(|request| !request.in_flight.is_empty())
-    }
-
-    /// Whether a layer of some store is in flight (issued, not reaped by a `wait`): its writes
-    /// may still reach the store's slots until the executor's queue pairs are known deleted.
-    pub(super) fn store_layer_in_flight(&self) -> bool {
-        self.requests.iter().any(|request| request.direction == Some(Direction::Store) && !request.in_flight.is_empty())
     }
 }
 

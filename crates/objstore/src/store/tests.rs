@@ -1155,13 +1155,22 @@ impl gio_uring::Executor for DoesNotReport {
 
 #[test]
 fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
-    // Goal: giving the pool back while a store layer is in flight, over an executor that does
-    // not say whether its queue pairs are gone, keeps every reservation: the late write may
-    // still land in the store's slot, which must not be reused (it used to go back to the free
-    // list, so a later commit could be overwritten by it). With nothing in flight the same
-    // executor's store is released as usual.
+    // Goal: giving the pool back while a layer is in flight, over an executor that does not
+    // say whether its queue pairs are gone, keeps every reservation and says the engine must
+    // keep its KV memory (`into_pool_reporting` answers false, as `close` would). A store
+    // layer's late write may still land in the store's slot, which must not be reused (it
+    // used to go back to the free list, so a later commit could be overwritten by it); a
+    // retrieve layer's late read may still write the KV memory, and its slots stay pinned
+    // (they used to be unpinned, and nothing told the caller to keep the memory). With nothing
+    // in flight the same executor's requests are released as usual, and the memory may go.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum InFlight {
+        Store,
+        Retrieve,
+        Nothing,
+    }
     let config = StoreConfig { requests_max: 2, ..StoreConfig::default() };
-    for layer_in_flight in [true, false] {
+    for in_flight in [InFlight::Store, InFlight::Retrieve, InFlight::Nothing] {
         let fixture = fixture(1, Some(8));
         let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
         let executor = DoesNotReport { inner: cpu_executor_for(&pool, 64, &config).expect("executor") };
@@ -1171,13 +1180,30 @@ fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
         fill(&fixture, 0, keys_of(&tokens)[0]);
         let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[0] }).expect("prepare_store");
         store.store_layer(plan.handle, 0, BUDGET).expect("store_layer");
-        if !layer_in_flight {
+        if in_flight != InFlight::Store {
             assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(0));
         }
-        let pool = store.into_pool();
+        if in_flight == InFlight::Retrieve {
+            for layer in 1..geometry().layers {
+                store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+                assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+            }
+            assert_eq!(store.commit_store(plan.handle).expect("commit"), 1);
+            let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4] }).expect("prepare_retrieve");
+            store.retrieve_layer(handle, 0, BUDGET).expect("retrieve_layer");
+        }
+        let (pool, memory_may_go) = store.into_pool_reporting();
         let counts = pool.index().counts();
-        let expected = if layer_in_flight { (1, 7) } else { (0, 8) };
-        assert_eq!((counts.writing_slots, counts.free_slots), expected, "layer in flight: {layer_in_flight}: {counts:?}");
+        let expected = match in_flight {
+            InFlight::Store => (1, 1, 7, false),
+            InFlight::Retrieve => (0, 1, 7, false),
+            InFlight::Nothing => (0, 0, 8, true),
+        };
+        assert_eq!(
+            (counts.writing_slots, counts.pinned_slots, counts.free_slots, memory_may_go),
+            expected,
+            "{in_flight:?} in flight: {counts:?}"
+        );
     }
 }
 
