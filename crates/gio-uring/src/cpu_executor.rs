@@ -644,6 +644,19 @@ impl Executor for CpuExecutor {
         "cpu"
     }
 
+    /// One queue pair per device of the table, same index: fewer is refused.
+    fn check_device_count(&self, devices: usize) -> Result<(), GioError> {
+        if self.queues.len() < devices {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "the device table has {devices} devices but the CPU executor has queue pairs for {} (one per device, same index)",
+                    self.queues.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Sizes the per-IOCB tables for the queue's depth (once; nothing is allocated per I/O).
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
         let depth = memory.layout.config.depth;
@@ -834,7 +847,7 @@ mod tests {
         // issue, never a panic, and the IOCB still ends once (as timed out).
         use crate::executor::test_double::{queue_with_one_read, Corrupting};
         let id_field = core::mem::offset_of!(abi::gio_iocb, id);
-        let (mut queue, id) = queue_with_one_read(Corrupting::new(CpuExecutor::new(Vec::new(), 4), IocbId(0), id_field, 999));
+        let (mut queue, id) = queue_with_one_read(Corrupting::new(CpuExecutor::for_devices(vec![None], 4, None), IocbId(0), id_field, 999));
         let issued = queue.issue_io(&[id], crate::types::LayerIndex(0), crate::types::SmBudget(1));
         match &issued {
             Err(GioError::SubmitFailed { source, .. }) => {
@@ -1783,6 +1796,42 @@ mod tests {
         a_reset_ends_an_issue_never_taken_with_its_own_seq(single, "CPU executor");
         let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
         a_reset_ends_an_issue_never_taken_with_its_own_seq(emu_rig(|pair| RefusingSubmit { inner: workers(pair) }), "CPU workers");
+    }
+
+    #[test]
+    fn executors_serving_fewer_devices_than_the_table_are_refused_at_init() {
+        // Goal: a CPU executor with queue pairs (or workers) for fewer devices than the queue's
+        // device table is a configuration error, refused by init_queue as InvalidConfig; it
+        // used to be accepted and then failed every IOCTX on a missing device, at each issue,
+        // as INVALID_IOCTX, blaming the request. Zero workers are refused by CpuWorkers::new.
+        use crate::types::IovaRange;
+        use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
+        let config = nvme_emu::EmuConfig::default()
+            .with_backing(nvme_emu::Backing::Memory { bytes: 1 << 20 })
+            .with_namespaces(vec![nvme_emu::NamespaceConfig::new(512, Some(1024))]);
+        let device = nvme_emu::EmuDevice::start(config).expect("software controller");
+        let backend: Arc<dyn nvme_driver::hw::DeviceBackend> = device.clone();
+        let controller = nvme_driver::Controller::init(backend, nvme_driver::ControllerConfig::default()).expect("bring-up");
+        let namespace = controller.namespaces()[0];
+        let info = DeviceInfo {
+            nsid: namespace.id.0,
+            capacity_blocks: namespace.size_blocks,
+            block_bytes: namespace.block_size_bytes,
+            sgl_supported: false,
+        };
+        let buffer = controller.dma().allocate(4096).expect("DMA buffer");
+        let registered = || RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).expect("registered");
+        let config = crate::layout::QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
+        let two_devices = || DeviceTable::new(vec![info; 2]);
+        let single = CpuExecutor::new(vec![controller.create_io_queue_pair(16).expect("pair")], 4);
+        let refused = crate::queue::GioQueue::init_queue(config, two_devices(), registered(), single).map(|_| ());
+        assert!(matches!(&refused, Err(GioError::InvalidConfig { .. })), "CPU executor: {refused:?}");
+        let pair = controller.create_io_queue_pair(16).expect("pair");
+        let workers = crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let refused = crate::queue::GioQueue::init_queue(config, two_devices(), registered(), workers).map(|_| ());
+        assert!(matches!(&refused, Err(GioError::InvalidConfig { .. })), "CPU workers: {refused:?}");
+        let none = crate::CpuWorkers::new(0, Vec::new(), 4).map(|_| ());
+        assert!(matches!(&none, Err(GioError::InvalidConfig { .. })), "zero workers: {none:?}");
     }
 
     #[test]

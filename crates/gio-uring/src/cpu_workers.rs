@@ -211,7 +211,13 @@ impl CpuWorkers {
     /// queue pair per device and worker; every device index of `0..device_count` needs at least
     /// one worker. Give every worker a queue pair on every device for the SM budget to set the
     /// number of threads exactly (module documentation). `depth` is the gio queue depth.
+    ///
+    /// Refused ([`GioError::InvalidConfig`]): no worker at all (every submit would fail), and,
+    /// at `init_queue`, fewer devices than the queue's device table.
     pub fn new(device_count: usize, workers: Vec<Vec<(DeviceIndex, IoQueuePair)>>, depth: u32) -> Result<Self, GioError> {
+        if workers.is_empty() {
+            return Err(GioError::InvalidConfig { reason: "CPU workers need at least one worker".into() });
+        }
         let mut servers: Vec<Vec<usize>> = vec![Vec::new(); device_count];
         let mut served = Vec::new();
         let mut assignments = Vec::with_capacity(workers.len());
@@ -252,6 +258,17 @@ impl CpuWorkers {
             retired: false,
             memory: None,
         })
+    }
+
+    /// Tests only: `workers` workers, each serving all `device_count` devices but holding no
+    /// queue pair (every IOCTX dealt fails as INVALID_IOCTX at its worker: no NVMe needed).
+    #[cfg(test)]
+    pub(crate) fn without_queue_pairs(device_count: usize, workers: usize, depth: u32) -> Self {
+        let mut executor = Self::new(0, (0..workers).map(|_| Vec::new()).collect(), depth).expect("workers");
+        executor.servers = vec![(0..workers).collect(); device_count];
+        executor.assignments = (0..workers).map(|_| (0..device_count).map(|_| None).collect()).collect();
+        executor.dealt = vec![0; device_count];
+        executor
     }
 
     /// Deals IOCB `header`'s IOCTXs to workers for an issue on `budget` SMs (module
@@ -351,6 +368,16 @@ impl CpuWorkers {
 impl Executor for CpuWorkers {
     fn name(&self) -> &'static str {
         "cpu-workers"
+    }
+
+    /// Every device of the table needs a worker: fewer devices than the table is refused.
+    fn check_device_count(&self, devices: usize) -> Result<(), GioError> {
+        if self.servers.len() < devices {
+            return Err(GioError::InvalidConfig {
+                reason: format!("the device table has {devices} devices but the CPU workers serve {}", self.servers.len()),
+            });
+        }
+        Ok(())
     }
 
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
@@ -767,7 +794,7 @@ mod tests {
     fn queue_without_devices(workers: usize) -> crate::queue::GioQueue<CpuWorkers> {
         use crate::types::{Iova, IovaRange};
         use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
-        let executor = CpuWorkers::new(0, (0..workers).map(|_| Vec::new()).collect(), 4).expect("workers");
+        let executor = CpuWorkers::without_queue_pairs(1, workers, 4);
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor).expect("queue")
@@ -835,7 +862,7 @@ mod tests {
         // InvalidConfig naming both depths, before any worker starts.
         use crate::types::{Iova, IovaRange};
         use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
-        let executor = CpuWorkers::new(0, vec![Vec::new()], 1).expect("workers");
+        let executor = CpuWorkers::without_queue_pairs(1, 1, 1);
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
         let error = crate::queue::GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor)
@@ -882,7 +909,7 @@ mod tests {
         for (field, value) in
             [(core::mem::offset_of!(crate::abi::gio_iocb, ioctx_count), 4000), (core::mem::offset_of!(crate::abi::gio_iocb, id), 999)]
         {
-            let workers = CpuWorkers::new(0, vec![Vec::new()], 4).expect("workers");
+            let workers = CpuWorkers::without_queue_pairs(1, 1, 4);
             let (mut queue, id) = queue_with_one_read(Corrupting::new(workers, IocbId(0), field, value));
             let issued = queue.issue_io(&[id], LayerIndex(0), SmBudget(1));
             assert!(matches!(&issued, Err(GioError::SubmitFailed { .. })), "field {field}: {issued:?}");
@@ -903,7 +930,7 @@ mod tests {
         use crate::executor::test_double::Corrupting;
         use crate::types::{Iova, IovaRange, LayerIndex, SmBudget};
         use crate::validate::{DeviceInfo, DeviceTable, RegisteredMemory};
-        let workers = CpuWorkers::new(0, vec![Vec::new()], 4).expect("workers");
+        let workers = CpuWorkers::without_queue_pairs(1, 1, 4);
         let stride = core::mem::offset_of!(crate::abi::gio_iocb, mem_stride_bytes);
         let devices = DeviceTable::new(vec![DeviceInfo { nsid: 1, capacity_blocks: 1 << 20, block_bytes: 512, sgl_supported: true }]);
         let registered = RegisteredMemory::new(vec![IovaRange::new(Iova(0x1000_0000), 1 << 20)]).expect("registered");
@@ -978,7 +1005,7 @@ mod tests {
     fn poll_does_not_take_the_failure_lock_while_healthy() {
         // Goal: the steady-state poll reads a flag, not the mutex: with the lock held elsewhere
         // (as by a worker recording an error) a poll of a healthy executor returns at once.
-        let mut workers = CpuWorkers::new(0, Vec::new(), 4).expect("no devices is a valid executor");
+        let mut workers = CpuWorkers::new(0, vec![Vec::new()], 4).expect("no devices is a valid executor");
         let memory = queue_memory();
         let failure = Arc::clone(&workers.failure);
         let held = failure.reason.lock().expect("lock");

@@ -32,6 +32,16 @@ pub trait Executor: Send {
     /// A short name for errors and logs.
     fn name(&self) -> &'static str;
 
+    /// Called by `init_queue`, before `attach`, with the number of devices in the queue's
+    /// [`crate::validate::DeviceTable`]: an executor that serves devices by index refuses a
+    /// table naming devices it has nothing for ([`GioError::InvalidConfig`]), rather than
+    /// failing every IOCTX on them as INVALID_IOCTX at each issue, which blames the request for
+    /// a configuration error. By default any count is accepted.
+    fn check_device_count(&self, devices: usize) -> Result<(), GioError> {
+        let _ = devices;
+        Ok(())
+    }
+
     /// Called once by `init_queue` with the queue's memory, for executors that run on their own
     /// threads and need to keep it.
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {

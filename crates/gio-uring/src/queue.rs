@@ -93,6 +93,7 @@ impl<E: Executor> GioQueue<E> {
     /// entries, in one shared region. `devices` and `registered` are what IOCTXs are checked
     /// against when filled.
     pub fn init_queue(config: QueueConfig, devices: DeviceTable, registered: RegisteredMemory, executor: E) -> Result<Self, GioError> {
+        executor.check_device_count(devices.len())?;
         let memory = Arc::new(QueueMemory::new(config)?);
         let mut executor = executor;
         executor.attach(&memory)?;
