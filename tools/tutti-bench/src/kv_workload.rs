@@ -344,8 +344,8 @@ enum Direction {
 
 /// Moves every layer of a prepared request: up to the store's `layers_in_flight_max` layers
 /// issued ahead, each waited for in order. Returns each layer's time (module docs). A failed
-/// layer ends the run, after the layers issued behind it are waited for (the device may still
-/// be moving their bytes).
+/// layer ends the run, after every layer still in flight, the failed one's included when its
+/// wait timed out, is waited for ([`drain`]: the device may still be moving their bytes).
 /// Also the first layer's issue and the last layer's completion (`None` with no layer).
 /// `bytes_per_layer` is what each layer moves: a layer with nothing in flight is accepted only
 /// where it is 0.
@@ -370,7 +370,7 @@ fn move_layers<S: LayerKvStore>(
                 Direction::Store => store.store_layer(handle, next, SmBudget(1)),
             };
             if let Err(error) = issued {
-                drain(store, handle, layer..next);
+                drain(store, handle, layers);
                 return Err(error).with_context(|| format!("{verb}_layer {next}"));
             }
             next += 1;
@@ -384,7 +384,7 @@ fn move_layers<S: LayerKvStore>(
             // layer's bytes would be counted over no I/O, a rate made up.
             Ok(None) if bytes_per_layer == 0 => {}
             other => {
-                drain(store, handle, layer + 1..next);
+                drain(store, handle, layers);
                 let error = match other {
                     Err(error) => anyhow::Error::new(error),
                     Ok(None) => anyhow!("the store had nothing in flight for layer {layer}, which moves {bytes_per_layer} bytes"),
@@ -404,11 +404,19 @@ fn move_layers<S: LayerKvStore>(
 /// Each layer's time, and the span from the first issue to the last completion.
 type MovedLayers = (Vec<Duration>, Option<(Instant, Instant)>);
 
-/// After a failure: waits for the layers still in flight (bounded by the layer timeout each),
-/// so that the request can be finished; their own errors are dropped (the first one is what
-/// the run reports).
-fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: std::ops::Range<u32>) {
-    for _ in layers {
+/// After a failure: waits for the layers still in flight, so that the request can be finished;
+/// their own errors are dropped (the first one is what the run reports). Until the store says
+/// none is in flight, not over the layers behind the failed one: a timed-out wait leaves its
+/// layer in flight (objstore's `GioError::WaitTimeout`), and an issue that failed after its
+/// commands were published (`GioError::SubmitFailed`) leaves that layer in flight too. At most
+/// `layers` + 1 waits of the layer timeout each (a request has no more layers than that in
+/// flight, and a wait that fails again is not waited on for ever).
+fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32) {
+    for _ in 0..=layers {
+        // A store that cannot say counts as one with a layer in flight: waited on, bounded.
+        if !store.any_layer_in_flight(handle).unwrap_or(true) {
+            return;
+        }
         let _ = store.wait(handle, Instant::now() + LAYER_TIMEOUT);
     }
 }
@@ -490,6 +498,70 @@ mod tests {
         fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
             Ok(())
         }
+    }
+
+    /// A store whose first `wait` times out leaving its layer in flight, as objstore's does
+    /// (`GioError::WaitTimeout`: the oldest layer stays queued); later waits complete the
+    /// oldest layer. Counts its waits.
+    struct FirstWaitTimesOut {
+        in_flight: std::collections::VecDeque<u32>,
+        waits: u32,
+    }
+
+    impl LayerKvStore for FirstWaitTimesOut {
+        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
+            first_block
+        }
+        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
+            Ok(RequestHandle::from_bits(1))
+        }
+        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
+            unreachable!("move_layers prepares nothing")
+        }
+        fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn layers_in_flight_max(&self) -> u32 {
+            2
+        }
+        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
+            Ok(!self.in_flight.is_empty())
+        }
+        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
+            self.waits += 1;
+            if self.waits == 1 {
+                return Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }));
+            }
+            Ok(self.in_flight.pop_front())
+        }
+        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
+            Ok(self.in_flight.is_empty())
+        }
+        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
+            Ok(0)
+        }
+        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_failed_wait_leaves_no_layer_in_flight() {
+        // Goal: move_layers' doc says a failed layer ends the run after the layers behind it
+        // are waited for. A timed-out wait leaves its layer in flight (objstore keeps it
+        // queued), so draining only the layers behind it left one in flight: the request was
+        // then finished while the device could still move its bytes. Drained until the store
+        // says none is, every wait bounded.
+        let handle = RequestHandle::from_bits(1);
+        let mut store = FirstWaitTimesOut { in_flight: Default::default(), waits: 0 };
+        let error = move_layers(&mut store, handle, 4, Direction::Retrieve, 1 << 20).unwrap_err();
+        assert!(format!("{error:#}").contains("waiting for retrieve layer 0"), "{error:#}");
+        assert!(!store.any_layer_in_flight(handle).unwrap(), "layers {:?} were left in flight", store.in_flight);
     }
 
     #[test]
