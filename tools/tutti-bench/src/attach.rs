@@ -409,7 +409,10 @@ impl AttachedPhase<'_> {
     /// system-wide monotonic clock every client process read: every byte moved within it. Over
     /// the slowest client's own layer time instead, clients that started apart claimed up to
     /// N times the rate. Without every client's span (a clock that could not be read), the sum
-    /// of their layer times: never shorter than the span, so the rate is never overstated.
+    /// of their layer times: never shorter than the time in which some client had a layer in
+    /// flight (the union of the clients' spans, however they overlap), so the rate is never
+    /// above what that time gives; it is shorter than the span by any gap between the clients'
+    /// phases, in which no layer was in flight.
     fn layers_span(&self) -> Duration {
         let spans: Option<Vec<(u64, u64)>> = self.clients.iter().map(|phase| phase.layers_span_ns).collect();
         let span_ns = spans.and_then(|spans| {
