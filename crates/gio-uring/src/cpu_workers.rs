@@ -37,7 +37,7 @@ use crate::error::GioError;
 use crate::executor::{Executor, IssueBatch};
 use crate::ioctx_index::IoctxIndex;
 use crate::layout::{FilledLines, IocbHeader, QueueMemory};
-use crate::ring::{Consumer, Ring};
+use crate::ring::Ring;
 use crate::types::{DeviceIndex, IocbId};
 
 /// How long an idle worker sleeps waiting for work before it polls its queues again.
@@ -132,6 +132,10 @@ pub struct CpuWorkers {
     dealt: Vec<u32>,
     /// Scratch: per worker, the messages the batch being submitted sends it (sized by `attach`).
     wanted: Vec<usize>,
+    /// Scratch: the ids of the batch being submitted, read from the SQ once (a batch holds at
+    /// most the depth; reserved by `attach`): what `plan` deals and counts room for is what
+    /// `submit` takes and sends, whatever the SQ entries say by then.
+    batch_ids: Vec<IocbId>,
     workers: Vec<Worker>,
     depth: u32,
     /// The first error a worker hit since `poll` last reported one. `poll` reads only the flag;
@@ -143,6 +147,10 @@ pub struct CpuWorkers {
     /// The queue's memory, kept by `attach`, so that `retire_queue_pairs` can end the IOCBs
     /// still issued once every worker's queue pairs are deleted.
     memory: Option<Arc<QueueMemory>>,
+    /// Tests only: (position in the batch, id) written over that SQ entry by the next submit
+    /// once `plan` has read the batch, as another agent rewriting the SQ at that moment would.
+    #[cfg(test)]
+    rewrite_after_plan: Option<(u32, u32)>,
 }
 
 /// The first error any worker hit since it was last reported, like a `CpuExecutor` error:
@@ -252,11 +260,14 @@ impl CpuWorkers {
             dealt_to: Vec::new(),
             dealt: vec![0; device_count],
             wanted: Vec::new(),
+            batch_ids: Vec::new(),
             workers: Vec::new(),
             depth,
             failure: Arc::default(),
             retired: false,
             memory: None,
+            #[cfg(test)]
+            rewrite_after_plan: None,
         })
     }
 
@@ -400,6 +411,7 @@ impl Executor for CpuWorkers {
         self.filled = FilledLines::new(config.depth);
         self.memory = Some(Arc::clone(memory));
         self.wanted = vec![0; self.assignments.len()];
+        self.batch_ids = Vec::with_capacity(config.depth as usize);
         for (index, queues) in std::mem::take(&mut self.assignments).into_iter().enumerate() {
             let (sender, receiver) = mpsc::sync_channel(capacity);
             let core = CpuExecutor::for_devices(queues, config.depth, Some((Arc::clone(&ioctx_index), index)));
@@ -452,15 +464,25 @@ impl Executor for CpuWorkers {
         // Deal the whole batch and check that every worker it needs can take its messages
         // before an id is consumed: a refusal part way would leave the SQ head inside the
         // batch, and every later submit would fail.
+        // The batch's ids are read once: an entry another agent rewrites after this is not
+        // read again (the plan's room check counted these ids, and these are sent).
+        self.batch_ids.clear();
+        self.batch_ids.extend((0..batch.count).map_while(|position| consumer.peek_ahead(position)));
         let mut refused = None;
-        let mut failure = self.plan(memory, &consumer, batch, &ioctx_index, &mut refused).err().map(|error| match error {
+        let mut failure = self.plan(memory, batch, &ioctx_index, &mut refused).err().map(|error| match error {
             GioError::Executor { reason, .. } => reason,
             other => other.to_string(),
         });
+        #[cfg(test)]
+        if let Some((position, id)) = self.rewrite_after_plan.take() {
+            let sq = memory.layout.sq;
+            let offset = sq.entries_offset_bytes + (batch.sq_first.wrapping_add(position) & sq.mask()) as usize * 4;
+            memory.region.store_u32(offset, id, Ordering::Relaxed);
+        }
         let mut ended = 0u32;
         let budget = batch.sm_budget.0;
-        for _ in 0..batch.count {
-            let Some(id) = consumer.next() else { break };
+        for position in 0..self.batch_ids.len() {
+            let id = self.batch_ids[position];
             if id.0 >= memory.layout.config.depth {
                 continue; // `plan` refused the batch for it: there is no IOCB to end
             }
@@ -513,6 +535,7 @@ impl Executor for CpuWorkers {
                 }
             }
         }
+        consumer.advance(self.batch_ids.len() as u32);
         drop(consumer); // the head moves past the whole batch (Release)
         match failure {
             None => refused.map_or(Ok(()), Err),
@@ -606,14 +629,13 @@ impl Executor for CpuWorkers {
 }
 
 impl CpuWorkers {
-    /// Deals every IOCB of `batch` (consuming nothing) and checks that each worker it sends to
-    /// is running and has room in its channel for all its messages. An IOCB whose line 0 is
+    /// Deals every IOCB of `batch` (its ids as `submit` read them into `batch_ids`) and checks
+    /// that each worker it sends to is running and has room in its channel for all its messages. An IOCB whose line 0 is
     /// corrupt is dealt to no worker (its `built_for_budget` is cleared, so `submit` ends it
     /// alone) and its error goes to `refused` (the first one is what the issue returns).
     fn plan(
         &mut self,
         memory: &QueueMemory,
-        sq: &Consumer<'_, IocbId>,
         batch: &IssueBatch,
         ioctx_index: &IoctxIndex,
         refused: &mut Option<GioError>,
@@ -621,7 +643,7 @@ impl CpuWorkers {
         let budget = batch.sm_budget.0;
         self.wanted.fill(0);
         for position in 0..batch.count {
-            let Some(id) = sq.peek_ahead(position) else {
+            let Some(id) = self.batch_ids.get(position as usize).copied() else {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ lost entry {position} of batch {batch:?}") });
             };
             if id.0 >= memory.layout.config.depth {
@@ -999,6 +1021,23 @@ mod tests {
         queue.issue_io(&ids, LayerIndex(0), SmBudget(1)).expect("issue");
         let completion = queue.wait_cqe(ids[0], soon()).expect("the wait is not failed by the forgotten error");
         assert_eq!(completion.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }));
+    }
+
+    #[test]
+    fn an_sq_entry_rewritten_after_the_plan_is_not_read_again() {
+        // Goal: submit takes the ids its plan dealt and counted room for, read once from the
+        // SQ: an entry rewritten between the plan and the take (here to name an IOCB filled
+        // but not issued) used to be read again, so the IOCB planned was never taken (its
+        // issue hung until a reset) and the one named instead could be sent to workers whose
+        // room was never checked for it.
+        use crate::error::IocbFailure;
+        use crate::types::{LayerIndex, SmBudget};
+        let mut queue = queue_without_devices(1);
+        let ids = fill(&mut queue, 2);
+        queue.executor_mut().rewrite_after_plan = Some((0, ids[1].0));
+        queue.issue_io(&ids[..1], LayerIndex(0), SmBudget(1)).expect("the planned IOCB is taken");
+        let done = queue.wait_cqe(ids[0], Instant::now() + Duration::from_secs(2)).expect("it runs");
+        assert_eq!(done.result, Err(IocbFailure::InvalidIoctx { ioctx_index: 0 }), "no worker holds a pair for device 0");
     }
 
     #[test]

@@ -222,6 +222,14 @@ impl<E: RingEntry> Consumer<'_, E> {
         (ahead < self.len()).then(|| E::load(self.ring.region, self.ring.entry_offset(self.head.wrapping_add(ahead))))
     }
 
+    /// Consumes up to `count` entries without reading them again (a caller that read them
+    /// with `peek_ahead` and acts on what it read then); returns how many.
+    pub fn advance(&mut self, count: u32) -> u32 {
+        let skipped = count.min(self.len());
+        self.head = self.head.wrapping_add(skipped);
+        skipped
+    }
+
     /// Releases consumed slots (one Release store) and loads the producer's newest tail.
     pub fn sync(&mut self) -> Result<(), GioError> {
         self.release();
