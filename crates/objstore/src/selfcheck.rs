@@ -147,6 +147,22 @@ fn object_pattern(tokens: &[u32], block: u32, block_tokens: u32, layer: u32, val
     }
 }
 
+/// Ends `store` ([`KvStore::close`]) and passes `result` on. When the store says the engine's
+/// memory must be kept (a queue pair it could not delete may still hold a layer's command,
+/// which reads or writes that memory), `memory` is leaked: freed, its IOVAs would go to the
+/// next allocation while that command may still move data.
+fn end_store<T>(
+    store: KvStore<gio_uring::CpuExecutor>,
+    memory: &[DmaRegion],
+    result: Result<T, RoundTripError>,
+) -> Result<T, RoundTripError> {
+    if !store.close() {
+        let regions: Vec<&DmaRegion> = memory.iter().collect();
+        crate::leak::leak_regions(&regions, "the round trip's engine memory: the store says a command may still use it");
+    }
+    result
+}
+
 /// Runs the round trip on one pool over `targets` (which it formats): one namespace, or
 /// namespaces of several controllers, which must then share one DMA space (one VFIO container,
 /// or emulators started in one DMA pool). The engine memory is allocated in the first
@@ -173,29 +189,33 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     let object_bytes = geometry.object_bytes() as usize;
     let dma: Arc<dyn DmaAllocator> = Arc::clone(controller.dma());
     let tensor_bytes = object_bytes * engine_blocks as usize;
-    let (_memory, layout) = match config.layout {
+    // `memory`: the engine's allocations, kept for good if a store says a command may still
+    // use them (`end_store`).
+    let (memory, layout) = match config.layout {
         EngineLayout::BlockMajor => {
             let region = dma.allocate(geometry.block_bytes() as usize * engine_blocks as usize)?;
             let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: geometry.block_bytes() };
             (vec![region], layout)
         }
         EngineLayout::SeparateKv => {
-            let tensors = if mode == DataPointerMode::Sgl {
+            let (tensors, memory) = if mode == DataPointerMode::Sgl {
                 // Separate allocations: irregular layer bases, so the SGL descriptor table is used.
-                (0..2 * geometry.layers).map(|_| dma.allocate(tensor_bytes)).collect::<Result<Vec<DmaRegion>, _>>()?
+                let tensors = (0..2 * geometry.layers).map(|_| dma.allocate(tensor_bytes)).collect::<Result<Vec<DmaRegion>, _>>()?;
+                (tensors.clone(), tensors)
             } else {
                 // PRP follows `data + layer x stride`: the tensors at equal spacing in one region.
                 let region = dma.allocate(tensor_bytes * 2 * geometry.layers as usize)?;
-                (0..2 * geometry.layers as usize)
+                let tensors = (0..2 * geometry.layers as usize)
                     .map(|i| region.subregion(i * tensor_bytes, tensor_bytes))
-                    .collect::<Result<Vec<DmaRegion>, _>>()?
+                    .collect::<Result<Vec<DmaRegion>, _>>()?;
+                (tensors, vec![region])
             };
             let layout = KvLayout::SeparateKv {
                 key_bases: tensors.iter().step_by(2).map(DmaRegion::iova).collect(),
                 value_bases: tensors.iter().skip(1).step_by(2).map(DmaRegion::iova).collect(),
                 block_stride_bytes: geometry.object_bytes(),
             };
-            (tensors, layout)
+            (memory, layout)
         }
     };
     let registration = KvRegistration::new(geometry, engine_blocks, layout, mode)?;
@@ -213,9 +233,10 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     };
     let mut object = vec![0u8; object_bytes];
     let store_ids: Vec<u32> = (0..config.blocks_per_request).collect();
-    let (mut blocks_stored, mut blocks_shared) = (0u64, 0u64);
-    {
-        let (mut store, _) = open_store()?;
+    // Every phase ends its store with `end_store`, on an error too: a `?` with the store in
+    // scope would drop it and then the engine memory, whatever the store said of it.
+    let mut store_requests = |store: &mut KvStore<gio_uring::CpuExecutor>| -> Result<(u64, u64), RoundTripError> {
+        let (mut blocks_stored, mut blocks_shared) = (0u64, 0u64);
         for request in 0..config.requests {
             let tokens = tokens(config, request);
             for (block, &engine_block) in store_ids.iter().enumerate() {
@@ -236,53 +257,111 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
             }
             store.commit_store(plan.handle)?;
         }
-    }
+        Ok((blocks_stored, blocks_shared))
+    };
+    let (mut store, _) = open_store()?;
+    let stored = store_requests(&mut store);
+    let (blocks_stored, blocks_shared) = end_store(store, &memory, stored)?;
     // Reopen: the index comes back from the slot headers alone.
-    let (mut store, recovery) = open_store()?;
     let retrieve_ids: Vec<u32> = (config.blocks_per_request..engine_blocks).rev().collect();
     let mut actual = vec![0u8; object_bytes];
-    let mut bytes_verified = 0u64;
-    for request in 0..config.requests {
-        let tokens = tokens(config, request);
-        let found = store.lookup(&tokens);
-        if found != config.blocks_per_request as usize {
-            return Err(RoundTripError::Missing { request, found, expected: config.blocks_per_request });
-        }
-        for &engine_block in &retrieve_ids {
-            for layer in 0..geometry.layers {
-                for kind in [KvKind::Key, KvKind::Value] {
-                    object_region(layer, kind, engine_block)?.fill(0, object_bytes, 0)?;
-                }
+    let mut retrieve_requests = |store: &mut KvStore<gio_uring::CpuExecutor>| -> Result<u64, RoundTripError> {
+        let mut bytes_verified = 0u64;
+        for request in 0..config.requests {
+            let tokens = tokens(config, request);
+            let found = store.lookup(&tokens);
+            if found != config.blocks_per_request as usize {
+                return Err(RoundTripError::Missing { request, found, expected: config.blocks_per_request });
             }
-        }
-        let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &retrieve_ids })?;
-        for layer in 0..geometry.layers {
-            store.retrieve_layer(handle, layer, SmBudget(1))?;
-            store.wait(handle, Instant::now() + config.layer_timeout)?;
-        }
-        store.finish(handle)?;
-        for (block, &engine_block) in retrieve_ids.iter().enumerate() {
-            for layer in 0..geometry.layers {
-                for value in [false, true] {
-                    object_pattern(&tokens, block as u32, geometry.block_tokens, layer, value, &mut object);
-                    let kind = if value { KvKind::Value } else { KvKind::Key };
-                    object_region(layer, kind, engine_block)?.read(0, &mut actual)?;
-                    if let Some(offset) = actual.iter().zip(&object).position(|(a, b)| a != b) {
-                        let kind = if value { "V" } else { "K" };
-                        return Err(RoundTripError::Mismatch {
-                            request,
-                            block: block as u32,
-                            layer,
-                            kind,
-                            offset,
-                            expected: object[offset],
-                            found: actual[offset],
-                        });
+            for &engine_block in &retrieve_ids {
+                for layer in 0..geometry.layers {
+                    for kind in [KvKind::Key, KvKind::Value] {
+                        object_region(layer, kind, engine_block)?.fill(0, object_bytes, 0)?;
                     }
-                    bytes_verified += object_bytes as u64;
+                }
+            }
+            let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &retrieve_ids })?;
+            for layer in 0..geometry.layers {
+                store.retrieve_layer(handle, layer, SmBudget(1))?;
+                store.wait(handle, Instant::now() + config.layer_timeout)?;
+            }
+            store.finish(handle)?;
+            for (block, &engine_block) in retrieve_ids.iter().enumerate() {
+                for layer in 0..geometry.layers {
+                    for value in [false, true] {
+                        object_pattern(&tokens, block as u32, geometry.block_tokens, layer, value, &mut object);
+                        let kind = if value { KvKind::Value } else { KvKind::Key };
+                        object_region(layer, kind, engine_block)?.read(0, &mut actual)?;
+                        if let Some(offset) = actual.iter().zip(&object).position(|(a, b)| a != b) {
+                            let kind = if value { "V" } else { "K" };
+                            return Err(RoundTripError::Mismatch {
+                                request,
+                                block: block as u32,
+                                layer,
+                                kind,
+                                offset,
+                                expected: object[offset],
+                                found: actual[offset],
+                            });
+                        }
+                        bytes_verified += object_bytes as u64;
+                    }
                 }
             }
         }
-    }
+        Ok(bytes_verified)
+    };
+    let (mut store, recovery) = open_store()?;
+    let verified = retrieve_requests(&mut store);
+    let bytes_verified = end_store(store, &memory, verified)?;
     Ok(RoundTripReport { recovery, blocks_stored, blocks_shared, bytes_verified })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use nvme_driver::hw::DeviceBackend;
+    use nvme_driver::spec::status::codes;
+    use nvme_driver::spec::{AdminOpcode, NvmOpcode, NvmeStatus};
+    use nvme_driver::{Controller, ControllerConfig, NamespaceId};
+    use nvme_emu::{Backing, EmuConfig, EmuDevice, FaultAction, FaultPlan, FaultRule};
+
+    use super::*;
+
+    #[test]
+    fn a_round_trip_that_fails_with_a_layer_in_flight_keeps_the_engine_memory_the_store_says_to_keep() {
+        // Goal: a store layer's wait times out (its write is slow) and the executor's queue
+        // pair cannot be deleted: its write may still read the engine's memory, so the store
+        // says to keep it ("KV memory must not be freed"), and the round trip must then keep
+        // every engine tensor for good. The error's `?` used to drop the store and then the
+        // tensors, freeing them (their IOVAs handed to the next allocation) under the write.
+        let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 })).expect("controller");
+        let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+        device.set_faults(
+            FaultPlan::none()
+                .with_rule(FaultRule::every_nth_io(1, FaultAction::Delay(Duration::from_millis(100))).with_opcode(NvmOpcode::Write as u8))
+                .with_rule(FaultRule {
+                    repeat: true,
+                    ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+                }),
+        );
+        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+        assert_eq!(controller.data_pointer_mode(), DataPointerMode::Sgl, "a tensor per layer and kind");
+        let config = RoundTripConfig {
+            geometry: ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 },
+            requests: 1,
+            blocks_per_request: 2,
+            layer_timeout: Duration::from_millis(10),
+            ..RoundTripConfig::default()
+        };
+        let leaked_before = crate::leak::leaked_dma_regions_on_this_thread();
+        let result = round_trip(vec![PoolTarget { controller, namespace: NamespaceId(1) }], &config);
+        assert!(result.is_err(), "the layer's wait timed out: {result:?}");
+        let leaked = crate::leak::leaked_dma_regions_on_this_thread() - leaked_before;
+        assert!(leaked >= 2 * config.geometry.layers as u64, "{leaked} regions kept: every engine tensor must be: {result:?}");
+        device.set_faults(FaultPlan::none());
+    }
 }
