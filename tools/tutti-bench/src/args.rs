@@ -155,10 +155,11 @@ pub struct Cli {
 
     /// Engine blocks per pool slot when the kv workload formats a pool (1..=1024). A slot holds
     /// its blocks layer-major, so a layer of a request's consecutive blocks in one slot is one
-    /// command of up to K blocks (the software controller's MDTS is raised to hold it) instead
-    /// of K commands of one block; space is allocated K blocks at a time. The default, 16
-    /// blocks of 16 tokens, is a 256-token slot (LMCache's default chunk). A kept pool, or
-    /// tuttid's, has the K it was formatted with.
+    /// command of up to K blocks (the software controller's MDTS is raised to hold it, up to the
+    /// driver's 2 MiB per command: beyond, several commands) instead of K commands of one
+    /// block; space is allocated K blocks at a time. The default, 16 blocks of 16 tokens, is a
+    /// 256-token slot (LMCache's default chunk). A kept pool, or tuttid's, has the K it was
+    /// formatted with (a kept emu: pool's MDTS is sized for it).
     #[arg(long = "blocks-per-slot", default_value_t = 16, conflicts_with_all = ["attach", "keep_pool", "retrieve_only"], value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub blocks_per_slot: u32,
 

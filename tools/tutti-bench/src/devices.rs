@@ -369,16 +369,22 @@ pub fn open(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles
     }
 }
 
+/// The LBA size of the software controller's namespace in every tutti-bench run (it has no
+/// `--emu-lba-bytes`).
+pub(crate) const EMU_LBA_BYTES: u32 = 4096;
+
 fn emu_config(options: OpenOptions2) -> EmuConfig {
     // MDTS large enough that one benchmark I/O is one command (as on an SSD with MDTS ≥ bs),
-    // capped at 16 MiB; the write cache off so that a completed write has reached the file, as
-    // with O_DIRECT on the kernel path.
+    // capped at 16 MiB; the driver cuts commands at 2 MiB whatever the MDTS (one PRP list page
+    // per command, nvme-driver's TRANSFER_BYTES_MAX), so larger I/Os are several commands. The
+    // write cache off so that a completed write has reached the file, as with O_DIRECT on the
+    // kernel path.
     let mut mdts = 5u8;
     while (4096u64 << mdts) < options.io_bytes_max && mdts < 12 {
         mdts += 1;
     }
     EmuConfig::default()
-        .with_namespaces(vec![NamespaceConfig::new(4096, None)])
+        .with_namespaces(vec![NamespaceConfig::new(EMU_LBA_BYTES, None)])
         .with_mdts(mdts)
         .with_volatile_write_cache(false)
         .with_io_queue_pairs_max(u16::try_from(options.queues.max(1)).unwrap_or(64))

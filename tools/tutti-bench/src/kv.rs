@@ -253,11 +253,17 @@ impl Engine {
 /// Runs a plan on one pool over `specs` (created files are registered in `created`).
 pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, created: &mut CreatedFiles) -> anyhow::Result<()> {
     let geometry = plan.geometry();
+    // A kept pool has the K it was formatted with, which this run cannot give
+    // (--blocks-per-slot is refused with --keep-pool and --retrieve-only).
+    let blocks_per_slot = match plan.pool {
+        PoolMode::Format => plan.blocks_per_slot,
+        PoolMode::Keep | PoolMode::RetrieveOnly => kept_blocks_per_slot(specs).unwrap_or(plan.blocks_per_slot),
+    };
     let options = OpenOptions2 {
         writes: true,
         create_bytes: (plan.pool == PoolMode::Format).then(|| plan.pool_bytes_per_device(specs.len())),
         // One command moves a layer of a slot's run of blocks (K and V of each).
-        io_bytes_max: 2 * geometry.object_bytes() * u64::from(plan.blocks_per_slot.max(1)),
+        io_bytes_max: 2 * geometry.object_bytes() * u64::from(blocks_per_slot.max(1)),
         queues: 4,
         lay_out: false,
         timing: plan.emu_timing,
@@ -288,6 +294,34 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
         ));
     }
     result
+}
+
+/// The blocks per slot (K) of the pool that the `emu:PATH` devices among `specs` hold, read from
+/// their superblocks before the devices are opened, so that the software controller's MDTS can
+/// hold a layer of a slot's run of blocks (the largest K found). `None` where no such file holds
+/// a superblock this build reads: the run then opens the devices as it would have, and opening
+/// the pool says what is wrong with what they hold. `vfio:` devices' MDTS is their own.
+fn kept_blocks_per_slot(specs: &[DeviceSpec]) -> Option<u32> {
+    use std::io::{Read, Seek, SeekFrom};
+    let lba_bytes = devices::EMU_LBA_BYTES;
+    let read = |device: usize, path: &std::path::Path| -> Option<u32> {
+        let mut file = std::fs::File::open(path).ok()?;
+        // A block device's metadata says 0 bytes; its end says its size, as the emulator sizes it.
+        let size_bytes = file.seek(SeekFrom::End(0)).ok()?;
+        file.seek(SeekFrom::Start(0)).ok()?;
+        let mut bytes = [0u8; objstore::format::SUPERBLOCK_ENCODED_BYTES];
+        file.read_exact(&mut bytes).ok()?;
+        let superblock = objstore::format::Superblock::decode(&bytes, device, lba_bytes, size_bytes / u64::from(lba_bytes)).ok()?;
+        Some(superblock.blocks_per_slot)
+    };
+    specs
+        .iter()
+        .enumerate()
+        .filter_map(|(device, spec)| match spec {
+            DeviceSpec::EmuFile(path) => read(device, path),
+            _ => None,
+        })
+        .max()
 }
 
 /// A pool file whose mode could not be narrowed, as the exit status says it: by its errno

@@ -635,6 +635,30 @@ fn a_kept_pool_is_reopened_and_checked_with_the_deterministic_pattern() {
 }
 
 #[test]
+fn a_kept_pool_runs_with_the_max_transfer_of_its_own_blocks_per_slot() {
+    // Goal: a layer of a slot's run of K blocks is one command, and the software controller's
+    // MDTS is raised to hold it (2 × 32 KiB × 32 = 2 MiB for llama3-8b at K = 32, the driver's
+    // most per command). A run on a kept pool cannot give --blocks-per-slot, and sized the
+    // MDTS for the default 16 (1 MiB): the pool's slot-layer commands were cut in two. The K is
+    // read from the pool itself.
+    let directory = tempfile::tempdir().unwrap();
+    let device = format!("emu:{}", directory.path().join("pool.img").display());
+    let description = |output: &Output| {
+        assert_eq!(output.status.code(), Some(0), "{}", stderr(output));
+        let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(json["global options"]["blocks_per_slot"], 32, "{}", json["global options"]);
+        json["global options"]["device_description"].as_str().unwrap().to_string()
+    };
+    let common = ["--workload=kv", "--device", &device, "--prompt-tokens=160", "--output-format=json"];
+    let formatted = description(&bench(&[&common[..], &["--blocks-per-slot=32"]].concat()));
+    assert!(formatted.contains("max transfer 2MiB"), "{formatted}");
+    for mode in ["--retrieve-only", "--keep-pool"] {
+        let kept = description(&bench(&[&common[..], &[mode]].concat()));
+        assert!(kept.contains("max transfer 2MiB"), "{mode}: {kept}");
+    }
+}
+
+#[test]
 fn keep_pool_refuses_what_holds_no_pool() {
     let directory = tempfile::tempdir().unwrap();
     let missing = format!("emu:{}", directory.path().join("absent.img").display());
