@@ -1298,12 +1298,17 @@ fn after_a_reset_ran_out_the_enable_bound_the_next_reset_and_teardown_wait_cap_t
     assert_eq!(device.counters().disables_before_ready, 0, "EN was cleared under an unfinished enable");
 }
 
-/// Warn-level messages logged on this thread while `body` runs (a minimal subscriber: the
-/// crate has no log-capturing dev-dependency).
+/// Warn-level messages logged on this thread while `body` runs.
 fn warnings_during<T>(body: impl FnOnce() -> T) -> (T, Vec<String>) {
+    messages_during(tracing::Level::WARN, body)
+}
+
+/// Messages of `level` logged on this thread while `body` runs (a minimal subscriber: the
+/// crate has no log-capturing dev-dependency).
+pub(crate) fn messages_during<T>(level: tracing::Level, body: impl FnOnce() -> T) -> (T, Vec<String>) {
     use std::sync::Mutex;
     use tracing::field::{Field, Visit};
-    struct Collect(Arc<Mutex<Vec<String>>>);
+    struct Collect(tracing::Level, Arc<Mutex<Vec<String>>>);
     struct Message(String);
     impl Visit for Message {
         fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
@@ -1322,19 +1327,19 @@ fn warnings_during<T>(body: impl FnOnce() -> T) -> (T, Vec<String>) {
         fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
         fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
         fn event(&self, event: &tracing::Event<'_>) {
-            if *event.metadata().level() == tracing::Level::WARN {
+            if *event.metadata().level() == self.0 {
                 let mut message = Message(String::new());
                 event.record(&mut message);
-                self.0.lock().expect("warnings").push(message.0);
+                self.1.lock().expect("messages").push(message.0);
             }
         }
         fn enter(&self, _: &tracing::span::Id) {}
         fn exit(&self, _: &tracing::span::Id) {}
     }
-    let warnings = Arc::new(Mutex::new(Vec::new()));
-    let result = tracing::subscriber::with_default(Collect(Arc::clone(&warnings)), body);
-    let warnings = warnings.lock().expect("warnings").clone();
-    (result, warnings)
+    let messages = Arc::new(Mutex::new(Vec::new()));
+    let result = tracing::subscriber::with_default(Collect(level, Arc::clone(&messages)), body);
+    let messages = messages.lock().expect("messages").clone();
+    (result, messages)
 }
 
 #[test]

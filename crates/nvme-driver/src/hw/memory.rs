@@ -62,6 +62,22 @@ fn tries_huge_pages(len: usize, prefer_huge: bool) -> bool {
     prefer_huge && len >= HUGE_PAGE_SIZE_BYTES
 }
 
+/// The `mmap` flags of a resident private anonymous mapping of `kind` pages.
+///
+/// A hugetlbfs mapping names its page size (`MAP_HUGE_2MB`): without one the kernel takes the
+/// default huge page size, 1 GiB on a host booted with `default_hugepagesz=1G` (common where
+/// SPDK or DPDK run). A 2 MiB allocation then took a whole 1 GiB page, and Drop's `munmap` of
+/// the 2 MiB recorded could not split it, so the page stayed mapped for good. Everything here
+/// (rounding, IOVA alignment, the length Drop unmaps) assumes 2 MiB pages; where the 2 MiB pool
+/// is empty the mapping fails and the allocation falls back to 4 KiB pages.
+fn mmap_flags(kind: PageKind) -> libc::c_int {
+    let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
+    match kind {
+        PageKind::Huge2MiB => flags | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+        PageKind::Small4KiB => flags,
+    }
+}
+
 /// What backs a host allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PageKind {
@@ -88,7 +104,9 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     /// Allocates `len` bytes rounded up to a page, zeroed and resident. With `prefer_huge` and a
     /// `len` of 2 MiB or more, tries 2 MiB pages first (rounding up to a whole number of them;
-    /// they need `vm.nr_hugepages` reserved) and falls back to 4 KiB pages; smaller allocations
+    /// they need 2 MiB huge pages reserved: `vm.nr_hugepages` where 2 MiB is the default huge
+    /// page size, `/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages` where it is not, see
+    /// `mmap_flags`) and falls back to 4 KiB pages; smaller allocations
     /// always take 4 KiB pages (see `tries_huge_pages`). 4 KiB-page memory of 2 MiB or more
     /// starts on a 2 MiB boundary and asks the kernel for transparent huge pages (see
     /// `mmap_transparent_huge`).
@@ -119,11 +137,7 @@ impl HostMemory {
         if kind == PageKind::Small4KiB && len >= HUGE_PAGE_SIZE_BYTES {
             return Self::mmap_transparent_huge(len);
         }
-        let mut flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE;
-        if kind == PageKind::Huge2MiB {
-            flags |= libc::MAP_HUGETLB;
-        }
-        let ptr = Self::map_anonymous(len, flags, kind)?;
+        let ptr = Self::map_anonymous(len, mmap_flags(kind), kind)?;
         Ok(Self { ptr, len, kind })
     }
 
@@ -223,8 +237,14 @@ impl Drop for HostMemory {
     fn drop(&mut self) {
         // SAFETY: ptr/len describe exactly the mapping created in `mmap`, and every DmaRegion
         // that could access it holds an Arc to its owner, so none is alive any more.
-        unsafe {
-            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        let result = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+        if result != 0 {
+            // Only a mapping that is not what `mmap` made can fail here (a huge page of another
+            // size than the 2 MiB recorded, as before `mmap_flags` named the size). It stays
+            // mapped for good: safe, since memory a device may have written is never reused
+            // while mapped, but the leak is said, not hidden.
+            let error = std::io::Error::last_os_error();
+            tracing::error!(len = self.len, kind = ?self.kind, %error, "munmap of DMA host memory failed: the mapping is leaked");
         }
     }
 }

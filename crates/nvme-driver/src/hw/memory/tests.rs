@@ -446,3 +446,30 @@ fn small_allocations_take_small_pages_where_huge_pages_are_reserved() {
         assert_eq!((large.kind(), large.len()), (PageKind::Huge2MiB, HUGE_PAGE_SIZE_BYTES), "{free} huge pages were free");
     }
 }
+
+#[test]
+fn huge_page_mappings_ask_for_2_mib_pages_whatever_the_default_size() {
+    // Goal: a hugetlbfs mapping names its page size. Without a size in the flags the kernel
+    // takes the default huge page size, which is 1 GiB on hosts booted with
+    // `default_hugepagesz=1G`: a 2 MiB allocation then took a whole 1 GiB page, and Drop's
+    // munmap of 2 MiB could not split it, so the page stayed mapped for good.
+    let flags = mmap_flags(PageKind::Huge2MiB);
+    assert_ne!(flags & libc::MAP_HUGETLB, 0);
+    let log2_size = (flags >> libc::MAP_HUGE_SHIFT) & libc::MAP_HUGE_MASK;
+    assert_eq!(1usize.checked_shl(log2_size as u32), Some(HUGE_PAGE_SIZE_BYTES), "flags {flags:#x}");
+    let small = mmap_flags(PageKind::Small4KiB);
+    assert_eq!(small & (libc::MAP_HUGETLB | (libc::MAP_HUGE_MASK << libc::MAP_HUGE_SHIFT)), 0, "flags {small:#x}");
+}
+
+#[test]
+fn a_failed_unmap_of_host_memory_is_logged_and_the_memory_kept() {
+    // Goal: host memory whose munmap fails stays mapped (a device may still write it, so it is
+    // never handed back some other way), and that leak is said at error level, not ignored as
+    // Drop did. A start that is not page-aligned is what makes munmap refuse here (EINVAL)
+    // without touching any mapping.
+    let unaligned = NonNull::new((PAGE_SIZE_BYTES + 1) as *mut u8).unwrap();
+    let memory = HostMemory { ptr: unaligned, len: HUGE_PAGE_SIZE_BYTES, kind: PageKind::Huge2MiB };
+    let ((), errors) = crate::hardening_tests::messages_during(tracing::Level::ERROR, || drop(memory));
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert!(errors[0].contains("leaked"), "{errors:?}");
+}
