@@ -155,7 +155,8 @@ impl DetachedQueuePair {
     }
 
     /// False once the controller was reset (or dropped): the queues no longer exist on it, or, if
-    /// that reset never saw the controller stop, may still.
+    /// that reset never saw the controller stop, may still. Waits for a reset in progress on
+    /// another thread as [`IoQueuePair::controller_was_reset`] does.
     pub fn is_live(&self) -> bool {
         self.admin.gate.fate(self.generation) == QueueFate::Live
     }

@@ -32,14 +32,23 @@
 //! generation must keep its rings allocated forever rather than free memory the controller may
 //! still write. A reset keeps the exclusive side until it knows which ([`ResetGuard`]), so a
 //! pair dropped on another thread in the meantime waits for the answer instead of leaking its
-//! rings on a reset that is about to succeed. That wait is bounded by the reset's wait for
-//! CSTS.RDY = 0, which is CAP.TO (CRTO.CRWMT never bounds a disable), preceded, only on a
-//! controller found in the middle of an enable, by a wait for that enable to finish: CAP.TO when
-//! it is an earlier reset's enable that already ran out the enable bound, the enable bound
-//! (CAP.TO, or CRTO.CRWMT when larger) otherwise; a reset's own
-//! wait for doorbell writes in progress is bounded by `RINGER_WAIT_MAX`: a thread stopped
-//! inside a write makes the reset fail (its generation's pairs then keep their rings) rather
-//! than hold the gate forever.
+//! rings on a reset that is about to succeed. Once the reset holds the exclusive side, that
+//! wait is bounded by the reset's wait for CSTS.RDY = 0, which is CAP.TO (CRTO.CRWMT never
+//! bounds a disable), preceded, only on a controller found in the middle of an enable, by a
+//! wait for that enable to finish: CAP.TO when it is an earlier reset's enable that already ran
+//! out the enable bound, the enable bound (CAP.TO, or CRTO.CRWMT when larger) otherwise; a
+//! reset's own wait for doorbell writes in progress is bounded by `RINGER_WAIT_MAX`: a thread
+//! stopped inside a write makes the reset fail (its generation's pairs then keep their rings)
+//! rather than hold the gate forever.
+//!
+//! Before that, the reset waits for the exclusive side: for every queue deletion in progress,
+//! which holds the shared side throughout (`AdminShared::retire_queue_pair`: two admin
+//! commands, each bounded by the admin timeout, the deletions taking the admin queue in turn),
+//! so up to about `2n + 1` admin timeouts for `n` pairs being deleted (see
+//! `Controller::reset`). std's `RwLock` on Linux lets no new reader in while a writer waits, so
+//! in the meantime every other pair's drop or deletion and every fate query
+//! (`IoQueuePair::controller_was_reset`, `DetachedQueuePair::is_live`) waits as well: for those
+//! deletions, then for the reset's own waits above — not one admin timeout, nor CAP.TO.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};

@@ -31,11 +31,17 @@ pub const DEALLOCATE_RANGES_MAX: usize = 256;
 /// doorbell write, one flag handshake with a concurrent reset on a line only this pair writes,
 /// see `gate.rs`).
 ///
-/// Dropping it deletes its queues on the controller (bounded by the admin timeout) and frees its
-/// rings. Its rings are freed only when the queues are known to be gone: if the deletion fails,
-/// or the controller was reset since and never confirmed it stopped, the rings and the queue id
-/// are kept for good (leaked, counted in [`crate::Controller::leaked_queue_pairs`], logged at
-/// error level), because the controller may still write them.
+/// Dropping it deletes its queues on the controller and frees its rings. The deletion is two
+/// admin commands (Delete SQ, Delete CQ), each bounded by the admin timeout, sent once the
+/// admin queue is free: after the admin commands of other threads that hold it or get it
+/// first (a pair's creation or deletion is two). A reset in progress on another thread is
+/// waited for, and one still waiting for deletions in progress makes this wait for those too:
+/// up to about `2n + 1` admin timeouts for `n` of them, then the reset's own wait for the
+/// controller to stop (see [`crate::Controller::reset`] and `gate.rs`). Its rings are freed
+/// only when the queues are known to be gone: if the deletion fails, or the controller was
+/// reset since and never confirmed it stopped, the rings and the queue id are kept for good
+/// (leaked, counted in [`crate::Controller::leaked_queue_pairs`], logged at error level),
+/// because the controller may still write them.
 pub struct IoQueuePair {
     queue: QueuePair,
     owner: PairOwner,
@@ -563,6 +569,10 @@ impl IoQueuePair {
     ///
     /// Always false for an [attached](IoQueuePair::attach) pair: this process cannot see the
     /// daemon's controller generation (see the attach contract).
+    ///
+    /// While a reset runs on another thread this waits for it to know whether the controller
+    /// stopped, and, while that reset still waits for queue deletions in progress, for those
+    /// too (about two admin timeouts each; see `gate.rs`).
     pub fn controller_was_reset(&self) -> bool {
         match &self.owner {
             PairOwner::Controller { admin, generation } => admin.gate.fate(*generation) != QueueFate::Live,
