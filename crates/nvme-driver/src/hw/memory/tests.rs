@@ -352,10 +352,10 @@ proptest::proptest! {
 
 #[test]
 fn a_leak_counts_the_whole_allocation_once() {
-    // Goal: leaking a window keeps its whole allocation (a 4 KiB ring carved from a 2 MiB huge
-    // page keeps the 2 MiB), so the bytes reported are the allocation's, counted once however
-    // many of its windows are leaked: summing the results is what was kept. Before, each call
-    // reported its window's length (4 KiB for a pinned 2 MiB page).
+    // Goal: leaking a window keeps its whole allocation (a 4 KiB subregion of a 12 KiB
+    // allocation keeps the 12 KiB; of a 2 MiB scratch on a huge page, the 2 MiB), so the bytes
+    // reported are the allocation's, counted once however many of its windows are leaked:
+    // summing the results is what was kept. Before, each call reported its window's length.
     let pool = DmaPool::identity();
     let region = pool.allocate(3 * PAGE_SIZE_BYTES).unwrap();
     let first_page = region.subregion(0, PAGE_SIZE_BYTES).unwrap();

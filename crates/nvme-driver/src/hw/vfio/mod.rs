@@ -60,8 +60,9 @@ pub struct VfioOptions {
     /// Where sysfs is mounted (tests use a fake tree; the kernel's device nodes are always
     /// under /dev/vfio).
     pub sysfs_root: PathBuf,
-    /// Back DMA allocations of 2 MiB or more with 2 MiB hugepages when `vm.nr_hugepages` has some
-    /// reserved (smaller ones always take 4 KiB pages: they would each take a whole huge page).
+    /// Back DMA allocations of 2 MiB or more with 2 MiB hugepages when some are reserved
+    /// (`vm.nr_hugepages` where 2 MiB is the default huge page size; see docs/vfio.md). Smaller
+    /// ones always take 4 KiB pages: they would each take a whole huge page.
     pub prefer_huge_pages: bool,
 }
 
