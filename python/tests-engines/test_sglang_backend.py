@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -328,6 +329,65 @@ def test_a_second_backend_on_the_devices_of_an_open_one_is_refused_naming_the_de
     first.close()
     reopened = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", False))
     reopened.close()
+
+
+@pytest.mark.parametrize("lock_held_at_fork", [False, True], ids=["lock-free", "lock-held-at-fork"])
+def test_a_forked_child_claims_the_devices_its_parent_had_open(tmp_path: Path, lock_held_at_fork: bool):
+    """Goal: a child forked from a process whose backend had devices open inherits no record of
+    them: the parent's backend is not the child's (its store refuses every call there: "open or
+    attach again in the child", crates/python/src/process.rs), so a backend the child builds on
+    those devices, once the parent has closed its own, is not refused as the decode offload
+    manager's second backend; and a fork taken while another thread of the parent held the
+    record's lock leaves the child a lock it can take (not one no thread of the child will ever
+    let go). The child reports by its exit code: 0 claimed, 2 refused."""
+    from tutti import _sglang_keys as keys
+    from tutti._engine import ConfigError
+
+    class Owner:
+        pass
+
+    pool_file = tmp_path / "pool.img"
+    pool_file.write_bytes(b"")
+    devices = [f"emu:{pool_file}"]
+    identities = keys._device_identities(devices)
+    parent = Owner()
+    keys._claim_devices(parent, devices, identities)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with keys._OPEN_DEVICES_LOCK:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    if lock_held_at_fork:
+        holder.start()
+        assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            keys._claim_devices(Owner(), devices, identities)
+            code = 0
+        except ConfigError:
+            code = 2
+        finally:
+            os._exit(code)
+    release.set()
+    if lock_held_at_fork:
+        holder.join(10)
+    keys._release_devices(parent)  # the parent closes its backend: the child's copy of it is no holder either
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child's claim still waits, 20 s on, for the lock a thread of its parent held at the fork")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child was refused the devices its parent had open (2: refused)"
 
 
 def test_sglang_s_own_hicache_fields_are_accepted(tmp_path: Path):

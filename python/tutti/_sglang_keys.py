@@ -26,7 +26,8 @@ to a key space, (devices, fingerprint), and a key is looked up only in its own:
   (`_device_identity`), however a device string spells it.
 - the open-devices record: the devices this process's backends have open (`_claim_devices`), so
   a second backend on them (PD decode's KV offload manager builds one beside the hierarchical
-  cache's, from the same config and ranks) is refused naming that, not by the devices' locks.
+  cache's, from the same config and ranks) is refused naming that, not by the devices' locks; a
+  forked child starts with none (`_in_forked_child`).
 
 Apart from tutti/sglang.py (the backend class and its page I/O) to keep each file to one concept;
 tutti.sglang imports these names, and `rank_devices` / `check_rank_devices` stay public there.
@@ -66,6 +67,21 @@ _CLEARED_POOLS_LOCK = threading.Lock()
 # "another daemon" with this process's own pid (`_claim_devices` refuses it naming the cause).
 _OPEN_DEVICES: dict[str, "weakref.ref[object]"] = {}
 _OPEN_DEVICES_LOCK = threading.Lock()
+
+
+def _in_forked_child() -> None:
+    """After a fork, in the child: the backends it inherited are its parent's, whose stores refuse
+    every call there ("open or attach again in the child", crates/python/src/process.rs) and whose
+    devices the parent may close at any time, so the child starts with no device open; a parent
+    backend left on record would refuse the child's own backend on those devices as the decode
+    offload manager's. The module's locks are made anew: one a thread of the parent held at the
+    fork stays held in the child, where no thread will let it go. The cleared-pool record is
+    kept: the pages a clear left are on the devices for the child too."""
+    global _OPEN_DEVICES, _OPEN_DEVICES_LOCK, _CLEARED_POOLS_LOCK, _CLEAR_WATCHERS_LOCK
+    _OPEN_DEVICES = {}
+    _OPEN_DEVICES_LOCK = threading.Lock()
+    _CLEARED_POOLS_LOCK = threading.Lock()
+    _CLEAR_WATCHERS_LOCK = threading.Lock()
 
 
 def _device_identities(devices: list[str]) -> tuple[str, ...]:
@@ -739,6 +755,8 @@ class _WeightEpochs:
 # The host pools whose clear is watched: pool -> the weight epochs told of each clear.
 _CLEAR_WATCHERS: "weakref.WeakKeyDictionary[Any, weakref.WeakSet[_WeightEpochs]]" = weakref.WeakKeyDictionary()
 _CLEAR_WATCHERS_LOCK = threading.Lock()
+# Registered once the locks it replaces exist.
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 def _watch_host_pool_clears(host_pool: Any, epochs: _WeightEpochs) -> bool:
