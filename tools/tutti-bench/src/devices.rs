@@ -22,6 +22,32 @@ use crate::args::{format_size, DeviceSpec};
 /// How long one I/O may take before the run fails (a stuck device, not a slow one).
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// How long a wait may be bounded by at most, whatever a timing model says ([`wait_bound`]).
+pub const WAIT_BOUND_MAX: Duration = Duration::from_secs(24 * 3600);
+
+/// How many times what a timing model makes the queued bytes take a wait is bounded by: the
+/// model only holds completions back, so this machine's own pace (the controller's copies, on
+/// cores it shares with the jobs) comes on top, and a bound a device that keeps to the model
+/// never reaches still catches one that stopped.
+const WAIT_BOUND_MODEL_FACTOR: f64 = 4.0;
+
+/// The bound of a wait for `bytes` of transfers queued on a software controller that runs
+/// `timing`, whose bound without a model is `default`: [`WAIT_BOUND_MODEL_FACTOR`] times what
+/// the model makes those bytes take at its slowest pace (the slower direction at its share
+/// under mixed traffic: each direction is a FIFO pipe, so the last of the bytes completes after
+/// all of them flowed) plus one command latency; never below `default`, never past
+/// [`WAIT_BOUND_MAX`]. Derived rather than refused: a slow model is a valid run (the model
+/// stands for an SSD; `tutti-ssd` is one in slow motion), and its I/Os take what the model
+/// says, which no fixed figure fits.
+pub fn wait_bound(default: Duration, timing: Option<nvme_emu::TimingModel>, bytes: u64) -> Duration {
+    let Some(timing) = timing else { return default };
+    let share = f64::from(timing.mixed_share_permille.clamp(1, 1000)) / 1000.0;
+    let slowest_bytes_per_s = (timing.read_bytes_per_s.min(timing.write_bytes_per_s).max(1) as f64 * share).max(f64::MIN_POSITIVE);
+    let model_s = bytes as f64 / slowest_bytes_per_s + timing.command_latency.as_secs_f64();
+    let bound = Duration::try_from_secs_f64(WAIT_BOUND_MODEL_FACTOR * model_s).unwrap_or(WAIT_BOUND_MAX);
+    bound.min(WAIT_BOUND_MAX).max(default)
+}
+
 /// Waiting on the software controller, a thread of this process, which a waiter that keeps the
 /// CPU starves on a small machine: WAIT_SPIN_POLLS polls with a spin hint between them, then a
 /// yield per poll. Not a sleep: a sleep left completions unreaped for the sleep and the timer
@@ -115,6 +141,11 @@ pub trait IoQueue: Send {
     fn stamp_buffer(&mut self, slot: u32, stamp: u64) -> Result<(), DeviceError>;
     /// Waits for everything in flight (bounded), discarding results: used before tearing down.
     fn drain(&mut self, deadline: Instant);
+    /// How long the job waits for this queue's next completion before it calls the device
+    /// stuck ([`DeviceError::Timeout`]).
+    fn io_timeout(&self) -> Duration {
+        IO_TIMEOUT
+    }
     /// Paces a loop that polls this queue without waiting on it (several devices polled in
     /// turn), after its `polls`-th poll in a row that completed nothing. By default a spin hint,
     /// and a yield every [`IDLE_POLLS_PER_YIELD`] polls.
@@ -596,6 +627,10 @@ struct NvmeDevice {
     emulator: Option<Arc<EmuDevice>>,
     namespace: nvme_driver::Namespace,
     description: String,
+    /// The software controller's timing model (`None` on a VFIO function).
+    timing: Option<nvme_emu::TimingModel>,
+    /// Queues the run opens on this device (one per job).
+    queues: u32,
 }
 
 impl NvmeDevice {
@@ -629,7 +664,8 @@ impl NvmeDevice {
             shadow_note(options, controller.shadow_doorbells_active()),
             timing_note(&device.spec, options),
         );
-        Ok(Self { controller, emulator: device.emulator, namespace, description })
+        let timing = if device.emulator.is_some() { options.timing } else { None };
+        Ok(Self { controller, emulator: device.emulator, namespace, description, timing, queues: options.queues.max(1) })
     }
 
     /// How a wait on this device spends its polls: see [`Waiter`].
@@ -670,10 +706,13 @@ impl NvmeDevice {
             let region = buffers.subregion(slot * slot_bytes, slot_bytes).map_err(|source| nvme(NvmeError::Hardware(source)))?;
             segments.push(DataSegment::new(region.iova(), slot_len));
         }
+        // A job's next completion may wait behind every I/O the jobs queued on this device,
+        // which a timing model passes one after another.
+        let queued_bytes = u64::from(self.queues).saturating_mul(u64::from(depth)).saturating_mul(slot_bytes as u64);
         Ok(NvmeQueue {
             name,
             pair: Some(pair),
-            drain_timeout: IO_TIMEOUT,
+            io_timeout: wait_bound(IO_TIMEOUT, self.timing, queued_bytes),
             namespace: self.namespace.id,
             block_size_bytes: u64::from(self.namespace.block_size_bytes),
             buffers,
@@ -753,8 +792,9 @@ struct NvmeQueue {
     name: String,
     /// None only once `drop` has taken it to delete it.
     pair: Option<IoQueuePair>,
-    /// How long `drop` lets commands still in flight finish before deleting the pair.
-    drain_timeout: Duration,
+    /// How long the job waits for a completion before it calls the device stuck, and `drop`
+    /// lets commands still in flight finish before deleting the pair ([`wait_bound`]).
+    io_timeout: Duration,
     namespace: NamespaceId,
     block_size_bytes: u64,
     buffers: DmaRegion,
@@ -775,7 +815,7 @@ impl Drop for NvmeQueue {
     fn drop(&mut self) {
         // A failed run can leave commands in flight: let them finish (bounded) before the queue
         // pair is deleted and the buffers they point at are freed.
-        self.drain(Instant::now() + self.drain_timeout);
+        self.drain(Instant::now() + self.io_timeout);
         let Some(pair) = self.pair.take() else { return };
         let in_flight = pair.in_flight();
         if let Err(undeleted) = pair.delete() {
@@ -846,7 +886,7 @@ impl IoQueue for NvmeQueue {
         deadline: Instant,
         on_done: &mut dyn FnMut(u32, Result<(), DeviceError>),
     ) -> Result<usize, DeviceError> {
-        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, .. } = self;
+        let Self { name, pair, remaining_commands, failure, directions, offsets_bytes, waiter, io_timeout, .. } = self;
         let pair = live_pair(pair, name)?;
         pair.ring_doorbell().map_err(|source| DeviceError::Nvme { device: name.clone(), source })?;
         let mut done = 0usize;
@@ -898,7 +938,7 @@ impl IoQueue for NvmeQueue {
                 }
                 polls = polls.wrapping_add(1);
                 if polls.is_multiple_of(WAIT_POLLS_PER_CLOCK_READ) && Instant::now() >= deadline {
-                    return Err(DeviceError::Timeout { device: name.clone(), timeout_s: IO_TIMEOUT.as_secs(), in_flight });
+                    return Err(DeviceError::Timeout { device: name.clone(), timeout_s: io_timeout.as_secs(), in_flight });
                 }
                 match waiter {
                     Waiter::Polls => {}
@@ -942,6 +982,10 @@ impl IoQueue for NvmeQueue {
         if let Some(pair) = self.pair.as_mut() {
             let _ = pair.wait_idle(deadline, |_| {});
         }
+    }
+
+    fn io_timeout(&self) -> Duration {
+        self.io_timeout
     }
 
     fn pace_idle_poll(&self, polls: u32) {
@@ -1252,6 +1296,49 @@ mod tests {
         NvmeDevice::init(memory_controller(options), options).expect("init")
     }
 
+    /// 1 MiB/s each way, no collapse, 1 ms per command: one 64 MiB I/O takes 64 s.
+    const SLOW_MODEL: nvme_emu::TimingModel = nvme_emu::TimingModel {
+        read_bytes_per_s: 1 << 20,
+        write_bytes_per_s: 1 << 20,
+        mixed_share_permille: 1000,
+        command_latency: Duration::from_millis(1),
+    };
+
+    #[test]
+    fn a_timing_model_stretches_the_wait_bound_to_what_it_makes_transfers_take() {
+        // Goal: under a slow --emu-timing model a valid run's I/O takes longer than the fixed
+        // 30 s (one 64 MiB I/O at 1 MiB/s: 64 s) and the run failed as a stuck device. The bound
+        // is four times what the model makes the bytes take (the slower direction, at its mixed
+        // share, plus a command latency), never below the default, never past WAIT_BOUND_MAX.
+        assert_eq!(wait_bound(IO_TIMEOUT, None, 1 << 40), IO_TIMEOUT, "no model: the default");
+        assert_eq!(wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), 4096), IO_TIMEOUT, "a few ms: the default");
+        let bound = wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), 64 << 20);
+        assert!(bound >= Duration::from_secs(4 * 64) && bound < Duration::from_secs(4 * 65), "{bound:?}");
+        // The slower direction under mixed traffic: writes at 0.5 MiB/s, half of it mixed.
+        let collapsing = nvme_emu::TimingModel { write_bytes_per_s: 1 << 19, mixed_share_permille: 500, ..SLOW_MODEL };
+        let bound = wait_bound(IO_TIMEOUT, Some(collapsing), 16 << 20);
+        assert!(bound >= Duration::from_secs(4 * 64) && bound < Duration::from_secs(4 * 65), "{bound:?}");
+        // Bounded whatever the figures: the deadline it makes can be computed.
+        let crawling = nvme_emu::TimingModel { read_bytes_per_s: 1, write_bytes_per_s: 1, ..SLOW_MODEL };
+        let bound = wait_bound(IO_TIMEOUT, Some(crawling), u64::MAX);
+        assert_eq!(bound, WAIT_BOUND_MAX);
+        assert!(Instant::now().checked_add(bound).is_some());
+    }
+
+    #[test]
+    fn a_queue_under_a_timing_model_waits_as_long_as_its_devices_queued_bytes_take() {
+        // Goal: a job's wait for its next completion may sit behind every I/O the jobs queued
+        // on the device (each job's queue: --iodepth buffers of --bs), which the model passes
+        // one after another: 2 jobs × 4 × 1 MiB at 1 MiB/s is 8 s, bounded at 32 s or more,
+        // not at the fixed 30 s. A device without a model keeps the default.
+        let options = OpenOptions2 { io_bytes_max: 1 << 20, queues: 2, timing: Some(SLOW_MODEL), ..test_options() };
+        let device = NvmeDevice::init(memory_controller(options), options).expect("init");
+        let queue = device.open_queue(4, 1 << 20).expect("queue");
+        assert!(queue.io_timeout() >= Duration::from_secs(32), "{:?}", queue.io_timeout());
+        let queue = memory_device().open_queue(4, 1 << 20).expect("queue");
+        assert_eq!(queue.io_timeout(), IO_TIMEOUT);
+    }
+
     /// Runs `job` on a thread of its own and fails if it has not finished within `limit` (a wait
     /// that never gives up must fail the test, not hang it).
     fn finishes_within<T: Send + 'static>(limit: Duration, job: impl FnOnce() -> T + Send + 'static) -> T {
@@ -1349,7 +1436,7 @@ mod tests {
             });
             device.emulator.as_ref().expect("software controller").set_faults(plan);
             let mut queue = device.open_nvme_queue(4, 4096, Waiter::SharesOurCores).expect("queue");
-            queue.drain_timeout = Duration::from_millis(100);
+            queue.io_timeout = Duration::from_millis(100);
             queue.queue(0, Direction::Read, 0).expect("queue read");
             let _ = queue.submit_and_reap(false, Instant::now(), &mut |_, _| {});
             let before = leaked_dma_bytes();

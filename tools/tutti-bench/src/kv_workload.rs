@@ -26,8 +26,16 @@ use crate::kv::{KvPlan, PoolMode};
 use crate::report::{CpuTime, ProcessCpu};
 use crate::workloads::{fill_pattern, find_mismatch};
 
-/// How long one layer may take before the run fails.
+/// How long one layer may take before the run fails, without a timing model.
 const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long one layer of `bytes_per_layer` may take before the run fails, on devices that run
+/// `timing`.
+fn layer_timeout(timing: Option<nvme_emu::TimingModel>, bytes_per_layer: u64) -> Duration {
+    // A layer's bytes are issued together and flow through the model's pipes one command after
+    // another (layers issued ahead queue behind it, not before it).
+    crate::devices::wait_bound(LAYER_TIMEOUT, timing, bytes_per_layer)
+}
 
 /// A store and the engine KV memory it moves bytes in and out of. The memory is reached only
 /// through copies (the device writes it: no reference into it is handed out).
@@ -275,7 +283,7 @@ pub(crate) fn run_phases<T: KvTarget>(
     if cached > 0 && plan.pool != PoolMode::RetrieveOnly {
         before_phase("populate")?;
         let request = KvRequest { tokens: &tokens[..cached as usize * block_tokens], block_ids: &ids[..cached as usize] };
-        phases.push(store_phase(target, "store (populate: the cached prefix, written by an earlier request)", &request)?);
+        phases.push(store_phase(target, "store (populate: the cached prefix, written by an earlier request)", &request, plan.emu_timing)?);
     }
     if cached > 0 {
         let found = target.store().lookup(&tokens);
@@ -305,7 +313,8 @@ pub(crate) fn run_phases<T: KvTarget>(
         let bytes_per_layer = u64::from(cached) * 2 * target.object_bytes() as u64;
         let store = target.store();
         let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
-        let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve, bytes_per_layer)?;
+        let timeout = layer_timeout(plan.emu_timing, bytes_per_layer);
+        let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve, bytes_per_layer, timeout)?;
         store.finish(handle).context("finishing the retrieve")?;
         let wall = started.elapsed();
         let cpu = ProcessCpu::now().since(&cpu_before);
@@ -331,7 +340,7 @@ pub(crate) fn run_phases<T: KvTarget>(
     if cached < blocks && plan.pool != PoolMode::RetrieveOnly {
         before_phase("store")?;
         let request = KvRequest { tokens: &tokens, block_ids: &ids };
-        phases.push(store_phase(target, "store (the request's new blocks after prefill)", &request)?);
+        phases.push(store_phase(target, "store (the request's new blocks after prefill)", &request, plan.emu_timing)?);
     }
     Ok(phases)
 }
@@ -355,6 +364,7 @@ fn move_layers<S: LayerKvStore>(
     layers: u32,
     direction: Direction,
     bytes_per_layer: u64,
+    layer_timeout: Duration,
 ) -> anyhow::Result<MovedLayers> {
     let ahead = store.layers_in_flight_max().max(1);
     let verb = if direction == Direction::Retrieve { "retrieve" } else { "store" };
@@ -370,12 +380,12 @@ fn move_layers<S: LayerKvStore>(
                 Direction::Store => store.store_layer(handle, next, SmBudget(1)),
             };
             if let Err(error) = issued {
-                drain(store, handle, layers);
+                drain(store, handle, layers, layer_timeout);
                 return Err(error).with_context(|| format!("{verb}_layer {next}"));
             }
             next += 1;
         }
-        let waited = store.wait(handle, Instant::now() + LAYER_TIMEOUT);
+        let waited = store.wait(handle, Instant::now() + layer_timeout);
         let done = Instant::now();
         match waited {
             Ok(Some(completed)) if completed == layer => {}
@@ -384,7 +394,7 @@ fn move_layers<S: LayerKvStore>(
             // layer's bytes would be counted over no I/O, a rate made up.
             Ok(None) if bytes_per_layer == 0 => {}
             other => {
-                drain(store, handle, layers);
+                drain(store, handle, layers, layer_timeout);
                 let error = match other {
                     Err(error) => anyhow::Error::new(error),
                     Ok(None) => anyhow!("the store had nothing in flight for layer {layer}, which moves {bytes_per_layer} bytes"),
@@ -411,17 +421,23 @@ type MovedLayers = (Vec<Duration>, Option<(Instant, Instant)>);
 /// commands were published (`GioError::SubmitFailed`) leaves that layer in flight too. At most
 /// `layers` + 1 waits of the layer timeout each (a request has no more layers than that in
 /// flight, and a wait that fails again is not waited on for ever).
-fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32) {
+fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, layer_timeout: Duration) {
     for _ in 0..=layers {
         // A store that cannot say counts as one with a layer in flight: waited on, bounded.
         if !store.any_layer_in_flight(handle).unwrap_or(true) {
             return;
         }
-        let _ = store.wait(handle, Instant::now() + LAYER_TIMEOUT);
+        let _ = store.wait(handle, Instant::now() + layer_timeout);
     }
 }
 
-fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>) -> anyhow::Result<LayerPhase> {
+/// `timing`: the devices' timing model (`--emu-timing`), which bounds the layers' waits.
+fn store_phase<T: KvTarget>(
+    target: &mut T,
+    label: &str,
+    request: &KvRequest<'_>,
+    timing: Option<nvme_emu::TimingModel>,
+) -> anyhow::Result<LayerPhase> {
     let layers = target.layers();
     let object_bytes = target.object_bytes() as u64;
     let store = target.store();
@@ -429,7 +445,8 @@ fn store_phase<T: KvTarget>(target: &mut T, label: &str, request: &KvRequest<'_>
     let started = Instant::now();
     let plan = store.prepare_store(request).context("prepare_store")?;
     let bytes_per_layer = plan.new_blocks as u64 * 2 * object_bytes;
-    let (latencies, span) = move_layers(store, plan.handle, layers, Direction::Store, bytes_per_layer)?;
+    let (latencies, span) =
+        move_layers(store, plan.handle, layers, Direction::Store, bytes_per_layer, layer_timeout(timing, bytes_per_layer))?;
     store.commit_store(plan.handle).context("commit_store")?;
     Ok(LayerPhase {
         label: label.to_string(),
@@ -550,6 +567,73 @@ mod tests {
         }
     }
 
+    /// A store whose layers complete at once, in order, recording how far off each wait's
+    /// deadline was.
+    #[derive(Default)]
+    struct DeadlineRecorder {
+        in_flight: std::collections::VecDeque<u32>,
+        deadlines_in: Vec<Duration>,
+    }
+
+    impl LayerKvStore for DeadlineRecorder {
+        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
+            first_block
+        }
+        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
+            Ok(RequestHandle::from_bits(1))
+        }
+        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
+            unreachable!("move_layers prepares nothing")
+        }
+        fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
+            Ok(!self.in_flight.is_empty())
+        }
+        fn wait(&mut self, _handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
+            self.deadlines_in.push(deadline.saturating_duration_since(Instant::now()));
+            Ok(self.in_flight.pop_front())
+        }
+        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
+            Ok(self.in_flight.is_empty())
+        }
+        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
+            Ok(0)
+        }
+        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_timing_model_stretches_the_layer_bound_to_what_it_makes_a_layer_take() {
+        // Goal: the fixed 60 s per layer failed valid runs under a slow --emu-timing model (a
+        // 64 MiB layer at 1 MiB/s takes 64 s). The bound is four times what the model makes
+        // the layer's bytes take, never below 60 s; each wait of move_layers uses it.
+        let slow = nvme_emu::TimingModel {
+            read_bytes_per_s: 1 << 20,
+            write_bytes_per_s: 1 << 20,
+            mixed_share_permille: 1000,
+            command_latency: Duration::from_millis(1),
+        };
+        assert_eq!(layer_timeout(None, 64 << 20), LAYER_TIMEOUT);
+        assert_eq!(layer_timeout(Some(slow), 1 << 20), LAYER_TIMEOUT, "4 s of model time: the default");
+        let bound = layer_timeout(Some(slow), 64 << 20);
+        assert!(bound >= Duration::from_secs(4 * 64), "{bound:?}");
+        let mut store = DeadlineRecorder::default();
+        move_layers(&mut store, RequestHandle::from_bits(1), 3, Direction::Retrieve, 64 << 20, bound).unwrap();
+        assert_eq!(store.deadlines_in.len(), 3);
+        for deadline_in in &store.deadlines_in {
+            assert!(*deadline_in + Duration::from_secs(1) >= bound, "a wait's deadline was {deadline_in:?} away, the bound {bound:?}");
+        }
+    }
+
     #[test]
     fn a_failed_wait_leaves_no_layer_in_flight() {
         // Goal: move_layers' doc says a failed layer ends the run after the layers behind it
@@ -559,7 +643,7 @@ mod tests {
         // says none is, every wait bounded.
         let handle = RequestHandle::from_bits(1);
         let mut store = FirstWaitTimesOut { in_flight: Default::default(), waits: 0 };
-        let error = move_layers(&mut store, handle, 4, Direction::Retrieve, 1 << 20).unwrap_err();
+        let error = move_layers(&mut store, handle, 4, Direction::Retrieve, 1 << 20, LAYER_TIMEOUT).unwrap_err();
         assert!(format!("{error:#}").contains("waiting for retrieve layer 0"), "{error:#}");
         assert!(!store.any_layer_in_flight(handle).unwrap(), "layers {:?} were left in flight", store.in_flight);
     }
@@ -570,10 +654,10 @@ mod tests {
         // once (`wait` answers None). A layer that should move bytes and had nothing in flight
         // is the store's failure: counted as done, its bytes over ~0 s made GB/s up.
         let handle = RequestHandle::from_bits(1);
-        let (latencies, _) = move_layers(&mut NothingInFlight, handle, 3, Direction::Store, 0).unwrap();
+        let (latencies, _) = move_layers(&mut NothingInFlight, handle, 3, Direction::Store, 0, LAYER_TIMEOUT).unwrap();
         assert_eq!(latencies.len(), 3);
         for direction in [Direction::Retrieve, Direction::Store] {
-            let error = move_layers(&mut NothingInFlight, handle, 3, direction, 1 << 20).unwrap_err();
+            let error = move_layers(&mut NothingInFlight, handle, 3, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
             assert!(format!("{error:#}").contains("nothing in flight for layer 0"), "{error:#}");
         }
     }

@@ -414,6 +414,9 @@ fn run_job(
     gate.wait().map_err(|why| anyhow!("job{job}: {why}"))?;
     pinned.map_err(|(cpus, error)| anyhow!("job{job}: --cpus_allowed={cpus}: {error}"))?;
     let mut queues = opened.with_context(|| format!("job{job}: opening queues"))?;
+    // Progress on any of them resets the wait: the longest any queue may take bounds it (a
+    // device under a slow timing model takes longer than IO_TIMEOUT, devices::wait_bound).
+    let io_timeout = queues.iter().map(|queue| queue.io_timeout()).max().unwrap_or(IO_TIMEOUT);
     let (region_start, region_bytes) = if plan.split_region {
         let (start, bytes) = job_slice(plan.region_bytes, plan.bs, numjobs, job);
         (plan.region_start + start, bytes)
@@ -526,14 +529,14 @@ fn run_job(
         batch.clear();
         // Block only when nothing more can be queued; with several devices, poll them in turn.
         let must_wait = in_flight == depth || stop_issuing || backpressure;
-        let deadline = last_progress + IO_TIMEOUT;
+        let deadline = last_progress + io_timeout;
         for queue in queues.iter_mut() {
             queue.submit_and_reap(must_wait && device_count == 1, deadline, &mut |slot, result| completed.push((slot, result)))?;
         }
         if completed.is_empty() {
             if Instant::now() > deadline {
                 let device = stuck_devices(devices, &slots, &free_slots);
-                return Err(DeviceError::Timeout { device, timeout_s: IO_TIMEOUT.as_secs(), in_flight }.into());
+                return Err(DeviceError::Timeout { device, timeout_s: io_timeout.as_secs(), in_flight }.into());
             }
             // With one device, submit_and_reap has waited under that device's waiter, and what
             // it reaped was part of an I/O split into several commands (larger than the MDTS):
@@ -583,7 +586,7 @@ fn run_job(
     let elapsed = ended.saturating_duration_since(started);
     let cpu = thread_cpu().since(&cpu_before);
     for queue in queues.iter_mut() {
-        queue.drain(Instant::now() + IO_TIMEOUT);
+        queue.drain(Instant::now() + io_timeout);
     }
     let window = JobWindow { started, process_cpu_at_start, ended, process_cpu_at_end };
     Ok(JobStats { name: format!("job{job}"), read, write, elapsed, thread_cpu: cpu, window })
