@@ -853,12 +853,14 @@ impl Controller {
     ///
     /// A shut-down controller executes no command until it is reset (CC.EN 1 → 0), whatever
     /// this returns: from this call until [`Controller::reset`] succeeds, creating a queue pair
-    /// fails with [`NvmeError::ControllerShutDown`]. Existing queue pairs and admin commands are
-    /// not refused: stop using them before calling this. What the controller does with a
-    /// command sent afterwards is undefined; an admin command that times out holds the admin
-    /// queue ([`NvmeError::QueueBusy`]) until its late completion or a reset, and a pair dropped
-    /// afterwards whose Delete commands time out keeps (leaks) its rings. Reset the controller
-    /// to use it again.
+    /// is refused, with [`NvmeError::ControllerShutDown`], or, once a reset failed in its
+    /// function-level reset or bring-up (before it saw the controller stop or after), with that
+    /// reset's [`NvmeError::ControllerNotReady`], which is checked first. Existing queue pairs
+    /// and admin commands are not refused: stop using them before calling this. What the
+    /// controller does with a command sent afterwards is undefined; an admin command that times
+    /// out holds the admin queue ([`NvmeError::QueueBusy`]) until its late completion or a
+    /// reset, and a pair dropped afterwards whose Delete commands time out keeps (leaks) its
+    /// rings. Reset the controller to use it again.
     pub fn shutdown(&self) -> Result<(), NvmeError> {
         // Before CC.SHN: from the write on the controller may stop taking commands.
         self.shut_down.store(true, Ordering::Relaxed);

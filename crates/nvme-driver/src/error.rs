@@ -124,7 +124,8 @@ pub enum NvmeError {
 
     /// [`crate::Controller::shutdown`] was called: a shut-down controller executes no command
     /// until it is reset (NVMe 2.0 §3.6.1: CC.EN 1 → 0), so no queue pair is created until a
-    /// reset succeeds.
+    /// reset succeeds. After a reset that failed, creation is refused with
+    /// [`NvmeError::ControllerNotReady`] instead (checked first).
     #[error("the controller was shut down (CC.SHN): it executes no command until a reset, so no queue pair is created until one succeeds")]
     ControllerShutDown,
 

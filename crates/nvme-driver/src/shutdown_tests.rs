@@ -105,3 +105,30 @@ fn a_shut_down_controller_creates_no_queue_pair_until_a_reset() {
     controller.reset(false).expect("reset");
     controller.create_io_queue_pair(8).expect("a reset controller creates queue pairs again");
 }
+
+#[test]
+fn after_a_shutdown_a_failed_reset_refuses_queue_pairs_as_not_ready() {
+    // Goal: after a shutdown, a reset that fails, before the controller was seen to stop or
+    // after, leaves queue pair creation refused, with ControllerNotReady naming the stage it
+    // failed at (checked before the shutdown): what shutdown()'s doc says. A reset that then
+    // succeeds makes the controller usable again.
+    use crate::spec::command::AdminOpcode;
+    use crate::spec::status::{codes, NvmeStatus};
+    use crate::BringUpStage;
+    let (device, mut controller) = bring_up(FakeScript::default());
+    controller.shutdown().expect("shutdown");
+    device.update_script(|script| script.disable_completes = false);
+    assert!(controller.reset(false).is_err(), "the controller never stops");
+    let refused = controller.create_io_queue_pair(8).map(drop);
+    assert!(matches!(refused, Err(NvmeError::ControllerNotReady { stage: BringUpStage::WaitNotReady })), "{refused:?}");
+    device.update_script(|script| {
+        script.disable_completes = true;
+        script.admin_failures = vec![(AdminOpcode::Identify as u8, NvmeStatus::generic(codes::INTERNAL_ERROR))];
+    });
+    assert!(controller.reset(false).is_err(), "Identify fails after the controller stopped");
+    let refused = controller.create_detached_queue_pair(8, None).map(drop);
+    assert!(matches!(refused, Err(NvmeError::ControllerNotReady { stage: BringUpStage::Identify })), "{refused:?}");
+    device.update_script(|script| script.admin_failures.clear());
+    controller.reset(false).expect("reset");
+    controller.create_io_queue_pair(8).expect("a reset controller creates queue pairs again");
+}
