@@ -17,7 +17,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 import torch
@@ -329,6 +329,79 @@ def test_a_second_backend_on_the_devices_of_an_open_one_is_refused_naming_the_de
     first.close()
     reopened = backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", False))
     reopened.close()
+
+
+def test_a_claim_refused_after_the_open_closes_the_pool_and_frees_its_devices(tmp_path: Path, monkeypatch):
+    """Goal: the backend claims its devices again once its pool is open (a file the format just
+    created has an inode only from then on); a claim refused there closes the pool and releases
+    the devices, as a failed register_kv does, rather than leaving the store open (its device locks
+    held) and the devices recorded for a backend whose attach failed: a new backend on the same
+    devices opens."""
+    import tutti.sglang as tutti_sglang
+    from tutti._engine import ConfigError
+
+    claim = tutti_sglang._claim_devices
+    calls = []
+
+    def claim_refused_after_the_open(owner: object, devices: list, identities: tuple) -> None:
+        calls.append(identities)
+        if len(calls) == 2:
+            raise ConfigError("refused after the open (test)")
+        claim(owner, devices, identities)
+
+    monkeypatch.setattr(tutti_sglang, "_claim_devices", claim_refused_after_the_open)
+    failed = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True)), None)
+    with pytest.raises(ConfigError, match="refused after the open"):
+        failed.register_mem_pool_host(host_pool("page_first"))
+    assert len(calls) == 2
+    assert failed._store is None or failed._store.closed
+    monkeypatch.setattr(tutti_sglang, "_claim_devices", claim)
+    # `failed` is still alive: its claim must be gone, not only dropped with it.
+    backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", False)).close()
+    failed.close()
+
+
+def test_a_backend_on_a_pool_file_another_one_is_creating_is_refused_naming_the_offload_manager(tmp_path: Path, monkeypatch):
+    """Goal: a backend whose format creates its pool file claims it by its path before the open
+    (the file has no inode yet) and by its inode after; a second backend of the process that comes
+    between the two, and finds the file there, claims it by its path too, so it is refused naming
+    the decode offload manager (as when it comes after the first's open), not by the first's device
+    locks in a DeviceError that blames another daemon and this process's own pid."""
+    import tutti.sglang as tutti_sglang
+    from tutti._engine import ConfigError
+
+    pool_file = tmp_path / "pool.img"
+    # What the second backend's attach raised (None: it opened), once it was tried.
+    between: list[Optional[BaseException]] = []
+
+    class Store:
+        @staticmethod
+        def open(*args, **kwargs):
+            store = tutti.Store.open(*args, **kwargs)
+            if not between:  # the first backend's open (the second's, if it gets that far, opens plainly)
+                between.append(None)
+                assert pool_file.exists()  # created by the format
+                second = StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra_config(pool_file, False)), None)
+                try:
+                    second.register_mem_pool_host(host_pool("page_first"))
+                except BaseException as error:
+                    between[0] = error
+                finally:
+                    second.close()
+            return store
+
+    class Tutti:
+        """tutti, but for a Store.open that lets the second backend in right after the first's open."""
+
+        def __getattr__(self, name: str):
+            return Store if name == "Store" else getattr(tutti, name)
+
+    monkeypatch.setattr(tutti_sglang, "tutti", Tutti())
+    first = backend("page_first", host_pool("page_first"), extra_config(pool_file, True))
+    monkeypatch.undo()
+    assert between and isinstance(between[0], ConfigError), f"the second backend got {between!r}"
+    assert "disaggregation-decode-enable-offload-kvcache" in str(between[0])
+    first.close()
 
 
 @pytest.mark.parametrize("lock_held_at_fork", [False, True], ids=["lock-free", "lock-held-at-fork"])

@@ -58,7 +58,7 @@ _CLEARED_POOLS: set[tuple[str, bytes]] = set()
 _CLEARED_POOLS_LOCK = threading.Lock()
 
 
-# The devices the backends of this process have open: device identity (`_device_identity`) ->
+# The devices the backends of this process have open: device identity (`_claimed_identities`) ->
 # the backend holding it, weakly (a backend dropped without SGLang's close frees its devices with
 # its store). On a PD decode server with --disaggregation-decode-enable-offload-kvcache SGLang
 # builds two backends in one scheduler process from the one extra config and the same ranks (its
@@ -87,6 +87,21 @@ def _in_forked_child() -> None:
 def _device_identities(devices: list[str]) -> tuple[str, ...]:
     """The identities of the devices that keep pages (see `_device_identity`), sorted, once each."""
     return tuple(sorted({identity for identity in map(_device_identity, devices) if identity is not None}))
+
+
+def _claimed_identities(devices: list[str]) -> tuple[str, ...]:
+    """What a backend claims its devices under (`_claim_devices`): their identities
+    (`_device_identities`), and a file or block device's resolved path besides its file's: a pool
+    file a format is about to create is named by its path alone until the open creates it, and a
+    backend that comes after that names it by its inode, so both claim the path and collide there
+    (a hard link made meanwhile, another path to the new file, is caught only by the claim after the
+    open, by the inode)."""
+    identities = set(_device_identities(devices))  # refuses a device tutti would not open, first
+    for device in devices:
+        kind, _, rest = device.partition(":")
+        if kind in ("emu", "uring") and not _keeps_nothing(device):
+            identities.add("path:" + os.path.realpath(rest))
+    return tuple(sorted(identities))
 
 
 class _UnopenableDevice(ConfigError):
@@ -176,7 +191,8 @@ def _forget_cleared_pools(identities: tuple[str, ...]) -> None:
 
 
 def _claim_devices(owner: object, devices: list[str], identities: tuple[str, ...]) -> None:
-    """Records the devices of `identities` as open by `owner` (a backend, before its pool opens).
+    """Records the devices of `identities` (`_claimed_identities`) as open by `owner` (a backend,
+    before its pool opens, and again after).
     Raises ConfigError, recording nothing, when another backend of this process that is still
     alive holds one of them (`_OPEN_DEVICES`)."""
     with _OPEN_DEVICES_LOCK:

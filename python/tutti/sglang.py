@@ -60,6 +60,7 @@ from tutti._engine import (
 from tutti._sglang_keys import (
     _checkpoint_parts,
     _claim_devices,
+    _claimed_identities,
     _device_identities,
     _device_strings_problem,
     _forget_cleared_pools,
@@ -301,7 +302,7 @@ class TuttiHiCacheStorage(HiCacheStorage):
             _refuse_cleared_pool(devices, identities, fingerprint)
         # Before the open: a second backend of this process on these devices (PD decode's KV
         # offload manager's) would fail on the first's device locks naming another daemon.
-        _claim_devices(self, devices, identities)
+        _claim_devices(self, devices, _claimed_identities(devices))
         try:
             self._store = tutti.Store.open(
                 devices,
@@ -325,6 +326,11 @@ class TuttiHiCacheStorage(HiCacheStorage):
             _release_devices(self)
             raise
         try:
+            # Again now that the pool is open, inside this try (refused, the pool is closed and
+            # the devices released): a pool file the format just created has an identity (its
+            # inode, the next backend's name for it) only from here on.
+            _claim_devices(self, devices, _claimed_identities(devices))
+            identities = _device_identities(devices)
             self._store.register_kv(tutti.KvLayout.separate(keys, values))
         except BaseException as error:
             try:
@@ -341,11 +347,6 @@ class TuttiHiCacheStorage(HiCacheStorage):
                     f"which records them; everything on it is lost) [{error}]"
                 ) from error
             raise
-        # Again now that the pool is open: a pool file the format just created has an identity
-        # (its inode) only from here on.
-        identities = _device_identities(devices)
-        # A file the format created is recorded under its inode too (the next backend's name for it).
-        _claim_devices(self, devices, identities)
         if config["format"]:
             _forget_cleared_pools(identities)  # formatted: nothing stored before the clear is left
         self._pool_identity = (identities, fingerprint)
