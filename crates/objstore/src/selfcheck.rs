@@ -119,6 +119,14 @@ pub enum RoundTripError {
     Missing { request: u32, found: usize, expected: u32 },
     #[error("request {request}, block {block}, layer {layer}, {kind}: byte {offset} is {found:#04x}, expected {expected:#04x}")]
     Mismatch { request: u32, block: u32, layer: u32, kind: &'static str, offset: usize, expected: u8, found: u8 },
+    /// Every step of the phase succeeded, but closing its store could not delete an executor
+    /// queue pair (the controller refused or did not answer the deletion): a command of that
+    /// pair may still use the engine memory, which is kept for good.
+    #[error(
+        "the {phase} store's executor queue pairs could not be deleted: the controller may still move data through them, so \
+         the engine memory is kept for good (leaked)"
+    )]
+    QueuePairsNotDeleted { phase: &'static str },
 }
 
 fn tokens(config: &RoundTripConfig, request: u32) -> Vec<u32> {
@@ -150,15 +158,20 @@ fn object_pattern(tokens: &[u32], block: u32, block_tokens: u32, layer: u32, val
 /// Ends `store` ([`KvStore::close`]) and passes `result` on. When the store says the engine's
 /// memory must be kept (a queue pair it could not delete may still hold a layer's command,
 /// which reads or writes that memory), `memory` is leaked: freed, its IOVAs would go to the
-/// next allocation while that command may still move data.
+/// next allocation while that command may still move data. A phase that succeeded then fails
+/// with [`RoundTripError::QueuePairsNotDeleted`]: a controller that does not delete an I/O
+/// queue pair fails the check, however well the bytes compared (a failure already there is
+/// passed on: it says more).
 fn end_store<T>(
     store: KvStore<gio_uring::CpuExecutor>,
     memory: &[DmaRegion],
+    phase: &'static str,
     result: Result<T, RoundTripError>,
 ) -> Result<T, RoundTripError> {
     if !store.close() {
         let regions: Vec<&DmaRegion> = memory.iter().collect();
         crate::leak::leak_regions(&regions, "the round trip's engine memory: the store says a command may still use it");
+        return result.and(Err(RoundTripError::QueuePairsNotDeleted { phase }));
     }
     result
 }
@@ -261,7 +274,7 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     };
     let (mut store, _) = open_store()?;
     let stored = store_requests(&mut store);
-    let (blocks_stored, blocks_shared) = end_store(store, &memory, stored)?;
+    let (blocks_stored, blocks_shared) = end_store(store, &memory, "store", stored)?;
     // Reopen: the index comes back from the slot headers alone.
     let retrieve_ids: Vec<u32> = (config.blocks_per_request..engine_blocks).rev().collect();
     let mut actual = vec![0u8; object_bytes];
@@ -313,7 +326,7 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     };
     let (mut store, recovery) = open_store()?;
     let verified = retrieve_requests(&mut store);
-    let bytes_verified = end_store(store, &memory, verified)?;
+    let bytes_verified = end_store(store, &memory, "retrieve", verified)?;
     Ok(RoundTripReport { recovery, blocks_stored, blocks_shared, bytes_verified })
 }
 
@@ -360,6 +373,38 @@ mod tests {
         let leaked_before = crate::leak::leaked_dma_regions_on_this_thread();
         let result = round_trip(vec![PoolTarget { controller, namespace: NamespaceId(1) }], &config);
         assert!(result.is_err(), "the layer's wait timed out: {result:?}");
+        let leaked = crate::leak::leaked_dma_regions_on_this_thread() - leaked_before;
+        assert!(leaked >= 2 * config.geometry.layers as u64, "{leaked} regions kept: every engine tensor must be: {result:?}");
+        device.set_faults(FaultPlan::none());
+    }
+
+    #[test]
+    fn a_round_trip_whose_queue_pairs_cannot_be_deleted_fails_and_keeps_the_engine_memory() {
+        // Goal: every byte compares fine, but the controller refuses to delete the executor's
+        // queue pairs, so the store says its commands may still use the engine memory. The
+        // round trip used to keep that memory and still report success (the VM harness's
+        // objstore-roundtrip printed OBJSTORE_ROUNDTRIP_OK and exited 0): a controller that
+        // cannot delete an I/O queue must fail the check, and the memory stays kept.
+        let device = EmuDevice::start(EmuConfig::default().with_backing(Backing::Memory { bytes: 64 << 20 })).expect("controller");
+        let internal = NvmeStatus::generic(codes::INTERNAL_ERROR);
+        device.set_faults(FaultPlan::none().with_rule(FaultRule {
+            repeat: true,
+            ..FaultRule::on_nth_admin(1, AdminOpcode::DeleteIoSubmissionQueue, FaultAction::Status(internal))
+        }));
+        let backend: Arc<dyn DeviceBackend> = device.clone();
+        let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+        let config = RoundTripConfig {
+            geometry: ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 },
+            requests: 1,
+            blocks_per_request: 2,
+            ..RoundTripConfig::default()
+        };
+        let leaked_before = crate::leak::leaked_dma_regions_on_this_thread();
+        let result = round_trip(vec![PoolTarget { controller, namespace: NamespaceId(1) }], &config);
+        assert!(
+            matches!(result, Err(RoundTripError::QueuePairsNotDeleted { phase: "store" })),
+            "a queue pair the controller did not delete must fail the round trip: {result:?}"
+        );
         let leaked = crate::leak::leaked_dma_regions_on_this_thread() - leaked_before;
         assert!(leaked >= 2 * config.geometry.layers as u64, "{leaked} regions kept: every engine tensor must be: {result:?}");
         device.set_faults(FaultPlan::none());
