@@ -7,6 +7,7 @@ up, batch_get_v1 to prefetch them into other host pages); bytes checked per page
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -476,6 +477,46 @@ def test_sglang_s_own_hicache_fields_are_accepted(tmp_path: Path):
         StorageBackendFactory.create_backend(
             "dynamic", storage_config("page_first", extra_config(tmp_path / "pool.img", True, prefetch_threshold="512")), None
         )
+
+
+# Values of SGLang's own HiCache fields, as json.loads reads them from the extra config: booleans
+# (ints to isinstance), integers past any u64 and past a float, NaN, Infinity, other types, null.
+SGLANG_OWN_FIELD_VALUES = [512, 0, -1, True, False, 2**70, 10**400, 0.25, float("nan"), float("inf"), "512", None, [1]]
+
+
+@pytest.mark.parametrize(
+    "field", ["prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys"]
+)
+def test_sglang_s_own_hicache_fields_are_taken_exactly_as_sglang_s_own_parse_takes_them(tmp_path: Path, field: str):
+    """Goal: a config that SGLang's hierarchical cache takes (its parse checks its own fields with
+    isinstance, where a boolean is an int and an integer may be of any size, then float()s the
+    timeouts: HybridCacheController.parse_storage_backend_extra_config) is not refused by the
+    backend on the path where SGLang hands it the fields unchecked (PD decode's KV offload
+    manager), and one SGLang refuses is refused too: each value against SGLang's parse itself.
+    "prefetch_threshold": true opens a pool."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+
+    differ = []
+    for value in SGLANG_OWN_FIELD_VALUES:
+        text = json.dumps({field: value})
+        try:
+            HybridCacheController.parse_storage_backend_extra_config(text)
+            sglang_takes = True
+        except (ValueError, OverflowError):
+            sglang_takes = False
+        extra = extra_config(tmp_path / "pool.img", True)
+        extra[field] = json.loads(text)[field]
+        try:
+            StorageBackendFactory.create_backend("dynamic", storage_config("page_first", extra), None).close()
+            tutti_takes = True
+        except tutti.InvalidArgument as error:
+            tutti_takes = False
+            assert field in str(error)
+        if tutti_takes != sglang_takes:
+            differ.append(f"{text[:60]}: SGLang {'takes' if sglang_takes else 'refuses'} it, tutti {'takes' if tutti_takes else 'refuses'} it")
+    assert not differ, differ
+    if field == "prefetch_threshold":
+        backend("page_first", host_pool("page_first"), extra_config(tmp_path / "pool.img", True, prefetch_threshold=True)).close()
 
 
 def weight_version_change(version: str) -> None:

@@ -30,7 +30,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Mapping, Optional
 
 import torch
 
@@ -84,6 +84,59 @@ logger = logging.getLogger("tutti.sglang")
 # The SGLang release this backend was tested against (tools/python/engine-env.sh pins the same).
 TESTED_SGLANG_VERSION = "0.5.23"
 
+# SGLang's own HiCache settings, accepted and ignored: the hierarchical cache's path removes them
+# before building the backend (HybridCacheController.parse_storage_backend_extra_config), but PD
+# decode's KV offload manager (decode_kvcache_offload_manager.py) hands the backend the extra
+# config as json.loads reads it. The kinds are what SGLang's parse takes, its isinstance checks
+# (a boolean is an int there; an integer may be of any size), then float() of the timeouts;
+# _without_sglang_own_fields checks them so, before parse_config, which would refuse a boolean
+# where a number is meant and an integer past INT_FIELD_MAX, and take null (which SGLang refuses)
+# for absent: a config one of SGLang's paths takes is taken on the other, and only such a config.
+SGLANG_OWN_FIELDS = {
+    "prefetch_threshold": Field((int, bool), "SGLang's: the fewest tokens a prefetch is started for (ignored by tutti)"),
+    "prefetch_timeout_base": Field((int, float, bool), "SGLang's: a prefetch's base timeout, seconds (ignored by tutti)"),
+    "prefetch_timeout_per_ki_token": Field(
+        (int, float, bool), "SGLang's: a prefetch's timeout per 1024 tokens, seconds (ignored by tutti)"
+    ),
+    "hicache_storage_pass_prefix_keys": Field(bool, "SGLang's: whether it passes prefix keys to the backend (ignored by tutti)"),
+}
+
+
+def _without_sglang_own_fields(extra_config: Any) -> Any:
+    """The extra config without SGLang's own HiCache fields (SGLANG_OWN_FIELDS), each one given
+    checked as SGLang 0.5.23's parse checks it: an instance of its kinds, and a timeout one that
+    float() takes. Raises ConfigError naming the field for a value SGLang's parse refuses. A
+    config that is not a mapping is returned as it is (parse_config refuses it)."""
+    if not isinstance(extra_config, Mapping):
+        return extra_config
+    for name, spec in SGLANG_OWN_FIELDS.items():
+        if name not in extra_config:
+            continue
+        value = extra_config[name]
+        kinds = spec.kind if isinstance(spec.kind, tuple) else (spec.kind,)
+        if not isinstance(value, kinds):
+            expected = " or ".join(kind.__name__ for kind in kinds)
+            if value is None:
+                shown = "null"
+            elif isinstance(value, int) and value.bit_length() > 256:
+                shown = f"an integer of {value.bit_length()} bits"  # str() of one past 4300 digits raises
+            else:
+                shown = repr(value)
+            raise ConfigError(
+                f"--hicache-storage-backend-extra-config: field {name!r} must be {expected}, as SGLang's own parse "
+                f"takes it ({spec.description}), got {shown}"
+            )
+        if float in kinds:
+            try:
+                float(value)
+            except OverflowError:
+                raise ConfigError(
+                    f"--hicache-storage-backend-extra-config: field {name!r} = an integer of {value.bit_length()} bits: "
+                    f"too large for a float, which SGLang's own parse makes of it ({spec.description})"
+                ) from None
+    return {name: value for name, value in extra_config.items() if name not in SGLANG_OWN_FIELDS}
+
+
 EXTRA_CONFIG_FIELDS = {
     # SGLang's own fields of the dynamic backend's extra config.
     "backend_name": Field(str, "SGLang's name for the backend, e.g. \"tutti\""),
@@ -91,14 +144,8 @@ EXTRA_CONFIG_FIELDS = {
     "class_name": Field(str, "\"TuttiHiCacheStorage\""),
     "interface_v1": Field((int, bool), "must be 1: SGLang then calls the zero-copy batch_get_v1/batch_set_v1", required=True),
     "allocator": Field(str, "SGLang's host pool allocator (\"shm\" or absent)"),
-    # SGLang's own HiCache settings, accepted and ignored: the hierarchical cache's path removes them
-    # before building the backend (HybridCacheController.parse_storage_backend_extra_config), but
-    # PD decode's KV offload manager (decode_kvcache_offload_manager.py) hands the backend the
-    # extra config as json.loads reads it. Their types are the ones SGLang's parse takes.
-    "prefetch_threshold": Field(int, "SGLang's: the fewest tokens a prefetch is started for (ignored by tutti)"),
-    "prefetch_timeout_base": Field((int, float), "SGLang's: a prefetch's base timeout, seconds (ignored by tutti)"),
-    "prefetch_timeout_per_ki_token": Field((int, float), "SGLang's: a prefetch's timeout per 1024 tokens, seconds (ignored by tutti)"),
-    "hicache_storage_pass_prefix_keys": Field(bool, "SGLang's: whether it passes prefix keys to the backend (ignored by tutti)"),
+    # Listed so that an unknown field's message names them; checked apart (_without_sglang_own_fields).
+    **SGLANG_OWN_FIELDS,
     # tutti's.
     "devices": Field(
         (str, list),
@@ -185,7 +232,9 @@ class TuttiHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None) -> None:
         check_sglang_version()
-        self._config = parse_config("--hicache-storage-backend-extra-config", storage_config.extra_config, EXTRA_CONFIG_FIELDS)
+        self._config = parse_config(
+            "--hicache-storage-backend-extra-config", _without_sglang_own_fields(storage_config.extra_config), EXTRA_CONFIG_FIELDS
+        )
         if not self._config["interface_v1"]:
             raise ConfigError(
                 "--hicache-storage-backend-extra-config: set \"interface_v1\": 1; tutti moves pages straight "
