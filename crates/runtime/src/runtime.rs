@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use gio_uring::{Executor, QueuePairReset, SmBudget};
 use objstore::{KvRequest, KvStore, ObjstoreError, RequestHandle};
-use scheduler::policy::{IoPolicy, LayerView, QueueView};
+use scheduler::policy::{IoPolicy, LayerView, QueueView, ReadsOnBudget};
 use scheduler::table::{IoKind, ModelIdentity, Profile};
 
 use crate::config::{PolicyChoice, RuntimeConfig, WriteQueueFullAction, IO_TIMEOUT_MAX};
@@ -87,6 +87,10 @@ struct Reads {
     /// Per layer, the SM budget the policy issued it with (the largest, when several of its
     /// issues came before the layer was handed over); the table's largest until decided.
     budgets: Vec<u32>,
+    /// The layers waiting and in flight by budget, as the views show them
+    /// (`LayerView::outstanding_reads_by_budget`): rebuilt for each view, with room for one
+    /// entry per layer reserved at construction, so that no view allocates.
+    by_budget: Vec<ReadsOnBudget>,
 }
 
 impl Reads {
@@ -101,13 +105,26 @@ impl Reads {
         self.waiting.len() as u32 + u32::from(self.in_flight.is_some())
     }
 
-    /// The SM budget the outstanding reads are priced on (`LayerView::outstanding_read_sm_budget`):
-    /// the smallest of the budgets the layers waiting and in flight go (went) over on, so that
-    /// none is taken for faster than it runs. A run-ahead layer the policy placed partly in a
-    /// window of few free SMs goes whole on those; priced on the table's largest, the next plan
-    /// placed writes into time it still took. 0 when none is outstanding.
-    fn outstanding_sm_budget(&self) -> u32 {
-        self.waiting.iter().chain(self.in_flight.iter()).filter_map(|&layer| self.budgets.get(layer as usize).copied()).min().unwrap_or(0)
+    /// Rebuilds `by_budget` (`LayerView::outstanding_reads_by_budget`): the layers waiting and in
+    /// flight, each a kernel of `iocbs_per_layer` on the budget it goes (went) over on, summed
+    /// per budget. A run-ahead layer the policy placed partly in a window of few free SMs goes
+    /// whole on those; priced on the table's largest, the next plan placed writes into time it
+    /// still took. Each budget is priced on its own rows: the rows need not be monotone across
+    /// budgets, so pricing all on one budget (the smallest) took a layer on a larger budget for
+    /// the smaller's faster rows. Empty when none is outstanding.
+    fn price_by_budget(&mut self) -> &[ReadsOnBudget] {
+        self.by_budget.clear();
+        for &layer in self.in_flight.iter().chain(self.waiting.iter()) {
+            let Some(&sm_budget) = self.budgets.get(layer as usize) else { continue };
+            match self.by_budget.iter_mut().find(|reads| reads.sm_budget == sm_budget) {
+                Some(reads) => {
+                    reads.iocbs = reads.iocbs.saturating_add(self.iocbs_per_layer);
+                    reads.kernels += 1;
+                }
+                None => self.by_budget.push(ReadsOnBudget { sm_budget, iocbs: self.iocbs_per_layer, kernels: 1 }),
+            }
+        }
+        &self.by_budget
     }
 
     /// The policy issued (some of) layer `layer`'s reads on `budget` SMs: the whole layer waits
@@ -126,15 +143,17 @@ impl Reads {
 }
 
 /// What the policy is shown before layer `layer` of a prefill of `input_tokens` (of which
-/// `prefix_tokens` cached) begins.
+/// `prefix_tokens` cached) begins (`reads`: mutable to rebuild the entries by budget).
 fn layer_view<'a>(
     profile: &'a Profile,
-    reads: &'a Reads,
+    reads: &'a mut Reads,
     writes: &WriteQueue,
     input_tokens: u32,
     prefix_tokens: u32,
     layer: u32,
 ) -> LayerView<'a> {
+    reads.price_by_budget();
+    let reads: &'a Reads = reads;
     LayerView {
         table: profile,
         input_tokens,
@@ -143,7 +162,7 @@ fn layer_view<'a>(
         unissued_read_iocbs: &reads.unissued_iocbs,
         outstanding_read_iocbs: reads.outstanding_iocbs(),
         outstanding_read_kernels: reads.outstanding_layers(),
-        outstanding_read_sm_budget: reads.outstanding_sm_budget(),
+        outstanding_reads_by_budget: &reads.by_budget,
         outstanding_write_iocbs: writes.outstanding_iocbs(),
         outstanding_write_kernels: writes.outstanding_layers(),
         in_flight_write_iocbs: writes.in_flight_iocbs(),
@@ -152,12 +171,12 @@ fn layer_view<'a>(
     }
 }
 
-fn queue_view<'a>(profile: &'a Profile, reads: &Reads, writes: &WriteQueue, context_tokens: u32) -> QueueView<'a> {
+fn queue_view<'a>(profile: &'a Profile, reads: &'a mut Reads, writes: &WriteQueue, context_tokens: u32) -> QueueView<'a> {
     QueueView {
         table: profile,
         context_tokens,
         outstanding_read_iocbs: reads.outstanding_iocbs(),
-        outstanding_read_sm_budget: reads.outstanding_sm_budget(),
+        outstanding_reads_by_budget: reads.price_by_budget(),
         outstanding_write_iocbs: writes.outstanding_iocbs(),
         // Handed over a layer at a time: each pays the command latency.
         outstanding_write_kernels: writes.outstanding_layers(),
@@ -261,6 +280,7 @@ impl<E: Executor> Runtime<E> {
                 in_flight: None,
                 done: vec![true; layers as usize],
                 budgets: vec![read_budget.0; layers as usize],
+                by_budget: Vec::with_capacity(layers as usize),
             },
             writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
             next_request: 1,
@@ -613,7 +633,7 @@ impl<E: Executor> Runtime<E> {
                 self.decide_read(read_layer, self.read_budget.0);
             }
         } else {
-            let view = layer_view(&self.profile, &self.reads, &self.writes, input_tokens, prefix_tokens, layer);
+            let view = layer_view(&self.profile, &mut self.reads, &self.writes, input_tokens, prefix_tokens, layer);
             let plan =
                 self.policy.plan_layer(&view).map_err(|source| RuntimeError::Scheduler { policy: self.config.policy.name(), source })?;
             wait_for_all = plan.wait_for_all_reads;
@@ -724,7 +744,7 @@ impl<E: Executor> Runtime<E> {
         }
         // A failure from here on comes after the prefill ended: `PrefillEnded` says so (and a
         // retry would be `StaleRequest`).
-        let view = queue_view(&self.profile, &self.reads, &self.writes, context_tokens);
+        let view = queue_view(&self.profile, &mut self.reads, &self.writes, context_tokens);
         let issues = self
             .policy
             .plan_prefill_end(&view)
@@ -782,7 +802,7 @@ impl<E: Executor> Runtime<E> {
         // `Refuse` every later store was refused until `drain`.
         // `Profile::decode_pricing_context`: the rule the simulator prices steps by too.
         let priced_as = self.profile.decode_pricing_context(context_tokens);
-        let view = queue_view(&self.profile, &self.reads, &self.writes, priced_as);
+        let view = queue_view(&self.profile, &mut self.reads, &self.writes, priced_as);
         match self.policy.plan_decode_step(&view) {
             Ok(issues) => {
                 for issue in &issues {
@@ -963,6 +983,7 @@ impl<E: QueuePairReset> Runtime<E> {
 mod tests {
     use scheduler::analytic::{build_table, AnalyticGrid, GpuSpec, ModelConfig};
     use scheduler::ssd::SsdModel;
+    use scheduler::table::IoCostEntry;
 
     use super::*;
 
@@ -983,6 +1004,7 @@ mod tests {
             in_flight: None,
             done: vec![false; layers],
             budgets: vec![largest; layers],
+            by_budget: Vec::with_capacity(layers),
         }
     }
 
@@ -995,9 +1017,39 @@ mod tests {
     }
 
     #[test]
+    fn the_layer_view_prices_each_read_layer_on_its_own_budget_where_fewer_sms_are_faster() {
+        // Goal: on a table where fewer SMs are faster (reads 100 µs per IOCB on 2 SMs, 150 on
+        // 4: docs/scheduler.md's measured io table has 1 SM faster than 2), a layer handed over
+        // on 4 SMs is priced on the 4-SM rows though a run-ahead layer waits on 2. Priced
+        // together on the smallest budget, both went at 100 µs per IOCB and the 4-SM layer was
+        // taken for faster than it runs: the next plan placed writes into time it still took.
+        let mut rows = Vec::new();
+        for (kind, per_iocb_2_us, per_iocb_4_us) in [(IoKind::Read, 100.0, 150.0), (IoKind::Write, 300.0, 200.0)] {
+            for (sm_budget, per_iocb_us) in [(2, per_iocb_2_us), (4, per_iocb_4_us)] {
+                for iocb_count in [1u32, 2, 4, 8] {
+                    let bytes = u64::from(iocb_count) << 20;
+                    rows.push(IoCostEntry { kind, iocb_count, sm_budget, duration_us: per_iocb_us * f64::from(iocb_count), bytes });
+                }
+            }
+        }
+        let grid = AnalyticGrid { input_step_tokens: 64, input_step_count: 2, prefix_step_tokens: 64, io_sms: 4, decode_step_tokens: 64 };
+        let table = build_table(&ModelConfig::llama3_8b(), &GpuSpec::h100(), &grid, rows, "analytic (test)").expect("table");
+        let profile = Profile::from_table(table).expect("valid table");
+        let writes = WriteQueue::new(64, 4);
+        let mut reads = reads(4, 2, 4);
+        reads.decide(0, 4);
+        reads.decide(1, 2);
+        hand_over(&mut reads);
+        let view = layer_view(&profile, &mut reads, &writes, 64, 64, 1);
+        let on_own_budgets_us = profile.io_duration_us(IoKind::Read, 2, 4).unwrap() + profile.io_duration_us(IoKind::Read, 2, 2).unwrap();
+        assert_eq!(on_own_budgets_us, 500.0);
+        assert_eq!(view.outstanding_reads_us().unwrap(), on_own_budgets_us);
+    }
+
+    #[test]
     fn the_layer_view_prices_reads_on_the_budget_a_run_ahead_layer_went_out_on() {
         // Goal: a run-ahead layer the policy placed partly in a 2-SM window goes whole on 2 SMs
-        // (`Reads::decide`), and the next plan's view says so (`outstanding_read_sm_budget`),
+        // (`Reads::decide`), and the next plan's view says so (`outstanding_reads_by_budget`),
         // so that the policy does not take it for its time on the table's largest budget (4)
         // and place writes into time it still takes. Before, the view had no read budget and
         // the policy priced every outstanding read on the largest.
@@ -1010,22 +1062,28 @@ mod tests {
         reads.decide(1, 4);
         reads.decide(2, 2);
         hand_over(&mut reads);
-        let view = layer_view(&profile, &reads, &writes, 64, 64, 1);
-        assert_eq!((view.outstanding_read_iocbs, view.outstanding_read_kernels, view.outstanding_read_sm_budget), (6, 3, 2));
+        let on = |sm_budget, iocbs, kernels| ReadsOnBudget { sm_budget, iocbs, kernels };
+        let view = layer_view(&profile, &mut reads, &writes, 64, 64, 1);
+        assert_eq!((view.outstanding_read_iocbs, view.outstanding_read_kernels), (6, 3));
+        // Layer 0 in flight and layer 1 waiting on 4 SMs, layer 2 waiting on 2: each budget
+        // priced on its own rows.
+        assert_eq!(view.outstanding_reads_by_budget, [on(4, 4, 2), on(2, 2, 1)]);
         // Layers 0 and 1 done: the run-ahead layer alone, in flight on its 2 SMs.
         hand_over(&mut reads);
         hand_over(&mut reads);
         assert_eq!(reads.in_flight, Some(2));
-        let view = layer_view(&profile, &reads, &writes, 64, 64, 2);
-        assert_eq!((view.outstanding_read_iocbs, view.outstanding_read_sm_budget), (2, 2));
-        assert_eq!(queue_view(&profile, &reads, &writes, 64).outstanding_read_sm_budget, 2);
+        let view = layer_view(&profile, &mut reads, &writes, 64, 64, 2);
+        assert_eq!((view.outstanding_read_iocbs, view.outstanding_reads_by_budget), (2, &[on(2, 2, 1)][..]));
+        assert_eq!(queue_view(&profile, &mut reads, &writes, 64).outstanding_reads_by_budget, [on(2, 2, 1)]);
         // A layer whose plan also placed some of it on 4 SMs before its handover goes on 4.
         reads.decide(3, 2);
         reads.decide(3, 4);
         hand_over(&mut reads);
-        assert_eq!(layer_view(&profile, &reads, &writes, 64, 64, 3).outstanding_read_sm_budget, 4);
-        // Nothing outstanding: not known.
+        assert_eq!(layer_view(&profile, &mut reads, &writes, 64, 64, 3).outstanding_reads_by_budget, [on(4, 2, 1)]);
+        // Nothing outstanding: no entry.
         hand_over(&mut reads);
-        assert_eq!(layer_view(&profile, &reads, &writes, 64, 64, 3).outstanding_read_sm_budget, 0);
+        assert_eq!(layer_view(&profile, &mut reads, &writes, 64, 64, 3).outstanding_reads_by_budget, []);
+        // Every entry was built in the room reserved for them: no view allocated.
+        assert_eq!(reads.by_budget.capacity(), 4);
     }
 }

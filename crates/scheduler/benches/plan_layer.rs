@@ -59,7 +59,7 @@ fn plan_layer(c: &mut Criterion) {
                         layer,
                         unissued_read_iocbs: black_box(&unissued),
                         outstanding_read_iocbs: per_layer,
-                        outstanding_read_sm_budget: 0,
+                        outstanding_reads_by_budget: &[],
                         outstanding_read_kernels: 1,
                         outstanding_write_iocbs: 8,
                         outstanding_write_kernels: 1,

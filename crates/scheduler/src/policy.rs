@@ -59,14 +59,22 @@ pub struct LayerView<'a> {
     /// completed, so its layers waiting and in flight; 1 for a runtime whose queued kernels
     /// hide the latency (the SSD already holds their commands). 0 counts as 1.
     pub outstanding_read_kernels: u32,
-    /// The SM budget the outstanding reads run on, which prices them: `tutti-runtime` hands a
-    /// whole layer over on the budget its plan's issues of it chose (the largest of them), so a
-    /// run-ahead layer partly placed in a window of few free SMs runs entirely on those; of its
-    /// layers waiting and in flight, the smallest such budget. The simulator: the smallest of
-    /// its read jobs' budgets. 0 when not known: priced on the table's largest read budget. A
-    /// budget below every profiled read budget is priced on the slowest of them, as
-    /// [`LayerView::in_flight_write_sm_budget`] is.
-    pub outstanding_read_sm_budget: u32,
+    /// The outstanding reads by the SM budget they run on, which prices them: each entry on its
+    /// own budget, summed ([`LayerView::outstanding_reads_us`]). Budgets are priced each on its
+    /// own rows because the rows need not be monotone across budgets (docs/scheduler.md's
+    /// measured io table has reads on 1 SM faster than on 2): one budget for a mixed set,
+    /// the smallest, took a layer on a larger budget for the smaller's faster rows, and priced
+    /// on the slowest it overpriced the rest. `tutti-runtime` hands a whole layer over on the
+    /// budget its plan's issues of it chose (the largest of them), so a run-ahead layer partly
+    /// placed in a window of few free SMs runs entirely on those: one entry per budget of its
+    /// layers waiting and in flight, each layer one kernel, built in a buffer kept across
+    /// calls. The simulator: one per budget of its read jobs, each job a kernel (one per
+    /// budget while queued kernels hide the latency). An entry's budget 0 (not known) is priced
+    /// on the table's largest read budget, one below every profiled read budget on the slowest
+    /// of them, as [`LayerView::in_flight_write_sm_budget`] is. The IOCBs and kernels of
+    /// `outstanding_read_iocbs` and `outstanding_read_kernels` that no entry holds (all of them
+    /// when it is empty) are priced on the table's largest read budget.
+    pub outstanding_reads_by_budget: &'a [ReadsOnBudget],
     /// Writes released (granted) and not completed, in IOCBs.
     pub outstanding_write_iocbs: u32,
     /// How many kernels the outstanding writes reach the SSD as, each paying the command
@@ -103,8 +111,9 @@ pub struct QueueView<'a> {
     /// Context length (prompt plus tokens generated so far).
     pub context_tokens: u32,
     pub outstanding_read_iocbs: u32,
-    /// As [`LayerView::outstanding_read_sm_budget`].
-    pub outstanding_read_sm_budget: u32,
+    /// As [`LayerView::outstanding_reads_by_budget`]; the IOCBs no entry holds are priced as one
+    /// kernel on the table's largest read budget.
+    pub outstanding_reads_by_budget: &'a [ReadsOnBudget],
     pub outstanding_write_iocbs: u32,
     /// As [`LayerView::outstanding_write_kernels`].
     pub outstanding_write_kernels: u32,
@@ -114,6 +123,32 @@ pub struct QueueView<'a> {
     /// As [`LayerView::in_flight_write_sm_budget`].
     pub in_flight_write_sm_budget: u32,
     pub queued_write_iocbs: u32,
+}
+
+/// Outstanding reads that run on one SM budget ([`LayerView::outstanding_reads_by_budget`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReadsOnBudget {
+    /// 0 when not known (the table's largest read budget).
+    pub sm_budget: u32,
+    pub iocbs: u32,
+    /// How many kernels they reach the SSD as, one after another, each paying the command
+    /// latency; 0 counts as 1.
+    pub kernels: u32,
+}
+
+impl LayerView<'_> {
+    /// How long the outstanding reads hold the SSD, each on the SMs it runs on: the price
+    /// [`SlackAware`] puts on them.
+    pub fn outstanding_reads_us(&self) -> Result<f64> {
+        outstanding_reads_us(self.table, self.outstanding_read_iocbs, self.outstanding_read_kernels, self.outstanding_reads_by_budget)
+    }
+}
+
+impl QueueView<'_> {
+    /// As [`LayerView::outstanding_reads_us`], the IOCBs no entry holds as one kernel.
+    pub fn outstanding_reads_us(&self) -> Result<f64> {
+        outstanding_reads_us(self.table, self.outstanding_read_iocbs, 1, self.outstanding_reads_by_budget)
+    }
 }
 
 /// A scheduling policy.
@@ -253,7 +288,7 @@ fn fill_windows(
 
 /// The budget I/O the view says runs on `sm_budget` SMs is priced on
 /// (`LayerView::in_flight_write_sm_budget` for the write kernel in flight,
-/// `LayerView::outstanding_read_sm_budget` for the outstanding reads): 0 (not known) is the
+/// `LayerView::outstanding_reads_by_budget` for the outstanding reads): 0 (not known) is the
 /// table's largest budget of that kind.
 fn priced_budget(table: &Profile, kind: IoKind, sm_budget: u32) -> u32 {
     match sm_budget {
@@ -267,11 +302,20 @@ fn priced_budget(table: &Profile, kind: IoKind, sm_budget: u32) -> u32 {
     }
 }
 
-/// The outstanding reads, as the kernels they reach the SSD as, on the SMs they run on
-/// (`LayerView::outstanding_read_sm_budget`): the price `plan_layer` and `plan_decode_step`
+/// The outstanding reads, as the kernels they reach the SSD as, each entry of `by_budget` on the
+/// SMs it runs on and what no entry holds of `iocbs` and `kernels` on the table's largest
+/// (`LayerView::outstanding_reads_by_budget`): the price `plan_layer` and `plan_decode_step`
 /// both put on them.
-fn outstanding_reads_us(table: &Profile, iocbs: u32, kernels: u32, sm_budget: u32) -> Result<f64> {
-    kernels_duration_us(table, IoKind::Read, iocbs, kernels, priced_budget(table, IoKind::Read, sm_budget))
+fn outstanding_reads_us(table: &Profile, iocbs: u32, kernels: u32, by_budget: &[ReadsOnBudget]) -> Result<f64> {
+    let (mut rest_iocbs, mut rest_kernels, mut total_us) = (iocbs, kernels, 0.0);
+    for entry in by_budget.iter().filter(|entry| entry.iocbs > 0) {
+        total_us +=
+            kernels_duration_us(table, IoKind::Read, entry.iocbs, entry.kernels, priced_budget(table, IoKind::Read, entry.sm_budget))?;
+        rest_iocbs = rest_iocbs.saturating_sub(entry.iocbs);
+        // As `kernels_duration_us` counts them.
+        rest_kernels = rest_kernels.saturating_sub(entry.kernels.clamp(1, entry.iocbs));
+    }
+    Ok(total_us + kernels_duration_us(table, IoKind::Read, rest_iocbs, rest_kernels, table.io_sm_budget_max(IoKind::Read))?)
 }
 
 /// The outstanding writes ahead of new I/O, as (the write kernel in flight, priced on the SMs
@@ -369,11 +413,12 @@ impl IoPolicy for SlackAware {
         // (a decode step's free SMs): on the table's largest budget, a layer a 2-SM step
         // released was priced as its 4-SM time and the next layer's reads went into windows
         // it still took. The others, whose budgets the view does not give, are priced on the
-        // largest, as before. The reads are priced on the SMs they run on as well
-        // (`LayerView::outstanding_read_sm_budget`): `tutti-runtime` hands a whole layer over on
-        // the budget its plan chose, so a run-ahead layer placed partly in a 2-SM window runs
-        // entirely on 2 SMs; priced on the largest, it was taken for its 4-SM time and writes
-        // (rule 4) were placed into time it still took.
+        // largest, as before. The reads are priced on the SMs they run on as well, each budget
+        // on its own rows (`LayerView::outstanding_reads_by_budget`): `tutti-runtime` hands a
+        // whole layer over on the budget its plan chose, so a run-ahead layer placed partly in
+        // a 2-SM window runs entirely on 2 SMs; priced on the largest, it was taken for its
+        // 4-SM time and writes (rule 4) were placed into time it still took. Rows need not be
+        // monotone across budgets, so no one budget prices a mixed set right.
         let (in_flight_write_us, writes_behind_us) = outstanding_writes_us(
             table,
             view.in_flight_write_iocbs,
@@ -381,9 +426,7 @@ impl IoPolicy for SlackAware {
             view.outstanding_write_iocbs,
             view.outstanding_write_kernels,
         )?;
-        let mut ssd_free_at_us =
-            outstanding_reads_us(table, view.outstanding_read_iocbs, view.outstanding_read_kernels, view.outstanding_read_sm_budget)?
-                + in_flight_write_us;
+        let mut ssd_free_at_us = view.outstanding_reads_us()? + in_flight_write_us;
 
         // 1. This layer's KV is needed now.
         if let Some(own) = unissued.get_mut(layer).filter(|c| **c > 0) {
@@ -461,9 +504,7 @@ impl IoPolicy for SlackAware {
             view.outstanding_write_kernels,
         )?;
         // The reads on the SMs they run on, as in `plan_layer`.
-        let busy_until_us = outstanding_reads_us(table, view.outstanding_read_iocbs, 1, view.outstanding_read_sm_budget)?
-            + in_flight_write_us
-            + writes_behind_us;
+        let busy_until_us = view.outstanding_reads_us()? + in_flight_write_us + writes_behind_us;
         // A write layer outstanding past the step's end (a layer longer than a step, priced
         // whole from the step's start: the runtime does not say how far into it the SSD is)
         // leaves no room, but the step's time is still granted, to bank: a runtime moving

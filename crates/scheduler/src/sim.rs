@@ -32,7 +32,7 @@ use std::collections::VecDeque;
 use serde::Serialize;
 
 use crate::error::{Result, SchedulerError};
-use crate::policy::{IoPolicy, Issue, LayerView, QueueView};
+use crate::policy::{IoPolicy, Issue, LayerView, QueueView, ReadsOnBudget};
 use crate::ssd::SsdModel;
 use crate::table::{IoKind, LayerProfile, Profile};
 
@@ -372,11 +372,30 @@ impl<'a> Sim<'a> {
         iocbs.min(f64::from(u32::MAX)) as u32
     }
 
-    /// The SM budget the outstanding reads are priced on (`LayerView::outstanding_read_sm_budget`):
-    /// the smallest of the read jobs' (each job moves on its own, so pricing all of them on the
-    /// smallest takes them for no faster than they are); 0 when none is outstanding.
-    fn outstanding_read_sm_budget(&self) -> u32 {
-        self.reads.iter().map(|j| j.sm_budget).min().unwrap_or(0)
+    /// The outstanding reads by the SM budget of their jobs (`LayerView::outstanding_reads_by_budget`),
+    /// each budget priced on its own rows: each job a kernel, or one per budget while queued
+    /// kernels hide the latency; the IOCBs of a budget's bytes left, rounded up as
+    /// `outstanding_iocbs` rounds all of them (so a table of one budget prices them as before).
+    /// Not the runtime's hot path: a fresh vector per view.
+    fn outstanding_reads_by_budget(&self) -> Vec<ReadsOnBudget> {
+        let mut by_budget: Vec<(u32, f64, u32)> = Vec::new();
+        for job in &self.reads {
+            match by_budget.iter_mut().find(|(budget, _, _)| *budget == job.sm_budget) {
+                Some((_, bytes, jobs)) => {
+                    *bytes += job.bytes_left;
+                    *jobs += 1;
+                }
+                None => by_budget.push((job.sm_budget, job.bytes_left, 1)),
+            }
+        }
+        by_budget
+            .into_iter()
+            .map(|(sm_budget, bytes, jobs)| ReadsOnBudget {
+                sm_budget,
+                iocbs: (bytes / self.config.iocb_bytes as f64).ceil().min(f64::from(u32::MAX)) as u32,
+                kernels: if self.config.queued_kernels_hide_latency { 1 } else { jobs },
+            })
+            .collect()
     }
 
     /// The IOCBs left of the write this request's reads wait behind, and the SM budget it runs
@@ -549,6 +568,7 @@ impl<'a> Sim<'a> {
 
     fn start_layer(&mut self, layer: u32) -> Result<Phase> {
         let (in_flight_write_iocbs, in_flight_write_sm_budget) = self.write_holding_reads();
+        let reads_by_budget = self.outstanding_reads_by_budget();
         let view = LayerView {
             table: self.scheduler_table,
             input_tokens: self.config.input_tokens,
@@ -556,7 +576,7 @@ impl<'a> Sim<'a> {
             layer,
             unissued_read_iocbs: &self.unissued_read_iocbs,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
-            outstanding_read_sm_budget: self.outstanding_read_sm_budget(),
+            outstanding_reads_by_budget: &reads_by_budget,
             // Each read job pays the latency unless queued kernels hide it (then one does).
             outstanding_read_kernels: if self.config.queued_kernels_hide_latency {
                 u32::from(!self.reads.is_empty())
@@ -653,13 +673,18 @@ impl<'a> Sim<'a> {
         Ok(())
     }
 
-    fn queue_view(&self, context_tokens: u32) -> QueueView<'a> {
+    /// `reads_by_budget`: `outstanding_reads_by_budget()`, kept by the caller while the policy
+    /// reads the view.
+    fn queue_view<'s>(&self, context_tokens: u32, reads_by_budget: &'s [ReadsOnBudget]) -> QueueView<'s>
+    where
+        'a: 's,
+    {
         let (in_flight_write_iocbs, in_flight_write_sm_budget) = self.write_holding_reads();
         QueueView {
             table: self.scheduler_table,
             context_tokens,
             outstanding_read_iocbs: self.outstanding_iocbs(IoKind::Read),
-            outstanding_read_sm_budget: self.outstanding_read_sm_budget(),
+            outstanding_reads_by_budget: reads_by_budget,
             outstanding_write_iocbs: self.outstanding_iocbs(IoKind::Write),
             outstanding_write_kernels: self.outstanding_write_kernels(),
             in_flight_write_iocbs,
@@ -692,7 +717,8 @@ impl<'a> Sim<'a> {
         // stood for "no decode row, nothing written", a case no table reaches, and hid whatever
         // else had gone wrong.
         let duration_us = self.truth.decode_step(self.truth.decode_pricing_context(context_tokens))?.duration_us;
-        let view = self.queue_view(self.scheduler_table.decode_pricing_context(context_tokens));
+        let reads_by_budget = self.outstanding_reads_by_budget();
+        let view = self.queue_view(self.scheduler_table.decode_pricing_context(context_tokens), &reads_by_budget);
         for issue in self.policy.plan_decode_step(&view)? {
             self.launch(issue, self.now_us + issue.offset_us.max(0.0))?;
         }
@@ -727,7 +753,8 @@ impl<'a> Sim<'a> {
                         self.start_layer(layer + 1)?
                     } else {
                         self.prefill_done = true;
-                        let view = self.queue_view(self.config.input_tokens);
+                        let reads_by_budget = self.outstanding_reads_by_budget();
+                        let view = self.queue_view(self.config.input_tokens, &reads_by_budget);
                         for issue in self.policy.plan_prefill_end(&view)? {
                             self.launch(issue, now + issue.offset_us.max(0.0))?;
                         }

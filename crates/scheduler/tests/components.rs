@@ -179,6 +179,71 @@ impl IoPolicy for Scripted {
     }
 }
 
+/// Reads layer 0 at once on 4 SMs, and late in layer 0 runs ahead with layer 1 on 4 SMs and
+/// layer 2 on 2; before layer 1, records what the view prices the outstanding reads at.
+#[derive(Default)]
+struct RunsAheadOnTwoBudgets {
+    outstanding_reads_us: Option<f64>,
+}
+
+impl IoPolicy for RunsAheadOnTwoBudgets {
+    fn name(&self) -> &'static str {
+        "runs-ahead-on-two-budgets"
+    }
+    fn plan_layer(&mut self, view: &LayerView<'_>) -> scheduler::Result<LayerPlan> {
+        let read = |layer: u32, sm_budget: u32, offset_us: f64| Issue {
+            kind: IoKind::Read,
+            layer: Some(layer),
+            iocb_count: 1,
+            sm_budget,
+            offset_us,
+            after_reads: false,
+            slack_us: 0.0,
+        };
+        let issues = match view.layer {
+            0 => vec![read(0, 4, 0.0), read(1, 4, 950.0), read(2, 2, 950.0)],
+            1 => {
+                self.outstanding_reads_us = Some(view.outstanding_reads_us()?);
+                vec![read(3, 4, 0.0)]
+            }
+            _ => vec![],
+        };
+        Ok(LayerPlan { wait_for_all_reads: false, issues })
+    }
+    fn plan_prefill_end(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+    fn plan_decode_step(&mut self, _: &QueueView<'_>) -> scheduler::Result<Vec<Issue>> {
+        Ok(vec![])
+    }
+}
+
+/// Goal: the simulator's view prices each outstanding read job on its own SM budget, on a
+/// table where fewer SMs are faster (reads 100 µs per IOCB on 2 SMs, 150 on 4). Layer 0 lands
+/// at 250 (1150 µs layer); its plan's run-ahead reads of layers 1 (4 SMs) and 2 (2 SMs) go out
+/// at 1100 and are both outstanding, untouched, when layer 1 begins at 1150: 150 + 100 = 250 µs
+/// on the policy's table. Priced on the smallest budget of the two, they were 2 × 100 = 200 µs,
+/// faster than the table says the 4-SM one runs.
+#[test]
+fn the_simulator_prices_each_outstanding_read_on_its_own_sm_budget() {
+    let truth = Profile::from_table(common::table()).unwrap();
+    let mut rows = common::table();
+    for row in rows.io_costs.iter_mut().filter(|row| row.kind == IoKind::Read) {
+        row.duration_us = if row.sm_budget == 2 { 100.0 } else { 150.0 } * f64::from(row.iocb_count);
+    }
+    let scheduler_table = Profile::from_table(rows).unwrap();
+    let config = SimConfig {
+        input_tokens: 2048,
+        prefix_tokens: 1024,
+        iocb_bytes: 1 << 20,
+        decode_step_count: 0,
+        queued_kernels_hide_latency: false,
+    };
+    let mut policy = RunsAheadOnTwoBudgets::default();
+    simulate(&truth, &scheduler_table, &toy_ssd(), &config, &mut policy).unwrap();
+    assert_eq!(policy.outstanding_reads_us, Some(250.0));
+}
+
 /// Goal: the simulator's timing matches a hand-worked schedule, mixed-traffic penalty included.
 #[test]
 fn simulator_matches_a_hand_worked_schedule() {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NaivePipeline, NoOverlap, QueueView, SlackAware};
+use scheduler::policy::{IoPolicy, Issue, LayerPlan, LayerView, NaivePipeline, NoOverlap, QueueView, ReadsOnBudget, SlackAware};
 use scheduler::table::{IoKind, Profile};
 
 fn profile() -> Profile {
@@ -18,7 +18,7 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
         layer,
         unissued_read_iocbs: unissued,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_read_kernels: 0,
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
@@ -30,6 +30,11 @@ fn view<'a>(table: &'a Profile, layer: u32, unissued: &'a [u32]) -> LayerView<'a
 
 fn read(layer: u32, iocb_count: u32, sm_budget: u32, offset_us: f64) -> Issue {
     Issue { kind: IoKind::Read, layer: Some(layer), iocb_count, sm_budget, offset_us, after_reads: false, slack_us: 0.0 }
+}
+
+/// Outstanding reads of `iocbs` IOCBs as `kernels` kernels on `sm_budget` SMs.
+fn reads_on(sm_budget: u32, iocbs: u32, kernels: u32) -> ReadsOnBudget {
+    ReadsOnBudget { sm_budget, iocbs, kernels }
 }
 
 fn write(iocb_count: u32, sm_budget: u32, offset_us: f64, after_reads: bool) -> Issue {
@@ -174,16 +179,62 @@ fn slack_aware_prices_outstanding_reads_on_their_own_sm_budget() {
     let reads_on_2_sms_us = table.io_duration_us(IoKind::Read, 4, 2).unwrap();
     assert_eq!(reads_on_2_sms_us, 600.0);
     for budget in [2, 1] {
-        v.outstanding_read_sm_budget = budget;
+        let reads = [reads_on(budget, 4, 1)];
+        let v = LayerView { outstanding_reads_by_budget: &reads, ..v };
         let plan = SlackAware.plan_layer(&v).unwrap();
         assert!(plan.issues.iter().all(|issue| issue.offset_us >= reads_on_2_sms_us), "read budget {budget}: {plan:?}");
         assert_eq!(plan.issues, vec![write(1, 4, 600.0, true)], "read budget {budget}");
     }
     let window_time = Issue { slack_us: 200.0, ..write(0, 2, 400.0, true) };
     for budget in [0, 4] {
-        v.outstanding_read_sm_budget = budget;
+        let reads = [reads_on(budget, 4, 1)];
+        let v = LayerView { outstanding_reads_by_budget: &reads, ..v };
         assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![window_time, write(1, 4, 600.0, true)], "read budget {budget}");
     }
+}
+
+/// The outstanding reads of a view, by the SM budget they run on.
+fn set_outstanding_reads<'a>(v: &mut LayerView<'a>, by_budget: &'a [ReadsOnBudget]) {
+    v.outstanding_read_iocbs = by_budget.iter().map(|reads| reads.iocbs).sum();
+    v.outstanding_read_kernels = by_budget.iter().map(|reads| reads.kernels).sum();
+    v.outstanding_reads_by_budget = by_budget;
+}
+
+/// Goal: outstanding read layers on different SM budgets are each priced on their own. One
+/// layer of 1 IOCB on 4 SMs (100 µs) and one on 2 (150 µs) hold the SSD to 250 µs; a write IOCB
+/// on 2 SMs (300 µs) then fits the [100,600) window from 250. Priced both on the smaller
+/// budget (2 × 150 = 300 µs) the write went at 300, 50 µs of window left unused.
+#[test]
+fn slack_aware_prices_each_outstanding_read_layer_on_its_own_sm_budget() {
+    let table = profile();
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 1;
+    let reads = [reads_on(4, 1, 1), reads_on(2, 1, 1)];
+    set_outstanding_reads(&mut v, &reads);
+    assert_eq!(SlackAware.plan_layer(&v).unwrap().issues, vec![write(1, 2, 250.0, true)]);
+}
+
+/// Goal: on a table where fewer SMs are faster (reads 100 µs per IOCB on 2 SMs, 150 on 4, as
+/// the measured io table in docs/scheduler.md has 1 SM faster than 2), a layer on 4 SMs is not
+/// priced on the 2-SM rows because another outstanding layer runs on 2: 150 + 100 = 250 µs,
+/// so the write IOCB (300 µs on 2 SMs) goes at 250. On the smallest budget the two were
+/// priced at 200 µs and the write went at 200, under a read still running.
+#[test]
+fn slack_aware_prices_mixed_outstanding_reads_no_faster_than_their_own_budgets() {
+    let mut rows = common::table();
+    for row in rows.io_costs.iter_mut().filter(|row| row.kind == IoKind::Read) {
+        row.duration_us = if row.sm_budget == 2 { 100.0 } else { 150.0 } * f64::from(row.iocb_count);
+    }
+    let table = Profile::from_table(rows).expect("valid table");
+    let unissued = [0, 0, 0, 0];
+    let mut v = view(&table, 2, &unissued);
+    v.queued_write_iocbs = 1;
+    let reads = [reads_on(4, 1, 1), reads_on(2, 1, 1)];
+    set_outstanding_reads(&mut v, &reads);
+    let plan = SlackAware.plan_layer(&v).unwrap();
+    assert!(plan.issues.iter().all(|issue| issue.offset_us >= 250.0), "{plan:?}");
+    assert_eq!(plan.issues, vec![write(1, 2, 250.0, true)]);
 }
 
 /// Goal: a decode step prices the outstanding reads on their own SM budget too: 4 read IOCBs
@@ -192,11 +243,11 @@ fn slack_aware_prices_outstanding_reads_on_their_own_sm_budget() {
 #[test]
 fn slack_aware_decode_step_prices_outstanding_reads_on_their_own_sm_budget() {
     let table = profile();
-    let mut queue = QueueView {
+    let queue = QueueView {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 4,
-        outstanding_read_sm_budget: 2,
+        outstanding_reads_by_budget: &[ReadsOnBudget { sm_budget: 2, iocbs: 4, kernels: 1 }],
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -205,7 +256,8 @@ fn slack_aware_decode_step_prices_outstanding_reads_on_their_own_sm_budget() {
     };
     assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 600.0, true)]);
     for budget in [0, 4] {
-        queue.outstanding_read_sm_budget = budget;
+        let reads = [reads_on(budget, 4, 1)];
+        let queue = QueueView { outstanding_reads_by_budget: &reads, ..queue };
         assert_eq!(SlackAware.plan_decode_step(&queue).unwrap(), vec![write(2, 4, 400.0, true)], "read budget {budget}");
     }
 }
@@ -262,7 +314,7 @@ fn slack_aware_defers_writes_to_decode() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -292,7 +344,7 @@ fn slack_aware_decode_step_prices_the_write_in_flight_on_its_own_sm_budget() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 1,
@@ -322,7 +374,7 @@ fn slack_aware_prices_a_write_in_flight_below_every_budget_on_the_slowest() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 1,
@@ -356,7 +408,7 @@ fn slack_aware_decode_step_prices_outstanding_writes_as_plan_layer_does() {
         table: &table,
         context_tokens: 1024,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 4,
         outstanding_write_kernels: 2,
         in_flight_write_iocbs: 3,
@@ -434,11 +486,17 @@ fn slack_aware_decode_steps_as_priced_are_never_out_of_range() {
     let counts = [0, 1, 7, 8, 9, u32::MAX];
     for (case, context) in contexts.into_iter().enumerate() {
         let pick = |n: u64| counts[(n % counts.len() as u64) as usize];
+        let budgets = [0, 1, 2, 3, 4, u32::MAX];
+        // Entries that hold none, some, all or more than all of the outstanding reads.
+        let reads = [
+            reads_on(budgets[(next() % 6) as usize], pick(next()), pick(next())),
+            reads_on(budgets[(next() % 6) as usize], pick(next()), pick(next())),
+        ];
         let queue = QueueView {
             table: &table,
             context_tokens: table.decode_pricing_context(context),
             outstanding_read_iocbs: pick(next()),
-            outstanding_read_sm_budget: [0, 1, 2, 3, 4, u32::MAX][(next() % 6) as usize],
+            outstanding_reads_by_budget: &reads[..(next() % 3) as usize],
             outstanding_write_iocbs: pick(next()),
             outstanding_write_kernels: pick(next()),
             in_flight_write_iocbs: pick(next()),
@@ -467,7 +525,7 @@ fn slack_aware_decode_steps_between_rows_take_the_fewer_free_sms() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -500,7 +558,7 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -524,7 +582,7 @@ fn slack_aware_grants_windows_too_short_for_one_write_as_time() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 0,
         outstanding_write_kernels: 0,
         in_flight_write_iocbs: 0,
@@ -616,8 +674,11 @@ fn slack_aware_invariants_hold_on_random_states() {
         v.outstanding_read_iocbs = next(6) as u32;
         v.outstanding_write_iocbs = next(3) as u32;
         v.queued_write_iocbs = next(6) as u32;
-        // Not known, below every profiled budget, profiled, between and above them.
-        v.outstanding_read_sm_budget = next(6) as u32;
+        // Not known, below every profiled budget, profiled, between and above them; entries
+        // that hold none, some or all of the outstanding reads.
+        let held = next(u64::from(v.outstanding_read_iocbs) + 1) as u32;
+        let reads = [reads_on(next(6) as u32, held, next(3) as u32), reads_on(next(6) as u32, v.outstanding_read_iocbs - held, 1)];
+        v.outstanding_reads_by_budget = &reads[..next(3) as usize];
         let plan = SlackAware.plan_layer(&v).unwrap();
 
         let mut issued = vec![0u32; common::LAYERS as usize];
@@ -741,7 +802,7 @@ fn slack_aware_prices_outstanding_writes_per_kernel() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 4,
         outstanding_write_kernels: 2,
         in_flight_write_iocbs: 0,
@@ -778,7 +839,7 @@ fn slack_aware_banks_decode_steps_a_write_layer_in_flight_takes_whole() {
         table: &table,
         context_tokens: 1500,
         outstanding_read_iocbs: 0,
-        outstanding_read_sm_budget: 0,
+        outstanding_reads_by_budget: &[],
         outstanding_write_iocbs: 1,
         outstanding_write_kernels: 1,
         in_flight_write_iocbs: 0,
