@@ -440,11 +440,14 @@ impl CpuExecutor {
     }
 }
 
-/// How long a retirement waits for the commands still in flight on an attached pair
+/// How long a retirement waits, in all, for the commands still in flight on its attached pairs
 /// (`IoQueuePair::attach`) to complete: such a pair cannot delete its queues and says it is
-/// deleted only once none of its commands is in flight, which only reaping lowers. A command
-/// that does not complete within it (a lost completion) leaves the pair undeleted, and the
-/// caller keeps the memory it names.
+/// deleted only once none of its commands is in flight, which only reaping lowers. One deadline
+/// serves every pair of the retirement (they are waited for one after the other, each reaped
+/// at least once), so a retirement never waits longer than this, however many pairs are stuck.
+/// A command that does not complete within it (a lost completion, which only the end of the
+/// daemon's session can settle) leaves its pair undeleted, and the caller keeps the memory it
+/// names.
 pub(crate) const ATTACHED_RETIRE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 impl CpuExecutor {
@@ -455,13 +458,18 @@ impl CpuExecutor {
     /// With the queue's `memory`, each pair is reaped first, its completions counted as usual
     /// (they belong to the issues in flight, whose CQEs go out): an attached pair is deleted
     /// only when none of its commands is in flight, so one whose last completion arrived but
-    /// was not reaped was never deleted. An attached pair that still holds commands is waited
-    /// for, at most [`ATTACHED_RETIRE_WAIT`], and deleted again. A controller's own pair needs
+    /// was not reaped was never deleted. The attached pairs that still hold commands are then
+    /// waited for until one deadline, [`ATTACHED_RETIRE_WAIT`] after the first deletions, and
+    /// deleted again. Waiting at all is for commands that are merely slow: the daemon's
+    /// controller still runs them while the connection is open, and each that completes in
+    /// time saves the caller from keeping its memory for good. A controller's own pair needs
     /// no wait: deleting it aborts or finishes what it holds.
     pub(crate) fn retire_pairs(&mut self, memory: Option<&QueueMemory>) -> bool {
         let mut retiring = std::mem::take(&mut self.undeleted);
         retiring.extend(self.queues.iter_mut().enumerate().filter_map(|(device, slot)| slot.take().map(|pair| (device, pair))));
         let mut posting = Ok(());
+        // Attached pairs with commands in flight, waited for below.
+        let mut busy = Vec::new();
         for (device, mut pair) in retiring {
             if let Some(memory) = memory {
                 let depth = pair.depth() as usize;
@@ -469,24 +477,29 @@ impl CpuExecutor {
                     tracing::warn!(device, %error, "gio-uring CPU executor teardown: reaping a queue pair before its deletion");
                 }
             }
-            let deleted = match (pair.delete(), memory) {
-                // Only an attached pair with commands in flight answers Unsupported: wait for
-                // them (bounded), then ask again.
-                (Err(undeleted), Some(memory)) if matches!(undeleted.source, nvme_driver::NvmeError::Unsupported { .. }) => {
-                    let mut pair = *undeleted.pair;
-                    let deadline = Instant::now() + ATTACHED_RETIRE_WAIT;
-                    if let Err(error) =
-                        pair.wait_idle(deadline, |completion| finish_command(memory, &self.issued, completion, &mut posting))
-                    {
-                        tracing::warn!(device, %error, "gio-uring CPU executor teardown: an attached pair's commands did not all complete");
-                    }
-                    pair.delete()
+            match (pair.delete(), memory) {
+                (Ok(()), _) => {}
+                // Only an attached pair with commands in flight answers Unsupported.
+                (Err(undeleted), Some(_)) if matches!(undeleted.source, nvme_driver::NvmeError::Unsupported { .. }) => {
+                    busy.push((device, *undeleted.pair));
                 }
-                (outcome, _) => outcome,
-            };
-            if let Err(error) = deleted {
-                tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
-                self.undeleted.push((device, *error.pair));
+                (Err(error), _) => {
+                    tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
+                    self.undeleted.push((device, *error.pair));
+                }
+            }
+        }
+        if let (Some(memory), false) = (memory, busy.is_empty()) {
+            let deadline = Instant::now() + ATTACHED_RETIRE_WAIT;
+            for (device, mut pair) in busy {
+                // Past the deadline, the wait still reaps once: what completed meanwhile counts.
+                if let Err(error) = pair.wait_idle(deadline, |completion| finish_command(memory, &self.issued, completion, &mut posting)) {
+                    tracing::warn!(device, %error, "gio-uring CPU executor teardown: an attached pair's commands did not all complete");
+                }
+                if let Err(error) = pair.delete() {
+                    tracing::error!(device, source = %error.source, "gio-uring CPU executor teardown: a queue pair could not be deleted");
+                    self.undeleted.push((device, *error.pair));
+                }
             }
         }
         if let Err(error) = posting {
@@ -1638,7 +1651,14 @@ mod tests {
     }
 
     fn attached_rig<E: Executor>(executor: impl FnOnce(IoQueuePair) -> E) -> AttachedRig<E> {
-        use crate::types::{DeviceIndex, IovaRange, Lba};
+        attached_rig_on_devices(1, |mut pairs| executor(pairs.remove(0)))
+    }
+
+    /// [`attached_rig`] whose device table names the controller's namespace `devices` times,
+    /// each entry served by an attached pair of its own (`executor` gets them in device order);
+    /// the rig's IOCB reads block 0 of each device (device `d`'s into the buffer's block `d`).
+    fn attached_rig_on_devices<E: Executor>(devices: usize, executor: impl FnOnce(Vec<IoQueuePair>) -> E) -> AttachedRig<E> {
+        use crate::types::{DeviceIndex, Iova, IovaRange, Lba};
         use crate::validate::{Descriptor, DeviceInfo, DeviceTable, IocbSpec, IoctxSpec, RegisteredMemory};
         let config = nvme_emu::EmuConfig::default()
             .with_backing(nvme_emu::Backing::Memory { bytes: 1 << 20 })
@@ -1647,7 +1667,7 @@ mod tests {
         let device = nvme_emu::EmuDevice::start(config).expect("software controller");
         let backend: Arc<dyn nvme_driver::hw::DeviceBackend> = device.clone();
         let controller = nvme_driver::Controller::init(backend, nvme_driver::ControllerConfig::default()).expect("bring-up");
-        let (detached, pair) = attach_pair(&controller, &device);
+        let (detached, pairs): (Vec<_>, Vec<_>) = (0..devices).map(|_| attach_pair(&controller, &device)).unzip();
         let dma = controller.dma();
         let buffer = dma.allocate(64 << 10).expect("DMA buffer");
         let namespace = controller.namespaces()[0];
@@ -1660,19 +1680,21 @@ mod tests {
         let registered = RegisteredMemory::new(vec![IovaRange::new(buffer.iova(), buffer.len() as u64)]).expect("registered");
         let config = crate::layout::QueueConfig { depth: 4, ioctx_per_iocb_max: 4 };
         let mut queue =
-            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info]), registered, executor(pair)).expect("queue");
+            crate::queue::GioQueue::init_queue(config, DeviceTable::new(vec![info; devices]), registered, executor(pairs)).expect("queue");
         let id = queue.get_iocb(1, crate::types::Dependency::None).expect("IOCB")[0];
-        let ioctx = IoctxSpec {
-            device: DeviceIndex(0),
-            nsid: namespace.id.0,
-            start_lba: Lba(0),
-            block_count: 1,
-            data: buffer.iova(),
-            descriptor: Descriptor::Prp { prp2: None },
-            force_unit_access: false,
-        };
-        queue.fill_iocb(id, &IocbSpec::single(Opcode::Read, 0), &[ioctx]).expect("fill");
-        AttachedRig { queue, id, detached: vec![detached], _buffer: buffer, _controller: controller, device }
+        let ioctxs: Vec<_> = (0..devices)
+            .map(|device| IoctxSpec {
+                device: DeviceIndex(device as u16),
+                nsid: namespace.id.0,
+                start_lba: Lba(0),
+                block_count: 1,
+                data: Iova(buffer.iova().0 + device as u64 * 512),
+                descriptor: Descriptor::Prp { prp2: None },
+                force_unit_access: false,
+            })
+            .collect();
+        queue.fill_iocb(id, &IocbSpec::single(Opcode::Read, 0), &ioctxs).expect("fill");
+        AttachedRig { queue, id, detached, _buffer: buffer, _controller: controller, device }
     }
 
     /// Issues the rig's IOCB, waits until its command was executed (its completion posted,
@@ -1703,6 +1725,44 @@ mod tests {
         retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
         let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
         retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(workers), "CPU workers");
+    }
+
+    /// Issues the rig's IOCB (one read per attached pair) with every completion dropped,
+    /// waits until each read was executed, and times the retirement: every pair keeps a
+    /// command in flight, so none can be deleted.
+    fn retire_attached_pairs_whose_completions_were_lost<E: Executor>(mut rig: AttachedRig<E>, devices: u64, who: &str) {
+        use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+        rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::every_nth_io(1, FaultAction::DropCompletion)));
+        rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(0), crate::types::SmBudget(1)).expect("issue");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        let _ = executor.poll(memory); // the CPU executor sends its commands here
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while io_commands(&rig.device) < devices && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert_eq!(io_commands(&rig.device), devices, "{who}: every read was executed, its completion dropped");
+        let started = Instant::now();
+        let retired = rig.queue.executor_mut().retire_queue_pairs();
+        let took = started.elapsed();
+        assert_eq!(retired, Some(false), "{who}: every attached pair still holds a command");
+        assert!(took < std::time::Duration::from_millis(2500), "{who}: the retirement took {took:?}");
+    }
+
+    #[test]
+    fn a_retirement_waits_for_all_its_attached_pairs_at_most_once() {
+        // Goal: an attached pair whose command's completion was lost can only become idle
+        // when its session ends, which the retirement does not bring: each such pair waited
+        // ATTACHED_RETIRE_WAIT (2 s) on its own, so three took 6 s, all of it out of the
+        // time a close leaves tuttid to confirm the session's end. One deadline serves the
+        // whole retirement. Both CPU executors (a worker retires its pairs on its thread).
+        let devices = 3;
+        let single = attached_rig_on_devices(devices, |pairs| CpuExecutor::new(pairs, 4));
+        retire_attached_pairs_whose_completions_were_lost(single, devices as u64, "CPU executor");
+        let workers = |pairs: Vec<IoQueuePair>| {
+            let served = pairs.into_iter().enumerate().map(|(device, pair)| (crate::types::DeviceIndex(device as u16), pair)).collect();
+            crate::CpuWorkers::new(3, vec![served], 4).expect("workers")
+        };
+        retire_attached_pairs_whose_completions_were_lost(attached_rig_on_devices(devices, workers), devices as u64, "CPU workers");
     }
 
     #[test]
