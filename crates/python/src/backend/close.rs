@@ -10,7 +10,7 @@ use crate::device_memory;
 use crate::ffi::QueuesGone;
 
 /// How long `close` (or a failed registration) waits at least for tuttid to end a session
-/// that registered device memory.
+/// that registered device memory; `close` counts it from the connection's close.
 pub(super) const DEVICE_RELEASE_WAIT: Duration = Duration::from_secs(5);
 
 impl StoreState {
@@ -64,11 +64,10 @@ impl StoreState {
         self.requests.clear();
         self.orphans.clear();
         let remote = matches!(self.backend, Backend::Remote { .. });
-        let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
         // Before the connection closes: tuttid's count of leaked queue pairs, to tell a session
         // that ended cleanly from one whose pair could not be deleted.
         let leaks_before = match (&self.daemon, remote && !settled) {
-            (Some(daemon), true) => device_memory::leaked_queue_pairs(daemon, release_wait),
+            (Some(daemon), true) => device_memory::leaked_queue_pairs(daemon, deadline.max(Instant::now() + DEVICE_RELEASE_WAIT)),
             _ => device_memory::LeakCount::NoAnswer,
         };
         // Forgotten while still open (no other file can have their numbers yet); those the
@@ -101,6 +100,12 @@ impl StoreState {
             .map(|(fd, _)| fd)
             .collect();
         crate::process::keep_from_forked_children(&still_open);
+        // Counted from here, once the store is closed: an attached store's drop retires its
+        // queue pairs first, which waits (bounded, gio-uring's ATTACHED_RETIRE_WAIT) for
+        // commands still in flight, and only then closes the connection, which is what makes
+        // tuttid end the session. Counted before, that wait came out of tuttid's window to
+        // confirm the end, and memory it would have given back was kept for good.
+        let release_wait = deadline.max(Instant::now() + DEVICE_RELEASE_WAIT);
         // A layer left in flight through tuttid: nothing may be given back before the session
         // ended cleanly.
         let ended_cleanly = match (&self.daemon, self.daemon_session, leaks_before) {
