@@ -57,6 +57,18 @@ impl std::fmt::Debug for PoolTarget {
 /// offline tools) passes [`NoLender`].
 pub trait QueueLender {
     fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>>;
+
+    /// Whether [`Self::lend`] would lend a queue pair for `device`, known without waiting:
+    /// `Some(true)` it would (once the executor's commands on it have ended), `Some(false)` it
+    /// never does (the pool makes a temporary queue pair instead), `None` (the default) it does
+    /// not say. A metadata call whose caller's deadline leaves less than the whole metadata
+    /// timeout cannot use a lent pair (a timeout there fences the device), so with `Some` it
+    /// skips the lend, which could wait until that deadline for the executor's other layers
+    /// only to give a pair it cannot use; with `None` it lends to find out.
+    fn lends(&self, device: usize) -> Option<bool> {
+        let _ = device;
+        None
+    }
 }
 
 /// No executor to borrow from (offline use, a daemon): on a device without a metadata queue
@@ -66,6 +78,10 @@ pub struct NoLender;
 impl QueueLender for NoLender {
     fn lend(&mut self, _device: usize, _deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
         Ok(None)
+    }
+
+    fn lends(&self, _device: usize) -> Option<bool> {
+        Some(false)
     }
 }
 

@@ -236,9 +236,11 @@ impl<E: Executor> KvStore<E> {
             }
         }
         let mut data = StoreData::new(pool.shape()?, registration, dma, executor, config)?;
+        data.lends_metadata = vec![false; pool.device_count()];
         for device in (0..pool.device_count()).filter(|&device| pool.metadata_queue_shared(device)) {
             // The pool's metadata (header writes, flushes) borrows the executor's queue pair here.
-            if data.queue_mut().lend(device, Instant::now() + LEND_CHECK_TIMEOUT)?.is_none() {
+            data.lends_metadata[device] = data.queue_mut().lend(device, Instant::now() + LEND_CHECK_TIMEOUT)?.is_some();
+            if !data.lends_metadata[device] {
                 let controller = &pool.target(device).controller;
                 let on_controller = (0..pool.device_count()).filter(|&d| Arc::ptr_eq(&pool.target(d).controller, controller)).count();
                 return Err(ObjstoreError::QueuePairs {

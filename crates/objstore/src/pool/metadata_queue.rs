@@ -33,7 +33,10 @@ impl PoolDevice {
     /// submitted and [`ObjstoreError::DeadlinePassed`] is returned. The same holds when the
     /// lend itself (which waits, up to `timeout`, for the executor's commands on the pair to
     /// end) leaves less than `timeout` before `deadline`, the caller's: `work` measures its
-    /// waits from after the lend, and on a lent pair they must be whole.
+    /// waits from after the lend, and on a lent pair they must be whole. A lender that says it
+    /// would lend ([`QueueLender::lends`]) is not asked to when its pair could not be used
+    /// anyway (`timeout` cut, or not fitting before `deadline` even now); one that says it
+    /// never lends is not asked at all.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run_metadata<T>(
         &mut self,
@@ -52,18 +55,29 @@ impl PoolDevice {
         let (result, stuck, lent) = {
             let (queue, lent) = match self.queue.as_mut() {
                 Some(queue) => (queue, false),
-                None => match lender.lend(index, Instant::now() + timeout)? {
-                    Some(_) if !timeout_is_full || deadline.is_some_and(|deadline| deadline < Instant::now() + timeout) => {
-                        return Err(ObjstoreError::DeadlinePassed { what: "metadata command on a lent queue pair", done: 0 })
-                    }
-                    Some(queue) => (queue, true),
-                    None => {
-                        if temporary.is_none() {
-                            *temporary = Some(create_metadata_queue(&self.target.controller)?);
+                None => {
+                    // On a lent pair the waits must be whole: all of `timeout`, from after the
+                    // lend, before the caller's deadline.
+                    let fits = || timeout_is_full && deadline.is_none_or(|deadline| deadline >= Instant::now() + timeout);
+                    let unusable = || ObjstoreError::DeadlinePassed { what: "metadata command on a lent queue pair", done: 0 };
+                    let lent = match lender.lends(index) {
+                        // Lending a pair that cannot be used would only wait, up to the caller's
+                        // deadline, for the executor's other layers on it.
+                        Some(true) if !fits() => return Err(unusable()),
+                        Some(false) => None,
+                        Some(true) | None => lender.lend(index, Instant::now() + timeout)?,
+                    };
+                    match lent {
+                        Some(_) if !fits() => return Err(unusable()),
+                        Some(queue) => (queue, true),
+                        None => {
+                            if temporary.is_none() {
+                                *temporary = Some(create_metadata_queue(&self.target.controller)?);
+                            }
+                            (temporary.as_mut().expect("set above"), false)
                         }
-                        (temporary.as_mut().expect("set above"), false)
                     }
-                },
+                }
             };
             let result = work(queue, &mut self.mirror, &self.scratch);
             // A failed pair (a completion broke the queue protocol) takes no new command even

@@ -202,6 +202,57 @@ fn a_slow_lend_does_not_use_up_the_header_writes_time() {
     device.set_faults(FaultPlan::none());
 }
 
+/// Lends one queue pair as [`SlowLender`] does, counting its lends, and says that it lends.
+struct CountingLender {
+    queue: IoQueuePair,
+    lends: u32,
+}
+
+impl QueueLender for CountingLender {
+    fn lend(&mut self, _device: usize, deadline: Instant) -> Result<Option<&mut IoQueuePair>> {
+        self.lends += 1;
+        std::thread::sleep(deadline.saturating_duration_since(Instant::now()).saturating_sub(Duration::from_millis(1)));
+        Ok(Some(&mut self.queue))
+    }
+
+    fn lends(&self, _device: usize) -> Option<bool> {
+        Some(true)
+    }
+}
+
+#[test]
+fn a_deadline_too_short_for_a_lent_queue_pair_is_refused_without_lending() {
+    // Goal: a sync whose caller's deadline leaves less than the metadata timeout cannot use a
+    // lent queue pair (a write timed out there would fence the device), so it must say
+    // DeadlinePassed at once. It used to lend first, waiting up to that whole deadline for the
+    // executor's other layers on the pair, only to refuse the pair it got.
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_io_queue_pairs_max(1);
+    let (_device, targets) = start(config);
+    format(&targets, geometry());
+    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(pool.metadata_queue_shared(0));
+    let timeout = Duration::from_millis(800);
+    pool.set_metadata_timeout(timeout);
+    let mut lender = CountingLender { queue: targets[0].controller.create_io_queue_pair(16).unwrap(), lends: 0 };
+    pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
+    let start = Instant::now();
+    let synced = pool.sync_headers_by(&mut lender, Some(start + timeout / 2));
+    let took = start.elapsed();
+    assert!(matches!(synced, Err(ObjstoreError::DeadlinePassed { .. })), "{synced:?}");
+    assert_eq!(lender.lends, 0, "a pair that cannot be used is not lent");
+    assert!(took < Duration::from_millis(200), "refused after {took:?}: the lend waited for the caller's deadline");
+    assert!(!pool.metadata_fenced(0));
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 1, "the sector stays staged");
+    // NoLender says it never lends: a temporary queue pair (the controller's one pair, the
+    // lender's no more), usable with a cut deadline, writes the sector.
+    drop(lender);
+    pool.sync_headers_by(&mut NoLender, Some(Instant::now() + timeout / 2)).expect("a temporary queue pair");
+    assert_eq!(pool.devices[0].mirror.dirty_blocks(), 0);
+}
+
 #[test]
 fn a_header_sync_fits_a_lent_queue_of_depth_4() {
     // Goal: a header sync through a lent queue of depth 4 (3 commands at once) writes a

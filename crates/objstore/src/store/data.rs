@@ -110,6 +110,9 @@ pub struct StoreData<E: Executor> {
     /// for a second call (`Some(true)` all known deleted, `Some(false)` one not, `None` the
     /// executor does not say).
     pub(super) retired: Option<Option<bool>>,
+    /// Per pool device: whether `KvStore::new` saw the executor lend its queue pair there for
+    /// the pool's metadata (what [`QueueLender::lends`] answers; empty: none seen).
+    pub(super) lends_metadata: Vec<bool>,
 }
 
 /// The most layers one request may keep in flight: each one is a full set of the request's
@@ -128,6 +131,21 @@ fn layers_text(in_flight: &VecDeque<(u32, usize)>) -> String {
 /// extents are merged, so no request can run from the KV memory into the mapping table.
 fn kv_ranges(registration: &crate::registration::KvRegistration) -> Result<Vec<IovaRange>> {
     Ok(registration.merged_ranges()?.into_iter().map(|(start, end)| IovaRange::new(Iova(start), end - start)).collect())
+}
+
+/// The executor's queue pairs, lent for the pool's metadata. It says it lends on the devices
+/// `KvStore::new` saw it lend on, so a metadata call that could not use a lent pair does not
+/// wait for one (the CPU executor keeps its pairs until the store retires them; an executor
+/// that stopped lending would cost a `DeadlinePassed` where a temporary pair would have been
+/// tried, on a controller that granted too few pairs for one anyway).
+impl<E: Executor> QueueLender for StoreData<E> {
+    fn lend(&mut self, device: usize, deadline: Instant) -> Result<Option<&mut nvme_driver::IoQueuePair>> {
+        self.queue.lend(device, deadline)
+    }
+
+    fn lends(&self, device: usize) -> Option<bool> {
+        self.lends_metadata.get(device).copied().unwrap_or(false).then_some(true)
+    }
 }
 
 impl<E: Executor> StoreData<E> {
@@ -214,6 +232,7 @@ impl<E: Executor> StoreData<E> {
             engine_blocks_seen,
             addressing,
             retired: None,
+            lends_metadata: Vec::new(),
         })
     }
 
@@ -271,7 +290,7 @@ impl<E: Executor> StoreData<E> {
 
     /// The executor, as the lender of queue pairs for the pool's metadata (see `QueueLender`).
     pub fn lender(&mut self) -> &mut dyn QueueLender {
-        &mut self.queue
+        self
     }
 
     pub(super) fn index_of(&self, handle: RequestHandle) -> Result<usize> {

@@ -912,6 +912,44 @@ fn a_short_wait_deadline_does_not_fence_a_device_whose_metadata_borrows_the_exec
 }
 
 #[test]
+fn a_deadline_that_rules_out_the_lent_queue_pair_does_not_wait_for_the_executors_layers() {
+    // Goal: on a device whose metadata borrows the executor's queue pair, a header write whose
+    // caller's deadline leaves less than the metadata timeout is not submitted (a timeout on
+    // the lent pair fences the device), so the store must say so at once, not after lending
+    // the pair: the lend waited up to that whole deadline for a layer in flight on it (a read
+    // held 1 s), then failed as an executor error or gave a pair that could not be used.
+    use nvme_emu::{FaultAction, FaultPlan, FaultRule};
+    let fixture = fixture_on(EmuConfig::default().with_io_queue_pairs_max(1), 2, None);
+    let mut store = in_process(&fixture, StoreConfig { requests_max: 2, ..StoreConfig::default() });
+    assert!(store.pool().metadata_queue_shared(0), "one queue pair granted: metadata borrows the executor's");
+    let tokens = tokens(15, 2);
+    store_two_blocks(&fixture, &mut store, &tokens);
+    let handle = store.prepare_retrieve(&KvRequest { tokens: &tokens, block_ids: &[4, 5] }).expect("prepare_retrieve");
+    let slow_read = FaultRule::every_nth_io(1, FaultAction::Delay(Duration::from_secs(1))).with_opcode(0x02);
+    fixture.device.set_faults(FaultPlan::none().with_rule(slow_read));
+    store.retrieve_layer(handle, 0, BUDGET).unwrap();
+    // The poll sends the layer's reads to the device: the pair is busy until they end.
+    assert!(!store.poll(handle).expect("poll"), "the reads are held");
+    let start = Instant::now();
+    assert_eq!(store.evict_retrieve(handle, start + Duration::from_millis(400)).expect("evicted"), 2);
+    let evicting = start.elapsed();
+    let start = Instant::now();
+    let synced = store.sync_headers(start + Duration::from_millis(400));
+    let syncing = start.elapsed();
+    assert!(matches!(synced, Err(ObjstoreError::DeadlinePassed { .. })), "the metadata timeout does not fit: {synced:?}");
+    assert!(evicting < Duration::from_millis(200), "the eviction's header sync took {evicting:?}: it waited for the lend");
+    assert!(syncing < Duration::from_millis(200), "the sync took {syncing:?}: it waited for the lend");
+    assert!(!store.pool().metadata_fenced(0));
+    fixture.device.set_faults(FaultPlan::none());
+    store.wait(handle, deadline()).expect("the held reads");
+    store.finish(handle).expect("finish");
+    store.sync_headers(Instant::now() + METADATA_TIMEOUT + Duration::from_secs(1)).expect("the staged Empty entries are written");
+    drop(store);
+    let (_, report) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("reopen");
+    assert_eq!(report.cached_blocks, 0, "the evicted blocks are Empty on disk: {report:?}");
+}
+
+#[test]
 fn into_pool_releases_the_reservations_still_live() {
     // Goal: giving the pool back with requests never finished leaves nothing of them in the
     // pool: a store's slot goes back to the free list and its keys are no longer claimed
