@@ -61,6 +61,20 @@ pub enum SchedulerError {
         source: Box<SchedulerError>,
     },
 
+    /// An imported table was refused (`source`, an [`SchedulerError::ImportedTable`]) and its
+    /// cost rows of a kind all ask for more SMs than the `io_sms` reserved for I/O: where
+    /// compute fills its SMs no such kernel fits, so the reservation is named first; alone, the
+    /// refusal behind it (the decode steps' free SMs) blamed the timeline. The refusal is kept
+    /// as the source, typed, not flattened into this text.
+    #[error("invalid configuration: `io_sms`: {mismatch}: {source}")]
+    IoReservation {
+        io_sms: u32,
+        /// Each such kind's smallest budget against `io_sms`, and what to do.
+        mismatch: String,
+        #[source]
+        source: Box<SchedulerError>,
+    },
+
     /// A policy asked for something impossible (more IOCBs than are pending, an unknown layer).
     #[error("policy `{policy}` produced an invalid decision at {location}: {reason}")]
     InvalidDecision { policy: &'static str, location: String, reason: String },

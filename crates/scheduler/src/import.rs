@@ -306,8 +306,8 @@ pub fn import_timeline(
     // leaves idle, which a timeline may have (kernels on fewer SMs than the compute ones).
     let mismatch = io_reservation_mismatch(&table.io_costs, io_sms);
     let profile = Profile::from_table(table).map_err(imported)?;
-    profile.check_decode_steps_can_write().map_err(|source| match &mismatch {
-        Some(mismatch) => SchedulerError::InvalidConfig { field: "io_sms".into(), reason: format!("{mismatch}; {}", imported(source)) },
+    profile.check_decode_steps_can_write().map_err(|source| match mismatch {
+        Some(mismatch) => SchedulerError::IoReservation { io_sms, mismatch, source: Box::new(imported(source)) },
         None => imported(source),
     })?;
     Ok(profile)

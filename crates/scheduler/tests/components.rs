@@ -721,9 +721,17 @@ fn an_io_reservation_below_every_cost_row_budget_is_named_when_the_table_is_refu
     rows_at_8.retain(|row| row.kind == IoKind::Read || row.sm_budget == 8);
     let error = import_timeline(&full, common::model(), common::gpu(), 4, rows_at_8.clone(), "test", "test").unwrap_err();
     let text = error.to_string();
-    assert!(matches!(&error, SchedulerError::InvalidConfig { field, .. } if field == "io_sms"), "{error}");
+    assert!(matches!(&error, SchedulerError::IoReservation { io_sms: 4, .. }), "{error}");
     assert!(text.contains("io_sms 4") && text.contains("smallest write sm_budget 8"), "{text}");
     assert!(text.contains("decode_steps.free_sms"), "the refusal behind it: {text}");
+    // The refusal behind it is kept typed, as its source, not flattened into the text: a caller
+    // walking the chain (anyhow's, tutti-profile's exit status) reaches the imported table's
+    // refusal and the validation error under it.
+    // (A boxed source is the box as the error: `Box<SchedulerError>`.)
+    let behind = std::error::Error::source(&error).and_then(|cause| cause.downcast_ref::<Box<SchedulerError>>());
+    assert!(matches!(behind.map(|cause| &**cause), Some(SchedulerError::ImportedTable { .. })), "source {behind:?} of {error:?}");
+    let under = behind.and_then(|cause| std::error::Error::source(&**cause)).map(ToString::to_string).unwrap_or_default();
+    assert!(under.contains("decode_steps.free_sms"), "{under}");
     // Reads alike: rows at 2 and 4, a reservation of 1 (the writes' too).
     let error = import_timeline(&full, common::model(), common::gpu(), 1, common::io_costs(), "test", "test").unwrap_err();
     let text = error.to_string();

@@ -311,6 +311,7 @@ fn main() -> std::process::ExitCode {
                             scheduler::SchedulerError::InvalidConfig { .. }
                                 | scheduler::SchedulerError::Timeline { .. }
                                 | scheduler::SchedulerError::ImportedTable { .. }
+                                | scheduler::SchedulerError::IoReservation { .. }
                         )
                     )
                 });
@@ -610,11 +611,20 @@ mod tests {
         std::fs::remove_file(&costs).unwrap();
         let text = format!("{error:#}");
         assert!(text.contains("io_sms 4") && text.contains("smallest read sm_budget 8") && text.contains("write sm_budget 8"), "{text}");
-        // Status 2 (`main`): an `InvalidConfig` of the scheduler's.
-        let invalid_config = error.chain().any(|cause| {
-            matches!(cause.downcast_ref::<scheduler::SchedulerError>(), Some(scheduler::SchedulerError::InvalidConfig { field, .. }) if field == "io_sms")
-        });
-        assert!(invalid_config, "unusable input: {text}");
+        // Status 2 (`main`): the scheduler's `IoReservation`, with the imported table's refusal
+        // behind it as its source.
+        // A boxed source is the box as the error.
+        fn as_scheduler_error<'e>(cause: &'e (dyn std::error::Error + 'static)) -> Option<&'e scheduler::SchedulerError> {
+            cause.downcast_ref().or_else(|| cause.downcast_ref::<Box<scheduler::SchedulerError>>().map(|boxed| &**boxed))
+        }
+        let causes: Vec<&scheduler::SchedulerError> = error.chain().filter_map(as_scheduler_error).collect();
+        assert!(
+            matches!(
+                causes.as_slice(),
+                [scheduler::SchedulerError::IoReservation { io_sms: 4, .. }, scheduler::SchedulerError::ImportedTable { .. }, ..]
+            ),
+            "unusable input: {text}"
+        );
     }
 
     /// Goal: the granted partition is what the table reserves (compute on 132 − 8 = 124 SMs), and
