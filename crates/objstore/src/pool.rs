@@ -32,7 +32,9 @@ use crate::geometry::ModelGeometry;
 use crate::hash::chain_hash;
 use crate::index::Index;
 
-/// Deadline of each metadata command batch.
+/// Deadline of each metadata command batch. On a device whose metadata borrows the executor's
+/// queue pair, the lend before it waits up to as long again for the executor's commands on the
+/// pair (a header sync or flush with no caller's deadline may take up to twice this there).
 pub const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One namespace offered to a pool.
@@ -859,7 +861,8 @@ impl Pool {
     /// a device that may be healthy until reopen: there the writes are submitted only if the
     /// whole metadata timeout fits before `deadline` once the pair is lent (the lend waits for
     /// the executor's commands on it), else they stay staged (`DeadlinePassed`).
-    /// `None`: no deadline but the metadata timeout's.
+    /// `None`: no deadline but the metadata timeout's, on each wait: on a lent pair the lend
+    /// (up to one timeout) and then the writes (one more), so up to twice the timeout.
     pub(crate) fn sync_headers_by(&mut self, lender: &mut dyn QueueLender, deadline: Option<Instant>) -> Result<()> {
         self.sync_devices(lender, deadline, None, None)
     }

@@ -496,8 +496,10 @@ impl<E: Executor> KvStore<E> {
     /// (what does not fit stays staged for the next sync: the next commit, or
     /// [`KvStore::sync_headers`]). On a device whose metadata borrows the executor's queue
     /// pair, they are written only if the whole metadata timeout
-    /// ([`crate::pool::METADATA_TIMEOUT`]) fits before `deadline`: a write timed out early
-    /// there would fence the device until reopen.
+    /// ([`crate::pool::METADATA_TIMEOUT`]) still fits before `deadline` once the pair is lent
+    /// (the lend first waits for the executor's commands on it, which may take most of
+    /// `deadline`; a `deadline` too short for the timeout is refused without lending): a write
+    /// timed out early there would fence the device until reopen.
     pub fn wait(&mut self, handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
         let failed_before = self.data.verify_failed(handle);
         let result = self.data.wait(handle, deadline);
@@ -521,7 +523,8 @@ impl<E: Executor> KvStore<E> {
     /// Writes the slot header entries staged and not yet durable (the Empty entries of an
     /// eviction whose `wait` or `poll` left no time for them), each device within what is left
     /// of `deadline` (on a device whose metadata borrows the executor's queue pair, only if the
-    /// whole metadata timeout fits: see [`StoreControl::sync_headers`]);
+    /// whole metadata timeout fits after the lend, which waits for the executor's commands on
+    /// the pair: see [`StoreControl::sync_headers`]);
     /// [`ObjstoreError::DeadlinePassed`] if some stay staged.
     pub fn sync_headers(&mut self, deadline: Instant) -> Result<()> {
         self.control.sync_headers(self.data.lender(), deadline)

@@ -537,7 +537,10 @@ impl StoreControl {
     /// own queue pair then (the timeout does not count toward fencing the device), but it
     /// cannot delete an executor's queue pair lent for a device's metadata, and would fence
     /// that device until reopen: there the writes are submitted only if the whole metadata
-    /// timeout fits before `deadline`.
+    /// timeout fits before `deadline` after the lend, which first waits (up to that timeout,
+    /// within `deadline`) for the executor's commands on the pair; a `deadline` too short for
+    /// the timeout even before the lend is refused without lending when `lender` says it lends
+    /// there ([`QueueLender::lends`]).
     pub fn sync_headers(&mut self, lender: &mut dyn QueueLender, deadline: Instant) -> Result<()> {
         self.pool.sync_headers_by(lender, Some(deadline))
     }
