@@ -544,7 +544,8 @@ pub(crate) fn finish_issued_as_timeout(memory: &QueueMemory, filled: &mut Filled
         // Read before the end clears it; cleared below either way: no command of it can
         // complete any more, and nothing of it is pending (the reset forgot that).
         let taken = memory.issue_taken(id);
-        let ended = finish_as_timeout_with(memory, id, |shared| filled.timeout_seq(id, shared, taken));
+        let given = memory.issue_given(id);
+        let ended = finish_as_timeout_with(memory, id, |shared| filled.timeout_seq(id, shared, taken, given));
         memory.end_issue_taken(id);
         // The IOCB is ended either way, and the IOCBs after it still are.
         match ended {
@@ -1892,6 +1893,40 @@ mod tests {
         assert!(matches!(&refused, Err(GioError::InvalidConfig { .. })), "CPU workers: {refused:?}");
         let none = crate::CpuWorkers::new(0, Vec::new(), 4).map(|_| ());
         assert!(matches!(&none, Err(GioError::InvalidConfig { .. })), "zero workers: {none:?}");
+    }
+
+    /// Issues the rig's IOCB and waits for it, then sets its status back to ISSUED (another
+    /// agent's rewrite of an idle IOCB), resets, and checks the IOCB still issues and completes.
+    fn a_reset_after_a_status_rewrite_keeps_the_iocb_usable<E: crate::executor::QueuePairReset>(mut rig: EmuRig<E>, who: &str) {
+        use crate::types::{LayerIndex, SmBudget};
+        rig.queue.issue_io(&[rig.id], LayerIndex(0), SmBudget(1)).expect("issue");
+        let done = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5)).expect("completes");
+        assert_eq!(done.result, Ok(()), "{who}");
+        let memory = rig.queue.memory();
+        let status = memory.iocb_field_offset(rig.id, crate::layout::IocbField::Status);
+        memory.region.store_u32(status, abi::GIO_IOCB_STATUS_ISSUED, std::sync::atomic::Ordering::Release);
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        rig.queue.reset_queue_pairs(vec![fresh]).expect("reset");
+        // The reset ends the rewritten IOCB with a CQE for no issue of the queue's: refused.
+        let refused = rig.queue.peek_cqe();
+        assert!(matches!(refused, Err(GioError::UnexpectedCompletion { .. })), "{who}: {refused:?}");
+        rig.queue.issue_io(&[rig.id], LayerIndex(1), SmBudget(1)).expect("reissue");
+        let again = rig.queue.wait_cqe(rig.id, Instant::now() + std::time::Duration::from_secs(5));
+        assert!(matches!(again, Ok(crate::queue::Completion { result: Ok(()), .. })), "{who}: {again:?}");
+    }
+
+    #[test]
+    fn a_status_rewritten_to_issued_on_an_idle_iocb_does_not_lose_it_at_a_reset() {
+        // Goal: a reset that finds an IOCB ISSUED whose issue no submit took ends it with the
+        // number the queue gave its last issue (host memory), not one more than the last
+        // issue taken whatever happened: an idle IOCB whose status another agent set back to
+        // ISSUED has no such issue, and counting one made the executor expect S + 2 from the
+        // queue's next issue S + 1, so every later issue was refused (CorruptIocb) and ended
+        // with a number the queue dropped as stale: the IOCB was lost for good. Both CPU
+        // executors.
+        a_reset_after_a_status_rewrite_keeps_the_iocb_usable(emu_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        a_reset_after_a_status_rewrite_keeps_the_iocb_usable(emu_rig(workers), "CPU workers");
     }
 
     #[test]

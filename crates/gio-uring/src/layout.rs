@@ -169,6 +169,10 @@ pub struct QueueMemory {
     /// only a mirror for the ABI (the GPU kernel counts there), so a rewritten one cannot make
     /// an IOCB end while some of its commands still move data.
     ioctxs_left: Box<[AtomicU32]>,
+    /// Per IOCB: the sequence number [`crate::GioQueue::issue_io`] gave its last issue. Host
+    /// memory no other agent can write, unlike line 0's `issue_seq`: what a reset ends an
+    /// issue no submit took with ([`FilledLines::timeout_seq`]).
+    issues_given: Box<[AtomicU32]>,
 }
 
 macro_rules! field {
@@ -258,8 +262,9 @@ impl QueueMemory {
         let region = SharedRegion::allocate_host(len_bytes)?;
         let issues_taken = (0..config.depth).map(|_| AtomicBool::new(false)).collect();
         let ioctxs_left = (0..config.depth).map(|_| AtomicU32::new(0)).collect();
+        let issues_given = (0..config.depth).map(|_| AtomicU32::new(0)).collect();
         let kept_cqes = crate::executor::KeptCqes::new(config.depth);
-        let memory = Self { region, layout, kept_cqes, issues_taken, ioctxs_left };
+        let memory = Self { region, layout, kept_cqes, issues_taken, ioctxs_left, issues_given };
         for ring in [layout.sq, layout.cq] {
             let base = ring.header_offset_bytes;
             memory.region.store_u32(base + field!(gio_ring_header, mask), ring.mask(), Ordering::Relaxed);
@@ -287,6 +292,20 @@ impl QueueMemory {
         if let Some(taken) = self.issues_taken.get(id.0 as usize) {
             taken.store(false, Ordering::Release);
         }
+    }
+
+    /// Notes the sequence number the queue gave the issue of `id` it is publishing (see
+    /// [`QueueMemory::issues_given`]). Release, before the SQ tail publishes the issue.
+    pub(crate) fn note_issue_given(&self, id: IocbId, issue_seq: u32) {
+        if let Some(given) = self.issues_given.get(id.0 as usize) {
+            given.store(issue_seq, Ordering::Release);
+        }
+    }
+
+    /// The sequence number the queue gave the last issue of `id` (0 before its first issue,
+    /// and for an id outside the pool).
+    pub(crate) fn issue_given(&self, id: IocbId) -> u32 {
+        self.issues_given.get(id.0 as usize).map_or(0, |given| given.load(Ordering::Acquire))
     }
 
     /// Notes that the issue of `id` just taken runs `ioctx_count` IOCTXs (see
@@ -543,19 +562,23 @@ impl FilledLines {
     }
 
     /// The sequence number to end IOCB `id`, still ISSUED, with when no command of it can
-    /// complete (a reset, a retirement), given the one `shared` line 0 holds and whether its
-    /// issue was `taken` off the SQ ([`QueueMemory::issue_taken`], read before the end). Taken:
-    /// the last issue consumed is the one in flight, whatever line 0 says. Not taken: the IOCB
-    /// is ISSUED by an issue whose SQ entry no submit took (a submit that failed before taking
-    /// it, or an entry rewritten to name another IOCB), and the queue gave that issue one more
-    /// than the last issue consumed: that one, noted as consumed, whatever `shared` says (it may
-    /// have been rewritten; adopting it, or keeping the last issue's number when it differed,
-    /// made the queue drop the CQE as stale and keep the IOCB in flight for ever). `shared` for
-    /// an IOCB never filled on this queue.
-    pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32, taken: bool) -> u32 {
+    /// complete (a reset, a retirement), given the one `shared` line 0 holds, whether its issue
+    /// was `taken` off the SQ ([`QueueMemory::issue_taken`], read before the end) and the number
+    /// the queue `given` its last issue ([`QueueMemory::issue_given`]). Taken: the last issue
+    /// consumed is the one in flight, whatever line 0 says. Not taken: the number the queue
+    /// gave, noted as the last issue consumed, whatever `shared` says (it may have been
+    /// rewritten). That is one more than the last issue taken for an issue whose SQ entry no
+    /// submit took (a submit that failed before taking it, or an entry rewritten to name another
+    /// IOCB): adopting `shared`, or keeping the last issue's number, made the queue drop the CQE
+    /// as stale and keep the IOCB in flight for ever. And it is the last issue taken itself for
+    /// an idle IOCB whose status another agent set back to ISSUED: the queue refuses that CQE
+    /// (no issue in flight), and the next issue still gets the number this table expects
+    /// (counting an issue there made every later issue of the IOCB refused and lost it for
+    /// good). `shared` for an IOCB never filled on this queue.
+    pub(crate) fn timeout_seq(&mut self, id: IocbId, shared: u32, taken: bool, given: u32) -> u32 {
         let Some(line) = self.lines.get_mut(id.0 as usize).and_then(Option::as_mut) else { return shared };
         if !taken {
-            line.issue_seq = line.issue_seq.wrapping_add(1);
+            line.issue_seq = given;
         }
         line.issue_seq
     }

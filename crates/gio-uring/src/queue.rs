@@ -295,6 +295,7 @@ impl<E: Executor> GioQueue<E> {
             host.header.issue_seq = host.header.issue_seq.wrapping_add(1);
             host.state = State::InFlight;
             self.memory.write_iocb_header(id, &host.header);
+            self.memory.note_issue_given(id, host.header.issue_seq);
             // Relaxed: the SQ tail's Release store below publishes these writes.
             self.memory.write_iocb_progress(id, &IocbProgress::ISSUED, Ordering::Relaxed);
             if producer.push(id).is_err() {
