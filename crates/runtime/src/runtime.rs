@@ -3,10 +3,17 @@
 //! decode step begins) and the runtime decides and issues every read and write.
 //!
 //! Mapping the policy onto the store: the policy counts IOCBs of the table's size
-//! (`iocb_bytes`, one size across the cost rows), exactly as the simulator does for the same
-//! request, so both see the same views and make the same decisions. The store moves a layer
-//! whole (it reissues one request's IOCBs per layer), so a layer's reads are handed over when the
-//! policy first issues any of them, and writes are released in whole layers once the policy's
+//! (`iocb_bytes`, one size across the cost rows), as the simulator does for the same request,
+//! and the views are built alike, but they are not the same views: the runtime's I/O moves in
+//! whole layers, the simulator's in the IOCBs the policy issued. A read layer one plan splits
+//! over two windows (2 IOCBs on 2 SMs, 1 on 4) goes here whole, on the largest budget its
+//! issues named (4), as one kernel, at the boundary; the simulator runs two jobs, on 2 and 4
+//! SMs, from their offsets. So a later view shows here whole layers waiting and in flight
+//! (`outstanding_read_iocbs` a multiple of a layer's, a kernel per layer, entries by the layers'
+//! budgets), there the IOCBs left of each job (a kernel per job, or one in all while queued
+//! kernels hide the latency; entries by the jobs' budgets), and the decisions may differ.
+//! The store moves a layer whole (it reissues one request's IOCBs per layer), so a layer's reads
+//! are handed over when the policy first issues any of them, and writes are released in whole layers once the policy's
 //! write grants (carried forward while smaller than the oldest layer, with the time of windows
 //! too short for one IOCB) cover them, each layer priced with its own command latency; only a
 //! flush (naive, no-overlap: a write issued without waiting for reads) releases every ready
