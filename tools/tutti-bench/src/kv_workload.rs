@@ -380,7 +380,9 @@ fn move_layers<S: LayerKvStore>(
                 Direction::Store => store.store_layer(handle, next, SmBudget(1)),
             };
             if let Err(error) = issued {
-                drain(store, handle, layers, layer_timeout);
+                // Layers `layer..next` issued and not collected, and the failed one: its
+                // commands may have been published (`GioError::SubmitFailed`).
+                drain(store, handle, next - layer + 1, false, layer_timeout);
                 return Err(error).with_context(|| format!("{verb}_layer {next}"));
             }
             next += 1;
@@ -394,7 +396,9 @@ fn move_layers<S: LayerKvStore>(
             // layer's bytes would be counted over no I/O, a rate made up.
             Ok(None) if bytes_per_layer == 0 => {}
             other => {
-                drain(store, handle, layers, layer_timeout);
+                // Layers `layer..next` were issued and not collected; a timed-out wait leaves
+                // `layer` among them (objstore's `GioError::WaitTimeout`).
+                drain(store, handle, next - layer, is_wait_timeout(&other), layer_timeout);
                 let error = match other {
                     Err(error) => anyhow::Error::new(error),
                     Ok(None) => anyhow!("the store had nothing in flight for layer {layer}, which moves {bytes_per_layer} bytes"),
@@ -418,17 +422,35 @@ type MovedLayers = (Vec<Duration>, Option<(Instant, Instant)>);
 /// their own errors are dropped (the first one is what the run reports). Until the store says
 /// none is in flight, not over the layers behind the failed one: a timed-out wait leaves its
 /// layer in flight (objstore's `GioError::WaitTimeout`), and an issue that failed after its
-/// commands were published (`GioError::SubmitFailed`) leaves that layer in flight too. At most
-/// `layers` + 1 waits of the layer timeout each (a request has no more layers than that in
-/// flight, and a wait that fails again is not waited on for ever).
-fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, layers: u32, layer_timeout: Duration) {
-    for _ in 0..=layers {
+/// commands were published (`GioError::SubmitFailed`) leaves that layer in flight too.
+///
+/// Bounded by what can be in flight, not by the model's layers: at most `in_flight` (the
+/// layers issued and not collected, the failed issue's included; at most
+/// `layers_in_flight_max` + 1) + 1 waits of the layer timeout each, the + 1 for one retry of a
+/// layer still moving. And a timeout right after a timeout (`timed_out`: the failed wait's
+/// own) ends it: the oldest layer moved nothing over two layer timeouts, the device is stuck,
+/// and every further wait would only hold the run (attach mode's parent gives a client's step
+/// 600 s before it kills it, its error unprinted). Layers still in flight then are left to
+/// the store's close, which deletes its queue pairs before the engine memory they name is
+/// freed, and keeps that memory for good where one cannot be deleted (kv.rs).
+fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, in_flight: u32, mut timed_out: bool, layer_timeout: Duration) {
+    for _ in 0..=in_flight {
         // A store that cannot say counts as one with a layer in flight: waited on, bounded.
         if !store.any_layer_in_flight(handle).unwrap_or(true) {
             return;
         }
-        let _ = store.wait(handle, Instant::now() + layer_timeout);
+        let waited = store.wait(handle, Instant::now() + layer_timeout);
+        let timeout = is_wait_timeout(&waited);
+        if timeout && timed_out {
+            return;
+        }
+        timed_out = timeout;
     }
+}
+
+/// Whether a `wait` ran out its deadline, its layer still in flight.
+fn is_wait_timeout<T>(waited: &objstore::Result<T>) -> bool {
+    matches!(waited, Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { .. })))
 }
 
 /// `timing`: the devices' timing model (`--emu-timing`), which bounds the layers' waits.
@@ -567,6 +589,52 @@ mod tests {
         }
     }
 
+    /// A store on a stuck device: every issue is taken, no layer ever completes, every `wait`
+    /// times out (`GioError::WaitTimeout`, the oldest layer left in flight). Counts its waits.
+    struct StuckStore {
+        in_flight: u32,
+        waits: u32,
+    }
+
+    impl LayerKvStore for StuckStore {
+        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
+            first_block
+        }
+        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
+            Ok(RequestHandle::from_bits(1))
+        }
+        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
+            unreachable!("move_layers prepares nothing")
+        }
+        fn retrieve_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight += 1;
+            Ok(())
+        }
+        fn store_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight += 1;
+            Ok(())
+        }
+        fn layers_in_flight_max(&self) -> u32 {
+            2
+        }
+        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
+            Ok(self.in_flight > 0)
+        }
+        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
+            self.waits += 1;
+            Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }))
+        }
+        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
+            Ok(self.in_flight == 0)
+        }
+        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
+            Ok(0)
+        }
+        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
+            Ok(())
+        }
+    }
+
     /// A store whose layers complete at once, in order, recording how far off each wait's
     /// deadline was.
     #[derive(Default)]
@@ -646,6 +714,23 @@ mod tests {
         let error = move_layers(&mut store, handle, 4, Direction::Retrieve, 1 << 20, LAYER_TIMEOUT).unwrap_err();
         assert!(format!("{error:#}").contains("waiting for retrieve layer 0"), "{error:#}");
         assert!(!store.any_layer_in_flight(handle).unwrap(), "layers {:?} were left in flight", store.in_flight);
+    }
+
+    #[test]
+    fn a_stuck_device_is_drained_over_the_layers_in_flight_not_the_model_s_layers() {
+        // Goal: after a failed layer the drain waited up to the model's layer count + 1 times
+        // (33 for 32 layers), each wait the full layer timeout on the same stuck oldest layer:
+        // a hung device held a kv run ~34 min, and attach mode's parent (600 s a step) killed
+        // the client before its error was printed. The drain waits at most for the layers in
+        // flight (at most layers_in_flight_max, + 1 for a failed issue), and stops at the
+        // second timeout in a row: with 2 ahead, at most 1 + 3 waits in all.
+        let handle = RequestHandle::from_bits(1);
+        for direction in [Direction::Retrieve, Direction::Store] {
+            let mut store = StuckStore { in_flight: 0, waits: 0 };
+            let error = move_layers(&mut store, handle, 32, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
+            assert!(format!("{error:#}").contains("layer 0"), "{error:#}");
+            assert!(store.waits <= 1 + 3, "{} waits of the layer timeout each", store.waits);
+        }
     }
 
     #[test]
