@@ -137,16 +137,22 @@ pub(crate) fn issued_header_or_end(
     }
 }
 
-/// The tag of an NVMe command: which IOCTX of which issue of which IOCB it carries (the issue
-/// sequence number's low 16 bits, so a late completion of an earlier issue is told from the
-/// issue in flight; an IOCTX index is below 2048, `abi::MAX_IOCTX_PER_IOCB`).
+/// The tag of an NVMe command: which IOCTX of which issue of which IOCB it carries, as
+/// IOCB id (16 bits) | issue sequence number (all 32 bits) | IOCTX index (16 bits). The id fits:
+/// a pool holds at most `GIO_RING_DEPTH_MAX` (2^16) IOCBs; so does the index, below
+/// `abi::MAX_IOCTX_PER_IOCB` (2048). The whole sequence number, so a late completion of any
+/// earlier issue (not only one less than 2^16 issues back) is told from the issue in flight.
+/// [`crate::executor::LENT_COMMAND_TAG`] (all ones) decodes to IOCTX index 0xFFFF, which no
+/// IOCB has: refused whatever the depth.
 fn tag(id: IocbId, issue_seq: u32, ioctx_index: u32) -> u64 {
-    u64::from(id.0) << 32 | u64::from(issue_seq as u16) << 16 | u64::from(ioctx_index & 0xFFFF)
+    u64::from(id.0 & 0xFFFF) << 48 | u64::from(issue_seq) << 16 | u64::from(ioctx_index & 0xFFFF)
 }
 
-/// (IOCB, issue sequence number's low 16 bits, IOCTX index) of a [`tag`].
-fn untag(tag: u64) -> (IocbId, u16, u32) {
-    (IocbId((tag >> 32) as u32), (tag >> 16) as u16, tag as u32 & 0xFFFF)
+const _: () = assert!(abi::GIO_RING_DEPTH_MAX <= 1 << 16 && abi::MAX_IOCTX_PER_IOCB < 0xFFFF, "tags hold 16-bit ids and indices");
+
+/// (IOCB, issue sequence number, IOCTX index) of a [`tag`].
+fn untag(tag: u64) -> (IocbId, u32, u32) {
+    (IocbId((tag >> 48) as u32), (tag >> 16) as u32, tag as u32 & 0xFFFF)
 }
 
 /// The driver's status in the CQE status-field layout of the ABI (phase bit clear).
@@ -829,14 +835,14 @@ fn finish_command(
         });
         return;
     };
-    if issue_seq != header.issue_seq as u16 || index >= header.ioctx_count {
+    if issue_seq != header.issue_seq || index >= header.ioctx_count {
         // Not counted: the issue in flight still waits for its own completions (or a reset).
         *posting = Err(GioError::Executor {
             executor: "cpu",
             reason: format!(
-                "completion tag {:#x} names IOCTX {index} of issue {issue_seq} (low 16 bits) of {id}, not one of its issue in flight \
-                 ({}, {} IOCTXs): not counted",
-                completion.tag, header.issue_seq as u16, header.ioctx_count
+                "completion tag {:#x} names IOCTX {index} of issue {issue_seq} of {id}, not one of its issue in flight ({}, {} \
+                 IOCTXs): not counted",
+                completion.tag, header.issue_seq, header.ioctx_count
             ),
         });
         return;
@@ -1576,6 +1582,16 @@ mod tests {
         let mut posting = Ok(());
         finish_command(&memory, &issued, completion(self::tag(id, 5, 1)), &mut posting);
         assert!(matches!(&posting, Err(GioError::Executor { reason, .. }) if reason.contains("issue")), "{posting:?}");
+        // An issue 2^16 earlier or later is another one too: the tag carries the whole number.
+        for other in [6u32.wrapping_sub(1 << 16), 6 + (1 << 16)] {
+            let mut posting = Ok(());
+            finish_command(&memory, &issued, completion(self::tag(id, other, 1)), &mut posting);
+            assert!(matches!(&posting, Err(GioError::Executor { reason, .. }) if reason.contains("issue")), "{other}: {posting:?}");
+        }
+        // A borrower's command: its tag names no IOCTX of any issue, whatever the depth.
+        let mut posting = Ok(());
+        finish_command(&memory, &issued, completion(crate::executor::LENT_COMMAND_TAG), &mut posting);
+        assert!(posting.is_err(), "a lent command's completion is refused");
         let mut posting = Ok(());
         finish_command(&memory, &issued, completion(self::tag(id, 6, 0)), &mut posting);
         posting.expect("IOCTX 0 of the issue in flight is counted");
@@ -1931,8 +1947,11 @@ mod tests {
 
     #[test]
     fn tags_round_trip_and_statuses_keep_their_fields() {
-        assert_eq!(untag(tag(IocbId(7), 0x1_2345, 2047)), (IocbId(7), 0x2345, 2047));
-        assert_eq!(untag(tag(IocbId(u32::MAX), u32::MAX, 2047)), (IocbId(u32::MAX), 0xFFFF, 2047));
+        assert_eq!(untag(tag(IocbId(7), 0x1_2345, 2047)), (IocbId(7), 0x1_2345, 2047));
+        let last = IocbId(abi::GIO_RING_DEPTH_MAX - 1);
+        assert_eq!(untag(tag(last, u32::MAX, abi::MAX_IOCTX_PER_IOCB - 1)), (last, u32::MAX, abi::MAX_IOCTX_PER_IOCB - 1));
+        let (_, _, lent_index) = untag(crate::executor::LENT_COMMAND_TAG);
+        assert!(lent_index >= abi::MAX_IOCTX_PER_IOCB, "a lent command's tag names no IOCTX of any IOCB");
         let media = DriverStatus { code_type: StatusCodeType::from_u8(2), code: 0x81, do_not_retry: true, more: false };
         let status = abi_status(media);
         assert_eq!((status.status_code_type(), status.status_code(), status.do_not_retry()), (2, 0x81, true));
