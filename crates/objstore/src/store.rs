@@ -291,14 +291,17 @@ impl<E: Executor> KvStore<E> {
     /// Gives the pool back, and says, as [`KvStore::close`] does, whether the engine may free
     /// its registered KV memory; the executor's queue pairs are retired first. Requests never
     /// finished are released ([`StoreControl::into_pool`]), unless a queue pair could not be
-    /// retired, or a layer (a store's or a retrieve's) is still in flight and the executor does
-    /// not say whether its pairs are gone (`retire_queue_pairs` answers `None`, the trait's
-    /// default): then every reservation is kept (those slots are not reused before a reopen),
-    /// since a store's late write may still land in its slots and a retrieve's late read still
-    /// reads its slots into the KV memory, and the answer is `false`.
+    /// retired (then every reservation is kept: those slots are not reused before a reopen),
+    /// or a layer (a store's or a retrieve's) is still in flight and the executor does not say
+    /// whether its pairs are gone (`retire_queue_pairs` answers `None`, the trait's default):
+    /// then the reservations of the requests with a layer in flight are kept, since a store's
+    /// late write may still land in its slots and a retrieve's late read still reads its slots
+    /// into the KV memory, and the others are released (no command of theirs is left). The
+    /// answer is `false` in both cases.
     pub fn into_pool_reporting(self) -> (Pool, bool) {
         let KvStore { mut data, control, .. } = self;
         let layer_in_flight = data.layer_in_flight();
+        let requests_in_flight = data.requests_in_flight();
         let answer = data.retire_reporting();
         drop(data);
         match answer {
@@ -311,9 +314,9 @@ impl<E: Executor> KvStore<E> {
             None => {
                 tracing::error!(
                     "objstore: the pool was given back with a layer in flight, over an executor that does not say whether its queue \
-                     pairs are gone: live reservations kept"
+                     pairs are gone: the reservations of the requests with a layer in flight kept"
                 );
-                (control.into_pool_unreleased(), false)
+                (control.into_pool_keeping(&requests_in_flight), false)
             }
         }
     }

@@ -88,10 +88,17 @@ impl StoreControl {
     /// for the pool's life, and keys claimed by a store that never commits (a later store
     /// would share them). As for `release`, the caller must know that no command of those
     /// requests is still in flight.
-    pub fn into_pool(mut self) -> Pool {
+    pub fn into_pool(self) -> Pool {
+        self.into_pool_keeping(&[])
+    }
+
+    /// [`Self::into_pool`], except that the reservations marked in `keep` (by request index)
+    /// are left as they are: a command of theirs may still move data (see
+    /// [`Self::into_pool_unreleased`]).
+    pub(super) fn into_pool_keeping(mut self, keep: &[bool]) -> Pool {
         let mut live = 0;
         for index in 0..self.reservations.len() {
-            if self.reservations[index].active {
+            if self.reservations[index].active && !keep.get(index).copied().unwrap_or(false) {
                 self.release_index(index);
                 live += 1;
             }

@@ -70,6 +70,12 @@ impl<E: Executor> StoreData<E> {
     pub(super) fn layer_in_flight(&self) -> bool {
         self.requests.iter().any(|request| !request.in_flight.is_empty())
     }
+
+    /// Per request index (a handle's, the control half's too): whether a layer of it is in
+    /// flight.
+    pub(super) fn requests_in_flight(&self) -> Vec<bool> {
+        self.requests.iter().map(|request| !request.in_flight.is_empty()).collect()
+    }
 }
 
 impl<E: Executor> KvStore<E> {

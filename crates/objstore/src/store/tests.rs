@@ -1194,8 +1194,10 @@ impl gio_uring::Executor for DoesNotReport {
 #[test]
 fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
     // Goal: giving the pool back while a layer is in flight, over an executor that does not
-    // say whether its queue pairs are gone, keeps every reservation and says the engine must
-    // keep its KV memory (`into_pool_reporting` answers false, as `close` would). A store
+    // say whether its queue pairs are gone, keeps that layer's request's reservation (see
+    // `into_pool_with_a_layer_in_flight_releases_the_requests_with_none` for the others) and
+    // says the engine must keep its KV memory (`into_pool_reporting` answers false, as `close`
+    // would). A store
     // layer's late write may still land in the store's slot, which must not be reused (it
     // used to go back to the free list, so a later commit could be overwritten by it); a
     // retrieve layer's late read may still write the KV memory, and its slots stay pinned
@@ -1243,6 +1245,43 @@ fn into_pool_keeps_the_reservations_when_a_store_layer_may_still_be_written() {
             "{in_flight:?} in flight: {counts:?}"
         );
     }
+}
+
+#[test]
+fn into_pool_with_a_layer_in_flight_releases_the_requests_with_none() {
+    // Goal: over an executor that does not say whether its queue pairs are gone, giving the
+    // pool back with a retrieve layer in flight keeps that retrieve's pins (its late read may
+    // still come), but a store with no layer in flight (one written and waited for) has no
+    // command left that could write its slot: its slot goes back to the free list. Every reservation used to be kept, the idle store's slot Writing
+    // until a reopen.
+    let config = StoreConfig { requests_max: 3, ..StoreConfig::default() };
+    let fixture = fixture(1, Some(8));
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = DoesNotReport { inner: cpu_executor_for(&pool, 64, &config).expect("executor") };
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
+    store.set_key_seed(SEED);
+    let cached = tokens(41, 1);
+    let idle = tokens(42, 1);
+    fill(&fixture, 0, keys_of(&cached)[0]);
+    let plan = store.prepare_store(&KvRequest { tokens: &cached, block_ids: &[0] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).expect("store_layer");
+        assert_eq!(store.wait(plan.handle, deadline()).expect("wait"), Some(layer));
+    }
+    assert_eq!(store.commit_store(plan.handle).expect("commit"), 1);
+    let retrieve = store.prepare_retrieve(&KvRequest { tokens: &cached, block_ids: &[4] }).expect("prepare_retrieve");
+    let idle_store = store.prepare_store(&KvRequest { tokens: &idle, block_ids: &[1] }).expect("prepare_store");
+    store.store_layer(idle_store.handle, 0, BUDGET).expect("store_layer");
+    assert_eq!(store.wait(idle_store.handle, deadline()).expect("wait"), Some(0));
+    store.retrieve_layer(retrieve, 0, BUDGET).expect("retrieve_layer");
+    let (pool, memory_may_go) = store.into_pool_reporting();
+    assert!(!memory_may_go, "the retrieve's late read may still write the KV memory");
+    let counts = pool.index().counts();
+    assert_eq!(
+        (counts.writing_slots, counts.pinned_slots, counts.free_slots),
+        (0, 1, 7),
+        "the retrieve's slot stays pinned, the idle store's is free again: {counts:?}"
+    );
 }
 
 #[test]
