@@ -257,7 +257,7 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
     // (--blocks-per-slot is refused with --keep-pool and --retrieve-only).
     let blocks_per_slot = match plan.pool {
         PoolMode::Format => plan.blocks_per_slot,
-        PoolMode::Keep | PoolMode::RetrieveOnly => kept_blocks_per_slot(specs).unwrap_or(plan.blocks_per_slot),
+        PoolMode::Keep | PoolMode::RetrieveOnly => kept_blocks_per_slot(specs, created).unwrap_or(plan.blocks_per_slot),
     };
     let options = OpenOptions2 {
         writes: true,
@@ -301,11 +301,25 @@ pub fn run_plan(specs: &[DeviceSpec], plan: &KvPlan, output: OutputFormat, creat
 /// hold a layer of a slot's run of blocks (the largest K found). `None` where no such file holds
 /// a superblock this build reads: the run then opens the devices as it would have, and opening
 /// the pool says what is wrong with what they hold. `vfio:` devices' MDTS is their own.
-fn kept_blocks_per_slot(specs: &[DeviceSpec]) -> Option<u32> {
+///
+/// The path is opened again after the lock step, so what is there now may not be what was
+/// locked: it is opened without waiting (`O_NONBLOCK`: a FIFO renamed over it must not make the
+/// run wait for a writer, the lock step's rule; `O_NOCTTY`: a link to a terminal does not make
+/// it the run's; std adds `O_CLOEXEC`), examined on the descriptor, and read only where it is a
+/// regular file or a block device that is the file the run locked there (`created`'s
+/// [`CreatedFiles::check_opened`], the check the devices' own open makes). Anything else gives
+/// `None`: the devices' open then refuses it, saying what it is.
+fn kept_blocks_per_slot(specs: &[DeviceSpec], created: &CreatedFiles) -> Option<u32> {
     use std::io::{Read, Seek, SeekFrom};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
     let lba_bytes = devices::EMU_LBA_BYTES;
-    let read = |device: usize, path: &std::path::Path| -> Option<u32> {
-        let mut file = std::fs::File::open(path).ok()?;
+    let read = |device: usize, spec: &DeviceSpec, path: &std::path::Path| -> Option<u32> {
+        let mut file = std::fs::OpenOptions::new().read(true).custom_flags(nix::libc::O_NONBLOCK | nix::libc::O_NOCTTY).open(path).ok()?;
+        let metadata = file.metadata().ok()?;
+        if !(metadata.file_type().is_file() || metadata.file_type().is_block_device()) {
+            return None;
+        }
+        created.check_opened(spec, Some((metadata.dev(), metadata.ino()))).ok()?;
         // A block device's metadata says 0 bytes; its end says its size, as the emulator sizes it.
         let size_bytes = file.seek(SeekFrom::End(0)).ok()?;
         file.seek(SeekFrom::Start(0)).ok()?;
@@ -318,7 +332,7 @@ fn kept_blocks_per_slot(specs: &[DeviceSpec]) -> Option<u32> {
         .iter()
         .enumerate()
         .filter_map(|(device, spec)| match spec {
-            DeviceSpec::EmuFile(path) => read(device, path),
+            DeviceSpec::EmuFile(path) => read(device, spec, path),
             _ => None,
         })
         .max()
@@ -794,5 +808,23 @@ mod tests {
         assert_eq!(bytes, 32 << 30);
         let message = crate::memory::check_host_memory_with(&what, bytes, &[], "", MEMINFO_20G).unwrap_err().to_string();
         assert!(message.contains("× 16 client processes") && message.contains("32GiB of host memory asked"), "{message}");
+    }
+
+    #[test]
+    fn a_fifo_at_a_kept_pool_s_path_is_not_read_and_does_not_make_the_run_wait() {
+        // Goal: the K of a kept pool is read from the file at its path after the lock step; a
+        // FIFO renamed over the path (or a symlink to /dev/tty) made a blocking open and
+        // read_exact wait for a writer for ever, where the tool's rule is that a FIFO never
+        // makes it wait (devices' open_without_waiting). Now it is opened without waiting,
+        // examined on the descriptor, and read only where it is the file the run locked.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("pool.img");
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR).unwrap();
+        let specs = vec![DeviceSpec::EmuFile(path)];
+        let (sender, receiver) = std::sync::mpsc::channel();
+        // On a thread: a run that waits must fail this test, not hang it.
+        std::thread::spawn(move || sender.send(kept_blocks_per_slot(&specs, &CreatedFiles::default())));
+        let kept = receiver.recv_timeout(std::time::Duration::from_secs(5)).expect("kept_blocks_per_slot waited on a FIFO");
+        assert_eq!(kept, None);
     }
 }
