@@ -1517,8 +1517,10 @@ mod tests {
     }
 
     /// A two-IOCTX IOCB whose shared completed-IOCTX count another agent sets to 1 right after
-    /// the issue reset it, its second read's completion 300 ms late: it must not end before
-    /// that completion, and ends once with it; its next issue runs on its own completions.
+    /// the issue reset it, its second read's completion 2 s late: it must not end before
+    /// that completion, and ends once with it; its next issue runs on its own completions. The
+    /// delay is far longer than the 100 ms early wait, so a test thread descheduled for a while
+    /// on a loaded machine still looks before that completion arrives.
     fn a_rewritten_progress_line_does_not_end_an_iocb_early<E: Executor>(
         mut rig: EmuRig<crate::executor::test_double::Corrupting<E>>,
         who: &str,
@@ -1527,7 +1529,7 @@ mod tests {
         use nvme_emu::{FaultAction, FaultPlan, FaultRule};
         let id = fill_two_reads(&mut rig);
         assert_eq!(id, rig.queue.executor_mut().iocb, "{who}: the IOCB the wrapper rewrites");
-        let delay = FaultAction::Delay(std::time::Duration::from_millis(300));
+        let delay = FaultAction::Delay(std::time::Duration::from_secs(2));
         rig.device.set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(2, delay)));
         rig.queue.issue_io(&[id], LayerIndex(0), SmBudget(1)).expect("issue");
         let early = rig.queue.wait_cqe(id, Instant::now() + std::time::Duration::from_millis(100));
