@@ -44,6 +44,7 @@ fn main() {
     println!("gpu test: driver {driver:?}");
     cuda::staged_round_trip_matches_bytes_and_a_timeout_resets_the_queue_pair();
     cuda::several_iocbs_per_launch_on_a_shallow_queue_with_many_blocks_match_bytes();
+    cuda::a_device_table_larger_than_the_queue_pairs_is_refused_at_init();
     println!("gpu test: passed");
 }
 
@@ -277,5 +278,25 @@ mod cuda {
         println!(
             "gpu test (pass 2): 3 IOCBs ({COUNTS:?} IOCTXs) per launch, 16-entry NVMe queue, 32-thread blocks: {bytes} bytes identical"
         );
+    }
+
+    pub fn a_device_table_larger_than_the_queue_pairs_is_refused_at_init() {
+        // Goal: the CUDA executor serves gio device i with its queue pair i, and the kernel
+        // fails every IOCTX of a device without one as INVALID_IOCTX at each issue, blaming the
+        // request for a configuration error: a device table naming more devices than the
+        // executor has queue pairs is refused by init_queue (InvalidConfig), as for the CPU
+        // executors. STATUS: written without a GPU; it has never run on one.
+        let runtime = gpu_setup::open_runtime(SmBudget(1)).unwrap();
+        let emu = EmuConfig::default()
+            .with_backing(Backing::Memory { bytes: 1 << 20 })
+            .with_namespaces(vec![NamespaceConfig::new(BLOCK_BYTES, Some(1 << 20))]);
+        let emulated = EmulatedController::start(emu).unwrap();
+        let staging = Staging::allocate(&emulated.controller, 64 << 10, "staging").unwrap();
+        let executor = gpu_setup::staged_executor(runtime, &emulated, 16, &[&staging], 20_000).unwrap();
+        let registered = gpu_setup::registered(&[&staging]).unwrap();
+        let devices = DeviceTable::new(vec![emulated.device_info(); 2]);
+        let refused = GioQueue::init_queue(QueueConfig { depth: 4, ioctx_per_iocb_max: 4 }, devices, registered, executor);
+        assert!(matches!(refused, Err(gio_uring::GioError::InvalidConfig { .. })), "{:?}", refused.err());
+        println!("gpu test: a 2-device table over 1 queue pair refused at init");
     }
 }

@@ -675,6 +675,21 @@ impl Executor for GpuExecutor {
         NAME
     }
 
+    /// One queue pair per device of the table, same index: fewer is refused. The kernel would
+    /// fail every IOCTX on a device without one as INVALID_IOCTX at each issue
+    /// (`device_index >= device_count`), blaming the request for a configuration error.
+    fn check_device_count(&self, devices: usize) -> Result<(), GioError> {
+        if self.queues.len() < devices {
+            return Err(GioError::InvalidConfig {
+                reason: format!(
+                    "the device table has {devices} devices but the CUDA executor has queue pairs for {} (one per device, same index)",
+                    self.queues.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
         if self.attached.is_some() {
             return Err(GioError::InvalidConfig { reason: "the CUDA executor serves one queue".into() });
