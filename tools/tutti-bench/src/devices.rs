@@ -33,19 +33,51 @@ const WAIT_BOUND_MODEL_FACTOR: f64 = 4.0;
 
 /// The bound of a wait for `bytes` of transfers queued on a software controller that runs
 /// `timing`, whose bound without a model is `default`: [`WAIT_BOUND_MODEL_FACTOR`] times what
-/// the model makes those bytes take at its slowest pace (the slower direction at its share
-/// under mixed traffic: each direction is a FIFO pipe, so the last of the bytes completes after
-/// all of them flowed) plus one command latency; never below `default`, never past
+/// the model makes those bytes take at the pace of what the run moves (`traffic`: one direction
+/// alone at its solo rate; both at the slower one's share under mixed traffic, the model's
+/// collapse: each direction is a FIFO pipe, so the last of the bytes completes after all of
+/// them flowed) plus one command latency; never below `default`, never past
 /// [`WAIT_BOUND_MAX`]. Derived rather than refused: a slow model is a valid run (the model
 /// stands for an SSD; `tutti-ssd` is one in slow motion), and its I/Os take what the model
 /// says, which no fixed figure fits.
-pub fn wait_bound(default: Duration, timing: Option<nvme_emu::TimingModel>, bytes: u64) -> Duration {
+pub fn wait_bound(default: Duration, timing: Option<nvme_emu::TimingModel>, traffic: Traffic, bytes: u64) -> Duration {
     let Some(timing) = timing else { return default };
-    let share = f64::from(timing.mixed_share_permille.clamp(1, 1000)) / 1000.0;
-    let slowest_bytes_per_s = (timing.read_bytes_per_s.min(timing.write_bytes_per_s).max(1) as f64 * share).max(f64::MIN_POSITIVE);
-    let model_s = bytes as f64 / slowest_bytes_per_s + timing.command_latency.as_secs_f64();
+    let bytes_per_s = match traffic {
+        Traffic::Reads => timing.read_bytes_per_s.max(1) as f64,
+        Traffic::Writes => timing.write_bytes_per_s.max(1) as f64,
+        Traffic::Both => {
+            let share = f64::from(timing.mixed_share_permille.clamp(1, 1000)) / 1000.0;
+            timing.read_bytes_per_s.min(timing.write_bytes_per_s).max(1) as f64 * share
+        }
+    };
+    let model_s = bytes as f64 / bytes_per_s.max(f64::MIN_POSITIVE) + timing.command_latency.as_secs_f64();
     let bound = Duration::try_from_secs_f64(WAIT_BOUND_MODEL_FACTOR * model_s).unwrap_or(WAIT_BOUND_MAX);
     bound.min(WAIT_BOUND_MAX).max(default)
+}
+
+/// The directions a run moves through a device while a wait is bounded ([`wait_bound`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Traffic {
+    /// Reads alone (a raw run's read or randread phase, a kv retrieve).
+    Reads,
+    /// Writes alone (a raw run's write or randwrite phase, a kv store).
+    Writes,
+    /// Both at once (randrw with a mix of both, the serve mode's runtime).
+    Both,
+}
+
+impl Traffic {
+    /// What a raw phase of `pattern` moves (`rwmixread`: randrw's percentage of reads).
+    pub fn of(pattern: crate::args::Pattern, rwmixread: u8) -> Traffic {
+        use crate::args::Pattern;
+        match pattern {
+            Pattern::Read | Pattern::Randread => Traffic::Reads,
+            Pattern::Write | Pattern::Randwrite => Traffic::Writes,
+            Pattern::Randrw if rwmixread >= 100 => Traffic::Reads,
+            Pattern::Randrw if rwmixread == 0 => Traffic::Writes,
+            Pattern::Randrw => Traffic::Both,
+        }
+    }
 }
 
 /// Waiting on the software controller, a thread of this process, which a waiter that keeps the
@@ -97,7 +129,9 @@ pub trait Device: Send + Sync {
     /// Smallest I/O unit: offsets and sizes must be multiples of it.
     fn block_size_bytes(&self) -> u32;
     /// A queue for one job thread with `depth` buffers of `slot_bytes` each.
-    fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError>;
+    /// `traffic`: what the run's jobs move through the device meanwhile (its I/Os' pace under a
+    /// timing model, [`wait_bound`]).
+    fn open_queue(&self, depth: u32, slot_bytes: usize, traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError>;
     /// The io_uring setup flags in force, for devices that drive a ring of their own (`uring:`).
     fn ring_setup(&self) -> Option<String> {
         None
@@ -677,7 +711,7 @@ impl NvmeDevice {
         }
     }
 
-    fn open_nvme_queue(&self, depth: u32, slot_bytes: usize, waiter: Waiter) -> Result<NvmeQueue, DeviceError> {
+    fn open_nvme_queue(&self, depth: u32, slot_bytes: usize, traffic: Traffic, waiter: Waiter) -> Result<NvmeQueue, DeviceError> {
         let name = self.controller.backend().name();
         let nvme = |source| DeviceError::Nvme { device: name.clone(), source };
         let slot_len = u32::try_from(slot_bytes)
@@ -712,7 +746,7 @@ impl NvmeDevice {
         Ok(NvmeQueue {
             name,
             pair: Some(pair),
-            io_timeout: wait_bound(IO_TIMEOUT, self.timing, queued_bytes),
+            io_timeout: wait_bound(IO_TIMEOUT, self.timing, traffic, queued_bytes),
             namespace: self.namespace.id,
             block_size_bytes: u64::from(self.namespace.block_size_bytes),
             buffers,
@@ -768,8 +802,8 @@ impl Device for NvmeDevice {
         self.namespace.block_size_bytes
     }
 
-    fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
-        Ok(Box::new(self.open_nvme_queue(depth, slot_bytes, self.waiter())?))
+    fn open_queue(&self, depth: u32, slot_bytes: usize, traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError> {
+        Ok(Box::new(self.open_nvme_queue(depth, slot_bytes, traffic, self.waiter())?))
     }
 }
 
@@ -1310,19 +1344,48 @@ mod tests {
         // 30 s (one 64 MiB I/O at 1 MiB/s: 64 s) and the run failed as a stuck device. The bound
         // is four times what the model makes the bytes take (the slower direction, at its mixed
         // share, plus a command latency), never below the default, never past WAIT_BOUND_MAX.
-        assert_eq!(wait_bound(IO_TIMEOUT, None, 1 << 40), IO_TIMEOUT, "no model: the default");
-        assert_eq!(wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), 4096), IO_TIMEOUT, "a few ms: the default");
-        let bound = wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), 64 << 20);
+        assert_eq!(wait_bound(IO_TIMEOUT, None, Traffic::Both, 1 << 40), IO_TIMEOUT, "no model: the default");
+        assert_eq!(wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), Traffic::Both, 4096), IO_TIMEOUT, "a few ms: the default");
+        let bound = wait_bound(IO_TIMEOUT, Some(SLOW_MODEL), Traffic::Both, 64 << 20);
         assert!(bound >= Duration::from_secs(4 * 64) && bound < Duration::from_secs(4 * 65), "{bound:?}");
         // The slower direction under mixed traffic: writes at 0.5 MiB/s, half of it mixed.
         let collapsing = nvme_emu::TimingModel { write_bytes_per_s: 1 << 19, mixed_share_permille: 500, ..SLOW_MODEL };
-        let bound = wait_bound(IO_TIMEOUT, Some(collapsing), 16 << 20);
+        let bound = wait_bound(IO_TIMEOUT, Some(collapsing), Traffic::Both, 16 << 20);
         assert!(bound >= Duration::from_secs(4 * 64) && bound < Duration::from_secs(4 * 65), "{bound:?}");
         // Bounded whatever the figures: the deadline it makes can be computed.
         let crawling = nvme_emu::TimingModel { read_bytes_per_s: 1, write_bytes_per_s: 1, ..SLOW_MODEL };
-        let bound = wait_bound(IO_TIMEOUT, Some(crawling), u64::MAX);
+        let bound = wait_bound(IO_TIMEOUT, Some(crawling), Traffic::Both, u64::MAX);
         assert_eq!(bound, WAIT_BOUND_MAX);
         assert!(Instant::now().checked_add(bound).is_some());
+    }
+
+    #[test]
+    fn a_run_that_moves_one_direction_is_bounded_by_that_direction_s_solo_rate() {
+        // Goal: the bound took the slower direction at its mixed-traffic share whatever the run
+        // moved: a reads-only run on a model with fast reads and slow writes was bounded by the
+        // writes' pace (here 1024 times too loose). A direction moved alone runs at its solo
+        // rate (the model collapses a direction only while the other one also transfers); the
+        // slower at its share only where both move.
+        let lopsided = nvme_emu::TimingModel {
+            read_bytes_per_s: 1 << 20,
+            write_bytes_per_s: 1 << 10,
+            mixed_share_permille: 500,
+            command_latency: Duration::from_millis(1),
+        };
+        let bytes = 64 << 20;
+        let reads = wait_bound(IO_TIMEOUT, Some(lopsided), Traffic::Reads, bytes);
+        assert!(reads >= Duration::from_secs(4 * 64) && reads < Duration::from_secs(4 * 65), "reads: {reads:?}");
+        let writes = wait_bound(IO_TIMEOUT, Some(lopsided), Traffic::Writes, 64 << 10);
+        assert!(writes >= Duration::from_secs(4 * 64) && writes < Duration::from_secs(4 * 65), "writes: {writes:?}");
+        // Both: the writes at half their 1 KiB/s.
+        let both = wait_bound(IO_TIMEOUT, Some(lopsided), Traffic::Both, 32 << 10);
+        assert!(both >= Duration::from_secs(4 * 64) && both < Duration::from_secs(4 * 65), "both: {both:?}");
+        // A raw phase's pattern says what it moves; randrw moves both unless its mix is one-sided.
+        assert_eq!(Traffic::of(crate::args::Pattern::Randread, 50), Traffic::Reads);
+        assert_eq!(Traffic::of(crate::args::Pattern::Write, 50), Traffic::Writes);
+        assert_eq!(Traffic::of(crate::args::Pattern::Randrw, 50), Traffic::Both);
+        assert_eq!(Traffic::of(crate::args::Pattern::Randrw, 100), Traffic::Reads);
+        assert_eq!(Traffic::of(crate::args::Pattern::Randrw, 0), Traffic::Writes);
     }
 
     #[test]
@@ -1333,9 +1396,9 @@ mod tests {
         // not at the fixed 30 s. A device without a model keeps the default.
         let options = OpenOptions2 { io_bytes_max: 1 << 20, queues: 2, timing: Some(SLOW_MODEL), ..test_options() };
         let device = NvmeDevice::init(memory_controller(options), options).expect("init");
-        let queue = device.open_queue(4, 1 << 20).expect("queue");
+        let queue = device.open_queue(4, 1 << 20, Traffic::Both).expect("queue");
         assert!(queue.io_timeout() >= Duration::from_secs(32), "{:?}", queue.io_timeout());
-        let queue = memory_device().open_queue(4, 1 << 20).expect("queue");
+        let queue = memory_device().open_queue(4, 1 << 20, Traffic::Both).expect("queue");
         assert_eq!(queue.io_timeout(), IO_TIMEOUT);
     }
 
@@ -1357,7 +1420,7 @@ mod tests {
             let counts = finishes_within(Duration::from_secs(60), move || {
                 let device = memory_device();
                 let depth = 4u32;
-                let mut queue = device.open_nvme_queue(depth, 4096, waiter).expect("queue");
+                let mut queue = device.open_nvme_queue(depth, 4096, Traffic::Both, waiter).expect("queue");
                 let mut counts = vec![0u32; depth as usize];
                 let deadline = Instant::now() + IO_TIMEOUT;
                 for round in 0..64u64 {
@@ -1388,7 +1451,7 @@ mod tests {
         // submit_and_reap's doorbell.
         finishes_within(Duration::from_secs(60), || {
             let device = memory_device();
-            let mut deep = device.open_nvme_queue(32, 4096, Waiter::Polls).expect("deep queue");
+            let mut deep = device.open_nvme_queue(32, 4096, Traffic::Both, Waiter::Polls).expect("deep queue");
             for slot in 0..31u32 {
                 deep.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
                 let expected = (slot as usize + 1) % 16;
@@ -1408,7 +1471,7 @@ mod tests {
             }
             drop(deep);
 
-            let mut shallow = device.open_nvme_queue(8, 4096, Waiter::Polls).expect("shallow queue");
+            let mut shallow = device.open_nvme_queue(8, 4096, Traffic::Both, Waiter::Polls).expect("shallow queue");
             for slot in 0..8u32 {
                 shallow.queue(slot, Direction::Read, u64::from(slot) * 4096).expect("queue read");
             }
@@ -1435,7 +1498,7 @@ mod tests {
                 ..FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::DeleteIoSubmissionQueue, FaultAction::DropCompletion)
             });
             device.emulator.as_ref().expect("software controller").set_faults(plan);
-            let mut queue = device.open_nvme_queue(4, 4096, Waiter::SharesOurCores).expect("queue");
+            let mut queue = device.open_nvme_queue(4, 4096, Traffic::Both, Waiter::SharesOurCores).expect("queue");
             queue.io_timeout = Duration::from_millis(100);
             queue.queue(0, Direction::Read, 0).expect("queue read");
             let _ = queue.submit_and_reap(false, Instant::now(), &mut |_, _| {});
@@ -1454,7 +1517,7 @@ mod tests {
             let device = memory_device();
             let delay = FaultAction::Delay(Duration::from_millis(600));
             device.emulator.as_ref().expect("software controller").set_faults(FaultPlan::none().with_rule(FaultRule::on_nth_io(1, delay)));
-            let mut queue = device.open_nvme_queue(1, 4096, Waiter::Polls).expect("queue");
+            let mut queue = device.open_nvme_queue(1, 4096, Traffic::Both, Waiter::Polls).expect("queue");
             queue.queue(0, Direction::Read, 0).expect("queue read");
             let started = Instant::now();
             let result = queue.submit_and_reap(true, started + Duration::from_millis(100), &mut |_, _| {});

@@ -22,6 +22,7 @@ use objstore::{KvKind, KvRequest, LayerKvStore, RequestHandle};
 use serde_json::{json, Value};
 
 use crate::args::format_size;
+use crate::devices::Traffic;
 use crate::kv::{KvPlan, PoolMode};
 use crate::report::{CpuTime, ProcessCpu};
 use crate::workloads::{fill_pattern, find_mismatch};
@@ -31,10 +32,15 @@ const LAYER_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How long one layer of `bytes_per_layer` may take before the run fails, on devices that run
 /// `timing`.
-fn layer_timeout(timing: Option<nvme_emu::TimingModel>, bytes_per_layer: u64) -> Duration {
+fn layer_timeout(timing: Option<nvme_emu::TimingModel>, direction: Direction, bytes_per_layer: u64) -> Duration {
     // A layer's bytes are issued together and flow through the model's pipes one command after
     // another (layers issued ahead queue behind it, not before it).
-    crate::devices::wait_bound(LAYER_TIMEOUT, timing, bytes_per_layer)
+    // A phase moves one direction: a retrieve reads, a store writes (phases do not overlap).
+    let traffic = match direction {
+        Direction::Retrieve => Traffic::Reads,
+        Direction::Store => Traffic::Writes,
+    };
+    crate::devices::wait_bound(LAYER_TIMEOUT, timing, traffic, bytes_per_layer)
 }
 
 /// A store and the engine KV memory it moves bytes in and out of. The memory is reached only
@@ -313,7 +319,7 @@ pub(crate) fn run_phases<T: KvTarget>(
         let bytes_per_layer = u64::from(cached) * 2 * target.object_bytes() as u64;
         let store = target.store();
         let handle = store.prepare_retrieve(&request).context("prepare_retrieve")?;
-        let timeout = layer_timeout(plan.emu_timing, bytes_per_layer);
+        let timeout = layer_timeout(plan.emu_timing, Direction::Retrieve, bytes_per_layer);
         let (latencies, span) = move_layers(store, handle, layers, Direction::Retrieve, bytes_per_layer, timeout)?;
         store.finish(handle).context("finishing the retrieve")?;
         let wall = started.elapsed();
@@ -467,8 +473,14 @@ fn store_phase<T: KvTarget>(
     let started = Instant::now();
     let plan = store.prepare_store(request).context("prepare_store")?;
     let bytes_per_layer = plan.new_blocks as u64 * 2 * object_bytes;
-    let (latencies, span) =
-        move_layers(store, plan.handle, layers, Direction::Store, bytes_per_layer, layer_timeout(timing, bytes_per_layer))?;
+    let (latencies, span) = move_layers(
+        store,
+        plan.handle,
+        layers,
+        Direction::Store,
+        bytes_per_layer,
+        layer_timeout(timing, Direction::Store, bytes_per_layer),
+    )?;
     store.commit_store(plan.handle).context("commit_store")?;
     Ok(LayerPhase {
         label: label.to_string(),
@@ -690,9 +702,9 @@ mod tests {
             mixed_share_permille: 1000,
             command_latency: Duration::from_millis(1),
         };
-        assert_eq!(layer_timeout(None, 64 << 20), LAYER_TIMEOUT);
-        assert_eq!(layer_timeout(Some(slow), 1 << 20), LAYER_TIMEOUT, "4 s of model time: the default");
-        let bound = layer_timeout(Some(slow), 64 << 20);
+        assert_eq!(layer_timeout(None, Direction::Retrieve, 64 << 20), LAYER_TIMEOUT);
+        assert_eq!(layer_timeout(Some(slow), Direction::Retrieve, 1 << 20), LAYER_TIMEOUT, "4 s of model time: the default");
+        let bound = layer_timeout(Some(slow), Direction::Retrieve, 64 << 20);
         assert!(bound >= Duration::from_secs(4 * 64), "{bound:?}");
         let mut store = DeadlineRecorder::default();
         move_layers(&mut store, RequestHandle::from_bits(1), 3, Direction::Retrieve, 64 << 20, bound).unwrap();

@@ -23,7 +23,7 @@ use std::time::Instant;
 use tutti_uring::{AlignedBuffer, Refused, Ring, SetupFlags, Transfer, UringError};
 
 use crate::args::format_size;
-use crate::devices::{Device, DeviceError, Direction, IoQueue, Visibility, IO_TIMEOUT};
+use crate::devices::{Device, DeviceError, Direction, IoQueue, Traffic, Visibility, IO_TIMEOUT};
 
 /// `O_DIRECT` needs buffers, offsets and lengths aligned to the logical block size; a page covers
 /// every device we expect.
@@ -120,7 +120,7 @@ impl Device for UringDevice {
         self.block_size_bytes
     }
 
-    fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
+    fn open_queue(&self, depth: u32, slot_bytes: usize, _traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError> {
         let name = self.name();
         let ring = Ring::with_setup(depth, self.setup_flags).map_err(|error| DeviceError::Setup(format!("{name}: {error}")))?;
         // A job that writes fills the buffers with pseudorandom bytes itself (`run_job`).

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context};
 
 use crate::args::Pattern;
-use crate::devices::{Device, DeviceError, Direction, IoQueue, Visibility, IO_TIMEOUT};
+use crate::devices::{Device, DeviceError, Direction, IoQueue, Traffic, Visibility, IO_TIMEOUT};
 use crate::report::{thread_cpu, DirectionStats, JobStats, JobWindow, PhaseResult, ProcessCpu};
 
 /// What a phase does with data beyond moving it.
@@ -407,8 +407,10 @@ fn run_job(
     // together; a failure is reported after the start gate, which every job must reach.
     let pinned = plan.cpus_allowed.as_ref().map_or(Ok(()), |cpus| cpus.pin_current_thread().map_err(|error| (cpus, error)));
     let seed = mix(plan.seed ^ u64::from(job));
+    // The phase moves one direction, or both: a timing model passes one alone at its solo rate.
+    let traffic = Traffic::of(plan.pattern, plan.rwmixread);
     let opened: Result<Vec<Box<dyn IoQueue>>, DeviceError> =
-        devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize)).collect();
+        devices.iter().map(|device| device.open_queue(plan.iodepth, plan.bs as usize, traffic)).collect();
     let opened = opened.and_then(|mut queues| fill_write_buffers(&mut queues, plan, seed).map(|()| queues));
     // Released without the others: the queues close as this returns.
     gate.wait().map_err(|why| anyhow!("job{job}: {why}"))?;
@@ -682,8 +684,8 @@ mod tests {
         fn block_size_bytes(&self) -> u32 {
             self.inner.block_size_bytes()
         }
-        fn open_queue(&self, depth: u32, slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
-            self.inner.open_queue(depth, slot_bytes)
+        fn open_queue(&self, depth: u32, slot_bytes: usize, traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError> {
+            self.inner.open_queue(depth, slot_bytes, traffic)
         }
     }
 
@@ -712,7 +714,7 @@ mod tests {
         fn block_size_bytes(&self) -> u32 {
             4096
         }
-        fn open_queue(&self, _depth: u32, _slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
+        fn open_queue(&self, _depth: u32, _slot_bytes: usize, _traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError> {
             Ok(Box::new(SplitQueue { in_flight: Default::default(), paced: Arc::clone(&self.paced) }))
         }
     }
@@ -854,7 +856,7 @@ mod tests {
         fn block_size_bytes(&self) -> u32 {
             4096
         }
-        fn open_queue(&self, _depth: u32, _slot_bytes: usize) -> Result<Box<dyn IoQueue>, DeviceError> {
+        fn open_queue(&self, _depth: u32, _slot_bytes: usize, _traffic: Traffic) -> Result<Box<dyn IoQueue>, DeviceError> {
             Ok(Box::new(SlowSubmitQueue { in_flight: Default::default() }))
         }
     }
