@@ -16,7 +16,7 @@ use tutti_runtime::{PolicyChoice, Runtime, RuntimeConfig, RuntimeCounters};
 use super::stream::Request;
 use super::ServePlan;
 use crate::args::DeviceSpec;
-use crate::devices::{self, CreatedFiles, OpenOptions2};
+use crate::devices::{self, CreatedFiles, OpenOptions2, Traffic};
 use crate::kv::{keep_engine_for_good, Engine, POOL_OVERHEAD_BYTES, SLOT_OVERHEAD_BYTES};
 
 /// How often the sleeping compute thread lets the runtime reap and issue (wall time).
@@ -25,6 +25,9 @@ const POLL_INTERVAL: Duration = Duration::from_micros(250);
 const ENGINE_PROMPTS: u64 = 4;
 /// Stores that may wait in the write queue (each holds engine blocks until committed).
 const WRITE_QUEUE_STORES: usize = 3;
+/// The runtime's bound on a wait for one layer's I/O where the model makes it take less
+/// ([`layer_io_timeout`]).
+const LAYER_IO_TIMEOUT: Duration = Duration::from_secs(60);
 /// Samples of the write backlog kept per run (one per prefill end and decode step).
 const BACKLOG_SAMPLES_MAX: usize = 65_536;
 
@@ -91,6 +94,19 @@ fn pool_bytes(plan: &ServePlan, hit_rate: f64) -> u64 {
 /// The in-memory device one policy's pool lives on at `hit_rate`: [`pool_bytes`] in whole MiB.
 fn pool_device(plan: &ServePlan, hit_rate: f64) -> DeviceSpec {
     DeviceSpec::EmuMemory(pool_bytes(plan, hit_rate).div_ceil(1 << 20).saturating_mul(1 << 20))
+}
+
+/// The runtime's bound on each wait for one layer's I/O (`RuntimeConfig::io_timeout`) on the
+/// plan's device: [`LAYER_IO_TIMEOUT`], or longer where the timing model (always one here,
+/// `tutti-ssd:xN`) makes the bytes a layer wait can sit behind take longer
+/// ([`devices::wait_bound`]). Those are a layer of every engine block at most: the running
+/// request's read (its blocks) and one layer of each store in the write queue (the rest of the
+/// engine blocks, `write_queue_limits`; the in-memory store keeps one layer of a request in
+/// flight), reads and writes moving at once. At most the runtime's `IO_TIMEOUT_MAX` (the
+/// same 24 h as `devices::WAIT_BOUND_MAX`), which `Runtime::new` refuses past.
+fn layer_io_timeout(plan: &ServePlan) -> Duration {
+    let layer_bytes = engine_blocks(plan).saturating_mul(2).saturating_mul(plan.model.choice.geometry.object_bytes());
+    devices::wait_bound(LAYER_IO_TIMEOUT, Some(plan.model.timing), Traffic::Both, layer_bytes).min(tutti_runtime::IO_TIMEOUT_MAX)
 }
 
 /// Engine blocks one policy's stack allocates: [`ENGINE_PROMPTS`] prompts of blocks.
@@ -164,7 +180,7 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
     debug_assert_eq!(limit_blocks, u64::from(engine_blocks) - request_blocks);
     config.write_queue_limit_blocks = usize::try_from(limit_blocks).map_err(|_| anyhow!("write queue limit too large"))?;
     config.write_queue_limit_stores = limit_stores;
-    config.io_timeout = Duration::from_secs(60);
+    config.io_timeout = layer_io_timeout(plan);
     let runtime = Runtime::new(store, profile.clone(), config).context("starting the runtime")?;
     let mut driver = Driver {
         runtime,
@@ -362,6 +378,28 @@ mod tests {
     fn plan(arguments: &[&str]) -> ServePlan {
         let matches = Cli::command().try_get_matches_from(std::iter::once("tutti-bench").chain(arguments.iter().copied())).unwrap();
         ServePlan::from_cli(&Cli::from_arg_matches(&matches).unwrap(), &matches).unwrap()
+    }
+
+    #[test]
+    fn a_slow_model_stretches_the_runtime_s_layer_wait_to_what_it_makes_the_engine_s_bytes_take() {
+        // Goal: serve always runs a tutti-ssd:xN model, and kept the runtime's io_timeout at a
+        // fixed 60 s: at x1024 a layer wait that sits behind a layer of every engine block (the
+        // running request's read and the write queue's stores, 4 x 1024 blocks x 2 x 32 KiB =
+        // 256 MiB of llama3-8b at 16384-token prompts, both directions moving: writes at 40%
+        // of ~5.9 MB/s) takes ~2 min of model time, and a valid run failed as a stuck device.
+        // Bounded as tutti-bench's other waits (devices::wait_bound), at most the runtime's
+        // IO_TIMEOUT_MAX; the default model keeps 60 s.
+        let slow = plan(&["--workload=serve", "--prompt-tokens=16384", "--emu-timing=tutti-ssd:x1024"]);
+        let timing = slow.model.timing;
+        let layer_bytes = 4 * 1024 * 2 * slow.model.choice.geometry.object_bytes();
+        assert_eq!(layer_bytes, 256 << 20);
+        let model_s = layer_bytes as f64 / (timing.write_bytes_per_s.min(timing.read_bytes_per_s) as f64 * 0.4);
+        let bound = layer_io_timeout(&slow);
+        assert!(
+            bound.as_secs_f64() >= 4.0 * model_s && bound <= tutti_runtime::IO_TIMEOUT_MAX,
+            "{bound:?} for {model_s:.0} s of model time"
+        );
+        assert_eq!(layer_io_timeout(&plan(&["--workload=serve", "--prompt-tokens=256"])), Duration::from_secs(60));
     }
 
     #[test]
