@@ -464,6 +464,60 @@ def test_a_forked_child_claims_the_devices_its_parent_had_open(tmp_path: Path, l
     assert os.waitstatus_to_exitcode(status) == 0, "the child was refused the devices its parent had open (2: refused)"
 
 
+def test_a_forked_child_clears_an_inherited_host_pool_whatever_its_parent_s_threads_held():
+    """Goal: a child forked while a storage thread of its parent held a backend's weight-epoch
+    lock (SGLang's prefetch and backup threads take it on every page wave) can clear a host pool
+    it inherited: the parent's backends are not told of the child's clears (their stores refuse
+    every call in the child), so the wrapped clear does not wait on a lock no thread of the child
+    will let go. Until 2026-12-02 the fork hook kept the clear watchers and the child's clear
+    waited for ever."""
+    from tutti import _sglang_keys as keys
+
+    class HostPool:
+        def __init__(self) -> None:
+            self.cleared = 0
+
+        def clear(self) -> None:
+            self.cleared += 1
+
+    host_pool = HostPool()
+    epochs = keys._WeightEpochs(private_startup=True)
+    assert keys._watch_host_pool_clears(host_pool, epochs)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with epochs._lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            host_pool.clear()
+            code = 0 if host_pool.cleared == 1 else 3
+        finally:
+            os._exit(code)
+    release.set()
+    holder.join(10)
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the child's clear still waits, 20 s on, for a weight-epoch lock a thread of its parent held at the fork")
+        time.sleep(0.02)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's clear of its inherited host pool failed"
+    host_pool.clear()  # the parent's own clears still reach its watchers (and the pool)
+    assert host_pool.cleared == 1
+
+
 def test_sglang_s_own_hicache_fields_are_accepted(tmp_path: Path):
     """Goal: SGLang's PD decode KV offload manager hands the backend the extra config as json.loads
     reads it, with SGLang's own fields in it (the hierarchical cache's path removes them first:

@@ -75,9 +75,13 @@ def _in_forked_child() -> None:
     devices the parent may close at any time, so the child starts with no device open; a parent
     backend left on record would refuse the child's own backend on those devices as the decode
     offload manager's. The module's locks are made anew: one a thread of the parent held at the
-    fork stays held in the child, where no thread will let it go. The cleared-pool record is
-    kept: the pages a clear left are on the devices for the child too."""
-    global _OPEN_DEVICES, _OPEN_DEVICES_LOCK, _CLEARED_POOLS_LOCK, _CLEAR_WATCHERS_LOCK
+    fork stays held in the child, where no thread will let it go. The clear watchers are dropped
+    too: they are the parent's backends' weight epochs, each with its own lock a storage thread
+    of the parent may have held at the fork, and a clear of an inherited host pool in the child
+    would wait on it for ever. The cleared-pool record is kept: the pages a clear left are on the
+    devices for the child too."""
+    global _OPEN_DEVICES, _OPEN_DEVICES_LOCK, _CLEARED_POOLS_LOCK, _CLEAR_WATCHERS, _CLEAR_WATCHERS_LOCK
+    _CLEAR_WATCHERS = weakref.WeakKeyDictionary()
     _OPEN_DEVICES = {}
     _OPEN_DEVICES_LOCK = threading.Lock()
     _CLEARED_POOLS_LOCK = threading.Lock()
