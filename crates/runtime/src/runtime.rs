@@ -10,7 +10,7 @@
 //! issues named (4), as one kernel, at the boundary; the simulator runs two jobs, on 2 and 4
 //! SMs, from their offsets. So a later view shows here whole layers waiting and in flight
 //! (`outstanding_read_iocbs` a multiple of a layer's, a kernel per layer, entries by the layers'
-//! budgets), there the IOCBs left of each job (a kernel per job, or one in all while queued
+//! budgets), there the IOCBs left of each job (a kernel per job, or one per budget while queued
 //! kernels hide the latency; entries by the jobs' budgets), and the decisions may differ.
 //! The store moves a layer whole (it reissues one request's IOCBs per layer), so a layer's reads
 //! are handed over when the policy first issues any of them, and writes are released in whole layers once the policy's
@@ -101,6 +101,20 @@ struct Reads {
 }
 
 impl Reads {
+    /// No prefill's reads: every layer done, on `largest_budget`, with the room `by_budget`
+    /// needs reserved (one entry per layer: the layers waiting are distinct).
+    fn new(layers: usize, largest_budget: u32) -> Reads {
+        Reads {
+            unissued_iocbs: vec![0; layers],
+            iocbs_per_layer: 0,
+            waiting: VecDeque::with_capacity(layers),
+            in_flight: None,
+            done: vec![true; layers],
+            budgets: vec![largest_budget; layers],
+            by_budget: Vec::with_capacity(layers),
+        }
+    }
+
     /// Issued by the policy and not completed, in the policy's IOCBs.
     fn outstanding_iocbs(&self) -> u32 {
         self.outstanding_layers().saturating_mul(self.iocbs_per_layer)
@@ -280,15 +294,7 @@ impl<E: Executor> Runtime<E> {
             read_budget,
             write_budget,
             prefill: None,
-            reads: Reads {
-                unissued_iocbs: vec![0; layers as usize],
-                iocbs_per_layer: 0,
-                waiting: VecDeque::with_capacity(layers as usize),
-                in_flight: None,
-                done: vec![true; layers as usize],
-                budgets: vec![read_budget.0; layers as usize],
-                by_budget: Vec::with_capacity(layers as usize),
-            },
+            reads: Reads::new(layers as usize, read_budget.0),
             writes: WriteQueue::new(engine_blocks, config.write_queue_limit_stores),
             next_request: 1,
             forcing: None,
@@ -1004,15 +1010,11 @@ mod tests {
     /// A prefill's reads as `begin_prefill` leaves them: every layer unissued, on the largest
     /// budget until decided.
     fn reads(layers: usize, iocbs_per_layer: u32, largest: u32) -> Reads {
-        Reads {
-            unissued_iocbs: vec![iocbs_per_layer; layers],
-            iocbs_per_layer,
-            waiting: VecDeque::new(),
-            in_flight: None,
-            done: vec![false; layers],
-            budgets: vec![largest; layers],
-            by_budget: Vec::with_capacity(layers),
-        }
+        let mut reads = Reads::new(layers, largest);
+        reads.unissued_iocbs.fill(iocbs_per_layer);
+        reads.iocbs_per_layer = iocbs_per_layer;
+        reads.done.fill(false);
+        reads
     }
 
     /// As `pump_layers` hands the first waiting read over once the one ahead completed.
@@ -1063,6 +1065,7 @@ mod tests {
         let profile = profile();
         let writes = WriteQueue::new(64, 4);
         let mut reads = reads(4, 2, 4);
+        let room = reads.by_budget.as_ptr();
         // Layer 0's plan: its own KV at once on the largest, layer 1 in a 4-SM window, layer 2
         // run ahead partly into a 2-SM window (the rest of it unissued by the policy).
         reads.decide(0, 4);
@@ -1090,7 +1093,8 @@ mod tests {
         // Nothing outstanding: no entry.
         hand_over(&mut reads);
         assert_eq!(layer_view(&profile, &mut reads, &writes, 64, 64, 3).outstanding_reads_by_budget, []);
-        // Every entry was built in the room reserved for them: no view allocated.
+        // Every entry was built in the room `Reads::new` reserved for them: no view allocated.
+        assert_eq!(reads.by_budget.as_ptr(), room, "a view moved the entries to another allocation");
         assert_eq!(reads.by_budget.capacity(), 4);
     }
 }
