@@ -123,8 +123,8 @@ pub enum RoundTripError {
     /// queue pair (the controller refused or did not answer the deletion): a command of that
     /// pair may still use the engine memory, which is kept for good.
     #[error(
-        "the {phase} store's executor queue pairs could not be deleted: the controller may still move data through them, so \
-         the engine memory is kept for good (leaked)"
+        "the {phase} phase's store: its executor queue pairs could not be deleted: the controller may still move data \
+         through them, so the engine memory is kept for good (leaked)"
     )]
     QueuePairsNotDeleted { phase: &'static str },
 }
@@ -159,8 +159,10 @@ fn object_pattern(tokens: &[u32], block: u32, block_tokens: u32, layer: u32, val
 /// memory must be kept (a queue pair it could not delete may still hold a layer's command,
 /// which reads or writes that memory), `memory` is leaked: freed, its IOVAs would go to the
 /// next allocation while that command may still move data. A phase that succeeded then fails
-/// with [`RoundTripError::QueuePairsNotDeleted`]: a controller that does not delete an I/O
-/// queue pair fails the check, however well the bytes compared (a failure already there is
+/// with [`RoundTripError::QueuePairsNotDeleted`]: a controller that does not delete one of
+/// the store's executor queue pairs fails the check, however well the bytes compared (the
+/// pool's own metadata or temporary pairs are not checked here: their buffers are the pool's,
+/// which leaks them itself) (a failure already there is
 /// passed on: it says more).
 fn end_store<T>(
     store: KvStore<gio_uring::CpuExecutor>,
