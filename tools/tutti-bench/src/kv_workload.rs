@@ -360,7 +360,8 @@ enum Direction {
 /// Moves every layer of a prepared request: up to the store's `layers_in_flight_max` layers
 /// issued ahead, each waited for in order. Returns each layer's time (module docs). A failed
 /// layer ends the run, after every layer still in flight, the failed one's included when its
-/// wait timed out, is waited for ([`drain`]: the device may still be moving their bytes).
+/// wait timed out, is waited for, within [`drain`]'s bounds (the device may still be moving
+/// their bytes; a stuck one is given up on after a second timeout).
 /// Also the first layer's issue and the last layer's completion (`None` with no layer).
 /// `bytes_per_layer` is what each layer moves: a layer with nothing in flight is accepted only
 /// where it is 0.
