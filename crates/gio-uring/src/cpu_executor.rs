@@ -1409,6 +1409,58 @@ mod tests {
         }
     }
 
+    /// IOCB A (the rig's) completes; another agent sets A's status back to ISSUED and rewrites
+    /// the SQ entry of B's issue to name A. The entry is no issue the queue gave A (host memory
+    /// says which issue it gave last): refused, A's issue count untouched. The reset ends B with
+    /// its own number (and A, ISSUED but idle, with a CQE the queue refuses), and A's and B's
+    /// next issues run.
+    fn a_forged_issue_of_an_idle_iocb_is_not_taken<E: crate::executor::QueuePairReset>(mut rig: EmuRig<ForgedSqEntry<E>>, who: &str) {
+        use crate::types::{LayerIndex, SmBudget};
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        let a = rig.id;
+        let b = refill_like_the_rig(&mut rig);
+        rig.queue.issue_io(&[a], LayerIndex(0), SmBudget(1)).expect("issue A");
+        assert_eq!(rig.queue.wait_cqe(a, soon()).expect("A completes").result, Ok(()), "{who}");
+        let memory = rig.queue.memory();
+        let status = memory.iocb_field_offset(a, crate::layout::IocbField::Status);
+        memory.region.store_u32(status, abi::GIO_IOCB_STATUS_ISSUED, std::sync::atomic::Ordering::Release);
+        let forged = rig.queue.executor_mut();
+        forged.position = 0;
+        forged.value = Some(a.0);
+        let issued = rig.queue.issue_io(&[b], LayerIndex(0), SmBudget(1));
+        assert!(matches!(issued, Err(GioError::SubmitFailed { .. })), "{who}: {issued:?}");
+        let fresh = rig.controller.create_io_queue_pair(16).expect("fresh I/O queue pair");
+        let (executor, memory) = rig.queue.executor_and_memory();
+        executor.inner.reset(memory, vec![fresh]).expect("reset");
+        let ended = loop {
+            match rig.queue.wait_cqe(b, soon()) {
+                // A's CQE, for no issue in flight: the queue refuses it.
+                Err(GioError::UnexpectedCompletion { id, .. }) if id == a => continue,
+                other => break other,
+            }
+        };
+        assert_eq!(ended.expect("B ended").result, Err(crate::IocbFailure::Timeout { ioctx_index: None }), "{who}");
+        rig.queue.issue_io(&[a, b], LayerIndex(1), SmBudget(1)).expect("reissue A and B");
+        for id in [a, b] {
+            let done = rig.queue.wait_cqe(id, soon());
+            assert!(matches!(done, Ok(crate::queue::Completion { result: Ok(()), .. })), "{who}: {id} reissued: {done:?}");
+        }
+    }
+
+    #[test]
+    fn an_sq_entry_naming_an_idle_iocb_rewritten_to_issued_does_not_lose_it() {
+        // Goal: an SQ entry is taken only for the issue the queue gave last (host memory), not
+        // for any IOCB whose shared status reads ISSUED: taking an idle IOCB whose status was
+        // rewritten moved its count past the queue's, so every later issue of it was refused
+        // (CorruptIocb) and ended with a number the queue dropped: the IOCB was lost for good.
+        // Both CPU executors.
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let single = emu_rig(|pair| ForgedSqEntry { inner: CpuExecutor::new(vec![pair], 4), position: 0, value: None });
+        a_forged_issue_of_an_idle_iocb_is_not_taken(single, "CPU executor");
+        let pooled = emu_rig(|pair| ForgedSqEntry { inner: workers(pair), position: 0, value: None });
+        a_forged_issue_of_an_idle_iocb_is_not_taken(pooled, "CPU workers");
+    }
+
     /// Issues the rig's IOCB with its completion lost, rewrites the issue sequence number in
     /// its line 0 to one more, resets, and checks the IOCB ends once, as TIMEOUT, with the
     /// CQE of the issue in flight (not the rewritten number, which the queue drops as stale);

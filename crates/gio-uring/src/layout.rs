@@ -472,8 +472,9 @@ impl QueueMemory {
 /// from shared memory another agent can write, and refuses the IOCB when the shared line no
 /// longer matches it. The layer comes from the issue itself and the issue sequence number from
 /// this table's count (its copy's `issue_seq` is that of the last issue taken, see
-/// [`FilledLines::take`]). An SQ entry is taken only for an IOCB that is ISSUED and not
-/// already taken (in flight here): an entry another agent rewrote to name some other IOCB
+/// [`FilledLines::take`]). An SQ entry is taken only for an IOCB that is ISSUED, not
+/// already taken (in flight here), and given a new issue by the queue
+/// ([`QueueMemory::issue_given`]): an entry another agent rewrote to name some other IOCB
 /// never moves that IOCB's count. The CPU executors use it; the CUDA kernel reads line 0 from
 /// device-visible memory itself.
 #[derive(Debug, Default)]
@@ -487,12 +488,16 @@ impl FilledLines {
     }
 
     /// Records IOCB `id`'s line 0 just written by `fill_iocb` (checked as an issued one: its
-    /// own id and IOCTXs, a count within the maximum, layer 0 below its layer count).
+    /// own id and IOCTXs, a count within the maximum, layer 0 below its layer count). Its
+    /// `issue_seq` is the number the queue gave the IOCB's last issue
+    /// ([`QueueMemory::issue_given`]), not the shared line's: one rewritten between the fill
+    /// and this copy would make the executor expect another number than the queue's next
+    /// issue carries, and refuse every later issue of the IOCB.
     pub(crate) fn record(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
         let header = memory.read_issued_header(id)?;
         let depth = self.lines.len() as u32;
         let slot = self.lines.get_mut(id.0 as usize).ok_or(GioError::UnknownIocb { id, depth })?;
-        *slot = Some(header);
+        *slot = Some(IocbHeader { issue_seq: memory.issue_given(id), ..header });
         Ok(())
     }
 
@@ -527,9 +532,10 @@ impl FilledLines {
         Ok(IocbHeader { layer: layer.0, issue_seq, ..filled })
     }
 
-    /// Takes the issue of `id` an SQ entry names: only if the IOCB is ISSUED and this queue's
+    /// Takes the issue of `id` an SQ entry names: only if the IOCB is ISSUED, this queue's
     /// executor has not taken it already (an issue in flight, see
-    /// [`QueueMemory::issue_taken`]). Then it is noted as taken (until it ends) and consumed,
+    /// [`QueueMemory::issue_taken`]), and the queue gave it an issue not yet taken (its number,
+    /// [`QueueMemory::issue_given`], is one more than the last one taken). Then it is noted as taken (until it ends) and consumed,
     /// its IOCTX count (the validated one) is armed for counting its completions
     /// ([`QueueMemory::arm_issue`]), and its sequence number comes back: one more than the previous one; `None` for an IOCB
     /// never filled on this queue (nothing is known of its issues). Otherwise the entry is not
@@ -557,6 +563,15 @@ impl FilledLines {
         }
         if memory.read_iocb_progress(id).status != abi::GIO_IOCB_STATUS_ISSUED {
             return refused("not issued");
+        }
+        // The queue notes the number it gives each issue before it publishes the SQ entry: an
+        // entry naming an IOCB whose status another agent set back to ISSUED while it was idle
+        // is no issue the queue gave (the number is the last one taken). Taken, it moved the
+        // count past the queue's, so every later issue of the IOCB was refused and lost it.
+        if let Some(line) = self.lines.get(id.0 as usize).copied().flatten() {
+            if memory.issue_given(id) != line.issue_seq.wrapping_add(1) {
+                return refused("not given a new issue by the queue");
+            }
         }
         Ok(())
     }
