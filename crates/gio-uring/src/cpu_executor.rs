@@ -1461,6 +1461,52 @@ mod tests {
         a_forged_issue_of_an_idle_iocb_is_not_taken(pooled, "CPU workers");
     }
 
+    /// Rewrites `issue_seq` in the line 0 of the first IOCB filled, between the fill's write and
+    /// the executor's copy of the line (`prepared`), as another agent could.
+    struct SeqRewrittenAtTheFill<E> {
+        inner: E,
+        armed: bool,
+    }
+
+    impl<E: Executor> Executor for SeqRewrittenAtTheFill<E> {
+        fn name(&self) -> &'static str {
+            self.inner.name()
+        }
+        fn attach(&mut self, memory: &Arc<QueueMemory>) -> Result<(), GioError> {
+            self.inner.attach(memory)
+        }
+        fn prepared(&mut self, memory: &QueueMemory, id: IocbId) -> Result<(), GioError> {
+            if std::mem::take(&mut self.armed) {
+                let offset = memory.layout.iocb_offset(id) + core::mem::offset_of!(abi::gio_iocb, issue_seq);
+                memory.region.store_u32(offset, 41, std::sync::atomic::Ordering::Relaxed);
+            }
+            self.inner.prepared(memory, id)
+        }
+        fn submit(&mut self, memory: &QueueMemory, batch: &IssueBatch) -> Result<(), GioError> {
+            self.inner.submit(memory, batch)
+        }
+        fn poll(&mut self, memory: &QueueMemory) -> Result<(), GioError> {
+            self.inner.poll(memory)
+        }
+    }
+
+    #[test]
+    fn an_issue_sequence_number_rewritten_before_the_fill_is_copied_does_not_refuse_the_issues() {
+        // Goal: the executor's copy of a filled line takes the issue sequence number the queue
+        // gave (host memory), not line 0's: copied from a rewritten line 0, it expected another
+        // number than the queue's next issue carries, so every issue of the IOCB was refused
+        // (CorruptIocb). Both CPU executors.
+        use crate::types::{LayerIndex, SmBudget};
+        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let mut single = emu_rig(|pair| SeqRewrittenAtTheFill { inner: CpuExecutor::new(vec![pair], 4), armed: true });
+        let mut pooled = emu_rig(|pair| SeqRewrittenAtTheFill { inner: workers(pair), armed: true });
+        let soon = || Instant::now() + std::time::Duration::from_secs(5);
+        single.queue.issue_io(&[single.id], LayerIndex(0), SmBudget(1)).expect("CPU executor: issue");
+        assert_eq!(single.queue.wait_cqe(single.id, soon()).expect("CPU executor: ends").result, Ok(()));
+        pooled.queue.issue_io(&[pooled.id], LayerIndex(0), SmBudget(1)).expect("CPU workers: issue");
+        assert_eq!(pooled.queue.wait_cqe(pooled.id, soon()).expect("CPU workers: ends").result, Ok(()));
+    }
+
     /// Issues the rig's IOCB with its completion lost, rewrites the issue sequence number in
     /// its line 0 to one more, resets, and checks the IOCB ends once, as TIMEOUT, with the
     /// CQE of the issue in flight (not the rewritten number, which the queue drops as stale);
