@@ -143,7 +143,7 @@ pub(crate) fn issued_header_or_end(
 /// `abi::MAX_IOCTX_PER_IOCB` (2048). The whole sequence number, so a late completion of any
 /// earlier issue (not only one less than 2^16 issues back) is told from the issue in flight.
 /// [`crate::executor::LENT_COMMAND_TAG`] (all ones) decodes to IOCTX index 0xFFFF, which no
-/// IOCB has: refused whatever the depth.
+/// IOCB has: refused whatever the depth (and `finish_command` tells it apart before decoding).
 fn tag(id: IocbId, issue_seq: u32, ioctx_index: u32) -> u64 {
     u64::from(id.0 & 0xFFFF) << 48 | u64::from(issue_seq) << 16 | u64::from(ioctx_index & 0xFFFF)
 }
@@ -811,9 +811,10 @@ impl Executor for CpuExecutor {
     }
 }
 
-/// Accounts one NVMe completion to its IOCTX and posts the IOCB's CQE if it was the last. A tag
-/// naming no IOCB (a borrower's [`crate::executor::LENT_COMMAND_TAG`], or garbage), or another
-/// issue than the one in flight, or no IOCTX of it, is an error and is not counted.
+/// Accounts one NVMe completion to its IOCTX and posts the IOCB's CQE if it was the last. A
+/// borrower's [`crate::executor::LENT_COMMAND_TAG`] (told apart before the tag is decoded: all
+/// ones decodes to IOCB 65535, which a pool of depth 2^16 has), a tag naming no IOCB (garbage),
+/// or another issue than the one in flight, or no IOCTX of it, is an error and is not counted.
 ///
 /// The IOCB's issue sequence number comes from `issued`, the line this executor accepted for
 /// the issue, not from shared memory, and the IOCTXs left are counted in host memory
@@ -826,6 +827,16 @@ fn finish_command(
     completion: nvme_driver::Completion,
     posting: &mut Result<(), GioError>,
 ) {
+    if completion.tag == crate::executor::LENT_COMMAND_TAG {
+        // Not counted: it names no IOCB (its IOCTX index, 0xFFFF, is no IOCB's).
+        *posting = Err(GioError::Executor {
+            executor: "cpu",
+            reason: "a borrower's command (tag LENT_COMMAND_TAG, on a queue pair this executor lent) completed after it was \
+                     given back: it names no IOCB, not counted"
+                .into(),
+        });
+        return;
+    }
     let (id, issue_seq, index) = untag(completion.tag);
     let Some(header) = issued.get(id.0 as usize).copied().flatten() else {
         // Not counted: an IOCB this executor issued waits for a reset, which ends it as timed out.
@@ -1700,6 +1711,43 @@ mod tests {
         finish_command(&memory, &issued, completion(self::tag(id, 6, 1)), &mut posting);
         posting.expect("IOCTX 1 ends it");
         assert_eq!(memory.read_iocb_progress(id).status, abi::GIO_IOCB_STATUS_SUCCESS);
+    }
+
+    #[test]
+    fn a_borrowers_completion_is_named_as_one_whatever_the_depth() {
+        // Goal: all ones decodes to IOCB 65535, which a pool of the deepest depth (2^16) has: a
+        // borrower's late completion must still be refused as a borrower's, not reported as a
+        // stray issue of that IOCB (which sent whoever chased it after the wrong IOCB).
+        let memory = QueueMemory::new(crate::layout::QueueConfig { depth: 2, ioctx_per_iocb_max: 2 }).expect("memory");
+        let last = abi::GIO_RING_DEPTH_MAX - 1;
+        let header = IocbHeader {
+            id: last,
+            ioctx_count: 2,
+            ioctx_first: 0,
+            layer_count: 1,
+            layer: 0,
+            issue_seq: 3,
+            opcode: Opcode::Read.to_abi(),
+            user_data: 0,
+            lba_stride_blocks: 0,
+            mem_stride_bytes: 0,
+            desc_stride_bytes: 0,
+        };
+        let mut issued = vec![None; abi::GIO_RING_DEPTH_MAX as usize];
+        issued[last as usize] = Some(header);
+        let lent = nvme_driver::Completion {
+            tag: crate::executor::LENT_COMMAND_TAG,
+            command_id: nvme_driver::CommandId(0),
+            opcode: 0x02,
+            dw0: 0,
+            status: Ok(()),
+        };
+        let mut posting = Ok(());
+        finish_command(&memory, &issued, lent, &mut posting);
+        assert!(
+            matches!(&posting, Err(GioError::Executor { reason, .. }) if reason.contains("borrower") && !reason.contains("iocb 65535")),
+            "{posting:?}"
+        );
     }
 
     #[test]

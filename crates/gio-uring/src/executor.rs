@@ -118,7 +118,8 @@ pub trait Executor: Send {
 
 /// The tag a borrower of a lent queue pair ([`Executor::lend_queue_pair`]) gives its commands:
 /// all ones, it names IOCTX 0xFFFF (the CPU executors' tag layout), which no IOCB has (at most
-/// `abi::MAX_IOCTX_PER_IOCB`), so a completion of one can never be counted for an IOCTX.
+/// `abi::MAX_IOCTX_PER_IOCB`), so a completion of one can never be counted for an IOCTX. The
+/// CPU executors check for it before decoding a tag, and report a late one as a borrower's.
 pub const LENT_COMMAND_TAG: u64 = u64::MAX;
 
 /// Executors whose NVMe queue pairs the caller can replace after a wait timed out (a lost

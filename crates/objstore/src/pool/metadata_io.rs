@@ -8,8 +8,9 @@ use nvme_driver::{Controller, DataSegment, DmaRegion, HwError, IoQueuePair, Lba,
 
 use crate::error::{ObjstoreError, Result};
 
-/// The tag of every metadata command: it names no IOCB, so on a queue pair lent by an executor
-/// a late completion of ours can never be counted for an IOCTX.
+/// The tag of every metadata command: it names no IOCB (the executor checks for it before
+/// decoding a tag, whatever the pool's depth), so on a queue pair lent by an executor a late
+/// completion of ours can never be counted for an IOCTX.
 const METADATA_TAG: u64 = LENT_COMMAND_TAG;
 
 /// Depth of a metadata queue pair (a pool device's own, or a temporary one), on a controller
