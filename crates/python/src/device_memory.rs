@@ -370,13 +370,23 @@ pub fn leaked_queue_pairs(daemon: &AttachedDaemon, deadline: Instant) -> LeakCou
             return LeakCount::NoAnswer;
         }
     };
-    match client.status() {
+    match status_by(&mut client, deadline) {
         Ok(status) => LeakCount::Counted(status.leaked_queue_pairs),
         Err(error) => {
             tracing::warn!(%error, "tutti: asking tuttid for its leaked queue pairs");
             LeakCount::NoAnswer
         }
     }
+}
+
+/// Asks tuttid's status on `client` within what is left of `deadline` (at least 100 ms, as
+/// [`reach_with`] connects): a client keeps the timeout it connected with for every later call,
+/// so a request sent just before the deadline on a connection made at the start (a status poll
+/// reuses one), or on one whose connect took most of the time left, would wait that whole
+/// timeout again: close, its store's lock held, ran up to about twice the bound it states.
+fn status_by(client: &mut Client, deadline: Instant) -> Result<tutti_daemon::protocol::StatusReply, tutti_daemon::DaemonError> {
+    client.set_timeout(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100)));
+    client.status()
 }
 
 /// Whether tuttid ended `session` and deleted its queue pairs: the session is no longer listed
@@ -407,7 +417,7 @@ fn poll_status(daemon: &AttachedDaemon, deadline: Instant, mut done: impl FnMut(
                 return false;
             }
             Reached::Daemon(mut client) => loop {
-                match client.status() {
+                match status_by(&mut client, deadline) {
                     Ok(status) if done(&status) => return true,
                     Ok(_) => {}
                     Err(error) => {
@@ -579,6 +589,109 @@ mod tests {
         attached.wait().unwrap();
         assert!(session_gone(&running, 7, soon()), "the attached daemon exited, its socket file left behind");
         assert!(!session_gone(&unknown, 7, soon()), "unidentified: a refusing file concludes nothing, as before");
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
+    /// A stand-in tuttid listening on `listener`: it answers every Status request with a status
+    /// listing session `session` until `answering_for` has passed since it started, then reads
+    /// requests without answering, every connection kept open (a daemon that stalls: paused,
+    /// overloaded). Stops accepting once `stop` is set and one more connection comes.
+    fn stalling_daemon(
+        listener: std::os::unix::net::UnixListener,
+        session: u64,
+        answering_for: Duration,
+        stop: Arc<std::sync::atomic::AtomicBool>,
+    ) -> std::thread::JoinHandle<()> {
+        use std::io::{Read, Write};
+        use tutti_daemon::protocol::{encode_frame, ClientStatus, FrameHeader, PoolShape, Reply, StatusReply, HEADER_BYTES};
+        let status = StatusReply {
+            daemon_pid: std::process::id(),
+            uptime_ms: 0,
+            shape: PoolShape { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 },
+            devices: Vec::new(),
+            metadata_fenced: Vec::new(),
+            pool: Default::default(),
+            connections: 1,
+            clients: vec![ClientStatus {
+                session,
+                pid: std::process::id(),
+                uid: 0,
+                name: "worker".into(),
+                tp_rank: 0,
+                tp_world: 1,
+                requests: 0,
+                idle_ms: 0,
+                registrations: 1,
+                queue_pairs: 1,
+                requests_in_flight: 1,
+                doorbells_relayed: 0,
+                doorbells_dropped: 0,
+                awaiting_exit: false,
+                kept: false,
+                retiring: false,
+            }],
+            leaked_queue_pairs: 0,
+            leaked_windows: 0,
+            leaked_window_bytes: 0,
+            leaked_requests: 0,
+            relay: Default::default(),
+        };
+        let started = Instant::now();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { return };
+                if stop.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                let status = status.clone();
+                std::thread::spawn(move || loop {
+                    // Until the client closes the connection.
+                    let mut header = [0u8; HEADER_BYTES];
+                    if stream.read_exact(&mut header).is_err() {
+                        return;
+                    }
+                    let Ok(header) = FrameHeader::decode(&header) else { return };
+                    let mut body = vec![0; header.body_bytes as usize];
+                    if stream.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    if started.elapsed() >= answering_for {
+                        continue;
+                    }
+                    let reply = Reply::Status(status.clone());
+                    let mut frame = Vec::new();
+                    encode_frame(&mut frame, reply.kind(), header.request_id, |out| reply.encode_body(out)).unwrap();
+                    if stream.write_all(&frame).is_err() {
+                        return;
+                    }
+                });
+            }
+        })
+    }
+
+    #[test]
+    fn a_status_request_near_the_deadline_waits_only_what_is_left_of_it() {
+        // Goal: a client keeps the timeout it connected with for every later request, so the
+        // status polls, which reuse one connection, set it to what is left of their deadline
+        // before each request: a tuttid that answers (the session still listed) and then
+        // stalls made the request sent just before the deadline wait its whole timeout again,
+        // and a close, its store's lock held, ran up to about twice the bound it states.
+        let directory = std::env::temp_dir().join(format!("tutti-python-stalling-daemon-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&directory);
+        std::fs::create_dir_all(&directory).unwrap();
+        let socket = directory.join("tuttid.sock");
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let serving = stalling_daemon(listener, 7, Duration::from_millis(500), stop.clone());
+        let daemon = AttachedDaemon { socket: socket.clone(), process: None };
+        let started = Instant::now();
+        assert!(!session_ended_cleanly(&daemon, 7, 0, started + Duration::from_millis(600)), "session 7 is still listed");
+        let took = started.elapsed();
+        // Before: the request sent at about 500 ms waited the 600 ms the client connected with.
+        assert!(took < Duration::from_millis(900), "a 600 ms poll took {took:?}");
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        drop(std::os::unix::net::UnixStream::connect(&socket));
+        serving.join().unwrap();
         std::fs::remove_dir_all(&directory).unwrap();
     }
 
