@@ -280,13 +280,16 @@ class WorkerSide:
         committer share one timeout_s, however many requests were preempted: what is not settled
         by then is handled as above. That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
-        `Store.close(timeout_s)` waits for the layers still in flight, then for tuttid to confirm
-        that the session ended: up to timeout_s + 5 s more in all. And each exchange with
+        `Store.close(timeout_s)` waits up to timeout_s for the layers still in flight, then up to
+        5 s for tuttid's count of leaked queue pairs, up to 2 s for the commands still on the
+        store's queue pairs (their retirement) and up to 5 s from the connection's close for
+        tuttid to confirm that the session ended: up to about timeout_s + 12 s more in all
+        (docs/python.md). And each exchange with
         tuttid takes up to timeout_s of its own: a settled request's finish, the committer's
         commit (which holds the store's lock: this call's waits wait behind it), a keep-alive
         ping under way (the close waits for it); the first that runs out leaves the connection
         unusable, so the later ones fail at once. With a stalled device and tuttid the call may
-        thus take up to about 3 x timeout_s + 5 s. A slow tuttid, not stalled (each answer just
+        thus take up to about 3 x timeout_s + 12 s. A slow tuttid, not stalled (each answer just
         within timeout_s), leaves the connection usable: each settled load's or save's finish
         may then take up to timeout_s on top, one per load or save settled (a request preempted
         while loading and saving has both: up to two)."""
