@@ -648,6 +648,61 @@ mod tests {
         }
     }
 
+    /// A store whose `wait`s alternate: the first times out (`GioError::WaitTimeout`, the oldest
+    /// layer left in flight), the second completes the oldest layer, and so on. Counts its waits
+    /// and records the layers they completed.
+    #[derive(Default)]
+    struct AlternatingStore {
+        ahead: u32,
+        in_flight: std::collections::VecDeque<u32>,
+        waits: u32,
+        collected: Vec<u32>,
+    }
+
+    impl LayerKvStore for AlternatingStore {
+        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
+            first_block
+        }
+        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
+            Ok(RequestHandle::from_bits(1))
+        }
+        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
+            unreachable!("move_layers prepares nothing")
+        }
+        fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
+            self.in_flight.push_back(layer);
+            Ok(())
+        }
+        fn layers_in_flight_max(&self) -> u32 {
+            self.ahead
+        }
+        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
+            Ok(!self.in_flight.is_empty())
+        }
+        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
+            self.waits += 1;
+            if self.waits % 2 == 1 {
+                return Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }));
+            }
+            let completed = self.in_flight.pop_front();
+            self.collected.extend(completed);
+            Ok(completed)
+        }
+        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
+            Ok(self.in_flight.is_empty())
+        }
+        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
+            Ok(0)
+        }
+        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
+            Ok(())
+        }
+    }
+
     /// A store whose layers complete at once, in order, recording how far off each wait's
     /// deadline was.
     #[derive(Default)]
@@ -736,13 +791,33 @@ mod tests {
         // a hung device held a kv run ~34 min, and attach mode's parent (600 s a step) killed
         // the client before its error was printed. The drain waits at most for the layers in
         // flight (at most layers_in_flight_max, + 1 for a failed issue), and stops at the
-        // second timeout in a row: with 2 ahead, at most 1 + 3 waits in all.
+        // second timeout in a row: the failed wait's and the drain's first, two in all (the
+        // layers-in-flight bound alone, 2 ahead, would allow 1 + 3).
         let handle = RequestHandle::from_bits(1);
         for direction in [Direction::Retrieve, Direction::Store] {
             let mut store = StuckStore { in_flight: 0, waits: 0 };
             let error = move_layers(&mut store, handle, 32, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
             assert!(format!("{error:#}").contains("layer 0"), "{error:#}");
-            assert!(store.waits <= 1 + 3, "{} waits of the layer timeout each", store.waits);
+            assert_eq!(store.waits, 2, "waits of the layer timeout each");
+        }
+    }
+
+    #[test]
+    fn a_drain_whose_waits_alternate_timeout_and_completion_collects_them_within_its_bound() {
+        // Goal: the drain stops at a second timeout in a row only; a timeout after a completion
+        // is a layer still moving, so the drain goes on and collects what completes. Whatever
+        // the device does, it makes at most in flight + 1 waits (4 ahead: 5), never one per
+        // layer left. The failed wait times out, then the drain's waits complete, time out,
+        // complete, time out, complete: layers 0, 1 and 2 collected, layer 3 left to the close.
+        let handle = RequestHandle::from_bits(1);
+        for direction in [Direction::Retrieve, Direction::Store] {
+            let mut store = AlternatingStore { ahead: 4, ..Default::default() };
+            let error = move_layers(&mut store, handle, 32, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
+            assert!(format!("{error:#}").contains("layer 0"), "{error:#}");
+            let drain_waits = store.waits - 1;
+            assert!(drain_waits <= store.ahead + 1, "the drain made {drain_waits} waits, {} in flight", store.ahead);
+            assert_eq!(store.collected, [0, 1, 2], "the layers the drain's waits completed");
+            assert_eq!(store.in_flight, [3], "the layer left in flight");
         }
     }
 
