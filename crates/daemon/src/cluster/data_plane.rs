@@ -583,7 +583,8 @@ impl DataPlane {
     /// header goes first, at once: the asker bounds it by the stall bound, so a holder that
     /// hangs costs an asker 2 s, not a segment's deadline. Then the wait for the staging area
     /// (the asker awaits the first block up to the segment's deadline) and the read; a wait or
-    /// read that fails is a `Failure` frame where the first block was due. The caller releases
+    /// read that fails, or the drain met before the first block, is a `Failure` frame where the
+    /// first block was due (`Unavailable` for the drain: written past it). The caller releases
     /// the reservation.
     #[allow(clippy::too_many_arguments)]
     fn answer_segment(
@@ -604,11 +605,25 @@ impl DataPlane {
         // Waiting longer for the staging area than half the asker's wait for the first block
         // would only send it blocks it has given up on.
         let staging_deadline = Instant::now() + self.bounds.segment / 2;
-        let crcs = match self.read_reserved(reserved, store, bytes, staging_deadline, deadline, stopped) {
+        // The drain met once the read is done (the blocks not sent yet) is answered as the
+        // drain met in the wait: `Unavailable`, so that the asker passes this node over.
+        let read = self.read_reserved(reserved, store, bytes, staging_deadline, deadline, stopped).and_then(|crcs| {
+            if stopped() {
+                Err((FailureCode::Unavailable, FetchError::Stopped.to_string()))
+            } else {
+                Ok(crcs)
+            }
+        });
+        let crcs = match read {
             Ok(crcs) => crcs,
             Err((code, message)) => {
+                // Written whatever the drain (`stopped` would refuse before a byte): cut here,
+                // the connection would close after the header, which the asker takes for a
+                // fault and does not pass over to another holder. One small frame, bounded by
+                // the stall.
+                let never = || false;
                 peer::encode_failure(frame, code, &message);
-                peer::write_all(stream, frame, Instant::now() + self.bounds.stall, stopped, "refusing a read")?;
+                peer::write_all(stream, frame, Instant::now() + self.bounds.stall, &never, "refusing a read")?;
                 return Ok(Answered::Refused);
             }
         };

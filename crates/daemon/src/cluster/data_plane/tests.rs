@@ -555,6 +555,57 @@ fn a_holder_whose_staging_stays_busy_sends_the_header_then_a_failure_and_counts_
 }
 
 #[test]
+fn a_holder_draining_during_its_staging_wait_still_answers_unavailable() {
+    // Goal: the holder sent the segment header and waits for its staging area when its daemon
+    // starts draining (SIGTERM, a restart): the wait ends and the asker is told `Unavailable`
+    // where the first block was due. Before, the refusal was written with the drain's stop
+    // predicate, which refuses before a byte: the connection closed after the header, which
+    // the asker counts a fault and does not pass over to another replica.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    let holder = serve(node);
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let mut stream = connect(&holder);
+    stream.write_all(&request(1, 0)).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    holder.node.stop.stop();
+    let (kind, body) = read_frame(&mut stream).expect("a Failure frame where the first block was due, not the connection closed");
+    assert_eq!(kind, PeerKind::Failure as u16);
+    match peer::decode_failure(&body) {
+        PeerError::Refused { code, message } => assert_eq!(code, FailureCode::Unavailable, "{message}"),
+        other => panic!("{other:?}"),
+    }
+    drop(turn);
+}
+
+#[test]
+fn a_fetch_from_a_holder_that_drains_mid_answer_passes_it_over_without_a_fault() {
+    // Goal: the fetch-level view of the drain above: the holder is told to stop while the
+    // asker awaits the first block; its `Unavailable` is asked again on a new connection,
+    // which the stopped holder refuses: the fetch fails as the holder unreachable — another
+    // listed holder may serve, not counted a fault. Before, the close after the header failed
+    // the fetch as a fault that no other holder was asked for.
+    let (asker, holder) = asker_and_holder(PeerBounds::default());
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let fetched = std::thread::scope(|scope| {
+        let fetching = scope.spawn(|| fetch(&asker, &holder, Instant::now() + Duration::from_secs(20)));
+        wait_for("the holder pins the segment", Duration::from_secs(5), || pinned(&holder.node) > 0);
+        holder.node.stop.stop();
+        fetching.join().unwrap()
+    });
+    drop(turn);
+    match fetched {
+        Err((0, error)) => {
+            assert!(error.another_holder_may_serve(), "not passed over: {error}");
+            assert!(!error.is_fault(), "counted a fault: {error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(lock(&asker.store).control.counts().cached_blocks, 0);
+}
+
+#[test]
 fn an_asker_retries_a_busy_failure_in_place_of_the_first_block_and_stores_nothing_partial() {
     // Goal: a holder whose staging area stays busy past its wait (3 s here) sends `Unavailable`
     // where the first block was due: the asker asks again and the fetch succeeds once the area
