@@ -99,13 +99,15 @@ fn pool_device(plan: &ServePlan, hit_rate: f64) -> DeviceSpec {
 /// The runtime's bound on each wait for one layer's I/O (`RuntimeConfig::io_timeout`) on the
 /// plan's device: [`LAYER_IO_TIMEOUT`], or longer where the timing model (always one here,
 /// `tutti-ssd:xN`) makes the bytes a layer wait can sit behind take longer
-/// ([`devices::wait_bound`]). Those are a layer of every engine block at most: the running
-/// request's read (its blocks) and one layer of each store in the write queue (the rest of the
-/// engine blocks, `write_queue_limits`; the in-memory store keeps one layer of a request in
-/// flight), reads and writes moving at once. At most the runtime's `IO_TIMEOUT_MAX` (the
-/// same 24 h as `devices::WAIT_BOUND_MAX`), which `Runtime::new` refuses past.
+/// ([`devices::wait_bound`]). Those are one request's layer (its blocks, K and V), moving while
+/// the other direction moves: the runtime keeps at most one read layer and one write layer in
+/// flight (`pump_layers`), and the emulated device moves each direction through its own FIFO
+/// pipe, so neither waits behind the other; each only runs at its mixed share while both flow
+/// (`nvme_emu`'s timing model). A layer of a store is at most a request's blocks too. At most the
+/// runtime's `IO_TIMEOUT_MAX` (the same 24 h as `devices::WAIT_BOUND_MAX`), which `Runtime::new`
+/// refuses past.
 fn layer_io_timeout(plan: &ServePlan) -> Duration {
-    let layer_bytes = engine_blocks(plan).saturating_mul(2).saturating_mul(plan.model.choice.geometry.object_bytes());
+    let layer_bytes = plan.stream.blocks().saturating_mul(2).saturating_mul(plan.model.choice.geometry.object_bytes());
     devices::wait_bound(LAYER_IO_TIMEOUT, Some(plan.model.timing), Traffic::Both, layer_bytes).min(tutti_runtime::IO_TIMEOUT_MAX)
 }
 
@@ -381,24 +383,30 @@ mod tests {
     }
 
     #[test]
-    fn a_slow_model_stretches_the_runtime_s_layer_wait_to_what_it_makes_the_engine_s_bytes_take() {
+    fn a_slow_model_stretches_the_runtime_s_layer_wait_to_what_it_makes_one_request_s_layer_take() {
         // Goal: serve always runs a tutti-ssd:xN model, and kept the runtime's io_timeout at a
-        // fixed 60 s: at x1024 a layer wait that sits behind a layer of every engine block (the
-        // running request's read and the write queue's stores, 4 x 1024 blocks x 2 x 32 KiB =
-        // 256 MiB of llama3-8b at 16384-token prompts, both directions moving: writes at 40%
-        // of ~5.9 MB/s) takes ~2 min of model time, and a valid run failed as a stuck device.
-        // Bounded as tutti-bench's other waits (devices::wait_bound), at most the runtime's
-        // IO_TIMEOUT_MAX; the default model keeps 60 s.
-        let slow = plan(&["--workload=serve", "--prompt-tokens=16384", "--emu-timing=tutti-ssd:x1024"]);
-        let timing = slow.model.timing;
-        let layer_bytes = 4 * 1024 * 2 * slow.model.choice.geometry.object_bytes();
-        assert_eq!(layer_bytes, 256 << 20);
-        let model_s = layer_bytes as f64 / (timing.write_bytes_per_s.min(timing.read_bytes_per_s) as f64 * 0.4);
-        let bound = layer_io_timeout(&slow);
-        assert!(
-            bound.as_secs_f64() >= 4.0 * model_s && bound <= tutti_runtime::IO_TIMEOUT_MAX,
-            "{bound:?} for {model_s:.0} s of model time"
-        );
+        // fixed 60 s: at x1024 with 65536-token prompts one request's layer of llama3-8b (4096
+        // blocks x 2 x 32 KiB = 256 MiB), moving while the other direction does (writes at 40%
+        // of ~5.9 MB/s), takes ~115 s of model time, which the fixed 60 s failed as a stuck device.
+        // A wait sits behind that one layer: the runtime has at most one read layer and one
+        // write layer in flight, and the device moves each direction in its own FIFO pipe, so
+        // neither queues behind the other (each only slows it to its mixed share). The bound is
+        // four times that layer's model time (devices::wait_bound), not a layer of every engine
+        // block (four times the bytes: ~30 min); at most the runtime's IO_TIMEOUT_MAX. At
+        // 16384-token prompts a layer takes ~29 s, the bound ~115 s; the default model keeps 60 s.
+        for (tokens, blocks) in [(65536, 4096), (16384, 1024)] {
+            let slow = plan(&["--workload=serve", &format!("--prompt-tokens={tokens}"), "--emu-timing=tutti-ssd:x1024"]);
+            let timing = slow.model.timing;
+            let layer_bytes = blocks * 2 * slow.model.choice.geometry.object_bytes();
+            assert_eq!(layer_bytes, blocks * (64 << 10));
+            let model_s = layer_bytes as f64 / (timing.write_bytes_per_s.min(timing.read_bytes_per_s) as f64 * 0.4)
+                + timing.command_latency.as_secs_f64();
+            let bound = layer_io_timeout(&slow).as_secs_f64();
+            assert!(
+                (4.0 * model_s..4.0 * model_s + 1.0).contains(&bound),
+                "{tokens} tokens: {bound:.1} s for one layer's {model_s:.1} s of model time"
+            );
+        }
         assert_eq!(layer_io_timeout(&plan(&["--workload=serve", "--prompt-tokens=256"])), Duration::from_secs(60));
     }
 
