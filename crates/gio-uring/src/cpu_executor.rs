@@ -102,8 +102,9 @@ fn note_device_error(stale: &mut [bool], first_error: &mut Option<GioError>, dev
 
 /// Line 0 of issued IOCB `id` as `fill_iocb` validated it, with the issue's layer and sequence
 /// number ([`FilledLines::issued`]), the issue taken and noted as consumed
-/// ([`FilledLines::take`]). An SQ entry naming an IOCB that is not ISSUED, or whose issue is
-/// in flight here already, is no issue of it (another agent rewrote the entry): it is skipped,
+/// ([`FilledLines::take`]). An SQ entry naming an IOCB that is not ISSUED, whose issue is in
+/// flight here already, or that the queue gave no new issue since the last taken, is no issue
+/// of it (another agent rewrote the entry): it is skipped,
 /// nothing of that IOCB is touched, the error goes to `refused` and `None` comes back. When the
 /// shared line was overwritten, nothing of the IOCB runs: it ends now with its CQE (carrying
 /// the issue's own sequence number, never the shared one, so the queue takes it), the error
@@ -580,7 +581,8 @@ pub(crate) fn end_issued_after_retirement(memory: &QueueMemory, filled: &mut Fil
 
 /// Takes `count` entries off the SQ and ends each IOCB they name as TIMEOUT with its one CQE:
 /// a batch no queue pair can run (the executor's were retired). An entry naming an IOCB not
-/// ISSUED, or in flight already, is skipped ([`FilledLines::take`]).
+/// ISSUED, in flight already, or given no new issue since the last taken, is skipped
+/// ([`FilledLines::take`]).
 pub(crate) fn end_batch_as_timeout(
     consumer: &mut crate::ring::Consumer<'_, IocbId>,
     memory: &QueueMemory,

@@ -487,8 +487,9 @@ impl Executor for CpuWorkers {
                 continue; // `plan` refused the batch for it: there is no IOCB to end
             }
             // Each path below takes the issue first (`FilledLines::take`): an entry naming an
-            // IOCB not ISSUED, or in flight already (`plan` dealt it to no worker), is no issue
-            // of it and is skipped, nothing of that IOCB touched.
+            // IOCB not ISSUED, in flight already (`plan` dealt it to no worker), or given no new
+            // issue since the last taken, is no issue of it and is skipped, nothing of that
+            // IOCB touched.
             if failure.is_some() {
                 // No worker got this IOCB, so nothing runs it: it ends now, with its one CQE.
                 let issue_seq = match self.filled.take(memory, id) {
@@ -650,7 +651,8 @@ impl CpuWorkers {
                 return Err(GioError::Executor { executor: "cpu-workers", reason: format!("SQ names {id}, outside the pool") });
             }
             if let Err(error) = self.filled.takeable(memory, id) {
-                // Not ISSUED, or in flight already: no issue of it (`submit` skips the entry).
+                // Not ISSUED, in flight already, or given no new issue since the last taken: no
+                // issue of it (`submit` skips the entry).
                 // Its group is left alone: a worker may be reading it.
                 refused.get_or_insert(error);
                 continue;

@@ -171,7 +171,9 @@ pub struct QueueMemory {
     ioctxs_left: Box<[AtomicU32]>,
     /// Per IOCB: the sequence number [`crate::GioQueue::issue_io`] gave its last issue. Host
     /// memory no other agent can write, unlike line 0's `issue_seq`: what a reset ends an
-    /// issue no submit took with ([`FilledLines::timeout_seq`]).
+    /// issue no submit took with ([`FilledLines::timeout_seq`]), the number a take checks
+    /// against the last taken ([`FilledLines::takeable`]: one more, or no new issue) and the
+    /// one a fill records ([`FilledLines::record`]).
     issues_given: Box<[AtomicU32]>,
 }
 
