@@ -624,7 +624,8 @@ impl ClusterAgent {
                 fetched.fetched(space, key);
             }
         };
-        // Holders passed over, each with why; the nodes passed over as unreachable or busy (not
+        // Holders passed over, each with why; the nodes passed over as unreachable (or silent
+        // before a byte of their segment header: `FetchError::holder_unreachable`) or busy (not
         // asked again in a later run: a dead one would cost another connect timeout and one of
         // the holders asked; one that answered NotHeld or ReadFailed is, as its answer was about
         // an earlier run's segments); holders asked in all runs together.

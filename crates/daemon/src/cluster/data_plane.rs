@@ -17,8 +17,9 @@
 //! **Asker.** `FetchRemote` (a client's request): the registry says who holds what lies past the
 //! local prefix (`lookup.rs`); the holder's data address comes from its member record; each
 //! segment is read in turn (the segment header bounded by [`PEER_STALL`], so a holder that
-//! accepted and hangs costs that long; the first block's first byte awaited until the segment's
-//! deadline — the holder queues for its staging area then — and every other frame, and every
+//! accepted and hangs costs that long, then is passed over like one unreachable; the first
+//! block's first byte awaited until the segment's deadline — the holder queues for its staging
+//! area then — and every other frame, and every
 //! frame once begun, bounded by [`PEER_STALL`]; a block out of order, of another size or whose
 //! CRC does not match fails the read; a holder that answers `Unavailable`, instead of the header
 //! or of the first block, is asked again, on a new connection, with a growing pause, until the
@@ -193,7 +194,9 @@ pub enum FetchError {
 
 impl FetchError {
     /// Whether another holder of the segment may serve what this one did not: this one could
-    /// not be reached (a dead node stays listed until its lease expires), no longer holds it,
+    /// not be reached (a dead node stays listed until its lease expires) or sent no byte of its
+    /// segment header within the stall bound (a stopped process, a store lock held long: the
+    /// same asker ranks the same holder first every time), no longer holds it,
     /// stayed busy, or could not read it (`ReadFailed`: its own disks or staging area — retired
     /// until it restarts — or a block its pool found damaged; another replica's are its own).
     /// Not a holder that misbehaved (its bytes or frames), nor this node's own trouble (its
@@ -204,6 +207,7 @@ impl FetchError {
             FetchError::Peer { source, .. } => matches!(
                 **source,
                 PeerError::Io { context: "connecting", .. }
+                    | PeerError::Stalled { context: AWAITING_HEADER, .. }
                     | PeerError::Refused { code: FailureCode::NotHeld | FailureCode::ReadFailed, .. }
             ),
             FetchError::HolderBusy { .. } => true,
@@ -238,14 +242,17 @@ impl FetchError {
         }
     }
 
-    /// Whether the holder could not be reached or stayed busy: not asked again in a later run
+    /// Whether the holder could not be reached, sent no byte of its segment header within the
+    /// stall bound, or stayed busy: not asked again in a later run
     /// of the same fetch (a dead node listed until its lease expires would cost another connect
     /// timeout, and one of the holders asked in all). Not a holder that answered `NotHeld` or
     /// `ReadFailed`: that answer was about the run's segments (evicted, a damaged block), and
     /// it may be the only sound holder of a later run's.
     pub fn holder_unreachable(&self) -> bool {
         match self {
-            FetchError::Peer { source, .. } => matches!(**source, PeerError::Io { context: "connecting", .. }),
+            FetchError::Peer { source, .. } => {
+                matches!(**source, PeerError::Io { context: "connecting", .. } | PeerError::Stalled { context: AWAITING_HEADER, .. })
+            }
             FetchError::HolderBusy { .. } => true,
             _ => false,
         }
@@ -877,9 +884,10 @@ impl DataPlane {
         let body_max = |kind| peer::answer_body_max(kind, block_bytes);
         let stall = self.bounds.stall;
         // The holder sends the header as soon as the blocks are pinned: `stall` bounds it, so a
-        // holder that accepted and hangs costs 2 s, not the segment's deadline.
+        // holder that accepted and hangs costs 2 s, not the segment's deadline, and is passed
+        // over for the next holder listed (`AWAITING_HEADER`).
         let mut first = [0u8; 1];
-        peer::read_exact_bounded(stream, &mut first, stall, deadline, stopped, "waiting for the segment header").map_err(before_answer)?;
+        peer::read_exact_bounded(stream, &mut first, stall, deadline, stopped, AWAITING_HEADER).map_err(before_answer)?;
         let context = "receiving the segment header";
         match peer::read_frame_begun(stream, first[0], body, body_max, stall, deadline, stopped, context).map_err(failed)? {
             PeerKind::SegmentHeader => {}
@@ -998,6 +1006,12 @@ impl DataPlane {
 /// Told of each segment an asker stored: its index, its keys, how many times its holder has
 /// served it, whether this store wrote its last block ([`DataPlane::fetch`]).
 pub type StoredSegment<'a> = dyn FnMut(usize, &[u64], u32, bool) + 'a;
+
+/// Asker: the context of the wait for a segment header's first byte. A stall there (no byte of
+/// the answer: a holder that accepted and hangs) passes the holder over like one unreachable
+/// ([`FetchError::another_holder_may_serve`], [`FetchError::holder_unreachable`]); a stall once
+/// the answer began does not.
+const AWAITING_HEADER: &str = "waiting for the segment header";
 
 /// The `NotHeld` text a peer gets: the store's own (which blocks are cached) is logged here.
 const NOT_HELD: &str = "the segment is not held whole here";

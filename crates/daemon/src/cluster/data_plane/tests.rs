@@ -420,7 +420,15 @@ fn a_holder_that_accepts_and_never_answers_fails_a_fetch_within_the_stall_bound(
     done.send(()).unwrap();
     silent.join().unwrap();
     match fetched {
-        Err((0, FetchError::Peer { segment: 0, source, .. })) => assert!(matches!(*source, PeerError::Stalled { .. }), "{source}"),
+        Err((0, error @ FetchError::Peer { segment: 0, .. })) => {
+            assert!(matches!(&error, FetchError::Peer { source, .. } if matches!(**source, PeerError::Stalled { .. })), "{error}");
+            // Silent before a byte of its answer: another listed holder is asked (and this one
+            // not again in a later run), as for one unreachable; before, the fetch failed here
+            // and the same asker, ranking the same holder first, failed every time.
+            assert!(error.another_holder_may_serve(), "a holder silent before its header is not passed over: {error}");
+            assert!(error.holder_unreachable(), "{error}");
+            assert!(!error.is_fault(), "{error}");
+        }
         other => panic!("{other:?}"),
     }
     assert!(took >= PEER_STALL && took < Duration::from_secs(4), "{took:?}");
@@ -987,6 +995,12 @@ fn faults_are_told_from_waits_and_limits() {
         [refused(FailureCode::NotHeld), refused(FailureCode::ReadFailed), PeerError::Checksum { index: 0, sent: 1, computed: 2 }]
     {
         assert!(!peer(answered).holder_unreachable());
+    }
+    // A stall once the answer began (mid-header, between blocks) is the holder's trouble with
+    // this read, not its absence: neither passed over nor skipped later.
+    for begun in ["receiving the segment header", "receiving a block"] {
+        let stalled = peer(PeerError::Stalled { context: begun, waited: Duration::from_secs(2) });
+        assert!(!stalled.another_holder_may_serve() && !stalled.holder_unreachable(), "{stalled}");
     }
 }
 
