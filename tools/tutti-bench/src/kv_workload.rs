@@ -435,11 +435,12 @@ type MovedLayers = (Vec<Duration>, Option<(Instant, Instant)>);
 /// layers issued and not collected, the failed issue's included; at most
 /// `layers_in_flight_max` + 1) + 1 waits of the layer timeout each, the + 1 for one retry of a
 /// layer still moving. And a timeout right after a timeout (`timed_out`: the failed wait's
-/// own) ends it: the oldest layer moved nothing over two layer timeouts, the device is stuck,
-/// and every further wait would only hold the run (attach mode's parent gives a client's step
-/// 600 s before it kills it, its error unprinted). Layers still in flight then are left to
-/// the store's close, which deletes its queue pairs before the engine memory they name is
-/// freed, and keeps that memory for good where one cannot be deleted (kv.rs).
+/// own) ends it: the oldest layer did not complete within two layer timeouts (all a timed-out
+/// wait says), the device is taken as stuck, and every further wait would only hold the run
+/// (attach mode's parent gives a client's step 600 s before it kills it, its error unprinted).
+/// Layers still in flight then are left to the store's close, which deletes its queue pairs
+/// before the engine memory they name is freed, and keeps that memory for good where one cannot
+/// be deleted (kv.rs).
 fn drain<S: LayerKvStore>(store: &mut S, handle: RequestHandle, in_flight: u32, mut timed_out: bool, layer_timeout: Duration) {
     for _ in 0..=in_flight {
         // A store that cannot say counts as one with a layer in flight: waited on, bounded.
