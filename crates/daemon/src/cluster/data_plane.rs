@@ -161,6 +161,18 @@ impl StagingTurn<'_> {
 
 impl Drop for StagingTurn<'_> {
     fn drop(&mut self) {
+        // A turn ended by a panic in its work (a bug) may have left a layer in flight, which
+        // may still write the area's memory: retired, never passed on (`with_staging`'s path
+        // for a layer in flight). If its queue pairs cannot be deleted the memory is leaked
+        // (`Staging::retire`); the request's reservation is never released either way, as the
+        // unwinding skips its caller's release, so its slots are not reused.
+        if std::thread::panicking() {
+            if let Some(staging) = self.area.as_mut().and_then(|area| area.take()) {
+                if !staging.retire() {
+                    tracing::error!("a staging turn ended by a panic: a command may still move its request's slots, kept for good");
+                }
+            }
+        }
         if self.area.as_ref().is_some_and(|area| area.is_none()) {
             self.gate.retired.store(true, Ordering::Release);
         }
@@ -710,7 +722,8 @@ impl DataPlane {
     }
 
     /// Runs `work` on the staging area. After a layer that may still be in flight the area is
-    /// retired (its queue pairs deleted, which ends their commands). If a deletion failed, a
+    /// retired (its queue pairs deleted, which ends their commands); so it is when `work`
+    /// panics (the turn's drop). If a deletion failed, a
     /// command may still move the request's slots: the error says to keep its reservation for
     /// good (never released, so the slots are never reused).
     /// The wait for the area's turn ends at `deadline` (`StagingBusy`) or when `stopped`.

@@ -128,6 +128,23 @@ impl Staging {
         Ok(())
     }
 
+    /// Prepares `handle`'s request and issues its first layer, not waited for: a layer left in
+    /// flight, as a bug's panic mid-`transfer` would leave it.
+    #[cfg(test)]
+    pub fn issue_first_layer(
+        &mut self,
+        handle: RequestHandle,
+        direction: Direction,
+        placements: &[Placement],
+    ) -> Result<(), ObjstoreError> {
+        let data = self.data_mut()?;
+        data.prepare(handle, direction, placements, None)?;
+        match direction {
+            Direction::Retrieve => data.retrieve_layer(handle, 0, SmBudget(1)),
+            Direction::Store => data.store_layer(handle, 0, SmBudget(1)),
+        }
+    }
+
     /// After a store's `transfer`: the payload CRCs of its blocks (in placement order) if the
     /// pool records them, for the commit; the request's data half is finished either way.
     pub fn finish_store(&mut self, handle: RequestHandle, records_crcs: bool, crcs: &mut Vec<u32>) -> Result<(), ObjstoreError> {

@@ -860,6 +860,44 @@ fn a_peer_slot_is_given_back_when_its_thread_panics() {
     assert_eq!(peers.load(Ordering::Acquire), 0, "the slot was kept");
 }
 
+#[test]
+fn a_panic_during_a_staging_turn_retires_the_area() {
+    // Goal: a bug that panics in a staging turn's work (a layer issued on a slow device, still
+    // in flight) retires the staging area as the turn ends: the next turn must not reuse
+    // memory that layer may still write. Before, the turn's drop passed the area on as it was.
+    // The request's reservation is never released (the unwinding skips its release): its
+    // slots stay pinned. Later fetches fail `NoStaging`, before a holder is asked.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    device.set_faults(nvme_emu::FaultPlan {
+        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(400)))],
+    });
+    let per = usize::from(SEGMENT);
+    let keys = keys(1, 1);
+    let engine_blocks: Vec<u32> = (0..per as u32).collect();
+    let (handle, placements) = {
+        let mut store = lock(&node.store);
+        let handle = store.control.reserve_retrieve(&keys, &engine_blocks, 0).unwrap();
+        (handle, store.control.placements(handle).unwrap().to_vec())
+    };
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        node.plane.with_staging(handle, far(), &|| false, |staging| {
+            staging.issue_first_layer(handle, Direction::Retrieve, &placements).unwrap();
+            panic!("a bug mid-transfer");
+        })
+    }));
+    assert!(panicked.is_err());
+    assert!(node.plane.staging.retired(), "the staging area was passed on with a layer in flight");
+    assert_eq!(pinned(&node), per as u64, "the reservation's slots");
+    device.set_faults(nvme_emu::FaultPlan::default());
+    let address: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    match node.plane.fetch(&node.store, &space(), &keys, 0..1, "anyone", address, far(), &|| false, &mut |_, _, _, _| {}) {
+        Err((0, FetchError::NoStaging)) => {}
+        other => panic!("a fetch after the panic: {other:?}"),
+    }
+}
+
 /// Retires `node`'s staging area, as a layer left in flight would (`DataPlane::with_staging`).
 fn retire_staging(node: &Node) {
     let mut turn = node.plane.staging.take(far(), &|| false).ok().unwrap();
