@@ -656,9 +656,10 @@ impl DataPlane {
 
     /// Holder: reads a reserved segment's blocks into `bytes` (block after block, each in disk
     /// order) through the staging area, its turn awaited until `staging_deadline` and its
-    /// layers issued until `deadline` (the segment's: its blocks stay pinned meanwhile); returns
-    /// each block's CRC. A block whose bytes do not match the CRC recorded at its commit is
-    /// evicted and the read refused.
+    /// layers issued until `deadline` (the segment's: its blocks stay pinned meanwhile) or the
+    /// drain (`stopped`: `Unavailable`, so the asker passes this node over); returns each
+    /// block's CRC. A block whose bytes do not match the CRC recorded at its commit is evicted
+    /// and the read refused.
     fn read_reserved(
         &self,
         reserved: &Reserved,
@@ -670,10 +671,10 @@ impl DataPlane {
     ) -> Result<Vec<u32>, (FailureCode, String)> {
         let Reserved { handle, blocks, ref placements, ref recorded } = *reserved;
         let read = self.with_staging(handle, staging_deadline, stopped, |staging| {
-            staging.transfer(handle, Direction::Retrieve, placements, deadline)?;
+            staging.transfer(handle, Direction::Retrieve, placements, deadline, stopped)?;
             bytes.resize(blocks * self.block_bytes, 0);
             for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
-                staging.read_block(block as u32, chunk).map_err(|error| StagingError { error, retire: false })?;
+                staging.read_block(block as u32, chunk).map_err(StagingError::keep)?;
             }
             Ok(())
         });
@@ -743,7 +744,7 @@ impl DataPlane {
         let Some(area) = staging.as_mut() else { return Err(Staged { error: FetchError::NoStaging, keep_reservation: false }) };
         match work(area) {
             Ok(()) => Ok(()),
-            Err(StagingError { error, retire }) => {
+            Err(StagingError { error, retire, stopped: drained }) => {
                 let mut keep_reservation = false;
                 if retire {
                     let freed = staging.take().is_some_and(Staging::retire);
@@ -755,7 +756,9 @@ impl DataPlane {
                         keep_reservation = true;
                     }
                 }
-                Err(Staged { error: FetchError::Store { segment: 0, source: Box::new(error) }, keep_reservation })
+                // The drain between layers is this node's stop, not a failure of its store.
+                let error = if drained { FetchError::Stopped } else { FetchError::Store { segment: 0, source: Box::new(error) } };
+                Err(Staged { error, keep_reservation })
             }
         }
     }
@@ -947,9 +950,10 @@ impl DataPlane {
     /// blocks already here are shared, not written. Returns the blocks written, and whether the
     /// segment's last block was among them. The wait for
     /// the staging area counts against the fetch's `deadline` and ends when `stopped`; so does
-    /// the write, which issues no layer past it (`Staging::transfer`); a layer issued is
-    /// finished (bounded by the staging area's per-layer timeout): abandoning it would leave it
-    /// in flight and retire the staging area.
+    /// the write, which issues no layer past either (`Staging::transfer`: `Stopped` for the
+    /// drain, the reservation released); a layer issued is finished (bounded by the staging
+    /// area's per-layer timeout): abandoning it would leave it in flight and retire the staging
+    /// area.
     fn store_segment(
         &self,
         store: &Mutex<StoreState>,
@@ -984,14 +988,14 @@ impl DataPlane {
         let last_written = placements.iter().any(|placement| placement.engine_block as usize + 1 == keys.len());
         let mut crcs = Vec::new();
         let written = self.with_staging(handle, deadline, stopped, |staging| {
-            let keep = |error| StagingError { error, retire: false };
+            let keep = StagingError::keep;
             for placement in &placements {
                 let block = placement.engine_block as usize;
                 staging
                     .write_block(placement.engine_block, &bytes[block * self.block_bytes..(block + 1) * self.block_bytes])
                     .map_err(keep)?;
             }
-            staging.transfer(handle, Direction::Store, &placements, deadline)?;
+            staging.transfer(handle, Direction::Store, &placements, deadline, stopped)?;
             staging.finish_store(handle, records_crcs, &mut crcs).map_err(keep)?;
             // The staging lock is held until the commit: lock order staging, then pool.
             let mut store = lock(store);

@@ -40,11 +40,20 @@ pub struct Staging {
 }
 
 /// A staging operation that failed; `retire` says whether the staging area must be retired (a
-/// layer may still be in flight).
+/// layer may still be in flight); `stopped`, that it was the daemon's drain, met between two
+/// layers (`error` then says how many were done), not a failure of the devices.
 #[derive(Debug)]
 pub struct StagingError {
     pub error: ObjstoreError,
     pub retire: bool,
+    pub stopped: bool,
+}
+
+impl StagingError {
+    /// A failure that leaves nothing in flight: the staging area is kept.
+    pub fn keep(error: ObjstoreError) -> StagingError {
+        StagingError { error, retire: false, stopped: false }
+    }
 }
 
 impl Staging {
@@ -80,7 +89,9 @@ impl Staging {
     /// devices and the staging memory, in `direction`, for the control half's request `handle`.
     ///
     /// No layer is issued past `deadline` (the caller's: a segment's or a fetch's): the transfer
-    /// then ends with `DeadlinePassed`, its request finished, nothing in flight. A layer already
+    /// then ends with `DeadlinePassed`, its request finished, nothing in flight. Nor once
+    /// `stopped` (the daemon's drain, asked between layers): the same, told by
+    /// [`StagingError::stopped`], so a drain waits for one layer, not the rest. A layer already
     /// issued is waited for up to [`LAYER_TIMEOUT`], deadline or not — abandoning it would
     /// retire the staging area for a device that is merely slow — so a transfer ends by
     /// `deadline` plus one layer's timeout. Before, only `LAYER_TIMEOUT × layers` bounded it
@@ -92,19 +103,23 @@ impl Staging {
         direction: Direction,
         placements: &[Placement],
         deadline: Instant,
+        stopped: &dyn Fn() -> bool,
     ) -> Result<(), StagingError> {
-        let keep = |error| StagingError { error, retire: false };
+        let keep = StagingError::keep;
         let layers = self.layers;
         let data = self.data_mut().map_err(keep)?;
         data.prepare(handle, direction, placements, None).map_err(keep)?;
         let deadline = deadline.min(Instant::now() + LAYER_TIMEOUT * layers);
         for layer in 0..layers {
-            if Instant::now() >= deadline {
+            let drained = stopped();
+            if drained || Instant::now() >= deadline {
                 // Between layers: nothing is in flight, so the request can be finished and the
                 // staging area kept.
                 let finished = data.finish(handle).is_ok();
-                let error = ObjstoreError::DeadlinePassed { what: "the staging transfer's layers", done: u64::from(layer) };
-                return Err(StagingError { error, retire: !finished });
+                let what =
+                    if drained { "the staging transfer's layers before the daemon's drain" } else { "the staging transfer's layers" };
+                let error = ObjstoreError::DeadlinePassed { what, done: u64::from(layer) };
+                return Err(StagingError { error, retire: !finished, stopped: drained });
             }
             let issued = match direction {
                 Direction::Retrieve => data.retrieve_layer(handle, layer, SmBudget(1)),
@@ -119,7 +134,7 @@ impl Staging {
                 // not guessed from the error's kind.
                 let in_flight = data.layers_in_flight(handle).map_or(true, |mut layers| layers.next().is_some());
                 let finished = !in_flight && data.finish(handle).is_ok();
-                return Err(StagingError { error, retire: !finished });
+                return Err(StagingError { error, retire: !finished, stopped: false });
             }
         }
         if direction == Direction::Retrieve {

@@ -763,6 +763,38 @@ fn a_holder_whose_disk_is_slow_ends_a_read_at_the_segments_deadline_and_keeps_it
 }
 
 #[test]
+fn a_store_on_a_slow_disk_ends_at_the_drain_within_a_layer_and_keeps_its_staging_area() {
+    // Goal: an asker's store of a fetched segment on a device answering every command 400 ms
+    // late (8 layers: 3.2 s) while the daemon starts draining 100 ms in ends `Stopped` within
+    // about one layer (the one in flight is finished), not a fault; nothing of it is stored,
+    // its reservation released and the staging area kept. Before, the write ignored the drain
+    // and ran every layer (up to the fetch's deadline plus a layer's timeout).
+    let node = node(8, 16, 32 << 20, PeerBounds::default());
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    device.set_faults(nvme_emu::FaultPlan {
+        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(400)))],
+    });
+    let per = usize::from(SEGMENT);
+    let keys = keys(1, 1);
+    let bytes = segment_bytes(&node, 1, 0);
+    let started = Instant::now();
+    let stopped = || started.elapsed() >= Duration::from_millis(100);
+    let stored = node.plane.store_segment(&node.store, &keys[..per], &bytes, far(), &stopped);
+    let took = started.elapsed();
+    device.set_faults(nvme_emu::FaultPlan::default());
+    match stored {
+        Err(error @ FetchError::Stopped) => assert!(!error.is_fault()),
+        other => panic!("a store drained 100 ms in: {other:?} after {took:?}"),
+    }
+    // ~0.4-0.8 s expected (the layer in flight at the drain); every layer takes >= 3.2 s.
+    assert!(took < Duration::from_millis(2000), "the store ran {took:?} past the drain");
+    assert!(!node.plane.staging.retired(), "the staging area was retired");
+    assert_eq!(pinned(&node), 0, "the store's reservation was kept");
+    assert_eq!(lock(&node.store).control.lookup(&keys), 0, "a drained store was committed");
+    put(&node, 1, 0);
+}
+
+#[test]
 fn a_second_address_prepared_on_a_port_another_holds_unlistened_is_refused_at_once() {
     // Goal: two daemons started together on one data address: the second's prepare is refused
     // (EADDRINUSE) while the first's is only bound, not listened on (its pool still opening),
@@ -986,6 +1018,11 @@ fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(refused_with_peers >= 1, "refused only once the slow read ended ({:?} after the stop)", stopped.elapsed());
+    // The slow read itself ends at the drain within the layer in flight (not all 8 layers,
+    // 3.2 s), answered `Unavailable` where the first block was due.
+    let (code, message) = failure(&mut stream);
+    assert_eq!(code, FailureCode::Unavailable, "{message}");
+    assert!(stopped.elapsed() < Duration::from_millis(2000), "the read ran {:?} past the drain", stopped.elapsed());
     device.set_faults(nvme_emu::FaultPlan::default());
 }
 
