@@ -248,6 +248,10 @@ int main(int argc, char** argv) {
                    }));
             expect_device_equals(device, expected, bytes, scratch, method.c_str());
         }
+        // Cleared first: pinned still holds the pattern it was filled with, so a D2H that moved
+        // nothing would pass the comparison. Only [0, bytes) is cleared, and a correct D2H puts the
+        // pattern back there, so the next (larger) size's H2D and mapped reads still find it.
+        std::memset(pinned, 0, bytes);
         report(tokens, time_transfers("pinned_d2h", bytes, r, stream, [&] {
                    check(cudaMemcpyAsync(pinned, device, bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
                }));
