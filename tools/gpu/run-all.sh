@@ -558,14 +558,16 @@ step_bandwidth() {
   fi
   # KV layer loads through the gio kernel (staged mode, software controller): the example
   # crates/gio-uring/examples/gpu_layer_load.rs (docs/gio-uring.md, "Running on a GPU"), carried
-  # by --prepare; without it this says so rather than measure something else.
+  # by --prepare; without it this says so rather than measure something else. A half not run
+  # fails the step (the NOT RUN line says why), as the deadline's does: item 5 proper is this
+  # half, and a passed baseline alone must not read PASS bandwidth.
   if [[ ! -f "$CARRY/gpu-layer-load" ]]; then
     record "NOT RUN bandwidth through the gio kernel: target/gpu-carry/gpu-layer-load was not carried (tools/gpu/run-all.sh --prepare)"
-    return "$failed"
+    return 1
   fi
   if [[ "$GPU_TEST_PASSED" == no ]]; then
     record "NOT RUN bandwidth through the gio kernel: the GPU test did not pass (tests step): the layer load runs the same kernel"
-    return "$failed"
+    return 1
   fi
   # The kernels run-gpu-tests.sh built here, if that build completed (tools/cuda-build.sh writes
   # kernels-ok.txt last), else the carried ones; either way the ones it found the driver loads.

@@ -159,6 +159,24 @@ class RunAll(unittest.TestCase):
         self.assertTrue(os.path.exists(marker), summary)
         self.assertNotIn("NOT RUN bandwidth", summary)
 
+    def test_a_bandwidth_step_whose_layer_load_did_not_run_does_not_pass(self):
+        # Goal: the bandwidth step is two measurements; when the gio-kernel half (item 5 proper)
+        # did not run, a passed cudaMemcpy baseline must not make the summary say PASS bandwidth.
+        s = self.stubs
+        for case, gpu_test, layer_load in (("gpu test failed", "exit 101", True), ("not carried", "echo 'gpu test: passed'", False)):
+            with self.subTest(case=case):
+                s.stub("target/gpu-carry/gpu-test", gpu_test)
+                layer_load_path = os.path.join(s.carry, "gpu-layer-load")
+                if layer_load:
+                    s.stub("target/gpu-carry/gpu-layer-load", "exit 0")
+                elif os.path.exists(layer_load_path):
+                    os.remove(layer_load_path)
+                rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests", "bandwidth"], {}, limit_s=60)
+                self.assertIn("NOT RUN bandwidth through the gio kernel", summary)
+                self.assertNotIn("PASS bandwidth", summary)
+                self.assertIn("FAIL bandwidth", summary)
+                self.assertNotEqual(rc, 0, summary)
+
     def test_a_stale_carry_is_refused_before_any_step(self):
         # Goal: a carry prepared from another tree (the carried gpu-test, tuttid and wheel would
         # run beside kernels and scripts of this one) is refused before any step runs, saying why.
