@@ -436,9 +436,10 @@ nvidia_smi() {
   echo "== libcuda $(ldconfig -p 2>/dev/null | grep -E 'libcuda\.so' | sed -E 's/^[[:space:]]+//' | paste -sd ';' - | grep . || echo 'not in the ldconfig cache')"
   # A stub libcuda (a toolkit's lib64/stubs) on LD_LIBRARY_PATH makes cuInit fail.
   echo "== LD_LIBRARY_PATH ${LD_LIBRARY_PATH-<unset>}"
-  # CUDA IPC export refuses expandable segments: the python and prefill steps set it to
-  # expandable_segments:False whatever it was.
-  echo "== PYTORCH_CUDA_ALLOC_CONF ${PYTORCH_CUDA_ALLOC_CONF-<unset>} (python and prefill steps: expandable_segments:False)"
+  # CUDA IPC export refuses expandable segments: the python and prefill steps set both names to
+  # expandable_segments:False whatever they were (torch 2.11 reads PYTORCH_ALLOC_CONF first; the
+  # CUDA name is its deprecated alias, which older torch reads).
+  echo "== PYTORCH_ALLOC_CONF ${PYTORCH_ALLOC_CONF-<unset>}, PYTORCH_CUDA_ALLOC_CONF ${PYTORCH_CUDA_ALLOC_CONF-<unset>} (python and prefill steps: both expandable_segments:False)"
   echo "== cuda $(grep -v '^LD_LIBRARY_PATH=' "$WORK/cuda-attrs.txt" | paste -sd ' ' -)"
   # The carried kernels and .cu programs come from nvcc 13.2 (--prepare's pinned wheels): a 12.x
   # driver refuses them; the tests step checks which kernels load (run-gpu-tests.sh).
@@ -657,7 +658,7 @@ step_python() {
     return 1
   fi
   section "python-cuda-check.py (limit $limit s)"
-  (cd "$WORK" && PYTHONPATH="$site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+  (cd "$WORK" && PYTHONPATH="$site" PYTHONUNBUFFERED=1 PYTORCH_ALLOC_CONF=expandable_segments:False PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
     timeout -k 10 "$limit" "$python" "$ROOT/tools/gpu/python-cuda-check.py" \
     --socket "$dir/tuttid.sock" --device "$device") 2>&1 | tee "$WORK/python.log" >>"$LOG"
   rc=${PIPESTATUS[0]}
@@ -698,7 +699,7 @@ step_prefill() {
   read -r -a device_args <<<"${RUN_ALL_PREFILL_DEVICE_ARGS:---device cuda}"
   read -r -a extra_args <<<"${RUN_ALL_PREFILL_ARGS:-}"  # e.g. "--prompt-tokens 16384"
   section "prefill-ttft.py (budget $budget_s s, limit $limit s)"
-  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
+  (cd "$WORK" && PYTHONPATH="$WORK/python-site" PYTHONUNBUFFERED=1 PYTORCH_ALLOC_CONF=expandable_segments:False PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False \
     timeout -k 10 "$limit" "$python" \
     "$ROOT/tools/gpu/prefill-ttft.py" "${device_args[@]}" --tuttid "$tuttid" --budget-s "$budget_s" \
     --out "$out/prefill-ttft.json" "${extra_args[@]}") 2>&1 | tee "$WORK/prefill.log" >>"$LOG"

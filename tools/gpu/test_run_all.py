@@ -497,6 +497,32 @@ exec python3 -c '{serve}' "$2"
                 finally:
                     kill_group(process)
 
+    def test_the_python_and_prefill_steps_turn_off_expandable_segments_under_both_names(self):
+        # Goal: CUDA IPC export refuses expandable segments; torch 2.11 reads PYTORCH_ALLOC_CONF
+        # before its deprecated alias PYTORCH_CUDA_ALLOC_CONF, so a machine that sets the new name
+        # must not keep them on. Both are set for the scripts, and the header logs both.
+        s = self.stubs
+        env = self.step_env(600)
+        seen = os.path.join(s.root, "seen-alloc-conf")
+        env["RUN_ALL_PYTHON"] = s.stub("stub-python-conf", f"""
+case "$1" in
+  -c) exit 0 ;;
+  -m) while [[ $# -gt 0 && "$1" != --target ]]; do shift; done; mkdir -p "$2/tutti"; touch "$2/tutti/__init__.py"; exit 0 ;;
+esac
+echo "$(basename "$1") PYTORCH_ALLOC_CONF=${{PYTORCH_ALLOC_CONF-unset}} PYTORCH_CUDA_ALLOC_CONF=${{PYTORCH_CUDA_ALLOC_CONF-unset}}" >>{seen}
+echo 'PASS stub'""")
+        env.update({"RUN_ALL_PYTHON_DEVICE": "stand-in", "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+        _rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["python", "prefill"], env, limit_s=120)
+        with open(seen) as handle:
+            lines = handle.read().splitlines()
+        self.assertEqual(sorted(line.split()[0] for line in lines), ["prefill-ttft.py", "python-cuda-check.py"], summary)
+        for line in lines:
+            self.assertIn("PYTORCH_ALLOC_CONF=expandable_segments:False", line)
+            self.assertIn("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False", line)
+        self.assertIn("== PYTORCH_ALLOC_CONF expandable_segments:True", summary)
+        self.assertIn("PYTORCH_CUDA_ALLOC_CONF expandable_segments:True", summary)
+
     def test_a_started_python_step_has_room_for_its_check_after_its_imports(self):
         # Goal: a step the loop starts is not left, after its imports (12 s here; torch's import
         # takes 10-20 s), without the time its own limits need: either it is not started
