@@ -444,8 +444,8 @@ impl DataPlane {
                     }
                 }
             }
-            // Closed now, not after the joins (a peer thread may finish a segment's send, up to
-            // SEGMENT_DEADLINE): meanwhile a connect is refused (ECONNREFUSED: the asker passes
+            // Closed now, not after the joins (a peer thread may finish the block it is sending
+            // and a layer it issued, each bounded): meanwhile a connect is refused (ECONNREFUSED: the asker passes
             // this node over at once) rather than accepted by the kernel into a backlog nobody
             // takes from, where the asker would wait out its stall bound for a header.
             drop(listener);
@@ -602,9 +602,9 @@ impl DataPlane {
     /// header goes first, at once: the asker bounds it by the stall bound, so a holder that
     /// hangs costs an asker 2 s, not a segment's deadline. Then the wait for the staging area
     /// (the asker awaits the first block up to the segment's deadline) and the read; a wait or
-    /// read that fails, or the drain met before the first block, is a `Failure` frame where the
-    /// first block was due (`Unavailable` for the drain: written past it). The caller releases
-    /// the reservation.
+    /// read that fails is a `Failure` frame where the first block was due, and the drain met
+    /// before any block one where that block was due (`Unavailable`, written past the drain;
+    /// a block begun is sent whole). The caller releases the reservation.
     #[allow(clippy::too_many_arguments)]
     fn answer_segment(
         &self,
@@ -646,10 +646,21 @@ impl DataPlane {
                 return Ok(Answered::Refused);
             }
         };
+        // The drain is met between blocks only: a block cut at it would end the connection
+        // mid-frame, which the asker counts a fault and passes no one over for. Each block is
+        // written whole (bounded by the segment's deadline and the socket's stall write
+        // timeout); at the drain a `Failure(Unavailable)` follows the last block sent, which
+        // the asker takes at any block index and passes this node over for.
+        let never = || false;
         for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(&crcs).enumerate() {
+            if stopped() {
+                peer::encode_failure(frame, FailureCode::Unavailable, &FetchError::Stopped.to_string());
+                peer::write_all(stream, frame, Instant::now() + self.bounds.stall, &never, "refusing a read")?;
+                return Ok(Answered::Refused);
+            }
             peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
-            peer::write_all(stream, frame, deadline, stopped, "sending a block")?;
-            peer::write_all(stream, block, deadline, stopped, "sending a block")?;
+            peer::write_all(stream, frame, deadline, &never, "sending a block")?;
+            peer::write_all(stream, block, deadline, &never, "sending a block")?;
         }
         Ok(Answered::Whole)
     }

@@ -614,6 +614,53 @@ fn a_fetch_from_a_holder_that_drains_mid_answer_passes_it_over_without_a_fault()
 }
 
 #[test]
+fn a_holder_drained_while_sending_blocks_ends_on_a_frame_boundary_with_unavailable() {
+    // Goal: the drain met while a segment's blocks are being sent (a slow reader: the holder's
+    // writes block) ends the answer between two blocks with `Failure(Unavailable)`, which the
+    // asker takes at any block index and passes the holder over for; or, if the last block was
+    // already on its way, with the segment whole. Before, each block's write ended at the
+    // drain between write calls: the connection closed mid-answer, often mid-frame, which the
+    // asker counts a fault and passes no one over for.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    let block_bytes = node.plane.block_bytes;
+    // Accepted connections inherit the listener's send buffer: small, so the holder's writes
+    // block on this reader.
+    let listener = lock(&node.plane.listener);
+    nix::sys::socket::setsockopt(listener.as_ref().unwrap(), nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
+    drop(listener);
+    let holder = serve(node);
+    let mut stream = connect(&holder);
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    stream.write_all(&request(1, 0)).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    let (kind, _) = read_frame(&mut stream).expect("block 0");
+    assert_eq!(kind, PeerKind::Block as u16);
+    holder.node.stop.stop();
+    // Time for the holder's next write call to meet the stop.
+    std::thread::sleep(Duration::from_millis(100));
+    let mut next = 1;
+    loop {
+        let (kind, body) = read_frame(&mut stream).unwrap_or_else(|| panic!("the connection ended mid-answer, at block {next}"));
+        if kind == PeerKind::Failure as u16 {
+            match peer::decode_failure(&body) {
+                PeerError::Refused { code, message } => assert_eq!(code, FailureCode::Unavailable, "{message}"),
+                other => panic!("{other:?}"),
+            }
+            break;
+        }
+        assert_eq!(kind, PeerKind::Block as u16);
+        let (index, _, _) = peer::decode_block(&body, block_bytes).unwrap();
+        assert_eq!(index, next);
+        next += 1;
+        if next == SEGMENT {
+            break;
+        }
+    }
+}
+
+#[test]
 fn an_asker_retries_a_busy_failure_in_place_of_the_first_block_and_stores_nothing_partial() {
     // Goal: a holder whose staging area stays busy past its wait (3 s here) sends `Unavailable`
     // where the first block was due: the asker asks again and the fetch succeeds once the area
