@@ -1027,9 +1027,10 @@ fn an_asker_whose_staging_area_is_retired_fails_before_asking_a_holder() {
 fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
     // Goal: once the daemon stops, its data address refuses connections (ECONNREFUSED: askers
     // pass the node over at once) within a few ticks, even while a peer thread is still in a
-    // slow read (a disk answering 400 ms late, 8 layers). Before, the listener stayed open until
-    // every peer thread was joined (up to a segment's send): the kernel accepted connections into
-    // a backlog nobody accepted from, and each asker waited out its stall bound for a header.
+    // slow read (a disk answering 1.5 s late: the layer in flight at the stop is finished).
+    // Before, the listener stayed open until every peer thread was joined (up to a segment's
+    // send): the kernel accepted connections into a backlog nobody accepted from, and each
+    // asker waited out its stall bound for a header.
     let node = node(8, 16, 32 << 20, PeerBounds::default());
     put(&node, 1, 0);
     let geometry = node.plane.geometry;
@@ -1037,22 +1038,26 @@ fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
     let holder = serve(node);
     let address = holder.node.plane.address();
     device.set_faults(nvme_emu::FaultPlan {
-        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(400)))],
+        rules: vec![nvme_emu::FaultRule::every_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_millis(1500)))],
     });
+    let io_commands = || device.stats().io_commands.values().sum::<u64>();
+    let before = io_commands();
     let mut frame = Vec::new();
     ReadSegment { space: space(), index: 0, geometry, keys: keys(1, 1) }.encode(&mut frame);
     let mut stream = connect(&holder);
     stream.write_all(&frame).unwrap();
     let (kind, _) = read_frame(&mut stream).expect("a segment header");
     assert_eq!(kind, PeerKind::SegmentHeader as u16);
-    // The peer thread is in its slow read now.
+    // Stopped only once the read's first layer is on the device: a stop before it would end
+    // the read before any layer, within a millisecond, and leave no peer thread to outlive it.
+    wait_for("the read's first layer is issued", Duration::from_secs(5), || io_commands() > before);
     holder.node.stop.stop();
     let stopped = Instant::now();
     // Asked every 20 ms until refused (on a loaded machine the accept thread may wake late):
-    // the refusal must come while the slow read is still going (8 layers, 400 ms each). A
-    // connect accepted before the accept loop saw the stop is dropped at once; its peer thread
-    // ends within a tick (it sees the stop), so it is not counted: the slow read is the only
-    // peer thread that can last.
+    // the refusal must come while the slow read's layer (1.5 s) is still in flight. A connect
+    // accepted before the accept loop saw the stop is dropped at once; its peer thread ends
+    // within a tick (it sees the stop), so it is not counted: the slow read is the only peer
+    // thread that can last.
     let refused_with_peers = loop {
         match TcpStream::connect_timeout(&address, Duration::from_secs(2)) {
             Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
@@ -1066,10 +1071,10 @@ fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
     };
     assert!(refused_with_peers >= 1, "refused only once the slow read ended ({:?} after the stop)", stopped.elapsed());
     // The slow read itself ends at the drain within the layer in flight (not all 8 layers,
-    // 3.2 s), answered `Unavailable` where the first block was due.
+    // 12 s), answered `Unavailable` where the first block was due.
     let (code, message) = failure(&mut stream);
     assert_eq!(code, FailureCode::Unavailable, "{message}");
-    assert!(stopped.elapsed() < Duration::from_millis(2000), "the read ran {:?} past the drain", stopped.elapsed());
+    assert!(stopped.elapsed() < Duration::from_millis(3000), "the read ran {:?} past the drain", stopped.elapsed());
     device.set_faults(nvme_emu::FaultPlan::default());
 }
 
