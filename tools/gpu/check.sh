@@ -11,7 +11,8 @@
 #   4. the python step of run-all.sh rehearsed without a GPU (the wheel, tuttid --device-memory
 #      memfd, tools/gpu/python-cuda-check.py --device stand-in);
 #   5. the prefill step of run-all.sh rehearsed on the CPU (tools/gpu/prefill-ttft.py --device cpu
-#      --tiny: the wheel, tuttid --device-memory memfd, a tiny transformers model; ~20 s) with a
+#      --tiny: the wheel, tuttid --device-memory memfd, a tiny transformers model; ~20 s; then
+#      again with --dtype bf16, the GPU run's dtype, ~15 s) with a
 #      python that has torch and transformers: GPU_CHECK_PREFILL_PYTHON, else GPU_CHECK_PYTHON, else
 #      the vLLM engines environment (tools/python/engine-env.sh vllm --existing: the pinned one under
 #      ${TUTTI_ENV_CACHE:-~/.cache/tutti}/engines), else any vllm-* one there; skipped, saying so,
@@ -127,6 +128,20 @@ for row in rows:
     assert abs(row["exposed_io_ms"] - (row["tutti_ttft_ms"] - row["resident_ttft_ms"])) < 1e-6, row
 PY
   echo "gpu-check: prefill step rehearsed on the CPU with $prefill_python: $OUT/prefill-rehearsal"
+  # Again in bf16, the GPU run's dtype (--tiny defaults to float32): the model's parameters, the
+  # KV memory and the logits tolerance of that dtype are checked before the one GPU session (~15 s).
+  rm -rf "$OUT/prefill-rehearsal-bf16"
+  OUT="$OUT/prefill-rehearsal-bf16" RUN_ALL_PREFILL_DEVICE_ARGS="--device cpu --tiny --dtype bf16" RUN_ALL_PYTHON="$prefill_python" \
+    RUN_ALL_TUTTID="$TARGET/debug/tuttid" RUN_ALL_WHEEL="$(ls "$ROOT"/target/wheels/tutti-*-abi3-*.whl)" \
+    tools/gpu/run-all.sh prefill
+  grep -q '^prefill: PASS' "$OUT/prefill-rehearsal-bf16/summary.txt"
+  python3 - "$OUT/prefill-rehearsal-bf16/prefill-ttft.json" <<'PY'
+import json, sys
+document = json.load(open(sys.argv[1]))
+assert document["results"], "no hit rate measured"
+assert '"bfloat16"' in json.dumps(document), "the bf16 rehearsal's JSON names no bfloat16 model"
+PY
+  echo "gpu-check: prefill step rehearsed on the CPU in bf16: $OUT/prefill-rehearsal-bf16"
 elif [[ "${GPU_CHECK_REQUIRE_PREFILL:-0}" == 1 ]]; then
   echo "gpu-check: FAILED: prefill step not rehearsed: no python with torch and transformers, and no complete vLLM environment (tools/python/engine-env.sh vllm; GPU_CHECK_REQUIRE_PREFILL=1)" >&2
   exit 1

@@ -36,7 +36,8 @@ Then, for each hit rate h over a prompt of N tokens (prefix P = h·N rounded dow
   tolerance, else the check could not tell wrong KV from right and the run FAILs.
 
 --device cpu --tiny rehearses the whole path without a GPU (a few small float32 layers on the CPU,
-tuttid --device-memory memfd and tutti.DeviceMemoryStandIn in place of CUDA memory);
+or bf16 with --dtype bf16, the GPU run's dtype: tools/gpu/check.sh runs both; tuttid
+--device-memory memfd and tutti.DeviceMemoryStandIn in place of CUDA memory);
 --fault wrong-blocks retrieves into the target blocks shifted by one (a wrong-KV bug: must FAIL).
 
 Output: a JSON document (stdout, and --out) with per hit rate: prompt and prefix tokens,
@@ -149,6 +150,10 @@ def build_model(torch, transformers, config, device: str, dtype, qk_std: float):
             model = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
+    # Cast whole, not only built under the default dtype: a transformers version may keep some
+    # parameters in float32 whatever the default (its fp32-kept modules), and a bf16 engine runs
+    # its model in bf16; the check below then only catches what the cast could not do.
+    model.to(dtype)
     model.eval()
     # Random weights attend almost uniformly (query and key elements of std ~initializer_range x
     # sqrt(hidden)), and uniform attention over a prefix hardly depends on which KV is there: a

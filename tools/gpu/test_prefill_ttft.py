@@ -29,5 +29,35 @@ class TimingFigures(unittest.TestCase):
         self.assertNotIn("bubble_ms", figures)
 
 
+
+def importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+@unittest.skipUnless(importable("torch") and importable("transformers"),
+                     "needs torch and transformers (check.sh's prefill python has them)")
+class BuildModel(unittest.TestCase):
+    def test_a_parameter_transformers_keeps_in_float32_is_cast_to_the_runs_dtype(self):
+        # Goal: the model runs in the dtype asked (bf16 on the GPU) even where a transformers
+        # version builds a parameter in float32 whatever the default dtype (its fp32-kept modules):
+        # build_model casts the model rather than failing the one GPU run on it.
+        import torch
+        import transformers
+
+        class KeepsANormInFloat32(transformers.LlamaForCausalLM):
+            def __init__(self, config):
+                super().__init__(config)
+                self.model.norm.float()
+
+        class Transformers:
+            __version__ = transformers.__version__
+            LlamaConfig = transformers.LlamaConfig
+            LlamaForCausalLM = KeepsANormInFloat32
+
+        config = prefill_ttft.model_config(transformers, True, 1)
+        model, _seconds = prefill_ttft.build_model(torch, Transformers, config, "cpu", torch.bfloat16, 1.0)
+        self.assertEqual({parameter.dtype for parameter in model.parameters()}, {torch.bfloat16})
+
+
 if __name__ == "__main__":
     unittest.main()
