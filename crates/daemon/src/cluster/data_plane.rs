@@ -407,9 +407,18 @@ impl DataPlane {
 
     /// Serves peers until `stop` (holder side; module docs). Returns once every peer thread
     /// ended (each checks the stop between reads); the listener is closed as the stop is seen,
-    /// before those joins.
+    /// before those joins, and the peer threads meet the stop only once it is closed.
     pub fn serve(&self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration, metrics: &ClusterMetrics) {
         let Some(listener) = lock(&self.listener).take() else { return };
+        // The peer threads' stop: set once the listener is closed, not at `stop`. A peer
+        // thread that closed its connection (or answered `Unavailable`) for the drain while
+        // the accept loop slept out its tick would send the asker's reconnect into the backlog
+        // of a listener about to be dropped, which resets it: after the one reconnect a
+        // segment has, a fault no other holder is asked for. Past the close it is refused
+        // (ECONNREFUSED), and the asker passes this node over.
+        let listener_closed = AtomicBool::new(false);
+        let peers_stopped = || listener_closed.load(Ordering::Acquire);
+        let peers_stopped: &(dyn Fn() -> bool + Sync) = &peers_stopped;
         std::thread::scope(|scope| {
             // Moved in, to be closed before the scope joins the peer threads.
             let listener = listener;
@@ -427,7 +436,7 @@ impl DataPlane {
                         let slot = PeerSlot::take(&self.peers);
                         let spawned = std::thread::Builder::new().name("tuttid-peer".into()).spawn_scoped(scope, move || {
                             let _slot = slot;
-                            if let Err(error) = self.serve_peer(stream, store, stop, tick, metrics) {
+                            if let Err(error) = self.serve_peer(stream, store, peers_stopped, tick, metrics) {
                                 tracing::info!(%peer, %error, "a data-plane connection ended");
                             }
                         });
@@ -449,6 +458,7 @@ impl DataPlane {
             // this node over at once) rather than accepted by the kernel into a backlog nobody
             // takes from, where the asker would wait out its stall bound for a header.
             drop(listener);
+            listener_closed.store(true, Ordering::Release);
         });
     }
 
@@ -456,7 +466,7 @@ impl DataPlane {
         &self,
         mut stream: TcpStream,
         store: &Mutex<StoreState>,
-        stop: &StopHandle,
+        stopped: &dyn Fn() -> bool,
         tick: Duration,
         metrics: &ClusterMetrics,
     ) -> Result<(), PeerError> {
@@ -466,7 +476,6 @@ impl DataPlane {
         let PeerBounds { stall, idle, .. } = self.bounds;
         stream.set_write_timeout(Some(stall)).map_err(io("configuring a peer connection"))?;
         stream.set_nodelay(true).map_err(io("configuring a peer connection"))?;
-        let stopped = || stop.is_stopped();
         let (mut body, mut frame, mut bytes) = (Vec::new(), Vec::new(), Vec::new());
         // The slot is kept until `idle` after the last read served whole (M1 of the review: a
         // request refused must not keep a bogus peer's slot).
@@ -483,7 +492,7 @@ impl DataPlane {
                 idle,
                 stall,
                 kept_until,
-                &stopped,
+                stopped,
                 "waiting for a request",
             ) {
                 Ok(kind) => kind,
@@ -491,7 +500,7 @@ impl DataPlane {
                 Err(error @ PeerError::Garbage(_)) => {
                     metrics.serve_refusals.inc();
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &error.to_string());
-                    if peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing garbage").is_ok() {
+                    if peer::write_all(&mut stream, &frame, Instant::now() + stall, stopped, "refusing garbage").is_ok() {
                         // The rest of the frame is unread: closed as it is, the connection
                         // would be reset, which may discard the refusal before it is read.
                         close_after_refusal(&mut stream);
@@ -504,7 +513,7 @@ impl DataPlane {
                 metrics.serve_refusals.inc();
                 refusals += 1;
                 peer::encode_failure(&mut frame, FailureCode::BadRequest, &format!("a {kind:?} frame is not a request"));
-                peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a frame")?;
+                peer::write_all(&mut stream, &frame, Instant::now() + stall, stopped, "refusing a frame")?;
                 continue;
             }
             let request = match ReadSegment::decode(&body) {
@@ -513,7 +522,7 @@ impl DataPlane {
                     metrics.serve_refusals.inc();
                     refusals += 1;
                     peer::encode_failure(&mut frame, FailureCode::BadRequest, &reason);
-                    peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a request")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + stall, stopped, "refusing a request")?;
                     continue;
                 }
             };
@@ -523,7 +532,7 @@ impl DataPlane {
                     let key = request.keys.last().and_then(|&last| SegmentKey::new(last).ok());
                     let served = key.map_or(0, |key| lock(&self.served).next(&request.space, key));
                     // The blocks stay pinned until the last byte is sent.
-                    let answered = self.answer_segment(&mut stream, &mut frame, &mut bytes, store, &reserved, served, &stopped);
+                    let answered = self.answer_segment(&mut stream, &mut frame, &mut bytes, store, &reserved, served, stopped);
                     release(store, reserved.handle);
                     match answered? {
                         Answered::Whole => {
@@ -544,7 +553,7 @@ impl DataPlane {
                     metrics.serve_refusals.inc();
                     refusals += 1;
                     peer::encode_failure(&mut frame, code, &message);
-                    peer::write_all(&mut stream, &frame, Instant::now() + stall, &stopped, "refusing a read")?;
+                    peer::write_all(&mut stream, &frame, Instant::now() + stall, stopped, "refusing a read")?;
                 }
             }
         }

@@ -661,6 +661,45 @@ fn a_holder_drained_while_sending_blocks_ends_on_a_frame_boundary_with_unavailab
 }
 
 #[test]
+fn a_holder_drained_between_two_segments_is_passed_over_not_counted_a_fault() {
+    // Goal: the drain met by a holder between two segments of a fetch (its accept loop asleep
+    // for a 200 ms tick) is never a fault: its peer threads end for the drain only once its
+    // listener is closed, so the asker's reconnect is refused (passed over) rather than taken
+    // into the backlog of a listener about to be dropped and reset there, after the one
+    // reconnect a segment: a fault no other holder was asked for.
+    let holder = small(PeerBounds::default());
+    put(&holder, 1, 0);
+    put(&holder, 1, 1);
+    let asker = small(PeerBounds::default());
+    let holder = Arc::new(holder);
+    let serving = Arc::clone(&holder);
+    let thread =
+        std::thread::spawn(move || serving.plane.serve(&serving.store, &serving.stop, Duration::from_millis(200), &serving.metrics));
+    let holder = Serving { node: holder, thread: Some(thread) };
+    let keys = keys(1, 2);
+    let address = holder.node.plane.address();
+    // The holder's staging area is taken with the stop, so its read of segment 1 waits for it
+    // and meets the drain there, every time, rather than racing the accept loop's tick.
+    let mut turn = None;
+    let mut stop_after_first = |segment: usize, _: &[u64], _: u32, _: bool| {
+        if segment == 0 {
+            turn = holder.node.plane.staging.take(far(), &|| false).ok();
+            holder.node.stop.stop();
+        }
+    };
+    let fetched = asker.plane.fetch(&asker.store, &space(), &keys, 0..2, "holder", address, far(), &|| false, &mut stop_after_first);
+    drop(turn);
+    match fetched {
+        Err((stored, error)) => {
+            assert_eq!(stored, usize::from(SEGMENT), "{error}");
+            assert!(!error.is_fault(), "counted a fault: {error}");
+            assert!(error.another_holder_may_serve(), "not passed over: {error}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
 fn an_asker_retries_a_busy_failure_in_place_of_the_first_block_and_stores_nothing_partial() {
     // Goal: a holder whose staging area stays busy past its wait (3 s here) sends `Unavailable`
     // where the first block was due: the asker asks again and the fetch succeeds once the area
