@@ -141,7 +141,7 @@ impl StagingGate {
         drop(busy);
         // Uncontended: only the holder of the turn locks the area, and a turn's drop unlocks it
         // before it passes the turn on.
-        Ok(StagingTurn { gate: self, area: Some(lock(&self.area)) })
+        Ok(StagingTurn { gate: self, area: Some(lock(&self.area)), kept_reservations: None })
     }
 }
 
@@ -150,6 +150,9 @@ struct StagingTurn<'a> {
     gate: &'a StagingGate,
     /// Always `Some` until the drop, which unlocks it first.
     area: Option<MutexGuard<'a, Option<Staging>>>,
+    /// Where a reservation kept for good by a panic in the turn's work is counted (an asker's
+    /// store's: `DataPlane::kept_reservations`, set by `with_staging`).
+    kept_reservations: Option<&'a Counter>,
 }
 
 impl StagingTurn<'_> {
@@ -165,11 +168,16 @@ impl Drop for StagingTurn<'_> {
         // may still write the area's memory: retired, never passed on (`with_staging`'s path
         // for a layer in flight). If its queue pairs cannot be deleted the memory is leaked
         // (`Staging::retire`); the request's reservation is never released either way, as the
-        // unwinding skips its caller's release, so its slots are not reused.
+        // unwinding skips its caller's release, so its slots are not reused: an asker's store's
+        // counted, as `store_segment` counts the reservations it keeps.
         if std::thread::panicking() {
             if let Some(staging) = self.area.as_mut().and_then(|area| area.take()) {
                 if !staging.retire() {
-                    tracing::error!("a staging turn ended by a panic: a command may still move its request's slots, kept for good");
+                    tracing::error!("a staging turn ended by a panic: a command may still move its request's slots");
+                }
+                tracing::error!("a staging turn ended by a panic: its request's slots are kept for good");
+                if let Some(kept) = self.kept_reservations {
+                    kept.inc();
                 }
             }
         }
@@ -690,7 +698,9 @@ impl DataPlane {
         stopped: &dyn Fn() -> bool,
     ) -> Result<Vec<u32>, (FailureCode, String)> {
         let Reserved { handle, blocks, ref placements, ref recorded } = *reserved;
-        let read = self.with_staging(handle, staging_deadline, stopped, |staging| {
+        // A holder's read kept by a panic is logged, not counted: the counter is of fetched
+        // segments (`ClusterMetrics::kept_reservations`).
+        let read = self.with_staging(handle, staging_deadline, stopped, None, |staging| {
             staging.transfer(handle, Direction::Retrieve, placements, deadline, stopped)?;
             bytes.resize(blocks * self.block_bytes, 0);
             for (block, chunk) in bytes.chunks_exact_mut(self.block_bytes).enumerate() {
@@ -746,13 +756,16 @@ impl DataPlane {
     /// retired (its queue pairs deleted, which ends their commands); so it is when `work`
     /// panics (the turn's drop). If a deletion failed, a
     /// command may still move the request's slots: the error says to keep its reservation for
-    /// good (never released, so the slots are never reused).
+    /// good (never released, so the slots are never reused). A panic keeps it too (the
+    /// unwinding skips the caller's release), counted in `kept_reservations` when given (an
+    /// asker's store: `DataPlane::kept_reservations` counts fetched segments' reservations).
     /// The wait for the area's turn ends at `deadline` (`StagingBusy`) or when `stopped`.
     fn with_staging(
         &self,
         handle: RequestHandle,
         deadline: Instant,
         stopped: &dyn Fn() -> bool,
+        kept_reservations: Option<&Counter>,
         work: impl FnOnce(&mut Staging) -> Result<(), StagingError>,
     ) -> Result<(), Staged> {
         let mut turn = match self.staging.take(deadline, stopped) {
@@ -760,6 +773,7 @@ impl DataPlane {
             Err(NoTurn::Deadline) => return Err(Staged { error: FetchError::StagingBusy, keep_reservation: false }),
             Err(NoTurn::Stopped) => return Err(Staged { error: FetchError::Stopped, keep_reservation: false }),
         };
+        turn.kept_reservations = kept_reservations;
         let staging = turn.area();
         let Some(area) = staging.as_mut() else { return Err(Staged { error: FetchError::NoStaging, keep_reservation: false }) };
         match work(area) {
@@ -1007,7 +1021,7 @@ impl DataPlane {
         // shared was committed by another store, whose registration is that store's own.
         let last_written = placements.iter().any(|placement| placement.engine_block as usize + 1 == keys.len());
         let mut crcs = Vec::new();
-        let written = self.with_staging(handle, deadline, stopped, |staging| {
+        let written = self.with_staging(handle, deadline, stopped, Some(&self.kept_reservations), |staging| {
             let keep = StagingError::keep;
             for placement in &placements {
                 let block = placement.engine_block as usize;

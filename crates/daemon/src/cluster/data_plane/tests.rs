@@ -984,7 +984,9 @@ fn a_panic_during_a_staging_turn_retires_the_area() {
     // in flight) retires the staging area as the turn ends: the next turn must not reuse
     // memory that layer may still write. Before, the turn's drop passed the area on as it was.
     // The request's reservation is never released (the unwinding skips its release): its
-    // slots stay pinned. Later fetches fail `NoStaging`, before a holder is asked.
+    // slots stay pinned, counted in `kept_reservations` as an asker's store's is (before, not
+    // counted: only logged when the queue pairs could not be deleted). Later fetches fail
+    // `NoStaging`, before a holder is asked.
     let node = small(PeerBounds::default());
     put(&node, 1, 0);
     let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
@@ -1000,7 +1002,7 @@ fn a_panic_during_a_staging_turn_retires_the_area() {
         (handle, store.control.placements(handle).unwrap().to_vec())
     };
     let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        node.plane.with_staging(handle, far(), &|| false, |staging| {
+        node.plane.with_staging(handle, far(), &|| false, Some(&node.plane.kept_reservations), |staging| {
             staging.issue_first_layer(handle, Direction::Retrieve, &placements).unwrap();
             panic!("a bug mid-transfer");
         })
@@ -1008,6 +1010,7 @@ fn a_panic_during_a_staging_turn_retires_the_area() {
     assert!(panicked.is_err());
     assert!(node.plane.staging.retired(), "the staging area was passed on with a layer in flight");
     assert_eq!(pinned(&node), per as u64, "the reservation's slots");
+    assert_eq!(node.plane.kept_reservations.get(), 1, "the reservation kept for good was not counted");
     device.set_faults(nvme_emu::FaultPlan::default());
     let address: SocketAddr = "127.0.0.1:1".parse().unwrap();
     match node.plane.fetch(&node.store, &space(), &keys, 0..1, "anyone", address, far(), &|| false, &mut |_, _, _, _| {}) {
