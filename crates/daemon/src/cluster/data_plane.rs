@@ -40,6 +40,7 @@
 //! ends at the daemon's drain). Lock order: staging, then the pool (never the reverse).
 
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -621,7 +622,8 @@ impl DataPlane {
     /// (the asker awaits the first block up to the segment's deadline) and the read; a wait or
     /// read that fails is a `Failure` frame where the first block was due, and the drain met
     /// before any block one where that block was due (`Unavailable`, written past the drain;
-    /// a block begun is sent whole). The caller releases the reservation.
+    /// a block begun is sent whole). An asker that closed the connection meanwhile ends the
+    /// wait or the read, unanswered (`Closed`). The caller releases the reservation.
     #[allow(clippy::too_many_arguments)]
     fn answer_segment(
         &self,
@@ -641,15 +643,21 @@ impl DataPlane {
         // Waiting longer for the staging area than half the asker's wait for the first block
         // would only send it blocks it has given up on.
         let staging_deadline = Instant::now() + self.bounds.segment / 2;
+        // An asker that left (one passed over after the stall bound for a header, or gone)
+        // is seen by a peek during the staging wait and between layers, like the drain: the
+        // read is not done (waited for up to 30 s, then up to 60 s of disk reads) for nobody
+        // while the blocks stay pinned and askers queue for the staging area.
+        let fd = stream.as_raw_fd();
+        let asker_left = move || peer_closed(fd);
+        let ended = || stopped() || asker_left();
+        let read = self.read_reserved(reserved, store, bytes, staging_deadline, deadline, &ended);
+        if asker_left() {
+            return Err(PeerError::Closed { context: "awaiting the staging area or reading a segment for it" });
+        }
         // The drain met once the read is done (the blocks not sent yet) is answered as the
         // drain met in the wait: `Unavailable`, so that the asker passes this node over.
-        let read = self.read_reserved(reserved, store, bytes, staging_deadline, deadline, stopped).and_then(|crcs| {
-            if stopped() {
-                Err((FailureCode::Unavailable, FetchError::Stopped.to_string()))
-            } else {
-                Ok(crcs)
-            }
-        });
+        let read =
+            read.and_then(|crcs| if stopped() { Err((FailureCode::Unavailable, FetchError::Stopped.to_string())) } else { Ok(crcs) });
         let crcs = match read {
             Ok(crcs) => crcs,
             Err((code, message)) => {
@@ -1162,6 +1170,20 @@ struct Unreceived {
 }
 
 /// A connection the peer closed or reset (not one that stalled, nor the daemon's drain).
+/// Holder: whether the asker closed its end of the connection (a peek that does not wait reads
+/// its FIN: 0 bytes) or reset it. A request pipelined behind the one being answered is data,
+/// not a close; nothing yet is not one either.
+fn peer_closed(fd: std::os::fd::RawFd) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{recv, MsgFlags};
+    let mut byte = [0u8; 1];
+    match recv(fd, &mut byte, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+        Ok(0) => true,
+        Ok(_) | Err(Errno::EAGAIN | Errno::EINTR) => false,
+        Err(_) => true,
+    }
+}
+
 fn closed_or_reset(error: &PeerError) -> bool {
     use std::io::ErrorKind;
     match error {

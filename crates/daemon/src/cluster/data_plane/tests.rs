@@ -700,6 +700,33 @@ fn a_holder_drained_between_two_segments_is_passed_over_not_counted_a_fault() {
 }
 
 #[test]
+fn a_holder_whose_asker_left_during_its_staging_wait_unpins_without_reading() {
+    // Goal: an asker that gave up on a holder after its header (passed it over) and closed the
+    // connection is not served on: the holder, waiting for its staging area, sees the close
+    // (a peek) and ends the answer, its pins released, no read done. Before, it waited up to
+    // 30 s for the staging area, then read the whole segment from its disks for nobody,
+    // keeping the blocks pinned and its staging area from other askers meanwhile.
+    let node = small(PeerBounds::default());
+    put(&node, 1, 0);
+    let device = lock(&node.store).emulators[0].clone().expect("an emulated device");
+    let holder = serve(node);
+    let turn = holder.node.plane.staging.take(far(), &|| false).ok().unwrap();
+    let io_commands = || device.stats().io_commands.values().sum::<u64>();
+    let before = io_commands();
+    let mut stream = connect(&holder);
+    stream.write_all(&request(1, 0)).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    assert!(pinned(&holder.node) > 0);
+    drop(stream);
+    wait_for("the holder unpins the segment of an asker that left", Duration::from_secs(2), || pinned(&holder.node) == 0);
+    drop(turn);
+    wait_for("the peer thread ends", Duration::from_secs(2), || holder.node.plane.peers.load(Ordering::Acquire) == 0);
+    assert_eq!(io_commands(), before, "the holder read the segment for an asker that left");
+    assert_eq!(holder.node.metrics.serve_refusals.get(), 0, "an asker leaving is not a refusal");
+}
+
+#[test]
 fn an_asker_retries_a_busy_failure_in_place_of_the_first_block_and_stores_nothing_partial() {
     // Goal: a holder whose staging area stays busy past its wait (3 s here) sends `Unavailable`
     // where the first block was due: the asker asks again and the fetch succeeds once the area
