@@ -193,9 +193,10 @@ pub struct ClusterMetrics {
     pub serve_refusals: Counter,
     /// Fetched segments handed to the registrar as second replicas (heavy hitters).
     pub replicated_segments: Counter,
-    /// Fetched segments whose store reservation is kept for good: the staging area was retired
-    /// with a layer in flight and a queue pair's deletion failed, so a command may still move
-    /// the slots (never released, never reused). The server's `leaked_requests` does not see
+    /// Fetched segments whose store reservation is kept for good (never released, never
+    /// reused): the staging area was retired with a layer in flight and a queue pair's
+    /// deletion failed, so a command may still move the slots; or the store's staging turn
+    /// ended in a panic, which retires the area but cannot release the reservation. The server's `leaked_requests` does not see
     /// them (the data plane does not reach its counters): counted here, on `/metrics` only.
     pub kept_reservations: Counter,
 }
@@ -305,7 +306,7 @@ impl ClusterMetrics {
         );
         registry.register(
             "cluster_kept_reservations",
-            "Fetched segments whose reserved slots are kept for good (a staging queue pair that may still move them was not deleted)",
+            "Fetched segments whose reserved slots are kept for good (a staging queue pair that may still move them was not deleted, or the store's staging turn panicked)",
             self.kept_reservations.clone(),
         );
     }
