@@ -284,13 +284,17 @@ for step in "${STEPS[@]}"; do
   case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
 done
 
-# On a machine without .git (the GPU machine: .git does not travel), a carry with a tree of its own
+# On a machine without .git or without cargo (the GPU machine: .git does not travel, and it has
+# no cargo), a carry with a tree of its own
 # (--prepare's copy of kernels/, tools/gpu/, tools/cuda-build.sh and tools/lib/, as the carried
 # binaries were built beside them) is run from that tree: the live tree the device tool copied
 # (crates/ edited since --prepare, say) is then only compared, for a NOTE, and cannot refuse the
 # run after the machine's start was paid for. target/gpu-carry inside the tree is a link to the
 # carry (run-gpu-tests.sh finds it there); $OUT stays the live tree's.
-if [[ -z "${RUN_ALL_LIVE_ROOT:-}" && ! -e "$ROOT/.git" && -f "$CARRY/tree/tools/gpu/run-all.sh" ]]; then
+# No cargo counts as the GPU machine too (were .git copied there, the strict check would refuse
+# the run for a crates/ edit that changes nothing it runs).
+if [[ -z "${RUN_ALL_LIVE_ROOT:-}" && -f "$CARRY/tree/tools/gpu/run-all.sh" ]] &&
+  { [[ ! -e "$ROOT/.git" ]] || ! command -v cargo >/dev/null 2>&1; }; then
   mkdir -p "$CARRY/tree/target" && ln -sfn "$CARRY" "$CARRY/tree/target/gpu-carry" ||
     { echo "run-all: cannot link target/gpu-carry/tree/target/gpu-carry to the carry" >&2; exit 3; }
   export RUN_ALL_LIVE_ROOT="$ROOT" OUT="${OUT:-$ROOT/target/gpu-results}"

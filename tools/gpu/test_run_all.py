@@ -878,14 +878,21 @@ class CarryInputs(unittest.TestCase):
         rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
         self.assertEqual(rc, 3, s.last_output)
         self.assertIn("REFUSED", summary)
-        shutil.rmtree(os.path.join(s.root, ".git"))
-        rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], {"RUN_ALL_DRY": "1"}, limit_s=60)
-        self.assertEqual(rc, 0, s.last_output + summary)
-        self.assertIn("PASS tests", summary)
-        self.assertNotIn("REFUSED", summary)
-        notes = [line for line in summary.splitlines() if line.startswith("NOTE ")]
-        self.assertTrue(any("crates/a/src/lib.rs" in line for line in notes), summary)
-        self.assertIn("this run uses the carry's own copy", summary)
+        # No cargo (the GPU machine's lot) with .git there, then no .git.
+        for case in ("no cargo", "no .git"):
+            with self.subTest(case=case):
+                env = {"RUN_ALL_DRY": "1"}
+                if case == "no cargo":
+                    env["PATH"] = s.bin + ":" + path_without("nvcc", "nvidia-smi", "cargo")
+                else:
+                    shutil.rmtree(os.path.join(s.root, ".git"))
+                rc, _elapsed, summary = s.run("tools/gpu/run-all.sh", ["tests"], env, limit_s=60)
+                self.assertEqual(rc, 0, s.last_output + summary)
+                self.assertIn("PASS tests", summary)
+                self.assertNotIn("REFUSED", summary)
+                notes = [line for line in summary.splitlines() if line.startswith("NOTE ")]
+                self.assertTrue(any("crates/a/src/lib.rs" in line for line in notes), summary)
+                self.assertIn("this run uses the carry's own copy", summary)
 
     def test_the_carrys_own_tree_edited_after_prepare_is_refused_on_the_gpu_machine(self):
         # The carry's tree is what the GPU run reads: an edit there is a stale carry.
