@@ -627,8 +627,10 @@ impl Server {
         if metrics_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the metrics thread panicked");
         }
-        // Peer threads check the stop between reads (a send in progress is bounded by the
-        // peer stall timeout).
+        // The data plane closes its listener within a tick of the stop; its peer threads then
+        // meet the drain: each ends within the layer it has in flight (up to 10 s) or the
+        // block it is sending (up to 2 × the 2 s stall bound), then a `Failure` frame (up to
+        // 2 × the stall bound). docs/cluster.md, "Remote reads".
         if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the data plane panicked");
         }

@@ -39,6 +39,8 @@
 //! per node, in either direction, and a wait for it is bounded by the waiter's deadline (and
 //! ends at the daemon's drain). Lock order: staging, then the pool (never the reverse).
 
+use std::cell::Cell;
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -415,8 +417,11 @@ impl DataPlane {
     }
 
     /// Serves peers until `stop` (holder side; module docs). Returns once every peer thread
-    /// ended (each checks the stop between reads); the listener is closed as the stop is seen,
-    /// before those joins, and the peer threads meet the stop only once it is closed.
+    /// ended; the listener is closed as the stop is seen (within `tick`), before those joins,
+    /// and the peer threads meet the drain only once it is closed. Each then ends within the
+    /// layer it has in flight (up to the staging area's 10 s per-layer timeout) or the block it
+    /// is sending (up to 2 × the stall bound: the write call in progress, then one stall bound
+    /// more), then a `Failure` frame (up to 2 × the stall bound); docs/cluster.md.
     pub fn serve(&self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration, metrics: &ClusterMetrics) {
         let Some(listener) = lock(&self.listener).take() else { return };
         // The peer threads' stop: set once the listener is closed, not at `stop`. A peer
@@ -462,10 +467,11 @@ impl DataPlane {
                     }
                 }
             }
-            // Closed now, not after the joins (a peer thread may finish the block it is sending
-            // and a layer it issued, each bounded): meanwhile a connect is refused (ECONNREFUSED: the asker passes
-            // this node over at once) rather than accepted by the kernel into a backlog nobody
-            // takes from, where the asker would wait out its stall bound for a header.
+            // Closed now, not after the joins (a peer thread may finish the layer it issued or
+            // the block it is sending, then write a `Failure`: seconds, bounded above): meanwhile
+            // a connect is refused (ECONNREFUSED: the asker passes this node over at once)
+            // rather than accepted by the kernel into a backlog nobody takes from, where the
+            // asker would wait out its stall bound for a header.
             drop(listener);
             listener_closed.store(true, Ordering::Release);
         });
@@ -621,9 +627,10 @@ impl DataPlane {
     /// hangs costs an asker 2 s, not a segment's deadline. Then the wait for the staging area
     /// (the asker awaits the first block up to the segment's deadline) and the read; a wait or
     /// read that fails is a `Failure` frame where the first block was due, and the drain met
-    /// before any block one where that block was due (`Unavailable`, written past the drain;
-    /// a block begun is sent whole). An asker that closed the connection meanwhile ends the
-    /// wait or the read, unanswered (`Closed`). The caller releases the reservation.
+    /// before a block one where that block was due (`Unavailable`, written past the drain); a
+    /// block begun when the drain comes is given one stall bound more, then cut (`DrainGrace`).
+    /// An asker that closed the connection meanwhile ends the wait or the read, unanswered
+    /// (`Closed`). The caller releases the reservation.
     #[allow(clippy::too_many_arguments)]
     fn answer_segment(
         &self,
@@ -671,21 +678,33 @@ impl DataPlane {
                 return Ok(Answered::Refused);
             }
         };
-        // The drain is met between blocks only: a block cut at it would end the connection
-        // mid-frame, which the asker counts a fault and passes no one over for. Each block is
-        // written whole (bounded by the segment's deadline and the socket's stall write
-        // timeout); at the drain a `Failure(Unavailable)` follows the last block sent, which
-        // the asker takes at any block index and passes this node over for.
+        // The drain is met between blocks: a block cut at once would end the connection
+        // mid-frame, which the asker counts a fault and passes no one over for. At the drain a
+        // `Failure(Unavailable)` follows the last block sent, which the asker takes at any
+        // block index and passes this node over for. A block begun when the drain comes is
+        // given one stall bound more, then cut (`DrainGrace`): at LAN speed a block takes
+        // milliseconds, so only a reader slower than about a block per stall bound is cut
+        // mid-frame, a fault charged to it; written whole whatever its pace, a block was
+        // bounded only by the segment's deadline (a reader that keeps each write call moving
+        // never trips the socket's write timeout), and so was the daemon's drain.
         let never = || false;
+        let grace = DrainGrace::new(stopped, self.bounds.stall);
         for (index, (block, &crc)) in bytes.chunks_exact(self.block_bytes).zip(&crcs).enumerate() {
             if stopped() {
+                if grace.began() {
+                    // The grace shortened the socket's write timeout.
+                    stream
+                        .set_write_timeout(Some(self.bounds.stall))
+                        .map_err(|source| PeerError::Io { context: "configuring a peer connection", source })?;
+                }
                 peer::encode_failure(frame, FailureCode::Unavailable, &FetchError::Stopped.to_string());
                 peer::write_all(stream, frame, Instant::now() + self.bounds.stall, &never, "refusing a read")?;
                 return Ok(Answered::Refused);
             }
             peer::encode_block_prefix(frame, index as u16, crc, self.block_bytes);
-            peer::write_all(stream, frame, deadline, &never, "sending a block")?;
-            peer::write_all(stream, block, deadline, &never, "sending a block")?;
+            for part in [&frame[..], block] {
+                peer::write_all(&mut grace.writer(stream), part, deadline, &|| grace.cut(), "sending a block")?;
+            }
         }
         Ok(Answered::Whole)
     }
@@ -1159,6 +1178,68 @@ impl<'a> PeerSlot<'a> {
 impl Drop for PeerSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Holder: the drain's grace for a block being sent. Once the drain is seen (asked before each
+/// write call), the block's writes may go on for one stall bound more, then [`DrainGrace::cut`]
+/// ends them; meanwhile each write call's socket timeout is shortened to what is left of it, so
+/// no call outlasts it. A block in flight thus holds the drain at most the write call in
+/// progress when the drain came (the socket's stall write timeout) plus one stall bound.
+struct DrainGrace<'a> {
+    stopped: &'a dyn Fn() -> bool,
+    stall: Duration,
+    /// Set when the drain is first seen: when the block's writes are cut.
+    cut_at: Cell<Option<Instant>>,
+}
+
+impl<'a> DrainGrace<'a> {
+    fn new(stopped: &'a dyn Fn() -> bool, stall: Duration) -> DrainGrace<'a> {
+        DrainGrace { stopped, stall, cut_at: Cell::new(None) }
+    }
+
+    /// Whether the drain was seen during a block's writes (the socket's write timeout may be
+    /// shortened since).
+    fn began(&self) -> bool {
+        self.cut_at.get().is_some()
+    }
+
+    /// `write_all`'s stop: true once the grace is spent.
+    fn cut(&self) -> bool {
+        match self.cut_at.get() {
+            Some(at) => Instant::now() >= at,
+            None => {
+                if (self.stopped)() {
+                    self.cut_at.set(Some(Instant::now() + self.stall));
+                }
+                false
+            }
+        }
+    }
+
+    fn writer<'s>(&'s self, stream: &'s TcpStream) -> GraceWriter<'s, 'a> {
+        GraceWriter { stream, grace: self }
+    }
+}
+
+/// Writes to a peer connection whose write calls, once the drain's grace began, end with it.
+struct GraceWriter<'s, 'a> {
+    stream: &'s TcpStream,
+    grace: &'s DrainGrace<'a>,
+}
+
+impl Write for GraceWriter<'_, '_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        if let Some(at) = self.grace.cut_at.get() {
+            // A zero timeout would be refused (and mean none): `cut` ends the writes once due.
+            let left = at.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            self.stream.set_write_timeout(Some(left))?;
+        }
+        self.stream.write(bytes)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.stream.flush()
     }
 }
 

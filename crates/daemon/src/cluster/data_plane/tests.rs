@@ -661,6 +661,56 @@ fn a_holder_drained_while_sending_blocks_ends_on_a_frame_boundary_with_unavailab
 }
 
 #[test]
+fn a_drain_waits_at_most_the_stall_bound_for_a_slow_readers_block() {
+    // Goal: a block being sent when the drain comes is given one stall bound more, then cut:
+    // a reader that trickles (each write call moves, so the socket's write timeout does not
+    // trip) holds the peer thread, and with it the daemon's drain, at most the write call in
+    // progress plus one stall bound. Before, the block was written whole whatever the reader's
+    // pace, bounded only by the segment's 60 s deadline: here the peer thread lasted ~20 s.
+    // 128 KiB blocks; the default stall bound (at 1 s a write call of this trickle could
+    // stall, ending the thread early whatever the drain).
+    let node = node(8, 32, 32 << 20, PeerBounds::default());
+    let stall = node.plane.bounds.stall;
+    put(&node, 1, 0);
+    let geometry = node.plane.geometry;
+    // Accepted connections inherit the listener's send buffer: small, so the holder's writes
+    // block on this reader.
+    let listener = lock(&node.plane.listener);
+    nix::sys::socket::setsockopt(listener.as_ref().unwrap(), nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
+    drop(listener);
+    let holder = serve(node);
+    let mut stream = connect(&holder);
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let mut frame = Vec::new();
+    ReadSegment { space: space(), index: 0, geometry, keys: keys(1, 1) }.encode(&mut frame);
+    stream.write_all(&frame).unwrap();
+    let (kind, _) = read_frame(&mut stream).expect("a segment header");
+    assert_eq!(kind, PeerKind::SegmentHeader as u16);
+    let (kind, _) = read_frame(&mut stream).expect("block 0");
+    assert_eq!(kind, PeerKind::Block as u16);
+    holder.node.stop.stop();
+    let stopped = Instant::now();
+    // 2 KiB every 250 ms until the holder cuts the connection (a read waits 10 ms at most, so
+    // the peer thread's end is looked for every 10 ms or so).
+    let bound = 2 * stall + Duration::from_secs(1);
+    let mut trickle = [0u8; 2048];
+    let mut next_read = Some(stopped);
+    stream.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+    while holder.node.plane.peers.load(Ordering::Acquire) != 0 {
+        assert!(stopped.elapsed() < bound, "the peer thread still sending {:?} after the stop", stopped.elapsed());
+        if next_read.is_some_and(|at| Instant::now() >= at) {
+            next_read = match stream.read(&mut trickle) {
+                Ok(0) => None,
+                Ok(_) => Some(Instant::now() + Duration::from_millis(250)),
+                Err(error) if matches!(error.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => next_read,
+                Err(_) => None,
+            };
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
 fn a_holder_drained_between_two_segments_is_passed_over_not_counted_a_fault() {
     // Goal: the drain met by a holder between two segments of a fetch (its accept loop asleep
     // for a 200 ms tick) is never a fault: its peer threads end for the drain only once its
