@@ -434,6 +434,11 @@ impl DataPlane {
         let peers_stopped = || listener_closed.load(Ordering::Acquire);
         let peers_stopped: &(dyn Fn() -> bool + Sync) = &peers_stopped;
         std::thread::scope(|scope| {
+            // Set on every way out, a panic in this loop too: the scope joins the peer threads
+            // before it passes a panic on, and without the drain they would last until idle
+            // (an asker that keeps reading, for good). Declared before the listener, so that
+            // unwinding too closes the listener first, then sets the drain.
+            let _drain = SetOnDrop(&listener_closed);
             // Moved in, to be closed before the scope joins the peer threads.
             let listener = listener;
             while !stop.is_stopped() {
@@ -473,7 +478,7 @@ impl DataPlane {
             // rather than accepted by the kernel into a backlog nobody takes from, where the
             // asker would wait out its stall bound for a header.
             drop(listener);
-            listener_closed.store(true, Ordering::Release);
+            // `_drain` sets `listener_closed` here, as it goes.
         });
     }
 
@@ -1178,6 +1183,15 @@ impl<'a> PeerSlot<'a> {
 impl Drop for PeerSlot<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Sets its flag when dropped (`Release`): on a normal way out and on unwinding alike.
+struct SetOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for SetOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
     }
 }
 

@@ -1055,6 +1055,58 @@ fn a_peer_slot_is_given_back_when_its_thread_panics() {
     assert_eq!(peers.load(Ordering::Acquire), 0, "the slot was kept");
 }
 
+/// A tracing subscriber that panics at the first warning: made the default of the accept
+/// loop's thread only, it stands for a bug that panics in that loop.
+struct PanicAtWarning;
+
+impl tracing::Subscriber for PanicAtWarning {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        if *event.metadata().level() == tracing::Level::WARN {
+            panic!("a bug in the accept loop (test)");
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+#[test]
+fn a_panic_in_the_accept_loop_still_drains_the_peer_threads() {
+    // Goal: the peer threads' drain (set once the listener is closed) is set on every way out
+    // of the accept loop, a panic included, the listener closed first. Before, it was the
+    // loop's last statement: a panic skipped it, and the scope waited for peer threads that
+    // never met the drain (an asker parked between requests holds one for the idle bound, 30 s
+    // here; one that keeps reading, for good), and with them the daemon's drain.
+    let node = Arc::new(small(PeerBounds::default()));
+    let address = node.plane.address();
+    let serving = Arc::clone(&node);
+    let thread = std::thread::spawn(move || {
+        tracing::subscriber::with_default(PanicAtWarning, || {
+            serving.plane.serve(&serving.store, &serving.stop, Duration::from_millis(10), &serving.metrics)
+        })
+    });
+    // Every peer slot taken by a connection waiting for a request.
+    let parked: Vec<TcpStream> = (0..PEERS_MAX).map(|_| TcpStream::connect(address).unwrap()).collect();
+    wait_for("every peer slot taken", Duration::from_secs(5), || node.plane.peers.load(Ordering::Acquire) == PEERS_MAX);
+    // One more: the accept loop warns that it is over the limit, and panics there.
+    let _over = TcpStream::connect(address).unwrap();
+    wait_for("serve ends after the accept loop panicked", Duration::from_secs(2), || thread.is_finished());
+    assert!(thread.join().is_err(), "serve passes the accept loop's panic on");
+    assert_eq!(node.plane.peers.load(Ordering::Acquire), 0);
+    match TcpStream::connect(address) {
+        Err(error) => assert_eq!(error.kind(), std::io::ErrorKind::ConnectionRefused, "{error}"),
+        Ok(_) => panic!("a connect after serve ended was accepted"),
+    }
+    drop(parked);
+}
+
 #[test]
 fn a_panic_during_a_staging_turn_retires_the_area() {
     // Goal: a bug that panics in a staging turn's work (a layer issued on a slow device, still
