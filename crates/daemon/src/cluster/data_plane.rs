@@ -1264,7 +1264,6 @@ struct Unreceived {
     unanswered: bool,
 }
 
-/// A connection the peer closed or reset (not one that stalled, nor the daemon's drain).
 /// Holder: whether the asker closed its end of the connection (a peek that does not wait reads
 /// its FIN: 0 bytes) or reset it. A request pipelined behind the one being answered is data,
 /// not a close; nothing yet is not one either.
@@ -1279,6 +1278,7 @@ fn peer_closed(fd: std::os::fd::RawFd) -> bool {
     }
 }
 
+/// A connection the peer closed or reset (not one that stalled, nor the daemon's drain).
 fn closed_or_reset(error: &PeerError) -> bool {
     use std::io::ErrorKind;
     match error {

@@ -1226,9 +1226,10 @@ fn a_stopped_holder_refuses_connections_while_its_peer_threads_finish() {
     let stopped = Instant::now();
     // Asked every 20 ms until refused (on a loaded machine the accept thread may wake late):
     // the refusal must come while the slow read's layer (1.5 s) is still in flight. A connect
-    // accepted before the accept loop saw the stop is dropped at once; its peer thread ends
-    // within a tick (it sees the stop), so it is not counted: the slow read is the only peer
-    // thread that can last.
+    // accepted before the accept loop saw the stop is dropped at once; its peer thread ends as
+    // it reads that close (not at the drain, which peer threads meet only once the listener is
+    // closed), within the 20 ms before the next connect, so it is not counted: the slow read
+    // is the only peer thread that can last.
     let refused_with_peers = loop {
         match TcpStream::connect_timeout(&address, Duration::from_secs(2)) {
             Err(error) if error.kind() == std::io::ErrorKind::ConnectionRefused => {
