@@ -240,6 +240,9 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
   fi
   # From here on: in the snapshot (ROOT is target/gpu-prepare-src; its target/ is this checkout's).
+  # Not passed on: the scripts' own tests run below start run-all.sh --prepare in stub trees,
+  # which must snapshot as a first run does.
+  unset RUN_ALL_PREPARE_SNAPSHOT
   bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
   built=$(cargo_executables build --release --locked -p tutti-profile --bin tutti-profile -- tutti-profile)
   cp "$built" "$CARRY/tutti-profile"

@@ -19,6 +19,11 @@ import tempfile
 import time
 import unittest
 
+# Each test sets the RUN_ALL_* variables it needs: none comes from the caller (run-all.sh
+# --prepare runs these tests inside its snapshot, and a developer may have some exported).
+for _name in [name for name in os.environ if name.startswith("RUN_ALL_")]:
+    del os.environ[_name]
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 COPIED = ("tools/gpu/run-all.sh", "tools/gpu/run-gpu-tests.sh", "tools/gpu/provenance.py", "tools/gpu/cuda-attrs.py",

@@ -70,17 +70,17 @@ pub fn assert_ssd_layout(controller: &Controller, data: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
+    // Named in full: gpu.rs, also built with this module, runs without libtest's harness, which
+    // drops `#[test]` functions, so a `use super::*` would be an unused import there.
     /// A kernel that reads or writes the wrong IOCTX, or the wrong warp chunk of 32 IOCTXs (the
     /// kernel splits an IOCB into chunks of 32 lanes), must see different bytes: no two 4 KiB
     /// windows of the largest buffer the tests move (204 IOCTXs, gpu.rs's second pass) may be
     /// equal.
     #[test]
     fn no_two_ioctx_windows_of_the_pattern_are_equal() {
-        let window = (BLOCKS_PER_IOCTX * BLOCK_BYTES) as usize;
+        let window = (super::BLOCKS_PER_IOCTX * super::BLOCK_BYTES) as usize;
         let windows = 204;
-        let data = pattern(window * windows);
+        let data = super::pattern(window * windows);
         for a in 0..windows {
             for b in a + 1..windows {
                 assert!(
