@@ -28,22 +28,14 @@ during --prepare nor makes `verify` refuse it. An input file added, removed or e
 or not (cargo finds tests/, examples/ and src/bin/ files by itself). slack-profile.py's provenance uses
 commit_info(). Standard library only.
 
-  python3 tools/gpu/provenance.py snapshot CARRY DIR   # here, by run-all.sh --prepare: the tree copied
-                                                    # into DIR, where the builds run, its inputs
-                                                    # recorded as copied
-  python3 tools/gpu/provenance.py begin [CARRY]     # the live tree's inputs recorded (no snapshot)
-  python3 tools/gpu/provenance.py prepare [CARRY [DIR]]  # here, once the carry is built from DIR
-                                                    # (default: the live tree); also copies GPU_READ
-                                                    # into CARRY/tree
-  python3 tools/gpu/provenance.py line [CARRY [LIVE_ROOT]]  # one line: the commit and where it came from
+  python3 tools/gpu/provenance.py begin [CARRY]     # here, by run-all.sh --prepare before it builds
+  python3 tools/gpu/provenance.py prepare [CARRY]   # here, by run-all.sh --prepare once the carry is built
+  python3 tools/gpu/provenance.py line [CARRY]      # one line: the commit and where it came from
   python3 tools/gpu/provenance.py abi [CARRY]       # one line: glibc needed by the carry vs here
   python3 tools/gpu/provenance.py verify [CARRY]    # exit 0 if the carry was prepared from this
                                                     # tree's inputs (run-all.sh's pre-flight; here
                                                     # also new untracked input files count), else 1
                                                     # and why, naming the input files that differ
-  python3 tools/gpu/provenance.py verify-tree CARRY LIVE_ROOT  # run-all.sh run from CARRY/tree (no
-                                                    # .git): the carry and its own tree checked,
-                                                    # the live tree's differences a NOTE line
   python3 tools/gpu/provenance.py inputs            # the input files here, one a line
 """
 
@@ -54,7 +46,6 @@ import hashlib
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,12 +86,6 @@ INPUTS = (
     "python/tutti/",
 )
 INPUTS_FILE = "INPUTS"
-# What the GPU run reads from the tree (the rest of the inputs are build inputs only: the GPU
-# machine has no cargo). --prepare copies these files, as the builds read them, into CARRY/tree/,
-# and run-all.sh runs from that copy on a machine without .git: the carry then checks its own
-# snapshot, and edits of the live tree after --prepare are a NOTE, not a refusal.
-GPU_READ = ("kernels/", "tools/cuda-build.sh", "tools/lib/", "tools/gpu/")
-TREE_DIR = "tree"
 
 
 def is_input(path: str) -> bool:
@@ -123,9 +108,9 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_sha256(path: str, root: str | None = None) -> str | None:
-    """The sha256 of a file under `root` (default ROOT), or None where it is missing (or a link)."""
-    full = os.path.join(root or ROOT, path)
+def file_sha256(path: str) -> str | None:
+    """The sha256 of a file under ROOT, or None where it is missing (or a link)."""
+    full = os.path.join(ROOT, path)
     if not os.path.isfile(full) or os.path.islink(full):
         return None
     with open(full, "rb") as handle:
@@ -163,21 +148,16 @@ def read_inputs(carry: str) -> dict[str, str | None] | None:
     return recorded
 
 
-def compare_inputs(carry: str, root: str | None = None, only: tuple[str, ...] | None = None) -> tuple[bool, str] | None:
-    """Whether the input files under `root` are the ones CARRY/INPUTS recorded: (same, a sentence
-    naming the files that differ). The files compared are INPUTS's (those under `only`'s entries
-    where given), plus, with git in ROOT, this checkout's input files now (a new untracked one
-    counts). None without CARRY/INPUTS."""
+def compare_inputs(carry: str) -> tuple[bool, str] | None:
+    """Whether the input files here are the ones CARRY/INPUTS recorded: (same, a sentence naming
+    the files that differ). The files compared are INPUTS's, plus, with git, this checkout's input
+    files now (a new untracked one counts). None without CARRY/INPUTS."""
     recorded = read_inputs(carry)
     if recorded is None:
         return None
-    if only is not None:
-        recorded = {path: digest for path, digest in recorded.items()
-                    if any(path.startswith(entry) if entry.endswith("/") else path == entry for entry in only)}
-    root = root or ROOT
-    here_paths = input_paths_from_git() if root == ROOT and only is None else None
+    here_paths = input_paths_from_git()
     paths = set(recorded) | set(here_paths or ())
-    here = {path: file_sha256(path, root) for path in paths}
+    here = {path: file_sha256(path) for path in paths}
     changed = sorted(path for path in paths if path in recorded and recorded[path] is not None
                      and here[path] is not None and recorded[path] != here[path])
     missing = sorted(path for path in paths if recorded.get(path) is not None and here[path] is None)
@@ -206,10 +186,8 @@ def read_fields(path: str) -> dict[str, str]:
     return fields
 
 
-def commit_info(carry: str = CARRY, live_root: str | None = None) -> dict:
-    """The commit of this tree: from git where this is a checkout, else from the carry's COMMIT.
-    `live_root`: run-all.sh runs from CARRY/tree (no .git there); the input files compared are
-    then the live tree's, where the device tool copied it."""
+def commit_info(carry: str = CARRY) -> dict:
+    """The commit of this tree: from git where this is a checkout, else from the carry's COMMIT."""
     head = _git("rev-parse", "HEAD")
     if head is not None:
         status = _git("status", "--porcelain") or ""
@@ -220,16 +198,15 @@ def commit_info(carry: str = CARRY, live_root: str | None = None) -> dict:
         return {"commit": "unknown", "source": "no .git and no target/gpu-carry/COMMIT (run-all.sh --prepare writes it)"}
     info: dict = {"source": "target/gpu-carry/COMMIT (run-all.sh --prepare)", **fields}
     info["dirty"] = fields.get("dirty") == "yes"
-    compared = compare_inputs(carry, live_root or None)
+    compared = compare_inputs(carry)
     info["inputs_match_prepare"] = None if compared is None else compared[0]
-    info["live_root"] = bool(live_root)
     if compared is not None and not compared[0]:
         info["inputs_differ"] = compared[1]
     return info
 
 
-def commit_line(carry: str = CARRY, live_root: str | None = None) -> str:
-    info = commit_info(carry, live_root)
+def commit_line(carry: str = CARRY) -> str:
+    info = commit_info(carry)
     if info["commit"] == "unknown":
         return f"unknown ({info['source']})"
     text = info["commit"] + (" (dirty tree" + (f", status sha256 {info['status_sha256'][:12]}" if info.get("status_sha256") else "")
@@ -243,12 +220,6 @@ def commit_line(carry: str = CARRY, live_root: str | None = None) -> str:
         elif info.get("begin_commit"):
             text += f"; HEAD was {info['begin_commit'][:12]} when --prepare began (the inputs did not change)"
         match = info.get("inputs_match_prepare")
-        if info.get("live_root") and match is False:
-            # Run from the carry's own copy of what the GPU run reads: the live tree's edits after
-            # --prepare (crates/, say) change no carried binary and no file this run reads.
-            return text + (f"; NOTE the live tree's input files differ from the prepared ones ({info.get('inputs_differ', '?')}): "
-                           "this run uses the carry's own copy of kernels/, tools/gpu/, tools/cuda-build.sh and tools/lib/ "
-                           "(target/gpu-carry/tree) and the carried binaries, which are what this commit line describes")
         text += {True: "; the carry's input files here are the prepared ones",
                  False: f"; the carry's input files here DIFFER from the prepared ones ({info.get('inputs_differ', '?')}: "
                         "the carry may be stale)",
@@ -284,40 +255,6 @@ def verify(carry: str = CARRY) -> tuple[bool, str]:
         return False, f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')}: " + "; ".join(problems)
     return True, (f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')} from these inputs "
                   f"({compared[1]}; changes outside them do not count)")
-
-
-def verify_tree(carry: str, live_root: str) -> tuple[bool, str, str]:
-    """verify() for a run from CARRY/tree (run-all.sh on a machine without .git): COMMIT, the
-    inputs unchanged while --prepare built, INPUTS matching COMMIT, and the carry's own copy of the
-    files the GPU run reads (GPU_READ) as recorded. The live tree at `live_root` is compared too,
-    but only for a note: its other inputs are build inputs of binaries already built. Returns (ok,
-    why, a note naming the live files that differ, or "")."""
-    fields = read_fields(os.path.join(carry, "COMMIT"))
-    if not fields.get("commit"):
-        return False, "no target/gpu-carry/COMMIT (run-all.sh --prepare writes it last; a failed --prepare leaves none)", ""
-    problems = []
-    during = fields.get("changed_during_prepare", "unknown (not recorded)")
-    if during != "no":
-        problems.append(f"the carry's inputs changed while --prepare built (changed_during_prepare: {during}"
-                        + (f"; {fields['changed']}" if fields.get("changed") else "") + "): the carry may mix two trees")
-    recorded = read_inputs(carry)
-    tree = os.path.join(carry, TREE_DIR)
-    own = compare_inputs(carry, tree, GPU_READ)
-    if recorded is None or own is None:
-        problems.append("no target/gpu-carry/INPUTS to compare the carry's tree with (a failed --prepare)")
-    elif digests_sha256(recorded) != fields.get("inputs_sha256"):
-        problems.append("target/gpu-carry/INPUTS does not hash to COMMIT's inputs_sha256 (the two come from different "
-                        "--prepare runs)")
-    elif not own[0]:
-        problems.append("the carry's own tree (target/gpu-carry/tree): " + own[1])
-    commit = fields["commit"][:12]
-    if problems:
-        return False, f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')}: " + "; ".join(problems), ""
-    live = compare_inputs(carry, live_root)
-    note = "" if live is None or live[0] else (
-        f"the live tree's {live[1]}; the run uses the carry's own tree (target/gpu-carry/tree) and the carried binaries "
-        "of that commit")
-    return True, (f"carry of commit {commit} prepared {fields.get('prepared_utc', '?')}, run from its own tree ({own[1]})"), note
 
 
 def glibc_needed(path: str) -> str | None:
@@ -370,9 +307,9 @@ BEGIN_FILE = "PREPARE_BEGIN"
 _STATE_FIELDS = (("inputs", "inputs_sha256"),)
 
 
-def tree_state(digests: dict[str, str | None] | None = None) -> tuple[dict[str, str], dict[str, str | None]] | None:
-    """The commit, dirty flags and hashes of this checkout now, and its input files' sha256s (or
-    `digests`, a snapshot's); None without git."""
+def tree_state() -> tuple[dict[str, str], dict[str, str | None]] | None:
+    """The commit, dirty flags and hashes of this checkout now, and its input files' sha256s;
+    None without git."""
     head = _git("rev-parse", "HEAD")
     paths = input_paths_from_git()
     if head is None or paths is None:
@@ -380,8 +317,7 @@ def tree_state(digests: dict[str, str | None] | None = None) -> tuple[dict[str, 
     status = _git("status", "--porcelain") or ""
     inputs_status = _git("status", "--porcelain", "--", *INPUTS) or ""
     diff = (_git("diff", "HEAD", "--binary") or "").encode()
-    if digests is None:
-        digests = {path: file_sha256(path) for path in paths}
+    digests = {path: file_sha256(path) for path in paths}
     state = {"commit": head.strip(), "dirty": "yes" if status.strip() else "no",
              "inputs_dirty": "yes" if inputs_status.strip() else "no", "status_sha256": _sha256(status.encode()),
              "diff_sha256": _sha256(diff), "untracked_files": str(sum(1 for line in status.splitlines() if line.startswith("??"))),
@@ -404,94 +340,12 @@ def begin(carry: str) -> int:
     return 0
 
 
-def snapshot_digests(directory: str) -> dict[str, str | None]:
-    """The input files of a snapshot directory and their sha256s (its target and .tools links,
-    which lead back into this checkout, left out)."""
-    digests: dict[str, str | None] = {}
-    for dirpath, dirnames, filenames in os.walk(directory):
-        relative = os.path.relpath(dirpath, directory)
-        if relative == ".":
-            dirnames[:] = [name for name in dirnames if name not in ("target", ".tools")]
-        for name in filenames:
-            path = os.path.normpath(os.path.join(relative, name))
-            if is_input(path):
-                digests[path] = file_sha256(path, directory)
-    return digests
-
-
-def snapshot(carry: str, directory: str) -> int:
-    """Before --prepare builds: this checkout's files (tracked and untracked, not ignored) copied
-    into `directory`, where the builds then run, so an edit of the live tree during the build
-    reaches no carried binary; the inputs' state as copied into CARRY/PREPARE_BEGIN. A copy whose
-    bytes did not change is left alone (its mtime too: cargo rebuilds only what changed); a file
-    no longer in the checkout is removed from it (cargo would compile a stale test or example)."""
-    listed = _git("ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    if listed is None:
-        print("provenance: no git checkout here; --prepare needs one to snapshot the tree", file=sys.stderr)
-        return 1
-    os.makedirs(directory, exist_ok=True)
-    keep: set[str] = set()
-    for path in sorted({path for path in listed.split("\0") if path}):
-        source = os.path.join(ROOT, path)
-        if os.path.islink(source) or not os.path.isfile(source):
-            continue  # a tracked file deleted here, or a link
-        with open(source, "rb") as handle:
-            data = handle.read()
-        keep.add(path)
-        target = os.path.join(directory, path)
-        if os.path.isfile(target) and not os.path.islink(target):
-            with open(target, "rb") as handle:
-                if handle.read() == data:
-                    continue
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target + ".snapshot-new", "wb") as handle:
-            handle.write(data)
-        shutil.copymode(source, target + ".snapshot-new")
-        os.replace(target + ".snapshot-new", target)
-    for dirpath, dirnames, filenames in os.walk(directory):
-        relative = os.path.relpath(dirpath, directory)
-        if relative == ".":
-            dirnames[:] = [name for name in dirnames if name not in ("target", ".tools")]
-        for name in filenames:
-            if os.path.normpath(os.path.join(relative, name)) not in keep:
-                os.remove(os.path.join(dirpath, name))
-    found = tree_state(snapshot_digests(directory))
+def prepare(carry: str) -> int:
+    found = tree_state()
     if found is None:
-        print("provenance: no git checkout here; nothing recorded", file=sys.stderr)
-        return 1
-    os.makedirs(carry, exist_ok=True)
-    with open(os.path.join(carry, BEGIN_FILE), "w") as handle:
-        handle.write("".join(f"{key}: {value}\n" for key, value in found[0].items()))
-    return 0
-
-
-def copy_tree(carry: str, source: str, digests: dict[str, str | None]) -> None:
-    """The input files the GPU run reads (GPU_READ), from `source`, into CARRY/tree/ (replaced)."""
-    tree = os.path.join(carry, TREE_DIR)
-    shutil.rmtree(tree, ignore_errors=True)
-    for path, digest in digests.items():
-        if digest is None or not any(path.startswith(entry) if entry.endswith("/") else path == entry for entry in GPU_READ):
-            continue
-        target = os.path.join(tree, path)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.join(source, path), target)
-
-
-def prepare(carry: str, source: str | None = None) -> int:
-    """Once the carry is built: COMMIT, INPUTS, ABI and CARRY/tree/. `source`: the snapshot the
-    builds read (snapshot()); its input files are the ones recorded, and the live tree's edits
-    since are noted (live_inputs_changed_since_snapshot), not taken for a change during the build."""
-    live = tree_state()
-    if live is None:
         print("provenance: no git checkout here; COMMIT not written", file=sys.stderr)
         return 1
-    if source is None:
-        state, digests = live
-    else:
-        before = read_fields(os.path.join(carry, BEGIN_FILE))
-        digests = snapshot_digests(source)
-        state = {**{key: before.get(key, live[0][key]) for key in live[0]}, "input_files": str(len(digests)),
-                 "inputs_sha256": digests_sha256(digests)}
+    state, digests = found
     os.makedirs(carry, exist_ok=True)
     commit = {**state, "prepared_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
               "prepared_on": f"{platform.node()} {platform.platform()}"}
@@ -513,12 +367,8 @@ def prepare(carry: str, source: str | None = None) -> int:
                   f"{before.get('commit', '?')[:12]} at the start, {state['commit'][:12]} at the end): the carry may mix "
                   "both; run --prepare again once nothing under the inputs (provenance.py INPUTS) is being edited",
                   file=sys.stderr)
-    if source is not None:
-        commit["live_inputs_changed_since_snapshot"] = "no" if live[0]["inputs_sha256"] == state["inputs_sha256"] else \
-            "yes (the builds read the snapshot; --verify here compares the live tree)"
     if os.path.exists(begin_path):
         os.remove(begin_path)
-    copy_tree(carry, source or ROOT, digests)
     with open(os.path.join(carry, INPUTS_FILE), "w") as handle:
         handle.write("".join(f"{digests[path] or 'missing'}  {path}\n" for path in sorted(digests)))
     with open(os.path.join(carry, "COMMIT"), "w") as handle:
@@ -546,29 +396,14 @@ def abi_line(carry: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("begin", "snapshot", "prepare", "line", "abi", "verify", "verify-tree", "inputs"):
+    if not argv or argv[0] not in ("begin", "prepare", "line", "abi", "verify", "inputs"):
         print(__doc__, file=sys.stderr)
         return 2
     carry = argv[1] if len(argv) > 1 else CARRY
-    extra = argv[2] if len(argv) > 2 else None
     if argv[0] == "begin":
         return begin(carry)
-    if argv[0] == "snapshot":
-        if extra is None:
-            print("provenance: snapshot CARRY DIRECTORY", file=sys.stderr)
-            return 2
-        return snapshot(carry, extra)
     if argv[0] == "prepare":
-        return prepare(carry, extra)
-    if argv[0] == "verify-tree":
-        if extra is None:
-            print("provenance: verify-tree CARRY LIVE_ROOT", file=sys.stderr)
-            return 2
-        ok, why, note = verify_tree(carry, extra)
-        print(("carry OK: " if ok else "STALE carry: ") + why)
-        if note:
-            print("NOTE " + note)
-        return 0 if ok else 1
+        return prepare(carry)
     if argv[0] == "inputs":
         paths = input_paths_from_git()
         if paths is None:
@@ -580,7 +415,7 @@ def main(argv: list[str]) -> int:
         ok, why = verify(carry)
         print(("carry OK: " if ok else "STALE carry: ") + why)
         return 0 if ok else 1
-    print(commit_line(carry, extra) if argv[0] == "line" else abi_line(carry))
+    print(commit_line(carry) if argv[0] == "line" else abi_line(carry))
     return 0
 
 

@@ -73,10 +73,7 @@
 # file's sha256: provenance.py's INPUTS list, what the builds and the steps read) and ABI (the highest
 # GLIBC_ version each carried binary and the wheel's module need, the wheel's platform tag) with
 # tools/gpu/provenance.py; summary.txt's header gives the commit, the carry's glibc need against
-# this machine's glibc, and where libcuda is, so an ABI mismatch shows in $OUT. --prepare builds
-# from a snapshot of the tree (target/gpu-prepare-src) and copies what the GPU run reads (kernels/,
-# tools/gpu/, tools/cuda-build.sh, tools/lib/) into target/gpu-carry/tree, from which this script
-# runs itself on a machine without .git (below, before $OUT is touched).
+# this machine's glibc, and where libcuda is, so an ABI mismatch shows in $OUT.
 #
 # Results in $OUT (default target/gpu-results), at most 8 files, flat:
 #   summary.txt            one PASS/FAIL/NOT RUN line per step, with versions, CUDA attributes, times
@@ -213,36 +210,12 @@ fi
 
 if [[ "${1:-}" == "--prepare" ]]; then
   set -e
-  if [[ -z "${RUN_ALL_PREPARE_SNAPSHOT:-}" ]]; then
-    rm -f "$CARRY/COMMIT" "$CARRY/INPUTS" "$CARRY/TRACKED" "$CARRY/ABI" # never a stale record of an earlier carry
-    # The builds run from a frozen copy of this checkout (tracked and untracked files, not
-    # ignored; provenance.py snapshot), not from the live tree, which other work edits while they
-    # run: what they read is what INPUTS records, and COMMIT's changed_during_prepare stays `no`.
-    # Its target and .tools are links to this checkout's, so cargo reuses target/ (the first
-    # --prepare after this change builds the workspace once under the new path) and everything
-    # written under target/ (the carry, the wheels) lands here. Not under target/gpu-carry: the
-    # copy is never carried.
-    snapshot="$ROOT/target/gpu-prepare-src"
-    [[ -n "${CARGO_TARGET_DIR:-}" ]] && export CARGO_TARGET_DIR="$(realpath -m "$CARGO_TARGET_DIR")"
-    python3 tools/gpu/provenance.py snapshot "$CARRY" "$snapshot"
-    mkdir -p "$ROOT/.tools"
-    ln -sfn "$ROOT/target" "$snapshot/target"
-    ln -sfn "$ROOT/.tools" "$snapshot/.tools"
-    RUN_ALL_PREPARE_SNAPSHOT=1 bash "$snapshot/tools/gpu/run-all.sh" --prepare
-    # Provenance and ABI for the GPU machine, where .git is not (tools/gpu/provenance.py), last:
-    # the carry is complete. It also copies what the GPU run reads from the tree (kernels/,
-    # tools/gpu/, tools/cuda-build.sh, tools/lib/), as the builds read it, into
-    # target/gpu-carry/tree, which run-all.sh runs from there.
-    python3 tools/gpu/provenance.py prepare "$CARRY" "$snapshot" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
-      echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
-    du -sh "$CARRY"
-    echo "run-all: carry target/gpu-carry; run bash tools/gpu/run-all.sh STEP... there (see docs/gio-uring.md, Running on a GPU)"
-    exit 0
-  fi
-  # From here on: in the snapshot (ROOT is target/gpu-prepare-src; its target/ is this checkout's).
-  # Not passed on: the scripts' own tests run below start run-all.sh --prepare in stub trees,
-  # which must snapshot as a first run does.
-  unset RUN_ALL_PREPARE_SNAPSHOT
+  rm -f "$CARRY/COMMIT" "$CARRY/INPUTS" "$CARRY/TRACKED" "$CARRY/ABI" # never a stale record of an earlier carry
+  # The carry's inputs as the build starts from them: provenance.py prepare compares them with the
+  # inputs at the end, so an edit or a commit of an input (provenance.py INPUTS) landing during the
+  # build is recorded (COMMIT's changed_during_prepare); changes elsewhere are not.
+  python3 tools/gpu/provenance.py begin "$CARRY" ||
+    echo "run-all: WARNING: the tree was not recorded before the build; COMMIT will not say whether it changed during it" >&2
   bash tools/gpu/run-gpu-tests.sh --prepare              # kernels + gio-uring GPU test binary
   built=$(cargo_executables build --release --locked -p tutti-profile --bin tutti-profile -- tutti-profile)
   cp "$built" "$CARRY/tutti-profile"
@@ -277,6 +250,12 @@ if [[ "${1:-}" == "--prepare" ]]; then
   rm -f "$CARRY"/tutti-*.whl
   cp target/wheels/tutti-*-abi3-*.whl "$CARRY/"
   python3 -m unittest discover -s tools/gpu -p 'test_*.py'
+  # Provenance and ABI for the GPU machine, where .git is not (tools/gpu/provenance.py), last:
+  # the carry is complete. It warns, and COMMIT says so, if the inputs changed since `begin`.
+  python3 tools/gpu/provenance.py prepare "$CARRY" && sed 's/^/run-all: ABI /' "$CARRY/ABI" ||
+    echo "run-all: WARNING: provenance not recorded (target/gpu-carry/COMMIT, ABI); the GPU run will say commit unknown" >&2
+  du -sh "$CARRY"
+  echo "run-all: carry target/gpu-carry; run bash tools/gpu/run-all.sh STEP... there (see docs/gio-uring.md, Running on a GPU)"
   exit 0
 fi
 
@@ -286,23 +265,6 @@ STEPS=("$@")
 for step in "${STEPS[@]}"; do
   case "$step" in tests | green | bandwidth | ipc | python | slack | prefill) ;; *) echo "run-all: unknown step '$step' (tests green bandwidth ipc python slack prefill)" >&2; exit 2 ;; esac
 done
-
-# On a machine without .git or without cargo (the GPU machine: .git does not travel, and it has
-# no cargo), a carry with a tree of its own
-# (--prepare's copy of kernels/, tools/gpu/, tools/cuda-build.sh and tools/lib/, as the carried
-# binaries were built beside them) is run from that tree: the live tree the device tool copied
-# (crates/ edited since --prepare, say) is then only compared, for a NOTE, and cannot refuse the
-# run after the machine's start was paid for. target/gpu-carry inside the tree is a link to the
-# carry (run-gpu-tests.sh finds it there); $OUT stays the live tree's.
-# No cargo counts as the GPU machine too (were .git copied there, the strict check would refuse
-# the run for a crates/ edit that changes nothing it runs).
-if [[ -z "${RUN_ALL_LIVE_ROOT:-}" && -f "$CARRY/tree/tools/gpu/run-all.sh" ]] &&
-  { [[ ! -e "$ROOT/.git" ]] || ! command -v cargo >/dev/null 2>&1; }; then
-  mkdir -p "$CARRY/tree/target" && ln -sfn "$CARRY" "$CARRY/tree/target/gpu-carry" ||
-    { echo "run-all: cannot link target/gpu-carry/tree/target/gpu-carry to the carry" >&2; exit 3; }
-  export RUN_ALL_LIVE_ROOT="$ROOT" OUT="${OUT:-$ROOT/target/gpu-results}"
-  exec bash "$CARRY/tree/tools/gpu/run-all.sh" "$@"
-fi
 
 OUT="${OUT:-$ROOT/target/gpu-results}"
 mkdir -p "$OUT"
@@ -338,16 +300,10 @@ for step in "${STEPS[@]}"; do
   esac
   carry_steps+=("$step")
 done
-verify_args=(verify "$CARRY")
-# Run from the carry's tree (above): its own copy is checked; the live tree's differences are a NOTE.
-[[ -n "${RUN_ALL_LIVE_ROOT:-}" ]] && verify_args=(verify-tree "$CARRY" "$RUN_ALL_LIVE_ROOT")
 if [[ ${#carry_steps[@]} -gt 0 ]]; then
-  if carry_check=$(python3 tools/gpu/provenance.py "${verify_args[@]}" 2>&1); then
-    carry_note=$(grep '^NOTE ' <<<"$carry_check" | head -n 1)
-    [[ -n "$carry_note" ]] && record "$carry_note"
-  else
+  if ! carry_check=$(python3 tools/gpu/provenance.py verify "$CARRY" 2>&1); then
     if [[ "${RUN_ALL_ALLOW_STALE:-}" != 1 ]]; then
-      record "REFUSED: $carry_check. Nothing was run (steps ${carry_steps[*]} use the carry). Run tools/gpu/run-all.sh --prepare on the development machine (it builds from a snapshot of the tree), check it with tools/gpu/run-all.sh --verify there right before the device call, and carry it again; RUN_ALL_ALLOW_STALE=1 runs it anyway, every step marked STALE"
+      record "REFUSED: $carry_check. Nothing was run (steps ${carry_steps[*]} use the carry). Run tools/gpu/run-all.sh --prepare on the development machine while nothing under its inputs (tools/gpu/provenance.py INPUTS) is being edited, check it with tools/gpu/run-all.sh --verify there right before the device call, and carry it again; RUN_ALL_ALLOW_STALE=1 runs it anyway, every step marked STALE"
       exit 3
     fi
     STALE_MARK=" STALE (RUN_ALL_ALLOW_STALE=1: $carry_check)"
@@ -469,7 +425,7 @@ nvidia_smi() {
 
 {
   echo "== run-all $(date -u +%Y-%m-%dT%H:%M:%SZ), steps: ${STEPS[*]}, deadline ${DEADLINE} s${RUN_ALL_DRY:+ (DRY RUN: RUN_ALL_DRY=1, every step a sleep)}"
-  echo "== commit $(python3 tools/gpu/provenance.py line "$CARRY" "${RUN_ALL_LIVE_ROOT:-}" 2>&1)"
+  echo "== commit $(python3 tools/gpu/provenance.py line "$CARRY" 2>&1)"
   echo "== uname $(uname -srm)"
   echo "== gpu $(nvidia_smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv,noheader 2>&1)"
   echo "== nvcc ${NVCC:-not found}${NVCC:+ $(timeout 20 "$NVCC" --version 2>&1 | tail -n 1)}"
