@@ -517,150 +517,49 @@ mod tests {
     use super::*;
     use objstore::{Result, StorePlan};
 
-    /// A store with nothing ever in flight: every issue is taken, every `wait` answers `None`.
-    struct NothingInFlight;
-
-    impl LayerKvStore for NothingInFlight {
-        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
-            first_block
-        }
-        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
-            Ok(RequestHandle::from_bits(1))
-        }
-        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
-            unreachable!("move_layers prepares nothing")
-        }
-        fn retrieve_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
-            Ok(())
-        }
-        fn store_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
-            Ok(())
-        }
-        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
-            Ok(false)
-        }
-        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
-            Ok(None)
-        }
-        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
-            Ok(true)
-        }
-        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
-            Ok(0)
-        }
-        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
-            Ok(())
-        }
+    /// How a [`ScriptedStore`]'s device answers: whether its issues go in flight, and how each
+    /// `wait` answers. A timeout is objstore's `GioError::WaitTimeout`, the oldest layer left in
+    /// flight; a completion completes the oldest layer in flight, in issue order.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Device {
+        /// Nothing is ever in flight: every issue is taken, every `wait` answers `None`.
+        Idle,
+        /// Every `wait` completes at once.
+        Prompt,
+        /// The first `wait` times out, later ones complete.
+        FirstWaitTimesOut,
+        /// A stuck device: no layer ever completes, every `wait` times out.
+        Stuck,
+        /// `wait`s alternate: the first times out, the second completes, and so on.
+        Alternating,
     }
 
-    /// A store whose first `wait` times out leaving its layer in flight, as objstore's does
-    /// (`GioError::WaitTimeout`: the oldest layer stays queued); later waits complete the
-    /// oldest layer. Counts its waits.
-    struct FirstWaitTimesOut {
-        in_flight: std::collections::VecDeque<u32>,
-        waits: u32,
-    }
-
-    impl LayerKvStore for FirstWaitTimesOut {
-        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
-            first_block
-        }
-        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
-            Ok(RequestHandle::from_bits(1))
-        }
-        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
-            unreachable!("move_layers prepares nothing")
-        }
-        fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
-            Ok(())
-        }
-        fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
-            Ok(())
-        }
-        fn layers_in_flight_max(&self) -> u32 {
-            2
-        }
-        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
-            Ok(!self.in_flight.is_empty())
-        }
-        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
-            self.waits += 1;
-            if self.waits == 1 {
-                return Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }));
-            }
-            Ok(self.in_flight.pop_front())
-        }
-        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
-            Ok(self.in_flight.is_empty())
-        }
-        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
-            Ok(0)
-        }
-        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    /// A store on a stuck device: every issue is taken, no layer ever completes, every `wait`
-    /// times out (`GioError::WaitTimeout`, the oldest layer left in flight). Counts its waits.
-    struct StuckStore {
-        in_flight: u32,
-        waits: u32,
-    }
-
-    impl LayerKvStore for StuckStore {
-        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
-            first_block
-        }
-        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
-            Ok(RequestHandle::from_bits(1))
-        }
-        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
-            unreachable!("move_layers prepares nothing")
-        }
-        fn retrieve_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight += 1;
-            Ok(())
-        }
-        fn store_layer(&mut self, _handle: RequestHandle, _layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight += 1;
-            Ok(())
-        }
-        fn layers_in_flight_max(&self) -> u32 {
-            2
-        }
-        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
-            Ok(self.in_flight > 0)
-        }
-        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
-            self.waits += 1;
-            Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }))
-        }
-        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
-            Ok(self.in_flight == 0)
-        }
-        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
-            Ok(0)
-        }
-        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    /// A store whose `wait`s alternate: the first times out (`GioError::WaitTimeout`, the oldest
-    /// layer left in flight), the second completes the oldest layer, and so on. Counts its waits
-    /// and records the layers they completed.
-    #[derive(Default)]
-    struct AlternatingStore {
+    /// The tests' one store: every issue is taken and (unless the device is idle) goes in flight;
+    /// its `wait`s answer as `device` says. Counts its waits, and records the layers they
+    /// completed and how far off each wait's deadline was.
+    struct ScriptedStore {
+        device: Device,
+        /// `layers_in_flight_max`.
         ahead: u32,
         in_flight: std::collections::VecDeque<u32>,
         waits: u32,
         collected: Vec<u32>,
+        deadlines_in: Vec<Duration>,
     }
 
-    impl LayerKvStore for AlternatingStore {
+    impl ScriptedStore {
+        fn new(device: Device, ahead: u32) -> Self {
+            Self { device, ahead, in_flight: Default::default(), waits: 0, collected: Vec::new(), deadlines_in: Vec::new() }
+        }
+
+        fn issue(&mut self, layer: u32) {
+            if self.device != Device::Idle {
+                self.in_flight.push_back(layer);
+            }
+        }
+    }
+
+    impl LayerKvStore for ScriptedStore {
         fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
             first_block
         }
@@ -671,11 +570,11 @@ mod tests {
             unreachable!("move_layers prepares nothing")
         }
         fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
+            self.issue(layer);
             Ok(())
         }
         fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
+            self.issue(layer);
             Ok(())
         }
         fn layers_in_flight_max(&self) -> u32 {
@@ -684,58 +583,21 @@ mod tests {
         fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
             Ok(!self.in_flight.is_empty())
         }
-        fn wait(&mut self, _handle: RequestHandle, _deadline: Instant) -> Result<Option<u32>> {
+        fn wait(&mut self, _handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
+            self.deadlines_in.push(deadline.saturating_duration_since(Instant::now()));
             self.waits += 1;
-            if self.waits % 2 == 1 {
+            let times_out = match self.device {
+                Device::Idle | Device::Prompt => false,
+                Device::FirstWaitTimesOut => self.waits == 1,
+                Device::Stuck => true,
+                Device::Alternating => self.waits % 2 == 1,
+            };
+            if times_out {
                 return Err(objstore::ObjstoreError::Gio(gio_uring::GioError::WaitTimeout { id: gio_uring::IocbId(0), waited_ms: 0 }));
             }
             let completed = self.in_flight.pop_front();
             self.collected.extend(completed);
             Ok(completed)
-        }
-        fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
-            Ok(self.in_flight.is_empty())
-        }
-        fn commit_store(&mut self, _handle: RequestHandle) -> Result<usize> {
-            Ok(0)
-        }
-        fn finish(&mut self, _handle: RequestHandle) -> Result<()> {
-            Ok(())
-        }
-    }
-
-    /// A store whose layers complete at once, in order, recording how far off each wait's
-    /// deadline was.
-    #[derive(Default)]
-    struct DeadlineRecorder {
-        in_flight: std::collections::VecDeque<u32>,
-        deadlines_in: Vec<Duration>,
-    }
-
-    impl LayerKvStore for DeadlineRecorder {
-        fn lookup_from(&mut self, _tokens: &[u32], first_block: usize) -> usize {
-            first_block
-        }
-        fn prepare_retrieve_from(&mut self, _request: &KvRequest<'_>, _first_block: usize) -> Result<RequestHandle> {
-            Ok(RequestHandle::from_bits(1))
-        }
-        fn prepare_store(&mut self, _request: &KvRequest<'_>) -> Result<StorePlan> {
-            unreachable!("move_layers prepares nothing")
-        }
-        fn retrieve_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
-            Ok(())
-        }
-        fn store_layer(&mut self, _handle: RequestHandle, layer: u32, _budget: SmBudget) -> Result<()> {
-            self.in_flight.push_back(layer);
-            Ok(())
-        }
-        fn any_layer_in_flight(&self, _handle: RequestHandle) -> Result<bool> {
-            Ok(!self.in_flight.is_empty())
-        }
-        fn wait(&mut self, _handle: RequestHandle, deadline: Instant) -> Result<Option<u32>> {
-            self.deadlines_in.push(deadline.saturating_duration_since(Instant::now()));
-            Ok(self.in_flight.pop_front())
         }
         fn poll(&mut self, _handle: RequestHandle) -> Result<bool> {
             Ok(self.in_flight.is_empty())
@@ -763,7 +625,7 @@ mod tests {
         assert_eq!(layer_timeout(Some(slow), Direction::Retrieve, 1 << 20), LAYER_TIMEOUT, "4 s of model time: the default");
         let bound = layer_timeout(Some(slow), Direction::Retrieve, 64 << 20);
         assert!(bound >= Duration::from_secs(4 * 64), "{bound:?}");
-        let mut store = DeadlineRecorder::default();
+        let mut store = ScriptedStore::new(Device::Prompt, 1);
         move_layers(&mut store, RequestHandle::from_bits(1), 3, Direction::Retrieve, 64 << 20, bound).unwrap();
         assert_eq!(store.deadlines_in.len(), 3);
         for deadline_in in &store.deadlines_in {
@@ -779,7 +641,7 @@ mod tests {
         // then finished while the device could still move its bytes. Drained until the store
         // says none is, every wait bounded.
         let handle = RequestHandle::from_bits(1);
-        let mut store = FirstWaitTimesOut { in_flight: Default::default(), waits: 0 };
+        let mut store = ScriptedStore::new(Device::FirstWaitTimesOut, 2);
         let error = move_layers(&mut store, handle, 4, Direction::Retrieve, 1 << 20, LAYER_TIMEOUT).unwrap_err();
         assert!(format!("{error:#}").contains("waiting for retrieve layer 0"), "{error:#}");
         assert!(!store.any_layer_in_flight(handle).unwrap(), "layers {:?} were left in flight", store.in_flight);
@@ -796,7 +658,7 @@ mod tests {
         // layers-in-flight bound alone, 2 ahead, would allow 1 + 3).
         let handle = RequestHandle::from_bits(1);
         for direction in [Direction::Retrieve, Direction::Store] {
-            let mut store = StuckStore { in_flight: 0, waits: 0 };
+            let mut store = ScriptedStore::new(Device::Stuck, 2);
             let error = move_layers(&mut store, handle, 32, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
             assert!(format!("{error:#}").contains("layer 0"), "{error:#}");
             assert_eq!(store.waits, 2, "waits of the layer timeout each");
@@ -812,7 +674,7 @@ mod tests {
         // complete, time out, complete: layers 0, 1 and 2 collected, layer 3 left to the close.
         let handle = RequestHandle::from_bits(1);
         for direction in [Direction::Retrieve, Direction::Store] {
-            let mut store = AlternatingStore { ahead: 4, ..Default::default() };
+            let mut store = ScriptedStore::new(Device::Alternating, 4);
             let error = move_layers(&mut store, handle, 32, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
             assert!(format!("{error:#}").contains("layer 0"), "{error:#}");
             let drain_waits = store.waits - 1;
@@ -828,10 +690,10 @@ mod tests {
         // once (`wait` answers None). A layer that should move bytes and had nothing in flight
         // is the store's failure: counted as done, its bytes over ~0 s made GB/s up.
         let handle = RequestHandle::from_bits(1);
-        let (latencies, _) = move_layers(&mut NothingInFlight, handle, 3, Direction::Store, 0, LAYER_TIMEOUT).unwrap();
+        let (latencies, _) = move_layers(&mut ScriptedStore::new(Device::Idle, 1), handle, 3, Direction::Store, 0, LAYER_TIMEOUT).unwrap();
         assert_eq!(latencies.len(), 3);
         for direction in [Direction::Retrieve, Direction::Store] {
-            let error = move_layers(&mut NothingInFlight, handle, 3, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
+            let error = move_layers(&mut ScriptedStore::new(Device::Idle, 1), handle, 3, direction, 1 << 20, LAYER_TIMEOUT).unwrap_err();
             assert!(format!("{error:#}").contains("nothing in flight for layer 0"), "{error:#}");
         }
     }
