@@ -630,7 +630,8 @@ impl Server {
         // The data plane closes its listener within a tick of the stop; its peer threads then
         // meet the drain: each ends within the layer it has in flight (up to 10 s) or the
         // block it is sending (up to 2 × the 2 s stall bound), then a `Failure` frame (up to
-        // 2 × the stall bound). docs/cluster.md, "Remote reads".
+        // 2 × the stall bound), on a healthy device; after a layer that timed out, the staging
+        // area's queue pairs are deleted first (admin timeouts). docs/cluster.md, "Remote reads".
         if data_plane_thread.is_some_and(|thread| thread.join().is_err()) {
             tracing::error!("the data plane panicked");
         }

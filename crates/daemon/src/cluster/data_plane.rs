@@ -421,7 +421,9 @@ impl DataPlane {
     /// and the peer threads meet the drain only once it is closed. Each then ends within the
     /// layer it has in flight (up to the staging area's 10 s per-layer timeout) or the block it
     /// is sending (up to 2 × the stall bound: the write call in progress, then one stall bound
-    /// more), then a `Failure` frame (up to 2 × the stall bound); docs/cluster.md.
+    /// more), then a `Failure` frame (up to 2 × the stall bound), on a healthy device (after a
+    /// layer that timed out, the staging area's retirement comes first: admin timeouts);
+    /// docs/cluster.md.
     pub fn serve(&self, store: &Mutex<StoreState>, stop: &StopHandle, tick: Duration, metrics: &ClusterMetrics) {
         let Some(listener) = lock(&self.listener).take() else { return };
         // The peer threads' stop: set once the listener is closed, not at `stop`. A peer

@@ -1087,6 +1087,11 @@ fn a_panic_in_the_accept_loop_still_drains_the_peer_threads() {
     let node = Arc::new(small(PeerBounds::default()));
     let address = node.plane.address();
     let serving = Arc::clone(&node);
+    // A second dispatcher alive for the whole test: with only one registered, tracing-core
+    // 0.1 caches a call site's interest from whichever thread reaches it first
+    // (tokio-rs/tracing#3611), so another test's accept thread, with no subscriber, could
+    // leave the over-the-limit warning cached as disabled and this one would never panic.
+    let _second_dispatch = tracing::Dispatch::new(PanicAtWarning);
     let thread = std::thread::spawn(move || {
         tracing::subscriber::with_default(PanicAtWarning, || {
             serving.plane.serve(&serving.store, &serving.stop, Duration::from_millis(10), &serving.metrics)
