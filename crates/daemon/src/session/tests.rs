@@ -479,6 +479,11 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
     // level (the session's end said so once).
     let warnings = Arc::new(AtomicU64::new(0));
     let (mut tries, deadline) = (0, std::time::Instant::now() + Duration::from_secs(10));
+    // A second dispatcher alive meanwhile: with only one registered, tracing-core 0.1 caches a
+    // call site's interest from whichever thread reaches it first (tokio-rs/tracing#3611), so a
+    // warning another test's thread met first, with no subscriber, could stay disabled here and
+    // the count below pass without counting.
+    let _second_dispatch = tracing::Dispatch::new(CountingWarnings(Arc::new(AtomicU64::new(0))));
     tracing::subscriber::with_default(CountingWarnings(Arc::clone(&warnings)), || loop {
         tries += 1;
         match retiring.retry(&store, &leaks) {
