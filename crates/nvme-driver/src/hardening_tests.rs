@@ -1337,6 +1337,11 @@ pub(crate) fn messages_during<T>(level: tracing::Level, body: impl FnOnce() -> T
         fn exit(&self, _: &tracing::span::Id) {}
     }
     let messages = Arc::new(Mutex::new(Vec::new()));
+    // A second dispatcher alive meanwhile: with only one registered, tracing-core 0.1 caches a
+    // call site's interest from whichever thread reaches it first (tokio-rs/tracing#3611), so a
+    // message another test's thread met first, with no subscriber, could stay disabled here: a
+    // test expecting none would pass without collecting.
+    let _second_dispatch = tracing::Dispatch::new(Collect(level, Arc::new(Mutex::new(Vec::new()))));
     let result = tracing::subscriber::with_default(Collect(level, Arc::clone(&messages)), body);
     let messages = messages.lock().expect("messages").clone();
     (result, messages)
