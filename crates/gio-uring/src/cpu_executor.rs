@@ -904,6 +904,12 @@ mod tests {
         device: Arc<nvme_emu::EmuDevice>,
     }
 
+    /// One worker serving device 0 on `pair`: the CpuWorkers side of the tests run on both CPU
+    /// executors.
+    fn one_worker(pair: IoQueuePair) -> crate::CpuWorkers {
+        crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers")
+    }
+
     fn emu_rig<E: Executor>(executor: impl FnOnce(IoQueuePair) -> E) -> EmuRig<E> {
         emu_rig_on_devices(1, |mut pairs| executor(pairs.remove(0)))
     }
@@ -1224,7 +1230,7 @@ mod tests {
         use crate::executor::test_double::Corrupting;
         let layer = core::mem::offset_of!(abi::gio_iocb, layer);
         rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(0), layer, 0)), "layer", true);
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(workers(pair), IocbId(0), layer, 0)), "layer", true);
     }
 
@@ -1238,7 +1244,7 @@ mod tests {
         use crate::executor::test_double::Corrupting;
         let seq = core::mem::offset_of!(abi::gio_iocb, issue_seq);
         rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(0), seq, 77)), "issue_seq", true);
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         rewritten_field_is_refused(emu_rig(|pair| Corrupting::new(workers(pair), IocbId(0), seq, 77)), "issue_seq", true);
     }
 
@@ -1285,7 +1291,7 @@ mod tests {
         assert_eq!(io_commands(&rig.device), 0, "no command reached the device");
 
         let mut rig = emu_rig(|pair| {
-            let workers = crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+            let workers = one_worker(pair);
             Corrupting::new(workers, IocbId(0), stride_field, 16 << 20)
         });
         let _ = rig.queue.issue_io(&[rig.id], crate::types::LayerIndex(1), crate::types::SmBudget(1));
@@ -1413,7 +1419,7 @@ mod tests {
         // issue of it: the count moved anyway, so A's next real issue was refused as a corrupt
         // issue_seq and ended with a TIMEOUT CQE the queue dropped as stale (A stuck for ever),
         // or, in flight, A was ended as TIMEOUT under its pending commands. Both executors.
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         for same_batch in [false, true] {
             let single = emu_rig(|pair| ForgedSqEntry { inner: CpuExecutor::new(vec![pair], 4), position: 0, value: None });
             an_sq_entry_rewritten_to_another_iocb_leaves_it_alone(single, same_batch, &format!("CPU executor, same batch {same_batch}"));
@@ -1467,7 +1473,7 @@ mod tests {
         // rewritten moved its count past the queue's, so every later issue of it was refused
         // (CorruptIocb) and ended with a number the queue dropped: the IOCB was lost for good.
         // Both CPU executors.
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         let single = emu_rig(|pair| ForgedSqEntry { inner: CpuExecutor::new(vec![pair], 4), position: 0, value: None });
         a_forged_issue_of_an_idle_iocb_is_not_taken(single, "CPU executor");
         let pooled = emu_rig(|pair| ForgedSqEntry { inner: workers(pair), position: 0, value: None });
@@ -1510,7 +1516,7 @@ mod tests {
         // number than the queue's next issue carries, so every issue of the IOCB was refused
         // (CorruptIocb). Both CPU executors.
         use crate::types::{LayerIndex, SmBudget};
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         let mut single = emu_rig(|pair| SeqRewrittenAtTheFill { inner: CpuExecutor::new(vec![pair], 4), armed: true });
         let mut pooled = emu_rig(|pair| SeqRewrittenAtTheFill { inner: workers(pair), armed: true });
         let soon = || Instant::now() + std::time::Duration::from_secs(5);
@@ -1555,7 +1561,7 @@ mod tests {
         // issue's SQ entry had not been taken), and the queue dropped the TIMEOUT CQE as stale,
         // leaving the IOCB in flight for ever. Both executors.
         a_reset_ends_the_issue_taken_whatever_line_0_says(emu_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         a_reset_ends_the_issue_taken_whatever_line_0_says(emu_rig(workers), "CPU workers");
     }
 
@@ -1663,7 +1669,7 @@ mod tests {
         let count = core::mem::offset_of!(abi::gio_iocb, completed_ioctx_count);
         let single = emu_rig(|pair| Corrupting::new(CpuExecutor::new(vec![pair], 4), IocbId(1), count, 1));
         a_rewritten_progress_line_does_not_end_an_iocb_early(single, "CPU executor");
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         let pooled = emu_rig(|pair| Corrupting::new(workers(pair), IocbId(1), count, 1));
         a_rewritten_progress_line_does_not_end_an_iocb_early(pooled, "CPU workers");
     }
@@ -1890,7 +1896,7 @@ mod tests {
         // CPU executor's command is sent by a poll and never reaped; a CPU worker reaps on its
         // own, so for it the test shows the retirement does not lose what the worker had.
         retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         retire_an_attached_pair_with_a_completion_not_reaped(attached_rig(workers), "CPU workers");
     }
 
@@ -2021,7 +2027,7 @@ mod tests {
         // number, the queue dropped the CQE as stale, and the IOCB stayed in flight for ever.
         let single = emu_rig(|pair| RefusingSubmit { inner: CpuExecutor::new(vec![pair], 4) });
         a_reset_ends_an_issue_never_taken_with_its_own_seq(single, "CPU executor");
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         a_reset_ends_an_issue_never_taken_with_its_own_seq(emu_rig(|pair| RefusingSubmit { inner: workers(pair) }), "CPU workers");
     }
 
@@ -2054,7 +2060,7 @@ mod tests {
         let refused = crate::queue::GioQueue::init_queue(config, two_devices(), registered(), single).map(|_| ());
         assert!(matches!(&refused, Err(GioError::InvalidConfig { .. })), "CPU executor: {refused:?}");
         let pair = controller.create_io_queue_pair(16).expect("pair");
-        let workers = crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker(pair);
         let refused = crate::queue::GioQueue::init_queue(config, two_devices(), registered(), workers).map(|_| ());
         assert!(matches!(&refused, Err(GioError::InvalidConfig { .. })), "CPU workers: {refused:?}");
         let none = crate::CpuWorkers::new(0, Vec::new(), 4).map(|_| ());
@@ -2091,7 +2097,7 @@ mod tests {
         // with a number the queue dropped as stale: the IOCB was lost for good. Both CPU
         // executors.
         a_reset_after_a_status_rewrite_keeps_the_iocb_usable(emu_rig(|pair| CpuExecutor::new(vec![pair], 4)), "CPU executor");
-        let workers = |pair| crate::CpuWorkers::new(1, vec![vec![(crate::types::DeviceIndex(0), pair)]], 4).expect("workers");
+        let workers = one_worker;
         a_reset_after_a_status_rewrite_keeps_the_iocb_usable(emu_rig(workers), "CPU workers");
     }
 
