@@ -405,6 +405,21 @@ def test_a_backend_on_a_pool_file_another_one_is_creating_is_refused_naming_the_
     first.close()
 
 
+def _child_exit_code(pid: int, still_waiting: str) -> int:
+    """The exit code of forked child `pid`, waited for at most 20 s: past that the child is
+    killed and the test fails with `still_waiting`."""
+    deadline = time.monotonic() + 20
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(still_waiting)
+        time.sleep(0.02)
+
+
 @pytest.mark.parametrize("lock_held_at_fork", [False, True], ids=["lock-free", "lock-held-at-fork"])
 def test_a_forked_child_claims_the_devices_its_parent_had_open(tmp_path: Path, lock_held_at_fork: bool):
     """Goal: a child forked from a process whose backend had devices open inherits no record of
@@ -451,17 +466,8 @@ def test_a_forked_child_claims_the_devices_its_parent_had_open(tmp_path: Path, l
     if lock_held_at_fork:
         holder.join(10)
     keys._release_devices(parent)  # the parent closes its backend: the child's copy of it is no holder either
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child's claim still waits, 20 s on, for the lock a thread of its parent held at the fork")
-        time.sleep(0.02)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child was refused the devices its parent had open (2: refused)"
+    code = _child_exit_code(pid, "the child's claim still waits, 20 s on, for the lock a thread of its parent held at the fork")
+    assert code == 0, "the child was refused the devices its parent had open (2: refused)"
 
 
 def test_a_forked_child_clears_an_inherited_host_pool_whatever_its_parent_s_threads_held():
@@ -503,17 +509,8 @@ def test_a_forked_child_clears_an_inherited_host_pool_whatever_its_parent_s_thre
             os._exit(code)
     release.set()
     holder.join(10)
-    deadline = time.monotonic() + 20
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("the child's clear still waits, 20 s on, for a weight-epoch lock a thread of its parent held at the fork")
-        time.sleep(0.02)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's clear of its inherited host pool failed"
+    code = _child_exit_code(pid, "the child's clear still waits, 20 s on, for a weight-epoch lock a thread of its parent held at the fork")
+    assert code == 0, "the child's clear of its inherited host pool failed"
     host_pool.clear()  # the parent's own clears still reach its watchers (and the pool)
     assert host_pool.cleared == 1
 
