@@ -14,6 +14,20 @@ fn geometry() -> ModelGeometry {
     ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
 }
 
+/// A pool formatted and opened on a 16 MiB namespace of a controller that grants one I/O queue
+/// pair, so its metadata borrows the executor's (`metadata_queue_shared(0)`).
+fn pool_borrowing_the_executors_pair() -> (Arc<EmuDevice>, Vec<PoolTarget>, Pool) {
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 16 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, None)])
+        .with_io_queue_pairs_max(1);
+    let (device, targets) = start(config);
+    format(&targets, geometry());
+    let (pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
+    assert!(pool.metadata_queue_shared(0));
+    (device, targets, pool)
+}
+
 fn start(config: EmuConfig) -> (Arc<EmuDevice>, Vec<PoolTarget>) {
     let device = EmuDevice::start(config).expect("software controller");
     let backend: Arc<dyn DeviceBackend> = device.clone();
@@ -178,14 +192,7 @@ fn a_slow_lend_does_not_use_up_the_header_writes_time() {
     // With a caller's deadline that the lend leaves too little of, nothing is submitted on the
     // lent pair: DeadlinePassed, the sector stays staged, nothing fenced.
     use nvme_emu::{FaultAction, FaultPlan, FaultRule};
-    let config = EmuConfig::default()
-        .with_backing(Backing::Memory { bytes: 16 << 20 })
-        .with_namespaces(vec![NamespaceConfig::new(512, None)])
-        .with_io_queue_pairs_max(1);
-    let (device, targets) = start(config);
-    format(&targets, geometry());
-    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
-    assert!(pool.metadata_queue_shared(0));
+    let (device, targets, mut pool) = pool_borrowing_the_executors_pair();
     let timeout = Duration::from_millis(300);
     pool.set_metadata_timeout(timeout);
     let mut lender = SlowLender(targets[0].controller.create_io_queue_pair(16).unwrap());
@@ -226,14 +233,7 @@ fn a_deadline_too_short_for_a_lent_queue_pair_is_refused_without_lending() {
     // lent queue pair (a write timed out there would fence the device), so it must say
     // DeadlinePassed at once. It used to lend first, waiting up to that whole deadline for the
     // executor's other layers on the pair, only to refuse the pair it got.
-    let config = EmuConfig::default()
-        .with_backing(Backing::Memory { bytes: 16 << 20 })
-        .with_namespaces(vec![NamespaceConfig::new(512, None)])
-        .with_io_queue_pairs_max(1);
-    let (_device, targets) = start(config);
-    format(&targets, geometry());
-    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
-    assert!(pool.metadata_queue_shared(0));
+    let (_device, targets, mut pool) = pool_borrowing_the_executors_pair();
     // Long beside what a temporary pair's creation, write and deletion take on a loaded machine
     // (the last sync below); the refusal's bound does not depend on it.
     let timeout = Duration::from_secs(4);
@@ -396,14 +396,7 @@ fn a_timed_out_header_write_on_a_lent_queue_fences_the_device() {
     // delete: the device is fenced. Staging a header there (which would rewrite mirror bytes
     // W1 may still be reading, and queue a write W1 may overtake) is refused with
     // MetadataFenced, as is any later sync or flush on it; dropping the pool keeps the mirror.
-    let config = EmuConfig::default()
-        .with_backing(Backing::Memory { bytes: 16 << 20 })
-        .with_namespaces(vec![NamespaceConfig::new(512, None)])
-        .with_io_queue_pairs_max(1);
-    let (device, targets) = start(config);
-    format(&targets, geometry());
-    let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
-    assert!(pool.metadata_queue_shared(0));
+    let (device, targets, mut pool) = pool_borrowing_the_executors_pair();
     pool.set_metadata_timeout(Duration::from_millis(200));
     let mut lender = OneQueueLender(targets[0].controller.create_io_queue_pair(16).unwrap());
     pool.stage_header(0, 5, SlotState::Empty, &[]).unwrap();
