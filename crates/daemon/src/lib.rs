@@ -38,6 +38,8 @@ pub mod relay;
 mod report;
 pub mod server;
 pub mod session;
+#[cfg(test)]
+mod test_tracing;
 
 use std::path::PathBuf;
 

@@ -875,6 +875,7 @@ mod tests {
     use tutti_cluster::{ClusterId, NodeId, SegmentBlocks, SegmentKey};
 
     use super::*;
+    use crate::test_tracing::{EventSubscriber, OnEvent};
 
     /// A one-device pool on a software controller, as the daemon's store.
     fn store() -> Mutex<StoreState> {
@@ -1214,16 +1215,8 @@ mod tests {
         }
     }
 
-    impl tracing::Subscriber for HandOverPerTransaction {
-        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
+    impl OnEvent for HandOverPerTransaction {
+        fn on_event(&self, event: &tracing::Event<'_>) {
             let mut message = MessageOf::default();
             event.record(&mut message);
             if message.0 != "deleted registrations of segments this pool no longer holds" {
@@ -1234,8 +1227,6 @@ mod tests {
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
     }
 
     #[test]
@@ -1267,7 +1258,7 @@ mod tests {
         let subscriber =
             Arc::new(HandOverPerTransaction { sender: Mutex::new(sender), commits: Mutex::new(commits), dropped: Default::default() });
         let stop = StopHandle::default();
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
         assert!(registrar.stale.is_empty(), "the stale segments were not all deleted this pass");
         assert!(lock(&subscriber.commits).is_empty(), "a transaction did not hand its commit over");
@@ -1322,16 +1313,8 @@ mod tests {
         steps: Mutex<std::collections::VecDeque<Box<dyn FnOnce() + Send>>>,
     }
 
-    impl tracing::Subscriber for AtEachRegistration {
-        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
+    impl OnEvent for AtEachRegistration {
+        fn on_event(&self, event: &tracing::Event<'_>) {
             let mut message = MessageOf::default();
             event.record(&mut message);
             if message.0 != "registered segments" {
@@ -1342,8 +1325,6 @@ mod tests {
                 step();
             }
         }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
     }
 
     #[test]
@@ -1401,7 +1382,7 @@ mod tests {
             })
         };
         let subscriber = Arc::new(AtEachRegistration { steps: Mutex::new([evict_a, store_a_again].into()) });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
         assert!(lock(&subscriber.steps).is_empty(), "the pass made fewer than two registrations");
         // The queue was read between the pass's calls, and what it found was done this pass:
@@ -1466,16 +1447,8 @@ mod tests {
         }
     }
 
-    impl tracing::Subscriber for StopAtJoin {
-        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
+    impl OnEvent for StopAtJoin {
+        fn on_event(&self, event: &tracing::Event<'_>) {
             let mut seen = JoinedEvent::default();
             event.record(&mut seen);
             if seen.lost && seen.lease_id != 0 && seen.lease_id == self.joined.load(Ordering::Acquire) {
@@ -1494,8 +1467,6 @@ mod tests {
                 self.stop.stop();
             }
         }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
     }
 
     #[test]
@@ -1513,7 +1484,7 @@ mod tests {
         let stop = StopHandle::default();
         let subscriber = StopAtJoin { etcd: etcd.clone(), stop: stop.clone(), joined: Default::default(), lost: Default::default() };
         let store = store();
-        let result = tracing::subscriber::with_default(subscriber, || registrar.talk_to_etcd(&store, &stop));
+        let result = tracing::subscriber::with_default(EventSubscriber(subscriber), || registrar.talk_to_etcd(&store, &stop));
         result.unwrap();
         assert!(stop.is_stopped(), "the join was not seen");
         assert_eq!(registrar.metrics.lease_losses.get(), 0, "rejoined after the stop");
@@ -1530,16 +1501,8 @@ mod tests {
         ran: std::sync::atomic::AtomicUsize,
     }
 
-    impl tracing::Subscriber for AtEachEvent {
-        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-            true
-        }
-        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-            tracing::span::Id::from_u64(1)
-        }
-        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-        fn event(&self, event: &tracing::Event<'_>) {
+    impl OnEvent for AtEachEvent {
+        fn on_event(&self, event: &tracing::Event<'_>) {
             let mut message = MessageOf::default();
             event.record(&mut message);
             if message.0 == self.message {
@@ -1547,8 +1510,6 @@ mod tests {
                 self.ran.fetch_add(1, Ordering::Relaxed);
             }
         }
-        fn enter(&self, _: &tracing::span::Id) {}
-        fn exit(&self, _: &tracing::span::Id) {}
     }
 
     /// Four 16-block prompts fill the 64 one-block slots of `store`, departures tracked, and
@@ -1605,7 +1566,7 @@ mod tests {
             step: Mutex::new(evicting_commits(&store, sender, space)),
             ran: Default::default(),
         });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         let stop = StopHandle::default();
         for _ in 0..3 {
             tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
@@ -1642,7 +1603,7 @@ mod tests {
             step: Mutex::new(evicting_commits(&store, sender, space)),
             ran: Default::default(),
         });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         let stop = StopHandle::default();
         for _ in 0..3 {
             tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
@@ -1731,7 +1692,7 @@ mod tests {
         // During the compaction a commit is handed over.
         let subscriber =
             Arc::new(AtEachEvent { message: "compacted the segment manifest", step: Mutex::new(step), ran: Default::default() });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.take_commits(&store));
         assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs one compaction");
         assert!(registrar.inbox.try_recv().is_err(), "the commit handed over during the compaction was left in the queue");
@@ -1761,7 +1722,7 @@ mod tests {
             step: Mutex::new(evicting_commits(&store, sender, space)),
             ran: Default::default(),
         });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &StopHandle::default())).unwrap();
         assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs the join");
         assert_eq!(registrar.manifest_rewrites, 1, "the compaction, then the first join's rewrite of the same");
@@ -1797,7 +1758,7 @@ mod tests {
         registrar.take_commits(&store);
         assert_eq!(registrar.to_unregister.len(), 1, "the test needs a delete queued");
         let subscriber = Arc::new(AtEachEvent { message: "unregistered segments", step: Mutex::new(step), ran: Default::default() });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
         let (deletes, registrations) = (subscriber.ran.load(Ordering::Relaxed), registrar.metrics.registration_transactions.get());
         assert!(deletes > 1, "the test needs evictions during the pass");
@@ -1952,7 +1913,7 @@ mod tests {
             step: Mutex::new(evicting_commits(&store, sender, space)),
             ran: Default::default(),
         });
-        let dispatch = tracing::Dispatch::new(Arc::clone(&subscriber));
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
         tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &StopHandle::default())).unwrap();
         assert_eq!(subscriber.ran.load(Ordering::Relaxed), 1, "the test needs the join");
         assert_eq!(registrar.held.len(), 4, "the commit handed over during the join was not read this pass");

@@ -11,6 +11,7 @@ use objstore::{format_pool, FormatParams, ModelGeometry, Pool, PoolTarget};
 use super::*;
 use crate::gpu_memory::DeviceMemoryService;
 use crate::protocol::{DeviceMemoryKind, RegisterDeviceMemory, RingOffsets};
+use crate::test_tracing::{EventSubscriber, OnEvent};
 
 /// A one-device pool on a software controller started with or without a shared register
 /// page, as the daemon's store state.
@@ -483,8 +484,8 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
     // call site's interest from whichever thread reaches it first (tokio-rs/tracing#3611), so a
     // warning another test's thread met first, with no subscriber, could stay disabled here and
     // the count below pass without counting.
-    let _second_dispatch = tracing::Dispatch::new(CountingWarnings(Arc::new(AtomicU64::new(0))));
-    tracing::subscriber::with_default(CountingWarnings(Arc::clone(&warnings)), || loop {
+    let _second_dispatch = tracing::Dispatch::new(EventSubscriber(CountingWarnings(Arc::new(AtomicU64::new(0)))));
+    tracing::subscriber::with_default(EventSubscriber(CountingWarnings(Arc::clone(&warnings))), || loop {
         tries += 1;
         match retiring.retry(&store, &leaks) {
             Retried::Done => break,
@@ -507,23 +508,13 @@ fn a_deletion_the_admin_queue_could_not_confirm_in_time_is_retried_until_it_is()
 /// Counts the events of this crate at warn level or above (a test's scoped subscriber).
 struct CountingWarnings(Arc<AtomicU64>);
 
-impl tracing::Subscriber for CountingWarnings {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
+impl OnEvent for CountingWarnings {
+    fn on_event(&self, event: &tracing::Event<'_>) {
         let metadata = event.metadata();
         if *metadata.level() <= tracing::Level::WARN && metadata.target().starts_with("tutti_daemon") {
             self.0.fetch_add(1, Ordering::Relaxed);
         }
     }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 /// The software controller's registers, with one admin submission doorbell write held back

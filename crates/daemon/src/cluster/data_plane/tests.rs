@@ -14,6 +14,7 @@ use tutti_cluster::FINGERPRINT_BYTES;
 
 use super::*;
 use crate::relay::{DoorbellRelay, RelayConfig};
+use crate::test_tracing::{EventSubscriber, OnEvent};
 
 const SEGMENT: u16 = 16;
 
@@ -1059,22 +1060,12 @@ fn a_peer_slot_is_given_back_when_its_thread_panics() {
 /// loop's thread only, it stands for a bug that panics in that loop.
 struct PanicAtWarning;
 
-impl tracing::Subscriber for PanicAtWarning {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
-    }
-    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
-        tracing::span::Id::from_u64(1)
-    }
-    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
-    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
-    fn event(&self, event: &tracing::Event<'_>) {
+impl OnEvent for PanicAtWarning {
+    fn on_event(&self, event: &tracing::Event<'_>) {
         if *event.metadata().level() == tracing::Level::WARN {
             panic!("a bug in the accept loop (test)");
         }
     }
-    fn enter(&self, _: &tracing::span::Id) {}
-    fn exit(&self, _: &tracing::span::Id) {}
 }
 
 #[test]
@@ -1091,9 +1082,9 @@ fn a_panic_in_the_accept_loop_still_drains_the_peer_threads() {
     // 0.1 caches a call site's interest from whichever thread reaches it first
     // (tokio-rs/tracing#3611), so another test's accept thread, with no subscriber, could
     // leave the over-the-limit warning cached as disabled and this one would never panic.
-    let _second_dispatch = tracing::Dispatch::new(PanicAtWarning);
+    let _second_dispatch = tracing::Dispatch::new(EventSubscriber(PanicAtWarning));
     let thread = std::thread::spawn(move || {
-        tracing::subscriber::with_default(PanicAtWarning, || {
+        tracing::subscriber::with_default(EventSubscriber(PanicAtWarning), || {
             serving.plane.serve(&serving.store, &serving.stop, Duration::from_millis(10), &serving.metrics)
         })
     });
