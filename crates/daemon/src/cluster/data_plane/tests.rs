@@ -111,6 +111,19 @@ fn pinned(node: &Node) -> u64 {
     lock(&node.store).control.counts().pinned_slots
 }
 
+/// Serves `node` and connects to it with 4 KiB socket buffers on both sides (accepted
+/// connections inherit the listener's send buffer), so the holder's writes block on a reader
+/// that does not keep up.
+fn serve_through_small_buffers(node: Node) -> (Serving, TcpStream) {
+    let listener = lock(&node.plane.listener);
+    nix::sys::socket::setsockopt(listener.as_ref().unwrap(), nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
+    drop(listener);
+    let holder = serve(node);
+    let stream = connect(&holder);
+    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    (holder, stream)
+}
+
 fn connect(serving: &Serving) -> TcpStream {
     let stream = TcpStream::connect(serving.node.plane.address()).unwrap();
     stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -625,14 +638,7 @@ fn a_holder_drained_while_sending_blocks_ends_on_a_frame_boundary_with_unavailab
     let node = small(PeerBounds::default());
     put(&node, 1, 0);
     let block_bytes = node.plane.block_bytes;
-    // Accepted connections inherit the listener's send buffer: small, so the holder's writes
-    // block on this reader.
-    let listener = lock(&node.plane.listener);
-    nix::sys::socket::setsockopt(listener.as_ref().unwrap(), nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
-    drop(listener);
-    let holder = serve(node);
-    let mut stream = connect(&holder);
-    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let (holder, mut stream) = serve_through_small_buffers(node);
     stream.write_all(&request(1, 0)).unwrap();
     let (kind, _) = read_frame(&mut stream).expect("a segment header");
     assert_eq!(kind, PeerKind::SegmentHeader as u16);
@@ -674,14 +680,7 @@ fn a_drain_waits_at_most_the_stall_bound_for_a_slow_readers_block() {
     let stall = node.plane.bounds.stall;
     put(&node, 1, 0);
     let geometry = node.plane.geometry;
-    // Accepted connections inherit the listener's send buffer: small, so the holder's writes
-    // block on this reader.
-    let listener = lock(&node.plane.listener);
-    nix::sys::socket::setsockopt(listener.as_ref().unwrap(), nix::sys::socket::sockopt::SndBuf, &4096).unwrap();
-    drop(listener);
-    let holder = serve(node);
-    let mut stream = connect(&holder);
-    nix::sys::socket::setsockopt(&stream, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let (holder, mut stream) = serve_through_small_buffers(node);
     let mut frame = Vec::new();
     ReadSegment { space: space(), index: 0, geometry, keys: keys(1, 1) }.encode(&mut frame);
     stream.write_all(&frame).unwrap();
