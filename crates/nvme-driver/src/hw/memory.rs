@@ -235,8 +235,10 @@ impl HostMemory {
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        // SAFETY: ptr/len describe exactly the mapping created in `mmap`, and every DmaRegion
-        // that could access it holds an Arc to its owner, so none is alive any more.
+        // SAFETY: ptr/len describe exactly the mapping created in `mmap` (or, in one test, a
+        // start that is not page-aligned, which munmap refuses with EINVAL touching nothing),
+        // and every DmaRegion that could access it holds an Arc to its owner, so none is alive
+        // any more.
         let result = unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
         if result != 0 {
             // Only a mapping that is not what `mmap` made can fail here (a huge page of another
