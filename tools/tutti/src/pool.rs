@@ -137,7 +137,13 @@ pub(crate) fn device_refusal(error: tutti_devices::DeviceError) -> anyhow::Error
 /// the value is dropped; one in use (mounted, swap, claimed) is unusable input, one that fails
 /// to open (EIO) a failure ([`device_refusal`]).
 fn claim_block_devices(args: &DeviceArgs, opener: &dyn BlockDeviceOpener) -> Result<BlockDeviceClaims> {
-    BlockDeviceClaims::acquire(&args.devices, opener).map_err(device_refusal)
+    claim_block_devices_of(&args.devices, opener)
+}
+
+/// [`claim_block_devices`] for some of the devices: those format created paths for, which
+/// another process may have put a block device at since the first look.
+fn claim_block_devices_of(specs: &[DeviceSpec], opener: &dyn BlockDeviceOpener) -> Result<BlockDeviceClaims> {
+    BlockDeviceClaims::acquire(specs, opener).map_err(device_refusal)
 }
 
 /// Refuses (unusable input) every `emu:` device of `args` that holds something other than a
@@ -389,6 +395,9 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             // before anything is written. Declared after the locks, so dropped before them: it
             // undoes the files while they are still held.
             let mut created_locks: Option<DeviceLocks> = None;
+            // The claims on block devices that appeared at paths missing at the first look,
+            // held to the end as `claims` are.
+            let mut _created_claims: Option<BlockDeviceClaims> = None;
             let mut undo: Option<FileUndo> = None;
             if args.emu_create_bytes.is_some() {
                 // Made here with O_EXCL (so the undo knows which it made) and locked at once;
@@ -399,14 +408,25 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 #[cfg(test)]
                 tests::AFTER_CREATING_FILES.with(|hook| hook.take().map(|hook| hook()));
                 let created = lock_created_devices(&args.devices, &to_create, &made)?;
+                // A block device put at a missing path since the first look (a node made, a
+                // link) was not claimed then: it is claimed now, lock then claim as above, with
+                // or without --overwrite (a mounted disk is refused either way), and read
+                // through its claim (a blank first MiB proves nothing on a disk). A refusal
+                // undoes the files made here while they are still locked.
+                let created_claims = match claim_block_devices_of(&to_create, opener) {
+                    Ok(claims) => claims,
+                    Err(error) => {
+                        drop(made);
+                        drop(created);
+                        return Err(error);
+                    }
+                };
                 // A file another process made or wrote since the first look is read as the
                 // others were; one refused is left as that process wrote it (its mode too:
                 // narrowing waits for the format).
                 if !args.overwrite {
                     for spec in &to_create {
-                        if let Err(error) =
-                            tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &BlockDeviceClaims::default())
-                        {
+                        if let Err(error) = tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &created_claims) {
                             if let DeviceSpec::EmuFile(path) = spec {
                                 made.forget(path);
                             }
@@ -417,6 +437,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                         }
                     }
                 }
+                _created_claims = Some(created_claims);
                 created_locks = Some(created);
                 undo = Some(made);
             }
@@ -753,6 +774,56 @@ mod tests {
             assert_eq!(opener.opens.get(), count + 1, "{arguments:?}: claimed once");
         }
         assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the device");
+    }
+
+    /// Calls `path` a block device once something is there (a disk node that appeared at a
+    /// path missing at format's first look) and answers EBUSY for it, as for a mounted disk.
+    struct BusyOnceThere {
+        path: PathBuf,
+        opens: Cell<usize>,
+    }
+
+    impl BlockDeviceOpener for BusyOnceThere {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.path && path.exists()
+        }
+
+        fn open_exclusive(&self, _path: &Path) -> std::io::Result<File> {
+            self.opens.set(self.opens.get() + 1);
+            Err(std::io::Error::from_raw_os_error(libc::EBUSY))
+        }
+    }
+
+    #[test]
+    fn a_block_device_that_appeared_at_a_missing_path_is_claimed_before_it_is_formatted() {
+        // Goal: format --emu-create-bytes claims (O_EXCL) only the devices there at its first
+        // look; a disk that appears at a missing path before it creates the files (a node made,
+        // a link put there) was locked but never claimed, and read as a regular file (a blank
+        // first MiB enough): a mounted disk was formatted with --overwrite, and one with a zero
+        // first MiB without. It is claimed now, with or without --overwrite, and refused as in
+        // use (status 2), unchanged.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("disk");
+        let device = format!("emu:{}", path.display());
+        let lock_dir = directory.path().join("locks");
+        let lock_dir = lock_dir.to_str().unwrap();
+        let bytes = vec![0u8; 8 << 20];
+        for overwrite in [false, true] {
+            let _ = std::fs::remove_file(&path);
+            let mut arguments =
+                vec!["format", "--device", &device, "--model", "llama3-8b", "--emu-create-bytes", "64m", "--lock-dir", lock_dir];
+            if overwrite {
+                arguments.push("--overwrite");
+            }
+            let (late, written) = (path.clone(), bytes.clone());
+            BEFORE_CREATING_FILES.with(|hook| *hook.borrow_mut() = Some(Box::new(move || std::fs::write(&late, &written).unwrap())));
+            let opener = BusyOnceThere { path: path.clone(), opens: Cell::new(0) };
+            let error = run_with(&command(&arguments), &opener).expect_err("a disk in use was formatted");
+            let unusable = error.downcast_ref::<Unusable>().unwrap_or_else(|| panic!("overwrite {overwrite}: not status 2: {error:#}"));
+            assert!(unusable.0.contains(&device) && unusable.0.contains("in use"), "overwrite {overwrite}: {}", unusable.0);
+            assert_eq!(opener.opens.get(), 1, "overwrite {overwrite}: claimed once");
+            assert!(std::fs::read(&path).unwrap() == bytes, "overwrite {overwrite}: the disk was written or removed");
+        }
     }
 
     /// Calls `path` a block device; its exclusive open fails with `open_errno`, or, with none,
