@@ -37,9 +37,9 @@ const ENTRY_FRAMING_BYTES: usize = 64;
 /// The longest holder key: `/tutti/` + cluster + `/v2/seg/` + 64 hex digits + `/rank.world/`
 /// (4 + 1 + 4 digits) + 16 hex digits + `/` + node (names at most 64 bytes): 235 bytes.
 const SEGMENT_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 8 + 2 * FINGERPRINT_BYTES + 11 + 16 + 1 + NAME_BYTES_MAX;
-/// The longest holder value ([`SegmentRecord::encode`]): 193 bytes.
+/// The longest holder value ([`SegmentRecord::encode`]): 194 bytes.
 const SEGMENT_VALUE_BYTES_MAX: usize = 4 + 2 + 2 * (1 + NAME_BYTES_MAX) + FINGERPRINT_BYTES + 4 + 4 + 8 + 4 + 2 + 4;
-/// The most bytes one sound holder entry takes in a range answer (481, rounded up): a lookup
+/// The most bytes one sound holder entry takes in a range answer (493, rounded up): a lookup
 /// of `holders_max` × `txn_ops_max` of them must fit one answer (`ClusterConfig::validate`).
 pub const SEGMENT_ENTRY_BYTES_MAX: usize = (SEGMENT_KEY_BYTES_MAX + SEGMENT_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
 /// The longest member key: `/tutti/` + cluster + `/v2/node/` + node: 144 bytes.
