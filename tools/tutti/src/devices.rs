@@ -251,7 +251,7 @@ pub fn run_devices(system: &System, _args: &DevicesArgs) -> Result<()> {
         let report = match inspect(system, address) {
             Ok(report) => report,
             Err(error) => {
-                eprintln!("note: {address} skipped: {error:#}");
+                tutti_cli::errln!("note: {address} skipped: {error:#}");
                 continue;
             }
         };
@@ -422,12 +422,18 @@ pub fn run_bind(system: &System, args: &BindArgs) -> Result<()> {
         None => Ok(None),
     });
     match blockers {
-        Ok(Some((group, blockers))) if !blockers.is_empty() => eprintln!(
-            "warning: IOMMU group {group} also holds {}: VFIO will refuse the group until they are bound too",
-            describe_blockers(&blockers)
-        ),
+        // Best effort (errln!): advice that cannot be written (standard error closed) must not
+        // turn a bind that was done into a panic.
+        Ok(Some((group, blockers))) if !blockers.is_empty() => {
+            tutti_cli::errln!(
+                "warning: IOMMU group {group} also holds {}: VFIO will refuse the group until they are bound too",
+                describe_blockers(&blockers)
+            );
+        }
         Ok(_) => {}
-        Err(error) => eprintln!("warning: {address} is bound to vfio-pci, but its IOMMU group could not be checked: {error:#}"),
+        Err(error) => {
+            tutti_cli::errln!("warning: {address} is bound to vfio-pci, but its IOMMU group could not be checked: {error:#}");
+        }
     }
     Ok(())
 }

@@ -680,3 +680,30 @@ fn a_file_the_pool_commands_refuse_keeps_its_mode() {
     }
     assert!(std::fs::read(&path).unwrap() == bytes, "a refused command wrote to the file");
 }
+
+#[test]
+fn a_closed_standard_error_does_not_turn_a_note_into_a_panic() {
+    // Goal: `tutti devices` noting a function it skips (an unreadable vendor) wrote the note
+    // with eprintln!, which panics (exit 101) when standard error is closed (`2>&-`, a pipe
+    // whose reader exited); a note is best effort: the listing still exits 0.
+    let directory = tempfile::tempdir().unwrap();
+    let roots = fake_host(directory.path(), "QEMU NVMe Ctrl\n");
+    let odd = directory.path().join("sys/bus/pci/devices/0000:00:05.0");
+    std::fs::create_dir_all(&odd).unwrap();
+    std::fs::write(odd.join("class"), "0x010802\n").unwrap();
+    std::fs::write(odd.join("vendor"), "not hex\n").unwrap();
+    let roots: Vec<&str> = roots.iter().map(String::as_str).collect();
+    let noted = tutti(&[&roots[..], &["devices"]].concat());
+    assert_status(&noted, 0, &["0000:00:05.0 skipped"]);
+    // The pipe's read end is closed before the program starts: every write to it fails.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let output = Command::new(env!("CARGO_BIN_EXE_tutti"))
+        .args([&roots[..], &["devices"]].concat())
+        .stdout(Stdio::piped())
+        .stderr(writer)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(0), "stdout: {}", stdout(&output));
+    assert!(stdout(&output).contains("0000:00:04.0"), "{}", stdout(&output));
+}
