@@ -113,6 +113,10 @@ pub enum Dropped {
     Finished,
     /// A layer is still in flight: kept on `StoreState::orphans` until it ends.
     Orphaned,
+    /// Nothing in flight, but the keep-alive ping has the store's connection, which a finish
+    /// may need: kept on `StoreState::orphans`, finished once the connection is back (the
+    /// completion thread's pass, the next prepare).
+    Deferred,
 }
 
 /// An issue the store's close left in flight with nothing to say it ended
@@ -129,10 +133,10 @@ pub struct StoreState {
     pub backend: Backend,
     pub requests: HashMap<u64, RequestState>,
     /// Requests whose Python object was dropped with a layer its drop could not wait out
-    /// (`Request::drop`): still held (their place, pins and IOCBs, and the engine blocks their
-    /// commands may still move) until the layers in flight ended; the completion thread and the
-    /// next prepare drive them (`drive_orphans`) and finish each once settled, the store's close
-    /// otherwise.
+    /// (`Request::drop`), or while the keep-alive ping had the connection its finish may need:
+    /// still held (their place, pins and IOCBs, and the engine blocks their commands may still
+    /// move) until the layers in flight ended; the completion thread and the next prepare drive
+    /// them (`drive_orphans`) and finish each once settled, the store's close otherwise.
     pub orphans: Vec<u64>,
     /// Caller memory mapped for the devices (in-process register_kv).
     pub caller_memory: Vec<CallerMemory<Keep>>,
@@ -786,22 +790,25 @@ impl StoreState {
     /// flight (and the store still holds it); one with a layer still in flight is kept on
     /// `orphans`, held until its layers end (its commands may still move the engine's blocks,
     /// and the CPU executor sends the rest of a layer only when polled: it is never finished
-    /// or given back before that).
+    /// or given back before that). It never talks to tuttid while the keep-alive ping has the
+    /// connection (the drop does not wait for it: `StoreShared::locked_data_path`): a request
+    /// with nothing in flight is kept on `orphans` then too (`Dropped::Deferred`).
     pub fn finish_dropped(&mut self, handle: u64) -> Result<Dropped, Failure> {
-        match self.requests.get(&handle) {
-            None => Ok(Dropped::Finished),
-            Some(state) if state.in_flight.is_empty() => self.finish(handle).map(|()| Dropped::Finished),
-            Some(_) => {
-                if !self.orphans.contains(&handle) {
-                    self.orphans.push(handle);
-                }
-                Ok(Dropped::Orphaned)
-            }
+        let dropped = match self.requests.get(&handle) {
+            None => return Ok(Dropped::Finished),
+            Some(state) if !state.in_flight.is_empty() => Dropped::Orphaned,
+            Some(_) if self.connection_lent.is_some() => Dropped::Deferred,
+            Some(_) => return self.finish(handle).map(|()| Dropped::Finished),
+        };
+        if !self.orphans.contains(&handle) {
+            self.orphans.push(handle);
         }
+        Ok(dropped)
     }
 
     /// Drives every orphan (`orphans`) for at most `slice` each (zero: only what has ended
-    /// already), and finishes each whose layers all ended; returns whether orphans are left.
+    /// already), and finishes each whose layers all ended (`drive_orphan`); returns whether an
+    /// orphan still has a layer in flight (one kept only for the connection is not counted).
     pub fn drive_orphans(&mut self, slice: Duration) -> bool {
         if self.orphans.is_empty() {
             return false;
@@ -809,12 +816,14 @@ impl StoreState {
         for handle in self.orphans.clone() {
             self.drive_orphan(handle, slice);
         }
-        !self.orphans.is_empty()
+        self.orphans.iter().any(|handle| self.requests.get(handle).is_some_and(|state| !state.in_flight.is_empty()))
     }
 
     /// Drives orphan `handle` for at most `slice` and finishes it once its layers all ended
     /// (it leaves `orphans` then); nothing if it is no orphan (any more). A finish that fails
-    /// leaves the request, nothing of it in flight, for the store's close.
+    /// leaves the request, nothing of it in flight, for the store's close. While the keep-alive
+    /// ping has the store's connection a settled orphan stays kept: its finish may talk to
+    /// tuttid (`finish_dropped`).
     pub fn drive_orphan(&mut self, handle: u64, slice: Duration) {
         if !self.orphans.contains(&handle) {
             return;
@@ -827,8 +836,8 @@ impl StoreState {
                 other => break other,
             }
         };
-        if settling != Settling::Settled {
-            return; // still in flight: kept
+        if settling != Settling::Settled || (self.connection_lent.is_some() && self.requests.contains_key(&handle)) {
+            return; // still in flight, or its finish waits for the connection: kept
         }
         self.orphans.retain(|&orphan| orphan != handle);
         if self.requests.contains_key(&handle) {

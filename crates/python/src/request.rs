@@ -58,12 +58,15 @@ pub struct Request {
 /// latest). While the store holds orphans whose layers have not ended, the device did not
 /// answer a drop within the timeout: a drop then waits for nothing more (what has ended is
 /// taken, the rest orphaned the same way), so that 32 requests dropped together with a stuck
-/// device stall their thread one timeout, not 32. Only in the process that prepared it
-/// (another one's store is not its to touch: `process`).
+/// device stall their thread one timeout, not 32. No step of it waits for the store's
+/// connection to tuttid while the keep-alive ping has it (`StoreShared::locked_data_path`): a
+/// request it would finish then is orphaned the same way, finished once the connection is
+/// back. Only in the process that prepared it (another one's store is not its to touch:
+/// `process`).
 ///
 /// A destructor runs wherever Python frees the object (any thread, any bytecode): the GIL is
 /// released while the store's lock is taken and the layers are waited for (see
-/// `StoreShared::locked`). The thread cannot already hold the store's lock: a thread holding it
+/// `StoreShared::locked_data_path`). The thread cannot already hold the store's lock: a thread holding it
 /// runs no Python (it never takes the GIL), so no finalizer runs under it.
 impl Drop for Request {
     fn drop(&mut self) {
@@ -80,13 +83,16 @@ impl Drop for Request {
             // requests dropped together (an exception unwinding, a dict cleared, the
             // interpreter's exit) cost one timeout in all, not one each. What it left in flight
             // is orphaned too, held all the same.
-            let device_stuck = this.shared.locked(|state| state.drive_orphans(Duration::ZERO)).unwrap_or(false);
+            // On the data path, as every step of the drop: it never waits for the connection
+            // the keep-alive ping has (an orphan's finish, and this request's, wait for it on
+            // the orphans instead).
+            let device_stuck = this.shared.locked_data_path(|state| state.drive_orphans(Duration::ZERO)).unwrap_or(false);
             // The store's timeout went through `duration_of` at open; should the clock still
             // not hold the deadline, settle for what has ended (the rest is orphaned).
             let deadline =
                 if device_stuck { Instant::now() } else { deadline_after(this.shared.timeout).unwrap_or_else(|_| Instant::now()) };
             this.settle(deadline);
-            (device_stuck, this.shared.locked(|state| state.finish_dropped(handle)))
+            (device_stuck, this.shared.locked_data_path(|state| state.finish_dropped(handle)))
         };
         // No interpreter to detach from (Rust tests, an interpreter shutting down): the lock is
         // taken as is, which cannot deadlock: no thread that holds the store's lock waits for
@@ -96,7 +102,24 @@ impl Drop for Request {
             None => end(),
         };
         match ended {
-            Ok(Ok(Dropped::Finished)) | Err(_) => {}
+            Ok(Ok(Dropped::Finished)) => {}
+            Ok(Ok(Dropped::Deferred)) => {
+                tracing::info!(
+                    "tutti: request {handle:#x}, dropped without finish, is finished once the keep-alive ping gives back \
+                     the store's connection"
+                );
+                if let Err(failure) = self.shared.ensure_service() {
+                    tracing::error!(message = %failure.message, "tutti: no completion thread to finish request {handle:#x}");
+                }
+                self.shared.wake();
+            }
+            Err(failure) => {
+                tracing::error!(
+                    message = %failure.message,
+                    "tutti: request {handle:#x} was dropped without finish and could not be ended: it may still have a layer \
+                     in flight (its commands may still move the engine blocks it names) until the store's close"
+                );
+            }
             Ok(Ok(Dropped::Orphaned)) => {
                 let waited = if device_stuck {
                     "not waited for: requests dropped earlier still wait for the device"
@@ -448,10 +471,11 @@ impl Request {
     /// Waits out every layer in flight (`StoreState::settle_step`), taking the store's lock one
     /// slice at a time and giving way between slices so that other threads get their turn;
     /// bounded by `deadline`. A failed layer does not stop it (the later ones are still waited
-    /// for); what it could not settle is left in flight for `finish` to refuse.
+    /// for); what it could not settle is left in flight for `finish` to refuse. On the data path
+    /// (as `wait_until`): it never waits for the connection the keep-alive ping has.
     fn settle(&self, deadline: Instant) {
         loop {
-            let step = self.shared.locked(|state| state.settle_step(self.handle, deadline));
+            let step = self.shared.locked_data_path(|state| state.settle_step(self.handle, deadline));
             if step != Ok(Settling::Continue) {
                 return;
             }
@@ -886,6 +910,44 @@ mod tests {
         assert!(state.orphans.is_empty());
         assert!(!state.requests.contains_key(&handle), "finished once its layer ended");
         assert!(!state.drive_orphans(Duration::ZERO), "nothing left");
+    }
+
+    #[test]
+    fn a_request_dropped_while_the_keepalive_ping_has_the_connection_is_held_not_abandoned() {
+        // Goal: a Request dropped with a layer in flight (its completion 2 s late; a 100 ms
+        // timeout) while the keep-alive ping has the store's connection and does not give it
+        // back: the drop waits out the layer on the data path, without the connection, and
+        // keeps the request on the store's orphans, within about the store's timeout; once the
+        // connection is back and the layer ended, the orphan is finished. A layer that ended
+        // is not finished while the connection is lent either (a finish may talk to tuttid):
+        // orphaned, finished later. Before, every step of the drop waited for the connection,
+        // failed after the timeout and a second, and the request was left in flight, neither
+        // finished nor an orphan, with nothing logged.
+        let mut state = test_store::local_state(1);
+        let handle = test_store::prepare_store(&mut state, 11);
+        let ended = test_store::prepare_store(&mut state, 12);
+        state.issue(ended, 0, 1, Direction::Store).expect("issue");
+        assert!(test_store::drive_until_ended(&mut state, ended, 0), "layer 0 completed");
+        let late = nvme_emu::FaultRule::on_nth_io(1, nvme_emu::FaultAction::Delay(Duration::from_secs(2)));
+        test_store::emulator(&state).set_faults(nvme_emu::FaultPlan::none().with_rule(late));
+        state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        state.connection_lent = Some(0); // as the ping lends it, never returned here
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_millis(100));
+        let dropped = Instant::now();
+        drop(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![0, 1], None));
+        drop(Request::new(Arc::clone(&shared), ended, Direction::Store, vec![0, 1], vec![0, 1], None));
+        assert!(dropped.elapsed() < Duration::from_millis(900), "the drops wait for the store's timeout, not the connection");
+        let mut state = shared.lock().expect("the store's lock");
+        assert_eq!(state.orphans, [handle, ended], "both kept as orphans");
+        assert_eq!(state.request(handle).expect("still held").in_flight, [0]);
+        assert!(state.request(ended).expect("still held").in_flight.is_empty());
+        state.connection_lent = None; // the ping gave it back
+        let until = test_store::deadline();
+        while state.drive_orphans(Duration::from_millis(1)) {
+            assert!(Instant::now() < until, "the orphan never settled");
+        }
+        assert!(state.orphans.is_empty());
+        assert!(!state.requests.contains_key(&handle) && !state.requests.contains_key(&ended), "finished once it could be");
     }
 
     #[test]
