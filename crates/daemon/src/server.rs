@@ -335,7 +335,9 @@ struct Shared {
     cluster: Option<ClusterAgent>,
 }
 
-/// What `serve` hands back after a drain: the pool, for the caller to close.
+/// What `serve` hands back after a drain: the pool, for the caller to close. The requests of
+/// sessions kept for good are still reserved in it (their slots Writing or pinned), since their
+/// queue pairs may still write those slots.
 pub struct ServeReport {
     pub opened: OpenedPool,
     /// Connections served in total.
@@ -701,8 +703,12 @@ impl Server {
             context: "draining: the device locks are gone".into(),
             source: std::io::Error::from(std::io::ErrorKind::NotFound),
         })?;
+        // Unreleased: every session not kept for good released its reservations as it ended
+        // (the data plane's too), so those still live are kept ones', whose queue pairs may
+        // still write their slots: released here, a caller serving this pool again would give
+        // those slots to new stores.
         let opened = OpenedPool {
-            pool: control.into_pool(),
+            pool: control.into_pool_unreleased(),
             devices: shared.devices,
             report: shared.report,
             emulators,

@@ -34,7 +34,7 @@ const WAIT: Duration = Duration::from_secs(10);
 struct InProcess {
     socket: PathBuf,
     stop: StopHandle,
-    served: mpsc::Receiver<Result<u64, String>>,
+    served: mpsc::Receiver<Result<ServeReport, String>>,
     thread: Option<JoinHandle<()>>,
     _directory: tempfile::TempDir,
 }
@@ -52,7 +52,7 @@ impl InProcess {
         let stop = server.stop_handle();
         let (sender, served) = mpsc::channel();
         let thread = thread::spawn(move || {
-            let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+            let outcome = server.serve().map_err(|error| error.to_string());
             let _ = sender.send(outcome);
         });
         InProcess { socket, stop, served, thread: Some(thread), _directory: directory }
@@ -102,7 +102,7 @@ impl InProcess {
         let stop = server.stop_handle();
         let (sender, served) = mpsc::channel();
         let thread = thread::spawn(move || {
-            let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+            let outcome = server.serve().map_err(|error| error.to_string());
             let _ = sender.send(outcome);
         });
         (InProcess { socket, stop, served, thread: Some(thread), _directory: directory }, emulators)
@@ -128,11 +128,16 @@ impl InProcess {
 
     /// Stops the daemon; how long `serve` took to return after that (`None`: not within `WAIT`).
     fn stop(&mut self) -> Option<Duration> {
+        self.stop_with_report().map(|(took, _)| took)
+    }
+
+    /// [`InProcess::stop`], with what `serve` handed back (the pool among it).
+    fn stop_with_report(&mut self) -> Option<(Duration, ServeReport)> {
         let stopping = Instant::now();
         self.stop.stop();
         let returned = self.served.recv_timeout(WAIT).ok().map(|outcome| {
-            outcome.expect("serve ended with an error");
-            stopping.elapsed()
+            let report = outcome.expect("serve ended with an error");
+            (stopping.elapsed(), report)
         });
         if returned.is_some() {
             if let Some(thread) = self.thread.take() {
@@ -1008,6 +1013,19 @@ fn the_socket_stays_after_a_drain_while_a_session_is_kept_for_good() {
     assert!(daemon.socket.exists(), "the socket file was removed while a session is kept for good");
 }
 
+#[test]
+fn a_drain_hands_back_the_pool_with_a_kept_sessions_slots_still_reserved() {
+    // Goal: a session kept for good (its Delete I/O SQ refused) keeps its reservations, since
+    // its queue pair may still write their slots. The drain hands the pool back to the caller
+    // (`ServeReport::opened`), who may serve it again: those slots must still be Writing there,
+    // not freed for the next store to take.
+    let (mut daemon, emulator) = InProcess::start_configured(Duration::from_secs(10), one_client_of_two_requests);
+    keep_one_request_for_good(&daemon, &emulator);
+    let (_, report) = daemon.stop_with_report().expect("serve did not return");
+    let counts = report.opened.pool.index().counts();
+    assert_eq!(counts.writing_slots, 4, "the kept store's four slots were released by the drain: {counts:?}");
+}
+
 /// The text of one `GET /metrics` from `address` (bounded by `WAIT`).
 fn scrape(address: SocketAddr) -> String {
     use std::io::{Read, Write};
@@ -1040,7 +1058,7 @@ fn a_device_fenced_after_failing_flushes_is_reported_by_status_and_metrics() {
     let stop = server.stop_handle();
     let (sender, served) = mpsc::channel();
     let thread = thread::spawn(move || {
-        let outcome = server.serve().map(|report| report.connections_served).map_err(|error| error.to_string());
+        let outcome = server.serve().map_err(|error| error.to_string());
         let _ = sender.send(outcome);
     });
     let mut daemon = InProcess { socket, stop, served, thread: Some(thread), _directory: directory };

@@ -109,10 +109,14 @@ impl StoreControl {
         self.pool
     }
 
-    /// Gives the pool back with every reservation left as it is: the data half could not
-    /// retire its queue pairs, so a command of a live store may still write its slots, which
-    /// must then never be reused (they stay Writing until the pool is reopened).
-    pub(super) fn into_pool_unreleased(self) -> Pool {
+    /// Gives the pool back with every reservation left as it is: a store's slots stay Writing
+    /// and a retrieve's pins stay, until the pool is reopened. Right when a command of a live
+    /// request may still move data: the data half could not retire its queue pairs, or (tuttid's
+    /// drain) every request its holder could release was released and those still live belong
+    /// to holders kept for good, whose queue pairs may still write the slots. Wrong for requests
+    /// merely abandoned: their slots and claimed keys would be held for the pool's life
+    /// ([`Self::into_pool`] releases those).
+    pub fn into_pool_unreleased(self) -> Pool {
         self.pool
     }
 
