@@ -246,8 +246,9 @@ const CONFIG_BYTES_MAX: u64 = 1 << 20;
 fn read_config(path: &Path) -> Result<ConfigFile, GeometryError> {
     let fail = |reason: String| GeometryError::ConfigFile { path: path.display().to_string(), reason };
     // The length of a device or pipe says nothing (0 for /dev/zero), so only regular files are
-    // read, and at most one byte past the cap. Asked before opening (opening a FIFO would block
-    // until a writer comes) and again of the file opened (it may have been replaced meanwhile).
+    // read, and at most one byte past the cap. Asked before opening (a device is not opened at
+    // all) and again of the file opened without waiting (it may have been replaced meanwhile,
+    // by a FIFO too: [`open_config`]).
     let not_regular = || fail("is not a regular file; a model config is a small JSON file (config.json)".into());
     let is_file = |metadata: std::io::Result<std::fs::Metadata>| {
         metadata.map(|metadata| metadata.is_file()).map_err(|error| fail(format!("cannot read it: {error}")))
@@ -255,10 +256,7 @@ fn read_config(path: &Path) -> Result<ConfigFile, GeometryError> {
     if !is_file(std::fs::metadata(path))? {
         return Err(not_regular());
     }
-    let file = std::fs::File::open(path).map_err(|error| fail(format!("cannot read it: {error}")))?;
-    if !is_file(file.metadata())? {
-        return Err(not_regular());
-    }
+    let file = open_config(path)?;
     let mut bytes = Vec::new();
     file.take(CONFIG_BYTES_MAX + 1).read_to_end(&mut bytes).map_err(|error| fail(format!("cannot read it: {error}")))?;
     if bytes.len() as u64 > CONFIG_BYTES_MAX {
@@ -269,6 +267,43 @@ fn read_config(path: &Path) -> Result<ConfigFile, GeometryError> {
     let text = String::from_utf8(bytes).map_err(|error| fail(format!("is not UTF-8 text: {error}")))?;
     let stem = path.file_stem().map(|stem| stem.to_string_lossy().into_owned()).unwrap_or_else(|| "config".into());
     parse_config(&text, &stem).map_err(fail)
+}
+
+/// Linux's `O_NONBLOCK` (0o4000 on these architectures; this crate does without the libc
+/// crate). Other targets (Alpha, MIPS, PA-RISC and SPARC use other values) fail to build here
+/// rather than open a FIFO blocking.
+#[cfg(all(
+    target_os = "linux",
+    any(
+        target_arch = "x86",
+        target_arch = "x86_64",
+        target_arch = "arm",
+        target_arch = "aarch64",
+        target_arch = "riscv64",
+        target_arch = "powerpc64",
+        target_arch = "s390x",
+        target_arch = "loongarch64"
+    )
+))]
+const O_NONBLOCK: i32 = 0o4000;
+
+/// Opens the config file at `path` to be read, refusing anything but a regular file. The open
+/// does not wait (`O_NONBLOCK`): a FIFO put at the path after [`read_config`] looked would
+/// otherwise block it until a writer came, without end; it is refused on the descriptor opened.
+/// A regular file's reads ignore the flag.
+fn open_config(path: &Path) -> Result<std::fs::File, GeometryError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let fail = |reason: String| GeometryError::ConfigFile { path: path.display().to_string(), reason };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(O_NONBLOCK)
+        .open(path)
+        .map_err(|error| fail(format!("cannot read it: {error}")))?;
+    match file.metadata() {
+        Ok(metadata) if metadata.is_file() => Ok(file),
+        Ok(_) => Err(fail("is not a regular file; a model config is a small JSON file (config.json)".into())),
+        Err(error) => Err(fail(format!("cannot read it: {error}"))),
+    }
 }
 
 /// Parses a config's text; `fallback_name` names it when it names itself nowhere.
@@ -474,6 +509,27 @@ mod tests {
         let file = parse_config(text, "fallback").unwrap();
         assert_eq!(file.name, "x\\n\\u{1b}[2Kfake line: verify OK");
         assert_eq!(parse_config(r#"{"num_hidden_layers":2,"num_key_value_heads":8,"head_dim":128}"#, "a\tb").unwrap().name, "a\\tb");
+    }
+
+    #[test]
+    fn a_fifo_put_in_place_of_the_config_is_refused_without_waiting() {
+        // Goal: read_config asks whether the path is a regular file, then opens it; a FIFO put
+        // there in between made the open wait for a writer, without end. The open itself
+        // does not wait (O_NONBLOCK), and what it opened is refused as not a regular file.
+        let directory = tempfile::tempdir().unwrap();
+        let fifo = directory.path().join("config.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if !made.is_ok_and(|status| status.success()) {
+            eprintln!("skipped: mkfifo is not there to make a FIFO");
+            return;
+        }
+        let (sender, receiver) = std::sync::mpsc::channel();
+        let opening = fifo.clone();
+        // Left behind if it hangs (the test fails; the process ends with it).
+        std::thread::spawn(move || sender.send(open_config(&opening).map(drop).map_err(|error| error.to_string())));
+        let opened = receiver.recv_timeout(std::time::Duration::from_secs(10)).expect("opening a FIFO waited for a writer");
+        let error = opened.expect_err("a FIFO was opened as a config");
+        assert!(error.contains("is not a regular file"), "{error}");
     }
 
     #[test]
