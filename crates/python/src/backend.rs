@@ -601,7 +601,9 @@ impl StoreState {
                 Ok(Some(layer))
             }
             Ok(None) => {
-                self.request(handle)?.in_flight.clear();
+                // The store has nothing of it in flight: nothing is, in both records (the
+                // issues too, else a LayerIo would wait for an issue no wait can end).
+                self.request(handle)?.set_in_flight(std::iter::empty());
                 Ok(None)
             }
             Err(error) if is_timeout(&error) => Err(Failure::from(&error)),

@@ -951,6 +951,39 @@ mod tests {
     }
 
     #[test]
+    fn a_layer_the_store_has_not_in_flight_ends_its_layerios_wait() {
+        // Goal: the binding's mirror lists a layer in flight that the store does not (a store
+        // of blocks the pool holds already, recorded as one that moves blocks: a drift between
+        // the two). LayerIo.wait(0.1) on that issue answers within 2 s: the store's "nothing in
+        // flight" ends the issue in both records. Before, only the mirror's list was cleared,
+        // the issue stayed in flight, and the wait looped for ever, past its deadline.
+        let mut state = test_store::local_state(1);
+        let first = test_store::prepare_store(&mut state, 13);
+        for layer in 0..geometry().layers {
+            state.issue(first, layer, 1, Direction::Store).expect("issue");
+            assert!(test_store::drive_until_ended(&mut state, first, layer), "layer {layer} completed");
+        }
+        state.commit(first).expect("commit");
+        let (handle, plan, _) = state.prepare(Direction::Store, &test_store::tokens(13, 2), &[0, 1], 0).expect("prepare again");
+        assert_eq!(plan.map(|plan| plan.new_blocks), Some(0), "every block shared");
+        let handle = handle.to_bits();
+        state.requests.insert(handle, RequestState::new(Direction::Store, false, 1)); // the drift
+        let issue = state.issue(handle, 0, 1, Direction::Store).expect("issue");
+        assert!(state.request(handle).unwrap().issues.is_in_flight(issue), "the mirror has it in flight");
+        let shared = StoreShared::for_tests(state, geometry(), 1, Duration::from_secs(5));
+        let request = Arc::new(Request::new(Arc::clone(&shared), handle, Direction::Store, vec![0, 1], vec![], None));
+        let (answer, answered) = std::sync::mpsc::channel();
+        let waiting = Arc::clone(&request);
+        std::thread::spawn(move || {
+            let _ = answer.send(waiting.wait_issue(0, issue, Instant::now() + Duration::from_millis(100)).map(drop));
+        });
+        let waited = answered.recv_timeout(Duration::from_secs(2)).expect("LayerIo.wait answers");
+        waited.expect("the issue ended");
+        assert!(request.layer_done(issue).expect("LayerIo.done"), "done");
+        request.finish_live().expect("finish");
+    }
+
+    #[test]
     fn a_later_layers_wait_retries_a_wait_that_failed_without_ending_an_earlier_layer() {
         // Goal: layers 0 and 1 in flight; the completion thread's wait for layer 0 fails with a
         // queue error that ends no layer (kept to report). Layer 1's LayerIo.wait(5) then
