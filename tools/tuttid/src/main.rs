@@ -511,17 +511,27 @@ fn print_report(status: &StatusReply) -> Result<()> {
         relay.dropped,
         relay.passes
     )?;
-    if status.leaked_queue_pairs > 0 {
-        outln!(
-            "LEAKED: {} client queue pair(s) could not be deleted; kept with them for good: {} window(s) ({}) still mapped, {} \
-             request(s) still reserved",
+    if let Some(line) = leak_line(status) {
+        outln!("{line}")?;
+    }
+    Ok(())
+}
+
+/// The LEAKED line of `--status`; `None` while nothing is kept for good. Any counter counts:
+/// a session that ended by a panic without queue pairs keeps its windows and requests with
+/// none leaked (`Holdings::leak`).
+fn leak_line(status: &StatusReply) -> Option<String> {
+    let kept = [status.leaked_queue_pairs, status.leaked_windows, status.leaked_window_bytes, status.leaked_requests];
+    kept.iter().any(|&count| count > 0).then(|| {
+        format!(
+            "LEAKED (kept for good until tuttid restarts): {} client queue pair(s) not known deleted, {} window(s) ({}) still \
+             mapped, {} request(s) still reserved",
             status.leaked_queue_pairs,
             status.leaked_windows,
             format_size(status.leaked_window_bytes),
             status.leaked_requests
-        )?;
-    }
-    Ok(())
+        )
+    })
 }
 
 /// One client session's line of `--status`.
@@ -690,6 +700,36 @@ mod tests {
             leaked_requests: 0,
             relay: Default::default(),
         };
+        print_report(&status).expect("printed");
+    }
+
+    #[test]
+    fn the_leaked_line_is_printed_when_only_windows_or_requests_are_kept() {
+        // Goal: a session that ended by a panic without queue pairs is kept for good with its
+        // windows and requests (`Holdings::leak` with no pairs): `--status` must say so, though no
+        // queue pair leaked. Nothing kept: no line.
+        let sound = PoolShape { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
+        let mut status = StatusReply {
+            daemon_pid: 1,
+            uptime_ms: 0,
+            shape: sound,
+            devices: Vec::new(),
+            metadata_fenced: Vec::new(),
+            pool: Default::default(),
+            connections: 0,
+            clients: Vec::new(),
+            leaked_queue_pairs: 0,
+            leaked_windows: 0,
+            leaked_window_bytes: 0,
+            leaked_requests: 0,
+            relay: Default::default(),
+        };
+        assert_eq!(leak_line(&status), None);
+        status.leaked_windows = 1;
+        status.leaked_window_bytes = 1 << 20;
+        status.leaked_requests = 2;
+        let line = leak_line(&status).expect("no LEAKED line for a window and two requests kept for good");
+        assert!(line.starts_with("LEAKED") && line.contains("1 window(s)") && line.contains("2 request(s)"), "{line}");
         print_report(&status).expect("printed");
     }
 }
