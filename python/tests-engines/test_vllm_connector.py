@@ -1446,6 +1446,90 @@ def test_preempted_saves_that_do_not_settle_are_given_up_within_one_timeout(tutt
         worker.shutdown()
 
 
+class SlowFirstCommit:
+    """A tutti.Request whose commit first sets `started`, then sleeps `sleep_s` (a commit whose
+    flush and header writes take long); the rest is the real request's."""
+
+    def __init__(self, request, started: threading.Event, sleep_s: float) -> None:
+        self._request = request
+        self._started = started
+        self._sleep_s = sleep_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def commit(self):
+        self._started.set()
+        time.sleep(self._sleep_s)
+        return self._request.commit()
+
+
+class StoreWithSlowFirstCommit:
+    """A store whose first prepared save commits slowly (SlowFirstCommit); every prepared save's
+    request is kept in `requests` by its block ids."""
+
+    def __init__(self, store, sleep_s: float) -> None:
+        self._store = store
+        self._sleep_s = sleep_s
+        self.commit_started = threading.Event()
+        self.requests: dict = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def prepare_store(self, tokens, block_ids):
+        request = self._store.prepare_store(tokens, block_ids)
+        self.requests[tuple(block_ids)] = request
+        if len(self.requests) == 1:
+            return SlowFirstCommit(request, self.commit_started, self._sleep_s)
+        return request
+
+
+def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commits_nor_cancelled(tuttid):
+    """Goal: handle_preemptions waits for a preempted save's layers in flight, the reads of vLLM's
+    blocks, not for the committer's backlog: a save R handed to the committer behind another
+    save A whose commit (flush and header writes, nothing of vLLM's blocks) takes 0.8 x
+    timeout_s, R's layers all complete, is released at once, and R is committed later (its
+    bytes were all read before vLLM reuses its blocks). Before, handle_preemptions waited until
+    the committer had committed A and then R, about 0.8 x timeout_s, and cancelled R (never
+    committed) when that backlog took longer than timeout_s."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 2.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        real = connector._store
+        store = StoreWithSlowFirstCommit(real, 0.8 * timeout_s)
+        connector._store = store
+        saves = []
+        for index, name in enumerate(["A", "R"]):
+            blocks = [20 + 2 * index, 21 + 2 * index]
+            worker.fill(blocks, 60 + index)
+            saves.append(SaveSpec(name, prompt(60 + index, blocks=2, tail=0), blocks))
+        worker.step(TuttiConnectorMetadata(saves=saves))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
+        r_request = store.requests[tuple(saves[1].block_ids)]
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not r_request.poll():  # R's reads all done; it waits behind A's commit
+            assert time.monotonic() < deadline, "R's layers never completed"
+            time.sleep(0.001)
+        started = time.monotonic()
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
+        elapsed_s = time.monotonic() - started
+        assert elapsed_s < 0.3 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s for a save whose reads were done"
+        wait_reported(worker, "A", connector.get_finished({"A"})[0] or set())
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            deadline = time.monotonic() + FINISH_TIMEOUT_S
+            while lookup.lookup(saves[1].tokens) != 2:
+                assert time.monotonic() < deadline, "R, its reads done at its preemption, was never committed"
+                time.sleep(0.01)
+            assert lookup.lookup(saves[0].tokens) == 2
+        assert connector._cancelled == set()
+        assert connector.get_finished({"R"}) == (None, None), "a preempted save is forgotten, never reported"
+    finally:
+        worker.shutdown()
+
+
 def test_loads_and_saves_that_fail_to_issue_do_not_fail_the_step_or_leak(tuttid):
     """Goal: a load whose layer 0 raises at issue is reported failed per block (start_load_kv
     returns normally) and its prepared request is finished, as is a save's: more such failures

@@ -148,6 +148,9 @@ class WorkerSide:
         # The request's current save (a preempted request is saved anew): results of older ones
         # are ignored, and a cancelled one is never committed.
         self._save_token: dict[str, int] = {}
+        # The requests of the saves the committer holds, by token: handle_preemptions polls a
+        # preempted one's layers itself rather than wait behind the committer's other saves.
+        self._committing: dict[int, Any] = {}
         self._cancelled: set[int] = set()
         self._tokens = itertools.count(1)
         self._finished_req_ids: set[str] = set()
@@ -276,9 +279,11 @@ class WorkerSide:
         in flight (waited for); nothing of an unfinished save becomes visible. A load whose layer
         does not complete ends the session first (the blocks may still be written); a save with
         the committer whose layer does not complete in time is cancelled (never committed: its
-        bytes may have been read after vLLM reused the blocks). The waits for layers and for the
-        committer share one timeout_s, however many requests were preempted: what is not settled
-        by then is handled as above. That is not the whole bound. A load still in flight at
+        bytes may have been read after vLLM reused the blocks), while one whose layers all
+        completed is left to the committer, whose commit reads nothing of vLLM's blocks (neither
+        it nor the committer's other saves are waited for: `_release_committing_save`). The
+        waits for layers share one timeout_s, however many requests were preempted: what is not
+        settled by then is handled as above. That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
         `Store.close(timeout_s)` waits up to timeout_s for the layers still in flight, then up to
         5 s for tuttid's count of leaked queue pairs, up to 2 s for the commands still on the
@@ -303,12 +308,7 @@ class WorkerSide:
             save = self._saves.pop(req_id, None)
             if save is not None:
                 self._settle_save(save.request, deadline=deadline)  # its device only reads vLLM's blocks; never committed
-            with self._lock:
-                token = self._save_token.get(req_id)
-                pending = token is not None and req_id in self._save_done and self._save_done[req_id] is None
-            if pending and not self._wait_for_commit(req_id, token, deadline):
-                with self._lock:
-                    self._cancelled.add(token)
+            self._release_committing_save(req_id, deadline)
             with self._lock:
                 # Forgotten: the resumed request saves anew, and a late result of this save is
                 # ignored (its token is no longer the request's).
@@ -491,6 +491,7 @@ class WorkerSide:
         del self._saves[req_id]
         with self._lock:
             self._save_done[req_id] = None  # with the committer
+            self._committing[state.token] = state.request
         item = (req_id, state.token, state.request, self._session, state.issued - state.completed)
         while self._committer.is_alive():
             try:
@@ -903,6 +904,7 @@ class WorkerSide:
         save any more: preempted and forgotten, or saved anew)."""
         with self._lock:
             self._cancelled.discard(token)
+            self._committing.pop(token, None)
             if self._save_token.get(req_id) == token:
                 self._save_done[req_id] = committed
 
@@ -1096,19 +1098,41 @@ class WorkerSide:
         if store is not None:
             store.close()
 
-    def _wait_for_commit(self, req_id: str, token: int, deadline: float) -> bool:
-        """Waits until the committer settled the request's save `token`, or until `deadline`
-        (time.monotonic()); returns whether it did."""
+    def _release_committing_save(self, req_id: str, deadline: float) -> None:
+        """For handle_preemptions: waits, until `deadline` (time.monotonic()), for the layers in
+        flight of the request's save with the committer (if any), the reads of vLLM's blocks
+        that must end before vLLM reuses them. Once none is in flight the save is left to the
+        committer, whose commit (the pool's flush and headers) reads nothing of vLLM's blocks:
+        it is not waited for, nor is the committer's backlog of other saves. A layer still in
+        flight at the deadline cancels the save (never committed: its bytes may be read after
+        vLLM reused the blocks). The layers are polled from this thread while the committer may
+        wait for them (the binding's Request takes the store's lock for each call: a poll
+        retires what ended and the committer's wait still returns it)."""
+        with self._lock:
+            token = self._save_token.get(req_id)
+            request = self._committing.get(token) if token is not None else None
+        if request is None:
+            return  # no save of the request's with the committer
         while True:
             with self._lock:
                 if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
-                    return True
+                    return  # settled by the committer meanwhile
+            try:
+                request.poll()
+            except tutti.Error:
+                pass  # a layer's failure is the committer's to take; only what is in flight counts here
+            if request.layer_in_flight is None:
+                return
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 break
             time.sleep(min(_COMMIT_POLL_S, left_s))
-        logger.error("tutti: the save of preempted request %s did not finish by the preemption's deadline (%.1f s); it is cancelled", req_id, self._timeout_s)
-        return False
+        logger.error(
+            "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline (%.1f s); "
+            "the save is cancelled", request.layer_in_flight, req_id, self._timeout_s,
+        )  # fmt: skip
+        with self._lock:
+            self._cancelled.add(token)
 
     def _commit_loop(self) -> None:
         """The committer thread. Every save handed to it is reported, whatever fails (a panic of
