@@ -74,6 +74,15 @@ stage_leaks_setsid() {
     # Until the inner shell has started the sleep (the stage's end must find it there).
     for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$prefix.pid" ] && break; sleep 0.1; done
 }
+# A script run through `bounded` (as the python, engines, cuda, vm and bindings stages run theirs)
+# that exits 0 leaving a process in its session: bounded's own session, which the stage's end
+# never sees (bounded KILLs it first). A FAIL all the same, that says it leaked.
+printf '#!/usr/bin/env bash\nsleep 60 > /dev/null 2>&1 &\necho $! > %q\nexit 0\n' "$run_tmp/bounded-leaked.pid" > "$run_tmp/leaky.sh"
+# One whose process ends within the grace (as one already on its way out): not leaked.
+printf '#!/usr/bin/env bash\nsleep 0.5 > /dev/null 2>&1 &\nexit 0\n' > "$run_tmp/ending.sh"
+chmod +x "$run_tmp/leaky.sh" "$run_tmp/ending.sh"
+stage_bounded_leaks() { bounded 10 "$run_tmp/leaky.sh"; }
+stage_bounded_ending() { bounded 10 "$run_tmp/ending.sh"; }
 stage_clean() { return 0; }
 # Leaves a process that is already on its way out (as a SIGKILLed child freeing its memory, or
 # a helper that exits once its parent's pipe closes): it ends within the grace, not leaked.
@@ -129,6 +138,15 @@ run_stage leaks-setsid stage_leaks_setsid > "$run_tmp/leaks-setsid.out" 2>&1
 check "a stage whose member, ending in the grace, leaves a process in a session of its own: a FAIL that says it leaked 1" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL leaks-setsid (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
 check "the process in a session of its own stopped" stopped "$(stopped "$(cat "$run_tmp/leaked-setsid.pid")")"
+run_stage bounded-leaks stage_bounded_leaks > "$run_tmp/bounded-leaks.out" 2>&1
+check "a script run through bounded that exits 0 leaving a process: a FAIL that says it leaked 1" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL bounded-leaks (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}")"
+check "bounded names what it left running" yes \
+    "$(grep -q "^  $(cat "$run_tmp/bounded-leaked.pid") sleep 60" "$run_tmp/bounded-leaks.out" && echo yes || echo "no: $(cat "$run_tmp/bounded-leaks.out")")"
+check "the process the script left stopped" stopped "$(stopped "$(cat "$run_tmp/bounded-leaked.pid")")"
+run_stage bounded-ending stage_bounded_ending > "$run_tmp/bounded-ending.out" 2>&1
+check "a script run through bounded whose process ends within a second: a PASS" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^PASS bounded-ending ' && echo yes || echo "no: ${summary[*]}: $(cat "$run_tmp/bounded-ending.out")")"
 # The same stage, and a SIGTERM to this script (on_signal, as tools/test.sh traps it) once the
 # member has ended, in the grace: on_signal stops what run_stage's snapshot found too.
 (

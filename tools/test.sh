@@ -51,7 +51,8 @@
 #
 # Stages run in that order; a failing stage does not stop the later ones, and the script exits
 # non-zero if any failed. A stage whose processes still run 3 s after it ends is a FAIL ("leaked N
-# process(es)" in the summary), whatever its status, and they are stopped. Each stage runs in a
+# process(es)" in the summary), whatever its status, and they are stopped; so is one that ran a
+# script through `bounded` (below) whose processes still ran 3 s after that script ended. Each stage runs in a
 # session of its own, so a signal sent to this script's process group (a cancelled CI job, a closed
 # terminal) reaches this script and not the stage: SIGINT, SIGTERM or SIGHUP stops the running stage
 # with everything it started (its session, and whatever left it for a group or session of its own),
@@ -61,7 +62,7 @@
 # tools/vm-test.sh, ...) bound their own steps with `timeout` as well; each such `timeout` moves
 # into a process group of its own, which an outer `timeout`'s signal misses, so those scripts run
 # through `bounded` below: in a session of their own, all of which is killed when the script ends or
-# its limit expires.
+# its limit expires (and named as leaked when the script ended by itself).
 #
 # usage: tools/test.sh [STAGE...]      e.g. tools/test.sh cluster python   (default: all; any
 #                                     selection runs in the order above, each stage once)
@@ -192,6 +193,17 @@ tree_running() {
     done <<< "$1"
 }
 
+# proc_describe PID: "PID COMMAND" (its command line, or its name when that is empty: a kernel
+# thread, a process exiting) on one line (a name may hold a newline: written as ?), for the
+# reports of what a stage or a script left running; fails when the process has gone.
+proc_describe() {
+    local line
+    line=$(tr '\0' ' ' 2> /dev/null < "/proc/$1/cmdline")
+    [ -n "$line" ] || read -r line 2> /dev/null < "/proc/$1/comm" || return 1
+    line=${line% }
+    echo "$1 ${line//$'\n'/?}"
+}
+
 # kill_tree SID [SNAPSHOT]: kills every process of session SID (a stage's: its leader, SID, is
 # the stage's shell; members handed to init are found by the session, not by parent links),
 # every process below them, and every process in the process groups and sessions those belong
@@ -219,10 +231,7 @@ kill_tree() {
                 # A zombie has ended (an init that does not reap keeps it): not left running.
                 proc_stat "/proc/$pid/stat" || continue
                 [ "${proc_fields[0]:-}" != Z ] || continue
-                line=$(tr '\0' ' ' 2> /dev/null < "/proc/$pid/cmdline")
-                [ -n "$line" ] || read -r line 2> /dev/null < "/proc/$pid/comm" || continue
-                # One line each in the report (a name may hold a newline).
-                line=${line% } && killed+=("$pid ${line//$'\n'/?}")
+                line=$(proc_describe "$pid") && killed+=("$line")
             done
         fi
         for pid in "${!pids[@]}"; do kill -"$signal" "$pid" 2> /dev/null; done
@@ -285,6 +294,7 @@ run_stage() {
     # reads this script's functions and the variables they use from $run_tmp/functions.sh.
     # stdin is /dev/null, as for any background command; stdout and stderr are this script's.
     stage_snapshot=
+    rm -f "$run_tmp/bounded-leaked"
     setsid -w bash -c 'set -uo pipefail && . "$1" && shift && "$@"' "tools/test.sh:$name" \
         "$run_tmp/functions.sh" "$@" < /dev/null &
     stage_pid=$!
@@ -314,12 +324,16 @@ run_stage() {
     clean_stale_policy_rc_d
     # A stage that left processes running fails, whatever its status: a test that leaks a
     # daemon (or a script that does not stop what it started) must not go green.
-    local leaked=""
+    # What the scripts it ran through `bounded` left (bounded stopped them, and said which, when
+    # each script ended) counts the same: one line each in $run_tmp/bounded-leaked.
+    local leaked="" count
+    count=$((${#killed[@]} + $(cat "$run_tmp/bounded-leaked" 2> /dev/null | wc -l)))
+    rm -f "$run_tmp/bounded-leaked"
     if [ ${#killed[@]} -gt 0 ]; then
         echo "tools/test.sh: stage $name left ${#killed[@]} process(es) running, stopped now:" >&2
         printf '  %.200s\n' "${killed[@]}" >&2
-        leaked=", leaked ${#killed[@]} process(es) still running at its end"
     fi
+    [ "$count" = 0 ] || leaked=", leaked $count process(es) still running at its end"
     stage_pid= current_stage=
     stage_snapshot=
     if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
@@ -337,9 +351,13 @@ run_stage() {
 # itself or by its limit, kills whatever is still running in that session: the inner `timeout`s
 # of the scripts and their children (pip, pytest, tuttid, QEMU), which sit in process groups of
 # their own that the outer `timeout` does not signal. Returns COMMAND's status (124 or 137 when
-# the limit expired).
+# the limit expired), except that a COMMAND that ended by itself and left processes running in
+# its session is a leak, as run_stage counts one: up to 3 s for them to end (run_stage's
+# grace), then what still runs is listed on stderr (and a line each in $run_tmp/bounded-leaked,
+# which run_stage counts), stopped, and the status is 1 if it was 0. The stage's own end never
+# sees them: they are in bounded's session, which is emptied here.
 bounded() {
-    local limit=$1 sidfile sid rc pid
+    local limit=$1 sidfile sid rc pid pids tenths pass left=() line
     shift
     sidfile=$(mktemp -p "$run_tmp") || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
@@ -348,10 +366,37 @@ bounded() {
     rc=$?
     sid=$(cat "$sidfile" 2> /dev/null)
     rm -f "$sidfile"
+    if [ -n "$sid" ] && [ "$rc" != 124 ] && [ "$rc" != 137 ]; then
+        for ((tenths = 0; tenths < 30; tenths++)); do
+            [ -n "$(session_pids "$sid" 2> /dev/null)" ] || break
+            sleep 0.1
+        done
+        # Without `2> /dev/null`: a /proc that cannot be read is said, and fails the script (a
+        # check that nothing is left must not pass without looking).
+        if ! pids=$(session_pids "$sid"); then
+            [ "$rc" != 0 ] || rc=1
+        fi
+        for pid in $pids; do
+            line=$(proc_describe "$pid") && left+=("$line")
+        done
+        if [ ${#left[@]} -gt 0 ]; then
+            echo "tools/test.sh: '$*' ended leaving ${#left[@]} process(es) running in its session (leaked), stopped now:" >&2
+            printf '  %.200s\n' "${left[@]}" >&2
+            printf '%s\n' "${left[@]%% *}" >> "$run_tmp/bounded-leaked"
+            [ "$rc" != 0 ] || rc=1
+        fi
+    fi
     if [ -n "$sid" ]; then
-        # session_pids reads /proc, not pkill: procps is not on every fresh machine.
-        for pid in $(session_pids "$sid" 2> /dev/null); do
-            kill -KILL "$pid" 2> /dev/null
+        # session_pids reads /proc, not pkill: procps is not on every fresh machine. Again until
+        # none is left (a few passes at most): a member forking as it is killed would leave its
+        # child in the session.
+        for ((pass = 0; pass < 5; pass++)); do
+            pids=$(session_pids "$sid" 2> /dev/null)
+            [ -n "$pids" ] || break
+            for pid in $pids; do
+                kill -KILL "$pid" 2> /dev/null
+            done
+            sleep 0.1
         done
     fi
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2

@@ -8,7 +8,8 @@
 #    same TUTTI_VM_DIR and takes longer than A's exit grace. A's exit watchdog must not stop B
 #    (it once read the shared pid file when it fired, and so killed the next run's QEMU).
 # 2. a guest that reports its result but never exits is stopped by the watchdog after the grace
-#    period, and its reported status still counts.
+#    period, and its reported status still counts; a guest that exits within it leaves nothing of
+#    the watchdog running (tools/test.sh's vm stage fails a script that leaves a process behind).
 # 3. the per-step summary (vm_step_summary) tells passed, failed, optional-failed and unfinished
 #    commands apart.
 # 4. a line the guest prints in two parts, further apart than the console read's 2 s timeout,
@@ -33,6 +34,9 @@ export TUTTI_VM_DIR=$WORK/vm
 mkdir -p "$TUTTI_VM_DIR/logs"
 # shellcheck source=tools/vm/lib.sh
 . "$HERE/lib.sh"
+# session_pids (what a boot left running).
+# shellcheck source=tools/lib/process.sh
+. "$HERE/../lib/process.sh"
 
 # The stand-in QEMU: writes its pid file like QEMU's -pidfile, prints what the guest's /init
 # prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1, rc capped at 127 as /init
@@ -86,6 +90,18 @@ check "a guest hanging after its result is stopped and its result counts" 0 "$VM
 check "the watchdog fired for it" yes "$([ -f "$WORK/c.log.watchdog" ] && echo yes || echo no)"
 check "within the grace period (+ slack)" yes "$(awk -v s="$VM_WALL_S" -v g="$TUTTI_VM_EXIT_GRACE_S" 'BEGIN { print (s < g + 8) ? "yes" : "no" }')"
 check "no pid files left behind" 0 "$(find "$TUTTI_VM_DIR" -name 'qemu.*.pid' | wc -l)"
+# A guest that exits a second after it reports (the watchdog is running by then), with a grace
+# far longer: nothing of the boot (its exit watchdog included) still runs once vm_boot has
+# returned. In a session of its own
+# (setsid execs: a foreground command of this script leads no group), whose id is the pid the
+# shell writes, looked at once it has ended.
+# shellcheck disable=SC2016 # expanded by the inner shell
+FAKE_HANG_S=1 TUTTI_VM_EXIT_GRACE_S=60 setsid -w bash -c 'echo $$ > "$1" && . "$2" && VM_VMLINUX=/dev/null VM_NVME_ARGS=() && vm_boot /dev/null "$3"' \
+    boot "$WORK/h.sid" "$HERE/lib.sh" "$WORK/h.log" 2> "$WORK/h.err" < /dev/null || true
+left=$(session_pids "$(cat "$WORK/h.sid")" | tr '\n' ' ')
+check "a guest that exits within its grace: nothing of its boot left running (its exit watchdog stopped)" "" "$left"
+# shellcheck disable=SC2086 # the pids are words
+[ -z "$left" ] || kill -KILL $left 2> /dev/null || true
 
 # 3. Step summary.
 FAKE_LINES='TUTTI_VM: command 1 started at 1.0s: nvme-conformance --device vfio:0000:00:04.0

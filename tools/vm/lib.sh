@@ -448,8 +448,12 @@ vm_boot_once() {
     set +e
     # A guest that printed its result but hangs on the way out is stopped grace_s later (the
     # result still counts); one that never finishes is stopped by timeout(1). The watchdog
-    # takes QEMU's pid when it starts, not when it fires, and is cancelled when QEMU's output
-    # ends, so it can only ever stop the QEMU of this run.
+    # takes QEMU's pid when the result is printed, not when it fires, and ends with QEMU's
+    # output, so it can only ever stop the QEMU of this run. It is the console loop itself,
+    # which looks at the time on every line and at least every 2 s (the read's timeout), so it
+    # fires grace_s to grace_s + 3 s after the result: no process of its own (a background
+    # `sleep`, which a kill of its subshell left running for up to grace_s after the boot,
+    # a leak that fails tools/test.sh's vm stage).
     # The pipeline runs in the background, waited for with `wait`, which a trapped SIGINT or
     # SIGTERM interrupts at once: `timeout` moves QEMU into a process group of its own, which
     # Ctrl-C on the terminal does not reach, and a trap would wait for a foreground pipeline to
@@ -459,7 +463,8 @@ vm_boot_once() {
     {
         timeout -k 10 "$timeout_s" "${qemu[@]}" -pidfile "$pidfile" < /dev/null 2>&1 | {
             booted=0
-            watchdog=""
+            result_s=""
+            qemu_pid=""
             partial=""
             while :; do
                 line=""
@@ -482,22 +487,24 @@ vm_boot_once() {
                     case $line in
                         *"TUTTI_VM: init started"*) booted=1 ;;
                         *"TUTTI_VM_RESULT rc="*)
-                            qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
-                            if [ -n "$qemu_pid" ] && [ -z "$watchdog" ]; then
-                                (sleep "$grace_s" && kill -0 "$qemu_pid" 2> /dev/null &&
-                                    touch "$log.watchdog" && kill "$qemu_pid") > /dev/null 2>&1 &
-                                watchdog=$!
+                            if [ -z "$result_s" ]; then
+                                result_s=$SECONDS
+                                qemu_pid=$(cat "$pidfile" 2> /dev/null || true)
                             fi
                             ;;
                     esac
+                fi
+                # SECONDS counts whole seconds: -gt, so that it never fires before grace_s.
+                if [ -n "$qemu_pid" ] && [ ! -f "$log.watchdog" ] && [ $((SECONDS - result_s)) -gt "$grace_s" ] &&
+                    kill -0 "$qemu_pid" 2> /dev/null; then
+                    touch "$log.watchdog"
+                    kill "$qemu_pid" 2> /dev/null
                 fi
                 if [ "$booted" = 0 ] && [ $((SECONDS - started_s)) -gt "$boot_timeout_s" ] && [ ! -f "$log.boothang" ]; then
                     touch "$log.boothang"
                     [ -s "$pidfile" ] && kill "$(cat "$pidfile")" 2> /dev/null
                 fi
             done
-            # QEMU has exited (its output ended): a watchdog still sleeping has nothing to stop.
-            if [ -n "$watchdog" ]; then kill "$watchdog" 2> /dev/null || true; fi
         }
         echo "${PIPESTATUS[0]}" > "$pidfile.rc"
     } &
