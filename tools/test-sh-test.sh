@@ -6,8 +6,9 @@
 #    leaked (they are stopped), not a PASS: one whose command name holds a newline and ") S 1 2"
 #    (a stat line that a line-wise read would cut short) too, and one in a session of its own
 #    whose parent, a member of the stage's session, ends during the grace (stopped by a SIGTERM
-#    to the script then, too: on_signal); a stage that leaves nothing, or only a process that
-#    ends within the grace after the stage, is a PASS;
+#    to the script then, too: on_signal); so is one whose script run through `bounded` exits 0
+#    leaving a process in bounded's session; a stage that leaves nothing, or only a process that
+#    ends within the grace after the stage (or after its bounded script), is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
 #    the original it kept aside put back (at paths of the test's own);
