@@ -6,6 +6,7 @@ call it, with KV caches in vLLM's own per-layer view; bytes checked per rank, la
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import subprocess
 import sys
@@ -1527,6 +1528,59 @@ def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commi
         assert connector._cancelled == set()
         assert connector.get_finished({"R"}) == (None, None), "a preempted save is forgotten, never reported"
     finally:
+        worker.shutdown()
+
+
+class LayerOneInFlight:
+    """A save's request whose layer 1 stays in flight (what handle_preemptions polls)."""
+
+    layer_in_flight = 1
+
+    def poll(self):
+        return False
+
+
+class SettleOnGiveUp(logging.Handler):
+    """Settles the save `token` of `req_id` (as the committer does when it is done with it) at
+    the moment handle_preemptions logs that it gives the save up: the race between that
+    give-up and the committer."""
+
+    def __init__(self, connector, req_id: str, token: int) -> None:
+        super().__init__(logging.ERROR)
+        self._connector = connector
+        self._req_id = req_id
+        self._token = token
+        self.fired = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "preempted request" in record.getMessage():
+            self.fired = True
+            self._connector._save_settled(self._req_id, self._token, False)
+
+
+def test_a_save_the_committer_settles_as_its_preemption_gives_up_on_it_leaves_no_cancelled_token(tuttid):
+    """Goal: a preempted save that the committer settles just after handle_preemptions gave up
+    waiting for it (its layer in flight at the deadline) is not marked cancelled after the
+    committer's settle, which is what clears the mark: before, the token was added to the
+    cancelled set unconditionally and stayed there for good (one leaked token per such race)."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    worker = LocalWorker(daemon.socket, timeout_s=0.2)
+    connector = worker.connector
+    token = 1_000_000  # not one of the connector's own
+    handler = SettleOnGiveUp(connector, "P", token)
+    log = logging.getLogger("tutti.vllm")
+    log.addHandler(handler)
+    try:
+        with connector._lock:  # a save of P's with the committer, layer 1 in flight
+            connector._save_token["P"] = token
+            connector._save_done["P"] = None
+            connector._committing[token] = LayerOneInFlight()
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"P"}))
+        assert handler.fired, "handle_preemptions did not give the save up"
+        assert token not in connector._cancelled, "the token of a save already settled stays cancelled for good"
+        assert token not in connector._committing
+    finally:
+        log.removeHandler(handler)
         worker.shutdown()
 
 

@@ -1132,7 +1132,10 @@ class WorkerSide:
             "the save is cancelled", request.layer_in_flight, req_id, self._timeout_s,
         )  # fmt: skip
         with self._lock:
-            self._cancelled.add(token)
+            # Only while the save is still the request's and unsettled: _save_settled (which
+            # discards the token) has not run, and will.
+            if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
+                self._cancelled.add(token)
 
     def _commit_loop(self) -> None:
         """The committer thread. Every save handed to it is reported, whatever fails (a panic of
