@@ -13,7 +13,9 @@
 # 2. tools/gpu/check.sh with GPU_CHECK_REQUIRE_PREFILL=1 takes only the pythons it is given and
 #    the pinned vLLM environment (engine-env.sh vllm --existing, which checks it is complete),
 #    never any vllm-* directory under the cache: with only an unpinned one there, it fails
-#    saying the prefill step was not rehearsed; without the requirement it may still use one.
+#    saying the prefill step was not rehearsed; without the requirement it may still use one;
+# 3. tools/python/wheel.sh holds target/wheel.lock only while it runs: a process its build
+#    leaves running detached (an sccache server a RUSTC_WRAPPER starts) does not keep it.
 set -uo pipefail
 # What the scripts under test read from the environment, set by each check where it matters and
 # otherwise unset: the caller's (tools/gpu/check.sh's docs have one export GPU_CHECK_PYTHON on a
@@ -120,6 +122,29 @@ check "gpu/check.sh GPU_CHECK_REQUIRE_PREFILL=1: the unpinned environment not us
 PATH="$WORK/bin:$PATH" TUTTI_ENV_CACHE=$cache "$repo/tools/gpu/check.sh" > "$WORK/optional.out" 2>&1
 check "gpu/check.sh without the requirement: a vllm-* environment of the cache still serves" "0 1" \
     "$? $(grep -c "prefill step rehearsed on the CPU with $cache/engines/vllm-0.0.0-aaaaaaaaaaaa/bin/python" "$WORK/optional.out")"
+
+# 3. wheel.sh's lock, and a build that leaves a detached process (in a session of its own, as a
+#    compiler cache's server): the stand-in maturin starts one, then writes the wheel. The venv
+#    (under a HOME of the test's own) is the stand-ins' and passes wheel.sh's checks.
+wheel_repo=$WORK/wheel-repo
+mkdir -p "$wheel_repo/tools/python" "$wheel_repo/python" "$WORK/home"
+cp "$HERE/python/wheel.sh" "$wheel_repo/tools/python/"
+echo pytest==0.0.0 > "$wheel_repo/python/requirements-test.txt"
+venv=$WORK/home/.cache/tutti/py-core-cpython-311-$(sha256sum "$wheel_repo/python/requirements-test.txt" | cut -c1-12)
+mkdir -p "$venv/bin"
+stand_in none "$WORK/bin/python-tag" 'echo cpython-311'
+stand_in none "$venv/bin/python" 'exit 0'
+stand_in none "$venv/bin/maturin" '[ "$1" != --version ] || exit 0
+while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done
+setsid sleep 60 < /dev/null > /dev/null 2>&1 &
+echo $! > "'"$WORK/detached.pid"'"
+mkdir -p "$out" && touch "$out/tutti-0.0.0-cp39-abi3-linux_x86_64.whl"'
+HOME=$WORK/home TUTTI_PYTHON=$WORK/bin/python-tag "$wheel_repo/tools/python/wheel.sh" > "$WORK/wheel.out" 2>&1
+check "wheel.sh with stand-ins: exit 0, the venv on its last line" "0 $venv" "$? $(tail -n 1 "$WORK/wheel.out")"
+check "wheel.sh: target/wheel.lock free once it has exited, though its build left a detached process" free \
+    "$(flock -n "$wheel_repo/target/wheel.lock" true && echo free || echo "held: $(cat "$WORK/wheel.out")")"
+check "wheel.sh: its venv's lock free as well" free "$(flock -n "$venv.lock" true && echo free || echo held)"
+kill -KILL "$(cat "$WORK/detached.pid" 2> /dev/null)" 2> /dev/null
 
 if [ "$failures" -gt 0 ]; then
     echo "stage-scripts-test: $failures check(s) failed" >&2

@@ -58,17 +58,24 @@ PY
     "$venv/bin/python" -m pip --version >/dev/null || return 1
 }
 
+# The locks (fd 9 here, fd 8 below) are closed for every command run while they are held
+# (`9>&-`, `8>&-`): a flock belongs to the open file, which a child inherits with the fd, so a
+# child that outlives this script (a compiler cache's server that maturin's cargo starts
+# detached, sccache through RUSTC_WRAPPER) would hold the lock for as long as it runs, and
+# every later wheel.sh, core-test.sh and engine-test.sh of this clone would wait 30 minutes for
+# it and fail.
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
 flock -w 1200 9 || { echo "wheel.sh: $venv.lock is still held by another run after 20 minutes" >&2; exit 1; }
-if ! venv_ok 2>/dev/null; then
+if ! venv_ok 2>/dev/null 9>&-; then
     echo "wheel.sh: creating $venv" >&2
     rm -rf "$venv"
-    "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements"
-    venv_ok || { echo "wheel.sh: the venv at $venv does not import what it should" >&2; exit 1; }
+    "$python" -m venv "$venv" 9>&-
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -r "$requirements" 9>&-
+    venv_ok 9>&- || { echo "wheel.sh: the venv at $venv does not import what it should" >&2; exit 1; }
 fi
 flock -u 9
+exec 9>&-
 
 # One build at a time in this clone: a second run's `rm` and maturin's write of the same wheel
 # name would leave each a broken or missing wheel (two test runs of one clone at once). Held
@@ -77,15 +84,15 @@ mkdir -p target
 exec 8>target/wheel.lock
 flock -w 1800 8 || { echo "wheel.sh: target/wheel.lock is still held by another build after 30 minutes" >&2; exit 1; }
 rm -f target/wheels/tutti-*.whl
-(cd python && "$venv/bin/maturin" build --release --locked --quiet -o ../target/wheels) >&2
+(cd python && "$venv/bin/maturin" build --release --locked --quiet -o ../target/wheels) >&2 8>&-
 wheel=$(ls target/wheels/tutti-*-abi3-*.whl)
 rm -rf "$site"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$site" "$wheel" >&2
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-index --no-deps --target "$site" "$wheel" >&2 8>&-
 # What the venv imports with the site first on its path is the wheel just built (not the source
 # tree's python/tutti, nor a tutti an older wheel.sh installed into the venv itself).
 (cd / && PYTHONPATH="$site" "$venv/bin/python" -c "
 import tutti, tutti._tutti, sys
 assert tutti.__file__.startswith('$site/'), tutti.__file__
 print('wheel.sh: tutti', tutti.__version__, 'from', tutti._tutti.__file__, file=sys.stderr)
-")
+") 8>&-
 echo "$venv"
