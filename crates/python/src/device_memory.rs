@@ -154,22 +154,46 @@ fn not_one_allocation(what: &str, start: u64, len: u64, allocation: String) -> F
     )
 }
 
+/// A live stand-in holding the first byte of a layout's span (`stand_in_of`): where it starts,
+/// its length, and its memfd.
+pub struct StandIn {
+    first: u64,
+    bytes: u64,
+    memory: Arc<SharedMemory>,
+}
+
+/// The live stand-in holding the first byte of `checked`'s span, when it is CPU memory (what
+/// `export` takes). Only with the GIL held (`_py`): the list of live stand-ins is a static
+/// lock, and one a thread held across a fork (`os.fork` needs the GIL) would stay held for good
+/// in the child, whose next `DeviceMemoryStandIn(n)` would wait for it for ever.
+pub fn stand_in_of(_py: Python<'_>, checked: &CheckedLayout) -> Option<StandIn> {
+    if checked.device != Device::Cpu {
+        return None;
+    }
+    let (start, _) = checked.span()?;
+    let live = stand_ins();
+    let (first, bytes, memory) = live.iter().find(|(first, bytes, _)| start < first + bytes && start >= *first)?;
+    Some(StandIn { first: *first, bytes: *bytes, memory: memory.upgrade()? })
+}
+
 /// The device-memory range of `checked` on a store attached to tuttid: `Ok(None)` for CPU
 /// memory that is no stand-in (the caller refuses it as before: tuttid cannot map it).
-pub fn export(checked: &CheckedLayout) -> Result<Option<DeviceRange>, Failure> {
+/// `stand_in` is the stand-in holding CPU memory's first byte (`stand_in_of`, looked up before
+/// the GIL was released; None for other memory).
+pub fn export(checked: &CheckedLayout, stand_in: Option<StandIn>) -> Result<Option<DeviceRange>, Failure> {
     let (start, len) = checked.span().ok_or_else(|| Failure::new(ErrorClass::InvalidArgument, "a layout without tensors"))?;
     match &checked.device {
-        Device::Cpu => export_stand_in(start, len),
+        Device::Cpu => export_stand_in(start, len, stand_in),
         Device::Cuda(ordinal) => export_cuda(*ordinal, start, len).map(Some),
         Device::Other(name) => Err(Failure::new(ErrorClass::UnsupportedMemory, format!("memory on {name} cannot be registered"))),
     }
 }
 
-fn export_stand_in(start: u64, len: u64) -> Result<Option<DeviceRange>, Failure> {
-    let live = stand_ins();
-    let holding = live.iter().find(|(first, bytes, _)| start < first + bytes && start >= *first);
-    let Some((first, bytes, memory)) = holding else { return Ok(None) };
-    let Some(memory) = memory.upgrade() else { return Ok(None) };
+fn export_stand_in(start: u64, len: u64, stand_in: Option<StandIn>) -> Result<Option<DeviceRange>, Failure> {
+    let Some(StandIn { first, bytes, memory }) = stand_in else { return Ok(None) };
+    if start < first || start >= first + bytes {
+        return Ok(None); // not the stand-in holding this span (the caller looked up another)
+    }
     if start + len > first + bytes {
         return Err(not_one_allocation("DeviceMemoryStandIn", start, len, format!("the stand-in at {first:#x} holds {bytes} bytes")));
     }
@@ -468,6 +492,7 @@ mod tests {
         pyo3::Python::initialize();
         let stand_in = DeviceMemoryStandIn::new(64 << 10).unwrap();
         let base = stand_in.address();
+        let export = |checked: &CheckedLayout| pyo3::Python::attach(|py| export(checked, stand_in_of(py, checked)));
         let range = export(&layout(Device::Cpu, &[(base + 0x2000, 0x1000), (base + 0x1000, 0x1000)])).unwrap().unwrap();
         assert_eq!((range.start, range.memory.offset_bytes, range.memory.length_bytes), (base + 0x1000, 0x1000, 0x2000));
         assert_eq!(offsets(&layout(Device::Cpu, &[(base + 0x2000, 1), (base + 0x1000, 1)]), base + 0x1000), [Iova(0x1000), Iova(0)]);
@@ -478,6 +503,47 @@ mod tests {
         assert!(export(&layout(Device::Cpu, &[(elsewhere.as_ptr() as u64, 4096)])).unwrap().is_none());
         drop((stand_in, range));
         assert!(export(&layout(Device::Cpu, &[(base + 0x1000, 0x1000)])).unwrap().is_none(), "a dropped stand-in is forgotten");
+    }
+
+    #[test]
+    fn registering_a_stand_in_never_waits_for_the_stand_ins_lock_with_the_gil_released() {
+        // Goal: the list of live stand-ins is looked up only with the GIL held (`stand_in_of`,
+        // before `register_kv` releases it), so that no thread holds its lock across a fork
+        // (os.fork needs the GIL): a child would otherwise wait for ever in
+        // `DeviceMemoryStandIn(n)`. Here this thread holds that lock while another registers a
+        // layout over a stand-in with a store attached to tuttid (its connection detached:
+        // the registration fails as Disconnected): it answers within 2 s. Before, the
+        // registration looked the stand-in up, and dup'ed its memfd, under that lock with the
+        // GIL released: it waited until the lock was let go.
+        use crate::backend::{Backend, RequestLimits, StoreState};
+        pyo3::Python::initialize();
+        let stand_in = DeviceMemoryStandIn::new(64 << 10).unwrap();
+        let checked = layout(Device::Cpu, &[(stand_in.address(), 0x1000)]);
+        let shape = tutti_daemon::protocol::PoolShape {
+            layers: 2,
+            kv_heads: 1,
+            head_dim: 64,
+            dtype_bytes: 2,
+            block_tokens: 16,
+            blocks_per_slot: 1,
+        };
+        let hello = tutti_daemon::protocol::HelloReply { session: 7, lease_ms: 10_000, shape };
+        let client = Client::detached("the store's own connection").unwrap();
+        let config = tutti_daemon::client::RemoteConfig { timeout: Duration::from_secs(2), ..Default::default() };
+        let backend = Backend::RemoteAttached { client, hello, config };
+        let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight: 1, iocbs: 64, requests_max: 4 });
+        let found = pyo3::Python::attach(|py| stand_in_of(py, &checked)); // as register_kv, with the GIL held
+        assert!(found.is_some(), "the layout is over the stand-in");
+        let held = stand_ins();
+        let (answer, answered) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let registered = state.register(checked, Vec::new(), found, Duration::from_secs(2));
+            let _ = answer.send(registered.err().map(|failure| failure.class));
+        });
+        let refused = answered.recv_timeout(Duration::from_secs(2));
+        drop(held);
+        assert_eq!(refused.expect("register waited for the stand-ins' lock"), Some(ErrorClass::Disconnected));
+        drop(stand_in);
     }
 
     #[test]
@@ -700,7 +766,7 @@ mod tests {
     fn cuda_memory_without_a_driver_or_support_is_a_typed_refusal() {
         // Goal: on a machine without libcuda (or a build without the feature) a CUDA layout is
         // an UnsupportedMemory that says why, never a panic.
-        let failure = export(&layout(Device::Cuda(0), &[(0x7f00_0000_0000, 4096)])).err().unwrap();
+        let failure = export(&layout(Device::Cuda(0), &[(0x7f00_0000_0000, 4096)]), None).err().unwrap();
         assert_eq!(failure.class, ErrorClass::UnsupportedMemory);
         #[cfg(feature = "cuda")]
         if !tutti_cuda_ipc::driver_available() {

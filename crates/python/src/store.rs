@@ -1118,7 +1118,9 @@ impl Store {
             .map_err(|failure| failure.to_pyerr(py))?;
         let registered = checked.clone();
         let timeout = self.shared.timeout;
-        self.shared.with_state(py, move |state| state.register(registered, keeps, timeout))?;
+        // The stand-ins' list is looked up here, with the GIL held: never across a fork.
+        let stand_in = crate::device_memory::stand_in_of(py, &checked);
+        self.shared.with_state(py, move |state| state.register(registered, keeps, stand_in, timeout))?;
         spec.set_checked(checked);
         let mut current = self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if current.is_none() {

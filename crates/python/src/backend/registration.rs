@@ -65,16 +65,30 @@ impl StoreState {
     /// memory registered with tuttid (CUDA tensors, a stand-in; `device_memory`). What a
     /// refusal leaves of `keeps` (consumed DLPack exports, whose deleter takes the GIL) goes to
     /// `released`, dropped after the store's lock is let go, as every release is.
-    pub fn register(&mut self, checked: CheckedLayout, keeps: Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
+    /// `stand_in`: the stand-in holding the layout's first byte (`device_memory::stand_in_of`,
+    /// looked up with the GIL held).
+    pub fn register(
+        &mut self,
+        checked: CheckedLayout,
+        keeps: Vec<Keep>,
+        stand_in: Option<device_memory::StandIn>,
+        timeout: Duration,
+    ) -> Result<(), Failure> {
         let mut keeps = keeps;
-        let registered = self.register_with(checked, &mut keeps, timeout);
+        let registered = self.register_with(checked, &mut keeps, stand_in, timeout);
         self.released.append(&mut keeps);
         registered
     }
 
     /// `register`: takes `keeps` (leaving it empty) only on the routes that keep or release
     /// them themselves; a refusal before that leaves them to the caller.
-    fn register_with(&mut self, checked: CheckedLayout, keeps: &mut Vec<Keep>, timeout: Duration) -> Result<(), Failure> {
+    fn register_with(
+        &mut self,
+        checked: CheckedLayout,
+        keeps: &mut Vec<Keep>,
+        stand_in: Option<device_memory::StandIn>,
+        timeout: Duration,
+    ) -> Result<(), Failure> {
         // Closed first: `registered` outlives the close, and the same memory again must not be
         // taken as registered (nor the layout attached again) by a store that is gone.
         if self.is_closed() {
@@ -97,7 +111,7 @@ impl StoreState {
                 ),
             )),
             Backend::LocalOpen { .. } => self.register_caller_memory(checked, std::mem::take(keeps)),
-            Backend::RemoteAttached { .. } => match device_memory::export(&checked)? {
+            Backend::RemoteAttached { .. } => match device_memory::export(&checked, stand_in)? {
                 Some(range) => self.register_device_memory(checked, std::mem::take(keeps), range, timeout),
                 None => Err(Failure::new(
                     ErrorClass::UnsupportedMemory,

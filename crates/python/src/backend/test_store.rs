@@ -194,7 +194,7 @@ fn a_closed_store_refuses_register_kv_and_allocate_kv_as_stale() {
     let mut state = local_state(1);
     let registered = state.registered.clone().expect("allocate_kv registered its layout");
     state.close(deadline());
-    let again = state.register(registered, Vec::new(), Duration::from_secs(5)).expect_err("register_kv on a closed store");
+    let again = state.register(registered, Vec::new(), None, Duration::from_secs(5)).expect_err("register_kv on a closed store");
     assert_eq!(again.class, ErrorClass::StaleRequest, "{again:?}");
     let allocated = state.allocate(LayoutKind::BlockMajor, 8, Duration::from_secs(5)).expect_err("allocate_kv on a closed store");
     assert_eq!(allocated.class, ErrorClass::StaleRequest, "{allocated:?}");
