@@ -1008,22 +1008,22 @@ pub fn file_kind(file_type: std::fs::FileType) -> &'static str {
 const PROC_LOCKS_READS: usize = 5;
 
 /// "pid N (command line)" of the process holding a flock on `file`, from `proc/locks` (its
-/// first 200 characters, control characters escaped: `printable`); a sentence saying it could
-/// not be found otherwise (the holder may have just exited).
+/// first 200 characters, control characters escaped: `printable`) once that process is seen to
+/// have the file open; otherwise a sentence saying what is known: a pid /proc/locks recorded
+/// that no longer has it open, a lock listed without a pid, or no lock found (the holder may
+/// have just exited).
 pub fn holder_of(file: &File, proc_root: &Path) -> String {
     let Ok(metadata) = file.metadata() else {
         return "another process (the lock file cannot be examined)".into();
     };
     let (major, minor) = split_device(metadata.dev());
-    // A candidate on another device is confirmed by the path its descriptors name, compared with
-    // the one ours names (`has_open`); without our own path there is nothing to compare, and
-    // only a line on the exact device can name the holder.
+    // A candidate is confirmed by the path its descriptors name, compared with the one ours
+    // names (`has_open`); without our own path there is nothing to compare (None).
     let own_path = own_descriptor_path(file);
     // Each pid's descriptors are looked at once, however many times /proc/locks is read.
-    let confirmed: RefCell<HashMap<u32, bool>> = RefCell::default();
-    let holds_the_file = |pid: u32| match &own_path {
-        Some(own_path) => *confirmed.borrow_mut().entry(pid).or_insert_with(|| has_open(proc_root, pid, own_path)),
-        None => false,
+    let confirmed: RefCell<HashMap<u32, Option<bool>>> = RefCell::default();
+    let holds_the_file = |pid: u32| {
+        own_path.as_ref().and_then(|own_path| *confirmed.borrow_mut().entry(pid).or_insert_with(|| has_open(proc_root, pid, own_path)))
     };
     // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
     // so one read can miss a line that was there all along (seen under load in CI): read again.
@@ -1031,20 +1031,34 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
         let locks = std::fs::read_to_string(proc_root.join("locks")).unwrap_or_default();
         find_flock_holder(&locks, major, minor, metadata.ino(), &holds_the_file)
     });
-    match holder {
-        Some(pid) => {
-            let command = std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
-                .map(|raw| {
-                    let text: String = String::from_utf8_lossy(&raw).replace('\0', " ").trim().chars().take(200).collect();
-                    printable(&text)
-                })
-                .unwrap_or_default();
-            if command.is_empty() {
-                format!("pid {pid}")
-            } else {
-                format!("pid {pid} ({command})")
-            }
+    let command_line = |pid: u32| {
+        let command = std::fs::read(proc_root.join(pid.to_string()).join("cmdline"))
+            .map(|raw| {
+                let text: String = String::from_utf8_lossy(&raw).replace('\0', " ").trim().chars().take(200).collect();
+                printable(&text)
+            })
+            .unwrap_or_default();
+        if command.is_empty() {
+            format!("pid {pid}")
+        } else {
+            format!("pid {pid} ({command})")
         }
+    };
+    match holder {
+        Some(FlockHolder::Confirmed(pid)) => command_line(pid),
+        // The pid listed is all there is (another user's process, say): named, saying so.
+        Some(FlockHolder::Unconfirmed(pid)) => {
+            format!("{} as /proc/locks lists it (whether it still has the file open could not be seen)", command_line(pid))
+        }
+        // Its command line is not given: the pid may name another program by now.
+        Some(FlockHolder::Recorded(pid)) => format!(
+            "another process: /proc/locks lists pid {pid}, recorded when it took the lock, but that process no longer has \
+             it open by this path (it left its descriptor to a process that inherited it, or opened the file under \
+             another name: a hard link, another mount namespace's path)"
+        ),
+        Some(FlockHolder::NoPid) => "another process (/proc/locks gives no pid: the one that took the lock is outside this \
+                                     PID namespace, or has exited and left it to a process that inherited its descriptor)"
+            .into(),
         None => "another process (not found in /proc/locks; it may have just exited)".into(),
     }
 }
@@ -1103,13 +1117,32 @@ fn split_device(dev: u64) -> (u64, u64) {
     (major, minor)
 }
 
-/// The pid of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text (lines read by
-/// [`parse_flock_write`]). When no line names this exact device (a stacked filesystem can
-/// report another device number to `stat` than the one its locks are listed under), a line on
-/// the same inode is only evidence once `holds_the_file` confirms that its pid has the file
-/// open (inode numbers repeat across filesystems: an unconfirmed line may be any process's
-/// lock on any other file).
-fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64, holds_the_file: &dyn Fn(u32) -> bool) -> Option<u32> {
+/// What `/proc/locks` says of the holder of a flock ([`find_flock_holder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FlockHolder {
+    /// The pid listed, seen to have the file open.
+    Confirmed(u32),
+    /// The pid listed on the file's exact device, which could not be checked (our own path of
+    /// the file is unknown, or the process's descriptors cannot be looked at).
+    Unconfirmed(u32),
+    /// The pid listed on the file's exact device, which does not have the file open: the pid
+    /// recorded when the lock was taken, whose taker left it to a process that inherited its
+    /// descriptor (that pid may name another process by now), or one in another namespace.
+    Recorded(u32),
+    /// Listed on the exact device with pid 0: the kernel's answer for a taker outside the
+    /// reader's PID namespace or one that has exited.
+    NoPid,
+}
+
+/// The holder of the FLOCK WRITE lock on (major:minor:inode) in `/proc/locks` text (lines read
+/// by [`parse_flock_write`]). The pid listed is the one that took the lock, so a line on this
+/// exact device names its holder only once `holds_the_file` confirms that the pid has the file
+/// open (None from it: cannot tell); pid 0 names nobody ([`FlockHolder::NoPid`]). When no line
+/// names this exact device (a stacked filesystem can report another device number to `stat`
+/// than the one its locks are listed under), a line on the same inode is only evidence once
+/// confirmed too (inode numbers repeat across filesystems: an unconfirmed line may be any
+/// process's lock on any other file).
+fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64, holds_the_file: &dyn Fn(u32) -> Option<bool>) -> Option<FlockHolder> {
     let same_inode: Vec<(u32, u64, u64)> = locks
         .lines()
         .filter_map(parse_flock_write)
@@ -1118,8 +1151,15 @@ fn find_flock_holder(locks: &str, major: u64, minor: u64, inode: u64, holds_the_
         .collect();
     let exact = same_inode.iter().find(|&&(_, found_major, found_minor)| found_major == major && found_minor == minor);
     match exact {
-        Some(&(pid, _, _)) => Some(pid),
-        None => same_inode.iter().map(|&(pid, _, _)| pid).find(|&pid| holds_the_file(pid)),
+        Some(&(0, _, _)) => Some(FlockHolder::NoPid),
+        Some(&(pid, _, _)) => Some(match holds_the_file(pid) {
+            Some(true) => FlockHolder::Confirmed(pid),
+            Some(false) => FlockHolder::Recorded(pid),
+            None => FlockHolder::Unconfirmed(pid),
+        }),
+        None => {
+            same_inode.iter().map(|&(pid, _, _)| pid).find(|&pid| pid != 0 && holds_the_file(pid) == Some(true)).map(FlockHolder::Confirmed)
+        }
     }
 }
 
@@ -1141,17 +1181,22 @@ fn own_descriptor_path(file: &File) -> Option<PathBuf> {
 /// reaches the file's filesystem, and on a hung hard-mounted NFS or FUSE mount that blocks
 /// without end, with tuttid's stop signals blocked while it opens its pool. So a descriptor
 /// opened through another name (a hard link, another mount namespace's path) is not recognised
-/// and the holder is reported as not found, never misnamed. False when the directory cannot be
-/// read (another user's process, one that has exited).
-fn has_open(proc_root: &Path, pid: u32, own_path: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) else {
-        return false;
+/// and the holder is never named on that evidence. False when there is no such process (it has
+/// exited); None when its descriptors cannot be looked at (another user's process: EACCES),
+/// which says nothing either way.
+fn has_open(proc_root: &Path, pid: u32, own_path: &Path) -> Option<bool> {
+    let entries = match std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Some(false),
+        Err(_) => return None,
     };
-    entries
-        .take(FDS_EXAMINED_MAX)
-        .filter_map(Result::ok)
-        .filter_map(|entry| std::fs::read_link(entry.path()).ok())
-        .any(|target| target == own_path)
+    Some(
+        entries
+            .take(FDS_EXAMINED_MAX)
+            .filter_map(Result::ok)
+            .filter_map(|entry| std::fs::read_link(entry.path()).ok())
+            .any(|target| target == own_path),
+    )
 }
 
 #[cfg(test)]
@@ -1219,34 +1264,51 @@ mod tests {
     fn proc_locks_lines_are_parsed_and_waiters_skipped() {
         let text = "1: POSIX  ADVISORY  WRITE 10 fd:01:99 0 EOF\n2: -> FLOCK  ADVISORY  WRITE 11 fd:01:42 0 EOF\n\
                     3: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\ngarbage\n4: FLOCK ADVISORY WRITE x 00:zz:1 0 EOF\n";
-        let nobody = |_: u32| false;
-        assert_eq!(find_flock_holder(text, 0xfd, 1, 42, &nobody), Some(12));
+        use FlockHolder::{Confirmed, NoPid, Recorded, Unconfirmed};
+        let nobody = |_: u32| Some(false);
+        let only = |holder: u32| move |pid: u32| Some(pid == holder);
+        assert_eq!(find_flock_holder(text, 0xfd, 1, 42, &only(12)), Some(Confirmed(12)));
+        // The exact device: the pid listed, said to be only what was recorded unless it has the
+        // file open, and unconfirmed when that cannot be told.
+        assert_eq!(find_flock_holder(text, 0xfd, 1, 42, &nobody), Some(Recorded(12)));
+        assert_eq!(find_flock_holder(text, 0xfd, 1, 42, &|_| None), Some(Unconfirmed(12)));
         assert_eq!(find_flock_holder(text, 0xfd, 1, 99, &nobody), None, "a POSIX lock is not ours");
         // Another device number, a lock on the inode: that one only if it has the file open
         // (stacked filesystems); otherwise it is any process's lock on another file.
         assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &nobody), None);
-        assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &|pid| pid == 12), Some(12));
+        assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &|_| None), None);
+        assert_eq!(find_flock_holder(text, 0xfd, 2, 42, &only(12)), Some(Confirmed(12)));
         // Two candidates on other devices: the one that has the file open.
         let two = "1: FLOCK  ADVISORY  WRITE 12 fd:01:42 0 EOF\n2: FLOCK  ADVISORY  WRITE 13 fd:03:42 0 EOF\n";
         assert_eq!(find_flock_holder(two, 0xfd, 2, 42, &nobody), None);
-        assert_eq!(find_flock_holder(two, 0xfd, 2, 42, &|pid| pid == 13), Some(13));
-        assert_eq!(find_flock_holder(two, 0xfd, 3, 42, &nobody), Some(13));
+        assert_eq!(find_flock_holder(two, 0xfd, 2, 42, &only(13)), Some(Confirmed(13)));
+        assert_eq!(find_flock_holder(two, 0xfd, 3, 42, &only(13)), Some(Confirmed(13)));
+        // Pid 0 (outside this PID namespace, or exited): no pid, and never a candidate.
+        let hidden = "1: FLOCK  ADVISORY  WRITE 0 fd:01:42 0 EOF\n";
+        assert_eq!(find_flock_holder(hidden, 0xfd, 1, 42, &|_| Some(true)), Some(NoPid));
+        assert_eq!(find_flock_holder(hidden, 0xfd, 2, 42, &|_| Some(true)), None);
     }
 
     /// A lock file `directory/pool.img`, opened, and a fake proc root whose `locks` lists one
     /// FLOCK on the file's inode under another device, held by pid 4242 with `cmdline` and no
     /// descriptors yet: (the file, the proc root, the process's directory).
     fn lock_listed_on_another_device(directory: &Path, cmdline: &[u8]) -> (File, PathBuf, PathBuf) {
+        lock_listed(directory, cmdline, 1, 4242)
+    }
+
+    /// [`lock_listed_on_another_device`] with the line's device number `major_offset` away from
+    /// the file's (0: the file's own device) and its pid `pid` (whose directory is made anyway).
+    fn lock_listed(directory: &Path, cmdline: &[u8], major_offset: u64, pid: u32) -> (File, PathBuf, PathBuf) {
         let image = directory.join("pool.img");
         std::fs::write(&image, [0u8; 4096]).unwrap();
         let file = File::open(&image).unwrap();
         let metadata = file.metadata().unwrap();
         let (major, minor) = split_device(metadata.dev());
         let proc_root = directory.join("proc");
-        let process = proc_root.join("4242");
+        let process = proc_root.join(pid.to_string());
         std::fs::create_dir_all(process.join("fd")).unwrap();
         std::fs::write(process.join("cmdline"), cmdline).unwrap();
-        let line = format!("1: FLOCK  ADVISORY  WRITE 4242 {:02x}:{:02x}:{} 0 EOF\n", major + 1, minor, metadata.ino());
+        let line = format!("1: FLOCK  ADVISORY  WRITE {pid} {:02x}:{:02x}:{} 0 EOF\n", major + major_offset, minor, metadata.ino());
         std::fs::write(proc_root.join("locks"), line).unwrap();
         (file, proc_root, process)
     }
@@ -1263,6 +1325,37 @@ mod tests {
         assert!(holder.contains("not found"), "{holder}");
         std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
         assert_eq!(holder_of(&file, &proc_root), "pid 4242 (unrelated --flag)");
+    }
+
+    #[test]
+    fn a_lock_listed_with_pid_0_names_no_pid() {
+        // Goal: /proc/locks shows pid 0 for a lock whose taker is outside the reader's PID
+        // namespace or has exited (its descriptor inherited by another process): the refusal
+        // said "held by pid 0", a pid that names nothing (the kernel's idle task at most). It
+        // says the holder is another process whose pid /proc/locks does not give.
+        let directory = tempfile::tempdir().unwrap();
+        let (file, proc_root, _) = lock_listed(directory.path(), b"swapper\0", 0, 0);
+        let holder = holder_of(&file, &proc_root);
+        assert!(!holder.contains("pid 0") && !holder.contains("swapper"), "{holder}");
+        assert!(holder.contains("another process") && holder.contains("gives no pid"), "{holder}");
+    }
+
+    #[test]
+    fn a_lock_on_the_exact_device_names_its_pid_as_the_holder_only_if_it_has_the_file_open() {
+        // Goal: /proc/locks gives the pid that took the lock; a descriptor inherited by a child
+        // that outlived it keeps the lock, and the pid may since name another process: an
+        // exact-device line was believed as it stood, naming that process and its command line.
+        // It is named as the holder once it has the file open (PID/fd, as for a line on another
+        // device); otherwise the pid is said to be the one recorded when the lock was taken,
+        // with no command line (it would be another program's).
+        let directory = tempfile::tempdir().unwrap();
+        let (file, proc_root, process) = lock_listed(directory.path(), b"reused\0", 0, 4242);
+        let holder = holder_of(&file, &proc_root);
+        assert!(!holder.contains("reused"), "an unconfirmed pid's command line was given: {holder}");
+        assert!(holder.contains("pid 4242") && holder.contains("when it took the lock"), "{holder}");
+        assert!(holder.contains("no longer has it open"), "{holder}");
+        std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
+        assert_eq!(holder_of(&file, &proc_root), "pid 4242 (reused)");
     }
 
     #[test]
