@@ -13,7 +13,8 @@
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
 #    the original it kept aside put back (at paths of the test's own);
 # 3. loop_devices_work, stopped while its file system is mounted, leaves nothing mounted or
-#    attached (as root where loop devices work).
+#    attached (as root where loop devices work);
+# 4. the cluster stage runs every `cargo test` with TUTTI_REQUIRE_ETCD=1 (a stand-in cargo).
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 # shellcheck source=tools/test.sh
@@ -243,6 +244,24 @@ if loop_devices_work; then
 else
     echo "test-sh-test: loop_devices_work fails here (not root, no losetup, mkfs.ext4 or mount, or no loop device that attaches, formats and mounts): the loop-device check skipped" >&2
 fi
+
+# 4. The cluster stage's cargo tests, each with TUTTI_REQUIRE_ETCD=1 (without it a test that finds
+#    no etcd skips, and the stage passes testing nothing), through a stand-in cargo that writes
+#    down what it was run with and passes one test; the installs (ensure_*) stood in for too.
+mkdir -p "$run_tmp/cargo-bin"
+# shellcheck disable=SC2016 # expanded by the stand-in
+printf '#!/usr/bin/env bash\necho "${TUTTI_REQUIRE_ETCD:-unset} $*" >> %q\necho "test result: ok. 1 passed; 0 failed"\n' \
+    "$run_tmp/cargo.log" > "$run_tmp/cargo-bin/cargo"
+chmod +x "$run_tmp/cargo-bin/cargo"
+(
+    ensure_build() { :; }
+    ensure_protoc() { :; }
+    ensure_etcd() { :; }
+    PATH="$run_tmp/cargo-bin:$PATH" stage_cluster
+) > "$run_tmp/cluster.out" 2>&1
+check "the cluster stage with a stand-in cargo passes" 0 "$?"
+check "the cluster stage: 4 cargo tests, every one with TUTTI_REQUIRE_ETCD=1" "4 0" \
+    "$(grep -c ' test ' "$run_tmp/cargo.log") $(grep ' test ' "$run_tmp/cargo.log" | grep -vc '^1 ')"
 
 if [ "$failures" -gt 0 ]; then
     echo "test-sh-test: $failures check(s) failed" >&2

@@ -677,7 +677,8 @@ stage_benches() {
         timeout -k 30 300 cargo bench --locked -p tutti-benches --bench driver_overhead --bench command_build -- --test 2>&1
 }
 
-# TUTTI_REQUIRE_ETCD=1: a test that finds no etcd fails instead of skipping. Each test bounds
+# TUTTI_REQUIRE_ETCD=1 (for each cargo test, the daemon's too: cargo_tests_ran passes its
+# environment on): a test that finds no etcd fails instead of skipping. Each test bounds
 # its own waits; `timeout` bounds the whole stage should one hang regardless. tuttid's cluster
 # tests are one file per theme (tools/tuttid/tests/cluster_*.rs): the glob runs them all, and
 # cargo fails should it match none; the daemon's `--lib cluster` is a name filter, which would
@@ -686,7 +687,7 @@ stage_cluster() {
     ensure_build && ensure_protoc && ensure_etcd || return 1
     TUTTI_REQUIRE_ETCD=1 timeout -k 30 900 cargo test --locked -p tutti-cluster --all-targets 2>&1 &&
         TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tutti --test cluster 2>&1 &&
-        cargo_tests_ran 600 --locked -p tutti-daemon --features cluster --lib cluster &&
+        TUTTI_REQUIRE_ETCD=1 cargo_tests_ran 600 --locked -p tutti-daemon --features cluster --lib cluster &&
         TUTTI_REQUIRE_ETCD=1 timeout -k 30 600 cargo test --locked -p tuttid --test 'cluster_*' 2>&1
 }
 
