@@ -90,9 +90,11 @@ pub(crate) struct Connection {
 
 /// Whether an etcd error may go away by itself (a member down, a leader election, a broken
 /// connection), so that the call is retried within its deadline. A retry after an answer that
-/// was lost on the way back repeats a request etcd may have applied. For puts of the same record
-/// under the same lease, deletes, reads and the lease-guarded transactions that changes nothing.
-/// Two lease requests are not idempotent: a grant retried grants a second lease, and the first
+/// was lost on the way back, or after an attempt that timed out, repeats a request etcd may
+/// have applied or may still apply later (a member stalled on its disk holding the first). Reads
+/// change nothing; a node's writes are fenced on its member key's mod revision
+/// (`ClusterNode::guarded`), so an attempt applied after a later write is refused instead of
+/// undoing it. Two lease requests are not idempotent: a grant retried grants a second lease, and the first
 /// is orphaned (it holds no key and expires after one TTL); a revoke retried gets NotFound, which
 /// `ClusterNode` takes as done. The member transaction of a join recognises its own put (the key
 /// under its own lease) on a retry.

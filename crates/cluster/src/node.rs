@@ -2,7 +2,7 @@
 //! segments it stores (attached to the same lease, so a dead node's segments vanish with it).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use etcd_client::{
@@ -95,7 +95,7 @@ struct KeepAlive {
 /// before, then the grant, the member transaction and the new lease's revoke: a lease that
 /// revoke leaves is the node's, revoked by the next rejoin or the drop); `leave` or
 /// drop ≤ T + 1 s (up to 3 T + 1 s after rejoins whose revokes failed: those leases, at most
-/// two, are revoked too); `register` and `unregister` T per `txn_ops_max` segments;
+/// two, are revoked too); `register` and `unregister` T per `txn_ops_max` − 1 segments;
 /// `update_record` T.
 pub struct ClusterNode {
     client: ClusterClient,
@@ -138,6 +138,16 @@ pub struct ClusterNode {
     /// failed rejoin may leave an orphan as the node's lease: the entries are not under that.
     joined: i64,
     joined_gone: bool,
+    /// The member key's mod revision after this node's last write of it (the join's member
+    /// transaction, then every guarded write, which puts the key too): each guarded write is
+    /// applied only while the key is still at it, so an attempt of an earlier write that etcd
+    /// applies late (a timed-out attempt sent again to the next member, or a failed call the
+    /// owner sends again later, while the first one sat in a stalled member) is refused rather
+    /// than undoing the writes since. The lock also keeps guarded writes one at a time.
+    fence: Mutex<i64>,
+    /// Tests only: the last transaction `guarded` sent, to send again as a late attempt.
+    #[cfg(test)]
+    last_guarded: Mutex<Option<Txn>>,
     /// Tests only: called after the member transaction was applied, whose answer is then taken
     /// as lost (`Unavailable`), as a member that stalls right after applying it would make it.
     #[cfg(test)]
@@ -183,6 +193,9 @@ impl ClusterNode {
             orphaned: None,
             joined: 0,
             joined_gone: true,
+            fence: Mutex::new(0),
+            #[cfg(test)]
+            last_guarded: Mutex::new(None),
             #[cfg(test)]
             lose_member_answer: None,
             #[cfg(test)]
@@ -273,6 +286,13 @@ impl ClusterNode {
         // The member key was under this lease at this revision (the put's, or the read that
         // found our own put): the keep-alive's watch starts right after it.
         let seen_at = answer.header().map(|header| header.revision()).filter(|&revision| revision > 0);
+        // The first guarded write is applied only while the key is as this join left it: its
+        // mod revision is the transaction's revision when the put was applied (every write of
+        // a transaction takes the revision its answer's header names), the one read otherwise
+        // (our own put, found by a retry). Unknown (0: no header), the first guarded write is
+        // refused, finds the key under this lease and takes the fence from it.
+        let fence = if answer.succeeded() { seen_at.unwrap_or(0) } else { member_entry(&answer).map_or(0, |(_, revision)| revision) };
+        *self.fence.get_mut().unwrap_or_else(PoisonError::into_inner) = fence;
         self.lease.lease_id.store(lease_id, Ordering::Relaxed);
         self.lease.lost.store(false, Ordering::Relaxed);
         self.joined = lease_id;
@@ -488,8 +508,8 @@ impl ClusterNode {
         }
         let value = record.encode(self.client.layout.cluster()).map_err(refused_record)?;
         let lease_id = self.live_lease()?;
-        let key = self.client.layout.member_key(&record.node);
-        self.guarded("update the member record", lease_id, vec![TxnOp::put(key, value, Some(PutOptions::new().with_lease(lease_id)))])?;
+        // The guarded write puts the member key anyway: with the new record.
+        self.guarded("update the member record", lease_id, Vec::new(), value)?;
         self.record = record;
         Ok(())
     }
@@ -526,27 +546,83 @@ impl ClusterNode {
     }
 
     /// Applies `operations` in one transaction only while the node's member key is still under
-    /// `lease_id` (etcd compares the key's lease: 0 for a key that is gone). Every write of a
-    /// node goes through here: once its lease lapsed — expired during a partition before the
-    /// keep-alive noticed — a successor process may have joined under the same node id and
-    /// registered the same segments, and a plain delete (unlike a put, which names the lease)
-    /// would remove the successor's entries. A refused comparison marks the node lost.
-    fn guarded(&self, operation: &'static str, lease_id: i64, operations: Vec<TxnOp>) -> Result<()> {
+    /// `lease_id` (etcd compares the key's lease: 0 for a key that is gone) and at the mod
+    /// revision of this node's last write (`fence`), putting the key again (`member_value`,
+    /// under the lease) so that the fence moves on with each write. Every write of a node goes
+    /// through here: once its lease lapsed — expired during a partition before the keep-alive
+    /// noticed — a successor process may have joined under the same node id and registered the
+    /// same segments, and a plain delete (unlike a put, which names the lease) would remove the
+    /// successor's entries. The fence refuses an attempt of an earlier write applied late: a
+    /// timed-out attempt is sent again to the next member (`Connection::run`) and a failed call
+    /// again by the owner, while the first may sit in a member stalled on its disk and be
+    /// applied seconds later — a registration after the delete that followed it listed an
+    /// evicted segment again (until the lease ended), a delete after the put that followed it
+    /// unlisted a held one.
+    ///
+    /// A refusal with the key still under the lease at another revision means another attempt
+    /// of this node's writes was applied since the fence was taken (no one else writes a key
+    /// under this lease): this call's own first attempt, or one of an earlier call that failed
+    /// (`Unavailable`, its answer lost) and was applied all the same. Which one cannot be told,
+    /// so taking it as this call's (and answering Ok) could drop this call's writes; instead
+    /// they are sent again under the new fence, which every older attempt now fails: applied
+    /// twice, a put of the same entry or a delete changes nothing, and they land after
+    /// whatever moved the key. Any other refusal marks the node lost.
+    fn guarded(&self, operation: &'static str, lease_id: i64, operations: Vec<TxnOp>, member_value: Vec<u8>) -> Result<()> {
         let key = self.client.layout.member_key(&self.record.node);
-        let answer = self
-            .client
-            .connection
-            .call_kv(operation, |mut client| {
-                let transaction = Txn::new().when([Compare::lease(key.clone(), CompareOp::Equal, lease_id)]).and_then(operations.clone());
-                async move { client.txn(transaction).await }
-            })
-            .map_err(|error| self.lease_refused(error, lease_id))?;
-        if !answer.succeeded() {
-            tracing::warn!(lease_id, operation, "the member key is no longer under this node's lease: the lease is lost");
-            self.lease.lost.store(true, Ordering::Relaxed);
-            return Err(ClusterError::LeaseLost { lease_id });
+        let deadline = Instant::now() + self.client.config.request_timeout;
+        let mut fence = self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        // Each round after the first follows an attempt of this node's applied since the fence
+        // was taken: one or two in practice, more only with attempts of several calls applied
+        // late at once; the deadline bounds them too.
+        for _ in 0..GUARDED_ROUNDS_MAX {
+            let transaction = fenced(&key, &member_value, lease_id, *fence, operations.clone());
+            #[cfg(test)]
+            {
+                *self.last_guarded.lock().unwrap_or_else(PoisonError::into_inner) = Some(transaction.clone());
+            }
+            let answer = self
+                .client
+                .connection
+                .call_kv_by(operation, deadline, |mut client| {
+                    let transaction = transaction.clone();
+                    async move { client.txn(transaction).await }
+                })
+                .map_err(|error| self.lease_refused(error, lease_id))?;
+            if answer.succeeded() {
+                // The member key's mod revision is now the transaction's, which its answer's
+                // header names (0 without one: the next write is refused and reads it).
+                *fence = answer.header().map_or(0, |header| header.revision());
+                return Ok(());
+            }
+            match member_entry(&answer) {
+                Some((holder, revision)) if holder == lease_id && revision != *fence => {
+                    tracing::debug!(
+                        lease_id,
+                        operation,
+                        fence = *fence,
+                        revision,
+                        "an earlier attempt of this node's writes was applied: sent again"
+                    );
+                    *fence = revision;
+                }
+                _ => {
+                    tracing::warn!(lease_id, operation, "the member key is no longer under this node's lease: the lease is lost");
+                    self.lease.lost.store(true, Ordering::Relaxed);
+                    return Err(ClusterError::LeaseLost { lease_id });
+                }
+            }
         }
-        Ok(())
+        Err(ClusterError::Unavailable {
+            operation,
+            waited: self.client.config.request_timeout.saturating_sub(deadline.saturating_duration_since(Instant::now())),
+            last_error: format!("refused {GUARDED_ROUNDS_MAX} times, the member key moved on by this node's late attempts each time"),
+        })
+    }
+
+    /// How many segments one guarded transaction registers or unregisters: `txn_ops_max` less
+    /// the member key's put each carries (at least one: etcd's default allows 128 operations).
+    pub fn segments_per_transaction(&self) -> usize {
+        self.client.config.txn_ops_max.saturating_sub(1).max(1)
     }
 
     /// A refusal naming an unknown lease means etcd expired it.
@@ -561,14 +637,15 @@ impl ClusterNode {
     }
 
     /// Registers `segments` (newly committed, in `space`) as held by this node: one etcd
-    /// transaction per `txn_ops_max` segments, every key attached to the node's lease and
+    /// transaction per [`ClusterNode::segments_per_transaction`] segments, every key attached to the node's lease and
     /// written only while the node's member key is under that lease (else
     /// [`ClusterError::LeaseLost`]). Returns the number of transactions.
     pub fn register(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
         let lease_id = self.live_lease()?;
         let layout = &self.client.layout;
+        let member_value = self.record.encode(layout.cluster()).map_err(refused_record)?;
         let mut transactions = 0;
-        for chunk in segments.chunks(self.client.config.txn_ops_max) {
+        for chunk in segments.chunks(self.segments_per_transaction()) {
             let puts: Vec<TxnOp> = chunk
                 .iter()
                 .map(|segment| {
@@ -583,25 +660,26 @@ impl ClusterNode {
                     TxnOp::put(key, record.encode(layout.cluster()), Some(PutOptions::new().with_lease(lease_id)))
                 })
                 .collect();
-            self.guarded("register segments", lease_id, puts)?;
+            self.guarded("register segments", lease_id, puts, member_value.clone())?;
             transactions += 1;
         }
         Ok(transactions)
     }
 
     /// Removes this node's registration of `segments` (evicted locally): one transaction per
-    /// `txn_ops_max` segments, applied only while the node's member key is under its lease
+    /// [`ClusterNode::segments_per_transaction`] segments, applied only while the node's member key is under its lease
     /// (else [`ClusterError::LeaseLost`]: the entries under this node id may be a successor
     /// process's). Deleting a segment that was not registered is not an error.
     pub fn unregister(&self, space: &ModelSpace, segments: &[Segment]) -> Result<usize> {
         let lease_id = self.live_lease()?;
+        let member_value = self.record.encode(self.client.layout.cluster()).map_err(refused_record)?;
         let mut transactions = 0;
-        for chunk in segments.chunks(self.client.config.txn_ops_max) {
+        for chunk in segments.chunks(self.segments_per_transaction()) {
             let deletes = chunk
                 .iter()
                 .map(|segment| TxnOp::delete(self.client.layout.segment_key(space, segment.key, &self.record.node), None))
                 .collect();
-            self.guarded("unregister segments", lease_id, deletes)?;
+            self.guarded("unregister segments", lease_id, deletes, member_value.clone())?;
             transactions += 1;
         }
         Ok(transactions)
@@ -633,6 +711,30 @@ impl Drop for ClusterNode {
 /// last lease and these (each a request timeout), and keeps the newest that failed again.
 /// Two cover a rejoin whose revoke of the old lease failed and whose new lease was orphaned.
 const UNREVOKED_KEPT: usize = 2;
+
+/// A guarded write's transaction (`ClusterNode::guarded`): `operations` and the member key
+/// (`key`) put again as `member_value` under `lease_id`, while that key is under that lease at
+/// mod revision `fence`; otherwise a read of the key.
+fn fenced(key: &str, member_value: &[u8], lease_id: i64, fence: i64, mut operations: Vec<TxnOp>) -> Txn {
+    operations.push(TxnOp::put(key, member_value, Some(PutOptions::new().with_lease(lease_id))));
+    Txn::new()
+        .when([Compare::lease(key, CompareOp::Equal, lease_id), Compare::mod_revision(key, CompareOp::Equal, fence)])
+        .and_then(operations)
+        .or_else([TxnOp::get(key, None)])
+}
+
+/// Most transactions one guarded write sends (`ClusterNode::guarded`): the first, and one more
+/// for each late attempt of this node's found applied since the fence was taken.
+const GUARDED_ROUNDS_MAX: usize = 4;
+
+/// The member key's lease and mod revision in a refused transaction's answer (its `or_else`
+/// read of the key); None when the key is gone.
+fn member_entry(answer: &etcd_client::TxnResponse) -> Option<(i64, i64)> {
+    answer.op_responses().into_iter().find_map(|response| match response {
+        etcd_client::TxnOpResponse::Get(range) => range.kvs().first().map(|entry| (entry.lease(), entry.mod_revision())),
+        _ => None,
+    })
+}
 
 /// A member record that `MemberRecord::encode` refuses, as a setting error.
 fn refused_record(reason: &'static str) -> ClusterError {
@@ -1305,5 +1407,133 @@ mod own_lease_tests {
         let (mut node, _) = join_node_a(&etcd, "leave-failed");
         node.fail_revoke = vec![node.health().lease_id];
         assert!(!node.leave(), "the revoke failed: the lease and its entries live on");
+    }
+}
+
+#[cfg(test)]
+mod fence_tests {
+    use super::rejoin_test_support::{join_node_a, start_etcd};
+    use super::*;
+    use crate::names::SegmentKey;
+
+    fn space() -> ModelSpace {
+        ModelSpace::new([7; 32], 0, 1).unwrap()
+    }
+
+    fn segment(key: u64) -> Segment {
+        Segment { index: 0, key: SegmentKey::new(key).unwrap() }
+    }
+
+    /// Sends `transaction` as one more attempt through the node's connection (as a member
+    /// stalled on its disk applies an attempt it held): whether etcd applied it.
+    fn send_late(node: &ClusterNode, transaction: Txn) -> bool {
+        node.client
+            .connection
+            .call_kv("a late attempt", |mut kv| {
+                let transaction = transaction.clone();
+                async move { kv.txn(transaction).await }
+            })
+            .unwrap()
+            .succeeded()
+    }
+
+    fn kept(node: &ClusterNode) -> Txn {
+        node.last_guarded.lock().unwrap().clone().expect("a guarded write was sent")
+    }
+
+    fn listed(node: &ClusterNode, key: u64) -> bool {
+        !node.lookup(&space(), &[segment(key)]).unwrap().holders.is_empty()
+    }
+
+    #[test]
+    fn a_registration_applied_late_after_its_delete_is_refused() {
+        // Goal: a registration's attempt that etcd applies late (sent again to the next member
+        // after it timed out, the first one held by a member stalled on its disk) after the
+        // delete that followed it listed the evicted segment again, until the lease ended: the
+        // only guard was the member key's lease, the same for both. Each guarded write is now
+        // fenced on the member key's mod revision, which every write moves on.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, _) = join_node_a(&etcd, "fence-late-put");
+        node.register(&space(), &[segment(11)]).unwrap();
+        let registration = kept(&node);
+        node.unregister(&space(), &[segment(11)]).unwrap();
+        assert!(!listed(&node, 11));
+
+        assert!(!send_late(&node, registration), "the late registration was applied");
+        assert!(!listed(&node, 11), "the evicted segment is listed again");
+        assert!(!node.health().lost, "the node's own writes moved the key: not a takeover");
+    }
+
+    #[test]
+    fn the_fence_is_the_member_keys_revision_after_each_write() {
+        // Goal: the fence a guarded write takes from its answer's header is the member key's
+        // mod revision (etcd gives every write of a transaction the revision its header names),
+        // so the next write is not refused and sent twice.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, _) = join_node_a(&etcd, "fence-revision");
+        let key = node.client.layout.member_key(&node.record.node);
+        let mod_revision = || {
+            let key = key.clone();
+            let answer = node.client.connection.call_kv("read the member key", |mut kv| {
+                let key = key.clone();
+                async move { kv.get(key, None).await }
+            });
+            answer.unwrap().kvs()[0].mod_revision()
+        };
+        assert_eq!(*node.fence.lock().unwrap(), mod_revision(), "after the join");
+        node.register(&space(), &[segment(21), segment(22)]).unwrap();
+        assert_eq!(*node.fence.lock().unwrap(), mod_revision(), "after a registration");
+        node.unregister(&space(), &[segment(21)]).unwrap();
+        assert_eq!(*node.fence.lock().unwrap(), mod_revision(), "after a delete");
+        assert!(listed(&node, 22) && !listed(&node, 21));
+    }
+
+    #[test]
+    fn a_write_after_an_earlier_calls_late_attempt_is_still_applied() {
+        // Goal: a refused write that finds the key under its lease at a newer revision cannot
+        // tell whether its own attempt moved it or a late attempt of an earlier call that failed
+        // (its answer lost, the owner to send it again). Taking it as its own answered Ok and
+        // dropped its writes: here the delete of segment 31 after a failed registration of 32
+        // applied late. Its writes are sent again under the new fence instead.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, _) = join_node_a(&etcd, "fence-earlier-call");
+        node.register(&space(), &[segment(31)]).unwrap();
+        // A registration of 32 whose call failed (no answer, the node's fence unchanged): its
+        // attempt, under the node's fence, applied late, before the node's next write.
+        let key = node.client.layout.member_key(&node.record.node);
+        let value = node.record.encode(node.client.layout.cluster()).unwrap();
+        let lease_id = node.health().lease_id;
+        let put = TxnOp::put(
+            node.client.layout.segment_key(&space(), segment(32).key, &node.record.node),
+            SegmentRecord {
+                node: node.record.node.clone(),
+                space: space(),
+                key: segment(32).key,
+                index: 0,
+                segment_blocks: node.client.config.segment_blocks,
+            }
+            .encode(node.client.layout.cluster()),
+            Some(PutOptions::new().with_lease(lease_id)),
+        );
+        let late = fenced(&key, &value, lease_id, *node.fence.lock().unwrap(), vec![put]);
+        assert!(send_late(&node, late), "the late attempt holds the fence the node has");
+        assert!(listed(&node, 32));
+
+        node.unregister(&space(), &[segment(31)]).expect("the delete is sent again under the new fence");
+        assert!(!listed(&node, 31), "the delete was dropped, taken as applied");
+        assert!(!node.health().lost);
+    }
+
+    #[test]
+    fn a_write_after_the_member_key_was_deleted_marks_the_node_lost() {
+        // Goal: only a key still under the node's lease is taken as moved by the node's own
+        // late attempts: a member key gone (deleted by hand) marks the node lost at its next
+        // write, as before the fence.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, _) = join_node_a(&etcd, "fence-lost");
+        node.register(&space(), &[segment(41)]).unwrap();
+        super::rejoin_test_support::delete_member_key(&node);
+        assert!(matches!(node.register(&space(), &[segment(42)]), Err(ClusterError::LeaseLost { .. })));
+        assert!(node.health().lost);
     }
 }

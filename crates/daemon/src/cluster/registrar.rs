@@ -15,7 +15,7 @@
 //!    deletes made (or rejoin after a lost lease: a new lease has no registrations, so every
 //!    held segment is registered again); update the member record
 //!    when the set of models changed; unregister broken segments and register held ones,
-//!    taking turns while both wait, one transaction per `txn_ops_max` segments of one model
+//!    taking turns while both wait, one transaction per `txn_ops_max` − 1 segments of one model
 //!    space, at most [`TRANSACTIONS_PER_PASS`] together per pass so departures are not kept
 //!    waiting. Before each call but the join, step 1 runs again on the commits queued
 //!    meanwhile (local work); a registration drops the deletes still queued for its segments
@@ -621,7 +621,8 @@ impl Registrar {
             let Some(node) = self.node.as_mut() else { return Ok(()) };
             node.update_record(record)?;
         }
-        let batch_max = self.config.txn_ops_max;
+        // One transaction per batch: each also puts the member key (the node's fence).
+        let Some(batch_max) = self.node.as_ref().map(ClusterNode::segments_per_transaction) else { return Ok(()) };
         let mut transactions = 0;
         // One loop, deletes and registrations taking turns while both wait: the queue read
         // before each call may queue a delete, and on a busy node with a full pool (a commit
