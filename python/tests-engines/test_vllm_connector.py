@@ -2558,6 +2558,31 @@ def test_full_cuda_graphs_left_by_vllm_are_refused_at_the_worker(mode):
         harness.make_connector(config, KVConnectorRole.WORKER)
 
 
+@pytest.mark.parametrize("write", ["zeroing", "partial-hash-hits"])
+def test_kv_block_writes_vllm_makes_before_handle_preemptions_are_refused_at_the_worker(monkeypatch, write):
+    """Goal: vLLM's model runner V2 runs update_requests, which zeroes newly allocated blocks
+    (KVCacheConfig.needs_kv_cache_zeroing) and applies the copy-on-write copies of partial
+    prefix-cache hits, before pre_forward calls handle_preemptions: a block a preempted request
+    freed could be written while its save still reads it. A worker whose KVCacheConfig (stubbed:
+    the connector refuses the Mamba layers behind both already) asks for either is refused when
+    vLLM builds its connector, naming the write and the order; the harness's passes. Checked
+    before tuttid is asked."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    with pytest.raises(tutti.Disconnected):  # past the configuration: tuttid is asked
+        harness.make_connector(config, KVConnectorRole.WORKER)
+    if write == "zeroing":
+        monkeypatch.setattr(KVCacheConfig, "needs_kv_cache_zeroing", property(lambda self: True))
+        match = "zeroes newly allocated KV blocks.*needs_kv_cache_zeroing"
+    else:
+        monkeypatch.setattr(kv_cache_utils, "partial_hash_hits_enabled", lambda *args, **kwargs: True)
+        match = "partial prefix-cache hits"
+    with pytest.raises(ConfigError, match=f"{match}.*before it calls the connector's handle_preemptions"):
+        harness.make_connector(config, KVConnectorRole.WORKER)
+
+
 def test_each_way_out_the_full_cuda_graph_refusal_names_leaves_no_full_graphs():
     """Goal: every way out the full-CUDA-graph refusal names works. vLLM reaches full graphs
     for the connector only through pass_config.fuse_attn_quant without inductor graph partition

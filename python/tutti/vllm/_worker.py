@@ -90,6 +90,8 @@ class WorkerSide:
     _iocbs: int
 
     def _init_worker(self, vllm_config: "VllmConfig") -> None:
+        # KVConnectorBase_V1 keeps the KVCacheConfig vLLM built the connector with.
+        _refuse_kv_writes_before_preemptions(vllm_config, getattr(self, "_kv_cache_config", None))
         self._tp_rank = _tp_rank(vllm_config, self._tp_world)
         # Layers of one load or save in flight at once: a load's next layers are read while
         # vLLM runs the current one's attention, a save's while it runs the next layers'.
@@ -1209,6 +1211,54 @@ def _failed_on_any_rank(failed_here: list[bool]) -> list[bool]:
     flags = torch.tensor(failed_here, dtype=torch.int32)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=get_tp_group().cpu_group)
     return [bool(flag) for flag in flags.tolist()]
+
+
+def _refuse_kv_writes_before_preemptions(vllm_config: "VllmConfig", kv_cache_config: Optional["KVCacheConfig"]) -> None:
+    """Raises ConfigError where vLLM would write KV blocks before the connector's
+    handle_preemptions: its model runner V2 (vllm/v1/worker/gpu/model_runner.py, vLLM 0.32)
+    runs update_requests, which zeroes newly allocated blocks
+    (KVCacheConfig.needs_kv_cache_zeroing: Mamba layers, or KV caches of mixed precision) and
+    applies the copy-on-write copies of partial prefix-cache hits (the scheduler's
+    KVCacheCoordinator.enable_partial_hash_hits, which needs Mamba "align" groups:
+    kv_cache_utils.partial_hash_hits_enabled), before pre_forward calls handle_preemptions. A
+    block a preempted request freed and vLLM handed to another request in the same step would be
+    written while the preempted save may still read it, or its load still write it. The
+    connector refuses Mamba groups, and layers of mixed KV dtypes within a group, already
+    (`_refuse_kv_cache_groups_freed_early`); this also covers groups of different precisions
+    and whatever else vLLM zeroes or copies for. The worker has no coordinator: the
+    partial hits are judged by vLLM's own predicate over the worker's KV cache groups (True
+    whenever the coordinator could enable them)."""
+    if kv_cache_config is None:
+        return
+    writes: list[str] = []
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        writes.append(
+            "zeroes newly allocated KV blocks (KVCacheConfig.needs_kv_cache_zeroing: Mamba layers or KV caches of "
+            "mixed precision)"
+        )
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    cache = getattr(vllm_config, "cache_config", None)
+    hash_block_size = (
+        getattr(kv_cache_config, "hash_block_size", None)
+        or getattr(cache, "hash_block_size", None)
+        or getattr(cache, "block_size", None)
+    )
+    if groups and hash_block_size:
+        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+
+        dcp = int(getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) or 1)
+        if partial_hash_hits_enabled(groups, int(hash_block_size), dcp):
+            writes.append(
+                "copies KV blocks for partial prefix-cache hits (copy-on-write: the KV cache coordinator's "
+                "enable_partial_hash_hits, Mamba \"align\" groups)"
+            )
+    if writes:
+        raise ConfigError(
+            f"TuttiConnector cannot serve this model: vLLM's model runner V2 {' and '.join(writes)} in update_requests, "
+            "before it calls the connector's handle_preemptions, so a block a preempted request freed could be "
+            "written while that request's save still reads it or its load still writes it: serve it without the "
+            "connector"
+        )
 
 
 def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
