@@ -248,6 +248,24 @@ pub struct AttachedDaemon {
     pub process: Option<PeerProcess>,
 }
 
+/// Bytes of a Unix socket address's path, its terminating NUL included (`sun_path`, Linux).
+const SUN_PATH_BYTES: usize = 108;
+
+impl AttachedDaemon {
+    /// The daemon attached to at `socket`, which is made absolute against the current
+    /// directory now (without touching the file system), so that a directory the engine
+    /// changes to before the close does not turn the daemon's socket into a file not found (a
+    /// daemon gone). A path that made absolute no longer fits a socket address stays relative:
+    /// a file not found at it then proves nothing (`reach`).
+    pub fn new(socket: PathBuf, process: Option<PeerProcess>) -> AttachedDaemon {
+        let socket = match std::path::absolute(&socket) {
+            Ok(absolute) if absolute.as_os_str().len() < SUN_PATH_BYTES => absolute,
+            _ => socket,
+        };
+        AttachedDaemon { socket, process }
+    }
+}
+
 /// What a registration of device memory holds until tuttid can no longer reach the memory.
 pub struct DeviceHold {
     pub keeps: Vec<crate::memory::Keep>,
@@ -300,7 +318,8 @@ enum Reached {
     /// The daemon attached to has exited (its queue pairs, mappings and imports of the memory
     /// ended with its process), whatever is at its socket path now. Or, for a daemon that could
     /// not be identified, its socket file is gone: tuttid removes it only once its drain
-    /// released every session (`server.rs`).
+    /// released every session (`server.rs`). Not for a relative socket path (resolved against
+    /// a current directory that may have changed since the attach: `AttachedDaemon::new`).
     Gone,
     /// Nothing can be concluded by the deadline: the connection is refused while the socket
     /// file exists (a draining daemon has closed its listener but is still releasing sessions,
@@ -359,7 +378,17 @@ fn reach_with(daemon: &AttachedDaemon, deadline: Instant, identify: impl Fn(&Cli
                 // Removed while the attached daemon still runs: not necessarily by its drain
                 // (which removes it once every session is released) — another start or an
                 // operator may have removed a draining daemon's file. Asked again until it exits.
-                let Some(ours) = daemon.process.as_ref().filter(|_| !exited) else { return Reached::Gone };
+                let Some(ours) = daemon.process.as_ref().filter(|_| !exited) else {
+                    if daemon.process.is_none() && socket.is_relative() {
+                        // Resolved against the current directory, which may have changed since
+                        // the attach (`AttachedDaemon::new`): not found there proves nothing.
+                        return Reached::Unknown(format!(
+                            "{error}: the socket path {} is relative, and the current directory may have changed since the attach",
+                            socket.display()
+                        ));
+                    }
+                    return Reached::Gone;
+                };
                 if Instant::now() >= deadline {
                     return Reached::Unknown(format!(
                         "{} is gone while the daemon this session attached to (pid {}) still runs: its sessions may still move bytes",
@@ -544,6 +573,26 @@ mod tests {
         drop(held);
         assert_eq!(refused.expect("register waited for the stand-ins' lock"), Some(ErrorClass::Disconnected));
         drop(stand_in);
+    }
+
+    #[test]
+    fn a_relative_socket_path_not_found_is_no_proof_the_daemon_is_gone() {
+        // Goal: a session attached through a relative socket path whose daemon cannot be
+        // identified (another pid namespace): the path is resolved against the current
+        // directory, which the engine may have changed since the attach, so a file not found
+        // there says nothing of the daemon: nothing is concluded (NoAnswer), and the memory it
+        // may still write is not handed back. The attach records the path made absolute when
+        // it fits a socket address, so this applies only to one too long for that. Before, the
+        // relative path's NotFound read as "no daemon left" (NoDaemon), a session ended cleanly.
+        let relative = PathBuf::from(format!("tutti-python-relative-socket-test-{}/tuttid.sock", std::process::id()));
+        let daemon = AttachedDaemon { socket: relative.clone(), process: None };
+        let counted = leaked_queue_pairs(&daemon, Instant::now() + Duration::from_millis(100));
+        assert!(matches!(counted, LeakCount::NoAnswer), "{counted:?}");
+        let attached = AttachedDaemon::new(relative.clone(), None);
+        assert!(attached.socket.is_absolute(), "{}", attached.socket.display());
+        assert!(attached.socket.ends_with(&relative), "{}", attached.socket.display());
+        let long = PathBuf::from("d".repeat(120));
+        assert_eq!(AttachedDaemon::new(long.clone(), None).socket, long, "too long for a socket address made absolute: kept");
     }
 
     #[test]

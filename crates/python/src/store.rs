@@ -1020,7 +1020,7 @@ impl Store {
         let daemon_process = client.daemon_process();
         let backend = Backend::RemoteAttached { client, hello: reply, config };
         let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight, iocbs, requests_max });
-        state.daemon = Some(crate::device_memory::AttachedDaemon { socket, process: daemon_process });
+        state.daemon = Some(crate::device_memory::AttachedDaemon::new(socket, daemon_process));
         state.daemon_session = Some(session);
         state.closed_in_forked_children = connections;
         Store::new(StoreShared::new(
