@@ -325,16 +325,27 @@ impl Holdings {
     /// command: each Create I/O CQ and SQ (and an undo's Deletes) may wait out the admin
     /// timeout, 10 s by default, during which every other session's lookups, prepares, commits
     /// and releases, status and `/metrics` would wait too (clients give up at 5 s).
+    ///
+    /// Once `stopping` says the daemon stops, no queue is created (`ShuttingDown`): the drain
+    /// releases every session at once, freeing the queue ids of clients that may still ring
+    /// them, and a queue created then could take such an id (the departed client's doorbell
+    /// writes would move its tail). Checked under the attach lock, where an attach read before
+    /// the stop may have waited out another's admin commands, and before each device's creation.
+    #[allow(clippy::too_many_arguments)] // the session's context, as for `register`
     pub fn attach(
         &mut self,
         request: AttachQueues,
         store: &Mutex<StoreState>,
         attaching: &Mutex<()>,
+        stopping: &dyn Fn() -> bool,
         limits: &SessionLimits,
         leaks: &LeakCounters,
         reserved: u16,
     ) -> (Reply, Vec<OwnedFd>) {
         let _attaching = lock(attaching);
+        if stopping() {
+            return (Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down: no queue pairs are created"), Vec::new());
+        }
         let index = match self.registration(request.registration) {
             Ok(index) => index,
             Err(refusal) => return (refused(refusal), Vec::new()),
@@ -439,6 +450,10 @@ impl Holdings {
         let mut failure = None;
         let mut creations_unsettled = 0;
         for (device, rings) in request.rings.iter().enumerate() {
+            if stopping() {
+                failure = Some(Reply::error(ErrorCode::ShuttingDown, "tuttid is shutting down: no queue pairs are created"));
+                break;
+            }
             let ring = |offset: u64, entry_bytes: usize| {
                 let bytes = request.depth as usize * entry_bytes;
                 usize::try_from(offset).ok().and_then(|offset| window.subregion(offset, bytes).ok()).ok_or_else(|| {

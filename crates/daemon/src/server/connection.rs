@@ -241,7 +241,10 @@ pub(super) enum Ending {
     /// The client closed its socket (or was killed: the kernel closed it). The client library
     /// closes only once its data half is gone, so nothing of it rings the queues any more.
     PeerClosed,
-    /// The daemon drains: its controllers go with it.
+    /// The daemon drains: the session is released at once, though its client may still ring
+    /// its queues, whose ids are freed while the controllers stay up (the drain's retire window,
+    /// then the pool's drop). No client queue is created from the stop on (`Holdings::attach`
+    /// refuses), so none takes such an id.
     DaemonStopping,
     /// The daemon ended it (lease, frame timeout, protocol error, an answer it could not
     /// send): the client may still be running its data path.
@@ -507,6 +510,7 @@ impl Connection {
                     attach,
                     &shared.store,
                     &shared.attaching,
+                    &|| shared.stop.is_stopped(),
                     limits,
                     &shared.leaks,
                     crate::pool_open::queue_pairs_reserved(shared.cluster.is_some()),

@@ -1026,6 +1026,49 @@ fn a_drain_hands_back_the_pool_with_a_kept_sessions_slots_still_reserved() {
     assert_eq!(counts.writing_slots, 4, "the kept store's four slots were released by the drain: {counts:?}");
 }
 
+#[test]
+fn an_attach_read_before_a_stop_but_served_after_it_is_answered_shutting_down() {
+    // Goal: a stop releases every session at once, freeing queue ids of clients that may still
+    // ring them; a queue created after that could take such an id and be rung by the departed
+    // client. So no attach may create queues once the daemon is stopping: "second" asks while
+    // "first"'s attach holds the attach lock (its Create I/O CQ completes late), the stop comes
+    // meanwhile, and "second"'s attach, served after, is answered ShuttingDown, not Attached.
+    let (mut daemon, emulator) = InProcess::start_with_admin_timeout(Duration::from_secs(10));
+    let late = nvme_emu::FaultAction::Delay(Duration::from_millis(1500));
+    let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::CreateIoCompletionQueue, late);
+    emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
+    let socket = daemon.socket.clone();
+    let attach_as = move |name: &'static str| {
+        let socket = socket.clone();
+        thread::spawn(move || {
+            let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+            RemoteKvStore::connect(&socket, &hello(name), &config).map(drop).map_err(|error| error.to_string())
+        })
+    };
+    let first = attach_as("first");
+    let deadline = Instant::now() + WAIT;
+    while emulator.stats().faults_injected == 0 {
+        assert!(Instant::now() < deadline, "the first attach's Create I/O CQ was never sent");
+        thread::sleep(Duration::from_millis(5));
+    }
+    let second = attach_as("second");
+    daemon.status_once("the second session never registered its window", |status| {
+        status.clients.iter().any(|client| client.name == "second" && client.registrations == 1)
+    });
+    // Its AttachQueues follows the registration's answer at once; the first attach holds the
+    // lock for over a second more.
+    thread::sleep(Duration::from_millis(300));
+    daemon.stop.stop();
+    let first = first.join().unwrap();
+    let second = second.join().unwrap();
+    assert!(daemon.stop().is_some(), "serve did not return");
+    assert!(first.is_ok(), "the first attach, under way before the stop: {first:?}");
+    match second {
+        Err(message) => assert!(message.contains("ShuttingDown"), "{message}"),
+        Ok(()) => panic!("an attach served after the stop created queues"),
+    }
+}
+
 /// The text of one `GET /metrics` from `address` (bounded by `WAIT`).
 fn scrape(address: SocketAddr) -> String {
     use std::io::{Read, Write};

@@ -112,6 +112,7 @@ fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64)
         AttachQueues { registration, depth: 64, rings },
         store,
         &Mutex::new(()),
+        &|| false,
         &SessionLimits::default(),
         &LeakCounters::default(),
         POOL_RESERVED,
@@ -764,6 +765,7 @@ fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
                 AttachQueues { registration, depth: 64, rings },
                 &store,
                 &Mutex::new(()),
+                &|| false,
                 &SessionLimits::default(),
                 &leaks,
                 POOL_RESERVED,
@@ -806,6 +808,7 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
                 AttachQueues { registration, depth: 64, rings },
                 &store,
                 &Mutex::new(()),
+                &|| false,
                 &SessionLimits::default(),
                 &leaks,
                 POOL_RESERVED,
@@ -832,7 +835,15 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     let registration = next.registrations[0].id;
     let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
     let reply = next
-        .attach(AttachQueues { registration, depth: 64, rings }, &store, &Mutex::new(()), &SessionLimits::default(), &leaks, POOL_RESERVED)
+        .attach(
+            AttachQueues { registration, depth: 64, rings },
+            &store,
+            &Mutex::new(()),
+            &|| false,
+            &SessionLimits::default(),
+            &leaks,
+            POOL_RESERVED,
+        )
         .0;
     assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
     assert!(next.release(&store, &leaks).is_done());
@@ -857,6 +868,7 @@ fn an_attach_while_a_retiring_sessions_delete_is_outstanding_is_told_to_retry() 
                 AttachQueues { registration, depth: 64, rings },
                 &store,
                 &Mutex::new(()),
+                &|| false,
                 &SessionLimits::default(),
                 &leaks,
                 POOL_RESERVED,
@@ -911,6 +923,7 @@ fn an_attach_whose_half_made_pairs_cannot_be_deleted_is_not_told_to_retry() {
                 AttachQueues { registration, depth: 64, rings },
                 &store,
                 &Mutex::new(()),
+                &|| false,
                 &SessionLimits::default(),
                 &leaks,
                 POOL_RESERVED,
@@ -1003,4 +1016,41 @@ fn a_relayed_pair_kept_by_a_failed_attach_does_not_count_as_ringing_a_shared_reg
         assert_eq!(holdings.rings_shared_registers(), shared_registers, "shared registers {shared_registers}");
         assert!(holdings.release(&store, &LeakCounters::default()).is_done());
     }
+}
+
+#[test]
+fn a_stop_between_two_devices_creations_undoes_the_attach() {
+    // Goal: once the daemon stops, no queue is created (the drain frees ended clients' queue
+    // ids, which a new queue could take while those clients still ring them). A stop that comes
+    // after device 0's pair was created ends the attach before device 1's creation: ShuttingDown,
+    // device 0's pair deleted again, nothing left with the session.
+    let store = store_of(2, ControllerConfig::default());
+    let leaks = LeakCounters::default();
+    let mut holdings = Holdings::default();
+    let registration = registered(&mut holdings, &store);
+    let rings = vec![
+        RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 },
+        RingOffsets { submission_offset: 576 << 10, completion_offset: 832 << 10 },
+    ];
+    // Asked under the attach lock, then before each device's creation: the stop comes after
+    // device 0's.
+    let asked = std::cell::Cell::new(0);
+    let stopping = || {
+        asked.set(asked.get() + 1);
+        asked.get() > 2
+    };
+    let (reply, fds) = holdings.attach(
+        AttachQueues { registration, depth: 64, rings },
+        &store,
+        &Mutex::new(()),
+        &stopping,
+        &SessionLimits::default(),
+        &leaks,
+        POOL_RESERVED,
+    );
+    assert!(matches!(reply, Reply::Error { code: ErrorCode::ShuttingDown, .. }), "{reply:?}");
+    assert!(fds.is_empty());
+    assert_eq!(asked.get(), 3, "the stop was not asked before each device's creation");
+    assert_eq!(holdings.queue_pairs(), 0, "device 0's pair was not deleted");
+    assert!(holdings.release(&store, &leaks).is_done());
 }
