@@ -249,6 +249,9 @@ pub struct CreatedFiles {
     device_locks: tutti_devices::DeviceLocks,
     /// What those locks do with an existing file's mode, as the lock step's do.
     file_modes: FileModes,
+    /// The claims [`prepare_file`] took on block devices that appeared after the run's lock
+    /// step (which claimed the others), held to the end of the run.
+    claims: Vec<tutti_devices::BlockDeviceClaims>,
 }
 
 /// What the run's locks do with the mode of an existing `emu:`/`uring:` file others can open.
@@ -535,10 +538,18 @@ pub fn open_error(error: DeviceError, what: &str) -> anyhow::Error {
 
 /// The existing file of `spec` (at `path`): checks it opens as the run needs and, unless the
 /// run's lock step holds it, takes tuttid's lock on it as that step does (`DeviceLocks`;
-/// refused as in use, exit 2, while another process holds it), held by `created` to the end of
-/// the run. The lock step skipped it because it did not exist then: another process (a second
-/// run, `tutti pool format`, `tuttid --format`) made it since, and must not share it unlocked.
-fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+/// refused as in use, exit 2, while another process holds it) and, for a run that writes, claims
+/// it if it is a block device (`opener`; refused as in use, exit 2, while mounted), both held by
+/// `created` to the end of the run. The lock step skipped it because it did not exist then:
+/// another process (a second run, `tutti pool format`, `tuttid --format`) made it since, and
+/// must not share it unlocked.
+fn use_existing(
+    spec: &DeviceSpec,
+    path: &Path,
+    options: OpenOptions2,
+    created: &mut CreatedFiles,
+    opener: &dyn tutti_devices::BlockDeviceOpener,
+) -> Result<(), DeviceError> {
     OpenOptions::new().read(true).write(options.writes).open(path).map_err(|source| {
         let context = if options.writes { "cannot open for reading and writing" } else { "cannot open for reading" };
         // What was given (no permission, read-only, a loop) by its errno; EIO and the like failed.
@@ -557,15 +568,26 @@ fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: 
             .map_err(|error| lock_error(spec, error))?;
         created.note_held(locks.paths());
         created.device_locks.extend(locks);
+        // A run that writes claims its block devices at its lock step (run.rs), only those
+        // there then: a disk put here since (a node made, a link) is claimed now, lock then
+        // claim as there, and held to the end of the run; one in use (mounted) is refused
+        // before a byte is written.
+        let claims = if options.writes {
+            tutti_devices::BlockDeviceClaims::acquire(std::slice::from_ref(spec), opener).map_err(|error| lock_error(spec, error))?
+        } else {
+            tutti_devices::BlockDeviceClaims::default()
+        };
         // The run's checks (run.rs with_devices) saw no file here, or another one: what is here
         // now is checked as they would have checked it, under the lock, before it is formatted
-        // (a copier such as cp takes no lock, so the lock alone did not keep it off).
+        // (a copier such as cp takes no lock, so the lock alone did not keep it off); a block
+        // device through its claim (a blank first MiB proves nothing on a disk).
         if created.refuse_foreign {
-            match tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &tutti_devices::BlockDeviceClaims::default()) {
+            match tutti_devices::refuse_foreign_contents(std::slice::from_ref(spec), &claims) {
                 Ok(()) => {}
                 Err(error) => return Err(lock_error(spec, error)),
             }
         }
+        created.claims.push(claims);
     }
     Ok(())
 }
@@ -574,10 +596,20 @@ fn use_existing(spec: &DeviceSpec, path: &Path, options: OpenOptions2, created: 
 /// as the run needs, creating it (and laying it out) when missing and allowed. A created file is
 /// registered in `created` so that a failed run removes it.
 pub fn prepare_file(spec: &DeviceSpec, options: OpenOptions2, created: &mut CreatedFiles) -> Result<(), DeviceError> {
+    prepare_file_with(spec, options, created, &tutti_devices::HostBlockDevices)
+}
+
+/// [`prepare_file`] with `opener` answering for the block devices (tests give a fake).
+fn prepare_file_with(
+    spec: &DeviceSpec,
+    options: OpenOptions2,
+    created: &mut CreatedFiles,
+    opener: &dyn tutti_devices::BlockDeviceOpener,
+) -> Result<(), DeviceError> {
     let (DeviceSpec::EmuFile(path) | DeviceSpec::Uring(path)) = spec else { return Ok(()) };
     let io_error = |context: &str, source: std::io::Error| DeviceError::Setup(format!("{}: {context}: {source}", path.display()));
     if path.exists() {
-        return use_existing(spec, path, options, created);
+        return use_existing(spec, path, options, created, opener);
     }
     let Some(bytes) = options.create_bytes else {
         return Err(DeviceError::Setup(format!("{} does not exist; give --size to create it", path.display())));
@@ -602,7 +634,7 @@ pub fn prepare_file(spec: &DeviceSpec, options: OpenOptions2, created: &mut Crea
     let file = match OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path) {
         Ok(file) => file,
         // Another process made it since the look above: not this run's to size or remove.
-        Err(source) if source.kind() == std::io::ErrorKind::AlreadyExists => return use_existing(spec, path, options, created),
+        Err(source) if source.kind() == std::io::ErrorKind::AlreadyExists => return use_existing(spec, path, options, created, opener),
         Err(source) => return Err(io_error("cannot create", source)),
     };
     created.push(path.to_path_buf());
@@ -1303,6 +1335,58 @@ mod tests {
             "the run uses a replacement it does not hold locked"
         );
         created.keep_after_success();
+    }
+
+    /// Calls `path` a block device (a disk node put where the run saw nothing) and answers
+    /// EBUSY for it, as the kernel does for a mounted disk.
+    struct BusyDisk {
+        path: PathBuf,
+        opens: std::cell::Cell<usize>,
+    }
+
+    impl tutti_devices::BlockDeviceOpener for BusyDisk {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.path
+        }
+
+        fn open_exclusive(&self, _path: &Path) -> std::io::Result<std::fs::File> {
+            self.opens.set(self.opens.get() + 1);
+            Err(std::io::Error::from_raw_os_error(libc::EBUSY))
+        }
+    }
+
+    #[test]
+    fn a_block_device_that_appeared_after_the_claims_is_claimed_before_it_is_written() {
+        // Goal: a run that writes claims (O_EXCL) every block device it names, but only those
+        // there at its lock step; a disk put at a path missing then (a node made, a link) was
+        // locked but never claimed when the run opened it, and read as a regular file (a blank
+        // first MiB enough): a mounted disk was written, with --overwrite or with a zero first
+        // MiB. It is claimed now, and refused as in use (exit 2), unchanged, whether or not the
+        // run checks contents; a run that only reads claims nothing, as at its lock step.
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("disk");
+        let spec = DeviceSpec::EmuFile(path.clone());
+        let bytes = vec![0u8; 8 << 20];
+        std::fs::write(&path, &bytes).unwrap();
+        let opener = BusyDisk { path: path.clone(), opens: std::cell::Cell::new(0) };
+        let options = OpenOptions2 { create_bytes: Some(1 << 20), ..test_options() };
+        for (count, refuse_foreign) in [(1, false), (2, true)] {
+            let mut created = CreatedFiles::default();
+            if refuse_foreign {
+                created.refuse_foreign_appearing();
+            }
+            let error = prepare_file_with(&spec, options, &mut created, &opener).expect_err("a disk in use was used");
+            assert!(
+                matches!(&error, DeviceError::Spec(tutti_devices::DeviceError::BlockDeviceInUse { .. })),
+                "refuse_foreign {refuse_foreign}: {error}"
+            );
+            assert_eq!(opener.opens.get(), count, "refuse_foreign {refuse_foreign}: claimed once");
+            drop(created);
+            assert!(std::fs::read(&path).unwrap() == bytes, "refuse_foreign {refuse_foreign}: the disk was written or removed");
+        }
+        let reads = OpenOptions2 { writes: false, ..options };
+        prepare_file_with(&spec, reads, &mut CreatedFiles::default(), &opener).expect("a read run reads a disk in use, as fio");
+        assert_eq!(opener.opens.get(), 2, "a read run claimed");
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.
