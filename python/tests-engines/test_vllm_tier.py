@@ -450,6 +450,10 @@ def test_every_abstract_method_of_the_base_class_is_implemented():
     ("changes", "message"),
     [
         ({"devices": None}, "missing required field 'devices'"),
+        ({"devices": [1]}, "field 'devices' = \\[1\\]: must be a device string"),
+        ({"devices": []}, "field 'devices' = \\[\\]: must be a device string"),
+        ({"devices": ""}, "field 'devices' = '': must be a device string"),
+        ({"devices": ["emu:a.img", ""]}, "field 'devices' = .*: must be a device string"),
         ({"device": "emu:x"}, "unknown field"),
         ({"format": 1}, "field 'format' must be bool"),
         ({"requests_max": 0}, "must be positive"),

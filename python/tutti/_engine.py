@@ -293,6 +293,22 @@ def byte_geometry(layer_block_bytes: int, layers: int = 1) -> tutti.ModelGeometr
     raise ConfigError(f"a block of {layer_block_bytes} bytes per layer is too large for one pool block")
 
 
+def device_strings_problem(devices: Any) -> Optional[str]:
+    """The "devices" field's check of the connectors that open a pool themselves (SGLang's
+    backend, vLLM's TuttiTier; parse_config has checked it is a str or a list): one device
+    string, or a non-empty list of them, none empty; what is wrong otherwise. Unchecked, a
+    non-string failed later with an error naming no field (a TypeError or AttributeError where
+    the rank templates are filled in), and an empty list or string reached tutti.Store.open,
+    whose refusal names no field either."""
+    listed = [devices] if isinstance(devices, str) else devices
+    if not listed or not all(isinstance(device, str) and device for device in listed):
+        return (
+            "must be a device string or a non-empty list of device strings, none empty, "
+            "e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/a.img\", \"emu:/var/tutti/b.img\"]"
+        )
+    return None
+
+
 def format_devices(devices: Sequence[str] | str, tp_rank: int) -> list[str]:
     """Device strings with "{tp_rank}" replaced: one pool per rank where each rank opens its own
     devices in-process (one process per pool)."""

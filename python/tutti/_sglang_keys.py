@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from tutti._engine import ConfigError
+from tutti._engine import device_strings_problem as _device_strings_problem  # noqa: F401 - tutti.sglang's "devices" check
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
 logger = logging.getLogger("tutti.sglang")
@@ -282,20 +283,6 @@ def _dp_rank(storage: HiCacheStorageConfig) -> int:
             "--hicache-storage-backend-extra-config cannot tell the replicas' devices apart"
         )
     return rank
-
-
-def _device_strings_problem(devices: Any) -> Optional[str]:
-    """The "devices" field's check (parse_config has checked it is a str or a list): one device
-    string, or a non-empty list of them, none empty; what is wrong otherwise (the templates are
-    filled in and compared as strings: anything else failed there with a TypeError naming
-    nothing)."""
-    listed = [devices] if isinstance(devices, str) else devices
-    if not listed or not all(isinstance(device, str) and device for device in listed):
-        return (
-            "must be a device string or a non-empty list of device strings, none empty, "
-            "e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/a-tp{tp_rank}.img\", \"emu:/var/tutti/b-tp{tp_rank}.img\"]"
-        )
-    return None
 
 
 # The device-string keys filled in per scheduler process: (key, what the message calls it, this

@@ -39,6 +39,7 @@ from tutti._engine import (
     abandon_request,
     bounded_timeout,
     byte_geometry,
+    device_strings_problem,
     fingerprint_from_config,
     format_devices,
     hash_tokens,
@@ -65,7 +66,12 @@ logger = logging.getLogger("tutti.vllm")
 _DRAIN_POLL_S = 0.5
 
 TIER_CONFIG_FIELDS = {
-    "devices": Field((str, list), "the pool's devices, e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/pool.img\"]", required=True),
+    "devices": Field(
+        (str, list),
+        "the pool's devices, e.g. \"vfio:0000:01:00.0\" or [\"emu:/var/tutti/pool.img\"]",
+        required=True,
+        check=device_strings_problem,
+    ),
     "format": Field(bool, "format a fresh pool for this engine's chunk size first (everything on it is lost)", default=False),
     "overwrite": Field(
         bool,
