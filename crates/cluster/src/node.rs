@@ -309,6 +309,7 @@ impl ClusterNode {
             member_key: key,
             watch_from: seen_at.map(|revision| revision + 1),
             interval,
+            failures: FailureLog::new(self.client.config.lease_ttl),
             first_wait: first_renewal_wait(interval, granted_at.elapsed()),
             request_timeout: self.client.config.request_timeout,
         };
@@ -788,9 +789,47 @@ struct RenewalLoop {
     /// is followed by one check of the key).
     watch_from: Option<i64>,
     interval: Duration,
+    /// When failed renewals are logged.
+    failures: FailureLog,
     /// Before the first renewal: the first interval less the time since the grant.
     first_wait: Duration,
     request_timeout: Duration,
+}
+
+/// When the keep-alive logs failed renewals. It retries every 20..250 ms plus the attempt while
+/// etcd is out of reach (some 2,900 times an hour with the defaults), each a warning before:
+/// now the first failure of a run, then at most one line per lease TTL while the run lasts
+/// (with the count so far), and one when a renewal succeeds again. `renewal_failures` still
+/// counts every attempt.
+#[derive(Debug)]
+struct FailureLog {
+    every: Duration,
+    /// Failed renewals since the last one that succeeded.
+    failed: u64,
+    /// When the current run was last logged; None before its first failure.
+    logged_at: Option<tokio::time::Instant>,
+}
+
+impl FailureLog {
+    fn new(every: Duration) -> FailureLog {
+        FailureLog { every, failed: 0, logged_at: None }
+    }
+
+    /// One more failure at `now`: the failures of the run so far when it is to be logged.
+    fn failed(&mut self, now: tokio::time::Instant) -> Option<u64> {
+        self.failed += 1;
+        let due = self.logged_at.is_none_or(|logged_at| now.saturating_duration_since(logged_at) >= self.every);
+        if due {
+            self.logged_at = Some(now);
+        }
+        due.then_some(self.failed)
+    }
+
+    /// A renewal succeeded: the failures of the run that ends (0: none).
+    fn renewed(&mut self) -> u64 {
+        self.logged_at = None;
+        std::mem::take(&mut self.failed)
+    }
 }
 
 /// What woke the keep-alive.
@@ -851,6 +890,10 @@ impl RenewalLoop {
             match outcome {
                 Ok(()) => {
                     self.lease.mark_renewed();
+                    let failed = self.failures.renewed();
+                    if failed > 0 {
+                        tracing::info!(lease_id = self.lease_id, failed, "lease renewed again after failed renewals");
+                    }
                     renew_at = tokio::time::Instant::now() + self.interval;
                     retry_pause = RETRY_PAUSE_FIRST;
                     // A watch that broke is opened again once etcd answers (here, at most once
@@ -860,8 +903,16 @@ impl RenewalLoop {
                     }
                 }
                 Err(error) => {
-                    tracing::warn!(lease_id = self.lease_id, %error, "lease renewal failed; retrying");
                     self.lease.renewal_failures.fetch_add(1, Ordering::Relaxed);
+                    match self.failures.failed(tokio::time::Instant::now()) {
+                        Some(1) => tracing::warn!(
+                            lease_id = self.lease_id,
+                            %error,
+                            "lease renewal failed; retrying (logged again at most once per lease TTL while it fails)"
+                        ),
+                        Some(failed) => tracing::warn!(lease_id = self.lease_id, %error, failed, "lease renewal still failing; retrying"),
+                        None => {}
+                    }
                     stream = None;
                     self.members.failed(self.member);
                     renew_at = tokio::time::Instant::now() + retry_pause;
@@ -1051,6 +1102,24 @@ mod tests {
         let unavailable: Result<()> =
             Err(ClusterError::Unavailable { operation: "revoke the lease", waited: Duration::from_secs(1), last_error: String::new() });
         assert!(matches!(revoked(unavailable), Err(ClusterError::Unavailable { .. })));
+    }
+
+    #[test]
+    fn failed_renewals_are_logged_once_then_once_per_ttl() {
+        // Goal: a keep-alive retrying every 20..250 ms while etcd is down logged a warning per
+        // attempt (~2,900 an hour): now the first failure, then one line per lease TTL with
+        // the count, and the next run of failures is logged from its first again.
+        let start = tokio::time::Instant::now();
+        let mut log = FailureLog::new(Duration::from_secs(10));
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        assert_eq!(log.failed(at(0)), Some(1), "the first failure");
+        let quiet = (1..40).filter_map(|attempt| log.failed(at(attempt * 250))).count();
+        assert_eq!(quiet, 0, "nothing more within the TTL");
+        assert_eq!(log.failed(at(10_000)), Some(41), "a summary once a TTL passed");
+        assert_eq!(log.failed(at(10_250)), None);
+        assert_eq!(log.renewed(), 42);
+        assert_eq!(log.renewed(), 0, "a renewal with no failure before it");
+        assert_eq!(log.failed(at(10_500)), Some(1), "a new run is logged from its first failure");
     }
 
     #[test]
@@ -1535,5 +1604,89 @@ mod fence_tests {
         super::rejoin_test_support::delete_member_key(&node);
         assert!(matches!(node.register(&space(), &[segment(42)]), Err(ClusterError::LeaseLost { .. })));
         assert!(node.health().lost);
+    }
+}
+
+#[cfg(test)]
+mod keep_alive_log_tests {
+    use super::rejoin_test_support::start_etcd;
+    use super::*;
+    use crate::names::ClusterId;
+    use crate::segments::SegmentBlocks;
+    use std::sync::atomic::AtomicU64;
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Level, Metadata, Subscriber};
+
+    /// Counts the warnings whose message speaks of a lease renewal.
+    struct RenewalWarnings(Arc<AtomicU64>);
+
+    struct Message(String);
+
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl Subscriber for RenewalWarnings {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            if *event.metadata().level() == Level::WARN && message.0.contains("lease renewal") {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    #[test]
+    fn a_keep_alive_retrying_while_etcd_is_down_warns_once_per_ttl() {
+        // Goal: with etcd down the keep-alive retries every 20..250 ms plus the attempt, and
+        // each retry logged a warning (~2,900 an hour with the defaults). Now the first failure
+        // is logged and then at most one line per lease TTL; every attempt is still counted in
+        // `renewal_failures`.
+        let Some(etcd) = start_etcd() else { return };
+        let endpoints = etcd.lock().unwrap().endpoints();
+        let mut config = ClusterConfig::new(endpoints, ClusterId::new("quiet").unwrap(), SegmentBlocks::new(16).unwrap());
+        // Renewals every second, a summary every 3 s at most.
+        config.lease_ttl = Duration::from_secs(3);
+        config.request_timeout = Duration::from_secs(1);
+        let record = MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            address: "127.0.0.1:7001".into(),
+            capacity_bytes: 1 << 40,
+            fingerprints: vec![],
+        };
+        let warnings = Arc::new(AtomicU64::new(0));
+        // A second dispatcher alive for the whole test: with only one registered, tracing-core
+        // 0.1 caches a call site's interest from whichever thread reaches it first
+        // (tokio-rs/tracing#3611), so another test's keep-alive, with no subscriber, could
+        // leave the warning cached as disabled and nothing would be counted here.
+        let _second_dispatch = tracing::Dispatch::new(RenewalWarnings(Arc::new(AtomicU64::new(0))));
+        // The keep-alive logs to the subscriber current at the join.
+        let node = tracing::subscriber::with_default(RenewalWarnings(warnings.clone()), || ClusterNode::join(config, record).unwrap());
+        etcd.lock().unwrap().kill(0).unwrap();
+        let started = Instant::now();
+        while node.health().renewal_failures < 6 {
+            assert!(started.elapsed() < Duration::from_secs(20), "renewals kept failing too slowly: {:?}", node.health());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let failures = node.health().renewal_failures;
+        // The first failure came at most a renewal interval (1 s) after the kill.
+        let logged_max = 1 + started.elapsed().as_secs() / 3;
+        let logged = warnings.load(Ordering::Relaxed);
+        assert!((1..=logged_max).contains(&logged), "{logged} warnings for {failures} failed renewals in {:?}", started.elapsed());
     }
 }
