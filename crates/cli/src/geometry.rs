@@ -269,24 +269,6 @@ fn read_config(path: &Path) -> Result<ConfigFile, GeometryError> {
     parse_config(&text, &stem).map_err(fail)
 }
 
-/// Linux's `O_NONBLOCK` (0o4000 on these architectures; this crate does without the libc
-/// crate). Other targets (Alpha, MIPS, PA-RISC and SPARC use other values) fail to build here
-/// rather than open a FIFO blocking.
-#[cfg(all(
-    target_os = "linux",
-    any(
-        target_arch = "x86",
-        target_arch = "x86_64",
-        target_arch = "arm",
-        target_arch = "aarch64",
-        target_arch = "riscv64",
-        target_arch = "powerpc64",
-        target_arch = "s390x",
-        target_arch = "loongarch64"
-    )
-))]
-const O_NONBLOCK: i32 = 0o4000;
-
 /// Opens the config file at `path` to be read, refusing anything but a regular file. The open
 /// does not wait (`O_NONBLOCK`): a FIFO put at the path after [`read_config`] looked would
 /// otherwise block it until a writer came, without end; it is refused on the descriptor opened.
@@ -296,7 +278,7 @@ fn open_config(path: &Path) -> Result<std::fs::File, GeometryError> {
     let fail = |reason: String| GeometryError::ConfigFile { path: path.display().to_string(), reason };
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(O_NONBLOCK)
+        .custom_flags(libc::O_NONBLOCK)
         .open(path)
         .map_err(|error| fail(format!("cannot read it: {error}")))?;
     match file.metadata() {
