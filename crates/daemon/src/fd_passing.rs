@@ -23,9 +23,13 @@ use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 /// few SSDs, or one KV memfd).
 pub const FDS_PER_FRAME_MAX: usize = 8;
 
-/// Linux's cap on descriptors in one message (`SCM_MAX_FD`, include/net/scm.h): the most one
-/// `recvmsg` can install, whatever the sender attempts.
-const SCM_MAX_FD: usize = 253;
+/// The most descriptors one `recvmsg` here installs, whatever the peer sends: one past the cap,
+/// so that a frame with too many still reads as too many, not as a truncation. The control
+/// buffer has room for these alone; the kernel drops the rest of a larger message (closing
+/// them on the sender's behalf) and reports it truncated (`MSG_CTRUNC`), which is refused. A
+/// buffer for Linux's own cap (`SCM_MAX_FD`, 253) let a peer make the daemon hold 253 of its
+/// descriptors per connection until the refusal closed them.
+pub const FDS_RECEIVED_MAX: usize = FDS_PER_FRAME_MAX + 1;
 
 /// Sends `bytes` (as much as one `sendmsg` takes without waiting, `MSG_DONTWAIT`; the caller
 /// waits for room and sends the rest: `crate::frame_io`) with `fds` attached to its first byte.
@@ -56,17 +60,21 @@ pub fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) 
     }
 }
 
-/// Bytes of control buffer for [`SCM_MAX_FD`] descriptors: room for the largest SCM_RIGHTS
-/// message Linux sends when it is the only control message. Another one ahead of it (the
-/// peer's credentials with SO_PASSCRED, its security label with SO_PASSSEC) takes room, and the
-/// kernel then truncates the rights message (installs the descriptors that fit, reports the
-/// rest lost, MSG_CTRUNC): [`recv_with_fds`] refuses that too and closes what was installed.
-// SAFETY: CMSG_SPACE is arithmetic on its argument (it reads no memory).
-const CONTROL_BYTES: usize = unsafe { nix::libc::CMSG_SPACE((SCM_MAX_FD * size_of::<RawFd>()) as u32) } as usize;
+/// Bytes of control buffer handed to the kernel: one SCM_RIGHTS message of
+/// [`FDS_RECEIVED_MAX`] descriptors, exactly (`CMSG_LEN`, not `CMSG_SPACE`, whose padding
+/// would fit one more). The kernel installs as many as fit, `(length - header) / 4`, drops the
+/// rest and sets MSG_CTRUNC. Another control message ahead of it (the peer's credentials with
+/// SO_PASSCRED, its security label with SO_PASSSEC) takes room, and the kernel then truncates
+/// the rights message too: [`recv_with_fds`] refuses that and closes what was installed.
+// SAFETY: CMSG_LEN is arithmetic on its argument (it reads no memory).
+const CONTROL_BYTES: usize = unsafe { nix::libc::CMSG_LEN((FDS_RECEIVED_MAX * size_of::<RawFd>()) as u32) } as usize;
 
 /// The control buffer in `u64`s: `cmsghdr`s are read in place, so the buffer must be aligned
 /// for them (the kernel writes each at a `CMSG_ALIGN`ed offset from the start).
 const CONTROL_WORDS: usize = CONTROL_BYTES.div_ceil(size_of::<u64>());
+// A frame's largest legitimate message fits whole.
+// SAFETY: CMSG_LEN is arithmetic on its argument.
+const _: () = assert!(unsafe { nix::libc::CMSG_LEN((FDS_PER_FRAME_MAX * size_of::<RawFd>()) as u32) } as usize <= CONTROL_BYTES);
 const _: () = assert!(align_of::<u64>() >= align_of::<nix::libc::cmsghdr>());
 
 /// Reads into `buffer` (one `recvmsg`, like `read`), appending descriptors that came with the
@@ -106,7 +114,7 @@ pub fn recv_with_fds(stream: &UnixStream, buffer: &mut [u8], fds: &mut Vec<Owned
         let count = fds.len();
         fds.clear();
         let reason = if truncated {
-            "the control message was truncated".to_string()
+            format!("the control message was truncated ({count} descriptor(s) installed, all closed)")
         } else if other_control {
             "a control message other than SCM_RIGHTS".to_string()
         } else {
@@ -172,6 +180,10 @@ fn adopt_descriptors(header: &nix::libc::msghdr, fds: &mut Vec<OwnedFd>) -> bool
 mod tests {
     use super::*;
     use std::io::{Read, Seek, Write};
+
+    /// Linux's cap on descriptors in one message (`SCM_MAX_FD`, include/net/scm.h): the most a
+    /// peer can send in one.
+    const SCM_MAX_FD: usize = 253;
 
     fn memfile(text: &[u8]) -> std::fs::File {
         let mut file = tempfile::tempfile().unwrap();
@@ -275,5 +287,22 @@ mod tests {
         // Goal: when the kernel must truncate (credentials take room ahead of SCM_MAX_FD
         // descriptors), the refusal is InvalidData and the descriptors it did install are closed.
         refused_and_all_closed(SCM_MAX_FD, true);
+    }
+
+    #[test]
+    fn a_flood_of_descriptors_installs_at_most_one_past_the_cap() {
+        // Goal: each descriptor the kernel installs here holds a slot of the daemon's table
+        // until it is closed, so a peer sending 200 with one frame must not get 200 installed
+        // (a few peers at once would run the daemon out of descriptors): the control buffer
+        // holds one past the cap, the kernel drops the rest and says so (MSG_CTRUNC).
+        let (left, right) = UnixStream::pair().unwrap();
+        let file = memfile(b"x");
+        let raw: Vec<RawFd> = vec![file.as_raw_fd(); 200];
+        sendmsg::<()>(left.as_raw_fd(), &[IoSlice::new(b"m")], &[ControlMessage::ScmRights(&raw)], MsgFlags::empty(), None).unwrap();
+        let mut fds = Vec::new();
+        let error = recv_with_fds(&right, &mut [0u8; 16], &mut fds).unwrap_err();
+        let installed = format!("({} descriptor(s) installed", FDS_PER_FRAME_MAX + 1);
+        assert!(error.to_string().contains("truncated") && error.to_string().contains(&installed), "{error}");
+        assert!(fds.is_empty());
     }
 }
