@@ -318,9 +318,11 @@ struct AgentState {
     lease_id: AtomicI64,
     last_error: Mutex<String>,
     origin: std::time::Instant,
-    /// Milliseconds after `origin` when etcd last confirmed the lease (the join or a renewal).
+    /// Milliseconds after `origin` when etcd last confirmed the lease (the join or a renewal),
+    /// published by the registrar between its calls; [`NEVER_CONFIRMED`] until its first join.
     confirmed_at_ms: AtomicU64,
-    /// The registrar's last etcd attempt failed (cleared by its next success).
+    /// The registrar's last etcd call failed (cleared by its next call that succeeds, not only
+    /// at the end of a pass: a pass may make dozens, each up to a request timeout).
     failing: AtomicBool,
     /// Set by the server's drain once every connection thread has ended: no commit is handed
     /// over after it, so the registrar's last pass takes them all ([`ClusterAgent::connections_ended`]).
@@ -334,7 +336,7 @@ impl AgentState {
             lease_id: AtomicI64::new(0),
             last_error: Mutex::new(String::new()),
             origin: std::time::Instant::now(),
-            confirmed_at_ms: AtomicU64::new(0),
+            confirmed_at_ms: AtomicU64::new(NEVER_CONFIRMED),
             failing: AtomicBool::new(false),
             connections_ended: AtomicBool::new(false),
         }
@@ -346,9 +348,30 @@ impl AgentState {
 
     /// Milliseconds since etcd last confirmed the lease (since start before the first join).
     fn silent_ms(&self) -> u64 {
-        self.now_ms().saturating_sub(self.confirmed_at_ms.load(Ordering::Relaxed))
+        match self.confirmed_at_ms.load(Ordering::Relaxed) {
+            NEVER_CONFIRMED => self.now_ms(),
+            confirmed_at_ms => self.now_ms().saturating_sub(confirmed_at_ms),
+        }
+    }
+
+    /// Whether the registry answers this node now, from local state only, `renewal_bound` the
+    /// longest a renewed lease goes unconfirmed (a renewal interval plus a request timeout):
+    /// unavailable until etcd first confirmed a lease (counted from the start, the first
+    /// seconds after it read as answered though nothing was), silent past the bound, or with
+    /// the registrar's last call failed.
+    fn registry_answer(&self, renewal_bound: std::time::Duration) -> crate::protocol::RegistryAnswer {
+        let never = self.confirmed_at_ms.load(Ordering::Relaxed) == NEVER_CONFIRMED;
+        let silent = std::time::Duration::from_millis(self.silent_ms());
+        if never || self.failing.load(Ordering::Relaxed) || silent > renewal_bound {
+            crate::protocol::RegistryAnswer::Unavailable
+        } else {
+            crate::protocol::RegistryAnswer::Answered
+        }
     }
 }
+
+/// `AgentState::confirmed_at_ms` before etcd confirmed any lease of this node.
+const NEVER_CONFIRMED: u64 = u64::MAX;
 
 /// Segments for the registrar to hold (and register) if their blocks are all committed: a
 /// committed store's whole prefix (`first_segment` 0), or one fetched segment that turned out
@@ -866,13 +889,7 @@ impl ClusterAgent {
     /// than both together means at least one renewal failed; a failing registrar call too.
     fn registry_state(&self) -> crate::protocol::RegistryAnswer {
         let registry = &self.settings.registry;
-        let bound = registry.lease_ttl / 3 + registry.request_timeout;
-        let silent = std::time::Duration::from_millis(self.state.silent_ms());
-        if self.state.failing.load(Ordering::Relaxed) || silent > bound {
-            crate::protocol::RegistryAnswer::Unavailable
-        } else {
-            crate::protocol::RegistryAnswer::Answered
-        }
+        self.state.registry_answer(registry.lease_ttl / 3 + registry.request_timeout)
     }
 }
 
@@ -941,6 +958,23 @@ type Inbox = Receiver<Committed>;
 #[cfg(all(test, feature = "cluster"))]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_registry_reads_unavailable_until_etcd_confirmed_a_lease() {
+        // Goal: just after the start, before any join, the status said `registry: Answered`
+        // (the last confirmation counted from the start, within the bound for its first
+        // seconds) though etcd had confirmed nothing. Never confirmed reads Unavailable; a
+        // confirmation within the bound reads Answered, unless the last call failed.
+        use crate::protocol::RegistryAnswer;
+        let state = AgentState::new();
+        let bound = std::time::Duration::from_secs(4);
+        assert_eq!(state.registry_answer(bound), RegistryAnswer::Unavailable, "nothing confirmed yet");
+        assert!(state.silent_ms() < 60_000, "silent since the start: {}", state.silent_ms());
+        state.confirmed_at_ms.store(state.now_ms(), Ordering::Relaxed);
+        assert_eq!(state.registry_answer(bound), RegistryAnswer::Answered);
+        state.failing.store(true, Ordering::Relaxed);
+        assert_eq!(state.registry_answer(bound), RegistryAnswer::Unavailable, "the last call failed");
+    }
 
     #[test]
     fn a_prepared_data_address_refuses_connections_until_the_data_plane_serves() {

@@ -520,6 +520,10 @@ impl Registrar {
         // `Drained::More` (over 16,384 queued, past any queue's bound in practice) leaves the
         // rest to the next read; `Disconnected` to the run loop's.
         self.drain(store, &mut commits);
+        // The lease's last confirmation too: published only between passes, a long pass
+        // against a slow etcd (dozens of calls, each up to T) read as a registry gone silent
+        // although the keep-alive renewed the lease all along.
+        self.publish();
     }
 
     /// Step 2 (module docs). The queue is read before each call ([`Registrar::take_commits`]).
@@ -553,6 +557,7 @@ impl Registrar {
                 }
             };
             tracing::info!(node = %self.record.node, lease_id = node.health().lease_id, "joined the cluster");
+            self.answered();
             self.record_lease(node.health().lease_id);
             self.joined_anew();
             // What `forget_stale` found broken after the first pass's first read (it deleted only
@@ -597,6 +602,8 @@ impl Registrar {
             self.take_commits(store);
             let Some(node) = self.node.as_mut() else { return Ok(()) };
             let rejoined = node.rejoin()?;
+            // `answered`, with `node` still borrowed from `self.node`.
+            self.state.failing.store(false, Ordering::Relaxed);
             self.rejoining = false;
             tracing::info!(lease_id = node.health().lease_id, "rejoined the cluster");
             let lease_id = node.health().lease_id;
@@ -620,6 +627,7 @@ impl Registrar {
             self.take_commits(store);
             let Some(node) = self.node.as_mut() else { return Ok(()) };
             node.update_record(record)?;
+            self.answered();
         }
         // One transaction per batch: each also puts the member key (the node's fence).
         let Some(batch_max) = self.node.as_ref().map(ClusterNode::segments_per_transaction) else { return Ok(()) };
@@ -645,6 +653,7 @@ impl Registrar {
                     self.to_unregister.extend(batch.into_iter().map(|segment| (space, segment)));
                     return Err(error);
                 }
+                self.answered();
                 tracing::debug!(segments = batch.len(), "unregistered segments");
                 self.metrics.unregistered_segments.inc_by(batch.len() as u64);
                 transactions += 1;
@@ -660,6 +669,7 @@ impl Registrar {
             };
             match node.register(&space, &self.segments) {
                 Ok(sent) => {
+                    self.answered();
                     self.held.registered_now(&self.ids);
                     superseded(&mut self.to_unregister, &space, &self.segments);
                     self.metrics.registered_segments.inc_by(self.segments.len() as u64);
@@ -713,7 +723,7 @@ impl Registrar {
             }
             let (space, batch) = take_batch(&mut self.stale, owed, batch_max);
             match client.forget(&self.record.node, self.previous_lease, &space, &batch) {
-                Ok(_) => {}
+                Ok(_) => self.answered(),
                 Err(error @ ClusterError::NodeIdTaken { .. }) => {
                     tracing::warn!(%error, segments = batch.len() + self.stale.len(), "another process holds this node id: its registrations are not deleted");
                     self.stale.clear();
@@ -780,6 +790,12 @@ impl Registrar {
         self.rejoin_needed = false;
         self.left_may_hold = false;
         self.metrics.joins.inc();
+    }
+
+    /// An etcd call of a pass succeeded: the registry answers again, told at once rather than
+    /// at the end of the pass (dozens of calls later, each up to T, read as unavailable).
+    fn answered(&self) {
+        self.state.failing.store(false, Ordering::Relaxed);
     }
 
     fn failed(&mut self, error: ClusterError) {
@@ -1511,6 +1527,46 @@ mod tests {
                 self.ran.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    #[test]
+    fn the_registry_reads_answered_within_a_pass_once_a_call_succeeded() {
+        // Goal: `ClusterStatus.registry` follows the pass call by call. The lease's last
+        // confirmation was published only between passes and `failing` cleared only at a
+        // pass's end: a pass of dozens of calls against a slow etcd (each up to T) read as
+        // Unavailable though the lease was renewed and every call succeeded. Here a pass after
+        // a failed one (failing set, nothing confirmed as far as the status knows) registers
+        // three segments, one call each: the status reads Answered after each.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "status-during-pass", HeldSegments::default(), 0, inbox);
+        use_etcd(&mut registrar, &etcd);
+        registrar.config.txn_ops_max = 1;
+        let store = store();
+        let stop = StopHandle::default();
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(registrar.node.is_some(), "the first pass joins");
+        let space = ModelSpace::new([1; 32], 0, 1).unwrap();
+        let prompts: Vec<Vec<u64>> = (1..=3u64).map(|i| (1..=16).map(|block| 100 * i + block).collect()).collect();
+        for keys in &prompts {
+            commit(&store, keys);
+        }
+        let committed: Vec<Committed> = prompts.iter().map(|keys| Committed { space, keys: keys.clone(), first_segment: 0 }).collect();
+        registrar.update_local(&store, &committed);
+        registrar.state.failing.store(true, Ordering::Relaxed);
+        registrar.state.confirmed_at_ms.store(super::super::NEVER_CONFIRMED, Ordering::Relaxed);
+        let bound = registrar.config.lease_ttl / 3 + registrar.config.request_timeout;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let step: Box<dyn FnMut() + Send> = {
+            let (state, seen) = (Arc::clone(&registrar.state), Arc::clone(&seen));
+            Box::new(move || lock(&seen).push(state.registry_answer(bound)))
+        };
+        let subscriber = Arc::new(AtEachEvent { message: "registered segments", step: Mutex::new(step), ran: Default::default() });
+        let dispatch = tracing::Dispatch::new(EventSubscriber(Arc::clone(&subscriber)));
+        tracing::dispatcher::with_default(&dispatch, || registrar.talk_to_etcd(&store, &stop)).unwrap();
+        let answered = crate::protocol::RegistryAnswer::Answered;
+        assert_eq!(*lock(&seen), [answered; 3], "the status after each registration of the pass");
     }
 
     /// Four 16-block prompts fill the 64 one-block slots of `store`, departures tracked, and
