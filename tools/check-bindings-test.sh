@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Tests tools/check-bindings.sh's libclang detection (--find-libclang ROOT) on fake directory
 # layouts: what clang-sys, bindgen's loader, would load counts; libclang-cpp (installed by other
-# packages) does not. Run by the bindings stage of tools/test.sh; needs no libclang itself.
+# packages) does not. Then Ctrl-C (SIGINT to its process group, under setsid as at a terminal)
+# while its apt-get install of libclang-dev hangs (a stand-in, under `timeout`: a process group
+# of its own that the terminal's SIGINT misses): exit 130 within seconds, nothing left running.
+# Run by the bindings stage of tools/test.sh; needs no libclang itself.
 set -euo pipefail
 
 SCRIPT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/check-bindings.sh"
@@ -51,7 +54,34 @@ expect missing "$(layout explicit-empty usr/lib/llvm-14/lib/libclang.so.1 opt/no
 # LD_LIBRARY_PATH directories are searched too.
 expect found "$(layout ld-path opt/custom/libclang.so.18)" LD_LIBRARY_PATH=/opt/custom
 
+# Ctrl-C in the install. Stand-ins: apt-get runs sleep 60; dpkg-query knows nothing; `id` says
+# root on its first call (check-bindings.sh's own check, so it goes on to install) and not on
+# the later ones (dpkg_configure_pending's: it then leaves the machine's dpkg and policy-rc.d
+# alone). LIBCLANG_PATH names nothing, so no libclang is found.
+# shellcheck source=tools/lib/process.sh
+. "$(dirname "$SCRIPT")/lib/process.sh"
+# shellcheck source=tools/lib/sitting.sh
+. "$(dirname "$SCRIPT")/lib/sitting.sh"
+mkdir -p "$WORK/bin"
+printf '#!/bin/sh\nexec sleep 60\n' >"$WORK/bin/apt-get"
+printf '#!/bin/sh\nexit 1\n' >"$WORK/bin/dpkg-query"
+printf '#!/bin/sh\n[ -e %q ] && echo 1000 && exit 0\ntouch %q && echo 0\n' "$WORK/id-asked" "$WORK/id-asked" >"$WORK/bin/id"
+chmod +x "$WORK/bin"/*
+setsid env --default-signal=INT PATH="$WORK/bin:$PATH" LIBCLANG_PATH=/nonexistent/libclang.so "$SCRIPT" \
+  </dev/null >/dev/null 2>"$WORK/interrupt.err" &
+sitting=$!
+sitting_sleeps || :
+sleep 1
+kill -INT -- "-$sitting"
+set +e # (sitting_ends's `wait` returns the script's status)
+sitting_ends 10
+set -e
+if [[ "$ended" != 130 || -n "$left" ]]; then
+  echo "check-bindings-test: FAILED: SIGINT while apt-get hangs: expected exit 130 within 10 s and nothing left, got exit '$ended', left running '$left': $(cat "$WORK/interrupt.err")" >&2
+  failed=1
+fi
+
 if [[ $failed -ne 0 ]]; then
   exit 1
 fi
-echo "check-bindings-test: OK (libclang detection on 11 layouts)"
+echo "check-bindings-test: OK (libclang detection on 11 layouts; Ctrl-C in the install)"

@@ -17,7 +17,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 HEADER="$ROOT/kernels/gio_abi.h"
 CHECKED_IN="$ROOT/crates/gio-uring/src/abi/bindings.rs"
 MODE="${1:-check}"
-# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden).
+# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden), and
+# through it tools/lib/process.sh's interruptible_timeout.
 # shellcheck source=tools/lib/dpkg.sh
 . "$ROOT/tools/lib/dpkg.sh"
 
@@ -81,7 +82,9 @@ if ! LIBCLANG=$(find_libclang /); then
     exit 1
   fi
   echo "check-bindings: installing libclang-dev (no libclang that bindgen can load was found)"
-  # Each apt call is bounded; a dpkg run that was interrupted earlier is finished first (until it
+  # Each apt call is bounded, through interruptible_timeout: Ctrl-C stops it and the script (130),
+  # which a bare `timeout` (a process group of its own) would not let it reach. A dpkg run that
+  # was interrupted earlier is finished first (until it
   # is, every apt-get install fails), with service starts forbidden (dpkg_configure_pending: an
   # etcd-server left half-installed would otherwise be configured with its service enabled and
   # started). `|| true` also keeps set -e out of it.
@@ -100,9 +103,9 @@ if ! LIBCLANG=$(find_libclang /); then
     reinstall=(--reinstall)
   fi
   # DPkg::Lock::Timeout: a concurrent apt-get is waited for (up to 10 minutes), not a failure.
-  timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null \
-    || { timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null \
-      && timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null; } \
+  interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null \
+    || { interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -q >/dev/null \
+      && interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends "${reinstall[@]}" "${packages[@]}" >/dev/null; } \
     || { echo "check-bindings: apt-get install ${reinstall[*]} ${packages[*]} failed" >&2; exit 1; }
   if ! LIBCLANG=$(find_libclang /); then
     echo "check-bindings: libclang-dev is installed but no libclang that bindgen can load was found; set LIBCLANG_PATH" >&2

@@ -19,6 +19,11 @@
 # installed something first, that left Debian's etcd enabled and running, and tools/test.sh's
 # cluster stage, finding etcd installed, never disabled it.
 
+# timeout_interruptibly and interrupted_exit (dpkg_configure_pending's bounded dpkg, which Ctrl-C
+# still stops), and interruptible_timeout for the scripts that source this file.
+# shellcheck source=tools/lib/process.sh
+. "$(dirname "${BASH_SOURCE[0]}")/process.sh"
+
 # Debian's policy-rc.d hook: while ours is in place (exit 101), package scripts start no service
 # (invoke-rc.d and deb-systemd-invoke both ask it). One that was there before is kept aside
 # (policy-rc.d.tutti-saved, next to it) and put back after. Ours is recognised by its marker
@@ -44,8 +49,8 @@ boot_id() { cat /proc/sys/kernel/random/boot_id 2> /dev/null || echo unknown; }
 # zombie (stat's field 3: Z) is gone: a script KILLed whose parent was killed with it may wait
 # long for an init that reaps, and its policy-rc.d must not be taken for a live run's meanwhile.
 # The whole file, split after the last ") ": the command name before it may hold spaces,
-# parentheses and newlines, where a line-wise read would stop (tools/lib/process.sh's proc_stat
-# does the same; not sourced here: vm/lib.sh and check-bindings.sh source this file alone).
+# parentheses and newlines, where a line-wise read would stop (as tools/lib/process.sh's
+# proc_stat does).
 process_start() {
     local line='' fields=()
     # -d '': to the end of the file; read then returns 1 although it read everything (`|| :`:
@@ -181,6 +186,9 @@ disable_etcd_service() {
 # /dev/null) with service starts forbidden, unless this process already forbade them (then they
 # stay forbidden after); an etcd-server it found half-installed is disabled (and stopped) after.
 # As root only (dpkg needs it); never fails: what it could not finish, the apt-get after reports.
+# SIGINT, SIGTERM or SIGHUP while dpkg runs (a bare `timeout` puts it in a process group of its
+# own, which the terminal's Ctrl-C misses, and the script went on) stops it, puts the
+# policy-rc.d back (unless it was the caller's already) and ends the script with 130, 143 or 129.
 dpkg_configure_pending() {
     local log=${1:-/dev/null} etcd_pending=0 ours=0
     [ "$(id -u)" -eq 0 ] || return 0
@@ -192,8 +200,9 @@ dpkg_configure_pending() {
         echo "$0: cannot put $POLICY_RC_D in place: not running 'dpkg --configure -a'" >&2
         return 0
     fi
-    timeout -k 30 600 dpkg --configure -a >> "$log" 2>&1 || true
+    timeout_interruptibly 600 dpkg --configure -a >> "$log" 2>&1 || true
     [ "$ours" = 1 ] || restore_own_policy_rc_d
+    interrupted_exit "dpkg --configure -a"
     if [ "$etcd_pending" = 1 ]; then
         echo "$0: etcd-server was half-installed (an interrupted install): configured with service starts forbidden, its service disabled" >&2
         disable_etcd_service

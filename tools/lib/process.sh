@@ -1,8 +1,9 @@
 # shellcheck shell=bash
 # tools/lib/process.sh — bounded steps that Ctrl-C still stops, and a look at a session's
 # processes (tools/python/core-test.sh, tools/python/engine-test.sh, tools/gpu/check.sh,
-# tools/test.sh's run_stage, and the tests of scripts: tools/bench-scripts-test.sh,
-# tools/stage-scripts-test.sh). Sourced, not run; defines functions only.
+# tools/lib/dpkg.sh and through it tools/vm/lib.sh and tools/check-bindings.sh, tools/test.sh's
+# run_stage, and the tests of scripts: tools/bench-scripts-test.sh, tools/stage-scripts-test.sh,
+# tools/vm/harness-test.sh). Sourced, not run; defines functions only.
 #
 #   interruptible_timeout SECONDS COMMAND [ARG...]
 #       `timeout -k 30 SECONDS COMMAND ARG...`, whose status it returns (124 or 137 when the
@@ -10,6 +11,14 @@
 #       (TERM to timeout, which passes it to its process group and KILLs the group 30 s later)
 #       and then ends the calling shell with 130, 143 or 129 (its EXIT trap runs). COMMAND keeps
 #       the caller's standard input. The caller's own INT, TERM and HUP traps are put back after.
+#   timeout_interruptibly SECONDS COMMAND [ARG...]
+#       the same, except that after a signal it returns (130, 143 or 129) instead of ending the
+#       shell, with `_interrupted` set to INT, TERM or HUP (empty otherwise), for a caller that
+#       has something to undo first (tools/lib/dpkg.sh: its policy-rc.d), and then ends itself
+#       with interrupted_exit.
+#   interrupted_exit WHAT
+#       after timeout_interruptibly: when it was interrupted, says so on stderr (WHAT stopped)
+#       and ends the shell with 130, 143 or 129; otherwise returns 0.
 #   session_pids SID
 #       prints the pids (one a line) of the processes of session SID still running (a zombie,
 #       state Z, has ended: its parent has not reaped it yet, or an init that does not reap keeps
@@ -32,6 +41,13 @@
 # only the trap answers it.
 
 interruptible_timeout() {
+    local status=0
+    timeout_interruptibly "$@" || status=$?
+    interrupted_exit "$2"
+    return "$status"
+}
+
+timeout_interruptibly() {
     local limit=$1 status saved
     shift
     saved=$(trap -p INT TERM HUP)
@@ -55,12 +71,21 @@ interruptible_timeout() {
     trap - INT TERM HUP
     eval "$saved"
     case $_interrupted in
+        INT) return 130 ;;
+        TERM) return 143 ;;
+        HUP) return 129 ;;
+    esac
+    return "$status"
+}
+
+interrupted_exit() {
+    case ${_interrupted:-} in
         # `|| :`: after a hangup standard error may be the hung-up terminal (EIO).
         INT) echo "$0: interrupted (SIGINT): '$1' stopped" >&2 || :; exit 130 ;;
         TERM) echo "$0: interrupted (SIGTERM): '$1' stopped" >&2 || :; exit 143 ;;
         HUP) echo "$0: interrupted (SIGHUP): '$1' stopped" >&2 || :; exit 129 ;;
     esac
-    return "$status"
+    return 0
 }
 
 # The command name (field 2, in parentheses) is the executable's name as it was given: any

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tools/vm/harness-test.sh — checks the VM harness's boot logic (tools/vm/lib.sh: vm_boot) without
 # QEMU: a stand-in "QEMU" script plays the guest. Run by tools/vm-test.sh before it boots, and
-# alone: `tools/vm/harness-test.sh` (about 15 s, no root, no downloads).
+# alone: `tools/vm/harness-test.sh` (about 40 s, no root, no downloads).
 #
 # Cases:
 # 1. back to back: run A reports its result and exits at once; run B starts right away in the
@@ -26,6 +26,11 @@
 #    for byte; a stream cut short, and a whole stream of an ELF cut in half (a vmlinux written to
 #    a full disk), are refused. Needs xz, zstd and python3 (vm_install_host_tools installs them);
 #    skipped without.
+# 8. Ctrl-C (SIGINT to the harness's process group, under setsid as at a terminal) while a host
+#    package step hangs (stand-ins: apt-get install, apt-get download, and as root dpkg
+#    --configure -a; each under `timeout`, a process group of its own that the terminal's SIGINT
+#    misses) ends the harness with 130 within seconds, nothing of it left running, no
+#    policy-rc.d left in place.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -37,6 +42,9 @@ mkdir -p "$TUTTI_VM_DIR/logs"
 # session_pids (what a boot left running).
 # shellcheck source=tools/lib/process.sh
 . "$HERE/../lib/process.sh"
+# sitting, sitting_ends, sitting_sleeps (case 8).
+# shellcheck source=tools/lib/sitting.sh
+. "$HERE/../lib/sitting.sh"
 
 # The stand-in QEMU: writes its pid file like QEMU's -pidfile, prints what the guest's /init
 # prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1, rc capped at 127 as /init
@@ -211,6 +219,43 @@ if command -v xz > /dev/null && command -v zstd > /dev/null && command -v python
     done
 else
     vm_log "harness-test: no xz, zstd or python3: the vmlinux extraction checks are skipped"
+fi
+
+# 8. Ctrl-C in a host package step. The stand-ins: QEMU missing (so its package is installed),
+#    dpkg and dpkg-query that know nothing, and HANG (apt-get, or dpkg's --configure) that runs
+#    sleep 60 in its place. policy-rc.d and its lock are the test's own (dpkg_configure_pending puts one in
+#    place as root). STEP runs with lib.sh sourced, in a session of its own.
+mkdir -p "$WORK/host-bin" "$WORK/policy" "$TUTTI_VM_DIR/debs"
+printf '#!/bin/sh\nexit 1\n' > "$WORK/host-bin/qemu-system-x86_64"
+printf '#!/bin/sh\nexit 1\n' > "$WORK/host-bin/dpkg-query"
+printf '#!/bin/sh\n[ "${HANG:-}" != apt-get ] || exec sleep 60\nexit 1\n' > "$WORK/host-bin/apt-get"
+printf '#!/bin/sh\n[ "${HANG:-} $1" != "dpkg --configure" ] || exec sleep 60\nexit 0\n' > "$WORK/host-bin/dpkg"
+chmod +x "$WORK/host-bin"/*
+interrupted_step() { # WHAT HANG STEP [ENV...]
+    local what=$1 hang=$2 step=$3
+    shift 3
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    setsid env --default-signal=INT PATH="$WORK/host-bin:$PATH" HANG="$hang" TUTTI_VM_SKIP_APT=0 "$@" bash -c \
+        'set -euo pipefail && . "$1" && POLICY_RC_D=$2/policy-rc.d POLICY_RC_D_SAVED=$2/saved POLICY_RC_D_LOCK=$2/lock && "$3"' \
+        step "$HERE/lib.sh" "$WORK/policy" "$step" < /dev/null > /dev/null 2> "$WORK/step-$hang-$step.err" &
+    sitting=$!
+    sitting_sleeps || :
+    sleep 1
+    kill -INT -- "-$sitting"
+    # (sitting_ends's `wait` returns the step's status: not to be taken for this script's failure.)
+    set +e
+    sitting_ends 10
+    set -e
+    check "$what: SIGINT in it: exit 130 within 10 s (the stand-in sleeps 60 s)" 130 "$ended"
+    check "$what: SIGINT: nothing left of it running" "" "$left"
+    check "$what: SIGINT: no policy-rc.d left in place" no "$([ -e "$WORK/policy/policy-rc.d" ] && echo yes || echo no)"
+}
+interrupted_step "vm_install_host_tools, apt-get install" apt-get vm_install_host_tools
+interrupted_step "vm_prepare_kernel, apt-get download" apt-get vm_prepare_kernel TUTTI_VM_KERNEL_PACKAGE=linux-image-test
+if [ "$(id -u)" -eq 0 ]; then
+    interrupted_step "vm_install_host_tools, dpkg --configure -a" dpkg vm_install_host_tools
+else
+    vm_log "harness-test: not root: the dpkg --configure -a interrupt check is skipped"
 fi
 
 if [ "$failures" -gt 0 ]; then

@@ -17,7 +17,8 @@
 # take to leave before the exit watchdog stops its QEMU.
 
 VM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden).
+# dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden), and
+# through it tools/lib/process.sh's interruptible_timeout (the apt-get steps below).
 # shellcheck source=tools/lib/dpkg.sh
 . "$VM_REPO/tools/lib/dpkg.sh"
 VM_DIR=${TUTTI_VM_DIR:-$VM_REPO/.tools/vm}
@@ -32,10 +33,12 @@ vm_die() {
 
 # Packages come from Debian's archive through apt; installed only when missing. QEMU and busybox
 # are checked by running them (a binary whose libraries are gone is as missing as no binary);
-# one dpkg lists as installed regardless is reinstalled. Each apt call is
-# bounded; an earlier dpkg run that was interrupted is finished first (until it is, every
-# apt-get install fails), with service starts forbidden (dpkg_configure_pending: an etcd-server
-# left half-installed would otherwise be configured with its service enabled and started).
+# one dpkg lists as installed regardless is reinstalled. Each apt call is bounded, through
+# interruptible_timeout: Ctrl-C stops it and the script (130), which a bare `timeout` (a process
+# group of its own) would not let it reach. An earlier dpkg run that was interrupted is finished
+# first (until it is, every apt-get install fails), with service starts forbidden
+# (dpkg_configure_pending: an etcd-server left half-installed would otherwise be configured with
+# its service enabled and started).
 vm_static_busybox() { dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true; }
 vm_busybox_runs() {
     local busybox
@@ -75,9 +78,9 @@ vm_install_host_tools() {
         fi
         # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
         # minutes, instead of failing at once.
-        if ! timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
-            timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
-            timeout -k 30 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+        if ! interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
+            interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
+            interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
                 vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
         fi
         timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || vm_die "qemu-system-x86_64 does not run after installing qemu-system-x86"
@@ -102,7 +105,7 @@ vm_prepare_kernel() {
     else
         package=$(vm_kernel_target_package)
         if [ -z "$package" ]; then
-            timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq > /dev/null 2>&1 || true
+            interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq > /dev/null 2>&1 || true
             package=$(vm_kernel_target_package)
         fi
         [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
@@ -117,11 +120,13 @@ vm_prepare_kernel() {
         deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
         if [ -z "$deb" ]; then
             vm_log "downloading $package"
-            if ! (cd "$VM_DIR/debs" && timeout -k 30 900 apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1); then
+            # env -C, not a `(cd ... && ...)` subshell: interruptible_timeout's exit on Ctrl-C
+            # would end the subshell only, and this script would go on.
+            if ! interruptible_timeout 900 env -C "$VM_DIR/debs" apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1; then
                 # Stale package lists name a kernel build the archive has since replaced (a
                 # 404): update them, resolve linux-image-amd64 again, and try once more.
                 vm_log "apt-get download $package failed; updating the package lists and retrying once"
-                timeout -k 30 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
+                interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
                 if [ -z "${TUTTI_VM_KERNEL_PACKAGE:-}" ]; then
                     package=$(vm_kernel_target_package)
                     [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package after apt-get update"
@@ -129,7 +134,7 @@ vm_prepare_kernel() {
                     VM_KROOT=$VM_DIR/kernel/$package
                     VM_VMLINUX=$VM_KROOT/vmlinux
                 fi
-                (cd "$VM_DIR/debs" && timeout -k 30 900 apt-get download "$package" >> "$VM_DIR/logs/download.log" 2>&1) ||
+                interruptible_timeout 900 env -C "$VM_DIR/debs" apt-get download "$package" >> "$VM_DIR/logs/download.log" 2>&1 ||
                     vm_die "apt-get download $package failed (after apt-get update too); see $VM_DIR/logs/download.log"
             fi
             deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
