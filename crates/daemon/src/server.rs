@@ -163,6 +163,80 @@ impl ServerConfig {
         Ok(())
     }
 
+    /// The daemon's own descriptors beyond those open when it starts, a pool device's and a
+    /// cluster node's aside: the listener and the held socket file, the metrics endpoint's
+    /// listener and its connections (16 at most), the relay, a connection being refused `Busy`,
+    /// the binary's signal thread and logs, with room to spare.
+    pub const DESCRIPTORS_OWN: u64 = 64;
+
+    /// Descriptors a server with this configuration may hold at worst on a pool of `devices`,
+    /// beyond those open when it starts. Per connection (`clients_max`, and the status-only one
+    /// counted as another): its socket, a memfd or dma-buf per registration
+    /// (`registrations_max`), per device a relay page and its copy in the attach reply, the
+    /// descriptors one `recvmsg` installs at most ([`crate::fd_passing::FDS_RECEIVED_MAX`]),
+    /// and one more while a registration is checked or the peer's `/proc` entry read. Then the
+    /// daemon's own ([`ServerConfig::DESCRIPTORS_OWN`]), four per device (its file or VFIO
+    /// group and device, its lock) and, on a cluster node, a connection per data-plane request
+    /// and 32 for the registry's client, the manifest and the data plane's listener. Sessions
+    /// kept for good hold their windows past their connection: not counted (each one is logged
+    /// at error level).
+    pub fn descriptors_needed(&self, devices: usize) -> u64 {
+        let devices = devices as u64;
+        let registrations = self.session_limits.registrations_max as u64;
+        let per_connection =
+            (1 + crate::fd_passing::FDS_RECEIVED_MAX as u64 + 1).saturating_add(registrations).saturating_add(devices.saturating_mul(2));
+        let connections = (self.clients_max as u64).saturating_add(1);
+        let cluster = if self.cluster.is_some() { crate::cluster::data_plane_requests_max(self.clients_max) as u64 + 32 } else { 0 };
+        connections
+            .saturating_mul(per_connection)
+            .saturating_add(Self::DESCRIPTORS_OWN)
+            .saturating_add(devices.saturating_mul(4))
+            .saturating_add(cluster)
+    }
+
+    /// Raises this process's soft descriptor limit to its hard one (the soft one is often 1024,
+    /// kept low for programs using `select`, which this one does not), then refuses the
+    /// configuration if its worst case ([`ServerConfig::descriptors_needed`] on the pool's
+    /// devices, `pool_devices`, one when not given) and the descriptors open now pass the
+    /// limit: accepts would fail with EMFILE (the connections left waiting in the backlog,
+    /// never answered `Busy`) and registrations and attaches at random. The process's limit,
+    /// not the configuration: [`Server::prepare`] checks it, not [`ServerConfig::validate`].
+    pub fn check_descriptor_limit(&self) -> Result<(), DaemonError> {
+        use nix::sys::resource::{getrlimit, setrlimit, Resource, RLIM_INFINITY};
+        let io = |context: &str| {
+            let context = context.to_string();
+            move |errno: nix::errno::Errno| DaemonError::Io { context, source: errno.into() }
+        };
+        let (mut soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).map_err(io("reading the descriptor limit"))?;
+        if soft < hard {
+            // A hard limit of RLIM_INFINITY is refused (past fs.nr_open): the soft one stays.
+            match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                Ok(()) => {
+                    tracing::info!(from = soft, to = hard, "raised the soft descriptor limit to the hard one");
+                    soft = hard;
+                }
+                Err(errno) => tracing::warn!(soft, hard, "raising the soft descriptor limit to the hard one: {errno}"),
+            }
+        }
+        if soft == RLIM_INFINITY {
+            return Ok(());
+        }
+        // Counted, not assumed: a library caller's own descriptors count too. /proc unreadable:
+        // none counted (the margin in `DESCRIPTORS_OWN` remains).
+        let open = std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count() as u64);
+        let devices = self.pool_devices.len().max(1);
+        let needed = self.descriptors_needed(devices);
+        if open.saturating_add(needed) > soft {
+            return Err(DaemonError::Config(format!(
+                "clients_max {} may need {needed} descriptors at worst on {devices} pool device(s) ({} registrations per \
+                 session), and {open} are open already: over this process's limit of {soft} (hard limit {hard}); lower \
+                 clients_max or raise the hard limit (ulimit -Hn, systemd's LimitNOFILE=)",
+                self.clients_max, self.session_limits.registrations_max
+            )));
+        }
+        Ok(())
+    }
+
     /// Refuses a cluster manifest (or its `.new` or `.lock`) at a pool device's file: the
     /// manifest's rewrite renames a file over it, and the lock file is written, so the pool
     /// would run on an unlinked inode (its data gone at the next start) or be overwritten.
@@ -368,7 +442,8 @@ impl Server {
     }
 
     /// What can refuse a start without the pool, done before it is opened (or formatted): the
-    /// configuration's checks, the socket path (a live daemon's socket, a file that is not a
+    /// configuration's checks, the descriptor limit (the soft one raised to the hard one first:
+    /// [`ServerConfig::check_descriptor_limit`]), the socket path (a live daemon's socket, a file that is not a
     /// socket, a missing directory, a path too long; a stale socket is left for
     /// [`Server::bind_prepared`] to remove once the pool's device locks are held: a socket that
     /// refuses may be a draining daemon's, whose clients read its file gone as their sessions
@@ -379,6 +454,7 @@ impl Server {
     /// data address bound and kept). A refusal here leaves the devices untouched.
     pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
         config.validate()?;
+        config.check_descriptor_limit()?;
         probe_socket(&config.socket, StaleSocket::Keep)?;
         let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
@@ -614,7 +690,10 @@ impl Server {
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(error) => {
-                        // ECONNABORTED, EMFILE...: this connection is lost, the server goes on.
+                        // ECONNABORTED (that connection is lost), EMFILE (it stays in the
+                        // backlog until a descriptor comes free; `Server::prepare` refuses a
+                        // `clients_max` whose worst case passes the limit, so mostly descriptors
+                        // it leaves out, sessions kept for good, get here): the server goes on.
                         // The listener stays readable while descriptors run out, so the next
                         // poll would return at once: wait a tick rather than spin (and log).
                         tracing::warn!("accept failed: {error}");

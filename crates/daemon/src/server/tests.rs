@@ -417,6 +417,78 @@ fn requests_per_session_is_capped_before_the_pool_is_opened() {
     assert_eq!(ServerConfig::REQUESTS_MAX, 1 << 20, "tuttid --help and docs/tuttid.md give the number");
 }
 
+/// Set in the process [`in_a_child`] runs a test in.
+const CHILD: &str = "TUTTI_SERVER_TEST_CHILD";
+
+/// Runs the test `name` (its path in this binary) again in a child process of this test binary,
+/// where it may change what is the whole process's (its descriptor limits), and fails unless the
+/// child passes within `WAIT`. Returns whether this is the child (then the test's body runs).
+fn in_a_child(name: &str) -> bool {
+    if std::env::var_os(CHILD).is_some() {
+        return true;
+    }
+    // One open file for both, so that they share its offset (and interleave, not overwrite).
+    let output = tempfile::NamedTempFile::new().unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--test-threads", "1", "--nocapture"])
+        .env(CHILD, "1")
+        .stdout(output.as_file().try_clone().unwrap())
+        .stderr(output.as_file().try_clone().unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let text = std::fs::read_to_string(output.path()).unwrap_or_default();
+    assert!(status.is_some_and(|status| status.success()) && text.contains("1 passed"), "{name} in a child ({status:?}):\n{text}");
+    false
+}
+
+/// Descriptors this process has open now.
+fn open_descriptors() -> u64 {
+    std::fs::read_dir("/proc/self/fd").unwrap().count() as u64
+}
+
+#[test]
+fn a_clients_max_past_the_descriptor_limit_is_refused_before_the_pool_is_opened() {
+    // Goal: every session holds descriptors (its socket, its windows' memfds, relay pages, a
+    // frame's descriptors being read), and past the process's limit accepts fail (EMFILE) and
+    // attaches and registrations fail at random. So the start raises the soft limit to the
+    // hard one (1024 soft is common) and refuses a `clients_max` whose worst case would not
+    // fit, before the pool is opened. In a child process: the limits are the process's.
+    if !in_a_child("server::tests::a_clients_max_past_the_descriptor_limit_is_refused_before_the_pool_is_opened") {
+        return;
+    }
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let base = open_descriptors();
+    setrlimit(Resource::RLIMIT_NOFILE, base + 200, base + 400).unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let mut config = ServerConfig::new(directory.path().join("tuttid.sock"));
+    // Ten clients need more than 200 descriptors at worst, fewer than 400.
+    config.clients_max = 10;
+    if let Err(error) = Server::prepare(&config) {
+        panic!("10 clients, the hard limit {} descriptors over what is open: {error}", 400);
+    }
+    assert_eq!(getrlimit(Resource::RLIMIT_NOFILE).unwrap(), (base + 400, base + 400), "the soft limit was not raised to the hard one");
+    config.clients_max = 100;
+    match Server::prepare(&config) {
+        Err(DaemonError::Config(message)) => assert!(message.contains("descriptors") && message.contains("100"), "{message}"),
+        Err(error) => panic!("100 clients on {} descriptors: {error}", base + 400),
+        Ok(_) => panic!("100 clients on a limit of {} descriptors (base {base}) accepted", base + 400),
+    }
+    setrlimit(Resource::RLIMIT_NOFILE, base + 40, base + 40).unwrap();
+    assert!(matches!(Server::prepare(&config), Err(DaemonError::Config(_))), "100 clients on {} descriptors accepted", base + 40);
+}
+
 /// Cluster settings whose manifest is at `manifest` (etcd on port 9, never reached).
 fn cluster_at(manifest: PathBuf) -> ClusterSettings {
     let cluster = tutti_cluster::ClusterId::new("refused").unwrap();
