@@ -109,14 +109,26 @@ impl ServerConfig {
     pub const CLIENTS_MAX: usize = crate::protocol::STATUS_CLIENTS_MAX;
     /// The most requests one session may hold prepared (`SessionLimits::requests_max`): far
     /// past what any connector asks for (32 by default; vLLM's refuses more than 1024 requests
-    /// of one layer in flight) and small enough that [`ServerConfig::REQUESTS_MAX`] is what
-    /// bounds the daemon's memory.
+    /// of one layer in flight), and with `clients_max` within [`ServerConfig::REQUESTS_MAX`].
     pub const REQUESTS_PER_SESSION_MAX: usize = 4096;
     /// The most requests all sessions may hold at once (`clients_max` × `requests_max`): the
-    /// store's control half allocates a reservation for each at start (about 120 bytes, more
-    /// once used), so 2^20 is about 128 MiB; a count past it (a typo's 20,000,000 per session
-    /// at 64 clients is 1.3 billion, 150 GB) is refused here, before the pool is opened or
-    /// formatted, not an allocation that aborts the daemon once it was.
+    /// store's control half allocates a reservation for each at start, about 120 bytes, so
+    /// 2^20 is about 128 MiB at start; a count past it (a typo's 20,000,000 per session at 64
+    /// clients is 1.3 billion, 150 GB) is refused here, before the pool is opened or formatted,
+    /// not an allocation that aborts the daemon once it was.
+    ///
+    /// That bounds the table, not what requests take once used. A reservation keeps, for the
+    /// daemon's life, the capacity its largest request grew (objstore's `StoreControl` clears
+    /// its vectors and keeps their room): up to 36 bytes per block the request named (each
+    /// vector keeps the room of its own largest: placements 12 bytes a block, keys 8, slots 8,
+    /// a store's pins on shared blocks 8), rounded up to a power of two blocks. A request of `PREPARE_BLOCKS_MAX` (65,532) blocks, which blocks of 1 to 3 tokens
+    /// name within one 1 MiB body, leaves about 2.3 MiB; one of 16-token blocks (at most about
+    /// 15,400 in a body) about 0.6 MiB. So used reservations cost up to the reservation count
+    /// times that: the defaults' 2,048 (64 clients × 32) that all once held a 128K-token prompt
+    /// in 16-token blocks keep about 0.6 GiB, while 2^20 of them would ask for hundreds of GiB.
+    /// Size `clients_max` × `requests_max` to the node's memory at about 0.6 MiB a reservation
+    /// (2.3 MiB with blocks of under 4 tokens); a cluster node also copies a prepared store's
+    /// keys (8 bytes a block) until it commits or is released.
     pub const REQUESTS_MAX: usize = 1 << 20;
 
     /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
