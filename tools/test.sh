@@ -357,7 +357,7 @@ run_stage() {
 # which run_stage counts), stopped, and the status is 1 if it was 0. The stage's own end never
 # sees them: they are in bounded's session, which is emptied here.
 bounded() {
-    local limit=$1 sidfile sid rc pid pids tenths pass left=() line
+    local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line
     shift
     sidfile=$(mktemp -p "$run_tmp") || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
@@ -377,12 +377,12 @@ bounded() {
             [ "$rc" != 0 ] || rc=1
         fi
         for pid in $pids; do
-            line=$(proc_describe "$pid") && left+=("$line")
+            line=$(proc_describe "$pid") && remaining+=("$line")
         done
-        if [ ${#left[@]} -gt 0 ]; then
-            echo "tools/test.sh: '$*' ended leaving ${#left[@]} process(es) running in its session (leaked), stopped now:" >&2
-            printf '  %.200s\n' "${left[@]}" >&2
-            printf '%s\n' "${left[@]%% *}" >> "$run_tmp/bounded-leaked"
+        if [ ${#remaining[@]} -gt 0 ]; then
+            echo "tools/test.sh: '$*' ended leaving ${#remaining[@]} process(es) running in its session (leaked), stopped now:" >&2
+            printf '  %.200s\n' "${remaining[@]}" >&2
+            printf '%s\n' "${remaining[@]%% *}" >> "$run_tmp/bounded-leaked"
             [ "$rc" != 0 ] || rc=1
         fi
     fi

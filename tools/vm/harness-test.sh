@@ -223,12 +223,14 @@ fi
 
 # 8. Ctrl-C in a host package step. The stand-ins: QEMU missing (so its package is installed),
 #    dpkg and dpkg-query that know nothing, and HANG (apt-get, or dpkg's --configure) that runs
-#    sleep 60 in its place. policy-rc.d and its lock are the test's own (dpkg_configure_pending puts one in
-#    place as root). STEP runs with lib.sh sourced, in a session of its own.
+#    sleep 60 in its place. policy-rc.d and its lock are the test's own (dpkg_configure_pending
+#    puts one in place as root). STEP runs with lib.sh sourced, in a session of its own.
 mkdir -p "$WORK/host-bin" "$WORK/policy" "$TUTTI_VM_DIR/debs"
 printf '#!/bin/sh\nexit 1\n' > "$WORK/host-bin/qemu-system-x86_64"
 printf '#!/bin/sh\nexit 1\n' > "$WORK/host-bin/dpkg-query"
+# shellcheck disable=SC2016 # expanded by the stand-in
 printf '#!/bin/sh\n[ "${HANG:-}" != apt-get ] || exec sleep 60\nexit 1\n' > "$WORK/host-bin/apt-get"
+# shellcheck disable=SC2016 # expanded by the stand-in
 printf '#!/bin/sh\n[ "${HANG:-} $1" != "dpkg --configure" ] || exec sleep 60\nexit 0\n' > "$WORK/host-bin/dpkg"
 chmod +x "$WORK/host-bin"/*
 interrupted_step() { # WHAT HANG STEP [ENV...]
