@@ -282,6 +282,36 @@ def test_a_layer_close_could_not_settle_is_not_done(formatted_daemon):
         formatted_daemon.resume()
 
 
+def test_kv_memory_a_closed_store_kept_for_good_is_refused_by_another_store(formatted_daemon):
+    # Goal: a store's close that could not settle a layer keeps its allocate_kv memory for good
+    # (leaked_registrations 1): a device may still write it. Its KvBuffers, registered with a
+    # new in-process store, are refused (UnsupportedMemory, saying why), so the new store never
+    # maps, commits and serves bytes the old queue may still write. Before, they were accepted.
+    store = attach(formatted_daemon, timeout_s=0.3)
+    layout = store.allocate_kv(8, "block_major")
+    fill_block(layout, 1, 86)
+    prompt = tokens(86, 1)
+    store_prompt(store, prompt, [1])
+    request = store.prepare_retrieve(prompt, [2])
+    formatted_daemon.pause()
+    try:
+        request.retrieve_layer(0)
+        store.close(timeout_s=0.3)
+        assert store.leaked_registrations() == 1, "the close could not settle the layer"
+        fresh = open_store()
+        try:
+            try:
+                fresh.register_kv(layout)
+                raise AssertionError("memory a closed store kept for good was registered again")
+            except tutti.UnsupportedMemory as refused:
+                assert "kept for good" in str(refused), refused
+            assert not fresh.registered
+        finally:
+            fresh.close()
+    finally:
+        formatted_daemon.resume()
+
+
 def test_requests_dropped_with_a_stuck_layer_wait_the_store_timeout_once(formatted_daemon):
     # Goal: four store requests, each with layer 0 in flight through a paused tuttid (store
     # timeout 1 s), dropped one after another (as an exception unwinding, a dict cleared or

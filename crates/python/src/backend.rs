@@ -92,6 +92,8 @@ pub enum Backend {
 pub struct Allocation {
     pub regions: Vec<DmaRegion>,
     pub checked: CheckedLayout,
+    /// Shared with the KvBuffers over `regions`: set when the close keeps them for good.
+    pub kept_for_good: crate::memory::KeptForGood,
 }
 
 /// Where waiting out a request's layers in flight stands after one step (`settle_step`).

@@ -2,6 +2,9 @@
 //! through DLPack), `KvLayout` (a layout kind and its tensors), and turning any tensor-like
 //! object into a [`TensorDescription`] plus what keeps its memory alive.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use nvme_driver::DmaRegion;
 use pyo3::exceptions::{PyBufferError, PyException, PyMemoryError, PyTypeError};
 use pyo3::prelude::*;
@@ -108,18 +111,37 @@ impl RawMemory {
     }
 }
 
+/// Whether the store that allocated a KV cache (`allocate_kv`) kept its memory for good at its
+/// close (a layer in flight its devices may still move: `StoreState::close`), shared by the
+/// store's allocation and every KvBuffer over it, so that no other store registers that memory
+/// (it would commit and serve whatever the old queue still writes there).
+#[derive(Debug, Clone, Default)]
+pub struct KeptForGood(Arc<AtomicBool>);
+
+impl KeptForGood {
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
 /// A piece of KV memory tutti allocated (module stub: `KvBuffer`).
 #[pyclass(frozen, module = "tutti")]
 pub struct KvBuffer {
     pub(crate) region: DmaRegion,
+    /// Set once the store that allocated it kept it for good: refused by `describe` then.
+    kept_for_good: KeptForGood,
     /// The process that allocated it: dropped in a forked child, the region is leaked without
     /// taking the DMA pool's lock (a thread of the parent may have held it at the fork).
     owner: OwningProcess,
 }
 
 impl KvBuffer {
-    pub(crate) fn new(region: DmaRegion) -> KvBuffer {
-        KvBuffer { region, owner: OwningProcess::current() }
+    pub(crate) fn new(region: DmaRegion, kept_for_good: KeptForGood) -> KvBuffer {
+        KvBuffer { region, kept_for_good, owner: OwningProcess::current() }
     }
 }
 
@@ -419,6 +441,16 @@ pub fn describe(object: &Bound<'_, PyAny>, name: &str) -> PyResult<(TensorDescri
     let py = object.py();
     if let Ok(buffer) = object.cast::<KvBuffer>() {
         let buffer = buffer.get();
+        if buffer.kept_for_good.is_set() {
+            return Err(Failure::new(
+                ErrorClass::UnsupportedMemory,
+                format!(
+                    "{name}: memory a closed store kept for good (a layer was still in flight at its close): a device may \
+                     still write it; allocate the KV cache again with this store's allocate_kv"
+                ),
+            )
+            .into());
+        }
         let description = TensorDescription {
             name: name.into(),
             address: buffer.region.host_address() as u64,

@@ -1090,9 +1090,11 @@ impl Store {
             Failure::new(ErrorClass::InvalidArgument, format!("layout kind {kind:?}: separate, fused, paged or block_major"))
         })?;
         let timeout = self.shared.timeout;
-        let regions = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
-        let buffers =
-            regions.into_iter().map(|region| Py::new(py, KvBuffer::new(region)).map(Py::into_any)).collect::<PyResult<Vec<_>>>()?;
+        let (regions, kept_for_good) = self.shared.with_state(py, move |state| state.allocate(kind, num_blocks, timeout))?;
+        let buffers = regions
+            .into_iter()
+            .map(|region| Py::new(py, KvBuffer::new(region, kept_for_good.clone())).map(Py::into_any))
+            .collect::<PyResult<Vec<_>>>()?;
         let checked = self.shared.read(py, |state| state.registered.clone())?;
         let layout = Py::new(py, KvLayout::new_checked(kind, buffers, checked))?;
         *self.shared.kv_layout.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(layout.clone_ref(py));

@@ -143,6 +143,8 @@ impl StoreState {
                     "tutti: the KV memory is kept for good: a layer was still in flight and the devices may still reach it"
                 );
                 leaked += allocation.regions.len();
+                // Before the regions: no other store registers the KvBuffers over them then.
+                allocation.kept_for_good.set();
                 allocation.regions.into_iter().for_each(|region| {
                     region.leak();
                 });

@@ -14,7 +14,7 @@ use super::{closed, key_seed, Allocation, Backend, StoreState};
 use crate::device_memory::{self, DeviceHold};
 use crate::errors::{ErrorClass, Failure};
 use crate::ffi::{CallerMemory, QueuesGone};
-use crate::memory::Keep;
+use crate::memory::{Keep, KeptForGood};
 use crate::tensor::{CheckedLayout, Device, LayoutKind};
 
 impl StoreState {
@@ -222,8 +222,9 @@ impl StoreState {
     }
 
     /// `allocate_kv`: allocates `num_blocks` blocks in layout `kind` and registers them; returns
-    /// the regions (what the KvBuffers hand out).
-    pub fn allocate(&mut self, kind: LayoutKind, num_blocks: u32, timeout: Duration) -> Result<Vec<DmaRegion>, Failure> {
+    /// the regions (what the KvBuffers hand out) and the flag the close sets should it keep
+    /// them for good (each KvBuffer's).
+    pub fn allocate(&mut self, kind: LayoutKind, num_blocks: u32, timeout: Duration) -> Result<(Vec<DmaRegion>, KeptForGood), Failure> {
         // Closed first (`registered` outlives the close): StaleRequest, as every call after it.
         if self.is_closed() {
             return Err(closed());
@@ -234,7 +235,7 @@ impl StoreState {
         if num_blocks == 0 {
             return Err(Failure::new(ErrorClass::InvalidArgument, "allocate_kv(0 blocks): expected at least 1"));
         }
-        let regions = match &mut self.backend {
+        let allocated = match &mut self.backend {
             Backend::LocalOpen { pool, .. } => {
                 let geometry = *pool.geometry();
                 let (dma, _) = Self::local_dma(pool);
@@ -248,9 +249,11 @@ impl StoreState {
                 let checked = allocation_layout(kind, &geometry, num_blocks, &regions);
                 let layout = store_layout(&checked, &iovas);
                 self.build_local(layout, num_blocks)?;
-                self.allocation = Some(Allocation { regions: regions.clone(), checked: checked.clone() });
+                let kept_for_good = KeptForGood::default();
+                self.allocation =
+                    Some(Allocation { regions: regions.clone(), checked: checked.clone(), kept_for_good: kept_for_good.clone() });
                 self.registered = Some(checked);
-                regions
+                (regions, kept_for_good)
             }
             Backend::RemoteAttached { .. } => {
                 let Backend::RemoteAttached { client, hello, mut config } = std::mem::replace(&mut self.backend, Backend::Closed) else {
@@ -282,14 +285,16 @@ impl StoreState {
                     .map_err(Failure::from)?;
                 let checked = allocation_layout(kind, &geometry, num_blocks, &regions);
                 self.backend = Backend::Remote { store: Box::new(store) };
-                self.allocation = Some(Allocation { regions: regions.clone(), checked: checked.clone() });
+                let kept_for_good = KeptForGood::default();
+                self.allocation =
+                    Some(Allocation { regions: regions.clone(), checked: checked.clone(), kept_for_good: kept_for_good.clone() });
                 self.registered = Some(checked);
-                regions
+                (regions, kept_for_good)
             }
             Backend::Closed => return Err(closed()),
             Backend::Local { .. } | Backend::Remote { .. } => unreachable!("a registered store has `registered` set"),
         };
-        Ok(regions)
+        Ok(allocated)
     }
 }
 
