@@ -117,18 +117,18 @@ impl ServerConfig {
     /// clients is 1.3 billion, 150 GB) is refused here, before the pool is opened or formatted,
     /// not an allocation that aborts the daemon once it was.
     ///
-    /// That bounds the table, not what requests take once used. A reservation keeps, for the
-    /// daemon's life, the capacity its largest request grew (objstore's `StoreControl` clears
-    /// its vectors and keeps their room): up to 36 bytes per block the request named (each
-    /// vector keeps the room of its own largest: placements 12 bytes a block, keys 8, slots 8,
-    /// a store's pins on shared blocks 8), rounded up to a power of two blocks. A request of `PREPARE_BLOCKS_MAX` (65,532) blocks, which blocks of 1 to 3 tokens
-    /// name within one 1 MiB body, leaves about 2.3 MiB; one of 16-token blocks (at most about
-    /// 15,400 in a body) about 0.6 MiB. So used reservations cost up to the reservation count
-    /// times that: the defaults' 2,048 (64 clients × 32) that all once held a 128K-token prompt
-    /// in 16-token blocks keep about 0.6 GiB, while 2^20 of them would ask for hundreds of GiB.
-    /// Size `clients_max` × `requests_max` to the node's memory at about 0.6 MiB a reservation
-    /// (2.3 MiB with blocks of under 4 tokens); a cluster node also copies a prepared store's
-    /// keys (8 bytes a block) until it commits or is released.
+    /// That bounds the table, not what requests take. A held request takes up to 36 bytes per
+    /// block it named (placement 12, key 8, slot 8, a store's pin on a shared block 8), its
+    /// vectors' room rounded up to a power of two blocks: about 2.3 MiB for `PREPARE_BLOCKS_MAX`
+    /// (65,532) blocks, which blocks of 1 to 3 tokens name within one 1 MiB body, 0.6 MiB for a
+    /// body of 16-token blocks (at most about 15,400). Released, a reservation keeps room for
+    /// 256 blocks at most (objstore's `StoreControl`, about 9 KiB). So the memory is the table,
+    /// 9 KiB per reservation ever used, and what the requests held at once take: the defaults'
+    /// 2,048 (64 clients × 32) all holding a maximal body of 16-token blocks take about
+    /// 1.2 GiB, 2^20 of them far more than any node has. Size `clients_max` × `requests_max`
+    /// to the node's memory at about 0.6 MiB a request held (2.3 MiB with blocks of under 4
+    /// tokens); a cluster node also copies a prepared store's keys (8 bytes a block) until it
+    /// commits or is released.
     pub const REQUESTS_MAX: usize = 1 << 20;
 
     /// Refuses durations and counts the server cannot run with (a lease of `u64::MAX` seconds
