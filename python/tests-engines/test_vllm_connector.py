@@ -1489,14 +1489,16 @@ class StoreWithSlowFirstCommit:
 def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commits_nor_cancelled(tuttid):
     """Goal: handle_preemptions waits for a preempted save's layers in flight, the reads of vLLM's
     blocks, not for the committer's backlog: a save R handed to the committer behind another
-    save A whose commit (flush and header writes, nothing of vLLM's blocks) takes 0.8 x
-    timeout_s, R's layers all complete, is released at once, and R is committed later (its
-    bytes were all read before vLLM reuses its blocks). Before, handle_preemptions waited until
-    the committer had committed A and then R, about 0.8 x timeout_s, and cancelled R (never
-    committed) when that backlog took longer than timeout_s."""
-    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    save A whose commit takes 0.8 x timeout_s, R's layers all complete, is committed at once by
+    handle_preemptions itself (not cancelled), before vLLM reuses its blocks. Committed, not
+    merely left to the committer: a pool that records payload CRCs computes them at the commit
+    from vLLM's blocks, so a commit after their reuse would record the CRCs of other bytes and
+    every verified load of R would fail. Before, handle_preemptions waited until the committer
+    had committed A and then R, about 0.8 x timeout_s, and cancelled R (never committed) when
+    that backlog took longer than timeout_s."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--payload-crc"])
     timeout_s = 2.0
-    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, verify_retrieves=True)
     try:
         connector = worker.connector
         real = connector._store
@@ -1507,6 +1509,7 @@ def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commi
             blocks = [20 + 2 * index, 21 + 2 * index]
             worker.fill(blocks, 60 + index)
             saves.append(SaveSpec(name, prompt(60 + index, blocks=2, tail=0), blocks))
+        r_bytes = [block.clone() for block in worker.blocks_bytes(saves[1].block_ids)]
         worker.step(TuttiConnectorMetadata(saves=saves))
         assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
         r_request = store.requests[tuple(saves[1].block_ids)]
@@ -1517,6 +1520,7 @@ def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commi
         started = time.monotonic()
         connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
         elapsed_s = time.monotonic() - started
+        worker.fill(saves[1].block_ids, 99)  # vLLM reuses R's blocks
         assert elapsed_s < 0.3 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s for a save whose reads were done"
         wait_reported(worker, "A", connector.get_finished({"A"})[0] or set())
         with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
@@ -1526,7 +1530,48 @@ def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commi
                 time.sleep(0.01)
             assert lookup.lookup(saves[0].tokens) == 2
         assert connector._cancelled == set()
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while connector._taken_over:  # the committer skips R's save when it comes to it
+            assert time.monotonic() < deadline, "the committer never came to R's save"
+            time.sleep(0.01)
+        assert connector._committing == {}
         assert connector.get_finished({"R"}) == (None, None), "a preempted save is forgotten, never reported"
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", saves[1].tokens, [40, 41])]))
+        assert result["load_errors"] == set(), "R's verified load failed: its CRCs were not those of its bytes"
+        assert all(torch.equal(got, want) for got, want in zip(worker.blocks_bytes([40, 41]), r_bytes))
+    finally:
+        worker.shutdown()
+
+
+def test_a_preempted_save_the_committer_is_committing_is_waited_for(tuttid):
+    """Goal: a preempted save whose commit the committer has begun (it took the save up: it can
+    no longer be taken over nor cancelled) is waited for, not left running: the commit computes
+    the pool's payload CRCs from vLLM's blocks, so vLLM must not reuse them before it is over.
+    Its commit takes 0.5 x timeout_s; handle_preemptions returns after it, R committed, and a
+    verified load of R finds its CRCs right although R's blocks were rewritten at once after."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--payload-crc"])
+    timeout_s = 2.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, verify_retrieves=True)
+    try:
+        connector = worker.connector
+        store = StoreWithSlowFirstCommit(connector._store, 0.5 * timeout_s)
+        connector._store = store
+        save = SaveSpec("R", prompt(70, blocks=2, tail=0), [20, 21])
+        worker.fill(save.block_ids, 70)
+        r_bytes = [block.clone() for block in worker.blocks_bytes(save.block_ids)]
+        worker.step(TuttiConnectorMetadata(saves=[save]))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "R's commit never started"
+        started = time.monotonic()
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
+        elapsed_s = time.monotonic() - started
+        worker.fill(save.block_ids, 99)  # vLLM reuses R's blocks
+        assert elapsed_s < timeout_s, f"handle_preemptions took {elapsed_s:.2f} s"
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(save.tokens) == 2, "R's commit was not over when handle_preemptions returned"
+        assert connector._cancelled == set()
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", save.tokens, [40, 41])]))
+        assert result["load_errors"] == set(), "R's verified load failed: its CRCs were not those of its bytes"
+        assert all(torch.equal(got, want) for got, want in zip(worker.blocks_bytes([40, 41]), r_bytes))
     finally:
         worker.shutdown()
 
@@ -1574,7 +1619,7 @@ def test_a_save_the_committer_settles_as_its_preemption_gives_up_on_it_leaves_no
         with connector._lock:  # a save of P's with the committer, layer 1 in flight
             connector._save_token["P"] = token
             connector._save_done["P"] = None
-            connector._committing[token] = LayerOneInFlight()
+            connector._committing[token] = (LayerOneInFlight(), connector._session)
         connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"P"}))
         assert handler.fired, "handle_preemptions did not give the save up"
         assert token not in connector._cancelled, "the token of a save already settled stays cancelled for good"

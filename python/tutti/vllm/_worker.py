@@ -150,9 +150,13 @@ class WorkerSide:
         # The request's current save (a preempted request is saved anew): results of older ones
         # are ignored, and a cancelled one is never committed.
         self._save_token: dict[str, int] = {}
-        # The requests of the saves the committer holds, by token: handle_preemptions polls a
-        # preempted one's layers itself rather than wait behind the committer's other saves.
-        self._committing: dict[int, Any] = {}
+        # The saves the committer holds and has not taken up yet, by token: (request, session).
+        # handle_preemptions polls a preempted one's layers itself, and takes it over to commit
+        # it, rather than wait behind the committer's other saves; the committer takes a save up
+        # (`_take_up`) before it ends it. Tokens of the saves handle_preemptions took over: the
+        # committer skips them.
+        self._committing: dict[int, tuple[Any, int]] = {}
+        self._taken_over: set[int] = set()
         self._cancelled: set[int] = set()
         self._tokens = itertools.count(1)
         self._finished_req_ids: set[str] = set()
@@ -282,24 +286,25 @@ class WorkerSide:
         does not complete ends the session first (the blocks may still be written); a save with
         the committer whose layer does not complete in time is cancelled (never committed: its
         bytes may have been read after vLLM reused the blocks), while one whose layers all
-        completed is left to the committer, whose commit reads nothing of vLLM's blocks (neither
-        it nor the committer's other saves are waited for: `_release_committing_save`). The
-        waits for layers share one timeout_s, however many requests were preempted: what is not
-        settled by then is handled as above. That is not the whole bound. A load still in flight at
+        completed is committed here, taken over from the committer, whose backlog of other
+        saves is not waited for (`_release_committing_save`: a commit may read vLLM's blocks, for
+        the payload CRCs). The waits share one timeout_s, however many requests were preempted:
+        what is not settled by then is handled as above. That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
         `Store.close(timeout_s)` waits up to timeout_s for the layers still in flight, then up to
         5 s for tuttid's count of leaked queue pairs, up to 2 s for the commands still on the
         store's queue pairs (their retirement) and up to 5 s from the connection's close for
         tuttid to confirm that the session ended: up to about timeout_s + 12 s more in all
         (docs/python.md). And each exchange with
-        tuttid takes up to timeout_s of its own: a settled request's finish, the committer's
-        commit (which holds the store's lock: this call's waits wait behind it), a keep-alive
+        tuttid takes up to timeout_s of its own: a settled request's finish, a taken-over save's
+        commit, the committer's commit (which holds the store's lock: this call's waits wait
+        behind it), a keep-alive
         ping under way (the close waits for it); the first that runs out leaves the connection
         unusable, so the later ones fail at once. With a stalled device and tuttid the call may
         thus take up to about 3 x timeout_s + 12 s. A slow tuttid, not stalled (each answer just
         within timeout_s), leaves the connection usable: each settled load's or save's finish
-        may then take up to timeout_s on top, one per load or save settled (a request preempted
-        while loading and saving has both: up to two)."""
+        (or a taken-over save's commit) may then take up to timeout_s on top, one per load or save
+        settled (a request preempted while loading and saving has both: up to two)."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
         for req_id in kv_connector_metadata.preempted_req_ids:
@@ -493,7 +498,7 @@ class WorkerSide:
         del self._saves[req_id]
         with self._lock:
             self._save_done[req_id] = None  # with the committer
-            self._committing[state.token] = state.request
+            self._committing[state.token] = (state.request, self._session)
         item = (req_id, state.token, state.request, self._session, state.issued - state.completed)
         while self._committer.is_alive():
             try:
@@ -536,6 +541,8 @@ class WorkerSide:
             if item is None:
                 continue
             req_id, token, request, session, _ = item
+            if not self._take_up(token):
+                continue  # handle_preemptions took it over and ended it
             if self._session_broken(session):
                 self._keep_until_session_ends(request, session)
             else:
@@ -1101,43 +1108,86 @@ class WorkerSide:
             store.close()
 
     def _release_committing_save(self, req_id: str, deadline: float) -> None:
-        """For handle_preemptions: waits, until `deadline` (time.monotonic()), for the layers in
-        flight of the request's save with the committer (if any), the reads of vLLM's blocks
-        that must end before vLLM reuses them. Once none is in flight the save is left to the
-        committer, whose commit (the pool's flush and headers) reads nothing of vLLM's blocks:
-        it is not waited for, nor is the committer's backlog of other saves. A layer still in
-        flight at the deadline cancels the save (never committed: its bytes may be read after
-        vLLM reused the blocks). The layers are polled from this thread while the committer may
-        wait for them (the binding's Request takes the store's lock for each call: a poll
-        retires what ended and the committer's wait still returns it)."""
+        """For handle_preemptions: ends the request's save with the committer (if any) before vLLM
+        reuses its blocks, waiting until `deadline` (time.monotonic()) for its layers in flight
+        (the reads of vLLM's blocks), not for the committer's backlog of other saves' flushes
+        and header writes. Once none is in flight the save is taken over from the committer and
+        committed here: a pool that records payload CRCs computes them at the commit from
+        vLLM's blocks, so the commit must not come after their reuse either. A save the
+        committer has taken up already (it is ending it now: a commit, or a settle after a
+        failure) is waited for until the deadline. A layer still in flight at the deadline
+        cancels the save (never committed: its bytes may be read after vLLM reused the blocks).
+        The layers are polled from this thread while the committer may wait for them (the
+        binding's Request takes the store's lock for each call: a poll retires what ended, and
+        the committer's wait still returns it)."""
         with self._lock:
             token = self._save_token.get(req_id)
-            request = self._committing.get(token) if token is not None else None
-        if request is None:
-            return  # no save of the request's with the committer
+            if token is None or req_id not in self._save_done or self._save_done[req_id] is not None:
+                return  # no save of the request's with the committer
         while True:
             with self._lock:
                 if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
                     return  # settled by the committer meanwhile
-            try:
-                request.poll()
-            except tutti.Error:
-                pass  # a layer's failure is the committer's to take; only what is in flight counts here
-            if request.layer_in_flight is None:
-                return
+                held = self._committing.get(token)
+            if held is not None:
+                request, session = held
+                try:
+                    request.poll()
+                except tutti.Error:
+                    pass  # a layer's failure is the committer's to take; only what is in flight counts here
+                if request.layer_in_flight is None:
+                    with self._lock:
+                        taken = self._committing.pop(token, None) is not None
+                        if taken:
+                            self._taken_over.add(token)
+                    if taken:
+                        self._commit_taken_over(req_id, request, session, deadline)
+                        return
+                    continue  # the committer took it up first: waited for below
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 break
             time.sleep(min(_COMMIT_POLL_S, left_s))
-        logger.error(
-            "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline (%.1f s); "
-            "the save is cancelled", request.layer_in_flight, req_id, self._timeout_s,
-        )  # fmt: skip
+        if held is not None:
+            logger.error(
+                "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline (%.1f s); "
+                "the save is cancelled", held[0].layer_in_flight, req_id, self._timeout_s,
+            )  # fmt: skip
+        else:
+            logger.error(
+                "tutti: the committer did not end the save of preempted request %s by the preemption's deadline (%.1f s)",
+                req_id, self._timeout_s,
+            )  # fmt: skip
         with self._lock:
             # Only while the save is still the request's and unsettled: _save_settled (which
             # discards the token) has not run, and will.
             if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
                 self._cancelled.add(token)
+
+    def _commit_taken_over(self, req_id: str, request: Any, session: int, deadline: float) -> None:
+        """Commits a preempted save taken over from the committer (its layers all ended), as the
+        committer would have: not in a broken session (kept until it ends), and a failure makes
+        it a miss (settled; `deadline`: as `_settle`'s). Its outcome is not reported: the
+        preemption forgets the save."""
+        if self._session_broken(session):
+            self._keep_until_session_ends(request, session)
+            return
+        try:
+            request.commit()
+        except tutti.Error as error:
+            logger.warning("tutti: save of preempted request %s not committed: %s", req_id, error)
+            self._note_daemon_failure(error, session)
+            self._settle_save(request, session, deadline)
+
+    def _take_up(self, token: int) -> bool:
+        """The committer's claim on a save before it ends it: False when handle_preemptions took
+        it over (and ended it); otherwise handle_preemptions can no longer take it over."""
+        with self._lock:
+            if token in self._taken_over:
+                self._taken_over.discard(token)
+                return False
+            self._committing.pop(token, None)
+            return True
 
     def _commit_loop(self) -> None:
         """The committer thread. Every save handed to it is reported, whatever fails (a panic of
@@ -1152,6 +1202,10 @@ class WorkerSide:
             try:
                 self._commit_save(req_id, token, request, session, outstanding)
             except BaseException as error:  # noqa: BLE001 - the save must be reported whatever failed
+                if not self._take_up(token):  # handle_preemptions took it over and ended it
+                    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    continue
                 logger.error("tutti: the committer failed on the save of request %s (%r); it is not committed", req_id, error)
                 try:
                     self._settle_save(request, session)
@@ -1165,15 +1219,21 @@ class WorkerSide:
                     raise
 
     def _commit_save(self, req_id: str, token: int, request: Any, session: int, outstanding: int) -> None:
-        """Waits for the save's last layers, then commits it (unless it was cancelled)."""
+        """Waits for the save's last layers, then commits it (unless it was cancelled, or taken
+        over by handle_preemptions)."""
         committed = False
+        failure: Optional[tutti.Error] = None
         try:
             for _ in range(outstanding):  # the save's layers still in flight, oldest first
                 if self._session_broken(session):
                     break
                 request.wait(self._timeout_s)
         except tutti.Error as error:
-            logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, error)
+            failure = error
+        if not self._take_up(token):
+            return  # handle_preemptions took it over (its layers ended) and ended it
+        if failure is not None:
+            logger.warning("tutti: save of request %s not committed: one of its last layers failed or timed out (%s)", req_id, failure)
             self._settle_save(request, session)
             self._save_settled(req_id, token, False)
             return
