@@ -14,7 +14,10 @@
 #    the original it kept aside put back (at paths of the test's own);
 # 3. loop_devices_work, stopped while its file system is mounted, leaves nothing mounted or
 #    attached (as root where loop devices work);
-# 4. the cluster stage runs every `cargo test` with TUTTI_REQUIRE_ETCD=1 (a stand-in cargo).
+# 4. the cluster stage runs every `cargo test` with TUTTI_REQUIRE_ETCD=1 (a stand-in cargo);
+# 5. once a stage's shell has been reaped, its pid is only a session id to kill_tree and
+#    tree_snapshot: a process that took the pid since (pid reuse), and its children, are left
+#    alone.
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 # shellcheck source=tools/test.sh
@@ -262,6 +265,23 @@ chmod +x "$run_tmp/cargo-bin/cargo"
 check "the cluster stage with a stand-in cargo passes" 0 "$?"
 check "the cluster stage: 4 cargo tests, every one with TUTTI_REQUIRE_ETCD=1" "4 0" \
     "$(grep -c ' test ' "$run_tmp/cargo.log") $(grep ' test ' "$run_tmp/cargo.log" | grep -vc '^1 ')"
+
+# 5. A reaped stage shell's pid, taken by another process since: stood in for by a live process
+#    of this script's session with a child (the reuse itself cannot be made to happen), passed
+#    as kill_tree's and tree_snapshot's root once reaped, as run_stage passes the stage's pid
+#    after its wait.
+bash -c 'sleep 60 & wait' > /dev/null 2>&1 &
+reuser=$!
+for ((tenths = 0; tenths < 50; tenths++)); do
+    grep -qs "^PPid:[[:space:]]*$reuser$" /proc/[0-9]*/status && break
+    sleep 0.1
+done
+check "tree_snapshot of a reaped stage's pid: not the children of the process that has it now" "" \
+    "$(tree_snapshot "$reuser" reaped)"
+kill_tree "$reuser" "" reaped > /dev/null 2>&1
+check "kill_tree of a reaped stage's pid: the process that has it now left alone" running "$(ended "$reuser" && echo ended || echo running)"
+check "kill_tree of a reaped stage's pid: nothing reported killed" 0 "${#killed[@]}"
+kill_tree "$reuser" > /dev/null 2>&1 # (its child too)
 
 if [ "$failures" -gt 0 ]; then
     echo "test-sh-test: $failures check(s) failed" >&2

@@ -168,13 +168,14 @@ tree_find() {
         done
     done
 }
-# tree_snapshot SID: prints "PID START" (START: stat's field 22, the start time) for every
-# process besides SID that kill_tree SID would find now, signalling none (zombies, which have
-# ended, left out).
+# tree_snapshot SID [reaped]: prints "PID START" (START: stat's field 22, the start time) for
+# every process besides SID that kill_tree SID [SNAPSHOT [reaped]] would find now, signalling
+# none (zombies, which have ended, left out).
 tree_snapshot() {
     local root=$1 pid proc_fields=()
     local -A pids=() pgids=() sids=()
-    pids[$root]=1 sids[$root]=1
+    sids[$root]=1
+    [ "${2:-}" = reaped ] || pids[$root]=1
     tree_find
     for pid in "${!pids[@]}"; do
         [ "$pid" != "$root" ] && proc_stat "/proc/$pid/stat" && [ "${proc_fields[0]:-}" != Z ] || continue
@@ -216,12 +217,17 @@ proc_describe() {
 # machine.
 # `killed` is set to what it found running besides SID itself ("PID COMMAND" each; zombies,
 # which have ended, left out).
+# With `reaped` (run_stage, once its wait has reaped the stage's shell), SID is a session id
+# only: the pid may have gone to another process since, which is neither signalled nor followed
+# to its children (the stage shell's own went to init when it ended, and are found by the
+# session or the snapshot). A session id is not reused while a process of the session lives.
 killed=()
 kill_tree() {
     local root=$1 snapshot=${2:-} signal round line pid proc_fields=() changed
     local -A pids=() pgids=() sids=()
     killed=()
-    pids[$root]=1 sids[$root]=1
+    sids[$root]=1
+    [ "${3:-}" = reaped ] || pids[$root]=1
     for pid in $(tree_running "$snapshot"); do pids[$pid]=1; done
     for signal in TERM KILL; do
         tree_find
@@ -247,7 +253,8 @@ kill_tree() {
             sleep 0.5
         done
     done
-    wait "$root" 2> /dev/null
+    # (Reaped already: the pid may be another child's of this script now, not to be waited for.)
+    [ "${3:-}" = reaped ] || wait "$root" 2> /dev/null
     return 0
 }
 
@@ -262,15 +269,18 @@ kill_tree() {
 # stage_snapshot: run_stage's tree_snapshot of the stage that has ended, kept while its grace
 # and kill_tree run, so that on_signal, stopping it then, still reaches what only the snapshot
 # leads to (a process in a session of its own whose parent ended in the grace).
+# stage_reaped: "reaped" once run_stage's wait has reaped the stage's shell (kill_tree's third
+# argument: its pid is a session id only from then on).
 stage_pid=
 stage_snapshot=
+stage_reaped=
 current_stage=
 on_signal() {
     local signal=$1 code=$2
     trap '' INT TERM HUP
     echo >&2
     echo "tools/test.sh: SIG$signal: stopping${current_stage:+ stage $current_stage and} everything it started" >&2
-    [ -z "$stage_pid" ] || kill_tree "$stage_pid" "$stage_snapshot"
+    [ -z "$stage_pid" ] || kill_tree "$stage_pid" "$stage_snapshot" "$stage_reaped"
     [ -z "$current_stage" ] || {
         failed=$((failed + 1))
         failed_names+=("$current_stage")
@@ -293,13 +303,14 @@ run_stage() {
     # kill_tree would find the forked child below $! then). The stage's shell is a new bash that
     # reads this script's functions and the variables they use from $run_tmp/functions.sh.
     # stdin is /dev/null, as for any background command; stdout and stderr are this script's.
-    stage_snapshot=
+    stage_snapshot= stage_reaped=
     rm -f "$run_tmp/bounded-leaked"
     setsid -w bash -c 'set -uo pipefail && . "$1" && shift && "$@"' "tools/test.sh:$name" \
         "$run_tmp/functions.sh" "$@" < /dev/null &
     stage_pid=$!
     wait "$stage_pid"
     rc=$?
+    stage_reaped=reaped
     # A member already on its way out (a SIGKILLed child still freeing its memory, a helper that
     # exits once its parent's pipe closes) is not a leak: up to 3 s for the session's running
     # members, and what kill_tree would find now, to end; only what still runs after is counted
@@ -307,7 +318,7 @@ run_stage() {
     # the grace may leave a child in a session of its own (setsid), handed to init, that only
     # its parent led to. (Global: on_signal passes it to its kill_tree as well.)
     local tenths
-    stage_snapshot=$(tree_snapshot "$stage_pid")
+    stage_snapshot=$(tree_snapshot "$stage_pid" reaped)
     for ((tenths = 0; tenths < 30; tenths++)); do
         [ -n "$(session_pids "$stage_pid" 2> /dev/null)" ] || [ -n "$(tree_running "$stage_snapshot")" ] || break
         sleep 0.1
@@ -317,7 +328,7 @@ run_stage() {
     # the next stage or the machine. (Something that left for a session of its own, `setsid`,
     # and whose parent was gone already when the stage ended, is out of reach: `bounded` stops
     # those of the scripts it runs while it still can find them.)
-    kill_tree "$stage_pid" "$stage_snapshot"
+    kill_tree "$stage_pid" "$stage_snapshot" reaped
     # A policy-rc.d that a script of the stage put in place and was KILLed holding (vm-test.sh,
     # check-bindings.sh: owners of their own) would forbid service starts on this machine until
     # the next run: removed now that its owner is gone (never a live run's).
@@ -335,7 +346,7 @@ run_stage() {
     fi
     [ "$count" = 0 ] || leaked=", leaked $count process(es) still running at its end"
     stage_pid= current_stage=
-    stage_snapshot=
+    stage_snapshot= stage_reaped=
     if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
