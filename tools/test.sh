@@ -303,7 +303,8 @@ run_stage() {
     # kill_tree would find the forked child below $! then). The stage's shell is a new bash that
     # reads this script's functions and the variables they use from $run_tmp/functions.sh.
     # stdin is /dev/null, as for any background command; stdout and stderr are this script's.
-    stage_snapshot= stage_reaped=
+    stage_snapshot=
+    stage_reaped=
     rm -f "$run_tmp/bounded-leaked"
     setsid -w bash -c 'set -uo pipefail && . "$1" && shift && "$@"' "tools/test.sh:$name" \
         "$run_tmp/functions.sh" "$@" < /dev/null &
@@ -346,7 +347,8 @@ run_stage() {
     fi
     [ "$count" = 0 ] || leaked=", leaked $count process(es) still running at its end"
     stage_pid= current_stage=
-    stage_snapshot= stage_reaped=
+    stage_snapshot=
+    stage_reaped=
     if [ "$rc" = 0 ] && [ -z "$leaked" ]; then
         passed=$((passed + 1))
         summary+=("PASS $name ($((SECONDS - started)) s, $(free_gibibytes) GiB free after)")
