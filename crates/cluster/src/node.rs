@@ -96,7 +96,9 @@ struct KeepAlive {
 /// revoke leaves is the node's, revoked by the next rejoin or the drop); `leave` or
 /// drop ≤ T + 1 s (up to 3 T + 1 s after rejoins whose revokes failed: those leases, at most
 /// two, are revoked too); `register` and `unregister` T per `txn_ops_max` − 1 segments;
-/// `update_record` T.
+/// `update_record` T. Threads may call `register` and `unregister` at once, but their
+/// transactions go one at a time (the fence's lock): one made while another is in flight first
+/// waits for it (up to T, and for each one ahead of it with more callers), then has its own T.
 pub struct ClusterNode {
     client: ClusterClient,
     record: MemberRecord,
@@ -570,8 +572,10 @@ impl ClusterNode {
     /// whatever moved the key. Any other refusal marks the node lost.
     fn guarded(&self, operation: &'static str, lease_id: i64, operations: Vec<TxnOp>, member_value: Vec<u8>) -> Result<()> {
         let key = self.client.layout.member_key(&self.record.node);
-        let deadline = Instant::now() + self.client.config.request_timeout;
         let mut fence = self.fence.lock().unwrap_or_else(PoisonError::into_inner);
+        // Taken once the lock is held: a write that waited for the one in flight (up to T) still
+        // has its own T, rather than finding its deadline spent and sending nothing.
+        let deadline = Instant::now() + self.client.config.request_timeout;
         // Each round after the first follows an attempt of this node's applied since the fence
         // was taken: one or two in practice, more only with attempts of several calls applied
         // late at once; the deadline bounds them too.
@@ -1590,6 +1594,33 @@ mod fence_tests {
 
         node.unregister(&space(), &[segment(31)]).expect("the delete is sent again under the new fence");
         assert!(!listed(&node, 31), "the delete was dropped, taken as applied");
+        assert!(!node.health().lost);
+    }
+
+    #[test]
+    fn a_write_that_waited_for_the_one_in_flight_still_has_its_own_timeout() {
+        // Goal: guarded writes go one at a time (the fence's lock). The deadline was taken
+        // before the lock: a write made while another hung on etcd (up to T) found its deadline
+        // spent once it got the lock, sent nothing and answered Unavailable. Here A's
+        // registration hangs on a paused etcd for T, B's unregistration waits for it, and etcd
+        // is back soon after A gave up: B succeeds within its own T.
+        let Some(etcd) = start_etcd() else { return };
+        let (node, config) = join_node_a(&etcd, "fence-wait");
+        node.register(&space(), &[segment(51), segment(52)]).unwrap();
+        etcd.lock().unwrap().pause(0).unwrap();
+        let (a, b) = std::thread::scope(|scope| {
+            let a = scope.spawn(|| node.register(&space(), &[segment(53)]));
+            std::thread::sleep(Duration::from_millis(10));
+            let b = scope.spawn(|| node.unregister(&space(), &[segment(52)]));
+            let a = a.join().unwrap();
+            // B holds the lock now; etcd comes back well within a T from there.
+            std::thread::sleep(config.request_timeout / 10);
+            etcd.lock().unwrap().resume(0).unwrap();
+            (a, b.join().unwrap())
+        });
+        assert!(matches!(a, Err(ClusterError::Unavailable { .. })), "{a:?}");
+        assert_eq!(b.expect("the write that waited has its own timeout"), 1);
+        assert!(!listed(&node, 52) && listed(&node, 51));
         assert!(!node.health().lost);
     }
 
