@@ -250,7 +250,8 @@ pub struct CreatedFiles {
     /// What those locks do with an existing file's mode, as the lock step's do.
     file_modes: FileModes,
     /// The claims [`prepare_file`] took on block devices that appeared after the run's lock
-    /// step (which claimed the others), held to the end of the run.
+    /// step (which claimed the others), held to the end of the run and released before the
+    /// locks (the drop).
     claims: Vec<tutti_devices::BlockDeviceClaims>,
 }
 
@@ -414,6 +415,11 @@ impl Drop for CreatedFiles {
         for (path, error) in self.remove_now() {
             tutti_cli::errln!("tutti-bench: could not remove {}: {error}", path.display());
         }
+        // The claims go before the locks (the fields, dropped after this): a format (tuttid
+        // --format, tutti pool format) takes the lock, then the claim, and one that got the
+        // lock in between would meet the run's claim and fail as "in use". Taken here rather
+        // than left to the fields' declaration order, which a reordering would change.
+        drop(std::mem::take(&mut self.claims));
     }
 }
 
@@ -1387,6 +1393,82 @@ mod tests {
         let reads = OpenOptions2 { writes: false, ..options };
         prepare_file_with(&spec, reads, &mut CreatedFiles::default(), &opener).expect("a read run reads a disk in use, as fio");
         assert_eq!(opener.opens.get(), 2, "a read run claimed");
+    }
+
+    /// Calls `path` a free block device, and claims it by opening `claimed` (another file), so
+    /// that the claim's descriptor can be told from the lock's.
+    struct FreeDisk {
+        path: PathBuf,
+        claimed: PathBuf,
+    }
+
+    impl tutti_devices::BlockDeviceOpener for FreeDisk {
+        fn is_block_device(&self, path: &Path) -> bool {
+            path == self.path
+        }
+
+        fn open_exclusive(&self, _path: &Path) -> std::io::Result<std::fs::File> {
+            std::fs::File::open(&self.claimed)
+        }
+    }
+
+    /// The watch descriptors of the inotify events queued on `inotify`, in the order they
+    /// happened (non-blocking: what is queued now).
+    fn inotify_watches(inotify: &std::os::fd::OwnedFd) -> Vec<i32> {
+        use std::os::fd::AsRawFd;
+        let mut buffer = [0u8; 4096];
+        let mut watches = Vec::new();
+        loop {
+            // SAFETY: the buffer is writable for its length; the descriptor is open.
+            let read = unsafe { libc::read(inotify.as_raw_fd(), buffer.as_mut_ptr().cast(), buffer.len()) };
+            if read <= 0 {
+                return watches;
+            }
+            let mut at = 0;
+            while at + std::mem::size_of::<libc::inotify_event>() <= read as usize {
+                // SAFETY: a whole event header lies at `at`, as the kernel wrote it; read unaligned.
+                let event: libc::inotify_event = unsafe { std::ptr::read_unaligned(buffer[at..].as_ptr().cast()) };
+                watches.push(event.wd);
+                at += std::mem::size_of::<libc::inotify_event>() + event.len as usize;
+            }
+        }
+    }
+
+    #[test]
+    fn a_claim_taken_after_the_lock_step_is_released_before_the_locks() {
+        // Goal: a process that formats a disk (tuttid --format, tutti pool format) takes the
+        // lock, then the claim: a run's end must release them the other way round, the claim
+        // first, as run.rs and pool.rs do. The claim prepare_file takes on a disk put at a path
+        // after the lock step was released after every lock of the run (field order), and a
+        // format starting in between got the lock and then EBUSY (exit 2, "in use"). The
+        // closes are seen in the order they happen (inotify, both files watched).
+        use std::os::fd::FromRawFd;
+        let directory = tempfile::tempdir().unwrap();
+        let path = directory.path().join("disk");
+        std::fs::write(&path, vec![0u8; 1 << 20]).unwrap();
+        let claimed = directory.path().join("claimed");
+        std::fs::write(&claimed, b"").unwrap();
+        let opener = FreeDisk { path: path.clone(), claimed: claimed.clone() };
+        let mut created = CreatedFiles::default();
+        prepare_file_with(&DeviceSpec::EmuFile(path.clone()), test_options(), &mut created, &opener).expect("a free disk is used");
+        assert_eq!(created.claims.iter().map(tutti_devices::BlockDeviceClaims::len).sum::<usize>(), 1, "claimed");
+        // SAFETY: inotify_init1 returns a new descriptor (checked) that nothing else owns.
+        let raw = unsafe { libc::inotify_init1(libc::IN_NONBLOCK | libc::IN_CLOEXEC) };
+        assert!(raw >= 0, "inotify_init1: {}", std::io::Error::last_os_error());
+        // SAFETY: as above.
+        let inotify = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        let watch = |file: &Path| {
+            use std::os::fd::AsRawFd;
+            let name = std::ffi::CString::new(file.as_os_str().as_encoded_bytes()).unwrap();
+            // SAFETY: a NUL-terminated path and an open inotify descriptor.
+            let watch = unsafe { libc::inotify_add_watch(inotify.as_raw_fd(), name.as_ptr(), libc::IN_CLOSE) };
+            assert!(watch >= 0, "inotify_add_watch: {}", std::io::Error::last_os_error());
+            watch
+        };
+        let (lock, claim) = (watch(&path), watch(&claimed));
+        assert_eq!(inotify_watches(&inotify), Vec::<i32>::new(), "nothing closed yet");
+        drop(created);
+        assert_eq!(inotify_watches(&inotify), vec![claim, lock], "the claim ({claim}) is released before the lock ({lock})");
     }
 
     /// Writable, 4 KiB transfers, one queue, nothing created or laid out.
