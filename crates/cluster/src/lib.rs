@@ -11,9 +11,10 @@
 //! The API is synchronous over a private runtime. Every request to etcd, retries included, is
 //! bounded by the configured request timeout T and answers [`ClusterError::Unavailable`] past
 //! it, so a node never waits on etcd for long and keeps serving its local cache. Most calls
-//! take one T in all: `members` (its pages share it), `member`, `update_record`; `register`,
-//! `unregister`, `forget` and `lookup` one T per `txn_ops_max` segments (a lookup chunk re-read
-//! in smaller pieces shares its T). The compound ones are bounded by their requests: `join`
+//! take one T in all: `members` (its pages share it), `member`, `update_record`; `register` and
+//! `unregister` one T per `txn_ops_max` − 1 segments (each transaction puts the member key
+//! too), `forget` and `lookup` one T per `txn_ops_max` segments (a lookup chunk re-read in
+//! smaller pieces shares its T). The compound ones are bounded by their requests: `join`
 //! ≤ 3 T (4 T when its member transaction failed, other than with an answer too large, and
 //! the new lease's revoke failed too: tried once more as it returns), `rejoin` ≤ 6 T (up to
 //! three leases revoked, then the grant, the member transaction and the new lease's revoke),
