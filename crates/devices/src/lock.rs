@@ -1023,7 +1023,9 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
     // Each pid's descriptors are looked at once, however many times /proc/locks is read.
     let confirmed: RefCell<HashMap<u32, Option<bool>>> = RefCell::default();
     let holds_the_file = |pid: u32| {
-        own_path.as_ref().and_then(|own_path| *confirmed.borrow_mut().entry(pid).or_insert_with(|| has_open(proc_root, pid, own_path)))
+        own_path
+            .as_ref()
+            .and_then(|own_path| *confirmed.borrow_mut().entry(pid).or_insert_with(|| has_open(proc_root, pid, own_path, FDS_EXAMINED_MAX)))
     };
     // The kernel produces /proc/locks page by page from lists other processes change meanwhile,
     // so one read can miss a line that was there all along (seen under load in CI): read again.
@@ -1046,7 +1048,8 @@ pub fn holder_of(file: &File, proc_root: &Path) -> String {
     };
     match holder {
         Some(FlockHolder::Confirmed(pid)) => command_line(pid),
-        // The pid listed is all there is (another user's process, say): named, saying so.
+        // The pid listed is all there is (another user's process, one /proc hides, one with more
+        // descriptors than are looked at): named, saying so.
         Some(FlockHolder::Unconfirmed(pid)) => {
             format!("{} as /proc/locks lists it (whether it still has the file open could not be seen)", command_line(pid))
         }
@@ -1123,7 +1126,8 @@ enum FlockHolder {
     /// The pid listed, seen to have the file open.
     Confirmed(u32),
     /// The pid listed on the file's exact device, which could not be checked (our own path of
-    /// the file is unknown, or the process's descriptors cannot be looked at).
+    /// the file is unknown, or the process's descriptors could not all be looked at:
+    /// [`has_open`]).
     Unconfirmed(u32),
     /// The pid listed on the file's exact device, which does not have the file open: the pid
     /// recorded when the lock was taken, whose taker left it to a process that inherited its
@@ -1181,22 +1185,26 @@ fn own_descriptor_path(file: &File) -> Option<PathBuf> {
 /// reaches the file's filesystem, and on a hung hard-mounted NFS or FUSE mount that blocks
 /// without end, with tuttid's stop signals blocked while it opens its pool. So a descriptor
 /// opened through another name (a hard link, another mount namespace's path) is not recognised
-/// and the holder is never named on that evidence. False when there is no such process (it has
-/// exited); None when its descriptors cannot be looked at (another user's process: EACCES),
-/// which says nothing either way.
-fn has_open(proc_root: &Path, pid: u32, own_path: &Path) -> Option<bool> {
-    let entries = match std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")) {
-        Ok(entries) => entries,
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Some(false),
-        Err(_) => return None,
-    };
-    Some(
-        entries
-            .take(FDS_EXAMINED_MAX)
-            .filter_map(Result::ok)
-            .filter_map(|entry| std::fs::read_link(entry.path()).ok())
-            .any(|target| target == own_path),
-    )
+/// and the holder is never named on that evidence. False only once every descriptor of the
+/// process was looked at; None, which says nothing either way, when they were not: the
+/// directory cannot be read (another user's process: EACCES), the process is not visible (no
+/// directory: it has exited, or /proc is mounted hidepid=invisible and hides another user's
+/// live one the same way), or the walk stopped at `examined_max` descriptors (the holder's
+/// may be among those left) or on an error.
+fn has_open(proc_root: &Path, pid: u32, own_path: &Path, examined_max: usize) -> Option<bool> {
+    let mut entries = std::fs::read_dir(proc_root.join(pid.to_string()).join("fd")).ok()?;
+    for entry in entries.by_ref().take(examined_max) {
+        // A listing that failed part way did not show them all.
+        let entry = entry.ok()?;
+        // A link that cannot be read is a descriptor closed since the listing: not this one.
+        if std::fs::read_link(entry.path()).is_ok_and(|target| target == own_path) {
+            return Some(true);
+        }
+    }
+    match entries.next() {
+        None => Some(false),
+        Some(_) => None,
+    }
 }
 
 #[cfg(test)]
@@ -1356,6 +1364,40 @@ mod tests {
         assert!(holder.contains("no longer has it open"), "{holder}");
         std::os::unix::fs::symlink(own_descriptor_path(&file).unwrap(), process.join("fd").join("3")).unwrap();
         assert_eq!(holder_of(&file, &proc_root), "pid 4242 (reused)");
+    }
+
+    #[test]
+    fn a_listed_pid_not_visible_in_proc_is_unconfirmed_not_said_to_have_let_go() {
+        // Goal: a live process /proc does not show (mounted hidepid=invisible: another user's)
+        // has no PID directory, as one that has exited: has_open took that as "does not have
+        // the file open", and the refusal said falsely that the pid listed no longer has it
+        // open. Nothing was seen either way: the pid is named as unconfirmed.
+        let directory = tempfile::tempdir().unwrap();
+        let (file, proc_root, process) = lock_listed(directory.path(), b"hidden\0", 0, 4242);
+        std::fs::remove_dir_all(&process).unwrap();
+        let holder = holder_of(&file, &proc_root);
+        assert!(!holder.contains("no longer has it open"), "a process not seen was said to have let go: {holder}");
+        assert!(holder.contains("pid 4242") && holder.contains("could not be seen"), "{holder}");
+    }
+
+    #[test]
+    fn a_walk_stopped_at_its_bound_does_not_say_the_file_is_not_open() {
+        // Goal: has_open looks at a bounded number of descriptors (FDS_EXAMINED_MAX); a walk
+        // that stopped there with descriptors left answered "not open" (the refusal: the pid
+        // "no longer has it open"), though the file may be among those not looked at. It
+        // answers "cannot tell" then; "not open" only once every descriptor was looked at.
+        let directory = tempfile::tempdir().unwrap();
+        let (file, proc_root, process) = lock_listed(directory.path(), b"many\0", 0, 4242);
+        let own_path = own_descriptor_path(&file).unwrap();
+        for fd in 0..3 {
+            std::os::unix::fs::symlink(directory.path().join(format!("other{fd}")), process.join("fd").join(fd.to_string())).unwrap();
+        }
+        assert_eq!(has_open(&proc_root, 4242, &own_path, 2), None, "stopped with one descriptor left");
+        assert_eq!(has_open(&proc_root, 4242, &own_path, 3), Some(false), "all three looked at");
+        assert_eq!(has_open(&proc_root, 4242, &own_path, 4), Some(false));
+        std::os::unix::fs::symlink(&own_path, process.join("fd").join("3")).unwrap();
+        assert_eq!(has_open(&proc_root, 4242, &own_path, 4), Some(true));
+        assert_ne!(has_open(&proc_root, 4242, &own_path, 2), Some(false), "the file may be among those not looked at");
     }
 
     #[test]
