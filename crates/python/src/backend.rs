@@ -604,8 +604,23 @@ impl StoreState {
             }
             Ok(None) => {
                 // The store has nothing of it in flight: nothing is, in both records (the
-                // issues too, else a LayerIo would wait for an issue no wait can end).
-                self.request(handle)?.set_in_flight(std::iter::empty());
+                // issues too, else a LayerIo would wait for an issue no wait can end). What the
+                // mirror still lists is a drift (a layer that moves nothing never enters it),
+                // and nothing says its bytes moved: each such layer ends failed, never
+                // completed (a retrieve told its KV arrived would compute on stale blocks).
+                let state = self.request(handle)?;
+                let lost = Failure::new(
+                    ErrorClass::InvalidState,
+                    "the store has no record of it in flight: its bytes are not known to have moved",
+                );
+                loop {
+                    let Some((layer, _)) = state.issues.in_flight().next() else { break };
+                    state.fail(layer, &lost);
+                }
+                while let Some(&layer) = state.in_flight.front() {
+                    state.fail(layer, &lost);
+                }
+                state.set_in_flight(std::iter::empty());
                 Ok(None)
             }
             Err(error) if is_timeout(&error) => Err(Failure::from(&error)),

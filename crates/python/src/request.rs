@@ -954,9 +954,10 @@ mod tests {
     fn a_layer_the_store_has_not_in_flight_ends_its_layerios_wait() {
         // Goal: the binding's mirror lists a layer in flight that the store does not (a store
         // of blocks the pool holds already, recorded as one that moves blocks: a drift between
-        // the two). LayerIo.wait(0.1) on that issue answers within 2 s: the store's "nothing in
-        // flight" ends the issue in both records. Before, only the mirror's list was cleared,
-        // the issue stayed in flight, and the wait looped for ever, past its deadline.
+        // the two). LayerIo.wait(0.1) on that issue answers within 2 s, with a failure
+        // (InvalidState): the store's "nothing in flight" ends the issue in both records, as
+        // failed, since nothing says its bytes moved. Before b2240e4a the wait looped for ever,
+        // past its deadline; after it, the issue was reported completed.
         let mut state = test_store::local_state(1);
         let first = test_store::prepare_store(&mut state, 13);
         for layer in 0..geometry().layers {
@@ -978,8 +979,12 @@ mod tests {
             let _ = answer.send(waiting.wait_issue(0, issue, Instant::now() + Duration::from_millis(100)).map(drop));
         });
         let waited = answered.recv_timeout(Duration::from_secs(2)).expect("LayerIo.wait answers");
-        waited.expect("the issue ended");
-        assert!(request.layer_done(issue).expect("LayerIo.done"), "done");
+        // Failed, not completed: nothing says its bytes moved (a retrieve told so would compute
+        // on stale blocks).
+        let failure = waited.expect_err("an issue the store lost is not reported completed");
+        assert_eq!(failure.class, ErrorClass::InvalidState, "{failure:?}");
+        assert!(failure.message.contains("no record of it in flight"), "{failure:?}");
+        assert!(request.layer_done(issue).expect("LayerIo.done"), "done (ended, failed)");
         request.finish_live().expect("finish");
     }
 
