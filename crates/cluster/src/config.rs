@@ -36,8 +36,10 @@ pub struct ClusterConfig {
     /// A member's lease: it and its segments vanish this long after its last renewal. Whole
     /// seconds (etcd's unit); renewed every third of it.
     pub lease_ttl: Duration,
-    /// Operations per etcd transaction: at most the server's `--max-txn-ops`. A lookup of more
-    /// segments than this costs one round trip per this many (stopping at the first miss).
+    /// Operations per etcd transaction, 2..=128: etcd's `--max-txn-ops` must be at least this
+    /// (etcd refuses a longer transaction). A lookup of more segments than this costs one round
+    /// trip per this many (stopping at the first miss); a registration or unregistration one
+    /// per this many less one (each transaction puts the member key too).
     pub txn_ops_max: usize,
     /// Most holders a lookup returns per segment (the rest exist but are not listed). With
     /// `txn_ops_max`, bounded by [`RESPONSE_BYTES_MAX`]: holders × operations ≤ ~8,000.
@@ -88,8 +90,14 @@ impl ClusterConfig {
         if !(Duration::from_millis(10)..=Duration::from_secs(60)).contains(&self.request_timeout) {
             return bad(format!("request timeout {:?} is outside 10 ms..=60 s", self.request_timeout));
         }
-        if !(1..=ETCD_TXN_OPS_DEFAULT).contains(&self.txn_ops_max) {
-            return bad(format!("{} operations per transaction is outside 1..={ETCD_TXN_OPS_DEFAULT}", self.txn_ops_max));
+        // A node's guarded write puts its member key besides its segments (the fence,
+        // `ClusterNode::guarded`): one operation leaves no room for a segment.
+        if !(2..=ETCD_TXN_OPS_DEFAULT).contains(&self.txn_ops_max) {
+            return bad(format!(
+                "{} operations per transaction is outside 2..={ETCD_TXN_OPS_DEFAULT} (a node's write carries its member key's put \
+                 besides at least one segment; etcd's --max-txn-ops must be at least this)",
+                self.txn_ops_max
+            ));
         }
         if !(1..=1024).contains(&self.holders_max) {
             return bad(format!("{} holders per segment is outside 1..=1024", self.holders_max));
@@ -190,6 +198,25 @@ mod tests {
         }
         config.txn_ops_max = 7;
         assert!(config.validate().is_ok());
+    }
+
+    #[test]
+    fn a_transaction_must_carry_a_segment_besides_the_member_key() {
+        // Goal: every guarded write of a node puts its member key besides its segments (the
+        // fence), so a transaction carries two operations at least: 1 was accepted, and a
+        // server whose `--max-txn-ops` it followed refused every registration. `validate`
+        // refuses fewer than two, and says why.
+        let mut config =
+            ClusterConfig::new(vec!["http://127.0.0.1:2379".into()], ClusterId::new("fleet").unwrap(), SegmentBlocks::new(32).unwrap());
+        config.txn_ops_max = 1;
+        match config.validate() {
+            Err(ClusterError::InvalidSetting(text)) => assert!(text.contains("outside 2..=128") && text.contains("member key"), "{text}"),
+            other => panic!("{other:?}"),
+        }
+        config.txn_ops_max = 2;
+        assert!(config.validate().is_ok());
+        config.txn_ops_max = 129;
+        assert!(config.validate().is_err());
     }
 
     #[test]

@@ -625,7 +625,8 @@ impl ClusterNode {
     }
 
     /// How many segments one guarded transaction registers or unregisters: `txn_ops_max` less
-    /// the member key's put each carries (at least one: etcd's default allows 128 operations).
+    /// the member key's put each carries (at least one: `ClusterConfig::validate` refuses a
+    /// `txn_ops_max` under 2).
     pub fn segments_per_transaction(&self) -> usize {
         self.client.config.txn_ops_max.saturating_sub(1).max(1)
     }

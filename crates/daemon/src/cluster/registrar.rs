@@ -1249,20 +1249,21 @@ mod tests {
     #[test]
     fn commits_handed_over_while_a_pass_waits_on_etcd_are_journalled() {
         // Goal: a pass of the registrar calls etcd transaction after transaction (here the
-        // deletes of stale segments before the first join, one per transaction; registrations
+        // deletes of stale segments before the first join, two per transaction; registrations
         // and unregistrations alike), each up to T. The queue was read only between passes, so
         // commits the connection threads handed over meanwhile filled it and the rest were
         // dropped: never journalled, so never registered for the life of the pool. Now the
         // queue is read (and journalled, local work only) before each call.
         let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
         let directory = tempfile::tempdir().unwrap();
-        // A queue of one commit; three transactions, one commit handed over during each.
+        // A queue of one commit; three transactions (of two deletes: `txn_ops_max` 2, the least
+        // a node's writes allow), one commit handed over during each.
         let (sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "queue-during-pass", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
-        registrar.stale = (0..3).map(|i| (space, Segment { index: 0, key: SegmentKey::new(1000 + i).unwrap() })).collect();
+        registrar.stale = (0..6).map(|i| (space, Segment { index: 0, key: SegmentKey::new(1000 + i).unwrap() })).collect();
         let store = store();
         let prompts: Vec<Vec<u64>> = (0..3u64).map(|i| (1..=16).map(|block| 100 * (i + 1) + block).collect()).collect();
         for keys in &prompts {
@@ -1359,7 +1360,7 @@ mod tests {
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "broken-during-pass", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = Arc::new(store());
         assert_eq!(lock(&store).control.counts().slots, 64, "the test fills a pool of 64 one-block slots");
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
@@ -1542,7 +1543,7 @@ mod tests {
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "status-during-pass", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = store();
         let stop = StopHandle::default();
         registrar.talk_to_etcd(&store, &stop).unwrap();
@@ -1615,7 +1616,7 @@ mod tests {
         let stale = vec![(space, Segment { index: 0, key: SegmentKey::new(999_999).unwrap() })];
         let mut registrar = registrar_recovered(directory.path(), "evicting-before-join", HeldSegments::default(), stale, 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
         let subscriber = Arc::new(AtEachEvent {
@@ -1649,10 +1650,12 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
-        let stale: Vec<_> = (1..=40u64).map(|n| (space, Segment { index: 0, key: SegmentKey::new(900_000 + n).unwrap() })).collect();
+        // 80 stale, two per delete (`txn_ops_max` 2, the least a node's writes allow): 40
+        // transactions, more than one pass sends.
+        let stale: Vec<_> = (1..=80u64).map(|n| (space, Segment { index: 0, key: SegmentKey::new(900_000 + n).unwrap() })).collect();
         let mut registrar = registrar_recovered(directory.path(), "stale-backlog", HeldSegments::default(), stale, 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = Arc::new(store());
         fill_the_pool(&mut registrar, &store, space);
         let subscriber = Arc::new(AtEachEvent {
@@ -1667,7 +1670,7 @@ mod tests {
         }
         let deletes = subscriber.ran.load(Ordering::Relaxed);
         assert!(registrar.node.is_some(), "not joined after three passes, {deletes} deletes before the join");
-        assert_eq!(deletes, 40, "the deletes before the join are the 40 stale at the first read, no more");
+        assert_eq!(deletes, 40, "the deletes before the join are those of the 80 stale at the first read, no more");
         registrar.leave();
     }
 
@@ -1802,7 +1805,7 @@ mod tests {
         let (sender, inbox) = std::sync::mpsc::sync_channel(4);
         let mut registrar = registrar_of(directory.path(), "evicting-during-pass", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = Arc::new(store());
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stop = StopHandle::default();
@@ -1834,7 +1837,7 @@ mod tests {
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "order-per-segment", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        registrar.config.txn_ops_max = 1;
+        registrar.config.txn_ops_max = 2;
         let store = store();
         let space = ModelSpace::new([1; 32], 0, 1).unwrap();
         let stop = StopHandle::default();
