@@ -421,15 +421,7 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.joins,
         cluster.lease_losses
     )?;
-    outln!(
-        "  registry: {} (lease last confirmed {} ms ago)",
-        match cluster.registry {
-            RegistryAnswer::Answered => "answering",
-            RegistryAnswer::Unavailable => "UNAVAILABLE (serving the local cache only)",
-            RegistryAnswer::NotClustered => "not clustered",
-        },
-        cluster.registry_silent_ms
-    )?;
+    outln!("{}", registry_line(cluster))?;
     outln!(
         "  segments of {} blocks: {} held, {} registered; {} registration(s) in {} transaction(s), {} unregistered",
         cluster.segment_blocks,
@@ -465,6 +457,22 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         outln!("  last registry error: {}", printable(&cluster.last_error))?;
     }
     Ok(())
+}
+
+/// `--status`'s registry line: how the registry answers and when etcd last confirmed the lease.
+/// Before the first join `registry_silent_ms` counts from the start: no lease was confirmed.
+fn registry_line(cluster: &ClusterStatusReply) -> String {
+    let answer = match cluster.registry {
+        RegistryAnswer::Answered => "answering",
+        RegistryAnswer::Unavailable => "UNAVAILABLE (serving the local cache only)",
+        RegistryAnswer::NotClustered => "not clustered",
+    };
+    let silent_ms = cluster.registry_silent_ms;
+    if cluster.joins == 0 {
+        format!("  registry: {answer} (no lease confirmed since the start {silent_ms} ms ago)")
+    } else {
+        format!("  registry: {answer} (lease last confirmed {silent_ms} ms ago)")
+    }
 }
 
 fn print_report(status: &StatusReply) -> Result<()> {
@@ -622,6 +630,26 @@ mod tests {
         assert!(line.contains("'x\\nsession 9 pid 1: all fine\\u{1b}[2K é'"), "{line:?}");
         assert!(line.ends_with("KEPT FOR GOOD: its queue pairs are not known deleted (never free its memory)"), "{line:?}");
         assert_eq!(printable("plain ü"), "plain ü");
+    }
+
+    #[test]
+    fn the_registry_line_says_no_lease_was_confirmed_before_the_first_join() {
+        // Goal: before the first join `registry_silent_ms` counts from the start, not from a
+        // lease etcd confirmed: "lease last confirmed N ms ago" claimed a confirmation that
+        // never happened. Until a join, the line says none was.
+        let mut cluster = ClusterStatusReply {
+            enabled: true,
+            registry: RegistryAnswer::Unavailable,
+            registry_silent_ms: 1500,
+            ..ClusterStatusReply::default()
+        };
+        let line = registry_line(&cluster);
+        assert!(line.contains("no lease confirmed since the start 1500 ms ago"), "{line}");
+        assert!(!line.contains("last confirmed"), "{line}");
+        cluster.joins = 1;
+        cluster.registry = RegistryAnswer::Answered;
+        cluster.registry_silent_ms = 20;
+        assert_eq!(registry_line(&cluster), "  registry: answering (lease last confirmed 20 ms ago)");
     }
 
     #[test]
