@@ -2628,6 +2628,31 @@ def test_kv_block_writes_vllm_makes_before_handle_preemptions_are_refused_at_the
         harness.make_connector(config, KVConnectorRole.WORKER)
 
 
+def test_a_vllm_without_partial_hash_hits_enabled_still_builds_the_worker(monkeypatch, caplog):
+    """Goal: the partial-prefix-cache-hits guard uses a vLLM 0.32 helper
+    (kv_cache_utils.partial_hash_hits_enabled); a vLLM without it, or with another signature,
+    must not make every worker fail to build (check_vllm_version only warns on another vLLM).
+    The guard is skipped with a warning and the harness's configuration goes on to tuttid."""
+    from vllm.v1.core import kv_cache_utils
+
+    from tutti.vllm import _worker
+
+    config = harness.vllm_config("/nonexistent/tuttid.sock", 1)
+    monkeypatch.delattr(kv_cache_utils, "partial_hash_hits_enabled")
+    monkeypatch.setattr(_worker, "_partial_hash_hits_unknown_logged", False)  # logged once per process
+    with caplog.at_level(logging.WARNING, logger="tutti.vllm"):
+        with pytest.raises(tutti.Disconnected):  # past the configuration: tuttid is asked
+            harness.make_connector(config, KVConnectorRole.WORKER)
+    assert "partial_hash_hits_enabled" in caplog.text, caplog.text
+
+    def other_signature(groups):
+        raise AssertionError("not reached with three arguments")
+
+    monkeypatch.setattr(kv_cache_utils, "partial_hash_hits_enabled", other_signature, raising=False)
+    with pytest.raises(tutti.Disconnected):
+        harness.make_connector(config, KVConnectorRole.WORKER)
+
+
 def test_each_way_out_the_full_cuda_graph_refusal_names_leaves_no_full_graphs():
     """Goal: every way out the full-CUDA-graph refusal names works. vLLM reaches full graphs
     for the connector only through pass_config.fuse_attn_quant without inductor graph partition

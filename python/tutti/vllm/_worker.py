@@ -1287,7 +1287,8 @@ def _refuse_kv_writes_before_preemptions(vllm_config: "VllmConfig", kv_cache_con
     (`_refuse_kv_cache_groups_freed_early`); this also covers groups of different precisions
     and whatever else vLLM zeroes or copies for. The worker has no coordinator: the
     partial hits are judged by vLLM's own predicate over the worker's KV cache groups (True
-    whenever the coordinator could enable them)."""
+    whenever the coordinator could enable them; skipped, with a warning, on a vLLM without that
+    predicate: `_partial_hash_hits_enabled`)."""
     if kv_cache_config is None:
         return
     writes: list[str] = []
@@ -1303,15 +1304,11 @@ def _refuse_kv_writes_before_preemptions(vllm_config: "VllmConfig", kv_cache_con
         or getattr(cache, "hash_block_size", None)
         or getattr(cache, "block_size", None)
     )
-    if groups and hash_block_size:
-        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
-
-        dcp = int(getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) or 1)
-        if partial_hash_hits_enabled(groups, int(hash_block_size), dcp):
-            writes.append(
-                "copies KV blocks for partial prefix-cache hits (copy-on-write: the KV cache coordinator's "
-                "enable_partial_hash_hits, Mamba \"align\" groups)"
-            )
+    if groups and hash_block_size and _partial_hash_hits_enabled(vllm_config, groups, int(hash_block_size)):
+        writes.append(
+            "copies KV blocks for partial prefix-cache hits (copy-on-write: the KV cache coordinator's "
+            "enable_partial_hash_hits, Mamba \"align\" groups)"
+        )
     if writes:
         raise ConfigError(
             f"TuttiConnector cannot serve this model: vLLM's model runner V2 {' and '.join(writes)} in update_requests, "
@@ -1319,6 +1316,32 @@ def _refuse_kv_writes_before_preemptions(vllm_config: "VllmConfig", kv_cache_con
             "written while that request's save still reads it or its load still writes it: serve it without the "
             "connector"
         )
+
+
+_partial_hash_hits_unknown_logged = False
+
+
+def _partial_hash_hits_enabled(vllm_config: "VllmConfig", groups: Any, hash_block_size: int) -> bool:
+    """vLLM 0.32's kv_cache_utils.partial_hash_hits_enabled over the worker's KV cache groups.
+    Another vLLM may lack it or call it otherwise (check_vllm_version only warns): then False,
+    with a warning logged once, rather than fail every worker. Nothing the connector accepts
+    is lost by that: partial hits need Mamba "align" groups, which
+    `_refuse_kv_cache_groups_freed_early` refuses already."""
+    global _partial_hash_hits_unknown_logged
+    dcp = int(getattr(getattr(vllm_config, "parallel_config", None), "decode_context_parallel_size", 1) or 1)
+    try:
+        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+
+        return bool(partial_hash_hits_enabled(groups, hash_block_size, dcp))
+    except (ImportError, TypeError) as error:
+        if not _partial_hash_hits_unknown_logged:
+            _partial_hash_hits_unknown_logged = True
+            logger.warning(
+                "tutti: this vLLM's kv_cache_utils.partial_hash_hits_enabled is missing or differs from vLLM 0.32's "
+                "(%r); the check for partial prefix-cache hits' block copies is skipped (they need Mamba groups, "
+                "which the connector refuses)", error,
+            )  # fmt: skip
+        return False
 
 
 def _tp_rank(vllm_config: "VllmConfig", tp_world: int) -> int:
