@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import tutti
 from conftest import FINGERPRINT, GEOMETRY, WAIT_S, attach, fill_block, holds, open_store, store_prompt, tokens
 
@@ -303,6 +304,15 @@ def test_kv_memory_a_closed_store_kept_for_good_is_refused_by_another_store(form
             try:
                 fresh.register_kv(layout)
                 raise AssertionError("memory a closed store kept for good was registered again")
+            except tutti.UnsupportedMemory as refused:
+                assert "kept for good" in str(refused), refused
+            assert not fresh.registered
+            # The same memory through numpy views (DLPack, as an engine's own tensors over the
+            # KvBuffers would be): the memory is refused, not only the KvBuffer objects.
+            views = tutti.KvLayout.block_major(np.from_dlpack(layout.tensors[0]))
+            try:
+                fresh.register_kv(views)
+                raise AssertionError("a view of memory a closed store kept for good was registered again")
             except tutti.UnsupportedMemory as refused:
                 assert "kept for good" in str(refused), refused
             assert not fresh.registered

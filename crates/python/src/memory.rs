@@ -2,7 +2,7 @@
 //! through DLPack), `KvLayout` (a layout kind and its tensors), and turning any tensor-like
 //! object into a [`TensorDescription`] plus what keeps its memory alive.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use nvme_driver::DmaRegion;
@@ -126,6 +126,63 @@ impl KeptForGood {
     pub fn is_set(&self) -> bool {
         self.0.load(Ordering::Acquire)
     }
+}
+
+/// The most ranges `record_kept_for_good` lists one by one; past it, a range is merged into
+/// `KEPT_MERGED`, which then covers it and every other range merged there (more memory
+/// refused, never less).
+const KEPT_RANGES_MAX: usize = 1024;
+
+/// The address ranges, (first byte, one past the last; 0 while unused), of the memory closed
+/// stores of this process kept for good (`StoreState::close`: a layer in flight the devices
+/// may still move), so that no other store registers it, through any object over it (a
+/// KvBuffer, a numpy or torch view of it, a RawMemory). Never emptied: that memory is never
+/// given back. It grows only by what closes keep for good, which is rare (a device that did
+/// not answer by the close's deadline), and is bounded: `KEPT_RANGES_MAX` slots, then one
+/// merged range. Atomics, not a lock: a close (any thread, the GIL released, a drop too)
+/// writes it, and a lock some thread held at a fork would stay held in the child.
+static KEPT_RANGES: [(AtomicU64, AtomicU64); KEPT_RANGES_MAX] = [const { (AtomicU64::new(0), AtomicU64::new(0)) }; KEPT_RANGES_MAX];
+/// Slots of `KEPT_RANGES` taken (may pass `KEPT_RANGES_MAX`: the rest went to `KEPT_MERGED`).
+static KEPT_RANGES_TAKEN: AtomicUsize = AtomicUsize::new(0);
+/// The range covering every range past `KEPT_RANGES_MAX`: (first byte, one past the last);
+/// empty (start past end) while none.
+static KEPT_MERGED: (AtomicU64, AtomicU64) = (AtomicU64::new(u64::MAX), AtomicU64::new(0));
+
+/// Records `len` bytes at `address` as kept for good: `kept_for_good_overlap` reports them from
+/// now on, in this process.
+pub fn record_kept_for_good(address: u64, len: u64) {
+    if len == 0 {
+        return;
+    }
+    let end = address.saturating_add(len);
+    let slot = KEPT_RANGES_TAKEN.fetch_add(1, Ordering::AcqRel);
+    match KEPT_RANGES.get(slot) {
+        Some((first, last)) => {
+            first.store(address, Ordering::Relaxed);
+            // Published by its end (Release): a reader that sees it sees its start.
+            last.store(end, Ordering::Release);
+        }
+        None => {
+            KEPT_MERGED.0.fetch_min(address, Ordering::AcqRel);
+            KEPT_MERGED.1.fetch_max(end, Ordering::AcqRel);
+        }
+    }
+}
+
+/// Whether any of `len` bytes at `address` are memory a closed store kept for good
+/// (`record_kept_for_good`).
+pub fn kept_for_good_overlap(address: u64, len: u64) -> bool {
+    if len == 0 {
+        return false; // maps nothing
+    }
+    let end = address.saturating_add(len);
+    let overlaps = |first: u64, last: u64| first < end && address < last;
+    let taken = KEPT_RANGES_TAKEN.load(Ordering::Acquire).min(KEPT_RANGES_MAX);
+    let listed = KEPT_RANGES[..taken].iter().any(|(first, last)| {
+        let last = last.load(Ordering::Acquire);
+        last != 0 && overlaps(first.load(Ordering::Relaxed), last)
+    });
+    listed || overlaps(KEPT_MERGED.0.load(Ordering::Acquire), KEPT_MERGED.1.load(Ordering::Acquire))
 }
 
 /// A piece of KV memory tutti allocated (module stub: `KvBuffer`).
@@ -653,5 +710,19 @@ mod tests {
         assert_eq!(reach_bytes(&[1, 8], Some(&[-4096, 2]), 2), Reach::Within(16));
         assert_eq!(reach_bytes(&[2, 8], Some(&[-4096, 2]), 2), Reach::BeforeAddress);
         assert_eq!(reach_bytes(&[u64::MAX, u64::MAX, u64::MAX], None, 8), Reach::Within(u128::MAX));
+    }
+
+    #[test]
+    fn memory_kept_for_good_is_found_by_any_overlapping_range() {
+        // Goal: a range recorded as kept for good is reported for any range sharing a byte
+        // with it, and not for those beside it or empty ones. Addresses past the user half of
+        // the address space, which no real memory of another test has.
+        let base = 0xfff0_0000_0000_0000u64;
+        record_kept_for_good(base, 4096);
+        assert!(kept_for_good_overlap(base, 4096) && kept_for_good_overlap(base + 4095, 1), "inside");
+        assert!(kept_for_good_overlap(base - 8, 9) && kept_for_good_overlap(base - 8, 8192), "across an edge, around");
+        assert!(!kept_for_good_overlap(base - 8, 8) && !kept_for_good_overlap(base + 4096, 4096), "beside");
+        assert!(!kept_for_good_overlap(base, 0), "empty");
+        assert!(kept_for_good_overlap(u64::MAX - 1, u64::MAX) == kept_for_good_overlap(u64::MAX - 1, 1), "no overflow");
     }
 }

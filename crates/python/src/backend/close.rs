@@ -132,6 +132,15 @@ impl StoreState {
             }
             None => {
                 leaked = memory.len();
+                // Before the memory is leaked: no other store of this process registers it
+                // then (through any object over it).
+                if !memory.is_empty() {
+                    if let Some(registered) = &self.registered {
+                        for tensor in &registered.tensors {
+                            crate::memory::record_kept_for_good(tensor.address, tensor.extent_bytes);
+                        }
+                    }
+                }
                 drop(memory); // leaks each (CallerMemory's drop)
             }
         }
@@ -143,8 +152,12 @@ impl StoreState {
                     "tutti: the KV memory is kept for good: a layer was still in flight and the devices may still reach it"
                 );
                 leaked += allocation.regions.len();
-                // Before the regions: no other store registers the KvBuffers over them then.
+                // Before the regions: no other store registers the KvBuffers over them, nor
+                // any view of that memory, then.
                 allocation.kept_for_good.set();
+                for region in &allocation.regions {
+                    crate::memory::record_kept_for_good(region.host_address() as u64, region.len() as u64);
+                }
                 allocation.regions.into_iter().for_each(|region| {
                     region.leak();
                 });

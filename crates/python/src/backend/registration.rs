@@ -101,6 +101,22 @@ impl StoreState {
                 Err(Failure::new(ErrorClass::InvalidState, "KV memory is registered already (once per store), and it is other memory"))
             };
         }
+        // Memory another store's close kept for good, whatever object it came through (a
+        // KvBuffer, a numpy or torch view): the old queue may still write it, and this store
+        // would commit and serve those bytes.
+        if checked.device == Device::Cpu {
+            if let Some(index) =
+                checked.tensors.iter().position(|tensor| crate::memory::kept_for_good_overlap(tensor.address, tensor.extent_bytes))
+            {
+                return Err(Failure::new(
+                    ErrorClass::UnsupportedMemory,
+                    format!(
+                        "tensor {index} of the layout is memory a closed store kept for good (a layer was still in flight at \
+                         its close): a device may still write it; allocate the KV cache again with this store's allocate_kv"
+                    ),
+                ));
+            }
+        }
         match &self.backend {
             Backend::LocalOpen { .. } if checked.device != Device::Cpu => Err(Failure::new(
                 ErrorClass::UnsupportedMemory,
