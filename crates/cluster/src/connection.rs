@@ -93,8 +93,8 @@ pub(crate) struct Connection {
 /// was lost on the way back, or after an attempt that timed out, repeats a request etcd may
 /// have applied or may still apply later (a member stalled on its disk holding the first). Reads
 /// change nothing; a node's writes are fenced on its member key's mod revision
-/// (`ClusterNode::guarded`), so an attempt applied after a later write is refused instead of
-/// undoing it. Two lease requests are not idempotent: a grant retried grants a second lease, and the first
+/// (`ClusterNode::guarded`), so an attempt applied after a later write of the node is refused
+/// instead of undoing it (one that arrives before any later write is still applied). Two lease requests are not idempotent: a grant retried grants a second lease, and the first
 /// is orphaned (it holds no key and expires after one TTL); a revoke retried gets NotFound, which
 /// `ClusterNode` takes as done. The member transaction of a join recognises its own put (the key
 /// under its own lease) on a retry.

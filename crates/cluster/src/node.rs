@@ -560,7 +560,9 @@ impl ClusterNode {
     /// again by the owner, while the first may sit in a member stalled on its disk and be
     /// applied seconds later — a registration after the delete that followed it listed an
     /// evicted segment again (until the lease ended), a delete after the put that followed it
-    /// unlisted a held one.
+    /// unlisted a held one. Refused only once a later write of the node has moved the key: an
+    /// attempt of a failed call that arrives before the node's next write still holds the fence
+    /// and is applied (what that call asked, which its owner sends again anyway).
     ///
     /// A refusal with the key still under the lease at another revision means another attempt
     /// of this node's writes was applied since the fence was taken (no one else writes a key
