@@ -74,8 +74,14 @@ pub struct ServerConfig {
     /// peer within it.
     pub frame_timeout: Duration,
     /// Connections served at once; one more is answered `Busy` and closed. At most
-    /// [`ServerConfig::CLIENTS_MAX`].
+    /// [`ServerConfig::CLIENTS_MAX`], and lowered at start to what the descriptor limit allows
+    /// unless `clients_max_explicit` ([`ServerConfig::check_descriptor_limit`]).
     pub clients_max: usize,
+    /// Whether `clients_max` was chosen (tuttid's `--clients-max` given): a worst case past the
+    /// descriptor limit is then refused rather than served with fewer clients. False by default:
+    /// the default of 64 must still start under a hard limit of 1024 (`ulimit -n 1024`,
+    /// systemd's or docker's 1024), where its worst case does not fit.
+    pub clients_max_explicit: bool,
     /// User ids allowed to connect (the socket is 0600 as well; this is checked with
     /// SO_PEERCRED for a socket whose mode an operator widened).
     pub allowed_uids: Vec<u32>,
@@ -102,6 +108,8 @@ impl ServerConfig {
     pub const LEASE_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(100)..=Duration::from_secs(86_400);
     pub const FRAME_TIMEOUT_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(10)..=Duration::from_secs(3_600);
     pub const TICK_RANGE: std::ops::RangeInclusive<Duration> = Duration::from_millis(1)..=Duration::from_secs(1);
+    /// `clients_max` when not chosen ([`ServerConfig::new`]).
+    pub const CLIENTS_MAX_DEFAULT: usize = 64;
     /// The most connections `clients_max` may allow: the sessions one status reply can list
     /// (each session is one connection), so that a status reply can list every session when
     /// the daemon is at its busiest (the query itself is let in then on the one status-only
@@ -181,24 +189,37 @@ impl ServerConfig {
     /// the binary's signal thread and logs, with room to spare.
     pub const DESCRIPTORS_OWN: u64 = 64;
 
-    /// Descriptors a server with this configuration may hold at worst on a pool of `devices`,
-    /// beyond those open when it starts. Per connection (`clients_max`, and the status-only one
+    /// Descriptors a server with this configuration may hold on a pool of `devices`, beyond
+    /// those open when it starts, at worst but for the cases below. Per connection (`clients_max`, and the status-only one
     /// counted as another): its socket, a memfd or dma-buf per registration
     /// (`registrations_max`), per device a relay page and its copy in the attach reply, the
     /// descriptors one `recvmsg` installs at most ([`crate::fd_passing::FDS_RECEIVED_MAX`]),
     /// and one more while a registration is checked or the peer's `/proc` entry read. Then the
     /// daemon's own ([`ServerConfig::DESCRIPTORS_OWN`]), four per device (its file or VFIO
     /// group and device, its lock) and, on a cluster node, a connection per data-plane request
-    /// and 32 for the registry's client, the manifest and the data plane's listener. Sessions
-    /// kept for good hold their windows past their connection: not counted (each one is logged
-    /// at error level).
+    /// and 32 for the registry's client, the manifest and the data plane's listener.
+    ///
+    /// Not counted, left to the margin in [`ServerConfig::DESCRIPTORS_OWN`]:
+    /// - sessions kept for good hold their windows past their connection (each one is logged at
+    ///   error level);
+    /// - retiring sessions (their queue pairs' deletion not yet confirmed) hold their windows'
+    ///   memfds past their connection too, while a new connection takes the slot: during a run
+    ///   of slow deletions up to `clients_max` × `registrations_max` more (bounded by the queue
+    ///   ids, which their pairs keep until the deletion is confirmed);
+    /// - a frame whose header comes in two `recvmsg` calls may install up to 8 descriptors with
+    ///   the first and 9 with the second before it is refused, 17 rather than 9.
     pub fn descriptors_needed(&self, devices: usize) -> u64 {
+        self.descriptors_needed_for(self.clients_max, devices)
+    }
+
+    /// [`ServerConfig::descriptors_needed`] with `clients_max` clients.
+    fn descriptors_needed_for(&self, clients_max: usize, devices: usize) -> u64 {
         let devices = devices as u64;
         let registrations = self.session_limits.registrations_max as u64;
         let per_connection =
             (1 + crate::fd_passing::FDS_RECEIVED_MAX as u64 + 1).saturating_add(registrations).saturating_add(devices.saturating_mul(2));
-        let connections = (self.clients_max as u64).saturating_add(1);
-        let cluster = if self.cluster.is_some() { crate::cluster::data_plane_requests_max(self.clients_max) as u64 + 32 } else { 0 };
+        let connections = (clients_max as u64).saturating_add(1);
+        let cluster = if self.cluster.is_some() { crate::cluster::data_plane_requests_max(clients_max) as u64 + 32 } else { 0 };
         connections
             .saturating_mul(per_connection)
             .saturating_add(Self::DESCRIPTORS_OWN)
@@ -207,13 +228,21 @@ impl ServerConfig {
     }
 
     /// Raises this process's soft descriptor limit to its hard one (the soft one is often 1024,
-    /// kept low for programs using `select`, which this one does not), then refuses the
-    /// configuration if its worst case ([`ServerConfig::descriptors_needed`] on the pool's
-    /// devices, `pool_devices`, one when not given) and the descriptors open now pass the
-    /// limit: accepts would fail with EMFILE (the connections left waiting in the backlog,
-    /// never answered `Busy`) and registrations and attaches at random. The process's limit,
-    /// not the configuration: [`Server::prepare`] checks it, not [`ServerConfig::validate`].
-    pub fn check_descriptor_limit(&self) -> Result<(), DaemonError> {
+    /// kept low for programs using `select`, which this one does not), then checks the
+    /// configuration's worst case ([`ServerConfig::descriptors_needed`] on the pool's devices,
+    /// `pool_devices`, one when not given) and the descriptors open now against the limit:
+    /// past it, accepts would fail with EMFILE (the connections left waiting in the backlog,
+    /// never answered `Busy`) and registrations and attaches at random. Returns the clients to
+    /// serve: `clients_max` when it fits; else, unless `clients_max_explicit`, the most that
+    /// fit, with a warning (connections past them are answered `Busy`). Refused when even one
+    /// client does not fit, or `clients_max` was chosen and does not. The process's limit, not
+    /// the configuration: [`Server::prepare`] checks it, not [`ServerConfig::validate`].
+    pub fn check_descriptor_limit(&self) -> Result<usize, DaemonError> {
+        self.check_descriptor_limit_on(self.pool_devices.len().max(1))
+    }
+
+    /// [`ServerConfig::check_descriptor_limit`] on a pool of `devices`.
+    fn check_descriptor_limit_on(&self, devices: usize) -> Result<usize, DaemonError> {
         use nix::sys::resource::{getrlimit, setrlimit, Resource, RLIM_INFINITY};
         let io = |context: &str| {
             let context = context.to_string();
@@ -231,22 +260,53 @@ impl ServerConfig {
             }
         }
         if soft == RLIM_INFINITY {
-            return Ok(());
+            return Ok(self.clients_max);
         }
         // Counted, not assumed: a library caller's own descriptors count too. /proc unreadable:
         // none counted (the margin in `DESCRIPTORS_OWN` remains).
         let open = std::fs::read_dir("/proc/self/fd").map_or(0, |entries| entries.count() as u64);
-        let devices = self.pool_devices.len().max(1);
+        let fits = |clients: usize| open.saturating_add(self.descriptors_needed_for(clients, devices)) <= soft;
         let needed = self.descriptors_needed(devices);
-        if open.saturating_add(needed) > soft {
-            return Err(DaemonError::Config(format!(
-                "clients_max {} may need {needed} descriptors at worst on {devices} pool device(s) ({} registrations per \
-                 session), and {open} are open already: over this process's limit of {soft} (hard limit {hard}); lower \
-                 clients_max or raise the hard limit (ulimit -Hn, systemd's LimitNOFILE=)",
-                self.clients_max, self.session_limits.registrations_max
-            )));
+        if fits(self.clients_max) {
+            return Ok(self.clients_max);
         }
-        Ok(())
+        // The count grows with the clients: the most that fit, by bisection (0 when none).
+        let (mut low, mut high) = (0, self.clients_max);
+        while low < high {
+            let middle = low + (high - low).div_ceil(2);
+            if fits(middle) {
+                low = middle;
+            } else {
+                high = middle - 1;
+            }
+        }
+        let refusal = |what: &str| {
+            DaemonError::Config(format!(
+                "clients_max {} may need {needed} descriptors at worst on {devices} pool device(s) ({} registrations per \
+                 session), and {open} are open already: over this process's limit of {soft} (hard limit {hard}){what}; \
+                 lower clients_max or raise the hard limit (ulimit -Hn, systemd's LimitNOFILE=)",
+                self.clients_max, self.session_limits.registrations_max
+            ))
+        };
+        if low == 0 {
+            return Err(refusal(", and not even one client fits"));
+        }
+        if self.clients_max_explicit {
+            return Err(refusal(&format!(" ({low} clients would fit)")));
+        }
+        tracing::warn!(
+            clients_max = self.clients_max,
+            serving = low,
+            needed,
+            open,
+            limit = soft,
+            hard,
+            "clients_max {} may need {needed} descriptors at worst on {devices} pool device(s), and {open} are open: over \
+             this process's limit of {soft}; serving {low} clients at once instead (more are answered Busy); raise the \
+             hard limit (ulimit -Hn, systemd's LimitNOFILE=) or lower clients_max",
+            self.clients_max
+        );
+        Ok(low)
     }
 
     /// Refuses a cluster manifest (or its `.new` or `.lock`) at a pool device's file: the
@@ -280,7 +340,8 @@ impl ServerConfig {
             socket,
             lease: Duration::from_secs(10),
             frame_timeout: Duration::from_secs(2),
-            clients_max: 64,
+            clients_max: Self::CLIENTS_MAX_DEFAULT,
+            clients_max_explicit: false,
             allowed_uids: vec![nix::unistd::geteuid().as_raw()],
             tick: Duration::from_millis(50),
             metrics: None,
@@ -448,8 +509,10 @@ impl Server {
     /// [`Server::bind_prepared`]. A socket file left by a dead daemon is replaced; one a live
     /// daemon answers on is [`DaemonError::SocketInUse`]; any other file there is left alone and
     /// refused.
+    /// The descriptor limit is checked on `opened`'s devices when `pool_devices` is empty.
     pub fn bind(config: ServerConfig, opened: OpenedPool) -> Result<Server, DaemonError> {
-        let prepared = Server::prepare(&config)?;
+        let devices = if config.pool_devices.is_empty() { opened.devices.len() } else { config.pool_devices.len() };
+        let prepared = Server::prepare_on(&config, devices.max(1))?;
         Server::bind_prepared(config, prepared, opened)
     }
 
@@ -464,21 +527,29 @@ impl Server {
     /// endpoint's address (bound here and kept), the device memory import and a cluster node's
     /// part that needs no pool (`ClusterAgent::prepare`: its manifest locked and read, its
     /// data address bound and kept). A refusal here leaves the devices untouched.
+    /// The clients served may be fewer than `clients_max` (see there).
     pub fn prepare(config: &ServerConfig) -> Result<Prepared, DaemonError> {
+        Server::prepare_on(config, config.pool_devices.len().max(1))
+    }
+
+    /// [`Server::prepare`], the descriptor limit checked on a pool of `devices`.
+    fn prepare_on(config: &ServerConfig, devices: usize) -> Result<Prepared, DaemonError> {
         config.validate()?;
-        config.check_descriptor_limit()?;
+        let clients_max = config.check_descriptor_limit_on(devices)?;
         probe_socket(&config.socket, StaleSocket::Keep)?;
         let metrics_endpoint = config.metrics.map(MetricsEndpoint::bind).transpose()?;
         let device_memory = DeviceMemoryService::new(config.device_memory).map_err(DaemonError::DeviceMemory)?;
         let cluster = config.cluster.as_ref().map(ClusterAgent::prepare).transpose()?;
-        Ok(Prepared { metrics_endpoint, device_memory, cluster })
+        Ok(Prepared { metrics_endpoint, device_memory, cluster, clients_max })
     }
 
     /// Binds the socket for `opened` with what [`Server::prepare`] made of the same `config`.
     /// The socket path is probed again (a daemon may have started on it since); a refusal after
     /// the socket is bound (the store's control half, the cluster part's staging area or
     /// manifest rewrite) removes it again.
-    pub fn bind_prepared(config: ServerConfig, prepared: Prepared, opened: OpenedPool) -> Result<Server, DaemonError> {
+    pub fn bind_prepared(mut config: ServerConfig, prepared: Prepared, opened: OpenedPool) -> Result<Server, DaemonError> {
+        // The clients the descriptor limit allows (`check_descriptor_limit`), fewer only by it.
+        config.clients_max = config.clients_max.min(prepared.clients_max);
         config.validate()?;
         let socket = &config.socket;
         let io = |context: String| move |source| DaemonError::Io { context, source };
@@ -502,7 +573,7 @@ impl Server {
         std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
             .map_err(io(format!("making {} owner-only", socket.display())))?;
         listener.set_nonblocking(true).map_err(io("making the listener non-blocking".into()))?;
-        let Prepared { metrics_endpoint, device_memory, cluster: cluster_prepared } = prepared;
+        let Prepared { metrics_endpoint, device_memory, cluster: cluster_prepared, clients_max: _ } = prepared;
         let geometry = *opened.pool.geometry();
         let pool_shape = opened.pool.shape().map_err(|source| DaemonError::Pool { context: "the pool's shape".into(), source })?;
         let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();
@@ -815,6 +886,8 @@ pub struct Prepared {
     metrics_endpoint: Option<MetricsEndpoint>,
     device_memory: DeviceMemoryService,
     cluster: Option<ClusterPrepared>,
+    /// The clients the descriptor limit allows ([`ServerConfig::check_descriptor_limit`]).
+    clients_max: usize,
 }
 
 /// What [`probe_socket`] does with a socket file nobody listens on.

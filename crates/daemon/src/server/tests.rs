@@ -479,14 +479,80 @@ fn a_clients_max_past_the_descriptor_limit_is_refused_before_the_pool_is_opened(
         panic!("10 clients, the hard limit {} descriptors over what is open: {error}", 400);
     }
     assert_eq!(getrlimit(Resource::RLIMIT_NOFILE).unwrap(), (base + 400, base + 400), "the soft limit was not raised to the hard one");
+    // Chosen (tuttid's --clients-max): refused, not lowered.
     config.clients_max = 100;
+    config.clients_max_explicit = true;
     match Server::prepare(&config) {
         Err(DaemonError::Config(message)) => assert!(message.contains("descriptors") && message.contains("100"), "{message}"),
         Err(error) => panic!("100 clients on {} descriptors: {error}", base + 400),
         Ok(_) => panic!("100 clients on a limit of {} descriptors (base {base}) accepted", base + 400),
     }
+    // Not even one client fits: refused though not chosen.
+    config.clients_max_explicit = false;
     setrlimit(Resource::RLIMIT_NOFILE, base + 40, base + 40).unwrap();
-    assert!(matches!(Server::prepare(&config), Err(DaemonError::Config(_))), "100 clients on {} descriptors accepted", base + 40);
+    match Server::prepare(&config) {
+        Err(DaemonError::Config(message)) => assert!(message.contains("not even one client"), "{message}"),
+        Err(error) => panic!("100 clients on {} descriptors: {error}", base + 40),
+        Ok(prepared) => panic!("{} clients on {} descriptors accepted", prepared.clients_max, base + 40),
+    }
+}
+
+#[test]
+fn a_default_clients_max_past_a_1024_descriptor_limit_is_lowered_to_what_fits() {
+    // Goal: the default of 64 clients needs 1173 descriptors at worst, more than a hard limit
+    // of 1024 (`ulimit -n 1024`, systemd's LimitNOFILE=1024, docker), where the daemon used to
+    // start and serve a few engines. Not chosen, it is lowered to what fits (more connections
+    // are answered Busy); chosen, it is refused. In a child process: the limits are the
+    // process's.
+    if !in_a_child("server::tests::a_default_clients_max_past_a_1024_descriptor_limit_is_lowered_to_what_fits") {
+        return;
+    }
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let limit = getrlimit(Resource::RLIMIT_NOFILE).unwrap().1.min(1024);
+    setrlimit(Resource::RLIMIT_NOFILE, limit, limit).unwrap();
+    let directory = tempfile::tempdir().unwrap();
+    let mut config = ServerConfig::new(directory.path().join("tuttid.sock"));
+    assert!(config.descriptors_needed(1) > limit, "the defaults fit in {limit} descriptors: nothing to lower");
+    let prepared = match Server::prepare(&config) {
+        Ok(prepared) => prepared,
+        Err(error) => panic!("the defaults refused on a limit of {limit} descriptors: {error}"),
+    };
+    let open = open_descriptors();
+    let serving = prepared.clients_max;
+    assert!((1..config.clients_max).contains(&serving), "serving {serving} clients of {}", config.clients_max);
+    // The most that fit (the count read here opens one more than the server's did: a margin of 2).
+    assert!(open + config.descriptors_needed_for(serving, 1) <= limit + 1, "{serving} clients do not fit in {limit} ({open} open)");
+    assert!(open + config.descriptors_needed_for(serving + 1, 1) > limit + 1, "{} clients fit in {limit} too", serving + 1);
+    drop(prepared);
+    config.clients_max_explicit = true;
+    match Server::prepare(&config) {
+        Err(DaemonError::Config(message)) => assert!(message.contains("descriptors") && message.contains("64"), "{message}"),
+        Err(error) => panic!("64 clients chosen on {limit} descriptors: {error}"),
+        Ok(prepared) => panic!("64 clients chosen on {limit} descriptors accepted ({} served)", prepared.clients_max),
+    }
+}
+
+#[test]
+fn bind_lowers_clients_max_to_what_fits_on_the_pools_devices() {
+    // Goal: `Server::bind` (the library's start, `pool_devices` not given) counts the opened
+    // pool's devices (a relay page and a reply copy each per connection), not one, and serves
+    // only the clients that fit: the rest are answered Busy. In a child process: the limits
+    // are the process's.
+    if !in_a_child("server::tests::bind_lowers_clients_max_to_what_fits_on_the_pools_devices") {
+        return;
+    }
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let directory = tempfile::tempdir().unwrap();
+    let opened = pool_of(directory.path(), false, 4, 2, None);
+    let config = ServerConfig::new(directory.path().join("tuttid.sock"));
+    // Room for 10 clients on 2 devices (and a little, less than one more client's): on 1
+    // device, 11 would fit.
+    let limit = open_descriptors() + config.descriptors_needed_for(10, 2) + 5;
+    assert!(config.descriptors_needed_for(11, 1) + 5 <= config.descriptors_needed_for(10, 2) + 5, "the test cannot tell 1 device from 2");
+    assert!(limit <= getrlimit(Resource::RLIMIT_NOFILE).unwrap().1, "the hard limit is under {limit}");
+    setrlimit(Resource::RLIMIT_NOFILE, limit, limit).unwrap();
+    let server = Server::bind(config, opened).expect("bind");
+    assert_eq!(server.shared.config.clients_max, 10, "clients served on 2 devices under a limit of {limit}");
 }
 
 /// Cluster settings whose manifest is at `manifest` (etcd on port 9, never reached).
