@@ -506,6 +506,14 @@ impl Connection {
                 )
             }
             (Request::AttachQueues(attach), Some(_)) => {
+                // Read past the stop check before each request, about to wait for the attach
+                // lock: for the test that a stop meanwhile is still answered ShuttingDown.
+                #[cfg(test)]
+                if let Some(session) = self.session {
+                    if lock(&shared.sessions).get(&session).is_some_and(|record| record.name == super::tests::ATTACH_COUNTED) {
+                        super::tests::ATTACHES_READ.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
                 let (reply, reply_fds) = self.holdings.attach(
                     attach,
                     &shared.store,

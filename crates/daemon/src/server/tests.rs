@@ -25,6 +25,11 @@ pub(super) const PANICS_AWAITING_EXIT: &str = "panics-awaiting-exit";
 pub(super) const PANICS_DECIDING_TO_WAIT: &str = "panics-deciding-to-wait";
 /// A client name whose session's retried deletion panics (`retry_retiring`).
 pub(super) const PANICS_RETRYING: &str = "panics-retrying";
+/// A client name whose `AttachQueues`, read and about to wait for the attach lock, is counted
+/// in [`ATTACHES_READ`].
+pub(super) const ATTACH_COUNTED: &str = "attach-counted";
+/// `AttachQueues` read from sessions named [`ATTACH_COUNTED`], past the connection's stop check.
+pub(super) static ATTACHES_READ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// The longest any wait here takes before the test fails.
 const WAIT: Duration = Duration::from_secs(10);
@@ -1170,9 +1175,10 @@ fn an_attach_read_before_a_stop_but_served_after_it_is_answered_shutting_down() 
     // ring them; a queue created after that could take such an id and be rung by the departed
     // client. So no attach may create queues once the daemon is stopping: "second" asks while
     // "first"'s attach holds the attach lock (its Create I/O CQ completes late), the stop comes
-    // meanwhile, and "second"'s attach, served after, is answered ShuttingDown, not Attached.
+    // once the connection has read "second"'s AttachQueues (past its own stop check, so waiting
+    // for the lock), and that attach, served after, is answered ShuttingDown, not Attached.
     let (mut daemon, emulator) = InProcess::start_with_admin_timeout(Duration::from_secs(10));
-    let late = nvme_emu::FaultAction::Delay(Duration::from_millis(1500));
+    let late = nvme_emu::FaultAction::Delay(Duration::from_millis(3000));
     let rule = nvme_emu::FaultRule::on_nth_admin(1, nvme_driver::spec::AdminOpcode::CreateIoCompletionQueue, late);
     emulator.set_faults(nvme_emu::FaultPlan::none().with_rule(rule));
     let socket = daemon.socket.clone();
@@ -1189,13 +1195,13 @@ fn an_attach_read_before_a_stop_but_served_after_it_is_answered_shutting_down() 
         assert!(Instant::now() < deadline, "the first attach's Create I/O CQ was never sent");
         thread::sleep(Duration::from_millis(5));
     }
-    let second = attach_as("second");
-    daemon.status_once("the second session never registered its window", |status| {
-        status.clients.iter().any(|client| client.name == "second" && client.registrations == 1)
-    });
-    // Its AttachQueues follows the registration's answer at once; the first attach holds the
-    // lock for over a second more.
-    thread::sleep(Duration::from_millis(300));
+    let second = attach_as(ATTACH_COUNTED);
+    while ATTACHES_READ.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "the second attach was never read");
+        thread::sleep(Duration::from_millis(1));
+    }
+    // Else the second attach may have been served already, and this test shows nothing.
+    assert!(!first.is_finished(), "the first attach ended before the second was read: its Create I/O CQ was not late enough");
     daemon.stop.stop();
     let first = first.join().unwrap();
     let second = second.join().unwrap();
