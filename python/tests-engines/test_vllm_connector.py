@@ -1576,6 +1576,73 @@ def test_a_preempted_save_the_committer_is_committing_is_waited_for(tuttid):
         worker.shutdown()
 
 
+class StoreWithSlowFirstThenRaisingCommits(StoreWithSlowFirstCommit):
+    """As StoreWithSlowFirstCommit, and the second prepared save's commit raises `error`."""
+
+    def __init__(self, store, sleep_s: float, error: BaseException) -> None:
+        super().__init__(store, sleep_s)
+        self._error = error
+
+    def prepare_store(self, tokens, block_ids):
+        request = super().prepare_store(tokens, block_ids)
+        if len(self.requests) == 2:
+            return CommitRaising(request, self._error)
+        return request
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
+def test_a_taken_over_commit_that_raises_leaves_no_other_preempted_request_unsettled(tuttid, error):
+    """Goal: whatever escapes the commit of a save handle_preemptions took over (a panic of the
+    binding is a BaseException) makes that save a miss, as in the committer, and the other
+    requests preempted with it are still settled before vLLM reuses their blocks: here a load L
+    in flight, preempted after R. KeyboardInterrupt and SystemExit are raised again, but only
+    once every preempted request is handled. Before, the exception left handle_preemptions at
+    R, and L's load (layers in flight, writing vLLM's blocks) was never settled."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 2.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        tokens = prompt(80, blocks=2, tail=0)
+        worker.fill([1, 2], 80)
+        worker.save("S", tokens, [1, 2])
+        store = StoreWithSlowFirstThenRaisingCommits(connector._store, 1.5 * timeout_s, error)
+        connector._store = store
+        saves = []
+        for index, name in enumerate(["A", "R"]):
+            blocks = [20 + 2 * index, 21 + 2 * index]
+            worker.fill(blocks, 81 + index)
+            saves.append(SaveSpec(name, prompt(81 + index, blocks=2, tail=0), blocks))
+        worker.step(TuttiConnectorMetadata(saves=saves))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
+        r_request = store.requests[tuple(saves[1].block_ids)]
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not r_request.poll():  # R's reads all done; it waits behind A's commit
+            assert time.monotonic() < deadline, "R's layers never completed"
+            time.sleep(0.001)
+        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])])
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)  # L's first layers issued
+        assert "L" in connector._loads
+        preempted = TuttiConnectorMetadata(preempted_req_ids=["R", "L"])  # R first (a list: ordered)
+        if isinstance(error, SystemExit):
+            with pytest.raises(SystemExit):
+                connector.handle_preemptions(preempted)
+        else:
+            connector.handle_preemptions(preempted)
+        assert "L" not in connector._loads, "L's load was not settled"
+        assert "R" not in connector._save_token and "L" not in connector._save_token
+        assert connector._dead is None
+        for name in harness.layer_names():
+            connector.wait_for_layer_load(name)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+        wait_reported(worker, "A", connector.get_finished({"A"})[0] or set())
+        assert connector._store.lookup(saves[1].tokens) == 0, "R's failed commit counted as committed"
+    finally:
+        worker.shutdown()
+
+
 class LayerOneInFlight:
     """A save's request whose layer 1 stays in flight (what handle_preemptions polls)."""
 

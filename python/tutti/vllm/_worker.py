@@ -307,6 +307,7 @@ class WorkerSide:
         settled (a request preempted while loading and saving has both: up to two)."""
         assert isinstance(kv_connector_metadata, TuttiConnectorMetadata)
         deadline = time.monotonic() + self._timeout_s
+        stop: Optional[BaseException] = None  # KeyboardInterrupt, SystemExit: raised once all are handled
         for req_id in kv_connector_metadata.preempted_req_ids:
             self._load_completed.pop(req_id, None)  # resumed: allocated, loaded and saved anew
             load = self._loads.pop(req_id, None)
@@ -315,12 +316,16 @@ class WorkerSide:
             save = self._saves.pop(req_id, None)
             if save is not None:
                 self._settle_save(save.request, deadline=deadline)  # its device only reads vLLM's blocks; never committed
-            self._release_committing_save(req_id, deadline)
+            stopped = self._release_committing_save(req_id, deadline)
+            if stop is None:
+                stop = stopped
             with self._lock:
                 # Forgotten: the resumed request saves anew, and a late result of this save is
                 # ignored (its token is no longer the request's).
                 self._save_done.pop(req_id, None)
                 self._save_token.pop(req_id, None)
+        if stop is not None:
+            raise stop
 
     def _bind_worker_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """The worker's part of bind_connector_metadata: prepares the step's saves when it has no
@@ -1107,7 +1112,7 @@ class WorkerSide:
         if store is not None:
             store.close()
 
-    def _release_committing_save(self, req_id: str, deadline: float) -> None:
+    def _release_committing_save(self, req_id: str, deadline: float) -> Optional[BaseException]:
         """For handle_preemptions: ends the request's save with the committer (if any) before vLLM
         reuses its blocks, waiting until `deadline` (time.monotonic()) for its layers in flight
         (the reads of vLLM's blocks), not for the committer's backlog of other saves' flushes
@@ -1119,7 +1124,9 @@ class WorkerSide:
         cancels the save (never committed: its bytes may be read after vLLM reused the blocks).
         The layers are polled from this thread while the committer may wait for them (the
         binding's Request takes the store's lock for each call: a poll retires what ended, and
-        the committer's wait still returns it)."""
+        the committer's wait still returns it). Returns the KeyboardInterrupt or SystemExit a
+        taken-over commit raised (`_commit_taken_over`), for the caller to raise once every
+        preempted request is handled."""
         with self._lock:
             token = self._save_token.get(req_id)
             if token is None or req_id not in self._save_done or self._save_done[req_id] is not None:
@@ -1141,8 +1148,7 @@ class WorkerSide:
                         if taken:
                             self._taken_over.add(token)
                     if taken:
-                        self._commit_taken_over(req_id, request, session, deadline)
-                        return
+                        return self._commit_taken_over(req_id, request, session, deadline)
                     continue  # the committer took it up first: waited for below
             left_s = deadline - time.monotonic()
             if left_s <= 0:
@@ -1163,21 +1169,40 @@ class WorkerSide:
             # discards the token) has not run, and will.
             if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
                 self._cancelled.add(token)
+        return None
 
-    def _commit_taken_over(self, req_id: str, request: Any, session: int, deadline: float) -> None:
+    def _commit_taken_over(self, req_id: str, request: Any, session: int, deadline: float) -> Optional[BaseException]:
         """Commits a preempted save taken over from the committer (its layers all ended), as the
         committer would have: not in a broken session (kept until it ends), and a failure makes
         it a miss (settled; `deadline`: as `_settle`'s). Its outcome is not reported: the
-        preemption forgets the save."""
+        preemption forgets the save. Whatever else escapes the commit (a panic of the binding,
+        PanicException, is a BaseException) makes it a miss too, as in `_commit_loop`, rather
+        than leave handle_preemptions with the other preempted requests unsettled: a
+        KeyboardInterrupt or SystemExit is returned, for handle_preemptions to raise at its end."""
         if self._session_broken(session):
             self._keep_until_session_ends(request, session)
-            return
+            return None
         try:
             request.commit()
         except tutti.Error as error:
             logger.warning("tutti: save of preempted request %s not committed: %s", req_id, error)
             self._note_daemon_failure(error, session)
             self._settle_save(request, session, deadline)
+        except BaseException as error:  # noqa: BLE001 - the other preempted requests must still be settled
+            logger.error("tutti: the commit of preempted request %s's save failed (%r); it is not committed", req_id, error)
+            try:
+                self._settle_save(request, session, deadline)
+            except BaseException as settle_error:  # noqa: BLE001
+                logger.error(
+                    "tutti: the save of preempted request %s could not be settled (%r); the session is ended at the "
+                    "next step", req_id, settle_error,
+                )  # fmt: skip
+                with self._lock:
+                    if session == self._session and self._broken is None:
+                        self._broken = f"a taken-over save whose commit failed could not be settled: {settle_error!r}"
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                return error
+        return None
 
     def _take_up(self, token: int) -> bool:
         """The committer's claim on a save before it ends it: False when handle_preemptions took
