@@ -256,7 +256,8 @@ impl AttachedDaemon {
     /// directory now (without touching the file system), so that a directory the engine
     /// changes to before the close does not turn the daemon's socket into a file not found (a
     /// daemon gone). A path that made absolute no longer fits a socket address stays relative:
-    /// a file not found at it then proves nothing (`reach`).
+    /// with a daemon that could not be identified, nothing found or answering at it then says
+    /// anything (`reach`), so such a store's device memory is kept for good at its close.
     pub fn new(socket: PathBuf, process: Option<PeerProcess>) -> AttachedDaemon {
         let socket = match std::path::absolute(&socket) {
             Ok(absolute) if absolute.as_os_str().len() < SUN_PATH_BYTES => absolute,
@@ -318,13 +319,14 @@ enum Reached {
     /// The daemon attached to has exited (its queue pairs, mappings and imports of the memory
     /// ended with its process), whatever is at its socket path now. Or, for a daemon that could
     /// not be identified, its socket file is gone: tuttid removes it only once its drain
-    /// released every session (`server.rs`). Not for a relative socket path (resolved against
-    /// a current directory that may have changed since the attach: `AttachedDaemon::new`).
+    /// released every session (`server.rs`).
     Gone,
     /// Nothing can be concluded by the deadline: the connection is refused while the socket
     /// file exists (a draining daemon has closed its listener but is still releasing sessions,
     /// whose in-flight reads may still write the memory; or a daemon that died without removing
-    /// it: the two look alike from here), or connecting failed some other way.
+    /// it: the two look alike from here), or connecting failed some other way. Always, for a
+    /// daemon that could not be identified at a relative socket path (resolved against a
+    /// current directory that may have changed since the attach: `AttachedDaemon::new`).
     Unknown(String),
 }
 
@@ -340,6 +342,17 @@ fn reach(daemon: &AttachedDaemon, deadline: Instant) -> Reached {
 /// cannot be identified).
 fn reach_with(daemon: &AttachedDaemon, deadline: Instant, identify: impl Fn(&Client) -> Option<PeerProcess>) -> Reached {
     let socket = &daemon.socket;
+    if daemon.process.is_none() && socket.is_relative() {
+        // Resolved against the current directory, which may have changed since the attach
+        // (`AttachedDaemon::new`), and the daemon attached to could not be identified: neither
+        // a socket file not found there nor a daemon answering there (another tuttid whose
+        // socket has that relative name) says anything of it. The memory is kept.
+        return Reached::Unknown(format!(
+            "the socket path {} is relative and the daemon attached to could not be identified: the current directory may \
+             have changed since the attach, and whatever is at that path now is not known to be that daemon",
+            socket.display()
+        ));
+    }
     loop {
         let timeout = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(100));
         let error = match Client::connect(socket, timeout) {
@@ -378,15 +391,8 @@ fn reach_with(daemon: &AttachedDaemon, deadline: Instant, identify: impl Fn(&Cli
                 // Removed while the attached daemon still runs: not necessarily by its drain
                 // (which removes it once every session is released) — another start or an
                 // operator may have removed a draining daemon's file. Asked again until it exits.
+                // (Not at a relative path with the daemon unidentified: refused above.)
                 let Some(ours) = daemon.process.as_ref().filter(|_| !exited) else {
-                    if daemon.process.is_none() && socket.is_relative() {
-                        // Resolved against the current directory, which may have changed since
-                        // the attach (`AttachedDaemon::new`): not found there proves nothing.
-                        return Reached::Unknown(format!(
-                            "{error}: the socket path {} is relative, and the current directory may have changed since the attach",
-                            socket.display()
-                        ));
-                    }
                     return Reached::Gone;
                 };
                 if Instant::now() >= deadline {
@@ -686,6 +692,15 @@ mod tests {
         // Not identified: whichever daemon answers is asked.
         let unknown = AttachedDaemon { socket: socket.clone(), process: None };
         assert!(session_gone(&unknown, 7, soon()));
+        // Not identified, through a relative path (one kept relative: too long made absolute):
+        // resolved against a current directory that may have changed since the attach, the
+        // daemon answering there is not known to be the one attached to: nothing concluded.
+        let up = std::env::current_dir().unwrap().components().count() - 1;
+        let relative = std::iter::repeat_n(std::path::Path::new(".."), up).collect::<PathBuf>().join(socket.strip_prefix("/").unwrap());
+        assert!(relative.is_relative() && relative.exists(), "{}", relative.display());
+        let unknown_relative = AttachedDaemon { socket: relative, process: None };
+        assert!(!session_gone(&unknown_relative, 7, soon()), "a daemon at a relative path spoke for the one attached to");
+        assert_eq!(leaked_queue_pairs(&unknown_relative, soon()), LeakCount::NoAnswer);
         stop.stop();
         serving.join().unwrap().unwrap();
         // The socket file gone (here the daemon in this process drained and removed it; the case
