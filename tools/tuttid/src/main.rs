@@ -88,14 +88,18 @@ struct Cli {
     /// A frame must arrive whole within this of its first byte.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     frame_timeout: Duration,
-    /// Connections served at once, at most 7173 (the sessions one status reply can list); past
-    /// it, one more connection is let in for status queries only.
+    /// Connections served at once, 64 when not given, at most 7173 (the sessions one status
+    /// reply can list); past it, one more connection is let in for status queries only.
     /// Each software controller is started with this many I/O queue pairs plus two, or plus
     /// three on a cluster node (one per client, one for the pool's metadata, one spare, and on a
     /// cluster node one for the data plane's staging area); a session attaches one pair per
     /// device, however many windows it registers.
-    #[arg(long, default_value_t = 64)]
-    clients_max: usize,
+    /// Each connection may hold at worst about 11 descriptors, plus one per window
+    /// (--windows-per-session) and two per pool device: a start whose worst case passes the
+    /// descriptor limit (the soft RLIMIT_NOFILE is raised to the hard one first) is refused
+    /// (exit 2) when this is given, and served with the clients that fit (a warning) when not.
+    #[arg(long)]
+    clients_max: Option<usize>,
     /// Memory windows one session may register.
     #[arg(long, default_value_t = 4)]
     windows_per_session: usize,
@@ -254,11 +258,12 @@ fn serve(cli: &Cli) -> Result<()> {
     } else {
         None
     };
+    let clients_max = cli.clients_max.unwrap_or(ServerConfig::CLIENTS_MAX_DEFAULT);
     // Before anything uses it (ServerConfig::validate checks it again).
-    if cli.clients_max > ServerConfig::CLIENTS_MAX {
+    if clients_max > ServerConfig::CLIENTS_MAX {
         return Err(Unusable(format!(
             "--clients-max {} is over {}, the sessions one status reply can list",
-            cli.clients_max,
+            clients_max,
             ServerConfig::CLIENTS_MAX
         ))
         .into());
@@ -274,15 +279,17 @@ fn serve(cli: &Cli) -> Result<()> {
         // One queue pair per client on each software controller (each is one pool device), and
         // in a cluster one for the data plane's staging area.
         // Within the u16 NVMe counts: `clients_max` was checked against CLIENTS_MAX above.
-        client_queue_pairs: u16::try_from(cli.clients_max + usize::from(cluster.is_some()))
-            .map_err(|_| Unusable(format!("--clients-max {}: more queue pairs than a controller has", cli.clients_max)))?,
+        client_queue_pairs: u16::try_from(clients_max + usize::from(cluster.is_some()))
+            .map_err(|_| Unusable(format!("--clients-max {}: more queue pairs than a controller has", clients_max)))?,
         emu_doorbell_relay: cli.emu_doorbell_relay,
     };
     let socket = cli.socket.clone().context("--socket is required")?;
     let mut config = ServerConfig::new(socket.clone());
     config.lease = cli.lease;
     config.frame_timeout = cli.frame_timeout;
-    config.clients_max = cli.clients_max;
+    config.clients_max = clients_max;
+    // Chosen: refused if its worst case passes the descriptor limit; else lowered to fit.
+    config.clients_max_explicit = cli.clients_max.is_some();
     config.metrics = cli.metrics.0;
     config.device_memory = match cli.device_memory {
         DeviceMemoryArg::Off => DeviceMemoryImport::Off,
