@@ -100,7 +100,9 @@ struct Cli {
     /// (exit 2) when this is given, and served with the clients that fit (a warning) when not.
     #[arg(long)]
     clients_max: Option<usize>,
-    /// Memory windows one session may register.
+    /// Memory windows one session may register (its device memory registrations count too).
+    /// Each holds a descriptor (its memfd or dma-buf) for as long as its session, so this
+    /// counts in the descriptor limit's worst case (--clients-max).
     #[arg(long, default_value_t = 4)]
     windows_per_session: usize,
     /// Bytes one session's windows may hold together (e.g. 64g).
@@ -108,7 +110,10 @@ struct Cli {
     window_bytes_per_session: u64,
     /// Requests one session may hold prepared at once, at most 4096; --clients-max × this at
     /// most 1048576 (2^20): every session's requests are reserved at start (about 120 bytes
-    /// each). A count past either is refused before the pool is opened.
+    /// each). A count past either is refused before the pool is opened. Memory beyond that
+    /// table: about 9 KiB per reservation once used, and up to about 0.6 MiB per request held
+    /// (a 1 MiB body of 16-token blocks; 2.3 MiB with blocks of under 4 tokens): the defaults'
+    /// 2048 requests held at once take up to about 1.2 GiB.
     #[arg(long, default_value_t = 32)]
     requests_per_session: usize,
     /// Where vfio: devices' lock files live.
