@@ -214,6 +214,19 @@ fn closed_by_peer(error: &DaemonError) -> bool {
 /// yet stays listed until they are (`super::retry_retiring`): its client may not free what the
 /// pairs could still write (docs/tuttid.md, device memory) before its session is gone.
 fn release_session(shared: &Shared, session: u64, holdings: &mut Holdings) {
+    // Once the daemon stops, a release frees queue ids whose client may still ring them
+    // (`Ending::DaemonStopping`), and no attach may create a queue that takes one. An attach
+    // holds `attaching` from its admission to its count, and checks the stop flag under it
+    // before each creation; one that checked before the stop may be between that check and its
+    // queue id's reservation. So a release after the stop first waits for any attach under way
+    // to end (it creates no further queue once it sees the flag: bounded by one device's
+    // creation and its undo, each command by the admin timeout); an attach after that sees the
+    // flag. Taken and let go at once: the releases still run side by side, and nothing is held
+    // while waiting (the attach takes only `store`, briefly, under `attaching`: no order to
+    // invert).
+    if shared.stop.is_stopped() {
+        drop(lock(&shared.attaching));
+    }
     match holdings.release(&shared.store, &shared.leaks) {
         Released::Done => {
             lock(&shared.sessions).remove(&session);
@@ -244,7 +257,9 @@ pub(super) enum Ending {
     /// The daemon drains: the session is released at once, though its client may still ring
     /// its queues, whose ids are freed while the controllers stay up (the drain's retire window,
     /// then the pool's drop). No client queue is created from the stop on (`Holdings::attach`
-    /// refuses), so none takes such an id.
+    /// refuses, and a release after the stop waits for an attach under way: `release_session`),
+    /// so none takes such an id; the pool's own temporary metadata pair still may on a software
+    /// controller (docs/tuttid.md, Shutdown).
     DaemonStopping,
     /// The daemon ended it (lease, frame timeout, protocol error, an answer it could not
     /// send): the client may still be running its data path.
@@ -514,11 +529,34 @@ impl Connection {
                         super::tests::ATTACHES_READ.fetch_add(1, Ordering::SeqCst);
                     }
                 }
+                // For the test that no queue id frees between an attach's stop check and its
+                // creation: a session so named has the stop come right after its first device's
+                // check (the second call).
+                #[cfg(test)]
+                let stops_in_attach = match self.session {
+                    Some(session) => {
+                        lock(&shared.sessions).get(&session).is_some_and(|record| record.name == super::tests::STOPS_IN_ATTACH)
+                    }
+                    None => false,
+                };
+                #[cfg(test)]
+                let checks = std::cell::Cell::new(0);
+                let stopping = || {
+                    #[cfg(test)]
+                    if stops_in_attach {
+                        checks.set(checks.get() + 1);
+                        if checks.get() == 2 {
+                            super::tests::stop_within_an_attach(shared);
+                            return false;
+                        }
+                    }
+                    shared.stop.is_stopped()
+                };
                 let (reply, reply_fds) = self.holdings.attach(
                     attach,
                     &shared.store,
                     &shared.attaching,
-                    &|| shared.stop.is_stopped(),
+                    &stopping,
                     limits,
                     &shared.leaks,
                     crate::pool_open::queue_pairs_reserved(shared.cluster.is_some()),

@@ -30,6 +30,28 @@ pub(super) const PANICS_RETRYING: &str = "panics-retrying";
 pub(super) const ATTACH_COUNTED: &str = "attach-counted";
 /// `AttachQueues` read from sessions named [`ATTACH_COUNTED`], past the connection's stop check.
 pub(super) static ATTACHES_READ: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// A client name whose attach sees the daemon stop between its first device's stop check and
+/// that device's creation ([`stop_within_an_attach`]).
+pub(super) const STOPS_IN_ATTACH: &str = "stops-in-attach";
+/// A client name whose session [`stop_within_an_attach`] watches.
+const RELEASED_IN_ATTACH: &str = "released-in-attach";
+/// Whether [`RELEASED_IN_ATTACH`]'s session was released (its queue ids freed) while an attach
+/// was between its stop check and its creation.
+static RELEASED_WITHIN_AN_ATTACH: AtomicBool = AtomicBool::new(false);
+
+/// Stops the daemon from within an attach, past its stop check, and gives the drain a second
+/// to release [`RELEASED_IN_ATTACH`]'s session (its connection sees the stop within a tick).
+pub(super) fn stop_within_an_attach(shared: &Shared) {
+    shared.stop.stop();
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        if !lock(&shared.sessions).values().any(|record| record.name == RELEASED_IN_ATTACH) {
+            RELEASED_WITHIN_AN_ATTACH.store(true, Ordering::SeqCst);
+            return;
+        }
+        thread::sleep(Duration::from_millis(5));
+    }
+}
 
 /// The longest any wait here takes before the test fails.
 const WAIT: Duration = Duration::from_secs(10);
@@ -1211,6 +1233,30 @@ fn an_attach_read_before_a_stop_but_served_after_it_is_answered_shutting_down() 
         Err(message) => assert!(message.contains("ShuttingDown"), "{message}"),
         Ok(()) => panic!("an attach served after the stop created queues"),
     }
+}
+
+#[test]
+fn no_queue_id_frees_between_an_attachs_stop_check_and_its_creation() {
+    // Goal: the drain releases every session at once, freeing queue ids their clients may
+    // still ring; an attach that checked the stop flag just before the stop and then created
+    // its queue could take such an id. So a release after the stop waits for an attach under
+    // way: here the stop comes between the attach's check and its creation, and the other
+    // session's release must not happen before that creation.
+    let (mut daemon, _emulator) = InProcess::start_with_admin_timeout(Duration::from_secs(10));
+    let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+    let released = RemoteKvStore::connect(&daemon.socket, &hello(RELEASED_IN_ATTACH), &config).expect("attach");
+    let socket = daemon.socket.clone();
+    let attaching = thread::spawn(move || {
+        let config = RemoteConfig { kv_blocks: 8, ..RemoteConfig::default() };
+        RemoteKvStore::connect(&socket, &hello(STOPS_IN_ATTACH), &config).map(drop).map_err(|error| error.to_string())
+    });
+    let _ = attaching.join().unwrap();
+    assert!(daemon.stop().is_some(), "serve did not return");
+    drop(released);
+    assert!(
+        !RELEASED_WITHIN_AN_ATTACH.load(Ordering::SeqCst),
+        "a session was released (its queue ids freed) while an attach was between its stop check and its creation"
+    );
 }
 
 /// The text of one `GET /metrics` from `address` (bounded by `WAIT`).
