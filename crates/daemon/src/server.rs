@@ -774,9 +774,10 @@ impl Server {
                     Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(error) => {
                         // ECONNABORTED (that connection is lost), EMFILE (it stays in the
-                        // backlog until a descriptor comes free; `Server::prepare` refuses a
-                        // `clients_max` whose worst case passes the limit, so mostly descriptors
-                        // it leaves out, sessions kept for good, get here): the server goes on.
+                        // backlog until a descriptor comes free; `Server::prepare` lowers or
+                        // refuses a `clients_max` whose worst case passes the limit, so mostly
+                        // what it leaves out, sessions kept for good or retiring, gets here): the
+                        // server goes on.
                         // The listener stays readable while descriptors run out, so the next
                         // poll would return at once: wait a tick rather than spin (and log).
                         tracing::warn!("accept failed: {error}");
