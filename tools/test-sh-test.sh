@@ -7,7 +7,8 @@
 #    (a stat line that a line-wise read would cut short) too, and one in a session of its own
 #    whose parent, a member of the stage's session, ends during the grace (stopped by a SIGTERM
 #    to the script then, too: on_signal); so is one whose script run through `bounded` exits 0
-#    leaving a process in bounded's session; a stage that leaves nothing, or only a process that
+#    leaving a process in bounded's session (stopped by a SIGTERM to the script during bounded's
+#    grace too); a stage that leaves nothing, or only a process that
 #    ends within the grace after the stage (or after its bounded script), is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
@@ -169,6 +170,26 @@ check "a SIGTERM in the grace after a member ended: the stage INTERRUPTED" yes \
     "$(grep -q '^INTERRUPTED signalled-setsid (SIGTERM)' "$run_tmp/signalled-setsid.out" && echo yes || echo "no: $(cat "$run_tmp/signalled-setsid.out")")"
 check "a SIGTERM in the grace after a member ended: its process in a session of its own stopped" stopped \
     "$(stopped "$(cat "$run_tmp/signalled-setsid.pid")")"
+# A SIGTERM to this script while bounded gives the script it ran (exited, leaving a process in
+# bounded's session) its 3 s grace: the stage's shell (bounded's) dies of on_signal's TERM before
+# bounded's own KILL, so on_signal must reach bounded's session itself.
+printf '#!/usr/bin/env bash\nsleep 60 > /dev/null 2>&1 &\necho $! > %q\nexit 0\n' "$run_tmp/grace-leaked.pid" > "$run_tmp/grace-leaky.sh"
+chmod +x "$run_tmp/grace-leaky.sh"
+stage_bounded_grace() { bounded 10 "$run_tmp/grace-leaky.sh"; }
+write_stage_functions
+(
+    trap 'on_signal TERM 143' TERM
+    run_stage signalled-bounded stage_bounded_grace
+) > "$run_tmp/signalled-bounded.out" 2>&1 &
+runner=$!
+for ((tenths = 0; tenths < 50; tenths++)); do [ -s "$run_tmp/grace-leaked.pid" ] && break; sleep 0.1; done
+sleep 1 # the script has exited: bounded is in its grace
+kill -TERM "$runner"
+wait "$runner"
+check "a SIGTERM in bounded's grace: the stage INTERRUPTED" yes \
+    "$(grep -q '^INTERRUPTED signalled-bounded (SIGTERM)' "$run_tmp/signalled-bounded.out" && echo yes || echo "no: $(cat "$run_tmp/signalled-bounded.out")")"
+check "a SIGTERM in bounded's grace: what the script left stopped" stopped \
+    "$(pid=$(cat "$run_tmp/grace-leaked.pid" 2> /dev/null) && [ -n "$pid" ] && stopped "$pid" || echo "no pid written")"
 
 # 2. A policy-rc.d left by a KILLed script of a stage.
 if [ "$(id -u)" -eq 0 ]; then

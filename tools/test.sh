@@ -168,6 +168,18 @@ tree_find() {
         done
     done
 }
+# bounded_sessions: the session ids of the scripts `bounded` runs, each written down in a file
+# $run_tmp/bounded-sid.* from before the script starts until bounded has emptied its session
+# (kill_tree's, for on_signal and run_stage); an empty file (the id not written yet: the script
+# is still below bounded, found through parents) is skipped.
+bounded_sessions() {
+    local file sid
+    for file in "${run_tmp:-/nonexistent}"/bounded-sid.*; do
+        read -r sid 2> /dev/null < "$file" || continue
+        [[ "$sid" =~ ^[0-9]+$ ]] && echo "$sid"
+    done
+    return 0
+}
 # tree_snapshot SID [reaped]: prints "PID START" (START: stat's field 22, the start time) for
 # every process besides SID that kill_tree SID [SNAPSHOT [reaped]] would find now, signalling
 # none (zombies, which have ended, left out).
@@ -221,12 +233,16 @@ proc_describe() {
 # only: the pid may have gone to another process since, which is neither signalled nor followed
 # to its children (the stage shell's own went to init when it ended, and are found by the
 # session or the snapshot). A session id is not reused while a process of the session lives.
+# The sessions `bounded` has written down (bounded_sessions) are killed as well: a script that
+# ended leaving processes there (handed to init) is linked to nothing else while bounded waits
+# out its grace, and bounded, in the stage's shell, dies of the stage's TERM before its KILL.
 killed=()
 kill_tree() {
-    local root=$1 snapshot=${2:-} signal round line pid proc_fields=() changed
+    local root=$1 snapshot=${2:-} signal round line pid sid proc_fields=() changed
     local -A pids=() pgids=() sids=()
     killed=()
     sids[$root]=1
+    for sid in $(bounded_sessions); do sids[$sid]=1; done
     [ "${3:-}" = reaped ] || pids[$root]=1
     for pid in $(tree_running "$snapshot"); do pids[$pid]=1; done
     for signal in TERM KILL; do
@@ -281,6 +297,8 @@ on_signal() {
     echo >&2
     echo "tools/test.sh: SIG$signal: stopping${current_stage:+ stage $current_stage and} everything it started" >&2
     [ -z "$stage_pid" ] || kill_tree "$stage_pid" "$stage_snapshot" "$stage_reaped"
+    # (Emptied by that kill_tree: the stage's bounded, killed, cannot remove its file itself.)
+    rm -f "$run_tmp"/bounded-sid.*
     [ -z "$current_stage" ] || {
         failed=$((failed + 1))
         failed_names+=("$current_stage")
@@ -330,6 +348,9 @@ run_stage() {
     # and whose parent was gone already when the stage ended, is out of reach: `bounded` stops
     # those of the scripts it runs while it still can find them.)
     kill_tree "$stage_pid" "$stage_snapshot" reaped
+    # A bounded of the stage killed before its end (by something else than this script) left
+    # its session's file: that session was emptied by the kill_tree above.
+    rm -f "$run_tmp"/bounded-sid.*
     # A policy-rc.d that a script of the stage put in place and was KILLed holding (vm-test.sh,
     # check-bindings.sh: owners of their own) would forbid service starts on this machine until
     # the next run: removed now that its owner is gone (never a live run's).
@@ -368,17 +389,19 @@ run_stage() {
 # its session is a leak, as run_stage counts one: up to 3 s for them to end (run_stage's
 # grace), then what still runs is listed on stderr (and a line each in $run_tmp/bounded-leaked,
 # which run_stage counts), stopped, and the status is 1 if it was 0. The stage's own end never
-# sees them: they are in bounded's session, which is emptied here.
+# sees them: they are in bounded's session, which is emptied here. The session's id stays
+# written down in $run_tmp/bounded-sid.* (bounded_sessions) until then: a signal that stops
+# the stage meanwhile (on_signal) kills this shell before it empties the session, and what the
+# script left there, handed to init, is reached through that id alone.
 bounded() {
     local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line
     shift
-    sidfile=$(mktemp -p "$run_tmp") || return 1
+    sidfile=$(mktemp -p "$run_tmp" bounded-sid.XXXXXX) || return 1
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
     # forking: the session id is the pid the child writes before exec'ing.
     timeout -k 30 "$limit" bash -c 'echo $$ > "$0" && exec setsid "$@"' "$sidfile" "$@"
     rc=$?
     sid=$(cat "$sidfile" 2> /dev/null)
-    rm -f "$sidfile"
     if [ -n "$sid" ] && [ "$rc" != 124 ] && [ "$rc" != 137 ]; then
         for ((tenths = 0; tenths < 30; tenths++)); do
             [ -n "$(session_pids "$sid" 2> /dev/null)" ] || break
@@ -412,6 +435,7 @@ bounded() {
             sleep 0.1
         done
     fi
+    rm -f "$sidfile"
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2
     return "$rc"
 }
