@@ -8,8 +8,9 @@
 #    whose parent, a member of the stage's session, ends during the grace (stopped by a SIGTERM
 #    to the script then, too: on_signal); so is one whose script run through `bounded` exits 0
 #    leaving a process in bounded's session (stopped by a SIGTERM to the script during bounded's
-#    grace too); a stage that leaves nothing, or only a process that
-#    ends within the grace after the stage (or after its bounded script), is a PASS;
+#    grace too), or that exits 124 of its own (an inner `timeout`'s) before bounded's limit; a
+#    stage that leaves nothing, or only a process that ends within the grace after the stage (or
+#    after its bounded script), is a PASS;
 # 2. a policy-rc.d that a script of a stage (an owner of its own, as vm-test.sh and
 #    check-bindings.sh are) put in place and was KILLed holding is removed when the stage ends,
 #    the original it kept aside put back (at paths of the test's own);
@@ -153,6 +154,20 @@ check "the process the script left stopped" stopped "$(stopped "$(cat "$run_tmp/
 run_stage bounded-ending stage_bounded_ending > "$run_tmp/bounded-ending.out" 2>&1
 check "a script run through bounded whose process ends within a second: a PASS" yes \
     "$(printf '%s\n' "${summary[@]}" | grep -q '^PASS bounded-ending ' && echo yes || echo "no: ${summary[*]}: $(cat "$run_tmp/bounded-ending.out")")"
+# A script whose own inner `timeout 1` gives it 124 (the status of an expired limit), exiting
+# at once leaving a process: bounded's limit (30 s) has not expired, so a leak, not a limit.
+printf '#!/usr/bin/env bash\nsleep 60 > /dev/null 2>&1 &\necho $! > %q\ntimeout 1 sleep 5\nexit $?\n' \
+    "$run_tmp/inner124-leaked.pid" > "$run_tmp/inner124.sh"
+chmod +x "$run_tmp/inner124.sh"
+stage_bounded_inner124() { bounded 30 "$run_tmp/inner124.sh"; }
+write_stage_functions
+run_stage bounded-inner124 stage_bounded_inner124 > "$run_tmp/bounded-inner124.out" 2>&1
+check "a script run through bounded that exits 124 (an inner timeout's) leaving a process: a FAIL that says it leaked 1" yes \
+    "$(printf '%s\n' "${summary[@]}" | grep -q '^FAIL bounded-inner124 (.*leaked 1 process' && echo yes || echo "no: ${summary[*]}: $(cat "$run_tmp/bounded-inner124.out")")"
+check "a script that exits 124 within bounded's limit: not said to have run past it" 0 \
+    "$(grep -c 'ran past its 30 s limit' "$run_tmp/bounded-inner124.out")"
+check "a script that exits 124 within bounded's limit: what it left stopped" stopped \
+    "$(pid=$(cat "$run_tmp/inner124-leaked.pid" 2> /dev/null) && [ -n "$pid" ] && stopped "$pid" || echo "no pid written")"
 # The same stage, and a SIGTERM to this script (on_signal, as tools/test.sh traps it) once the
 # member has ended, in the grace: on_signal stops what run_stage's snapshot found too.
 (

@@ -385,7 +385,8 @@ run_stage() {
 # itself or by its limit, kills whatever is still running in that session: the inner `timeout`s
 # of the scripts and their children (pip, pytest, tuttid, QEMU), which sit in process groups of
 # their own that the outer `timeout` does not signal. Returns COMMAND's status (124 or 137 when
-# the limit expired), except that a COMMAND that ended by itself and left processes running in
+# the limit expired; a 124 or 137 before the limit is COMMAND's own, an inner `timeout`'s, and
+# is no expiry), except that a COMMAND that ended by itself and left processes running in
 # its session is a leak, as run_stage counts one: up to 3 s for them to end (run_stage's
 # grace), then what still runs is listed on stderr (and a line each in $run_tmp/bounded-leaked,
 # which run_stage counts), stopped, and the status is 1 if it was 0. The stage's own end never
@@ -394,15 +395,23 @@ run_stage() {
 # the stage meanwhile (on_signal) kills this shell before it empties the session, and what the
 # script left there, handed to init, is reached through that id alone.
 bounded() {
-    local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line
+    local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line started expired=''
     shift
     sidfile=$(mktemp -p "$run_tmp" bounded-sid.XXXXXX) || return 1
+    started=$SECONDS
     # `timeout`'s child is not a process-group leader, so setsid makes it a session leader without
     # forking: the session id is the pid the child writes before exec'ing.
     timeout -k 30 "$limit" bash -c 'echo $$ > "$0" && exec setsid "$@"' "$sidfile" "$@"
     rc=$?
     sid=$(cat "$sidfile" 2> /dev/null)
-    if [ -n "$sid" ] && [ "$rc" != 124 ] && [ "$rc" != 137 ]; then
+    # 124 or 137 is the limit's only once it has passed: a script may end with an inner
+    # `timeout`'s 124 (or a KILLed child's 137) of its own, within its limit, and what it left
+    # is a leak as after any other status. (SECONDS counts whole seconds, the difference of two
+    # readings at least the whole seconds between them: never under the limit once it passed.)
+    if { [ "$rc" = 124 ] || [ "$rc" = 137 ]; } && [ $((SECONDS - started)) -ge "$limit" ]; then
+        expired=1
+    fi
+    if [ -n "$sid" ] && [ -z "$expired" ]; then
         for ((tenths = 0; tenths < 30; tenths++)); do
             [ -n "$(session_pids "$sid" 2> /dev/null)" ] || break
             sleep 0.1
@@ -436,7 +445,7 @@ bounded() {
         done
     fi
     rm -f "$sidfile"
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2
+    [ -z "$expired" ] || echo "tools/test.sh: '$*' ran past its ${limit} s limit: stopped, with everything it started" >&2
     return "$rc"
 }
 
