@@ -20,6 +20,7 @@
 # 5. once a stage's shell has been reaped, its pid is only a session id to kill_tree and
 #    tree_snapshot: a process that took the pid since (pid reuse), and its children, are left
 #    alone.
+# (0. tools/lib/process.sh under set -e: proc_stat's read, interruptible_timeout's traps.)
 set -uo pipefail
 cd "$(dirname "$(readlink -f "$0")")/.." || exit 1
 # shellcheck source=tools/test.sh
@@ -125,6 +126,13 @@ stopped() {
 # shellcheck disable=SC2016 # expanded by the inner shell
 check "proc_stat under set -e and inherit_errexit: the state of a running process" "state=R" \
     "$(bash -c 'set -euo pipefail; shopt -s inherit_errexit; . tools/lib/process.sh; proc_stat /proc/self/stat; echo "state=${proc_fields[0]:-}"' 2>&1)"
+# 0b. interruptible_timeout's traps under set -e: a kill in a trap that fails (its `timeout`
+#     already gone; stood in for by a kill that signals, then fails) must not end the script
+#     with 1 instead of 143.
+# shellcheck disable=SC2016 # expanded by the inner shell
+check "interruptible_timeout under set -e, SIGTERM, its trap's kill failing: exit 143" 143 \
+    "$(bash -c 'set -euo pipefail; . tools/lib/process.sh; kill() { builtin kill "$@"; return 1; }
+        (sleep 0.5; builtin kill -TERM $$) & interruptible_timeout 10 sleep 5; echo went on' > /dev/null 2>&1; echo $?)"
 
 # 1. Leaks.
 run_stage leaks stage_leaks > "$run_tmp/leaks.out" 2>&1

@@ -52,14 +52,17 @@ timeout_interruptibly() {
     shift
     saved=$(trap -p INT TERM HUP)
     _interrupted='' _timeout_pid=''
-    # Trapped before timeout starts, so that no signal finds it started and untrapped.
-    trap '_interrupted=INT; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' INT
-    trap '_interrupted=TERM; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' TERM
-    trap '_interrupted=HUP; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null' HUP
+    # Trapped before timeout starts, so that no signal finds it started and untrapped. Each kill
+    # ends in `|| :`: one that fails (timeout reaped already, its pid not yet cleared) would be a
+    # trap action's last status, which under the caller's set -e ends the shell with 1, not
+    # with 130, 143 or 129.
+    trap '_interrupted=INT; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null || :' INT
+    trap '_interrupted=TERM; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null || :' TERM
+    trap '_interrupted=HUP; [ -z "$_timeout_pid" ] || kill -TERM "$_timeout_pid" 2> /dev/null || :' HUP
     # <&0: a background command's standard input would otherwise be /dev/null.
     timeout -k 30 "$limit" "$@" <&0 &
     _timeout_pid=$!
-    [ -z "$_interrupted" ] || kill -TERM "$_timeout_pid" 2> /dev/null
+    [ -z "$_interrupted" ] || kill -TERM "$_timeout_pid" 2> /dev/null || :
     # A trapped signal ends the wait early: waited for again until timeout itself has ended
     # (within its -k 30 after the TERM).
     while :; do
