@@ -1576,6 +1576,74 @@ def test_a_preempted_save_the_committer_is_committing_is_waited_for(tuttid):
         worker.shutdown()
 
 
+def test_a_preempted_save_the_committer_is_committing_past_the_deadline_is_waited_for(tuttid):
+    """Goal: a preempted save whose commit the committer has begun, but which has not yet read
+    vLLM's blocks for the payload CRCs by the preemption's deadline (its commit waits for the
+    store's lock or connection: here a commit that starts 1.5 x timeout_s late), is waited for
+    past that deadline, not cancelled: the committer has passed its cancel check, so a
+    cancellation came too late and the commit ran after handle_preemptions returned, with the
+    CRCs of the blocks' next contents (every verified load of R failed). R is committed when
+    handle_preemptions returns, and a verified load of R finds its CRCs right although R's
+    blocks were rewritten at once after."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--payload-crc"])
+    timeout_s = 1.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s, verify_retrieves=True)
+    try:
+        connector = worker.connector
+        store = StoreWithSlowFirstCommit(connector._store, 1.5 * timeout_s)
+        connector._store = store
+        save = SaveSpec("R", prompt(75, blocks=2, tail=0), [20, 21])
+        worker.fill(save.block_ids, 75)
+        r_bytes = [block.clone() for block in worker.blocks_bytes(save.block_ids)]
+        worker.step(TuttiConnectorMetadata(saves=[save]))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "R's commit never started"
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            committed = lookup.lookup(save.tokens)
+        worker.fill(save.block_ids, 99)  # vLLM reuses R's blocks
+        assert committed == 2, "R's commit was not over when handle_preemptions returned"
+        assert connector._cancelled == set() and connector._dead is None
+        result = worker.step(TuttiConnectorMetadata(loads=[LoadSpec("L", save.tokens, [40, 41])]))
+        assert result["load_errors"] == set(), "R's verified load failed: its CRCs were not those of its bytes"
+        assert all(torch.equal(got, want) for got, want in zip(worker.blocks_bytes([40, 41]), r_bytes))
+    finally:
+        worker.shutdown()
+
+
+def test_a_preempted_save_whose_commit_outlasts_its_own_bounds_ends_the_session(tuttid, monkeypatch):
+    """Goal: the wait past the deadline for a save the committer is committing is bounded too:
+    the commit's own bounds (the store's lock, the keep-alive ping's connection, its exchange)
+    and a margin. A commit that outlasts even that (here one that starts 8 x timeout_s late, past
+    the deadline's timeout_s and 3 x timeout_s + 1 s, the margin taken away) ends the session,
+    whose close takes the store's lock, so the commit can no longer read vLLM's blocks after
+    handle_preemptions returned: R is never committed. Before, the save was cancelled too late
+    at the deadline and committed after."""
+    from tutti.vllm import _worker
+
+    monkeypatch.setattr(_worker, "_COMMIT_WAIT_MARGIN_S", 0.0)
+    daemon = tuttid(harness.TUTTID_GEOMETRY, ["--payload-crc"])
+    timeout_s = 0.5
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        store = StoreWithSlowFirstCommit(connector._store, 8 * timeout_s)
+        connector._store = store
+        save = SaveSpec("R", prompt(76, blocks=2, tail=0), [20, 21])
+        worker.fill(save.block_ids, 76)
+        worker.step(TuttiConnectorMetadata(saves=[save]))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "R's commit never started"
+        started = time.monotonic()
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
+        elapsed_s = time.monotonic() - started
+        assert connector._dead is not None, "the session outlived a commit past its bounds"
+        assert elapsed_s < 8 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s"
+        time.sleep(4 * timeout_s)  # the late commit's turn: it finds the store closed
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(save.tokens) == 0, "R was committed after handle_preemptions returned"
+    finally:
+        worker.shutdown()
+
+
 class StoreWithSlowFirstThenRaisingCommits(StoreWithSlowFirstCommit):
     """As StoreWithSlowFirstCommit, and the second prepared save's commit raises `error`."""
 

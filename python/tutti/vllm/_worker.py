@@ -33,6 +33,13 @@ logger = logging.getLogger("tutti.vllm")
 _COMMIT_POLL_S = 0.05
 # How long a hand-over to a full commit queue waits before it checks that the committer runs.
 _COMMIT_PUT_CHECK_S = 1.0
+# handle_preemptions waits past its deadline for a preempted save whose commit the committer
+# has begun (`_committing_now`: the commit may not have read vLLM's blocks for the payload CRCs
+# yet), as long as the commit's own bounds allow, counted from the deadline: the store's lock
+# behind one other exchange (timeout_s), the keep-alive ping's connection (timeout_s + 1 s, the
+# binding's lock_with_connection) and the commit's own exchange (timeout_s): 3 x timeout_s +
+# 1 s, plus this margin. Past that the session is ended (`_release_committing_save`).
+_COMMIT_WAIT_MARGIN_S = 1.0
 # A worker whose session ended and whose KV memory can be registered again (device memory)
 # opens a new session at its next step; after a failed try, not before a back-off that doubles
 # from the first to the last value.
@@ -158,6 +165,10 @@ class WorkerSide:
         self._committing: dict[int, tuple[Any, int]] = {}
         self._taken_over: set[int] = set()
         self._cancelled: set[int] = set()
+        # The token of the save the committer is committing: set under the lock together with
+        # its check of `_cancelled`, so that past it the save can no longer be cancelled;
+        # handle_preemptions waits for such a save instead (its commit reads vLLM's blocks).
+        self._committing_now: Optional[int] = None
         self._tokens = itertools.count(1)
         self._finished_req_ids: set[str] = set()
         # Why the worker's tuttid session is over (None: it is not); then every load is reported
@@ -289,7 +300,10 @@ class WorkerSide:
         completed is committed here, taken over from the committer, whose backlog of other
         saves is not waited for (`_release_committing_save`: a commit may read vLLM's blocks, for
         the payload CRCs). The waits share one timeout_s, however many requests were preempted:
-        what is not settled by then is handled as above. That is not the whole bound. A load still in flight at
+        what is not settled by then is handled as above, but for a save whose commit the
+        committer has begun, waited for past the deadline within the commit's own bounds (up to
+        3 x timeout_s + 2 s more; one that outlasts them ends the session:
+        `_release_committing_save`). That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
         `Store.close(timeout_s)` waits up to timeout_s for the layers still in flight, then up to
         5 s for tuttid's count of leaked queue pairs, up to 2 s for the commands still on the
@@ -919,6 +933,8 @@ class WorkerSide:
         with self._lock:
             self._cancelled.discard(token)
             self._committing.pop(token, None)
+            if self._committing_now == token:
+                self._committing_now = None
             if self._save_token.get(req_id) == token:
                 self._save_done[req_id] = committed
 
@@ -1120,8 +1136,15 @@ class WorkerSide:
         committed here: a pool that records payload CRCs computes them at the commit from
         vLLM's blocks, so the commit must not come after their reuse either. A save the
         committer has taken up already (it is ending it now: a commit, or a settle after a
-        failure) is waited for until the deadline. A layer still in flight at the deadline
-        cancels the save (never committed: its bytes may be read after vLLM reused the blocks).
+        failure) is waited for until the deadline; past it, one whose commit the committer has
+        begun (`_committing_now`, set with its cancel check: a cancellation would come too late,
+        and the commit may not have read vLLM's blocks yet, waiting for the store's lock or
+        connection) is still waited for, up to the commit's own bounds (3 x timeout_s + 1 s,
+        `_COMMIT_WAIT_MARGIN_S` more); a commit that outlasts even that ends the session
+        (`_end_session`: the close takes the store's lock, after which the commit fails), so that
+        nothing reads the blocks after this returns. A save not yet begun is cancelled at the
+        deadline, as is one with a layer still in flight (never committed: its bytes may be read
+        after vLLM reused the blocks).
         The layers are polled from this thread while the committer may wait for them (the
         binding's Request takes the store's lock for each call: a poll retires what ended, and
         the committer's wait still returns it). Returns the KeyboardInterrupt or SystemExit a
@@ -1130,12 +1153,14 @@ class WorkerSide:
         with self._lock:
             token = self._save_token.get(req_id)
             if token is None or req_id not in self._save_done or self._save_done[req_id] is not None:
-                return  # no save of the request's with the committer
+                return None  # no save of the request's with the committer
+        commit_until: Optional[float] = None  # set once past the deadline with the commit begun
         while True:
             with self._lock:
                 if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
-                    return  # settled by the committer meanwhile
+                    return None  # settled by the committer meanwhile
                 held = self._committing.get(token)
+                committing = self._committing_now == token
             if held is not None:
                 request, session = held
                 try:
@@ -1150,26 +1175,49 @@ class WorkerSide:
                     if taken:
                         return self._commit_taken_over(req_id, request, session, deadline)
                     continue  # the committer took it up first: waited for below
-            left_s = deadline - time.monotonic()
-            if left_s <= 0:
-                break
-            time.sleep(min(_COMMIT_POLL_S, left_s))
-        if held is not None:
-            logger.error(
-                "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline (%.1f s); "
-                "the save is cancelled", held[0].layer_in_flight, req_id, self._timeout_s,
-            )  # fmt: skip
-        else:
-            logger.error(
-                "tutti: the committer did not end the save of preempted request %s by the preemption's deadline (%.1f s)",
-                req_id, self._timeout_s,
-            )  # fmt: skip
-        with self._lock:
-            # Only while the save is still the request's and unsettled: _save_settled (which
-            # discards the token) has not run, and will.
-            if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
-                self._cancelled.add(token)
-        return None
+            now = time.monotonic()
+            if now < deadline:
+                time.sleep(min(_COMMIT_POLL_S, deadline - now))
+                continue
+            if not committing:
+                if held is not None:
+                    logger.error(
+                        "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline "
+                        "(%.1f s); the save is cancelled", held[0].layer_in_flight, req_id, self._timeout_s,
+                    )  # fmt: skip
+                else:
+                    logger.error(
+                        "tutti: the committer did not end the save of preempted request %s by the preemption's deadline "
+                        "(%.1f s); the save is cancelled", req_id, self._timeout_s,
+                    )  # fmt: skip
+                with self._lock:
+                    if self._committing_now == token:
+                        continue  # the committer began its commit meanwhile: not cancelled, waited for
+                    # Only while the save is still the request's and unsettled: _save_settled
+                    # (which discards the token) has not run, and will. The committer checks
+                    # `_cancelled` under this lock before it commits.
+                    if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
+                        self._cancelled.add(token)
+                return None
+            # The committer is committing the save: it has passed its cancel check, and its
+            # commit may not have read vLLM's blocks yet (it waits for the store's lock or
+            # connection), so it is waited for, within the commit's own bounds.
+            if commit_until is None:
+                commit_until = deadline + 3 * self._timeout_s + 1.0 + _COMMIT_WAIT_MARGIN_S
+                logger.warning(
+                    "tutti: the committer is committing the save of preempted request %s at the preemption's deadline "
+                    "(%.1f s); waiting up to %.1f s more for it", req_id, self._timeout_s, commit_until - deadline,
+                )  # fmt: skip
+            if now >= commit_until:
+                # Past the commit's own bounds: the session is ended, whose close takes the
+                # store's lock (waiting for a commit that holds it) and leaves every later call
+                # on its requests StaleRequest, so the commit reads nothing after this returns.
+                self._end_session(
+                    f"the commit of preempted request {req_id}'s save did not end within its bounds "
+                    f"({commit_until - deadline:.1f} s past the preemption's deadline)"
+                )
+                return None
+            time.sleep(min(_COMMIT_POLL_S, commit_until - now))
 
     def _commit_taken_over(self, req_id: str, request: Any, session: int, deadline: float) -> Optional[BaseException]:
         """Commits a preempted save taken over from the committer (its layers all ended), as the
@@ -1271,13 +1319,22 @@ class WorkerSide:
             return
         with self._lock:
             cancelled = token in self._cancelled
+            if not cancelled:
+                # From here handle_preemptions no longer cancels the save: it waits for the
+                # commit, which may read vLLM's blocks (the payload CRCs) until it is over.
+                self._committing_now = token
         if cancelled:
             # Preempted while a layer was in flight: its bytes may have been read after
             # vLLM reused the blocks. Never committed.
             self._settle_save(request, session)
         else:
             try:
-                request.commit()
+                try:
+                    request.commit()
+                finally:
+                    with self._lock:
+                        if self._committing_now == token:
+                            self._committing_now = None
                 committed = True
             except tutti.Error as error:
                 logger.warning("tutti: save of request %s not committed: %s", req_id, error)
