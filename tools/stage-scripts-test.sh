@@ -14,8 +14,11 @@
 #    the pinned vLLM environment (engine-env.sh vllm --existing, which checks it is complete),
 #    never any vllm-* directory under the cache: with only an unpinned one there, it fails
 #    saying the prefill step was not rehearsed; without the requirement it may still use one;
-# 3. tools/python/wheel.sh holds target/wheel.lock only while it runs: a process its build
-#    leaves running detached (an sccache server a RUSTC_WRAPPER starts) does not keep it.
+# 3. tools/python/wheel.sh holds target/wheel.lock and its venv's lock only while it runs: a
+#    process left running detached (an sccache server a RUSTC_WRAPPER starts) by its build
+#    keeps neither, nor does one left by its check of a venv when it fails there;
+# 4. tools/python/engine-env.sh holds its engine's lock only while it runs: a process the
+#    environment's build (its pip installs) leaves running detached does not keep it.
 set -uo pipefail
 # What the scripts under test read from the environment, set by each check where it matters and
 # otherwise unset: the caller's (tools/gpu/check.sh's docs have one export GPU_CHECK_PYTHON on a
@@ -143,8 +146,55 @@ HOME=$WORK/home TUTTI_PYTHON=$WORK/bin/python-tag "$wheel_repo/tools/python/whee
 check "wheel.sh with stand-ins: exit 0, the venv on its last line" "0 $venv" "$? $(tail -n 1 "$WORK/wheel.out")"
 check "wheel.sh: target/wheel.lock free once it has exited, though its build left a detached process" free \
     "$(flock -n "$wheel_repo/target/wheel.lock" true && echo free || echo "held: $(cat "$WORK/wheel.out")")"
-check "wheel.sh: its venv's lock free as well" free "$(flock -n "$venv.lock" true && echo free || echo held)"
 kill -KILL "$(cat "$WORK/detached.pid" 2> /dev/null)" 2> /dev/null
+# The venv's lock: wheel.sh unlocks it (flock -u, which frees it for every copy of the fd) once
+# the venv is ready, so only an exit while it holds it can leave it held: under another HOME, a
+# venv whose check (its python, leaving a detached process) fails, and which the stand-in
+# interpreter cannot make again (wheel.sh fails).
+venv2=$WORK/home2/.cache/tutti/${venv#"$WORK/home/.cache/tutti/"}
+mkdir -p "$venv2/bin"
+stand_in none "$venv2/bin/python" 'setsid sleep 60 < /dev/null > /dev/null 2>&1 &
+echo $! > "'"$WORK/detached-venv.pid"'"
+exit 1'
+wheel_status=0
+HOME=$WORK/home2 TUTTI_PYTHON=$WORK/bin/python-tag "$wheel_repo/tools/python/wheel.sh" > "$WORK/wheel-venv.out" 2>&1 || wheel_status=$?
+check "wheel.sh with a venv whose check fails and cannot be made: fails, its check having left a detached process" "failed yes" \
+    "$([ "$wheel_status" != 0 ] && echo failed || echo passed) $([ -s "$WORK/detached-venv.pid" ] && echo yes || echo no)"
+check "wheel.sh: its venv's lock free once it has exited, though its check left a detached process" free \
+    "$(flock -n "$venv2.lock" true && echo free || echo held)"
+kill -KILL "$(cat "$WORK/detached-venv.pid" 2> /dev/null)" 2> /dev/null
+
+# 4. engine-env.sh's lock, and an environment's build that leaves a detached process. The
+#    interpreter is a stand-in whose `-m venv DIR` makes an environment of stand-ins: its pip
+#    installs (the first starts a detached sleep) mark it installed, and its python's checks
+#    (-c) pass once it is.
+env_repo=$WORK/env-repo
+mkdir -p "$env_repo/tools/python" "$env_repo/tools/lib" "$env_repo/python/constraints"
+cp "$HERE/python/engine-env.sh" "$env_repo/tools/python/"
+cp "$HERE/lib/prune.sh" "$env_repo/tools/lib/"
+echo pytest==0.0.0 > "$env_repo/python/requirements-test.txt"
+: > "$env_repo/python/constraints/vllm.txt"
+stand_in none "$WORK/env-python" 'dir=$(dirname "$0")/..
+if [ "$1 ${2:-}" = "-m pip" ]; then
+    if [ "${3:-}" = install ] && [ ! -e "$dir/installed" ]; then
+        setsid sleep 60 < /dev/null > /dev/null 2>&1 &
+        echo $! > "'"$WORK/detached-env.pid"'"
+        touch "$dir/installed"
+    fi
+    exit 0
+fi
+[ "$1" = -c ] && [ -e "$dir/installed" ]'
+stand_in none "$WORK/bin/python-env" 'case $1 in
+-c) echo 3.11 ;;
+-m) mkdir -p "$3/bin" && cp "'"$WORK/env-python"'" "$3/bin/python" ;;
+esac'
+TUTTI_ENV_CACHE=$WORK/env-cache TUTTI_ENGINE_PYTHON=$WORK/bin/python-env "$env_repo/tools/python/engine-env.sh" vllm > "$WORK/env.out" 2>&1
+check "engine-env.sh with stand-ins: exit 0, an environment of the cache on its last line" "0 yes" \
+    "$? $(case $(tail -n 1 "$WORK/env.out") in "$WORK/env-cache/engines/vllm-"*) echo yes ;; *) echo "no: $(cat "$WORK/env.out")" ;; esac)"
+check "engine-env.sh: its build ran (and left a detached process)" yes "$([ -s "$WORK/detached-env.pid" ] && echo yes || echo no)"
+check "engine-env.sh: its lock free once it has exited, though its build left a detached process" free \
+    "$(flock -n "$WORK/env-cache/engines/.vllm.lock" true && echo free || echo held)"
+kill -KILL "$(cat "$WORK/detached-env.pid" 2> /dev/null)" 2> /dev/null
 
 if [ "$failures" -gt 0 ]; then
     echo "stage-scripts-test: $failures check(s) failed" >&2

@@ -174,6 +174,12 @@ if ((existing)); then
     exit 1
 fi
 
+# The lock (fd 9) is closed for every command run while it is held (`9>&-` on the functions
+# and checks below; the shell itself keeps it): a flock belongs to the open file, which a child
+# inherits with the fd, so a process a pip build leaves running detached (a compiler cache's
+# server started by a source build) would hold this engine's lock for as long as it runs, and
+# every later engine-env.sh of the machine would wait TUTTI_ENV_LOCK_WAIT_S for it and fail.
+# (ready prunes under the lock and starts nothing that outlives it.)
 mkdir -p "$cache_root"
 exec 9>"$cache_root/.$engine.lock"
 lock_wait_s=${TUTTI_ENV_LOCK_WAIT_S:-3000}
@@ -182,7 +188,7 @@ flock -w "$lock_wait_s" 9 || {
     exit 1
 }
 
-if complete; then
+if complete 9>&-; then
     ready
 fi
 
@@ -191,8 +197,8 @@ echo "engine-env: building $env_dir ($key_text)" >&2
 # reinstalled (repair_records), unless the venv itself is broken: `python -m venv` writes
 # bin/python before ensurepip installs pip, so an interrupted creation leaves a python without
 # pip, which no rerun could repair.
-repair_records
-if complete; then
+repair_records 9>&-
+if complete 9>&-; then
     ready
 fi
 # pip at the constraints' version: upgraded only when it is not (asking the index on every
@@ -215,17 +221,17 @@ build_env() {
     "$env_dir/bin/python" -m pip install --quiet -c "$constraints" "$test_pin" >&2
     printf '%s\n' "$key_text" >"$env_dir/tutti-env-pins.txt"
 }
-build_env
+build_env 9>&-
 # Files a distribution lists missing right after the install (a RECORD pip wrote wrong, a full
 # disk): reinstalled, and if that does not do, the environment built once more from nothing.
-repair_records
-[[ -d "$env_dir" ]] || build_env
+repair_records 9>&-
+[[ -d "$env_dir" ]] || build_env 9>&-
 
-if ! "$env_dir/bin/python" -c "$check" >&2; then
+if ! "$env_dir/bin/python" -c "$check" >&2 9>&-; then
     echo "engine-env: $env_dir was installed but does not load what the tests need (see above)" >&2
     exit 1
 fi
-if ! "$env_dir/bin/python" -c "$records_whole" >&2; then
+if ! "$env_dir/bin/python" -c "$records_whole" >&2 9>&-; then
     echo "engine-env: $env_dir was installed but files its distributions list are missing (see above)" >&2
     exit 1
 fi
