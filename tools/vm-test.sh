@@ -22,7 +22,7 @@
 #   --smoke                  boot, bind to vfio-pci by hand, list the VFIO nodes: no project code
 #   --shell                  like --probe, then an interactive guest shell (debugging)
 #
-# Before booting, tools/vm/harness-test.sh checks the boot logic against a stand-in QEMU (~15 s).
+# Before booting, tools/vm/harness-test.sh checks the boot logic against a stand-in QEMU (~40 s).
 #
 # Environment (all optional):
 #   TUTTI_VM_DIR             cache: kernel, debs, images, logs (default <repo>/.tools/vm)
