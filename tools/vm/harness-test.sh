@@ -241,7 +241,8 @@ interrupted_step() { # WHAT HANG STEP [ENV...]
         'set -euo pipefail && . "$1" && POLICY_RC_D=$2/policy-rc.d POLICY_RC_D_SAVED=$2/saved POLICY_RC_D_LOCK=$2/lock && "$3"' \
         step "$HERE/lib.sh" "$WORK/policy" "$step" < /dev/null > /dev/null 2> "$WORK/step-$hang-$step.err" &
     sitting=$!
-    sitting_sleeps || :
+    # (A step that never started would end at once: the checks after would pass without it.)
+    check "$what: the stand-in's step started" yes "$(sitting_sleeps && echo yes || echo no)"
     sleep 1
     kill -INT -- "-$sitting"
     # (sitting_ends's `wait` returns the step's status: not to be taken for this script's failure.)
@@ -250,6 +251,8 @@ interrupted_step() { # WHAT HANG STEP [ENV...]
     set -e
     check "$what: SIGINT in it: exit 130 within 10 s (the stand-in sleeps 60 s)" 130 "$ended"
     check "$what: SIGINT: nothing left of it running" "" "$left"
+    check "$what: SIGINT: said on the script's standard error (not only in its log)" 1 \
+        "$(grep -c "interrupted (SIGINT): '.*' stopped" "$WORK/step-$hang-$step.err")"
     check "$what: SIGINT: no policy-rc.d left in place" no "$([ -e "$WORK/policy/policy-rc.d" ] && echo yes || echo no)"
 }
 interrupted_step "vm_install_host_tools, apt-get install" apt-get vm_install_host_tools

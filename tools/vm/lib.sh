@@ -18,7 +18,8 @@
 
 VM_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 # dpkg_configure_pending (an interrupted dpkg run finished with service starts forbidden), and
-# through it tools/lib/process.sh's interruptible_timeout (the apt-get steps below).
+# through it tools/lib/process.sh's timeout_interruptibly and interrupted_exit (vm_logged: the
+# apt-get steps below).
 # shellcheck source=tools/lib/dpkg.sh
 . "$VM_REPO/tools/lib/dpkg.sh"
 VM_DIR=${TUTTI_VM_DIR:-$VM_REPO/.tools/vm}
@@ -39,6 +40,16 @@ vm_die() {
 # first (until it is, every apt-get install fails), with service starts forbidden
 # (dpkg_configure_pending: an etcd-server left half-installed would otherwise be configured with
 # its service enabled and started).
+# vm_logged LOG SECONDS COMMAND [ARG...]: interruptible_timeout SECONDS COMMAND..., its output
+# appended to LOG, while an interrupt is said on the script's standard error (the terminal), not
+# in LOG: redirected around interruptible_timeout, its message would go to the log alone.
+vm_logged() {
+    local log=$1 status=0
+    shift
+    timeout_interruptibly "$@" >> "$log" 2>&1 || status=$?
+    interrupted_exit "$2"
+    return "$status"
+}
 vm_static_busybox() { dpkg -L busybox-static 2> /dev/null | grep -m1 '/busybox$' || true; }
 vm_busybox_runs() {
     local busybox
@@ -78,9 +89,9 @@ vm_install_host_tools() {
         fi
         # DPkg::Lock::Timeout: a concurrent apt-get (another clone's run) is waited for, up to 10
         # minutes, instead of failing at once.
-        if ! interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1; then
-            interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/apt.log" 2>&1 || true
-            interruptible_timeout 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" >> "$VM_DIR/logs/apt.log" 2>&1 ||
+        if ! vm_logged "$VM_DIR/logs/apt.log" 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}"; then
+            vm_logged "$VM_DIR/logs/apt.log" 900 apt-get -o DPkg::Lock::Timeout=600 update -qq || true
+            vm_logged "$VM_DIR/logs/apt.log" 1200 apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${reinstall[@]}" "${missing[@]}" ||
                 vm_die "apt-get install ${missing[*]} failed; see $VM_DIR/logs/apt.log"
         fi
         timeout 60 qemu-system-x86_64 -version > /dev/null 2>&1 || vm_die "qemu-system-x86_64 does not run after installing qemu-system-x86"
@@ -105,7 +116,7 @@ vm_prepare_kernel() {
     else
         package=$(vm_kernel_target_package)
         if [ -z "$package" ]; then
-            interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq > /dev/null 2>&1 || true
+            vm_logged /dev/null 900 apt-get -o DPkg::Lock::Timeout=600 update -qq || true
             package=$(vm_kernel_target_package)
         fi
         [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package (apt-get update?)"
@@ -120,13 +131,14 @@ vm_prepare_kernel() {
         deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
         if [ -z "$deb" ]; then
             vm_log "downloading $package"
-            # env -C, not a `(cd ... && ...)` subshell: interruptible_timeout's exit on Ctrl-C
+            # env -C, not a `(cd ... && ...)` subshell: vm_logged's exit on Ctrl-C
             # would end the subshell only, and this script would go on.
-            if ! interruptible_timeout 900 env -C "$VM_DIR/debs" apt-get download "$package" > "$VM_DIR/logs/download.log" 2>&1; then
+            : > "$VM_DIR/logs/download.log"
+            if ! vm_logged "$VM_DIR/logs/download.log" 900 env -C "$VM_DIR/debs" apt-get download "$package"; then
                 # Stale package lists name a kernel build the archive has since replaced (a
                 # 404): update them, resolve linux-image-amd64 again, and try once more.
                 vm_log "apt-get download $package failed; updating the package lists and retrying once"
-                interruptible_timeout 900 apt-get -o DPkg::Lock::Timeout=600 update -qq >> "$VM_DIR/logs/download.log" 2>&1 || true
+                vm_logged "$VM_DIR/logs/download.log" 900 apt-get -o DPkg::Lock::Timeout=600 update -qq || true
                 if [ -z "${TUTTI_VM_KERNEL_PACKAGE:-}" ]; then
                     package=$(vm_kernel_target_package)
                     [ -n "$package" ] || vm_die "cannot resolve linux-image-amd64 to a kernel package after apt-get update"
@@ -134,7 +146,7 @@ vm_prepare_kernel() {
                     VM_KROOT=$VM_DIR/kernel/$package
                     VM_VMLINUX=$VM_KROOT/vmlinux
                 fi
-                interruptible_timeout 900 env -C "$VM_DIR/debs" apt-get download "$package" >> "$VM_DIR/logs/download.log" 2>&1 ||
+                vm_logged "$VM_DIR/logs/download.log" 900 env -C "$VM_DIR/debs" apt-get download "$package" ||
                     vm_die "apt-get download $package failed (after apt-get update too); see $VM_DIR/logs/download.log"
             fi
             deb=$(ls "$VM_DIR"/debs/"${package}"_*.deb 2> /dev/null | head -n1 || true)
