@@ -70,7 +70,11 @@ chmod +x "$WORK/bin"/*
 setsid env --default-signal=INT PATH="$WORK/bin:$PATH" LIBCLANG_PATH=/nonexistent/libclang.so "$SCRIPT" \
   </dev/null >/dev/null 2>"$WORK/interrupt.err" &
 sitting=$!
-sitting_sleeps || :
+# A stand-in apt-get that never ran would let the script end at once: not a pass.
+if ! sitting_sleeps; then
+  echo "check-bindings-test: FAILED: the stand-in apt-get's sleep never ran in the script's session (within 10 s): $(cat "$WORK/interrupt.err")" >&2
+  failed=1
+fi
 sleep 1
 kill -INT -- "-$sitting"
 set +e # (sitting_ends's `wait` returns the script's status)
