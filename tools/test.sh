@@ -395,7 +395,7 @@ run_stage() {
 # the stage meanwhile (on_signal) kills this shell before it empties the session, and what the
 # script left there, handed to init, is reached through that id alone.
 bounded() {
-    local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line started expired=''
+    local limit=$1 sidfile sid rc pid pids tenths pass remaining=() line started expired='' proc_fields=()
     shift
     sidfile=$(mktemp -p "$run_tmp" bounded-sid.XXXXXX) || return 1
     started=$SECONDS
@@ -422,6 +422,9 @@ bounded() {
             [ "$rc" != 0 ] || rc=1
         fi
         for pid in $pids; do
+            # A zombie has ended, as kill_tree counts it (session_pids left those out; one may
+            # have ended since).
+            proc_stat "/proc/$pid/stat" && [ "${proc_fields[0]:-}" != Z ] || continue
             line=$(proc_describe "$pid") && remaining+=("$line")
         done
         if [ ${#remaining[@]} -gt 0 ]; then
