@@ -20,10 +20,13 @@ use objstore::format::{
     encode_empty_entry, header_entry_bytes, looks_like_unfinished_format, pool_tag, HeaderVerdict, SlotHeader, Superblock,
     FLAG_PAYLOAD_CRC, GENERATION_MAX, SUPERBLOCK_ENCODED_BYTES, SUPERBLOCK_REGION_BYTES,
 };
+use objstore::hash::KeySecret;
 use objstore::ModelGeometry;
 
 /// The pool the planned superblock belongs to (the fuzzer finds its tag by comparison).
 const POOL_UUID: [u8; 16] = *b"fuzzed tutti kv!";
+/// Its key secret (any non-zero bytes: it changes no layout or header check).
+const SECRET: [u8; 32] = *b"fuzzed tutti kv! fuzzed tutti kv";
 
 fuzz_target!(|data: &[u8]| {
     let Some((params, device_bytes)) = data.split_first_chunk::<16>() else { return };
@@ -47,7 +50,19 @@ fuzz_target!(|data: &[u8]| {
     let geometry = ModelGeometry { layers: 2, kv_heads: 16, head_dim: 128, dtype_bytes: 2, block_tokens: 16 };
     let slot_bytes = geometry.block_bytes() * u64::from(k);
     let planned_blocks = ((4 << 20) + 4 * slot_bytes) / u64::from(lba_bytes);
-    let superblock = Superblock::plan(geometry, k, lba_bytes, planned_blocks, None, POOL_UUID, 0, 1, flags).expect("a plannable pool");
+    let superblock = Superblock::plan(
+        geometry,
+        k,
+        lba_bytes,
+        planned_blocks,
+        None,
+        POOL_UUID,
+        0,
+        1,
+        flags,
+        KeySecret::from_bytes(SECRET).expect("a non-zero secret"),
+    )
+    .expect("a plannable pool");
     let entry_bytes = header_entry_bytes(k) as usize;
     if let Some(entry) = device_bytes.len().checked_sub(entry_bytes).map(|start| &device_bytes[start..]) {
         let tag = pool_tag(&POOL_UUID);

@@ -68,7 +68,14 @@ pub fn targets(controller: &Arc<Controller>, namespaces: &[u32]) -> Vec<PoolTarg
 }
 
 pub fn format(targets: &[PoolTarget], k: u32, slots: Option<u64>) {
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: k, slot_count_max: slots, pool_uuid: None, payload_crc: true };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: k,
+        slot_count_max: slots,
+        pool_uuid: None,
+        payload_crc: true,
+        key_secret: None,
+    };
     format_pool(targets, &params).expect("format");
 }
 

@@ -98,6 +98,13 @@ pub enum ObjstoreError {
     NewerFormatVersion { device: usize, found: u32, supported: u32, sealed: bool },
     #[error("device {device}: superblock format version {found} is older than this build's {supported}: {reason}")]
     OlderFormatVersion { device: usize, found: u32, supported: u32, reason: &'static str },
+    /// A key secret that cannot be used (all zeroes, a malformed secret file). The reason never
+    /// holds the secret or the file's text.
+    #[error("key secret: {reason}")]
+    KeySecret { reason: String },
+    /// The source of a key secret could not be read (`/dev/urandom`, a secret file).
+    #[error("key secret: reading {path}: {source}")]
+    KeySecretSource { path: String, source: std::io::Error },
     #[error("pool geometry mismatch: the pool was formatted for {on_disk}, the registration is {registered}")]
     GeometryMismatch { on_disk: ModelGeometry, registered: ModelGeometry },
     #[error("device {device}: {reason}")]

@@ -15,15 +15,18 @@
 
 use crate::error::{ObjstoreError, Result};
 use crate::geometry::ModelGeometry;
+use crate::hash::{KeySecret, KEY_SECRET_BYTES};
 
 pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
-/// 4: block keys are SHA-256 based (`hash::chain_hash`), so matching a given prefix's key takes
-/// a ~2^64 search (2^64/T against any of T keys; see `hash`); the layout is version 3's. Version 3 (keys of the earlier fast
-/// mix), version 2 (also all-zero Empty entries, one payload CRC per slot) and version 1 (keys of
-/// the first hash scheme) are refused. Version 3 introduced Empty slot headers carrying the pool
-/// tag, slot number and a CRC (a zeroed header region is damage, not an empty pool) and payload
-/// CRCs per block.
-pub const FORMAT_VERSION: u32 = 4;
+/// 5: block keys are keyed: each key space's chain starts from SHA-256 of the pool's key secret
+/// (bytes 120..152 of the superblock, [`KeySecret`]) and the space's seed
+/// (`hash::keyed_chain_start`), so no one without the secret can compute a key (or search for
+/// colliding prefixes); otherwise the layout is version 4's. Version 4 (SHA-256 keys, unkeyed:
+/// computable by anyone), version 3 (keys of the earlier fast mix), version 2 (also all-zero
+/// Empty entries, one payload CRC per slot) and version 1 (keys of the first hash scheme) are
+/// refused. Version 3 introduced Empty slot headers carrying the pool tag, slot number and a
+/// CRC (a zeroed header region is damage, not an empty pool) and payload CRCs per block.
+pub const FORMAT_VERSION: u32 = 5;
 pub const SUPERBLOCK_ENCODED_BYTES: usize = 256;
 /// The superblock region: one 4 KiB unit whatever the LBA size, so headers start at byte 4096.
 pub const SUPERBLOCK_REGION_BYTES: u64 = 4096;
@@ -38,6 +41,10 @@ const SLOT_HEADER_FIXED_BYTES: usize = 32;
 const SLOT_HEADER_BLOCK_BYTES: usize = 16;
 const SLOT_HEADER_CRC_BYTES: u64 = 4;
 const SUPERBLOCK_CRC_OFFSET: usize = SUPERBLOCK_ENCODED_BYTES - 4;
+/// Where the key secret lies in the superblock (bytes 120..152); reserved zero bytes follow up
+/// to the CRC.
+const KEY_SECRET_OFFSET: usize = 120;
+const KEY_SECRET_END: usize = KEY_SECRET_OFFSET + KEY_SECRET_BYTES;
 
 /// Why a pool of an older format version cannot be opened, `None` for the current one.
 fn older_version_reason(version: u32) -> Option<&'static str> {
@@ -54,11 +61,17 @@ fn older_version_reason(version: u32) -> Option<&'static str> {
         // Same layout, but its keys are of the earlier fast mix (cheap to collide on purpose):
         // its blocks could never be found under the SHA-256 keys.
         3 => Some("its block keys use the earlier hash scheme; reformat it (`tutti pool format`)"),
+        // Same layout, but its keys are unkeyed (no secret in the superblock): anyone can
+        // compute them and search for prefixes that collide; reformatting gives it a secret.
+        4 => Some(
+            "its block keys are unkeyed, computable by anyone (prefixes that collide can be searched for); reformat it \
+             (`tutti pool format`), which gives it a key secret",
+        ),
         _ => None,
     }
 }
 
-/// Everything the superblock records.
+/// Everything the superblock records. Its `Debug` prints no secret ([`KeySecret`]'s is redacted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Superblock {
     pub version: u32,
@@ -75,6 +88,9 @@ pub struct Superblock {
     pub header_lba: u64,
     pub header_blocks: u64,
     pub data_lba: u64,
+    /// The pool's key secret (the same on every device of the pool): where every key space's
+    /// chain starts from (`hash::keyed_chain_start`).
+    pub key_secret: KeySecret,
 }
 
 fn u32_at(bytes: &[u8], offset: usize) -> u32 {
@@ -135,6 +151,7 @@ impl Superblock {
         device_index: u32,
         device_count: u32,
         flags: u32,
+        key_secret: KeySecret,
     ) -> Result<Self> {
         geometry.validate()?;
         let invalid = |reason: String| ObjstoreError::InvalidFormat { reason };
@@ -198,6 +215,7 @@ impl Superblock {
             header_lba: header_start / lba,
             header_blocks: header_bytes / lba,
             data_lba: data_start / lba,
+            key_secret,
         })
     }
 
@@ -223,6 +241,7 @@ impl Superblock {
         put_u64(&mut b, 96, self.header_lba);
         put_u64(&mut b, 104, self.header_blocks);
         put_u64(&mut b, 112, self.data_lba);
+        b[KEY_SECRET_OFFSET..KEY_SECRET_END].copy_from_slice(self.key_secret.as_bytes());
         let crc = crc32fast::hash(&b[..SUPERBLOCK_CRC_OFFSET]);
         put_u32(&mut b, SUPERBLOCK_CRC_OFFSET, crc);
         b
@@ -270,6 +289,9 @@ impl Superblock {
             dtype_bytes: u32_at(bytes, 52),
             block_tokens: u32_at(bytes, 56),
         };
+        let secret_bytes: [u8; KEY_SECRET_BYTES] = bytes[KEY_SECRET_OFFSET..KEY_SECRET_END].try_into().expect("32-byte slice");
+        // The error says what is wrong with the field, never its bytes.
+        let key_secret = KeySecret::from_bytes(secret_bytes).map_err(|_| corrupt("its key secret is all zeroes (never set)".into()))?;
         let superblock = Self {
             version,
             pool_uuid: bytes[16..32].try_into().expect("16-byte slice"),
@@ -285,6 +307,7 @@ impl Superblock {
             header_lba: u64_at(bytes, 96),
             header_blocks: u64_at(bytes, 104),
             data_lba: u64_at(bytes, 112),
+            key_secret,
         };
         if superblock.flags & !FLAGS_KNOWN != 0 {
             return Err(corrupt(format!(
@@ -293,7 +316,7 @@ impl Superblock {
                 superblock.flags & !FLAGS_KNOWN
             )));
         }
-        if u32_at(bytes, 76) != 0 || bytes[120..SUPERBLOCK_CRC_OFFSET].iter().any(|&byte| byte != 0) {
+        if u32_at(bytes, 76) != 0 || bytes[KEY_SECRET_END..SUPERBLOCK_CRC_OFFSET].iter().any(|&byte| byte != 0) {
             return Err(corrupt("reserved bytes are not zero".into()));
         }
         // A CRC-valid superblock can still describe a layout that does not fit this namespace
@@ -311,6 +334,7 @@ impl Superblock {
             superblock.device_index,
             superblock.device_count,
             superblock.flags,
+            superblock.key_secret,
         )
         .map_err(|error| corrupt(format!("layout does not fit this namespace: {error}")))?;
         if expected != superblock {
@@ -622,8 +646,51 @@ mod tests {
         // 4 KiB objects
     }
 
+    fn test_secret() -> KeySecret {
+        KeySecret::from_bytes([0x5a; KEY_SECRET_BYTES]).unwrap()
+    }
+
+    #[test]
+    fn the_key_secret_is_kept_at_bytes_120_to_152_and_never_printed() {
+        // Goal: version 5 records the pool's key secret at bytes 120..152 (what docs/objstore.md's
+        // table says) and reads it back; an all-zero one (a field never written) is corrupt; the
+        // bytes after it stay reserved zero; and neither the superblock's Debug nor the error
+        // prints a byte of it.
+        let secret = KeySecret::from_bytes(core::array::from_fn(|i| 0xa0 + i as u8)).unwrap();
+        let superblock = Superblock::plan(small(), 1, 512, 16 << 11, None, [7; 16], 0, 1, 0, secret).unwrap();
+        let good = superblock.encode();
+        assert_eq!(&good[120..152], secret.as_bytes());
+        let decoded = Superblock::decode(&good, 0, 512, 16 << 11).unwrap();
+        assert_eq!(decoded.key_secret, secret);
+        assert_eq!(decoded, superblock);
+        let printed = format!("{decoded:?} {decoded:#?}");
+        assert!(printed.contains("KeySecret(<redacted>)"), "{printed}");
+        // The bytes as Debug of an array, or as hex, would show these.
+        for needle in ["160, 161", "a0a1", "0xa0, 0xa1", "160,\n"] {
+            assert!(!printed.contains(needle), "{printed}");
+        }
+        let reseal = |mut bytes: [u8; SUPERBLOCK_ENCODED_BYTES]| {
+            let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
+            put_u32(&mut bytes, SUPERBLOCK_CRC_OFFSET, crc);
+            bytes
+        };
+        let mut zeroed = good;
+        zeroed[120..152].fill(0);
+        let error = Superblock::decode(&reseal(zeroed), 2, 512, 16 << 11).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::CorruptSuperblock { device: 2, reason } if reason.contains("key secret")), "{error}");
+        let mut reserved = good;
+        reserved[152] = 1;
+        let error = Superblock::decode(&reseal(reserved), 0, 512, 16 << 11).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::CorruptSuperblock { reason, .. } if reason.contains("reserved")), "{error}");
+        let mut other = good;
+        other[130] ^= 1;
+        let other = Superblock::decode(&reseal(other), 0, 512, 16 << 11).unwrap();
+        assert_ne!(other.key_secret, secret);
+        assert_eq!(Superblock { key_secret: secret, ..other }, superblock);
+    }
+
     fn plan() -> Superblock {
-        Superblock::plan(small(), 1, 512, 16 << 11, None, [7; 16], 0, 2, 0).unwrap()
+        Superblock::plan(small(), 1, 512, 16 << 11, None, [7; 16], 0, 2, 0, test_secret()).unwrap()
     }
 
     #[test]
@@ -667,7 +734,7 @@ mod tests {
         assert_eq!(sb.slot_bytes, 16384);
         assert_eq!(sb.layer_stride_blocks(), 16);
         assert_eq!(Superblock::decode(&sb.encode(), 0, 512, 16 << 11).unwrap(), sb);
-        let k4 = Superblock::plan(small(), 4, 512, 16 << 11, Some(10), [7; 16], 1, 2, 0).unwrap();
+        let k4 = Superblock::plan(small(), 4, 512, 16 << 11, Some(10), [7; 16], 1, 2, 0, test_secret()).unwrap();
         assert_eq!(k4.slot_count, 10);
         assert_eq!(k4.header_entry_bytes, 128);
         assert_eq!(k4.layer_stride_blocks(), 64);
@@ -696,7 +763,7 @@ mod tests {
         let error = Superblock::decode(&sb.encode(), 0, 512, size_blocks / 2).unwrap_err();
         assert!(matches!(error, ObjstoreError::CorruptSuperblock { .. }), "{error}");
         // A pool formatted with fewer slots than its namespace holds also fits a smaller one.
-        let few = Superblock::plan(small(), 1, 512, size_blocks, Some(16), [7; 16], 0, 2, 0).unwrap();
+        let few = Superblock::plan(small(), 1, 512, size_blocks, Some(16), [7; 16], 0, 2, 0, test_secret()).unwrap();
         assert_eq!(Superblock::decode(&few.encode(), 0, 512, size_blocks / 2).unwrap(), few);
     }
 
@@ -740,8 +807,10 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        for older in [1, 2, 3] {
+        for older in [1, 2, 3, 4] {
             let mut bytes = good;
+            // Versions before 5 kept these bytes zero (reserved): so does the one tested here.
+            bytes[KEY_SECRET_OFFSET..KEY_SECRET_END].fill(0);
             put_u32(&mut bytes, 8, older);
             let crc = crc32fast::hash(&bytes[..SUPERBLOCK_CRC_OFFSET]);
             put_u32(&mut bytes, SUPERBLOCK_CRC_OFFSET, crc);
@@ -753,6 +822,9 @@ mod tests {
             assert!(error.to_string().contains("tutti pool format"), "{error}");
             if older == 3 {
                 assert!(error.to_string().contains("earlier hash scheme"), "{error}");
+            }
+            if older == 4 {
+                assert!(error.to_string().contains("unkeyed"), "{error}");
             }
         }
         assert!(matches!(
@@ -805,9 +877,9 @@ mod tests {
         // truncated (`slot_count as u32`), the index built for a handful of slots.
         let huge_namespace = 1u64 << 50;
         let over = (1u64 << 32) + 10;
-        let error = Superblock::plan(small(), 1, 512, huge_namespace, Some(over), [7; 16], 0, 1, 0).unwrap_err();
+        let error = Superblock::plan(small(), 1, 512, huge_namespace, Some(over), [7; 16], 0, 1, 0, test_secret()).unwrap_err();
         assert!(matches!(&error, ObjstoreError::InvalidFormat { reason } if reason.contains("at most")), "{error}");
-        let most = Superblock::plan(small(), 1, 512, huge_namespace, Some(u64::from(u32::MAX)), [7; 16], 0, 1, 0).unwrap();
+        let most = Superblock::plan(small(), 1, 512, huge_namespace, Some(u64::from(u32::MAX)), [7; 16], 0, 1, 0, test_secret()).unwrap();
         assert_eq!(most.slot_count, u64::from(u32::MAX));
         let mut bytes = most.encode();
         put_u64(&mut bytes, 80, over);
@@ -823,7 +895,7 @@ mod tests {
         // the newest commit: taken as the pool's generation, the next commit would overflow
         // (or wrap, making every later header lose to older ones). GENERATION_MAX itself, the
         // largest the pool stages, is accepted.
-        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, 0).unwrap();
+        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, 0, test_secret()).unwrap();
         let header = |generation| SlotHeader {
             generation,
             pool_tag: pool_tag(&sb.pool_uuid),
@@ -847,7 +919,7 @@ mod tests {
         // found at another slot's position is refused (never data from the wrong slot); so
         // is a Valid header whose payload-CRC flag disagrees with the pool's.
         for pool_flags in [0, FLAG_PAYLOAD_CRC] {
-            let sb = Superblock::plan(small(), 3, 512, 16 << 11, None, [9; 16], 0, 1, pool_flags).unwrap();
+            let sb = Superblock::plan(small(), 3, 512, 16 << 11, None, [9; 16], 0, 1, pool_flags, test_secret()).unwrap();
             let crcs = pool_flags != 0;
             let crc = |value: u32| if crcs { value } else { 0 };
             let header = SlotHeader {
@@ -885,7 +957,7 @@ mod tests {
         // Goal: the Empty entry format writes decodes as Empty only for its own pool and slot,
         // every single-byte flip of it is refused, and an all-zero entry (a zeroed header
         // region) is `Zeroed`, not Empty: committed blocks cannot vanish silently.
-        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, FLAG_PAYLOAD_CRC).unwrap();
+        let sb = Superblock::plan(small(), 1, 512, 16 << 11, None, [9; 16], 0, 1, FLAG_PAYLOAD_CRC, test_secret()).unwrap();
         let mut entry = vec![0u8; sb.header_entry_bytes as usize];
         encode_empty_entry(&mut entry, 7, pool_tag(&sb.pool_uuid), 3);
         assert_eq!(SlotHeader::decode(&entry, 3, &sb), Err(HeaderVerdict::Empty));

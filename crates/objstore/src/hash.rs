@@ -30,12 +30,16 @@
 //!   prompt whose first i+1 blocks differ from B's is not.
 //! - By accident: for a pool of 10^6 blocks the chance of any collision is ~3e-8.
 //!
-//! A keyed hash, a secret in the seed, would remove both searches (an attacker could not
-//! compute a key) at the same cost per block: the seed is hashed once per key space. Not done:
-//! every node of a cluster, and every process opening a pool, must compute the same keys, so it
-//! needs a secret shared cluster-wide, kept in the superblock or the daemon's configuration.
-//! Widening keys to 128 bits (index, protocol, cluster registry) would raise the birthday
-//! search to ~2^64 but is a larger format and protocol change, not done either.
+//! Hence keys are keyed (format version 5): the chain of a key space starts from
+//! [`keyed_chain_start`], SHA-256 of the pool's [`KeySecret`] (32 random bytes in every device's
+//! superblock, one per pool, shared by every node of a cluster through a secret file) and the
+//! space's seed. Without the secret no key can be computed, so neither search can be run: an
+//! attacker can no longer tell which of its prefixes collide. The cost is one hash per key
+//! space (when a store's seed is set, when a daemon session says Hello), none per block. What
+//! remains: whoever reads the superblock (the pool's devices) or is a tuttid client (trusted
+//! anyway, below) can compute keys; and accidental collisions, as above. Widening keys to 128
+//! bits (index, protocol, cluster registry) would make the birthday search ~2^64 even for those,
+//! but is a larger format and protocol change, not done.
 //!
 //! Keys made from an engine's own block hash (vLLM's offloading tier, SGLang's HiCache: the
 //! tokens are words of SHA-256 of the engine's key, python/tutti/_engine.py `hash_tokens`) are
@@ -49,6 +53,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::error::ObjstoreError;
+
 /// The domain tag, first in every hashed message: a fixed length, so the fields after it are
 /// at fixed offsets, and a new encoding takes a new tag (and format version).
 const DOMAIN: &[u8; 14] = b"tutti-block-v1";
@@ -56,6 +62,20 @@ const DOMAIN: &[u8; 14] = b"tutti-block-v1";
 /// is derived as a block's key, whatever its tokens and block size (it equals one only by a
 /// 64-bit accident or a ~2^64 search).
 const SPACE_DOMAIN: &[u8; 14] = b"tutti-space-v1";
+/// The tag of a keyed chain start ([`keyed_chain_start`]), of the same length as [`DOMAIN`] and
+/// [`SPACE_DOMAIN`]: the three tags differ and each message starts with its tag, so no message
+/// hashed under one is a message hashed under another. A chain start is thus never derived as a
+/// block's key or a space's seed (it equals one only by a 64-bit accident, and nobody without
+/// the secret can search for one).
+const KEYED_DOMAIN: &[u8; 14] = b"tutti-keyed-v1";
+/// The bytes of a [`KeySecret`].
+pub const KEY_SECRET_BYTES: usize = 32;
+/// Where [`KeySecret::random`] reads: the kernel's CSPRNG, which never blocks once seeded at boot.
+const RANDOM_SOURCE: &str = "/dev/urandom";
+/// The bytes of a key secret file read at most: 64 hex digits and some trailing whitespace. A
+/// bound, so a path naming something huge (a device, a log) is refused without reading it all.
+const SECRET_FILE_BYTES_MAX: u64 = 4096;
+
 /// Tokens converted to little-endian bytes per SHA-256 update (a 256-byte stack buffer): no
 /// allocation per block, and one update for the usual 16- or 32-token block.
 const TOKENS_PER_UPDATE: usize = 64;
@@ -78,6 +98,140 @@ pub fn chain_hash(previous: u64, tokens: &[u32]) -> u64 {
 /// one only by a 64-bit accident or a ~2^64 search). Never 0.
 pub fn space_seed(words: &[u32]) -> u64 {
     tagged_hash(SPACE_DOMAIN, 0, words)
+}
+
+/// A pool's key secret: 32 bytes mixed into the start of every key space's chain
+/// ([`keyed_chain_start`]), so that only who holds it can compute block keys. Stored in every
+/// device's superblock (format version 5); every node of a cluster formats its pool with the
+/// same one (a secret file) so their keys agree.
+///
+/// Its `Debug` prints no byte of it ([`KeySecret::tag`] is a non-secret name for it), and it
+/// has no `Display`: anything that prints a superblock or an error prints no secret.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct KeySecret([u8; KEY_SECRET_BYTES]);
+
+impl std::fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeySecret(<redacted>)")
+    }
+}
+
+/// The tag of [`KeySecret::tag`]'s hash: its own, so the printed name is no chain start or key.
+const SECRET_TAG_DOMAIN: &[u8; 14] = b"tutti-sname-v1";
+
+impl KeySecret {
+    /// A secret of these bytes. All zeroes is refused: it is what a reserved (never written)
+    /// field reads as, so it would mean "no secret" rather than one.
+    pub fn from_bytes(bytes: [u8; KEY_SECRET_BYTES]) -> Result<Self, ObjstoreError> {
+        if bytes.iter().all(|&byte| byte == 0) {
+            return Err(ObjstoreError::KeySecret { reason: "all 32 bytes are zero (an unset secret)".into() });
+        }
+        Ok(Self(bytes))
+    }
+
+    /// A fresh secret from the operating system's random source (`/dev/urandom`).
+    pub fn random() -> Result<Self, ObjstoreError> {
+        use std::io::Read;
+        let source = |error: std::io::Error| ObjstoreError::KeySecretSource { path: RANDOM_SOURCE.into(), source: error };
+        let mut bytes = [0u8; KEY_SECRET_BYTES];
+        std::fs::File::open(RANDOM_SOURCE).and_then(|mut file| file.read_exact(&mut bytes)).map_err(source)?;
+        // All zeroes from a working CSPRNG has probability 2^-256: a source that gives it is broken.
+        Self::from_bytes(bytes)
+    }
+
+    /// Parses a secret file's text: exactly 64 hex digits (either case), then optionally
+    /// whitespace (a trailing newline). The error names what is wrong, never the text itself.
+    pub fn from_hex(text: &[u8]) -> Result<Self, ObjstoreError> {
+        let invalid = |reason: String| ObjstoreError::KeySecret { reason };
+        let end = text.iter().rposition(|byte| !byte.is_ascii_whitespace()).map_or(0, |last| last + 1);
+        let digits = &text[..end];
+        if digits.len() != 2 * KEY_SECRET_BYTES {
+            return Err(invalid(format!(
+                "expected exactly {} hex digits and an optional trailing newline, found {} bytes before the trailing whitespace",
+                2 * KEY_SECRET_BYTES,
+                digits.len()
+            )));
+        }
+        let mut bytes = [0u8; KEY_SECRET_BYTES];
+        for (position, (byte, pair)) in bytes.iter_mut().zip(digits.chunks_exact(2)).enumerate() {
+            let nibble = |digit: u8| (digit as char).to_digit(16);
+            let (Some(high), Some(low)) = (nibble(pair[0]), nibble(pair[1])) else {
+                return Err(invalid(format!(
+                    "byte {} of the file is not a hex digit",
+                    2 * position + usize::from(nibble(pair[0]).is_some())
+                )));
+            };
+            *byte = (high << 4 | low) as u8;
+        }
+        Self::from_bytes(bytes)
+    }
+
+    /// Reads a secret file ([`KeySecret::from_hex`]'s text) at `path`, with its permission bits
+    /// so the caller can warn when group or others may read it ([`SecretFile::readable_by_others`]).
+    pub fn read_file(path: &std::path::Path) -> Result<SecretFile, ObjstoreError> {
+        use std::io::Read;
+        use std::os::unix::fs::PermissionsExt;
+        let source = |error: std::io::Error| ObjstoreError::KeySecretSource { path: path.display().to_string(), source: error };
+        let file = std::fs::File::open(path).map_err(source)?;
+        let mode = file.metadata().map_err(source)?.permissions().mode();
+        let mut text = Vec::with_capacity(2 * KEY_SECRET_BYTES + 1);
+        file.take(SECRET_FILE_BYTES_MAX + 1).read_to_end(&mut text).map_err(source)?;
+        if text.len() as u64 > SECRET_FILE_BYTES_MAX {
+            return Err(ObjstoreError::KeySecret { reason: format!("{}: longer than {SECRET_FILE_BYTES_MAX} bytes", path.display()) });
+        }
+        let secret = Self::from_hex(&text).map_err(|error| match error {
+            ObjstoreError::KeySecret { reason } => ObjstoreError::KeySecret { reason: format!("{}: {reason}", path.display()) },
+            other => other,
+        })?;
+        Ok(SecretFile { secret, mode })
+    }
+
+    /// The secret's bytes, for the superblock's encoding.
+    pub fn as_bytes(&self) -> &[u8; KEY_SECRET_BYTES] {
+        &self.0
+    }
+
+    /// A name for the secret that reveals nothing of it: the first 4 bytes of SHA-256 under a
+    /// tag of its own, in hex. Two pools (or cluster nodes) showing one tag share a secret, up
+    /// to a 32-bit accident; it is no key nor chain start (another tag), so printing it gives an
+    /// attacker nothing to compute keys with.
+    pub fn tag(&self) -> String {
+        let mut hasher = Sha256::new();
+        hasher.update(SECRET_TAG_DOMAIN);
+        hasher.update(self.0);
+        hasher.finalize()[..4].iter().map(|byte| format!("{byte:02x}")).collect()
+    }
+}
+
+/// A key secret read from a file ([`KeySecret::read_file`]).
+#[derive(Debug, Clone, Copy)]
+pub struct SecretFile {
+    pub secret: KeySecret,
+    /// The file's permission bits (`st_mode`).
+    pub mode: u32,
+}
+
+impl SecretFile {
+    /// Whether the file's group or others may read it: the secret is then as good as public to
+    /// them (they could compute every key of the pool); worth a warning, not a refusal.
+    pub fn readable_by_others(&self) -> bool {
+        self.mode & 0o044 != 0
+    }
+}
+
+/// Where the key chain of the space `seed` starts in a pool whose secret is `secret`: SHA-256
+/// of the tag `tutti-keyed-v1`, the 32 secret bytes and `seed` (u64 LE), its first 8 bytes
+/// little-endian, never 0 (taken as 1). Block keys are then [`block_keys_seeded`] from it. A
+/// 64-bit value, as `previous` in [`chain_hash`] always was; computed once per key space.
+pub fn keyed_chain_start(secret: &KeySecret, seed: u64) -> u64 {
+    let mut hasher = Sha256::new();
+    hasher.update(KEYED_DOMAIN);
+    hasher.update(secret.0);
+    hasher.update(seed.to_le_bytes());
+    let digest = hasher.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    key_of_digest(first)
 }
 
 /// SHA-256 of `tag`, `previous` (u64 LE), the count of `tokens` (u64 LE) and the tokens (u32
@@ -266,11 +420,113 @@ mod tests {
     const GOLDEN_FIRST: u64 = 0x3c52_32ae_5104_ba42;
     const GOLDEN_SECOND: u64 = 0x3545_aca8_dd32_00bf;
 
+    // Also computed with Python's hashlib: SHA-256(b"tutti-keyed-v1" + bytes(range(1, 33)) +
+    // seed.to_bytes(8, "little")), the first 8 bytes little-endian; and the secret's tag.
+    const GOLDEN_KEYED_START_0: u64 = 0xe9f5_77cd_c556_b57d;
+    const GOLDEN_KEYED_START_FEED: u64 = 0x9535_549d_634b_d952;
+    const GOLDEN_SECRET_TAG: &str = "75349e23";
+
+    fn counting_secret() -> KeySecret {
+        KeySecret::from_bytes(core::array::from_fn(|i| i as u8 + 1)).unwrap()
+    }
+
+    #[test]
+    fn the_keyed_chain_start_is_sha256_of_its_tag_the_secret_and_the_seed() {
+        // Goal: the keyed start is pinned (it decides every key on disk from version 5 on), it
+        // depends on both the secret and the seed, and it is neither the space seed's nor a
+        // block key's hash of the same bytes (its own tag).
+        let secret = counting_secret();
+        assert_eq!(keyed_chain_start(&secret, 0), GOLDEN_KEYED_START_0);
+        assert_eq!(keyed_chain_start(&secret, 0xfeed), GOLDEN_KEYED_START_FEED);
+        let mut other = *secret.as_bytes();
+        other[31] ^= 1;
+        let other = KeySecret::from_bytes(other).unwrap();
+        assert_ne!(keyed_chain_start(&other, 0xfeed), GOLDEN_KEYED_START_FEED);
+        assert_ne!(keyed_chain_start(&secret, 0xfeed), 0xfeed);
+        assert_eq!(secret.tag(), GOLDEN_SECRET_TAG);
+        assert_ne!(other.tag(), secret.tag());
+    }
+
+    #[test]
+    fn a_key_secret_is_never_printed_nor_zero() {
+        // Goal: Debug shows no byte of a secret (superblocks and errors are printed with it),
+        // and all zeroes (an unset field) is refused.
+        let secret = counting_secret();
+        assert_eq!(format!("{secret:?}"), "KeySecret(<redacted>)");
+        assert_eq!(format!("{secret:#?}"), "KeySecret(<redacted>)");
+        assert!(matches!(KeySecret::from_bytes([0; KEY_SECRET_BYTES]), Err(ObjstoreError::KeySecret { .. })));
+        let random = KeySecret::random().unwrap();
+        assert_ne!(random, KeySecret::random().unwrap(), "two reads of /dev/urandom agreed");
+    }
+
+    #[test]
+    fn a_secret_file_is_64_hex_digits_and_errors_never_echo_it() {
+        // Goal: the secret file's text is exactly 64 hex digits (either case) with optional
+        // trailing whitespace; anything else is a typed error that says what is wrong without
+        // printing the text (which may be a secret with one typo).
+        let hex: String = counting_secret().as_bytes().iter().map(|byte| format!("{byte:02x}")).collect();
+        for text in [hex.clone(), format!("{hex}\n"), format!("{hex} \r\n\t"), hex.to_uppercase()] {
+            assert_eq!(KeySecret::from_hex(text.as_bytes()).unwrap(), counting_secret(), "{text:?}");
+        }
+        let mut typo = hex.clone().into_bytes();
+        typo[17] = b'g';
+        let short = &hex[..63];
+        let long = format!("{hex}0");
+        let inner_space = format!("{} {}", &hex[..32], &hex[32..]);
+        let leading = format!(" {hex}");
+        let cases: [(&[u8], &str); 7] = [
+            (&typo, "byte 17"),
+            (short.as_bytes(), "found 63"),
+            (long.as_bytes(), "found 65"),
+            (inner_space.as_bytes(), "found 65"),
+            (leading.as_bytes(), "found 65"),
+            (b"", "found 0"),
+            (&[0xff; 64], "byte 0"),
+        ];
+        for (text, expected) in cases {
+            let error = KeySecret::from_hex(text).unwrap_err();
+            let message = error.to_string();
+            assert!(matches!(error, ObjstoreError::KeySecret { .. }) && message.contains(expected), "{message}");
+            assert!(!message.contains(&hex[..16]) && !message.contains(&hex[40..]), "{message}");
+        }
+        let zeros = "0".repeat(64);
+        assert!(KeySecret::from_hex(zeros.as_bytes()).unwrap_err().to_string().contains("zero"));
+    }
+
+    #[test]
+    fn a_secret_file_is_read_with_its_mode_and_bounded() {
+        // Goal: read_file returns the secret and the file's mode (group/other-readable is
+        // reported, for a warning); a missing file or one past the size bound is an error
+        // naming the path, not the content.
+        use std::os::unix::fs::PermissionsExt;
+        let directory = std::env::temp_dir().join(format!("tutti-secret-{}-{:?}", std::process::id(), std::thread::current().id()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("secret");
+        let hex: String = counting_secret().as_bytes().iter().map(|byte| format!("{byte:02x}")).collect();
+        std::fs::write(&path, format!("{hex}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let file = KeySecret::read_file(&path).unwrap();
+        assert_eq!(file.secret, counting_secret());
+        assert!(!file.readable_by_others(), "{:o}", file.mode);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert!(KeySecret::read_file(&path).unwrap().readable_by_others());
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o604)).unwrap();
+        assert!(KeySecret::read_file(&path).unwrap().readable_by_others());
+        std::fs::write(&path, hex.repeat(100)).unwrap();
+        let message = KeySecret::read_file(&path).unwrap_err().to_string();
+        assert!(message.contains("longer than") && message.contains("secret") && !message.contains(&hex[..16]), "{message}");
+        let missing = directory.join("missing");
+        let error = KeySecret::read_file(&missing).unwrap_err();
+        assert!(matches!(&error, ObjstoreError::KeySecretSource { path, .. } if path.contains("missing")), "{error}");
+        std::fs::remove_dir_all(&directory).unwrap();
+    }
+
     #[test]
     fn the_scheme_is_pinned_by_the_format_version() {
         // Goal: keys are on disk; a change to the scheme must fail here and come with a new
-        // FORMAT_VERSION (these values belong to version 4, the first with SHA-256 keys).
-        assert_eq!(crate::format::FORMAT_VERSION, 4);
+        // FORMAT_VERSION (these values belong to versions 4 and 5: SHA-256 keys; version 5
+        // starts each chain from `keyed_chain_start`, pinned above).
+        assert_eq!(crate::format::FORMAT_VERSION, 5);
         let tokens: Vec<u32> = (0..16).collect();
         let first = chain_hash(0, &tokens);
         let second = chain_hash(first, &tokens);

@@ -29,7 +29,7 @@ use crate::format::{
     HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
-use crate::hash::chain_hash;
+use crate::hash::{chain_hash, KeySecret};
 use crate::index::Index;
 
 /// Deadline of each metadata command batch. On a device whose metadata borrows the executor's
@@ -100,6 +100,9 @@ pub struct FormatParams {
     /// Record a CRC32 of each slot's payload at commit (read back from host-visible KV memory),
     /// verified by `check --payload`.
     pub payload_crc: bool,
+    /// The pool's key secret, written to every device (`None`: a fresh random one,
+    /// [`KeySecret::random`]). Nodes of a cluster share one, or find none of each other's blocks.
+    pub key_secret: Option<KeySecret>,
 }
 
 /// What `open` found.
@@ -283,6 +286,8 @@ pub fn check_format(params: &FormatParams, lba_bytes: u32, size_blocks: u64, dev
         0,
         device_count as u32,
         flags,
+        // Any secret plans the same layout: no need to read the random source for a check.
+        params.key_secret.unwrap_or(KeySecret::from_bytes([1; crate::hash::KEY_SECRET_BYTES])?),
     )
     .map(|_| ())
 }
@@ -301,6 +306,11 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     }
     let uuid = params.pool_uuid.unwrap_or_else(fresh_uuid);
     let flags = if params.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
+    // One secret for every device of the pool (open checks they agree).
+    let key_secret = match params.key_secret {
+        Some(secret) => secret,
+        None => KeySecret::random()?,
+    };
     let mut planned = Vec::with_capacity(targets.len());
     for (device, target) in targets.iter().enumerate() {
         let namespace = namespace_of(target)?;
@@ -314,6 +324,7 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
             device as u32,
             targets.len() as u32,
             flags,
+            key_secret,
         )
         .map_err(|error| match error {
             ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => {
@@ -488,6 +499,16 @@ impl Pool {
                     "belongs to pool {}, the first device to pool {}",
                     format_uuid(&superblock.pool_uuid),
                     format_uuid(&first.pool_uuid)
+                ));
+            }
+            if superblock.key_secret != first.key_secret {
+                // Same pool UUID, another secret: a superblock copied or rewritten by hand, or a
+                // device of another format run. Its keys would disagree with the first device's.
+                // The secrets are not printed, their non-secret tags are.
+                return membership(format!(
+                    "its key secret (tag {}) differs from the first device's (tag {}): the devices were not formatted together",
+                    superblock.key_secret.tag(),
+                    first.key_secret.tag()
                 ));
             }
             if superblock.geometry != first.geometry {
@@ -694,6 +715,12 @@ impl Pool {
 
     pub fn blocks_per_slot(&self) -> u32 {
         self.devices[0].superblock.blocks_per_slot
+    }
+
+    /// The pool's key secret (every device's: `open` checks they agree), from which every key
+    /// space's chain starts (`hash::keyed_chain_start`).
+    pub fn key_secret(&self) -> &KeySecret {
+        &self.devices[0].superblock.key_secret
     }
 
     pub fn index(&self) -> &Index {

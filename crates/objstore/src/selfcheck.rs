@@ -197,7 +197,14 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     };
     format_pool(
         &targets,
-        &FormatParams { geometry, blocks_per_slot: config.blocks_per_slot, slot_count_max: None, pool_uuid: None, payload_crc: false },
+        &FormatParams {
+            geometry,
+            blocks_per_slot: config.blocks_per_slot,
+            slot_count_max: None,
+            pool_uuid: None,
+            payload_crc: false,
+            key_secret: None,
+        },
     )?;
     // Engine memory twice the request size: retrieves land in the other half (a scatter).
     let engine_blocks = 2 * config.blocks_per_request;

@@ -13,12 +13,18 @@ use objstore::format::{
     encode_empty_entry, header_entry_bytes, looks_like_unfinished_format, pool_tag, BlockRecord, HeaderVerdict, SlotHeader, SlotState,
     Superblock, FLAG_PAYLOAD_CRC, HEADER_FLAG_PAYLOAD_CRC, MAGIC, SUPERBLOCK_ENCODED_BYTES, SUPERBLOCK_REGION_BYTES,
 };
+use objstore::hash::KeySecret;
 use objstore::ModelGeometry;
 
 /// The target's pool: its UUID and geometry (the slot-header entry is checked against a
 /// superblock planned from them).
 const POOL_UUID: [u8; 16] = *b"fuzzed tutti kv!";
 const GEOMETRY: ModelGeometry = ModelGeometry { layers: 2, kv_heads: 16, head_dim: 128, dtype_bytes: 2, block_tokens: 16 };
+
+/// The target's key secret (`SECRET` there).
+fn secret() -> KeySecret {
+    KeySecret::from_bytes(*b"fuzzed tutti kv! fuzzed tutti kv").expect("a non-zero secret")
+}
 
 fn seed_directory() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/objstore_format")
@@ -82,7 +88,7 @@ fn seeds() -> Vec<(&'static str, Vec<u8>)> {
     let (lba_bytes, k) = (4096, 4);
     let size_blocks = target_planned_blocks(lba_bytes, k);
     let superblock =
-        Superblock::plan(GEOMETRY, k, lba_bytes, size_blocks, None, POOL_UUID, 0, 1, FLAG_PAYLOAD_CRC).expect("a plannable pool");
+        Superblock::plan(GEOMETRY, k, lba_bytes, size_blocks, None, POOL_UUID, 0, 1, FLAG_PAYLOAD_CRC, secret()).expect("a plannable pool");
     let mut formatted = params(3, size_blocks, 0, k as u16, true, 2);
     formatted.extend_from_slice(&superblock.encode());
     let blocks = vec![
@@ -114,7 +120,7 @@ fn target_reads(data: &[u8]) -> Option<Reached> {
     let superblock = Superblock::decode(device_bytes, device, lba_bytes, size_blocks).map(drop).map_err(|error| error.to_string());
     let k_max = ((u64::from(lba_bytes) - 36) / 16) as u32;
     let k = 1 + u32::from(k_raw & 0x7fff) % k_max.min(1024);
-    let planned = Superblock::plan(GEOMETRY, k, lba_bytes, target_planned_blocks(lba_bytes, k), None, POOL_UUID, 0, 1, flags)
+    let planned = Superblock::plan(GEOMETRY, k, lba_bytes, target_planned_blocks(lba_bytes, k), None, POOL_UUID, 0, 1, flags, secret())
         .expect("a plannable pool");
     let entry_bytes = header_entry_bytes(k) as usize;
     let header =

@@ -118,6 +118,7 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::LayerOutOfRange { .. }
             | ObjstoreError::BadRequest { .. }
             | ObjstoreError::InvalidFormat { .. }
+            | ObjstoreError::KeySecret { .. }
             | ObjstoreError::InvalidPoolShape { .. }
             | ObjstoreError::BadPlacement { .. } => ErrorClass::InvalidArgument,
             ObjstoreError::NamespaceTooSmall { .. }
@@ -125,6 +126,7 @@ impl From<&ObjstoreError> for Failure {
             | ObjstoreError::LbaSizeMismatch { .. }
             | ObjstoreError::NewerFormatVersion { .. }
             | ObjstoreError::OlderFormatVersion { .. }
+            | ObjstoreError::KeySecretSource { .. }
             | ObjstoreError::GeometryMismatch { .. }
             | ObjstoreError::PoolMembership { .. }
             | ObjstoreError::QueuePairs { .. }

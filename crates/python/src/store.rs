@@ -927,6 +927,7 @@ impl Store {
                 slot_count_max: slots_max,
                 pool_uuid: None,
                 payload_crc: payload_crcs,
+                key_secret: None,
             }),
             overwrite,
             lock_dir: PathBuf::from(lock_dir),

@@ -527,6 +527,7 @@ fn planned_slots(targets: &[PoolTarget], params: &FormatParams) -> Option<u64> {
             device,
             device_count,
             flags,
+            objstore::hash::KeySecret::from_bytes([1; 32]).ok()?,
         )
         .ok()?;
         slots = slots.saturating_add(superblock.slot_count);
@@ -581,6 +582,7 @@ impl Rig {
                 slot_count_max: None,
                 pool_uuid: None,
                 payload_crc: true,
+                key_secret: None,
             };
             // Refused before the format destroys what the devices hold (a pool kept there for a
             // later --retrieve-only, say): the slots are planned as format_pool plans them.

@@ -693,6 +693,7 @@ fn a_pool_formatted_with_other_lbas_is_unusable_input_naming_the_lba_size() {
             slot_count_max: None,
             pool_uuid: None,
             payload_crc: true,
+            key_secret: None,
         };
         objstore::format_pool(&targets, &params).expect("format a pool of 512-byte LBAs");
     }

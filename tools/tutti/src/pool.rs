@@ -270,6 +270,8 @@ fn check_namespace(args: &DeviceArgs) -> Result<()> {
 fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -> std::result::Result<(), ObjstoreError> {
     let device_count = u32::try_from(args.devices.len()).unwrap_or(u32::MAX);
     let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
+    // Any secret plans the same layout: the format's own is not needed to check it.
+    let layout_secret = params.key_secret.map_or_else(|| objstore::hash::KeySecret::from_bytes([1; 32]), Ok)?;
     for (device, spec) in args.devices.iter().enumerate() {
         let DeviceSpec::EmuFile(path) = spec else { continue };
         let size_bytes = match std::fs::metadata(path) {
@@ -289,6 +291,7 @@ fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -
             device as u32,
             device_count,
             flags,
+            layout_secret,
         )?;
     }
     Ok(())
@@ -367,6 +370,7 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
                 slot_count_max: args.slots,
                 pool_uuid: None,
                 payload_crc: args.payload_crc,
+                key_secret: None,
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;

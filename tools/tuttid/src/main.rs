@@ -259,6 +259,7 @@ fn serve(cli: &Cli) -> Result<()> {
             slot_count_max: cli.slots,
             pool_uuid: None,
             payload_crc: cli.payload_crc,
+            key_secret: None,
         })
     } else {
         None
@@ -399,6 +400,7 @@ fn pool_input_unusable(source: &objstore::ObjstoreError) -> bool {
         source,
         E::InvalidGeometry { .. }
             | E::InvalidFormat { .. }
+            | E::KeySecret { .. }
             | E::InvalidPoolShape { .. }
             | E::NamespaceTooSmall { .. }
             | E::CorruptSuperblock { .. }

@@ -32,12 +32,15 @@ fn planned() -> impl Strategy<Value = (Superblock, u64)> {
     let slot_count_max = prop::option::of(1..=2000u64);
     let device = (1..=8u32).prop_flat_map(|count| (0..count, Just(count)));
     let flags = prop_oneof![Just(0u32), Just(FLAG_PAYLOAD_CRC)];
-    (geometry(), blocks_per_slot, lba_bytes, namespace_bytes, slot_count_max, any::<[u8; 16]>(), device, flags).prop_filter_map(
+    let secret = any::<[u8; KEY_SECRET_BYTES]>();
+    (geometry(), blocks_per_slot, lba_bytes, namespace_bytes, slot_count_max, any::<[u8; 16]>(), device, flags, secret).prop_filter_map(
         "the parameters plan a pool",
-        |(geometry, blocks_per_slot, lba_bytes, namespace_bytes, slot_count_max, uuid, (index, count), flags)| {
+        |(geometry, blocks_per_slot, lba_bytes, namespace_bytes, slot_count_max, uuid, (index, count), flags, secret)| {
             let size_blocks = namespace_bytes / u64::from(lba_bytes);
+            let secret = KeySecret::from_bytes(secret).ok()?;
             let superblock =
-                Superblock::plan(geometry, blocks_per_slot, lba_bytes, size_blocks, slot_count_max, uuid, index, count, flags).ok()?;
+                Superblock::plan(geometry, blocks_per_slot, lba_bytes, size_blocks, slot_count_max, uuid, index, count, flags, secret)
+                    .ok()?;
             Some((superblock, size_blocks))
         },
     )
@@ -193,7 +196,8 @@ proptest! {
         sealed[16..SUPERBLOCK_ENCODED_BYTES].copy_from_slice(&sealed_fields);
         if zero_reserved {
             sealed[76..80].fill(0);
-            sealed[120..SUPERBLOCK_CRC_OFFSET].fill(0);
+            // The key secret (120..152) stays arbitrary: almost never all zeroes.
+            sealed[KEY_SECRET_END..SUPERBLOCK_CRC_OFFSET].fill(0);
         }
         reseal_superblock(&mut sealed);
         // The planned superblock with a window of its fields or reserved bytes overwritten by
@@ -268,6 +272,7 @@ proptest! {
                 decoded.device_index,
                 decoded.device_count,
                 decoded.flags,
+                decoded.key_secret,
             );
             prop_assert_eq!(again.ok(), Some(decoded));
         }

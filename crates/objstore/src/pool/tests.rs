@@ -36,7 +36,7 @@ fn start(config: EmuConfig) -> (Arc<EmuDevice>, Vec<PoolTarget>) {
 }
 
 fn format(targets: &[PoolTarget], geometry: ModelGeometry) {
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None };
     format_pool(targets, &params).expect("format");
 }
 
@@ -148,7 +148,8 @@ fn a_header_entry_larger_than_4_kib_is_staged_and_recovered() {
     // 8 KiB objects: one LBA each.
     let geometry = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 32 };
     let k = 254;
-    let params = FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(2), pool_uuid: None, payload_crc: true };
+    let params =
+        FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(2), pool_uuid: None, payload_crc: true, key_secret: None };
     format_pool(&targets, &params).unwrap();
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry)).unwrap();
     assert_eq!(pool.superblock(0).header_entry_bytes, 8192);
@@ -446,7 +447,14 @@ fn a_reformat_interrupted_after_its_header_writes_leaves_no_pool() {
             FaultRule::on_nth_io(1, FaultAction::Status(NvmeStatus::generic(codes::INTERNAL_ERROR))).with_opcode(NvmOpcode::Flush as u8);
         device.set_faults(FaultPlan::none().with_rule(failed_flush));
         let writes_before = device.stats().io(NvmOpcode::Write);
-        let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+        let params = FormatParams {
+            geometry: geometry(),
+            blocks_per_slot: 1,
+            slot_count_max: None,
+            pool_uuid: None,
+            payload_crc: false,
+            key_secret: None,
+        };
         assert!(format_pool(&targets, &params).is_err(), "the flush failed");
         assert!(device.stats().io(NvmOpcode::Write) > writes_before, "the header region was rewritten");
         device.set_faults(FaultPlan::none());
@@ -716,8 +724,14 @@ fn recovery_keeps_the_newest_copy_of_each_block_across_three_overlapping_slots()
         let config =
             EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
         let (_device, targets) = start(config);
-        let params =
-            FormatParams { geometry: geometry(), blocks_per_slot: 2, slot_count_max: Some(8), pool_uuid: None, payload_crc: false };
+        let params = FormatParams {
+            geometry: geometry(),
+            blocks_per_slot: 2,
+            slot_count_max: Some(8),
+            pool_uuid: None,
+            payload_crc: false,
+            key_secret: None,
+        };
         format_pool(&targets, &params).unwrap();
         let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
         let [x, n, y] = slots;
@@ -781,7 +795,14 @@ fn an_unreadable_data_sector_fails_its_slot_not_the_payload_check() {
     let config =
         EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
     let (device, targets) = start(config);
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(4), pool_uuid: None, payload_crc: true };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: 1,
+        slot_count_max: Some(4),
+        pool_uuid: None,
+        payload_crc: true,
+        key_secret: None,
+    };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
     // The data regions read zeroes: record the CRC of a zeroed block for slot 0, a wrong one
@@ -919,4 +940,48 @@ fn the_pools_drop_waits_one_metadata_timeout_in_all_not_one_per_device() {
     let took = started.elapsed();
     device.set_faults(FaultPlan::none());
     assert!(took < timeout + timeout / 2, "dropping the pool took {took:?}");
+}
+
+#[test]
+fn every_device_gets_the_pools_secret_and_open_refuses_devices_that_disagree() {
+    // Goal: format writes one key secret to every device (the one given, else a fresh random
+    // one per pool); `open` refuses devices of one pool UUID whose secrets differ (their keys
+    // would disagree), and its error prints neither secret, only their non-secret tags.
+    let config = EmuConfig::default().with_backing(Backing::Memory { bytes: 48 << 20 }).with_namespaces(vec![
+        NamespaceConfig::new(512, Some(8 << 20)),
+        NamespaceConfig::new(512, Some(8 << 20)),
+        NamespaceConfig::new(512, Some(8 << 20)),
+    ]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device;
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+    let target = |ns: u32| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) };
+    let params = |key_secret: Option<KeySecret>| FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: 1,
+        slot_count_max: None,
+        pool_uuid: Some([3; 16]),
+        payload_crc: false,
+        key_secret,
+    };
+    let random = format_pool(&[target(1), target(2)], &params(None)).expect("format");
+    assert_eq!(random[0].key_secret, random[1].key_secret, "one secret per pool");
+    let again = format_pool(&[target(1), target(2)], &params(None)).expect("format");
+    assert_ne!(again[0].key_secret, random[0].key_secret, "a fresh secret per format");
+    let first = KeySecret::from_bytes([0xa1; 32]).unwrap();
+    let second = KeySecret::from_bytes([0xb2; 32]).unwrap();
+    format_pool(&[target(1), target(2)], &params(Some(first))).expect("format");
+    let (pool, _) = Pool::open(vec![target(1), target(2)], Some(&geometry())).expect("open");
+    assert_eq!((*pool.key_secret(), pool.superblock(1).key_secret), (first, first));
+    drop(pool);
+    // Device 1 of the same pool UUID, formatted again with another secret beside namespace 3.
+    format_pool(&[target(3), target(2)], &params(Some(second))).expect("format");
+    match Pool::open(vec![target(1), target(2)], Some(&geometry())) {
+        Err(ObjstoreError::PoolMembership { device: 1, reason }) => {
+            assert!(reason.contains("key secret") && reason.contains(&first.tag()) && reason.contains(&second.tag()), "{reason}");
+            assert!(!reason.contains("a1a1") && !reason.contains("b2b2") && !reason.contains("161"), "{reason}");
+        }
+        Err(other) => panic!("expected PoolMembership, got {other}"),
+        Ok(_) => panic!("devices with different key secrets opened as one pool"),
+    }
 }

@@ -265,12 +265,14 @@ impl PoolShape {
 mod tests {
     use super::*;
     use crate::format::Superblock;
+    use crate::hash::KeySecret;
 
     /// A shape as `Pool::shape` makes it for one device of 4096 LBAs of 512 bytes, k = 2.
     fn good_shape() -> PoolShape {
         let geometry = ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
         let size_blocks = 8192;
-        let superblock = Superblock::plan(geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0).expect("plan");
+        let superblock =
+            Superblock::plan(geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0, KeySecret::from_bytes([7; 32]).unwrap()).expect("plan");
         PoolShape {
             geometry,
             blocks_per_slot: 2,
@@ -334,7 +336,9 @@ mod tests {
         // into slot 0 would have overwritten the header entries of slots 8,160 on.
         let mut shape = good_shape();
         let size_blocks = (1 << 30) / 512;
-        let superblock = Superblock::plan(shape.geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0).expect("plan");
+        let superblock =
+            Superblock::plan(shape.geometry, 2, 512, size_blocks, None, [7; 16], 0, 1, 0, KeySecret::from_bytes([7; 32]).unwrap())
+                .expect("plan");
         assert_eq!(superblock.data_lba * 512, 2 << 20, "the headers reach past 1 MiB");
         shape.devices[0].addressing = superblock.addressing();
         shape.devices[0].slot_count = superblock.slot_count;
@@ -359,7 +363,9 @@ mod tests {
         // explicit LBA-size check in its place.
         let mut shape = good_shape();
         let size_blocks = 8192;
-        let superblock = Superblock::plan(shape.geometry, 2, 4096, size_blocks, None, [7; 16], 1, 2, 0).expect("plan");
+        let superblock =
+            Superblock::plan(shape.geometry, 2, 4096, size_blocks, None, [7; 16], 1, 2, 0, KeySecret::from_bytes([7; 32]).unwrap())
+                .expect("plan");
         shape.devices.push(DeviceLayout {
             nsid: 1,
             addressing: superblock.addressing(),

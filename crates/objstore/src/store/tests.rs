@@ -11,7 +11,7 @@ use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 
 use super::*;
 use crate::error::KvKind;
-use crate::hash::block_keys_seeded;
+use crate::hash::{block_keys_seeded, keyed_chain_start, KeySecret};
 use crate::index::BlockLocation;
 use crate::pool::{format_pool, FormatParams, NoLender, PoolTarget, METADATA_TIMEOUT};
 use crate::registration::KvLayout;
@@ -26,6 +26,11 @@ const BUDGET: SmBudget = SmBudget(1);
 const ENGINE_BLOCKS: u32 = 16;
 /// A key space other than the in-process store's (tuttid seeds one per session).
 const SEED: u64 = 0x5EED;
+
+/// The key secret the fixture's pool is formatted with, so the tests can compute its keys.
+fn test_secret() -> KeySecret {
+    KeySecret::from_bytes([0x5e; 32]).expect("a non-zero secret")
+}
 
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(10)
@@ -53,7 +58,14 @@ fn fixture_on(config: EmuConfig, k: u32, slots: Option<u64>) -> Fixture {
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: k, slot_count_max: slots, pool_uuid: None, payload_crc: true };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: k,
+        slot_count_max: slots,
+        pool_uuid: None,
+        payload_crc: true,
+        key_secret: Some(test_secret()),
+    };
     format_pool(&targets, &params).expect("format");
     let dma = controller.dma().clone();
     let g = geometry();
@@ -105,9 +117,15 @@ fn holds(fixture: &Fixture, block: u32, key: u64) -> bool {
     })
 }
 
+/// The keys of `tokens` in the space `SEED` of the fixture's pool (keyed with its secret).
 fn keys_of(tokens: &[u32]) -> Vec<u64> {
+    keys_in(SEED, tokens)
+}
+
+/// The keys of `tokens` in the space `seed` of the fixture's pool.
+fn keys_in(seed: u64, tokens: &[u32]) -> Vec<u64> {
     let mut keys = Vec::new();
-    block_keys_seeded(SEED, tokens, geometry().block_tokens, &mut keys);
+    block_keys_seeded(keyed_chain_start(&test_secret(), seed), tokens, geometry().block_tokens, &mut keys);
     keys
 }
 
@@ -151,9 +169,7 @@ fn the_halves_apart_store_commit_look_up_and_retrieve_byte_exact() {
     assert_eq!(control.commit_store(handle, Some(&crcs), &mut NoLender).expect("commit"), 3);
     data.finish(handle).expect("finish the data path");
     assert_eq!(control.lookup(&keys), 3);
-    let mut unseeded = Vec::new();
-    crate::hash::block_keys(&tokens, geometry().block_tokens, &mut unseeded);
-    assert_eq!(control.lookup(&unseeded), 0, "another key space does not see them");
+    assert_eq!(control.lookup(&keys_in(0, &tokens)), 0, "another key space does not see them");
 
     let targets = [12, 1, 7];
     for &block in &targets {
@@ -396,8 +412,7 @@ fn an_in_process_store_serves_the_layer_wise_trait() {
     let executor = cpu_executor_for(&pool, 64, &config).expect("executor");
     let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, config).expect("store");
     let tokens = tokens(5, 2);
-    let mut keys = Vec::new();
-    crate::hash::block_keys(&tokens, geometry().block_tokens, &mut keys);
+    let keys = keys_in(0, &tokens);
     fill(&fixture, 0, keys[0]);
     fill(&fixture, 1, keys[1]);
     assert_eq!(round_trip_through(&mut store, &tokens, &[0, 1], &[10, 11]).expect("round trip"), 2);
@@ -434,6 +449,9 @@ fn a_key_seed_puts_the_whole_store_in_that_key_space() {
     assert_eq!(store_two(&mut store, &[2, 5]), vec![2, 5]);
     assert_eq!(store.lookup(&tokens), 2);
     assert_eq!(store.control.lookup(&keys), 2, "stored under the seeded keys");
+    let mut unkeyed = Vec::new();
+    block_keys_seeded(SEED, &tokens, geometry().block_tokens, &mut unkeyed);
+    assert_eq!(store.control.lookup(&unkeyed), 0, "the keys are keyed with the pool's secret, not the seed alone");
     fill(&fixture, 6, keys[2]);
     assert_eq!(store_two(&mut store, &[2, 5, 6]), vec![6], "the first two blocks are shared, only the third is written");
     store.set_key_seed(0);
@@ -464,7 +482,14 @@ fn two_device_control(slots: [u64; 2]) -> StoreControl {
     let backend: Arc<dyn DeviceBackend> = device;
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: 1,
+        slot_count_max: None,
+        pool_uuid: None,
+        payload_crc: false,
+        key_secret: None,
+    };
     format_pool(&targets, &params).expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
     assert_eq!([pool.superblock(0).slot_count, pool.superblock(1).slot_count], slots, "the namespaces hold the slots the test needs");
@@ -1054,7 +1079,14 @@ fn a_store_on_a_healthy_device_commits_while_another_devices_header_writes_hang(
     let (hanging, hanging_target) = start();
     let (_healthy, healthy_target) = start();
     let targets = vec![hanging_target, healthy_target];
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(8), pool_uuid: None, payload_crc: true };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: 1,
+        slot_count_max: Some(8),
+        pool_uuid: None,
+        payload_crc: true,
+        key_secret: None,
+    };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).expect("open");
     pool.set_metadata_timeout(Duration::from_millis(200));
@@ -1632,7 +1664,14 @@ fn two_device_control_on_one_controller(admin_timeout: Duration, metadata_timeou
     let config = ControllerConfig { admin_timeout, ..ControllerConfig::default() };
     let controller = Arc::new(Controller::init(backend, config).expect("bring-up"));
     let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
-    let params = FormatParams { geometry: geometry(), blocks_per_slot: 1, slot_count_max: Some(8), pool_uuid: None, payload_crc: false };
+    let params = FormatParams {
+        geometry: geometry(),
+        blocks_per_slot: 1,
+        slot_count_max: Some(8),
+        pool_uuid: None,
+        payload_crc: false,
+        key_secret: None,
+    };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
     pool.set_metadata_timeout(metadata_timeout);

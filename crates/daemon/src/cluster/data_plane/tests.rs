@@ -50,7 +50,8 @@ fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> N
     let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
     let geometry = ModelGeometry { layers, kv_heads: 8, head_dim, dtype_bytes: 2, block_tokens: 16 };
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false };
+    let params =
+        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false, key_secret: None };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();
@@ -1372,7 +1373,8 @@ fn blocks_over_the_largest_the_data_plane_moves_are_refused_before_the_staging_a
     let backend = Arc::new(CappedDevice { device: Arc::clone(&device), dma: Arc::clone(&dma) });
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(2), pool_uuid: None, payload_crc: false };
+    let params =
+        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(2), pool_uuid: None, payload_crc: false, key_secret: None };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();
