@@ -1,38 +1,62 @@
 //! Key spaces: the model fingerprint and tensor-parallel (rank, world size) a session declared
-//! in `Hello` select the chain of block keys it stores and looks up. The chain of a prompt's
-//! block keys starts from the space's seed instead of 0 (`objstore::hash::block_keys_seeded`),
-//! so ranks do not find each other's blocks and a change of model or TP size does not serve
-//! stale KV: all spaces share one index, so two spaces' keys meet only by a 64-bit accident or
-//! a search (docs/objstore.md says what the keys resist). The pool format does not change: a key
-//! is still one 64-bit chained hash.
+//! in `Hello` select the chain of block keys it stores and looks up. The space has a seed (a
+//! hash of that identity, [`KeySpace::seed`]), and the chain of a prompt's block keys starts
+//! from the keyed hash of the pool's key secret and that seed (`objstore::hash::keyed_chain_start`,
+//! then `block_keys_seeded` from it): exactly the keys an in-process `KvStore` of the same pool
+//! computes after `set_key_seed(seed)`. So ranks do not find each other's blocks, a change of
+//! model or TP size does not serve stale KV (all spaces share one index, so two spaces' keys
+//! meet only by a 64-bit accident), and no one without the pool's secret can compute a key
+//! (docs/objstore.md says what the keys resist).
 
-use objstore::hash::{block_keys_seeded, space_seed};
+use objstore::hash::{block_keys_seeded, keyed_chain_start, space_seed, KeySecret};
 use objstore::index::Index;
 use tutti_cluster::{ClusterError, ModelSpace};
 
 use crate::protocol::FINGERPRINT_BYTES;
 
-/// A session's key space: the cluster tier's [`ModelSpace`] (which checks the identity, one
-/// place for the whole workspace) and the seed of its block-key chain.
+/// A session's key space in one pool: the cluster tier's [`ModelSpace`] (which checks the
+/// identity, one place for the whole workspace), the seed of its block-key chain, and where
+/// that chain starts in the pool (keyed with the pool's secret, which it keeps for the other
+/// ranks' spaces of an all-ranks lookup). Its `Debug` prints no secret (`KeySecret`'s is
+/// redacted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeySpace {
     seed: u64,
+    chain_start: u64,
+    secret: KeySecret,
     model: ModelSpace,
 }
 
 impl KeySpace {
     /// Checks the declared identity ([`ModelSpace::new`]: a fingerprint that is not all zeroes,
-    /// 1 ≤ world ≤ `TP_WORLD_MAX`, rank < world). The error is a sentence for the client.
-    pub fn new(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<KeySpace, String> {
+    /// 1 ≤ world ≤ `TP_WORLD_MAX`, rank < world) and keys its space with the pool's `secret`
+    /// (`objstore::Pool::key_secret`). The error is a sentence for the client.
+    pub fn new(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32, secret: &KeySecret) -> Result<KeySpace, String> {
+        Ok(KeySpace::of(Self::model_space(fingerprint, tp_rank, tp_world)?, secret))
+    }
+
+    /// The seed of the space of this identity, without a pool: what `KvStore::set_key_seed`
+    /// takes (the store keys it with its own pool's secret). Checked as in [`KeySpace::new`].
+    pub fn seed_of(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<u64, String> {
+        Ok(Self::seed_of_model(&Self::model_space(fingerprint, tp_rank, tp_world)?))
+    }
+
+    fn model_space(fingerprint: &[u8; FINGERPRINT_BYTES], tp_rank: u32, tp_world: u32) -> Result<ModelSpace, String> {
         match ModelSpace::new(*fingerprint, tp_rank, tp_world) {
-            Ok(model) => Ok(KeySpace::of(model)),
+            Ok(model) => Ok(model),
             Err(ClusterError::InvalidSetting(reason)) => Err(reason),
             Err(other) => Err(other.to_string()),
         }
     }
 
-    /// The key space of a checked identity.
-    pub fn of(model: ModelSpace) -> KeySpace {
+    /// The key space of a checked identity in the pool whose key secret is `secret`: one
+    /// keyed hash here, none per block.
+    pub fn of(model: ModelSpace, secret: &KeySecret) -> KeySpace {
+        let seed = Self::seed_of_model(&model);
+        KeySpace { seed, chain_start: keyed_chain_start(secret, seed), secret: *secret, model }
+    }
+
+    fn seed_of_model(model: &ModelSpace) -> u64 {
         let fingerprint = model.fingerprint();
         let mut words = [0u32; FINGERPRINT_BYTES / 4 + 2];
         for (word, bytes) in words.iter_mut().zip(fingerprint.chunks_exact(4)) {
@@ -44,7 +68,7 @@ impl KeySpace {
         // Under its own tag (objstore::hash::space_seed): never 0, the in-process store's
         // seed, and not derived as any block's key (no block's words hash under that tag): it
         // equals a block's key only by a 64-bit accident, or by a search of about 2^64 hashes.
-        KeySpace { seed: space_seed(&words), model }
+        space_seed(&words)
     }
 
     /// The identity: model fingerprint and tensor-parallel shape.
@@ -60,13 +84,20 @@ impl KeySpace {
         self.model.tp_world()
     }
 
+    /// The space's seed, unkeyed: what `KvStore::set_key_seed` takes for this space (never
+    /// the start of a chain by itself: see [`KeySpace::chain_start`]).
     pub fn seed(&self) -> u64 {
         self.seed
     }
 
+    /// Where this space's key chain starts in its pool: `keyed_chain_start(secret, seed)`.
+    pub fn chain_start(&self) -> u64 {
+        self.chain_start
+    }
+
     /// The keys of `tokens`' full blocks in this space, into `keys` (cleared first).
     pub fn keys(&self, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) {
-        block_keys_seeded(self.seed, tokens, block_tokens, keys);
+        block_keys_seeded(self.chain_start, tokens, block_tokens, keys);
     }
 
     /// The longest prefix of `tokens` (in blocks of `block_tokens`) whose blocks are committed in
@@ -147,7 +178,7 @@ impl KeySpace {
             if common == first_block {
                 return Some(first_block);
             }
-            let space = match KeySpace::new(self.model.fingerprint(), rank, world) {
+            let space = match KeySpace::new(self.model.fingerprint(), rank, world, &self.secret) {
                 Ok(space) => space,
                 // Unreachable: every rank below a world this space was built with is valid.
                 Err(_) => return Some(first_block),
@@ -249,16 +280,97 @@ mod tests {
         [byte; FINGERPRINT_BYTES]
     }
 
+    fn secret() -> KeySecret {
+        KeySecret::from_bytes([0x4b; 32]).unwrap()
+    }
+
+    /// An in-process store over a fresh pool (one software controller, 8 engine blocks of a
+    /// 2-layer model) formatted with `secret`, and its engine memory.
+    fn store_with_secret(secret: KeySecret) -> (objstore::KvStore<gio_uring::CpuExecutor>, nvme_driver::DmaRegion) {
+        use nvme_driver::{Controller, ControllerConfig, DataPointerMode, NamespaceId};
+        use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
+        use objstore::{format_pool, FormatParams, KvLayout, KvRegistration, KvStore, ModelGeometry, Pool, PoolTarget, StoreConfig};
+        let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
+        let config =
+            EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
+        let device = EmuDevice::start(config).expect("software controller");
+        let backend: std::sync::Arc<dyn nvme_driver::hw::DeviceBackend> = device;
+        let controller = std::sync::Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+        let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
+        let params = FormatParams {
+            geometry,
+            blocks_per_slot: 1,
+            slot_count_max: Some(16),
+            pool_uuid: None,
+            payload_crc: false,
+            key_secret: Some(secret),
+        };
+        format_pool(&targets, &params).expect("format");
+        let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open");
+        let dma = controller.dma().clone();
+        let region = dma.allocate((geometry.block_bytes() * 8) as usize).expect("engine memory");
+        let layout = KvLayout::BlockMajor { base: region.iova(), block_stride_bytes: geometry.block_bytes() };
+        let registration = KvRegistration::new(geometry, 8, layout, DataPointerMode::Prp).expect("registration");
+        let store_config = StoreConfig::default();
+        let executor = objstore::cpu_executor_for(&pool, 16, &store_config).expect("executor");
+        (KvStore::new(pool, registration, dma, executor, store_config).expect("store"), region)
+    }
+
+    /// Stores `tokens`' two blocks through `store` in its current key space, committed.
+    fn store_two_blocks(store: &mut objstore::KvStore<gio_uring::CpuExecutor>, tokens: &[u32]) {
+        use objstore::KvRequest;
+        let plan = store.prepare_store(&KvRequest { tokens, block_ids: &[0, 1] }).expect("prepare_store");
+        for layer in 0..2 {
+            store.store_layer(plan.handle, layer, gio_uring::SmBudget(1)).expect("store_layer");
+            store.wait(plan.handle, std::time::Instant::now() + std::time::Duration::from_secs(10)).expect("wait");
+        }
+        store.commit_store(plan.handle).expect("commit");
+    }
+
+    #[test]
+    fn the_daemons_keys_are_the_stores_keys_of_the_same_pool_and_space() {
+        // Goal: tuttid computes block keys itself (lookups, prepares, cluster segments); for a
+        // space of a pool they are the keys an in-process store of that pool computes after
+        // `set_key_seed(space.seed())`, both keyed with the pool's secret: what the store
+        // committed, the daemon's space of that pool finds, and the same space keyed with
+        // another pool's secret does not. Over a pool formatted with that other secret it is
+        // the reverse. (A side that forgot the secret computes the unkeyed chain and fails one
+        // of these: the daemon's space would find nothing the keyed store committed, or the
+        // store's commits would be found by neither keyed space.)
+        let (secret_a, secret_b) = (KeySecret::from_bytes([0xa5; 32]).unwrap(), KeySecret::from_bytes([0x5b; 32]).unwrap());
+        let tokens: Vec<u32> = (0..32).map(|i| i * 7 + 1).collect();
+        for (own, other) in [(secret_a, secret_b), (secret_b, secret_a)] {
+            let (mut store, _memory) = store_with_secret(own);
+            let space = KeySpace::new(&fingerprint(21), 1, 2, &own).unwrap();
+            let foreign = KeySpace::new(&fingerprint(21), 1, 2, &other).unwrap();
+            assert_eq!(space.seed(), foreign.seed(), "the seed is the space's, whatever the pool");
+            assert_eq!(KeySpace::seed_of(&fingerprint(21), 1, 2), Ok(space.seed()));
+            store.set_key_seed(space.seed());
+            store_two_blocks(&mut store, &tokens);
+            assert_eq!(store.lookup(&tokens), 2);
+            let mut keys = Vec::new();
+            assert_eq!(space.cached_prefix(store.pool().index(), &tokens, 16, &mut keys), 2, "the daemon finds the store's blocks");
+            assert_eq!(foreign.cached_prefix(store.pool().index(), &tokens, 16, &mut keys), 0, "another pool's secret finds none");
+            let mut chains = RankChains::default();
+            let settled =
+                space.all_ranks_chains(&tokens, 0, 16, &mut chains, |keys, first| store.pool().index().cached_run_end(keys, first));
+            assert_eq!(settled, Some(0), "rank 0 stored nothing");
+            let mut unkeyed = Vec::new();
+            block_keys_seeded(space.seed(), &tokens, 16, &mut unkeyed);
+            assert_eq!(store.pool().index().cached_prefix(&unkeyed), 0, "the store keyed its chain");
+        }
+    }
+
     #[test]
     fn spaces_differ_by_model_rank_and_world() {
         // Goal: each part of the identity changes the seed; equal identities give equal seeds.
-        let base = KeySpace::new(&fingerprint(1), 0, 2).unwrap();
-        assert_eq!(base, KeySpace::new(&fingerprint(1), 0, 2).unwrap());
+        let base = KeySpace::new(&fingerprint(1), 0, 2, &secret()).unwrap();
+        assert_eq!(base, KeySpace::new(&fingerprint(1), 0, 2, &secret()).unwrap());
         let others = [
-            KeySpace::new(&fingerprint(2), 0, 2).unwrap(),
-            KeySpace::new(&fingerprint(1), 1, 2).unwrap(),
-            KeySpace::new(&fingerprint(1), 0, 4).unwrap(),
-            KeySpace::new(&fingerprint(1), 0, 1).unwrap(),
+            KeySpace::new(&fingerprint(2), 0, 2, &secret()).unwrap(),
+            KeySpace::new(&fingerprint(1), 1, 2, &secret()).unwrap(),
+            KeySpace::new(&fingerprint(1), 0, 4, &secret()).unwrap(),
+            KeySpace::new(&fingerprint(1), 0, 1, &secret()).unwrap(),
         ];
         for other in others {
             assert_ne!(other.seed(), base.seed(), "{other:?}");
@@ -272,7 +384,7 @@ mod tests {
         // (seed 0) of a block made of the very words it was derived from (the fingerprint, rank
         // and world), which with a shared tag it was, by construction, for that block size.
         let fingerprint = fingerprint(3);
-        let space = KeySpace::new(&fingerprint, 1, 2).unwrap();
+        let space = KeySpace::new(&fingerprint, 1, 2, &secret()).unwrap();
         let mut words: Vec<u32> = fingerprint.chunks_exact(4).map(|bytes| u32::from_le_bytes(bytes.try_into().unwrap())).collect();
         words.extend([1, 2]);
         assert_ne!(space.seed(), objstore::hash::chain_hash(0, &words));
@@ -285,10 +397,10 @@ mod tests {
 
     #[test]
     fn bad_identities_are_refused_in_words() {
-        assert!(KeySpace::new(&[0; FINGERPRINT_BYTES], 0, 1).unwrap_err().contains("all zeroes"));
-        assert!(KeySpace::new(&fingerprint(1), 0, 0).unwrap_err().contains("outside 1..=1024"));
-        assert!(KeySpace::new(&fingerprint(1), 0, 2048).unwrap_err().contains("outside"));
-        assert!(KeySpace::new(&fingerprint(1), 2, 2).unwrap_err().contains("rank 2 is not below the world size 2"));
+        assert!(KeySpace::new(&[0; FINGERPRINT_BYTES], 0, 1, &secret()).unwrap_err().contains("all zeroes"));
+        assert!(KeySpace::new(&fingerprint(1), 0, 0, &secret()).unwrap_err().contains("outside 1..=1024"));
+        assert!(KeySpace::new(&fingerprint(1), 0, 2048, &secret()).unwrap_err().contains("outside"));
+        assert!(KeySpace::new(&fingerprint(1), 2, 2, &secret()).unwrap_err().contains("rank 2 is not below the world size 2"));
     }
 
     #[test]
@@ -296,10 +408,10 @@ mod tests {
         // Goal: blocks committed under rank 0's keys are found by rank 0 (longest prefix), not
         // by rank 1, another world size, another model, or the in-process store's space.
         let tokens: Vec<u32> = (0..64).collect();
-        let rank0 = KeySpace::new(&fingerprint(7), 0, 2).unwrap();
+        let rank0 = KeySpace::new(&fingerprint(7), 0, 2, &secret()).unwrap();
         let mut index = Index::new(&[8], 1);
         let mut keys = Vec::new();
-        block_keys_seeded(rank0.seed(), &tokens, 16, &mut keys);
+        block_keys_seeded(rank0.chain_start(), &tokens, 16, &mut keys);
         // Commit the first three of four blocks.
         for &key in &keys[..3] {
             let allocation = index.allocate_on(0).unwrap();
@@ -309,14 +421,14 @@ mod tests {
         assert_eq!(rank0.cached_prefix(&index, &tokens, 16, &mut scratch), 3);
         assert_eq!(rank0.cached_prefix(&index, &tokens[..40], 16, &mut scratch), 2);
         for other in [
-            KeySpace::new(&fingerprint(7), 1, 2).unwrap(),
-            KeySpace::new(&fingerprint(7), 0, 4).unwrap(),
-            KeySpace::new(&fingerprint(8), 0, 2).unwrap(),
+            KeySpace::new(&fingerprint(7), 1, 2, &secret()).unwrap(),
+            KeySpace::new(&fingerprint(7), 0, 4, &secret()).unwrap(),
+            KeySpace::new(&fingerprint(8), 0, 2, &secret()).unwrap(),
         ] {
             assert_eq!(other.cached_prefix(&index, &tokens, 16, &mut scratch), 0, "{other:?}");
         }
         let mut plain = Vec::new();
-        objstore::hash::block_keys(&tokens, 16, &mut plain);
+        block_keys_seeded(keyed_chain_start(&secret(), 0), &tokens, 16, &mut plain);
         assert_eq!(index.cached_prefix(&plain), 0, "seed 0 (in-process keys) must not see a session's blocks");
     }
 
@@ -330,7 +442,7 @@ mod tests {
             let mut index = Index::new(&[64], 1);
             let committed: Vec<usize> = (0..world).map(|rank| [5, 7, 3, 6][rank as usize]).collect();
             for rank in 0..world {
-                let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
+                let space = KeySpace::new(&fingerprint(9), rank, world, &secret()).unwrap();
                 let mut keys = Vec::new();
                 space.keys(&tokens, 16, &mut keys);
                 for &key in &keys[..committed[rank as usize]] {
@@ -339,7 +451,7 @@ mod tests {
                 }
             }
             // Another world size's blocks must not count: all 8 blocks for world * 2, rank 0.
-            let wider = KeySpace::new(&fingerprint(9), 0, world * 2).unwrap();
+            let wider = KeySpace::new(&fingerprint(9), 0, world * 2, &secret()).unwrap();
             let mut keys = Vec::new();
             wider.keys(&tokens, 16, &mut keys);
             for &key in &keys {
@@ -349,13 +461,13 @@ mod tests {
             let expected = *committed.iter().min().unwrap();
             let mut scratch = RankChains::default();
             for rank in 0..world {
-                let space = KeySpace::new(&fingerprint(9), rank, world).unwrap();
+                let space = KeySpace::new(&fingerprint(9), rank, world, &secret()).unwrap();
                 assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), expected, "world {world} rank {rank}");
             }
             // A shorter prompt caps the answer; another model sees nothing.
-            let first = KeySpace::new(&fingerprint(9), 0, world).unwrap();
+            let first = KeySpace::new(&fingerprint(9), 0, world, &secret()).unwrap();
             assert_eq!(first.cached_prefix_on_all_ranks(&index, &tokens[..40], 0, 16, &mut scratch), expected.min(2));
-            let other_model = KeySpace::new(&fingerprint(10), 0, world).unwrap();
+            let other_model = KeySpace::new(&fingerprint(10), 0, world, &secret()).unwrap();
             assert_eq!(other_model.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut scratch), 0);
         }
     }
@@ -384,13 +496,13 @@ mod tests {
             let mut index = Index::new(&[256], 1);
             let committed: Vec<usize> = (0..world as usize).map(|rank| [9, 11, 6, 12, 10, 7, 12, 8][rank]).collect();
             for rank in 0..world {
-                let space = KeySpace::new(&fingerprint(4), rank, world).unwrap();
+                let space = KeySpace::new(&fingerprint(4), rank, world, &secret()).unwrap();
                 commit_blocks(&mut index, &space, &tokens, 0, committed[rank as usize]);
             }
             let expected = *committed.iter().min().unwrap();
             let mut chains = RankChains::default();
             for rank in 0..world {
-                let space = KeySpace::new(&fingerprint(4), rank, world).unwrap();
+                let space = KeySpace::new(&fingerprint(4), rank, world, &secret()).unwrap();
                 let mut probes = 0;
                 let settled = space.all_ranks_chains(&tokens, 0, 16, &mut chains, |keys, first| {
                     probes += 1;
@@ -411,8 +523,8 @@ mod tests {
         // rank with nothing settles the answer at once, with no locked probe to make.
         let tokens: Vec<u32> = (0..16 * 8).collect();
         let world = 2;
-        let rank0 = KeySpace::new(&fingerprint(5), 0, world).unwrap();
-        let rank1 = KeySpace::new(&fingerprint(5), 1, world).unwrap();
+        let rank0 = KeySpace::new(&fingerprint(5), 0, world, &secret()).unwrap();
+        let rank1 = KeySpace::new(&fingerprint(5), 1, world, &secret()).unwrap();
         let mut index = Index::new(&[64], 1);
         commit_blocks(&mut index, &rank0, &tokens, 0, 6);
         let rank1_slots = commit_blocks(&mut index, &rank1, &tokens, 0, 4);
@@ -434,7 +546,7 @@ mod tests {
         assert_eq!(rank1.all_ranks_chains(&tokens, 0, 16, &mut chains, probe(&index)), None);
         assert_eq!(chains.run_end(&index), 8);
         // Another model has nothing on rank 0: settled, whatever the index holds later.
-        let other = KeySpace::new(&fingerprint(6), 1, world).unwrap();
+        let other = KeySpace::new(&fingerprint(6), 1, world, &secret()).unwrap();
         assert_eq!(other.all_ranks_chains(&tokens, 0, 16, &mut chains, probe(&index)), Some(0));
         assert_eq!(other.all_ranks_chains(&tokens, 3, 16, &mut chains, probe(&index)), Some(3));
     }
@@ -449,7 +561,7 @@ mod tests {
         let world = 3;
         let mut index = Index::new(&[64], 1);
         for (rank, end) in [5usize, 7, 4].into_iter().enumerate() {
-            let space = KeySpace::new(&fingerprint(9), rank as u32, world).unwrap();
+            let space = KeySpace::new(&fingerprint(9), rank as u32, world, &secret()).unwrap();
             let mut keys = Vec::new();
             space.keys(&tokens, 16, &mut keys);
             for &key in &keys[2..end] {
@@ -458,7 +570,7 @@ mod tests {
             }
         }
         let mut scratch = RankChains::default();
-        let space = KeySpace::new(&fingerprint(9), 1, world).unwrap();
+        let space = KeySpace::new(&fingerprint(9), 1, world, &secret()).unwrap();
         let from = |first_block, scratch: &mut RankChains| space.cached_prefix_on_all_ranks(&index, &tokens, first_block, 16, scratch);
         assert_eq!(from(0, &mut scratch), 0);
         assert_eq!(from(1, &mut scratch), 1);
@@ -486,10 +598,10 @@ mod tests {
         };
         let mut index = Index::new(&[64 * 200], 1);
         for rank in 0..world {
-            let space = KeySpace::new(&fingerprint(11), rank, world).unwrap();
+            let space = KeySpace::new(&fingerprint(11), rank, world, &secret()).unwrap();
             commit_blocks(&mut index, &space, &tokens, 0, held(rank));
         }
-        let space = KeySpace::new(&fingerprint(11), 5, world).unwrap();
+        let space = KeySpace::new(&fingerprint(11), 5, world, &secret()).unwrap();
         let mut chains = RankChains::default();
         assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 0, 16, &mut chains), 120);
         assert_eq!(space.cached_prefix_on_all_ranks(&index, &tokens, 100, 16, &mut chains), 120);
@@ -528,10 +640,10 @@ mod tests {
         let world = 3;
         let mut index = Index::new(&[3 * 200], 1);
         for rank in 0..world {
-            let space = KeySpace::new(&fingerprint(14), rank, world).unwrap();
+            let space = KeySpace::new(&fingerprint(14), rank, world, &secret()).unwrap();
             commit_blocks(&mut index, &space, &tokens, 0, 200);
         }
-        let space = KeySpace::new(&fingerprint(14), 2, world).unwrap();
+        let space = KeySpace::new(&fingerprint(14), 2, world, &secret()).unwrap();
         for (cap, first_block) in [(300, 0), (3 * 150, 20), (3 * 190 + 2, 0), (3 * 70 + 1, 100), (1 << 20, 0)] {
             let mut chains = RankChains::with_keys_max(cap);
             for _ in 0..2 {
@@ -550,7 +662,7 @@ mod tests {
         // panic): an all-ranks lookup from a first block past 0 answers that start, nothing
         // cached from there, instead of slicing the empty chain from it.
         let tokens = [1u32; 64];
-        let space = KeySpace::new(&fingerprint(13), 0, 2).unwrap();
+        let space = KeySpace::new(&fingerprint(13), 0, 2, &secret()).unwrap();
         let index = Index::new(&[8], 1);
         let mut chains = RankChains::default();
         let probe = |keys: &[u64], first| index.cached_run_end(keys, first);
@@ -564,7 +676,7 @@ mod tests {
         // Goal: after a lookup over more than `KEEP_KEYS` blocks, trim leaves no buffer holding
         // more than `KEEP_KEYS` keys' room (the scratch chain included).
         let tokens: Vec<u32> = (0..RankChains::KEEP_KEYS as u32 + 1000).collect();
-        let space = KeySpace::new(&fingerprint(12), 0, 1).unwrap();
+        let space = KeySpace::new(&fingerprint(12), 0, 1, &secret()).unwrap();
         let index = Index::new(&[8], 1);
         let mut chains = RankChains::default();
         assert_eq!(space.all_ranks_chains(&tokens, 0, 1, &mut chains, |keys, first| index.cached_run_end(keys, first)), Some(0));

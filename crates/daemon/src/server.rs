@@ -463,6 +463,9 @@ struct Shared {
     pool_shape: objstore::PoolShape,
     /// Bytes of one engine block (all layers, K and V).
     block_bytes: u64,
+    /// The pool's key secret (`Pool::key_secret`), copied at start so that a `Hello` keys its
+    /// session's space without the pool lock. Never printed (its `Debug` is redacted).
+    key_secret: objstore::hash::KeySecret,
     /// The controllers' admin timeout (`OpenedPool::admin_timeout`), handed back with the pool.
     admin_timeout: Duration,
     next_registration: AtomicU64,
@@ -586,6 +589,7 @@ impl Server {
             blocks_per_slot: opened.pool.blocks_per_slot(),
         };
         let OpenedPool { pool, devices, report, emulators, admin_timeout, locks } = opened;
+        let key_secret = *pool.key_secret();
         // Every session may hold its cap of requests at once; a cluster node's data plane holds
         // its own on top (peers' reads, clients' fetches), so peers never take clients' slots.
         let requests_max = config
@@ -623,6 +627,7 @@ impl Server {
             shape,
             pool_shape,
             block_bytes,
+            key_secret,
             admin_timeout,
             next_registration: AtomicU64::new(1),
             device_memory,

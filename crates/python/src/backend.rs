@@ -896,11 +896,10 @@ impl StoreState {
     }
 }
 
-/// tuttid's key seed of (fingerprint, rank, world), for an in-process store in the same space.
+/// tuttid's key seed of (fingerprint, rank, world), for an in-process store in the same space
+/// (`KvStore::set_key_seed`: the store keys it with its pool's secret, as tuttid does).
 pub fn key_seed(fingerprint: &[u8; 32], rank: u32, world: u32) -> Result<u64, Failure> {
-    tutti_daemon::keys::KeySpace::new(fingerprint, rank, world)
-        .map(|space| space.seed())
-        .map_err(|reason| Failure::new(ErrorClass::InvalidArgument, reason))
+    tutti_daemon::keys::KeySpace::seed_of(fingerprint, rank, world).map_err(|reason| Failure::new(ErrorClass::InvalidArgument, reason))
 }
 
 #[cfg(test)]

@@ -635,7 +635,7 @@ impl Connection {
                 if self.session.is_some() {
                     return Reply::error(ErrorCode::AlreadyAttached, "this connection is attached already (one Hello per connection)");
                 }
-                let space = match KeySpace::new(&hello.model_fingerprint, hello.tp_rank, hello.tp_world) {
+                let space = match KeySpace::new(&hello.model_fingerprint, hello.tp_rank, hello.tp_world, &shared.key_secret) {
                     Ok(space) => space,
                     Err(reason) => return Reply::error(ErrorCode::BadRequest, reason),
                 };

@@ -970,7 +970,7 @@ fn a_prepare_naming_an_engine_block_twice_is_refused_before_anything_is_reserved
     let store = store(true);
     let mut holdings = Holdings::default();
     let registration = registered(&mut holdings, &store);
-    let space = KeySpace::new(&[0x5c; 32], 0, 1).unwrap();
+    let space = KeySpace::new(&[0x5c; 32], 0, 1, lock(&store).control.pool().key_secret()).unwrap();
     let tokens: Vec<u32> = (0..48).collect();
     let limits = SessionLimits::default();
     let prepare = || Prepare { registration, tokens: tokens.clone(), block_ids: vec![0, 1, 0], first_block: 0 };
