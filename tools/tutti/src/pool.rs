@@ -207,6 +207,12 @@ pub struct FormatArgs {
     /// Record a CRC32 of every slot's payload at commit.
     #[arg(long)]
     payload_crc: bool,
+    /// The pool's key secret, from a file of exactly 64 hex digits (a trailing newline
+    /// allowed; e.g. `openssl rand -hex 32 > FILE`, mode 0600): block keys are keyed with it.
+    /// Every node of a cluster must be formatted with the same one, or they share nothing.
+    /// Default: a fresh random secret for this pool.
+    #[arg(long, value_name = "PATH")]
+    key_secret_file: Option<std::path::PathBuf>,
     /// Format devices that hold something other than a tutti pool (a file system, a partition
     /// table, any non-zero bytes in a file's first MiB; any block device that is not a tutti
     /// pool, any `vfio:` SSD that is not a tutti pool): everything on them is lost. Not needed
@@ -327,12 +333,26 @@ fn classify(error: ObjstoreError, what: &str, devices: &[DeviceSpec]) -> anyhow:
     }
 }
 
+/// The secret of `--key-secret-file`; a file that group or others may read is used, with a
+/// warning (they could compute every key of the pool). Errors never print the file's text.
+fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
+    let file = objstore::hash::KeySecret::read_file(path).map_err(|error| Unusable(format!("--key-secret-file: {error}")))?;
+    if file.readable_by_others() {
+        tutti_cli::errln!(
+            "warning: the key secret file {} is readable by group or others (mode {:o}): whoever reads it can compute the pool's block keys; chmod 600 it",
+            path.display(),
+            file.mode & 0o7777
+        );
+    }
+    Ok(file.secret)
+}
+
 fn describe(superblock: &Superblock) -> String {
     let g = &superblock.geometry;
     let payload_bytes = superblock.slot_count.saturating_mul(superblock.slot_bytes);
     let mapping = mapping_memory(g, payload_bytes);
     format!(
-        "pool {} device {}/{} v{}\n  geometry: {g}\n  object {} B, block {} B, {} block(s) per slot, slot {} B\n  {} slots, LBA {} B, headers at LBA {} ({} LBAs of {}-byte entries), data at LBA {}, payload CRC {}\n  mapping table for these {} of KV ({} objects): {} of SGL descriptors (PRP lists: {})",
+        "pool {} device {}/{} v{}\n  geometry: {g}\n  object {} B, block {} B, {} block(s) per slot, slot {} B\n  {} slots, LBA {} B, headers at LBA {} ({} LBAs of {}-byte entries), data at LBA {}, payload CRC {}\n  key secret tag {} (names the secret, reveals nothing of it: pools or cluster nodes that share a secret show one tag)\n  mapping table for these {} of KV ({} objects): {} of SGL descriptors (PRP lists: {})",
         format_uuid(&superblock.pool_uuid),
         superblock.device_index,
         superblock.device_count,
@@ -348,6 +368,7 @@ fn describe(superblock: &Superblock) -> String {
         superblock.header_entry_bytes,
         superblock.data_lba,
         if superblock.flags & objstore::format::FLAG_PAYLOAD_CRC != 0 { "on" } else { "off" },
+        superblock.key_secret.tag(),
         format_size(payload_bytes),
         mapping.objects,
         format_size(mapping.sgl_bytes),
@@ -364,13 +385,14 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
     match command {
         PoolCommand::Format(args) => {
             let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
+            let key_secret = args.key_secret_file.as_deref().map(read_key_secret_file).transpose()?;
             let params = FormatParams {
                 geometry: model.geometry,
                 blocks_per_slot: args.blocks_per_slot,
                 slot_count_max: args.slots,
                 pool_uuid: None,
                 payload_crc: args.payload_crc,
-                key_secret: None,
+                key_secret,
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;

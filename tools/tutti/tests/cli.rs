@@ -707,3 +707,54 @@ fn a_closed_standard_error_does_not_turn_a_note_into_a_panic() {
     assert_eq!(output.status.code(), Some(0), "stdout: {}", stdout(&output));
     assert!(stdout(&output).contains("0000:00:04.0"), "{}", stdout(&output));
 }
+
+#[test]
+fn a_key_secret_file_keys_the_pool_and_is_never_printed() {
+    // Goal: `--key-secret-file` formats the pool with that secret: two pools formatted from one
+    // file show one key secret tag, a pool formatted without it another (a fresh random
+    // secret); the secret itself appears in no output. A malformed file is unusable input
+    // (status 2, nothing created) whose message does not echo the file; one that group or
+    // others may read is used, with a warning.
+    use std::os::unix::fs::PermissionsExt;
+    let directory = tempfile::tempdir().unwrap();
+    let secret = "0123456789abcdef".repeat(4);
+    let secret_path = directory.path().join("secret");
+    std::fs::write(&secret_path, format!("{secret}\n")).unwrap();
+    std::fs::set_permissions(&secret_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let secret_arg = secret_path.to_str().unwrap();
+    let tag_of = |output: &Output| {
+        let text = stdout(output);
+        assert!(!text.contains(&secret[..16]) && !stderr(output).contains(&secret[..16]), "the secret printed: {text}");
+        let at = text.find("key secret tag ").unwrap_or_else(|| panic!("no tag in: {text}")) + "key secret tag ".len();
+        text[at..at + 8].to_string()
+    };
+    let (first, second, third) = (directory.path().join("a.img"), directory.path().join("b.img"), directory.path().join("c.img"));
+    let formatted = format(&first, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
+    assert_status(&formatted, 0, &[]);
+    assert!(!stderr(&formatted).contains("warning"), "{}", stderr(&formatted));
+    let tag = tag_of(&formatted);
+    let again = format(&second, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
+    assert_eq!(tag_of(&again), tag, "one secret file, one tag");
+    let inspected = tutti(&["pool", "inspect", "--device", &device(&first)]);
+    assert_status(&inspected, 0, &[]);
+    assert_eq!(tag_of(&inspected), tag);
+    let random = format(&third, &["--model", "llama3-8b"]);
+    assert_status(&random, 0, &[]);
+    assert_ne!(tag_of(&random), tag, "without a file, a fresh secret");
+    // Readable by others: used, with a warning.
+    std::fs::set_permissions(&secret_path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let exposed = format(&third, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
+    assert_status(&exposed, 0, &["warning", "readable by group or others"]);
+    assert_eq!(tag_of(&exposed), tag);
+    // A typo (one non-hex digit), a short file: refused, the file's text not echoed, no pool file made.
+    let fourth = directory.path().join("d.img");
+    for bad in [format!("{}x{}\n", &secret[..20], &secret[21..]), secret[..40].to_string()] {
+        std::fs::write(&secret_path, &bad).unwrap();
+        let refused = format(&fourth, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
+        assert_status(&refused, 2, &["key secret"]);
+        assert!(!stderr(&refused).contains(&secret[..16]), "{}", stderr(&refused));
+        assert!(!fourth.exists(), "a refused format created the pool file");
+    }
+    let missing = directory.path().join("no-such-secret");
+    assert_status(&format(&fourth, &["--model", "llama3-8b", "--key-secret-file", missing.to_str().unwrap()]), 2, &["no-such-secret"]);
+}
