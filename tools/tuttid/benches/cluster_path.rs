@@ -52,11 +52,19 @@ fn tokens(seed: u32) -> Vec<u32> {
     (0..BLOCKS * 16).map(|i| i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(0x9E37_79B1)).collect()
 }
 
+/// The key secret of every node (one for the cluster: nodes find each other's segments by
+/// block key), written to `key-secret` in the bench's directory.
+const KEY_SECRET_HEX: &str = "be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c4be4c";
+
 /// A tuttid on `emu:mem:SIZE` in `directory`, a cluster node when `etcd` is given.
 fn start(directory: &Path, name: &str, etcd: Option<&LocalEtcd>) -> (Child, std::path::PathBuf) {
     let socket = directory.join(format!("{name}.sock"));
+    let secret_file = directory.join("key-secret");
+    std::fs::write(&secret_file, KEY_SECRET_HEX).unwrap();
+    std::fs::set_permissions(&secret_file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     let mut command = Command::new(TUTTID);
     command.args(["--device", "emu:mem:1g", "--format", "--socket"]).arg(&socket).arg("--lock-dir").arg(directory.join(name));
+    command.arg("--key-secret-file").arg(&secret_file);
     command.args(["--layers", "8", "--kv-heads", "8", "--head-dim", "128", "--metrics", "off", "--clients-max", "4"]);
     if let Some(etcd) = etcd {
         command.args(["--cluster-etcd", &etcd.endpoints().join(","), "--cluster-id", "bench", "--node-id", name]);
@@ -139,7 +147,8 @@ fn main() {
     let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("bench").unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
     config.request_timeout = Duration::from_secs(3);
     let reader = ClusterClient::connect(config).unwrap();
-    let space = KeySpace::new(&hello("").model_fingerprint, 0, 1).unwrap();
+    let secret = objstore::hash::KeySecret::from_hex(KEY_SECRET_HEX.as_bytes()).unwrap();
+    let space = KeySpace::new(&hello("").model_fingerprint, 0, 1, &secret).unwrap();
     let segments = |seed: u32| {
         let mut keys = Vec::new();
         space.keys(&tokens(seed), 16, &mut keys);

@@ -70,6 +70,12 @@ struct Cli {
     /// configured to verify retrieves can (a mismatching block is then evicted).
     #[arg(long)]
     payload_crc: bool,
+    /// With --format: the pool's key secret, from a file of exactly 64 hex digits (a trailing
+    /// newline allowed; mode 0600). Block keys are keyed with it, and every node of a cluster
+    /// must be formatted with the same one, or the nodes find none of each other's blocks.
+    /// Default: a fresh random secret for this pool.
+    #[arg(long, value_name = "PATH", requires = "format")]
+    key_secret_file: Option<PathBuf>,
     /// Namespace id on every device.
     #[arg(long, default_value_t = 1)]
     namespace: u32,
@@ -242,6 +248,20 @@ fn main() -> ExitCode {
     exit::status_of("tuttid", result)
 }
 
+/// The secret of `--key-secret-file`; a file that group or others may read is used, with a
+/// warning (they could compute every key of the pool). Errors never print the file's text.
+fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
+    let file = objstore::hash::KeySecret::read_file(path).map_err(|error| Unusable(format!("--key-secret-file: {error}")))?;
+    if file.readable_by_others() {
+        tutti_cli::errln!(
+            "warning: the key secret file {} is readable by group or others (mode {:o}): whoever reads it can compute the pool's block keys; chmod 600 it",
+            printable(&path.display().to_string()),
+            file.mode & 0o7777
+        );
+    }
+    Ok(file.secret)
+}
+
 fn serve(cli: &Cli) -> Result<()> {
     // SIGTERM and SIGINT are taken by one thread with sigwait; they are blocked before any
     // other thread exists (the software controllers start in open_pool) so that every thread
@@ -253,13 +273,14 @@ fn serve(cli: &Cli) -> Result<()> {
     let cluster = cluster_settings(cli)?;
     let format = if cli.format {
         let model = cli.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
+        let key_secret = cli.key_secret_file.as_deref().map(read_key_secret_file).transpose()?;
         Some(FormatParams {
             geometry: model.geometry,
             blocks_per_slot: cli.blocks_per_slot,
             slot_count_max: cli.slots,
             pool_uuid: None,
             payload_crc: cli.payload_crc,
-            key_secret: None,
+            key_secret,
         })
     } else {
         None

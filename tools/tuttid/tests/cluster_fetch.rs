@@ -20,7 +20,8 @@ use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{
-    client_of, holders, holders_once_available, members, reader, store, wait_for, Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
+    client_of, holders, holders_once_available, members, reader, store, wait_for, write_key_secret_file, Node, BLOCK_TOKENS, CLUSTER,
+    LEASE, PROMPT_BLOCKS, SOON,
 };
 use common::{hello, store_prompt};
 
@@ -366,4 +367,38 @@ impl Drop for Stopped {
             eprintln!("SIGCONT {}: {error}", self.0);
         }
     }
+}
+
+#[test]
+fn nodes_formatted_with_different_key_secrets_share_nothing() {
+    // Goal: block keys are keyed with the pool's secret, and nodes find each other's segments
+    // by key: a node formatted with another secret than the cluster's computes other keys for
+    // the same prompt, so its lookups find no holder of what the others hold and a fetch reads
+    // nothing (misses: never another prefix's data), while a node of the cluster's secret
+    // finds and reads it all. Nothing tells the operator (docs/cluster.md says so).
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let reader = reader(&etcd);
+    let (mut a, mut b, mut c) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"), Node::new(root.path(), "c"));
+    b.key_secret_file = root.path().join("another-secret");
+    write_key_secret_file(&b.key_secret_file, &"7e".repeat(32));
+    for node in [&mut a, &mut b, &mut c] {
+        node.start(&etcd, true);
+    }
+    wait_for("the three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    store(&a, 12);
+    wait_for("a's segments registered", SOON, || holders_once_available(&reader, 12).is_some_and(|holders| holders == [["a"], ["a"]]));
+    let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let mut on_b = client_of(&b, "other-secret");
+    let answer = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!((answer.cached_blocks, answer.registry, answer.remote_blocks), (0, RegistryAnswer::Answered, 0), "{answer:?}");
+    assert!(answer.holders.is_empty(), "{answer:?}");
+    assert_eq!(on_b.fetch_remote(&tokens).unwrap(), (0, 0), "a fetch on b reads nothing");
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b holds nothing of the prompt");
+    // The same prompt on c, formatted with the cluster's secret: all of a's blocks.
+    let mut on_c = client_of(&c, "cluster-secret");
+    assert_eq!(on_c.lookup_cluster(&tokens).unwrap().remote_blocks, 32);
+    assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
+    let mut store_c = c.connect();
+    assert_eq!(common::retrieve_prompt(&mut store_c, 12, 0, 32).expect("retrieve on c"), 0, "wrong bytes on c");
 }

@@ -3,6 +3,7 @@
 //! (a set mixing emu: and vfio: devices, a character device among the files, a size no file can
 //! have) and for an existing file smaller than the size asked for.
 //! And a pool recording another LBA size than the namespace's: refused as unusable input (2).
+//! And a malformed `--key-secret-file`: refused the same way, its text never echoed.
 
 use std::path::Path;
 use std::process::Command;
@@ -81,4 +82,32 @@ fn a_pool_recording_another_lba_size_is_unusable_input_not_a_failure() {
     let (code, stderr) = tuttid(scratch.path(), &["--device", &device]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("512"), "{stderr}");
+}
+
+#[test]
+fn a_malformed_key_secret_file_is_refused_before_anything_is_made() {
+    // Goal: `--format --key-secret-file` with a file that is not 64 hex digits, or that is
+    // missing, is unusable input (2) refused before any pool file is created, and the message
+    // names what is wrong without echoing the file (a secret with one typo is still a secret);
+    // without --format the option is refused (it only means something to a format).
+    let scratch = tempfile::tempdir().unwrap();
+    let directory = scratch.path().join("pool");
+    std::fs::create_dir(&directory).unwrap();
+    std::fs::create_dir(scratch.path().join("sockets")).unwrap();
+    let device = format!("emu:{}", directory.join("new.img").display());
+    let secret = scratch.path().join("secret");
+    let almost = format!("{}z", "ab".repeat(31) + "c");
+    std::fs::write(&secret, &almost).unwrap();
+    let secret_arg = secret.to_str().unwrap();
+    let missing = scratch.path().join("no-such-secret");
+    for (file, needle) in [(secret_arg, "key secret"), (missing.to_str().unwrap(), "no-such-secret")] {
+        let arguments = ["--device", &device, "--emu-create-bytes", "64m", "--format", "--model", "llama3-8b", "--key-secret-file", file];
+        let (code, stderr) = tuttid(scratch.path(), &arguments);
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(stderr.contains(needle) && !stderr.contains("abababab"), "{stderr}");
+        assert!(listing(&directory).is_empty(), "a refused format made files: {stderr}");
+    }
+    let (code, stderr) = tuttid(scratch.path(), &["--device", &device, "--key-secret-file", secret_arg]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("--format"), "{stderr}");
 }

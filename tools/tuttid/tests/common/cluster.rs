@@ -1,8 +1,10 @@
 //! What the cluster process tests (`cluster_*.rs`) share: a tuttid node (its directory with
 //! pool file, socket and segment manifest, and its daemon, started as a member of a
 //! `LocalEtcd` cluster), a registry reader, the segments of a test prompt and who the registry
-//! says holds them, and bounded polling. Every node uses 16-block segments, a 48-slot pool and,
-//! unless a test changes it, a 2 s lease.
+//! says holds them, and bounded polling. Every node uses 16-block segments, a 48-slot pool,
+//! unless a test changes them a 2 s lease and the cluster's one key secret ([`KEY_SECRET_HEX`],
+//! in a file in the test's root directory: nodes find each other's segments by block key, so
+//! they must be formatted with one secret).
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -29,6 +31,17 @@ pub const SLOTS: &str = "48";
 /// failed call backs off at most half the lease).
 pub const SOON: Duration = Duration::from_secs(10);
 
+/// The key secret every node of a test's cluster is formatted with (`--key-secret-file`), and
+/// with which the tests compute the keys the nodes register ([`space`]).
+pub const KEY_SECRET_HEX: &str = "c1a55ec7e75ec2e7c1a55ec7e75ec2e7c1a55ec7e75ec2e7c1a55ec7e75ec2e7";
+
+/// Writes `hex` as a key secret file (mode 0600, as an operator would) at `path`.
+pub fn write_key_secret_file(path: &Path, hex: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("{hex}\n")).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
 /// One node's directory (socket, pool file, segment manifest) and its daemon.
 pub struct Node {
     pub name: &'static str,
@@ -45,13 +58,21 @@ pub struct Node {
     pub data_address: String,
     /// `--cluster-state` (`segments` in the node's directory by default).
     pub manifest: PathBuf,
+    /// `--key-secret-file` of `--format`: the cluster's, in the test's root directory, by
+    /// default (every node of a test shares it).
+    pub key_secret_file: PathBuf,
 }
 
 impl Node {
     pub fn new(root: &Path, name: &'static str) -> Node {
         let directory = root.join(name);
         std::fs::create_dir_all(&directory).unwrap();
+        let key_secret_file = root.join("key-secret");
+        if !key_secret_file.exists() {
+            write_key_secret_file(&key_secret_file, KEY_SECRET_HEX);
+        }
         Node {
+            key_secret_file,
             name,
             daemon: None,
             lease: "2s",
@@ -131,6 +152,7 @@ impl Node {
         .to_vec();
         if format {
             args.extend(["--format", "--emu-create-bytes", "64m", "--slots", SLOTS].map(String::from));
+            args.extend(["--key-secret-file".to_string(), self.key_secret_file.display().to_string()]);
             args.extend(self.format_extra.iter().map(|arg| arg.to_string()));
         }
         args.extend(self.extra.iter().map(|arg| arg.to_string()));
@@ -165,9 +187,11 @@ pub fn reader(etcd: &LocalEtcd) -> ClusterClient {
     ClusterClient::connect(config).unwrap()
 }
 
-/// The key space the test clients attach with (`common::hello(0, 1, …)`).
+/// The key space the test clients attach with (`common::hello(0, 1, …)`), in a pool
+/// formatted with the cluster's secret ([`KEY_SECRET_HEX`]).
 pub fn space() -> KeySpace {
-    KeySpace::new(&hello(0, 1, "").model_fingerprint, 0, 1).unwrap()
+    let secret = objstore::hash::KeySecret::from_hex(KEY_SECRET_HEX.as_bytes()).unwrap();
+    KeySpace::new(&hello(0, 1, "").model_fingerprint, 0, 1, &secret).unwrap()
 }
 
 pub fn model() -> ModelSpace {
