@@ -14,7 +14,7 @@ use gio_uring::{CpuExecutor, SmBudget};
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, Iova, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
-use objstore::hash::block_keys;
+use objstore::hash::{block_keys_seeded, keyed_chain_start, KeySecret};
 use objstore::{
     cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget,
     StoreConfig,
@@ -67,6 +67,11 @@ pub fn targets(controller: &Arc<Controller>, namespaces: &[u32]) -> Vec<PoolTarg
     namespaces.iter().map(|&ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).collect()
 }
 
+/// The key secret [`format`] gives every test pool, so that [`keys_of`] can predict its keys.
+pub fn key_secret() -> KeySecret {
+    KeySecret::from_bytes(*b"tutti-tests key secret, not one!").expect("a non-zero secret")
+}
+
 pub fn format(targets: &[PoolTarget], k: u32, slots: Option<u64>) {
     let params = FormatParams {
         geometry: geometry(),
@@ -74,7 +79,7 @@ pub fn format(targets: &[PoolTarget], k: u32, slots: Option<u64>) {
         slot_count_max: slots,
         pool_uuid: None,
         payload_crc: true,
-        key_secret: None,
+        key_secret: Some(key_secret()),
     };
     format_pool(targets, &params).expect("format");
 }
@@ -183,9 +188,11 @@ impl Engine {
     }
 }
 
+/// The block keys of `tokens` in a pool of [`format`] as an in-process store computes them (key
+/// space 0, keyed with the pool's secret): what its slot headers record.
 pub fn keys_of(tokens: &[u32]) -> Vec<u64> {
     let mut keys = Vec::new();
-    block_keys(tokens, geometry().block_tokens, &mut keys);
+    block_keys_seeded(keyed_chain_start(&key_secret(), 0), tokens, geometry().block_tokens, &mut keys);
     keys
 }
 

@@ -50,8 +50,10 @@ fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> N
     let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
     let geometry = ModelGeometry { layers, kv_heads: 8, head_dim, dtype_bytes: 2, block_tokens: 16 };
-    let params =
-        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false, key_secret: None };
+    // Every node of a cluster shares one key secret (docs/cluster.md), as these nodes do; the
+    // tests' keys are made up (`keys`), so nothing here depends on it.
+    let key_secret = Some(objstore::hash::KeySecret::from_bytes([0xc1; 32]).unwrap());
+    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false, key_secret };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();
