@@ -5,7 +5,9 @@
 //! `tutti-block-v1`, the predecessor's key (u64 LE), the token count (u64 LE), the tokens (u32
 //! LE each); 0 is taken as 1. Keys are stored in slot headers, so the scheme is part of the
 //! pool format: changing it needs a new format version (pools of another scheme are refused).
-//! Version 4 introduced it; versions 1-3 used fast non-cryptographic mixes.
+//! Version 4 introduced it; version 5 starts each key space's chain from a keyed hash of the
+//! pool's secret and the space's seed ([`keyed_chain_start`], below); versions 1-3 used fast
+//! non-cryptographic mixes.
 //!
 //! Why a cryptographic hash: the seed of a key space (tuttid's model fingerprint and TP
 //! rank/world) is not secret, the first store of a key wins, and whoever chooses prompt tokens
