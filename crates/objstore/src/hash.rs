@@ -174,6 +174,12 @@ impl KeySecret {
         use std::io::Read;
         use std::os::unix::fs::PermissionsExt;
         let source = |error: std::io::Error| ObjstoreError::KeySecretSource { path: path.display().to_string(), source: error };
+        // Only a regular file: opening a FIFO would wait for a writer without bound, and a
+        // device could be read for ever. (Checked on the path, then read: one swapped between
+        // the two is the caller's own doing, and the read is bounded anyway.)
+        if !std::fs::metadata(path).map_err(source)?.is_file() {
+            return Err(ObjstoreError::KeySecret { reason: format!("{}: not a regular file", path.display()) });
+        }
         let file = std::fs::File::open(path).map_err(source)?;
         let mode = file.metadata().map_err(source)?.permissions().mode();
         let mut text = Vec::with_capacity(2 * KEY_SECRET_BYTES + 1);
@@ -517,6 +523,8 @@ mod tests {
         std::fs::write(&path, hex.repeat(100)).unwrap();
         let message = KeySecret::read_file(&path).unwrap_err().to_string();
         assert!(message.contains("longer than") && message.contains("secret") && !message.contains(&hex[..16]), "{message}");
+        let message = KeySecret::read_file(&directory).unwrap_err().to_string();
+        assert!(message.contains("not a regular file"), "{message}");
         let missing = directory.join("missing");
         let error = KeySecret::read_file(&missing).unwrap_err();
         assert!(matches!(&error, ObjstoreError::KeySecretSource { path, .. } if path.contains("missing")), "{error}");

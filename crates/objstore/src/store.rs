@@ -332,6 +332,10 @@ impl<E: Executor> KvStore<E> {
     /// in-process store given the same seed finds what sessions of that space stored in the
     /// pool (and the reverse). One hash, here; none per block.
     pub fn set_key_seed(&mut self, seed: u64) {
+        if seed == self.key_seed {
+            // Its chain start is computed already (at construction for seed 0).
+            return;
+        }
         self.key_seed = seed;
         self.chain_start = keyed_chain_start(self.control.pool().key_secret(), seed);
     }
