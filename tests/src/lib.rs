@@ -14,7 +14,7 @@ use gio_uring::{CpuExecutor, SmBudget};
 use nvme_driver::hw::DeviceBackend;
 use nvme_driver::{Controller, ControllerConfig, DataPointerMode, DmaAllocator, DmaRegion, Iova, NamespaceId};
 use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
-use objstore::hash::{block_keys_seeded, keyed_chain_start, KeySecret};
+use objstore::hash::{block_keys, KeyChain, KeySecret};
 use objstore::{
     cpu_executor_for, format_pool, FormatParams, KvKind, KvLayout, KvRegistration, KvRequest, KvStore, ModelGeometry, Pool, PoolTarget,
     StoreConfig,
@@ -192,7 +192,7 @@ impl Engine {
 /// space 0, keyed with the pool's secret): what its slot headers record.
 pub fn keys_of(tokens: &[u32]) -> Vec<u64> {
     let mut keys = Vec::new();
-    block_keys_seeded(keyed_chain_start(&key_secret(), 0), tokens, geometry().block_tokens, &mut keys);
+    block_keys(&KeyChain::new(&key_secret(), 0), tokens, geometry().block_tokens, &mut keys);
     keys
 }
 

@@ -103,7 +103,7 @@ impl ModelSpace {
 }
 
 /// The chained prefix hash of a segment's last block (objstore's block key there): it names the
-/// whole prefix up to and including the segment. Never 0 (`chain_hash` never returns 0).
+/// whole prefix up to and including the segment. Never 0 (`objstore::hash::KeyChain::block_key` never returns 0).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SegmentKey(u64);
 

@@ -36,7 +36,7 @@ pub struct Segment {
 }
 
 /// The segments of a prompt whose chained block keys are `block_keys` (objstore's
-/// `block_keys_seeded`): segment i ends at block (i+1)·S−1 and takes that block's key. A partial
+/// `hash::block_keys`): segment i ends at block (i+1)·S−1 and takes that block's key. A partial
 /// last segment is not a segment: it is neither registered nor looked up. Refuses a key of 0
 /// (no chained hash is 0: such a list did not come from the chain).
 pub fn segments_of(block_keys: &[u64], blocks: SegmentBlocks, out: &mut Vec<Segment>) -> Result<()> {

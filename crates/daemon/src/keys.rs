@@ -1,28 +1,29 @@
 //! Key spaces: the model fingerprint and tensor-parallel (rank, world size) a session declared
 //! in `Hello` select the chain of block keys it stores and looks up. The space has a seed (a
-//! hash of that identity, [`KeySpace::seed`]), and the chain of a prompt's block keys starts
-//! from the keyed hash of the pool's key secret and that seed (`objstore::hash::keyed_chain_start`,
-//! then `block_keys_seeded` from it): exactly the keys an in-process `KvStore` of the same pool
-//! computes after `set_key_seed(seed)`. So ranks do not find each other's blocks, a change of
-//! model or TP size does not serve stale KV (all spaces share one index, so two spaces' keys
-//! meet only by a 64-bit accident), and no one without the pool's secret can compute a key
-//! (docs/objstore.md says what the keys resist).
+//! hash of that identity, [`KeySpace::seed`]), and a prompt's block keys are the chain keyed
+//! with the pool's key secret and that seed (`objstore::hash::KeyChain::new`, then
+//! `objstore::hash::block_keys` in it: every block's key is keyed, not only the first):
+//! exactly the keys an in-process `KvStore` of the same pool computes after
+//! `set_key_seed(seed)`. So ranks do not find each other's blocks, a change of model or TP size
+//! does not serve stale KV (all spaces share one index, so two spaces' keys meet only by a
+//! 64-bit accident), and no one without the pool's secret can compute a key, even from another
+//! key seen (docs/objstore.md says what the keys resist).
 
-use objstore::hash::{block_keys_seeded, keyed_chain_start, space_seed, KeySecret};
+use objstore::hash::{block_keys, space_seed, KeyChain, KeySecret};
 use objstore::index::Index;
 use tutti_cluster::{ClusterError, ModelSpace};
 
 use crate::protocol::FINGERPRINT_BYTES;
 
 /// A session's key space in one pool: the cluster tier's [`ModelSpace`] (which checks the
-/// identity, one place for the whole workspace), the seed of its block-key chain, and where
-/// that chain starts in the pool (keyed with the pool's secret, which it keeps for the other
-/// ranks' spaces of an all-ranks lookup). Its `Debug` prints no secret (`KeySecret`'s is
+/// identity, one place for the whole workspace), the seed of its block-key chain, and that
+/// chain in the pool (keyed with the pool's secret, which it keeps for the other ranks' spaces
+/// of an all-ranks lookup). Its `Debug` prints no secret (`KeySecret`'s and `KeyChain`'s are
 /// redacted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeySpace {
     seed: u64,
-    chain_start: u64,
+    chain: KeyChain,
     secret: KeySecret,
     model: ModelSpace,
 }
@@ -53,7 +54,7 @@ impl KeySpace {
     /// keyed hash here, none per block.
     pub fn of(model: ModelSpace, secret: &KeySecret) -> KeySpace {
         let seed = Self::seed_of_model(&model);
-        KeySpace { seed, chain_start: keyed_chain_start(secret, seed), secret: *secret, model }
+        KeySpace { seed, chain: KeyChain::new(secret, seed), secret: *secret, model }
     }
 
     fn seed_of_model(model: &ModelSpace) -> u64 {
@@ -84,20 +85,16 @@ impl KeySpace {
         self.model.tp_world()
     }
 
-    /// The space's seed, unkeyed: what `KvStore::set_key_seed` takes for this space (never
-    /// the start of a chain by itself: see [`KeySpace::chain_start`]).
+    /// The space's seed, unkeyed: what `KvStore::set_key_seed` takes for this space (no chain
+    /// by itself: the pool's secret keys it, [`KeySpace::keys`]).
     pub fn seed(&self) -> u64 {
         self.seed
     }
 
-    /// Where this space's key chain starts in its pool: `keyed_chain_start(secret, seed)`.
-    pub fn chain_start(&self) -> u64 {
-        self.chain_start
-    }
-
-    /// The keys of `tokens`' full blocks in this space, into `keys` (cleared first).
+    /// The keys of `tokens`' full blocks in this space, into `keys` (cleared first):
+    /// `objstore::hash::block_keys` in the chain `KeyChain::new(secret, seed)`.
     pub fn keys(&self, tokens: &[u32], block_tokens: u32, keys: &mut Vec<u64>) {
-        block_keys_seeded(self.chain_start, tokens, block_tokens, keys);
+        block_keys(&self.chain, tokens, block_tokens, keys);
     }
 
     /// The longest prefix of `tokens` (in blocks of `block_tokens`) whose blocks are committed in
@@ -356,8 +353,8 @@ mod tests {
                 space.all_ranks_chains(&tokens, 0, 16, &mut chains, |keys, first| store.pool().index().cached_run_end(keys, first));
             assert_eq!(settled, Some(0), "rank 0 stored nothing");
             let mut unkeyed = Vec::new();
-            block_keys_seeded(space.seed(), &tokens, 16, &mut unkeyed);
-            assert_eq!(store.pool().index().cached_prefix(&unkeyed), 0, "the store keyed its chain");
+            block_keys(&KeyChain::new(&KeySecret::from_bytes([0x42; 32]).unwrap(), space.seed()), &tokens, 16, &mut unkeyed);
+            assert_eq!(store.pool().index().cached_prefix(&unkeyed), 0, "the store keyed its chain with its own pool's secret");
         }
     }
 
@@ -387,10 +384,11 @@ mod tests {
         let space = KeySpace::new(&fingerprint, 1, 2, &secret()).unwrap();
         let mut words: Vec<u32> = fingerprint.chunks_exact(4).map(|bytes| u32::from_le_bytes(bytes.try_into().unwrap())).collect();
         words.extend([1, 2]);
-        assert_ne!(space.seed(), objstore::hash::chain_hash(0, &words));
+        let chain = KeyChain::new(&secret(), 0);
+        assert_ne!(space.seed(), chain.block_key(0, &words));
         // The derivation before, a tag word after the others: the same block's key.
         let tagged: Vec<u32> = words.iter().copied().chain([0x7464_6b31]).collect();
-        assert_ne!(space.seed(), objstore::hash::chain_hash(0, &tagged));
+        assert_ne!(space.seed(), chain.block_key(0, &tagged));
         assert_eq!(space.seed(), objstore::hash::space_seed(&words));
         assert_ne!(space.seed(), 0);
     }
@@ -411,7 +409,7 @@ mod tests {
         let rank0 = KeySpace::new(&fingerprint(7), 0, 2, &secret()).unwrap();
         let mut index = Index::new(&[8], 1);
         let mut keys = Vec::new();
-        block_keys_seeded(rank0.chain_start(), &tokens, 16, &mut keys);
+        rank0.keys(&tokens, 16, &mut keys);
         // Commit the first three of four blocks.
         for &key in &keys[..3] {
             let allocation = index.allocate_on(0).unwrap();
@@ -428,7 +426,7 @@ mod tests {
             assert_eq!(other.cached_prefix(&index, &tokens, 16, &mut scratch), 0, "{other:?}");
         }
         let mut plain = Vec::new();
-        block_keys_seeded(keyed_chain_start(&secret(), 0), &tokens, 16, &mut plain);
+        block_keys(&KeyChain::new(&secret(), 0), &tokens, 16, &mut plain);
         assert_eq!(index.cached_prefix(&plain), 0, "seed 0 (in-process keys) must not see a session's blocks");
     }
 

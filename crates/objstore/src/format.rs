@@ -18,10 +18,11 @@ use crate::geometry::ModelGeometry;
 use crate::hash::{KeySecret, KEY_SECRET_BYTES};
 
 pub const MAGIC: [u8; 8] = *b"TUTTIKV\0";
-/// 5: block keys are keyed: each key space's chain starts from SHA-256 of the pool's key secret
-/// (bytes 120..152 of the superblock, [`KeySecret`]) and the space's seed
-/// (`hash::keyed_chain_start`), so no one without the secret can compute a key (or search for
-/// colliding prefixes); otherwise the layout is version 4's. Version 4 (SHA-256 keys, unkeyed:
+/// 5: block keys are keyed: each key space's chain (its start and a space key hashed into every
+/// block's key) is SHA-256 of the pool's key secret (bytes 120..152 of the superblock,
+/// [`KeySecret`]) and the space's seed (`hash::KeyChain::new`), so no one without the secret
+/// can compute a key, nor extend a chain from a key seen (or search for colliding prefixes);
+/// otherwise the layout is version 4's. Version 4 (SHA-256 keys, unkeyed:
 /// computable by anyone), version 3 (keys of the earlier fast mix), version 2 (also all-zero
 /// Empty entries, one payload CRC per slot) and version 1 (keys of the first hash scheme) are
 /// refused. Version 3 introduced Empty slot headers carrying the pool tag, slot number and a
@@ -88,8 +89,8 @@ pub struct Superblock {
     pub header_lba: u64,
     pub header_blocks: u64,
     pub data_lba: u64,
-    /// The pool's key secret (the same on every device of the pool): where every key space's
-    /// chain starts from (`hash::keyed_chain_start`).
+    /// The pool's key secret (the same on every device of the pool): what every key space's
+    /// chain is derived from (`hash::KeyChain::new`).
     pub key_secret: KeySecret,
 }
 

@@ -29,7 +29,7 @@ use crate::format::{
     HEADER_FLAG_PAYLOAD_CRC, SUPERBLOCK_REGION_BYTES,
 };
 use crate::geometry::ModelGeometry;
-use crate::hash::{chain_hash, KeySecret};
+use crate::hash::KeySecret;
 use crate::index::Index;
 
 /// Deadline of each metadata command batch. On a device whose metadata borrows the executor's
@@ -213,15 +213,24 @@ pub struct Pool {
 }
 
 fn fresh_uuid() -> [u8; 16] {
-    // Uniqueness, not secrecy: time, process and a stack address through the key mixer.
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let local = 0u8;
-    let seed = [nanos as u32, (nanos >> 32) as u32, (nanos >> 64) as u32, std::process::id(), (&local as *const u8 as usize) as u32];
-    let a = chain_hash(0, &seed);
-    let b = chain_hash(a, &seed);
-    let mut uuid = [0u8; 16];
-    uuid[..8].copy_from_slice(&a.to_le_bytes());
-    uuid[8..].copy_from_slice(&b.to_le_bytes());
+    // Uniqueness, not secrecy: a version-4 UUID's 122 random bits from the OS's random source
+    // (RFC 4122's way, and what the key secret is read from already); only if that cannot be
+    // read, time, process and a stack address through SHA-256 (unique enough on one host: the
+    // pool UUID tells pools apart, it keys nothing). Not the block-key hash: that takes a key
+    // space's secret chain, which a UUID has nothing to do with.
+    let mut uuid = crate::hash::os_random::<16>().unwrap_or_else(|_| {
+        use sha2::{Digest, Sha256};
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let local = 0u8;
+        let mut hasher = Sha256::new();
+        hasher.update(b"tutti-puuid-v1");
+        hasher.update(nanos.to_le_bytes());
+        hasher.update(std::process::id().to_le_bytes());
+        hasher.update((&local as *const u8 as usize).to_le_bytes());
+        let mut uuid = [0u8; 16];
+        uuid.copy_from_slice(&hasher.finalize()[..16]);
+        uuid
+    });
     uuid[6] = (uuid[6] & 0x0F) | 0x40; // RFC 4122 version 4 layout
     uuid[8] = (uuid[8] & 0x3F) | 0x80;
     uuid
@@ -718,7 +727,7 @@ impl Pool {
     }
 
     /// The pool's key secret (every device's: `open` checks they agree), from which every key
-    /// space's chain starts (`hash::keyed_chain_start`).
+    /// space's chain is derived (`hash::KeyChain::new`).
     pub fn key_secret(&self) -> &KeySecret {
         &self.devices[0].superblock.key_secret
     }

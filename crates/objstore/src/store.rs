@@ -43,7 +43,7 @@ pub use layer_kv::LayerKvStore;
 pub use shape::{DeviceLayout, Placement, PoolShape, Transferred};
 
 use crate::error::{ObjstoreError, Result};
-use crate::hash::{block_keys_seeded, keyed_chain_start};
+use crate::hash::{block_keys, KeyChain};
 use crate::index::IndexCounts;
 use crate::mapping::MappingTable;
 use crate::pool::{Pool, QueueLender};
@@ -173,9 +173,9 @@ pub struct KvStore<E: Executor> {
     /// The key space of lookups and prepares: 0, the in-process space, unless set (tuttid's key
     /// space of a model, rank and world).
     key_seed: u64,
-    /// Where that space's key chain starts in this pool, `hash::keyed_chain_start` of the
-    /// pool's secret and `key_seed`: computed when the seed is set, not per block.
-    chain_start: u64,
+    /// That space's key chain in this pool, `hash::KeyChain::new` of the pool's secret and
+    /// `key_seed`: computed when the seed is set, not per block.
+    chain: KeyChain,
 }
 
 /// A CPU executor with one I/O queue pair per pool device (device index i = pool device i),
@@ -258,9 +258,9 @@ impl<E: Executor> KvStore<E> {
                 });
             }
         }
-        let chain_start = keyed_chain_start(pool.key_secret(), 0);
+        let chain = KeyChain::new(pool.key_secret(), 0);
         let control = StoreControl::new(pool, config.requests_max)?;
-        Ok(Self { data, control, keys: Vec::new(), crcs: Vec::new(), key_seed: 0, chain_start })
+        Ok(Self { data, control, keys: Vec::new(), crcs: Vec::new(), key_seed: 0, chain })
     }
 
     pub fn pool(&self) -> &Pool {
@@ -325,22 +325,22 @@ impl<E: Executor> KvStore<E> {
         }
     }
 
-    /// Sets the key space of every later lookup and prepare: block keys chain from
-    /// `hash::keyed_chain_start` of the pool's key secret and `seed`
-    /// (`objstore::hash::block_keys_seeded` from there). 0 (the default) is the in-process space
+    /// Sets the key space of every later lookup and prepare: block keys are
+    /// `objstore::hash::block_keys` in the chain `hash::KeyChain::new` of the pool's key secret
+    /// and `seed`. 0 (the default) is the in-process space
     /// (keyed too); tuttid derives one per model fingerprint, TP rank and world, and an
     /// in-process store given the same seed finds what sessions of that space stored in the
     /// pool (and the reverse). One hash, here; none per block.
     pub fn set_key_seed(&mut self, seed: u64) {
         if seed == self.key_seed {
-            // Its chain start is computed already (at construction for seed 0).
+            // Its chain is computed already (at construction for seed 0).
             return;
         }
         self.key_seed = seed;
-        self.chain_start = keyed_chain_start(self.control.pool().key_secret(), seed);
+        self.chain = KeyChain::new(self.control.pool().key_secret(), seed);
     }
 
-    /// The key space's seed last set (not the keyed chain start derived from it).
+    /// The key space's seed last set (not the keyed chain derived from it).
     pub fn key_seed(&self) -> u64 {
         self.key_seed
     }
@@ -361,7 +361,7 @@ impl<E: Executor> KvStore<E> {
     /// holds blocks 0..first_block itself needs only those; see
     /// [`KvStore::prepare_retrieve_from`]). `first_block` past the full blocks counts as their end.
     pub fn lookup_from(&mut self, tokens: &[u32], first_block: usize) -> usize {
-        block_keys_seeded(self.chain_start, tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
+        block_keys(&self.chain, tokens, self.control.pool().geometry().block_tokens, &mut self.keys);
         self.control.lookup_from(&self.keys, first_block)
     }
 
@@ -403,7 +403,7 @@ impl<E: Executor> KvStore<E> {
         // All of the request's blocks, shared ones included: one engine block cannot hold two
         // blocks' KV whichever of them is already cached.
         self.data.refuse_duplicate_engine_blocks(direction, request.block_ids.iter().copied())?;
-        block_keys_seeded(self.chain_start, &request.tokens[..end * block_tokens], block_tokens as u32, &mut self.keys);
+        block_keys(&self.chain, &request.tokens[..end * block_tokens], block_tokens as u32, &mut self.keys);
         Ok(end)
     }
 

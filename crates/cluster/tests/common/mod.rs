@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use objstore::hash::block_keys_seeded;
+use objstore::hash::{block_keys, KeyChain, KeySecret};
 use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{segments_of, ClusterConfig, ClusterId, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks};
 
@@ -62,7 +62,7 @@ pub fn diverging_prompt(tokens_seed: u32, shared: usize, segments: usize) -> Vec
         })
         .collect();
     let mut keys = Vec::new();
-    block_keys_seeded(0x5eed, &tokens, BLOCK_TOKENS, &mut keys);
+    block_keys(&KeyChain::new(&KeySecret::from_bytes([0x5e; 32]).unwrap(), 0x5eed), &tokens, BLOCK_TOKENS, &mut keys);
     let mut out = Vec::new();
     segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut out).unwrap();
     out

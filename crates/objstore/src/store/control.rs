@@ -201,8 +201,8 @@ impl StoreControl {
                 reason: format!("{} keys and {} engine blocks: expected as many, at least one", keys.len(), engine_blocks.len()),
             });
         }
-        // 0 is no block's key (`chain_hash` never returns it; the index marks unused entries
-        // with it, so a block stored under 0 would stay in the map after its slot is reused).
+        // 0 is no block's key (`KeyChain::block_key` never returns it; the index marks unused
+        // entries with it, so a block stored under 0 would stay in the map after its slot is reused).
         if let Some(position) = keys.iter().position(|&key| key == 0) {
             return Err(ObjstoreError::BadRequest { reason: format!("key {position} is 0, which is no block's key") });
         }

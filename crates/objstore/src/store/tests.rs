@@ -11,7 +11,7 @@ use nvme_emu::{Backing, EmuConfig, EmuDevice, NamespaceConfig};
 
 use super::*;
 use crate::error::KvKind;
-use crate::hash::{block_keys_seeded, keyed_chain_start, KeySecret};
+use crate::hash::{block_keys, KeyChain, KeySecret};
 use crate::index::BlockLocation;
 use crate::pool::{format_pool, FormatParams, NoLender, PoolTarget, METADATA_TIMEOUT};
 use crate::registration::KvLayout;
@@ -125,7 +125,7 @@ fn keys_of(tokens: &[u32]) -> Vec<u64> {
 /// The keys of `tokens` in the space `seed` of the fixture's pool.
 fn keys_in(seed: u64, tokens: &[u32]) -> Vec<u64> {
     let mut keys = Vec::new();
-    block_keys_seeded(keyed_chain_start(&test_secret(), seed), tokens, geometry().block_tokens, &mut keys);
+    block_keys(&KeyChain::new(&test_secret(), seed), tokens, geometry().block_tokens, &mut keys);
     keys
 }
 
@@ -420,9 +420,59 @@ fn an_in_process_store_serves_the_layer_wise_trait() {
 }
 
 #[test]
+fn a_stored_key_seen_does_not_give_the_keys_of_its_extensions() {
+    // Goal: whoever learns one stored block key K (an etcd segment name, a data-plane frame, a
+    // node's manifest show them in plain text) cannot compute the key of any block after it
+    // without the pool's secret, so cannot search extensions of K's prefix for a collision.
+    // Commit P‖x (P two blocks, x one), take K = P's last block's stored key, and chain from K
+    // over x with every public way there is to do it without the secret: another secret's chain
+    // of the same seed or of seed 0, the space-seed hash, and format 4's unkeyed block hash
+    // (tutti-block-v1 over K, count, x), which was the stored key before every block was keyed.
+    // None gives the store's key of x's block, and the store finds nothing under any of them.
+    use sha2::{Digest, Sha256};
+    let fixture = fixture(1, None);
+    let (pool, _) = Pool::open(fixture.targets.clone(), Some(&geometry())).expect("open");
+    let executor = cpu_executor_for(&pool, 64, &StoreConfig::default()).expect("executor");
+    let mut store = KvStore::new(pool, fixture.registration.clone(), fixture.dma.clone(), executor, StoreConfig::default()).expect("store");
+    store.set_key_seed(SEED);
+    let tokens = tokens(31, 3);
+    let keys = keys_of(&tokens);
+    for (block, &key) in [2u32, 5, 6].iter().zip(&keys) {
+        fill(&fixture, *block, key);
+    }
+    let plan = store.prepare_store(&KvRequest { tokens: &tokens, block_ids: &[2, 5, 6] }).expect("prepare_store");
+    for layer in 0..geometry().layers {
+        store.store_layer(plan.handle, layer, BUDGET).unwrap();
+        store.wait(plan.handle, deadline()).unwrap();
+    }
+    store.commit_store(plan.handle).expect("commit");
+    assert_eq!(store.control.lookup(&keys), 3);
+    let block_tokens = geometry().block_tokens as usize;
+    let (seen, x) = (keys[1], &tokens[2 * block_tokens..]);
+    let other = KeySecret::from_bytes([0x42; 32]).unwrap();
+    let mut format_4 = b"tutti-block-v1".to_vec();
+    format_4.extend(seen.to_le_bytes());
+    format_4.extend((x.len() as u64).to_le_bytes());
+    x.iter().for_each(|token| format_4.extend(token.to_le_bytes()));
+    let format_4 = u64::from_le_bytes(Sha256::digest(&format_4)[..8].try_into().unwrap()).max(1);
+    let seen_words: Vec<u32> = [seen as u32, (seen >> 32) as u32].into_iter().chain(x.iter().copied()).collect();
+    let guesses = [
+        KeyChain::new(&other, SEED).block_key(seen, x),
+        KeyChain::new(&other, 0).block_key(seen, x),
+        crate::hash::space_seed(&seen_words),
+        format_4,
+    ];
+    for guess in guesses {
+        assert_ne!(guess, keys[2], "the key after a seen key was computed without the secret");
+        assert_eq!(store.control.lookup(&[keys[0], keys[1], guess]), 2);
+        assert_eq!(store.control.lookup(&[guess]), 0);
+    }
+}
+
+#[test]
 fn a_key_seed_puts_the_whole_store_in_that_key_space() {
     // Goal: an in-process store given tuttid's seed of a session stores, finds and retrieves
-    // under exactly the keys that session uses (`block_keys_seeded`), so a pool written by one
+    // under exactly the keys that session uses (`block_keys`), so a pool written by one
     // is found by the other; seed 0 (the default) does not see them. `placements` names the
     // engine blocks a store writes: only the new ones.
     let fixture = fixture(1, None);
@@ -450,7 +500,7 @@ fn a_key_seed_puts_the_whole_store_in_that_key_space() {
     assert_eq!(store.lookup(&tokens), 2);
     assert_eq!(store.control.lookup(&keys), 2, "stored under the seeded keys");
     let mut unkeyed = Vec::new();
-    block_keys_seeded(SEED, &tokens, geometry().block_tokens, &mut unkeyed);
+    block_keys(&KeyChain::new(&KeySecret::from_bytes([0x42; 32]).unwrap(), SEED), &tokens, geometry().block_tokens, &mut unkeyed);
     assert_eq!(store.control.lookup(&unkeyed), 0, "the keys are keyed with the pool's secret, not the seed alone");
     fill(&fixture, 6, keys[2]);
     assert_eq!(store_two(&mut store, &[2, 5, 6]), vec![6], "the first two blocks are shared, only the third is written");
