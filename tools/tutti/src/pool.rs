@@ -333,15 +333,15 @@ fn classify(error: ObjstoreError, what: &str, devices: &[DeviceSpec]) -> anyhow:
     }
 }
 
-/// The secret of `--key-secret-file`; a file that group or others may read is used, with a
-/// warning (they could compute every key of the pool). Errors never print the file's text.
+/// The secret of `--key-secret-file`; a file that others may read or write (or another user
+/// owns) is used, with a warning (they could compute every key of the pool, or plant a secret
+/// they know). Errors never print the file's text.
 fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
     let file = objstore::hash::KeySecret::read_file(path).map_err(|error| Unusable(format!("--key-secret-file: {error}")))?;
-    if file.readable_by_others() {
+    if let Some(exposure) = file.exposure() {
         tutti_cli::errln!(
-            "warning: the key secret file {} is readable by group or others (mode {:o}): whoever reads it can compute the pool's block keys; chmod 600 it",
+            "warning: the key secret file {} is {exposure}: whoever reads it can compute the pool's block keys, whoever writes it can plant a secret they know; chmod 600 it, owned by the user who formats",
             path.display(),
-            file.mode & 0o7777
         );
     }
     Ok(file.secret)

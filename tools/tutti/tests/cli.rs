@@ -714,7 +714,7 @@ fn a_key_secret_file_keys_the_pool_and_is_never_printed() {
     // file show one key secret tag, a pool formatted without it another (a fresh random
     // secret); the secret itself appears in no output. A malformed file is unusable input
     // (status 2, nothing created) whose message does not echo the file; one that group or
-    // others may read is used, with a warning.
+    // others may read, or write, is used, with a warning.
     use std::os::unix::fs::PermissionsExt;
     let directory = tempfile::tempdir().unwrap();
     let secret = "0123456789abcdef".repeat(4);
@@ -744,8 +744,14 @@ fn a_key_secret_file_keys_the_pool_and_is_never_printed() {
     // Readable by others: used, with a warning.
     std::fs::set_permissions(&secret_path, std::fs::Permissions::from_mode(0o644)).unwrap();
     let exposed = format(&third, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
-    assert_status(&exposed, 0, &["warning", "readable by group or others"]);
+    assert_status(&exposed, 0, &["warning", "readable by group or others (mode 644)"]);
     assert_eq!(tag_of(&exposed), tag);
+    // Writable by others (who could plant a secret they know): used, with a warning.
+    std::fs::set_permissions(&secret_path, std::fs::Permissions::from_mode(0o622)).unwrap();
+    let planted = format(&third, &["--model", "llama3-8b", "--key-secret-file", secret_arg]);
+    assert_status(&planted, 0, &["warning", "writable by group or others (mode 622)", "plant a secret"]);
+    assert!(!stderr(&planted).contains("readable by"), "{}", stderr(&planted));
+    std::fs::set_permissions(&secret_path, std::fs::Permissions::from_mode(0o600)).unwrap();
     // A typo (one non-hex digit), a short file: refused, the file's text not echoed, no pool file made.
     let fourth = directory.path().join("d.img");
     for bad in [format!("{}x{}\n", &secret[..20], &secret[21..]), secret[..40].to_string()] {

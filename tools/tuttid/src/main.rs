@@ -248,15 +248,17 @@ fn main() -> ExitCode {
     exit::status_of("tuttid", result)
 }
 
-/// The secret of `--key-secret-file`; a file that group or others may read is used, with a
-/// warning (they could compute every key of the pool). Errors never print the file's text.
+/// The secret of `--key-secret-file`; a file that others may read or write (or another user
+/// owns) is used, with a warning (they could compute every key of the pool, or plant a secret
+/// they know). Errors never print the file's text, and print its path escaped, as the warning
+/// does (a path is the operator's text, but may hold control characters).
 fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
-    let file = objstore::hash::KeySecret::read_file(path).map_err(|error| Unusable(format!("--key-secret-file: {error}")))?;
-    if file.readable_by_others() {
+    let file = objstore::hash::KeySecret::read_file(path)
+        .map_err(|error| Unusable(format!("--key-secret-file: {}", printable(&error.to_string()))))?;
+    if let Some(exposure) = file.exposure() {
         tutti_cli::errln!(
-            "warning: the key secret file {} is readable by group or others (mode {:o}): whoever reads it can compute the pool's block keys; chmod 600 it",
+            "warning: the key secret file {} is {exposure}: whoever reads it can compute the pool's block keys, whoever writes it can plant a secret they know; chmod 600 it, owned by the user who formats",
             printable(&path.display().to_string()),
-            file.mode & 0o7777
         );
     }
     Ok(file.secret)
@@ -274,6 +276,15 @@ fn serve(cli: &Cli) -> Result<()> {
     let format = if cli.format {
         let model = cli.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
         let key_secret = cli.key_secret_file.as_deref().map(read_key_secret_file).transpose()?;
+        if key_secret.is_none() && cluster.is_some() {
+            // A fleet's start scripts from before key secrets format this way: each node would
+            // get its own random secret and silently miss every other node's segments (`status`
+            // cannot show it). Said on stderr, as the secret file's warning is (tracing writes to
+            // the same stderr: both would print it twice).
+            tutti_cli::errln!(
+                "warning: --format with --cluster-etcd and no --key-secret-file: this node's pool gets a random key secret and will share no segments with other nodes; format every node with one --key-secret-file (docs/cluster.md)"
+            );
+        }
         Some(FormatParams {
             geometry: model.geometry,
             blocks_per_slot: cli.blocks_per_slot,

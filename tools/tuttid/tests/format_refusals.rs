@@ -3,7 +3,8 @@
 //! (a set mixing emu: and vfio: devices, a character device among the files, a size no file can
 //! have) and for an existing file smaller than the size asked for.
 //! And a pool recording another LBA size than the namespace's: refused as unusable input (2).
-//! And a malformed `--key-secret-file`: refused the same way, its text never echoed.
+//! And a malformed `--key-secret-file`: refused the same way, its text never echoed. And a
+//! cluster node formatted without one: warned that it will share nothing.
 
 use std::path::Path;
 use std::process::Command;
@@ -110,4 +111,50 @@ fn a_malformed_key_secret_file_is_refused_before_anything_is_made() {
     let (code, stderr) = tuttid(scratch.path(), &["--device", &device, "--key-secret-file", secret_arg]);
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--format"), "{stderr}");
+}
+
+#[test]
+fn a_cluster_node_formatted_without_a_secret_file_is_warned_that_it_shares_nothing() {
+    // Goal: `--format` with cluster settings and no `--key-secret-file` gives the node's pool a
+    // random key secret, so it would silently share no segments with the other nodes (start
+    // scripts from before key secrets format this way): stderr says so. With a secret file, or
+    // without cluster settings, no such warning. Each run is then refused by an over-large
+    // --clients-max (checked after the format's options, before anything is made), so no etcd
+    // is needed.
+    use std::os::unix::fs::PermissionsExt;
+    let scratch = tempfile::tempdir().unwrap();
+    let directory = scratch.path().join("pool");
+    std::fs::create_dir(&directory).unwrap();
+    std::fs::create_dir(scratch.path().join("sockets")).unwrap();
+    let device = format!("emu:{}", directory.join("new.img").display());
+    let secret = scratch.path().join("secret");
+    std::fs::write(&secret, format!("{}\n", "0123456789abcdef".repeat(4))).unwrap();
+    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let manifest = scratch.path().join("manifest");
+    let format = ["--device", &device, "--emu-create-bytes", "64m", "--format", "--model", "llama3-8b", "--clients-max", "100000000"];
+    let cluster = [
+        "--cluster-etcd",
+        "http://127.0.0.1:9",
+        "--cluster-id",
+        "refusals",
+        "--node-id",
+        "node-a",
+        "--data-address",
+        "127.0.0.1:9",
+        "--cluster-state",
+        manifest.to_str().unwrap(),
+    ];
+    let warning = "will share no segments with other nodes";
+    let with_secret = ["--key-secret-file", secret.to_str().unwrap()];
+    for (arguments, warned) in [
+        ([&format[..], &cluster[..]].concat(), true),
+        ([&format[..], &cluster[..], &with_secret[..]].concat(), false),
+        (format.to_vec(), false),
+    ] {
+        let (code, stderr) = tuttid(scratch.path(), &arguments);
+        assert_eq!(code, Some(2), "{stderr}");
+        assert!(stderr.contains("--clients-max"), "{stderr}");
+        assert_eq!(stderr.contains(warning), warned, "{arguments:?}: {stderr}");
+        assert!(listing(&directory).is_empty(), "{stderr}");
+    }
 }
