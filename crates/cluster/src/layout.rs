@@ -3,16 +3,18 @@
 //! Keys (all under the cluster's prefix, so fleets sharing an etcd never meet):
 //!
 //! ```text
-//! /tutti/<cluster>/v2/node/<node>                                          a member (MemberRecord)
-//! /tutti/<cluster>/v2/seg/<fingerprint hex>/<rank>.<world>/<key hex>/<node>  a holder (SegmentRecord)
+//! /tutti/<cluster>/v3/node/<node>                                          a member (MemberRecord)
+//! /tutti/<cluster>/v3/seg/<fingerprint hex>/<rank>.<world>/<key hex>/<node>  a holder (SegmentRecord)
 //! ```
 //!
-//! The format version is the third component: a reader of v2 reads only under `/v2/`, and
+//! The format version is the third component: a reader of v3 reads only under `/v3/`, and
 //! `tutti cluster status` counts keys of other versions instead of decoding them. Version 2
 //! changed no record: it marks the segment keys, block keys since pool format 4 (SHA-256), where
-//! version 1 nodes named a prompt's segments by the old fast mix. A node of either scheme finds
-//! none of the other's holders and does not see it as a member, and `status` counts the other's
-//! keys as of another version, so a mixed cluster shows itself rather than only missing. Values are
+//! version 1 nodes named a prompt's segments by the old fast mix. Version 3 changed no record
+//! either: segment keys keyed with the pool's secret since pool format 5, where version 2 nodes'
+//! keys are unkeyed. A node of either scheme finds none of the other's holders and does not see
+//! it as a member, and `status` counts the other's keys as of another version, so a mixed
+//! cluster shows itself rather than only missing. Values are
 //! binary records with a magic, the format version, every field of the key again (cluster, node,
 //! space, segment key — a value copied under another key is refused) and a CRC-32 (crc32fast) of
 //! the bytes before it. A record that fails any check is skipped and
@@ -22,7 +24,7 @@ use crate::names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES,
 use crate::segments::SegmentBlocks;
 
 /// The version of the key layout and record formats below.
-pub const FORMAT_VERSION: u16 = 2;
+pub const FORMAT_VERSION: u16 = 3;
 const MEMBER_MAGIC: &[u8; 4] = b"TNOD";
 const SEGMENT_MAGIC: &[u8; 4] = b"TSEG";
 /// Longest node address (host:port or a URL) a member record carries.
@@ -34,7 +36,7 @@ pub const FINGERPRINTS_MAX: usize = 64;
 /// `KeyValue` framing (key and value tags and lengths, four varint fields of up to 11 bytes:
 /// 50) and its place in the answer's list (3), rounded up.
 const ENTRY_FRAMING_BYTES: usize = 64;
-/// The longest holder key: `/tutti/` + cluster + `/v2/seg/` + 64 hex digits + `/rank.world/`
+/// The longest holder key: `/tutti/` + cluster + `/v3/seg/` + 64 hex digits + `/rank.world/`
 /// (4 + 1 + 4 digits) + 16 hex digits + `/` + node (names at most 64 bytes): 235 bytes.
 const SEGMENT_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 8 + 2 * FINGERPRINT_BYTES + 11 + 16 + 1 + NAME_BYTES_MAX;
 /// The longest holder value ([`SegmentRecord::encode`]): 194 bytes.
@@ -42,7 +44,7 @@ const SEGMENT_VALUE_BYTES_MAX: usize = 4 + 2 + 2 * (1 + NAME_BYTES_MAX) + FINGER
 /// The most bytes one sound holder entry takes in a range answer (493, rounded up): a lookup
 /// of `holders_max` × `txn_ops_max` of them must fit one answer (`ClusterConfig::validate`).
 pub const SEGMENT_ENTRY_BYTES_MAX: usize = (SEGMENT_KEY_BYTES_MAX + SEGMENT_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
-/// The longest member key: `/tutti/` + cluster + `/v2/node/` + node: 144 bytes.
+/// The longest member key: `/tutti/` + cluster + `/v3/node/` + node: 144 bytes.
 const MEMBER_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 9 + NAME_BYTES_MAX;
 /// The longest member value ([`MemberRecord::encode`]): 2,456 bytes.
 const MEMBER_VALUE_BYTES_MAX: usize =
@@ -364,7 +366,7 @@ mod tests {
         let key = layout.segment_key(&record.space, record.key, &record.node);
         assert_eq!(layout.parse_segment_key(key.as_bytes()), Some((record.space, record.key, record.node.clone())));
         for bad in [
-            key.replace("/v2/", "/v1/"),
+            key.replace("/v3/", "/v2/"),
             key.replace("/fleet/", "/other/"),
             key.replace("0000000000000abc", "0000000000000ABC"),
             format!("{key}/x"),

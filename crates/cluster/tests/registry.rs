@@ -224,10 +224,10 @@ fn foreign_malformed_and_other_version_records_are_refused() {
         (layout.segment_key(&space(), segments[1].key, &node("g")), garbage),
         (format!("{}/x", layout.segment_key(&space(), segments[1].key, &node("k"))), good(1, "k").encode(&cluster)),
         (layout.member_key(&node("m")), b"not a member".to_vec()),
-        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v2/", "/v1/"), good(1, "v").encode(&cluster)),
+        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v3/", "/v2/"), good(1, "v").encode(&cluster)),
         // A newer version's key sorts after this version's prefix, an older one's before it:
         // status counts both ranges.
-        (layout.segment_key(&space(), segments[1].key, &node("w")).replace("/v2/", "/v3/"), good(1, "w").encode(&cluster)),
+        (layout.segment_key(&space(), segments[1].key, &node("w")).replace("/v3/", "/v4/"), good(1, "w").encode(&cluster)),
     ];
     put_raw(&etcd, &plants);
 
@@ -239,7 +239,7 @@ fn foreign_malformed_and_other_version_records_are_refused() {
     assert_eq!((members.nodes, members.skipped_entries), (vec![record("a")], 1));
 
     let status = node_a.client().status().unwrap();
-    assert_eq!(status.other_version_keys, 2, "one older (/v1/) and one newer (/v3/) key");
+    assert_eq!(status.other_version_keys, 2, "one older (/v2/) and one newer (/v4/) key");
     // Status cannot tell a record's chain position is wrong (it sees no prompt): it counts the
     // wrong-position record as a holder, and the other six as refused.
     assert_eq!(status.skipped_entries, 6);
@@ -428,7 +428,7 @@ fn entries_too_large_for_one_answer_are_skipped_and_counted_not_fatal() {
         // Node ids that sort before "a": the range meets them first.
         plants.push((layout.segment_key(&space(), segments[0].key, &node(name)), bulk.clone()));
         plants.push((layout.member_key(&node(name)), bulk.clone()));
-        plants.push((layout.member_key(&node(name)).replace("/v2/", "/v1/"), bulk.clone()));
+        plants.push((layout.member_key(&node(name)).replace("/v3/", "/v2/"), bulk.clone()));
     }
     put_raw(&etcd, &plants);
 

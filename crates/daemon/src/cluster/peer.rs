@@ -25,6 +25,11 @@
 //! registry moved to format 2 (`/v2/`) with the keys, so each side's `tutti cluster status`
 //! counts the other's keys under `other_version_keys` instead of the mix only missing. A read that does pass (a 64-bit accident: the key of another prefix) is refused by
 //! version at its first header instead of serving that prefix's bytes.
+//! Version 5 changed no frame either: it marks the keyed block keys of pool format 5 (every
+//! block's key hashes a space key derived from the pool's secret), which a version-4 node
+//! (unkeyed keys) never shares; the registry moved to format 3 (`/v3/`) with it, so `status`
+//! again counts the other build's keys under `other_version_keys`. (Nodes of one build whose
+//! pools have different secrets share nothing too, and no version can show that: docs/cluster.md.)
 //! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 
@@ -35,9 +40,10 @@ use objstore::ModelGeometry;
 use tutti_cluster::{ModelSpace, FINGERPRINT_BYTES};
 
 const MAGIC: [u8; 4] = *b"TPDP";
-/// 4 since block keys are SHA-256 based (module comment): a version-3 peer's keys are of another
-/// scheme, and a match between the two is another prefix's.
-pub const VERSION: u16 = 4;
+/// 5 since block keys are keyed at every block (pool format 5; 4 marked SHA-256 keys, module
+/// comment): an older peer's keys are of another scheme, and a match between the two is
+/// another prefix's.
+pub const VERSION: u16 = 5;
 pub const HEADER_BYTES: usize = 12;
 /// Most blocks one segment has (`SegmentBlocks::MAX`).
 pub const SEGMENT_BLOCKS_MAX: usize = 64;
