@@ -29,8 +29,8 @@
 # 8. Ctrl-C (SIGINT to the harness's process group, under setsid as at a terminal) while a host
 #    package step hangs (stand-ins: apt-get install, apt-get download, and as root dpkg
 #    --configure -a; each under `timeout`, a process group of its own that the terminal's SIGINT
-#    misses) ends the harness with 130 within seconds, nothing of it left running, no
-#    policy-rc.d left in place.
+#    misses) ends the harness with 130 within seconds, saying so on its standard error (not only
+#    in the step's log), nothing of it left running, no policy-rc.d left in place.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
