@@ -67,7 +67,7 @@ pub fn targets(controller: &Arc<Controller>, namespaces: &[u32]) -> Vec<PoolTarg
     namespaces.iter().map(|&ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).collect()
 }
 
-/// The key secret [`format`] gives every test pool, so that [`keys_of`] can predict its keys.
+/// The key secret [`format()`] gives every test pool, so that [`keys_of`] can predict its keys.
 pub fn key_secret() -> KeySecret {
     KeySecret::from_bytes(*b"tutti-tests key secret, not one!").expect("a non-zero secret")
 }
@@ -188,7 +188,7 @@ impl Engine {
     }
 }
 
-/// The block keys of `tokens` in a pool of [`format`] as an in-process store computes them (key
+/// The block keys of `tokens` in a pool of [`format()`] as an in-process store computes them (key
 /// space 0, keyed with the pool's secret): what its slot headers record.
 pub fn keys_of(tokens: &[u32]) -> Vec<u64> {
     let mut keys = Vec::new();
