@@ -341,7 +341,7 @@ fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySec
     if let Some(exposure) = file.exposure() {
         tutti_cli::errln!(
             "warning: the key secret file {} is {exposure}: whoever reads it can compute the pool's block keys, whoever writes it can plant a secret they know; chmod 600 it, owned by the user who formats",
-            path.display(),
+            tutti_cli::printable(&path.display().to_string()),
         );
     }
     Ok(file.secret)

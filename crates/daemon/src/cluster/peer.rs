@@ -530,10 +530,11 @@ mod tests {
 
     #[test]
     fn a_peer_on_the_weak_key_scheme_is_refused_by_version() {
-        // Goal: a peer of data plane version 3 or earlier (block keys from pool format 3's fast
-        // mix) is refused at its first header, in words naming the version, rather than being
-        // asked for segments whose keys it can never hold.
-        for old in 1..=3u16 {
+        // Goal: a peer of an earlier data plane version (block keys of an earlier scheme: pool
+        // format 3's fast mix up to version 3, format 4's unkeyed SHA-256 at version 4) is
+        // refused at its first header, in words naming the version, rather than being asked for
+        // segments whose keys it can never hold.
+        for old in 1..VERSION {
             let mut frame = Vec::new();
             request().encode(&mut frame);
             frame[4..6].copy_from_slice(&old.to_le_bytes());
