@@ -98,7 +98,9 @@ struct KeepAlive {
 /// two, are revoked too); `register` and `unregister` T per `txn_ops_max` − 1 segments;
 /// `update_record` T. Threads may call `register` and `unregister` at once, but their
 /// transactions go one at a time (the fence's lock): one made while another is in flight first
-/// waits for it (up to T, and for each one ahead of it with more callers), then has its own T.
+/// waits for it (up to T), then has its own T. The lock is not fair: with several callers one
+/// may be overtaken and wait longer (`Unavailable::waited` leaves out that wait); tuttid's
+/// registrar is the one caller and writes one at a time.
 pub struct ClusterNode {
     client: ClusterClient,
     record: MemberRecord,
@@ -1611,9 +1613,16 @@ mod fence_tests {
         let (node, config) = join_node_a(&etcd, "fence-wait");
         node.register(&space(), &[segment(51), segment(52)]).unwrap();
         etcd.lock().unwrap().pause(0).unwrap();
+        *node.last_guarded.lock().unwrap() = None;
         let (a, b) = std::thread::scope(|scope| {
             let a = scope.spawn(|| node.register(&space(), &[segment(53)]));
-            std::thread::sleep(Duration::from_millis(10));
+            // B starts once A holds the fence's lock (A records its transaction under it just
+            // before sending): not after a fixed sleep, which a loaded machine could outrun.
+            let waiting_since = Instant::now();
+            while node.last_guarded.lock().unwrap().is_none() {
+                assert!(waiting_since.elapsed() < Duration::from_secs(10), "A never sent its write");
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let b = scope.spawn(|| node.unregister(&space(), &[segment(52)]));
             let a = a.join().unwrap();
             // B holds the lock now; etcd comes back well within a T from there.
