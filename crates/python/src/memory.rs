@@ -155,6 +155,13 @@ pub fn record_kept_for_good(address: u64, len: u64) {
         return;
     }
     let end = address.saturating_add(len);
+    // Not fork-atomic: a close runs with the GIL released, so an `os.fork` on another thread
+    // can land between the `fetch_add` and the slot's stores (or between `KEPT_MERGED`'s
+    // `fetch_min` and `fetch_max`). The child then keeps a taken slot whose end stays 0 (or a
+    // merged start with no end), and that range is not refused there. It matters only for
+    // memory the child shares with the parent (allocate_kv windows are MAP_SHARED memfds).
+    // Not treated as "refuse everything": a reader cannot tell a slot torn for good in a child
+    // from one a record on another thread is still filling in.
     let slot = KEPT_RANGES_TAKEN.fetch_add(1, Ordering::AcqRel);
     match KEPT_RANGES.get(slot) {
         Some((first, last)) => {
