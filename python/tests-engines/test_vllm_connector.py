@@ -1644,6 +1644,78 @@ def test_a_preempted_save_whose_commit_outlasts_its_own_bounds_ends_the_session(
         worker.shutdown()
 
 
+class SlowFinish:
+    """A tutti.Request whose finish first sleeps `sleep_s` (tuttid answering just within
+    timeout_s); the rest is the real request's."""
+
+    def __init__(self, request, sleep_s: float) -> None:
+        self._request = request
+        self._sleep_s = sleep_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def finish(self):
+        time.sleep(self._sleep_s)
+        return self._request.finish()
+
+
+class StoreWithSlowFirstCommitAndSlowLoadFinishes(StoreWithSlowFirstCommit):
+    """As StoreWithSlowFirstCommit, and every prepared load's finish is slow (SlowFinish)."""
+
+    def __init__(self, store, sleep_s: float, finish_s: float) -> None:
+        super().__init__(store, sleep_s)
+        self._finish_s = finish_s
+
+    def prepare_retrieve(self, *args, **kwargs):
+        return SlowFinish(self._store.prepare_retrieve(*args, **kwargs), self._finish_s)
+
+
+def test_a_marked_commit_is_waited_for_from_when_handle_preemptions_comes_to_it(tuttid, monkeypatch):
+    """Goal: the wait for a save whose commit the committer has begun is counted from when
+    handle_preemptions comes to that save, not from its shared deadline: until then its own
+    exchanges for the requests preempted before it (each just within timeout_s with a slow
+    tuttid, which keeps the session) may hold the store's lock the commit waits for. Here nine
+    loads preempted before R each take 0.9 x timeout_s to finish, and R's commit ends 0.6 s
+    after them; R is committed and the session kept. Before, the bound was 3 x timeout_s + 1 s
+    after the deadline whatever came first, so the session was ended as soon as
+    handle_preemptions reached R."""
+    from tutti.vllm import _worker
+
+    monkeypatch.setattr(_worker, "_COMMIT_WAIT_MARGIN_S", 0.0)
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 0.5
+    loads = 9
+    finish_s = 0.9 * timeout_s
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        tokens = prompt(85, blocks=2, tail=0)
+        worker.fill([1, 2], 85)
+        worker.save("S", tokens, [1, 2])
+        store = StoreWithSlowFirstCommitAndSlowLoadFinishes(connector._store, loads * finish_s + 0.6, finish_s)
+        connector._store = store
+        save = SaveSpec("R", prompt(86, blocks=2, tail=0), [20, 21])
+        worker.fill(save.block_ids, 86)
+        worker.step(TuttiConnectorMetadata(saves=[save]))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "R's commit never started"
+        names = [f"X{index}" for index in range(loads)]
+        meta = TuttiConnectorMetadata(loads=[LoadSpec(name, tokens, [40 + 2 * i, 41 + 2 * i]) for i, name in enumerate(names)])
+        connector.bind_connector_metadata(meta)
+        connector.start_load_kv(None)  # the loads' first layers issued
+        assert all(name in connector._loads for name in names)
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids=[*names, "R"]))  # R last
+        assert connector._dead is None, "the session was ended while R's commit was within its bounds"
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(save.tokens) == 2, "R's commit was not over when handle_preemptions returned"
+        for name in harness.layer_names():
+            connector.wait_for_layer_load(name)
+        connector.wait_for_save()
+        connector.clear_connector_metadata()
+    finally:
+        worker.shutdown()
+
+
 class StoreWithSlowFirstThenRaisingCommits(StoreWithSlowFirstCommit):
     """As StoreWithSlowFirstCommit, and the second prepared save's commit raises `error`."""
 

@@ -35,10 +35,13 @@ _COMMIT_POLL_S = 0.05
 _COMMIT_PUT_CHECK_S = 1.0
 # handle_preemptions waits past its deadline for a preempted save whose commit the committer
 # has begun (`_committing_now`: the commit may not have read vLLM's blocks for the payload CRCs
-# yet), as long as the commit's own bounds allow, counted from the deadline: the store's lock
+# yet), as long as the commit's own bounds allow, counted from the deadline or, if later, from
+# when handle_preemptions began to wait for the mark (until then its own exchanges for the
+# preempted requests before this one may hold the store's lock): the store's lock
 # behind one other exchange (timeout_s), the keep-alive ping's connection (timeout_s + 1 s, the
 # binding's lock_with_connection) and the commit's own exchange (timeout_s): 3 x timeout_s +
-# 1 s, plus this margin. Past that the session is ended (`_release_committing_save`).
+# 1 s, plus this margin. Past that the session is ended (`_release_committing_save`). The waits
+# add up per marked save, one after another.
 _COMMIT_WAIT_MARGIN_S = 1.0
 # A worker whose session ended and whose KV memory can be registered again (device memory)
 # opens a new session at its next step; after a failed try, not before a back-off that doubles
@@ -302,7 +305,8 @@ class WorkerSide:
         the payload CRCs). The waits share one timeout_s, however many requests were preempted:
         what is not settled by then is handled as above, but for a save whose commit the
         committer has begun, waited for past the deadline within the commit's own bounds (up to
-        3 x timeout_s + 2 s more; one that outlasts them ends the session:
+        3 x timeout_s + 2 s from the deadline or, if later, from when this call reaches the save,
+        for each such save; one that outlasts them ends the session:
         `_release_committing_save`). That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
         `Store.close(timeout_s)` waits up to timeout_s for the layers still in flight, then up to
@@ -1140,7 +1144,9 @@ class WorkerSide:
         begun (`_committing_now`, set with its cancel check: a cancellation would come too late,
         and the commit may not have read vLLM's blocks yet, waiting for the store's lock or
         connection) is still waited for, up to the commit's own bounds (3 x timeout_s + 1 s,
-        `_COMMIT_WAIT_MARGIN_S` more); a commit that outlasts even that ends the session
+        `_COMMIT_WAIT_MARGIN_S` more, counted from the deadline or, if later, from when this
+        call first saw the mark: before that, this call's own exchanges for the requests
+        preempted before this one may have held the store's lock the commit waits for); a commit that outlasts even that ends the session
         (`_end_session`: the close takes the store's lock, after which the commit fails), so that
         nothing reads the blocks after this returns. A save not yet begun is cancelled at the
         deadline, as is one with a layer still in flight (never committed: its bytes may be read
@@ -1155,12 +1161,16 @@ class WorkerSide:
             if token is None or req_id not in self._save_done or self._save_done[req_id] is not None:
                 return None  # no save of the request's with the committer
         commit_until: Optional[float] = None  # set once past the deadline with the commit begun
+        waited_from = deadline  # from when commit_until is counted
+        marked_since: Optional[float] = None  # when this call first saw the committer's mark
         while True:
             with self._lock:
                 if self._save_token.get(req_id) != token or self._save_done.get(req_id) is not None:
                     return None  # settled by the committer meanwhile
                 held = self._committing.get(token)
                 committing = self._committing_now == token
+            if committing and marked_since is None:
+                marked_since = time.monotonic()
             if held is not None:
                 request, session = held
                 try:
@@ -1203,10 +1213,14 @@ class WorkerSide:
             # commit may not have read vLLM's blocks yet (it waits for the store's lock or
             # connection), so it is waited for, within the commit's own bounds.
             if commit_until is None:
-                commit_until = deadline + 3 * self._timeout_s + 1.0 + _COMMIT_WAIT_MARGIN_S
+                # Counted from when this call began to wait for the mark, not from the shared
+                # deadline: until then this call's own exchanges (the preempted requests before
+                # this one) may have held the store's lock the commit waits for.
+                waited_from = max(deadline, marked_since if marked_since is not None else now)
+                commit_until = waited_from + 3 * self._timeout_s + 1.0 + _COMMIT_WAIT_MARGIN_S
                 logger.warning(
                     "tutti: the committer is committing the save of preempted request %s at the preemption's deadline "
-                    "(%.1f s); waiting up to %.1f s more for it", req_id, self._timeout_s, commit_until - deadline,
+                    "(%.1f s); waiting up to %.1f s more for it", req_id, self._timeout_s, commit_until - now,
                 )  # fmt: skip
             if now >= commit_until:
                 # Past the commit's own bounds: the session is ended, whose close takes the
@@ -1214,7 +1228,7 @@ class WorkerSide:
                 # on its requests StaleRequest, so the commit reads nothing after this returns.
                 self._end_session(
                     f"the commit of preempted request {req_id}'s save did not end within its bounds "
-                    f"({commit_until - deadline:.1f} s past the preemption's deadline)"
+                    f"({commit_until - waited_from:.1f} s after this call began to wait for it)"
                 )
                 return None
             time.sleep(min(_COMMIT_POLL_S, commit_until - now))
