@@ -35,7 +35,7 @@ vm_die() {
 # Packages come from Debian's archive through apt; installed only when missing. QEMU and busybox
 # are checked by running them (a binary whose libraries are gone is as missing as no binary);
 # one dpkg lists as installed regardless is reinstalled. Each apt call is bounded, through
-# interruptible_timeout: Ctrl-C stops it and the script (130), which a bare `timeout` (a process
+# vm_logged (interruptible_timeout's rules, its output to a log): Ctrl-C stops it and the script (130), which a bare `timeout` (a process
 # group of its own) would not let it reach. An earlier dpkg run that was interrupted is finished
 # first (until it is, every apt-get install fails), with service starts forbidden
 # (dpkg_configure_pending: an etcd-server left half-installed would otherwise be configured with
