@@ -1613,8 +1613,8 @@ def test_a_preempted_save_the_committer_is_committing_past_the_deadline_is_waite
 def test_a_preempted_save_whose_commit_outlasts_its_own_bounds_ends_the_session(tuttid, monkeypatch):
     """Goal: the wait past the deadline for a save the committer is committing is bounded too:
     the commit's own bounds (the store's lock, the keep-alive ping's connection, its exchange)
-    and a margin. A commit that outlasts even that (here one that starts 8 x timeout_s late, past
-    the deadline's timeout_s and 3 x timeout_s + 1 s, the margin taken away) ends the session,
+    and a margin. A commit that outlasts even that (here one that starts 10 x timeout_s late, past
+    the deadline's timeout_s and 4 x timeout_s + 1 s, the margin taken away) ends the session,
     whose close takes the store's lock, so the commit can no longer read vLLM's blocks after
     handle_preemptions returned: R is never committed. Before, the save was cancelled too late
     at the deadline and committed after."""
@@ -1626,7 +1626,7 @@ def test_a_preempted_save_whose_commit_outlasts_its_own_bounds_ends_the_session(
     worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
     try:
         connector = worker.connector
-        store = StoreWithSlowFirstCommit(connector._store, 8 * timeout_s)
+        store = StoreWithSlowFirstCommit(connector._store, 10 * timeout_s)
         connector._store = store
         save = SaveSpec("R", prompt(76, blocks=2, tail=0), [20, 21])
         worker.fill(save.block_ids, 76)
@@ -1636,10 +1636,48 @@ def test_a_preempted_save_whose_commit_outlasts_its_own_bounds_ends_the_session(
         connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
         elapsed_s = time.monotonic() - started
         assert connector._dead is not None, "the session outlived a commit past its bounds"
-        assert elapsed_s < 8 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s"
-        time.sleep(4 * timeout_s)  # the late commit's turn: it finds the store closed
+        assert elapsed_s < 10 * timeout_s, f"handle_preemptions took {elapsed_s:.2f} s"
+        time.sleep(6 * timeout_s)  # the late commit's turn: it finds the store closed
         with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
             assert lookup.lookup(save.tokens) == 0, "R was committed after handle_preemptions returned"
+    finally:
+        worker.shutdown()
+
+
+def test_a_committed_save_is_waited_for_until_settled_never_logged_as_cancelled(tuttid, monkeypatch, caplog):
+    """Goal: the committer's mark on a save it commits is kept until the save is settled, not
+    cleared as the commit returns: handle_preemptions, past its deadline, must not see the save
+    unmarked and unsettled in between, and cancel it and log at ERROR that it was cancelled
+    although it was committed. Here the committer records R's outcome 0.3 s after R's commit,
+    which starts 1.5 x timeout_s late, returned: handle_preemptions waits for it, logs no
+    cancellation, and R is committed. Before, the mark was cleared first and R was logged as
+    cancelled."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 1.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        store = StoreWithSlowFirstCommit(connector._store, 1.5 * timeout_s)
+        connector._store = store
+        save_settled = connector._save_settled
+
+        def late_save_settled(req_id, token, committed):
+            if req_id == "R":
+                time.sleep(0.3)  # R's commit has returned; its outcome is not yet recorded
+            save_settled(req_id, token, committed)
+
+        monkeypatch.setattr(connector, "_save_settled", late_save_settled)
+        save = SaveSpec("R", prompt(77, blocks=2, tail=0), [20, 21])
+        worker.fill(save.block_ids, 77)
+        worker.step(TuttiConnectorMetadata(saves=[save]))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "R's commit never started"
+        caplog.set_level(logging.ERROR, logger="tutti.vllm")
+        connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
+        cancelled = [record.getMessage() for record in caplog.records if "cancelled" in record.getMessage()]
+        assert cancelled == [], f"a committed save was logged as cancelled: {cancelled}"
+        assert connector._dead is None and connector._committing_now is None
+        with tutti.LookupClient.connect(daemon.socket, model_fingerprint=connector._fingerprint) as lookup:
+            assert lookup.lookup(save.tokens) == 2
     finally:
         worker.shutdown()
 

@@ -39,8 +39,9 @@ _COMMIT_PUT_CHECK_S = 1.0
 # when handle_preemptions began to wait for the mark (until then its own exchanges for the
 # preempted requests before this one may hold the store's lock): the store's lock
 # behind one other exchange (timeout_s), the keep-alive ping's connection (timeout_s + 1 s, the
-# binding's lock_with_connection) and the commit's own exchange (timeout_s): 3 x timeout_s +
-# 1 s, plus this margin. Past that the session is ended (`_release_committing_save`). The waits
+# binding's lock_with_connection), the commit's own exchange (timeout_s) and, the mark being
+# kept until the save is settled, a failed commit's finish (timeout_s): 4 x timeout_s + 1 s,
+# plus this margin. Past that the session is ended (`_release_committing_save`). The waits
 # add up per marked save, one after another.
 _COMMIT_WAIT_MARGIN_S = 1.0
 # A worker whose session ended and whose KV memory can be registered again (device memory)
@@ -305,7 +306,7 @@ class WorkerSide:
         the payload CRCs). The waits share one timeout_s, however many requests were preempted:
         what is not settled by then is handled as above, but for a save whose commit the
         committer has begun, waited for past the deadline within the commit's own bounds (up to
-        3 x timeout_s + 2 s from the deadline or, if later, from when this call reaches the save,
+        4 x timeout_s + 2 s from the deadline or, if later, from when this call reaches the save,
         for each such save; one that outlasts them ends the session:
         `_release_committing_save`). That is not the whole bound. A load still in flight at
         that deadline ends the session (`_end_session`, once per call): its
@@ -1143,12 +1144,14 @@ class WorkerSide:
         failure) is waited for until the deadline; past it, one whose commit the committer has
         begun (`_committing_now`, set with its cancel check: a cancellation would come too late,
         and the commit may not have read vLLM's blocks yet, waiting for the store's lock or
-        connection) is still waited for, up to the commit's own bounds (3 x timeout_s + 1 s,
-        `_COMMIT_WAIT_MARGIN_S` more, counted from the deadline or, if later, from when this
+        connection) is still waited for, up to the commit's own bounds (4 x timeout_s + 1 s
+        with the finish of a failed commit, since the mark is kept until the save is settled;
+        `_COMMIT_WAIT_MARGIN_S` more; counted from the deadline or, if later, from when this
         call first saw the mark: before that, this call's own exchanges for the requests
-        preempted before this one may have held the store's lock the commit waits for); a commit that outlasts even that ends the session
-        (`_end_session`: the close takes the store's lock, after which the commit fails), so that
-        nothing reads the blocks after this returns. A save not yet begun is cancelled at the
+        preempted before this one may have held the store's lock the commit waits for); a
+        commit that outlasts even that ends the session (`_end_session`: the close takes the
+        store's lock, after which the commit fails), so that nothing reads the blocks after
+        this returns. A save not yet begun is cancelled at the
         deadline, as is one with a layer still in flight (never committed: its bytes may be read
         after vLLM reused the blocks).
         The layers are polled from this thread while the committer may wait for them (the
@@ -1190,6 +1193,18 @@ class WorkerSide:
                 time.sleep(min(_COMMIT_POLL_S, deadline - now))
                 continue
             if not committing:
+                with self._lock:
+                    if self._committing_now == token:
+                        continue  # the committer began its commit meanwhile: not cancelled, waited for
+                    # Only while the save is still the request's and unsettled: _save_settled
+                    # (which discards the token) has not run, and will. The committer checks
+                    # `_cancelled` under this lock before it commits.
+                    cancelled = self._save_token.get(req_id) == token and self._save_done.get(req_id) is None
+                    if cancelled:
+                        self._cancelled.add(token)
+                if not cancelled:
+                    return None  # settled by the committer meanwhile
+                # Logged only now, once cancelled: not for a save waited for or settled meanwhile.
                 if held is not None:
                     logger.error(
                         "tutti: layer %s of preempted request %s's save was still in flight at the preemption's deadline "
@@ -1200,14 +1215,6 @@ class WorkerSide:
                         "tutti: the committer did not end the save of preempted request %s by the preemption's deadline "
                         "(%.1f s); the save is cancelled", req_id, self._timeout_s,
                     )  # fmt: skip
-                with self._lock:
-                    if self._committing_now == token:
-                        continue  # the committer began its commit meanwhile: not cancelled, waited for
-                    # Only while the save is still the request's and unsettled: _save_settled
-                    # (which discards the token) has not run, and will. The committer checks
-                    # `_cancelled` under this lock before it commits.
-                    if self._save_token.get(req_id) == token and self._save_done.get(req_id) is None:
-                        self._cancelled.add(token)
                 return None
             # The committer is committing the save: it has passed its cancel check, and its
             # commit may not have read vLLM's blocks yet (it waits for the store's lock or
@@ -1217,7 +1224,7 @@ class WorkerSide:
                 # deadline: until then this call's own exchanges (the preempted requests before
                 # this one) may have held the store's lock the commit waits for.
                 waited_from = max(deadline, marked_since if marked_since is not None else now)
-                commit_until = waited_from + 3 * self._timeout_s + 1.0 + _COMMIT_WAIT_MARGIN_S
+                commit_until = waited_from + 4 * self._timeout_s + 1.0 + _COMMIT_WAIT_MARGIN_S
                 logger.warning(
                     "tutti: the committer is committing the save of preempted request %s at the preemption's deadline "
                     "(%.1f s); waiting up to %.1f s more for it", req_id, self._timeout_s, commit_until - now,
@@ -1342,13 +1349,12 @@ class WorkerSide:
             # vLLM reused the blocks. Never committed.
             self._settle_save(request, session)
         else:
+            # The mark stays until _save_settled, which every path from here reaches (whatever
+            # else escapes, through _commit_loop's): cleared as the commit returned, it let
+            # handle_preemptions see the save unmarked and unsettled in between, and cancel (log
+            # as cancelled) a save that was committed.
             try:
-                try:
-                    request.commit()
-                finally:
-                    with self._lock:
-                        if self._committing_now == token:
-                            self._committing_now = None
+                request.commit()
                 committed = True
             except tutti.Error as error:
                 logger.warning("tutti: save of request %s not committed: %s", req_id, error)
