@@ -1821,6 +1821,94 @@ def test_a_taken_over_commit_that_raises_leaves_no_other_preempted_request_unset
         worker.shutdown()
 
 
+class CommitAndFinishRaising:
+    """A tutti.Request whose commit raises `error` and whose finish raises `finish_error`; the
+    rest is the real request's."""
+
+    def __init__(self, request, error: BaseException, finish_error: BaseException) -> None:
+        self._request = request
+        self._error = error
+        self._finish_error = finish_error
+
+    def __getattr__(self, name: str):
+        return getattr(self._request, name)
+
+    def commit(self):
+        raise self._error
+
+    def finish(self):
+        raise self._finish_error
+
+
+class StoreWithSlowFirstThenFailingCommitAndFinish(StoreWithSlowFirstCommit):
+    """As StoreWithSlowFirstCommit, and the second prepared save's commit and finish raise."""
+
+    def __init__(self, store, sleep_s: float, error: BaseException, finish_error: BaseException) -> None:
+        super().__init__(store, sleep_s)
+        self._error = error
+        self._finish_error = finish_error
+
+    def prepare_store(self, tokens, block_ids):
+        request = super().prepare_store(tokens, block_ids)
+        if len(self.requests) == 2:
+            return CommitAndFinishRaising(request, self._error, self._finish_error)
+        return request
+
+
+@pytest.mark.parametrize(
+    ("error", "finish_error"),
+    [
+        (tutti.Disconnected("injected: tuttid's reply does not decode"), RuntimeError("injected finish")),
+        (RuntimeError("injected"), SystemExit(4)),
+    ],
+    ids=["tutti-error-then-RuntimeError", "RuntimeError-then-SystemExit"],
+)
+def test_a_taken_over_save_whose_settle_raises_leaves_no_other_preempted_request_unsettled(tuttid, error, finish_error):
+    """Goal: the settle of a taken-over save whose commit failed is guarded whatever the commit
+    raised: anything escaping it (a PanicException out of finish, an interrupt during its wait)
+    still leaves the other preempted requests settled (here a load L in flight, preempted after
+    R), and the first KeyboardInterrupt or SystemExit, of the commit or of the settle, is raised
+    once they are. Before, after a tutti.Error from the commit, a RuntimeError out of the settle
+    left handle_preemptions at R with L's load unsettled; after a RuntimeError from the commit, a
+    SystemExit out of the settle was swallowed."""
+    daemon = tuttid(harness.TUTTID_GEOMETRY)
+    timeout_s = 2.0
+    worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
+    try:
+        connector = worker.connector
+        tokens = prompt(87, blocks=2, tail=0)
+        worker.fill([1, 2], 87)
+        worker.save("S", tokens, [1, 2])
+        store = StoreWithSlowFirstThenFailingCommitAndFinish(connector._store, 1.5 * timeout_s, error, finish_error)
+        connector._store = store
+        saves = []
+        for index, name in enumerate(["A", "R"]):
+            blocks = [20 + 2 * index, 21 + 2 * index]
+            worker.fill(blocks, 88 + index)
+            saves.append(SaveSpec(name, prompt(88 + index, blocks=2, tail=0), blocks))
+        worker.step(TuttiConnectorMetadata(saves=saves))
+        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
+        r_request = store.requests[tuple(saves[1].block_ids)]
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not r_request.poll():  # R's reads all done; it waits behind A's commit
+            assert time.monotonic() < deadline, "R's layers never completed"
+            time.sleep(0.001)
+        connector.bind_connector_metadata(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])]))
+        connector.start_load_kv(None)  # L's first layers issued
+        assert "L" in connector._loads
+        preempted = TuttiConnectorMetadata(preempted_req_ids=["R", "L"])  # R first (a list: ordered)
+        if isinstance(finish_error, SystemExit):
+            with pytest.raises(SystemExit):
+                connector.handle_preemptions(preempted)
+        else:
+            connector.handle_preemptions(preempted)
+        assert "L" not in connector._loads, "L's load was not settled"
+        assert "R" not in connector._save_token and "L" not in connector._save_token
+        assert connector._broken is not None, "R's save, never settled, left the session to go on"
+    finally:
+        worker.shutdown()
+
+
 class LayerOneInFlight:
     """A save's request whose layer 1 stays in flight (what handle_preemptions polls)."""
 

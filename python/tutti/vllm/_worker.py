@@ -1246,32 +1246,38 @@ class WorkerSide:
         it a miss (settled; `deadline`: as `_settle`'s). Its outcome is not reported: the
         preemption forgets the save. Whatever else escapes the commit (a panic of the binding,
         PanicException, is a BaseException) makes it a miss too, as in `_commit_loop`, rather
-        than leave handle_preemptions with the other preempted requests unsettled: a
-        KeyboardInterrupt or SystemExit is returned, for handle_preemptions to raise at its end."""
+        than leave handle_preemptions with the other preempted requests unsettled; so does
+        whatever escapes the settle after either kind of failure (the session is then ended at
+        the next step). The first KeyboardInterrupt or SystemExit, of the commit or of the
+        settle, is returned, for handle_preemptions to raise at its end."""
         if self._session_broken(session):
             self._keep_until_session_ends(request, session)
             return None
         try:
             request.commit()
+            return None
         except tutti.Error as error:
             logger.warning("tutti: save of preempted request %s not committed: %s", req_id, error)
             self._note_daemon_failure(error, session)
-            self._settle_save(request, session, deadline)
+            failure: BaseException = error
         except BaseException as error:  # noqa: BLE001 - the other preempted requests must still be settled
             logger.error("tutti: the commit of preempted request %s's save failed (%r); it is not committed", req_id, error)
-            try:
-                self._settle_save(request, session, deadline)
-            except BaseException as settle_error:  # noqa: BLE001
-                logger.error(
-                    "tutti: the save of preempted request %s could not be settled (%r); the session is ended at the "
-                    "next step", req_id, settle_error,
-                )  # fmt: skip
-                with self._lock:
-                    if session == self._session and self._broken is None:
-                        self._broken = f"a taken-over save whose commit failed could not be settled: {settle_error!r}"
-            if isinstance(error, (KeyboardInterrupt, SystemExit)):
-                return error
-        return None
+            failure = error
+        # The first interrupt, of the commit or of the settle, is kept for the caller to raise.
+        stop = failure if isinstance(failure, (KeyboardInterrupt, SystemExit)) else None
+        try:
+            self._settle_save(request, session, deadline)
+        except BaseException as settle_error:  # noqa: BLE001 - whichever way the commit failed
+            logger.error(
+                "tutti: the save of preempted request %s could not be settled (%r); the session is ended at the "
+                "next step", req_id, settle_error,
+            )  # fmt: skip
+            with self._lock:
+                if session == self._session and self._broken is None:
+                    self._broken = f"a taken-over save whose commit failed could not be settled: {settle_error!r}"
+            if stop is None and isinstance(settle_error, (KeyboardInterrupt, SystemExit)):
+                stop = settle_error
+        return stop
 
     def _take_up(self, token: int) -> bool:
         """The committer's claim on a save before it ends it: False when handle_preemptions took
