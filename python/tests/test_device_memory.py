@@ -146,3 +146,31 @@ def test_a_stand_in_is_cpu_memory_to_an_in_process_store():
                 request.retrieve_layer(layer)
                 request.wait(10.0)
         assert holds(layout, 4, 7) and holds(layout, 5, 8)
+
+
+def test_a_stand_in_a_closed_store_kept_for_good_is_refused_in_process(memfd_daemon):
+    # Goal: an attached store's close that could not settle a layer through a paused tuttid
+    # keeps its stand-in for good (tuttid's memfd copies may still write it); a numpy view of
+    # that stand-in, registered with an in-process store of the same process (CPU memory it
+    # would map), is refused as UnsupportedMemory saying why, so that store never commits and
+    # serves bytes tuttid may still write. Before, the device-memory route forgot its keeps
+    # without listing them, and the view was accepted.
+    stand_in = tutti.DeviceMemoryStandIn(LEAD_BYTES + GEOMETRY.layers * LAYER_BYTES)
+    layout = stand_in_layout(stand_in)
+    store = tutti.Store.attach(memfd_daemon.socket, model_fingerprint=FINGERPRINT, keepalive=False, timeout_s=0.3)
+    store.register_kv(layout)
+    fill_block(layout, 1, 87)
+    prompt = tokens(87, 1)
+    store_prompt(store, prompt, [1])
+    request = store.prepare_retrieve(prompt, [2])
+    memfd_daemon.pause()
+    try:
+        request.retrieve_layer(0)
+        store.close(timeout_s=0.3)
+        assert store.leaked_registrations() > 0, "the close could not settle the layer"
+        with tutti.Store.open("emu:mem:16m", GEOMETRY, format=True) as fresh:
+            with pytest.raises(tutti.UnsupportedMemory, match="kept for good"):
+                fresh.register_kv(tutti.KvLayout.paged(stand_in_views(stand_in.numpy())))
+            assert not fresh.registered
+    finally:
+        memfd_daemon.resume()

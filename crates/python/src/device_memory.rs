@@ -270,6 +270,11 @@ impl AttachedDaemon {
 /// What a registration of device memory holds until tuttid can no longer reach the memory.
 pub struct DeviceHold {
     pub keeps: Vec<crate::memory::Keep>,
+    /// The registered tensors: recorded as kept for good (`crate::memory::record_kept_for_good`)
+    /// when `keeps` are, so that no other store of this process registers that memory again
+    /// through any object over it (a stand-in's numpy view is CPU memory an in-process store
+    /// would map).
+    pub tensors: Vec<crate::tensor::PlacedTensor>,
     pub holder: Holder,
     pub daemon: AttachedDaemon,
     pub session: u64,
@@ -290,6 +295,14 @@ impl DeviceHold {
         }
         let kept = self.keeps.len();
         tracing::error!(tensors = kept, session = self.session, "tutti: registered device memory kept for good: tuttid may still reach it");
+        // Listed before the keeps are forgotten: from then on no store of this process
+        // registers that memory again. CUDA addresses can be listed with host ones: under
+        // unified addressing (every 64-bit CUDA process) a device pointer is a range of this
+        // process's virtual address space no host mapping gets, and kept memory is never freed,
+        // so its range is never handed out again; a stand-in's is its memfd's mapping here.
+        for tensor in &self.tensors {
+            crate::memory::record_kept_for_good(tensor.address, tensor.extent_bytes);
+        }
         std::mem::forget(self.keeps);
         std::mem::forget(self.holder);
         (kept, Vec::new())
@@ -880,5 +893,30 @@ mod tests {
         let reached = reach_with(&daemon, Instant::now() + Duration::from_millis(300), unidentified);
         std::fs::remove_dir_all(&directory).unwrap();
         assert!(matches!(reached, Reached::Gone), "the attached daemon has exited");
+    }
+
+    #[test]
+    fn device_memory_kept_for_good_is_refused_to_every_later_registration() {
+        // Goal: a release that keeps the tensors for good (a layer in flight at close, or a
+        // failed registration tuttid did not confirm ending) lists their memory as kept for
+        // good, as a close that leaks caller memory does: an in-process store then refuses a
+        // numpy view of a stand-in tuttid may still write. Before, the keeps were forgotten
+        // unlisted and such a view was accepted.
+        let memory = SharedMemory::create("tutti-test-kept", 4096).unwrap();
+        let bytes = vec![0u8; 8192];
+        let address = bytes.as_ptr() as u64;
+        std::mem::forget(bytes); // never reused while listed
+        let hold = DeviceHold {
+            keeps: vec![Keep::Objects(Vec::new())],
+            tensors: vec![crate::tensor::PlacedTensor { address: address + 4096, extent_bytes: 4096 }],
+            holder: Holder::StandIn(memory),
+            daemon: AttachedDaemon { socket: PathBuf::from("/nonexistent/tuttid.sock"), process: None },
+            session: 7,
+        };
+        assert!(!crate::memory::kept_for_good_overlap(address, 8192), "not listed before");
+        let (kept, released) = hold.release(false, Instant::now());
+        assert_eq!((kept, released.len()), (1, 0));
+        assert!(crate::memory::kept_for_good_overlap(address + 4096, 4096), "the tensor's memory is listed");
+        assert!(!crate::memory::kept_for_good_overlap(address, 4096), "only the tensor's memory");
     }
 }

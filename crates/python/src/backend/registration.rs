@@ -102,20 +102,20 @@ impl StoreState {
             };
         }
         // Memory another store's close kept for good, whatever object it came through (a
-        // KvBuffer, a numpy or torch view): the old queue may still write it, and this store
-        // would commit and serve those bytes.
-        if checked.device == Device::Cpu {
-            if let Some(index) =
-                checked.tensors.iter().position(|tensor| crate::memory::kept_for_good_overlap(tensor.address, tensor.extent_bytes))
-            {
-                return Err(Failure::new(
-                    ErrorClass::UnsupportedMemory,
-                    format!(
-                        "tensor {index} of the layout is memory a closed store kept for good (a layer was still in flight at \
-                         its close): a device may still write it; allocate the KV cache again with this store's allocate_kv"
-                    ),
-                ));
-            }
+        // KvBuffer, a numpy or torch view, a stand-in's or a CUDA tensor): the old queue or
+        // tuttid may still write it, and this store would commit and serve those bytes. On
+        // every device: CUDA pointers share this process's address space (unified addressing),
+        // so a host range never matches a device one (`DeviceHold::release`).
+        if let Some(index) =
+            checked.tensors.iter().position(|tensor| crate::memory::kept_for_good_overlap(tensor.address, tensor.extent_bytes))
+        {
+            return Err(Failure::new(
+                ErrorClass::UnsupportedMemory,
+                format!(
+                    "tensor {index} of the layout is memory a closed store kept for good (a layer was still in flight at \
+                     its close): a device may still write it; allocate the KV cache again (this store's allocate_kv, or new GPU memory)"
+                ),
+            ));
         }
         match &self.backend {
             Backend::LocalOpen { .. } if checked.device != Device::Cpu => Err(Failure::new(
@@ -161,7 +161,7 @@ impl StoreState {
         let connected = RemoteKvStore::with_client_and_device_memory(client, hello, &config, &range.memory, layout);
         self.touch_daemon();
         let daemon = self.daemon.clone().unwrap_or(device_memory::AttachedDaemon { socket: Default::default(), process: None });
-        let hold = DeviceHold { keeps, holder: range.holder, daemon, session };
+        let hold = DeviceHold { keeps, tensors: checked.tensors.clone(), holder: range.holder, daemon, session };
         match connected.and_then(|mut store| {
             // Before any request is prepared (see `build_local`); a refusal drops the store,
             // which ends the session like any failure here.
