@@ -332,6 +332,11 @@ pub(crate) struct ControllerCore {
     /// transfers in flight (a host that writes CC again meanwhile, in tests).
     #[cfg(test)]
     pub(crate) before_shutdown_wait_for_tests: Option<RegisterHookForTests>,
+    /// Called once, with the registers, as the next scan has read the completion queues' head
+    /// doorbells and not yet the submission queues' tails (a host whose doorbell writes fall
+    /// between the two, in tests).
+    #[cfg(test)]
+    pub(crate) after_completion_heads_read_for_tests: Option<RegisterHookForTests>,
     /// A long zeroing a command just started (`io.rs`), for the batch to take.
     pub(crate) zeroing_started: Option<crate::io::Zeroing>,
     /// The long zeroing running, a slice per poll (see `controller/zeroing.rs`).
@@ -409,6 +414,8 @@ impl ControllerCore {
             after_peek_for_tests: None,
             #[cfg(test)]
             before_shutdown_wait_for_tests: None,
+            #[cfg(test)]
+            after_completion_heads_read_for_tests: None,
             zeroing_started: None,
             zeroing: None,
             shutdown_awaits_zeroing: false,
@@ -550,6 +557,10 @@ impl ControllerCore {
         // free up, and their completions go out as soon as their I/O is done.
         let had_in_flight = self.poll_in_flight(now, false);
         self.read_completion_doorbells(0);
+        #[cfg(test)]
+        if let Some(hook) = self.after_completion_heads_read_for_tests.take() {
+            hook(&self.registers);
+        }
         let mut worked = false;
         let mut fetched = std::mem::take(&mut self.fetched);
         for queue_index in 0..self.submission_queues.len() {

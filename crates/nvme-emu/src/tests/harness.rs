@@ -118,7 +118,7 @@ impl TestHost {
         self.dma.allocate(len).unwrap()
     }
 
-    fn doorbell(&self, queue: u16, completion: bool) -> usize {
+    pub(crate) fn doorbell(&self, queue: u16, completion: bool) -> usize {
         registers::doorbell_offset(queue, completion, self.stride_log2)
     }
 

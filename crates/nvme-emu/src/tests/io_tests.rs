@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use nvme_driver::hw::RegisterIo;
 use nvme_driver::spec::command::{DataPointerKind, DatasetRange};
 use nvme_driver::spec::data_pointer::{SglDescriptor, SglDescriptorType};
 use nvme_driver::spec::registers;
@@ -547,37 +548,34 @@ fn batched_file_writes_keep_overlapping_commands_in_order() {
 
 #[test]
 fn a_tail_rung_before_the_head_that_makes_room_for_it_is_fetched_at_once() {
-    // Goal: at queue depth 1 in a 2-entry queue, a host that writes the next command's SQ tail
-    // and then the CQ head that frees the entry its completion needs (our driver's order) does
-    // not leave the command behind for a scan: the controller reads the CQ head again before
-    // leaving commands for want of room. Without that re-read, every scan that reads the head
-    // before the host writes the tail and the tail after it leaves the command one scan.
-    const COMMANDS: u64 = 4000;
+    // Goal: in a 2-entry queue whose one usable CQ entry is taken, a host that writes the next
+    // command's SQ tail and then the CQ head that frees the entry its completion needs (our
+    // driver's order) does not leave the command behind for a scan, even when both writes land
+    // between the scan's read of the CQ heads and its read of the SQ tails: the controller
+    // reads the CQ head again before leaving commands for want of room. The writes are made
+    // there by the scan's own hook, so the interleaving is certain, not left to the scheduler.
     let mut host = TestHost::start(two_namespaces());
     let mut queue = host.create_io_pair(1, 2);
-    let deadline = Instant::now() + super::harness::DEADLINE * 4;
-    let mut submitted = TestHost::push(&mut queue, SubmissionEntry::flush(NS_4K));
+    let first = TestHost::push(&mut queue, SubmissionEntry::flush(NS_4K));
     host.ring_submission(&queue);
-    for index in 0..=COMMANDS {
-        // Spin (no sleep): a sleeping host lets the controller park, which hides the window.
-        let completion = loop {
-            if let Some(completion) = TestHost::try_reap(&mut queue) {
-                break completion;
-            }
-            assert!(Instant::now() < deadline, "completion {index} did not arrive");
-            std::hint::spin_loop();
-        };
-        assert_eq!(completion.command_id(), submitted);
-        assert_eq!(status_of(&completion), Ok(()));
-        if index < COMMANDS {
-            submitted = TestHost::push(&mut queue, SubmissionEntry::flush(NS_4K));
-            host.ring_submission(&queue);
-        }
-        host.ring_completion(&queue);
-    }
-    let waits = host.device.stats().completion_room_waits;
-    // A wait needs the host preempted between its two doorbell writes (or the controller
-    // reading the head in the nanoseconds between them); allow one in 20 commands for a busy
-    // machine. Without the re-read it is most of them.
-    assert!(waits * 20 < COMMANDS, "{waits} of {COMMANDS} commands waited for a CQ entry the host had freed");
+    let completion = TestHost::try_reap_within(&mut queue, super::harness::DEADLINE).expect("the first flush completes");
+    assert_eq!((completion.command_id(), status_of(&completion)), (first, Ok(())));
+    // Its CQ entry is reaped but not released (the head doorbell not rung): the CQ is full.
+    let second = TestHost::push(&mut queue, SubmissionEntry::flush(NS_4K));
+    let waits_before = host.device.stats().completion_room_waits;
+    let (submission_tail, completion_head) = (queue.tail, queue.head);
+    let (tail_doorbell, head_doorbell) = (host.doorbell(queue.id, false), host.doorbell(queue.id, true));
+    host.device.with_core(|core| {
+        core.after_completion_heads_read_for_tests = Some(Box::new(move |registers| {
+            registers.write32(tail_doorbell, submission_tail);
+            registers.write32(head_doorbell, completion_head);
+        }))
+    });
+    // Wake the controller for a scan (a doorbell write with the values it already has).
+    host.registers.write32(head_doorbell, 0);
+    let completion = TestHost::try_reap_within(&mut queue, super::harness::DEADLINE).expect("the second flush completes");
+    assert_eq!((completion.command_id(), status_of(&completion)), (second, Ok(())));
+    assert!(host.device.with_core(|core| core.after_completion_heads_read_for_tests.is_none()), "the scan ran the hook");
+    let waits = host.device.stats().completion_room_waits - waits_before;
+    assert_eq!(waits, 0, "the scan that saw the tail left the command for want of a CQ entry the host had freed");
 }
