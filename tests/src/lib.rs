@@ -74,12 +74,11 @@ pub fn key_secret() -> KeySecret {
 
 pub fn format(targets: &[PoolTarget], k: u32, slots: Option<u64>) {
     let params = FormatParams {
-        geometry: geometry(),
         blocks_per_slot: k,
         slot_count_max: slots,
-        pool_uuid: None,
         payload_crc: true,
         key_secret: Some(key_secret()),
+        ..FormatParams::new(geometry())
     };
     format_pool(targets, &params).expect("format");
 }

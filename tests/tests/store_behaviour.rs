@@ -238,14 +238,7 @@ fn a_verified_retrieve_names_and_evicts_blocks_whose_bytes_changed_on_disk() {
     assert_eq!((report.valid_slots, report.corrupt_headers), (2, 0), "the evicted slot's header is Empty on disk");
     drop(pool);
     // Verification needs the CRCs: a pool formatted without them is refused.
-    let plain = objstore::FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: Some(16),
-        pool_uuid: None,
-        payload_crc: false,
-        key_secret: None,
-    };
+    let plain = objstore::FormatParams { slot_count_max: Some(16), ..objstore::FormatParams::new(geometry()) };
     objstore::format_pool(&targets(&controller, &[1]), &plain).unwrap();
     let (pool, _) = Pool::open(targets(&controller, &[1]), None).unwrap();
     let executor = objstore::cpu_executor_for(&pool, 64, &verified).unwrap();

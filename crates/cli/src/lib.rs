@@ -16,12 +16,16 @@
 //!   tutti-bench, `tutti pool format` and tutti-profile (feature `geometry`, on by default;
 //!   without it the crate needs nothing beyond std, clap and tracing-subscriber, for binaries
 //!   below the object store and the Python module);
+//! - [`key_secret`]: `--key-secret-file`, the pool's key secret read with a warning when the file
+//!   is exposed (feature `geometry`, which brings the object store);
 //! - [`text`]: text from outside printed with its control characters escaped ([`printable`]).
 #![forbid(unsafe_code)]
 
 pub mod exit;
 #[cfg(feature = "geometry")]
 pub mod geometry;
+#[cfg(feature = "geometry")]
+pub mod key_secret;
 pub mod logging;
 pub mod stderr;
 pub mod stdout;
@@ -30,6 +34,8 @@ pub mod timeout;
 
 #[cfg(feature = "geometry")]
 pub use geometry::{Dtype, GeometryArgs, GeometryError, ModelChoice};
+#[cfg(feature = "geometry")]
+pub use key_secret::read_key_secret_file;
 pub use logging::init_stderr_logging;
 pub use stdout::{is_stdout_closed, StdoutError};
 pub use text::printable;

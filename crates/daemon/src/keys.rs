@@ -294,14 +294,7 @@ mod tests {
         let backend: std::sync::Arc<dyn nvme_driver::hw::DeviceBackend> = device;
         let controller = std::sync::Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
         let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-        let params = FormatParams {
-            geometry,
-            blocks_per_slot: 1,
-            slot_count_max: Some(16),
-            pool_uuid: None,
-            payload_crc: false,
-            key_secret: Some(secret),
-        };
+        let params = FormatParams { slot_count_max: Some(16), key_secret: Some(secret), ..FormatParams::new(geometry) };
         format_pool(&targets, &params).expect("format");
         let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open");
         let dma = controller.dma().clone();

@@ -327,14 +327,7 @@ mod tests {
             namespace: 1,
             emu_lba_bytes: 4096,
             emu_create_bytes: Some(create_bytes),
-            format: Some(FormatParams {
-                geometry,
-                blocks_per_slot: 1,
-                slot_count_max: None,
-                pool_uuid: None,
-                payload_crc: false,
-                key_secret: None,
-            }),
+            format: Some(FormatParams::new(geometry)),
             overwrite: false,
             lock_dir: directory.join("locks"),
             client_queue_pairs: 1,
@@ -483,8 +476,7 @@ mod tests {
             .map(|device| PoolTarget { controller: device.controller, namespace: NamespaceId(1) })
             .collect();
         let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let params =
-            FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None };
+        let params = FormatParams::new(geometry);
         let error = format_targets(&specs, &targets, &params, false, |_| true).unwrap_err();
         assert!(matches!(error, DaemonError::Devices(DeviceError::ForeignContents { .. })), "{error}");
         assert!(error.to_string().contains("an ext2/3/4 file system"), "{error}");

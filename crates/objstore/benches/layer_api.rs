@@ -51,11 +51,7 @@ fn rig() -> Rig {
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-    format_pool(
-        &targets,
-        &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false, key_secret: None },
-    )
-    .unwrap();
+    format_pool(&targets, &FormatParams { slot_count_max: Some(slots), ..FormatParams::new(geometry) }).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let tensor_bytes = (geometry.object_bytes() * u64::from(BLOCKS)) as usize;
     let engine: Vec<_> = (0..2 * geometry.layers).map(|_| controller.dma().allocate(tensor_bytes).unwrap()).collect();

@@ -97,7 +97,7 @@ fn run(
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
     format_pool(
         &targets,
-        &FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(slots), pool_uuid: None, payload_crc: verify, key_secret: None },
+        &FormatParams { blocks_per_slot: k, slot_count_max: Some(slots), payload_crc: verify, ..FormatParams::new(geometry) },
     )?;
     let (pool, _) = Pool::open(targets, Some(&geometry))?;
     let tensor = (geometry.object_bytes() * u64::from(blocks)) as usize;

@@ -105,6 +105,56 @@ pub struct FormatParams {
     pub key_secret: Option<KeySecret>,
 }
 
+impl FormatParams {
+    /// One block per slot, as many slots as fit, a fresh pool UUID, no payload CRC and a fresh
+    /// random key secret: change the fields that differ (`FormatParams { payload_crc: true,
+    /// ..FormatParams::new(geometry) }`).
+    pub fn new(geometry: ModelGeometry) -> Self {
+        Self { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None }
+    }
+
+    /// The superblock these parameters give device `device_index` of `device_count` on a
+    /// namespace of `size_blocks` LBAs of `lba_bytes`, in the pool `pool_uuid` of `key_secret`.
+    fn plan_device(
+        &self,
+        lba_bytes: u32,
+        size_blocks: u64,
+        device_index: u32,
+        device_count: u32,
+        pool_uuid: [u8; 16],
+        key_secret: KeySecret,
+    ) -> Result<Superblock> {
+        let flags = if self.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
+        Superblock::plan(
+            self.geometry,
+            self.blocks_per_slot,
+            lba_bytes,
+            size_blocks,
+            self.slot_count_max,
+            pool_uuid,
+            device_index,
+            device_count,
+            flags,
+            key_secret,
+        )
+    }
+
+    /// The layout [`format_pool`] would plan for device `device_index` of `device_count` on a
+    /// namespace of `size_blocks` LBAs of `lba_bytes` (slot count, header and data LBAs), or its
+    /// error, without writing anything: for sizing or checking a device before formatting it.
+    /// Neither the pool UUID nor the secret changes a layout, so the superblock returned has a
+    /// zero UUID and a fixed stand-in secret (never this pool's, and never to be written), and
+    /// planning reads no random source.
+    pub fn plan_layout(&self, lba_bytes: u32, size_blocks: u64, device_index: u32, device_count: u32) -> Result<Superblock> {
+        const LAYOUT_ONLY_SECRET: [u8; crate::hash::KEY_SECRET_BYTES] = [1; crate::hash::KEY_SECRET_BYTES];
+        let secret = match self.key_secret {
+            Some(secret) => secret,
+            None => KeySecret::from_bytes(LAYOUT_ONLY_SECRET)?,
+        };
+        self.plan_device(lba_bytes, size_blocks, device_index, device_count, [0; 16], secret)
+    }
+}
+
 /// What `open` found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct RecoveryReport {
@@ -284,21 +334,7 @@ pub fn check_format(params: &FormatParams, lba_bytes: u32, size_blocks: u64, dev
     if device_count == 0 || device_count > usize::from(u16::MAX) {
         return Err(ObjstoreError::InvalidFormat { reason: format!("{device_count} devices, expected 1..={}", u16::MAX) });
     }
-    let flags = if params.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
-    Superblock::plan(
-        params.geometry,
-        params.blocks_per_slot,
-        lba_bytes,
-        size_blocks,
-        params.slot_count_max,
-        [0; 16],
-        0,
-        device_count as u32,
-        flags,
-        // Any secret plans the same layout: no need to read the random source for a check.
-        params.key_secret.unwrap_or(KeySecret::from_bytes([1; crate::hash::KEY_SECRET_BYTES])?),
-    )
-    .map(|_| ())
+    params.plan_layout(lba_bytes, size_blocks, 0, device_count as u32).map(|_| ())
 }
 
 /// Formats `targets` as one pool (target i becomes device i): first zeroes every target's
@@ -314,7 +350,6 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
         return Err(ObjstoreError::InvalidFormat { reason: format!("{} devices, expected 1..={}", targets.len(), u16::MAX) });
     }
     let uuid = params.pool_uuid.unwrap_or_else(fresh_uuid);
-    let flags = if params.payload_crc { FLAG_PAYLOAD_CRC } else { 0 };
     // One secret for every device of the pool (open checks they agree).
     let key_secret = match params.key_secret {
         Some(secret) => secret,
@@ -323,24 +358,14 @@ pub fn format_pool(targets: &[PoolTarget], params: &FormatParams) -> Result<Vec<
     let mut planned = Vec::with_capacity(targets.len());
     for (device, target) in targets.iter().enumerate() {
         let namespace = namespace_of(target)?;
-        let superblock = Superblock::plan(
-            params.geometry,
-            params.blocks_per_slot,
-            namespace.block_size_bytes,
-            namespace.size_blocks,
-            params.slot_count_max,
-            uuid,
-            device as u32,
-            targets.len() as u32,
-            flags,
-            key_secret,
-        )
-        .map_err(|error| match error {
-            ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => {
-                ObjstoreError::NamespaceTooSmall { device, needed_bytes, available_bytes }
-            }
-            other => other,
-        })?;
+        let superblock = params
+            .plan_device(namespace.block_size_bytes, namespace.size_blocks, device as u32, targets.len() as u32, uuid, key_secret)
+            .map_err(|error| match error {
+                ObjstoreError::NamespaceTooSmall { needed_bytes, available_bytes, .. } => {
+                    ObjstoreError::NamespaceTooSmall { device, needed_bytes, available_bytes }
+                }
+                other => other,
+            })?;
         planned.push(superblock);
     }
     // The old pool's superblocks go first, on every device, durably: until the new superblock

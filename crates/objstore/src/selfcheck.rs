@@ -195,17 +195,7 @@ pub fn round_trip(targets: Vec<PoolTarget>, config: &RoundTripConfig) -> Result<
     } else {
         DataPointerMode::Prp
     };
-    format_pool(
-        &targets,
-        &FormatParams {
-            geometry,
-            blocks_per_slot: config.blocks_per_slot,
-            slot_count_max: None,
-            pool_uuid: None,
-            payload_crc: false,
-            key_secret: None,
-        },
-    )?;
+    format_pool(&targets, &FormatParams { blocks_per_slot: config.blocks_per_slot, ..FormatParams::new(geometry) })?;
     // Engine memory twice the request size: retrieves land in the other half (a scatter).
     let engine_blocks = 2 * config.blocks_per_request;
     let object_bytes = geometry.object_bytes() as usize;

@@ -36,11 +36,7 @@ fn store_with(slot_count_max: Option<u64>, config: StoreConfig) -> (Arc<EmuDevic
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("controller"));
     let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
-    format_pool(
-        &targets,
-        &FormatParams { geometry, blocks_per_slot: 1, slot_count_max, pool_uuid: None, payload_crc: false, key_secret: None },
-    )
-    .expect("format");
+    format_pool(&targets, &FormatParams { slot_count_max, ..FormatParams::new(geometry) }).expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open pool");
     let object_bytes = geometry.object_bytes();
     let tensors: Vec<DmaRegion> = (0..2 * geometry.layers)

@@ -922,12 +922,10 @@ impl Store {
             emu_lba_bytes: 4096,
             emu_create_bytes: create_bytes,
             format: format.then_some(FormatParams {
-                geometry,
                 blocks_per_slot,
                 slot_count_max: slots_max,
-                pool_uuid: None,
                 payload_crc: payload_crcs,
-                key_secret: None,
+                ..FormatParams::new(geometry)
             }),
             overwrite,
             lock_dir: PathBuf::from(lock_dir),

@@ -291,10 +291,7 @@ fn main() -> Result<(), Failure> {
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default())?);
     let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
-    format_pool(
-        &targets,
-        &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None },
-    )?;
+    format_pool(&targets, &FormatParams::new(geometry))?;
     let (pool, _) = Pool::open(targets, Some(&geometry))?;
     let object_bytes = geometry.object_bytes() as usize;
     let tensors = (0..2 * geometry.layers)

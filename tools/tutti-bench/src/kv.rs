@@ -509,27 +509,14 @@ pub(crate) fn keep_engine_for_good(engine: Engine, who: &str) {
 }
 
 /// The slots formatting `targets` with `params` gives in all, each device planned as
-/// `format_pool` plans it (objstore's `Superblock::plan`, on the namespace's LBA size and
+/// `format_pool` plans it (`FormatParams::plan_layout`, on the namespace's LBA size and
 /// size); `None` when a device cannot be planned: `format_pool` then refuses it, saying why.
 fn planned_slots(targets: &[PoolTarget], params: &FormatParams) -> Option<u64> {
-    let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
     let device_count = u32::try_from(targets.len()).ok()?;
     let mut slots = 0u64;
     for (device, target) in (0u32..).zip(targets) {
         let namespace = target.controller.namespace(target.namespace).ok()?;
-        let superblock = objstore::format::Superblock::plan(
-            params.geometry,
-            params.blocks_per_slot,
-            namespace.block_size_bytes,
-            namespace.size_blocks,
-            params.slot_count_max,
-            [0; 16],
-            device,
-            device_count,
-            flags,
-            objstore::hash::KeySecret::from_bytes([1; 32]).ok()?,
-        )
-        .ok()?;
+        let superblock = params.plan_layout(namespace.block_size_bytes, namespace.size_blocks, device, device_count).ok()?;
         slots = slots.saturating_add(superblock.slot_count);
     }
     Some(slots)
@@ -576,14 +563,7 @@ impl Rig {
             devices.iter().map(|device| PoolTarget { controller: Arc::clone(&device.controller), namespace: NamespaceId(1) }).collect();
         if plan.pool == PoolMode::Format {
             // Payload CRCs on: `tutti pool check --payload` can verify what a bench run left.
-            let params = FormatParams {
-                geometry: *geometry,
-                blocks_per_slot: plan.blocks_per_slot,
-                slot_count_max: None,
-                pool_uuid: None,
-                payload_crc: true,
-                key_secret: None,
-            };
+            let params = FormatParams { blocks_per_slot: plan.blocks_per_slot, payload_crc: true, ..FormatParams::new(*geometry) };
             // Refused before the format destroys what the devices hold (a pool kept there for a
             // later --retrieve-only, say): the slots are planned as format_pool plans them.
             if let Some(slots) = planned_slots(&targets, &params) {

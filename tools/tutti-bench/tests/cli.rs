@@ -687,14 +687,7 @@ fn a_pool_formatted_with_other_lbas_is_unusable_input_naming_the_lba_size() {
                 namespace: nvme_driver::NamespaceId(1),
             })
             .collect();
-        let params = objstore::FormatParams {
-            geometry: objstore::ModelGeometry::llama3_8b(16),
-            blocks_per_slot: 1,
-            slot_count_max: None,
-            pool_uuid: None,
-            payload_crc: true,
-            key_secret: None,
-        };
+        let params = objstore::FormatParams { payload_crc: true, ..objstore::FormatParams::new(objstore::ModelGeometry::llama3_8b(16)) };
         objstore::format_pool(&targets, &params).expect("format a pool of 512-byte LBAs");
     }
     let output = bench(&["--device", &device, "--prompt-tokens=160", "--retrieve-only"]);

@@ -33,7 +33,7 @@ use nvme_driver::NamespaceId;
 use objstore::format::Superblock;
 use objstore::pool::{format_uuid, read_superblock};
 use objstore::{format_pool, mapping_memory, FormatParams, ObjstoreError, Pool, PoolTarget};
-use tutti_cli::{outln, GeometryArgs};
+use tutti_cli::{outln, read_key_secret_file, GeometryArgs};
 use tutti_devices::{
     format_size, open_pool_devices, parse_size, BlockDeviceClaims, BlockDeviceOpener, DeviceError, DeviceKind, DeviceLocks, DeviceSpec,
     FileUndo, HostBlockDevices, DEFAULT_LOCK_DIR,
@@ -275,9 +275,6 @@ fn check_namespace(args: &DeviceArgs) -> Result<()> {
 /// software controller grows regular files only).
 fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -> std::result::Result<(), ObjstoreError> {
     let device_count = u32::try_from(args.devices.len()).unwrap_or(u32::MAX);
-    let flags = if params.payload_crc { objstore::format::FLAG_PAYLOAD_CRC } else { 0 };
-    // Any secret plans the same layout: the format's own is not needed to check it.
-    let layout_secret = params.key_secret.map_or_else(|| objstore::hash::KeySecret::from_bytes([1; 32]), Ok)?;
     for (device, spec) in args.devices.iter().enumerate() {
         let DeviceSpec::EmuFile(path) = spec else { continue };
         let size_bytes = match std::fs::metadata(path) {
@@ -287,18 +284,7 @@ fn plan_emu_files(args: &DeviceArgs, create_bytes: u64, params: &FormatParams) -
         };
         // The software controller's namespace is the whole file in LBAs of --emu-lba-bytes.
         let size_blocks = size_bytes / u64::from(args.emu_lba_bytes.max(1));
-        Superblock::plan(
-            params.geometry,
-            params.blocks_per_slot,
-            args.emu_lba_bytes,
-            size_blocks,
-            params.slot_count_max,
-            [0; 16],
-            device as u32,
-            device_count,
-            flags,
-            layout_secret,
-        )?;
+        params.plan_layout(args.emu_lba_bytes, size_blocks, device as u32, device_count)?;
     }
     Ok(())
 }
@@ -331,20 +317,6 @@ fn classify(error: ObjstoreError, what: &str, devices: &[DeviceSpec]) -> anyhow:
         | ObjstoreError::InvalidGeometry { .. }) => Unusable(format!("{what}: {error}")).into(),
         error => anyhow::Error::new(error).context(what.to_string()),
     }
-}
-
-/// The secret of `--key-secret-file`; a file that others may read or write (or another user
-/// owns) is used, with a warning (they could compute every key of the pool, or plant a secret
-/// they know). Errors never print the file's text.
-fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
-    let file = objstore::hash::KeySecret::read_file(path).map_err(|error| Unusable(format!("--key-secret-file: {error}")))?;
-    if let Some(exposure) = file.exposure() {
-        tutti_cli::errln!(
-            "warning: the key secret file {} is {exposure}: whoever reads it can compute the pool's block keys, whoever writes it can plant a secret they know; chmod 600 it, owned by the user who formats",
-            tutti_cli::printable(&path.display().to_string()),
-        );
-    }
-    Ok(file.secret)
 }
 
 fn describe(superblock: &Superblock) -> String {
@@ -387,12 +359,11 @@ fn run_with(command: &PoolCommand, opener: &dyn BlockDeviceOpener) -> Result<()>
             let model = args.geometry.resolve(None).map_err(|error| Unusable(error.to_string()))?;
             let key_secret = args.key_secret_file.as_deref().map(read_key_secret_file).transpose()?;
             let params = FormatParams {
-                geometry: model.geometry,
                 blocks_per_slot: args.blocks_per_slot,
                 slot_count_max: args.slots,
-                pool_uuid: None,
                 payload_crc: args.payload_crc,
                 key_secret,
+                ..FormatParams::new(model.geometry)
             };
             let what = format!("formatting a pool for {model}");
             check_namespace(&args.devices)?;

@@ -141,8 +141,7 @@ fn in_process() -> InProcess {
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
-    let params =
-        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(slots), pool_uuid: None, payload_crc: false, key_secret: None };
+    let params = FormatParams { slot_count_max: Some(slots), ..FormatParams::new(geometry) };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let block_bytes = 2 * u64::from(geometry.layers) * geometry.object_bytes();

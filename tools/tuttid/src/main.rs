@@ -20,7 +20,7 @@ use clap::Parser;
 use nix::sys::signal::{SigSet, Signal};
 use objstore::FormatParams;
 use tutti_cli::exit::{self, Unusable};
-use tutti_cli::{outln, printable, GeometryArgs};
+use tutti_cli::{outln, printable, read_key_secret_file, GeometryArgs};
 use tutti_cluster::{ClusterConfig, ClusterId, NodeId, SegmentBlocks};
 use tutti_daemon::cluster::ClusterSettings;
 use tutti_daemon::gpu_memory::DeviceMemoryImport;
@@ -248,22 +248,6 @@ fn main() -> ExitCode {
     exit::status_of("tuttid", result)
 }
 
-/// The secret of `--key-secret-file`; a file that others may read or write (or another user
-/// owns) is used, with a warning (they could compute every key of the pool, or plant a secret
-/// they know). Errors never print the file's text, and print its path escaped, as the warning
-/// does (a path is the operator's text, but may hold control characters).
-fn read_key_secret_file(path: &std::path::Path) -> Result<objstore::hash::KeySecret> {
-    let file = objstore::hash::KeySecret::read_file(path)
-        .map_err(|error| Unusable(format!("--key-secret-file: {}", printable(&error.to_string()))))?;
-    if let Some(exposure) = file.exposure() {
-        tutti_cli::errln!(
-            "warning: the key secret file {} is {exposure}: whoever reads it can compute the pool's block keys, whoever writes it can plant a secret they know; chmod 600 it, owned by the user who formats",
-            printable(&path.display().to_string()),
-        );
-    }
-    Ok(file.secret)
-}
-
 fn serve(cli: &Cli) -> Result<()> {
     // SIGTERM and SIGINT are taken by one thread with sigwait; they are blocked before any
     // other thread exists (the software controllers start in open_pool) so that every thread
@@ -286,12 +270,11 @@ fn serve(cli: &Cli) -> Result<()> {
             );
         }
         Some(FormatParams {
-            geometry: model.geometry,
             blocks_per_slot: cli.blocks_per_slot,
             slot_count_max: cli.slots,
-            pool_uuid: None,
             payload_crc: cli.payload_crc,
             key_secret,
+            ..FormatParams::new(model.geometry)
         })
     } else {
         None

@@ -906,8 +906,7 @@ mod tests {
         let controller = Arc::new(Controller::init(device.clone(), ControllerConfig::default()).unwrap());
         let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
         let geometry = ModelGeometry { layers: 1, kv_heads: 8, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-        let params =
-            FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false, key_secret: None };
+        let params = FormatParams { slot_count_max: Some(64), ..FormatParams::new(geometry) };
         format_pool(&targets, &params).unwrap();
         let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
         let control = StoreControl::new(pool, 16).unwrap();

@@ -206,7 +206,7 @@ fn pool_of(
         namespace: 1,
         emu_lba_bytes: 4096,
         emu_create_bytes: None,
-        format: Some(FormatParams { geometry, blocks_per_slot: 1, slot_count_max, pool_uuid: None, payload_crc: false, key_secret: None }),
+        format: Some(FormatParams { slot_count_max, ..FormatParams::new(geometry) }),
         overwrite: false,
         lock_dir: directory.join("locks"),
         client_queue_pairs,

@@ -77,8 +77,7 @@ fn store_from(devices: Vec<(Arc<EmuDevice>, Arc<dyn DeviceBackend>)>, controller
         })
         .collect();
     let geometry = ModelGeometry { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 };
-    let params =
-        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(64), pool_uuid: None, payload_crc: false, key_secret: None };
+    let params = FormatParams { slot_count_max: Some(64), ..FormatParams::new(geometry) };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 8).unwrap();

@@ -36,7 +36,7 @@ fn start(config: EmuConfig) -> (Arc<EmuDevice>, Vec<PoolTarget>) {
 }
 
 fn format(targets: &[PoolTarget], geometry: ModelGeometry) {
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None };
+    let params = FormatParams::new(geometry);
     format_pool(targets, &params).expect("format");
 }
 
@@ -148,8 +148,7 @@ fn a_header_entry_larger_than_4_kib_is_staged_and_recovered() {
     // 8 KiB objects: one LBA each.
     let geometry = ModelGeometry { layers: 1, kv_heads: 1, head_dim: 128, dtype_bytes: 2, block_tokens: 32 };
     let k = 254;
-    let params =
-        FormatParams { geometry, blocks_per_slot: k, slot_count_max: Some(2), pool_uuid: None, payload_crc: true, key_secret: None };
+    let params = FormatParams { blocks_per_slot: k, slot_count_max: Some(2), payload_crc: true, ..FormatParams::new(geometry) };
     format_pool(&targets, &params).unwrap();
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry)).unwrap();
     assert_eq!(pool.superblock(0).header_entry_bytes, 8192);
@@ -447,14 +446,7 @@ fn a_reformat_interrupted_after_its_header_writes_leaves_no_pool() {
             FaultRule::on_nth_io(1, FaultAction::Status(NvmeStatus::generic(codes::INTERNAL_ERROR))).with_opcode(NvmOpcode::Flush as u8);
         device.set_faults(FaultPlan::none().with_rule(failed_flush));
         let writes_before = device.stats().io(NvmOpcode::Write);
-        let params = FormatParams {
-            geometry: geometry(),
-            blocks_per_slot: 1,
-            slot_count_max: None,
-            pool_uuid: None,
-            payload_crc: false,
-            key_secret: None,
-        };
+        let params = FormatParams::new(geometry());
         assert!(format_pool(&targets, &params).is_err(), "the flush failed");
         assert!(device.stats().io(NvmOpcode::Write) > writes_before, "the header region was rewritten");
         device.set_faults(FaultPlan::none());
@@ -724,14 +716,7 @@ fn recovery_keeps_the_newest_copy_of_each_block_across_three_overlapping_slots()
         let config =
             EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
         let (_device, targets) = start(config);
-        let params = FormatParams {
-            geometry: geometry(),
-            blocks_per_slot: 2,
-            slot_count_max: Some(8),
-            pool_uuid: None,
-            payload_crc: false,
-            key_secret: None,
-        };
+        let params = FormatParams { blocks_per_slot: 2, slot_count_max: Some(8), ..FormatParams::new(geometry()) };
         format_pool(&targets, &params).unwrap();
         let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
         let [x, n, y] = slots;
@@ -795,14 +780,7 @@ fn an_unreadable_data_sector_fails_its_slot_not_the_payload_check() {
     let config =
         EmuConfig::default().with_backing(Backing::Memory { bytes: 16 << 20 }).with_namespaces(vec![NamespaceConfig::new(512, None)]);
     let (device, targets) = start(config);
-    let params = FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: Some(4),
-        pool_uuid: None,
-        payload_crc: true,
-        key_secret: None,
-    };
+    let params = FormatParams { slot_count_max: Some(4), payload_crc: true, ..FormatParams::new(geometry()) };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).unwrap();
     // The data regions read zeroes: record the CRC of a zeroed block for slot 0, a wrong one
@@ -956,14 +934,7 @@ fn every_device_gets_the_pools_secret_and_open_refuses_devices_that_disagree() {
     let backend: Arc<dyn DeviceBackend> = device;
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let target = |ns: u32| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) };
-    let params = |key_secret: Option<KeySecret>| FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: None,
-        pool_uuid: Some([3; 16]),
-        payload_crc: false,
-        key_secret,
-    };
+    let params = |key_secret: Option<KeySecret>| FormatParams { pool_uuid: Some([3; 16]), key_secret, ..FormatParams::new(geometry()) };
     let random = format_pool(&[target(1), target(2)], &params(None)).expect("format");
     assert_eq!(random[0].key_secret, random[1].key_secret, "one secret per pool");
     let again = format_pool(&[target(1), target(2)], &params(None)).expect("format");
@@ -984,4 +955,35 @@ fn every_device_gets_the_pools_secret_and_open_refuses_devices_that_disagree() {
         Err(other) => panic!("expected PoolMembership, got {other}"),
         Ok(_) => panic!("devices with different key secrets opened as one pool"),
     }
+}
+
+/// `plan_layout` (what tutti pool format, tutti-bench and tuttid check before creating or
+/// formatting a device) gives the layout `format_pool` writes, whatever the secret: with the
+/// pool's own secret, with none (its stand-in) and with another one, on devices 0 and 1.
+#[test]
+fn plan_layout_gives_the_layout_format_writes_whatever_the_secret() {
+    let config = EmuConfig::default()
+        .with_backing(Backing::Memory { bytes: 32 << 20 })
+        .with_namespaces(vec![NamespaceConfig::new(512, Some(16 << 20)), NamespaceConfig::new(4096, Some(12 << 20))]);
+    let device = EmuDevice::start(config).expect("software controller");
+    let backend: Arc<dyn DeviceBackend> = device;
+    let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
+    let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
+    let secret = KeySecret::from_bytes([5; crate::hash::KEY_SECRET_BYTES]).unwrap();
+    let params = FormatParams { blocks_per_slot: 2, payload_crc: true, key_secret: Some(secret), ..FormatParams::new(geometry()) };
+    let written = format_pool(&targets, &params).expect("format");
+    let other = KeySecret::from_bytes([6; crate::hash::KEY_SECRET_BYTES]).unwrap();
+    for key_secret in [Some(secret), None, Some(other)] {
+        let planning = FormatParams { key_secret, ..params.clone() };
+        for (index, (target, superblock)) in targets.iter().zip(&written).enumerate() {
+            let namespace = controller.namespace(target.namespace).unwrap();
+            let planned = planning.plan_layout(namespace.block_size_bytes, namespace.size_blocks, index as u32, 2).expect("plan");
+            let layout = |sb: &Superblock| {
+                (sb.slot_count, sb.slot_bytes, sb.header_lba, sb.header_blocks, sb.data_lba, sb.lba_bytes, sb.flags, sb.device_index)
+            };
+            assert_eq!(layout(&planned), layout(superblock), "device {index}, secret {key_secret:?}");
+            assert_eq!(planned.pool_uuid, [0; 16], "a plan names no pool");
+        }
+    }
+    assert_ne!(written[0].slot_count, written[1].slot_count, "the two namespaces plan differently: the test compares per device");
 }

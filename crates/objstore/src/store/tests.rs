@@ -59,12 +59,11 @@ fn fixture_on(config: EmuConfig, k: u32, slots: Option<u64>) -> Fixture {
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let targets = vec![PoolTarget { controller: controller.clone(), namespace: NamespaceId(1) }];
     let params = FormatParams {
-        geometry: geometry(),
         blocks_per_slot: k,
         slot_count_max: slots,
-        pool_uuid: None,
         payload_crc: true,
         key_secret: Some(test_secret()),
+        ..FormatParams::new(geometry())
     };
     format_pool(&targets, &params).expect("format");
     let dma = controller.dma().clone();
@@ -532,14 +531,7 @@ fn two_device_control(slots: [u64; 2]) -> StoreControl {
     let backend: Arc<dyn DeviceBackend> = device;
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
-    let params = FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: None,
-        pool_uuid: None,
-        payload_crc: false,
-        key_secret: None,
-    };
+    let params = FormatParams::new(geometry());
     format_pool(&targets, &params).expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
     assert_eq!([pool.superblock(0).slot_count, pool.superblock(1).slot_count], slots, "the namespaces hold the slots the test needs");
@@ -1129,14 +1121,7 @@ fn a_store_on_a_healthy_device_commits_while_another_devices_header_writes_hang(
     let (hanging, hanging_target) = start();
     let (_healthy, healthy_target) = start();
     let targets = vec![hanging_target, healthy_target];
-    let params = FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: Some(8),
-        pool_uuid: None,
-        payload_crc: true,
-        key_secret: None,
-    };
+    let params = FormatParams { slot_count_max: Some(8), payload_crc: true, ..FormatParams::new(geometry()) };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets.clone(), Some(&geometry())).expect("open");
     pool.set_metadata_timeout(Duration::from_millis(200));
@@ -1714,14 +1699,7 @@ fn two_device_control_on_one_controller(admin_timeout: Duration, metadata_timeou
     let config = ControllerConfig { admin_timeout, ..ControllerConfig::default() };
     let controller = Arc::new(Controller::init(backend, config).expect("bring-up"));
     let targets: Vec<PoolTarget> = [1, 2].map(|ns| PoolTarget { controller: controller.clone(), namespace: NamespaceId(ns) }).to_vec();
-    let params = FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: Some(8),
-        pool_uuid: None,
-        payload_crc: false,
-        key_secret: None,
-    };
+    let params = FormatParams { slot_count_max: Some(8), ..FormatParams::new(geometry()) };
     format_pool(&targets, &params).expect("format");
     let (mut pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
     pool.set_metadata_timeout(metadata_timeout);

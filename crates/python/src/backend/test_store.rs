@@ -49,14 +49,7 @@ pub fn local_state(layers_in_flight: u32) -> StoreState {
         namespace: 1,
         emu_lba_bytes: 4096,
         emu_create_bytes: None,
-        format: Some(FormatParams {
-            geometry: geometry(),
-            blocks_per_slot: 1,
-            slot_count_max: None,
-            pool_uuid: None,
-            payload_crc: true,
-            key_secret: None,
-        }),
+        format: Some(FormatParams { payload_crc: true, ..FormatParams::new(geometry()) }),
         overwrite: false,
         lock_dir: PathBuf::from("/nonexistent"), // no vfio: device, nothing to lock
         client_queue_pairs: 1,

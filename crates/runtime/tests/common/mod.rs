@@ -192,11 +192,7 @@ pub fn parts_configured<E: gio_uring::Executor>(
     let backend: Arc<dyn DeviceBackend> = device.clone();
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("controller"));
     let targets = vec![PoolTarget { controller: Arc::clone(&controller), namespace: NamespaceId(1) }];
-    format_pool(
-        &targets,
-        &FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None },
-    )
-    .expect("format");
+    format_pool(&targets, &FormatParams::new(geometry)).expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry)).expect("open pool");
     let tensors: Vec<DmaRegion> =
         (0..2 * geometry.layers).map(|_| controller.dma().allocate(4096 * ENGINE_BLOCKS as usize).expect("allocate")).collect();

@@ -164,7 +164,7 @@ pub fn serve(plan: &ServePlan, profile: &Profile, policy: PolicyChoice, requests
         .map_err(|error| devices::open_error(error, &spec.to_string()))?;
     let emulator = devices[0].emulator.clone().ok_or_else(|| anyhow!("{spec} did not start a software controller"))?;
     let targets = vec![PoolTarget { controller: Arc::clone(&devices[0].controller), namespace: NamespaceId(1) }];
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: None, pool_uuid: None, payload_crc: false, key_secret: None };
+    let params = FormatParams::new(geometry);
     format_pool(&targets, &params).context("formatting the pool")?;
     let (pool, _) = Pool::open(targets, Some(&geometry)).context("opening the pool")?;
     let request_blocks = plan.stream.blocks();

@@ -53,7 +53,7 @@ fn node(layers: u32, head_dim: u32, backing_bytes: u64, bounds: PeerBounds) -> N
     // Every node of a cluster shares one key secret (docs/cluster.md), as these nodes do; the
     // tests' keys are made up (`keys`), so nothing here depends on it.
     let key_secret = Some(objstore::hash::KeySecret::from_bytes([0xc1; 32]).unwrap());
-    let params = FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(48), pool_uuid: None, payload_crc: false, key_secret };
+    let params = FormatParams { slot_count_max: Some(48), key_secret, ..FormatParams::new(geometry) };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();
@@ -1375,8 +1375,7 @@ fn blocks_over_the_largest_the_data_plane_moves_are_refused_before_the_staging_a
     let backend = Arc::new(CappedDevice { device: Arc::clone(&device), dma: Arc::clone(&dma) });
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).unwrap());
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
-    let params =
-        FormatParams { geometry, blocks_per_slot: 1, slot_count_max: Some(2), pool_uuid: None, payload_crc: false, key_secret: None };
+    let params = FormatParams { slot_count_max: Some(2), ..FormatParams::new(geometry) };
     format_pool(&targets, &params).unwrap();
     let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
     let control = StoreControl::new(pool, 16).unwrap();

@@ -26,14 +26,7 @@ fn control(slots: u64) -> StoreControl {
     let backend: Arc<dyn DeviceBackend> = device;
     let controller = Arc::new(Controller::init(backend, ControllerConfig::default()).expect("bring-up"));
     let targets = vec![PoolTarget { controller, namespace: NamespaceId(1) }];
-    let params = FormatParams {
-        geometry: geometry(),
-        blocks_per_slot: 1,
-        slot_count_max: None,
-        pool_uuid: None,
-        payload_crc: false,
-        key_secret: None,
-    };
+    let params = FormatParams::new(geometry());
     format_pool(&targets, &params).expect("format");
     let (pool, _) = Pool::open(targets, Some(&geometry())).expect("open");
     StoreControl::new(pool, 4).expect("control")
