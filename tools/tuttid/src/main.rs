@@ -732,6 +732,25 @@ mod tests {
         assert!(!device_line(&device, false).contains("FENCED"));
     }
 
+    /// A status reply of a daemon with `shape`, no devices, no connections, nothing leaked.
+    fn status_with(shape: PoolShape) -> StatusReply {
+        StatusReply {
+            daemon_pid: 1,
+            uptime_ms: 0,
+            shape,
+            devices: Vec::new(),
+            metadata_fenced: Vec::new(),
+            pool: Default::default(),
+            connections: 0,
+            clients: Vec::new(),
+            leaked_queue_pairs: 0,
+            leaked_windows: 0,
+            leaked_window_bytes: 0,
+            leaked_requests: 0,
+            relay: Default::default(),
+        }
+    }
+
     #[test]
     fn a_status_reply_with_impossible_counts_prints_without_overflow() {
         // Goal: `--status` prints what the socket sent even when it cannot be true (more free
@@ -743,19 +762,9 @@ mod tests {
         let sound = PoolShape { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
         assert_eq!(block_bytes(&sound), Some(2 * 2 * 2 * 64 * 2 * 16));
         let status = StatusReply {
-            daemon_pid: 1,
-            uptime_ms: 0,
-            shape,
-            devices: Vec::new(),
-            metadata_fenced: Vec::new(),
             pool: objstore::IndexCounts { slots: 1, free_slots: 5, cached_blocks: u64::MAX, ..Default::default() },
             connections: 1,
-            clients: Vec::new(),
-            leaked_queue_pairs: 0,
-            leaked_windows: 0,
-            leaked_window_bytes: 0,
-            leaked_requests: 0,
-            relay: Default::default(),
+            ..status_with(shape)
         };
         print_report(&status).expect("printed");
     }
@@ -766,21 +775,7 @@ mod tests {
         // windows and requests (`Holdings::leak` with no pairs): `--status` must say so, though no
         // queue pair leaked. Nothing kept: no line.
         let sound = PoolShape { layers: 2, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
-        let mut status = StatusReply {
-            daemon_pid: 1,
-            uptime_ms: 0,
-            shape: sound,
-            devices: Vec::new(),
-            metadata_fenced: Vec::new(),
-            pool: Default::default(),
-            connections: 0,
-            clients: Vec::new(),
-            leaked_queue_pairs: 0,
-            leaked_windows: 0,
-            leaked_window_bytes: 0,
-            leaked_requests: 0,
-            relay: Default::default(),
-        };
+        let mut status = status_with(sound);
         assert_eq!(leak_line(&status), None);
         status.leaked_windows = 1;
         status.leaked_window_bytes = 1 << 20;
