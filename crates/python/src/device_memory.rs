@@ -563,23 +563,11 @@ mod tests {
         // the registration fails as Disconnected): it answers within 2 s. Before, the
         // registration looked the stand-in up, and dup'ed its memfd, under that lock with the
         // GIL released: it waited until the lock was let go.
-        use crate::backend::{Backend, RequestLimits, StoreState};
         pyo3::Python::initialize();
         let stand_in = DeviceMemoryStandIn::new(64 << 10).unwrap();
         let checked = layout(Device::Cpu, &[(stand_in.address(), 0x1000)]);
-        let shape = tutti_daemon::protocol::PoolShape {
-            layers: 2,
-            kv_heads: 1,
-            head_dim: 64,
-            dtype_bytes: 2,
-            block_tokens: 16,
-            blocks_per_slot: 1,
-        };
-        let hello = tutti_daemon::protocol::HelloReply { session: 7, lease_ms: 10_000, shape };
         let client = Client::detached("the store's own connection").unwrap();
-        let config = tutti_daemon::client::RemoteConfig { timeout: Duration::from_secs(2), ..Default::default() };
-        let backend = Backend::RemoteAttached { client, hello, config };
-        let mut state = StoreState::new(backend, None, RequestLimits { layers_in_flight: 1, iocbs: 64, requests_max: 4 });
+        let mut state = crate::backend::test_store::attached_state(client, Duration::from_secs(2));
         let found = pyo3::Python::attach(|py| stand_in_of(py, &checked)); // as register_kv, with the GIL held
         assert!(found.is_some(), "the layout is over the stand-in");
         let held = stand_ins();

@@ -1282,17 +1282,7 @@ mod tests {
 
     /// A store attached to tuttid (no memory registered) whose connection is `client`.
     fn attached_for_tests(client: Client, timeout: Duration) -> Arc<StoreShared> {
-        let shape = tutti_daemon::protocol::PoolShape {
-            layers: 2,
-            kv_heads: 1,
-            head_dim: 64,
-            dtype_bytes: 2,
-            block_tokens: 16,
-            blocks_per_slot: 1,
-        };
-        let hello = tutti_daemon::protocol::HelloReply { session: 7, lease_ms: 10_000, shape };
-        let backend = Backend::RemoteAttached { client, hello, config: RemoteConfig { timeout, ..RemoteConfig::default() } };
-        let state = StoreState::new(backend, None, RequestLimits { layers_in_flight: 1, iocbs: 64, requests_max: 4 });
+        let state = crate::backend::test_store::attached_state(client, timeout);
         StoreShared::for_tests(state, crate::backend::test_store::geometry(), 1, timeout)
     }
 

@@ -23,6 +23,20 @@ pub fn geometry() -> ModelGeometry {
     ModelGeometry { layers: 4, kv_heads: 2, head_dim: 64, dtype_bytes: 2, block_tokens: 16 }
 }
 
+/// A store's state attached to tuttid through `client` (no memory registered; the pool's
+/// shape is 2 layers, 1 KV head of 64, 16-token blocks), whose requests wait `timeout`.
+pub fn attached_state(client: tutti_daemon::Client, timeout: Duration) -> StoreState {
+    let shape =
+        tutti_daemon::protocol::PoolShape { layers: 2, kv_heads: 1, head_dim: 64, dtype_bytes: 2, block_tokens: 16, blocks_per_slot: 1 };
+    let hello = tutti_daemon::protocol::HelloReply { session: 7, lease_ms: 10_000, shape };
+    let config = tutti_daemon::client::RemoteConfig { timeout, ..Default::default() };
+    StoreState::new(
+        Backend::RemoteAttached { client, hello, config },
+        None,
+        RequestLimits { layers_in_flight: 1, iocbs: 64, requests_max: 4 },
+    )
+}
+
 /// Taken by the tests that time how long a thread waits for the store's lock, so that they
 /// never run beside each other (cargo runs tests in parallel): each keeps a core busy (a wait
 /// polling in its slices, the controller's threads), and two at once on a two-core machine
