@@ -143,8 +143,8 @@ impl FormatParams {
     /// namespace of `size_blocks` LBAs of `lba_bytes` (slot count, header and data LBAs), or its
     /// error, without writing anything: for sizing or checking a device before formatting it.
     /// Neither the pool UUID nor the secret changes a layout, so the superblock returned has a
-    /// zero UUID and a fixed stand-in secret (never this pool's, and never to be written), and
-    /// planning reads no random source.
+    /// zero UUID and the secret given, or, when none is (`format_pool` would draw a random one),
+    /// a fixed stand-in that is never written: planning reads no random source.
     pub fn plan_layout(&self, lba_bytes: u32, size_blocks: u64, device_index: u32, device_count: u32) -> Result<Superblock> {
         const LAYOUT_ONLY_SECRET: [u8; crate::hash::KEY_SECRET_BYTES] = [1; crate::hash::KEY_SECRET_BYTES];
         let secret = match self.key_secret {
