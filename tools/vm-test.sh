@@ -48,7 +48,8 @@
 #   TUTTI_VM_APPEND          extra guest kernel arguments (e.g. no_timer_check)
 #   TUTTI_VM_TIMEOUT_S       watchdog for the whole guest run (default 300)
 #   TUTTI_VM_BOOT_TIMEOUT_S, TUTTI_VM_BOOT_RETRIES  a guest that has not reached /init in 90 s
-#                            is restarted, once by default (rare TCG boot livelocks)
+#                            is restarted, once by default (rare TCG boot livelocks); so is one
+#                            whose QEMU crashed (SIGSEGV, SIGABRT...) before the guest reported
 #   TUTTI_VM_COMMAND_TIMEOUT_S  per-command limit inside the guest (default 240)
 #   TUTTI_VM_MEM, TUTTI_VM_SMP  guest memory and CPUs (default 2G, 2)
 #   TUTTI_VM_HUGEPAGES       2 MiB pages reserved in the guest (default 128)

@@ -31,6 +31,9 @@
 #    --configure -a; each under `timeout`, a process group of its own that the terminal's SIGINT
 #    misses) ends the harness with 130 within seconds, saying so on its standard error (not only
 #    in the step's log), nothing of it left running, no policy-rc.d left in place.
+# 9. a QEMU that crashes (SIGSEGV) before the guest reports is booted again once, by default:
+#    a crash then a clean run passes, saying so and keeping the crashed run's log; two crashes
+#    fail with 125; a guest that exits without a result and without a crash is not booted again.
 set -euo pipefail
 HERE=$(dirname "$(readlink -f "$0")")
 WORK=$(mktemp -d)
@@ -49,7 +52,9 @@ mkdir -p "$TUTTI_VM_DIR/logs"
 # The stand-in QEMU: writes its pid file like QEMU's -pidfile, prints what the guest's /init
 # prints, and exits as isa-debug-exit makes QEMU exit ((rc << 1) | 1, rc capped at 127 as /init
 # caps it). FAKE_RUN_S: guest run time before the result; FAKE_HANG_S: time it then stays up;
-# FAKE_RC: the status the guest reports (default 0).
+# FAKE_RC: the status the guest reports (default 0). FAKE_CRASHES: a file holding how many runs
+# are still to crash (SIGSEGV before the result; each crash takes one off). FAKE_NO_RESULT: exit
+# with that status without a result.
 cat > "$WORK/fake-qemu" << 'FAKE'
 #!/usr/bin/env bash
 pidfile=""
@@ -59,6 +64,12 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$pidfile" ] && echo $$ > "$pidfile"
 echo "TUTTI_VM: init started at uptime 0.1s"
+if [ -n "${FAKE_CRASHES:-}" ] && [ "$(cat "$FAKE_CRASHES")" -gt 0 ]; then
+    echo $(($(cat "$FAKE_CRASHES") - 1)) > "$FAKE_CRASHES"
+    ulimit -c 0
+    kill -SEGV $$
+fi
+[ -n "${FAKE_NO_RESULT:-}" ] && exit "$FAKE_NO_RESULT"
 sleep "${FAKE_RUN_S:-0}"
 [ -n "${FAKE_LINES:-}" ] && printf '%s\n' "$FAKE_LINES"
 # FAKE_SPLIT="A|B": prints A, pauses past the harness's read timeout, then B and a newline.
@@ -135,6 +146,19 @@ FAKE_RC=143 vm_boot /dev/null "$WORK/f.log" 2> "$WORK/f.err"
 check "a guest status above 127 (QEMU exits 255) is taken as reported" 143 "$VM_GUEST_RC"
 FAKE_RC=3 vm_boot /dev/null "$WORK/g.log" 2> "$WORK/g.err"
 check "a guest status below 128 is taken as reported" 3 "$VM_GUEST_RC"
+
+# 9. QEMU crashes. (TUTTI_VM_BOOT_RETRIES is 0 above; 1 is the default.)
+echo 1 > "$WORK/crashes"
+FAKE_CRASHES=$WORK/crashes TUTTI_VM_BOOT_RETRIES=1 vm_boot /dev/null "$WORK/i.log" 2> "$WORK/i.err"
+check "a QEMU crash, then a clean boot: the guest's result" 0 "$VM_GUEST_RC"
+check "the crash is said, with its signal" 1 "$(grep -c 'QEMU itself crashed (QEMU status 139: signal 11).*attempt 1 of 2' "$WORK/i.err")"
+check "the crashed run's console log is kept" yes "$([ -s "$WORK/i.log.crashed.0" ] && echo yes || echo no)"
+echo 2 > "$WORK/crashes"
+FAKE_CRASHES=$WORK/crashes TUTTI_VM_BOOT_RETRIES=1 vm_boot /dev/null "$WORK/j.log" 2> "$WORK/j.err"
+check "a QEMU that crashes on every boot fails (no result)" 125 "$VM_GUEST_RC"
+check "booted twice" 2 "$(grep -c 'QEMU itself crashed' "$WORK/j.err")"
+FAKE_NO_RESULT=3 TUTTI_VM_BOOT_RETRIES=1 vm_boot /dev/null "$WORK/k.log" 2> "$WORK/k.err"
+check "a guest that ends without a result, QEMU not crashed: no result, not booted again" "125 1" "$VM_GUEST_RC $(grep -c 'qemu: ' "$WORK/k.err")"
 
 # 6. tuttid-stage.sh's wait for the daemon after SIGTERM.
 if command -v python3 > /dev/null; then

@@ -365,16 +365,29 @@ vm_step_summary() {
 #
 # A guest kernel that has not reached /init within TUTTI_VM_BOOT_TIMEOUT_S (default 90) is
 # stopped and booted again, up to TUTTI_VM_BOOT_RETRIES times (default 1): under TCG a boot very
-# occasionally livelocks before any of our code runs, which says nothing about the driver.
+# occasionally livelocks before any of our code runs, which says nothing about the driver. A
+# QEMU that dies of a fault (SIGSEGV and the like) before the guest reports is booted again
+# under the same count: the emulator crashed, and the guest's commands all run again.
 vm_boot() {
     local attempt retries=${TUTTI_VM_BOOT_RETRIES:-1}
     for ((attempt = 0; attempt <= retries; attempt++)); do
         vm_boot_once "$@"
-        [ -f "$2.boothang" ] || return 0
-        vm_log "the guest kernel did not reach /init within ${TUTTI_VM_BOOT_TIMEOUT_S:-90}s (TCG boot hang); attempt $((attempt + 1)) of $((retries + 1))"
-        cp "$2" "$2.boothang.$attempt"
+        if [ -f "$2.boothang" ]; then
+            vm_log "the guest kernel did not reach /init within ${TUTTI_VM_BOOT_TIMEOUT_S:-90}s (TCG boot hang); attempt $((attempt + 1)) of $((retries + 1))"
+            cp "$2" "$2.boothang.$attempt"
+        elif [ -f "$2.crashed" ]; then
+            # QEMU itself died of a fault before the guest reported (seen once, 2026-12-02: QEMU
+            # 7.2's TCG dispatched an MMIO write to a NULL memory region as a guest's vfio
+            # closed one controller and opened the next). The emulator failed, not the guest:
+            # the whole guest runs again, from a fresh boot. A guest that makes QEMU crash
+            # every time still fails, with status 125.
+            vm_log "QEMU itself crashed ($(cat "$2.crashed")) before the guest reported a result: an emulator fault, its console log kept as $2.crashed.$attempt; attempt $((attempt + 1)) of $((retries + 1))"
+            cp "$2" "$2.crashed.$attempt"
+        else
+            return 0
+        fi
     done
-    VM_GUEST_RC=127
+    [ ! -f "$2.boothang" ] || VM_GUEST_RC=127
 }
 
 # vm_below PID: the pids of every process below PID (by parent links, from /proc: procps is not
@@ -445,7 +458,7 @@ vm_boot_once() {
     # One pid file per run: a watchdog of an earlier run (or of another harness sharing VM_DIR)
     # must never find this run's QEMU under its name.
     pidfile=$(mktemp "$VM_DIR/qemu.XXXXXX.pid")
-    rm -f "$log.watchdog" "$log.boothang"
+    rm -f "$log.watchdog" "$log.boothang" "$log.crashed"
     : > "$log"
     vm_log "qemu: ${qemu[*]}"
     if [ "${VM_INTERACTIVE:-0}" = 1 ]; then
@@ -546,6 +559,12 @@ vm_boot_once() {
         VM_GUEST_RC=124
     elif [ -z "$reported" ]; then
         vm_log "the guest exited (QEMU status $qemu_rc) without reporting a result"
+        # Killed by SIGILL, SIGABRT, SIGBUS, SIGFPE or SIGSEGV (timeout(1) passes 128 + the
+        # signal on): QEMU crashed (vm_boot runs the guest again). The watchdog's and the boot
+        # hang's kills are TERMs, and timeout's own are 124 and 137.
+        case $qemu_rc in
+            132 | 134 | 135 | 136 | 139) echo "QEMU status $qemu_rc: signal $((qemu_rc - 128))" > "$log.crashed" ;;
+        esac
         VM_GUEST_RC=125
     elif [ -f "$log.watchdog" ]; then
         vm_log "guest reported rc=$reported but hung on exit (stopped by the watchdog)"
