@@ -107,6 +107,11 @@ fn registered(holdings: &mut Holdings, store: &Mutex<StoreState>) -> u64 {
 }
 
 fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64) -> (Reply, Vec<OwnedFd>) {
+    attach_counted(holdings, store, registration, &LeakCounters::default())
+}
+
+/// [`attach`] (one pair of rings) counting leaks in `leaks`.
+fn attach_counted(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64, leaks: &LeakCounters) -> (Reply, Vec<OwnedFd>) {
     let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
     holdings.attach(
         AttachQueues { registration, depth: 64, rings },
@@ -114,7 +119,7 @@ fn attach(holdings: &mut Holdings, store: &Mutex<StoreState>, registration: u64)
         &Mutex::new(()),
         &|| false,
         &SessionLimits::default(),
-        &LeakCounters::default(),
+        leaks,
         POOL_RESERVED,
     )
 }
@@ -759,18 +764,7 @@ fn a_leaked_sessions_queue_pair_counts_against_later_attaches() {
     let leaks = LeakCounters::default();
     let attach = |holdings: &mut Holdings| {
         let registration = registered(holdings, &store);
-        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings
-            .attach(
-                AttachQueues { registration, depth: 64, rings },
-                &store,
-                &Mutex::new(()),
-                &|| false,
-                &SessionLimits::default(),
-                &leaks,
-                POOL_RESERVED,
-            )
-            .0
+        attach_counted(holdings, &store, registration, &leaks).0
     };
     let mut leaked = Holdings::default();
     assert!(matches!(attach(&mut leaked), Reply::Attached { .. }));
@@ -802,18 +796,7 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     let leaks = LeakCounters::default();
     let attach = |holdings: &mut Holdings| {
         let registration = registered(holdings, &store);
-        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings
-            .attach(
-                AttachQueues { registration, depth: 64, rings },
-                &store,
-                &Mutex::new(()),
-                &|| false,
-                &SessionLimits::default(),
-                &leaks,
-                POOL_RESERVED,
-            )
-            .0
+        attach_counted(holdings, &store, registration, &leaks).0
     };
     let mut first = Holdings::default();
     assert!(matches!(attach(&mut first), Reply::Attached { .. }));
@@ -833,18 +816,7 @@ fn an_attach_kept_from_the_last_queue_id_by_a_retiring_session_is_told_to_retry(
     }
     assert_eq!(leaks.queue_id_holders_retiring.load(Ordering::Relaxed), 0);
     let registration = next.registrations[0].id;
-    let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-    let reply = next
-        .attach(
-            AttachQueues { registration, depth: 64, rings },
-            &store,
-            &Mutex::new(()),
-            &|| false,
-            &SessionLimits::default(),
-            &leaks,
-            POOL_RESERVED,
-        )
-        .0;
+    let reply = attach_counted(&mut next, &store, registration, &leaks).0;
     assert!(matches!(reply, Reply::Attached { .. }), "{reply:?}");
     assert!(next.release(&store, &leaks).is_done());
 }
@@ -861,20 +833,7 @@ fn an_attach_while_a_retiring_sessions_delete_is_outstanding_is_told_to_retry() 
     let store = store_with(EmuConfig::default(), ControllerConfig { admin_timeout, ..ControllerConfig::default() }, |device| device);
     let device = lock(&store).emulators[0].clone().unwrap();
     let leaks = LeakCounters::default();
-    let attach = |holdings: &mut Holdings, registration: u64| {
-        let rings = vec![RingOffsets { submission_offset: 512 << 10, completion_offset: 768 << 10 }];
-        holdings
-            .attach(
-                AttachQueues { registration, depth: 64, rings },
-                &store,
-                &Mutex::new(()),
-                &|| false,
-                &SessionLimits::default(),
-                &leaks,
-                POOL_RESERVED,
-            )
-            .0
-    };
+    let attach = |holdings: &mut Holdings, registration: u64| attach_counted(holdings, &store, registration, &leaks).0;
     let mut first = Holdings::default();
     let registration = registered(&mut first, &store);
     assert!(matches!(attach(&mut first, registration), Reply::Attached { .. }));
