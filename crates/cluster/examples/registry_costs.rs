@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 use tutti_cluster::layout::{KeyLayout, SegmentRecord};
 use tutti_cluster::local_etcd::LocalEtcd;
 use tutti_cluster::{
-    ClusterClient, ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey,
+    ClusterClient, ClusterConfig, ClusterId, ClusterNode, KeySecretTag, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks,
+    SegmentKey,
 };
 
 const REQUESTS: u32 = 300;
@@ -29,6 +30,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let config = ClusterConfig::new(etcd.endpoints(), cluster.clone(), segment_blocks);
     let record = MemberRecord {
         node: NodeId::new("node-00")?,
+        key_secret_tag: KeySecretTag::new([0x5e; 4]),
         address: "10.0.0.1:7070".into(),
         capacity_bytes: 4 << 40,
         fingerprints: vec![[5; 32]],

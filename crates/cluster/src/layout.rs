@@ -3,28 +3,31 @@
 //! Keys (all under the cluster's prefix, so fleets sharing an etcd never meet):
 //!
 //! ```text
-//! /tutti/<cluster>/v3/node/<node>                                          a member (MemberRecord)
-//! /tutti/<cluster>/v3/seg/<fingerprint hex>/<rank>.<world>/<key hex>/<node>  a holder (SegmentRecord)
+//! /tutti/<cluster>/v4/node/<node>                                          a member (MemberRecord)
+//! /tutti/<cluster>/v4/seg/<fingerprint hex>/<rank>.<world>/<key hex>/<node>  a holder (SegmentRecord)
 //! ```
 //!
-//! The format version is the third component: a reader of v3 reads only under `/v3/`, and
+//! The format version is the third component: a reader of v4 reads only under `/v4/`, and
 //! `tutti cluster status` counts keys of other versions instead of decoding them. Version 2
 //! changed no record: it marks the segment keys, block keys since pool format 4 (SHA-256), where
 //! version 1 nodes named a prompt's segments by the old fast mix. Version 3 changed no record
 //! either: segment keys keyed with the pool's secret since pool format 5, where version 2 nodes'
 //! keys are unkeyed. A node of either scheme finds none of the other's holders and does not see
 //! it as a member, and `status` counts the other's keys as of another version, so a mixed
-//! cluster shows itself rather than only missing. Values are
+//! cluster shows itself rather than only missing. Version 4 added the node's pool key secret tag
+//! to the member record ([`KeySecretTag`]): nodes of one build whose pools have different
+//! secrets share nothing either, and with the tag each node (at its join) and `status` see it.
+//! Values are
 //! binary records with a magic, the format version, every field of the key again (cluster, node,
 //! space, segment key — a value copied under another key is refused) and a CRC-32 (crc32fast) of
 //! the bytes before it. A record that fails any check is skipped and
 //! counted by readers, never trusted.
 
-use crate::names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, NAME_BYTES_MAX};
+use crate::names::{ClusterId, KeySecretTag, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, KEY_SECRET_TAG_BYTES, NAME_BYTES_MAX};
 use crate::segments::SegmentBlocks;
 
 /// The version of the key layout and record formats below.
-pub const FORMAT_VERSION: u16 = 3;
+pub const FORMAT_VERSION: u16 = 4;
 const MEMBER_MAGIC: &[u8; 4] = b"TNOD";
 const SEGMENT_MAGIC: &[u8; 4] = b"TSEG";
 /// Longest node address (host:port or a URL) a member record carries.
@@ -36,7 +39,7 @@ pub const FINGERPRINTS_MAX: usize = 64;
 /// `KeyValue` framing (key and value tags and lengths, four varint fields of up to 11 bytes:
 /// 50) and its place in the answer's list (3), rounded up.
 const ENTRY_FRAMING_BYTES: usize = 64;
-/// The longest holder key: `/tutti/` + cluster + `/v3/seg/` + 64 hex digits + `/rank.world/`
+/// The longest holder key: `/tutti/` + cluster + `/v4/seg/` + 64 hex digits + `/rank.world/`
 /// (4 + 1 + 4 digits) + 16 hex digits + `/` + node (names at most 64 bytes): 235 bytes.
 const SEGMENT_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 8 + 2 * FINGERPRINT_BYTES + 11 + 16 + 1 + NAME_BYTES_MAX;
 /// The longest holder value ([`SegmentRecord::encode`]): 194 bytes.
@@ -44,12 +47,12 @@ const SEGMENT_VALUE_BYTES_MAX: usize = 4 + 2 + 2 * (1 + NAME_BYTES_MAX) + FINGER
 /// The most bytes one sound holder entry takes in a range answer (493, rounded up): a lookup
 /// of `holders_max` × `txn_ops_max` of them must fit one answer (`ClusterConfig::validate`).
 pub const SEGMENT_ENTRY_BYTES_MAX: usize = (SEGMENT_KEY_BYTES_MAX + SEGMENT_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
-/// The longest member key: `/tutti/` + cluster + `/v3/node/` + node: 144 bytes.
+/// The longest member key: `/tutti/` + cluster + `/v4/node/` + node: 144 bytes.
 const MEMBER_KEY_BYTES_MAX: usize = 7 + NAME_BYTES_MAX + 9 + NAME_BYTES_MAX;
-/// The longest member value ([`MemberRecord::encode`]): 2,456 bytes.
+/// The longest member value ([`MemberRecord::encode`]): 2,460 bytes.
 const MEMBER_VALUE_BYTES_MAX: usize =
-    4 + 2 + 2 * (1 + NAME_BYTES_MAX) + 8 + 2 + ADDRESS_BYTES_MAX + 2 + FINGERPRINTS_MAX * FINGERPRINT_BYTES + 4;
-/// The most bytes one sound member entry takes in a range answer (2,664, rounded up): what a
+    4 + 2 + 2 * (1 + NAME_BYTES_MAX) + KEY_SECRET_TAG_BYTES + 8 + 2 + ADDRESS_BYTES_MAX + 2 + FINGERPRINTS_MAX * FINGERPRINT_BYTES + 4;
+/// The most bytes one sound member entry takes in a range answer (2,668, rounded up): what a
 /// page of the member list or of `status`'s scan is sized by.
 pub const MEMBER_ENTRY_BYTES_MAX: usize = (MEMBER_KEY_BYTES_MAX + MEMBER_VALUE_BYTES_MAX + ENTRY_FRAMING_BYTES).next_power_of_two();
 /// What one range read adds to a transaction's answer besides its entries (its header, `more`,
@@ -139,6 +142,9 @@ impl KeyLayout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberRecord {
     pub node: NodeId,
+    /// Its pool's key secret tag: a node of another tag computes other block keys for the same
+    /// prompt, so the two share nothing.
+    pub key_secret_tag: KeySecretTag,
     /// Where the node's data plane listens (host:port); carried, not interpreted, here.
     pub address: String,
     pub capacity_bytes: u64,
@@ -253,6 +259,7 @@ impl MemberRecord {
         let mut writer = Writer::new(MEMBER_MAGIC);
         writer.name(cluster.as_str());
         writer.name(self.node.as_str());
+        writer.bytes(&self.key_secret_tag.bytes());
         writer.bytes(&self.capacity_bytes.to_le_bytes());
         writer.bytes(&address_bytes.to_le_bytes());
         writer.bytes(self.address.as_bytes());
@@ -273,6 +280,7 @@ impl MemberRecord {
         if reader.name()? != node.as_str() {
             return Err("the record names another node than its key");
         }
+        let key_secret_tag = KeySecretTag::new(reader.take(KEY_SECRET_TAG_BYTES)?.try_into().map_err(|_| "truncated")?);
         let capacity_bytes = reader.u64()?;
         let address_bytes = usize::from(reader.u16()?);
         if address_bytes > ADDRESS_BYTES_MAX {
@@ -288,7 +296,7 @@ impl MemberRecord {
             fingerprints.push(reader.fingerprint()?);
         }
         reader.end()?;
-        Ok(MemberRecord { node: node.clone(), address: address.to_owned(), capacity_bytes, fingerprints })
+        Ok(MemberRecord { node: node.clone(), key_secret_tag, address: address.to_owned(), capacity_bytes, fingerprints })
     }
 }
 
@@ -366,7 +374,7 @@ mod tests {
         let key = layout.segment_key(&record.space, record.key, &record.node);
         assert_eq!(layout.parse_segment_key(key.as_bytes()), Some((record.space, record.key, record.node.clone())));
         for bad in [
-            key.replace("/v3/", "/v2/"),
+            key.replace("/v4/", "/v3/"),
             key.replace("/fleet/", "/other/"),
             key.replace("0000000000000abc", "0000000000000ABC"),
             format!("{key}/x"),
@@ -404,6 +412,7 @@ mod tests {
 
         let member = MemberRecord {
             node: NodeId::new("a").unwrap(),
+            key_secret_tag: KeySecretTag::new([0xc0, 0xff, 0xee, 0x01]),
             address: "10.0.0.1:7000".into(),
             capacity_bytes: 1 << 40,
             fingerprints: vec![[1; 32], [2; 32]],
@@ -425,6 +434,7 @@ mod tests {
         let cluster = ClusterId::new("fleet").unwrap();
         let mut member = MemberRecord {
             node: NodeId::new("a").unwrap(),
+            key_secret_tag: KeySecretTag::new([1; KEY_SECRET_TAG_BYTES]),
             address: "x".repeat(ADDRESS_BYTES_MAX),
             capacity_bytes: 1,
             fingerprints: vec![[3; 32]; FINGERPRINTS_MAX],
@@ -461,6 +471,7 @@ mod tests {
         assert!(key.len() + value.len() + ENTRY_FRAMING_BYTES <= SEGMENT_ENTRY_BYTES_MAX);
         let member = MemberRecord {
             node: node.clone(),
+            key_secret_tag: KeySecretTag::new([0xff; KEY_SECRET_TAG_BYTES]),
             address: "a".repeat(ADDRESS_BYTES_MAX),
             capacity_bytes: u64::MAX,
             fingerprints: vec![[1; 32]; FINGERPRINTS_MAX],

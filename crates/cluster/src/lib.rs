@@ -52,7 +52,7 @@ pub use client::{ClusterClient, Lookup, Members, MEMBERS_MAX};
 pub use config::{ClusterConfig, ETCD_TXN_OPS_DEFAULT, RESPONSE_BYTES_MAX};
 pub use error::{ClusterError, Result};
 pub use layout::{MemberRecord, SegmentRecord, FORMAT_VERSION};
-pub use names::{ClusterId, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, TP_WORLD_MAX};
+pub use names::{ClusterId, KeySecretTag, ModelSpace, NodeId, SegmentKey, FINGERPRINT_BYTES, KEY_SECRET_TAG_BYTES, TP_WORLD_MAX};
 #[cfg(feature = "etcd")]
 pub use node::{ClusterNode, LeaseHealth, Rejoined};
 pub use segments::{segments_of, Segment, SegmentBlocks};

@@ -125,6 +125,32 @@ impl fmt::Display for SegmentKey {
     }
 }
 
+/// Bytes of a [`KeySecretTag`].
+pub const KEY_SECRET_TAG_BYTES: usize = 4;
+
+/// The non-secret name of a node's pool key secret (`objstore::hash::KeySecret::tag_bytes`):
+/// nodes find each other's segments by block keys keyed with that secret, so two nodes whose
+/// tags differ share nothing. Carried in every member record so that a node and `tutti cluster
+/// status` can say so; it reveals nothing of the secret. Shown as 8 hex digits, as `tutti pool
+/// inspect` prints it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeySecretTag([u8; KEY_SECRET_TAG_BYTES]);
+
+impl KeySecretTag {
+    pub const fn new(bytes: [u8; KEY_SECRET_TAG_BYTES]) -> KeySecretTag {
+        KeySecretTag(bytes)
+    }
+    pub fn bytes(&self) -> [u8; KEY_SECRET_TAG_BYTES] {
+        self.0
+    }
+}
+
+impl fmt::Display for KeySecretTag {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.iter().try_for_each(|byte| write!(formatter, "{byte:02x}"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,5 +174,14 @@ mod tests {
         assert!(ModelSpace::new([1; 32], 0, TP_WORLD_MAX + 1).is_err());
         assert!(ModelSpace::new([1; 32], 3, 4).is_ok());
         assert!(SegmentKey::new(0).is_err());
+    }
+
+    #[test]
+    fn a_key_secret_tag_prints_as_tutti_pool_inspect_does() {
+        // Goal: the tag a member record carries reads as the one `tutti pool inspect` prints
+        // (objstore's `KeySecret::tag`): 8 lowercase hex digits, first byte first.
+        let secret = objstore::hash::KeySecret::from_bytes([7; 32]).unwrap();
+        assert_eq!(KeySecretTag::new(secret.tag_bytes()).to_string(), secret.tag());
+        assert_eq!(KeySecretTag::new([0x0a, 0xb0, 0, 0xff]).to_string(), "0ab000ff");
     }
 }

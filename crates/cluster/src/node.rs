@@ -1161,7 +1161,7 @@ mod tests {
 mod rejoin_test_support {
     use super::*;
     use crate::local_etcd::LocalEtcd;
-    use crate::names::ClusterId;
+    use crate::names::{ClusterId, KeySecretTag};
     use crate::segments::SegmentBlocks;
     use std::sync::Mutex;
 
@@ -1180,6 +1180,7 @@ mod rejoin_test_support {
         config.request_timeout = Duration::from_secs(1);
         let record = MemberRecord {
             node: NodeId::new("a").unwrap(),
+            key_secret_tag: KeySecretTag::new([0x5e; 4]),
             address: "127.0.0.1:7001".into(),
             capacity_bytes: 1 << 40,
             fingerprints: vec![[7; 32]],
@@ -1654,7 +1655,7 @@ mod fence_tests {
 mod keep_alive_log_tests {
     use super::rejoin_test_support::start_etcd;
     use super::*;
-    use crate::names::ClusterId;
+    use crate::names::{ClusterId, KeySecretTag};
     use crate::segments::SegmentBlocks;
     use std::sync::atomic::AtomicU64;
     use tracing::field::{Field, Visit};
@@ -1708,6 +1709,7 @@ mod keep_alive_log_tests {
         config.request_timeout = Duration::from_secs(1);
         let record = MemberRecord {
             node: NodeId::new("a").unwrap(),
+            key_secret_tag: KeySecretTag::new([0x5e; 4]),
             address: "127.0.0.1:7001".into(),
             capacity_bytes: 1 << 40,
             fingerprints: vec![],

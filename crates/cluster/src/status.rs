@@ -9,7 +9,7 @@ use etcd_client::GetOptions;
 use crate::client::ClusterClient;
 use crate::error::Result;
 use crate::layout::{MemberRecord, SegmentRecord, MEMBER_ENTRY_BYTES_MAX};
-use crate::names::{ModelSpace, NodeId, SegmentKey};
+use crate::names::{KeySecretTag, ModelSpace, NodeId, SegmentKey};
 use crate::scan::{page_entries, prefix_end, scan};
 
 /// Most keys of this format version one status scan reads (then `truncated`): 1,000 nodes ×
@@ -63,6 +63,24 @@ pub struct ClusterStatus {
     pub other_version_keys: u64,
     /// The scan stopped at its bound before the end of the cluster's keys.
     pub truncated: bool,
+}
+
+impl ClusterStatus {
+    /// The members grouped by their pools' key secret tags, the largest group first (ties by
+    /// tag), each group's nodes sorted. More than one group means some members share nothing
+    /// with the others: the same prompt has other block keys on each side.
+    pub fn key_secret_groups(&self) -> Vec<(KeySecretTag, Vec<NodeId>)> {
+        let mut groups: BTreeMap<KeySecretTag, Vec<NodeId>> = BTreeMap::new();
+        for member in &self.members {
+            groups.entry(member.record.key_secret_tag).or_default().push(member.record.node.clone());
+        }
+        let mut groups: Vec<(KeySecretTag, Vec<NodeId>)> = groups.into_iter().collect();
+        for (_, nodes) in &mut groups {
+            nodes.sort();
+        }
+        groups.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then_with(|| a.0.cmp(&b.0)));
+        groups
+    }
 }
 
 impl ClusterClient {

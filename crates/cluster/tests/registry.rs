@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use tutti_cluster::layout::KeyLayout;
-use tutti_cluster::{ClusterClient, ClusterError, ClusterId, ClusterNode, ModelSpace, SegmentBlocks, SegmentRecord};
+use tutti_cluster::{
+    ClusterClient, ClusterError, ClusterId, ClusterNode, KeySecretTag, MemberRecord, ModelSpace, SegmentBlocks, SegmentRecord,
+    FORMAT_VERSION,
+};
 
 const CHILD_ENV: &str = "TUTTI_CLUSTER_CHILD_ENDPOINT";
 
@@ -57,6 +60,25 @@ fn membership_appears_and_leaves_with_the_node() {
 
     drop(node_a);
     assert_eq!(node_b.members().unwrap().nodes, vec![record("b")]);
+}
+
+#[test]
+fn status_groups_the_members_by_their_pools_key_secret() {
+    // Goal: every member record carries its pool's key secret tag as written, and status
+    // groups the members by it, the largest group first: members of another secret share
+    // nothing with the others, and this is where an operator sees it. One secret: one group.
+    let Some(etcd) = start_etcd(1) else { return };
+    let other = KeySecretTag::new([0x7e; 4]);
+    let _a = ClusterNode::join(config(&etcd, "secrets"), record("a")).unwrap();
+    let reader = ClusterClient::connect(config(&etcd, "secrets")).unwrap();
+    assert_eq!(reader.status().unwrap().key_secret_groups(), vec![(KEY_SECRET_TAG, vec![node("a")])]);
+    let _b = ClusterNode::join(config(&etcd, "secrets"), MemberRecord { key_secret_tag: other, ..record("b") }).unwrap();
+    let _c = ClusterNode::join(config(&etcd, "secrets"), record("c")).unwrap();
+    let members = reader.members().unwrap();
+    let tags: Vec<KeySecretTag> = members.nodes.iter().map(|member| member.key_secret_tag).collect();
+    assert_eq!(tags, [KEY_SECRET_TAG, other, KEY_SECRET_TAG]);
+    let status = reader.status().unwrap();
+    assert_eq!(status.key_secret_groups(), vec![(KEY_SECRET_TAG, vec![node("a"), node("c")]), (other, vec![node("b")])]);
 }
 
 #[test]
@@ -224,10 +246,16 @@ fn foreign_malformed_and_other_version_records_are_refused() {
         (layout.segment_key(&space(), segments[1].key, &node("g")), garbage),
         (format!("{}/x", layout.segment_key(&space(), segments[1].key, &node("k"))), good(1, "k").encode(&cluster)),
         (layout.member_key(&node("m")), b"not a member".to_vec()),
-        (layout.segment_key(&space(), segments[1].key, &node("v")).replace("/v3/", "/v2/"), good(1, "v").encode(&cluster)),
+        (
+            layout.segment_key(&space(), segments[1].key, &node("v")).replace(&this_version(), &version(FORMAT_VERSION - 1)),
+            good(1, "v").encode(&cluster),
+        ),
         // A newer version's key sorts after this version's prefix, an older one's before it:
         // status counts both ranges.
-        (layout.segment_key(&space(), segments[1].key, &node("w")).replace("/v3/", "/v4/"), good(1, "w").encode(&cluster)),
+        (
+            layout.segment_key(&space(), segments[1].key, &node("w")).replace(&this_version(), &version(FORMAT_VERSION + 1)),
+            good(1, "w").encode(&cluster),
+        ),
     ];
     put_raw(&etcd, &plants);
 
@@ -239,11 +267,20 @@ fn foreign_malformed_and_other_version_records_are_refused() {
     assert_eq!((members.nodes, members.skipped_entries), (vec![record("a")], 1));
 
     let status = node_a.client().status().unwrap();
-    assert_eq!(status.other_version_keys, 2, "one older (/v2/) and one newer (/v4/) key");
+    assert_eq!(status.other_version_keys, 2, "one older and one newer version's key");
     // Status cannot tell a record's chain position is wrong (it sees no prompt): it counts the
     // wrong-position record as a holder, and the other six as refused.
     assert_eq!(status.skipped_entries, 6);
     assert_eq!(status.holder_entries, 2);
+}
+
+/// A format version's key component, `/vN/`.
+fn version(number: u16) -> String {
+    format!("/v{number}/")
+}
+
+fn this_version() -> String {
+    version(FORMAT_VERSION)
 }
 
 /// Writes raw key/value pairs into etcd, as a buggy or hostile writer would.
@@ -428,7 +465,7 @@ fn entries_too_large_for_one_answer_are_skipped_and_counted_not_fatal() {
         // Node ids that sort before "a": the range meets them first.
         plants.push((layout.segment_key(&space(), segments[0].key, &node(name)), bulk.clone()));
         plants.push((layout.member_key(&node(name)), bulk.clone()));
-        plants.push((layout.member_key(&node(name)).replace("/v3/", "/v2/"), bulk.clone()));
+        plants.push((layout.member_key(&node(name)).replace(&this_version(), &version(FORMAT_VERSION - 1)), bulk.clone()));
     }
     put_raw(&etcd, &plants);
 

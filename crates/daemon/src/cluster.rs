@@ -199,6 +199,9 @@ pub struct ClusterMetrics {
     /// ended in a panic, which retires the area but cannot release the reservation. The server's `leaked_requests` does not see
     /// them (the data plane does not reach its counters): counted here, on `/metrics` only.
     pub kept_reservations: Counter,
+    /// Members whose pools have another key secret than this node's, as compared at the last
+    /// join (`Registrar::compare_key_secrets`): they share no segments with it.
+    pub members_other_key_secret: Gauge,
 }
 
 impl Default for ClusterMetrics {
@@ -230,6 +233,7 @@ impl Default for ClusterMetrics {
             serve_refusals: Counter::default(),
             replicated_segments: Counter::default(),
             kept_reservations: Counter::default(),
+            members_other_key_secret: Gauge::default(),
         }
     }
 }
@@ -308,6 +312,11 @@ impl ClusterMetrics {
             "cluster_kept_reservations",
             "Fetched segments whose reserved slots are kept for good (a staging queue pair that may still move them was not deleted, or the store's staging turn panicked)",
             self.kept_reservations.clone(),
+        );
+        registry.register(
+            "cluster_members_other_key_secret",
+            "Cluster members whose pools have another key secret than this node's, at its last join: they share no segments with it",
+            self.members_other_key_secret.clone(),
         );
     }
 }
@@ -403,6 +412,11 @@ pub(crate) struct ClusterAgent {
     fetched: Arc<Mutex<fetched::FetchedCopies>>,
     /// The data plane's bound address.
     data_address: SocketAddr,
+    /// This node's pool key secret tag, in its member record: a holder whose record names
+    /// another is not read from (its blocks, under keys keyed with another secret, are another
+    /// prefix's).
+    #[cfg(feature = "cluster")]
+    key_secret_tag: tutti_cluster::KeySecretTag,
     /// Held while the agent lives, and so past the registrar's last write of the manifest (the
     /// server joins the registrar's thread before it drops the agent).
     #[cfg(feature = "cluster")]
@@ -533,8 +547,10 @@ impl ClusterAgent {
             .map_err(io)?;
         let (inbox, receiver) = std::sync::mpsc::sync_channel(settings.commits_queued_max.max(1));
         let state = Arc::new(AgentState::new());
+        let key_secret_tag = tutti_cluster::KeySecretTag::new(control.pool().key_secret().tag_bytes());
         let record = tutti_cluster::MemberRecord {
             node: settings.node.clone(),
+            key_secret_tag,
             address: data_address.to_string(),
             capacity_bytes: pool_blocks.saturating_mul(block_bytes),
             fingerprints: Vec::new(),
@@ -560,6 +576,7 @@ impl ClusterAgent {
             data_plane,
             fetched,
             data_address,
+            key_secret_tag,
             _manifest_lock: manifest_lock,
         })
     }
@@ -679,8 +696,11 @@ impl ClusterAgent {
                 // not, whether it is a fault: `FetchError::is_fault`, whether the holder could
                 // not be reached: `FetchError::holder_unreachable`; a node without a member
                 // record has no address to reach)
-                let result = self.lookups.address_of(&holder.node).map_err(|(stored, error)| (stored, error, true, false, true)).and_then(
-                    |address| {
+                let result = self
+                    .lookups
+                    .address_of(&holder.node, self.key_secret_tag)
+                    .map_err(|(stored, error)| (stored, error, true, false, true))
+                    .and_then(|address| {
                         self.data_plane
                             .fetch(store, space, keys, segments.clone(), &holder.node, address, deadline, stopped, &mut stored_segment)
                             .map_err(|(stored, error)| {
@@ -688,8 +708,7 @@ impl ClusterAgent {
                                     (error.another_holder_may_serve(), error.is_fault(), error.holder_unreachable());
                                 (stored, error.to_string(), may_serve, fault, unreachable)
                             })
-                    },
-                );
+                    });
                 match result {
                     Ok(stored) => {
                         self.metrics.fetched_blocks.inc_by(stored as u64);
@@ -1024,6 +1043,8 @@ mod tests {
         let params = FormatParams { slot_count_max: Some(48), ..FormatParams::new(geometry) };
         format_pool(&targets, &params).unwrap();
         let (pool, _) = Pool::open(targets, Some(&geometry)).unwrap();
+        // The holder's pool shares the asker's secret: the asker reads only from such holders.
+        let control_tag = pool.key_secret().tag_bytes();
         let mut control = StoreControl::new(pool, 16).unwrap();
         let segment_blocks = tutti_cluster::SegmentBlocks::new(16).unwrap();
         let registry = ClusterConfig::new(etcd.endpoints(), tutti_cluster::ClusterId::new("drain").unwrap(), segment_blocks);
@@ -1049,6 +1070,7 @@ mod tests {
         tutti_cluster::segments_of(&keys, segment_blocks, &mut segments).unwrap();
         let record = tutti_cluster::MemberRecord {
             node: NodeId::new("holder").unwrap(),
+            key_secret_tag: tutti_cluster::KeySecretTag::new(control_tag),
             address: holder_address.to_string(),
             capacity_bytes: 1 << 30,
             fingerprints: vec![],

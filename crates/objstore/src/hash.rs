@@ -80,6 +80,8 @@ const KEYED_DOMAIN: &[u8; 14] = b"tutti-keyed-v1";
 const SPACE_KEY_BYTES: usize = 16;
 /// The bytes of a [`KeySecret`].
 pub const KEY_SECRET_BYTES: usize = 32;
+/// Bytes of a key secret's non-secret name ([`KeySecret::tag_bytes`]).
+pub const KEY_SECRET_TAG_BYTES: usize = 4;
 /// Where [`KeySecret::random`] reads: the kernel's CSPRNG, which never blocks once seeded at boot.
 const RANDOM_SOURCE: &str = "/dev/urandom";
 /// The bytes of a key secret file read at most: 64 hex digits and some trailing whitespace. A
@@ -253,10 +255,19 @@ impl KeySecret {
     /// to a 32-bit accident; it is no key nor chain start (another tag), so printing it gives an
     /// attacker nothing to compute keys with.
     pub fn tag(&self) -> String {
+        self.tag_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
+    }
+
+    /// [`KeySecret::tag`]'s bytes: what a cluster member record carries, so that nodes (and
+    /// `tutti cluster status`) see members formatted with another secret.
+    pub fn tag_bytes(&self) -> [u8; KEY_SECRET_TAG_BYTES] {
         let mut hasher = Sha256::new();
         hasher.update(SECRET_TAG_DOMAIN);
         hasher.update(self.0);
-        hasher.finalize()[..4].iter().map(|byte| format!("{byte:02x}")).collect()
+        let digest = hasher.finalize();
+        let mut tag = [0; KEY_SECRET_TAG_BYTES];
+        tag.copy_from_slice(&digest[..KEY_SECRET_TAG_BYTES]);
+        tag
     }
 }
 
@@ -538,6 +549,7 @@ mod tests {
         assert_ne!(KeyChain::new(&other, 0xfeed).space_key, KeyChain::new(&secret, 0xfeed).space_key);
         assert_ne!(KeyChain::new(&secret, 0xfeed).start, 0xfeed);
         assert_eq!(secret.tag(), GOLDEN_SECRET_TAG);
+        assert_eq!(secret.tag_bytes(), [0x75, 0x34, 0x9e, 0x23], "the tag's bytes are those it prints");
         assert_ne!(other.tag(), secret.tag());
     }
 

@@ -1,6 +1,7 @@
 //! `tutti cluster status`: the cluster tier as etcd holds it (crates/cluster, docs/cluster.md):
 //! members and their leases, segments per node, replica counts (in all, and per holder set:
-//! which nodes hold how many segments), refused entries.
+//! which nodes hold how many segments), members whose pools' key secrets differ (they share
+//! nothing), refused entries.
 //!
 //! Exit status: 2 for unusable options (a bad cluster id, segment size, timeout or etcd URL), 1 when etcd
 //! does not answer within the timeout, 0 otherwise.
@@ -17,7 +18,8 @@ use crate::Unusable;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum ClusterCommand {
-    /// Members (address, capacity, lease and its TTL left), segments per node, replica counts.
+    /// Members (address, capacity, lease and its TTL left, key secret tag), segments per node,
+    /// replica counts.
     Status(StatusArgs),
 }
 
@@ -66,7 +68,7 @@ fn status(args: &StatusArgs) -> Result<()> {
 fn member_line(member: &MemberStatus) -> String {
     let ttl = member.ttl_left_s.map_or_else(|| "expired".to_owned(), |ttl| format!("{ttl} s"));
     format!(
-        "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
+        "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6} {:>10}",
         member.record.node.as_str(),
         // As its node wrote it to etcd, uninterpreted (a node id is checked, an address is not).
         tutti_cli::printable(&member.record.address),
@@ -74,26 +76,50 @@ fn member_line(member: &MemberStatus) -> String {
         format!("{:#x}", member.lease_id),
         ttl,
         member.segments,
-        member.record.fingerprints.len()
+        member.record.fingerprints.len(),
+        member.record.key_secret_tag.to_string()
     )
+}
+
+/// What the status says when members' pools have different key secrets: each group of one
+/// tag (the largest first), and what to do. None when they all agree.
+fn key_secret_lines(status: &ClusterStatus) -> Option<Vec<String>> {
+    let groups = status.key_secret_groups();
+    if groups.len() < 2 {
+        return None;
+    }
+    let mut lines = vec![format!(
+        "WARNING: the members' pools have {} different key secrets; members of different secrets share no segments (the same prompt has other block keys on each side):",
+        groups.len()
+    )];
+    for (tag, nodes) in &groups {
+        let nodes: Vec<&str> = nodes.iter().map(|node| node.as_str()).collect();
+        lines.push(format!("  key secret {tag}: {}", nodes.join(" ")));
+    }
+    lines.push("  format every node's pool with the cluster's one --key-secret-file (docs/cluster.md, \"Running a fleet\")".to_owned());
+    Some(lines)
 }
 
 fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
     outln!("cluster {cluster} (registry format v{FORMAT_VERSION}): {} members", status.members.len())?;
     if !status.members.is_empty() {
         outln!(
-            "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6}",
+            "  {:<20} {:<24} {:>10} {:>18} {:>8} {:>10} {:>6} {:>10}",
             "node",
             "address",
             "capacity",
             "lease",
             "ttl left",
             "segments",
-            "models"
+            "models",
+            "key secret"
         )?;
     }
     for member in &status.members {
         outln!("{}", member_line(member))?;
+    }
+    for line in key_secret_lines(status).unwrap_or_default() {
+        outln!("{line}")?;
     }
     outln!("segments: {} distinct, {} holder entries", status.distinct_segments, status.holder_entries)?;
     let replicas: Vec<String> = status.replicas.iter().map(|(count, segments)| format!("{count}x: {segments}")).collect();
@@ -125,26 +151,49 @@ fn print_status(cluster: &str, status: &ClusterStatus) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tutti_cluster::{MemberRecord, NodeId};
+    use tutti_cluster::{KeySecretTag, MemberRecord, NodeId};
 
-    #[test]
-    fn a_members_address_is_printed_on_its_line_with_control_characters_escaped() {
-        // Goal: a member's address comes from etcd as its node wrote it, uninterpreted; one
-        // with a newline or an escape sequence printed as it is forged or erased lines of the
-        // table. It stays on its line, its control characters escaped.
-        let member = MemberStatus {
+    fn member(node: &str, tag: [u8; 4]) -> MemberStatus {
+        MemberStatus {
             record: MemberRecord {
-                node: NodeId::new("a").unwrap(),
-                address: "10.0.0.1:7070\nb 10.0.0.2:7070\u{1b}[2K".to_owned(),
+                node: NodeId::new(node).unwrap(),
+                key_secret_tag: KeySecretTag::new(tag),
+                address: "10.0.0.1:7070".to_owned(),
                 capacity_bytes: 1 << 40,
                 fingerprints: Vec::new(),
             },
             lease_id: 7,
             ttl_left_s: Some(5),
             segments: 3,
-        };
+        }
+    }
+
+    #[test]
+    fn a_members_address_is_printed_on_its_line_with_control_characters_escaped() {
+        // Goal: a member's address comes from etcd as its node wrote it, uninterpreted; one
+        // with a newline or an escape sequence printed as it is forged or erased lines of the
+        // table. It stays on its line, its control characters escaped.
+        let mut member = member("a", [0x12, 0x34, 0x56, 0x78]);
+        member.record.address = "10.0.0.1:7070\nb 10.0.0.2:7070\u{1b}[2K".to_owned();
         let line = member_line(&member);
         assert!(!line.chars().any(char::is_control), "{line:?}");
         assert!(line.contains(r"10.0.0.1:7070\nb 10.0.0.2:7070\u{1b}[2K"), "{line}");
+        assert!(line.ends_with(" 12345678"), "the key secret tag closes the line: {line}");
+    }
+
+    #[test]
+    fn members_of_different_key_secrets_are_named_by_group_and_agreeing_ones_say_nothing() {
+        // Goal: nodes formatted with different secrets share nothing and nothing else shows
+        // it; status names each secret's members, the largest group first, and tells the
+        // operator what to do. Members that agree get no line.
+        let mut status = ClusterStatus { members: vec![member("a", [1; 4]), member("c", [1; 4])], ..ClusterStatus::default() };
+        assert_eq!(key_secret_lines(&status), None);
+        status.members.insert(1, member("b", [0x7e; 4]));
+        let lines = key_secret_lines(&status).expect("a warning");
+        assert!(lines[0].starts_with("WARNING: the members' pools have 2 different key secrets"), "{lines:?}");
+        assert_eq!(lines[1], "  key secret 01010101: a c");
+        assert_eq!(lines[2], "  key secret 7e7e7e7e: b");
+        assert!(lines[3].contains("--key-secret-file"), "{lines:?}");
+        assert_eq!(lines.len(), 4);
     }
 }

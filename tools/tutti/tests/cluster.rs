@@ -5,7 +5,9 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{ClusterConfig, ClusterId, ClusterNode, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey};
+use tutti_cluster::{
+    ClusterConfig, ClusterId, ClusterNode, KeySecretTag, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks, SegmentKey,
+};
 
 fn tutti(arguments: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tutti")).args(arguments).output().expect("the built binary runs")
@@ -16,11 +18,17 @@ fn start_etcd() -> Option<LocalEtcd> {
 }
 
 fn join(etcd: &LocalEtcd, node: &str) -> ClusterNode {
+    join_tagged(etcd, node, KeySecretTag::new([0x5e; 4]))
+}
+
+/// [`join`], its member record naming the key secret tag given.
+fn join_tagged(etcd: &LocalEtcd, node: &str, key_secret_tag: KeySecretTag) -> ClusterNode {
     let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new("fleet").unwrap(), SegmentBlocks::new(16).unwrap());
     config.request_timeout = Duration::from_secs(1);
     config.lease_ttl = Duration::from_secs(5);
     let record = MemberRecord {
         node: NodeId::new(node).unwrap(),
+        key_secret_tag,
         address: format!("10.0.0.{}:7070", node.len()),
         capacity_bytes: 1 << 40,
         fingerprints: vec![[3; 32]],
@@ -36,15 +44,23 @@ fn segments(count: u32) -> Vec<Segment> {
 fn status_shows_members_leases_segments_and_replicas() {
     // Goal: node a holds 3 segments, node bb holds the first 5: status lists both with their
     // address, a live lease and segment counts, 5 distinct segments, 3 with 2 replicas (held
-    // by a and bb), 2 held by bb alone.
+    // by a and bb), 2 held by bb alone. Each member's key secret tag ends its line; while
+    // the members agree on it nothing more is said, and once bb's differs a warning names
+    // each secret's members.
     let Some(etcd) = start_etcd() else { return };
     let space = ModelSpace::new([3; 32], 0, 1).unwrap();
+    let endpoint = &etcd.endpoints()[0];
+    let status = || tutti(&["cluster", "status", "--etcd", endpoint, "--cluster", "fleet", "--segment-blocks", "16"]);
     let node_a = join(&etcd, "a");
-    let node_b = join(&etcd, "bb");
+    let node_c = join(&etcd, "c");
+    let agreeing = status();
+    let text = String::from_utf8_lossy(&agreeing.stdout);
+    assert!(text.contains("key secret") && !text.contains("WARNING"), "{text}");
+    drop(node_c);
+    let node_b = join_tagged(&etcd, "bb", KeySecretTag::new([0x7e; 4]));
     node_a.register(&space, &segments(3)).unwrap();
     node_b.register(&space, &segments(5)).unwrap();
-    let endpoint = &etcd.endpoints()[0];
-    let output = tutti(&["cluster", "status", "--etcd", endpoint, "--cluster", "fleet", "--segment-blocks", "16"]);
+    let output = status();
     let text = String::from_utf8_lossy(&output.stdout);
     assert_eq!(output.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&output.stderr));
     assert!(text.contains(&format!("cluster fleet (registry format v{}): 2 members", tutti_cluster::FORMAT_VERSION)), "{text}");
@@ -52,6 +68,9 @@ fn status_shows_members_leases_segments_and_replicas() {
     assert!(line_a.contains("10.0.0.1:7070") && line_a.contains(" 3 ") && line_a.contains(" s "), "{line_a}");
     let line_b = text.lines().find(|line| line.trim_start().starts_with("bb ")).expect(&text);
     assert!(line_b.contains(" 5 "), "{line_b}");
+    assert!(line_a.ends_with(" 5e5e5e5e") && line_b.ends_with(" 7e7e7e7e"), "{text}");
+    assert!(text.contains("WARNING: the members' pools have 2 different key secrets"), "{text}");
+    assert!(text.contains("  key secret 5e5e5e5e: a\n  key secret 7e7e7e7e: bb\n"), "{text}");
     assert!(text.contains("segments: 5 distinct, 8 holder entries"), "{text}");
     assert!(text.contains("replicas: 1x: 2, 2x: 3"), "{text}");
     // Per holder set: which nodes hold how many segments, the largest set first.

@@ -262,8 +262,9 @@ fn serve(cli: &Cli) -> Result<()> {
         let key_secret = cli.key_secret_file.as_deref().map(read_key_secret_file).transpose()?;
         if key_secret.is_none() && cluster.is_some() {
             // A fleet's start scripts from before key secrets format this way: each node would
-            // get its own random secret and silently miss every other node's segments (`status`
-            // cannot show it). Said on stderr, as the secret file's warning is (tracing writes to
+            // get its own random secret and miss every other node's segments (shown only once
+            // the node has joined: its join's comparison of the members' key secret tags, and
+            // `tutti cluster status`). Said on stderr, as the secret file's warning is (tracing writes to
             // the same stderr: both would print it twice).
             tutti_cli::errln!(
                 "warning: --format with --cluster-etcd and no --key-secret-file: this node's pool gets a random key secret and will share no segments with other nodes; format every node with one --key-secret-file (docs/cluster.md)"

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, MemberRecord, NodeId, Segment, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterConfig, ClusterId, ClusterNode, KeySecretTag, MemberRecord, NodeId, Segment, SegmentBlocks};
 use tutti_daemon::protocol::ClusterStatusReply;
 use tutti_daemon::{DaemonError, ErrorCode};
 
@@ -89,11 +89,27 @@ fn register_fake_holder(etcd: &LocalEtcd, name: &str, address: std::net::SocketA
 
 /// [`register_fake_holder`] of the segments given.
 fn register_fake_holder_of(etcd: &LocalEtcd, name: &str, address: std::net::SocketAddr, segments: &[Segment]) -> ClusterNode {
+    register_fake_holder_tagged(etcd, name, address, segments, common::cluster::key_secret_tag())
+}
+
+/// [`register_fake_holder_of`], its member record naming the key secret tag given.
+fn register_fake_holder_tagged(
+    etcd: &LocalEtcd,
+    name: &str,
+    address: std::net::SocketAddr,
+    segments: &[Segment],
+    key_secret_tag: KeySecretTag,
+) -> ClusterNode {
     let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(CLUSTER).unwrap(), SegmentBlocks::new(SEGMENT_BLOCKS).unwrap());
     config.lease_ttl = LEASE;
     config.request_timeout = REQUEST_TIMEOUT;
-    let record =
-        MemberRecord { node: NodeId::new(name).unwrap(), address: address.to_string(), capacity_bytes: 1 << 30, fingerprints: vec![] };
+    let record = MemberRecord {
+        node: NodeId::new(name).unwrap(),
+        key_secret_tag,
+        address: address.to_string(),
+        capacity_bytes: 1 << 30,
+        fingerprints: vec![],
+    };
     let node = ClusterNode::join(config, record).unwrap();
     node.register(&model(), segments).unwrap();
     node
@@ -109,6 +125,17 @@ fn extended_segments() -> Vec<Segment> {
     segments_of(&keys, SegmentBlocks::new(SEGMENT_BLOCKS).unwrap(), &mut all).unwrap();
     assert_eq!(all.len(), 3);
     all
+}
+
+/// Node b, the asker of these tests, started (with `extra` daemon options) in a fresh pool and
+/// joined.
+fn joined_b(etcd: &LocalEtcd, root: &std::path::Path, extra: Vec<&'static str>) -> Node {
+    let reader = reader(etcd);
+    let mut b = Node::new(root, "b");
+    b.extra = extra;
+    b.start(etcd, true);
+    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    b
 }
 
 /// A holder that takes one connection, reads one request and misbehaves as told.
@@ -210,10 +237,7 @@ fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_
     // plus slack for the stall), b stores nothing of prompt 10, and b serves on.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
-    let reader = reader(&etcd);
-    let mut b = Node::new(root.path(), "b");
-    b.start(&etcd, true);
-    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let b = joined_b(&etcd, root.path(), Vec::new());
     let mut on_b = b.daemon().client();
     on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
     let tokens = common::prompt(10, PROMPT_BLOCKS, BLOCK_TOKENS);
@@ -242,17 +266,48 @@ fn a_holder_that_sends_garbage_stalls_lies_or_dies_is_a_typed_error_and_nothing_
 }
 
 #[test]
+fn a_holder_whose_pool_has_another_key_secret_is_not_read_from() {
+    // Goal: holders register block keys keyed with their own pool's secret, so one whose
+    // member record names another secret than the asker's holds the asker's key only by a
+    // 64-bit accident (or a writer that lies), and its blocks are another prefix's. The asker
+    // passes it over before connecting: the fetch fails naming the other secret, nothing is
+    // stored, and the holder's address is never dialled.
+    let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
+    let root = tempfile::tempdir().unwrap();
+    let b = joined_b(&etcd, root.path(), Vec::new());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let other = KeySecretTag::new([0x7e; 4]);
+    let _alien = register_fake_holder_tagged(&etcd, "alien", listener.local_addr().unwrap(), &segments(10), other);
+    let mut on_b = b.daemon().client();
+    on_b.hello(&hello(0, 1, "fetch-b")).unwrap();
+    let tokens = common::prompt(10, PROMPT_BLOCKS, BLOCK_TOKENS);
+    let lookup = on_b.lookup_cluster(&tokens).unwrap();
+    assert_eq!(lookup.remote_blocks, 32, "the registry lists the alien holder: {lookup:?}");
+    let failure = on_b.fetch_remote(&tokens).expect_err("a fetch from a holder of another secret");
+    match &failure {
+        DaemonError::Remote { code: ErrorCode::RemoteReadFailed, message } => {
+            assert!(message.contains("alien") && message.contains(&format!("another key secret (tag {other}")), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match listener.accept() {
+        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+        other => panic!("the holder of another secret was dialled: {other:?}"),
+    }
+    assert_eq!(on_b.lookup(&tokens).unwrap(), 0, "b stored something");
+    let status = b.status();
+    assert_eq!(status.fetched_blocks, 0, "{status:?}");
+}
+
+#[test]
 fn a_fetch_longer_than_the_clients_lease_keeps_its_session() {
     // Goal: the client lease counts from the daemon's answer, not from the request: a slow
     // holder (every block inside the stall bound, the segment longer than b's 1 s client lease)
     // makes a long FetchRemote, and the same client's next request is still served.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
-    let reader = reader(&etcd);
-    let mut b = Node::new(root.path(), "b");
-    b.extra = vec!["--lease", "1s"];
-    b.start(&etcd, true);
-    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let b = joined_b(&etcd, root.path(), vec!["--lease", "1s"]);
     let mut on_b = b.daemon().client();
     on_b.hello(&hello(0, 1, "fetch-slow")).unwrap();
     let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
@@ -278,10 +333,7 @@ fn fetches_past_the_nodes_limit_are_refused_at_once() {
     // after they end is served again.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
-    let reader = reader(&etcd);
-    let mut b = Node::new(root.path(), "b");
-    b.start(&etcd, true);
-    wait_for("b joins", SOON, || members(&reader) == ["b"]);
+    let b = joined_b(&etcd, root.path(), Vec::new());
     let tokens = common::prompt(13, PROMPT_BLOCKS, BLOCK_TOKENS);
     let (address, thread) = fake_holder(Misbehaviour::Slow);
     let slow = register_fake_holder(&etcd, "slow", address, 13);

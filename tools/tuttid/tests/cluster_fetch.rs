@@ -14,14 +14,14 @@ use std::time::{Duration, Instant};
 
 use tutti_cluster::layout::KeyLayout;
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{ClusterClient, ClusterId, NodeId};
+use tutti_cluster::{ClusterClient, ClusterId, KeySecretTag, NodeId};
 use tutti_daemon::protocol::{RegistryAnswer, RemoteHolder};
 use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{
-    client_of, holders, holders_once_available, members, reader, store, wait_for, write_key_secret_file, Node, BLOCK_TOKENS, CLUSTER,
-    LEASE, PROMPT_BLOCKS, SOON,
+    client_of, holders, holders_once_available, key_secret_tag, members, reader, store, wait_for, write_key_secret_file, Node,
+    BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
 };
 use common::{hello, store_prompt};
 
@@ -375,17 +375,27 @@ fn nodes_formatted_with_different_key_secrets_share_nothing() {
     // by key: a node formatted with another secret than the cluster's computes other keys for
     // the same prompt, so its lookups find no holder of what the others hold and a fetch reads
     // nothing (misses: never another prefix's data), while a node of the cluster's secret
-    // finds and reads it all. Nothing tells the operator (docs/cluster.md says so).
+    // finds and reads it all. Each node compares the members' key secret tags with its own
+    // when it joins and warns of those that differ, naming them; `status` groups the members
+    // by tag. The nodes join one by one, so who sees whom is known.
     let Some(etcd) = LocalEtcd::start_or_skip(1) else { return };
     let root = tempfile::tempdir().unwrap();
     let reader = reader(&etcd);
     let (mut a, mut b, mut c) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"), Node::new(root.path(), "c"));
     b.key_secret_file = root.path().join("another-secret");
     write_key_secret_file(&b.key_secret_file, &"7e".repeat(32));
+    let other_tag = KeySecretTag::new(objstore::hash::KeySecret::from_hex("7e".repeat(32).as_bytes()).unwrap().tag_bytes());
+    let mut joined = Vec::new();
     for node in [&mut a, &mut b, &mut c] {
         node.start(&etcd, true);
+        joined.push(node.name);
+        wait_for("the node joins", SOON, || members(&reader) == joined);
     }
-    wait_for("the three nodes join", SOON, || members(&reader) == ["a", "b", "c"]);
+    let groups = reader.status().unwrap().key_secret_groups();
+    let names = |nodes: &[NodeId]| nodes.iter().map(|node| node.to_string()).collect::<Vec<_>>();
+    assert_eq!(groups.len(), 2, "{groups:?}");
+    assert_eq!((groups[0].0, names(&groups[0].1)), (key_secret_tag(), vec!["a".to_string(), "c".to_string()]));
+    assert_eq!((groups[1].0, names(&groups[1].1)), (other_tag, vec!["b".to_string()]));
     store(&a, 12);
     wait_for("a's segments registered", SOON, || holders_once_available(&reader, 12).is_some_and(|holders| holders == [["a"], ["a"]]));
     let tokens = common::prompt(12, PROMPT_BLOCKS, BLOCK_TOKENS);
@@ -401,4 +411,14 @@ fn nodes_formatted_with_different_key_secrets_share_nothing() {
     assert_eq!(on_c.fetch_remote(&tokens).unwrap(), (32, 32));
     let mut store_c = c.connect();
     assert_eq!(common::retrieve_prompt(&mut store_c, 12, 0, 32).expect("retrieve on c"), 0, "wrong bytes on c");
+    drop(store_c);
+    // What each node said at its join: a saw no one; b saw a, of another secret than its own;
+    // c saw a (the same secret) and b (another).
+    let warned = |node: &mut Node| node.daemon.take().unwrap().terminate().1;
+    let (on_a, on_b, on_c) = (warned(&mut a), warned(&mut b), warned(&mut c));
+    const WARNING: &str = "share no segments with it";
+    assert!(!on_a.contains(WARNING), "a warned: {on_a}");
+    let named = |stderr: &str, node: &str, tag: KeySecretTag| stderr.contains(&format!("{node} ({tag})"));
+    assert!(on_b.contains(WARNING) && named(&on_b, "a", key_secret_tag()), "b did not name a: {on_b}");
+    assert!(on_c.contains(WARNING) && named(&on_c, "b", other_tag) && !named(&on_c, "a", key_secret_tag()), "c: {on_c}");
 }

@@ -58,12 +58,15 @@ fn member_record() -> impl Strategy<Value = MemberRecord> {
         prop::collection::vec(any::<[u8; FINGERPRINT_BYTES]>(), 0..=4),
         prop::collection::vec(any::<[u8; FINGERPRINT_BYTES]>(), FINGERPRINTS_MAX - 1..=FINGERPRINTS_MAX),
     ];
-    (node_id(), address, any::<u64>(), fingerprints).prop_map(|(node, address, capacity_bytes, fingerprints)| MemberRecord {
-        node,
-        address,
-        capacity_bytes,
-        fingerprints,
-    })
+    (node_id(), any::<[u8; KEY_SECRET_TAG_BYTES]>(), address, any::<u64>(), fingerprints).prop_map(
+        |(node, tag, address, capacity_bytes, fingerprints)| MemberRecord {
+            node,
+            key_secret_tag: KeySecretTag::new(tag),
+            address,
+            capacity_bytes,
+            fingerprints,
+        },
+    )
 }
 
 /// One damage to an encoded record, as etcd (or whoever wrote the key) might hand it back.

@@ -5,12 +5,14 @@ use std::time::Duration;
 
 use objstore::hash::{block_keys, KeyChain, KeySecret};
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{segments_of, ClusterConfig, ClusterId, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterConfig, ClusterId, KeySecretTag, MemberRecord, ModelSpace, NodeId, Segment, SegmentBlocks};
 
 pub const BLOCK_TOKENS: u32 = 16;
 pub const SEGMENT_BLOCKS: u16 = 16;
 pub const LEASE_TTL: Duration = Duration::from_secs(2);
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// The key secret tag every test member record carries unless a test says otherwise.
+pub const KEY_SECRET_TAG: KeySecretTag = KeySecretTag::new([0x5e; 4]);
 
 /// A real etcd of `members` members, or None where etcd is not installed (see
 /// [`LocalEtcd::start_or_skip`]).
@@ -28,6 +30,7 @@ pub fn config(etcd: &LocalEtcd, cluster: &str) -> ClusterConfig {
 pub fn record(node: &str) -> MemberRecord {
     MemberRecord {
         node: NodeId::new(node).unwrap(),
+        key_secret_tag: KEY_SECRET_TAG,
         address: format!("127.0.0.1:7{:03}", node.len()),
         capacity_bytes: 1 << 40,
         fingerprints: vec![[7; 32]],

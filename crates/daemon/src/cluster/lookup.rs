@@ -21,7 +21,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, Lookup, ModelSpace, NodeId, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, KeySecretTag, Lookup, ModelSpace, NodeId, SegmentBlocks};
 
 use super::{ClusterMetrics, RemotePart};
 use crate::protocol::{RegistryAnswer, RemoteHolder, REMOTE_HOLDERS_MAX};
@@ -58,11 +58,22 @@ impl RemoteLookups {
     }
 
     /// The data address node `node`'s member record gives now (one etcd request: read at each
-    /// fetch, so a node that restarted on another port is found there). The error is (blocks
+    /// fetch, so a node that restarted on another port is found there), when its pool's key
+    /// secret tag is `key_secret_tag`, this node's: a holder of another secret registered our
+    /// key only by a 64-bit accident, and its blocks are another prefix's. The error is (blocks
     /// stored: 0, a sentence).
-    pub fn address_of(&self, node: &str) -> Result<SocketAddr, (usize, String)> {
+    pub fn address_of(&self, node: &str, key_secret_tag: KeySecretTag) -> Result<SocketAddr, (usize, String)> {
         let id = NodeId::new(node).map_err(|error| (0, format!("node {node:?}: {error}")))?;
         let record = self.client.member(&id).map_err(|error| (0, format!("reading node {node}'s member record: {error}")))?;
+        if let Some(record) = record.as_ref().filter(|record| record.key_secret_tag != key_secret_tag) {
+            return Err((
+                0,
+                format!(
+                    "node {node}'s pool has another key secret (tag {}, this node's {key_secret_tag}): its blocks are not this prompt's",
+                    record.key_secret_tag
+                ),
+            ));
+        }
         let address = record.map(|record| record.address);
         address
             .as_deref()

@@ -14,7 +14,9 @@
 //!    which the first join then rewrites without the stale segments' dropped records, their
 //!    deletes made (or rejoin after a lost lease: a new lease has no registrations, so every
 //!    held segment is registered again); update the member record
-//!    when the set of models changed; unregister broken segments and register held ones,
+//!    when the set of models changed; once after each join or rejoin, list the members and
+//!    compare their pools' key secret tags with this node's (a diagnostic: members of another
+//!    secret share nothing with it; logged and counted, one try, one T); unregister broken segments and register held ones,
 //!    taking turns while both wait, one transaction per `txn_ops_max` − 1 segments of one model
 //!    space, at most [`TRANSACTIONS_PER_PASS`] together per pass so departures are not kept
 //!    waiting. Before each call but the join, step 1 runs again on the commits queued
@@ -54,7 +56,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::layout::FINGERPRINTS_MAX;
-use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, ModelSpace, Rejoined, Segment};
+use tutti_cluster::{
+    segments_of, ClusterClient, ClusterConfig, ClusterError, ClusterNode, MemberRecord, Members, ModelSpace, Rejoined, Segment,
+};
 
 use super::fetched::FetchedCopies;
 use super::held::{HeldSegment, HeldSegments};
@@ -67,6 +71,8 @@ use crate::session::StoreState;
 const COMMITS_PER_PASS: usize = 256;
 /// etcd transactions of (un)registration per pass.
 pub const TRANSACTIONS_PER_PASS: usize = 32;
+/// Members of another key secret one warning names at most (it counts them all).
+const OTHER_SECRET_NODES_NAMED: usize = 8;
 /// Broken segments waiting to be unregistered at most; past it the node rejoins instead (a
 /// new lease: the old one's registrations vanish with it when it is revoked or expires).
 const UNREGISTER_QUEUE_MAX: usize = 1 << 16;
@@ -166,6 +172,9 @@ pub(crate) struct Registrar {
     /// not a loss etcd reported, so it is not counted again (nor at all for a rejoin asked for
     /// with the lease still live, `rejoin_needed`).
     rejoining: bool,
+    /// Joined (or rejoined) and the members' key secret tags not yet compared with this node's
+    /// ([`Registrar::compare_key_secrets`]).
+    key_secrets_unchecked: bool,
     backoff: Duration,
     next_attempt: Instant,
     /// Scratch.
@@ -206,6 +215,7 @@ impl Registrar {
             rejoin_needed: false,
             left_may_hold: false,
             rejoining: false,
+            key_secrets_unchecked: false,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
             departed: Vec::new(),
@@ -616,6 +626,7 @@ impl Registrar {
             self.held.unregister_all();
             self.rejoined(rejoined);
             self.metrics.joins.inc();
+            self.key_secrets_unchecked = true;
         }
         let Some(node) = self.node.as_mut() else { return Ok(()) };
         self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
@@ -628,6 +639,23 @@ impl Registrar {
             let Some(node) = self.node.as_mut() else { return Ok(()) };
             node.update_record(record)?;
             self.answered();
+        }
+        if self.key_secrets_unchecked {
+            self.take_commits(store);
+            // A diagnostic, not part of the registry's state: one try per join (a failure is
+            // logged, not retried, and fails nothing).
+            self.key_secrets_unchecked = false;
+            let Some(node) = self.node.as_ref() else { return Ok(()) };
+            match node.members() {
+                Ok(members) => {
+                    self.answered();
+                    self.compare_key_secrets(&members);
+                }
+                Err(error) => tracing::warn!(
+                    %error,
+                    "could not list the cluster's members to compare their key secrets with this node's (`tutti cluster status` shows them)"
+                ),
+            }
         }
         // One transaction per batch: each also puts the member key (the node's fence).
         let Some(batch_max) = self.node.as_ref().map(ClusterNode::segments_per_transaction) else { return Ok(()) };
@@ -790,6 +818,29 @@ impl Registrar {
         self.rejoin_needed = false;
         self.left_may_hold = false;
         self.metrics.joins.inc();
+        self.key_secrets_unchecked = true;
+    }
+
+    /// After a join: the members whose pools have another key secret than this node's share
+    /// nothing with it (the same prompt has other block keys on each side), and nothing else
+    /// would show it. Counted in `cluster_members_other_key_secret` and logged, naming up to
+    /// [`OTHER_SECRET_NODES_NAMED`] of them. A member that joins later is seen at its own join.
+    fn compare_key_secrets(&self, members: &Members) {
+        let own = self.record.key_secret_tag;
+        let others: Vec<&MemberRecord> =
+            members.nodes.iter().filter(|member| member.node != self.record.node && member.key_secret_tag != own).collect();
+        self.metrics.members_other_key_secret.set(others.len() as i64);
+        if others.is_empty() {
+            return;
+        }
+        let named: Vec<String> =
+            others.iter().take(OTHER_SECRET_NODES_NAMED).map(|member| format!("{} ({})", member.node, member.key_secret_tag)).collect();
+        tracing::warn!(
+            members = others.len(),
+            key_secret = %own,
+            nodes = %named.join(", "),
+            "cluster members whose pools have another key secret than this node's share no segments with it (the same prompt has other block keys on each side); format every node's pool with the cluster's one --key-secret-file"
+        );
     }
 
     /// An etcd call of a pass succeeded: the registry answers again, told at once rather than
@@ -894,6 +945,17 @@ mod tests {
     use super::*;
     use crate::test_tracing::{EventSubscriber, OnEvent};
 
+    /// Node "a"'s member record, as the tests' registrars and the processes they stand for write it.
+    fn record_of_a() -> MemberRecord {
+        MemberRecord {
+            node: NodeId::new("a").unwrap(),
+            key_secret_tag: tutti_cluster::KeySecretTag::new([1; 4]),
+            address: "127.0.0.1:9".into(),
+            capacity_bytes: 0,
+            fingerprints: Vec::new(),
+        }
+    }
+
     /// A one-device pool on a software controller, as the daemon's store.
     fn store() -> Mutex<StoreState> {
         use nvme_driver::{Controller, ControllerConfig, NamespaceId};
@@ -944,8 +1006,7 @@ mod tests {
     ) -> Registrar {
         let blocks = SegmentBlocks::new(16).unwrap();
         let config = ClusterConfig::new(vec!["http://127.0.0.1:9".into()], ClusterId::new(cluster).unwrap(), blocks);
-        let record =
-            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let record = record_of_a();
         let manifest = Manifest::rewrite_keeping(&directory.join("segments"), blocks, previous_lease, held.iter(), stale.iter()).unwrap();
         let recovered = Recovered { held, manifest, stale, previous_lease };
         let fetched = Arc::new(Mutex::new(FetchedCopies::new(16)));
@@ -1009,6 +1070,28 @@ mod tests {
             held.sort_unstable();
             assert_eq!(held, [0, 1, 2], "segments computed here after the fetched copies left were not registered");
         }
+    }
+
+    #[test]
+    fn members_of_another_key_secret_are_counted_and_this_node_never() {
+        // Goal: after a join the registrar counts the members whose pools have another key
+        // secret than its own (they share nothing with it) in
+        // `cluster_members_other_key_secret`: not those of its own secret, and never this
+        // node, even under a record of another tag (a previous process's, formatted anew);
+        // the next join's count replaces the last.
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let registrar = registrar_of(directory.path(), "secrets", HeldSegments::default(), 0, inbox);
+        let member = |node: &str, tag: [u8; 4]| MemberRecord {
+            node: NodeId::new(node).unwrap(),
+            key_secret_tag: tutti_cluster::KeySecretTag::new(tag),
+            ..record_of_a()
+        };
+        let members = |nodes: Vec<MemberRecord>| Members { nodes, ..Members::default() };
+        registrar.compare_key_secrets(&members(vec![member("a", [9; 4]), member("b", [2; 4]), member("c", [1; 4]), member("d", [3; 4])]));
+        assert_eq!(registrar.metrics.members_other_key_secret.get(), 2);
+        registrar.compare_key_secrets(&members(vec![record_of_a(), member("c", [1; 4])]));
+        assert_eq!(registrar.metrics.members_other_key_secret.get(), 0);
     }
 
     #[test]
@@ -1690,8 +1773,7 @@ mod tests {
         // `fill_the_pool` holds and one the pool no longer holds.
         let mut config = ClusterConfig::new(etcd.endpoints(), ClusterId::new(cluster).unwrap(), SegmentBlocks::new(16).unwrap());
         config.request_timeout = Duration::from_secs(1);
-        let record =
-            MemberRecord { node: NodeId::new("a").unwrap(), address: "127.0.0.1:9".into(), capacity_bytes: 0, fingerprints: Vec::new() };
+        let record = record_of_a();
         let dead = ClusterNode::join(config.clone(), record).unwrap();
         let old_lease = dead.health().lease_id;
         let stale_key = 999_999;

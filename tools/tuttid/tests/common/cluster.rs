@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tutti_cluster::local_etcd::LocalEtcd;
-use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, ModelSpace, Segment, SegmentBlocks};
+use tutti_cluster::{segments_of, ClusterClient, ClusterConfig, ClusterId, KeySecretTag, ModelSpace, Segment, SegmentBlocks};
 use tutti_daemon::client::{RemoteConfig, RemoteKvStore};
 use tutti_daemon::keys::KeySpace;
 use tutti_daemon::protocol::ClusterStatusReply;
@@ -192,6 +192,11 @@ pub fn reader(etcd: &LocalEtcd) -> ClusterClient {
 pub fn space() -> KeySpace {
     let secret = objstore::hash::KeySecret::from_hex(KEY_SECRET_HEX.as_bytes()).unwrap();
     KeySpace::new(&hello(0, 1, "").model_fingerprint, 0, 1, &secret).unwrap()
+}
+
+/// The tag of the cluster's secret ([`KEY_SECRET_HEX`]), as the nodes' member records carry it.
+pub fn key_secret_tag() -> KeySecretTag {
+    KeySecretTag::new(objstore::hash::KeySecret::from_hex(KEY_SECRET_HEX.as_bytes()).unwrap().tag_bytes())
 }
 
 pub fn model() -> ModelSpace {
