@@ -200,7 +200,8 @@ pub struct ClusterMetrics {
     /// them (the data plane does not reach its counters): counted here, on `/metrics` only.
     pub kept_reservations: Counter,
     /// Members whose pools have another key secret than this node's, as compared at the last
-    /// join (`Registrar::compare_key_secrets`): they share no segments with it.
+    /// join (`Registrar::compare_key_secrets`): they share no segments with it. -1 while the
+    /// members could not be listed.
     pub members_other_key_secret: Gauge,
 }
 
@@ -315,7 +316,7 @@ impl ClusterMetrics {
         );
         registry.register(
             "cluster_members_other_key_secret",
-            "Cluster members whose pools have another key secret than this node's, at its last join: they share no segments with it",
+            "Cluster members whose pools have another key secret than this node's, at its last join: they share no segments with it (-1: the members could not be listed)",
             self.members_other_key_secret.clone(),
         );
     }

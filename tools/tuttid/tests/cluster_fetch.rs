@@ -413,11 +413,13 @@ fn nodes_formatted_with_different_key_secrets_share_nothing() {
     assert_eq!(common::retrieve_prompt(&mut store_c, 12, 0, 32).expect("retrieve on c"), 0, "wrong bytes on c");
     drop(store_c);
     // What each node said at its join: a saw no one; b saw a, of another secret than its own;
-    // c saw a (the same secret) and b (another).
+    // c saw a (the same secret) and b (another). (A node that lost its 2 s lease under load
+    // and rejoined compared again, after all three had joined: a then warns of b.)
+    let a_joins = a.status().joins;
     let warned = |node: &mut Node| node.daemon.take().unwrap().terminate().1;
     let (on_a, on_b, on_c) = (warned(&mut a), warned(&mut b), warned(&mut c));
     const WARNING: &str = "share no segments with it";
-    assert!(!on_a.contains(WARNING), "a warned: {on_a}");
+    assert!(a_joins > 1 || !on_a.contains(WARNING), "a warned: {on_a}");
     let named = |stderr: &str, node: &str, tag: KeySecretTag| stderr.contains(&format!("{node} ({tag})"));
     assert!(on_b.contains(WARNING) && named(&on_b, "a", key_secret_tag()), "b did not name a: {on_b}");
     assert!(on_c.contains(WARNING) && named(&on_c, "b", other_tag) && !named(&on_c, "a", key_secret_tag()), "c: {on_c}");

@@ -29,9 +29,9 @@
 //! block's key hashes a space key derived from the pool's secret), which a version-4 node
 //! (unkeyed keys) never shares; the registry moved to format 3 (`/v3/`) with it, so `status`
 //! again counts the other build's keys under `other_version_keys`. (Nodes of one build whose
-//! pools have different secrets share nothing too; no version can show that, their member
-//! records' key secret tags do, and an asker reads from no holder of another tag:
-//! docs/cluster.md.)
+//! pools have different secrets share nothing too; no data-plane version shows that, the
+//! member records' key secret tags (registry format 4) do, and an asker reads from no holder
+//! whose record names another tag: docs/cluster.md.)
 //! Every read has a deadline per frame (`read_frame`): a peer that stalls mid-stream costs
 //! that long, then the read fails.
 

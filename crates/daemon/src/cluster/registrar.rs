@@ -16,14 +16,16 @@
 //!    held segment is registered again); update the member record
 //!    when the set of models changed; once after each join or rejoin, list the members and
 //!    compare their pools' key secret tags with this node's (a diagnostic: members of another
-//!    secret share nothing with it; logged and counted, one try, one T); unregister broken segments and register held ones,
+//!    secret share nothing with it; logged and counted; one call of T, tried again at the next
+//!    passes, up to [`KEY_SECRET_CHECK_TRIES`] per join, should it fail); unregister broken segments and register held ones,
 //!    taking turns while both wait, one transaction per `txn_ops_max` − 1 segments of one model
 //!    space, at most [`TRANSACTIONS_PER_PASS`] together per pass so departures are not kept
 //!    waiting. Before each call but the join, step 1 runs again on the commits queued
 //!    meanwhile (local work); a registration drops the deletes still queued for its segments
 //!    (queued when each broke, before it was held again: its put replaced the key), so a
 //!    segment broken and held again is never deleted after its new put, and one broken again
-//!    after it is deleted: a pass may wait on etcd for up to 64 transactions of T each, and a
+//!    after it is deleted: a pass may wait on etcd for up to 64 transactions of T each (and, after a join, the
+//!    member listing and a record update, T each), and a
 //!    commit the full queue refuses is never journalled, so never registered for the life of
 //!    the pool. A single call (a join, up to 4 T + 1 s; a rejoin, up to 6 T) is left to the
 //!    queue's bound (`commits_queued_max`, default 1,024 commits), as is the first join's
@@ -73,6 +75,9 @@ const COMMITS_PER_PASS: usize = 256;
 pub const TRANSACTIONS_PER_PASS: usize = 32;
 /// Members of another key secret one warning names at most (it counts them all).
 const OTHER_SECRET_NODES_NAMED: usize = 8;
+/// Passes that try the members' key secret comparison after a join before it is given up (its
+/// gauge then reads -1 until the next join).
+const KEY_SECRET_CHECK_TRIES: u32 = 3;
 /// Broken segments waiting to be unregistered at most; past it the node rejoins instead (a
 /// new lease: the old one's registrations vanish with it when it is revoked or expires).
 const UNREGISTER_QUEUE_MAX: usize = 1 << 16;
@@ -175,6 +180,8 @@ pub(crate) struct Registrar {
     /// Joined (or rejoined) and the members' key secret tags not yet compared with this node's
     /// ([`Registrar::compare_key_secrets`]).
     key_secrets_unchecked: bool,
+    /// Failed tries of that comparison since the last join.
+    key_secret_check_failures: u32,
     backoff: Duration,
     next_attempt: Instant,
     /// Scratch.
@@ -216,6 +223,7 @@ impl Registrar {
             left_may_hold: false,
             rejoining: false,
             key_secrets_unchecked: false,
+            key_secret_check_failures: 0,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
             departed: Vec::new(),
@@ -627,6 +635,7 @@ impl Registrar {
             self.rejoined(rejoined);
             self.metrics.joins.inc();
             self.key_secrets_unchecked = true;
+            self.key_secret_check_failures = 0;
         }
         let Some(node) = self.node.as_mut() else { return Ok(()) };
         self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
@@ -641,20 +650,32 @@ impl Registrar {
             self.answered();
         }
         if self.key_secrets_unchecked {
+            if stop.is_stopped() {
+                return Ok(());
+            }
             self.take_commits(store);
-            // A diagnostic, not part of the registry's state: one try per join (a failure is
-            // logged, not retried, and fails nothing).
-            self.key_secrets_unchecked = false;
             let Some(node) = self.node.as_ref() else { return Ok(()) };
+            // A diagnostic, not part of the registry's state: a failure fails nothing (not
+            // counted as a registry error); the gauge reads -1 (unknown) until a later pass's
+            // try succeeds, up to KEY_SECRET_CHECK_TRIES per join.
             match node.members() {
                 Ok(members) => {
                     self.answered();
+                    self.key_secrets_unchecked = false;
                     self.compare_key_secrets(&members);
                 }
-                Err(error) => tracing::warn!(
-                    %error,
-                    "could not list the cluster's members to compare their key secrets with this node's (`tutti cluster status` shows them)"
-                ),
+                Err(error) => {
+                    self.key_secret_check_failures += 1;
+                    self.metrics.members_other_key_secret.set(-1);
+                    let gave_up = self.key_secret_check_failures >= KEY_SECRET_CHECK_TRIES;
+                    self.key_secrets_unchecked = !gave_up;
+                    tracing::warn!(
+                        %error,
+                        tries = self.key_secret_check_failures,
+                        gave_up,
+                        "could not list the cluster's members to compare their key secrets with this node's (`tutti cluster status` shows them)"
+                    );
+                }
             }
         }
         // One transaction per batch: each also puts the member key (the node's fence).
@@ -819,12 +840,14 @@ impl Registrar {
         self.left_may_hold = false;
         self.metrics.joins.inc();
         self.key_secrets_unchecked = true;
+        self.key_secret_check_failures = 0;
     }
 
     /// After a join: the members whose pools have another key secret than this node's share
     /// nothing with it (the same prompt has other block keys on each side), and nothing else
     /// would show it. Counted in `cluster_members_other_key_secret` and logged, naming up to
     /// [`OTHER_SECRET_NODES_NAMED`] of them. A member that joins later is seen at its own join.
+    /// (Past `tutti_cluster::MEMBERS_MAX` members the list is cut short, and so is the count.)
     fn compare_key_secrets(&self, members: &Members) {
         let own = self.record.key_secret_tag;
         let others: Vec<&MemberRecord> =
@@ -837,6 +860,8 @@ impl Registrar {
             others.iter().take(OTHER_SECRET_NODES_NAMED).map(|member| format!("{} ({})", member.node, member.key_secret_tag)).collect();
         tracing::warn!(
             members = others.len(),
+            // Past `MEMBERS_MAX` members the list read was cut short: the count is partial.
+            members_list_truncated = members.truncated,
             key_secret = %own,
             nodes = %named.join(", "),
             "cluster members whose pools have another key secret than this node's share no segments with it (the same prompt has other block keys on each side); format every node's pool with the cluster's one --key-secret-file"
@@ -1092,6 +1117,43 @@ mod tests {
         assert_eq!(registrar.metrics.members_other_key_secret.get(), 2);
         registrar.compare_key_secrets(&members(vec![record_of_a(), member("c", [1; 4])]));
         assert_eq!(registrar.metrics.members_other_key_secret.get(), 0);
+    }
+
+    #[test]
+    fn a_join_compares_the_members_key_secrets_and_a_failed_listing_is_tried_again_then_given_up() {
+        // Goal: the pass that joins lists the members once and counts those of another key
+        // secret (here b); a listing that fails (etcd stalled) fails nothing, reads -1 on the
+        // gauge and is tried at the next passes, then given up after KEY_SECRET_CHECK_TRIES;
+        // a listing that succeeds is not repeated by later passes.
+        let Some(etcd) = tutti_cluster::local_etcd::LocalEtcd::start_or_skip(1) else { return };
+        let directory = tempfile::tempdir().unwrap();
+        let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
+        let mut registrar = registrar_of(directory.path(), "compare", HeldSegments::default(), 0, inbox);
+        use_etcd(&mut registrar, &etcd);
+        let other =
+            MemberRecord { node: NodeId::new("b").unwrap(), key_secret_tag: tutti_cluster::KeySecretTag::new([2; 4]), ..record_of_a() };
+        let _b = ClusterNode::join(registrar.config.clone(), other).unwrap();
+        let store = store();
+        let stop = StopHandle::default();
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert!(registrar.node.is_some(), "a joined");
+        assert_eq!((registrar.metrics.members_other_key_secret.get(), registrar.key_secrets_unchecked), (1, false));
+        let ranges = etcd.requests_started(0, "Range").unwrap();
+        registrar.talk_to_etcd(&store, &stop).unwrap();
+        assert_eq!(etcd.requests_started(0, "Range").unwrap(), ranges, "a later pass listed the members again");
+
+        // As after a rejoin, with etcd stalled.
+        registrar.key_secrets_unchecked = true;
+        etcd.pause(0).unwrap();
+        for tries in 1..=KEY_SECRET_CHECK_TRIES {
+            registrar.talk_to_etcd(&store, &stop).expect("the failed listing failed the pass");
+            assert_eq!(registrar.metrics.members_other_key_secret.get(), -1);
+            assert_eq!(registrar.key_secret_check_failures, tries);
+            assert_eq!(registrar.key_secrets_unchecked, tries < KEY_SECRET_CHECK_TRIES, "try {tries}");
+        }
+        etcd.resume(0).unwrap();
+        assert_eq!(registrar.metrics.registry_errors.get(), 0, "a failed listing counted as a registry error");
+        registrar.leave();
     }
 
     #[test]
