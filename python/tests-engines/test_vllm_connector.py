@@ -1768,6 +1768,35 @@ class StoreWithSlowFirstThenRaisingCommits(StoreWithSlowFirstCommit):
         return request
 
 
+def load_behind_a_slow_commit(worker, seed: int, wrap_store) -> list:
+    """The scene of the taken-over-save tests: prompt `seed` saved as S; the connector's store
+    wrapped by `wrap_store` (whose first commit is slow); saves A and R of prompts seed + 1 and
+    seed + 2 stepped, A's commit started and R's layers all done (R waits behind A's commit);
+    then a load L of prompt `seed` bound and its first layers issued. Returns [A, R]'s SaveSpecs."""
+    connector = worker.connector
+    tokens = prompt(seed, blocks=2, tail=0)
+    worker.fill([1, 2], seed)
+    worker.save("S", tokens, [1, 2])
+    store = wrap_store(connector._store)
+    connector._store = store
+    saves = []
+    for index, name in enumerate(["A", "R"]):
+        blocks = [20 + 2 * index, 21 + 2 * index]
+        worker.fill(blocks, seed + 1 + index)
+        saves.append(SaveSpec(name, prompt(seed + 1 + index, blocks=2, tail=0), blocks))
+    worker.step(TuttiConnectorMetadata(saves=saves))
+    assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
+    r_request = store.requests[tuple(saves[1].block_ids)]
+    deadline = time.monotonic() + FINISH_TIMEOUT_S
+    while not r_request.poll():  # R's reads all done; it waits behind A's commit
+        assert time.monotonic() < deadline, "R's layers never completed"
+        time.sleep(0.001)
+    connector.bind_connector_metadata(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])]))
+    connector.start_load_kv(None)  # L's first layers issued
+    assert "L" in connector._loads
+    return saves
+
+
 @pytest.mark.parametrize("error", [RuntimeError("injected"), SystemExit(3)], ids=["RuntimeError", "SystemExit"])
 def test_a_taken_over_commit_that_raises_leaves_no_other_preempted_request_unsettled(tuttid, error):
     """Goal: whatever escapes the commit of a save handle_preemptions took over (a panic of the
@@ -1781,27 +1810,9 @@ def test_a_taken_over_commit_that_raises_leaves_no_other_preempted_request_unset
     worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
     try:
         connector = worker.connector
-        tokens = prompt(80, blocks=2, tail=0)
-        worker.fill([1, 2], 80)
-        worker.save("S", tokens, [1, 2])
-        store = StoreWithSlowFirstThenRaisingCommits(connector._store, 1.5 * timeout_s, error)
-        connector._store = store
-        saves = []
-        for index, name in enumerate(["A", "R"]):
-            blocks = [20 + 2 * index, 21 + 2 * index]
-            worker.fill(blocks, 81 + index)
-            saves.append(SaveSpec(name, prompt(81 + index, blocks=2, tail=0), blocks))
-        worker.step(TuttiConnectorMetadata(saves=saves))
-        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
-        r_request = store.requests[tuple(saves[1].block_ids)]
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        while not r_request.poll():  # R's reads all done; it waits behind A's commit
-            assert time.monotonic() < deadline, "R's layers never completed"
-            time.sleep(0.001)
-        meta = TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])])
-        connector.bind_connector_metadata(meta)
-        connector.start_load_kv(None)  # L's first layers issued
-        assert "L" in connector._loads
+        saves = load_behind_a_slow_commit(
+            worker, 80, lambda store: StoreWithSlowFirstThenRaisingCommits(store, 1.5 * timeout_s, error)
+        )
         preempted = TuttiConnectorMetadata(preempted_req_ids=["R", "L"])  # R first (a list: ordered)
         if isinstance(error, SystemExit):
             with pytest.raises(SystemExit):
@@ -1876,26 +1887,11 @@ def test_a_taken_over_save_whose_settle_raises_leaves_no_other_preempted_request
     worker = LocalWorker(daemon.socket, timeout_s=timeout_s)
     try:
         connector = worker.connector
-        tokens = prompt(87, blocks=2, tail=0)
-        worker.fill([1, 2], 87)
-        worker.save("S", tokens, [1, 2])
-        store = StoreWithSlowFirstThenFailingCommitAndFinish(connector._store, 1.5 * timeout_s, error, finish_error)
-        connector._store = store
-        saves = []
-        for index, name in enumerate(["A", "R"]):
-            blocks = [20 + 2 * index, 21 + 2 * index]
-            worker.fill(blocks, 88 + index)
-            saves.append(SaveSpec(name, prompt(88 + index, blocks=2, tail=0), blocks))
-        worker.step(TuttiConnectorMetadata(saves=saves))
-        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
-        r_request = store.requests[tuple(saves[1].block_ids)]
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        while not r_request.poll():  # R's reads all done; it waits behind A's commit
-            assert time.monotonic() < deadline, "R's layers never completed"
-            time.sleep(0.001)
-        connector.bind_connector_metadata(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])]))
-        connector.start_load_kv(None)  # L's first layers issued
-        assert "L" in connector._loads
+        load_behind_a_slow_commit(
+            worker,
+            87,
+            lambda store: StoreWithSlowFirstThenFailingCommitAndFinish(store, 1.5 * timeout_s, error, finish_error),
+        )
         preempted = TuttiConnectorMetadata(preempted_req_ids=["R", "L"])  # R first (a list: ordered)
         if isinstance(finish_error, SystemExit):
             with pytest.raises(SystemExit):
