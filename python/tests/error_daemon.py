@@ -9,7 +9,7 @@ import threading
 import time
 
 ERROR_KIND = 0x80FF
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class ErrorDaemon:

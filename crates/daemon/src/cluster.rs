@@ -416,7 +416,6 @@ pub(crate) struct ClusterAgent {
     /// This node's pool key secret tag, in its member record: a holder whose record names
     /// another is not read from (its blocks, under keys keyed with another secret, are another
     /// prefix's).
-    #[cfg(feature = "cluster")]
     key_secret_tag: tutti_cluster::KeySecretTag,
     /// Held while the agent lives, and so past the registrar's last write of the manifest (the
     /// server joins the registrar's thread before it drops the agent).
@@ -901,6 +900,8 @@ impl ClusterAgent {
             registry: self.registry_state(),
             registry_silent_ms: self.state.silent_ms(),
             replicated_segments: metrics.replicated_segments.get(),
+            key_secret_tag: self.key_secret_tag.bytes(),
+            members_other_key_secret: metrics.members_other_key_secret.get(),
         }
     }
 

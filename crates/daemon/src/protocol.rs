@@ -39,7 +39,7 @@ pub use store::{
 pub const MAGIC: [u8; 4] = *b"TUTD";
 /// The one protocol version this build speaks. A frame of another version is refused with
 /// [`ErrorCode::UnsupportedVersion`], naming both.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes of a frame header.
 pub const HEADER_BYTES: usize = 16;
 /// Largest body: 1 MiB, a lookup of 262,142 tokens (vLLM's longest contexts are 128k–1M tokens).

@@ -1,7 +1,7 @@
 //! The committed seeds of the `data_plane_frames` and `tuttid_protocol` fuzz targets
 //! (fuzz/seeds/), built here from the crate's own encoders. A seed written by hand, or by an
 //! older build, goes stale when a wire format changes (the data plane's version 3 added the
-//! pool geometry, tuttid's protocol is at version 8): every mutation of it then starts from a
+//! pool geometry, tuttid's protocol is at version 9): every mutation of it then starts from a
 //! frame the header check refuses, and the fuzzer starts blind. So each committed seed must
 //! equal what is built here and get past the target's first check.
 //!

@@ -452,6 +452,7 @@ fn print_cluster(cluster: &ClusterStatusReply) -> Result<()> {
         cluster.lease_losses
     )?;
     outln!("{}", registry_line(cluster))?;
+    outln!("{}", key_secret_line(cluster))?;
     outln!(
         "  segments of {} blocks: {} held, {} registered; {} registration(s) in {} transaction(s), {} unregistered",
         cluster.segment_blocks,
@@ -503,6 +504,21 @@ fn registry_line(cluster: &ClusterStatusReply) -> String {
     } else {
         format!("  registry: {answer} (lease last confirmed {silent_ms} ms ago)")
     }
+}
+
+/// `--status`'s key secret line: the pool's tag, and the members of another secret this node
+/// saw after its last join (they share no segments with it; docs/cluster.md, "Running a fleet").
+fn key_secret_line(cluster: &ClusterStatusReply) -> String {
+    let tag: String = cluster.key_secret_tag.iter().map(|byte| format!("{byte:02x}")).collect();
+    let members = match cluster.members_other_key_secret {
+        _ if cluster.joins == 0 => "members not compared yet (not joined)".to_owned(),
+        0 => "every member seen at the last join has it".to_owned(),
+        count if count < 0 => "members NOT COMPARED: the member list could not be read".to_owned(),
+        count => format!(
+            "{count} member(s) seen at the last join have ANOTHER key secret and share no segments with this node (tutti cluster status names them)"
+        ),
+    };
+    format!("  key secret {tag}: {members}")
 }
 
 fn print_report(status: &StatusReply) -> Result<()> {
@@ -680,6 +696,22 @@ mod tests {
         cluster.registry = RegistryAnswer::Answered;
         cluster.registry_silent_ms = 20;
         assert_eq!(registry_line(&cluster), "  registry: answering (lease last confirmed 20 ms ago)");
+    }
+
+    #[test]
+    fn the_key_secret_line_names_the_tag_and_says_whether_members_of_another_secret_were_seen() {
+        // Goal: a node whose pool has another secret than the others shares nothing with them,
+        // and `--status` is where its operator looks first: the tag as `tutti pool inspect`
+        // prints it, and what the last join's comparison found (nothing before a join; a
+        // failed listing is not "all agree").
+        let mut cluster = ClusterStatusReply { enabled: true, key_secret_tag: [0x0a, 0xb0, 0, 0xff], ..ClusterStatusReply::default() };
+        assert_eq!(key_secret_line(&cluster), "  key secret 0ab000ff: members not compared yet (not joined)");
+        cluster.joins = 1;
+        assert!(key_secret_line(&cluster).ends_with(": every member seen at the last join has it"));
+        cluster.members_other_key_secret = -1;
+        assert!(key_secret_line(&cluster).contains("NOT COMPARED"));
+        cluster.members_other_key_secret = 2;
+        assert!(key_secret_line(&cluster).contains("2 member(s) seen at the last join have ANOTHER key secret"));
     }
 
     #[test]

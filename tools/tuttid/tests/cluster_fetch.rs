@@ -415,7 +415,12 @@ fn nodes_formatted_with_different_key_secrets_share_nothing() {
     // What each node said at its join: a saw no one; b saw a, of another secret than its own;
     // c saw a (the same secret) and b (another). (A node that lost its 2 s lease under load
     // and rejoined compared again, after all three had joined: a then warns of b.)
-    let a_joins = a.status().joins;
+    // The same, in each node's status: its pool's tag and the count its join found.
+    wait_for("b's and c's comparisons", SOON, || b.status().members_other_key_secret == 1 && c.status().members_other_key_secret == 1);
+    let (a_status, b_status) = (a.status(), b.status());
+    assert_eq!((a_status.key_secret_tag, b_status.key_secret_tag), (key_secret_tag().bytes(), other_tag.bytes()));
+    assert!(a_status.joins > 1 || a_status.members_other_key_secret == 0, "{a_status:?}");
+    let a_joins = a_status.joins;
     let warned = |node: &mut Node| node.daemon.take().unwrap().terminate().1;
     let (on_a, on_b, on_c) = (warned(&mut a), warned(&mut b), warned(&mut c));
     const WARNING: &str = "share no segments with it";

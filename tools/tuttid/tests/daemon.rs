@@ -95,12 +95,14 @@ fn bad_frames_get_typed_errors_and_the_daemon_serves_others() {
     let mut frame = Vec::new();
     encode_frame(&mut frame, Kind::Ping, 1, |_| {}).unwrap();
     let mut version = frame.clone();
-    version[4..6].copy_from_slice(&9u16.to_le_bytes());
+    // A newer client's frame: the version after this build's.
+    let newer = tutti_daemon::protocol::PROTOCOL_VERSION + 1;
+    version[4..6].copy_from_slice(&newer.to_le_bytes());
     let (answer, closed) = raw_exchange(&daemon.socket, &version, false);
     let (code, message) = answer.unwrap();
     assert_eq!(code, ErrorCode::UnsupportedVersion);
     assert!(
-        message.contains(&format!("protocol version 9; this build speaks version {}", tutti_daemon::protocol::PROTOCOL_VERSION)),
+        message.contains(&format!("protocol version {newer}; this build speaks version {}", tutti_daemon::protocol::PROTOCOL_VERSION)),
         "{message}"
     );
     assert!(closed);

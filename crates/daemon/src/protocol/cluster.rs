@@ -123,6 +123,12 @@ pub struct ClusterStatusReply {
     pub registry_silent_ms: u64,
     /// Fetched segments registered here as second replicas (heavy hitters).
     pub replicated_segments: u64,
+    /// This node's pool key secret tag (what `tutti pool inspect` prints; it names the secret
+    /// without revealing it); all zeroes outside a cluster.
+    pub key_secret_tag: [u8; tutti_cluster::KEY_SECRET_TAG_BYTES],
+    /// Members whose pools have another key secret than this node's, as compared after its
+    /// last join (they share no segments with it); -1 while the members could not be listed.
+    pub members_other_key_secret: i64,
 }
 
 pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply) {
@@ -160,6 +166,8 @@ pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply)
     out.push(status.registry.to_u8());
     put_u64(out, status.registry_silent_ms);
     put_u64(out, status.replicated_segments);
+    out.extend_from_slice(&status.key_secret_tag);
+    put_u64(out, status.members_other_key_secret as u64);
 }
 
 impl BodyReader<'_> {
@@ -195,6 +203,8 @@ impl BodyReader<'_> {
             registry: self.registry_answer()?,
             registry_silent_ms: self.u64("registry_silent_ms")?,
             replicated_segments: self.u64("replicated_segments")?,
+            key_secret_tag: self.bytes(tutti_cluster::KEY_SECRET_TAG_BYTES, "key_secret_tag")?.try_into().expect("the length asked"),
+            members_other_key_secret: self.u64("members_other_key_secret")? as i64,
         })
     }
 

@@ -433,6 +433,8 @@ fn sample_cluster_status() -> ClusterStatusReply {
         registry: RegistryAnswer::Unavailable,
         registry_silent_ms: 4_321,
         replicated_segments: 6,
+        key_secret_tag: [0xc0, 0xff, 0xee, 0x01],
+        members_other_key_secret: -1,
     }
 }
 
@@ -481,9 +483,10 @@ fn cluster_messages_round_trip_and_every_truncation_is_malformed() {
         long.push(0);
         assert!(matches!(Reply::decode(header.kind, &long), Err(ProtocolError::MalformedBody { .. })));
         if header.kind == Kind::ClusterStatusReply {
-            // The status's registry answer (after its last string, 17 bytes from the end).
+            // The status's registry answer (after its last string, 29 bytes from the end: then
+            // two u64s, the 4-byte key secret tag and an i64).
             let mut answer = body.to_vec();
-            let at = answer.len() - 17;
+            let at = answer.len() - 29;
             answer[at] = 3;
             assert!(matches!(Reply::decode(header.kind, &answer), Err(ProtocolError::MalformedBody { .. })));
         }
