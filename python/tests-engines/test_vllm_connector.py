@@ -1486,6 +1486,29 @@ class StoreWithSlowFirstCommit:
         return request
 
 
+def saves_a_and_r(worker, first_prompt: int) -> list:
+    """Saves A and R of prompts `first_prompt` and `first_prompt` + 1, two blocks each (20-21
+    and 22-23), their blocks filled: the SaveSpecs, not yet stepped."""
+    saves = []
+    for index, name in enumerate(["A", "R"]):
+        blocks = [20 + 2 * index, 21 + 2 * index]
+        worker.fill(blocks, first_prompt + index)
+        saves.append(SaveSpec(name, prompt(first_prompt + index, blocks=2, tail=0), blocks))
+    return saves
+
+
+def step_until_r_waits_behind_a(worker, store, saves) -> None:
+    """Steps saves [A, R] through `store` (whose first commit is slow) and waits until A's
+    commit started and R's layers are all done: R then waits behind A's commit."""
+    worker.step(TuttiConnectorMetadata(saves=saves))
+    assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
+    r_request = store.requests[tuple(saves[1].block_ids)]
+    deadline = time.monotonic() + FINISH_TIMEOUT_S
+    while not r_request.poll():  # R's reads all done; it waits behind A's commit
+        assert time.monotonic() < deadline, "R's layers never completed"
+        time.sleep(0.001)
+
+
 def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commits_nor_cancelled(tuttid):
     """Goal: handle_preemptions waits for a preempted save's layers in flight, the reads of vLLM's
     blocks, not for the committer's backlog: a save R handed to the committer behind another
@@ -1504,19 +1527,9 @@ def test_a_preempted_save_whose_reads_are_done_is_neither_held_up_by_other_commi
         real = connector._store
         store = StoreWithSlowFirstCommit(real, 0.8 * timeout_s)
         connector._store = store
-        saves = []
-        for index, name in enumerate(["A", "R"]):
-            blocks = [20 + 2 * index, 21 + 2 * index]
-            worker.fill(blocks, 60 + index)
-            saves.append(SaveSpec(name, prompt(60 + index, blocks=2, tail=0), blocks))
+        saves = saves_a_and_r(worker, 60)
         r_bytes = [block.clone() for block in worker.blocks_bytes(saves[1].block_ids)]
-        worker.step(TuttiConnectorMetadata(saves=saves))
-        assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
-        r_request = store.requests[tuple(saves[1].block_ids)]
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
-        while not r_request.poll():  # R's reads all done; it waits behind A's commit
-            assert time.monotonic() < deadline, "R's layers never completed"
-            time.sleep(0.001)
+        step_until_r_waits_behind_a(worker, store, saves)
         started = time.monotonic()
         connector.handle_preemptions(TuttiConnectorMetadata(preempted_req_ids={"R"}))
         elapsed_s = time.monotonic() - started
@@ -1779,18 +1792,8 @@ def load_behind_a_slow_commit(worker, seed: int, wrap_store) -> list:
     worker.save("S", tokens, [1, 2])
     store = wrap_store(connector._store)
     connector._store = store
-    saves = []
-    for index, name in enumerate(["A", "R"]):
-        blocks = [20 + 2 * index, 21 + 2 * index]
-        worker.fill(blocks, seed + 1 + index)
-        saves.append(SaveSpec(name, prompt(seed + 1 + index, blocks=2, tail=0), blocks))
-    worker.step(TuttiConnectorMetadata(saves=saves))
-    assert store.commit_started.wait(FINISH_TIMEOUT_S), "A's commit never started"
-    r_request = store.requests[tuple(saves[1].block_ids)]
-    deadline = time.monotonic() + FINISH_TIMEOUT_S
-    while not r_request.poll():  # R's reads all done; it waits behind A's commit
-        assert time.monotonic() < deadline, "R's layers never completed"
-        time.sleep(0.001)
+    saves = saves_a_and_r(worker, seed + 1)
+    step_until_r_waits_behind_a(worker, store, saves)
     connector.bind_connector_metadata(TuttiConnectorMetadata(loads=[LoadSpec("L", tokens, [40, 41])]))
     connector.start_load_kv(None)  # L's first layers issued
     assert "L" in connector._loads

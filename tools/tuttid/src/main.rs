@@ -509,7 +509,7 @@ fn registry_line(cluster: &ClusterStatusReply) -> String {
 /// `--status`'s key secret line: the pool's tag, and the members of another secret this node
 /// saw after its last join (they share no segments with it; docs/cluster.md, "Running a fleet").
 fn key_secret_line(cluster: &ClusterStatusReply) -> String {
-    let tag: String = cluster.key_secret_tag.iter().map(|byte| format!("{byte:02x}")).collect();
+    let tag = tutti_cluster::KeySecretTag::new(cluster.key_secret_tag);
     let members = match cluster.members_other_key_secret {
         _ if cluster.joins == 0 => "members not compared yet (not joined)".to_owned(),
         0 => "every member seen at the last join has it".to_owned(),

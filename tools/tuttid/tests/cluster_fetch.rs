@@ -20,8 +20,8 @@ use tutti_daemon::{Client, DaemonError, ErrorCode};
 
 mod common;
 use common::cluster::{
-    client_of, holders, holders_once_available, key_secret_tag, members, reader, store, wait_for, write_key_secret_file, Node,
-    BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
+    client_of, holders, holders_once_available, key_secret_tag, key_secret_tag_of, members, reader, store, wait_for, write_key_secret_file,
+    Node, BLOCK_TOKENS, CLUSTER, LEASE, PROMPT_BLOCKS, SOON,
 };
 use common::{hello, store_prompt};
 
@@ -384,7 +384,7 @@ fn nodes_formatted_with_different_key_secrets_share_nothing() {
     let (mut a, mut b, mut c) = (Node::new(root.path(), "a"), Node::new(root.path(), "b"), Node::new(root.path(), "c"));
     b.key_secret_file = root.path().join("another-secret");
     write_key_secret_file(&b.key_secret_file, &"7e".repeat(32));
-    let other_tag = KeySecretTag::new(objstore::hash::KeySecret::from_hex("7e".repeat(32).as_bytes()).unwrap().tag_bytes());
+    let other_tag = key_secret_tag_of(&"7e".repeat(32));
     let mut joined = Vec::new();
     for node in [&mut a, &mut b, &mut c] {
         node.start(&etcd, true);

@@ -177,11 +177,10 @@ pub(crate) struct Registrar {
     /// not a loss etcd reported, so it is not counted again (nor at all for a rejoin asked for
     /// with the lease still live, `rejoin_needed`).
     rejoining: bool,
-    /// Joined (or rejoined) and the members' key secret tags not yet compared with this node's
-    /// ([`Registrar::compare_key_secrets`]).
-    key_secrets_unchecked: bool,
-    /// Failed tries of that comparison since the last join.
-    key_secret_check_failures: u32,
+    /// Passes left to try comparing the members' key secret tags with this node's
+    /// ([`Registrar::compare_key_secrets`]): [`KEY_SECRET_CHECK_TRIES`] after a join or rejoin,
+    /// 0 once compared or given up.
+    key_secret_tries_left: u32,
     backoff: Duration,
     next_attempt: Instant,
     /// Scratch.
@@ -222,8 +221,7 @@ impl Registrar {
             rejoin_needed: false,
             left_may_hold: false,
             rejoining: false,
-            key_secrets_unchecked: false,
-            key_secret_check_failures: 0,
+            key_secret_tries_left: 0,
             backoff: BACKOFF_FIRST,
             next_attempt: Instant::now(),
             departed: Vec::new(),
@@ -634,8 +632,7 @@ impl Registrar {
             self.held.unregister_all();
             self.rejoined(rejoined);
             self.metrics.joins.inc();
-            self.key_secrets_unchecked = true;
-            self.key_secret_check_failures = 0;
+            self.key_secret_tries_left = KEY_SECRET_CHECK_TRIES;
         }
         let Some(node) = self.node.as_mut() else { return Ok(()) };
         self.state.lease_id.store(node.health().lease_id, Ordering::Relaxed);
@@ -649,7 +646,7 @@ impl Registrar {
             node.update_record(record)?;
             self.answered();
         }
-        if self.key_secrets_unchecked {
+        if self.key_secret_tries_left > 0 {
             if stop.is_stopped() {
                 return Ok(());
             }
@@ -661,18 +658,16 @@ impl Registrar {
             match node.members() {
                 Ok(members) => {
                     self.answered();
-                    self.key_secrets_unchecked = false;
+                    self.key_secret_tries_left = 0;
                     self.compare_key_secrets(&members);
                 }
                 Err(error) => {
-                    self.key_secret_check_failures += 1;
+                    self.key_secret_tries_left -= 1;
                     self.metrics.members_other_key_secret.set(-1);
-                    let gave_up = self.key_secret_check_failures >= KEY_SECRET_CHECK_TRIES;
-                    self.key_secrets_unchecked = !gave_up;
                     tracing::warn!(
                         %error,
-                        tries = self.key_secret_check_failures,
-                        gave_up,
+                        tries = KEY_SECRET_CHECK_TRIES - self.key_secret_tries_left,
+                        gave_up = self.key_secret_tries_left == 0,
                         "could not list the cluster's members to compare their key secrets with this node's (`tutti cluster status` shows them)"
                     );
                 }
@@ -839,8 +834,7 @@ impl Registrar {
         self.rejoin_needed = false;
         self.left_may_hold = false;
         self.metrics.joins.inc();
-        self.key_secrets_unchecked = true;
-        self.key_secret_check_failures = 0;
+        self.key_secret_tries_left = KEY_SECRET_CHECK_TRIES;
     }
 
     /// After a join: the members whose pools have another key secret than this node's share
@@ -972,9 +966,14 @@ mod tests {
 
     /// Node "a"'s member record, as the tests' registrars and the processes they stand for write it.
     fn record_of_a() -> MemberRecord {
+        record_of("a", [1; 4])
+    }
+
+    /// Node `node`'s member record, its pool's key secret tag `tag`.
+    fn record_of(node: &str, tag: [u8; 4]) -> MemberRecord {
         MemberRecord {
-            node: NodeId::new("a").unwrap(),
-            key_secret_tag: tutti_cluster::KeySecretTag::new([1; 4]),
+            node: NodeId::new(node).unwrap(),
+            key_secret_tag: tutti_cluster::KeySecretTag::new(tag),
             address: "127.0.0.1:9".into(),
             capacity_bytes: 0,
             fingerprints: Vec::new(),
@@ -1107,15 +1106,15 @@ mod tests {
         let directory = tempfile::tempdir().unwrap();
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let registrar = registrar_of(directory.path(), "secrets", HeldSegments::default(), 0, inbox);
-        let member = |node: &str, tag: [u8; 4]| MemberRecord {
-            node: NodeId::new(node).unwrap(),
-            key_secret_tag: tutti_cluster::KeySecretTag::new(tag),
-            ..record_of_a()
-        };
         let members = |nodes: Vec<MemberRecord>| Members { nodes, ..Members::default() };
-        registrar.compare_key_secrets(&members(vec![member("a", [9; 4]), member("b", [2; 4]), member("c", [1; 4]), member("d", [3; 4])]));
+        registrar.compare_key_secrets(&members(vec![
+            record_of("a", [9; 4]),
+            record_of("b", [2; 4]),
+            record_of("c", [1; 4]),
+            record_of("d", [3; 4]),
+        ]));
         assert_eq!(registrar.metrics.members_other_key_secret.get(), 2);
-        registrar.compare_key_secrets(&members(vec![record_of_a(), member("c", [1; 4])]));
+        registrar.compare_key_secrets(&members(vec![record_of_a(), record_of("c", [1; 4])]));
         assert_eq!(registrar.metrics.members_other_key_secret.get(), 0);
     }
 
@@ -1130,26 +1129,23 @@ mod tests {
         let (_sender, inbox) = std::sync::mpsc::sync_channel(1);
         let mut registrar = registrar_of(directory.path(), "compare", HeldSegments::default(), 0, inbox);
         use_etcd(&mut registrar, &etcd);
-        let other =
-            MemberRecord { node: NodeId::new("b").unwrap(), key_secret_tag: tutti_cluster::KeySecretTag::new([2; 4]), ..record_of_a() };
-        let _b = ClusterNode::join(registrar.config.clone(), other).unwrap();
+        let _b = ClusterNode::join(registrar.config.clone(), record_of("b", [2; 4])).unwrap();
         let store = store();
         let stop = StopHandle::default();
         registrar.talk_to_etcd(&store, &stop).unwrap();
         assert!(registrar.node.is_some(), "a joined");
-        assert_eq!((registrar.metrics.members_other_key_secret.get(), registrar.key_secrets_unchecked), (1, false));
+        assert_eq!((registrar.metrics.members_other_key_secret.get(), registrar.key_secret_tries_left), (1, 0));
         let ranges = etcd.requests_started(0, "Range").unwrap();
         registrar.talk_to_etcd(&store, &stop).unwrap();
         assert_eq!(etcd.requests_started(0, "Range").unwrap(), ranges, "a later pass listed the members again");
 
         // As after a rejoin, with etcd stalled.
-        registrar.key_secrets_unchecked = true;
+        registrar.key_secret_tries_left = KEY_SECRET_CHECK_TRIES;
         etcd.pause(0).unwrap();
         for tries in 1..=KEY_SECRET_CHECK_TRIES {
             registrar.talk_to_etcd(&store, &stop).expect("the failed listing failed the pass");
             assert_eq!(registrar.metrics.members_other_key_secret.get(), -1);
-            assert_eq!(registrar.key_secret_check_failures, tries);
-            assert_eq!(registrar.key_secrets_unchecked, tries < KEY_SECRET_CHECK_TRIES, "try {tries}");
+            assert_eq!(registrar.key_secret_tries_left, KEY_SECRET_CHECK_TRIES - tries, "try {tries}");
         }
         etcd.resume(0).unwrap();
         assert_eq!(registrar.metrics.registry_errors.get(), 0, "a failed listing counted as a registry error");

@@ -196,7 +196,12 @@ pub fn space() -> KeySpace {
 
 /// The tag of the cluster's secret ([`KEY_SECRET_HEX`]), as the nodes' member records carry it.
 pub fn key_secret_tag() -> KeySecretTag {
-    KeySecretTag::new(objstore::hash::KeySecret::from_hex(KEY_SECRET_HEX.as_bytes()).unwrap().tag_bytes())
+    key_secret_tag_of(KEY_SECRET_HEX)
+}
+
+/// The tag of the key secret written as `hex` (a key secret file's text).
+pub fn key_secret_tag_of(hex: &str) -> KeySecretTag {
+    KeySecretTag::new(objstore::hash::KeySecret::from_hex(hex.as_bytes()).unwrap().tag_bytes())
 }
 
 pub fn model() -> ModelSpace {
