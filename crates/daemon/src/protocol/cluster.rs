@@ -171,6 +171,13 @@ pub(super) fn put_cluster_status(out: &mut Vec<u8>, status: &ClusterStatusReply)
 }
 
 impl BodyReader<'_> {
+    /// A node's key secret tag: its 4 bytes as sent.
+    fn key_secret_tag(&mut self) -> Result<[u8; tutti_cluster::KEY_SECRET_TAG_BYTES], ProtocolError> {
+        let mut tag = [0; tutti_cluster::KEY_SECRET_TAG_BYTES];
+        tag.copy_from_slice(self.bytes(tutti_cluster::KEY_SECRET_TAG_BYTES, "key_secret_tag")?);
+        Ok(tag)
+    }
+
     pub(super) fn cluster_status(&mut self) -> Result<ClusterStatusReply, ProtocolError> {
         Ok(ClusterStatusReply {
             enabled: self.flag("enabled")?,
@@ -203,7 +210,7 @@ impl BodyReader<'_> {
             registry: self.registry_answer()?,
             registry_silent_ms: self.u64("registry_silent_ms")?,
             replicated_segments: self.u64("replicated_segments")?,
-            key_secret_tag: self.bytes(tutti_cluster::KEY_SECRET_TAG_BYTES, "key_secret_tag")?.try_into().expect("the length asked"),
+            key_secret_tag: self.key_secret_tag()?,
             members_other_key_secret: self.u64("members_other_key_secret")? as i64,
         })
     }
